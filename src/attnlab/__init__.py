@@ -1,0 +1,30 @@
+"""attnlab: attention mechanisms in PyTorch — exact, fast on the machine at hand, easy to inspect.
+
+Example:
+    >>> import torch, attnlab
+    >>> q, k, v = (torch.randn(1, 8, 128, 64) for _ in range(3))
+    >>> out = attnlab.attention(q, k, v, mask=attnlab.masks.causal())
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from . import functional, masks
+from .functional import attention, backends, explain
+from .masks import Mask
+from .modules import AdditiveAttention
+
+try:
+    __version__ = version("attnlab")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "AdditiveAttention",
+    "Mask",
+    "__version__",
+    "attention",
+    "backends",
+    "explain",
+    "functional",
+    "masks",
+]

@@ -1,0 +1,149 @@
+"""Input checks that raise before any computation, naming the argument and the shapes involved."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Sizes of one attention call. ``three_d`` is True when the inputs were ``(B, L, D)``."""
+
+    B: int
+    H: int
+    H_kv: int
+    L: int
+    S: int
+    D: int
+    Dv: int
+    three_d: bool
+
+    @property
+    def groups(self) -> int:
+        """G = H / H_kv query heads per key/value head."""
+        return self.H // self.H_kv if self.H_kv else 1
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_qkv(q: object, k: object, v: object) -> Dims:
+    """Checks q ``(B, H, L, D)``, k ``(B, H_kv, S, D)``, v ``(B, H_kv, S, Dv)`` (or 3-D ``(B, L, D)``).
+
+    Raises:
+        TypeError: a non-tensor, a non-float dtype, or dtypes that differ.
+        ValueError: ranks, batch, head, length or head-dim mismatches, mixed devices.
+    """
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"query, key and value must share one dtype, got query {q.dtype}, key {k.dtype}, "
+            f"value {v.dtype}"
+        )
+    if q.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"query/key/value dtype must be one of float64, float32, float16, bfloat16, got {q.dtype}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"query, key and value must be on one device, got query on {q.device}, key on "
+            f"{k.device}, value on {v.device}"
+        )
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.dim() not in (3, 4):
+            raise ValueError(
+                f"{name} must have rank 3 (B, L, D) or 4 (B, H, L, D), got rank {t.dim()} with "
+                f"shape {_shape(t)}"
+            )
+    if not (q.dim() == k.dim() == v.dim()):
+        raise ValueError(
+            f"query, key and value must have the same rank, got query {_shape(q)}, key {_shape(k)}, "
+            f"value {_shape(v)}"
+        )
+    three_d = q.dim() == 3
+    qs = (q.shape[0], 1, *q.shape[1:]) if three_d else tuple(q.shape)
+    ks = (k.shape[0], 1, *k.shape[1:]) if three_d else tuple(k.shape)
+    vs = (v.shape[0], 1, *v.shape[1:]) if three_d else tuple(v.shape)
+    B, H, L, D = qs
+    if ks[0] != B or vs[0] != B:
+        raise ValueError(
+            f"batch sizes differ: query {_shape(q)}, key {_shape(k)}, value {_shape(v)}"
+        )
+    if ks[3] != D:
+        raise ValueError(
+            f"query head_dim {D} ≠ key head_dim {ks[3]} (query {_shape(q)}, key {_shape(k)})"
+        )
+    if ks[2] != vs[2]:
+        raise ValueError(
+            f"key length S={ks[2]} ≠ value length S={vs[2]} (key {_shape(k)}, value {_shape(v)})"
+        )
+    if ks[1] != vs[1]:
+        raise ValueError(
+            f"key heads {ks[1]} ≠ value heads {vs[1]} (key {_shape(k)}, value {_shape(v)})"
+        )
+    H_kv = ks[1]
+    if H_kv == 0 and H != 0 or H_kv and H % H_kv:
+        raise ValueError(
+            f"query heads H={H} must be a multiple of key/value heads H_kv={H_kv} "
+            f"(query {_shape(q)}, key {_shape(k)})"
+        )
+    return Dims(B=B, H=H, H_kv=H_kv, L=L, S=ks[2], D=D, Dv=vs[3], three_d=three_d)
+
+
+def check_broadcast(name: str, t: Tensor, dims: Dims) -> None:
+    """Checks that ``t`` broadcasts to ``(B, H, L, S)`` (``(B, L, S)`` for 3-D inputs)."""
+    target = (dims.B, dims.L, dims.S) if dims.three_d else (dims.B, dims.H, dims.L, dims.S)
+    letters = "(B, L, S)" if dims.three_d else "(B, H, L, S)"
+    ok = t.dim() <= len(target) and all(
+        a in (1, b) for a, b in zip(reversed(t.shape), reversed(target), strict=False)
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} of shape {_shape(t)} is not broadcastable to {letters} = {target}"
+        )
+
+
+def check_mask_tensor(name: str, t: Tensor, q_dtype: torch.dtype, dims: Dims) -> None:
+    """A mask tensor must be bool (True = attend) or additive float in the query's dtype."""
+    if t.dtype != torch.bool and not t.is_floating_point():
+        raise TypeError(
+            f"{name} must be bool (True = may attend) or a float additive mask of the query dtype "
+            f"{q_dtype}, got {t.dtype}"
+        )
+    if t.is_floating_point() and t.dtype != q_dtype:
+        raise TypeError(f"{name} float dtype must match the query dtype {q_dtype}, got {t.dtype}")
+    check_broadcast(name, t, dims)
+
+
+def check_number(name: str, value: object, *, positive: bool = False, nonzero: bool = False) -> float:
+    """A finite real number (optionally > 0 or != 0); raises naming the argument otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    x = float(value)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if positive and x <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    if nonzero and x == 0:
+        raise ValueError(f"{name} must be non-zero, got {value}")
+    return x
+
+
+def check_probability(name: str, value: object) -> float:
+    """A dropout probability in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1), got {type(value).__name__}")
+    x = float(value)
+    if not (0.0 <= x < 1.0):  # also rejects NaN
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
+    return x

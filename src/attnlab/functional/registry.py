@@ -1,0 +1,86 @@
+"""Backend registry: a name maps to one function with one signature, plus what it supports."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from .request import Request
+
+RunFn = Callable[[Request], tuple[Tensor, Tensor | None]]
+SupportsFn = Callable[[Request], str | None]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """An attention implementation.
+
+    Attributes:
+        name: the ``backend=`` string.
+        run: computes ``(out (B, H, L, Dv), weights (B, H, L, S) or None)`` for a request.
+        supports: returns None if the request is supported, else the reason it is not.
+        description: one line for ``attnlab.backends()`` listings and ``attnlab check``.
+    """
+
+    name: str
+    run: RunFn
+    supports: SupportsFn
+    description: str
+
+
+_BACKENDS: dict[str, Backend] = {}
+# Order in which "auto" tries backends: fastest first.
+_AUTO_ORDER: list[str] = []
+
+
+def register_backend(backend: Backend, *, auto_rank: int | None = None) -> None:
+    """Adds a backend. ``auto_rank`` places it in auto's preference order (0 = tried first)."""
+    if backend.name in _BACKENDS or backend.name == "auto":
+        raise ValueError(f"backend {backend.name!r} is already registered")
+    _BACKENDS[backend.name] = backend
+    if auto_rank is not None:
+        _AUTO_ORDER.insert(auto_rank, backend.name)
+
+
+def backends() -> list[str]:
+    """Names accepted by ``backend=``: every registered backend plus ``"auto"``."""
+    return [*_BACKENDS, "auto"]
+
+
+def get_backend(name: str) -> Backend:
+    """The registered backend called ``name`` (not "auto")."""
+    return _BACKENDS[name]
+
+
+def check_backend_name(name: object) -> str:
+    """Raises ValueError unless ``name`` is a known backend or "auto"."""
+    if not isinstance(name, str) or (name != "auto" and name not in _BACKENDS):
+        raise ValueError(f"backend must be one of {backends()}, got {name!r}")
+    return name
+
+
+def select(name: str, req: Request) -> tuple[Backend, str]:
+    """Chooses the backend for a request and says why.
+
+    Raises:
+        ValueError: an explicitly named backend does not support the request.
+    """
+    if req.is_empty:
+        return _BACKENDS["reference"], "an empty dimension (B, H, L or S is 0) takes the reference path"
+    if name != "auto":
+        backend = _BACKENDS[name]
+        why_not = backend.supports(req)
+        if why_not is not None:
+            raise ValueError(f"backend={name!r} cannot run this call: {why_not}")
+        return backend, f"backend={name!r} was requested"
+    skipped = []
+    for candidate in _AUTO_ORDER:
+        backend = _BACKENDS[candidate]
+        why_not = backend.supports(req)
+        if why_not is None:
+            because = f" ({'; '.join(skipped)})" if skipped else ""
+            return backend, f"auto picked {candidate!r}: the fastest backend that supports the call{because}"
+        skipped.append(f"not {candidate!r}: {why_not}")
+    raise AssertionError("the reference backend supports every request")  # pragma: no cover

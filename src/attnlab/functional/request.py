@@ -1,0 +1,101 @@
+"""The validated description of one attention call, shared by every backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .._shapes import Dims
+from ..masks import CausalMask, Mask
+
+BiasFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+"""A bias given as ``fn(b, h, i, j) -> float tensor`` on broadcastable index tensors.
+
+``i`` is the query position bottom-right aligned to the keys (``row + S − L``), ``j`` the key
+position; the result is added to the logits. The tiled backend evaluates it per tile; the others
+materialise it once.
+"""
+
+
+@dataclass
+class Request:
+    """One attention call after validation. Tensors are 4-D: q ``(B, H, L, D)``, k/v ``(B, H_kv, S, ·)``."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    dims: Dims
+    mask: Mask | Tensor | None
+    bias: Tensor | BiasFn | None
+    scale: float
+    temperature: float
+    score: str
+    dropout_p: float
+    return_weights: bool
+
+    @property
+    def is_empty(self) -> bool:
+        """True when any of B, H, L, S is zero (handled by the reference path)."""
+        d = self.dims
+        return 0 in (d.B, d.H, d.L, d.S)
+
+    @property
+    def is_plain_causal(self) -> bool:
+        """A bare `causal()` mask with L == S, where bottom-right equals top-left alignment."""
+        return isinstance(self.mask, CausalMask) and self.dims.L == self.dims.S
+
+
+def _index_grid(B: int, H: int, L: int, S: int, device: torch.device) -> tuple[Tensor, ...]:
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    i = (torch.arange(L, device=device) + (S - L)).view(1, 1, L, 1)
+    j = torch.arange(S, device=device).view(1, 1, 1, S)
+    return b, h, i, j
+
+
+def materialize_bias(bias: BiasFn, dims: Dims, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Evaluates a function bias on the full grid: a float tensor broadcastable to ``(B, H, L, S)``."""
+    out = bias(*_index_grid(dims.B, dims.H, dims.L, dims.S, device))
+    if not isinstance(out, Tensor) or not out.is_floating_point():
+        got = f"dtype {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+        raise TypeError(f"bias function must return a float tensor, got {got}")
+    target = (dims.B, dims.H, dims.L, dims.S)
+    if out.dim() > 4 or any(a not in (1, b) for a, b in zip(reversed(out.shape), reversed(target), strict=False)):
+        raise ValueError(
+            f"bias function returned shape {tuple(out.shape)}, not broadcastable to (B, H, L, S) = {target}"
+        )
+    return out.to(dtype)
+
+
+def dense_mask_and_bias(
+    mask: Mask | Tensor | None,
+    bias: Tensor | BiasFn | None,
+    dims: Dims,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[Tensor | None, Tensor | None]:
+    """A mask as a bool tensor and the additive terms (float mask + bias) as one float tensor.
+
+    Both are broadcastable to ``(B, H, L, S)``; either may be None.
+    """
+    allowed: Tensor | None = None
+    additive: Tensor | None = None
+    if isinstance(mask, Mask):
+        allowed = mask.to_dense(dims.L, dims.S, batch=dims.B, heads=dims.H, device=device)
+    elif isinstance(mask, Tensor):
+        if mask.dtype == torch.bool:
+            allowed = mask
+        else:
+            additive = mask
+    if bias is not None:
+        bt = bias if isinstance(bias, Tensor) else materialize_bias(bias, dims, dtype, device)
+        additive = bt if additive is None else additive + bt
+    return allowed, additive
+
+
+def request_dense(req: Request) -> tuple[Tensor | None, Tensor | None]:
+    """`dense_mask_and_bias` for a request."""
+    return dense_mask_and_bias(req.mask, req.bias, req.dims, req.q.dtype, req.q.device)

@@ -1,0 +1,54 @@
+"""torch's fused ``scaled_dot_product_attention`` kernel as an attnlab backend.
+
+Defined to equal `reference.attention` (see that function for the meaning of every argument).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from .reference import keep_mask, zero_dead_keys
+from .request import Request, request_dense
+from .scores import get_score
+
+
+def sdpa_supports(req: Request) -> str | None:
+    """SDPA computes everything but the weights."""
+    if req.return_weights:
+        return "torch's fused kernel does not return the attention weights (return_weights=True)"
+    return None
+
+
+def sdpa_run(req: Request) -> tuple[Tensor, None]:
+    """Runs torch SDPA: bottom-right masks become dense masks, except plain causal with L == S."""
+    d = req.dims
+    s = get_score(req.score)
+    q, k, v = req.q, req.k, req.v
+    if req.score != "dot":
+        q, k = s.prepare(q), s.prepare(k)
+    is_causal = req.is_plain_causal and req.bias is None
+    attn_mask = None
+    if not is_causal:
+        allowed, additive = request_dense(req)
+        if allowed is not None or additive is not None:
+            k, v = zero_dead_keys(k, v, keep_mask(allowed, additive))
+        if additive is not None:
+            attn_mask = additive if allowed is None else additive.masked_fill(~allowed, float("-inf"))
+        else:
+            attn_mask = allowed
+    return (
+        F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=req.dropout_p,
+            is_causal=is_causal,
+            scale=req.scale / req.temperature,
+            enable_gqa=d.H != d.H_kv,
+        ),
+        None,
+    )
+
+

@@ -1,0 +1,410 @@
+"""The `Mask` object: a small index function rendered to dense masks, counts and block maps.
+
+A mask says which (query, key) pairs may attend (True = may attend). Every mask is defined by one
+index function evaluated on broadcastable index tensors, in the spirit of FlexAttention's
+``mask_mod``; everything else (dense tensors, pair counts, the ■/⬚ picture, tile maps for the tiled
+backend) is derived from it, chunk by chunk, so no L×S tensor is needed unless one is asked for.
+
+Alignment is bottom-right: when L != S, query row i sits at key position ``i + S - L`` (the last
+query sees the last key), which is what KV-cache decoding needs. For causal with L=2, S=4::
+
+    ■ ■ ■ ⬚
+    ■ ■ ■ ■
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+ATTEND = "■"
+IGNORE = "⬚"
+
+# Block-map codes (see `Mask.block_map`).
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+# Elements evaluated per chunk when a mask is reduced without materialising L×S.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _merge_dim(name: str, a: int | None, b: int | None) -> int | None:
+    if a is None or a == 1:
+        return b if b is not None else a
+    if b is None or b == 1 or a == b:
+        return a
+    raise ValueError(f"cannot combine masks: one has {name}={a}, the other {name}={b}")
+
+
+class Mask:
+    """Base class of all masks. True = the query may attend to the key.
+
+    Subclasses implement :meth:`_eval`. Masks combine with ``&``, ``|`` and ``~``.
+
+    Attributes:
+        batch_size: size of the batch dimension the mask depends on, or None if it does not.
+        num_heads: size of the head dimension the mask depends on, or None if it does not.
+    """
+
+    batch_size: int | None = None
+    num_heads: int | None = None
+
+    # ----------------------------------------------------------------- definition
+    def _eval(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor, L: int, S: int) -> Tensor:
+        """Evaluates the mask on broadcastable index tensors.
+
+        Args:
+            b, h: batch and head indices (Long, broadcastable).
+            i: raw query row indices in [0, L); the aligned key position is ``i + S - L``.
+            j: key indices in [0, S).
+            L, S: query and key lengths.
+
+        Returns:
+            Bool tensor broadcastable against the broadcast of the index tensors.
+        """
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    # ----------------------------------------------------------------- rendering
+    def _batch_heads(self, batch: int | None, heads: int | None) -> tuple[int, int]:
+        nb = self.batch_size if self.batch_size is not None else 1
+        nh = self.num_heads if self.num_heads is not None else 1
+        if batch is not None and self.batch_size not in (None, 1) and batch != self.batch_size:
+            raise ValueError(
+                f"mask: expected a batch of {self.batch_size} (the mask's batch size), got batch={batch}"
+            )
+        if heads is not None and self.num_heads not in (None, 1) and heads != self.num_heads:
+            raise ValueError(
+                f"mask: expected {self.num_heads} heads (the mask's head count), got heads={heads}"
+            )
+        return nb, nh
+
+    def _grid(
+        self, nb: int, nh: int, rows: Tensor, S: int, device: torch.device | None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        b = torch.arange(nb, device=device).view(nb, 1, 1, 1)
+        h = torch.arange(nh, device=device).view(1, nh, 1, 1)
+        i = rows.view(1, 1, -1, 1)
+        j = torch.arange(S, device=device).view(1, 1, 1, S)
+        return b, h, i, j
+
+    def _eval_rows(
+        self, rows: Tensor, L: int, S: int, nb: int, nh: int, device: torch.device | None
+    ) -> Tensor:
+        b, h, i, j = self._grid(nb, nh, rows, S, device)
+        out = self._eval(b, h, i, j, L, S)
+        if not isinstance(out, Tensor) or out.dtype != torch.bool:
+            raise TypeError(f"mask function must return a bool tensor, got {_describe(out)}")
+        out = out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
+        return out.expand(out.shape[0], out.shape[1], rows.numel(), S)  # (B|1, H|1, rows, S)
+
+    def to_dense(
+        self,
+        L: int,
+        S: int,
+        *,
+        batch: int | None = None,
+        heads: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        """Renders the mask as a bool tensor of shape ``(B|1, H|1, L, S)``.
+
+        Args:
+            L: query length. S: key length.
+            batch, heads: the B and H of the attention call, used to check and evaluate masks
+                that depend on the batch or head index.
+            device: where to build the tensor.
+
+        Returns:
+            Bool tensor broadcastable to ``(B, H, L, S)``; True = may attend.
+        """
+        _check_lengths(L, S)
+        nb, nh = self._batch_heads(batch, heads)
+        rows = torch.arange(L, device=device)
+        return self._eval_rows(rows, L, S, nb, nh, device)
+
+    def _row_chunks(self, L: int, S: int):
+        step = max(1, _CHUNK_ELEMENTS // max(S, 1))
+        for start in range(0, L, step):
+            yield start, min(L, start + step)
+
+    def row_counts(
+        self,
+        L: int,
+        S: int,
+        *,
+        batch: int | None = None,
+        heads: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        """Number of keys each query attends to, shape ``(B|1, H|1, L)`` (int64).
+
+        Evaluated in row chunks, so memory stays O(chunk · S) whatever L is.
+        """
+        _check_lengths(L, S)
+        nb, nh = self._batch_heads(batch, heads)
+        parts = []
+        for lo, hi in self._row_chunks(L, S):
+            rows = torch.arange(lo, hi, device=device)
+            parts.append(self._eval_rows(rows, L, S, nb, nh, device).sum(-1))
+        if not parts:
+            return torch.zeros(1, 1, 0, dtype=torch.long, device=device)
+        nbo = max(p.shape[0] for p in parts)
+        nho = max(p.shape[1] for p in parts)
+        return torch.cat([p.expand(nbo, nho, -1) for p in parts], dim=-1)
+
+    def attended_pairs(
+        self, L: int, S: int, *, batch: int | None = None, heads: int | None = None
+    ) -> int:
+        """Exact number of attended (query, key) pairs over the whole ``(B, H)`` grid.
+
+        ``batch``/``heads`` default to the sizes the mask depends on (1 if it does not), so for a
+        batch-independent mask ``attended_pairs(L, S)`` counts one ``L × S`` slice.
+        """
+        counts = self.row_counts(L, S, batch=batch, heads=heads)
+        nb = batch if batch is not None else (self.batch_size or 1)
+        nh = heads if heads is not None else (self.num_heads or 1)
+        per_slice = counts.sum(-1)  # (B|1, H|1)
+        return int(per_slice.expand(nb, nh).sum().item())
+
+    def density(self, L: int, S: int, *, batch: int | None = None, heads: int | None = None) -> float:
+        """Fraction of the ``B·H·L·S`` pairs that are attended."""
+        nb = batch if batch is not None else (self.batch_size or 1)
+        nh = heads if heads is not None else (self.num_heads or 1)
+        total = nb * nh * L * S
+        return self.attended_pairs(L, S, batch=batch, heads=heads) / total if total else 0.0
+
+    def block_map(
+        self,
+        L: int,
+        S: int,
+        block_q: int,
+        block_k: int,
+        *,
+        batch: int | None = None,
+        heads: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        """Classifies each ``block_q × block_k`` tile as EMPTY (0), PARTIAL (1) or FULL (2).
+
+        Returns:
+            int8 tensor of shape ``(B|1, H|1, ceil(L/block_q), ceil(S/block_k))``. Tiles at the
+            ragged end cover only the positions that exist.
+        """
+        _check_lengths(L, S)
+        if block_q < 1 or block_k < 1:
+            raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
+        nb, nh = self._batch_heads(batch, heads)
+        nq, nk = -(-L // block_q), -(-S // block_k)
+        pad_s = nk * block_k - S
+        rows_per_chunk = max(block_q, (_CHUNK_ELEMENTS // max(S, 1)) // block_q * block_q)
+        parts = []
+        for lo in range(0, L, rows_per_chunk):
+            hi = min(L, lo + rows_per_chunk)
+            m = self._eval_rows(torch.arange(lo, hi, device=device), L, S, nb, nh, device)
+            anyv = m.to(torch.int8)
+            allv = anyv
+            pad_r = -(hi - lo) % block_q
+            if pad_r or pad_s:
+                anyv = torch.nn.functional.pad(anyv, (0, pad_s, 0, pad_r), value=0)
+                allv = torch.nn.functional.pad(allv, (0, pad_s, 0, pad_r), value=1)
+            shp = (anyv.shape[0], anyv.shape[1], anyv.shape[2] // block_q, block_q, nk, block_k)
+            has = anyv.view(shp).amax(dim=(3, 5))  # (B|1, H|1, nq_chunk, nk)
+            full = allv.view(shp).amin(dim=(3, 5))
+            parts.append((has + full).to(torch.int8))
+        if not parts:
+            return torch.zeros(1, 1, nq, nk, dtype=torch.int8, device=device)
+        nbo = max(p.shape[0] for p in parts)
+        nho = max(p.shape[1] for p in parts)
+        return torch.cat([p.expand(nbo, nho, -1, -1) for p in parts], dim=2)
+
+    def render(self, L: int, S: int, *, b: int = 0, h: int = 0) -> str:
+        """Draws the mask for batch item ``b`` and head ``h`` as a ■ (attend) / ⬚ (masked) grid."""
+        dense = self.to_dense(L, S)
+        bi = b if dense.shape[0] > 1 else 0
+        hi = h if dense.shape[1] > 1 else 0
+        grid = dense[bi, hi]
+        return "\n".join(" ".join(ATTEND if x else IGNORE for x in row.tolist()) for row in grid)
+
+    def _default_size(self) -> tuple[int, int]:
+        return 8, 8
+
+    def __str__(self) -> str:
+        L, S = self._default_size()
+        return f"{self!r}  (L={L}, S={S})\n{self.render(L, S)}"
+
+    # ----------------------------------------------------------------- algebra
+    def __and__(self, other: Mask) -> Mask:
+        return _Combined("&", _as_mask(other, "&"), self)
+
+    def __rand__(self, other: Mask) -> Mask:
+        return _Combined("&", _as_mask(other, "&"), self)
+
+    def __or__(self, other: Mask) -> Mask:
+        return _Combined("|", self, _as_mask(other, "|"))
+
+    def __ror__(self, other: Mask) -> Mask:
+        return _Combined("|", _as_mask(other, "|"), self)
+
+    def __invert__(self) -> Mask:
+        return _Not(self)
+
+
+def _check_lengths(L: int, S: int) -> None:
+    if not (isinstance(L, int) and isinstance(S, int)) or L < 0 or S < 0:
+        raise ValueError(f"mask lengths must be non-negative ints, got L={L!r}, S={S!r}")
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, Tensor):
+        return f"Tensor(dtype={x.dtype}, shape={tuple(x.shape)})"
+    return type(x).__name__
+
+
+def _as_mask(x: object, op: str) -> Mask:
+    if isinstance(x, Mask):
+        return x
+    if isinstance(x, Tensor) and x.dtype == torch.bool:
+        return from_tensor(x)
+    raise TypeError(f"cannot combine a Mask with {_describe(x)} using '{op}'")
+
+
+class _Combined(Mask):
+    def __init__(self, op: str, a: Mask, b: Mask) -> None:
+        self.op, self.a, self.b = op, a, b
+        self.batch_size = _merge_dim("batch_size", a.batch_size, b.batch_size)
+        self.num_heads = _merge_dim("num_heads", a.num_heads, b.num_heads)
+
+    def _eval(self, b, h, i, j, L, S):
+        x, y = self.a._eval(b, h, i, j, L, S), self.b._eval(b, h, i, j, L, S)
+        return x & y if self.op == "&" else x | y
+
+    def _default_size(self) -> tuple[int, int]:
+        return max(self.a._default_size(), self.b._default_size())
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} {self.op} {self.b!r})"
+
+
+class _Not(Mask):
+    def __init__(self, inner: Mask) -> None:
+        self.inner = inner
+        self.batch_size, self.num_heads = inner.batch_size, inner.num_heads
+
+    def _eval(self, b, h, i, j, L, S):
+        return ~self.inner._eval(b, h, i, j, L, S)
+
+    def _default_size(self) -> tuple[int, int]:
+        return self.inner._default_size()
+
+    def __repr__(self) -> str:
+        return f"~{self.inner!r}"
+
+
+class TensorMask(Mask):
+    """A mask given as a bool tensor broadcastable to ``(B, H, L, S)`` (True = may attend)."""
+
+    def __init__(self, t: Tensor) -> None:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"from_tensor: expected a bool Tensor, got {_describe(t)}")
+        if t.dtype != torch.bool:
+            raise TypeError(f"from_tensor: expected dtype torch.bool, got {t.dtype}")
+        if t.dim() < 2 or t.dim() > 4:
+            raise ValueError(
+                f"from_tensor: expected 2 to 4 dims broadcastable to (B, H, L, S), got shape {tuple(t.shape)}"
+            )
+        self.t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # (B|1, H|1, L|1, S|1)
+        self.batch_size = self.t.shape[0] if self.t.shape[0] > 1 else None
+        self.num_heads = self.t.shape[1] if self.t.shape[1] > 1 else None
+
+    def _check(self, L: int, S: int) -> None:
+        tl, ts = self.t.shape[-2:]
+        if tl not in (1, L) or ts not in (1, S):
+            raise ValueError(
+                f"mask of shape {tuple(self.t.shape)} is not broadcastable to (B, H, L={L}, S={S})"
+            )
+
+    def _eval(self, b, h, i, j, L, S):
+        self._check(L, S)
+        t = self.t.to(i.device)
+        bi = b if t.shape[0] > 1 else torch.zeros_like(b)
+        hi = h if t.shape[1] > 1 else torch.zeros_like(h)
+        ii = i if t.shape[2] > 1 else torch.zeros_like(i)
+        jj = j if t.shape[3] > 1 else torch.zeros_like(j)
+        return t[bi, hi, ii, jj]
+
+    def to_dense(self, L, S, *, batch=None, heads=None, device=None):
+        _check_lengths(L, S)
+        self._batch_heads(batch, heads)
+        self._check(L, S)
+        t = self.t if device is None else self.t.to(device)
+        return t.expand(t.shape[0], t.shape[1], L, S)
+
+    def _default_size(self) -> tuple[int, int]:
+        return int(self.t.shape[-2]), int(self.t.shape[-1])
+
+    def __repr__(self) -> str:
+        return f"from_tensor(shape={tuple(self.t.shape)})"
+
+
+class FnMask(Mask):
+    """A mask given by ``fn(b, h, i, j) -> bool tensor`` (FlexAttention's ``mask_mod``).
+
+    ``i`` is the query's position in key coordinates (``row + S - L``, bottom-right aligned) and
+    ``j`` the key position, so ``lambda b, h, i, j: i >= j`` is bottom-right causal.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
+        *,
+        batch_size: int | None = None,
+        num_heads: int | None = None,
+        name: str | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"from_fn: expected a callable fn(b, h, i, j), got {_describe(fn)}")
+        self.fn = fn
+        self.batch_size, self.num_heads = batch_size, num_heads
+        self.name = name or getattr(fn, "__name__", "fn")
+
+    def _eval(self, b, h, i, j, L, S):
+        return self.fn(b, h, i + (S - L), j)
+
+    def __repr__(self) -> str:
+        return f"from_fn({self.name})"
+
+
+def from_tensor(t: Tensor) -> Mask:
+    """Wraps a bool tensor broadcastable to ``(B, H, L, S)`` as a `Mask` (True = may attend)."""
+    return TensorMask(t)
+
+
+def from_fn(
+    fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
+    *,
+    batch_size: int | None = None,
+    num_heads: int | None = None,
+) -> Mask:
+    """Builds a mask from ``fn(b, h, i, j) -> bool tensor`` on broadcastable index tensors.
+
+    ``i`` is the query position bottom-right aligned to the keys (``row + S - L``), ``j`` the key
+    position. Pass ``batch_size``/``num_heads`` if ``fn`` depends on ``b``/``h`` so that dense and
+    counting renderings cover those dimensions.
+
+    Example:
+        >>> m = from_fn(lambda b, h, i, j: (i - j).abs() <= 1)
+    """
+    return FnMask(fn, batch_size=batch_size, num_heads=num_heads)
+
+
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "FnMask",
+    "Mask",
+    "TensorMask",
+    "from_fn",
+    "from_tensor",
+]

@@ -1,0 +1,314 @@
+"""The structured mask patterns of the literature, each a small index function.
+
+All patterns use bottom-right alignment: query row ``i`` sits at key position ``p = i + S - L``.
+Grids below are for L = S = 6 (■ = may attend).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .base import Mask, _check_lengths
+
+
+def _positive_int(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _index_tensor(name: str, values: object, *, ndim: tuple[int, ...]) -> Tensor:
+    t = values if isinstance(values, Tensor) else torch.as_tensor(values)
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
+    if t.dim() not in ndim:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dims, got shape {tuple(t.shape)}")
+    return t.long()
+
+
+def _interval_counts(lo: Tensor, hi: Tensor, S: int) -> Tensor:
+    """Number of integers in [lo, hi] ∩ [0, S)."""
+    return (hi.clamp(max=S - 1) - lo.clamp(min=0) + 1).clamp(min=0)
+
+
+class CausalMask(Mask):
+    """Bottom-right causal: key ``j`` is visible from position ``p`` iff ``j <= p``."""
+
+    def _eval(self, b, h, i, j, L, S):
+        return j <= i + (S - L)
+
+    def row_counts(self, L, S, *, batch=None, heads=None, device=None):
+        _check_lengths(L, S)
+        self._batch_heads(batch, heads)
+        p = torch.arange(L, device=device) + (S - L)
+        return _interval_counts(torch.zeros_like(p), p, S).view(1, 1, L)
+
+    def __repr__(self) -> str:
+        return "causal()"
+
+
+class SlidingWindowMask(Mask):
+    """A band of ``window`` keys (causal) or ``2·window − 1`` keys (non-causal) around each query."""
+
+    def __init__(self, window: int, causal: bool = True) -> None:
+        self.window = _positive_int("window", window)
+        self.causal = bool(causal)
+
+    def _bounds(self, p: Tensor) -> tuple[Tensor, Tensor]:
+        lo = p - self.window + 1
+        hi = p if self.causal else p + self.window - 1
+        return lo, hi
+
+    def _eval(self, b, h, i, j, L, S):
+        lo, hi = self._bounds(i + (S - L))
+        return (j >= lo) & (j <= hi)
+
+    def row_counts(self, L, S, *, batch=None, heads=None, device=None):
+        _check_lengths(L, S)
+        self._batch_heads(batch, heads)
+        lo, hi = self._bounds(torch.arange(L, device=device) + (S - L))
+        return _interval_counts(lo, hi, S).view(1, 1, L)
+
+    def __repr__(self) -> str:
+        return f"sliding_window({self.window}, causal={self.causal})"
+
+
+class PaddingMask(Mask):
+    """Key positions ``j >= lengths[b]`` are masked for every query of batch item ``b``."""
+
+    def __init__(self, lengths: Sequence[int] | Tensor) -> None:
+        self.lengths = _index_tensor("lengths", lengths, ndim=(1,))
+        if (self.lengths < 0).any():
+            raise ValueError(f"lengths must be >= 0, got {self.lengths.tolist()}")
+        self.batch_size = int(self.lengths.numel())
+
+    def _eval(self, b, h, i, j, L, S):
+        return j < self.lengths.to(j.device)[b]
+
+    def row_counts(self, L, S, *, batch=None, heads=None, device=None):
+        _check_lengths(L, S)
+        self._batch_heads(batch, heads)
+        n = self.lengths.to(device).clamp(max=S)
+        return n.view(-1, 1, 1).expand(-1, 1, L)
+
+    def _default_size(self) -> tuple[int, int]:
+        n = max(1, int(self.lengths.max())) if self.lengths.numel() else 1
+        return n, n
+
+    def __repr__(self) -> str:
+        return f"padding({self.lengths.tolist()})"
+
+
+class StridedMask(Mask):
+    """Sparse-Transformer strided pattern: a local block of ``stride`` plus every stride-th key."""
+
+    def __init__(self, stride: int, causal: bool = True) -> None:
+        self.stride = _positive_int("stride", stride)
+        self.causal = bool(causal)
+
+    def _eval(self, b, h, i, j, L, S):
+        d = i + (S - L) - j
+        keep = (d.abs() < self.stride) | (d.remainder(self.stride) == 0)
+        return keep & (d >= 0) if self.causal else keep
+
+    def __repr__(self) -> str:
+        return f"strided({self.stride}, causal={self.causal})"
+
+
+class GlobalLocalMask(Mask):
+    """Longformer: a band ``|p − j| < window`` plus global tokens that see and are seen by all."""
+
+    def __init__(self, window: int, global_tokens: int | Sequence[int] | Tensor) -> None:
+        self.window = _positive_int("window", window)
+        if isinstance(global_tokens, int) and not isinstance(global_tokens, bool):
+            if global_tokens < 0:
+                raise ValueError(f"global_tokens must be >= 0, got {global_tokens}")
+            self.global_idx = torch.arange(global_tokens)
+        else:
+            self.global_idx = _index_tensor("global_tokens", global_tokens, ndim=(1,))
+            if (self.global_idx < 0).any():
+                raise ValueError(f"global_tokens positions must be >= 0, got {self.global_idx.tolist()}")
+
+    def _is_global(self, pos: Tensor) -> Tensor:
+        g = self.global_idx.to(pos.device)
+        return torch.isin(pos, g)
+
+    def _eval(self, b, h, i, j, L, S):
+        p = i + (S - L)
+        return ((p - j).abs() < self.window) | self._is_global(p) | self._is_global(j)
+
+    def __repr__(self) -> str:
+        return f"global_local({self.window}, global_tokens={self.global_idx.tolist()})"
+
+
+class BigBirdMask(Mask):
+    """BigBird block sparsity: sliding window, global and random blocks of ``block_size`` positions.
+
+    Block ``qb`` of queries attends key block ``kb`` when ``|qb − kb| <= window_blocks // 2``, when
+    either block is one of the first ``global_blocks``, or when ``kb`` is one of the
+    ``random_blocks`` blocks drawn for ``qb`` (from those not already attended; fixed by ``seed``).
+    """
+
+    def __init__(
+        self, block_size: int, window_blocks: int, global_blocks: int, random_blocks: int, seed: int
+    ) -> None:
+        self.block_size = _positive_int("block_size", block_size)
+        self.window_blocks = _positive_int("window_blocks", window_blocks)
+        if self.window_blocks % 2 == 0:
+            raise ValueError(f"window_blocks must be odd (a centred window), got {window_blocks}")
+        self.global_blocks = _positive_int("global_blocks", global_blocks, minimum=0)
+        self.random_blocks = _positive_int("random_blocks", random_blocks, minimum=0)
+        self.seed = int(seed)
+        self._tables: dict[int, Tensor] = {}
+
+    def random_table(self, num_blocks: int) -> Tensor:
+        """Bool ``(num_blocks, num_blocks)``: True where query block attends key block at random."""
+        if num_blocks not in self._tables:
+            gen = torch.Generator().manual_seed(self.seed)
+            table = torch.zeros(num_blocks, num_blocks, dtype=torch.bool)
+            blocks = torch.arange(num_blocks)
+            radius = self.window_blocks // 2
+            for qb in range(self.global_blocks, num_blocks):
+                taken = ((blocks - qb).abs() <= radius) | (blocks < self.global_blocks)
+                free = blocks[~taken]
+                pick = free[torch.randperm(free.numel(), generator=gen)[: self.random_blocks]]
+                table[qb, pick] = True
+            self._tables[num_blocks] = table
+        return self._tables[num_blocks]
+
+    def _eval(self, b, h, i, j, L, S):
+        nblocks = max(1, -(-S // self.block_size))
+        qb = torch.div(i + (S - L), self.block_size, rounding_mode="floor")
+        kb = torch.div(j, self.block_size, rounding_mode="floor")
+        window = (qb - kb).abs() <= self.window_blocks // 2
+        global_q = (qb >= 0) & (qb < self.global_blocks)
+        keep = window | global_q | (kb < self.global_blocks)
+        if self.random_blocks:
+            table = self.random_table(nblocks).to(i.device)
+            valid = qb >= 0
+            keep = keep | (table[qb.clamp(min=0), kb] & valid)
+        return keep
+
+    def __repr__(self) -> str:
+        return (
+            f"bigbird(block_size={self.block_size}, window_blocks={self.window_blocks}, "
+            f"global_blocks={self.global_blocks}, random_blocks={self.random_blocks}, seed={self.seed})"
+        )
+
+
+class DocumentMask(Mask):
+    """Block-diagonal mask for packed sequences: attend only within the same document id.
+
+    ``ids`` has shape ``(S,)`` or ``(B, S)`` and labels every key position; the queries are the last
+    ``L`` positions (bottom-right alignment). Combine with ``causal()`` for packed causal LMs.
+    """
+
+    def __init__(self, ids: Sequence[int] | Tensor) -> None:
+        self.ids = _index_tensor("ids", ids, ndim=(1, 2))
+        self.batch_size = int(self.ids.shape[0]) if self.ids.dim() == 2 else None
+
+    @classmethod
+    def from_lengths(cls, lengths: Sequence[int] | Tensor) -> DocumentMask:
+        """Builds the mask from per-document lengths, e.g. ``[3, 5, 2]`` for 10 packed tokens."""
+        n = _index_tensor("lengths", lengths, ndim=(1,))
+        if (n < 0).any():
+            raise ValueError(f"lengths must be >= 0, got {n.tolist()}")
+        return cls(torch.repeat_interleave(torch.arange(n.numel()), n))
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: Sequence[int] | Tensor) -> DocumentMask:
+        """Builds the mask from cumulative lengths ``[0, n0, n0+n1, …]`` (flash-attn's cu_seqlens)."""
+        cu = _index_tensor("cu_seqlens", cu_seqlens, ndim=(1,))
+        if cu.numel() < 1 or int(cu[0]) != 0 or (cu.diff() < 0).any():
+            raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()}")
+        return cls.from_lengths(cu.diff())
+
+    def _eval(self, b, h, i, j, L, S):
+        if self.ids.shape[-1] != S:
+            raise ValueError(f"document ids cover {self.ids.shape[-1]} positions, but S={S}")
+        ids = self.ids.to(i.device).reshape(-1, S)  # (B|1, S)
+        bi = b if ids.shape[0] > 1 else torch.zeros_like(b)
+        p = i + (S - L)
+        valid = p >= 0
+        q_ids = ids[bi, p.clamp(min=0)]
+        return (q_ids == ids[bi, j]) & valid
+
+    def _default_size(self) -> tuple[int, int]:
+        n = max(1, int(self.ids.shape[-1]))
+        return n, n
+
+    def __repr__(self) -> str:
+        return f"document(ids of shape {tuple(self.ids.shape)})"
+
+
+def causal() -> Mask:
+    """Bottom-right causal mask: position ``p = i + S − L`` sees keys ``j <= p``.
+
+    For L=2, S=4 the last query sees every key::
+
+        ■ ■ ■ ⬚
+        ■ ■ ■ ■
+    """
+    return CausalMask()
+
+
+def sliding_window(window: int, causal: bool = True) -> Mask:
+    """Sliding window of ``window`` keys.
+
+    Causal keeps ``0 <= p − j < window`` (exactly ``window`` keys including itself); non-causal
+    keeps ``|p − j| < window``. ``window >= S`` with ``causal=True`` equals `causal`.
+    For window=2, causal, L=S=4::
+
+        ■ ⬚ ⬚ ⬚
+        ■ ■ ⬚ ⬚
+        ⬚ ■ ■ ⬚
+        ⬚ ⬚ ■ ■
+    """
+    return SlidingWindowMask(window, causal)
+
+
+def padding(lengths: Sequence[int] | Tensor) -> Mask:
+    """Key-padding mask: keys at positions ``>= lengths[b]`` are masked for batch item ``b``."""
+    return PaddingMask(lengths)
+
+
+def strided(stride: int, causal: bool = True) -> Mask:
+    """Sparse-Transformer strided pattern (Child et al., 2019).
+
+    Keeps ``|p − j| < stride`` (the local block) or ``(p − j) mod stride == 0`` (the stride),
+    restricted to ``j <= p`` when causal.
+    """
+    return StridedMask(stride, causal)
+
+
+def global_local(window: int, global_tokens: int | Sequence[int] | Tensor) -> Mask:
+    """Longformer global + local attention.
+
+    Keeps ``|p − j| < window`` plus every pair where the query or the key is global.
+    ``global_tokens`` is a count (the first n positions) or a list of key positions.
+    """
+    return GlobalLocalMask(window, global_tokens)
+
+
+def bigbird(
+    block_size: int, window_blocks: int, global_blocks: int, random_blocks: int, seed: int = 0
+) -> Mask:
+    """BigBird block-sparse attention: window, global and random blocks (see `BigBirdMask`)."""
+    return BigBirdMask(block_size, window_blocks, global_blocks, random_blocks, seed)
+
+
+def document(ids: Sequence[int] | Tensor) -> Mask:
+    """Packed-sequence (document) mask from per-position ids ``(S,)`` or ``(B, S)``.
+
+    Also ``document.from_lengths([3, 5])`` and ``document.from_cu_seqlens([0, 3, 8])``.
+    """
+    return DocumentMask(ids)
+
+
+document.from_lengths = DocumentMask.from_lengths  # type: ignore[attr-defined]
+document.from_cu_seqlens = DocumentMask.from_cu_seqlens  # type: ignore[attr-defined]
