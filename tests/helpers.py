@@ -10,6 +10,8 @@ from attnlab.testing import (
     ODD_SIZES,
     assert_close_rule,
     check_against_reference,
+    mean_factor_for,
+    reference_for,
     seeded,
 )
 
@@ -19,5 +21,7 @@ __all__ = [
     "ODD_SIZES",
     "assert_close_rule",
     "check_against_reference",
+    "mean_factor_for",
+    "reference_for",
     "seeded",
 ]

@@ -35,7 +35,7 @@ def _shape(t: Tensor) -> tuple[int, ...]:
 
 
 def check_qkv(q: object, k: object, v: object) -> Dims:
-    """Checks q ``(B, H, L, D)``, k ``(B, H_kv, S, D)``, v ``(B, H_kv, S, Dv)`` (or 3-D ``(B, L, D)``).
+    """Checks q ``(B, H, L, D)``, k ``(B, H_kv, S, D)``, v ``(B, H_kv, S, Dv)`` (or 3-D).
 
     Raises:
         TypeError: a non-tensor, a non-float dtype, or dtypes that differ.
@@ -52,7 +52,8 @@ def check_qkv(q: object, k: object, v: object) -> Dims:
         )
     if q.dtype not in _FLOAT_DTYPES:
         raise TypeError(
-            f"query/key/value dtype must be one of float64, float32, float16, bfloat16, got {q.dtype}"
+            "query/key/value dtype must be one of float64, float32, float16, bfloat16, "
+            f"got {q.dtype}"
         )
     if not (q.device == k.device == v.device):
         raise ValueError(
@@ -67,7 +68,8 @@ def check_qkv(q: object, k: object, v: object) -> Dims:
             )
     if not (q.dim() == k.dim() == v.dim()):
         raise ValueError(
-            f"query, key and value must have the same rank, got query {_shape(q)}, key {_shape(k)}, "
+            f"query, key and value must have the same rank, got query {_shape(q)}, "
+            f"key {_shape(k)}, "
             f"value {_shape(v)}"
         )
     three_d = q.dim() == 3
@@ -92,7 +94,7 @@ def check_qkv(q: object, k: object, v: object) -> Dims:
             f"key heads {ks[1]} ≠ value heads {vs[1]} (key {_shape(k)}, value {_shape(v)})"
         )
     H_kv = ks[1]
-    if H_kv == 0 and H != 0 or H_kv and H % H_kv:
+    if (H_kv == 0 and H != 0) or (H_kv and H % H_kv):
         raise ValueError(
             f"query heads H={H} must be a multiple of key/value heads H_kv={H_kv} "
             f"(query {_shape(q)}, key {_shape(k)})"
@@ -125,7 +127,9 @@ def check_mask_tensor(name: str, t: Tensor, q_dtype: torch.dtype, dims: Dims) ->
     check_broadcast(name, t, dims)
 
 
-def check_number(name: str, value: object, *, positive: bool = False, nonzero: bool = False) -> float:
+def check_number(
+    name: str, value: object, *, positive: bool = False, nonzero: bool = False
+) -> float:
     """A finite real number (optionally > 0 or != 0); raises naming the argument otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")

@@ -12,8 +12,14 @@ cannot make the threshold loose.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
+
+from ._shapes import check_qkv
+from .functional import reference
+from .functional.request import dense_mask_and_bias
 
 # dtype -> (fwd atol, fwd rtol, grad atol, grad rtol): the fixed ceiling table.
 FIXED_TABLE: dict[torch.dtype, tuple[float, float, float, float]] = {
@@ -65,10 +71,10 @@ def assert_close_rule(
     g64 = golden.to(torch.float64)
     finite = torch.isfinite(g64)
     bad = finite & ~torch.isfinite(impl.to(torch.float64))
-    assert not bool(bad.any()), f"{name}: NaN/inf at {int(bad.sum())} positions where golden is finite"
-    nonfinite_match = torch.equal(
-        torch.isnan(impl.to(torch.float64)), torch.isnan(g64)
+    assert not bool(bad.any()), (
+        f"{name}: NaN/inf at {int(bad.sum())} positions where golden is finite"
     )
+    nonfinite_match = torch.equal(torch.isnan(impl.to(torch.float64)), torch.isnan(g64))
     assert nonfinite_match, f"{name}: NaN pattern differs from golden"
     i64 = torch.where(finite, impl.to(torch.float64), 0.0)
     g64 = torch.where(finite, g64, 0.0)
@@ -82,7 +88,9 @@ def assert_close_rule(
         mean_impl = float((i64 - g64).abs().mean())
         mean_naive = float((n64 - g64).abs().mean())
         ok = mean_impl <= mean_factor * mean_naive + floor
-        assert ok, f"{name}: mean err {mean_impl:.3e} > {mean_factor}·{mean_naive:.3e} + {floor:.1e}"
+        assert ok, (
+            f"{name}: mean err {mean_impl:.3e} > {mean_factor}·{mean_naive:.3e} + {floor:.1e}"
+        )
     else:
         assert err_impl <= bound, (
             f"{name} ({dtype}, {kind}): max err {err_impl:.3e} > {factor}·naive {err_naive:.3e} "
@@ -95,37 +103,103 @@ def assert_close_rule(
     )
 
 
-def seeded(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0, scale: float = 1.0) -> Tensor:
+def seeded(
+    *shape: int, dtype: torch.dtype = torch.float64, seed: int = 0, scale: float = 1.0
+) -> Tensor:
     """A reproducible unit-normal tensor."""
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
 
-def _run(fn, inputs: list[Tensor], dout: Tensor | None):
+def _forward(fn, inputs: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
     xs = [x.detach().clone().requires_grad_(True) for x in inputs]
-    out = fn(*xs)
-    if dout is None:
-        return out.detach(), None
+    return fn(*xs), xs
+
+
+def _backward(out: Tensor, xs: list[Tensor], dout: Tensor) -> list[Tensor]:
     grads = torch.autograd.grad(out, xs, dout.to(out.dtype), allow_unused=True)
-    return out.detach(), [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads, strict=True)]
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads, strict=True)]
 
 
-def check_against_reference(impl_fn, ref_fn, inputs: list[Tensor], *, grads: bool = True,
-                            mean_factor: float | None = None, seed: int = 1) -> None:
-    """Runs ``impl_fn`` on ``inputs`` (their dtype) against the float64 golden and the same-dtype naive.
+def check_against_reference(
+    impl_fn,
+    ref_fn,
+    inputs: list[Tensor],
+    *,
+    grads: bool = True,
+    mean_factor: float | None = None,
+    seed: int = 1,
+) -> dict[str, float]:
+    """Checks ``impl_fn`` on ``inputs`` against the float64 golden and the same-dtype naive run.
 
-    ``ref_fn(*inputs, compute_dtype=dtype)`` is the reference: called on float64 copies for the
-    golden value and on the inputs with ``compute_dtype`` = the input dtype for the naive value.
+    ``ref_fn(*inputs, compute_dtype=dtype, reorder=bool)`` is the reference: called on float64
+    copies for the golden value, and on the inputs with ``compute_dtype`` = the input dtype and
+    ``reorder=True`` (scale folded into k, normalisation after the weighted sum) for the naive
+    value.
     Checks the output and, if ``grads``, every input gradient for one random ``dout``.
+
+    Returns:
+        The max absolute error against golden of the output and of each gradient.
+
+    Raises:
+        AssertionError: the rule or the fixed table is violated.
     """
     dtype = inputs[0].dtype
-    golden_out, _ = _run(lambda *x: ref_fn(*x, compute_dtype=torch.float64), [x.to(torch.float64) for x in inputs], None)
-    dout = seeded(*golden_out.shape, seed=seed) if grads else None
-    golden, ggrads = _run(lambda *x: ref_fn(*x, compute_dtype=torch.float64), [x.to(torch.float64) for x in inputs], dout)
-    naive, ngrads = _run(lambda *x: ref_fn(*x, compute_dtype=dtype), inputs, dout)
-    impl, igrads = _run(impl_fn, inputs, dout)
+    golden, xs64 = _forward(
+        lambda *x: ref_fn(*x, compute_dtype=torch.float64, reorder=False),
+        [x.to(torch.float64) for x in inputs],
+    )
+    naive, xsn = _forward(lambda *x: ref_fn(*x, compute_dtype=dtype, reorder=True), inputs)
+    impl, xsi = _forward(impl_fn, inputs)
     assert impl.dtype == dtype, f"output dtype {impl.dtype} != input dtype {dtype}"
-    assert_close_rule(impl, golden, naive, kind="fwd", mean_factor=mean_factor)
+    assert_close_rule(impl.detach(), golden.detach(), naive.detach(), mean_factor=mean_factor)
+    errors = {"out": _max_err(impl.detach(), golden.detach())}
     if grads:
-        for idx, (a, b, c) in enumerate(zip(igrads, ggrads, ngrads, strict=True)):
-            assert_close_rule(a, b, c, kind="grad", name=f"grad[{idx}]", mean_factor=mean_factor)
+        dout = seeded(*golden.shape, seed=seed)
+        triples = zip(
+            _backward(impl, xsi, dout),
+            _backward(golden, xs64, dout),
+            _backward(naive, xsn, dout),
+            strict=True,
+        )
+        for idx, (a, b, c) in enumerate(triples):
+            name = f"grad[{idx}]"
+            assert_close_rule(a, b, c, kind="grad", name=name, mean_factor=mean_factor)
+            errors[name] = _max_err(a, b)
+    return errors
+
+
+def reference_for(mask: Any = None, bias: Any = None, **kwargs: Any):
+    """The ``ref_fn`` for `check_against_reference` of ``attention(…, mask, bias, **kwargs)``.
+
+    Float masks and biases are cast to the dtype of each run (float64 for the golden value).
+    """
+
+    def ref(
+        q: Tensor, k: Tensor, v: Tensor, *, compute_dtype: torch.dtype, reorder: bool
+    ) -> Tensor:
+        dims = check_qkv(q, k, v)
+        m = mask.to(q.dtype) if isinstance(mask, Tensor) and mask.is_floating_point() else mask
+        b = bias.to(q.dtype) if isinstance(bias, Tensor) else bias
+        allowed, additive = dense_mask_and_bias(m, b, dims, q.dtype, q.device)
+        out, _ = reference.attention(
+            q,
+            k,
+            v,
+            mask=allowed,
+            bias=additive,
+            compute_dtype=compute_dtype,
+            reorder=reorder,
+            **kwargs,
+        )
+        return out
+
+    return ref
+
+
+def mean_factor_for(backend: str, dtype: torch.dtype) -> float | None:
+    """10 for float32 on a tiled (online-softmax) backend, else None: see `assert_close_rule`."""
+    from .functional.registry import get_backend
+
+    tiled = backend == "auto" or get_backend(backend).tiled
+    return 10.0 if tiled and dtype == torch.float32 else None

@@ -44,10 +44,14 @@ def _build_request(
         )
     if isinstance(bias, Tensor):
         if not bias.is_floating_point():
-            raise TypeError(f"bias must be a float tensor of the query dtype {q.dtype}, got {bias.dtype}")
+            raise TypeError(
+                f"bias must be a float tensor of the query dtype {q.dtype}, got {bias.dtype}"
+            )
         check_mask_tensor("bias", bias, q.dtype, dims)
     elif bias is not None and not callable(bias):
-        raise TypeError(f"bias must be a float tensor or a callable fn(b, h, i, j), got {type(bias).__name__}")
+        raise TypeError(
+            f"bias must be a float tensor or a callable fn(b, h, i, j), got {type(bias).__name__}"
+        )
     if dims.three_d:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L|S, D)
         if isinstance(mask, Tensor) and mask.dim() == 3:

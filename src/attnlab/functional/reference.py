@@ -3,7 +3,7 @@
 The code here is explicit, unfused plain PyTorch that runs in float64 (and, with ``compute_dtype``,
 in any precision). It favours clarity over speed and never changes meaning for performance.
 
-Conventions: q ``(B, H, L, D)``, k ``(B, H_kv, S, D)``, v ``(B, H_kv, S, Dv)`` with ``H % H_kv == 0``;
+Conventions: q ``(B, H, L, D)``, k ``(B, H_kv, S, D)``, v ``(B, H_kv, S, Dv)``, ``H % H_kv == 0``;
 ``mask`` is bool, True = may attend, broadcastable to ``(B, H, L, S)``; ``bias`` is additive float,
 broadcastable to ``(B, H, L, S)`` (−inf entries count as masked). A query row with no attendable key
 outputs zeros and gets zero weights and zero gradients.
@@ -29,7 +29,7 @@ def _as4(t: Tensor) -> Tensor:
 
 
 def group_heads(t: Tensor, H_kv: int) -> Tensor:
-    """Views a ``(B|1, H|1, L|1, S|1)`` tensor as ``(B|1, H_kv|1, G|1, L|1, S|1)`` without copying."""
+    """Views ``(B|1, H|1, L|1, S|1)`` as ``(B|1, H_kv|1, G|1, L|1, S|1)`` without copying."""
     t = _as4(t)
     if t.shape[1] == 1:
         return t.unsqueeze(2)  # (B|1, 1, 1, L|1, S|1)
@@ -66,27 +66,41 @@ def zero_dead_keys(k: Tensor, v: Tensor, keep: Tensor | None) -> tuple[Tensor, T
 
 
 def _logits(
-    q: Tensor, k: Tensor, *, scale: float, temperature: float, score: str, dtype: torch.dtype
+    q: Tensor,
+    k: Tensor,
+    *,
+    scale: float,
+    temperature: float,
+    score: str,
+    dtype: torch.dtype,
+    reorder: bool = False,
 ) -> Tensor:
     s = get_score(score)
     H_kv = k.shape[1]
     qg = s.prepare(q.to(dtype)).unflatten(1, (H_kv, q.shape[1] // H_kv if H_kv else 0))
     kg = s.prepare(k.to(dtype)).unsqueeze(2)  # (B, H_kv, 1, S, D)
     # qg: (B, H_kv, G, L, D)
+    if reorder:  # the same value with the scale folded into k first (a different rounding)
+        return qg @ (kg * (scale / temperature)).transpose(-1, -2)  # (B, H_kv, G, L, S)
     return (qg @ kg.transpose(-1, -2)) * (scale / temperature)  # (B, H_kv, G, L, S)
 
 
-def _masked_softmax(logits: Tensor, keep: Tensor | None) -> Tensor:
-    """softmax over the last dim with masked entries at exactly 0 and all-masked rows at 0."""
+def _unnormalized_softmax(logits: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(e, z)`` with ``softmax = e / z``; masked entries of e are exactly 0, all-masked rows z = 1."""
     if logits.shape[-1] == 0:
-        return logits
+        return logits, logits.new_ones(*logits.shape[:-1], 1)
     if keep is not None:
         logits = logits.masked_fill(~keep, _NEG_INF)
     m = logits.amax(dim=-1, keepdim=True).detach()  # NaN propagates through amax
     dead = m == _NEG_INF
     e = torch.exp(logits - torch.where(dead, 0.0, m))
-    denom = e.sum(dim=-1, keepdim=True)
-    return e / torch.where(dead, 1.0, denom)
+    return e, torch.where(dead, 1.0, e.sum(dim=-1, keepdim=True))
+
+
+def _masked_softmax(logits: Tensor, keep: Tensor | None) -> Tensor:
+    """softmax over the last dim with masked entries at exactly 0 and all-masked rows at 0."""
+    e, z = _unnormalized_softmax(logits, keep)
+    return e / z
 
 
 def _dropout(p: Tensor, dropout_p: float, generator: torch.Generator | None) -> Tensor:
@@ -109,6 +123,7 @@ def attention(
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
     compute_dtype: torch.dtype | None = None,
+    reorder: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Reference attention: ``softmax(score(q, k) · scale / temperature + bias, masked) @ v``.
 
@@ -122,6 +137,9 @@ def attention(
         dropout_p: probability of zeroing a weight (kept weights are scaled by 1/(1−p)).
         generator: RNG for dropout.
         compute_dtype: precision of logits and softmax; default float32 or wider.
+        reorder: fold the scale into k before the product and normalise after the weighted sum.
+            Same definition, different rounding: the tolerance rule runs it in the input dtype to
+            measure the naive formula's error.
 
     Returns:
         ``(out (B, H, L, Dv), weights (B, H, L, S))`` in q's dtype. ``weights`` are those that
@@ -134,12 +152,20 @@ def attention(
         scale = get_score(score).default_scale(q.shape[-1])
     keep = keep_mask(mask, bias)
     k, v = zero_dead_keys(k, v, keep)
-    logits = _logits(q, k, scale=scale, temperature=temperature, score=score, dtype=dtype)
+    logits = _logits(
+        q, k, scale=scale, temperature=temperature, score=score, dtype=dtype, reorder=reorder
+    )
     if bias is not None:
         logits = logits + group_heads(bias, H_kv).to(dtype)
-    p = _masked_softmax(logits, None if keep is None else group_heads(keep, H_kv))
-    p = _dropout(p, dropout_p, generator)
-    out = p @ v.to(dtype).unsqueeze(2)  # (B, H_kv, G, L, Dv)
+    e, z = _unnormalized_softmax(logits, None if keep is None else group_heads(keep, H_kv))
+    vg = v.to(dtype).unsqueeze(2)  # (B, H_kv, 1, S, Dv)
+    if reorder:  # normalise after the weighted sum: same value, different rounding
+        p = _dropout(e, dropout_p, generator)
+        out = (p @ vg) / z  # (B, H_kv, G, L, Dv)
+        p = p / z
+    else:
+        p = _dropout(e / z, dropout_p, generator)
+        out = p @ vg  # (B, H_kv, G, L, Dv)
     out = out.flatten(1, 2).to(q.dtype)  # (B, H, L, Dv)
     weights = p.flatten(1, 2).to(q.dtype)  # (B, H, L, S)
     return out.reshape(B, H, L, Dv), weights.reshape(B, H, L, S)
@@ -155,7 +181,7 @@ def logsumexp(
     temperature: float = 1.0,
     score: str = "dot",
 ) -> Tensor:
-    """Reference log-sum-exp of the masked logits, ``(B, H, L)`` in float32 or wider (−inf if empty)."""
+    """Reference log-sum-exp of the masked logits ``(B, H, L)``, float32+, −inf if empty."""
     B, H, L, _ = q.shape
     H_kv = k.shape[1]
     dtype = compute_dtype_for(q.dtype)

@@ -22,12 +22,15 @@ class Backend:
         run: computes ``(out (B, H, L, Dv), weights (B, H, L, S) or None)`` for a request.
         supports: returns None if the request is supported, else the reason it is not.
         description: one line for ``attnlab.backends()`` listings and ``attnlab check``.
+        tiled: True if it accumulates the softmax online over key tiles; the tolerance rule then
+            also accepts 10× the naive *mean* error in float32 (FlexAttention's allowance).
     """
 
     name: str
     run: RunFn
     supports: SupportsFn
     description: str
+    tiled: bool = False
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -68,7 +71,9 @@ def select(name: str, req: Request) -> tuple[Backend, str]:
         ValueError: an explicitly named backend does not support the request.
     """
     if req.is_empty:
-        return _BACKENDS["reference"], "an empty dimension (B, H, L or S is 0) takes the reference path"
+        return _BACKENDS[
+            "reference"
+        ], "an empty dimension (B, H, L or S is 0) takes the reference path"
     if name != "auto":
         backend = _BACKENDS[name]
         why_not = backend.supports(req)
@@ -81,6 +86,9 @@ def select(name: str, req: Request) -> tuple[Backend, str]:
         why_not = backend.supports(req)
         if why_not is None:
             because = f" ({'; '.join(skipped)})" if skipped else ""
-            return backend, f"auto picked {candidate!r}: the fastest backend that supports the call{because}"
+            return (
+                backend,
+                f"auto picked {candidate!r}: the fastest backend that supports the call{because}",
+            )
         skipped.append(f"not {candidate!r}: {why_not}")
     raise AssertionError("the reference backend supports every request")  # pragma: no cover

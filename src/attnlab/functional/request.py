@@ -22,7 +22,7 @@ materialise it once.
 
 @dataclass
 class Request:
-    """One attention call after validation. Tensors are 4-D: q ``(B, H, L, D)``, k/v ``(B, H_kv, S, ·)``."""
+    """One validated attention call; q ``(B, H, L, D)``, k/v ``(B, H_kv, S, ·)`` (always 4-D)."""
 
     q: Tensor
     k: Tensor
@@ -57,15 +57,18 @@ def _index_grid(B: int, H: int, L: int, S: int, device: torch.device) -> tuple[T
 
 
 def materialize_bias(bias: BiasFn, dims: Dims, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Evaluates a function bias on the full grid: a float tensor broadcastable to ``(B, H, L, S)``."""
+    """Evaluates a function bias on the full grid: float, broadcastable to ``(B, H, L, S)``."""
     out = bias(*_index_grid(dims.B, dims.H, dims.L, dims.S, device))
     if not isinstance(out, Tensor) or not out.is_floating_point():
         got = f"dtype {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
         raise TypeError(f"bias function must return a float tensor, got {got}")
     target = (dims.B, dims.H, dims.L, dims.S)
-    if out.dim() > 4 or any(a not in (1, b) for a, b in zip(reversed(out.shape), reversed(target), strict=False)):
+    if out.dim() > 4 or any(
+        a not in (1, b) for a, b in zip(reversed(out.shape), reversed(target), strict=False)
+    ):
         raise ValueError(
-            f"bias function returned shape {tuple(out.shape)}, not broadcastable to (B, H, L, S) = {target}"
+            f"bias function returned shape {tuple(out.shape)}, not broadcastable to "
+            f"(B, H, L, S) = {target}"
         )
     return out.to(dtype)
 

@@ -44,9 +44,9 @@ def _inv_sqrt(d: int) -> float:
 
 
 SCORES: dict[str, Score] = {
-    # s = q·k, scaled by 1/√D (Vaswani et al.: keeps the logit variance ≈ 1 for unit-variance inputs).
+    # s = q·k, scaled by 1/√D (Vaswani et al.: logit variance ≈ 1 for unit-variance inputs).
     "dot": Score("dot", _identity, _inv_sqrt),
-    # s = cos(q, k) = q·k / (‖q‖‖k‖), in [−1, 1]; scale defaults to 1 (sharpen with scale or temperature).
+    # s = cos(q, k) = q·k / (‖q‖‖k‖) in [−1, 1]; default scale 1 (sharpen via scale/temperature).
     "cosine": Score("cosine", _unit, lambda d: 1.0),
 }
 
@@ -58,7 +58,9 @@ def get_score(name: object) -> Score:
     return SCORES[name]
 
 
-def register_score(name: str, prepare: Callable[[Tensor], Tensor], default_scale: Callable[[int], float]) -> None:
+def register_score(
+    name: str, prepare: Callable[[Tensor], Tensor], default_scale: Callable[[int], float]
+) -> None:
     """Adds a dot-reducible score ``s(q, k) = prepare(q) · prepare(k)`` to the registry."""
     if name in SCORES:
         raise ValueError(f"score {name!r} is already registered")

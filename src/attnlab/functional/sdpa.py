@@ -5,10 +5,12 @@ Defined to equal `reference.attention` (see that function for the meaning of eve
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .reference import keep_mask, zero_dead_keys
+from .reference_backend import reference_run
 from .request import Request, request_dense
 from .scores import get_score
 
@@ -20,8 +22,20 @@ def sdpa_supports(req: Request) -> str | None:
     return None
 
 
-def sdpa_run(req: Request) -> tuple[Tensor, None]:
-    """Runs torch SDPA: bottom-right masks become dense masks, except plain causal with L == S."""
+def _all_finite(*xs: Tensor) -> bool:
+    # One reduction per tensor, no temporaries: NaN/inf anywhere makes the sum non-finite
+    # (an overflowing sum only sends a finite input down the exact reference path). Only q and k
+    # need it: NaN in v propagates through the kernel's matmul exactly as in the reference.
+    return all(bool(torch.isfinite(x.sum(dtype=torch.float32))) for x in xs)
+
+
+def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
+    """Runs torch SDPA: bottom-right masks become dense masks, except plain causal with L == S.
+
+    torch's kernel returns zeros for a query row whose logits are NaN (it treats the row as fully
+    masked); attnlab propagates NaN instead, so queries or keys holding NaN/inf (outside fully
+    masked key positions) are computed by the reference definition.
+    """
     d = req.dims
     s = get_score(req.score)
     q, k, v = req.q, req.k, req.v
@@ -33,10 +47,16 @@ def sdpa_run(req: Request) -> tuple[Tensor, None]:
         allowed, additive = request_dense(req)
         if allowed is not None or additive is not None:
             k, v = zero_dead_keys(k, v, keep_mask(allowed, additive))
+        if not _all_finite(q, k):
+            return reference_run(req)[0], None
         if additive is not None:
-            attn_mask = additive if allowed is None else additive.masked_fill(~allowed, float("-inf"))
+            attn_mask = (
+                additive if allowed is None else additive.masked_fill(~allowed, float("-inf"))
+            )
         else:
             attn_mask = allowed
+    elif not _all_finite(q, k):
+        return reference_run(req)[0], None
     return (
         F.scaled_dot_product_attention(
             q,
@@ -46,9 +66,7 @@ def sdpa_run(req: Request) -> tuple[Tensor, None]:
             dropout_p=req.dropout_p,
             is_causal=is_causal,
             scale=req.scale / req.temperature,
-            enable_gqa=d.H != d.H_kv,
+            enable_gqa=d.H_kv != d.H,
         ),
         None,
     )
-
-

@@ -71,7 +71,8 @@ class Mask:
         nh = self.num_heads if self.num_heads is not None else 1
         if batch is not None and self.batch_size not in (None, 1) and batch != self.batch_size:
             raise ValueError(
-                f"mask: expected a batch of {self.batch_size} (the mask's batch size), got batch={batch}"
+                f"mask: expected a batch of {self.batch_size} (the mask's batch size), "
+                f"got batch={batch}"
             )
         if heads is not None and self.num_heads not in (None, 1) and heads != self.num_heads:
             raise ValueError(
@@ -125,7 +126,8 @@ class Mask:
 
     def _row_chunks(self, L: int, S: int):
         step = max(1, _CHUNK_ELEMENTS // max(S, 1))
-        for start in range(0, L, step):
+        # L = 0 still evaluates one empty chunk, so the (B|1, H|1) dims match `to_dense`.
+        for start in range(0, max(L, 1), step):
             yield start, min(L, start + step)
 
     def row_counts(
@@ -147,8 +149,6 @@ class Mask:
         for lo, hi in self._row_chunks(L, S):
             rows = torch.arange(lo, hi, device=device)
             parts.append(self._eval_rows(rows, L, S, nb, nh, device).sum(-1))
-        if not parts:
-            return torch.zeros(1, 1, 0, dtype=torch.long, device=device)
         nbo = max(p.shape[0] for p in parts)
         nho = max(p.shape[1] for p in parts)
         return torch.cat([p.expand(nbo, nho, -1) for p in parts], dim=-1)
@@ -167,7 +167,9 @@ class Mask:
         per_slice = counts.sum(-1)  # (B|1, H|1)
         return int(per_slice.expand(nb, nh).sum().item())
 
-    def density(self, L: int, S: int, *, batch: int | None = None, heads: int | None = None) -> float:
+    def density(
+        self, L: int, S: int, *, batch: int | None = None, heads: int | None = None
+    ) -> float:
         """Fraction of the ``B·H·L·S`` pairs that are attended."""
         nb = batch if batch is not None else (self.batch_size or 1)
         nh = heads if heads is not None else (self.num_heads or 1)
@@ -192,14 +194,17 @@ class Mask:
             ragged end cover only the positions that exist.
         """
         _check_lengths(L, S)
+        for name, size in (("block_q", block_q), ("block_k", block_k)):
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise TypeError(f"{name} must be an int, got {type(size).__name__}")
         if block_q < 1 or block_k < 1:
             raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
         nb, nh = self._batch_heads(batch, heads)
-        nq, nk = -(-L // block_q), -(-S // block_k)
+        nk = -(-S // block_k)
         pad_s = nk * block_k - S
         rows_per_chunk = max(block_q, (_CHUNK_ELEMENTS // max(S, 1)) // block_q * block_q)
         parts = []
-        for lo in range(0, L, rows_per_chunk):
+        for lo in range(0, max(L, 1), rows_per_chunk):  # L = 0: one empty chunk
             hi = min(L, lo + rows_per_chunk)
             m = self._eval_rows(torch.arange(lo, hi, device=device), L, S, nb, nh, device)
             anyv = m.to(torch.int8)
@@ -212,8 +217,6 @@ class Mask:
             has = anyv.view(shp).amax(dim=(3, 5))  # (B|1, H|1, nq_chunk, nk)
             full = allv.view(shp).amin(dim=(3, 5))
             parts.append((has + full).to(torch.int8))
-        if not parts:
-            return torch.zeros(1, 1, nq, nk, dtype=torch.int8, device=device)
         nbo = max(p.shape[0] for p in parts)
         nho = max(p.shape[1] for p in parts)
         return torch.cat([p.expand(nbo, nho, -1, -1) for p in parts], dim=2)
@@ -229,13 +232,16 @@ class Mask:
     def _default_size(self) -> tuple[int, int]:
         return 8, 8
 
+    # True when the mask only renders at its own `_default_size` (it holds a tensor of fixed size).
+    _pins_size = False
+
     def __str__(self) -> str:
         L, S = self._default_size()
         return f"{self!r}  (L={L}, S={S})\n{self.render(L, S)}"
 
     # ----------------------------------------------------------------- algebra
     def __and__(self, other: Mask) -> Mask:
-        return _Combined("&", _as_mask(other, "&"), self)
+        return _Combined("&", self, _as_mask(other, "&"))
 
     def __rand__(self, other: Mask) -> Mask:
         return _Combined("&", _as_mask(other, "&"), self)
@@ -274,13 +280,16 @@ class _Combined(Mask):
         self.op, self.a, self.b = op, a, b
         self.batch_size = _merge_dim("batch_size", a.batch_size, b.batch_size)
         self.num_heads = _merge_dim("num_heads", a.num_heads, b.num_heads)
+        self._pins_size = a._pins_size or b._pins_size
 
     def _eval(self, b, h, i, j, L, S):
         x, y = self.a._eval(b, h, i, j, L, S), self.b._eval(b, h, i, j, L, S)
         return x & y if self.op == "&" else x | y
 
     def _default_size(self) -> tuple[int, int]:
-        return max(self.a._default_size(), self.b._default_size())
+        # A fixed-size operand (a tensor, document ids) decides; otherwise the larger picture.
+        pinned = [m._default_size() for m in (self.a, self.b) if m._pins_size]
+        return pinned[0] if pinned else max(self.a._default_size(), self.b._default_size())
 
     def __repr__(self) -> str:
         return f"({self.a!r} {self.op} {self.b!r})"
@@ -290,6 +299,7 @@ class _Not(Mask):
     def __init__(self, inner: Mask) -> None:
         self.inner = inner
         self.batch_size, self.num_heads = inner.batch_size, inner.num_heads
+        self._pins_size = inner._pins_size
 
     def _eval(self, b, h, i, j, L, S):
         return ~self.inner._eval(b, h, i, j, L, S)
@@ -304,6 +314,8 @@ class _Not(Mask):
 class TensorMask(Mask):
     """A mask given as a bool tensor broadcastable to ``(B, H, L, S)`` (True = may attend)."""
 
+    _pins_size = True
+
     def __init__(self, t: Tensor) -> None:
         if not isinstance(t, Tensor):
             raise TypeError(f"from_tensor: expected a bool Tensor, got {_describe(t)}")
@@ -311,7 +323,8 @@ class TensorMask(Mask):
             raise TypeError(f"from_tensor: expected dtype torch.bool, got {t.dtype}")
         if t.dim() < 2 or t.dim() > 4:
             raise ValueError(
-                f"from_tensor: expected 2 to 4 dims broadcastable to (B, H, L, S), got shape {tuple(t.shape)}"
+                "from_tensor: expected 2 to 4 dims broadcastable to (B, H, L, S), "
+                f"got shape {tuple(t.shape)}"
             )
         self.t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # (B|1, H|1, L|1, S|1)
         self.batch_size = self.t.shape[0] if self.t.shape[0] > 1 else None
@@ -369,7 +382,12 @@ class FnMask(Mask):
         self.name = name or getattr(fn, "__name__", "fn")
 
     def _eval(self, b, h, i, j, L, S):
-        return self.fn(b, h, i + (S - L), j)
+        out = self.fn(b, h, i + (S - L), j)
+        # Checked here, not only on the final result: inside `&`/`|` a Python bool or an int
+        # tensor would otherwise be silently absorbed (or fail with a torch-internal error).
+        if not isinstance(out, Tensor) or out.dtype != torch.bool:
+            raise TypeError(f"mask function must return a bool tensor, got {_describe(out)}")
+        return out
 
     def __repr__(self) -> str:
         return f"from_fn({self.name})"

@@ -24,10 +24,13 @@ def _positive_int(name: str, value: object, minimum: int = 1) -> int:
 
 def _index_tensor(name: str, values: object, *, ndim: tuple[int, ...]) -> Tensor:
     t = values if isinstance(values, Tensor) else torch.as_tensor(values)
+    if not isinstance(values, Tensor) and t.numel() == 0:
+        t = t.long()  # an empty list has no dtype of its own (torch makes it float)
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
     if t.dim() not in ndim:
-        raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dims, got shape {tuple(t.shape)}")
+        dims = " or ".join(map(str, ndim))
+        raise ValueError(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
     return t.long()
 
 
@@ -53,7 +56,7 @@ class CausalMask(Mask):
 
 
 class SlidingWindowMask(Mask):
-    """A band of ``window`` keys (causal) or ``2·window − 1`` keys (non-causal) around each query."""
+    """A band of ``window`` keys (causal) or ``2·window − 1`` keys (non-causal) around a query."""
 
     def __init__(self, window: int, causal: bool = True) -> None:
         self.window = _positive_int("window", window)
@@ -88,7 +91,9 @@ class PaddingMask(Mask):
         self.batch_size = int(self.lengths.numel())
 
     def _eval(self, b, h, i, j, L, S):
-        return j < self.lengths.to(j.device)[b]
+        n = self.lengths.to(j.device)
+        # One length broadcasts over a batch of any size (batch_size 1 combines with any batch).
+        return j < (n[b] if n.numel() != 1 else n.view(1, 1, 1, 1))
 
     def row_counts(self, L, S, *, batch=None, heads=None, device=None):
         _check_lengths(L, S)
@@ -132,7 +137,9 @@ class GlobalLocalMask(Mask):
         else:
             self.global_idx = _index_tensor("global_tokens", global_tokens, ndim=(1,))
             if (self.global_idx < 0).any():
-                raise ValueError(f"global_tokens positions must be >= 0, got {self.global_idx.tolist()}")
+                raise ValueError(
+                    f"global_tokens positions must be >= 0, got {self.global_idx.tolist()}"
+                )
 
     def _is_global(self, pos: Tensor) -> Tensor:
         g = self.global_idx.to(pos.device)
@@ -197,7 +204,8 @@ class BigBirdMask(Mask):
     def __repr__(self) -> str:
         return (
             f"bigbird(block_size={self.block_size}, window_blocks={self.window_blocks}, "
-            f"global_blocks={self.global_blocks}, random_blocks={self.random_blocks}, seed={self.seed})"
+            f"global_blocks={self.global_blocks}, random_blocks={self.random_blocks}, "
+            f"seed={self.seed})"
         )
 
 
@@ -207,6 +215,8 @@ class DocumentMask(Mask):
     ``ids`` has shape ``(S,)`` or ``(B, S)`` and labels every key position; the queries are the last
     ``L`` positions (bottom-right alignment). Combine with ``causal()`` for packed causal LMs.
     """
+
+    _pins_size = True
 
     def __init__(self, ids: Sequence[int] | Tensor) -> None:
         self.ids = _index_tensor("ids", ids, ndim=(1, 2))
@@ -222,7 +232,7 @@ class DocumentMask(Mask):
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: Sequence[int] | Tensor) -> DocumentMask:
-        """Builds the mask from cumulative lengths ``[0, n0, n0+n1, …]`` (flash-attn's cu_seqlens)."""
+        """Builds the mask from cumulative lengths ``[0, n0, n0+n1, …]`` (flash-attn convention)."""
         cu = _index_tensor("cu_seqlens", cu_seqlens, ndim=(1,))
         if cu.numel() < 1 or int(cu[0]) != 0 or (cu.diff() < 0).any():
             raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()}")
@@ -231,7 +241,10 @@ class DocumentMask(Mask):
     def _eval(self, b, h, i, j, L, S):
         if self.ids.shape[-1] != S:
             raise ValueError(f"document ids cover {self.ids.shape[-1]} positions, but S={S}")
-        ids = self.ids.to(i.device).reshape(-1, S)  # (B|1, S)
+        if S == 0:  # no key positions: nothing to look up (ids[..., 0] would be out of range)
+            return torch.zeros_like(j, dtype=torch.bool)
+        ids = self.ids.to(i.device)
+        ids = ids if ids.dim() == 2 else ids.view(1, S)  # (B|1, S); reshape(-1, 0) fails
         bi = b if ids.shape[0] > 1 else torch.zeros_like(b)
         p = i + (S - L)
         valid = p >= 0

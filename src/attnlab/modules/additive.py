@@ -14,7 +14,7 @@ from ..masks import Mask
 
 
 class AdditiveAttention(nn.Module):
-    """Bahdanau attention: ``e_ij = vᵀ tanh(W_q q_i + W_k k_j + b)``, ``out_i = Σ_j softmax_j(e_ij) v_j``.
+    """Bahdanau attention: ``e_ij = vᵀ tanh(W_q q_i + W_k k_j + b)``, ``out = softmax(e) V``.
 
     Computes exactly `attnlab.functional.reference.additive_attention`. Masks follow the library's
     conventions (True = may attend, bottom-right alignment, zeros for fully masked rows).
@@ -34,7 +34,11 @@ class AdditiveAttention(nn.Module):
 
     def __init__(self, query_dim: int, key_dim: int, hidden_dim: int, dropout: float = 0.0) -> None:
         super().__init__()
-        for name, value in (("query_dim", query_dim), ("key_dim", key_dim), ("hidden_dim", hidden_dim)):
+        for name, value in (
+            ("query_dim", query_dim),
+            ("key_dim", key_dim),
+            ("hidden_dim", hidden_dim),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.dropout = check_probability("dropout", dropout)
@@ -58,7 +62,7 @@ class AdditiveAttention(nn.Module):
             query: ``(B, L, Dq)``, or ``(B, Dq)`` for one query per batch item.
             key: ``(B, S, Dk)``.
             value: ``(B, S, Dv)``; defaults to ``key``.
-            mask: `Mask`, bool (True = may attend) or additive float, broadcastable to ``(B, L, S)``.
+            mask: `Mask`, bool (True = may attend) or additive float, broadcastable to (B, L, S).
             bias: additive float broadcastable to ``(B, L, S)`` or ``fn(b, h, i, j)``.
 
         Returns:
@@ -85,7 +89,11 @@ class AdditiveAttention(nn.Module):
             b_k=self.key_proj.bias,
             w_v=self.v,
             mask=None if allowed is None else allowed.squeeze(1) if allowed.dim() == 4 else allowed,
-            bias=None if additive is None else additive.squeeze(1) if additive.dim() == 4 else additive,
+            bias=None
+            if additive is None
+            else additive.squeeze(1)
+            if additive.dim() == 4
+            else additive,
             dropout_p=self.dropout if self.training else 0.0,
         )
         if single:
@@ -105,7 +113,9 @@ class AdditiveAttention(nn.Module):
             )
         dq, dk = self.query_proj.in_features, self.key_proj.in_features
         if query.shape[-1] != dq:
-            raise ValueError(f"query last dim must be query_dim={dq}, got shape {tuple(query.shape)}")
+            raise ValueError(
+                f"query last dim must be query_dim={dq}, got shape {tuple(query.shape)}"
+            )
         if key.shape[-1] != dk:
             raise ValueError(f"key last dim must be key_dim={dk}, got shape {tuple(key.shape)}")
         if not (query.shape[0] == key.shape[0] == value.shape[0]) or key.shape[1] != value.shape[1]:

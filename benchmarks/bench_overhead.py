@@ -1,0 +1,73 @@
+"""What does ``attnlab.attention(backend="auto")`` cost over the kernel it picks?
+
+Times auto against ``torch.nn.functional.scaled_dot_product_attention`` side by side, interleaved,
+on plain and causal inputs, and prints the ratio (target <= 1.05) plus the machine's fp32 matmul
+rate as the physical limit.
+
+Run: python benchmarks/bench_overhead.py [--repeats 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import attnlab
+from attnlab import masks
+
+
+def matmul_gflops(n: int = 4096, repeats: int = 5) -> float:
+    """fp32 torch.mm rate on n×n matrices, GFLOP/s (best of ``repeats``)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def compare(fns: dict[str, callable], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, measured interleaved so drift hits all alike."""
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(_timed(fn))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"fp32 matmul rate (torch.mm 4096²): {matmul_gflops():.1f} GFLOP/s\n")
+    print(f"{'case':<34} {'sdpa ms':>9} {'auto ms':>9} {'auto/sdpa':>10}  backend")
+    for B, H, L, D in ((4, 8, 512, 64), (1, 8, 2048, 64), (1, 8, 4096, 64)):
+        q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+        for label, mask, causal in (("plain", None, False), ("causal", masks.causal(), True)):
+            t = compare(
+                {
+                    "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                    "auto": lambda: attnlab.attention(q, k, v, mask=mask),
+                },
+                args.repeats,
+            )
+            chosen = attnlab.explain(q, k, v, mask=mask).split(":")[0]
+            case = f"{label} B={B} H={H} L={L} D={D}"
+            ratio = t["auto"] / t["sdpa"]
+            print(f"{case:<34} {t['sdpa'] * 1e3:9.3f} {t['auto'] * 1e3:9.3f} {ratio:10.3f}  {chosen}")
+
+
+if __name__ == "__main__":
+    main()
