@@ -8,10 +8,19 @@ Example:
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import functional, masks
+from . import functional, masks, pos, positional, viz
 from .functional import attention, backends, explain
 from .masks import Mask
-from .modules import AdditiveAttention
+from .modules import (
+    AdditiveAttention,
+    CacheOverflowError,
+    KVCache,
+    MultiHeadAttention,
+    MultiheadAttention,
+    SinkCache,
+    SlidingWindowCache,
+)
+from .positional import ALiBi, LearnedPositionalEmbedding, RoPE, SinusoidalEmbedding, T5RelativeBias
 
 try:
     __version__ = version("attnlab")
@@ -19,12 +28,26 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "ALiBi",
     "AdditiveAttention",
+    "CacheOverflowError",
+    "KVCache",
+    "LearnedPositionalEmbedding",
     "Mask",
+    "MultiHeadAttention",
+    "MultiheadAttention",
+    "RoPE",
+    "SinkCache",
+    "SinusoidalEmbedding",
+    "SlidingWindowCache",
+    "T5RelativeBias",
     "__version__",
     "attention",
     "backends",
     "explain",
     "functional",
     "masks",
+    "pos",
+    "positional",
+    "viz",
 ]

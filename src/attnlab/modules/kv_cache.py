@@ -1,0 +1,261 @@
+"""Key/value caches for incremental decoding.
+
+A cache stores keys *before* RoPE together with their positions, so that the attention module
+rotates them at every step with the current frequencies. Evicting tokens (sliding windows,
+attention sinks) and sequence-length dependent RoPE scaling (dynamic NTK) therefore stay
+consistent — rotating keys once at insertion and caching the result is the bug class peers shipped.
+
+Every cache has one method, `update`, that appends the new keys/values and returns what the new
+queries attend to: all keys, their positions, the positions of the new queries, and the mask the
+cache's eviction policy requires (or None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..masks import Mask, causal, from_fn, sliding_window
+
+
+class CacheOverflowError(ValueError):
+    """Appending to a preallocated cache would exceed its capacity (it never wraps silently)."""
+
+    def __init__(self, capacity: int, cached: int, requested: int) -> None:
+        super().__init__(
+            f"KV cache overflow: capacity is {capacity} positions, {cached} are cached and "
+            f"{requested} more were appended ({cached + requested} > {capacity})"
+        )
+        self.capacity, self.cached, self.requested = capacity, cached, requested
+
+
+@dataclass
+class CacheView:
+    """What the new queries attend to after an update.
+
+    Attributes:
+        k: keys before RoPE ``(B, H_kv, S, D)``.
+        v: values ``(B, H_kv, S, Dv)``.
+        k_positions: RoPE positions of the keys, ``(B|1, S)``.
+        q_positions: RoPE positions of the new queries, ``(B|1, T)``.
+        mask: the mask the eviction policy needs on top of the caller's, or None.
+    """
+
+    k: Tensor
+    v: Tensor
+    k_positions: Tensor
+    q_positions: Tensor
+    mask: Mask | None
+
+
+def _check_kv(k: Tensor, v: Tensor) -> None:
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"cache update: {name} must be (B, H_kv, T, ·), got {got}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"cache update: k {tuple(k.shape)} and v {tuple(v.shape)} disagree on (B, H_kv, T)"
+        )
+
+
+def _positions(positions: Tensor | None, start: int, T: int, device: torch.device) -> Tensor:
+    if positions is None:
+        return torch.arange(start, start + T, device=device).view(1, T)  # (1, T)
+    p = positions.to(device=device, dtype=torch.long)
+    p = p.view(1, -1) if p.dim() == 1 else p  # (B|1, T)
+    if p.dim() != 2 or p.shape[-1] != T:
+        raise ValueError(
+            f"positions must be (T,) or (B, T) with T={T}, got {tuple(positions.shape)}"
+        )
+    return p
+
+
+class KVCache:
+    """A growing key/value cache; with ``capacity`` it is preallocated and never exceeds it.
+
+    Args:
+        capacity: None for a dynamic cache (amortised doubling), or the fixed number of positions
+            to preallocate; appending beyond it raises `CacheOverflowError`.
+
+    Example:
+        >>> cache = KVCache()
+        >>> out = mha(x_prompt, mask=masks.causal(), cache=cache)   # prefill
+        >>> out = mha(x_next, mask=masks.causal(), cache=cache)     # one token at a time
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
+        if capacity is not None and (
+            isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+        ):
+            raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
+        self.capacity = capacity
+        self._k: Tensor | None = None
+        self._v: Tensor | None = None
+        self._pos: Tensor | None = None
+        self._len = 0
+        self.seen = 0  # tokens ever appended (the next default position)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def reset(self) -> None:
+        """Forgets every cached token."""
+        self.__init__(self.capacity)  # type: ignore[misc]
+
+    def _reserve(self, k: Tensor, v: Tensor, pos: Tensor, extra: int) -> None:
+        need = self._len + extra
+        if self.capacity is not None and need > self.capacity:
+            raise CacheOverflowError(self.capacity, self._len, extra)
+        have = 0 if self._k is None else self._k.shape[2]
+        if need <= have:
+            return
+        size = self.capacity if self.capacity is not None else max(need, 2 * have, 16)
+        B, H_kv, _, D = k.shape
+        nk = k.new_empty(B, H_kv, size, D)
+        nv = v.new_empty(B, H_kv, size, v.shape[-1])
+        npos = pos.new_zeros(pos.shape[0], size)
+        if self._k is not None:
+            nk[:, :, : self._len] = self._k[:, :, : self._len]
+            nv[:, :, : self._len] = self._v[:, :, : self._len]  # type: ignore[index]
+            npos[:, : self._len] = self._pos[:, : self._len]  # type: ignore[index]
+        self._k, self._v, self._pos = nk, nv, npos
+
+    def _append(self, k: Tensor, v: Tensor, pos: Tensor) -> None:
+        if self._k is not None and (
+            k.shape[:2] != self._k.shape[:2] or k.shape[-1] != self._k.shape[-1]
+        ):
+            raise ValueError(
+                f"cache update: k of shape {tuple(k.shape)} does not match the cached "
+                f"(B, H_kv, ·, D) = {tuple(self._k.shape[:2])} + (·, {self._k.shape[-1]})"
+            )
+        if self._pos is not None and pos.shape[0] != self._pos.shape[0]:
+            self._pos = self._pos.expand(max(pos.shape[0], self._pos.shape[0]), -1).clone()
+            pos = pos.expand(self._pos.shape[0], -1)
+        T = k.shape[2]
+        self._reserve(k, v, pos, T)
+        assert self._k is not None and self._v is not None and self._pos is not None
+        self._k[:, :, self._len : self._len + T] = k
+        self._v[:, :, self._len : self._len + T] = v
+        self._pos[:, self._len : self._len + T] = pos
+        self._len += T
+        self.seen += T
+
+    def _stored(self) -> tuple[Tensor, Tensor, Tensor]:
+        assert self._k is not None and self._v is not None and self._pos is not None
+        n = self._len
+        return self._k[:, :, :n], self._v[:, :, :n], self._pos[:, :n]
+
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheView:
+        """Appends keys ``(B, H_kv, T, D)`` (before RoPE) and values; returns what queries see.
+
+        Args:
+            k, v: the new keys and values.
+            positions: RoPE positions of the new tokens ``(T,)`` or ``(B, T)``; default the next
+                ``T`` positions after everything appended so far.
+        """
+        _check_kv(k, v)
+        T = k.shape[2]
+        pos = _positions(positions, self.seen, T, k.device)
+        self._append(k, v, pos)
+        ks, vs, ps = self._stored()
+        return CacheView(ks, vs, ps, pos, None)
+
+
+class SlidingWindowCache(KVCache):
+    """Keeps only the last ``window`` positions (Mistral-style sliding-window attention).
+
+    The view it returns carries ``sliding_window(window)``, so a multi-token update attends exactly
+    as later single-token steps will.
+    """
+
+    def __init__(self, window: int) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int, got {window!r}")
+        super().__init__(None)
+        self.window = window
+
+    def reset(self) -> None:
+        self.__init__(self.window)  # type: ignore[misc]
+
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheView:
+        _check_kv(k, v)
+        T = k.shape[2]
+        pos = _positions(positions, self.seen, T, k.device)
+        self._append(k, v, pos)
+        ks, vs, ps = self._stored()
+        view = CacheView(ks, vs, ps, pos, sliding_window(self.window))
+        self._evict(keep_first=0)
+        return view
+
+    def _evict(self, keep_first: int) -> None:
+        excess = self._len - keep_first - self.window
+        if excess <= 0:
+            return
+        assert self._k is not None and self._v is not None and self._pos is not None
+        n = self._len
+        keep = torch.cat((torch.arange(keep_first), torch.arange(keep_first + excess, n)))
+        keep = keep.to(self._k.device)
+        self._k = self._k[:, :, keep].contiguous()
+        self._v = self._v[:, :, keep].contiguous()
+        self._pos = self._pos[:, keep].contiguous()
+        self._len = keep.numel()
+
+
+class SinkCache(SlidingWindowCache):
+    """StreamingLLM: keeps the first ``sink_tokens`` tokens (the sinks) and the last ``window``.
+
+    RoPE positions are positions *in the cache* (the sinks at 0…n−1, the window right after), as
+    in StreamingLLM: keys are stored before RoPE and re-rotated at each step, so evicting tokens
+    never leaves stale rotations behind. A single-token step evicts first and then attends to
+    exactly the kept tokens. A multi-token update (a prompt) attends causally to the sinks plus
+    the last ``window`` keys of each query over the concatenated keys, then evicts.
+    """
+
+    def __init__(self, sink_tokens: int, window: int) -> None:
+        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be a non-negative int, got {sink_tokens!r}")
+        super().__init__(window)
+        self.sink_tokens = sink_tokens
+
+    def reset(self) -> None:
+        self.__init__(self.sink_tokens, self.window)  # type: ignore[misc]
+
+    def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheView:
+        if positions is not None:
+            raise ValueError(
+                "SinkCache assigns positions itself (positions in the cache); pass None"
+            )
+        _check_kv(k, v)
+        T = k.shape[2]
+        n_sink = self.sink_tokens  # the first n_sink stored keys are always the sinks
+        self._append(k, v, torch.zeros(1, T, dtype=torch.long, device=k.device))
+        mask = None
+        if T == 1:
+            self._evict(keep_first=min(self.sink_tokens, self._len))
+        else:
+            window = self.window
+
+            def sink_or_window(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+                return (j <= i) & ((j < n_sink) | (i - j < window))
+
+            mask = from_fn(sink_or_window)
+        ks, vs, _ = self._stored()
+        S = ks.shape[2]
+        cache_pos = torch.arange(S, device=k.device).view(1, S)  # (1, S)
+        view = CacheView(ks, vs, cache_pos, cache_pos[:, S - T :], mask)
+        if T > 1:
+            self._evict(keep_first=min(self.sink_tokens, self._len))
+        return view
+
+
+__all__ = [
+    "CacheOverflowError",
+    "CacheView",
+    "KVCache",
+    "SinkCache",
+    "SlidingWindowCache",
+    "causal",
+]

@@ -1,0 +1,272 @@
+"""Multi-head attention with grouped-query heads, RoPE, function biases and a KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from .._shapes import check_probability
+from ..functional import attention
+from ..functional.registry import check_backend_name
+from ..functional.request import BiasFn
+from ..masks import Mask, from_tensor
+from .kv_cache import KVCache
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _combine(user: Mask | Tensor | None, policy: Mask | None) -> Mask | Tensor | None:
+    if policy is None:
+        return user
+    if user is None:
+        return policy
+    if isinstance(user, Tensor) and user.dtype != torch.bool:
+        raise ValueError("a float (additive) mask cannot be combined with a cache's window mask")
+    return policy & (user if isinstance(user, Mask) else from_tensor(user))
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention: ``out = W_o · concat_h attn(x W_q^h, x W_k^{g(h)}, x W_v^{g(h)})``.
+
+    Query head ``h`` uses key/value head ``g(h) = h // G`` with ``G = num_heads / num_kv_heads``
+    (GQA; MQA when ``num_kv_heads = 1``). Self-attention uses one fused QKV projection; with
+    ``kdim``/``vdim`` different from ``embed_dim`` the projections are separate.
+
+    Args:
+        embed_dim: E, model dimension (inputs and outputs are batch-first ``(B, L, E)``).
+        num_heads: H, query heads; ``E % H == 0`` and the head dim is ``D = E / H``.
+        num_kv_heads: H_kv, key/value heads (default H); ``H % H_kv == 0``.
+        dropout: dropout on the attention weights in training mode.
+        bias: whether the projections have biases.
+        kdim, vdim: feature sizes of key and value inputs for cross-attention (default E).
+        rope: an `attnlab.positional.RoPE` applied to q and k (keys are cached before it).
+        bias_fn: an additive bias ``fn(b, h, i, j)`` such as `attnlab.positional.ALiBi`.
+        backend: the `attnlab.attention` backend.
+
+    Example:
+        >>> mha = MultiHeadAttention(256, 8, num_kv_heads=2, rope=RoPE(32))
+        >>> y = mha(torch.randn(2, 10, 256), mask=masks.causal())   # (2, 10, 256)
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        rope: nn.Module | None = None,
+        bias_fn: BiasFn | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        E = _positive("embed_dim", embed_dim)
+        H = _positive("num_heads", num_heads)
+        H_kv = H if num_kv_heads is None else _positive("num_kv_heads", num_kv_heads)
+        if E % H:
+            raise ValueError(f"embed_dim={E} must be divisible by num_heads={H}")
+        if H % H_kv:
+            raise ValueError(f"num_heads={H} must be divisible by num_kv_heads={H_kv}")
+        self.embed_dim, self.num_heads, self.num_kv_heads = E, H, H_kv
+        self.head_dim = E // H
+        self.kdim = E if kdim is None else _positive("kdim", kdim)
+        self.vdim = E if vdim is None else _positive("vdim", vdim)
+        self.dropout = check_probability("dropout", dropout)
+        self.backend = check_backend_name(backend)
+        self.rope = rope
+        self.bias_fn = bias_fn
+        D = self.head_dim
+        if self.kdim == E and self.vdim == E:
+            self.qkv_proj: nn.Linear | None = nn.Linear(E, (H + 2 * H_kv) * D, bias=bias)
+            self.q_proj = self.k_proj = self.v_proj = None
+        else:
+            self.qkv_proj = None
+            self.q_proj = nn.Linear(E, H * D, bias=bias)
+            self.k_proj = nn.Linear(self.kdim, H_kv * D, bias=bias)
+            self.v_proj = nn.Linear(self.vdim, H_kv * D, bias=bias)
+        self.out_proj = nn.Linear(H * D, E, bias=bias)
+
+    # ------------------------------------------------------------------ projections
+    def _weights(self) -> tuple[tuple[Tensor, Tensor | None], ...]:
+        """``((W_q, b_q), (W_k, b_k), (W_v, b_v))`` as views of the parameters."""
+        if self.qkv_proj is None:
+            return tuple((p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj))  # type: ignore[union-attr]
+        sizes = [self.num_heads * self.head_dim, *(2 * [self.num_kv_heads * self.head_dim])]
+        ws = self.qkv_proj.weight.split(sizes)
+        bs = self.qkv_proj.bias.split(sizes) if self.qkv_proj.bias is not None else (None,) * 3
+        return tuple(zip(ws, bs, strict=True))
+
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        B, L, _ = x.shape
+        return x.view(B, L, n, self.head_dim).transpose(1, 2)  # (B, n, L, D)
+
+    def project(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None):
+        """q ``(B, H, L, D)``, k ``(B, H_kv, S, D)``, v ``(B, H_kv, S, D)`` before RoPE."""
+        H, H_kv = self.num_heads, self.num_kv_heads
+        if key is None and self.qkv_proj is not None:
+            qkv = self.qkv_proj(query)  # (B, L, (H + 2 H_kv) D)
+            q, k, v = qkv.split([H * self.head_dim, *(2 * [H_kv * self.head_dim])], dim=-1)
+        else:
+            (wq, bq), (wk, bk), (wv, bv) = self._weights()
+            key = query if key is None else key
+            value = key if value is None else value
+            q = nn.functional.linear(query, wq, bq)  # (B, L, H D)
+            k = nn.functional.linear(key, wk, bk)  # (B, S, H_kv D)
+            v = nn.functional.linear(value, wv, bv)  # (B, S, H_kv D)
+        return self._heads(q, H), self._heads(k, H_kv), self._heads(v, H_kv)
+
+    def _check(self, query: Tensor, key: Tensor | None, value: Tensor | None) -> None:
+        def bad(name: str, t: object, dim: int) -> bool:
+            return not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != dim
+
+        if bad("query", query, self.embed_dim):
+            got = tuple(query.shape) if isinstance(query, Tensor) else type(query).__name__
+            raise ValueError(f"query must be (B, L, embed_dim={self.embed_dim}), got {got}")
+        if key is not None and bad("key", key, self.kdim):
+            got = tuple(key.shape) if isinstance(key, Tensor) else type(key).__name__
+            raise ValueError(f"key must be (B, S, kdim={self.kdim}), got {got}")
+        if value is not None and bad("value", value, self.vdim):
+            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(f"value must be (B, S, vdim={self.vdim}), got {got}")
+        if key is None and value is not None:
+            raise ValueError("value given without key")
+        if key is None and (self.kdim != self.embed_dim or self.vdim != self.embed_dim):
+            raise ValueError(
+                f"self-attention needs kdim = vdim = embed_dim; this module has kdim={self.kdim}, "
+                f"vdim={self.vdim}: pass key and value"
+            )
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Mask | Tensor | None = None,
+        cache: KVCache | None = None,
+        need_weights: bool = False,
+        positions: Tensor | int | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attends from ``query`` to ``key``/``value`` (self-attention when key is None).
+
+        Args:
+            query: ``(B, L, E)``. key: ``(B, S, kdim)``. value: ``(B, S, vdim)`` (default key).
+            mask: `Mask`, bool (True = may attend) or additive float, broadcastable to
+                ``(B, H, L, S)`` where S counts cached keys too; bottom-right aligned.
+            cache: a `KVCache` (self-attention): new keys/values are appended and the queries
+                attend to everything cached, with the cache's eviction mask applied.
+            need_weights: also return the weights ``(B, H, L, S)``.
+            positions: RoPE positions of the queries (and keys, in self-attention): ``(L,)``,
+                ``(B, L)`` or an int offset; default ``0…L−1``, or the cache's next positions.
+
+        Returns:
+            ``(B, L, E)``, or ``(out, weights)`` with ``need_weights=True``.
+        """
+        self._check(query, key, value)
+        if cache is not None and key is not None:
+            raise ValueError("cache is for self-attention: call with key=None when passing a cache")
+        q, k, v = self.project(query, key, value)
+        B, _, L, _ = q.shape
+        q_pos = k_pos = positions
+        if cache is not None:
+            if isinstance(positions, int) and not isinstance(positions, bool):
+                positions = torch.arange(positions, positions + L, device=q.device)
+            view = cache.update(k, v, positions)
+            k, v, k_pos, q_pos = view.k, view.v, view.k_positions, view.q_positions
+            mask = _combine(mask, view.mask)
+        if self.rope is not None:
+            if key is not None and positions is None:
+                k_pos = None
+            seq_len = None
+            if isinstance(k_pos, Tensor) and k_pos.numel():
+                seq_len = int(k_pos.max()) + 1
+            q = self.rope(q, q_pos, seq_len=seq_len)
+            k = self.rope(k, k_pos, seq_len=seq_len)
+        result = attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            bias=self.bias_fn,
+            dropout_p=self.dropout if self.training else 0.0,
+            backend=self.backend,
+            return_weights=need_weights,
+        )
+        out, weights = result if need_weights else (result, None)
+        out = out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim)  # (B, L, H D)
+        out = self.out_proj(out)  # (B, L, E)
+        return (out, weights) if need_weights else out
+
+    # ------------------------------------------------------------------ pruning
+    @torch.no_grad()
+    def prune_heads(self, heads: Iterable[int]) -> None:
+        """Removes query heads, shrinking the Q and O projections (and K/V, group-aware).
+
+        Under GQA a key/value head is removed only when every query head of its group is pruned;
+        the remaining heads' outputs are unchanged (bit-for-bit up to the matmul sizes).
+
+        Raises:
+            ValueError: an index outside ``[0, num_heads)``, or pruning every head.
+        """
+        H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        drop = sorted(set(int(h) for h in heads))
+        if any(h < 0 or h >= H for h in drop):
+            raise ValueError(f"heads to prune must be in [0, {H}), got {drop}")
+        if len(drop) == H:
+            raise ValueError(f"cannot prune all {H} heads")
+        if not drop:
+            return
+        if self.bias_fn is not None:
+            raise ValueError(
+                "prune_heads: this module has a per-head bias_fn whose heads would no longer line "
+                "up; prune the bias's heads and set bias_fn again"
+            )
+        G = H // H_kv
+        keep_q = [h for h in range(H) if h not in drop]
+        keep_kv = sorted({h // G for h in keep_q})
+        groups = [[h for h in keep_q if h // G == g] for g in keep_kv]
+        if len({len(gr) for gr in groups}) != 1:
+            raise ValueError(
+                f"pruning {drop} would leave key/value groups of unequal sizes "
+                f"{[len(gr) for gr in groups]}; GQA needs the same number of query heads per group"
+            )
+
+        def rows(idx: list[int]) -> Tensor:
+            return torch.cat([torch.arange(i * D, (i + 1) * D) for i in idx])
+
+        (wq, bq), (wk, bk), (wv, bv) = self._weights()
+        rq, rkv = rows(keep_q), rows(keep_kv)
+        parts = [(wq[rq], None if bq is None else bq[rq])]
+        parts += [(w[rkv], None if b is None else b[rkv]) for w, b in ((wk, bk), (wv, bv))]
+        has_bias = parts[0][1] is not None
+        if self.qkv_proj is not None:
+            new = nn.Linear(self.embed_dim, sum(w.shape[0] for w, _ in parts), bias=has_bias)
+            new = new.to(wq)
+            new.weight.copy_(torch.cat([w for w, _ in parts]))
+            if has_bias:
+                new.bias.copy_(torch.cat([b for _, b in parts]))  # type: ignore[misc]
+            self.qkv_proj = new
+        else:
+            for name, (w, b) in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
+                lin = nn.Linear(w.shape[1], w.shape[0], bias=has_bias).to(w)
+                lin.weight.copy_(w)
+                if has_bias:
+                    lin.bias.copy_(b)  # type: ignore[arg-type]
+                setattr(self, name, lin)
+        out = nn.Linear(len(keep_q) * D, self.embed_dim, bias=self.out_proj.bias is not None)
+        out = out.to(self.out_proj.weight)
+        out.weight.copy_(self.out_proj.weight[:, rq])
+        if self.out_proj.bias is not None:
+            out.bias.copy_(self.out_proj.bias)
+        self.out_proj = out
+        self.num_heads, self.num_kv_heads = len(keep_q), len(keep_kv)

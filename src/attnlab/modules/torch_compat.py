@@ -1,0 +1,237 @@
+"""`MultiheadAttention`: a drop-in for `torch.nn.MultiheadAttention` running on attnlab's attention.
+
+Same constructor, parameter names (so state dicts load both ways), forward signature, mask dialect
+(``key_padding_mask`` True = ignore; bool ``attn_mask`` True = not allowed; float masks additive)
+and outputs. The one deliberate difference: a query that may attend to nothing returns zeros and
+zero weights where torch returns NaN (pytorch #41508, #160064).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from .._shapes import check_probability
+from ..functional import attention
+from ..functional.registry import check_backend_name
+
+
+def _additive(mask: Tensor, name: str, dtype: torch.dtype) -> Tensor:
+    """torch's dialect → additive float: bool True (= not allowed) becomes −inf."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, -math.inf)
+    if not mask.is_floating_point():
+        raise TypeError(f"{name} must be bool or float, got {mask.dtype}")
+    return mask.to(dtype)
+
+
+class MultiheadAttention(nn.Module):
+    """Drop-in replacement for `torch.nn.MultiheadAttention` (same arguments and state dict).
+
+    Args:
+        embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first,
+        device, dtype: exactly as in torch.
+        backend: the `attnlab.attention` backend (keyword only; not in torch).
+
+    Example:
+        >>> theirs = torch.nn.MultiheadAttention(64, 4, batch_first=True)
+        >>> ours = MultiheadAttention(64, 4, batch_first=True)
+        >>> ours.load_state_dict(theirs.state_dict())
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
+        kw = {"device": device, "dtype": dtype}
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_dim = embed_dim // num_heads
+        self.kdim = embed_dim if kdim is None else kdim
+        self.vdim = embed_dim if vdim is None else vdim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.dropout = check_probability("dropout", dropout)
+        self.batch_first = batch_first
+        self.add_zero_attn = add_zero_attn
+        self.backend = check_backend_name(backend)
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **kw))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, **kw))
+            self.k_proj_weight = nn.Parameter(torch.empty(embed_dim, self.kdim, **kw))
+            self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, self.vdim, **kw))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **kw))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, **kw))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **kw))
+        else:
+            self.bias_k = self.bias_v = None
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        if self._qkv_same_embed_dim:
+            nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            for w in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+                nn.init.xavier_uniform_(w)
+        if self.in_proj_bias is not None:
+            nn.init.constant_(self.in_proj_bias, 0.0)
+            nn.init.constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            nn.init.xavier_normal_(self.bias_k)
+            nn.init.xavier_normal_(self.bias_v)
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        E = self.embed_dim
+        if self._qkv_same_embed_dim:
+            w_q, w_k, w_v = self.in_proj_weight.split(E)
+        else:
+            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        b = self.in_proj_bias.split(E) if self.in_proj_bias is not None else (None, None, None)
+        return F.linear(query, w_q, b[0]), F.linear(key, w_k, b[1]), F.linear(value, w_v, b[2])
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Same as `torch.nn.MultiheadAttention.forward`.
+
+        Args:
+            query: ``(L, N, E)``, ``(N, L, E)`` with batch_first, or unbatched ``(L, E)``.
+            key: ``(S, N, kdim)`` (likewise). value: ``(S, N, vdim)``.
+            key_padding_mask: ``(N, S)`` (``(S,)`` unbatched); bool True = ignore, or additive.
+            need_weights: return the weights too.
+            attn_mask: ``(L, S)`` or ``(N·num_heads, L, S)``; bool True = not allowed, or additive.
+            average_attn_weights: average the returned weights over heads.
+            is_causal: torch's hint that ``attn_mask`` is the causal mask: as in torch, when no
+                key_padding_mask is given and weights are not needed, the (top-left) causal mask
+                is used in place of ``attn_mask``.
+
+        Returns:
+            ``(attn_output, attn_weights or None)`` shaped as torch's.
+        """
+        batched = query.dim() == 3
+        if not batched:
+            if query.dim() != 2:
+                raise ValueError(f"query must be (L, E) or 3-D, got shape {tuple(query.shape)}")
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif self.batch_first:
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))  # (L|S, N, ·)
+        L, N, E = query.shape
+        S = key.shape[0]
+        H, D = self.num_heads, self.head_dim
+        if self.embed_dim != E:
+            raise ValueError(f"query embed dim must be {self.embed_dim}, got {E}")
+        if key.shape[:2] != value.shape[:2] or key.shape[1] != N:
+            raise ValueError(
+                f"key {tuple(key.shape)} and value {tuple(value.shape)} must share (S, N) with "
+                f"N={N} from query"
+            )
+        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (N, S):
+            raise ValueError(
+                f"key_padding_mask must have shape (N, S) = {(N, S)}, "
+                f"got {tuple(key_padding_mask.shape)}"
+            )
+        if is_causal and attn_mask is None:
+            raise RuntimeError("Need attn_mask if specifying the is_causal hint.")
+        if attn_mask is not None:
+            want = ((L, S), (N * H, L, S))
+            if tuple(attn_mask.shape) not in want:
+                raise ValueError(
+                    f"attn_mask must have shape (L, S) = {want[0]} or (N·num_heads, L, S) = "
+                    f"{want[1]}, got {tuple(attn_mask.shape)}"
+                )
+        dtype = query.dtype
+        # torch's contract: with this hint, the top-left causal mask over the final keys replaces
+        # attn_mask when no padding mask is given and no weights are needed.
+        causal_hint = is_causal and key_padding_mask is None and not need_weights
+        if causal_hint:
+            attn_mask = None
+        q, k, v = self._project(query, key, value)  # (L, N, E), (S, N, E), (S, N, E)
+        add = None if attn_mask is None else _additive(attn_mask, "attn_mask", dtype)
+        add = None if add is None else add.view(-1, add.shape[-2], S)  # (1|N·H, L, S)
+        kpm = (
+            None
+            if key_padding_mask is None
+            else _additive(key_padding_mask, "key_padding_mask", dtype)
+        )
+        if self.bias_k is not None:
+            k = torch.cat([k, self.bias_k.expand(1, N, E)])  # (S+1, N, E)
+            v = torch.cat([v, self.bias_v.expand(1, N, E)])
+            add = None if add is None else F.pad(add, (0, 1))
+            kpm = None if kpm is None else F.pad(kpm, (0, 1))
+        q = q.view(L, N, H, D).permute(1, 2, 0, 3)  # (N, H, L, D)
+        k = k.view(k.shape[0], N, H, D).permute(1, 2, 0, 3)  # (N, H, S', D)
+        v = v.view(v.shape[0], N, H, D).permute(1, 2, 0, 3)  # (N, H, S', D)
+        if self.add_zero_attn:
+            k = F.pad(k, (0, 0, 0, 1))  # (N, H, S'+1, D)
+            v = F.pad(v, (0, 0, 0, 1))
+            add = None if add is None else F.pad(add, (0, 1))
+            kpm = None if kpm is None else F.pad(kpm, (0, 1))
+        if causal_hint:
+            S_final = k.shape[2]
+            add = _additive(
+                torch.ones(L, S_final, dtype=torch.bool, device=q.device).triu(1), "", dtype
+            )
+            add = add.unsqueeze(0)  # (1, L, S')
+        mask = None
+        if add is not None:
+            mask = add.view(N, H, L, -1) if add.shape[0] > 1 else add.view(1, 1, L, -1)
+        if kpm is not None:
+            kpm = kpm.view(N, 1, 1, -1)  # (N, 1, 1, S')
+            mask = kpm if mask is None else mask + kpm
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:  # auto picks a backend that returns weights
+            out, weights = attention(q, k, v, mask=mask, dropout_p=dropout_p, return_weights=True)
+        else:
+            out = attention(q, k, v, mask=mask, dropout_p=dropout_p, backend=self.backend)
+            weights = None
+        out = out.permute(2, 0, 1, 3).reshape(L, N, E)  # (L, N, E)
+        out = self.out_proj(out)
+        if self.batch_first and batched:
+            out = out.transpose(0, 1)  # (N, L, E)
+        if not batched:
+            out = out.squeeze(1)  # (L, E)
+        if weights is not None:
+            if average_attn_weights:
+                weights = weights.mean(dim=1)  # (N, L, S')
+            if not batched:
+                weights = weights.squeeze(0)
+        return out, weights

@@ -1,0 +1,63 @@
+"""Argument checks shared by the positional encodings; every error names the argument."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
+    """An int (not a bool), at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_even_dim(name: str, value: object) -> int:
+    """A positive even int (a rotary or sinusoidal width pairs its dimensions)."""
+    value = check_int(name, value, minimum=1)
+    if value % 2:
+        raise ValueError(f"{name} must be even (dimensions come in sin/cos pairs), got {value}")
+    return value
+
+
+def check_real(
+    name: str,
+    value: object,
+    *,
+    greater: float | None = None,
+    at_least: float | None = None,
+) -> float:
+    """A finite real number (not a bool), optionally ``> greater`` or ``>= at_least``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if greater is not None and not value > greater:
+        raise ValueError(f"{name} must be > {greater:g}, got {value:g}")
+    if at_least is not None and not value >= at_least:
+        raise ValueError(f"{name} must be >= {at_least:g}, got {value:g}")
+    return value
+
+
+def check_positions(name: str, positions: object) -> Tensor:
+    """An integer tensor of positions."""
+    if not isinstance(positions, Tensor):
+        raise TypeError(f"{name} must be an integer tensor, got {type(positions).__name__}")
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got dtype {positions.dtype}")
+    return positions
+
+
+def check_head_index(owner: str, num_heads: int, h: Tensor) -> None:
+    """Raises if a function bias is evaluated on more heads than it was built for."""
+    if h.numel() and int(h.max()) >= num_heads:
+        raise ValueError(
+            f"{owner} was built with num_heads={num_heads}, but the attention call has "
+            f"H={int(h.max()) + 1} query heads"
+        )

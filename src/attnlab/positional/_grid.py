@@ -1,0 +1,38 @@
+"""Rendering a function bias ``fn(b, h, i, j)`` on a full grid (for pictures and tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ._checks import check_int
+
+
+def dense_bias(
+    fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
+    H: int,
+    L: int,
+    S: int | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Evaluates ``fn`` on the full grid, aligned bottom-right like `attnlab.attention`.
+
+    Args:
+        fn: a function bias on broadcastable Long index tensors b, h, i, j.
+        H: number of heads.
+        L: query length; query row r sits at key position ``r + S − L``.
+        S: key length (default L).
+        device: device of the index tensors.
+
+    Returns:
+        ``(H, L, S)`` float tensor.
+    """
+    L = check_int("L", L, minimum=0)
+    S = L if S is None else check_int("S", S, minimum=0)
+    b = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    i = (torch.arange(L, device=device) + (S - L)).view(1, 1, L, 1)
+    j = torch.arange(S, device=device).view(1, 1, 1, S)
+    return fn(b, h, i, j).expand(1, H, L, S)[0]  # (H, L, S)

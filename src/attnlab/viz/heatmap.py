@@ -1,0 +1,178 @@
+"""General heatmaps: one matrix, or a grid of matrices (e.g. one per head), saved as a PNG."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+PathLike = str | os.PathLike[str]
+
+
+def new_figure(width: float, height: float) -> Figure:
+    """A matplotlib Figure that is not registered with pyplot (no global state, no GUI backend)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as err:  # pragma: no cover - exercised with a monkeypatched import
+        raise ImportError(
+            "attnlab.viz needs matplotlib; install it with `pip install 'attnlab[viz]'`"
+        ) from err
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def save_figure(fig: Figure, path: PathLike, dpi: int) -> Path:
+    """Writes the figure as a PNG (creating parent folders) and returns the path."""
+    out = Path(path)
+    if out.suffix.lower() != ".png":
+        raise ValueError(f"path must end in .png, got {str(out)!r}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=dpi)
+    return out
+
+
+def as_matrix(name: str, matrix: Tensor | Any) -> Any:
+    """A 2-D float64 numpy array from a tensor or array-like (ValueError naming the shape)."""
+    t = matrix.detach() if isinstance(matrix, Tensor) else torch.as_tensor(matrix)
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (rows, cols), got shape {tuple(t.shape)}")
+    return t.to("cpu", torch.float64).numpy()
+
+
+def draw_heatmap(
+    fig: Figure,
+    ax: Axes,
+    matrix: Tensor | Any,
+    *,
+    title: str | None = None,
+    xlabel: str | None = None,
+    ylabel: str | None = None,
+    cmap: str = "viridis",
+    vmin: float | None = None,
+    vmax: float | None = None,
+    colorbar_label: str | None = None,
+    name: str = "matrix",
+) -> None:
+    """Draws one matrix on ``ax``: row 0 at the top, one cell per entry, with a colorbar."""
+    data = as_matrix(name, matrix)
+    image = ax.imshow(
+        data, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest"
+    )
+    if title:
+        ax.set_title(title, fontsize=10)
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    bar = fig.colorbar(image, ax=ax, shrink=0.9)
+    if colorbar_label:
+        bar.set_label(colorbar_label)
+
+
+def heatmap(
+    matrix: Tensor | Any,
+    path: PathLike,
+    *,
+    title: str | None = None,
+    xlabel: str | None = "key position j",
+    ylabel: str | None = "query position i",
+    cmap: str = "viridis",
+    vmin: float | None = None,
+    vmax: float | None = None,
+    colorbar_label: str | None = None,
+    size: tuple[float, float] = (6.0, 5.0),
+    dpi: int = 100,
+) -> Path:
+    """Saves one ``(rows, cols)`` matrix as a PNG heatmap (row 0 at the top).
+
+    Args:
+        matrix: 2-D tensor or array, e.g. attention weights ``(L, S)`` of one head.
+        path: where to write the PNG.
+        title, xlabel, ylabel: text; the default labels suit ``(L, S)`` attention matrices.
+        cmap: matplotlib colormap name.
+        vmin, vmax: colour range (default: the data range).
+        colorbar_label: label of the colour bar.
+        size: figure size in inches.
+        dpi: pixels per inch.
+
+    Returns:
+        The path written.
+    """
+    fig = new_figure(*size)
+    draw_heatmap(
+        fig, fig.add_subplot(), matrix, title=title, xlabel=xlabel, ylabel=ylabel, cmap=cmap,
+        vmin=vmin, vmax=vmax, colorbar_label=colorbar_label,
+    )
+    return save_figure(fig, path, dpi)
+
+
+def heatmaps(
+    matrices: Tensor | Sequence[Tensor | Any],
+    path: PathLike,
+    *,
+    titles: Sequence[str] | None = None,
+    suptitle: str | None = None,
+    ncols: int = 4,
+    xlabel: str | None = "key position j",
+    ylabel: str | None = "query position i",
+    cmap: str = "viridis",
+    shared_scale: bool = False,
+    colorbar_label: str | None = None,
+    panel_size: float = 3.0,
+    dpi: int = 100,
+) -> Path:
+    """Saves a grid of heatmaps, e.g. one panel per head of an ``(H, L, S)`` tensor.
+
+    Args:
+        matrices: ``(N, rows, cols)`` tensor or a sequence of N 2-D matrices.
+        path: where to write the PNG.
+        titles: one title per panel (default "head 0", "head 1", …).
+        suptitle: title of the whole figure.
+        ncols: panels per row.
+        xlabel, ylabel: axis labels of every panel.
+        cmap: matplotlib colormap name.
+        shared_scale: one colour range for all panels (default: each panel its own, which suits
+            heads whose scales differ, like ALiBi's slopes).
+        colorbar_label: label of the colour bars.
+        panel_size: inches per panel.
+        dpi: pixels per inch.
+
+    Returns:
+        The path written.
+    """
+    panels = list(matrices.unbind(0)) if isinstance(matrices, Tensor) else list(matrices)
+    if not panels:
+        raise ValueError("matrices must hold at least one matrix, got none")
+    if titles is not None and len(titles) != len(panels):
+        raise ValueError(
+            f"titles must have one entry per matrix ({len(panels)}), got {len(titles)}"
+        )
+    if isinstance(ncols, bool) or not isinstance(ncols, int) or ncols < 1:
+        raise ValueError(f"ncols must be a positive int, got {ncols!r}")
+    data = [as_matrix(f"matrices[{n}]", m) for n, m in enumerate(panels)]
+    vmin = vmax = None
+    if shared_scale:
+        vmin = min(float(d.min()) for d in data if d.size) if any(d.size for d in data) else None
+        vmax = max(float(d.max()) for d in data if d.size) if any(d.size for d in data) else None
+    cols = min(ncols, len(data))
+    rows = math.ceil(len(data) / cols)
+    fig = new_figure(panel_size * cols + 0.8, panel_size * rows + (0.5 if suptitle else 0.0))
+    if suptitle:
+        fig.suptitle(suptitle)
+    for n, d in enumerate(data):
+        ax = fig.add_subplot(rows, cols, n + 1)
+        draw_heatmap(
+            fig, ax, d, title=titles[n] if titles is not None else f"head {n}",
+            xlabel=xlabel if n // cols == rows - 1 else None,
+            ylabel=ylabel if n % cols == 0 else None,
+            cmap=cmap, vmin=vmin, vmax=vmax, colorbar_label=colorbar_label,
+        )
+    return save_figure(fig, path, dpi)

@@ -1,0 +1,127 @@
+"""Pictures of positional encodings: the sinusoidal table, RoPE's spectrum, ALiBi/T5 biases."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..positional import RoPE, dense_bias, sinusoidal
+from .heatmap import PathLike, draw_heatmap, heatmaps, new_figure, save_figure
+
+
+def plot_sinusoidal(
+    path: PathLike,
+    length: int = 128,
+    dim: int = 64,
+    base: float = 10000.0,
+    *,
+    dpi: int = 100,
+) -> Path:
+    """Saves the sinusoidal table ``PE (length, dim)`` as a heatmap: positions down, dims across.
+
+    Fast sin/cos pairs on the left vary from row to row; slow pairs on the right barely change.
+    """
+    table = sinusoidal(length, dim, base, dtype=torch.float64)  # (P, E)
+    fig = new_figure(7.0, 5.0)
+    draw_heatmap(
+        fig, fig.add_subplot(), table, title=f"sinusoidal PE (dim={dim}, base={base:g})",
+        xlabel="dimension (even: sin, odd: cos)", ylabel="position p", cmap="RdBu_r",
+        vmin=-1.0, vmax=1.0, colorbar_label="PE[p, d]",
+    )
+    return save_figure(fig, path, dpi)
+
+
+def plot_rope_spectrum(
+    path: PathLike,
+    rope: RoPE | Mapping[str, RoPE],
+    length: int = 256,
+    *,
+    dpi: int = 100,
+) -> Path:
+    """Saves RoPE's frequency spectrum: ``cos(p·θ_i)`` as a heatmap, and wavelengths per pair.
+
+    Left: the rotation angle of every pair i (rows) at positions ``0..length−1`` (columns) for the
+    first RoPE. Right: the wavelength ``2π/θ_i`` of every pair on a log axis, one line per RoPE,
+    which shows how a scaling (linear, ntk, yarn, llama3, …) stretches the slow frequencies.
+
+    Args:
+        path: where to write the PNG.
+        rope: a `RoPE`, or ``{label: RoPE}`` to compare several.
+        length: positions shown in the heatmap.
+        dpi: pixels per inch.
+    """
+    ropes = {"rope": rope} if isinstance(rope, RoPE) else dict(rope)
+    if not ropes or not all(isinstance(r, RoPE) for r in ropes.values()):
+        raise ValueError(f"rope must be a RoPE or a non-empty {{label: RoPE}} dict, got {rope!r}")
+    label, first = next(iter(ropes.items()))
+    cos, _ = first.cos_sin(torch.arange(length), dtype=torch.float64)  # (P, R/2)
+    fig = new_figure(12.0, 4.8)
+    left, right = fig.subplots(1, 2, width_ratios=(3, 2))
+    draw_heatmap(
+        fig, left, cos.T / first.attention_scaling, title=f"cos(p·θ_i), {label}",
+        xlabel="position p", ylabel="pair i (fast → slow)", cmap="RdBu_r", vmin=-1.0, vmax=1.0,
+    )
+    originals = set()
+    for name, r in ropes.items():
+        wavelength = 2 * math.pi / r.inv_freq  # (R/2,)
+        right.plot(wavelength.numpy(), marker=".", label=name)
+        original = (r.scaling or {}).get("original_max_position_embeddings")
+        if isinstance(original, int) and original not in originals:
+            originals.add(original)
+            right.axhline(original, color="grey", linestyle=":", linewidth=1)
+    right.set_yscale("log")
+    right.set_xlabel("pair i")
+    right.set_ylabel("wavelength 2π/θ_i (positions)")
+    right.set_title("RoPE spectrum" + (" (dotted: original length)" if originals else ""))
+    right.grid(True, which="both", alpha=0.3)
+    right.legend(fontsize=8)
+    return save_figure(fig, path, dpi)
+
+
+def plot_bias(
+    path: PathLike,
+    bias: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
+    L: int,
+    S: int | None = None,
+    *,
+    num_heads: int | None = None,
+    heads: list[int] | None = None,
+    title: str | None = None,
+    ncols: int = 4,
+    dpi: int = 100,
+) -> Path:
+    """Saves a function bias (ALiBi, T5RelativeBias, …) as one ``(L, S)`` heatmap per head.
+
+    Args:
+        path: where to write the PNG.
+        bias: a function bias ``fn(b, h, i, j)``; ALiBi and T5RelativeBias know their head count.
+        L: query length. S: key length (default L); rows are aligned bottom-right.
+        num_heads: H, for biases that do not carry ``num_heads``.
+        heads: which heads to draw (default all, up to 8).
+        title: figure title (default: the bias's repr).
+        ncols: panels per row.
+        dpi: pixels per inch.
+    """
+    H = num_heads if num_heads is not None else getattr(bias, "num_heads", None)
+    if not isinstance(H, int) or isinstance(H, bool) or H < 1:
+        raise ValueError(f"num_heads must be given for this bias (a positive int), got {H!r}")
+    with torch.no_grad():
+        dense = dense_bias(bias, H, L, S)  # (H, L, S)
+    chosen = list(range(min(H, 8))) if heads is None else list(heads)
+    bad = [h for h in chosen if not 0 <= h < H]
+    if bad or not chosen:
+        raise ValueError(f"heads must be a non-empty list of indices in [0, {H}), got {heads!r}")
+    slopes = getattr(bias, "slopes", None)  # ALiBi: show each head's slope
+    if isinstance(slopes, Tensor) and slopes.numel() == H:
+        titles = [f"head {h}, slope {float(slopes[h]):.3g}" for h in chosen]
+    else:
+        titles = [f"head {h}" for h in chosen]
+    return heatmaps(
+        [dense[h] for h in chosen], path, titles=titles,
+        suptitle=title if title is not None else repr(bias), ncols=ncols, colorbar_label="bias",
+        dpi=dpi,
+    )
