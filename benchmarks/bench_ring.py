@@ -1,0 +1,104 @@
+"""Ring attention on 1, 2 and 4 local gloo ranks: time and peak memory per rank.
+
+Fixed global sequence (causal, zigzag layout, float32); forward + backward. Peak memory is the
+growth of the resident set from before the inputs are allocated to the end of the step (Linux
+VmHWM after resetting it through /proc/self/clear_refs): inputs, outputs, gradients and every
+buffer of the call, but not the interpreter and torch themselves. On one 2-core
+machine the ranks share the cores, so times show overhead, not speed-up; the memory column is the
+point: each rank holds 1/W of the sequence.
+
+Run: python benchmarks/bench_ring.py [--seq 16384] [--heads 8] [--dim 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import attnlab
+from attnlab.distributed import ring_attention
+from attnlab.distributed.launch import run_local
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _measure(make_inputs, step) -> tuple[float, float]:
+    """(seconds of step, peak RSS growth in MiB from before make_inputs to after step)."""
+    _reset_peak()
+    before = _status_kb("VmRSS:")
+    inputs = make_inputs()
+    t0 = time.perf_counter()
+    step(*inputs)
+    elapsed = time.perf_counter() - t0
+    return elapsed, (_status_kb("VmHWM:") - before) / 1024
+
+
+def _warm_up(step, H: int, D: int) -> None:
+    """First-call costs (thread pools, gloo connections, kernels) on a tiny problem."""
+    step(*(torch.randn(1, H, 64, D).requires_grad_() for _ in range(3)))
+
+
+def _rank(rank: int, world: int, N: int, H: int, D: int) -> dict:
+    L = N // world
+
+    def step(q, k, v):
+        ring_attention(q, k, v, causal=True, layout="zigzag").sum().backward()
+
+    _warm_up(step, H, D)
+    g = torch.Generator().manual_seed(rank)
+    seconds, mib = _measure(
+        lambda: [torch.randn(1, H, L, D, generator=g).requires_grad_() for _ in range(3)], step
+    )
+    return {"seconds": seconds, "peak_mib": mib}
+
+
+def _single(N: int, H: int, D: int, backend: str) -> dict:
+    def step(q, k, v):
+        attnlab.attention(q, k, v, mask=attnlab.masks.causal(), backend=backend).sum().backward()
+
+    _warm_up(step, H, D)
+    seconds, mib = _measure(
+        lambda: [torch.randn(1, H, N, D).requires_grad_() for _ in range(3)], step
+    )
+    return {"seconds": seconds, "peak_mib": mib}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=16384)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    args = parser.parse_args()
+    N, H, D = args.seq, args.heads, args.dim
+    print(f"global sequence N={N}, B=1, H={H}, D={D}, float32, causal, zigzag; fwd+bwd")
+    backend = "flash" if "flash" in attnlab.backends() else "sdpa"
+    single = _single(N, H, D, backend)
+    print(
+        f"single process ({backend}): {single['seconds']:.2f} s, peak +{single['peak_mib']:.0f} MiB"
+    )
+    print(f"{'ranks':>5} {'max s/rank':>11} {'peak MiB/rank':>14} {'vs single':>10}")
+    for world in (1, 2, 4):
+        results = run_local(_rank, world, N, H, D, timeout=1800, threads=max(1, 2 // world))
+        bad = [p for s, p in results if s != "ok"]
+        if bad:
+            raise SystemExit(f"world {world} failed: {bad[0]}")
+        secs = max(p["seconds"] for _, p in results)
+        peak = max(p["peak_mib"] for _, p in results)
+        print(f"{world:>5} {secs:>11.2f} {peak:>14.0f} {peak / single['peak_mib']:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

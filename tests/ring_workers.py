@@ -1,0 +1,197 @@
+"""Functions run on spawned gloo ranks by tests/test_ring.py (module level, so they pickle)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import attnlab
+from attnlab import masks
+from attnlab.distributed import ring as ring_mod
+from attnlab.distributed import ring_attention, shard, unshard
+
+
+def _global_inputs(case: dict) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(case["seed"])
+    B, H, H_kv, N, D = case["B"], case["H"], case["H_kv"], case["N"], case["D"]
+    dtype = case["dtype"]
+    q = torch.randn(B, H, N, D, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, H_kv, N, D, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(B, H_kv, N, D, generator=g, dtype=torch.float64).to(dtype)
+    dout = torch.randn(B, H, N, D, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v, dout
+
+
+def _mask(case: dict):
+    if case.get("mask") == "window":
+        return masks.sliding_window(5, causal=False)
+    if case.get("mask") == "document":
+        N = case["N"]
+        return masks.document(torch.arange(N) * 3 // N)
+    return None
+
+
+def _full(q, k, v, dout, case, backend):
+    xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    m = _mask(case)
+    if case["causal"]:
+        m = masks.causal() if m is None else masks.causal() & m
+    out = attnlab.attention(*xs, mask=m, backend=backend)
+    grads = torch.autograd.grad(out, xs, dout)
+    return out.detach(), grads
+
+
+def exactness(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    results = []
+    for case in cases:
+        q, k, v, dout = _global_inputs(case)
+        layout = case["layout"]
+        gold_out, gold_grads = _full(*(t.double() for t in (q, k, v, dout)), case, "reference")
+        single_out, single_grads = _full(
+            q, k, v, dout, case, "reference" if q.dtype == torch.float64 else "sdpa"
+        )
+        xs = [shard(t, layout=layout).detach().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*xs, causal=case["causal"], mask=_mask(case), layout=layout)
+        grads = torch.autograd.grad(out, xs, shard(dout, layout=layout))
+        full_out = unshard(out.detach(), layout=layout)
+        full_grads = [unshard(g, layout=layout) for g in grads]
+        err = lambda a, b: float((a.double() - b.double()).abs().max())  # noqa: E731
+        results.append(
+            {
+                "case": case,
+                "fwd_vs_single": err(full_out, single_out),
+                "grad_vs_single": max(
+                    err(a, b) for a, b in zip(full_grads, single_grads, strict=True)
+                ),
+                "fwd_vs_gold": err(full_out, gold_out),
+                "grad_vs_gold": max(err(a, b) for a, b in zip(full_grads, gold_grads, strict=True)),
+                "finite": bool(torch.isfinite(full_out).all())
+                and all(bool(torch.isfinite(g).all()) for g in full_grads),
+            }
+        )
+    return results
+
+
+def determinism_and_hops_all(rank: int, world: int) -> dict:
+    return {layout: determinism_and_hops(rank, world, layout) for layout in ("contiguous", "zigzag")}
+
+
+def determinism_and_hops(rank: int, world: int, layout: str) -> dict:
+    case = {"seed": 3, "B": 1, "H": 2, "H_kv": 1, "N": 8 * world, "D": 16, "dtype": torch.float32}
+    q, k, v, dout = _global_inputs(case)
+    calls = []
+    original = ring_mod._Ring.start
+
+    def counting(self, tensors):
+        calls.append(len(tensors))
+        return original(self, tensors)
+
+    ring_mod._Ring.start = counting
+    xs = [shard(t, layout=layout).detach().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*xs, causal=True, layout=layout)
+    fwd_calls = list(calls)
+    first = None
+    bit_equal = True
+    for _ in range(20):
+        grads = torch.autograd.grad(
+            ring_attention(*xs, causal=True, layout=layout), xs, shard(dout, layout=layout)
+        )
+        if first is None:
+            first = grads
+        else:
+            bit_equal &= all(torch.equal(a, b) for a, b in zip(first, grads, strict=True))
+    out2 = ring_attention(*xs, causal=True, layout=layout)
+    ring_mod._Ring.start = original
+    return {"fwd_rotations": len(fwd_calls), "bit_equal": bit_equal and torch.equal(out, out2)}
+
+
+def mismatches(rank: int, world: int, fields: list[str]) -> list[str]:
+    """Every field in turn: the group stays usable because every rank raises after the gather."""
+    return [mismatch(rank, world, f) for f in fields]
+
+
+def mismatch(rank: int, world: int, field: str) -> str:
+    B, H, H_kv, L, D, dtype, causal = 1, 2, 2, 8, 16, torch.float32, False
+    if rank == 1:
+        if field == "local_len":
+            L = 16
+        elif field == "heads":
+            H, H_kv = 4, 4
+        elif field == "head_dim":
+            D = 8
+        elif field == "causal":
+            causal = True
+        elif field == "dtype":
+            dtype = torch.float64
+    q = torch.randn(B, H, L, D, dtype=dtype)
+    k = torch.randn(B, H_kv, L, D, dtype=dtype)
+    try:
+        ring_attention(q, k, k.clone(), causal=causal)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def dies_or_stalls(rank: int, world: int, mode: str, victim: int, timeout: float) -> dict:
+    case = {"seed": 1, "B": 1, "H": 2, "H_kv": 2, "N": 8 * world, "D": 16, "dtype": torch.float32}
+    q, k, v, _ = _global_inputs(case)
+    xs = [shard(t) for t in (q, k, v)]
+    original = ring_mod._Ring.start
+
+    def faulty(self, tensors):
+        if rank == victim and self.hops == 1:
+            if mode == "die":
+                os._exit(3)
+            time.sleep(timeout + 6)
+        return original(self, tensors)
+
+    ring_mod._Ring.start = faulty
+    t0 = time.monotonic()
+    try:
+        ring_attention(*xs, timeout=timeout)
+    except ring_mod.RingAttentionError as e:
+        return {"error": str(e), "peer": e.peer, "elapsed": time.monotonic() - t0}
+    return {"error": None, "elapsed": time.monotonic() - t0}
+
+
+def big_exchange(rank: int, world: int, mb: int) -> float:
+    n = mb * 1024 * 1024 // 4
+    ring = ring_mod._Ring(None, rank, world, None)
+    t0 = time.monotonic()
+    blocks = [torch.full((n,), float(rank)), torch.full((n,), float(rank))]
+    for _ in range(world - 1):
+        blocks = ring.start(blocks)()
+    ok = float(blocks[0][0]) == float((rank + 1) % world)  # after W-1 hops we hold rank+1's block
+    elapsed = time.monotonic() - t0
+    return elapsed if ok else -1.0
+
+
+def module_parity_all(rank: int, world: int) -> dict:
+    return {layout: module_parity(rank, world, layout) for layout in ("contiguous", "zigzag")}
+
+
+def module_parity(rank: int, world: int, layout: str) -> float:
+    from attnlab.distributed import RingMultiHeadAttention
+    from attnlab.modules import MultiHeadAttention
+    from attnlab.positional import RoPE
+
+    torch.manual_seed(0)
+    local = MultiHeadAttention(32, 4, num_kv_heads=2, rope=RoPE(8)).double()
+    ring = RingMultiHeadAttention(
+        32, 4, num_kv_heads=2, rope=RoPE(8), causal=True, layout=layout
+    ).double()
+    ring.load_state_dict(local.state_dict())
+    x = torch.randn(
+        2, 8 * world, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
+    )
+    want = local(x, mask=masks.causal())
+    got = unshard(ring(shard(x, layout=layout, dim=1)), layout=layout, dim=1)
+    return float((got - want).abs().max())
+
+
+def init_check(rank: int, world: int) -> str:
+    dist.barrier()
+    return "ok"

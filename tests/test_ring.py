@@ -1,0 +1,157 @@
+"""Ring attention on 1–4 real gloo ranks (loopback), RELIABILITY R1–R10 and H8."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+import ring_workers as W
+from attnlab.distributed import ring_attention
+from attnlab.distributed.launch import run_local
+
+
+def _ok(results):
+    for status, payload in results:
+        assert status == "ok", payload
+    return [p for _, p in results]
+
+
+def _cases(world: int):
+    cases = []
+    for layout in ("contiguous", "zigzag"):
+        for causal in (False, True):
+            for H, H_kv in ((2, 2), (3, 1), (4, 2)):
+                cases.append(
+                    {
+                        "seed": len(cases),
+                        "B": 2,
+                        "H": H,
+                        "H_kv": H_kv,
+                        "N": 6 * world,
+                        "D": 16,
+                        "dtype": torch.float32,
+                        "layout": layout,
+                        "causal": causal,
+                    }
+                )
+    cases.append(
+        {
+            "seed": 90,
+            "B": 1,
+            "H": 2,
+            "H_kv": 1,
+            "N": 4 * world,
+            "D": 8,
+            "dtype": torch.float64,
+            "layout": "zigzag",
+            "causal": True,
+        }
+    )
+    cases.append(
+        {
+            "seed": 91,
+            "B": 1,
+            "H": 2,
+            "H_kv": 2,
+            "N": 6 * world,
+            "D": 8,
+            "dtype": torch.float32,
+            "layout": "contiguous",
+            "causal": False,
+            "mask": "window",
+        }
+    )
+    cases.append(
+        {
+            "seed": 92,
+            "B": 1,
+            "H": 2,
+            "H_kv": 2,
+            "N": 6 * world,
+            "D": 8,
+            "dtype": torch.float32,
+            "layout": "zigzag",
+            "causal": True,
+            "mask": "document",
+        }
+    )
+    cases.append(
+        {
+            "seed": 93,
+            "B": 1,
+            "H": 2,
+            "H_kv": 2,
+            "N": 4 * world,
+            "D": 8,
+            "dtype": torch.bfloat16,
+            "layout": "contiguous",
+            "causal": True,
+        }
+    )
+    return cases
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_r7_h8_ring_equals_single_process(world):
+    results = _ok(run_local(W.exactness, world, _cases(world), timeout=120, threads=1))
+    for rank_results in results:
+        for r in rank_results:
+            case = r["case"]
+            assert r["finite"], case
+            if case["dtype"] == torch.float64:
+                assert r["fwd_vs_gold"] < 1e-12 and r["grad_vs_gold"] < 1e-11, r
+            elif case["dtype"] == torch.float32:
+                assert r["fwd_vs_single"] <= 2e-5 * world, r
+                assert r["grad_vs_single"] <= 1e-4 * world, r
+            else:  # bf16: the fixed table (fp32 statistics) times the world size
+                assert r["fwd_vs_gold"] <= 3e-2 * world and r["grad_vs_gold"] <= 6e-2 * world, r
+
+
+def test_r8_r9_rotation_count_and_bitwise_deterministic_backward():
+    for per_layout in _ok(run_local(W.determinism_and_hops_all, 3, timeout=120, threads=1)):
+        for result in per_layout.values():
+            assert result["fwd_rotations"] == 2  # exactly W - 1 key/value rotations forward
+            assert result["bit_equal"]
+
+
+def test_r3_r4_metadata_handshake_raises_on_every_rank():
+    fields = ["local_len", "heads", "head_dim", "causal", "dtype"]
+    for messages in _ok(run_local(W.mismatches, 2, fields, timeout=60)):
+        for field, msg in zip(fields, messages, strict=True):
+            assert f"ranks disagree on {field}" in msg and "rank 1" in msg, msg
+
+
+@pytest.mark.parametrize("mode", ["die", "stall"])
+def test_r1_r2_dead_or_stalled_peer_raises_naming_it(mode):
+    timeout = 3.0
+    results = run_local(W.dies_or_stalls, 3, mode, 1, timeout, timeout=60, pg_timeout=timeout)
+    survivors = [p for r, (s, p) in enumerate(results) if r != 1]
+    for status, payload in [results[0], results[2]]:
+        assert status == "ok", payload
+    for p in survivors:
+        assert p["error"] is not None, p
+        assert p["elapsed"] <= timeout + 2 + 3, p  # timeout + 2 s (+ slack for a loaded machine)
+        assert "peer rank" in p["error"]
+    assert any(p["peer"] == 1 for p in survivors)  # someone was waiting on the victim itself
+    if mode == "die":
+        assert results[1][0] == "missing"
+    assert not multiprocessing.active_children()
+
+
+def test_r5_no_deadlock_with_large_blocks():
+    elapsed = _ok(run_local(W.big_exchange, 3, 64, timeout=60))
+    assert all(0 <= e < 10 for e in elapsed), elapsed
+
+
+def test_ring_multihead_attention_equals_local_module():
+    for errors in _ok(run_local(W.module_parity_all, 2, timeout=60, threads=1)):
+        assert all(err < 1e-12 for err in errors.values()), errors
+
+
+def test_r10_uninitialised_group_is_a_clear_error():
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(RuntimeError, match=r"needs an initialised torch.distributed process group"):
+        ring_attention(q, q, q)
+    assert not multiprocessing.active_children()
