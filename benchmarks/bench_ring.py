@@ -1,9 +1,9 @@
 """Ring attention on 1, 2 and 4 local gloo ranks: time and peak memory per rank.
 
 Fixed global sequence (causal, zigzag layout, float32); forward + backward. Peak memory is the
-growth of the resident set from before the inputs are allocated to the end of the step (Linux
-VmHWM after resetting it through /proc/self/clear_refs): inputs, outputs, gradients and every
-buffer of the call, but not the interpreter and torch themselves. On one 2-core
+growth of the resident set from before the inputs are allocated to the end of the step
+(`attnlab.analysis.measure`): inputs, outputs, gradients and every buffer of the call, but not the
+interpreter and torch themselves. (The time includes creating the inputs.) On one 2-core
 machine the ranks share the cores, so times show overhead, not speed-up; the memory column is the
 point: each rank holds 1/W of the sequence.
 
@@ -13,37 +13,19 @@ Run: python benchmarks/bench_ring.py [--seq 16384] [--heads 8] [--dim 64]
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import attnlab
+from attnlab.analysis.measure import measure
 from attnlab.distributed import ring_attention
 from attnlab.distributed.launch import run_local
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def _measure(make_inputs, step) -> tuple[float, float]:
     """(seconds of step, peak RSS growth in MiB from before make_inputs to after step)."""
-    _reset_peak()
-    before = _status_kb("VmRSS:")
-    inputs = make_inputs()
-    t0 = time.perf_counter()
-    step(*inputs)
-    elapsed = time.perf_counter() - t0
-    return elapsed, (_status_kb("VmHWM:") - before) / 1024
+    _, seconds, peak = measure(lambda: step(*make_inputs()))
+    return seconds, peak / 2**20
 
 
 def _warm_up(step, H: int, D: int) -> None:

@@ -8,7 +8,8 @@ Example:
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import functional, masks, pos, positional, viz
+from . import analysis, functional, masks, pos, positional, viz
+from .analysis import estimate
 from .functional import attention, backends, explain
 from .masks import Mask
 from .modules import (
@@ -42,8 +43,10 @@ __all__ = [
     "SlidingWindowCache",
     "T5RelativeBias",
     "__version__",
+    "analysis",
     "attention",
     "backends",
+    "estimate",
     "explain",
     "functional",
     "masks",

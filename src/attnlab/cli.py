@@ -106,6 +106,93 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from .analysis import estimate, measure_estimate
+
+    est = estimate(
+        args.seq,
+        args.d_model,
+        args.heads,
+        batch=args.batch,
+        layers=args.layers,
+        dtype=args.dtype,
+        kv_heads=args.kv_heads,
+        causal=args.causal,
+        window=args.window,
+        decode=args.decode,
+        bias=not args.no_bias,
+    )
+    c = est.config
+    print(
+        f"B={c['B']} L={c['L']} S={c['S']} E={c['E']} H={c['H']} H_kv={c['H_kv']} D={c['D']} "
+        f"layers={c['layers']} {c['dtype']}: {c['attended_pairs']:,} of {c['dense_pairs']:,} "
+        "pairs attended per head\n"
+    )
+    if args.measure:
+        measure_estimate(est)
+    print(est.table())
+    return 0
+
+
+def _cmd_experiment(args: argparse.Namespace) -> int:
+    from .analysis import scaling_experiment, temperature_experiment
+
+    if args.name == "scaling":
+        result = scaling_experiment(samples=args.samples)
+        panels_name = "SCALING_PANELS"
+    else:
+        result = temperature_experiment(samples=args.samples)
+        panels_name = "TEMPERATURE_PANELS"
+    print(result.table())
+    if args.png:
+        from .viz import experiments as viz_experiments
+
+        path = viz_experiments.plot_experiment(
+            args.png, result, getattr(viz_experiments, panels_name)
+        )
+        print(f"\nwrote {path}")
+    return 0
+
+
+def _add_analysis_commands(sub: argparse._SubParsersAction) -> None:
+    est = sub.add_parser(
+        "estimate",
+        help="parameters, FLOPs and memory of attention (naive, flash, linear)",
+        description=(
+            "Estimates parameters, FLOPs and memory of multi-head attention for the naive, tiled "
+            "(flash) and linear implementations, counting exactly the attended pairs of the mask."
+        ),
+    )
+    est.add_argument("--seq", type=int, default=1024, help="sequence length L (default 1024)")
+    est.add_argument("--d-model", type=int, default=768, help="model dimension E (default 768)")
+    est.add_argument("--heads", type=int, default=12, help="attention heads H (default 12)")
+    est.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA)")
+    est.add_argument("--batch", type=int, default=1)
+    est.add_argument("--layers", type=int, default=1)
+    est.add_argument(
+        "--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"]
+    )
+    est.add_argument("--causal", action="store_true", help="causal mask")
+    est.add_argument("--window", type=int, default=None, help="causal sliding window of W keys")
+    est.add_argument(
+        "--decode", action="store_true", help="one new token against a KV cache of --seq"
+    )
+    est.add_argument("--no-bias", action="store_true", help="projections without biases")
+    est.add_argument(
+        "--measure", action="store_true", help="also run it and print measured time and peak memory"
+    )
+    est.set_defaults(func=_cmd_estimate)
+    exp = sub.add_parser(
+        "experiment",
+        help="the textbook experiments: scaling (why 1/√d_k) and temperature",
+        description="Runs a textbook experiment, prints its table, optionally draws a PNG.",
+    )
+    exp.add_argument("name", choices=["scaling", "temperature"])
+    exp.add_argument("--samples", type=int, default=4096, help="samples per point (default 4096)")
+    exp.add_argument("--png", default=None, help="also write the plot to this PNG file")
+    exp.set_defaults(func=_cmd_experiment)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``attnlab`` command."""
     parser = argparse.ArgumentParser(
@@ -132,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("-L", type=int, default=97, help="query length (default 97, odd on purpose)")
     check.add_argument("-S", type=int, default=113, help="key length (default 113)")
     check.set_defaults(func=_cmd_check)
+    _add_analysis_commands(sub)
     for register in _EXTRA_COMMANDS:
         register(sub)
     return parser

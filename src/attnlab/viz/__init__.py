@@ -5,6 +5,11 @@ matplotlib raises ImportError naming the extra to install.
 
 - `heatmap`, `heatmaps`: any 2-D matrix, or a grid of them (one per head), as a PNG.
 - `plot_sinusoidal`, `plot_rope_spectrum`, `plot_bias`: positional encodings.
+- `attention_html`, `save_attention_html`: a self-contained HTML attention viewer (head view,
+  model view, per-head entropy, hover details) for ``(tokens, weights (layers, heads, T, T))``;
+  `attention_text`: each token's top-k attended tokens per head; `attention_png`: one PNG grid
+  of layers × heads (per-head entropies come from `attnlab.analysis`).
+- `plot_experiment`: the scaling and temperature experiments as line plots.
 
 Example:
     >>> from attnlab.positional import ALiBi
@@ -13,7 +18,21 @@ Example:
     PosixPath('alibi.png')
 """
 
+from .attention_png import attention_png
+from .attention_view import attention_html, attention_text, save_attention_html
+from .experiments import plot_experiment
 from .heatmap import heatmap, heatmaps
 from .positional import plot_bias, plot_rope_spectrum, plot_sinusoidal
 
-__all__ = ["heatmap", "heatmaps", "plot_bias", "plot_rope_spectrum", "plot_sinusoidal"]
+__all__ = [
+    "attention_html",
+    "attention_png",
+    "attention_text",
+    "heatmap",
+    "heatmaps",
+    "plot_bias",
+    "plot_experiment",
+    "plot_rope_spectrum",
+    "plot_sinusoidal",
+    "save_attention_html",
+]

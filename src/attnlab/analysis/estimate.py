@@ -1,0 +1,263 @@
+"""Parameters, FLOPs and memory of multi-head attention, for the naive, tiled and linear forms.
+
+The counts follow the shapes exactly: the score-related terms use the number of (query, key) pairs
+a mask actually attends (`Mask.attended_pairs`), never a dense or "÷2" rule. A matmul of
+``(m × k)·(k × n)`` costs ``2·m·k·n`` FLOPs; softmax costs ``5`` FLOPs per element it touches
+(max, subtract, exp, sum, divide).
+
+Example:
+    >>> est = estimate(1024, 768, 12, batch=32, dtype="float16")
+    >>> est.value("score matrix", "naive") / 2**20
+    768.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import masks as _masks
+from ..masks import Mask
+
+IMPLEMENTATIONS = ("naive", "flash", "linear")
+_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+SOFTMAX_FLOPS_PER_ELEMENT = 5
+# Tile of the tiled backend whose scores exist at one time (per batch·head): block_q × block_k.
+FLASH_TILE = (128, 128)
+
+
+@dataclass
+class Estimate:
+    """A table of quantities × implementations.
+
+    Attributes:
+        config: the resolved configuration (B, L, S, E, H, H_kv, D, layers, dtype, pairs).
+        rows: ``[(quantity, unit, {implementation: value})]`` in display order.
+        measured: optional measured values, ``{implementation: {"seconds", "peak_bytes"}}``.
+    """
+
+    config: dict
+    rows: list[tuple[str, str, dict[str, float]]] = field(default_factory=list)
+    measured: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def value(self, quantity: str, implementation: str) -> float:
+        """The value of one quantity for one implementation."""
+        for q, _, values in self.rows:
+            if q == quantity:
+                return values[implementation]
+        raise KeyError(f"no quantity {quantity!r}; known: {[r[0] for r in self.rows]}")
+
+    def table(self) -> str:
+        """The estimate as an aligned text table (and measurements, if any)."""
+        impls = list(self.rows[0][2]) if self.rows else []
+        lines = [["quantity", *impls]]
+        for q, unit, values in self.rows:
+            lines.append([q, *(_fmt(values[i], unit) for i in impls)])
+        for key, label in (("seconds", "measured time"), ("peak_bytes", "measured peak memory")):
+            if self.measured:
+                unit = "s" if key == "seconds" else "bytes"
+                lines.append(
+                    [
+                        label,
+                        *(
+                            _fmt(self.measured[i][key], unit) if i in self.measured else "—"
+                            for i in impls
+                        ),
+                    ]
+                )
+        widths = [max(len(r[c]) for r in lines) for c in range(len(lines[0]))]
+        out = [
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in lines
+        ]
+        out.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(out)
+
+
+def _fmt(x: float, unit: str) -> str:
+    if unit == "bytes":
+        for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if x >= size:
+                return f"{x / size:,.2f} {name}"
+        return f"{x:,.0f} B"
+    if unit == "FLOPs":
+        for name, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+            if x >= size:
+                return f"{x / size:,.3f} {name}"
+        return f"{x:,.0f} FLOP"
+    if unit == "s":
+        return f"{x * 1e3:,.2f} ms"
+    return f"{x:,.0f}"
+
+
+def _positive(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def estimate(
+    seq_len: int,
+    d_model: int,
+    num_heads: int,
+    batch: int = 1,
+    layers: int = 1,
+    dtype: str = "float32",
+    *,
+    kv_heads: int | None = None,
+    key_len: int | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    mask: Mask | None = None,
+    decode: bool = False,
+    bias: bool = True,
+) -> Estimate:
+    """Estimates parameters, FLOPs and memory of multi-head attention layers.
+
+    Args:
+        seq_len: L, the sequence length (with ``decode``, the context length after the new token).
+        d_model: E. num_heads: H (``E % H == 0``, head dim ``D = E / H``).
+        batch: B. layers: number of attention layers.
+        dtype: "float32", "float16", "bfloat16" or "float64".
+        kv_heads: H_kv for grouped-query attention (default H).
+        key_len: S for cross-attention (default L).
+        causal: causal (bottom-right) masking.
+        window: causal sliding window of this many keys (implies causal).
+        mask: any `attnlab.masks.Mask` (combined with the two above).
+        decode: one new query token attending to ``seq_len`` cached keys (a KV cache).
+        bias: whether the projections have biases.
+
+    Returns:
+        An `Estimate`; ``print(est.table())`` shows it.
+    """
+    L = _positive("seq_len", seq_len, 0)
+    E = _positive("d_model", d_model)
+    H = _positive("num_heads", num_heads)
+    B = _positive("batch", batch)
+    layers = _positive("layers", layers)
+    if E % H:
+        raise ValueError(f"d_model={E} must be divisible by num_heads={H}")
+    H_kv = H if kv_heads is None else _positive("kv_heads", kv_heads)
+    if H % H_kv:
+        raise ValueError(f"num_heads={H} must be divisible by kv_heads={H_kv}")
+    if dtype not in _BYTES:
+        raise ValueError(f"dtype must be one of {sorted(_BYTES)}, got {dtype!r}")
+    S = L if key_len is None else _positive("key_len", key_len, 0)
+    Lq = 1 if decode else L
+    D, nb = E // H, _BYTES[dtype]
+    m = mask
+    if causal or decode:
+        m = _masks.causal() if m is None else _masks.causal() & m
+    if window is not None:
+        w = _masks.sliding_window(_positive("window", window))
+        m = w if m is None else m & w
+    dense = Lq * S
+    pairs = dense if m is None else m.attended_pairs(Lq, S)
+    cfg = {
+        "B": B,
+        "L": Lq,
+        "S": S,
+        "E": E,
+        "H": H,
+        "H_kv": H_kv,
+        "D": D,
+        "layers": layers,
+        "dtype": dtype,
+        "attended_pairs": pairs,
+        "dense_pairs": dense,
+        "decode": decode,
+        "mask": m,
+    }
+
+    n_params = E * H * D + 2 * E * H_kv * D + H * D * E
+    n_bias = (H * D + 2 * H_kv * D + E) if bias else 0
+    qkv_rows = B * Lq  # tokens projected this call (decode: only the new one)
+    proj = 2 * qkv_rows * E * (H + 2 * H_kv) * D + 2 * qkv_rows * H * D * E
+    scores = {"naive": 2 * B * H * dense * D, "flash": 2 * B * H * pairs * D}
+    softmax = {
+        "naive": SOFTMAX_FLOPS_PER_ELEMENT * B * H * dense,
+        "flash": SOFTMAX_FLOPS_PER_ELEMENT * B * H * pairs,
+    }
+    weighted = {"naive": 2 * B * H * dense * D, "flash": 2 * B * H * pairs * D}
+    # Linear attention φ(Q)(φ(K)ᵀV): the state φ(K)ᵀV (D×D) and normaliser Σφ(K) replace scores.
+    scores["linear"] = 2 * B * H * S * D * D + 2 * B * H * S * D  # state and normaliser
+    softmax["linear"] = 2 * B * H * (Lq + S) * D  # feature map elu(x)+1
+    weighted["linear"] = 2 * B * H * Lq * D * D + 2 * B * H * Lq * D  # φ(Q)·state, φ(Q)·norm
+
+    qkv_bytes = (B * Lq * H * D + 2 * B * S * H_kv * D) * nb
+    out_bytes = B * Lq * H * D * nb
+    score_mem = {
+        "naive": B * H * dense * nb,
+        "flash": B * H * FLASH_TILE[0] * FLASH_TILE[1] * 4,
+        "linear": B * H * D * D * 4,
+    }
+    kept = {  # activations kept for backward by the attention core
+        "naive": qkv_bytes + out_bytes + B * H * dense * nb,  # + the probabilities P
+        "flash": qkv_bytes + out_bytes + B * H * Lq * 4,  # + the log-sum-exp
+        "linear": qkv_bytes + out_bytes + B * H * D * D * 4,  # + the state
+    }
+    est = Estimate(cfg)
+
+    def row(name: str, unit: str, per_layer: dict[str, float] | float) -> None:
+        values = (
+            per_layer if isinstance(per_layer, dict) else dict.fromkeys(IMPLEMENTATIONS, per_layer)
+        )
+        est.rows.append((name, unit, {i: layers * values[i] for i in IMPLEMENTATIONS}))
+
+    row("projection weights", "params", n_params)
+    row("projection weights + biases", "params", n_params + n_bias)
+    row("parameter memory", "bytes", (n_params + n_bias) * nb)
+    row("attended pairs per head", "pairs", {"naive": dense, "flash": pairs, "linear": Lq * S})
+    row("QKV + output projections", "FLOPs", proj)
+    row("scores QKᵀ", "FLOPs", scores)
+    row("softmax", "FLOPs", softmax)
+    row("weighted sum PV", "FLOPs", weighted)
+    row("total", "FLOPs", {i: proj + scores[i] + softmax[i] + weighted[i] for i in IMPLEMENTATIONS})
+    row("score matrix", "bytes", score_mem)
+    row("activations kept for backward", "bytes", kept)
+    if decode:
+        row("KV cache", "bytes", 2 * B * H_kv * S * D * nb)
+    return est
+
+
+def measure_estimate(est: Estimate, implementations: tuple[str, ...] = IMPLEMENTATIONS) -> Estimate:
+    """Runs the configuration (one layer, forward + backward) and records time and peak memory."""
+    from .. import attention, backends
+    from .measure import measure
+
+    c = est.config
+    dtype = getattr(torch, c["dtype"])
+    B, L, S, H, H_kv, D = c["B"], c["L"], c["S"], c["H"], c["H_kv"], c["D"]
+    mask = c["mask"]
+    for impl in implementations:
+        if impl == "linear":
+            try:
+                from ..linear import linear_attention
+            except ImportError:
+                continue
+        elif impl == "flash" and "flash" not in backends():
+            continue
+
+        def make():
+            g = torch.Generator().manual_seed(0)
+            return [
+                torch.randn(B, n, t, D, generator=g, dtype=dtype).requires_grad_()
+                for n, t in ((H, L), (H_kv, S), (H_kv, S))
+            ]
+
+        def run(impl=impl):
+            q, k, v = make()
+            if impl == "linear":
+                out = linear_attention(
+                    q, k.repeat_interleave(H // H_kv, 1), v.repeat_interleave(H // H_kv, 1)
+                )
+            else:
+                out = attention(
+                    q, k, v, mask=mask, backend="reference" if impl == "naive" else "flash"
+                )
+            out.sum().backward()
+
+        run()  # warm-up
+        _, seconds, peak = measure(run)
+        est.measured[impl] = {"seconds": seconds, "peak_bytes": float(peak)}
+    return est

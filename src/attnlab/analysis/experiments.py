@@ -1,0 +1,112 @@
+"""The textbook experiments on scaling and temperature, as data (the CLI prints and plots them).
+
+Why divide by √d_k: for q, k with independent unit-variance entries, ``q·k`` has variance d_k, so
+unscaled logits grow with the head size, the softmax saturates towards one-hot, and its gradient
+vanishes. Dividing by √d_k keeps the logit variance at 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class ExperimentResult:
+    """A small table: column names and rows of floats (the first column is the variable)."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[float]]
+
+    def table(self) -> str:
+        """An aligned text table."""
+        cells = [self.columns] + [[_num(x) for x in r] for r in self.rows]
+        widths = [max(len(r[c]) for r in cells) for c in range(len(self.columns))]
+        lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return f"{self.title}\n" + "\n".join(lines)
+
+    def column(self, name: str) -> list[float]:
+        """One column's values."""
+        i = self.columns.index(name)
+        return [r[i] for r in self.rows]
+
+
+def _num(x: float) -> str:
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+def _softmax_stats(logits: Tensor) -> tuple[float, float]:
+    """Mean entropy (nats) and mean Frobenius norm of the softmax Jacobian diag(p) − ppᵀ."""
+    p = torch.softmax(logits, dim=-1)  # (N, S)
+    ent = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    # ‖diag(p) − ppᵀ‖_F² = Σ p_i² − 2 Σ p_i³ + (Σ p_i²)²
+    s2, s3 = p.pow(2).sum(-1), p.pow(3).sum(-1)
+    jac = (s2 - 2 * s3 + s2.pow(2)).clamp_min(0).sqrt()
+    return float(ent.mean()), float(jac.mean())
+
+
+def scaling_experiment(
+    d_ks: tuple[int, ...] = (4, 16, 64, 256, 1024),
+    samples: int = 4096,
+    keys: int = 64,
+    seed: int = 0,
+) -> ExperimentResult:
+    """Variance of q·k and softmax saturation against d_k, with and without 1/√d_k.
+
+    Returns one row per d_k: variance of unscaled and scaled logits, softmax entropy and the norm
+    of the softmax Jacobian (the gradient's size) for unscaled and scaled logits over ``keys`` keys.
+    """
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for d in d_ks:
+        q = torch.randn(samples, 1, d, generator=g, dtype=torch.float64)
+        k = torch.randn(samples, keys, d, generator=g, dtype=torch.float64)
+        raw = (q @ k.transpose(-1, -2)).squeeze(1)  # (samples, keys)
+        scaled = raw / math.sqrt(d)
+        e_raw, j_raw = _softmax_stats(raw)
+        e_sc, j_sc = _softmax_stats(scaled)
+        rows.append([d, float(raw.var()), float(scaled.var()), e_raw, e_sc, j_raw, j_sc])
+    return ExperimentResult(
+        f"Scaling: logits q·k over {keys} keys, {samples} samples "
+        f"(uniform entropy = {math.log(keys):.3f})",
+        [
+            "d_k",
+            "var q·k",
+            "var q·k/√d_k",
+            "entropy",
+            "entropy scaled",
+            "grad norm",
+            "grad norm scaled",
+        ],
+        rows,
+    )
+
+
+def temperature_experiment(
+    temperatures: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 10.0),
+    d_k: int = 64,
+    samples: int = 4096,
+    keys: int = 64,
+    seed: int = 0,
+) -> ExperimentResult:
+    """Softmax entropy and maximum weight of scaled logits divided by a temperature T."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(samples, 1, d_k, generator=g, dtype=torch.float64)
+    k = torch.randn(samples, keys, d_k, generator=g, dtype=torch.float64)
+    logits = (q @ k.transpose(-1, -2)).squeeze(1) / math.sqrt(d_k)
+    rows = []
+    for t in temperatures:
+        ent, jac = _softmax_stats(logits / t)
+        top = float(torch.softmax(logits / t, -1).amax(-1).mean())
+        rows.append([t, ent, top, jac])
+    return ExperimentResult(
+        f"Temperature: softmax(q·k/√d_k / T), d_k={d_k}, {keys} keys "
+        f"(uniform entropy = {math.log(keys):.3f})",
+        ["T", "entropy", "max weight", "grad norm"],
+        rows,
+    )

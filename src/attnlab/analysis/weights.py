@@ -1,0 +1,71 @@
+"""Statistics of attention weights: entropy and head diversity.
+
+Every function takes the weights explicitly — ``(B, H, L, S)``, or ``(layers, H, L, S)`` for one
+input through a model — and never reads state hidden on modules. For inputs too long for an
+``L × S`` matrix, `attnlab.attention_stats` gives the same per-query entropy from the tiled
+backend's loop.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _check_weights(weights: object) -> Tensor:
+    if not isinstance(weights, Tensor) or not weights.is_floating_point():
+        got = f"dtype {weights.dtype}" if isinstance(weights, Tensor) else type(weights).__name__
+        raise TypeError(f"weights must be a float tensor, got {got}")
+    if weights.dim() < 3:
+        raise ValueError(
+            f"weights must be (…, H, L, S) with at least 3 dims, got shape {tuple(weights.shape)}"
+        )
+    return weights
+
+
+def row_is_attended(weights: Tensor) -> Tensor:
+    """True for query rows that attend to something (a fully masked row has all-zero weights)."""
+    return _check_weights(weights).sum(-1) > 0
+
+
+def entropy(weights: Tensor) -> Tensor:
+    """Per-query entropy ``H_i = −Σ_j p_ij log p_ij`` in nats, ``(…, H, L)``.
+
+    Zero weights contribute 0 (``0 log 0 = 0``). Fully masked rows (all-zero weights) are
+    excluded: their entry is NaN, which `head_entropy` skips.
+
+    Args:
+        weights: ``(B, H, L, S)`` or ``(layers, H, L, S)`` attention probabilities.
+    """
+    w = _check_weights(weights).to(torch.float64)
+    plogp = torch.where(w > 0, w * w.clamp_min(1e-300).log(), 0.0)
+    h = -plogp.sum(-1)  # (…, H, L)
+    return torch.where(row_is_attended(weights), h, torch.nan).to(
+        weights.dtype if weights.dtype == torch.float64 else torch.float32
+    )
+
+
+def head_entropy(weights: Tensor) -> Tensor:
+    """Mean per-query entropy of each head over its attended rows, ``(…, H)`` in nats."""
+    return entropy(weights).nanmean(dim=-1)
+
+
+def head_diversity(weights: Tensor) -> Tensor:
+    """``1 − mean pairwise cosine similarity`` of the heads' attention maps, ``(…,)``.
+
+    Each head's ``(L, S)`` map is flattened to a vector; 0 means every head attends identically,
+    values near 1 mean the heads' maps are nearly orthogonal.
+
+    Args:
+        weights: ``(B, H, L, S)`` or ``(layers, H, L, S)`` with H >= 2.
+    """
+    w = _check_weights(weights)
+    H = w.shape[-3]
+    if H < 2:
+        raise ValueError(f"head_diversity needs at least 2 heads, got H={H}")
+    flat = w.flatten(-2).to(torch.float64)  # (…, H, L·S)
+    unit = flat / flat.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+    cos = unit @ unit.transpose(-1, -2)  # (…, H, H)
+    off = ~torch.eye(H, dtype=torch.bool, device=w.device)
+    mean_cos = cos[..., off].mean(-1)  # (…,)
+    return (1.0 - mean_cos).to(torch.float32 if w.dtype != torch.float64 else torch.float64)
