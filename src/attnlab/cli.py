@@ -220,13 +220,16 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("-S", type=int, default=113, help="key length (default 113)")
     check.set_defaults(func=_cmd_check)
     _add_analysis_commands(sub)
-    for register in _EXTRA_COMMANDS:
+    for register in _extra_commands():
         register(sub)
     return parser
 
 
-# Subcommands contributed by other modules: each is ``register(subparsers)`` and sets ``func``.
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
+    """Subcommands contributed by other modules: each ``register(subparsers)`` sets ``func``."""
+    from .visualize import register as register_visualize
+
+    return [register_visualize]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
