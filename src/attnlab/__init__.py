@@ -8,7 +8,7 @@ Example:
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import analysis, functional, masks, pos, positional, viz
+from . import analysis, functional, linear, masks, pos, positional, viz
 from .analysis import estimate
 from .functional import attention, backends, explain
 from .masks import Mask
@@ -49,6 +49,7 @@ __all__ = [
     "estimate",
     "explain",
     "functional",
+    "linear",
     "masks",
     "pos",
     "positional",

@@ -86,7 +86,7 @@ def _logits(
 
 
 def _unnormalized_softmax(logits: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``(e, z)`` with ``softmax = e / z``; masked entries of e are exactly 0, all-masked rows z = 1."""
+    """``(e, z)`` with ``softmax = e / z``; masked e are exactly 0, all-masked rows have z = 1."""
     if logits.shape[-1] == 0:
         return logits, logits.new_ones(*logits.shape[:-1], 1)
     if keep is not None:
@@ -241,3 +241,296 @@ def additive_attention(
     p = _dropout(p, dropout_p, generator)
     out = p @ value4.squeeze(1).to(dtype)  # (B, L, Dv)
     return out.to(query.dtype), p.to(query.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Efficient approximations (issue #6): linear attention, FAVOR+, FNet, hierarchical attention.
+# Each is written here in its explicit quadratic form (an L × S matrix, a DFT matrix, explicit
+# masks); the fast forms in functional/linear.py, performer.py, fnet.py, hierarchical.py equal them.
+# ------------------------------------------------------------------------------------------------
+
+
+def elu_feature_map(x: Tensor) -> Tensor:
+    """``φ(x) = elu(x) + 1`` ("Transformers are RNNs"), positive everywhere."""
+    return torch.nn.functional.elu(x) + 1.0
+
+
+def relu_feature_map(x: Tensor) -> Tensor:
+    """``φ(x) = relu(x)``, non-negative."""
+    return torch.relu(x)
+
+
+# name -> φ, applied to the last dim of q and k: (..., D) -> (..., F); here F = D.
+LINEAR_FEATURE_MAPS = {"elu": elu_feature_map, "relu": relu_feature_map}
+
+
+def causal_keep(L: int, S: int, device: torch.device | None = None) -> Tensor:
+    """Bottom-right causal mask ``(L, S)``: query i sees keys ``j <= i + S − L``."""
+    return torch.ones(L, S, dtype=torch.bool, device=device).tril(S - L)
+
+
+def kernel_attention(
+    fq: Tensor,
+    fk: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_mask: Tensor | None = None,
+    eps: float = 0.0,
+    reorder: bool = False,
+) -> Tensor:
+    """Explicit kernelised attention: ``out = (A ⊙ keep) V / (rowsum(A ⊙ keep) + eps)``, A = φQ φKᵀ.
+
+    A zero denominator is replaced by 1, so a row with no key (S = 0, all keys padded, or all
+    kernel values 0) outputs zeros. Runs in the dtype of its inputs.
+
+    Args:
+        fq: query features ``(B, H, L, F)``. fk: key features ``(B, H_kv, S, F)``.
+        v: ``(B, H_kv, S, Dv)``.
+        causal: keep only ``j <= i + S − L`` (bottom-right).
+        key_mask: bool ``(B|1, S)``, True = a real key; padded keys get zero kernel weight.
+        eps: added to every denominator.
+        reorder: normalise after the product with V (same value, different rounding).
+
+    Returns:
+        ``(B, H, L, Dv)``.
+    """
+    B, H, L, _ = fq.shape
+    H_kv, S, Dv = fk.shape[1], fk.shape[2], v.shape[-1]
+    fqg = fq.unflatten(1, (H_kv, H // H_kv if H_kv else 0))  # (B, H_kv, G, L, F)
+    A = fqg @ fk.unsqueeze(2).transpose(-1, -2)  # (B, H_kv, G, L, S)
+    keep = torch.ones(L, S, dtype=torch.bool, device=fq.device)  # (L, S)
+    if causal:
+        keep = causal_keep(L, S, fq.device)
+    if key_mask is not None:
+        keep = keep & key_mask[:, None, None, None, :]  # (B|1, 1, 1, L, S)
+    A = torch.where(keep, A, 0.0)
+    den = A.sum(dim=-1, keepdim=True) + eps  # (B, H_kv, G, L, 1)
+    den = torch.where(den == 0, 1.0, den)
+    vg = v.unsqueeze(2)  # (B, H_kv, 1, S, Dv)
+    out = (A @ vg) / den if reorder else (A / den) @ vg  # (B, H_kv, G, L, Dv)
+    return out.flatten(1, 2).reshape(B, H, L, Dv)  # (B, H, L, Dv)
+
+
+def _zero_padded_keys(k: Tensor, v: Tensor, key_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Stores 0 at padded key positions (``where``), so NaN/inf there cannot reach anything."""
+    if key_mask is None:
+        return k, v
+    live = key_mask[:, None, :, None]  # (B|1, 1, S, 1)
+    return torch.where(live, k, 0.0), torch.where(live, v, 0.0)
+
+
+def linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    feature_map="elu",
+    causal: bool = False,
+    eps: float = 1e-6,
+    key_mask: Tensor | None = None,
+    compute_dtype: torch.dtype | None = None,
+    reorder: bool = False,
+) -> Tensor:
+    """Reference linear attention: ``out_i = Σ_j φ(q_i)·φ(k_j) v_j / (Σ_j φ(q_i)·φ(k_j) + eps)``.
+
+    Explicit form with the ``(L, S)`` kernel matrix ``φ(Q) φ(K)ᵀ`` (Katharopoulos et al., 2020).
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
+        feature_map: a name in `LINEAR_FEATURE_MAPS` or a callable ``(..., D) -> (..., F)``.
+        causal: bottom-right causal (query i sees keys ``j <= i + S − L``).
+        eps: added to the denominator; a zero denominator is replaced by 1.
+        key_mask: bool ``(B|1, S)``, True = a real key (False = padding).
+        compute_dtype: precision of the computation; default float32 or wider.
+        reorder: normalise after the product with V.
+
+    Returns:
+        ``(B, H, L, Dv)`` in q's dtype.
+    """
+    dtype = compute_dtype or compute_dtype_for(q.dtype)
+    phi = LINEAR_FEATURE_MAPS[feature_map] if isinstance(feature_map, str) else feature_map
+    k, v = _zero_padded_keys(k, v, key_mask)
+    out = kernel_attention(
+        phi(q.to(dtype)),
+        phi(k.to(dtype)),
+        v.to(dtype),
+        causal=causal,
+        key_mask=key_mask,
+        eps=eps,
+        reorder=reorder,
+    )
+    return out.to(q.dtype)
+
+
+def favor_feature_map(x: Tensor, projection: Tensor) -> Tensor:
+    """FAVOR+ positive random features ``φ(x) = exp(W x' − ‖x'‖²/2) / √M``, ``x' = x / D^¼``.
+
+    With the rows of ``W (M, D)`` marginally N(0, I), ``E[φ(q)·φ(k)] = exp(q·k / √D)``: the
+    softmax kernel (Choromanski et al., 2021, Lemma 1). No stabilisation: the definition.
+
+    Args:
+        x: ``(..., D)``. projection: W ``(M, D)``.
+
+    Returns:
+        ``(..., M)`` in x's dtype.
+    """
+    D, M = x.shape[-1], projection.shape[0]
+    xs = x * (D**-0.25 if D else 1.0)  # (..., D)
+    log_phi = xs @ projection.to(x.dtype).T - (xs * xs).sum(-1, keepdim=True) / 2  # (..., M)
+    return torch.exp(log_phi) / M**0.5
+
+
+def favor_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    *,
+    causal: bool = False,
+    key_mask: Tensor | None = None,
+    compute_dtype: torch.dtype | None = None,
+    reorder: bool = False,
+) -> Tensor:
+    """Reference FAVOR+: the explicit kernel matrix ``A = φ(Q) φ(K)ᵀ``, ``out = A V / rowsum(A)``.
+
+    ``φ = favor_feature_map`` with the given projection; ``A`` estimates ``exp(Q Kᵀ / √D)``, so
+    the output approximates softmax attention. A zero row sum gives a zero row.
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
+        projection: the random features W ``(M, D)``.
+        causal: bottom-right causal. key_mask: bool ``(B|1, S)``, True = a real key.
+        compute_dtype: precision; default float32 or wider. reorder: normalise after ``A V``.
+
+    Returns:
+        ``(B, H, L, Dv)`` in q's dtype.
+    """
+    dtype = compute_dtype or compute_dtype_for(q.dtype)
+    k, v = _zero_padded_keys(k, v, key_mask)
+    w = projection.to(dtype)
+    out = kernel_attention(
+        favor_feature_map(q.to(dtype), w),
+        favor_feature_map(k.to(dtype), w),
+        v.to(dtype),
+        causal=causal,
+        key_mask=key_mask,
+        reorder=reorder,
+    )
+    return out.to(q.dtype)
+
+
+def dft_matrices(
+    n: int, dtype: torch.dtype, device: torch.device | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)`` of the n-point DFT angles ``2π·(j·k mod n)/n``, each ``(n, n)``."""
+    j = torch.arange(n, device=device)
+    angle = (j[:, None] * j[None, :] % max(n, 1)).to(torch.float64) * (2 * torch.pi / max(n, 1))
+    return torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
+
+
+def fnet_mixing(
+    x: Tensor, *, compute_dtype: torch.dtype | None = None, reorder: bool = False
+) -> Tensor:
+    """Reference FNet token mixing: ``Re(F_L X F_E)`` with explicit DFT matrices.
+
+    ``F_n = C_n − i S_n`` (``C, S`` = cos, sin of ``2π jk / n``), so for real X
+    ``Re(F_L X F_E) = C_L X C_E − S_L X S_E`` (Lee-Thorp et al., 2022).
+
+    Args:
+        x: ``(..., L, E)`` real.
+        compute_dtype: precision; default float32 or wider.
+        reorder: multiply right-to-left (same value, different rounding).
+
+    Returns:
+        ``(..., L, E)`` in x's dtype.
+    """
+    dtype = compute_dtype or compute_dtype_for(x.dtype)
+    L, E = x.shape[-2], x.shape[-1]
+    cl, sl = dft_matrices(L, dtype, x.device)
+    ce, se = dft_matrices(E, dtype, x.device)
+    xd = x.to(dtype)
+    # reorder multiplies right-to-left: the same value with a different rounding
+    out = cl @ (xd @ ce) - sl @ (xd @ se) if reorder else (cl @ xd) @ ce - (sl @ xd) @ se
+    return out.to(x.dtype)  # (..., L, E)
+
+
+def hierarchical_parts(
+    k: Tensor, v: Tensor, block_size: int, *, causal: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The explicit key set of hierarchical attention for self-attention of length L.
+
+    Keys are the L tokens followed by the N = ⌈L/b⌉ block summaries (block means of k and v).
+    Query i (block I = i // b) may attend to token j iff ``j // b == I`` (and ``j <= i`` if
+    causal) and to summary J iff ``J != I`` (``J < I`` if causal). A summary's logit gets
+    ``+ log n_J`` (n_J tokens in block J): it stands for the n_J tokens it averages.
+
+    Args:
+        k: ``(B, H_kv, L, D)``. v: ``(B, H_kv, L, Dv)``. block_size: b.
+
+    Returns:
+        ``(k_all (B, H_kv, L + N, D), v_all (B, H_kv, L + N, Dv), keep (L, L + N) bool,
+        bias (L + N,))``.
+    """
+    L, b = k.shape[2], block_size
+    N = -(-L // b)
+    pos = torch.arange(L, device=k.device)
+    blk = pos // b  # (L,)
+    member = (blk[None, :] == torch.arange(N, device=k.device)[:, None]).to(k.dtype)  # (N, L)
+    counts = member.sum(-1)  # (N,)
+    pool = member / counts[:, None]  # (N, L): row J averages block J
+    k_all = torch.cat([k, pool @ k], dim=2)  # (B, H_kv, L + N, D)
+    v_all = torch.cat([v, pool @ v], dim=2)  # (B, H_kv, L + N, Dv)
+    fine = blk[:, None] == blk[None, :]  # (L, L)
+    coarse = blk[:, None] != torch.arange(N, device=k.device)[None, :]  # (L, N)
+    if causal:
+        fine = fine & (pos[None, :] <= pos[:, None])
+        coarse = torch.arange(N, device=k.device)[None, :] < blk[:, None]
+    keep = torch.cat([fine, coarse], dim=1)  # (L, L + N)
+    bias = torch.cat([torch.zeros(L, dtype=k.dtype, device=k.device), counts.log()])  # (L + N,)
+    return k_all, v_all, keep, bias
+
+
+def hierarchical_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    block_size: int,
+    causal: bool = False,
+    scale: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+    reorder: bool = False,
+) -> Tensor:
+    """Reference two-level hierarchical attention, by explicit masks over tokens and summaries.
+
+    ``out_i = softmax_j∈fine(i) ∪ coarse(i)(s·q_i·k_j + [j is a summary]·log n_J) v_j`` with the
+    key set of `hierarchical_parts`: exact attention inside the query's block of b tokens, block
+    means of keys and values for every other block (earlier blocks only if causal). Equivalently:
+    full softmax attention in which every key and value outside the query's block is replaced by
+    its block mean.
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, L, D)``. v: ``(B, H_kv, L, Dv)`` (self-attention).
+        block_size: b ≥ 1. causal: tokens ``j <= i`` in the own block, earlier blocks only.
+        scale: logit scale, default 1/√D.
+        compute_dtype: precision; default float32 or wider. reorder: normalise after ``P V``.
+
+    Returns:
+        ``(B, H, L, Dv)`` in q's dtype.
+    """
+    dtype = compute_dtype or compute_dtype_for(q.dtype)
+    k_all, v_all, keep, bias = hierarchical_parts(
+        k.to(dtype), v.to(dtype), block_size, causal=causal
+    )
+    out, _ = attention(
+        q.to(dtype),
+        k_all,
+        v_all,
+        mask=keep,
+        bias=bias,
+        scale=scale,
+        compute_dtype=dtype,
+        reorder=reorder,
+    )
+    return out.to(q.dtype)

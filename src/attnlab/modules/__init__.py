@@ -1,7 +1,10 @@
 """nn.Module wrappers: projections and state around the functional math, no new math."""
 
 from .additive import AdditiveAttention
+from .fnet import FNetMixing
+from .hierarchical import HierarchicalAttention
 from .kv_cache import CacheOverflowError, CacheView, KVCache, SinkCache, SlidingWindowCache
+from .linear import LinearAttention, PerformerAttention
 from .mha import MultiHeadAttention
 from .torch_compat import MultiheadAttention
 
@@ -9,9 +12,13 @@ __all__ = [
     "AdditiveAttention",
     "CacheOverflowError",
     "CacheView",
+    "FNetMixing",
+    "HierarchicalAttention",
     "KVCache",
+    "LinearAttention",
     "MultiHeadAttention",
     "MultiheadAttention",
+    "PerformerAttention",
     "SinkCache",
     "SlidingWindowCache",
 ]

@@ -1,0 +1,396 @@
+"""Linear attention ("Transformers are RNNs", Katharopoulos et al., 2020) in O(L) time and memory.
+
+``out_i = φ(q_i)ᵀ Σ_j φ(k_j) v_jᵀ / (φ(q_i)ᵀ Σ_j φ(k_j) + eps)``: associating ``φ(K)ᵀ V`` first
+never forms the ``(L, S)`` kernel matrix. Defined to equal `reference.linear_attention`.
+
+Three forms of the causal case compute the same thing:
+
+- parallel: `reference.linear_attention` with its explicit masked ``(L, S)`` matrix;
+- chunked (`linear_attention`): exact attention inside chunks of C tokens plus the running state
+  ``Σ φ(k_j) v_jᵀ`` of earlier chunks, taken with one prefix sum over chunks — O(L·C + L·F·Dv)
+  work, no Python loop over tokens;
+- recurrent (`LinearAttentionState.step`): one token at a time, for decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .._shapes import Dims, check_number, check_qkv
+from .reference import LINEAR_FEATURE_MAPS, compute_dtype_for
+
+FeatureMap = Callable[[Tensor], Tensor]
+FEATURE_MAPS = LINEAR_FEATURE_MAPS
+DEFAULT_CHUNK_SIZE = 64
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "FEATURE_MAPS",
+    "LinearAttentionState",
+    "causal_kernel_attention",
+    "kernel_attention",
+    "linear_attention",
+]
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def check_feature_map(feature_map: object) -> FeatureMap:
+    """The callable φ for a name in `FEATURE_MAPS` or a user callable."""
+    if isinstance(feature_map, str):
+        if feature_map not in FEATURE_MAPS:
+            raise ValueError(
+                f"feature_map must be one of {sorted(FEATURE_MAPS)} or a callable, "
+                f"got {feature_map!r}"
+            )
+        return FEATURE_MAPS[feature_map]
+    if not callable(feature_map):
+        raise TypeError(
+            f"feature_map must be a name in {sorted(FEATURE_MAPS)} or a callable, "
+            f"got {type(feature_map).__name__}"
+        )
+    return feature_map
+
+
+def check_bool(name: str, value: object) -> bool:
+    """A plain bool; raises TypeError naming the argument otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """An int >= 1; raises naming the argument otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def check_eps(eps: object) -> float:
+    """A finite eps >= 0."""
+    x = check_number("eps", eps)
+    if x < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    return x
+
+
+def check_key_mask(key_mask: object, dims: Dims) -> Tensor | None:
+    """A bool key-padding mask ``(B|1, S)``, True = a real key."""
+    if key_mask is None:
+        return None
+    if not isinstance(key_mask, Tensor):
+        raise TypeError(f"key_mask must be a bool tensor (B, S) or None, got {type(key_mask)}")
+    if key_mask.dtype != torch.bool:
+        raise TypeError(f"key_mask must be bool (True = a real key), got {key_mask.dtype}")
+    if key_mask.dim() != 2 or key_mask.shape[0] not in (1, dims.B) or key_mask.shape[1] != dims.S:
+        raise ValueError(
+            f"key_mask must have shape (B, S) = ({dims.B}, {dims.S}) or (1, {dims.S}), "
+            f"got {tuple(key_mask.shape)}"
+        )
+    return key_mask
+
+
+def as_4d(q: Tensor, k: Tensor, v: Tensor, dims: Dims) -> tuple[Tensor, Tensor, Tensor]:
+    """``(B, L, D)`` inputs as one head ``(B, 1, L, D)``."""
+    if dims.three_d:
+        return q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L|S, D|Dv)
+    return q, k, v
+
+
+def zero_padded_keys(
+    k: Tensor, v: Tensor, key_mask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Zeroes padded keys/values (``where``: NaN there cannot leak); ``live`` is ``(B|1,1,S,1)``."""
+    if key_mask is None:
+        return k, v, None
+    live = key_mask[:, None, :, None]  # (B|1, 1, S, 1)
+    return torch.where(live, k, 0.0), torch.where(live, v, 0.0), live
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+def _normalise(num: Tensor, den: Tensor, eps: float) -> Tensor:
+    den = den + eps
+    return num / torch.where(den == 0, 1.0, den)  # a row with no key weight outputs 0
+
+
+def kernel_attention(fq: Tensor, fk: Tensor, v: Tensor, *, eps: float) -> Tensor:
+    """Non-causal ``φQ (φKᵀ V) / (φQ (φKᵀ 1) + eps)`` without the ``(L, S)`` matrix.
+
+    Args:
+        fq: ``(B, H_kv, G, L, F)``. fk: ``(B, H_kv, S, F)``. v: ``(B, H_kv, S, Dv)``.
+
+    Returns:
+        ``(B, H_kv, G, L, Dv)``.
+    """
+    kv = (fk.transpose(-1, -2) @ v).unsqueeze(2)  # (B, H_kv, 1, F, Dv)
+    z = fk.sum(dim=-2)[:, :, None, :, None]  # (B, H_kv, 1, F, 1)
+    return _normalise(fq @ kv, fq @ z, eps)  # (B, H_kv, G, L, Dv)
+
+
+def causal_kernel_attention(
+    fq: Tensor, fk: Tensor, v: Tensor, *, eps: float, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> Tensor:
+    """Causal (bottom-right) kernelised attention by chunks and a prefix sum over chunks.
+
+    With ``P = S − L`` keys before the first query when S > L (they form the initial state), and
+    the first ``L − S`` queries seeing no key when L > S. Inside a chunk of C aligned tokens the
+    masked ``C × C`` kernel block is explicit; earlier chunks enter through the exclusive prefix
+    sum of ``φ(K_c)ᵀ [V_c, 1]``.
+
+    Args:
+        fq: ``(B, H_kv, G, L, F)``. fk: ``(B, H_kv, S, F)``. v: ``(B, H_kv, S, Dv)``.
+        eps: added to the denominator. chunk_size: C.
+
+    Returns:
+        ``(B, H_kv, G, L, Dv)``.
+    """
+    B, H_kv, G, L, _ = fq.shape
+    S, Dv = fk.shape[2], v.shape[-1]
+    dtype = fq.dtype
+    # The running state holds [Σ φ(k) vᵀ | Σ φ(k)]: v gets a column of ones.
+    va = torch.cat([v, v.new_ones(B, H_kv, S, 1)], dim=-1)  # (B, H_kv, S, Dv + 1)
+    P = max(S - L, 0)
+    state0 = (fk[:, :, :P].transpose(-1, -2) @ va[:, :, :P]).unsqueeze(2)  # (B, H_kv, 1, F, Dv+1)
+    fk, va = fk[:, :, P:], va[:, :, P:]  # (B, H_kv, T, ·)
+    dead = max(L - S, 0)  # queries before the first key
+    fq_live = fq[:, :, :, dead:]  # (B, H_kv, G, T, F)
+    T = fk.shape[2]
+    C = min(chunk_size, max(T, 1))
+    N = -(-T // C)
+    pad = N * C - T
+    if pad:  # zero tokens after the end: causally invisible to every real query
+        fq_live, fk, va = (F.pad(t, (0, 0, 0, pad)) for t in (fq_live, fk, va))
+    qc = fq_live.unflatten(-2, (N, C))  # (B, H_kv, G, N, C, F)
+    kc = fk.unflatten(-2, (N, C))  # (B, H_kv, N, C, F)
+    vc = va.unflatten(-2, (N, C))  # (B, H_kv, N, C, Dv + 1)
+    per_chunk = kc.transpose(-1, -2) @ vc  # (B, H_kv, N, F, Dv + 1)
+    # state before chunk n = state0 + Σ_{m < n} per_chunk[m]  (exclusive prefix sum)
+    prefix = torch.cat([state0, per_chunk], dim=2).cumsum(dim=2)[:, :, :N]  # (B, H_kv, N, F, Dv+1)
+    inter = qc @ prefix.unsqueeze(2)  # (B, H_kv, G, N, C, Dv + 1)
+    scores = qc @ kc.unsqueeze(2).transpose(-1, -2)  # (B, H_kv, G, N, C, C)
+    tril = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril()
+    intra = torch.where(tril, scores, 0.0) @ vc.unsqueeze(2)  # (B, H_kv, G, N, C, Dv + 1)
+    acc = (inter + intra).flatten(3, 4)[:, :, :, :T]  # (B, H_kv, G, T, Dv + 1)
+    out = _normalise(acc[..., :Dv], acc[..., Dv:], eps)  # (B, H_kv, G, T, Dv)
+    if dead:
+        out = torch.cat([out.new_zeros(B, H_kv, G, dead, Dv, dtype=dtype), out], dim=3)
+    return out  # (B, H_kv, G, L, Dv)
+
+
+# ------------------------------------------------------------------------------------------ public
+
+
+def linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    feature_map: str | FeatureMap = "elu",
+    causal: bool = False,
+    eps: float = 1e-6,
+    key_mask: Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Tensor:
+    """Linear attention: ``out_i = Σ_j φ(q_i)·φ(k_j) v_j / (Σ_j φ(q_i)·φ(k_j) + eps)``.
+
+    Defined to equal `attnlab.functional.reference.linear_attention` (explicit ``(L, S)`` kernel
+    matrix); computed in O(L) memory: non-causal as ``φ(Q) (φ(K)ᵀ V)``, causal by chunks of
+    ``chunk_size`` tokens and a prefix sum of the state over chunks. Causal alignment is
+    bottom-right, as everywhere in attnlab (L=2, S=4: the last query sees every key)::
+
+        ■ ■ ■ ⬚
+        ■ ■ ■ ■
+
+    Computes in float32 (float64 for float64 inputs) and returns q's dtype. A row with no key
+    weight (S = 0, every key padded, or all-zero features) outputs zeros: the denominator is
+    guarded. For token-by-token decoding use `LinearAttentionState`.
+
+    Args:
+        q: ``(B, H, L, D)`` or ``(B, L, D)``.
+        k: ``(B, H_kv, S, D)``; ``H % H_kv == 0`` (grouped-query: k/v shared, not copied).
+        v: ``(B, H_kv, S, Dv)``.
+        feature_map: ``"elu"`` (φ(x) = elu(x) + 1), ``"relu"``, or a callable mapping
+            ``(..., D) -> (..., F)`` with non-negative values.
+        causal: query i sees keys ``j <= i + S − L``.
+        eps: added to each denominator (>= 0).
+        key_mask: bool ``(B, S)`` or ``(1, S)``, True = a real key, False = padding.
+        chunk_size: C, tokens per chunk of the causal form (>= 1); does not change the result.
+
+    Returns:
+        ``(B, H, L, Dv)`` (3-D in, 3-D out), in q's dtype.
+
+    Raises:
+        TypeError: non-tensor or mixed-dtype inputs, a bad feature_map/causal/key_mask type.
+        ValueError: shape mismatches, unknown feature_map name, eps < 0, chunk_size < 1, a
+            feature map whose query and key features differ in size.
+
+    Example:
+        >>> q = k = v = torch.randn(2, 4, 1000, 32)
+        >>> linear_attention(q, k, v, causal=True).shape
+        torch.Size([2, 4, 1000, 32])
+    """
+    dims = check_qkv(q, k, v)
+    phi = check_feature_map(feature_map)
+    check_bool("causal", causal)
+    eps = check_eps(eps)
+    key_mask = check_key_mask(key_mask, dims)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    q, k, v = as_4d(q, k, v, dims)
+    dtype = compute_dtype_for(q.dtype)
+    k, v, live = zero_padded_keys(k, v, key_mask)
+    fq = phi(q.to(dtype))  # (B, H, L, F)
+    fk = phi(k.to(dtype))  # (B, H_kv, S, F)
+    _check_features(fq, fk, q, k)
+    if live is not None:
+        fk = torch.where(live, fk, 0.0)  # padded keys carry no kernel weight
+    fq = fq.unflatten(1, (dims.H_kv, dims.groups))  # (B, H_kv, G, L, F)
+    vc = v.to(dtype)
+    if causal:
+        out = causal_kernel_attention(fq, fk, vc, eps=eps, chunk_size=chunk_size)
+    else:
+        out = kernel_attention(fq, fk, vc, eps=eps)
+    out = out.flatten(1, 2).to(q.dtype)  # (B, H, L, Dv)
+    return out.squeeze(1) if dims.three_d else out
+
+
+def _check_features(fq: Tensor, fk: Tensor, q: Tensor, k: Tensor) -> None:
+    same_f = fq.shape[-1] == fk.shape[-1]
+    if fq.shape[:-1] != q.shape[:-1] or fk.shape[:-1] != k.shape[:-1] or not same_f:
+        raise ValueError(
+            "feature_map must map (..., D) to (..., F) with one F for queries and keys, got "
+            f"query features {tuple(fq.shape)} from {tuple(q.shape)} and key features "
+            f"{tuple(fk.shape)} from {tuple(k.shape)}"
+        )
+
+
+class LinearAttentionState:
+    """The recurrent form of causal linear attention, for decoding one token at a time.
+
+    Holds ``kv = Σ_j φ(k_j) v_jᵀ`` ``(B, H_kv, F, Dv)`` and ``z = Σ_j φ(k_j)`` ``(B, H_kv, F)``
+    in float32 (float64 for float64 inputs), so memory is constant in the sequence length.
+    ``step(q_t, k_t, v_t)`` appends a token and returns
+    ``φ(q_t)ᵀ kv / (φ(q_t)ᵀ z + eps)``; a prefill with `append` followed by steps equals
+    ``linear_attention(q, k, v, causal=True)`` on the whole sequence (bottom-right alignment).
+
+    Args:
+        feature_map: as in `linear_attention`.
+        eps: added to each denominator (>= 0).
+
+    Example:
+        >>> state = LinearAttentionState()
+        >>> outs = [state.step(q[:, :, t], k[:, :, t], v[:, :, t]) for t in range(L)]
+        >>> torch.stack(outs, dim=2)  # equals linear_attention(q, k, v, causal=True)
+    """
+
+    def __init__(self, feature_map: str | FeatureMap = "elu", eps: float = 1e-6) -> None:
+        self.phi = check_feature_map(feature_map)
+        self.eps = check_eps(eps)
+        self.kv: Tensor | None = None
+        self.z: Tensor | None = None
+        self.length = 0
+
+    def _check_token(self, name: str, t: object, rank: int = 3) -> Tensor:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            letters = "(B, H_kv, S, ·)" if rank == 4 else "(B, H, ·)"
+            raise ValueError(f"{name} must have rank {rank} {letters}, got shape {tuple(t.shape)}")
+        return t
+
+    def _features(self, x: Tensor) -> Tensor:
+        fx = self.phi(x.to(compute_dtype_for(x.dtype)))
+        if fx.shape[:-1] != x.shape[:-1]:
+            raise ValueError(
+                f"feature_map must map (..., D) to (..., F), got {tuple(fx.shape)} "
+                f"from {tuple(x.shape)}"
+            )
+        return fx
+
+    def append(self, k: Tensor, v: Tensor) -> None:
+        """Adds keys ``(B, H_kv, S, D)`` and values ``(B, H_kv, S, Dv)`` to the state (prefill)."""
+        k = self._check_token("k", k, rank=4)
+        v = self._check_token("v", v, rank=4)
+        if k.shape[:3] != v.shape[:3]:
+            raise ValueError(
+                f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on (B, H_kv, S)"
+            )
+        if k.dtype != v.dtype:
+            raise TypeError(f"k and v must share one dtype, got k {k.dtype}, v {v.dtype}")
+        fk = self._features(k)  # (B, H_kv, S, F)
+        kv = fk.transpose(-1, -2) @ v.to(fk.dtype)  # (B, H_kv, F, Dv)
+        z = fk.sum(dim=-2)  # (B, H_kv, F)
+        if self.kv is None:
+            self.kv, self.z = kv, z
+        else:
+            assert self.z is not None
+            if kv.shape != self.kv.shape:
+                raise ValueError(
+                    f"the new keys/values give a state of shape (B, H_kv, F, Dv) = "
+                    f"{tuple(kv.shape)}, but the state holds {tuple(self.kv.shape)}"
+                )
+            self.kv, self.z = self.kv + kv, self.z + z
+        self.length += k.shape[2]
+
+    def read(self, q: Tensor) -> Tensor:
+        """Attends queries ``(B, H, L, D)`` to everything appended so far: ``(B, H, L, Dv)``."""
+        q = self._check_token("q", q, rank=4)
+        if self.kv is None or self.z is None:
+            raise ValueError("the state is empty: append keys/values (or step) before reading")
+        B, H_kv, Fdim, _ = self.kv.shape
+        if q.shape[0] != B or H_kv == 0 or q.shape[1] % H_kv:
+            raise ValueError(
+                f"q of shape {tuple(q.shape)} does not fit the state (B, H_kv) = ({B}, {H_kv}): "
+                "q must be (B, H, L, D) with H a multiple of H_kv"
+            )
+        fq = self._features(q)  # (B, H, L, F)
+        if fq.shape[-1] != Fdim:
+            raise ValueError(f"query features have F={fq.shape[-1]}, the state has F={Fdim}")
+        fq = fq.unflatten(1, (H_kv, q.shape[1] // H_kv))  # (B, H_kv, G, L, F)
+        num = fq @ self.kv.unsqueeze(2)  # (B, H_kv, G, L, Dv)
+        den = fq @ self.z[:, :, None, :, None]  # (B, H_kv, G, L, 1)
+        return _normalise(num, den, self.eps).flatten(1, 2).to(q.dtype)  # (B, H, L, Dv)
+
+    def step(self, q_t: Tensor, k_t: Tensor, v_t: Tensor) -> Tensor:
+        """Appends one token and attends its query to all tokens so far.
+
+        Args:
+            q_t: ``(B, H, D)``. k_t: ``(B, H_kv, D)``. v_t: ``(B, H_kv, Dv)``.
+
+        Returns:
+            ``(B, H, Dv)`` in q_t's dtype.
+        """
+        for name, t in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+            self._check_token(name, t)
+        if not (q_t.dtype == k_t.dtype == v_t.dtype):
+            raise TypeError(
+                f"q_t, k_t and v_t must share one dtype, got {q_t.dtype}, {k_t.dtype}, {v_t.dtype}"
+            )
+        if q_t.shape[-1] != k_t.shape[-1]:
+            raise ValueError(
+                f"q_t head_dim {q_t.shape[-1]} ≠ k_t head_dim {k_t.shape[-1]} "
+                f"(q_t {tuple(q_t.shape)}, k_t {tuple(k_t.shape)})"
+            )
+        (B, H), (B_k, H_kv), Dv = q_t.shape[:2], k_t.shape[:2], v_t.shape[-1]
+        fits = B_k == B and k_t.shape[:2] == v_t.shape[:2] and H_kv > 0 and H % H_kv == 0
+        if self.kv is not None:
+            fits = fits and (B, H_kv, Dv) == (self.kv.shape[0], self.kv.shape[1], self.kv.shape[3])
+        if not fits:
+            held = ""
+            if self.kv is not None:
+                held = f"; the state holds (B, H_kv, F, Dv) = {tuple(self.kv.shape)}"
+            raise ValueError(
+                f"q_t (B, H, D) = {tuple(q_t.shape)}, k_t (B, H_kv, D) = {tuple(k_t.shape)} and "
+                f"v_t (B, H_kv, Dv) = {tuple(v_t.shape)} must agree on B and H_kv with H a "
+                f"multiple of H_kv{held}"
+            )
+        self.append(k_t.unsqueeze(2), v_t.unsqueeze(2))  # (B, H_kv, 1, ·)
+        return self.read(q_t.unsqueeze(2)).squeeze(2)  # (B, H, Dv)

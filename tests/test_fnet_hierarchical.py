@@ -1,0 +1,215 @@
+"""FNet Fourier mixing and two-level hierarchical attention (issue #6) against their references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnlab
+from attnlab import masks
+from attnlab.functional import reference
+from attnlab.linear import FNetMixing, HierarchicalAttention, fnet_mixing, hierarchical_attention
+from helpers import FIXED_TABLE, check_against_reference, seeded
+
+F64 = torch.float64
+FWD_ATOL, FWD_RTOL, GRAD_ATOL, GRAD_RTOL = FIXED_TABLE[F64]
+
+
+def fwd_bwd(fn, inputs, dout_seed=7):
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*xs)
+    dout = seeded(*out.shape, dtype=out.dtype, seed=dout_seed)
+    grads = torch.autograd.grad(out, xs, dout, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads, strict=True)]
+    return out.detach(), grads
+
+
+def assert_fp64_equal(fast, ref, inputs, scale=1.0):
+    out_f, grads_f = fwd_bwd(fast, inputs)
+    out_r, grads_r = fwd_bwd(ref, inputs)
+    torch.testing.assert_close(out_f, out_r, atol=FWD_ATOL * scale, rtol=FWD_RTOL)
+    for gf, gr in zip(grads_f, grads_r, strict=True):
+        torch.testing.assert_close(gf, gr, atol=GRAD_ATOL * scale, rtol=GRAD_RTOL)
+
+
+# ------------------------------------------------------------------------------------- FNet
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 17, 8), (3, 97, 40), (2, 2, 113, 80), (1, 1025, 64)])
+def test_fnet_matches_explicit_dft_fp64(shape):
+    x = seeded(*shape, seed=sum(shape))
+    # outputs grow like √(L·E): the fixed fp64 table is scaled to that magnitude
+    assert_fp64_equal(
+        fnet_mixing,
+        lambda x: reference.fnet_mixing(x),
+        [x],
+        scale=math.sqrt(shape[-1] * shape[-2]),
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype,L,E",
+    [(dt, *size) for dt in (torch.float16, torch.bfloat16) for size in ((17, 8), (97, 40))]
+    + [(torch.float32, 17, 8), (torch.float32, 1025, 64)],
+)
+def test_fnet_tolerance_rule(dtype, L, E):
+    """The rule on the unitary-scaled transform ``fnet(x) / √(L·E)`` (unit-size values)."""
+    c = 1.0 / math.sqrt(L * E)
+    check_against_reference(
+        lambda x: fnet_mixing(x) * c,
+        lambda x, compute_dtype, reorder: (
+            reference.fnet_mixing(x, compute_dtype=compute_dtype, reorder=reorder) * c
+        ),
+        [seeded(2, L, E, dtype=dtype, seed=L)],
+    )
+
+
+def test_fnet_hand_values():
+    x = torch.ones(1, 4, 6, dtype=F64)  # DFT of a constant: everything lands on frequency (0, 0)
+    out = fnet_mixing(x)
+    expected = torch.zeros_like(x)
+    expected[0, 0, 0] = 24.0
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    # a single impulse at (1, 0): Re(exp(−2πi·j/L)) = cos(2πj/L) on every column
+    y = torch.zeros(5, 3, dtype=F64)
+    y[1, 0] = 1.0
+    cos = torch.cos(2 * math.pi * torch.arange(5, dtype=F64) / 5)
+    torch.testing.assert_close(fnet_mixing(y), cos[:, None].expand(5, 3), atol=1e-12, rtol=0)
+
+
+def test_fnet_half_inputs_compute_in_fp32_and_module_matches():
+    x = seeded(2, 33, 16, dtype=torch.float16)
+    out = fnet_mixing(x)
+    assert out.dtype == torch.float16
+    assert torch.equal(out, fnet_mixing(x.float()).half())
+    mix = FNetMixing()
+    assert list(mix.parameters()) == []
+    assert torch.equal(mix(x), out)
+    empty = torch.zeros(2, 0, 16, requires_grad=True)
+    assert fnet_mixing(empty).shape == (2, 0, 16)
+
+
+def test_fnet_errors():
+    with pytest.raises(ValueError, match=r"x must have rank >= 2 \(..., L, E\), got shape \(5,\)"):
+        fnet_mixing(torch.randn(5))
+    with pytest.raises(TypeError, match=r"x dtype must be one of .* got torch.int64"):
+        fnet_mixing(torch.ones(3, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"x must be a torch.Tensor, got list"):
+        fnet_mixing([[1.0]])
+
+
+# ----------------------------------------------------------------------------- hierarchical
+
+
+def qkv(B=2, H=4, H_kv=2, L=17, D=8, Dv=5, dtype=F64, seed=0):
+    return (
+        seeded(B, H, L, D, dtype=dtype, seed=seed),
+        seeded(B, H_kv, L, D, dtype=dtype, seed=seed + 1),
+        seeded(B, H_kv, L, Dv, dtype=dtype, seed=seed + 2),
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "L,D,block", [(1, 8, 1), (17, 40, 3), (17, 8, 4), (97, 8, 16), (113, 40, 10), (97, 3, 200)]
+)
+def test_hierarchical_matches_reference_fp64(causal, L, D, block):
+    inputs = qkv(L=L, D=D, Dv=7, seed=L + block)
+    assert_fp64_equal(
+        lambda q, k, v: hierarchical_attention(q, k, v, block_size=block, causal=causal),
+        lambda q, k, v: reference.hierarchical_attention(q, k, v, block_size=block, causal=causal),
+        inputs,
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype,L", [(torch.float32, 257), (torch.bfloat16, 97)])
+def test_hierarchical_tolerance_rule(causal, dtype, L):
+    check_against_reference(
+        lambda q, k, v: hierarchical_attention(q, k, v, block_size=16, causal=causal),
+        lambda q, k, v, compute_dtype, reorder: reference.hierarchical_attention(
+            q, k, v, block_size=16, causal=causal, compute_dtype=compute_dtype, reorder=reorder
+        ),
+        list(qkv(L=L, D=64, Dv=64, dtype=dtype, seed=5)),
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hierarchical_equals_attention_with_block_mean_keys(causal):
+    """A second, independent statement of the definition: full softmax attention in which
+    every key/value outside the query's block is replaced by its block mean (for causal:
+    earlier blocks only, and j <= i inside the block)."""
+    L, b = 23, 5
+    q, k, v = qkv(B=1, H=2, H_kv=2, L=L, seed=3)
+    out = hierarchical_attention(q, k, v, block_size=b, causal=causal)
+    blk = torch.arange(L) // b
+    for i in (0, 4, 5, 12, 22):
+        same = blk == blk[i]
+        k_eff, v_eff = k[:, :, :].clone(), v.clone()
+        for J in blk.unique():
+            cols = blk == J
+            if blk[i] != J:
+                k_eff[:, :, cols] = k[:, :, cols].mean(2, keepdim=True)
+                v_eff[:, :, cols] = v[:, :, cols].mean(2, keepdim=True)
+        allowed = torch.ones(L, dtype=torch.bool)
+        if causal:
+            allowed = (blk < blk[i]) | (same & (torch.arange(L) <= i))
+        else:
+            allowed = torch.ones(L, dtype=torch.bool)
+        logits = (q[:, :, i : i + 1] @ k_eff.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        p = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        torch.testing.assert_close(out[:, :, i : i + 1], p @ v_eff, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block", [1, 64])
+def test_hierarchical_degenerates_to_exact_attention(causal, block):
+    """b = 1 (every summary is one token) and b >= L (one block) are exact softmax attention."""
+    q, k, v = qkv(L=29)
+    exact = attnlab.attention(q, k, v, mask=masks.causal() if causal else None, backend="reference")
+    out = hierarchical_attention(q, k, v, block_size=block, causal=causal)
+    torch.testing.assert_close(out, exact, atol=1e-12, rtol=0)
+    # an intermediate block size is an approximation, not exact attention
+    approx = hierarchical_attention(q, k, v, block_size=4, causal=causal)
+    assert (approx - exact).abs().max() > 1e-3
+
+
+def test_hierarchical_causal_ignores_the_future_and_three_d_and_module():
+    q, k, v = qkv(L=20)
+    out = hierarchical_attention(q, k, v, block_size=6, causal=True)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 13:] = 5.0
+    v2[:, :, 13:] = -5.0
+    out2 = hierarchical_attention(q, k2, v2, block_size=6, causal=True)
+    assert torch.equal(out[:, :, :13], out2[:, :, :13])
+    out3 = hierarchical_attention(q[:, 0], k[:, 0], v[:, 0], block_size=6, causal=True)
+    q1 = q[:, :1]
+    one_head = hierarchical_attention(q1, k[:, :1], v[:, :1], block_size=6, causal=True)
+    torch.testing.assert_close(out3, one_head[:, 0], atol=0, rtol=0)
+    mod = HierarchicalAttention(6, causal=True, scale=0.3)
+    torch.testing.assert_close(
+        mod(q, k, v),
+        reference.hierarchical_attention(q, k, v, block_size=6, causal=True, scale=0.3),
+        atol=1e-12,
+        rtol=0,
+    )
+    q0, k0, v0 = qkv(L=0)
+    assert hierarchical_attention(q0, k0, v0, block_size=4).shape == (2, 4, 0, 5)
+
+
+def test_hierarchical_errors():
+    q, k, v = qkv(L=6)
+    with pytest.raises(ValueError, match=r"query length L=6 must equal key length S=5"):
+        hierarchical_attention(q, k[:, :, :5], v[:, :, :5], block_size=2)
+    with pytest.raises(ValueError, match=r"block_size must be >= 1, got 0"):
+        hierarchical_attention(q, k, v, block_size=0)
+    with pytest.raises(TypeError, match=r"block_size must be an int >= 1, got float 2.0"):
+        hierarchical_attention(q, k, v, block_size=2.0)
+    with pytest.raises(ValueError, match=r"scale must be non-zero, got 0"):
+        hierarchical_attention(q, k, v, block_size=2, scale=0)
+    with pytest.raises(ValueError, match=r"query head_dim 8 ≠ key head_dim 7"):
+        hierarchical_attention(q, k[..., :7], v, block_size=2)
+    with pytest.raises(ValueError, match=r"block_size must be >= 1, got -3"):
+        HierarchicalAttention(-3)

@@ -1,0 +1,515 @@
+"""Linear attention (issue #6; RELIABILITY F1, F2, H13): fast forms against the explicit reference.
+
+The reference (`functional.reference.linear_attention`) forms the ``(L, S)`` kernel matrix; the
+chunked causal form, the non-causal ``φ(K)ᵀV``-first form and the recurrent state must equal it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import attnlab
+from attnlab.functional import reference
+from attnlab.linear import LinearAttention, LinearAttentionState, linear_attention
+from helpers import FIXED_TABLE, check_against_reference, seeded
+
+F64 = torch.float64
+FWD_ATOL, FWD_RTOL, GRAD_ATOL, GRAD_RTOL = FIXED_TABLE[F64]
+
+
+def two_maps(x: torch.Tensor) -> torch.Tensor:
+    """A user feature map with F = 2·D != D."""
+    return torch.cat([F.elu(x) + 1, x * x], dim=-1)
+
+
+FEATURE_MAPS = ["elu", "relu", two_maps]
+
+
+def qkv(B=2, H=4, H_kv=2, L=17, S=17, D=8, Dv=5, dtype=F64, seed=0, scale=1.0):
+    return (
+        seeded(B, H, L, D, dtype=dtype, seed=seed, scale=scale),
+        seeded(B, H_kv, S, D, dtype=dtype, seed=seed + 1, scale=scale),
+        seeded(B, H_kv, S, Dv, dtype=dtype, seed=seed + 2, scale=scale),
+    )
+
+
+def fwd_bwd(fn, inputs, dout_seed=7):
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*xs)
+    dout = seeded(*out.shape, dtype=out.dtype, seed=dout_seed)
+    grads = torch.autograd.grad(out, xs, dout, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads, strict=True)]
+    return out.detach(), grads
+
+
+def assert_fp64_equal(fast, ref, inputs):
+    out_f, grads_f = fwd_bwd(fast, inputs)
+    out_r, grads_r = fwd_bwd(ref, inputs)
+    torch.testing.assert_close(out_f, out_r, atol=FWD_ATOL, rtol=FWD_RTOL)
+    for gf, gr in zip(grads_f, grads_r, strict=True):
+        torch.testing.assert_close(gf, gr, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+
+
+# ------------------------------------------------------------------------ fast form == reference
+
+
+SIZES = [(1, 1, 8), (17, 17, 40), (97, 113, 8), (113, 97, 40), (17, 1, 3)]
+CASES = [(fm, *size) for fm in FEATURE_MAPS for size in SIZES] + [("elu", 1025, 1025, 64)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("feature_map,L,S,D", CASES)
+def test_matches_reference_fp64_forward_and_grads(causal, feature_map, L, S, D):
+    inputs = qkv(L=L, S=S, D=D, Dv=7, seed=L + S)
+
+    def fast(q, k, v):
+        return linear_attention(q, k, v, feature_map=feature_map, causal=causal)
+
+    def ref(q, k, v):
+        return reference.linear_attention(q, k, v, feature_map=feature_map, causal=causal)
+
+    assert_fp64_equal(fast, ref, inputs)
+
+
+def test_reference_is_the_textbook_formula():
+    """Guards the reference itself: one query row written out by hand (elu + 1, causal)."""
+    q, k, v = qkv(B=1, H=1, H_kv=1, L=6, S=6, D=4, Dv=3)
+    out = reference.linear_attention(q, k, v, causal=True)
+    i = 3
+    phi_q = F.elu(q[0, 0, i]) + 1
+    weights = torch.stack([phi_q @ (F.elu(k[0, 0, j]) + 1) for j in range(i + 1)])
+    expected = (weights[:, None] * v[0, 0, : i + 1]).sum(0) / (weights.sum() + 1e-6)
+    torch.testing.assert_close(out[0, 0, i], expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "dtype,L,S,D",
+    [(torch.float32, 97, 113, 40), (torch.bfloat16, 97, 113, 40), (torch.float32, 1025, 1025, 64)],
+)
+def test_tolerance_rule_low_precision(causal, dtype, L, S, D):
+    inputs = list(qkv(L=L, S=S, D=D, Dv=D, dtype=dtype, seed=3))
+    check_against_reference(
+        lambda q, k, v: linear_attention(q, k, v, causal=causal),
+        lambda q, k, v, compute_dtype, reorder: reference.linear_attention(
+            q, k, v, causal=causal, compute_dtype=compute_dtype, reorder=reorder
+        ),
+        inputs,
+    )
+
+
+def test_gradcheck_small():
+    q, k, v = (x.requires_grad_(True) for x in qkv(B=1, H=2, H_kv=1, L=5, S=7, D=3, Dv=2))
+    for causal in (False, True):
+        assert torch.autograd.gradcheck(
+            lambda q, k, v, c=causal: linear_attention(q, k, v, causal=c, chunk_size=2), (q, k, v)
+        )
+
+
+def test_gqa_equals_repeat_interleave():
+    q, k, v = qkv(H=6, H_kv=2, L=19, S=19)
+    for causal in (False, True):
+        out = linear_attention(q, k, v, causal=causal)
+        mha = linear_attention(
+            q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), causal=causal
+        )
+        torch.testing.assert_close(out, mha, atol=1e-12, rtol=0)
+
+
+def test_three_d_inputs_are_one_head():
+    q, k, v = qkv(H=1, H_kv=1, L=9, S=11)
+    out3 = linear_attention(q[:, 0], k[:, 0], v[:, 0], causal=True)
+    assert out3.shape == (2, 9, 5)
+    torch.testing.assert_close(out3, linear_attention(q, k, v, causal=True)[:, 0], atol=0, rtol=0)
+
+
+def test_non_causal_keeps_no_order():
+    """Non-causal output is invariant to permuting keys and values together."""
+    q, k, v = qkv(L=13, S=21)
+    perm = torch.randperm(21, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(
+        linear_attention(q, k[:, :, perm], v[:, :, perm]),
+        linear_attention(q, k, v),
+        atol=1e-12,
+        rtol=0,
+    )
+
+
+# ----------------------------------------------------------------- F1: three forms of the causal
+
+
+def recurrent(q, k, v, feature_map="elu", eps=1e-6):
+    state = LinearAttentionState(feature_map, eps)
+    steps = [state.step(q[:, :, t], k[:, :, t], v[:, :, t]) for t in range(q.shape[2])]
+    return torch.stack(steps, dim=2)  # (B, H, L, Dv)
+
+
+@pytest.mark.parametrize("feature_map", FEATURE_MAPS, ids=["elu", "relu", "callable"])
+def test_f1_parallel_chunked_recurrent_agree(feature_map):
+    q, k, v = qkv(L=37, S=37, D=6, Dv=4)
+    parallel = reference.linear_attention(q, k, v, feature_map=feature_map, causal=True)
+    rec = recurrent(q, k, v, feature_map)
+    torch.testing.assert_close(rec, parallel, atol=1e-10, rtol=0)
+    for chunk in (1, 3, 16):
+        chunked = linear_attention(q, k, v, feature_map=feature_map, causal=True, chunk_size=chunk)
+        torch.testing.assert_close(chunked, parallel, atol=1e-10, rtol=0)
+        torch.testing.assert_close(chunked, rec, atol=1e-10, rtol=0)
+
+
+def test_causal_actually_masks_the_future():
+    """Changing the last key/value changes only the last output row (and all rows non-causally)."""
+    q, k, v = qkv(L=12, S=12)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, -1] += 1.0
+    v2[:, :, -1] += 1.0
+    a = linear_attention(q, k, v, causal=True)
+    b = linear_attention(q, k2, v2, causal=True)
+    assert torch.equal(a[:, :, :-1], b[:, :, :-1])
+    assert not torch.allclose(a[:, :, -1], b[:, :, -1])
+
+
+@pytest.mark.parametrize("prefill", [0, 1, 7, 20])
+def test_prefill_then_decode_equals_full_causal(prefill):
+    q, k, v = qkv(L=20, S=20)
+    full = linear_attention(q, k, v, causal=True)
+    state = LinearAttentionState()
+    if prefill:
+        state.append(k[:, :, :prefill], v[:, :, :prefill])
+        torch.testing.assert_close(
+            state.read(q[:, :, :prefill]),
+            linear_attention(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill]),
+            atol=1e-12,
+            rtol=0,
+        )
+    steps = [state.step(q[:, :, t], k[:, :, t], v[:, :, t]) for t in range(prefill, 20)]
+    if steps:
+        decoded = torch.stack(steps, dim=2)
+        torch.testing.assert_close(decoded, full[:, :, prefill:], atol=1e-10, rtol=0)
+        # bottom-right alignment: the last L - prefill queries against all 20 keys
+        tail = linear_attention(q[:, :, prefill:], k, v, causal=True)
+        torch.testing.assert_close(decoded, tail, atol=1e-10, rtol=0)
+    assert state.length == 20
+
+
+def test_state_accumulates_in_fp32_for_half_inputs():
+    q, k, v = qkv(L=5, S=5, dtype=torch.float16)
+    state = LinearAttentionState()
+    out = state.step(q[:, :, 0], k[:, :, 0], v[:, :, 0])
+    assert out.dtype == torch.float16
+    assert state.kv is not None and state.kv.dtype == torch.float32
+
+
+SETTINGS = settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@SETTINGS
+@given(
+    B=st.integers(1, 3),
+    H_kv=st.integers(1, 2),
+    G=st.integers(1, 2),
+    L=st.integers(1, 33),
+    D=st.integers(1, 17),
+    Dv=st.integers(1, 9),
+    feature_map=st.sampled_from(["elu", "relu"]),
+    chunk=st.integers(1, 40),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_h13_parallel_equals_recurrent(B, H_kv, G, L, D, Dv, feature_map, chunk, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H_kv * G, L, D, generator=g, dtype=F64)
+    k = torch.randn(B, H_kv, L, D, generator=g, dtype=F64)
+    v = torch.randn(B, H_kv, L, Dv, generator=g, dtype=F64)
+    parallel = reference.linear_attention(q, k, v, feature_map=feature_map, causal=True)
+    rec = recurrent(q, k, v, feature_map)
+    chunked = linear_attention(q, k, v, feature_map=feature_map, causal=True, chunk_size=chunk)
+    torch.testing.assert_close(rec, parallel, atol=1e-10, rtol=0)
+    torch.testing.assert_close(chunked, parallel, atol=1e-10, rtol=0)
+
+
+# ---------------------------------------------------------------- F2: guarded denominators, fp16
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+def test_f2_all_padding_row_outputs_zero_with_finite_grads(causal, eps):
+    q, k, v = qkv(B=2, L=9, S=9)
+    key_mask = torch.ones(2, 9, dtype=torch.bool)
+    key_mask[1] = False  # batch item 1: every key is padding
+    key_mask[0, 4:] = False
+    out, (dq, dk, dv) = fwd_bwd(
+        lambda q, k, v: linear_attention(q, k, v, causal=causal, eps=eps, key_mask=key_mask),
+        [q, k, v],
+    )
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(dq[1], torch.zeros_like(dq[1]))
+    assert torch.equal(dk[1], torch.zeros_like(dk[1])) and torch.equal(
+        dv[0, :, 4:], dv[0, :, 4:] * 0
+    )
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+    ref = reference.linear_attention(q, k, v, causal=causal, eps=eps, key_mask=key_mask)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+
+
+def test_f2_key_mask_equals_dropping_keys_and_hides_nan():
+    q, k, v = qkv(L=7, S=10)
+    key_mask = torch.tensor([[True] * 6 + [False] * 4, [True] * 10])
+    out = linear_attention(q, k, v, key_mask=key_mask)
+    dropped = linear_attention(q[:1], k[:1, :, :6], v[:1, :, :6])
+    torch.testing.assert_close(out[:1], dropped, atol=1e-12, rtol=0)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[0, :, 6:] = float("nan")
+    v_nan[0, :, 6:] = float("inf")
+    for causal in (False, True):
+        clean = linear_attention(q, k, v, key_mask=key_mask, causal=causal)
+        assert torch.equal(
+            linear_attention(q, k_nan, v_nan, key_mask=key_mask, causal=causal), clean
+        )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_f2_zero_length_query(causal):
+    q, k, v = qkv(L=0, S=5)
+    out, (_, dk, dv) = fwd_bwd(lambda q, k, v: linear_attention(q, k, v, causal=causal), [q, k, v])
+    assert out.shape == (2, 4, 0, 5)
+    assert torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+def test_f2_zero_length_keys(causal, eps):
+    q, k, v = qkv(L=4, S=0)
+    out, (dq, _, _) = fwd_bwd(
+        lambda q, k, v: linear_attention(q, k, v, causal=causal, eps=eps), [q, k, v]
+    )
+    assert out.shape == (2, 4, 4, 5) and torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(dq, torch.zeros_like(dq))
+
+
+def test_f2_causal_queries_before_the_first_key_are_zero():
+    q, k, v = qkv(L=9, S=4)  # bottom-right: the first 5 queries see no key
+    out = linear_attention(q, k, v, causal=True, eps=0.0)
+    assert torch.equal(out[:, :, :5], torch.zeros_like(out[:, :, :5]))
+    torch.testing.assert_close(
+        out, reference.linear_attention(q, k, v, causal=True, eps=0.0), atol=1e-12, rtol=0
+    )
+
+
+def test_f2_relu_all_zero_features_are_guarded():
+    """relu features of all-negative queries are 0: with eps=0 the denominator is exactly 0."""
+    q, k, v = qkv(L=6, S=6)
+    q = -q.abs() - 0.1
+    for causal in (False, True):
+        out, grads = fwd_bwd(
+            lambda q, k, v, c=causal: linear_attention(
+                q, k, v, feature_map="relu", eps=0.0, causal=c
+            ),
+            [q, k, v],
+        )
+        assert torch.equal(out, torch.zeros_like(out))
+        assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+def test_f2_fp16_accumulates_in_fp32_and_stays_finite_up_to_1e3(causal, feature_map):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = ((torch.randn(2, 2, 300, 64, generator=g) * 400).clamp(-1e3, 1e3) for _ in range(3))
+    q[..., 0], k[..., 0], v[..., 0] = 1e3, 1e3, -1e3  # the extreme value itself
+    q16, k16, v16 = (x.half() for x in (q, k, v))
+    # The inputs are adversarial: the same formula accumulated in fp16 overflows.
+    naive16 = reference.linear_attention(
+        q16, k16, v16, feature_map=feature_map, causal=causal, compute_dtype=torch.float16
+    )
+    assert not torch.isfinite(naive16).all()
+    out = linear_attention(q16, k16, v16, feature_map=feature_map, causal=causal)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    # accumulating in fp32 means: bit-equal to the fp32 computation on the upcast inputs
+    out32 = linear_attention(
+        q16.float(), k16.float(), v16.float(), feature_map=feature_map, causal=causal
+    )
+    assert torch.equal(out, out32.half())
+    golden = reference.linear_attention(
+        q16.double(), k16.double(), v16.double(), feature_map=feature_map, causal=causal
+    )
+    atol, rtol, _, _ = FIXED_TABLE[torch.float16]
+    torch.testing.assert_close(out.double(), golden, atol=atol, rtol=rtol)
+
+
+# ------------------------------------------------------------------------ O(L) memory, structure
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op produces (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def largest_tensor(fn, inputs) -> int:
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    with LargestTensor() as mode:
+        out = fn(*xs)
+        out.sum().backward()
+    return mode.largest
+
+
+def test_no_l_by_s_tensor_forward_or_backward():
+    L = 2048
+    inputs = qkv(B=1, H=1, H_kv=1, L=L, S=L, D=16, Dv=16, dtype=torch.float32)
+    # the instrument sees the explicit form's L × S matrix ...
+    assert largest_tensor(lambda q, k, v: reference.linear_attention(q, k, v), inputs) >= L * L
+    # ... and the fast forms stay within O(L · chunk) elements
+    for causal in (False, True):
+        largest = largest_tensor(
+            lambda q, k, v, c=causal: linear_attention(q, k, v, causal=c), inputs
+        )
+        assert largest <= 2 * L * 64, (causal, largest)
+
+
+@pytest.mark.slow
+def test_causal_time_scales_linearly():
+    """time(L=65536) / time(L=8192) <= 10 (ideal 8); timing, so behind the slow marker."""
+
+    def best(L: int) -> float:
+        q, k, v = (torch.randn(1, 4, L, 64) for _ in range(3))
+        with torch.no_grad():
+            linear_attention(q, k, v, causal=True)
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                linear_attention(q, k, v, causal=True)
+                times.append(time.perf_counter() - t0)
+        return min(times)
+
+    assert best(65536) / best(8192) <= 10
+
+
+# ------------------------------------------------------------------------------------ module
+
+
+def test_module_equals_function_and_new_state_decodes():
+    q, k, v = qkv(L=11, S=11)
+    attn = LinearAttention("relu", causal=True, eps=1e-5)
+    assert list(attn.parameters()) == []
+    torch.testing.assert_close(
+        attn(q, k, v),
+        linear_attention(q, k, v, feature_map="relu", causal=True, eps=1e-5),
+        atol=0,
+        rtol=0,
+    )
+    torch.testing.assert_close(recurrent(q, k, v, "relu", 1e-5), attn(q, k, v), atol=1e-10, rtol=0)
+    state = attn.new_state()
+    assert state.eps == 1e-5
+    assert "feature_map='relu'" in repr(attn)
+
+
+def test_public_facade():
+    assert attnlab.linear.linear_attention is linear_attention
+    assert set(attnlab.linear.FEATURE_MAPS) == {"elu", "relu"}
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+def test_error_unknown_feature_map_names_choices_and_value():
+    q, k, v = qkv()
+    with pytest.raises(
+        ValueError, match=r"feature_map must be one of \['elu', 'relu'\].*got 'tanh'"
+    ):
+        linear_attention(q, k, v, feature_map="tanh")
+    with pytest.raises(TypeError, match=r"feature_map must be a name .* got int"):
+        linear_attention(q, k, v, feature_map=3)
+    with pytest.raises(ValueError, match=r"feature_map must be one of"):
+        LinearAttention("softmax")
+    with pytest.raises(ValueError, match=r"feature_map must be one of"):
+        LinearAttentionState("softmax")
+
+
+def test_error_feature_map_with_mismatched_sizes():
+    q, k, v = qkv(L=5, S=6)
+    with pytest.raises(ValueError, match=r"feature_map must map .* query features \(2, 4, 5, 16\)"):
+        linear_attention(
+            q, k, v, feature_map=lambda x: x.repeat(1, 1, 1, 2) if x.shape[2] == 5 else x
+        )
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,pattern",
+    [
+        ({"eps": -1e-3}, ValueError, r"eps must be >= 0, got -0.001"),
+        ({"eps": float("nan")}, ValueError, r"eps must be finite, got nan"),
+        ({"chunk_size": 0}, ValueError, r"chunk_size must be >= 1, got 0"),
+        ({"chunk_size": 2.0}, TypeError, r"chunk_size must be an int >= 1, got float 2.0"),
+        ({"causal": 1}, TypeError, r"causal must be a bool, got int 1"),
+        (
+            {"key_mask": torch.ones(2, 5, dtype=torch.bool)},
+            ValueError,
+            r"key_mask must have shape \(B, S\) = \(2, 6\) .* got \(2, 5\)",
+        ),
+        ({"key_mask": torch.ones(2, 6)}, TypeError, r"key_mask must be bool .* got torch.float32"),
+        ({"key_mask": [True]}, TypeError, r"key_mask must be a bool tensor"),
+    ],
+)
+def test_error_bad_arguments(kwargs, exc, pattern):
+    q, k, v = qkv(L=5, S=6, dtype=torch.float32)
+    with pytest.raises(exc, match=pattern):
+        linear_attention(q, k, v, **kwargs)
+
+
+def test_error_shape_mismatches_name_the_shapes():
+    q, k, v = qkv(L=5, S=6)
+    with pytest.raises(ValueError, match=r"query head_dim 8 ≠ key head_dim 7"):
+        linear_attention(q, k[..., :7], v)
+    with pytest.raises(ValueError, match=r"key length S=6 ≠ value length S=5"):
+        linear_attention(q, k, v[:, :, :5])
+    with pytest.raises(
+        ValueError, match=r"query heads H=4 must be a multiple of key/value heads H_kv=3"
+    ):
+        linear_attention(q, k[:, :1].expand(2, 3, 6, 8), v[:, :1].expand(2, 3, 6, 5))
+    with pytest.raises(TypeError, match=r"query torch.float64, key torch.float32"):
+        linear_attention(q, k.float(), v)
+
+
+def test_error_state_misuse():
+    q, k, v = qkv(L=3, S=3)
+    state = LinearAttentionState()
+    with pytest.raises(ValueError, match=r"the state is empty"):
+        state.read(q)
+    with pytest.raises(
+        ValueError, match=r"q_t must have rank 3 \(B, H, ·\), got shape \(2, 4, 3, 8\)"
+    ):
+        state.step(q, k[:, :, 0], v[:, :, 0])
+    with pytest.raises(ValueError, match=r"q_t head_dim 8 ≠ k_t head_dim 7"):
+        state.step(q[:, :, 0], k[:, :, 0, :7], v[:, :, 0])
+    state.step(q[:, :, 0], k[:, :, 0], v[:, :, 0])
+    held = r"the state holds \(B, H_kv, F, Dv\) = \(2, 2, 8, 5\)"
+    with pytest.raises(ValueError, match=r"v_t \(B, H_kv, Dv\) = \(2, 2, 4\) must agree.*" + held):
+        state.step(q[:, :, 1], k[:, :, 1], v[:, :, 1, :4])
+    with pytest.raises(ValueError, match=r"q_t \(B, H, D\) = \(2, 3, 8\).*H a multiple of H_kv"):
+        state.step(q[:, :3, 1], k[:, :, 1], v[:, :, 1])
+    assert state.length == 1  # a rejected step changes nothing
+    with pytest.raises(
+        ValueError, match=r"state of shape .* = \(2, 2, 8, 4\), but the state holds"
+    ):
+        state.append(k[:, :, 1:2], v[:, :, 1:2, :4])
