@@ -8,8 +8,9 @@ Example:
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import analysis, functional, linear, masks, pos, positional, viz
+from . import analysis, checkpoint, functional, linear, masks, models, pos, positional, viz
 from .analysis import estimate
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .functional import attention, backends, explain
 from .masks import Mask
 from .modules import (
@@ -32,6 +33,7 @@ __all__ = [
     "ALiBi",
     "AdditiveAttention",
     "CacheOverflowError",
+    "CheckpointError",
     "KVCache",
     "LearnedPositionalEmbedding",
     "Mask",
@@ -46,12 +48,16 @@ __all__ = [
     "analysis",
     "attention",
     "backends",
+    "checkpoint",
     "estimate",
     "explain",
     "functional",
     "linear",
+    "load_checkpoint",
     "masks",
+    "models",
     "pos",
     "positional",
+    "save_checkpoint",
     "viz",
 ]

@@ -227,9 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Subcommands contributed by other modules: each ``register(subparsers)`` sets ``func``."""
+    from .train import register_generate, register_train
     from .visualize import register as register_visualize
 
-    return [register_visualize]
+    return [register_train, register_generate, register_visualize]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,39 @@
+"""Models built from attnlab parts: a config, blocks, a GPT-style LM and a bidirectional encoder.
+
+Example:
+    >>> from attnlab.models import GPT, TransformerConfig
+    >>> cfg = TransformerConfig(vocab_size=65, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2)
+    >>> model = GPT(cfg)
+    >>> out = model.generate(torch.zeros(1, 1, dtype=torch.long), 100, top_k=10)
+"""
+
+from .blocks import MLPS, NORMS, GeluMLP, RMSNorm, SwiGLU, TransformerBlock
+from .config import TransformerConfig
+from .encoder import Encoder
+from .gpt import GPT
+
+__all__ = [
+    "GPT",
+    "MLPS",
+    "NORMS",
+    "Encoder",
+    "GeluMLP",
+    "RMSNorm",
+    "SwiGLU",
+    "TransformerBlock",
+    "TransformerConfig",
+]
+
+# The pretrained-encoder half of this package lands separately; export it when present.
+try:
+    from .bert import BertEncoder
+
+    __all__ += ["BertEncoder"]
+except ImportError:  # pragma: no cover - depends on which half of the package has landed
+    pass
+try:
+    from .minilm import MiniLM, minilm
+
+    __all__ += ["MiniLM", "minilm"]
+except ImportError:  # pragma: no cover
+    pass

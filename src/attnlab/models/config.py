@@ -1,0 +1,144 @@
+"""`TransformerConfig`: every size and choice of the small Transformer, validated once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+POSITIONALS = ("rope", "learned", "sinusoidal", "alibi", None)
+
+
+def _int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _choice(name: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+@dataclass
+class TransformerConfig:
+    """Sizes and choices of `GPT` and `Encoder` (nanoGPT-style: one screen, validated on creation).
+
+    Attributes:
+        vocab_size: V, number of token ids.
+        d_model: E, the residual width.
+        n_layers: number of `TransformerBlock`s.
+        n_heads: H, query heads (``d_model % n_heads == 0``; head dim ``D = E / H``).
+        n_kv_heads: H_kv key/value heads (GQA; None = H; ``H % H_kv == 0``).
+        d_ff: hidden width of the MLP (None = 4·E for "gelu", the multiple of 8 nearest
+            8·E/3 for "swiglu", which keeps the parameter count of a 4·E GELU MLP).
+        max_seq_len: the longest sequence (prompt + cache) the model accepts.
+        dropout: dropout on embeddings, attention weights and residual branches (training only).
+        norm: "layernorm" or "rmsnorm".
+        norm_eps: ε of the norms.
+        prenorm: True for pre-LN blocks ``x + f(norm(x))``, False for post-LN ``norm(x + f(x))``.
+        mlp: "gelu" (``W2 · gelu(W1 x)``) or "swiglu" (``W_d · (silu(W_g x) ⊙ W_u x)``).
+        positional: "rope", "learned", "sinusoidal", "alibi" or None.
+        rope_base: θ of RoPE. rope_scaling: an HF-style RoPE scaling dict, or None.
+        bias: biases in the linear layers and the LayerNorms.
+        tie_embeddings: the output projection shares the token embedding matrix (GPT).
+    """
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    d_ff: int | None = None
+    max_seq_len: int = 256
+    dropout: float = 0.0
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    prenorm: bool = True
+    mlp: str = "gelu"
+    positional: str | None = "rope"
+    rope_base: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None)
+    bias: bool = True
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        _int("vocab_size", self.vocab_size, 1)
+        _int("d_model", self.d_model, 1)
+        _int("n_layers", self.n_layers, 0)
+        _int("n_heads", self.n_heads, 1)
+        _int("max_seq_len", self.max_seq_len, 1)
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        if self.n_kv_heads is not None:
+            _int("n_kv_heads", self.n_kv_heads, 1)
+            if self.n_heads % self.n_kv_heads:
+                raise ValueError(
+                    f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}"
+                )
+        if self.d_ff is not None:
+            _int("d_ff", self.d_ff, 1)
+        for name in ("dropout", "norm_eps", "rope_base"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+        if self.rope_base <= 1:
+            raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
+        _choice("norm", self.norm, NORMS)
+        _choice("mlp", self.mlp, MLPS)
+        _choice("positional", self.positional, POSITIONALS)
+        for name in ("prenorm", "bias", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                value = getattr(self, name)
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+        if self.positional == "rope" and self.head_dim % 2:
+            raise ValueError(
+                f"positional='rope' needs an even head dim, got d_model/n_heads = "
+                f"{self.d_model}/{self.n_heads} = {self.head_dim}"
+            )
+        if self.positional == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"positional='sinusoidal' needs an even d_model, got {self.d_model}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise TypeError(
+                f"rope_scaling must be a dict or None, got {type(self.rope_scaling).__name__}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """D = d_model / n_heads."""
+        return self.d_model // self.n_heads
+
+    @property
+    def ff_dim(self) -> int:
+        """The MLP hidden width actually used (see ``d_ff``)."""
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.mlp == "swiglu":
+            return max(8, 8 * round(8 * self.d_model / 3 / 8))
+        return 4 * self.d_model
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; ``TransformerConfig.from_dict(c.to_dict()) == c``."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TransformerConfig:
+        """The inverse of `to_dict`; unknown keys raise ValueError naming them."""
+        if not isinstance(data, dict):
+            raise TypeError(f"config must be a dict, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown TransformerConfig field(s) {unknown}; known: {sorted(known)}"
+            )
+        return cls(**data)

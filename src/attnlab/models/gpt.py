@@ -1,0 +1,225 @@
+"""A GPT-style causal language model built from attnlab parts (nanoGPT-like)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from .. import masks
+from ..modules import KVCache
+from .blocks import TransformerBlock, make_norm, positional_parts
+from .config import TransformerConfig
+
+
+def check_token_ids(name: str, idx: object, vocab_size: int) -> Tensor:
+    """Checks an integer ``(B, L)`` tensor of ids in ``[0, vocab_size)``; returns it."""
+    if not isinstance(idx, Tensor):
+        raise TypeError(f"{name} must be a (B, L) integer tensor, got {type(idx).__name__}")
+    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor of token ids, got dtype {idx.dtype}")
+    if idx.dim() != 2:
+        raise ValueError(f"{name} must be (B, L), got shape {tuple(idx.shape)}")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= vocab_size):
+        raise ValueError(
+            f"{name} holds token ids in [{int(idx.min())}, {int(idx.max())}], expected ids in "
+            f"[0, vocab_size={vocab_size})"
+        )
+    return idx
+
+
+def context_start(total: int, start: int, window: int) -> int:
+    """Where generation's context begins: unchanged while ``total − start <= window``.
+
+    When the context would exceed ``window`` (= max_seq_len) it restarts from the last
+    ``max(1, window // 2)`` tokens. Cached and uncached generation both use this rule, so they
+    agree token for token at any length; the cache is rebuilt only once per window/2 tokens.
+    """
+    if total - start <= window:
+        return start
+    return total - max(1, window // 2)
+
+
+class GPT(nn.Module):
+    """Decoder-only causal LM: ``logits = head(norm(blocks(embed(idx))))``.
+
+    Token embeddings (plus learned/sinusoidal positions, or RoPE/ALiBi inside attention) feed
+    ``n_layers`` `TransformerBlock`s with a causal mask (bottom-right aligned, so the same mask
+    serves prefill and single-token decoding with a `KVCache`). The output projection is tied to
+    the token embedding when ``config.tie_embeddings``. Weights are initialised as in GPT-2:
+    N(0, 0.02), and the projections into the residual stream N(0, 0.02/sqrt(2·n_layers)).
+
+    Attributes:
+        gradient_checkpointing: recompute each block in backward instead of storing its
+            activations (training without caches only).
+
+    Example:
+        >>> model = GPT(TransformerConfig(vocab_size=65, d_model=64, n_layers=2, n_heads=4))
+        >>> logits = model(torch.randint(0, 65, (2, 16)))            # (2, 16, 65)
+        >>> out = model.generate(torch.zeros(1, 1, dtype=torch.long), 20, top_k=1)  # (1, 21)
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+        self.config = config
+        self.gradient_checkpointing = False
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb, rope, bias_fn = positional_parts(config, causal=True)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(config, rope=rope, bias_fn=bias_fn) for _ in range(config.n_layers)
+        )
+        # Post-LN blocks already end in a norm; pre-LN stacks need a final one.
+        self.norm_f = make_norm(config) if config.prenorm else nn.Identity()
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.out_proj.weight", "mlp.fc2.weight", "mlp.down.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * max(1, config.n_layers)))
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def new_caches(self, capacity: int | None = None) -> list[KVCache]:
+        """One empty `KVCache` per layer (``capacity`` preallocates, e.g. max_seq_len)."""
+        return [KVCache(capacity) for _ in self.blocks]
+
+    def forward(self, idx: Tensor, *, caches: list[KVCache] | None = None) -> Tensor:
+        """Next-token logits for every position.
+
+        Args:
+            idx: token ids ``(B, L)``.
+            caches: None (the whole sequence is ``idx``), or one `KVCache` per layer holding the
+                tokens before ``idx``; they are appended to (prefill, then one token at a time).
+
+        Returns:
+            logits ``(B, L, V)``.
+
+        Raises:
+            TypeError / ValueError: non-integer ids, ids outside the vocabulary, more than
+                ``max_seq_len`` positions (cached + new), or a wrong number of caches.
+        """
+        cfg = self.config
+        idx = check_token_ids("idx", idx, cfg.vocab_size)
+        offset = 0
+        if caches is not None:
+            if not isinstance(caches, (list, tuple)) or len(caches) != len(self.blocks):
+                got = len(caches) if isinstance(caches, (list, tuple)) else type(caches).__name__
+                raise ValueError(f"caches must be a list of {len(self.blocks)} KVCache, got {got}")
+            offset = caches[0].seen if caches else 0
+        L = idx.shape[1]
+        if offset + L > cfg.max_seq_len:
+            raise ValueError(
+                f"sequence of {offset + L} positions ({offset} cached + {L} new) exceeds "
+                f"max_seq_len={cfg.max_seq_len}"
+            )
+        x = self.tok_emb(idx)  # (B, L, E)
+        if self.pos_emb is not None:
+            pos = torch.arange(offset, offset + L, device=idx.device)  # (L,)
+            x = x + self.pos_emb(pos).to(x.dtype)  # (B, L, E)
+        x = self.drop(x)
+        # Bottom-right causal; a single new token (decoding) is the last query and sees every key.
+        causal = masks.causal() if L > 1 else None
+        for i, block in enumerate(self.blocks):
+            if caches is not None:
+                x = block(x, mask=causal, cache=caches[i])
+            elif self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, mask=causal, use_reentrant=False)
+            else:
+                x = block(x, mask=causal)
+        return self.lm_head(self.norm_f(x))  # (B, L, V)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        use_cache: bool = True,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Samples ``max_new_tokens`` tokens after the prompt ``idx``, in eval mode.
+
+        With ``use_cache`` the prompt is prefilled once and each new token is one forward pass
+        of length 1 against one `KVCache` per layer; without it every step recomputes the whole
+        context. Both see the same context (see `context_start`: past ``max_seq_len`` it restarts
+        from the last ``max_seq_len // 2`` tokens) and so produce the same tokens.
+
+        Args:
+            idx: prompt ``(B, L)``, L >= 1.
+            max_new_tokens: number of tokens to append (>= 0).
+            temperature: logits are divided by it (> 0).
+            top_k: sample among the k most likely tokens; ``top_k=1`` is greedy (argmax).
+            use_cache: decode with KV caches (fast) or recompute (the reference).
+            generator: torch RNG for sampling (reproducible runs).
+
+        Returns:
+            ``(B, L + max_new_tokens)``: the prompt followed by the new tokens.
+        """
+        idx = check_token_ids("idx", idx, self.config.vocab_size)
+        if idx.shape[1] < 1:
+            raise ValueError(f"idx must hold at least one token per row, got {tuple(idx.shape)}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, (int, float))
+            or not math.isfinite(temperature)
+            or temperature <= 0
+        ):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        if top_k is not None and (
+            isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1
+        ):
+            raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        window = self.config.max_seq_len
+        was_training = self.training
+        self.eval()
+        try:
+            start, caches = 0, None
+            for _ in range(max_new_tokens):
+                new_start = context_start(idx.shape[1], start, window)
+                if not use_cache:
+                    start = new_start
+                    logits = self(idx[:, start:])[:, -1]  # recompute the context: (B, V)
+                elif caches is None or new_start != start:
+                    # Prefill, or the context is full: rebuild the caches from its tail.
+                    start, caches = new_start, self.new_caches(window)
+                    logits = self(idx[:, start:], caches=caches)[:, -1]  # (B, V)
+                else:
+                    logits = self(idx[:, -1:], caches=caches)[:, -1]  # one token: (B, V)
+                nxt = self._sample(logits, temperature, top_k, generator)  # (B, 1)
+                idx = torch.cat((idx, nxt), dim=1)  # (B, L + t + 1)
+            return idx
+        finally:
+            self.train(was_training)
+
+    @staticmethod
+    def _sample(
+        logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+    ) -> Tensor:
+        """One token id per row ``(B, 1)`` from logits ``(B, V)``."""
+        if top_k == 1:
+            return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+        logits = logits.float() / temperature
+        if top_k is not None and top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)  # (B, V)
+        return torch.multinomial(probs, 1, generator=generator)  # (B, 1)
