@@ -7,33 +7,27 @@ Example:
     >>> out = model.generate(torch.zeros(1, 1, dtype=torch.long), 100, top_k=10)
 """
 
+from .bert import BertConfig, BertEncoder, BertOutput
 from .blocks import MLPS, NORMS, GeluMLP, RMSNorm, SwiGLU, TransformerBlock
 from .config import TransformerConfig
 from .encoder import Encoder
 from .gpt import GPT
+from .minilm import MiniLM, minilm
 
 __all__ = [
     "GPT",
     "MLPS",
     "NORMS",
+    "BertConfig",
+    "BertEncoder",
+    "BertOutput",
     "Encoder",
     "GeluMLP",
+    "MiniLM",
     "RMSNorm",
     "SwiGLU",
     "TransformerBlock",
     "TransformerConfig",
+    "minilm",
 ]
 
-# The pretrained-encoder half of this package lands separately; export it when present.
-try:
-    from .bert import BertEncoder
-
-    __all__ += ["BertEncoder"]
-except ImportError:  # pragma: no cover - depends on which half of the package has landed
-    pass
-try:
-    from .minilm import MiniLM, minilm
-
-    __all__ += ["MiniLM", "minilm"]
-except ImportError:  # pragma: no cover
-    pass

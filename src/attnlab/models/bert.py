@@ -1,0 +1,561 @@
+"""A BERT-family encoder built from attnlab's parts, loadable from a Hugging Face checkpoint.
+
+``BertEncoder.from_pretrained(path)`` reads ``config.json`` + ``model.safetensors`` (never a pickle
+file) into attnlab modules: word + position + token-type embeddings and LayerNorm, then post-LN
+layers ``x = LN(x + MHA(x)); x = LN(x + W_2 act(W_1 x))`` whose self-attention is
+`attnlab.MultiHeadAttention` (BERT's separate query/key/value weights become its fused
+``qkv_proj``).
+
+Example:
+    >>> enc = BertEncoder.from_pretrained("path/to/bert-dir")
+    >>> out = enc(input_ids, attention_mask)       # out.last_hidden_state: (B, L, E)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..checkpoint import CheckpointError
+from ..modules import MultiHeadAttention
+
+# ---------------------------------------------------------------------------------- config
+
+
+_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The fields of a BERT ``config.json`` that define the encoder.
+
+    Attributes:
+        vocab_size: V, rows of the word embedding.
+        hidden_size: E, the model dimension.
+        num_hidden_layers: N, encoder layers.
+        num_attention_heads: H; ``E % H == 0``, head dim ``D = E / H``.
+        intermediate_size: F, width of the feed-forward layer.
+        hidden_act: ``"gelu"`` (erf), ``"gelu_new"``/``"gelu_pytorch_tanh"`` (tanh), ``"relu"``,
+            ``"silu"``.
+        max_position_embeddings: P, the longest sequence (learned absolute positions).
+        type_vocab_size: number of token types (segments).
+        layer_norm_eps: epsilon of every LayerNorm.
+        pad_token_id: id of the padding token.
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"BertConfig.{f.name} must be an int, got {value!r}")
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "type_vocab_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BertConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"BertConfig.hidden_size={self.hidden_size} must be divisible by "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(
+                f"BertConfig.hidden_act must be one of {sorted(_ACTIVATIONS)}, got "
+                f"{self.hidden_act!r}"
+            )
+        eps = self.layer_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise ValueError(f"BertConfig.layer_norm_eps must be in (0, 1), got {eps!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, source: str = "config") -> BertConfig:
+        """Builds a config from a Hugging Face ``config.json`` dict (other keys are ignored).
+
+        Raises:
+            ValueError: a model type or position-embedding type that this encoder cannot run.
+        """
+        if not isinstance(d, dict):
+            raise TypeError(f"{source} must hold a JSON object, got {type(d).__name__}")
+        model_type = d.get("model_type", "bert")
+        if model_type != "bert":
+            raise ValueError(f"{source}: model_type must be 'bert', got {model_type!r}")
+        pos = d.get("position_embedding_type", "absolute")
+        if pos != "absolute":
+            raise ValueError(f"{source}: position_embedding_type must be 'absolute', got {pos!r}")
+        if d.get("is_decoder") or d.get("add_cross_attention"):
+            raise ValueError(f"{source}: decoder / cross-attention BERT is not supported")
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        if kwargs.get("pad_token_id") is None:
+            kwargs.pop("pad_token_id", None)
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{source}: {e}") from None
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> BertConfig:
+        """Reads a ``config.json`` file (FileNotFoundError naming the path if it is absent)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"BERT config file not found: {path}")
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(d, source=str(path))
+
+
+# ---------------------------------------------------------------------------------- modules
+
+
+class BertOutput(NamedTuple):
+    """What `BertEncoder.forward` returns.
+
+    Attributes:
+        last_hidden_state: ``(B, L, E)``, the output of the last layer.
+        pooler_output: ``(B, E)`` = ``tanh(W h_[CLS] + b)`` if the encoder has a pooler, else None.
+        hidden_states: with ``need_hidden_states``, N + 1 tensors ``(B, L, E)`` (the embeddings,
+            then each layer's output), else None.
+        attentions: with ``need_weights``, N tensors ``(B, H, L, L)``, else None.
+    """
+
+    last_hidden_state: Tensor
+    pooler_output: Tensor | None = None
+    hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple[Tensor, ...] | None = None
+
+
+class BertEmbeddings(nn.Module):
+    """``x = LN(W_word[ids] + W_pos[0..L−1] + W_type[types])``: ``(B, L)`` → ``(B, L, E)``."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        E = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, E, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, E)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, E)
+        self.norm = nn.LayerNorm(E, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        """``(B, L)`` ids (and token types) → ``(B, L, E)``."""
+        L = input_ids.shape[-1]
+        x = self.word_embeddings(input_ids)  # (B, L, E)
+        pos = self.position_embeddings.weight[:L]  # (L, E)
+        if token_type_ids is None:  # one (L, E) table instead of a second (B, L, E) sum
+            x = x + (pos + self.token_type_embeddings.weight[0])  # (B, L, E)
+        else:
+            x = x + pos + self.token_type_embeddings(token_type_ids)  # (B, L, E)
+        return self.norm(x)
+
+
+class BertLayer(nn.Module):
+    """One post-LN encoder layer.
+
+    ``h = LN_1(x + MHA(x)); y = LN_2(h + W_2 act(W_1 h + b_1) + b_2)``; ``(B, L, E)`` → same.
+    """
+
+    def __init__(self, config: BertConfig, *, backend: str = "auto") -> None:
+        super().__init__()
+        E, eps = config.hidden_size, config.layer_norm_eps
+        self.attn = MultiHeadAttention(E, config.num_attention_heads, backend=backend)
+        self.attn_norm = nn.LayerNorm(E, eps=eps)
+        self.ffn_in = nn.Linear(E, config.intermediate_size)
+        self.ffn_out = nn.Linear(config.intermediate_size, E)
+        self.ffn_norm = nn.LayerNorm(E, eps=eps)
+        self.act_name = config.hidden_act
+
+    def forward(
+        self, x: Tensor, mask: Tensor | None = None, *, need_weights: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """``x (B, L, E)``, ``mask`` bool ``(B, 1, 1, L)`` (True = real key) → ``(y, weights)``."""
+        if need_weights:
+            a, w = self.attn(x, mask=mask, need_weights=True)  # (B, L, E), (B, H, L, L)
+        else:
+            a, w = self.attn(x, mask=mask), None  # (B, L, E)
+        h = self.attn_norm(x + a)
+        f = self.ffn_out(_ACTIVATIONS[self.act_name](self.ffn_in(h)))  # (B, L, E)
+        return self.ffn_norm(h + f), w
+
+
+class BertPooler(nn.Module):
+    """``p = tanh(W h_0 + b)`` on the first ([CLS]) token: ``(B, L, E)`` → ``(B, E)``."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """``(B, L, E)`` → ``(B, E)``."""
+        return torch.tanh(self.dense(hidden[:, 0]))
+
+
+class BertEncoder(nn.Module):
+    """A BERT encoder whose self-attention is `attnlab.MultiHeadAttention`.
+
+    ``x_0 = Embed(ids)``; ``x_{n+1} = Layer_n(x_n)`` for n < N (post-LN, see `BertLayer`).
+
+    Args:
+        config: the architecture (`BertConfig`).
+        pooler: add BERT's ``tanh`` pooler over the [CLS] token.
+        backend: the `attnlab.attention` backend of every layer.
+
+    Example:
+        >>> enc = BertEncoder(BertConfig(hidden_size=64, num_attention_heads=4,
+        ...                              num_hidden_layers=2, intermediate_size=128))
+        >>> enc(torch.tensor([[101, 7592, 102]])).last_hidden_state.shape
+        torch.Size([1, 3, 64])
+    """
+
+    def __init__(self, config: BertConfig, *, pooler: bool = False, backend: str = "auto") -> None:
+        super().__init__()
+        if not isinstance(config, BertConfig):
+            raise TypeError(f"config must be a BertConfig, got {type(config).__name__}")
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.layers = nn.ModuleList(
+            BertLayer(config, backend=backend) for _ in range(config.num_hidden_layers)
+        )
+        self.pooler = BertPooler(config) if pooler else None
+
+    # ------------------------------------------------------------------ forward
+    def _check_inputs(
+        self, input_ids: object, attention_mask: object, token_type_ids: object
+    ) -> None:
+        c = self.config
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+            got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids)
+            raise ValueError(f"input_ids must be a (B, L) tensor, got {got}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids must be int64 or int32, got {input_ids.dtype}")
+        L = input_ids.shape[1]
+        if c.max_position_embeddings < L:
+            raise ValueError(
+                f"input_ids has length L={L}, more than max_position_embeddings="
+                f"{c.max_position_embeddings}; truncate the input"
+            )
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= c.vocab_size):
+            raise ValueError(
+                f"input_ids must be in [0, vocab_size={c.vocab_size}), got values in "
+                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
+            )
+        for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+            if t is None:
+                continue
+            if not isinstance(t, Tensor) or t.shape != input_ids.shape:
+                got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(
+                    f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, got {got}"
+                )
+        if attention_mask is not None and attention_mask.is_floating_point():  # type: ignore[union-attr]
+            raise TypeError(
+                "attention_mask must be bool or integer (1/True = real token), got "
+                f"{attention_mask.dtype}"  # type: ignore[union-attr]
+            )
+        if token_type_ids is not None and (
+            token_type_ids.dtype not in (torch.int64, torch.int32)  # type: ignore[union-attr]
+        ):
+            raise TypeError(
+                f"token_type_ids must be int64 or int32, got {token_type_ids.dtype}"  # type: ignore[union-attr]
+            )
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        *,
+        need_weights: bool = False,
+        need_hidden_states: bool = False,
+    ) -> BertOutput:
+        """Encodes token ids.
+
+        Args:
+            input_ids: ``(B, L)`` int64 token ids, ``L <= max_position_embeddings``.
+            attention_mask: ``(B, L)`` bool or 0/1 ints, True/1 = real token (keys that are
+                False are never attended; their own rows are computed but meaningless).
+            token_type_ids: ``(B, L)`` segment ids (default all 0).
+            need_weights: also return every layer's attention weights ``(B, H, L, L)``.
+            need_hidden_states: also return the embeddings and every layer's output.
+
+        Returns:
+            A `BertOutput`; ``last_hidden_state`` is ``(B, L, E)``.
+        """
+        self._check_inputs(input_ids, attention_mask, token_type_ids)
+        mask = None
+        if attention_mask is not None:
+            keep = attention_mask.bool()
+            if not bool(keep.all()):  # no padding: skip the mask (the fused kernel's fast path)
+                mask = keep[:, None, None, :]  # (B, 1, 1, L)
+        x = self.embeddings(input_ids, token_type_ids)  # (B, L, E)
+        hidden: list[Tensor] = [x]
+        weights: list[Tensor] = []
+        for layer in self.layers:
+            x, w = layer(x, mask, need_weights=need_weights)  # (B, L, E)
+            if need_hidden_states:
+                hidden.append(x)
+            if w is not None:
+                weights.append(w)
+        return BertOutput(
+            last_hidden_state=x,
+            pooler_output=None if self.pooler is None else self.pooler(x),
+            hidden_states=tuple(hidden) if need_hidden_states else None,
+            attentions=tuple(weights) if need_weights else None,
+        )
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        backend: str = "auto",
+    ) -> BertEncoder:
+        """Loads a BERT checkpoint directory: ``config.json`` + ``model.safetensors``.
+
+        Keys may carry a ``bert.`` prefix (as in ``BertFor…`` checkpoints); the pooler is loaded
+        when the checkpoint has one. HF's ``embeddings.position_ids`` / ``token_type_ids``
+        buffers are ignored; any other key the encoder does not use is an error. Only
+        safetensors are read: pickle checkpoints (``pytorch_model.bin``) are refused.
+
+        Args:
+            path: the model directory (or its ``model.safetensors`` file, with ``config.json``
+                beside it).
+            dtype: cast the parameters to this float dtype (default: the checkpoint's).
+            backend: the `attnlab.attention` backend of every layer.
+
+        Raises:
+            FileNotFoundError: the config or weights file is missing (naming the path).
+            CheckpointError: missing or unexpected keys, or a tensor whose shape or dtype does
+                not fit the config (naming the tensor and the file).
+            ValueError: a pickle checkpoint, or a config this encoder cannot run.
+        """
+        config_path, weights_path = _resolve_paths(path)
+        config = BertConfig.from_json(config_path)
+        state = load_bert_state_dict(weights_path, config)
+        pooler = "pooler.dense.weight" in state
+        with torch.device("meta"):
+            model = cls(config, pooler=pooler, backend=backend)
+        model.load_state_dict(state, strict=True, assign=True)
+        if dtype is not None:
+            if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+            model = model.to(dtype)
+        return model.eval()
+
+
+# ---------------------------------------------------------------------------------- loading
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+_IGNORED_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids")
+
+
+def _resolve_paths(path: str | Path) -> tuple[Path, Path]:
+    """``(config.json, model.safetensors)`` for a model directory or a safetensors file."""
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"path must be a str or Path, got {type(path).__name__}")
+    p = Path(path)
+    if p.suffix in _PICKLE_SUFFIXES:
+        raise ValueError(
+            f"refusing to load {p}: pickle checkpoints can run arbitrary code; convert it to "
+            "model.safetensors"
+        )
+    if p.is_file():
+        if p.suffix != ".safetensors":
+            raise ValueError(f"weights file must be a .safetensors file, got {p}")
+        return p.parent / "config.json", p
+    if not p.is_dir():
+        raise FileNotFoundError(f"BERT model directory not found: {p}")
+    config = p / "config.json"
+    weights = p / "model.safetensors"
+    if not config.is_file():
+        raise FileNotFoundError(f"BERT config file not found: {config}")
+    if not weights.is_file():
+        pickles = sorted(q.name for q in p.iterdir() if q.suffix in _PICKLE_SUFFIXES)
+        if pickles:
+            raise ValueError(
+                f"{p} has no model.safetensors, only pickle checkpoint(s) {pickles}; refusing to "
+                "unpickle them (they can run arbitrary code): convert to model.safetensors"
+            )
+        if (p / "model.safetensors.index.json").is_file():
+            raise ValueError(f"{p} holds a sharded checkpoint; only one model.safetensors is read")
+        raise FileNotFoundError(f"BERT weights file not found: {weights}")
+    return config, weights
+
+
+def bert_checkpoint_shapes(config: BertConfig, *, pooler: bool) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face ``BertModel`` key the encoder reads, with its expected shape."""
+    E, F_, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "embeddings.word_embeddings.weight": (V, E),
+        "embeddings.position_embeddings.weight": (config.max_position_embeddings, E),
+        "embeddings.token_type_embeddings.weight": (config.type_vocab_size, E),
+        "embeddings.LayerNorm.weight": (E,),
+        "embeddings.LayerNorm.bias": (E,),
+    }
+    for i in range(config.num_hidden_layers):
+        p = f"encoder.layer.{i}."
+        for name in ("query", "key", "value"):
+            shapes[f"{p}attention.self.{name}.weight"] = (E, E)
+            shapes[f"{p}attention.self.{name}.bias"] = (E,)
+        shapes[f"{p}attention.output.dense.weight"] = (E, E)
+        shapes[f"{p}attention.output.dense.bias"] = (E,)
+        shapes[f"{p}attention.output.LayerNorm.weight"] = (E,)
+        shapes[f"{p}attention.output.LayerNorm.bias"] = (E,)
+        shapes[f"{p}intermediate.dense.weight"] = (F_, E)
+        shapes[f"{p}intermediate.dense.bias"] = (F_,)
+        shapes[f"{p}output.dense.weight"] = (E, F_)
+        shapes[f"{p}output.dense.bias"] = (E,)
+        shapes[f"{p}output.LayerNorm.weight"] = (E,)
+        shapes[f"{p}output.LayerNorm.bias"] = (E,)
+    if pooler:
+        shapes["pooler.dense.weight"] = (E, E)
+        shapes["pooler.dense.bias"] = (E,)
+    return shapes
+
+
+def _key_list(keys: list[str], limit: int = 6) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f", … ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def load_bert_state_dict(path: str | Path, config: BertConfig) -> dict[str, Tensor]:
+    """Reads a BERT safetensors file and returns a `BertEncoder` state dict.
+
+    Validates every key, shape and dtype against ``config`` before building anything; the
+    separate query/key/value weights of each layer are concatenated into the fused
+    ``attn.qkv_proj`` of `MultiHeadAttention` (rows ``[W_q; W_k; W_v]``, heads in order).
+
+    Raises:
+        CheckpointError: missing or unexpected keys, or a tensor of the wrong shape or dtype.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(path, f"cannot read safetensors file: {e}") from None
+    with handle as f:
+        stored = list(f.keys())
+        prefix = "bert." if "bert.embeddings.word_embeddings.weight" in stored else ""
+        by_key = {k[len(prefix) :]: k for k in stored if k.startswith(prefix)}
+        pooler = "pooler.dense.weight" in by_key or "pooler.dense.bias" in by_key
+        want = bert_checkpoint_shapes(config, pooler=pooler)
+        missing = [k for k in want if k not in by_key]
+        unexpected = [k for k in stored if k.removeprefix(prefix) not in want]
+        unexpected = [k for k in unexpected if k.removeprefix(prefix) not in _IGNORED_KEYS]
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"missing tensor(s) {_key_list([prefix + k for k in missing])}")
+            if unexpected:
+                parts.append(f"unexpected tensor(s) {_key_list(unexpected)}")
+            raise CheckpointError(
+                path,
+                f"checkpoint does not fit the BERT config ({config.num_hidden_layers} layers): "
+                f"{'; '.join(parts)}",
+            )
+        tensors: dict[str, Tensor] = {}
+        ref_key = "embeddings.word_embeddings.weight"
+        ref_dtype: torch.dtype | None = None
+        for key in [ref_key, *(k for k in want if k != ref_key)]:
+            t = f.get_tensor(by_key[key])
+            name = by_key[key]
+            if tuple(t.shape) != want[key]:
+                raise CheckpointError(
+                    path,
+                    f"tensor {name!r} has shape {tuple(t.shape)}, expected "
+                    f"{want[key]} from the config (hidden_size={config.hidden_size}, "
+                    f"intermediate_size={config.intermediate_size}, "
+                    f"vocab_size={config.vocab_size})"
+                )
+            if not t.is_floating_point():
+                raise CheckpointError(
+                    path, f"tensor {name!r} has dtype {t.dtype}, expected a float dtype"
+                )
+            if ref_dtype is None:
+                ref_dtype = t.dtype
+            elif t.dtype != ref_dtype:
+                raise CheckpointError(
+                    path,
+                    f"tensor {name!r} has dtype {t.dtype}, expected {ref_dtype} "
+                    f"(the dtype of {by_key[ref_key]!r})",
+                )
+            tensors[key] = t
+    return _to_attnlab_names(tensors, config, pooler=pooler)
+
+
+def _to_attnlab_names(
+    t: dict[str, Tensor], config: BertConfig, *, pooler: bool
+) -> dict[str, Tensor]:
+    """Renames HF ``BertModel`` tensors to `BertEncoder` parameter names, fusing q/k/v."""
+    sd = {
+        "embeddings.word_embeddings.weight": t["embeddings.word_embeddings.weight"],
+        "embeddings.position_embeddings.weight": t["embeddings.position_embeddings.weight"],
+        "embeddings.token_type_embeddings.weight": t["embeddings.token_type_embeddings.weight"],
+        "embeddings.norm.weight": t["embeddings.LayerNorm.weight"],
+        "embeddings.norm.bias": t["embeddings.LayerNorm.bias"],
+    }
+    for i in range(config.num_hidden_layers):
+        p, q = f"encoder.layer.{i}.", f"layers.{i}."
+        qkv = [f"{p}attention.self.{n}" for n in ("query", "key", "value")]
+        sd[f"{q}attn.qkv_proj.weight"] = torch.cat([t[f"{n}.weight"] for n in qkv])  # (3E, E)
+        sd[f"{q}attn.qkv_proj.bias"] = torch.cat([t[f"{n}.bias"] for n in qkv])  # (3E,)
+        renames = {
+            "attn.out_proj": "attention.output.dense",
+            "attn_norm": "attention.output.LayerNorm",
+            "ffn_in": "intermediate.dense",
+            "ffn_out": "output.dense",
+            "ffn_norm": "output.LayerNorm",
+        }
+        for ours, theirs in renames.items():
+            for s in ("weight", "bias"):
+                sd[f"{q}{ours}.{s}"] = t[f"{p}{theirs}.{s}"]
+    if pooler:
+        sd["pooler.dense.weight"] = t["pooler.dense.weight"]
+        sd["pooler.dense.bias"] = t["pooler.dense.bias"]
+    return sd
+
+
+__all__ = [
+    "BertConfig",
+    "BertEmbeddings",
+    "BertEncoder",
+    "BertLayer",
+    "BertOutput",
+    "BertPooler",
+    "bert_checkpoint_shapes",
+    "load_bert_state_dict",
+]
