@@ -18,20 +18,7 @@ import time
 import torch
 
 from attnlab.models import GPT, TransformerConfig
-
-
-def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """fp32 torch.mm rate on n×n matrices, GFLOP/s (best of ``repeats``)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
-    return 2 * n**3 / best / 1e9
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+from common import matmul_gflops
 
 
 def main() -> None:

@@ -27,14 +27,15 @@ import math
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 
 import attnlab
 from attnlab import masks
+from attnlab.analysis.measure import measure
 from attnlab.linear import favor_attention, linear_attention
+from common import matmul_gflops, timed
 
 _MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 
@@ -48,20 +49,6 @@ def _pin_malloc() -> None:
 
 def progress(msg: str) -> None:
     print(f"  … {msg}", file=sys.stderr, flush=True)
-
-
-def matmul_gflops(n: int = 4096, repeats: int = 5) -> float:
-    """fp32 torch.mm rate on n×n matrices, GFLOP/s (best of ``repeats``)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
-    return 2 * n**3 / best / 1e9
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def compare(
@@ -81,37 +68,16 @@ def compare(
     for r in range(repeats):
         for name, fn in fns.items():
             if r == 0 or name not in once:
-                samples[name].append(_timed(fn))
+                samples[name].append(timed(fn))
     pick = min if stat == "min" else statistics.median
     return {name: pick(s) for name, s in samples.items()}
 
 
-def _status_kb(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def peak_memory_mb(fn: Callable[[], object]) -> float | None:
-    """Growth of the peak RSS during one call of ``fn`` (MB), or None where Linux can't tell."""
+def peak_memory_mb(fn: Callable[[], object]) -> float:
+    """Growth of the peak RSS during one call of ``fn`` in MiB (`attnlab.analysis.measure`)."""
     gc.collect()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-    except OSError:
-        return None
-    before = _status_kb("VmRSS")
-    out = fn()
-    peak = _status_kb("VmHWM")
-    del out
-    if before is None or peak is None:
-        return None
-    return max(peak - before, 0) / 1024
+    _, _, peak = measure(fn)
+    return peak / 2**20
 
 
 def methods(

@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from common import matmul_gflops, timed
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 _TEXT = (
@@ -47,20 +49,6 @@ def sentences(n: int = 256, seed: int = 0) -> list[str]:
     return out
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """fp32 torch.mm rate on n×n matrices, GFLOP/s (best of ``repeats``)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
-    return 2 * n**3 / best / 1e9
-
-
 def compare(
     fns: dict[str, Callable[[], object]], repeats: int
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
@@ -73,7 +61,7 @@ def compare(
     for _ in range(repeats):
         for name, fn in fns.items():
             c0 = time.process_time()
-            wall[name].append(_timed(fn))
+            wall[name].append(timed(fn))
             cpu[name].append(time.process_time() - c0)
     return wall, cpu
 

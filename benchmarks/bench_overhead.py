@@ -11,27 +11,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import attnlab
 from attnlab import masks
-
-
-def matmul_gflops(n: int = 4096, repeats: int = 5) -> float:
-    """fp32 torch.mm rate on n×n matrices, GFLOP/s (best of ``repeats``)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
-    return 2 * n**3 / best / 1e9
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+from common import matmul_gflops, timed
 
 
 def compare(fns: dict[str, callable], repeats: int) -> dict[str, float]:
@@ -41,7 +27,7 @@ def compare(fns: dict[str, callable], repeats: int) -> dict[str, float]:
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            samples[name].append(_timed(fn))
+            samples[name].append(timed(fn))
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
@@ -58,15 +44,19 @@ def main() -> None:
         for label, mask, causal in (("plain", None, False), ("causal", masks.causal(), True)):
             t = compare(
                 {
-                    "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                    "auto": lambda: attnlab.attention(q, k, v, mask=mask),
+                    "sdpa": lambda q=q, k=k, v=v, c=causal: F.scaled_dot_product_attention(
+                        q, k, v, is_causal=c
+                    ),
+                    "auto": lambda q=q, k=k, v=v, m=mask: attnlab.attention(q, k, v, mask=m),
                 },
                 args.repeats,
             )
             chosen = attnlab.explain(q, k, v, mask=mask).split(":")[0]
             case = f"{label} B={B} H={H} L={L} D={D}"
             ratio = t["auto"] / t["sdpa"]
-            print(f"{case:<34} {t['sdpa'] * 1e3:9.3f} {t['auto'] * 1e3:9.3f} {ratio:10.3f}  {chosen}")
+            print(
+                f"{case:<34} {t['sdpa'] * 1e3:9.3f} {t['auto'] * 1e3:9.3f} {ratio:10.3f}  {chosen}"
+            )
 
 
 if __name__ == "__main__":
