@@ -14,6 +14,7 @@ query sees the last key), which is what KV-cache decoding needs. For causal with
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -37,7 +38,7 @@ def _merge_dim(name: str, a: int | None, b: int | None) -> int | None:
     raise ValueError(f"cannot combine masks: one has {name}={a}, the other {name}={b}")
 
 
-class Mask:
+class Mask(ABC):
     """Base class of all masks. True = the query may attend to the key.
 
     Subclasses implement :meth:`_eval`. Masks combine with ``&``, ``|`` and ``~``.
@@ -51,6 +52,7 @@ class Mask:
     num_heads: int | None = None
 
     # ----------------------------------------------------------------- definition
+    @abstractmethod
     def _eval(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor, L: int, S: int) -> Tensor:
         """Evaluates the mask on broadcastable index tensors.
 
@@ -63,7 +65,6 @@ class Mask:
         Returns:
             Bool tensor broadcastable against the broadcast of the index tensors.
         """
-        raise NotImplementedError  # pragma: no cover - abstract
 
     # ----------------------------------------------------------------- rendering
     def _batch_heads(self, batch: int | None, heads: int | None) -> tuple[int, int]:
