@@ -76,7 +76,8 @@ def exactness(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
 
 def determinism_and_hops_all(rank: int, world: int) -> dict:
-    return {layout: determinism_and_hops(rank, world, layout) for layout in ("contiguous", "zigzag")}
+    layouts = ("contiguous", "zigzag")
+    return {layout: determinism_and_hops(rank, world, layout) for layout in layouts}
 
 
 def determinism_and_hops(rank: int, world: int, layout: str) -> dict:

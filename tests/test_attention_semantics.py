@@ -256,6 +256,15 @@ def test_b12_causal_equals_tril_and_aligns_bottom_right(backend):
     torch.testing.assert_close(out[:, :, 2:], want, atol=1e-14, rtol=0)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_negative_scale_with_causal_mask_matches_reference(backend):
+    q, k, v = seeded(1, 2, 7, 8, seed=1), seeded(1, 2, 7, 8, seed=2), seeded(1, 2, 7, 4, seed=3)
+    out = attnlab.attention(q, k, v, mask=masks.causal(), scale=-0.4, backend=backend)
+    tril = torch.ones(7, 7, dtype=torch.bool).tril()
+    want, _ = reference.attention(q, k, v, mask=tril, scale=-0.4)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+
+
 # --------------------------------------------------------------------- weights and temperature
 def test_weights_rows_sum_to_one_and_are_nonnegative():
     q, k, v = seeded(2, 4, 9, 8, seed=1), seeded(2, 2, 11, 8, seed=2), seeded(2, 2, 11, 8, seed=3)

@@ -11,7 +11,15 @@ from importlib.metadata import PackageNotFoundError, version
 from . import analysis, checkpoint, functional, linear, masks, models, pos, positional, viz
 from .analysis import estimate
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .functional import attention, backends, explain
+from .functional import (
+    AttentionStats,
+    attention,
+    attention_stats,
+    attention_weights,
+    backends,
+    explain,
+    merge_partials,
+)
 from .masks import Mask
 from .modules import (
     AdditiveAttention,
@@ -32,6 +40,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
     "ALiBi",
     "AdditiveAttention",
+    "AttentionStats",
     "CacheOverflowError",
     "CheckpointError",
     "KVCache",
@@ -47,6 +56,8 @@ __all__ = [
     "__version__",
     "analysis",
     "attention",
+    "attention_stats",
+    "attention_weights",
     "backends",
     "checkpoint",
     "estimate",
@@ -55,6 +66,7 @@ __all__ = [
     "linear",
     "load_checkpoint",
     "masks",
+    "merge_partials",
     "models",
     "pos",
     "positional",

@@ -227,10 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Subcommands contributed by other modules: each ``register(subparsers)`` sets ``func``."""
+    from .bench import add_bench_parser
     from .train import register_generate, register_train
     from .visualize import register as register_visualize
 
-    return [register_train, register_generate, register_visualize]
+    return [add_bench_parser, register_train, register_generate, register_visualize]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,20 +1,28 @@
 """Stateless attention math on tensors: the reference definitions and the fast backends."""
 
 from . import reference
-from .api import attention, explain
+from .api import attention, attention_stats, attention_weights, explain
+from .flash import flash_attention
+from .merge import merge_partials
 from .registry import Backend, backends, register_backend
 from .request import BiasFn, Request
 from .scores import SCORES, Score, register_score
+from .stats import AttentionStats
 
 __all__ = [
     "SCORES",
+    "AttentionStats",
     "Backend",
     "BiasFn",
     "Request",
     "Score",
     "attention",
+    "attention_stats",
+    "attention_weights",
     "backends",
     "explain",
+    "flash_attention",
+    "merge_partials",
     "reference",
     "register_backend",
     "register_score",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
 from torch import Tensor
 
 from .._shapes import check_mask_tensor, check_number, check_probability, check_qkv
@@ -10,6 +13,7 @@ from . import backends as _backends  # noqa: F401  (fills the registry)
 from .registry import check_backend_name, select
 from .request import BiasFn, Request
 from .scores import get_score
+from .stats import AttentionStats, as_index, compute_stats, compute_weights
 
 
 def _build_request(
@@ -89,7 +93,8 @@ def attention(
     dropout_p: float = 0.0,
     backend: str = "auto",
     return_weights: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """Attention as the textbooks define it: ``softmax(score(Q, K) · scale / T + bias) V``.
 
     Defined to equal `attnlab.functional.reference.attention`; every backend agrees with it under
@@ -109,10 +114,15 @@ def attention(
         dropout_p: dropout on the weights, in [0, 1).
         backend: ``"auto"``, ``"sdpa"``, ``"reference"`` or another name in `attnlab.backends()`.
         return_weights: also return the weights ``(B, H, L, S)`` (computed by the reference).
+        return_lse: also return the log-sum-exp of each query row's logits ``(B, H, L)``, float32
+            (float64 for float64 inputs), −inf for rows with no key. Backends that cannot compute
+            it are skipped by ``backend="auto"``. With it, `attention_weights` recomputes any
+            rows' weights exactly without the L×S matrix.
 
     Returns:
-        ``out (B, H, L, Dv)`` (3-D in, 3-D out), or ``(out, weights)``. A query row with no key to
-        attend outputs zeros, with zero weights and zero gradients.
+        ``out (B, H, L, Dv)`` (3-D in, 3-D out), or ``(out, weights)``, ``(out, lse)`` or
+        ``(out, weights, lse)``. A query row with no key to attend outputs zeros, with zero
+        weights and zero gradients.
 
     Raises:
         TypeError: non-tensor inputs, mixed or non-float dtypes, bad mask/bias dtype.
@@ -137,14 +147,28 @@ def attention(
         backend=backend,
         return_weights=return_weights,
     )
-    chosen, _ = select(backend, req)
-    out, weights = chosen.run(req)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    chosen, _ = select(backend, req, need_lse=return_lse)
+    lse: Tensor | None = None
+    if return_lse:
+        assert chosen.run_lse is not None
+        out, weights, lse = chosen.run_lse(req)
+    else:
+        out, weights = chosen.run(req)
     if req.dims.three_d:
         out = out.squeeze(1)  # (B, L, Dv)
         weights = None if weights is None else weights.squeeze(1)  # (B, L, S)
+        lse = None if lse is None else lse.squeeze(1)  # (B, L)
+    if return_weights and return_lse:
+        assert weights is not None and lse is not None
+        return out, weights, lse
     if return_weights:
         assert weights is not None
         return out, weights
+    if return_lse:
+        assert lse is not None
+        return out, lse
     return out
 
 
@@ -160,9 +184,131 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
         "dropout_p": 0.0,
         "return_weights": False,
     }
+    return_lse = kwargs.pop("return_lse", False)
     unknown = set(kwargs) - set(defaults)
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}")
     req = _build_request(q, k, v, backend=backend, **{**defaults, **kwargs})  # type: ignore[arg-type]
-    chosen, why = select(backend, req)  # type: ignore[arg-type]
+    chosen, why = select(backend, req, need_lse=bool(return_lse))  # type: ignore[arg-type]
+    if chosen.name == "flash":
+        from .flash import explain_plan
+
+        why = f"{why}; {explain_plan(req)}"
     return f"{chosen.name}: {why}"
+
+
+def _check_lse(lse: object, q: Tensor, dims) -> Tensor:
+    if not isinstance(lse, Tensor):
+        raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
+    want = (dims.B, dims.L) if dims.three_d else (dims.B, dims.H, dims.L)
+    if tuple(lse.shape) != want:
+        letters = "(B, L)" if dims.three_d else "(B, H, L)"
+        raise ValueError(
+            f"lse must have shape {letters} = {want} for query {tuple(q.shape)}, got "
+            f"{tuple(lse.shape)}"
+        )
+    if not lse.is_floating_point():
+        raise TypeError(f"lse must be a float tensor, got {lse.dtype}")
+    return lse.unsqueeze(1) if dims.three_d else lse  # (B, H, L)
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    *,
+    rows: int | Sequence[int] | Tensor | slice | None = None,
+    heads: int | Sequence[int] | Tensor | slice | None = None,
+    mask: Mask | Tensor | None = None,
+    bias: Tensor | BiasFn | None = None,
+    scale: float | None = None,
+    temperature: float = 1.0,
+    score: str = "dot",
+) -> Tensor:
+    """Exact attention weights of chosen query rows and heads, from the log-sum-exp.
+
+    ``p_ij = exp(s_ij − lse_i)`` with ``s`` the scaled, biased, masked logits of
+    `attention` — so only ``len(heads) × len(rows) × S`` values are formed, never the L×S matrix.
+    Pass the same mask/bias/scale/temperature/score as the call that produced ``lse``.
+
+    Args:
+        q: ``(B, H, L, D)`` (or ``(B, L, D)``). k: ``(B, H_kv, S, D)`` (or ``(B, S, D)``).
+        lse: ``(B, H, L)`` (or ``(B, L)``) from ``attention(..., return_lse=True)``.
+        rows: query rows (ints, a slice or a tensor); default all.
+        heads: query heads; default all (ignored for 3-D inputs).
+        mask, bias, scale, temperature, score: as in `attention`.
+
+    Returns:
+        ``(B, len(heads), len(rows), S)`` (3-D in: ``(B, len(rows), S)``) in q's dtype; equal to
+        ``attention(..., return_weights=True)[1][:, heads][:, :, rows]``. Masked pairs and rows
+        with no key are exactly 0.
+
+    Raises:
+        ValueError: lse of the wrong shape, rows/heads out of range, and as `attention`.
+        TypeError: as `attention`.
+    """
+    req = _build_request(
+        q, k, k, mask=mask, bias=bias, scale=scale, temperature=temperature, score=score,
+        dropout_p=0.0, backend="auto", return_weights=False,
+    )
+    d = req.dims
+    lse4 = _check_lse(lse, q, d)
+    row_idx = as_index("rows", rows, d.L, q.device)
+    head_idx = as_index("heads", None if d.three_d else heads, d.H, q.device)
+    with torch.no_grad():
+        w = compute_weights(req, lse4, row_idx, head_idx)  # (B, nh, nr, S)
+    return w.squeeze(1) if d.three_d else w
+
+
+def attention_stats(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    bias: Tensor | BiasFn | None = None,
+    scale: float | None = None,
+    temperature: float = 1.0,
+    score: str = "dot",
+    lse: Tensor | None = None,
+) -> AttentionStats:
+    """Per-head, per-query statistics of the attention weights, without the L×S matrix.
+
+    Computes the log-sum-exp with the tiled backend (unless ``lse`` is given), then streams over
+    the same non-empty tiles once, accumulating for every query row i:
+    entropy ``−Σ_j p_ij log p_ij``, the max weight, the attention-sink mass ``p_i0`` and the mean
+    attention distance ``Σ_j p_ij |i' − j|`` (``i' = i + S − L``). Memory is O(B·H·L) plus one
+    tile, so it runs at sequence lengths where the weights could never be stored.
+
+    Args:
+        q, k, v: as in `attention` (v is only used to compute lse when it is not given).
+        mask, bias, scale, temperature, score: as in `attention`.
+        lse: the log-sum-exp from ``attention(..., return_lse=True)``, to skip recomputing it.
+
+    Returns:
+        `AttentionStats` of ``(B, H, L)`` tensors (``(B, L)`` for 3-D inputs) in float32
+        (float64 for float64 inputs); rows with no key have every statistic 0.
+
+    Raises:
+        ValueError, TypeError: as `attention`.
+    """
+    req = _build_request(
+        q, k, v, mask=mask, bias=bias, scale=scale, temperature=temperature, score=score,
+        dropout_p=0.0, backend="auto", return_weights=False,
+    )
+    d = req.dims
+    with torch.no_grad():
+        if lse is None:
+            chosen, _ = select("auto", req, need_lse=True)
+            assert chosen.run_lse is not None
+            lse4 = chosen.run_lse(req)[2]
+        else:
+            lse4 = _check_lse(lse, q, d)
+        if req.is_empty:
+            z = torch.zeros(d.B, d.H, d.L, dtype=lse4.dtype, device=q.device)
+            st = AttentionStats(z, z.clone(), z.clone(), z.clone(), lse4)
+        else:
+            st = compute_stats(req, lse4)
+    if d.three_d:
+        st = AttentionStats(**{name: t.squeeze(1) for name, t in st.as_dict().items()})
+    return st

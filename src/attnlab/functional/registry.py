@@ -10,6 +10,7 @@ from torch import Tensor
 from .request import Request
 
 RunFn = Callable[[Request], tuple[Tensor, Tensor | None]]
+RunLseFn = Callable[[Request], tuple[Tensor, Tensor | None, Tensor]]
 SupportsFn = Callable[[Request], str | None]
 
 
@@ -24,6 +25,12 @@ class Backend:
         description: one line for ``attnlab.backends()`` listings and ``attnlab check``.
         tiled: True if it accumulates the softmax online over key tiles; the tolerance rule then
             also accepts 10× the naive *mean* error in float32 (FlexAttention's allowance).
+        run_lse: computes ``(out, weights or None, lse (B, H, L) float32+)``; None if the backend
+            cannot return the log-sum-exp (auto then skips it for ``return_lse=True`` calls).
+        declines: auto's preference: None if the backend is a good pick for the request, else why
+            a later backend is faster. A declined backend still runs the call when every other
+            supporting backend is a ``last_resort``.
+        last_resort: picked by auto only when no other backend supports the call (the reference).
     """
 
     name: str
@@ -31,6 +38,9 @@ class Backend:
     supports: SupportsFn
     description: str
     tiled: bool = False
+    run_lse: RunLseFn | None = None
+    declines: SupportsFn | None = None
+    last_resort: bool = False
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -64,8 +74,23 @@ def check_backend_name(name: object) -> str:
     return name
 
 
-def select(name: str, req: Request) -> tuple[Backend, str]:
+def _why_not(backend: Backend, req: Request, need_lse: bool) -> str | None:
+    if need_lse and backend.run_lse is None:
+        return "it cannot return the log-sum-exp (return_lse=True)"
+    return backend.supports(req)
+
+
+def select(name: str, req: Request, *, need_lse: bool = False) -> tuple[Backend, str]:
     """Chooses the backend for a request and says why.
+
+    Auto tries backends in preference order and takes the first that supports the call and does
+    not decline it (``Backend.declines``: "another backend is faster here"). If only the
+    reference would be left, the first backend that declined runs the call instead.
+
+    Args:
+        name: a backend name or "auto".
+        req: the validated request.
+        need_lse: the caller asked for the log-sum-exp (``return_lse=True``).
 
     Raises:
         ValueError: an explicitly named backend does not support the request.
@@ -76,19 +101,34 @@ def select(name: str, req: Request) -> tuple[Backend, str]:
         ], "an empty dimension (B, H, L or S is 0) takes the reference path"
     if name != "auto":
         backend = _BACKENDS[name]
-        why_not = backend.supports(req)
+        why_not = _why_not(backend, req, need_lse)
         if why_not is not None:
             raise ValueError(f"backend={name!r} cannot run this call: {why_not}")
         return backend, f"backend={name!r} was requested"
-    skipped = []
+    skipped: list[str] = []
+    deferred: Backend | None = None
     for candidate in _AUTO_ORDER:
         backend = _BACKENDS[candidate]
-        why_not = backend.supports(req)
-        if why_not is None:
-            because = f" ({'; '.join(skipped)})" if skipped else ""
+        why_not = _why_not(backend, req, need_lse)
+        if why_not is not None:
+            skipped.append(f"not {candidate!r}: {why_not}")
+            continue
+        because = f" ({'; '.join(skipped)})" if skipped else ""
+        if backend.last_resort and deferred is not None:
             return (
-                backend,
-                f"auto picked {candidate!r}: the fastest backend that supports the call{because}",
+                deferred,
+                f"auto picked {deferred.name!r}: it is not the fastest choice for this shape, but "
+                f"the faster backends cannot run the call{because}",
             )
-        skipped.append(f"not {candidate!r}: {why_not}")
+        reason = backend.declines(req) if backend.declines is not None else None
+        if reason is not None:
+            skipped.append(f"not {candidate!r}: {reason}")
+            deferred = deferred or backend
+            continue
+        return (
+            backend,
+            f"auto picked {candidate!r}: the fastest backend that supports the call{because}",
+        )
+    if deferred is not None:  # pragma: no cover - the reference is registered as last resort
+        return deferred, f"auto picked {deferred.name!r} ({'; '.join(skipped)})"
     raise AssertionError("the reference backend supports every request")  # pragma: no cover

@@ -42,7 +42,9 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
     q, k, v = req.q, req.k, req.v
     if req.score != "dot":
         q, k = s.prepare(q), s.prepare(k)
-    is_causal = req.is_plain_causal and req.bias is None
+    # torch's is_causal path masks after scaling with -inf, so a negative scale turns the masked
+    # logits into +inf (NaN output): use the dense mask then.
+    is_causal = req.is_plain_causal and req.bias is None and req.scale > 0
     allowed, additive = (None, None) if is_causal else request_dense(req)
     if not _all_finite(q):
         return reference_run(req)[0], None

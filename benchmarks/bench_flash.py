@@ -1,0 +1,18 @@
+"""Benchmarks of the tiled ("flash") backend against its anchors; see benchmarks/RESULTS.md.
+
+Same as ``attnlab bench``::
+
+    python benchmarks/bench_flash.py                 # every case, the sizes of the targets
+    python benchmarks/bench_flash.py --case window   # one case
+    python benchmarks/bench_flash.py --quick         # a smoke run at L/8
+    python benchmarks/bench_flash.py --plot flash.png --json flash.json
+"""
+
+from __future__ import annotations
+
+import sys
+
+from attnlab.bench import main
+
+if __name__ == "__main__":
+    sys.exit(main(["bench", *sys.argv[1:]]))

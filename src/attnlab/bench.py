@@ -1,0 +1,554 @@
+"""`attnlab bench`: the flash backend against its anchors, measured side by side in one run.
+
+Each case times every contender in the same process, interleaved round by round (so machine noise
+hits them alike), keeps the best of ``--repeats`` rounds, checks every contender's output against
+flash's, and prints ratios. "Useful GFLOP/s" counts only attended pairs,
+``4·B·H·pairs·D / seconds`` (`Mask.attended_pairs`), and the machine's fp32 matmul rate
+(``torch.mm`` on 4096² matrices) is measured in the same run as the physical limit.
+
+Cases (B=1, H=8, D=64, float32 by default):
+
+- ``window``: causal sliding window (256) at L=16384 — flash vs sdpa with the dense bool mask,
+  compiled FlexAttention with a BlockMask, local-attention, and the naive formula (when its L×S
+  matrices fit in memory);
+- ``causal``: dense causal at L=8192 — flash vs sdpa ``is_causal=True``;
+- ``alibi``: ALiBi + causal at L=16384 — flash (bias per tile) vs sdpa with the materialised bias;
+- ``memory``: forward + backward of causal attention at L=65536, peak RSS growth (subprocess).
+
+Optional dependencies are imported where used: tqdm (progress, ``cli`` extra), matplotlib
+(``--plot``), local-attention (a benchmark anchor, ``dev`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+CASES = ("window", "causal", "alibi", "memory")
+
+
+# --------------------------------------------------------------------------- measuring
+@dataclass
+class Row:
+    """One contender's result in one case."""
+
+    case: str
+    name: str
+    seconds: float | None
+    useful_gflops: float | None = None
+    note: str = ""
+    max_err: float | None = None
+
+
+@dataclass
+class Report:
+    """Everything one `attnlab bench` run measured."""
+
+    rows: list[Row] = field(default_factory=list)
+    matmul_gflops: float = 0.0
+    info: dict[str, str] = field(default_factory=dict)
+
+
+class _Progress:
+    """tqdm when installed, plain prints otherwise."""
+
+    def __init__(self, total: int, quiet: bool) -> None:
+        self.quiet = quiet
+        try:
+            from tqdm import tqdm
+
+            self.bar = None if quiet else tqdm(total=total, unit="step", file=sys.stderr)
+        except ImportError:  # pragma: no cover - tqdm is in the cli extra
+            self.bar = None
+        self.n, self.total = 0, total
+
+    def step(self, what: str) -> None:
+        self.n += 1
+        if self.bar is not None:
+            self.bar.set_description(what[:60])
+            self.bar.update(1)
+        elif not self.quiet:
+            print(f"[{self.n}/{self.total}] {what}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def matmul_rate(n: int = 4096, repeats: int = 3) -> float:
+    """fp32 ``torch.mm`` GFLOP/s on n×n matrices (best of ``repeats``)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def interleaved(
+    fns: dict[str, Callable[[], object]], repeats: int, progress: _Progress, label: str
+) -> dict[str, float]:
+    """Best time of each function over ``repeats`` rounds; one call of each per round."""
+    best = dict.fromkeys(fns, math.inf)
+    for name, fn in fns.items():  # warm-up (compilation, allocator)
+        fn()
+        progress.step(f"{label}: warm-up {name}")
+    for r in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t)
+            progress.step(f"{label}: round {r + 1} {name}")
+    return best
+
+
+def _fwd_bwd(fn: Callable[..., torch.Tensor], q, k, v, dout) -> Callable[[], None]:
+    def run() -> None:
+        x = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        fn(*x).backward(dout)
+
+    return run
+
+
+def _no_grad(fn: Callable[..., torch.Tensor], *args) -> Callable[[], torch.Tensor]:
+    def run() -> torch.Tensor:
+        with torch.no_grad():
+            return fn(*args)
+
+    return run
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+# --------------------------------------------------------------------------- contenders
+def _flex(L: int, S: int, mask_mod, B: int, H: int):
+    """Compiled FlexAttention with a BlockMask, or (None, reason)."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        block = create_block_mask(mask_mod, B=None, H=None, Q_LEN=L, KV_LEN=S, device="cpu")
+        compiled = torch.compile(flex_attention, dynamic=False)
+
+        def run(q, k, v):
+            return compiled(q, k, v, block_mask=block)
+
+        with torch.no_grad():  # compile now: failures are reported, not raised mid-benchmark
+            tiny = torch.zeros(B, H, L, 64)
+            run(tiny, tiny, tiny)
+        return run, ""
+    except Exception as e:
+        return (
+            None,
+            f"FlexAttention did not compile on this machine: {type(e).__name__}: {str(e)[:120]}",
+        )
+
+
+def _local_attention(window: int):
+    """local-attention's LocalAttention (exact window of window+1 keys, see RESULTS.md)."""
+    try:
+        from local_attention import LocalAttention
+    except ImportError as e:
+        return None, f"local-attention not installed ({e.name})"
+    la = LocalAttention(
+        window_size=window,
+        causal=True,
+        look_backward=1,
+        exact_windowsize=True,
+        autopad=True,
+        use_rotary_pos_emb=False,
+    )
+
+    def run(q, k, v):
+        return la(q, k, v)
+
+    return run, ""
+
+
+def _naive_fits(B: int, H: int, L: int, S: int, limit_gb: float = 6.0) -> bool:
+    return limit_gb > 3 * 4 * B * H * L * S / 1e9
+
+
+def _naive(q, k, v, allowed, bias=None):
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if bias is not None:
+        s = s + bias
+    s = s.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+# --------------------------------------------------------------------------- cases
+def case_window(args, report: Report, progress: _Progress) -> None:
+    import attnlab
+    from attnlab import masks
+
+    B, H, D, L, w = args.batch, args.heads, args.dim, args.window_length, args.window
+    q, k, v, dout = (torch.randn(B, H, L, D) for _ in range(4))
+    mask = masks.sliding_window(w)
+    pairs = mask.attended_pairs(L, L) * B * H
+    useful = 4 * pairs * D / 1e9
+
+    def flash(q, k, v):
+        return attnlab.attention(q, k, v, mask=mask, backend="flash")
+
+    dense = mask.to_dense(L, L)  # (1, 1, L, L) bool: what sdpa needs
+
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+
+    fwd = {"flash": _no_grad(flash, q, k, v), "sdpa dense mask": _no_grad(sdpa, q, k, v)}
+    notes: dict[str, str] = {}
+    outs = {"flash": fwd["flash"]()}
+    outs["sdpa dense mask"] = fwd["sdpa dense mask"]()
+    if not args.no_flex:
+        flex, why = _flex(L, L, lambda b, h, i, j: (i - j >= 0) & (i - j < w), B, H)
+        if flex is not None:
+            fwd["flex (compiled, BlockMask)"] = _no_grad(flex, q, k, v)
+            outs["flex (compiled, BlockMask)"] = fwd["flex (compiled, BlockMask)"]()
+        else:
+            notes["flex (compiled, BlockMask)"] = why
+    local, why = _local_attention(w - 1)  # window−1 lookback = exactly w keys
+    if local is not None:
+        fwd["local-attention"] = _no_grad(local, q, k, v)
+        outs["local-attention"] = fwd["local-attention"]()
+    else:
+        notes["local-attention"] = why
+    if _naive_fits(B, H, L, L):
+        fwd["naive formula"] = _no_grad(_naive, q, k, v, dense)
+    else:
+        notes["naive formula"] = (
+            f"skipped: its L×S scores need {3 * 4 * B * H * L * L / 1e9:.0f} GB"
+        )
+    label = f"window {w} L={L}"
+    times = interleaved(fwd, args.repeats, progress, label + " fwd")
+    for name, t in times.items():
+        err = _err(outs[name], outs["flash"]) if name in outs and name != "flash" else None
+        report.rows.append(Row(label + " fwd", name, t, useful / t, max_err=err))
+    for name, why in notes.items():
+        report.rows.append(Row(label + " fwd", name, None, note=why))
+    if args.no_backward:
+        return
+    bwd = {
+        "flash": _fwd_bwd(flash, q, k, v, dout),
+        "sdpa dense mask": _fwd_bwd(sdpa, q, k, v, dout),
+    }
+    if local is not None:
+        bwd["local-attention"] = _fwd_bwd(local, q, k, v, dout)
+    times = interleaved(bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd")
+    for name, t in times.items():
+        report.rows.append(Row(label + " fwd+bwd", name, t, 3.5 * useful / t))
+
+
+def case_causal(args, report: Report, progress: _Progress) -> None:
+    import attnlab
+    from attnlab import masks
+
+    B, H, D, L = args.batch, args.heads, args.dim, args.causal_length
+    q, k, v, dout = (torch.randn(B, H, L, D) for _ in range(4))
+    useful = 4 * masks.causal().attended_pairs(L, L) * B * H * D / 1e9
+
+    def flash(q, k, v):
+        return attnlab.attention(q, k, v, mask=masks.causal(), backend="flash")
+
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    label = f"causal L={L}"
+    fwd = {"flash": _no_grad(flash, q, k, v), "sdpa is_causal": _no_grad(sdpa, q, k, v)}
+    err = _err(fwd["flash"](), fwd["sdpa is_causal"]())
+    for name, t in interleaved(fwd, args.repeats, progress, label + " fwd").items():
+        report.rows.append(
+            Row(label + " fwd", name, t, useful / t, max_err=err if name != "flash" else None)
+        )
+    if args.no_backward:
+        return
+    bwd = {"flash": _fwd_bwd(flash, q, k, v, dout), "sdpa is_causal": _fwd_bwd(sdpa, q, k, v, dout)}
+    for name, t in interleaved(bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd").items():
+        report.rows.append(Row(label + " fwd+bwd", name, t, 3.5 * useful / t))
+
+
+def case_alibi(args, report: Report, progress: _Progress) -> None:
+    import attnlab
+    from attnlab import masks
+    from attnlab.positional import ALiBi
+
+    B, H, D, L = args.batch, args.heads, args.dim, args.alibi_length
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    alibi = ALiBi(H)
+    mask = masks.causal()
+    useful = 4 * mask.attended_pairs(L, L) * B * H * D / 1e9
+    label = f"alibi causal L={L}"
+
+    def flash():
+        with torch.no_grad():
+            return attnlab.attention(q, k, v, mask=mask, bias=alibi, backend="flash")
+
+    def build_bias() -> torch.Tensor:
+        i = torch.arange(L).view(1, 1, L, 1)
+        j = torch.arange(L).view(1, 1, 1, L)
+        bias = alibi(
+            torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.arange(H).view(1, H, 1, 1), i, j
+        )
+        return bias.masked_fill(j > i, float("-inf"))  # (1, H, L, L) float: causal folded in
+
+    gb = 4 * H * L * L / 1e9
+    if gb > args.max_bias_gb:
+        t = interleaved({"flash": flash}, args.repeats, progress, label)["flash"]
+        report.rows.append(Row(label, "flash", t, useful / t))
+        report.rows.append(
+            Row(
+                label,
+                "sdpa materialised bias",
+                None,
+                note=f"skipped: the bias needs {gb:.1f} GB > --max-bias-gb",
+            )
+        )
+        return
+    holder: dict[str, torch.Tensor] = {}
+
+    def sdpa_prebuilt():
+        with torch.no_grad():
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=holder["bias"]
+            )
+
+    def sdpa_with_build():
+        holder["bias"] = None  # type: ignore[assignment]
+        holder["bias"] = build_bias()
+        return sdpa_prebuilt()
+
+    out_flash = flash()
+    out_sdpa = sdpa_with_build()
+    err = _err(out_flash, out_sdpa)
+    fns = {
+        "flash": flash,
+        "sdpa (bias prebuilt)": sdpa_prebuilt,
+        "sdpa (+ building the bias)": sdpa_with_build,
+    }
+    times = interleaved(fns, args.repeats, progress, label)
+    for name, t in times.items():
+        report.rows.append(
+            Row(
+                label,
+                name,
+                t,
+                useful / t,
+                max_err=None if name == "flash" else err,
+                note=f"bias {gb:.1f} GB" if name != "flash" else "bias per tile",
+            )
+        )
+    holder.clear()
+
+
+MEMORY_SCRIPT = r"""
+import json, resource, sys, time, torch, attnlab
+from attnlab import masks
+B, H, L, D = (int(x) for x in sys.argv[1:5])
+q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
+dout = torch.randn(B, H, L, D)
+def status_mb(field):  # VmRSS / VmHWM of this process (ru_maxrss would include the parent's)
+    line = next(x for x in open("/proc/self/status") if x.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+peak = lambda: status_mb("VmHWM")
+base = status_mb("VmRSS")  # with the inputs allocated: growth = what attention itself adds
+t = time.perf_counter()
+out = attnlab.attention(q, k, v, mask=masks.causal(), backend="flash")
+t_fwd = time.perf_counter() - t
+out.backward(dout)
+total = time.perf_counter() - t
+print(json.dumps({"growth_mb": peak() - base, "fwd_s": t_fwd, "fwd_bwd_s": total,
+                  "finite": bool(torch.isfinite(q.grad).all())}))
+"""
+
+
+def case_memory(args, report: Report, progress: _Progress) -> None:
+    B, H, D, L = args.batch, args.heads, args.dim, args.memory_length
+    progress.step(f"memory: causal fwd+bwd L={L} (subprocess)")
+    proc = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT, str(B), str(H), str(L), str(D)],
+        capture_output=True,
+        text=True,
+    )
+    label = f"memory causal fwd+bwd L={L}"
+    if proc.returncode != 0:
+        report.rows.append(Row(label, "flash", None, note=f"failed: {proc.stderr[-200:]}"))
+        return
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    useful = 4 * (L * (L + 1) // 2) * B * H * D / 1e9
+    lxs = 4 * B * H * L * L / 1e9
+    report.rows.append(
+        Row(
+            label,
+            "flash",
+            res["fwd_bwd_s"],
+            3.5 * useful / res["fwd_bwd_s"],
+            note=f"peak RSS growth {res['growth_mb'] / 1024:.2f} GB "
+            f"(one fp32 L×S score tensor: {lxs:.0f} GB)",
+        )
+    )
+
+
+# --------------------------------------------------------------------------- output
+def format_table(report: Report) -> str:
+    """The results as a plain-text table, with speed-ups against flash within each case."""
+    lines = [
+        f"machine: {report.info.get('machine', '')}",
+        f"fp32 matmul (torch.mm 4096²): {report.matmul_gflops:.0f} GFLOP/s  <- the physical limit",
+        "",
+        f"{'case':34s} {'contender':28s} {'seconds':>9s} {'useful GF/s':>11s} {'% mm':>6s} "
+        f"{'flash is ×':>10s}  note",
+    ]
+    by_case: dict[str, list[Row]] = {}
+    for r in report.rows:
+        by_case.setdefault(r.case, []).append(r)
+    for case, rows in by_case.items():
+        flash = next((r.seconds for r in rows if r.name == "flash"), None)
+        for r in rows:
+            secs = f"{r.seconds:9.3f}" if r.seconds is not None else f"{'n/a':>9s}"
+            gf = f"{r.useful_gflops:11.1f}" if r.useful_gflops else f"{'':>11s}"
+            pct = (
+                f"{100 * r.useful_gflops / report.matmul_gflops:5.0f}%"
+                if r.useful_gflops
+                else f"{'':>6s}"
+            )
+            ratio = ""
+            if flash and r.seconds and r.name != "flash":
+                ratio = f"{r.seconds / flash:9.2f}×"
+            note = r.note
+            if r.max_err is not None:
+                note = (note + "; " if note else "") + f"max|Δ| vs flash {r.max_err:.1e}"
+            lines.append(f"{case:34s} {r.name:28s} {secs} {gf} {pct} {ratio:>10s}  {note}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: Report, path: str) -> None:
+    """Bar chart of each contender's time relative to flash (matplotlib imported here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [c for c in dict.fromkeys(r.case for r in report.rows)]
+    fig, axes = plt.subplots(len(cases), 1, figsize=(8, 2.2 * len(cases)), squeeze=False)
+    for ax, case in zip(axes[:, 0], cases, strict=True):
+        rows = [r for r in report.rows if r.case == case and r.seconds]
+        ax.barh([r.name for r in rows], [r.seconds for r in rows], color="tab:blue")
+        ax.set_xscale("log")
+        ax.set_title(case, fontsize=9)
+        ax.set_xlabel("seconds (log)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# --------------------------------------------------------------------------- CLI
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers ``attnlab bench`` on an argparse ``subparsers`` object and returns its parser."""
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark the flash backend against sdpa, FlexAttention, local-attention, naive",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument(
+        "--case",
+        choices=[*CASES, "all"],
+        nargs="+",
+        default=["all"],
+        help="which cases to run (default: all)",
+    )
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--window", type=int, default=256, help="sliding-window size (keys per query)")
+    p.add_argument("--window-length", type=int, default=16384)
+    p.add_argument("--causal-length", type=int, default=8192)
+    p.add_argument("--alibi-length", type=int, default=16384)
+    p.add_argument("--memory-length", type=int, default=65536)
+    p.add_argument(
+        "--max-bias-gb",
+        type=float,
+        default=10.0,
+        help="skip sdpa with a materialised bias above this size",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per contender (best kept)")
+    p.add_argument("--no-backward", action="store_true", help="forward only")
+    p.add_argument("--no-flex", action="store_true", help="skip compiling FlexAttention")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes (L/8) for a smoke run; the targets are for the defaults",
+    )
+    p.add_argument("--plot", metavar="PNG", help="also write a bar chart")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=run_bench)
+    return p
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Runs the selected cases, prints the table; returns the process exit code."""
+    cases = list(CASES) if "all" in args.case else list(dict.fromkeys(args.case))
+    if args.quick:
+        for name in ("window_length", "causal_length", "alibi_length", "memory_length"):
+            setattr(args, name, max(256, getattr(args, name) // 8))
+    steps = 1 + len(cases) * (2 * 5 * (args.repeats + 1))
+    progress = _Progress(steps, args.quiet)
+    report = Report()
+    report.info["machine"] = (
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}"
+    )
+    report.info["command"] = "attnlab bench " + " ".join(sys.argv[2:])
+    progress.step("fp32 matmul rate")
+    report.matmul_gflops = matmul_rate()
+    runners = {
+        "window": case_window,
+        "causal": case_causal,
+        "alibi": case_alibi,
+        "memory": case_memory,
+    }
+    for name in cases:
+        runners[name](args, report, progress)
+    progress.close()
+    text = format_table(report)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "matmul_gflops": report.matmul_gflops,
+                    "info": report.info,
+                    "rows": [r.__dict__ for r in report.rows],
+                },
+                f,
+                indent=1,
+            )
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point (``python -m attnlab.bench``)."""
+    parser = argparse.ArgumentParser(prog="attnlab")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,990 @@
+"""Tiled exact attention ("flash"): block-sparse tiling, online softmax, recomputing backward.
+
+Defined to equal `functional.reference.attention` (and `reference.logsumexp` for the returned
+log-sum-exp): ``out = softmax(q·kᵀ·scale + bias, masked) · v``, computed without ever holding an
+L×S tensor, in either pass.
+
+How it runs:
+
+1. A *plan* (`functional.tiling`) splits the (query, key) grid using the mask's block map: EMPTY
+   tiles are skipped, FULL tiles run without evaluating the mask, PARTIAL tiles evaluate it (and a
+   bias function) on the tile's indices only. Narrow bands (sliding windows) run all interior
+   query blocks as one batched call over strided key windows with one shared mask; plain causal
+   runs as one causal call.
+2. Each call runs on a tile *engine* that returns the call's output and log-sum-exp:
+
+   - ``"kernel"``: torch's fused CPU flash kernel
+     (``aten._scaled_dot_product_flash_attention_for_cpu``) for float32, float16 and bfloat16
+     (float16/bfloat16 plans with several calls run it in float32 and round once at the end);
+   - ``"torch"``: a pure-PyTorch online-softmax loop over (row, key) chunks: float64 (the
+     verification dtype, on wide 2048-tiles) and devices other than the CPU.
+
+3. Calls over disjoint key sets are combined with `merge_partials` (log-sum-exp weights).
+4. Backward recomputes every call from q, k, v and the GLOBAL out and lse: the kernel's backward
+   over a subset of keys, given the global normaliser, returns exactly that subset's dK, dV and its
+   share of dQ (ring attention's observation), so the per-call gradients sum to the exact gradient.
+   Calls run in a fixed order, so gradients are bit-deterministic.
+
+Not supported (the backend's ``supports`` says so and ``backend="auto"`` picks another): dropout,
+returning the (B, H, L, S) weights, and gradients through bias *functions* whose values require
+grad (a learned T5 table). Bias *tensors* that require grad get their gradient (dS summed over
+broadcast dims); that backward runs on the pure-PyTorch engine, which exposes dS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..masks import Mask, TensorMask
+from .merge import merge_partials
+from .request import BiasFn, Request
+from .scores import get_score
+from .tiling import CALL_CAUSAL, CALL_MASKED, BandCall, Call, Plan, build_plan
+
+_NEG_INF = float("-inf")
+_POS_INF = float("inf")
+
+# Default tile sizes (rows × keys) of the block map, and the query block of batched band calls.
+BLOCK_Q = 128
+BLOCK_K = 128
+BAND_BLOCK = 64
+# Tile size with a bias (measured: 256 beats 128 for ALiBi), and for float64 (see `flash_job`).
+BLOCK_BIAS = 256
+BLOCK_64 = 2048
+
+_KERNEL_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_KERNEL_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# --------------------------------------------------------------------------- additive tiles
+@dataclass
+class TileSource:
+    """Evaluates the additive term (bias + mask as −inf) on any set of (batch, row, key) indices.
+
+    Attributes:
+        mask: the `Mask`, or None.
+        bias_fn: ``fn(b, h, i, j)`` with i the bottom-right aligned query position, or None.
+        bias_tensors: additive tensors, each broadcastable to ``(B, H, L, S)``.
+        B, H, L, S: sizes of the call.
+        dtype: dtype of the tiles handed to the engine (the query dtype).
+        device: where index tensors and tiles are built.
+    """
+
+    mask: Mask | None
+    bias_fn: BiasFn | None
+    bias_tensors: list[Tensor]
+    B: int
+    H: int
+    L: int
+    S: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def has_bias(self) -> bool:
+        """True when some additive term must be computed for every tile."""
+        return self.bias_fn is not None or bool(self.bias_tensors)
+
+    def additive(
+        self, b: Tensor, rows: Tensor, keys: Tensor, *, with_mask: bool, h: Tensor | None = None
+    ) -> Tensor | None:
+        """The additive tile on broadcastable indices: ``(nb|1, H|1, R, K)`` or None if nothing.
+
+        Args:
+            b: batch indices, shape ``(nb, 1, 1, 1)`` (or broadcastable).
+            rows: raw query rows, broadcastable as ``(…, R, 1)``.
+            keys: key positions, broadcastable as ``(…, 1, K)``.
+            with_mask: evaluate the mask too (masked pairs become −inf).
+            h: head indices ``(1, nh, 1, 1)``; default all H heads.
+        """
+        device = rows.device
+        if h is None:
+            h = torch.arange(self.H, device=device).view(1, self.H, 1, 1)
+        out: Tensor | None = None
+        if self.bias_fn is not None:
+            val = self.bias_fn(b, h, rows + (self.S - self.L), keys)
+            if not isinstance(val, Tensor) or not val.is_floating_point():
+                got = f"dtype {val.dtype}" if isinstance(val, Tensor) else type(val).__name__
+                raise TypeError(f"bias function must return a float tensor, got {got}")
+            if val.dim() > 4:
+                raise ValueError(
+                    f"bias function returned shape {tuple(val.shape)}, not broadcastable to "
+                    f"(B, H, L, S) = {(self.B, self.H, self.L, self.S)}"
+                )
+            out = val.to(self.dtype)
+        for t in self.bias_tensors:
+            val = _gather4(t, b, h, rows, keys).to(self.dtype)
+            out = val if out is None else out + val
+        if with_mask and self.mask is not None:
+            keep = self.mask._eval(b, h, rows, keys, self.L, self.S)
+            if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
+                raise TypeError("mask function must return a bool tensor")
+            zero = torch.zeros((), dtype=self.dtype, device=device)
+            out = torch.where(keep, zero if out is None else out, _NEG_INF)
+        if out is None:
+            return None
+        out = out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))  # (nb|1, H|1, R|1, K|1)
+        if out.shape[-1] > 1 and out.stride(-1) != 1:
+            out = out.contiguous()
+        return out
+
+    def for_call(self, c: Call) -> Tensor | None:
+        """The additive tile of a plain call (None for FULL/CAUSAL calls without bias)."""
+        with_mask = c.kind == CALL_MASKED
+        if not with_mask and not self.has_bias:
+            return None
+        device = self.device
+        b = torch.arange(c.b0, c.b1, device=device).view(-1, 1, 1, 1)
+        rows = torch.arange(c.r0, c.r1, device=device).view(1, 1, -1, 1)
+        keys = c.key_index(device).view(1, 1, 1, -1)
+        add = self.additive(b, rows, keys, with_mask=with_mask)
+        if add is not None and c.kind == CALL_CAUSAL:
+            r = torch.arange(c.r1 - c.r0, device=add.device).view(-1, 1)
+            kk = torch.arange(c.num_keys, device=add.device).view(1, -1)
+            add = add.masked_fill(kk > r, _NEG_INF)
+        return add
+
+
+def _as4(t: Tensor) -> Tensor:
+    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # (B|1, H|1, L|1, S|1)
+
+
+def _gather4(t: Tensor, b: Tensor, h: Tensor, rows: Tensor, keys: Tensor) -> Tensor:
+    """``t[b, h, rows, keys]`` for a tensor broadcastable to (B, H, L, S), without expanding it."""
+    t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # (B|1, H|1, L|1, S|1)
+    idx = []
+    for size, ix in zip(t.shape, (b, h, rows, keys), strict=True):
+        idx.append(
+            ix if size > 1 else torch.zeros((1,) * ix.dim(), dtype=torch.long, device=ix.device)
+        )
+    return t[idx[0], idx[1], idx[2], idx[3]]
+
+
+def _fix_dead_rows(out: Tensor, lse: Tensor, add: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Sets lse = −inf (and out = 0) on rows of a kernel call whose every pair is masked.
+
+    The kernel reports such rows as out = 0, lse = 0, so only rows with lse exactly 0 are
+    candidates; they are confirmed on the additive tile (a live row can have lse = 0 too).
+    """
+    if add is None:
+        return out, lse
+    cand = lse == 0
+    if not bool(cand.any()):
+        return out, lse
+    dead = torch.isneginf(add).all(dim=-1) & cand  # (nb, H, R)
+    return out.masked_fill(dead.unsqueeze(-1), 0.0), lse.masked_fill(dead, _NEG_INF)
+
+
+def _finite(x: Tensor) -> bool:
+    """No NaN/inf in x (one reduction, no temporaries; an overflowing sum only costs a copy)."""
+    return bool(torch.isfinite(x.sum(dtype=_acc_dtype(x.dtype))))
+
+
+def _live_columns(add: Tensor | None) -> Tensor | None:
+    """Columns of a tile that some row attends, ``(nb|1, H|1, K)``; None if all are."""
+    if add is None:
+        return None
+    live = ~torch.isneginf(add).all(dim=-2)
+    return None if bool(live.all()) else live
+
+
+def _zero_dead_cols(k: Tensor, v: Tensor, live: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Zeroes key/value columns no row of the tile attends (``where``: NaN/inf cannot leak)."""
+    if live is None:
+        return k, v
+    H_kv = k.shape[1]
+    if live.shape[1] > 1:
+        live = live.unflatten(1, (H_kv, live.shape[1] // H_kv)).any(dim=2)  # (nb|1, H_kv, K)
+    live = live.unsqueeze(-1)  # (nb|1, H_kv|1, K, 1)
+    return torch.where(live, k, 0), torch.where(live, v, 0)
+
+
+# --------------------------------------------------------------------------- engines
+def _ready(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """The kernel reads the last dim with unit stride and wants the mask in the query dtype."""
+    if t is None:
+        return t
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    if t.shape[-1] <= 1 or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
+def _kernel_fwd(
+    q: Tensor, k: Tensor, v: Tensor, add: Tensor | None, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    out, lse = _KERNEL_FWD(q, k, v, 0.0, causal, attn_mask=_ready(add, q.dtype), scale=scale)
+    return out, lse
+
+
+def _kernel_bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    add: Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = _KERNEL_BWD(
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=_ready(add, q.dtype), scale=scale
+    )
+    return dq, dk, dv
+
+
+@dataclass
+class TorchEngine:
+    """Pure-PyTorch online softmax over (row chunk × key chunk) tiles; any device, any dtype.
+
+    Scores exist only per tile, ``(B, H, rows ≤ chunk_q, keys ≤ chunk_k)``, in float32 or wider.
+    """
+
+    chunk_q: int = 128
+    chunk_k: int = 512
+
+    def _scores(
+        self,
+        qg: Tensor,
+        kc: Tensor,
+        add: Tensor | None,
+        causal: bool,
+        r0: int,
+        c0: int,
+        scale: float,
+        H_kv: int,
+    ) -> Tensor:
+        s = (qg @ kc.unsqueeze(2).transpose(-1, -2)) * scale  # (nb, H_kv, G, r, c)
+        if add is not None:
+            s = s + _group(add, H_kv).to(s.dtype)
+        if causal:
+            r = torch.arange(r0, r0 + s.shape[-2], device=s.device).view(-1, 1)
+            c = torch.arange(c0, c0 + s.shape[-1], device=s.device).view(1, -1)
+            s = s.masked_fill(c > r, _NEG_INF)
+        return s
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, add: Tensor | None, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """``(out (nb, H, R, Dv) in q's dtype, lse (nb, H, R) in float32+)`` of one call."""
+        acc = _acc_dtype(q.dtype)
+        H, R = q.shape[1], q.shape[2]
+        H_kv, K = k.shape[1], k.shape[2]
+        outs, lses = [], []
+        for r0 in range(0, R, self.chunk_q):
+            r1 = min(R, r0 + self.chunk_q)
+            qg = q[:, :, r0:r1].to(acc).unflatten(1, (H_kv, H // H_kv))  # (nb, H_kv, G, r, D)
+            m = torch.full(qg.shape[:-1], _NEG_INF, dtype=acc, device=q.device)
+            den = torch.zeros_like(m)
+            o = torch.zeros(*qg.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
+            kmax = min(K, r1) if causal else K
+            for c0 in range(0, kmax, self.chunk_k):
+                c1 = min(kmax, c0 + self.chunk_k)
+                a = None if add is None else _slice_add(add, r0, r1, c0, c1)
+                s = self._scores(qg, k[:, :, c0:c1].to(acc), a, causal, r0, c0, scale, H_kv)
+                m_new = torch.maximum(m, s.amax(dim=-1))
+                m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+                p = torch.exp(s - m_safe.unsqueeze(-1))  # (nb, H_kv, G, r, c)
+                alpha = torch.exp(m - m_safe)
+                den = den * alpha + p.sum(dim=-1)
+                o = o * alpha.unsqueeze(-1) + p @ v[:, :, c0:c1].to(acc).unsqueeze(2)
+                m = m_new
+            dead = den == 0
+            o = o / torch.where(dead, 1.0, den).unsqueeze(-1)
+            lse = torch.where(dead, _NEG_INF, m + torch.log(torch.where(dead, 1.0, den)))
+            outs.append(o.flatten(1, 2))  # (nb, H, r, Dv)
+            lses.append(lse.flatten(1, 2))  # (nb, H, r)
+        return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
+
+    def backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        add: Tensor | None,
+        causal: bool,
+        scale: float,
+        dlse: Tensor | None = None,
+        on_ds: Callable[[int, int, int, int, Tensor], None] | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Gradients of one call given the GLOBAL out and lse (+inf for rows with no key).
+
+        ``on_ds(r0, r1, c0, c1, dS)`` receives the logit gradient ``(nb, H, r, c)`` of each tile:
+        the gradient of an additive bias (used for bias tensors that require grad).
+
+        ``dS = P ∘ (dP − δ + dlse)`` with ``δ = rowsum(dout ∘ out)``: the lse gradient enters
+        through the row constant.
+        """
+        acc = _acc_dtype(q.dtype)
+        H, R = q.shape[1], q.shape[2]
+        H_kv, K = k.shape[1], k.shape[2]
+        G = H // H_kv
+        delta = (dout.to(acc) * out.to(acc)).sum(dim=-1)  # (nb, H, R)
+        if dlse is not None:
+            delta = delta - dlse.to(acc)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        for r0 in range(0, R, self.chunk_q):
+            r1 = min(R, r0 + self.chunk_q)
+            qg = q[:, :, r0:r1].to(acc).unflatten(1, (H_kv, G))  # (nb, H_kv, G, r, D)
+            dog = dout[:, :, r0:r1].to(acc).unflatten(1, (H_kv, G))  # (nb, H_kv, G, r, Dv)
+            lg = lse[:, :, r0:r1].to(acc).unflatten(1, (H_kv, G)).unsqueeze(-1)  # (…, r, 1)
+            dg = delta[:, :, r0:r1].unflatten(1, (H_kv, G)).unsqueeze(-1)
+            kmax = min(K, r1) if causal else K
+            for c0 in range(0, kmax, self.chunk_k):
+                c1 = min(kmax, c0 + self.chunk_k)
+                kc = k[:, :, c0:c1].to(acc)
+                vc = v[:, :, c0:c1].to(acc).unsqueeze(2)  # (nb, H_kv, 1, c, Dv)
+                a = None if add is None else _slice_add(add, r0, r1, c0, c1)
+                s = self._scores(qg, kc, a, causal, r0, c0, scale, H_kv)
+                p = torch.exp(s - lg)  # (nb, H_kv, G, r, c); 0 for masked pairs and dead rows
+                dv[:, :, c0:c1] += (p.transpose(-1, -2) @ dog).sum(dim=2)
+                dp = dog @ vc.transpose(-1, -2)
+                ds = p * (dp - dg)
+                if on_ds is not None:
+                    on_ds(r0, r1, c0, c1, ds.flatten(1, 2))
+                dq[:, :, r0:r1] += (ds @ kc.unsqueeze(2)).flatten(1, 2) * scale
+                dk[:, :, c0:c1] += (ds.transpose(-1, -2) @ qg).sum(dim=2) * scale
+        return dq, dk, dv
+
+
+def _group(add: Tensor, H_kv: int) -> Tensor:
+    """``(nb|1, H|1, r, c)`` → ``(nb|1, H_kv|1, G|1, r, c)`` for grouped-query heads."""
+    if add.shape[1] == 1:
+        return add.unsqueeze(2)
+    return add.unflatten(1, (H_kv, add.shape[1] // H_kv))
+
+
+def _slice_add(add: Tensor, r0: int, r1: int, c0: int, c1: int) -> Tensor:
+    a = add if add.shape[-2] == 1 else add[..., r0:r1, :]
+    return a if a.shape[-1] == 1 else a[..., c0:c1]
+
+
+# --------------------------------------------------------------------------- the job
+@dataclass
+class FlashJob:
+    """Everything that defines one tiled attention call except the tensors q, k, v."""
+
+    plan: Plan
+    source: TileSource
+    scale: float
+    engine: str  # "kernel" or "torch"
+    torch_engine: TorchEngine
+    kv_finite: bool | None = None  # computed when a band call with a bias needs it
+    grad_biases: tuple[int, ...] = ()  # indices into source.bias_tensors that need gradients
+    out32: Tensor | None = None  # float32 output of a widened float16/bfloat16 forward
+
+    # ---------------------------------------------------------------- helpers
+    def _call_tensors(self, q: Tensor, k: Tensor, v: Tensor, c: Call):
+        """q, k, v of a call and its additive tile; key columns no row attends are zeroed when
+        k or v hold NaN/inf anywhere (so they cannot leak), else left alone (bit-identical)."""
+        qc = q[c.b0 : c.b1, :, c.r0 : c.r1]
+        if isinstance(c.keys, tuple):
+            kc = k[c.b0 : c.b1, :, c.keys[0] : c.keys[1]]
+            vc = v[c.b0 : c.b1, :, c.keys[0] : c.keys[1]]
+        else:
+            idx = c.keys.to(k.device)
+            kc = k[c.b0 : c.b1].index_select(2, idx)
+            vc = v[c.b0 : c.b1].index_select(2, idx)
+        add = self.source.for_call(c)
+        if add is not None and not self._kv_finite(k, v):
+            kc, vc = _zero_dead_cols(kc, vc, _live_columns(add))
+        return qc, kc, vc, add
+
+    def _widen(self, q: Tensor) -> bool:
+        """float16/bfloat16 with several calls run the kernel in float32.
+
+        Each kernel call rounds its partial output and gradients to the input dtype; summing
+        several such partials (over query blocks for dK/dV, over key sets for the output) would
+        add one rounding per call. In float32 the partials stay exact enough and only the final
+        result is rounded once. Additive tiles are still rounded to the input dtype first, as
+        the reference rounds a bias to the query dtype.
+        """
+        return self.engine == "kernel" and q.dtype in (torch.float16, torch.bfloat16)
+
+    def _kv_finite(self, k: Tensor, v: Tensor) -> bool:
+        if self.kv_finite is None:
+            self.kv_finite = _finite(k) and _finite(v)
+        return self.kv_finite
+
+    def _run_fwd(self, qc, kc, vc, add, causal):
+        if self.engine == "kernel":
+            return _kernel_fwd(qc, kc, vc, add, causal, self.scale)
+        return self.torch_engine.forward(qc, kc, vc, add, causal, self.scale)
+
+    def _band_add(self, c: BandCall, b: int, device) -> Tensor:
+        r = torch.arange(c.bq, device=device).view(-1, 1)
+        col = torch.arange(c.width, device=device).view(1, -1)
+        rel = ((col - r) >= 0) & ((col - r) <= c.span)  # (bq, W)
+        if not self.source.has_bias:
+            zero = torch.zeros((), dtype=self.source.dtype, device=device)
+            return torch.where(rel, zero, _NEG_INF)  # (bq, W)
+        nblk = c.t1 - c.t0
+        t = torch.arange(nblk, device=device).view(-1, 1, 1, 1)
+        rows = c.r0 + t * c.bq + r.view(1, 1, -1, 1)  # (nblk, 1, bq, 1)
+        keys = c.k_start + t * c.bq + col.view(1, 1, 1, -1)  # (nblk, 1, 1, W)
+        bidx = torch.full((1, 1, 1, 1), b, dtype=torch.long, device=device)
+        add = self.source.additive(bidx, rows, keys, with_mask=False)
+        assert add is not None
+        return torch.where(rel, add, _NEG_INF)  # (nblk, H|1, bq, W)
+
+    @staticmethod
+    def _blocks(t: Tensor, b: int, c: BandCall) -> Tensor:
+        """``t[b, :, rows of c]`` viewed as ``(nblk, H, bq, ·)`` (works for lse's 3-D too)."""
+        x = t[b, :, c.r0 : c.r1].unflatten(1, (c.t1 - c.t0, c.bq))  # (H, nblk, bq, ·)
+        return x.transpose(0, 1)
+
+    @staticmethod
+    def _windows(t: Tensor, b: int, c: BandCall) -> Tensor:
+        """Overlapping key windows ``(nblk, H_kv, W, ·)`` of ``t[b]``: a strided view, no copy."""
+        nblk = c.t1 - c.t0
+        sB, sH, sS, sD = t.stride()
+        return t.as_strided(
+            (nblk, t.shape[1], c.width, t.shape[3]),
+            (c.bq * sS, sH, sS, sD),
+            t.storage_offset() + b * sB + c.k_start * sS,
+        )
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """``(out (B, H, L, Dv), lse (B, H, L) float32+)``."""
+        B, H, L, _ = q.shape
+        S, Dv = k.shape[2], v.shape[-1]
+        acc = _acc_dtype(q.dtype)
+        plan = self.plan
+        if self.engine == "kernel" and not self.source.has_bias and plan.is_single_call(B, L, S):
+            c = plan.groups[0].calls[0]
+            assert isinstance(c, Call)
+            out, lse = _kernel_fwd(q, k, v, None, c.kind == CALL_CAUSAL, self.scale)
+            return out, lse.contiguous()
+        if self._widen(q):
+            out, lse = self.forward(q.float(), k.float(), v.float())
+            self.out32 = out  # backward's δ = rowsum(dout·out) uses the unrounded output
+            return out.to(q.dtype), lse
+        covered = torch.zeros(B, L, dtype=torch.bool)
+        for g in plan.groups:
+            covered[g.b0 : g.b1, g.r0 : g.r1] = True
+        # rows in no group attend nothing: zeros; skip the memset when every row is covered
+        alloc = torch.empty if bool(covered.all()) else torch.zeros
+        out = alloc(B, H, L, Dv, dtype=q.dtype, device=q.device)
+        lse = torch.full((B, H, L), _NEG_INF, dtype=acc, device=q.device)
+        for g in plan.groups:
+            parts: list[tuple[Tensor, Tensor]] = []
+            for c in g.calls:
+                if isinstance(c, BandCall):
+                    if self.engine == "kernel" and self._band_fwd(q, k, v, c, out, lse):
+                        continue
+                    for bc in c.block_calls():
+                        o, l = self._simple_fwd(q, k, v, bc)
+                        out[bc.b0 : bc.b1, :, bc.r0 : bc.r1] = o
+                        lse[bc.b0 : bc.b1, :, bc.r0 : bc.r1] = l
+                    continue
+                parts.append(self._simple_fwd(q, k, v, c))
+            if not parts:
+                continue
+            o, l = (
+                parts[0]
+                if len(parts) == 1
+                else merge_partials([p[0] for p in parts], [p[1] for p in parts])
+            )
+            out[g.b0 : g.b1, :, g.r0 : g.r1] = o
+            lse[g.b0 : g.b1, :, g.r0 : g.r1] = l
+        return out, lse
+
+    def _simple_fwd(self, q, k, v, c: Call) -> tuple[Tensor, Tensor]:
+        qc, kc, vc, add = self._call_tensors(q, k, v, c)
+        o, l = self._run_fwd(qc, kc, vc, add, c.kind == CALL_CAUSAL)
+        if self.engine == "kernel":
+            o, l = _fix_dead_rows(o, l, add)
+        return o, l
+
+    def _band_fwd(self, q, k, v, c: BandCall, out: Tensor, lse: Tensor) -> bool:
+        """Runs a batched band call; False if it must be split (a row or key with no pair)."""
+        if self.source.has_bias and not self._kv_finite(k, v):
+            return False  # the bias may leave key columns dead: zero them call by call
+        for b in range(c.b0, c.b1):
+            add = self._band_add(c, b, q.device)
+            o, l = _kernel_fwd(
+                self._blocks(q, b, c),
+                self._windows(k, b, c),
+                self._windows(v, b, c),
+                add,
+                False,
+                self.scale,
+            )
+            if add.dim() == 4:  # a bias may mask whole rows
+                o, l = _fix_dead_rows(o, l, add)
+            self._blocks(out, b, c).copy_(o)
+            self._blocks(lse, b, c).copy_(l)
+        return True
+
+    # ---------------------------------------------------------------- backward
+    def backward(
+        self,
+        dout: Tensor,
+        dlse: Tensor | None,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(dq, dk, dv)`` in the input dtype; every call recomputed from q, k, v, out, lse.
+
+        Gradients of bias tensors (``grad_biases``) are accumulated into ``self.bias_grads``.
+        """
+        B, _, L, _ = q.shape
+        S = k.shape[2]
+        acc = _acc_dtype(q.dtype)
+        lse_b = torch.where(torch.isneginf(lse), _POS_INF, lse)  # rows with no key: P = 0
+        # the kernel never exposes dS: bias gradients and lse gradients take the torch engine
+        use_kernel = self.engine == "kernel" and dlse is None and not self.grad_biases
+        self.bias_grads = [
+            torch.zeros(_as4(self.source.bias_tensors[i]).shape, dtype=acc, device=q.device)
+            for i in self.grad_biases
+        ]
+        if use_kernel and not self.source.has_bias and self.plan.is_single_call(B, L, S):
+            c = self.plan.groups[0].calls[0]
+            assert isinstance(c, Call)
+            if q.dtype in (torch.float16, torch.bfloat16):
+                # the kernel sums dK/dV over query blocks in the input dtype: do it in float32
+                grads = _kernel_bwd(
+                    dout.float(),
+                    q.float(),
+                    k.float(),
+                    v.float(),
+                    out.float(),
+                    lse_b,
+                    None,
+                    c.kind == CALL_CAUSAL,
+                    self.scale,
+                )
+                return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype)
+            return _kernel_bwd(dout, q, k, v, out, lse_b, None, c.kind == CALL_CAUSAL, self.scale)
+        if self._widen(q):
+            out32 = self.out32 if self.out32 is not None else out.float()
+            grads = self.backward(dout.float(), dlse, q.float(), k.float(), v.float(), out32, lse)
+            return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        for g in self.plan.groups:
+            for c in g.calls:
+                if isinstance(c, BandCall):
+                    if use_kernel and self._band_bwd(dout, q, k, v, out, lse_b, c, dq, dk, dv):
+                        continue
+                    for bc in c.block_calls():
+                        self._simple_bwd(
+                            dout, dlse, q, k, v, out, lse_b, bc, dq, dk, dv, use_kernel
+                        )
+                    continue
+                self._simple_bwd(dout, dlse, q, k, v, out, lse_b, c, dq, dk, dv, use_kernel)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def _simple_bwd(self, dout, dlse, q, k, v, out, lse_b, c: Call, dq, dk, dv, use_kernel) -> None:
+        qc, kc, vc, add = self._call_tensors(q, k, v, c)
+        rows = (slice(c.b0, c.b1), slice(None), slice(c.r0, c.r1))
+        causal = c.kind == CALL_CAUSAL
+        if use_kernel:
+            gq, gk, gv = _kernel_bwd(
+                dout[rows], qc, kc, vc, out[rows], lse_b[rows], add, causal, self.scale
+            )
+        else:
+            gq, gk, gv = self.torch_engine.backward(
+                dout[rows],
+                qc,
+                kc,
+                vc,
+                out[rows],
+                lse_b[rows],
+                add,
+                causal,
+                self.scale,
+                None if dlse is None else dlse[rows],
+                self._bias_grad_sink(c) if self.grad_biases else None,
+            )
+        dq[rows] += gq
+        if isinstance(c.keys, tuple):
+            dk[c.b0 : c.b1, :, c.keys[0] : c.keys[1]] += gk
+            dv[c.b0 : c.b1, :, c.keys[0] : c.keys[1]] += gv
+        else:
+            idx = c.keys.to(dk.device)
+            dk[c.b0 : c.b1].index_add_(2, idx, gk.to(dk.dtype))
+            dv[c.b0 : c.b1].index_add_(2, idx, gv.to(dv.dtype))
+
+    def _bias_grad_sink(self, c: Call) -> Callable[[int, int, int, int, Tensor], None]:
+        """Adds a tile's dS into the gradient of each bias tensor (summed over broadcast dims)."""
+        keys = c.key_index(self.bias_grads[0].device)
+
+        def sink(r0: int, r1: int, c0: int, c1: int, ds: Tensor) -> None:
+            for grad in self.bias_grads:
+                g = ds  # (nb, H, r, c)
+                for dim in range(4):
+                    if grad.shape[dim] == 1 and g.shape[dim] != 1:
+                        g = g.sum(dim=dim, keepdim=True)
+                bsl = slice(c.b0, c.b1) if grad.shape[0] > 1 else slice(None)
+                rsl = slice(c.r0 + r0, c.r0 + r1) if grad.shape[2] > 1 else slice(None)
+                region = grad[bsl, :, rsl]
+                if grad.shape[3] == 1:
+                    region += g
+                elif isinstance(c.keys, tuple):
+                    region[..., c.keys[0] + c0 : c.keys[0] + c1] += g
+                else:
+                    region.index_add_(3, keys[c0:c1], g)
+
+        return sink
+
+    def _band_bwd(self, dout, q, k, v, out, lse_b, c: BandCall, dq, dk, dv) -> bool:
+        nblk, nc = c.t1 - c.t0, c.width // c.bq
+        if self.source.has_bias and not self._kv_finite(k, v):
+            return False
+        for b in range(c.b0, c.b1):
+            add = self._band_add(c, b, q.device)
+            gq, gk, gv = _kernel_bwd(
+                self._blocks(dout, b, c),
+                self._blocks(q, b, c),
+                self._windows(k, b, c),
+                self._windows(v, b, c),
+                self._blocks(out, b, c),
+                self._blocks(lse_b, b, c),
+                add,
+                False,
+                self.scale,
+            )
+            self._blocks(dq, b, c).add_(gq)
+            # window t, piece j covers key block (t + j) of the region starting at k_start
+            span = (nblk + nc - 1) * c.bq
+            for grad, acc in ((gk, dk), (gv, dv)):
+                region = acc[b, :, c.k_start : c.k_start + span].unflatten(1, (nblk + nc - 1, c.bq))
+                for j in range(nc):
+                    piece = grad[:, :, j * c.bq : (j + 1) * c.bq]  # (nblk, H_kv, bq, ·)
+                    region[:, j : j + nblk] += piece.transpose(0, 1)
+        return True
+
+
+class _FlashFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, job: FlashJob, *biases: Tensor):
+        # biases: the bias tensors that need gradients (also held, in order, by job.source)
+        out, lse = job.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.job = job
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
+        q, k, v, out, lse = ctx.saved_tensors
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            if dout is None:
+                dout = torch.zeros_like(out)
+            dout = dout.contiguous()
+            if dlse is not None and not bool(dlse.any()):
+                dlse = None
+            dq, dk, dv = ctx.job.backward(dout, dlse, q, k, v, out, lse)
+            dbias = [
+                g.to(ctx.job.source.bias_tensors[i].dtype).reshape(
+                    ctx.job.source.bias_tensors[i].shape
+                )
+                for g, i in zip(ctx.job.bias_grads, ctx.job.grad_biases, strict=True)
+            ]
+        if create_graph:
+            # create_graph=True: the gradients depend on q, k, v, but this backward is not
+            # itself differentiable. Mark them so that differentiating them raises, instead of
+            # silently treating them as constants.
+            biases = [ctx.job.source.bias_tensors[i] for i in ctx.job.grad_biases]
+            dq, dk, dv, *dbias = _no_double_backward((dq, dk, dv, *dbias), (q, k, v, *biases))
+        return (dq, dk, dv, None, *dbias)
+
+
+_DOUBLE_BACKWARD = (
+    "flash attention's backward is not differentiable: double backward (higher-order "
+    "gradients, e.g. a gradient penalty) is not supported; use backend='reference'"
+)
+
+
+def _no_double_backward(
+    grads: tuple[Tensor, ...], inputs: tuple[Tensor, ...]
+) -> tuple[Tensor, ...]:
+    """The gradients, behind a node that raises when differentiated (linked to the inputs)."""
+    delayed = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
+    if delayed is None:  # pragma: no cover - private torch API moved: refuse up front
+        raise NotImplementedError(_DOUBLE_BACKWARD)
+    err = delayed(_DOUBLE_BACKWARD.encode(), len(grads))
+    never = torch.zeros((), dtype=torch.bool, device=grads[0].device)
+    # where(False, x, g) has g's value and a graph edge to x, so autograd reaches the error node
+    linked = [
+        torch.where(never, x, g) if x.requires_grad else g.detach().requires_grad_(True)
+        for g, x in zip(grads, inputs, strict=True)
+    ]
+    return tuple(err(*linked))
+
+
+# --------------------------------------------------------------------------- entry points
+def _split_mask_bias(
+    mask: Mask | Tensor | None, bias: Tensor | BiasFn | None
+) -> tuple[Mask | None, BiasFn | None, list[Tensor]]:
+    tensors: list[Tensor] = []
+    m: Mask | None = None
+    if isinstance(mask, Mask):
+        m = mask
+    elif isinstance(mask, Tensor):
+        if mask.dtype == torch.bool:
+            m = TensorMask(mask)
+        else:
+            tensors.append(mask)
+    fn: BiasFn | None = None
+    if isinstance(bias, Tensor):
+        tensors.append(bias)
+    elif bias is not None:
+        fn = bias
+    return m, fn, tensors
+
+
+def flash_job(
+    req: Request,
+    *,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    band_block: int | None = None,
+    engine: str | None = None,
+) -> FlashJob:
+    """The plan and tile source for a validated request (no computation on q, k, v)."""
+    d = req.dims
+    mask, fn, tensors = _split_mask_bias(req.mask, req.bias)
+    wide = req.q.dtype == torch.float64  # see below: float64 uses wide tiles
+    # with a bias every tile carries an additive tile: larger tiles mean fewer, fuller calls
+    biased = fn is not None or bool(tensors)
+    bq = (BLOCK_64 if wide else BLOCK_BIAS if biased else BLOCK_Q) if block_q is None else block_q
+    bk = (BLOCK_64 if wide else BLOCK_BIAS if biased else BLOCK_K) if block_k is None else block_k
+    bb = (BLOCK_64 if wide else BAND_BLOCK) if band_block is None else band_block
+    for name, val in (("block_q", bq), ("block_k", bk), ("band_block", bb)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if engine is None:
+        # float64 is the verification dtype: its tolerance rule compares against the reference's
+        # own summation order (float64 rounding), which a tiled sum over 128-row blocks misses by
+        # a few ulp. So float64 runs the pure-PyTorch engine on wide tiles (BLOCK_64), i.e. one
+        # tile up to 2048 × 2048 — still bounded memory for any length.
+        on_cpu = req.q.device.type == "cpu"
+        engine = "kernel" if on_cpu and req.q.dtype != torch.float64 else "torch"
+    if engine not in ("kernel", "torch"):
+        raise ValueError(f"engine must be 'kernel' or 'torch', got {engine!r}")
+    bias_kind = "tensor" if tensors else ("fn" if fn is not None else None)
+    plan = build_plan(
+        mask,
+        B=d.B,
+        H=d.H,
+        L=d.L,
+        S=d.S,
+        block_q=bq,
+        block_k=bk,
+        band_block=bb,
+        bias=bias_kind,
+        device=req.q.device,
+    )
+    source = TileSource(mask, fn, tensors, d.B, d.H, d.L, d.S, req.q.dtype, req.q.device)
+    chunks = TorchEngine(max(bq, 128), max(bk, 512))
+    return FlashJob(plan, source, req.scale / req.temperature, engine, chunks)
+
+
+def _prepare_inputs(req: Request, engine: str) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Score preparation (cosine), unit-stride last dims, and zero-padding D ≠ Dv for the kernel."""
+    q, k, v = req.q, req.k, req.v
+    if req.score != "dot":
+        s = get_score(req.score)
+        q, k = s.prepare(q), s.prepare(k)
+    q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
+    Dv = v.shape[-1]
+    D = q.shape[-1]
+    if engine == "kernel" and Dv != D:
+        # Zero columns change no dot product and add zero output columns: exact.
+        width = max(D, Dv)
+        if width > D:
+            q = torch.nn.functional.pad(q, (0, width - D))
+            k = torch.nn.functional.pad(k, (0, width - D))
+        if Dv < width:
+            v = torch.nn.functional.pad(v, (0, width - Dv))
+    return q, k, v, Dv
+
+
+def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
+    """Runs a validated request on the tiled backend: ``(out (B, H, L, Dv), lse (B, H, L))``."""
+    job = flash_job(req, **options)  # type: ignore[arg-type]
+    q, k, v, Dv = _prepare_inputs(req, job.engine)
+    if job.scale < 0:
+        # scale·(q·k) = |scale|·((−q)·k): the kernel fills causal −inf before it scales, so a
+        # negative scale would turn masked logits into +inf
+        q, job.scale = -q, -job.scale
+    biases = job.source.bias_tensors
+    job.grad_biases = tuple(i for i, t in enumerate(biases) if _needs_grad(t))
+    out, lse = _FlashFunction.apply(q, k, v, job, *(biases[i] for i in job.grad_biases))
+    if out.shape[-1] != Dv:
+        out = out[..., :Dv]
+    return out, lse
+
+
+def flash_run(req: Request) -> tuple[Tensor, None]:
+    """The registry's ``run``: output only."""
+    return flash_run_lse(req)[0], None
+
+
+def _needs_grad(x: Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
+def flash_supports(req: Request) -> str | None:
+    """None if the tiled backend computes this request, else the reason it does not."""
+    if req.return_weights:
+        return (
+            "flash never materialises the (B, H, L, S) weights (return_weights=True); use "
+            "attention(..., return_lse=True) and attention_weights(q, k, lse, rows=...)"
+        )
+    if req.dropout_p > 0:
+        return f"flash does not implement dropout (dropout_p={req.dropout_p})"
+    if callable(req.bias) and not isinstance(req.bias, Tensor) and torch.is_grad_enabled():
+        d = req.dims
+        one = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=req.q.device)
+        probe = req.bias(one, one, one + (d.S - d.L), one)
+        if isinstance(probe, Tensor) and probe.requires_grad:
+            return "flash computes no gradient for a bias function whose values require grad"
+    return None
+
+
+# Sizes at which auto prefers flash (see `flash_declines`).
+AUTO_SPARSE_MIN = 1 << 16  # L·S from which structured masks and bias functions go to flash
+AUTO_LONG_MIN = 1 << 24  # L·S from which every call goes to flash
+
+
+def flash_declines(req: Request) -> str | None:
+    """Auto's preference: None if flash should run this call, else why sdpa is the better pick."""
+    d = req.dims
+    n = d.L * d.S
+    structured = isinstance(req.mask, Mask) and not isinstance(req.mask, TensorMask)
+    if structured and req.is_plain_causal and req.bias is None:
+        structured = False  # sdpa runs plain causal with the same kernel call
+    fn_bias = req.bias is not None and not isinstance(req.bias, Tensor)
+    if n >= AUTO_LONG_MIN:
+        return None
+    if (structured or fn_bias) and n >= AUTO_SPARSE_MIN:
+        return None
+    if structured or fn_bias:
+        return (
+            f"L·S = {n} < {AUTO_SPARSE_MIN}: at this size sdpa with the rendered mask/bias beats "
+            "tiling"
+        )
+    return f"dense mask/bias and L·S = {n} < {AUTO_LONG_MIN}: sdpa's single fused call is as fast"
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    bias: Tensor | BiasFn | None = None,
+    scale: float | None = None,
+    temperature: float = 1.0,
+    score: str = "dot",
+    block_q: int | None = None,
+    block_k: int | None = None,
+    band_block: int | None = None,
+    engine: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Tiled exact attention with its log-sum-exp: ``softmax(q·kᵀ·scale/T + bias) v`` and ``lse``.
+
+    Defined to equal `reference.attention` and `reference.logsumexp`; see `attnlab.attention` for
+    the meaning of mask, bias, scale, temperature and score (bottom-right aligned masks, True =
+    may attend, ``bias(b, h, i, j)`` with i the aligned query position).
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
+        mask, bias, scale, temperature, score: as in `attnlab.attention`.
+        block_q, block_k: tile size of the block map (default 128 × 128, 256 × 256 with a bias;
+            2048 × 2048 in float64, where tiles favour the reference's summation order).
+        band_block: query block of batched band (sliding-window) calls (default 64).
+        engine: ``"kernel"`` (torch's CPU flash kernel, the default on CPU below float64) or
+            ``"torch"`` (pure-PyTorch online softmax: the default for float64 and off CPU).
+
+    Returns:
+        ``(out (B, H, L, Dv), lse (B, H, L))``; lse is float32 (float64 for float64 inputs) and
+        −inf for a query row with no key to attend (whose output row is 0).
+
+    Raises:
+        ValueError/TypeError: as `attnlab.attention`, plus bad block sizes or engine; flash
+            cannot run dropout, return weights, or differentiate a bias.
+    """
+    from .api import _build_request  # the entry point validates; imported late (api imports us)
+
+    if q.dim() != 4:
+        raise ValueError(f"flash_attention expects 4-D q (B, H, L, D), got shape {tuple(q.shape)}")
+    req = _build_request(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        temperature=temperature,
+        score=score,
+        dropout_p=0.0,
+        backend="reference",
+        return_weights=False,
+    )
+    why_not = flash_supports(req)
+    if why_not is not None:
+        raise ValueError(f"flash_attention cannot run this call: {why_not}")
+    if req.is_empty:
+        from . import reference
+        from .request import request_dense
+
+        dm, db = request_dense(req)
+        out, _ = reference.attention(
+            q, k, v, mask=dm, bias=db, scale=req.scale, temperature=req.temperature, score=req.score
+        )
+        lse = reference.logsumexp(
+            q, k, mask=dm, bias=db, scale=req.scale, temperature=req.temperature, score=req.score
+        )
+        return out, lse
+    return flash_run_lse(
+        req, block_q=block_q, block_k=block_k, band_block=band_block, engine=engine
+    )
+
+
+def explain_plan(req: Request) -> str:
+    """How flash would tile a request (for `explain`)."""
+    return flash_job(req).plan.describe()
+
+
+RunLse = Callable[[Request], tuple[Tensor, Tensor]]
+
+__all__ = [
+    "BAND_BLOCK",
+    "BLOCK_K",
+    "BLOCK_Q",
+    "FlashJob",
+    "TileSource",
+    "TorchEngine",
+    "explain_plan",
+    "flash_attention",
+    "flash_declines",
+    "flash_job",
+    "flash_run",
+    "flash_run_lse",
+    "flash_supports",
+]

@@ -1,0 +1,84 @@
+"""Merging partial attention results by their log-sum-exp (the online-softmax combine step).
+
+Attention over a key set that is split into disjoint parts ``K = K_1 ∪ … ∪ K_n`` can be computed
+part by part: each part gives its normalised output ``o_i`` and log-sum-exp ``lse_i`` of its
+logits, and the full result is
+
+    lse = log Σ_i exp(lse_i)            o = Σ_i exp(lse_i − lse) · o_i
+
+This is how the tiled ("flash") backend combines its tiles and how ring attention combines the
+key/value shards it receives from other ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+_NEG_INF = float("-inf")
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Combines attention results over disjoint key sets into the result over their union.
+
+    ``lse = log Σ_i exp(lse_i)`` and ``out = Σ_i exp(lse_i − lse) · out_i``. A part with lse −inf
+    (no attended key in that part) contributes nothing; a row whose lse is −inf in every part gets
+    an all-zero output and lse = −inf, never NaN. The sum is formed in float32 (float64 for
+    float64 inputs) and the output is cast back to the dtype of ``outs[0]``.
+
+    Args:
+        outs: n tensors of shape ``(..., L, Dv)``, each normalised over its own key set (the output
+            of attention restricted to that set; zeros where the set has no attended key).
+        lses: n tensors of shape ``(..., L)``: the log-sum-exp of the scaled, masked logits over the
+            same key sets, −inf where the set has no attended key.
+
+    Returns:
+        ``(out (..., L, Dv) in the dtype of outs[0], lse (..., L) in float32 or float64)``.
+
+    Raises:
+        ValueError: empty input, different counts of outs and lses, or shapes that do not match.
+
+    Example:
+        >>> o, l = merge_partials([o1, o2], [l1, l2])  # keys split in two halves
+    """
+    if len(outs) != len(lses):
+        raise ValueError(f"merge_partials: got {len(outs)} outs but {len(lses)} lses")
+    if len(outs) == 0:
+        raise ValueError("merge_partials: need at least one partial result, got 0")
+    shape, lshape = tuple(outs[0].shape), tuple(lses[0].shape)
+    if len(shape) < 1 or shape[:-1] != lshape:
+        raise ValueError(
+            f"merge_partials: outs[0] of shape {shape} needs lses[0] of shape {shape[:-1]}, "
+            f"got {lshape}"
+        )
+    for idx, (o, lse) in enumerate(zip(outs, lses, strict=True)):
+        if tuple(o.shape) != shape or tuple(lse.shape) != lshape:
+            raise ValueError(
+                f"merge_partials: part {idx} has out {tuple(o.shape)} and lse {tuple(lse.shape)}, "
+                f"expected out {shape} and lse {lshape}"
+            )
+    acc = _stat_dtype(outs[0].dtype)
+    if any(lse.dtype == torch.float64 for lse in lses):
+        acc = torch.float64
+    lse_all = torch.stack([lse.to(acc) for lse in lses])  # (n, ..., L)
+    m = lse_all.amax(dim=0)  # (..., L)
+    dead = torch.isneginf(m)
+    m_safe = torch.where(dead, 0.0, m)
+    w = torch.exp(lse_all - m_safe)  # (n, ..., L); exactly 0 for parts with lse = −inf
+    total = w.sum(dim=0)  # (..., L)
+    lse = torch.where(dead, _NEG_INF, m_safe + torch.log(torch.where(dead, 1.0, total)))
+    frac = w / torch.where(dead, 1.0, total)  # (n, ..., L)
+    out = torch.zeros(shape, dtype=acc, device=outs[0].device)
+    for f, o in zip(frac, outs, strict=True):
+        # where(): a part with weight 0 must not leak NaN/inf stored in its (unused) output.
+        out += torch.where(f.unsqueeze(-1) > 0, f.unsqueeze(-1) * o.to(acc), 0.0)
+    return out.to(outs[0].dtype), lse
+
+
+__all__ = ["merge_partials"]

@@ -1,0 +1,574 @@
+"""Tiling plans for the tiled ("flash") backend: which query rows meet which keys, and how.
+
+A mask is turned into a *plan*: a list of groups, each covering a range of query rows with one or
+more *calls*. A call is one invocation of the tile engine on (a batch range, a row range, a key set)
+with one of three treatments:
+
+- ``FULL``: every (row, key) pair of the call is attended; the mask is not evaluated (an additive
+  bias, if any, is still computed for the call's tile only).
+- ``MASKED``: the mask (and bias) is evaluated on the call's rows × keys only.
+- ``CAUSAL``: rows and keys form a square aligned top-left; the engine applies causality itself.
+
+The calls of one group cover disjoint key sets, so their partial results merge exactly by their
+log-sum-exp (`functional.merge.merge_partials`). Empty tiles are in no call at all.
+
+Structured masks are classified analytically, in O(tiles) instead of O(L·S):
+
+- bands — ``causal()``, ``sliding_window(w)`` and their intersections — keep the pairs with
+  ``lo <= j − p <= hi`` (``p = i + S − L`` the aligned query position). Interior query blocks of a
+  narrow band all see the same relative key window, so they run as ONE batched call
+  (`BandCall`) over strided windows of the keys with one shared (block × window) mask.
+- ``padding``, ``document``, ``&``, ``|`` and ``~`` have analytic block maps; tiles an analytic
+  rule cannot decide are evaluated exactly, so the block maps equal `Mask.block_map`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..masks import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    CausalMask,
+    DocumentMask,
+    Mask,
+    PaddingMask,
+    SlidingWindowMask,
+)
+from ..masks.base import _Combined, _Not
+
+_NEG_INF = float("-inf")
+
+# Call treatments.
+CALL_FULL, CALL_MASKED, CALL_CAUSAL = "full", "masked", "causal"
+
+# Elements of an additive (bias/mask) tile built for one call: keeps every tile tensor small.
+TILE_BUDGET = 1 << 22
+
+
+# --------------------------------------------------------------------------- plan objects
+@dataclass(frozen=True)
+class Call:
+    """One engine call: batch items [b0, b1), query rows [r0, r1), a key set and a treatment.
+
+    ``keys`` is a contiguous range ``(k0, k1)`` or a sorted int64 tensor of key indices.
+    """
+
+    b0: int
+    b1: int
+    r0: int
+    r1: int
+    keys: tuple[int, int] | Tensor
+    kind: str
+
+    @property
+    def num_keys(self) -> int:
+        """Number of keys in the call."""
+        return self.keys[1] - self.keys[0] if isinstance(self.keys, tuple) else self.keys.numel()
+
+    def key_index(self, device: torch.device | None = None) -> Tensor:
+        """The key positions as an int64 tensor."""
+        if isinstance(self.keys, tuple):
+            return torch.arange(self.keys[0], self.keys[1], device=device)
+        return self.keys.to(device)
+
+
+@dataclass(frozen=True)
+class BandCall:
+    """Query blocks ``t0 <= t < t1`` of size ``bq`` batched into one call per batch item.
+
+    Block t covers rows ``[t·bq, (t+1)·bq)`` and the key window
+    ``[k_start + (t − t0)·bq, … + width)``; inside the window, row ``r`` (0-based in its block) may
+    attend window column ``c`` iff ``0 <= c − r <= span`` — the same relative mask for every block.
+    """
+
+    b0: int
+    b1: int
+    t0: int
+    t1: int
+    bq: int
+    width: int
+    k_start: int
+    span: int
+
+    @property
+    def r0(self) -> int:
+        """First query row."""
+        return self.t0 * self.bq
+
+    @property
+    def r1(self) -> int:
+        """One past the last query row."""
+        return self.t1 * self.bq
+
+    def block_calls(self) -> list[Call]:
+        """The same work as one `Call` per query block (for the pure-PyTorch engine and stats)."""
+        out = []
+        for t in range(self.t0, self.t1):
+            k0 = self.k_start + (t - self.t0) * self.bq
+            out.append(
+                Call(
+                    self.b0,
+                    self.b1,
+                    t * self.bq,
+                    (t + 1) * self.bq,
+                    (k0, k0 + self.width),
+                    CALL_MASKED,
+                )
+            )
+        return out
+
+
+@dataclass
+class Group:
+    """Calls over disjoint key sets that together cover batch [b0, b1) × rows [r0, r1)."""
+
+    b0: int
+    b1: int
+    r0: int
+    r1: int
+    calls: list[Call | BandCall] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """The whole tiling of one attention call. Rows in no group attend nothing (output 0)."""
+
+    groups: list[Group]
+    kind: str
+    block_q: int
+    block_k: int
+
+    def simple_calls(self) -> list[Call]:
+        """Every call, with batched band calls expanded into one call per query block."""
+        out: list[Call] = []
+        for g in self.groups:
+            for c in g.calls:
+                out.extend(c.block_calls() if isinstance(c, BandCall) else [c])
+        return out
+
+    @property
+    def num_calls(self) -> int:
+        """Number of engine calls (a batched band call counts once per batch range)."""
+        return sum(len(g.calls) for g in self.groups)
+
+    def is_single_call(self, B: int, L: int, S: int) -> bool:
+        """True when one unmasked call covers every row and every key (no merging needed)."""
+        if len(self.groups) != 1 or len(self.groups[0].calls) != 1:
+            return False
+        c = self.groups[0].calls[0]
+        return (
+            isinstance(c, Call)
+            and c.kind != CALL_MASKED
+            and isinstance(c.keys, tuple)
+            and (c.b0, c.b1, c.r0, c.r1, c.keys) == (0, B, 0, L, (0, S))
+        )
+
+    def describe(self) -> str:
+        """One line for `explain`."""
+        n_band = sum(isinstance(c, BandCall) for g in self.groups for c in g.calls)
+        text = f"{self.kind} plan, {self.num_calls} engine call(s)"
+        if n_band:
+            text += f" ({n_band} batched band call(s) of {self.block_q}-row blocks)"
+        return text
+
+
+# --------------------------------------------------------------------------- bands
+def band_of(mask: Mask | None) -> tuple[float, float] | None:
+    """``(lo, hi)`` with ``mask = {lo <= j − p <= hi}``, ±inf for no bound; None if not a band."""
+    if mask is None:
+        return (-math.inf, math.inf)
+    if isinstance(mask, CausalMask):
+        return (-math.inf, 0.0)
+    if isinstance(mask, SlidingWindowMask):
+        w = mask.window
+        return (float(-(w - 1)), 0.0 if mask.causal else float(w - 1))
+    if isinstance(mask, _Combined) and mask.op == "&":
+        a, b = band_of(mask.a), band_of(mask.b)
+        if a is None or b is None:
+            return None
+        return (max(a[0], b[0]), min(a[1], b[1]))
+    return None
+
+
+def _clip_band(band: tuple[float, float], L: int, S: int) -> tuple[float, float]:
+    """Drops bounds that never bind: ``j − p`` always lies in ``[−(S−1), L−1]``."""
+    lo, hi = band
+    if lo <= -(S - 1):
+        lo = -math.inf
+    if hi >= L - 1:
+        hi = math.inf
+    return lo, hi
+
+
+def band_block_map(
+    L: int, S: int, bq: int, bk: int, lo: float, hi: float, device: torch.device | str | None = None
+) -> Tensor:
+    """Exact EMPTY/PARTIAL/FULL codes ``(1, 1, nq, nk)`` of the band ``lo <= j − p <= hi``."""
+    nq, nk = -(-L // bq), -(-S // bk)
+    off = S - L
+    r0 = torch.arange(nq, device=device) * bq
+    r1 = torch.clamp(r0 + bq, max=L)
+    k0 = torch.arange(nk, device=device) * bk
+    k1 = torch.clamp(k0 + bk, max=S)
+    dmin = (k0.view(1, -1) - (r1 - 1 + off).view(-1, 1)).double()  # min of j − p over the tile
+    dmax = ((k1 - 1).view(1, -1) - (r0 + off).view(-1, 1)).double()  # max of j − p
+    empty = (dmax < lo) | (dmin > hi)
+    full = (dmin >= lo) & (dmax <= hi)
+    codes = torch.where(empty, EMPTY, torch.where(full, FULL, PARTIAL)).to(torch.int8)
+    return codes.view(1, 1, nq, nk)
+
+
+# --------------------------------------------------------------------------- block maps
+def _tile_eval(
+    mask: Mask, rows: Tensor, keys: Tensor, L: int, S: int, nb: int, nh: int, device
+) -> Tensor:
+    """The mask on rows × keys, shape ``(B|1, H|1, R, K)`` (bool)."""
+    b = torch.arange(nb, device=device).view(nb, 1, 1, 1)
+    h = torch.arange(nh, device=device).view(1, nh, 1, 1)
+    out = mask._eval(b, h, rows.view(1, 1, -1, 1), keys.view(1, 1, 1, -1), L, S)
+    if not isinstance(out, Tensor) or out.dtype != torch.bool:
+        raise TypeError("mask function must return a bool tensor")
+    return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
+
+
+def _refine(
+    mask: Mask,
+    codes: Tensor,
+    todo: Tensor,
+    L: int,
+    S: int,
+    bq: int,
+    bk: int,
+    nb: int,
+    nh: int,
+    device: torch.device | str | None,
+) -> Tensor:
+    """Evaluates exactly the tiles where ``todo`` (nq, nk) is True and writes their codes."""
+    if not bool(todo.any()):
+        return codes
+    codes = codes.clone()
+    for qb in todo.any(dim=1).nonzero().flatten().tolist():
+        tiles = todo[qb].nonzero().flatten()  # (nt,)
+        nt = tiles.numel()
+        r0, r1 = qb * bq, min(L, (qb + 1) * bq)
+        keys = (
+            tiles.view(-1, 1) * bk + torch.arange(bk, device=tiles.device)
+        ).flatten()  # (nt·bk,)
+        valid = (keys < S).view(1, 1, 1, -1)
+        rows = torch.arange(r0, r1, device=device)
+        m = _tile_eval(mask, rows, keys.clamp(max=S - 1), L, S, nb, nh, device)  # (B|1, H|1, R, K)
+        shp = (m.shape[0], m.shape[1], r1 - r0, nt, bk)
+        anyv = (m & valid).reshape(shp).any(dim=4).any(dim=2)  # (B|1, H|1, nt)
+        allv = (m | ~valid).reshape(shp).all(dim=4).all(dim=2)
+        val = anyv.to(torch.int8) + allv.to(torch.int8)
+        sub = codes[:, :, qb]  # (B|1, H|1, nk), a view
+        sub[:, :, tiles] = val.expand(codes.shape[0], codes.shape[1], nt)
+    return codes
+
+
+def _padding_block_map(mask: PaddingMask, L: int, S: int, bq: int, bk: int, device) -> Tensor:
+    nq, nk = -(-L // bq), -(-S // bk)
+    n = mask.lengths.to(device).view(-1, 1)  # (B, 1)
+    k0 = (torch.arange(nk, device=device) * bk).view(1, -1)
+    k1 = torch.clamp(k0 + bk, max=S)
+    codes = torch.where(k1 <= n, FULL, torch.where(k0 >= n, EMPTY, PARTIAL)).to(torch.int8)
+    return codes.view(-1, 1, 1, nk).expand(-1, 1, nq, nk).clone()
+
+
+def _document_block_map(
+    mask: DocumentMask, L: int, S: int, bq: int, bk: int, nb: int, nh: int, device
+) -> Tensor:
+    """Conservative interval rules per tile, then exact evaluation of the undecided tiles."""
+    if mask.ids.shape[-1] != S:
+        raise ValueError(f"document ids cover {mask.ids.shape[-1]} positions, but S={S}")
+    nq, nk = -(-L // bq), -(-S // bk)
+    ids = mask.ids.to(device)
+    ids = ids if ids.dim() == 2 else ids.view(1, S)  # (B|1, S)
+    big = torch.iinfo(torch.long).max
+    # key tiles: min / max id over the positions that exist
+    pad_k = nk * bk - S
+    kmin = torch.nn.functional.pad(ids, (0, pad_k), value=big).view(-1, nk, bk).amin(-1)
+    kmax = torch.nn.functional.pad(ids, (0, pad_k), value=-big).view(-1, nk, bk).amax(-1)
+    # query tiles: ids at aligned positions p = i + S − L (invalid where p < 0)
+    p = torch.arange(L, device=device) + (S - L)
+    valid = p >= 0
+    qids = (
+        ids[:, p.clamp(min=0)]
+        if S > 0
+        else torch.zeros(ids.shape[0], L, dtype=torch.long, device=device)
+    )
+    pad_q = nq * bq - L
+    qlo = torch.where(valid, qids, big)
+    qhi = torch.where(valid, qids, -big)
+    qmin = torch.nn.functional.pad(qlo, (0, pad_q), value=big).view(-1, nq, bq).amin(-1)
+    qmax = torch.nn.functional.pad(qhi, (0, pad_q), value=-big).view(-1, nq, bq).amax(-1)
+    nvalid = torch.nn.functional.pad(valid.long(), (0, pad_q)).view(nq, bq).sum(-1)
+    rows = (
+        torch.clamp(torch.arange(nq, device=device) * bq + bq, max=L)
+        - torch.arange(nq, device=device) * bq
+    )
+    allvalid = (nvalid == rows).view(1, nq, 1)
+    novalid = (nvalid == 0).view(1, nq, 1)
+    qmin, qmax = qmin.unsqueeze(-1), qmax.unsqueeze(-1)  # (B|1, nq, 1)
+    kmin, kmax = kmin.unsqueeze(1), kmax.unsqueeze(1)  # (B|1, 1, nk)
+    empty = novalid | (qmax < kmin) | (qmin > kmax)
+    full = allvalid & (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
+    codes = torch.where(empty, EMPTY, torch.where(full, FULL, PARTIAL)).to(torch.int8)
+    codes = codes.unsqueeze(1)  # (B|1, 1, nq, nk)
+    todo = (~empty & ~full).any(dim=0)  # (nq, nk)
+    return _refine(mask, codes, todo, L, S, bq, bk, nb, nh, device)
+
+
+def block_map(
+    mask: Mask,
+    L: int,
+    S: int,
+    bq: int,
+    bk: int,
+    *,
+    batch: int | None = None,
+    heads: int | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """`Mask.block_map`, computed analytically for structured masks (same result, O(tiles) work).
+
+    Returns:
+        int8 ``(B|1, H|1, ceil(L/bq), ceil(S/bk))`` with EMPTY (0) / PARTIAL (1) / FULL (2).
+    """
+    nb, nh = mask._batch_heads(batch, heads)
+    if L == 0 or S == 0:
+        return mask.block_map(L, S, bq, bk, batch=batch, heads=heads, device=device)
+    band = band_of(mask)
+    if band is not None:
+        return band_block_map(L, S, bq, bk, band[0], band[1], device)
+    if isinstance(mask, PaddingMask):
+        return _padding_block_map(mask, L, S, bq, bk, device)
+    if isinstance(mask, DocumentMask):
+        return _document_block_map(mask, L, S, bq, bk, nb, nh, device)
+    if isinstance(mask, _Not):
+        inner = block_map(mask.inner, L, S, bq, bk, batch=batch, heads=heads, device=device)
+        return (FULL - inner).to(torch.int8)  # EMPTY <-> FULL, PARTIAL stays
+    if isinstance(mask, _Combined):
+        a = block_map(mask.a, L, S, bq, bk, batch=batch, heads=heads, device=device)
+        b = block_map(mask.b, L, S, bq, bk, batch=batch, heads=heads, device=device)
+        a, b = torch.broadcast_tensors(a, b)
+        if mask.op == "&":
+            codes = torch.where(
+                (a == EMPTY) | (b == EMPTY),
+                EMPTY,
+                torch.where((a == FULL) & (b == FULL), FULL, PARTIAL),
+            )
+        else:
+            codes = torch.where(
+                (a == FULL) | (b == FULL),
+                FULL,
+                torch.where((a == EMPTY) & (b == EMPTY), EMPTY, PARTIAL),
+            )
+        codes = codes.to(torch.int8).contiguous()
+        todo = ((a == PARTIAL) & (b == PARTIAL)).any(dim=0).any(dim=0)
+        return _refine(mask, codes, todo, L, S, bq, bk, nb, nh, device)
+    return mask.block_map(L, S, bq, bk, batch=batch, heads=heads, device=device)
+
+
+# --------------------------------------------------------------------------- plan builders
+def _runs(tiles: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs ``[(first, last), …]`` of a sorted tile list."""
+    runs: list[tuple[int, int]] = []
+    for t in tiles:
+        if runs and runs[-1][1] == t - 1:
+            runs[-1] = (runs[-1][0], t)
+        else:
+            runs.append((t, t))
+    return runs
+
+
+def _key_sets(
+    tiles: list[int], bk: int, S: int, chunk: int | None
+) -> list[tuple[int, int] | Tensor]:
+    """Key sets covering ``tiles``: ranges when the tiles form at most two runs, else gathered.
+
+    ``chunk`` (keys) splits the sets so that a call's additive tile stays within the budget.
+    """
+    runs = [(a * bk, min(S, (b + 1) * bk)) for a, b in _runs(tiles)]
+    if chunk is not None:
+        pieces: list[tuple[int, int]] = []
+        for k0, k1 in runs:
+            pieces.extend((s, min(k1, s + chunk)) for s in range(k0, k1, chunk))
+        runs = pieces
+        if len(runs) <= 2:
+            return list(runs)
+        # gather runs into index sets of at most `chunk` keys
+        sets: list[tuple[int, int] | Tensor] = []
+        cur: list[tuple[int, int]] = []
+        size = 0
+        for k0, k1 in runs:
+            if cur and size + (k1 - k0) > chunk:
+                sets.append(_gather(cur))
+                cur, size = [], 0
+            cur.append((k0, k1))
+            size += k1 - k0
+        if cur:
+            sets.append(_gather(cur))
+        return sets
+    if len(runs) <= 2:
+        return list(runs)
+    return [_gather(runs)]
+
+
+def _gather(runs: list[tuple[int, int]]) -> tuple[int, int] | Tensor:
+    if len(runs) == 1:
+        return runs[0]
+    return torch.cat([torch.arange(a, b) for a, b in runs])
+
+
+def _generic_plan(
+    codes: Tensor, B: int, H: int, L: int, S: int, bq: int, bk: int, with_bias: bool, kind: str
+) -> Plan:
+    """One group per query block (per batch item if the map depends on it).
+
+    FULL tiles of a block form calls without mask evaluation, PARTIAL tiles calls with it; calls
+    that carry an additive tile (a mask, a bias) are split so the tile stays within TILE_BUDGET.
+    """
+    chunk = max(bk, TILE_BUDGET // max(1, H * bq))
+    codes = codes.to("cpu")
+    if codes.shape[1] > 1:  # union over heads: EMPTY/FULL only if so for every head
+        lo, hi = codes.amin(dim=1, keepdim=True), codes.amax(dim=1, keepdim=True)
+        codes = torch.where(lo == hi, lo, PARTIAL).to(torch.int8)
+    per_batch = codes.shape[0] > 1
+    groups: list[Group] = []
+    for bi in range(codes.shape[0]):
+        b0, b1 = (bi, bi + 1) if per_batch else (0, B)
+        table = codes[bi, 0].tolist()
+        for qb, row in enumerate(table):
+            r0, r1 = qb * bq, min(L, (qb + 1) * bq)
+            full = [t for t, c in enumerate(row) if c == FULL]
+            part = [t for t, c in enumerate(row) if c == PARTIAL]
+            calls: list[Call | BandCall] = []
+            for tiles, treat in ((full, CALL_FULL), (part, CALL_MASKED)):
+                if not tiles:
+                    continue
+                limit = chunk if (treat == CALL_MASKED or with_bias) else None
+                for keys in _key_sets(tiles, bk, S, limit):
+                    calls.append(Call(b0, b1, r0, r1, keys, treat))
+            if calls:
+                groups.append(Group(b0, b1, r0, r1, calls))
+    return Plan(groups, kind, bq, bk)
+
+
+def _causal_plan(B: int, L: int, S: int) -> Plan:
+    """Bottom-right causal without bias: at most two calls over all rows."""
+    if L == S:
+        return Plan([Group(0, B, 0, L, [Call(0, B, 0, L, (0, S), CALL_CAUSAL)])], "causal", L, S)
+    if L < S:
+        off = S - L
+        calls: list[Call | BandCall] = [
+            Call(0, B, 0, L, (0, off), CALL_FULL),
+            Call(0, B, 0, L, (off, S), CALL_CAUSAL),
+        ]
+        return Plan([Group(0, B, 0, L, calls)], "causal", L, S)
+    # L > S: the first L − S rows see no key
+    return Plan(
+        [Group(0, B, L - S, L, [Call(0, B, L - S, L, (0, S), CALL_CAUSAL)])], "causal", L, S
+    )
+
+
+def _band_plan(
+    B: int, H: int, L: int, S: int, lo: int, hi: int, bq: int, with_bias: bool
+) -> Plan | None:
+    """Batched interior blocks plus one masked call per edge block; None if not worthwhile."""
+    off, span = S - L, hi - lo
+    width = -(-(bq + span) // bq) * bq  # keys per window, a multiple of bq
+    if width >= S:
+        return None
+    block_budget = max(1, TILE_BUDGET // (H * bq * width)) if with_bias else None
+    nq = -(-L // bq)
+    # interior: full block, window inside [0, S)
+    t_a = max(0, -((off + lo) // bq))  # first block whose window starts at key >= 0
+    t_b = min(L // bq, (S - width - off - lo) // bq + 1) if S - width - off - lo >= 0 else 0
+    groups: list[Group] = []
+    if t_b - t_a < 2:
+        t_a = t_b = 0
+    for t in range(nq):
+        if t_a <= t < t_b:
+            if t == t_a:
+                step = t_b - t_a if block_budget is None else max(1, block_budget)
+                for s in range(t_a, t_b, step):
+                    e = min(t_b, s + step)
+                    ks = s * bq + off + lo
+                    band = BandCall(0, B, s, e, bq, width, ks, span)
+                    groups.append(Group(0, B, s * bq, e * bq, [band]))
+            continue
+        r0, r1 = t * bq, min(L, (t + 1) * bq)
+        k0 = max(0, r0 + off + lo)
+        k1 = min(S, r1 - 1 + off + hi + 1)
+        if k1 > k0:
+            groups.append(Group(0, B, r0, r1, [Call(0, B, r0, r1, (k0, k1), CALL_MASKED)]))
+    return Plan(groups, "band", bq, bq)
+
+
+def build_plan(
+    mask: Mask | None,
+    *,
+    B: int,
+    H: int,
+    L: int,
+    S: int,
+    block_q: int,
+    block_k: int,
+    band_block: int,
+    bias: str | None,
+    device: torch.device | str | None = None,
+) -> Plan:
+    """Chooses the tiling for one attention call.
+
+    Args:
+        mask: the `Mask` (None = attend everything).
+        B, H, L, S: sizes of the call.
+        block_q, block_k: tile sizes of the block map for general masks.
+        band_block: query block size of batched band calls.
+        bias: None, ``"fn"`` (a bias function, evaluated per call) or ``"tensor"`` (sliced).
+        device: where index tensors for mask evaluation live.
+    """
+    band = band_of(mask)
+    with_bias = bias is not None
+    if band is not None:
+        lo, hi = _clip_band(band, L, S)
+        if lo == -math.inf and hi == math.inf:
+            if bias is None:
+                return Plan(
+                    [Group(0, B, 0, L, [Call(0, B, 0, L, (0, S), CALL_FULL)])], "dense", L, S
+                )
+            codes = torch.full((1, 1, -(-L // block_q), -(-S // block_k)), FULL, dtype=torch.int8)
+            return _generic_plan(codes, B, H, L, S, block_q, block_k, True, "dense+bias")
+        if lo == -math.inf and hi == 0 and bias is None:
+            return _causal_plan(B, L, S)
+        if lo != -math.inf and hi != math.inf and bias != "tensor":
+            plan = _band_plan(B, H, L, S, int(lo), int(hi), band_block, bias is not None)
+            if plan is not None:
+                return plan
+        codes = band_block_map(L, S, block_q, block_k, lo, hi, device)
+        return _generic_plan(codes, B, H, L, S, block_q, block_k, with_bias, "band (tiled)")
+    assert mask is not None
+    codes = block_map(mask, L, S, block_q, block_k, batch=B, heads=H, device=device)
+    return _generic_plan(codes, B, H, L, S, block_q, block_k, with_bias, "block-sparse")
+
+
+__all__ = [
+    "CALL_CAUSAL",
+    "CALL_FULL",
+    "CALL_MASKED",
+    "BandCall",
+    "Call",
+    "Group",
+    "Plan",
+    "band_block_map",
+    "band_of",
+    "block_map",
+    "build_plan",
+]

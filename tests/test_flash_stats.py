@@ -1,0 +1,156 @@
+"""Weights and per-query statistics recomputed from the log-sum-exp (no L×S matrix)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+from attnlab import masks
+from attnlab.functional.api import attention_stats, attention_weights
+from attnlab.positional import ALiBi
+from helpers import seeded
+
+
+def qkv(B, H, H_kv, L, S, D, dtype=torch.float64):
+    return (
+        seeded(B, H, L, D, dtype=dtype, seed=1),
+        seeded(B, H_kv, S, D, dtype=dtype, seed=2),
+        seeded(B, H_kv, S, D, dtype=dtype, seed=3),
+    )
+
+
+def reference_stats(w: torch.Tensor, L: int, S: int) -> dict[str, torch.Tensor]:
+    """The statistics from dense weights (B, H, L, S): the definition."""
+    w = w.double()
+    logw = torch.where(w > 0, w.log(), 0.0)
+    pos = (torch.arange(L) + (S - L)).view(-1, 1)
+    dist = (pos - torch.arange(S).view(1, -1)).abs().double()
+    return {
+        "entropy": -(w * logw).sum(-1),
+        "max_weight": w.amax(-1) if S else w.sum(-1),
+        "sink_mass": w[..., 0],
+        "mean_distance": (w * dist).sum(-1),
+    }
+
+
+CASES = {
+    "causal": (masks.causal(), None),
+    "window_alibi": (masks.sliding_window(7), ALiBi(4)),
+    "padding_dead": (masks.padding([0, 30]), None),
+    "document_causal": (masks.causal() & masks.document.from_lengths([10, 25, 15]), None),
+    "bidir_alibi": (None, ALiBi(4, causal=False)),
+    "strided": (masks.strided(5), None),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_attention_weights_equal_reference_rows_and_heads(name, dtype):
+    mask, bias = CASES[name]
+    L, S = 41, 50
+    q, k, v = qkv(2, 4, 2, L, S, 16, dtype)
+    _, w, lse = attnlab.attention(
+        q, k, v, mask=mask, bias=bias, backend="reference", return_weights=True, return_lse=True
+    )
+    _, lse_flash = attnlab.attention(
+        q, k, v, mask=mask, bias=bias, backend="flash", return_lse=True
+    )
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    rows, heads = [0, 7, 40, 13], [3, 0]
+    got = attention_weights(q, k, lse_flash, rows=rows, heads=heads, mask=mask, bias=bias)
+    assert got.shape == (2, 2, 4, S) and got.dtype == dtype
+    torch.testing.assert_close(got, w[:, heads][:, :, rows], atol=tol, rtol=0)
+    everything = attention_weights(q, k, lse, mask=mask, bias=bias)
+    torch.testing.assert_close(everything, w, atol=tol, rtol=0)
+    dense = (
+        mask.to_dense(L, S, batch=2)
+        if mask is not None
+        else torch.ones(1, 1, L, S, dtype=torch.bool)
+    )
+    assert torch.equal(
+        everything.masked_select(~dense.expand_as(everything)),
+        torch.zeros(int((~dense.expand_as(everything)).sum()), dtype=dtype),
+    )
+
+
+def test_attention_weights_3d_slices_cosine_temperature():
+    q, k, v = seeded(2, 30, 8, seed=4), seeded(2, 35, 8, seed=5), seeded(2, 35, 8, seed=6)
+    kw = {"score": "cosine", "temperature": 0.25, "mask": masks.sliding_window(9, causal=False)}
+    _, w, lse = attnlab.attention(q, k, v, return_weights=True, return_lse=True, **kw)
+    assert lse.shape == (2, 30)
+    got = attention_weights(q, k, lse, rows=slice(5, 12), **kw)
+    assert got.shape == (2, 7, 35)
+    torch.testing.assert_close(got, w[:, 5:12], atol=1e-12, rtol=0)
+
+
+def test_attention_weights_errors_name_the_argument():
+    q, k, v = qkv(1, 2, 2, 6, 7, 4)
+    _, lse = attnlab.attention(q, k, v, return_lse=True)
+    with pytest.raises(
+        ValueError, match=r"lse must have shape \(B, H, L\) = \(1, 2, 6\).*got \(1, 6\)"
+    ):
+        attention_weights(q, k, lse[:, 0])
+    with pytest.raises(ValueError, match=r"rows must lie in \[0, 6\), got \[6\]"):
+        attention_weights(q, k, lse, rows=[6])
+    with pytest.raises(TypeError, match=r"heads must hold integers, got dtype torch.float32"):
+        attention_weights(q, k, lse, heads=torch.tensor([0.0]))
+    with pytest.raises(TypeError, match=r"lse must be a torch.Tensor"):
+        attention_weights(q, k, [1.0])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_attention_stats_equal_dense_reference(name):
+    mask, bias = CASES[name]
+    L, S = 41, 50
+    q, k, v = qkv(2, 4, 2, L, S, 16, torch.float32)
+    _, w = attnlab.attention(
+        q.double(),
+        k.double(),
+        v.double(),
+        mask=mask,
+        bias=bias,
+        backend="reference",
+        return_weights=True,
+    )
+    want = reference_stats(w, L, S)
+    st = attention_stats(q, k, v, mask=mask, bias=bias)
+    for key, ref in want.items():
+        got = getattr(st, key)
+        assert got.shape == (2, 4, L) and got.dtype == torch.float32
+        atol = 2e-4 if key == "mean_distance" else 2e-5
+        torch.testing.assert_close(
+            got.double(), ref, atol=atol, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
+        )
+    dead = torch.isneginf(st.lse)
+    if name == "padding_dead":
+        assert dead[0].all() and not dead[1].any()
+        for t in st.as_dict().values():
+            if t is not st.lse:
+                assert torch.equal(t[dead], torch.zeros_like(t[dead]))
+
+
+def test_attention_stats_reuses_given_lse_and_handles_3d_and_bf16():
+    q, k, v = (seeded(2, 64, 16, seed=s, dtype=torch.bfloat16) for s in (1, 2, 3))
+    m = masks.sliding_window(10)
+    _, lse = attnlab.attention(q, k, v, mask=m, return_lse=True)
+    a = attention_stats(q, k, v, mask=m)
+    b = attention_stats(q, k, v, mask=m, lse=lse)
+    assert a.entropy.shape == (2, 64) and a.entropy.dtype == torch.float32
+    for x, y in zip(a.as_dict().values(), b.as_dict().values(), strict=True):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
+    # a one-key window has entropy 0 and max weight 1 (up to the bf16 kernel's lse rounding)
+    one = attention_stats(q, k, v, mask=masks.sliding_window(1))
+    torch.testing.assert_close(one.entropy, torch.zeros(2, 64), atol=2e-4, rtol=0)
+    torch.testing.assert_close(one.max_weight, torch.ones(2, 64), atol=2e-4, rtol=0)
+    assert torch.equal(one.mean_distance, torch.zeros(2, 64))
+
+
+def test_attention_stats_uniform_attention_entropy_is_log_n():
+    q = torch.zeros(1, 1, 20, 4)
+    k, v = torch.randn(1, 1, 20, 4), torch.randn(1, 1, 20, 4)
+    st = attention_stats(q, k, v, mask=masks.causal())
+    n = torch.arange(1, 21, dtype=torch.float32)
+    torch.testing.assert_close(st.entropy[0, 0], n.log(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(st.sink_mass[0, 0], 1 / n, atol=1e-6, rtol=0)
+    torch.testing.assert_close(st.mean_distance[0, 0], (n - 1) / 2, atol=1e-5, rtol=0)

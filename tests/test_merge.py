@@ -1,0 +1,107 @@
+"""`merge_partials`: combining attention over disjoint key sets by log-sum-exp (H7)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnlab.functional import reference
+from attnlab.functional.merge import merge_partials
+from helpers import seeded
+
+
+def _part(q, k, v, keep):
+    """Reference attention restricted to the keys where ``keep`` (S,) is True: (out, lse)."""
+    mask = keep.view(1, 1, 1, -1).expand(q.shape[0], q.shape[1], q.shape[2], -1)
+    out, _ = reference.attention(q, k, v, mask=mask)
+    lse = reference.logsumexp(q, k, mask=mask)
+    return out, lse
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_key_chunks_merge_to_full_attention(seed):
+    g = torch.Generator().manual_seed(seed)
+    S = int(torch.randint(2, 60, (1,), generator=g))
+    q, k, v = (
+        seeded(2, 3, 7, 5, seed=seed),
+        seeded(2, 3, S, 5, seed=seed + 10),
+        seeded(2, 3, S, 4, seed=seed + 20),
+    )
+    n_parts = int(torch.randint(1, 5, (1,), generator=g))
+    owner = torch.randint(0, n_parts, (S,), generator=g)  # random, non-contiguous chunks
+    parts = [_part(q, k, v, owner == p) for p in range(n_parts)]
+    out, lse = merge_partials([p[0] for p in parts], [p[1] for p in parts])
+    full_out, full_lse = _part(q, k, v, torch.ones(S, dtype=torch.bool))
+    torch.testing.assert_close(out, full_out, atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse, full_lse, atol=1e-12, rtol=0)
+
+
+def test_merge_of_a_result_with_itself_adds_ln2():
+    out = seeded(2, 3, 9, 4, dtype=torch.float32, seed=1)
+    lse = seeded(2, 3, 9, dtype=torch.float32, seed=2) * 5
+    m_out, m_lse = merge_partials([out, out], [lse, lse])
+    assert torch.equal(m_out, out)  # 0.5·a + 0.5·a is exact
+    torch.testing.assert_close(m_lse, lse + math.log(2.0), atol=1e-6, rtol=0)
+
+
+def test_all_minus_inf_rows_give_zeros_never_nan():
+    outs = [seeded(1, 2, 4, 3, seed=s) for s in range(3)]
+    outs[1][0, 0, 2] = float("nan")  # junk in a part that has no key for that row
+    lses = [torch.full((1, 2, 4), float("-inf"), dtype=torch.float64) for _ in range(3)]
+    lses[0][0, 1, 3] = 0.7  # row (0, 1, 3) is alive only in part 0
+    out, lse = merge_partials(outs, lses)
+    assert not torch.isnan(out).any()
+    assert torch.isneginf(lse).sum() == 2 * 4 - 1
+    assert torch.equal(out[0, 0], torch.zeros(4, 3, dtype=torch.float64))
+    assert torch.equal(out[0, 1, 3], outs[0][0, 1, 3])
+    assert lse[0, 1, 3] == 0.7
+
+
+def test_dead_part_contributes_nothing_even_with_nan_output():
+    a, b = seeded(1, 1, 3, 2, seed=1), torch.full((1, 1, 3, 2), float("nan"), dtype=torch.float64)
+    la = seeded(1, 1, 3, seed=2)
+    lb = torch.full((1, 1, 3), float("-inf"), dtype=torch.float64)
+    out, lse = merge_partials([a, b], [la, lb])
+    assert torch.equal(out, a) and torch.equal(lse, la)
+
+
+def test_low_precision_outputs_merge_in_float32():
+    out32 = seeded(1, 2, 5, 8, dtype=torch.float32, seed=3)
+    lse = seeded(1, 2, 5, dtype=torch.float32, seed=4)
+    o, l = merge_partials([out32.to(torch.bfloat16)] * 2, [lse, lse])
+    assert o.dtype == torch.bfloat16 and l.dtype == torch.float32
+    assert torch.equal(o, out32.to(torch.bfloat16))
+
+
+def test_extreme_lse_gap_is_stable():
+    a, b = seeded(1, 1, 2, 3, seed=1), seeded(1, 1, 2, 3, seed=2)
+    la = torch.tensor([[[1e4, -1e4]]], dtype=torch.float64)
+    lb = torch.tensor([[[-1e4, 1e4]]], dtype=torch.float64)
+    out, lse = merge_partials([a, b], [la, lb])
+    torch.testing.assert_close(out[0, 0, 0], a[0, 0, 0], atol=1e-12, rtol=0)
+    torch.testing.assert_close(out[0, 0, 1], b[0, 0, 1], atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse, torch.tensor([[[1e4, 1e4]]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "outs,lses,msg",
+    [
+        ([], [], r"at least one"),
+        ([torch.zeros(1, 2, 3)], [], r"1 outs but 0 lses"),
+        (
+            [torch.zeros(1, 2, 3)],
+            [torch.zeros(1, 3)],
+            r"needs lses\[0\] of shape \(1, 2\), got \(1, 3\)",
+        ),
+        (
+            [torch.zeros(1, 2, 3), torch.zeros(1, 2, 4)],
+            [torch.zeros(1, 2), torch.zeros(1, 2)],
+            r"part 1 has out \(1, 2, 4\)",
+        ),
+    ],
+)
+def test_merge_errors_name_shapes(outs, lses, msg):
+    with pytest.raises(ValueError, match=msg):
+        merge_partials(outs, lses)
