@@ -35,7 +35,7 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
     masked); attnlab propagates NaN instead. So queries or (attended) keys holding NaN/inf are
     computed by the reference definition, and NaN/inf stored at fully masked key positions is
     replaced by zeros first (bit-equal to storing zeros there). Finite inputs — the common case —
-    cost three reductions and no copies.
+    cost two or three reductions and no copies.
     """
     d = req.dims
     s = get_score(req.score)
@@ -48,8 +48,11 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
     allowed, additive = (None, None) if is_causal else request_dense(req)
     if not _all_finite(q):
         return reference_run(req)[0], None
-    if not _all_finite(k, v):
-        if allowed is not None or additive is not None:
+    masked = allowed is not None or additive is not None
+    # NaN in v propagates through the kernel's matmul as in the reference; v only matters where a
+    # mask leaves key positions that nobody attends.
+    if not _all_finite(k) or (masked and not _all_finite(v)):
+        if masked:
             k, v = zero_dead_keys(k, v, keep_mask(allowed, additive))
         if not _all_finite(k):
             return reference_run(req)[0], None
