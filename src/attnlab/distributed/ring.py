@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..functional.flash import _kernel_bwd, _kernel_fwd
 from ..functional.merge import merge_partials
 from ..masks import Mask
 
@@ -287,9 +288,7 @@ def _block_fwd(
     if tile is not None:
         add = torch.zeros(tile.shape, dtype=q.dtype, device=q.device).masked_fill(~tile, _NEG_INF)
     if _use_kernel(q):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, kind == "causal", attn_mask=add, scale=scale
-        )
+        out, lse = _kernel_fwd(q, k, v, add, kind == "causal", scale)
     else:
         out, lse = _math_fwd(q, k, v, kind, add, scale)
     if tile is not None:  # the kernel reports lse = 0 for rows with nothing to attend
@@ -332,17 +331,8 @@ def _block_bwd(
     # replaced by +inf its probabilities exp(s − lse) are exactly 0, so it contributes nothing.
     lse = lse.masked_fill(torch.isneginf(lse), math.inf)
     if _use_kernel(q):
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(),
-            q,
-            ke,
-            ve,
-            out,
-            lse,
-            0.0,
-            kind == "causal",
-            attn_mask=add,
-            scale=scale,
+        dq, dk, dv = _kernel_bwd(
+            dout.contiguous(), q, ke, ve, out, lse, add, kind == "causal", scale
         )
     else:
         dq, dk, dv = _math_bwd(dout, q, ke, ve, out, lse, kind, add, scale)
@@ -572,5 +562,7 @@ def ring_attention(
         tmo = datetime.timedelta(seconds=check_number("timeout", timeout, positive=True))
     _handshake(q, k, v, causal, layout, scale, mask, group, rank, world)
     cfg = _Config(group, rank, world, bool(causal), mask, scale, layout, tmo)
+    # torch's CPU kernel reads the last dim with unit stride: copy only inputs where it is not so
+    q, k, v = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, lse = _RingAttention.apply(q, k, v, cfg)
     return (out, lse) if return_lse else out
