@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnlab.functional import reference
-from attnlab.functional.merge import merge_partials
+from attnlab.functional.merge import merge_into, merge_partials
 from helpers import seeded
 
 
@@ -105,3 +105,24 @@ def test_extreme_lse_gap_is_stable():
 def test_merge_errors_name_shapes(outs, lses, msg):
     with pytest.raises(ValueError, match=msg):
         merge_partials(outs, lses)
+
+
+def test_merge_into_accumulates_like_merge_partials():
+    """Parts merged one by one in place (from out = 0, lse = −inf) equal merge_partials, with
+    rows dead in some parts and in all parts."""
+    g = torch.Generator().manual_seed(5)
+    outs = [torch.randn(2, 3, 6, 4, generator=g) for _ in range(3)]
+    lses = [torch.randn(2, 3, 6, generator=g) for _ in range(3)]
+    lses[0][..., 0] = float("-inf")
+    lses[1][..., 1] = float("-inf")
+    for lse in lses:
+        lse[..., 2] = float("-inf")  # dead everywhere
+    for o, lse in zip(outs, lses, strict=True):
+        o.masked_fill_(torch.isneginf(lse).unsqueeze(-1), 0.0)
+    want_o, want_l = merge_partials(outs, lses)
+    acc_o, acc_l = torch.zeros(2, 3, 6, 4), torch.full((2, 3, 6), float("-inf"))
+    for o, lse in zip(outs, lses, strict=True):
+        merge_into(acc_o, acc_l, o, lse)
+    torch.testing.assert_close(acc_o, want_o, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(acc_l, want_l)
+    assert (acc_o[..., 2, :] == 0).all() and torch.isneginf(acc_l[..., 2]).all()

@@ -12,7 +12,8 @@ Cases (B=1, H=8, D=64, float32 by default):
   compiled FlexAttention with a BlockMask, local-attention, and the naive formula (when its L×S
   matrices fit in memory);
 - ``causal``: dense causal at L=8192 — flash vs sdpa ``is_causal=True``;
-- ``alibi``: ALiBi + causal at L=16384 — flash (bias per tile) vs sdpa with the materialised bias;
+- ``alibi``: ALiBi + causal at L=16384 — flash (one relative-bias tile per window offset) vs sdpa
+  with the materialised bias;
 - ``memory``: forward + backward of causal attention at L=65536, peak RSS growth (subprocess).
 
 Optional dependencies are imported where used: tqdm (progress, ``cli`` extra), matplotlib
@@ -346,7 +347,7 @@ def case_alibi(args, report: Report, progress: _Progress) -> None:
                 t,
                 useful / t,
                 max_err=None if name == "flash" else err,
-                note=f"bias {gb:.1f} GB" if name != "flash" else "bias per tile",
+                note=f"bias {gb:.1f} GB" if name != "flash" else "one bias tile per offset",
             )
         )
     holder.clear()

@@ -10,7 +10,9 @@ How it runs:
    tiles are skipped, FULL tiles run without evaluating the mask, PARTIAL tiles evaluate it (and a
    bias function) on the tile's indices only. Narrow bands (sliding windows) run all interior
    query blocks as one batched call over strided key windows with one shared mask; plain causal
-   runs as one causal call.
+   runs as one causal call. A *relative* bias function (``fn.relative = True``: ALiBi, T5) over
+   a wide band (causal, none) cuts each query block's keys into windows at fixed offsets from
+   the block: one batched call per offset, sharing ONE additive tile, merged by log-sum-exp.
 2. Each call runs on a tile *engine* that returns the call's output and log-sum-exp:
 
    - ``"kernel"``: torch's fused CPU flash kernel
@@ -34,14 +36,14 @@ broadcast dims); that backward runs on the pure-PyTorch engine, which exposes dS
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from ..masks import Mask, TensorMask
-from .merge import merge_partials
-from .request import BiasFn, Request
+from .merge import merge_into, merge_partials
+from .request import BiasFn, Request, is_relative_bias
 from .scores import get_score
 from .tiling import CALL_CAUSAL, CALL_MASKED, BandCall, Call, Plan, build_plan
 
@@ -55,6 +57,8 @@ BAND_BLOCK = 64
 # Tile size with a bias (measured: 256 beats 128 for ALiBi), and for float64 (see `flash_job`).
 BLOCK_BIAS = 256
 BLOCK_64 = 2048
+# Key window of a relative bias over a wide band (causal, none): one shared tile per offset.
+RELATIVE_WINDOW = 1024
 
 _KERNEL_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _KERNEL_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -76,6 +80,7 @@ class TileSource:
         B, H, L, S: sizes of the call.
         dtype: dtype of the tiles handed to the engine (the query dtype).
         device: where index tensors and tiles are built.
+        relative: ``bias_fn`` depends only on ``(h, j − i)`` (`request.is_relative_bias`).
     """
 
     mask: Mask | None
@@ -87,6 +92,7 @@ class TileSource:
     S: int
     dtype: torch.dtype
     device: torch.device
+    relative: bool = False
 
     @property
     def has_bias(self) -> bool:
@@ -387,6 +393,7 @@ class FlashJob:
     kv_finite: bool | None = None  # computed when a band call with a bias needs it
     grad_biases: tuple[int, ...] = ()  # indices into source.bias_tensors that need gradients
     out32: Tensor | None = None  # float32 output of a widened float16/bfloat16 forward
+    shared_tiles: dict[BandCall, Tensor] = field(default_factory=dict)  # relative bias tiles
 
     # ---------------------------------------------------------------- helpers
     def _call_tensors(self, q: Tensor, k: Tensor, v: Tensor, c: Call):
@@ -427,12 +434,28 @@ class FlashJob:
         return self.torch_engine.forward(qc, kc, vc, add, causal, self.scale)
 
     def _band_add(self, c: BandCall, b: int, device) -> Tensor:
+        """The additive tile of a band call: ``(bq, W)`` for the mask alone, ``(1, H|1, bq, W)``
+        for a relative bias (one tile shared by every block), else ``(nblk, H|1, bq, W)``."""
         r = torch.arange(c.bq, device=device).view(-1, 1)
         col = torch.arange(c.width, device=device).view(1, -1)
-        rel = ((col - r) >= 0) & ((col - r) <= c.span)  # (bq, W)
+        d = col - r
+        rel = (d >= c.c_lo) & (d <= c.c_lo + c.span)  # (bq, W)
         if not self.source.has_bias:
             zero = torch.zeros((), dtype=self.source.dtype, device=device)
             return torch.where(rel, zero, _NEG_INF)  # (bq, W)
+        if self.source.relative:
+            tile = self.shared_tiles.get(c)
+            if tile is None:
+                ta, tb = c.interior()
+                t = ta if ta < tb else c.t0  # a block whose indices are all in range, if any
+                rows = (t * c.bq + r).view(1, 1, -1, 1)
+                keys = (c.window(t)[0] + col).view(1, 1, 1, -1)
+                zero = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=device)
+                add = self.source.additive(zero, rows, keys, with_mask=False)
+                assert add is not None
+                tile = torch.where(rel, add, _NEG_INF)  # (1, H|1, bq, W)
+                self.shared_tiles[c] = tile
+            return tile
         nblk = c.t1 - c.t0
         t = torch.arange(nblk, device=device).view(-1, 1, 1, 1)
         rows = c.r0 + t * c.bq + r.view(1, 1, -1, 1)  # (nblk, 1, bq, 1)
@@ -441,6 +464,38 @@ class FlashJob:
         add = self.source.additive(bidx, rows, keys, with_mask=False)
         assert add is not None
         return torch.where(rel, add, _NEG_INF)  # (nblk, H|1, bq, W)
+
+    @staticmethod
+    def _interior(c: BandCall, add: Tensor) -> tuple[BandCall | None, Tensor]:
+        """The batched part of a band call (blocks whose window is in range) and its tile."""
+        ta, tb = c.interior()
+        if ta >= tb:
+            return None, add
+        if add.dim() == 4 and add.shape[0] > 1:
+            add = add[ta - c.t0 : tb - c.t0]
+        if (ta, tb) == (c.t0, c.t1):
+            return c, add
+        return replace(c, t0=ta, t1=tb, k_start=c.window(ta)[0]), add
+
+    @staticmethod
+    def _edges(c: BandCall, add: Tensor):
+        """``(t, rows, (j0, j1), tile)`` of every block whose window leaves the keys."""
+        ta, tb = c.interior()
+        for t in (*range(c.t0, ta), *range(tb, c.t1)):
+            k0, k1 = c.window(t)
+            j0, j1 = max(0, k0), min(c.key_limit, k1)
+            if j1 <= j0:
+                continue
+            tile = add[t - c.t0 : t - c.t0 + 1] if add.dim() == 4 and add.shape[0] > 1 else add
+            yield t, slice(t * c.bq, (t + 1) * c.bq), (j0, j1), tile[..., j0 - k0 : j1 - k0]
+
+    def _store(self, out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
+        """Writes a call's rows, or merges them in when the plan's groups overlap."""
+        if self.plan.overlap:
+            merge_into(out, lse, o, l)
+        else:
+            out.copy_(o)
+            lse.copy_(l)
 
     @staticmethod
     def _blocks(t: Tensor, b: int, c: BandCall) -> Tensor:
@@ -479,7 +534,7 @@ class FlashJob:
         for g in plan.groups:
             covered[g.b0 : g.b1, g.r0 : g.r1] = True
         # rows in no group attend nothing: zeros; skip the memset when every row is covered
-        alloc = torch.empty if bool(covered.all()) else torch.zeros
+        alloc = torch.empty if bool(covered.all()) and not plan.overlap else torch.zeros
         out = alloc(B, H, L, Dv, dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, L), _NEG_INF, dtype=acc, device=q.device)
         for g in plan.groups:
@@ -490,8 +545,8 @@ class FlashJob:
                         continue
                     for bc in c.block_calls():
                         o, l = self._simple_fwd(q, k, v, bc)
-                        out[bc.b0 : bc.b1, :, bc.r0 : bc.r1] = o
-                        lse[bc.b0 : bc.b1, :, bc.r0 : bc.r1] = l
+                        rows = (slice(bc.b0, bc.b1), slice(None), slice(bc.r0, bc.r1))
+                        self._store(out[rows], lse[rows], o, l)
                     continue
                 parts.append(self._simple_fwd(q, k, v, c))
             if not parts:
@@ -501,8 +556,8 @@ class FlashJob:
                 if len(parts) == 1
                 else merge_partials([p[0] for p in parts], [p[1] for p in parts])
             )
-            out[g.b0 : g.b1, :, g.r0 : g.r1] = o
-            lse[g.b0 : g.b1, :, g.r0 : g.r1] = l
+            rows = (slice(g.b0, g.b1), slice(None), slice(g.r0, g.r1))
+            self._store(out[rows], lse[rows], o, l)
         return out, lse
 
     def _simple_fwd(self, q, k, v, c: Call) -> tuple[Tensor, Tensor]:
@@ -518,18 +573,26 @@ class FlashJob:
             return False  # the bias may leave key columns dead: zero them call by call
         for b in range(c.b0, c.b1):
             add = self._band_add(c, b, q.device)
-            o, l = _kernel_fwd(
-                self._blocks(q, b, c),
-                self._windows(k, b, c),
-                self._windows(v, b, c),
-                add,
-                False,
-                self.scale,
-            )
-            if add.dim() == 4:  # a bias may mask whole rows
-                o, l = _fix_dead_rows(o, l, add)
-            self._blocks(out, b, c).copy_(o)
-            self._blocks(lse, b, c).copy_(l)
+            inner, add_in = self._interior(c, add)
+            if inner is not None:
+                o, l = _kernel_fwd(
+                    self._blocks(q, b, inner),
+                    self._windows(k, b, inner),
+                    self._windows(v, b, inner),
+                    add_in,
+                    False,
+                    self.scale,
+                )
+                if add.dim() == 4:  # a bias may mask whole rows
+                    o, l = _fix_dead_rows(o, l, add_in)
+                self._store(self._blocks(out, b, inner), self._blocks(lse, b, inner), o, l)
+            for _, rows, (j0, j1), tile in self._edges(c, add):
+                bs = slice(b, b + 1)
+                o, l = _kernel_fwd(
+                    q[bs, :, rows], k[bs, :, j0:j1], v[bs, :, j0:j1], tile, False, self.scale
+                )
+                o, l = _fix_dead_rows(o, l, tile)
+                self._store(out[bs, :, rows], lse[bs, :, rows], o, l)
         return True
 
     # ---------------------------------------------------------------- backward
@@ -649,31 +712,53 @@ class FlashJob:
         return sink
 
     def _band_bwd(self, dout, q, k, v, out, lse_b, c: BandCall, dq, dk, dv) -> bool:
-        nblk, nc = c.t1 - c.t0, c.width // c.bq
         if self.source.has_bias and not self._kv_finite(k, v):
             return False
         for b in range(c.b0, c.b1):
             add = self._band_add(c, b, q.device)
-            gq, gk, gv = _kernel_bwd(
-                self._blocks(dout, b, c),
-                self._blocks(q, b, c),
-                self._windows(k, b, c),
-                self._windows(v, b, c),
-                self._blocks(out, b, c),
-                self._blocks(lse_b, b, c),
-                add,
-                False,
-                self.scale,
-            )
-            self._blocks(dq, b, c).add_(gq)
-            # window t, piece j covers key block (t + j) of the region starting at k_start
-            span = (nblk + nc - 1) * c.bq
-            for grad, acc in ((gk, dk), (gv, dv)):
-                region = acc[b, :, c.k_start : c.k_start + span].unflatten(1, (nblk + nc - 1, c.bq))
-                for j in range(nc):
-                    piece = grad[:, :, j * c.bq : (j + 1) * c.bq]  # (nblk, H_kv, bq, ·)
-                    region[:, j : j + nblk] += piece.transpose(0, 1)
+            inner, add_in = self._interior(c, add)
+            if inner is not None:
+                self._band_bwd_inner(dout, q, k, v, out, lse_b, inner, add_in, b, dq, dk, dv)
+            for _, rows, (j0, j1), tile in self._edges(c, add):
+                bs = slice(b, b + 1)
+                gq, gk, gv = _kernel_bwd(
+                    dout[bs, :, rows],
+                    q[bs, :, rows],
+                    k[bs, :, j0:j1],
+                    v[bs, :, j0:j1],
+                    out[bs, :, rows],
+                    lse_b[bs, :, rows],
+                    tile,
+                    False,
+                    self.scale,
+                )
+                dq[bs, :, rows] += gq
+                dk[bs, :, j0:j1] += gk
+                dv[bs, :, j0:j1] += gv
         return True
+
+    def _band_bwd_inner(self, dout, q, k, v, out, lse_b, c: BandCall, add, b, dq, dk, dv) -> None:
+        """Backward of the batched blocks; overlapping windows' dK/dV are added piece by piece."""
+        nblk, nc = c.t1 - c.t0, c.width // c.bq
+        gq, gk, gv = _kernel_bwd(
+            self._blocks(dout, b, c),
+            self._blocks(q, b, c),
+            self._windows(k, b, c),
+            self._windows(v, b, c),
+            self._blocks(out, b, c),
+            self._blocks(lse_b, b, c),
+            add,
+            False,
+            self.scale,
+        )
+        self._blocks(dq, b, c).add_(gq)
+        # window t, piece j covers key block (t + j) of the region starting at k_start
+        span = (nblk + nc - 1) * c.bq
+        for grad, acc in ((gk, dk), (gv, dv)):
+            region = acc[b, :, c.k_start : c.k_start + span].unflatten(1, (nblk + nc - 1, c.bq))
+            for j in range(nc):
+                piece = grad[:, :, j * c.bq : (j + 1) * c.bq]  # (nblk, H_kv, bq, ·)
+                region[:, j : j + nblk] += piece.transpose(0, 1)
 
 
 class _FlashFunction(torch.autograd.Function):
@@ -771,7 +856,14 @@ def flash_job(
     # with a bias every tile carries an additive tile: larger tiles mean fewer, fuller calls
     biased = fn is not None or bool(tensors)
     bq = (BLOCK_64 if wide else BLOCK_BIAS if biased else BLOCK_Q) if block_q is None else block_q
-    bk = (BLOCK_64 if wide else BLOCK_BIAS if biased else BLOCK_K) if block_k is None else block_k
+    if block_k is not None:
+        bk = block_k
+    elif wide:
+        bk = BLOCK_64
+    elif fn is not None and is_relative_bias(fn) and not tensors:
+        bk = RELATIVE_WINDOW
+    else:
+        bk = BLOCK_BIAS if biased else BLOCK_K
     bb = (BLOCK_64 if wide else BAND_BLOCK) if band_block is None else band_block
     for name, val in (("block_q", bq), ("block_k", bk), ("band_block", bb)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -786,6 +878,7 @@ def flash_job(
     if engine not in ("kernel", "torch"):
         raise ValueError(f"engine must be 'kernel' or 'torch', got {engine!r}")
     bias_kind = "tensor" if tensors else ("fn" if fn is not None else None)
+    relative = bias_kind == "fn" and is_relative_bias(fn)
     plan = build_plan(
         mask,
         B=d.B,
@@ -797,8 +890,11 @@ def flash_job(
         band_block=bb,
         bias=bias_kind,
         device=req.q.device,
+        relative=relative,
     )
-    source = TileSource(mask, fn, tensors, d.B, d.H, d.L, d.S, req.q.dtype, req.q.device)
+    source = TileSource(
+        mask, fn, tensors, d.B, d.H, d.L, d.S, req.q.dtype, req.q.device, relative=relative
+    )
     chunks = TorchEngine(max(bq, 128), max(bk, 512))
     return FlashJob(plan, source, req.scale / req.temperature, engine, chunks)
 

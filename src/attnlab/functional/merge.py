@@ -81,4 +81,19 @@ def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tens
     return out.to(outs[0].dtype), lse
 
 
-__all__ = ["merge_partials"]
+def merge_into(out: Tensor, lse: Tensor, o: Tensor, lse_o: Tensor) -> None:
+    """In place: ``(out, lse)`` becomes the merge of itself with the part ``(o, lse_o)``.
+
+    The two-part case of `merge_partials` without temporaries of the whole output: ``out``
+    (…, L, Dv) and ``lse`` (…, L) are updated (they may be views), ``o`` must be zero where
+    ``lse_o`` is −inf. Start from ``out = 0, lse = −inf`` to accumulate parts one by one.
+    """
+    new = torch.logaddexp(lse, lse_o.to(lse.dtype))  # (…, L)
+    new_safe = torch.where(torch.isneginf(new), 0.0, new)
+    keep = torch.exp(lse - new_safe).unsqueeze(-1)  # (…, L, 1); 0 where lse = −inf
+    take = torch.exp(lse_o.to(lse.dtype) - new_safe).unsqueeze(-1)
+    out.mul_(keep.to(out.dtype)).add_(o * take.to(o.dtype))
+    lse.copy_(new)
+
+
+__all__ = ["merge_into", "merge_partials"]

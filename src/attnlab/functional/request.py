@@ -17,7 +17,22 @@ BiasFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 ``i`` is the query position bottom-right aligned to the keys (``row + S − L``), ``j`` the key
 position; the result is added to the logits. The tiled backend evaluates it per tile; the others
 materialise it once.
+
+A bias function that depends only on the head and the relative position ``j − i`` (ALiBi, T5's
+relative bias) may declare it with an attribute ``relative = True``: the tiled backend then
+evaluates one tile per window offset and shares it across all query blocks (see
+`is_relative_bias`).
 """
+
+
+def is_relative_bias(fn: object) -> bool:
+    """True if a bias function declares ``fn.relative = True``.
+
+    The declaration promises ``fn(b, h, i, j) == fn(0, h, i + d, j + d)`` for every batch index and
+    integer shift ``d`` (also for positions outside ``[0, S)``): the value depends only on the head
+    and on ``j − i``. Wrongly declared, the tiled backend computes a different bias.
+    """
+    return getattr(fn, "relative", False) is True
 
 
 @dataclass

@@ -51,6 +51,10 @@ CALL_FULL, CALL_MASKED, CALL_CAUSAL = "full", "masked", "causal"
 TILE_BUDGET = 1 << 22
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 # --------------------------------------------------------------------------- plan objects
 @dataclass(frozen=True)
 class Call:
@@ -84,7 +88,9 @@ class BandCall:
 
     Block t covers rows ``[t·bq, (t+1)·bq)`` and the key window
     ``[k_start + (t − t0)·bq, … + width)``; inside the window, row ``r`` (0-based in its block) may
-    attend window column ``c`` iff ``0 <= c − r <= span`` — the same relative mask for every block.
+    attend window column ``c`` iff ``c_lo <= c − r <= c_lo + span`` — the same relative mask for
+    every block. With ``key_limit`` > 0 windows may reach outside ``[0, key_limit)``: the blocks
+    whose window does (edge blocks) run on the window's in-range part.
     """
 
     b0: int
@@ -95,6 +101,8 @@ class BandCall:
     width: int
     k_start: int
     span: int
+    c_lo: int = 0
+    key_limit: int = 0
 
     @property
     def r0(self) -> int:
@@ -106,21 +114,30 @@ class BandCall:
         """One past the last query row."""
         return self.t1 * self.bq
 
+    def window(self, t: int) -> tuple[int, int]:
+        """Key range ``[k0, k1)`` of block t's window, before clipping."""
+        k0 = self.k_start + (t - self.t0) * self.bq
+        return k0, k0 + self.width
+
+    def interior(self) -> tuple[int, int]:
+        """Blocks ``[ta, tb)`` whose window lies inside ``[0, key_limit)`` (all without a limit)."""
+        if self.key_limit <= 0:
+            return self.t0, self.t1
+        first = self.t0 + _ceil_div(-self.k_start, self.bq)  # window start >= 0
+        last = self.t0 + (self.key_limit - self.width - self.k_start) // self.bq  # end <= limit
+        ta = min(self.t1, max(self.t0, first))
+        tb = max(ta, min(self.t1, last + 1))
+        return ta, tb
+
     def block_calls(self) -> list[Call]:
         """The same work as one `Call` per query block (for the pure-PyTorch engine and stats)."""
         out = []
         for t in range(self.t0, self.t1):
-            k0 = self.k_start + (t - self.t0) * self.bq
-            out.append(
-                Call(
-                    self.b0,
-                    self.b1,
-                    t * self.bq,
-                    (t + 1) * self.bq,
-                    (k0, k0 + self.width),
-                    CALL_MASKED,
-                )
-            )
+            k0, k1 = self.window(t)
+            if self.key_limit > 0:
+                k0, k1 = max(0, k0), min(self.key_limit, k1)
+            rows = (t * self.bq, (t + 1) * self.bq)
+            out.append(Call(self.b0, self.b1, *rows, (k0, k1), CALL_MASKED))
         return out
 
 
@@ -143,6 +160,7 @@ class Plan:
     kind: str
     block_q: int
     block_k: int
+    overlap: bool = False  # groups may share rows (over disjoint keys): results merge by lse
 
     def simple_calls(self) -> list[Call]:
         """Every call, with batched band calls expanded into one call per query block."""
@@ -512,6 +530,54 @@ def _band_plan(
     return Plan(groups, "band", bq, bq)
 
 
+def _relative_plan(B: int, L: int, S: int, lo: float, hi: float, bq: int, wc: int) -> Plan:
+    """Plan for a bias that depends only on ``(h, j − p)``, inside the band ``lo <= j − p <= hi``.
+
+    Each query block of ``bq`` rows meets the keys ``j − p0 ∈ [lo, hi + bq − 1]`` (``p0`` = its
+    first aligned position). That range is cut into windows of ``wc`` keys at fixed offsets from
+    ``p0``, counted back from the diagonal; all blocks share the additive tile of one offset, so
+    each offset is ONE batched call (`BandCall` with windows clipped to the keys). Offsets meet a
+    row over disjoint keys, so their results merge by log-sum-exp (``overlap``). A last partial
+    block runs as plain masked calls.
+    """
+    off = S - L
+    lo_i, hi_i = int(max(lo, -(S - 1))), int(min(hi, L - 1))
+    wc = -(-max(wc, bq) // bq) * bq  # a multiple of bq
+    nfull = L // bq
+    top = hi_i + bq  # windows end here, relative to p0, and step back by wc
+    groups: list[Group] = []
+    a = top - wc
+    while a + wc > lo_i:
+        # blocks whose window [t·bq + off + a, … + wc) meets [0, S)
+        t_first = max(0, (-wc - off - a) // bq + 1)
+        t_last = min(nfull - 1, _ceil_div(S - off - a, bq) - 1)
+        if t_first <= t_last:
+            band = BandCall(
+                0,
+                B,
+                t_first,
+                t_last + 1,
+                bq,
+                wc,
+                t_first * bq + off + a,
+                hi_i - lo_i,
+                c_lo=lo_i - a,
+                key_limit=S,
+            )
+            groups.append(Group(0, B, t_first * bq, (t_last + 1) * bq, [band]))
+        a -= wc
+    if nfull * bq < L:
+        r0 = nfull * bq
+        k0 = max(0, r0 + off + lo_i)
+        k1 = min(S, L - 1 + off + hi_i + 1)
+        calls: list[Call | BandCall] = [
+            Call(0, B, r0, L, (c0, min(k1, c0 + wc)), CALL_MASKED) for c0 in range(k0, k1, wc)
+        ]
+        if calls:
+            groups.append(Group(0, B, r0, L, calls))
+    return Plan(groups, "relative", bq, wc, overlap=True)
+
+
 def build_plan(
     mask: Mask | None,
     *,
@@ -524,6 +590,7 @@ def build_plan(
     band_block: int,
     bias: str | None,
     device: torch.device | str | None = None,
+    relative: bool = False,
 ) -> Plan:
     """Chooses the tiling for one attention call.
 
@@ -534,11 +601,21 @@ def build_plan(
         band_block: query block size of batched band calls.
         bias: None, ``"fn"`` (a bias function, evaluated per call) or ``"tensor"`` (sliced).
         device: where index tensors for mask evaluation live.
+        relative: the bias function depends only on ``(h, j − p)`` (see
+            `request.is_relative_bias`): band masks then share one additive tile per window
+            offset (`BandCall`), with ``block_k`` as the window of wide bands.
     """
     band = band_of(mask)
     with_bias = bias is not None
     if band is not None:
         lo, hi = _clip_band(band, L, S)
+        if relative and bias == "fn":
+            if lo != -math.inf and hi != math.inf:
+                # one shared tile: no need to split the batched call to bound tile memory
+                plan = _band_plan(B, H, L, S, int(lo), int(hi), band_block, False)
+                if plan is not None:
+                    return plan
+            return _relative_plan(B, L, S, lo, hi, block_q, block_k)
         if lo == -math.inf and hi == math.inf:
             if bias is None:
                 return Plan(

@@ -57,11 +57,17 @@ class ALiBi(nn.Module):
         causal: True for decoders (−slope·(i−j)), False for encoders (−slope·|i−j|).
         dtype: dtype the bias is computed and returned in.
 
+    Attributes:
+        relative: True: the bias depends only on the head and ``j − i`` (`is_relative_bias`), so
+            the flash backend shares one bias tile across all query blocks of a window offset.
+
     Example:
         >>> alibi = ALiBi(8)
         >>> q = k = v = torch.randn(1, 8, 16, 32)
         >>> out = attnlab.attention(q, k, v, mask=attnlab.masks.causal(), bias=alibi)
     """
+
+    relative = True
 
     def __init__(
         self, num_heads: int, causal: bool = True, dtype: torch.dtype = torch.float32

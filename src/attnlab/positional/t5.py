@@ -93,12 +93,16 @@ class T5RelativeBias(nn.Module):
 
     Attributes:
         weight: ``(num_buckets, H)`` learned scalars (HF's ``relative_attention_bias.weight``).
+        relative: True: the bias depends only on the head and ``j − i`` (`is_relative_bias`), so
+            the flash backend shares one bias tile across all query blocks of a window offset.
 
     Example:
         >>> t5 = T5RelativeBias(num_heads=8)
         >>> q = k = v = torch.randn(1, 8, 16, 32)
         >>> out = attnlab.attention(q, k, v, bias=t5)
     """
+
+    relative = True
 
     def __init__(
         self,
