@@ -258,3 +258,19 @@ def test_relative_bias_nan_in_values_propagates():
     )
     assert torch.isnan(out[0, :, 40:, 0]).all()
     torch.testing.assert_close(out[..., 1:].double(), ref[..., 1:], atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_long_range_alibi_keeps_precision(dtype):
+    """Logits near −500 (ALiBi, L=1025 queries over 97 keys): float64 gradients need lse's
+    rounding error carried to backward (lse_lo), bfloat16 needs the bias kept in float32 — the
+    rounded bias alone moves logits by whole units (errors ≈ 0.5 against the golden)."""
+    H = 4
+    bias = ALiBi(H, causal=False, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    q, k, v = qkv(1, H, 2, 1025, 97, 16, dtype)
+    check_against_reference(
+        lambda q, k, v: attnlab.attention(q, k, v, bias=bias, backend="flash"),
+        reference_for(None, bias),
+        [q, k, v],
+        mean_factor=mean_factor_for("flash", dtype),
+    )

@@ -78,7 +78,9 @@ class TileSource:
         bias_fn: ``fn(b, h, i, j)`` with i the bottom-right aligned query position, or None.
         bias_tensors: additive tensors, each broadcastable to ``(B, H, L, S)``.
         B, H, L, S: sizes of the call.
-        dtype: dtype of the tiles handed to the engine (the query dtype).
+        dtype: dtype of the tiles handed to the engine: the engines' compute dtype (float32 for
+            float16/bfloat16 queries, else the query dtype), so a bias is never rounded to half
+            precision (the naive formula rounds it; the float64 golden does not).
         device: where index tensors and tiles are built.
         relative: ``bias_fn`` depends only on ``(h, j − i)`` (`request.is_relative_bias`).
     """
@@ -281,12 +283,17 @@ class TorchEngine:
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, add: Tensor | None, causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor]:
-        """``(out (nb, H, R, Dv) in q's dtype, lse (nb, H, R) in float32+)`` of one call."""
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(out (nb, H, R, Dv) in q's dtype, lse (nb, H, R) in float32+, lse_lo)`` of one call.
+
+        ``lse_lo`` is the rounding error of ``lse = m + log(den)`` (exact two-sum): with large
+        logits (ALiBi at long range) ``lse`` itself carries an error of ulp(|lse|), which
+        backward's ``exp(s − lse − lse_lo)`` removes.
+        """
         acc = _acc_dtype(q.dtype)
         H, R = q.shape[1], q.shape[2]
         H_kv, K = k.shape[1], k.shape[2]
-        outs, lses = [], []
+        outs, lses, los = [], [], []
         for r0 in range(0, R, self.chunk_q):
             r1 = min(R, r0 + self.chunk_q)
             qg = q[:, :, r0:r1].to(acc).unflatten(1, (H_kv, H // H_kv))  # (nb, H_kv, G, r, D)
@@ -307,10 +314,15 @@ class TorchEngine:
                 m = m_new
             dead = den == 0
             o = o / torch.where(dead, 1.0, den).unsqueeze(-1)
-            lse = torch.where(dead, _NEG_INF, m + torch.log(torch.where(dead, 1.0, den)))
+            m = torch.where(dead, 0.0, m)
+            log_den = torch.log(torch.where(dead, 1.0, den))
+            hi = m + log_den
+            back = hi - m
+            lo = torch.where(dead, 0.0, (m - (hi - back)) + (log_den - back))  # two-sum error
             outs.append(o.flatten(1, 2))  # (nb, H, r, Dv)
-            lses.append(lse.flatten(1, 2))  # (nb, H, r)
-        return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
+            lses.append(torch.where(dead, _NEG_INF, hi).flatten(1, 2))  # (nb, H, r)
+            los.append(lo.flatten(1, 2))
+        return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2), torch.cat(los, dim=2)
 
     def backward(
         self,
@@ -325,8 +337,11 @@ class TorchEngine:
         scale: float,
         dlse: Tensor | None = None,
         on_ds: Callable[[int, int, int, int, Tensor], None] | None = None,
+        lse_lo: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients of one call given the GLOBAL out and lse (+inf for rows with no key).
+
+        ``lse_lo`` (optional, ``(nb, H, R)``) is the rounding error of lse from `forward`.
 
         ``on_ds(r0, r1, c0, c1, dS)`` receives the logit gradient ``(nb, H, r, c)`` of each tile:
         the gradient of an additive bias (used for bias tensors that require grad).
@@ -349,6 +364,9 @@ class TorchEngine:
             qg = q[:, :, r0:r1].to(acc).unflatten(1, (H_kv, G))  # (nb, H_kv, G, r, D)
             dog = dout[:, :, r0:r1].to(acc).unflatten(1, (H_kv, G))  # (nb, H_kv, G, r, Dv)
             lg = lse[:, :, r0:r1].to(acc).unflatten(1, (H_kv, G)).unsqueeze(-1)  # (…, r, 1)
+            lo = None
+            if lse_lo is not None:
+                lo = lse_lo[:, :, r0:r1].to(acc).unflatten(1, (H_kv, G)).unsqueeze(-1)
             dg = delta[:, :, r0:r1].unflatten(1, (H_kv, G)).unsqueeze(-1)
             kmax = min(K, r1) if causal else K
             for c0 in range(0, kmax, self.chunk_k):
@@ -357,7 +375,8 @@ class TorchEngine:
                 vc = v[:, :, c0:c1].to(acc).unsqueeze(2)  # (nb, H_kv, 1, c, Dv)
                 a = None if add is None else _slice_add(add, r0, r1, c0, c1)
                 s = self._scores(qg, kc, a, causal, r0, c0, scale, H_kv)
-                p = torch.exp(s - lg)  # (nb, H_kv, G, r, c); 0 for masked pairs and dead rows
+                sl = s - lg if lo is None else (s - lg) - lo
+                p = torch.exp(sl)  # (nb, H_kv, G, r, c); 0 for masked pairs and dead rows
                 dv[:, :, c0:c1] += (p.transpose(-1, -2) @ dog).sum(dim=2)
                 dp = dog @ vc.transpose(-1, -2)
                 ds = p * (dp - dg)
@@ -393,6 +412,7 @@ class FlashJob:
     kv_finite: bool | None = None  # computed when a band call with a bias needs it
     grad_biases: tuple[int, ...] = ()  # indices into source.bias_tensors that need gradients
     out32: Tensor | None = None  # float32 output of a widened float16/bfloat16 forward
+    lse_lo: Tensor | None = None  # rounding error of lse, rows of single torch-engine calls
     shared_tiles: dict[BandCall, Tensor] = field(default_factory=dict)  # relative bias tiles
 
     # ---------------------------------------------------------------- helpers
@@ -418,8 +438,9 @@ class FlashJob:
         Each kernel call rounds its partial output and gradients to the input dtype; summing
         several such partials (over query blocks for dK/dV, over key sets for the output) would
         add one rounding per call. In float32 the partials stay exact enough and only the final
-        result is rounded once. Additive tiles are still rounded to the input dtype first, as
-        the reference rounds a bias to the query dtype.
+        result is rounded once. Additive tiles are float32 too (`flash_job`): a bias keeps
+        its float32 precision, where rounding ALiBi's −slope·|i − j| to bfloat16 would move
+        distant logits by whole units.
         """
         return self.engine == "kernel" and q.dtype in (torch.float16, torch.bfloat16)
 
@@ -428,9 +449,9 @@ class FlashJob:
             self.kv_finite = _finite(k) and _finite(v)
         return self.kv_finite
 
-    def _run_fwd(self, qc, kc, vc, add, causal):
+    def _run_fwd(self, qc, kc, vc, add, causal) -> tuple[Tensor, Tensor, Tensor | None]:
         if self.engine == "kernel":
-            return _kernel_fwd(qc, kc, vc, add, causal, self.scale)
+            return (*_kernel_fwd(qc, kc, vc, add, causal, self.scale), None)
         return self.torch_engine.forward(qc, kc, vc, add, causal, self.scale)
 
     def _band_add(self, c: BandCall, b: int, device) -> Tensor:
@@ -537,35 +558,51 @@ class FlashJob:
         alloc = torch.empty if bool(covered.all()) and not plan.overlap else torch.zeros
         out = alloc(B, H, L, Dv, dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, L), _NEG_INF, dtype=acc, device=q.device)
+        self.lse_lo = None
         for g in plan.groups:
-            parts: list[tuple[Tensor, Tensor]] = []
+            parts: list[tuple[Tensor, Tensor, Tensor | None]] = []
             for c in g.calls:
                 if isinstance(c, BandCall):
                     if self.engine == "kernel" and self._band_fwd(q, k, v, c, out, lse):
                         continue
                     for bc in c.block_calls():
-                        o, l = self._simple_fwd(q, k, v, bc)
+                        o, l, lo = self._simple_fwd(q, k, v, bc)
                         rows = (slice(bc.b0, bc.b1), slice(None), slice(bc.r0, bc.r1))
+                        self._keep_lo(lse, rows, lo)
                         self._store(out[rows], lse[rows], o, l)
                     continue
                 parts.append(self._simple_fwd(q, k, v, c))
             if not parts:
                 continue
-            o, l = (
-                parts[0]
-                if len(parts) == 1
-                else merge_partials([p[0] for p in parts], [p[1] for p in parts])
-            )
             rows = (slice(g.b0, g.b1), slice(None), slice(g.r0, g.r1))
+            if len(parts) == 1:
+                o, l, lo = parts[0]
+                self._keep_lo(lse, rows, lo)
+            else:
+                o, l = merge_partials([p[0] for p in parts], [p[1] for p in parts])
             self._store(out[rows], lse[rows], o, l)
         return out, lse
 
-    def _simple_fwd(self, q, k, v, c: Call) -> tuple[Tensor, Tensor]:
+    def _simple_fwd(self, q, k, v, c: Call) -> tuple[Tensor, Tensor, Tensor | None]:
         qc, kc, vc, add = self._call_tensors(q, k, v, c)
-        o, l = self._run_fwd(qc, kc, vc, add, c.kind == CALL_CAUSAL)
+        o, l, lo = self._run_fwd(qc, kc, vc, add, c.kind == CALL_CAUSAL)
         if self.engine == "kernel":
             o, l = _fix_dead_rows(o, l, add)
-        return o, l
+        return o, l, lo
+
+    def _keep_lo(self, lse: Tensor, rows: tuple[slice, slice, slice], lo: Tensor | None) -> None:
+        """Keeps lse's rounding error for rows computed by ONE call (merges drop it).
+
+        Call it before the part is stored: in overlapping plans a row already reached by an
+        earlier part (finite lse) is a merge, whose lse carries a rounding of its own.
+        """
+        if lo is None:
+            return
+        if self.lse_lo is None:
+            self.lse_lo = torch.zeros_like(lse)  # (B, H, L)
+        if self.plan.overlap:
+            lo = torch.where(torch.isneginf(lse[rows]), lo, 0.0)
+        self.lse_lo[rows] = lo
 
     def _band_fwd(self, q, k, v, c: BandCall, out: Tensor, lse: Tensor) -> bool:
         """Runs a batched band call; False if it must be split (a row or key with no pair)."""
@@ -679,6 +716,7 @@ class FlashJob:
                 self.scale,
                 None if dlse is None else dlse[rows],
                 self._bias_grad_sink(c) if self.grad_biases else None,
+                None if self.lse_lo is None else self.lse_lo[rows],
             )
         dq[rows] += gq
         if isinstance(c.keys, tuple):
@@ -892,8 +930,9 @@ def flash_job(
         device=req.q.device,
         relative=relative,
     )
+    tile_dtype = _acc_dtype(req.q.dtype)
     source = TileSource(
-        mask, fn, tensors, d.B, d.H, d.L, d.S, req.q.dtype, req.q.device, relative=relative
+        mask, fn, tensors, d.B, d.H, d.L, d.S, tile_dtype, req.q.device, relative=relative
     )
     chunks = TorchEngine(max(bq, 128), max(bk, 512))
     return FlashJob(plan, source, req.scale / req.temperature, engine, chunks)

@@ -49,8 +49,10 @@ class ALiBi(nn.Module):
     a positive bias; pass ``mask=attnlab.masks.causal()`` as well, as the paper does.
 
     Slopes are constants (not parameters or buffers): ``.to(bfloat16)`` cannot round them, and
-    the bias is computed in ``dtype`` (float32 by default; use float64 for float64 work) and cast to
-    the query dtype by `attention`.
+    the bias is computed in ``dtype`` (float32 by default; use float64 for float64 work). The
+    reference and sdpa backends cast it to the query dtype; the flash backend adds it in its float32
+    compute dtype for float16/bfloat16 queries, where bfloat16 would round distant biases by
+    whole units (−0.5 · 600 has a bfloat16 step of 2).
 
     Args:
         num_heads: H, the number of query heads of the attention call.
