@@ -7,7 +7,8 @@ interpreter and torch themselves. (The time includes creating the inputs.) On on
 machine the ranks share the cores, so times show overhead, not speed-up; the memory column is the
 point: each rank holds 1/W of the sequence.
 
-Run: python benchmarks/bench_ring.py [--seq 16384] [--heads 8] [--dim 64]
+Run: python benchmarks/bench_ring.py [--seq 16384] [--heads 8] [--dim 64] [--pieces P]
+(``--pieces``: `ring_attention`'s ``pieces``; default: its default.)
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ def _warm_up(step, H: int, D: int) -> None:
     step(*(torch.randn(1, H, 64, D).requires_grad_() for _ in range(3)))
 
 
-def _rank(rank: int, world: int, N: int, H: int, D: int) -> dict:
+def _rank(rank: int, world: int, N: int, H: int, D: int, pieces: int | None) -> dict:
     L = N // world
+    options = {} if pieces is None else {"pieces": pieces}
 
     def step(q, k, v):
-        ring_attention(q, k, v, causal=True, layout="zigzag").sum().backward()
+        ring_attention(q, k, v, causal=True, layout="zigzag", **options).sum().backward()
 
     _warm_up(step, H, D)
     g = torch.Generator().manual_seed(rank)
@@ -63,9 +65,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=16384)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--pieces", type=int, default=None)
     args = parser.parse_args()
     N, H, D = args.seq, args.heads, args.dim
-    print(f"global sequence N={N}, B=1, H={H}, D={D}, float32, causal, zigzag; fwd+bwd")
+    pieces = "default" if args.pieces is None else args.pieces
+    print(
+        f"global sequence N={N}, B=1, H={H}, D={D}, float32, causal, zigzag, pieces={pieces}; "
+        "fwd+bwd"
+    )
     backend = "flash" if "flash" in attnlab.backends() else "sdpa"
     single = _single(N, H, D, backend)
     print(
@@ -73,7 +80,9 @@ def main() -> None:
     )
     print(f"{'ranks':>5} {'max s/rank':>11} {'peak MiB/rank':>14} {'vs single':>10}")
     for world in (1, 2, 4):
-        results = run_local(_rank, world, N, H, D, timeout=1800, threads=max(1, 2 // world))
+        results = run_local(
+            _rank, world, N, H, D, args.pieces, timeout=1800, threads=max(1, 2 // world)
+        )
         bad = [p for s, p in results if s != "ok"]
         if bad:
             raise SystemExit(f"world {world} failed: {bad[0]}")

@@ -87,7 +87,7 @@ def determinism_and_hops(rank: int, world: int, layout: str) -> dict:
     original = ring_mod._Ring.start
 
     def counting(self, tensors):
-        calls.append(len(tensors))
+        calls.append(sum(t.numel() for t in tensors))
         return original(self, tensors)
 
     ring_mod._Ring.start = counting
@@ -106,7 +106,11 @@ def determinism_and_hops(rank: int, world: int, layout: str) -> dict:
             bit_equal &= all(torch.equal(a, b) for a, b in zip(first, grads, strict=True))
     out2 = ring_attention(*xs, causal=True, layout=layout)
     ring_mod._Ring.start = original
-    return {"fwd_rotations": len(fwd_calls), "bit_equal": bit_equal and torch.equal(out, out2)}
+    block = xs[1].numel() + xs[2].numel()  # one rank's keys and values
+    return {
+        "fwd_rotations": sum(fwd_calls) / block,  # blocks moved, whatever the number of pieces
+        "bit_equal": bit_equal and torch.equal(out, out2),
+    }
 
 
 def mismatches(rank: int, world: int, fields: list[str]) -> list[str]:
@@ -115,7 +119,7 @@ def mismatches(rank: int, world: int, fields: list[str]) -> list[str]:
 
 
 def mismatch(rank: int, world: int, field: str) -> str:
-    B, H, H_kv, L, D, dtype, causal = 1, 2, 2, 8, 16, torch.float32, False
+    B, H, H_kv, L, D, dtype, causal, pieces = 1, 2, 2, 8, 16, torch.float32, False, 2
     if rank == 1:
         if field == "local_len":
             L = 16
@@ -127,13 +131,65 @@ def mismatch(rank: int, world: int, field: str) -> str:
             causal = True
         elif field == "dtype":
             dtype = torch.float64
+        elif field == "pieces":
+            pieces = 1
     q = torch.randn(B, H, L, D, dtype=dtype)
     k = torch.randn(B, H_kv, L, D, dtype=dtype)
     try:
-        ring_attention(q, k, k.clone(), causal=causal)
+        ring_attention(q, k, k.clone(), causal=causal, pieces=pieces)
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def pieces_invariance(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Each case with pieces = 1, 2, 3: largest difference from pieces = 1, messages sent."""
+    results = []
+    original = ring_mod._Ring.start
+    for case in cases:
+        q, k, v, dout = _global_inputs(case)
+        layout = case["layout"]
+        xs = [shard(t, layout=layout).detach().requires_grad_() for t in (q, k, v)]
+        runs = {}
+        for pieces in (1, 2, 3):
+            sent = []
+
+            def counting(self, tensors, sent=sent):
+                sent.append(len(tensors))
+                return original(self, tensors)
+
+            ring_mod._Ring.start = counting
+            out = ring_attention(
+                *xs, causal=case["causal"], mask=_mask(case), layout=layout, pieces=pieces
+            )
+            forward_messages = len(sent)
+            grads = torch.autograd.grad(out, xs, shard(dout, layout=layout))
+            ring_mod._Ring.start = original
+            runs[pieces] = (out.detach(), *grads, forward_messages)
+        err = lambda a, b: float((a.double() - b.double()).abs().max())  # noqa: E731
+        results.append(
+            {
+                "case": case,
+                "fwd_diff": max(err(runs[p][0], runs[1][0]) for p in runs),
+                "grad_diff": max(err(runs[p][i], runs[1][i]) for p in runs for i in (1, 2, 3)),
+                "forward_messages": {p: r[4] for p, r in runs.items()},
+            }
+        )
+    return results
+
+
+def bad_pieces(rank: int, world: int) -> list[str]:
+    """The error type and message for invalid ``pieces`` values."""
+    q = torch.randn(1, 2, 8, 16)
+    messages = []
+    for pieces in (0, -1, 1.5, True):
+        try:
+            ring_attention(q, q, q, pieces=pieces)
+        except (TypeError, ValueError) as e:
+            messages.append(f"{type(e).__name__}: {e}")
+        else:
+            messages.append("no error")
+    return messages
 
 
 def dies_or_stalls(rank: int, world: int, mode: str, victim: int, timeout: float) -> dict:

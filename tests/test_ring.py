@@ -117,10 +117,44 @@ def test_r8_r9_rotation_count_and_bitwise_deterministic_backward():
 
 
 def test_r3_r4_metadata_handshake_raises_on_every_rank():
-    fields = ["local_len", "heads", "head_dim", "causal", "dtype"]
+    fields = ["local_len", "heads", "head_dim", "causal", "dtype", "pieces"]
     for messages in _ok(run_local(W.mismatches, 2, fields, timeout=60)):
         for field, msg in zip(fields, messages, strict=True):
             assert f"ranks disagree on {field}" in msg and "rank 1" in msg, msg
+
+
+def _pieces_cases(world: int) -> list[dict]:
+    """Chunks of 6 positions (zigzag: N = 12·W; contiguous: N = 6·W), so 1, 2 and 3 pieces apply."""
+    base = {"B": 2, "D": 16, "dtype": torch.float32}
+    return [
+        {**base, "seed": 1, "H": 4, "H_kv": 2, "N": 12 * world, "layout": "zigzag", "causal": True},
+        {**base, "seed": 2, "H": 3, "H_kv": 1, "N": 6 * world, "layout": "contiguous",
+         "causal": False, "mask": "window"},
+        {**base, "seed": 3, "H": 2, "H_kv": 2, "N": 12 * world, "layout": "zigzag",
+         "causal": True, "dtype": torch.float64},
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_result_does_not_depend_on_pieces(world):
+    cases = _pieces_cases(world)
+    for rank_results in _ok(run_local(W.pieces_invariance, world, cases, timeout=120, threads=1)):
+        for r in rank_results:
+            case = r["case"]
+            if case["dtype"] == torch.float64:
+                assert r["fwd_diff"] < 1e-12 and r["grad_diff"] < 1e-11, r
+            else:  # the float32 tolerance rule of the exactness test
+                assert r["fwd_diff"] <= 2e-5 * world and r["grad_diff"] <= 1e-4 * world, r
+            chunks = 2 if case["layout"] == "zigzag" else 1
+            assert r["forward_messages"] == {p: (world - 1) * chunks * p for p in (1, 2, 3)}, r
+
+
+def test_invalid_pieces_is_a_clear_error():
+    for messages in _ok(run_local(W.bad_pieces, 2, timeout=60)):
+        assert messages[0] == "ValueError: pieces must be >= 1, got 0", messages
+        assert messages[1] == "ValueError: pieces must be >= 1, got -1", messages
+        assert messages[2] == "TypeError: pieces must be an int, got float", messages
+        assert messages[3] == "TypeError: pieces must be an int, got bool", messages
 
 
 @pytest.mark.parametrize("mode", ["die", "stall"])

@@ -14,10 +14,17 @@ Layouts (``W`` ranks, global length ``N``):
 - ``"zigzag"``: the sequence is cut into ``2W`` chunks and rank r holds chunks ``r`` and
   ``2W−1−r`` (concatenated), so under a causal mask every rank does the same amount of work.
 
-Communication per forward: exactly ``W − 1`` key/value rotations. Before any payload, the ranks
-exchange a small metadata record (shapes, dtype, layout, causal flag, scale, mask); any
-disagreement raises ``ValueError`` on every rank naming the rank and the field, instead of
-silently reinterpreting bytes. A dead or stalled peer raises `RingAttentionError` naming it.
+Streaming: each layout chunk is cut into ``pieces`` equal pieces, and a block moves one piece at a
+time — a piece is sent on while it is being used, and the piece that arrives replaces it — so
+besides the block a rank holds only one piece per tensor in flight, and every kernel call and
+its buffers are piece-sized. Backward, the finished gradients of the previous block travel in the
+same messages as the key/value pieces, overlapped with the compute as well.
+
+Communication per forward: exactly ``W − 1`` key/value rotations (``W − 1`` hops of every piece).
+Before any payload, the ranks exchange a small metadata record (shapes, dtype, layout, causal
+flag, scale, mask, pieces); any disagreement raises ``ValueError`` on every rank naming the rank
+and the field, instead of silently reinterpreting bytes. A dead or stalled peer raises
+`RingAttentionError` naming it.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 import datetime
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +51,8 @@ class RingAttentionError(RuntimeError):
     """A point-to-point exchange with a peer failed or timed out.
 
     Attributes:
-        rank: this rank. hop: the ring step (0-based). peer: the rank we were exchanging with.
+        rank: this rank. hop: the exchange (0-based; one per piece and ring step). peer: the rank
+        we were exchanging with.
     """
 
     def __init__(self, rank: int, hop: int, peer: int, cause: BaseException | str) -> None:
@@ -129,6 +137,7 @@ _FIELDS = (
     "scale",
     "mask",
     "key_len",
+    "pieces",
 )
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
@@ -141,6 +150,7 @@ def _handshake(
     layout: str,
     scale: float,
     mask: Mask | None,
+    pieces: int,
     group,
     rank: int,
     world: int,
@@ -159,6 +169,7 @@ def _handshake(
         zlib.crc32(repr(float(scale)).encode()),
         zlib.crc32(repr(mask).encode()),
         k.shape[2],
+        pieces,
     ]
     mine = torch.tensor(record, dtype=torch.int64)
     table = [torch.empty_like(mine) for _ in range(world)]
@@ -204,10 +215,10 @@ class _Ring:
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
-    def start(self, tensors: list[Tensor]) -> Callable[[], list[Tensor]]:
+    def start(self, tensors: list[Tensor]) -> _Exchange:
         """Sends ``tensors`` to the next rank and receives the previous rank's, non-blocking.
 
-        Returns a function that waits and returns the received tensors.
+        Returns the exchange in flight; calling it waits and returns the received tensors.
         """
         hop = self.hops
         self.hops += 1
@@ -223,27 +234,46 @@ class _Ring:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as e:
             raise RingAttentionError(self.rank, hop, self.send_to, e) from e
-        n = len(tensors)
+        return _Exchange(self, hop, works, len(tensors), received)
 
-        def wait() -> list[Tensor]:
-            for idx, work in enumerate(works):
-                peer = self.send_to if idx < n else self.recv_from
-                try:
-                    ok = work.wait(self.timeout) if self.timeout is not None else work.wait()
-                except RuntimeError as e:
-                    raise RingAttentionError(self.rank, hop, peer, e) from e
-                if ok is False:
-                    raise RingAttentionError(self.rank, hop, peer, "timed out")
-            return received
 
-        return wait
+@dataclass
+class _Exchange:
+    """One exchange in flight: ``works`` are its sends (the first ``sends``), then its receives.
+
+    Calling it waits (only the first time) and returns the received tensors. Each finished
+    operation is dropped at once, so a sent buffer is freed as soon as the caller lets go of it.
+    """
+
+    ring: _Ring
+    hop: int
+    works: list
+    sends: int
+    received: list[Tensor]
+
+    def __call__(self) -> list[Tensor]:
+        timeout = self.ring.timeout
+        while self.works:
+            peer = self.ring.send_to if self.sends > 0 else self.ring.recv_from
+            self.sends -= 1
+            work = self.works.pop(0)
+            try:
+                ok = work.wait(timeout) if timeout is not None else work.wait()
+            except RuntimeError as e:
+                raise RingAttentionError(self.ring.rank, self.hop, peer, e) from e
+            if ok is False:
+                raise RingAttentionError(self.ring.rank, self.hop, peer, "timed out")
+        return self.received
 
 
 # --------------------------------------------------------------------------- block math
 def _tile_relation(
     mask: Mask | None, causal: bool, q_id: int, k_id: int, C: int, N: int, B: int, H: int, device
 ) -> tuple[str, Tensor | None]:
-    """How queries of chunk q_id see keys of chunk k_id: skip, full, causal or masked (a tile)."""
+    """How queries of piece q_id see keys of piece k_id: skip, full, causal or masked (a tile).
+
+    Pieces are global: piece ``i`` holds positions ``[i·C, (i+1)·C)``.
+    """
     if causal and q_id < k_id:
         return "skip", None
     if mask is None:
@@ -281,7 +311,7 @@ def _use_kernel(q: Tensor) -> bool:
 def _block_fwd(
     q: Tensor, k: Tensor, v: Tensor, kind: str, tile: Tensor | None, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """``(out (B, H, C, Dv), lse (B, H, C) float32+)`` of q against one key/value chunk."""
+    """``(out (B, H, C, Dv), lse (B, H, C) float32+)`` of q against one key/value piece."""
     H = q.shape[1]
     k, v = _expand_kv(k, H), _expand_kv(v, H)
     add = None
@@ -371,106 +401,175 @@ class _Config:
     scale: float
     layout: str
     timeout: datetime.timedelta | None
+    pieces: int  # parts per layout chunk; divides the chunk length
 
     def ring(self) -> _Ring:
         return _Ring(self.group, self.rank, self.world, self.timeout)
 
+    def piece_ids(self, rank: int) -> list[int]:
+        """Global indices of the pieces ``rank`` holds, in local order (all of one length)."""
+        chunks = chunk_ids(rank, self.world, self.layout)
+        return [c * self.pieces + j for c in chunks for j in range(self.pieces)]
 
-def _pairs(cfg: _Config, q: Tensor, owner: int, C: int):
-    """(query chunk a, key chunk b, kind, tile) for this rank's queries vs ``owner``'s block."""
+    def owner(self, step: int) -> int:
+        """The rank whose key/value block this rank holds at ring step ``step``."""
+        return (self.rank - step) % self.world
+
+
+def _piece_count(chunk_len: int, pieces: int) -> int:
+    """The largest divisor of ``chunk_len`` that is at most ``pieces`` (so pieces are equal)."""
+    return max(p for p in range(1, min(pieces, max(chunk_len, 1)) + 1) if chunk_len % p == 0)
+
+
+def _queries_seeing(
+    cfg: _Config, q: Tensor, key_id: int, c: int
+) -> Iterator[tuple[int, str, Tensor | None]]:
+    """(local query piece a, kind, tile) for each query piece of this rank that sees ``key_id``."""
     B, H, L, _ = q.shape
     N = L * cfg.world
-    q_ids = chunk_ids(cfg.rank, cfg.world, cfg.layout)
-    k_ids = chunk_ids(owner, cfg.world, cfg.layout)
-    for a, qid in enumerate(q_ids):
-        for b, kid in enumerate(k_ids):
-            kind, tile = _tile_relation(cfg.mask, cfg.causal, qid, kid, C, N, B, H, q.device)
-            if kind != "skip":
-                yield a, b, kind, tile
+    for a, q_id in enumerate(cfg.piece_ids(cfg.rank)):
+        kind, tile = _tile_relation(cfg.mask, cfg.causal, q_id, key_id, c, N, B, H, q.device)
+        if kind != "skip":
+            yield a, kind, tile
 
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _forward_block(
-    cfg: _Config, q: Tensor, q_chunks, k: Tensor, v: Tensor, owner: int, C: int, acc: list
-) -> None:
-    """Merges this rank's queries against ``owner``'s block into ``acc`` (float32 or wider)."""
-    stat = _stat_dtype(q.dtype)
-    ks, vs = k.split(C, dim=2), v.split(C, dim=2)
-    for a, b, kind, tile in _pairs(cfg, q, owner, C):
-        o, lse = _block_fwd(q_chunks[a], ks[b], vs[b], kind, tile, cfg.scale)
-        o, lse = o.to(stat), lse.to(stat)
-        acc[a] = (o, lse) if acc[a] is None else merge_partials([acc[a][0], o], [acc[a][1], lse])
+def _kv_pieces(k: Tensor, v: Tensor, c: int) -> list[list[Tensor]]:
+    """The block ``[[k_p (B, H_kv, c, D), v_p (B, H_kv, c, Dv)], ...]``: views, no copy."""
+    return [[kp, vp] for kp, vp in zip(k.split(c, dim=2), v.split(c, dim=2), strict=True)]
 
 
-def _backward_block(
-    cfg: _Config, q: Tensor, local: tuple, block: tuple, owner: int, C: int
+_Pieces = tuple[Tensor, ...]  # per-piece views of a local tensor, split along the sequence
+
+
+def _forward_piece(
+    cfg: _Config, q: Tensor, kv: list[Tensor], key_id: int, acc: tuple[_Pieces, ...]
 ) -> None:
-    """Adds the gradients of this rank's queries against ``owner``'s block (in place)."""
-    dos, qs, os_, ls, dqs = local
-    k, v, dk, dv = block
-    ks, vs = k.split(C, dim=2), v.split(C, dim=2)
-    dks, dvs = dk.split(C, dim=2), dv.split(C, dim=2)
-    for a, b, kind, tile in _pairs(cfg, q, owner, C):
-        g_q, g_k, g_v = _block_bwd(
-            dos[a], qs[a], ks[b], vs[b], os_[a], ls[a], kind, tile, cfg.scale
-        )
-        dqs[a].add_(g_q)
-        dks[b].add_(g_k)
-        dvs[b].add_(g_v)
+    """Merges this rank's queries against one key/value piece into ``acc`` (in place).
+
+    ``acc = (q, out, lse)`` as pieces: the queries and the running result (float32 or wider).
+    """
+    qs, outs, lses = acc
+    for a, kind, tile in _queries_seeing(cfg, q, key_id, qs[0].shape[2]):
+        o, lse = _block_fwd(qs[a], kv[0], kv[1], kind, tile, cfg.scale)  # (B, H, c, Dv), (B, H, c)
+        o, lse = merge_partials([outs[a], o], [lses[a], lse])
+        outs[a].copy_(o)
+        lses[a].copy_(lse)
 
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Tensor]:
+    """``(out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32+)``.
+
+    Each key/value piece is sent on while it is used and replaced by the one that arrives, so
+    besides the block only one piece per tensor is in flight.
+    """
     B, H, L, _ = q.shape
-    n_local = len(chunk_ids(0, cfg.world, cfg.layout))
-    C = L // n_local
+    n = len(cfg.piece_ids(cfg.rank))
+    c = L // n
     stat = _stat_dtype(q.dtype)
-    q_chunks = q.split(C, dim=2)
-    acc: list[tuple[Tensor, Tensor] | None] = [None] * n_local
+    out = q.new_zeros((B, H, L, v.shape[-1]), dtype=stat)  # merged so far: nothing (lse = −inf)
+    lse = q.new_full((B, H, L), _NEG_INF, dtype=stat)
+    acc = (q.split(c, dim=2), out.split(c, dim=2), lse.split(c, dim=2))
+    block = _kv_pieces(k, v, c)
     ring = cfg.ring()
-    k_cur, v_cur, owner = k, v, cfg.rank
     for step in range(cfg.world):
-        pending = ring.start([k_cur, v_cur]) if step < cfg.world - 1 else None  # overlap
-        _forward_block(cfg, q, q_chunks, k_cur, v_cur, owner, C, acc)
-        if pending is not None:
-            k_cur, v_cur = pending()
-            owner = (owner - 1) % cfg.world
-    outs, lses = [], []
-    for part in acc:
-        if part is None:  # these queries attend to nothing at all
-            outs.append(q.new_zeros(B, H, C, v.shape[-1], dtype=stat))
-            lses.append(q.new_full((B, H, C), _NEG_INF, dtype=stat))
-        else:
-            outs.append(part[0])
-            lses.append(part[1])
-    return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
+        ids = cfg.piece_ids(cfg.owner(step))
+        for p in range(n):
+            pending = ring.start(block[p]) if step < cfg.world - 1 else None  # overlap
+            _forward_piece(cfg, q, block[p], ids[p], acc)
+            block[p] = pending() if pending is not None else []
+    return out.to(q.dtype), lse
+
+
+def _backward_piece(
+    cfg: _Config,
+    q: Tensor,
+    local: tuple[_Pieces, ...],
+    kv: list[Tensor],
+    key_id: int,
+    incoming: Callable[[], list[Tensor]],
+) -> list[Tensor]:
+    """This rank's gradients against one key/value piece.
+
+    ``local = (dout, q, out, lse, dq)`` as pieces; dQ is added into its pieces in place. Returns
+    the piece's ``[dK, dV]`` (float32 or wider): ``incoming()`` — what earlier ranks accumulated,
+    waited for only when there is something to add — plus this rank's share.
+    """
+    dos, qs, os_, ls, dqs = local
+    grads = None
+    for a, kind, tile in _queries_seeing(cfg, q, key_id, qs[0].shape[2]):
+        g = _block_bwd(dos[a], qs[a], kv[0], kv[1], os_[a], ls[a], kind, tile, cfg.scale)
+        dqs[a].add_(g[0])
+        grads = incoming() if grads is None else grads
+        grads[0].add_(g[1])
+        grads[1].add_(g[2])
+        del g  # freed before the next call allocates its own
+    return incoming() if grads is None else grads
+
+
+def _start_hop(ring: _Ring, kv: list[Tensor], grads: list[Tensor]) -> _Exchange | None:
+    """Starts sending ``kv + grads`` on (and receiving their successors), if there are any."""
+    outgoing = kv + grads
+    return ring.start(outgoing) if outgoing else None
+
+
+def _backward_hop(
+    cfg: _Config,
+    ring: _Ring,
+    step: int,
+    p: int,
+    q: Tensor,
+    local: tuple[_Pieces, ...],
+    state: tuple[list[list[Tensor]], list[list[Tensor]]],
+) -> None:
+    """Piece ``p`` at ring step ``step`` of the backward pass; updates ``state`` in place.
+
+    ``state = (block, grads)``: the key/value pieces held and the finished ``[dK, dV]`` pieces of
+    the previous block. The key/value piece is sent on (W − 1 hops) together with the previous
+    block's gradient piece (W hops, the last one home); this rank's share of the piece's gradients
+    is computed while they travel.
+    """
+    block, grads = state
+    moves_kv, moves_grads = step < cfg.world - 1, step > 0
+    kv = block[p]
+    exchange = _start_hop(ring, kv if moves_kv else [], grads[p] if moves_grads else [])
+    grads[p] = []  # being sent: freed as soon as the send completes
+    stat = _stat_dtype(q.dtype)
+
+    def incoming() -> list[Tensor]:
+        if not moves_grads:  # this rank is the first to see the block
+            return [torch.zeros(t.shape, dtype=stat, device=t.device) for t in kv]
+        assert exchange is not None
+        return exchange()[-2:]
+
+    if step < cfg.world:
+        grads[p] = _backward_piece(cfg, q, local, kv, cfg.piece_ids(cfg.owner(step))[p], incoming)
+    else:  # the last hop: these are this rank's own keys' and values' gradients
+        grads[p] = incoming()
+    block[p] = exchange()[:2] if moves_kv and exchange is not None else []
 
 
 def _ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cfg: _Config
 ) -> tuple[Tensor, Tensor, Tensor]:
-    L = q.shape[2]
-    n_local = len(chunk_ids(0, cfg.world, cfg.layout))
-    C = L // n_local
-    stat = _stat_dtype(q.dtype)
-    qs, dos, os_, ls = (t.split(C, dim=2) for t in (q, dout, out, lse))
-    dq = torch.zeros(q.shape, dtype=stat, device=q.device)
-    dqs = dq.split(C, dim=2)
+    """``(dq, dk, dv)`` of this rank's shard, in the inputs' dtypes."""
+    n = len(cfg.piece_ids(cfg.rank))
+    c = q.shape[2] // n
+    dq = torch.zeros(q.shape, dtype=_stat_dtype(q.dtype), device=q.device)
+    local = tuple(t.split(c, dim=2) for t in (dout, q, out, lse, dq))
+    block = _kv_pieces(k, v, c)
+    grads: list[list[Tensor]] = [[] for _ in range(n)]
     ring = cfg.ring()
-    k_cur, v_cur, owner = k, v, cfg.rank
-    dk_cur = torch.zeros(k.shape, dtype=stat, device=k.device)
-    dv_cur = torch.zeros(v.shape, dtype=stat, device=v.device)
-    for step in range(cfg.world):
-        pending_kv = ring.start([k_cur, v_cur]) if step < cfg.world - 1 else None
-        _backward_block(cfg, q, (dos, qs, os_, ls, dqs), (k_cur, v_cur, dk_cur, dv_cur), owner, C)
-        if pending_kv is not None:  # first let the previous block go, then move its gradients
-            k_cur, v_cur = pending_kv()
-            owner = (owner - 1) % cfg.world
-        if cfg.world > 1:  # the block's gradients travel with it; the last hop takes them home
-            dk_cur, dv_cur = ring.start([dk_cur, dv_cur])()
-    return dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype)
+    hops = cfg.world + 1 if cfg.world > 1 else 1  # W blocks, then the gradients' hop home
+    for step in range(hops):
+        for p in range(n):
+            _backward_hop(cfg, ring, step, p, q, local, (block, grads))
+    dk = torch.cat([g.pop(0) for g in grads], dim=2).to(k.dtype)  # pop: pieces freed once joined
+    dv = torch.cat([g.pop(0) for g in grads], dim=2).to(v.dtype)
+    return dq.to(q.dtype), dk, dv
 
 
 class _RingAttention(torch.autograd.Function):
@@ -493,6 +592,14 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+def _check_pieces(pieces: object) -> int:
+    if isinstance(pieces, bool) or not isinstance(pieces, int):
+        raise TypeError(f"pieces must be an int, got {type(pieces).__name__}")
+    if pieces < 1:
+        raise ValueError(f"pieces must be >= 1, got {pieces}")
+    return pieces
+
+
 def ring_attention(
     q: Tensor,
     k: Tensor,
@@ -503,6 +610,7 @@ def ring_attention(
     mask: Mask | None = None,
     scale: float | None = None,
     layout: str = "contiguous",
+    pieces: int = 2,
     timeout: float | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -520,6 +628,14 @@ def ring_attention(
         mask: an `attnlab.masks.Mask` over global positions (combined with ``causal``).
         scale: default ``1/√D``.
         layout: ``"contiguous"`` or ``"zigzag"`` (see the module docstring and `shard`).
+        pieces: how many equal pieces each of the rank's layout chunks (one for
+            ``"contiguous"``, two for ``"zigzag"``) is cut into; a block travels and is computed
+            one piece at a time. Memory beyond the shards, the travelling key/value block and its
+            gradient accumulators — the one piece per tensor in flight and the buffers of each
+            kernel call — shrinks as ``1/pieces``; the cost is more, smaller messages and calls.
+            Lowered to the largest divisor of the chunk length when it does not divide it; every
+            rank must pass the same value. The result depends on it only through floating-point
+            rounding (partials merge in a different order).
         timeout: seconds to wait for a peer at each hop (default: the process group's timeout).
         return_lse: also return the log-sum-exp ``(B, H, L_local)`` (float32 or wider).
 
@@ -528,7 +644,9 @@ def ring_attention(
 
     Raises:
         RuntimeError: no initialised process group, or a backend that cannot carry these tensors.
-        ValueError: bad shapes, or ranks that disagree on shapes, dtype or configuration.
+        TypeError: ``pieces`` is not an int.
+        ValueError: bad shapes or ``pieces < 1``, or ranks that disagree on shapes, dtype or
+            configuration.
         RingAttentionError: a peer died or stalled past ``timeout``.
     """
     from .._shapes import check_number, check_qkv
@@ -556,12 +674,13 @@ def ring_attention(
             f"local length {dims.L} must be divisible by {n_local} (layout {layout!r} holds "
             f"{n_local} chunks per rank)"
         )
+    pieces = _piece_count(dims.L // n_local, _check_pieces(pieces))
     scale = 1.0 / math.sqrt(dims.D) if scale is None else check_number("scale", scale, nonzero=True)
     tmo = None
     if timeout is not None:
         tmo = datetime.timedelta(seconds=check_number("timeout", timeout, positive=True))
-    _handshake(q, k, v, causal, layout, scale, mask, group, rank, world)
-    cfg = _Config(group, rank, world, bool(causal), mask, scale, layout, tmo)
+    _handshake(q, k, v, causal, layout, scale, mask, pieces, group, rank, world)
+    cfg = _Config(group, rank, world, bool(causal), mask, scale, layout, tmo, pieces)
     # torch's CPU kernel reads the last dim with unit stride: copy only inputs where it is not so
     q, k, v = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, lse = _RingAttention.apply(q, k, v, cfg)
