@@ -245,11 +245,21 @@ def case_window(args, report: Report, progress: _Progress) -> None:
         "flash": _fwd_bwd(flash, q, k, v, dout),
         "sdpa dense mask": _fwd_bwd(sdpa, q, k, v, dout),
     }
+    bwd_notes: dict[str, str] = {}
+    if "flex (compiled, BlockMask)" in fwd:
+        flex_bwd = _fwd_bwd(flex, q, k, v, dout)
+        try:  # torch 2.13 raises NotImplementedError: no FlexAttention backward on CPU
+            flex_bwd()
+            bwd["flex (compiled, BlockMask)"] = flex_bwd
+        except Exception as e:
+            bwd_notes["flex (compiled, BlockMask)"] = f"{type(e).__name__}: {str(e)[:70]}"
     if local is not None:
         bwd["local-attention"] = _fwd_bwd(local, q, k, v, dout)
     times = interleaved(bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd")
     for name, t in times.items():
         report.rows.append(Row(label + " fwd+bwd", name, t, 3.5 * useful / t))
+    for name, why in bwd_notes.items():
+        report.rows.append(Row(label + " fwd+bwd", name, None, note=why))
 
 
 def case_causal(args, report: Report, progress: _Progress) -> None:

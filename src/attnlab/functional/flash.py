@@ -54,6 +54,10 @@ _POS_INF = float("inf")
 BLOCK_Q = 128
 BLOCK_K = 128
 BAND_BLOCK = 64
+# Forward query block of batched band calls when none is given: the forward kernel wastes fewer
+# pairs on 32-row blocks (288 keys per block for a 256-window instead of 320), while the backward
+# kernel is faster on 64-row blocks (measured at window 256, L=16384, benchmarks/RESULTS.md).
+BAND_BLOCK_FWD = 32
 # Tile size with a bias (measured: 256 beats 128 for ALiBi), and for float64 (see `flash_job`).
 BLOCK_BIAS = 256
 BLOCK_64 = 2048
@@ -414,6 +418,7 @@ class FlashJob:
     out32: Tensor | None = None  # float32 output of a widened float16/bfloat16 forward
     lse_lo: Tensor | None = None  # rounding error of lse, rows of single torch-engine calls
     shared_tiles: dict[BandCall, Tensor] = field(default_factory=dict)  # relative bias tiles
+    bwd_plan: Plan | None = None  # the plan backward runs, if not the forward's
 
     # ---------------------------------------------------------------- helpers
     def _call_tensors(self, q: Tensor, k: Tensor, v: Tensor, c: Call):
@@ -648,6 +653,7 @@ class FlashJob:
         Gradients of bias tensors (``grad_biases``) are accumulated into ``self.bias_grads``.
         """
         B, _, L, _ = q.shape
+        plan = self.plan if self.bwd_plan is None else self.bwd_plan
         S = k.shape[2]
         acc = _acc_dtype(q.dtype)
         lse_b = torch.where(torch.isneginf(lse), _POS_INF, lse)  # rows with no key: P = 0
@@ -657,8 +663,8 @@ class FlashJob:
             torch.zeros(_as4(self.source.bias_tensors[i]).shape, dtype=acc, device=q.device)
             for i in self.grad_biases
         ]
-        if use_kernel and not self.source.has_bias and self.plan.is_single_call(B, L, S):
-            c = self.plan.groups[0].calls[0]
+        if use_kernel and not self.source.has_bias and plan.is_single_call(B, L, S):
+            c = plan.groups[0].calls[0]
             assert isinstance(c, Call)
             if q.dtype in (torch.float16, torch.bfloat16):
                 # the kernel sums dK/dV over query blocks in the input dtype: do it in float32
@@ -682,7 +688,7 @@ class FlashJob:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        for g in self.plan.groups:
+        for g in plan.groups:
             for c in g.calls:
                 if isinstance(c, BandCall):
                     if use_kernel and self._band_bwd(dout, q, k, v, out, lse_b, c, dq, dk, dv):
@@ -903,6 +909,7 @@ def flash_job(
     else:
         bk = BLOCK_BIAS if biased else BLOCK_K
     bb = (BLOCK_64 if wide else BAND_BLOCK) if band_block is None else band_block
+    bb_fwd = BAND_BLOCK_FWD if band_block is None and not wide else bb
     for name, val in (("block_q", bq), ("block_k", bk), ("band_block", bb)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
@@ -917,25 +924,30 @@ def flash_job(
         raise ValueError(f"engine must be 'kernel' or 'torch', got {engine!r}")
     bias_kind = "tensor" if tensors else ("fn" if fn is not None else None)
     relative = bias_kind == "fn" and is_relative_bias(fn)
-    plan = build_plan(
-        mask,
-        B=d.B,
-        H=d.H,
-        L=d.L,
-        S=d.S,
-        block_q=bq,
-        block_k=bk,
-        band_block=bb,
-        bias=bias_kind,
-        device=req.q.device,
-        relative=relative,
-    )
+
+    def plan_for(band_block: int) -> Plan:
+        return build_plan(
+            mask,
+            B=d.B,
+            H=d.H,
+            L=d.L,
+            S=d.S,
+            block_q=bq,
+            block_k=bk,
+            band_block=band_block,
+            bias=bias_kind,
+            device=req.q.device,
+            relative=relative,
+        )
+
+    plan = plan_for(bb_fwd)
+    bwd_plan = plan_for(bb) if bb != bb_fwd and plan.kind == "band" else None
     tile_dtype = _acc_dtype(req.q.dtype)
     source = TileSource(
         mask, fn, tensors, d.B, d.H, d.L, d.S, tile_dtype, req.q.device, relative=relative
     )
     chunks = TorchEngine(max(bq, 128), max(bk, 512))
-    return FlashJob(plan, source, req.scale / req.temperature, engine, chunks)
+    return FlashJob(plan, source, req.scale / req.temperature, engine, chunks, bwd_plan=bwd_plan)
 
 
 def _prepare_inputs(req: Request, engine: str) -> tuple[Tensor, Tensor, Tensor, int]:
@@ -1052,7 +1064,8 @@ def flash_attention(
         mask, bias, scale, temperature, score: as in `attnlab.attention`.
         block_q, block_k: tile size of the block map (default 128 × 128, 256 × 256 with a bias;
             2048 × 2048 in float64, where tiles favour the reference's summation order).
-        band_block: query block of batched band (sliding-window) calls (default 64).
+        band_block: query block of batched band (sliding-window) calls (default 32 in forward,
+            64 in backward: each kernel's fastest).
         engine: ``"kernel"`` (torch's CPU flash kernel, the default on CPU below float64) or
             ``"torch"`` (pure-PyTorch online softmax: the default for float64 and off CPU).
 
@@ -1110,6 +1123,7 @@ RunLse = Callable[[Request], tuple[Tensor, Tensor]]
 
 __all__ = [
     "BAND_BLOCK",
+    "BAND_BLOCK_FWD",
     "BLOCK_K",
     "BLOCK_Q",
     "FlashJob",
