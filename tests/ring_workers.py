@@ -238,7 +238,13 @@ def module_parity(rank: int, world: int, layout: str) -> float:
     torch.manual_seed(0)
     local = MultiHeadAttention(32, 4, num_kv_heads=2, rope=RoPE(8)).double()
     ring = RingMultiHeadAttention(
-        32, 4, num_kv_heads=2, rope=RoPE(8), causal=True, layout=layout
+        32,
+        4,
+        num_kv_heads=2,
+        rope=RoPE(8),
+        causal=True,
+        layout=layout,
+        pieces=1 if layout == "zigzag" else 4,
     ).double()
     ring.load_state_dict(local.state_dict())
     x = torch.randn(

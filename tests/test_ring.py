@@ -157,6 +157,15 @@ def test_invalid_pieces_is_a_clear_error():
         assert messages[3] == "TypeError: pieces must be an int, got bool", messages
 
 
+def test_ring_module_rejects_bad_pieces_at_construction():
+    from attnlab.distributed import RingMultiHeadAttention
+
+    with pytest.raises(ValueError, match="pieces must be >= 1, got 0"):
+        RingMultiHeadAttention(16, 2, pieces=0)
+    with pytest.raises(TypeError, match="pieces must be an int, got float"):
+        RingMultiHeadAttention(16, 2, pieces=2.0)
+
+
 @pytest.mark.parametrize("mode", ["die", "stall"])
 def test_r1_r2_dead_or_stalled_peer_raises_naming_it(mode):
     timeout = 3.0

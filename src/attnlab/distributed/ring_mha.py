@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ..masks import Mask
 from ..modules.mha import MultiHeadAttention
-from .ring import LAYOUTS, _world, chunk_ids, ring_attention
+from .ring import LAYOUTS, _check_pieces, _world, chunk_ids, ring_attention
 
 
 class RingMultiHeadAttention(MultiHeadAttention):
@@ -23,6 +23,8 @@ class RingMultiHeadAttention(MultiHeadAttention):
         causal: causal attention over global positions.
         layout: ``"contiguous"`` or ``"zigzag"`` — how the caller sharded the sequence.
         timeout: seconds to wait for a peer at each hop.
+        pieces: pieces per layout chunk that blocks stream in (see `ring_attention`): more
+            pieces, less memory per rank, more messages.
     """
 
     def __init__(
@@ -34,6 +36,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
         causal: bool = False,
         layout: str = "contiguous",
         timeout: float | None = None,
+        pieces: int = 2,
         **kwargs: object,
     ) -> None:
         for name in ("dropout", "bias_fn", "kdim", "vdim"):
@@ -43,6 +46,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         super().__init__(embed_dim, num_heads, **kwargs)  # type: ignore[arg-type]
         self.group, self.causal, self.layout, self.timeout = group, causal, layout, timeout
+        self.pieces = _check_pieces(pieces)
 
     def global_positions(self, L_local: int, device: torch.device | None = None) -> Tensor:
         """Global positions ``(L_local,)`` of this rank's tokens under the layout."""
@@ -69,6 +73,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
             mask=mask,
             layout=self.layout,
             timeout=self.timeout,
+            pieces=self.pieces,
         )
         out = out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim)  # (B, L, H D)
         return self.out_proj(out)
