@@ -608,3 +608,14 @@ def test_bias_tensor_gradients_match_reference(shape):
         for a, b in zip(*grads, strict=True):
             torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
         assert grads[0][3].abs().sum() > 0
+
+
+def test_rows_with_one_key_have_exactly_zero_dq_fp64():
+    """Every weight is exactly 1 with a single key, so dQ is exactly 0: backward takes δ from the
+    tile (Σ P·dP, as softmax's own backward does) for rows whose keys all lie in one call."""
+    q, k, v = qkv(2, 3, 1, 113, 1, 8, 8, torch.float64)
+    q.requires_grad_(True)
+    out, _ = flash_attention(q, k, v, mask=masks.causal())
+    out.backward(seeded(*out.shape, seed=4))
+    assert torch.equal(q.grad, torch.zeros_like(q))
+    check_all_cases(torch.float64, 113, 1, only=["causal", "none", "alibi"])

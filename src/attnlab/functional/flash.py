@@ -342,10 +342,15 @@ class TorchEngine:
         dlse: Tensor | None = None,
         on_ds: Callable[[int, int, int, int, Tensor], None] | None = None,
         lse_lo: Tensor | None = None,
+        whole: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients of one call given the GLOBAL out and lse (+inf for rows with no key).
 
-        ``lse_lo`` (optional, ``(nb, H, R)``) is the rounding error of lse from `forward`.
+        ``lse_lo`` (optional, ``(nb, H, R)``) is the rounding error of lse from `forward`;
+        ``whole`` (optional, ``(nb, H, R)`` bool) marks rows whose every key is in this call:
+        when the call fits one key chunk their δ is ``Σ_j P_ij dP_ij`` from the tile itself —
+        equal to rowsum(dout ∘ out), but summed like softmax's own backward, so e.g. a row with
+        a single key gets dS = 0 exactly.
 
         ``on_ds(r0, r1, c0, c1, dS)`` receives the logit gradient ``(nb, H, r, c)`` of each tile:
         the gradient of an additive bias (used for bias tensors that require grad).
@@ -373,6 +378,11 @@ class TorchEngine:
                 lo = lse_lo[:, :, r0:r1].to(acc).unflatten(1, (H_kv, G)).unsqueeze(-1)
             dg = delta[:, :, r0:r1].unflatten(1, (H_kv, G)).unsqueeze(-1)
             kmax = min(K, r1) if causal else K
+            own = None  # rows whose δ comes from the tile (one key chunk holds all their keys)
+            if whole is not None and kmax <= self.chunk_k:
+                own = whole[:, :, r0:r1].unflatten(1, (H_kv, G)).unsqueeze(-1)
+                if dlse is not None:
+                    dl = dlse[:, :, r0:r1].to(acc).unflatten(1, (H_kv, G)).unsqueeze(-1)
             for c0 in range(0, kmax, self.chunk_k):
                 c1 = min(kmax, c0 + self.chunk_k)
                 kc = k[:, :, c0:c1].to(acc)
@@ -383,6 +393,9 @@ class TorchEngine:
                 p = torch.exp(sl)  # (nb, H_kv, G, r, c); 0 for masked pairs and dead rows
                 dv[:, :, c0:c1] += (p.transpose(-1, -2) @ dog).sum(dim=2)
                 dp = dog @ vc.transpose(-1, -2)
+                if own is not None:
+                    local = (p * dp).sum(dim=-1, keepdim=True)
+                    dg = torch.where(own, local if dlse is None else local - dl, dg)
                 ds = p * (dp - dg)
                 if on_ds is not None:
                     on_ds(r0, r1, c0, c1, ds.flatten(1, 2))
@@ -417,6 +430,7 @@ class FlashJob:
     grad_biases: tuple[int, ...] = ()  # indices into source.bias_tensors that need gradients
     out32: Tensor | None = None  # float32 output of a widened float16/bfloat16 forward
     lse_lo: Tensor | None = None  # rounding error of lse, rows of single torch-engine calls
+    whole_rows: Tensor | None = None  # (B, H, L) bool: rows whose keys were all in one call
     shared_tiles: dict[BandCall, Tensor] = field(default_factory=dict)  # relative bias tiles
     bwd_plan: Plan | None = None  # the plan backward runs, if not the forward's
 
@@ -563,7 +577,7 @@ class FlashJob:
         alloc = torch.empty if bool(covered.all()) and not plan.overlap else torch.zeros
         out = alloc(B, H, L, Dv, dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, L), _NEG_INF, dtype=acc, device=q.device)
-        self.lse_lo = None
+        self.lse_lo = self.whole_rows = None
         for g in plan.groups:
             parts: list[tuple[Tensor, Tensor, Tensor | None]] = []
             for c in g.calls:
@@ -605,9 +619,11 @@ class FlashJob:
             return
         if self.lse_lo is None:
             self.lse_lo = torch.zeros_like(lse)  # (B, H, L)
-        if self.plan.overlap:
-            lo = torch.where(torch.isneginf(lse[rows]), lo, 0.0)
-        self.lse_lo[rows] = lo
+            self.whole_rows = torch.zeros(lse.shape, dtype=torch.bool, device=lse.device)
+        assert self.whole_rows is not None
+        first = torch.isneginf(lse[rows]) if self.plan.overlap else torch.ones_like(lo, dtype=bool)
+        self.lse_lo[rows] = torch.where(first, lo, 0.0)
+        self.whole_rows[rows] = first
 
     def _band_fwd(self, q, k, v, c: BandCall, out: Tensor, lse: Tensor) -> bool:
         """Runs a batched band call; False if it must be split (a row or key with no pair)."""
@@ -723,6 +739,7 @@ class FlashJob:
                 None if dlse is None else dlse[rows],
                 self._bias_grad_sink(c) if self.grad_biases else None,
                 None if self.lse_lo is None else self.lse_lo[rows],
+                None if self.whole_rows is None else self.whole_rows[rows],
             )
         dq[rows] += gq
         if isinstance(c.keys, tuple):

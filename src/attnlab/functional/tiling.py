@@ -542,7 +542,7 @@ def _relative_plan(B: int, L: int, S: int, lo: float, hi: float, bq: int, wc: in
     """
     off = S - L
     lo_i, hi_i = int(max(lo, -(S - 1))), int(min(hi, L - 1))
-    wc = -(-max(wc, bq) // bq) * bq  # a multiple of bq
+    wc = _ceil_div(max(wc, bq), bq) * bq  # a multiple of bq
     nfull = L // bq
     top = hi_i + bq  # windows end here, relative to p0, and step back by wc
     groups: list[Group] = []
