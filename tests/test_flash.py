@@ -618,4 +618,4 @@ def test_rows_with_one_key_have_exactly_zero_dq_fp64():
     out, _ = flash_attention(q, k, v, mask=masks.causal())
     out.backward(seeded(*out.shape, seed=4))
     assert torch.equal(q.grad, torch.zeros_like(q))
-    check_all_cases(torch.float64, 113, 1, only=["causal", "none", "alibi"])
+    check_all_cases(torch.float64, 113, 1, only=["causal", "none", "alibi", "alibi_causal"])

@@ -190,6 +190,31 @@ def test_relative_plan_covers_each_pair_once(mask, L, S, bq, wc):
                 assert c.span <= hi - lo if math.isfinite(hi - lo) else True
 
 
+def test_plan_alone_marks_groups_that_share_no_row():
+    """Backward takes δ from the tile only for a group alone on its rows with one call."""
+    rel = build_plan(
+        masks.causal(),
+        B=1,
+        H=1,
+        L=70,
+        S=70,
+        block_q=16,
+        block_k=32,
+        band_block=16,
+        bias="fn",
+        relative=True,
+    )
+    alone = rel.alone()
+    bands = [isinstance(g.calls[0], BandCall) for g in rel.groups]
+    assert rel.overlap and len(alone) == len(rel.groups)
+    assert not any(a for a, band in zip(alone, bands, strict=True) if band)  # offsets share rows
+    assert alone[-1] and not bands[-1]  # the partial last block (rows 64..69) is its own
+    plain = build_plan(
+        masks.causal(), B=1, H=1, L=70, S=70, block_q=16, block_k=32, band_block=16, bias="fn"
+    )
+    assert plain.alone() == [True] * len(plain.groups)
+
+
 class Counting:
     """ALiBi that counts how many bias values it computes."""
 

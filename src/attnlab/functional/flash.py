@@ -342,15 +342,14 @@ class TorchEngine:
         dlse: Tensor | None = None,
         on_ds: Callable[[int, int, int, int, Tensor], None] | None = None,
         lse_lo: Tensor | None = None,
-        whole: Tensor | None = None,
+        whole: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients of one call given the GLOBAL out and lse (+inf for rows with no key).
 
         ``lse_lo`` (optional, ``(nb, H, R)``) is the rounding error of lse from `forward`;
-        ``whole`` (optional, ``(nb, H, R)`` bool) marks rows whose every key is in this call:
-        when the call fits one key chunk their δ is ``Σ_j P_ij dP_ij`` from the tile itself —
-        equal to rowsum(dout ∘ out), but summed like softmax's own backward, so e.g. a row with
-        a single key gets dS = 0 exactly.
+        ``whole``: this call holds every key of its rows; when it also fits one key chunk, δ is
+        ``Σ_j P_ij dP_ij`` from the tile itself — equal to rowsum(dout ∘ out), but summed like
+        softmax's own backward, so e.g. a row with a single key gets dS = 0 exactly.
 
         ``on_ds(r0, r1, c0, c1, dS)`` receives the logit gradient ``(nb, H, r, c)`` of each tile:
         the gradient of an additive bias (used for bias tensors that require grad).
@@ -378,11 +377,9 @@ class TorchEngine:
                 lo = lse_lo[:, :, r0:r1].to(acc).unflatten(1, (H_kv, G)).unsqueeze(-1)
             dg = delta[:, :, r0:r1].unflatten(1, (H_kv, G)).unsqueeze(-1)
             kmax = min(K, r1) if causal else K
-            own = None  # rows whose δ comes from the tile (one key chunk holds all their keys)
-            if whole is not None and kmax <= self.chunk_k:
-                own = whole[:, :, r0:r1].unflatten(1, (H_kv, G)).unsqueeze(-1)
-                if dlse is not None:
-                    dl = dlse[:, :, r0:r1].to(acc).unflatten(1, (H_kv, G)).unsqueeze(-1)
+            own = whole and kmax <= self.chunk_k  # δ from the tile: one chunk holds every key
+            if own and dlse is not None:
+                dl = dlse[:, :, r0:r1].to(acc).unflatten(1, (H_kv, G)).unsqueeze(-1)
             for c0 in range(0, kmax, self.chunk_k):
                 c1 = min(kmax, c0 + self.chunk_k)
                 kc = k[:, :, c0:c1].to(acc)
@@ -393,9 +390,10 @@ class TorchEngine:
                 p = torch.exp(sl)  # (nb, H_kv, G, r, c); 0 for masked pairs and dead rows
                 dv[:, :, c0:c1] += (p.transpose(-1, -2) @ dog).sum(dim=2)
                 dp = dog @ vc.transpose(-1, -2)
-                if own is not None:
-                    local = (p * dp).sum(dim=-1, keepdim=True)
-                    dg = torch.where(own, local if dlse is None else local - dl, dg)
+                if own:
+                    dg = (p * dp).sum(dim=-1, keepdim=True)  # (…, r, 1)
+                    if dlse is not None:
+                        dg = dg - dl
                 ds = p * (dp - dg)
                 if on_ds is not None:
                     on_ds(r0, r1, c0, c1, ds.flatten(1, 2))
@@ -430,7 +428,6 @@ class FlashJob:
     grad_biases: tuple[int, ...] = ()  # indices into source.bias_tensors that need gradients
     out32: Tensor | None = None  # float32 output of a widened float16/bfloat16 forward
     lse_lo: Tensor | None = None  # rounding error of lse, rows of single torch-engine calls
-    whole_rows: Tensor | None = None  # (B, H, L) bool: rows whose keys were all in one call
     shared_tiles: dict[BandCall, Tensor] = field(default_factory=dict)  # relative bias tiles
     bwd_plan: Plan | None = None  # the plan backward runs, if not the forward's
 
@@ -577,7 +574,7 @@ class FlashJob:
         alloc = torch.empty if bool(covered.all()) and not plan.overlap else torch.zeros
         out = alloc(B, H, L, Dv, dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, L), _NEG_INF, dtype=acc, device=q.device)
-        self.lse_lo = self.whole_rows = None
+        self.lse_lo = None
         for g in plan.groups:
             parts: list[tuple[Tensor, Tensor, Tensor | None]] = []
             for c in g.calls:
@@ -619,11 +616,9 @@ class FlashJob:
             return
         if self.lse_lo is None:
             self.lse_lo = torch.zeros_like(lse)  # (B, H, L)
-            self.whole_rows = torch.zeros(lse.shape, dtype=torch.bool, device=lse.device)
-        assert self.whole_rows is not None
-        first = torch.isneginf(lse[rows]) if self.plan.overlap else torch.ones_like(lo, dtype=bool)
-        self.lse_lo[rows] = torch.where(first, lo, 0.0)
-        self.whole_rows[rows] = first
+        if self.plan.overlap:
+            lo = torch.where(torch.isneginf(lse[rows]), lo, 0.0)
+        self.lse_lo[rows] = lo
 
     def _band_fwd(self, q, k, v, c: BandCall, out: Tensor, lse: Tensor) -> bool:
         """Runs a batched band call; False if it must be split (a row or key with no pair)."""
@@ -704,20 +699,27 @@ class FlashJob:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        for g in plan.groups:
+        for g, alone in zip(plan.groups, plan.alone(), strict=True):
+            whole = alone and len(g.calls) == 1  # the call holds every key of its rows
             for c in g.calls:
+                grads = (dq, dk, dv)
                 if isinstance(c, BandCall):
-                    if use_kernel and self._band_bwd(dout, q, k, v, out, lse_b, c, dq, dk, dv):
+                    if use_kernel and self._band_bwd(dout, q, k, v, out, lse_b, c, *grads):
                         continue
                     for bc in c.block_calls():
                         self._simple_bwd(
-                            dout, dlse, q, k, v, out, lse_b, bc, dq, dk, dv, use_kernel
+                            dout, dlse, q, k, v, out, lse_b, bc, grads, use_kernel, whole
                         )
                     continue
-                self._simple_bwd(dout, dlse, q, k, v, out, lse_b, c, dq, dk, dv, use_kernel)
+                self._simple_bwd(dout, dlse, q, k, v, out, lse_b, c, grads, use_kernel, whole)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-    def _simple_bwd(self, dout, dlse, q, k, v, out, lse_b, c: Call, dq, dk, dv, use_kernel) -> None:
+    def _simple_bwd(
+        self, dout, dlse, q, k, v, out, lse_b, c: Call, grads, use_kernel: bool, whole: bool
+    ) -> None:
+        """Adds one call's gradients into ``grads = (dq, dk, dv)``; ``whole``: the call holds
+        every key of its rows (see `TorchEngine.backward`)."""
+        dq, dk, dv = grads
         qc, kc, vc, add = self._call_tensors(q, k, v, c)
         rows = (slice(c.b0, c.b1), slice(None), slice(c.r0, c.r1))
         causal = c.kind == CALL_CAUSAL
@@ -739,7 +741,7 @@ class FlashJob:
                 None if dlse is None else dlse[rows],
                 self._bias_grad_sink(c) if self.grad_biases else None,
                 None if self.lse_lo is None else self.lse_lo[rows],
-                None if self.whole_rows is None else self.whole_rows[rows],
+                whole,
             )
         dq[rows] += gq
         if isinstance(c.keys, tuple):

@@ -162,6 +162,19 @@ class Plan:
     block_k: int
     overlap: bool = False  # groups may share rows (over disjoint keys): results merge by lse
 
+    def alone(self) -> list[bool]:
+        """Per group: no other group shares a (batch, row) of it (always so without overlap)."""
+        if not self.overlap:
+            return [True] * len(self.groups)
+
+        def meet(a: Group, b: Group) -> bool:
+            return a.b0 < b.b1 and b.b0 < a.b1 and a.r0 < b.r1 and b.r0 < a.r1
+
+        return [
+            not any(meet(g, h) for j, h in enumerate(self.groups) if j != i)
+            for i, g in enumerate(self.groups)
+        ]
+
     def simple_calls(self) -> list[Call]:
         """Every call, with batched band calls expanded into one call per query block."""
         out: list[Call] = []
