@@ -384,11 +384,18 @@ def test_lse_gradient_flows_and_matches_reference():
 def test_g4_backward_bit_deterministic_50_runs():
     q, k, v = qkv(2, 4, 2, 129, 129, 16, 16, torch.float32)
     dout = seeded(2, 4, 129, 16, dtype=torch.float32, seed=7)
-    for mask in (masks.sliding_window(20), masks.causal() & masks.document.from_lengths([50, 79])):
+    runs = (
+        (masks.sliding_window(20), None),
+        (masks.causal() & masks.document.from_lengths([50, 79]), None),
+        (masks.causal(), ALiBi(4)),  # the relative plan: merged band calls, overlapping rows
+    )
+    for mask, bias in runs:
         first = None
         for _ in range(50):
             x = [t.clone().requires_grad_(True) for t in (q, k, v)]
-            out, lse = flash_attention(*x, mask=mask, band_block=16, block_q=32, block_k=32)
+            out, lse = flash_attention(
+                *x, mask=mask, bias=bias, band_block=16, block_q=32, block_k=32
+            )
             out.backward(dout)
             got = (out.detach(), lse, *(t.grad for t in x))
             if first is None:
