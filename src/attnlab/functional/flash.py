@@ -35,6 +35,7 @@ broadcast dims); that backward runs on the pure-PyTorch engine, which exposes dS
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -45,7 +46,7 @@ from ..masks import Mask, TensorMask
 from .merge import merge_into, merge_partials
 from .request import BiasFn, Request, is_relative_bias
 from .scores import get_score
-from .tiling import CALL_CAUSAL, CALL_MASKED, BandCall, Call, Plan, build_plan
+from .tiling import CALL_CAUSAL, CALL_MASKED, BandCall, Call, Plan, band_of, build_plan
 
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")
@@ -1032,10 +1033,11 @@ def flash_supports(req: Request) -> str | None:
     return None
 
 
-# Sizes at which auto prefers flash (see `flash_declines`). Measured (B=1, H=8, D=64, fp32):
-# sdpa with the rendered mask/bias wins at L = 256 (window, document, ALiBi: 1.3–1.7×), flash
-# wins from L ≈ 384 for windows and from L = 512 for document masks and ALiBi.
-AUTO_SPARSE_MIN = 1 << 17  # L·S from which structured masks and bias functions go to flash
+# Sizes at which auto prefers flash (see `flash_declines`), from benchmarks/bench_crossover.py
+# (B=1, H=8, D=64, fp32; benchmarks/RESULTS.md): a sliding window is as fast on flash at L = 256
+# and 1.7× faster at 384; causal document masks and ALiBi cross over near L = 512.
+AUTO_BAND_MIN = 1 << 16  # L·S from which sliding windows (narrow bands, no bias) go to flash
+AUTO_SPARSE_MIN = 1 << 18  # L·S from which other structured masks and bias functions go
 AUTO_LONG_MIN = 1 << 24  # L·S from which every call goes to flash
 
 
@@ -1049,12 +1051,14 @@ def flash_declines(req: Request) -> str | None:
     fn_bias = req.bias is not None and not isinstance(req.bias, Tensor)
     if n >= AUTO_LONG_MIN:
         return None
-    if (structured or fn_bias) and n >= AUTO_SPARSE_MIN:
+    band = band_of(req.mask) if structured and req.bias is None else None
+    narrow = band is not None and math.isfinite(band[0]) and math.isfinite(band[1])
+    threshold = AUTO_BAND_MIN if narrow else AUTO_SPARSE_MIN
+    if (structured or fn_bias) and n >= threshold:
         return None
     if structured or fn_bias:
         return (
-            f"L·S = {n} < {AUTO_SPARSE_MIN}: at this size sdpa with the rendered mask/bias beats "
-            "tiling"
+            f"L·S = {n} < {threshold}: at this size sdpa with the rendered mask/bias beats tiling"
         )
     return f"dense mask/bias and L·S = {n} < {AUTO_LONG_MIN}: sdpa's single fused call is as fast"
 
