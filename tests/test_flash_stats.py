@@ -130,6 +130,51 @@ def test_attention_stats_equal_dense_reference(name):
                 assert torch.equal(t[dead], torch.zeros_like(t[dead]))
 
 
+def test_attention_stats_on_the_relative_plan_equal_dense_reference():
+    """ALiBi causal at L = S = 1030: the plan shares bias tiles across merged band calls (rows
+    reached by several calls); the streamed statistics still equal the dense definition."""
+    from attnlab.functional.api import _build_request
+    from attnlab.functional.flash import flash_job
+
+    L = S = 1030
+    mask, bias = masks.causal(), ALiBi(2)
+    q, k, v = qkv(1, 2, 1, L, S, 16, torch.float32)
+    req = _build_request(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        scale=None,
+        temperature=1.0,
+        score="dot",
+        dropout_p=0.0,
+        backend="flash",
+        return_weights=False,
+    )
+    assert flash_job(req).plan.kind == "relative"
+    _, w = attnlab.attention(
+        q.double(),
+        k.double(),
+        v.double(),
+        mask=mask,
+        bias=bias,
+        backend="reference",
+        return_weights=True,
+    )
+    want = reference_stats(w, L, S)
+    st = attention_stats(q, k, v, mask=mask, bias=bias)
+    for key, ref in want.items():
+        atol = 2e-3 if key == "mean_distance" else 2e-5
+        torch.testing.assert_close(
+            getattr(st, key).double(),
+            ref,
+            atol=atol,
+            rtol=1e-5,
+            msg=lambda m, key=key: f"{key}: {m}",
+        )
+
+
 def test_attention_stats_reuses_given_lse_and_handles_3d_and_bf16():
     q, k, v = (seeded(2, 64, 16, seed=s, dtype=torch.bfloat16) for s in (1, 2, 3))
     m = masks.sliding_window(10)
