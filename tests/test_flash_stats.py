@@ -99,29 +99,28 @@ def test_attention_weights_errors_name_the_argument():
         attention_weights(q, k, [1.0])
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_attention_stats_equal_dense_reference(name):
-    mask, bias = CASES[name]
-    L, S = 41, 50
-    q, k, v = qkv(2, 4, 2, L, S, 16, torch.float32)
-    _, w = attnlab.attention(
-        q.double(),
-        k.double(),
-        v.double(),
-        mask=mask,
-        bias=bias,
-        backend="reference",
-        return_weights=True,
-    )
-    want = reference_stats(w, L, S)
+def assert_stats_match_dense(q, k, v, mask, bias, distance_atol: float):
+    """`attention_stats` in float32 against `reference_stats` of the float64 dense weights."""
+    B, H, L = q.shape[:3]
+    S = k.shape[2]
+    x64 = [t.double() for t in (q, k, v)]
+    _, w = attnlab.attention(*x64, mask=mask, bias=bias, backend="reference", return_weights=True)
     st = attention_stats(q, k, v, mask=mask, bias=bias)
-    for key, ref in want.items():
+    for key, ref in reference_stats(w, L, S).items():
         got = getattr(st, key)
-        assert got.shape == (2, 4, L) and got.dtype == torch.float32
-        atol = 2e-4 if key == "mean_distance" else 2e-5
+        assert got.shape == (B, H, L) and got.dtype == torch.float32
+        atol = distance_atol if key == "mean_distance" else 2e-5
         torch.testing.assert_close(
             got.double(), ref, atol=atol, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
         )
+    return st
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_attention_stats_equal_dense_reference(name):
+    mask, bias = CASES[name]
+    q, k, v = qkv(2, 4, 2, 41, 50, 16, torch.float32)
+    st = assert_stats_match_dense(q, k, v, mask, bias, distance_atol=2e-4)
     dead = torch.isneginf(st.lse)
     if name == "padding_dead":
         assert dead[0].all() and not dead[1].any()
@@ -133,46 +132,11 @@ def test_attention_stats_equal_dense_reference(name):
 def test_attention_stats_on_the_relative_plan_equal_dense_reference():
     """ALiBi causal at L = S = 1030: the plan shares bias tiles across merged band calls (rows
     reached by several calls); the streamed statistics still equal the dense definition."""
-    from attnlab.functional.api import _build_request
-    from attnlab.functional.flash import flash_job
-
-    L = S = 1030
     mask, bias = masks.causal(), ALiBi(2)
-    q, k, v = qkv(1, 2, 1, L, S, 16, torch.float32)
-    req = _build_request(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
-        scale=None,
-        temperature=1.0,
-        score="dot",
-        dropout_p=0.0,
-        backend="flash",
-        return_weights=False,
-    )
-    assert flash_job(req).plan.kind == "relative"
-    _, w = attnlab.attention(
-        q.double(),
-        k.double(),
-        v.double(),
-        mask=mask,
-        bias=bias,
-        backend="reference",
-        return_weights=True,
-    )
-    want = reference_stats(w, L, S)
-    st = attention_stats(q, k, v, mask=mask, bias=bias)
-    for key, ref in want.items():
-        atol = 2e-3 if key == "mean_distance" else 2e-5
-        torch.testing.assert_close(
-            getattr(st, key).double(),
-            ref,
-            atol=atol,
-            rtol=1e-5,
-            msg=lambda m, key=key: f"{key}: {m}",
-        )
+    q, k, v = qkv(1, 2, 1, 1030, 1030, 16, torch.float32)
+    assert attnlab.explain(q, k, v, mask=mask, bias=bias).startswith("flash:")
+    assert "relative plan" in attnlab.explain(q, k, v, mask=mask, bias=bias)
+    assert_stats_match_dense(q, k, v, mask, bias, distance_atol=2e-3)
 
 
 def test_attention_stats_reuses_given_lse_and_handles_3d_and_bf16():
