@@ -12,7 +12,6 @@ Run: python benchmarks/bench_crossover.py [--repeats 15] [--lengths 256 384 512 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
@@ -20,7 +19,7 @@ import attnlab
 from attnlab import masks
 from attnlab.functional.flash import AUTO_BAND_MIN, AUTO_SPARSE_MIN
 from attnlab.positional import ALiBi
-from common import matmul_gflops, timed
+from common import interleaved_medians, print_machine
 
 
 def cases(L: int, H: int) -> dict[str, dict[str, object]]:
@@ -34,22 +33,6 @@ def cases(L: int, H: int) -> dict[str, dict[str, object]]:
     }
 
 
-def side_by_side(q, k, v, kw: dict[str, object], repeats: int) -> dict[str, float]:
-    """Median seconds of flash and sdpa on one call, interleaved so drift hits both alike."""
-
-    def run(backend: str) -> None:
-        attnlab.attention(q, k, v, backend=backend, **kw)
-
-    backends = ("flash", "sdpa")
-    for be in backends:
-        run(be)
-    samples: dict[str, list[float]] = {be: [] for be in backends}
-    for _ in range(repeats):
-        for be in backends:
-            samples[be].append(timed(lambda be=be: run(be)))
-    return {be: statistics.median(s) for be, s in samples.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
@@ -58,8 +41,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"fp32 matmul rate (torch.mm 4096²): {matmul_gflops():.1f} GFLOP/s")
+    print_machine()
     print(f"B=1 H={args.heads} D={args.dim} fp32 forward; medians of {args.repeats} interleaved")
     print(
         f"auto sends windows to flash from L·S >= {AUTO_BAND_MIN} (AUTO_BAND_MIN), the others "
@@ -70,7 +52,11 @@ def main() -> None:
     for L in args.lengths:
         q, k, v = (torch.randn(1, args.heads, L, args.dim) for _ in range(3))
         for name, kw in cases(L, args.heads).items():
-            t = side_by_side(q, k, v, kw, args.repeats)
+            fns = {
+                be: (lambda be=be, kw=kw, x=(q, k, v): attnlab.attention(*x, backend=be, **kw))
+                for be in ("flash", "sdpa")
+            }
+            t = interleaved_medians(fns, args.repeats)
             picked = attnlab.explain(q, k, v, **kw).split(":")[0]
             print(
                 f"{name:26} {L:5d} {t['flash'] * 1e3:9.2f} {t['sdpa'] * 1e3:9.2f} "

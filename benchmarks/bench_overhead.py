@@ -10,25 +10,13 @@ Run: python benchmarks/bench_overhead.py [--repeats 30]
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 import attnlab
 from attnlab import masks
-from common import matmul_gflops, timed
-
-
-def compare(fns: dict[str, callable], repeats: int) -> dict[str, float]:
-    """Median seconds of each function, measured interleaved so drift hits all alike."""
-    for fn in fns.values():
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            samples[name].append(timed(fn))
-    return {name: statistics.median(s) for name, s in samples.items()}
+from common import interleaved_medians, print_machine
 
 
 def main() -> None:
@@ -36,13 +24,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"fp32 matmul rate (torch.mm 4096²): {matmul_gflops():.1f} GFLOP/s\n")
+    print_machine()
+    print()
     print(f"{'case':<34} {'sdpa ms':>9} {'auto ms':>9} {'auto/sdpa':>10}  backend")
     for B, H, L, D in ((4, 8, 512, 64), (1, 8, 2048, 64), (1, 8, 4096, 64)):
         q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
         for label, mask, causal in (("plain", None, False), ("causal", masks.causal(), True)):
-            t = compare(
+            t = interleaved_medians(
                 {
                     "sdpa": lambda q=q, k=k, v=v, c=causal: F.scaled_dot_product_attention(
                         q, k, v, is_causal=c

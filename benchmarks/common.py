@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -21,3 +22,21 @@ def matmul_gflops(n: int = 4096, repeats: int = 5) -> float:
     torch.mm(a, b)
     best = min(timed(lambda: torch.mm(a, b)) for _ in range(repeats))
     return 2 * n**3 / best / 1e9
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function after one warm-up call, measured round by round
+    (interleaved) so that drift of the machine hits all of them alike."""
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(timed(fn))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def print_machine() -> None:
+    """The header every benchmark prints: torch, threads, and the fp32 matmul rate (the limit)."""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"fp32 matmul rate (torch.mm 4096²): {matmul_gflops():.1f} GFLOP/s")
