@@ -4,6 +4,9 @@ The rule is implemented once in `attnlab.testing` (so `attnlab check` applies th
 and used by every numeric test through this module.
 """
 
+import torch
+
+import attnlab
 from attnlab.testing import (
     FIXED_TABLE,
     HEAD_DIMS,
@@ -15,12 +18,40 @@ from attnlab.testing import (
     seeded,
 )
 
+
+def call_backend(backend: str, mask=None, bias=None, **kw):
+    """``impl(q, k, v)``: `attnlab.attention` on ``backend``, float masks/biases in q's dtype."""
+
+    def impl(q, k, v):
+        m = (
+            mask.to(q.dtype)
+            if isinstance(mask, torch.Tensor) and mask.is_floating_point()
+            else mask
+        )
+        b = bias.to(q.dtype) if isinstance(bias, torch.Tensor) else bias
+        return attnlab.attention(q, k, v, mask=m, bias=b, backend=backend, **kw)
+
+    return impl
+
+
+def fwd_bwd(fn, inputs, dout_seed=7):
+    """``(out, grads)`` of ``fn(*inputs)`` for a seeded dout; zeros for unused inputs."""
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*xs)
+    dout = seeded(*out.shape, dtype=out.dtype, seed=dout_seed)
+    grads = torch.autograd.grad(out, xs, dout, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads, strict=True)]
+    return out.detach(), grads
+
+
 __all__ = [
     "FIXED_TABLE",
     "HEAD_DIMS",
     "ODD_SIZES",
     "assert_close_rule",
+    "call_backend",
     "check_against_reference",
+    "fwd_bwd",
     "mean_factor_for",
     "reference_for",
     "seeded",

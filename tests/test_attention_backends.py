@@ -11,7 +11,7 @@ import attnlab
 from attnlab import masks
 from attnlab.functional import reference
 from attnlab.functional.registry import get_backend
-from helpers import check_against_reference, mean_factor_for, reference_for, seeded
+from helpers import call_backend, check_against_reference, mean_factor_for, reference_for, seeded
 
 # "auto" only dispatches to these; its choices are covered by the semantics and explain tests.
 FAST_BACKENDS = [b for b in attnlab.backends() if b not in ("reference", "auto")]
@@ -35,19 +35,6 @@ def _mask_cases(B: int, L: int, S: int):
     }
 
 
-def _call(backend: str, mask, bias=None, **kw):
-    def impl(q, k, v):
-        m = (
-            mask.to(q.dtype)
-            if isinstance(mask, torch.Tensor) and mask.is_floating_point()
-            else mask
-        )
-        b = bias.to(q.dtype) if isinstance(bias, torch.Tensor) else bias
-        return attnlab.attention(q, k, v, mask=m, bias=b, backend=backend, **kw)
-
-    return impl
-
-
 def _ref(mask, bias=None, **kw):
     return reference_for(mask, bias, **kw)
 
@@ -63,7 +50,7 @@ def test_backend_matches_reference_all_masks(backend, dtype, L, S):
     for name, mask in _mask_cases(B, L, S).items():
         try:
             check_against_reference(
-                _call(backend, mask),
+                call_backend(backend, mask),
                 _ref(mask),
                 [q, k, v],
                 mean_factor=mean_factor_for(backend, dtype),
@@ -81,7 +68,7 @@ def test_backend_long_odd_sizes_float32(backend, L, S):
     v = seeded(B, H, S, D, dtype=torch.float32, seed=6)
     for mask in (None, masks.causal(), masks.sliding_window(33)):
         check_against_reference(
-            _call(backend, mask),
+            call_backend(backend, mask),
             _ref(mask),
             [q, k, v],
             mean_factor=mean_factor_for(backend, torch.float32),
@@ -104,13 +91,13 @@ def test_head_dims_and_score_options(backend, D):
         {"temperature": 2.5, "scale": 0.7},
     ):
         check_against_reference(
-            _call(backend, masks.causal(), **kw),
+            call_backend(backend, masks.causal(), **kw),
             _ref(masks.causal(), **kw),
             [q, k, v],
             mean_factor=mf,
         )
     check_against_reference(
-        _call(backend, None, bias=bias), _ref(None, bias=bias), [q, k, v], mean_factor=mf
+        call_backend(backend, None, bias=bias), _ref(None, bias=bias), [q, k, v], mean_factor=mf
     )
 
 
@@ -174,7 +161,7 @@ def test_full_odd_size_sweep(backend, dtype):
         v = seeded(1, 2, S, D, dtype=dtype, seed=S + 2)
         for mask in (None, masks.causal(), masks.sliding_window(17)):
             check_against_reference(
-                _call(backend, mask),
+                call_backend(backend, mask),
                 _ref(mask),
                 [q, k, v],
                 mean_factor=mean_factor_for(backend, dtype),

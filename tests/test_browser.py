@@ -60,7 +60,10 @@ def driver():
     if not _have_browser():
         proc = subprocess.run(
             ["bash", str(ROOT / "scripts" / "install_browser.sh")],
-            capture_output=True, text=True, timeout=1200, check=False,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            check=False,
         )
         if not _have_browser():
             pytest.skip(
@@ -132,8 +135,9 @@ def expected_lines(data: dict, layer: int, head: int, query: int | None = None) 
         if data["mode"] == "full":
             row = list(enumerate(data["weights"][layer][head][i]))
         else:
-            row = list(zip(data["top_idx"][layer][head][i], data["top_val"][layer][head][i],
-                           strict=True))
+            row = list(
+                zip(data["top_idx"][layer][head][i], data["top_val"][layer][head][i], strict=True)
+            )
         out |= {(i, j, w) for j, w in row if w >= data["min_line"]}
     return out
 
@@ -239,8 +243,10 @@ def test_long_input_page_stays_responsive(driver, tmp_path):
     lines = drawn(driver)
     assert {(q, k_, w_) for q, k_, w_, _ in lines} == expected_lines(data, 1, 3, 150)
     assert 0 < len(lines) <= k
-    print(f"\nlong page: {path.stat().st_size / 1e6:.1f} MB, load {load_seconds:.2f} s, "
-          f"hover {ms:.1f} ms")
+    print(
+        f"\nlong page: {path.stat().st_size / 1e6:.1f} MB, load {load_seconds:.2f} s, "
+        f"hover {ms:.1f} ms"
+    )
     assert ms < 1000 and load_seconds < 15
     assert errors(driver) == []
     json.dumps(data)  # the page's data round-trips

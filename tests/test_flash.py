@@ -14,7 +14,14 @@ from attnlab.functional import reference
 from attnlab.functional.flash import flash_attention
 from attnlab.functional.request import dense_mask_and_bias
 from attnlab.positional import ALiBi, T5RelativeBias
-from helpers import ODD_SIZES, check_against_reference, mean_factor_for, reference_for, seeded
+from helpers import (
+    ODD_SIZES,
+    call_backend,
+    check_against_reference,
+    mean_factor_for,
+    reference_for,
+    seeded,
+)
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
@@ -59,16 +66,7 @@ def cases(B: int, L: int, S: int) -> dict[str, tuple[object, object]]:
 
 
 def run_flash(mask, bias, **kw):
-    def impl(q, k, v):
-        m = (
-            mask.to(q.dtype)
-            if isinstance(mask, torch.Tensor) and mask.is_floating_point()
-            else mask
-        )
-        b = bias.to(q.dtype) if isinstance(bias, torch.Tensor) else bias
-        return attnlab.attention(q, k, v, mask=m, bias=b, backend="flash", **kw)
-
-    return impl
+    return call_backend("flash", mask, bias, **kw)
 
 
 def qkv(B, H, H_kv, L, S, D, Dv, dtype, seed=1, scale=1.0):

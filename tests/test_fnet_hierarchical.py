@@ -11,19 +11,10 @@ import attnlab
 from attnlab import masks
 from attnlab.functional import reference
 from attnlab.linear import FNetMixing, HierarchicalAttention, fnet_mixing, hierarchical_attention
-from helpers import FIXED_TABLE, check_against_reference, seeded
+from helpers import FIXED_TABLE, check_against_reference, fwd_bwd, seeded
 
 F64 = torch.float64
 FWD_ATOL, FWD_RTOL, GRAD_ATOL, GRAD_RTOL = FIXED_TABLE[F64]
-
-
-def fwd_bwd(fn, inputs, dout_seed=7):
-    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
-    out = fn(*xs)
-    dout = seeded(*out.shape, dtype=out.dtype, seed=dout_seed)
-    grads = torch.autograd.grad(out, xs, dout, allow_unused=True)
-    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads, strict=True)]
-    return out.detach(), grads
 
 
 def assert_fp64_equal(fast, ref, inputs, scale=1.0):

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 import attnlab
 from attnlab.functional import reference
 from attnlab.linear import LinearAttention, LinearAttentionState, linear_attention
-from helpers import FIXED_TABLE, check_against_reference, seeded
+from helpers import FIXED_TABLE, check_against_reference, fwd_bwd, seeded
 
 F64 = torch.float64
 FWD_ATOL, FWD_RTOL, GRAD_ATOL, GRAD_RTOL = FIXED_TABLE[F64]
@@ -39,15 +39,6 @@ def qkv(B=2, H=4, H_kv=2, L=17, S=17, D=8, Dv=5, dtype=F64, seed=0, scale=1.0):
         seeded(B, H_kv, S, D, dtype=dtype, seed=seed + 1, scale=scale),
         seeded(B, H_kv, S, Dv, dtype=dtype, seed=seed + 2, scale=scale),
     )
-
-
-def fwd_bwd(fn, inputs, dout_seed=7):
-    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
-    out = fn(*xs)
-    dout = seeded(*out.shape, dtype=out.dtype, seed=dout_seed)
-    grads = torch.autograd.grad(out, xs, dout, allow_unused=True)
-    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads, strict=True)]
-    return out.detach(), grads
 
 
 def assert_fp64_equal(fast, ref, inputs):

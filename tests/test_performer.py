@@ -25,7 +25,7 @@ from attnlab.linear import (
     favor_features,
     favor_projection,
 )
-from helpers import FIXED_TABLE, check_against_reference, seeded
+from helpers import FIXED_TABLE, check_against_reference, fwd_bwd, seeded
 
 F64 = torch.float64
 FWD_ATOL, FWD_RTOL, GRAD_ATOL, GRAD_RTOL = FIXED_TABLE[F64]
@@ -42,15 +42,6 @@ def qkv(B=2, H=4, H_kv=2, L=17, S=17, D=8, Dv=5, dtype=F64, seed=0, scale=1.0):
 def projection(M, D, seed=0, dtype=F64, orthogonal=True):
     g = torch.Generator().manual_seed(seed)
     return favor_projection(M, D, orthogonal=orthogonal, generator=g, dtype=dtype)
-
-
-def fwd_bwd(fn, inputs, dout_seed=7):
-    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
-    out = fn(*xs)
-    dout = seeded(*out.shape, dtype=out.dtype, seed=dout_seed)
-    grads = torch.autograd.grad(out, xs, dout, allow_unused=True)
-    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads, strict=True)]
-    return out.detach(), grads
 
 
 # ------------------------------------------------------------------------ fast form == reference

@@ -200,9 +200,7 @@ def test_entropy_equals_a_direct_computation_and_skips_masked_rows():
     rows, heads = entropies(w, torch.tensor(mask))
     for layer in range(2):
         for head in range(3):
-            valid = [
-                i for i in range(T) if mask[i] and float(w[layer, head, i].sum()) > 0
-            ]
+            valid = [i for i in range(T) if mask[i] and float(w[layer, head, i].sum()) > 0]
             direct = [direct_row_entropy(w[layer, head, i].tolist()) for i in valid]
             expected = sum(direct) / len(direct)
             assert heads[layer, head].item() == pytest.approx(expected, abs=1e-12)
@@ -349,8 +347,18 @@ def gpt_checkpoint(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("gpt")
     settings = TrainSettings(
-        out_dir=str(out), steps=2, batch_size=4, seq_len=32, d_model=32, n_layers=2, n_heads=2,
-        dropout=0.0, warmup=0, eval_interval=2, eval_batches=1, save_interval=0,
+        out_dir=str(out),
+        steps=2,
+        batch_size=4,
+        seq_len=32,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        dropout=0.0,
+        warmup=0,
+        eval_interval=2,
+        eval_batches=1,
+        save_interval=0,
     )
     return train(settings, log=lambda _line: None).checkpoint
 
