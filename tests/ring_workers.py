@@ -266,6 +266,11 @@ def _strict_causal(b, h, i, j):
     return j < i
 
 
+def _head_dependent(b, h, i, j):
+    """Head h sees keys at most ``i - h``: the tiles differ per head."""
+    return j <= i - h
+
+
 def _band(b, h, i, j, width):
     return (i - j).abs() <= width
 
@@ -274,6 +279,8 @@ def rule_mask(case: dict):
     """The mask a NaN-rule case names (module level, so spawned ranks and the test agree)."""
     if case.get("mask") == "strict":
         return masks.from_fn(_strict_causal)
+    if case.get("mask") == "heads":
+        return masks.from_fn(_head_dependent, num_heads=case["H"])
     return _mask(case)
 
 

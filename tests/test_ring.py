@@ -242,7 +242,8 @@ def _planted_case(seed: int, world: int, **case) -> dict:
     v[0, 0, pos(), col()] = float("nan")
     v[1, H_kv - 1, pos(), col()] = float("-inf")
     v[1, H_kv - 1, pos(), col()] = float("inf")
-    return {"seed": seed, "N": N, "q": q, "k": k, "v": v, "dout": dout, "dtype": dtype, **case}
+    tensors = {"q": q, "k": k, "v": v, "dout": dout}
+    return {"seed": seed, "N": N, "H": H, "dtype": dtype, **tensors, **case}
 
 
 def _nan_cases(world: int) -> list[dict]:
@@ -254,6 +255,7 @@ def _nan_cases(world: int) -> list[dict]:
         {"layout": "zigzag", "causal": True, "mask": "document", "H": 4, "H_kv": 2},
         {"layout": "contiguous", "causal": False, "mask": "window"},
         {"layout": "zigzag", "causal": False, "mask": "strict"},
+        {"layout": "contiguous", "causal": False, "mask": "heads", "H": 4, "H_kv": 2},
         {"layout": "zigzag", "causal": True, "H": 4, "H_kv": 2, "dtype": torch.float32},
     ]
     return cases + [_planted_case(10 + i, world, **c) for i, c in enumerate(extra)]

@@ -27,12 +27,14 @@ raises ``ValueError`` on every rank naming the rank and the field, instead of si
 reinterpreting bytes. A dead or stalled peer — during the handshake or at any hop — raises
 `RingAttentionError` naming it, after at most ``timeout`` per exchange.
 
-Non-finite inputs (the library's NaN rule) are handled with tensor ops only, no host syncs:
-key/value pieces travel as given and each rank cleans the piece it computes with
-(``nan_to_num``) while recording which keys (per key) and which value entries (per key and
-column) were non-finite; these indicators are or-ed into a per-row, per-column "poison" tensor
-over exactly the (query, key) pairs each tile attends, and poisoned entries of the output are set
-to NaN at the end. Gradients are those of the cleaned computation.
+Non-finite inputs (the library's NaN rule) are handled with tensor ops only — no host syncs, no
+extra messages: key/value pieces travel as given, and each rank cleans the piece it computes with
+(``nan_to_num``) while it derives 0-or-NaN indicators (``x · 0``) of the non-finite keys (per
+key) and value entries (per key and column). These are summed into a per-row poison tensor over
+exactly the (query, key) pairs each tile attends (a sum for full tiles, a cumulative sum for
+causal diagonal tiles, a 0/1 matmul for masked tiles); at the end, the rows and columns the rule
+makes non-finite are set to NaN by subtracting ``|poison|`` (+0 elsewhere: bit-exact). Gradients
+are those of the cleaned computation.
 """
 
 from __future__ import annotations
@@ -581,33 +583,51 @@ def _clean(x: Tensor) -> Tensor:
     return torch.nan_to_num(x, 0.0, 0.0, 0.0)
 
 
-def _badness(k: Tensor, v: Tensor) -> Tensor:
-    """Bool ``(B, H_kv, c, Dv + 1)``: non-finite value entries, then (column Dv) non-finite keys."""
-    return torch.cat([~torch.isfinite(v), ~torch.isfinite(k).all(-1, keepdim=True)], dim=-1)
+def _bad(x: Tensor) -> Tensor:
+    """``x · 0``: 0 where ``x`` is finite, NaN where it is not (a float op: cheap, sync-free)."""
+    return x * 0
 
 
 def _reach(bad: Tensor, kind: str, tile: Tensor | None, H: int) -> Tensor:
-    """Which of ``bad``'s columns each query row attends a non-finite entry of.
+    """Whether each query row attends a non-finite entry of ``bad``'s columns: NaN if so, else 0.
 
     Args:
-        bad: ``(B, H_kv, c, Dv + 1)`` from `_badness`, over one key piece.
+        bad: ``(B, H_kv, c, X)``, 0 or NaN per key and column, over one key piece.
         kind, tile: how the query piece sees the key piece (not "skip").
         H: query heads.
 
     Returns:
-        Bool broadcastable to ``(B, H, c, Dv + 1)``:
-        ``reach[i, d] = OR_j attends(i, j) ∧ bad[j, d]``.
+        ``(B, H_kv or H, c | 1, X)``: ``reach[i, x] = NaN`` iff some key j that row i attends
+        has ``bad[j, x] = NaN`` (H heads only when the tile depends on the head).
     """
     if kind == "full":
-        reach = bad.any(-2, keepdim=True)  # (B, H_kv, 1, Dv + 1)
-    elif kind == "causal":  # the diagonal piece: row i attends keys 0..i of the piece
-        reach = bad.cumsum(-2) > 0
+        return bad.sum(-2, keepdim=True)  # NaN propagates through the sum
+    if kind == "causal":  # the diagonal piece: row i attends keys 0..i of the piece
+        return bad.cumsum(-2)
+    assert tile is not None
+    # Counts of attended non-finite entries, as a matmul of 0/1 matrices. bfloat16 is exact
+    # enough: a sum of non-negative terms is > 0 iff one of them is, whatever the rounding.
+    ind = torch.isnan(bad).to(torch.bfloat16)  # (B, H_kv, c, X)
+    if tile.shape[0] == tile.shape[1] == 1:  # one (c, c) tile for every batch item and head
+        B, H_kv, c, X = ind.shape
+        cols = ind.permute(2, 0, 1, 3).reshape(c, B * H_kv * X)
+        hits = (tile[0, 0].to(torch.bfloat16) @ cols).view(c, B, H_kv, X).permute(1, 2, 0, 3)
     else:
-        assert tile is not None
         if tile.shape[1] > 1:  # the tile depends on the head: compare per query head
-            bad = _expand_kv(bad, H)
-        reach = (tile.to(torch.float32) @ bad.to(torch.float32)) > 0  # exact counts up to 2^24
-    return _expand_kv(reach, H)
+            ind = _expand_kv(ind, H)
+        hits = tile.to(torch.bfloat16) @ ind
+    return torch.zeros(hits.shape, dtype=bad.dtype, device=bad.device).masked_fill(
+        hits > 0, math.nan
+    )
+
+
+def _add_reach(acc: Tensor, reach: Tensor) -> None:
+    """``acc (B, H, c, X) += reach`` with reach's ``H_kv`` heads broadcast over their groups."""
+    H, H_r = acc.shape[1], reach.shape[1]
+    if H_r == H:
+        acc.add_(reach)
+    else:
+        acc.unflatten(1, (H_r, H // H_r)).add_(reach.unsqueeze(2))
 
 
 def _forward_piece(
@@ -616,12 +636,13 @@ def _forward_piece(
     """Merges this rank's queries against one key/value piece into ``acc`` (in place).
 
     ``acc = (q, out, lse, poison)`` as pieces: the (cleaned) queries, the running result (float32
-    or wider) and the bool ``(B, H, c, Dv + 1)`` record of the non-finite value entries (columns
-    ``:Dv``) and keys (column ``Dv``) each row has attended so far. ``kv`` is the piece as sent —
-    possibly non-finite; it is cleaned here, so nothing non-finite reaches the kernels.
+    or wider), and per row 0 or NaN: whether it has attended a non-finite value entry (columns
+    ``:Dv``, per column) or a non-finite key (column ``Dv``) so far, ``(B, H, c, Dv + 1)``. ``kv``
+    is the piece as sent — possibly non-finite; it is cleaned here, so nothing non-finite reaches
+    the kernels.
     """
     qs, outs, lses, poison = acc
-    bad = _badness(kv[0], kv[1])
+    bad = torch.cat([_bad(kv[1]), _bad(kv[0]).sum(-1, keepdim=True)], -1)  # (B, H_kv, c, Dv+1)
     k, v = _clean(kv[0]), _clean(kv[1])
     H = qs[0].shape[1]
     for a, kind, tile in _queries_seeing(cfg, q, key_id, qs[0].shape[2]):
@@ -629,7 +650,7 @@ def _forward_piece(
         o, lse = merge_partials([outs[a], o], [lses[a], lse])
         outs[a].copy_(o)
         lses[a].copy_(lse)
-        poison[a].logical_or_(_reach(bad, kind, tile, H))
+        _add_reach(poison[a], _reach(bad, kind, tile, H))
 
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, ...]:
@@ -646,9 +667,9 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor
     stat = _stat_dtype(q.dtype)
     out = q.new_zeros((B, H, L, Dv), dtype=stat)  # merged so far: nothing (lse = −inf)
     lse = q.new_full((B, H, L), _NEG_INF, dtype=stat)
-    poison = torch.zeros((B, H, L, Dv + 1), dtype=torch.bool, device=q.device)
-    qc = _clean(q)
-    acc = tuple(t.split(c, dim=2) for t in (qc, out, lse, poison))
+    # 0, or NaN once a non-finite value entry (columns :Dv) or key (column Dv) is attended
+    poison = q.new_zeros((B, H, L, Dv + 1))
+    acc = tuple(t.split(c, dim=2) for t in (_clean(q), out, lse, poison))
     block = _kv_pieces(k, v, c)
     ring = cfg.ring()
     for step in range(cfg.world):
@@ -660,10 +681,12 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor
     out = out.to(q.dtype)
     # The NaN rule: a row that attends anything is NaN if its query or an attended key is not
     # finite; column d is NaN where an attended value is not finite there; dead rows stay zero.
-    live = ~torch.isneginf(lse)  # (B, H, L)
-    rows = live & (poison[..., Dv] | ~torch.isfinite(q).all(-1))
-    nan_out = out.masked_fill(rows.unsqueeze(-1) | poison[..., :Dv], math.nan)
-    return nan_out, lse.masked_fill(rows, math.nan), out, lse
+    # Poison is 0 or NaN; subtracting |poison| (+0 or NaN) keeps every other value bit-exact.
+    rows = (poison[..., Dv:] + _bad(q).sum(-1, keepdim=True)).masked_fill(
+        torch.isneginf(lse).unsqueeze(-1), 0.0
+    )  # (B, H, L, 1)
+    nan_out = out - (poison[..., :Dv] + rows).abs()
+    return nan_out, lse - rows.squeeze(-1).abs(), out, lse
 
 
 def _backward_piece(
