@@ -45,6 +45,7 @@ import hashlib
 import math
 import time
 import types
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -172,8 +173,10 @@ def _feed(h, obj: object, seen: set[int], depth: int = 0) -> None:
     if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
         h.update(repr(obj).encode())
         return
-    if isinstance(obj, torch.dtype | torch.device):
+    if isinstance(obj, torch.dtype):
         h.update(str(obj).encode())
+        return
+    if isinstance(obj, torch.device):  # ranks may well hold the mask on different devices
         return
     if isinstance(obj, types.ModuleType | type | types.BuiltinFunctionType):
         name = getattr(obj, "__qualname__", obj.__name__)
@@ -181,9 +184,7 @@ def _feed(h, obj: object, seen: set[int], depth: int = 0) -> None:
         return
     seen = seen | {id(obj)}
     if isinstance(obj, Tensor):
-        t = obj.detach().reshape(-1).cpu().contiguous()
-        h.update(f"{t.dtype}{tuple(obj.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(_tensor_digest(obj))
         return
     parts: list[object]
     if isinstance(obj, list | tuple):
@@ -208,6 +209,28 @@ def _feed(h, obj: object, seen: set[int], depth: int = 0) -> None:
     h.update(f"[{len(parts)}]".encode())
     for x in parts:
         _feed(h, x, seen, depth + 1)
+
+
+# Digests of mask tensors by id, recomputed only when the tensor changes in place (its _version);
+# an entry goes when its tensor does. (Tensors cannot be dict keys: == is elementwise.)
+_DIGESTS: dict[int, tuple[weakref.ref, int, bytes]] = {}
+
+
+def _tensor_digest(x: Tensor) -> bytes:
+    """A digest of a tensor's dtype, shape and contents (wherever it lives)."""
+    cached = _DIGESTS.get(id(x))
+    if cached is not None and cached[0]() is x and cached[1] == x._version:
+        return cached[2]
+    t = x.detach().reshape(-1).cpu().contiguous()
+    h = hashlib.blake2b(f"{t.dtype}{tuple(x.shape)}".encode(), digest_size=16)
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    key = id(x)
+    _DIGESTS[key] = (
+        weakref.ref(x, lambda _, key=key: _DIGESTS.pop(key, None)),
+        x._version,
+        h.digest(),
+    )
+    return h.digest()
 
 
 _DATA = (Tensor, bool, int, float, complex, str, bytes, list, tuple, dict)
