@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import nan_rule
 from ..masks import CausalMask, PaddingMask
+from . import nan_rule
 from .reference import keep_mask
 from .request import Request, request_dense, request_interval
 from .scores import get_score
