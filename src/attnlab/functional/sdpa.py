@@ -94,8 +94,9 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
 
     The NaN rule (`functional.nan_rule`): the kernel runs on inputs whose non-finite entries are
     0 — torch's kernel would zero a row whose logits are all NaN and spread ``0 · NaN`` from
-    masked pairs — and NaN is added back exactly where the rule puts it. Calls without mask,
-    bias or gradient whose keys are a known prefix (decoding) skip the copies (`_sliced`). No host synchronisation.
+    masked pairs — and NaN is added back exactly where the rule puts it. Calls without bias or
+    gradient whose keys are a known prefix (decoding) skip the copies (`_sliced`). No host
+    synchronisation.
     """
     s = get_score(req.score)
     # torch's is_causal path masks after scaling with -inf, so a negative scale turns the masked
