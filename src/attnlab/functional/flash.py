@@ -1129,6 +1129,8 @@ def flash_declines(req: Request) -> str | None:
     """Auto's preference: None if flash should run this call, else why sdpa is the better pick."""
     d = req.dims
     n = d.L * d.S
+    if torch.compiler.is_compiling():
+        return "under torch.compile flash's Python tiling plans would break the graph"
     structured = isinstance(req.mask, Mask) and not isinstance(req.mask, TensorMask)
     if structured and req.is_plain_causal and req.bias is None:
         structured = False  # sdpa runs plain causal with the same kernel call
