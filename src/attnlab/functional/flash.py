@@ -1007,11 +1007,11 @@ def _attended_hits(
         add = source.for_call(c)
         if add is None and c.kind == CALL_CAUSAL:
             hi = torch.arange(1, R + 1, device=ind.device).view(1, 1, R)
-            hit = nan_rule._any_interval(sub, None, hi).repeat_interleave(G, dim=1)
+            hit = nan_rule.any_in_interval(sub, None, hi).repeat_interleave(G, dim=1)
         elif add is None:
             hit = (sub.amax(dim=2) > 0).unsqueeze(2).repeat_interleave(G, dim=1)
         else:
-            hit = nan_rule._any_dense(sub, ~torch.isneginf(add)).flatten(1, 2)
+            hit = nan_rule.any_dense(sub, ~torch.isneginf(add)).flatten(1, 2)
             hit = hit.repeat_interleave(H // hit.shape[1], dim=1)  # (nb, H, R|1, C)
             bias_bad[rows] |= (torch.isnan(add) | torch.isposinf(add)).any(dim=-1)
         hits[rows] |= hit
@@ -1049,10 +1049,7 @@ def _flash_poison(
         fn_bad = torch.isnan(lse) | torch.isposinf(lse)  # (B, H, L)
         row_bad = row_bad | fn_bad
         bad = bad | fn_bad.unsqueeze(-1)
-    nan = torch.tensor(float("nan"), dtype=out.dtype, device=out.device)
-    zero = torch.zeros((), dtype=out.dtype, device=out.device).neg()
-    out = out + torch.where(bad, nan, zero)
-    return out, torch.where(row_bad, float("nan"), lse)
+    return nan_rule.add_nan(out, bad), torch.where(row_bad, float("nan"), lse)
 
 
 def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:

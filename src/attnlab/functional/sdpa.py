@@ -56,10 +56,7 @@ def _unmasked(req: Request, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     k_bad = ~torch.isfinite(k.sum(dim=(2, 3), dtype=torch.float32))  # (B, H_kv)
     k_bad = k_bad.repeat_interleave(d.H // d.H_kv, dim=1) if d.H_kv != d.H else k_bad
     q_bad = ~torch.isfinite(q.sum(dim=-1, dtype=torch.float32))  # (B, H, L)
-    row_bad = q_bad | k_bad.unsqueeze(-1)  # (B, H, L)
-    nan = torch.tensor(float("nan"), dtype=out.dtype, device=out.device)
-    zero = torch.zeros((), dtype=out.dtype, device=out.device).neg()
-    return out + torch.where(row_bad.unsqueeze(-1), nan, zero)
+    return nan_rule.add_nan(out, (q_bad | k_bad.unsqueeze(-1)).unsqueeze(-1))  # rows (B, H, L)
 
 
 def _sliced(req: Request) -> Tensor | None:
@@ -106,7 +103,10 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
     if fast is not None:
         return fast, None
     allowed, additive = (None, None) if is_causal else request_dense(req)
-    q, k, v = nan_rule.clean(req.q), nan_rule.clean(req.k), nan_rule.clean(req.v)
+    # a non-finite q_i only reaches row i (poisoned, or zeros if it attends nothing): q needs
+    # cleaning only for its gradient
+    q = nan_rule.clean(req.q) if _needs_grad(req.q) else req.q
+    k, v = nan_rule.clean(req.k), nan_rule.clean(req.v)
     if req.score != "dot":
         q, k = s.prepare(q), s.prepare(k)
     attn_mask = allowed
