@@ -81,6 +81,15 @@ class Mask(ABC):
         """
         return None
 
+    def spec(self) -> tuple[str, list[Tensor]] | None:
+        """The mask as a string of its structure plus the tensors it holds, or None.
+
+        `attnlab.masks.from_spec` rebuilds an equal mask from the pair; compiled code passes
+        masks this way into custom operators (the string is a constant of the graph, the tensors
+        are inputs). Masks given by an arbitrary function (`from_fn`) return None.
+        """
+        return None
+
     # ----------------------------------------------------------------- rendering
     def _batch_heads(self, batch: int | None, heads: int | None) -> tuple[int, int]:
         nb = self.batch_size if self.batch_size is not None else 1
@@ -302,6 +311,12 @@ class _Combined(Mask):
         x, y = self.a._eval(b, h, i, j, L, S), self.b._eval(b, h, i, j, L, S)
         return x & y if self.op == "&" else x | y
 
+    def spec(self):
+        a, b = self.a.spec(), self.b.spec()
+        if a is None or b is None:
+            return None
+        return f"({a[0]}{self.op}{b[0]})", [*a[1], *b[1]]
+
     def key_interval(self, L, S, *, device=None):
         if self.op != "&":
             return None
@@ -329,6 +344,10 @@ class _Not(Mask):
 
     def _eval(self, b, h, i, j, L, S):
         return ~self.inner._eval(b, h, i, j, L, S)
+
+    def spec(self):
+        inner = self.inner.spec()
+        return None if inner is None else (f"~{inner[0]}", inner[1])
 
     def _default_size(self) -> tuple[int, int]:
         return self.inner._default_size()
@@ -381,6 +400,9 @@ class TensorMask(Mask):
 
     def _default_size(self) -> tuple[int, int]:
         return int(self.t.shape[-2]), int(self.t.shape[-1])
+
+    def spec(self):
+        return "tensor", [self.t]
 
     def __repr__(self) -> str:
         return f"from_tensor(shape={tuple(self.t.shape)})"

@@ -58,6 +58,9 @@ class CausalMask(Mask):
     def __repr__(self) -> str:
         return "causal()"
 
+    def spec(self):
+        return "causal", []
+
 
 class SlidingWindowMask(Mask):
     """A band of ``window`` keys (causal) or ``2·window − 1`` keys (non-causal) around a query."""
@@ -88,13 +91,17 @@ class SlidingWindowMask(Mask):
     def __repr__(self) -> str:
         return f"sliding_window({self.window}, causal={self.causal})"
 
+    def spec(self):
+        return f"window:{self.window}:{int(self.causal)}", []
+
 
 class PaddingMask(Mask):
     """Key positions ``j >= lengths[b]`` are masked for every query of batch item ``b``."""
 
     def __init__(self, lengths: Sequence[int] | Tensor) -> None:
         self.lengths = _index_tensor("lengths", lengths, ndim=(1,))
-        if (self.lengths < 0).any():
+        # a value check reads the tensor on the host: eager only (a compiled graph skips it)
+        if not torch.compiler.is_compiling() and (self.lengths < 0).any():
             raise ValueError(f"lengths must be >= 0, got {self.lengths.tolist()}")
         self.batch_size = int(self.lengths.numel())
         # Lengths given as Python ints are structure: backends may slice keys by them (no mask
@@ -124,6 +131,11 @@ class PaddingMask(Mask):
     def __repr__(self) -> str:
         return f"padding({self.lengths.tolist()})"
 
+    def spec(self):
+        if self.py_lengths is not None:
+            return "padding:" + ",".join(str(n) for n in self.py_lengths), []
+        return "padding", [self.lengths]
+
 
 class StridedMask(Mask):
     """Sparse-Transformer strided pattern: a local block of ``stride`` plus every stride-th key."""
@@ -139,6 +151,9 @@ class StridedMask(Mask):
 
     def __repr__(self) -> str:
         return f"strided({self.stride}, causal={self.causal})"
+
+    def spec(self):
+        return f"strided:{self.stride}:{int(self.causal)}", []
 
 
 class GlobalLocalMask(Mask):
@@ -167,6 +182,9 @@ class GlobalLocalMask(Mask):
 
     def __repr__(self) -> str:
         return f"global_local({self.window}, global_tokens={self.global_idx.tolist()})"
+
+    def spec(self):
+        return f"global_local:{self.window}", [self.global_idx]
 
 
 class BigBirdMask(Mask):
@@ -222,6 +240,14 @@ class BigBirdMask(Mask):
             f"bigbird(block_size={self.block_size}, window_blocks={self.window_blocks}, "
             f"global_blocks={self.global_blocks}, random_blocks={self.random_blocks}, "
             f"seed={self.seed})"
+        )
+
+    def spec(self):
+        b = self
+        return (
+            f"bigbird:{b.block_size}:{b.window_blocks}:{b.global_blocks}:{b.random_blocks}:"
+            f"{b.seed}",
+            [],
         )
 
 
@@ -304,6 +330,9 @@ class DocumentMask(Mask):
     def __repr__(self) -> str:
         return f"document(ids of shape {tuple(self.ids.shape)})"
 
+    def spec(self):
+        return f"document:{int(self.runs_distinct)}", [self.ids]
+
 
 def causal() -> Mask:
     """Bottom-right causal mask: position ``p = i + S − L`` sees keys ``j <= p``.
@@ -371,3 +400,54 @@ def document(ids: Sequence[int] | Tensor) -> Mask:
 
 document.from_lengths = DocumentMask.from_lengths  # type: ignore[attr-defined]
 document.from_cu_seqlens = DocumentMask.from_cu_seqlens  # type: ignore[attr-defined]
+
+
+def from_spec(spec: str, tensors: list[Tensor]) -> Mask:
+    """Rebuilds the mask described by `Mask.spec` (its structure string and its tensors)."""
+    pos, k = 0, 0
+
+    def parse() -> Mask:
+        nonlocal pos, k
+        if spec.startswith("~", pos):
+            pos += 1
+            return ~parse()
+        if spec.startswith("(", pos):
+            pos += 1
+            a = parse()
+            op = spec[pos]
+            pos += 1
+            b = parse()
+            pos += 1  # ")"
+            return a & b if op == "&" else a | b
+        end = pos
+        while end < len(spec) and spec[end] not in "&|)":
+            end += 1
+        name, *args = spec[pos:end].split(":")
+        pos = end
+        if name == "causal":
+            return CausalMask()
+        if name == "window":
+            return SlidingWindowMask(int(args[0]), bool(int(args[1])))
+        if name == "strided":
+            return StridedMask(int(args[0]), bool(int(args[1])))
+        if name == "bigbird":
+            return BigBirdMask(*(int(a) for a in args))
+        if name == "padding" and args:
+            return PaddingMask([int(n) for n in args[0].split(",")])
+        k += 1
+        t = tensors[k - 1]
+        if name == "padding":
+            return PaddingMask(t)
+        if name == "global_local":
+            return GlobalLocalMask(int(args[0]), t)
+        if name == "document":
+            m = DocumentMask(t)
+            m.runs_distinct = bool(int(args[0]))
+            return m
+        if name == "tensor":
+            from .base import TensorMask
+
+            return TensorMask(t)
+        raise ValueError(f"from_spec: unknown mask {name!r} in {spec!r}")
+
+    return parse()
