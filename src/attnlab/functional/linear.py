@@ -117,8 +117,26 @@ def zero_padded_keys(
 # ----------------------------------------------------------------------------------------- NaN rule
 
 
+class _Clean(torch.autograd.Function):
+    """``nan_to_num(x, 0, 0, 0)`` whose backward is one compare and one select (``x == clean``
+    is False exactly at NaN/±inf), instead of the composite ``isfinite`` of torch's backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
+        c = torch.nan_to_num(x, 0.0, 0.0, 0.0)
+        ctx.save_for_backward(x, c)
+        return c
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        x, c = ctx.saved_tensors
+        return torch.where(x == c, grad, 0.0)
+
+
 def clean(x: Tensor) -> Tensor:
     """Non-finite entries read as 0 (gradient 0 there): what the NaN rule computes on."""
+    if x.requires_grad:
+        return _Clean.apply(x)
     return torch.nan_to_num(x, 0.0, 0.0, 0.0)
 
 
@@ -165,13 +183,15 @@ def nan_rule_poison(
             torch.full((B, H_kv, 1, 1, Dv), -0.0, dtype=v.dtype, device=v.device),
         )
     q_bad = _bad_rows(q).unflatten(1, (H_kv, G))  # (B, H_kv, G, L)
-    k_bad = _bad_rows(k)  # (B, H_kv, S)
+    k_bad = _bad_rows(k) if causal or key_mask is not None else None  # (B, H_kv, S)
     if key_mask is not None:  # padded keys never reach a row
+        assert k_bad is not None
         k_bad = k_bad & key_mask[:, None, :]
         v = torch.where(key_mask[:, None, :, None], v, 0.0)
     if causal:
         last = torch.arange(L, device=q.device) + (S - L)  # (L,): row i sees keys j <= last_i
         # prefix flags over keys (0, or NaN from the first bad entry on), aligned to the rows
+        assert k_bad is not None
         k_seen = k_bad.to(torch.int32).cumsum(dim=-1) > 0  # (B, H_kv, S)
         v_seen = _flag(v).cumsum(dim=-2)  # (B, H_kv, S, Dv)
         if L <= S:
@@ -189,7 +209,8 @@ def nan_rule_poison(
     else:
         if key_mask is not None:  # a row with every key padded attends nothing
             q_bad = q_bad & key_mask.any(dim=-1)[:, None, None, None]
-        row = q_bad | k_bad.any(dim=-1)[:, :, None, None]  # (B, H_kv, G, L)
+        k_any = _bad_rows(k.flatten(-2)) if k_bad is None else k_bad.any(dim=-1)  # (B, H_kv)
+        row = q_bad | k_any[:, :, None, None]  # (B, H_kv, G, L)
         col = _bad_rows(v.transpose(-1, -2))[:, :, None, None, :]  # (B, H_kv, 1, 1, Dv)
     return _poison(row.unsqueeze(-1), v.dtype), _poison(col, v.dtype)
 
