@@ -231,8 +231,13 @@ def kernel_attention(
 ) -> Tensor:
     """Non-causal ``φQ (φKᵀ V) / (φQ (φKᵀ 1) + eps)`` without the ``(L, S)`` matrix.
 
+    Inputs are taken as finite; the NaN rule enters through ``poison`` (`nan_rule_poison`).
+
     Args:
         fq: ``(B, H_kv, G, L, F)``. fk: ``(B, H_kv, S, F)``. v: ``(B, H_kv, S, Dv)``.
+        eps: added to the denominator.
+        poison: optional ``(B, H_kv, G|1, L, Dv)`` NaN/−0.0 added to the output in the same
+            pass as the division (no gradient flows into it).
 
     Returns:
         ``(B, H_kv, G, L, Dv)``.
@@ -261,6 +266,8 @@ def causal_kernel_attention(
     Args:
         fq: ``(B, H_kv, G, L, F)``. fk: ``(B, H_kv, S, F)``. v: ``(B, H_kv, S, Dv)``.
         eps: added to the denominator. chunk_size: C.
+        poison: optional ``(B, H_kv, G|1, L, Dv)`` NaN/−0.0 of the NaN rule added to the output
+            (rows that see no key are never poisoned).
 
     Returns:
         ``(B, H_kv, G, L, Dv)``.

@@ -90,8 +90,10 @@ def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tens
         # nan_to_num: a part with weight 0 must not leak NaN/inf stored in its (unused) output;
         # a live part's non-finite entries are flagged instead (column-wise, as the rule says).
         oc = o.to(acc)
-        bad = bad | (~torch.isfinite(oc) & ~torch.isneginf(lse_i).unsqueeze(-1))
-        out += f.unsqueeze(-1) * torch.nan_to_num(oc, 0.0, 0.0, 0.0)
+        cleaned = torch.nan_to_num(oc, 0.0, 0.0, 0.0)
+        # oc != cleaned exactly at NaN/±inf (one compare; isfinite is a composite of several)
+        bad = bad | ((oc != cleaned) & ~torch.isneginf(lse_i).unsqueeze(-1))
+        out = out.addcmul(f.unsqueeze(-1), cleaned)  # out + f · cleaned
     # + (−0.0) keeps every value bit-exact; NaN where the rule says. Gradients see none of it.
     out = out + torch.where(bad, float("nan"), -0.0)
     lse = lse + torch.where(bad_lse.any(dim=0), float("nan"), -0.0)
