@@ -241,7 +241,9 @@ def attention_weights(
     Returns:
         ``(B, len(heads), len(rows), S)`` (3-D in: ``(B, len(rows), S)``) in q's dtype; equal to
         ``attention(..., return_weights=True)[1][:, heads][:, :, rows]``. Masked pairs and rows
-        with no key are exactly 0.
+        with no key are exactly 0. The NaN rule: a NaN/±inf logit on a pair row i may attend
+        (from q_i, k_j or the bias), or a NaN/+inf lse_i, makes row i's weights NaN; non-finite
+        values on pairs it may not attend never reach it.
 
     Raises:
         ValueError: lse of the wrong shape, rows/heads out of range, and as `attention`.
@@ -296,7 +298,9 @@ def attention_stats(
 
     Returns:
         `AttentionStats` of ``(B, H, L)`` tensors (``(B, L)`` for 3-D inputs) in float32
-        (float64 for float64 inputs); rows with no key have every statistic 0.
+        (float64 for float64 inputs); rows with no key have every statistic 0. The NaN rule: a
+        non-finite logit on a pair row i may attend, or a NaN/+inf lse_i, makes row i's
+        statistics NaN; non-finite keys it may not attend never reach it.
 
     Raises:
         ValueError, TypeError: as `attention`.
