@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._shapes import Dims, check_number, check_qkv
+from .nan_rule import clean
 from .reference import LINEAR_FEATURE_MAPS, compute_dtype_for
 
 FeatureMap = Callable[[Tensor], Tensor]
@@ -115,29 +116,6 @@ def zero_padded_keys(
 
 
 # ----------------------------------------------------------------------------------------- NaN rule
-
-
-class _Clean(torch.autograd.Function):
-    """``nan_to_num(x, 0, 0, 0)`` whose backward is one compare and one select (``x == clean``
-    is False exactly at NaN/±inf), instead of the composite ``isfinite`` of torch's backward."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
-        c = torch.nan_to_num(x, 0.0, 0.0, 0.0)
-        ctx.save_for_backward(x, c)
-        return c
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
-        x, c = ctx.saved_tensors
-        return torch.where(x == c, grad, 0.0)
-
-
-def clean(x: Tensor) -> Tensor:
-    """Non-finite entries read as 0 (gradient 0 there): what the NaN rule computes on."""
-    if x.requires_grad:
-        return _Clean.apply(x)
-    return torch.nan_to_num(x, 0.0, 0.0, 0.0)
 
 
 def _flag(x: Tensor) -> Tensor:

@@ -282,11 +282,6 @@ def causal_keep(L: int, S: int, device: torch.device | None = None) -> Tensor:
     return torch.ones(L, S, dtype=torch.bool, device=device).tril(S - L)
 
 
-def _clean(x: Tensor) -> Tensor:
-    """Non-finite entries read as 0 (their gradient is 0): the computation the NaN rule runs."""
-    return torch.nan_to_num(x, 0.0, 0.0, 0.0)
-
-
 def _kernel_keep(
     L: int, S: int, causal: bool, key_mask: Tensor | None, device: torch.device
 ) -> Tensor:
@@ -300,28 +295,25 @@ def _kernel_keep(
 
 
 def nan_rule_poison(q: Tensor, k: Tensor, v: Tensor, keep: Tensor) -> Tensor:
-    """The NaN rule written out: NaN where it makes the output non-finite, −0.0 elsewhere.
+    """The NaN rule of kernel attention: NaN where it makes the output non-finite, −0.0 elsewhere.
 
-    Row i is poisoned if it may attend some key and q_i is non-finite, or if an attended k_j
-    is non-finite; column d of row i if an attended ``v_j[d]`` is non-finite. Adding the result
-    to an output keeps every other value bit-exact (``x + (−0.0) == x``) and adds no gradient.
+    `nan_rule.bad_entries` on the kernel-attention mask: row i is poisoned if it may attend some
+    key and q_i is non-finite, or if an attended k_j is non-finite; column d of row i if an
+    attended ``v_j[d]`` is. Adding the result keeps every other value bit-exact.
 
     Args:
         q: ``(B, H, L, D|F)``. k: ``(B, H_kv, S, D|F)``. v: ``(B, H_kv, S, Dv)``.
-        keep: bool, True = row i may attend key j, broadcastable to ``(B, H_kv, G, L, S)``.
+        keep: bool ``(L, S)`` or ``(B|1, 1, 1, L, S)``, True = row i may attend key j.
 
     Returns:
         ``(B, H_kv, G, L, Dv)`` in v's dtype.
     """
     H_kv = k.shape[1]
-    q_bad = ~torch.isfinite(q).all(dim=-1)  # (B, H, L)
-    q_bad = q_bad.unflatten(1, (H_kv, q.shape[1] // H_kv if H_kv else 0))  # (B, H_kv, G, L)
-    k_bad = ~torch.isfinite(k).all(dim=-1)  # (B, H_kv, S)
-    v_bad = ~torch.isfinite(v)  # (B, H_kv, S, Dv)
-    has_key = keep.any(dim=-1)  # (…, L)
-    row = (q_bad & has_key) | (keep & k_bad[:, :, None, None, :]).any(dim=-1)  # (B, H_kv, G, L)
-    col = (keep.double() @ v_bad[:, :, None].double()) > 0  # (B, H_kv, G|1, L, Dv)
-    bad = row.unsqueeze(-1) | col  # (B, H_kv, G, L, Dv)
+    keep4 = keep if keep.dim() == 2 else keep.squeeze(2)  # (L, S) or (B|1, 1, L, S)
+    _, bad = nan_rule.bad_entries(
+        q, k, v, keep=keep4.reshape((1,) * (4 - keep4.dim()) + tuple(keep4.shape))
+    )
+    bad = bad.unflatten(1, (H_kv, q.shape[1] // H_kv if H_kv else 0))  # (B, H_kv, G, L, Dv)
     return torch.where(bad, float("nan"), -0.0).to(v.dtype)
 
 
@@ -368,7 +360,9 @@ def kernel_attention(
     B, H, L, _ = fq.shape
     S, Dv = fk.shape[2], v.shape[-1]
     keep = _kernel_keep(L, S, causal, key_mask, fq.device)
-    out = _kernel_product(_clean(fq), _clean(fk), _clean(v), keep, eps, reorder)
+    out = _kernel_product(
+        nan_rule.clean(fq), nan_rule.clean(fk), nan_rule.clean(v), keep, eps, reorder
+    )
     out = out + nan_rule_poison(fq, fk, v, keep)  # (B, H_kv, G, L, Dv)
     return out.flatten(1, 2).reshape(B, H, L, Dv)  # (B, H, L, Dv)
 
@@ -396,8 +390,8 @@ def _kernel_reference(
     B, H, L, _ = q.shape
     S, Dv = k.shape[2], v.shape[-1]
     keep = _kernel_keep(L, S, causal, key_mask, q.device)
-    kc, vc = _zero_padded_keys(_clean(k), _clean(v), key_mask)
-    out = _kernel_product(phi(_clean(q)), phi(kc), vc, keep, eps, reorder)
+    kc, vc = _zero_padded_keys(nan_rule.clean(k), nan_rule.clean(v), key_mask)
+    out = _kernel_product(phi(nan_rule.clean(q)), phi(kc), vc, keep, eps, reorder)
     out = out + nan_rule_poison(q, k, v, keep)  # (B, H_kv, G, L, Dv)
     return out.flatten(1, 2).reshape(B, H, L, Dv)  # (B, H, L, Dv)
 
