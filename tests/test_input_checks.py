@@ -108,13 +108,21 @@ def test_mask_function_wrong_shape_names_function_and_both_shapes(backend, combi
         attnlab.attention(q, k, v, mask=m, backend=backend)
 
 
-def test_mask_subclass_wrong_shape_is_named_by_repr():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mask_subclass_wrong_shape_is_named_by_repr(backend):
     with pytest.raises(
         ValueError,
         match=r"mask function WrongShapeMask\(\) returned shape \(2, 1, 1\), which does not "
         r"broadcast to the index grid \(B, H, L, S\) = \(1, 1, 4, 6\)",
     ):
         WrongShapeMask().to_dense(4, 6)
+    q, k, v = qkv(L=300, S=300)  # flash: large enough for its tiled block map
+    with pytest.raises(
+        ValueError,
+        match=r"^mask function WrongShapeMask\(\) returned shape \(2, 1, 1\), which does not "
+        r"broadcast to the index grid \(B, H, L, S\) = \(1, 1, 300, 300\)",
+    ):  # named inside a combination, not as the combination
+        attnlab.attention(q, k, v, mask=masks.causal() & ~WrongShapeMask(), backend=backend)
 
 
 def test_mask_function_must_not_grow_an_undeclared_batch_dimension():

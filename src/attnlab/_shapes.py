@@ -156,9 +156,7 @@ def check_probability(name: str, value: object) -> float:
 def check_same_device(name: str, t: Tensor, q: Tensor) -> None:
     """A tensor argument must live on the query's device (a `meta` mask on cpu reads garbage)."""
     if t.device != q.device:
-        raise ValueError(
-            f"{name} must be on the query's device {q.device}, got device {t.device}"
-        )
+        raise ValueError(f"{name} must be on the query's device {q.device}, got device {t.device}")
 
 
 # Largest |scale / temperature| accepted, per compute dtype: 2^(maxexp / 2), so the logits
@@ -197,7 +195,7 @@ def fn_name(fn: object) -> str:
 
 
 def check_index_fn_output(
-    kind: str, fn: object, out: object, index: tuple[Tensor, ...], *, want_bool: bool
+    kind: str, fn: object, out: object, index: tuple[Tensor, ...], *, want_bool: bool = True
 ) -> Tensor:
     """Checks what a mask/bias function returned on the index tensors ``index = (b, h, i, j)``.
 

@@ -74,7 +74,7 @@ def _build_request(
         check_bias_heads(bias, dims.H)
     # A last dim that is not unit-stride (column-major, channels-last-like) is copied once, so
     # every backend reads rows the same way as for the contiguous call (bit-equal results, B5).
-    q, k, v = (_unit_stride_last(t) for t in (q, k, v))
+    q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
     if dims.three_d:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L|S, D)
         if isinstance(mask, Tensor) and mask.dim() == 3:

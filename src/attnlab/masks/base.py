@@ -294,7 +294,9 @@ class _Combined(Mask):
         self._pins_size = a._pins_size or b._pins_size
 
     def _eval(self, b, h, i, j, L, S):
-        x, y = self.a._eval(b, h, i, j, L, S), self.b._eval(b, h, i, j, L, S)
+        idx = (b, h, i, j)
+        x = check_index_fn_output("mask function", self.a, self.a._eval(*idx, L, S), idx)
+        y = check_index_fn_output("mask function", self.b, self.b._eval(*idx, L, S), idx)
         return x & y if self.op == "&" else x | y
 
     def _data_tensors(self) -> list[tuple[str, Tensor]]:
@@ -316,7 +318,10 @@ class _Not(Mask):
         self._pins_size = inner._pins_size
 
     def _eval(self, b, h, i, j, L, S):
-        return ~self.inner._eval(b, h, i, j, L, S)
+        idx = (b, h, i, j)
+        return ~check_index_fn_output(
+            "mask function", self.inner, self.inner._eval(*idx, L, S), idx
+        )
 
     def _data_tensors(self) -> list[tuple[str, Tensor]]:
         return self.inner._data_tensors()
