@@ -194,6 +194,17 @@ def fn_name(fn: object) -> str:
     return name if isinstance(name, str) else repr(fn)
 
 
+def _broadcast_shape(tensors: tuple[Tensor, ...]) -> tuple[int, ...]:
+    """The broadcast shape of broadcastable tensors (torch.broadcast_shapes costs ~0.2 ms)."""
+    nd = max(t.dim() for t in tensors)
+    out = [1] * nd
+    for t in tensors:
+        for k, size in enumerate(t.shape, nd - t.dim()):
+            if size != 1:
+                out[k] = size
+    return tuple(out)
+
+
 def check_index_fn_output(
     kind: str, fn: object, out: object, index: tuple[Tensor, ...], *, want_bool: bool = True
 ) -> Tensor:
@@ -217,28 +228,27 @@ def check_index_fn_output(
         TypeError: not a tensor, or the wrong dtype.
         ValueError: a shape that does not broadcast to the index grid, or another device.
     """
-    name = fn_name(fn)
     ok_dtype = isinstance(out, Tensor) and (
         out.dtype == torch.bool if want_bool else out.is_floating_point()
     )
     if not ok_dtype:
         want = "a bool tensor" if want_bool else "a float tensor"
         got = f"dtype {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
-        raise TypeError(f"{kind} must return {want}, got {got} from {name}")
+        raise TypeError(f"{kind} must return {want}, got {got} from {fn_name(fn)}")
     assert isinstance(out, Tensor)
-    grid = tuple(torch.broadcast_shapes(*(t.shape for t in index)))
+    grid = _broadcast_shape(index)
     shape = tuple(out.shape)
     if len(shape) > len(grid) or any(
         a not in (1, b) for a, b in zip(reversed(shape), reversed(grid), strict=False)
     ):
         raise ValueError(
-            f"{kind} {name} returned shape {shape}, which does not broadcast to the index grid "
-            f"(B, H, L, S) = {grid} it was called on"
+            f"{kind} {fn_name(fn)} returned shape {shape}, which does not broadcast to the index "
+            f"grid (B, H, L, S) = {grid} it was called on"
         )
     device = index[-1].device
     if out.dim() and out.device != device:
         raise ValueError(
-            f"{kind} {name} returned a tensor on {out.device}, expected the indices' device "
+            f"{kind} {fn_name(fn)} returned a tensor on {out.device}, expected the indices' device "
             f"{device}"
         )
     return out
