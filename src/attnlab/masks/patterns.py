@@ -13,6 +13,15 @@ from torch import Tensor
 
 from .base import Mask, _check_lengths
 
+# Any size at least this large acts as "unbounded" on int64 positions: sizes are capped to it
+# before they meet an index tensor, so `sliding_window(sys.maxsize)` or `strided(2**70)` neither
+# overflows int64 (p + window wrapped around before) nor fails to convert.
+_HUGE = 1 << 62
+
+
+def _cap(n: int) -> int:
+    return min(n, _HUGE)
+
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -69,14 +78,11 @@ class SlidingWindowMask(Mask):
         self.window = _positive_int("window", window)
         self.causal = bool(causal)
 
-    def _bounds(self, p: Tensor) -> tuple[Tensor, Tensor]:
-        lo = p - self.window + 1
-        hi = p if self.causal else p + self.window - 1
-        return lo, hi
-
     def _eval(self, b, h, i, j, L, S):
-        lo, hi = self._bounds(i + (S - L))
-        return (j >= lo) & (j <= hi)
+        # On d = j − p (small), never p ± window: exact for every window without int64 overflow.
+        d = j - (i + (S - L))
+        reach = _cap(self.window) - 1
+        return (d >= -reach) & (d <= (0 if self.causal else reach))
 
     def key_interval(self, L, S, *, device=None):
         lo, hi = self._bounds(torch.arange(L, device=device) + (S - L))
@@ -85,7 +91,10 @@ class SlidingWindowMask(Mask):
     def row_counts(self, L, S, *, batch=None, heads=None, device=None):
         _check_lengths(L, S)
         self._batch_heads(batch, heads)
-        lo, hi = self._bounds(torch.arange(L, device=device) + (S - L))
+        p = torch.arange(L, device=device) + (S - L)
+        # |j − p| <= max(L, S) − 1 on the grid, so a wider window counts the same.
+        reach = min(self.window, max(L, S) + 1) - 1
+        lo, hi = p - reach, (p if self.causal else p + reach)
         return _interval_counts(lo, hi, S).view(1, 1, L)
 
     def __repr__(self) -> str:
@@ -146,7 +155,8 @@ class StridedMask(Mask):
 
     def _eval(self, b, h, i, j, L, S):
         d = i + (S - L) - j
-        keep = (d.abs() < self.stride) | (d.remainder(self.stride) == 0)
+        stride = _cap(self.stride)  # the same pattern on any grid smaller than 2^62
+        keep = (d.abs() < stride) | (d.remainder(stride) == 0)
         return keep & (d >= 0) if self.causal else keep
 
     def __repr__(self) -> str:
@@ -178,7 +188,7 @@ class GlobalLocalMask(Mask):
 
     def _eval(self, b, h, i, j, L, S):
         p = i + (S - L)
-        return ((p - j).abs() < self.window) | self._is_global(p) | self._is_global(j)
+        return ((p - j).abs() < _cap(self.window)) | self._is_global(p) | self._is_global(j)
 
     def __repr__(self) -> str:
         return f"global_local({self.window}, global_tokens={self.global_idx.tolist()})"
@@ -224,11 +234,16 @@ class BigBirdMask(Mask):
 
     def _eval(self, b, h, i, j, L, S):
         nblocks = max(1, -(-S // self.block_size))
-        qb = torch.div(i + (S - L), self.block_size, rounding_mode="floor")
-        kb = torch.div(j, self.block_size, rounding_mode="floor")
-        window = (qb - kb).abs() <= self.window_blocks // 2
-        global_q = (qb >= 0) & (qb < self.global_blocks)
-        keep = window | global_q | (kb < self.global_blocks)
+        block, radius, n_global = (
+            _cap(self.block_size),
+            _cap(self.window_blocks // 2),
+            _cap(self.global_blocks),
+        )
+        qb = torch.div(i + (S - L), block, rounding_mode="floor")
+        kb = torch.div(j, block, rounding_mode="floor")
+        window = (qb - kb).abs() <= radius
+        global_q = (qb >= 0) & (qb < n_global)
+        keep = window | global_q | (kb < n_global)
         if self.random_blocks:
             table = self.random_table(nblocks).to(i.device)
             valid = qb >= 0
