@@ -85,7 +85,9 @@ class SlidingWindowMask(Mask):
         return (d >= -reach) & (d <= (0 if self.causal else reach))
 
     def key_interval(self, L, S, *, device=None):
-        lo, hi = self._bounds(torch.arange(L, device=device) + (S - L))
+        p = torch.arange(L, device=device) + (S - L)
+        reach = min(self.window, max(L, S) + 1) - 1  # a wider window attends the same keys
+        lo, hi = p - reach, (p if self.causal else p + reach)
         return lo.clamp(0, S).view(1, 1, L), (hi + 1).clamp(0, S).view(1, 1, L)
 
     def row_counts(self, L, S, *, batch=None, heads=None, device=None):
