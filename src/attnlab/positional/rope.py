@@ -110,6 +110,11 @@ class RoPE(nn.Module):
         return compute_rope_parameters(self.scaling, self.rotary_dim, self.base, seq_len=seq_len)
 
     @property
+    def depends_on_seq_len(self) -> bool:
+        """Whether the frequencies depend on the sequence length (``dynamic``, ``longrope``)."""
+        return self._dynamic
+
+    @property
     def inv_freq(self) -> Tensor:
         """``θ_i`` after scaling, ``(rotary_dim/2,)`` float64; seq-len dependent types: short."""
         return self.frequencies()[0]
@@ -130,7 +135,9 @@ class RoPE(nn.Module):
 
         Args:
             positions: integer tensor of any shape.
-            seq_len: sequence length for seq-len dependent scaling; default ``max(positions) + 1``.
+            seq_len: sequence length for seq-len dependent scaling; default ``max(positions) + 1``
+                (read from the tensor: a host synchronisation, only for those scaling types —
+                pass ``seq_len`` to avoid it under `torch.compile`).
             dtype: float32 or float64 (computed in float64, rounded once).
 
         Returns:
@@ -159,10 +166,16 @@ class RoPE(nn.Module):
             positions: integer positions ``(L,)``, ``(B, L)`` (per batch item, shared by heads),
                 or broadcastable to ``x.shape[:-1]``; an int p means ``p, p+1, …, p+L−1`` (p = the
                 KV-cache length when decoding); None means ``0..L−1``.
-            seq_len: sequence length for dynamic/longrope scaling; default ``max(positions) + 1``.
+            seq_len: sequence length for dynamic/longrope scaling; default ``max(positions) + 1``,
+                known on the host for None/int positions. Only for a position *tensor* with a
+                seq-len dependent scaling type is it read from the tensor (a host sync: pass
+                ``seq_len`` under `torch.compile`). Other types ignore it.
 
         Returns:
             Tensor shaped and typed like x.
+
+        No host synchronisation for the default, linear, YaRN and Llama-3 types (or whenever
+        ``seq_len`` is given), so ``torch.compile(fullgraph=True)`` traces it in one graph.
         """
         if not isinstance(x, Tensor) or not x.is_floating_point():
             got = f"dtype {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
@@ -172,6 +185,9 @@ class RoPE(nn.Module):
                 f"x must be (..., L, head_dim={self.head_dim}), got shape {tuple(x.shape)}"
             )
         L = x.shape[-2]
+        host = positions is None or (isinstance(positions, int) and not isinstance(positions, bool))
+        if seq_len is None and self._dynamic and L and host:
+            seq_len = (positions or 0) + L  # max position + 1, known on the host
         positions = self._positions(x, positions, L)
         table_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         cos, sin = self.cos_sin(positions, seq_len=seq_len, dtype=table_dtype)  # (..., L, R/2)
