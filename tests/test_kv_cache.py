@@ -249,4 +249,21 @@ def test_dynamic_rope_with_explicit_cache_positions_uses_their_maximum():
         got = mha(x[:, t : t + 1], cache=cache, positions=pos[t : t + 1])[:, -1]
         want = mha(x[:, : t + 1], mask=masks.causal(), positions=pos[: t + 1])[:, -1]
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
-    assert cache._bound is None  # explicit positions: unknown on the host
+    assert cache.update(*(2 * [torch.zeros(1, 4, 0, 8, dtype=torch.float64)])).start is None
+
+
+@pytest.mark.parametrize(
+    "make", [KVCache, lambda: KVCache(12), lambda: SlidingWindowCache(3), lambda: SinkCache(2, 3)]
+)
+def test_host_side_start_matches_the_stored_positions(make):
+    """The module rotates by ``view.start`` (host int) instead of reading positions: it must be
+    exactly the first stored position, with the positions contiguous from it."""
+    cache = make()
+    for T in (4, 1, 1, 2, 1, 0, 1):
+        k = torch.randn(1, 2, T, 8)
+        view = cache.update(k, torch.randn(1, 2, T, 8))
+        S = view.k.shape[2]
+        assert view.start is not None
+        want = torch.arange(view.start, view.start + S).view(1, S)
+        assert torch.equal(view.k_positions, want)
+        assert torch.equal(view.q_positions, want[:, S - T :])

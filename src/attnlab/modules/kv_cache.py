@@ -48,9 +48,10 @@ class CacheView:
         k_positions: RoPE positions of the keys, ``(B|1, S)``.
         q_positions: RoPE positions of the new queries, ``(B|1, T)``.
         mask: the mask the eviction policy needs on top of the caller's, or None.
-        seq_len: ``max(k_positions) + 1`` when the cache knows it on the host (default positions),
-            else None (explicit position tensors: only the tensor knows). Seq-len dependent RoPE
-            scaling reads it instead of synchronising on ``k_positions.max()``.
+        start: a host-side int when the key positions are ``start, start + 1, …, start + S − 1``
+            (every position assigned by the cache), else None (caller-given position tensors:
+            only the tensor knows). The module then rotates by int offsets: no position tensor
+            is read, and ``start + S`` is the sequence length seq-len dependent RoPE needs.
     """
 
     k: Tensor
@@ -58,7 +59,7 @@ class CacheView:
     k_positions: Tensor
     q_positions: Tensor
     mask: Mask | None
-    seq_len: int | None = None
+    start: int | None = None
 
 
 def _check_kv(k: Tensor, v: Tensor) -> None:
@@ -136,9 +137,9 @@ class KVCache:
         self._pos: Tensor | None = None
         self._len = 0
         self.seen = 0  # tokens ever appended (the next default position)
-        # max(stored positions) + 1 while every position was assigned by the cache; None once a
-        # caller passed explicit positions (then only the position tensor knows it).
-        self._bound: int | None = 0
+        # True while every stored position was assigned by the cache (then they are contiguous:
+        # seen - len(self) ... seen - 1); False once a caller passed explicit positions.
+        self._contiguous = True
 
     def __len__(self) -> int:
         return self._len
@@ -202,7 +203,7 @@ class KVCache:
         self._pos[:, self._len : self._len + T] = pos
         self._len += T
         self.seen += T
-        self._bound = None if explicit or self._bound is None else self.seen
+        self._contiguous = self._contiguous and not explicit
 
     def _stored(self, like_k: Tensor, like_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The stored ``(k, v, positions)``; empty, shaped like the update, when nothing is."""
@@ -233,7 +234,11 @@ class KVCache:
         else:
             self._check_against_cache(k, v, pos)
         ks, vs, ps = self._stored(k, v)
-        return CacheView(ks, vs, ps, pos, None, self._bound)
+        return CacheView(ks, vs, ps, pos, None, self._start())
+
+    def _start(self) -> int | None:
+        """The first stored position when the positions are contiguous and host-known."""
+        return self.seen - self._len if self._contiguous else None
 
 
 def _dynamic_len(t: Tensor) -> Tensor:
@@ -268,7 +273,7 @@ class SlidingWindowCache(KVCache):
         else:
             self._check_against_cache(k, v, pos)
         ks, vs, ps = self._stored(k, v)
-        view = CacheView(ks, vs, ps, pos, sliding_window(self.window), self._bound)
+        view = CacheView(ks, vs, ps, pos, sliding_window(self.window), self._start())
         self._evict(keep_first=0)
         return view
 
@@ -334,7 +339,7 @@ class SinkCache(SlidingWindowCache):
         ks, vs, _ = self._stored(k, v)
         S = ks.shape[2]
         cache_pos = torch.arange(S, device=k.device).view(1, S)  # (1, S)
-        view = CacheView(ks, vs, cache_pos, cache_pos[:, S - T :], mask, S)
+        view = CacheView(ks, vs, cache_pos, cache_pos[:, S - T :], mask, 0)
         if T > 1:
             self._evict(keep_first=min(self.sink_tokens, self._len))
         return view

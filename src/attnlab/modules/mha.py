@@ -212,7 +212,9 @@ class MultiHeadAttention(nn.Module):
             view = cache.update(k, v, positions)
             k, v, k_pos, q_pos = view.k, view.v, view.k_positions, view.q_positions
             mask = _combine(mask, view.mask)
-            seq_len = view.seq_len
+            if view.start is not None:  # positions start, start + 1, …: known on the host
+                S = k.shape[2]
+                k_pos, q_pos, seq_len = view.start, view.start + S - L, view.start + S
         if self.rope is not None:
             if key is not None and positions is None:
                 k_pos = None
