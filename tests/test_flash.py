@@ -356,6 +356,9 @@ def test_g9_double_backward_raises_clear_error():
     assert gq.requires_grad
     with pytest.raises(RuntimeError, match=r"double backward.*backend='reference'"):
         torch.autograd.grad(gq.pow(2).sum(), q)
+    # (the failed call above freed part of gq's graph: build it again)
+    out = attnlab.attention(q, k, v, mask=masks.causal(), backend="flash")
+    (gq,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
     penalty = gq.pow(2).sum()
     with pytest.raises(RuntimeError, match=r"not differentiable"):
         (out.sum() + penalty).backward()

@@ -248,8 +248,17 @@ def attention_weights(
         TypeError: as `attention`.
     """
     req = _build_request(
-        q, k, k, mask=mask, bias=bias, scale=scale, temperature=temperature, score=score,
-        dropout_p=0.0, backend="auto", return_weights=False,
+        q,
+        k,
+        k,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        temperature=temperature,
+        score=score,
+        dropout_p=0.0,
+        backend="auto",
+        return_weights=False,
     )
     d = req.dims
     lse4 = _check_lse(lse, q, d)
@@ -293,8 +302,17 @@ def attention_stats(
         ValueError, TypeError: as `attention`.
     """
     req = _build_request(
-        q, k, v, mask=mask, bias=bias, scale=scale, temperature=temperature, score=score,
-        dropout_p=0.0, backend="auto", return_weights=False,
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        temperature=temperature,
+        score=score,
+        dropout_p=0.0,
+        backend="auto",
+        return_weights=False,
     )
     d = req.dims
     with torch.no_grad():

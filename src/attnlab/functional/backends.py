@@ -17,7 +17,12 @@ def _reference_run_lse(req: Request) -> tuple[Tensor, Tensor, Tensor]:
     out, weights = reference_run(req)
     mask, bias = request_dense(req)
     lse = reference.logsumexp(
-        req.q, req.k, mask=mask, bias=bias, scale=req.scale, temperature=req.temperature,
+        req.q,
+        req.k,
+        mask=mask,
+        bias=bias,
+        scale=req.scale,
+        temperature=req.temperature,
         score=req.score,
     )
     return out, weights, lse

@@ -43,10 +43,19 @@ import torch
 from torch import Tensor
 
 from ..masks import Mask, TensorMask
+from . import nan_rule
 from .merge import merge_into, merge_partials
 from .request import BiasFn, Request, is_relative_bias
 from .scores import get_score
-from .tiling import CALL_CAUSAL, CALL_MASKED, BandCall, Call, Plan, band_of, build_plan
+from .tiling import (
+    CALL_CAUSAL,
+    CALL_MASKED,
+    BandCall,
+    Call,
+    Plan,
+    band_of,
+    build_plan,
+)
 
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")
@@ -189,35 +198,8 @@ def _fix_dead_rows(out: Tensor, lse: Tensor, add: Tensor | None) -> tuple[Tensor
     """
     if add is None:
         return out, lse
-    cand = lse == 0
-    if not bool(cand.any()):
-        return out, lse
-    dead = torch.isneginf(add).all(dim=-1) & cand  # (nb, H, R)
+    dead = torch.isneginf(add).all(dim=-1) & (lse == 0)  # (nb, H, R)
     return out.masked_fill(dead.unsqueeze(-1), 0.0), lse.masked_fill(dead, _NEG_INF)
-
-
-def _finite(x: Tensor) -> bool:
-    """No NaN/inf in x (one reduction, no temporaries; an overflowing sum only costs a copy)."""
-    return bool(torch.isfinite(x.sum(dtype=_acc_dtype(x.dtype))))
-
-
-def _live_columns(add: Tensor | None) -> Tensor | None:
-    """Columns of a tile that some row attends, ``(nb|1, H|1, K)``; None if all are."""
-    if add is None:
-        return None
-    live = ~torch.isneginf(add).all(dim=-2)
-    return None if bool(live.all()) else live
-
-
-def _zero_dead_cols(k: Tensor, v: Tensor, live: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Zeroes key/value columns no row of the tile attends (``where``: NaN/inf cannot leak)."""
-    if live is None:
-        return k, v
-    H_kv = k.shape[1]
-    if live.shape[1] > 1:
-        live = live.unflatten(1, (H_kv, live.shape[1] // H_kv)).any(dim=2)  # (nb|1, H_kv, K)
-    live = live.unsqueeze(-1)  # (nb|1, H_kv|1, K, 1)
-    return torch.where(live, k, 0), torch.where(live, v, 0)
 
 
 # --------------------------------------------------------------------------- engines
@@ -425,7 +407,6 @@ class FlashJob:
     scale: float
     engine: str  # "kernel" or "torch"
     torch_engine: TorchEngine
-    kv_finite: bool | None = None  # computed when a band call with a bias needs it
     grad_biases: tuple[int, ...] = ()  # indices into source.bias_tensors that need gradients
     out32: Tensor | None = None  # float32 output of a widened float16/bfloat16 forward
     lse_lo: Tensor | None = None  # rounding error of lse, rows of single torch-engine calls
@@ -434,8 +415,7 @@ class FlashJob:
 
     # ---------------------------------------------------------------- helpers
     def _call_tensors(self, q: Tensor, k: Tensor, v: Tensor, c: Call):
-        """q, k, v of a call and its additive tile; key columns no row attends are zeroed when
-        k or v hold NaN/inf anywhere (so they cannot leak), else left alone (bit-identical)."""
+        """q, k, v of a call and its additive tile (inputs are finite: `nan_rule.clean`)."""
         qc = q[c.b0 : c.b1, :, c.r0 : c.r1]
         if isinstance(c.keys, tuple):
             kc = k[c.b0 : c.b1, :, c.keys[0] : c.keys[1]]
@@ -444,10 +424,7 @@ class FlashJob:
             idx = c.keys.to(k.device)
             kc = k[c.b0 : c.b1].index_select(2, idx)
             vc = v[c.b0 : c.b1].index_select(2, idx)
-        add = self.source.for_call(c)
-        if add is not None and not self._kv_finite(k, v):
-            kc, vc = _zero_dead_cols(kc, vc, _live_columns(add))
-        return qc, kc, vc, add
+        return qc, kc, vc, self.source.for_call(c)
 
     def _widen(self, q: Tensor) -> bool:
         """float16/bfloat16 with several calls run the kernel in float32.
@@ -460,11 +437,6 @@ class FlashJob:
         distant logits by whole units.
         """
         return self.engine == "kernel" and q.dtype in (torch.float16, torch.bfloat16)
-
-    def _kv_finite(self, k: Tensor, v: Tensor) -> bool:
-        if self.kv_finite is None:
-            self.kv_finite = _finite(k) and _finite(v)
-        return self.kv_finite
 
     def _run_fwd(self, qc, kc, vc, add, causal) -> tuple[Tensor, Tensor, Tensor | None]:
         if self.engine == "kernel":
@@ -568,11 +540,8 @@ class FlashJob:
             out, lse = self.forward(q.float(), k.float(), v.float())
             self.out32 = out  # backward's δ = rowsum(dout·out) uses the unrounded output
             return out.to(q.dtype), lse
-        covered = torch.zeros(B, L, dtype=torch.bool)
-        for g in plan.groups:
-            covered[g.b0 : g.b1, g.r0 : g.r1] = True
         # rows in no group attend nothing: zeros; skip the memset when every row is covered
-        alloc = torch.empty if bool(covered.all()) and not plan.overlap else torch.zeros
+        alloc = torch.empty if plan.covers_all(B, L) and not plan.overlap else torch.zeros
         out = alloc(B, H, L, Dv, dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, L), _NEG_INF, dtype=acc, device=q.device)
         self.lse_lo = None
@@ -622,9 +591,7 @@ class FlashJob:
         self.lse_lo[rows] = lo
 
     def _band_fwd(self, q, k, v, c: BandCall, out: Tensor, lse: Tensor) -> bool:
-        """Runs a batched band call; False if it must be split (a row or key with no pair)."""
-        if self.source.has_bias and not self._kv_finite(k, v):
-            return False  # the bias may leave key columns dead: zero them call by call
+        """Runs a batched band call (always possible: inputs are finite)."""
         for b in range(c.b0, c.b1):
             add = self._band_add(c, b, q.device)
             inner, add_in = self._interior(c, add)
@@ -776,8 +743,6 @@ class FlashJob:
         return sink
 
     def _band_bwd(self, dout, q, k, v, out, lse_b, c: BandCall, dq, dk, dv) -> bool:
-        if self.source.has_bias and not self._kv_finite(k, v):
-            return False
         for b in range(c.b0, c.b1):
             add = self._band_add(c, b, q.device)
             inner, add_in = self._interior(c, add)
@@ -843,8 +808,6 @@ class _FlashFunction(torch.autograd.Function):
             if dout is None:
                 dout = torch.zeros_like(out)
             dout = dout.contiguous()
-            if dlse is not None and not bool(dlse.any()):
-                dlse = None
             dq, dk, dv = ctx.job.backward(dout, dlse, q, k, v, out, lse)
             dbias = [
                 g.to(ctx.job.source.bias_tensors[i].dtype).reshape(
@@ -990,9 +953,98 @@ def _prepare_inputs(req: Request, engine: str) -> tuple[Tensor, Tensor, Tensor, 
     return q, k, v, Dv
 
 
+def _attended_hits(
+    plan: Plan, source: TileSource, ind: Tensor, B: int, H: int, L: int
+) -> tuple[Tensor, Tensor]:
+    """``any`` of the flags ``ind (B, H_kv, S, C)`` over each row's attended keys, tile by tile.
+
+    Walks the plan's calls (EMPTY tiles are in none): calls without an additive tile reduce over
+    their keys (FULL) or take the first flagged key (CAUSAL); the others multiply their keep tile
+    (mask and bias −inf, from the ORIGINAL bias values) by the flags and also report rows with a
+    NaN/+inf bias entry. Returns ``(hits (B, H, L, C), bias_bad (B, H, L))`` bool.
+    """
+    H_kv, C = ind.shape[1], ind.shape[-1]
+    G = H // H_kv
+    hits = torch.zeros(B, H, L, C, dtype=torch.bool, device=ind.device)
+    bias_bad = torch.zeros(B, H, L, dtype=torch.bool, device=ind.device)
+    for c in plan.simple_calls():
+        keys = c.key_index(ind.device)
+        sub = ind[c.b0 : c.b1].index_select(2, keys)  # (nb, H_kv, K, C)
+        R = c.r1 - c.r0
+        rows = (slice(c.b0, c.b1), slice(None), slice(c.r0, c.r1))
+        add = source.for_call(c)
+        if add is None and c.kind == CALL_CAUSAL:
+            hi = torch.arange(1, R + 1, device=ind.device).view(1, 1, R)
+            hit = nan_rule._any_interval(sub, None, hi).repeat_interleave(G, dim=1)
+        elif add is None:
+            hit = (sub.amax(dim=2) > 0).unsqueeze(2).repeat_interleave(G, dim=1)
+        else:
+            hit = nan_rule._any_dense(sub, ~torch.isneginf(add)).flatten(1, 2)
+            hit = hit.repeat_interleave(H // hit.shape[1], dim=1)  # (nb, H, R|1, C)
+            bias_bad[rows] |= (torch.isnan(add) | torch.isposinf(add)).any(dim=-1)
+        hits[rows] |= hit
+    return hits, bias_bad
+
+
+def _flash_poison(
+    req: Request, plan: Plan, source: TileSource, out: Tensor, lse: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The NaN rule on a result computed from clean inputs (`functional.nan_rule`).
+
+    ``req`` holds the ORIGINAL inputs and ``source`` evaluates the ORIGINAL additive terms. Which
+    keys a row attends comes from the mask's `Mask.key_interval` when it has one, else from the
+    plan's tiles. A bias *function* is not evaluated again: the clean run's lse is NaN/+inf
+    exactly on rows where it returned NaN/+inf at an attended pair (the clean q, k, v are
+    finite); its −inf entries are not removed from the attended keys of the k/v check.
+    """
+    d = req.dims
+    tensor_bias = bool(source.bias_tensors)
+    interval = None
+    if isinstance(req.mask, Mask) and not tensor_bias:
+        interval = req.mask.key_interval(d.L, d.S, device=req.q.device)
+    if not tensor_bias and (req.mask is None or interval is not None):
+        row_bad, bad = nan_rule.bad_entries(req.q, req.k, req.v, interval=interval)
+    else:
+        if not tensor_bias:
+            source = replace(source, bias_fn=None)  # the mask alone decides the attended keys
+        ones = torch.ones(d.B, d.H_kv, d.S, 1, device=req.q.device)
+        k_bad = nan_rule.row_flags(req.k).unsqueeze(-1)
+        ind = torch.cat([ones, k_bad, nan_rule.flags(req.v)], dim=-1)  # (B, H_kv, S, 2 + Dv)
+        hits, bias_bad = _attended_hits(plan, source, ind, d.B, d.H, d.L)
+        row_bad = hits[..., 0] & ((nan_rule.row_flags(req.q) > 0) | hits[..., 1] | bias_bad)
+        bad = row_bad.unsqueeze(-1) | hits[..., 2:]
+    if source.bias_fn is not None or (req.bias is not None and not tensor_bias):
+        fn_bad = torch.isnan(lse) | torch.isposinf(lse)  # (B, H, L)
+        row_bad = row_bad | fn_bad
+        bad = bad | fn_bad.unsqueeze(-1)
+    nan = torch.tensor(float("nan"), dtype=out.dtype, device=out.device)
+    zero = torch.zeros((), dtype=out.dtype, device=out.device).neg()
+    out = out + torch.where(bad, nan, zero)
+    return out, torch.where(row_bad, float("nan"), lse)
+
+
 def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
-    """Runs a validated request on the tiled backend: ``(out (B, H, L, Dv), lse (B, H, L))``."""
-    job = flash_job(req, **options)  # type: ignore[arg-type]
+    """Runs a validated request on the tiled backend: ``(out (B, H, L, Dv), lse (B, H, L))``.
+
+    The NaN rule (`functional.nan_rule`): the tiles run on inputs whose non-finite entries are 0,
+    and NaN is added back where the rule puts it (lse is NaN on those rows).
+    """
+    float_mask = isinstance(req.mask, Tensor) and req.mask.dtype != torch.bool
+    clean_req = replace(
+        req,
+        q=nan_rule.clean(req.q),
+        k=nan_rule.clean(req.k),
+        v=nan_rule.clean(req.v),
+        mask=nan_rule.clean_bias(req.mask) if float_mask else req.mask,  # type: ignore[arg-type]
+        bias=nan_rule.clean_bias(req.bias) if isinstance(req.bias, Tensor) else req.bias,
+    )
+    job = flash_job(clean_req, **options)  # type: ignore[arg-type]
+    out, lse = _run_clean(job, clean_req)
+    original = replace(job.source, bias_tensors=_split_mask_bias(req.mask, req.bias)[2])
+    return _flash_poison(req, job.plan, original, out, lse)
+
+
+def _run_clean(job: FlashJob, req: Request) -> tuple[Tensor, Tensor]:
     q, k, v, Dv = _prepare_inputs(req, job.engine)
     if job.scale < 0:
         # scale·(q·k) = |scale|·((−q)·k): the kernel fills causal −inf before it scales, so a

@@ -7,6 +7,14 @@ Conventions: q ``(B, H, L, D)``, k ``(B, H_kv, S, D)``, v ``(B, H_kv, S, Dv)``, 
 ``mask`` is bool, True = may attend, broadcastable to ``(B, H, L, S)``; ``bias`` is additive float,
 broadcastable to ``(B, H, L, S)`` (−inf entries count as masked). A query row with no attendable key
 outputs zeros and gets zero weights and zero gradients.
+
+The NaN rule: row i's output, and every gradient through it, depends only on ``q_i`` and the
+keys/values row i may attend. A non-finite ``q_i`` or attended ``k_j`` (or a NaN/+inf attended bias
+entry; −inf means masked) makes the whole row NaN; a non-finite attended ``v_j[d]`` makes
+``o_i[d]`` NaN and leaves the other columns exact; a non-finite value anywhere else never reaches
+row i (packed documents stay isolated; causal rows before j never see ``v_j``). A row that may
+attend nothing is zeros even when ``q_i`` is NaN. Gradients are those of the same computation on
+inputs whose non-finite entries are 0 (see `functional.nan_rule`).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import nan_rule
 from .scores import get_score
 
 _NEG_INF = float("-inf")
@@ -151,12 +160,13 @@ def attention(
     if scale is None:
         scale = get_score(score).default_scale(q.shape[-1])
     keep = keep_mask(mask, bias)
-    k, v = zero_dead_keys(k, v, keep)
+    q_in, k_in, v_in = q, k, v
+    q, k, v = nan_rule.clean(q), nan_rule.clean(k), nan_rule.clean(v)
     logits = _logits(
         q, k, scale=scale, temperature=temperature, score=score, dtype=dtype, reorder=reorder
     )
     if bias is not None:
-        logits = logits + group_heads(bias, H_kv).to(dtype)
+        logits = logits + group_heads(nan_rule.clean_bias(bias), H_kv).to(dtype)
     e, z = _unnormalized_softmax(logits, None if keep is None else group_heads(keep, H_kv))
     vg = v.to(dtype).unsqueeze(2)  # (B, H_kv, 1, S, Dv)
     if reorder:  # normalise after the weighted sum: same value, different rounding
@@ -166,9 +176,10 @@ def attention(
     else:
         p = _dropout(e / z, dropout_p, generator)
         out = p @ vg  # (B, H_kv, G, L, Dv)
-    out = out.flatten(1, 2).to(q.dtype)  # (B, H, L, Dv)
-    weights = p.flatten(1, 2).to(q.dtype)  # (B, H, L, S)
-    return out.reshape(B, H, L, Dv), weights.reshape(B, H, L, S)
+    out = out.flatten(1, 2).to(q.dtype).reshape(B, H, L, Dv)  # (B, H, L, Dv)
+    weights = p.flatten(1, 2).to(q.dtype).reshape(B, H, L, S)  # (B, H, L, S)
+    out, weights = nan_rule.poison(out, q_in, k_in, v_in, keep=keep, bias=bias, weights=weights)
+    return out, weights
 
 
 def logsumexp(
@@ -188,15 +199,17 @@ def logsumexp(
     if scale is None:
         scale = get_score(score).default_scale(q.shape[-1])
     keep = keep_mask(mask, bias)
-    k, _ = zero_dead_keys(k, k[..., :0], keep)
+    row_bad, _ = nan_rule.bad_entries(q, k, k[..., :0], keep=keep, bias=bias)
+    q, k = nan_rule.clean(q), nan_rule.clean(k)
     logits = _logits(q, k, scale=scale, temperature=temperature, score=score, dtype=dtype)
     if bias is not None:
-        logits = logits + group_heads(bias, H_kv).to(dtype)
+        logits = logits + group_heads(nan_rule.clean_bias(bias), H_kv).to(dtype)
     if keep is not None:
         logits = logits.masked_fill(~group_heads(keep, H_kv), _NEG_INF)
     if logits.shape[-1] == 0:
         return logits.new_full((B, H, L), _NEG_INF)
-    return torch.logsumexp(logits, dim=-1).flatten(1, 2).reshape(B, H, L)
+    lse = torch.logsumexp(logits, dim=-1).flatten(1, 2).reshape(B, H, L)
+    return torch.where(row_bad, float("nan"), lse)
 
 
 def additive_attention(

@@ -117,3 +117,14 @@ def dense_mask_and_bias(
 def request_dense(req: Request) -> tuple[Tensor | None, Tensor | None]:
     """`dense_mask_and_bias` for a request."""
     return dense_mask_and_bias(req.mask, req.bias, req.dims, req.q.dtype, req.q.device)
+
+
+def request_interval(req: Request) -> tuple[Tensor | None, Tensor] | None:
+    """Each row's keys as one interval (`Mask.key_interval`) when the request allows it.
+
+    Only for a structured `Mask` without bias (a bias's −inf entries could mask more pairs);
+    None otherwise (then the dense mask describes the attended pairs).
+    """
+    if not isinstance(req.mask, Mask) or req.bias is not None:
+        return None
+    return req.mask.key_interval(req.dims.L, req.dims.S, device=req.q.device)

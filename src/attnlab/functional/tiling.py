@@ -178,6 +178,22 @@ class Plan:
             for i, g in enumerate(self.groups)
         ]
 
+    def covers_all(self, B: int, L: int) -> bool:
+        """True when every (batch, row) lies in some group (from the plan alone, no tensors)."""
+        rows: dict[int, list[tuple[int, int]]] = {}
+        for g in self.groups:
+            for b in range(g.b0, g.b1):
+                rows.setdefault(b, []).append((g.r0, g.r1))
+        for b in range(B):
+            end = 0
+            for r0, r1 in sorted(rows.get(b, [])):
+                if r0 > end:
+                    return False
+                end = max(end, r1)
+            if end < L:
+                return False
+        return True
+
     def simple_calls(self) -> list[Call]:
         """Every call, with batched band calls expanded into one call per query block."""
         out: list[Call] = []

@@ -66,6 +66,21 @@ class Mask(ABC):
             Bool tensor broadcastable against the broadcast of the index tensors.
         """
 
+    # ----------------------------------------------------------------- geometry
+    def key_interval(
+        self, L: int, S: int, *, device: torch.device | str | None = None
+    ) -> tuple[Tensor | None, Tensor] | None:
+        """Each query row's keys as one half-open interval ``[lo, hi)``, if the mask is one.
+
+        Masks whose rows attend a contiguous run of keys (causal, sliding windows, padding,
+        documents and their intersections) return ``(lo, hi)``, int64 tensors broadcastable to
+        ``(B, H, L)`` with ``0 <= lo`` and ``hi <= S`` (a row with ``hi <= lo`` attends nothing);
+        ``lo`` is None when it is 0 for every row. Computed from the mask's structure in O(L)
+        tensor ops, no host reads, so the NaN rule and other per-row reductions over the attended
+        keys run as prefix sums instead of an L×S product. Other masks return None.
+        """
+        return None
+
     # ----------------------------------------------------------------- rendering
     def _batch_heads(self, batch: int | None, heads: int | None) -> tuple[int, int]:
         nb = self.batch_size if self.batch_size is not None else 1
@@ -286,6 +301,16 @@ class _Combined(Mask):
     def _eval(self, b, h, i, j, L, S):
         x, y = self.a._eval(b, h, i, j, L, S), self.b._eval(b, h, i, j, L, S)
         return x & y if self.op == "&" else x | y
+
+    def key_interval(self, L, S, *, device=None):
+        if self.op != "&":
+            return None
+        a = self.a.key_interval(L, S, device=device)
+        b = self.b.key_interval(L, S, device=device)
+        if a is None or b is None:
+            return None
+        lo = a[0] if b[0] is None else b[0] if a[0] is None else torch.maximum(a[0], b[0])
+        return lo, torch.minimum(a[1], b[1])
 
     def _default_size(self) -> tuple[int, int]:
         # A fixed-size operand (a tensor, document ids) decides; otherwise the larger picture.

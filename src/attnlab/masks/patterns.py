@@ -45,6 +45,10 @@ class CausalMask(Mask):
     def _eval(self, b, h, i, j, L, S):
         return j <= i + (S - L)
 
+    def key_interval(self, L, S, *, device=None):
+        p = torch.arange(L, device=device) + (S - L)
+        return None, (p + 1).clamp(0, S).view(1, 1, L)
+
     def row_counts(self, L, S, *, batch=None, heads=None, device=None):
         _check_lengths(L, S)
         self._batch_heads(batch, heads)
@@ -71,6 +75,10 @@ class SlidingWindowMask(Mask):
         lo, hi = self._bounds(i + (S - L))
         return (j >= lo) & (j <= hi)
 
+    def key_interval(self, L, S, *, device=None):
+        lo, hi = self._bounds(torch.arange(L, device=device) + (S - L))
+        return lo.clamp(0, S).view(1, 1, L), (hi + 1).clamp(0, S).view(1, 1, L)
+
     def row_counts(self, L, S, *, batch=None, heads=None, device=None):
         _check_lengths(L, S)
         self._batch_heads(batch, heads)
@@ -94,6 +102,9 @@ class PaddingMask(Mask):
         n = self.lengths.to(j.device)
         # One length broadcasts over a batch of any size (batch_size 1 combines with any batch).
         return j < (n[b] if n.numel() != 1 else n.view(1, 1, 1, 1))
+
+    def key_interval(self, L, S, *, device=None):
+        return None, self.lengths.to(device).clamp(max=S).view(-1, 1, 1)
 
     def row_counts(self, L, S, *, batch=None, heads=None, device=None):
         _check_lengths(L, S)
@@ -221,6 +232,9 @@ class DocumentMask(Mask):
     def __init__(self, ids: Sequence[int] | Tensor) -> None:
         self.ids = _index_tensor("ids", ids, ndim=(1, 2))
         self.batch_size = int(self.ids.shape[0]) if self.ids.dim() == 2 else None
+        # True when every id labels one contiguous run (built from lengths / cu_seqlens): then
+        # each row's keys form one interval (`key_interval`). Raw ids may repeat in several runs.
+        self.runs_distinct = False
 
     @classmethod
     def from_lengths(cls, lengths: Sequence[int] | Tensor) -> DocumentMask:
@@ -228,7 +242,9 @@ class DocumentMask(Mask):
         n = _index_tensor("lengths", lengths, ndim=(1,))
         if (n < 0).any():
             raise ValueError(f"lengths must be >= 0, got {n.tolist()}")
-        return cls(torch.repeat_interleave(torch.arange(n.numel()), n))
+        mask = cls(torch.repeat_interleave(torch.arange(n.numel()), n))
+        mask.runs_distinct = True
+        return mask
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: Sequence[int] | Tensor) -> DocumentMask:
@@ -250,6 +266,31 @@ class DocumentMask(Mask):
         valid = p >= 0
         q_ids = ids[bi, p.clamp(min=0)]
         return (q_ids == ids[bi, j]) & valid
+
+    def key_interval(self, L, S, *, device=None):
+        if not self.runs_distinct:
+            return None
+        if self.ids.shape[-1] != S:
+            raise ValueError(f"document ids cover {self.ids.shape[-1]} positions, but S={S}")
+        ids = self.ids.to(device)
+        ids = ids if ids.dim() == 2 else ids.view(1, S)  # (B|1, S)
+        if S == 0:
+            z = torch.zeros(ids.shape[0], 1, L, dtype=torch.long, device=device)
+            return z, z
+        j = torch.arange(S, device=device).expand_as(ids)
+        new = torch.ones_like(ids, dtype=torch.bool)
+        new[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        # start of the run holding j; end (exclusive) of the run holding j
+        start = torch.where(new, j, 0).cummax(dim=1).values  # (B|1, S)
+        last = torch.ones_like(new)
+        last[:, :-1] = new[:, 1:]
+        end = torch.where(last, j + 1, S).flip(1).cummin(dim=1).values.flip(1)  # (B|1, S)
+        p = torch.arange(L, device=device) + (S - L)
+        valid = p >= 0
+        pc = p.clamp(min=0)
+        lo, hi = start[:, pc], end[:, pc]  # (B|1, L)
+        hi = torch.where(valid, hi, lo)  # rows before the keys attend nothing
+        return lo.unsqueeze(1), hi.unsqueeze(1)
 
     def _default_size(self) -> tuple[int, int]:
         n = max(1, int(self.ids.shape[-1]))

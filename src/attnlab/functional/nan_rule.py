@@ -1,0 +1,169 @@
+"""The NaN rule as tensor operations: clean the inputs, compute, then poison exactly what must be.
+
+The rule (`reference.attention` defines it): row i's output, and every gradient through it, depends
+only on ``q_i`` and the keys/values row i may attend. A non-finite ``q_i`` or attended ``k_j``, or
+a NaN/+inf in an attended bias entry (−inf means masked), makes the whole row NaN; a non-finite
+attended ``v_j[d]`` makes ``o_i[d]`` NaN and leaves the other columns exact; a non-finite value
+anywhere else never reaches row i. A row that may attend nothing is zeros, even when ``q_i`` is NaN.
+
+Every backend follows the same recipe, with no host synchronisation:
+
+1. ``clean``: non-finite input entries become 0 (``nan_to_num``: one vectorised pass, and its
+   gradient is 0 at those entries), so no kernel can spread NaN through ``0 · NaN`` or
+   ``NaN + (−inf)`` at masked pairs;
+2. the backend computes attention on the clean inputs;
+3. `poison` adds NaN where the rule says and −0.0 elsewhere (``x + (−0.0) == x`` bit for bit).
+
+Which rows and columns to poison needs, per query row, "does it attend a key whose k (or v[d]) is
+non-finite": a reduction over the attended keys of 0/1 flags. Masks that give each row one key
+interval (`Mask.key_interval`: causal, windows, padding, documents) answer it with a first-flag
+index or prefix sums, O((S + L) · Dv); other masks use their dense rendering (``keep @ flags``).
+
+Gradients are those of the clean computation (poison is a constant): finite for a finite
+``dout``, and they reach only the inputs a row may attend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_NAN = float("nan")
+
+
+def clean(x: Tensor) -> Tensor:
+    """``x`` with NaN and ±inf replaced by 0 (a copy; gradient 0 at replaced entries)."""
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def clean_bias(bias: Tensor) -> Tensor:
+    """An additive bias with NaN and +inf replaced by 0; −inf (masked) stays."""
+    return torch.nan_to_num(bias, nan=0.0, posinf=0.0, neginf=float("-inf"))
+
+
+def flags(x: Tensor) -> Tensor:
+    """1.0 where ``x`` is non-finite, else 0, in float32 (``x · 0`` is NaN exactly there)."""
+    return torch.nan_to_num(x.float() * 0, nan=1.0).abs()
+
+
+def row_flags(x: Tensor) -> Tensor:
+    """1.0 where a row (last dim) of ``x`` holds a non-finite entry, else 0; float32 ``(...)``."""
+    return torch.nan_to_num((x * 0).sum(-1, dtype=torch.float32), nan=1.0).abs()
+
+
+def _grouped(t: Tensor, H_kv: int) -> Tensor:
+    """``(B|1, H|1, L, ·)`` → ``(B|1, H_kv|1, G|1, L, ·)``."""
+    if t.shape[1] == 1:
+        return t.unsqueeze(2)
+    return t.unflatten(1, (H_kv, t.shape[1] // H_kv))
+
+
+def _any_interval(ind: Tensor, lo: Tensor | None, hi: Tensor) -> Tensor:
+    """``any_{lo_i <= j < hi_i} ind[j, c]``: ind ``(B, H_kv, S, C)``; lo/hi ``(B|1, 1, L)``."""
+    B, H_kv, S, C = ind.shape
+    if lo is None:  # first flagged key per column, S if none: any ⟺ first < hi
+        w = torch.arange(S, 0, -1, device=ind.device, dtype=torch.float32).view(S, 1)
+        first = S - (ind * w).amax(dim=2)  # (B, H_kv, C)
+        return first.unsqueeze(2) < hi.view(hi.shape[0], 1, -1, 1).to(first.dtype)
+    zero = ind.new_zeros(B, H_kv, 1, C)
+    prefix = torch.cat([zero, ind.cumsum(dim=2)], dim=2)  # (B, H_kv, S + 1, C); exact counts
+    L = hi.shape[-1]
+
+    def at(idx: Tensor) -> Tensor:
+        idx = idx.reshape(idx.shape[0], 1, L, 1).expand(B, H_kv, L, C)
+        return prefix.gather(2, idx)  # (B, H_kv, L, C)
+
+    return (at(hi.clamp(min=0)) - at(lo)) > 0
+
+
+def _any_dense(ind: Tensor, keep: Tensor) -> Tensor:
+    """``any_j keep[i, j] · ind[j, c]``: ind ``(B, H_kv, S, C)``, keep ``(B|1, H|1, L, S)``."""
+    H_kv, S = ind.shape[1], ind.shape[2]
+    # 0/1 entries are exact in bfloat16, and a positive count never rounds to 0
+    kg = _grouped(keep.expand(*keep.shape[:-1], S), H_kv).to(torch.bfloat16)
+    return (kg @ ind.to(torch.bfloat16).unsqueeze(2)) > 0  # (B, H_kv, G|1, L, C)
+
+
+def bad_entries(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    keep: Tensor | None = None,
+    interval: tuple[Tensor | None, Tensor] | None = None,
+    bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Where the NaN rule makes the output non-finite.
+
+    Args:
+        q: ``(B, H, L, D)``, k: ``(B, H_kv, S, D)``, v: ``(B, H_kv, S, Dv)``: the original inputs.
+        keep: bool broadcastable to ``(B, H, L, S)``: the pairs that may attend (mask and bias
+            −inf applied); None with ``interval`` None means every pair.
+        interval: ``(lo, hi)`` from `Mask.key_interval`, instead of ``keep``.
+        bias: the original additive bias (NaN/+inf at an attended pair poisons the row), or None.
+
+    Returns:
+        ``(row_bad (B, H, L), bad (B, H, L, Dv))`` bool: whole rows, and every output entry.
+    """
+    B, H, L = q.shape[0], q.shape[1], q.shape[2]
+    Dv = v.shape[-1]
+    H_kv, S = k.shape[1], k.shape[2]
+    G = H // H_kv if H_kv else 1
+    ind = torch.cat([row_flags(k).unsqueeze(-1), flags(v)], dim=-1)  # (B, H_kv, S, 1 + Dv)
+    if interval is not None:
+        lo, hi = interval
+        hi = hi.expand(hi.shape[0], 1, L)
+        if lo is not None:
+            lo, hi = torch.broadcast_tensors(lo.expand(lo.shape[0], 1, L), hi)
+        hit = _any_interval(ind, lo, hi)  # (B, H_kv, L, 1 + Dv)
+        hit = hit.unsqueeze(2).expand(B, H_kv, G, L, 1 + Dv).flatten(1, 2)
+        alive = (hi > (0 if lo is None else lo)).expand(B, 1, L) if S else None
+    elif keep is not None:
+        hit = _any_dense(ind, keep).expand(B, H_kv, G, L, 1 + Dv).flatten(1, 2)
+        alive = keep.any(dim=-1)  # (B|1, H|1, L)
+    else:
+        hit = (ind.amax(dim=2) > 0) if S else ind.new_zeros(B, H_kv, 1 + Dv, dtype=torch.bool)
+        hit = hit.view(B, H_kv, 1, 1, 1 + Dv).expand(B, H_kv, G, L, 1 + Dv).flatten(1, 2)
+        alive = None
+    row_bad = (row_flags(q) > 0) | hit[..., 0]  # (B, H, L)
+    if bias is not None:
+        b = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        bad_b = torch.isnan(b) | torch.isposinf(b)
+        if keep is not None:
+            bad_b = bad_b & keep
+        row_bad = row_bad | bad_b.any(dim=-1)
+    if S == 0:
+        row_bad = torch.zeros_like(row_bad)
+    elif alive is not None:
+        row_bad = row_bad & alive
+    return row_bad, row_bad.unsqueeze(-1) | hit[..., 1:]  # (B, H, L), (B, H, L, Dv)
+
+
+def poison(
+    out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    keep: Tensor | None = None,
+    interval: tuple[Tensor | None, Tensor] | None = None,
+    bias: Tensor | None = None,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Applies the NaN rule to ``out (B, H, L, Dv)`` computed on `clean` inputs.
+
+    Args are as in `bad_entries` (the ORIGINAL q, k, v, bias), plus ``weights (B, H, L, S)`` to
+    poison alike (rows of attended pairs), or None.
+
+    Returns:
+        ``(out, weights)`` with NaN where the rule says (``out + (−0.0)`` elsewhere: bit-exact).
+    """
+    row_bad, bad = bad_entries(q, k, v, keep=keep, interval=interval, bias=bias)
+    nan = torch.tensor(_NAN, dtype=out.dtype, device=out.device)
+    out = out + torch.where(bad, nan, torch.zeros((), dtype=out.dtype, device=out.device).neg())
+    if weights is not None:
+        wbad = row_bad.unsqueeze(-1)
+        if keep is not None:
+            wbad = wbad & keep
+        weights = torch.where(wbad, nan.to(weights.dtype), weights)
+    return out, weights
