@@ -11,7 +11,7 @@ from .._shapes import check_probability
 from ..functional import attention
 from ..functional.registry import check_backend_name
 from ..functional.request import BiasFn
-from ..masks import Mask, from_tensor
+from ..masks import CausalMask, Mask, from_tensor
 from .kv_cache import KVCache, check_cache_positions
 
 
@@ -215,6 +215,8 @@ class MultiHeadAttention(nn.Module):
             if view.start is not None:  # positions start, start + 1, …: known on the host
                 S = k.shape[2]
                 k_pos, q_pos, seq_len = view.start, view.start + S - L, view.start + S
+        if L == 1 and isinstance(mask, CausalMask):
+            mask = None  # bottom-right causal: a single query (a decode step) sees every key
         if self.rope is not None:
             if key is not None and positions is None:
                 k_pos = None
