@@ -116,3 +116,4 @@ class ALiBi(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, causal={self.causal}"
+
