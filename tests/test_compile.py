@@ -125,12 +125,25 @@ def test_encoder_forward_with_padding_has_no_graph_break():
 # ---------------------------------------------------------------------------- compiled = eager
 
 
-@pytest.mark.parametrize("kind", ["self", "cross", "gqa", "rope"])
+@pytest.mark.parametrize("kind", ["self", "cross", "gqa", "rope", "rope_cache"])
 def test_compiled_mha_forward_and_backward_equal_eager(kind):
-    mha = _mha(kind, torch.float64)
+    """Compiled forward + AOTAutograd backward equal eager (with a cache: one call on a cache
+    holding 3 earlier tokens; gradients reach the new tokens and the projections)."""
+    with_cache = kind == "rope_cache"
+    mha = _mha("rope" if with_cache else kind, torch.float64)
     args = _inputs(kind, dtype=torch.float64)
     mask = None if kind == "cross" else masks.causal()
-    compiled = torch.compile(lambda *a: mha(*a, mask=mask), backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(3)
+    k0, v0 = (torch.randn(2, 2, 3, E // H, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def call(*a):
+        if not with_cache:
+            return mha(*a, mask=mask)
+        cache = KVCache(16)
+        cache.update(k0, v0)
+        return mha(*a, mask=mask, cache=cache)
+
+    compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
 
     def run(fn):
         xs = [a.detach().clone().requires_grad_(True) for a in args]
@@ -141,7 +154,7 @@ def test_compiled_mha_forward_and_backward_equal_eager(kind):
         return out.detach(), grads
 
     out_c, grads_c = run(compiled)
-    out_e, grads_e = run(lambda *a: mha(*a, mask=mask))
+    out_e, grads_e = run(call)
     torch.testing.assert_close(out_c, out_e, atol=1e-12, rtol=0)
     for gc, ge in zip(grads_c, grads_e, strict=True):
         torch.testing.assert_close(gc, ge, atol=1e-12, rtol=0)

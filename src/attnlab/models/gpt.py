@@ -69,7 +69,7 @@ class GPT(nn.Module):
     for ``meta`` tensors), so ``torch.compile(model, fullgraph=True)`` traces it in one graph,
     with or without caches. For compiled decoding pass the caches as an argument
     (``step(idx_t, caches=caches)``) and preallocate them (``new_caches(max_seq_len)``, as
-    `generate` does): one graph for the prefill, one for every later token.
+    `generate` does): one graph for the prefill, one shared by all later tokens.
     ``torch.export.export(model, (idx,))`` exports the uncached forward. ``model.to("meta")``
     with ``meta`` ids gives the logits' shape.
 

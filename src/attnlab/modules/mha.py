@@ -57,9 +57,9 @@ class MultiHeadAttention(nn.Module):
           with or without a cache, in one graph (0 graph breaks), forward and backward.
         - Decoding with a cache: ``step = torch.compile(mha, fullgraph=True)`` then
           ``step(x_t, cache=cache)`` per token; pass the cache as an *argument* (its Python-int
-          lengths then become dynamic). A preallocated ``KVCache(capacity)`` compiles once for
-          the prefill and once for every later step; a growing ``KVCache()`` recompiles a few
-          times while its buffer first grows (16, 32 slots), then no more.
+          lengths then become dynamic). A preallocated ``KVCache(capacity)`` compiles one graph
+          for the prefill and one shared by all later steps; a growing ``KVCache()`` recompiles
+          a few times while its buffer first grows (16, 32 slots), then no more.
         - ``torch.export.export(mha, (query,))`` or ``(query, key, value)``, optionally with
           ``dynamic_shapes`` for B/L/S, and a mask given as a bool/float *tensor* input. A
           structured `Mask` (``masks.causal()``…) is not a pytree: build it inside the exported

@@ -29,7 +29,9 @@ class RoPE(nn.Module):
     The cos/sin tables are computed from integer positions in float64 and rounded once to float32
     (float64 for float64 inputs); the module holds no floating buffers, so ``.to(bfloat16)``
     cannot degrade them (the bf16 RoPE phase bug, HF #29496). The rotation runs in that table
-    precision and the result is cast back to ``x.dtype``.
+    precision and the result is cast back to ``x.dtype``. In eager mode, None/int positions read
+    rows of a table computed the same way once per (device, precision) and kept as a plain
+    attribute (not a buffer); under `torch.compile` the tables are computed in the graph.
 
     Args:
         head_dim: D, the last dimension of q and k.
