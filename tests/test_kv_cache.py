@@ -219,12 +219,14 @@ def test_empty_update_leaves_the_cache_unchanged_and_returns_no_rows(make, prefi
         mha(x[:, :prefill], mask=masks.causal(), cache=cache)
         mha(x[:, :prefill], mask=masks.causal(), cache=twin)
     state = (len(cache), cache.seen)
-    stored = None if cache._k is None else [t.clone() for t in cache._stored(cache._k, cache._v)]
+    stored = (
+        None if cache._k is None else [t.clone() for t in cache._stored(cache._k, cache._v)[:2]]
+    )
     out = mha(x[:, :0], mask=masks.causal(), cache=cache)
     assert out.shape == (2, 0, 32)
     assert (len(cache), cache.seen) == state
     if stored is not None:
-        for a, b in zip(cache._stored(cache._k, cache._v), stored, strict=True):
+        for a, b in zip(cache._stored(cache._k, cache._v)[:2], stored, strict=True):
             assert torch.equal(a, b)
     # the next real step is exactly what it is without the empty update
     nxt = x[:, prefill : prefill + 1]
@@ -267,3 +269,14 @@ def test_host_side_start_matches_the_stored_positions(make):
         want = torch.arange(view.start, view.start + S).view(1, S)
         assert torch.equal(view.k_positions, want)
         assert torch.equal(view.q_positions, want[:, S - T :])
+
+
+def test_positions_become_explicit_after_the_first_caller_given_ones():
+    cache = KVCache()
+    kv = [torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)]
+    assert cache.update(*kv).start == 0
+    one = [t[:, :, :1] for t in kv]
+    view = cache.update(*one, torch.tensor([10]))  # the implied 0, 1, 2 are materialised
+    assert view.start is None and view.k_positions.tolist() == [[0, 1, 2, 10]]
+    view = cache.update(*one)  # default again: the next position is the token count
+    assert view.k_positions.tolist() == [[0, 1, 2, 10, 4]] and view.q_positions.tolist() == [[4]]

@@ -19,8 +19,6 @@ at every decoding step; a preallocated cache (``capacity=``) keeps one buffer sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
@@ -38,15 +36,15 @@ class CacheOverflowError(ValueError):
         self.capacity, self.cached, self.requested = capacity, cached, requested
 
 
-@dataclass
 class CacheView:
     """What the new queries attend to after an update.
 
     Attributes:
         k: keys before RoPE ``(B, H_kv, S, D)``.
         v: values ``(B, H_kv, S, Dv)``.
-        k_positions: RoPE positions of the keys, ``(B|1, S)``.
-        q_positions: RoPE positions of the new queries, ``(B|1, T)``.
+        k_positions: RoPE positions of the keys, ``(B|1, S)`` (built on first access when the
+            cache assigned them).
+        q_positions: RoPE positions of the new queries, ``(B|1, T)`` (the last T keys').
         mask: the mask the eviction policy needs on top of the caller's, or None.
         start: a host-side int when the key positions are ``start, start + 1, …, start + S − 1``
             (every position assigned by the cache), else None (caller-given position tensors:
@@ -54,12 +52,37 @@ class CacheView:
             is read, and ``start + S`` is the sequence length seq-len dependent RoPE needs.
     """
 
-    k: Tensor
-    v: Tensor
-    k_positions: Tensor
-    q_positions: Tensor
-    mask: Mask | None
-    start: int | None = None
+    __slots__ = ("_k_positions", "_q_positions", "k", "mask", "start", "t", "v")
+
+    def __init__(
+        self,
+        k: Tensor,
+        v: Tensor,
+        k_positions: Tensor | None,
+        q_positions: Tensor | None,
+        mask: Mask | None,
+        start: int | None = None,
+        t: int = 0,
+    ) -> None:
+        if k_positions is None and start is None:
+            raise ValueError("CacheView needs k_positions or a start position")
+        self.k, self.v, self.mask, self.start, self.t = k, v, mask, start, t
+        self._k_positions, self._q_positions = k_positions, q_positions
+
+    @property
+    def k_positions(self) -> Tensor:
+        if self._k_positions is None:
+            S = self.k.shape[2]
+            start = self.start
+            self._k_positions = torch.arange(start, start + S, device=self.k.device).view(1, S)
+        return self._k_positions
+
+    @property
+    def q_positions(self) -> Tensor:
+        if self._q_positions is None:
+            S = self.k.shape[2]
+            self._q_positions = self.k_positions[:, S - self.t :]
+        return self._q_positions
 
 
 def _check_kv(k: Tensor, v: Tensor) -> None:
@@ -134,7 +157,7 @@ class KVCache:
         self.capacity = capacity
         self._k: Tensor | None = None
         self._v: Tensor | None = None
-        self._pos: Tensor | None = None
+        self._pos: Tensor | None = None  # only once a caller passed positions (else implied)
         self._len = 0
         self.seen = 0  # tokens ever appended (the next default position)
         # True while every stored position was assigned by the cache (then they are contiguous:
@@ -148,7 +171,7 @@ class KVCache:
         """Forgets every cached token."""
         self.__init__(self.capacity)  # type: ignore[misc]
 
-    def _check_against_cache(self, k: Tensor, v: Tensor, pos: Tensor) -> None:
+    def _check_against_cache(self, k: Tensor, v: Tensor, pos: Tensor | None) -> None:
         if self._k is None or self._v is None:
             return
         if k.shape[:2] != self._k.shape[:2] or k.shape[-1] != self._k.shape[-1]:
@@ -166,13 +189,17 @@ class KVCache:
                 f"cache update: k is {k.dtype} on {k.device}, the cache holds {self._k.dtype} on "
                 f"{self._k.device}"
             )
-        if self._pos is not None and 1 != self._pos.shape[0] != pos.shape[0] != 1:
+        if (
+            pos is not None
+            and self._pos is not None
+            and 1 != self._pos.shape[0] != pos.shape[0] != 1
+        ):
             raise ValueError(
                 f"cache update: positions for batch {pos.shape[0]} do not match the cached "
                 f"positions' batch {self._pos.shape[0]}"
             )
 
-    def _reserve(self, k: Tensor, v: Tensor, pos: Tensor, extra: int) -> None:
+    def _reserve(self, k: Tensor, v: Tensor, pos: Tensor | None, extra: int) -> None:
         need = self._len + extra
         if self.capacity is not None and need > self.capacity:
             raise CacheOverflowError(self.capacity, self._len, extra)
@@ -183,39 +210,66 @@ class KVCache:
         B, H_kv, _, D = k.shape
         nk = k.new_empty(B, H_kv, size, D)
         nv = v.new_empty(B, H_kv, size, v.shape[-1])
-        npos = pos.new_zeros(pos.shape[0], size)
+        npos = None if pos is None else pos.new_zeros(pos.shape[0], size)
         if self._k is not None:
             nk[:, :, : self._len] = self._k[:, :, : self._len]
             nv[:, :, : self._len] = self._v[:, :, : self._len]  # type: ignore[index]
-            npos[:, : self._len] = self._pos[:, : self._len]  # type: ignore[index]
+            if npos is not None and self._pos is not None:
+                npos[:, : self._len] = self._pos[:, : self._len]
         self._k, self._v, self._pos = nk, nv, npos
 
-    def _append(self, k: Tensor, v: Tensor, pos: Tensor, explicit: bool) -> None:
+    def _append(self, k: Tensor, v: Tensor, pos: Tensor | None) -> None:
+        """Writes T new tokens; ``pos`` is None for cache-assigned (implied) positions."""
         self._check_against_cache(k, v, pos)
         T = k.shape[2]
-        if self._pos is not None and pos.shape[0] != self._pos.shape[0]:
+        if self.capacity is not None and self._len + T > self.capacity:
+            raise CacheOverflowError(self.capacity, self._len, T)  # before any change
+        if pos is not None and self._contiguous:
+            # First caller-given positions: from now on positions are stored explicitly.
+            self._contiguous = False
+            if self._k is not None:
+                start = self.seen - self._len
+                self._pos = torch.zeros(1, self._k.shape[2], dtype=torch.long, device=k.device)
+                self._pos[:, : self._len] = torch.arange(start, self.seen, device=k.device)
+        if pos is None and not self._contiguous:
+            pos = torch.arange(self.seen, self.seen + T, device=k.device).view(1, T)
+        if pos is not None and self._pos is not None and pos.shape[0] != self._pos.shape[0]:
             self._pos = self._pos.expand(max(pos.shape[0], self._pos.shape[0]), -1).clone()
             pos = pos.expand(self._pos.shape[0], -1)
         self._reserve(k, v, pos, T)
-        assert self._k is not None and self._v is not None and self._pos is not None
+        assert self._k is not None and self._v is not None
         self._k[:, :, self._len : self._len + T] = k
         self._v[:, :, self._len : self._len + T] = v
-        self._pos[:, self._len : self._len + T] = pos
+        if pos is not None:
+            assert self._pos is not None
+            self._pos[:, self._len : self._len + T] = pos
         self._len += T
         self.seen += T
-        self._contiguous = self._contiguous and not explicit
 
-    def _stored(self, like_k: Tensor, like_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The stored ``(k, v, positions)``; empty, shaped like the update, when nothing is."""
-        if self._k is None or self._v is None or self._pos is None:
+    def _stored(self, like_k: Tensor, like_v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The stored ``(k, v, positions)`` (positions None while implied); empty, shaped like
+        the update, when nothing is stored."""
+        if self._k is None or self._v is None:
             B, H_kv, _, D = like_k.shape
+            empty_pos = None if self._contiguous else like_k.new_zeros(1, 0, dtype=torch.long)
             return (
                 like_k.new_empty(B, H_kv, 0, D),
                 like_v.new_empty(B, H_kv, 0, like_v.shape[-1]),
-                torch.zeros(1, 0, dtype=torch.long, device=like_k.device),
+                empty_pos,
             )
         n = self._len
-        return _dynamic_len(self._k[:, :, :n]), _dynamic_len(self._v[:, :, :n]), self._pos[:, :n]
+        ps = None if self._pos is None else self._pos[:, :n]
+        return _dynamic_len(self._k[:, :, :n]), _dynamic_len(self._v[:, :, :n]), ps
+
+    def _view(self, k: Tensor, v: Tensor, pos: Tensor | None, mask: Mask | None) -> CacheView:
+        """The view after appending ``k, v`` (``pos``: the caller's positions, or None)."""
+        ks, vs, ps = self._stored(k, v)
+        T = k.shape[2]
+        if self._contiguous:
+            return CacheView(ks, vs, None, None, mask, self.seen - self._len, T)
+        assert ps is not None
+        q_pos = pos if pos is not None else ps[:, ps.shape[1] - T :]
+        return CacheView(ks, vs, ps, q_pos, mask, None, T)
 
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheView:
         """Appends keys ``(B, H_kv, T, D)`` (before RoPE) and values; returns what queries see.
@@ -228,17 +282,12 @@ class KVCache:
         """
         _check_kv(k, v)
         T = k.shape[2]
-        pos = _positions(positions, self.seen, T, k.device)
+        pos = None if positions is None else _positions(positions, self.seen, T, k.device)
         if T:
-            self._append(k, v, pos, explicit=positions is not None)
+            self._append(k, v, pos)
         else:
             self._check_against_cache(k, v, pos)
-        ks, vs, ps = self._stored(k, v)
-        return CacheView(ks, vs, ps, pos, None, self._start())
-
-    def _start(self) -> int | None:
-        """The first stored position when the positions are contiguous and host-known."""
-        return self.seen - self._len if self._contiguous else None
+        return self._view(k, v, pos, None)
 
 
 def _dynamic_len(t: Tensor) -> Tensor:
@@ -267,13 +316,12 @@ class SlidingWindowCache(KVCache):
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheView:
         _check_kv(k, v)
         T = k.shape[2]
-        pos = _positions(positions, self.seen, T, k.device)
+        pos = None if positions is None else _positions(positions, self.seen, T, k.device)
         if T:
-            self._append(k, v, pos, explicit=positions is not None)
+            self._append(k, v, pos)
         else:
             self._check_against_cache(k, v, pos)
-        ks, vs, ps = self._stored(k, v)
-        view = CacheView(ks, vs, ps, pos, sliding_window(self.window), self._start())
+        view = self._view(k, v, pos, sliding_window(self.window))
         self._evict(keep_first=0)
         return view
 
@@ -282,7 +330,7 @@ class SlidingWindowCache(KVCache):
         excess = self._len - keep_first - self.window
         if excess <= 0:
             return
-        assert self._k is not None and self._v is not None and self._pos is not None
+        assert self._k is not None and self._v is not None
         n = self._len
 
         def keep(t: Tensor, dim: int) -> Tensor:
@@ -290,7 +338,9 @@ class SlidingWindowCache(KVCache):
             tail = t.narrow(dim, keep_first + excess, n - keep_first - excess)
             return torch.cat((head, tail), dim=dim)
 
-        self._k, self._v, self._pos = keep(self._k, 2), keep(self._v, 2), keep(self._pos, 1)
+        self._k, self._v = keep(self._k, 2), keep(self._v, 2)
+        if self._pos is not None:
+            self._pos = keep(self._pos, 1)
         self._len = n - excess
 
 
@@ -321,11 +371,10 @@ class SinkCache(SlidingWindowCache):
         _check_kv(k, v)
         T = k.shape[2]
         n_sink = self.sink_tokens  # the first n_sink stored keys are always the sinks
-        zeros = torch.zeros(1, T, dtype=torch.long, device=k.device)
         if T:
-            self._append(k, v, zeros, explicit=False)
+            self._append(k, v, None)
         else:
-            self._check_against_cache(k, v, zeros)
+            self._check_against_cache(k, v, None)
         mask = None
         if T == 1:
             self._evict(keep_first=min(self.sink_tokens, self._len))
@@ -337,9 +386,7 @@ class SinkCache(SlidingWindowCache):
 
             mask = from_fn(sink_or_window)
         ks, vs, _ = self._stored(k, v)
-        S = ks.shape[2]
-        cache_pos = torch.arange(S, device=k.device).view(1, S)  # (1, S)
-        view = CacheView(ks, vs, cache_pos, cache_pos[:, S - T :], mask, 0)
+        view = CacheView(ks, vs, None, None, mask, 0, T)  # positions in the cache: 0 … S − 1
         if T > 1:
             self._evict(keep_first=min(self.sink_tokens, self._len))
         return view
