@@ -258,3 +258,109 @@ def module_parity(rank: int, world: int, layout: str) -> float:
 def init_check(rank: int, world: int) -> str:
     dist.barrier()
     return "ok"
+
+
+# --------------------------------------------------------------------------- issue 13
+def _strict_causal(b, h, i, j):
+    """Keys strictly before the query: row 0 attends nothing (a dead row)."""
+    return j < i
+
+
+def _head_dependent(b, h, i, j):
+    """Head h sees keys at most ``i - h``: the tiles differ per head."""
+    return j <= i - h
+
+
+def _band(b, h, i, j, width):
+    return (i - j).abs() <= width
+
+
+def rule_mask(case: dict):
+    """The mask a NaN-rule case names (module level, so spawned ranks and the test agree)."""
+    if case.get("mask") == "strict":
+        return masks.from_fn(_strict_causal)
+    if case.get("mask") == "heads":
+        return masks.from_fn(_head_dependent, num_heads=case["H"])
+    return _mask(case)
+
+
+def nan_rule(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Ring attention on inputs with planted non-finite entries: unsharded out, lse and grads."""
+    results = []
+    for case in cases:
+        layout = case["layout"]
+        xs = [shard(case[n], layout=layout).detach().requires_grad_() for n in ("q", "k", "v")]
+        out, lse = ring_attention(
+            *xs, causal=case["causal"], mask=rule_mask(case), layout=layout, return_lse=True
+        )
+        grads = torch.autograd.grad(out, xs, shard(case["dout"], layout=layout))
+        # numpy arrays: they pickle by value (a tensor would be shared with a process that exits)
+        results.append(
+            {
+                "out": unshard(out.detach(), layout=layout).numpy(),
+                "lse": unshard(lse.unsqueeze(-1), layout=layout).squeeze(-1).numpy(),
+                "grads": [unshard(g, layout=layout).numpy() for g in grads],
+            }
+        )
+    return results
+
+
+def mask_contents(rank: int, world: int, odd: int) -> dict[str, str]:
+    """Masks that differ only in their contents on rank ``odd``, then equal masks built apart."""
+    import functools
+
+    N, L = 8 * world, 8
+    q = torch.randn(1, 2, L, 8, generator=torch.Generator().manual_seed(rank))
+    ids = torch.arange(N) * 2 // N
+    dense = torch.ones(N, N, dtype=torch.bool).tril()
+    width = 2
+    if rank == odd:
+        ids = ids.flip(0)  # the same shape and the same repr, other documents
+        dense[N - 1, 0] = False
+        width = 3
+    differing = {
+        "document": masks.document(ids),
+        "tensor": masks.from_tensor(dense),
+        "fn_partial": masks.from_fn(functools.partial(_band, width=width)),
+    }
+    bigbird = masks.BigBirdMask(2, 1, 1, 1, seed=5)
+    if rank == 0:
+        bigbird.random_table(3)  # a cache only rank 0 has filled: not part of the mask's contents
+    equal = {
+        "equal_document": masks.document(torch.arange(N) * 2 // N),
+        "equal_fn": masks.from_fn(_strict_causal) & masks.sliding_window(3),
+        "equal_bigbird": bigbird,
+    }
+    messages = {}
+    for name, mask in {**differing, **equal}.items():
+        try:
+            out = ring_attention(q, q, q, mask=mask, timeout=20)
+        except ValueError as e:
+            messages[name] = str(e)
+        else:
+            messages[name] = "no error" if bool(torch.isfinite(out).all()) else "non-finite"
+    return messages
+
+
+def stalls_before_first(rank: int, world: int, victim: int, timeout: float) -> dict:
+    """``victim`` sleeps past ``timeout`` before it calls ring attention; the others time out."""
+    q = torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(rank))
+    if rank == victim:
+        time.sleep(timeout + 2.5)  # the others have given up by now
+        try:
+            ring_attention(q, q, q, timeout=1.0)
+        except Exception as e:  # the peers are gone: any failure, as long as it returns
+            return {"victim": True, "error": type(e).__name__}
+        return {"victim": True, "error": None}
+    t0 = time.monotonic()
+    try:
+        ring_attention(q, q, q, timeout=timeout)
+    except ring_mod.RingAttentionError as e:
+        return {
+            "victim": False,
+            "error": str(e),
+            "peer": e.peer,
+            "hop": e.hop,
+            "elapsed": time.monotonic() - t0,
+        }
+    return {"victim": False, "error": None, "elapsed": time.monotonic() - t0}

@@ -627,3 +627,33 @@ def test_rows_with_one_key_have_exactly_zero_dq_fp64():
     out.backward(seeded(*out.shape, seed=4))
     assert torch.equal(q.grad, torch.zeros_like(q))
     check_all_cases(torch.float64, 113, 1, only=["causal", "none", "alibi", "alibi_causal"])
+
+
+def test_backward_supports_is_grads_batched_and_func_grad():
+    """The flash backward under vmap (autograd's is_grads_batched) and under torch.func.grad."""
+    torch.manual_seed(0)
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 2, 1, 40, 37, 8, 8, torch.float64))
+    mask = masks.sliding_window(5)
+    out = attnlab.attention(q, k, v, mask=mask, backend="flash")
+    douts = torch.randn(3, *out.shape, dtype=torch.float64)
+    batched = torch.autograd.grad(out, (q, k, v), douts, is_grads_batched=True, retain_graph=True)
+    for i in range(3):
+        single = torch.autograd.grad(out, (q, k, v), douts[i], retain_graph=True)
+        for b, s in zip(batched, single, strict=True):
+            assert torch.equal(b[i], s)
+
+    def loss(q, backend):
+        return attnlab.attention(q, k.detach(), v.detach(), mask=mask, backend=backend).sum()
+
+    got = torch.func.grad(loss)(q.detach(), "flash")
+    want = torch.func.grad(loss)(q.detach(), "reference")
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_gradcheck_with_batched_grad():
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 1, 1, 7, 6, 3, 3, torch.float64))
+
+    def f(q, k, v):
+        return attnlab.attention(q, k, v, mask=masks.causal(), backend="flash")
+
+    assert torch.autograd.gradcheck(f, (q, k, v), check_batched_grad=True, atol=1e-8)

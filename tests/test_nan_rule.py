@@ -241,3 +241,17 @@ def test_meta_tensors_give_shapes(backend, mask):
     v = torch.empty(2, 2, 9, 8, device="meta")
     out = attnlab.attention(q, k, v, mask=mask, backend=backend)
     assert out.shape == (2, 4, 9, 8) and out.device.type == "meta"
+
+
+def test_compile_auto_avoids_flash_plans():
+    """Eagerly auto picks flash for this window; under compile it runs sdpa, graph-break free."""
+    q, k, v = (torch.randn(1, 2, 300, 16) for _ in range(3))
+    mask = masks.sliding_window(8)
+    assert attnlab.explain(q, k, v, mask=mask).startswith("flash")
+
+    def f(q, k, v):
+        return attnlab.attention(q, k, v, mask=mask)
+
+    explained = torch._dynamo.explain(f)(q, k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()

@@ -7,6 +7,7 @@ import multiprocessing
 import pytest
 import torch
 
+import attnlab
 import ring_workers as W
 from attnlab.distributed import ring_attention
 from attnlab.distributed.launch import run_local
@@ -197,4 +198,121 @@ def test_r10_uninitialised_group_is_a_clear_error():
     q = torch.randn(1, 1, 4, 8)
     with pytest.raises(RuntimeError, match=r"needs an initialised torch.distributed process group"):
         ring_attention(q, q, q)
+    assert not multiprocessing.active_children()
+
+
+# --------------------------------------------------------------------------- issue 13: NaN rule
+def _allowed(case: dict, B: int, H: int, N: int) -> torch.Tensor:
+    """Bool ``(B, H, N, N)``: which (query, key) pairs may attend under the case's masks."""
+    allowed = torch.ones(B, H, N, N, dtype=torch.bool)
+    mask = W.rule_mask(case)
+    if mask is not None:
+        allowed = allowed & mask.to_dense(N, N, batch=B, heads=H)
+    if case["causal"]:
+        allowed = allowed & torch.ones(N, N, dtype=torch.bool).tril()
+    return allowed
+
+
+def _rule_pattern(q, k, v, allowed):
+    """The NaN rule, written out: ``(out non-finite (B, H, N, Dv), row non-finite, live rows)``."""
+    group = q.shape[1] // k.shape[1]
+    q_bad = ~torch.isfinite(q).all(-1)  # (B, H, N)
+    k_bad = (~torch.isfinite(k).all(-1)).repeat_interleave(group, 1)  # (B, H, N)
+    v_bad = (~torch.isfinite(v)).repeat_interleave(group, 1)  # (B, H, N, Dv)
+    live = allowed.any(-1)
+    rows = live & (q_bad | (allowed & k_bad.unsqueeze(-2)).any(-1))
+    cols = (allowed.unsqueeze(-1) & v_bad.unsqueeze(2)).any(-2)  # (B, H, N, Dv)
+    return rows.unsqueeze(-1) | cols, rows, live
+
+
+def _planted_case(seed: int, world: int, **case) -> dict:
+    """Random inputs with NaN/±inf planted in q, k and v at random positions (and q at row 0)."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, H_kv, N, D = 2, case.pop("H", 2), case.pop("H_kv", 1), 12 * world, 8
+    dtype = case.pop("dtype", torch.float64)
+    q, k, v, dout = (
+        torch.randn(B, h, N, D, generator=g, dtype=torch.float64).to(dtype)
+        for h in (H, H_kv, H_kv, H)
+    )
+    pos = lambda: int(torch.randint(N, (1,), generator=g))  # noqa: E731
+    col = lambda: int(torch.randint(D, (1,), generator=g))  # noqa: E731
+    q[0, H - 1, pos(), col()] = float("nan")
+    q[1, 0, 0, col()] = float("nan")  # row 0: dead under the strict mask, live otherwise
+    k[1, 0, pos(), col()] = float("inf") if seed % 2 else float("-inf")
+    v[0, 0, pos(), col()] = float("nan")
+    v[1, H_kv - 1, pos(), col()] = float("-inf")
+    v[1, H_kv - 1, pos(), col()] = float("inf")
+    tensors = {"q": q, "k": k, "v": v, "dout": dout}
+    return {"seed": seed, "N": N, "H": H, "dtype": dtype, **tensors, **case}
+
+
+def _nan_cases(world: int) -> list[dict]:
+    cases = []
+    for layout in ("contiguous", "zigzag"):
+        for causal in (False, True):
+            cases.append(_planted_case(len(cases), world, layout=layout, causal=causal))
+    extra = [
+        {"layout": "zigzag", "causal": True, "mask": "document", "H": 4, "H_kv": 2},
+        {"layout": "contiguous", "causal": False, "mask": "window"},
+        {"layout": "zigzag", "causal": False, "mask": "strict"},
+        {"layout": "contiguous", "causal": False, "mask": "heads", "H": 4, "H_kv": 2},
+        {"layout": "zigzag", "causal": True, "H": 4, "H_kv": 2, "dtype": torch.float32},
+    ]
+    return cases + [_planted_case(10 + i, world, **c) for i, c in enumerate(extra)]
+
+
+def test_ring_follows_the_nan_rule_like_one_process():
+    world = 3
+    cases = _nan_cases(world)
+    per_rank = _ok(run_local(W.nan_rule, world, cases, timeout=120, threads=1))
+    for case_index, case in enumerate(cases):
+        q, k, v, dout = case["q"], case["k"], case["v"], case["dout"]
+        B, H, N, _ = q.shape
+        allowed = _allowed(case, B, H, N)
+        bad_out, bad_rows, live = _rule_pattern(q, k, v, allowed)
+        assert bad_out.any() and (~bad_out).any(), case["seed"]  # the case tests something
+        # Finite values: reference attention on the cleaned inputs, in float64.
+        clean = [torch.nan_to_num(t, 0.0, 0.0, 0.0).double().requires_grad_() for t in (q, k, v)]
+        want = attnlab.attention(*clean, mask=allowed, backend="reference")
+        want_grads = torch.autograd.grad(want, clean, dout.double())
+        want = want.detach()
+        tol = 1e-12 if q.dtype == torch.float64 else 2e-5 * world
+        gtol = 1e-11 if q.dtype == torch.float64 else 1e-4 * world
+        for rank, results in enumerate(per_rank):
+            r = results[case_index]
+            out, lse = torch.from_numpy(r["out"]), torch.from_numpy(r["lse"])
+            grads = [torch.from_numpy(g) for g in r["grads"]]
+            where = (case["seed"], rank)
+            assert torch.equal(~torch.isfinite(out), bad_out), where
+            assert bool(torch.isnan(out[bad_out]).all()), where  # non-finite means NaN
+            assert float((out[~bad_out].double() - want[~bad_out]).abs().max()) <= tol, where
+            assert bool((out[~live] == 0).all()), where  # dead rows are zeros, NaN query or not
+            assert torch.equal(torch.isnan(lse), bad_rows), where
+            assert torch.equal(torch.isneginf(lse), ~live), where
+            for got, ref in zip(grads, want_grads, strict=True):
+                assert bool(torch.isfinite(got).all()), where
+                assert float((got.double() - ref).abs().max()) <= gtol, where
+
+
+# --------------------------------------------------------------------------- issue 13: handshake
+def test_handshake_compares_mask_contents():
+    world, odd = 3, 2
+    for rank_messages in _ok(run_local(W.mask_contents, world, odd, timeout=60)):
+        for name in ("document", "tensor", "fn_partial"):
+            msg = rank_messages[name]
+            assert "ranks disagree on mask" in msg and f"rank {odd} has" in msg, (name, msg)
+        for name in ("equal_document", "equal_fn", "equal_bigbird"):
+            assert rank_messages[name] == "no error", (name, rank_messages[name])
+
+
+def test_timeout_covers_the_handshake_before_the_first_hop():
+    timeout, victim = 5.0, 1
+    results = run_local(W.stalls_before_first, 3, victim, timeout, timeout=60, pg_timeout=60)
+    for rank in (0, 2):
+        status, p = results[rank]
+        assert status == "ok", p
+        assert p["error"] is not None and p["peer"] == victim and p["hop"] == -1, p
+        assert "metadata handshake" in p["error"] and f"peer rank {victim}" in p["error"], p
+        assert timeout - 0.5 <= p["elapsed"] <= timeout + 2, p  # not the group's 60 s default
+    assert results[victim][0] == "ok", results[victim]
     assert not multiprocessing.active_children()

@@ -22,15 +22,30 @@ same messages as the key/value pieces, overlapped with the compute as well.
 
 Communication per forward: exactly ``W − 1`` key/value rotations (``W − 1`` hops of every piece).
 Before any payload, the ranks exchange a small metadata record (shapes, dtype, layout, causal
-flag, scale, mask, pieces); any disagreement raises ``ValueError`` on every rank naming the rank
-and the field, instead of silently reinterpreting bytes. A dead or stalled peer raises
-`RingAttentionError` naming it.
+flag, scale, a fingerprint of the mask's contents, pieces) point to point; any disagreement
+raises ``ValueError`` on every rank naming the rank and the field, instead of silently
+reinterpreting bytes. A dead or stalled peer — during the handshake or at any hop — raises
+`RingAttentionError` naming it, after at most ``timeout`` per exchange.
+
+Non-finite inputs (the library's NaN rule) are handled with tensor ops only — no host syncs, no
+extra messages: key/value pieces travel as given, and each rank cleans the piece it computes with
+(``nan_to_num``) while it derives 0-or-NaN indicators (``x · 0``) of the non-finite keys (per
+key) and value entries (per key and column). These are summed into a per-row poison tensor over
+exactly the (query, key) pairs each tile attends (a sum for full tiles, a cumulative sum for
+causal diagonal tiles, a 0/1 matmul for masked tiles); at the end, the rows and columns the rule
+makes non-finite are set to NaN by subtracting ``|poison|`` (+0 elsewhere: bit-exact). Gradients
+are those of the cleaned computation.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
+import hashlib
 import math
+import time
+import types
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -51,14 +66,14 @@ class RingAttentionError(RuntimeError):
     """A point-to-point exchange with a peer failed or timed out.
 
     Attributes:
-        rank: this rank. hop: the exchange (0-based; one per piece and ring step). peer: the rank
-        we were exchanging with.
+        rank: this rank. hop: the exchange (0-based; one per piece and ring step; ``-1`` is the
+        metadata handshake before the first hop). peer: the rank we were exchanging with.
     """
 
     def __init__(self, rank: int, hop: int, peer: int, cause: BaseException | str) -> None:
+        where = "during the metadata handshake" if hop < 0 else f"at hop {hop}"
         super().__init__(
-            f"ring attention on rank {rank}: exchange with peer rank {peer} failed at hop {hop}: "
-            f"{cause}"
+            f"ring attention on rank {rank}: exchange with peer rank {peer} failed {where}: {cause}"
         )
         self.rank, self.hop, self.peer = rank, hop, peer
 
@@ -142,6 +157,145 @@ _FIELDS = (
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
 
+def _feed(h, obj: object, seen: set[int], depth: int = 0) -> None:
+    """Feeds ``obj``'s structure and contents into the hash ``h`` (identical across processes).
+
+    Tensors contribute dtype, shape and bytes; masks, functions (code, constants, defaults and
+    closure cells), partials and plain objects their parts, recursively. Private attributes
+    (``_name``: caches such as BigBird's random tables) are skipped; object identities and
+    addresses never enter, so equal masks built independently on different ranks agree.
+    """
+    if depth > 32 or id(obj) in seen:
+        h.update(b"<cycle>")
+        return
+    tag = f"{type(obj).__module__}.{type(obj).__qualname__}|".encode()
+    h.update(tag)
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+        h.update(repr(obj).encode())
+        return
+    if isinstance(obj, torch.dtype):
+        h.update(str(obj).encode())
+        return
+    if isinstance(obj, torch.device):  # ranks may well hold the mask on different devices
+        return
+    if isinstance(obj, types.ModuleType | type | types.BuiltinFunctionType):
+        name = getattr(obj, "__qualname__", obj.__name__)
+        h.update(f"{getattr(obj, '__module__', None)}.{name}".encode())
+        return
+    seen = seen | {id(obj)}
+    if isinstance(obj, Tensor):
+        h.update(_tensor_digest(obj))
+        return
+    parts: list[object]
+    if isinstance(obj, list | tuple):
+        parts = list(obj)
+    elif isinstance(obj, dict):
+        parts = [x for kv in sorted(obj.items(), key=lambda kv: repr(kv[0])) for x in kv]
+    elif isinstance(obj, types.CodeType):
+        h.update(obj.co_code)
+        parts = [obj.co_names, obj.co_consts]
+    elif isinstance(obj, types.FunctionType):
+        cells = [c.cell_contents for c in obj.__closure__ or () if _cell_filled(c)]
+        parts = [obj.__module__, obj.__qualname__, obj.__code__, obj.__defaults__, cells]
+        parts += [obj.__kwdefaults__, _data_globals(obj)]
+    elif isinstance(obj, types.MethodType):
+        parts = [obj.__func__, obj.__self__]
+    elif isinstance(obj, functools.partial):
+        parts = [obj.func, obj.args, obj.keywords]
+    elif hasattr(obj, "__dict__"):
+        parts = [x for k, x in sorted(vars(obj).items()) if not k.startswith("_") for x in (k, x)]
+    else:  # a builtin or extension object: its qualified name is all that is stable
+        parts = [getattr(obj, "__qualname__", getattr(obj, "__name__", ""))]
+    h.update(f"[{len(parts)}]".encode())
+    for x in parts:
+        _feed(h, x, seen, depth + 1)
+
+
+# Digests of mask tensors by id, recomputed only when the tensor changes in place (its _version);
+# an entry goes when its tensor does. (Tensors cannot be dict keys: == is elementwise.)
+_DIGESTS: dict[int, tuple[weakref.ref, int, bytes]] = {}
+
+
+def _tensor_digest(x: Tensor) -> bytes:
+    """A digest of a tensor's dtype, shape and contents (wherever it lives)."""
+    cached = _DIGESTS.get(id(x))
+    if cached is not None and cached[0]() is x and cached[1] == x._version:
+        return cached[2]
+    t = x.detach().reshape(-1).cpu().contiguous()
+    h = hashlib.blake2b(f"{t.dtype}{tuple(x.shape)}".encode(), digest_size=16)
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    key = id(x)
+    _DIGESTS[key] = (
+        weakref.ref(x, lambda _, key=key: _DIGESTS.pop(key, None)),
+        x._version,
+        h.digest(),
+    )
+    return h.digest()
+
+
+_DATA = (Tensor, bool, int, float, complex, str, bytes, list, tuple, dict)
+
+
+def _data_globals(fn: types.FunctionType) -> list[object]:
+    """The data (tensors, numbers, strings, containers) a function reads from its globals."""
+    names = sorted({n for n in fn.__code__.co_names if n in fn.__globals__})
+    values = [(n, fn.__globals__[n]) for n in names]
+    return [x for n, value in values if isinstance(value, _DATA) for x in (n, value)]
+
+
+def _cell_filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # an empty cell (a closure variable not yet assigned)
+        return False
+    return True
+
+
+def _mask_fingerprint(mask: Mask | None) -> int:
+    """A 63-bit hash of the mask's structure *and* contents (document ids, tensors, closures)."""
+    h = hashlib.blake2b(digest_size=8)
+    _feed(h, mask, set())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def _exchange_records(
+    mine: Tensor, group, rank: int, world: int, timeout: datetime.timedelta | None
+) -> Tensor:
+    """Every rank's record ``(W, fields)``, exchanged point to point within ``timeout``.
+
+    Point to point (not an all-gather) so that every wait has this call's deadline rather than
+    the process group's, and a missing record names the peer that did not send it.
+    """
+    table = [mine if r == rank else torch.empty_like(mine) for r in range(world)]
+    peers = [r for r in range(world) if r != rank]
+    if not peers:
+        return torch.stack(table)
+
+    def glob(r: int) -> int:
+        return r if group is None else dist.get_global_rank(group, r)
+
+    ops = [dist.P2POp(dist.isend, mine, glob(p), group) for p in peers]
+    ops += [dist.P2POp(dist.irecv, table[p], glob(p), group) for p in peers]
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except RuntimeError as e:
+        raise RingAttentionError(rank, -1, peers[0], e) from e
+    deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+    n = len(peers)
+    for peer, work in [*zip(peers, works[n:], strict=True), *zip(peers, works[:n], strict=True)]:
+        try:
+            if deadline is None:
+                ok = work.wait()
+            else:
+                left = max(deadline - time.monotonic(), 1e-3)
+                ok = work.wait(datetime.timedelta(seconds=left))
+        except RuntimeError as e:
+            raise RingAttentionError(rank, -1, peer, e) from e
+        if ok is False:
+            raise RingAttentionError(rank, -1, peer, "timed out")
+    return torch.stack(table)
+
+
 def _handshake(
     q: Tensor,
     k: Tensor,
@@ -154,6 +308,7 @@ def _handshake(
     group,
     rank: int,
     world: int,
+    timeout: datetime.timedelta | None,
 ) -> None:
     """All ranks agree on shapes and configuration before any payload moves, or all raise."""
     record = [
@@ -167,14 +322,12 @@ def _handshake(
         int(causal),
         LAYOUTS.index(layout),
         zlib.crc32(repr(float(scale)).encode()),
-        zlib.crc32(repr(mask).encode()),
+        _mask_fingerprint(mask),
         k.shape[2],
         pieces,
     ]
     mine = torch.tensor(record, dtype=torch.int64)
-    table = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(table, mine, group=group)
-    rows = torch.stack(table)  # (W, fields)
+    rows = _exchange_records(mine, group, rank, world, timeout)  # (W, fields)
     for f, name in enumerate(_FIELDS):
         column = rows[:, f]
         if bool((column == column[0]).all()):
@@ -183,11 +336,14 @@ def _handshake(
         majority = values[counts.argmax()] if counts.max() > 1 else column[0]
         bad = [r for r in range(world) if column[r] != majority]
         shown = [_DTYPES[int(x)] if name == "dtype" else int(x) for x in column]
-        raise ValueError(
-            f"ring attention: ranks disagree on {name}: rank {bad[0]} has "
-            f"{shown[bad[0]]}, the others {shown[0] if bad[0] else shown[1]} "
-            f"(all ranks: {shown})"
-        )
+        other = shown[0] if bad[0] else shown[1]
+        detail = f"rank {bad[0]} has {shown[bad[0]]}, the others {other} (all ranks: {shown})"
+        if name == "mask":  # the values are fingerprints of the masks' structure and contents
+            detail = (
+                f"rank {bad[0]} has a different mask (content fingerprints {shown}); "
+                f"this rank ({rank}) has {mask!r}"
+            )
+        raise ValueError(f"ring attention: ranks disagree on {name}: {detail}")
     if k.shape[2] != q.shape[2]:
         raise ValueError(
             f"ring attention: local key length {k.shape[2]} must equal local query length "
@@ -445,34 +601,98 @@ def _kv_pieces(k: Tensor, v: Tensor, c: int) -> list[list[Tensor]]:
 _Pieces = tuple[Tensor, ...]  # per-piece views of a local tensor, split along the sequence
 
 
+def _clean(x: Tensor) -> Tensor:
+    """``x`` with every non-finite entry replaced by 0 (finite entries kept bit-exact)."""
+    return torch.nan_to_num(x, 0.0, 0.0, 0.0)
+
+
+def _bad(x: Tensor) -> Tensor:
+    """``x · 0``: 0 where ``x`` is finite, NaN where it is not (a float op: cheap, sync-free)."""
+    return x * 0
+
+
+def _reach(bad: Tensor, kind: str, tile: Tensor | None, H: int) -> Tensor:
+    """Whether each query row attends a non-finite entry of ``bad``'s columns: NaN if so, else 0.
+
+    Args:
+        bad: ``(B, H_kv, c, X)``, 0 or NaN per key and column, over one key piece.
+        kind, tile: how the query piece sees the key piece (not "skip").
+        H: query heads.
+
+    Returns:
+        ``(B, H_kv or H, c | 1, X)``: ``reach[i, x] = NaN`` iff some key j that row i attends
+        has ``bad[j, x] = NaN`` (H heads only when the tile depends on the head).
+    """
+    if kind == "full":
+        return bad.sum(-2, keepdim=True)  # NaN propagates through the sum
+    if kind == "causal":  # the diagonal piece: row i attends keys 0..i of the piece
+        return bad.cumsum(-2)
+    assert tile is not None
+    # Counts of attended non-finite entries, as a matmul of 0/1 matrices. bfloat16 is exact
+    # enough: a sum of non-negative terms is > 0 iff one of them is, whatever the rounding.
+    ind = torch.isnan(bad).to(torch.bfloat16)  # (B, H_kv, c, X)
+    if tile.shape[0] == tile.shape[1] == 1:  # one (c, c) tile for every batch item and head
+        B, H_kv, c, X = ind.shape
+        cols = ind.permute(2, 0, 1, 3).reshape(c, B * H_kv * X)
+        hits = (tile[0, 0].to(torch.bfloat16) @ cols).view(c, B, H_kv, X).permute(1, 2, 0, 3)
+    else:
+        if tile.shape[1] > 1:  # the tile depends on the head: compare per query head
+            ind = _expand_kv(ind, H)
+        hits = tile.to(torch.bfloat16) @ ind
+    return torch.zeros(hits.shape, dtype=bad.dtype, device=bad.device).masked_fill(
+        hits > 0, math.nan
+    )
+
+
+def _add_reach(acc: Tensor, reach: Tensor) -> None:
+    """``acc (B, H, c, X) += reach`` with reach's ``H_kv`` heads broadcast over their groups."""
+    H, H_r = acc.shape[1], reach.shape[1]
+    if H_r == H:
+        acc.add_(reach)
+    else:
+        acc.unflatten(1, (H_r, H // H_r)).add_(reach.unsqueeze(2))
+
+
 def _forward_piece(
     cfg: _Config, q: Tensor, kv: list[Tensor], key_id: int, acc: tuple[_Pieces, ...]
 ) -> None:
     """Merges this rank's queries against one key/value piece into ``acc`` (in place).
 
-    ``acc = (q, out, lse)`` as pieces: the queries and the running result (float32 or wider).
+    ``acc = (q, out, lse, poison)`` as pieces: the (cleaned) queries, the running result (float32
+    or wider), and per row 0 or NaN: whether it has attended a non-finite value entry (columns
+    ``:Dv``, per column) or a non-finite key (column ``Dv``) so far, ``(B, H, c, Dv + 1)``. ``kv``
+    is the piece as sent — possibly non-finite; it is cleaned here, so nothing non-finite reaches
+    the kernels.
     """
-    qs, outs, lses = acc
+    qs, outs, lses, poison = acc
+    bad = torch.cat([_bad(kv[1]), _bad(kv[0]).sum(-1, keepdim=True)], -1)  # (B, H_kv, c, Dv+1)
+    k, v = _clean(kv[0]), _clean(kv[1])
+    H = qs[0].shape[1]
     for a, kind, tile in _queries_seeing(cfg, q, key_id, qs[0].shape[2]):
-        o, lse = _block_fwd(qs[a], kv[0], kv[1], kind, tile, cfg.scale)  # (B, H, c, Dv), (B, H, c)
+        o, lse = _block_fwd(qs[a], k, v, kind, tile, cfg.scale)  # (B, H, c, Dv), (B, H, c)
         o, lse = merge_partials([outs[a], o], [lses[a], lse])
         outs[a].copy_(o)
         lses[a].copy_(lse)
+        _add_reach(poison[a], _reach(bad, kind, tile, H))
 
 
-def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Tensor]:
-    """``(out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32+)``.
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, ...]:
+    """``(out, lse, clean_out, clean_lse)``: the results under the NaN rule, and on cleaned inputs.
 
-    Each key/value piece is sent on while it is used and replaced by the one that arrives, so
-    besides the block only one piece per tensor is in flight.
+    ``out (B, H, L, Dv)`` in q's dtype, ``lse (B, H, L)`` float32 or wider. Each key/value piece
+    is sent on while it is used and replaced by the one that arrives, so besides the block only
+    one piece per tensor is in flight. No host syncs: the non-finite handling is tensor ops.
     """
     B, H, L, _ = q.shape
+    Dv = v.shape[-1]
     n = len(cfg.piece_ids(cfg.rank))
     c = L // n
     stat = _stat_dtype(q.dtype)
-    out = q.new_zeros((B, H, L, v.shape[-1]), dtype=stat)  # merged so far: nothing (lse = −inf)
+    out = q.new_zeros((B, H, L, Dv), dtype=stat)  # merged so far: nothing (lse = −inf)
     lse = q.new_full((B, H, L), _NEG_INF, dtype=stat)
-    acc = (q.split(c, dim=2), out.split(c, dim=2), lse.split(c, dim=2))
+    # 0, or NaN once a non-finite value entry (columns :Dv) or key (column Dv) is attended
+    poison = q.new_zeros((B, H, L, Dv + 1))
+    acc = tuple(t.split(c, dim=2) for t in (_clean(q), out, lse, poison))
     block = _kv_pieces(k, v, c)
     ring = cfg.ring()
     for step in range(cfg.world):
@@ -481,7 +701,15 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor
             pending = ring.start(block[p]) if step < cfg.world - 1 else None  # overlap
             _forward_piece(cfg, q, block[p], ids[p], acc)
             block[p] = pending() if pending is not None else []
-    return out.to(q.dtype), lse
+    out = out.to(q.dtype)
+    # The NaN rule: a row that attends anything is NaN if its query or an attended key is not
+    # finite; column d is NaN where an attended value is not finite there; dead rows stay zero.
+    # Poison is 0 or NaN; subtracting |poison| (+0 or NaN) keeps every other value bit-exact.
+    rows = (poison[..., Dv:] + _bad(q).sum(-1, keepdim=True)).masked_fill(
+        torch.isneginf(lse).unsqueeze(-1), 0.0
+    )  # (B, H, L, 1)
+    nan_out = out - (poison[..., :Dv] + rows).abs()
+    return nan_out, lse - rows.squeeze(-1).abs(), out, lse
 
 
 def _backward_piece(
@@ -575,8 +803,9 @@ def _ring_backward(
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cfg: _Config):  # type: ignore[override]
-        out, lse = _ring_forward(q, k, v, cfg)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, clean_out, clean_lse = _ring_forward(q, k, v, cfg)
+        # The inputs are saved as given (no copies kept) and cleaned again in backward.
+        ctx.save_for_backward(q, k, v, clean_out, clean_lse)
         ctx.cfg = cfg
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -588,6 +817,8 @@ class _RingAttention(torch.autograd.Function):
                 "ring attention does not support double backward (create_graph=True)"
             )
         q, k, v, out, lse = ctx.saved_tensors
+        # The NaN rule: gradients are those of the computation on the cleaned inputs.
+        q, k, v = _clean(q), _clean(k), _clean(v)
         dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.cfg)
         return dq, dk, dv, None
 
@@ -619,6 +850,16 @@ def ring_attention(
     ``out = softmax(q kᵀ · scale + mask) v`` over the *global* sequence, each rank computing its own
     queries' rows; equal to `attnlab.attention` on the unsharded tensors (then sharded).
 
+    Non-finite inputs follow the library's NaN rule, exactly as one process would: row i depends
+    only on q_i and the keys/values it may attend (by ``causal`` and ``mask``, over global
+    positions). A non-finite q_i or attended k_j makes the whole row NaN (and its lse NaN); a
+    non-finite attended v_j[d] makes o_i[d] NaN and leaves the other columns exact; a non-finite
+    entry anywhere else — another document, a later causal position, another rank's keys the
+    row does not attend — never reaches row i, and a row that attends nothing is zeros (lse −inf)
+    even when q_i is NaN. For a finite ``dout`` the gradients are those of the computation on
+    the cleaned inputs (non-finite entries replaced by 0), so they are finite. This is done with
+    tensor ops on every rank — no host syncs, no extra messages.
+
     Args:
         q: this rank's queries ``(B, H, L_local, D)``.
         k: this rank's keys ``(B, H_kv, L_local, D)`` (``H % H_kv == 0``).
@@ -636,7 +877,8 @@ def ring_attention(
             Lowered to the largest divisor of the chunk length when it does not divide it; every
             rank must pass the same value. The result depends on it only through floating-point
             rounding (partials merge in a different order).
-        timeout: seconds to wait for a peer at each hop (default: the process group's timeout).
+        timeout: seconds to wait for a peer at each exchange — the metadata handshake before
+            the first hop included (default: the process group's timeout).
         return_lse: also return the log-sum-exp ``(B, H, L_local)`` (float32 or wider).
 
     Returns:
@@ -646,7 +888,8 @@ def ring_attention(
         RuntimeError: no initialised process group, or a backend that cannot carry these tensors.
         TypeError: ``pieces`` is not an int.
         ValueError: bad shapes or ``pieces < 1``, or ranks that disagree on shapes, dtype or
-            configuration.
+            configuration (including the mask's contents, compared by a fingerprint of its
+            structure, tensors and the closures of mask functions).
         RingAttentionError: a peer died or stalled past ``timeout``.
     """
     from .._shapes import check_number, check_qkv
@@ -679,7 +922,7 @@ def ring_attention(
     tmo = None
     if timeout is not None:
         tmo = datetime.timedelta(seconds=check_number("timeout", timeout, positive=True))
-    _handshake(q, k, v, causal, layout, scale, mask, pieces, group, rank, world)
+    _handshake(q, k, v, causal, layout, scale, mask, pieces, group, rank, world, tmo)
     cfg = _Config(group, rank, world, bool(causal), mask, scale, layout, tmo, pieces)
     # torch's CPU kernel reads the last dim with unit stride: copy only inputs where it is not so
     q, k, v = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))

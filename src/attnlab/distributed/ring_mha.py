@@ -22,7 +22,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
         group: the process group (default: the world).
         causal: causal attention over global positions.
         layout: ``"contiguous"`` or ``"zigzag"`` — how the caller sharded the sequence.
-        timeout: seconds to wait for a peer at each hop.
+        timeout: seconds to wait for a peer at each exchange, the metadata handshake included.
         pieces: pieces per layout chunk that blocks stream in (see `ring_attention`): more
             pieces, less memory per rank, more messages.
     """

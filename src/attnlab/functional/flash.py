@@ -791,36 +791,28 @@ class FlashJob:
 
 
 class _FlashFunction(torch.autograd.Function):
+    """``(out, lse)`` of a job; its backward is `_FlashBackward` (so it can be vmapped)."""
+
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, job: FlashJob, *biases: Tensor):
+    def forward(q: Tensor, k: Tensor, v: Tensor, job: FlashJob, *biases: Tensor):
         # biases: the bias tensors that need gradients (also held, in order, by job.source)
-        out, lse = job.forward(q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
+        return job.forward(q, k, v)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        q, k, v, job, *biases = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, *biases)
         ctx.job = job
         ctx.set_materialize_grads(False)
-        return out, lse
 
     @staticmethod
     def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
-        q, k, v, out, lse = ctx.saved_tensors
-        create_graph = torch.is_grad_enabled()
-        with torch.no_grad():
-            if dout is None:
-                dout = torch.zeros_like(out)
-            dout = dout.contiguous()
-            dq, dk, dv = ctx.job.backward(dout, dlse, q, k, v, out, lse)
-            dbias = [
-                g.to(ctx.job.source.bias_tensors[i].dtype).reshape(
-                    ctx.job.source.bias_tensors[i].shape
-                )
-                for g, i in zip(ctx.job.bias_grads, ctx.job.grad_biases, strict=True)
-            ]
-        if create_graph:
-            # create_graph=True: the gradients depend on q, k, v, but this backward is not
-            # itself differentiable. Mark them so that differentiating them raises, instead of
-            # silently treating them as constants.
-            biases = [ctx.job.source.bias_tensors[i] for i in ctx.job.grad_biases]
-            dq, dk, dv, *dbias = _no_double_backward((dq, dk, dv, *dbias), (q, k, v, *biases))
+        q, k, v, out, lse, *biases = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        grads = _FlashBackward.apply(dout, dlse, q, k, v, out, lse, ctx.job, *biases)
+        dq, dk, dv, *dbias = grads
         return (dq, dk, dv, None, *dbias)
 
 
@@ -830,21 +822,61 @@ _DOUBLE_BACKWARD = (
 )
 
 
-def _no_double_backward(
-    grads: tuple[Tensor, ...], inputs: tuple[Tensor, ...]
-) -> tuple[Tensor, ...]:
-    """The gradients, behind a node that raises when differentiated (linked to the inputs)."""
-    delayed = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
-    if delayed is None:  # pragma: no cover - private torch API moved: refuse up front
-        raise NotImplementedError(_DOUBLE_BACKWARD)
-    err = delayed(_DOUBLE_BACKWARD.encode(), len(grads))
-    never = torch.zeros((), dtype=torch.bool, device=grads[0].device)
-    # where(False, x, g) has g's value and a graph edge to x, so autograd reaches the error node
-    linked = [
-        torch.where(never, x, g) if x.requires_grad else g.detach().requires_grad_(True)
-        for g, x in zip(grads, inputs, strict=True)
-    ]
-    return tuple(err(*linked))
+class _FlashBackward(torch.autograd.Function):
+    """The recomputing backward of a job as a function of ``dout`` (and ``dlse``).
+
+    Differentiating it raises (no double backward). Under `torch.vmap` — e.g.
+    ``torch.autograd.grad(..., is_grads_batched=True)`` — it runs once per vmapped slice.
+    """
+
+    @staticmethod
+    def forward(dout, dlse, q, k, v, out, lse, job: FlashJob, *biases):
+        if torch._C._functorch.is_legacy_batchedtensor(dout):
+            # autograd's is_grads_batched vmaps the backward graph with the legacy batching,
+            # which bypasses `vmap` below: unwrap dout, run per slice, batch the results.
+            level = torch._C._vmapmode_increment_nesting() - 1  # the innermost vmap level
+            torch._C._vmapmode_decrement_nesting()
+            plain = torch._remove_batch_dim(dout, level, 1, 0)  # (N, B, H, L, Dv)
+            parts = [
+                _FlashBackward.forward(plain[i], dlse, q, k, v, out, lse, job, *biases)
+                for i in range(plain.shape[0])
+            ]
+            return tuple(
+                torch._add_batch_dim(torch.stack(col), 0, level) for col in zip(*parts, strict=True)
+            )
+        with torch.no_grad():
+            dq, dk, dv = job.backward(dout.contiguous(), dlse, q, k, v, out, lse)
+            dbias = [
+                g.to(job.source.bias_tensors[i].dtype).reshape(job.source.bias_tensors[i].shape)
+                for g, i in zip(job.bias_grads, job.grad_biases, strict=True)
+            ]
+        return (dq, dk, dv, *dbias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_DOUBLE_BACKWARD)
+
+    @staticmethod
+    def vmap(info, in_dims, dout, dlse, q, k, v, out, lse, job, *biases):
+        args = (dout, dlse, q, k, v, out, lse)
+
+        def pick(x, dim, i):
+            return x if dim is None or x is None else x.select(dim, i)
+
+        parts = [
+            _FlashBackward.forward(
+                *(pick(x, d, i) for x, d in zip(args, in_dims[:7], strict=True)),
+                job,
+                *(pick(b, d, i) for b, d in zip(biases, in_dims[8:], strict=True)),
+            )
+            for i in range(info.batch_size)
+        ]
+        stacked = tuple(torch.stack(col) for col in zip(*parts, strict=True))
+        return stacked, (0,) * len(stacked)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -975,11 +1007,11 @@ def _attended_hits(
         add = source.for_call(c)
         if add is None and c.kind == CALL_CAUSAL:
             hi = torch.arange(1, R + 1, device=ind.device).view(1, 1, R)
-            hit = nan_rule._any_interval(sub, None, hi).repeat_interleave(G, dim=1)
+            hit = nan_rule.any_in_interval(sub, None, hi).repeat_interleave(G, dim=1)
         elif add is None:
             hit = (sub.amax(dim=2) > 0).unsqueeze(2).repeat_interleave(G, dim=1)
         else:
-            hit = nan_rule._any_dense(sub, ~torch.isneginf(add)).flatten(1, 2)
+            hit = nan_rule.any_dense(sub, ~torch.isneginf(add)).flatten(1, 2)
             hit = hit.repeat_interleave(H // hit.shape[1], dim=1)  # (nb, H, R|1, C)
             bias_bad[rows] |= (torch.isnan(add) | torch.isposinf(add)).any(dim=-1)
         hits[rows] |= hit
@@ -1017,10 +1049,7 @@ def _flash_poison(
         fn_bad = torch.isnan(lse) | torch.isposinf(lse)  # (B, H, L)
         row_bad = row_bad | fn_bad
         bad = bad | fn_bad.unsqueeze(-1)
-    nan = torch.tensor(float("nan"), dtype=out.dtype, device=out.device)
-    zero = torch.zeros((), dtype=out.dtype, device=out.device).neg()
-    out = out + torch.where(bad, nan, zero)
-    return out, torch.where(row_bad, float("nan"), lse)
+    return nan_rule.add_nan(out, bad), torch.where(row_bad, float("nan"), lse)
 
 
 def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
@@ -1097,6 +1126,8 @@ def flash_declines(req: Request) -> str | None:
     """Auto's preference: None if flash should run this call, else why sdpa is the better pick."""
     d = req.dims
     n = d.L * d.S
+    if torch.compiler.is_compiling():
+        return "under torch.compile flash's Python tiling plans would break the graph"
     structured = isinstance(req.mask, Mask) and not isinstance(req.mask, TensorMask)
     if structured and req.is_plain_causal and req.bias is None:
         structured = False  # sdpa runs plain causal with the same kernel call

@@ -58,7 +58,7 @@ def _grouped(t: Tensor, H_kv: int) -> Tensor:
     return t.unflatten(1, (H_kv, t.shape[1] // H_kv))
 
 
-def _any_interval(ind: Tensor, lo: Tensor | None, hi: Tensor) -> Tensor:
+def any_in_interval(ind: Tensor, lo: Tensor | None, hi: Tensor) -> Tensor:
     """``any_{lo_i <= j < hi_i} ind[j, c]``: ind ``(B, H_kv, S, C)``; lo/hi ``(B|1, 1, L)``."""
     B, H_kv, S, C = ind.shape
     if lo is None:  # first flagged key per column, S if none: any ⟺ first < hi
@@ -76,7 +76,7 @@ def _any_interval(ind: Tensor, lo: Tensor | None, hi: Tensor) -> Tensor:
     return (at(hi.clamp(min=0)) - at(lo)) > 0
 
 
-def _any_dense(ind: Tensor, keep: Tensor) -> Tensor:
+def any_dense(ind: Tensor, keep: Tensor) -> Tensor:
     """``any_j keep[i, j] · ind[j, c]``: ind ``(B, H_kv, S, C)``, keep ``(B|1, H|1, L, S)``."""
     H_kv, S = ind.shape[1], ind.shape[2]
     # 0/1 entries are exact in bfloat16, and a positive count never rounds to 0
@@ -115,11 +115,11 @@ def bad_entries(
         hi = hi.expand(hi.shape[0], 1, L)
         if lo is not None:
             lo, hi = torch.broadcast_tensors(lo.expand(lo.shape[0], 1, L), hi)
-        hit = _any_interval(ind, lo, hi)  # (B, H_kv, L, 1 + Dv)
+        hit = any_in_interval(ind, lo, hi)  # (B, H_kv, L, 1 + Dv)
         hit = hit.unsqueeze(2).expand(B, H_kv, G, L, 1 + Dv).flatten(1, 2)
         alive = (hi > (0 if lo is None else lo)).expand(B, 1, L) if S else None
     elif keep is not None:
-        hit = _any_dense(ind, keep).expand(B, H_kv, G, L, 1 + Dv).flatten(1, 2)
+        hit = any_dense(ind, keep).expand(B, H_kv, G, L, 1 + Dv).flatten(1, 2)
         alive = keep.any(dim=-1)  # (B|1, H|1, L)
     else:
         hit = (ind.amax(dim=2) > 0) if S else ind.new_zeros(B, H_kv, 1 + Dv, dtype=torch.bool)
@@ -159,11 +159,16 @@ def poison(
         ``(out, weights)`` with NaN where the rule says (``out + (−0.0)`` elsewhere: bit-exact).
     """
     row_bad, bad = bad_entries(q, k, v, keep=keep, interval=interval, bias=bias)
-    nan = torch.tensor(_NAN, dtype=out.dtype, device=out.device)
-    out = out + torch.where(bad, nan, torch.zeros((), dtype=out.dtype, device=out.device).neg())
     if weights is not None:
         wbad = row_bad.unsqueeze(-1)
         if keep is not None:
             wbad = wbad & keep
-        weights = torch.where(wbad, nan.to(weights.dtype), weights)
-    return out, weights
+        weights = torch.where(wbad, _NAN, weights)
+    return add_nan(out, bad), weights
+
+
+def add_nan(out: Tensor, bad: Tensor) -> Tensor:
+    """``out`` with NaN where ``bad`` (broadcastable) is True, bit-exact elsewhere (adds −0.0)."""
+    nan = torch.tensor(_NAN, dtype=out.dtype, device=out.device)
+    zero = torch.zeros((), dtype=out.dtype, device=out.device).neg()
+    return out + torch.where(bad, nan, zero)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..masks import CausalMask, PaddingMask
 from . import nan_rule
 from .reference import keep_mask
 from .request import Request, request_dense, request_interval
@@ -40,24 +41,49 @@ def _kernel(req: Request, q: Tensor, k: Tensor, v: Tensor, attn_mask, is_causal:
     )
 
 
-def _unmasked(req: Request) -> Tensor:
-    """No mask, no bias, no gradient (e.g. decoding): the kernel on the inputs as they are.
+def _unmasked(req: Request, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Every row attends every key of ``k``, ``v``; no bias, no gradient (e.g. decoding).
 
-    Every row attends every key, so nothing can leak between rows; the kernel itself propagates
-    a non-finite ``v_j[d]`` into column d. It hides two cases that the rule makes non-finite —
-    a row whose logits are all NaN (non-finite ``q_i``, or every key non-finite) comes back as 0,
-    and a key whose logit is −inf is dropped — so rows with a non-finite ``q_i`` or any non-finite
-    key of their head group are set to NaN: an O(L·D + S·D) check, no copy of k or v.
+    Nothing can leak between rows, and the kernel itself propagates a non-finite ``v_j[d]`` into
+    column d. It hides two cases that the rule makes non-finite — a row whose logits are all NaN
+    (non-finite ``q_i``, or every key non-finite) comes back as 0, and a key whose logit is −inf
+    is dropped — so rows with a non-finite ``q_i`` or any non-finite key of their head group are
+    set to NaN: one sum over q and one over k, no copy of k or v. (A float32 sum over a head's
+    keys that overflows, i.e. |k| entries near 1e34, also counts as non-finite.)
     """
     d = req.dims
-    out = _kernel(req, req.q, req.k, req.v, None, False)
-    # float64 sums cannot overflow for finite float32/16 inputs: NaN/inf iff one is present
-    k_bad = ~torch.isfinite(req.k.sum(dim=(2, 3), dtype=torch.float64))  # (B, H_kv)
+    out = _kernel(req, q, k, v, None, False)
+    k_bad = ~torch.isfinite(k.sum(dim=(2, 3), dtype=torch.float32))  # (B, H_kv)
     k_bad = k_bad.repeat_interleave(d.H // d.H_kv, dim=1) if d.H_kv != d.H else k_bad
-    row_bad = (nan_rule.row_flags(req.q) > 0) | k_bad.unsqueeze(-1)  # (B, H, L)
-    nan = torch.tensor(float("nan"), dtype=out.dtype, device=out.device)
-    zero = torch.zeros((), dtype=out.dtype, device=out.device).neg()
-    return out + torch.where(row_bad.unsqueeze(-1), nan, zero)
+    q_bad = ~torch.isfinite(q.sum(dim=-1, dtype=torch.float32))  # (B, H, L)
+    return nan_rule.add_nan(out, (q_bad | k_bad.unsqueeze(-1)).unsqueeze(-1))  # rows (B, H, L)
+
+
+def _sliced(req: Request) -> Tensor | None:
+    """Masks whose keys are a prefix known from Python ints, without bias or gradient.
+
+    Bottom-right causal with one query row attends every key; a padding mask built from a list
+    of ints attends keys ``[0, n_b)`` of item b: each runs `_unmasked` on a view of the keys —
+    no mask tensor, no copies. Returns None for every other call.
+    """
+    d = req.dims
+    if req.bias is not None or req.score != "dot" or _needs_grad(req.q, req.k, req.v):
+        return None
+    if req.mask is None or (isinstance(req.mask, CausalMask) and d.L == 1):
+        return _unmasked(req, req.q, req.k, req.v)
+    lengths = req.mask.py_lengths if isinstance(req.mask, PaddingMask) else None
+    if lengths is None:
+        return None
+    outs = []
+    for b in range(d.B):
+        n = min(d.S, lengths[b] if len(lengths) > 1 else lengths[0])
+        bs = slice(b, b + 1)
+        if n == 0:
+            outs.append(req.q.new_zeros(1, d.H, d.L, d.Dv))
+        else:
+            k, v = req.k[bs, :, :n], req.v[bs, :, :n]
+            outs.append(_unmasked(req, req.q[bs], k, v))
+    return outs[0] if d.B == 1 else torch.cat(outs, dim=0)
 
 
 def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
@@ -65,18 +91,22 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
 
     The NaN rule (`functional.nan_rule`): the kernel runs on inputs whose non-finite entries are
     0 — torch's kernel would zero a row whose logits are all NaN and spread ``0 · NaN`` from
-    masked pairs — and NaN is added back exactly where the rule puts it. Calls without mask,
-    bias or gradient (decoding) skip the copies (`_unmasked`). No host synchronisation.
+    masked pairs — and NaN is added back exactly where the rule puts it. Calls without bias or
+    gradient whose keys are a known prefix (decoding) skip the copies (`_sliced`). No host
+    synchronisation.
     """
     s = get_score(req.score)
     # torch's is_causal path masks after scaling with -inf, so a negative scale turns the masked
     # logits into +inf (NaN output): use the dense mask then.
     is_causal = req.is_plain_causal and req.bias is None and req.scale > 0
-    plain = req.mask is None and req.bias is None and req.score == "dot"
-    if plain and not _needs_grad(req.q, req.k, req.v):
-        return _unmasked(req), None
+    fast = _sliced(req)
+    if fast is not None:
+        return fast, None
     allowed, additive = (None, None) if is_causal else request_dense(req)
-    q, k, v = nan_rule.clean(req.q), nan_rule.clean(req.k), nan_rule.clean(req.v)
+    # a non-finite q_i only reaches row i (poisoned, or zeros if it attends nothing): q needs
+    # cleaning only for its gradient
+    q = nan_rule.clean(req.q) if _needs_grad(req.q) else req.q
+    k, v = nan_rule.clean(req.k), nan_rule.clean(req.v)
     if req.score != "dot":
         q, k = s.prepare(q), s.prepare(k)
     attn_mask = allowed

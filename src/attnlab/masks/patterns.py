@@ -97,6 +97,11 @@ class PaddingMask(Mask):
         if (self.lengths < 0).any():
             raise ValueError(f"lengths must be >= 0, got {self.lengths.tolist()}")
         self.batch_size = int(self.lengths.numel())
+        # Lengths given as Python ints are structure: backends may slice keys by them (no mask
+        # tensor, no data read). Lengths given as a tensor stay data.
+        self.py_lengths: tuple[int, ...] | None = None
+        if isinstance(lengths, (list, tuple)):
+            self.py_lengths = tuple(int(n) for n in lengths)
 
     def _eval(self, b, h, i, j, L, S):
         n = self.lengths.to(j.device)
