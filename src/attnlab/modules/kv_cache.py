@@ -139,9 +139,11 @@ class KVCache:
         seen: tokens ever appended (the next default position), a Python int.
         capacity: the preallocated size, or None.
 
-    The number of stored tokens (``len(cache)``), ``seen`` and the bound on the stored positions
-    are host-side Python ints advanced by every `update`; `update` never reads a tensor's value.
-    An update with ``T = 0`` new tokens validates its arguments and leaves the cache unchanged.
+    The number of stored tokens (``len(cache)``) and ``seen`` are host-side Python ints advanced
+    by every `update`; `update` never reads a tensor's value. While the cache assigns positions
+    itself they are implied (``seen − len … seen − 1``, reported as `CacheView.start`) and no
+    position tensor is kept; the first caller-given positions switch to stored positions. An
+    update with ``T = 0`` new tokens validates its arguments and leaves the cache unchanged.
 
     Example:
         >>> cache = KVCache()
