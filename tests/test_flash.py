@@ -32,8 +32,11 @@ def softcap_free_bias(b, h, i, j):
     return torch.where((h == 1) & (j == 0), float("-inf"), val)
 
 
-def cases(B: int, L: int, S: int) -> dict[str, tuple[object, object]]:
-    """name -> (mask, bias), covering every mask family, tensor masks, and function biases."""
+def cases(B: int, L: int, S: int, H: int = 4) -> dict[str, tuple[object, object]]:
+    """name -> (mask, bias), covering every mask family, tensor masks, and function biases.
+
+    ``H`` is the call's head count (ALiBi must be built for it; the tensor bias has 4 heads).
+    """
     g = torch.Generator().manual_seed(L * 1000 + S)
     rand = torch.rand(B, 1, L, S, generator=g) > 0.3
     add = torch.where(torch.rand(1, 1, L, S, generator=g) > 0.2, 0.0, float("-inf"))
@@ -57,9 +60,9 @@ def cases(B: int, L: int, S: int) -> dict[str, tuple[object, object]]:
         "from_fn": (masks.from_fn(lambda b, h, i, j: (i - j) % 3 != 1), None),
         "bool_tensor": (rand, None),
         "additive": (add, None),
-        "alibi": (None, ALiBi(4, causal=False)),
-        "alibi_causal": (masks.causal(), ALiBi(4)),
-        "alibi_window": (masks.sliding_window(200), ALiBi(4)),
+        "alibi": (None, ALiBi(H, causal=False)),
+        "alibi_causal": (masks.causal(), ALiBi(H)),
+        "alibi_window": (masks.sliding_window(200), ALiBi(H)),
         "fn_bias_inf": (masks.sliding_window(9), softcap_free_bias),
         "tensor_bias": (masks.causal(), tbias),
     }
@@ -79,7 +82,7 @@ def qkv(B, H, H_kv, L, S, D, Dv, dtype, seed=1, scale=1.0):
 
 def check_all_cases(dtype, L, S, only=None, B=2, H=4, H_kv=2, D=40, Dv=24):
     q, k, v = qkv(B, H, H_kv, L, S, D, Dv, dtype)
-    for name, (mask, bias) in cases(B, L, S).items():
+    for name, (mask, bias) in cases(B, L, S, H).items():
         if only is not None and name not in only:
             continue
         try:

@@ -163,3 +163,105 @@ def test_attention_stats_uniform_attention_entropy_is_log_n():
     torch.testing.assert_close(st.entropy[0, 0], n.log(), atol=1e-6, rtol=0)
     torch.testing.assert_close(st.sink_mass[0, 0], 1 / n, atol=1e-6, rtol=0)
     torch.testing.assert_close(st.mean_distance[0, 0], (n - 1) / 2, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------ the NaN rule (issue 13)
+
+
+def _nan_rule_case():
+    """Packed documents [10, 12, 8] (causal), key padding in item 1, two rows with no key, and
+    NaN/inf planted in attended and non-attended keys and queries; the rows the rule poisons."""
+    B, H, H_kv, L, D = 2, 4, 2, 30, 8
+    q, k, v = qkv(B, H, H_kv, L, L, D)
+    doc = torch.tensor([0] * 10 + [1] * 12 + [2] * 8)
+    keep = (doc[:, None] == doc[None, :]) & torch.ones(L, L, dtype=torch.bool).tril()
+    keep = keep.expand(B, L, L).clone()
+    keep[1, :, 27:] = False  # item 1: padded keys
+    keep[0, 3] = False  # rows with no key at all
+    keep[1, 0] = False
+    qb, kb = q.clone(), k.clone()
+    kb[0, 0, 14] = float("nan")  # doc 2 of item 0, kv head 0 (query heads 0, 1)
+    kb[1, 1, 28] = float("nan")  # padding: reaches nothing
+    kb[1, 1, 12] = float("inf")  # doc 2 of item 1, kv head 1 (query heads 2, 3)
+    qb[0, 3, 3] = float("nan")  # a row with no key: stays zeros
+    qb[0, 2, 25] = float("-inf")  # doc 3: its own row only
+    G = H // H_kv
+    q_bad = ~torch.isfinite(qb).all(-1)  # (B, H, L)
+    k_bad = ~torch.isfinite(kb).all(-1)[:, torch.arange(H) // G]  # (B, H, S)
+    poisoned = (q_bad & keep.any(-1)[:, None]) | (keep[:, None] & k_bad[:, :, None]).any(-1)
+    assert poisoned.any() and (~poisoned & keep.any(-1)[:, None]).any()
+    return q, k, v, qb, kb, keep[:, None], poisoned
+
+
+@pytest.mark.parametrize("lse_kind", ["clean", "poisoned"])
+def test_nan_rule_attention_weights(lse_kind):
+    """NaN in a key row i may not attend never reaches row i's weights; a non-finite attended
+    key or query makes the row's weights non-finite (from the logits even when the given lse is
+    finite, or from a NaN lse); rows with no key are 0."""
+    q, k, _, qb, kb, mask, poisoned = _nan_rule_case()
+    _, lse = attnlab.attention(q, k, k, mask=mask, backend="reference", return_lse=True)
+    want = attention_weights(q, k, lse, mask=mask)
+    if lse_kind == "poisoned":
+        lse = torch.where(poisoned, float("nan"), lse)
+    w = attention_weights(qb, kb, lse, mask=mask)
+    assert torch.equal(torch.isfinite(w), ~poisoned[..., None].expand_as(w))
+    ok = ~poisoned
+    assert torch.equal(w[ok], want[ok])
+    dead = ~mask.any(-1).expand_as(poisoned)
+    assert (w[dead] == 0).all() and dead.any()
+
+
+@pytest.mark.parametrize("lse_kind", ["clean", "poisoned"])
+def test_nan_rule_attention_stats(lse_kind):
+    q, k, v, qb, kb, mask, poisoned = _nan_rule_case()
+    _, lse = attnlab.attention(q, k, v, mask=mask, backend="reference", return_lse=True)
+    want = attention_stats(q, k, v, mask=mask, lse=lse)
+    if lse_kind == "poisoned":
+        lse = torch.where(poisoned, float("nan"), lse)
+    st = attention_stats(qb, kb, v, mask=mask, lse=lse)
+    dead = ~mask.any(-1).expand_as(poisoned)
+    for name in ("entropy", "max_weight", "sink_mass", "mean_distance"):
+        got, exp = getattr(st, name), getattr(want, name)
+        assert torch.equal(torch.isfinite(got), ~poisoned), name
+        torch.testing.assert_close(got[~poisoned], exp[~poisoned], atol=1e-12, rtol=0)
+        assert (got[dead] == 0).all(), name
+
+
+def test_nan_rule_bias_nan_on_a_masked_pair_never_reaches_the_row():
+    """A NaN bias entry where the mask forbids the pair is masked (−inf wins); on an attended
+    pair it poisons the row (weights and stats)."""
+    q, k, v = qkv(1, 2, 2, 12, 12, 8)
+    bias = torch.zeros(1, 2, 12, 12, dtype=torch.float64)
+    bias[0, 0, 4, 9] = float("nan")  # above the diagonal: masked by causal
+    bias[0, 1, 6, 2] = float("nan")  # attended
+    mask = masks.causal()
+    _, lse = attnlab.attention(q, k, v, mask=mask, backend="reference", return_lse=True)
+    w = attention_weights(q, k, lse, mask=mask, bias=bias)
+    st = attention_stats(q, k, v, mask=mask, bias=bias, lse=lse)
+    bad = torch.zeros(1, 2, 12, dtype=torch.bool)
+    bad[0, 1, 6] = True
+    assert torch.equal(torch.isfinite(w).all(-1), ~bad) and torch.isnan(w[0, 1, 6]).all()
+    assert torch.equal(torch.isfinite(st.entropy), ~bad)
+
+
+def test_weights_and_stats_make_no_host_sync_on_a_causal_plan():
+    """With int rows/heads and a given lse, neither reads a tensor value back to the host (the
+    sink mass used nonzero() + int(), the index checks min()/max())."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Syncs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = qkv(2, 4, 2, 40, 40, 8)
+    _, lse = attnlab.attention(q, k, v, mask=masks.causal(), return_lse=True)
+    with Syncs() as mode:
+        attention_weights(q, k, lse, rows=[0, 5, -1], heads=2, mask=masks.causal())
+        attention_stats(q, k, v, mask=masks.causal(), lse=lse)
+    assert mode.seen == []

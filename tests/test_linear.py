@@ -20,6 +20,7 @@ import attnlab
 from attnlab.functional import reference
 from attnlab.linear import LinearAttention, LinearAttentionState, linear_attention
 from helpers import FIXED_TABLE, check_against_reference, fwd_bwd, seeded
+from nan_rule_linear import check_nan_rule, expected_finite, keep_matrix, planted
 
 F64 = torch.float64
 FWD_ATOL, FWD_RTOL, GRAD_ATOL, GRAD_RTOL = FIXED_TABLE[F64]
@@ -504,3 +505,123 @@ def test_error_state_misuse():
         ValueError, match=r"state of shape .* = \(2, 2, 8, 4\), but the state holds"
     ):
         state.append(k[:, :, 1:2], v[:, :, 1:2, :4])
+
+
+# ------------------------------------------------------------------------ the NaN rule (issue 13)
+
+
+NAN_CASES = [  # (L, S, causal, padded): L != S covers bottom-right rows that see no key
+    (9, 11, False, False),
+    (9, 11, False, True),
+    (9, 11, True, False),
+    (9, 11, True, True),
+    (11, 7, True, True),
+    (11, 7, False, True),
+]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("L,S,causal,padded", NAN_CASES)
+def test_nan_rule_fast_and_reference(seed, L, S, causal, padded):
+    key_mask = None
+    if padded:
+        key_mask = torch.ones(2, S, dtype=torch.bool)
+        key_mask[0, S - 3 :] = False
+        key_mask[1] = False
+        key_mask[1, 2] = True  # item 1: a single real key (causal rows before it see none)
+    inputs = planted(seed + 10 * L, L=L, S=S, key_mask=key_mask)
+    keep = keep_matrix(2, L, S, causal, key_mask)
+
+    def fast(q, k, v):
+        return linear_attention(q, k, v, causal=causal, key_mask=key_mask, chunk_size=4)
+
+    def ref(q, k, v):
+        return reference.linear_attention(q, k, v, causal=causal, key_mask=key_mask)
+
+    check_nan_rule(fast, ref, inputs, keep, key_mask)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nan_rule_causal_value_reaches_only_later_rows(bad):
+    """A non-finite v_j[d] reaches column d of rows i >= j only; k_j the whole of those rows
+    (−inf too, though elu(−inf) + 1 = 0 is finite)."""
+    q, k, v = qkv(L=10, S=10)
+    for name in ("k", "v"):
+        k2, v2 = k.clone(), v.clone()
+        (k2 if name == "k" else v2)[1, 0, 6, 2] = bad
+        for fn in (
+            lambda *a: linear_attention(*a, causal=True, chunk_size=3),
+            lambda *a: reference.linear_attention(*a, causal=True),
+        ):
+            clean, out = fn(q, k, v), fn(q, k2, v2)
+            assert torch.equal(out[:, :, :6], clean[:, :, :6])  # rows before j: untouched
+            assert torch.equal(out[0], clean[0]) and torch.equal(out[1, 2:], clean[1, 2:])
+            bad_cols = slice(None) if name == "k" else 2
+            assert torch.isnan(out[1, :2, 6:, bad_cols]).all()
+            if name == "v":
+                torch.testing.assert_close(out[1, :2, 6:, :2], clean[1, :2, 6:, :2])
+
+
+def test_nan_rule_non_causal_padding_never_leaks():
+    """Non-causal with padding: NaN/inf stored in padded k and v (the Σφ(k)vᵀ sum) never leaks,
+    forward or backward; the result is bit-equal to storing zeros there."""
+    q, k, v = qkv(L=7, S=10)
+    key_mask = torch.tensor([[True] * 6 + [False] * 4, [False] * 10])
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[:, :, 6:] = float("nan")
+    v_bad[:, :, 6:] = float("inf")
+    k_bad[1], v_bad[1] = float("-inf"), float("nan")
+    for fn in (linear_attention, reference.linear_attention):
+        out, grads = fwd_bwd(lambda q, k, v, f=fn: f(q, k, v, key_mask=key_mask), [q, k, v])
+        out_bad, grads_bad = fwd_bwd(
+            lambda q, k, v, f=fn: f(q, k, v, key_mask=key_mask), [q, k_bad, v_bad]
+        )
+        assert torch.equal(out_bad, out) and torch.equal(out[1], torch.zeros_like(out[1]))
+        for g, gb in zip(grads, grads_bad, strict=True):
+            assert torch.equal(gb, g)
+
+
+def test_nan_rule_query_of_a_row_with_no_key_gives_zeros():
+    q, k, v = qkv(L=9, S=4)  # causal bottom-right: rows 0..4 see no key
+    q = q.clone()
+    q[:, :, 2] = float("nan")
+    q[:, :, 7] = float("-inf")
+    out = linear_attention(q, k, v, causal=True)
+    assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
+    assert torch.isnan(out[:, :, 7]).all() and torch.isfinite(out[:, :, 8]).all()
+
+
+@pytest.mark.parametrize("prefill", [0, 3])
+def test_nan_rule_recurrent_equals_chunked(prefill):
+    """`LinearAttentionState` (prefill + steps) under the rule equals the chunked causal form."""
+    q, k, v = planted(5, L=8, S=8 + prefill)
+    want = linear_attention(q, k, v, causal=True, chunk_size=3)
+    state = LinearAttentionState()
+    if prefill:
+        state.append(k[:, :, :prefill], v[:, :, :prefill])
+    outs = [state.step(q[:, :, t], k[:, :, prefill + t], v[:, :, prefill + t]) for t in range(8)]
+    got = torch.stack(outs, dim=2)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    assert (~torch.isfinite(want)).any() and torch.isfinite(want).any()
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], atol=FWD_ATOL, rtol=FWD_RTOL)
+    assert torch.isfinite(state.kv).all() and torch.isfinite(state.z).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_rule_reference_kernel_attention_on_features(causal):
+    """`reference.kernel_attention` applies the rule to its own inputs (features and values)."""
+    key_mask = torch.ones(2, 11, dtype=torch.bool)
+    key_mask[0, 8:] = False
+    fq, fk, v = planted(3, L=9, S=11, key_mask=key_mask)
+    fq, fk = fq.abs(), fk.abs()  # non-negative features; abs keeps NaN/inf where they were
+    keep = keep_matrix(2, 9, 11, causal, key_mask)
+    out = reference.kernel_attention(fq, fk, v, causal=causal, key_mask=key_mask)
+    want = expected_finite(fq, fk, v, keep)
+    assert torch.equal(torch.isfinite(out), want) and (~want).any() and want.any()
+    golden = reference.kernel_attention(
+        *(torch.nan_to_num(x, 0.0, 0.0, 0.0) for x in (fq, fk, v)),
+        causal=causal,
+        key_mask=key_mask,
+    )
+    torch.testing.assert_close(out[want], golden[want], atol=0, rtol=0)

@@ -126,3 +126,83 @@ def test_merge_into_accumulates_like_merge_partials():
     torch.testing.assert_close(acc_o, want_o, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(acc_l, want_l)
     assert (acc_o[..., 2, :] == 0).all() and torch.isneginf(acc_l[..., 2]).all()
+
+
+# ------------------------------------------------------------------------ the NaN rule (issue 13)
+
+
+def _planted_parts(seed):
+    """Parts of a masked attention (reference, clean inputs) with NaN/inf planted by the rule.
+
+    Returns ``(outs, lses, full_out, full_lse, finite_out, finite_lse)``: the planted parts, the
+    full-key reference result, and where the merged result must be finite under the NaN rule.
+    """
+    g = torch.Generator().manual_seed(seed)
+    B, H, L, S, D, Dv, n = 2, 2, 9, 23, 5, 4, 3
+    q, k, v = (
+        seeded(B, H, L, D, seed=seed),
+        seeded(B, H, S, D, seed=seed + 1),
+        seeded(B, H, S, Dv, seed=seed + 2),
+    )
+    mask = torch.rand(B, H, L, S, generator=g) < 0.3  # many (row, part) pairs with no key
+    mask[0, 0, 0] = False  # a row with no key at all
+    owner = torch.randint(0, n, (S,), generator=g)
+    outs, lses = [], []
+    for p in range(n):
+        m = mask & (owner == p)
+        outs.append(reference.attention(q, k, v, mask=m)[0])
+        lses.append(reference.logsumexp(q, k, mask=m))
+    full_out, _ = reference.attention(q, k, v, mask=mask)
+    full_lse = reference.logsumexp(q, k, mask=mask)
+    finite_row = torch.ones(B, H, L, dtype=torch.bool)
+    finite_out = torch.ones(B, H, L, Dv, dtype=torch.bool)
+    bad_values = [float("nan"), float("inf"), float("-inf")]
+    for p in range(n):
+        alive = torch.isfinite(lses[p])
+        assert alive.any() and (~alive).any()
+        # garbage in the stored output of rows where the part has no key: must not leak
+        junk = ~alive & (torch.rand(B, H, L, generator=g) < 0.5)
+        outs[p][junk] = float("nan")
+        outs[p][~alive & ~junk] = float("inf")
+        # a non-finite entry of a live part's output poisons that column of that row
+        hit = alive.unsqueeze(-1) & (torch.rand(B, H, L, Dv, generator=g) < 0.05)
+        outs[p][hit] = bad_values[p % 3]
+        finite_out &= ~hit
+        # a NaN or +inf lse (NaN/inf logit in that part) poisons the whole row
+        row_hit = alive & (torch.rand(B, H, L, generator=g) < 0.1)
+        lses[p][row_hit] = float("nan") if p % 2 else float("inf")
+        finite_row &= ~row_hit
+    finite_out &= finite_row.unsqueeze(-1)
+    assert (~finite_row).any() and (finite_out != finite_row.unsqueeze(-1)).any()
+    return outs, lses, full_out, full_lse, finite_out, finite_row
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_nan_rule_merge_equals_full_attention_under_the_rule(seed):
+    outs, lses, full_out, full_lse, finite_out, finite_row = _planted_parts(seed)
+    out, lse = merge_partials(outs, lses)
+    assert torch.equal(torch.isfinite(out), finite_out)
+    assert torch.equal(torch.isfinite(lse) | torch.isneginf(lse), finite_row)
+    assert not torch.isposinf(out).any() and not torch.isneginf(out).any()  # poison is NaN
+    torch.testing.assert_close(out[finite_out], full_out[finite_out], atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse[finite_row], full_lse[finite_row], atol=1e-12, rtol=0)
+    assert torch.equal(out[0, 0, 0], torch.zeros_like(out[0, 0, 0]))  # no key: zeros
+    assert torch.isneginf(lse[0, 0, 0])
+
+
+def test_nan_rule_merge_gradients_are_those_of_the_cleaned_merge():
+    outs, lses, *_ = _planted_parts(11)
+    xs = [t.clone().requires_grad_(True) for t in outs + lses]
+    n = len(outs)
+    out, lse = merge_partials(xs[:n], xs[n:])
+    dout, dlse = seeded(*out.shape, seed=3), seeded(*lse.shape, seed=4)
+    grads = torch.autograd.grad((out, lse), xs, (dout, dlse))
+    clean_outs = [torch.nan_to_num(o, 0.0, 0.0, 0.0) for o in outs]
+    clean_lses = [torch.where(torch.isnan(t) | torch.isposinf(t), float("-inf"), t) for t in lses]
+    ys = [t.clone().requires_grad_(True) for t in clean_outs + clean_lses]
+    c_out, c_lse = merge_partials(ys[:n], ys[n:])
+    want = torch.autograd.grad((c_out, c_lse), ys, (dout, dlse))
+    for got, exp, x in zip(grads, want, outs + lses, strict=True):
+        assert torch.isfinite(got).all()
+        # entries that were non-finite get no gradient (they are read as constants)
+        torch.testing.assert_close(got, torch.where(torch.isfinite(x), exp, 0.0), atol=0, rtol=0)

@@ -214,26 +214,56 @@ def test_h15_nan_locality_property_long(data):
 
 
 # ----------------------------------------------------------------- no host syncs
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "auto"])
-@pytest.mark.parametrize(
-    "mask", [None, masks.causal(), masks.sliding_window(5), masks.padding([20, 33])], ids=repr
-)
+COMPILE_MASKS = [
+    None,
+    masks.causal(),
+    masks.sliding_window(5),
+    masks.padding([20, 33]),
+    masks.padding(torch.tensor([7, 33])),
+    masks.strided(4),
+    masks.causal() & masks.document.from_lengths([10, 23]),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "flash", "auto"])
+@pytest.mark.parametrize("mask", COMPILE_MASKS, ids=repr)
 def test_compile_fullgraph_no_graph_breaks(backend, mask):
     q, k, v = (torch.randn(2, 4, 33, 16, requires_grad=True) for _ in range(3))
+    k.data[1, 0, 30, 3] = NAN  # the NaN rule holds in the compiled graph too
 
     def f(q, k, v):
         return attnlab.attention(q, k, v, mask=mask, backend=backend)
 
     explained = torch._dynamo.explain(f)(q, k, v)
     assert explained.graph_break_count == 0, explained.break_reasons
-    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     out = compiled(q, k, v)
-    out.sum().backward()
-    torch.testing.assert_close(out, f(q, k, v))
+    got = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    want_out = f(q, k, v)
+    want = torch.autograd.grad(want_out, (q, k, v), torch.ones_like(out))
+    assert_rule_equal(out.detach(), ref_out(q.detach(), k.detach(), v.detach(), mask), 1e-5)
+    torch.testing.assert_close(out, want_out, equal_nan=True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "auto"])
+def test_compile_flash_with_inductor_and_tensor_masks_change_between_calls():
+    """The plan is built when the graph runs: new padding lengths need no recompile."""
+    q, k, v = (torch.randn(2, 2, 40, 8) for _ in range(3))
+
+    def f(q, k, v, lengths):
+        return attnlab.attention(q, k, v, mask=masks.padding(lengths), backend="flash")
+
+    compiled = torch.compile(f, fullgraph=True)
+    for lengths in ([3, 40], [25, 9]):
+        t = torch.tensor(lengths)
+        torch.testing.assert_close(compiled(q, k, v, t), f(q, k, v, t))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "flash", "auto"])
 @pytest.mark.parametrize("mask", [None, masks.causal(), masks.padding([3, 9])], ids=repr)
 def test_meta_tensors_give_shapes(backend, mask):
     q = torch.empty(2, 4, 9, 16, device="meta")
@@ -243,8 +273,8 @@ def test_meta_tensors_give_shapes(backend, mask):
     assert out.shape == (2, 4, 9, 8) and out.device.type == "meta"
 
 
-def test_compile_auto_avoids_flash_plans():
-    """Eagerly auto picks flash for this window; under compile it runs sdpa, graph-break free."""
+def test_compile_auto_picking_flash():
+    """Auto picks flash for this window; compiled, it runs flash's custom operators."""
     q, k, v = (torch.randn(1, 2, 300, 16) for _ in range(3))
     mask = masks.sliding_window(8)
     assert attnlab.explain(q, k, v, mask=mask).startswith("flash")
@@ -254,4 +284,23 @@ def test_compile_auto_avoids_flash_plans():
 
     explained = torch._dynamo.explain(f)(q, k, v)
     assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+
+
+def test_compile_flash_tensor_mask_and_bias():
+    q, k, v = (torch.randn(1, 2, 30, 8, requires_grad=True) for _ in range(3))
+    keep = torch.rand(1, 1, 30, 30) > 0.3
+    bias = torch.randn(1, 2, 30, 30)
+    bias[0, 1, 4, 7] = NAN  # poisons row 4 of head 1 where (4, 7) is attended
+
+    def f(q, k, v):
+        return attnlab.attention(q, k, v, mask=keep, bias=bias, backend="flash")
+
+    explained = torch._dynamo.explain(f)(q, k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    want, _ = reference.attention(q.detach(), k.detach(), v.detach(), mask=keep, bias=bias)
+    assert_rule_equal(out.detach(), want.double(), 1e-5)
+    assert bool(torch.isnan(out[0, 1, 4]).all()) == bool(keep[0, 0, 4, 7])
     torch._dynamo.reset()

@@ -26,6 +26,7 @@ from attnlab.linear import (
     favor_projection,
 )
 from helpers import FIXED_TABLE, check_against_reference, fwd_bwd, seeded
+from nan_rule_linear import check_nan_rule, keep_matrix, planted
 
 F64 = torch.float64
 FWD_ATOL, FWD_RTOL, GRAD_ATOL, GRAD_RTOL = FIXED_TABLE[F64]
@@ -346,3 +347,50 @@ def test_error_shapes_and_module_arguments():
         favor_projection(0, 8)
     with pytest.raises(TypeError, match=r"seed must be an int or None, got str"):
         PerformerAttention(8, seed="0")
+
+
+# ------------------------------------------------------------------------ the NaN rule (issue 13)
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize(
+    "L,S,causal,padded",
+    [(9, 11, False, False), (9, 11, False, True), (9, 11, True, True), (11, 7, True, False)],
+)
+def test_nan_rule_fast_and_reference(seed, L, S, causal, padded):
+    """A non-finite q_i / attended k_j poisons row i, an attended v_j[d] column d; padded and
+    causally later keys never reach a row — also not through the keys' shared stabiliser."""
+    key_mask = None
+    if padded:
+        key_mask = torch.ones(2, S, dtype=torch.bool)
+        key_mask[0, S - 3 :] = False
+        key_mask[1, :4] = False
+    inputs = planted(seed + 10 * L, L=L, S=S, key_mask=key_mask)
+    keep = keep_matrix(2, L, S, causal, key_mask)
+    W = projection(16, 4, seed=seed)
+
+    def fast(q, k, v):
+        return favor_attention(
+            q, k, v, num_features=16, projection=W, causal=causal, key_mask=key_mask, chunk_size=4
+        )
+
+    def ref(q, k, v):
+        return reference.favor_attention(q, k, v, W, causal=causal, key_mask=key_mask)
+
+    check_nan_rule(fast, ref, inputs, keep, key_mask)
+
+
+def test_nan_rule_causal_later_key_does_not_reach_earlier_rows():
+    """The key stabiliser is one max over all keys of a head: a NaN key at j must still leave
+    rows i < j exact (it used to make the whole head NaN)."""
+    q, k, v = qkv(L=10, S=10, D=4)
+    W = projection(16, 4)
+    clean = favor_attention(q, k, v, num_features=16, projection=W, causal=True, chunk_size=3)
+    k2 = k.clone()
+    k2[0, 1, 7] = float("nan")
+    out = favor_attention(q, k2, v, num_features=16, projection=W, causal=True, chunk_size=3)
+    # the shared stabiliser may change rounding only (it cancels in num / den)
+    torch.testing.assert_close(out[:, :, :7], clean[:, :, :7], atol=1e-12, rtol=0)
+    torch.testing.assert_close(out[1], clean[1], atol=1e-12, rtol=0)
+    torch.testing.assert_close(out[0, :2], clean[0, :2], atol=1e-12, rtol=0)
+    assert torch.isnan(out[0, 2:, 7:]).all()

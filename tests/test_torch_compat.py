@@ -183,3 +183,79 @@ def test_c4_and_other_errors():
         ours(q, k, v, is_causal=True)
     with pytest.raises(ValueError, match=r"embed_dim=10 must be divisible by num_heads=4"):
         MultiheadAttention(10, 4)
+
+
+# ------------------------------------------------------------- is_causal with attn_mask (A7)
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("mode", ["train_grad", "eval_no_grad"])
+@pytest.mark.parametrize("self_attention", [True, False])
+def test_a7_is_causal_with_a_non_causal_attn_mask_follows_torch(
+    batch_first, need_weights, mode, self_attention
+):
+    """torch treats is_causal as a hint: which mask wins depends on the path torch takes.
+
+    The attn_mask is deliberately NOT causal, so the two readings give different outputs; the
+    assert below that they differ makes the comparison with torch meaningful.
+    """
+    theirs, ours = _pair(seed=5, batch_first=batch_first)
+    if mode == "train_grad":
+        theirs.train(), ours.train()  # dropout 0: same values, torch's non-fused path
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(*((3, 5, E) if batch_first else (5, 3, E)), generator=g)
+    q, k, v = (x, x, x) if self_attention else (x, x.clone(), x.clone())
+    am = torch.rand(5, 5, generator=g) > 0.5  # True = not allowed
+    am.fill_diagonal_(False)  # no empty row (torch gives NaN there)
+    kpm = torch.zeros(3, 5, dtype=torch.bool)
+    kpm[1, 4] = True
+    ctx = torch.no_grad() if mode == "eval_no_grad" else torch.enable_grad()
+    with ctx:
+        for extra in ({}, {"key_padding_mask": kpm}, {"attn_mask": am.float() * -1e4}):
+            mkw = {"attn_mask": am, **extra}
+            a, aw = theirs(q, k, v, need_weights=need_weights, is_causal=True, **mkw)
+            b, bw = ours(q, k, v, need_weights=need_weights, is_causal=True, **mkw)
+            torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+            if need_weights:
+                torch.testing.assert_close(bw, aw, atol=1e-6, rtol=1e-5)
+            else:
+                assert aw is None and bw is None
+        # the two readings of the hint really differ on these inputs
+        plain, _ = ours(q, k, v, need_weights=need_weights, attn_mask=am)
+        causal, _ = ours(
+            q, k, v, need_weights=need_weights, attn_mask=torch.ones(5, 5).bool().triu(1)
+        )
+        assert not torch.allclose(plain, causal, atol=1e-3)
+
+
+def test_a7_is_causal_without_attn_mask_follows_torch():
+    """torch's fused inference path ignores is_causal even without attn_mask; the other raises."""
+    theirs, ours = _pair(seed=5, batch_first=True)
+    x = torch.randn(3, 5, E, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        a, _ = theirs(x, x, x, is_causal=True, need_weights=False)
+        b, _ = ours(x, x, x, is_causal=True, need_weights=False)
+        torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(b, ours(x, x, x, need_weights=False)[0], atol=0, rtol=0)
+    for mod in (theirs, ours):
+        with pytest.raises(RuntimeError, match=r"Need attn_mask if specifying the is_causal hint"):
+            mod(x, x, x, is_causal=True)  # grad enabled: not the fused path
+
+
+@pytest.mark.parametrize("bad", ["key", "value"])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_key_value_rank_must_match_query_before_any_work(bad, batch_first, monkeypatch):
+    _, ours = _pair(batch_first=batch_first)
+    q, k, v = _inputs(batch_first, E, E)
+    calls = []
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **kw: calls.append(1))
+    args = {"key": k, "value": v}
+    args[bad] = args[bad][0]  # (S, E) or (L, E): unbatched
+    with pytest.raises(
+        ValueError,
+        match=rf"key and value must have the rank of query \(3-D\), got query "
+        rf"\({', '.join(map(str, q.shape))}\), key \(.*\), value \(.*\)",
+    ):
+        ours(q, args["key"], args["value"])
+    with pytest.raises(ValueError, match=r"must have the rank of query \(2-D\)"):
+        ours(q[0], k, v[0])  # unbatched query, batched key
+    assert calls == []  # raised before the projections

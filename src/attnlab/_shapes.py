@@ -151,3 +151,104 @@ def check_probability(name: str, value: object) -> float:
     if not (0.0 <= x < 1.0):  # also rejects NaN
         raise ValueError(f"{name} must be in [0, 1), got {value}")
     return x
+
+
+def check_same_device(name: str, t: Tensor, q: Tensor) -> None:
+    """A tensor argument must live on the query's device (a `meta` mask on cpu reads garbage)."""
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on the query's device {q.device}, got device {t.device}")
+
+
+# Largest |scale / temperature| accepted, per compute dtype: 2^(maxexp / 2), so the logits
+# q·k · scale / T stay finite for every |q·k| below the same bound. float16/bfloat16 logits are
+# computed in float32.
+MAX_LOGIT_MULTIPLIER = {torch.float64: 2.0**512, torch.float32: 2.0**64}
+
+
+def check_logit_multiplier(scale: float, temperature: float, dtype: torch.dtype) -> float:
+    """``scale / temperature``: finite, non-zero and at most `MAX_LOGIT_MULTIPLIER` in magnitude.
+
+    Beyond the bound the logits overflow the compute dtype (float32, or float64 for float64
+    inputs) and softmax turns ``inf − inf`` into NaN, so the call is refused before any work.
+    """
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    bound = MAX_LOGIT_MULTIPLIER[compute]
+    m = scale / temperature  # Python floats: float64, inf on overflow, 0.0 on underflow
+    if not math.isfinite(m) or abs(m) > bound:
+        raise ValueError(
+            f"scale / temperature must be at most {bound:.3g} in magnitude for {dtype} inputs "
+            f"(logits in {compute} would overflow), got scale={scale!r} / "
+            f"temperature={temperature!r} = {m:.3g}"
+        )
+    if m == 0.0:
+        raise ValueError(
+            f"scale / temperature must be non-zero, got scale={scale!r} / "
+            f"temperature={temperature!r}, which underflows to 0"
+        )
+    return m
+
+
+def fn_name(fn: object) -> str:
+    """A readable name of a user function: its ``__qualname__``/``__name__``, else its repr."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return name if isinstance(name, str) else repr(fn)
+
+
+def _broadcast_shape(tensors: tuple[Tensor, ...]) -> tuple[int, ...]:
+    """The broadcast shape of broadcastable tensors (torch.broadcast_shapes costs ~0.2 ms)."""
+    nd = max(t.dim() for t in tensors)
+    out = [1] * nd
+    for t in tensors:
+        for k, size in enumerate(t.shape, nd - t.dim()):
+            if size != 1:
+                out[k] = size
+    return tuple(out)
+
+
+def check_index_fn_output(
+    kind: str, fn: object, out: object, index: tuple[Tensor, ...], *, want_bool: bool = True
+) -> Tensor:
+    """Checks what a mask/bias function returned on the index tensors ``index = (b, h, i, j)``.
+
+    The result must be a tensor (bool for masks, float for biases) on the indices' device whose
+    shape broadcasts to the broadcast of the index shapes (each dim 1 or equal), so it can never
+    silently grow the grid.
+
+    Args:
+        kind: "mask function" or "bias function" (starts the message).
+        fn: the user function (named in the message).
+        out: its result.
+        index: the broadcastable index tensors it was called with.
+        want_bool: True for masks (bool), False for biases (floating point).
+
+    Returns:
+        ``out``, unchanged.
+
+    Raises:
+        TypeError: not a tensor, or the wrong dtype.
+        ValueError: a shape that does not broadcast to the index grid, or another device.
+    """
+    ok_dtype = isinstance(out, Tensor) and (
+        out.dtype == torch.bool if want_bool else out.is_floating_point()
+    )
+    if not ok_dtype:
+        want = "a bool tensor" if want_bool else "a float tensor"
+        got = f"dtype {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+        raise TypeError(f"{kind} must return {want}, got {got} from {fn_name(fn)}")
+    assert isinstance(out, Tensor)
+    grid = _broadcast_shape(index)
+    shape = tuple(out.shape)
+    if len(shape) > len(grid) or any(
+        a not in (1, b) for a, b in zip(reversed(shape), reversed(grid), strict=False)
+    ):
+        raise ValueError(
+            f"{kind} {fn_name(fn)} returned shape {shape}, which does not broadcast to the index "
+            f"grid (B, H, L, S) = {grid} it was called on"
+        )
+    device = index[-1].device
+    if out.dim() and out.device != device:
+        raise ValueError(
+            f"{kind} {fn_name(fn)} returned a tensor on {out.device}, expected the indices' device "
+            f"{device}"
+        )
+    return out

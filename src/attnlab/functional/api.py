@@ -7,13 +7,24 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._shapes import check_mask_tensor, check_number, check_probability, check_qkv
+from .._shapes import (
+    check_logit_multiplier,
+    check_mask_tensor,
+    check_number,
+    check_probability,
+    check_qkv,
+    check_same_device,
+)
 from ..masks import Mask
 from . import backends as _backends  # noqa: F401  (fills the registry)
 from .registry import check_backend_name, select
-from .request import BiasFn, Request
+from .request import BiasFn, Request, check_bias_heads
 from .scores import get_score
 from .stats import AttentionStats, as_index, compute_stats, compute_weights
+
+
+def _unit_stride_last(t: Tensor) -> Tensor:
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
 def _build_request(
@@ -37,10 +48,12 @@ def _build_request(
     temperature = check_number("temperature", temperature, positive=True)
     dropout_p = check_probability("dropout_p", dropout_p)
     scale = s.default_scale(dims.D) if scale is None else check_number("scale", scale, nonzero=True)
+    check_logit_multiplier(scale, temperature, q.dtype)
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
     if isinstance(mask, Tensor):
         check_mask_tensor("mask", mask, q.dtype, dims)
+        check_same_device("mask", mask, q)
     elif mask is not None and not isinstance(mask, Mask):
         raise TypeError(
             f"mask must be an attnlab Mask, a bool tensor or an additive float tensor, got "
@@ -52,10 +65,16 @@ def _build_request(
                 f"bias must be a float tensor of the query dtype {q.dtype}, got {bias.dtype}"
             )
         check_mask_tensor("bias", bias, q.dtype, dims)
+        check_same_device("bias", bias, q)
     elif bias is not None and not callable(bias):
         raise TypeError(
             f"bias must be a float tensor or a callable fn(b, h, i, j), got {type(bias).__name__}"
         )
+    elif bias is not None:
+        check_bias_heads(bias, dims.H)
+    # A last dim that is not unit-stride (column-major, channels-last-like) is copied once, so
+    # every backend reads rows the same way as for the contiguous call (bit-equal results, B5).
+    q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
     if dims.three_d:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L|S, D)
         if isinstance(mask, Tensor) and mask.dim() == 3:
@@ -65,6 +84,8 @@ def _build_request(
     if isinstance(mask, Mask):
         # Renders nothing; checks that a batch- or head-dependent mask fits this call.
         mask._batch_heads(dims.B, dims.H)
+        for what, t in mask._data_tensors():
+            check_same_device(f"mask {what}", t, q)
     return Request(
         q=q,
         k=k,
@@ -106,10 +127,19 @@ def attention(
             (k and v are shared by ``G = H / H_kv`` consecutive query heads, not copied).
         v: values ``(B, H_kv, S, Dv)``.
         mask: an `attnlab.masks.Mask`, a bool tensor (True = may attend) or an additive float
-            tensor, broadcastable to ``(B, H, L, S)``. Masks align bottom-right when L != S.
-        bias: additive float tensor broadcastable to ``(B, H, L, S)``, or ``fn(b, h, i, j)``.
+            tensor, broadcastable to ``(B, H, L, S)`` and on q's device. Masks align
+            bottom-right when L != S.
+        bias: additive float tensor broadcastable to ``(B, H, L, S)`` on q's device, or
+            ``fn(b, h, i, j)`` returning a float tensor that broadcasts to the index grid it is
+            given; a function with an int ``num_heads`` attribute (ALiBi, T5) must match H.
         scale: logit scale; default ``1/√D`` for ``score="dot"`` and 1 for ``"cosine"``.
-        temperature: divides the logits (T → ∞: uniform weights; T → 0: one-hot).
+        temperature: divides the logits (T → ∞: uniform weights; T → 0: one-hot). The
+            multiplier ``scale / temperature`` must be non-zero and at most ``2**64`` (≈1.8e19)
+            in magnitude for float32/float16/bfloat16 inputs, ``2**512`` (≈1.3e154) for float64,
+            so the logits stay finite in the compute dtype for any ``|q·k|`` below the same bound;
+            beyond it the call raises ValueError (inside it, a tiny temperature gives the
+            one-hot limit). Gradients lose precision as ``|logits|·eps`` grows, as for any
+            softmax in that dtype.
         score: ``"dot"`` (q·k) or ``"cosine"`` (cos(q, k)); see `functional.scores`.
         dropout_p: dropout on the weights, in [0, 1).
         backend: ``"auto"``, ``"sdpa"``, ``"reference"`` or another name in `attnlab.backends()`.
@@ -124,9 +154,21 @@ def attention(
         ``(out, weights, lse)``. A query row with no key to attend outputs zeros, with zero
         weights and zero gradients.
 
+    Memory layout never changes the result: q, k, v in any strided layout (transposed,
+    channels-last-like, stride-0 expanded, a sliced last dim; a last dim that is not unit-stride
+    is copied once) and any dout layout give the output and gradients of the call on contiguous
+    copies, bit-equal on every backend for float32/float16/bfloat16 and on ``"flash"`` for
+    float64; in float64 ``"reference"`` (with a dout whose last dim is not unit-stride) and
+    ``"sdpa"`` (sliced or mixed layouts) may differ by a few ulp. ``.grad`` of a dense leaf
+    keeps the leaf's strides.
+
     Raises:
-        TypeError: non-tensor inputs, mixed or non-float dtypes, bad mask/bias dtype.
-        ValueError: shape mismatches, bad scale/temperature/dropout_p, unknown score or backend.
+        TypeError: non-tensor inputs, mixed or non-float dtypes, bad mask/bias dtype, a mask or
+            bias function returning a non-bool / non-float result.
+        ValueError: shape mismatches, a mask/bias tensor on another device than q, a mask or
+            bias function result that does not broadcast to its index grid, bad
+            scale/temperature/dropout_p, an overflowing ``scale / temperature``, a function bias
+            built for another head count, unknown score or backend.
 
     Example:
         >>> import torch, attnlab
@@ -241,7 +283,9 @@ def attention_weights(
     Returns:
         ``(B, len(heads), len(rows), S)`` (3-D in: ``(B, len(rows), S)``) in q's dtype; equal to
         ``attention(..., return_weights=True)[1][:, heads][:, :, rows]``. Masked pairs and rows
-        with no key are exactly 0.
+        with no key are exactly 0. The NaN rule: a NaN/±inf logit on a pair row i may attend
+        (from q_i, k_j or the bias), or a NaN/+inf lse_i, makes row i's weights NaN; non-finite
+        values on pairs it may not attend never reach it.
 
     Raises:
         ValueError: lse of the wrong shape, rows/heads out of range, and as `attention`.
@@ -296,7 +340,9 @@ def attention_stats(
 
     Returns:
         `AttentionStats` of ``(B, H, L)`` tensors (``(B, L)`` for 3-D inputs) in float32
-        (float64 for float64 inputs); rows with no key have every statistic 0.
+        (float64 for float64 inputs); rows with no key have every statistic 0. The NaN rule: a
+        non-finite logit on a pair row i may attend, or a NaN/+inf lse_i, makes row i's
+        statistics NaN; non-finite keys it may not attend never reach it.
 
     Raises:
         ValueError, TypeError: as `attention`.

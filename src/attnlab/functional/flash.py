@@ -1018,10 +1018,10 @@ def _attended_hits(
     return hits, bias_bad
 
 
-def _flash_poison(
-    req: Request, plan: Plan, source: TileSource, out: Tensor, lse: Tensor
+def _poison_entries(
+    req: Request, plan: Plan, source: TileSource, lse: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """The NaN rule on a result computed from clean inputs (`functional.nan_rule`).
+    """Where the NaN rule puts NaN: ``(row_bad (B, H, L), bad (B, H, L, Dv))`` bool.
 
     ``req`` holds the ORIGINAL inputs and ``source`` evaluates the ORIGINAL additive terms. Which
     keys a row attends comes from the mask's `Mask.key_interval` when it has one, else from the
@@ -1049,7 +1049,7 @@ def _flash_poison(
         fn_bad = torch.isnan(lse) | torch.isposinf(lse)  # (B, H, L)
         row_bad = row_bad | fn_bad
         bad = bad | fn_bad.unsqueeze(-1)
-    return nan_rule.add_nan(out, bad), torch.where(row_bad, float("nan"), lse)
+    return row_bad, bad
 
 
 def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
@@ -1058,6 +1058,10 @@ def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
     The NaN rule (`functional.nan_rule`): the tiles run on inputs whose non-finite entries are 0,
     and NaN is added back where the rule puts it (lse is NaN on those rows).
     """
+    if torch.compiler.is_compiling() or req.q.is_meta:
+        from .flash_ops import compiled_flash  # the same computation as custom operators
+
+        return compiled_flash(req)
     float_mask = isinstance(req.mask, Tensor) and req.mask.dtype != torch.bool
     clean_req = replace(
         req,
@@ -1070,7 +1074,8 @@ def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
     job = flash_job(clean_req, **options)  # type: ignore[arg-type]
     out, lse = _run_clean(job, clean_req)
     original = replace(job.source, bias_tensors=_split_mask_bias(req.mask, req.bias)[2])
-    return _flash_poison(req, job.plan, original, out, lse)
+    row_bad, bad = _poison_entries(req, job.plan, original, lse)
+    return nan_rule.add_nan(out, bad), torch.where(row_bad, float("nan"), lse)
 
 
 def _run_clean(job: FlashJob, req: Request) -> tuple[Tensor, Tensor]:
@@ -1085,6 +1090,18 @@ def _run_clean(job: FlashJob, req: Request) -> tuple[Tensor, Tensor]:
     if out.shape[-1] != Dv:
         out = out[..., :Dv]
     return out, lse
+
+
+def _compile_declines(req: Request) -> str | None:
+    """What flash cannot run under torch.compile (see `functional.flash_ops`)."""
+    if req.bias is not None and not isinstance(req.bias, Tensor):
+        return "under torch.compile flash takes bias tensors, not bias functions"
+    if isinstance(req.mask, Mask) and req.mask.spec() is None:
+        return "under torch.compile flash needs a mask with a spec (not from_fn)"
+    for t in (req.mask, req.bias):
+        if isinstance(t, Tensor) and t.is_floating_point() and _needs_grad(t):
+            return "under torch.compile flash computes no gradient for mask/bias tensors"
+    return None
 
 
 def flash_run(req: Request) -> tuple[Tensor, None]:
@@ -1105,6 +1122,10 @@ def flash_supports(req: Request) -> str | None:
         )
     if req.dropout_p > 0:
         return f"flash does not implement dropout (dropout_p={req.dropout_p})"
+    if torch.compiler.is_compiling():
+        why = _compile_declines(req)
+        if why is not None:
+            return why
     if callable(req.bias) and not isinstance(req.bias, Tensor) and torch.is_grad_enabled():
         d = req.dims
         one = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=req.q.device)
@@ -1126,8 +1147,6 @@ def flash_declines(req: Request) -> str | None:
     """Auto's preference: None if flash should run this call, else why sdpa is the better pick."""
     d = req.dims
     n = d.L * d.S
-    if torch.compiler.is_compiling():
-        return "under torch.compile flash's Python tiling plans would break the graph"
     structured = isinstance(req.mask, Mask) and not isinstance(req.mask, TensorMask)
     if structured and req.is_plain_causal and req.bias is None:
         structured = False  # sdpa runs plain causal with the same kernel call

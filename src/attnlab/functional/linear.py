@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._shapes import Dims, check_number, check_qkv
+from .nan_rule import clean
 from .reference import LINEAR_FEATURE_MAPS, compute_dtype_for
 
 FeatureMap = Callable[[Tensor], Tensor]
@@ -114,30 +115,124 @@ def zero_padded_keys(
     return torch.where(live, k, 0.0), torch.where(live, v, 0.0), live
 
 
+# ----------------------------------------------------------------------------------------- NaN rule
+
+
+def _flag(x: Tensor) -> Tensor:
+    """0 for finite entries, NaN for NaN/±inf ones (``x · 0``), without a host sync."""
+    return x * 0
+
+
+def _bad_rows(x: Tensor) -> Tensor:
+    """``(...,)`` bool: the last dim of ``x (..., n)`` holds a NaN or ±inf (one read pass)."""
+    lo, hi = torch.aminmax(x, dim=-1) if x.shape[-1] else (x.sum(-1), x.sum(-1))
+    return torch.isnan(lo * 0 + hi * 0)  # NaN propagates through min/max; ±inf·0 is NaN
+
+
+def _poison(bad: Tensor, dtype: torch.dtype) -> Tensor:
+    """NaN where ``bad``, −0.0 elsewhere (adding −0.0 keeps every value bit-exact)."""
+    return torch.where(bad, float("nan"), -0.0).to(dtype)
+
+
+def nan_rule_poison(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_mask: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Row and column poison of the NaN rule for kernel attention: ``out + row + col``.
+
+    Equals `reference.nan_rule_poison` (``row + col``) for the kernel-attention mask (causal
+    bottom-right and/or key padding) without an ``(L, S)`` matrix: a non-finite q_i poisons row
+    i if it may attend a key, a non-finite attended k_j poisons the row, a non-finite attended
+    ``v_j[d]`` column d. Causal rows compare their last visible key with the first bad key
+    (value column) of the head, so a key poisons only the rows at or after it.
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)`` (raw inputs).
+        causal: bottom-right causal. key_mask: bool ``(B|1, S)`` or None.
+
+    Returns:
+        ``(row (B, H_kv, G, L, 1), col (B, H_kv, 1, L|1, Dv))`` in v's dtype, NaN or −0.0.
+    """
+    B, H, L, _ = q.shape
+    H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // H_kv if H_kv else 0
+    if S == 0:  # no row has a key: nothing is poisoned
+        return (
+            torch.full((B, H_kv, G, L, 1), -0.0, dtype=v.dtype, device=v.device),
+            torch.full((B, H_kv, 1, 1, Dv), -0.0, dtype=v.dtype, device=v.device),
+        )
+    q_bad = _bad_rows(q).unflatten(1, (H_kv, G))  # (B, H_kv, G, L)
+    k_bad = _bad_rows(k) if causal or key_mask is not None else None  # (B, H_kv, S)
+    if key_mask is not None:  # padded keys never reach a row
+        assert k_bad is not None
+        k_bad = k_bad & key_mask[:, None, :]
+        v = torch.where(key_mask[:, None, :, None], v, 0.0)
+    if causal:
+        last = torch.arange(L, device=q.device) + (S - L)  # (L,): row i sees keys j <= last_i
+        # prefix flags over keys (0, or NaN from the first bad entry on), aligned to the rows
+        assert k_bad is not None
+        k_seen = k_bad.to(torch.int32).cumsum(dim=-1) > 0  # (B, H_kv, S)
+        v_seen = _flag(v).cumsum(dim=-2)  # (B, H_kv, S, Dv)
+        if L <= S:
+            k_row, v_col = k_seen[..., S - L :], torch.isnan(v_seen[..., S - L :, :])
+        else:  # the first L − S rows see no key
+            k_row = F.pad(k_seen, (L - S, 0))  # (B, H_kv, L)
+            v_col = F.pad(torch.isnan(v_seen), (0, 0, L - S, 0))  # (B, H_kv, L, Dv)
+        col = v_col.unsqueeze(2)  # (B, H_kv, 1, L, Dv)
+        if key_mask is None:
+            has_key = last >= 0  # (L,)
+        else:
+            n_live = F.pad(key_mask.long().cumsum(dim=-1), (1, 0))  # (B|1, S + 1): in [0, j)
+            has_key = (n_live.index_select(-1, (last + 1).clamp(min=0)) > 0)[:, None, None, :]
+        row = (q_bad & has_key) | k_row.unsqueeze(2)  # (B, H_kv, G, L)
+    else:
+        if key_mask is not None:  # a row with every key padded attends nothing
+            q_bad = q_bad & key_mask.any(dim=-1)[:, None, None, None]
+        k_any = _bad_rows(k.flatten(-2)) if k_bad is None else k_bad.any(dim=-1)  # (B, H_kv)
+        row = q_bad | k_any[:, :, None, None]  # (B, H_kv, G, L)
+        col = _bad_rows(v.transpose(-1, -2))[:, :, None, None, :]  # (B, H_kv, 1, 1, Dv)
+    return _poison(row.unsqueeze(-1), v.dtype), _poison(col, v.dtype)
+
+
 # ------------------------------------------------------------------------------------------ kernels
 
 
-def _normalise(num: Tensor, den: Tensor, eps: float) -> Tensor:
+def _normalise(num: Tensor, den: Tensor, eps: float, poison: Tensor | None = None) -> Tensor:
     den = den + eps
-    return num / torch.where(den == 0, 1.0, den)  # a row with no key weight outputs 0
+    den = torch.where(den == 0, 1.0, den)  # a row with no key weight outputs 0
+    if poison is None:
+        return num / den
+    return torch.addcdiv(poison, num, den)  # poison + num / den in one pass
 
 
-def kernel_attention(fq: Tensor, fk: Tensor, v: Tensor, *, eps: float) -> Tensor:
+def kernel_attention(
+    fq: Tensor, fk: Tensor, v: Tensor, *, eps: float, poison: Tensor | None = None
+) -> Tensor:
     """Non-causal ``φQ (φKᵀ V) / (φQ (φKᵀ 1) + eps)`` without the ``(L, S)`` matrix.
+
+    Inputs are taken as finite; the NaN rule enters through ``poison`` (`nan_rule_poison`).
 
     Args:
         fq: ``(B, H_kv, G, L, F)``. fk: ``(B, H_kv, S, F)``. v: ``(B, H_kv, S, Dv)``.
+        eps: added to the denominator.
+        poison: optional ``(B, H_kv, G|1, L, Dv)`` NaN/−0.0 added to the output in the same
+            pass as the division (no gradient flows into it).
 
     Returns:
         ``(B, H_kv, G, L, Dv)``.
     """
     kv = (fk.transpose(-1, -2) @ v).unsqueeze(2)  # (B, H_kv, 1, F, Dv)
     z = fk.sum(dim=-2)[:, :, None, :, None]  # (B, H_kv, 1, F, 1)
-    return _normalise(fq @ kv, fq @ z, eps)  # (B, H_kv, G, L, Dv)
+    return _normalise(fq @ kv, fq @ z, eps, poison)  # (B, H_kv, G, L, Dv)
 
 
 def causal_kernel_attention(
-    fq: Tensor, fk: Tensor, v: Tensor, *, eps: float, chunk_size: int = DEFAULT_CHUNK_SIZE
+    fq: Tensor,
+    fk: Tensor,
+    v: Tensor,
+    *,
+    eps: float,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    poison: Tensor | None = None,
 ) -> Tensor:
     """Causal (bottom-right) kernelised attention by chunks and a prefix sum over chunks.
 
@@ -149,6 +244,8 @@ def causal_kernel_attention(
     Args:
         fq: ``(B, H_kv, G, L, F)``. fk: ``(B, H_kv, S, F)``. v: ``(B, H_kv, S, Dv)``.
         eps: added to the denominator. chunk_size: C.
+        poison: optional ``(B, H_kv, G|1, L, Dv)`` NaN/−0.0 of the NaN rule added to the output
+            (rows that see no key are never poisoned).
 
     Returns:
         ``(B, H_kv, G, L, Dv)``.
@@ -180,7 +277,9 @@ def causal_kernel_attention(
     tril = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril()
     intra = torch.where(tril, scores, 0.0) @ vc.unsqueeze(2)  # (B, H_kv, G, N, C, Dv + 1)
     acc = (inter + intra).flatten(3, 4)[:, :, :, :T]  # (B, H_kv, G, T, Dv + 1)
-    out = _normalise(acc[..., :Dv], acc[..., Dv:], eps)  # (B, H_kv, G, T, Dv)
+    if poison is not None:  # rows that see no key are never poisoned
+        poison = poison[..., dead:, :]  # (B, H_kv, G|1, T, Dv)
+    out = _normalise(acc[..., :Dv], acc[..., Dv:], eps, poison)  # (B, H_kv, G, T, Dv)
     if dead:
         out = torch.cat([out.new_zeros(B, H_kv, G, dead, Dv, dtype=dtype), out], dim=3)
     return out  # (B, H_kv, G, L, Dv)
@@ -212,7 +311,10 @@ def linear_attention(
 
     Computes in float32 (float64 for float64 inputs) and returns q's dtype. A row with no key
     weight (S = 0, every key padded, or all-zero features) outputs zeros: the denominator is
-    guarded. For token-by-token decoding use `LinearAttentionState`.
+    guarded. For token-by-token decoding use `LinearAttentionState`. The NaN rule: a non-finite
+    q_i (of a row with a key) or attended k_j makes row i NaN, a non-finite attended ``v_j[d]``
+    makes ``out_i[d]`` NaN, and padded or causally later keys never reach row i; for finite
+    output gradients, the gradients are those of the inputs with non-finite entries read as 0.
 
     Args:
         q: ``(B, H, L, D)`` or ``(B, L, D)``.
@@ -246,18 +348,19 @@ def linear_attention(
     chunk_size = check_positive_int("chunk_size", chunk_size)
     q, k, v = as_4d(q, k, v, dims)
     dtype = compute_dtype_for(q.dtype)
-    k, v, live = zero_padded_keys(k, v, key_mask)
-    fq = phi(q.to(dtype))  # (B, H, L, F)
-    fk = phi(k.to(dtype))  # (B, H_kv, S, F)
+    row, col = nan_rule_poison(q, k, v, causal=causal, key_mask=key_mask)
+    kc, vc, live = zero_padded_keys(clean(k.to(dtype)), clean(v.to(dtype)), key_mask)
+    fq = phi(clean(q.to(dtype)))  # (B, H, L, F)
+    fk = phi(kc)  # (B, H_kv, S, F)
     _check_features(fq, fk, q, k)
     if live is not None:
         fk = torch.where(live, fk, 0.0)  # padded keys carry no kernel weight
     fq = fq.unflatten(1, (dims.H_kv, dims.groups))  # (B, H_kv, G, L, F)
-    vc = v.to(dtype)
+    poison = row + col  # (B, H_kv, G, L, Dv): NaN where the rule says, −0.0 elsewhere
     if causal:
-        out = causal_kernel_attention(fq, fk, vc, eps=eps, chunk_size=chunk_size)
+        out = causal_kernel_attention(fq, fk, vc, eps=eps, chunk_size=chunk_size, poison=poison)
     else:
-        out = kernel_attention(fq, fk, vc, eps=eps)
+        out = kernel_attention(fq, fk, vc, eps=eps, poison=poison)
     out = out.flatten(1, 2).to(q.dtype)  # (B, H, L, Dv)
     return out.squeeze(1) if dims.three_d else out
 
@@ -279,7 +382,9 @@ class LinearAttentionState:
     in float32 (float64 for float64 inputs), so memory is constant in the sequence length.
     ``step(q_t, k_t, v_t)`` appends a token and returns
     ``φ(q_t)ᵀ kv / (φ(q_t)ᵀ z + eps)``; a prefill with `append` followed by steps equals
-    ``linear_attention(q, k, v, causal=True)`` on the whole sequence (bottom-right alignment).
+    ``linear_attention(q, k, v, causal=True)`` on the whole sequence (bottom-right alignment),
+    NaN rule included: a non-finite key appended makes every later read's row NaN, a non-finite
+    ``v[d]`` their column d, a non-finite query its own row (the state itself stays finite).
 
     Args:
         feature_map: as in `linear_attention`.
@@ -296,6 +401,9 @@ class LinearAttentionState:
         self.eps = check_eps(eps)
         self.kv: Tensor | None = None
         self.z: Tensor | None = None
+        # The NaN rule: 0, or NaN once a non-finite key (any column) / value (per column) is in.
+        self.k_flag: Tensor | None = None  # (B, H_kv)
+        self.v_flag: Tensor | None = None  # (B, H_kv, Dv)
         self.length = 0
 
     def _check_token(self, name: str, t: object, rank: int = 3) -> Tensor:
@@ -325,19 +433,22 @@ class LinearAttentionState:
             )
         if k.dtype != v.dtype:
             raise TypeError(f"k and v must share one dtype, got k {k.dtype}, v {v.dtype}")
-        fk = self._features(k)  # (B, H_kv, S, F)
-        kv = fk.transpose(-1, -2) @ v.to(fk.dtype)  # (B, H_kv, F, Dv)
+        fk = self._features(clean(k))  # (B, H_kv, S, F)
+        kv = fk.transpose(-1, -2) @ clean(v.to(fk.dtype))  # (B, H_kv, F, Dv)
         z = fk.sum(dim=-2)  # (B, H_kv, F)
+        k_flag = _flag(k).sum(dim=(-2, -1)).to(fk.dtype)  # (B, H_kv)
+        v_flag = _flag(v).sum(dim=-2).to(fk.dtype)  # (B, H_kv, Dv)
         if self.kv is None:
-            self.kv, self.z = kv, z
+            self.kv, self.z, self.k_flag, self.v_flag = kv, z, k_flag, v_flag
         else:
-            assert self.z is not None
+            assert self.z is not None and self.k_flag is not None and self.v_flag is not None
             if kv.shape != self.kv.shape:
                 raise ValueError(
                     f"the new keys/values give a state of shape (B, H_kv, F, Dv) = "
                     f"{tuple(kv.shape)}, but the state holds {tuple(self.kv.shape)}"
                 )
             self.kv, self.z = self.kv + kv, self.z + z
+            self.k_flag, self.v_flag = self.k_flag + k_flag, self.v_flag + v_flag
         self.length += k.shape[2]
 
     def read(self, q: Tensor) -> Tensor:
@@ -351,13 +462,20 @@ class LinearAttentionState:
                 f"q of shape {tuple(q.shape)} does not fit the state (B, H_kv) = ({B}, {H_kv}): "
                 "q must be (B, H, L, D) with H a multiple of H_kv"
             )
-        fq = self._features(q)  # (B, H, L, F)
+        fq = self._features(clean(q))  # (B, H, L, F)
         if fq.shape[-1] != Fdim:
             raise ValueError(f"query features have F={fq.shape[-1]}, the state has F={Fdim}")
         fq = fq.unflatten(1, (H_kv, q.shape[1] // H_kv))  # (B, H_kv, G, L, F)
         num = fq @ self.kv.unsqueeze(2)  # (B, H_kv, G, L, Dv)
         den = fq @ self.z[:, :, None, :, None]  # (B, H_kv, G, L, 1)
-        return _normalise(num, den, self.eps).flatten(1, 2).to(q.dtype)  # (B, H, L, Dv)
+        out = _normalise(num, den, self.eps)  # (B, H_kv, G, L, Dv)
+        if self.length:  # the NaN rule; with no key appended every row is zeros
+            assert self.k_flag is not None and self.v_flag is not None
+            q_flag = _flag(q).sum(dim=-1).unflatten(1, (H_kv, -1)).to(out.dtype)  # (B,H_kv,G,L)
+            flag = (q_flag + self.k_flag[:, :, None, None]).unsqueeze(-1)  # (B, H_kv, G, L, 1)
+            flag = flag + self.v_flag[:, :, None, None, :]  # (B, H_kv, G, L, Dv)
+            out = out + torch.where(torch.isnan(flag), float("nan"), -0.0).to(out.dtype)
+        return out.flatten(1, 2).to(q.dtype)  # (B, H, L, Dv)
 
     def step(self, q_t: Tensor, k_t: Tensor, v_t: Tensor) -> Tensor:
         """Appends one token and attends its query to all tokens so far.

@@ -32,6 +32,13 @@ def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tens
     an all-zero output and lse = −inf, never NaN. The sum is formed in float32 (float64 for
     float64 inputs) and the output is cast back to the dtype of ``outs[0]``.
 
+    The NaN rule (merging equals attention over the union of the key sets): a NaN or +inf
+    ``lse_i`` makes the row's output and lse NaN, a NaN/inf entry ``out_i[..., l, d]`` of a part
+    with finite ``lse_i`` makes ``out[..., l, d]`` NaN (other columns exact), and a part with
+    ``lse_i = −inf`` never leaks its stored output. For finite output gradients, the gradients
+    are finite: those of the merge with non-finite output entries read as 0 and NaN/+inf lse
+    read as −inf.
+
     Args:
         outs: n tensors of shape ``(..., L, Dv)``, each normalised over its own key set (the output
             of attention restricted to that set; zeros where the set has no attended key).
@@ -67,6 +74,9 @@ def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tens
     if any(lse.dtype == torch.float64 for lse in lses):
         acc = torch.float64
     lse_all = torch.stack([lse.to(acc) for lse in lses])  # (n, ..., L)
+    # The NaN rule: a NaN/+inf lse poisons its row; it enters the arithmetic as −inf (no key).
+    bad_lse = torch.isnan(lse_all) | torch.isposinf(lse_all)  # (n, ..., L)
+    lse_all = torch.where(bad_lse, _NEG_INF, lse_all)
     m = lse_all.amax(dim=0)  # (..., L)
     dead = torch.isneginf(m)
     m_safe = torch.where(dead, 0.0, m)
@@ -75,9 +85,18 @@ def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tens
     lse = torch.where(dead, _NEG_INF, m_safe + torch.log(torch.where(dead, 1.0, total)))
     frac = w / torch.where(dead, 1.0, total)  # (n, ..., L)
     out = torch.zeros(shape, dtype=acc, device=outs[0].device)
-    for f, o in zip(frac, outs, strict=True):
-        # where(): a part with weight 0 must not leak NaN/inf stored in its (unused) output.
-        out += torch.where(f.unsqueeze(-1) > 0, f.unsqueeze(-1) * o.to(acc), 0.0)
+    bad = bad_lse.any(dim=0).unsqueeze(-1)  # (..., L, 1): rows poisoned by an lse
+    for f, o, lse_i in zip(frac, outs, lse_all, strict=True):
+        # nan_to_num: a part with weight 0 must not leak NaN/inf stored in its (unused) output;
+        # a live part's non-finite entries are flagged instead (column-wise, as the rule says).
+        oc = o.to(acc)
+        cleaned = torch.nan_to_num(oc, 0.0, 0.0, 0.0)
+        # oc != cleaned exactly at NaN/±inf (one compare; isfinite is a composite of several)
+        bad = bad | ((oc != cleaned) & ~torch.isneginf(lse_i).unsqueeze(-1))
+        out = out.addcmul(f.unsqueeze(-1), cleaned)  # out + f · cleaned
+    # + (−0.0) keeps every value bit-exact; NaN where the rule says. Gradients see none of it.
+    out = out + torch.where(bad, float("nan"), -0.0)
+    lse = lse + torch.where(bad_lse.any(dim=0), float("nan"), -0.0)
     return out.to(outs[0].dtype), lse
 
 

@@ -23,7 +23,9 @@ from .linear import (
     check_bool,
     check_key_mask,
     check_positive_int,
+    clean,
     kernel_attention,
+    nan_rule_poison,
     zero_padded_keys,
 )
 from .reference import compute_dtype_for
@@ -148,7 +150,9 @@ def favor_attention(
     and denominator, so only rounding changes. Computes in float32 (float64 for float64 inputs).
     A row whose kernel weights are all 0 (S = 0, every key padded, underflow) outputs zeros.
     Causal is bottom-right (query i sees keys ``j <= i + S − L``), by chunks as in
-    `linear_attention`.
+    `linear_attention`. The NaN rule as in `linear_attention`: a non-finite q_i or attended k_j
+    makes row i NaN, an attended ``v_j[d]`` column d; padded or causally later keys never reach
+    row i (the key stabiliser is taken over the cleaned keys).
 
     Args:
         q: ``(B, H, L, D)`` or ``(B, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
@@ -191,12 +195,13 @@ def favor_attention(
             M, max(dims.D, 1), orthogonal=orthogonal, generator=generator, dtype=dtype
         )[:, : dims.D].to(q.device)
     w = projection.to(dtype)
-    k, v, live = zero_padded_keys(k, v, key_mask)
+    row, col = nan_rule_poison(q, k, v, causal=causal, key_mask=key_mask)
+    kc, vc, live = zero_padded_keys(clean(k.to(dtype)), clean(v.to(dtype)), key_mask)
     # Stabilisers (constants for the autograd graph) cancel in num / den. A query's −‖q'‖²/2
     # is such a per-query constant too, so it is dropped rather than rounded against W q'.
-    lq = _scaled(q.to(dtype)) @ w.T  # (B, H, L, M)
+    lq = _scaled(clean(q.to(dtype))) @ w.T  # (B, H, L, M)
     fq = torch.exp(lq - lq.amax(dim=-1, keepdim=True).detach())  # (B, H, L, M)
-    lk = _log_features(k.to(dtype), w)  # (B, H_kv, S, M)
+    lk = _log_features(kc, w)  # (B, H_kv, S, M)
     if live is not None:
         lk = torch.where(live, lk, float("-inf"))  # padded keys: φ = 0
     if lk.shape[-2] > 0:
@@ -205,10 +210,10 @@ def favor_attention(
         lk = lk - ck
     fk = torch.exp(lk)  # (B, H_kv, S, M)
     fq = fq.unflatten(1, (dims.H_kv, dims.groups))  # (B, H_kv, G, L, M)
-    vc = v.to(dtype)
+    poison = row + col  # (B, H_kv, G, L, Dv): NaN where the rule says, −0.0 elsewhere
     if causal:
-        out = causal_kernel_attention(fq, fk, vc, eps=0.0, chunk_size=chunk_size)
+        out = causal_kernel_attention(fq, fk, vc, eps=0.0, chunk_size=chunk_size, poison=poison)
     else:
-        out = kernel_attention(fq, fk, vc, eps=0.0)
+        out = kernel_attention(fq, fk, vc, eps=0.0, poison=poison)
     out = out.flatten(1, 2).to(q.dtype)  # (B, H, L, Dv)
     return out.squeeze(1) if dims.three_d else out

@@ -282,6 +282,53 @@ def causal_keep(L: int, S: int, device: torch.device | None = None) -> Tensor:
     return torch.ones(L, S, dtype=torch.bool, device=device).tril(S - L)
 
 
+def _kernel_keep(
+    L: int, S: int, causal: bool, key_mask: Tensor | None, device: torch.device
+) -> Tensor:
+    """Which keys each query may attend: ``(L, S)`` or ``(B|1, 1, 1, L, S)``, True = attend."""
+    keep = (
+        causal_keep(L, S, device) if causal else torch.ones(L, S, dtype=torch.bool, device=device)
+    )
+    if key_mask is not None:
+        keep = keep & key_mask[:, None, None, None, :]  # (B|1, 1, 1, L, S)
+    return keep
+
+
+def nan_rule_poison(q: Tensor, k: Tensor, v: Tensor, keep: Tensor) -> Tensor:
+    """The NaN rule of kernel attention: NaN where it makes the output non-finite, −0.0 elsewhere.
+
+    `nan_rule.bad_entries` on the kernel-attention mask: row i is poisoned if it may attend some
+    key and q_i is non-finite, or if an attended k_j is non-finite; column d of row i if an
+    attended ``v_j[d]`` is. Adding the result keeps every other value bit-exact.
+
+    Args:
+        q: ``(B, H, L, D|F)``. k: ``(B, H_kv, S, D|F)``. v: ``(B, H_kv, S, Dv)``.
+        keep: bool ``(L, S)`` or ``(B|1, 1, 1, L, S)``, True = row i may attend key j.
+
+    Returns:
+        ``(B, H_kv, G, L, Dv)`` in v's dtype.
+    """
+    H_kv = k.shape[1]
+    keep4 = keep if keep.dim() == 2 else keep.squeeze(2)  # (L, S) or (B|1, 1, L, S)
+    _, bad = nan_rule.bad_entries(
+        q, k, v, keep=keep4.reshape((1,) * (4 - keep4.dim()) + tuple(keep4.shape))
+    )
+    bad = bad.unflatten(1, (H_kv, q.shape[1] // H_kv if H_kv else 0))  # (B, H_kv, G, L, Dv)
+    return torch.where(bad, float("nan"), -0.0).to(v.dtype)
+
+
+def _kernel_product(fq: Tensor, fk: Tensor, v: Tensor, keep: Tensor, eps: float, reorder: bool):
+    """``(A ⊙ keep) V / (rowsum(A ⊙ keep) + eps)`` grouped: ``(B, H_kv, G, L, Dv)``."""
+    H, H_kv = fq.shape[1], fk.shape[1]
+    fqg = fq.unflatten(1, (H_kv, H // H_kv if H_kv else 0))  # (B, H_kv, G, L, F)
+    A = fqg @ fk.unsqueeze(2).transpose(-1, -2)  # (B, H_kv, G, L, S)
+    A = torch.where(keep, A, 0.0)
+    den = A.sum(dim=-1, keepdim=True) + eps  # (B, H_kv, G, L, 1)
+    den = torch.where(den == 0, 1.0, den)
+    vg = v.unsqueeze(2)  # (B, H_kv, 1, S, Dv)
+    return (A @ vg) / den if reorder else (A / den) @ vg  # (B, H_kv, G, L, Dv)
+
+
 def kernel_attention(
     fq: Tensor,
     fk: Tensor,
@@ -295,7 +342,9 @@ def kernel_attention(
     """Explicit kernelised attention: ``out = (A ⊙ keep) V / (rowsum(A ⊙ keep) + eps)``, A = φQ φKᵀ.
 
     A zero denominator is replaced by 1, so a row with no key (S = 0, all keys padded, or all
-    kernel values 0) outputs zeros. Runs in the dtype of its inputs.
+    kernel values 0) outputs zeros. Runs in the dtype of its inputs. The NaN rule: a non-finite
+    attended fk_j (or fq_i of a row with a key) makes row i NaN, a non-finite attended
+    ``v_j[d]`` makes ``out_i[d]`` NaN, and nothing else reaches row i (`nan_rule_poison`).
 
     Args:
         fq: query features ``(B, H, L, F)``. fk: key features ``(B, H_kv, S, F)``.
@@ -309,19 +358,12 @@ def kernel_attention(
         ``(B, H, L, Dv)``.
     """
     B, H, L, _ = fq.shape
-    H_kv, S, Dv = fk.shape[1], fk.shape[2], v.shape[-1]
-    fqg = fq.unflatten(1, (H_kv, H // H_kv if H_kv else 0))  # (B, H_kv, G, L, F)
-    A = fqg @ fk.unsqueeze(2).transpose(-1, -2)  # (B, H_kv, G, L, S)
-    keep = torch.ones(L, S, dtype=torch.bool, device=fq.device)  # (L, S)
-    if causal:
-        keep = causal_keep(L, S, fq.device)
-    if key_mask is not None:
-        keep = keep & key_mask[:, None, None, None, :]  # (B|1, 1, 1, L, S)
-    A = torch.where(keep, A, 0.0)
-    den = A.sum(dim=-1, keepdim=True) + eps  # (B, H_kv, G, L, 1)
-    den = torch.where(den == 0, 1.0, den)
-    vg = v.unsqueeze(2)  # (B, H_kv, 1, S, Dv)
-    out = (A @ vg) / den if reorder else (A / den) @ vg  # (B, H_kv, G, L, Dv)
+    S, Dv = fk.shape[2], v.shape[-1]
+    keep = _kernel_keep(L, S, causal, key_mask, fq.device)
+    out = _kernel_product(
+        nan_rule.clean(fq), nan_rule.clean(fk), nan_rule.clean(v), keep, eps, reorder
+    )
+    out = out + nan_rule_poison(fq, fk, v, keep)  # (B, H_kv, G, L, Dv)
     return out.flatten(1, 2).reshape(B, H, L, Dv)  # (B, H, L, Dv)
 
 
@@ -331,6 +373,27 @@ def _zero_padded_keys(k: Tensor, v: Tensor, key_mask: Tensor | None) -> tuple[Te
         return k, v
     live = key_mask[:, None, :, None]  # (B|1, 1, S, 1)
     return torch.where(live, k, 0.0), torch.where(live, v, 0.0)
+
+
+def _kernel_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    phi,
+    *,
+    causal: bool,
+    key_mask: Tensor | None,
+    eps: float,
+    reorder: bool,
+) -> Tensor:
+    """The kernel form on the cleaned inputs plus the NaN rule's poison of the raw inputs."""
+    B, H, L, _ = q.shape
+    S, Dv = k.shape[2], v.shape[-1]
+    keep = _kernel_keep(L, S, causal, key_mask, q.device)
+    kc, vc = _zero_padded_keys(nan_rule.clean(k), nan_rule.clean(v), key_mask)
+    out = _kernel_product(phi(nan_rule.clean(q)), phi(kc), vc, keep, eps, reorder)
+    out = out + nan_rule_poison(q, k, v, keep)  # (B, H_kv, G, L, Dv)
+    return out.flatten(1, 2).reshape(B, H, L, Dv)  # (B, H, L, Dv)
 
 
 def linear_attention(
@@ -348,6 +411,9 @@ def linear_attention(
     """Reference linear attention: ``out_i = Σ_j φ(q_i)·φ(k_j) v_j / (Σ_j φ(q_i)·φ(k_j) + eps)``.
 
     Explicit form with the ``(L, S)`` kernel matrix ``φ(Q) φ(K)ᵀ`` (Katharopoulos et al., 2020).
+    The NaN rule: computed on the inputs with non-finite entries read as 0, plus NaN where
+    `nan_rule_poison` says (a non-finite q_i of a row with a key or attended k_j: the row; an
+    attended ``v_j[d]``: column d); padded and causally hidden keys never reach row i.
 
     Args:
         q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
@@ -363,11 +429,11 @@ def linear_attention(
     """
     dtype = compute_dtype or compute_dtype_for(q.dtype)
     phi = LINEAR_FEATURE_MAPS[feature_map] if isinstance(feature_map, str) else feature_map
-    k, v = _zero_padded_keys(k, v, key_mask)
-    out = kernel_attention(
-        phi(q.to(dtype)),
-        phi(k.to(dtype)),
+    out = _kernel_reference(
+        q.to(dtype),
+        k.to(dtype),
         v.to(dtype),
+        phi,
         causal=causal,
         key_mask=key_mask,
         eps=eps,
@@ -408,7 +474,8 @@ def favor_attention(
     """Reference FAVOR+: the explicit kernel matrix ``A = φ(Q) φ(K)ᵀ``, ``out = A V / rowsum(A)``.
 
     ``φ = favor_feature_map`` with the given projection; ``A`` estimates ``exp(Q Kᵀ / √D)``, so
-    the output approximates softmax attention. A zero row sum gives a zero row.
+    the output approximates softmax attention. A zero row sum gives a zero row. The NaN rule as
+    in `linear_attention`: non-finite inputs read as 0, plus `nan_rule_poison`.
 
     Args:
         q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
@@ -420,14 +487,15 @@ def favor_attention(
         ``(B, H, L, Dv)`` in q's dtype.
     """
     dtype = compute_dtype or compute_dtype_for(q.dtype)
-    k, v = _zero_padded_keys(k, v, key_mask)
     w = projection.to(dtype)
-    out = kernel_attention(
-        favor_feature_map(q.to(dtype), w),
-        favor_feature_map(k.to(dtype), w),
+    out = _kernel_reference(
+        q.to(dtype),
+        k.to(dtype),
         v.to(dtype),
+        lambda x: favor_feature_map(x, w),
         causal=causal,
         key_mask=key_mask,
+        eps=0.0,
         reorder=reorder,
     )
     return out.to(q.dtype)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._shapes import Dims
+from .._shapes import Dims, check_index_fn_output
 from ..masks import CausalMask, Mask
 
 BiasFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -22,6 +22,10 @@ A bias function that depends only on the head and the relative position ``j − 
 relative bias) may declare it with an attribute ``relative = True``: the tiled backend then
 evaluates one tile per window offset and shares it across all query blocks (see
 `is_relative_bias`).
+
+A bias function built for a fixed number of query heads (ALiBi, T5's relative bias) declares it
+with an int attribute ``num_heads``; `attnlab.attention` refuses a call with another H
+(`check_bias_heads`).
 """
 
 
@@ -33,6 +37,33 @@ def is_relative_bias(fn: object) -> bool:
     and on ``j − i``. Wrongly declared, the tiled backend computes a different bias.
     """
     return getattr(fn, "relative", False) is True
+
+
+def check_bias_heads(fn: object, heads: int) -> None:
+    """Raises if a bias function declaring ``fn.num_heads`` (an int) meets a call with other H.
+
+    Without this, ``ALiBi(8)`` on a 4-head call would silently use the first 4 of the 8-head
+    slopes (a different model), and on a 16-head call fail inside the function.
+    """
+    declared = getattr(fn, "num_heads", None)
+    if isinstance(declared, int) and not isinstance(declared, bool) and declared != heads:
+        raise ValueError(
+            f"{type(fn).__name__} was built with num_heads={declared}, but the attention call has "
+            f"H={heads} query heads"
+        )
+
+
+def check_bias_output(
+    fn: object, out: object, b: Tensor, h: Tensor, i: Tensor, j: Tensor
+) -> Tensor:
+    """What a bias function returned on ``(b, h, i, j)``: a float tensor of a broadcastable shape.
+
+    For every place that evaluates a bias function (the whole grid here, a tile in the tiled
+    backend): raises TypeError (not a float tensor) or ValueError (a shape that does not
+    broadcast to the broadcast of the index shapes, or another device), naming the function and
+    both shapes. Returns ``out`` unchanged.
+    """
+    return check_index_fn_output("bias function", fn, out, (b, h, i, j), want_bool=False)
 
 
 @dataclass
@@ -73,19 +104,8 @@ def _index_grid(B: int, H: int, L: int, S: int, device: torch.device) -> tuple[T
 
 def materialize_bias(bias: BiasFn, dims: Dims, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Evaluates a function bias on the full grid: float, broadcastable to ``(B, H, L, S)``."""
-    out = bias(*_index_grid(dims.B, dims.H, dims.L, dims.S, device))
-    if not isinstance(out, Tensor) or not out.is_floating_point():
-        got = f"dtype {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
-        raise TypeError(f"bias function must return a float tensor, got {got}")
-    target = (dims.B, dims.H, dims.L, dims.S)
-    if out.dim() > 4 or any(
-        a not in (1, b) for a, b in zip(reversed(out.shape), reversed(target), strict=False)
-    ):
-        raise ValueError(
-            f"bias function returned shape {tuple(out.shape)}, not broadcastable to "
-            f"(B, H, L, S) = {target}"
-        )
-    return out.to(dtype)
+    index = _index_grid(dims.B, dims.H, dims.L, dims.S, device)
+    return check_bias_output(bias, bias(*index), *index).to(dtype)
 
 
 def dense_mask_and_bias(

@@ -84,6 +84,8 @@ def compute_stats(
     sink = torch.zeros_like(ent)
     dist = torch.zeros_like(ent)
     lse_b = torch.where(torch.isneginf(lse), float("inf"), lse).to(acc)
+    # The NaN rule: 0, or NaN once a row meets a non-finite logit among the keys it may attend
+    flag = torch.zeros_like(ent)
     for c in job.plan.simple_calls():
         keys_all = c.key_index(q.device)
         b = torch.arange(c.b0, c.b1, device=q.device).view(-1, 1, 1, 1)
@@ -100,28 +102,44 @@ def compute_stats(
                 keys = keys_all[c0 : min(n_keys, c0 + chunk_k)]
                 s = _logits(qs, k[c.b0 : c.b1].index_select(2, keys).to(acc), job.scale)
                 add = _tile_add(src, c, b, rows, keys, c0)
-                if add is not None:
-                    s = torch.where(torch.isneginf(add), _NEG_INF, s + add.to(acc))
+                s, bad = _masked_logits(s, add, acc)
                 logp = s - lrow  # log p_ij; −inf where masked, −inf on dead rows (lse = +inf)
                 p = torch.exp(logp)
                 live = p > 0
                 sl = (slice(c.b0, c.b1), slice(None), slice(r0, r1))
+                flag[sl] += bad
                 ent[sl] -= torch.where(live, p * logp, 0.0).sum(dim=-1)
                 smax[sl] = torch.maximum(smax[sl], s.amax(dim=-1))
                 gap = (pos - keys.view(1, 1, 1, -1)).abs().to(acc)
                 dist[sl] += torch.where(live, p * gap, 0.0).sum(dim=-1)
-                first = (keys == 0).nonzero().flatten()
-                if first.numel():
-                    sink[sl] += p[..., int(first[0])]
+                sink[sl] += torch.where(keys == 0, p, 0.0).sum(dim=-1)  # p_i0, no host sync
     dead = torch.isneginf(lse)
+    # NaN rows: a non-finite attended logit, or a NaN/+inf lse (a row poisoned upstream)
+    poison = _poison(torch.isnan(flag) | torch.isnan(lse) | torch.isposinf(lse), acc)
     maxw = torch.where(dead, 0.0, torch.exp(smax - lse_b))
     return AttentionStats(
-        entropy=torch.where(dead, 0.0, ent),
-        max_weight=maxw,
-        sink_mass=torch.where(dead, 0.0, sink),
-        mean_distance=torch.where(dead, 0.0, dist),
+        entropy=torch.where(dead, 0.0, ent) + poison,
+        max_weight=maxw + poison,
+        sink_mass=torch.where(dead, 0.0, sink) + poison,
+        mean_distance=torch.where(dead, 0.0, dist) + poison,
         lse=lse,
     )
+
+
+def _poison(bad: Tensor, dtype: torch.dtype) -> Tensor:
+    """NaN where ``bad``, −0.0 elsewhere (adding −0.0 keeps every value bit-exact)."""
+    return torch.where(bad, float("nan"), -0.0).to(dtype)
+
+
+def _masked_logits(s: Tensor, add: Tensor | None, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(s + add with masked entries at −inf, row flag)``: the flag ``(..., r)`` is NaN where
+    an attended logit (add ≠ −inf) is NaN or ±inf, else 0 — masked entries never reach it."""
+    if add is not None:
+        s = s + add.to(acc)
+        masked = torch.isneginf(add)
+        bad = torch.where(masked, 0.0, s * 0).sum(dim=-1)  # x·0 is NaN exactly for non-finite x
+        return torch.where(masked, _NEG_INF, s), bad
+    return s, (s * 0).sum(dim=-1)
 
 
 def _tile_add(
@@ -166,23 +184,38 @@ def compute_weights(
         with_mask=True,
         h=heads.view(1, -1, 1, 1),
     )
-    if add is not None:
-        s = torch.where(torch.isneginf(add), _NEG_INF, s + add.to(acc))
+    s, bad = _masked_logits(s, add, acc)
     lrow = lse[:, heads][:, :, rows].to(acc)  # (B, nh, nr)
+    poison = _poison(torch.isnan(bad) | torch.isnan(lrow) | torch.isposinf(lrow), acc)
     lrow = torch.where(torch.isneginf(lrow), float("inf"), lrow).unsqueeze(-1)
-    return torch.exp(s - lrow).to(req.q.dtype)
+    return (torch.exp(s - lrow) + poison.unsqueeze(-1)).to(req.q.dtype)
 
 
 def as_index(
     name: str, value: int | Sequence[int] | Tensor | slice | None, size: int, device
 ) -> Tensor:
-    """Row/head selection → a 1-D int64 tensor of indices in [0, size), or ValueError naming it."""
+    """Row/head selection → a 1-D int64 tensor of indices in [0, size), or ValueError naming it.
+
+    Ints, sequences of ints and slices are checked in Python; only an index *tensor* is read
+    back (``min``/``max``) to check its range.
+    """
     if value is None:
         return torch.arange(size, device=device)
     if isinstance(value, slice):
         return torch.arange(size, device=device)[value]
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, a sequence of ints, a slice or a tensor, got bool")
+    if isinstance(value, int) or (
+        isinstance(value, Sequence) and all(isinstance(x, int) for x in value)
+    ):
+        items = [value] if isinstance(value, int) else list(value)
+        if any(isinstance(x, bool) for x in items):
+            raise TypeError(f"{name} must hold integers, got a bool in {items}")
+        if any(x < -size or x >= size for x in items):
+            raise ValueError(f"{name} must lie in [0, {size}), got {items}")
+        return torch.tensor(
+            [x % size for x in items] if size else items, dtype=torch.long, device=device
+        )
     t = torch.as_tensor(value, device=device)
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .._shapes import check_index_fn_output
 from ..masks import (
     EMPTY,
     FULL,
@@ -281,9 +282,9 @@ def _tile_eval(
     """The mask on rows × keys, shape ``(B|1, H|1, R, K)`` (bool)."""
     b = torch.arange(nb, device=device).view(nb, 1, 1, 1)
     h = torch.arange(nh, device=device).view(1, nh, 1, 1)
-    out = mask._eval(b, h, rows.view(1, 1, -1, 1), keys.view(1, 1, 1, -1), L, S)
-    if not isinstance(out, Tensor) or out.dtype != torch.bool:
-        raise TypeError("mask function must return a bool tensor")
+    i, j = rows.view(1, 1, -1, 1), keys.view(1, 1, 1, -1)
+    out = mask._eval(b, h, i, j, L, S)
+    out = check_index_fn_output("mask function", mask, out, (b, h, i, j), want_bool=True)
     return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
 
 

@@ -20,6 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .._shapes import check_index_fn_output
+
 ATTEND = "■"
 IGNORE = "⬚"
 
@@ -81,6 +83,23 @@ class Mask(ABC):
         """
         return None
 
+    def spec(self) -> tuple[str, list[Tensor]] | None:
+        """The mask as a string of its structure plus the tensors it holds, or None.
+
+        `attnlab.masks.from_spec` rebuilds an equal mask from the pair; compiled code passes
+        masks this way into custom operators (the string is a constant of the graph, the tensors
+        are inputs). Masks given by an arbitrary function (`from_fn`) return None.
+        """
+        return None
+
+    def _data_tensors(self) -> list[tuple[str, Tensor]]:
+        """``(description, tensor)`` of the data tensors the mask holds (from_tensor masks).
+
+        `attnlab.attention` checks they live on the query's device. Small index tensors
+        (padding lengths, document ids, global positions) are not data: they move with the call.
+        """
+        return []
+
     # ----------------------------------------------------------------- rendering
     def _batch_heads(self, batch: int | None, heads: int | None) -> tuple[int, int]:
         nb = self.batch_size if self.batch_size is not None else 1
@@ -110,8 +129,8 @@ class Mask(ABC):
     ) -> Tensor:
         b, h, i, j = self._grid(nb, nh, rows, S, device)
         out = self._eval(b, h, i, j, L, S)
-        if not isinstance(out, Tensor) or out.dtype != torch.bool:
-            raise TypeError(f"mask function must return a bool tensor, got {_describe(out)}")
+        # Custom subclasses too: a wrong shape is named here, not in torch's expand message.
+        out = check_index_fn_output("mask function", self, out, (b, h, i, j), want_bool=True)
         out = out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
         return out.expand(out.shape[0], out.shape[1], rows.numel(), S)  # (B|1, H|1, rows, S)
 
@@ -299,8 +318,16 @@ class _Combined(Mask):
         self._pins_size = a._pins_size or b._pins_size
 
     def _eval(self, b, h, i, j, L, S):
-        x, y = self.a._eval(b, h, i, j, L, S), self.b._eval(b, h, i, j, L, S)
+        idx = (b, h, i, j)
+        x = check_index_fn_output("mask function", self.a, self.a._eval(*idx, L, S), idx)
+        y = check_index_fn_output("mask function", self.b, self.b._eval(*idx, L, S), idx)
         return x & y if self.op == "&" else x | y
+
+    def spec(self):
+        a, b = self.a.spec(), self.b.spec()
+        if a is None or b is None:
+            return None
+        return f"({a[0]}{self.op}{b[0]})", [*a[1], *b[1]]
 
     def key_interval(self, L, S, *, device=None):
         if self.op != "&":
@@ -311,6 +338,9 @@ class _Combined(Mask):
             return None
         lo = a[0] if b[0] is None else b[0] if a[0] is None else torch.maximum(a[0], b[0])
         return lo, torch.minimum(a[1], b[1])
+
+    def _data_tensors(self) -> list[tuple[str, Tensor]]:
+        return self.a._data_tensors() + self.b._data_tensors()
 
     def _default_size(self) -> tuple[int, int]:
         # A fixed-size operand (a tensor, document ids) decides; otherwise the larger picture.
@@ -328,7 +358,17 @@ class _Not(Mask):
         self._pins_size = inner._pins_size
 
     def _eval(self, b, h, i, j, L, S):
-        return ~self.inner._eval(b, h, i, j, L, S)
+        idx = (b, h, i, j)
+        return ~check_index_fn_output(
+            "mask function", self.inner, self.inner._eval(*idx, L, S), idx
+        )
+
+    def _data_tensors(self) -> list[tuple[str, Tensor]]:
+        return self.inner._data_tensors()
+
+    def spec(self):
+        inner = self.inner.spec()
+        return None if inner is None else (f"~{inner[0]}", inner[1])
 
     def _default_size(self) -> tuple[int, int]:
         return self.inner._default_size()
@@ -382,6 +422,12 @@ class TensorMask(Mask):
     def _default_size(self) -> tuple[int, int]:
         return int(self.t.shape[-2]), int(self.t.shape[-1])
 
+    def spec(self):
+        return "tensor", [self.t]
+
+    def _data_tensors(self) -> list[tuple[str, Tensor]]:
+        return [(repr(self), self.t)]
+
     def __repr__(self) -> str:
         return f"from_tensor(shape={tuple(self.t.shape)})"
 
@@ -410,10 +456,10 @@ class FnMask(Mask):
     def _eval(self, b, h, i, j, L, S):
         out = self.fn(b, h, i + (S - L), j)
         # Checked here, not only on the final result: inside `&`/`|` a Python bool or an int
-        # tensor would otherwise be silently absorbed (or fail with a torch-internal error).
-        if not isinstance(out, Tensor) or out.dtype != torch.bool:
-            raise TypeError(f"mask function must return a bool tensor, got {_describe(out)}")
-        return out
+        # tensor would otherwise be silently absorbed (or fail with a torch-internal error), and
+        # a wrong shape would broadcast into the other operand. The tiled backend evaluates
+        # tiles through `_eval`, so this check covers it as well.
+        return check_index_fn_output("mask function", self.fn, out, (b, h, i, j), want_bool=True)
 
     def __repr__(self) -> str:
         return f"from_fn({self.name})"

@@ -13,6 +13,15 @@ from torch import Tensor
 
 from .base import Mask, _check_lengths
 
+# Any size at least this large acts as "unbounded" on int64 positions: sizes are capped to it
+# before they meet an index tensor, so `sliding_window(sys.maxsize)` or `strided(2**70)` neither
+# overflows int64 (p + window wrapped around before) nor fails to convert.
+_HUGE = 1 << 62
+
+
+def _cap(n: int) -> int:
+    return min(n, _HUGE)
+
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -58,6 +67,9 @@ class CausalMask(Mask):
     def __repr__(self) -> str:
         return "causal()"
 
+    def spec(self):
+        return "causal", []
+
 
 class SlidingWindowMask(Mask):
     """A band of ``window`` keys (causal) or ``2·window − 1`` keys (non-causal) around a query."""
@@ -66,14 +78,11 @@ class SlidingWindowMask(Mask):
         self.window = _positive_int("window", window)
         self.causal = bool(causal)
 
-    def _bounds(self, p: Tensor) -> tuple[Tensor, Tensor]:
-        lo = p - self.window + 1
-        hi = p if self.causal else p + self.window - 1
-        return lo, hi
-
     def _eval(self, b, h, i, j, L, S):
-        lo, hi = self._bounds(i + (S - L))
-        return (j >= lo) & (j <= hi)
+        # On d = j − p (small), never p ± window: exact for every window without int64 overflow.
+        d = j - (i + (S - L))
+        reach = _cap(self.window) - 1
+        return (d >= -reach) & (d <= (0 if self.causal else reach))
 
     def key_interval(self, L, S, *, device=None):
         lo, hi = self._bounds(torch.arange(L, device=device) + (S - L))
@@ -82,11 +91,17 @@ class SlidingWindowMask(Mask):
     def row_counts(self, L, S, *, batch=None, heads=None, device=None):
         _check_lengths(L, S)
         self._batch_heads(batch, heads)
-        lo, hi = self._bounds(torch.arange(L, device=device) + (S - L))
+        p = torch.arange(L, device=device) + (S - L)
+        # |j − p| <= max(L, S) − 1 on the grid, so a wider window counts the same.
+        reach = min(self.window, max(L, S) + 1) - 1
+        lo, hi = p - reach, (p if self.causal else p + reach)
         return _interval_counts(lo, hi, S).view(1, 1, L)
 
     def __repr__(self) -> str:
         return f"sliding_window({self.window}, causal={self.causal})"
+
+    def spec(self):
+        return f"window:{self.window}:{int(self.causal)}", []
 
 
 class PaddingMask(Mask):
@@ -94,7 +109,8 @@ class PaddingMask(Mask):
 
     def __init__(self, lengths: Sequence[int] | Tensor) -> None:
         self.lengths = _index_tensor("lengths", lengths, ndim=(1,))
-        if (self.lengths < 0).any():
+        # a value check reads the tensor on the host: eager only (a compiled graph skips it)
+        if not torch.compiler.is_compiling() and (self.lengths < 0).any():
             raise ValueError(f"lengths must be >= 0, got {self.lengths.tolist()}")
         self.batch_size = int(self.lengths.numel())
         # Lengths given as Python ints are structure: backends may slice keys by them (no mask
@@ -124,6 +140,11 @@ class PaddingMask(Mask):
     def __repr__(self) -> str:
         return f"padding({self.lengths.tolist()})"
 
+    def spec(self):
+        if self.py_lengths is not None:
+            return "padding:" + ",".join(str(n) for n in self.py_lengths), []
+        return "padding", [self.lengths]
+
 
 class StridedMask(Mask):
     """Sparse-Transformer strided pattern: a local block of ``stride`` plus every stride-th key."""
@@ -134,11 +155,15 @@ class StridedMask(Mask):
 
     def _eval(self, b, h, i, j, L, S):
         d = i + (S - L) - j
-        keep = (d.abs() < self.stride) | (d.remainder(self.stride) == 0)
+        stride = _cap(self.stride)  # the same pattern on any grid smaller than 2^62
+        keep = (d.abs() < stride) | (d.remainder(stride) == 0)
         return keep & (d >= 0) if self.causal else keep
 
     def __repr__(self) -> str:
         return f"strided({self.stride}, causal={self.causal})"
+
+    def spec(self):
+        return f"strided:{self.stride}:{int(self.causal)}", []
 
 
 class GlobalLocalMask(Mask):
@@ -163,10 +188,13 @@ class GlobalLocalMask(Mask):
 
     def _eval(self, b, h, i, j, L, S):
         p = i + (S - L)
-        return ((p - j).abs() < self.window) | self._is_global(p) | self._is_global(j)
+        return ((p - j).abs() < _cap(self.window)) | self._is_global(p) | self._is_global(j)
 
     def __repr__(self) -> str:
         return f"global_local({self.window}, global_tokens={self.global_idx.tolist()})"
+
+    def spec(self):
+        return f"global_local:{self.window}", [self.global_idx]
 
 
 class BigBirdMask(Mask):
@@ -206,11 +234,16 @@ class BigBirdMask(Mask):
 
     def _eval(self, b, h, i, j, L, S):
         nblocks = max(1, -(-S // self.block_size))
-        qb = torch.div(i + (S - L), self.block_size, rounding_mode="floor")
-        kb = torch.div(j, self.block_size, rounding_mode="floor")
-        window = (qb - kb).abs() <= self.window_blocks // 2
-        global_q = (qb >= 0) & (qb < self.global_blocks)
-        keep = window | global_q | (kb < self.global_blocks)
+        block, radius, n_global = (
+            _cap(self.block_size),
+            _cap(self.window_blocks // 2),
+            _cap(self.global_blocks),
+        )
+        qb = torch.div(i + (S - L), block, rounding_mode="floor")
+        kb = torch.div(j, block, rounding_mode="floor")
+        window = (qb - kb).abs() <= radius
+        global_q = (qb >= 0) & (qb < n_global)
+        keep = window | global_q | (kb < n_global)
         if self.random_blocks:
             table = self.random_table(nblocks).to(i.device)
             valid = qb >= 0
@@ -222,6 +255,14 @@ class BigBirdMask(Mask):
             f"bigbird(block_size={self.block_size}, window_blocks={self.window_blocks}, "
             f"global_blocks={self.global_blocks}, random_blocks={self.random_blocks}, "
             f"seed={self.seed})"
+        )
+
+    def spec(self):
+        b = self
+        return (
+            f"bigbird:{b.block_size}:{b.window_blocks}:{b.global_blocks}:{b.random_blocks}:"
+            f"{b.seed}",
+            [],
         )
 
 
@@ -304,6 +345,9 @@ class DocumentMask(Mask):
     def __repr__(self) -> str:
         return f"document(ids of shape {tuple(self.ids.shape)})"
 
+    def spec(self):
+        return f"document:{int(self.runs_distinct)}", [self.ids]
+
 
 def causal() -> Mask:
     """Bottom-right causal mask: position ``p = i + S − L`` sees keys ``j <= p``.
@@ -371,3 +415,54 @@ def document(ids: Sequence[int] | Tensor) -> Mask:
 
 document.from_lengths = DocumentMask.from_lengths  # type: ignore[attr-defined]
 document.from_cu_seqlens = DocumentMask.from_cu_seqlens  # type: ignore[attr-defined]
+
+
+def from_spec(spec: str, tensors: list[Tensor]) -> Mask:
+    """Rebuilds the mask described by `Mask.spec` (its structure string and its tensors)."""
+    pos, k = 0, 0
+
+    def parse() -> Mask:
+        nonlocal pos, k
+        if spec.startswith("~", pos):
+            pos += 1
+            return ~parse()
+        if spec.startswith("(", pos):
+            pos += 1
+            a = parse()
+            op = spec[pos]
+            pos += 1
+            b = parse()
+            pos += 1  # ")"
+            return a & b if op == "&" else a | b
+        end = pos
+        while end < len(spec) and spec[end] not in "&|)":
+            end += 1
+        name, *args = spec[pos:end].split(":")
+        pos = end
+        if name == "causal":
+            return CausalMask()
+        if name == "window":
+            return SlidingWindowMask(int(args[0]), bool(int(args[1])))
+        if name == "strided":
+            return StridedMask(int(args[0]), bool(int(args[1])))
+        if name == "bigbird":
+            return BigBirdMask(*(int(a) for a in args))
+        if name == "padding" and args:
+            return PaddingMask([int(n) for n in args[0].split(",")])
+        k += 1
+        t = tensors[k - 1]
+        if name == "padding":
+            return PaddingMask(t)
+        if name == "global_local":
+            return GlobalLocalMask(int(args[0]), t)
+        if name == "document":
+            m = DocumentMask(t)
+            m.runs_distinct = bool(int(args[0]))
+            return m
+        if name == "tensor":
+            from .base import TensorMask
+
+            return TensorMask(t)
+        raise ValueError(f"from_spec: unknown mask {name!r} in {spec!r}")
+
+    return parse()

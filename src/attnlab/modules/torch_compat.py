@@ -28,6 +28,10 @@ def _additive(mask: Tensor, name: str, dtype: torch.dtype) -> Tensor:
     return mask.to(dtype)
 
 
+def _is_float(mask: Tensor | None) -> bool:
+    return mask is not None and torch.is_floating_point(mask)
+
+
 class MultiheadAttention(nn.Module):
     """Drop-in replacement for `torch.nn.MultiheadAttention` (same arguments and state dict).
 
@@ -118,6 +122,46 @@ class MultiheadAttention(nn.Module):
         b = self.in_proj_bias.split(E) if self.in_proj_bias is not None else (None, None, None)
         return F.linear(query, w_q, b[0]), F.linear(key, w_k, b[1]), F.linear(value, w_v, b[2])
 
+    def _torch_fast_path(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None,
+        key_padding_mask: Tensor | None,
+    ) -> bool:
+        """Whether torch 2.x's MultiheadAttention would run its fused inference path here.
+
+        Mirrors the checks of `torch.nn.MultiheadAttention.forward` (torch 2.13). It matters for
+        one thing only: that path ignores ``is_causal`` (it always uses ``attn_mask``), while the
+        other path replaces ``attn_mask`` by the causal mask when it may (see `forward`).
+        """
+        params = (self.in_proj_weight, self.in_proj_bias, self.out_proj.weight, self.out_proj.bias)
+        tensors = (query, key, value, *params)
+        allowed_devices = ("cpu", "cuda", torch._C._get_privateuse1_backend_name())
+        return not (
+            _is_float(attn_mask)
+            or _is_float(key_padding_mask)
+            or not torch.backends.mha.get_fastpath_enabled()
+            or query.dim() != 3
+            or query is not key
+            or key is not value
+            or self.in_proj_weight is None
+            or self.in_proj_bias is None  # torch then falls back to the other path
+            or query.dtype != self.in_proj_weight.dtype
+            or query.dtype != self.in_proj_bias.dtype
+            or self.training
+            or self.num_heads % 2
+            or not self.batch_first
+            or self.bias_k is not None
+            or self.add_zero_attn
+            or not self._qkv_same_embed_dim
+            or torch.is_autocast_enabled()
+            or torch.overrides.has_torch_function(tensors)
+            or any(t is not None and t.device.type not in allowed_devices for t in tensors)
+            or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+        )
+
     def forward(
         self,
         query: Tensor,
@@ -138,17 +182,32 @@ class MultiheadAttention(nn.Module):
             need_weights: return the weights too.
             attn_mask: ``(L, S)`` or ``(N·num_heads, L, S)``; bool True = not allowed, or additive.
             average_attn_weights: average the returned weights over heads.
-            is_causal: torch's hint that ``attn_mask`` is the causal mask: as in torch, when no
-                key_padding_mask is given and weights are not needed, the (top-left) causal mask
-                is used in place of ``attn_mask``.
+            is_causal: torch's hint that ``attn_mask`` is the causal mask, followed exactly as
+                torch 2.13 does: torch's fused inference path (eval mode, no grad, self-attention
+                with ``query is key is value``, batch_first, even num_heads, bool or no masks, ...)
+                ignores the hint and uses ``attn_mask``; otherwise, when no key_padding_mask is
+                given and weights are not needed, the top-left causal mask over the final keys
+                replaces ``attn_mask``, and in every other case ``attn_mask`` is used. A wrong
+                hint therefore gives different results on the two paths, in torch as here.
 
         Returns:
             ``(attn_output, attn_weights or None)`` shaped as torch's.
         """
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if query.dim() not in (2, 3):
+            raise ValueError(
+                f"query must be (L, E) unbatched or 3-D batched, got shape {tuple(query.shape)}"
+            )
+        if key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError(
+                f"key and value must have the rank of query ({query.dim()}-D), got query "
+                f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+            )
+        fast = self._torch_fast_path(query, key, value, attn_mask, key_padding_mask)
         batched = query.dim() == 3
         if not batched:
-            if query.dim() != 2:
-                raise ValueError(f"query must be (L, E) or 3-D, got shape {tuple(query.shape)}")
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
@@ -169,7 +228,7 @@ class MultiheadAttention(nn.Module):
                 f"key_padding_mask must have shape (N, S) = {(N, S)}, "
                 f"got {tuple(key_padding_mask.shape)}"
             )
-        if is_causal and attn_mask is None:
+        if is_causal and attn_mask is None and not fast:  # torch's fused path ignores is_causal
             raise RuntimeError("Need attn_mask if specifying the is_causal hint.")
         if attn_mask is not None:
             want = ((L, S), (N * H, L, S))
@@ -180,8 +239,9 @@ class MultiheadAttention(nn.Module):
                 )
         dtype = query.dtype
         # torch's contract: with this hint, the top-left causal mask over the final keys replaces
-        # attn_mask when no padding mask is given and no weights are needed.
-        causal_hint = is_causal and key_padding_mask is None and not need_weights
+        # attn_mask when no padding mask is given and no weights are needed, except on torch's
+        # fused inference path, which always uses attn_mask.
+        causal_hint = is_causal and not fast and key_padding_mask is None and not need_weights
         if causal_hint:
             attn_mask = None
         q, k, v = self._project(query, key, value)  # (L, N, E), (S, N, E), (S, N, E)

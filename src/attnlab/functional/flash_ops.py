@@ -1,0 +1,190 @@
+"""The tiled backend as ``torch.library`` custom operators, for ``torch.compile`` and export.
+
+Under ``torch.compile`` the flash backend cannot be traced line by line: its tiling plan is built
+in Python from the mask's block map (values read on the host). So compiled code calls three
+opaque operators instead — ``attnlab::flash_fwd``, ``attnlab::flash_bwd`` (its registered
+gradient) and ``attnlab::flash_rule`` (which entries the NaN rule poisons) — each of which
+rebuilds the request from tensors plus the mask's structure string (`Mask.spec`) and runs the
+same eager code as `functional.flash`. Plans are built when the graph RUNS, from the tensors it is
+given, so masks holding tensors (padding lengths, document ids, bool tensors) stay correct from
+call to call. Supported under compile: masks with a `Mask.spec` (every built-in mask, not
+`from_fn`), bool/float mask tensors and bias tensors without gradient; bias functions and
+`from_fn` masks run on sdpa instead (`flash_supports` says so).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._shapes import Dims
+from ..masks import Mask, from_spec, from_tensor
+from .request import Request
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _request(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_tensors: list[Tensor],
+    float_mask: Tensor | None,
+    bias: Tensor | None,
+    mask_spec: str,
+    scale: float,
+) -> Request:
+    B, H, L, D = q.shape
+    H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    mask: Mask | Tensor | None = from_spec(mask_spec, list(mask_tensors)) if mask_spec else None
+    if float_mask is not None:
+        mask = float_mask
+    return Request(
+        q=q,
+        k=k,
+        v=v,
+        dims=Dims(B, H, H_kv, L, S, D, Dv, False),
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        temperature=1.0,
+        score="dot",
+        dropout_p=0.0,
+        return_weights=False,
+    )
+
+
+@torch.library.custom_op("attnlab::flash_fwd", mutates_args=())
+def flash_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_tensors: list[Tensor],
+    float_mask: Tensor | None,
+    bias: Tensor | None,
+    mask_spec: str,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """``(out (B, H, L, Dv), lse (B, H, L))`` of clean (finite) inputs, before the NaN rule."""
+    from .flash import _run_clean, flash_job
+
+    req = _request(q, k, v, mask_tensors, float_mask, bias, mask_spec, scale)
+    out, lse = _run_clean(flash_job(req), req)
+    return out.contiguous(), lse.contiguous()
+
+
+@flash_fwd.register_fake
+def _(q, k, v, mask_tensors, float_mask, bias, mask_spec, scale):
+    B, H, L, _ = q.shape
+    return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, dtype=_acc(q.dtype))
+
+
+@torch.library.custom_op("attnlab::flash_bwd", mutates_args=())
+def flash_bwd(
+    dout: Tensor,
+    dlse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    mask_tensors: list[Tensor],
+    float_mask: Tensor | None,
+    bias: Tensor | None,
+    mask_spec: str,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of `flash_fwd`, recomputed tile by tile from the saved out and lse."""
+    from .flash import _prepare_inputs, flash_job
+
+    req = _request(q, k, v, mask_tensors, float_mask, bias, mask_spec, scale)
+    job = flash_job(req)
+    qp, kp, vp, Dv = _prepare_inputs(req, job.engine)
+    sign = 1.0
+    if job.scale < 0:  # as `_run_clean`: scale·(q·k) = |scale|·((−q)·k)
+        qp, job.scale, sign = -qp, -job.scale, -1.0
+    width = vp.shape[-1]
+    if width != Dv:  # the kernel engine ran on zero-padded values
+        out = torch.nn.functional.pad(out, (0, width - Dv))
+        dout = torch.nn.functional.pad(dout, (0, width - Dv))
+    dq, dk, dv = job.backward(dout.contiguous(), dlse, qp, kp, vp, out.contiguous(), lse)
+    D = q.shape[-1]
+    return (dq[..., :D] * sign).contiguous(), dk[..., :D].contiguous(), dv[..., :Dv].contiguous()
+
+
+@flash_bwd.register_fake
+def _(dout, dlse, q, k, v, out, lse, mask_tensors, float_mask, bias, mask_spec, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, mask_tensors, float_mask, bias, mask_spec, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, float_mask, bias, *mask_tensors)
+    ctx.mask_spec, ctx.scale = mask_spec, scale
+
+
+def _backward(ctx, dout: Tensor, dlse: Tensor):
+    q, k, v, out, lse, float_mask, bias, *mask_tensors = ctx.saved_tensors
+    dq, dk, dv = flash_bwd(
+        dout, dlse, q, k, v, out, lse, mask_tensors, float_mask, bias, ctx.mask_spec, ctx.scale
+    )
+    return dq, dk, dv, [None] * len(mask_tensors), None, None, None, None
+
+
+flash_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("attnlab::flash_rule", mutates_args=())
+def flash_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lse: Tensor,
+    mask_tensors: list[Tensor],
+    float_mask: Tensor | None,
+    bias: Tensor | None,
+    mask_spec: str,
+) -> tuple[Tensor, Tensor]:
+    """``(row_bad (B, H, L), bad (B, H, L, Dv))``: where the NaN rule puts NaN (original inputs)."""
+    from .flash import _poison_entries, flash_job
+
+    req = _request(q, k, v, mask_tensors, float_mask, bias, mask_spec, 1.0)
+    job = flash_job(req)
+    row_bad, bad = _poison_entries(req, job.plan, job.source, lse)
+    return row_bad.clone(), bad.contiguous()
+
+
+@flash_rule.register_fake
+def _(q, k, v, lse, mask_tensors, float_mask, bias, mask_spec):
+    B, H, L, _ = q.shape
+    shape = (B, H, L)
+    return q.new_empty(shape, dtype=torch.bool), q.new_empty(
+        (*shape, v.shape[-1]), dtype=torch.bool
+    )
+
+
+def compiled_flash(req: Request) -> tuple[Tensor, Tensor]:
+    """`flash_run_lse` through the custom operators (clean, flash_fwd, flash_rule, add NaN)."""
+    from . import nan_rule
+    from .scores import get_score
+
+    mask, float_mask = req.mask, None
+    if isinstance(mask, Tensor):
+        mask, float_mask = (from_tensor(mask), None) if mask.dtype == torch.bool else (None, mask)
+    spec = ("", []) if mask is None else mask.spec()
+    if spec is None:  # pragma: no cover - flash_supports declines these under compile
+        raise ValueError(f"flash under torch.compile needs a mask with a spec, got {mask!r}")
+    bias = req.bias if isinstance(req.bias, Tensor) else None
+    q, k, v = nan_rule.clean(req.q), nan_rule.clean(req.k), nan_rule.clean(req.v)
+    if req.score != "dot":
+        s = get_score(req.score)
+        q, k = s.prepare(q), s.prepare(k)
+    clean_mask = None if float_mask is None else nan_rule.clean_bias(float_mask)
+    clean_b = None if bias is None else nan_rule.clean_bias(bias)
+    scale = req.scale / req.temperature
+    out, lse = flash_fwd(q, k, v, spec[1], clean_mask, clean_b, spec[0], scale)
+    row_bad, bad = flash_rule(req.q, req.k, req.v, lse, spec[1], float_mask, bias, spec[0])
+    return nan_rule.add_nan(out, bad), torch.where(row_bad, float("nan"), lse)
