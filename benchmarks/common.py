@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -36,7 +37,21 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> d
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 def print_machine() -> None:
-    """The header every benchmark prints: torch, threads, and the fp32 matmul rate (the limit)."""
+    """The header every benchmark prints: CPU, torch, threads, and the fp32 matmul rate (the
+    limit)."""
+    print(f"CPU: {cpu_model()}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"fp32 matmul rate (torch.mm 4096²): {matmul_gflops():.1f} GFLOP/s")

@@ -189,3 +189,94 @@ def test_cache_bad_input():
     with pytest.raises(ValueError, match=r"cache is for self-attention"):
         x = torch.randn(1, 2, 32, dtype=torch.float64)
         mha(x, x, x, cache=KVCache())
+
+
+@pytest.mark.parametrize(
+    "positions", [torch.tensor([5.0]), torch.tensor([5.5], dtype=torch.float64)]
+)
+def test_float_positions_with_a_cache_are_refused_before_any_work(positions):
+    mha = _mha(rope=RoPE(8))
+    cache = KVCache()
+    mha(torch.randn(1, 5, 32, dtype=torch.float64), mask=masks.causal(), cache=cache)
+    k_before = cache._stored(cache._k, cache._v)[0].clone()
+    with pytest.raises(ValueError, match=r"positions must be an integer tensor when a KV cache"):
+        mha(torch.randn(1, 1, 32, dtype=torch.float64), cache=cache, positions=positions)
+    with pytest.raises(ValueError, match=r"got dtype torch\.float"):
+        cache.update(torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8), positions)
+    assert len(cache) == 5 and cache.seen == 5
+    assert torch.equal(cache._stored(cache._k, cache._v)[0], k_before)
+
+
+@pytest.mark.parametrize("prefill", [0, 4])
+@pytest.mark.parametrize(
+    "make", [KVCache, lambda: KVCache(8), lambda: SlidingWindowCache(3), lambda: SinkCache(1, 2)]
+)
+def test_empty_update_leaves_the_cache_unchanged_and_returns_no_rows(make, prefill):
+    mha = _mha(num_kv_heads=2, rope=RoPE(8))
+    x = torch.randn(2, prefill + 1, 32, dtype=torch.float64)
+    cache, twin = make(), make()
+    if prefill:
+        mha(x[:, :prefill], mask=masks.causal(), cache=cache)
+        mha(x[:, :prefill], mask=masks.causal(), cache=twin)
+    state = (len(cache), cache.seen)
+    stored = (
+        None if cache._k is None else [t.clone() for t in cache._stored(cache._k, cache._v)[:2]]
+    )
+    out = mha(x[:, :0], mask=masks.causal(), cache=cache)
+    assert out.shape == (2, 0, 32)
+    assert (len(cache), cache.seen) == state
+    if stored is not None:
+        for a, b in zip(cache._stored(cache._k, cache._v)[:2], stored, strict=True):
+            assert torch.equal(a, b)
+    # the next real step is exactly what it is without the empty update
+    nxt = x[:, prefill : prefill + 1]
+    assert torch.equal(
+        mha(nxt, mask=masks.causal(), cache=cache), mha(nxt, mask=masks.causal(), cache=twin)
+    )
+
+
+def test_dynamic_rope_with_explicit_cache_positions_uses_their_maximum():
+    # Explicit position tensors: the cache cannot know max(position) + 1 on the host (here it is
+    # not the token count), so the module reads it from the tensor (eager only) and must agree
+    # with the uncached forward at each length.
+    rope = RoPE(
+        8, scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 6}
+    )
+    mha = _mha(rope=rope)
+    x = torch.randn(1, 12, 32, dtype=torch.float64)
+    pos = torch.arange(12) + 3
+    cache = KVCache()
+    mha(x[:, :3], mask=masks.causal(), cache=cache, positions=pos[:3])
+    for t in range(3, 12):
+        got = mha(x[:, t : t + 1], cache=cache, positions=pos[t : t + 1])[:, -1]
+        want = mha(x[:, : t + 1], mask=masks.causal(), positions=pos[: t + 1])[:, -1]
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    assert cache.update(*(2 * [torch.zeros(1, 4, 0, 8, dtype=torch.float64)])).start is None
+
+
+@pytest.mark.parametrize(
+    "make", [KVCache, lambda: KVCache(12), lambda: SlidingWindowCache(3), lambda: SinkCache(2, 3)]
+)
+def test_host_side_start_matches_the_stored_positions(make):
+    """The module rotates by ``view.start`` (host int) instead of reading positions: it must be
+    exactly the first stored position, with the positions contiguous from it."""
+    cache = make()
+    for T in (4, 1, 1, 2, 1, 0, 1):
+        k = torch.randn(1, 2, T, 8)
+        view = cache.update(k, torch.randn(1, 2, T, 8))
+        S = view.k.shape[2]
+        assert view.start is not None
+        want = torch.arange(view.start, view.start + S).view(1, S)
+        assert torch.equal(view.k_positions, want)
+        assert torch.equal(view.q_positions, want[:, S - T :])
+
+
+def test_positions_become_explicit_after_the_first_caller_given_ones():
+    cache = KVCache()
+    kv = [torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)]
+    assert cache.update(*kv).start == 0
+    one = [t[:, :, :1] for t in kv]
+    view = cache.update(*one, torch.tensor([10]))  # the implied 0, 1, 2 are materialised
+    assert view.start is None and view.k_positions.tolist() == [[0, 1, 2, 10]]
+    view = cache.update(*one)  # default again: the next position is the token count
+    assert view.k_positions.tolist() == [[0, 1, 2, 10, 4]] and view.q_positions.tolist() == [[4]]

@@ -11,6 +11,7 @@ from torch import nn
 from attnlab import masks
 from attnlab.models import GPT, MLPS, NORMS, Encoder, TransformerBlock, TransformerConfig
 from attnlab.models.gpt import context_start
+from attnlab.modules import KVCache
 
 
 def _cfg(**kw) -> TransformerConfig:
@@ -234,10 +235,15 @@ def test_decode_with_a_shifted_cache_offset_is_detected():
     model = _gpt(n_kv_heads=2)
     idx = torch.randint(0, 37, (1, 20), generator=torch.Generator().manual_seed(5))
     full = model(idx)
-    caches = model.new_caches()
+
+    class OffByOne(KVCache):  # assigns decode positions as if one more token had been seen
+        def update(self, k, v, positions=None):
+            if positions is None and self.seen:
+                positions = torch.arange(self.seen + 1, self.seen + 1 + k.shape[2])
+            return super().update(k, v, positions)
+
+    caches = [OffByOne() for _ in model.blocks]
     steps = [model(idx[:, :10], caches=caches)]
-    for c in caches:
-        c.seen += 1
     steps += [model(idx[:, t : t + 1], caches=caches) for t in range(10, 19)]
     assert (torch.cat(steps, 1) - full[:, :19]).abs().max() > 1e-3
 

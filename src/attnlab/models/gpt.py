@@ -15,17 +15,26 @@ from .config import TransformerConfig
 
 
 def check_token_ids(name: str, idx: object, vocab_size: int) -> Tensor:
-    """Checks an integer ``(B, L)`` tensor of ids in ``[0, vocab_size)``; returns it."""
+    """Checks an integer ``(B, L)`` tensor of ids in ``[0, vocab_size)``; returns it.
+
+    Type and shape are always checked. The range check reads ``min``/``max`` of the ids back to
+    the host, so it runs in eager mode only: under `torch.compile` / `torch.export`
+    (``torch.compiler.is_compiling()``) and for ``meta`` tensors it is skipped, and an
+    out-of-range id fails inside the embedding lookup instead.
+    """
     if not isinstance(idx, Tensor):
         raise TypeError(f"{name} must be a (B, L) integer tensor, got {type(idx).__name__}")
     if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor of token ids, got dtype {idx.dtype}")
     if idx.dim() != 2:
         raise ValueError(f"{name} must be (B, L), got shape {tuple(idx.shape)}")
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= vocab_size):
+    if torch.compiler.is_compiling() or idx.is_meta or not idx.numel():
+        return idx
+    lo, hi = torch.aminmax(idx)
+    lo, hi = int(lo), int(hi)  # the one host read (eager only)
+    if lo < 0 or hi >= vocab_size:
         raise ValueError(
-            f"{name} holds token ids in [{int(idx.min())}, {int(idx.max())}], expected ids in "
-            f"[0, vocab_size={vocab_size})"
+            f"{name} holds token ids in [{lo}, {hi}], expected ids in [0, vocab_size={vocab_size})"
         )
     return idx
 
@@ -54,6 +63,15 @@ class GPT(nn.Module):
     Attributes:
         gradient_checkpointing: recompute each block in backward instead of storing its
             activations (training without caches only).
+
+    Compile, export, meta: ``forward`` makes no host synchronisation (the token-id range check
+    of `check_token_ids` runs in eager mode only and is skipped while compiling/exporting and
+    for ``meta`` tensors), so ``torch.compile(model, fullgraph=True)`` traces it in one graph,
+    with or without caches. For compiled decoding pass the caches as an argument
+    (``step(idx_t, caches=caches)``) and preallocate them (``new_caches(max_seq_len)``, as
+    `generate` does): one graph for the prefill, one shared by all later tokens.
+    ``torch.export.export(model, (idx,))`` exports the uncached forward. ``model.to("meta")``
+    with ``meta`` ids gives the logits' shape.
 
     Example:
         >>> model = GPT(TransformerConfig(vocab_size=65, d_model=64, n_layers=2, n_heads=4))

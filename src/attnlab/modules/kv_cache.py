@@ -8,11 +8,16 @@ consistent — rotating keys once at insertion and caching the result is the bug
 Every cache has one method, `update`, that appends the new keys/values and returns what the new
 queries attend to: all keys, their positions, the positions of the new queries, and the mask the
 cache's eviction policy requires (or None).
+
+Compile-friendly by construction: the cache's state that decides shapes (how many tokens are
+stored, how many were ever appended, where the positions end) is kept as Python ints updated as
+tokens are appended, never read back from tensors, so `update` makes no host synchronisation and
+has no value-dependent branches. Under `torch.compile` the stored tensors are marked dynamic along
+the sequence dimension (`torch._dynamo.maybe_mark_dynamic`) so a growing cache does not recompile
+at every decoding step; a preallocated cache (``capacity=``) keeps one buffer shape throughout.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -31,23 +36,53 @@ class CacheOverflowError(ValueError):
         self.capacity, self.cached, self.requested = capacity, cached, requested
 
 
-@dataclass
 class CacheView:
     """What the new queries attend to after an update.
 
     Attributes:
         k: keys before RoPE ``(B, H_kv, S, D)``.
         v: values ``(B, H_kv, S, Dv)``.
-        k_positions: RoPE positions of the keys, ``(B|1, S)``.
-        q_positions: RoPE positions of the new queries, ``(B|1, T)``.
+        k_positions: RoPE positions of the keys, ``(B|1, S)`` (built on first access when the
+            cache assigned them).
+        q_positions: RoPE positions of the new queries, ``(B|1, T)`` (the last T keys').
         mask: the mask the eviction policy needs on top of the caller's, or None.
+        start: a host-side int when the key positions are ``start, start + 1, …, start + S − 1``
+            (every position assigned by the cache), else None (caller-given position tensors:
+            only the tensor knows). The module then rotates by int offsets: no position tensor
+            is read, and ``start + S`` is the sequence length seq-len dependent RoPE needs.
     """
 
-    k: Tensor
-    v: Tensor
-    k_positions: Tensor
-    q_positions: Tensor
-    mask: Mask | None
+    __slots__ = ("_k_positions", "_q_positions", "k", "mask", "start", "t", "v")
+
+    def __init__(
+        self,
+        k: Tensor,
+        v: Tensor,
+        k_positions: Tensor | None,
+        q_positions: Tensor | None,
+        mask: Mask | None,
+        start: int | None = None,
+        t: int = 0,
+    ) -> None:
+        if k_positions is None and start is None:
+            raise ValueError("CacheView needs k_positions or a start position")
+        self.k, self.v, self.mask, self.start, self.t = k, v, mask, start, t
+        self._k_positions, self._q_positions = k_positions, q_positions
+
+    @property
+    def k_positions(self) -> Tensor:
+        if self._k_positions is None:
+            S = self.k.shape[2]
+            start = self.start
+            self._k_positions = torch.arange(start, start + S, device=self.k.device).view(1, S)
+        return self._k_positions
+
+    @property
+    def q_positions(self) -> Tensor:
+        if self._q_positions is None:
+            S = self.k.shape[2]
+            self._q_positions = self.k_positions[:, S - self.t :]
+        return self._q_positions
 
 
 def _check_kv(k: Tensor, v: Tensor) -> None:
@@ -61,9 +96,29 @@ def _check_kv(k: Tensor, v: Tensor) -> None:
         )
 
 
+def check_cache_positions(positions: object) -> None:
+    """Raises unless ``positions`` is None or an integer tensor (a cache stores int64 positions).
+
+    Float positions (fractional RoPE positions) would be truncated by the cache, so they are
+    refused rather than rounded silently.
+    """
+    if positions is None:
+        return
+    if not isinstance(positions, Tensor):
+        raise TypeError(
+            f"cache positions must be None or an integer tensor, got {type(positions).__name__}"
+        )
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise ValueError(
+            f"positions must be an integer tensor when a KV cache is used (the cache stores int64 "
+            f"positions and would truncate them), got dtype {positions.dtype}"
+        )
+
+
 def _positions(positions: Tensor | None, start: int, T: int, device: torch.device) -> Tensor:
     if positions is None:
         return torch.arange(start, start + T, device=device).view(1, T)  # (1, T)
+    check_cache_positions(positions)
     p = positions.to(device=device, dtype=torch.long)
     p = p.view(1, -1) if p.dim() == 1 else p  # (B|1, T)
     if p.dim() != 2 or p.shape[-1] != T:
@@ -80,6 +135,16 @@ class KVCache:
         capacity: None for a dynamic cache (amortised doubling), or the fixed number of positions
             to preallocate; appending beyond it raises `CacheOverflowError`.
 
+    Attributes:
+        seen: tokens ever appended (the next default position), a Python int.
+        capacity: the preallocated size, or None.
+
+    The number of stored tokens (``len(cache)``) and ``seen`` are host-side Python ints advanced
+    by every `update`; `update` never reads a tensor's value. While the cache assigns positions
+    itself they are implied (``seen − len … seen − 1``, reported as `CacheView.start`) and no
+    position tensor is kept; the first caller-given positions switch to stored positions. An
+    update with ``T = 0`` new tokens validates its arguments and leaves the cache unchanged.
+
     Example:
         >>> cache = KVCache()
         >>> out = mha(x_prompt, mask=masks.causal(), cache=cache)   # prefill
@@ -94,9 +159,12 @@ class KVCache:
         self.capacity = capacity
         self._k: Tensor | None = None
         self._v: Tensor | None = None
-        self._pos: Tensor | None = None
+        self._pos: Tensor | None = None  # only once a caller passed positions (else implied)
         self._len = 0
         self.seen = 0  # tokens ever appended (the next default position)
+        # True while every stored position was assigned by the cache (then they are contiguous:
+        # seen - len(self) ... seen - 1); False once a caller passed explicit positions.
+        self._contiguous = True
 
     def __len__(self) -> int:
         return self._len
@@ -105,7 +173,35 @@ class KVCache:
         """Forgets every cached token."""
         self.__init__(self.capacity)  # type: ignore[misc]
 
-    def _reserve(self, k: Tensor, v: Tensor, pos: Tensor, extra: int) -> None:
+    def _check_against_cache(self, k: Tensor, v: Tensor, pos: Tensor | None) -> None:
+        if self._k is None or self._v is None:
+            return
+        if k.shape[:2] != self._k.shape[:2] or k.shape[-1] != self._k.shape[-1]:
+            raise ValueError(
+                f"cache update: k of shape {tuple(k.shape)} does not match the cached "
+                f"(B, H_kv, ·, D) = {tuple(self._k.shape[:2])} + (·, {self._k.shape[-1]})"
+            )
+        if v.shape[-1] != self._v.shape[-1]:
+            raise ValueError(
+                f"cache update: v of shape {tuple(v.shape)} does not match the cached value dim "
+                f"Dv = {self._v.shape[-1]}"
+            )
+        if k.dtype != self._k.dtype or k.device != self._k.device:
+            raise ValueError(
+                f"cache update: k is {k.dtype} on {k.device}, the cache holds {self._k.dtype} on "
+                f"{self._k.device}"
+            )
+        if (
+            pos is not None
+            and self._pos is not None
+            and 1 != self._pos.shape[0] != pos.shape[0] != 1
+        ):
+            raise ValueError(
+                f"cache update: positions for batch {pos.shape[0]} do not match the cached "
+                f"positions' batch {self._pos.shape[0]}"
+            )
+
+    def _reserve(self, k: Tensor, v: Tensor, pos: Tensor | None, extra: int) -> None:
         need = self._len + extra
         if self.capacity is not None and need > self.capacity:
             raise CacheOverflowError(self.capacity, self._len, extra)
@@ -116,52 +212,91 @@ class KVCache:
         B, H_kv, _, D = k.shape
         nk = k.new_empty(B, H_kv, size, D)
         nv = v.new_empty(B, H_kv, size, v.shape[-1])
-        npos = pos.new_zeros(pos.shape[0], size)
+        npos = None if pos is None else pos.new_zeros(pos.shape[0], size)
         if self._k is not None:
             nk[:, :, : self._len] = self._k[:, :, : self._len]
             nv[:, :, : self._len] = self._v[:, :, : self._len]  # type: ignore[index]
-            npos[:, : self._len] = self._pos[:, : self._len]  # type: ignore[index]
+            if npos is not None and self._pos is not None:
+                npos[:, : self._len] = self._pos[:, : self._len]
         self._k, self._v, self._pos = nk, nv, npos
 
-    def _append(self, k: Tensor, v: Tensor, pos: Tensor) -> None:
-        if self._k is not None and (
-            k.shape[:2] != self._k.shape[:2] or k.shape[-1] != self._k.shape[-1]
-        ):
-            raise ValueError(
-                f"cache update: k of shape {tuple(k.shape)} does not match the cached "
-                f"(B, H_kv, ·, D) = {tuple(self._k.shape[:2])} + (·, {self._k.shape[-1]})"
-            )
-        if self._pos is not None and pos.shape[0] != self._pos.shape[0]:
+    def _append(self, k: Tensor, v: Tensor, pos: Tensor | None) -> None:
+        """Writes T new tokens; ``pos`` is None for cache-assigned (implied) positions."""
+        self._check_against_cache(k, v, pos)
+        T = k.shape[2]
+        if self.capacity is not None and self._len + T > self.capacity:
+            raise CacheOverflowError(self.capacity, self._len, T)  # before any change
+        if pos is not None and self._contiguous:
+            # First caller-given positions: from now on positions are stored explicitly.
+            self._contiguous = False
+            if self._k is not None:
+                start = self.seen - self._len
+                self._pos = torch.zeros(1, self._k.shape[2], dtype=torch.long, device=k.device)
+                self._pos[:, : self._len] = torch.arange(start, self.seen, device=k.device)
+        if pos is None and not self._contiguous:
+            pos = torch.arange(self.seen, self.seen + T, device=k.device).view(1, T)
+        if pos is not None and self._pos is not None and pos.shape[0] != self._pos.shape[0]:
             self._pos = self._pos.expand(max(pos.shape[0], self._pos.shape[0]), -1).clone()
             pos = pos.expand(self._pos.shape[0], -1)
-        T = k.shape[2]
         self._reserve(k, v, pos, T)
-        assert self._k is not None and self._v is not None and self._pos is not None
+        assert self._k is not None and self._v is not None
         self._k[:, :, self._len : self._len + T] = k
         self._v[:, :, self._len : self._len + T] = v
-        self._pos[:, self._len : self._len + T] = pos
+        if pos is not None:
+            assert self._pos is not None
+            self._pos[:, self._len : self._len + T] = pos
         self._len += T
         self.seen += T
 
-    def _stored(self) -> tuple[Tensor, Tensor, Tensor]:
-        assert self._k is not None and self._v is not None and self._pos is not None
+    def _stored(self, like_k: Tensor, like_v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The stored ``(k, v, positions)`` (positions None while implied); empty, shaped like
+        the update, when nothing is stored."""
+        if self._k is None or self._v is None:
+            B, H_kv, _, D = like_k.shape
+            empty_pos = None if self._contiguous else like_k.new_zeros(1, 0, dtype=torch.long)
+            return (
+                like_k.new_empty(B, H_kv, 0, D),
+                like_v.new_empty(B, H_kv, 0, like_v.shape[-1]),
+                empty_pos,
+            )
         n = self._len
-        return self._k[:, :, :n], self._v[:, :, :n], self._pos[:, :n]
+        ps = None if self._pos is None else self._pos[:, :n]
+        return _dynamic_len(self._k[:, :, :n]), _dynamic_len(self._v[:, :, :n]), ps
+
+    def _view(self, k: Tensor, v: Tensor, pos: Tensor | None, mask: Mask | None) -> CacheView:
+        """The view after appending ``k, v`` (``pos``: the caller's positions, or None)."""
+        ks, vs, ps = self._stored(k, v)
+        T = k.shape[2]
+        if self._contiguous:
+            return CacheView(ks, vs, None, None, mask, self.seen - self._len, T)
+        assert ps is not None
+        q_pos = pos if pos is not None else ps[:, ps.shape[1] - T :]
+        return CacheView(ks, vs, ps, q_pos, mask, None, T)
 
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheView:
         """Appends keys ``(B, H_kv, T, D)`` (before RoPE) and values; returns what queries see.
 
         Args:
-            k, v: the new keys and values.
-            positions: RoPE positions of the new tokens ``(T,)`` or ``(B, T)``; default the next
-                ``T`` positions after everything appended so far.
+            k, v: the new keys and values (``T = 0`` leaves the cache unchanged).
+            positions: integer RoPE positions of the new tokens ``(T,)`` or ``(B, T)``; default
+                the next ``T`` positions after everything appended so far. Float positions raise
+                ValueError (they would be truncated).
         """
         _check_kv(k, v)
         T = k.shape[2]
-        pos = _positions(positions, self.seen, T, k.device)
-        self._append(k, v, pos)
-        ks, vs, ps = self._stored()
-        return CacheView(ks, vs, ps, pos, None)
+        pos = None if positions is None else _positions(positions, self.seen, T, k.device)
+        if T:
+            self._append(k, v, pos)
+        else:
+            self._check_against_cache(k, v, pos)
+        return self._view(k, v, pos, None)
+
+
+def _dynamic_len(t: Tensor) -> Tensor:
+    """Marks the sequence dimension of a cached tensor dynamic for `torch.compile` (eager only)."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.maybe_mark_dynamic(t, 2)
+    return t
 
 
 class SlidingWindowCache(KVCache):
@@ -183,25 +318,32 @@ class SlidingWindowCache(KVCache):
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheView:
         _check_kv(k, v)
         T = k.shape[2]
-        pos = _positions(positions, self.seen, T, k.device)
-        self._append(k, v, pos)
-        ks, vs, ps = self._stored()
-        view = CacheView(ks, vs, ps, pos, sliding_window(self.window))
+        pos = None if positions is None else _positions(positions, self.seen, T, k.device)
+        if T:
+            self._append(k, v, pos)
+        else:
+            self._check_against_cache(k, v, pos)
+        view = self._view(k, v, pos, sliding_window(self.window))
         self._evict(keep_first=0)
         return view
 
     def _evict(self, keep_first: int) -> None:
+        """Drops the oldest tokens after the first ``keep_first`` beyond ``window`` (by slicing)."""
         excess = self._len - keep_first - self.window
         if excess <= 0:
             return
-        assert self._k is not None and self._v is not None and self._pos is not None
+        assert self._k is not None and self._v is not None
         n = self._len
-        keep = torch.cat((torch.arange(keep_first), torch.arange(keep_first + excess, n)))
-        keep = keep.to(self._k.device)
-        self._k = self._k[:, :, keep].contiguous()
-        self._v = self._v[:, :, keep].contiguous()
-        self._pos = self._pos[:, keep].contiguous()
-        self._len = keep.numel()
+
+        def keep(t: Tensor, dim: int) -> Tensor:
+            head = t.narrow(dim, 0, keep_first)
+            tail = t.narrow(dim, keep_first + excess, n - keep_first - excess)
+            return torch.cat((head, tail), dim=dim)
+
+        self._k, self._v = keep(self._k, 2), keep(self._v, 2)
+        if self._pos is not None:
+            self._pos = keep(self._pos, 1)
+        self._len = n - excess
 
 
 class SinkCache(SlidingWindowCache):
@@ -231,21 +373,22 @@ class SinkCache(SlidingWindowCache):
         _check_kv(k, v)
         T = k.shape[2]
         n_sink = self.sink_tokens  # the first n_sink stored keys are always the sinks
-        self._append(k, v, torch.zeros(1, T, dtype=torch.long, device=k.device))
+        if T:
+            self._append(k, v, None)
+        else:
+            self._check_against_cache(k, v, None)
         mask = None
         if T == 1:
             self._evict(keep_first=min(self.sink_tokens, self._len))
-        else:
+        elif T > 1:
             window = self.window
 
             def sink_or_window(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
                 return (j <= i) & ((j < n_sink) | (i - j < window))
 
             mask = from_fn(sink_or_window)
-        ks, vs, _ = self._stored()
-        S = ks.shape[2]
-        cache_pos = torch.arange(S, device=k.device).view(1, S)  # (1, S)
-        view = CacheView(ks, vs, cache_pos, cache_pos[:, S - T :], mask)
+        ks, vs, _ = self._stored(k, v)
+        view = CacheView(ks, vs, None, None, mask, 0, T)  # positions in the cache: 0 … S − 1
         if T > 1:
             self._evict(keep_first=min(self.sink_tokens, self._len))
         return view
@@ -258,4 +401,5 @@ __all__ = [
     "SinkCache",
     "SlidingWindowCache",
     "causal",
+    "check_cache_positions",
 ]

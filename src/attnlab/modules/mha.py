@@ -11,8 +11,8 @@ from .._shapes import check_probability
 from ..functional import attention
 from ..functional.registry import check_backend_name
 from ..functional.request import BiasFn
-from ..masks import Mask, from_tensor
-from .kv_cache import KVCache
+from ..masks import CausalMask, Mask, from_tensor
+from .kv_cache import KVCache, check_cache_positions
 
 
 def _positive(name: str, value: object) -> int:
@@ -48,6 +48,28 @@ class MultiHeadAttention(nn.Module):
         rope: an `attnlab.positional.RoPE` applied to q and k (keys are cached before it).
         bias_fn: an additive bias ``fn(b, h, i, j)`` such as `attnlab.positional.ALiBi`.
         backend: the `attnlab.attention` backend.
+
+    Compile, export, meta:
+        ``forward`` makes no host synchronisation and branches only on shapes and Python state,
+        so (with a sync-free attention backend, e.g. ``"sdpa"``):
+
+        - ``torch.compile(mha, fullgraph=True)`` traces self-, cross-, GQA and RoPE attention,
+          with or without a cache, in one graph (0 graph breaks), forward and backward.
+        - Decoding with a cache: ``step = torch.compile(mha, fullgraph=True)`` then
+          ``step(x_t, cache=cache)`` per token; pass the cache as an *argument* (its Python-int
+          lengths then become dynamic). A preallocated ``KVCache(capacity)`` compiles one graph
+          for the prefill and one shared by all later steps; a growing ``KVCache()`` recompiles
+          a few times while its buffer first grows (16, 32 slots), then no more.
+        - ``torch.export.export(mha, (query,))`` or ``(query, key, value)``, optionally with
+          ``dynamic_shapes`` for B/L/S, and a mask given as a bool/float *tensor* input. A
+          structured `Mask` (``masks.causal()``…) is not a pytree: build it inside the exported
+          module's ``forward`` (a wrapper calling ``mha(query, mask=masks.causal())``).
+          Caches are Python state, not inputs: export the uncached forward.
+        - ``meta`` tensors (``mha.to("meta")``) give the output shapes, weights included.
+
+        Eager-only host reads: RoPE scaling that depends on the sequence length (``dynamic``,
+        ``longrope``) with caller-given position *tensors* reads ``max(positions) + 1`` (default
+        and int positions, and the caches' own positions, are known on the host).
 
     Example:
         >>> mha = MultiHeadAttention(256, 8, num_kv_heads=2, rope=RoPE(32))
@@ -164,10 +186,13 @@ class MultiHeadAttention(nn.Module):
             mask: `Mask`, bool (True = may attend) or additive float, broadcastable to
                 ``(B, H, L, S)`` where S counts cached keys too; bottom-right aligned.
             cache: a `KVCache` (self-attention): new keys/values are appended and the queries
-                attend to everything cached, with the cache's eviction mask applied.
+                attend to everything cached, with the cache's eviction mask applied. ``L = 0``
+                leaves the cache unchanged and returns ``(B, 0, E)``.
             need_weights: also return the weights ``(B, H, L, S)``.
             positions: RoPE positions of the queries (and keys, in self-attention): ``(L,)``,
                 ``(B, L)`` or an int offset; default ``0…L−1``, or the cache's next positions.
+                Integer tensors only with a cache (float positions raise ValueError: the cache
+                stores int64 positions and would truncate them).
 
         Returns:
             ``(B, L, E)``, or ``(out, weights)`` with ``need_weights=True``.
@@ -175,20 +200,34 @@ class MultiHeadAttention(nn.Module):
         self._check(query, key, value)
         if cache is not None and key is not None:
             raise ValueError("cache is for self-attention: call with key=None when passing a cache")
+        if cache is not None:
+            check_cache_positions(positions if isinstance(positions, Tensor) else None)
         q, k, v = self.project(query, key, value)
         B, _, L, _ = q.shape
         q_pos = k_pos = positions
+        seq_len: int | None = None  # max(key position) + 1, only for seq-len dependent RoPE
         if cache is not None:
             if isinstance(positions, int) and not isinstance(positions, bool):
                 positions = torch.arange(positions, positions + L, device=q.device)
             view = cache.update(k, v, positions)
             k, v, k_pos, q_pos = view.k, view.v, view.k_positions, view.q_positions
             mask = _combine(mask, view.mask)
+            if view.start is not None:  # positions start, start + 1, …: known on the host
+                S = k.shape[2]
+                k_pos, q_pos, seq_len = view.start, view.start + S - L, view.start + S
+        if L == 1 and isinstance(mask, CausalMask):
+            mask = None  # bottom-right causal: a single query (a decode step) sees every key
         if self.rope is not None:
             if key is not None and positions is None:
                 k_pos = None
-            seq_len = None
-            if isinstance(k_pos, Tensor) and k_pos.numel():
+            if (
+                seq_len is None
+                and isinstance(k_pos, Tensor)
+                and getattr(self.rope, "depends_on_seq_len", True)
+                and k_pos.numel()
+            ):
+                # Eager-only host read: dynamic/longrope scaling with caller-given position
+                # tensors (default and int positions never get here).
                 seq_len = int(k_pos.max()) + 1
             q = self.rope(q, q_pos, seq_len=seq_len)
             k = self.rope(k, k_pos, seq_len=seq_len)

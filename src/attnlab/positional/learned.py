@@ -45,12 +45,14 @@ class LearnedPositionalEmbedding(nn.Module):
             ``(*positions.shape, E)`` in the parameter dtype.
 
         Raises:
-            ValueError: a position >= max_len or < 0 (the message names both numbers).
+            ValueError: a position >= max_len or < 0 (the message names both numbers). The range
+                check reads the positions back to the host, so it runs in eager mode only (skipped
+                under `torch.compile`/`torch.export` and for ``meta`` tensors).
         """
         if isinstance(positions, int) and not isinstance(positions, bool):
             positions = torch.arange(check_int("positions", positions, minimum=0))  # (L,)
         positions = check_positions("positions", positions)
-        if positions.numel():
+        if positions.numel() and not (torch.compiler.is_compiling() or positions.is_meta):
             hi, lo = int(positions.max()), int(positions.min())
             if hi >= self.max_len:
                 raise ValueError(

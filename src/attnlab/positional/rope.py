@@ -29,7 +29,9 @@ class RoPE(nn.Module):
     The cos/sin tables are computed from integer positions in float64 and rounded once to float32
     (float64 for float64 inputs); the module holds no floating buffers, so ``.to(bfloat16)``
     cannot degrade them (the bf16 RoPE phase bug, HF #29496). The rotation runs in that table
-    precision and the result is cast back to ``x.dtype``.
+    precision and the result is cast back to ``x.dtype``. In eager mode, None/int positions read
+    rows of a table computed the same way once per (device, precision) and kept as a plain
+    attribute (not a buffer); under `torch.compile` the tables are computed in the graph.
 
     Args:
         head_dim: D, the last dimension of q and k.
@@ -96,6 +98,9 @@ class RoPE(nn.Module):
         self._dynamic = depends_on_seq_len(self.rope_type)
         # Validates the scaling fields now, and caches the seq-len independent frequencies.
         self._static = compute_rope_parameters(fields, self.rotary_dim, self.base)
+        # Memo of (cos, sin) for positions 0..n-1 per (device, table dtype), eager mode only:
+        # plain attributes, not buffers, so `.to(bfloat16)` never touches them.
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
 
     # ------------------------------------------------------------------ frequencies
     def frequencies(self, seq_len: int | None = None) -> tuple[Tensor, float]:
@@ -108,6 +113,11 @@ class RoPE(nn.Module):
             inv_freq, scale = self._static
             return inv_freq.clone(), scale
         return compute_rope_parameters(self.scaling, self.rotary_dim, self.base, seq_len=seq_len)
+
+    @property
+    def depends_on_seq_len(self) -> bool:
+        """Whether the frequencies depend on the sequence length (``dynamic``, ``longrope``)."""
+        return self._dynamic
 
     @property
     def inv_freq(self) -> Tensor:
@@ -130,7 +140,9 @@ class RoPE(nn.Module):
 
         Args:
             positions: integer tensor of any shape.
-            seq_len: sequence length for seq-len dependent scaling; default ``max(positions) + 1``.
+            seq_len: sequence length for seq-len dependent scaling; default ``max(positions) + 1``
+                (read from the tensor: a host synchronisation, only for those scaling types —
+                pass ``seq_len`` to avoid it under `torch.compile`).
             dtype: float32 or float64 (computed in float64, rounded once).
 
         Returns:
@@ -143,7 +155,7 @@ class RoPE(nn.Module):
             )
         if seq_len is None and self._dynamic and positions.numel():
             seq_len = int(positions.max()) + 1
-        inv_freq, scale = self.frequencies(seq_len)
+        inv_freq, scale = self._static if not self._dynamic else self.frequencies(seq_len)
         angle = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(positions.device)
         # angle: (..., R/2)
         return (angle.cos() * scale).to(dtype), (angle.sin() * scale).to(dtype)
@@ -159,10 +171,16 @@ class RoPE(nn.Module):
             positions: integer positions ``(L,)``, ``(B, L)`` (per batch item, shared by heads),
                 or broadcastable to ``x.shape[:-1]``; an int p means ``p, p+1, …, p+L−1`` (p = the
                 KV-cache length when decoding); None means ``0..L−1``.
-            seq_len: sequence length for dynamic/longrope scaling; default ``max(positions) + 1``.
+            seq_len: sequence length for dynamic/longrope scaling; default ``max(positions) + 1``,
+                known on the host for None/int positions. Only for a position *tensor* with a
+                seq-len dependent scaling type is it read from the tensor (a host sync: pass
+                ``seq_len`` under `torch.compile`). Other types ignore it.
 
         Returns:
             Tensor shaped and typed like x.
+
+        No host synchronisation for the default, linear, YaRN and Llama-3 types (or whenever
+        ``seq_len`` is given), so ``torch.compile(fullgraph=True)`` traces it in one graph.
         """
         if not isinstance(x, Tensor) or not x.is_floating_point():
             got = f"dtype {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
@@ -172,11 +190,31 @@ class RoPE(nn.Module):
                 f"x must be (..., L, head_dim={self.head_dim}), got shape {tuple(x.shape)}"
             )
         L = x.shape[-2]
-        positions = self._positions(x, positions, L)
         table_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        cos, sin = self.cos_sin(positions, seq_len=seq_len, dtype=table_dtype)  # (..., L, R/2)
+        host = positions is None or (
+            isinstance(positions, (int, torch.SymInt)) and not isinstance(positions, bool)
+        )
+        if host:
+            offset: int = 0 if positions is None else positions  # type: ignore[assignment]
+            if seq_len is None and self._dynamic and L:
+                seq_len = offset + L  # max position + 1, known on the host
+        if (
+            host
+            and not self._dynamic
+            and not torch.compiler.is_compiling()
+            and x.device.type != "meta"
+            and offset >= 0
+        ):
+            # Eager: rows of the memoised table (the same float64 computation, done once).
+            cos, sin = self._table(offset + L, x.device, table_dtype)
+            cos, sin = cos[offset : offset + L], sin[offset : offset + L]  # (L, R/2)
+        else:
+            positions = self._positions(x, positions, L)
+            cos, sin = self.cos_sin(positions, seq_len=seq_len, dtype=table_dtype)  # (..., L, R/2)
         R = self.rotary_dim
-        xr = x[..., :R].to(table_dtype)  # (..., L, R)
+        xr = x if self.head_dim == R else x[..., :R]  # (..., L, R)
+        if xr.dtype != table_dtype:
+            xr = xr.to(table_dtype)
         if self.interleaved:
             a, b = xr[..., 0::2], xr[..., 1::2]  # (..., L, R/2) each
             pairs = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1)  # (..., L, R/2, 2)
@@ -184,24 +222,38 @@ class RoPE(nn.Module):
         else:
             a, b = xr[..., : R // 2], xr[..., R // 2 :]  # (..., L, R/2) each
             rotated = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)  # (..., L, R)
-        rotated = rotated.to(x.dtype)
+        if rotated.dtype != x.dtype:
+            rotated = rotated.to(x.dtype)
         if self.head_dim == R:
             return rotated
         return torch.cat((rotated, x[..., R:]), dim=-1)  # (..., L, D), the tail copied bit-exactly
 
+    def _table(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``cos_sin(arange(N))`` for some ``N >= n``, computed once per (device, dtype) and grown
+        by doubling; only for types whose frequencies do not depend on the sequence length."""
+        tables = self.__dict__.setdefault("_tables", {})
+        hit = tables.get((device, dtype))
+        if hit is None or hit[0].shape[0] < n:
+            size = max(n, 2 * (0 if hit is None else hit[0].shape[0]), 64)
+            with torch.inference_mode(False), torch.no_grad():
+                hit = self.cos_sin(torch.arange(size, device=device), dtype=dtype)
+            tables[(device, dtype)] = hit
+        return hit
+
     def _positions(self, x: Tensor, positions: Tensor | int | None, L: int) -> Tensor:
-        if positions is None or (isinstance(positions, int) and not isinstance(positions, bool)):
+        if positions is None or (
+            isinstance(positions, (int, torch.SymInt)) and not isinstance(positions, bool)
+        ):
             offset = 0 if positions is None else positions
             return torch.arange(offset, offset + L, device=x.device)  # (L,)
         positions = check_positions("positions", positions).to(x.device)
         if positions.dim() == 2 and x.dim() == 4:
             positions = positions.unsqueeze(1)  # (B, 1, L)
-        try:
-            ok = positions.dim() >= 1 and positions.shape[-1] == L
-            ok = ok and torch.broadcast_shapes(positions.shape, x.shape[:-1]) == x.shape[:-1]
-        except RuntimeError:
-            ok = False
-        if not ok:
+        ps, xs = tuple(positions.shape), tuple(x.shape[:-1])
+        # broadcast_shapes(ps, xs) == xs, without its cost on every call
+        ok = 1 <= len(ps) <= len(xs) and ps[-1] == L
+        pairs = zip(reversed(ps), reversed(xs), strict=False)  # aligned from the right
+        if not ok or any(p not in (1, s) for p, s in pairs):
             raise ValueError(
                 f"positions must have shape (L,), (B, L) or broadcast to x.shape[:-1] = "
                 f"{tuple(x.shape[:-1])}, got {tuple(positions.shape)}"
