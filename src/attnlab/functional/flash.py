@@ -1158,11 +1158,11 @@ def flash_declines(req: Request) -> str | None:
     threshold = AUTO_BAND_MIN if narrow else AUTO_SPARSE_MIN
     if (structured or fn_bias) and n >= threshold:
         return None
+    # (a compiled graph must not print a symbolic size: that would specialise it)
+    size = "L·S" if torch.compiler.is_compiling() else f"L·S = {n}"
     if structured or fn_bias:
-        return (
-            f"L·S = {n} < {threshold}: at this size sdpa with the rendered mask/bias beats tiling"
-        )
-    return f"dense mask/bias and L·S = {n} < {AUTO_LONG_MIN}: sdpa's single fused call is as fast"
+        return f"{size} < {threshold}: at this size sdpa with the rendered mask/bias beats tiling"
+    return f"dense mask/bias and {size} < {AUTO_LONG_MIN}: sdpa's single fused call is as fast"
 
 
 def flash_attention(
