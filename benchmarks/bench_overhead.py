@@ -76,16 +76,20 @@ def main() -> None:
                     "sdpa+mask": lambda q=q, k=k, v=v, m=dense: F.scaled_dot_product_attention(
                         q, k, v, attn_mask=m, enable_gqa=True
                     ),
-                    "auto+padding": lambda q=q, k=k, v=v, m=pad: attnlab.attention(
-                        q, k, v, mask=m
-                    ),
+                    "auto+padding": lambda q=q, k=k, v=v, m=pad: attnlab.attention(q, k, v, mask=m),
                 },
                 args.repeats * 10,
             )
             chosen = attnlab.explain(q, k, v).split(":")[0]
             _row(f"decode B={B} S=4096 GQA 8/2, no mask", t, "sdpa", "auto", 1.1, chosen)
-            _row(f"decode B={B} S=4096 GQA 8/2, padding {lengths}", t, "sdpa+mask",
-                 "auto+padding", 1.2, chosen)
+            _row(
+                f"decode B={B} S=4096 GQA 8/2, padding {lengths}",
+                t,
+                "sdpa+mask",
+                "auto+padding",
+                1.2,
+                chosen,
+            )
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def matmul_gflops(n: int = 4096, repeats: int = 5) -> float:
-    """fp32 ``torch.mm`` rate on n×n matrices, GFLOP/s (best of ``repeats``): the physical limit."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_gflops(n: int = 4096, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """``torch.mm`` rate of ``dtype`` on n×n matrices, GFLOP/s (best of ``repeats``): the limit."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     torch.mm(a, b)
     best = min(timed(lambda: torch.mm(a, b)) for _ in range(repeats))
     return 2 * n**3 / best / 1e9
@@ -49,9 +49,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (from /proc/cpuinfo on Linux; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def print_machine() -> None:
-    """The header every benchmark prints: CPU, torch, threads, and the fp32 matmul rate (the
-    limit)."""
-    print(f"CPU: {cpu_model()}")
+    """The header every benchmark prints: CPU, AMX, torch, threads, and the fp32 matmul rate (the
+    limit; benchmarks of other dtypes print that dtype's rate too)."""
+    amx = sorted(f for f in cpu_flags() if f.startswith("amx"))
+    print(f"CPU: {cpu_model()}; AMX: {', '.join(amx) if amx else 'no'}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"fp32 matmul rate (torch.mm 4096²): {matmul_gflops():.1f} GFLOP/s")

@@ -7,6 +7,7 @@ import torch
 
 import attnlab
 from attnlab import masks
+from attnlab.functional import reference
 from helpers import seeded
 
 
@@ -117,3 +118,27 @@ def test_bad_input():
         )
     with pytest.raises(TypeError, match=r"share one float dtype"):
         m(torch.randn(2, 3, 6), torch.randn(2, 4, 5, dtype=torch.float64))
+
+
+def test_nan_rule_additive_attention():
+    """A NaN value of a key that a row may not attend never reaches it (no 0 · NaN leak)."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(1, 4, 6), torch.randn(1, 5, 6), torch.randn(1, 5, 3)
+    value[0, 4, 1] = float("nan")
+    key[0, 3, 0] = float("inf")
+    keep = torch.tensor([[True, True, False, False, False]] * 2 + [[True] * 5] * 2)
+    hd = 7
+    out, w = reference.additive_attention(
+        query,
+        key,
+        value,
+        w_q=torch.randn(hd, 6),
+        w_k=torch.randn(hd, 6),
+        b_k=None,
+        w_v=torch.randn(hd),
+        mask=keep.unsqueeze(0),
+    )
+    bad = ~torch.isfinite(out[0])
+    assert not bad[:2].any()  # rows 0, 1 attend keys 0, 1 only
+    assert bad[2:].all()  # rows 2, 3 attend key 3 (k = inf): whole rows
+    assert torch.isfinite(w[0, :2]).all()

@@ -45,7 +45,7 @@ from torch import Tensor
 from ..masks import Mask, TensorMask
 from . import nan_rule
 from .merge import merge_into, merge_partials
-from .request import BiasFn, Request, is_relative_bias
+from .request import BiasFn, Request, check_bias_output, is_relative_bias
 from .scores import get_score
 from .tiling import (
     CALL_CAUSAL,
@@ -132,15 +132,8 @@ class TileSource:
             h = torch.arange(self.H, device=device).view(1, self.H, 1, 1)
         out: Tensor | None = None
         if self.bias_fn is not None:
-            val = self.bias_fn(b, h, rows + (self.S - self.L), keys)
-            if not isinstance(val, Tensor) or not val.is_floating_point():
-                got = f"dtype {val.dtype}" if isinstance(val, Tensor) else type(val).__name__
-                raise TypeError(f"bias function must return a float tensor, got {got}")
-            if val.dim() > 4:
-                raise ValueError(
-                    f"bias function returned shape {tuple(val.shape)}, not broadcastable to "
-                    f"(B, H, L, S) = {(self.B, self.H, self.L, self.S)}"
-                )
+            i = rows + (self.S - self.L)
+            val = check_bias_output(self.bias_fn, self.bias_fn(b, h, i, keys), b, h, i, keys)
             out = val.to(self.dtype)
         for t in self.bias_tensors:
             val = _gather4(t, b, h, rows, keys).to(self.dtype)

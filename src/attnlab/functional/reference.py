@@ -54,26 +54,6 @@ def keep_mask(mask: Tensor | None, bias: Tensor | None) -> Tensor | None:
     return keep
 
 
-def zero_dead_keys(k: Tensor, v: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Zeroes key/value positions that no query may attend (``where``, not arithmetic).
-
-    A NaN or inf stored at a fully masked key position (padding, evicted cache slots) therefore
-    cannot reach the output or the gradients: the result is bit-equal to storing zeros there.
-
-    Args:
-        k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
-        keep: bool broadcastable to ``(B, H, L, S)``, or None.
-    """
-    if keep is None:
-        return k, v
-    H_kv = k.shape[1]
-    live = group_heads(keep, H_kv).any(dim=(2, 3))  # (B|1, H_kv|1, S|1)
-    if bool(live.all()):
-        return k, v
-    live = live.unsqueeze(-1)  # (B|1, H_kv|1, S|1, 1)
-    return torch.where(live, k, 0), torch.where(live, v, 0)
-
-
 def _logits(
     q: Tensor,
     k: Tensor,
@@ -241,19 +221,30 @@ def additive_attention(
     mask4 = None if mask is None else _as4(mask.unsqueeze(-3) if mask.dim() == 3 else mask)
     bias4 = None if bias is None else _as4(bias.unsqueeze(-3) if bias.dim() == 3 else bias)
     keep = keep_mask(mask4, bias4)  # (B|1, 1, L|1, S|1)
-    key4, value4 = zero_dead_keys(key.unsqueeze(1), value.unsqueeze(1), keep)  # (B, 1, S, ·)
+    # the NaN rule as in `attention`: compute on clean inputs, poison what the rule names
+    key4, value4 = nan_rule.clean(key).unsqueeze(1), nan_rule.clean(value).unsqueeze(1)
     wq, wk, wv = w_q.to(dtype), w_k.to(dtype), w_v.to(dtype)
-    pq = query.to(dtype) @ wq.T  # (B, L, Hd)
+    pq = nan_rule.clean(query).to(dtype) @ wq.T  # (B, L, Hd)
     pk = key4.squeeze(1).to(dtype) @ wk.T  # (B, S, Hd)
     if b_k is not None:
         pk = pk + b_k.to(dtype)
     logits = torch.tanh(pq.unsqueeze(2) + pk.unsqueeze(1)) @ wv  # (B, L, S)
     if bias4 is not None:
-        logits = logits + bias4.squeeze(1).to(dtype)
+        logits = logits + nan_rule.clean_bias(bias4.squeeze(1)).to(dtype)
     p = _masked_softmax(logits, None if keep is None else keep.squeeze(1))
     p = _dropout(p, dropout_p, generator)
     out = p @ value4.squeeze(1).to(dtype)  # (B, L, Dv)
-    return out.to(query.dtype), p.to(query.dtype)
+    out4, p4 = nan_rule.poison(
+        out.to(query.dtype).unsqueeze(1),
+        query.unsqueeze(1),
+        key.unsqueeze(1),
+        value.unsqueeze(1),
+        keep=keep,
+        bias=bias4,
+        weights=p.to(query.dtype).unsqueeze(1),
+    )
+    assert p4 is not None
+    return out4.squeeze(1), p4.squeeze(1)
 
 
 # ------------------------------------------------------------------------------------------------
