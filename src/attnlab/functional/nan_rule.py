@@ -194,3 +194,52 @@ def add_nan(out: Tensor, bad: Tensor) -> Tensor:
     nan = torch.tensor(_NAN, dtype=out.dtype, device=out.device)
     zero = torch.zeros((), dtype=out.dtype, device=out.device).neg()
     return out + torch.where(bad, nan, zero)
+
+
+def _first_true(x: Tensor, dim: int) -> Tensor:
+    """Index of the first True along ``dim``, or its size when there is none (int64)."""
+    found, idx = torch.max(x, dim=dim)
+    return torch.where(found, idx, x.shape[dim])
+
+
+def poison_prefix(
+    out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    hi: Tensor,
+    *,
+    k_clean: Tensor | None = None,
+    v_clean: Tensor | None = None,
+) -> Tensor:
+    """The NaN rule when every row attends a prefix of the keys, ``[0, hi_i)`` (causal, padding).
+
+    Row i is NaN in column d iff the first key whose ``k`` (any entry) or ``v[d]`` is non-finite
+    lies below ``hi_i``, or ``q_i`` is non-finite and ``hi_i > 0``. Costs two bool passes over
+    k and v (against the clean copies when given), reductions, and ONE pass over ``out``.
+
+    Args:
+        out: ``(B, H, L, Dv)`` computed on clean inputs. q, k, v: the original inputs.
+        hi: ``(B|1, 1, L|1)`` int64, the end of each row's keys (from `Mask.key_interval`).
+        k_clean, v_clean: `clean` copies, if the caller made them (cheaper compares).
+
+    Returns:
+        ``out`` with NaN where the rule says (a new tensor; gradients pass to ``out`` unchanged).
+    """
+    B, H, L, Dv = out.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    G = H // H_kv if H_kv else 1
+    k_bad = (k != k_clean) if k_clean is not None else ~torch.isfinite(k)
+    v_bad = (v != v_clean) if v_clean is not None else ~torch.isfinite(v)
+    first_k = _first_true(k_bad.any(dim=-1), -1)  # (B, H_kv)
+    first = torch.minimum(_first_true(v_bad, 2), first_k.unsqueeze(-1))  # (B, H_kv, Dv)
+    q_bad = ~torch.isfinite(
+        q.sum(dim=-1, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    )  # (B, H, L); overflow only at |q| ~ 1e37
+    hi = hi.expand(hi.shape[0], 1, L)
+    hi_eff = torch.where(q_bad & (hi > 0), S + 1, hi)  # (B, H, L): a bad q poisons all columns
+    cond = first.view(B, H_kv, 1, 1, Dv) < hi_eff.reshape(B, H_kv, G, L, 1)
+    cond = cond.view(B, H, L, Dv)
+    if torch.is_grad_enabled() and out.requires_grad:
+        return add_nan(out, cond)  # the gradient passes to out, as in `poison`
+    return torch.where(cond, _NAN, out)

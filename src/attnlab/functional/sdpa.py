@@ -49,14 +49,17 @@ def _unmasked(req: Request, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     (non-finite ``q_i``, or every key non-finite) comes back as 0, and a key whose logit is −inf
     is dropped — so rows with a non-finite ``q_i`` or any non-finite key of their head group are
     set to NaN: one sum over q and one over k, no copy of k or v. (A float32 sum over a head's
-    keys that overflows, i.e. |k| entries near 1e34, also counts as non-finite.)
+    keys that overflows — |k| entries near 1e34 — also counts as non-finite.)
     """
     d = req.dims
     out = _kernel(req, q, k, v, None, False)
-    k_bad = ~torch.isfinite(k.sum(dim=(2, 3), dtype=torch.float32))  # (B, H_kv)
-    k_bad = k_bad.repeat_interleave(d.H // d.H_kv, dim=1) if d.H_kv != d.H else k_bad
-    q_bad = ~torch.isfinite(q.sum(dim=-1, dtype=torch.float32))  # (B, H, L)
-    return nan_rule.add_nan(out, (q_bad | k_bad.unsqueeze(-1)).unsqueeze(-1))  # rows (B, H, L)
+    # 0 for a finite sum, NaN for a non-finite one: rows (B, H_kv, G, L) and heads (B, H_kv)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, L = q.shape[0], q.shape[2]  # (a batch slice of the request, see `_sliced`)
+    qs = q.sum(dim=-1, dtype=acc).view(B, d.H_kv, d.H // d.H_kv, L) * 0
+    ks = k.sum(dim=(2, 3), dtype=acc).view(B, d.H_kv, 1, 1) * 0
+    poison = (qs + ks).abs().view(B, d.H, L, 1).to(out.dtype)  # +0.0 or NaN
+    return out - poison  # x − (+0.0) == x bit for bit
 
 
 def _sliced(req: Request) -> Tensor | None:
@@ -106,7 +109,11 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
     # a non-finite q_i only reaches row i (poisoned, or zeros if it attends nothing): q needs
     # cleaning only for its gradient
     q = nan_rule.clean(req.q) if _needs_grad(req.q) else req.q
-    k, v = nan_rule.clean(req.k), nan_rule.clean(req.v)
+    # torch's causal kernel sets masked logits to −inf itself (a NaN key cannot leak), so k is
+    # cleaned there only for its gradient; v always (0 · NaN at masked pairs)
+    k = nan_rule.clean(req.k) if not is_causal or _needs_grad(req.k) else req.k
+    v = nan_rule.clean(req.v)
+    clean = {"k_clean": k if k is not req.k else None, "v_clean": v}
     if req.score != "dot":
         q, k = s.prepare(q), s.prepare(k)
     attn_mask = allowed
@@ -115,6 +122,8 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
         attn_mask = clean_add if allowed is None else clean_add.masked_fill(~allowed, float("-inf"))
     out = _kernel(req, q, k, v, attn_mask, is_causal)
     interval = request_interval(req)
+    if interval is not None and interval[0] is None:  # prefixes: causal, padding, both
+        return nan_rule.poison_prefix(out, req.q, req.k, req.v, interval[1], **clean), None
     keep = None if interval is not None else keep_mask(allowed, additive)
     out, _ = nan_rule.poison(out, req.q, req.k, req.v, keep=keep, interval=interval, bias=additive)
     return out, None
