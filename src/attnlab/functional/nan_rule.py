@@ -196,6 +196,30 @@ def add_nan(out: Tensor, bad: Tensor) -> Tensor:
     return out + torch.where(bad, nan, zero)
 
 
+def first_nonfinite(x: Tensor, block: int = 64) -> Tensor:
+    """Index along dim 2 of the first non-finite entry of each column of ``x (B, H, S, C)``.
+
+    ``S`` where a column is finite. Reads x once (sums of ``block`` rows; a block of finite values
+    whose sum overflows, |x| ~ 1e36, counts as non-finite), then looks inside the first bad
+    block of each column only: no x-sized temporary.
+    """
+    B, Hk, S, C = x.shape
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    nfull = S // block
+    parts = []
+    if nfull:
+        head = x[:, :, : nfull * block].reshape(B, Hk, nfull, block, C)
+        parts.append(head.sum(dim=3, dtype=acc))  # (B, Hk, nfull, C)
+    if S % block:
+        parts.append(x[:, :, nfull * block :].sum(dim=2, keepdim=True, dtype=acc))
+    sums = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # (B, Hk, nb, C)
+    first_block = _first_true(~torch.isfinite(sums), 2)  # (B, Hk, C); nb if none
+    rows = first_block.unsqueeze(2) * block + torch.arange(block, device=x.device).view(block, 1)
+    inside = x.gather(2, rows.clamp(max=max(S - 1, 0)))  # (B, Hk, block, C)
+    bad = ~torch.isfinite(inside) & (rows < S)
+    return torch.where(first_block < sums.shape[2], _first_true(bad, 2) + first_block * block, S)
+
+
 def _first_true(x: Tensor, dim: int) -> Tensor:
     """Index of the first True along ``dim``, or its size when there is none (int64)."""
     found, idx = torch.max(x, dim=dim)
@@ -209,19 +233,19 @@ def poison_prefix(
     v: Tensor,
     hi: Tensor,
     *,
-    k_clean: Tensor | None = None,
-    v_clean: Tensor | None = None,
+    own_out: bool = False,
 ) -> Tensor:
     """The NaN rule when every row attends a prefix of the keys, ``[0, hi_i)`` (causal, padding).
 
     Row i is NaN in column d iff the first key whose ``k`` (any entry) or ``v[d]`` is non-finite
-    lies below ``hi_i``, or ``q_i`` is non-finite and ``hi_i > 0``. Costs two bool passes over
-    k and v (against the clean copies when given), reductions, and ONE pass over ``out``.
+    lies below ``hi_i``, or ``q_i`` is non-finite and ``hi_i > 0``. Costs one read of k and of
+    v (`first_nonfinite`) and ONE pass over ``out``.
 
     Args:
         out: ``(B, H, L, Dv)`` computed on clean inputs. q, k, v: the original inputs.
         hi: ``(B|1, 1, L|1)`` int64, the end of each row's keys (from `Mask.key_interval`).
-        k_clean, v_clean: `clean` copies, if the caller made them (cheaper compares).
+        own_out: ``out`` is the caller's own fresh tensor: without gradient it is filled in
+            place (no out-sized temporary).
 
     Returns:
         ``out`` with NaN where the rule says (a new tensor; gradients pass to ``out`` unchanged).
@@ -229,17 +253,15 @@ def poison_prefix(
     B, H, L, Dv = out.shape
     H_kv, S = k.shape[1], k.shape[2]
     G = H // H_kv if H_kv else 1
-    k_bad = (k != k_clean) if k_clean is not None else ~torch.isfinite(k)
-    v_bad = (v != v_clean) if v_clean is not None else ~torch.isfinite(v)
-    first_k = _first_true(k_bad.any(dim=-1), -1)  # (B, H_kv)
-    first = torch.minimum(_first_true(v_bad, 2), first_k.unsqueeze(-1))  # (B, H_kv, Dv)
-    q_bad = ~torch.isfinite(
-        q.sum(dim=-1, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    )  # (B, H, L); overflow only at |q| ~ 1e37
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # a row of k (or q) is bad iff its sum is non-finite (a finite row overflows only at ~1e37)
+    k_bad = ~torch.isfinite(k.sum(dim=-1, dtype=acc))  # (B, H_kv, S)
+    first = torch.minimum(first_nonfinite(v), _first_true(k_bad, -1).unsqueeze(-1))
+    q_bad = ~torch.isfinite(q.sum(dim=-1, dtype=acc))  # (B, H, L)
     hi = hi.expand(hi.shape[0], 1, L)
     hi_eff = torch.where(q_bad & (hi > 0), S + 1, hi)  # (B, H, L): a bad q poisons all columns
     cond = first.view(B, H_kv, 1, 1, Dv) < hi_eff.reshape(B, H_kv, G, L, 1)
     cond = cond.view(B, H, L, Dv)
     if torch.is_grad_enabled() and out.requires_grad:
         return add_nan(out, cond)  # the gradient passes to out, as in `poison`
-    return torch.where(cond, _NAN, out)
+    return out.masked_fill_(cond, _NAN) if own_out else torch.where(cond, _NAN, out)

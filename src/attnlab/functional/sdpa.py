@@ -113,7 +113,6 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
     # cleaned there only for its gradient; v always (0 · NaN at masked pairs)
     k = nan_rule.clean(req.k) if not is_causal or _needs_grad(req.k) else req.k
     v = nan_rule.clean(req.v)
-    clean = {"k_clean": k if k is not req.k else None, "v_clean": v}
     if req.score != "dot":
         q, k = s.prepare(q), s.prepare(k)
     attn_mask = allowed
@@ -123,7 +122,7 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
     out = _kernel(req, q, k, v, attn_mask, is_causal)
     interval = request_interval(req)
     if interval is not None and interval[0] is None:  # prefixes: causal, padding, both
-        return nan_rule.poison_prefix(out, req.q, req.k, req.v, interval[1], **clean), None
+        return nan_rule.poison_prefix(out, req.q, req.k, req.v, interval[1], own_out=True), None
     keep = None if interval is not None else keep_mask(allowed, additive)
     out, _ = nan_rule.poison(out, req.q, req.k, req.v, keep=keep, interval=interval, bias=additive)
     return out, None
