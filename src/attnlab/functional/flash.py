@@ -1066,6 +1066,17 @@ def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
     )
     job = flash_job(clean_req, **options)  # type: ignore[arg-type]
     out, lse = _run_clean(job, clean_req)
+    if req.bias is None and not isinstance(req.mask, Tensor):
+        d = req.dims
+        if req.mask is None:
+            hi = torch.full((1, 1, 1), d.S, dtype=torch.long, device=req.q.device)
+            interval = (None, hi)
+        else:
+            interval = req.mask.key_interval(d.L, d.S, device=req.q.device)
+        if interval is not None and interval[0] is None:  # prefixes: one pass over out
+            return nan_rule.poison_prefix(
+                out, req.q, req.k, req.v, interval[1], lse=lse, own_out=True
+            )
     original = replace(job.source, bias_tensors=_split_mask_bias(req.mask, req.bias)[2])
     row_bad, bad = _poison_entries(req, job.plan, original, lse)
     return nan_rule.add_nan(out, bad), torch.where(row_bad, float("nan"), lse)

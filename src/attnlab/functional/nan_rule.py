@@ -234,7 +234,8 @@ def poison_prefix(
     hi: Tensor,
     *,
     own_out: bool = False,
-) -> Tensor:
+    lse: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """The NaN rule when every row attends a prefix of the keys, ``[0, hi_i)`` (causal, padding).
 
     Row i is NaN in column d iff the first key whose ``k`` (any entry) or ``v[d]`` is non-finite
@@ -246,9 +247,11 @@ def poison_prefix(
         hi: ``(B|1, 1, L|1)`` int64, the end of each row's keys (from `Mask.key_interval`).
         own_out: ``out`` is the caller's own fresh tensor: without gradient it is filled in
             place (no out-sized temporary).
+        lse: ``(B, H, L)`` log-sum-exp to poison alike (NaN on rows the rule poisons whole).
 
     Returns:
-        ``out`` with NaN where the rule says (a new tensor; gradients pass to ``out`` unchanged).
+        ``out`` with NaN where the rule says (gradients pass to ``out`` unchanged); with ``lse``
+        given, ``(out, lse)``.
     """
     B, H, L, Dv = out.shape
     H_kv, S = k.shape[1], k.shape[2]
@@ -263,5 +266,11 @@ def poison_prefix(
     cond = first.view(B, H_kv, 1, 1, Dv) < hi_eff.reshape(B, H_kv, G, L, 1)
     cond = cond.view(B, H, L, Dv)
     if torch.is_grad_enabled() and out.requires_grad:
-        return add_nan(out, cond)  # the gradient passes to out, as in `poison`
-    return out.masked_fill_(cond, _NAN) if own_out else torch.where(cond, _NAN, out)
+        out = add_nan(out, cond)  # the gradient passes to out, as in `poison`
+    else:
+        out = out.masked_fill_(cond, _NAN) if own_out else torch.where(cond, _NAN, out)
+    if lse is None:
+        return out
+    first_k = _first_true(k_bad, -1).view(B, H_kv, 1, 1)
+    row_bad = (first_k < hi_eff.reshape(B, H_kv, G, L)).view(B, H, L)
+    return out, torch.where(row_bad, _NAN, lse)
