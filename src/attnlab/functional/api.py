@@ -101,6 +101,32 @@ def _build_request(
     )
 
 
+def plain_request(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask | Tensor | None,
+    bias: Tensor | BiasFn | None,
+    scale: float | None,
+    temperature: float,
+    score: str,
+) -> Request:
+    """`_build_request` without dropout or weights: the entry points that only need the logits."""
+    return _build_request(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        temperature=temperature,
+        score=score,
+        dropout_p=0.0,
+        backend="auto",
+        return_weights=False,
+    )
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -291,19 +317,7 @@ def attention_weights(
         ValueError: lse of the wrong shape, rows/heads out of range, and as `attention`.
         TypeError: as `attention`.
     """
-    req = _build_request(
-        q,
-        k,
-        k,
-        mask=mask,
-        bias=bias,
-        scale=scale,
-        temperature=temperature,
-        score=score,
-        dropout_p=0.0,
-        backend="auto",
-        return_weights=False,
-    )
+    req = plain_request(q, k, k, mask, bias, scale, temperature, score)
     d = req.dims
     lse4 = _check_lse(lse, q, d)
     row_idx = as_index("rows", rows, d.L, q.device)
@@ -347,19 +361,7 @@ def attention_stats(
     Raises:
         ValueError, TypeError: as `attention`.
     """
-    req = _build_request(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
-        scale=scale,
-        temperature=temperature,
-        score=score,
-        dropout_p=0.0,
-        backend="auto",
-        return_weights=False,
-    )
+    req = plain_request(q, k, v, mask, bias, scale, temperature, score)
     d = req.dims
     with torch.no_grad():
         if lse is None:

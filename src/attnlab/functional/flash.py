@@ -1208,23 +1208,11 @@ def flash_attention(
         ValueError/TypeError: as `attnlab.attention`, plus bad block sizes or engine; flash
             cannot run dropout, return weights, or differentiate a bias.
     """
-    from .api import _build_request  # the entry point validates; imported late (api imports us)
+    from .api import plain_request  # the entry point validates; imported late (api imports us)
 
     if q.dim() != 4:
         raise ValueError(f"flash_attention expects 4-D q (B, H, L, D), got shape {tuple(q.shape)}")
-    req = _build_request(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
-        scale=scale,
-        temperature=temperature,
-        score=score,
-        dropout_p=0.0,
-        backend="reference",
-        return_weights=False,
-    )
+    req = plain_request(q, k, v, mask, bias, scale, temperature, score)
     why_not = flash_supports(req)
     if why_not is not None:
         raise ValueError(f"flash_attention cannot run this call: {why_not}")
