@@ -210,15 +210,23 @@ def _cmd_visualize(args: argparse.Namespace) -> int:
                 print(f"note: {note}")
             print(
                 attention_text(
-                    run.tokens, run.weights, k=3,
+                    run.tokens,
+                    run.weights,
+                    k=3,
                     layers=None if args.layer is None else [args.layer],
                     heads=None if args.head is None else [args.head],
                 )
             )
         else:
             out = save_attention_html(
-                run.tokens, run.weights, args.out, title=f"Attention: {_short(args.text)}",
-                subtitle=summary, notes=run.notes, layer=args.layer or 0, head=args.head or 0,
+                run.tokens,
+                run.weights,
+                args.out,
+                title=f"Attention: {_short(args.text)}",
+                subtitle=summary,
+                notes=run.notes,
+                layer=args.layer or 0,
+                head=args.head or 0,
                 topk=args.top_k,
             )
             size = out.stat().st_size
@@ -251,32 +259,48 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument(
-        "text", nargs="?", default=DEFAULT_TEXT, metavar="TEXT",
+        "text",
+        nargs="?",
+        default=DEFAULT_TEXT,
+        metavar="TEXT",
         help=f"the text to run (default: {DEFAULT_TEXT!r})",
     )
     p.add_argument(
-        "--model", choices=MODELS, default=None,
+        "--model",
+        choices=MODELS,
+        default=None,
         help="minilm (default) or gpt (implied by --checkpoint)",
     )
     p.add_argument(
         "--checkpoint", metavar="PATH", help="a GPT checkpoint (.safetensors) from `attnlab train`"
     )
     p.add_argument(
-        "--out", default="attention.html", metavar="FILE.html",
+        "--out",
+        default="attention.html",
+        metavar="FILE.html",
         help="where to write the HTML page (default attention.html)",
     )
     p.add_argument(
-        "--format", choices=("html", "text"), default="html",
+        "--format",
+        choices=("html", "text"),
+        default="html",
         help="html (default) or text: per head, each token's top-3 attended tokens",
     )
     p.add_argument(
-        "--png", nargs="?", const=True, default=None, metavar="FILE.png",
+        "--png",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="FILE.png",
         help="also write a PNG grid of heatmaps, layers × heads (default name: --out as .png)",
     )
     p.add_argument("--layer", type=int, help="text: only this layer; html: the layer shown first")
     p.add_argument("--head", type=int, help="text: only this head; html: the head shown first")
     p.add_argument(
-        "--top-k", type=int, default=8, metavar="K",
+        "--top-k",
+        type=int,
+        default=8,
+        metavar="K",
         help="inputs over 64 tokens: weights kept and lines drawn per token (default 8)",
     )
     p.set_defaults(func=_cmd_visualize)

@@ -499,7 +499,7 @@ def load_bert_state_dict(path: str | Path, config: BertConfig) -> dict[str, Tens
                     f"tensor {name!r} has shape {tuple(t.shape)}, expected "
                     f"{want[key]} from the config (hidden_size={config.hidden_size}, "
                     f"intermediate_size={config.intermediate_size}, "
-                    f"vocab_size={config.vocab_size})"
+                    f"vocab_size={config.vocab_size})",
                 )
             if not t.is_floating_point():
                 raise CheckpointError(

@@ -116,4 +116,3 @@ class ALiBi(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, causal={self.causal}"
-

@@ -27,8 +27,14 @@ _NOT_FIELDS = ("dim", "base", "seq_len")
 
 
 # ----------------------------------------------------------------------------- argument checks
-def _number(where: str, name: str, value: object, *, at_least: float | None = None,
-            greater: float | None = None) -> float:
+def _number(
+    where: str,
+    name: str,
+    value: object,
+    *,
+    at_least: float | None = None,
+    greater: float | None = None,
+) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{where}: {name} must be a number, got {type(value).__name__} {value!r}")
     value = float(value)
@@ -163,8 +169,10 @@ def yarn(
     beta_fast = _number(where, "beta_fast", beta_fast, greater=0.0)
     beta_slow = _number(where, "beta_slow", beta_slow, greater=0.0)
     if beta_fast < beta_slow:
-        raise ValueError(f"{where}: beta_fast must be >= beta_slow, got beta_fast={beta_fast:g}, "
-                         f"beta_slow={beta_slow:g}")
+        raise ValueError(
+            f"{where}: beta_fast must be >= beta_slow, got beta_fast={beta_fast:g}, "
+            f"beta_slow={beta_slow:g}"
+        )
     if not isinstance(truncate, bool):
         raise ValueError(f"{where}: truncate must be a bool, got {truncate!r}")
     if attention_factor is not None:
@@ -221,8 +229,10 @@ def llama3(
     low = _number(where, "low_freq_factor", low_freq_factor, greater=0.0)
     high = _number(where, "high_freq_factor", high_freq_factor, greater=0.0)
     if high <= low:
-        raise ValueError(f"{where}: high_freq_factor must be > low_freq_factor, got "
-                         f"high_freq_factor={high:g}, low_freq_factor={low:g}")
+        raise ValueError(
+            f"{where}: high_freq_factor must be > low_freq_factor, got "
+            f"high_freq_factor={high:g}, low_freq_factor={low:g}"
+        )
     theta = _inv_freq(dim, base)
     wavelen = 2 * math.pi / theta  # (dim/2,)
     low_freq_wavelen, high_freq_wavelen = L0 / low, L0 / high
@@ -261,8 +271,10 @@ def longrope(
     if attention_factor is not None:
         attention_factor = _number(where, "attention_factor", attention_factor, greater=0.0)
     elif factor is None:
-        raise ValueError(f"{where}: factor is required when attention_factor is not given "
-                         "(Phi-3: max_position_embeddings / original_max_position_embeddings)")
+        raise ValueError(
+            f"{where}: factor is required when attention_factor is not given "
+            "(Phi-3: max_position_embeddings / original_max_position_embeddings)"
+        )
     else:
         factor = _number(where, "factor", factor, at_least=1.0)
         attention_factor = 1.0 if factor == 1.0 else math.sqrt(1 + math.log(factor) / math.log(L0))
@@ -362,8 +374,10 @@ def compute_rope_parameters(
     if "rope_theta" in fields:
         theta = fields.pop("rope_theta")
         if theta != base:
-            raise ValueError(f"scaling field rope_theta={theta!r} disagrees with base={base!r}; "
-                             "pass the base once, as RoPE(base=...)")
+            raise ValueError(
+                f"scaling field rope_theta={theta!r} disagrees with base={base!r}; "
+                "pass the base once, as RoPE(base=...)"
+            )
     required, optional = _fields(fn)
     missing = sorted(required - set(fields))
     if missing:
@@ -372,8 +386,10 @@ def compute_rope_parameters(
         )
     unknown = sorted(set(fields) - required - optional)
     if unknown:
-        raise ValueError(f"unknown field(s) {unknown} for rope_type {rope_type!r}; accepted: "
-                         f"{sorted(required | optional | {'rope_type', 'rope_theta'})}")
+        raise ValueError(
+            f"unknown field(s) {unknown} for rope_type {rope_type!r}; accepted: "
+            f"{sorted(required | optional | {'rope_type', 'rope_theta'})}"
+        )
     if depends_on_seq_len(rope_type):
         fields["seq_len"] = seq_len
     return fn(dim, base, **fields)

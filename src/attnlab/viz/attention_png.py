@@ -80,8 +80,12 @@ def attention_png(
     height = panel_size * Ly * step_y / T + bottom + (0.6 if title else 0.25)
     fig = Figure(figsize=(width, height))
     ax = fig.add_axes(
-        (left / width, bottom / height, 1 - (left + 1.0) / width,
-         1 - (bottom + (0.6 if title else 0.25)) / height)
+        (
+            left / width,
+            bottom / height,
+            1 - (left + 1.0) / width,
+            1 - (bottom + (0.6 if title else 0.25)) / height,
+        )
     )
     cm = matplotlib.colormaps[cmap].with_extremes(bad="white")
     norm = PowerNorm(gamma=gamma, vmin=0.0, vmax=1.0)
@@ -91,8 +95,11 @@ def attention_png(
     for layer in range(Ly):
         for head in range(H):
             ax.text(
-                head * step_x + T / 2 - 0.5, layer * step_y + top - 0.7,
-                f"L{layer} H{head} · {entropy[layer, head]:.2f}", ha="center", va="bottom",
+                head * step_x + T / 2 - 0.5,
+                layer * step_y + top - 0.7,
+                f"L{layer} H{head} · {entropy[layer, head]:.2f}",
+                ha="center",
+                va="bottom",
                 fontsize=7,
             )
     ax.tick_params(length=0, labelsize=5)
@@ -101,8 +108,9 @@ def attention_png(
         ax.set_yticks(
             [layer * step_y + top + i for layer in range(Ly) for i in range(T)], shown * Ly
         )
-        ax.set_xticks([head * step_x + j for head in range(H) for j in range(T)], shown * H,
-                      rotation=90)
+        ax.set_xticks(
+            [head * step_x + j for head in range(H) for j in range(T)], shown * H, rotation=90
+        )
     else:
         ax.set_xticks([])
         ax.set_yticks([])

@@ -336,8 +336,18 @@ def attention_html(
         The HTML text (UTF-8; no external references).
     """
     data = attention_data(
-        tokens, weights, mask=mask, title=title, subtitle=subtitle, notes=notes, layer=layer,
-        head=head, topk=topk, max_tokens=max_tokens, thumb_size=thumb_size, decimals=decimals,
+        tokens,
+        weights,
+        mask=mask,
+        title=title,
+        subtitle=subtitle,
+        notes=notes,
+        layer=layer,
+        head=head,
+        topk=topk,
+        max_tokens=max_tokens,
+        thumb_size=thumb_size,
+        decimals=decimals,
     )
     page_title = html.escape(data["title"])
     return (
@@ -420,7 +430,8 @@ def attention_text(
                 pairs = "   ".join(
                     f"{shown[j]} {v:.{decimals}f}"
                     for v, j in zip(
-                        values[layer, head, i].tolist(), indices[layer, head, i].tolist(),
+                        values[layer, head, i].tolist(),
+                        indices[layer, head, i].tolist(),
                         strict=True,
                     )
                     if v > 0  # a zero weight is a masked key, not an attended one

@@ -63,9 +63,7 @@ def draw_heatmap(
 ) -> None:
     """Draws one matrix on ``ax``: row 0 at the top, one cell per entry, with a colorbar."""
     data = as_matrix(name, matrix)
-    image = ax.imshow(
-        data, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest"
-    )
+    image = ax.imshow(data, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
     if title:
         ax.set_title(title, fontsize=10)
     if xlabel:
@@ -108,8 +106,16 @@ def heatmap(
     """
     fig = new_figure(*size)
     draw_heatmap(
-        fig, fig.add_subplot(), matrix, title=title, xlabel=xlabel, ylabel=ylabel, cmap=cmap,
-        vmin=vmin, vmax=vmax, colorbar_label=colorbar_label,
+        fig,
+        fig.add_subplot(),
+        matrix,
+        title=title,
+        xlabel=xlabel,
+        ylabel=ylabel,
+        cmap=cmap,
+        vmin=vmin,
+        vmax=vmax,
+        colorbar_label=colorbar_label,
     )
     return save_figure(fig, path, dpi)
 
@@ -170,9 +176,15 @@ def heatmaps(
     for n, d in enumerate(data):
         ax = fig.add_subplot(rows, cols, n + 1)
         draw_heatmap(
-            fig, ax, d, title=titles[n] if titles is not None else f"head {n}",
+            fig,
+            ax,
+            d,
+            title=titles[n] if titles is not None else f"head {n}",
             xlabel=xlabel if n // cols == rows - 1 else None,
             ylabel=ylabel if n % cols == 0 else None,
-            cmap=cmap, vmin=vmin, vmax=vmax, colorbar_label=colorbar_label,
+            cmap=cmap,
+            vmin=vmin,
+            vmax=vmax,
+            colorbar_label=colorbar_label,
         )
     return save_figure(fig, path, dpi)

@@ -28,9 +28,16 @@ def plot_sinusoidal(
     table = sinusoidal(length, dim, base, dtype=torch.float64)  # (P, E)
     fig = new_figure(7.0, 5.0)
     draw_heatmap(
-        fig, fig.add_subplot(), table, title=f"sinusoidal PE (dim={dim}, base={base:g})",
-        xlabel="dimension (even: sin, odd: cos)", ylabel="position p", cmap="RdBu_r",
-        vmin=-1.0, vmax=1.0, colorbar_label="PE[p, d]",
+        fig,
+        fig.add_subplot(),
+        table,
+        title=f"sinusoidal PE (dim={dim}, base={base:g})",
+        xlabel="dimension (even: sin, odd: cos)",
+        ylabel="position p",
+        cmap="RdBu_r",
+        vmin=-1.0,
+        vmax=1.0,
+        colorbar_label="PE[p, d]",
     )
     return save_figure(fig, path, dpi)
 
@@ -62,8 +69,15 @@ def plot_rope_spectrum(
     fig = new_figure(12.0, 4.8)
     left, right = fig.subplots(1, 2, width_ratios=(3, 2))
     draw_heatmap(
-        fig, left, cos.T / first.attention_scaling, title=f"cos(p·θ_i), {label}",
-        xlabel="position p", ylabel="pair i (fast → slow)", cmap="RdBu_r", vmin=-1.0, vmax=1.0,
+        fig,
+        left,
+        cos.T / first.attention_scaling,
+        title=f"cos(p·θ_i), {label}",
+        xlabel="position p",
+        ylabel="pair i (fast → slow)",
+        cmap="RdBu_r",
+        vmin=-1.0,
+        vmax=1.0,
     )
     originals = set()
     for name, r in ropes.items():
@@ -121,7 +135,11 @@ def plot_bias(
     else:
         titles = [f"head {h}" for h in chosen]
     return heatmaps(
-        [dense[h] for h in chosen], path, titles=titles,
-        suptitle=title if title is not None else repr(bias), ncols=ncols, colorbar_label="bias",
+        [dense[h] for h in chosen],
+        path,
+        titles=titles,
+        suptitle=title if title is not None else repr(bias),
+        ncols=ncols,
+        colorbar_label="bias",
         dpi=dpi,
     )
