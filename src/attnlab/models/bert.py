@@ -313,10 +313,8 @@ class BertEncoder(nn.Module):
         """
         self._check_inputs(input_ids, attention_mask, token_type_ids)
         mask = None
-        if attention_mask is not None:
-            keep = attention_mask.bool()
-            if not bool(keep.all()):  # no padding: skip the mask (the fused kernel's fast path)
-                mask = keep[:, None, None, :]  # (B, 1, 1, L)
+        if attention_mask is not None:  # always passed: skipping an all-True one reads values
+            mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, L)
         x = self.embeddings(input_ids, token_type_ids)  # (B, L, E)
         hidden: list[Tensor] = [x]
         weights: list[Tensor] = []
