@@ -180,6 +180,13 @@ def attention(
         ``(out, weights, lse)``. A query row with no key to attend outputs zeros, with zero
         weights and zero gradients.
 
+    The NaN rule (every backend; `functional.nan_rule`): row i depends only on ``q_i`` and the
+    keys/values it may attend. A non-finite ``q_i`` or attended ``k_j`` (or a NaN/+inf attended
+    bias entry) makes row i NaN (and ``lse_i``); a non-finite attended ``v_j[d]`` makes only
+    ``out[i, d]`` NaN; non-finite values elsewhere never reach row i. Gradients are those of the
+    computation with non-finite inputs read as 0. No host synchronisation: the call traces under
+    ``torch.compile(fullgraph=True)`` and runs on ``meta`` tensors.
+
     Memory layout never changes the result: q, k, v in any strided layout (transposed,
     channels-last-like, stride-0 expanded, a sliced last dim; a last dim that is not unit-stride
     is copied once) and any dout layout give the output and gradients of the call on contiguous
