@@ -90,19 +90,24 @@ def test_mha_decode_step_with_cache_has_no_graph_break(kind, cache_cls):
     assert n == 0, why
 
 
-@pytest.mark.parametrize("positional", ["rope", "learned", "alibi"])
-def test_gpt_forward_and_cached_step_have_no_graph_break(positional):
+def _small_gpt(max_seq_len: int, positional: str) -> GPT:
+    """A one-layer GQA GPT (seeded, eval mode) for the compile tests."""
     cfg = TransformerConfig(
         vocab_size=50,
         d_model=E,
         n_layers=1,
         n_heads=H,
         n_kv_heads=2,
-        max_seq_len=32,
+        max_seq_len=max_seq_len,
         positional=positional,
     )
     torch.manual_seed(0)
-    model = GPT(cfg).eval()
+    return GPT(cfg).eval()
+
+
+@pytest.mark.parametrize("positional", ["rope", "learned", "alibi"])
+def test_gpt_forward_and_cached_step_have_no_graph_break(positional):
+    model = _small_gpt(32, positional)
     idx = torch.randint(0, 50, (2, 7))
     n, why = _breaks(model, idx)
     assert n == 0, why
@@ -185,17 +190,7 @@ def test_compiled_decode_recompiles_only_in_the_first_steps(capacity):
 
 
 def test_compiled_gpt_decoding_equals_eager_and_does_not_recompile_per_token():
-    cfg = TransformerConfig(
-        vocab_size=50,
-        d_model=E,
-        n_layers=1,
-        n_heads=H,
-        n_kv_heads=2,
-        max_seq_len=40,
-        positional="rope",
-    )
-    torch.manual_seed(0)
-    model = GPT(cfg).eval()
+    model = _small_gpt(40, "rope")
     idx = torch.randint(0, 50, (1, 12))
     full = model(idx)
     counter = CompileCounter()
