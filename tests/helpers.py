@@ -18,6 +18,13 @@ from attnlab.testing import (
     seeded,
 )
 
+SPECIALISED_BACKENDS = ("decode",)
+"""Backends that run only a niche of calls (decode: a few query rows, key prefixes, no grad);
+tests/test_decode.py holds their tests, the generic suites run every other backend."""
+
+GENERAL_BACKENDS = [b for b in attnlab.backends() if b != "auto" and b not in SPECIALISED_BACKENDS]
+"""Every registered backend that runs any call (the reference included)."""
+
 
 def call_backend(backend: str, mask=None, bias=None, **kw):
     """``impl(q, k, v)``: `attnlab.attention` on ``backend``, float masks/biases in q's dtype."""

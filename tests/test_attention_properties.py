@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 import attnlab
 from attnlab import masks
+from helpers import GENERAL_BACKENDS
 
-BACKENDS = [b for b in attnlab.backends() if b != "auto"]
+BACKENDS = GENERAL_BACKENDS
 SETTINGS = settings(
     max_examples=200,
     deadline=None,

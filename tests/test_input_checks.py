@@ -16,9 +16,9 @@ import attnlab
 from attnlab import masks
 from attnlab.functional.request import check_bias_output
 from attnlab.positional import ALiBi, T5RelativeBias
-from helpers import seeded
+from helpers import GENERAL_BACKENDS, seeded
 
-BACKENDS = [b for b in attnlab.backends() if b != "auto"]
+BACKENDS = GENERAL_BACKENDS
 
 
 def qkv(B=2, H=2, L=9, S=9, D=8, dtype=torch.float64):

@@ -14,9 +14,9 @@ import torch
 
 import attnlab
 from attnlab import masks
-from helpers import FIXED_TABLE, seeded
+from helpers import FIXED_TABLE, GENERAL_BACKENDS, seeded
 
-BACKENDS = [b for b in attnlab.backends() if b != "auto"]
+BACKENDS = GENERAL_BACKENDS
 B, H, H_KV, L, S, D, DV = 2, 4, 2, 37, 41, 16, 16  # Dv = D: torch SDPA takes its fused kernel
 
 

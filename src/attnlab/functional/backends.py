@@ -1,13 +1,18 @@
-"""Registers the built-in backends. Importing this module fills the registry."""
+"""Registers the built-in backends. Importing this module fills the registry.
+
+``backend="auto"`` tries them in the order of `AUTO_PREFERENCE` and takes the first that supports
+the call and does not decline it (`registry.select`).
+"""
 
 from __future__ import annotations
 
 from torch import Tensor
 
 from . import reference
+from .decode import decode_declines, decode_run, decode_run_lse, decode_supports
 from .flash import flash_declines, flash_run, flash_run_lse, flash_supports
 from .reference_backend import reference_run
-from .registry import Backend, register_backend
+from .registry import Backend, register_backend, set_auto_order
 from .request import Request, request_dense
 from .sdpa import sdpa_run, sdpa_supports
 
@@ -35,6 +40,17 @@ def _flash_run_lse(req: Request) -> tuple[Tensor, None, Tensor]:
 
 register_backend(
     Backend(
+        "decode",
+        decode_run,
+        decode_supports,
+        "few query rows against many keys, no gradient (decoding): two matrix products over "
+        "key prefixes, logits in float32+",
+        run_lse=decode_run_lse,
+        declines=decode_declines,
+    )
+)
+register_backend(
+    Backend(
         "reference",
         reference_run,
         lambda req: None,
@@ -42,7 +58,6 @@ register_backend(
         run_lse=_reference_run_lse,
         last_resort=True,
     ),
-    auto_rank=0,
 )
 register_backend(
     Backend(
@@ -52,7 +67,6 @@ register_backend(
         "torch.nn.functional.scaled_dot_product_attention (fused; CPU flash kernel)",
         tiled=True,
     ),
-    auto_rank=0,
 )
 register_backend(
     Backend(
@@ -65,5 +79,10 @@ register_backend(
         run_lse=_flash_run_lse,
         declines=flash_declines,
     ),
-    auto_rank=0,
 )
+
+AUTO_PREFERENCE = ("decode", "flash", "sdpa", "reference")
+"""Auto's order, fastest first for the calls each one accepts: decode steps, then the tiled kernel
+(which declines shapes where sdpa's single call is as fast), then torch's SDPA, then the
+definition."""
+set_auto_order(AUTO_PREFERENCE)

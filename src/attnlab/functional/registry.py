@@ -57,6 +57,18 @@ def register_backend(backend: Backend, *, auto_rank: int | None = None) -> None:
         _AUTO_ORDER.insert(auto_rank, backend.name)
 
 
+def set_auto_order(names: tuple[str, ...] | list[str]) -> None:
+    """Sets auto's preference order (fastest first) to ``names``, registered backend names.
+
+    Registered backends that are not named keep their relative order after the named ones.
+    """
+    unknown = [n for n in names if n not in _BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backends {unknown}; registered: {list(_BACKENDS)}")
+    rest = [n for n in _AUTO_ORDER if n not in names]
+    _AUTO_ORDER[:] = [*names, *rest]
+
+
 def backends() -> list[str]:
     """Names accepted by ``backend=``: every registered backend plus ``"auto"``."""
     return [*_BACKENDS, "auto"]

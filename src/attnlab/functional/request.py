@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .._shapes import Dims, check_index_fn_output
-from ..masks import CausalMask, Mask
+from ..masks import CausalMask, Mask, PaddingMask
 
 BiasFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """A bias given as ``fn(b, h, i, j) -> float tensor`` on broadcastable index tensors.
@@ -148,3 +148,22 @@ def request_interval(req: Request) -> tuple[Tensor | None, Tensor] | None:
     if not isinstance(req.mask, Mask) or req.bias is not None:
         return None
     return req.mask.key_interval(req.dims.L, req.dims.S, device=req.q.device)
+
+
+def key_prefixes(req: Request) -> tuple[int, ...] | None:
+    """Per batch item b, the number ``n_b`` of leading keys that every query row attends.
+
+    Known from Python ints alone for no mask (``n_b = S``), bottom-right `causal()` with one query
+    row (it attends every key) and a padding mask built from a list of ints (``min(n_b, S)``);
+    None for every other mask and whenever there is a bias (a −inf bias entry masks more). A
+    backend can then run on views ``k[b, :, :n_b]`` with no mask at all.
+    """
+    d = req.dims
+    if req.bias is not None:
+        return None
+    if req.mask is None or (isinstance(req.mask, CausalMask) and d.L == 1):
+        return (d.S,) * d.B
+    lengths = req.mask.py_lengths if isinstance(req.mask, PaddingMask) else None
+    if lengths is None:
+        return None
+    return tuple(min(d.S, lengths[b] if len(lengths) > 1 else lengths[0]) for b in range(d.B))

@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..masks import CausalMask, PaddingMask
 from . import nan_rule
 from .reference import keep_mask
-from .request import Request, request_dense, request_interval
+from .request import Request, key_prefixes, request_dense, request_interval
 from .scores import get_score
 
 
@@ -53,40 +52,38 @@ def _unmasked(req: Request, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """
     d = req.dims
     out = _kernel(req, q, k, v, None, False)
-    # 0 for a finite sum, NaN for a non-finite one: rows (B, H_kv, G, L) and heads (B, H_kv)
+    # one float per row (B, H_kv, G, L) and per head (B, H_kv); x − x is +0.0 for a finite sum
+    # and NaN for a non-finite one
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, L = q.shape[0], q.shape[2]  # (a batch slice of the request, see `_sliced`)
-    qs = q.sum(dim=-1, dtype=acc).view(B, d.H_kv, d.H // d.H_kv, L) * 0
-    ks = k.sum(dim=(2, 3), dtype=acc).view(B, d.H_kv, 1, 1) * 0
-    poison = (qs + ks).abs().view(B, d.H, L, 1).to(out.dtype)  # +0.0 or NaN
-    return out - poison  # x − (+0.0) == x bit for bit
+    s = q.sum(dim=-1, dtype=acc).view(B, d.H_kv, d.H // d.H_kv, L) + k.sum(
+        dim=(2, 3), dtype=acc
+    ).view(B, d.H_kv, 1, 1)
+    poison = (s - s).view(B, d.H, L, 1)  # +0.0 or NaN
+    return out.sub_(poison)  # x − (+0.0) == x bit for bit; the kernel's output is ours
 
 
 def _sliced(req: Request) -> Tensor | None:
-    """Masks whose keys are a prefix known from Python ints, without bias or gradient.
+    """Calls whose rows attend key prefixes known from Python ints, without gradient.
 
-    Bottom-right causal with one query row attends every key; a padding mask built from a list
-    of ints attends keys ``[0, n_b)`` of item b: each runs `_unmasked` on a view of the keys —
-    no mask tensor, no copies. Returns None for every other call.
+    No mask, bottom-right causal with one query row, or a padding mask built from a list of ints
+    (`request.key_prefixes`): each batch item runs `_unmasked` on a view of its keys — no mask
+    tensor, no copies. Returns None for every other call.
     """
     d = req.dims
-    if req.bias is not None or req.score != "dot" or _needs_grad(req.q, req.k, req.v):
+    prefixes = key_prefixes(req)
+    if prefixes is None or req.score != "dot" or _needs_grad(req.q, req.k, req.v):
         return None
-    if req.mask is None or (isinstance(req.mask, CausalMask) and d.L == 1):
+    if all(n == d.S for n in prefixes):
         return _unmasked(req, req.q, req.k, req.v)
-    lengths = req.mask.py_lengths if isinstance(req.mask, PaddingMask) else None
-    if lengths is None:
-        return None
     outs = []
-    for b in range(d.B):
-        n = min(d.S, lengths[b] if len(lengths) > 1 else lengths[0])
+    for b, n in enumerate(prefixes):
         bs = slice(b, b + 1)
         if n == 0:
             outs.append(req.q.new_zeros(1, d.H, d.L, d.Dv))
         else:
-            k, v = req.k[bs, :, :n], req.v[bs, :, :n]
-            outs.append(_unmasked(req, req.q[bs], k, v))
-    return outs[0] if d.B == 1 else torch.cat(outs, dim=0)
+            outs.append(_unmasked(req, req.q[bs], req.k[bs, :, :n], req.v[bs, :, :n]))
+    return torch.cat(outs, dim=0)
 
 
 def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:

@@ -1,0 +1,127 @@
+"""Few query rows against many keys (decoding) as two matrix products, with the NaN rule built in.
+
+Defined to equal `reference.attention` (see that function for every argument and the NaN rule).
+A decode step — ``L`` of 1 to a few query rows against ``S`` cached keys, no gradient — is bound
+by reading K and V once; torch's fused CPU kernel spends more than that on it (about 1.2–1.4× in
+float32, 5–8× in bfloat16 on the machines of benchmarks/RESULTS.md). Here the query heads that
+share a key/value head (GQA) are stacked into one ``(G·L) × D`` block, so each K and V head is
+read by one matrix product, and the logits ``(B, H_kv, G·L, S)`` are small enough to inspect:
+
+    s = (q · scale / T) kᵀ,   out = softmax(s) v,   row i poisoned iff min_j s_ij is NaN or −inf
+
+(a +inf or NaN logit already makes softmax's row NaN; a −inf one — an infinite key — would be
+dropped, so the row minimum catches it). Half-precision inputs are computed in float32 (the
+logits are never rounded to bfloat16) and the output is cast back. Masks must leave every row a
+prefix of the keys known from Python ints (`request.key_prefixes`): other keys are sliced away, so
+non-finite values in padding never reach a row. No host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .request import Request, key_prefixes
+
+DECODE_MAX_L = 8
+"""At most this many query rows (one decode step, or a short speculative draft)."""
+
+DECODE_MIN_S = 512
+"""Auto prefers the fused kernel below this many keys (both cost little more than the call)."""
+
+DECODE_MAX_ELEMENTS = 1 << 25
+"""Bound on the float32 logits (and upcast K/V for half inputs) one call may hold (128 MB)."""
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _needs_grad(req: Request) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (req.q, req.k, req.v))
+
+
+def decode_supports(req: Request) -> str | None:
+    """None if the decode path runs the call, else why not (one clause)."""
+    d = req.dims
+    if req.return_weights:
+        return "it does not return the attention weights (return_weights=True)"
+    if req.dropout_p > 0:
+        return "it has no dropout"
+    if req.score != "dot":
+        return f"it computes dot-product scores only (score={req.score!r})"
+    if _needs_grad(req):
+        return "it is inference-only (no backward) and an input requires grad"
+    if d.L > DECODE_MAX_L:
+        return f"it is for at most {DECODE_MAX_L} query rows (decoding)"
+    if key_prefixes(req) is None:
+        return "the mask/bias does not reduce to key prefixes known from Python ints"
+    held = d.B * d.H * d.L * d.S
+    if req.q.dtype not in (torch.float32, torch.float64):
+        held += d.B * d.H_kv * d.S * (d.D + d.Dv)  # float32 copies of k and v
+    if held > DECODE_MAX_ELEMENTS:
+        return f"the logits would exceed {DECODE_MAX_ELEMENTS} elements"
+    return None
+
+
+def decode_declines(req: Request) -> str | None:
+    """Auto's preference: None for a long enough key sequence, else why sdpa is as good."""
+    if req.dims.S < DECODE_MIN_S:
+        return f"fewer than {DECODE_MIN_S} keys: sdpa's fused call is as fast"
+    return None
+
+
+def _attend(
+    req: Request, q: Tensor, k: Tensor, v: Tensor, want_lse: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Unmasked attention of ``q (b, H, L, D)`` over ``k, v (b, H_kv, n, ·)``.
+
+    Returns ``out (b, H, L, Dv)`` in the compute dtype and, if asked, ``lse (b, H, L)``.
+    """
+    b, H, L, D = q.shape
+    H_kv, Dv = k.shape[1], v.shape[-1]
+    c = _compute_dtype(q.dtype)
+    # (b, H, L, D) → (b, H_kv, G·L, D): the G query heads sharing one k/v head, stacked
+    qg = (q.to(c) * (req.scale / req.temperature)).reshape(b, H_kv, (H // H_kv) * L, D)
+    s = torch.matmul(qg, k.to(c).transpose(-1, -2))  # (b, H_kv, G·L, n)
+    low = s.amin(dim=-1, keepdim=True)  # NaN or −inf iff the row has such a logit
+    poison = low - low  # +0.0, or NaN
+    out = torch.matmul(torch.softmax(s, dim=-1), v.to(c)).sub_(poison)  # x − (+0.0) == x
+    if not want_lse:
+        return out.view(b, H, L, Dv), None
+    lse = torch.logsumexp(s, dim=-1, keepdim=True).add_(poison)
+    return out.view(b, H, L, Dv), lse.view(b, H, L)
+
+
+def _run(req: Request, want_lse: bool) -> tuple[Tensor, Tensor | None]:
+    d = req.dims
+    prefixes = key_prefixes(req)
+    assert prefixes is not None  # decode_supports
+    if all(n == d.S for n in prefixes):
+        out, lse = _attend(req, req.q, req.k, req.v, want_lse)
+        return out.to(req.q.dtype), lse
+    c = _compute_dtype(req.q.dtype)
+    outs, lses = [], []
+    for b, n in enumerate(prefixes):
+        if n == 0:  # nothing to attend: zeros, lse −inf
+            outs.append(req.q.new_zeros(1, d.H, d.L, d.Dv, dtype=c))
+            lses.append(req.q.new_full((1, d.H, d.L), float("-inf"), dtype=c))
+            continue
+        rows = slice(b, b + 1)
+        o, lse = _attend(req, req.q[rows], req.k[rows, :, :n], req.v[rows, :, :n], want_lse)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs).to(req.q.dtype), torch.cat(lses) if want_lse else None
+
+
+def decode_run(req: Request) -> tuple[Tensor, None]:
+    """``(out (B, H, L, Dv), None)``; rows of an item with ``n_b = 0`` are zeros."""
+    return _run(req, want_lse=False)[0], None
+
+
+def decode_run_lse(req: Request) -> tuple[Tensor, None, Tensor]:
+    """``(out, None, lse (B, H, L))``, lse float32 (float64 for float64 inputs), −inf for an
+    item with ``n_b = 0``."""
+    out, lse = _run(req, want_lse=True)
+    assert lse is not None
+    return out, None, lse
