@@ -79,14 +79,15 @@ def _attend(
     Returns ``out (b, H, L, Dv)`` in the compute dtype and, if asked, ``lse (b, H, L)``.
     """
     b, H, L, D = q.shape
-    H_kv, Dv = k.shape[1], v.shape[-1]
+    H_kv, n, Dv = k.shape[1], k.shape[2], v.shape[-1]
     c = _compute_dtype(q.dtype)
-    # (b, H, L, D) → (b, H_kv, G·L, D): the G query heads sharing one k/v head, stacked
-    qg = (q.to(c) * (req.scale / req.temperature)).reshape(b, H_kv, (H // H_kv) * L, D)
-    s = torch.matmul(qg, k.to(c).transpose(-1, -2))  # (b, H_kv, G·L, n)
+    # (b, H, L, D) → (b·H_kv, G·L, D): the G query heads sharing one k/v head, stacked (a view)
+    qg = q.reshape(b * H_kv, (H // H_kv) * L, D).to(c)
+    kk, vv = k.reshape(b * H_kv, n, D).to(c), v.reshape(b * H_kv, n, Dv).to(c)
+    s = torch.bmm(qg, kk.transpose(1, 2)).mul_(req.scale / req.temperature)  # (b·H_kv, G·L, n)
     low = s.amin(dim=-1, keepdim=True)  # NaN or −inf iff the row has such a logit
     poison = low - low  # +0.0, or NaN
-    out = torch.matmul(torch.softmax(s, dim=-1), v.to(c)).sub_(poison)  # x − (+0.0) == x
+    out = torch.bmm(torch.softmax(s, dim=-1), vv).sub_(poison)  # x − (+0.0) == x
     if not want_lse:
         return out.view(b, H, L, Dv), None
     lse = torch.logsumexp(s, dim=-1, keepdim=True).add_(poison)
