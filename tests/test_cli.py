@@ -10,6 +10,7 @@ import torch
 
 import attnlab
 from attnlab import cli
+from attnlab.cli.check import _check_cases
 from attnlab.functional import registry
 
 
@@ -41,7 +42,7 @@ def test_check_passes_and_prints_table(capsys):
     assert code == 0
     assert "backend" in out and "max err out" in out
     rows = [line for line in out.splitlines() if line.startswith("sdpa ")]
-    assert len(rows) == len(cli._check_cases(2, 17, 23))
+    assert len(rows) == len(_check_cases(2, 17, 23))
     assert all(line.rstrip().endswith("pass") for line in rows)
     assert f"{len(rows)} passed, 0 failed" in out
 
