@@ -170,6 +170,28 @@ def test_decimals_and_save(tmp_path):
         save_attention_html(tokens, w, tmp_path / "a.png")
 
 
+def test_the_page_is_built_from_package_data_files():
+    import fnmatch
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    from attnlab.viz import attention_view
+
+    assets = Path(attention_view.__file__).parent / "assets"
+    names = sorted(p.name for p in assets.iterdir())
+    assert names == ["attention_view.css", "attention_view.html", "attention_view.js"]
+    pyproject = Path(__file__).parents[1] / "pyproject.toml"
+    setuptools = tomllib.loads(pyproject.read_text(encoding="utf-8"))["tool"]["setuptools"]
+    patterns = setuptools["package-data"]["attnlab.viz"]  # what the wheel ships
+    assert all(any(fnmatch.fnmatch(f"assets/{n}", p) for p in patterns) for n in names)
+    page = attention_html(["a", "b"], softmax_weights(1, 1, 2, 2))
+    for name in ("attention_view.css", "attention_view.js"):
+        assert (assets / name).read_text(encoding="utf-8") in page
+    template = (assets / "attention_view.html").read_text(encoding="utf-8")
+    assert page.startswith(template[: template.index("__TITLE__")])
+
+
 def test_bad_inputs_raise_naming_the_argument():
     w = softmax_weights(1, 2, 3, 3)
     with pytest.raises(ValueError, match=r"must end in \(T, T\) = \(4, 4\).*\(1, 2, 3, 3\)"):

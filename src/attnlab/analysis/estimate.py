@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import masks as _masks
 from ..masks import Mask
+from ..masks import causal as _causal
+from ..masks import sliding_window as _sliding_window
 from ..utils import text_table
 
 IMPLEMENTATIONS = ("naive", "flash", "linear")
@@ -143,9 +144,9 @@ def estimate(
     D, nb = E // H, _BYTES[dtype]
     m = mask
     if causal or decode:
-        m = _masks.causal() if m is None else _masks.causal() & m
+        m = _causal() if m is None else _causal() & m
     if window is not None:
-        w = _masks.sliding_window(_positive("window", window))
+        w = _sliding_window(_positive("window", window))
         m = w if m is None else m & w
     dense = Lq * S
     pairs = dense if m is None else m.attended_pairs(Lq, S)
