@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from attnlab.bench import main
+from attnlab.cli.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

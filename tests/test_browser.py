@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnlab import visualize as vis
+from attnlab.cli import visualize as vis
 from attnlab.viz.attention_view import save_attention_html
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from attnlab.checkpoint import CheckpointError, load_json
+from attnlab.cli.generate import register as register_generate
+from attnlab.cli.train import register as register_train
 from attnlab.data import default_text_path
 from attnlab.train import (
     TrainSettings,
     load_model,
     lr_at,
-    register_generate,
-    register_train,
     sample_text,
     train,
     unigram_entropy,

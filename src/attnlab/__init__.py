@@ -6,9 +6,12 @@ Example:
     >>> out = attnlab.attention(q, k, v, mask=attnlab.masks.causal())
 """
 
+import sys as _sys
+import types as _types
+from importlib.machinery import ModuleSpec as _ModuleSpec
 from importlib.metadata import PackageNotFoundError, version
 
-from . import analysis, checkpoint, functional, linear, masks, models, pos, positional, viz
+from . import analysis, checkpoint, functional, masks, models, positional, viz
 from .analysis import estimate
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .functional import (
@@ -31,6 +34,61 @@ from .modules import (
     SlidingWindowCache,
 )
 from .positional import ALiBi, LearnedPositionalEmbedding, RoPE, SinusoidalEmbedding, T5RelativeBias
+
+# ``attnlab.pos`` and ``attnlab.linear`` are names, not files: both are registered in sys.modules,
+# so ``import attnlab.pos as pos`` and ``from attnlab.linear import LinearAttention`` work.
+# ``attnlab.pos`` is `attnlab.positional` itself (the same module object).
+pos = positional
+_sys.modules[__name__ + ".pos"] = positional
+
+
+def _linear_namespace() -> _types.ModuleType:
+    """``attnlab.linear``: the approximations and mixing layers, functions and modules together."""
+    from .functional.fnet import fnet_mixing
+    from .functional.hierarchical import hierarchical_attention
+    from .functional.linear import FEATURE_MAPS, LinearAttentionState, linear_attention
+    from .functional.performer import favor_attention, favor_features, favor_projection
+    from .modules.fnet import FNetMixing
+    from .modules.hierarchical import HierarchicalAttention
+    from .modules.linear import LinearAttention, PerformerAttention
+
+    members = {
+        "FEATURE_MAPS": FEATURE_MAPS,
+        "FNetMixing": FNetMixing,
+        "HierarchicalAttention": HierarchicalAttention,
+        "LinearAttention": LinearAttention,
+        "LinearAttentionState": LinearAttentionState,
+        "PerformerAttention": PerformerAttention,
+        "favor_attention": favor_attention,
+        "favor_features": favor_features,
+        "favor_projection": favor_projection,
+        "fnet_mixing": fnet_mixing,
+        "hierarchical_attention": hierarchical_attention,
+        "linear_attention": linear_attention,
+    }
+    name = __name__ + ".linear"
+    module = _types.ModuleType(name, _LINEAR_DOC)
+    module.__dict__.update(members, __all__=list(members), __package__=__name__)
+    module.__spec__ = _ModuleSpec(name, None)
+    _sys.modules[name] = module
+    return module
+
+
+_LINEAR_DOC = """Efficient approximations of attention: linear attention, Performer (FAVOR+), FNet
+mixing and hierarchical attention — functions and thin modules in one namespace.
+
+Each fast form equals an explicit quadratic definition in `attnlab.functional.reference`
+(``linear_attention``, ``favor_attention``, ``fnet_mixing``, ``hierarchical_attention``).
+
+Example:
+    >>> import torch
+    >>> from attnlab import linear
+    >>> q = k = v = torch.randn(1, 8, 16384, 64)
+    >>> out = linear.linear_attention(q, k, v, causal=True)        # O(L) time and memory
+    >>> approx = linear.PerformerAttention(head_dim=64, seed=0)(q, k, v)  # ≈ softmax attention
+"""
+
+linear = _linear_namespace()
 
 try:
     __version__ = version("attnlab")

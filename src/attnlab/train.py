@@ -1,4 +1,4 @@
-"""Character-level GPT training and sampling: ``attnlab train`` and ``attnlab generate``.
+"""Character-level GPT training and sampling (the library behind ``attnlab train`` / ``generate``).
 
 `train` fits a `GPT` to a text file (default: the shipped public-domain ``alice.txt``) with
 AdamW, linear warmup then cosine decay, gradient clipping, optional bf16 autocast and gradient
@@ -14,13 +14,9 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import sys
-import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -30,6 +26,8 @@ from torch import Tensor, nn
 
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint, save_json
 from .models import GPT, TransformerConfig
+from .utils import Progress, Timer
+from .viz.training import plot_losses
 
 CHECKPOINT_NAME = "ckpt.safetensors"
 
@@ -232,39 +230,6 @@ def load_model(path: str | os.PathLike) -> tuple[GPT, list[str], Checkpoint]:
     return model, vocab, ck
 
 
-def plot_losses(
-    path: Path, losses: list[float], val: list[tuple[int, float, float]], entropy: float
-) -> bool:
-    """Writes the loss curve PNG (matplotlib, imported here); False if matplotlib is missing."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        return False
-    fig = Figure(figsize=(7, 4), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.plot(range(1, len(losses) + 1), losses, lw=0.8, alpha=0.6, label="train (batch)")
-    if val:
-        steps, _, v = zip(*val, strict=True)
-        ax.plot(steps, v, "o-", label="validation")
-    ax.axhline(entropy, color="gray", ls="--", label=f"unigram entropy {entropy:.2f}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/char)")
-    ax.set_title("attnlab train: character-level GPT")
-    ax.legend()
-    fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return True
-
-
 # ------------------------------------------------------------------------------------ training
 def train(
     settings: TrainSettings | None = None,
@@ -345,12 +310,14 @@ def train(
     )
     out = Path(s.out_dir)
     last = stop_at if stop_at is not None else s.steps
-    bar = _progress(range(step, last), step, s.steps, progress)
-    write = getattr(bar, "write", None) or log
+    bar = Progress(
+        range(step, last), desc="train", initial=step, total=s.steps, unit="step", enabled=progress
+    )
+    write = bar.write if bar.active else log
     ckpt = out / CHECKPOINT_NAME
     model.train()
-    t0 = time.perf_counter()
-    t_last, tokens = t0, 0
+    timer = Timer()
+    tokens = 0
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
@@ -366,10 +333,9 @@ def train(
         losses.append(loss.item())
         tokens += x.numel()
         done = step + 1
-        if hasattr(bar, "set_postfix"):
-            now = time.perf_counter()
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens / (now - t_last):.0f}")
-            t_last, tokens = now, 0
+        if bar.active:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens / timer.lap():.0f}")
+            tokens = 0
         if done % s.eval_interval == 0 or done == s.steps:
             v = evaluate(model, val_data, s, seed=s.seed + 1)
             tr = evaluate(model, train_data, s, seed=s.seed + 2)
@@ -377,14 +343,13 @@ def train(
             write(
                 f"step {done}/{s.steps}: train {tr:.3f}, val {v:.3f} nats/char "
                 f"(unigram entropy {entropy:.3f}) · lr {lr_at(step, s):.2e} · "
-                f"{time.perf_counter() - t0:.0f} s"
+                f"{timer.seconds:.0f} s"
             )
         if (s.save_interval and done % s.save_interval == 0) or done in (s.steps, last):
             ckpt = _save(out, model, opt, batch_rng, s, vocab, done, losses, val, entropy)
             plot_losses(out / "loss.png", losses, val, entropy)
-    if hasattr(bar, "close"):
-        bar.close()
-    seconds = time.perf_counter() - t0
+    bar.close()
+    seconds = timer.seconds
     step = len(losses)
     if val:
         v = val[-1][2]
@@ -394,16 +359,6 @@ def train(
             f"; checkpoint {ckpt}"
         )
     return TrainResult(model, vocab, losses, val, entropy, step, seconds, ckpt)
-
-
-def _progress(items: range, initial: int, total: int, enabled: bool):
-    if not enabled:
-        return items
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is in the cli/dev extras
-        return items
-    return tqdm(items, initial=initial, total=total, desc="train", file=sys.stderr, unit="step")
 
 
 # ------------------------------------------------------------------------------------ sampling
@@ -431,142 +386,8 @@ def sample_text(
     return "".join(vocab[i] for i in out[0].tolist())
 
 
-# ----------------------------------------------------------------------------------------- CLI
-def _cmd_train(args: argparse.Namespace) -> int:
-    defaults = TrainSettings()
-    values = {
-        f.name: getattr(args, f.name)
-        for f in fields(TrainSettings)
-        if getattr(args, f.name, None) is not None
-    }
-    if args.positional == "none":
-        values["positional"] = None
-    settings = TrainSettings(**{**asdict(defaults), **values})
-    if args.threads is not None:
-        if args.threads < 1:
-            print(f"attnlab train: --threads must be >= 1, got {args.threads}", file=sys.stderr)
-            return 2
-        torch.set_num_threads(args.threads)
-    resume = None
-    if args.resume is not None:
-        resume = args.resume or str(Path(settings.out_dir) / CHECKPOINT_NAME)
-        conflicting = sorted(set(values) - {"out_dir"})
-        if conflicting:
-            print(
-                f"attnlab train: --resume continues with the checkpoint's stored settings; "
-                f"remove {['--' + n.replace('_', '-') for n in conflicting]}",
-                file=sys.stderr,
-            )
-            return 2
-    result = train(settings, resume=resume, progress=not args.quiet)
-    print(f"wrote {result.checkpoint}, {Path(settings.out_dir) / 'loss.png'}")
-    return 0
-
-
-def _cmd_generate(args: argparse.Namespace) -> int:
-    model, vocab, _ = load_model(args.checkpoint)
-    text = sample_text(
-        model,
-        vocab,
-        args.prompt,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        use_cache=not args.no_cache,
-        seed=args.seed,
-    )
-    print(text)
-    return 0
-
-
-def register_train(sub: argparse._SubParsersAction) -> None:
-    """Adds ``attnlab train`` to the CLI's subparsers."""
-    d = TrainSettings()
-    p = sub.add_parser(
-        "train",
-        help="train a character-level GPT on a text file (default: the shipped Alice text)",
-        description=(
-            "Trains a character-level GPT with AdamW, warmup + cosine LR, gradient clipping and "
-            "optional bf16 autocast / gradient checkpointing. Prints train and validation loss "
-            "next to the text's unigram entropy (nats/char), shows a progress bar, and writes "
-            "OUT/ckpt.safetensors (verified, atomic), OUT/config.json and OUT/loss.png. "
-            f"The defaults ({d.steps} steps) learn visibly in a few minutes on 2 CPU cores."
-        ),
-    )
-    p.add_argument("--text", help="UTF-8 text file (default: the shipped alice.txt)")
-    p.add_argument("--out", dest="out_dir", help=f"output directory (default {d.out_dir})")
-    p.add_argument(
-        "--resume",
-        nargs="?",
-        const="",
-        help="continue from a checkpoint (default path: OUT/ckpt.safetensors); the stored "
-        "settings are used",
-    )
-    for name, kind, text in (
-        ("steps", int, "optimizer steps"),
-        ("batch_size", int, "sequences per batch"),
-        ("seq_len", int, "characters per sequence (= max_seq_len)"),
-        ("d_model", int, "model width"),
-        ("n_layers", int, "Transformer blocks"),
-        ("n_heads", int, "attention heads"),
-        ("n_kv_heads", int, "key/value heads (GQA)"),
-        ("dropout", float, "dropout probability"),
-        ("lr", float, "peak learning rate"),
-        ("min_lr", float, "final learning rate of the cosine decay"),
-        ("warmup", int, "linear warmup steps"),
-        ("weight_decay", float, "AdamW weight decay of matrices"),
-        ("grad_clip", float, "max gradient norm (0 = off)"),
-        ("eval_interval", int, "steps between evaluations"),
-        ("eval_batches", int, "batches per evaluation"),
-        ("save_interval", int, "steps between checkpoints"),
-        ("seed", int, "random seed"),
-    ):
-        flag = "--" + name.replace("_", "-")
-        p.add_argument(flag, dest=name, type=kind, help=f"{text} (default {getattr(d, name)})")
-    p.add_argument(
-        "--positional",
-        choices=["rope", "learned", "sinusoidal", "alibi", "none"],
-        help="position encoding (default rope)",
-    )
-    p.add_argument("--bf16", action="store_true", default=None, help="bfloat16 autocast")
-    p.add_argument(
-        "--grad-checkpointing",
-        dest="grad_checkpointing",
-        action="store_true",
-        default=None,
-        help="recompute each block in backward to save memory",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        help="torch intra-op threads (default: torch's choice, one per core); 1 avoids thread "
-        "stalls when other processes keep the cores busy",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_train)
-
-
-def register_generate(sub: argparse._SubParsersAction) -> None:
-    """Adds ``attnlab generate`` to the CLI's subparsers."""
-    p = sub.add_parser(
-        "generate",
-        help="sample text from a checkpoint written by `attnlab train`",
-        description=(
-            "Loads and verifies a checkpoint written by `attnlab train` and continues the prompt, "
-            "decoding one character at a time with a KV cache per layer."
-        ),
-    )
-    p.add_argument("--checkpoint", required=True, help="path of ckpt.safetensors")
-    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    p.add_argument("--max-new-tokens", type=int, default=500, help="characters to generate")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--no-cache", action="store_true", help="recompute instead of a KV cache")
-    p.set_defaults(func=_cmd_generate)
-
-
 __all__ = [
+    "CHECKPOINT_NAME",
     "TrainResult",
     "TrainSettings",
     "evaluate",
@@ -575,8 +396,6 @@ __all__ = [
     "load_text",
     "lr_at",
     "plot_losses",
-    "register_generate",
-    "register_train",
     "sample_text",
     "train",
     "unigram_entropy",

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import masks as _masks
 from ..masks import Mask
+from ..masks import causal as _causal
+from ..masks import sliding_window as _sliding_window
+from ..utils import text_table
 
 IMPLEMENTATIONS = ("naive", "flash", "linear")
 _BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
@@ -66,12 +68,7 @@ class Estimate:
                         ),
                     ]
                 )
-        widths = [max(len(r[c]) for r in lines) for c in range(len(lines[0]))]
-        out = [
-            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in lines
-        ]
-        out.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(out)
+        return text_table(lines[0], lines[1:])
 
 
 def _fmt(x: float, unit: str) -> str:
@@ -147,9 +144,9 @@ def estimate(
     D, nb = E // H, _BYTES[dtype]
     m = mask
     if causal or decode:
-        m = _masks.causal() if m is None else _masks.causal() & m
+        m = _causal() if m is None else _causal() & m
     if window is not None:
-        w = _masks.sliding_window(_positive("window", window))
+        w = _sliding_window(_positive("window", window))
         m = w if m is None else m & w
     dense = Lq * S
     pairs = dense if m is None else m.attended_pairs(Lq, S)
@@ -222,7 +219,7 @@ def estimate(
 
 def measure_estimate(est: Estimate, implementations: tuple[str, ...] = IMPLEMENTATIONS) -> Estimate:
     """Runs the configuration (one layer, forward + backward) and records time and peak memory."""
-    from .. import attention, backends
+    from ..functional import attention, backends
     from .measure import measure
 
     c = est.config
@@ -232,7 +229,7 @@ def measure_estimate(est: Estimate, implementations: tuple[str, ...] = IMPLEMENT
     for impl in implementations:
         if impl == "linear":
             try:
-                from ..linear import linear_attention
+                from ..functional.linear import linear_attention
             except ImportError:
                 continue
         elif impl == "flash" and "flash" not in backends():

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..utils import text_table
+
 
 @dataclass
 class ExperimentResult:
@@ -24,11 +26,8 @@ class ExperimentResult:
 
     def table(self) -> str:
         """An aligned text table."""
-        cells = [self.columns] + [[_num(x) for x in r] for r in self.rows]
-        widths = [max(len(r[c]) for r in cells) for c in range(len(self.columns))]
-        lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return f"{self.title}\n" + "\n".join(lines)
+        rows = [[_num(x) for x in r] for r in self.rows]
+        return f"{self.title}\n" + text_table(self.columns, rows, align=">" * len(self.columns))
 
     def column(self, name: str) -> list[float]:
         """One column's values."""

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import resource
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
+
+from ..utils import time_call
 
 
 def _status_kb(field: str) -> int | None:
@@ -64,9 +65,7 @@ def measure(fn: Callable[[], Any]) -> tuple[Any, float, int]:
     if not exact or before is None:
         scale = 1 if sys.platform == "darwin" else 1024
         before_b = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-    t0 = time.perf_counter()
-    result = fn()
-    seconds = time.perf_counter() - t0
+    result, seconds = time_call(fn)
     if exact and before is not None:
         peak = _status_kb("VmHWM:") or 0
         return result, seconds, max(0, (peak - before) * 1024)

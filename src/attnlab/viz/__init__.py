@@ -10,6 +10,7 @@ matplotlib raises ImportError naming the extra to install.
   `attention_text`: each token's top-k attended tokens per head; `attention_png`: one PNG grid
   of layers × heads (per-head entropies come from `attnlab.analysis`).
 - `plot_experiment`: the scaling and temperature experiments as line plots.
+- `plot_losses`: the loss curve of a training run; `plot_bench`: ``attnlab bench`` results.
 
 Example:
     >>> from attnlab.positional import ALiBi
@@ -20,9 +21,11 @@ Example:
 
 from .attention_png import attention_png
 from .attention_view import attention_html, attention_text, save_attention_html
+from .bench import plot_bench
 from .experiments import plot_experiment
 from .heatmap import heatmap, heatmaps
 from .positional import plot_bias, plot_rope_spectrum, plot_sinusoidal
+from .training import plot_losses
 
 __all__ = [
     "attention_html",
@@ -30,8 +33,10 @@ __all__ = [
     "attention_text",
     "heatmap",
     "heatmaps",
+    "plot_bench",
     "plot_bias",
     "plot_experiment",
+    "plot_losses",
     "plot_rope_spectrum",
     "plot_sinusoidal",
     "save_attention_html",

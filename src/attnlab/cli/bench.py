@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from ..utils import Progress, best_times, text_table
 
 CASES = ("window", "causal", "alibi", "memory")
 
@@ -59,59 +59,18 @@ class Report:
     info: dict[str, str] = field(default_factory=dict)
 
 
-class _Progress:
-    """tqdm when installed, plain prints otherwise."""
-
-    def __init__(self, total: int, quiet: bool) -> None:
-        self.quiet = quiet
-        try:
-            from tqdm import tqdm
-
-            self.bar = None if quiet else tqdm(total=total, unit="step", file=sys.stderr)
-        except ImportError:  # pragma: no cover - tqdm is in the cli extra
-            self.bar = None
-        self.n, self.total = 0, total
-
-    def step(self, what: str) -> None:
-        self.n += 1
-        if self.bar is not None:
-            self.bar.set_description(what[:60])
-            self.bar.update(1)
-        elif not self.quiet:
-            print(f"[{self.n}/{self.total}] {what}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def matmul_rate(n: int = 4096, repeats: int = 3) -> float:
     """fp32 ``torch.mm`` GFLOP/s on n×n matrices (best of ``repeats``)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t)
+    best = best_times({"mm": lambda: torch.mm(a, b)}, repeats)["mm"]
     return 2 * n**3 / best / 1e9
 
 
 def interleaved(
-    fns: dict[str, Callable[[], object]], repeats: int, progress: _Progress, label: str
+    fns: dict[str, Callable[[], object]], repeats: int, progress: Progress, label: str
 ) -> dict[str, float]:
     """Best time of each function over ``repeats`` rounds; one call of each per round."""
-    best = dict.fromkeys(fns, math.inf)
-    for name, fn in fns.items():  # warm-up (compilation, allocator)
-        fn()
-        progress.step(f"{label}: warm-up {name}")
-    for r in range(repeats):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t)
-            progress.step(f"{label}: round {r + 1} {name}")
-    return best
+    return best_times(fns, repeats, on_step=lambda what: progress.step(f"{label}: {what}"))
 
 
 def _fwd_bwd(fn: Callable[..., torch.Tensor], q, k, v, dout) -> Callable[[], None]:
@@ -191,9 +150,9 @@ def _naive(q, k, v, allowed, bias=None):
 
 
 # --------------------------------------------------------------------------- cases
-def case_window(args, report: Report, progress: _Progress) -> None:
-    import attnlab
-    from attnlab import masks
+def case_window(args, report: Report, progress: Progress) -> None:
+    from .. import masks
+    from ..functional import attention
 
     B, H, D, L, w = args.batch, args.heads, args.dim, args.window_length, args.window
     q, k, v, dout = (torch.randn(B, H, L, D) for _ in range(4))
@@ -202,7 +161,7 @@ def case_window(args, report: Report, progress: _Progress) -> None:
     useful = 4 * pairs * D / 1e9
 
     def flash(q, k, v):
-        return attnlab.attention(q, k, v, mask=mask, backend="flash")
+        return attention(q, k, v, mask=mask, backend="flash")
 
     dense = mask.to_dense(L, L)  # (1, 1, L, L) bool: what sdpa needs
 
@@ -262,16 +221,16 @@ def case_window(args, report: Report, progress: _Progress) -> None:
         report.rows.append(Row(label + " fwd+bwd", name, None, note=why))
 
 
-def case_causal(args, report: Report, progress: _Progress) -> None:
-    import attnlab
-    from attnlab import masks
+def case_causal(args, report: Report, progress: Progress) -> None:
+    from .. import masks
+    from ..functional import attention
 
     B, H, D, L = args.batch, args.heads, args.dim, args.causal_length
     q, k, v, dout = (torch.randn(B, H, L, D) for _ in range(4))
     useful = 4 * masks.causal().attended_pairs(L, L) * B * H * D / 1e9
 
     def flash(q, k, v):
-        return attnlab.attention(q, k, v, mask=masks.causal(), backend="flash")
+        return attention(q, k, v, mask=masks.causal(), backend="flash")
 
     def sdpa(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -290,10 +249,10 @@ def case_causal(args, report: Report, progress: _Progress) -> None:
         report.rows.append(Row(label + " fwd+bwd", name, t, 3.5 * useful / t))
 
 
-def case_alibi(args, report: Report, progress: _Progress) -> None:
-    import attnlab
-    from attnlab import masks
-    from attnlab.positional import ALiBi
+def case_alibi(args, report: Report, progress: Progress) -> None:
+    from .. import masks
+    from ..functional import attention
+    from ..positional import ALiBi
 
     B, H, D, L = args.batch, args.heads, args.dim, args.alibi_length
     q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
@@ -304,7 +263,7 @@ def case_alibi(args, report: Report, progress: _Progress) -> None:
 
     def flash():
         with torch.no_grad():
-            return attnlab.attention(q, k, v, mask=mask, bias=alibi, backend="flash")
+            return attention(q, k, v, mask=mask, bias=alibi, backend="flash")
 
     def build_bias() -> torch.Tensor:
         i = torch.arange(L).view(1, 1, L, 1)
@@ -385,7 +344,7 @@ print(json.dumps({"growth_mb": peak() - base, "fwd_s": t_fwd, "fwd_bwd_s": total
 """
 
 
-def case_memory(args, report: Report, progress: _Progress) -> None:
+def case_memory(args, report: Report, progress: Progress) -> None:
     B, H, D, L = args.batch, args.heads, args.dim, args.memory_length
     progress.step(f"memory: causal fwd+bwd L={L} (subprocess)")
     proc = subprocess.run(
@@ -419,54 +378,40 @@ def format_table(report: Report) -> str:
         f"machine: {report.info.get('machine', '')}",
         f"fp32 matmul (torch.mm 4096²): {report.matmul_gflops:.0f} GFLOP/s  <- the physical limit",
         "",
-        f"{'case':34s} {'contender':28s} {'seconds':>9s} {'useful GF/s':>11s} {'% mm':>6s} "
-        f"{'flash is ×':>10s}  note",
     ]
+    header = ("case", "contender", "seconds", "useful GF/s", "% mm", "flash is ×", "note")
+    rows: list[tuple[str, ...] | None] = []
     by_case: dict[str, list[Row]] = {}
     for r in report.rows:
         by_case.setdefault(r.case, []).append(r)
-    for case, rows in by_case.items():
-        flash = next((r.seconds for r in rows if r.name == "flash"), None)
-        for r in rows:
-            secs = f"{r.seconds:9.3f}" if r.seconds is not None else f"{'n/a':>9s}"
-            gf = f"{r.useful_gflops:11.1f}" if r.useful_gflops else f"{'':>11s}"
-            pct = (
-                f"{100 * r.useful_gflops / report.matmul_gflops:5.0f}%"
-                if r.useful_gflops
-                else f"{'':>6s}"
-            )
+    for case, case_rows in by_case.items():
+        flash = next((r.seconds for r in case_rows if r.name == "flash"), None)
+        for r in case_rows:
+            gf = r.useful_gflops
             ratio = ""
             if flash and r.seconds and r.name != "flash":
-                ratio = f"{r.seconds / flash:9.2f}×"
+                ratio = f"{r.seconds / flash:.2f}×"
             note = r.note
             if r.max_err is not None:
                 note = (note + "; " if note else "") + f"max|Δ| vs flash {r.max_err:.1e}"
-            lines.append(f"{case:34s} {r.name:28s} {secs} {gf} {pct} {ratio:>10s}  {note}")
-        lines.append("")
+            rows.append(
+                (
+                    case,
+                    r.name,
+                    f"{r.seconds:.3f}" if r.seconds is not None else "n/a",
+                    f"{gf:.1f}" if gf else "",
+                    f"{100 * gf / report.matmul_gflops:.0f}%" if gf else "",
+                    ratio,
+                    note,
+                )
+            )
+        rows.append(None)
+    lines.append(text_table(header, rows, align="<<>>>><"))
     return "\n".join(lines)
 
 
-def plot(report: Report, path: str) -> None:
-    """Bar chart of each contender's time relative to flash (matplotlib imported here)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cases = [c for c in dict.fromkeys(r.case for r in report.rows)]
-    fig, axes = plt.subplots(len(cases), 1, figsize=(8, 2.2 * len(cases)), squeeze=False)
-    for ax, case in zip(axes[:, 0], cases, strict=True):
-        rows = [r for r in report.rows if r.case == case and r.seconds]
-        ax.barh([r.name for r in rows], [r.seconds for r in rows], color="tab:blue")
-        ax.set_xscale("log")
-        ax.set_title(case, fontsize=9)
-        ax.set_xlabel("seconds (log)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 # --------------------------------------------------------------------------- CLI
-def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Registers ``attnlab bench`` on an argparse ``subparsers`` object and returns its parser."""
     p = subparsers.add_parser(
         "bench",
@@ -516,7 +461,7 @@ def run_bench(args: argparse.Namespace) -> int:
         for name in ("window_length", "causal_length", "alibi_length", "memory_length"):
             setattr(args, name, max(256, getattr(args, name) // 8))
     steps = 1 + len(cases) * (2 * 5 * (args.repeats + 1))
-    progress = _Progress(steps, args.quiet)
+    progress = Progress(total=steps, unit="step", enabled=not args.quiet, echo=True)
     report = Report()
     report.info["machine"] = (
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
@@ -548,18 +493,16 @@ def run_bench(args: argparse.Namespace) -> int:
                 indent=1,
             )
     if args.plot:
-        plot(report, args.plot)
+        from ..viz.bench import plot_bench
+
+        plot_bench(report.rows, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point (``python -m attnlab.bench``)."""
+    """Standalone entry point (``benchmarks/bench_flash.py``): ``main(["bench", ...])``."""
     parser = argparse.ArgumentParser(prog="attnlab")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m attnlab.cli``: the ``attnlab`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

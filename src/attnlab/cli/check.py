@@ -1,0 +1,117 @@
+"""``attnlab check``: every backend against the float64 reference on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TextIO
+
+import torch
+
+from .. import __version__, masks
+from ..functional import attention, backends
+from ..testing import check_against_reference, mean_factor_for, reference_for, seeded
+from ..utils import Timer, progress, text_table
+
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def _check_cases(B: int, L: int, S: int) -> dict[str, tuple[object, object, dict]]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "none": (None, None, {}),
+        "causal": (masks.causal(), None, {}),
+        "sliding_window(7)": (masks.sliding_window(7), None, {}),
+        "causal & padding": (masks.causal() & masks.padding([S, S // 2][:B]), None, {}),
+        "strided(8)": (masks.strided(8), None, {}),
+        "bigbird": (masks.bigbird(16, 3, 1, 1, seed=0), None, {}),
+        "bool tensor": (torch.rand(B, 1, L, S, generator=g) > 0.3, None, {}),
+        "bias tensor": (None, torch.randn(1, 4, L, S, generator=g, dtype=torch.float64), {}),
+        "cosine, T=0.5": (masks.causal(), None, {"score": "cosine", "temperature": 0.5}),
+    }
+
+
+def run_check(
+    backend_names: list[str], dtype_names: list[str], L: int, S: int, out: TextIO | None = None
+) -> int:
+    """Compares each backend with the float64 reference; prints a table; returns failures."""
+    out = sys.stdout if out is None else out
+    B, H, H_kv, D = 2, 4, 2, 40
+    rows: list[tuple[str, str, str, str, str, str]] = []
+    failures = 0
+    cases = _check_cases(B, L, S)
+    jobs = [(b, c, d) for b in backend_names for c in cases for d in dtype_names]
+    for backend, case, dtype_name in progress(
+        jobs, desc="attnlab check", leave=False, tty_only=True
+    ):
+        mask, bias, kw = cases[case]
+        dtype = DTYPES[dtype_name]
+        q = seeded(B, H, L, D, dtype=dtype, seed=1)
+        k = seeded(B, H_kv, S, D, dtype=dtype, seed=2)
+        v = seeded(B, H_kv, S, D, dtype=dtype, seed=3)
+
+        def impl(q, k, v, mask=mask, bias=bias, kw=kw, backend=backend):
+            b = bias.to(q.dtype) if isinstance(bias, torch.Tensor) else bias
+            return attention(q, k, v, mask=mask, bias=b, backend=backend, **kw)
+
+        try:
+            errors = check_against_reference(
+                impl,
+                reference_for(mask, bias, **kw),
+                [q, k, v],
+                mean_factor=mean_factor_for(backend, dtype),
+            )
+            grad_err = max(e for n, e in errors.items() if n != "out")
+            rows.append(
+                (backend, case, dtype_name, f"{errors['out']:.2e}", f"{grad_err:.2e}", "pass")
+            )
+        except (AssertionError, ValueError, RuntimeError) as e:
+            failures += 1
+            rows.append((backend, case, dtype_name, str(e).splitlines()[0][:60], "", "FAIL"))
+    header = ("backend", "mask", "dtype", "max err out", "max err grad", "result")
+    print(text_table(header, rows), file=out)
+    print(f"\n{len(rows) - failures} passed, {failures} failed", file=out)
+    return failures
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    names = args.backend or [b for b in backends() if b not in ("reference", "auto")] + ["auto"]
+    unknown = [n for n in names if n not in backends()]
+    if unknown:
+        print(f"attnlab check: unknown backend(s) {unknown}; known: {backends()}", file=sys.stderr)
+        return 2
+    timer = Timer()
+    print(
+        f"attnlab {__version__} · torch {torch.__version__} · {torch.get_num_threads()} threads · "
+        f"L={args.L}, S={args.S}, B=2, H=4, H_kv=2, D=40 · tolerance rule vs float64 reference\n"
+    )
+    failures = run_check(names, args.dtype or list(DTYPES), args.L, args.S)
+    print(f"({timer.seconds:.1f} s)")
+    return 1 if failures else 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Adds ``attnlab check`` to the ``attnlab`` command's subparsers."""
+    check = sub.add_parser(
+        "check",
+        help="run every backend against the float64 reference on this machine",
+        description=(
+            "Runs every backend against the float64 reference (forward and gradients) for a grid "
+            "of masks and dtypes, prints backend × mask × dtype → max error and pass/fail under "
+            "the tolerance rule, and exits non-zero on any failure."
+        ),
+    )
+    check.add_argument(
+        "--backend", action="append", help="backend to check (repeatable; default: all)"
+    )
+    check.add_argument(
+        "--dtype", action="append", choices=list(DTYPES), help="dtype (repeatable; default: all)"
+    )
+    check.add_argument("-L", type=int, default=97, help="query length (default 97, odd on purpose)")
+    check.add_argument("-S", type=int, default=113, help="key length (default 113)")
+    check.set_defaults(func=_cmd_check)

@@ -1,0 +1,64 @@
+"""``attnlab estimate``: parameters, FLOPs and memory of attention (naive, flash, linear)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from ..analysis import estimate, measure_estimate
+
+    est = estimate(
+        args.seq,
+        args.d_model,
+        args.heads,
+        batch=args.batch,
+        layers=args.layers,
+        dtype=args.dtype,
+        kv_heads=args.kv_heads,
+        causal=args.causal,
+        window=args.window,
+        decode=args.decode,
+        bias=not args.no_bias,
+    )
+    c = est.config
+    print(
+        f"B={c['B']} L={c['L']} S={c['S']} E={c['E']} H={c['H']} H_kv={c['H_kv']} D={c['D']} "
+        f"layers={c['layers']} {c['dtype']}: {c['attended_pairs']:,} of {c['dense_pairs']:,} "
+        "pairs attended per head\n"
+    )
+    if args.measure:
+        measure_estimate(est)
+    print(est.table())
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Adds ``attnlab estimate`` to the ``attnlab`` command's subparsers."""
+    est = sub.add_parser(
+        "estimate",
+        help="parameters, FLOPs and memory of attention (naive, flash, linear)",
+        description=(
+            "Estimates parameters, FLOPs and memory of multi-head attention for the naive, tiled "
+            "(flash) and linear implementations, counting exactly the attended pairs of the mask."
+        ),
+    )
+    est.add_argument("--seq", type=int, default=1024, help="sequence length L (default 1024)")
+    est.add_argument("--d-model", type=int, default=768, help="model dimension E (default 768)")
+    est.add_argument("--heads", type=int, default=12, help="attention heads H (default 12)")
+    est.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA)")
+    est.add_argument("--batch", type=int, default=1)
+    est.add_argument("--layers", type=int, default=1)
+    est.add_argument(
+        "--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"]
+    )
+    est.add_argument("--causal", action="store_true", help="causal mask")
+    est.add_argument("--window", type=int, default=None, help="causal sliding window of W keys")
+    est.add_argument(
+        "--decode", action="store_true", help="one new token against a KV cache of --seq"
+    )
+    est.add_argument("--no-bias", action="store_true", help="projections without biases")
+    est.add_argument(
+        "--measure", action="store_true", help="also run it and print measured time and peak memory"
+    )
+    est.set_defaults(func=_cmd_estimate)

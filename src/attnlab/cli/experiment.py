@@ -1,0 +1,38 @@
+"""``attnlab experiment``: the textbook experiments (scaling, temperature) as tables and plots."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _cmd_experiment(args: argparse.Namespace) -> int:
+    from ..analysis import scaling_experiment, temperature_experiment
+
+    if args.name == "scaling":
+        result = scaling_experiment(samples=args.samples)
+        panels_name = "SCALING_PANELS"
+    else:
+        result = temperature_experiment(samples=args.samples)
+        panels_name = "TEMPERATURE_PANELS"
+    print(result.table())
+    if args.png:
+        from ..viz import experiments as viz_experiments
+
+        path = viz_experiments.plot_experiment(
+            args.png, result, getattr(viz_experiments, panels_name)
+        )
+        print(f"\nwrote {path}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Adds ``attnlab experiment`` to the ``attnlab`` command's subparsers."""
+    exp = sub.add_parser(
+        "experiment",
+        help="the textbook experiments: scaling (why 1/√d_k) and temperature",
+        description="Runs a textbook experiment, prints its table, optionally draws a PNG.",
+    )
+    exp.add_argument("name", choices=["scaling", "temperature"])
+    exp.add_argument("--samples", type=int, default=4096, help="samples per point (default 4096)")
+    exp.add_argument("--png", default=None, help="also write the plot to this PNG file")
+    exp.set_defaults(func=_cmd_experiment)

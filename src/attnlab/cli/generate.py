@@ -1,0 +1,47 @@
+"""``attnlab generate``: sample text from a checkpoint written by ``attnlab train``.
+
+Example:
+    $ attnlab generate --checkpoint runs/alice/ckpt.safetensors --prompt "Alice said"
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..train import load_model, sample_text
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    model, vocab, _ = load_model(args.checkpoint)
+    text = sample_text(
+        model,
+        vocab,
+        args.prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        use_cache=not args.no_cache,
+        seed=args.seed,
+    )
+    print(text)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Adds ``attnlab generate`` to the CLI's subparsers."""
+    p = sub.add_parser(
+        "generate",
+        help="sample text from a checkpoint written by `attnlab train`",
+        description=(
+            "Loads and verifies a checkpoint written by `attnlab train` and continues the prompt, "
+            "decoding one character at a time with a KV cache per layer."
+        ),
+    )
+    p.add_argument("--checkpoint", required=True, help="path of ckpt.safetensors")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--max-new-tokens", type=int, default=500, help="characters to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--no-cache", action="store_true", help="recompute instead of a KV cache")
+    p.set_defaults(func=_cmd_generate)

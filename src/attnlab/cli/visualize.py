@@ -1,0 +1,146 @@
+"""``attnlab visualize``: see what a real model attends to, as HTML, PNG or text.
+
+The command runs a model on a text (`attnlab.analysis.model_attentions.collect`), takes every
+layer's attention weights ``(layers, heads, T, T)`` and writes
+
+- ``--format html`` (default): one self-contained page (`attnlab.viz.save_attention_html`) with
+  a head view, a model view, per-head entropies and hover details;
+- ``--format text``: per head, each token's top-3 attended tokens with weights;
+- ``--png [FILE]``: additionally a grid of heatmaps, layers × heads (`attnlab.viz.attention_png`).
+
+Models: ``minilm`` (default, the pretrained all-MiniLM-L6-v2) or ``gpt`` (a character-level
+checkpoint written by ``attnlab train``, ``--checkpoint PATH``).
+
+Example:
+    $ attnlab visualize "The animal didn't cross the street because it was too tired"
+    $ attnlab visualize --checkpoint runs/alice/ckpt.safetensors "Alice was" --format text
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..analysis.model_attentions import MODELS, collect
+
+DEFAULT_TEXT = "The animal didn't cross the street because it was too tired"
+
+
+def _short(text: str, limit: int = 80) -> str:
+    """The text on one line, cut to ``limit`` characters with an ellipsis."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _cmd_visualize(args: argparse.Namespace) -> int:
+    from ..viz.attention_png import attention_png
+    from ..viz.attention_view import MAX_FULL_TOKENS, attention_text, save_attention_html
+
+    try:
+        run = collect(args.text, model=args.model, checkpoint=args.checkpoint)
+        Ly, H, T, _ = run.weights.shape
+        for name, value, size in (("--layer", args.layer, Ly), ("--head", args.head, H)):
+            if value is not None and not 0 <= value < size:
+                raise ValueError(f"{name} must be in [0, {size}), got {value}")
+        summary = f"{run.model} · {T} tokens · {Ly} layers × {H} heads"
+        if args.format == "text":
+            print(summary + " · top-3 attended tokens per query (weight)\n")
+            for note in run.notes:
+                print(f"note: {note}")
+            print(
+                attention_text(
+                    run.tokens,
+                    run.weights,
+                    k=3,
+                    layers=None if args.layer is None else [args.layer],
+                    heads=None if args.head is None else [args.head],
+                )
+            )
+        else:
+            out = save_attention_html(
+                run.tokens,
+                run.weights,
+                args.out,
+                title=f"Attention: {_short(args.text)}",
+                subtitle=summary,
+                notes=run.notes,
+                layer=args.layer or 0,
+                head=args.head or 0,
+                topk=args.top_k,
+            )
+            size = out.stat().st_size
+            print(f"wrote {out} ({size / 1e6:.2f} MB; {summary})")
+            for note in run.notes:
+                print(f"note: {note}")
+            if T > MAX_FULL_TOKENS:
+                print(f"note: long input, the viewer keeps each token's top {args.top_k} weights")
+        if args.png is not None:
+            png = Path(args.out).with_suffix(".png") if args.png is True else Path(args.png)
+            attention_png(run.tokens, run.weights, png, title=summary)
+            print(f"wrote {png}")
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+        print(f"attnlab visualize: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Adds ``attnlab visualize`` to the ``attnlab`` command's subparsers."""
+    p = sub.add_parser(
+        "visualize",
+        help="show a model's attention on a text: HTML viewer, PNG heatmaps or text",
+        description=(
+            "Runs a model on TEXT and writes one self-contained HTML page (no network) with a "
+            "head view (lines from each token to the tokens it attends to), a model view "
+            "(layers × heads thumbnails; click to select), per-head entropy and hover "
+            "details. Default model: the pretrained all-MiniLM-L6-v2; --checkpoint uses a "
+            "character-level GPT written by `attnlab train`."
+        ),
+    )
+    p.add_argument(
+        "text",
+        nargs="?",
+        default=DEFAULT_TEXT,
+        metavar="TEXT",
+        help=f"the text to run (default: {DEFAULT_TEXT!r})",
+    )
+    p.add_argument(
+        "--model",
+        choices=MODELS,
+        default=None,
+        help="minilm (default) or gpt (implied by --checkpoint)",
+    )
+    p.add_argument(
+        "--checkpoint", metavar="PATH", help="a GPT checkpoint (.safetensors) from `attnlab train`"
+    )
+    p.add_argument(
+        "--out",
+        default="attention.html",
+        metavar="FILE.html",
+        help="where to write the HTML page (default attention.html)",
+    )
+    p.add_argument(
+        "--format",
+        choices=("html", "text"),
+        default="html",
+        help="html (default) or text: per head, each token's top-3 attended tokens",
+    )
+    p.add_argument(
+        "--png",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="FILE.png",
+        help="also write a PNG grid of heatmaps, layers × heads (default name: --out as .png)",
+    )
+    p.add_argument("--layer", type=int, help="text: only this layer; html: the layer shown first")
+    p.add_argument("--head", type=int, help="text: only this head; html: the head shown first")
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=8,
+        metavar="K",
+        help="inputs over 64 tokens: weights kept and lines drawn per token (default 8)",
+    )
+    p.set_defaults(func=_cmd_visualize)

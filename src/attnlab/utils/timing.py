@@ -1,0 +1,78 @@
+"""One way to time work: wall-clock seconds from ``time.perf_counter``."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class Timer:
+    """Seconds since it was made (`seconds`) and since the last `lap`.
+
+    Example:
+        >>> t = Timer()
+        >>> work()
+        >>> print(f"({t.seconds:.1f} s)")
+    """
+
+    def __init__(self) -> None:
+        self.start = self._last = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        """Seconds since the timer was made."""
+        return time.perf_counter() - self.start
+
+    def lap(self) -> float:
+        """Seconds since the previous `lap` (or since the timer was made)."""
+        now = time.perf_counter()
+        seconds, self._last = now - self._last, now
+        return seconds
+
+
+def time_call(fn: Callable[[], T]) -> tuple[T, float]:
+    """Runs ``fn()`` once; returns ``(result, seconds)``."""
+    t0 = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - t0
+
+
+def best_times(
+    fns: dict[str, Callable[[], Any]],
+    repeats: int,
+    *,
+    warmup: bool = True,
+    on_step: Callable[[str], None] | None = None,
+) -> dict[str, float]:
+    """Best time of each function over ``repeats`` rounds, interleaved: one call of each per round.
+
+    Interleaving lets machine noise hit every contender alike. With ``warmup`` each function is
+    called once first (compilation, allocator) without being timed.
+
+    Args:
+        fns: name -> a function of no arguments.
+        repeats: timed rounds (>= 1).
+        warmup: call each function once before timing.
+        on_step: called with a description after every call (e.g. a progress bar's step).
+
+    Returns:
+        name -> the smallest time in seconds.
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    step = on_step if on_step is not None else (lambda what: None)
+    best = dict.fromkeys(fns, math.inf)
+    if warmup:
+        for name, fn in fns.items():
+            fn()
+            step(f"warm-up {name}")
+    for r in range(repeats):
+        for name, fn in fns.items():
+            _, seconds = time_call(fn)
+            best[name] = min(best[name], seconds)
+            step(f"round {r + 1} {name}")
+    return best
