@@ -53,6 +53,26 @@ def test_check_passes_and_prints_table(capsys):
     assert f"{len(rows)} passed, 0 failed" in out
 
 
+def test_check_lists_calls_a_backend_cannot_run_as_not_supported(capsys):
+    """decode runs only decode steps: those pass against the reference, the rest are n/a."""
+    code = cli.main(["check", "--backend", "decode", "--dtype", "float32", "-L", "17", "-S", "23"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = {
+        line.split("  ")[1].strip(): line for line in out.splitlines() if line.startswith("decode ")
+    }
+    steps = {name for name, case in _check_cases(2, 17, 23).items() if case[3]}
+    assert steps == {"decode step", "decode step, padding"}
+    for name, line in rows.items():
+        if name in steps:
+            assert line.rstrip().endswith("pass"), line
+        else:
+            assert "n/a: it " in line, line  # the backend's own reason
+    assert "n/a: it is inference-only" in rows["causal"]
+    n = len(rows)
+    assert f"{len(steps)} passed, 0 failed, {n - len(steps)} not supported" in out
+
+
 def test_check_fails_on_a_wrong_backend(capsys, monkeypatch):
     def wrong(req):
         out, _ = registry.get_backend("sdpa").run(req)
