@@ -117,6 +117,44 @@ def test_header_records_a_sha256_per_tensor(saved):
     assert digests["t.float32"] == hashlib.sha256(raw[8 + n + begin : 8 + n + end]).hexdigest()
 
 
+FIXTURE = Path(__file__).parent / "fixtures" / "format_v1.safetensors"
+
+
+def _fixture_tensors() -> dict[str, torch.Tensor]:
+    """What ``tests/fixtures/format_v1.safetensors`` holds: it was written by the hand-written
+    writer of attnlab 0.x (before checkpoint.py moved onto the safetensors library) with
+    ``save_checkpoint(FIXTURE, _fixture_tensors(), FIXTURE_METADATA)``."""
+    emb = (torch.arange(12, dtype=torch.float32).reshape(4, 3) / 8 - 0.7).to(torch.bfloat16)
+    emb.view(torch.int16)[0, :3] = torch.tensor([-1, -128, -32768])  # bits of NaN, -inf, -0.0
+    return {
+        "emb.weight": emb,
+        "head.weight": emb,  # tied: the same tensor
+        "steps": torch.tensor([2**40 + 3, -5, 0, 2**63 - 1], dtype=torch.int64),
+        "ln.bias": torch.tensor([0.5, -1.25, 3.0], dtype=torch.float32),
+        "scale": torch.tensor(1.5, dtype=torch.float16),
+        "mask": torch.tensor([[True, False], [False, True]]),
+        "empty": torch.empty(2, 0),
+    }
+
+
+FIXTURE_METADATA = {"note": "written by the hand-written writer ✓", "step": "7"}
+
+
+def test_a_checkpoint_written_by_the_old_hand_written_writer_still_loads(tmp_path):
+    ck = load_checkpoint(FIXTURE)
+    want = _fixture_tensors()
+    assert set(ck.tensors) == set(want) and ck.metadata == FIXTURE_METADATA
+    for name, t in want.items():
+        assert _same(ck.tensors[name], t), name
+    assert ck.tensors["head.weight"] is ck.tensors["emb.weight"]  # the tie is restored
+    assert _bits(ck.tensors["emb.weight"][0, :3]) == b"\xff\xff\x80\xff\x00\x80"
+    raw = bytearray(FIXTURE.read_bytes())  # the old header checksum is still verified
+    raw[raw.index(b"hand-written")] ^= 0x20
+    (tmp_path / "f.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="header sha256 mismatch"):
+        load_checkpoint(tmp_path / "f.safetensors")
+
+
 # ---------------------------------------------------------------------------- K1, K2, K3
 @pytest.mark.parametrize(
     "cut,pattern",
