@@ -324,6 +324,47 @@ def test_k4_hand_made_bad_headers_are_rejected_with_a_message(tmp_path, header, 
         load_checkpoint(path)
 
 
+def test_the_header_sha256_catches_edits_that_keep_the_file_well_formed(tmp_path):
+    """A swapped shape or an edited metadata string leaves every tensor's bytes (and sha256) as
+    they were and the file valid safetensors: only the header's own sha256 catches them."""
+    from safetensors.torch import load_file
+
+    path = tmp_path / "s.safetensors"
+    save_checkpoint(path, {"w": torch.arange(6.0).reshape(2, 3)}, {"lr": "0.001"})
+    raw = path.read_bytes()
+    for old, new in [(b"[2,3]", b"[3,2]"), (b'"0.001"', b'"0.002"')]:
+        assert raw.count(old) == 1
+        path.write_bytes(raw.replace(old, new))
+        load_file(str(path))  # P: safetensors loads the edited file
+        with pytest.raises(CheckpointError, match="header sha256 mismatch"):
+            load_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    "header,pattern",
+    [
+        (
+            b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+            b'"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}',
+            r"not valid JSON \(duplicate keys \['a'\]\)",
+        ),
+        (
+            b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "scale": 2}}',
+            r"tensor 'a': expected exactly dtype, shape, data_offsets",
+        ),
+    ],
+)
+def test_headers_that_safetensors_accepts_but_attnlab_refuses(tmp_path, header, pattern):
+    """Why the header is checked before safetensors decodes it: safetensors keeps the last of two
+    tensors with one name and ignores unknown fields."""
+    from safetensors.torch import load_file
+
+    path = _raw(tmp_path / "d.safetensors", header, bytes(4))
+    assert set(load_file(str(path))) == {"a"}  # P: no error from safetensors
+    with pytest.raises(CheckpointError, match=pattern):
+        read_safetensors(path)
+
+
 def test_read_safetensors_accepts_foreign_files_but_validates_structure(tmp_path):
     from safetensors.torch import save_file
 
@@ -565,35 +606,24 @@ def test_saving_to_a_pickle_suffix_is_refused(tmp_path):
 # ---------------------------------------------------------------------------- K10 atomicity
 _CHILD = textwrap.dedent(
     """
-    import os, sys, time, torch
+    import os, sys, time, torch, safetensors.torch
     from attnlab.checkpoint import save_checkpoint
 
     path, mode = sys.argv[1], sys.argv[2]
-    real_fdopen = os.fdopen
+    real_save_file = safetensors.torch.save_file
 
-    class Stalling:
-        def __init__(self, f):
-            self.f, self.n = f, 0
-        def write(self, b):
-            self.f.write(b)
-            self.n += 1
-            if mode == "mid-data" and self.n == 2:
-                self.f.flush()
-                print("STALLED", flush=True)
-                time.sleep(120)
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-        def __enter__(self):
-            return self
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
+    def stalling_save_file(tensors, filename, metadata=None):  # stops half-way through the data
+        real_save_file(tensors, filename, metadata=metadata)
+        os.truncate(filename, os.path.getsize(filename) // 2)
+        print("STALLED", flush=True)
+        time.sleep(120)
 
     def stalling_fsync(fd):
         print("STALLED", flush=True)
         time.sleep(120)
 
     if mode == "mid-data":
-        os.fdopen = lambda *a, **k: Stalling(real_fdopen(*a, **k))
+        safetensors.torch.save_file = stalling_save_file
     elif mode == "before-rename":
         os.fsync = stalling_fsync
     if mode == "loop":

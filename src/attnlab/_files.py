@@ -20,6 +20,7 @@ import os
 import re
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +66,17 @@ class CheckpointError(ValueError):
         self.cause = cause
 
 
-def atomic_write(path: Path, chunks) -> None:
-    """Writes ``chunks`` to a temp file beside ``path``, fsyncs, then renames it over ``path``."""
+def atomic_write(path: Path, fill: Callable[[str], object]) -> None:
+    """``fill(temp)`` writes a temp file beside ``path``; it is fsynced and renamed over ``path``.
+
+    A writer killed at any point leaves ``path`` as it was.
+    """
     directory = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
+        fill(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -106,7 +109,9 @@ def read_file(path: Path, *, safetensors: bool = True) -> bytes:
             raw = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(errno.ENOENT, f"checkpoint not found: {path}", str(path)) from None
-    if not safetensors or (len(raw) >= 9 and 8 + _length(raw) <= len(raw) and raw[8:9] == b"{"):
+    if not safetensors or (
+        len(raw) >= 9 and 8 + header_length(raw) <= len(raw) and raw[8:9] == b"{"
+    ):
         return raw
     if raw[:4] == b"PK\x03\x04":
         raise CheckpointError(path, "refusing a zip archive (torch.save format, pickle inside)")
@@ -115,7 +120,8 @@ def read_file(path: Path, *, safetensors: bool = True) -> bytes:
     return raw
 
 
-def _length(raw: bytes) -> int:
+def header_length(raw: bytes) -> int:
+    """N, the header length in a safetensors file's 8-byte prefix."""
     return struct.unpack("<Q", raw[:8])[0]
 
 
@@ -147,7 +153,7 @@ def parse_header(path: Path, raw: bytes) -> tuple[dict[str, str], dict[str, tupl
             path,
             f"file too small: {len(raw)} bytes, a safetensors file needs at least 8 (truncated?)",
         )
-    n = _length(raw)
+    n = header_length(raw)
     if n > MAX_HEADER_BYTES:
         raise CheckpointError(
             path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupted?)"
@@ -274,7 +280,7 @@ def save_json(path: str | os.PathLike, data: Any) -> None:
     body = json.dumps(data, sort_keys=True, indent=2)
     digest = hashlib.sha256(body.encode("utf-8")).hexdigest()
     text = json.dumps({"sha256": digest, "data": data}, sort_keys=True, indent=2) + "\n"
-    atomic_write(Path(os.fspath(path)), [text.encode("utf-8")])
+    atomic_write(Path(os.fspath(path)), lambda tmp: Path(tmp).write_bytes(text.encode("utf-8")))
 
 
 def load_json(path: str | os.PathLike) -> Any:

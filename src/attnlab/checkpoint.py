@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +46,7 @@ from ._files import (
     atomic_write,
     check_header_sha256,
     decode,
+    header_length,
     load_json,
     parse_header,
     read_file,
@@ -57,7 +57,6 @@ from ._files import (
 
 FORMAT_VERSION = "1"
 _RESERVED = "attnlab."
-_CHUNK = 1 << 22  # bytes per write() of the tensor data
 
 
 @dataclass
@@ -199,18 +198,23 @@ def save_checkpoint(
         )
     meta = _check_metadata(metadata)
     stored, ties = _prepare(tensors_or_module)
-    from safetensors.torch import save
+    from safetensors.torch import save_file
 
     digests = {n: _sha256(t) for n, t in stored.items()}
     meta["attnlab.format_version"] = FORMAT_VERSION
     meta["attnlab.sha256"] = json.dumps(digests, sort_keys=True)
     meta["attnlab.ties"] = json.dumps(ties, sort_keys=True)
-    meta[HEADER_KEY] = "0" * 64
-    raw = save(stored, metadata=meta)
-    start = 8 + struct.unpack("<Q", raw[:8])[0]
-    data = memoryview(raw)[start:]
-    chunks = (data[i : i + _CHUNK] for i in range(0, len(data), _CHUNK))
-    atomic_write(path, [seal_header_sha256(raw[:start]), *chunks])
+    meta[HEADER_KEY] = "0" * 64  # sealed below, once the header's bytes exist
+
+    def fill(tmp: str) -> None:
+        save_file(stored, tmp, metadata=meta)  # safetensors streams the tensors to the file
+        with open(tmp, "rb+") as f:
+            head = f.read(8)
+            head += f.read(header_length(head))
+            f.seek(0)
+            f.write(seal_header_sha256(head))
+
+    atomic_write(path, fill)
 
 
 # --------------------------------------------------------------------------------------- loading
