@@ -1,0 +1,298 @@
+"""Files on disk for `attnlab.checkpoint`: atomic writes, reads that refuse pickle, the
+safetensors header check, decoding through the safetensors library (`read_safetensors` for any
+safetensors file), the header's own sha256, and checksummed JSON.
+
+`parse_header` checks a safetensors file's structure before the safetensors library decodes it.
+The library rejects the same files, but its messages name the fault less precisely ("invalid
+offset for tensor `b`", "incomplete metadata, file not fully covered") and it accepts duplicate
+tensor names (the last one wins) and unknown fields; `parse_header` says which tensor, which
+bytes overlap, and how many bytes are missing or trailing. Nothing here imports pickle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit (100 MB)
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
+# The dtypes attnlab stores and reads: those every safetensors >= 0.4 reader understands.
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+HEADER_KEY = "attnlab.header_sha256"
+_HEADER_DIGEST_RE = re.compile(rb'"attnlab\.header_sha256"\s*:\s*"([0-9a-f]{64})"')
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be trusted or does not fit: ``CheckpointError(path, cause)``.
+
+    Attributes:
+        path: the file.
+        cause: what is wrong, in words.
+    """
+
+    def __init__(self, path: str | os.PathLike, cause: str) -> None:
+        super().__init__(f"{os.fspath(path)}: {cause}")
+        self.path = os.fspath(path)
+        self.cause = cause
+
+
+def atomic_write(path: Path, fill: Callable[[str], object]) -> None:
+    """``fill(temp)`` writes a temp file beside ``path``; it is fsynced and renamed over ``path``.
+
+    A writer killed at any point leaves ``path`` as it was.
+    """
+    directory = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        fill(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename durable (POSIX directories only)
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def read_file(path: Path, *, safetensors: bool = True) -> bytes:
+    """The bytes of ``path``; for ``safetensors``, refuses pickle suffixes and zip/pickle content.
+
+    A safetensors prefix is a little-endian length, so a valid file can start with the same two
+    bytes as a pickle (a 896-byte header starts ``80 03``): only content whose prefix cannot be
+    safetensors is judged by its magic bytes. Nothing is ever unpickled.
+    """
+    if safetensors and path.suffix.lower() in PICKLE_SUFFIXES:
+        raise CheckpointError(
+            path,
+            f"refusing {path.suffix!r}: pickle-based checkpoints can run arbitrary code when "
+            "loaded; convert it to safetensors in a trusted environment",
+        )
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"checkpoint not found: {path}", str(path)) from None
+    if not safetensors or (
+        len(raw) >= 9 and 8 + header_length(raw) <= len(raw) and raw[8:9] == b"{"
+    ):
+        return raw
+    if raw[:4] == b"PK\x03\x04":
+        raise CheckpointError(path, "refusing a zip archive (torch.save format, pickle inside)")
+    if len(raw) >= 2 and raw[0] == 0x80 and 2 <= raw[1] <= 5:
+        raise CheckpointError(path, f"refusing a pickle stream (protocol {raw[1]})")
+    return raw
+
+
+def header_length(raw: bytes) -> int:
+    """N, the header length in a safetensors file's 8-byte prefix."""
+    return struct.unpack("<Q", raw[:8])[0]
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate keys {sorted({k for k in keys if keys.count(k) > 1})}")
+    return dict(pairs)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _uints(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
+    )
+
+
+def parse_header(path: Path, raw: bytes) -> tuple[dict[str, str], dict[str, tuple[int, int]], int]:
+    """Checks the safetensors structure; returns ``(metadata, {name: (begin, end)}, data start)``.
+
+    safetensors checks the same and more, but names the fault less precisely and accepts
+    duplicate names and unknown fields; this runs first so every error says exactly what is wrong.
+    """
+    if len(raw) < 8:
+        raise CheckpointError(
+            path,
+            f"file too small: {len(raw)} bytes, a safetensors file needs at least 8 (truncated?)",
+        )
+    n = header_length(raw)
+    if n > MAX_HEADER_BYTES:
+        raise CheckpointError(
+            path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupted?)"
+        )
+    if 8 + n > len(raw):
+        raise CheckpointError(
+            path,
+            f"truncated: the header claims {n} bytes but only {len(raw) - 8} follow the prefix",
+        )
+    try:
+        text = raw[8 : 8 + n].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(path, f"header is not valid UTF-8 ({e})") from None
+    try:
+        header = json.loads(text, object_pairs_hook=_json_object, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(path, f"header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(path, f"header must be a JSON object, got {type(header).__name__}")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CheckpointError(path, "__metadata__ must be an object of string values")
+    spans: dict[str, tuple[int, int]] = {}
+    for name, info in header.items():
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise CheckpointError(
+                path, f"tensor {name!r}: expected exactly dtype, shape, data_offsets, got {info!r}"
+            )
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in DTYPES:
+            raise CheckpointError(
+                path, f"tensor {name!r}: unknown dtype {dtype!r} (known: {sorted(DTYPES)})"
+            )
+        if not _uints(shape):
+            raise CheckpointError(
+                path, f"tensor {name!r}: shape must be a list of non-negative ints, got {shape!r}"
+            )
+        if not _uints(offsets) or len(offsets) != 2:
+            raise CheckpointError(
+                path, f"tensor {name!r}: data_offsets must be [begin, end], got {offsets!r}"
+            )
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        if nbytes >= 2**63:
+            raise CheckpointError(
+                path, f"tensor {name!r}: shape {shape} × {dtype} overflows ({nbytes} bytes)"
+            )
+        if offsets[1] - offsets[0] != nbytes:
+            raise CheckpointError(
+                path,
+                f"tensor {name!r}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes "
+                f"but shape {shape} × {dtype} needs {nbytes}",
+            )
+        spans[name] = (offsets[0], offsets[1])
+    position, previous = 0, ""
+    for name, (begin, end) in sorted(spans.items(), key=lambda item: item[1]):
+        if begin < position:
+            raise CheckpointError(
+                path,
+                f"overlapping data_offsets: {name!r} [{begin}, {end}) overlaps {previous!r} "
+                f"[{spans[previous][0]}, {spans[previous][1]})",
+            )
+        if begin > position:
+            raise CheckpointError(
+                path, f"gap in the data region: bytes [{position}, {begin}) belong to no tensor"
+            )
+        position, previous = end, name
+    data_len = len(raw) - 8 - n
+    if position > data_len:
+        raise CheckpointError(
+            path, f"truncated: tensors need {position} data bytes but the file holds {data_len}"
+        )
+    if position < data_len:
+        raise CheckpointError(
+            path,
+            f"{data_len - position} trailing bytes after the last tensor (the data region must "
+            "be covered exactly)",
+        )
+    return meta, spans, 8 + n
+
+
+def decode(path: Path, raw: bytes) -> dict[str, Tensor]:
+    """The tensors, decoded by safetensors from the checked bytes."""
+    from safetensors.torch import load
+
+    try:
+        return load(raw)
+    except Exception as e:  # SafetensorError, or a dtype this safetensors version cannot map
+        raise CheckpointError(path, f"safetensors could not decode the file ({e})") from None
+
+
+def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Reads any safetensors file (e.g. a downloaded model) with full structural validation.
+
+    Checks what `load_checkpoint` checks about the structure (sizes, UTF-8, JSON, dtypes,
+    shapes, offsets, trailing bytes, pickle refusal) but not checksums, which foreign files lack.
+
+    Returns:
+        ``(tensors, metadata)``.
+    """
+    path = Path(os.fspath(path))
+    raw = read_file(path)
+    meta, _, _ = parse_header(path, raw)
+    return decode(path, raw), meta
+
+
+def seal_header_sha256(head: bytes) -> bytes:
+    """``head`` (prefix + header) with its `HEADER_KEY` value, 64 zeros, set to its sha256."""
+    digest = hashlib.sha256(head).hexdigest().encode()
+    return _HEADER_DIGEST_RE.sub(lambda m: m.group(0).replace(b"0" * 64, digest), head)
+
+
+def check_header_sha256(path: Path, head: bytes, meta: dict[str, str]) -> None:
+    """Checks a header sealed by `seal_header_sha256` (``meta``: its parsed ``__metadata__``)."""
+    found = _HEADER_DIGEST_RE.findall(head[8:])
+    if len(found) != 1 or meta.get(HEADER_KEY) != found[0].decode():
+        raise CheckpointError(path, "header checksum missing or malformed (corrupted header)")
+    blank = _HEADER_DIGEST_RE.sub(lambda m: m.group(0).replace(found[0], b"0" * 64), head)
+    if hashlib.sha256(blank).hexdigest() != found[0].decode():
+        raise CheckpointError(path, "header sha256 mismatch: the header is corrupted")
+
+
+def save_json(path: str | os.PathLike, data: Any) -> None:
+    """Writes ``{"sha256": …, "data": data}`` atomically; `load_json` verifies the digest."""
+    body = json.dumps(data, sort_keys=True, indent=2)
+    digest = hashlib.sha256(body.encode("utf-8")).hexdigest()
+    text = json.dumps({"sha256": digest, "data": data}, sort_keys=True, indent=2) + "\n"
+    atomic_write(Path(os.fspath(path)), lambda tmp: Path(tmp).write_bytes(text.encode("utf-8")))
+
+
+def load_json(path: str | os.PathLike) -> Any:
+    """Reads a file written by `save_json`; raises `CheckpointError` if it was altered."""
+    raw = read_file(Path(os.fspath(path)), safetensors=False)
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(path, f"not valid UTF-8 JSON ({e})") from None
+    if not isinstance(doc, dict) or set(doc) != {"sha256", "data"}:
+        raise CheckpointError(path, "expected a JSON object with exactly 'sha256' and 'data'")
+    body = json.dumps(doc["data"], sort_keys=True, indent=2)
+    if hashlib.sha256(body.encode("utf-8")).hexdigest() != doc["sha256"]:
+        raise CheckpointError(path, "sha256 mismatch: the JSON was altered or corrupted")
+    return doc["data"]
