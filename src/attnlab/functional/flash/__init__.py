@@ -31,7 +31,8 @@ Modules (one job each): `plan` (tile sizes, engine, plan for a request), `tiles`
 tiles), `engines` (kernel and pure-PyTorch engines), `band` (batched band calls), `job` (walks a
 plan forward and backward), `autograd` (the differentiable entry), `poison` (the NaN rule's
 entries), `ops` (custom operators for ``torch.compile``), `run` (the registry's hooks and
-`flash_attention`). Auto's size thresholds and `flash_declines` live in `functional.backends`.
+`flash_attention`). Auto's size thresholds (``AUTO_*_MIN``) and `flash_declines` are the dispatch
+policy: they live in `functional.backends`.
 
 Not supported (the backend's ``supports`` says so and ``backend="auto"`` picks another): dropout,
 returning the (B, H, L, S) weights, and gradients through bias *functions* whose values require
@@ -66,21 +67,6 @@ from .plan import (
 from .poison import poison_entries
 from .run import explain_plan, flash_attention, flash_run, flash_run_lse, flash_supports
 from .tiles import BandTiles, TileSource
-
-# Auto's preference moved to `functional.backends` (it is the dispatch policy, not the tiling);
-# these names are still served from here, looked up on first use (backends imports this package).
-_POLICY = ("AUTO_BAND_MIN", "AUTO_LONG_MIN", "AUTO_SPARSE_MIN", "flash_declines")
-
-
-def __getattr__(name: str) -> object:
-    if name in _POLICY:
-        # (``from .. import backends`` would find the function `attnlab.functional.backends`)
-        from ..backends import AUTO_BAND_MIN, AUTO_LONG_MIN, AUTO_SPARSE_MIN, flash_declines
-
-        policy = (AUTO_BAND_MIN, AUTO_LONG_MIN, AUTO_SPARSE_MIN, flash_declines)
-        return dict(zip(_POLICY, policy, strict=True))[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "BAND_BLOCK",
