@@ -4,7 +4,7 @@ For structured masks (sliding window, causal document) and a function bias (ALiB
 ``backend="flash"`` against ``backend="sdpa"`` (which renders the mask/bias densely and runs one
 fused call) side by side, interleaved, at growing L, and prints sdpa/flash ratios, what
 ``backend="auto"`` picks at each size (``AUTO_BAND_MIN``, ``AUTO_SPARSE_MIN`` in
-``functional/flash.py``), and the machine's fp32 matmul rate.
+``functional/backends.py``), and the machine's fp32 matmul rate.
 
 Run: python benchmarks/bench_crossover.py [--repeats 15] [--lengths 256 384 512 724 1024]
 """
@@ -17,7 +17,7 @@ import torch
 
 import attnlab
 from attnlab import masks
-from attnlab.functional.flash import AUTO_BAND_MIN, AUTO_SPARSE_MIN
+from attnlab.functional.backends import AUTO_BAND_MIN, AUTO_SPARSE_MIN
 from attnlab.positional import ALiBi
 from common import interleaved_medians, print_machine
 

@@ -84,13 +84,13 @@ def determinism_and_hops(rank: int, world: int, layout: str) -> dict:
     case = {"seed": 3, "B": 1, "H": 2, "H_kv": 1, "N": 8 * world, "D": 16, "dtype": torch.float32}
     q, k, v, dout = _global_inputs(case)
     calls = []
-    original = ring_mod._Ring.start
+    original = ring_mod.Ring.start
 
     def counting(self, tensors):
         calls.append(sum(t.numel() for t in tensors))
         return original(self, tensors)
 
-    ring_mod._Ring.start = counting
+    ring_mod.Ring.start = counting
     xs = [shard(t, layout=layout).detach().requires_grad_() for t in (q, k, v)]
     out = ring_attention(*xs, causal=True, layout=layout)
     fwd_calls = list(calls)
@@ -105,7 +105,7 @@ def determinism_and_hops(rank: int, world: int, layout: str) -> dict:
         else:
             bit_equal &= all(torch.equal(a, b) for a, b in zip(first, grads, strict=True))
     out2 = ring_attention(*xs, causal=True, layout=layout)
-    ring_mod._Ring.start = original
+    ring_mod.Ring.start = original
     block = xs[1].numel() + xs[2].numel()  # one rank's keys and values
     return {
         "fwd_rotations": sum(fwd_calls) / block,  # blocks moved, whatever the number of pieces
@@ -145,7 +145,7 @@ def mismatch(rank: int, world: int, field: str) -> str:
 def pieces_invariance(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Each case with pieces = 1, 2, 3: largest difference from pieces = 1, messages sent."""
     results = []
-    original = ring_mod._Ring.start
+    original = ring_mod.Ring.start
     for case in cases:
         q, k, v, dout = _global_inputs(case)
         layout = case["layout"]
@@ -158,13 +158,13 @@ def pieces_invariance(rank: int, world: int, cases: list[dict]) -> list[dict]:
                 sent.append(len(tensors))
                 return original(self, tensors)
 
-            ring_mod._Ring.start = counting
+            ring_mod.Ring.start = counting
             out = ring_attention(
                 *xs, causal=case["causal"], mask=_mask(case), layout=layout, pieces=pieces
             )
             forward_messages = len(sent)
             grads = torch.autograd.grad(out, xs, shard(dout, layout=layout))
-            ring_mod._Ring.start = original
+            ring_mod.Ring.start = original
             runs[pieces] = (out.detach(), *grads, forward_messages)
         err = lambda a, b: float((a.double() - b.double()).abs().max())  # noqa: E731
         results.append(
@@ -196,7 +196,7 @@ def dies_or_stalls(rank: int, world: int, mode: str, victim: int, timeout: float
     case = {"seed": 1, "B": 1, "H": 2, "H_kv": 2, "N": 8 * world, "D": 16, "dtype": torch.float32}
     q, k, v, _ = _global_inputs(case)
     xs = [shard(t) for t in (q, k, v)]
-    original = ring_mod._Ring.start
+    original = ring_mod.Ring.start
 
     def faulty(self, tensors):
         if rank == victim and self.hops == 1:
@@ -205,7 +205,7 @@ def dies_or_stalls(rank: int, world: int, mode: str, victim: int, timeout: float
             time.sleep(timeout + 6)
         return original(self, tensors)
 
-    ring_mod._Ring.start = faulty
+    ring_mod.Ring.start = faulty
     t0 = time.monotonic()
     try:
         ring_attention(*xs, timeout=timeout)
@@ -216,7 +216,7 @@ def dies_or_stalls(rank: int, world: int, mode: str, victim: int, timeout: float
 
 def big_exchange(rank: int, world: int, mb: int) -> float:
     n = mb * 1024 * 1024 // 4
-    ring = ring_mod._Ring(None, rank, world, None)
+    ring = ring_mod.Ring(None, rank, world, None)
     t0 = time.monotonic()
     blocks = [torch.full((n,), float(rank)), torch.full((n,), float(rank))]
     for _ in range(world - 1):

@@ -246,9 +246,9 @@ def test_relative_plan_describes_itself():
     q = k = v = torch.zeros(1, 2, 3000, 8)
     why = attnlab.explain(q, k, v, mask=masks.causal(), bias=ALiBi(2))
     assert "relative plan" in why, why
-    from attnlab.functional.api import _build_request
+    from attnlab.functional.validate import build_request
 
-    req = _build_request(
+    req = build_request(
         q,
         k,
         v,

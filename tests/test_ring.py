@@ -316,3 +316,35 @@ def test_timeout_covers_the_handshake_before_the_first_hop():
         assert timeout - 0.5 <= p["elapsed"] <= timeout + 2, p  # not the group's 60 s default
     assert results[victim][0] == "ok", results[victim]
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("kind", ["full", "causal", "masked"])
+def test_block_math_off_cpu_engine_equals_the_kernel(kind, monkeypatch):
+    """Off the CPU ring blocks run on flash's pure-PyTorch engine (`TorchEngine`): forced here
+    on CPU tensors, it gives the kernel path's out, lse and gradients (grouped heads, a masked
+    tile with a dead row)."""
+    from attnlab.distributed import ring_blocks as rb
+    from attnlab.functional.flash import Residuals
+
+    g = torch.Generator().manual_seed(0)
+    B, H, H_kv, C, D = 2, 4, 2, 16, 8
+    q, dout = (torch.randn(B, H, C, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, H_kv, C, D, generator=g) for _ in range(2))
+    tile = None
+    if kind == "masked":
+        tile = torch.rand(1, 1, C, C, generator=g) > 0.3
+        tile[..., 3, :] = False  # a row with nothing to attend in this block
+    args = {"kind": kind, "tile": tile, "scale": 0.3}
+    out, lse = rb.block_forward(q, k, v, **args)
+    res = Residuals(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    grads = rb.block_backward(res, **args)
+    monkeypatch.setattr(rb, "kernel_forward", lambda *a: rb._TORCH_ENGINE.forward(*a)[:2])
+    monkeypatch.setattr(rb, "kernel_backward", rb._TORCH_ENGINE.backward)
+    out_t, lse_t = rb.block_forward(q, k, v, **args)
+    grads_t = rb.block_backward(res, **args)
+    torch.testing.assert_close(out_t, out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse_t, lse, atol=2e-6, rtol=1e-5)  # −inf on the dead row in both
+    for a, b in zip(grads_t, grads, strict=True):
+        torch.testing.assert_close(a.to(b.dtype), b, atol=2e-6, rtol=1e-5)
+    if tile is not None:
+        assert torch.isneginf(lse[:, :, 3]).all() and (out[:, :, 3] == 0).all()

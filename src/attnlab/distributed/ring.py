@@ -35,541 +35,39 @@ exactly the (query, key) pairs each tile attends (a sum for full tiles, a cumula
 causal diagonal tiles, a 0/1 matmul for masked tiles); at the end, the rows and columns the rule
 makes non-finite are set to NaN by subtracting ``|poison|`` (+0 elsewhere: bit-exact). Gradients
 are those of the cleaned computation.
+
+Modules: `ring_layout` (layouts, `shard`, `unshard`), `ring_comm` (the point-to-point ring and
+the metadata handshake), `ring_blocks` (one piece against one piece, on the engines of
+`functional.flash`, and the NaN rule's reach); this module drives the ring forward and backward.
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
-import hashlib
 import math
-import time
-import types
-import weakref
-import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..functional.flash import _kernel_bwd, _kernel_fwd
+from .._shapes import check_number, check_qkv
+from ..functional.flash import Residuals
 from ..functional.merge import merge_partials
 from ..masks import Mask
-
-LAYOUTS = ("contiguous", "zigzag")
-_NEG_INF = float("-inf")
-
-
-class RingAttentionError(RuntimeError):
-    """A point-to-point exchange with a peer failed or timed out.
-
-    Attributes:
-        rank: this rank. hop: the exchange (0-based; one per piece and ring step; ``-1`` is the
-        metadata handshake before the first hop). peer: the rank we were exchanging with.
-    """
-
-    def __init__(self, rank: int, hop: int, peer: int, cause: BaseException | str) -> None:
-        where = "during the metadata handshake" if hop < 0 else f"at hop {hop}"
-        super().__init__(
-            f"ring attention on rank {rank}: exchange with peer rank {peer} failed {where}: {cause}"
-        )
-        self.rank, self.hop, self.peer = rank, hop, peer
-
-
-# --------------------------------------------------------------------------- layouts
-def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "ring attention needs an initialised torch.distributed process group "
-            "(dist.init_process_group(backend='gloo' on CPU, 'nccl' on GPU))"
-        )
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def chunk_ids(rank: int, world_size: int, layout: str) -> list[int]:
-    """Global chunk indices a rank holds, in local order (chunks of ``N/W`` or ``N/2W``)."""
-    if layout == "contiguous":
-        return [rank]
-    if layout == "zigzag":
-        return [rank, 2 * world_size - 1 - rank]
-    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-
-
-def _num_chunks(world_size: int, layout: str) -> int:
-    return world_size * len(chunk_ids(0, world_size, layout))
-
-
-def shard(
-    x: Tensor, group: dist.ProcessGroup | None = None, layout: str = "contiguous", dim: int = -2
-) -> Tensor:
-    """This rank's shard of a full sequence ``x`` (the sequence along ``dim``).
-
-    Raises:
-        ValueError: the sequence length is not divisible by the number of chunks (W or 2W).
-    """
-    rank, world = _world(group)
-    n = _num_chunks(world, layout)
-    N = x.shape[dim]
-    if N % n:
-        raise ValueError(
-            f"sequence length {N} must be divisible by {n} chunks (world size {world}, "
-            f"layout {layout!r})"
-        )
-    chunks = x.chunk(n, dim=dim)
-    return torch.cat([chunks[c] for c in chunk_ids(rank, world, layout)], dim=dim)
-
-
-def unshard(
-    x: Tensor, group: dist.ProcessGroup | None = None, layout: str = "contiguous", dim: int = -2
-) -> Tensor:
-    """Reassembles the full sequence from every rank's shard (an all-gather)."""
-    _, world = _world(group)
-    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    per_rank = len(chunk_ids(0, world, layout))
-    ordered: dict[int, Tensor] = {}
-    for r, part in enumerate(parts):
-        for c, piece in zip(
-            chunk_ids(r, world, layout), part.chunk(per_rank, dim=dim), strict=True
-        ):
-            ordered[c] = piece
-    return torch.cat([ordered[c] for c in sorted(ordered)], dim=dim)
-
-
-# --------------------------------------------------------------------------- metadata handshake
-_FIELDS = (
-    "local_len",
-    "batch",
-    "heads",
-    "kv_heads",
-    "head_dim",
-    "value_dim",
-    "dtype",
-    "causal",
-    "layout",
-    "scale",
-    "mask",
-    "key_len",
-    "pieces",
+from .ring_blocks import (
+    add_reach,
+    block_backward,
+    block_forward,
+    clean,
+    nan_flags,
+    reach,
+    tile_relation,
 )
-_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+from .ring_comm import Exchange, Ring, RingAttentionError, RingConfig, handshake
+from .ring_layout import LAYOUTS, chunk_ids, rank_and_world, shard, unshard
 
-
-def _feed(h, obj: object, seen: set[int], depth: int = 0) -> None:
-    """Feeds ``obj``'s structure and contents into the hash ``h`` (identical across processes).
-
-    Tensors contribute dtype, shape and bytes; masks, functions (code, constants, defaults and
-    closure cells), partials and plain objects their parts, recursively. Private attributes
-    (``_name``: caches such as BigBird's random tables) are skipped; object identities and
-    addresses never enter, so equal masks built independently on different ranks agree.
-    """
-    if depth > 32 or id(obj) in seen:
-        h.update(b"<cycle>")
-        return
-    tag = f"{type(obj).__module__}.{type(obj).__qualname__}|".encode()
-    h.update(tag)
-    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
-        h.update(repr(obj).encode())
-        return
-    if isinstance(obj, torch.dtype):
-        h.update(str(obj).encode())
-        return
-    if isinstance(obj, torch.device):  # ranks may well hold the mask on different devices
-        return
-    if isinstance(obj, types.ModuleType | type | types.BuiltinFunctionType):
-        name = getattr(obj, "__qualname__", obj.__name__)
-        h.update(f"{getattr(obj, '__module__', None)}.{name}".encode())
-        return
-    seen = seen | {id(obj)}
-    if isinstance(obj, Tensor):
-        h.update(_tensor_digest(obj))
-        return
-    parts: list[object]
-    if isinstance(obj, list | tuple):
-        parts = list(obj)
-    elif isinstance(obj, dict):
-        parts = [x for kv in sorted(obj.items(), key=lambda kv: repr(kv[0])) for x in kv]
-    elif isinstance(obj, types.CodeType):
-        h.update(obj.co_code)
-        parts = [obj.co_names, obj.co_consts]
-    elif isinstance(obj, types.FunctionType):
-        cells = [c.cell_contents for c in obj.__closure__ or () if _cell_filled(c)]
-        parts = [obj.__module__, obj.__qualname__, obj.__code__, obj.__defaults__, cells]
-        parts += [obj.__kwdefaults__, _data_globals(obj)]
-    elif isinstance(obj, types.MethodType):
-        parts = [obj.__func__, obj.__self__]
-    elif isinstance(obj, functools.partial):
-        parts = [obj.func, obj.args, obj.keywords]
-    elif hasattr(obj, "__dict__"):
-        parts = [x for k, x in sorted(vars(obj).items()) if not k.startswith("_") for x in (k, x)]
-    else:  # a builtin or extension object: its qualified name is all that is stable
-        parts = [getattr(obj, "__qualname__", getattr(obj, "__name__", ""))]
-    h.update(f"[{len(parts)}]".encode())
-    for x in parts:
-        _feed(h, x, seen, depth + 1)
-
-
-# Digests of mask tensors by id, recomputed only when the tensor changes in place (its _version);
-# an entry goes when its tensor does. (Tensors cannot be dict keys: == is elementwise.)
-_DIGESTS: dict[int, tuple[weakref.ref, int, bytes]] = {}
-
-
-def _tensor_digest(x: Tensor) -> bytes:
-    """A digest of a tensor's dtype, shape and contents (wherever it lives)."""
-    cached = _DIGESTS.get(id(x))
-    if cached is not None and cached[0]() is x and cached[1] == x._version:
-        return cached[2]
-    t = x.detach().reshape(-1).cpu().contiguous()
-    h = hashlib.blake2b(f"{t.dtype}{tuple(x.shape)}".encode(), digest_size=16)
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    key = id(x)
-    _DIGESTS[key] = (
-        weakref.ref(x, lambda _, key=key: _DIGESTS.pop(key, None)),
-        x._version,
-        h.digest(),
-    )
-    return h.digest()
-
-
-_DATA = (Tensor, bool, int, float, complex, str, bytes, list, tuple, dict)
-
-
-def _data_globals(fn: types.FunctionType) -> list[object]:
-    """The data (tensors, numbers, strings, containers) a function reads from its globals."""
-    names = sorted({n for n in fn.__code__.co_names if n in fn.__globals__})
-    values = [(n, fn.__globals__[n]) for n in names]
-    return [x for n, value in values if isinstance(value, _DATA) for x in (n, value)]
-
-
-def _cell_filled(cell: types.CellType) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018
-    except ValueError:  # an empty cell (a closure variable not yet assigned)
-        return False
-    return True
-
-
-def _mask_fingerprint(mask: Mask | None) -> int:
-    """A 63-bit hash of the mask's structure *and* contents (document ids, tensors, closures)."""
-    h = hashlib.blake2b(digest_size=8)
-    _feed(h, mask, set())
-    return int.from_bytes(h.digest(), "little") >> 1
-
-
-def _exchange_records(
-    mine: Tensor, group, rank: int, world: int, timeout: datetime.timedelta | None
-) -> Tensor:
-    """Every rank's record ``(W, fields)``, exchanged point to point within ``timeout``.
-
-    Point to point (not an all-gather) so that every wait has this call's deadline rather than
-    the process group's, and a missing record names the peer that did not send it.
-    """
-    table = [mine if r == rank else torch.empty_like(mine) for r in range(world)]
-    peers = [r for r in range(world) if r != rank]
-    if not peers:
-        return torch.stack(table)
-
-    def glob(r: int) -> int:
-        return r if group is None else dist.get_global_rank(group, r)
-
-    ops = [dist.P2POp(dist.isend, mine, glob(p), group) for p in peers]
-    ops += [dist.P2POp(dist.irecv, table[p], glob(p), group) for p in peers]
-    try:
-        works = dist.batch_isend_irecv(ops)
-    except RuntimeError as e:
-        raise RingAttentionError(rank, -1, peers[0], e) from e
-    deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
-    n = len(peers)
-    for peer, work in [*zip(peers, works[n:], strict=True), *zip(peers, works[:n], strict=True)]:
-        try:
-            if deadline is None:
-                ok = work.wait()
-            else:
-                left = max(deadline - time.monotonic(), 1e-3)
-                ok = work.wait(datetime.timedelta(seconds=left))
-        except RuntimeError as e:
-            raise RingAttentionError(rank, -1, peer, e) from e
-        if ok is False:
-            raise RingAttentionError(rank, -1, peer, "timed out")
-    return torch.stack(table)
-
-
-def _handshake(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    causal: bool,
-    layout: str,
-    scale: float,
-    mask: Mask | None,
-    pieces: int,
-    group,
-    rank: int,
-    world: int,
-    timeout: datetime.timedelta | None,
-) -> None:
-    """All ranks agree on shapes and configuration before any payload moves, or all raise."""
-    record = [
-        q.shape[2],
-        q.shape[0],
-        q.shape[1],
-        k.shape[1],
-        q.shape[3],
-        v.shape[3],
-        _DTYPES.index(q.dtype),
-        int(causal),
-        LAYOUTS.index(layout),
-        zlib.crc32(repr(float(scale)).encode()),
-        _mask_fingerprint(mask),
-        k.shape[2],
-        pieces,
-    ]
-    mine = torch.tensor(record, dtype=torch.int64)
-    rows = _exchange_records(mine, group, rank, world, timeout)  # (W, fields)
-    for f, name in enumerate(_FIELDS):
-        column = rows[:, f]
-        if bool((column == column[0]).all()):
-            continue
-        values, counts = column.unique(return_counts=True)
-        majority = values[counts.argmax()] if counts.max() > 1 else column[0]
-        bad = [r for r in range(world) if column[r] != majority]
-        shown = [_DTYPES[int(x)] if name == "dtype" else int(x) for x in column]
-        other = shown[0] if bad[0] else shown[1]
-        detail = f"rank {bad[0]} has {shown[bad[0]]}, the others {other} (all ranks: {shown})"
-        if name == "mask":  # the values are fingerprints of the masks' structure and contents
-            detail = (
-                f"rank {bad[0]} has a different mask (content fingerprints {shown}); "
-                f"this rank ({rank}) has {mask!r}"
-            )
-        raise ValueError(f"ring attention: ranks disagree on {name}: {detail}")
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(
-            f"ring attention: local key length {k.shape[2]} must equal local query length "
-            f"{q.shape[2]} (self-attention over one sharded sequence)"
-        )
-
-
-# --------------------------------------------------------------------------- communication
-@dataclass
-class _Ring:
-    group: dist.ProcessGroup | None
-    rank: int
-    world: int
-    timeout: datetime.timedelta | None
-    hops: int = 0
-
-    @property
-    def send_to(self) -> int:
-        return (self.rank + 1) % self.world
-
-    @property
-    def recv_from(self) -> int:
-        return (self.rank - 1) % self.world
-
-    def _global(self, r: int) -> int:
-        return r if self.group is None else dist.get_global_rank(self.group, r)
-
-    def start(self, tensors: list[Tensor]) -> _Exchange:
-        """Sends ``tensors`` to the next rank and receives the previous rank's, non-blocking.
-
-        Returns the exchange in flight; calling it waits and returns the received tensors.
-        """
-        hop = self.hops
-        self.hops += 1
-        received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-        ops = [
-            dist.P2POp(dist.isend, t.contiguous(), self._global(self.send_to), self.group)
-            for t in tensors
-        ]
-        ops += [
-            dist.P2POp(dist.irecv, r, self._global(self.recv_from), self.group) for r in received
-        ]
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except RuntimeError as e:
-            raise RingAttentionError(self.rank, hop, self.send_to, e) from e
-        return _Exchange(self, hop, works, len(tensors), received)
-
-
-@dataclass
-class _Exchange:
-    """One exchange in flight: ``works`` are its sends (the first ``sends``), then its receives.
-
-    Calling it waits (only the first time) and returns the received tensors. Each finished
-    operation is dropped at once, so a sent buffer is freed as soon as the caller lets go of it.
-    """
-
-    ring: _Ring
-    hop: int
-    works: list
-    sends: int
-    received: list[Tensor]
-
-    def __call__(self) -> list[Tensor]:
-        timeout = self.ring.timeout
-        while self.works:
-            peer = self.ring.send_to if self.sends > 0 else self.ring.recv_from
-            self.sends -= 1
-            work = self.works.pop(0)
-            try:
-                ok = work.wait(timeout) if timeout is not None else work.wait()
-            except RuntimeError as e:
-                raise RingAttentionError(self.ring.rank, self.hop, peer, e) from e
-            if ok is False:
-                raise RingAttentionError(self.ring.rank, self.hop, peer, "timed out")
-        return self.received
-
-
-# --------------------------------------------------------------------------- block math
-def _tile_relation(
-    mask: Mask | None, causal: bool, q_id: int, k_id: int, C: int, N: int, B: int, H: int, device
-) -> tuple[str, Tensor | None]:
-    """How queries of piece q_id see keys of piece k_id: skip, full, causal or masked (a tile).
-
-    Pieces are global: piece ``i`` holds positions ``[i·C, (i+1)·C)``.
-    """
-    if causal and q_id < k_id:
-        return "skip", None
-    if mask is None:
-        return ("causal", None) if causal and q_id == k_id else ("full", None)
-    b = torch.arange(B, device=device).view(-1, 1, 1, 1)
-    h = torch.arange(H, device=device).view(1, -1, 1, 1)
-    i = torch.arange(q_id * C, (q_id + 1) * C, device=device).view(1, 1, C, 1)
-    j = torch.arange(k_id * C, (k_id + 1) * C, device=device).view(1, 1, 1, C)
-    tile = mask._eval(b, h, i, j, N, N)
-    if causal:
-        tile = tile & (j <= i)
-    if not bool(tile.any()):
-        return "skip", None
-    if bool(tile.all()):
-        return "full", None
-    return "masked", tile
-
-
-def _expand_kv(t: Tensor, H: int) -> Tensor:
-    H_kv = t.shape[1]
-    return t if H_kv == H else t.repeat_interleave(H // H_kv, dim=1)  # (B, H, C, ·)
-
-
-def _reduce_kv(g: Tensor, H_kv: int) -> Tensor:
-    B, H, C, D = g.shape
-    if g.shape[1] == H_kv:
-        return g
-    return g.view(B, H_kv, H // H_kv, C, D).sum(2)  # (B, H_kv, C, D)
-
-
-def _use_kernel(q: Tensor) -> bool:
-    return q.device.type == "cpu"
-
-
-def _block_fwd(
-    q: Tensor, k: Tensor, v: Tensor, kind: str, tile: Tensor | None, scale: float
-) -> tuple[Tensor, Tensor]:
-    """``(out (B, H, C, Dv), lse (B, H, C) float32+)`` of q against one key/value piece."""
-    H = q.shape[1]
-    k, v = _expand_kv(k, H), _expand_kv(v, H)
-    add = None
-    if tile is not None:
-        add = torch.zeros(tile.shape, dtype=q.dtype, device=q.device).masked_fill(~tile, _NEG_INF)
-    if _use_kernel(q):
-        out, lse = _kernel_fwd(q, k, v, add, kind == "causal", scale)
-    else:
-        out, lse = _math_fwd(q, k, v, kind, add, scale)
-    if tile is not None:  # the kernel reports lse = 0 for rows with nothing to attend
-        dead = ~tile.any(-1).expand(lse.shape)
-        lse = lse.masked_fill(dead, _NEG_INF)
-    return out, lse
-
-
-def _math_fwd(q, k, v, kind, add, scale):
-    stat = torch.float64 if q.dtype == torch.float64 else torch.float32
-    s = (q.to(stat) @ k.to(stat).transpose(-1, -2)) * scale  # (B, H, C, C)
-    if kind == "causal":
-        C = s.shape[-1]
-        s = s.masked_fill(~torch.ones(C, C, dtype=torch.bool, device=s.device).tril(), _NEG_INF)
-    if add is not None:
-        s = s + add.to(stat)
-    lse = torch.logsumexp(s, dim=-1)  # (B, H, C)
-    p = torch.exp(s - lse.unsqueeze(-1).masked_fill(torch.isneginf(lse.unsqueeze(-1)), 0.0))
-    return (p @ v.to(stat)).to(q.dtype), lse
-
-
-def _block_bwd(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    kind: str,
-    tile: Tensor | None,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one block given the GLOBAL out and lse (rows with lse = −inf contribute 0)."""
-    H, H_kv = q.shape[1], k.shape[1]
-    ke, ve = _expand_kv(k, H), _expand_kv(v, H)
-    add = None
-    if tile is not None:
-        add = torch.zeros(tile.shape, dtype=q.dtype, device=q.device).masked_fill(~tile, _NEG_INF)
-    # A row that attends nothing anywhere has lse = −inf and a constant zero output: with lse
-    # replaced by +inf its probabilities exp(s − lse) are exactly 0, so it contributes nothing.
-    lse = lse.masked_fill(torch.isneginf(lse), math.inf)
-    if _use_kernel(q):
-        dq, dk, dv = _kernel_bwd(
-            dout.contiguous(), q, ke, ve, out, lse, add, kind == "causal", scale
-        )
-    else:
-        dq, dk, dv = _math_bwd(dout, q, ke, ve, out, lse, kind, add, scale)
-    return dq, _reduce_kv(dk, H_kv), _reduce_kv(dv, H_kv)
-
-
-def _math_bwd(dout, q, k, v, out, lse, kind, add, scale):
-    stat = torch.float64 if q.dtype == torch.float64 else torch.float32
-    s = (q.to(stat) @ k.to(stat).transpose(-1, -2)) * scale
-    if kind == "causal":
-        C = s.shape[-1]
-        s = s.masked_fill(~torch.ones(C, C, dtype=torch.bool, device=s.device).tril(), _NEG_INF)
-    if add is not None:
-        s = s + add.to(stat)
-    p = torch.exp(s - lse.to(stat).unsqueeze(-1))  # (B, H, C, C)
-    do = dout.to(stat)
-    dv = p.transpose(-1, -2) @ do
-    dp = do @ v.to(stat).transpose(-1, -2)
-    delta = (do * out.to(stat)).sum(-1, keepdim=True)
-    ds = p * (dp - delta) * scale
-    return (
-        (ds @ k.to(stat)).to(q.dtype),
-        (ds.transpose(-1, -2) @ q.to(stat)).to(q.dtype),
-        dv.to(q.dtype),
-    )
-
-
-# --------------------------------------------------------------------------- the ring
-@dataclass
-class _Config:
-    group: dist.ProcessGroup | None
-    rank: int
-    world: int
-    causal: bool
-    mask: Mask | None
-    scale: float
-    layout: str
-    timeout: datetime.timedelta | None
-    pieces: int  # parts per layout chunk; divides the chunk length
-
-    def ring(self) -> _Ring:
-        return _Ring(self.group, self.rank, self.world, self.timeout)
-
-    def piece_ids(self, rank: int) -> list[int]:
-        """Global indices of the pieces ``rank`` holds, in local order (all of one length)."""
-        chunks = chunk_ids(rank, self.world, self.layout)
-        return [c * self.pieces + j for c in chunks for j in range(self.pieces)]
-
-    def owner(self, step: int) -> int:
-        """The rank whose key/value block this rank holds at ring step ``step``."""
-        return (self.rank - step) % self.world
+_NEG_INF = float("-inf")
 
 
 def _piece_count(chunk_len: int, pieces: int) -> int:
@@ -578,13 +76,15 @@ def _piece_count(chunk_len: int, pieces: int) -> int:
 
 
 def _queries_seeing(
-    cfg: _Config, q: Tensor, key_id: int, c: int
+    cfg: RingConfig, q: Tensor, key_id: int, c: int
 ) -> Iterator[tuple[int, str, Tensor | None]]:
     """(local query piece a, kind, tile) for each query piece of this rank that sees ``key_id``."""
     B, H, L, _ = q.shape
     N = L * cfg.world
     for a, q_id in enumerate(cfg.piece_ids(cfg.rank)):
-        kind, tile = _tile_relation(cfg.mask, cfg.causal, q_id, key_id, c, N, B, H, q.device)
+        kind, tile = tile_relation(
+            q_id, key_id, mask=cfg.mask, causal=cfg.causal, C=c, N=N, B=B, H=H, device=q.device
+        )
         if kind != "skip":
             yield a, kind, tile
 
@@ -601,60 +101,8 @@ def _kv_pieces(k: Tensor, v: Tensor, c: int) -> list[list[Tensor]]:
 _Pieces = tuple[Tensor, ...]  # per-piece views of a local tensor, split along the sequence
 
 
-def _clean(x: Tensor) -> Tensor:
-    """``x`` with every non-finite entry replaced by 0 (finite entries kept bit-exact)."""
-    return torch.nan_to_num(x, 0.0, 0.0, 0.0)
-
-
-def _bad(x: Tensor) -> Tensor:
-    """``x · 0``: 0 where ``x`` is finite, NaN where it is not (a float op: cheap, sync-free)."""
-    return x * 0
-
-
-def _reach(bad: Tensor, kind: str, tile: Tensor | None, H: int) -> Tensor:
-    """Whether each query row attends a non-finite entry of ``bad``'s columns: NaN if so, else 0.
-
-    Args:
-        bad: ``(B, H_kv, c, X)``, 0 or NaN per key and column, over one key piece.
-        kind, tile: how the query piece sees the key piece (not "skip").
-        H: query heads.
-
-    Returns:
-        ``(B, H_kv or H, c | 1, X)``: ``reach[i, x] = NaN`` iff some key j that row i attends
-        has ``bad[j, x] = NaN`` (H heads only when the tile depends on the head).
-    """
-    if kind == "full":
-        return bad.sum(-2, keepdim=True)  # NaN propagates through the sum
-    if kind == "causal":  # the diagonal piece: row i attends keys 0..i of the piece
-        return bad.cumsum(-2)
-    assert tile is not None
-    # Counts of attended non-finite entries, as a matmul of 0/1 matrices. bfloat16 is exact
-    # enough: a sum of non-negative terms is > 0 iff one of them is, whatever the rounding.
-    ind = torch.isnan(bad).to(torch.bfloat16)  # (B, H_kv, c, X)
-    if tile.shape[0] == tile.shape[1] == 1:  # one (c, c) tile for every batch item and head
-        B, H_kv, c, X = ind.shape
-        cols = ind.permute(2, 0, 1, 3).reshape(c, B * H_kv * X)
-        hits = (tile[0, 0].to(torch.bfloat16) @ cols).view(c, B, H_kv, X).permute(1, 2, 0, 3)
-    else:
-        if tile.shape[1] > 1:  # the tile depends on the head: compare per query head
-            ind = _expand_kv(ind, H)
-        hits = tile.to(torch.bfloat16) @ ind
-    return torch.zeros(hits.shape, dtype=bad.dtype, device=bad.device).masked_fill(
-        hits > 0, math.nan
-    )
-
-
-def _add_reach(acc: Tensor, reach: Tensor) -> None:
-    """``acc (B, H, c, X) += reach`` with reach's ``H_kv`` heads broadcast over their groups."""
-    H, H_r = acc.shape[1], reach.shape[1]
-    if H_r == H:
-        acc.add_(reach)
-    else:
-        acc.unflatten(1, (H_r, H // H_r)).add_(reach.unsqueeze(2))
-
-
 def _forward_piece(
-    cfg: _Config, q: Tensor, kv: list[Tensor], key_id: int, acc: tuple[_Pieces, ...]
+    cfg: RingConfig, q: Tensor, kv: list[Tensor], key_id: int, acc: tuple[_Pieces, ...]
 ) -> None:
     """Merges this rank's queries against one key/value piece into ``acc`` (in place).
 
@@ -665,18 +113,19 @@ def _forward_piece(
     the kernels.
     """
     qs, outs, lses, poison = acc
-    bad = torch.cat([_bad(kv[1]), _bad(kv[0]).sum(-1, keepdim=True)], -1)  # (B, H_kv, c, Dv+1)
-    k, v = _clean(kv[0]), _clean(kv[1])
+    flags = [nan_flags(kv[1]), nan_flags(kv[0]).sum(-1, keepdim=True)]
+    bad = torch.cat(flags, -1)  # (B, H_kv, c, Dv + 1)
+    k, v = clean(kv[0]), clean(kv[1])
     H = qs[0].shape[1]
     for a, kind, tile in _queries_seeing(cfg, q, key_id, qs[0].shape[2]):
-        o, lse = _block_fwd(qs[a], k, v, kind, tile, cfg.scale)  # (B, H, c, Dv), (B, H, c)
+        o, lse = block_forward(qs[a], k, v, kind=kind, tile=tile, scale=cfg.scale)  # (B, H, c, ·)
         o, lse = merge_partials([outs[a], o], [lses[a], lse])
         outs[a].copy_(o)
         lses[a].copy_(lse)
-        _add_reach(poison[a], _reach(bad, kind, tile, H))
+        add_reach(poison[a], reach(bad, kind, tile, H))
 
 
-def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, ...]:
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: RingConfig) -> tuple[Tensor, ...]:
     """``(out, lse, clean_out, clean_lse)``: the results under the NaN rule, and on cleaned inputs.
 
     ``out (B, H, L, Dv)`` in q's dtype, ``lse (B, H, L)`` float32 or wider. Each key/value piece
@@ -692,7 +141,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor
     lse = q.new_full((B, H, L), _NEG_INF, dtype=stat)
     # 0, or NaN once a non-finite value entry (columns :Dv) or key (column Dv) is attended
     poison = q.new_zeros((B, H, L, Dv + 1))
-    acc = tuple(t.split(c, dim=2) for t in (_clean(q), out, lse, poison))
+    acc = tuple(t.split(c, dim=2) for t in (clean(q), out, lse, poison))
     block = _kv_pieces(k, v, c)
     ring = cfg.ring()
     for step in range(cfg.world):
@@ -705,7 +154,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor
     # The NaN rule: a row that attends anything is NaN if its query or an attended key is not
     # finite; column d is NaN where an attended value is not finite there; dead rows stay zero.
     # Poison is 0 or NaN; subtracting |poison| (+0 or NaN) keeps every other value bit-exact.
-    rows = (poison[..., Dv:] + _bad(q).sum(-1, keepdim=True)).masked_fill(
+    rows = (poison[..., Dv:] + nan_flags(q).sum(-1, keepdim=True)).masked_fill(
         torch.isneginf(lse).unsqueeze(-1), 0.0
     )  # (B, H, L, 1)
     nan_out = out - (poison[..., :Dv] + rows).abs()
@@ -713,7 +162,8 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor
 
 
 def _backward_piece(
-    cfg: _Config,
+    cfg: RingConfig,
+    *,
     q: Tensor,
     local: tuple[_Pieces, ...],
     kv: list[Tensor],
@@ -729,7 +179,8 @@ def _backward_piece(
     dos, qs, os_, ls, dqs = local
     grads = None
     for a, kind, tile in _queries_seeing(cfg, q, key_id, qs[0].shape[2]):
-        g = _block_bwd(dos[a], qs[a], kv[0], kv[1], os_[a], ls[a], kind, tile, cfg.scale)
+        res = Residuals(dout=dos[a], q=qs[a], k=kv[0], v=kv[1], out=os_[a], lse=ls[a])
+        g = block_backward(res, kind=kind, tile=tile, scale=cfg.scale)
         dqs[a].add_(g[0])
         grads = incoming() if grads is None else grads
         grads[0].add_(g[1])
@@ -738,15 +189,16 @@ def _backward_piece(
     return incoming() if grads is None else grads
 
 
-def _start_hop(ring: _Ring, kv: list[Tensor], grads: list[Tensor]) -> _Exchange | None:
+def _start_hop(ring: Ring, kv: list[Tensor], grads: list[Tensor]) -> Exchange | None:
     """Starts sending ``kv + grads`` on (and receiving their successors), if there are any."""
     outgoing = kv + grads
     return ring.start(outgoing) if outgoing else None
 
 
 def _backward_hop(
-    cfg: _Config,
-    ring: _Ring,
+    cfg: RingConfig,
+    ring: Ring,
+    *,
     step: int,
     p: int,
     q: Tensor,
@@ -774,16 +226,17 @@ def _backward_hop(
         return exchange()[-2:]
 
     if step < cfg.world:
-        grads[p] = _backward_piece(cfg, q, local, kv, cfg.piece_ids(cfg.owner(step))[p], incoming)
+        key_id = cfg.piece_ids(cfg.owner(step))[p]
+        grads[p] = _backward_piece(cfg, q=q, local=local, kv=kv, key_id=key_id, incoming=incoming)
     else:  # the last hop: these are this rank's own keys' and values' gradients
         grads[p] = incoming()
     block[p] = exchange()[:2] if moves_kv and exchange is not None else []
 
 
-def _ring_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cfg: _Config
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of this rank's shard, in the inputs' dtypes."""
+def _ring_backward(res: Residuals, cfg: RingConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of this rank's shard, in the inputs' dtypes (``res`` holds the shard's
+    cleaned inputs and its GLOBAL clean out and lse)."""
+    dout, q, k, v, out, lse = res.dout, res.q, res.k, res.v, res.out, res.lse
     n = len(cfg.piece_ids(cfg.rank))
     c = q.shape[2] // n
     dq = torch.zeros(q.shape, dtype=_stat_dtype(q.dtype), device=q.device)
@@ -794,7 +247,7 @@ def _ring_backward(
     hops = cfg.world + 1 if cfg.world > 1 else 1  # W blocks, then the gradients' hop home
     for step in range(hops):
         for p in range(n):
-            _backward_hop(cfg, ring, step, p, q, local, (block, grads))
+            _backward_hop(cfg, ring, step=step, p=p, q=q, local=local, state=(block, grads))
     dk = torch.cat([g.pop(0) for g in grads], dim=2).to(k.dtype)  # pop: pieces freed once joined
     dv = torch.cat([g.pop(0) for g in grads], dim=2).to(v.dtype)
     return dq.to(q.dtype), dk, dv
@@ -802,7 +255,7 @@ def _ring_backward(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cfg: _Config):  # type: ignore[override]
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cfg: RingConfig):  # type: ignore[override]
         out, lse, clean_out, clean_lse = _ring_forward(q, k, v, cfg)
         # The inputs are saved as given (no copies kept) and cleaned again in backward.
         ctx.save_for_backward(q, k, v, clean_out, clean_lse)
@@ -818,12 +271,14 @@ class _RingAttention(torch.autograd.Function):
             )
         q, k, v, out, lse = ctx.saved_tensors
         # The NaN rule: gradients are those of the computation on the cleaned inputs.
-        q, k, v = _clean(q), _clean(k), _clean(v)
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.cfg)
+        q, k, v = clean(q), clean(k), clean(v)
+        res = Residuals(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+        dq, dk, dv = _ring_backward(res, ctx.cfg)
         return dq, dk, dv, None
 
 
-def _check_pieces(pieces: object) -> int:
+def check_pieces(pieces: object) -> int:
+    """``pieces`` as an int >= 1; TypeError/ValueError naming it otherwise."""
     if isinstance(pieces, bool) or not isinstance(pieces, int):
         raise TypeError(f"pieces must be an int, got {type(pieces).__name__}")
     if pieces < 1:
@@ -892,9 +347,7 @@ def ring_attention(
             structure, tensors and the closures of mask functions).
         RingAttentionError: a peer died or stalled past ``timeout``.
     """
-    from .._shapes import check_number, check_qkv
-
-    rank, world = _world(group)
+    rank, world = rank_and_world(group)
     dims = check_qkv(q, k, v)
     if dims.three_d:
         raise ValueError(
@@ -917,14 +370,26 @@ def ring_attention(
             f"local length {dims.L} must be divisible by {n_local} (layout {layout!r} holds "
             f"{n_local} chunks per rank)"
         )
-    pieces = _piece_count(dims.L // n_local, _check_pieces(pieces))
+    pieces = _piece_count(dims.L // n_local, check_pieces(pieces))
     scale = 1.0 / math.sqrt(dims.D) if scale is None else check_number("scale", scale, nonzero=True)
     tmo = None
     if timeout is not None:
         tmo = datetime.timedelta(seconds=check_number("timeout", timeout, positive=True))
-    _handshake(q, k, v, causal, layout, scale, mask, pieces, group, rank, world, tmo)
-    cfg = _Config(group, rank, world, bool(causal), mask, scale, layout, tmo, pieces)
+    cfg = RingConfig(group, rank, world, bool(causal), mask, scale, layout, tmo, pieces)
+    handshake(q, k, v, cfg)
     # torch's CPU kernel reads the last dim with unit stride: copy only inputs where it is not so
     q, k, v = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, lse = _RingAttention.apply(q, k, v, cfg)
     return (out, lse) if return_lse else out
+
+
+__all__ = [
+    "LAYOUTS",
+    "Ring",
+    "RingAttentionError",
+    "check_pieces",
+    "chunk_ids",
+    "ring_attention",
+    "shard",
+    "unshard",
+]

@@ -8,7 +8,8 @@ from torch import Tensor
 
 from ..masks import Mask
 from ..modules.mha import MultiHeadAttention
-from .ring import LAYOUTS, _check_pieces, _world, chunk_ids, ring_attention
+from .ring import check_pieces, ring_attention
+from .ring_layout import LAYOUTS, chunk_ids, rank_and_world
 
 
 class RingMultiHeadAttention(MultiHeadAttention):
@@ -46,11 +47,11 @@ class RingMultiHeadAttention(MultiHeadAttention):
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         super().__init__(embed_dim, num_heads, **kwargs)  # type: ignore[arg-type]
         self.group, self.causal, self.layout, self.timeout = group, causal, layout, timeout
-        self.pieces = _check_pieces(pieces)
+        self.pieces = check_pieces(pieces)
 
     def global_positions(self, L_local: int, device: torch.device | None = None) -> Tensor:
         """Global positions ``(L_local,)`` of this rank's tokens under the layout."""
-        rank, world = _world(self.group)
+        rank, world = rank_and_world(self.group)
         ids = chunk_ids(rank, world, self.layout)
         C = L_local // len(ids)
         return torch.cat([torch.arange(c * C, (c + 1) * C, device=device) for c in ids])
@@ -62,7 +63,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
         B, _, L, _ = q.shape
         if self.rope is not None:
             pos = self.global_positions(L, x.device)
-            N = L * _world(self.group)[1]
+            N = L * rank_and_world(self.group)[1]
             q, k = self.rope(q, pos, seq_len=N), self.rope(k, pos, seq_len=N)
         out = ring_attention(
             q,

@@ -7,124 +7,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._shapes import (
-    check_logit_multiplier,
-    check_mask_tensor,
-    check_number,
-    check_probability,
-    check_qkv,
-    check_same_device,
-)
 from ..masks import Mask
 from . import backends as _backends  # noqa: F401  (fills the registry)
-from .registry import check_backend_name, select
-from .request import BiasFn, Request, check_bias_heads
-from .scores import get_score
+from .flash import explain_plan
+from .registry import select
+from .request import BiasFn
 from .stats import AttentionStats, as_index, compute_stats, compute_weights
-
-
-def _unit_stride_last(t: Tensor) -> Tensor:
-    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
-
-
-def _build_request(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask: Mask | Tensor | None,
-    bias: Tensor | BiasFn | None,
-    scale: float | None,
-    temperature: float,
-    score: str,
-    dropout_p: float,
-    backend: str,
-    return_weights: bool,
-) -> Request:
-    """Validates every argument (before any computation) and returns the 4-D request."""
-    dims = check_qkv(q, k, v)
-    s = get_score(score)
-    check_backend_name(backend)
-    temperature = check_number("temperature", temperature, positive=True)
-    dropout_p = check_probability("dropout_p", dropout_p)
-    scale = s.default_scale(dims.D) if scale is None else check_number("scale", scale, nonzero=True)
-    check_logit_multiplier(scale, temperature, q.dtype)
-    if not isinstance(return_weights, bool):
-        raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
-    if isinstance(mask, Tensor):
-        check_mask_tensor("mask", mask, q.dtype, dims)
-        check_same_device("mask", mask, q)
-    elif mask is not None and not isinstance(mask, Mask):
-        raise TypeError(
-            f"mask must be an attnlab Mask, a bool tensor or an additive float tensor, got "
-            f"{type(mask).__name__}"
-        )
-    if isinstance(bias, Tensor):
-        if not bias.is_floating_point():
-            raise TypeError(
-                f"bias must be a float tensor of the query dtype {q.dtype}, got {bias.dtype}"
-            )
-        check_mask_tensor("bias", bias, q.dtype, dims)
-        check_same_device("bias", bias, q)
-    elif bias is not None and not callable(bias):
-        raise TypeError(
-            f"bias must be a float tensor or a callable fn(b, h, i, j), got {type(bias).__name__}"
-        )
-    elif bias is not None:
-        check_bias_heads(bias, dims.H)
-    # A last dim that is not unit-stride (column-major, channels-last-like) is copied once, so
-    # every backend reads rows the same way as for the contiguous call (bit-equal results, B5).
-    q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
-    if dims.three_d:
-        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L|S, D)
-        if isinstance(mask, Tensor) and mask.dim() == 3:
-            mask = mask.unsqueeze(1)  # (B|1, 1, L|1, S|1)
-        if isinstance(bias, Tensor) and bias.dim() == 3:
-            bias = bias.unsqueeze(1)  # (B|1, 1, L|1, S|1)
-    if isinstance(mask, Mask):
-        # Renders nothing; checks that a batch- or head-dependent mask fits this call.
-        mask._batch_heads(dims.B, dims.H)
-        for what, t in mask._data_tensors():
-            check_same_device(f"mask {what}", t, q)
-    return Request(
-        q=q,
-        k=k,
-        v=v,
-        dims=dims,
-        mask=mask,
-        bias=bias,
-        scale=scale,
-        temperature=temperature,
-        score=score,
-        dropout_p=dropout_p,
-        return_weights=return_weights,
-    )
-
-
-def plain_request(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Mask | Tensor | None,
-    bias: Tensor | BiasFn | None,
-    scale: float | None,
-    temperature: float,
-    score: str,
-) -> Request:
-    """`_build_request` without dropout or weights: the entry points that only need the logits."""
-    return _build_request(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
-        scale=scale,
-        temperature=temperature,
-        score=score,
-        dropout_p=0.0,
-        backend="auto",
-        return_weights=False,
-    )
+from .validate import build_request, plain_request
 
 
 def attention(
@@ -209,7 +98,7 @@ def attention(
         >>> attnlab.attention(q, k, v, mask=attnlab.masks.causal()).shape
         torch.Size([2, 4, 16, 8])
     """
-    req = _build_request(
+    req = build_request(
         q,
         k,
         v,
@@ -263,11 +152,9 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
     unknown = set(kwargs) - set(defaults)
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}")
-    req = _build_request(q, k, v, backend=backend, **{**defaults, **kwargs})  # type: ignore[arg-type]
+    req = build_request(q, k, v, backend=backend, **{**defaults, **kwargs})  # type: ignore[arg-type]
     chosen, why = select(backend, req, need_lse=bool(return_lse))  # type: ignore[arg-type]
     if chosen.name == "flash":
-        from .flash import explain_plan
-
         why = f"{why}; {explain_plan(req)}"
     return f"{chosen.name}: {why}"
 
@@ -324,7 +211,9 @@ def attention_weights(
         ValueError: lse of the wrong shape, rows/heads out of range, and as `attention`.
         TypeError: as `attention`.
     """
-    req = plain_request(q, k, k, mask, bias, scale, temperature, score)
+    req = plain_request(
+        q, k, k, mask=mask, bias=bias, scale=scale, temperature=temperature, score=score
+    )
     d = req.dims
     lse4 = _check_lse(lse, q, d)
     row_idx = as_index("rows", rows, d.L, q.device)
@@ -368,7 +257,9 @@ def attention_stats(
     Raises:
         ValueError, TypeError: as `attention`.
     """
-    req = plain_request(q, k, v, mask, bias, scale, temperature, score)
+    req = plain_request(
+        q, k, v, mask=mask, bias=bias, scale=scale, temperature=temperature, score=score
+    )
     d = req.dims
     with torch.no_grad():
         if lse is None:

@@ -5,7 +5,7 @@ in Python from the mask's block map (values read on the host). So compiled code 
 opaque operators instead — ``attnlab::flash_fwd``, ``attnlab::flash_bwd`` (its registered
 gradient) and ``attnlab::flash_rule`` (which entries the NaN rule poisons) — each of which
 rebuilds the request from tensors plus the mask's structure string (`Mask.spec`) and runs the
-same eager code as `functional.flash`. Plans are built when the graph RUNS, from the tensors it is
+same eager code as the tiled backend. Plans are built when the graph RUNS, from the tensors it is
 given, so masks holding tensors (padding lengths, document ids, bool tensors) stay correct from
 call to call. Supported under compile: masks with a `Mask.spec` (every built-in mask, not
 `from_fn`), bool/float mask tensors and bias tensors without gradient; bias functions and
@@ -17,25 +17,29 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._shapes import Dims
-from ..masks import Mask, from_spec, from_tensor
-from .request import Request
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from ..._shapes import Dims
+from ...masks import Mask, from_spec, from_tensor
+from .. import nan_rule
+from ..request import Request
+from ..scores import get_score
+from .autograd import run_clean
+from .engines import Residuals, acc_dtype
+from .plan import flash_job, prepare_inputs
+from .poison import poison_entries
 
 
 def _request(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    *,
     mask_tensors: list[Tensor],
     float_mask: Tensor | None,
     bias: Tensor | None,
     mask_spec: str,
     scale: float,
 ) -> Request:
+    """The eager request an operator stands for (mask rebuilt from its spec and tensors)."""
     B, H, L, D = q.shape
     H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     mask: Mask | Tensor | None = from_spec(mask_spec, list(mask_tensors)) if mask_spec else None
@@ -68,17 +72,24 @@ def flash_fwd(
     scale: float,
 ) -> tuple[Tensor, Tensor]:
     """``(out (B, H, L, Dv), lse (B, H, L))`` of clean (finite) inputs, before the NaN rule."""
-    from .flash import _run_clean, flash_job
-
-    req = _request(q, k, v, mask_tensors, float_mask, bias, mask_spec, scale)
-    out, lse = _run_clean(flash_job(req), req)
+    req = _request(
+        q,
+        k,
+        v,
+        mask_tensors=mask_tensors,
+        float_mask=float_mask,
+        bias=bias,
+        mask_spec=mask_spec,
+        scale=scale,
+    )
+    out, lse = run_clean(flash_job(req), req)
     return out.contiguous(), lse.contiguous()
 
 
 @flash_fwd.register_fake
 def _(q, k, v, mask_tensors, float_mask, bias, mask_spec, scale):
     B, H, L, _ = q.shape
-    return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, dtype=_acc(q.dtype))
+    return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, dtype=acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("attnlab::flash_bwd", mutates_args=())
@@ -97,19 +108,27 @@ def flash_bwd(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of `flash_fwd`, recomputed tile by tile from the saved out and lse."""
-    from .flash import _prepare_inputs, flash_job
-
-    req = _request(q, k, v, mask_tensors, float_mask, bias, mask_spec, scale)
+    req = _request(
+        q,
+        k,
+        v,
+        mask_tensors=mask_tensors,
+        float_mask=float_mask,
+        bias=bias,
+        mask_spec=mask_spec,
+        scale=scale,
+    )
     job = flash_job(req)
-    qp, kp, vp, Dv = _prepare_inputs(req, job.engine)
+    qp, kp, vp, Dv = prepare_inputs(req, job.engine)
     sign = 1.0
-    if job.scale < 0:  # as `_run_clean`: scale·(q·k) = |scale|·((−q)·k)
+    if job.scale < 0:  # as `run_clean`: scale·(q·k) = |scale|·((−q)·k)
         qp, job.scale, sign = -qp, -job.scale, -1.0
     width = vp.shape[-1]
     if width != Dv:  # the kernel engine ran on zero-padded values
         out = torch.nn.functional.pad(out, (0, width - Dv))
         dout = torch.nn.functional.pad(dout, (0, width - Dv))
-    dq, dk, dv = job.backward(dout.contiguous(), dlse, qp, kp, vp, out.contiguous(), lse)
+    res = Residuals(dout=dout.contiguous(), q=qp, k=kp, v=vp, out=out.contiguous(), lse=lse)
+    dq, dk, dv = job.backward(res, dlse)
     D = q.shape[-1]
     return (dq[..., :D] * sign).contiguous(), dk[..., :D].contiguous(), dv[..., :Dv].contiguous()
 
@@ -149,11 +168,18 @@ def flash_rule(
     mask_spec: str,
 ) -> tuple[Tensor, Tensor]:
     """``(row_bad (B, H, L), bad (B, H, L, Dv))``: where the NaN rule puts NaN (original inputs)."""
-    from .flash import _poison_entries, flash_job
-
-    req = _request(q, k, v, mask_tensors, float_mask, bias, mask_spec, 1.0)
+    req = _request(
+        q,
+        k,
+        v,
+        mask_tensors=mask_tensors,
+        float_mask=float_mask,
+        bias=bias,
+        mask_spec=mask_spec,
+        scale=1.0,
+    )
     job = flash_job(req)
-    row_bad, bad = _poison_entries(req, job.plan, job.source, lse)
+    row_bad, bad = poison_entries(req, job.plan, job.source, lse)
     return row_bad.clone(), bad.contiguous()
 
 
@@ -168,9 +194,6 @@ def _(q, k, v, lse, mask_tensors, float_mask, bias, mask_spec):
 
 def compiled_flash(req: Request) -> tuple[Tensor, Tensor]:
     """`flash_run_lse` through the custom operators (clean, flash_fwd, flash_rule, add NaN)."""
-    from . import nan_rule
-    from .scores import get_score
-
     mask, float_mask = req.mask, None
     if isinstance(mask, Tensor):
         mask, float_mask = (from_tensor(mask), None) if mask.dtype == torch.bool else (None, mask)
@@ -188,3 +211,6 @@ def compiled_flash(req: Request) -> tuple[Tensor, Tensor]:
     out, lse = flash_fwd(q, k, v, spec[1], clean_mask, clean_b, spec[0], scale)
     row_bad, bad = flash_rule(req.q, req.k, req.v, lse, spec[1], float_mask, bias, spec[0])
     return nan_rule.add_nan(out, bad), torch.where(row_bad, float("nan"), lse)
+
+
+__all__ = ["compiled_flash", "flash_bwd", "flash_fwd", "flash_rule"]

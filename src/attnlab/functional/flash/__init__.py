@@ -1,0 +1,98 @@
+"""Tiled exact attention ("flash"): block-sparse tiling, online softmax, recomputing backward.
+
+Defined to equal `functional.reference.attention` (and `reference.logsumexp` for the returned
+log-sum-exp): ``out = softmax(q·kᵀ·scale + bias, masked) · v``, computed without ever holding an
+L×S tensor, in either pass.
+
+How it runs:
+
+1. A *plan* (`functional.tiling`) splits the (query, key) grid using the mask's block map: EMPTY
+   tiles are skipped, FULL tiles run without evaluating the mask, PARTIAL tiles evaluate it (and a
+   bias function) on the tile's indices only. Narrow bands (sliding windows) run all interior
+   query blocks as one batched call over strided key windows with one shared mask; plain causal
+   runs as one causal call. A *relative* bias function (``fn.relative = True``: ALiBi, T5) over
+   a wide band (causal, none) cuts each query block's keys into windows at fixed offsets from
+   the block: one batched call per offset, sharing ONE additive tile, merged by log-sum-exp.
+2. Each call runs on a tile *engine* that returns the call's output and log-sum-exp:
+
+   - ``"kernel"``: torch's fused CPU flash kernel
+     (``aten._scaled_dot_product_flash_attention_for_cpu``) for float32, float16 and bfloat16
+     (float16/bfloat16 plans with several calls run it in float32 and round once at the end);
+   - ``"torch"``: a pure-PyTorch online-softmax loop over (row, key) chunks: float64 (the
+     verification dtype, on wide 2048-tiles) and devices other than the CPU.
+
+3. Calls over disjoint key sets are combined with `merge_partials` (log-sum-exp weights).
+4. Backward recomputes every call from q, k, v and the GLOBAL out and lse: the kernel's backward
+   over a subset of keys, given the global normaliser, returns exactly that subset's dK, dV and its
+   share of dQ (ring attention's observation), so the per-call gradients sum to the exact gradient.
+   Calls run in a fixed order, so gradients are bit-deterministic.
+
+Modules (one job each): `plan` (tile sizes, engine, plan for a request), `tiles` (additive
+tiles), `engines` (kernel and pure-PyTorch engines), `band` (batched band calls), `job` (walks a
+plan forward and backward), `autograd` (the differentiable entry), `poison` (the NaN rule's
+entries), `ops` (custom operators for ``torch.compile``), `run` (the registry's hooks and
+`flash_attention`). Auto's size thresholds (``AUTO_*_MIN``) and `flash_declines` are the dispatch
+policy: they live in `functional.backends`.
+
+Not supported (the backend's ``supports`` says so and ``backend="auto"`` picks another): dropout,
+returning the (B, H, L, S) weights, and gradients through bias *functions* whose values require
+grad (a learned T5 table). Bias *tensors* that require grad get their gradient (dS summed over
+broadcast dims); that backward runs on the pure-PyTorch engine, which exposes dS.
+"""
+
+from __future__ import annotations
+
+from .autograd import run_clean
+from .engines import (
+    Logits,
+    Residuals,
+    TorchEngine,
+    acc_dtype,
+    kernel_backward,
+    kernel_forward,
+)
+from .job import FlashJob
+from .plan import (
+    BAND_BLOCK,
+    BAND_BLOCK_FWD,
+    BLOCK_64,
+    BLOCK_BIAS,
+    BLOCK_K,
+    BLOCK_Q,
+    RELATIVE_WINDOW,
+    flash_job,
+    prepare_inputs,
+    split_mask_bias,
+)
+from .poison import poison_entries
+from .run import explain_plan, flash_attention, flash_run, flash_run_lse, flash_supports
+from .tiles import BandTiles, TileSource
+
+__all__ = [
+    "BAND_BLOCK",
+    "BAND_BLOCK_FWD",
+    "BLOCK_64",
+    "BLOCK_BIAS",
+    "BLOCK_K",
+    "BLOCK_Q",
+    "RELATIVE_WINDOW",
+    "BandTiles",
+    "FlashJob",
+    "Logits",
+    "Residuals",
+    "TileSource",
+    "TorchEngine",
+    "acc_dtype",
+    "explain_plan",
+    "flash_attention",
+    "flash_job",
+    "flash_run",
+    "flash_run_lse",
+    "flash_supports",
+    "kernel_backward",
+    "kernel_forward",
+    "poison_entries",
+    "prepare_inputs",
+    "run_clean",
+    "split_mask_bias",
+]

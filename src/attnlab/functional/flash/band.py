@@ -1,0 +1,163 @@
+"""Batched band calls (sliding windows): all interior query blocks in one kernel call.
+
+A `BandCall` covers query blocks ``t0..t1`` of ``bq`` rows; block t sees the key window
+``[k_start + t·bq, … + W)``. The blocks whose window lies inside the keys run as ONE kernel call
+over strided views (no copy) with one shared additive tile; the edge blocks run one by one on
+their clipped windows. Only the kernel engine runs batched band calls (the torch engine runs
+`BandCall.block_calls`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+from torch import Tensor
+
+from ..tiling import BandCall
+from .engines import Logits, Residuals, kernel_backward, kernel_forward
+from .tiles import BandTiles, fix_dead_rows
+
+Store = Callable[[Tensor, Tensor, Tensor, Tensor], None]
+"""``store(out_rows, lse_rows, o, l)``: writes (or merges) a call's result into the output."""
+
+
+def interior(c: BandCall, add: Tensor) -> tuple[BandCall | None, Tensor]:
+    """The batched part of a band call (blocks whose window is in range) and its tile."""
+    ta, tb = c.interior()
+    if ta >= tb:
+        return None, add
+    if add.dim() == 4 and add.shape[0] > 1:
+        add = add[ta - c.t0 : tb - c.t0]
+    if (ta, tb) == (c.t0, c.t1):
+        return c, add
+    return replace(c, t0=ta, t1=tb, k_start=c.window(ta)[0]), add
+
+
+def edges(c: BandCall, add: Tensor) -> Iterator[tuple[int, slice, tuple[int, int], Tensor]]:
+    """``(t, rows, (j0, j1), tile)`` of every block whose window leaves the keys."""
+    ta, tb = c.interior()
+    for t in (*range(c.t0, ta), *range(tb, c.t1)):
+        k0, k1 = c.window(t)
+        j0, j1 = max(0, k0), min(c.key_limit, k1)
+        if j1 <= j0:
+            continue
+        tile = add[t - c.t0 : t - c.t0 + 1] if add.dim() == 4 and add.shape[0] > 1 else add
+        yield t, slice(t * c.bq, (t + 1) * c.bq), (j0, j1), tile[..., j0 - k0 : j1 - k0]
+
+
+def blocks(t: Tensor, b: int, c: BandCall) -> Tensor:
+    """``t[b, :, rows of c]`` viewed as ``(nblk, H, bq, ·)`` (works for lse's 3-D too)."""
+    x = t[b, :, c.r0 : c.r1].unflatten(1, (c.t1 - c.t0, c.bq))  # (H, nblk, bq, ·)
+    return x.transpose(0, 1)
+
+
+def windows(t: Tensor, b: int, c: BandCall) -> Tensor:
+    """Overlapping key windows ``(nblk, H_kv, W, ·)`` of ``t[b]``: a strided view, no copy."""
+    nblk = c.t1 - c.t0
+    sB, sH, sS, sD = t.stride()
+    return t.as_strided(
+        (nblk, t.shape[1], c.width, t.shape[3]),
+        (c.bq * sS, sH, sS, sD),
+        t.storage_offset() + b * sB + c.k_start * sS,
+    )
+
+
+def band_forward(
+    c: BandCall,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    tiles: BandTiles,
+    scale: float,
+    out: Tensor,
+    lse: Tensor,
+    store: Store,
+) -> None:
+    """Runs a batched band call on the kernel into ``out (B, H, L, Dv)`` and ``lse (B, H, L)``.
+
+    Inputs are finite (`nan_rule.clean`), so the batched call is always possible.
+    """
+    for b in range(c.b0, c.b1):
+        add = tiles.tile(c, b, q.device)
+        inner, add_in = interior(c, add)
+        if inner is not None:
+            o, l = kernel_forward(
+                blocks(q, b, inner),
+                windows(k, b, inner),
+                windows(v, b, inner),
+                Logits(scale, add_in),
+            )
+            if add.dim() == 4:  # a bias may mask whole rows
+                o, l = fix_dead_rows(o, l, add_in)
+            store(blocks(out, b, inner), blocks(lse, b, inner), o, l)
+        for _, rows, (j0, j1), tile in edges(c, add):
+            bs = slice(b, b + 1)
+            o, l = kernel_forward(
+                q[bs, :, rows], k[bs, :, j0:j1], v[bs, :, j0:j1], Logits(scale, tile)
+            )
+            o, l = fix_dead_rows(o, l, tile)
+            store(out[bs, :, rows], lse[bs, :, rows], o, l)
+
+
+def band_backward(
+    c: BandCall,
+    res: Residuals,
+    *,
+    tiles: BandTiles,
+    scale: float,
+    grads: tuple[Tensor, Tensor, Tensor],
+) -> None:
+    """Adds the gradients of a batched band call into ``grads = (dq, dk, dv)`` (kernel engine).
+
+    ``res`` holds the whole tensors ``(B, …)``; its lse is +inf on rows with no key.
+    """
+    dq, dk, dv = grads
+    for b in range(c.b0, c.b1):
+        add = tiles.tile(c, b, res.q.device)
+        inner, add_in = interior(c, add)
+        if inner is not None:
+            _interior_backward(inner, res, b, Logits(scale, add_in), grads)
+        for _, rows, (j0, j1), tile in edges(c, add):
+            bs = slice(b, b + 1)
+            part = Residuals(
+                dout=res.dout[bs, :, rows],
+                q=res.q[bs, :, rows],
+                k=res.k[bs, :, j0:j1],
+                v=res.v[bs, :, j0:j1],
+                out=res.out[bs, :, rows],
+                lse=res.lse[bs, :, rows],
+            )
+            gq, gk, gv = kernel_backward(part, Logits(scale, tile))
+            dq[bs, :, rows] += gq
+            dk[bs, :, j0:j1] += gk
+            dv[bs, :, j0:j1] += gv
+
+
+def _interior_backward(
+    c: BandCall, res: Residuals, b: int, logits: Logits, grads: tuple[Tensor, Tensor, Tensor]
+) -> None:
+    """Backward of the batched blocks; overlapping windows' dK/dV are added piece by piece."""
+    dq, dk, dv = grads
+    nblk, nc = c.t1 - c.t0, c.width // c.bq
+    part = Residuals(
+        dout=blocks(res.dout, b, c),
+        q=blocks(res.q, b, c),
+        k=windows(res.k, b, c),
+        v=windows(res.v, b, c),
+        out=blocks(res.out, b, c),
+        lse=blocks(res.lse, b, c),
+    )
+    gq, gk, gv = kernel_backward(part, logits)
+    blocks(dq, b, c).add_(gq)
+    # window t, piece j covers key block (t + j) of the region starting at k_start
+    span = (nblk + nc - 1) * c.bq
+    for grad, acc in ((gk, dk), (gv, dv)):
+        region = acc[b, :, c.k_start : c.k_start + span].unflatten(1, (nblk + nc - 1, c.bq))
+        for j in range(nc):
+            piece = grad[:, :, j * c.bq : (j + 1) * c.bq]  # (nblk, H_kv, bq, ·)
+            region[:, j : j + nblk] += piece.transpose(0, 1)
+
+
+__all__ = ["band_backward", "band_forward", "blocks", "edges", "interior", "windows"]

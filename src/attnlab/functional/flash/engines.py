@@ -1,0 +1,270 @@
+"""Tile engines: one attention call over a set of keys, and its backward given the GLOBAL stats.
+
+A *call* is ``softmax(q·kᵀ·scale + add) v`` over the keys it holds (`Logits` says how the logits
+are formed). Its forward returns the call's output and log-sum-exp; its backward, given the
+GLOBAL output and log-sum-exp of the rows (`Residuals`), returns exactly this key set's dK, dV
+and its share of dQ, so the gradients of calls over disjoint key sets sum to the exact gradient.
+
+- `kernel_forward` / `kernel_backward`: torch's fused CPU flash kernel
+  (``aten._scaled_dot_product_flash_attention_for_cpu``; float32, float16, bfloat16, float64);
+- `TorchEngine`: a pure-PyTorch online softmax over (row chunk × key chunk) tiles, for any device
+  and dtype; it also exposes the logit gradient dS (the gradient of an additive bias).
+
+Used by the tiled backend (`functional.flash`) and by ring attention (`attnlab.distributed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_NEG_INF = float("-inf")
+
+_KERNEL_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_KERNEL_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+DsSink = Callable[[int, int, int, int, Tensor], None]
+"""``sink(r0, r1, c0, c1, dS)``: receives the logit gradient ``(nb, H, r, c)`` of one tile."""
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics and accumulators use: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class Logits:
+    """How one call forms its logits: ``s = q·kᵀ·scale + add`` (causal: −inf above the diagonal).
+
+    Attributes:
+        scale: the logit multiplier; positive for the kernel (it fills causal −inf before it
+            scales, so a negative scale would turn masked logits into +inf).
+        add: additive tile broadcastable to ``(nb, H, R, K)`` — bias plus the mask as −inf — or
+            None.
+        causal: key c is visible to row r only when ``c <= r`` (top-left, within the call).
+    """
+
+    scale: float
+    add: Tensor | None = None
+    causal: bool = False
+
+
+@dataclass(frozen=True)
+class Residuals:
+    """What the backward of one call reads.
+
+    Attributes:
+        dout: ``(nb, H, R, Dv)`` gradient of the output rows.
+        q: ``(nb, H, R, D)``. k: ``(nb, H_kv, K, D)``. v: ``(nb, H_kv, K, Dv)``.
+        out: ``(nb, H, R, Dv)`` the GLOBAL output of the rows (every key, not only this call's).
+        lse: ``(nb, H, R)`` the GLOBAL log-sum-exp, +inf on rows with no key (so P = 0 there).
+    """
+
+    dout: Tensor
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    lse: Tensor
+
+
+def _ready(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """The kernel reads the last dim with unit stride and wants the mask in the query dtype."""
+    if t is None:
+        return t
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    if t.shape[-1] <= 1 or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
+def kernel_forward(q: Tensor, k: Tensor, v: Tensor, logits: Logits) -> tuple[Tensor, Tensor]:
+    """``(out (nb, H, R, Dv), lse (nb, H, R) float32+)`` of one call on torch's CPU flash kernel.
+
+    Rows whose every pair is masked come back as out = 0, lse = 0 (see `tiles.fix_dead_rows`).
+    """
+    add = _ready(logits.add, q.dtype)
+    out, lse = _KERNEL_FWD(q, k, v, 0.0, logits.causal, attn_mask=add, scale=logits.scale)
+    return out, lse
+
+
+def kernel_backward(res: Residuals, logits: Logits) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of one call on torch's CPU flash kernel, in the input dtype."""
+    dq, dk, dv = _KERNEL_BWD(
+        res.dout,
+        res.q,
+        res.k,
+        res.v,
+        res.out,
+        res.lse,
+        0.0,
+        logits.causal,
+        attn_mask=_ready(logits.add, res.q.dtype),
+        scale=logits.scale,
+    )
+    return dq, dk, dv
+
+
+def _group(add: Tensor, H_kv: int) -> Tensor:
+    """``(nb|1, H|1, r, c)`` → ``(nb|1, H_kv|1, G|1, r, c)`` for grouped-query heads."""
+    if add.shape[1] == 1:
+        return add.unsqueeze(2)
+    return add.unflatten(1, (H_kv, add.shape[1] // H_kv))
+
+
+def _slice_add(add: Tensor, rows: slice, cols: slice) -> Tensor:
+    a = add if add.shape[-2] == 1 else add[..., rows, :]
+    return a if a.shape[-1] == 1 else a[..., cols]
+
+
+@dataclass
+class TorchEngine:
+    """Pure-PyTorch online softmax over (row chunk × key chunk) tiles; any device, any dtype.
+
+    Scores exist only per tile, ``(B, H, rows ≤ chunk_q, keys ≤ chunk_k)``, in float32 or wider.
+    """
+
+    chunk_q: int = 128
+    chunk_k: int = 512
+
+    @staticmethod
+    def _scores(qg: Tensor, kc: Tensor, logits: Logits, rows: slice, cols: slice) -> Tensor:
+        """Logits ``(nb, H_kv, G, r, c)`` of the tile at ``rows``, ``cols`` of the call."""
+        H_kv = kc.shape[1]
+        s = (qg @ kc.unsqueeze(2).transpose(-1, -2)) * logits.scale  # (nb, H_kv, G, r, c)
+        if logits.add is not None:
+            s = s + _group(_slice_add(logits.add, rows, cols), H_kv).to(s.dtype)
+        if logits.causal:
+            r = torch.arange(rows.start, rows.start + s.shape[-2], device=s.device).view(-1, 1)
+            c = torch.arange(cols.start, cols.start + s.shape[-1], device=s.device).view(1, -1)
+            s = s.masked_fill(c > r, _NEG_INF)
+        return s
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, logits: Logits
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(out (nb, H, R, Dv) in q's dtype, lse (nb, H, R) in float32+, lse_lo)`` of one call.
+
+        ``lse_lo`` is the rounding error of ``lse = m + log(den)`` (exact two-sum): with large
+        logits (ALiBi at long range) ``lse`` itself carries an error of ulp(|lse|), which
+        backward's ``exp(s − lse − lse_lo)`` removes.
+        """
+        acc = acc_dtype(q.dtype)
+        H, R = q.shape[1], q.shape[2]
+        H_kv, K = k.shape[1], k.shape[2]
+        outs, lses, los = [], [], []
+        for r0 in range(0, R, self.chunk_q):
+            r1 = min(R, r0 + self.chunk_q)
+            qg = q[:, :, r0:r1].to(acc).unflatten(1, (H_kv, H // H_kv))  # (nb, H_kv, G, r, D)
+            m = torch.full(qg.shape[:-1], _NEG_INF, dtype=acc, device=q.device)
+            den = torch.zeros_like(m)
+            o = torch.zeros(*qg.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
+            kmax = min(K, r1) if logits.causal else K
+            for c0 in range(0, kmax, self.chunk_k):
+                c1 = min(kmax, c0 + self.chunk_k)
+                s = self._scores(qg, k[:, :, c0:c1].to(acc), logits, slice(r0, r1), slice(c0, c1))
+                m_new = torch.maximum(m, s.amax(dim=-1))
+                m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+                p = torch.exp(s - m_safe.unsqueeze(-1))  # (nb, H_kv, G, r, c)
+                alpha = torch.exp(m - m_safe)
+                den = den * alpha + p.sum(dim=-1)
+                o = o * alpha.unsqueeze(-1) + p @ v[:, :, c0:c1].to(acc).unsqueeze(2)
+                m = m_new
+            dead = den == 0
+            o = o / torch.where(dead, 1.0, den).unsqueeze(-1)
+            m = torch.where(dead, 0.0, m)
+            log_den = torch.log(torch.where(dead, 1.0, den))
+            hi = m + log_den
+            back = hi - m
+            lo = torch.where(dead, 0.0, (m - (hi - back)) + (log_den - back))  # two-sum error
+            outs.append(o.flatten(1, 2))  # (nb, H, r, Dv)
+            lses.append(torch.where(dead, _NEG_INF, hi).flatten(1, 2))  # (nb, H, r)
+            los.append(lo.flatten(1, 2))
+        return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2), torch.cat(los, dim=2)
+
+    def backward(
+        self,
+        res: Residuals,
+        logits: Logits,
+        *,
+        dlse: Tensor | None = None,
+        lse_lo: Tensor | None = None,
+        on_ds: DsSink | None = None,
+        whole: bool = False,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Gradients ``(dq, dk, dv)`` (float32+) of one call given the GLOBAL out and lse.
+
+        ``dS = P ∘ (dP − δ + dlse)`` with ``δ = rowsum(dout ∘ out)``: the lse gradient enters
+        through the row constant.
+
+        Args:
+            res: the call's tensors and the global stats of its rows.
+            logits: how the call forms its logits.
+            dlse: ``(nb, H, R)`` gradient of the lse, or None.
+            lse_lo: ``(nb, H, R)`` rounding error of lse from `forward`, or None.
+            on_ds: receives the logit gradient of each tile (the gradient of an additive bias).
+            whole: this call holds every key of its rows; when it also fits one key chunk, δ is
+                ``Σ_j P_ij dP_ij`` from the tile itself — equal to rowsum(dout ∘ out), but summed
+                like softmax's own backward, so e.g. a row with a single key gets dS = 0 exactly.
+        """
+        q, k, v = res.q, res.k, res.v
+        acc = acc_dtype(q.dtype)
+        H, R = q.shape[1], q.shape[2]
+        H_kv, K = k.shape[1], k.shape[2]
+        G = H // H_kv
+        scale = logits.scale
+        delta = (res.dout.to(acc) * res.out.to(acc)).sum(dim=-1)  # (nb, H, R)
+        if dlse is not None:
+            delta = delta - dlse.to(acc)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+
+        def rows_of(t: Tensor, r0: int, r1: int) -> Tensor:
+            return t[:, :, r0:r1].to(acc).unflatten(1, (H_kv, G))  # (nb, H_kv, G, r, ·)
+
+        for r0 in range(0, R, self.chunk_q):
+            r1 = min(R, r0 + self.chunk_q)
+            qg = rows_of(q, r0, r1)  # (nb, H_kv, G, r, D)
+            dog = rows_of(res.dout, r0, r1)  # (nb, H_kv, G, r, Dv)
+            lg = rows_of(res.lse, r0, r1).unsqueeze(-1)  # (…, r, 1)
+            lo = None if lse_lo is None else rows_of(lse_lo, r0, r1).unsqueeze(-1)
+            dg = delta[:, :, r0:r1].unflatten(1, (H_kv, G)).unsqueeze(-1)
+            kmax = min(K, r1) if logits.causal else K
+            own = whole and kmax <= self.chunk_k  # δ from the tile: one chunk holds every key
+            if own and dlse is not None:
+                dl = rows_of(dlse, r0, r1).unsqueeze(-1)
+            for c0 in range(0, kmax, self.chunk_k):
+                c1 = min(kmax, c0 + self.chunk_k)
+                kc = k[:, :, c0:c1].to(acc)
+                vc = v[:, :, c0:c1].to(acc).unsqueeze(2)  # (nb, H_kv, 1, c, Dv)
+                s = self._scores(qg, kc, logits, slice(r0, r1), slice(c0, c1))
+                sl = s - lg if lo is None else (s - lg) - lo
+                p = torch.exp(sl)  # (nb, H_kv, G, r, c); 0 for masked pairs and dead rows
+                dv[:, :, c0:c1] += (p.transpose(-1, -2) @ dog).sum(dim=2)
+                dp = dog @ vc.transpose(-1, -2)
+                if own:
+                    dg = (p * dp).sum(dim=-1, keepdim=True)  # (…, r, 1)
+                    if dlse is not None:
+                        dg = dg - dl
+                ds = p * (dp - dg)
+                if on_ds is not None:
+                    on_ds(r0, r1, c0, c1, ds.flatten(1, 2))
+                dq[:, :, r0:r1] += (ds @ kc.unsqueeze(2)).flatten(1, 2) * scale
+                dk[:, :, c0:c1] += (ds.transpose(-1, -2) @ qg).sum(dim=2) * scale
+        return dq, dk, dv
+
+
+__all__ = [
+    "DsSink",
+    "Logits",
+    "Residuals",
+    "TorchEngine",
+    "acc_dtype",
+    "kernel_backward",
+    "kernel_forward",
+]

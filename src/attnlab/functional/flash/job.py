@@ -1,0 +1,296 @@
+"""`FlashJob`: walks a tiling plan, forward (merging partials) and backward (recomputing calls).
+
+A job is everything that defines one tiled attention call except the tensors q, k, v: the plan,
+the tile source, the scale and the engine. Forward runs every call of the plan and combines calls
+over disjoint key sets by log-sum-exp; backward recomputes every call from q, k, v and the GLOBAL
+out and lse (`engines.Residuals`), in a fixed order, so gradients are bit-deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..merge import merge_into, merge_partials
+from ..tiling import CALL_CAUSAL, BandCall, Call, Plan
+from .band import band_backward, band_forward
+from .engines import (
+    DsSink,
+    Logits,
+    Residuals,
+    TorchEngine,
+    acc_dtype,
+    kernel_backward,
+    kernel_forward,
+)
+from .tiles import BandTiles, TileSource, as4, fix_dead_rows
+
+_NEG_INF = float("-inf")
+_POS_INF = float("inf")
+_Grads = tuple[Tensor, Tensor, Tensor]
+_Rows = tuple[slice, slice, slice]
+
+
+def _rows(c: Call) -> _Rows:
+    return (slice(c.b0, c.b1), slice(None), slice(c.r0, c.r1))
+
+
+@dataclass
+class FlashJob:
+    """Everything that defines one tiled attention call except the tensors q, k, v.
+
+    Attributes:
+        plan: the tiling of the (query, key) grid (`functional.tiling.build_plan`).
+        source: evaluates additive tiles (mask, bias) on a call's indices.
+        scale: the logit multiplier (made positive before running: see `autograd.run_clean`).
+        engine: ``"kernel"`` or ``"torch"`` (`functional.flash.engines`).
+        torch_engine: chunk sizes of the torch engine.
+        grad_biases: indices into ``source.bias_tensors`` that need gradients.
+        out32: float32 output of a widened float16/bfloat16 forward (backward's δ reads it).
+        lse_lo: rounding error of lse, on rows computed by a single torch-engine call.
+        band_tiles: the tiles of batched band calls (relative-bias tiles cached per call).
+        bwd_plan: the plan backward runs, if not the forward's.
+        bias_grads: gradients of the ``grad_biases`` tensors, filled by `backward`.
+    """
+
+    plan: Plan
+    source: TileSource
+    scale: float
+    engine: str
+    torch_engine: TorchEngine
+    grad_biases: tuple[int, ...] = ()
+    out32: Tensor | None = None
+    lse_lo: Tensor | None = None
+    band_tiles: BandTiles | None = None
+    bwd_plan: Plan | None = None
+    bias_grads: list[Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.band_tiles is None:
+            self.band_tiles = BandTiles(self.source)
+
+    @property
+    def shared_tiles(self) -> dict[BandCall, Tensor]:
+        """The relative-bias tiles of band calls, built once per call (see `BandTiles`)."""
+        assert self.band_tiles is not None
+        return self.band_tiles.shared
+
+    # ---------------------------------------------------------------- helpers
+    def _call_tensors(self, q: Tensor, k: Tensor, v: Tensor, c: Call):
+        """q, k, v of a call and its additive tile (inputs are finite: `nan_rule.clean`)."""
+        qc = q[c.b0 : c.b1, :, c.r0 : c.r1]
+        if isinstance(c.keys, tuple):
+            kc = k[c.b0 : c.b1, :, c.keys[0] : c.keys[1]]
+            vc = v[c.b0 : c.b1, :, c.keys[0] : c.keys[1]]
+        else:
+            idx = c.keys.to(k.device)
+            kc = k[c.b0 : c.b1].index_select(2, idx)
+            vc = v[c.b0 : c.b1].index_select(2, idx)
+        return qc, kc, vc, self.source.for_call(c)
+
+    def _widen(self, q: Tensor) -> bool:
+        """float16/bfloat16 with several calls run the kernel in float32.
+
+        Each kernel call rounds its partial output and gradients to the input dtype; summing
+        several such partials (over query blocks for dK/dV, over key sets for the output) would
+        add one rounding per call. In float32 the partials stay exact enough and only the final
+        result is rounded once. Additive tiles are float32 too (`flash_job`): a bias keeps
+        its float32 precision, where rounding ALiBi's −slope·|i − j| to bfloat16 would move
+        distant logits by whole units.
+        """
+        return self.engine == "kernel" and q.dtype in (torch.float16, torch.bfloat16)
+
+    def _store(self, out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
+        """Writes a call's rows, or merges them in when the plan's groups overlap."""
+        if self.plan.overlap:
+            merge_into(out, lse, o, l)
+        else:
+            out.copy_(o)
+            lse.copy_(l)
+
+    def _single_call(self, plan: Plan, q: Tensor, k: Tensor) -> Call | None:
+        """The plan's only call when it covers the whole grid without a bias (one kernel call)."""
+        B, _, L, _ = q.shape
+        if self.source.has_bias or not plan.is_single_call(B, L, k.shape[2]):
+            return None
+        c = plan.groups[0].calls[0]
+        assert isinstance(c, Call)
+        return c
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """``(out (B, H, L, Dv), lse (B, H, L) float32+)``."""
+        B, H, L, _ = q.shape
+        Dv = v.shape[-1]
+        plan = self.plan
+        single = self._single_call(plan, q, k) if self.engine == "kernel" else None
+        if single is not None:
+            logits = Logits(self.scale, causal=single.kind == CALL_CAUSAL)
+            out, lse = kernel_forward(q, k, v, logits)
+            return out, lse.contiguous()
+        if self._widen(q):
+            out, lse = self.forward(q.float(), k.float(), v.float())
+            self.out32 = out  # backward's δ = rowsum(dout·out) uses the unrounded output
+            return out.to(q.dtype), lse
+        # rows in no group attend nothing: zeros; skip the memset when every row is covered
+        alloc = torch.empty if plan.covers_all(B, L) and not plan.overlap else torch.zeros
+        out = alloc(B, H, L, Dv, dtype=q.dtype, device=q.device)
+        lse = torch.full((B, H, L), _NEG_INF, dtype=acc_dtype(q.dtype), device=q.device)
+        self.lse_lo = None
+        for g in plan.groups:
+            parts: list[tuple[Tensor, Tensor, Tensor | None]] = []
+            for c in g.calls:
+                if isinstance(c, BandCall):
+                    self._band_forward(q, k, v, c, out, lse)
+                else:
+                    parts.append(self._simple_forward(q, k, v, c))
+            if not parts:
+                continue
+            rows = (slice(g.b0, g.b1), slice(None), slice(g.r0, g.r1))
+            if len(parts) == 1:
+                o, l, lo = parts[0]
+                self._keep_lo(lse, rows, lo)
+            else:
+                o, l = merge_partials([p[0] for p in parts], [p[1] for p in parts])
+            self._store(out[rows], lse[rows], o, l)
+        return out, lse
+
+    def _band_forward(self, q, k, v, c: BandCall, out: Tensor, lse: Tensor) -> None:
+        if self.engine == "kernel":
+            assert self.band_tiles is not None
+            tiles, scale = self.band_tiles, self.scale
+            band_forward(c, q, k, v, tiles=tiles, scale=scale, out=out, lse=lse, store=self._store)
+            return
+        for bc in c.block_calls():
+            o, l, lo = self._simple_forward(q, k, v, bc)
+            rows = _rows(bc)
+            self._keep_lo(lse, rows, lo)
+            self._store(out[rows], lse[rows], o, l)
+
+    def _simple_forward(self, q, k, v, c: Call) -> tuple[Tensor, Tensor, Tensor | None]:
+        qc, kc, vc, add = self._call_tensors(q, k, v, c)
+        logits = Logits(self.scale, add, c.kind == CALL_CAUSAL)
+        if self.engine == "kernel":
+            o, l = kernel_forward(qc, kc, vc, logits)
+            o, l = fix_dead_rows(o, l, add)
+            return o, l, None
+        return self.torch_engine.forward(qc, kc, vc, logits)
+
+    def _keep_lo(self, lse: Tensor, rows: _Rows, lo: Tensor | None) -> None:
+        """Keeps lse's rounding error for rows computed by ONE call (merges drop it).
+
+        Call it before the part is stored: in overlapping plans a row already reached by an
+        earlier part (finite lse) is a merge, whose lse carries a rounding of its own.
+        """
+        if lo is None:
+            return
+        if self.lse_lo is None:
+            self.lse_lo = torch.zeros_like(lse)  # (B, H, L)
+        if self.plan.overlap:
+            lo = torch.where(torch.isneginf(lse[rows]), lo, 0.0)
+        self.lse_lo[rows] = lo
+
+    # ---------------------------------------------------------------- backward
+    def backward(self, res: Residuals, dlse: Tensor | None = None) -> _Grads:
+        """``(dq, dk, dv)`` in the input dtype; every call recomputed from ``res``.
+
+        ``res`` holds the whole tensors with the GLOBAL out and lse (−inf on rows with no key).
+        Gradients of bias tensors (``grad_biases``) are accumulated into ``self.bias_grads``.
+        """
+        q, k, v = res.q, res.k, res.v
+        plan = self.plan if self.bwd_plan is None else self.bwd_plan
+        acc = acc_dtype(q.dtype)
+        lse_b = torch.where(torch.isneginf(res.lse), _POS_INF, res.lse)  # no key: P = 0
+        res = Residuals(res.dout, q, k, v, res.out, lse_b)
+        # the kernel never exposes dS: bias gradients and lse gradients take the torch engine
+        use_kernel = self.engine == "kernel" and dlse is None and not self.grad_biases
+        self.bias_grads = [
+            torch.zeros(as4(self.source.bias_tensors[i]).shape, dtype=acc, device=q.device)
+            for i in self.grad_biases
+        ]
+        single = self._single_call(plan, q, k) if use_kernel else None
+        if single is not None:
+            logits = Logits(self.scale, causal=single.kind == CALL_CAUSAL)
+            if q.dtype not in (torch.float16, torch.bfloat16):
+                return kernel_backward(res, logits)
+            # the kernel sums dK/dV over query blocks in the input dtype: do it in float32
+            wide = Residuals(*(x.float() for x in (res.dout, q, k, v, res.out)), lse_b)
+            return self._narrow(kernel_backward(wide, logits), q, k, v)
+        if self._widen(q):
+            out32 = self.out32 if self.out32 is not None else res.out.float()
+            wide = Residuals(*(x.float() for x in (res.dout, q, k, v)), out32, lse_b)
+            return self._narrow(self.backward(wide, dlse), q, k, v)
+        grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
+        assert len(grads) == 3
+        for g, alone in zip(plan.groups, plan.alone(), strict=True):
+            whole = alone and len(g.calls) == 1  # the call holds every key of its rows
+            for c in g.calls:
+                if isinstance(c, BandCall) and use_kernel:
+                    assert self.band_tiles is not None
+                    band_backward(c, res, tiles=self.band_tiles, scale=self.scale, grads=grads)
+                    continue
+                calls = c.block_calls() if isinstance(c, BandCall) else (c,)
+                for bc in calls:
+                    self._simple_backward(res, bc, grads, dlse=dlse, kernel=use_kernel, whole=whole)
+        return self._narrow(grads, q, k, v)
+
+    @staticmethod
+    def _narrow(grads: _Grads, q: Tensor, k: Tensor, v: Tensor) -> _Grads:
+        return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype)
+
+    def _simple_backward(
+        self, res: Residuals, c: Call, grads: _Grads, *, dlse, kernel: bool, whole: bool
+    ) -> None:
+        """Adds one call's gradients into ``grads = (dq, dk, dv)``; ``whole``: the call holds
+        every key of its rows (see `TorchEngine.backward`)."""
+        dq, dk, dv = grads
+        qc, kc, vc, add = self._call_tensors(res.q, res.k, res.v, c)
+        rows = _rows(c)
+        part = Residuals(res.dout[rows], qc, kc, vc, res.out[rows], res.lse[rows])
+        logits = Logits(self.scale, add, c.kind == CALL_CAUSAL)
+        if kernel:
+            gq, gk, gv = kernel_backward(part, logits)
+        else:
+            gq, gk, gv = self.torch_engine.backward(
+                part,
+                logits,
+                dlse=None if dlse is None else dlse[rows],
+                lse_lo=None if self.lse_lo is None else self.lse_lo[rows],
+                on_ds=self._bias_grad_sink(c) if self.grad_biases else None,
+                whole=whole,
+            )
+        dq[rows] += gq
+        if isinstance(c.keys, tuple):
+            dk[c.b0 : c.b1, :, c.keys[0] : c.keys[1]] += gk
+            dv[c.b0 : c.b1, :, c.keys[0] : c.keys[1]] += gv
+        else:
+            idx = c.keys.to(dk.device)
+            dk[c.b0 : c.b1].index_add_(2, idx, gk.to(dk.dtype))
+            dv[c.b0 : c.b1].index_add_(2, idx, gv.to(dv.dtype))
+
+    def _bias_grad_sink(self, c: Call) -> DsSink:
+        """Adds a tile's dS into the gradient of each bias tensor (summed over broadcast dims)."""
+        keys = c.key_index(self.bias_grads[0].device)
+
+        def sink(r0: int, r1: int, c0: int, c1: int, ds: Tensor) -> None:
+            for grad in self.bias_grads:
+                g = ds  # (nb, H, r, c)
+                for dim in range(4):
+                    if grad.shape[dim] == 1 and g.shape[dim] != 1:
+                        g = g.sum(dim=dim, keepdim=True)
+                bsl = slice(c.b0, c.b1) if grad.shape[0] > 1 else slice(None)
+                rsl = slice(c.r0 + r0, c.r0 + r1) if grad.shape[2] > 1 else slice(None)
+                region = grad[bsl, :, rsl]
+                if grad.shape[3] == 1:
+                    region += g
+                elif isinstance(c.keys, tuple):
+                    region[..., c.keys[0] + c0 : c.keys[0] + c1] += g
+                else:
+                    region.index_add_(3, keys[c0:c1], g)
+
+        return sink
+
+
+__all__ = ["FlashJob"]

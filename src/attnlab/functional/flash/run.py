@@ -1,0 +1,167 @@
+"""Running a request on the tiled backend: the registry's hooks and `flash_attention`.
+
+`flash_run_lse` applies the NaN rule around the clean computation: the tiles run on inputs whose
+non-finite entries are 0 (`nan_rule.clean`), and NaN is added back where the rule puts it. Under
+``torch.compile`` (and on ``meta`` tensors) the same computation runs as custom operators
+(`functional.flash.ops`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from ...masks import Mask
+from .. import nan_rule, reference
+from ..request import BiasFn, Request, request_dense
+from ..validate import plain_request
+from .autograd import needs_grad, run_clean
+from .plan import flash_job, split_mask_bias
+from .poison import poison_entries
+
+
+def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
+    """Runs a validated request on the tiled backend: ``(out (B, H, L, Dv), lse (B, H, L))``.
+
+    ``options`` are `flash_job`'s (block_q, block_k, band_block, engine). The NaN rule
+    (`functional.nan_rule`): the tiles run on inputs whose non-finite entries are 0, and NaN is
+    added back where the rule puts it (lse is NaN on those rows).
+    """
+    if torch.compiler.is_compiling() or req.q.is_meta:
+        # the same computation as custom operators; imported on first use, so `import attnlab`
+        # does not register operators it may never need
+        from .ops import compiled_flash
+
+        return compiled_flash(req)
+    float_mask = isinstance(req.mask, Tensor) and req.mask.dtype != torch.bool
+    clean_req = replace(
+        req,
+        q=nan_rule.clean(req.q),
+        k=nan_rule.clean(req.k),
+        v=nan_rule.clean(req.v),
+        mask=nan_rule.clean_bias(req.mask) if float_mask else req.mask,  # type: ignore[arg-type]
+        bias=nan_rule.clean_bias(req.bias) if isinstance(req.bias, Tensor) else req.bias,
+    )
+    job = flash_job(clean_req, **options)  # type: ignore[arg-type]
+    out, lse = run_clean(job, clean_req)
+    if req.bias is None and not isinstance(req.mask, Tensor):
+        d = req.dims
+        if req.mask is None:
+            hi = torch.full((1, 1, 1), d.S, dtype=torch.long, device=req.q.device)
+            interval = (None, hi)
+        else:
+            interval = req.mask.key_interval(d.L, d.S, device=req.q.device)
+        if interval is not None and interval[0] is None:  # prefixes: one pass over out
+            return nan_rule.poison_prefix(
+                out, req.q, req.k, req.v, interval[1], lse=lse, own_out=True
+            )
+    original = replace(job.source, bias_tensors=split_mask_bias(req.mask, req.bias)[2])
+    row_bad, bad = poison_entries(req, job.plan, original, lse)
+    return nan_rule.add_nan(out, bad), torch.where(row_bad, float("nan"), lse)
+
+
+def flash_run(req: Request) -> tuple[Tensor, None]:
+    """The registry's ``run``: output only."""
+    return flash_run_lse(req)[0], None
+
+
+def _compile_declines(req: Request) -> str | None:
+    """What flash cannot run under torch.compile (see `functional.flash.ops`)."""
+    if req.bias is not None and not isinstance(req.bias, Tensor):
+        return "under torch.compile flash takes bias tensors, not bias functions"
+    if isinstance(req.mask, Mask) and req.mask.spec() is None:
+        return "under torch.compile flash needs a mask with a spec (not from_fn)"
+    for t in (req.mask, req.bias):
+        if isinstance(t, Tensor) and t.is_floating_point() and needs_grad(t):
+            return "under torch.compile flash computes no gradient for mask/bias tensors"
+    return None
+
+
+def flash_supports(req: Request) -> str | None:
+    """None if the tiled backend computes this request, else the reason it does not."""
+    if req.return_weights:
+        return (
+            "flash never materialises the (B, H, L, S) weights (return_weights=True); use "
+            "attention(..., return_lse=True) and attention_weights(q, k, lse, rows=...)"
+        )
+    if req.dropout_p > 0:
+        return f"flash does not implement dropout (dropout_p={req.dropout_p})"
+    if torch.compiler.is_compiling():
+        why = _compile_declines(req)
+        if why is not None:
+            return why
+    if callable(req.bias) and not isinstance(req.bias, Tensor) and torch.is_grad_enabled():
+        d = req.dims
+        one = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=req.q.device)
+        probe = req.bias(one, one, one + (d.S - d.L), one)
+        if isinstance(probe, Tensor) and probe.requires_grad:
+            return "flash computes no gradient for a bias function whose values require grad"
+    return None
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    bias: Tensor | BiasFn | None = None,
+    scale: float | None = None,
+    temperature: float = 1.0,
+    score: str = "dot",
+    block_q: int | None = None,
+    block_k: int | None = None,
+    band_block: int | None = None,
+    engine: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Tiled exact attention with its log-sum-exp: ``softmax(q·kᵀ·scale/T + bias) v`` and ``lse``.
+
+    Defined to equal `reference.attention` and `reference.logsumexp`; see `attnlab.attention` for
+    the meaning of mask, bias, scale, temperature and score (bottom-right aligned masks, True =
+    may attend, ``bias(b, h, i, j)`` with i the aligned query position).
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
+        mask, bias, scale, temperature, score: as in `attnlab.attention`.
+        block_q, block_k: tile size of the block map (default 128 × 128, 256 × 256 with a bias;
+            2048 × 2048 in float64, where tiles favour the reference's summation order).
+        band_block: query block of batched band (sliding-window) calls (default 32 in forward,
+            64 in backward: each kernel's fastest).
+        engine: ``"kernel"`` (torch's CPU flash kernel, the default on CPU below float64) or
+            ``"torch"`` (pure-PyTorch online softmax: the default for float64 and off CPU).
+
+    Returns:
+        ``(out (B, H, L, Dv), lse (B, H, L))``; lse is float32 (float64 for float64 inputs) and
+        −inf for a query row with no key to attend (whose output row is 0).
+
+    Raises:
+        ValueError/TypeError: as `attnlab.attention`, plus bad block sizes or engine; flash
+            cannot run dropout, return weights, or differentiate a bias.
+    """
+    if q.dim() != 4:
+        raise ValueError(f"flash_attention expects 4-D q (B, H, L, D), got shape {tuple(q.shape)}")
+    req = plain_request(
+        q, k, v, mask=mask, bias=bias, scale=scale, temperature=temperature, score=score
+    )
+    why_not = flash_supports(req)
+    if why_not is not None:
+        raise ValueError(f"flash_attention cannot run this call: {why_not}")
+    if req.is_empty:
+        dm, db = request_dense(req)
+        logits = {"mask": dm, "bias": db, "scale": req.scale, "temperature": req.temperature}
+        out, _ = reference.attention(q, k, v, **logits, score=req.score)
+        lse = reference.logsumexp(q, k, **logits, score=req.score)
+        return out, lse
+    return flash_run_lse(
+        req, block_q=block_q, block_k=block_k, band_block=band_block, engine=engine
+    )
+
+
+def explain_plan(req: Request) -> str:
+    """How flash would tile a request (for `explain`)."""
+    return flash_job(req).plan.describe()
+
+
+__all__ = ["explain_plan", "flash_attention", "flash_run", "flash_run_lse", "flash_supports"]

@@ -1,0 +1,213 @@
+"""Architecture rules of src/attnlab (issue 14): no import cycle between its modules.
+
+Modules are discovered from the package directory (new packages and moved modules are picked up
+without editing this file). An edge A → B means that executing A's module body imports B: every
+``import``/``from … import`` statement at module level (also inside module-level ``if``/``try``
+blocks, but not under ``if TYPE_CHECKING:``), resolved to the module it loads — ``from .pkg import
+name`` loads ``pkg.name`` when that is a module, else ``pkg`` — plus the packages on the way
+(importing ``a.b.c`` runs ``a/b/__init__`` first) that are not already packages of A. Imports
+inside functions are deferred to call time and are not edges.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import attnlab
+
+ROOT = Path(attnlab.__file__).parent
+
+
+def discover(root: Path) -> dict[str, tuple[Path, bool]]:
+    """``{module name: (path, is_package)}`` of every ``.py`` file under the package ``root``."""
+    mods = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        mods[".".join(parts)] = (path, is_pkg)
+    return mods
+
+
+def _module_level(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
+    """Import statements executed with the module body (not in functions or TYPE_CHECKING)."""
+    out: list[ast.Import | ast.ImportFrom] = []
+    for node in body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            out.append(node)
+        elif isinstance(node, ast.If):
+            test = ast.unparse(node.test)
+            if test not in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                out += _module_level(node.body)
+            out += _module_level(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody):
+                out += _module_level(block)
+            for handler in node.handlers:
+                out += _module_level(handler.body)
+    return out
+
+
+def _resolve(name: str, is_pkg: bool, level: int, module: str | None) -> str:
+    if level == 0:
+        return module or ""
+    base = name.split(".")
+    if not is_pkg:
+        base = base[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def _with_packages(target: str, importer: str, mods: dict) -> set[str]:
+    """``target`` and its packages that importing it runs (not the importer's own packages)."""
+    parts = target.split(".")
+    chain = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    own = importer.split(".")
+    own_pkgs = {".".join(own[:i]) for i in range(1, len(own) + 1)}
+    return {m for m in chain if m in mods and m not in own_pkgs}
+
+
+def import_graph(root: Path, *, deferred: bool = False) -> dict[str, set[str]]:
+    """Module-level import edges between the modules of the package at ``root``.
+
+    ``deferred``: also the imports inside functions (run at call time).
+    """
+    mods = discover(root)
+    edges: dict[str, set[str]] = {}
+    for name, (path, is_pkg) in mods.items():
+        out: set[str] = set()
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if deferred:
+            nodes = [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+        else:
+            nodes = _module_level(tree.body)
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = _resolve(name, is_pkg, node.level, node.module)
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names
+                ]
+            for t in targets:
+                out |= _with_packages(t, name, mods)
+        edges[name] = out - {name}
+    return edges
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle ``[a, b, …, a]``, or None (iterative depth-first search)."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    for start in sorted(edges):
+        if state.get(start):
+            continue
+        path = [start]
+        stack = [iter(sorted(edges[start]))]
+        state[start] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(edges.get(nxt, ()))))
+    return None
+
+
+def test_src_attnlab_has_no_import_cycle():
+    edges = import_graph(ROOT)
+    assert "attnlab.functional.flash.engines" in edges  # the walk sees the subpackages
+    assert "attnlab.functional.flash" in edges["attnlab.functional.backends"]
+    cycle = find_cycle(edges)
+    assert cycle is None, "import cycle: " + " → ".join(cycle or [])
+
+
+def test_attention_math_has_no_circle_even_through_deferred_imports():
+    """functional/ and distributed/ do not hide a circle in an import inside a function (the old
+    ``api → backends → flash → api`` circle was one)."""
+    scope = ("attnlab.functional", "attnlab.distributed")
+    edges = {
+        m: {t for t in targets if t.startswith(scope)}
+        for m, targets in import_graph(ROOT, deferred=True).items()
+        if m.startswith(scope)
+    }
+    cycle = find_cycle(edges)
+    assert cycle is None, "import cycle: " + " → ".join(cycle or [])
+
+
+def test_flash_and_ring_modules_are_small_and_ring_uses_public_engines():
+    """Issue 14's size target (≈600 lines) for the modules of this refactor; ring attention
+    imports nothing private from the flash package."""
+    for pkg in ("functional/flash", "distributed"):
+        for path in (ROOT / pkg).glob("*.py"):
+            n = len(path.read_text(encoding="utf-8").splitlines())
+            assert n <= 600, f"{path.relative_to(ROOT)} has {n} lines"
+    for path in (ROOT / "distributed").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and "flash" in (node.module or ""):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{path.name} imports private {private} from {node.module}"
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text, encoding="utf-8")
+    return root / "pkg"
+
+
+@pytest.mark.parametrize(
+    ("files", "cycle"),
+    [
+        (  # a direct circle through a relative import
+            {
+                "pkg/__init__.py": "",
+                "pkg/a.py": "from .b import x\n",
+                "pkg/b.py": "from . import a\n",
+            },
+            ["pkg.a", "pkg.b", "pkg.a"],
+        ),
+        (  # importing a submodule runs its package's __init__, which imports back
+            {
+                "pkg/__init__.py": "",
+                "pkg/sub/__init__.py": "from .c import y\n",
+                "pkg/sub/c.py": "from ..d import z\n",
+                "pkg/d.py": "import pkg.sub.c\n",
+            },
+            ["pkg.d", "pkg.sub", "pkg.sub.c", "pkg.d"],
+        ),
+        (  # inside module-level try/if, not under TYPE_CHECKING
+            {
+                "pkg/__init__.py": "",
+                "pkg/a.py": "try:\n    from .b import x\nexcept ImportError:\n    pass\n",
+                "pkg/b.py": "import sys\nif sys:\n    from .a import y\n",
+            },
+            ["pkg.a", "pkg.b", "pkg.a"],
+        ),
+    ],
+)
+def test_cycle_finder_reports_cycles(tmp_path, files, cycle):
+    assert find_cycle(import_graph(_write(tmp_path, files))) == cycle
+
+
+def test_cycle_finder_ignores_deferred_imports(tmp_path):
+    files = {
+        "pkg/__init__.py": "from .a import f\n",
+        "pkg/a.py": "from typing import TYPE_CHECKING\nfrom .b import g\n"
+        "if TYPE_CHECKING:\n    from .b import h\n\ndef f():\n    return g\n",
+        "pkg/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n\n"
+        "def g():\n    from .a import f\n    return f\n",
+    }
+    edges = import_graph(_write(tmp_path, files))
+    assert edges == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": set()}
+    assert find_cycle(edges) is None
+    assert find_cycle(import_graph(tmp_path / "pkg", deferred=True)) == ["pkg.a", "pkg.b", "pkg.a"]
