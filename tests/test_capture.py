@@ -137,6 +137,31 @@ def test_encoder_need_weights_masks_padding_and_matches_the_plain_call(attention
         torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 6, dtype=torch.float64))
 
 
+def test_bert_need_weights_runs_each_attention_once(attention_calls):
+    from attnlab.models.bert import BertConfig, BertEncoder
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=30,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=24,
+        max_position_embeddings=16,
+    )
+    enc = BertEncoder(cfg).double().eval()
+    ids = torch.randint(0, 30, (2, 5))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    plain = enc(ids, mask).last_hidden_state
+    attention_calls.clear()
+    out = enc(ids, mask, need_weights=True)
+    assert attention_calls == [True, True]
+    torch.testing.assert_close(out.last_hidden_state, plain, atol=1e-12, rtol=0)
+    captured = module_attentions(enc, lambda: enc(ids[1:], mask[1:]))
+    torch.testing.assert_close(captured, torch.stack([w[1] for w in out.attentions]))
+    assert (captured[:, :, :, 3:] == 0).all()
+
+
 def test_gradient_checkpointing_keeps_the_weights():
     model = _gpt(positional="learned").train()
     idx = torch.randint(0, 29, (1, 8), generator=torch.Generator().manual_seed(3))
