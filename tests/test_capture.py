@@ -173,12 +173,27 @@ def test_gradient_checkpointing_keeps_the_weights():
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def test_gpt_need_weights_compiles_without_graph_breaks():
+def test_gpt_and_bert_need_weights_compile_without_graph_breaks():
     dynamo.reset()
     try:
         model = _gpt(positional="learned", n_layers=1).float()
         idx = torch.randint(0, 29, (1, 5))
         e = dynamo.explain(lambda i: model(i, need_weights=True))(idx)
+        assert e.graph_break_count == 0, [r.reason for r in e.break_reasons]
+        # BertEncoder: its token-id range check (a host read) is skipped while compiling.
+        from attnlab.models.bert import BertConfig, BertEncoder
+
+        cfg = BertConfig(
+            vocab_size=30,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=24,
+            max_position_embeddings=16,
+        )
+        enc = BertEncoder(cfg).eval()
+        mask = torch.tensor([[1, 1, 1, 0, 0]])
+        e = dynamo.explain(lambda i, m: enc(i, m, need_weights=True).attentions)(idx, mask)
         assert e.graph_break_count == 0, [r.reason for r in e.break_reasons]
     finally:
         dynamo.reset()
