@@ -146,6 +146,32 @@ def test_tiny_bert_matches_transformers(tmp_path):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("act", ["gelu_new", "relu", "silu"])
+def test_bert_is_the_encoder_stack_and_translates_hidden_act(tmp_path, act):
+    transformers = pytest.importorskip("transformers")
+    from attnlab.models import Encoder, TransformerBlock
+
+    torch.manual_seed(1)
+    cfg = {**TINY, "hidden_act": act, "layer_norm_eps": 1e-5}
+    hf = transformers.BertModel(transformers.BertConfig(**cfg, attn_implementation="eager")).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    ours = BertEncoder.from_pretrained(tmp_path)
+    # One Transformer stack: the layers are TransformerBlocks of an Encoder, post-LN.
+    assert isinstance(ours.transformer, Encoder)
+    assert all(isinstance(layer, TransformerBlock) and not layer.prenorm for layer in ours.layers)
+    tcfg = ours.transformer.config
+    assert (tcfg.norm_eps, tcfg.type_vocab_size, tcfg.embed_norm) == (1e-5, 2, True)
+    assert tcfg.activation == {"gelu_new": "gelu_tanh", "relu": "relu", "silu": "silu"}[act]
+    ids, mask, types = tiny_batch()
+    with torch.no_grad():
+        out = ours(ids, mask, types)
+        ref = hf(input_ids=ids, attention_mask=mask.long(), token_type_ids=types)
+    real = mask[..., None]
+    torch.testing.assert_close(
+        out.last_hidden_state * real, ref.last_hidden_state * real, atol=1e-5, rtol=0
+    )
+
+
 def test_from_pretrained_fuses_qkv_and_uses_config_eps(tmp_path):
     cfg = {**TINY, "layer_norm_eps": 1e-3}
     state = tiny_state(cfg)

@@ -409,3 +409,92 @@ def test_encoder_is_bidirectional():
 def test_encoder_padding_mask_errors(mask, exc, pattern):
     with pytest.raises(exc, match=pattern):
         Encoder(_cfg())(torch.zeros(2, 5, dtype=torch.long), padding_mask=mask)
+
+
+# ------------------------------------------------- what BERT needs: activation, types, eps
+def test_activation_registry_names_match_the_config_and_change_the_mlp():
+    from attnlab.models import blocks, config
+
+    assert set(blocks.ACTIVATIONS) == set(config.ACTIVATIONS)
+    x = torch.randn(3, 5, 32, dtype=torch.float64) * 2
+    hand = {
+        "gelu": lambda h: 0.5 * h * (1 + torch.erf(h / math.sqrt(2))),
+        "gelu_tanh": lambda h: (
+            0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
+        ),
+        "relu": lambda h: h.clamp(min=0),
+        "silu": lambda h: h * torch.sigmoid(h),
+    }
+    outs = {}
+    for name, act in hand.items():
+        torch.manual_seed(0)
+        mlp = TransformerBlock(_cfg(activation=name)).double().mlp
+        assert mlp.activation == name
+        want = act(x @ mlp.fc1.weight.T + mlp.fc1.bias) @ mlp.fc2.weight.T + mlp.fc2.bias
+        outs[name] = mlp(x)
+        torch.testing.assert_close(outs[name], want, atol=1e-12, rtol=0)
+    assert (outs["gelu"] - outs["gelu_tanh"]).abs().max() > 1e-6  # the variants really differ
+    # None keeps each MLP's own nonlinearity; SwiGLU's gate takes the activation (GeGLU).
+    assert TransformerBlock(_cfg(mlp="swiglu")).mlp.activation == "silu"
+    assert TransformerBlock(_cfg(mlp="swiglu", activation="gelu")).mlp.activation == "gelu"
+    assert TransformerBlock(_cfg()).mlp.activation == "gelu"
+
+
+@pytest.mark.parametrize(
+    "kw,exc,pattern",
+    [
+        (
+            {"activation": "mish"},
+            ValueError,
+            r"activation must be one of \['gelu', 'gelu_tanh', 'relu', 'silu'\], got 'mish'",
+        ),
+        ({"type_vocab_size": -1}, ValueError, r"type_vocab_size must be >= 0, got -1"),
+        ({"pad_token_id": 37}, ValueError, r"pad_token_id must be < vocab_size=37, got 37"),
+        ({"pad_token_id": 1.0}, TypeError, r"pad_token_id must be an int, got float 1.0"),
+        ({"embed_norm": 1}, TypeError, r"embed_norm must be a bool, got int 1"),
+        (
+            {"attn_backend": "cuda"},
+            ValueError,
+            r"attn_backend must be one of \[.*'auto'\], got 'cuda'",
+        ),
+    ],
+)
+def test_new_config_fields_are_validated(kw, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        _cfg(**kw)
+
+
+def test_config_fields_reach_the_modules():
+    cfg = _cfg(norm_eps=1e-12, attn_backend="reference", bias=False, prenorm=False)
+    block = TransformerBlock(cfg)
+    assert block.norm1.eps == block.norm2.eps == 1e-12
+    assert block.attn.backend == "reference"
+    assert block.attn.qkv_proj.bias is None and block.mlp.fc1.bias is None
+    enc = Encoder(_cfg(pad_token_id=3))
+    assert enc.tok_emb.padding_idx == 3 and (enc.tok_emb.weight[3] == 0).all()
+
+
+def test_encoder_token_types_and_embedding_norm_match_the_formula():
+    torch.manual_seed(0)
+    cfg = _cfg(positional="learned", type_vocab_size=3, embed_norm=True, prenorm=False)
+    enc = Encoder(cfg).double().eval()
+    with torch.no_grad():
+        enc.emb_norm.weight.uniform_(0.5, 1.5)
+        enc.emb_norm.bias.normal_()
+    idx = torch.randint(0, 37, (2, 7))
+    types = torch.randint(0, 3, (2, 7))
+    x = enc.tok_emb.weight[idx] + enc.pos_emb.weight[:7] + enc.type_emb.weight[types]
+    x = _hand_norm(enc.emb_norm, x)
+    want = x
+    for block in enc.blocks:
+        want = block(want)
+    torch.testing.assert_close(enc(idx, token_type_ids=types), want, atol=1e-12, rtol=0)
+    zeros = torch.zeros_like(types)  # no types = type 0 everywhere
+    torch.testing.assert_close(enc(idx), enc(idx, token_type_ids=zeros), atol=1e-12, rtol=0)
+    assert (enc(idx) - enc(idx, token_type_ids=types)).abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"token_type_ids given but config.type_vocab_size = 0"):
+        Encoder(_cfg())(idx, token_type_ids=types)
+    with pytest.raises(TypeError, match=r"token_type_ids must be an int64 or int32 tensor"):
+        enc(idx, token_type_ids=types.float())
+    with pytest.raises(ValueError, match=r"token_type_ids must have shape \(B, L\) = \(2, 7\)"):
+        enc(idx, token_type_ids=types[:, :3])

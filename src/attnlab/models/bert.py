@@ -1,10 +1,13 @@
-"""A BERT-family encoder built from attnlab's parts, loadable from a Hugging Face checkpoint.
+"""A BERT-family encoder: attnlab's `Encoder`, loadable from a Hugging Face checkpoint.
 
-``BertEncoder.from_pretrained(path)`` reads ``config.json`` + ``model.safetensors`` (never a pickle
-file) into attnlab modules: word + position + token-type embeddings and LayerNorm, then post-LN
-layers ``x = LN(x + MHA(x)); x = LN(x + W_2 act(W_1 x))`` whose self-attention is
-`attnlab.MultiHeadAttention` (BERT's separate query/key/value weights become its fused
-``qkv_proj``).
+BERT is the one Transformer stack of `attnlab.models` with BERT's choices: this module only
+translates. `BertConfig.transformer_config` maps a Hugging Face ``config.json`` to a
+`TransformerConfig` (post-LN blocks, LayerNorm ε, the MLP activation, learned positions,
+token-type embeddings and an embedding LayerNorm), and `load_bert_state_dict` maps the
+checkpoint's tensor names to the `Encoder`'s (BERT's separate query/key/value weights become the
+fused ``qkv_proj`` of `attnlab.MultiHeadAttention`). ``BertEncoder.from_pretrained(path)`` reads
+``config.json`` + ``model.safetensors`` (never a pickle file); the layers compute
+``x = LN(x + MHA(x)); x = LN(x + W_2 act(W_1 x))``.
 
 Example:
     >>> enc = BertEncoder.from_pretrained("path/to/bert-dir")
@@ -19,22 +22,23 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..checkpoint import CheckpointError
-from ..modules import MultiHeadAttention
+from .blocks import StackOutput
+from .config import TransformerConfig
+from .encoder import Encoder
 
 # ---------------------------------------------------------------------------------- config
 
-
+# Hugging Face ``hidden_act`` -> the `attnlab.models.blocks.ACTIVATIONS` name.
 _ACTIVATIONS = {
-    "gelu": lambda x: F.gelu(x),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
 }
 
 
@@ -135,6 +139,35 @@ class BertConfig:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
         return cls.from_dict(d, source=str(path))
 
+    def transformer_config(self, *, backend: str = "auto") -> TransformerConfig:
+        """The `TransformerConfig` of the same network (dropout off: an inference encoder).
+
+        Post-LN LayerNorm blocks with ε = ``layer_norm_eps``, a two-layer MLP of width
+        ``intermediate_size`` with ``hidden_act``, learned absolute positions, token-type
+        embeddings and a LayerNorm on the summed embeddings, biases everywhere.
+        """
+        return TransformerConfig(
+            vocab_size=self.vocab_size,
+            d_model=self.hidden_size,
+            n_layers=self.num_hidden_layers,
+            n_heads=self.num_attention_heads,
+            d_ff=self.intermediate_size,
+            max_seq_len=self.max_position_embeddings,
+            dropout=0.0,
+            norm="layernorm",
+            norm_eps=float(self.layer_norm_eps),
+            prenorm=False,
+            mlp="gelu",
+            activation=_ACTIVATIONS[self.hidden_act],
+            positional="learned",
+            bias=True,
+            tie_embeddings=False,
+            type_vocab_size=self.type_vocab_size,
+            embed_norm=True,
+            pad_token_id=self.pad_token_id,
+            attn_backend=backend,
+        )
+
 
 # ---------------------------------------------------------------------------------- modules
 
@@ -156,58 +189,6 @@ class BertOutput(NamedTuple):
     attentions: tuple[Tensor, ...] | None = None
 
 
-class BertEmbeddings(nn.Module):
-    """``x = LN(W_word[ids] + W_pos[0..L−1] + W_type[types])``: ``(B, L)`` → ``(B, L, E)``."""
-
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__()
-        E = config.hidden_size
-        self.word_embeddings = nn.Embedding(config.vocab_size, E, padding_idx=config.pad_token_id)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, E)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, E)
-        self.norm = nn.LayerNorm(E, eps=config.layer_norm_eps)
-
-    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
-        """``(B, L)`` ids (and token types) → ``(B, L, E)``."""
-        L = input_ids.shape[-1]
-        x = self.word_embeddings(input_ids)  # (B, L, E)
-        pos = self.position_embeddings.weight[:L]  # (L, E)
-        if token_type_ids is None:  # one (L, E) table instead of a second (B, L, E) sum
-            x = x + (pos + self.token_type_embeddings.weight[0])  # (B, L, E)
-        else:
-            x = x + pos + self.token_type_embeddings(token_type_ids)  # (B, L, E)
-        return self.norm(x)
-
-
-class BertLayer(nn.Module):
-    """One post-LN encoder layer.
-
-    ``h = LN_1(x + MHA(x)); y = LN_2(h + W_2 act(W_1 h + b_1) + b_2)``; ``(B, L, E)`` → same.
-    """
-
-    def __init__(self, config: BertConfig, *, backend: str = "auto") -> None:
-        super().__init__()
-        E, eps = config.hidden_size, config.layer_norm_eps
-        self.attn = MultiHeadAttention(E, config.num_attention_heads, backend=backend)
-        self.attn_norm = nn.LayerNorm(E, eps=eps)
-        self.ffn_in = nn.Linear(E, config.intermediate_size)
-        self.ffn_out = nn.Linear(config.intermediate_size, E)
-        self.ffn_norm = nn.LayerNorm(E, eps=eps)
-        self.act_name = config.hidden_act
-
-    def forward(
-        self, x: Tensor, mask: Tensor | None = None, *, need_weights: bool = False
-    ) -> tuple[Tensor, Tensor | None]:
-        """``x (B, L, E)``, ``mask`` bool ``(B, 1, 1, L)`` (True = real key) → ``(y, weights)``."""
-        if need_weights:
-            a, w = self.attn(x, mask=mask, need_weights=True)  # (B, L, E), (B, H, L, L)
-        else:
-            a, w = self.attn(x, mask=mask), None  # (B, L, E)
-        h = self.attn_norm(x + a)
-        f = self.ffn_out(_ACTIVATIONS[self.act_name](self.ffn_in(h)))  # (B, L, E)
-        return self.ffn_norm(h + f), w
-
-
 class BertPooler(nn.Module):
     """``p = tanh(W h_0 + b)`` on the first ([CLS]) token: ``(B, L, E)`` → ``(B, E)``."""
 
@@ -221,14 +202,21 @@ class BertPooler(nn.Module):
 
 
 class BertEncoder(nn.Module):
-    """A BERT encoder whose self-attention is `attnlab.MultiHeadAttention`.
+    """A BERT encoder: attnlab's `Encoder` with `BertConfig.transformer_config`, and a pooler.
 
-    ``x_0 = Embed(ids)``; ``x_{n+1} = Layer_n(x_n)`` for n < N (post-LN, see `BertLayer`).
+    ``x_0 = LN(W_word[ids] + W_pos[0..L−1] + W_type[types])``; ``x_{n+1} = Block_n(x_n)`` for
+    n < N, post-LN `TransformerBlock`s ``h = LN_1(x + MHA(x)); y = LN_2(h + W_2 act(W_1 h))``.
 
     Args:
         config: the architecture (`BertConfig`).
         pooler: add BERT's ``tanh`` pooler over the [CLS] token.
         backend: the `attnlab.attention` backend of every layer.
+
+    Attributes:
+        config: the `BertConfig`.
+        transformer: the `Encoder` (its ``config`` is the translated `TransformerConfig`).
+        layers: the `TransformerBlock`s (``transformer.blocks``).
+        pooler: the `BertPooler`, or None.
 
     Example:
         >>> enc = BertEncoder(BertConfig(hidden_size=64, num_attention_heads=4,
@@ -242,11 +230,18 @@ class BertEncoder(nn.Module):
         if not isinstance(config, BertConfig):
             raise TypeError(f"config must be a BertConfig, got {type(config).__name__}")
         self.config = config
-        self.embeddings = BertEmbeddings(config)
-        self.layers = nn.ModuleList(
-            BertLayer(config, backend=backend) for _ in range(config.num_hidden_layers)
-        )
+        self.transformer = Encoder(config.transformer_config(backend=backend))
         self.pooler = BertPooler(config) if pooler else None
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The N post-LN `TransformerBlock`s."""
+        return self.transformer.blocks
+
+    @property
+    def word_embeddings(self) -> nn.Embedding:
+        """The ``(V, E)`` token embedding table."""
+        return self.transformer.tok_emb
 
     # ------------------------------------------------------------------ forward
     def _check_inputs(
@@ -264,11 +259,13 @@ class BertEncoder(nn.Module):
                 f"input_ids has length L={L}, more than max_position_embeddings="
                 f"{c.max_position_embeddings}; truncate the input"
             )
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= c.vocab_size):
-            raise ValueError(
-                f"input_ids must be in [0, vocab_size={c.vocab_size}), got values in "
-                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
-            )
+        if input_ids.numel() and not (torch.compiler.is_compiling() or input_ids.is_meta):
+            lo, hi = (int(t) for t in torch.aminmax(input_ids))  # the one host read (eager only)
+            if lo < 0 or hi >= c.vocab_size:
+                raise ValueError(
+                    f"input_ids must be in [0, vocab_size={c.vocab_size}), got values in "
+                    f"[{lo}, {hi}]"
+                )
         for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
             if t is None:
                 continue
@@ -309,26 +306,29 @@ class BertEncoder(nn.Module):
             need_hidden_states: also return the embeddings and every layer's output.
 
         Returns:
-            A `BertOutput`; ``last_hidden_state`` is ``(B, L, E)``.
+            A `BertOutput`; ``last_hidden_state`` is ``(B, L, E)``. The attention weights are
+            those of this forward pass (each layer's attention runs once).
+
+        The token-id range check reads ``min``/``max`` back to the host in eager mode only
+        (skipped under `torch.compile` and for ``meta`` tensors).
         """
         self._check_inputs(input_ids, attention_mask, token_type_ids)
         mask = None
         if attention_mask is not None:  # always passed: skipping an all-True one reads values
             mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, L)
-        x = self.embeddings(input_ids, token_type_ids)  # (B, L, E)
-        hidden: list[Tensor] = [x]
-        weights: list[Tensor] = []
-        for layer in self.layers:
-            x, w = layer(x, mask, need_weights=need_weights)  # (B, L, E)
-            if need_hidden_states:
-                hidden.append(x)
-            if w is not None:
-                weights.append(w)
+        out: StackOutput = self.transformer.encode(
+            input_ids,
+            mask=mask,
+            token_type_ids=token_type_ids,
+            need_weights=need_weights,
+            need_hidden_states=need_hidden_states,
+        )
+        x = out.last_hidden_state  # (B, L, E)
         return BertOutput(
             last_hidden_state=x,
             pooler_output=None if self.pooler is None else self.pooler(x),
-            hidden_states=tuple(hidden) if need_hidden_states else None,
-            attentions=tuple(weights) if need_weights else None,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
         )
 
     # ------------------------------------------------------------------ loading
@@ -453,7 +453,8 @@ def load_bert_state_dict(path: str | Path, config: BertConfig) -> dict[str, Tens
 
     Validates every key, shape and dtype against ``config`` before building anything; the
     separate query/key/value weights of each layer are concatenated into the fused
-    ``attn.qkv_proj`` of `MultiHeadAttention` (rows ``[W_q; W_k; W_v]``, heads in order).
+    ``attn.qkv_proj`` of `attnlab.MultiHeadAttention` (rows ``[W_q; W_k; W_v]``, heads in
+    order) and every other tensor is renamed (``_EMBEDDING_NAMES``, ``_LAYER_NAMES``).
 
     Raises:
         CheckpointError: missing or unexpected keys, or a tensor of the wrong shape or dtype.
@@ -512,46 +513,46 @@ def load_bert_state_dict(path: str | Path, config: BertConfig) -> dict[str, Tens
                     f"(the dtype of {by_key[ref_key]!r})",
                 )
             tensors[key] = t
-    return _to_attnlab_names(tensors, config, pooler=pooler)
+    return _to_attnlab_names(tensors, config)
 
 
-def _to_attnlab_names(
-    t: dict[str, Tensor], config: BertConfig, *, pooler: bool
-) -> dict[str, Tensor]:
+# Hugging Face ``BertModel`` name -> `BertEncoder` name; ``{i}`` is the layer index. BERT's
+# ``attention.self.{query,key,value}`` are fused into ``attn.qkv_proj`` (see `_to_attnlab_names`).
+_EMBEDDING_NAMES = {
+    "embeddings.word_embeddings.weight": "transformer.tok_emb.weight",
+    "embeddings.position_embeddings.weight": "transformer.pos_emb.weight",
+    "embeddings.token_type_embeddings.weight": "transformer.type_emb.weight",
+    "embeddings.LayerNorm.weight": "transformer.emb_norm.weight",
+    "embeddings.LayerNorm.bias": "transformer.emb_norm.bias",
+    "pooler.dense.weight": "pooler.dense.weight",
+    "pooler.dense.bias": "pooler.dense.bias",
+}
+_LAYER_NAMES = {
+    "attention.output.dense": "attn.out_proj",
+    "attention.output.LayerNorm": "norm1",
+    "intermediate.dense": "mlp.fc1",
+    "output.dense": "mlp.fc2",
+    "output.LayerNorm": "norm2",
+}
+
+
+def _to_attnlab_names(t: dict[str, Tensor], config: BertConfig) -> dict[str, Tensor]:
     """Renames HF ``BertModel`` tensors to `BertEncoder` parameter names, fusing q/k/v."""
-    sd = {
-        "embeddings.word_embeddings.weight": t["embeddings.word_embeddings.weight"],
-        "embeddings.position_embeddings.weight": t["embeddings.position_embeddings.weight"],
-        "embeddings.token_type_embeddings.weight": t["embeddings.token_type_embeddings.weight"],
-        "embeddings.norm.weight": t["embeddings.LayerNorm.weight"],
-        "embeddings.norm.bias": t["embeddings.LayerNorm.bias"],
-    }
+    sd = {ours: t[theirs] for theirs, ours in _EMBEDDING_NAMES.items() if theirs in t}
     for i in range(config.num_hidden_layers):
-        p, q = f"encoder.layer.{i}.", f"layers.{i}."
+        p, q = f"encoder.layer.{i}.", f"transformer.blocks.{i}."
         qkv = [f"{p}attention.self.{n}" for n in ("query", "key", "value")]
         sd[f"{q}attn.qkv_proj.weight"] = torch.cat([t[f"{n}.weight"] for n in qkv])  # (3E, E)
         sd[f"{q}attn.qkv_proj.bias"] = torch.cat([t[f"{n}.bias"] for n in qkv])  # (3E,)
-        renames = {
-            "attn.out_proj": "attention.output.dense",
-            "attn_norm": "attention.output.LayerNorm",
-            "ffn_in": "intermediate.dense",
-            "ffn_out": "output.dense",
-            "ffn_norm": "output.LayerNorm",
-        }
-        for ours, theirs in renames.items():
+        for theirs, ours in _LAYER_NAMES.items():
             for s in ("weight", "bias"):
                 sd[f"{q}{ours}.{s}"] = t[f"{p}{theirs}.{s}"]
-    if pooler:
-        sd["pooler.dense.weight"] = t["pooler.dense.weight"]
-        sd["pooler.dense.bias"] = t["pooler.dense.bias"]
     return sd
 
 
 __all__ = [
     "BertConfig",
-    "BertEmbeddings",
     "BertEncoder",
-    "BertLayer",
     "BertOutput",
     "BertPooler",
     "bert_checkpoint_shapes",

@@ -1,19 +1,29 @@
-"""Transformer building blocks: norms, MLPs and the pre-/post-LN `TransformerBlock`.
+"""Transformer building blocks: norms, MLPs, the pre-/post-LN `TransformerBlock` and the stack.
 
-Norms and MLPs are registries (name -> constructor), so a new variant is one entry, not a flag:
+Norms, MLPs and activations are registries (name -> constructor or function), so a new variant
+is one entry, not a flag:
 
-    NORMS["layernorm"]  LayerNorm: (x − mean) / sqrt(var + ε) · w + b
-    NORMS["rmsnorm"]    RMSNorm:   x / sqrt(mean(x²) + ε) · w
-    MLPS["gelu"]        W2 · gelu(W1 x)                 (GPT-2, BERT)
-    MLPS["swiglu"]      W_d · (silu(W_g x) ⊙ W_u x)    (PaLM, Llama)
+    NORMS["layernorm"]        LayerNorm: (x − mean) / sqrt(var + ε) · w + b
+    NORMS["rmsnorm"]          RMSNorm:   x / sqrt(mean(x²) + ε) · w
+    MLPS["gelu"]              W2 · act(W1 x), act = exact GELU by default   (GPT-2, BERT)
+    MLPS["swiglu"]            W_d · (act(W_g x) ⊙ W_u x), act = SiLU by default  (PaLM, Llama)
+    ACTIVATIONS["gelu"]       x · Φ(x) (erf);  "gelu_tanh": its tanh approximation;
+    ACTIVATIONS["relu"]       max(x, 0);       "silu": x · sigmoid(x)
+
+`run_blocks` runs a stack of blocks and is the one place that collects per-layer attention
+weights (``need_weights``) and hidden states: `GPT`, `Encoder` and `BertEncoder` all use it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ..functional.request import BiasFn
 from ..masks import Mask
@@ -58,34 +68,77 @@ def make_norm(config: TransformerConfig) -> nn.Module:
     return NORMS[config.norm](config.d_model, eps=config.norm_eps, bias=config.bias)
 
 
-class GeluMLP(nn.Module):
-    """``y = W2 · gelu(W1 x + b1) + b2`` with the exact (erf) GELU; width E -> F -> E."""
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_tanh": partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
 
-    def __init__(self, d_model: int, d_ff: int, bias: bool = True) -> None:
+
+def _activation(name: str) -> str:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
+    return name
+
+
+class GeluMLP(nn.Module):
+    """``y = W2 · act(W1 x + b1) + b2``, act = the exact (erf) GELU by default; E -> F -> E.
+
+    Args:
+        d_model: E. d_ff: F. bias: biases in both linear layers.
+        activation: a name in `ACTIVATIONS` ("gelu", "gelu_tanh", "relu", "silu").
+    """
+
+    def __init__(
+        self, d_model: int, d_ff: int, bias: bool = True, activation: str = "gelu"
+    ) -> None:
         super().__init__()
+        self.activation = _activation(activation)
         self.fc1 = nn.Linear(d_model, d_ff, bias=bias)
         self.fc2 = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         """``(B, L, E) -> (B, L, E)``."""
-        return self.fc2(nn.functional.gelu(self.fc1(x)))  # (B, L, F) -> (B, L, E)
+        return self.fc2(ACTIVATIONS[self.activation](self.fc1(x)))  # (B, L, F) -> (B, L, E)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"
 
 
 class SwiGLU(nn.Module):
-    """``y = W_d · (silu(W_g x) ⊙ W_u x)`` (Shazeer, 2020); width E -> F -> E."""
+    """``y = W_d · (act(W_g x) ⊙ W_u x)``, act = SiLU by default (Shazeer, 2020); E -> F -> E.
 
-    def __init__(self, d_model: int, d_ff: int, bias: bool = True) -> None:
+    Args:
+        d_model: E. d_ff: F. bias: biases in the three linear layers.
+        activation: the gate's nonlinearity, a name in `ACTIVATIONS` ("gelu" gives GeGLU).
+    """
+
+    def __init__(
+        self, d_model: int, d_ff: int, bias: bool = True, activation: str = "silu"
+    ) -> None:
         super().__init__()
+        self.activation = _activation(activation)
         self.gate = nn.Linear(d_model, d_ff, bias=bias)
         self.up = nn.Linear(d_model, d_ff, bias=bias)
         self.down = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         """``(B, L, E) -> (B, L, E)``."""
-        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))  # (B, L, F) -> (B, L, E)
+        gate = ACTIVATIONS[self.activation](self.gate(x))  # (B, L, F)
+        return self.down(gate * self.up(x))  # (B, L, F) -> (B, L, E)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"
 
 
 MLPS: dict[str, Callable[..., nn.Module]] = {"gelu": GeluMLP, "swiglu": SwiGLU}
+
+
+def make_mlp(config: TransformerConfig) -> nn.Module:
+    """The MLP named by ``config.mlp`` (E -> ``ff_dim`` -> E) with ``config.activation``."""
+    kwargs = {} if config.activation is None else {"activation": config.activation}
+    return MLPS[config.mlp](config.d_model, config.ff_dim, bias=config.bias, **kwargs)
 
 
 class TransformerBlock(nn.Module):
@@ -100,7 +153,8 @@ class TransformerBlock(nn.Module):
         h = norm1(x + drop(attn(x)));   y = norm2(h + drop(mlp(h)))
 
     Args:
-        config: sizes and choices (norm, MLP, heads, dropout, bias).
+        config: sizes and choices (norm and its ε, MLP and activation, heads, dropout, bias,
+            attention backend).
         rope: a shared `attnlab.positional.RoPE` for the attention, or None.
         bias_fn: an additive score bias such as `attnlab.positional.ALiBi`, or None.
     """
@@ -123,9 +177,10 @@ class TransformerBlock(nn.Module):
             bias=config.bias,
             rope=rope,
             bias_fn=bias_fn,
+            backend=config.attn_backend,
         )
         self.norm2 = make_norm(config)
-        self.mlp = MLPS[config.mlp](config.d_model, config.ff_dim, bias=config.bias)
+        self.mlp = make_mlp(config)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(
@@ -134,19 +189,94 @@ class TransformerBlock(nn.Module):
         *,
         mask: Mask | Tensor | None = None,
         cache: KVCache | None = None,
-    ) -> Tensor:
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """``(B, L, E) -> (B, L, E)``.
 
         Args:
             x: the residual stream ``(B, L, E)``.
             mask: attention mask (True = may attend), broadcastable to ``(B, H, L, S)``.
             cache: this layer's `KVCache` when decoding incrementally.
+            need_weights: also return the attention weights ``(B, H, L, S)`` of this very
+                forward pass (the attention runs once, with ``need_weights=True``).
+
+        Returns:
+            ``y (B, L, E)``, or ``(y, weights)`` with ``need_weights=True``.
         """
+        h = self.norm1(x) if self.prenorm else x
+        a = self.attn(h, mask=mask, cache=cache, need_weights=need_weights)
+        a, weights = a if need_weights else (a, None)  # (B, L, E), (B, H, L, S)
         if self.prenorm:
-            x = x + self.drop(self.attn(self.norm1(x), mask=mask, cache=cache))
-            return x + self.drop(self.mlp(self.norm2(x)))
-        x = self.norm1(x + self.drop(self.attn(x, mask=mask, cache=cache)))
-        return self.norm2(x + self.drop(self.mlp(x)))
+            x = x + self.drop(a)
+            y = x + self.drop(self.mlp(self.norm2(x)))
+        else:
+            x = self.norm1(x + self.drop(a))
+            y = self.norm2(x + self.drop(self.mlp(x)))
+        return (y, weights) if need_weights else y  # type: ignore[return-value]
+
+
+class StackOutput(NamedTuple):
+    """What `run_blocks` returns.
+
+    Attributes:
+        last_hidden_state: ``(B, L, E)``, the last block's output.
+        hidden_states: with ``need_hidden_states``, N + 1 tensors ``(B, L, E)``: the input,
+            then each block's output; else None.
+        attentions: with ``need_weights``, N tensors ``(B, H, L, S)``, one per block, from the
+            same forward pass; else None.
+    """
+
+    last_hidden_state: Tensor
+    hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple[Tensor, ...] | None = None
+
+
+def run_blocks(
+    blocks: Sequence[nn.Module],
+    x: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    caches: Sequence[KVCache] | None = None,
+    need_weights: bool = False,
+    need_hidden_states: bool = False,
+    checkpointing: bool = False,
+) -> StackOutput:
+    """``x_{n+1} = block_n(x_n)`` for every block, collecting what was asked for.
+
+    Args:
+        blocks: N `TransformerBlock`s.
+        x: ``(B, L, E)``, the input of the first block.
+        mask: the attention mask of every block (True = may attend).
+        caches: one `KVCache` per block, or None.
+        need_weights: collect each block's attention weights ``(B, H, L, S)``, computed by
+            the blocks' own attention calls (no second pass).
+        need_hidden_states: collect the input and every block's output.
+        checkpointing: recompute each block in backward (`torch.utils.checkpoint`; no caches).
+
+    Returns:
+        A `StackOutput`.
+    """
+    hidden: list[Tensor] | None = [x] if need_hidden_states else None
+    weights: list[Tensor] | None = [] if need_weights else None
+    for i, block in enumerate(blocks):
+        if caches is not None:
+            y = block(x, mask=mask, cache=caches[i], need_weights=need_weights)
+        elif checkpointing:
+            y = checkpoint(block, x, mask=mask, need_weights=need_weights, use_reentrant=False)
+        else:
+            y = block(x, mask=mask, need_weights=need_weights)
+        if weights is not None:
+            x, w = y  # (B, L, E), (B, H, L, S)
+            weights.append(w)
+        else:
+            x = y  # (B, L, E)
+        if hidden is not None:
+            hidden.append(x)
+    return StackOutput(
+        x,
+        None if hidden is None else tuple(hidden),
+        None if weights is None else tuple(weights),
+    )
 
 
 def positional_parts(

@@ -8,6 +8,7 @@ from typing import Any
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 POSITIONALS = ("rope", "learned", "sinusoidal", "alibi", None)
 
 
@@ -41,10 +42,19 @@ class TransformerConfig:
         norm_eps: ε of the norms.
         prenorm: True for pre-LN blocks ``x + f(norm(x))``, False for post-LN ``norm(x + f(x))``.
         mlp: "gelu" (``W2 · gelu(W1 x)``) or "swiglu" (``W_d · (silu(W_g x) ⊙ W_u x)``).
+        activation: the MLP's nonlinearity: "gelu" (exact, erf), "gelu_tanh" (tanh
+            approximation), "relu" or "silu"; None = the MLP's own (exact GELU for "gelu", SiLU
+            for "swiglu").
         positional: "rope", "learned", "sinusoidal", "alibi" or None.
         rope_base: θ of RoPE. rope_scaling: an HF-style RoPE scaling dict, or None.
         bias: biases in the linear layers and the LayerNorms.
         tie_embeddings: the output projection shares the token embedding matrix (GPT).
+        type_vocab_size: number of token types (segments) whose embeddings `Encoder` adds to the
+            token embeddings (BERT); 0 = none.
+        embed_norm: a norm on the summed embeddings before the first block (BERT).
+        pad_token_id: the padding token id (its embedding row starts at zero and gets no
+            gradient), or None.
+        attn_backend: the `attnlab.attention` backend of every attention layer.
     """
 
     vocab_size: int = 256
@@ -64,6 +74,11 @@ class TransformerConfig:
     rope_scaling: dict[str, Any] | None = field(default=None)
     bias: bool = True
     tie_embeddings: bool = True
+    activation: str | None = None
+    type_vocab_size: int = 0
+    embed_norm: bool = False
+    pad_token_id: int | None = None
+    attn_backend: str = "auto"
 
     def __post_init__(self) -> None:
         _int("vocab_size", self.vocab_size, 1)
@@ -71,6 +86,13 @@ class TransformerConfig:
         _int("n_layers", self.n_layers, 0)
         _int("n_heads", self.n_heads, 1)
         _int("max_seq_len", self.max_seq_len, 1)
+        _int("type_vocab_size", self.type_vocab_size, 0)
+        if self.pad_token_id is not None:
+            _int("pad_token_id", self.pad_token_id, 0)
+            if self.pad_token_id >= self.vocab_size:
+                raise ValueError(
+                    f"pad_token_id must be < vocab_size={self.vocab_size}, got {self.pad_token_id}"
+                )
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         if self.n_kv_heads is not None:
@@ -96,7 +118,13 @@ class TransformerConfig:
         _choice("norm", self.norm, NORMS)
         _choice("mlp", self.mlp, MLPS)
         _choice("positional", self.positional, POSITIONALS)
-        for name in ("prenorm", "bias", "tie_embeddings"):
+        if self.activation is not None:
+            _choice("activation", self.activation, ACTIVATIONS)
+        if self.attn_backend != "auto":
+            from ..functional.registry import backends
+
+            _choice("attn_backend", self.attn_backend, tuple(backends()))
+        for name in ("prenorm", "bias", "tie_embeddings", "embed_norm"):
             if not isinstance(getattr(self, name), bool):
                 value = getattr(self, name)
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")

@@ -6,11 +6,10 @@ import math
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from .. import masks
 from ..modules import KVCache
-from .blocks import TransformerBlock, make_norm, positional_parts
+from .blocks import TransformerBlock, make_norm, positional_parts, run_blocks
 from .config import TransformerConfig
 
 
@@ -85,7 +84,9 @@ class GPT(nn.Module):
             raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
         self.config = config
         self.gradient_checkpointing = False
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.tok_emb = nn.Embedding(
+            config.vocab_size, config.d_model, padding_idx=config.pad_token_id
+        )
         self.pos_emb, rope, bias_fn = positional_parts(config, causal=True)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
@@ -114,16 +115,25 @@ class GPT(nn.Module):
         """One empty `KVCache` per layer (``capacity`` preallocates, e.g. max_seq_len)."""
         return [KVCache(capacity) for _ in self.blocks]
 
-    def forward(self, idx: Tensor, *, caches: list[KVCache] | None = None) -> Tensor:
+    def forward(
+        self,
+        idx: Tensor,
+        *,
+        caches: list[KVCache] | None = None,
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, tuple[Tensor, ...]]:
         """Next-token logits for every position.
 
         Args:
             idx: token ids ``(B, L)``.
             caches: None (the whole sequence is ``idx``), or one `KVCache` per layer holding the
                 tokens before ``idx``; they are appended to (prefill, then one token at a time).
+            need_weights: also return every layer's attention weights ``(B, H, L, S)`` (S counts
+                the cached tokens too), computed by this forward pass's attention calls.
 
         Returns:
-            logits ``(B, L, V)``.
+            logits ``(B, L, V)``, or ``(logits, weights)`` with ``need_weights=True`` (a tuple
+            of ``n_layers`` tensors).
 
         Raises:
             TypeError / ValueError: non-integer ids, ids outside the vocabulary, more than
@@ -150,14 +160,18 @@ class GPT(nn.Module):
         x = self.drop(x)
         # Bottom-right causal; a single new token (decoding) is the last query and sees every key.
         causal = masks.causal() if L > 1 else None
-        for i, block in enumerate(self.blocks):
-            if caches is not None:
-                x = block(x, mask=causal, cache=caches[i])
-            elif self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, mask=causal, use_reentrant=False)
-            else:
-                x = block(x, mask=causal)
-        return self.lm_head(self.norm_f(x))  # (B, L, V)
+        out = run_blocks(
+            self.blocks,
+            x,
+            mask=causal,
+            caches=caches,
+            need_weights=need_weights,
+            checkpointing=(
+                self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+            ),
+        )
+        logits = self.lm_head(self.norm_f(out.last_hidden_state))  # (B, L, V)
+        return (logits, out.attentions) if need_weights else logits  # type: ignore[return-value]
 
     @torch.no_grad()
     def generate(

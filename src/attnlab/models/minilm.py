@@ -173,7 +173,7 @@ class MiniLM(nn.Module):
             raise TypeError("texts must be a string or a sequence of strings")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        weight = self.encoder.embeddings.word_embeddings.weight
+        weight = self.encoder.word_embeddings.weight
         out = torch.empty(len(texts), self.embedding_dim, dtype=weight.dtype, device=weight.device)
         if not texts:
             return out
@@ -208,7 +208,7 @@ class MiniLM(nn.Module):
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         enc = self.tokenizer.encode(text)
-        device = self.encoder.embeddings.word_embeddings.weight.device
+        device = self.encoder.word_embeddings.weight.device
         ids = torch.tensor([enc.ids], dtype=torch.long, device=device)  # (1, T)
         with torch.inference_mode():
             out = self.encoder(ids, need_weights=True)
