@@ -143,7 +143,7 @@ class FlashJob:
             parts: list[tuple[Tensor, Tensor, Tensor | None]] = []
             for c in g.calls:
                 if isinstance(c, BandCall):
-                    self._band_forward(q, k, v, c, out, lse)
+                    self._band_forward(q, k, v, c, out=out, lse=lse)
                 else:
                     parts.append(self._simple_forward(q, k, v, c))
             if not parts:
@@ -157,7 +157,7 @@ class FlashJob:
             self._store(out[rows], lse[rows], o, l)
         return out, lse
 
-    def _band_forward(self, q, k, v, c: BandCall, out: Tensor, lse: Tensor) -> None:
+    def _band_forward(self, q, k, v, c: BandCall, *, out: Tensor, lse: Tensor) -> None:
         if self.engine == "kernel":
             assert self.band_tiles is not None
             tiles, scale = self.band_tiles, self.scale
