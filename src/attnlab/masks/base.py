@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .._index import align, index_grid, query_positions
 from .._shapes import check_index_fn_output
-from .blocks import EMPTY, FULL, PARTIAL, band_codes, combine_codes, refine
+from .blocks import EMPTY, FULL, PARTIAL, band_codes, combine_codes, interval_codes, refine
 
 ATTEND = "■"
 IGNORE = "⬚"
@@ -259,10 +259,20 @@ class Mask:
         self, L: int, S: int, bq: int, bk: int, nb: int, nh: int, device: torch.device | str | None
     ) -> Tensor:
         """`block_map` for L, S >= 1 and checked arguments: what structured kinds override."""
+        codes = self._geometric_block_map(L, S, bq, bk, device)
+        return self._dense_block_map(L, S, bq, bk, nb, nh, device) if codes is None else codes
+
+    def _geometric_block_map(
+        self, L: int, S: int, bq: int, bk: int, device: torch.device | str | None
+    ) -> Tensor | None:
+        """The block map from `band` or `key_interval` when the mask has one, else None."""
         band = self.band()
         if band is not None:
             return band_codes(L, S, bq, bk, band[0], band[1], device)
-        return self._dense_block_map(L, S, bq, bk, nb, nh, device)
+        interval = self.key_interval(L, S, device=device)
+        if interval is not None:
+            return interval_codes(interval[0], interval[1], L, S, bq, bk)
+        return None
 
     def _dense_block_map(
         self, L: int, S: int, bq: int, bk: int, nb: int, nh: int, device: torch.device | str | None
@@ -371,8 +381,9 @@ class _Combined(Mask):
         return (max(a[0], b[0]), min(a[1], b[1]))
 
     def _block_map(self, L, S, bq, bk, nb, nh, device):
-        if self.band() is not None:
-            return super()._block_map(L, S, bq, bk, nb, nh, device)
+        codes = self._geometric_block_map(L, S, bq, bk, device)
+        if codes is not None:
+            return codes
         # each operand on the (B, H) sizes it depends on itself
         a = self.a._block_map(L, S, bq, bk, *self.a._batch_heads(None, None), device)
         b = self.b._block_map(L, S, bq, bk, *self.b._batch_heads(None, None), device)

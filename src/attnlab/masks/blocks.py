@@ -6,6 +6,8 @@ helpers here compute it from a mask's structure instead of its dense rendering:
 - `band_codes`: pairs with ``lo <= j − p <= hi`` (causal, sliding windows and their intersections);
 - `diagonal_codes`: any mask of ``j − p`` alone (strided), by prefix sums over the L + S − 1
   diagonals;
+- `interval_codes`: each row attends one interval of keys (`Mask.key_interval`: documents from
+  lengths, and intersections with causal masks, windows and padding);
 - `axis_codes`: a per-position flag along the rows or the keys (global tokens);
 - `cell_codes`: a mask constant on a coarser grid of cells (BigBird's blocks);
 - `combine_codes` and `refine`: ``&``/``|`` of code maps, and exact evaluation of the tiles a rule
@@ -59,6 +61,39 @@ def band_codes(
     full = (dmin >= lo) & (dmax <= hi)
     codes = torch.where(empty, EMPTY, torch.where(full, FULL, PARTIAL)).to(torch.int8)
     return codes.view(1, 1, *codes.shape)
+
+
+def interval_codes(lo: Tensor | None, hi: Tensor, L: int, S: int, bq: int, bk: int) -> Tensor:
+    """Exact codes ``(B|1, 1, nq, nk)`` of a mask whose row r attends the keys ``[lo_r, hi_r)``.
+
+    Args:
+        lo, hi: int64 broadcastable to ``(B|1, 1, L)`` (`Mask.key_interval`; lo None = 0).
+
+    A tile is FULL iff every row's interval covers its keys (per query block: the largest lo and
+    the smallest hi) and EMPTY iff no row's interval meets them: O(L · nk) comparisons, in chunks.
+    """
+    hi = hi.reshape(-1, hi.shape[-1]).expand(-1, L) if hi.shape[-1] == 1 else hi.reshape(-1, L)
+    lo = torch.zeros_like(hi) if lo is None else lo.reshape(-1, lo.shape[-1]).expand_as(hi)
+    nb = max(lo.shape[0], hi.shape[0])
+    lo, hi = lo.expand(nb, L), hi.expand(nb, L)
+    _, _, k0, k1 = tile_bounds(L, S, bq, bk, hi.device)
+    nq, nk, pad_r = -(-L // bq), k0.numel(), -L % bq
+    pad = torch.nn.functional.pad
+    lo_max = pad(lo, (0, pad_r), value=0).view(nb, nq, bq).amax(-1, keepdim=True)
+    hi_min = pad(hi, (0, pad_r), value=S).view(nb, nq, bq).amin(-1, keepdim=True)
+    full = (lo_max <= k0) & (hi_min >= k1)  # (nb, nq, nk)
+    lo_e = pad(lo, (0, pad_r), value=S).view(nb, nq, bq, 1)  # padded rows attend nothing
+    hi_e = pad(hi, (0, pad_r), value=0).view(nb, nq, bq, 1)
+    step = max(1, (1 << 22) // max(1, nb * bq * nk))
+    hit = torch.cat(
+        [
+            ((a < k1) & (b > k0) & (a < b)).any(dim=2)
+            for a, b in zip(lo_e.split(step, 1), hi_e.split(step, 1), strict=True)
+        ],
+        dim=1,
+    )  # (nb, nq, nk)
+    codes = torch.where(full, FULL, torch.where(hit, PARTIAL, EMPTY)).to(torch.int8)
+    return codes.unsqueeze(1)
 
 
 def _prefix(flags: Tensor) -> Tensor:
@@ -195,6 +230,7 @@ __all__ = [
     "codes_of",
     "combine_codes",
     "diagonal_codes",
+    "interval_codes",
     "refine",
     "tile_bounds",
     "tile_eval",

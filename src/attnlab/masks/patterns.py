@@ -399,7 +399,9 @@ class DocumentMask(Mask):
         return lo.unsqueeze(1), hi.unsqueeze(1)
 
     def _block_map(self, L, S, bq, bk, nb, nh, device):
-        # Conservative id-range rules per tile, then exact evaluation of the undecided tiles.
+        if self.runs_distinct:  # one run of keys per row: exact from the intervals
+            return super()._block_map(L, S, bq, bk, nb, nh, device)
+        # Raw ids: conservative id-range rules per tile, then exact evaluation of the rest.
         if self.ids.shape[-1] != S:
             raise ValueError(f"document ids cover {self.ids.shape[-1]} positions, but S={S}")
         nq, nk = -(-L // bq), -(-S // bk)
