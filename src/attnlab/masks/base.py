@@ -21,7 +21,17 @@ from torch import Tensor
 
 from .._index import align, index_grid, query_positions
 from .._shapes import check_index_fn_output
-from .blocks import EMPTY, FULL, PARTIAL, band_codes, combine_codes, interval_codes, refine
+from .blocks import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    band_codes,
+    combine_codes,
+    dense_codes,
+    diagonal_codes,
+    interval_codes,
+    refine,
+)
 
 ATTEND = "■"
 IGNORE = "⬚"
@@ -90,6 +100,17 @@ class Mask:
         batches narrow bands into shared-tile calls. Other masks return None.
         """
         return None
+
+    def _diagonals(self, L: int, S: int, device: torch.device | str | None) -> Tensor | None:
+        """For a mask of ``d = j − p`` alone: bool ``(L + S − 1,)`` over ``d = −(S − 1) … L − 1``.
+
+        Bands and strided masks (and their combinations) are such masks; others return None.
+        """
+        band = self.band()
+        if band is None:
+            return None
+        d = torch.arange(-(S - 1), L, device=device).double()
+        return (d >= band[0]) & (d <= band[1])
 
     def key_interval(
         self, L: int, S: int, *, device: torch.device | str | None = None
@@ -265,10 +286,13 @@ class Mask:
     def _geometric_block_map(
         self, L: int, S: int, bq: int, bk: int, device: torch.device | str | None
     ) -> Tensor | None:
-        """The block map from `band` or `key_interval` when the mask has one, else None."""
+        """The block map from `band`, `_diagonals` or `key_interval` when one applies, else None."""
         band = self.band()
         if band is not None:
             return band_codes(L, S, bq, bk, band[0], band[1], device)
+        keep = self._diagonals(L, S, device)
+        if keep is not None:
+            return diagonal_codes(L, S, bq, bk, keep, device)
         interval = self.key_interval(L, S, device=device)
         if interval is not None:
             return interval_codes(interval[0], interval[1], L, S, bq, bk)
@@ -278,26 +302,7 @@ class Mask:
         self, L: int, S: int, bq: int, bk: int, nb: int, nh: int, device: torch.device | str | None
     ) -> Tensor:
         """The block map from the rendering, evaluated in row chunks of whole query tiles."""
-        nk = -(-S // bk)
-        pad_s = nk * bk - S
-        rows_per_chunk = max(bq, (_CHUNK_ELEMENTS // max(S, 1)) // bq * bq)
-        parts = []
-        for lo in range(0, max(L, 1), rows_per_chunk):  # L = 0: one empty chunk
-            hi = min(L, lo + rows_per_chunk)
-            m = self._eval_rows(torch.arange(lo, hi, device=device), L, S, nb, nh, device)
-            anyv = m.to(torch.int8)
-            allv = anyv
-            pad_r = -(hi - lo) % bq
-            if pad_r or pad_s:
-                anyv = torch.nn.functional.pad(anyv, (0, pad_s, 0, pad_r), value=0)
-                allv = torch.nn.functional.pad(allv, (0, pad_s, 0, pad_r), value=1)
-            shp = (anyv.shape[0], anyv.shape[1], anyv.shape[2] // bq, bq, nk, bk)
-            has = anyv.view(shp).amax(dim=(3, 5))  # (B|1, H|1, nq_chunk, nk)
-            full = allv.view(shp).amin(dim=(3, 5))
-            parts.append((has + full).to(torch.int8))
-        nbo = max(p.shape[0] for p in parts)
-        nho = max(p.shape[1] for p in parts)
-        return torch.cat([p.expand(nbo, nho, -1, -1) for p in parts], dim=2)
+        return dense_codes(self, L, S, bq, bk, nb, nh, device, _CHUNK_ELEMENTS)
 
     def render(self, L: int, S: int, *, b: int = 0, h: int = 0) -> str:
         """Draws the mask for batch item ``b`` and head ``h`` as a ■ (attend) / ⬚ (masked) grid."""
@@ -380,6 +385,13 @@ class _Combined(Mask):
             return None
         return (max(a[0], b[0]), min(a[1], b[1]))
 
+    def _diagonals(self, L, S, device):
+        a = self.a._diagonals(L, S, device)
+        b = None if a is None else self.b._diagonals(L, S, device)
+        if a is None or b is None:
+            return None
+        return a & b if self.op == "&" else a | b
+
     def _block_map(self, L, S, bq, bk, nb, nh, device):
         codes = self._geometric_block_map(L, S, bq, bk, device)
         if codes is not None:
@@ -423,6 +435,10 @@ class _Not(Mask):
         return ~check_index_fn_output(
             "mask function", self.inner, self.inner._eval(*idx, L, S), idx
         )
+
+    def _diagonals(self, L, S, device):
+        inner = self.inner._diagonals(L, S, device)
+        return None if inner is None else ~inner
 
     def _block_map(self, L, S, bq, bk, nb, nh, device):
         inner = self.inner._block_map(L, S, bq, bk, nb, nh, device)  # same (B, H) sizes

@@ -11,7 +11,8 @@ helpers here compute it from a mask's structure instead of its dense rendering:
 - `axis_codes`: a per-position flag along the rows or the keys (global tokens);
 - `cell_codes`: a mask constant on a coarser grid of cells (BigBird's blocks);
 - `combine_codes` and `refine`: ``&``/``|`` of code maps, and exact evaluation of the tiles a rule
-  cannot decide.
+  cannot decide;
+- `dense_codes`: the fallback for masks given by a tensor or a function, from their rendering.
 
 ``p = r + S − L`` is the aligned position of query row ``r`` (`attnlab._index.align`). Tiles at the
 ragged end cover only the positions that exist.
@@ -177,6 +178,43 @@ def combine_codes(op: str, *maps: Tensor) -> tuple[Tensor, Tensor]:
     return codes.to(torch.int8).contiguous(), undecided.flatten(0, -3).any(0)
 
 
+def dense_codes(
+    mask: Mask,
+    L: int,
+    S: int,
+    bq: int,
+    bk: int,
+    nb: int,
+    nh: int,
+    device: torch.device | str | None,
+    chunk: int,
+) -> Tensor:
+    """Codes ``(B|1, H|1, nq, nk)`` from the mask's rendering, in chunks of whole query tiles.
+
+    ``chunk`` bounds the elements rendered at once; every other helper here avoids rendering.
+    """
+    nk = -(-S // bk)
+    pad_s = nk * bk - S
+    rows_per_chunk = max(bq, (chunk // max(S, 1)) // bq * bq)
+    parts = []
+    for lo in range(0, max(L, 1), rows_per_chunk):  # L = 0: one empty chunk
+        hi = min(L, lo + rows_per_chunk)
+        m = mask._eval_rows(torch.arange(lo, hi, device=device), L, S, nb, nh, device)
+        anyv = m.to(torch.int8)
+        allv = anyv
+        pad_r = -(hi - lo) % bq
+        if pad_r or pad_s:
+            anyv = torch.nn.functional.pad(anyv, (0, pad_s, 0, pad_r), value=0)
+            allv = torch.nn.functional.pad(allv, (0, pad_s, 0, pad_r), value=1)
+        shp = (anyv.shape[0], anyv.shape[1], anyv.shape[2] // bq, bq, nk, bk)
+        has = anyv.view(shp).amax(dim=(3, 5))  # (B|1, H|1, nq_chunk, nk)
+        full = allv.view(shp).amin(dim=(3, 5))
+        parts.append((has + full).to(torch.int8))
+    nbo = max(p.shape[0] for p in parts)
+    nho = max(p.shape[1] for p in parts)
+    return torch.cat([p.expand(nbo, nho, -1, -1) for p in parts], dim=2)
+
+
 def tile_eval(
     mask: Mask, rows: Tensor, keys: Tensor, L: int, S: int, nb: int, nh: int, device
 ) -> Tensor:
@@ -229,6 +267,7 @@ __all__ = [
     "cell_codes",
     "codes_of",
     "combine_codes",
+    "dense_codes",
     "diagonal_codes",
     "interval_codes",
     "refine",

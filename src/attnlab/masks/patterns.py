@@ -23,7 +23,6 @@ from .blocks import (
     band_codes,
     cell_codes,
     combine_codes,
-    diagonal_codes,
     refine,
     tile_bounds,
 )
@@ -193,9 +192,9 @@ class StridedMask(Mask):
     def _mod(self, b, h, p, j, S):
         return self._keep(p - j)
 
-    def _block_map(self, L, S, bq, bk, nb, nh, device):
+    def _diagonals(self, L, S, device):
         d = torch.arange(-(S - 1), L, device=device)  # every j − p of the grid
-        return diagonal_codes(L, S, bq, bk, self._keep(-d), device)
+        return self._keep(-d)
 
     def __repr__(self) -> str:
         return f"strided({self.stride}, causal={self.causal})"
