@@ -232,9 +232,8 @@ class GlobalLocalMask(Mask):
         reach = float(self.window - 1)
         band = band_codes(L, S, bq, bk, -reach, reach, device)
         p0, p1, k0, k1 = tile_bounds(L, S, bq, bk, device)
-        start = p0[0]  # the position of row 0: query flags are read on [p0, p1)
-        p = self.positions(L, S, device=device)
-        rows = axis_codes(self._is_global(p), p0 - start, p1 - start).view(1, 1, -1, 1)
+        flags = self._is_global(self.positions(L, S, device=device))  # (L,), by query row
+        rows = axis_codes(flags, p0 - p0[0], p1 - p0[0]).view(1, 1, -1, 1)  # tiles by row
         keys = axis_codes(self._is_global(torch.arange(S, device=device)), k0, k1)
         codes, todo = combine_codes("|", band, rows, keys.view(1, 1, 1, -1))
         return refine(self, codes, todo, L, S, bq, bk, nb, nh, device)
