@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._index import index_grid
 from .._shapes import Dims, check_index_fn_output
 from ..masks import CausalMask, Mask, PaddingMask
 
@@ -95,11 +96,7 @@ class Request:
 
 
 def _index_grid(B: int, H: int, L: int, S: int, device: torch.device) -> tuple[Tensor, ...]:
-    b = torch.arange(B, device=device).view(B, 1, 1, 1)
-    h = torch.arange(H, device=device).view(1, H, 1, 1)
-    i = (torch.arange(L, device=device) + (S - L)).view(1, 1, L, 1)
-    j = torch.arange(S, device=device).view(1, 1, 1, S)
-    return b, h, i, j
+    return index_grid(B, H, L, S, device=device)  # i: aligned query positions
 
 
 def materialize_bias(bias: BiasFn, dims: Dims, dtype: torch.dtype, device: torch.device) -> Tensor:

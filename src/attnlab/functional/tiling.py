@@ -12,14 +12,15 @@ with one of three treatments:
 The calls of one group cover disjoint key sets, so their partial results merge exactly by their
 log-sum-exp (`functional.merge.merge_partials`). Empty tiles are in no call at all.
 
-Structured masks are classified analytically, in O(tiles) instead of O(L·S):
+The mask's geometry comes from its own public methods, in O(tiles) instead of O(L·S):
 
-- bands — ``causal()``, ``sliding_window(w)`` and their intersections — keep the pairs with
+- `Mask.band` — ``causal()``, ``sliding_window(w)`` and their intersections keep the pairs with
   ``lo <= j − p <= hi`` (``p = i + S − L`` the aligned query position). Interior query blocks of a
   narrow band all see the same relative key window, so they run as ONE batched call
   (`BandCall`) over strided windows of the keys with one shared (block × window) mask.
-- ``padding``, ``document``, ``&``, ``|`` and ``~`` have analytic block maps; tiles an analytic
-  rule cannot decide are evaluated exactly, so the block maps equal `Mask.block_map`.
+- `Mask.block_map` — closed form for every structured kind (padding, documents, strided,
+  global/local, BigBird, ``&``, ``|``, ``~``; see `attnlab.masks.blocks`), from the rendering for
+  masks given by a tensor or a function.
 """
 
 from __future__ import annotations
@@ -30,18 +31,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .._shapes import check_index_fn_output
-from ..masks import (
-    EMPTY,
-    FULL,
-    PARTIAL,
-    CausalMask,
-    DocumentMask,
-    Mask,
-    PaddingMask,
-    SlidingWindowMask,
-)
-from ..masks.base import _Combined, _Not
+from ..masks import FULL, PARTIAL, Mask
+from ..masks.blocks import band_codes
 
 _NEG_INF = float("-inf")
 
@@ -229,22 +220,13 @@ class Plan:
         return text
 
 
-# --------------------------------------------------------------------------- bands
+# --------------------------------------------------------------------------- mask geometry
 def band_of(mask: Mask | None) -> tuple[float, float] | None:
-    """``(lo, hi)`` with ``mask = {lo <= j − p <= hi}``, ±inf for no bound; None if not a band."""
-    if mask is None:
-        return (-math.inf, math.inf)
-    if isinstance(mask, CausalMask):
-        return (-math.inf, 0.0)
-    if isinstance(mask, SlidingWindowMask):
-        w = mask.window
-        return (float(-(w - 1)), 0.0 if mask.causal else float(w - 1))
-    if isinstance(mask, _Combined) and mask.op == "&":
-        a, b = band_of(mask.a), band_of(mask.b)
-        if a is None or b is None:
-            return None
-        return (max(a[0], b[0]), min(a[1], b[1]))
-    return None
+    """``(lo, hi)`` with ``mask = {lo <= j − p <= hi}``, ±inf for no bound; None if not a band.
+
+    `Mask.band`, with no mask the unbounded band.
+    """
+    return (-math.inf, math.inf) if mask is None else mask.band()
 
 
 def _clip_band(band: tuple[float, float], L: int, S: int) -> tuple[float, float]:
@@ -261,119 +243,7 @@ def band_block_map(
     L: int, S: int, bq: int, bk: int, lo: float, hi: float, device: torch.device | str | None = None
 ) -> Tensor:
     """Exact EMPTY/PARTIAL/FULL codes ``(1, 1, nq, nk)`` of the band ``lo <= j − p <= hi``."""
-    nq, nk = -(-L // bq), -(-S // bk)
-    off = S - L
-    r0 = torch.arange(nq, device=device) * bq
-    r1 = torch.clamp(r0 + bq, max=L)
-    k0 = torch.arange(nk, device=device) * bk
-    k1 = torch.clamp(k0 + bk, max=S)
-    dmin = (k0.view(1, -1) - (r1 - 1 + off).view(-1, 1)).double()  # min of j − p over the tile
-    dmax = ((k1 - 1).view(1, -1) - (r0 + off).view(-1, 1)).double()  # max of j − p
-    empty = (dmax < lo) | (dmin > hi)
-    full = (dmin >= lo) & (dmax <= hi)
-    codes = torch.where(empty, EMPTY, torch.where(full, FULL, PARTIAL)).to(torch.int8)
-    return codes.view(1, 1, nq, nk)
-
-
-# --------------------------------------------------------------------------- block maps
-def _tile_eval(
-    mask: Mask, rows: Tensor, keys: Tensor, L: int, S: int, nb: int, nh: int, device
-) -> Tensor:
-    """The mask on rows × keys, shape ``(B|1, H|1, R, K)`` (bool)."""
-    b = torch.arange(nb, device=device).view(nb, 1, 1, 1)
-    h = torch.arange(nh, device=device).view(1, nh, 1, 1)
-    i, j = rows.view(1, 1, -1, 1), keys.view(1, 1, 1, -1)
-    out = mask._eval(b, h, i, j, L, S)
-    out = check_index_fn_output("mask function", mask, out, (b, h, i, j), want_bool=True)
-    return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
-
-
-def _refine(
-    mask: Mask,
-    codes: Tensor,
-    todo: Tensor,
-    L: int,
-    S: int,
-    bq: int,
-    bk: int,
-    nb: int,
-    nh: int,
-    device: torch.device | str | None,
-) -> Tensor:
-    """Evaluates exactly the tiles where ``todo`` (nq, nk) is True and writes their codes."""
-    if not bool(todo.any()):
-        return codes
-    codes = codes.clone()
-    for qb in todo.any(dim=1).nonzero().flatten().tolist():
-        tiles = todo[qb].nonzero().flatten()  # (nt,)
-        nt = tiles.numel()
-        r0, r1 = qb * bq, min(L, (qb + 1) * bq)
-        keys = (
-            tiles.view(-1, 1) * bk + torch.arange(bk, device=tiles.device)
-        ).flatten()  # (nt·bk,)
-        valid = (keys < S).view(1, 1, 1, -1)
-        rows = torch.arange(r0, r1, device=device)
-        m = _tile_eval(mask, rows, keys.clamp(max=S - 1), L, S, nb, nh, device)  # (B|1, H|1, R, K)
-        shp = (m.shape[0], m.shape[1], r1 - r0, nt, bk)
-        anyv = (m & valid).reshape(shp).any(dim=4).any(dim=2)  # (B|1, H|1, nt)
-        allv = (m | ~valid).reshape(shp).all(dim=4).all(dim=2)
-        val = anyv.to(torch.int8) + allv.to(torch.int8)
-        sub = codes[:, :, qb]  # (B|1, H|1, nk), a view
-        sub[:, :, tiles] = val.expand(codes.shape[0], codes.shape[1], nt)
-    return codes
-
-
-def _padding_block_map(mask: PaddingMask, L: int, S: int, bq: int, bk: int, device) -> Tensor:
-    nq, nk = -(-L // bq), -(-S // bk)
-    n = mask.lengths.to(device).view(-1, 1)  # (B, 1)
-    k0 = (torch.arange(nk, device=device) * bk).view(1, -1)
-    k1 = torch.clamp(k0 + bk, max=S)
-    codes = torch.where(k1 <= n, FULL, torch.where(k0 >= n, EMPTY, PARTIAL)).to(torch.int8)
-    return codes.view(-1, 1, 1, nk).expand(-1, 1, nq, nk).clone()
-
-
-def _document_block_map(
-    mask: DocumentMask, L: int, S: int, bq: int, bk: int, nb: int, nh: int, device
-) -> Tensor:
-    """Conservative interval rules per tile, then exact evaluation of the undecided tiles."""
-    if mask.ids.shape[-1] != S:
-        raise ValueError(f"document ids cover {mask.ids.shape[-1]} positions, but S={S}")
-    nq, nk = -(-L // bq), -(-S // bk)
-    ids = mask.ids.to(device)
-    ids = ids if ids.dim() == 2 else ids.view(1, S)  # (B|1, S)
-    big = torch.iinfo(torch.long).max
-    # key tiles: min / max id over the positions that exist
-    pad_k = nk * bk - S
-    kmin = torch.nn.functional.pad(ids, (0, pad_k), value=big).view(-1, nk, bk).amin(-1)
-    kmax = torch.nn.functional.pad(ids, (0, pad_k), value=-big).view(-1, nk, bk).amax(-1)
-    # query tiles: ids at aligned positions p = i + S − L (invalid where p < 0)
-    p = torch.arange(L, device=device) + (S - L)
-    valid = p >= 0
-    qids = (
-        ids[:, p.clamp(min=0)]
-        if S > 0
-        else torch.zeros(ids.shape[0], L, dtype=torch.long, device=device)
-    )
-    pad_q = nq * bq - L
-    qlo = torch.where(valid, qids, big)
-    qhi = torch.where(valid, qids, -big)
-    qmin = torch.nn.functional.pad(qlo, (0, pad_q), value=big).view(-1, nq, bq).amin(-1)
-    qmax = torch.nn.functional.pad(qhi, (0, pad_q), value=-big).view(-1, nq, bq).amax(-1)
-    nvalid = torch.nn.functional.pad(valid.long(), (0, pad_q)).view(nq, bq).sum(-1)
-    rows = (
-        torch.clamp(torch.arange(nq, device=device) * bq + bq, max=L)
-        - torch.arange(nq, device=device) * bq
-    )
-    allvalid = (nvalid == rows).view(1, nq, 1)
-    novalid = (nvalid == 0).view(1, nq, 1)
-    qmin, qmax = qmin.unsqueeze(-1), qmax.unsqueeze(-1)  # (B|1, nq, 1)
-    kmin, kmax = kmin.unsqueeze(1), kmax.unsqueeze(1)  # (B|1, 1, nk)
-    empty = novalid | (qmax < kmin) | (qmin > kmax)
-    full = allvalid & (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
-    codes = torch.where(empty, EMPTY, torch.where(full, FULL, PARTIAL)).to(torch.int8)
-    codes = codes.unsqueeze(1)  # (B|1, 1, nq, nk)
-    todo = (~empty & ~full).any(dim=0)  # (nq, nk)
-    return _refine(mask, codes, todo, L, S, bq, bk, nb, nh, device)
+    return band_codes(L, S, bq, bk, lo, hi, device)
 
 
 def block_map(
@@ -387,43 +257,11 @@ def block_map(
     heads: int | None = None,
     device: torch.device | str | None = None,
 ) -> Tensor:
-    """`Mask.block_map`, computed analytically for structured masks (same result, O(tiles) work).
+    """`Mask.block_map` (closed form for structured masks, O(tiles) work).
 
     Returns:
         int8 ``(B|1, H|1, ceil(L/bq), ceil(S/bk))`` with EMPTY (0) / PARTIAL (1) / FULL (2).
     """
-    nb, nh = mask._batch_heads(batch, heads)
-    if L == 0 or S == 0:
-        return mask.block_map(L, S, bq, bk, batch=batch, heads=heads, device=device)
-    band = band_of(mask)
-    if band is not None:
-        return band_block_map(L, S, bq, bk, band[0], band[1], device)
-    if isinstance(mask, PaddingMask):
-        return _padding_block_map(mask, L, S, bq, bk, device)
-    if isinstance(mask, DocumentMask):
-        return _document_block_map(mask, L, S, bq, bk, nb, nh, device)
-    if isinstance(mask, _Not):
-        inner = block_map(mask.inner, L, S, bq, bk, batch=batch, heads=heads, device=device)
-        return (FULL - inner).to(torch.int8)  # EMPTY <-> FULL, PARTIAL stays
-    if isinstance(mask, _Combined):
-        a = block_map(mask.a, L, S, bq, bk, batch=batch, heads=heads, device=device)
-        b = block_map(mask.b, L, S, bq, bk, batch=batch, heads=heads, device=device)
-        a, b = torch.broadcast_tensors(a, b)
-        if mask.op == "&":
-            codes = torch.where(
-                (a == EMPTY) | (b == EMPTY),
-                EMPTY,
-                torch.where((a == FULL) & (b == FULL), FULL, PARTIAL),
-            )
-        else:
-            codes = torch.where(
-                (a == FULL) | (b == FULL),
-                FULL,
-                torch.where((a == EMPTY) & (b == EMPTY), EMPTY, PARTIAL),
-            )
-        codes = codes.to(torch.int8).contiguous()
-        todo = ((a == PARTIAL) & (b == PARTIAL)).any(dim=0).any(dim=0)
-        return _refine(mask, codes, todo, L, S, bq, bk, nb, nh, device)
     return mask.block_map(L, S, bq, bk, batch=batch, heads=heads, device=device)
 
 

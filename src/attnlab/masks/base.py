@@ -14,19 +14,27 @@ query sees the last key), which is what KV-cache decoding needs. For causal with
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from .._index import align, index_grid, query_positions
 from .._shapes import check_index_fn_output
+from .blocks import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    band_codes,
+    combine_codes,
+    dense_codes,
+    diagonal_codes,
+    interval_codes,
+    refine,
+)
 
 ATTEND = "■"
 IGNORE = "⬚"
-
-# Block-map codes (see `Mask.block_map`).
-EMPTY, PARTIAL, FULL = 0, 1, 2
 
 # Elements evaluated per chunk when a mask is reduced without materialising L×S.
 _CHUNK_ELEMENTS = 1 << 22
@@ -40,10 +48,13 @@ def _merge_dim(name: str, a: int | None, b: int | None) -> int | None:
     raise ValueError(f"cannot combine masks: one has {name}={a}, the other {name}={b}")
 
 
-class Mask(ABC):
+class Mask:
     """Base class of all masks. True = the query may attend to the key.
 
-    Subclasses implement :meth:`_eval`. Masks combine with ``&``, ``|`` and ``~``.
+    Subclasses implement :meth:`_mod` (the index function on aligned positions); a subclass
+    that needs the raw query rows (a tensor indexed by row) overrides :meth:`_eval` instead. Masks
+    combine with ``&``, ``|`` and ``~``. Structured kinds describe their geometry through
+    :meth:`band`, :meth:`key_interval` and a closed-form :meth:`block_map`.
 
     Attributes:
         batch_size: size of the batch dimension the mask depends on, or None if it does not.
@@ -54,21 +65,53 @@ class Mask(ABC):
     num_heads: int | None = None
 
     # ----------------------------------------------------------------- definition
-    @abstractmethod
-    def _eval(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor, L: int, S: int) -> Tensor:
-        """Evaluates the mask on broadcastable index tensors.
+    def _mod(self, b: Tensor, h: Tensor, p: Tensor, j: Tensor, S: int) -> Tensor:
+        """The index function on aligned positions (what subclasses implement).
 
         Args:
             b, h: batch and head indices (Long, broadcastable).
-            i: raw query row indices in [0, L); the aligned key position is ``i + S - L``.
-            j: key indices in [0, S).
-            L, S: query and key lengths.
+            p: aligned query positions ``r + S − L`` (key coordinates; negative for the first
+                ``L − S`` rows when L > S).
+            j: key positions in [0, S).
+            S: key length.
 
         Returns:
             Bool tensor broadcastable against the broadcast of the index tensors.
         """
+        raise NotImplementedError(f"{type(self).__name__} implements neither _mod nor _eval")
+
+    def _eval(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor, L: int, S: int) -> Tensor:
+        """Evaluates the mask on raw query rows ``i`` in [0, L) and keys ``j`` in [0, S).
+
+        The one place where rows meet the alignment: ``_mod`` receives ``p = i + S − L``.
+        """
+        return self._mod(b, h, align(i, L, S), j, S)
+
+    @staticmethod
+    def positions(L: int, S: int, *, device: torch.device | str | None = None) -> Tensor:
+        """Aligned key position of every query row, ``p = r + S − L``: int64 ``(L,)``."""
+        return query_positions(L, S, device=device)
 
     # ----------------------------------------------------------------- geometry
+    def band(self) -> tuple[float, float] | None:
+        """``(lo, hi)`` with ``mask = {lo <= j − p <= hi}`` (±inf: no bound), if the mask is one.
+
+        Causal masks, sliding windows and their intersections are bands; the tiled backend
+        batches narrow bands into shared-tile calls. Other masks return None.
+        """
+        return None
+
+    def _diagonals(self, L: int, S: int, device: torch.device | str | None) -> Tensor | None:
+        """For a mask of ``d = j − p`` alone: bool ``(L + S − 1,)`` over ``d = −(S − 1) … L − 1``.
+
+        Bands and strided masks (and their combinations) are such masks; others return None.
+        """
+        band = self.band()
+        if band is None:
+            return None
+        d = torch.arange(-(S - 1), L, device=device).double()
+        return (d >= band[0]) & (d <= band[1])
+
     def key_interval(
         self, L: int, S: int, *, device: torch.device | str | None = None
     ) -> tuple[Tensor | None, Tensor] | None:
@@ -115,19 +158,10 @@ class Mask(ABC):
             )
         return nb, nh
 
-    def _grid(
-        self, nb: int, nh: int, rows: Tensor, S: int, device: torch.device | None
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        b = torch.arange(nb, device=device).view(nb, 1, 1, 1)
-        h = torch.arange(nh, device=device).view(1, nh, 1, 1)
-        i = rows.view(1, 1, -1, 1)
-        j = torch.arange(S, device=device).view(1, 1, 1, S)
-        return b, h, i, j
-
     def _eval_rows(
         self, rows: Tensor, L: int, S: int, nb: int, nh: int, device: torch.device | None
     ) -> Tensor:
-        b, h, i, j = self._grid(nb, nh, rows, S, device)
+        b, h, i, j = index_grid(nb, nh, L, S, rows=rows, aligned=False, device=device)
         out = self._eval(b, h, i, j, L, S)
         # Custom subclasses too: a wrong shape is named here, not in torch's expand message.
         out = check_index_fn_output("mask function", self, out, (b, h, i, j), want_bool=True)
@@ -224,6 +258,9 @@ class Mask(ABC):
     ) -> Tensor:
         """Classifies each ``block_q × block_k`` tile as EMPTY (0), PARTIAL (1) or FULL (2).
 
+        Structured kinds compute it in closed form from their geometry (O(tiles) work, no L×S
+        tensor); the others from their rendering, chunk by chunk. Both give the same codes.
+
         Returns:
             int8 tensor of shape ``(B|1, H|1, ceil(L/block_q), ceil(S/block_k))``. Tiles at the
             ragged end cover only the positions that exist.
@@ -235,26 +272,37 @@ class Mask(ABC):
         if block_q < 1 or block_k < 1:
             raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
         nb, nh = self._batch_heads(batch, heads)
-        nk = -(-S // block_k)
-        pad_s = nk * block_k - S
-        rows_per_chunk = max(block_q, (_CHUNK_ELEMENTS // max(S, 1)) // block_q * block_q)
-        parts = []
-        for lo in range(0, max(L, 1), rows_per_chunk):  # L = 0: one empty chunk
-            hi = min(L, lo + rows_per_chunk)
-            m = self._eval_rows(torch.arange(lo, hi, device=device), L, S, nb, nh, device)
-            anyv = m.to(torch.int8)
-            allv = anyv
-            pad_r = -(hi - lo) % block_q
-            if pad_r or pad_s:
-                anyv = torch.nn.functional.pad(anyv, (0, pad_s, 0, pad_r), value=0)
-                allv = torch.nn.functional.pad(allv, (0, pad_s, 0, pad_r), value=1)
-            shp = (anyv.shape[0], anyv.shape[1], anyv.shape[2] // block_q, block_q, nk, block_k)
-            has = anyv.view(shp).amax(dim=(3, 5))  # (B|1, H|1, nq_chunk, nk)
-            full = allv.view(shp).amin(dim=(3, 5))
-            parts.append((has + full).to(torch.int8))
-        nbo = max(p.shape[0] for p in parts)
-        nho = max(p.shape[1] for p in parts)
-        return torch.cat([p.expand(nbo, nho, -1, -1) for p in parts], dim=2)
+        if L == 0 or S == 0:
+            return self._dense_block_map(L, S, block_q, block_k, nb, nh, device)
+        return self._block_map(L, S, block_q, block_k, nb, nh, device)
+
+    def _block_map(
+        self, L: int, S: int, bq: int, bk: int, nb: int, nh: int, device: torch.device | str | None
+    ) -> Tensor:
+        """`block_map` for L, S >= 1 and checked arguments: what structured kinds override."""
+        codes = self._geometric_block_map(L, S, bq, bk, device)
+        return self._dense_block_map(L, S, bq, bk, nb, nh, device) if codes is None else codes
+
+    def _geometric_block_map(
+        self, L: int, S: int, bq: int, bk: int, device: torch.device | str | None
+    ) -> Tensor | None:
+        """The block map from `band`, `_diagonals` or `key_interval` when one applies, else None."""
+        band = self.band()
+        if band is not None:
+            return band_codes(L, S, bq, bk, band[0], band[1], device)
+        keep = self._diagonals(L, S, device)
+        if keep is not None:
+            return diagonal_codes(L, S, bq, bk, keep, device)
+        interval = self.key_interval(L, S, device=device)
+        if interval is not None:
+            return interval_codes(interval[0], interval[1], L, S, bq, bk)
+        return None
+
+    def _dense_block_map(
+        self, L: int, S: int, bq: int, bk: int, nb: int, nh: int, device: torch.device | str | None
+    ) -> Tensor:
+        """The block map from the rendering, evaluated in row chunks of whole query tiles."""
+        return dense_codes(self, L, S, bq, bk, nb, nh, device, _CHUNK_ELEMENTS)
 
     def render(self, L: int, S: int, *, b: int = 0, h: int = 0) -> str:
         """Draws the mask for batch item ``b`` and head ``h`` as a ■ (attend) / ⬚ (masked) grid."""
@@ -329,6 +377,31 @@ class _Combined(Mask):
             return None
         return f"({a[0]}{self.op}{b[0]})", [*a[1], *b[1]]
 
+    def band(self):
+        if self.op != "&":
+            return None
+        a, b = self.a.band(), self.b.band()
+        if a is None or b is None:
+            return None
+        return (max(a[0], b[0]), min(a[1], b[1]))
+
+    def _diagonals(self, L, S, device):
+        a = self.a._diagonals(L, S, device)
+        b = None if a is None else self.b._diagonals(L, S, device)
+        if a is None or b is None:
+            return None
+        return a & b if self.op == "&" else a | b
+
+    def _block_map(self, L, S, bq, bk, nb, nh, device):
+        codes = self._geometric_block_map(L, S, bq, bk, device)
+        if codes is not None:
+            return codes
+        # each operand on the (B, H) sizes it depends on itself
+        a = self.a._block_map(L, S, bq, bk, *self.a._batch_heads(None, None), device)
+        b = self.b._block_map(L, S, bq, bk, *self.b._batch_heads(None, None), device)
+        codes, todo = combine_codes(self.op, a, b)
+        return refine(self, codes, todo, L, S, bq, bk, nb, nh, device)
+
     def key_interval(self, L, S, *, device=None):
         if self.op != "&":
             return None
@@ -362,6 +435,14 @@ class _Not(Mask):
         return ~check_index_fn_output(
             "mask function", self.inner, self.inner._eval(*idx, L, S), idx
         )
+
+    def _diagonals(self, L, S, device):
+        inner = self.inner._diagonals(L, S, device)
+        return None if inner is None else ~inner
+
+    def _block_map(self, L, S, bq, bk, nb, nh, device):
+        inner = self.inner._block_map(L, S, bq, bk, nb, nh, device)  # same (B, H) sizes
+        return (FULL - inner).to(torch.int8)  # EMPTY <-> FULL, PARTIAL stays
 
     def _data_tensors(self) -> list[tuple[str, Tensor]]:
         return self.inner._data_tensors()
@@ -453,13 +534,13 @@ class FnMask(Mask):
         self.batch_size, self.num_heads = batch_size, num_heads
         self.name = name or getattr(fn, "__name__", "fn")
 
-    def _eval(self, b, h, i, j, L, S):
-        out = self.fn(b, h, i + (S - L), j)
+    def _mod(self, b, h, p, j, S):
+        out = self.fn(b, h, p, j)
         # Checked here, not only on the final result: inside `&`/`|` a Python bool or an int
         # tensor would otherwise be silently absorbed (or fail with a torch-internal error), and
         # a wrong shape would broadcast into the other operand. The tiled backend evaluates
         # tiles through `_eval`, so this check covers it as well.
-        return check_index_fn_output("mask function", self.fn, out, (b, h, i, j), want_bool=True)
+        return check_index_fn_output("mask function", self.fn, out, (b, h, p, j), want_bool=True)
 
     def __repr__(self) -> str:
         return f"from_fn({self.name})"

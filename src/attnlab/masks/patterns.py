@@ -1,17 +1,31 @@
 """The structured mask patterns of the literature, each a small index function.
 
-All patterns use bottom-right alignment: query row ``i`` sits at key position ``p = i + S - L``.
-Grids below are for L = S = 6 (■ = may attend).
+All patterns are index functions of the aligned query position ``p = i + S − L`` (bottom-right
+alignment, computed once in `Mask._eval`) and the key position ``j``. Each kind also gives its
+geometry in closed form: a band (`Mask.band`), an interval of keys per row (`Mask.key_interval`)
+and a block map (`Mask.block_map`) in O(tiles) work.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from .base import Mask, _check_lengths
+from .blocks import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    axis_codes,
+    band_codes,
+    cell_codes,
+    combine_codes,
+    refine,
+    tile_bounds,
+)
 
 # Any size at least this large acts as "unbounded" on int64 positions: sizes are capped to it
 # before they meet an index tensor, so `sliding_window(sys.maxsize)` or `strided(2**70)` neither
@@ -51,17 +65,20 @@ def _interval_counts(lo: Tensor, hi: Tensor, S: int) -> Tensor:
 class CausalMask(Mask):
     """Bottom-right causal: key ``j`` is visible from position ``p`` iff ``j <= p``."""
 
-    def _eval(self, b, h, i, j, L, S):
-        return j <= i + (S - L)
+    def _mod(self, b, h, p, j, S):
+        return j <= p
+
+    def band(self):
+        return (-math.inf, 0.0)
 
     def key_interval(self, L, S, *, device=None):
-        p = torch.arange(L, device=device) + (S - L)
+        p = self.positions(L, S, device=device)
         return None, (p + 1).clamp(0, S).view(1, 1, L)
 
     def row_counts(self, L, S, *, batch=None, heads=None, device=None):
         _check_lengths(L, S)
         self._batch_heads(batch, heads)
-        p = torch.arange(L, device=device) + (S - L)
+        p = self.positions(L, S, device=device)
         return _interval_counts(torch.zeros_like(p), p, S).view(1, 1, L)
 
     def __repr__(self) -> str:
@@ -78,14 +95,18 @@ class SlidingWindowMask(Mask):
         self.window = _positive_int("window", window)
         self.causal = bool(causal)
 
-    def _eval(self, b, h, i, j, L, S):
+    def _mod(self, b, h, p, j, S):
         # On d = j − p (small), never p ± window: exact for every window without int64 overflow.
-        d = j - (i + (S - L))
+        d = j - p
         reach = _cap(self.window) - 1
         return (d >= -reach) & (d <= (0 if self.causal else reach))
 
+    def band(self):
+        w = self.window
+        return (float(-(w - 1)), 0.0 if self.causal else float(w - 1))
+
     def key_interval(self, L, S, *, device=None):
-        p = torch.arange(L, device=device) + (S - L)
+        p = self.positions(L, S, device=device)
         reach = min(self.window, max(L, S) + 1) - 1  # a wider window attends the same keys
         lo, hi = p - reach, (p if self.causal else p + reach)
         return lo.clamp(0, S).view(1, 1, L), (hi + 1).clamp(0, S).view(1, 1, L)
@@ -93,7 +114,7 @@ class SlidingWindowMask(Mask):
     def row_counts(self, L, S, *, batch=None, heads=None, device=None):
         _check_lengths(L, S)
         self._batch_heads(batch, heads)
-        p = torch.arange(L, device=device) + (S - L)
+        p = self.positions(L, S, device=device)
         # |j − p| <= max(L, S) − 1 on the grid, so a wider window counts the same.
         reach = min(self.window, max(L, S) + 1) - 1
         lo, hi = p - reach, (p if self.causal else p + reach)
@@ -121,10 +142,17 @@ class PaddingMask(Mask):
         if isinstance(lengths, (list, tuple)):
             self.py_lengths = tuple(int(n) for n in lengths)
 
-    def _eval(self, b, h, i, j, L, S):
+    def _mod(self, b, h, p, j, S):
         n = self.lengths.to(j.device)
         # One length broadcasts over a batch of any size (batch_size 1 combines with any batch).
         return j < (n[b] if n.numel() != 1 else n.view(1, 1, 1, 1))
+
+    def _block_map(self, L, S, bq, bk, nb, nh, device):
+        _, _, k0, k1 = tile_bounds(L, S, bq, bk, device)
+        n = self.lengths.to(device).view(-1, 1)  # (B, 1)
+        codes = torch.where(k1 <= n, FULL, torch.where(k0 >= n, EMPTY, PARTIAL)).to(torch.int8)
+        nq, nk = -(-L // bq), k0.numel()
+        return codes.view(-1, 1, 1, nk).expand(-1, 1, nq, nk).clone()
 
     def key_interval(self, L, S, *, device=None):
         return None, self.lengths.to(device).clamp(max=S).view(-1, 1, 1)
@@ -155,11 +183,18 @@ class StridedMask(Mask):
         self.stride = _positive_int("stride", stride)
         self.causal = bool(causal)
 
-    def _eval(self, b, h, i, j, L, S):
-        d = i + (S - L) - j
+    def _keep(self, d: Tensor) -> Tensor:
+        """Whether the offset ``d = p − j`` is attended."""
         stride = _cap(self.stride)  # the same pattern on any grid smaller than 2^62
         keep = (d.abs() < stride) | (d.remainder(stride) == 0)
         return keep & (d >= 0) if self.causal else keep
+
+    def _mod(self, b, h, p, j, S):
+        return self._keep(p - j)
+
+    def _diagonals(self, L, S, device):
+        d = torch.arange(-(S - 1), L, device=device)  # every j − p of the grid
+        return self._keep(-d)
 
     def __repr__(self) -> str:
         return f"strided({self.stride}, causal={self.causal})"
@@ -188,9 +223,20 @@ class GlobalLocalMask(Mask):
         g = self.global_idx.to(pos.device)
         return torch.isin(pos, g)
 
-    def _eval(self, b, h, i, j, L, S):
-        p = i + (S - L)
+    def _mod(self, b, h, p, j, S):
         return ((p - j).abs() < _cap(self.window)) | self._is_global(p) | self._is_global(j)
+
+    def _block_map(self, L, S, bq, bk, nb, nh, device):
+        # band | global query rows | global keys, each in closed form; tiles where two of them
+        # are PARTIAL are evaluated exactly.
+        reach = float(self.window - 1)
+        band = band_codes(L, S, bq, bk, -reach, reach, device)
+        p0, p1, k0, k1 = tile_bounds(L, S, bq, bk, device)
+        flags = self._is_global(self.positions(L, S, device=device))  # (L,), by query row
+        rows = axis_codes(flags, p0 - p0[0], p1 - p0[0]).view(1, 1, -1, 1)  # tiles by row
+        keys = axis_codes(self._is_global(torch.arange(S, device=device)), k0, k1)
+        codes, todo = combine_codes("|", band, rows, keys.view(1, 1, 1, -1))
+        return refine(self, codes, todo, L, S, bq, bk, nb, nh, device)
 
     def __repr__(self) -> str:
         return f"global_local({self.window}, global_tokens={self.global_idx.tolist()})"
@@ -234,23 +280,34 @@ class BigBirdMask(Mask):
             self._tables[num_blocks] = table
         return self._tables[num_blocks]
 
-    def _eval(self, b, h, i, j, L, S):
-        nblocks = max(1, -(-S // self.block_size))
-        block, radius, n_global = (
-            _cap(self.block_size),
-            _cap(self.window_blocks // 2),
-            _cap(self.global_blocks),
-        )
-        qb = torch.div(i + (S - L), block, rounding_mode="floor")
-        kb = torch.div(j, block, rounding_mode="floor")
+    def _block_keep(self, qb: Tensor, kb: Tensor, S: int) -> Tensor:
+        """Whether query block ``qb`` (negative before the keys) attends key block ``kb``."""
+        radius, n_global = _cap(self.window_blocks // 2), _cap(self.global_blocks)
         window = (qb - kb).abs() <= radius
         global_q = (qb >= 0) & (qb < n_global)
         keep = window | global_q | (kb < n_global)
         if self.random_blocks:
-            table = self.random_table(nblocks).to(i.device)
+            table = self.random_table(max(1, -(-S // self.block_size))).to(qb.device)
             valid = qb >= 0
             keep = keep | (table[qb.clamp(min=0), kb] & valid)
         return keep
+
+    def _mod(self, b, h, p, j, S):
+        block = _cap(self.block_size)
+        qb = torch.div(p, block, rounding_mode="floor")
+        return self._block_keep(qb, torch.div(j, block, rounding_mode="floor"), S)
+
+    def _block_map(self, L, S, bq, bk, nb, nh, device):
+        # The mask is constant on (query block, key block) cells: tiles from the cell table.
+        block = _cap(self.block_size)
+        p0, p1, k0, k1 = tile_bounds(L, S, bq, bk, device)
+        first = int(p0[0]) // block  # the cell of row 0 (negative when L > S)
+        qcells = torch.arange(first, (S - 1) // block + 1, device=device)
+        kcells = torch.arange(-(-S // block), device=device)
+        table = self._block_keep(qcells.view(-1, 1), kcells.view(1, -1), S)
+        q_range = (p0 // block - first, (p1 - 1) // block - first)
+        codes = cell_codes(table, q_range, (k0 // block, (k1 - 1) // block))
+        return codes.view(1, 1, *codes.shape)
 
     def __repr__(self) -> str:
         return (
@@ -302,15 +359,14 @@ class DocumentMask(Mask):
             raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()}")
         return cls.from_lengths(cu.diff())
 
-    def _eval(self, b, h, i, j, L, S):
+    def _mod(self, b, h, p, j, S):
         if self.ids.shape[-1] != S:
             raise ValueError(f"document ids cover {self.ids.shape[-1]} positions, but S={S}")
         if S == 0:  # no key positions: nothing to look up (ids[..., 0] would be out of range)
             return torch.zeros_like(j, dtype=torch.bool)
-        ids = self.ids.to(i.device)
+        ids = self.ids.to(p.device)
         ids = ids if ids.dim() == 2 else ids.view(1, S)  # (B|1, S); reshape(-1, 0) fails
         bi = b if ids.shape[0] > 1 else torch.zeros_like(b)
-        p = i + (S - L)
         valid = p >= 0
         q_ids = ids[bi, p.clamp(min=0)]
         return (q_ids == ids[bi, j]) & valid
@@ -333,12 +389,44 @@ class DocumentMask(Mask):
         last = torch.ones_like(new)
         last[:, :-1] = new[:, 1:]
         end = torch.where(last, j + 1, S).flip(1).cummin(dim=1).values.flip(1)  # (B|1, S)
-        p = torch.arange(L, device=device) + (S - L)
+        p = self.positions(L, S, device=device)
         valid = p >= 0
         pc = p.clamp(min=0)
         lo, hi = start[:, pc], end[:, pc]  # (B|1, L)
         hi = torch.where(valid, hi, lo)  # rows before the keys attend nothing
         return lo.unsqueeze(1), hi.unsqueeze(1)
+
+    def _block_map(self, L, S, bq, bk, nb, nh, device):
+        if self.runs_distinct:  # one run of keys per row: exact from the intervals
+            return super()._block_map(L, S, bq, bk, nb, nh, device)
+        # Raw ids: conservative id-range rules per tile, then exact evaluation of the rest.
+        if self.ids.shape[-1] != S:
+            raise ValueError(f"document ids cover {self.ids.shape[-1]} positions, but S={S}")
+        nq, nk = -(-L // bq), -(-S // bk)
+        ids = self.ids.to(device)
+        ids = ids if ids.dim() == 2 else ids.view(1, S)  # (B|1, S)
+        big = torch.iinfo(torch.long).max
+        pad = torch.nn.functional.pad
+        # key tiles: min / max id over the positions that exist
+        kmin = pad(ids, (0, nk * bk - S), value=big).view(-1, nk, bk).amin(-1)
+        kmax = pad(ids, (0, nk * bk - S), value=-big).view(-1, nk, bk).amax(-1)
+        # query tiles: ids at the aligned positions (invalid before the keys)
+        p = self.positions(L, S, device=device)
+        valid = p >= 0
+        qids = ids[:, p.clamp(min=0)]  # (B|1, L)
+        qmin = pad(torch.where(valid, qids, big), (0, nq * bq - L), value=big)
+        qmax = pad(torch.where(valid, qids, -big), (0, nq * bq - L), value=-big)
+        qmin = qmin.view(-1, nq, bq).amin(-1).unsqueeze(-1)  # (B|1, nq, 1)
+        qmax = qmax.view(-1, nq, bq).amax(-1).unsqueeze(-1)
+        p0, p1, _, _ = tile_bounds(L, S, bq, bk, device)
+        nvalid = (p1.clamp(min=0) - p0.clamp(min=0)).view(1, nq, 1)
+        allvalid, novalid = nvalid == (p1 - p0).view(1, nq, 1), nvalid == 0
+        kmin, kmax = kmin.unsqueeze(1), kmax.unsqueeze(1)  # (B|1, 1, nk)
+        empty = novalid | (qmax < kmin) | (qmin > kmax)
+        full = allvalid & (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
+        codes = torch.where(empty, EMPTY, torch.where(full, FULL, PARTIAL)).to(torch.int8)
+        todo = (~empty & ~full).any(dim=0)  # (nq, nk)
+        return refine(self, codes.unsqueeze(1), todo, L, S, bq, bk, nb, nh, device)
 
     def _default_size(self) -> tuple[int, int]:
         n = max(1, int(self.ids.shape[-1]))

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .._index import index_grid
 from ._checks import check_int
 
 
@@ -31,8 +32,5 @@ def dense_bias(
     """
     L = check_int("L", L, minimum=0)
     S = L if S is None else check_int("S", S, minimum=0)
-    b = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
-    h = torch.arange(H, device=device).view(1, H, 1, 1)
-    i = (torch.arange(L, device=device) + (S - L)).view(1, 1, L, 1)
-    j = torch.arange(S, device=device).view(1, 1, 1, S)
+    b, h, i, j = index_grid(1, H, L, S, device=device)  # batch item 0; i aligned
     return fn(b, h, i, j).expand(1, H, L, S)[0]  # (H, L, S)
