@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..._index import align
 from ...masks import Mask
 from ..request import BiasFn, check_bias_output
 from ..tiling import CALL_CAUSAL, CALL_MASKED, BandCall, Call
@@ -68,7 +69,7 @@ class TileSource:
             h = torch.arange(self.H, device=device).view(1, self.H, 1, 1)
         out: Tensor | None = None
         if self.bias_fn is not None:
-            i = rows + (self.S - self.L)
+            i = align(rows, self.L, self.S)
             val = check_bias_output(self.bias_fn, self.bias_fn(b, h, i, keys), b, h, i, keys)
             out = val.to(self.dtype)
         for t in self.bias_tensors:
