@@ -196,7 +196,7 @@ def add_nan(out: Tensor, bad: Tensor) -> Tensor:
     return out + torch.where(bad, nan, zero)
 
 
-def first_nonfinite(x: Tensor, block: int = 64) -> Tensor:
+def first_nonfinite(x: Tensor, block: int = 16) -> Tensor:
     """Index along dim 2 of the first non-finite entry of each column of ``x (B, H, S, C)``.
 
     ``S`` where a column is finite. Reads x once (sums of ``block`` rows; a block of finite values
