@@ -263,3 +263,21 @@ def test_meta_tensors_give_the_output_shapes():
     model = GPT(cfg).to("meta")
     logits = model(torch.zeros(2, 9, dtype=torch.long, device="meta"))
     assert logits.shape == (2, 9, 50) and logits.is_meta
+
+
+def test_dynamic_true_traces_the_float_arguments_symbolically():
+    """``torch.compile(dynamic=True)`` makes Python floats symbolic: the argument checks of
+    `attention` (finite scale/temperature, dropout in [0, 1)) must not read them on the host."""
+    mha = _mha("rope", backend="auto").eval()
+    x = torch.randn(1, 9, E, generator=torch.Generator().manual_seed(3))
+    counter = CompileCounter()
+    step = torch.compile(mha, backend=counter, fullgraph=True, dynamic=True)
+    cache, eager_cache = KVCache(16), KVCache(16)
+    with torch.no_grad():
+        got = [step(x[:, :5], mask=masks.causal(), cache=cache)]
+        want = [mha(x[:, :5], mask=masks.causal(), cache=eager_cache)]
+        for t in range(5, 9):
+            got.append(step(x[:, t : t + 1], cache=cache))
+            want.append(mha(x[:, t : t + 1], cache=eager_cache))
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=1e-6, rtol=1e-6)
+    assert counter.frame_count >= 1

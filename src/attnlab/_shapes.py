@@ -134,6 +134,8 @@ def check_number(
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     x = float(value)
+    if torch.compiler.is_compiling():
+        return x  # may be symbolic (torch.compile(dynamic=True)): checked in eager calls only
     if not math.isfinite(x):
         raise ValueError(f"{name} must be finite, got {value}")
     if positive and x <= 0:
@@ -148,6 +150,8 @@ def check_probability(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float in [0, 1), got {type(value).__name__}")
     x = float(value)
+    if torch.compiler.is_compiling():
+        return x  # may be symbolic (torch.compile(dynamic=True)): checked in eager calls only
     if not (0.0 <= x < 1.0):  # also rejects NaN
         raise ValueError(f"{name} must be in [0, 1), got {value}")
     return x
@@ -174,6 +178,8 @@ def check_logit_multiplier(scale: float, temperature: float, dtype: torch.dtype)
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     bound = MAX_LOGIT_MULTIPLIER[compute]
     m = scale / temperature  # Python floats: float64, inf on overflow, 0.0 on underflow
+    if torch.compiler.is_compiling():
+        return m  # may be symbolic (torch.compile(dynamic=True)): checked in eager calls only
     if not math.isfinite(m) or abs(m) > bound:
         raise ValueError(
             f"scale / temperature must be at most {bound:.3g} in magnitude for {dtype} inputs "
