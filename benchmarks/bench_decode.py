@@ -102,10 +102,11 @@ class HandDecoder(nn.Module):
         batch: int,
         rotate_at_insert: bool,
         attnlab_kernel: bool = False,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         self.mha, self.rotate_at_insert = mha, rotate_at_insert
-        self.attnlab_kernel = attnlab_kernel
+        self.attnlab_kernel, self.backend = attnlab_kernel, backend
         self.H, self.H_kv, self.D = mha.num_heads, mha.num_kv_heads, mha.head_dim
         inv_freq, scale = rope.frequencies()
         angle = torch.arange(capacity, dtype=torch.float64)[:, None] * inv_freq  # (N, D/2)
@@ -144,7 +145,7 @@ class HandDecoder(nn.Module):
         if T > 1:
             mask = torch.ones(T, n, dtype=torch.bool).tril(n - T)  # bottom-right causal
         if self.attnlab_kernel:  # isolates the module's own overhead from the kernel's
-            o = attention(q, keys, self.v[:, :, :n], mask=mask, backend="sdpa")
+            o = attention(q, keys, self.v[:, :, :n], mask=mask, backend=self.backend)
         else:
             o = F.scaled_dot_product_attention(
                 q, keys, self.v[:, :, :n], attn_mask=mask, enable_gqa=True
@@ -176,7 +177,7 @@ def step_case(args: argparse.Namespace) -> None:
         return time.perf_counter() - t0, torch.cat(outs, dim=1)
 
     def hand_run(rotate_at_insert: bool, attnlab_kernel: bool = False) -> tuple[float, Tensor]:
-        layer = HandDecoder(mha, rope, capacity, B, rotate_at_insert, attnlab_kernel)
+        layer = HandDecoder(mha, rope, capacity, B, rotate_at_insert, attnlab_kernel, args.backend)
         layer(x[:, : args.prompt])
         outs = []
         t0 = time.perf_counter()
@@ -218,7 +219,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
     parser.add_argument("--new", type=int, default=512, help="generated tokens (default 512)")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed in `step`")
-    parser.add_argument("--backend", default="sdpa", help="attnlab backend in `step`")
+    parser.add_argument("--backend", default="auto", help="attnlab backend in `step`")
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed runs (median); uncached generate runs once"
     )
