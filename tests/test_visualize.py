@@ -360,7 +360,9 @@ def test_cli_text_mode_from_the_real_encoder(minilm_run, capsys):
 def test_cli_errors_exit_2(tmp_path, capsys):
     assert run_cli(["--model", "gpt"]) == 2
     assert "--model gpt needs --checkpoint PATH" in capsys.readouterr().err
-    assert run_cli(["--checkpoint", str(tmp_path / "missing.safetensors")]) == 2
+    with pytest.raises(SystemExit) as e:  # checked by the parser: an existing file
+        run_cli(["--checkpoint", str(tmp_path / "missing.safetensors")])
+    assert e.value.code == 2
     assert "missing.safetensors" in capsys.readouterr().err
 
 

@@ -33,8 +33,16 @@ from dataclasses import dataclass, field
 import torch
 
 from ..utils import Progress, best_times, text_table
+from ._args import check_output_file, nonnegative_float, positive_int
 
 CASES = ("window", "causal", "alibi", "memory")
+#: Sequence length of each case (``--window-length`` etc.); ``--quick`` divides the ones not given.
+LENGTHS = {
+    "window_length": 16384,
+    "causal_length": 8192,
+    "alibi_length": 16384,
+    "memory_length": 65536,
+}
 
 
 # --------------------------------------------------------------------------- measuring
@@ -425,27 +433,35 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=["all"],
         help="which cases to run (default: all)",
     )
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--window", type=int, default=256, help="sliding-window size (keys per query)")
-    p.add_argument("--window-length", type=int, default=16384)
-    p.add_argument("--causal-length", type=int, default=8192)
-    p.add_argument("--alibi-length", type=int, default=16384)
-    p.add_argument("--memory-length", type=int, default=65536)
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--heads", type=positive_int, default=8)
+    p.add_argument("--dim", type=positive_int, default=64)
+    p.add_argument(
+        "--window", type=positive_int, default=256, help="sliding-window size (keys per query)"
+    )
+    for name, default in LENGTHS.items():
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=positive_int,
+            default=None,
+            help=f"default {default} ({default // 8} with --quick)",
+        )
     p.add_argument(
         "--max-bias-gb",
-        type=float,
+        type=nonnegative_float,
         default=10.0,
         help="skip sdpa with a materialised bias above this size",
     )
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds per contender (best kept)")
+    p.add_argument(
+        "--repeats", type=positive_int, default=3, help="timed rounds per contender (best kept)"
+    )
     p.add_argument("--no-backward", action="store_true", help="forward only")
     p.add_argument("--no-flex", action="store_true", help="skip compiling FlexAttention")
     p.add_argument(
         "--quick",
         action="store_true",
-        help="small sizes (L/8) for a smoke run; the targets are for the defaults",
+        help="small sizes (default L/8, at least 256) for a smoke run; lengths given explicitly "
+        "are kept; the targets are for the defaults",
     )
     p.add_argument("--plot", metavar="PNG", help="also write a bar chart")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -457,9 +473,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run_bench(args: argparse.Namespace) -> int:
     """Runs the selected cases, prints the table; returns the process exit code."""
     cases = list(CASES) if "all" in args.case else list(dict.fromkeys(args.case))
-    if args.quick:
-        for name in ("window_length", "causal_length", "alibi_length", "memory_length"):
-            setattr(args, name, max(256, getattr(args, name) // 8))
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
+    for name, default in LENGTHS.items():  # explicit lengths are kept, --quick or not
+        if getattr(args, name, None) is None:
+            setattr(args, name, max(256, default // 8) if args.quick else default)
     steps = 1 + len(cases) * (2 * 5 * (args.repeats + 1))
     progress = Progress(total=steps, unit="step", enabled=not args.quiet, echo=True)
     report = Report()
@@ -501,8 +521,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point (``benchmarks/bench_flash.py``): ``main(["bench", ...])``."""
-    parser = argparse.ArgumentParser(prog="attnlab")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    """Standalone entry point (``benchmarks/bench_flash.py``): ``main(["bench", ...])``, the
+    ``attnlab`` command's entry point (same errors and exit codes)."""
+    from . import main as attnlab_main
+
+    return attnlab_main(argv)

@@ -12,6 +12,7 @@ from .. import __version__, masks
 from ..functional import attention, backends, explain
 from ..testing import check_against_reference, mean_factor_for, reference_for, seeded
 from ..utils import Timer, progress, text_table
+from ._args import UsageError, positive_int
 
 DTYPES = {
     "float64": torch.float64,
@@ -116,8 +117,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     names = args.backend or [b for b in backends() if b not in ("reference", "auto")] + ["auto"]
     unknown = [n for n in names if n not in backends()]
     if unknown:
-        print(f"attnlab check: unknown backend(s) {unknown}; known: {backends()}", file=sys.stderr)
-        return 2
+        known = ", ".join(backends())
+        raise UsageError("--backend", f"unknown backend(s) {unknown} (choose from {known})")
     timer = Timer()
     print(
         f"attnlab {__version__} · torch {torch.__version__} · {torch.get_num_threads()} threads · "
@@ -145,6 +146,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     check.add_argument(
         "--dtype", action="append", choices=list(DTYPES), help="dtype (repeatable; default: all)"
     )
-    check.add_argument("-L", type=int, default=97, help="query length (default 97, odd on purpose)")
-    check.add_argument("-S", type=int, default=113, help="key length (default 113)")
+    check.add_argument(
+        "-L", type=positive_int, default=97, help="query length (default 97, odd on purpose)"
+    )
+    check.add_argument("-S", type=positive_int, default=113, help="key length (default 113)")
     check.set_defaults(func=_cmd_check)

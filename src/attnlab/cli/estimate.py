@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import argparse
 
+from ._args import UsageError, positive_int
+
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from ..analysis import estimate, measure_estimate
 
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    if args.d_model % args.heads:
+        divisors = [h for h in range(1, min(args.d_model, 64) + 1) if args.d_model % h == 0]
+        raise UsageError(
+            "--heads",
+            f"must divide --d-model {args.d_model}, got {args.heads} (e.g. one of {divisors})",
+        )
+    if args.heads % kv_heads:
+        divisors = [h for h in range(1, args.heads + 1) if args.heads % h == 0]
+        raise UsageError(
+            "--kv-heads", f"must divide --heads {args.heads}, got {kv_heads} (one of {divisors})"
+        )
     est = estimate(
         args.seq,
         args.d_model,
@@ -43,17 +57,25 @@ def register(sub: argparse._SubParsersAction) -> None:
             "(flash) and linear implementations, counting exactly the attended pairs of the mask."
         ),
     )
-    est.add_argument("--seq", type=int, default=1024, help="sequence length L (default 1024)")
-    est.add_argument("--d-model", type=int, default=768, help="model dimension E (default 768)")
-    est.add_argument("--heads", type=int, default=12, help="attention heads H (default 12)")
-    est.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA)")
-    est.add_argument("--batch", type=int, default=1)
-    est.add_argument("--layers", type=int, default=1)
+    est.add_argument(
+        "--seq", type=positive_int, default=1024, help="sequence length L (default 1024)"
+    )
+    est.add_argument(
+        "--d-model", type=positive_int, default=768, help="model dimension E (default 768)"
+    )
+    est.add_argument(
+        "--heads", type=positive_int, default=12, help="attention heads H (default 12)"
+    )
+    est.add_argument("--kv-heads", type=positive_int, default=None, help="key/value heads (GQA)")
+    est.add_argument("--batch", type=positive_int, default=1)
+    est.add_argument("--layers", type=positive_int, default=1)
     est.add_argument(
         "--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"]
     )
     est.add_argument("--causal", action="store_true", help="causal mask")
-    est.add_argument("--window", type=int, default=None, help="causal sliding window of W keys")
+    est.add_argument(
+        "--window", type=positive_int, default=None, help="causal sliding window of W keys"
+    )
     est.add_argument(
         "--decode", action="store_true", help="one new token against a KV cache of --seq"
     )

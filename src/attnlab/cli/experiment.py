@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from ._args import check_output_file, int_at_least
+
 
 def _cmd_experiment(args: argparse.Namespace) -> int:
     from ..analysis import scaling_experiment, temperature_experiment
 
+    if args.png:
+        check_output_file(args.png, "--png")
     if args.name == "scaling":
         result = scaling_experiment(samples=args.samples)
         panels_name = "SCALING_PANELS"
@@ -33,6 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Runs a textbook experiment, prints its table, optionally draws a PNG.",
     )
     exp.add_argument("name", choices=["scaling", "temperature"])
-    exp.add_argument("--samples", type=int, default=4096, help="samples per point (default 4096)")
+    exp.add_argument(
+        "--samples",
+        type=int_at_least(2),
+        default=4096,
+        help="samples per point, >= 2 for a variance (default 4096)",
+    )
     exp.add_argument("--png", default=None, help="also write the plot to this PNG file")
     exp.set_defaults(func=_cmd_experiment)

@@ -9,10 +9,20 @@ from __future__ import annotations
 import argparse
 
 from ..train import load_model, sample_text
+from ._args import UsageError, existing_file, nonnegative_int, positive_float, positive_int
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if not args.prompt:
+        raise UsageError("--prompt", "must not be empty")
     model, vocab, _ = load_model(args.checkpoint)
+    unknown = sorted(set(args.prompt) - set(vocab))
+    if unknown:
+        raise UsageError(
+            "--prompt",
+            f"characters {unknown} are not in the checkpoint's vocabulary of {len(vocab)} "
+            f"characters: {''.join(vocab)!r}",
+        )
     text = sample_text(
         model,
         vocab,
@@ -37,11 +47,17 @@ def register(sub: argparse._SubParsersAction) -> None:
             "decoding one character at a time with a KV cache per layer."
         ),
     )
-    p.add_argument("--checkpoint", required=True, help="path of ckpt.safetensors")
+    p.add_argument(
+        "--checkpoint", required=True, type=existing_file, help="path of ckpt.safetensors"
+    )
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    p.add_argument("--max-new-tokens", type=int, default=500, help="characters to generate")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
+    p.add_argument(
+        "--max-new-tokens", type=nonnegative_int, default=500, help="characters to generate"
+    )
+    p.add_argument("--temperature", type=positive_float, default=0.8, help="sampling temperature")
+    p.add_argument(
+        "--top-k", type=positive_int, default=None, help="sample among the k most likely"
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--no-cache", action="store_true", help="recompute instead of a KV cache")
     p.set_defaults(func=_cmd_generate)

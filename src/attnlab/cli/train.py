@@ -15,6 +15,15 @@ from pathlib import Path
 import torch
 
 from ..train import CHECKPOINT_NAME, TrainSettings, train
+from ._args import (
+    UsageError,
+    check_output_dir,
+    existing_file,
+    nonnegative_float,
+    nonnegative_int,
+    positive_int,
+    probability,
+)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -26,11 +35,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     }
     if args.positional == "none":
         values["positional"] = None
+    if values.get("min_lr", defaults.min_lr) > values.get("lr", defaults.lr):
+        raise UsageError(
+            "--min-lr",
+            f"must be <= --lr {values.get('lr', defaults.lr)}, "
+            f"got {values.get('min_lr', defaults.min_lr)}",
+        )
+    heads = values.get("n_heads", defaults.n_heads)
+    if values.get("d_model", defaults.d_model) % heads:
+        raise UsageError(
+            "--n-heads",
+            f"must divide --d-model {values.get('d_model', defaults.d_model)}, got {heads}",
+        )
+    kv_heads = values.get("n_kv_heads") or heads
+    if heads % kv_heads:
+        raise UsageError("--n-kv-heads", f"must divide --n-heads {heads}, got {kv_heads}")
     settings = TrainSettings(**{**asdict(defaults), **values})
+    check_output_dir(settings.out_dir, "--out")
     if args.threads is not None:
-        if args.threads < 1:
-            print(f"attnlab train: --threads must be >= 1, got {args.threads}", file=sys.stderr)
-            return 2
         torch.set_num_threads(args.threads)
     resume = None
     if args.resume is not None:
@@ -38,11 +60,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         conflicting = sorted(set(values) - {"out_dir"})
         if conflicting:
             print(
-                f"attnlab train: --resume continues with the checkpoint's stored settings; "
-                f"remove {['--' + n.replace('_', '-') for n in conflicting]}",
+                "attnlab train: error: argument --resume: continues with the checkpoint's "
+                f"stored settings; remove {['--' + n.replace('_', '-') for n in conflicting]}",
                 file=sys.stderr,
             )
             return 2
+        if not Path(resume).is_file():
+            raise UsageError("--resume", f"no checkpoint file {resume!r}")
     result = train(settings, resume=resume, progress=not args.quiet)
     print(f"wrote {result.checkpoint}, {Path(settings.out_dir) / 'loss.png'}")
     return 0
@@ -62,7 +86,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             f"The defaults ({d.steps} steps) learn visibly in a few minutes on 2 CPU cores."
         ),
     )
-    p.add_argument("--text", help="UTF-8 text file (default: the shipped alice.txt)")
+    p.add_argument(
+        "--text", type=existing_file, help="UTF-8 text file (default: the shipped alice.txt)"
+    )
     p.add_argument("--out", dest="out_dir", help=f"output directory (default {d.out_dir})")
     p.add_argument(
         "--resume",
@@ -72,22 +98,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         "settings are used",
     )
     for name, kind, text in (
-        ("steps", int, "optimizer steps"),
-        ("batch_size", int, "sequences per batch"),
-        ("seq_len", int, "characters per sequence (= max_seq_len)"),
-        ("d_model", int, "model width"),
-        ("n_layers", int, "Transformer blocks"),
-        ("n_heads", int, "attention heads"),
-        ("n_kv_heads", int, "key/value heads (GQA)"),
-        ("dropout", float, "dropout probability"),
-        ("lr", float, "peak learning rate"),
-        ("min_lr", float, "final learning rate of the cosine decay"),
-        ("warmup", int, "linear warmup steps"),
-        ("weight_decay", float, "AdamW weight decay of matrices"),
-        ("grad_clip", float, "max gradient norm (0 = off)"),
-        ("eval_interval", int, "steps between evaluations"),
-        ("eval_batches", int, "batches per evaluation"),
-        ("save_interval", int, "steps between checkpoints"),
+        ("steps", positive_int, "optimizer steps"),
+        ("batch_size", positive_int, "sequences per batch"),
+        ("seq_len", positive_int, "characters per sequence (= max_seq_len)"),
+        ("d_model", positive_int, "model width"),
+        ("n_layers", positive_int, "Transformer blocks"),
+        ("n_heads", positive_int, "attention heads"),
+        ("n_kv_heads", positive_int, "key/value heads (GQA)"),
+        ("dropout", probability, "dropout probability"),
+        ("lr", nonnegative_float, "peak learning rate"),
+        ("min_lr", nonnegative_float, "final learning rate of the cosine decay"),
+        ("warmup", nonnegative_int, "linear warmup steps"),
+        ("weight_decay", nonnegative_float, "AdamW weight decay of matrices"),
+        ("grad_clip", nonnegative_float, "max gradient norm (0 = off)"),
+        ("eval_interval", positive_int, "steps between evaluations"),
+        ("eval_batches", positive_int, "batches per evaluation"),
+        ("save_interval", nonnegative_int, "steps between checkpoints"),
         ("seed", int, "random seed"),
     ):
         flag = "--" + name.replace("_", "-")
@@ -107,7 +133,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         help="torch intra-op threads (default: torch's choice, one per core); 1 avoids thread "
         "stalls when other processes keep the cores busy",
     )

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from ..analysis.model_attentions import MODELS, collect
+from ._args import check_output_file, existing_file, nonnegative_int, positive_int
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired"
 
@@ -37,6 +38,11 @@ def _cmd_visualize(args: argparse.Namespace) -> int:
     from ..viz.attention_png import attention_png
     from ..viz.attention_view import MAX_FULL_TOKENS, attention_text, save_attention_html
 
+    if args.format == "html":
+        check_output_file(args.out, "--out")
+    if args.png is not None:
+        png = Path(args.out).with_suffix(".png") if args.png is True else Path(args.png)
+        check_output_file(png, "--png")
     try:
         run = collect(args.text, model=args.model, checkpoint=args.checkpoint)
         Ly, H, T, _ = run.weights.shape
@@ -76,11 +82,10 @@ def _cmd_visualize(args: argparse.Namespace) -> int:
             if T > MAX_FULL_TOKENS:
                 print(f"note: long input, the viewer keeps each token's top {args.top_k} weights")
         if args.png is not None:
-            png = Path(args.out).with_suffix(".png") if args.png is True else Path(args.png)
             attention_png(run.tokens, run.weights, png, title=summary)
             print(f"wrote {png}")
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
-        print(f"attnlab visualize: {e}", file=sys.stderr)
+        print(f"attnlab visualize: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return 0
 
@@ -112,7 +117,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="minilm (default) or gpt (implied by --checkpoint)",
     )
     p.add_argument(
-        "--checkpoint", metavar="PATH", help="a GPT checkpoint (.safetensors) from `attnlab train`"
+        "--checkpoint",
+        type=existing_file,
+        metavar="PATH",
+        help="a GPT checkpoint (.safetensors) from `attnlab train`",
     )
     p.add_argument(
         "--out",
@@ -134,11 +142,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="FILE.png",
         help="also write a PNG grid of heatmaps, layers × heads (default name: --out as .png)",
     )
-    p.add_argument("--layer", type=int, help="text: only this layer; html: the layer shown first")
-    p.add_argument("--head", type=int, help="text: only this head; html: the head shown first")
+    p.add_argument(
+        "--layer", type=nonnegative_int, help="text: only this layer; html: the layer shown first"
+    )
+    p.add_argument(
+        "--head", type=nonnegative_int, help="text: only this head; html: the head shown first"
+    )
     p.add_argument(
         "--top-k",
-        type=int,
+        type=positive_int,
         default=8,
         metavar="K",
         help="inputs over 64 tokens: weights kept and lines drawn per token (default 8)",

@@ -1,0 +1,127 @@
+"""Shared pieces of the ``attnlab`` command: argument types and output-path checks.
+
+Argument types raise `argparse.ArgumentTypeError`, so a bad value is reported by the parser
+(one line, exit code 2) before a command starts. `check_output_file` and `check_output_dir` run
+at the start of a command, before any long work, and raise `UsageError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+class UsageError(ValueError):
+    """A bad argument found by a command: ``argument FLAG: MESSAGE`` on one line, exit code 2."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"argument {flag}: {message}")
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int ``>= low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
+
+
+def float_in(
+    low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = True
+) -> Callable[[str], float]:
+    """An argparse type: a finite float in the interval from ``low`` to ``high``."""
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        below = value <= low if low_open else value < low
+        above = value >= high if high_open else value > high
+        if not math.isfinite(value) or below or above:
+            raise argparse.ArgumentTypeError(
+                f"expected a finite number in {interval}, got {text!r}"
+            )
+        return value
+
+    parse.__name__ = f"number in {interval}"
+    return parse
+
+
+positive_float = float_in(0.0, low_open=True)
+nonnegative_float = float_in(0.0)
+probability = float_in(0.0, 1.0)
+
+
+def existing_file(text: str) -> str:
+    """An argparse type: the path of an existing regular file."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"not a regular file: {text!r}")
+    return text
+
+
+def _can_create_in(directory: Path) -> bool:
+    """Whether a file can be created in ``directory`` (tried for real, then removed)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory, prefix=".attnlab-probe-"):
+            return True
+    except OSError:
+        return False
+
+
+def check_output_file(path: str | os.PathLike, flag: str) -> Path:
+    """Raises `UsageError` unless ``path`` can be written: its directory exists and is writable,
+    and ``path`` is not a directory (an existing file is overwritten). Writes nothing."""
+    out = Path(path)
+    parent = out.parent
+    if out.is_dir():
+        raise UsageError(flag, f"{str(path)!r} is a directory; expected a file path")
+    if not parent.is_dir():
+        raise UsageError(flag, f"cannot write {str(path)!r}: no directory {str(parent)!r}")
+    if out.exists():
+        try:
+            with open(out, "ab"):
+                pass
+        except OSError as e:
+            raise UsageError(flag, f"cannot write {str(path)!r}: {e.strerror}") from None
+    elif not _can_create_in(parent):
+        raise UsageError(
+            flag, f"cannot write {str(path)!r}: directory {str(parent)!r} is read-only"
+        )
+    return out
+
+
+def check_output_dir(path: str | os.PathLike, flag: str) -> Path:
+    """Raises `UsageError` unless ``path`` is a writable directory or can be created (with its
+    missing parents) under a writable directory. Creates nothing."""
+    out = Path(path)
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(
+            flag, f"cannot create directory {str(path)!r}: {str(existing)!r} is a file"
+        )
+    if not _can_create_in(existing):
+        raise UsageError(flag, f"cannot write in {str(path)!r}: {str(existing)!r} is read-only")
+    return out
