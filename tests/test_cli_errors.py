@@ -100,7 +100,7 @@ PROBES = [
     (["generate"], "the following arguments are required: --checkpoint"),
     (["generate", "--checkpoint", "{tmp}/none.safetensors"], "argument --checkpoint: no such"),
     (["generate", "--checkpoint", "{tmp}"], "argument --checkpoint: not a regular file"),
-    (["generate", "--checkpoint", "{file}"], "attnlab generate: error: "),  # CheckpointError
+    (["generate", "--checkpoint", "{file}"], "argument --checkpoint: {file}: "),  # corrupt
     (["generate", "--checkpoint", "{file}", "--top-k", "0"], "argument --top-k: expected an int"),
     (["generate", "--checkpoint", "{file}", "--temperature", "0"], "argument --temperature: "),
     (["generate", "--checkpoint", "{file}", "--max-new-tokens", "-2"], "--max-new-tokens: exp"),

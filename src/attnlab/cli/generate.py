@@ -15,7 +15,10 @@ from ._args import UsageError, existing_file, nonnegative_int, positive_float, p
 def _cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise UsageError("--prompt", "must not be empty")
-    model, vocab, _ = load_model(args.checkpoint)
+    try:
+        model, vocab, _ = load_model(args.checkpoint)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        raise UsageError("--checkpoint", " ".join(str(e).split())) from e
     unknown = sorted(set(args.prompt) - set(vocab))
     if unknown:
         raise UsageError(
