@@ -77,6 +77,7 @@ PROBES = [
     (["experiment", "scaling", "--samples", "0"], "argument --samples: expected an int >= 2"),
     (["experiment", "temperature", "--samples", "1"], "argument --samples: expected an int >= 2"),
     (["experiment", "scaling", "--png", "{tmp}/no/dir/x.png"], "argument --png: cannot write"),
+    (["experiment", "scaling", "--png", "{tmp}/x.jpg"], "argument --png: must end in .png, got"),
     (["experiment", "nosuch"], "argument name: invalid choice: 'nosuch'"),
     (["bench", "--repeats", "0"], "argument --repeats: expected an int >= 1, got 0"),
     (["bench", "--dim", "0"], "argument --dim: expected an int >= 1"),
@@ -85,6 +86,7 @@ PROBES = [
     (["bench", "--json", "{tmp}/missing/x.json"], "argument --json: cannot write"),
     (["bench", "--json", "{file}/x.json"], "argument --json: cannot write"),
     (["bench", "--quick", "--plot", "{tmp}"], "argument --plot: '{tmp}' is a directory"),
+    (["bench", "--plot", "{tmp}/b.jpeg"], "argument --plot: must end in .png or .svg or .pdf"),
     (["bench", "--case", "nope"], "argument --case: invalid choice: 'nope'"),
     (["train", "--steps", "-1"], "argument --steps: expected an int >= 1, got -1"),
     (["train", "--seq-len", "0"], "argument --seq-len: expected an int >= 1, got 0"),
@@ -110,6 +112,8 @@ PROBES = [
     (["visualize", "--out", "{tmp}"], "argument --out: '{tmp}' is a directory"),
     (["visualize", "--out", "{tmp}/no/dir/a.html"], "argument --out: cannot write"),
     (["visualize", "--out", "{tmp}/a.html", "--png", "{file}/a.png"], "argument --png: cannot"),
+    (["visualize", "--out", "{tmp}/a.png"], "argument --out: must end in .html or .htm, got"),
+    (["visualize", "--png", "{tmp}/a.jpg"], "argument --png: must end in .png, got"),
     (["visualize", "--format", "pdf"], "argument --format: invalid choice: 'pdf'"),
 ]
 

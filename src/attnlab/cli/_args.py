@@ -89,13 +89,18 @@ def _can_create_in(directory: Path) -> bool:
         return False
 
 
-def check_output_file(path: str | os.PathLike, flag: str) -> Path:
-    """Raises `UsageError` unless ``path`` can be written: its directory exists and is writable,
-    and ``path`` is not a directory (an existing file is overwritten). Writes nothing."""
+def check_output_file(
+    path: str | os.PathLike, flag: str, suffixes: tuple[str, ...] | None = None
+) -> Path:
+    """Raises `UsageError` unless ``path`` can be written: it ends in one of ``suffixes`` (any
+    when None), its directory exists and is writable, and it is not a directory (an existing file
+    is overwritten). Writes nothing."""
     out = Path(path)
     parent = out.parent
     if out.is_dir():
         raise UsageError(flag, f"{str(path)!r} is a directory; expected a file path")
+    if suffixes is not None and out.suffix.lower() not in suffixes:
+        raise UsageError(flag, f"must end in {' or '.join(suffixes)}, got {str(path)!r}")
     if not parent.is_dir():
         raise UsageError(flag, f"cannot write {str(path)!r}: no directory {str(parent)!r}")
     if out.exists():

@@ -36,6 +36,8 @@ from ..utils import Progress, best_times, text_table
 from ._args import check_output_file, nonnegative_float, positive_int
 
 CASES = ("window", "causal", "alibi", "memory")
+#: File types ``--plot`` can write (matplotlib's raster and vector formats).
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 #: Sequence length of each case (``--window-length`` etc.); ``--quick`` divides the ones not given.
 LENGTHS = {
     "window_length": 16384,
@@ -476,7 +478,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json:
         check_output_file(args.json, "--json")
     if args.plot:
-        check_output_file(args.plot, "--plot")
+        check_output_file(args.plot, "--plot", PLOT_SUFFIXES)
     for name, default in LENGTHS.items():  # explicit lengths are kept, --quick or not
         if getattr(args, name, None) is None:
             setattr(args, name, max(256, default // 8) if args.quick else default)

@@ -11,7 +11,7 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
     from ..analysis import scaling_experiment, temperature_experiment
 
     if args.png:
-        check_output_file(args.png, "--png")
+        check_output_file(args.png, "--png", (".png",))
     if args.name == "scaling":
         result = scaling_experiment(samples=args.samples)
         panels_name = "SCALING_PANELS"

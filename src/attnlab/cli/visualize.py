@@ -39,10 +39,10 @@ def _cmd_visualize(args: argparse.Namespace) -> int:
     from ..viz.attention_view import MAX_FULL_TOKENS, attention_text, save_attention_html
 
     if args.format == "html":
-        check_output_file(args.out, "--out")
+        check_output_file(args.out, "--out", (".html", ".htm"))
     if args.png is not None:
         png = Path(args.out).with_suffix(".png") if args.png is True else Path(args.png)
-        check_output_file(png, "--png")
+        check_output_file(png, "--png", (".png",))
     try:
         run = collect(args.text, model=args.model, checkpoint=args.checkpoint)
         Ly, H, T, _ = run.weights.shape
