@@ -48,6 +48,7 @@ from ._files import (
     decode,
     header_length,
     load_json,
+    loads,
     parse_header,
     read_file,
     read_safetensors,
@@ -232,11 +233,10 @@ def _verify(path: Path, raw: bytes, meta: dict[str, str], spans: dict, start: in
             f"{FORMAT_VERSION!r})",
         )
     check_header_sha256(path, raw[:start], meta)
-    try:
-        digests = json.loads(meta["attnlab.sha256"])
-        ties = json.loads(meta["attnlab.ties"])
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(path, f"attnlab metadata is incomplete or invalid ({e})") from None
+    if "attnlab.sha256" not in meta or "attnlab.ties" not in meta:
+        raise CheckpointError(path, "attnlab metadata is incomplete (attnlab.sha256, attnlab.ties)")
+    digests = loads(path, meta["attnlab.sha256"], "attnlab.sha256", 1)
+    ties = loads(path, meta["attnlab.ties"], "attnlab.ties", 1)
     if not isinstance(digests, dict) or set(digests) != set(spans):
         raise CheckpointError(path, "the sha256 table does not list exactly the stored tensors")
     view = memoryview(raw)
