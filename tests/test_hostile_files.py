@@ -274,12 +274,16 @@ def _dead_pid() -> int:
 
 
 def _temp(directory: Path, target: str, pid: int, age: float = 0.0, tag: str = "0a1b2c3d") -> Path:
-    p = directory / f".{target}.attnlab.{pid}.{tag}.tmp"
-    p.write_bytes(b"partial")
+    """A temp directory as a killed writer leaves it: our half file and safetensors' own."""
+    d = directory / f".{target}.attnlab.{pid}.{tag}.tmp"
+    d.mkdir()
+    (d / target).write_bytes(b"partial")
+    (d / ".tmpAbC123").write_bytes(b"partial, safetensors' own temp file")
     if age:
         t = time.time() - age
-        os.utime(p, (t, t))
-    return p
+        for p in (d / target, d / ".tmpAbC123", d):
+            os.utime(p, (t, t))
+    return d
 
 
 def test_stale_temp_files_of_our_naming_are_removed_by_the_next_save(tmp_path):
@@ -300,8 +304,15 @@ def test_stale_temp_files_of_our_naming_are_removed_by_the_next_save(tmp_path):
         tmp_path / ".notes.tmp",  # not our naming
         tmp_path / ".ckpt.safetensors.123.abcd1234.tmp",  # no attnlab mark
         tmp_path / "ckpt.safetensors.attnlab.1.0a1b2c3d.tmp",  # no leading dot
+        tmp_path / ".ckpt.safetensors.attnlab.1.4a1b2c3d.tmp",  # our naming but a plain file
     ]
-    for i, p in enumerate(kept[1:]):
+    victim = tmp_path / "victim"  # a symlink of our naming: neither it nor its target is touched
+    victim.mkdir()
+    (victim / "keep").write_bytes(b"x")
+    link = tmp_path / f".ckpt.safetensors.attnlab.{dead}.5a1b2c3d.tmp"
+    link.symlink_to(victim, target_is_directory=True)
+    kept += [victim, link]
+    for i, p in enumerate(kept[1:-2]):
         p.write_bytes(b"x")
         if i:  # files not of our naming stay, however old
             os.utime(p, (time.time() - old, time.time() - old))
@@ -309,6 +320,7 @@ def test_stale_temp_files_of_our_naming_are_removed_by_the_next_save(tmp_path):
     names = {p.name for p in tmp_path.iterdir()}
     assert not names & {p.name for p in removed}
     assert names == {p.name for p in kept} | {"ckpt.safetensors"}
+    assert (victim / "keep").read_bytes() == b"x"
 
 
 _STALLED_WRITER = textwrap.dedent(
@@ -336,11 +348,12 @@ def test_a_live_writers_temp_file_is_never_removed_and_a_killed_ones_is(tmp_path
     try:
         assert child.stdout.readline().strip() == "STALLED"
         (tmp,) = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-        assert tmp.name.startswith(f".ckpt.safetensors.attnlab.{child.pid}.")
+        assert tmp.name.startswith(f".ckpt.safetensors.attnlab.{child.pid}.") and tmp.is_dir()
         old = time.time() - ckfiles.STALE_SECONDS - 60
-        os.utime(tmp, (old, old))  # even old: the writer holds its lock
+        for p in (tmp / "ckpt.safetensors", tmp):
+            os.utime(p, (old, old))  # even old: the writer holds its lock
         save_checkpoint(target, {"a": torch.zeros(3)})
-        assert tmp.exists() and tmp.read_bytes() == b"half a file"
+        assert (tmp / "ckpt.safetensors").read_bytes() == b"half a file"
         child.kill()  # kill -9
         child.wait(timeout=30)
         assert tmp.exists()  # nothing cleaned up after the killed writer ...
@@ -357,7 +370,9 @@ def test_an_unlocked_young_temp_file_of_a_live_pid_is_kept(tmp_path):
     # The window between creating a temp file and locking it: the pid is alive, the file new.
     p = _temp(tmp_path, "x.safetensors", os.getpid())
     assert ckfiles.remove_stale_temps(tmp_path, "x.safetensors") == []
-    assert p.exists()
+    assert (p / "x.safetensors").exists()
+    dead = _temp(tmp_path, "x.safetensors", _dead_pid(), tag="ffffffff")
+    assert ckfiles.remove_stale_temps(tmp_path, "x.safetensors") == [dead.name]
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002, 0o027])
@@ -371,3 +386,49 @@ def test_outputs_respect_the_umask(tmp_path, umask):
     for name in ("c.safetensors", "c.json"):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name
     assert load_json(tmp_path / "c.json") == {"a": 1}
+
+
+_SAVER = textwrap.dedent(
+    """
+    import sys, torch
+    from attnlab.checkpoint import save_checkpoint
+    print("READY", flush=True)
+    for i in range(40):
+        save_checkpoint(sys.argv[1], {"a": torch.full((1000,), float(i))})
+    print("OK", flush=True)
+    """
+)
+
+
+@pytest.mark.slow  # three interpreters importing torch
+def test_concurrent_savers_in_one_directory_never_remove_each_others_temp_files(tmp_path):
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SAVER, str(tmp_path / f"c{k}.safetensors")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k in range(2)
+    ]
+    try:
+        assert [c.stdout.readline() for c in children] == ["READY\n"] * 2
+        for i in range(40):  # this process sweeps the directory on every save, too
+            save_checkpoint(tmp_path / "p.safetensors", {"a": torch.full((1000,), float(i))})
+        outs = [c.communicate(timeout=120) for c in children]
+    finally:
+        for c in children:
+            c.kill()
+            c.wait(timeout=30)
+    codes = [(c.returncode, out) for c, (out, _) in zip(children, outs, strict=True)]
+    assert codes == [(0, "OK\n")] * 2, outs
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "c0.safetensors",
+        "c1.safetensors",
+        "p.safetensors",
+    ]
+    for name in ("c0", "c1", "p"):
+        assert torch.equal(
+            load_checkpoint(tmp_path / f"{name}.safetensors").tensors["a"],
+            torch.full((1000,), 39.0),
+        )

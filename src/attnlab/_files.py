@@ -7,6 +7,10 @@ The library rejects the same files, but its messages name the fault less precise
 offset for tensor `b`", "incomplete metadata, file not fully covered") and it accepts duplicate
 tensor names (the last one wins) and unknown fields; `parse_header` says which tensor, which
 bytes overlap, and how many bytes are missing or trailing. Nothing here imports pickle.
+
+Hostile input: reads open regular files only (`read_regular_file`) and read at most their
+``fstat`` size; every header check is linear in the header's length; JSON nesting is bounded
+before parsing (`json_outline`, no recursion); the header's size and tensor count are bounded.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import math
 import os
 import re
 import secrets
+import shutil
 import stat
 import struct
 import time
@@ -102,19 +107,30 @@ def _temp_pattern(name: str | None) -> re.Pattern:
     return re.compile(rf"\.({target})\.{_TEMP_MARK}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
 
 
-def remove_stale_temps(directory: Path, name: str) -> list[str]:
-    """Removes temp files of `atomic_write`'s naming in ``directory`` whose writer is gone.
+def _newest_mtime(fd: int, st: os.stat_result) -> float:
+    """The newest mtime of a temp directory and its entries (a writer touches one of them)."""
+    newest = st.st_mtime
+    with contextlib.suppress(OSError), os.scandir(fd) as entries:
+        for e in entries:
+            with contextlib.suppress(OSError):
+                newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+    return newest
 
-    Ours are ``.<target>.attnlab.<pid>.<8 hex>.tmp``. A writer holds an exclusive flock on its
-    temp file until it is renamed, so a file whose lock is held belongs to a live writer (on any
-    host sharing the lock) and is never touched. A file whose lock is free is stale when its pid
-    is dead or it is older than `STALE_SECONDS` (the pid may have been reused). Unlocked files of
-    the naming older attnlab versions used (``.<name>.<8 chars>.tmp``, no pid) are removed once
-    older than `STALE_SECONDS`. Returns the names removed.
+
+def remove_stale_temps(directory: Path, name: str) -> list[str]:
+    """Removes temp entries of `atomic_write`'s naming in ``directory`` whose writer is gone.
+
+    Ours are ``.<target>.attnlab.<pid>.<8 hex>.tmp`` directories (any target). A writer holds
+    an exclusive flock on its temp directory until it is done, so an entry whose lock is held
+    belongs to a live writer (on any host sharing the lock) and is never touched. An entry
+    whose lock is free is stale when its pid is dead or nothing in it changed for
+    `STALE_SECONDS` (the pid may have been reused). Files of the naming older attnlab versions
+    used (``.<name>.<8 chars>.tmp``, no pid, no lock) are removed once `STALE_SECONDS` old.
+    Symlinks are never followed. Returns the names removed.
     """
     ours = _temp_pattern(None)
     legacy = re.compile(rf"\.{re.escape(name)}\.[a-z0-9_]{{8}}\.tmp")
-    removed = []
+    removed: list[str] = []
     try:
         entries = [e.name for e in os.scandir(directory) if e.name.endswith(".tmp")]
     except OSError:
@@ -125,70 +141,75 @@ def remove_stale_temps(directory: Path, name: str) -> list[str]:
         pid = int(m.group(2)) if m else None
         if m is None and legacy.fullmatch(entry) is None:
             continue
-        file = os.path.join(directory, entry)
+        item = os.path.join(directory, entry)
         try:
-            fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-        except OSError:
+            fd = os.open(item, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:  # gone, a symlink, unreadable
             continue
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
+            is_dir = stat.S_ISDIR(st.st_mode)
+            if not (is_dir if m else stat.S_ISREG(st.st_mode)):
                 continue
-            locked = _try_lock(fd)
-            if locked is False:  # a live writer holds it
+            if _try_lock(fd) is False:  # a live writer holds it
                 continue
-            old = now - st.st_mtime > STALE_SECONDS
+            old = now - (_newest_mtime(fd, st) if is_dir else st.st_mtime) > STALE_SECONDS
             if not (old or (pid is not None and not _pid_alive(pid))):
                 continue
             with contextlib.suppress(OSError):
-                if os.stat(file, follow_symlinks=False).st_ino == st.st_ino:
-                    os.unlink(file)
-                    removed.append(entry)
+                if os.stat(item, follow_symlinks=False).st_ino != st.st_ino:
+                    continue  # replaced since it was opened
+                if is_dir:
+                    shutil.rmtree(item)  # never follows symlinks
+                else:
+                    os.unlink(item)
+                removed.append(entry)
         finally:
             os.close(fd)
     return removed
 
 
-def _create_temp(directory: Path, name: str) -> tuple[int, str]:
-    """Creates ``.<name>.attnlab.<pid>.<8 hex>.tmp`` with mode 0o666 (the umask applies)."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    for _ in range(100):
-        tmp = os.path.join(
-            directory, f".{name}.{_TEMP_MARK}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        )
-        try:
-            return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(errno.EEXIST, "no free temp file name", str(directory))
-
-
 def atomic_write(path: Path, fill: Callable[[str], object]) -> None:
     """``fill(temp)`` writes a temp file beside ``path``; it is fsynced and renamed over ``path``.
 
-    A writer killed at any point leaves ``path`` as it was; its temp file is removed by the next
-    write into the directory (`remove_stale_temps`). The writer holds an exclusive flock on the
-    temp file until the rename, so concurrent writers never remove each other's. The output's
-    mode is 0o666 minus the umask, like any newly created file.
+    The temp file lives in a private directory ``.<name>.attnlab.<pid>.<8 hex>.tmp`` beside
+    ``path``, so whatever ``fill`` creates next to it (safetensors writes its own ``.tmp*``
+    file and renames it) stays inside. The writer holds an exclusive flock on that directory
+    until it is removed, so concurrent writers never remove each other's. A writer killed at
+    any point leaves ``path`` as it was; the next write into the directory removes its temp
+    directory (`remove_stale_temps`). The output's mode is 0o666 minus the umask, like any
+    newly created file.
     """
     directory = path.parent if str(path.parent) else Path(".")
     remove_stale_temps(directory, path.name)
-    fd, tmp = _create_temp(directory, path.name)
+    for _ in range(100):
+        tmpdir = os.path.join(
+            directory, f".{path.name}.{_TEMP_MARK}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        )
+        try:
+            os.mkdir(tmpdir, 0o700)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, "no free temp directory name", str(directory))
+    dfd = os.open(tmpdir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        _try_lock(fd)
+        _try_lock(dfd)
+        tmp = os.path.join(tmpdir, path.name)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         mode = stat.S_IMODE(os.fstat(fd).st_mode)  # 0o666 minus the umask
+        os.close(fd)
         fill(tmp)
-        if stat.S_IMODE(os.stat(tmp).st_mode) != mode:  # fill may have replaced the file (0o600)
+        if stat.S_IMODE(os.stat(tmp).st_mode) != mode:  # fill may have replaced it (0o600)
             os.chmod(tmp, mode)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
     finally:
-        os.close(fd)  # releases the lock (after the rename: the name is gone by then)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmpdir)
+        os.close(dfd)  # releases the lock
     with contextlib.suppress(OSError):  # make the rename durable (POSIX directories only)
         dfd = os.open(directory, os.O_RDONLY)
         try:
