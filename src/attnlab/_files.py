@@ -7,6 +7,10 @@ The library rejects the same files, but its messages name the fault less precise
 offset for tensor `b`", "incomplete metadata, file not fully covered") and it accepts duplicate
 tensor names (the last one wins) and unknown fields; `parse_header` says which tensor, which
 bytes overlap, and how many bytes are missing or trailing. Nothing here imports pickle.
+
+Hostile input: reads open regular files only (`read_regular_file`) and read at most their
+``fstat`` size; every header check is linear in the header's length; JSON nesting is bounded
+before parsing (`json_outline`, no recursion); the header's size and tensor count are bounded.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ import json
 import math
 import os
 import re
+import secrets
+import shutil
+import stat
 import struct
-import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +35,10 @@ import torch
 from torch import Tensor
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit (100 MB)
+MAX_TENSORS = 262_144  # per file; far above real single files (a 70B model holds ~700 tensors)
+MAX_JSON_DEPTH = 64  # nesting accepted by `load_json`; a safetensors header nests 3 deep at most
+STALE_SECONDS = 300  # an unlocked temp file of ours this old is a leftover even if its pid lives
+_TEMP_MARK = "attnlab"  # temp files are ".<name>.attnlab.<pid>.<8 random chars>.tmp"
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
 # The dtypes attnlab stores and reads: those every safetensors >= 0.4 reader understands.
 DTYPES = {
@@ -66,23 +77,139 @@ class CheckpointError(ValueError):
         self.cause = cause
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def _try_lock(fd: int) -> bool | None:
+    """Takes an exclusive non-blocking flock: True taken, False held elsewhere, None unsupported."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # a filesystem without locks
+        return None
+    return True
+
+
+def _temp_pattern(name: str | None) -> re.Pattern:
+    target = re.escape(name) if name is not None else r".+"
+    return re.compile(rf"\.({target})\.{_TEMP_MARK}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
+
+
+def _newest_mtime(fd: int, st: os.stat_result) -> float:
+    """The newest mtime of a temp directory and its entries (a writer touches one of them)."""
+    newest = st.st_mtime
+    with contextlib.suppress(OSError), os.scandir(fd) as entries:
+        for e in entries:
+            with contextlib.suppress(OSError):
+                newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+    return newest
+
+
+def remove_stale_temps(directory: Path, name: str) -> list[str]:
+    """Removes temp entries of `atomic_write`'s naming in ``directory`` whose writer is gone.
+
+    Ours are ``.<target>.attnlab.<pid>.<8 hex>.tmp`` directories (any target). A writer holds
+    an exclusive flock on its temp directory until it is done, so an entry whose lock is held
+    belongs to a live writer (on any host sharing the lock) and is never touched. An entry
+    whose lock is free is stale when its pid is dead or nothing in it changed for
+    `STALE_SECONDS` (the pid may have been reused). Files of the naming older attnlab versions
+    used (``.<name>.<8 chars>.tmp``, no pid, no lock) are removed once `STALE_SECONDS` old.
+    Symlinks are never followed. Returns the names removed.
+    """
+    ours = _temp_pattern(None)
+    legacy = re.compile(rf"\.{re.escape(name)}\.[a-z0-9_]{{8}}\.tmp")
+    removed: list[str] = []
+    try:
+        entries = [e.name for e in os.scandir(directory) if e.name.endswith(".tmp")]
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        m = ours.fullmatch(entry)
+        pid = int(m.group(2)) if m else None
+        if m is None and legacy.fullmatch(entry) is None:
+            continue
+        item = os.path.join(directory, entry)
+        try:
+            fd = os.open(item, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:  # gone, a symlink, unreadable
+            continue
+        try:
+            st = os.fstat(fd)
+            is_dir = stat.S_ISDIR(st.st_mode)
+            if not (is_dir if m else stat.S_ISREG(st.st_mode)):
+                continue
+            if _try_lock(fd) is False:  # a live writer holds it
+                continue
+            old = now - (_newest_mtime(fd, st) if is_dir else st.st_mtime) > STALE_SECONDS
+            if not (old or (pid is not None and not _pid_alive(pid))):
+                continue
+            with contextlib.suppress(OSError):
+                if os.stat(item, follow_symlinks=False).st_ino != st.st_ino:
+                    continue  # replaced since it was opened
+                if is_dir:
+                    shutil.rmtree(item)  # never follows symlinks
+                else:
+                    os.unlink(item)
+                removed.append(entry)
+        finally:
+            os.close(fd)
+    return removed
+
+
 def atomic_write(path: Path, fill: Callable[[str], object]) -> None:
     """``fill(temp)`` writes a temp file beside ``path``; it is fsynced and renamed over ``path``.
 
-    A writer killed at any point leaves ``path`` as it was.
+    The temp file lives in a private directory ``.<name>.attnlab.<pid>.<8 hex>.tmp`` beside
+    ``path``, so whatever ``fill`` creates next to it (safetensors writes its own ``.tmp*``
+    file and renames it) stays inside. The writer holds an exclusive flock on that directory
+    until it is removed, so concurrent writers never remove each other's. A writer killed at
+    any point leaves ``path`` as it was; the next write into the directory removes its temp
+    directory (`remove_stale_temps`). The output's mode is 0o666 minus the umask, like any
+    newly created file.
     """
     directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    remove_stale_temps(directory, path.name)
+    for _ in range(100):
+        tmpdir = os.path.join(
+            directory, f".{path.name}.{_TEMP_MARK}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        )
+        try:
+            os.mkdir(tmpdir, 0o700)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, "no free temp directory name", str(directory))
+    dfd = os.open(tmpdir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
+        _try_lock(dfd)
+        tmp = os.path.join(tmpdir, path.name)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)  # 0o666 minus the umask
+        os.close(fd)
         fill(tmp)
+        if stat.S_IMODE(os.stat(tmp).st_mode) != mode:  # fill may have replaced it (0o600)
+            os.chmod(tmp, mode)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    finally:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+            shutil.rmtree(tmpdir)
+        os.close(dfd)  # releases the lock
     with contextlib.suppress(OSError):  # make the rename durable (POSIX directories only)
         dfd = os.open(directory, os.O_RDONLY)
         try:
@@ -104,11 +231,7 @@ def read_file(path: Path, *, safetensors: bool = True) -> bytes:
             f"refusing {path.suffix!r}: pickle-based checkpoints can run arbitrary code when "
             "loaded; convert it to safetensors in a trusted environment",
         )
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, f"checkpoint not found: {path}", str(path)) from None
+    raw = read_regular_file(path)
     if not safetensors or (
         len(raw) >= 9 and 8 + header_length(raw) <= len(raw) and raw[8:9] == b"{"
     ):
@@ -120,16 +243,99 @@ def read_file(path: Path, *, safetensors: bool = True) -> bytes:
     return raw
 
 
+def _kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def read_regular_file(path: Path) -> bytes:
+    """The bytes of the regular file ``path``; anything else raises `CheckpointError`.
+
+    Devices (``/dev/zero`` never ends), FIFOs (a read blocks until a writer comes) and
+    directories are refused before any read: the path is checked with ``os.stat``, opened with
+    ``O_NONBLOCK`` (opening a FIFO never waits) and checked again with ``fstat`` on the open
+    descriptor (the path may have been swapped in between). At most the ``fstat`` size is read.
+    """
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(path, f"refusing {_kind(st.st_mode)}: expected a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"checkpoint not found: {path}", str(path)) from None
+    with open(fd, "rb", buffering=0, closefd=True) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(path, f"refusing {_kind(st.st_mode)}: expected a regular file")
+        size = st.st_size
+        buf = bytearray(size)
+        view, got = memoryview(buf), 0
+        while got < size:  # a file that shrank while being read is returned short (truncated)
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        del view
+        return bytes(buf) if got == size else bytes(buf[:got])
+
+
 def header_length(raw: bytes) -> int:
     """N, the header length in a safetensors file's 8-byte prefix."""
     return struct.unpack("<Q", raw[:8])[0]
 
 
 def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"duplicate keys {sorted({k for k in keys if keys.count(k) > 1})}")
-    return dict(pairs)
+    obj = dict(pairs)
+    if len(obj) != len(pairs):  # linear: one set, one pass
+        seen: set[str] = set()
+        dups = sorted({k for k, _ in pairs if k in seen or seen.add(k)})
+        more = f" and {len(dups) - 5} more" if len(dups) > 5 else ""
+        raise ValueError(f"duplicate keys {dups[:5]}{more}")
+    return obj
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_INNERMOST = re.compile(r"[\[{][^\[\]{}]*[\]}]")
+
+
+def json_outline(text: str, depth: int) -> str | None:
+    """``text`` with its strings removed, or None if it nests deeper than ``depth``.
+
+    Linear and without recursion: each pass removes the innermost bracket pairs (those holding
+    no bracket), so a pair that survives ``depth`` passes sits more than ``depth`` levels deep.
+    Unbalanced text (left for the parser to reject) is too deep if more than ``depth`` opening
+    brackets stay unclosed.
+    """
+    outline = _JSON_STRING.sub('""', text)
+    rest = outline
+    for _ in range(depth):
+        if not any(c in rest for c in "[]{}"):
+            return outline
+        rest, removed = _INNERMOST.subn("0", rest)
+        if not removed:  # no pair left; only unbalanced brackets remain
+            break
+    if _INNERMOST.search(rest) or rest.count("[") + rest.count("{") > depth:
+        return None
+    return outline
+
+
+def loads(path: str | os.PathLike, text: str, what: str, depth: int, **kwargs: Any) -> Any:
+    """``json.loads(text)``; anything malformed or nested deeper than ``depth`` raises
+    `CheckpointError` naming ``what`` (never a bare ValueError or RecursionError)."""
+    if json_outline(text, depth) is None:
+        raise CheckpointError(path, f"{what} nests deeper than {depth} levels")
+    try:
+        return json.loads(text, **kwargs)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(path, f"{what} is not valid JSON ({e})") from None
 
 
 def _no_constant(name: str) -> Any:
@@ -167,6 +373,16 @@ def parse_header(path: Path, raw: bytes) -> tuple[dict[str, str], dict[str, tupl
         text = raw[8 : 8 + n].decode("utf-8")
     except UnicodeDecodeError as e:
         raise CheckpointError(path, f"header is not valid UTF-8 ({e})") from None
+    outline = json_outline(text, 3)
+    if outline is None:
+        raise CheckpointError(
+            path, "header nests deeper than 3 levels (a safetensors header never does)"
+        )
+    count = outline.count("{") - 1  # the objects inside the header: tensors and __metadata__
+    if count > MAX_TENSORS + 1:
+        raise CheckpointError(
+            path, f"header lists {count} entries, more than the {MAX_TENSORS}-tensor limit"
+        )
     try:
         header = json.loads(text, object_pairs_hook=_json_object, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:
@@ -174,6 +390,10 @@ def parse_header(path: Path, raw: bytes) -> tuple[dict[str, str], dict[str, tupl
     if not isinstance(header, dict):
         raise CheckpointError(path, f"header must be a JSON object, got {type(header).__name__}")
     meta = header.pop("__metadata__", {})
+    if len(header) > MAX_TENSORS:
+        raise CheckpointError(
+            path, f"header lists {len(header)} tensors, more than the {MAX_TENSORS}-tensor limit"
+        )
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise CheckpointError(path, "__metadata__ must be an object of string values")
     spans: dict[str, tuple[int, int]] = {}
@@ -285,11 +505,12 @@ def save_json(path: str | os.PathLike, data: Any) -> None:
 
 def load_json(path: str | os.PathLike) -> Any:
     """Reads a file written by `save_json`; raises `CheckpointError` if it was altered."""
-    raw = read_file(Path(os.fspath(path)), safetensors=False)
+    raw = read_file(Path(os.fspath(path)), safetensors=False)  # a regular file, read bounded
     try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
         raise CheckpointError(path, f"not valid UTF-8 JSON ({e})") from None
+    doc = loads(path, text, "the file", MAX_JSON_DEPTH)
     if not isinstance(doc, dict) or set(doc) != {"sha256", "data"}:
         raise CheckpointError(path, "expected a JSON object with exactly 'sha256' and 'data'")
     body = json.dumps(doc["data"], sort_keys=True, indent=2)

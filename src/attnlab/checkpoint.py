@@ -21,8 +21,14 @@ and around the library (file-level parts in `attnlab._files`):
 - No pickle: ``.pt``/``.bin``/... files and zip or pickle content are refused unopened.
 - Ties (stored once, restored as one tensor) and non-contiguous tensors (save_file refuses both).
 - Module loading that checks every key, shape and dtype (``allow_cast``) before copying anything.
-- Atomic writes (temp file in the target directory, fsync, rename): a killed writer leaves the
-  previous file intact.
+- Atomic writes (temp file in a private, flock-held ``.<name>.attnlab.<pid>.<hex>.tmp``
+  directory beside the target, fsync, rename): a killed writer leaves the previous file intact,
+  and the next save into the directory removes what it left (never a live writer's). Outputs
+  get mode 0o666 minus the umask.
+- Hostile files: only regular files are opened (``/dev/zero``, FIFOs and directories are refused
+  before any read; a FIFO never blocks), at most the size ``fstat`` reports is read, every
+  header check is linear, and the header's size (`MAX_HEADER_BYTES`), tensor count
+  (`MAX_TENSORS`) and JSON nesting (3 levels) are bounded, each with a `CheckpointError`.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from ._files import (
     DTYPES,
     HEADER_KEY,
     MAX_HEADER_BYTES,
+    MAX_TENSORS,
     PICKLE_SUFFIXES,
     CheckpointError,
     atomic_write,
@@ -48,6 +55,7 @@ from ._files import (
     decode,
     header_length,
     load_json,
+    loads,
     parse_header,
     read_file,
     read_safetensors,
@@ -232,11 +240,10 @@ def _verify(path: Path, raw: bytes, meta: dict[str, str], spans: dict, start: in
             f"{FORMAT_VERSION!r})",
         )
     check_header_sha256(path, raw[:start], meta)
-    try:
-        digests = json.loads(meta["attnlab.sha256"])
-        ties = json.loads(meta["attnlab.ties"])
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(path, f"attnlab metadata is incomplete or invalid ({e})") from None
+    if "attnlab.sha256" not in meta or "attnlab.ties" not in meta:
+        raise CheckpointError(path, "attnlab metadata is incomplete (attnlab.sha256, attnlab.ties)")
+    digests = loads(path, meta["attnlab.sha256"], "attnlab.sha256", 1)
+    ties = loads(path, meta["attnlab.ties"], "attnlab.ties", 1)
     if not isinstance(digests, dict) or set(digests) != set(spans):
         raise CheckpointError(path, "the sha256 table does not list exactly the stored tensors")
     view = memoryview(raw)
@@ -334,8 +341,10 @@ def load_checkpoint(
 
     Raises:
         FileNotFoundError: no such file (the message names the path).
-        CheckpointError: pickle formats, truncation, trailing bytes, a bad header, a checksum
-            mismatch, an unknown format version, or a module mismatch (key, shapes, dtypes).
+        CheckpointError: not a regular file (a device, FIFO or directory), pickle formats,
+            an oversized or too deeply nested header, too many tensors, truncation, trailing
+            bytes, a bad header, a checksum mismatch, an unknown format version, or a module
+            mismatch (key, shapes, dtypes).
     """
     path = Path(os.fspath(path))
     if module is not None and not isinstance(module, nn.Module):
@@ -354,6 +363,7 @@ def load_checkpoint(
 __all__ = [
     "FORMAT_VERSION",
     "MAX_HEADER_BYTES",
+    "MAX_TENSORS",
     "PICKLE_SUFFIXES",
     "Checkpoint",
     "CheckpointError",
