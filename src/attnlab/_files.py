@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .utils.extras import require
+
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit (100 MB)
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
 # The dtypes attnlab stores and reads: those every safetensors >= 0.4 reader understands.
@@ -236,7 +238,7 @@ def parse_header(path: Path, raw: bytes) -> tuple[dict[str, str], dict[str, tupl
 
 def decode(path: Path, raw: bytes) -> dict[str, Tensor]:
     """The tensors, decoded by safetensors from the checked bytes."""
-    from safetensors.torch import load
+    load = require("safetensors.torch", "models", "reading a checkpoint").load
 
     try:
         return load(raw)
