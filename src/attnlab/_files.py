@@ -238,7 +238,8 @@ def parse_header(path: Path, raw: bytes) -> tuple[dict[str, str], dict[str, tupl
 
 def decode(path: Path, raw: bytes) -> dict[str, Tensor]:
     """The tensors, decoded by safetensors from the checked bytes."""
-    load = require("safetensors.torch", "models", "reading a checkpoint").load
+    require("safetensors.torch", "models", "reading a checkpoint")  # one line naming the extra
+    from safetensors.torch import load
 
     try:
         return load(raw)
