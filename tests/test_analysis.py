@@ -209,6 +209,21 @@ def test_estimate_layers_scale_linearly_and_bad_input():
         estimate(512, 256, 8, dtype="int8")
 
 
+def test_estimate_per_head_pairs_and_score_matrix_are_one_layers():
+    # Regression (issue 15): at 12 layers the pairs row said 50,331,648 (12 × 2048²).
+    one, twelve = estimate(2048, 768, 12), estimate(2048, 768, 12, layers=12)
+    for impl in ("naive", "flash", "linear"):
+        assert twelve.value("attended pairs per head", impl) == 2048 * 2048 == 4_194_304
+        assert twelve.value("score matrix", impl) == one.value("score matrix", impl)
+        assert twelve.value("total", impl) == 12 * one.value("total", impl)
+        assert twelve.value("parameter memory", impl) == 12 * one.value("parameter memory", impl)
+        kept = "activations kept for backward"
+        assert twelve.value(kept, impl) == 12 * one.value(kept, impl)
+    causal = estimate(2048, 768, 12, layers=12, causal=True)
+    assert causal.value("attended pairs per head", "flash") == 2048 * 2049 // 2
+    assert "4,194,304" in twelve.table() and "50,331,648" not in twelve.table()
+
+
 def test_estimate_measure_runs_and_reports(capsys):
     from attnlab import cli
 

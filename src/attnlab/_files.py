@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .utils.extras import require
+
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit (100 MB)
 MAX_TENSORS = 262_144  # per file; far above real single files (a 70B model holds ~700 tensors)
 MAX_JSON_DEPTH = 64  # nesting accepted by `load_json`; a safetensors header nests 3 deep at most
@@ -456,6 +458,7 @@ def parse_header(path: Path, raw: bytes) -> tuple[dict[str, str], dict[str, tupl
 
 def decode(path: Path, raw: bytes) -> dict[str, Tensor]:
     """The tensors, decoded by safetensors from the checked bytes."""
+    require("safetensors.torch", "models", "reading a checkpoint")  # one line naming the extra
     from safetensors.torch import load
 
     try:

@@ -62,6 +62,7 @@ from ._files import (
     save_json,
     seal_header_sha256,
 )
+from .utils.extras import require
 
 FORMAT_VERSION = "1"
 _RESERVED = "attnlab."
@@ -206,7 +207,7 @@ def save_checkpoint(
         )
     meta = _check_metadata(metadata)
     stored, ties = _prepare(tensors_or_module)
-    from safetensors.torch import save_file
+    save_file = require("safetensors.torch", "models", "save_checkpoint").save_file
 
     digests = {n: _sha256(t) for n, t in stored.items()}
     meta["attnlab.format_version"] = FORMAT_VERSION

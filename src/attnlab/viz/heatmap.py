@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from ..utils.extras import require
+
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -20,12 +22,7 @@ PathLike = str | os.PathLike[str]
 
 def new_figure(width: float, height: float) -> Figure:
     """A matplotlib Figure that is not registered with pyplot (no global state, no GUI backend)."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as err:  # pragma: no cover - exercised with a monkeypatched import
-        raise ImportError(
-            "attnlab.viz needs matplotlib; install it with `pip install 'attnlab[viz]'`"
-        ) from err
+    Figure = require("matplotlib.figure", "viz", "attnlab.viz").Figure
     return Figure(figsize=(width, height), layout="constrained")
 
 
