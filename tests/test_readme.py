@@ -75,9 +75,9 @@ class Block:
         return next((s for s in self.text.splitlines() if s.strip()), "").strip()
 
 
-def readme_blocks() -> list[Block]:
-    """Every fenced block of README.md, in order."""
-    lines = README.read_text(encoding="utf-8").splitlines()
+def readme_blocks(text: str | None = None) -> list[Block]:
+    """Every fenced block of ``text`` (default: README.md), in order."""
+    lines = (README.read_text(encoding="utf-8") if text is None else text).splitlines()
     blocks: list[Block] = []
     i = 0
     while i < len(lines):
@@ -102,10 +102,10 @@ def readme_blocks() -> list[Block]:
 BLOCKS = readme_blocks()
 
 
-def python_chains() -> list[list[Block]]:
+def python_chains(blocks: list[Block]) -> list[list[Block]]:
     """The Python blocks grouped into runs: a block and the continuations that follow it."""
     chains: list[list[Block]] = []
-    for b in BLOCKS:
+    for b in blocks:
         if b.lang != "python":
             continue
         if b.continues:
@@ -148,7 +148,7 @@ def exemption(command: list[str]) -> str | None:
     return next((k for k in EXEMPT if text == k or text.startswith(k + " ")), None)
 
 
-CHAINS = python_chains()
+CHAINS = python_chains(BLOCKS)
 SHELL = [b for b in BLOCKS if b.lang == "bash"]
 RUNNABLE = [b for b in SHELL if any(exemption(c) is None for c in shell_commands(b))]
 
@@ -181,6 +181,23 @@ def test_readme_blocks_are_found_and_every_python_run_is_self_contained():
         assert sum(key in code for code in codes) == 1, key
     for key in LAUNCH:
         assert sum(chain[0].first_line == key for chain in CHAINS) == 1, key
+
+
+def test_a_continuation_runs_after_its_predecessor():
+    text = (
+        "```python\nx = 1\n```\n\n```bash\nattnlab check\n```\n<!-- continues -->\n"
+        "```python\nprint(x)\n```\n\n```python\n>>> 1 + 1\n2\n```\n"
+    )
+    blocks = readme_blocks(text)
+    assert [(b.lang, b.continues) for b in blocks] == [
+        ("python", False),
+        ("bash", False),
+        ("python", True),
+        ("python", False),
+    ]
+    chains = python_chains(blocks)
+    assert [[b.text for b in c] for c in chains] == [["x = 1\n", "print(x)\n"], [">>> 1 + 1\n2\n"]]
+    assert is_doctest(chains[1][0]) and not is_doctest(chains[0][0])
 
 
 DOCTEST = (
