@@ -258,6 +258,7 @@ def check_outputs(text: str, r: subprocess.CompletedProcess, cwd: Path) -> None:
 
 
 def run_shell_block(block: Block, tmp_path: Path, *, verbatim: bool) -> list[str]:
+    """Runs the block's attnlab commands in order in ``tmp_path``; returns their outputs."""
     outputs = []
     for command in shell_commands(block):
         if exemption(command) is not None:
@@ -266,7 +267,7 @@ def run_shell_block(block: Block, tmp_path: Path, *, verbatim: bool) -> list[str
         args = (
             command[1:] if verbatim else shlex.split(OVERRIDES.get(text, shlex.join(command[1:])))
         )
-        r = run(["-m", "attnlab.cli", *args], tmp_path)
+        r = run(["-m", "attnlab.cli", *args], tmp_path, timeout=3600 if verbatim else 600)
         assert r.returncode == 0, f"README line {block.line}: {text}\n{r.stdout}\n{r.stderr}"
         assert "Traceback" not in r.stderr
         check_outputs(text, r, tmp_path)
@@ -283,9 +284,13 @@ def test_shell_block_runs_with_small_settings(block: Block, tmp_path: Path):
 @pytest.mark.parametrize("block", RUNNABLE, ids=[block_id(b) for b in RUNNABLE])
 def test_shell_block_runs_verbatim(block: Block, tmp_path: Path):
     """The README's commands as written; the default training ends far below unigram entropy."""
-    for out in run_shell_block(block, tmp_path, verbatim=True):
-        m = re.search(
-            r"^done: step \d+, val loss ([\d.]+) nats/char vs unigram entropy ([\d.]+)", out, re.M
-        )
-        if m:
-            assert float(m.group(1)) < 0.8 * float(m.group(2)), m.group(0)
+    done = re.compile(
+        r"^done: step \d+, val loss ([\d.]+) nats/char vs unigram entropy ([\d.]+)", re.M
+    )
+    found = [
+        m for out in run_shell_block(block, tmp_path, verbatim=True) for m in done.finditer(out)
+    ]
+    if any(c[:2] == ["attnlab", "train"] for c in shell_commands(block)):
+        assert found
+    for m in found:
+        assert float(m.group(1)) < 0.6 * float(m.group(2)), m.group(0)  # RESULTS.md: 0.50
