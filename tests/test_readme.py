@@ -299,3 +299,11 @@ def test_shell_block_runs_verbatim(block: Block, tmp_path: Path):
     assert found or not trains(block)
     for m in found:
         assert float(m.group(1)) < 0.6 * float(m.group(2)), m.group(0)  # RESULTS.md: 0.50
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    """The commands exempted as "CI's steps" really are CI's: .ci/run runs the README's command."""
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    tests = [b for b in SHELL if any(exemption(c) == "python -m pytest" for c in shell_commands(b))]
+    assert len(tests) == 1
+    assert tests[0].text.strip() in ci
