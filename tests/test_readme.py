@@ -33,7 +33,7 @@ EXEMPT = {
     "ruff check": "the lint step of .ci/run, which runs before the suite",
     "ruff format --check": "the format step of .ci/run, which runs before the suite",
     "python -m pytest": "the test suite itself (it would run this file again)",
-    "torchrun": "a two-machine launch; tests/test_ring.py runs ring attention on local gloo ranks",
+    "torchrun": "needs two machines; its train.py block runs here on 2 local ranks (LAUNCH)",
 }
 
 #: Small settings for the default suite, by the README command; the slow test runs it verbatim.
