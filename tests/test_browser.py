@@ -250,3 +250,19 @@ def test_long_input_page_stays_responsive(driver, tmp_path):
     assert ms < 1000 and load_seconds < 15
     assert errors(driver) == []
     json.dumps(data)  # the page's data round-trips
+
+
+def test_hostile_text_renders_as_text(driver, tmp_path):
+    """Tokens and a title that spell the page's placeholders or HTML render as plain text."""
+    tokens = ["__JS__", "__DATA__", "__CSS__", "__TITLE__", "</script><b>x</b>", "<img src=x>"]
+    title = "t __JS__ __DATA__ </title><script>window.pwned=1</script>"
+    g = torch.Generator().manual_seed(0)
+    w = torch.softmax(torch.randn(1, 2, len(tokens), len(tokens), generator=g), dim=-1)
+    path = save_attention_html(tokens, w, tmp_path / "hostile.html", title=title)
+    data = open_page(driver, path)
+    assert driver.title == title
+    assert driver.execute_script("return window.pwned === undefined")
+    assert data["title"] == title and len(data["tokens"]) == len(tokens)
+    assert driver.find_elements(By.TAG_NAME, "img") == []
+    assert driver.execute_script("return document.querySelectorAll('script').length") == 2
+    assert errors(driver) == []

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import html
 import html.parser
 import json
 import math
 import re
 import struct
 import zlib
+from importlib import resources
 
 import pytest
 import torch
@@ -422,3 +424,26 @@ def test_gpt_checkpoint_weights_are_its_attention_modules_weights(gpt_checkpoint
         gpt_attentions(model, vocab, "a€")
     with pytest.raises(ValueError, match="no attnlab MultiHeadAttention"):
         module_attentions(torch.nn.Linear(2, 2), lambda: None)
+
+
+HOSTILE = ["__JS__", "__DATA__", "__CSS__", "__TITLE__", "</script><b>x</b>", "a&amp;b", "\u2028"]
+
+
+def test_placeholder_names_in_the_text_are_inserted_verbatim():
+    """The page is assembled in one pass over the template: a title or token that spells a
+    placeholder (``__JS__``) must not pull the script, styles or data into the page again."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.softmax(torch.randn(1, 2, len(HOSTILE), len(HOSTILE), generator=g), dim=-1)
+    title = "title __JS__ __DATA__ __CSS__ __TITLE__"
+    page = attention_html(HOSTILE, w, title=title)
+    for asset in ("attention_view.js", "attention_view.css"):
+        head = (resources.files("attnlab.viz") / "assets" / asset).read_text()[:300]
+        assert page.count(head) == 1, asset
+    assert page.count('id="attn-data"') == 1
+    title_text = page[page.index("<title>") + len("<title>") : page.index("</title>")]
+    assert title_text == html.escape(title)
+    data = embedded_data(page)
+    assert data["title"] == title
+    assert data["tokens"][: len(HOSTILE)] == [
+        attention_data(HOSTILE, w)["tokens"][i] for i in range(len(HOSTILE))
+    ]

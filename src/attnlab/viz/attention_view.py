@@ -34,6 +34,7 @@ import html
 import json
 import math
 import os
+import re
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -351,14 +352,15 @@ def attention_html(
         thumb_size=thumb_size,
         decimals=decimals,
     )
-    page_title = html.escape(data["title"])
-    return (
-        _asset("attention_view.html")
-        .replace("__TITLE__", page_title)
-        .replace("__CSS__", _asset("attention_view.css"))
-        .replace("__JS__", _asset("attention_view.js"))
-        .replace("__DATA__", _json_for_script(data))
-    )
+    parts = {
+        "TITLE": html.escape(data["title"]),
+        "CSS": _asset("attention_view.css"),
+        "JS": _asset("attention_view.js"),
+        "DATA": _json_for_script(data),
+    }
+    # One pass over the template: text that contains a placeholder name (a title or token
+    # "__JS__") is inserted as it is, never substituted again.
+    return _PLACEHOLDER.sub(lambda m: parts[m.group(1)], _asset("attention_view.html"))
 
 
 def save_attention_html(
@@ -450,6 +452,9 @@ def _display(token: str) -> str:
 
 
 # ------------------------------------------------------------------------------- page template
+_PLACEHOLDER = re.compile(r"__(TITLE|CSS|JS|DATA)__")
+
+
 @functools.cache
 def _asset(name: str) -> str:
     """A file of the viewer (``assets/attention_view.{html,css,js}``, package data) as text."""
