@@ -265,4 +265,8 @@ def test_hostile_text_renders_as_text(driver, tmp_path):
     assert data["title"] == title and len(data["tokens"]) == len(tokens)
     assert driver.find_elements(By.TAG_NAME, "img") == []
     assert driver.execute_script("return document.querySelectorAll('script').length") == 2
+    # the viewer's code and data are in the page once (not pulled into the title or a token)
+    source = driver.execute_script("return document.documentElement.outerHTML")
+    assert source.count('"use strict"') == 1
+    assert source.count('id="attn-data"') == 1
     assert errors(driver) == []
