@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .request import Request, key_prefixes
+from .request import Request, key_prefixes, prefix_views
 
 DECODE_MAX_L = 8
 """At most this many query rows (one decode step, or a short speculative draft)."""
@@ -98,21 +98,20 @@ def _run(req: Request, want_lse: bool) -> tuple[Tensor, Tensor | None]:
     d = req.dims
     prefixes = key_prefixes(req)
     assert prefixes is not None  # decode_supports
-    if all(n == d.S for n in prefixes):
-        out, lse = _attend(req, req.q, req.k, req.v, want_lse)
-        return out.to(req.q.dtype), lse
     c = _compute_dtype(req.q.dtype)
     outs, lses = [], []
-    for b, n in enumerate(prefixes):
-        if n == 0:  # nothing to attend: zeros, lse −inf
+    for views in prefix_views(req, prefixes):
+        if views is None:  # nothing to attend: zeros, lse −inf
             outs.append(req.q.new_zeros(1, d.H, d.L, d.Dv, dtype=c))
             lses.append(req.q.new_full((1, d.H, d.L), float("-inf"), dtype=c))
             continue
-        rows = slice(b, b + 1)
-        o, lse = _attend(req, req.q[rows], req.k[rows, :, :n], req.v[rows, :, :n], want_lse)
-        outs.append(o)
+        out, lse = _attend(req, *views, want_lse)
+        outs.append(out)
         lses.append(lse)
-    return torch.cat(outs).to(req.q.dtype), torch.cat(lses) if want_lse else None
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if not want_lse:
+        return out.to(req.q.dtype), None
+    return out.to(req.q.dtype), lses[0] if len(lses) == 1 else torch.cat(lses)
 
 
 def decode_run(req: Request) -> tuple[Tensor, None]:

@@ -164,3 +164,21 @@ def key_prefixes(req: Request) -> tuple[int, ...] | None:
     if lengths is None:
         return None
     return tuple(min(d.S, lengths[b] if len(lengths) > 1 else lengths[0]) for b in range(d.B))
+
+
+def prefix_views(
+    req: Request, prefixes: tuple[int, ...]
+) -> list[tuple[Tensor, Tensor, Tensor] | None]:
+    """The unmasked sub-calls of a request whose rows attend key prefixes (`key_prefixes`).
+
+    One ``(q, k, v)`` for the whole batch when every ``n_b = S``; otherwise per batch item b the
+    views ``(q[b:b+1], k[b:b+1, :, :n_b], v[b:b+1, :, :n_b])``, or None where ``n_b = 0`` (the
+    item attends nothing). No copies.
+    """
+    q, k, v = req.q, req.k, req.v
+    if all(n == req.dims.S for n in prefixes):
+        return [(q, k, v)]
+    return [
+        None if n == 0 else (q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n])
+        for b, n in enumerate(prefixes)
+    ]

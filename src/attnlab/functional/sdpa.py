@@ -12,7 +12,7 @@ from torch import Tensor
 
 from . import nan_rule
 from .reference import keep_mask
-from .request import Request, key_prefixes, request_dense, request_interval
+from .request import Request, key_prefixes, prefix_views, request_dense, request_interval
 from .scores import get_score
 
 
@@ -74,16 +74,11 @@ def _sliced(req: Request) -> Tensor | None:
     prefixes = key_prefixes(req)
     if prefixes is None or req.score != "dot" or _needs_grad(req.q, req.k, req.v):
         return None
-    if all(n == d.S for n in prefixes):
-        return _unmasked(req, req.q, req.k, req.v)
-    outs = []
-    for b, n in enumerate(prefixes):
-        bs = slice(b, b + 1)
-        if n == 0:
-            outs.append(req.q.new_zeros(1, d.H, d.L, d.Dv))
-        else:
-            outs.append(_unmasked(req, req.q[bs], req.k[bs, :, :n], req.v[bs, :, :n]))
-    return torch.cat(outs, dim=0)
+    outs = [
+        req.q.new_zeros(1, d.H, d.L, d.Dv) if views is None else _unmasked(req, *views)
+        for views in prefix_views(req, prefixes)
+    ]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
