@@ -237,9 +237,11 @@ def refine(
     nh: int,
     device: torch.device | str | None,
 ) -> Tensor:
-    """Evaluates exactly the tiles where ``todo`` (nq, nk) is True and writes their codes."""
-    if not bool(todo.any()):
-        return codes
+    """Evaluates exactly the tiles where ``todo`` (nq, nk) is True and writes their codes.
+
+    Plan building, not a forward path: the tile list is read on the host (eager calls; under
+    `torch.compile` flash builds plans inside its custom op when the graph runs).
+    """
     codes = codes.clone()
     for qb in todo.any(dim=1).nonzero().flatten().tolist():
         tiles = todo[qb].nonzero().flatten()  # (nt,)
