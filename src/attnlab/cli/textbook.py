@@ -1,0 +1,96 @@
+"""``attnlab textbook``: every checkable claim of the source texts, checked live, with a verdict.
+
+$ attnlab textbook                      # all claims (training experiments excluded)
+$ attnlab textbook --only 002-8.1       # one section (an id or an id prefix)
+$ attnlab textbook --json > claims.json
+$ attnlab textbook --markdown docs/textbook.md
+$ attnlab textbook --exercise 8.2       # a worked exercise solution
+$ attnlab textbook --list               # ids only
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._args import UsageError, check_output_file
+
+
+def _cmd_textbook(args: argparse.Namespace) -> int:
+    from ..textbook import all_exercises, get_exercise, run_claim, select_claims
+    from ..textbook.exercises import render as render_exercise
+    from ..textbook.render import as_json, as_markdown, as_text, summary
+    from ..utils.progress import Progress
+
+    if args.exercise is not None:
+        try:
+            print(render_exercise(get_exercise(args.exercise)))
+        except ValueError as e:
+            raise UsageError("--exercise", str(e).removeprefix("id: ")) from None
+        return 0
+    if args.markdown is not None:
+        check_output_file(args.markdown, "--markdown", suffixes=(".md",))
+    try:
+        claims = select_claims(args.only or (), include_slow=args.with_training)
+    except ValueError as e:
+        raise UsageError("--only", str(e).removeprefix("only: ")) from None
+    if args.list:
+        for c in claims:
+            print(f"{c.id}\t{c.expected}\t{c.section}")
+        for e in all_exercises() if not args.only else ():
+            origin = "" if e.from_text else " (not from the text)"
+            print(f"exercise {e.id}\t{e.source}{origin}\t{e.title}")
+        return 0
+    rows = []
+    bar = Progress(claims, desc="textbook", unit="claim", enabled=not args.quiet, tty_only=True)
+    for c in bar:
+        rows.append(run_claim(c))
+    if args.markdown is not None:
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(as_markdown(rows))
+        print(f"wrote {args.markdown}: {summary(rows)}")
+    elif args.json:
+        print(as_json(rows))
+    else:
+        print(as_text(rows))
+    mismatched = [r.claim.id for r in rows if not r.ok]
+    if mismatched:
+        print(
+            f"attnlab textbook: verdicts differ from the declared ones: {mismatched}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Adds ``attnlab textbook`` to the ``attnlab`` command's subparsers."""
+    p = sub.add_parser(
+        "textbook",
+        help="check every claim of the source texts live and print a verdict for each",
+        description=(
+            "Walks every quantitative or checkable claim of the five source texts and prints, per "
+            "claim, its id (seed + section), the original sentence and an English paraphrase, "
+            "what attnlab computes and the call that computed it, and a verdict: agrees, text "
+            "error (with the reason) or not checkable here (naming what is missing). Exits 1 if "
+            "a verdict differs from the one the claim declares."
+        ),
+    )
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the rows as JSON")
+    out.add_argument("--markdown", metavar="PATH", help="write the rows as Markdown (docs)")
+    out.add_argument("--list", action="store_true", help="list claim and exercise ids only")
+    out.add_argument("--exercise", metavar="ID", help="print the worked solution of an exercise")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        metavar="ID",
+        help="claims whose id equals or starts with ID (e.g. 002 or 002-8.1.3)",
+    )
+    p.add_argument(
+        "--with-training",
+        action="store_true",
+        help="also run the claims that train a model (minutes)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_textbook)

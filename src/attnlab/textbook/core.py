@@ -1,0 +1,256 @@
+"""Claims of the source texts and the live checks that judge them.
+
+A `Claim` is one quantitative or checkable statement of a source text (``seeds/00N``): where it
+is (seed and section), the original sentence, an English paraphrase, the attnlab API that checks
+it, the assumptions it is checked under, and a ``check`` function that calls the library live and
+returns a `Finding` — what attnlab computes, the call that computed it, and a verdict:
+
+- ``"agrees"``: the library reproduces the claim under the stated assumptions;
+- ``"text error"``: the text is wrong; ``explanation`` says why in one line;
+- ``"not checkable here"``: ``explanation`` names the missing resource (a GPU, data that cannot
+  ship, a historical fact).
+
+Each claim also declares the verdict it is ``expected`` to get. The test suite runs every check
+and asserts that the computed verdict equals the declared one, so a change in the library that
+breaks a reproduced claim fails a test. ``computed`` strings are deterministic (seeded, float64,
+counts and ratios — never wall-clock timings), so the rendered ``docs/textbook.md`` can be checked
+for drift.
+
+Claims register themselves with the `claim` decorator at import time of their module
+(``attnlab.textbook.claims.seed00N``); `all_claims` imports them all.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+AGREES = "agrees"
+TEXT_ERROR = "text error"
+NOT_CHECKABLE = "not checkable here"
+VERDICTS = (AGREES, TEXT_ERROR, NOT_CHECKABLE)
+
+#: Seed files of the source texts, by their three-digit number.
+SEEDS = {
+    "000": "13.2 自注意力机制的数学推导 (the mathematics of self-attention)",
+    "001": "Day 2 理论学习：自注意力机制深度解析 (self-attention in depth)",
+    "002": "第8章：Transformer与注意力机制 (chapter 8: Transformer and attention)",
+    "003": "自注意力机制如何提升Transformer的性能 (how self-attention improves the Transformer)",
+    "004": "缩放点积注意力：原理与机制 (scaled dot-product attention: principles)",
+}
+
+_ID = re.compile(r"^(000|001|002|003|004)-[0-9A-Za-z.]+-[a-z0-9]+$")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What a check found.
+
+    Attributes:
+        computed: what attnlab computes, with the numbers (deterministic text).
+        call: the call(s) that computed it, as code.
+        verdict: one of `VERDICTS`.
+        explanation: one line; required for ``text error`` (why) and ``not checkable here``
+            (the missing resource).
+    """
+
+    computed: str
+    call: str
+    verdict: str
+    explanation: str = ""
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
+        if self.verdict != AGREES and not self.explanation.strip():
+            raise ValueError(f"a {self.verdict!r} finding needs an explanation")
+        if "\n" in self.explanation:
+            raise ValueError("explanation must be one line")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One checkable statement of a source text (see the module docstring).
+
+    Attributes:
+        id: ``SEED-SECTION-LETTER``, e.g. ``"002-8.1.3-a"``.
+        section: the section heading (as in the text, shortened).
+        quote: the original sentence(s), verbatim from the seed file.
+        paraphrase: an English paraphrase.
+        api: the attnlab API that checks it (comma-separated names).
+        expected: the verdict the check is expected to return.
+        check: computes the `Finding` by calling the library.
+        assumptions: the conditions of the check (model, batch, precision, n), "" if none.
+        slow: a training experiment (runs only with ``--with-training``).
+    """
+
+    id: str
+    section: str
+    quote: str
+    paraphrase: str
+    api: str
+    expected: str
+    check: Callable[[], Finding] = field(repr=False, compare=False)
+    assumptions: str = ""
+    slow: bool = False
+
+    @property
+    def seed(self) -> str:
+        """The seed file number, ``"000"`` … ``"004"``."""
+        return self.id[:3]
+
+
+@dataclass(frozen=True)
+class Row:
+    """A claim with its finding, as the command prints it."""
+
+    claim: Claim
+    finding: Finding
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        """The computed verdict is the declared one."""
+        return self.finding.verdict == self.claim.expected
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready fields (``--json``)."""
+        c, f = self.claim, self.finding
+        return {
+            "id": c.id,
+            "seed": c.seed,
+            "section": c.section,
+            "quote": c.quote,
+            "paraphrase": c.paraphrase,
+            "api": c.api,
+            "assumptions": c.assumptions,
+            "computed": f.computed,
+            "call": f.call,
+            "verdict": f.verdict,
+            "explanation": f.explanation,
+            "expected": c.expected,
+            "ok": self.ok,
+        }
+
+
+_REGISTRY: dict[str, Claim] = {}
+
+
+def claim(
+    id: str,
+    *,
+    section: str,
+    quote: str,
+    paraphrase: str,
+    api: str,
+    expected: str,
+    assumptions: str = "",
+    slow: bool = False,
+) -> Callable[[Callable[[], Finding]], Callable[[], Finding]]:
+    """Registers the decorated function as the check of a `Claim` (see its fields).
+
+    Raises:
+        ValueError: a malformed or duplicate id, an unknown expected verdict, or an empty quote,
+            paraphrase or api.
+    """
+    if not _ID.match(id):
+        raise ValueError(f"claim id must look like '002-8.1.3-a', got {id!r}")
+    if id in _REGISTRY:
+        raise ValueError(f"claim id {id!r} is registered twice")
+    if expected not in VERDICTS:
+        raise ValueError(f"expected must be one of {VERDICTS}, got {expected!r}")
+    for name, value in (("quote", quote), ("paraphrase", paraphrase), ("api", api)):
+        if not value.strip():
+            raise ValueError(f"claim {id}: {name} must not be empty")
+
+    def register(fn: Callable[[], Finding]) -> Callable[[], Finding]:
+        _REGISTRY[id] = Claim(
+            id=id,
+            section=section,
+            quote=quote,
+            paraphrase=paraphrase,
+            api=api,
+            expected=expected,
+            check=fn,
+            assumptions=assumptions,
+            slow=slow,
+        )
+        return fn
+
+    return register
+
+
+def _load() -> None:
+    from . import claims as package
+
+    for info in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{info.name}")
+
+
+def _key(c: Claim) -> tuple:
+    parts = re.split(r"[-.]", c.id)
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts)
+
+
+def all_claims(*, include_slow: bool = True) -> list[Claim]:
+    """Every registered claim, in seed and section order."""
+    _load()
+    return sorted((c for c in _REGISTRY.values() if include_slow or not c.slow), key=_key)
+
+
+def select_claims(only: Iterable[str] = (), *, include_slow: bool = False) -> list[Claim]:
+    """The claims whose id equals or starts with one of ``only`` (all when empty).
+
+    Raises:
+        ValueError: an entry of ``only`` matches no claim (the message lists the seeds).
+    """
+    claims = all_claims(include_slow=True)
+    wanted = list(only)
+    if not wanted:
+        return [c for c in claims if include_slow or not c.slow]
+    chosen = []
+    for prefix in wanted:
+        hits = [c for c in claims if c.id == prefix or c.id.startswith(prefix + "-")]
+        hits = hits or [c for c in claims if c.id.startswith(prefix)]
+        if not hits:
+            raise ValueError(
+                f"only: {prefix!r} matches no claim (ids look like '002-8.1.3-a'; seeds "
+                f"{sorted(SEEDS)})"
+            )
+        chosen += [c for c in hits if c not in chosen]
+    return chosen
+
+
+def run_claim(c: Claim) -> Row:
+    """Runs one check; a check that raises is a bug, not a verdict, and propagates."""
+    start = time.perf_counter()
+    finding = c.check()
+    if not isinstance(finding, Finding):
+        raise TypeError(f"claim {c.id}: check returned {type(finding).__name__}, not a Finding")
+    return Row(c, finding, time.perf_counter() - start)
+
+
+def fmt(x: float, digits: int = 4) -> str:
+    """A float with ``digits`` significant digits, the same on every machine (for ``computed``)."""
+    return f"{x:.{digits}g}"
+
+
+__all__ = [
+    "AGREES",
+    "NOT_CHECKABLE",
+    "SEEDS",
+    "TEXT_ERROR",
+    "VERDICTS",
+    "Claim",
+    "Finding",
+    "Row",
+    "all_claims",
+    "claim",
+    "fmt",
+    "run_claim",
+    "select_claims",
+]
