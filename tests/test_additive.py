@@ -142,3 +142,28 @@ def test_nan_rule_additive_attention():
     assert not bad[:2].any()  # rows 0, 1 attend keys 0, 1 only
     assert bad[2:].all()  # rows 2, 3 attend key 3 (k = inf): whole rows
     assert torch.isfinite(w[0, :2]).all()
+
+
+def test_bias_false_is_the_textbook_form_with_2d2_plus_d_parameters():
+    torch.manual_seed(0)
+    d = 12
+    m = attnlab.AdditiveAttention(d, d, d, bias=False).double()
+    assert m.key_proj.bias is None
+    assert sum(p.numel() for p in m.parameters()) == 2 * d * d + d
+    assert (
+        sum(p.numel() for p in attnlab.AdditiveAttention(d, d, d).parameters()) == 2 * d * d + 2 * d
+    )
+    q, k, v = (torch.randn(2, n, d, dtype=torch.float64) for n in (3, 5, 5))
+    e = torch.einsum(
+        "h,blsh->bls",
+        m.v,
+        torch.tanh(
+            (q @ m.query_proj.weight.T).unsqueeze(2) + (k @ m.key_proj.weight.T).unsqueeze(1)
+        ),
+    )  # vᵀ tanh(W_q q_i + W_k k_j), no bias
+    w = torch.softmax(e, -1)
+    out, weights = m(q, k, v)
+    torch.testing.assert_close(weights, w, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, w @ v, rtol=1e-12, atol=1e-12)
+    with pytest.raises(TypeError, match="bias must be a bool"):
+        attnlab.AdditiveAttention(d, d, d, bias=1)

@@ -24,6 +24,9 @@ class AdditiveAttention(nn.Module):
         key_dim: Dk, size of each key vector.
         hidden_dim: Hd, size of the tanh layer.
         dropout: dropout on the weights in training mode.
+        bias: learn the bias ``b`` inside the tanh (default). ``bias=False`` is the textbooks'
+            ``vᵀ tanh(W_q q + W_k k)`` with ``Hd·Dq + Hd·Dk + Hd`` parameters (``2d² + d`` for
+            Dq = Dk = Hd = d); with the bias there are ``Hd`` more.
 
     Example:
         >>> attn = AdditiveAttention(query_dim=16, key_dim=32, hidden_dim=24)
@@ -32,8 +35,18 @@ class AdditiveAttention(nn.Module):
         (torch.Size([2, 5, 32]), torch.Size([2, 5, 7]))
     """
 
-    def __init__(self, query_dim: int, key_dim: int, hidden_dim: int, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        query_dim: int,
+        key_dim: int,
+        hidden_dim: int,
+        dropout: float = 0.0,
+        *,
+        bias: bool = True,
+    ) -> None:
         super().__init__()
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
         for name, value in (
             ("query_dim", query_dim),
             ("key_dim", key_dim),
@@ -43,7 +56,7 @@ class AdditiveAttention(nn.Module):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.dropout = check_probability("dropout", dropout)
         self.query_proj = nn.Linear(query_dim, hidden_dim, bias=False)
-        self.key_proj = nn.Linear(key_dim, hidden_dim, bias=True)
+        self.key_proj = nn.Linear(key_dim, hidden_dim, bias=bias)
         self.v = nn.Parameter(torch.empty(hidden_dim))
         nn.init.uniform_(self.v, -1.0 / math.sqrt(hidden_dim), 1.0 / math.sqrt(hidden_dim))
 
