@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..core import AGREES, TEXT_ERROR, Finding, claim, fmt
@@ -91,4 +93,538 @@ def _matrix_memory() -> Finding:
         call="estimate(n, 64, 1, dtype='float32').value('score matrix', 'naive')",
         verdict=AGREES if ok else TEXT_ERROR,
         explanation="" if ok else "the byte counts differ from the table",
+    )
+
+
+def _qkv(n: int, m: int, dk: int, dv: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(
+        torch.randn(1, 1, rows, cols, generator=g, dtype=torch.float64)
+        for rows, cols in ((n, dk), (m, dk), (m, dv))
+    )
+
+
+@claim(
+    "000-def-a",
+    section="基本定义",
+    quote="Attention(Q, K, V) = softmax(QKᵀ/√dₖ) V … Q(Query矩阵)**: 形状为(n, dₖ) … "
+    "K(Key矩阵)**: 形状为(m, dₖ) … V(Value矩阵)**: 形状为(m, dᵥ)",
+    paraphrase="Attention is softmax(QKᵀ/√d_k)V with Q (n, d_k), K (m, d_k), V (m, d_v); the "
+    "output is (n, d_v).",
+    api="attnlab.attention",
+    expected=AGREES,
+    assumptions="n=5 queries, m=7 keys, d_k=4, d_v=3, float64, seed 0",
+)
+def _definition() -> Finding:
+    from ... import attention
+
+    q, k, v = _qkv(5, 7, 4, 3)
+    out = attention(q, k, v)
+    formula = torch.softmax(q @ k.transpose(-1, -2) / 4**0.5, dim=-1) @ v
+    err = float((out - formula).abs().max())
+    ok = tuple(out.shape[-2:]) == (5, 3) and err < 1e-12
+    return Finding(
+        computed=f"output shape {tuple(out.shape[-2:])}; max |attention − formula| = {err:.1e}",
+        call="attention(q, k, v) vs torch.softmax(q @ k.mT / √d_k, -1) @ v",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "attnlab's attention differs from the formula",
+    )
+
+
+@claim(
+    "000-steps-a",
+    section="详细计算步骤",
+    quote="此时满足: Σⱼ αᵢⱼ = 1, 且 0 ≤ αᵢⱼ ≤ 1 … outputᵢ = Σⱼ αᵢⱼ × vⱼ",
+    paraphrase="Each row of weights is a probability distribution and each output row is the "
+    "weighted average of the value rows.",
+    api="attnlab.attention (return_weights=True)",
+    expected=AGREES,
+    assumptions="n=6, m=9, d_k=8, d_v=5, float64, seed 1",
+)
+def _rows_are_distributions() -> Finding:
+    from ... import attention
+
+    q, k, v = _qkv(6, 9, 8, 5, seed=1)
+    out, w = attention(q, k, v, return_weights=True)
+    row_sum = float((w.sum(-1) - 1).abs().max())
+    avg = float((out - w @ v).abs().max())
+    ok = row_sum < 1e-12 and avg < 1e-12 and bool((w >= 0).all()) and bool((w <= 1).all())
+    return Finding(
+        computed=f"max |Σⱼ αᵢⱼ − 1| = {row_sum:.1e}; weights in [{float(w.min()):.3g}, "
+        f"{float(w.max()):.3g}]; max |out − αV| = {avg:.1e}",
+        call="out, w = attention(q, k, v, return_weights=True); w.sum(-1); w @ v",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the weights are not a distribution or out ≠ αV",
+    )
+
+
+@claim(
+    "000-scale-c",
+    section="为什么需要缩放因子",
+    quote="当dₖ=64时: - 不缩放: 点积值范围 [-25, 25], 方差=64 - 缩放后: 点积值范围 [-3.1, 3.1], "
+    "方差=1 当dₖ=512时: - 不缩放: 点种值范围 [-72, 72], 方差=512 - 缩放后: 点积值范围 [-3.2, 3.2], "
+    "方差=1",
+    paraphrase="An experiment: unscaled dot products span about ±25 (d_k=64) and ±72 (d_k=512); "
+    "scaled ones about ±3.1 and ±3.2.",
+    api="attnlab.functional.scores.get_score('dot')",
+    expected=AGREES,
+    assumptions="the text gives no sample size, so a range is read as the central 99.8 % of the "
+    "values (0.1 %–99.9 % quantiles, ±3.09σ); 20,000 pairs, float64, seed 2; agreement within 5 %",
+)
+def _ranges() -> Finding:
+    from ...functional.scores import get_score
+
+    dot = get_score("dot")
+    g = torch.Generator().manual_seed(2)
+    parts, ok = [], True
+    for d, raw_text, scaled_text in ((64, 25.0, 3.1), (512, 72.0, 3.2)):
+        q = torch.randn(20_000, d, generator=g, dtype=torch.float64)
+        k = torch.randn(20_000, d, generator=g, dtype=torch.float64)
+        raw = (dot.prepare(q) * dot.prepare(k)).sum(-1)
+        scaled = raw * dot.default_scale(d)
+        r, s = (float(x.abs().quantile(0.998)) for x in (raw, scaled))
+        ok &= abs(r / raw_text - 1) < 0.05 and abs(s / scaled_text - 1) < 0.05
+        parts.append(f"d_k={d}: 99.8 % of |q·k| ≤ {fmt(r, 3)}, of |q·k/√d_k| ≤ {fmt(s, 3)}")
+    return Finding(
+        computed="; ".join(parts),
+        call="(s.prepare(q) * s.prepare(k)).sum(-1).abs().quantile(0.998)",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the observed ranges differ from the text's by more than 5 %",
+    )
+
+
+@claim(
+    "000-scale-d",
+    section="为什么需要缩放因子",
+    quote="此时softmax饱和,梯度接近0,导致训练困难。",
+    paraphrase="Saturated softmax has gradients close to zero.",
+    api="attnlab.attention (backward)",
+    expected=AGREES,
+    assumptions="one query, 16 keys, d_k=512, q, k ~ N(0, 1), float64, seed 3: the gradient "
+    "norm of the output with respect to q, with and without the 1/√d_k scale",
+)
+def _saturation_gradient() -> Finding:
+    from ... import attention
+
+    q, k, v = _qkv(1, 16, 512, 8, seed=3)
+    norms = {}
+    for label, scale in (("unscaled", 1.0), ("scaled", None)):
+        qq = q.clone().requires_grad_(True)
+        attention(qq, k, v, scale=scale).sum().backward()
+        norms[label] = float(qq.grad.norm())
+    ok = norms["unscaled"] < 0.05 * norms["scaled"]  # at least 20× smaller
+    return Finding(
+        computed=f"|∂out/∂q| = {norms['unscaled']:.2e} unscaled vs {norms['scaled']:.2e} with "
+        "1/√d_k",
+        call="attention(q, k, v, scale=1.0).sum().backward(); q.grad.norm()",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the unscaled gradient is not close to zero",
+    )
+
+
+@claim(
+    "000-dot-a",
+    section="点积注意力(Dot-Product Attention)",
+    quote="q · k = |q| × |k| × cos(θ)",
+    paraphrase="The dot score is |q||k|cos θ: largest for aligned, 0 for orthogonal and smallest "
+    "for opposite vectors.",
+    api="attnlab.functional.scores.get_score('dot'), attnlab.functional.scores.get_score('cosine')",
+    expected=AGREES,
+    assumptions="random q, k in d=16, float64, seed 4",
+)
+def _dot_geometry() -> Finding:
+    from ...functional.scores import get_score
+
+    dot, cos = get_score("dot"), get_score("cosine")
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 100, 16, generator=g, dtype=torch.float64)
+    d = (dot.prepare(q) * dot.prepare(k)).sum(-1)
+    c = (cos.prepare(q) * cos.prepare(k)).sum(-1)
+    err = float((d - q.norm(dim=-1) * k.norm(dim=-1) * c).abs().max())
+    e = torch.eye(2, dtype=torch.float64)
+    ends = [float((e[0] * x).sum()) for x in (e[0], e[1], -e[0])]
+    ok = err < 1e-12 and ends == [1.0, 0.0, -1.0]
+    return Finding(
+        computed=f"max |q·k − |q||k|cos θ| = {err:.1e} over 100 pairs; unit vectors at 0°, 90°, "
+        f"180°: {ends}",
+        call="get_score('dot') vs norms × get_score('cosine')",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "q·k differs from |q||k|cos θ",
+    )
+
+
+@claim(
+    "000-add-a",
+    section="加性注意力(Additive Attention)",
+    quote="score(q, k) = vᵀ tanh(W⦑ q + Wₖ k)",
+    paraphrase="The additive (Bahdanau) score is vᵀ tanh(W_q q + W_k k).",
+    api="attnlab.AdditiveAttention",
+    expected=AGREES,
+    assumptions="AdditiveAttention(8, 8, 8, bias=False), 3 queries, 5 keys, float64, seed 5",
+)
+def _additive_formula() -> Finding:
+    from ... import AdditiveAttention
+
+    torch.manual_seed(5)
+    m = AdditiveAttention(8, 8, 8, bias=False).double()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, n, 8, generator=g, dtype=torch.float64) for n in (3, 5, 5))
+    hidden = (q @ m.query_proj.weight.T).unsqueeze(2) + (k @ m.key_proj.weight.T).unsqueeze(1)
+    e = torch.tanh(hidden) @ m.v  # (1, 3, 5)
+    _, w = m(q, k, v)
+    err = float((w - torch.softmax(e, -1)).detach().abs().max())
+    ok = err < 1e-12
+    return Finding(
+        computed=f"max |weights − softmax(vᵀ tanh(W_q q + W_k k))| = {err:.1e}",
+        call="AdditiveAttention(8, 8, 8, bias=False)(q, k, v)",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the module's weights differ from the formula",
+    )
+
+
+@claim(
+    "000-compare-a",
+    section="三种方法对比",
+    quote="| 参数量 | 0 | 2d²+d | 0 |",
+    paraphrase="Dot and cosine scores have no parameters; additive attention has 2d² + d.",
+    api="attnlab.AdditiveAttention, attnlab.attention",
+    expected=AGREES,
+    assumptions="d = query, key and hidden size = 64, the bias-free form the text writes "
+    "(bias=False); the default module adds a tanh bias (d more)",
+)
+def _additive_parameters() -> Finding:
+    from ... import AdditiveAttention
+
+    d = 64
+    n = sum(p.numel() for p in AdditiveAttention(d, d, d, bias=False).parameters())
+    with_bias = sum(p.numel() for p in AdditiveAttention(d, d, d).parameters())
+    ok = n == 2 * d * d + d
+    return Finding(
+        computed=f"d=64: {n:,} parameters (2d² + d = {2 * d * d + d:,}); with the tanh bias "
+        f"{with_bias:,}; attention(score='dot'|'cosine') has none",
+        call="sum(p.numel() for p in AdditiveAttention(64, 64, 64, bias=False).parameters())",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the parameter count differs from 2d² + d",
+    )
+
+
+@claim(
+    "000-cos-a",
+    section="余弦相似度注意力(Cosine Similarity Attention)",
+    quote="1. **对长度不敏感**: 只关注方向,不关注模长 2. **数值稳定**: 相似度值始终在[-1, 1]范围内",
+    paraphrase="Cosine scores ignore vector lengths and always lie in [-1, 1].",
+    api="attnlab.attention (score='cosine')",
+    expected=AGREES,
+    assumptions="q, k with entries up to ±1000, rescaled rows, d=32, float64, seed 6",
+)
+def _cosine_invariance() -> Finding:
+    from ... import attention
+
+    q, k, v = _qkv(4, 6, 32, 3, seed=6)
+    q, k = q * 1000, k * 1000
+    out, w = attention(q, k, v, score="cosine", return_weights=True)
+    scaled = attention(q * 7.5, k * 0.01, v, score="cosine")
+    logits = torch.log(w) - torch.log(w).amin(-1, keepdim=True)  # spread of the scores
+    err = float((out - scaled).abs().max())
+    ok = err < 1e-12 and float(logits.max()) <= 2.0 + 1e-12
+    return Finding(
+        computed=f"rescaling q by 7.5 and k by 0.01 changes the output by {err:.1e}; the largest "
+        f"score spread in a row is {float(logits.max()):.3f} ≤ 2 (scores in [-1, 1])",
+        call="attention(q, k, v, score='cosine') vs attention(7.5 q, 0.01 k, v, score='cosine')",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "cosine attention depends on the lengths",
+    )
+
+
+@claim(
+    "000-cos-b",
+    section="余弦相似度注意力(Cosine Similarity Attention)",
+    quote="3. **不需缩放**: 不受维度影响",
+    paraphrase="Cosine scores need no scaling: they are not affected by the dimension.",
+    api="attnlab.attention (score='cosine'), attnlab.analysis.entropy",
+    expected=TEXT_ERROR,
+    assumptions="random q, k ~ N(0, 1), 128 keys, d=16 and 1024, float64, seed 7",
+)
+def _cosine_dimension() -> Finding:
+    from ... import attention
+    from ...analysis.weights import entropy
+
+    spreads, ents = [], []
+    for d in (16, 1024):
+        q, k, v = _qkv(64, 128, d, 2, seed=7)
+        _, w = attention(q, k, v, score="cosine", return_weights=True)
+        c = torch.nn.functional.cosine_similarity(q[0, 0, :, None], k[0, 0, None], dim=-1)
+        spreads.append(float(c.std()))
+        ents.append(float(entropy(w).mean()))
+    uniform = torch.log(torch.tensor(128.0, dtype=torch.float64)).item()
+    shrinks = spreads[1] < spreads[0] / 4 and ents[1] > ents[0]
+    return Finding(
+        computed=f"std of cos θ: {spreads[0]:.3f} at d=16, {spreads[1]:.4f} at d=1024 (≈ 1/√d); "
+        f"mean weight entropy {ents[0]:.4f} → {ents[1]:.4f} nats (uniform: {uniform:.4f})",
+        call="attention(q, k, v, score='cosine', return_weights=True); entropy(w)",
+        verdict=TEXT_ERROR if shrinks else AGREES,
+        explanation="the range [-1, 1] does not depend on d, but the spread of cos θ between "
+        "random vectors is 1/√d, so without a learned scale (temperature) the weights flatten "
+        "towards uniform as d grows"
+        if shrinks
+        else "",
+    )
+
+
+@claim(
+    "000-temp-a",
+    section="温度参数",
+    quote="当T较小时，概率分布更加尖锐；当T较大时，概率分布更加平滑。",
+    paraphrase="A small temperature sharpens the distribution; a large one smooths it.",
+    api="attnlab.attention (temperature=), attnlab.analysis.entropy",
+    expected=AGREES,
+    assumptions="8 queries, 32 keys, d=16, T in (0.1, 0.5, 1, 2, 10), float64, seed 8",
+)
+def _temperature() -> Finding:
+    from ... import attention
+    from ...analysis.weights import entropy
+
+    q, k, v = _qkv(8, 32, 16, 4, seed=8)
+    temps = (0.1, 0.5, 1.0, 2.0, 10.0)
+    ents = [
+        float(entropy(attention(q, k, v, temperature=t, return_weights=True)[1]).mean())
+        for t in temps
+    ]
+    ok = all(a < b for a, b in itertools.pairwise(ents))
+    return Finding(
+        computed="mean entropy "
+        + ", ".join(f"T={t:g}: {e:.3f}" for t, e in zip(temps, ents, strict=True))
+        + " nats (uniform 3.466)",
+        call="entropy(attention(q, k, v, temperature=T, return_weights=True)[1])",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "entropy does not grow with T",
+    )
+
+
+@claim(
+    "000-time-a",
+    section="时间复杂度详细分析",
+    quote="Q: (n, d) × Kᵀ: (d, n) = (n, n) 时间复杂度: O(n²d) … 输入: (n, n) 时间复杂度: O(n²) … "
+    "T(n) = O(n²d) + O(n²) + O(n²d) = O(n²d)",
+    paraphrase="QKᵀ and the product with V cost O(n²d) each and softmax O(n²): O(n²d) in all.",
+    api="attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="one head (d = 64), batch 1, n = 512 → 1024 → 2048: each doubling of n must "
+    "multiply the QKᵀ, softmax and PV rows by 4, and doubling d must double QKᵀ and PV only",
+)
+def _time_complexity() -> Finding:
+    from ...analysis import estimate
+
+    rows = ("scores QKᵀ", "softmax", "weighted sum PV")
+
+    def flops(n: int, d: int) -> list[float]:
+        e = estimate(n, d, 1)
+        return [e.value(r, "naive") for r in rows]
+
+    base = flops(512, 64)
+    by_n = [b2 / b1 for b1, b2 in zip(base, flops(1024, 64), strict=True)]
+    by_d = [b2 / b1 for b1, b2 in zip(base, flops(512, 128), strict=True)]
+    ok = by_n == [4.0, 4.0, 4.0] and by_d == [2.0, 1.0, 2.0]
+    return Finding(
+        computed=f"n=512, d=64: QKᵀ {base[0]:,.0f}, softmax {base[1]:,.0f}, PV {base[2]:,.0f} "
+        f"FLOPs; ×{by_n} when n doubles, ×{by_d} when d doubles",
+        call="estimate(n, d, 1).value('scores QKᵀ' | 'softmax' | 'weighted sum PV', 'naive')",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the FLOP counts do not scale as n²d, n², n²d",
+    )
+
+
+@claim(
+    "000-o2-a",
+    section="O(n²)问题的影响",
+    quote="序列长度翻倍,训练时间增加4倍",
+    paraphrase="Doubling the sequence length makes training four times slower.",
+    api="attnlab.models.TransformerBlock, torch.utils.flop_counter.FlopCounterMode",
+    expected=TEXT_ERROR,
+    assumptions="one Transformer layer at d = 768, 12 heads, FFN 3072 (BERT-base sized), batch 1, "
+    "matmul FLOPs counted by torch's FlopCounterMode on the meta device (no data)",
+)
+def _doubling() -> Finding:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ...models import TransformerBlock, TransformerConfig
+
+    # the reference backend: plain matmuls that FlopCounterMode sees (a fused kernel is opaque)
+    cfg = TransformerConfig(
+        d_model=768, n_heads=12, d_ff=3072, positional=None, attn_backend="reference"
+    )
+    with torch.device("meta"):
+        block = TransformerBlock(cfg)
+    counts = {}
+    for n in (1024, 2048, 4096, 8192):
+        with FlopCounterMode(display=False) as fc:
+            block(torch.empty(1, n, 768, device="meta"))
+        counts[n] = fc.get_total_flops()
+    ratios = {n: counts[2 * n] / counts[n] for n in (1024, 2048, 4096)}
+    formula = all(counts[n] == 24 * n * 768**2 + 4 * n * n * 768 for n in counts)
+    wrong = formula and all(r < 3.5 for r in ratios.values())
+    return Finding(
+        computed="FLOPs per layer = 24nd² + 4n²d exactly; doubling n multiplies them by "
+        + ", ".join(f"{r:.2f} at n={n}" for n, r in ratios.items()),
+        call="FlopCounterMode(); TransformerBlock(cfg)(torch.empty(1, n, 768, device='meta'))",
+        verdict=TEXT_ERROR if wrong else AGREES,
+        explanation="only the n² part (attention scores) quadruples; a whole layer at d=768 "
+        f"grows {ratios[1024]:.2f}× (n=1024), {ratios[2048]:.2f}× (2048), {ratios[4096]:.2f}× "
+        "(4096) and approaches 4× only when n ≫ 6d"
+        if wrong
+        else "",
+    )
+
+
+@claim(
+    "000-rnn-a",
+    section="与RNN的复杂度对比",
+    quote="| RNN | O(nd²) | O(d) | O(n) | O(n) | | Self-Attention | O(n²d) | O(n²) | O(1) | O(1) | "
+    "**关键观察**: - Self-Attention在序列较短时（n < d）效率更高",
+    paraphrase="Per layer an RNN costs O(nd²) and self-attention O(n²d), so self-attention is "
+    "cheaper when n < d.",
+    api="attnlab.analysis.estimate, torch.utils.flop_counter.FlopCounterMode",
+    expected=AGREES,
+    assumptions="the table's terms: self-attention's pairwise part (QKᵀ + PV, 4n²d FLOPs from "
+    "estimate) against an Elman RNN's recurrence (torch.nn.RNN, 2·2nd² FLOPs counted), d = 512, "
+    "n = 128 and 2048",
+)
+def _rnn_table() -> Finding:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ...analysis import estimate
+
+    d = 512
+    rnn = torch.nn.RNN(d, d, batch_first=True, device="meta")
+    per_step = []
+    for n in (16, 32):  # the recurrence costs the same every step: count two lengths
+        with FlopCounterMode(display=False) as fc:
+            rnn(torch.empty(1, n, d, device="meta"))
+        per_step.append(fc.get_total_flops() / n)
+    out = []
+    for n in (128, 2048):
+        e = estimate(n, d, 1)
+        sa = e.value("scores QKᵀ", "naive") + e.value("weighted sum PV", "naive")
+        out.append((n, sa, per_step[0] * n))
+    linear = per_step[0] == per_step[1] == 4 * d * d
+    ok = linear and out[0][1] < out[0][2] and out[1][1] > out[1][2]
+    return Finding(
+        computed="; ".join(
+            f"n={n}: self-attention {sa:,.0f}, RNN {r:,.0f} FLOPs" for n, sa, r in out
+        ),
+        call="estimate(n, 512, 1) QKᵀ + PV rows vs FlopCounterMode over torch.nn.RNN(512, 512) "
+        "(per step, 4d² FLOPs, times n)",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the crossover is not at n ≈ d",
+    )
+
+
+@claim(
+    "000-sparse-a",
+    section="1. 稀疏注意力(Sparse Attention)",
+    quote="复杂度: O(n²d) → O(nwd) (其中w是窗口大小) … 复杂度: O(n²d) → O(nd√n)",
+    paraphrase="A local window of w keys costs O(nwd); a strided pattern costs O(nd√n).",
+    api="attnlab.masks.sliding_window, attnlab.masks.strided, attnlab.Mask.attended_pairs",
+    expected=AGREES,
+    assumptions="causal masks, n = 1024 and 4096, window w = 64, stride √n; pairs per head",
+)
+def _sparse_cost() -> Finding:
+    from ... import masks
+
+    parts, ok = [], True
+    for n in (1024, 4096):
+        w, s = 64, int(n**0.5)
+        local = masks.sliding_window(w).attended_pairs(n, n)
+        strided = masks.strided(s).attended_pairs(n, n)
+        ok &= 0.9 * n * w <= local <= n * w and 0.5 * n * s <= strided <= 2 * n * s
+        parts.append(
+            f"n={n}: window {local:,} pairs (nw = {n * w:,}), stride {s}: {strided:,} "
+            f"(n√n = {n * s:,})"
+        )
+    return Finding(
+        computed="; ".join(parts) + f"; dense causal {masks.causal().attended_pairs(4096, 4096):,}",
+        call="masks.sliding_window(64).attended_pairs(n, n); "
+        "masks.strided(√n).attended_pairs(n, n)",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the pair counts do not scale as nw and n√n",
+    )
+
+
+@claim(
+    "000-linear-a",
+    section="2. 线性注意力(Linear Attention)",
+    quote="Attention(Q, K, V) = softmax(QKᵀ)V ≈ Q · φ(K)ᵀ · φ(V)  // 线性化",
+    paraphrase="Linear attention approximates softmax(QKᵀ)V by Q·φ(K)ᵀ·φ(V).",
+    api="attnlab.linear.linear_attention",
+    expected=TEXT_ERROR,
+    assumptions="φ = elu + 1 (Katharopoulos et al.), n = 64, d = 16, float64, seed 9",
+)
+def _linear_formula() -> Finding:
+    from ...linear import linear_attention
+
+    q, k, v = _qkv(64, 64, 16, 16, seed=9)
+    phi = lambda x: torch.nn.functional.elu(x) + 1  # noqa: E731
+    ours = linear_attention(q, k, v, feature_map="elu", eps=0.0)
+    right = (phi(q) @ (phi(k).mT @ v)) / (phi(q) @ phi(k).sum(-2, keepdim=True).mT)
+    text = q @ (phi(k).mT @ phi(v))
+    ok_ours = float((ours - right).abs().max()) < 1e-10
+    rel = float((text - ours).norm() / ours.norm())
+    wrong = ok_ours and rel > 0.5
+    return Finding(
+        computed="linear_attention = φ(Q)(φ(K)ᵀV) / (φ(Q)φ(K)ᵀ1) to "
+        f"{float((ours - right).abs().max()):.1e}; the text's Q·φ(K)ᵀ·φ(V) differs from it "
+        f"by {rel:.3g} (relative)",
+        call="linear_attention(q, k, v, feature_map='elu', eps=0.0) vs q @ (φ(k).mT @ φ(v))",
+        verdict=TEXT_ERROR if wrong else AGREES,
+        explanation="φ belongs on Q and K, not V, and the row normaliser φ(Q)φ(K)ᵀ1 is missing: "
+        "linear attention is φ(Q)(φ(K)ᵀV) / (φ(Q)(φ(K)ᵀ1))"
+        if wrong
+        else "",
+    )
+
+
+@claim(
+    "000-mem-a",
+    section="3. 内存优化",
+    quote="**梯度检查点(Gradient Checkpointing)**: - 不存储中间激活值,反向传播时重计算 "
+    "- 以计算换存储,可处理更长序列",
+    paraphrase="Gradient checkpointing stores fewer activations and recomputes them in the "
+    "backward pass, trading compute for memory.",
+    api="attnlab.models.GPT (gradient_checkpointing)",
+    expected=AGREES,
+    assumptions="GPT with 2 layers, d = 64, 4 heads, batch 1 × 128 tokens, float64, seed 10: "
+    "bytes saved for backward (autograd's saved-tensor hooks) and the forward FLOPs",
+)
+def _checkpointing() -> Finding:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ...models import GPT, TransformerConfig
+
+    torch.manual_seed(10)
+    model = GPT(TransformerConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4)).double()
+    idx = torch.randint(0, 50, (1, 128), generator=torch.Generator().manual_seed(10))
+    saved, flops, losses = {}, {}, {}
+    for on in (False, True):
+        model.gradient_checkpointing = on
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with FlopCounterMode(display=False) as fc:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = model(idx).logsumexp(-1).mean()
+            loss.backward()
+        saved[on], flops[on], losses[on] = total, fc.get_total_flops(), float(loss.detach())
+        model.zero_grad()
+    ok = saved[True] < saved[False] / 2 and flops[True] > flops[False]
+    return Finding(
+        computed=f"saved for backward {saved[False] / 2**20:.2f} MiB → "
+        f"{saved[True] / 2**20:.2f} MiB; forward + backward FLOPs "
+        f"×{flops[True] / flops[False]:.3f}; same loss: {losses[True] == losses[False]}",
+        call="model.gradient_checkpointing = True; saved_tensors_hooks; FlopCounterMode",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "checkpointing did not trade compute for memory",
     )
