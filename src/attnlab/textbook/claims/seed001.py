@@ -1,0 +1,497 @@
+"""Seed 001 — Day 2 理论学习：自注意力机制深度解析 (self-attention in depth)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..core import AGREES, TEXT_ERROR, Finding, claim
+
+SENTENCE = "The animal didn't cross the street because it was too tired"
+
+
+@functools.cache
+def _minilm_attention(text: str) -> tuple[list[str], torch.Tensor]:
+    from ...models import minilm
+
+    return minilm().attentions(text)  # tokens, (layers, heads, T, T)
+
+
+def _mha(E: int, heads: int, seed: int) -> torch.nn.Module:
+    from ... import MultiHeadAttention
+
+    torch.manual_seed(seed)
+    return MultiHeadAttention(E, heads).double().eval()
+
+
+def _x(n: int, E: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, n, E, generator=g, dtype=torch.float64)
+
+
+@claim(
+    "001-1.1-a",
+    section="1.1 什么是自注意力？",
+    quote='当处理"it"时，自注意力帮助模型理解"it"指的是"animal"而不是"street"',
+    paraphrase="In 'The animal didn't cross the street because it was too tired', self-attention "
+    "lets the model relate 'it' to 'animal' rather than 'street'.",
+    api="attnlab.models.minilm, attnlab.models.MiniLM.attentions",
+    expected=AGREES,
+    assumptions="the real pretrained all-MiniLM-L6-v2 (6 layers × 12 heads, float32), the "
+    "text's sentence; 'agrees' means some head puts at least 10× more weight on 'animal' than on "
+    "'street' from 'it' — not that every head does",
+)
+def _it_animal() -> Finding:
+    tokens, w = _minilm_attention(SENTENCE)
+    it, animal, street = (tokens.index(t) for t in ("it", "animal", "street"))
+    wa, ws = w[:, :, it, animal], w[:, :, it, street]  # (layers, heads)
+    best = int(wa.argmax())
+    layer, head = divmod(best, w.shape[1])
+    a, s = float(wa.flatten()[best]), float(ws.flatten()[best])
+    prefer = int((wa > ws).sum())
+    ok = a > 10 * s
+    return Finding(
+        computed=f"layer {layer}, head {head}: it→animal {a:.3f}, it→street {s:.3f}; "
+        f"{prefer} of {wa.numel()} heads weight 'animal' above 'street'",
+        call=f"tokens, w = minilm().attentions({SENTENCE!r}); w[:, :, it, animal]",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "no head of the pretrained model prefers 'animal' clearly",
+    )
+
+
+@claim(
+    "001-1.2-a",
+    section="1.2 数学定义",
+    quote="Q = XW_Q  # Query矩阵 K = XW_K  # Key矩阵 V = XW_V  # Value矩阵 … "
+    "Attention(Q,K,V) = softmax(QK^T/√d_k)V",
+    paraphrase="Self-attention projects one input X into Q, K and V and computes "
+    "softmax(QKᵀ/√d_k)V.",
+    api="attnlab.MultiHeadAttention",
+    expected=AGREES,
+    assumptions="one head, d = 6, n = 4 (the text's example size), float64, seed 0; the module "
+    "adds its output projection W_O",
+)
+def _self_attention() -> Finding:
+    mha = _mha(6, 1, seed=0)
+    x = _x(4, 6, seed=0)
+    (wq, bq), (wk, bk), (wv, bv) = mha._weights()
+    q, k, v = x @ wq.T + bq, x @ wk.T + bk, x @ wv.T + bv  # (1, 4, 6) each
+    a = torch.softmax(q @ k.mT / 6**0.5, dim=-1)  # (1, 4, 4)
+    want = mha.out_proj(a @ v)
+    with torch.no_grad():
+        got = mha(x)
+        err = float((got - want).abs().max())
+    ok = err < 1e-12 and tuple(a.shape[-2:]) == (4, 4) and tuple(got.shape[-2:]) == (4, 6)
+    return Finding(
+        computed=f"S and A are {tuple(a.shape[-2:])}, the output {tuple(got.shape[-2:])}; "
+        f"max |module − formula| = {err:.1e}",
+        call="MultiHeadAttention(6, 1)(x) vs W_O(softmax(XW_Q (XW_K)ᵀ/√6) XW_V)",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the module differs from the formula",
+    )
+
+
+@claim(
+    "001-2.2-a",
+    section="2.2 计算复杂度分析",
+    quote="**传统注意力复杂度**：O(nd²) - n: 序列长度 - d: 特征维度 - 每个时间步计算一次注意力",
+    paraphrase="Traditional (encoder–decoder) attention costs O(nd²): one attention per time step.",
+    api="attnlab.AdditiveAttention, torch.utils.flop_counter.FlopCounterMode",
+    expected=TEXT_ERROR,
+    assumptions="Bahdanau attention of n decoder steps over n encoder states, d = 64, n = 256 → "
+    "512 → 1024; counted by FlopCounterMode on the meta device (matmul FLOPs)",
+)
+def _traditional_cost() -> Finding:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ... import AdditiveAttention
+
+    d = 64
+    with torch.device("meta"):
+        m = AdditiveAttention(d, d, d, bias=False)
+    counts = {}
+    for n in (256, 512, 1024):
+        x = torch.empty(1, n, d, device="meta")
+        with FlopCounterMode(display=False) as fc:
+            m(x, x, x)
+        counts[n] = fc.get_total_flops()
+    growth = [counts[512] / counts[256], counts[1024] / counts[512]]
+    quadratic = growth[1] > 3.5 and growth[1] > growth[0]  # → 4 once n ≫ d
+    return Finding(
+        computed=f"FLOPs {counts[256]:,} (n=256), {counts[512]:,} (512), {counts[1024]:,} (1024): "
+        f"×{growth[0]:.2f}, ×{growth[1]:.2f} per doubling of n",
+        call="FlopCounterMode(); AdditiveAttention(64, 64, 64, bias=False)(x, x, x) on meta",
+        verdict=TEXT_ERROR if quadratic else AGREES,
+        explanation="each decoder step scores all n encoder states, so the attention itself is "
+        "O(n²d) in total (O(nd) per step); O(nd²) is the recurrence's (and the projections') cost"
+        if quadratic
+        else "",
+    )
+
+
+@claim(
+    "001-2.3-a",
+    section="2.3 并行化能力",
+    quote="**自注意力**： - 所有位置可以同时计算 - 完全并行化，训练效率高",
+    paraphrase="Self-attention computes all positions at once (in training), while decoding must "
+    "go step by step; both give the same result.",
+    api="attnlab.MultiHeadAttention, attnlab.KVCache, attnlab.masks.causal",
+    expected=AGREES,
+    assumptions="causal self-attention, d = 32, 4 heads, n = 12, float64, seed 1: one call over "
+    "all positions against 12 one-token steps with a KV cache",
+)
+def _parallel() -> Finding:
+    from ... import KVCache, masks
+
+    mha = _mha(32, 4, seed=1)
+    x = _x(12, 32, seed=1)
+    with torch.no_grad():
+        full = mha(x, mask=masks.causal())
+        cache = KVCache(12)
+        steps = torch.cat([mha(x[:, t : t + 1], cache=cache) for t in range(12)], dim=1)
+    err = float((full - steps).abs().max())
+    ok = err < 1e-12
+    return Finding(
+        computed=f"1 call over 12 positions vs 12 sequential steps: max difference {err:.1e}",
+        call="mha(x, mask=masks.causal()) vs [mha(x[:, t:t+1], cache=KVCache(12)) for t]",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the parallel and sequential computations differ",
+    )
+
+
+@claim(
+    "001-3.1-a",
+    section="3.1 问题分析",
+    quote="如果交换输入序列中任意两个位置的词，输出结果完全相同",
+    paraphrase="Swapping any two words of the input leaves the output exactly the same.",
+    api="attnlab.MultiHeadAttention",
+    expected=TEXT_ERROR,
+    assumptions="self-attention without positional information, d = 16, 2 heads, n = 5, swap "
+    "positions 1 and 3, float64, seed 2",
+)
+def _equivariance() -> Finding:
+    mha = _mha(16, 2, seed=2)
+    x = _x(5, 16, seed=2)
+    perm = torch.tensor([0, 3, 2, 1, 4])
+    with torch.no_grad():
+        y, yp = mha(x), mha(x[:, perm])
+    equivariant = float((yp - y[:, perm]).abs().max())
+    identical = float((yp - y).abs().max())
+    pooled = float((yp.mean(1) - y.mean(1)).abs().max())
+    wrong = equivariant < 1e-12 and identical > 1e-3
+    return Finding(
+        computed=f"max |f(Px) − P f(x)| = {equivariant:.1e} but max |f(Px) − f(x)| = "
+        f"{identical:.3f}; mean-pooled outputs differ by {pooled:.1e}",
+        call="mha(x[:, perm]) vs mha(x)[:, perm] and vs mha(x)",
+        verdict=TEXT_ERROR if wrong else AGREES,
+        explanation="self-attention is permutation-equivariant, not invariant: the outputs are "
+        "swapped the same way (each word's output is unchanged, but it moves); only an "
+        "order-free summary such as the mean is identical"
+        if wrong
+        else "",
+    )
+
+
+@claim(
+    "001-3.1-b",
+    section="3.1 问题分析",
+    quote='"狗咬了人" vs "人咬了狗" - 没有位置信息，模型无法区分这两个句子',
+    paraphrase="Without position information a model cannot tell 'dog bites man' from 'man "
+    "bites dog'.",
+    api="attnlab.MultiHeadAttention, attnlab.SinusoidalEmbedding",
+    expected=AGREES,
+    assumptions="characters embedded at random (d = 16, seed 3), one attention layer, mean-pooled "
+    "sentence vectors, float64",
+)
+def _word_order() -> Finding:
+    from ... import SinusoidalEmbedding
+
+    mha = _mha(16, 2, seed=3)
+    vocab = {c: i for i, c in enumerate("狗咬了人")}
+    emb = torch.randn(
+        len(vocab), 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64
+    )
+    pe = SinusoidalEmbedding(16, dtype=torch.float64)
+
+    def sentence(text: str, positions: bool) -> torch.Tensor:
+        x = emb[[vocab[c] for c in text]].unsqueeze(0)  # (1, 4, 16)
+        if positions:
+            x = x + pe(torch.arange(len(text)))
+        with torch.no_grad():
+            return mha(x).mean(1)
+
+    without = float((sentence("狗咬了人", False) - sentence("人咬了狗", False)).abs().max())
+    with_pe = float((sentence("狗咬了人", True) - sentence("人咬了狗", True)).abs().max())
+    ok = without < 1e-12 and with_pe > 1e-3
+    return Finding(
+        computed=f"sentence vectors differ by {without:.1e} without positions, by {with_pe:.3f} "
+        "with sinusoidal positions added",
+        call="mha(emb[tokens] (+ SinusoidalEmbedding(16)(positions))).mean(1)",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the two sentences are distinguishable without positions",
+    )
+
+
+@claim(
+    "001-3.3-a",
+    section="3.3 正弦余弦位置编码",
+    quote="PE(pos, 2i) = sin(pos / 10000^(2i/d_model)) "
+    "PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))",
+    paraphrase="The sinusoidal encoding: sine on even, cosine on odd dimensions, with "
+    "wavelengths 10000^(2i/d_model).",
+    api="attnlab.SinusoidalEmbedding",
+    expected=AGREES,
+    assumptions="d_model = 512, positions 0…2047, float64",
+)
+def _pe_formula() -> Finding:
+    from ... import SinusoidalEmbedding
+
+    d = 512
+    pe = SinusoidalEmbedding(d, dtype=torch.float64)(torch.arange(2048))  # (2048, d)
+    pos = torch.arange(2048, dtype=torch.float64)[:, None]
+    angle = pos / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    err = max(
+        float((pe[:, 0::2] - angle.sin()).abs().max()),
+        float((pe[:, 1::2] - angle.cos()).abs().max()),
+    )
+    ok = err < 1e-12
+    return Finding(
+        computed=f"max |SinusoidalEmbedding − formula| = {err:.1e} over 2048 positions",
+        call="SinusoidalEmbedding(512, dtype=torch.float64)(torch.arange(2048))",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "attnlab's encoding differs from the formula",
+    )
+
+
+@claim(
+    "001-3.3-b",
+    section="3.3 正弦余弦位置编码",
+    quote="1. **唯一性**：每个位置有唯一的编码 2. **相对位置**：模型可以学习相对位置关系",
+    paraphrase="Every position has a unique code, and relative positions are learnable: "
+    "PE(pos + k) is a fixed linear map (a rotation) of PE(pos).",
+    api="attnlab.SinusoidalEmbedding",
+    expected=AGREES,
+    assumptions="d_model = 64, positions 0…4095, offset k = 7, float64",
+)
+def _pe_unique_relative() -> Finding:
+    from ... import SinusoidalEmbedding
+
+    d, n, k = 64, 4096, 7
+    pe = SinusoidalEmbedding(d, dtype=torch.float64)(torch.arange(n + k))
+    dist = torch.cdist(pe[:n], pe[:n])
+    dist.fill_diagonal_(float("inf"))
+    nearest = float(dist.min())
+    theta = k / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    c, s = theta.cos(), theta.sin()
+    a, b = pe[:n, 0::2], pe[:n, 1::2]  # sin, cos of pos·ω
+    shifted = torch.stack((a * c + b * s, b * c - a * s), dim=-1).flatten(-2)  # rotation by kω
+    err = float((shifted - pe[k:]).abs().max())
+    ok = nearest > 1e-3 and err < 1e-9
+    return Finding(
+        computed=f"smallest distance between two of 4096 codes {nearest:.4f}; PE(pos+7) = "
+        f"R_7 PE(pos) for every pos to {err:.1e}",
+        call="SinusoidalEmbedding(64)(torch.arange(4103)); torch.cdist; rotation by 7ω_i",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "codes repeat or the shift is not a fixed rotation",
+    )
+
+
+@claim(
+    "001-3.3-c",
+    section="3.3 正弦余弦位置编码",
+    quote="- 低维度使用高频率（快速变化） - 高维度使用低频率（缓慢变化）",
+    paraphrase="Low dimensions oscillate fast, high dimensions slowly.",
+    api="attnlab.SinusoidalEmbedding",
+    expected=AGREES,
+    assumptions="d_model = 128, positions 0…999: sign changes per dimension pair, float64",
+)
+def _pe_frequencies() -> Finding:
+    from ... import SinusoidalEmbedding
+
+    pe = SinusoidalEmbedding(128, dtype=torch.float64)(torch.arange(1000))[:, 0::2]  # sines
+    flips = (pe[1:].sign() != pe[:-1].sign()).sum(0)  # (64,) zero crossings
+    ok = bool((flips[1:] <= flips[:-1]).all()) and int(flips[0]) > 100 * max(int(flips[-1]), 1)
+    return Finding(
+        computed=f"zero crossings over 1000 positions: dimension 0: {int(flips[0])}, 32: "
+        f"{int(flips[16])}, 126: {int(flips[-1])} (non-increasing with the dimension)",
+        call="SinusoidalEmbedding(128)(torch.arange(1000))[:, 0::2].sign() changes",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the frequencies do not fall with the dimension",
+    )
+
+
+@claim(
+    "001-3.4-a",
+    section="3.4 位置编码的几何解释",
+    quote="- 相邻位置在空间中也相对接近 - 距离远的位置在空间中距离也远",
+    paraphrase="Neighbouring positions are close in encoding space and distant positions are far.",
+    api="attnlab.SinusoidalEmbedding",
+    expected=TEXT_ERROR,
+    assumptions="d_model = 512 (the base model), offsets 1…199, Euclidean distance, float64",
+)
+def _pe_geometry() -> Finding:
+    from ... import SinusoidalEmbedding
+
+    pe = SinusoidalEmbedding(512, dtype=torch.float64)(torch.arange(200))
+    dist = (pe - pe[0]).norm(dim=-1)  # ‖PE(0) − PE(k)‖, the same for every start position
+    drops = [k for k in range(1, 199) if dist[k + 1] < dist[k]]
+    wrong = bool(drops) and float(dist[1]) < float(dist[10])
+    first = drops[0] if drops else None
+    return Finding(
+        computed=f"‖PE(p) − PE(p+k)‖: {float(dist[1]):.2f} (k=1), {float(dist[10]):.2f} (10), "
+        f"{float(dist[100]):.2f} (100); first decrease at k={first}"
+        + (f" ({float(dist[first]):.3f} → {float(dist[first + 1]):.3f})" if first else ""),
+        call="SinusoidalEmbedding(512)(torch.arange(200)); (pe - pe[0]).norm(dim=-1)",
+        verdict=TEXT_ERROR if wrong else AGREES,
+        explanation=f"near positions are close, but the distance is not monotone in the offset: "
+        f"it first falls at k={first}, so a farther position can be nearer in encoding space"
+        if wrong
+        else "",
+    )
+
+
+@claim(
+    "001-4.1-a",
+    section="4.1 步骤分解",
+    quote="Q = XW_Q  # (4, 6) × (6, 6) = (4, 6) … S = QK^T / √d_k  # (4, 6) × (6, 4) = (4, 4) … "
+    "Output = AV  # (4, 4) × (4, 6) = (4, 6)",
+    paraphrase="With n = 4 and d = 6: Q, K, V are 4×6, the similarity and weight matrices 4×4, "
+    "the output 4×6.",
+    api="attnlab.attention (return_weights=True)",
+    expected=AGREES,
+    assumptions="n = 4, d = 6, float64, seed 4",
+)
+def _shapes() -> Finding:
+    from ... import attention
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(4, 6, generator=g, dtype=torch.float64) for _ in range(3))
+    out, w = attention(q[None], k[None], v[None], return_weights=True)  # 3-D: (1, 4, ·)
+    shapes = (tuple(w.shape[1:]), tuple(out.shape[1:]))
+    ok = shapes == ((4, 4), (4, 6))
+    return Finding(
+        computed=f"weights {shapes[0]}, output {shapes[1]}",
+        call="attention(q[None], k[None], v[None], return_weights=True) with q, k, v (4, 6)",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the shapes differ",
+    )
+
+
+@claim(
+    "001-4.2-a",
+    section="4.2 注意力矩阵的含义",
+    quote="- 每行和为1（softmax归一化） - 对角线元素通常较大（自我关注）",
+    paraphrase="Each row of the attention matrix sums to 1, and diagonal entries (a token "
+    "attending to itself) are usually large.",
+    api="attnlab.models.MiniLM.attentions",
+    expected=AGREES,
+    assumptions="the real all-MiniLM-L6-v2 on the text's 'animal' sentence (15 tokens, 72 heads); "
+    "'large' read as: the mean diagonal weight exceeds the mean off-diagonal weight",
+)
+def _diagonal() -> Finding:
+    tokens, w = _minilm_attention(SENTENCE)
+    n = len(tokens)
+    diag = w.diagonal(dim1=-2, dim2=-1)  # (layers, heads, n)
+    off = (w.sum(-1) - diag) / (n - 1)
+    rows = float((w.sum(-1) - 1).abs().max())
+    top = float((w.argmax(-1) == torch.arange(n)).float().mean())
+    ok = rows < 1e-5 and float(diag.mean()) > float(off.mean())
+    return Finding(
+        computed=f"max |row sum − 1| = {rows:.1e}; mean diagonal weight {float(diag.mean()):.3f} "
+        f"vs off-diagonal {float(off.mean()):.3f}; the diagonal is the row maximum in "
+        f"{100 * top:.0f} % of rows",
+        call="tokens, w = minilm().attentions(sentence); w.diagonal(dim1=-2, dim2=-1)",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the diagonal is not larger than the rest on average",
+    )
+
+
+@claim(
+    "001-6.2-a",
+    section="6.2 特征维度的选择",
+    quote="- d_k = d_v = d_model / num_heads",
+    paraphrase="Each head's key and value size is d_model / num_heads.",
+    api="attnlab.MultiHeadAttention",
+    expected=AGREES,
+    assumptions="d_model = 512 with 8 heads and 1024 with 16 heads",
+)
+def _head_dim() -> Finding:
+    from ... import MultiHeadAttention
+
+    with torch.device("meta"):
+        dims = [(E, H, MultiHeadAttention(E, H).head_dim) for E, H in ((512, 8), (1024, 16))]
+    ok = all(D == E // H for E, H, D in dims)
+    return Finding(
+        computed="; ".join(f"d_model={E}, {H} heads: head_dim {D}" for E, H, D in dims),
+        call="MultiHeadAttention(512, 8).head_dim",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "head_dim differs from d_model / num_heads",
+    )
+
+
+@claim(
+    "001-6.3-a",
+    section="6.3 位置编码的选择",
+    quote="1. **固定编码**：正弦余弦编码，不需要学习 2. **学习编码**：可学习参数，但外推性差",
+    paraphrase="Sinusoidal encodings have no parameters and extend to any position; learned "
+    "ones have parameters and do not extrapolate.",
+    api="attnlab.SinusoidalEmbedding, attnlab.LearnedPositionalEmbedding",
+    expected=AGREES,
+    assumptions="d = 64; the learned table trained for 512 positions is asked for position 600",
+)
+def _fixed_vs_learned() -> Finding:
+    from ... import LearnedPositionalEmbedding, SinusoidalEmbedding
+
+    fixed = SinusoidalEmbedding(64)
+    learned = LearnedPositionalEmbedding(512, 64)
+    n_fixed = sum(p.numel() for p in fixed.parameters())
+    n_learned = sum(p.numel() for p in learned.parameters())
+    far = fixed(torch.tensor([600]))
+    try:
+        learned(torch.tensor([600]))
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    ok = (
+        n_fixed == 0 and n_learned == 512 * 64 and bool(torch.isfinite(far).all()) and bool(refused)
+    )
+    return Finding(
+        computed=f"parameters: sinusoidal {n_fixed}, learned {n_learned:,}; position 600: "
+        f"sinusoidal gives a code, learned raises ValueError ({refused[:60]}…)",
+        call="SinusoidalEmbedding(64)(600); LearnedPositionalEmbedding(512, 64)(600)",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the parameter counts or the extrapolation behaviour differ",
+    )
+
+
+@claim(
+    "001-7.2-a",
+    section="7.2 softmax的梯度特性",
+    quote="- 输出和为1，形成概率分布 - 梯度在极值处接近0，有助于稳定训练 "
+    "- 但也可能导致梯度消失问题",
+    paraphrase="Softmax outputs sum to 1, and its gradient approaches 0 at the extremes (which "
+    "can make gradients vanish).",
+    api="attnlab.attention (backward)",
+    expected=AGREES,
+    assumptions="two keys with logit gap g = 0, 5, 20, 50 (temperature 1); the gradient of the "
+    "first weight with respect to the gap, float64",
+)
+def _softmax_gradient() -> Finding:
+    from ... import attention
+
+    grads = {}
+    for gap in (0.0, 5.0, 20.0, 50.0):
+        q = torch.tensor([[[[1.0]]]], dtype=torch.float64, requires_grad=True)
+        k = torch.tensor([[[[gap], [0.0]]]], dtype=torch.float64)
+        v = torch.tensor([[[[1.0], [0.0]]]], dtype=torch.float64)  # out = weight of key 0
+        attention(q, k, v, scale=1.0).sum().backward()
+        grads[gap] = float(q.grad.abs().sum())  # ∂p₀/∂(gap) · gap-direction: p₀(1 − p₀)·gap
+    ok = grads[0.0] == 0.0 and grads[5.0] > grads[20.0] > grads[50.0] and grads[50.0] < 1e-15
+    return Finding(
+        computed="|∂p₀/∂q| for logit gaps "
+        + ", ".join(f"{g:g}: {v:.2e}" for g, v in grads.items()),
+        call="attention(q, k, v, scale=1.0).sum().backward() with k = [[gap], [0]]",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the gradient does not vanish at the extremes",
+    )
