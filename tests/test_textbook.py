@@ -43,18 +43,12 @@ def test_every_claim_gets_its_declared_verdict(claim, rows):
 
 
 def test_docs_textbook_md_is_current(rows):
+    """The file was rendered in another process: any timing or unseeded number in a check's
+    ``computed`` text shows up here as a difference."""
     want = as_markdown([rows[c.id] for c in CLAIMS])
     assert DOC.read_text(encoding="utf-8") == want, (
         "docs/textbook.md is stale: run `attnlab textbook --markdown docs/textbook.md`"
     )
-
-
-def test_checks_are_deterministic(rows):
-    """`computed` never holds timings: a second run of every check prints the same text."""
-    again = {c.id: run_claim(c).finding for c in CLAIMS}
-    assert {k: v.computed for k, v in again.items()} == {
-        k: r.finding.computed for k, r in rows.items()
-    }
 
 
 def _seed_text(seed: str) -> str:
