@@ -1,0 +1,298 @@
+"""Seed 003 — 自注意力机制如何提升Transformer的性能 (how self-attention improves the Transformer).
+
+The file stops mid-sentence in §6 ("文本分类: 利用自"); claims end there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim
+from .seed001 import SENTENCE, _minilm_attention
+
+#: §5's code sample, verbatim (whitespace-only lines emptied).
+SNIPPET = "\n".join(
+    [
+        "import torch",
+        "import torch.nn as nn",
+        "import torch.nn.functional as F",
+        "",
+        "class SelfAttention(nn.Module):",
+        "    def __init__(self, d_model, n_heads, dropout=0.1):",
+        "        super(SelfAttention, self).__init__()",
+        "        self.d_model = d_model",
+        "        self.n_heads = n_heads",
+        "        self.d_k = d_model // n_heads",
+        "",
+        "        self.q_linear = nn.Linear(d_model, d_model)",
+        "        self.k_linear = nn.Linear(d_model, d_model)",
+        "        self.v_linear = nn.Linear(d_model, d_model)",
+        "        self.dropout = nn.Dropout(dropout)",
+        "        self.out = nn.Linear(d_model, d_model)",
+        "",
+        "    def forward(self, x):",
+        "        batch_size = x.size(0)",
+        "",
+        "        # 将输入x映射到查询、键、值向量",
+        "        q = self.q_linear(x).view(batch_size, -1, self.n_heads, self"
+        ".d_k).permute(0, 2, 1, 3)",
+        "        k = self.k_linear(x).view(batch_size, -1, self.n_heads, self"
+        ".d_k).permute(0, 2, 1, 3)",
+        "        v = self.v_linear(x).view(batch_size, -1, self.n_heads, self"
+        ".d_k).permute(0, 2, 1, 3)",
+        "",
+        "        # 计算注意力权重",
+        "        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.d_k)",
+        "        attn = F.softmax(scores, dim=-1)",
+        "        attn = self.dropout(attn)",
+        "",
+        "        # 计算加权求和得到输出",
+        "        output = torch.matmul(attn, v).transpose(1, 2).contiguous()"
+        ".view(batch_size, -1, self.d_model)",
+        "        output = self.out(output)",
+        "",
+        "        return output",
+    ]
+)
+
+
+def _x(n: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 1, n, d, generator=g, dtype=torch.float64)
+
+
+@claim(
+    "003-2.2-a",
+    section="2.2 自注意力机制的特点",
+    quote="它将输入序列本身作为查询、键和值,即$Q=K=V$",
+    paraphrase="Self-attention uses the input sequence itself as query, key and value: Q = K = V.",
+    api="attnlab.attention (return_weights=True), attnlab.MultiHeadAttention",
+    expected=TEXT_ERROR,
+    assumptions="16 random tokens, d = 64, float64, seed 0: Q = K = V = X against Q = XW_Q, "
+    "K = XW_K, V = XW_V with random projections",
+)
+def _q_equals_k() -> Finding:
+    from ... import MultiHeadAttention, attention
+
+    x = _x(16, 64, seed=0)
+    _, w_same = attention(x, x, x, return_weights=True)
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(64, 1).double()
+    with torch.no_grad():
+        _, w_proj = mha(x[0], need_weights=True)
+    d_same = float(w_same.diagonal(dim1=-2, dim2=-1).mean())
+    d_proj = float(w_proj.diagonal(dim1=-2, dim2=-1).mean())
+    wrong = d_same > 0.9 and d_proj < 0.5
+    return Finding(
+        computed=f"mean diagonal weight with Q = K = V = X: {d_same:.3f}; with three projections: "
+        f"{d_proj:.3f} (uniform 1/16 = 0.0625)",
+        call="attention(x, x, x, return_weights=True) vs MultiHeadAttention(64, 1)(x, "
+        "need_weights=True)",
+        verdict=TEXT_ERROR if wrong else AGREES,
+        explanation="Q, K and V come from the same X through three different projections "
+        "(§3.1's Q = XW^Q, K = XW^K, V = XW^V); with Q = K literally, q_i·q_i dominates and each "
+        "token attends almost only to itself"
+        if wrong
+        else "",
+    )
+
+
+@claim(
+    "003-3.1-a",
+    section="3.1 自注意力计算过程",
+    quote="$$\\text{MultiHead}(Q, K, V) = \\text{Concat}(head_1, ..., head_h)W^O$$ 其中,$head_i = "
+    "\\text{Attention}(QW_i^Q, KW_i^K, VW_i^V)$,$W_i^Q, W_i^K, W_i^V \\in \\mathbb{R}^{d_{model} "
+    "\\times d_k}$,$W^O \\in \\mathbb{R}^{hd_k \\times d_{model}}$。",
+    paraphrase="Multi-head attention concatenates h heads, each attention over its own "
+    "projections (d_model × d_k), and maps them back with W^O (h·d_k × d_model).",
+    api="attnlab.MultiHeadAttention",
+    expected=AGREES,
+    assumptions="d_model = 24, h = 4 (d_k = 6), 7 tokens, float64, seed 1",
+)
+def _multihead() -> Finding:
+    from ... import MultiHeadAttention
+
+    torch.manual_seed(1)
+    mha = MultiHeadAttention(24, 4).double()
+    x = _x(7, 24, seed=1)[0]  # (1, 7, 24)
+    (wq, bq), (wk, bk), (wv, bv) = mha._weights()
+    heads = []
+    for i in range(4):
+        rows = slice(6 * i, 6 * (i + 1))
+        q, k, v = (x @ w[rows].T + b[rows] for w, b in ((wq, bq), (wk, bk), (wv, bv)))
+        heads.append(torch.softmax(q @ k.mT / 6**0.5, dim=-1) @ v)  # (1, 7, 6)
+    want = mha.out_proj(torch.cat(heads, dim=-1))
+    with torch.no_grad():
+        err = float((mha(x) - want).abs().max())
+    shapes = (tuple(wq[:6].T.shape), tuple(mha.out_proj.weight.T.shape))
+    ok = err < 1e-12 and shapes == ((24, 6), (24, 24))
+    return Finding(
+        computed=f"W_i^Q is {shapes[0]}, W^O is {shapes[1]} (h·d_k × d_model); max |module − "
+        f"Concat(head_i) W^O| = {err:.1e}",
+        call="MultiHeadAttention(24, 4)(x) vs out_proj(cat(softmax(q_i k_iᵀ/√6) v_i))",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the module differs from the per-head formula",
+    )
+
+
+@claim(
+    "003-3.2-a",
+    section="3.2 自注意力机制的优化",
+    quote="2. **无法捕获局部信息**: 自注意力机制是全局的,无法有效地捕获输入序列中的局部信息。",
+    paraphrase="Self-attention is global and cannot capture local information effectively.",
+    api="attnlab.models.MiniLM.attentions",
+    expected=TEXT_ERROR,
+    assumptions="the real all-MiniLM-L6-v2 on the 'animal' sentence of seed 001: each head's "
+    "mean weight on the previous and on the next token",
+)
+def _local_heads() -> Finding:
+    tokens, w = _minilm_attention(SENTENCE)
+    n = len(tokens)
+    inner = range(2, n - 2)  # skip [CLS]/[SEP] neighbours
+    prev = torch.stack([w[..., i, i - 1] for i in inner], -1).mean(-1)  # (layers, heads)
+    nxt = torch.stack([w[..., i, i + 1] for i in inner], -1).mean(-1)
+    p, q = int(prev.argmax()), int(nxt.argmax())
+    H = w.shape[1]
+    wrong = float(prev.max()) > 0.5
+    return Finding(
+        computed=f"layer {p // H}, head {p % H} puts {float(prev.max()):.4f} of each token's "
+        f"weight on the previous token; layer {q // H}, head {q % H} {float(nxt.max()):.3f} on "
+        "the next",
+        call="tokens, w = minilm().attentions(sentence); w[..., i, i - 1].mean()",
+        verdict=TEXT_ERROR if wrong else AGREES,
+        explanation="a trained model learns local heads (previous/next-token attention) with "
+        "positional information; what self-attention lacks is a built-in locality bias, not the "
+        "ability to attend locally"
+        if wrong
+        else "",
+    )
+
+
+@claim(
+    "003-3.2-b",
+    section="3.2 自注意力机制的优化",
+    quote="1. **稀疏自注意力**: 通过限制注意力计算的范围,例如只关注当前位置及其邻近位置,"
+    "可以降低计算复杂度。",
+    paraphrase="Restricting attention to a neighbourhood (sparse attention) lowers the cost.",
+    api="attnlab.masks.sliding_window, attnlab.Mask.block_map",
+    expected=AGREES,
+    assumptions="n = 4096, causal window of 128, 128 × 128 tiles (what the flash backend visits)",
+)
+def _window_tiles() -> Finding:
+    from ... import masks
+
+    n, b = 4096, 128
+    counts = {}
+    for name, m in (("causal", masks.causal()), ("window 128", masks.sliding_window(128))):
+        codes = m.block_map(n, n, b, b)
+        counts[name] = int((codes != masks.EMPTY).sum())
+    ok = counts["window 128"] * 4 < counts["causal"]
+    return Finding(
+        computed=f"tiles computed at n={n}: causal {counts['causal']}, window 128 "
+        f"{counts['window 128']} of {(n // b) ** 2}",
+        call="(mask.block_map(4096, 4096, 128, 128) != masks.EMPTY).sum()",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the window does not reduce the work",
+    )
+
+
+@claim(
+    "003-4.3-a",
+    section="4.3 自注意力机制的优化",
+    quote="$$\\text{SparseAttention}(Q, K, V) = "
+    "\\text{softmax}(\\frac{QK^T}{\\sqrt{d_k}} \\odot M)V$$",
+    paraphrase="Sparse attention multiplies the scaled logits elementwise by a 0/1 mask M.",
+    api="attnlab.attention (mask=), attnlab.masks.sliding_window",
+    expected=TEXT_ERROR,
+    assumptions="n = 8, d = 16, causal window of 3, float64, seed 2",
+)
+def _odot_mask() -> Finding:
+    from ... import attention, masks
+
+    q, k, v = (_x(8, 16, seed=2 + i) for i in range(3))
+    m = masks.sliding_window(3)
+    keep = m.to_dense(8, 8).reshape(8, 8)
+    _, w = attention(q, k, v, mask=m, return_weights=True)
+    text = torch.softmax((q @ k.mT / 4.0) * keep, dim=-1)
+    leak_rows = text.masked_fill(keep, 0).sum(-1)  # weight on masked keys per row
+    ours = float(w[..., ~keep].abs().max())
+    wrong = ours == 0.0 and float(leak_rows.max()) > 0.1
+    return Finding(
+        computed=f"with ⊙M a row puts up to {float(leak_rows.max()):.3f} of its weight on keys "
+        f"the mask excludes (they get logit 0, not −∞); attnlab's masked weights there: {ours:g}",
+        call="attention(q, k, v, mask=masks.sliding_window(3), return_weights=True) vs "
+        "softmax((q @ k.mT / √d) * M)",
+        verdict=TEXT_ERROR if wrong else AGREES,
+        explanation="multiplying by 0 sets a logit to 0, which still receives weight e^0/Σ; a "
+        "mask must set excluded logits to −∞ (add log M), e.g. softmax(QKᵀ/√d_k + log M)"
+        if wrong
+        else "",
+    )
+
+
+@claim(
+    "003-5-a",
+    section="5. 项目实践：代码实例和详细解释说明",
+    quote=SNIPPET,
+    paraphrase="A PyTorch multi-head self-attention module (the text's code sample).",
+    api="attnlab.MultiHeadAttention",
+    expected=TEXT_ERROR,
+    assumptions="the sample run as printed, then with `import math` added; d_model = 32, 4 heads, "
+    "dropout off (eval), weights copied into attnlab.MultiHeadAttention, float64, seed 3",
+)
+def _code_sample() -> Finding:
+    from ... import MultiHeadAttention
+
+    x = _x(5, 32, seed=3)[0]  # (1, 5, 32)
+    as_printed: dict = {}
+    exec(compile(SNIPPET, "<seed 003 §5>", "exec"), as_printed)  # the text's own code
+    try:
+        as_printed["SelfAttention"](32, 4).eval()(x.float())
+        error = ""
+    except NameError as e:
+        error = str(e)
+    fixed: dict = {}
+    exec(compile("import math\n" + SNIPPET, "<seed 003 §5, fixed>", "exec"), fixed)
+    torch.manual_seed(3)
+    theirs = fixed["SelfAttention"](32, 4).double().eval()
+    ours = MultiHeadAttention(32, 4).double().eval()
+    parts = (theirs.q_linear, theirs.k_linear, theirs.v_linear)
+    with torch.no_grad():
+        ours.qkv_proj.weight.copy_(torch.cat([lin.weight for lin in parts]))
+        ours.qkv_proj.bias.copy_(torch.cat([lin.bias for lin in parts]))
+        ours.out_proj.weight.copy_(theirs.out.weight)
+        ours.out_proj.bias.copy_(theirs.out.bias)
+        err = float((ours(x) - theirs(x)).abs().max())
+    wrong = bool(error) and err < 1e-12
+    return Finding(
+        computed=f"as printed: NameError ({error}); with `import math`: equals "
+        f"attnlab.MultiHeadAttention to {err:.1e}",
+        call="exec(snippet); SelfAttention(32, 4)(x) vs MultiHeadAttention(32, 4) with the "
+        "same weights",
+        verdict=TEXT_ERROR if wrong else AGREES,
+        explanation="the code calls math.sqrt without `import math`; with it added, the module "
+        "computes standard multi-head self-attention"
+        if wrong
+        else "",
+    )
+
+
+@claim(
+    "003-6-a",
+    section="6. 实际应用场景",
+    quote="1. **机器翻译**: Transformer模型以其出色的机器翻译性能而闻名,自注意力机制是其核心所在。",
+    paraphrase="The Transformer is known for its machine-translation quality, with self-attention "
+    "at its core.",
+    api="attnlab.models",
+    expected=NOT_CHECKABLE,
+    assumptions="the claim refers to published WMT results (BLEU on newstest sets)",
+)
+def _translation() -> Finding:
+    return Finding(
+        computed="no computation: the published results are BLEU scores of large models trained "
+        "on WMT corpora",
+        call="—",
+        verdict=NOT_CHECKABLE,
+        explanation="needs the WMT training and test corpora (gigabytes, not shippable) and GPU "
+        "training time; a historical result of the 2017 paper",
+    )
