@@ -105,24 +105,37 @@ def minilm_page():
 def open_page(driver, path: Path) -> dict:
     driver.get(path.as_uri())
     WebDriverWait(driver, 15).until(
-        lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1"
+        lambda d: (
+            d.find_element(By.CSS_SELECTOR, ".attnlab-viewer").get_attribute("data-ready") == "1"
+        )
     )
     return driver.execute_script(
-        "return JSON.parse(document.getElementById('attn-data').textContent)"
+        "return JSON.parse(document.querySelector('[data-role=attnlab-data]').textContent)"
     )
 
 
-def drawn(driver) -> list[tuple[int, int, float, float]]:
-    """``(query, key, weight, stroke-opacity)`` of every line in the head view."""
+def role(name: str) -> str:
+    """The CSS selector of a viewer element by its data-role (ids are per viewer)."""
+    return f'[data-role="{name}"]'
+
+
+def by_role(driver, name: str):
+    return driver.find_element(By.CSS_SELECTOR, role(name))
+
+
+def drawn(driver, within: str = "") -> list[tuple[int, int, float, float]]:
+    """``(query, key, weight, stroke-opacity)`` of every line in the head view (of the viewer
+    matched by the CSS selector ``within``, default the page's only one)."""
     rows = driver.execute_script(
-        "return [...document.querySelectorAll('#lines line')].map(l => [l.getAttribute('data-q'),"
-        " l.getAttribute('data-k'), l.getAttribute('data-w'), l.getAttribute('stroke-opacity')])"
+        "return [...document.querySelectorAll(arguments[0])].map(l => [l.getAttribute('data-q'),"
+        " l.getAttribute('data-k'), l.getAttribute('data-w'), l.getAttribute('stroke-opacity')])",
+        f"{within} [data-role=lines] line".strip(),
     )
     return [(int(q), int(k), float(w), float(o)) for q, k, w, o in rows]
 
 
 def view(driver) -> dict[str, str]:
-    svg = driver.find_element(By.ID, "head-view")
+    svg = by_role(driver, "head-view")
     return {a: svg.get_attribute(f"data-{a}") for a in ("layer", "head", "token", "focus")}
 
 
@@ -160,55 +173,55 @@ def test_viewer_follows_clicks_and_hovers_without_console_errors(driver, minilm_
     order = torch.argsort(w[:, :, it, animal].flatten(), descending=True).tolist()
     layer, head = divmod(next(n for n in order if n != 0), data["heads"])
     thumb = driver.find_element(
-        By.CSS_SELECTOR, f'#model-view .thumb[data-layer="{layer}"][data-head="{head}"]'
+        By.CSS_SELECTOR, f'{role("model-view")} .thumb[data-layer="{layer}"][data-head="{head}"]'
     )
     thumb.click()
     assert view(driver)["layer"] == str(layer) and view(driver)["head"] == str(head)
     assert "selected" in thumb.get_attribute("class")
-    assert driver.find_element(By.ID, "layer-select").get_attribute("value") == str(layer)
-    assert driver.find_element(By.ID, "head-select").get_attribute("value") == str(head)
+    assert by_role(driver, "layer-select").get_attribute("value") == str(layer)
+    assert by_role(driver, "head-select").get_attribute("value") == str(head)
     after = drawn(driver)
     assert {(q, k, w) for q, k, w, _ in after} == expected_lines(data, layer, head)
     assert after != before
-    info = driver.find_element(By.ID, "selection-info").text
+    info = by_role(driver, "selection-info").text
     assert f"Layer {layer}, head {head}" in info and f"{data['entropy'][layer][head]:.3f}" in info
 
     # Click the query token "it": only its row is drawn, at full opacity, and its top weights
     # are listed largest first.
-    driver.find_element(By.CSS_SELECTOR, f'#head-view g.tok.q[data-i="{it}"]').click()
+    driver.find_element(By.CSS_SELECTOR, f'{role("head-view")} g.tok.q[data-i="{it}"]').click()
     assert view(driver)["token"] == str(it)
     pinned = drawn(driver)
     assert {(q, k, w) for q, k, w, _ in pinned} == expected_lines(data, layer, head, it)
     assert all(q == it and abs(o - w) < 1e-3 for q, _, w, o in pinned)
     row = data["weights"][layer][head][it]
-    listed = driver.find_elements(By.CSS_SELECTOR, "#top-weights li")
+    listed = driver.find_elements(By.CSS_SELECTOR, f"{role('top-weights')} li")
     best = sorted(range(len(row)), key=lambda j: (-row[j], j))[: len(listed)]
     assert [int(li.get_attribute("data-index")) for li in listed] == best
     shown = [float(li.get_attribute("data-w")) for li in listed]
     assert shown == sorted(shown, reverse=True) and len(listed) == min(8, len(pinned))
-    details = driver.find_element(By.ID, "details").text
+    details = by_role(driver, "details").text
     assert "“it” (#" in details and f"{row[best[0]]:.3f}" in details
 
     # Hovering another token shows its row; leaving it returns to the pinned token.
-    other = driver.find_element(By.CSS_SELECTOR, '#head-view g.tok.q[data-i="1"]')
+    other = driver.find_element(By.CSS_SELECTOR, f'{role("head-view")} g.tok.q[data-i="1"]')
     ActionChains(driver).move_to_element(other).perform()
     assert view(driver)["focus"] == "q1"
     assert {q for q, *_ in drawn(driver)} == {1}
-    ActionChains(driver).move_to_element(driver.find_element(By.ID, "title")).perform()
+    ActionChains(driver).move_to_element(by_role(driver, "title")).perform()
     assert view(driver)["focus"] == f"q{it}" and {q for q, *_ in drawn(driver)} == {it}
 
     # Hovering a key token draws the attention it receives.
-    key = driver.find_element(By.CSS_SELECTOR, f'#head-view g.tok.k[data-i="{animal}"]')
+    key = driver.find_element(By.CSS_SELECTOR, f'{role("head-view")} g.tok.k[data-i="{animal}"]')
     ActionChains(driver).move_to_element(key).perform()
     assert view(driver)["focus"] == f"k{animal}"
     assert {k for _, k, *_ in drawn(driver)} == {animal}
 
     # Esc unpins; pin "it" again for the screenshot.
-    ActionChains(driver).move_to_element(driver.find_element(By.ID, "title")).perform()
+    ActionChains(driver).move_to_element(by_role(driver, "title")).perform()
     ActionChains(driver).send_keys(Keys.ESCAPE).perform()
     assert view(driver)["token"] == "-1"
     assert {(q, k, w) for q, k, w, _ in drawn(driver)} == expected_lines(data, layer, head)
-    driver.find_element(By.CSS_SELECTOR, f'#head-view g.tok.q[data-i="{it}"]').click()
+    driver.find_element(By.CSS_SELECTOR, f'{role("head-view")} g.tok.q[data-i="{it}"]').click()
     driver.execute_script("window.scrollTo(0, 0)")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shot = ARTIFACTS / "visualize_minilm.png"
@@ -228,15 +241,15 @@ def test_long_input_page_stays_responsive(driver, tmp_path):
     data = open_page(driver, path)
     load_seconds = time.perf_counter() - start
     assert data["mode"] == "topk"
-    notes = driver.find_element(By.ID, "notes").text
+    notes = by_role(driver, "notes").text
     assert f"Long input ({T} tokens > 64)" in notes and f"top {k}" in notes
     first = {(q, k_, w_) for q, k_, w_, _ in drawn(driver)}
     assert first == expected_lines(data, 0, 0) and len(first) <= T * k
-    thumb = '#model-view .thumb[data-layer="1"][data-head="3"]'
+    thumb = f'{role("model-view")} .thumb[data-layer="1"][data-head="3"]'
     driver.find_element(By.CSS_SELECTOR, thumb).click()
     assert view(driver)["head"] == "3"
     ms = driver.execute_script(
-        "const g = document.querySelector('#head-view g.tok.q[data-i=\"150\"]');"
+        "const g = document.querySelector('[data-role=head-view] g.tok.q[data-i=\"150\"]');"
         "const t = performance.now(); g.dispatchEvent(new MouseEvent('mouseenter'));"
         "return performance.now() - t;"
     )
@@ -268,5 +281,5 @@ def test_hostile_text_renders_as_text(driver, tmp_path):
     # the viewer's code and data are in the page once (not pulled into the title or a token)
     source = driver.execute_script("return document.documentElement.outerHTML")
     assert source.count('"use strict"') == 1
-    assert source.count('id="attn-data"') == 1
+    assert source.count('data-role="attnlab-data"') == 1
     assert errors(driver) == []
