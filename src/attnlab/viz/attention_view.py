@@ -128,8 +128,8 @@ def _check_batch(batch: int, size: int, what: str) -> None:
 def _as_weights(weights: Tensor | Sequence[Any] | Any, batch: int | None) -> Tensor:
     """``weights`` in any accepted form as ``(layers, heads, T, S)`` float64 on CPU, checked
     finite and in ``[0, 1]`` (see `check_attention` for the forms)."""
-    if isinstance(weights, tuple | list) and any(
-        t is None or isinstance(t, Tensor) for t in weights
+    if isinstance(weights, tuple | list) and (
+        not weights or any(t is None or isinstance(t, Tensor) for t in weights)
     ):
         w = _layer_tuple(weights, 0 if batch is None else batch)
     else:
