@@ -269,6 +269,7 @@ function render() {
   const l = state.layer, h = state.head, f = focus();
   $("layer-select").value = String(l); $("head-select").value = String(h);
   $("view-select").value = state.view;
+  $("pair-filter").value = state.filter;
   toggles.hidden = state.view !== "all";
   const attrs = {
     layer: l, head: h, view: state.view, filter: state.filter,
