@@ -315,6 +315,9 @@ def test_bad_hf_tuples_raise_naming_the_index(bert_run):
         show(tokens[:6], attentions)
     with pytest.raises(ValueError, match="weights must be finite"):
         show(tokens, (a[0], a[1] * float("nan"), a[2]))
+    # generate(output_attentions=True) gives one tuple of layers per step: said, not cryptic.
+    with pytest.raises(ValueError, match=r"weights\[0\] is a tuple of tensors.*generate\(\)"):
+        show(tokens, (attentions, attentions))
     got = check_inputs(tokens, attentions, batch=1)
     assert got.weights.dtype == torch.float64 and got.weights.shape == (3, 4, 7, 7)
 

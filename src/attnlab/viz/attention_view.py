@@ -117,7 +117,7 @@ def _layer_tuple(weights: Sequence[Any], batch: int) -> Tensor:
             )
     assert first is not None
     _check_batch(batch, first.shape[0], f"weights[0] of shape {tuple(first.shape)}")
-    return torch.stack([t.detach()[batch] for t in weights])  # (layers, H, T, S)
+    return torch.stack([t.detach()[batch].cpu() for t in weights])  # (layers, H, T, S)
 
 
 def _check_batch(batch: int, size: int, what: str) -> None:
@@ -126,8 +126,17 @@ def _check_batch(batch: int, size: int, what: str) -> None:
 
 
 def _as_weights(weights: Tensor | Sequence[Any] | Any, batch: int | None) -> Tensor:
-    """``weights`` in any accepted form as ``(layers, heads, T, S)`` float64 on CPU, checked
-    finite and in ``[0, 1]`` (see `check_attention` for the forms)."""
+    """``weights`` in any accepted form (see `check_inputs`) as a ``(layers, heads, T, S)``
+    tensor, not yet converted or checked for values."""
+    if isinstance(weights, tuple | list):
+        for n, t in enumerate(weights):
+            if isinstance(t, tuple | list) and any(isinstance(x, Tensor) for x in t):
+                raise ValueError(
+                    f"weights[{n}] is a {type(t).__name__} of tensors, expected one (B, H, T, S) "
+                    "tensor per layer: generate() returns one tuple of layers per generated "
+                    "token; pass one step's tuple (e.g. out.attentions[0]) or run the model's "
+                    "forward on the whole sequence with output_attentions=True"
+                )
     if isinstance(weights, tuple | list) and (
         not weights or any(t is None or isinstance(t, Tensor) for t in weights)
     ):
