@@ -369,3 +369,23 @@ def test_bart_cross_attentions_are_shown_non_square(bart_run):
     assert show(k_tokens, out.encoder_attentions, batch=0).data["heads"] == 4
     with pytest.raises(ValueError, match=r"\(T, T\) = \(4, 4\).*pass the 9 key_tokens"):
         show(q_tokens, cross)
+
+
+def test_top_weights_equal_a_stable_sort_including_ties():
+    from attnlab import masks
+    from attnlab.viz.attention_view import top_weights
+
+    g = torch.Generator().manual_seed(11)
+    T, S, k = 40, 40, 6
+    w = torch.softmax(torch.randn(3, 2, T, S, generator=g, dtype=torch.float64), dim=-1)
+    causal = masks.causal().to_dense(T, S)
+    w[0] = torch.softmax(torch.randn(2, T, S, generator=g).masked_fill(~causal, -math.inf), -1)
+    w[1, 0] = 1.0 / S  # uniform rows: every value ties
+    w[1, 1, :, 10:20] = 0.5  # a tie across the k-th place, and in the middle of the row
+    w[2, 0, 5] = torch.tensor([0.1, 0.3] * (S // 2), dtype=torch.float64)
+    values, indices = top_weights(w, k)
+    expected = torch.sort(w, dim=-1, descending=True, stable=True)
+    assert torch.equal(indices, expected.indices[..., :k])
+    assert torch.equal(values, expected.values[..., :k])
+    assert indices[0, 0, 2, 3:].tolist() == [3, 4, 5]  # causal row 2: then the lowest zeros
+    assert indices[1, 0, 7].tolist() == list(range(k))  # uniform: the lowest indices

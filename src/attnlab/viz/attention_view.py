@@ -302,7 +302,9 @@ def entropies(weights: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tens
     """
     from ..analysis.weights import entropy
 
-    rows = entropy(weights.to(torch.float64))  # (layers, heads, T), NaN where fully masked
+    w = weights.to(torch.float64)
+    # one layer at a time: the L×S temporaries of one layer, not of all of them
+    rows = torch.cat([entropy(w[n : n + 1]) for n in range(w.shape[0])])  # (layers, heads, T)
     if mask is not None:
         rows = torch.where(mask.to(rows.device), rows, torch.nan)
     return rows, rows.nanmean(dim=-1)
@@ -311,14 +313,30 @@ def entropies(weights: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tens
 def top_weights(weights: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The ``k`` largest weights of every row, largest first; ties keep the lower key index.
 
+    Exactly the first ``k`` of a stable descending sort, without sorting whole rows:
+    `torch.topk` picks k per row (memory ``(..., T, k)``), the k are ordered by
+    ``(−value, index)``, and only rows where the k-th value ties with a value left out are
+    sorted whole to choose the lower indices.
+
     Args:
-        weights: ``(..., T, S)``. k: how many (at most S).
+        weights: ``(..., T, S)``, no NaN. k: how many (at most S).
 
     Returns:
         ``(values, indices)``, each ``(..., T, k)``.
     """
-    values, indices = torch.sort(weights, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
+    *lead, S = weights.shape
+    flat = weights.reshape(-1, S)  # (rows, S)
+    values, indices = torch.topk(flat, k, dim=-1)  # (rows, k), ties in any order
+    order = torch.argsort(indices, dim=-1)  # by index, then stably by value: (−value, index)
+    values, indices = values.gather(-1, order), indices.gather(-1, order)
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    values, indices = values.gather(-1, order), indices.gather(-1, order)
+    tied = (flat >= values[:, -1:]).sum(dim=-1) > k  # (rows,) a value equal to the k-th is out
+    rows = tied.nonzero().squeeze(1)
+    if rows.numel():  # e.g. a causal row with fewer than k keys: its zeros tie
+        v, i = torch.sort(flat[rows], dim=-1, descending=True, stable=True)
+        values[rows], indices[rows] = v[:, :k], i[:, :k]
+    return values.reshape(*lead, k), indices.reshape(*lead, k)
 
 
 def pooled_thumbnails(weights: Tensor, size: int) -> Tensor:
