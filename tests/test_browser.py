@@ -365,6 +365,8 @@ def test_two_viewers_in_one_notebook_page_keep_their_own_state(driver, tmp_path)
     f1, f2 = v1._repr_html_(), v2._repr_html_()  # what Jupyter receives
     (one, d1), (two, d2) = open_viewers(driver, notebook_page(tmp_path / "nb.html", f1, f2), 2)
     assert d1 == v1.data and d2 == v2.data
+    # The "needs JavaScript" notes are gone: both scripts ran.
+    assert driver.find_elements(By.CSS_SELECTOR, role("no-script")) == []
     # Every id on the page is unique; the registry holds both viewers, the global the last.
     ids = driver.execute_script("return [...document.querySelectorAll('[id]')].map(e => e.id)")
     assert len(ids) == len(set(ids))

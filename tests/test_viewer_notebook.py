@@ -134,6 +134,8 @@ def test_repr_html_is_a_self_contained_fragment_with_ids_unique_per_viewer():
         assert json.loads(blob) == view.data
         assert view.data["tokens"] == tokens and view.data["weights"] == rounded(w)
         assert "<b>x</b>" not in frag
+        # Without scripts (an untrusted notebook) the fragment says why it is empty.
+        assert "needs JavaScript" in frag and 'data-role="no-script"' in frag
         # The script starts from its own root only: no fixed ids, no document-wide queries or
         # key handlers that would reach another viewer.
         assert code_attrs == {} and code.rstrip().endswith(f'}})("{uid}");')

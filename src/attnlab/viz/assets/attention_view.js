@@ -67,6 +67,7 @@ function aspect(el, side) {  // a non-square matrix keeps its shape: the longer 
 }
 
 // ---------------------------------------------------------------- static parts
+$("no-script").remove();  // the note for pages whose scripts do not run
 $("title").textContent = D.title;
 $("subtitle").textContent = D.subtitle;
 for (const note of D.notes) {
