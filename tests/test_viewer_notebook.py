@@ -391,3 +391,22 @@ def test_top_weights_equal_a_stable_sort_including_ties():
     assert torch.equal(values, expected.values[..., :k])
     assert indices[0, 0, 2, 3:].tolist() == [3, 4, 5]  # causal row 2: then the lowest zeros
     assert indices[1, 0, 7].tolist() == list(range(k))  # uniform: the lowest indices
+
+
+def test_show_needs_no_matplotlib():
+    """`attnlab.show` works where matplotlib cannot be imported (the viewer is HTML only)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"  # any import of it now fails
+        "import torch, attnlab\n"
+        "v = attnlab.show(['a', 'b'], torch.tensor([[[[1.0, 0.0], [0.5, 0.5]]]]))\n"
+        "print(v._repr_html_().count('attnlab-viewer'))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout) > 10
