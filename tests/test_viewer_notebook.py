@@ -288,6 +288,21 @@ def test_hf_output_attentions_tuple_equals_the_stacked_tensor(bert_run):
     data = show(tokens, attentions, batch=0, mask=attention_mask[0].bool()).data
     assert all(r[5] == 0 and r[6] == 0 for h in data["weights"][0] for r in h)
     assert all(h[5] is None and h[6] is None for h in data["row_entropy"][0])
+    # transformers' own attention_mask (int64 0/1, (B, T)) is accepted as it is.
+    for batch in (0, 1):
+        assert (
+            show(tokens, attentions, batch=batch, mask=attention_mask).data
+            == show(tokens, attentions, batch=batch, mask=attention_mask[batch].bool()).data
+        )
+    assert show(tokens, attentions, mask=attention_mask[0].tolist()).data == data
+    with pytest.raises(ValueError, match=r"mask as integers must be 0/1.*got 2"):
+        show(tokens, attentions, mask=attention_mask * 2)
+    with pytest.raises(TypeError, match=r"mask must be booleans .* got dtype torch.float32"):
+        show(tokens, attentions, mask=attention_mask.float())
+    with pytest.raises(ValueError, match=r"batch must be an int in \[0, 1\) for mask of shape"):
+        show(tokens, attentions, batch=1, mask=attention_mask[:1])
+    with pytest.raises(ValueError, match=r"mask must have shape \(7,\) or \(B, 7\).*\(2, 6\)"):
+        show(tokens, attentions, mask=attention_mask[:, :6])
     # The text report and the page accept the tuple too.
     assert attention_text(tokens, attentions, batch=1) == attention_text(tokens, stacked[:, 1])
     assert attention_html(tokens, attentions, batch=1) == attention_html(tokens, stacked[:, 1])

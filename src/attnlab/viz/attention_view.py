@@ -75,15 +75,39 @@ def _token_list(tokens: Sequence[str], name: str) -> list[str]:
     return list(tokens)
 
 
-def _bool_mask(mask: Sequence[bool] | Tensor | None, n: int, name: str, what: str) -> Tensor:
-    """``mask`` as ``(n,)`` bool (all True for None), or TypeError/ValueError naming ``name``."""
+def _bool_mask(
+    mask: Sequence[bool] | Tensor | None, n: int, name: str, what: str, batch: int | None
+) -> Tensor:
+    """``mask`` as ``(n,)`` bool (all True for None), or TypeError/ValueError naming ``name``.
+
+    Besides ``(n,)`` booleans, transformers' ``attention_mask`` is accepted: integers 0/1
+    (1 = real token), ``(n,)`` or ``(B, n)`` (row ``batch``, default 0).
+    """
     if mask is None:
         return torch.ones(n, dtype=torch.bool)
     m = mask.detach().cpu() if isinstance(mask, Tensor) else torch.as_tensor(list(mask))
     if m.dtype != torch.bool:
-        raise TypeError(f"{name} must be booleans (True = real token), got dtype {m.dtype}")
+        if m.is_floating_point() or m.is_complex():
+            raise TypeError(
+                f"{name} must be booleans (True = real token) or transformers' 0/1 "
+                f"attention_mask, got dtype {m.dtype}"
+            )
+        bad = m[(m != 0) & (m != 1)]
+        if bad.numel():
+            raise ValueError(
+                f"{name} as integers must be 0/1 (transformers' attention_mask, 1 = real "
+                f"token), got {bad[0].item()}"
+            )
+        m = m == 1
+    if m.dim() == 2:  # (B, n): transformers' attention_mask for the batch
+        b = 0 if batch is None else batch
+        _check_batch(b, m.shape[0], f"{name} of shape {tuple(m.shape)}")
+        m = m[b]
     if tuple(m.shape) != (n,):
-        raise ValueError(f"{name} must have shape ({n},), one per {what}, got {tuple(m.shape)}")
+        raise ValueError(
+            f"{name} must have shape ({n},) or (B, {n}), one per {what}, got "
+            f"{tuple(mask.shape) if isinstance(mask, Tensor) else tuple(m.shape)}"
+        )
     return m
 
 
@@ -203,11 +227,14 @@ def check_inputs(
             ``output_attentions`` / ``cross_attentions`` (a tuple or list of ``layers`` tensors
             ``(B, H, T, S)``) or their stack ``(layers, B, H, T, S)``; a tensor or anything
             `torch.as_tensor` accepts.
-        mask: None (every query token is real) or T booleans, True = real token. Rows of masked
-            queries are left out of entropies, reports and the viewer's lines.
+        mask: None (every query token is real), T booleans (True = real token), or
+            transformers' ``attention_mask`` (0/1 integers, ``(T,)`` or ``(B, T)``: row
+            ``batch``). Rows of masked queries are left out of entropies, reports and the
+            viewer's lines.
         key_tokens: None for self-attention (``S == T``, keys are ``tokens``), else S strings
             (cross-attention: e.g. the encoder's tokens for a decoder's cross-attention).
-        key_mask: S booleans for ``key_tokens`` (default all real); None for self-attention.
+        key_mask: for ``key_tokens``, like ``mask`` (default all real; e.g. the encoder's
+            ``attention_mask`` for cross-attention); None for self-attention.
         batch: the batch item to show from weights with a batch dimension (default 0).
 
     Returns:
@@ -253,8 +280,8 @@ def check_inputs(
     lo, hi = float(w.min()), float(w.max())
     if lo < 0.0 or hi > 1.0 + 1e-6:
         raise ValueError(f"weights must lie in [0, 1], got values in [{lo:.4g}, {hi:.4g}]")
-    m = _bool_mask(mask, T, "mask", "token")
-    km = m if keys is None else _bool_mask(key_mask, S, "key_mask", "key token")
+    m = _bool_mask(mask, T, "mask", "token", batch)
+    km = m if keys is None else _bool_mask(key_mask, S, "key_mask", "key token", batch)
     return AttentionInputs(tokens, w, m, keys, km)
 
 
@@ -271,7 +298,8 @@ def check_attention(
         tokens: T strings.
         weights: ``(layers, heads, T, T)``, ``(heads, T, T)``, transformers'
             ``output_attentions`` tuple or its stack (see `check_inputs`).
-        mask: None (every token is real) or T booleans, True = real token.
+        mask: None (every token is real), T booleans (True = real token) or transformers'
+            0/1 ``attention_mask`` (see `check_inputs`).
         batch: the batch item of weights with a batch dimension (default 0).
 
     Returns:
