@@ -274,14 +274,14 @@ def check_inputs(
             f"need at least one token, key, layer and head, got {T} tokens and weights of shape "
             f"{tuple(w.shape)}"
         )
+    m = _bool_mask(mask, T, "mask", "token", batch)
+    km = m if keys is None else _bool_mask(key_mask, S, "key_mask", "key token", batch)
     w = w.to("cpu", torch.float64)
     if not bool(torch.isfinite(w).all()):
         raise ValueError("weights must be finite, got NaN or inf")
     lo, hi = float(w.min()), float(w.max())
     if lo < 0.0 or hi > 1.0 + 1e-6:
         raise ValueError(f"weights must lie in [0, 1], got values in [{lo:.4g}, {hi:.4g}]")
-    m = _bool_mask(mask, T, "mask", "token", batch)
-    km = m if keys is None else _bool_mask(key_mask, S, "key_mask", "key token", batch)
     return AttentionInputs(tokens, w, m, keys, km)
 
 
