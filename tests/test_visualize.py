@@ -94,9 +94,10 @@ def parse_page(text: str) -> PageParser:
 
 def embedded_data(text: str) -> dict:
     page = parse_page(text)
-    blobs = [body for attrs, body in page.scripts if attrs.get("id") == "attn-data"]
+    role = "attnlab-data"
+    blobs = [body for attrs, body in page.scripts if attrs.get("data-role") == role]
     assert len(blobs) == 1
-    assert [a.get("type") for a, _ in page.scripts if a.get("id") == "attn-data"] == [
+    assert [a.get("type") for a, _ in page.scripts if a.get("data-role") == role] == [
         "application/json"
     ]
     return json.loads(blobs[0])
@@ -182,7 +183,12 @@ def test_the_page_is_built_from_package_data_files():
 
     assets = Path(attention_view.__file__).parent / "assets"
     names = sorted(p.name for p in assets.iterdir())
-    assert names == ["attention_view.css", "attention_view.html", "attention_view.js"]
+    assert names == [
+        "attention_view.css",
+        "attention_view.html",
+        "attention_view.js",
+        "attention_view_fragment.html",
+    ]
     pyproject = Path(__file__).parents[1] / "pyproject.toml"
     setuptools = tomllib.loads(pyproject.read_text(encoding="utf-8"))["tool"]["setuptools"]
     patterns = setuptools["package-data"]["attnlab.viz"]  # what the wheel ships
@@ -198,7 +204,7 @@ def test_bad_inputs_raise_naming_the_argument():
     w = softmax_weights(1, 2, 3, 3)
     with pytest.raises(ValueError, match=r"must end in \(T, T\) = \(4, 4\).*\(1, 2, 3, 3\)"):
         attention_html(list("abcd"), w)
-    with pytest.raises(ValueError, match=r"weights must be \(layers, heads, T, T\).*\(3, 3\)"):
+    with pytest.raises(ValueError, match=r"weights must be \(layers, heads, T, S\).*\(3, 3\)"):
         attention_html(list("abc"), w[0, 0])
     with pytest.raises(ValueError, match=r"weights must lie in \[0, 1\]"):
         attention_html(list("abc"), w * 2)
@@ -439,7 +445,7 @@ def test_placeholder_names_in_the_text_are_inserted_verbatim():
     for asset in ("attention_view.js", "attention_view.css"):
         head = (resources.files("attnlab.viz") / "assets" / asset).read_text()[:300]
         assert page.count(head) == 1, asset
-    assert page.count('id="attn-data"') == 1
+    assert page.count('data-role="attnlab-data"') == 1
     title_text = page[page.index("<title>") + len("<title>") : page.index("</title>")]
     assert title_text == html.escape(title)
     data = embedded_data(page)

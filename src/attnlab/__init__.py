@@ -34,6 +34,7 @@ from .modules import (
     SlidingWindowCache,
 )
 from .positional import ALiBi, LearnedPositionalEmbedding, RoPE, SinusoidalEmbedding, T5RelativeBias
+from .viz.attention_view import show  # the attention viewer (inline in Jupyter); no matplotlib
 
 # ``attnlab.pos`` and ``attnlab.linear`` are names, not files: both are registered in sys.modules,
 # so ``import attnlab.pos as pos`` and ``from attnlab.linear import LinearAttention`` work.
@@ -129,5 +130,6 @@ __all__ = [
     "pos",
     "positional",
     "save_checkpoint",
+    "show",
     "viz",
 ]

@@ -5,8 +5,10 @@ matplotlib raises ImportError naming the extra to install.
 
 - `heatmap`, `heatmaps`: any 2-D matrix, or a grid of them (one per head), as a PNG.
 - `plot_sinusoidal`, `plot_rope_spectrum`, `plot_bias`: positional encodings.
-- `attention_html`, `save_attention_html`: a self-contained HTML attention viewer (head view,
-  model view, per-head entropy, hover details) for ``(tokens, weights (layers, heads, T, T))``;
+- `show` (an `AttentionView`, rendered inline in Jupyter), `attention_html`,
+  `save_attention_html`: a self-contained HTML attention viewer (head view, all-heads view,
+  model view, per-head entropy, hover details) for ``(tokens, weights (layers, heads, T, S))``
+  or transformers' ``output_attentions`` tuple; no matplotlib needed;
   `attention_text`: each token's top-k attended tokens per head; `attention_png`: one PNG grid
   of layers × heads (per-head entropies come from `attnlab.analysis`).
 - `plot_experiment`: the scaling and temperature experiments as line plots.
@@ -20,7 +22,7 @@ Example:
 """
 
 from .attention_png import attention_png
-from .attention_view import attention_html, attention_text, save_attention_html
+from .attention_view import AttentionView, attention_html, attention_text, save_attention_html, show
 from .bench import plot_bench
 from .experiments import plot_experiment
 from .heatmap import heatmap, heatmaps
@@ -28,6 +30,7 @@ from .positional import plot_bias, plot_rope_spectrum, plot_sinusoidal
 from .training import plot_losses
 
 __all__ = [
+    "AttentionView",
     "attention_html",
     "attention_png",
     "attention_text",
@@ -40,4 +43,5 @@ __all__ = [
     "plot_rope_spectrum",
     "plot_sinusoidal",
     "save_attention_html",
+    "show",
 ]

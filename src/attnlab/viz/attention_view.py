@@ -1,28 +1,36 @@
 """A self-contained HTML attention viewer, per-head entropy, and a plain-text top-k report.
 
-`attention_html` turns ``(tokens, weights)`` — T token strings and attention weights
-``(layers, heads, T, T)`` (row i = query token i, column j = key token j) — into ONE HTML file
-with every script, style and datum inline (no network: a Content-Security-Policy forbids any
-fetch). The page has:
+`show` turns ``(tokens, weights)`` — T token strings and attention weights
+``(layers, heads, T, S)`` (row i = query token i, column j = key token j; ``S == T`` for
+self-attention, or S ``key_tokens`` for cross-attention), or transformers' ``output_attentions``
+tuple as it comes — into an `AttentionView`: Jupyter renders it inline (``_repr_html_``) and
+``.save(path)`` writes ONE HTML file (`attention_html`) with every script, style and datum inline
+(no network: the page's Content-Security-Policy forbids any fetch). The viewer has:
 
 - a head view: pick a layer and a head; a line joins each query token (left) to each key token
-  (right) it attends to, its opacity and width growing with the weight;
+  (right) it attends to, its opacity and width growing with the weight; or all heads of the
+  layer overlaid, one colour per head, each toggled in a legend; for a sentence pair
+  (``sentence_b_start``) filters All, A→A, A→B, B→A, B→B keep the lines of one block;
 - a model view: a grid of layers × heads thumbnails; clicking one selects that head;
 - per-head entropy: ``mean over query rows i of −Σ_j p_ij log p_ij`` in nats, skipping masked
-  (and all-zero) rows (`attnlab.analysis.entropy`, see `entropies`);
+  (and all-zero) rows (`attnlab.analysis.entropy`, see `entropies`); at most ``log S``;
 - hover details: hovering a token highlights its attention and lists its top weights; clicking
-  pins it (Esc unpins).
+  pins it (Esc unpins, in that viewer only).
 
-The data sits in ``<script type="application/json" id="attn-data">`` (see `attention_data` for its
-fields; weights are rounded to ``decimals`` places, by default 4). Inputs up to ``max_tokens``
-tokens embed every weight. Longer inputs stay responsive: each query row keeps only its ``topk``
-largest weights (what the head view draws and the hover lists), thumbnails are max-pooled to at
-most ``thumb_size`` × ``thumb_size`` pixels, and the page says so.
+Every rendering is one ``<div class="attnlab-viewer" id=uid>``: its CSS is scoped under that
+class, its element lookups stay inside it and its data sits in its own
+``<script type="application/json" data-role="attnlab-data">`` (see `attention_data` for the
+fields; weights are rounded to ``decimals`` places, by default 4) — so several viewers share a
+notebook page. Inputs up to ``max_tokens`` tokens embed every weight. Longer inputs stay
+responsive: each query row keeps only its exact ``topk`` largest weights (what the head view
+draws and the hover lists; nothing L×S is embedded), thumbnails are max-pooled to at most
+``thumb_size`` pixels a side, and the page says so.
 
 Example:
     >>> tokens = ["[CLS]", "the", "cat", "[SEP]"]
     >>> w = torch.softmax(torch.randn(2, 4, 4, 4), dim=-1)      # (layers, heads, T, T)
-    >>> save_attention_html(tokens, w, "attention.html", title="toy")
+    >>> view = show(tokens, w, title="toy")                    # a notebook cell shows it
+    >>> view.save("attention.html")
     PosixPath('attention.html')
     >>> print(attention_text(tokens, w, k=2, layers=[0], heads=[0]))
 """
@@ -30,12 +38,15 @@ Example:
 from __future__ import annotations
 
 import functools
+import hashlib
 import html
 import json
 import math
 import os
 import re
+import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -51,71 +62,254 @@ MAX_FULL_TOKENS = 64  # longer inputs keep only each row's top-k weights
 
 
 # ------------------------------------------------------------------------------------ checking
-def check_attention(
-    tokens: Sequence[str], weights: Tensor | Any, mask: Sequence[bool] | Tensor | None = None
-) -> tuple[list[str], Tensor, Tensor]:
-    """Validates ``(tokens, weights, mask)``; returns them as ``(list, float64 tensor, bool)``.
-
-    Args:
-        tokens: T strings.
-        weights: ``(layers, heads, T, T)`` (or ``(heads, T, T)``, taken as one layer), finite
-            and in ``[0, 1]``; a tensor or anything `torch.as_tensor` accepts.
-        mask: None (every token is real) or T booleans, True = real token. Query rows of
-            masked tokens are left out of entropies, reports and the viewer's lines.
-
-    Returns:
-        ``(tokens, weights (layers, heads, T, T) float64 on CPU, mask (T,) bool)``.
-
-    Raises:
-        TypeError: tokens not a sequence of str, weights not numeric, or mask not boolean.
-        ValueError: wrong rank or sizes (named with the shapes), non-finite values or values
-            outside ``[0, 1]``, or no heads/layers at all.
-    """
+def _token_list(tokens: Sequence[str], name: str) -> list[str]:
+    """``tokens`` as a list of str, or TypeError naming ``name``."""
     if isinstance(tokens, str) or not isinstance(tokens, Sequence):
-        raise TypeError(f"tokens must be a sequence of str, got {type(tokens).__name__}")
+        raise TypeError(f"{name} must be a sequence of str, got {type(tokens).__name__}")
     bad = [i for i, t in enumerate(tokens) if not isinstance(t, str)]
     if bad:
         raise TypeError(
-            f"tokens must be a sequence of str, got {type(tokens[bad[0]]).__name__} at "
+            f"{name} must be a sequence of str, got {type(tokens[bad[0]]).__name__} at "
             f"index {bad[0]}"
         )
-    try:
-        w = weights.detach() if isinstance(weights, Tensor) else torch.as_tensor(weights)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise TypeError(f"weights must be a tensor or array of numbers, got {e}") from None
+    return list(tokens)
+
+
+def _bool_mask(
+    mask: Sequence[bool] | Tensor | None, n: int, name: str, what: str, batch: int | None
+) -> Tensor:
+    """``mask`` as ``(n,)`` bool (all True for None), or TypeError/ValueError naming ``name``.
+
+    Besides ``(n,)`` booleans, transformers' ``attention_mask`` is accepted: integers 0/1
+    (1 = real token), ``(n,)`` or ``(B, n)`` (row ``batch``, default 0).
+    """
+    if mask is None:
+        return torch.ones(n, dtype=torch.bool)
+    m = mask.detach().cpu() if isinstance(mask, Tensor) else torch.as_tensor(list(mask))
+    if m.dtype != torch.bool:
+        if m.is_floating_point() or m.is_complex():
+            raise TypeError(
+                f"{name} must be booleans (True = real token) or transformers' 0/1 "
+                f"attention_mask, got dtype {m.dtype}"
+            )
+        bad = m[(m != 0) & (m != 1)]
+        if bad.numel():
+            raise ValueError(
+                f"{name} as integers must be 0/1 (transformers' attention_mask, 1 = real "
+                f"token), got {bad[0].item()}"
+            )
+        m = m == 1
+    if m.dim() == 2:  # (B, n): transformers' attention_mask for the batch
+        b = 0 if batch is None else batch
+        _check_batch(b, m.shape[0], f"{name} of shape {tuple(m.shape)}")
+        m = m[b]
+    if tuple(m.shape) != (n,):
+        raise ValueError(
+            f"{name} must have shape ({n},) or (B, {n}), one per {what}, got "
+            f"{tuple(mask.shape) if isinstance(mask, Tensor) else tuple(m.shape)}"
+        )
+    return m
+
+
+def _layer_tuple(weights: Sequence[Any], batch: int) -> Tensor:
+    """Batch item ``batch`` of HF's ``output_attentions``: ``layers`` × ``(B, H, T, S)`` tensors.
+
+    Returns ``(layers, H, T, S)`` (not yet converted); raises naming the offending index.
+    """
+    hint = "one (B, H, T, S) tensor per layer, like transformers' output_attentions"
+    if len(weights) == 0:
+        raise ValueError(f"weights must hold {hint}, got an empty {type(weights).__name__}")
+    first: Tensor | None = None
+    for n, t in enumerate(weights):
+        if t is None:
+            raise ValueError(
+                f"weights[{n}] is None, expected a (B, H, T, S) tensor: transformers returns no "
+                'weights from fused kernels; load the model with attn_implementation="eager"'
+            )
+        if not isinstance(t, Tensor):
+            raise TypeError(f"weights[{n}] must be a torch.Tensor ({hint}), got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"weights[{n}] must be (B, H, T, S) ({hint}), got shape {tuple(t.shape)}"
+            )
+        if first is None:
+            first = t
+        elif t.shape != first.shape:
+            raise ValueError(
+                f"weights[{n}] has shape {tuple(t.shape)}, but weights[0] has "
+                f"{tuple(first.shape)}: every layer must have the same (B, H, T, S)"
+            )
+    assert first is not None
+    _check_batch(batch, first.shape[0], f"weights[0] of shape {tuple(first.shape)}")
+    return torch.stack([t.detach()[batch].cpu() for t in weights])  # (layers, H, T, S)
+
+
+def _check_batch(batch: int, size: int, what: str) -> None:
+    if isinstance(batch, bool) or not isinstance(batch, int) or not 0 <= batch < size:
+        raise ValueError(f"batch must be an int in [0, {size}) for {what}, got {batch!r}")
+
+
+def _as_weights(weights: Tensor | Sequence[Any] | Any, batch: int | None) -> Tensor:
+    """``weights`` in any accepted form (see `check_inputs`) as a ``(layers, heads, T, S)``
+    tensor, not yet converted or checked for values."""
+    if isinstance(weights, tuple | list):
+        for n, t in enumerate(weights):
+            if isinstance(t, tuple | list) and any(isinstance(x, Tensor) for x in t):
+                raise ValueError(
+                    f"weights[{n}] is a {type(t).__name__} of tensors, expected one (B, H, T, S) "
+                    "tensor per layer: generate() returns one tuple of layers per generated "
+                    "token; pass one step's tuple (e.g. out.attentions[0]) or run the model's "
+                    "forward on the whole sequence with output_attentions=True"
+                )
+    if isinstance(weights, tuple | list) and (
+        not weights or any(t is None or isinstance(t, Tensor) for t in weights)
+    ):
+        w = _layer_tuple(weights, 0 if batch is None else batch)
+    else:
+        try:
+            w = weights.detach() if isinstance(weights, Tensor) else torch.as_tensor(weights)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"weights must be a tensor or array of numbers, got {e}") from None
+        if w.dim() == 5:  # (layers, B, H, T, S): torch.stack(output_attentions)
+            batch = 0 if batch is None else batch
+            _check_batch(batch, w.shape[1], f"weights of shape {tuple(w.shape)}")
+            w = w[:, batch]
+        elif batch is not None and batch != 0:
+            raise ValueError(
+                f"batch picks an item of weights with a batch dimension (a tuple of (B, H, T, S) "
+                f"tensors or (layers, B, H, T, S)), got batch={batch!r} for weights of shape "
+                f"{tuple(w.shape)}"
+            )
     if w.is_complex() or w.dtype == torch.bool:
         raise TypeError(f"weights must hold real numbers, got dtype {w.dtype}")
     if w.dim() == 3:
-        w = w.unsqueeze(0)  # (1, H, T, T)
+        w = w.unsqueeze(0)  # (1, H, T, S)
     if w.dim() != 4:
         raise ValueError(
-            f"weights must be (layers, heads, T, T) or (heads, T, T), got shape {tuple(w.shape)}"
+            f"weights must be (layers, heads, T, S) or (heads, T, S), got shape {tuple(w.shape)}"
         )
+    return w
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Checked viewer inputs (see `check_inputs`).
+
+    Attributes:
+        tokens: T query tokens. weights: ``(layers, heads, T, S)`` float64 on CPU.
+        mask: ``(T,)`` bool, True = real query token.
+        key_tokens: S key tokens, None for self-attention (the keys are ``tokens``).
+        key_mask: ``(S,)`` bool, True = real key token (``mask`` for self-attention).
+    """
+
+    tokens: list[str]
+    weights: Tensor
+    mask: Tensor
+    key_tokens: list[str] | None
+    key_mask: Tensor
+
+
+def check_inputs(
+    tokens: Sequence[str],
+    weights: Tensor | Sequence[Tensor] | Any,
+    mask: Sequence[bool] | Tensor | None = None,
+    *,
+    key_tokens: Sequence[str] | None = None,
+    key_mask: Sequence[bool] | Tensor | None = None,
+    batch: int | None = None,
+) -> AttentionInputs:
+    """Validates the viewer's inputs, self- or cross-attention, before any work.
+
+    Args:
+        tokens: T query strings.
+        weights: attention weights in ``[0, 1]``, finite, row i = query i, column j = key j:
+            ``(layers, heads, T, S)``, ``(heads, T, S)`` (one layer), transformers'
+            ``output_attentions`` / ``cross_attentions`` (a tuple or list of ``layers`` tensors
+            ``(B, H, T, S)``) or their stack ``(layers, B, H, T, S)``; a tensor or anything
+            `torch.as_tensor` accepts.
+        mask: None (every query token is real), T booleans (True = real token), or
+            transformers' ``attention_mask`` (0/1 integers, ``(T,)`` or ``(B, T)``: row
+            ``batch``). Rows of masked queries are left out of entropies, reports and the
+            viewer's lines.
+        key_tokens: None for self-attention (``S == T``, keys are ``tokens``), else S strings
+            (cross-attention: e.g. the encoder's tokens for a decoder's cross-attention).
+        key_mask: for ``key_tokens``, like ``mask`` (default all real; e.g. the encoder's
+            ``attention_mask`` for cross-attention); None for self-attention.
+        batch: the batch item to show from weights with a batch dimension (default 0).
+
+    Returns:
+        `AttentionInputs`.
+
+    Raises:
+        TypeError: tokens not a sequence of str, weights not numeric (or a tuple element not a
+            tensor, named by index), or a mask not boolean.
+        ValueError: wrong rank or sizes (named with the shapes and, for a tuple, the index),
+            batch out of range, non-finite values or values outside ``[0, 1]``, or no
+            tokens/heads/layers at all.
+    """
+    tokens = _token_list(tokens, "tokens")
+    keys = None if key_tokens is None else _token_list(key_tokens, "key_tokens")
+    if keys is None and key_mask is not None:
+        raise ValueError("key_mask needs key_tokens (cross-attention); for self-attention use mask")
+    w = _as_weights(weights, batch)
     T = len(tokens)
-    if tuple(w.shape[-2:]) != (T, T):
+    S = T if keys is None else len(keys)
+    if tuple(w.shape[-2:]) != (T, S):
+        if keys is None:
+            raise ValueError(
+                f"weights must end in (T, T) = ({T}, {T}) for {T} tokens, got shape "
+                f"{tuple(w.shape)}"
+                + (
+                    f"; for cross-attention pass the {w.shape[-1]} key_tokens"
+                    if w.shape[-2] == T
+                    else ""
+                )
+            )
         raise ValueError(
-            f"weights must end in (T, T) = ({T}, {T}) for {T} tokens, got shape {tuple(w.shape)}"
+            f"weights must end in (T, S) = ({T}, {S}) for {T} tokens and {S} key_tokens, got "
+            f"shape {tuple(w.shape)}"
         )
-    if T == 0 or w.shape[0] == 0 or w.shape[1] == 0:
+    if T == 0 or S == 0 or w.shape[0] == 0 or w.shape[1] == 0:
         raise ValueError(
-            f"need at least one token, layer and head, got {T} tokens and weights of shape "
+            f"need at least one token, key, layer and head, got {T} tokens and weights of shape "
             f"{tuple(w.shape)}"
         )
+    m = _bool_mask(mask, T, "mask", "token", batch)
+    km = m if keys is None else _bool_mask(key_mask, S, "key_mask", "key token", batch)
     w = w.to("cpu", torch.float64)
     if not bool(torch.isfinite(w).all()):
         raise ValueError("weights must be finite, got NaN or inf")
     lo, hi = float(w.min()), float(w.max())
     if lo < 0.0 or hi > 1.0 + 1e-6:
         raise ValueError(f"weights must lie in [0, 1], got values in [{lo:.4g}, {hi:.4g}]")
-    if mask is None:
-        m = torch.ones(T, dtype=torch.bool)
-    else:
-        m = mask.detach().cpu() if isinstance(mask, Tensor) else torch.as_tensor(list(mask))
-        if m.dtype != torch.bool:
-            raise TypeError(f"mask must be booleans (True = real token), got dtype {m.dtype}")
-        if tuple(m.shape) != (T,):
-            raise ValueError(f"mask must have shape ({T},), one per token, got {tuple(m.shape)}")
-    return list(tokens), w, m
+    return AttentionInputs(tokens, w, m, keys, km)
+
+
+def check_attention(
+    tokens: Sequence[str],
+    weights: Tensor | Sequence[Tensor] | Any,
+    mask: Sequence[bool] | Tensor | None = None,
+    *,
+    batch: int | None = None,
+) -> tuple[list[str], Tensor, Tensor]:
+    """Validates self-attention ``(tokens, weights, mask)``; returns ``(list, float64, bool)``.
+
+    Args:
+        tokens: T strings.
+        weights: ``(layers, heads, T, T)``, ``(heads, T, T)``, transformers'
+            ``output_attentions`` tuple or its stack (see `check_inputs`).
+        mask: None (every token is real), T booleans (True = real token) or transformers'
+            0/1 ``attention_mask`` (see `check_inputs`).
+        batch: the batch item of weights with a batch dimension (default 0).
+
+    Returns:
+        ``(tokens, weights (layers, heads, T, T) float64 on CPU, mask (T,) bool)``.
+
+    Raises:
+        TypeError, ValueError: see `check_inputs`.
+    """
+    got = check_inputs(tokens, weights, mask, batch=batch)
+    return got.tokens, got.weights, got.mask
 
 
 # ------------------------------------------------------------------------------------ analysis
@@ -136,7 +330,9 @@ def entropies(weights: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tens
     """
     from ..analysis.weights import entropy
 
-    rows = entropy(weights.to(torch.float64))  # (layers, heads, T), NaN where fully masked
+    w = weights.to(torch.float64)
+    # one layer at a time: the L×S temporaries of one layer, not of all of them
+    rows = torch.cat([entropy(w[n : n + 1]) for n in range(w.shape[0])])  # (layers, heads, T)
     if mask is not None:
         rows = torch.where(mask.to(rows.device), rows, torch.nan)
     return rows, rows.nanmean(dim=-1)
@@ -145,34 +341,51 @@ def entropies(weights: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tens
 def top_weights(weights: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The ``k`` largest weights of every row, largest first; ties keep the lower key index.
 
+    Exactly the first ``k`` of a stable descending sort, without sorting whole rows:
+    `torch.topk` picks k per row (memory ``(..., T, k)``), the k are ordered by
+    ``(−value, index)``, and only rows where the k-th value ties with a value left out are
+    sorted whole to choose the lower indices.
+
     Args:
-        weights: ``(..., T, S)``. k: how many (at most S).
+        weights: ``(..., T, S)``, no NaN. k: how many (at most S).
 
     Returns:
         ``(values, indices)``, each ``(..., T, k)``.
     """
-    values, indices = torch.sort(weights, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
+    *lead, S = weights.shape
+    flat = weights.reshape(-1, S)  # (rows, S)
+    values, indices = torch.topk(flat, k, dim=-1)  # (rows, k), ties in any order
+    order = torch.argsort(indices, dim=-1)  # by index, then stably by value: (−value, index)
+    values, indices = values.gather(-1, order), indices.gather(-1, order)
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    values, indices = values.gather(-1, order), indices.gather(-1, order)
+    tied = (flat >= values[:, -1:]).sum(dim=-1) > k  # (rows,) a value equal to the k-th is out
+    rows = tied.nonzero().squeeze(1)
+    if rows.numel():  # e.g. a causal row with fewer than k keys: its zeros tie
+        v, i = torch.sort(flat[rows], dim=-1, descending=True, stable=True)
+        values[rows], indices[rows] = v[:, :k], i[:, :k]
+    return values.reshape(*lead, k), indices.reshape(*lead, k)
 
 
 def pooled_thumbnails(weights: Tensor, size: int) -> Tensor:
-    """Thumbnails of at most ``size × size`` pixels: each pixel is the largest weight in its block.
+    """Thumbnails of at most ``size`` pixels a side: each pixel is the largest weight in its block.
 
     Max-pooling (not averaging) keeps a sharp single-token attention visible after shrinking.
+    A non-square (cross-attention) matrix stays non-square.
 
     Args:
-        weights: ``(layers, heads, T, T)``. size: the largest side in pixels.
+        weights: ``(layers, heads, T, S)``. size: the largest side in pixels.
 
     Returns:
-        ``(layers, heads, n, n)`` with ``n = min(T, size)``, in the weights' dtype.
+        ``(layers, heads, min(T, size), min(S, size))``, in the weights' dtype.
     """
-    Ly, H, T, _ = weights.shape
-    n = min(T, size)
-    if n == T:
+    Ly, H, T, S = weights.shape
+    rows, cols = min(T, size), min(S, size)
+    if (rows, cols) == (T, S):
         return weights.clone()
-    flat = weights.reshape(Ly * H, 1, T, T)  # (layers·heads, 1, T, T)
-    pooled = torch.nn.functional.adaptive_max_pool2d(flat, n)  # (layers·heads, 1, n, n)
-    return pooled.reshape(Ly, H, n, n)
+    flat = weights.reshape(Ly * H, 1, T, S)  # (layers·heads, 1, T, S)
+    pooled = torch.nn.functional.adaptive_max_pool2d(flat, (rows, cols))  # (·, 1, rows, cols)
+    return pooled.reshape(Ly, H, rows, cols)
 
 
 def _rounded(t: Tensor, decimals: int) -> Any:
@@ -190,9 +403,13 @@ def _rounded(t: Tensor, decimals: int) -> Any:
 # ----------------------------------------------------------------------------------------- data
 def attention_data(
     tokens: Sequence[str],
-    weights: Tensor | Any,
+    weights: Tensor | Sequence[Tensor] | Any,
     *,
     mask: Sequence[bool] | Tensor | None = None,
+    key_tokens: Sequence[str] | None = None,
+    key_mask: Sequence[bool] | Tensor | None = None,
+    batch: int | None = None,
+    sentence_b_start: int | None = None,
     title: str | None = None,
     subtitle: str | None = None,
     notes: Sequence[str] = (),
@@ -203,18 +420,22 @@ def attention_data(
     thumb_size: int = 64,
     decimals: int = DEFAULT_DECIMALS,
 ) -> dict[str, Any]:
-    """The JSON document that `attention_html` embeds (``id="attn-data"``).
+    """The JSON document that the viewer embeds (``data-role="attnlab-data"``).
 
     Fields:
-        ``tokens`` (T strings), ``mask`` (T bools), ``layers``, ``heads``, ``T``;
-        ``mode``: ``"full"`` when ``T <= max_tokens``, else ``"topk"``;
-        ``weights``: full mode, ``(layers, heads, T, T)`` nested lists, each weight rounded to
+        ``tokens`` (T strings), ``mask`` (T bools), ``layers``, ``heads``, ``T``, ``S``;
+        ``cross``: True for cross-attention, with ``key_tokens`` (S strings) and ``key_mask``
+            (S bools); both None for self-attention (the keys are the tokens);
+        ``sentence_b_start``: None, or the first token of sentence B (the pair filters);
+        ``mode``: ``"full"`` when ``max(T, S) <= max_tokens``, else ``"topk"``;
+        ``weights``: full mode, ``(layers, heads, T, S)`` nested lists, each weight rounded to
             ``decimals`` places (``round(w, decimals)`` in float64); None in top-k mode;
-        ``topk``, ``top_idx``, ``top_val``: top-k mode, each row's ``k = min(topk, T)`` largest
+        ``topk``, ``top_idx``, ``top_val``: top-k mode, each row's ``k = min(topk, S)`` largest
             weights (largest first, ties by lower index) and their key indices,
             ``(layers, heads, T, k)``; None in full mode;
-        ``thumb_size``, ``thumbs``: top-k mode, max-pooled thumbnails as integers
-            ``round(255 · w)``, ``(layers, heads, n·n)`` row-major with ``n = min(T, thumb_size)``;
+        ``thumb_shape`` ``[r, c]`` (``r = min(T, thumb_size)``, ``c = min(S, thumb_size)``),
+            ``thumb_size`` (``max(r, c)``), ``thumbs``: top-k mode, max-pooled thumbnails as
+            integers ``round(255 · w)``, ``(layers, heads, r·c)`` row-major;
         ``entropy``: per-head entropy in nats (`entropies`), ``(layers, heads)`` rounded to
             ``decimals`` (null for a head without valid rows);
         ``row_entropy``: ``(layers, heads, T)`` rounded, null for rows that are not valid;
@@ -222,17 +443,27 @@ def attention_data(
         ``title``, ``subtitle``, ``notes`` (strings shown on the page), ``decimals``.
 
     Args:
-        tokens, weights, mask: see `check_attention`.
+        tokens, weights, mask, key_tokens, key_mask, batch: see `check_inputs` (weights may be
+            transformers' ``output_attentions`` tuple; ``batch`` picks its item).
+        sentence_b_start: for a sentence pair (self-attention), the index of sentence B's first
+            token, in ``[1, T)``: the viewer offers bertviz's filters All, A→A, A→B, B→A, B→B.
         title, subtitle: page heading and the line under it.
         notes: extra remarks shown on the page (e.g. "input truncated to 256 tokens").
         layer, head: the head selected when the page opens.
         topk: weights kept per query row for long inputs (>= 1).
-        max_tokens: the longest input that embeds every weight.
+        max_tokens: the longest input (queries or keys) that embeds every weight.
         thumb_size: the largest thumbnail side in pixels for long inputs.
         decimals: decimal places of embedded weights and entropies (1 to 8).
+
+    Example:
+        >>> out = model(**inputs, output_attentions=True)     # a transformers model, eager
+        >>> data = attention_data(tokens, out.attentions, batch=0)
+        >>> data["layers"], data["heads"], data["T"] == data["S"]
+        (6, 12, True)
     """
-    tokens, w, m = check_attention(tokens, weights, mask)
-    Ly, H, T, _ = w.shape
+    got = check_inputs(tokens, weights, mask, key_tokens=key_tokens, key_mask=key_mask, batch=batch)
+    w = got.weights
+    Ly, H, T, S = w.shape
     for name, value, lowest in (
         ("topk", topk, 1),
         ("max_tokens", max_tokens, 1),
@@ -246,16 +477,33 @@ def attention_data(
     for name, value, size in (("layer", layer, Ly), ("head", head, H)):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
             raise ValueError(f"{name} must be an int in [0, {size}), got {value!r}")
-    rows, entropy = entropies(w, m)  # (layers, heads, T), (layers, heads)
+    if sentence_b_start is not None:
+        if got.key_tokens is not None:
+            raise ValueError(
+                "sentence_b_start applies to self-attention over a sentence pair, got it with "
+                "key_tokens (cross-attention)"
+            )
+        sb = sentence_b_start
+        if isinstance(sb, bool) or not isinstance(sb, int) or not 1 <= sb < T:
+            raise ValueError(
+                f"sentence_b_start must be an int in [1, {T}) (both sentences non-empty), got "
+                f"{sb!r}"
+            )
+    rows, entropy = entropies(w, got.mask)  # (layers, heads, T), (layers, heads)
     data: dict[str, Any] = {
-        "version": 1,
+        "version": 2,
         "title": title or "Attention",
         "subtitle": subtitle or "",
-        "tokens": tokens,
-        "mask": m.tolist(),
+        "tokens": got.tokens,
+        "mask": got.mask.tolist(),
+        "cross": got.key_tokens is not None,
+        "key_tokens": got.key_tokens,
+        "key_mask": None if got.key_tokens is None else got.key_mask.tolist(),
+        "sentence_b_start": sentence_b_start,
         "layers": Ly,
         "heads": H,
         "T": T,
+        "S": S,
         "decimals": decimals,
         "min_line": MIN_LINE_WEIGHT,
         "selected": [layer, head],
@@ -268,28 +516,31 @@ def attention_data(
         "top_idx": None,
         "top_val": None,
         "thumb_size": None,
+        "thumb_shape": None,
         "thumbs": None,
     }
-    if len(tokens) <= max_tokens:
+    if max(T, S) <= max_tokens:
         data["weights"] = _rounded(w, decimals)
         return data
-    k = min(topk, T)
+    k = min(topk, S)
     values, indices = top_weights(w, k)  # (layers, heads, T, k) each
-    thumbs = pooled_thumbnails(w, thumb_size)  # (layers, heads, n, n)
-    n = thumbs.shape[-1]
+    thumbs = pooled_thumbnails(w, thumb_size)  # (layers, heads, r, c)
+    r, c = thumbs.shape[-2:]
     data.update(
         mode="topk",
         topk=k,
         top_idx=indices.tolist(),
         top_val=_rounded(values, decimals),
-        thumb_size=n,
-        thumbs=torch.round(thumbs * 255).to(torch.int64).reshape(Ly, H, n * n).tolist(),
+        thumb_size=max(r, c),
+        thumb_shape=[r, c],
+        thumbs=torch.round(thumbs * 255).to(torch.int64).reshape(Ly, H, r * c).tolist(),
     )
+    size = f"{T} tokens" if S == T and got.key_tokens is None else f"{T} × {S} tokens"
     data["notes"].insert(
         0,
-        f"Long input ({T} tokens > {max_tokens}): the head view draws and the hover lists only "
+        f"Long input ({size} > {max_tokens}): the head view draws and the hover lists only "
         f"each token's top {k} weights, which is all the page stores; the thumbnails are "
-        f"max-pooled to {n}×{n} pixels.",
+        f"max-pooled to {r}×{c} pixels.",
     )
     return data
 
@@ -307,66 +558,184 @@ def _json_for_script(data: Any) -> str:
 
 
 # ----------------------------------------------------------------------------------------- HTML
-def attention_html(
+_UID = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+
+
+class AttentionView:
+    """An attention viewer: renders inline in Jupyter (``_repr_html_``) and saves as a page.
+
+    Each rendering is one ``<div class="attnlab-viewer" id=uid>`` holding its own style (every
+    rule scoped under ``.attnlab-viewer``), data (``<script type="application/json">``) and
+    script, which looks up elements only inside that div. Element ids derive from the uid, so
+    any number of viewers share a page; ``window.attnlabViewers[uid]`` is each one's state and
+    ``window.attnlabViewer`` the last one created. No network: everything is inline.
+
+    Build it with `show`. Attributes: ``data``, the embedded JSON (see `attention_data`).
+
+    Example:
+        >>> view = attnlab.show(tokens, out.attentions)   # last line of a notebook cell: shown
+        >>> view.save("attention.html")                   # the same viewer as a page
+    """
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data = data
+
+    def __repr__(self) -> str:
+        d = self.data
+        return (
+            f"AttentionView({d['title']!r}, layers={d['layers']}, heads={d['heads']}, "
+            f"T={d['T']}, S={d['S']}, mode={d['mode']!r})"
+        )
+
+    def fragment(self, uid: str | None = None) -> str:
+        """The viewer as an HTML fragment (no ``<html>``/``<body>``) to embed in any page.
+
+        Args:
+            uid: the root element's id, ``[A-Za-z][A-Za-z0-9_-]*`` up to 64 characters;
+                default a fresh random one, so the same view shown twice stays two viewers.
+        """
+        if uid is None:
+            uid = "attnlab-" + secrets.token_hex(6)
+        elif not isinstance(uid, str) or not _UID.fullmatch(uid):
+            raise ValueError(
+                f"uid must match [A-Za-z][A-Za-z0-9_-]* (at most 64 characters), got {uid!r}"
+            )
+        parts = {
+            "UID": uid,
+            "CSS": _asset("attention_view.css"),
+            "JS": _asset("attention_view.js"),
+            "DATA": _json_for_script(self.data),
+        }
+        # One pass over the template: text that contains a placeholder name (a title or token
+        # "__JS__") is inserted as it is, never substituted again.
+        return _PLACEHOLDER.sub(lambda m: parts[m.group(1)], _asset("attention_view_fragment.html"))
+
+    def _repr_html_(self) -> str:
+        """Jupyter's inline rendering: `fragment` with a fresh uid."""
+        return self.fragment()
+
+    def html(self, uid: str | None = None) -> str:
+        """A standalone page (a Content-Security-Policy forbids any fetch) with the viewer.
+
+        Args:
+            uid: see `fragment`; default derived from the data, so the same input gives the
+                same page byte for byte.
+        """
+        if uid is None:
+            digest = hashlib.sha1(_json_for_script(self.data).encode("utf-8")).hexdigest()
+            uid = "attnlab-" + digest[:12]
+        parts = {"TITLE": html.escape(self.data["title"]), "VIEWER": self.fragment(uid)}
+        return _PLACEHOLDER.sub(lambda m: parts[m.group(1)], _asset("attention_view.html"))
+
+    def save(self, path: PathLike) -> Path:
+        """Writes `html` to ``path`` (UTF-8, parents created); returns it.
+
+        Raises:
+            ValueError: ``path`` does not end in ``.html``/``.htm``.
+        """
+        out = Path(path)
+        if out.suffix.lower() not in (".html", ".htm"):
+            raise ValueError(f"path must end in .html, got {str(out)!r}")
+        text = self.html()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text, encoding="utf-8")
+        return out
+
+
+def show(
     tokens: Sequence[str],
-    weights: Tensor | Any,
+    weights: Tensor | Sequence[Tensor] | Any,
     *,
+    mask: Sequence[bool] | Tensor | None = None,
+    key_tokens: Sequence[str] | None = None,
+    key_mask: Sequence[bool] | Tensor | None = None,
+    batch: int | None = None,
+    sentence_b_start: int | None = None,
     title: str | None = None,
     subtitle: str | None = None,
     notes: Sequence[str] = (),
-    mask: Sequence[bool] | Tensor | None = None,
     layer: int = 0,
     head: int = 0,
     topk: int = 8,
     max_tokens: int = MAX_FULL_TOKENS,
     thumb_size: int = 64,
     decimals: int = DEFAULT_DECIMALS,
+) -> AttentionView:
+    """The attention viewer for a notebook: an `AttentionView` that Jupyter renders inline.
+
+    Head view (one head, or all heads of a layer overlaid, one colour per head with toggles),
+    model view (layers × heads thumbnails), per-head entropy and hover details; sentence-pair
+    filters (All, A→A, A→B, B→A, B→B) when ``sentence_b_start`` is given; cross-attention
+    (queries left, ``key_tokens`` right) when ``L != S``. Entropy per row:
+    ``−Σ_j p_ij log p_ij`` nats (its maximum, uniform attention, is ``log S``).
+
+    Args:
+        tokens: T (query) token strings, shown as text, never interpreted as HTML.
+        weights: ``(layers, heads, T, S)`` weights in ``[0, 1]`` (row i = query i), or
+            transformers' ``output_attentions`` / ``cross_attentions`` tuple (each
+            ``(B, H, T, S)``) as returned, or its stack ``(layers, B, H, T, S)``.
+        mask, key_tokens, key_mask, batch, sentence_b_start, title, subtitle, notes, layer,
+            head, topk, max_tokens, thumb_size, decimals: see `attention_data`.
+
+    Returns:
+        An `AttentionView` (``.save(path)`` writes the standalone page).
+
+    Example:
+        >>> from transformers import AutoModel, AutoTokenizer
+        >>> tok = AutoTokenizer.from_pretrained(path)
+        >>> model = AutoModel.from_pretrained(path, attn_implementation="eager")
+        >>> enc = tok("The cat sat.", "It was tired.", return_tensors="pt")
+        >>> out = model(**enc, output_attentions=True)
+        >>> tokens = tok.convert_ids_to_tokens(enc["input_ids"][0])
+        >>> b = enc["token_type_ids"][0].tolist().index(1)
+        >>> attnlab.show(tokens, out.attentions, sentence_b_start=b)   # renders in the cell
+    """
+    return AttentionView(
+        attention_data(
+            tokens,
+            weights,
+            mask=mask,
+            key_tokens=key_tokens,
+            key_mask=key_mask,
+            batch=batch,
+            sentence_b_start=sentence_b_start,
+            title=title,
+            subtitle=subtitle,
+            notes=notes,
+            layer=layer,
+            head=head,
+            topk=topk,
+            max_tokens=max_tokens,
+            thumb_size=thumb_size,
+            decimals=decimals,
+        )
+    )
+
+
+def attention_html(
+    tokens: Sequence[str], weights: Tensor | Sequence[Tensor] | Any, **options: Any
 ) -> str:
     """One self-contained HTML page that shows ``weights`` over ``tokens`` (see the module doc).
 
+    ``attention_html(tokens, weights, **options) == show(tokens, weights, **options).html()``.
+
     Args:
         tokens: T token strings (shown as text; never interpreted as HTML).
-        weights: ``(layers, heads, T, T)`` attention weights in ``[0, 1]``, row i = query i
-            (``(heads, T, T)`` is one layer).
-        title: page title (default "Attention"). subtitle: a line under it (e.g. the model).
-        notes: remarks shown in a box on the page.
-        mask: None or T bools (True = real token).
-        layer, head: the head selected when the page opens.
-        topk, max_tokens, thumb_size: long-input limits, see `attention_data`.
-        decimals: decimal places of the embedded weights (default 4).
+        weights: ``(layers, heads, T, S)`` attention weights in ``[0, 1]``, row i = query i
+            (``(heads, T, S)`` is one layer), or transformers' ``output_attentions`` tuple.
+        **options: the keywords of `show` (title, subtitle, notes, mask, key_tokens, key_mask,
+            batch, sentence_b_start, layer, head, topk, max_tokens, thumb_size, decimals).
 
     Returns:
         The HTML text (UTF-8; no external references).
     """
-    data = attention_data(
-        tokens,
-        weights,
-        mask=mask,
-        title=title,
-        subtitle=subtitle,
-        notes=notes,
-        layer=layer,
-        head=head,
-        topk=topk,
-        max_tokens=max_tokens,
-        thumb_size=thumb_size,
-        decimals=decimals,
-    )
-    parts = {
-        "TITLE": html.escape(data["title"]),
-        "CSS": _asset("attention_view.css"),
-        "JS": _asset("attention_view.js"),
-        "DATA": _json_for_script(data),
-    }
-    # One pass over the template: text that contains a placeholder name (a title or token
-    # "__JS__") is inserted as it is, never substituted again.
-    return _PLACEHOLDER.sub(lambda m: parts[m.group(1)], _asset("attention_view.html"))
+    return show(tokens, weights, **options).html()
 
 
 def save_attention_html(
-    tokens: Sequence[str], weights: Tensor | Any, path: PathLike, **kwargs: Any
+    tokens: Sequence[str], weights: Tensor | Sequence[Tensor] | Any, path: PathLike, **options: Any
 ) -> Path:
-    """Writes `attention_html` ``(tokens, weights, **kwargs)`` to ``path`` (UTF-8); returns it.
+    """Writes `attention_html` ``(tokens, weights, **options)`` to ``path`` (UTF-8); returns it.
 
     Raises:
         ValueError: ``path`` does not end in ``.html``/``.htm``, or bad inputs (see
@@ -375,10 +744,7 @@ def save_attention_html(
     out = Path(path)
     if out.suffix.lower() not in (".html", ".htm"):
         raise ValueError(f"path must end in .html, got {str(out)!r}")
-    text = attention_html(tokens, weights, **kwargs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text, encoding="utf-8")
-    return out
+    return show(tokens, weights, **options).save(out)
 
 
 # ----------------------------------------------------------------------------------------- text
@@ -391,6 +757,8 @@ def attention_text(
     heads: Sequence[int] | None = None,
     mask: Sequence[bool] | Tensor | None = None,
     decimals: int = 3,
+    key_tokens: Sequence[str] | None = None,
+    batch: int | None = None,
 ) -> str:
     """A terminal report: for every head, each query token's top-``k`` keys with their weights.
 
@@ -400,13 +768,17 @@ def attention_text(
     future under a causal mask — are not listed, so early causal rows list fewer).
 
     Args:
-        tokens, weights, mask: see `check_attention`.
-        k: keys listed per query (at most T).
+        tokens, weights, mask: see `check_inputs` (weights may be transformers'
+            ``output_attentions`` tuple; ``batch`` picks its item).
+        k: keys listed per query (at most S).
         layers, heads: which to print (default all).
         decimals: decimal places of the weights.
+        key_tokens: S key strings for cross-attention (default: the keys are ``tokens``).
+        batch: see `check_inputs`.
     """
-    tokens, w, m = check_attention(tokens, weights, mask)
-    Ly, H, T, _ = w.shape
+    got = check_inputs(tokens, weights, mask, key_tokens=key_tokens, batch=batch)
+    tokens, w, m = got.tokens, got.weights, got.mask
+    Ly, H, T, S = w.shape
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
     chosen = []
@@ -419,9 +791,10 @@ def attention_text(
                 f"{name} must be a non-empty list of indices in [0, {size}), got {sel!r}"
             )
         chosen.append(picked)
-    values, indices = top_weights(w, min(k, T))  # (layers, heads, T, k)
+    values, indices = top_weights(w, min(k, S))  # (layers, heads, T, k)
     rows, entropy = entropies(w, m)  # (layers, heads, T), (layers, heads)
     shown = [_display(t) for t in tokens]
+    keys = shown if got.key_tokens is None else [_display(t) for t in got.key_tokens]
     width = min(max(len(s) for s in shown), 16)
     lines: list[str] = []
     for layer in chosen[0]:
@@ -433,7 +806,7 @@ def attention_text(
                 if math.isnan(rows[layer, head, i]):  # a masked query
                     continue
                 pairs = "   ".join(
-                    f"{shown[j]} {v:.{decimals}f}"
+                    f"{keys[j]} {v:.{decimals}f}"
                     for v, j in zip(
                         values[layer, head, i].tolist(),
                         indices[layer, head, i].tolist(),
@@ -452,22 +825,26 @@ def _display(token: str) -> str:
 
 
 # ------------------------------------------------------------------------------- page template
-_PLACEHOLDER = re.compile(r"__(TITLE|CSS|JS|DATA)__")
+_PLACEHOLDER = re.compile(r"__(TITLE|VIEWER|UID|CSS|JS|DATA)__")
 
 
 @functools.cache
 def _asset(name: str) -> str:
-    """A file of the viewer (``assets/attention_view.{html,css,js}``, package data) as text."""
+    """A file of the viewer (``assets/attention_view*.{html,css,js}``, package data) as text."""
     return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
 
 
 __all__ = [
+    "AttentionInputs",
+    "AttentionView",
     "attention_data",
     "attention_html",
     "attention_text",
     "check_attention",
+    "check_inputs",
     "entropies",
     "pooled_thumbnails",
     "save_attention_html",
+    "show",
     "top_weights",
 ]
