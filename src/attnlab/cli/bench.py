@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..utils import Progress, best_times, text_table
-from ._args import check_output_file, nonnegative_float, positive_int
+from ._args import add_device_argument, check_output_file, nonnegative_float, positive_int
 
 CASES = ("window", "causal", "alibi", "memory")
 #: File types ``--plot`` can write (matplotlib's raster and vector formats).
@@ -69,9 +69,9 @@ class Report:
     info: dict[str, str] = field(default_factory=dict)
 
 
-def matmul_rate(n: int = 4096, repeats: int = 3) -> float:
-    """fp32 ``torch.mm`` GFLOP/s on n×n matrices (best of ``repeats``)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_rate(n: int = 4096, repeats: int = 3, device: torch.device | str = "cpu") -> float:
+    """fp32 ``torch.mm`` GFLOP/s on n×n matrices on ``device`` (best of ``repeats``)."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     best = best_times({"mm": lambda: torch.mm(a, b)}, repeats)["mm"]
     return 2 * n**3 / best / 1e9
 
@@ -104,19 +104,19 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # --------------------------------------------------------------------------- contenders
-def _flex(L: int, S: int, mask_mod, B: int, H: int):
+def _flex(L: int, S: int, mask_mod, B: int, H: int, device: torch.device | str = "cpu"):
     """Compiled FlexAttention with a BlockMask, or (None, reason)."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        block = create_block_mask(mask_mod, B=None, H=None, Q_LEN=L, KV_LEN=S, device="cpu")
+        block = create_block_mask(mask_mod, B=None, H=None, Q_LEN=L, KV_LEN=S, device=device)
         compiled = torch.compile(flex_attention, dynamic=False)
 
         def run(q, k, v):
             return compiled(q, k, v, block_mask=block)
 
         with torch.no_grad():  # compile now: failures are reported, not raised mid-benchmark
-            tiny = torch.zeros(B, H, L, 64)
+            tiny = torch.zeros(B, H, L, 64, device=device)
             run(tiny, tiny, tiny)
         return run, ""
     except Exception as e:
@@ -165,7 +165,7 @@ def case_window(args, report: Report, progress: Progress) -> None:
     from ..functional import attention
 
     B, H, D, L, w = args.batch, args.heads, args.dim, args.window_length, args.window
-    q, k, v, dout = (torch.randn(B, H, L, D) for _ in range(4))
+    q, k, v, dout = (torch.randn(B, H, L, D, device=args.device) for _ in range(4))
     mask = masks.sliding_window(w)
     pairs = mask.attended_pairs(L, L) * B * H
     useful = 4 * pairs * D / 1e9
@@ -173,7 +173,7 @@ def case_window(args, report: Report, progress: Progress) -> None:
     def flash(q, k, v):
         return attention(q, k, v, mask=mask, backend="flash")
 
-    dense = mask.to_dense(L, L)  # (1, 1, L, L) bool: what sdpa needs
+    dense = mask.to_dense(L, L, device=args.device)  # (1, 1, L, L) bool: what sdpa needs
 
     def sdpa(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
@@ -183,7 +183,7 @@ def case_window(args, report: Report, progress: Progress) -> None:
     outs = {"flash": fwd["flash"]()}
     outs["sdpa dense mask"] = fwd["sdpa dense mask"]()
     if not args.no_flex:
-        flex, why = _flex(L, L, lambda b, h, i, j: (i - j >= 0) & (i - j < w), B, H)
+        flex, why = _flex(L, L, lambda b, h, i, j: (i - j >= 0) & (i - j < w), B, H, args.device)
         if flex is not None:
             fwd["flex (compiled, BlockMask)"] = _no_grad(flex, q, k, v)
             outs["flex (compiled, BlockMask)"] = fwd["flex (compiled, BlockMask)"]()
@@ -236,7 +236,7 @@ def case_causal(args, report: Report, progress: Progress) -> None:
     from ..functional import attention
 
     B, H, D, L = args.batch, args.heads, args.dim, args.causal_length
-    q, k, v, dout = (torch.randn(B, H, L, D) for _ in range(4))
+    q, k, v, dout = (torch.randn(B, H, L, D, device=args.device) for _ in range(4))
     useful = 4 * masks.causal().attended_pairs(L, L) * B * H * D / 1e9
 
     def flash(q, k, v):
@@ -265,7 +265,7 @@ def case_alibi(args, report: Report, progress: Progress) -> None:
     from ..positional import ALiBi
 
     B, H, D, L = args.batch, args.heads, args.dim, args.alibi_length
-    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    q, k, v = (torch.randn(B, H, L, D, device=args.device) for _ in range(3))
     alibi = ALiBi(H)
     mask = masks.causal()
     useful = 4 * mask.attended_pairs(L, L) * B * H * D / 1e9
@@ -276,10 +276,14 @@ def case_alibi(args, report: Report, progress: Progress) -> None:
             return attention(q, k, v, mask=mask, bias=alibi, backend="flash")
 
     def build_bias() -> torch.Tensor:
-        i = torch.arange(L).view(1, 1, L, 1)
-        j = torch.arange(L).view(1, 1, 1, L)
+        dev = args.device
+        i = torch.arange(L, device=dev).view(1, 1, L, 1)
+        j = torch.arange(L, device=dev).view(1, 1, 1, L)
         bias = alibi(
-            torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.arange(H).view(1, H, 1, 1), i, j
+            torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev),
+            torch.arange(H, device=dev).view(1, H, 1, 1),
+            i,
+            j,
         )
         return bias.masked_fill(j > i, float("-inf"))  # (1, H, L, L) float: causal folded in
 
@@ -356,13 +360,17 @@ print(json.dumps({"growth_mb": peak() - base, "fwd_s": t_fwd, "fwd_bwd_s": total
 
 def case_memory(args, report: Report, progress: Progress) -> None:
     B, H, D, L = args.batch, args.heads, args.dim, args.memory_length
+    label = f"memory causal fwd+bwd L={L}"
+    if torch.device(args.device).type != "cpu":
+        note = f"skipped: measures the host's peak RSS (cpu only), not {args.device}"
+        report.rows.append(Row(label, "flash", None, note=note))
+        return
     progress.step(f"memory: causal fwd+bwd L={L} (subprocess)")
     proc = subprocess.run(
         [sys.executable, "-c", MEMORY_SCRIPT, str(B), str(H), str(L), str(D)],
         capture_output=True,
         text=True,
     )
-    label = f"memory causal fwd+bwd L={L}"
     if proc.returncode != 0:
         report.rows.append(Row(label, "flash", None, note=f"failed: {proc.stderr[-200:]}"))
         return
@@ -468,6 +476,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="also write a bar chart")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    add_device_argument(p)
     p.set_defaults(func=run_bench)
     return p
 
@@ -487,11 +496,11 @@ def run_bench(args: argparse.Namespace) -> int:
     report = Report()
     report.info["machine"] = (
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}"
+        f"torch {torch.__version__}, device {args.device}"
     )
     report.info["command"] = "attnlab bench " + " ".join(sys.argv[2:])
     progress.step("fp32 matmul rate")
-    report.matmul_gflops = matmul_rate()
+    report.matmul_gflops = matmul_rate(device=args.device)
     runners = {
         "window": case_window,
         "causal": case_causal,
