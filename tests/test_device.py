@@ -414,3 +414,19 @@ def test_experiments_seeded_and_collect_take_a_device(tiny_checkpoint):
     est = attnlab.analysis.estimate(16, 32, 2)
     attnlab.analysis.measure_estimate(est, ("naive",), device="cpu")
     assert est.measured["naive"]["seconds"] > 0
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_prune_heads_keeps_the_weights_device_and_dtype(fused):
+    """Was: index rows and new projections built on the CPU in float32, then moved."""
+    from attnlab.modules import MultiHeadAttention
+
+    kw = {} if fused else {"kdim": 12}
+    mha = MultiHeadAttention(16, 4, **kw).to(META, torch.float64)
+    spy = CpuSpy()
+    with spy:
+        mha.prune_heads([1])
+    params = list(mha.parameters())
+    assert {p.device for p in params} == {META} and {p.dtype for p in params} == {torch.float64}
+    assert mha.num_heads == 3 and mha.out_proj.weight.shape == (16, 12)
+    assert spy.made == []
