@@ -430,3 +430,18 @@ def test_prune_heads_keeps_the_weights_device_and_dtype(fused):
     assert {p.device for p in params} == {META} and {p.dtype for p in params} == {torch.float64}
     assert mha.num_heads == 3 and mha.out_proj.weight.shape == (16, 12)
     assert spy.made == []
+
+
+def test_head_output_norms_stay_on_the_model_device():
+    """Was: the ``(modules, H)`` table built on the CPU (``.cpu()`` of each row)."""
+    from attnlab.analysis.importance import output_norm
+
+    cfg = TransformerConfig(vocab_size=20, d_model=16, n_layers=2, n_heads=4)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    want = output_norm(model)
+    assert want.shape == (2, 4) and bool(torch.isfinite(want).all())
+    spy = CpuSpy()
+    with spy:
+        got = output_norm(model.to(META))
+    assert got.is_meta and got.shape == want.shape and spy.made == []
