@@ -445,3 +445,19 @@ def test_head_output_norms_stay_on_the_model_device():
     with spy:
         got = output_norm(model.to(META))
     assert got.is_meta and got.shape == want.shape and spy.made == []
+
+
+def test_bench_waits_for_an_asynchronous_device_in_every_timed_call(monkeypatch):
+    """CUDA kernels return before they finish: each timed call ends with a synchronize."""
+    from attnlab.utils import Progress
+
+    waits: list[object] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
+    calls: list[int] = []
+    times = bench.interleaved(
+        {"a": lambda: calls.append(1)}, 2, Progress(enabled=False), "x", torch.device("cuda")
+    )
+    assert len(calls) == 3 and waits == [torch.device("cuda")] * 3  # warm-up + 2 rounds
+    assert times["a"] >= 0
+    bench.interleaved({"a": lambda: calls.append(1)}, 1, Progress(enabled=False), "x", CPU)
+    assert len(calls) == 5 and len(waits) == 3  # the cpu is synchronous: no wait

@@ -72,14 +72,34 @@ class Report:
 def matmul_rate(n: int = 4096, repeats: int = 3, device: torch.device | str = "cpu") -> float:
     """fp32 ``torch.mm`` GFLOP/s on n×n matrices on ``device`` (best of ``repeats``)."""
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    best = best_times({"mm": lambda: torch.mm(a, b)}, repeats)["mm"]
+    best = best_times({"mm": _synced(lambda: torch.mm(a, b), device)}, repeats)["mm"]
     return 2 * n**3 / best / 1e9
 
 
+def _synced(fn: Callable[[], object], device: torch.device | str) -> Callable[[], object]:
+    """``fn`` followed by waiting for ``device`` (CUDA kernels are asynchronous: a timer must
+    wait for them); ``fn`` itself on the cpu."""
+    if torch.device(device).type != "cuda":
+        return fn
+
+    def run() -> object:
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out
+
+    return run
+
+
 def interleaved(
-    fns: dict[str, Callable[[], object]], repeats: int, progress: Progress, label: str
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    progress: Progress,
+    label: str,
+    device: torch.device | str = "cpu",
 ) -> dict[str, float]:
-    """Best time of each function over ``repeats`` rounds; one call of each per round."""
+    """Best time of each function on ``device`` over ``repeats`` rounds; one call of each per
+    round."""
+    fns = {name: _synced(fn, device) for name, fn in fns.items()}
     return best_times(fns, repeats, on_step=lambda what: progress.step(f"{label}: {what}"))
 
 
@@ -202,7 +222,7 @@ def case_window(args, report: Report, progress: Progress) -> None:
             f"skipped: its L×S scores need {3 * 4 * B * H * L * L / 1e9:.0f} GB"
         )
     label = f"window {w} L={L}"
-    times = interleaved(fwd, args.repeats, progress, label + " fwd")
+    times = interleaved(fwd, args.repeats, progress, label + " fwd", args.device)
     for name, t in times.items():
         err = _err(outs[name], outs["flash"]) if name in outs and name != "flash" else None
         report.rows.append(Row(label + " fwd", name, t, useful / t, max_err=err))
@@ -224,7 +244,7 @@ def case_window(args, report: Report, progress: Progress) -> None:
             bwd_notes["flex (compiled, BlockMask)"] = f"{type(e).__name__}: {str(e)[:70]}"
     if local is not None:
         bwd["local-attention"] = _fwd_bwd(local, q, k, v, dout)
-    times = interleaved(bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd")
+    times = interleaved(bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd", args.device)
     for name, t in times.items():
         report.rows.append(Row(label + " fwd+bwd", name, t, 3.5 * useful / t))
     for name, why in bwd_notes.items():
@@ -248,14 +268,16 @@ def case_causal(args, report: Report, progress: Progress) -> None:
     label = f"causal L={L}"
     fwd = {"flash": _no_grad(flash, q, k, v), "sdpa is_causal": _no_grad(sdpa, q, k, v)}
     err = _err(fwd["flash"](), fwd["sdpa is_causal"]())
-    for name, t in interleaved(fwd, args.repeats, progress, label + " fwd").items():
+    for name, t in interleaved(fwd, args.repeats, progress, label + " fwd", args.device).items():
         report.rows.append(
             Row(label + " fwd", name, t, useful / t, max_err=err if name != "flash" else None)
         )
     if args.no_backward:
         return
     bwd = {"flash": _fwd_bwd(flash, q, k, v, dout), "sdpa is_causal": _fwd_bwd(sdpa, q, k, v, dout)}
-    for name, t in interleaved(bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd").items():
+    for name, t in interleaved(
+        bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd", args.device
+    ).items():
         report.rows.append(Row(label + " fwd+bwd", name, t, 3.5 * useful / t))
 
 
@@ -289,7 +311,7 @@ def case_alibi(args, report: Report, progress: Progress) -> None:
 
     gb = 4 * H * L * L / 1e9
     if gb > args.max_bias_gb:
-        t = interleaved({"flash": flash}, args.repeats, progress, label)["flash"]
+        t = interleaved({"flash": flash}, args.repeats, progress, label, args.device)["flash"]
         report.rows.append(Row(label, "flash", t, useful / t))
         report.rows.append(
             Row(
@@ -321,7 +343,7 @@ def case_alibi(args, report: Report, progress: Progress) -> None:
         "sdpa (bias prebuilt)": sdpa_prebuilt,
         "sdpa (+ building the bias)": sdpa_with_build,
     }
-    times = interleaved(fns, args.repeats, progress, label)
+    times = interleaved(fns, args.repeats, progress, label, args.device)
     for name, t in times.items():
         report.rows.append(
             Row(
