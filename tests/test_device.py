@@ -461,3 +461,71 @@ def test_bench_waits_for_an_asynchronous_device_in_every_timed_call(monkeypatch)
     assert times["a"] >= 0
     bench.interleaved({"a": lambda: calls.append(1)}, 1, Progress(enabled=False), "x", CPU)
     assert len(calls) == 5 and len(waits) == 3  # the cpu is synchronous: no wait
+
+
+def test_resume_takes_a_device_without_calling_it_a_changed_setting(tmp_path, capsys, monkeypatch):
+    """``--device`` is not a stored setting: a run may continue on another device."""
+    seen = {}
+    monkeypatch.setattr(train, "train", lambda settings, **kw: seen.update(kw) or 1 / 0)
+    (tmp_path / "ckpt.safetensors").write_bytes(b"")
+    code, _, err = _run(["train", "--out", str(tmp_path), "--resume", "--device", "cpu"], capsys)
+    assert code == 1 and "ZeroDivisionError" in err  # reached train(...), which then failed
+    assert seen["device"] == CPU and seen["resume"] == str(tmp_path / "ckpt.safetensors")
+
+
+def _modules_on_meta():
+    from attnlab.models import BertConfig, BertEncoder, Encoder
+    from attnlab.modules import (
+        AdditiveAttention,
+        FNetMixing,
+        KVCache,
+        LinearAttention,
+        MultiHeadAttention,
+        MultiheadAttention,
+        PerformerAttention,
+        SinkCache,
+        SlidingWindowCache,
+    )
+    from attnlab.positional import RoPE
+
+    x = torch.empty(2, 9, 16, device=META)
+    q = torch.empty(2, 4, 9, 8, device=META)
+    ids = torch.zeros(2, 9, dtype=torch.long, device=META)
+    bert = BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=32,
+    )
+    mha = MultiHeadAttention(16, 4).to(META)
+    torch_mha = MultiheadAttention(16, 4, batch_first=True).to(META)
+    linear = LinearAttention().to(META)
+    performer = PerformerAttention(8, seed=0).to(META)
+    additive = AdditiveAttention(16, 16, 8).to(META)
+    rope = RoPE(8).to(META)
+    encoder = Encoder(TransformerConfig(vocab_size=50, d_model=16, n_heads=4)).to(META)
+    bert_encoder = BertEncoder(bert).to(META)
+    return {
+        "MultiHeadAttention causal": lambda: mha(x, mask=masks.causal()),
+        "MultiHeadAttention KVCache": lambda: mha(x, cache=KVCache()),
+        "MultiHeadAttention SlidingWindowCache": lambda: mha(x, cache=SlidingWindowCache(4)),
+        "MultiHeadAttention SinkCache": lambda: mha(x, cache=SinkCache(2, 4)),
+        "torch-compatible MultiheadAttention": lambda: torch_mha(x, x, x)[0],
+        "LinearAttention": lambda: linear(q, q, q),
+        "PerformerAttention": lambda: performer(q, q, q),
+        "AdditiveAttention": lambda: additive(x, x)[0],
+        "FNetMixing": lambda: FNetMixing()(x),
+        "RoPE": lambda: rope(q, torch.arange(9, device=META)),
+        "Encoder": lambda: encoder(ids),
+        "BertEncoder": lambda: bert_encoder(ids).last_hidden_state,
+    }
+
+
+def test_modules_and_models_run_on_meta_without_cpu_tensors():
+    for name, forward in _modules_on_meta().items():
+        spy = CpuSpy()
+        with spy:
+            out = forward()
+        assert isinstance(out, torch.Tensor) and out.is_meta, name
+        assert spy.made == [], (name, spy.made)
