@@ -261,7 +261,9 @@ def train(
         device: where the model, the text and every batch live (default cpu). The model is
             initialised on the host and moved, and batches are drawn with a CPU generator, so
             the initial weights and batch order do not depend on the device; ``device`` is not a
-            setting (a run may resume on another device).
+            setting (a run may resume on another device). The checkpoint stores the CPU RNG
+            state; on an accelerator, dropout draws from that device's RNG, which a resume does
+            not restore, so there a resumed run equals an uninterrupted one only without dropout.
     """
     device = torch.device(device)
     s = settings if settings is not None else TrainSettings()
