@@ -161,7 +161,7 @@ def test_an_unexpected_error_is_one_line_with_exit_1(monkeypatch, capsys):
 
 
 def test_bench_quick_keeps_explicit_lengths(monkeypatch, capsys):
-    monkeypatch.setattr(bench, "matmul_rate", lambda: 1.0)
+    monkeypatch.setattr(bench, "matmul_rate", lambda **kw: 1.0)
     seen = {}
 
     def record(args, report, progress):

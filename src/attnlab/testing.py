@@ -104,11 +104,16 @@ def assert_close_rule(
 
 
 def seeded(
-    *shape: int, dtype: torch.dtype = torch.float64, seed: int = 0, scale: float = 1.0
+    *shape: int,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+    scale: float = 1.0,
+    device: torch.device | str | None = None,
 ) -> Tensor:
-    """A reproducible unit-normal tensor."""
+    """A reproducible unit-normal tensor: drawn on the CPU generator (the same values on every
+    device), then moved to ``device`` (default cpu)."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(device, dtype)
 
 
 def _forward(fn, inputs: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
@@ -156,7 +161,7 @@ def check_against_reference(
     errors = {"out": _max_err(impl.detach(), golden.detach())}
     if grads:
         # the golden backward sees the same dout as the others: rounded to the input dtype
-        dout = seeded(*golden.shape, seed=seed).to(dtype)
+        dout = seeded(*golden.shape, seed=seed, device=golden.device).to(dtype)
         triples = zip(
             _backward(impl, xsi, dout),
             _backward(golden, xs64, dout),

@@ -140,9 +140,12 @@ def unigram_entropy(ids: Tensor, vocab_size: int) -> float:
 def get_batch(
     data: Tensor, batch_size: int, seq_len: int, generator: torch.Generator
 ) -> tuple[Tensor, Tensor]:
-    """Random windows: inputs ``(B, L)`` and next-character targets ``(B, L)``."""
+    """Random windows: inputs ``(B, L)`` and next-character targets ``(B, L)`` on ``data``'s
+    device. The start positions are drawn with ``generator`` (a CPU generator gives the same
+    batches on every device) and moved to that device."""
     starts = torch.randint(0, len(data) - seq_len, (batch_size,), generator=generator)  # (B,)
-    offsets = starts[:, None] + torch.arange(seq_len + 1)  # (B, L + 1)
+    starts = starts.to(data.device)
+    offsets = starts[:, None] + torch.arange(seq_len + 1, device=data.device)  # (B, L + 1)
     window = data[offsets]  # (B, L + 1)
     return window[:, :-1], window[:, 1:]
 
@@ -217,8 +220,13 @@ def _save(
     return path
 
 
-def load_model(path: str | os.PathLike) -> tuple[GPT, list[str], Checkpoint]:
-    """The `GPT` saved by `train` in ``path`` (verified), its vocabulary and the checkpoint."""
+def load_model(
+    path: str | os.PathLike, *, device: torch.device | str = "cpu"
+) -> tuple[GPT, list[str], Checkpoint]:
+    """The `GPT` saved by `train` in ``path`` (verified), its vocabulary and the checkpoint.
+
+    The file is read and verified on the host; the model is then moved to ``device``.
+    """
     ck = load_checkpoint(path)
     try:
         config = TransformerConfig.from_dict(json.loads(ck.metadata["config"]))
@@ -227,7 +235,7 @@ def load_model(path: str | os.PathLike) -> tuple[GPT, list[str], Checkpoint]:
         raise ValueError(f"{path}: not a checkpoint written by attnlab train (no {e})") from None
     model = GPT(config)
     ck.load_into(model, prefix="model.", strict=True)
-    return model, vocab, ck
+    return model.to(device), vocab, ck
 
 
 # ------------------------------------------------------------------------------------ training
@@ -238,6 +246,7 @@ def train(
     stop_at: int | None = None,
     progress: bool = False,
     log: Callable[[str], None] = print,
+    device: torch.device | str = "cpu",
 ) -> TrainResult:
     """Trains a character-level `GPT`; see the module docstring.
 
@@ -249,7 +258,14 @@ def train(
         stop_at: stop (and save) after this step, e.g. to split a run into parts.
         progress: show a tqdm progress bar with loss and tokens/s (if tqdm is installed).
         log: receives one line per evaluation and the summary.
+        device: where the model, the text and every batch live (default cpu). The model is
+            initialised on the host and moved, and batches are drawn with a CPU generator, so
+            the initial weights and batch order do not depend on the device; ``device`` is not a
+            setting (a run may resume on another device). The checkpoint stores the CPU RNG
+            state; on an accelerator, dropout draws from that device's RNG, which a resume does
+            not restore, so there a resumed run equals an uninterrupted one only without dropout.
     """
+    device = torch.device(device)
     s = settings if settings is not None else TrainSettings()
     ck = None
     if resume is not None:
@@ -265,7 +281,7 @@ def train(
     unknown = sorted(set(text) - set(index))
     if unknown:
         raise ValueError(f"the text has characters {unknown} outside the checkpoint's vocabulary")
-    data = torch.tensor([index[c] for c in text], dtype=torch.long)  # (N,)
+    data = torch.tensor([index[c] for c in text], dtype=torch.long, device=device)  # (N,)
     if len(data) < 10 * (s.seq_len + 1):
         raise ValueError(
             f"the text has {len(data)} characters; seq_len={s.seq_len} needs at least "
@@ -276,7 +292,7 @@ def train(
     entropy = unigram_entropy(train_data, len(vocab))
 
     torch.manual_seed(s.seed)
-    model = GPT(s.model_config(len(vocab)))
+    model = GPT(s.model_config(len(vocab))).to(device)
     model.gradient_checkpointing = s.grad_checkpointing
     opt = torch.optim.AdamW(_groups(model, s.weight_decay), lr=s.lr, betas=(0.9, 0.99))
     batch_rng = torch.Generator().manual_seed(s.seed)
@@ -322,7 +338,7 @@ def train(
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
         x, y = get_batch(train_data, s.batch_size, s.seq_len, batch_rng)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.bf16):
             logits = model(x)  # (B, L, V)
         loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         opt.zero_grad(set_to_none=True)
@@ -373,15 +389,17 @@ def sample_text(
     use_cache: bool = True,
     seed: int = 0,
 ) -> str:
-    """Continues ``prompt`` (every character must be in ``vocab``) by sampling the model."""
+    """Continues ``prompt`` (every character must be in ``vocab``) by sampling the model on its
+    device (the prompt and the sampling generator are created there)."""
     index = {c: i for i, c in enumerate(vocab)}
     unknown = sorted(set(prompt) - set(index))
     if unknown:
         raise ValueError(f"prompt has characters {unknown} that are not in the vocabulary")
     if not prompt:
         raise ValueError("prompt must not be empty")
-    idx = torch.tensor([[index[c] for c in prompt]], dtype=torch.long)  # (1, L)
-    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    idx = torch.tensor([[index[c] for c in prompt]], dtype=torch.long, device=device)  # (1, L)
+    g = torch.Generator(device=device).manual_seed(seed)
     out = model.generate(idx, max_new_tokens, temperature, top_k, use_cache=use_cache, generator=g)
     return "".join(vocab[i] for i in out[0].tolist())
 

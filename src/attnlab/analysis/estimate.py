@@ -229,10 +229,22 @@ def estimate(
     return est
 
 
-def measure_estimate(est: Estimate, implementations: tuple[str, ...] = IMPLEMENTATIONS) -> Estimate:
-    """Runs the configuration (one layer, forward + backward) and records time and peak memory."""
+def measure_estimate(
+    est: Estimate,
+    implementations: tuple[str, ...] = IMPLEMENTATIONS,
+    *,
+    device: torch.device | str | None = None,
+) -> Estimate:
+    """Runs the configuration (one layer, forward + backward) and records time and peak memory.
+
+    Inputs are drawn on the CPU generator and moved to ``device`` (default cpu). Peak memory is
+    the process's resident-set growth on cpu and ``torch.cuda.max_memory_allocated`` growth on
+    cuda.
+    """
     from ..functional import attention, backends
     from .measure import measure
+
+    device = torch.device("cpu" if device is None else device)
 
     c = est.config
     dtype = getattr(torch, c["dtype"])
@@ -250,7 +262,7 @@ def measure_estimate(est: Estimate, implementations: tuple[str, ...] = IMPLEMENT
         def make():
             g = torch.Generator().manual_seed(0)
             return [
-                torch.randn(B, n, t, D, generator=g, dtype=dtype).requires_grad_()
+                torch.randn(B, n, t, D, generator=g, dtype=dtype).to(device).requires_grad_()
                 for n, t in ((H, L), (H_kv, S), (H_kv, S))
             ]
 
@@ -267,6 +279,13 @@ def measure_estimate(est: Estimate, implementations: tuple[str, ...] = IMPLEMENT
             out.sum().backward()
 
         run()  # warm-up
-        _, seconds, peak = measure(run)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            _, seconds, _ = measure(lambda: (run(), torch.cuda.synchronize(device)))
+            peak = torch.cuda.max_memory_allocated(device) - before
+        else:
+            _, seconds, peak = measure(run)
         est.measured[impl] = {"seconds": seconds, "peak_bytes": float(peak)}
     return est

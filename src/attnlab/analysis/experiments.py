@@ -54,17 +54,20 @@ def scaling_experiment(
     samples: int = 4096,
     keys: int = 64,
     seed: int = 0,
+    device: torch.device | str | None = None,
 ) -> ExperimentResult:
     """Variance of q·k and softmax saturation against d_k, with and without 1/√d_k.
 
     Returns one row per d_k: variance of unscaled and scaled logits, softmax entropy and the norm
     of the softmax Jacobian (the gradient's size) for unscaled and scaled logits over ``keys`` keys.
+    The samples are drawn on the CPU generator (the same on every device) and computed on
+    ``device`` (default cpu).
     """
     g = torch.Generator().manual_seed(seed)
     rows = []
     for d in d_ks:
-        q = torch.randn(samples, 1, d, generator=g, dtype=torch.float64)
-        k = torch.randn(samples, keys, d, generator=g, dtype=torch.float64)
+        q = torch.randn(samples, 1, d, generator=g, dtype=torch.float64).to(device)
+        k = torch.randn(samples, keys, d, generator=g, dtype=torch.float64).to(device)
         raw = (q @ k.transpose(-1, -2)).squeeze(1)  # (samples, keys)
         scaled = raw / math.sqrt(d)
         e_raw, j_raw = _softmax_stats(raw)
@@ -92,11 +95,15 @@ def temperature_experiment(
     samples: int = 4096,
     keys: int = 64,
     seed: int = 0,
+    device: torch.device | str | None = None,
 ) -> ExperimentResult:
-    """Softmax entropy and maximum weight of scaled logits divided by a temperature T."""
+    """Softmax entropy and maximum weight of scaled logits divided by a temperature T.
+
+    The samples are drawn on the CPU generator and computed on ``device`` (default cpu).
+    """
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(samples, 1, d_k, generator=g, dtype=torch.float64)
-    k = torch.randn(samples, keys, d_k, generator=g, dtype=torch.float64)
+    q = torch.randn(samples, 1, d_k, generator=g, dtype=torch.float64).to(device)
+    k = torch.randn(samples, keys, d_k, generator=g, dtype=torch.float64).to(device)
     logits = (q @ k.transpose(-1, -2)).squeeze(1) / math.sqrt(d_k)
     rows = []
     for t in temperatures:

@@ -76,13 +76,14 @@ def output_norm(model: nn.Module) -> Tensor:
 
 
 def _stack(rows: list[Tensor]) -> Tensor:
-    """``(modules, max H)``; modules with fewer heads (pruned) are padded with NaN."""
+    """``(modules, max H)`` on the first row's device; modules with fewer heads (pruned) are
+    padded with NaN."""
     if not rows:
         raise ValueError("the model has no attnlab attention modules")
     width = max(r.numel() for r in rows)
-    out = torch.full((len(rows), width), torch.nan, dtype=rows[0].dtype)
+    out = torch.full((len(rows), width), torch.nan, dtype=rows[0].dtype, device=rows[0].device)
     for i, r in enumerate(rows):
-        out[i, : r.numel()] = r.detach().cpu()
+        out[i, : r.numel()] = r.detach()
     return out
 
 

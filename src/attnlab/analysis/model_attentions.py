@@ -56,9 +56,10 @@ def _load_minilm() -> Any:
     return minilm()
 
 
-def minilm_attentions(text: str) -> Attentions:
-    """all-MiniLM-L6-v2's attention over ``text`` (the model is loaded once per process)."""
-    model = _load_minilm()
+def minilm_attentions(text: str, *, device: torch.device | str = "cpu") -> Attentions:
+    """all-MiniLM-L6-v2's attention over ``text`` (the model is loaded once per process and run
+    on ``device``; the weights come back on the host for drawing)."""
+    model = _load_minilm().to(device)
     tokens, weights = model.attentions(text)  # (layers, heads, T, T)
     notes = []
     if len(tokens) >= model.max_seq_length and model.tokenizer.encode(text).overflowing:
@@ -70,6 +71,8 @@ def gpt_attentions(model: nn.Module, vocab: list[str], text: str) -> Attentions:
     """A character-level `attnlab.models.GPT`'s causal attention over ``text``.
 
     Characters are the tokens. The text is cut to the model's ``max_seq_len`` (with a note).
+    The model runs on its own device; the weights are copied to the host (``.cpu()``) because
+    they are drawn or printed.
 
     Raises:
         ValueError: empty text, or characters outside ``vocab`` (listed).
@@ -88,7 +91,8 @@ def gpt_attentions(model: nn.Module, vocab: list[str], text: str) -> Attentions:
     if len(text) > limit:
         notes.append(f"The text was cut to the model's max_seq_len = {limit} characters.")
         text = text[:limit]
-    idx = torch.tensor([[index[c] for c in text]], dtype=torch.long)  # (1, T)
+    device = next(model.parameters()).device
+    idx = torch.tensor([[index[c] for c in text]], dtype=torch.long, device=device)  # (1, T)
     was_training = model.training
     model.eval()
     try:
@@ -96,14 +100,17 @@ def gpt_attentions(model: nn.Module, vocab: list[str], text: str) -> Attentions:
             weights = module_attentions(model, lambda: model(idx))  # (layers, H, T, T)
     finally:
         model.train(was_training)
-    return Attentions(list(text), weights.float(), "character-level GPT", notes)
+    return Attentions(list(text), weights.float().cpu(), "character-level GPT", notes)
 
 
-def checkpoint_attentions(path: str | Path, text: str) -> Attentions:
-    """`gpt_attentions` of the GPT saved by ``attnlab train`` at ``path`` (verified on load)."""
+def checkpoint_attentions(
+    path: str | Path, text: str, *, device: torch.device | str = "cpu"
+) -> Attentions:
+    """`gpt_attentions` of the GPT saved by ``attnlab train`` at ``path`` (verified on load, then
+    moved to ``device``)."""
     from ..train import load_model
 
-    model, vocab, _ = load_model(path)
+    model, vocab, _ = load_model(path, device=device)
     result = gpt_attentions(model, vocab, text)
     cfg = model.config
     result.model = (
@@ -113,8 +120,15 @@ def checkpoint_attentions(path: str | Path, text: str) -> Attentions:
     return result
 
 
-def collect(text: str, *, model: str | None = None, checkpoint: str | None = None) -> Attentions:
-    """Runs the chosen model on ``text``: ``minilm`` (default), or ``gpt`` with a checkpoint."""
+def collect(
+    text: str,
+    *,
+    model: str | None = None,
+    checkpoint: str | None = None,
+    device: torch.device | str = "cpu",
+) -> Attentions:
+    """Runs the chosen model on ``text`` on ``device``: ``minilm`` (default), or ``gpt`` with a
+    checkpoint. The weights are returned on the host (they are drawn or printed)."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     kind = model if model is not None else ("gpt" if checkpoint is not None else "minilm")
@@ -125,12 +139,12 @@ def collect(text: str, *, model: str | None = None, checkpoint: str | None = Non
             raise ValueError(
                 "--model gpt needs --checkpoint PATH (a file written by attnlab train)"
             )
-        return checkpoint_attentions(checkpoint, text)
+        return checkpoint_attentions(checkpoint, text, device=device)
     if checkpoint is not None:
         raise ValueError(
             "--checkpoint is a GPT checkpoint written by attnlab train; drop --model minilm"
         )
-    return minilm_attentions(text)
+    return minilm_attentions(text, device=device)
 
 
 __all__ = [

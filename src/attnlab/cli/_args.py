@@ -1,8 +1,10 @@
 """Shared pieces of the ``attnlab`` command: argument types and output-path checks.
 
 Argument types raise `argparse.ArgumentTypeError`, so a bad value is reported by the parser
-(one line, exit code 2) before a command starts. `check_output_file` and `check_output_dir` run
-at the start of a command, before any long work, and raise `UsageError`.
+(one line, exit code 2) before a command starts; this includes ``--device`` (`device_type`,
+declared by `add_device_argument`), so an unavailable device never costs a model load.
+`check_output_file` and `check_output_dir` run at the start of a command, before any long
+work, and raise `UsageError`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 
 class UsageError(ValueError):
@@ -78,6 +82,88 @@ def existing_file(text: str) -> str:
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"not a regular file: {text!r}")
     return text
+
+
+#: Device types a computing command can run on when torch reports them available.
+_ACCELERATORS = ("cuda", "mps", "xpu")
+
+
+def _accelerator_count(kind: str) -> int:
+    """How many devices of type ``kind`` torch can use here (0 when unavailable or unknown)."""
+    if kind == "cuda":
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if kind == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        return 1 if mps is not None and mps.is_available() else 0
+    if kind == "xpu":
+        xpu = getattr(torch, "xpu", None)
+        return xpu.device_count() if xpu is not None and xpu.is_available() else 0
+    return 0
+
+
+def available_devices() -> list[str]:
+    """The devices the commands accept on this machine, e.g. ``["cpu"]`` or
+    ``["cpu", "cuda:0", "cuda:1"]``."""
+    found = ["cpu"]
+    for kind in _ACCELERATORS:
+        n = _accelerator_count(kind)
+        found += [kind] if kind == "mps" and n else [f"{kind}:{i}" for i in range(n)]
+    return found
+
+
+def device_type(text: str) -> torch.device:
+    """An argparse type: a torch device that is available on this machine.
+
+    ``cpu`` always; ``cuda``/``cuda:N``, ``mps``, ``xpu``/``xpu:N`` when torch reports them
+    available (and N exists). ``meta`` is refused: meta tensors have shapes but no values, so
+    there would be nothing to print or write. A malformed or unavailable device is reported by
+    the parser (one line naming ``--device``, the value and what is available; exit code 2)
+    before any model, checkpoint or tensor is loaded.
+    """
+    available = ", ".join(available_devices())
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(
+            f"expected a torch device such as cpu, cuda or cuda:0 (available here: {available}), "
+            f"got {text!r}"
+        ) from None
+    if device.type == "cpu":
+        if device.index not in (None, 0):
+            raise argparse.ArgumentTypeError(
+                f"there is one cpu device (cpu or cpu:0), got {text!r}"
+            )
+        return torch.device("cpu")
+    if device.type == "meta":
+        raise argparse.ArgumentTypeError(
+            "meta tensors have shapes but no values, so a command has nothing to print or "
+            f"write; choose one of: {available}; got {text!r}"
+        )
+    count = _accelerator_count(device.type)
+    if count == 0:
+        raise argparse.ArgumentTypeError(
+            f"{device.type} is not available on this machine (available: {available}), got {text!r}"
+        )
+    if device.index is not None and device.index >= count:
+        raise argparse.ArgumentTypeError(
+            f"{device.type} has {count} device(s) here (available: {available}), got {text!r}"
+        )
+    return device
+
+
+device_type.__name__ = "device"
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """Declares ``--device`` (default cpu, checked by `device_type`) on a computing command."""
+    parser.add_argument(
+        "--device",
+        type=device_type,
+        default=torch.device("cpu"),
+        metavar="DEVICE",
+        help="torch device to compute on: cpu (default), cuda, cuda:N, mps or xpu when "
+        f"available (here: {', '.join(available_devices())})",
+    )
 
 
 def _can_create_in(directory: Path) -> bool:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..utils import Progress, best_times, text_table
-from ._args import check_output_file, nonnegative_float, positive_int
+from ._args import add_device_argument, check_output_file, nonnegative_float, positive_int
 
 CASES = ("window", "causal", "alibi", "memory")
 #: File types ``--plot`` can write (matplotlib's raster and vector formats).
@@ -69,17 +69,37 @@ class Report:
     info: dict[str, str] = field(default_factory=dict)
 
 
-def matmul_rate(n: int = 4096, repeats: int = 3) -> float:
-    """fp32 ``torch.mm`` GFLOP/s on n×n matrices (best of ``repeats``)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    best = best_times({"mm": lambda: torch.mm(a, b)}, repeats)["mm"]
+def matmul_rate(n: int = 4096, repeats: int = 3, device: torch.device | str = "cpu") -> float:
+    """fp32 ``torch.mm`` GFLOP/s on n×n matrices on ``device`` (best of ``repeats``)."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    best = best_times({"mm": _synced(lambda: torch.mm(a, b), device)}, repeats)["mm"]
     return 2 * n**3 / best / 1e9
 
 
+def _synced(fn: Callable[[], object], device: torch.device | str) -> Callable[[], object]:
+    """``fn`` followed by waiting for ``device`` (CUDA kernels are asynchronous: a timer must
+    wait for them); ``fn`` itself on the cpu."""
+    if torch.device(device).type != "cuda":
+        return fn
+
+    def run() -> object:
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out
+
+    return run
+
+
 def interleaved(
-    fns: dict[str, Callable[[], object]], repeats: int, progress: Progress, label: str
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    progress: Progress,
+    label: str,
+    device: torch.device | str = "cpu",
 ) -> dict[str, float]:
-    """Best time of each function over ``repeats`` rounds; one call of each per round."""
+    """Best time of each function on ``device`` over ``repeats`` rounds; one call of each per
+    round."""
+    fns = {name: _synced(fn, device) for name, fn in fns.items()}
     return best_times(fns, repeats, on_step=lambda what: progress.step(f"{label}: {what}"))
 
 
@@ -104,19 +124,19 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # --------------------------------------------------------------------------- contenders
-def _flex(L: int, S: int, mask_mod, B: int, H: int):
+def _flex(L: int, S: int, mask_mod, B: int, H: int, device: torch.device | str = "cpu"):
     """Compiled FlexAttention with a BlockMask, or (None, reason)."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        block = create_block_mask(mask_mod, B=None, H=None, Q_LEN=L, KV_LEN=S, device="cpu")
+        block = create_block_mask(mask_mod, B=None, H=None, Q_LEN=L, KV_LEN=S, device=device)
         compiled = torch.compile(flex_attention, dynamic=False)
 
         def run(q, k, v):
             return compiled(q, k, v, block_mask=block)
 
         with torch.no_grad():  # compile now: failures are reported, not raised mid-benchmark
-            tiny = torch.zeros(B, H, L, 64)
+            tiny = torch.zeros(B, H, L, 64, device=device)
             run(tiny, tiny, tiny)
         return run, ""
     except Exception as e:
@@ -165,7 +185,7 @@ def case_window(args, report: Report, progress: Progress) -> None:
     from ..functional import attention
 
     B, H, D, L, w = args.batch, args.heads, args.dim, args.window_length, args.window
-    q, k, v, dout = (torch.randn(B, H, L, D) for _ in range(4))
+    q, k, v, dout = (torch.randn(B, H, L, D, device=args.device) for _ in range(4))
     mask = masks.sliding_window(w)
     pairs = mask.attended_pairs(L, L) * B * H
     useful = 4 * pairs * D / 1e9
@@ -173,7 +193,7 @@ def case_window(args, report: Report, progress: Progress) -> None:
     def flash(q, k, v):
         return attention(q, k, v, mask=mask, backend="flash")
 
-    dense = mask.to_dense(L, L)  # (1, 1, L, L) bool: what sdpa needs
+    dense = mask.to_dense(L, L, device=args.device)  # (1, 1, L, L) bool: what sdpa needs
 
     def sdpa(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
@@ -183,7 +203,7 @@ def case_window(args, report: Report, progress: Progress) -> None:
     outs = {"flash": fwd["flash"]()}
     outs["sdpa dense mask"] = fwd["sdpa dense mask"]()
     if not args.no_flex:
-        flex, why = _flex(L, L, lambda b, h, i, j: (i - j >= 0) & (i - j < w), B, H)
+        flex, why = _flex(L, L, lambda b, h, i, j: (i - j >= 0) & (i - j < w), B, H, args.device)
         if flex is not None:
             fwd["flex (compiled, BlockMask)"] = _no_grad(flex, q, k, v)
             outs["flex (compiled, BlockMask)"] = fwd["flex (compiled, BlockMask)"]()
@@ -202,7 +222,7 @@ def case_window(args, report: Report, progress: Progress) -> None:
             f"skipped: its L×S scores need {3 * 4 * B * H * L * L / 1e9:.0f} GB"
         )
     label = f"window {w} L={L}"
-    times = interleaved(fwd, args.repeats, progress, label + " fwd")
+    times = interleaved(fwd, args.repeats, progress, label + " fwd", args.device)
     for name, t in times.items():
         err = _err(outs[name], outs["flash"]) if name in outs and name != "flash" else None
         report.rows.append(Row(label + " fwd", name, t, useful / t, max_err=err))
@@ -224,7 +244,7 @@ def case_window(args, report: Report, progress: Progress) -> None:
             bwd_notes["flex (compiled, BlockMask)"] = f"{type(e).__name__}: {str(e)[:70]}"
     if local is not None:
         bwd["local-attention"] = _fwd_bwd(local, q, k, v, dout)
-    times = interleaved(bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd")
+    times = interleaved(bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd", args.device)
     for name, t in times.items():
         report.rows.append(Row(label + " fwd+bwd", name, t, 3.5 * useful / t))
     for name, why in bwd_notes.items():
@@ -236,7 +256,7 @@ def case_causal(args, report: Report, progress: Progress) -> None:
     from ..functional import attention
 
     B, H, D, L = args.batch, args.heads, args.dim, args.causal_length
-    q, k, v, dout = (torch.randn(B, H, L, D) for _ in range(4))
+    q, k, v, dout = (torch.randn(B, H, L, D, device=args.device) for _ in range(4))
     useful = 4 * masks.causal().attended_pairs(L, L) * B * H * D / 1e9
 
     def flash(q, k, v):
@@ -248,14 +268,16 @@ def case_causal(args, report: Report, progress: Progress) -> None:
     label = f"causal L={L}"
     fwd = {"flash": _no_grad(flash, q, k, v), "sdpa is_causal": _no_grad(sdpa, q, k, v)}
     err = _err(fwd["flash"](), fwd["sdpa is_causal"]())
-    for name, t in interleaved(fwd, args.repeats, progress, label + " fwd").items():
+    for name, t in interleaved(fwd, args.repeats, progress, label + " fwd", args.device).items():
         report.rows.append(
             Row(label + " fwd", name, t, useful / t, max_err=err if name != "flash" else None)
         )
     if args.no_backward:
         return
     bwd = {"flash": _fwd_bwd(flash, q, k, v, dout), "sdpa is_causal": _fwd_bwd(sdpa, q, k, v, dout)}
-    for name, t in interleaved(bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd").items():
+    for name, t in interleaved(
+        bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd", args.device
+    ).items():
         report.rows.append(Row(label + " fwd+bwd", name, t, 3.5 * useful / t))
 
 
@@ -265,7 +287,7 @@ def case_alibi(args, report: Report, progress: Progress) -> None:
     from ..positional import ALiBi
 
     B, H, D, L = args.batch, args.heads, args.dim, args.alibi_length
-    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    q, k, v = (torch.randn(B, H, L, D, device=args.device) for _ in range(3))
     alibi = ALiBi(H)
     mask = masks.causal()
     useful = 4 * mask.attended_pairs(L, L) * B * H * D / 1e9
@@ -276,16 +298,20 @@ def case_alibi(args, report: Report, progress: Progress) -> None:
             return attention(q, k, v, mask=mask, bias=alibi, backend="flash")
 
     def build_bias() -> torch.Tensor:
-        i = torch.arange(L).view(1, 1, L, 1)
-        j = torch.arange(L).view(1, 1, 1, L)
+        dev = args.device
+        i = torch.arange(L, device=dev).view(1, 1, L, 1)
+        j = torch.arange(L, device=dev).view(1, 1, 1, L)
         bias = alibi(
-            torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.arange(H).view(1, H, 1, 1), i, j
+            torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev),
+            torch.arange(H, device=dev).view(1, H, 1, 1),
+            i,
+            j,
         )
         return bias.masked_fill(j > i, float("-inf"))  # (1, H, L, L) float: causal folded in
 
     gb = 4 * H * L * L / 1e9
     if gb > args.max_bias_gb:
-        t = interleaved({"flash": flash}, args.repeats, progress, label)["flash"]
+        t = interleaved({"flash": flash}, args.repeats, progress, label, args.device)["flash"]
         report.rows.append(Row(label, "flash", t, useful / t))
         report.rows.append(
             Row(
@@ -317,7 +343,7 @@ def case_alibi(args, report: Report, progress: Progress) -> None:
         "sdpa (bias prebuilt)": sdpa_prebuilt,
         "sdpa (+ building the bias)": sdpa_with_build,
     }
-    times = interleaved(fns, args.repeats, progress, label)
+    times = interleaved(fns, args.repeats, progress, label, args.device)
     for name, t in times.items():
         report.rows.append(
             Row(
@@ -356,13 +382,17 @@ print(json.dumps({"growth_mb": peak() - base, "fwd_s": t_fwd, "fwd_bwd_s": total
 
 def case_memory(args, report: Report, progress: Progress) -> None:
     B, H, D, L = args.batch, args.heads, args.dim, args.memory_length
+    label = f"memory causal fwd+bwd L={L}"
+    if torch.device(args.device).type != "cpu":
+        note = f"skipped: measures the host's peak RSS (cpu only), not {args.device}"
+        report.rows.append(Row(label, "flash", None, note=note))
+        return
     progress.step(f"memory: causal fwd+bwd L={L} (subprocess)")
     proc = subprocess.run(
         [sys.executable, "-c", MEMORY_SCRIPT, str(B), str(H), str(L), str(D)],
         capture_output=True,
         text=True,
     )
-    label = f"memory causal fwd+bwd L={L}"
     if proc.returncode != 0:
         report.rows.append(Row(label, "flash", None, note=f"failed: {proc.stderr[-200:]}"))
         return
@@ -468,6 +498,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="also write a bar chart")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    add_device_argument(p)
     p.set_defaults(func=run_bench)
     return p
 
@@ -487,11 +518,11 @@ def run_bench(args: argparse.Namespace) -> int:
     report = Report()
     report.info["machine"] = (
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}"
+        f"torch {torch.__version__}, device {args.device}"
     )
     report.info["command"] = "attnlab bench " + " ".join(sys.argv[2:])
     progress.step("fp32 matmul rate")
-    report.matmul_gflops = matmul_rate()
+    report.matmul_gflops = matmul_rate(device=args.device)
     runners = {
         "window": case_window,
         "causal": case_causal,

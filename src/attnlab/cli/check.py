@@ -12,7 +12,7 @@ from .. import __version__, masks
 from ..functional import attention, backends, explain
 from ..testing import check_against_reference, mean_factor_for, reference_for, seeded
 from ..utils import Timer, progress, text_table
-from ._args import UsageError, positive_int
+from ._args import UsageError, add_device_argument, positive_int
 
 DTYPES = {
     "float64": torch.float64,
@@ -60,12 +60,19 @@ def _unsupported(backend: str, inputs: list[torch.Tensor], step: bool, **kw: obj
 
 
 def run_check(
-    backend_names: list[str], dtype_names: list[str], L: int, S: int, out: TextIO | None = None
+    backend_names: list[str],
+    dtype_names: list[str],
+    L: int,
+    S: int,
+    out: TextIO | None = None,
+    *,
+    device: torch.device | str = "cpu",
 ) -> int:
     """Compares each backend with the float64 reference; prints a table; returns failures.
 
     A call a backend does not support (e.g. ``"decode"`` with gradients) is listed as ``n/a``
-    with the reason, not as a failure.
+    with the reason, not as a failure. Inputs are drawn on the CPU generator (the same values on
+    every device) and moved to ``device``, where the backends and the reference both run.
     """
     out = sys.stdout if out is None else out
     B, H, H_kv, D = 2, 4, 2, 40
@@ -78,10 +85,14 @@ def run_check(
     ):
         mask, bias, kw, step = cases[case]
         dtype = DTYPES[dtype_name]
-        q = seeded(B, H, 1 if step else L, D, dtype=dtype, seed=1)
-        k = seeded(B, H_kv, S, D, dtype=dtype, seed=2)
-        v = seeded(B, H_kv, S, D, dtype=dtype, seed=3)
+        q = seeded(B, H, 1 if step else L, D, dtype=dtype, seed=1, device=device)
+        k = seeded(B, H_kv, S, D, dtype=dtype, seed=2, device=device)
+        v = seeded(B, H_kv, S, D, dtype=dtype, seed=3, device=device)
+        if isinstance(bias, torch.Tensor):
+            bias = bias.to(device)
         b = bias.to(dtype) if isinstance(bias, torch.Tensor) else bias
+        if isinstance(mask, torch.Tensor):
+            mask = mask.to(device)
         why_not = _unsupported(backend, [q, k, v], step, mask=mask, bias=b, **kw)
         if why_not:
             skipped += 1
@@ -122,9 +133,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     timer = Timer()
     print(
         f"attnlab {__version__} · torch {torch.__version__} · {torch.get_num_threads()} threads · "
-        f"L={args.L}, S={args.S}, B=2, H=4, H_kv=2, D=40 · tolerance rule vs float64 reference\n"
+        f"{args.device} · L={args.L}, S={args.S}, B=2, H=4, H_kv=2, D=40 · tolerance rule vs "
+        "float64 reference\n"
     )
-    failures = run_check(names, args.dtype or list(DTYPES), args.L, args.S)
+    failures = run_check(names, args.dtype or list(DTYPES), args.L, args.S, device=args.device)
     print(f"({timer.seconds:.1f} s)")
     return 1 if failures else 0
 
@@ -150,4 +162,5 @@ def register(sub: argparse._SubParsersAction) -> None:
         "-L", type=positive_int, default=97, help="query length (default 97, odd on purpose)"
     )
     check.add_argument("-S", type=positive_int, default=113, help="key length (default 113)")
+    add_device_argument(check)
     check.set_defaults(func=_cmd_check)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._args import UsageError, positive_int
+from ._args import UsageError, add_device_argument, positive_int
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
@@ -42,7 +42,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         "pairs attended per head\n"
     )
     if args.measure:
-        measure_estimate(est)
+        measure_estimate(est, device=args.device)
     print(est.table())
     return 0
 
@@ -83,4 +83,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     est.add_argument(
         "--measure", action="store_true", help="also run it and print measured time and peak memory"
     )
+    add_device_argument(est)
     est.set_defaults(func=_cmd_estimate)

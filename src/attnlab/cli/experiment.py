@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._args import check_output_file, int_at_least
+from ._args import add_device_argument, check_output_file, int_at_least
 
 
 def _cmd_experiment(args: argparse.Namespace) -> int:
@@ -13,10 +13,10 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
     if args.png:
         check_output_file(args.png, "--png", (".png",))
     if args.name == "scaling":
-        result = scaling_experiment(samples=args.samples)
+        result = scaling_experiment(samples=args.samples, device=args.device)
         panels_name = "SCALING_PANELS"
     else:
-        result = temperature_experiment(samples=args.samples)
+        result = temperature_experiment(samples=args.samples, device=args.device)
         panels_name = "TEMPERATURE_PANELS"
     print(result.table())
     if args.png:
@@ -44,4 +44,5 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="samples per point, >= 2 for a variance (default 4096)",
     )
     exp.add_argument("--png", default=None, help="also write the plot to this PNG file")
+    add_device_argument(exp)
     exp.set_defaults(func=_cmd_experiment)

@@ -9,14 +9,21 @@ from __future__ import annotations
 import argparse
 
 from ..train import load_model, sample_text
-from ._args import UsageError, existing_file, nonnegative_int, positive_float, positive_int
+from ._args import (
+    UsageError,
+    add_device_argument,
+    existing_file,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise UsageError("--prompt", "must not be empty")
     try:
-        model, vocab, _ = load_model(args.checkpoint)
+        model, vocab, _ = load_model(args.checkpoint, device=args.device)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         raise UsageError("--checkpoint", " ".join(str(e).split())) from e
     unknown = sorted(set(args.prompt) - set(vocab))
@@ -63,4 +70,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--no-cache", action="store_true", help="recompute instead of a KV cache")
+    add_device_argument(p)
     p.set_defaults(func=_cmd_generate)

@@ -17,6 +17,7 @@ import torch
 from ..train import CHECKPOINT_NAME, TrainSettings, train
 from ._args import (
     UsageError,
+    add_device_argument,
     check_output_dir,
     existing_file,
     nonnegative_float,
@@ -67,7 +68,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             return 2
         if not Path(resume).is_file():
             raise UsageError("--resume", f"no checkpoint file {resume!r}")
-    result = train(settings, resume=resume, progress=not args.quiet)
+    result = train(settings, resume=resume, progress=not args.quiet, device=args.device)
     print(f"wrote {result.checkpoint}, {Path(settings.out_dir) / 'loss.png'}")
     return 0
 
@@ -138,4 +139,5 @@ def register(sub: argparse._SubParsersAction) -> None:
         "stalls when other processes keep the cores busy",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_device_argument(p)
     p.set_defaults(func=_cmd_train)

@@ -23,7 +23,13 @@ import sys
 from pathlib import Path
 
 from ..analysis.model_attentions import MODELS, collect
-from ._args import check_output_file, existing_file, nonnegative_int, positive_int
+from ._args import (
+    add_device_argument,
+    check_output_file,
+    existing_file,
+    nonnegative_int,
+    positive_int,
+)
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired"
 
@@ -44,7 +50,7 @@ def _cmd_visualize(args: argparse.Namespace) -> int:
         png = Path(args.out).with_suffix(".png") if args.png is True else Path(args.png)
         check_output_file(png, "--png", (".png",))
     try:
-        run = collect(args.text, model=args.model, checkpoint=args.checkpoint)
+        run = collect(args.text, model=args.model, checkpoint=args.checkpoint, device=args.device)
         Ly, H, T, _ = run.weights.shape
         for name, value, size in (("--layer", args.layer, Ly), ("--head", args.head, H)):
             if value is not None and not 0 <= value < size:
@@ -155,4 +161,5 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="K",
         help="inputs over 64 tokens: weights kept and lines drawn per token (default 8)",
     )
+    add_device_argument(p)
     p.set_defaults(func=_cmd_visualize)

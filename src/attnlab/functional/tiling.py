@@ -325,7 +325,7 @@ def _generic_plan(
     that carry an additive tile (a mask, a bias) are split so the tile stays within TILE_BUDGET.
     """
     chunk = max(bk, TILE_BUDGET // max(1, H * bq))
-    codes = codes.to("cpu")
+    codes = codes.to("cpu")  # a plan is host data: Python loops read the codes tile by tile
     if codes.shape[1] > 1:  # union over heads: EMPTY/FULL only if so for every head
         lo, hi = codes.amin(dim=1, keepdim=True), codes.amax(dim=1, keepdim=True)
         codes = torch.where(lo == hi, lo, PARTIAL).to(torch.int8)

@@ -242,6 +242,8 @@ def refine(
     Plan building, not a forward path: the tile list is read on the host (eager calls; under
     `torch.compile` flash builds plans inside its custom op when the graph runs).
     """
+    if codes.is_meta:  # meta tensors have shapes but no values: the codes' shape is the answer
+        return codes
     codes = codes.clone()
     for qb in todo.any(dim=1).nonzero().flatten().tolist():
         tiles = todo[qb].nonzero().flatten()  # (nt,)

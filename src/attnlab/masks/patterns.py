@@ -264,9 +264,14 @@ class BigBirdMask(Mask):
         self.random_blocks = _positive_int("random_blocks", random_blocks, minimum=0)
         self.seed = int(seed)
         self._tables: dict[int, Tensor] = {}
+        self._moved: dict[tuple[int, torch.device], Tensor] = {}
 
     def random_table(self, num_blocks: int) -> Tensor:
-        """Bool ``(num_blocks, num_blocks)``: True where query block attends key block at random."""
+        """Bool ``(num_blocks, num_blocks)``: True where query block attends key block at random.
+
+        Drawn once per size on the host with a CPU generator seeded by ``seed`` (the same pattern
+        on every device), like the data of other masks; `_block_keep` keeps one copy per device.
+        """
         if num_blocks not in self._tables:
             gen = torch.Generator().manual_seed(self.seed)
             table = torch.zeros(num_blocks, num_blocks, dtype=torch.bool)
@@ -287,7 +292,11 @@ class BigBirdMask(Mask):
         global_q = (qb >= 0) & (qb < n_global)
         keep = window | global_q | (kb < n_global)
         if self.random_blocks:
-            table = self.random_table(max(1, -(-S // self.block_size))).to(qb.device)
+            n = max(1, -(-S // self.block_size))
+            key = (n, qb.device)
+            if key not in self._moved:  # one host-to-device copy per size and device
+                self._moved[key] = self.random_table(n).to(qb.device)
+            table = self._moved[key]
             valid = qb >= 0
             keep = keep | (table[qb.clamp(min=0), kb] & valid)
         return keep
@@ -301,7 +310,7 @@ class BigBirdMask(Mask):
         # The mask is constant on (query block, key block) cells: tiles from the cell table.
         block = _cap(self.block_size)
         p0, p1, k0, k1 = tile_bounds(L, S, bq, bk, device)
-        first = int(p0[0]) // block  # the cell of row 0 (negative when L > S)
+        first = (S - L) // block  # the cell of row 0, aligned position S − L (negative if L > S)
         qcells = torch.arange(first, (S - 1) // block + 1, device=device)
         kcells = torch.arange(-(-S // block), device=device)
         table = self._block_keep(qcells.view(-1, 1), kcells.view(1, -1), S)

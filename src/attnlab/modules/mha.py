@@ -280,30 +280,41 @@ class MultiHeadAttention(nn.Module):
                 f"{[len(gr) for gr in groups]}; GQA needs the same number of query heads per group"
             )
 
-        def rows(idx: list[int]) -> Tensor:
-            return torch.cat([torch.arange(i * D, (i + 1) * D) for i in idx])
-
         (wq, bq), (wk, bk), (wv, bv) = self._weights()
+
+        def rows(idx: list[int]) -> Tensor:  # the weight rows of heads idx, on the weights' device
+            return torch.cat([torch.arange(i * D, (i + 1) * D, device=wq.device) for i in idx])
+
         rq, rkv = rows(keep_q), rows(keep_kv)
         parts = [(wq[rq], None if bq is None else bq[rq])]
         parts += [(w[rkv], None if b is None else b[rkv]) for w, b in ((wk, bk), (wv, bv))]
         has_bias = parts[0][1] is not None
         if self.qkv_proj is not None:
-            new = nn.Linear(self.embed_dim, sum(w.shape[0] for w, _ in parts), bias=has_bias)
-            new = new.to(wq)
+            rows_out = sum(w.shape[0] for w, _ in parts)
+            new = nn.Linear(
+                self.embed_dim, rows_out, bias=has_bias, device=wq.device, dtype=wq.dtype
+            )
             new.weight.copy_(torch.cat([w for w, _ in parts]))
             if has_bias:
                 new.bias.copy_(torch.cat([b for _, b in parts]))  # type: ignore[misc]
             self.qkv_proj = new
         else:
             for name, (w, b) in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
-                lin = nn.Linear(w.shape[1], w.shape[0], bias=has_bias).to(w)
+                lin = nn.Linear(
+                    w.shape[1], w.shape[0], bias=has_bias, device=w.device, dtype=w.dtype
+                )
                 lin.weight.copy_(w)
                 if has_bias:
                     lin.bias.copy_(b)  # type: ignore[arg-type]
                 setattr(self, name, lin)
-        out = nn.Linear(len(keep_q) * D, self.embed_dim, bias=self.out_proj.bias is not None)
-        out = out.to(self.out_proj.weight)
+        w_out = self.out_proj.weight
+        out = nn.Linear(
+            len(keep_q) * D,
+            self.embed_dim,
+            bias=self.out_proj.bias is not None,
+            device=w_out.device,
+            dtype=w_out.dtype,
+        )
         out.weight.copy_(self.out_proj.weight[:, rq])
         if self.out_proj.bias is not None:
             out.bias.copy_(self.out_proj.bias)

@@ -50,7 +50,14 @@ class LearnedPositionalEmbedding(nn.Module):
                 under `torch.compile`/`torch.export` and for ``meta`` tensors).
         """
         if isinstance(positions, int) and not isinstance(positions, bool):
-            positions = torch.arange(check_int("positions", positions, minimum=0))  # (L,)
+            length = check_int("positions", positions, minimum=0)
+            if length > self.max_len:
+                raise ValueError(
+                    f"position {length - 1} is out of range for LearnedPositionalEmbedding with "
+                    f"max_len={self.max_len} (positions must be < {self.max_len})"
+                )
+            positions = torch.arange(length, device=self.weight.device)  # (L,): checked above
+            return self.weight[positions]  # (L, E)
         positions = check_positions("positions", positions)
         if positions.numel() and not (torch.compiler.is_compiling() or positions.is_meta):
             hi, lo = int(positions.max()), int(positions.min())

@@ -114,17 +114,27 @@ class SinusoidalEmbedding(nn.Module):
         self.base = check_real("base", base, greater=1.0)
         self.dtype = dtype
 
-    def forward(self, positions: Tensor | int) -> Tensor:
+    def forward(
+        self, positions: Tensor | int, *, device: torch.device | str | None = None
+    ) -> Tensor:
         """Encodes positions.
 
         Args:
             positions: integer tensor of any shape, or an int L meaning positions ``0..L−1``.
+            device: where to build the encoding of an int L (the module holds no tensors to
+                follow; default cpu). A tensor's encoding is on that tensor's device.
 
         Returns:
             ``(*positions.shape, E)``, or ``(L, E)`` for an int.
         """
         if isinstance(positions, int) and not isinstance(positions, bool):
-            positions = torch.arange(check_int("positions", positions, minimum=0))  # (L,)
+            length = check_int("positions", positions, minimum=0)
+            positions = torch.arange(length, device=device)  # (L,)
+        elif device is not None:
+            raise ValueError(
+                "device is for an int L; a positions tensor's encoding is on its own device "
+                f"({positions.device}), got device={device!r}"
+            )
         positions = check_positions("positions", positions)
         return _encode(positions, self.dim, self.base, self.dtype)
 

@@ -1,7 +1,9 @@
 """Pictures of attention: PNG heatmaps drawn with matplotlib (the optional ``viz`` extra).
 
 matplotlib is imported inside the functions, so ``import attnlab.viz`` stays light; a missing
-matplotlib raises ImportError naming the extra to install.
+matplotlib raises ImportError naming the extra to install. Drawing happens on the host: tensors
+from any device are copied to the CPU (``.to("cpu")``) before they are drawn or written, which is
+the one place the library moves data to the CPU on purpose.
 
 - `heatmap`, `heatmaps`: any 2-D matrix, or a grid of them (one per head), as a PNG.
 - `plot_sinusoidal`, `plot_rope_spectrum`, `plot_bias`: positional encodings.

@@ -198,8 +198,12 @@ def compiled_flash(req: Request) -> tuple[Tensor, Tensor]:
     if isinstance(mask, Tensor):
         mask, float_mask = (from_tensor(mask), None) if mask.dtype == torch.bool else (None, mask)
     spec = ("", []) if mask is None else mask.spec()
-    if spec is None:  # pragma: no cover - flash_supports declines these under compile
-        raise ValueError(f"flash under torch.compile needs a mask with a spec, got {mask!r}")
+    if spec is None:
+        if not req.q.is_meta:  # pragma: no cover - flash_supports declines these under compile
+            raise ValueError(f"flash under torch.compile needs a mask with a spec, got {mask!r}")
+        # meta tensors hold no values: the outputs' shapes do not depend on the mask (bias
+        # functions are likewise not evaluated), so a mask without a spec needs no operator
+        spec = ("", [])
     bias = req.bias if isinstance(req.bias, Tensor) else None
     q, k, v = nan_rule.clean(req.q), nan_rule.clean(req.k), nan_rule.clean(req.v)
     if req.score != "dot":
