@@ -26,6 +26,7 @@ from .blocks import (
     refine,
     tile_bounds,
 )
+from .counts import Geometry
 
 # Any size at least this large acts as "unbounded" on int64 positions: sizes are capped to it
 # before they meet an index tensor, so `sliding_window(sys.maxsize)` or `strided(2**70)` neither
@@ -81,6 +82,9 @@ class CausalMask(Mask):
         p = self.positions(L, S, device=device)
         return _interval_counts(torch.zeros_like(p), p, S).view(1, 1, L)
 
+    def _geometry(self, L, S):
+        return Geometry(diagonals=[(None, 0, 1, 0)])
+
     def __repr__(self) -> str:
         return "causal()"
 
@@ -119,6 +123,10 @@ class SlidingWindowMask(Mask):
         reach = min(self.window, max(L, S) + 1) - 1
         lo, hi = p - reach, (p if self.causal else p + reach)
         return _interval_counts(lo, hi, S).view(1, 1, L)
+
+    def _geometry(self, L, S):
+        reach = self.window - 1
+        return Geometry(diagonals=[(-reach, 0 if self.causal else reach, 1, 0)])
 
     def __repr__(self) -> str:
         return f"sliding_window({self.window}, causal={self.causal})"
@@ -163,6 +171,9 @@ class PaddingMask(Mask):
         n = self.lengths.to(device).clamp(max=S)
         return n.view(-1, 1, 1).expand(-1, 1, L)
 
+    def _geometry(self, L, S):
+        return Geometry(key_limit=[int(n) for n in self.lengths.tolist()])
+
     def _default_size(self) -> tuple[int, int]:
         n = max(1, int(self.lengths.max())) if self.lengths.numel() else 1
         return n, n
@@ -195,6 +206,12 @@ class StridedMask(Mask):
     def _diagonals(self, L, S, device):
         d = torch.arange(-(S - 1), L, device=device)  # every j − p of the grid
         return self._keep(-d)
+
+    def _geometry(self, L, S):
+        # d = j − p: the local block |d| < stride, then every multiple of stride beyond it
+        s = self.stride
+        pieces = [(-(s - 1), 0 if self.causal else s - 1, 1, 0), (None, -s, s, 0)]
+        return Geometry(diagonals=pieces if self.causal else [*pieces, (s, None, s, 0)])
 
     def __repr__(self) -> str:
         return f"strided({self.stride}, causal={self.causal})"
@@ -427,6 +444,37 @@ class DocumentMask(Mask):
         codes = torch.where(empty, EMPTY, torch.where(full, FULL, PARTIAL)).to(torch.int8)
         todo = (~empty & ~full).any(dim=0)  # (nq, nk)
         return refine(self, codes.unsqueeze(1), todo, L, S, bq, bk, nb, nh, device)
+
+    def _check_S(self, S: int) -> None:
+        if self.ids.shape[-1] != S:
+            raise ValueError(f"document ids cover {self.ids.shape[-1]} positions, but S={S}")
+
+    def _geometry(self, L, S):
+        if not self.runs_distinct:
+            return None
+        self._check_S(S)
+        ids = self.ids if self.ids.dim() == 2 else self.ids.view(1, S)
+        runs = []
+        for row in ids:
+            _, lengths = torch.unique_consecutive(row, return_counts=True)
+            starts = [0, *torch.cumsum(lengths, 0).tolist()]
+            runs.append([(a, n) for a, n in zip(starts, lengths.tolist(), strict=False)])
+        return Geometry(runs=runs)
+
+    def _exact_counts(self, L, S):
+        # Raw ids: Σ over ids of (queries with the id) × (keys with the id), by bincount.
+        self._check_S(S)
+        ids = self.ids if self.ids.dim() == 2 else self.ids.view(1, S)
+        out = []
+        for row in ids:
+            if S == 0 or L == 0:
+                out.append([0])
+                continue
+            _, codes = torch.unique(row, return_inverse=True)
+            keys = torch.bincount(codes)
+            queries = torch.bincount(codes[max(0, S - L) :], minlength=keys.numel())
+            out.append([int((keys * queries).sum())])
+        return out
 
     def _default_size(self) -> tuple[int, int]:
         n = max(1, int(self.ids.shape[-1]))

@@ -1,0 +1,177 @@
+"""Issue 15, items 6 and 12: exact pair counts at any size, bounded mask printing, honest plots."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from attnlab import cli
+from attnlab import masks as M
+from attnlab.analysis import estimate
+from attnlab.masks import counts
+
+# ----------------------------------------------------------------------------- pair counts
+
+
+def brute_pairs(mask: M.Mask, L: int, S: int) -> int:
+    dense = mask.to_dense(L, S)
+    return int(dense.expand(mask.batch_size or 1, mask.num_heads or 1, L, S).sum())
+
+
+def closed_form_masks(S: int) -> list[M.Mask]:
+    """Every kind with a closed form (and their & combinations) on key length S."""
+    third = S // 3
+    docs = M.document.from_lengths([third, 0, S - third - min(S - third, 1), min(S - third, 1)])
+    return [
+        M.causal(),
+        M.sliding_window(1),
+        M.sliding_window(3),
+        M.sliding_window(4, causal=False),
+        M.sliding_window(10**30, causal=False),
+        M.strided(1),
+        M.strided(3),
+        M.strided(2, causal=False),
+        M.strided(5, causal=False),
+        M.padding([3, 0, 7]),
+        M.causal() & M.sliding_window(5, causal=False),
+        M.causal() & M.padding([2, 5, 9]),
+        M.sliding_window(3, causal=False) & M.padding([4, 1]),
+        M.strided(3) & M.sliding_window(5, causal=False),
+        M.strided(2, causal=False) & M.causal() & M.padding([S - 1, 1]),
+        docs,
+        docs & M.causal(),
+        docs & M.sliding_window(2, causal=False),
+        docs & M.padding([max(S - 2, 0)]) & M.causal(),
+        docs & M.strided(2),
+        M.document(torch.stack([torch.zeros(S), torch.arange(S) % 2]).long()),  # (B, S) ids
+        M.document(torch.arange(S) % 3),  # raw ids: counted from the ids, no L×S work
+    ]
+
+
+SIZES = list(itertools.product([1, 2, 3, 5, 8, 13], [1, 2, 4, 7, 11, 16]))
+
+
+@pytest.mark.parametrize("L,S", SIZES)
+def test_closed_form_counts_equal_brute_force(L, S):
+    for mask in closed_form_masks(S):
+        assert mask._geometry(L, S) is not None or isinstance(mask, M.DocumentMask), mask
+        assert mask.attended_pairs(L, S) == brute_pairs(mask, L, S), (mask, L, S)
+
+
+@pytest.mark.parametrize("L,S", [(1, 1), (5, 3), (3, 7), (9, 9), (12, 5)])
+def test_counts_without_closed_form_equal_brute_force(L, S):
+    # the bounded fallback: diagonals, key intervals, rows, tensor data
+    for mask in [
+        M.strided(2) | M.sliding_window(3),
+        M.document(torch.arange(S) % 2) & M.causal(),
+        M.global_local(2, [0, S - 1]),
+        M.bigbird(2, 3, 1, 1),
+        ~M.causal(),
+        M.from_tensor(torch.rand(2, 3, L, S) > 0.5),
+        M.from_tensor(torch.rand(1, S) > 0.5) & M.causal(),
+        M.from_fn(lambda b, h, i, j: (i + j) % 3 == 0, num_heads=2),
+    ]:
+        assert mask._geometry(L, S) is None
+        assert mask.attended_pairs(L, S) == brute_pairs(mask, L, S), (mask, L, S)
+    assert M.padding([2, 3]).attended_pairs(L, S, heads=4) == 4 * L * (min(2, S) + min(3, S))
+
+
+def test_closed_form_counts_are_exact_at_any_size():
+    n = 10**12  # a tensor of n positions would be 8 TB
+    assert M.causal().attended_pairs(n, n) == n * (n + 1) // 2
+    L, S = n, 3 * n + 7  # bottom-right: row i sees S − L + i + 1 keys
+    assert M.causal().attended_pairs(L, S) == L * (S - L) + L * (L + 1) // 2
+    assert M.causal().attended_pairs(S, L) == L * (L + 1) // 2  # the first S − L rows: none
+    w = 4096
+    assert M.sliding_window(w).attended_pairs(n, n) == w * n - w * (w - 1) // 2
+    both = 2 * w - 1
+    assert M.sliding_window(w, causal=False).attended_pairs(n, n) == both * n - w * (w - 1)
+    assert (M.causal() & M.padding([5, n])).attended_pairs(n, n) == 5 * n - 10 + n * (n + 1) // 2
+
+    # strided causal: row p sees min(p + 1, s) keys of its block plus p // s strided keys
+    def strided_pairs(m: int, s: int) -> int:
+        q, r = divmod(m, s)
+        return s * (s + 1) // 2 + s * (m - s) + s * q * (q - 1) // 2 + r * q
+
+    assert strided_pairs(50, 7) == sum(min(p + 1, 7) + p // 7 for p in range(50))
+    s, m = 1000, 10**12 + 17
+    want = strided_pairs(m, s)
+    assert M.strided(s).attended_pairs(m, m) == want
+
+
+def test_diagonal_pairs_matches_a_loop():
+    for L, N, lo, hi, step, anchor in itertools.product(
+        [1, 4, 7], [1, 3, 8], [None, -5, 0, 2], [None, -1, 3, 9], [1, 2, 3], [0, 1, -2]
+    ):
+        want = sum(
+            1
+            for i in range(L)
+            for j in range(N)
+            if (lo is None or j - i >= lo)
+            and (hi is None or j - i <= hi)
+            and (j - i - anchor) % step == 0
+        )
+        assert counts.diagonal_pairs(L, N, lo, hi, step, anchor) == want
+
+
+def test_count_without_closed_form_above_the_budget_is_a_clear_error():
+    mask = M.from_fn(lambda b, h, i, j: i >= j)
+    with pytest.raises(ValueError, match=r"L=1000000, S=1000000 .* limit of 1,073,741,824"):
+        mask.attended_pairs(10**6, 10**6)
+    # cheaper structure is used first: a band-like | union counts over its L+S diagonals
+    n = 10**6
+    assert (M.causal() | M.sliding_window(2, causal=False)).attended_pairs(n, n) == (
+        n * (n + 1) // 2 + n - 1
+    )
+
+
+def test_estimate_counts_huge_lengths_in_closed_form():
+    n = 10**12
+    est = estimate(n, 768, 12, causal=True)
+    assert est.config["attended_pairs"] == n * (n + 1) // 2
+    assert est.value("attended pairs per head", "flash") == n * (n + 1) // 2
+    est = estimate(2 * 10**8, 768, 12, layers=12, window=4096)
+    assert est.value("attended pairs per head", "flash") == 4096 * 2 * 10**8 - 4096 * 4095 // 2
+
+
+def test_estimate_cli_huge_seq_and_bounded_measure(capsys):
+    assert cli.main(["estimate", "--seq", "1000000000000", "--causal"]) == 0
+    out = capsys.readouterr().out
+    assert "500,000,000,000,500,000,000,000 of 1,000,000,000,000,000,000,000,000 pairs" in out
+    code = cli.main(["estimate", "--seq", "200000000", "--causal", "--measure"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    err = captured.err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert "argument --measure" in err and "limit of 4 GiB" in err
+
+
+# ----------------------------------------------------------------------------- printing masks
+
+
+def test_printing_a_large_mask_is_summarised():
+    lengths = [700, 1300, 1000]
+    mask = M.document.from_lengths(lengths) & M.causal()
+    text = str(mask)
+    assert len(text) < 1000  # was 18M characters
+    header, *rows = text.split("\n")
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+    assert f"(L=3000, S=3000; {pairs:,} of 9,000,000 pairs attended" in header
+    assert rows[3] == "..."
+    assert rows[0] == "■ ⬚ ⬚ ... ⬚ ⬚ ⬚" and rows[-1] == "⬚ ⬚ ⬚ ... ■ ■ ■"
+    # huge default sizes evaluate only the shown cells
+    assert len(str(M.padding([10**9]))) < 1000
+    # no closed form and above the counting budget: still prints, without the count
+    fn = M.from_fn(lambda b, h, i, j: i >= j) & M.padding([10**6])
+    assert "above the counting budget" in str(fn).split("\n")[0]
+
+
+def test_small_masks_still_render_fully():
+    mask = M.causal()
+    assert str(mask) == "causal()  (L=8, S=8)\n" + mask.render(8, 8)
+    doc = M.document.from_lengths([30, 34])  # 64 x 64: the largest size drawn in full
+    text = str(doc)
+    assert text == f"{doc!r}  (L=64, S=64)\n" + doc.render(64, 64)
+    assert len(text.split("\n")) == 65 and "..." not in text
