@@ -175,3 +175,41 @@ def test_small_masks_still_render_fully():
     text = str(doc)
     assert text == f"{doc!r}  (L=64, S=64)\n" + doc.render(64, 64)
     assert len(text.split("\n")) == 65 and "..." not in text
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def _overlapping(boxes) -> list:
+    return [(a, b) for n, a in enumerate(boxes) for b in boxes[n + 1 :] if a.overlaps(b)]
+
+
+def _tick_boxes(ax, renderer, axis: str) -> list:
+    labels = ax.get_xticklabels() if axis == "x" else ax.get_yticklabels()
+    return [t.get_window_extent(renderer) for t in labels if t.get_visible() and t.get_text()]
+
+
+def test_bench_plot_is_linear_from_zero_with_readable_ticks(tmp_path):
+    pytest.importorskip("matplotlib")
+    from types import SimpleNamespace
+
+    from attnlab.viz.bench import bench_figure, plot_bench
+
+    names = ["flash", "sdpa (math)", "reference", "local-attention", "flex (compiled)"]
+    rows = [
+        SimpleNamespace(case=f"case {c}", name=f"{n} contender", seconds=s)
+        for c in range(3)
+        for n, s in zip(names, [1.00, 1.06, 12345.6, 0.0004, 3.3], strict=True)
+    ]
+    rows.append(SimpleNamespace(case="case 0", name="skipped", seconds=None))
+    fig = bench_figure(rows)
+    renderer = fig.canvas.get_renderer()
+    assert len(fig.axes) == 3
+    for ax in fig.axes:
+        assert ax.get_xscale() == "linear" and ax.get_xlim()[0] == 0
+        widths = sorted(p.get_width() for p in ax.patches)
+        assert widths == sorted([1.00, 1.06, 12345.6, 0.0004, 3.3])  # bars proportional to time
+        for axis in "xy":
+            boxes = _tick_boxes(ax, renderer, axis)
+            assert len(boxes) >= 2 and not _overlapping(boxes), (axis, ax.get_title())
+    assert plot_bench(rows, tmp_path / "b.png").stat().st_size > 1000
