@@ -213,3 +213,45 @@ def test_bench_plot_is_linear_from_zero_with_readable_ticks(tmp_path):
             boxes = _tick_boxes(ax, renderer, axis)
             assert len(boxes) >= 2 and not _overlapping(boxes), (axis, ax.get_title())
     assert plot_bench(rows, tmp_path / "b.png").stat().st_size > 1000
+
+
+def _inside(inner, outer) -> bool:
+    return (
+        inner.x0 >= outer.x0
+        and inner.x1 <= outer.x1
+        and inner.y0 >= outer.y0
+        and inner.y1 <= outer.y1
+    )
+
+
+@pytest.mark.parametrize("T,layers,heads", [(40, 2, 3), (24, 1, 2), (7, 1, 1), (130, 1, 1)])
+def test_attention_grid_labels_every_input_and_keeps_its_title(T, layers, heads):
+    pytest.importorskip("matplotlib")
+    import sys
+
+    import attnlab.viz.attention_png  # noqa: F401  (the name is shadowed by the function)
+
+    ap = sys.modules["attnlab.viz.attention_png"]
+    tokens = [f"token{i}" for i in range(T)]
+    w = torch.softmax(
+        torch.randn(layers, heads, T, T, generator=torch.Generator().manual_seed(0)), -1
+    )
+    title = (
+        "runs/some-long-checkpoint-name/ckpt.safetensors · " + f"{T} tokens · 2 layers × 3 heads"
+    )
+    fig = ap.attention_figure(tokens, w, title=title)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    assert _inside(fig._suptitle.get_window_extent(renderer), fig.bbox)
+    ax = fig.axes[0]
+    step = ap.label_step(T, 1.5)
+    assert step == 1 if T <= 11 else step > 1  # every token while they fit
+    per_panel = len(range(0, T, step))
+    assert per_panel >= min(T, 8)  # present above 24 tokens (was none)
+    xs = [t.get_text() for t in ax.get_xticklabels()]
+    assert len(xs) == heads * per_panel and all(xs)
+    assert len(ax.get_yticklabels()) == layers * per_panel
+    for axis in "xy":
+        boxes = _tick_boxes(ax, renderer, axis)
+        assert not _overlapping(boxes), axis
+        assert all(_inside(b, fig.bbox) for b in boxes)
