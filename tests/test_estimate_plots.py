@@ -255,3 +255,61 @@ def test_attention_grid_labels_every_input_and_keeps_its_title(T, layers, heads)
         boxes = _tick_boxes(ax, renderer, axis)
         assert not _overlapping(boxes), axis
         assert all(_inside(b, fig.bbox) for b in boxes)
+
+
+def _captured_figures(monkeypatch) -> list:
+    import sys
+
+    import attnlab.viz.heatmap  # noqa: F401  (the name is shadowed by the function)
+
+    heatmap = sys.modules["attnlab.viz.heatmap"]
+    figures = []
+    real = heatmap.save_figure
+
+    def capture(fig, path, dpi):
+        figures.append(fig)
+        return real(fig, path, dpi)
+
+    monkeypatch.setattr(heatmap, "save_figure", capture)
+    return figures
+
+
+@pytest.mark.parametrize("L,S", [(6, 6), (5, 9)])
+def test_causal_alibi_plot_blanks_the_future_keys(tmp_path, monkeypatch, L, S):
+    pytest.importorskip("matplotlib")
+    from attnlab import viz
+    from attnlab.positional import ALiBi
+
+    figures = _captured_figures(monkeypatch)
+    viz.plot_bias(tmp_path / "a.png", ALiBi(4), L, S)
+    above = torch.ones(L, S, dtype=torch.bool).triu(S - L + 1).numpy()  # j > i + S − L
+    panels = [ax for ax in figures[-1].axes if ax.images and ax.get_title().startswith("head")]
+    assert len(panels) == 4
+    for ax in panels:
+        drawn = ax.images[0].get_array()
+        assert (drawn.mask == above).all()  # masked exactly above the bottom-right diagonal
+        assert (drawn.compressed() <= 0).all()  # ALiBi's real biases are never positive
+    assert "masked by causal()" in figures[-1]._suptitle.get_text()
+    # non-causal ALiBi, or mask=None, draws every cell
+    for bias, mask in ((ALiBi(2, causal=False), "auto"), (ALiBi(2), None)):
+        viz.plot_bias(tmp_path / "b.png", bias, L, S, mask=mask)
+        for ax in figures[-1].axes:
+            if ax.images and ax.get_title().startswith("head"):
+                assert not ax.images[0].get_array().mask.any()
+    with pytest.raises(ValueError, match="mask must be a Mask, None or 'auto', got 'causal'"):
+        viz.plot_bias(tmp_path / "c.png", ALiBi(2), L, mask="causal")
+
+
+def test_heatmap_grid_title_stays_inside_the_figure(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from attnlab import viz
+
+    figures = _captured_figures(monkeypatch)
+    title = "a long grid title that is much wider than one small panel of three inches " * 2
+    viz.heatmaps(torch.rand(1, 4, 4), tmp_path / "h.png", suptitle=title)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = figures[-1]
+    FigureCanvasAgg(fig).draw()
+    box = fig._suptitle.get_window_extent(fig.canvas.get_renderer())
+    assert _inside(box, fig.bbox)

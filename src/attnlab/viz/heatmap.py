@@ -191,11 +191,15 @@ def heatmaps(
         )
     if isinstance(ncols, bool) or not isinstance(ncols, int) or ncols < 1:
         raise ValueError(f"ncols must be a positive int, got {ncols!r}")
+    numpy = require("numpy", "viz", "attnlab.viz")
     data = [as_matrix(f"matrices[{n}]", m) for n, m in enumerate(panels)]
     vmin = vmax = None
     if shared_scale:
-        vmin = min(float(d.min()) for d in data if d.size) if any(d.size for d in data) else None
-        vmax = max(float(d.max()) for d in data if d.size) if any(d.size for d in data) else None
+        # NaN cells are blank (masked): the range is over the drawn cells
+        drawn = [d[~numpy.isnan(d)] for d in data]
+        drawn = [d for d in drawn if d.size]
+        vmin = min(float(d.min()) for d in drawn) if drawn else None
+        vmax = max(float(d.max()) for d in drawn) if drawn else None
     cols = min(ncols, len(data))
     rows = math.ceil(len(data) / cols)
     width = panel_size * cols + 0.8
