@@ -237,7 +237,8 @@ class Mask:
         batch-independent mask ``attended_pairs(L, S)`` counts one ``L × S`` slice. Causal,
         sliding-window, strided, padding and document-from-lengths masks and their ``&``
         combinations are counted in closed form on Python ints (exact for any size, no tensor);
-        other masks by diagonals, key intervals or rows, up to `counts.COUNT_BUDGET` elements.
+        Longformer, BigBird, raw document ids and tensor masks from the data they hold; other
+        masks by diagonals, key intervals or rows, up to `counts.COUNT_BUDGET` elements.
 
         Raises:
             ValueError: a mask without a closed form whose count would exceed the budget.

@@ -26,7 +26,7 @@ from .blocks import (
     refine,
     tile_bounds,
 )
-from .counts import Geometry
+from .counts import COUNT_BUDGET, Geometry, diagonal_pairs
 
 # Any size at least this large acts as "unbounded" on int64 positions: sizes are capped to it
 # before they meet an index tensor, so `sliding_window(sys.maxsize)` or `strided(2**70)` neither
@@ -255,6 +255,26 @@ class GlobalLocalMask(Mask):
         codes, todo = combine_codes("|", band, rows, keys.view(1, 1, 1, -1))
         return refine(self, codes, todo, L, S, bq, bk, nb, nh, device)
 
+    def _exact_counts(self, L, S):
+        # Inclusion-exclusion over the band |p − j| < w, global query rows and global keys:
+        # pairs = L·S − #(outside the band, row and key not global). O(G log G) for G globals.
+        if L == 0 or S == 0:
+            return [[0]]
+        w = min(self.window, max(L, S) + 1)
+        g = torch.unique(self.global_idx)
+        keys = g[g < S]  # global key positions
+        rows = keys[keys >= S - L]  # global query positions (aligned p = i + S − L)
+        plain = (L - rows.numel()) * (S - keys.numel())
+        band = diagonal_pairs(L, S, -(w - 1) + S - L, (w - 1) + S - L)
+        # band pairs of the global rows, of the global keys, and of both
+        band_rows = int(((rows + w - 1).clamp(max=S - 1) - (rows - w + 1).clamp(min=0) + 1).sum())
+        lo_p = (keys - w + 1).clamp(min=S - L)
+        band_keys = int(((keys + w - 1).clamp(max=S - 1) - lo_p + 1).clamp(min=0).sum())
+        hi = torch.searchsorted(keys, rows + w - 1, right=True)
+        band_both = int((hi - torch.searchsorted(keys, rows - w + 1)).sum())
+        outside = plain - (band - band_rows - band_keys + band_both)
+        return [[L * S - outside]]
+
     def __repr__(self) -> str:
         return f"global_local({self.window}, global_tokens={self.global_idx.tolist()})"
 
@@ -325,6 +345,23 @@ class BigBirdMask(Mask):
         q_range = (p0 // block - first, (p1 - 1) // block - first)
         codes = cell_codes(table, q_range, (k0 // block, (k1 - 1) // block))
         return codes.view(1, 1, *codes.shape)
+
+    def _exact_counts(self, L, S):
+        # Constant on (query block, key block) cells: Σ cell · rows in it · keys in it.
+        if L == 0 or S == 0:
+            return [[0]]
+        block = _cap(self.block_size)
+        first, last, nk = (S - L) // block, (S - 1) // block, -(-S // block)
+        if (last - first + 1) * nk > COUNT_BUDGET:
+            return None  # the row fallback (or its error) decides
+        qc = torch.arange(first, last + 1)
+        kc = torch.arange(nk)
+        table = self._block_keep(qc.view(-1, 1), kc.view(1, -1), S)
+        rows = (torch.clamp((qc + 1) * block, max=S) - torch.clamp(qc * block, min=S - L)).clamp(
+            min=0
+        )
+        keys = torch.clamp((kc + 1) * block, max=S) - kc * block
+        return [[int((table.long() * rows.view(-1, 1) * keys.view(1, -1)).sum())]]
 
     def __repr__(self) -> str:
         return (
