@@ -232,6 +232,8 @@ def test_bench_plot_is_linear_from_zero_with_readable_ticks(tmp_path):
         for axis in "xy":
             boxes = _tick_boxes(ax, renderer, axis)
             assert len(boxes) >= 2 and not _overlapping(boxes), (axis, ax.get_title())
+        values = sorted(t.get_text().strip() for t in ax.texts)
+        assert values == sorted(["1 s", "1.06 s", "1.23e+04 s", "0.4 ms", "3.3 s"])
     assert plot_bench(rows, tmp_path / "b.png").stat().st_size > 1000
 
 

@@ -55,11 +55,16 @@ def bench_figure(rows: Sequence[Any]) -> Any:
         ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
         ax.tick_params(axis="x", labelsize=8)
         for n, t in enumerate(seconds):
-            ax.text(t, n, f" {t * 1e3:.3g} ms", va="center", fontsize=7)
+            ax.text(t, n, " " + _seconds(t), va="center", fontsize=7)
         ax.set_title(case, fontsize=9)
         ax.set_xlabel("seconds", fontsize=8)
     _thin_tick_labels(fig)
     return fig
+
+
+def _seconds(t: float) -> str:
+    """A time with 3 significant digits: ``"184 ms"``, ``"2.29 s"``."""
+    return f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"
 
 
 def _thin_tick_labels(fig: Any) -> None:
