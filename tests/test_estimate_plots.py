@@ -337,3 +337,14 @@ def test_heatmap_grid_title_stays_inside_the_figure(tmp_path, monkeypatch):
     FigureCanvasAgg(fig).draw()
     box = fig._suptitle.get_window_extent(fig.canvas.get_renderer())
     assert _inside(box, fig.bbox)
+
+
+def test_repr_of_masks_holding_long_lists_is_summarised():
+    assert repr(M.padding([3, 4])) == "padding([3, 4])"  # short lists print in full
+    long = M.padding(list(range(10_000)))
+    assert repr(long) == "padding([0, 1, 2, ..., 9997, 9998, 9999] (10000 values))"
+    assert len(str(long & M.causal())) < 1000
+    many = M.global_local(3, list(range(0, 1000, 7)))
+    assert (
+        repr(many) == "global_local(3, global_tokens=[0, 7, 14, ..., 980, 987, 994] (143 values))"
+    )

@@ -58,6 +58,14 @@ def _index_tensor(name: str, values: object, *, ndim: tuple[int, ...]) -> Tensor
     return t.long()
 
 
+def _short_list(t: Tensor, edge: int = 3) -> str:
+    """``[1, 2, 3]``, or ``[1, 2, 3, ..., 98, 99] (100 values)`` above ``2·edge + 2`` values."""
+    if t.numel() <= 2 * edge + 2:
+        return str(t.tolist())
+    head, tail = t[:edge].tolist(), t[-edge:].tolist()
+    return f"[{', '.join(map(str, head))}, ..., {', '.join(map(str, tail))}] ({t.numel()} values)"
+
+
 def _interval_counts(lo: Tensor, hi: Tensor, S: int) -> Tensor:
     """Number of integers in [lo, hi] ∩ [0, S)."""
     return (hi.clamp(max=S - 1) - lo.clamp(min=0) + 1).clamp(min=0)
@@ -179,7 +187,7 @@ class PaddingMask(Mask):
         return n, n
 
     def __repr__(self) -> str:
-        return f"padding({self.lengths.tolist()})"
+        return f"padding({_short_list(self.lengths)})"
 
     def spec(self):
         if self.py_lengths is not None:
@@ -276,7 +284,7 @@ class GlobalLocalMask(Mask):
         return [[L * S - outside]]
 
     def __repr__(self) -> str:
-        return f"global_local({self.window}, global_tokens={self.global_idx.tolist()})"
+        return f"global_local({self.window}, global_tokens={_short_list(self.global_idx)})"
 
     def spec(self):
         return f"global_local:{self.window}", [self.global_idx]
