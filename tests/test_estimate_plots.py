@@ -81,8 +81,8 @@ def test_longformer_and_bigbird_counts_equal_brute_force(L, S):
 
 
 @pytest.mark.parametrize("L,S", [(1, 1), (5, 3), (3, 7), (9, 9), (12, 5)])
-def test_counts_without_closed_form_equal_brute_force(L, S):
-    # the bounded fallback: diagonals, key intervals, rows, tensor data
+def test_counts_of_other_combinations_equal_brute_force(L, S):
+    # unions, complements, tensor data and the bounded fallback (diagonals, key intervals, rows)
     for mask in [
         M.strided(2) | M.sliding_window(3),
         M.document(torch.arange(S) % 2) & M.causal(),
@@ -96,6 +96,28 @@ def test_counts_without_closed_form_equal_brute_force(L, S):
         assert mask._geometry(L, S) is None
         assert mask.attended_pairs(L, S) == brute_pairs(mask, L, S), (mask, L, S)
     assert M.padding([2, 3]).attended_pairs(L, S, heads=4) == 4 * L * (min(2, S) + min(3, S))
+
+
+@pytest.mark.parametrize("L,S", SIZES)
+def test_unions_and_complements_count_in_closed_form(L, S):
+    # a | b = a + b − (a & b); ~a = L·S − a: prefix-LM, chunked attention and friends
+    prefix_lm = M.causal() | M.padding([3])
+    chunked = M.document.from_lengths([4] * (S // 4) + [S % 4]) & M.causal()
+    for mask in [
+        prefix_lm,
+        M.causal() | M.padding([2, 9, 0]),
+        chunked,
+        chunked | M.padding([1]),
+        ~M.causal(),
+        ~(M.causal() & M.padding([3, 1])),
+        M.sliding_window(2) | M.strided(3),
+    ]:
+        assert mask._closed_counts(L, S) is not None, mask
+        assert mask.attended_pairs(L, S) == brute_pairs(mask, L, S), (mask, L, S)
+    # at 10**12: row i < p sees the p prefix keys (p − 1 − i more than causal), later rows i + 1
+    n, p = 10**12, 4096
+    assert (M.causal() | M.padding([p])).attended_pairs(n, n) == n * (n + 1) // 2 + p * (p - 1) // 2
+    assert (~M.causal()).attended_pairs(n, n) == n * (n - 1) // 2
 
 
 def test_closed_form_counts_are_exact_at_any_size():

@@ -237,8 +237,10 @@ class Mask:
         batch-independent mask ``attended_pairs(L, S)`` counts one ``L × S`` slice. Causal,
         sliding-window, strided, padding and document-from-lengths masks and their ``&``
         combinations are counted in closed form on Python ints (exact for any size, no tensor);
-        Longformer, BigBird, raw document ids and tensor masks from the data they hold; other
-        masks by diagonals, key intervals or rows, up to `counts.COUNT_BUDGET` elements.
+        Longformer, BigBird, raw document ids and tensor masks from the data they hold; ``a | b``
+        as ``a + b − (a & b)`` and ``~a`` as ``L·S − a`` when those are closed (prefix-LM is
+        ``causal() | padding([n])``); other masks by diagonals, key intervals or rows, up to
+        `counts.COUNT_BUDGET` elements.
 
         Raises:
             ValueError: a mask without a closed form whose count would exceed the budget.
@@ -259,16 +261,20 @@ class Mask:
         """Per-``(b, h)`` pair counts from the data a mask holds (no L×S work), or None."""
         return None
 
+    def _closed_counts(self, L: int, S: int) -> list[list[int]] | None:
+        """`_pair_counts` from the geometry or the held data alone (no L×S work), or None."""
+        geometry = self._geometry(L, S)
+        if geometry is not None:
+            return [[n] for n in geometry_pairs(geometry, L, S)]
+        return self._exact_counts(L, S)
+
     def _pair_counts(self, L: int, S: int) -> list[list[int]]:
         """Attended pairs per ``(batch item, head)`` of the sizes the mask depends on (or 1).
 
         The one counting implementation: the closed form when the mask has a geometry, else
         the cheapest bounded evaluation (diagonals, key intervals, rows).
         """
-        geometry = self._geometry(L, S)
-        if geometry is not None:
-            return [[n] for n in geometry_pairs(geometry, L, S)]
-        exact = self._exact_counts(L, S)
+        exact = self._closed_counts(L, S)
         if exact is not None:
             return exact
         nb, nh = self._batch_heads(None, None)
@@ -441,6 +447,19 @@ def _check_lengths(L: int, S: int) -> None:
         raise ValueError(f"mask lengths must be non-negative ints, got L={L!r}, S={S!r}")
 
 
+def _add_counts(x: list[list[int]], y: list[list[int]], sign: int) -> list[list[int]]:
+    """``x + sign·y`` on per-(batch, head) counts, a size-1 dimension broadcasting."""
+    rows = max(len(x), len(y))
+    out = []
+    for r in range(rows):
+        xr, yr = x[r if len(x) > 1 else 0], y[r if len(y) > 1 else 0]
+        cols = max(len(xr), len(yr))
+        out.append(
+            [xr[c if len(xr) > 1 else 0] + sign * yr[c if len(yr) > 1 else 0] for c in range(cols)]
+        )
+    return out
+
+
 def _describe(x: object) -> str:
     if isinstance(x, Tensor):
         return f"Tensor(dtype={x.dtype}, shape={tuple(x.shape)})"
@@ -504,6 +523,16 @@ class _Combined(Mask):
             return None
         return combine_geometry(self.a._geometry(L, S), self.b._geometry(L, S))
 
+    def _exact_counts(self, L, S):
+        # a | b = a + b − (a & b), each in closed form (prefix-LM: causal() | padding([n]))
+        if self.op != "|":
+            return None
+        a, b = self.a._closed_counts(L, S), self.b._closed_counts(L, S)
+        both = None if a is None or b is None else (self.a & self.b)._closed_counts(L, S)
+        if both is None:
+            return None
+        return _add_counts(_add_counts(a, b, 1), both, -1)
+
     def key_interval(self, L, S, *, device=None):
         if self.op != "&":
             return None
@@ -537,6 +566,10 @@ class _Not(Mask):
         return ~check_index_fn_output(
             "mask function", self.inner, self.inner._eval(*idx, L, S), idx
         )
+
+    def _exact_counts(self, L, S):
+        inner = self.inner._closed_counts(L, S)
+        return None if inner is None else [[L * S - n for n in row] for row in inner]
 
     def _diagonals(self, L, S, device):
         inner = self.inner._diagonals(L, S, device)

@@ -6,7 +6,8 @@
 those with ``&`` is counted by `geometry_pairs` in O(pieces) Python-int arithmetic, exact for any
 size (``L = S = 10**12`` takes microseconds, no tensor is built). Longformer (inclusion-exclusion
 over the globals), BigBird (block cells), raw document ids (bincount) and tensor masks count from
-the data they hold (`Mask._exact_counts`). Masks without a closed form are
+the data they hold (`Mask._exact_counts`); unions and complements of closed counts by
+inclusion-exclusion. Masks without a closed form are
 counted by diagonals, key intervals or rows, up to `COUNT_BUDGET` evaluated elements; above it
 `attended_pairs` raises a ValueError naming the lengths and the limit.
 """
