@@ -42,6 +42,14 @@ def diagonal_pairs(
     Counts ``Σ_e n(e)`` over ``e ≡ anchor (mod step)``, ``lo <= e <= hi``, where diagonal ``e``
     holds ``n(e) = min(L, N − e) + min(0, e)`` pairs for ``−L < e < N`` (and none outside): a
     piecewise-linear sum, so a few closed-form progression sums.
+
+    Args:
+        L, N: rows and columns of the rectangle.
+        lo, hi: the first and last diagonal ``e`` counted (None: unbounded).
+        step, anchor: count only ``e ≡ anchor (mod step)``.
+
+    Returns:
+        The exact count, a Python int (no overflow at any size).
     """
     if L <= 0 or N <= 0:
         return 0
@@ -122,7 +130,14 @@ def combine_geometry(a: Geometry | None, b: Geometry | None) -> Geometry | None:
 
 
 def geometry_pairs(g: Geometry, L: int, S: int) -> list[int]:
-    """Attended pairs of an ``L × S`` grid per batch item (one entry if batch-independent)."""
+    """Attended pairs of an ``L × S`` grid per batch item (one entry if batch-independent).
+
+    Args:
+        g: the mask's geometry. L, S: query and key lengths (bottom-right aligned).
+
+    Returns:
+        Python ints, one per batch item the geometry depends on (else one).
+    """
     limits = g.key_limit if g.key_limit is not None else [S]
     runs = g.runs if g.runs is not None else [None]
     n = max(len(limits), len(runs))

@@ -32,6 +32,12 @@ def wrap_to_width(text: str, width: float, fontsize: float) -> str:
 
     Measured with matplotlib's Agg renderer at ``fontsize`` points (a word longer than the width
     is broken), so a figure title stays inside its figure instead of being clipped at the edges.
+
+    Args:
+        text: the title (may hold newlines). width: inches. fontsize: points.
+
+    Returns:
+        The wrapped text.
     """
     Figure = require("matplotlib.figure", "viz", "attnlab.viz").Figure
     from matplotlib.backends.backend_agg import FigureCanvasAgg
