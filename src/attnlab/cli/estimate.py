@@ -6,6 +6,9 @@ import argparse
 
 from ._args import UsageError, add_device_argument, positive_int
 
+#: Memory `--measure` may use for its runs (the naive run holds the L×S scores and their grads).
+MEASURE_LIMIT_BYTES = 4 * 2**30
+
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from ..analysis import estimate, measure_estimate
@@ -36,6 +39,18 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         bias=not args.no_bias,
     )
     c = est.config
+    if args.measure:
+        # One layer, forward + backward: the naive run keeps its activations plus the scores
+        # and their gradient at once. Refused before anything is allocated.
+        need = est.value("activations kept for backward", "naive") / c["layers"]
+        need += 2 * est.value("score matrix", "naive")
+        if need > MEASURE_LIMIT_BYTES:
+            raise UsageError(
+                "--measure",
+                f"the naive run would need about {need / 2**30:,.1f} GiB, above the limit of "
+                f"{MEASURE_LIMIT_BYTES / 2**30:.0f} GiB (lower --seq, --batch or --heads, or "
+                "drop --measure)",
+            )
     print(
         f"B={c['B']} L={c['L']} S={c['S']} E={c['E']} H={c['H']} H_kv={c['H_kv']} D={c['D']} "
         f"layers={c['layers']} {c['dtype']}: {c['attended_pairs']:,} of {c['dense_pairs']:,} "

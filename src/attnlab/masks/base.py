@@ -32,9 +32,15 @@ from .blocks import (
     interval_codes,
     refine,
 )
+from .counts import COUNT_BUDGET, Geometry, budget_error, combine_geometry, geometry_pairs
 
 ATTEND = "■"
 IGNORE = "⬚"
+
+# `str(mask)` draws every cell up to this many rows and columns, a summary above it.
+RENDER_LIMIT = 64
+# Rows and columns shown at each end of a summarised picture.
+EDGE_ITEMS = 3
 
 # Elements evaluated per chunk when a mask is reduced without materialising L×S.
 _CHUNK_ELEMENTS = 1 << 22
@@ -228,13 +234,68 @@ class Mask:
         """Exact number of attended (query, key) pairs over the whole ``(B, H)`` grid.
 
         ``batch``/``heads`` default to the sizes the mask depends on (1 if it does not), so for a
-        batch-independent mask ``attended_pairs(L, S)`` counts one ``L × S`` slice.
+        batch-independent mask ``attended_pairs(L, S)`` counts one ``L × S`` slice. Causal,
+        sliding-window, strided, padding and document-from-lengths masks and their ``&``
+        combinations are counted in closed form on Python ints (exact for any size, no tensor);
+        Longformer, BigBird, raw document ids and tensor masks from the data they hold; ``a | b``
+        as ``a + b − (a & b)`` and ``~a`` as ``L·S − a`` when those are closed (prefix-LM is
+        ``causal() | padding([n])``); other masks by diagonals, key intervals or rows, up to
+        `counts.COUNT_BUDGET` elements.
+
+        Raises:
+            ValueError: a mask without a closed form whose count would exceed the budget.
         """
-        counts = self.row_counts(L, S, batch=batch, heads=heads)
+        _check_lengths(L, S)
+        self._batch_heads(batch, heads)
+        counts = self._pair_counts(L, S)  # (B|1) × (H|1) Python ints
         nb = batch if batch is not None else (self.batch_size or 1)
         nh = heads if heads is not None else (self.num_heads or 1)
-        per_slice = counts.sum(-1)  # (B|1, H|1)
-        return int(per_slice.expand(nb, nh).sum().item())
+        total = sum(sum(row) * (nh if len(row) == 1 else 1) for row in counts)
+        return total * (nb if len(counts) == 1 else 1)
+
+    def _geometry(self, L: int, S: int) -> Geometry | None:
+        """The mask's structure for a closed-form count (`counts.Geometry`), or None."""
+        return None
+
+    def _exact_counts(self, L: int, S: int) -> list[list[int]] | None:
+        """Per-``(b, h)`` pair counts from the data a mask holds (no L×S work), or None."""
+        return None
+
+    def _closed_counts(self, L: int, S: int) -> list[list[int]] | None:
+        """`_pair_counts` from the geometry or the held data alone (no L×S work), or None."""
+        geometry = self._geometry(L, S)
+        if geometry is not None:
+            return [[n] for n in geometry_pairs(geometry, L, S)]
+        return self._exact_counts(L, S)
+
+    def _pair_counts(self, L: int, S: int) -> list[list[int]]:
+        """Attended pairs per ``(batch item, head)`` of the sizes the mask depends on (or 1).
+
+        The one counting implementation: the closed form when the mask has a geometry, else
+        the cheapest bounded evaluation (diagonals, key intervals, rows).
+        """
+        exact = self._closed_counts(L, S)
+        if exact is not None:
+            return exact
+        nb, nh = self._batch_heads(None, None)
+        if L == 0 or S == 0:
+            return [[0]]
+        if L + S <= COUNT_BUDGET:
+            keep = self._diagonals(L, S, None)  # over d = j − p = −(S − 1) … L − 1
+            if keep is not None:
+                d = torch.arange(-(S - 1), L)
+                rows = (torch.clamp(L - d, max=L) - torch.clamp(L - S - d, min=0)).clamp(min=0)
+                return [[int(rows[keep].sum())]]
+        if nb * L <= COUNT_BUDGET:
+            interval = self.key_interval(L, S)
+            if interval is not None:
+                lo, hi = interval
+                width = (hi if lo is None else hi - lo).clamp(min=0).sum(-1)  # (B|1, H|1)
+                return width.tolist()
+        cost = nb * nh * L * S
+        if cost > COUNT_BUDGET:
+            raise budget_error(self, L, S, cost)
+        return self.row_counts(L, S).sum(-1).tolist()
 
     def density(
         self, L: int, S: int, *, batch: int | None = None, heads: int | None = None
@@ -319,8 +380,50 @@ class Mask:
     _pins_size = False
 
     def __str__(self) -> str:
+        """The ■/⬚ picture at the mask's default size; summarised above `RENDER_LIMIT` a side.
+
+        A large mask (a 3000-token document mask) prints like torch prints a large tensor: a
+        header with the shape and the attended count of batch item 0, head 0, then the first and
+        last `EDGE_ITEMS` rows and columns with ``...`` between them (a few KB, whatever the size).
+        """
         L, S = self._default_size()
-        return f"{self!r}  (L={L}, S={S})\n{self.render(L, S)}"
+        if L <= RENDER_LIMIT and S <= RENDER_LIMIT:
+            return f"{self!r}  (L={L}, S={S})\n{self.render(L, S)}"
+        return self._render_summary(L, S)
+
+    def _render_summary(self, L: int, S: int) -> str:
+        def edges(n: int) -> list[int]:
+            return (
+                list(range(n))
+                if n <= 2 * EDGE_ITEMS
+                else [*range(EDGE_ITEMS), *range(n - EDGE_ITEMS, n)]
+            )
+
+        rows, cols = edges(L), edges(S)
+        idx = index_grid(
+            1, 1, L, S, rows=torch.tensor(rows), keys=torch.tensor(cols), aligned=False
+        )
+        out = check_index_fn_output(
+            "mask function", self, self._eval(*idx, L, S), idx, want_bool=True
+        )
+        grid = out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))[0, 0]
+        grid = grid.expand(len(rows), len(cols)).tolist()
+        try:
+            count = self._pair_counts(L, S)[0][0]
+            attended = f"{count:,} of {L * S:,} pairs attended"
+        except ValueError:  # no closed form and above the counting budget
+            attended = f"{L * S:,} pairs (attended count above the counting budget)"
+        lines = [f"{self!r}  (L={L}, S={S}; {attended} in batch item 0, head 0; summarised)"]
+        for n, (r, flags) in enumerate(zip(rows, grid, strict=True)):
+            if n and r != rows[n - 1] + 1:
+                lines.append("...")
+            cells = []
+            for m, (c, x) in enumerate(zip(cols, flags, strict=True)):
+                if m and c != cols[m - 1] + 1:
+                    cells.append("...")
+                cells.append(ATTEND if x else IGNORE)
+            lines.append(" ".join(cells))
+        return "\n".join(lines)
 
     # ----------------------------------------------------------------- algebra
     def __and__(self, other: Mask) -> Mask:
@@ -342,6 +445,19 @@ class Mask:
 def _check_lengths(L: int, S: int) -> None:
     if not (isinstance(L, int) and isinstance(S, int)) or L < 0 or S < 0:
         raise ValueError(f"mask lengths must be non-negative ints, got L={L!r}, S={S!r}")
+
+
+def _add_counts(x: list[list[int]], y: list[list[int]], sign: int) -> list[list[int]]:
+    """``x + sign·y`` on per-(batch, head) counts, a size-1 dimension broadcasting."""
+    rows = max(len(x), len(y))
+    out = []
+    for r in range(rows):
+        xr, yr = x[r if len(x) > 1 else 0], y[r if len(y) > 1 else 0]
+        cols = max(len(xr), len(yr))
+        out.append(
+            [xr[c if len(xr) > 1 else 0] + sign * yr[c if len(yr) > 1 else 0] for c in range(cols)]
+        )
+    return out
 
 
 def _describe(x: object) -> str:
@@ -402,6 +518,21 @@ class _Combined(Mask):
         codes, todo = combine_codes(self.op, a, b)
         return refine(self, codes, todo, L, S, bq, bk, nb, nh, device)
 
+    def _geometry(self, L, S):
+        if self.op != "&":
+            return None
+        return combine_geometry(self.a._geometry(L, S), self.b._geometry(L, S))
+
+    def _exact_counts(self, L, S):
+        # a | b = a + b − (a & b), each in closed form (prefix-LM: causal() | padding([n]))
+        if self.op != "|":
+            return None
+        a, b = self.a._closed_counts(L, S), self.b._closed_counts(L, S)
+        both = None if a is None or b is None else (self.a & self.b)._closed_counts(L, S)
+        if both is None:
+            return None
+        return _add_counts(_add_counts(a, b, 1), both, -1)
+
     def key_interval(self, L, S, *, device=None):
         if self.op != "&":
             return None
@@ -435,6 +566,10 @@ class _Not(Mask):
         return ~check_index_fn_output(
             "mask function", self.inner, self.inner._eval(*idx, L, S), idx
         )
+
+    def _exact_counts(self, L, S):
+        inner = self.inner._closed_counts(L, S)
+        return None if inner is None else [[L * S - n for n in row] for row in inner]
 
     def _diagonals(self, L, S, device):
         inner = self.inner._diagonals(L, S, device)
@@ -492,6 +627,12 @@ class TensorMask(Mask):
         ii = i if t.shape[2] > 1 else torch.zeros_like(i)
         jj = j if t.shape[3] > 1 else torch.zeros_like(j)
         return t[bi, hi, ii, jj]
+
+    def _exact_counts(self, L, S):
+        self._check(L, S)
+        t = self.t.sum((-2, -1), dtype=torch.int64)  # (B|1, H|1): counted once, then repeated
+        repeat = (L if self.t.shape[-2] == 1 else 1) * (S if self.t.shape[-1] == 1 else 1)
+        return [[int(n) * repeat for n in row] for row in t.tolist()]
 
     def to_dense(self, L, S, *, batch=None, heads=None, device=None):
         _check_lengths(L, S)

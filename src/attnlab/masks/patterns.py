@@ -26,6 +26,7 @@ from .blocks import (
     refine,
     tile_bounds,
 )
+from .counts import COUNT_BUDGET, Geometry, diagonal_pairs
 
 # Any size at least this large acts as "unbounded" on int64 positions: sizes are capped to it
 # before they meet an index tensor, so `sliding_window(sys.maxsize)` or `strided(2**70)` neither
@@ -57,6 +58,14 @@ def _index_tensor(name: str, values: object, *, ndim: tuple[int, ...]) -> Tensor
     return t.long()
 
 
+def _short_list(t: Tensor, edge: int = 3) -> str:
+    """``[1, 2, 3]``, or ``[1, 2, 3, ..., 98, 99] (100 values)`` above ``2·edge + 2`` values."""
+    if t.numel() <= 2 * edge + 2:
+        return str(t.tolist())
+    head, tail = t[:edge].tolist(), t[-edge:].tolist()
+    return f"[{', '.join(map(str, head))}, ..., {', '.join(map(str, tail))}] ({t.numel()} values)"
+
+
 def _interval_counts(lo: Tensor, hi: Tensor, S: int) -> Tensor:
     """Number of integers in [lo, hi] ∩ [0, S)."""
     return (hi.clamp(max=S - 1) - lo.clamp(min=0) + 1).clamp(min=0)
@@ -80,6 +89,9 @@ class CausalMask(Mask):
         self._batch_heads(batch, heads)
         p = self.positions(L, S, device=device)
         return _interval_counts(torch.zeros_like(p), p, S).view(1, 1, L)
+
+    def _geometry(self, L, S):
+        return Geometry(diagonals=[(None, 0, 1, 0)])
 
     def __repr__(self) -> str:
         return "causal()"
@@ -119,6 +131,10 @@ class SlidingWindowMask(Mask):
         reach = min(self.window, max(L, S) + 1) - 1
         lo, hi = p - reach, (p if self.causal else p + reach)
         return _interval_counts(lo, hi, S).view(1, 1, L)
+
+    def _geometry(self, L, S):
+        reach = self.window - 1
+        return Geometry(diagonals=[(-reach, 0 if self.causal else reach, 1, 0)])
 
     def __repr__(self) -> str:
         return f"sliding_window({self.window}, causal={self.causal})"
@@ -163,12 +179,15 @@ class PaddingMask(Mask):
         n = self.lengths.to(device).clamp(max=S)
         return n.view(-1, 1, 1).expand(-1, 1, L)
 
+    def _geometry(self, L, S):
+        return Geometry(key_limit=[int(n) for n in self.lengths.tolist()])
+
     def _default_size(self) -> tuple[int, int]:
         n = max(1, int(self.lengths.max())) if self.lengths.numel() else 1
         return n, n
 
     def __repr__(self) -> str:
-        return f"padding({self.lengths.tolist()})"
+        return f"padding({_short_list(self.lengths)})"
 
     def spec(self):
         if self.py_lengths is not None:
@@ -195,6 +214,12 @@ class StridedMask(Mask):
     def _diagonals(self, L, S, device):
         d = torch.arange(-(S - 1), L, device=device)  # every j − p of the grid
         return self._keep(-d)
+
+    def _geometry(self, L, S):
+        # d = j − p: the local block |d| < stride, then every multiple of stride beyond it
+        s = self.stride
+        pieces = [(-(s - 1), 0 if self.causal else s - 1, 1, 0), (None, -s, s, 0)]
+        return Geometry(diagonals=pieces if self.causal else [*pieces, (s, None, s, 0)])
 
     def __repr__(self) -> str:
         return f"strided({self.stride}, causal={self.causal})"
@@ -238,8 +263,28 @@ class GlobalLocalMask(Mask):
         codes, todo = combine_codes("|", band, rows, keys.view(1, 1, 1, -1))
         return refine(self, codes, todo, L, S, bq, bk, nb, nh, device)
 
+    def _exact_counts(self, L, S):
+        # Inclusion-exclusion over the band |p − j| < w, global query rows and global keys:
+        # pairs = L·S − #(outside the band, row and key not global). O(G log G) for G globals.
+        if L == 0 or S == 0:
+            return [[0]]
+        w = min(self.window, max(L, S) + 1)
+        g = torch.unique(self.global_idx)
+        keys = g[g < S]  # global key positions
+        rows = keys[keys >= S - L]  # global query positions (aligned p = i + S − L)
+        plain = (L - rows.numel()) * (S - keys.numel())
+        band = diagonal_pairs(L, S, -(w - 1) + S - L, (w - 1) + S - L)
+        # band pairs of the global rows, of the global keys, and of both
+        band_rows = int(((rows + w - 1).clamp(max=S - 1) - (rows - w + 1).clamp(min=0) + 1).sum())
+        lo_p = (keys - w + 1).clamp(min=S - L)
+        band_keys = int(((keys + w - 1).clamp(max=S - 1) - lo_p + 1).clamp(min=0).sum())
+        hi = torch.searchsorted(keys, rows + w - 1, right=True)
+        band_both = int((hi - torch.searchsorted(keys, rows - w + 1)).sum())
+        outside = plain - (band - band_rows - band_keys + band_both)
+        return [[L * S - outside]]
+
     def __repr__(self) -> str:
-        return f"global_local({self.window}, global_tokens={self.global_idx.tolist()})"
+        return f"global_local({self.window}, global_tokens={_short_list(self.global_idx)})"
 
     def spec(self):
         return f"global_local:{self.window}", [self.global_idx]
@@ -317,6 +362,23 @@ class BigBirdMask(Mask):
         q_range = (p0 // block - first, (p1 - 1) // block - first)
         codes = cell_codes(table, q_range, (k0 // block, (k1 - 1) // block))
         return codes.view(1, 1, *codes.shape)
+
+    def _exact_counts(self, L, S):
+        # Constant on (query block, key block) cells: Σ cell · rows in it · keys in it.
+        if L == 0 or S == 0:
+            return [[0]]
+        block = _cap(self.block_size)
+        first, last, nk = (S - L) // block, (S - 1) // block, -(-S // block)
+        if (last - first + 1) * nk > COUNT_BUDGET:
+            return None  # the row fallback (or its error) decides
+        qc = torch.arange(first, last + 1)
+        kc = torch.arange(nk)
+        table = self._block_keep(qc.view(-1, 1), kc.view(1, -1), S)
+        rows = (torch.clamp((qc + 1) * block, max=S) - torch.clamp(qc * block, min=S - L)).clamp(
+            min=0
+        )
+        keys = torch.clamp((kc + 1) * block, max=S) - kc * block
+        return [[int((table.long() * rows.view(-1, 1) * keys.view(1, -1)).sum())]]
 
     def __repr__(self) -> str:
         return (
@@ -436,6 +498,37 @@ class DocumentMask(Mask):
         codes = torch.where(empty, EMPTY, torch.where(full, FULL, PARTIAL)).to(torch.int8)
         todo = (~empty & ~full).any(dim=0)  # (nq, nk)
         return refine(self, codes.unsqueeze(1), todo, L, S, bq, bk, nb, nh, device)
+
+    def _check_S(self, S: int) -> None:
+        if self.ids.shape[-1] != S:
+            raise ValueError(f"document ids cover {self.ids.shape[-1]} positions, but S={S}")
+
+    def _geometry(self, L, S):
+        if not self.runs_distinct:
+            return None
+        self._check_S(S)
+        ids = self.ids if self.ids.dim() == 2 else self.ids.view(1, S)
+        runs = []
+        for row in ids:
+            _, lengths = torch.unique_consecutive(row, return_counts=True)
+            starts = [0, *torch.cumsum(lengths, 0).tolist()]
+            runs.append([(a, n) for a, n in zip(starts, lengths.tolist(), strict=False)])
+        return Geometry(runs=runs)
+
+    def _exact_counts(self, L, S):
+        # Raw ids: Σ over ids of (queries with the id) × (keys with the id), by bincount.
+        self._check_S(S)
+        ids = self.ids if self.ids.dim() == 2 else self.ids.view(1, S)
+        out = []
+        for row in ids:
+            if S == 0 or L == 0:
+                out.append([0])
+                continue
+            _, codes = torch.unique(row, return_inverse=True)
+            keys = torch.bincount(codes)
+            queries = torch.bincount(codes[max(0, S - L) :], minlength=keys.numel())
+            out.append([int((keys * queries).sum())])
+        return out
 
     def _default_size(self) -> tuple[int, int]:
         n = max(1, int(self.ids.shape[-1]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,42 @@ def new_figure(width: float, height: float) -> Figure:
     """A matplotlib Figure that is not registered with pyplot (no global state, no GUI backend)."""
     Figure = require("matplotlib.figure", "viz", "attnlab.viz").Figure
     return Figure(figsize=(width, height), layout="constrained")
+
+
+def wrap_to_width(text: str, width: float, fontsize: float) -> str:
+    """``text`` wrapped at spaces so that every line is at most ``width`` inches wide.
+
+    Measured with matplotlib's Agg renderer at ``fontsize`` points (a word longer than the width
+    is broken), so a figure title stays inside its figure instead of being clipped at the edges.
+
+    Args:
+        text: the title (may hold newlines). width: inches. fontsize: points.
+
+    Returns:
+        The wrapped text.
+    """
+    Figure = require("matplotlib.figure", "viz", "attnlab.viz").Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    scratch = Figure(figsize=(1, 1), dpi=72)
+    renderer = FigureCanvasAgg(scratch).get_renderer()
+    probe = scratch.text(0, 0, "", fontsize=fontsize)
+
+    def fits(candidate: str) -> bool:
+        for line in candidate.split("\n"):
+            probe.set_text(line)
+            if probe.get_window_extent(renderer).width > width * 72:
+                return False
+        return True
+
+    chars = max(len(line) for line in text.split("\n")) if text else 0
+    wrapped = text
+    while chars > 1 and not fits(wrapped):
+        chars = max(1, int(chars * 0.9))
+        wrapped = "\n".join(
+            textwrap.fill(line, chars, break_long_words=True) for line in text.split("\n")
+        )
+    return wrapped
 
 
 def save_figure(fig: Figure, path: PathLike, dpi: int) -> Path:
@@ -160,16 +197,24 @@ def heatmaps(
         )
     if isinstance(ncols, bool) or not isinstance(ncols, int) or ncols < 1:
         raise ValueError(f"ncols must be a positive int, got {ncols!r}")
+    numpy = require("numpy", "viz", "attnlab.viz")
     data = [as_matrix(f"matrices[{n}]", m) for n, m in enumerate(panels)]
     vmin = vmax = None
     if shared_scale:
-        vmin = min(float(d.min()) for d in data if d.size) if any(d.size for d in data) else None
-        vmax = max(float(d.max()) for d in data if d.size) if any(d.size for d in data) else None
+        # NaN cells are blank (masked): the range is over the drawn cells
+        drawn = [d[~numpy.isnan(d)] for d in data]
+        drawn = [d for d in drawn if d.size]
+        vmin = min(float(d.min()) for d in drawn) if drawn else None
+        vmax = max(float(d.max()) for d in drawn) if drawn else None
     cols = min(ncols, len(data))
     rows = math.ceil(len(data) / cols)
-    fig = new_figure(panel_size * cols + 0.8, panel_size * rows + (0.5 if suptitle else 0.0))
+    width = panel_size * cols + 0.8
     if suptitle:
-        fig.suptitle(suptitle)
+        suptitle = wrap_to_width(suptitle, width - 0.3, 12)
+    height = panel_size * rows + (0.3 + 0.25 * suptitle.count("\n") + 0.2 if suptitle else 0.0)
+    fig = new_figure(width, height)
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=12)
     for n, d in enumerate(data):
         ax = fig.add_subplot(rows, cols, n + 1)
         draw_heatmap(

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..masks import Mask, causal
 from ..positional import RoPE, dense_bias, sinusoidal
 from .heatmap import PathLike, draw_heatmap, heatmaps, new_figure, save_figure
 
@@ -106,9 +107,13 @@ def plot_bias(
     heads: list[int] | None = None,
     title: str | None = None,
     ncols: int = 4,
+    mask: Mask | str | None = "auto",
     dpi: int = 100,
 ) -> Path:
     """Saves a function bias (ALiBi, T5RelativeBias, …) as one ``(L, S)`` heatmap per head.
+
+    Cells the mask removes are drawn blank (NaN), not coloured by a bias that never applies: a
+    causal ALiBi's biases on future keys (positive, brighter than any real one) are hidden.
 
     Args:
         path: where to write the PNG.
@@ -118,13 +123,25 @@ def plot_bias(
         heads: which heads to draw (default all, up to 8).
         title: figure title (default: the bias's repr).
         ncols: panels per row.
+        mask: the mask the bias is used with (batch item 0 is drawn): ``"auto"`` (default) is
+            ``masks.causal()`` for a bias with ``causal=True`` (ALiBi's decoder form) and no mask
+            otherwise; None draws every cell.
         dpi: pixels per inch.
     """
     H = num_heads if num_heads is not None else getattr(bias, "num_heads", None)
     if not isinstance(H, int) or isinstance(H, bool) or H < 1:
         raise ValueError(f"num_heads must be given for this bias (a positive int), got {H!r}")
+    if isinstance(mask, str) and mask != "auto":
+        raise ValueError(f"mask must be a Mask, None or 'auto', got {mask!r}")
+    if mask == "auto":
+        mask = causal() if getattr(bias, "causal", False) is True else None
+    if mask is not None and not isinstance(mask, Mask):
+        raise TypeError(f"mask must be a Mask, None or 'auto', got {type(mask).__name__}")
     with torch.no_grad():
-        dense = dense_bias(bias, H, L, S)  # (H, L, S)
+        dense = dense_bias(bias, H, L, S).double()  # (H, L, S)
+        if mask is not None:
+            keep = mask.to_dense(L, dense.shape[-1], heads=H)[0]  # (H|1, L, S), batch item 0
+            dense = dense.masked_fill(~keep, math.nan)  # drawn blank
     chosen = list(range(min(H, 8))) if heads is None else list(heads)
     bad = [h for h in chosen if not 0 <= h < H]
     if bad or not chosen:
@@ -138,7 +155,8 @@ def plot_bias(
         [dense[h] for h in chosen],
         path,
         titles=titles,
-        suptitle=title if title is not None else repr(bias),
+        suptitle=(title if title is not None else repr(bias))
+        + ("" if mask is None else f"; blank: masked by {mask!r}"),
         ncols=ncols,
         colorbar_label="bias",
         dpi=dpi,
