@@ -1,26 +1,34 @@
-"""Inspecting attention: weight statistics, head importance, cost estimates and experiments."""
+"""Inspecting attention: weight statistics, head importance, cost estimates, experiments, and
+the texts' readings of attention (bilinear forms, score terms, kernel regression, Gibbs)."""
 
 from .capture import capture_attentions, module_attentions
 from .estimate import Estimate, estimate, measure_estimate
 from .experiments import ExperimentResult, scaling_experiment, temperature_experiment
 from .importance import attention_modules, head_gates, head_importance, output_norm
+from .views import Gibbs, ScoreTerms, bilinear_metric, gibbs, nadaraya_watson, score_decomposition
 from .weights import entropy, head_diversity, head_entropy, row_is_attended
 
 __all__ = [
     "Estimate",
     "ExperimentResult",
+    "Gibbs",
+    "ScoreTerms",
     "attention_modules",
+    "bilinear_metric",
     "capture_attentions",
     "entropy",
     "estimate",
+    "gibbs",
     "head_diversity",
     "head_entropy",
     "head_gates",
     "head_importance",
     "measure_estimate",
     "module_attentions",
+    "nadaraya_watson",
     "output_norm",
     "row_is_attended",
     "scaling_experiment",
+    "score_decomposition",
     "temperature_experiment",
 ]
