@@ -827,3 +827,30 @@ def test_pos_is_an_alias_of_positional():
     assert pos.__all__ == positional.__all__
     for name in positional.__all__:
         assert getattr(pos, name) is getattr(positional, name)
+
+
+def test_sinusoidal_amplitude_and_periods_alias_and_coprime_periods_separate():
+    from attnlab.positional.sinusoidal import SinusoidalEmbedding, sinusoidal
+
+    base = sinusoidal(9, 8, dtype=torch.float64)
+    torch.testing.assert_close(sinusoidal(9, 8, amplitude=3.0, dtype=torch.float64), 3 * base)
+    # one pair with period T: p_i·p_j = A² cos(2π(i − j)/T), and position j + T aliases j
+    pe = sinusoidal(40, 2, amplitude=2.0, periods=[7], dtype=torch.float64)
+    gram = pe @ pe.T
+    i = torch.arange(40, dtype=torch.float64)
+    torch.testing.assert_close(gram, 4.0 * torch.cos(2 * torch.pi * (i[:, None] - i) / 7))
+    torch.testing.assert_close(pe[3], pe[10])
+    # coprime periods 3 and 5: 15 distinct codes, then the pattern repeats
+    m = SinusoidalEmbedding(4, periods=(3, 5), dtype=torch.float64)(31)
+    d = torch.cdist(m[:15], m[:15]) + torch.eye(15) * 9
+    assert float(d.min()) > 0.1
+    torch.testing.assert_close(m[15:30], m[:15])
+    assert "periods=[3.0, 5.0]" in repr(SinusoidalEmbedding(4, periods=(3, 5)))
+    with pytest.raises(ValueError, match="dim/2 = 2 wavelengths, got 3"):
+        sinusoidal(4, 4, periods=[1, 2, 3])
+    with pytest.raises(ValueError, match="periods\\[1\\] must be > 0"):
+        sinusoidal(4, 4, periods=[2, 0])
+    with pytest.raises(ValueError, match="base or periods, not both"):
+        sinusoidal(4, 4, 500.0, periods=[2, 3])
+    with pytest.raises(ValueError, match="amplitude"):
+        SinusoidalEmbedding(4, amplitude=0.0)

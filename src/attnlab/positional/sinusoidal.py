@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
 from ._checks import check_even_dim, check_int, check_positions, check_real
+
+DEFAULT_BASE = 10000.0
 
 
 def _frequencies(dim: int, base: float, device: torch.device | None = None) -> Tensor:
@@ -14,27 +19,53 @@ def _frequencies(dim: int, base: float, device: torch.device | None = None) -> T
     return base ** (-two_i / dim)
 
 
-def _encode(positions: Tensor, dim: int, base: float, dtype: torch.dtype) -> Tensor:
+def _check_periods(periods: object, dim: int, base: float) -> tuple[float, ...] | None:
+    """``periods`` as floats: None, or dim/2 finite wavelengths > 0 (then base must be default)."""
+    if periods is None:
+        return None
+    if base != DEFAULT_BASE:
+        raise ValueError(f"pass base or periods, not both (got base={base:g} and periods)")
+    values = tuple(periods) if isinstance(periods, (list, tuple, Tensor)) else None
+    if values is None or len(values) != dim // 2:
+        got = len(values) if values is not None else type(periods).__name__
+        raise ValueError(f"periods must be a sequence of dim/2 = {dim // 2} wavelengths, got {got}")
+    return tuple(check_real(f"periods[{i}]", float(v), greater=0.0) for i, v in enumerate(values))
+
+
+def _encode(
+    positions: Tensor,
+    dim: int,
+    base: float,
+    dtype: torch.dtype,
+    amplitude: float = 1.0,
+    periods: tuple[float, ...] | None = None,
+) -> Tensor:
     """The encoding of integer ``positions`` (any shape), ``(*positions.shape, dim)``.
 
     Angles and sin/cos are computed in float64 and rounded once to ``dtype``, so the table is as
     accurate as ``dtype`` allows at any position.
     """
-    angle = positions.to(torch.float64).unsqueeze(-1) * _frequencies(dim, base, positions.device)
+    if periods is None:
+        omega = _frequencies(dim, base, positions.device)
+    else:
+        omega = 2 * math.pi / torch.tensor(periods, dtype=torch.float64, device=positions.device)
+    angle = positions.to(torch.float64).unsqueeze(-1) * omega  # (..., dim/2)
     # (..., dim/2) -> interleave to (..., dim/2, 2) -> (..., dim): sin at 2i, cos at 2i+1.
     pe = torch.stack((angle.sin(), angle.cos()), dim=-1).flatten(-2)  # (..., dim)
-    return pe.to(dtype)
+    return (pe * amplitude if amplitude != 1.0 else pe).to(dtype)
 
 
 def sinusoidal(
     length: int,
     dim: int,
-    base: float = 10000.0,
+    base: float = DEFAULT_BASE,
     *,
+    amplitude: float = 1.0,
+    periods: Sequence[float] | Tensor | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
 ) -> Tensor:
-    """The sinusoidal table ``PE[p, 2i] = sin(p·ω_i)``, ``PE[p, 2i+1] = cos(p·ω_i)``.
+    """The sinusoidal table ``PE[p, 2i] = A·sin(p·ω_i)``, ``PE[p, 2i+1] = A·cos(p·ω_i)``.
 
     With ``ω_i = base^(−2i/dim)``; sine and cosine are interleaved exactly as in the original
     Transformer, so for ``dim=8`` the row of position 1 reads
@@ -44,6 +75,13 @@ def sinusoidal(
         length: number of positions P (rows), >= 0.
         dim: width E of the encoding, a positive even number.
         base: wavelength base (> 1); wavelengths run from 2π to 2π·base.
+        amplitude: A, the scale of every entry (> 0). One frequency pair contributes
+            ``p_iᵀp_j = A² cos(ω(i − j))`` to a logit, against content terms of spread
+            ``σ²√d`` for embeddings with per-entry variance σ²: positions dominate once
+            ``A² ≳ σ²√d`` (seed 004).
+        periods: dim/2 wavelengths ``λ_i`` in positions (``ω_i = 2π/λ_i``) instead of the
+            geometric series of ``base``. An integer period aliases: ``PE[p + λ] = PE[p]`` in
+            that pair; coprime integer periods λ_1…λ_k tell ``λ_1·…·λ_k`` positions apart.
         dtype: dtype of the result (computed in float64 and rounded once).
         device: device of the result.
 
@@ -60,8 +98,10 @@ def sinusoidal(
     length = check_int("length", length, minimum=0)
     dim = check_even_dim("dim", dim)
     base = check_real("base", base, greater=1.0)
+    amplitude = check_real("amplitude", amplitude, greater=0.0)
+    checked = _check_periods(periods, dim, base)
     positions = torch.arange(length, device=device)  # (P,)
-    return _encode(positions, dim, base, dtype)
+    return _encode(positions, dim, base, dtype, amplitude, checked)
 
 
 def sinusoidal_shift(offset: int, dim: int, base: float = 10000.0) -> Tensor:
@@ -100,6 +140,7 @@ class SinusoidalEmbedding(nn.Module):
         dim: width E of the encoding (even; an odd value raises ValueError).
         base: wavelength base (> 1).
         dtype: dtype of the returned encodings.
+        amplitude, periods: the scale and explicit wavelengths, as in `sinusoidal`.
 
     Example:
         >>> pe = SinusoidalEmbedding(64)
@@ -108,11 +149,21 @@ class SinusoidalEmbedding(nn.Module):
         torch.Size([2, 10, 64])
     """
 
-    def __init__(self, dim: int, base: float = 10000.0, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        dim: int,
+        base: float = DEFAULT_BASE,
+        dtype: torch.dtype = torch.float32,
+        *,
+        amplitude: float = 1.0,
+        periods: Sequence[float] | Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.dim = check_even_dim("dim", dim)
         self.base = check_real("base", base, greater=1.0)
         self.dtype = dtype
+        self.amplitude = check_real("amplitude", amplitude, greater=0.0)
+        self.periods = _check_periods(periods, self.dim, self.base)
 
     def forward(
         self, positions: Tensor | int, *, device: torch.device | str | None = None
@@ -136,7 +187,10 @@ class SinusoidalEmbedding(nn.Module):
                 f"({positions.device}), got device={device!r}"
             )
         positions = check_positions("positions", positions)
-        return _encode(positions, self.dim, self.base, self.dtype)
+        return _encode(positions, self.dim, self.base, self.dtype, self.amplitude, self.periods)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, base={self.base:g}"
+        extra = "" if self.amplitude == 1.0 else f", amplitude={self.amplitude:g}"
+        if self.periods is not None:
+            return f"dim={self.dim}, periods={list(self.periods)}" + extra
+        return f"dim={self.dim}, base={self.base:g}" + extra
