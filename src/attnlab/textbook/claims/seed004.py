@@ -71,6 +71,32 @@ def _hands_on() -> Finding:
     )
 
 
+@claim(
+    "004-0-b",
+    section="引言",
+    quote="第二章，**“应用与跨学科连接”**，我们将跨出理论的范畴，探索缩放[点积](@entry_id:149019)"
+    "注意力如何在"
+    "自然语言处理、[计算机视觉](@entry_id:138301)、计算生物学、经济学等多元化领域中解决实际问题",
+    paraphrase="A second chapter shows scaled dot-product attention solving problems in NLP, "
+    "vision, computational biology and economics.",
+    api="attnlab.models",
+    expected=NOT_CHECKABLE,
+    assumptions="what attnlab ships: its models and data",
+)
+def _applications() -> Finding:
+    from ... import models
+
+    names = sorted(n for n in ("GPT", "MiniLM", "BertEncoder", "Encoder") if hasattr(models, n))
+    return Finding(
+        computed=f"attnlab ships text models ({', '.join(names)}) and one text corpus; no "
+        "vision, biology or economics model or data set",
+        call="attnlab.models.GPT, attnlab.models.MiniLM, attnlab.models.BertEncoder",
+        verdict=NOT_CHECKABLE,
+        explanation="the applications chapter is not in the source file, and its domains' data "
+        "(images, sequences, economic series) do not ship with attnlab",
+    )
+
+
 # ----------------------------------------------------------------- 核心机制 (core mechanism)
 @claim(
     "004-1-a",
@@ -592,6 +618,36 @@ def _scaled_stable() -> Finding:
         ),
         call=_SCALING_CALL + ".column('entropy scaled'), .column('grad norm scaled')",
         **_verdict(ok, "scaled softmax statistics still depend on d_k"),
+    )
+
+
+@claim(
+    "004-2-k",
+    section="统计学原理：为何需要缩放？",
+    quote="由于各个乘积项 $q_i k_i$ 之间也是相互独立的，和的[方差](@entry_id:200758)等于[方差](@en"
+    "try_id:200758)的和",
+    paraphrase="The product terms q_i k_i are independent (uncorrelated), so the variance of their "
+    "sum is the sum of their variances.",
+    api="attnlab.functional.scores.get_score('dot')",
+    expected=AGREES,
+    assumptions="q, k ~ N(0, 1) in d_k = 8, 50,000 pairs, float64, seed 35; every covariance "
+    "between two different terms within 4 standard errors (1/√n ≈ 0.0045) of 0, and "
+    "Var(Σ) within 3 % of Σ Var",
+)
+def _sum_of_variances() -> Finding:
+    from ...functional.scores import get_score
+
+    dot, g = get_score("dot"), _gen(35)
+    terms = dot.prepare(_randn(g, 50_000, 8)) * dot.prepare(_randn(g, 50_000, 8))  # (n, 8)
+    cov = torch.cov(terms.T)  # (8, 8)
+    off = cov[~torch.eye(8, dtype=torch.bool)].abs().max()
+    var_sum, sum_var = float(terms.sum(-1).var()), float(cov.diagonal().sum())
+    ok = float(off) < 4 / math.sqrt(50_000) and abs(var_sum / sum_var - 1) < 0.03
+    return Finding(
+        computed=f"largest |Cov(q_i k_i, q_j k_j)|, i ≠ j: {fmt(float(off), 2)}; Var(Σ_i q_i k_i) "
+        f"= {fmt(var_sum)}, Σ_i Var(q_i k_i) = {fmt(sum_var)}",
+        call="terms = s.prepare(q) * s.prepare(k); torch.cov(terms.T); terms.sum(-1).var()",
+        **_verdict(ok, "the product terms are correlated"),
     )
 
 
@@ -1216,7 +1272,8 @@ def _pe_breaks_symmetry() -> Finding:
     "row still sums to 1.",
     api="attnlab.masks.causal, attnlab.attention (return_weights)",
     expected=AGREES,
-    assumptions="float64, B=2, H=2, L=S=9, d=4, seed 22",
+    assumptions="float64, B=2, H=2, L=S=9, d=4, seed 22; for the isolation check the keys and "
+    "values (d_v = 4) at positions 5–8 are replaced by NaN (attnlab's NaN rule)",
 )
 def _causal_weights() -> Finding:
     from ... import attention, masks
@@ -1229,10 +1286,21 @@ def _causal_weights() -> Finding:
     sums = _close(w.sum(-1), torch.ones(2, 2, 9, dtype=F64))
     l_ij = (q @ k.transpose(-1, -2) / 2).masked_fill(future, float("-inf"))
     ref = torch.softmax(l_ij, -1) @ v
-    ok = zero and sums and _close(out, ref)
+    # the strongest form: NaN keys and values at positions 5… leave rows 0–4 bit-identical
+    # (values of width d = 4 here, on every backend)
+    vd = _randn(g, 2, 2, 9, 4)
+    k_nan, v_nan = k.clone(), vd.clone()
+    k_nan[..., 5:, :], v_nan[..., 5:, :] = float("nan"), float("nan")
+    isolated = True
+    for be in ("auto", "reference", "flash"):
+        plain = attention(q, k, vd, mask=masks.causal(), backend=be)
+        out_nan = attention(q, k_nan, v_nan, mask=masks.causal(), backend=be)
+        isolated &= bool((out_nan[..., :5, :] == plain[..., :5, :]).all())
+    ok = zero and sums and _close(out, ref) and isolated
     return Finding(
         computed=f"weights at j > i exactly 0: {zero}; rows sum to 1: {sums}; output == "
-        f"softmax(l) V with l_ij = −∞ for j > i: {_close(out, ref)}",
+        f"softmax(l) V with l_ij = −∞ for j > i: {_close(out, ref)}; NaN keys/values at "
+        f"positions ≥ 5 leave rows 0–4 bit-identical (auto, reference, flash): {isolated}",
         call="attention(q, k, v, mask=masks.causal(), return_weights=True)",
         **_verdict(ok, "the causal weights leak to the future"),
     )
