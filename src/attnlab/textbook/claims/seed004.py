@@ -1,7 +1,9 @@
 """Seed 004 — 缩放点积注意力：原理与机制 (scaled dot-product attention: principles).
 
-Every check runs in float64 on seeded generators and reports counts, ratios or bounds (never
-raw rounding noise), so its text is the same on every run.
+Checks run in float64 on seeded generators (float32/float16 only where a claim is about them)
+and report counts, ratios, 2–4 significant digits or bounds — never raw rounding noise or
+timings — so their text is the same on every run. The module ends with the hands-on exercises
+H1–H4 that the seed announces but lacks (``from_text=False``).
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ F64 = torch.float64
 
 
 def _gen(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed`` (checks never touch the global RNG)."""
     return torch.Generator().manual_seed(seed)
 
 
 def _randn(g: torch.Generator, *shape: int) -> Tensor:
+    """Standard normal float64 tensor of ``shape`` drawn from ``g``."""
     return torch.randn(*shape, generator=g, dtype=F64)
 
 
 def _close(a: Tensor, b: Tensor, tol: float = 1e-12) -> bool:
+    """``max |a − b| <= tol`` (False if any difference is NaN)."""
     return bool((a - b).abs().max() <= tol) if a.numel() else True
 
 
@@ -38,8 +43,9 @@ def _verdict(ok: bool, why: str) -> dict[str, str]:
     )
 
 
-def _scores(q: Tensor, k: Tensor, lse: Tensor, w: Tensor) -> Tensor:
-    """The logits ``s_ij = log p_ij + lse_i`` recovered from attnlab's weights and lse."""
+def _scores(w: Tensor, lse: Tensor) -> Tensor:
+    """The logits ``s_ij = log p_ij + lse_i`` recovered from attnlab's weights ``(…, L, S)`` and
+    log-sum-exp ``(…, L)``."""
     return w.log() + lse.unsqueeze(-1)
 
 
@@ -141,7 +147,7 @@ def _scoring() -> Finding:
     g = _gen(1)
     q, k, v = _randn(g, 1, 1, 5, 4), _randn(g, 1, 1, 7, 4), _randn(g, 1, 1, 7, 4)
     _, w, lse = attention(q, k, v, scale=1.0, return_weights=True, return_lse=True)
-    s = _scores(q, k, lse, w)[0, 0]
+    s = _scores(w, lse)[0, 0]
     loops = torch.tensor(
         [
             [float(sum(q[0, 0, i, t] * k[0, 0, j, t] for t in range(4))) for j in range(7)]
@@ -1100,7 +1106,7 @@ def _relative() -> Finding:
     _, w, lse = attention(
         p[None], p[None], p[None], scale=1.0, return_weights=True, return_lse=True
     )
-    s = (w.log() + lse.unsqueeze(-1))[0]  # (24, 24)
+    s = _scores(w, lse)[0]  # (24, 24)
     diag_spread = max(
         float(torch.diagonal(s, off).max() - torch.diagonal(s, off).min()) for off in range(-23, 24)
     )
