@@ -72,8 +72,8 @@ def _hands_on() -> Finding:
         "(`attnlab textbook --exercise H1`)",
         call="get_exercise('H1') … get_exercise('H4')",
         verdict=NOT_CHECKABLE,
-        explanation="the announced chapter 3 (and chapter 2, applications) is not in the source "
-        "file; nothing of it can be checked",
+        explanation="the announced hands-on chapter 3 is not in the source file, so its "
+        "exercises cannot be checked; H1–H4 are attnlab's own",
     )
 
 
@@ -1083,8 +1083,9 @@ def _orthogonal_only() -> Finding:
         verdict=AGREES if depends_on_offset_only else TEXT_ERROR,
         explanation=""
         if depends_on_offset_only
-        else "u, v must be orthonormal (|u| = |v| = 1, or at least |u| = |v|): orthogonal u, v "
-        "give A²(|u|² sin_i sin_j + |v|² cos_i cos_j), which depends on i and j separately",
+        else "the formula needs orthonormal u, v (|u| = |v| = 1): orthogonal u, v of different "
+        "lengths give A²(|u|² sin_i sin_j + |v|² cos_i cos_j), which depends on i and j "
+        "separately (equal lengths r give A²r² cos(2π(i − j)/T))",
     )
 
 
