@@ -304,3 +304,23 @@ def test_compile_flash_tensor_mask_and_bias():
     assert_rule_equal(out.detach(), want.double(), 1e-5)
     assert bool(torch.isnan(out[0, 1, 4]).all()) == bool(keep[0, 0, 4, 7])
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("Dv, dropout_p", [(3, 0.0), (4, 0.5)], ids=["Dv!=D", "dropout"])
+@pytest.mark.parametrize("backend", ["sdpa", "auto", "flash", "reference"])
+def test_a_nan_future_key_stays_out_of_earlier_causal_rows_on_the_math_fallback(
+    backend, Dv, dropout_p
+):
+    """torch's CPU causal kernel falls back to its math path when Dv != D or with dropout,
+    where NaN + (−inf) stays NaN: a NaN key j must still reach only the rows i >= j."""
+    if backend == "flash" and dropout_p:
+        pytest.skip("flash does not implement dropout (it says so; auto picks another backend)")
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 9, 4, generator=g) for _ in range(2))
+    v = torch.randn(1, 2, 9, Dv, generator=g)
+    k[..., 5:, :] = NAN
+    out = attnlab.attention(q, k, v, mask=masks.causal(), backend=backend, dropout_p=dropout_p)
+    assert bool(torch.isfinite(out[..., :5, :]).all())
+    assert not bool(torch.isfinite(out[..., 5:, :]).any())
+    if dropout_p == 0.0:
+        assert_rule_equal(out, ref_out(q, k, v, masks.causal()), atol=1e-5)

@@ -101,9 +101,14 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
     # a non-finite q_i only reaches row i (poisoned, or zeros if it attends nothing): q needs
     # cleaning only for its gradient
     q = nan_rule.clean(req.q) if _needs_grad(req.q) else req.q
-    # torch's causal kernel sets masked logits to −inf itself (a NaN key cannot leak), so k is
-    # cleaned there only for its gradient; v always (0 · NaN at masked pairs)
-    k = nan_rule.clean(req.k) if not is_causal or _needs_grad(req.k) else req.k
+    # torch's fused CPU causal kernel skips masked logits (a NaN key cannot leak), so k is
+    # cleaned there only for its gradient. Its math fallback (Dv != D, dropout, other devices)
+    # adds −inf to q·k and NaN + (−inf) stays NaN: clean k then. v always (0 · NaN at masked
+    # pairs).
+    fused_causal = (
+        is_causal and req.q.device.type == "cpu" and req.dims.Dv == req.dims.D and not req.dropout_p
+    )
+    k = req.k if fused_causal and not _needs_grad(req.k) else nan_rule.clean(req.k)
     v = nan_rule.clean(req.v)
     if req.score != "dot":
         q, k = s.prepare(q), s.prepare(k)
