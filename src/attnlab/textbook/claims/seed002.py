@@ -998,8 +998,9 @@ def _metric_shape() -> Finding:
         f"{tuple(right_m.shape)} and rank {rank}",
         "W_q[:4].T and W_k[:4].T of MultiHeadAttention(16, 4); shapes of both products",
         tuple(text_m.shape) == (16, 16),
-        "with W ∈ R^{d_model×d_k}, (W^Q)ᵀW^K is d_k×d_k and cannot sit between x, y ∈ "
-        "R^{d_model}; the metric is M_i = W_i^Q (W_i^K)ᵀ (d_model×d_model, rank ≤ d_k)",
+        "the two sides mix conventions: with W_i^Q ∈ R^{d_model×d_k} (8.3.1), (xW^Q)ᵀ(yW^K) = "
+        "xᵀW^Q(W^K)ᵀy, so M_i = W_i^Q(W_i^K)ᵀ (d_model×d_model, rank ≤ d_k); (W^Q)ᵀW^K is "
+        "d_k×d_k (right only in 8.1.2's W ∈ R^{d_k×d} layout)",
     )
 
 
@@ -2114,6 +2115,175 @@ def _params_heads() -> Finding:
 )
 def _memory_4x_summary() -> Finding:
     return _memory_doubling()
+
+
+# ------------------------------------------------------------------------ more of 8.2–8.7
+@claim(
+    "002-8.2.2-g",
+    section="8.2.2 正弦位置编码",
+    quote="- 低频成分（大波长）：编码全局位置信息 - 高频成分（小波长）：编码局部相对关系",
+    paraphrase="Low frequencies encode the global position, high frequencies local relations.",
+    api="attnlab.positional.sinusoidal",
+    expected=AGREES,
+    assumptions="d=64, positions 0–4095, float64; the highest-frequency pair (dims 0–1, period "
+    "2π) against the lowest (dims 62–63, period ≈ 47,000)",
+)
+def _pe_scales() -> Finding:
+    from ...positional import sinusoidal
+
+    pe = sinusoidal(4096, 64, dtype=F64)
+    hi, lo = pe[:, 0:2], pe[:, 62:64]
+    # High frequency: positions 44 apart (≈ 7 periods of 2π) look alike; neighbours differ.
+    alias = float((hi[44:] - hi[:-44]).norm(dim=-1).max())
+    near = float((hi[1:] - hi[:-1]).norm(dim=-1).min())
+    # Low frequency: the angle grows monotonically over the whole range (a global coordinate).
+    angle = torch.atan2(lo[:, 0], lo[:, 1])
+    mono = bool((angle[1:] > angle[:-1]).all())
+    ok = alias < 0.05 and near > 0.9 and mono
+    return _found(
+        f"dims 0–1: positions p and p+44 differ by at most {fmt(alias)}, neighbours by at least "
+        f"{fmt(near)}; dims 62–63: angle strictly increasing over 0–4095: {mono}",
+        "pe = sinusoidal(4096, 64); norms of pe[p + 44, :2] − pe[p, :2]; atan2 of pe[:, 62:64]",
+        ok,
+        "the frequency bands do not split into local and global position information",
+    )
+
+
+@claim(
+    "002-8.3.1-c",
+    section="8.3.1 投影与子空间",
+    quote="- $\\mathbf{W}_i^Q, \\mathbf{W}_i^K \\in \\mathbb{R}^{d_{model} \\times d_k}$ - "
+    "$\\mathbf{W}_i^V \\in \\mathbb{R}^{d_{model} \\times d_v}$ - $\\mathbf{W}^O \\in "
+    "\\mathbb{R}^{hd_v \\times d_{model}}$",
+    paraphrase="Per head W^Q, W^K are d_model×d_k, W^V d_model×d_v; W^O is h·d_v×d_model.",
+    api="attnlab.MultiHeadAttention",
+    expected=AGREES,
+    assumptions="d_model=512, h=8 (d_k = d_v = 64); torch stores Linear weights as (out × in), "
+    "i.e. transposed",
+)
+def _param_shapes() -> Finding:
+    mha = _mha(512, 8)
+    wq, wk, wv, wo = _mha_parts(mha)
+    per_head = [tuple(w[:64].T.shape) for w in (wq, wk, wv)]
+    ok = per_head == [(512, 64)] * 3 and tuple(wo.T.shape) == (512, 512) and mha.head_dim == 64
+    return _found(
+        f"W_i^Q, W_i^K, W_i^V (transposed head slices): {per_head}; W^O (transposed): "
+        f"{tuple(wo.T.shape)} = (h·d_v, d_model)",
+        "MultiHeadAttention(512, 8): qkv_proj.weight split per head, out_proj.weight",
+        ok,
+        "the projection shapes differ",
+    )
+
+
+@claim(
+    "002-8.3.4-e",
+    section="8.3.4 头之间的相互作用",
+    quote="**头的重要性分析** 通过剪枝实验可以识别关键头：",
+    paraphrase="Pruning experiments identify the key heads (the loss increase when a head is "
+    "removed).",
+    api="attnlab.analysis.head_importance, attnlab.MultiHeadAttention.prune_heads",
+    expected=AGREES,
+    assumptions="an untrained MHA (E=16, 4 heads), the loss ‖mha(x) − target‖², float64; the "
+    "gated ablation of head_importance must equal the loss change of actually pruning the head",
+)
+def _pruning() -> Finding:
+    from ...analysis import head_importance
+
+    mha = _mha(16, 4)
+    x, target = _randn(2, 6, 16, seed=1), _randn(2, 6, 16, seed=2)
+
+    def loss_fn(m, batch):
+        return ((m(batch[0]) - batch[1]) ** 2).sum()
+
+    imp = head_importance(mha, (x, target), loss_fn, ablation=True)["ablation"][0]
+    base = float(loss_fn(mha, (x, target)))
+    pruned = []
+    for h in range(4):
+        m = _mha(16, 4)
+        m.prune_heads([h])
+        with torch.no_grad():
+            pruned.append(float(loss_fn(m, (x, target))) - base)
+    err = max(abs(float(a) - b) for a, b in zip(imp, pruned, strict=True))
+    order = [int(i) for i in imp.argsort(descending=True)]
+    return _found(
+        "loss increase per pruned head: "
+        + ", ".join(fmt(b) for b in pruned)
+        + f"; head_importance ablation matches to {_err(err, 1e-9)}; ranking {order}",
+        "head_importance(mha, (x, t), loss_fn, ablation=True); mha.prune_heads([h])",
+        err < 1e-9,
+        "the gated ablation does not equal pruning the head",
+    )
+
+
+@claim(
+    "002-8.4.2-e",
+    section="8.4.2 空间复杂度",
+    quote="1. **梯度检查点**：只存储部分激活，需要时重计算",
+    paraphrase="Gradient checkpointing stores fewer activations and recomputes them in backward, "
+    "with the same gradients.",
+    api="attnlab.models.GPT (gradient_checkpointing)",
+    expected=AGREES,
+    assumptions="2-layer GPT, d_model=32, 4 heads, n=16, batch 2, float64, seed 0; recomputation "
+    "counted with forward pre-hooks on the blocks",
+)
+def _checkpointing() -> Finding:
+    from ...models import GPT, TransformerConfig
+
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    grads, calls = {}, {}
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        cfg = TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+        model = GPT(cfg).double().train()
+        model.gradient_checkpointing = ckpt
+        count = [0]
+        for blk in model.blocks:
+            blk.register_forward_pre_hook(lambda *_, c=count: c.__setitem__(0, c[0] + 1))
+        model(idx).sum().backward()
+        grads[ckpt] = torch.cat([p.grad.flatten() for p in model.parameters()])
+        calls[ckpt] = count[0]
+    err = float((grads[True] - grads[False]).abs().max())
+    return _found(
+        f"block forwards: {calls[False]} without, {calls[True]} with checkpointing "
+        f"(recomputed in backward); max |Δ grad| = {_err(err)}",
+        "GPT(cfg).gradient_checkpointing = True; forward pre-hooks on model.blocks",
+        err < 1e-12 and calls[True] == 2 * calls[False],
+        "checkpointing does not recompute or changes the gradients",
+    )
+
+
+@claim(
+    "002-8.7-f",
+    section="8.7 本章小结",
+    quote="- 缩放因子 $1/\\sqrt{d_k}$ 防止softmax饱和",
+    paraphrase="(Summary) The 1/√d_k factor prevents softmax saturation.",
+    api="attnlab.analysis.scaling_experiment",
+    expected=AGREES,
+    assumptions="as 002-8.1.3-c",
+)
+def _summary_scale() -> Finding:
+    return _scaled_var()
+
+
+@claim(
+    "002-8.7-g",
+    section="8.7 本章小结",
+    quote="- 正弦编码：支持任意长度，包含多尺度信息",
+    paraphrase="(Summary) Sinusoidal encodings support any length and carry multi-scale "
+    "information.",
+    api="attnlab.positional.sinusoidal, attnlab.positional.sinusoidal_shift",
+    expected=AGREES,
+    assumptions="as 002-8.2.3-b and 002-8.2.2-g",
+)
+def _summary_sinusoidal() -> Finding:
+    a, b = _sinusoidal_extrapolates(), _pe_scales()
+    both = a.verdict == AGREES and b.verdict == AGREES
+    return _found(
+        f"{a.computed}; {b.computed}",
+        f"{a.call}; {b.call}",
+        both,
+        "the encoding fails beyond the training length or lacks the scales",
+    )
 
 
 # ------------------------------------------------------------------------ 8.8 exercises
