@@ -191,7 +191,7 @@ def _sdpa_formula() -> Finding:
     }
     return _found(
         "max |attention − softmax(QKᵀ/√d_k)V|: "
-        + ", ".join(f"{b} {fmt(e)}" for b, e in errs.items()),
+        + ", ".join(f"{b} {_err(e)}" for b, e in errs.items()),
         "attention(q, k, v, backend=b) vs torch.softmax(q @ k.mT / d**0.5, -1) @ v",
         max(errs.values()) < 1e-12,
         "attention differs from softmax(QKᵀ/√d_k)V",
@@ -2785,7 +2785,8 @@ def _softmax_dim() -> Finding:
     rows_wrong = float((wrong.sum(-1) - 1).abs().max())
     err = float((w - torch.softmax(s, -1)).abs().max())
     return _found(
-        f"dim=-2: rows sum to 1 ± {fmt(rows_wrong)} (columns do); attnlab equals dim=-1 to "
+        f"dim=-2: row sums miss 1 by up to {fmt(rows_wrong)} (the columns sum to 1); "
+        "attnlab equals dim=-1 to "
         f"{_err(err)}",
         "torch.softmax(scores, -2) vs attention(q, k, v, return_weights=True)[1]",
         rows_wrong > 0.1 and err < 1e-12,
