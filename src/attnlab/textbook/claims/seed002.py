@@ -2680,6 +2680,127 @@ def _ex88_two_heads() -> Finding:
     )
 
 
+@claim(
+    "002-8.3.2-d",
+    section="8.3.2 多头机制的动机",
+    quote="单头注意力对每个查询产生一个注意力分布。多头允许模型同时关注不同类型的信息：",
+    paraphrase="One head gives one distribution per query; h heads give h distributions at once.",
+    api="attnlab.attention (return_weights=True), attnlab.analysis.head_diversity",
+    expected=AGREES,
+    assumptions="4 heads, n=8, d=8, float64, seed 0",
+)
+def _h_distributions() -> Finding:
+    from ... import attention
+    from ...analysis import head_diversity
+
+    q, k, v = _qkv(H=4)
+    _, w = attention(q, k, v, return_weights=True)
+    sums = float((w.sum(-1) - 1).abs().max())
+    div = float(head_diversity(w)[0])
+    distinct = bool(
+        (w[0, :, None] - w[0, None, :]).abs().amax((-1, -2)).add(torch.eye(4)).gt(1e-3).all()
+    )
+    return _found(
+        f"weights {tuple(w.shape)}: one distribution per (head, query) (sums 1 ± {_err(sums)}), "
+        f"the 4 heads' maps pairwise different: {distinct}; head_diversity {fmt(div)}",
+        "attention(q, k, v, return_weights=True)[1]; head_diversity(w)",
+        sums < 1e-12 and distinct,
+        "the heads do not give separate distributions",
+    )
+
+
+@claim(
+    "002-8.4.3-c",
+    section="8.4.3 并行化优势",
+    quote="自注意力主要是矩阵乘法，可充分利用：",
+    paraphrase="Self-attention is mostly matrix multiplication.",
+    api="attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="one layer, batch 1, d_model=768, h=12, n ∈ {512, 4096}; the only non-matmul "
+    "term counted is the softmax (5 FLOPs per score)",
+)
+def _mostly_matmul() -> Finding:
+    share = {}
+    for n in (512, 4096):
+        e = _est(n)
+        share[n] = 1 - e.value("softmax", "naive") / e.value("total", "naive")
+    return _found(
+        "matmul share of the FLOPs: "
+        + ", ".join(f"n={n}: {fmt(100 * s, 4)} %" for n, s in share.items()),
+        "1 − estimate(n, 768, 12).value('softmax') / .value('total')",
+        min(share.values()) > 0.95,
+        "the non-matmul work is not small",
+    )
+
+
+@claim(
+    "002-ex8.5-b",
+    section="8.8 练习8.5",
+    quote="高维推广：将 $d$ 维空间分成 $d/2$ 个2D子空间，每个子空间使用不同频率：",
+    paraphrase="In d dimensions RoPE rotates d/2 independent 2-D planes, each at its own "
+    "frequency.",
+    api="attnlab.positional.RoPE (interleaved=True)",
+    expected=AGREES,
+    assumptions="d=16, position 5, pairs (2i, 2i+1) as in the paper's layout, float64",
+)
+def _ex85_planes() -> Finding:
+    from ...positional import RoPE
+
+    rope = RoPE(16, interleaved=True)
+    x = _randn(1, 1, 1, 16, seed=3)
+    got = rope(x, torch.tensor([5]))[0, 0, 0]
+    blocks = []
+    for i, w in enumerate(rope.inv_freq.to(F64).tolist()):
+        a = 5 * w
+        r = torch.tensor([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]], dtype=F64)
+        blocks.append(r @ x[0, 0, 0, 2 * i : 2 * i + 2])
+    err = float((got - torch.cat(blocks)).abs().max())
+    return _found(
+        f"8 planes, frequencies {fmt(rope.inv_freq[0].item())} … {fmt(rope.inv_freq[-1].item())}; "
+        f"max |RoPE(x, 5) − blockdiag(R_(5ω_i)) x| = {_err(err)}",
+        "RoPE(16, interleaved=True)(x, torch.tensor([5]))",
+        err < 1e-12,
+        "RoPE is not a rotation per plane",
+    )
+
+
+@claim(
+    "002-ex8.7-b",
+    section="8.8 练习8.7",
+    quote="- 使用图拉普拉斯算子的特征向量作为位置编码 - 自然满足平移不变性和局部平滑性",
+    paraphrase="Eigenvectors of the path graph's Laplacian as positional codes are naturally "
+    "translation invariant.",
+    api="attnlab.positional.sinusoidal (for comparison)",
+    expected=TEXT_ERROR,
+    assumptions="path graphs of n=16 and n=32 nodes, the 8 lowest non-constant eigenvectors, "
+    "float64; translation tested as in 002-ex8.7-a (best linear map code(p) → code(p+1))",
+)
+def _ex87_laplacian() -> Finding:
+    def codes(n: int) -> Tensor:
+        lap = torch.diag(torch.tensor([1.0] + [2.0] * (n - 2) + [1.0], dtype=F64))
+        lap -= torch.diag(torch.ones(n - 1, dtype=F64), 1) + torch.diag(
+            torch.ones(n - 1, dtype=F64), -1
+        )
+        _, vec = torch.linalg.eigh(lap)
+        vec = vec[:, 1:9]
+        return vec * vec[0].sign()  # fix each eigenvector's sign
+
+    c16, c32 = codes(16), codes(32)
+    a, b = c32[:-1], c32[1:]
+    m = torch.linalg.lstsq(a, b).solution
+    resid = float((a @ m - b).norm() / b.norm())
+    length = float((c16[3] - c32[3]).abs().max())
+    return _found(
+        f"position 3's code differs between n=16 and n=32 by up to {fmt(length)}; best linear "
+        f"map code(p) → code(p+1) leaves a relative residual {fmt(resid)} (sin/cos: "
+        f"{_err(_sine_only_residual()[1])})",
+        "torch.linalg.eigh(path Laplacian); torch.linalg.lstsq(code[:-1], code[1:])",
+        resid < 1e-6 and length < 1e-6,
+        "the path Laplacian's eigenvectors are cos(πk(j+½)/n): they depend on the length n and "
+        "have no fixed linear shift map (no sine partners, reflecting ends)",
+    )
+
+
 # ------------------------------------------------------------------------- 8.9 pitfalls
 @claim(
     "002-8.9-a",
