@@ -1,0 +1,3392 @@
+"""Seed 002 — 第8章：Transformer与注意力机制 (chapter 8: Transformer and attention).
+
+Every quantitative or checkable statement of the chapter, checked live against attnlab, and the
+worked solutions of its exercises 8.1–8.8 (§8.8). Checks run in float64 with seeded generators on
+small sizes; a claim's verdict is computed from what the library returns (``ok`` → ``agrees``,
+else ``text error``), so a library regression flips a verdict and fails the test suite.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import Tensor
+
+from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim, fmt
+from ..exercises import exercise
+
+F64 = torch.float64
+
+
+def _randn(*shape: int, seed: int = 0) -> Tensor:
+    """Seeded float64 standard-normal tensor."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def _qkv(B: int = 1, H: int = 2, L: int = 8, D: int = 8, seed: int = 0) -> tuple[Tensor, ...]:
+    """Seeded q, k, v of shape (B, H, L, D) in float64."""
+    return tuple(_randn(B, H, L, D, seed=seed + i) for i in range(3))
+
+
+def _found(computed: str, call: str, ok: bool, why: str) -> Finding:
+    """``agrees`` when the text's statement holds (``ok``), else ``text error`` with ``why``."""
+    return Finding(computed, call, AGREES if ok else TEXT_ERROR, "" if ok else why)
+
+
+def _err(x: float, tol: float = 1e-12) -> str:
+    """A round-off-sized difference as "≈0 (< tol)" (its last bits vary with BLAS threads)."""
+    return f"≈0 (< {tol:g})" if x < tol else fmt(x)
+
+
+def _softmax_ref(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+    """softmax(QKᵀ·scale)V in plain torch, scale 1/√d_k by default."""
+    s = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return torch.softmax(q @ k.transpose(-1, -2) * s, -1) @ v
+
+
+def _mha(E: int = 16, H: int = 4, *, bias: bool = True, seed: int = 0):
+    """A seeded float64 `attnlab.MultiHeadAttention`."""
+    from ...modules import MultiHeadAttention
+
+    torch.manual_seed(seed)
+    mha = MultiHeadAttention(E, H, bias=bias).double().eval()
+    return mha.requires_grad_(False)
+
+
+def _mha_parts(mha) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(W_q, W_k, W_v, W_o) of an attnlab MHA as torch Linear weights (out × in)."""
+    (wq, _), (wk, _), (wv, _) = mha._weights()
+    return wq.detach(), wk.detach(), wv.detach(), mha.out_proj.weight.detach()
+
+
+# ------------------------------------------------------------------------------------ 8.1
+@claim(
+    "002-8.1.1-a",
+    section="8.1.1 从序列到序列的映射",
+    quote="$$\\mathbf{y}_i = \\sum_{j=1}^n \\alpha_{ij} \\mathbf{v}_j$$",
+    paraphrase="Each output is a weighted sum of the value vectors, with the attention weights "
+    "α_ij of row i.",
+    api="attnlab.attention (return_weights=True)",
+    expected=AGREES,
+    assumptions="B=1, H=2, n=8, d=8, float64, seed 0",
+)
+def _weighted_sum() -> Finding:
+    from ... import attention
+
+    q, k, v = _qkv()
+    out, w = attention(q, k, v, return_weights=True)
+    err = float((out - w @ v).abs().max())
+    rows = float((w.sum(-1) - 1).abs().max())
+    ok = err < 1e-12 and rows < 1e-12 and bool((w >= 0).all())
+    return _found(
+        f"max |y − αV| = {_err(err)}; max |Σ_j α_ij − 1| = {_err(rows)}; all α_ij >= 0",
+        "out, w = attention(q, k, v, return_weights=True); (out - w @ v).abs().max()",
+        ok,
+        "the output is not the α-weighted sum of the values",
+    )
+
+
+@claim(
+    "002-8.1.1-b",
+    section="8.1.1 从序列到序列的映射",
+    quote="计算 $\\mathbf{y}_i$ 不需要依赖 $\\mathbf{y}_{i-1}$，所有位置可以并行计算",
+    paraphrase="y_i does not depend on y_{i−1}: every row can be computed on its own, all in "
+    "parallel.",
+    api="attnlab.attention",
+    expected=AGREES,
+    assumptions="n=8, d=8, float64; each row recomputed alone from q_i and all keys",
+)
+def _rows_independent() -> Finding:
+    from ... import attention
+
+    q, k, v = _qkv()
+    full = attention(q, k, v)
+    err = max(
+        float((attention(q[:, :, i : i + 1], k, v) - full[:, :, i : i + 1]).abs().max())
+        for i in range(q.shape[2])
+    )
+    return _found(
+        f"max |attention(q[i:i+1], K, V) − attention(Q, K, V)[i]| over the 8 rows = {_err(err)}",
+        "attention(q[:, :, i:i+1], k, v) vs attention(q, k, v)[:, :, i:i+1]",
+        err < 1e-12,
+        "a row computed alone differs from the same row of the full call",
+    )
+
+
+@claim(
+    "002-8.1.2-a",
+    section="8.1.2 注意力分数的计算",
+    quote="$$e_{ij} = \\mathbf{q}_i^T \\mathbf{k}_j$$ … "
+    "**几何解释**：点积越大，表示两个向量在高维空间中"
+    "方向越一致，因此应该给予更多注意力。",
+    paraphrase="The raw score is the dot product q_i·k_j; a larger dot product gets more attention "
+    "(the weights are monotone in the score).",
+    api="attnlab.attention (scale=1, return_weights=True)",
+    expected=AGREES,
+    assumptions="n=8, d=8, float64, scale 1 so the logits are exactly q_i·k_j",
+)
+def _dot_scores() -> Finding:
+    from ... import attention
+
+    q, k, v = _qkv()
+    _, w = attention(q, k, v, scale=1.0, return_weights=True)
+    e = q @ k.transpose(-1, -2)
+    # log α_ij − log α_ik = e_ij − e_ik: the weights rank the keys exactly as the dot products do.
+    diff = (w.log() - w.log()[..., :1]) - (e - e[..., :1])
+    same_order = bool((w.argsort(-1) == e.argsort(-1)).all())
+    err = float(diff.abs().max())
+    return _found(
+        f"max |(log α_ij − log α_i1) − (q_i·k_j − q_i·k_1)| = {_err(err)}; the weights rank the "
+        f"keys as the dot products do in every row: {same_order}",
+        "attention(q, k, v, scale=1.0, return_weights=True)",
+        err < 1e-12 and same_order,
+        "the weights are not a monotone function of q_i·k_j",
+    )
+
+
+@claim(
+    "002-8.1.3-a",
+    section="8.1.3 缩放点积注意力",
+    quote="当 $d_k$ 较大时，点积的方差会随维度线性增长。 … $$\\text{Var}(\\mathbf{q}^T\\mathbf{k}) "
+    "= d_k$$",
+    paraphrase="For q, k with i.i.d. zero-mean unit-variance entries the variance of q·k is d_k "
+    "(linear in the dimension).",
+    api="attnlab.analysis.scaling_experiment",
+    expected=AGREES,
+    assumptions="q, k ~ N(0, 1), 1024 queries × 16 keys per d_k, float64, seed 0; within 6 %",
+)
+def _var_dk() -> Finding:
+    from ...analysis import scaling_experiment
+
+    r = scaling_experiment(d_ks=(16, 64, 256), samples=1024, keys=16, seed=0)
+    d, var = r.column("d_k"), r.column("var q·k")
+    ok = all(abs(v / dk - 1) < 0.06 for dk, v in zip(d, var, strict=True))
+    return _found(
+        "; ".join(f"d_k={dk}: Var(q·k)={fmt(v)}" for dk, v in zip(d, var, strict=True)),
+        "scaling_experiment(d_ks=(16, 64, 256), samples=1024, keys=16).column('var q·k')",
+        ok,
+        "the variance of q·k does not track d_k",
+    )
+
+
+@claim(
+    "002-8.1.3-b",
+    section="8.1.3 缩放点积注意力",
+    quote="$$\\text{Attention}(\\mathbf{Q}, \\mathbf{K}, \\mathbf{V}) = \\text{softmax}\\left("
+    "\\frac{\\mathbf{Q}\\mathbf{K}^T}{\\sqrt{d_k}}\\right)\\mathbf{V}$$",
+    paraphrase="Scaled dot-product attention is softmax(QKᵀ/√d_k)V.",
+    api="attnlab.attention",
+    expected=AGREES,
+    assumptions="B=1, H=2, n=8, d_k=8, float64, every backend",
+)
+def _sdpa_formula() -> Finding:
+    from ... import attention
+
+    q, k, v = _qkv()
+    ref = _softmax_ref(q, k, v)
+    errs = {
+        b: float((attention(q, k, v, backend=b) - ref).abs().max())
+        for b in ("reference", "sdpa", "flash")
+    }
+    return _found(
+        "max |attention − softmax(QKᵀ/√d_k)V|: "
+        + ", ".join(f"{b} {_err(e)}" for b, e in errs.items()),
+        "attention(q, k, v, backend=b) vs torch.softmax(q @ k.mT / d**0.5, -1) @ v",
+        max(errs.values()) < 1e-12,
+        "attention differs from softmax(QKᵀ/√d_k)V",
+    )
+
+
+@claim(
+    "002-8.1.3-c",
+    section="8.1.3 缩放点积注意力",
+    quote="**Rule of thumb**: 缩放因子选择 $\\sqrt{d_k}$ 使得点积的方差保持为1，避免softmax饱和。",
+    paraphrase="Dividing by √d_k keeps the variance of the logits at 1, so softmax does not "
+    "saturate as d_k grows.",
+    api="attnlab.analysis.scaling_experiment, attnlab.functional.scores.get_score",
+    expected=AGREES,
+    assumptions="q, k ~ N(0, 1), 512 queries × 16 keys, d_k ∈ {16, 128, 512}, float64, "
+    "seed 0; uniform entropy over 16 keys is ln 16 = 2.773",
+)
+def _scaled_var() -> Finding:
+    from ...analysis import scaling_experiment
+    from ...functional.scores import get_score
+
+    r = scaling_experiment(d_ks=(16, 128, 512), samples=512, keys=16, seed=0)
+    var, ent = r.column("var q·k/√d_k"), r.column("entropy scaled")
+    raw_ent = r.column("entropy")
+    default = get_score("dot").default_scale(256)
+    ok = (
+        all(abs(v - 1) < 0.06 for v in var)
+        and max(ent) - min(ent) < 0.05
+        and raw_ent[-1] < 0.5 * ent[-1]
+        and abs(default - 1 / 16) < 1e-15
+    )
+    return _found(
+        "scaled Var = "
+        + ", ".join(fmt(v) for v in var)
+        + "; softmax entropy scaled "
+        + ", ".join(fmt(e) for e in ent)
+        + " vs unscaled "
+        + ", ".join(fmt(e) for e in raw_ent)
+        + f" nats (d_k = 16, 128, 512); attnlab's default scale at d_k=256 = {fmt(default)}",
+        "scaling_experiment(d_ks=(16, 128, 512), samples=512, keys=16); "
+        "get_score('dot').default_scale(256)",
+        ok,
+        "the scaled logits do not keep unit variance or the softmax still saturates",
+    )
+
+
+@claim(
+    "002-8.1.3-d",
+    section="8.1.3 缩放点积注意力",
+    quote="大的方差会导致softmax函数进入饱和区，梯度消失。",
+    paraphrase="Large logit variance saturates softmax and its gradient vanishes.",
+    api="attnlab.analysis.scaling_experiment",
+    expected=AGREES,
+    assumptions="the gradient size is the mean Frobenius norm of the softmax Jacobian "
+    "diag(p) − ppᵀ over 512 rows of 16 keys; float64, seed 0",
+)
+def _saturation_grad() -> Finding:
+    from ...analysis import scaling_experiment
+
+    r = scaling_experiment(d_ks=(4, 64, 512), samples=512, keys=16, seed=0)
+    raw, sc = r.column("grad norm"), r.column("grad norm scaled")
+    ok = raw[0] > raw[1] > raw[2] and raw[2] < 0.5 * sc[2]
+    return _found(
+        "‖J‖_F unscaled "
+        + ", ".join(fmt(x) for x in raw)
+        + " vs scaled "
+        + ", ".join(fmt(x) for x in sc)
+        + " at d_k = 4, 64, 512",
+        "scaling_experiment(d_ks=(4, 64, 512), samples=512, keys=16).column('grad norm')",
+        ok,
+        "the softmax gradient does not shrink as the unscaled logit variance grows",
+    )
+
+
+@claim(
+    "002-8.1.3-e",
+    section="8.1.3 缩放点积注意力",
+    quote="线性变换得到 Q, K, V ↓ 计算缩放点积 QK^T/√d_k ↓ Softmax归一化得到注意力权重 ↓ 加权求和 "
+    "V",
+    paraphrase="The pipeline: project X to Q, K, V; scaled dot products; softmax; weighted sum of "
+    "V; output.",
+    api="attnlab.MultiHeadAttention",
+    expected=AGREES,
+    assumptions="one head, E=8, n=6, no biases, float64, seed 0 (the output projection applied "
+    "after the weighted sum)",
+)
+def _pipeline() -> Finding:
+    mha = _mha(8, 1, bias=False)
+    x = _randn(1, 6, 8, seed=1)
+    wq, wk, wv, wo = _mha_parts(mha)
+    q, k, v = x @ wq.T, x @ wk.T, x @ wv.T
+    a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8), -1)
+    y = (a @ v) @ wo.T
+    err = float((mha(x) - y).abs().max())
+    return _found(
+        f"max |MultiHeadAttention(x) − (softmax(QKᵀ/√d_k)V)W_o| = {_err(err)}",
+        "MultiHeadAttention(8, 1, bias=False)(x) vs the step-by-step pipeline",
+        err < 1e-12,
+        "the module's forward differs from the pipeline",
+    )
+
+
+@claim(
+    "002-8.1.4-a",
+    section="8.1.4 注意力的概率解释",
+    quote="$$P(j|i) = \\frac{\\exp(e_{ij}/\\sqrt{d_k})}{\\sum_{k=1}^n \\exp(e_{ik}/\\sqrt{d_k})}$$ "
+    "… 这定义了一个在位置上的概率分布。",
+    paraphrase="The weights P(j|i) = exp(e_ij/√d_k)/Σ_k exp(e_ik/√d_k) form a probability "
+    "distribution over positions.",
+    api="attnlab.attention (return_weights=True)",
+    expected=AGREES,
+    assumptions="n=8, d_k=8, float64, seed 0",
+)
+def _probability() -> Finding:
+    from ... import attention
+
+    q, k, v = _qkv()
+    _, w = attention(q, k, v, return_weights=True)
+    e = q @ k.transpose(-1, -2) / math.sqrt(8)
+    p = e.exp() / e.exp().sum(-1, keepdim=True)
+    err = float((w - p).abs().max())
+    ok = err < 1e-12 and bool((w >= 0).all()) and float((w.sum(-1) - 1).abs().max()) < 1e-12
+    return _found(
+        f"max |α − exp(e/√d_k)/Σexp| = {_err(err)}; rows are non-negative and sum to 1",
+        "attention(q, k, v, return_weights=True)[1]",
+        ok,
+        "the weights are not this distribution",
+    )
+
+
+@claim(
+    "002-8.1.4-b",
+    section="8.1.4 注意力的概率解释",
+    quote="输出 $\\mathbf{y}_i$ 是值向量的期望：",
+    paraphrase="y_i is the expectation of v_j under j ~ P(·|i).",
+    api="attnlab.attention",
+    expected=AGREES,
+    assumptions="one row, n=8, d=8, 400,000 seeded samples of j ~ P(·|i); the Monte-Carlo mean "
+    "must be within 5 standard errors of y_i in every coordinate",
+)
+def _expectation() -> Finding:
+    from ... import attention
+
+    q, k, v = _qkv(H=1)
+    out, w = attention(q, k, v, return_weights=True)
+    p, y = w[0, 0, 0], out[0, 0, 0]
+    n = 400_000
+    j = torch.multinomial(p, n, replacement=True, generator=torch.Generator().manual_seed(0))
+    samples = v[0, 0][j]  # (n, D)
+    mean, se = samples.mean(0), samples.std(0) / math.sqrt(n)
+    z = float(((mean - y) / se).abs().max())
+    return _found(
+        f"max |mean of sampled v_j − y_i| / standard error = {fmt(z, 3)} (of {n:,} samples)",
+        "attention(q, k, v, return_weights=True); torch.multinomial(p_i, n) → v[j].mean(0)",
+        z < 5,
+        "the sampled mean of v_j does not converge to y_i",
+    )
+
+
+@claim(
+    "002-8.1.4-c",
+    section="8.1.4 注意力的概率解释",
+    quote="- 低熵：模型聚焦于少数位置（硬注意力） - 高熵：模型均匀关注所有位置（软注意力）",
+    paraphrase="Low entropy means attention concentrated on few positions; high entropy means "
+    "attention spread uniformly (maximum ln n).",
+    api="attnlab.analysis.entropy, attnlab.attention (temperature)",
+    expected=AGREES,
+    assumptions="n=16 keys, d=8, float64, seed 0; temperatures 0.001, 1 and 1000",
+)
+def _entropy_extremes() -> Finding:
+    from ... import attention
+    from ...analysis import entropy
+
+    q, k, v = _qkv(L=16)
+    res = {}
+    for t in (0.001, 1.0, 1000.0):
+        _, w = attention(q, k, v, temperature=t, return_weights=True)
+        res[t] = (float(entropy(w).mean()), float(w.max(-1).values.mean()))
+    lo, mid, hi = res[0.001], res[1.0], res[1000.0]
+    ok = (
+        lo[0] < 0.05
+        and lo[1] > 0.98
+        and abs(hi[0] - math.log(16)) < 1e-3
+        and lo[0] < mid[0] < hi[0]
+    )
+    return _found(
+        "; ".join(
+            f"T={t:g}: entropy {fmt(e)} nats, max weight {fmt(m)}" for t, (e, m) in res.items()
+        )
+        + f"; ln 16 = {fmt(math.log(16))}",
+        "entropy(attention(q, k, v, temperature=T, return_weights=True)[1])",
+        ok,
+        "entropy does not separate concentrated and uniform attention",
+    )
+
+
+@claim(
+    "002-8.1.4-d",
+    section="8.1.4 注意力的概率解释",
+    quote="**统计解释**：自注意力执行了一种非参数密度估计，通过相似度加权来聚合局部信息。",
+    paraphrase="Attention is a non-parametric (Nadaraya–Watson kernel) estimator: similarity-"
+    "weighted averaging of the values.",
+    api="attnlab.attention (bias)",
+    expected=AGREES,
+    assumptions="Gaussian kernel exp(−‖q−k‖²/2); attention with scale 1 and the bias −‖k_j‖²/2 "
+    "(‖q_i‖² cancels in softmax); n=8, d=4, float64. Strictly it is kernel regression (a "
+    "conditional mean), not density estimation",
+)
+def _nadaraya_watson() -> Finding:
+    from ... import attention
+
+    q, k, v = _qkv(H=1, D=4)
+    bias = -0.5 * (k * k).sum(-1).unsqueeze(-2)  # (B, H, 1, S)
+    out = attention(q, k, v, scale=1.0, bias=bias)
+    kern = torch.exp(-0.5 * torch.cdist(q, k) ** 2)  # Gaussian kernel K(q_i, k_j)
+    nw = kern @ v / kern.sum(-1, keepdim=True)
+    err = float((out - nw).abs().max())
+    return _found(
+        f"max |attention(q, k, v, scale=1, bias=−‖k‖²/2) − Σ K(q,k_j) v_j / Σ K(q,k_j)| = "
+        f"{_err(err)}",
+        "attention(q, k, v, scale=1.0, bias=-0.5 * (k * k).sum(-1).unsqueeze(-2))",
+        err < 1e-12,
+        "attention is not the Nadaraya–Watson estimator",
+    )
+
+
+# ------------------------------------------------------------------------------------ 8.2
+def _permutation_outputs() -> tuple[Tensor, Tensor, Tensor]:
+    """attention(Q, K, V), attention of the row-permuted inputs, and the permutation."""
+    from ... import attention
+
+    q, k, v = _qkv(H=1, L=6)
+    perm = torch.randperm(6, generator=torch.Generator().manual_seed(1))
+    out = attention(q, k, v)
+    out_p = attention(q[:, :, perm], k[:, :, perm], v[:, :, perm])
+    return out, out_p, perm
+
+
+@claim(
+    "002-8.2.1-a",
+    section="8.2.1 为什么需要位置信息",
+    quote="$$\\text{Attention}(\\mathbf{Q}\\mathbf{P}, \\mathbf{K}\\mathbf{P}, "
+    "\\mathbf{V}\\mathbf{P})"
+    " = \\text{Attention}(\\mathbf{Q}, \\mathbf{K}, \\mathbf{V})\\mathbf{P}$$ 这意味着如果我们打乱"
+    "输入序列的顺序，输出也会以相同方式打乱。",
+    paraphrase="Permuting the tokens of Q, K, V permutes the output the same way (tokens are "
+    "columns in the text, rows in attnlab).",
+    api="attnlab.attention",
+    expected=AGREES,
+    assumptions="n=6, d=8, float64, one seeded permutation",
+)
+def _equivariance() -> Finding:
+    out, out_p, perm = _permutation_outputs()
+    err = float((out_p - out[:, :, perm]).abs().max())
+    return _found(
+        f"max |Attention(PQ, PK, PV) − P·Attention(Q, K, V)| = {_err(err)}",
+        "attention(q[:, :, perm], k[:, :, perm], v[:, :, perm]) vs attention(q, k, v)[:, :, perm]",
+        err < 1e-12,
+        "the output is not permuted with the input",
+    )
+
+
+def _invariance_claim() -> Finding:
+    """The text's word 'invariance' (置换不变性): the output would be unchanged by a permutation."""
+    out, out_p, perm = _permutation_outputs()
+    changed = float((out_p - out).abs().max())
+    equi = float((out_p - out[:, :, perm]).abs().max())
+    return _found(
+        f"max |Attention(PQ, PK, PV) − Attention(Q, K, V)| = {fmt(changed)} (not invariant); "
+        f"max |Attention(PQ, PK, PV) − P·Attention(Q, K, V)| = {_err(equi)} (equivariant)",
+        "attention(q[:, :, perm], k[:, :, perm], v[:, :, perm]) vs attention(q, k, v)",
+        changed < 1e-12,
+        "the property is permutation equivariance (the output is permuted the same way), not "
+        "invariance (an unchanged output)",
+    )
+
+
+@claim(
+    "002-8.2.1-b",
+    section="8.2.1 为什么需要位置信息",
+    quote="自注意力机制有一个根本性质：**置换不变性**。",
+    paraphrase="Self-attention's basic property is called permutation invariance.",
+    api="attnlab.attention",
+    expected=TEXT_ERROR,
+    assumptions="n=6, d=8, float64, one seeded permutation",
+)
+def _invariance_8_2_1() -> Finding:
+    return _invariance_claim()
+
+
+@claim(
+    "002-8.2.1-c",
+    section="8.2.1 为什么需要位置信息",
+    quote='模型无法区分"狗咬人"和"人咬狗"。 … $$\\mathbf{x}\'_i = \\mathbf{x}_i + \\mathbf{p}_i$$',
+    paraphrase="Without positions the model cannot tell 'dog bites man' from 'man bites dog'; "
+    "adding a position vector p_i to x_i fixes it.",
+    api="attnlab.MultiHeadAttention, attnlab.positional.sinusoidal",
+    expected=AGREES,
+    assumptions="three random token embeddings (E=16), one MHA layer (4 heads), no mask, "
+    "float64, seed 0; compared: the output at the token '狗' (dog) in both sentences",
+)
+def _dog_bites_man() -> Finding:
+    from ...positional import sinusoidal
+
+    mha = _mha(16, 4)
+    dog, bite, man = _randn(3, 16, seed=5)
+    s1 = torch.stack([dog, bite, man])[None]  # 狗咬人
+    s2 = torch.stack([man, bite, dog])[None]  # 人咬狗
+    no_pe = float((mha(s1)[0, 0] - mha(s2)[0, 2]).abs().max())
+    pe = sinusoidal(3, 16, dtype=F64)
+    with_pe = float((mha(s1 + pe)[0, 0] - mha(s2 + pe)[0, 2]).abs().max())
+    return _found(
+        f"output at '狗': max difference between the sentences {_err(no_pe)} without positions, "
+        f"{fmt(with_pe)} with sinusoidal positions added",
+        "mha(s1)[0, 0] vs mha(s2)[0, 2]; mha(s + sinusoidal(3, 16))",
+        no_pe < 1e-12 and with_pe > 1e-3,
+        "the two orders are (in)distinguishable contrary to the text",
+    )
+
+
+@claim(
+    "002-8.2.2-a",
+    section="8.2.2 正弦位置编码",
+    quote="$$PE_{(pos, 2i)} = \\sin\\left(\\frac{pos}{10000^{2i/d}}\\right)$$ "
+    "$$PE_{(pos, 2i+1)} = \\cos\\left(\\frac{pos}{10000^{2i/d}}\\right)$$",
+    paraphrase="Even dimensions hold sin(pos/10000^{2i/d}), odd ones cos of the same angle.",
+    api="attnlab.positional.sinusoidal",
+    expected=AGREES,
+    assumptions="64 positions, d=16, float64",
+)
+def _pe_formula() -> Finding:
+    from ...positional import sinusoidal
+
+    pe = sinusoidal(64, 16, dtype=F64)
+    pos = torch.arange(64, dtype=F64)[:, None]
+    ang = pos / 10000 ** (torch.arange(0, 16, 2, dtype=F64) / 16)
+    err = max(
+        float((pe[:, 0::2] - ang.sin()).abs().max()), float((pe[:, 1::2] - ang.cos()).abs().max())
+    )
+    return _found(
+        f"max |sinusoidal − formula| = {_err(err)}",
+        "sinusoidal(64, 16, dtype=torch.float64)",
+        err < 1e-12,
+        "the table differs from the formula",
+    )
+
+
+@claim(
+    "002-8.2.2-b",
+    section="8.2.2 正弦位置编码",
+    quote="1. **有界性**：正弦函数输出在[-1, 1]范围内，避免数值问题 2. "
+    "**唯一性**：每个位置获得唯一的编码模式",
+    paraphrase="Sinusoidal encodings are bounded in [−1, 1] and every position gets a distinct "
+    "vector.",
+    api="attnlab.positional.sinusoidal",
+    expected=AGREES,
+    assumptions="2048 positions, d=64, float64 (distinctness: the smallest distance between two "
+    "rows)",
+)
+def _pe_bounded_unique() -> Finding:
+    from ...positional import sinusoidal
+
+    pe = sinusoidal(2048, 64, dtype=F64)
+    big = float(pe.abs().max())
+    dist = torch.cdist(pe, pe)
+    dist.fill_diagonal_(float("inf"))
+    dmin = float(dist.min())
+    return _found(
+        f"max |PE| = {fmt(big)}; smallest distance between two of 2048 positions = {fmt(dmin)}",
+        "pe = sinusoidal(2048, 64, dtype=torch.float64); torch.cdist(pe, pe)",
+        big <= 1.0 and dmin > 1e-3,
+        "the encodings leave [−1, 1] or two positions coincide",
+    )
+
+
+@claim(
+    "002-8.2.2-c",
+    section="8.2.2 正弦位置编码",
+    quote="$$PE_{pos+k} = PE_{pos} \\cdot \\mathbf{M}_k$$ 其中 $\\mathbf{M}_k$ 是只依赖于 $k$ "
+    "的旋转矩阵。",
+    paraphrase="For a fixed offset k, PE_{pos+k} is PE_pos times a rotation matrix M_k that "
+    "depends only on k.",
+    api="attnlab.positional.sinusoidal_shift, attnlab.positional.sinusoidal",
+    expected=AGREES,
+    assumptions="d=16, offsets k ∈ {1, 5, 37}, positions 0..199, float64; attnlab's map acts on "
+    "column vectors (M·PE), the text's row-vector form uses its transpose",
+)
+def _pe_shift() -> Finding:
+    from ...positional import sinusoidal, sinusoidal_shift
+
+    pe = sinusoidal(240, 16, dtype=F64)
+    err = orth = 0.0
+    for k in (1, 5, 37):
+        m = sinusoidal_shift(k, 16)
+        err = max(err, float((pe[:200] @ m.T - pe[k : k + 200]).abs().max()))
+        orth = max(orth, float((m @ m.T - torch.eye(16, dtype=F64)).abs().max()))
+    return _found(
+        f"max |PE_pos·M_kᵀ − PE_pos+k| = {_err(err)}; max |M_k M_kᵀ − I| = {_err(orth)}",
+        "sinusoidal_shift(k, 16); sinusoidal(240, 16, dtype=torch.float64)",
+        err < 1e-12 and orth < 1e-12,
+        "no position-independent rotation maps PE_pos to PE_pos+k",
+    )
+
+
+@claim(
+    "002-8.2.2-d",
+    section="8.2.2 正弦位置编码",
+    quote="- 指数级频率间隔：覆盖多个尺度的位置模式",
+    paraphrase="The frequencies are spaced geometrically (wavelengths from 2π up to 2π·10000).",
+    api="attnlab.positional.RoPE (inv_freq), attnlab.positional.sinusoidal",
+    expected=AGREES,
+    assumptions="d=64, base 10000; the frequencies are read off sinusoidal's table (angle at "
+    "position 1)",
+)
+def _pe_frequencies() -> Finding:
+    from ...positional import sinusoidal
+
+    pe = sinusoidal(2, 64, dtype=F64)
+    omega = torch.atan2(pe[1, 0::2], pe[1, 1::2])  # angle 1·ω_i (all < π)
+    ratio = omega[1:] / omega[:-1]
+    wl = 2 * math.pi / omega
+    ok = float((ratio - ratio[0]).abs().max()) < 1e-12 and abs(float(wl[0]) - 2 * math.pi) < 1e-9
+    return _found(
+        f"ω_(i+1)/ω_i = {fmt(float(ratio[0]), 6)} for every i (10000^(−2/64) = "
+        f"{fmt(10000 ** (-2 / 64), 6)}); wavelengths {fmt(float(wl[0]))} … {fmt(float(wl[-1]))}",
+        "pe = sinusoidal(2, 64); torch.atan2(pe[1, 0::2], pe[1, 1::2])",
+        ok,
+        "the frequencies are not geometrically spaced",
+    )
+
+
+_PE_TABLE = [
+    [0.00, 1.00, 0.00, 1.00, 0.00, 1.00, 0.00, 1.00],
+    [0.84, 0.54, 0.10, 0.99, 0.01, 1.00, 0.00, 1.00],
+    [0.91, -0.42, 0.20, 0.98, 0.02, 1.00, 0.00, 1.00],
+    [0.14, -0.99, 0.30, 0.96, 0.03, 1.00, 0.00, 1.00],
+]
+_PE_QUOTE = (
+    "0    0.00   1.00   0.00   1.00   0.00   1.00   0.00   1.00 1    0.84   0.54   0.10   0.99"
+)
+
+
+def _pe_mismatches(d_model: int) -> list[str]:
+    from ...positional import sinusoidal
+
+    pe = sinusoidal(4, d_model, dtype=F64)[:, :8]
+    bad = []
+    for p in range(4):
+        for d in range(8):
+            shown = f"{float(pe[p, d]):.2f}".replace("-0.00", "0.00")
+            if shown != f"{_PE_TABLE[p][d]:.2f}":
+                bad.append(
+                    f"pos {p} dim {d} = {float(pe[p, d]):.6f} → {shown}, text {_PE_TABLE[p][d]:.2f}"
+                )
+    return bad
+
+
+@claim(
+    "002-8.2.2-e",
+    section="8.2.2 正弦位置编码",
+    quote=_PE_QUOTE,
+    paraphrase="The printed table of the encoding (positions 0–3, dims 0–7, two decimals).",
+    api="attnlab.positional.sinusoidal",
+    expected=TEXT_ERROR,
+    assumptions="d_model = 8 (the only width that reproduces the other entries), float64, "
+    "rounded half away from zero to two decimals",
+)
+def _pe_table_rounding() -> Finding:
+    bad = _pe_mismatches(8)
+    return _found(
+        f"{32 - len(bad)} of 32 entries match; mismatches: {'; '.join(bad) or 'none'}",
+        "sinusoidal(4, 8, dtype=torch.float64), each entry formatted with '.2f'",
+        not bad,
+        "pos 1 dim 3 is cos(0.1) = 0.995004, which rounds to 1.00, not 0.99",
+    )
+
+
+@claim(
+    "002-8.2.2-f",
+    section="8.2.2 正弦位置编码",
+    quote="位置编码可视化（前8维）：",
+    paraphrase="The table shows the first 8 dimensions of the encoding (of a model of unstated, "
+    "larger width).",
+    api="attnlab.positional.sinusoidal",
+    expected=TEXT_ERROR,
+    assumptions="the first 8 dims of d_model = 512 compared with the table; float64, two decimals",
+)
+def _pe_table_width() -> Finding:
+    bad512 = _pe_mismatches(512)
+    bad8 = _pe_mismatches(8)
+    return _found(
+        f"first 8 dims of d_model=512: {32 - len(bad512)} of 32 entries match the table; "
+        f"d_model=8: {32 - len(bad8)} of 32",
+        "sinusoidal(4, 512)[:, :8] and sinusoidal(4, 8), formatted with '.2f'",
+        len(bad512) <= 1,
+        "the values are the whole encoding of d_model = 8; the first 8 dims of a wider model "
+        "differ (d_model=512, pos 1: 0.84, 0.54, 0.82, 0.57, 0.80, 0.60, 0.78, 0.62)",
+    )
+
+
+@claim(
+    "002-8.2.3-a",
+    section="8.2.3 可学习位置编码",
+    quote="- 泛化性：无法处理训练时未见过的长度 - 参数量：需要 $O(max \\cdot d)$ 额外参数",
+    paraphrase="A learned table has max·d parameters and cannot encode positions beyond max.",
+    api="attnlab.positional.LearnedPositionalEmbedding",
+    expected=AGREES,
+    assumptions="max = 512, d = 64",
+)
+def _learned() -> Finding:
+    from ...positional import LearnedPositionalEmbedding
+
+    emb = LearnedPositionalEmbedding(512, 64)
+    n = sum(p.numel() for p in emb.parameters())
+    try:
+        emb(torch.tensor([512]))
+        refused = "no error"
+    except ValueError as e:
+        refused = f"ValueError: {e}"
+    ok = n == 512 * 64 and refused.startswith("ValueError")
+    return _found(
+        f"{n:,} parameters (= 512·64); position 512 → {refused}",
+        "LearnedPositionalEmbedding(512, 64); emb(torch.tensor([512]))",
+        ok,
+        "the learned table's size or its length limit differ",
+    )
+
+
+@claim(
+    "002-8.2.3-b",
+    section="8.2.3 可学习位置编码",
+    quote="需要外推到更长序列时用正弦编码。",
+    paraphrase="Sinusoidal encodings extrapolate: they are defined at any position, with the "
+    "same relative-shift structure beyond the training length.",
+    api="attnlab.positional.sinusoidal, attnlab.positional.sinusoidal_shift",
+    expected=AGREES,
+    assumptions="'training length' 512; positions up to 4096 checked; d=32, float64",
+)
+def _sinusoidal_extrapolates() -> Finding:
+    from ...positional import sinusoidal, sinusoidal_shift
+
+    pe = sinusoidal(4096 + 7, 32, dtype=F64)
+    m = sinusoidal_shift(7, 32)
+    err = float((pe[512:4096] @ m.T - pe[519 : 4096 + 7]).abs().max())
+    return _found(
+        f"positions 512…4095 (beyond 512) encoded; max |PE_p·M_7ᵀ − PE_(p+7)| there = "
+        f"{_err(err, 1e-10)}",
+        "sinusoidal(4103, 32); sinusoidal_shift(7, 32)",
+        err < 1e-10,
+        "the encoding does not keep its shift structure beyond the training length",
+    )
+
+
+@claim(
+    "002-8.2.4-a",
+    section="8.2.4 相对位置编码",
+    quote="$$e_{ij} = \\mathbf{q}_i^T \\mathbf{k}_j + \\mathbf{q}_i^T \\mathbf{r}_{i-j}$$",
+    paraphrase="Relative keys (Shaw et al.): the score adds q_i·r_{i−j}, which depends on the "
+    "offset only.",
+    api="attnlab.attention (bias)",
+    expected=AGREES,
+    assumptions="the key term is passed as a bias tensor built in plain torch (attnlab has no "
+    "Shaw module yet); scale 1; n=8, d=4, float64; the clipped value term is not checked",
+)
+def _shaw_key_term() -> Finding:
+    from ... import attention
+
+    q, k, v = _qkv(H=1, D=4)
+    n = 8
+    r = _randn(2 * n - 1, 4, seed=9)  # r_{i−j}, offsets −(n−1) … n−1
+    off = torch.arange(n)[:, None] - torch.arange(n)[None, :] + n - 1
+    bias = torch.einsum("bhid,ijd->bhij", q, r[off])
+    out = attention(q, k, v, scale=1.0, bias=bias)
+    e = q @ k.transpose(-1, -2) + bias
+    err = float((out - torch.softmax(e, -1) @ v).abs().max())
+    return _found(
+        f"max |attention(q, k, v, scale=1, bias=q_i·r_(i−j)) − softmax(q_i·k_j + q_i·r_(i−j))V|"
+        f" = {_err(err)}",
+        "attention(q, k, v, scale=1.0, bias=torch.einsum('bhid,ijd->bhij', q, r[i - j]))",
+        err < 1e-12,
+        "the relative-key score is not reproduced",
+    )
+
+
+@claim(
+    "002-8.2.4-b",
+    section="8.2.4 相对位置编码",
+    quote="**T5的简化版本**：使用可学习的标量偏置： $$e_{ij} = \\mathbf{q}_i^T \\mathbf{k}_j + "
+    "b_{i-j}$$",
+    paraphrase="T5 adds a learned scalar b_{i−j} (per head) to the score.",
+    api="attnlab.positional.T5RelativeBias, attnlab.attention",
+    expected=AGREES,
+    assumptions="2 heads, n=12, float64; T5's b depends on the bucketed offset (exact below 8, "
+    "log-spaced up to 128)",
+)
+def _t5() -> Finding:
+    from ... import attention
+    from ...positional import T5RelativeBias
+
+    torch.manual_seed(0)
+    t5 = T5RelativeBias(2).double()
+    m = t5.matrix(12).detach()
+    toeplitz = float((m[:, 1:, 1:] - m[:, :-1, :-1]).abs().max())
+    q, k, v = _qkv(L=12)
+    out = attention(q, k, v, bias=t5).detach()
+    ref = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8) + m, -1) @ v
+    err = float((out - ref).abs().max())
+    return _found(
+        f"b[i+1, j+1] − b[i, j] max {_err(toeplitz)} (depends on i − j only); max |attention(…, "
+        f"bias=t5) − softmax(QKᵀ/√d + b)V| = {_err(err)}",
+        "t5 = T5RelativeBias(2); t5.matrix(12); attention(q, k, v, bias=t5)",
+        toeplitz < 1e-15 and err < 1e-12,
+        "the T5 bias is not a function of i − j",
+    )
+
+
+@claim(
+    "002-8.2.4-c",
+    section="8.2.4 相对位置编码",
+    quote="1. **平移不变性**：相同相对位置的交互模式可复用 2. **长度泛化**：自然支持变长序列 3. "
+    '**归纳偏置**：编码了"近处比远处重要"的先验',
+    paraphrase="Relative biases are translation invariant, apply to any length, and encode a "
+    "nearer-is-more-important prior.",
+    api="attnlab.positional.ALiBi, attnlab.positional.T5RelativeBias",
+    expected=AGREES,
+    assumptions="ALiBi with 4 heads (its bias is −slope·|i−j|); T5 with 2 heads evaluated at "
+    "n=16 and n=1024 from the same 32×2 weights; float64. A learned T5 bias has no built-in "
+    "preference for near keys; ALiBi does",
+)
+def _relative_advantages() -> Finding:
+    from ...positional import ALiBi, T5RelativeBias
+
+    alibi = ALiBi(4)
+    a = alibi.matrix(32).to(F64)
+    row = a[:, -1, :]  # last query: keys at distance 31 … 0
+    decreasing = bool((row[:, 1:] > row[:, :-1]).all())
+    shift = float((a[:, 1:, 1:] - a[:, :-1, :-1]).abs().max())
+    torch.manual_seed(0)
+    t5 = T5RelativeBias(2).double()
+    small, large = t5.matrix(16).detach(), t5.matrix(1024).detach()
+    same = float((large[:, :16, :16] - small).abs().max())
+    ok = decreasing and shift == 0 and same == 0
+    return _found(
+        f"ALiBi: bias strictly increasing toward the query ({decreasing}), shift-invariant "
+        f"(max diagonal change {_err(shift)}); T5: one {tuple(t5.weight.shape)} table serves "
+        f"n=16 and n=1024 (max difference on the shared block {_err(same)})",
+        "ALiBi(4).matrix(32); T5RelativeBias(2).matrix(16), .matrix(1024)",
+        ok,
+        "the relative biases lack one of the three properties",
+    )
+
+
+@claim(
+    "002-8.2.4-d",
+    section="8.2.4 相对位置编码",
+    quote="$$(\\mathbf{R}_i \\mathbf{q})^T (\\mathbf{R}_j \\mathbf{k}) = \\mathbf{q}^T "
+    "\\mathbf{R}_{j-i} \\mathbf{k}$$ 点积只依赖于相对位置 $j-i$。",
+    paraphrase="After RoPE the score of q at i and k at j equals qᵀR_{j−i}k: it depends only on "
+    "j − i.",
+    api="attnlab.positional.RoPE",
+    expected=AGREES,
+    assumptions="head dim 16, pairs (i, j) ∈ {(3, 10), (50, 57), (1000, 1007)} and "
+    "(0, 7) for R_{j−i}; float64",
+)
+def _rope_relative() -> Finding:
+    from ...positional import RoPE
+
+    rope = RoPE(16)
+    q, k = _randn(1, 1, 1, 16, seed=1), _randn(1, 1, 1, 16, seed=2)
+
+    def score(i: int, j: int) -> float:
+        return float((rope(q, torch.tensor([i])) * rope(k, torch.tensor([j]))).sum())
+
+    ref = float((q * rope(k, torch.tensor([7]))).sum())  # qᵀ R_7 k (R_0 = I)
+    got = [score(3, 10), score(50, 57), score(1000, 1007)]
+    err = max(abs(g - ref) for g in got)
+    return _found(
+        f"scores at (3,10), (50,57), (1000,1007): {', '.join(fmt(g, 10) for g in got)}; "
+        f"qᵀR_7k = {fmt(ref, 10)}",
+        "rope = RoPE(16); (rope(q, [i]) * rope(k, [j])).sum()",
+        err < 1e-9,
+        "the RoPE score depends on the absolute positions",
+    )
+
+
+# ------------------------------------------------------------------------------------ 8.3
+def _heads_by_hand(mha, x: Tensor) -> list[Tensor]:
+    """head_i = softmax(x W_i^Q (x W_i^K)ᵀ/√d_k) x W_i^V, one head at a time (no biases)."""
+    wq, wk, wv, _ = _mha_parts(mha)
+    D, out = mha.head_dim, []
+    for i in range(mha.num_heads):
+        sl = slice(i * D, (i + 1) * D)
+        out.append(_softmax_ref(x @ wq[sl].T, x @ wk[sl].T, x @ wv[sl].T))
+    return out
+
+
+@claim(
+    "002-8.3.1-a",
+    section="8.3.1 投影与子空间",
+    quote="$$\\text{MultiHead}(\\mathbf{Q}, \\mathbf{K}, \\mathbf{V}) = "
+    "\\text{Concat}(\\text{head}_1,"
+    " ..., \\text{head}_h)\\mathbf{W}^O$$",
+    paraphrase="Multi-head attention concatenates the heads and applies the output projection.",
+    api="attnlab.MultiHeadAttention",
+    expected=AGREES,
+    assumptions="E=16, h=4, d_k=d_v=4, no biases, n=6, float64, seed 0",
+)
+def _multihead_formula() -> Finding:
+    mha = _mha(16, 4, bias=False)
+    x = _randn(1, 6, 16, seed=1)
+    y = torch.cat(_heads_by_hand(mha, x), -1) @ _mha_parts(mha)[3].T
+    err = float((mha(x) - y).abs().max())
+    return _found(
+        f"max |MultiHeadAttention(x) − Concat(head_1..head_4)W^O| = {_err(err)}",
+        "MultiHeadAttention(16, 4, bias=False)(x) vs torch.cat(heads, -1) @ W_o.T",
+        err < 1e-12,
+        "the module is not Concat(heads)·W^O",
+    )
+
+
+@claim(
+    "002-8.3.1-b",
+    section="8.3.1 投影与子空间",
+    quote="通常设置 $d_k = d_v = d_{model}/h$，保持总计算量不变。",
+    paraphrase="With d_k = d_v = d_model/h the total compute does not depend on h.",
+    api="attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="n=512, d_model=768, batch 1, no mask; h ∈ {1, 2, 4, 8, 12}; the softmax "
+    "(5 FLOPs per score, one score matrix per head) is the only h-dependent term",
+)
+def _heads_same_compute() -> Finding:
+    from ...analysis import estimate
+
+    mm = {}
+    for h in (1, 2, 4, 8, 12):
+        e = estimate(512, 768, h)
+        mm[h] = (
+            e.value("QKV + output projections", "naive")
+            + e.value("scores QKᵀ", "naive")
+            + e.value("weighted sum PV", "naive"),
+            e.value("softmax", "naive"),
+            e.value("total", "naive"),
+        )
+    same = len({v[0] for v in mm.values()}) == 1
+    sm = mm[12][1] / mm[12][2]
+    return _found(
+        f"matmul FLOPs {fmt(mm[1][0])} for every h; softmax adds 5·h·n² "
+        f"({fmt(100 * sm, 3)} % of the total at h=12)",
+        "estimate(512, 768, h).value('scores QKᵀ' / 'weighted sum PV' / …, 'naive')",
+        same and sm < 0.02,
+        "the matmul FLOPs depend on the number of heads",
+    )
+
+
+@claim(
+    "002-8.3.2-a",
+    section="8.3.2 多头机制的动机",
+    quote="$$\\text{sim}_i(\\mathbf{x}, \\mathbf{y}) = (\\mathbf{x}\\mathbf{W}_i^Q)^T(\\mathbf{y}"
+    "\\mathbf{W}_i^K)$$",
+    paraphrase="Each head scores a pair with its own bilinear form: the dot product of the "
+    "projected query and key.",
+    api="attnlab.MultiHeadAttention.project",
+    expected=AGREES,
+    assumptions="E=16, h=4, no biases, float64, seed 0; W_i as the head's slice of the fused "
+    "projection",
+)
+def _bilinear() -> Finding:
+    mha = _mha(16, 4, bias=False)
+    x = _randn(1, 5, 16, seed=1)
+    q, k, _ = mha.project(x)
+    wq, wk, _, _ = _mha_parts(mha)
+    err = 0.0
+    for i in range(4):
+        sl = slice(4 * i, 4 * i + 4)
+        m = wq[sl].T @ wk[sl]  # (E, E) = W_i^Q (W_i^K)ᵀ in the text's (d_model × d_k) layout
+        err = max(err, float((q[0, i] @ k[0, i].T - x[0] @ m @ x[0].T).abs().max()))
+    return _found(
+        f"max |q_i·k_j (from MultiHeadAttention.project) − x_iᵀ M y_j| over 4 heads = {_err(err)}",
+        "q, k, _ = mha.project(x); M_h = W_q[h].T @ W_k[h]",
+        err < 1e-12,
+        "the per-head score is not a bilinear form of the inputs",
+    )
+
+
+@claim(
+    "002-8.3.2-b",
+    section="8.3.2 多头机制的动机",
+    quote="$$\\text{sim}_i(\\mathbf{x}, \\mathbf{y}) = "
+    "\\mathbf{x}^T(\\mathbf{W}_i^Q)^T\\mathbf{W}_i^K"
+    "\\mathbf{y} = \\mathbf{x}^T\\mathbf{M}_i\\mathbf{y}$$",
+    paraphrase="The metric matrix is M_i = (W_i^Q)ᵀW_i^K.",
+    api="attnlab.MultiHeadAttention",
+    expected=TEXT_ERROR,
+    assumptions="W_i^Q, W_i^K ∈ R^{d_model×d_k} as stated in 8.3.1; E=16, h=4",
+)
+def _metric_shape() -> Finding:
+    mha = _mha(16, 4, bias=False)
+    wq, wk, _, _ = _mha_parts(mha)
+    WQ, WK = wq[:4].T, wk[:4].T  # the text's layout: (d_model, d_k)
+    text_m, right_m = WQ.T @ WK, WQ @ WK.T
+    rank = int(torch.linalg.matrix_rank(right_m))
+    return _found(
+        f"(W^Q)ᵀW^K has shape {tuple(text_m.shape)}; W^Q(W^K)ᵀ has shape "
+        f"{tuple(right_m.shape)} and rank {rank}",
+        "W_q[:4].T and W_k[:4].T of MultiHeadAttention(16, 4); shapes of both products",
+        tuple(text_m.shape) == (16, 16),
+        "the two sides mix conventions: with W_i^Q ∈ R^{d_model×d_k} (8.3.1), (xW^Q)ᵀ(yW^K) = "
+        "xᵀW^Q(W^K)ᵀy, so M_i = W_i^Q(W_i^K)ᵀ (d_model×d_model, rank ≤ d_k); (W^Q)ᵀW^K is "
+        "d_k×d_k (right only in 8.1.2's W ∈ R^{d_k×d} layout)",
+    )
+
+
+_TRAINED = (
+    "not yet: needs the MiniLM head-pruning sweep of issue 18 item 3 (heads pruned in importance "
+    "order vs random order against a named metric); a task metric needs labelled data"
+)
+
+
+@claim(
+    "002-8.3.2-c",
+    section="8.3.2 多头机制的动机",
+    quote="实证观察表明，通常只有部分头是关键的，其余提供冗余。 … "
+    "实践中，通常只有30-50%的头对最终性能至关重要。",
+    paraphrase="Empirically only some heads are critical (30–50 %); the rest are redundant.",
+    api="attnlab.analysis.head_importance",
+    expected=NOT_CHECKABLE,
+    assumptions="needs a trained model and a pruning sweep",
+)
+def _heads_redundant() -> Finding:
+    return Finding(
+        "nothing computed: head importance of an untrained model says nothing about this; the "
+        "trained MiniLM ships (see 002-8.3.4-b), the sweep does not exist yet",
+        "head_importance(model, batch, loss_fn, ablation=True) on a trained model",
+        NOT_CHECKABLE,
+        _TRAINED,
+    )
+
+
+_SENTENCES = (
+    "The quick brown fox jumps over the lazy dog because it was hungry.",
+    "Attention lets every position look at every other position in one step.",
+    "She put the book she had borrowed from the library back on the shelf.",
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _minilm_head_profile() -> dict[str, Tensor]:
+    """Per (layer, head) of all-MiniLM-L6-v2, averaged over `_SENTENCES`: the mean weight on the
+    previous token, on the next token, on [CLS], and the entropy relative to ln T."""
+    from ...analysis import entropy
+    from ...models.minilm import minilm
+
+    model = minilm()
+    parts: dict[str, list[Tensor]] = {"prev": [], "next": [], "cls": [], "entropy": []}
+    for text in _SENTENCES:
+        _, w = model.attentions(text)  # (layers, heads, T, T)
+        w = w.to(F64)
+        i = torch.arange(w.shape[-1])
+        parts["prev"].append(w[..., i[1:], i[:-1]].mean(-1))
+        parts["next"].append(w[..., i[:-1], i[1:]].mean(-1))
+        parts["cls"].append(w[..., 0].mean(-1))
+        parts["entropy"].append(entropy(w).mean(-1) / math.log(w.shape[-1]))
+    return {k: torch.stack(v).mean(0) for k, v in parts.items()}
+
+
+@claim(
+    "002-8.3.4-b",
+    section="8.3.4 头之间的相互作用",
+    quote="研究发现，训练后的模型中不同头会自发专门化： - "
+    "**位置头**：关注固定相对位置（如前一个token） … - **全局头**：均匀分布的注意力",
+    paraphrase="Trained heads specialise: positional heads (previous token), syntactic, rare-word "
+    "and global (uniform) heads.",
+    api="attnlab.models.minilm, attnlab.analysis.entropy",
+    expected=AGREES,
+    assumptions="all-MiniLM-L6-v2 (6 layers × 12 heads, shipped by a PyPI package), 3 English "
+    "sentences; positional = > 50 % of the weight on the previous (or next) token, global = "
+    "entropy > 80 % of ln T; syntactic and rare-word heads need annotated data and are not "
+    "tested; slow only because loading the model takes seconds",
+    slow=True,
+)
+def _specialisation() -> Finding:
+    prof = _minilm_head_profile()
+    named = {
+        "previous-token": prof["prev"] > 0.5,
+        "next-token": prof["next"] > 0.5,
+        "[CLS]-sink": prof["cls"] > 0.5,
+        "broad (global)": prof["entropy"] > 0.8,
+    }
+    found = {k: [f"L{int(a)}H{int(b)}" for a, b in v.nonzero()] for k, v in named.items()}
+    best_prev = float(prof["prev"].max())
+    ok = bool(found["previous-token"] or found["next-token"]) and bool(found["broad (global)"])
+    return _found(
+        "; ".join(
+            f"{k} heads: {len(v)} ({', '.join(v[:4])}{', …' if len(v) > 4 else ''})"
+            for k, v in found.items()
+        )
+        + f"; largest previous-token weight {fmt(best_prev)}",
+        "minilm().attentions(text) → per-head mean weight on i−1, i+1, [CLS]; entropy / ln T",
+        ok,
+        "MiniLM shows no positional or no broad heads",
+    )
+
+
+@claim(
+    "002-8.3.3-a",
+    section="8.3.3 参数共享与效率",
+    quote="单头注意力参数量：$3d_{model}^2$（用于Q、K、V投影） 多头注意力参数量：$3d_{model}^2 + "
+    "d_{model}^2 = 4d_{model}^2$（额外的输出投影）",
+    paraphrase="Q, K, V projections take 3·d_model² weights; with the output projection "
+    "4·d_model².",
+    api="attnlab.analysis.estimate, attnlab.MultiHeadAttention",
+    expected=AGREES,
+    assumptions="weights only (biases add 4·d_model); d_model=768, h ∈ {1, 12}",
+)
+def _param_count() -> Finding:
+    from ...analysis import estimate
+
+    E = 768
+    est = {h: estimate(128, E, h, bias=False).value("projection weights", "naive") for h in (1, 12)}
+    mha = _mha(E, 12, bias=False)
+    qkv = mha.qkv_proj.weight.numel()
+    ok = est[1] == est[12] == 4 * E * E and qkv == 3 * E * E
+    return _found(
+        f"QKV weights {qkv:,} = 3·768²; with W^O {int(est[12]):,} = 4·768² (h=1 and h=12 alike)",
+        "estimate(128, 768, h, bias=False).value('projection weights', 'naive'); "
+        "MultiHeadAttention(768, 12).qkv_proj.weight.numel()",
+        ok,
+        "the parameter counts differ from 3d² and 4d²",
+    )
+
+
+@claim(
+    "002-8.3.3-b",
+    section="8.3.3 参数共享与效率",
+    quote="尽管参数略有增加，但计算复杂度保持相同： $$O(n^2 \\cdot d_{model})$$",
+    paraphrase="The score and weighted-sum cost stays O(n²·d_model) whatever h.",
+    api="attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="d_model=768, h ∈ {1, 12}, n ∈ {512, 1024}",
+)
+def _score_cost() -> Finding:
+    from ...analysis import estimate
+
+    vals = {
+        (n, h): estimate(n, 768, h).value("scores QKᵀ", "naive")
+        for n in (512, 1024)
+        for h in (1, 12)
+    }
+    ok = all(v == 2 * n * n * 768 for (n, _), v in vals.items())
+    return _found(
+        "QKᵀ FLOPs: "
+        + ", ".join(f"n={n} h={h}: {fmt(v)}" for (n, h), v in vals.items())
+        + " (= 2·n²·d_model)",
+        "estimate(n, 768, h).value('scores QKᵀ', 'naive')",
+        ok,
+        "the score cost is not 2·n²·d_model independent of h",
+    )
+
+
+@claim(
+    "002-8.3.3-c",
+    section="8.3.3 参数共享与效率",
+    quote="将QKV投影合并为单个矩阵乘法 reshape为(batch, seq_len, h, d_k) 并行计算所有头的注意力 "
+    "reshape回(batch, seq_len, d_model)",
+    paraphrase="The fused implementation (one QKV matmul, reshape to heads, all heads at once) "
+    "equals the serial loop over heads.",
+    api="attnlab.MultiHeadAttention",
+    expected=AGREES,
+    assumptions="E=16, h=4, no biases, n=6, batch 2, float64",
+)
+def _fused_vs_loop() -> Finding:
+    mha = _mha(16, 4, bias=False)
+    x = _randn(2, 6, 16, seed=1)
+    serial = torch.cat(_heads_by_hand(mha, x), -1) @ _mha_parts(mha)[3].T  # for i in range(h)
+    fused = mha(x)  # one (E × 3E) matmul, view (B, L, H, D), transpose, one attention call
+    err = float((fused - serial).abs().max())
+    return _found(
+        f"max |fused − serial loop| = {_err(err)}",
+        "MultiHeadAttention(16, 4, bias=False)(x) vs a per-head loop over weight slices",
+        err < 1e-12,
+        "the fused and serial forms differ",
+    )
+
+
+@claim(
+    "002-8.3.3-d",
+    section="8.3.3 参数共享与效率",
+    quote="- 头数过多会降低每个头的容量（$d_k$ 太小）",
+    paraphrase="Too many heads leave each head a small d_k = d_model/h.",
+    api="attnlab.MultiHeadAttention (head_dim)",
+    expected=AGREES,
+    assumptions="d_model = 768",
+)
+def _head_dim() -> Finding:
+    from ...modules import MultiHeadAttention
+
+    dims = {h: MultiHeadAttention(768, h).head_dim for h in (4, 12, 32, 96)}
+    return _found(
+        "d_k = " + ", ".join(f"{d} at h={h}" for h, d in dims.items()),
+        "MultiHeadAttention(768, h).head_dim",
+        all(d == 768 // h for h, d in dims.items()),
+        "head_dim is not d_model/h",
+    )
+
+
+@claim(
+    "002-8.3.3-e",
+    section="8.3.3 参数共享与效率",
+    quote="- 小模型：4-8个头 - 基础模型：8-12个头 - 大模型：16-32个头",
+    paraphrase="Small models use 4–8 heads, base models 8–12, large ones 16–32.",
+    api="attnlab.models.BertConfig",
+    expected=NOT_CHECKABLE,
+    assumptions="a survey of published configurations",
+)
+def _heads_survey() -> Finding:
+    return Finding(
+        "nothing computed",
+        "—",
+        NOT_CHECKABLE,
+        "a historical fact: the configurations of published models (e.g. GPT-3 175B uses 96 "
+        "heads, outside 16–32)",
+    )
+
+
+@claim(
+    "002-8.3.4-a",
+    section="8.3.4 头之间的相互作用",
+    quote="$$\\text{diversity} = 1 - \\frac{1}{h(h-1)}\\sum_{i \\neq j} \\text{cos}(\\mathbf{A}_i, "
+    "\\mathbf{A}_j)$$",
+    paraphrase="Head diversity is 1 minus the mean pairwise cosine of the heads' attention maps.",
+    api="attnlab.analysis.head_diversity",
+    expected=AGREES,
+    assumptions="4 heads, n=8, float64, seed 0",
+)
+def _diversity() -> Finding:
+    from ... import attention
+    from ...analysis import head_diversity
+
+    q, k, v = _qkv(H=4)
+    _, w = attention(q, k, v, return_weights=True)
+    a = w[0].flatten(1)
+    cos = torch.nn.functional.cosine_similarity(a[:, None], a[None, :], dim=-1)
+    h = 4
+    ref = 1 - (cos.sum() - cos.diagonal().sum()) / (h * (h - 1))
+    got = float(head_diversity(w)[0])
+    err = abs(got - float(ref))
+    return _found(
+        f"head_diversity = {fmt(got, 8)}; formula = {fmt(float(ref), 8)}",
+        "head_diversity(attention(q, k, v, return_weights=True)[1])",
+        err < 1e-12,
+        "head_diversity differs from the formula",
+    )
+
+
+@claim(
+    "002-8.3.4-c",
+    section="8.3.4 头之间的相互作用",
+    quote="$$\\text{importance}_i = \\|\\mathbf{W}^O_{:,i \\cdot d_v:(i+1) \\cdot d_v}\\|_F$$",
+    paraphrase="A head's importance is the Frobenius norm of its slice of the output projection.",
+    api="attnlab.analysis.output_norm",
+    expected=AGREES,
+    assumptions="E=16, h=4, float64; W^O in torch's (out × in) layout, so a head is a column "
+    "block (in the text's R^{hd_v×d_model} layout it would be a row block)",
+)
+def _importance() -> Finding:
+    from ...analysis import output_norm
+
+    mha = _mha(16, 4)
+    wo = _mha_parts(mha)[3]
+    ref = torch.stack([wo[:, 4 * i : 4 * i + 4].norm() for i in range(4)])
+    got = output_norm(mha)[0].to(F64)
+    err = float((got - ref).abs().max())
+    return _found(
+        "output_norm = [" + ", ".join(fmt(float(x)) for x in got) + f"]; max |Δ| vs formula "
+        f"{_err(err)}",
+        "output_norm(mha)",
+        err < 1e-12,
+        "output_norm is not the slice norm",
+    )
+
+
+@claim(
+    "002-8.3.4-d",
+    section="8.3.4 头之间的相互作用",
+    quote="$$\\mathbf{y} = \\sum_{i=1}^h \\text{head}_i \\mathbf{W}^O_i + \\text{interactions}$$ "
+    "这种交互使得模型能够根据不同头的置信度动态加权。",
+    paraphrase="The output projection adds interaction terms between heads that weight them by "
+    "confidence.",
+    api="attnlab.MultiHeadAttention",
+    expected=TEXT_ERROR,
+    assumptions="E=16, h=4, with biases, n=6, float64",
+)
+def _no_interactions() -> Finding:
+    mha = _mha(16, 4)
+    x = _randn(1, 6, 16, seed=1)
+    q, k, v = mha.project(x)
+    heads = _softmax_ref(q, k, v)  # (1, H, L, D)
+    wo, bo = mha.out_proj.weight.detach(), mha.out_proj.bias.detach()
+    parts = sum(heads[0, i] @ wo[:, 4 * i : 4 * i + 4].T for i in range(4)) + bo
+    resid = float((mha(x)[0] - parts).abs().max())
+    return _found(
+        f"max |MultiHeadAttention(x) − (Σ_i head_i W_i^O + b)| = {_err(resid)}",
+        "mha(x) vs sum(head_i @ W_o[:, i·d_v:(i+1)·d_v].T) + b_o",
+        resid > 1e-9,
+        "W^O is linear: y = Σ_i head_i W_i^O + b exactly (residual 0), so there is no "
+        "interaction term and no confidence-dependent weighting of heads",
+    )
+
+
+# ------------------------------------------------------------------------------------ 8.4
+def _est(n: int, E: int = 768, H: int = 12, **kw):
+    from ...analysis import estimate
+
+    return estimate(n, E, H, **kw)
+
+
+@claim(
+    "002-8.4.1-a",
+    section="8.4.1 时间复杂度",
+    quote="**1. 计算QKV投影**： $$O(n \\cdot d_{model}^2)$$",
+    paraphrase="The projections cost O(n·d_model²).",
+    api="attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="batch 1, h=12; (n, d_model) ∈ {(512, 768), (1024, 768), (512, 1536)}; "
+    "the row includes the output projection (8·n·d²)",
+)
+def _proj_cost() -> Finding:
+    p = {
+        (n, E): _est(n, E).value("QKV + output projections", "naive")
+        for n, E in ((512, 768), (1024, 768), (512, 1536))
+    }
+    rn, rd = p[1024, 768] / p[512, 768], p[512, 1536] / p[512, 768]
+    ok = rn == 2 and rd == 4 and p[512, 768] == 8 * 512 * 768**2
+    return _found(
+        f"{fmt(p[512, 768])} FLOPs at n=512, d=768 (= 8·n·d²); ×{fmt(rn)} for 2n, ×{fmt(rd)} "
+        "for 2d",
+        "estimate(n, d, 12).value('QKV + output projections', 'naive')",
+        ok,
+        "the projection cost is not linear in n and quadratic in d",
+    )
+
+
+@claim(
+    "002-8.4.1-b",
+    section="8.4.1 时间复杂度",
+    quote="**2. 计算注意力分数**： $$O(n^2 \\cdot d_k)$$ **3. 加权求和**： $$O(n^2 \\cdot d_v)$$",
+    paraphrase="Scores and the weighted sum each cost O(n²·d) per head.",
+    api="attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="batch 1, one head of d_k = d_v = 64, n ∈ {512, 1024}",
+)
+def _score_pv_cost() -> Finding:
+    s = {
+        n: (
+            _est(n, 64, 1).value("scores QKᵀ", "naive"),
+            _est(n, 64, 1).value("weighted sum PV", "naive"),
+        )
+        for n in (512, 1024)
+    }
+    ok = all(a == b == 2 * n * n * 64 for n, (a, b) in s.items())
+    return _found(
+        "; ".join(f"n={n}: QKᵀ {fmt(a)}, PV {fmt(b)} FLOPs (2·n²·d)" for n, (a, b) in s.items()),
+        "estimate(n, 64, 1).value('scores QKᵀ' / 'weighted sum PV', 'naive')",
+        ok,
+        "the score or weighted-sum cost is not 2·n²·d",
+    )
+
+
+@claim(
+    "002-8.4.1-c",
+    section="8.4.1 时间复杂度",
+    quote="总复杂度：$O(n^2 \\cdot d_{model} + n \\cdot d_{model}^2)$",
+    paraphrase="The layer costs O(n²·d_model + n·d_model²) in total.",
+    api="attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="batch 1, d_model=768, h=12; exact count 8nd² + 4n²d + 5hn² (softmax)",
+)
+def _total_cost() -> Finding:
+    vals = {n: _est(n).value("total", "naive") for n in (256, 1024, 4096)}
+    ok = all(v == 8 * n * 768**2 + 4 * n * n * 768 + 5 * 12 * n * n for n, v in vals.items())
+    return _found(
+        "; ".join(f"n={n}: {fmt(v)} FLOPs" for n, v in vals.items()) + " = 8nd² + 4n²d + 5hn²",
+        "estimate(n, 768, 12).value('total', 'naive')",
+        ok,
+        "the total is not 8nd² + 4n²d + 5hn²",
+    )
+
+
+def _rnn_flops(n: int, d: int) -> int:
+    """FLOPs of an Elman RNN (torch.nn.RNN, d → d): two d×d mat-vecs per step."""
+    rnn = torch.nn.RNN(d, d, bias=False)
+    return 2 * n * sum(p.numel() for p in rnn.parameters())
+
+
+@claim(
+    "002-8.4.1-d",
+    section="8.4.1 时间复杂度",
+    quote="序列长度 n < d_model 时：Transformer更高效 序列长度 n > d_model 时：RNN更高效 "
+    "典型设置：n ≈ "
+    "512, d_model ≈ 768，两者相当",
+    paraphrase="Self-attention (n²d) beats a recurrence (nd²) when n < d, loses when n > d; at "
+    "n≈512, d≈768 they are comparable.",
+    api="attnlab.analysis.estimate, torch.nn.RNN",
+    expected=AGREES,
+    assumptions="the two terms the text compares: attention scores + softmax + weighted sum "
+    "(estimate, h=12) vs an Elman RNN's recurrence 4nd² (torch.nn.RNN(d, d) weights); "
+    "projections excluded; d=768",
+)
+def _rnn_crossover() -> Finding:
+    def core(n: int) -> float:
+        e = _est(n)
+        return sum(e.value(r, "naive") for r in ("scores QKᵀ", "softmax", "weighted sum PV"))
+
+    ratio = {n: core(n) / _rnn_flops(n, 768) for n in (256, 512, 768, 1024, 2048)}
+    ok = ratio[256] < 1 < ratio[1024] and 0.5 < ratio[512] < 2
+    return _found(
+        "attention core / RNN FLOPs: " + ", ".join(f"n={n}: {fmt(r, 3)}" for n, r in ratio.items()),
+        "estimate(n, 768, 12) scores+softmax+PV vs 2·n·numel(torch.nn.RNN(768, 768))",
+        ok,
+        "the crossover is not near n = d_model",
+    )
+
+
+@claim(
+    "002-8.4.2-a",
+    section="8.4.2 空间复杂度",
+    quote="- 注意力分数矩阵：$O(n^2 \\cdot h)$ - QKV矩阵：$O(n \\cdot d_{model})$",
+    paraphrase="Forward memory: the score matrices take O(n²·h), Q/K/V O(n·d_model).",
+    api="attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="batch 1, d_model=768, float32, h ∈ {6, 12}, n ∈ {512, 1024}",
+)
+def _forward_memory() -> Finding:
+    sm = {
+        (n, h): _est(n, 768, h).value("score matrix", "naive") for n in (512, 1024) for h in (6, 12)
+    }
+    ok = all(v == 4 * h * n * n for (n, h), v in sm.items())
+    return _found(
+        "score matrix bytes: "
+        + ", ".join(f"n={n} h={h}: {int(v):,}" for (n, h), v in sm.items())
+        + " (= 4·h·n²)",
+        "estimate(n, 768, h).value('score matrix', 'naive')",
+        ok,
+        "the score matrix memory is not h·n² elements",
+    )
+
+
+@claim(
+    "002-8.4.2-b",
+    section="8.4.2 空间复杂度",
+    quote="需要存储所有中间激活，空间复杂度： $$O(L \\cdot n^2 \\cdot h)$$",
+    paraphrase="Training stores every layer's activations: O(L·n²·h).",
+    api="attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="naive attention core, batch 1, d_model=768, h=12, float32, n=2048, L ∈ {1, 12}",
+)
+def _backward_memory() -> Finding:
+    one = _est(2048).value("activations kept for backward", "naive")
+    twelve = _est(2048, layers=12).value("activations kept for backward", "naive")
+    p = 12 * 2048**2 * 4
+    ok = twelve == 12 * one and p / one > 0.85
+    return _found(
+        f"kept activations {fmt(one / 2**20)} MiB for 1 layer, {fmt(twelve / 2**20)} MiB for 12 "
+        f"(×{fmt(twelve / one)}); the n²·h probabilities are {fmt(100 * p / one, 3)} % of it",
+        "estimate(2048, 768, 12, layers=L).value('activations kept for backward', 'naive')",
+        ok,
+        "the kept activations do not scale as L·n²·h",
+    )
+
+
+@claim(
+    "002-8.4.2-c",
+    section="8.4.2 空间复杂度",
+    quote="2. **混合精度**：使用FP16减少内存占用 3. **注意力分块**：将注意力矩阵分块计算",
+    paraphrase="FP16 halves the memory; tiling never materialises the full attention matrix.",
+    api="attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="batch 1, d_model=768, h=12; tiled = attnlab's flash backend (128×128 tiles)",
+)
+def _memory_techniques() -> Finding:
+    f32 = _est(4096).value("score matrix", "naive")
+    f16 = _est(4096, dtype="float16").value("score matrix", "naive")
+    tiled = {n: _est(n).value("score matrix", "flash") for n in (1024, 4096, 16384)}
+    ok = f16 * 2 == f32 and len(set(tiled.values())) == 1 and tiled[4096] < f32 / 100
+    return _found(
+        f"n=4096 scores: float32 {fmt(f32 / 2**20)} MiB, float16 {fmt(f16 / 2**20)} MiB; "
+        f"tiled {fmt(tiled[4096] / 2**20)} MiB at n = 1024, 4096 and 16384 alike",
+        "estimate(n, 768, 12, dtype=…).value('score matrix', 'naive' / 'flash')",
+        ok,
+        "fp16 or tiling do not reduce the memory as stated",
+    )
+
+
+def _memory_doubling() -> Finding:
+    kept = {
+        i: _est(2048, 768, 12).value("activations kept for backward", i)
+        / _est(1024, 768, 12).value("activations kept for backward", i)
+        for i in ("naive", "flash")
+    }
+    scores = _est(2048).value("score matrix", "naive") / _est(1024).value("score matrix", "naive")
+    ok = abs(kept["naive"] - 4) < 0.2 and abs(kept["flash"] - 4) < 0.2
+    return _found(
+        f"n 1024 → 2048 (d_model=768, h=12): score matrix ×{fmt(scores)}; activations kept "
+        f"for backward ×{fmt(kept['naive'], 3)} (naive), ×{fmt(kept['flash'], 3)} (tiled)",
+        "estimate(n, 768, 12).value('activations kept for backward', impl), n = 1024, 2048",
+        ok,
+        f"only the n×n score matrix grows 4×; a naive layer's kept activations grow "
+        f"{kept['naive']:.2f}× (the O(n·d) Q/K/V/output part doubles) and a tiled one's "
+        f"{kept['flash']:.2f}×",
+    )
+
+
+@claim(
+    "002-8.4.2-d",
+    section="8.4.2 空间复杂度",
+    quote="- 序列长度翻倍，内存需求增加4倍",
+    paraphrase="Doubling the sequence length quadruples the memory.",
+    api="attnlab.analysis.estimate",
+    expected=TEXT_ERROR,
+    assumptions="one attention layer, batch 1, d_model=768, h=12, float32, n = 1024 → 2048",
+)
+def _memory_4x() -> Finding:
+    return _memory_doubling()
+
+
+@claim(
+    "002-8.4.3-a",
+    section="8.4.3 并行化优势",
+    quote="RNN必须顺序处理： h_1 → h_2 → h_3 → ... → h_n 时间复杂度: O(n) Transformer可并行处理： "
+    "[h_1, h_2, h_3, ..., h_n] 同时计算",
+    paraphrase="A recurrence needs n sequential steps; attention computes all n positions in "
+    "one parallel step.",
+    api="attnlab.attention, attnlab.KVCache, attnlab.MultiHeadAttention",
+    expected=AGREES,
+    assumptions="causal MHA, E=16, h=4, n=10, float64: one call over all positions vs 10 "
+    "sequential steps with a KV cache",
+)
+def _parallel_vs_sequential() -> Finding:
+    from ... import KVCache, masks
+
+    mha = _mha(16, 4)
+    x = _randn(1, 10, 16, seed=1)
+    full = mha(x, mask=masks.causal())
+    cache = KVCache()
+    steps = torch.cat(
+        [mha(x[:, t : t + 1], mask=masks.causal(), cache=cache) for t in range(10)], 1
+    )
+    err = float((full - steps).abs().max())
+    return _found(
+        f"1 parallel call vs 10 sequential cached steps: max |Δ| = {_err(err)}",
+        "mha(x, mask=masks.causal()) vs mha(x[:, t:t+1], mask=masks.causal(), cache=KVCache())",
+        err < 1e-12,
+        "the parallel and sequential results differ",
+    )
+
+
+@claim(
+    "002-8.4.3-b",
+    section="8.4.3 并行化优势",
+    quote="小批量：20-30% (受内存带宽限制) 大批量：70-80% (计算密集)",
+    paraphrase="Hardware utilisation is 20–30 % of peak for small batches and 70–80 % for large.",
+    api="attnlab.analysis.measure_estimate",
+    expected=NOT_CHECKABLE,
+    assumptions="an accelerator and its peak FLOPS",
+)
+def _utilisation() -> Finding:
+    return Finding(
+        "nothing computed",
+        "measure_estimate(estimate(...)) on the target accelerator",
+        NOT_CHECKABLE,
+        "a GPU/TPU with a known peak FLOPS (this CPU run is shared and unrepresentative)",
+    )
+
+
+@claim(
+    "002-8.4.4-a",
+    section="8.4.4 长序列的挑战",
+    quote="512       262K            0.5MB 2K        4M              8MB 8K        64M             "
+    "128MB 32K       1024M           2GB 128K      16384M          32GB",
+    paraphrase="One n×n matrix in 16-bit takes 0.5 MB at 512, 8 MB at 2K, 128 MB at 8K, 2 GB at "
+    "32K and 32 GB at 128K.",
+    api="attnlab.analysis.estimate (row 'score matrix')",
+    expected=AGREES,
+    assumptions="one head, batch 1, float16; K/M/G binary (2K = 2048, MB = MiB)",
+)
+def _long_table() -> Finding:
+    table = {
+        512: (262_144, 0.5),
+        2048: (4 * 2**20, 8),
+        8192: (64 * 2**20, 128),
+        32768: (1024 * 2**20, 2048),
+        131072: (16384 * 2**20, 32768),
+    }
+    got, ok = [], True
+    for n, (entries, mib) in table.items():
+        e = _est(n, 64, 1, dtype="float16")
+        b = e.value("score matrix", "naive")
+        pairs = e.value("attended pairs per head", "naive")
+        ok &= pairs == entries and b == mib * 2**20
+        got.append(f"n={n}: {int(pairs):,} entries, {fmt(b / 2**20)} MiB")
+    return _found(
+        "; ".join(got),
+        "estimate(n, 64, 1, dtype='float16').value('score matrix', 'naive')",
+        ok,
+        "the sizes differ from the table",
+    )
+
+
+@claim(
+    "002-8.4.4-b",
+    section="8.4.4 长序列的挑战",
+    quote="**1. 稀疏注意力**： 只计算部分注意力连接： $$O(n \\cdot \\sqrt{n} \\cdot d)$$",
+    paraphrase="Sparse attention (strided, stride √n) costs O(n√n·d).",
+    api="attnlab.masks.strided, attnlab.analysis.estimate (mask)",
+    expected=AGREES,
+    assumptions="causal strided pattern with stride √n, n ∈ {256, 1024, 2304}, d_model=64, "
+    "one head; pairs / n^1.5 must be constant within 10 %",
+)
+def _sparse_cost() -> Finding:
+    from ... import masks
+
+    r = {}
+    for n in (256, 1024, 2304):
+        m = masks.strided(math.isqrt(n))
+        r[n] = _est(n, 64, 1, mask=m).value("attended pairs per head", "flash") / n**1.5
+    ok = max(r.values()) / min(r.values()) < 1.1
+    return _found(
+        "attended pairs / n^1.5: " + ", ".join(f"n={n}: {fmt(v)}" for n, v in r.items()),
+        "estimate(n, 64, 1, mask=masks.strided(isqrt(n))).value('attended pairs per head', "
+        "'flash')",
+        ok,
+        "the strided pattern's cost does not grow as n√n",
+    )
+
+
+@claim(
+    "002-8.4.4-c",
+    section="8.4.4 长序列的挑战",
+    quote="- 局部注意力：只关注附近 $k$ 个位置 - 跨步注意力：每隔 $k$ 个位置采样 - "
+    "随机注意力：随机采样连接",
+    paraphrase="Sparse patterns: a local window of k positions, a stride of k, random links.",
+    api="attnlab.masks.sliding_window, attnlab.masks.strided, attnlab.masks.bigbird",
+    expected=AGREES,
+    assumptions="n=64, k=8, causal; BigBird with 8-token blocks, 1 window, 1 global and 1 "
+    "random block per row, seed 0",
+)
+def _sparse_patterns() -> Finding:
+    from ... import masks
+
+    w = masks.sliding_window(8).to_dense(64, 64)[0, 0]
+    s = masks.strided(8).to_dense(64, 64)[0, 0]
+    row = w.sum(-1)
+    far = s[63, : 63 - 7].nonzero().flatten().tolist()  # keys beyond the local block
+    b0 = masks.bigbird(8, 1, 1, 1, seed=0).to_dense(64, 64)[0, 0]
+    b1 = masks.bigbird(8, 1, 1, 1, seed=1).to_dense(64, 64)[0, 0]
+    ok = int(row[8:].min()) == int(row[8:].max()) == 8 and all((63 - j) % 8 == 0 for j in far)
+    ok = ok and bool((b0 != b1).any())
+    return _found(
+        f"window: every row past 8 attends {int(row[8:].max())} keys; strided: query 63's "
+        f"far keys {far} (63 − j ≡ 0 mod 8); bigbird's random blocks change with the seed: "
+        f"{bool((b0 != b1).any())}",
+        "masks.sliding_window(8), masks.strided(8), masks.bigbird(8, 1, 1, 1, seed)",
+        ok,
+        "a pattern does not select the keys described",
+    )
+
+
+@claim(
+    "002-8.4.4-d",
+    section="8.4.4 长序列的挑战",
+    quote="$$\\text{Attention}(\\mathbf{Q}, \\mathbf{K}, \\mathbf{V}) \\approx \\phi(\\mathbf{Q})"
+    "(\\phi(\\mathbf{K})^T\\mathbf{V})$$",
+    paraphrase="Linear attention approximates attention as φ(Q)(φ(K)ᵀV).",
+    api="attnlab.linear.linear_attention",
+    expected=TEXT_ERROR,
+    assumptions="φ = elu + 1 (attnlab's default), n=256, d=16, float64, seed 0",
+)
+def _linear_formula() -> Finding:
+    from ...linear import linear_attention
+
+    q, k, v = _qkv(H=1, L=256, D=16)
+    phi = lambda x: torch.nn.functional.elu(x) + 1  # noqa: E731
+    text = phi(q) @ (phi(k).transpose(-1, -2) @ v)
+    lin = linear_attention(q, k, v)
+    norm = phi(q) @ phi(k).sum(-2, keepdim=True).transpose(-1, -2)  # φ(q_i)ᵀ Σ_j φ(k_j)
+    err_norm = float((text / norm - lin).abs().max())
+    rel = float((text - lin).norm() / lin.norm())
+    return _found(
+        f"‖φ(Q)(φ(K)ᵀV) − linear_attention‖/‖linear_attention‖ = {fmt(rel)}; divided by "
+        f"φ(Q)(φ(K)ᵀ1) it matches to {_err(err_norm, 1e-9)}",
+        "linear_attention(q, k, v) vs phi(q) @ (phi(k).mT @ v)",
+        rel < 1e-6,
+        "the normaliser is missing: φ(Q)(φ(K)ᵀV) must be divided row-wise by φ(Q)(φ(K)ᵀ1), "
+        "else rows are sums, not weighted averages (here ~n·mean times too large)",
+    )
+
+
+@claim(
+    "002-8.4.4-e",
+    section="8.4.4 长序列的挑战",
+    quote="复杂度降至 $O(n \\cdot d^2)$",
+    paraphrase="Linear attention costs O(n·d²).",
+    api="attnlab.analysis.estimate (implementation 'linear')",
+    expected=AGREES,
+    assumptions="one head, batch 1, the attention core only (scores/state + feature map + "
+    "weighted sum); d ∈ {64, 128}, n ∈ {1024, 2048}",
+)
+def _linear_cost() -> Finding:
+    def core(n: int, d: int) -> float:
+        e = _est(n, d, 1)
+        return sum(e.value(r, "linear") for r in ("scores QKᵀ", "softmax", "weighted sum PV"))
+
+    rn, rd = core(2048, 64) / core(1024, 64), core(1024, 128) / core(1024, 64)
+    return _found(
+        f"×{fmt(rn)} for 2n, ×{fmt(rd)} for 2d (4 for a pure d² term; the O(n·d) normaliser "
+        "and feature map make it a little less)",
+        "estimate(n, d, 1) rows 'scores QKᵀ' + 'softmax' + 'weighted sum PV', 'linear'",
+        rn == 2 and 3.8 < rd <= 4,
+        "the linear form's cost is not linear in n and quadratic in d",
+    )
+
+
+@claim(
+    "002-8.4.4-f",
+    section="8.4.4 长序列的挑战",
+    quote="原始序列: [x_1, x_2, ..., x_n] ↓ 局部注意力 压缩表示: [z_1, z_2, ..., z_{n/k}] ↓ "
+    "全局注意力",
+    paraphrase="Hierarchical attention: local attention inside blocks, global attention over "
+    "n/k block summaries, then n outputs.",
+    api="attnlab.linear.hierarchical_attention, "
+    "attnlab.functional.reference.hierarchical_attention",
+    expected=AGREES,
+    assumptions="n=64, block k=8, d=8, float64; each query scores its 8 block keys plus "
+    "7 other block summaries (15 logits instead of 64)",
+)
+def _hierarchical() -> Finding:
+    from ...functional import reference
+    from ...linear import hierarchical_attention
+
+    q, k, v = _qkv(H=1, L=64)
+    out = hierarchical_attention(q, k, v, block_size=8)
+    ref = reference.hierarchical_attention(q, k, v, block_size=8)
+    err = float((out - ref).abs().max())
+    dense = float((out - _softmax_ref(q, k, v)).abs().max())
+    return _found(
+        f"output {tuple(out.shape)}; max |fast − reference| = {_err(err)}; differs from dense "
+        f"attention by up to {fmt(dense)} (an approximation)",
+        "hierarchical_attention(q, k, v, block_size=8)",
+        err < 1e-12 and out.shape == q.shape,
+        "the hierarchical scheme does not produce n outputs from n/k summaries",
+    )
+
+
+@claim(
+    "002-8.4.4-g",
+    section="8.4.4 长序列的挑战",
+    quote="1. 将QKV分成小块 2. 在SRAM中计算每块的注意力 3. 累积部分结果 4. 避免存储完整的 $n "
+    "\\times n$ 矩阵 "
+    "效果： - 内存使用：$O(n)$ 而非 $O(n^2)$",
+    paraphrase="Flash attention tiles Q, K, V, accumulates partial results, never stores the "
+    "n×n matrix: O(n) memory.",
+    api="attnlab.attention (backend='flash'), attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="exactness: n=300, d=16, float64; memory: d_model=768, h=12, float32",
+)
+def _flash_memory() -> Finding:
+    from ... import attention
+
+    q, k, v = _qkv(L=300, D=16)
+    err = float((attention(q, k, v, backend="flash") - _softmax_ref(q, k, v)).abs().max())
+    kept = {n: _est(n).value("activations kept for backward", "flash") for n in (2048, 4096)}
+    tile = {n: _est(n).value("score matrix", "flash") for n in (2048, 4096)}
+    ok = err < 1e-12 and kept[4096] == 2 * kept[2048] and tile[2048] == tile[4096]
+    return _found(
+        f"max |flash − softmax(QKᵀ/√d)V| = {_err(err)}; kept activations ×"
+        f"{fmt(kept[4096] / kept[2048])} for 2n; score tile {fmt(tile[2048] / 2**20)} MiB at "
+        "any n",
+        "attention(q, k, v, backend='flash'); estimate(n, 768, 12) 'flash' rows",
+        ok,
+        "the tiled form is not exact or not O(n) in memory",
+    )
+
+
+@claim(
+    "002-8.4.4-h",
+    section="8.4.4 长序列的挑战",
+    quote="- 实际速度：提升2-4倍 - 支持序列长度：可达64K+",
+    paraphrase="Flash attention is 2–4× faster and supports 64K+ tokens.",
+    api="attnlab.analysis.estimate",
+    expected=NOT_CHECKABLE,
+    assumptions="the speed-up is a GPU measurement",
+)
+def _flash_speed() -> Finding:
+    naive = _est(65536, 64, 1, dtype="float16").value("score matrix", "naive")
+    tiled = _est(65536, 64, 1, dtype="float16").value("activations kept for backward", "flash")
+    return Finding(
+        f"memory side at n=65536, one head, fp16: naive scores {fmt(naive / 2**30)} GiB; tiled "
+        f"keeps {fmt(tiled / 2**20)} MiB",
+        "estimate(65536, 64, 1, dtype='float16')",
+        NOT_CHECKABLE,
+        "a GPU with HBM/SRAM (the 2–4× is a GPU kernel measurement)",
+    )
+
+
+# ------------------------------------------------------------------------------ 8.5 – 8.7
+@claim(
+    "002-8.5-a",
+    section="8.5 历史人物",
+    quote="2017年，Google Brain团队的阿希什·瓦斯瓦尼(Ashish "
+    "Vaswani)等八位研究者发表了改变深度学习历史进程的论文"
+    "《Attention is All You Need》。这篇仅12页的论文提出了Transformer架构",
+    paraphrase="In 2017 Vaswani and seven co-authors at Google Brain published the 12-page "
+    "'Attention is All You Need'.",
+    api="attnlab.MultiHeadAttention",
+    expected=NOT_CHECKABLE,
+    assumptions="bibliographic facts",
+)
+def _history() -> Finding:
+    return Finding(
+        "nothing computed",
+        "—",
+        NOT_CHECKABLE,
+        "a historical fact (authors, year, page count of the paper)",
+    )
+
+
+@claim(
+    "002-8.5-b",
+    section="8.5 历史人物",
+    quote="3. **位置编码**：巧妙解决了注意力的置换不变性问题",
+    paraphrase="Positional encoding solved attention's 'permutation invariance'.",
+    api="attnlab.attention",
+    expected=TEXT_ERROR,
+    assumptions="n=6, d=8, float64, one seeded permutation",
+)
+def _invariance_8_5() -> Finding:
+    return _invariance_claim()
+
+
+@claim(
+    "002-8.6-a",
+    section="8.6 Flash Attention与长上下文优化",
+    quote="S = QK^T → P = softmax(S) → O = PV 需要存储大矩阵S和P … 只需存储块大小的矩阵",
+    paraphrase="Standard attention stores S and P (n×n); the tiled form stores only block-sized "
+    "matrices and recovers weights from the log-sum-exp.",
+    api="attnlab.attention (return_lse), attnlab.attention_weights, attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="n=200, d=16, float64; memory at n=8192, d_model=768, h=12, float32",
+)
+def _flash_blocks() -> Finding:
+    from ... import attention, attention_weights
+
+    q, k, v = _qkv(L=200, D=16)
+    _, lse = attention(q, k, v, backend="flash", return_lse=True)
+    w = attention_weights(q, k, lse, rows=[0, 199])
+    p = torch.softmax(q @ k.transpose(-1, -2) / 4, -1)[:, :, [0, 199]]
+    err = float((w - p).abs().max())
+    naive = _est(8192).value("score matrix", "naive")
+    tile = _est(8192).value("score matrix", "flash")
+    return _found(
+        f"weights of rows 0 and 199 from the lse match P to {_err(err)}; scores held at n=8192: "
+        f"{fmt(naive / 2**20)} MiB naive vs {fmt(tile / 2**20)} MiB in 128×128 tiles",
+        "attention(q, k, v, backend='flash', return_lse=True); attention_weights(q, k, lse, "
+        "rows=[0, 199]); estimate(8192, 768, 12)",
+        err < 1e-12 and tile * 100 < naive,
+        "the tiled form needs the full matrices",
+    )
+
+
+@claim(
+    "002-8.6-b",
+    section="8.6 Flash Attention与长上下文优化",
+    quote="- **SRAM** (快，小)：~20MB，带宽19TB/s - **HBM** (慢，大)：~40GB，带宽1.5TB/s "
+    "通过最小化HBM访问，实现2-4倍加速。",
+    paraphrase="GPU SRAM is ~20 MB at 19 TB/s, HBM ~40 GB at 1.5 TB/s; minimising HBM traffic "
+    "gives 2–4×.",
+    api="attnlab.functional.flash_attention",
+    expected=NOT_CHECKABLE,
+    assumptions="an A100-class GPU",
+)
+def _gpu_numbers() -> Finding:
+    return Finding(
+        "nothing computed",
+        "—",
+        NOT_CHECKABLE,
+        "a GPU (A100 memory sizes and bandwidths, and a GPU speed-up measurement)",
+    )
+
+
+@claim(
+    "002-8.6-c",
+    section="8.6 Flash Attention与长上下文优化",
+    quote="3. **支持各种注意力变体**：因果注意力、分组查询注意力等",
+    paraphrase="Flash attention 2 supports causal and grouped-query attention.",
+    api="attnlab.attention (backend='flash', mask=attnlab.masks.causal())",
+    expected=AGREES,
+    assumptions="attnlab's tiled backend standing in for FA2: 8 query heads, 2 KV heads, n=150, "
+    "d=16, causal, float64",
+)
+def _flash_variants() -> Finding:
+    from ... import attention, masks
+
+    q = _randn(1, 8, 150, 16, seed=1)
+    k, v = _randn(1, 2, 150, 16, seed=2), _randn(1, 2, 150, 16, seed=3)
+    out = attention(q, k, v, mask=masks.causal(), backend="flash")
+    kk, vv = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+    s = q @ kk.transpose(-1, -2) / 4
+    s = s.masked_fill(~torch.ones(150, 150, dtype=torch.bool).tril(), float("-inf"))
+    err = float((out - torch.softmax(s, -1) @ vv).abs().max())
+    return _found(
+        f"causal GQA (8 query / 2 KV heads) on the flash backend: max |Δ| vs dense = {_err(err)}",
+        "attention(q, k, v, mask=masks.causal(), backend='flash') with k, v of 2 heads",
+        err < 1e-12,
+        "the tiled backend does not support causal GQA exactly",
+    )
+
+
+@claim(
+    "002-8.6-d",
+    section="8.6 Flash Attention与长上下文优化",
+    quote="原始RoPE: 支持2K上下文 位置插值: 线性插值到32K",
+    paraphrase="Position interpolation stretches a 2K RoPE to 32K by dividing positions by 16.",
+    api="attnlab.positional.RoPE (scaling={'rope_type': 'linear'})",
+    expected=AGREES,
+    assumptions="head dim 64; factor 16 = 32K / 2K; float64",
+)
+def _rope_linear() -> Finding:
+    from ...positional import RoPE
+
+    base, scaled = RoPE(64), RoPE(64, scaling={"rope_type": "linear", "factor": 16.0})
+    x = _randn(1, 1, 1, 64, seed=1)
+    err = max(
+        float((scaled(x, torch.tensor([16 * p])) - base(x, torch.tensor([p]))).abs().max())
+        for p in (1, 100, 2047)
+    )
+    return _found(
+        f"rotation at position 16·p (scaled) vs p (original), p ∈ {{1, 100, 2047}}: max |Δ| = "
+        f"{_err(err)}; position 32,767 maps inside the original 2K range",
+        "RoPE(64, scaling={'rope_type': 'linear', 'factor': 16.0})(x, [16 * p]) vs RoPE(64)(x, "
+        "[p])",
+        err < 1e-9,
+        "linear scaling does not map 32K positions onto the 2K range",
+    )
+
+
+@claim(
+    "002-8.6-e",
+    section="8.6 Flash Attention与长上下文优化",
+    quote="NTK-aware: 调整基频支持更长序列 YaRN: 结合插值和外推",
+    paraphrase="NTK-aware scaling changes the RoPE base; YaRN interpolates the low frequencies "
+    "and extrapolates (keeps) the high ones.",
+    api="attnlab.positional.compute_rope_parameters",
+    expected=AGREES,
+    assumptions="rotary dim 64, base 10000, factor 16, YaRN original length 2048",
+)
+def _rope_ntk_yarn() -> Finding:
+    from ...positional import compute_rope_parameters
+
+    plain, _ = compute_rope_parameters(None, 64, 10000.0)
+    ntk, _ = compute_rope_parameters({"rope_type": "ntk", "factor": 16.0}, 64, 10000.0)
+    yarn, _ = compute_rope_parameters(
+        {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 2048},
+        64,
+        10000.0,
+    )
+    ntk_hi, ntk_lo = float(ntk[0] / plain[0]), float(plain[-1] / ntk[-1])
+    y_hi, y_lo = float(yarn[0] / plain[0]), float(plain[-1] / yarn[-1])
+    ok = abs(ntk_hi - 1) < 1e-12 and abs(ntk_lo - 16) < 1e-9 and abs(y_hi - 1) < 1e-12
+    ok = ok and abs(y_lo - 16) < 1e-9
+    return _found(
+        f"NTK: highest frequency ×{fmt(ntk_hi)}, lowest ÷{fmt(ntk_lo)} (a new base); YaRN: "
+        f"highest ×{fmt(y_hi)} (extrapolated), lowest ÷{fmt(y_lo)} (interpolated)",
+        "compute_rope_parameters({'rope_type': 'ntk' / 'yarn', 'factor': 16.0, …}, 64, 10000.0)",
+        ok,
+        "the scalings do not treat high and low frequencies as described",
+    )
+
+
+@claim(
+    "002-8.6-f",
+    section="8.6 Flash Attention与长上下文优化",
+    quote="- Mistral的方案：每层使用固定窗口(如4K) - 通过多层叠加实现长程依赖 - "
+    "内存使用线性而非二次增长",
+    paraphrase="Sliding-window attention: a fixed window per layer, long range through stacked "
+    "layers, memory linear in n.",
+    api="attnlab.masks.sliding_window, attnlab.analysis.estimate (window)",
+    expected=AGREES,
+    assumptions="causal window W=4, n=64, 1–4 stacked layers (reach = boolean matrix powers); "
+    "memory: W=4096, d_model=4096, 32 heads, n ∈ {16K, 32K}",
+)
+def _sliding_window() -> Finding:
+    from ... import masks
+
+    a = masks.sliding_window(4).to_dense(64, 64)[0, 0].to(F64)
+    reach, r = [], torch.eye(64, dtype=F64)
+    for _ in range(4):
+        r = ((r @ a) > 0).to(F64)
+        reach.append(int(r[-1].sum()))
+    pairs = {
+        n: _est(n, 4096, 32, window=4096).value("attended pairs per head", "flash")
+        for n in (16384, 32768)
+    }
+    ratio = pairs[32768] / pairs[16384]
+    ok = reach == [4, 7, 10, 13] and 2 <= ratio < 2.2
+    return _found(
+        f"last token's reach after 1–4 layers: {reach} tokens (= L·(W−1)+1); attended pairs "
+        f"×{fmt(ratio, 4)} from n=16K to 32K",
+        "masks.sliding_window(4).to_dense(64, 64); estimate(n, 4096, 32, window=4096)",
+        ok,
+        "the window's reach or cost do not behave as described",
+    )
+
+
+@claim(
+    "002-8.6-g",
+    section="8.6 Flash Attention与长上下文优化",
+    quote="将序列分配到多个设备 设备1: [0:n/4] 设备2: [n/4:n/2] 设备3: [n/2:3n/4] 设备4: [3n/4:n] "
+    "环形通信计算跨设备注意力",
+    paraphrase="Ring attention splits the sequence over 4 devices; passing KV blocks around the "
+    "ring and merging partial results gives exact attention.",
+    api="attnlab.merge_partials, attnlab.attention (return_lse)",
+    expected=AGREES,
+    assumptions="4 simulated devices in one process, n=64, d=8, float64; each query block "
+    "merges the partials of the 4 KV blocks (what the ring passes around)",
+)
+def _ring() -> Finding:
+    from ... import attention, merge_partials
+
+    q, k, v = _qkv(L=64)
+    parts = [
+        attention(q, k[:, :, s : s + 16], v[:, :, s : s + 16], return_lse=True)
+        for s in range(0, 64, 16)
+    ]
+    out, _ = merge_partials([p[0] for p in parts], [p[1] for p in parts])
+    err = float((out - _softmax_ref(q, k, v)).abs().max())
+    return _found(
+        f"merge of 4 KV-block partials vs full attention: max |Δ| = {_err(err)}",
+        "merge_partials([attention(q, k_b, v_b, return_lse=True)…])",
+        err < 1e-12,
+        "merging the ring's partial results is not exact",
+    )
+
+
+@claim(
+    "002-8.6-h",
+    section="8.6 Flash Attention与长上下文优化",
+    quote="- 增量处理新token - 缓存键值对(KV Cache) - 支持实时生成",
+    paraphrase="Streaming attention processes new tokens incrementally with a KV cache.",
+    api="attnlab.KVCache, attnlab.MultiHeadAttention",
+    expected=AGREES,
+    assumptions="causal MHA, E=16, h=4, a 6-token prompt then 4 single tokens, float64",
+)
+def _streaming() -> Finding:
+    from ... import KVCache, masks
+
+    mha = _mha(16, 4)
+    x = _randn(1, 10, 16, seed=2)
+    cache = KVCache()
+    outs = [mha(x[:, :6], mask=masks.causal(), cache=cache)]
+    outs += [mha(x[:, t : t + 1], mask=masks.causal(), cache=cache) for t in range(6, 10)]
+    err = float((torch.cat(outs, 1) - mha(x, mask=masks.causal())).abs().max())
+    return _found(
+        f"prefill + 4 cached steps vs one full call: max |Δ| = {_err(err)}; cache holds "
+        f"{len(cache)} tokens",
+        "mha(x_t, mask=masks.causal(), cache=KVCache())",
+        err < 1e-12 and len(cache) == 10,
+        "cached incremental decoding differs from the full computation",
+    )
+
+
+@claim(
+    "002-8.7-a",
+    section="8.7 本章小结",
+    quote="- 解决注意力的置换不变性问题",
+    paraphrase="(Summary) Positional encoding solves attention's 'permutation invariance'.",
+    api="attnlab.attention",
+    expected=TEXT_ERROR,
+    assumptions="n=6, d=8, float64, one seeded permutation",
+)
+def _invariance_8_7() -> Finding:
+    return _invariance_claim()
+
+
+@claim(
+    "002-8.7-b",
+    section="8.7 本章小结",
+    quote="- 时间：$O(n^2 \\cdot d + n \\cdot d^2)$ - 空间：$O(n^2 \\cdot h \\cdot L)$",
+    paraphrase="(Summary) Time O(n²d + nd²), space O(n²·h·L).",
+    api="attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="naive attention, batch 1, d=768, h=12, float32; n ∈ {1024, 4096}, L ∈ {1, 12}",
+)
+def _summary_cost() -> Finding:
+    t = {n: _est(n).value("total", "naive") for n in (1024, 4096)}
+    t_ok = all(v == 8 * n * 768**2 + 4 * n * n * 768 + 60 * n * n for n, v in t.items())
+    m1 = _est(4096).value("activations kept for backward", "naive")
+    m12 = _est(4096, layers=12).value("activations kept for backward", "naive")
+    share = 12 * 4096**2 * 4 / m1
+    return _found(
+        f"FLOPs {fmt(t[1024])} at n=1024, {fmt(t[4096])} at 4096 (8nd² + 4n²d + 5hn²); kept "
+        f"activations ×{fmt(m12 / m1)} for 12 layers, {fmt(100 * share, 3)} % of it n²·h",
+        "estimate(n, 768, 12, layers=L).value('total' / 'activations kept for backward', 'naive')",
+        t_ok and m12 == 12 * m1 and share > 0.9,
+        "the totals do not follow O(n²d + nd²) and O(n²hL)",
+    )
+
+
+@claim(
+    "002-8.7-c",
+    section="8.7 本章小结",
+    quote="- 典型配置：$h \\in [4, 32]$，$d_k = d_{model}/h$",
+    paraphrase="(Summary) Typically h between 4 and 32, with d_k = d_model/h.",
+    api="attnlab.MultiHeadAttention (head_dim), attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="d_model=1024, h ∈ {4, 8, 16, 32}",
+)
+def _typical_heads() -> Finding:
+    from ...modules import MultiHeadAttention
+
+    dims = {h: MultiHeadAttention(1024, h).head_dim for h in (4, 8, 16, 32)}
+    cfg = {h: _est(128, 1024, h).config["D"] for h in (4, 8, 16, 32)}
+    return _found(
+        "d_k = " + ", ".join(f"{d} (h={h})" for h, d in dims.items()),
+        "MultiHeadAttention(1024, h).head_dim; estimate(128, 1024, h).config['D']",
+        all(d == 1024 // h == cfg[h] for h, d in dims.items()),
+        "d_k is not d_model/h",
+    )
+
+
+@claim(
+    "002-8.7-d",
+    section="8.7 本章小结",
+    quote="- **模型规模选择**：参数量翻倍，头数增加1.4倍",
+    paraphrase="Doubling the parameters means about 1.4× the heads.",
+    api="attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="fixed head size 64 and fixed depth (parameters ∝ d_model²); d_model 768 "
+    "(h=12) compared with the width whose attention weights double",
+)
+def _params_heads() -> Finding:
+    base = _est(128, 768, 12, bias=False).value("projection weights", "naive")
+    best = min(
+        range(13, 30),
+        key=lambda h: abs(
+            _est(128, 64 * h, h, bias=False).value("projection weights", "naive") / base - 2
+        ),
+    )
+    ratio = _est(128, 64 * best, best, bias=False).value("projection weights", "naive") / base
+    return _found(
+        f"h=12 → h={best}: parameters ×{fmt(ratio, 4)}, heads ×{fmt(best / 12, 3)} "
+        f"(exactly √2 = {fmt(math.sqrt(2), 4)} in the continuum)",
+        "estimate(128, 64 * h, h, bias=False).value('projection weights', 'naive')",
+        abs(best / 12 - 1.4) < 0.05 and abs(ratio - 2) < 0.1,
+        "doubling the parameters does not mean ~1.4× the heads",
+    )
+
+
+@claim(
+    "002-8.7-e",
+    section="8.7 本章小结",
+    quote="- **内存估算**：序列长度翻倍，内存需求4倍增长",
+    paraphrase="(Summary) Doubling the sequence length quadruples the memory.",
+    api="attnlab.analysis.estimate",
+    expected=TEXT_ERROR,
+    assumptions="one attention layer, batch 1, d_model=768, h=12, float32, n = 1024 → 2048",
+)
+def _memory_4x_summary() -> Finding:
+    return _memory_doubling()
+
+
+# ------------------------------------------------------------------------ more of 8.2–8.7
+@claim(
+    "002-8.2.2-g",
+    section="8.2.2 正弦位置编码",
+    quote="- 低频成分（大波长）：编码全局位置信息 - 高频成分（小波长）：编码局部相对关系",
+    paraphrase="Low frequencies encode the global position, high frequencies local relations.",
+    api="attnlab.positional.sinusoidal",
+    expected=AGREES,
+    assumptions="d=64, positions 0–4095, float64; the highest-frequency pair (dims 0–1, period "
+    "2π) against the lowest (dims 62–63, period ≈ 47,000)",
+)
+def _pe_scales() -> Finding:
+    from ...positional import sinusoidal
+
+    pe = sinusoidal(4096, 64, dtype=F64)
+    hi, lo = pe[:, 0:2], pe[:, 62:64]
+    # High frequency: positions 44 apart (≈ 7 periods of 2π) look alike; neighbours differ.
+    alias = float((hi[44:] - hi[:-44]).norm(dim=-1).max())
+    near = float((hi[1:] - hi[:-1]).norm(dim=-1).min())
+    # Low frequency: the angle grows monotonically over the whole range (a global coordinate).
+    angle = torch.atan2(lo[:, 0], lo[:, 1])
+    mono = bool((angle[1:] > angle[:-1]).all())
+    ok = alias < 0.05 and near > 0.9 and mono
+    return _found(
+        f"dims 0–1: positions p and p+44 differ by at most {fmt(alias)}, neighbours by at least "
+        f"{fmt(near)}; dims 62–63: angle strictly increasing over 0–4095: {mono}",
+        "pe = sinusoidal(4096, 64); norms of pe[p + 44, :2] − pe[p, :2]; atan2 of pe[:, 62:64]",
+        ok,
+        "the frequency bands do not split into local and global position information",
+    )
+
+
+@claim(
+    "002-8.3.1-c",
+    section="8.3.1 投影与子空间",
+    quote="- $\\mathbf{W}_i^Q, \\mathbf{W}_i^K \\in \\mathbb{R}^{d_{model} \\times d_k}$ - "
+    "$\\mathbf{W}_i^V \\in \\mathbb{R}^{d_{model} \\times d_v}$ - $\\mathbf{W}^O \\in "
+    "\\mathbb{R}^{hd_v \\times d_{model}}$",
+    paraphrase="Per head W^Q, W^K are d_model×d_k, W^V d_model×d_v; W^O is h·d_v×d_model.",
+    api="attnlab.MultiHeadAttention",
+    expected=AGREES,
+    assumptions="d_model=512, h=8 (d_k = d_v = 64); torch stores Linear weights as (out × in), "
+    "i.e. transposed",
+)
+def _param_shapes() -> Finding:
+    mha = _mha(512, 8)
+    wq, wk, wv, wo = _mha_parts(mha)
+    per_head = [tuple(w[:64].T.shape) for w in (wq, wk, wv)]
+    ok = per_head == [(512, 64)] * 3 and tuple(wo.T.shape) == (512, 512) and mha.head_dim == 64
+    return _found(
+        f"W_i^Q, W_i^K, W_i^V (transposed head slices): {per_head}; W^O (transposed): "
+        f"{tuple(wo.T.shape)} = (h·d_v, d_model)",
+        "MultiHeadAttention(512, 8): qkv_proj.weight split per head, out_proj.weight",
+        ok,
+        "the projection shapes differ",
+    )
+
+
+@claim(
+    "002-8.3.4-e",
+    section="8.3.4 头之间的相互作用",
+    quote="**头的重要性分析** 通过剪枝实验可以识别关键头：",
+    paraphrase="Pruning experiments identify the key heads (the loss increase when a head is "
+    "removed).",
+    api="attnlab.analysis.head_importance, attnlab.MultiHeadAttention.prune_heads",
+    expected=AGREES,
+    assumptions="an untrained MHA (E=16, 4 heads), the loss ‖mha(x) − target‖², float64; the "
+    "gated ablation of head_importance must equal the loss change of actually pruning the head",
+)
+def _pruning() -> Finding:
+    from ...analysis import head_importance
+
+    mha = _mha(16, 4)
+    x, target = _randn(2, 6, 16, seed=1), _randn(2, 6, 16, seed=2)
+
+    def loss_fn(m, batch):
+        return ((m(batch[0]) - batch[1]) ** 2).sum()
+
+    imp = head_importance(mha, (x, target), loss_fn, ablation=True)["ablation"][0]
+    base = float(loss_fn(mha, (x, target)))
+    pruned = []
+    for h in range(4):
+        m = _mha(16, 4)
+        m.prune_heads([h])
+        with torch.no_grad():
+            pruned.append(float(loss_fn(m, (x, target))) - base)
+    err = max(abs(float(a) - b) for a, b in zip(imp, pruned, strict=True))
+    order = [int(i) for i in imp.argsort(descending=True)]
+    return _found(
+        "loss increase per pruned head: "
+        + ", ".join(fmt(b) for b in pruned)
+        + f"; head_importance ablation matches to {_err(err, 1e-9)}; ranking {order}",
+        "head_importance(mha, (x, t), loss_fn, ablation=True); mha.prune_heads([h])",
+        err < 1e-9,
+        "the gated ablation does not equal pruning the head",
+    )
+
+
+@claim(
+    "002-8.4.2-e",
+    section="8.4.2 空间复杂度",
+    quote="1. **梯度检查点**：只存储部分激活，需要时重计算",
+    paraphrase="Gradient checkpointing stores fewer activations and recomputes them in backward, "
+    "with the same gradients.",
+    api="attnlab.models.GPT (gradient_checkpointing)",
+    expected=AGREES,
+    assumptions="2-layer GPT, d_model=32, 4 heads, n=16, batch 2, float64, seed 0; recomputation "
+    "counted with forward pre-hooks on the blocks",
+)
+def _checkpointing() -> Finding:
+    from ...models import GPT, TransformerConfig
+
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    grads, calls = {}, {}
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        cfg = TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+        model = GPT(cfg).double().train()
+        model.gradient_checkpointing = ckpt
+        count = [0]
+        for blk in model.blocks:
+            blk.register_forward_pre_hook(lambda *_, c=count: c.__setitem__(0, c[0] + 1))
+        model(idx).sum().backward()
+        grads[ckpt] = torch.cat([p.grad.flatten() for p in model.parameters()])
+        calls[ckpt] = count[0]
+    err = float((grads[True] - grads[False]).abs().max())
+    return _found(
+        f"block forwards: {calls[False]} without, {calls[True]} with checkpointing "
+        f"(recomputed in backward); max |Δ grad| = {_err(err)}",
+        "GPT(cfg).gradient_checkpointing = True; forward pre-hooks on model.blocks",
+        err < 1e-12 and calls[True] == 2 * calls[False],
+        "checkpointing does not recompute or changes the gradients",
+    )
+
+
+@claim(
+    "002-8.7-f",
+    section="8.7 本章小结",
+    quote="- 缩放因子 $1/\\sqrt{d_k}$ 防止softmax饱和",
+    paraphrase="(Summary) The 1/√d_k factor prevents softmax saturation.",
+    api="attnlab.analysis.scaling_experiment",
+    expected=AGREES,
+    assumptions="as 002-8.1.3-c",
+)
+def _summary_scale() -> Finding:
+    return _scaled_var()
+
+
+@claim(
+    "002-8.7-g",
+    section="8.7 本章小结",
+    quote="- 正弦编码：支持任意长度，包含多尺度信息",
+    paraphrase="(Summary) Sinusoidal encodings support any length and carry multi-scale "
+    "information.",
+    api="attnlab.positional.sinusoidal, attnlab.positional.sinusoidal_shift",
+    expected=AGREES,
+    assumptions="as 002-8.2.3-b and 002-8.2.2-g",
+)
+def _summary_sinusoidal() -> Finding:
+    a, b = _sinusoidal_extrapolates(), _pe_scales()
+    both = a.verdict == AGREES and b.verdict == AGREES
+    return _found(
+        f"{a.computed}; {b.computed}",
+        f"{a.call}; {b.call}",
+        both,
+        "the encoding fails beyond the training length or lacks the scales",
+    )
+
+
+# ------------------------------------------------------------------------ 8.8 exercises
+def _unscaled_saturation() -> tuple[float, float, float, float]:
+    """d_k=512: P(|q·k| > 20), std of q·k, mean max weight unscaled and scaled (64 keys)."""
+    from ... import attention
+
+    q, k = _randn(1, 1, 256, 512, seed=3), _randn(1, 1, 64, 512, seed=4)
+    v = _randn(1, 1, 64, 4, seed=5)
+    dots = q @ k.transpose(-1, -2)
+    frac = float((dots.abs() > 20).to(F64).mean())
+    _, raw = attention(q, k, v, scale=1.0, return_weights=True)
+    _, sc = attention(q, k, v, return_weights=True)
+    return frac, float(dots.std()), float(raw.amax(-1).mean()), float(sc.amax(-1).mean())
+
+
+@claim(
+    "002-ex8.1-a",
+    section="8.8 练习8.1",
+    quote="当 $d_k$ 较大（如512）时，点积的值可能达到 ±20 "
+    "或更大。经过softmax后，最大值对应的概率接近1，其他接近0",
+    paraphrase="At d_k = 512 the unscaled dot products reach ±20 or more and softmax becomes "
+    "nearly one-hot.",
+    api="attnlab.attention (scale=1 vs default)",
+    expected=AGREES,
+    assumptions="q, k ~ N(0, 1), d_k = 512, 256 queries × 64 keys, float64, seeds 3–5",
+)
+def _ex81_claim() -> Finding:
+    frac, std, raw, sc = _unscaled_saturation()
+    return _found(
+        f"std(q·k) = {fmt(std)} (√512 = {fmt(math.sqrt(512))}); {fmt(100 * frac, 3)} % of |q·k| "
+        f"exceed 20; mean max weight {fmt(raw)} unscaled vs {fmt(sc)} with 1/√d_k",
+        "attention(q, k, v, scale=1.0, return_weights=True) vs attention(q, k, v, "
+        "return_weights=True)",
+        std > 20 and frac > 0.2 and raw > 0.7 and sc < 0.3,
+        "the unscaled logits do not reach ±20 or softmax does not saturate",
+    )
+
+
+@claim(
+    "002-ex8.2-a",
+    section="8.8 练习8.2",
+    quote="- 总计：$2,359,296$ 参数",
+    paraphrase="n=1024, d_model=768, h=12: the attention layer has 2,359,296 weights.",
+    api="attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="weights only (the biases add 3,072 more)",
+)
+def _ex82a() -> Finding:
+    e = _est(1024, 768, 12, batch=32, dtype="float16")
+    w, wb = e.value("projection weights", "naive"), e.value("projection weights + biases", "naive")
+    return _found(
+        f"{int(w):,} weights; {int(wb):,} with biases",
+        "estimate(1024, 768, 12, batch=32, dtype='float16').value('projection weights', 'naive')",
+        w == 2_359_296,
+        "the weight count is not 2,359,296",
+    )
+
+
+@claim(
+    "002-ex8.2-b",
+    section="8.8 练习8.2",
+    quote="- FP16存储：$32 \\times 12 \\times 1024 \\times 1024 \\times 2$ 字节 = 768MB",
+    paraphrase="The attention matrices of a batch of 32 take 768 MB in FP16.",
+    api="attnlab.analysis.estimate (row 'score matrix')",
+    expected=AGREES,
+    assumptions="batch 32, 12 heads, n=1024, float16; MB = MiB",
+)
+def _ex82b() -> Finding:
+    b = _est(1024, 768, 12, batch=32, dtype="float16").value("score matrix", "naive")
+    return _found(
+        f"{int(b):,} bytes = {fmt(b / 2**20)} MiB",
+        "estimate(1024, 768, 12, batch=32, dtype='float16').value('score matrix', 'naive')",
+        b == 768 * 2**20,
+        "the score matrices do not take 768 MiB",
+    )
+
+
+@claim(
+    "002-ex8.3-a",
+    section="8.8 练习8.3",
+    quote="$$= "
+    "\\text{softmax}\\left(\\frac{\\mathbf{QPP}^T\\mathbf{K}^T}{\\sqrt{d_k}}\\right)\\mathbf{VP}$$",
+    paraphrase="The proof, with tokens as columns (X ∈ R^{d×n}, Q = W^Q X), cancels PPᵀ inside "
+    "softmax(QKᵀ/√d_k).",
+    api="attnlab.attention",
+    expected=TEXT_ERROR,
+    assumptions="d = d_k = 8, n = 5, float64; the text's column convention built in plain torch",
+)
+def _ex83_shapes() -> Finding:
+    from ... import attention
+
+    d, n = 8, 5
+    X = _randn(d, n, seed=1)
+    WQ, WK, WV = (_randn(d, d, seed=s) for s in (2, 3, 4))
+    Q, K, V = WQ @ X, WK @ X, WV @ X  # (d_k, n): tokens are columns
+    qk = tuple((Q @ K.T).shape)
+    # The right column form: Attention(X) = V softmax_cols(KᵀQ/√d_k), and it is P-equivariant.
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    out = attention(Q.T[None], K.T[None], V.T[None])[0].T  # (d_v, n)
+    out_p = attention(Q.T[perm][None], K.T[perm][None], V.T[perm][None])[0].T
+    err = float((out_p - out[:, perm]).abs().max())
+    return _found(
+        f"with X ∈ R^(d×n): QKᵀ has shape {qk} (features × features), not (n, n); the token "
+        f"form V·softmax(KᵀQ/√d_k) gives Attention(XP) = Attention(X)P to {_err(err)}",
+        "Q, K = W_q @ X, W_k @ X; (Q @ K.T).shape; attention(Q.T, K.T, V.T) permuted",
+        qk == (n, n),
+        "with tokens as columns QKᵀ is d_k×d_k, so the derivation permutes features; it must "
+        "use KᵀQ (n×n): (KP)ᵀ(QP) = Pᵀ(KᵀQ)P, and softmax commutes with the permutation",
+    )
+
+
+@claim(
+    "002-ex8.3-b",
+    section="8.8 练习8.3",
+    quote="因此自注意力具有置换不变性。",
+    paraphrase="Hence self-attention is permutation invariant.",
+    api="attnlab.attention",
+    expected=TEXT_ERROR,
+    assumptions="n=6, d=8, float64, one seeded permutation",
+)
+def _ex83_invariance() -> Finding:
+    return _invariance_claim()
+
+
+def _local(n: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Exercise 8.4: the text's loop, attnlab with a band mask, attnlab with an additive −∞ M."""
+    from ... import attention, masks
+
+    q, k_, v = _qkv(H=1, L=n)
+    loop = torch.zeros_like(q)
+    for i in range(n):
+        s, e = max(0, i - k), min(n, i + k + 1)
+        loop[:, :, i] = _softmax_ref(q[:, :, i : i + 1], k_[:, :, s:e], v[:, :, s:e])[:, :, 0]
+    band = attention(q, k_, v, mask=masks.sliding_window(k + 1, causal=False))
+    idx = torch.arange(n)
+    m = torch.zeros(n, n, dtype=F64).masked_fill((idx[:, None] - idx).abs() > k, float("-inf"))
+    additive = attention(q, k_, v, mask=m)
+    return loop, band, additive
+
+
+@claim(
+    "002-ex8.4-a",
+    section="8.8 练习8.4",
+    quote="创建掩码矩阵 $\\mathbf{M}$，其中 $M_{ij} = -\\infty$ 如果 $|i-j| > k$，否则为0。 … "
+    "时间复杂度：$O(n \\cdot k \\cdot d)$，当 $k \\ll n$ 时显著优于 $O(n^2 \\cdot d)$。 "
+    "内存复杂度：$O(n \\cdot k)$ 而非 $O(n^2)$。",
+    paraphrase="Local attention: an additive mask of −∞ beyond distance k (or the per-row loop) "
+    "costs O(n·k·d) time and O(n·k) memory.",
+    api="attnlab.attention (mask), attnlab.masks.sliding_window, attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="n=32, k=3, d=8, float64; cost: n=4096, k=64, d_model=64, one head",
+)
+def _ex84() -> Finding:
+    from ... import masks
+
+    loop, band, additive = _local(32, 3)
+    err = max(float((band - loop).abs().max()), float((additive - loop).abs().max()))
+    e = _est(4096, 64, 1, mask=masks.sliding_window(65, causal=False))
+    pairs = e.value("attended pairs per head", "flash")
+    ratio = e.value("scores QKᵀ", "flash") / e.value("scores QKᵀ", "naive")
+    want = 4096 * 129 - 64 * 65
+    return _found(
+        f"loop vs band mask vs −∞ matrix: max |Δ| = {_err(err)}; n=4096, k=64: {int(pairs):,} "
+        f"pairs (= n(2k+1) − k(k+1)), score FLOPs {fmt(100 * ratio, 3)} % of dense",
+        "attention(q, k, v, mask=masks.sliding_window(k + 1, causal=False)); "
+        "estimate(4096, 64, 1, mask=…)",
+        err < 1e-12 and pairs == want,
+        "the local-attention forms or their cost differ",
+    )
+
+
+@claim(
+    "002-ex8.5-a",
+    section="8.8 练习8.5",
+    quote="$$= \\mathbf{q}_m^T \\mathbf{R}_{(n-m)\\omega} \\mathbf{k}_n$$ … $$\\omega_i = "
+    "10000^{-2i/d}$$",
+    paraphrase="R_{mω}ᵀR_{nω} = R_{(n−m)ω}, so the score depends on n − m; the frequencies are "
+    "ω_i = 10000^(−2i/d).",
+    api="attnlab.positional.RoPE (inv_freq, forward)",
+    expected=AGREES,
+    assumptions="d = 32, ω from RoPE(32); m=11, n=4 and m=111, n=104; float64",
+)
+def _ex85() -> Finding:
+    from ...positional import RoPE
+
+    rope = RoPE(32, interleaved=True)
+    w = rope.inv_freq.to(F64)
+    want = 10000.0 ** (-torch.arange(0, 32, 2, dtype=F64) / 32)
+    freq_err = float((w - want).abs().max())
+
+    def rot(a: float) -> Tensor:
+        c, s = math.cos(a), math.sin(a)
+        return torch.tensor([[c, -s], [s, c]], dtype=F64)
+
+    om = float(w[3])
+    group = float((rot(11 * om).T @ rot(4 * om) - rot(-7 * om)).abs().max())
+    q, k = _randn(1, 1, 1, 32, seed=1), _randn(1, 1, 1, 32, seed=2)
+    s1 = float((rope(q, torch.tensor([11])) * rope(k, torch.tensor([4]))).sum())
+    s2 = float((rope(q, torch.tensor([111])) * rope(k, torch.tensor([104]))).sum())
+    return _found(
+        f"max |ω_i − 10000^(−2i/d)| = {_err(freq_err)}; max |R_mᵀR_n − R_(n−m)| = {_err(group)}; "
+        f"scores at (11, 4) and (111, 104): {fmt(s1, 10)}, {fmt(s2, 10)}",
+        "RoPE(32, interleaved=True).inv_freq; rope(q, [m]) · rope(k, [n])",
+        freq_err < 1e-15 and group < 1e-12 and abs(s1 - s2) < 1e-9,
+        "the rotation algebra or the frequencies differ",
+    )
+
+
+def _io_flash(N: int, d: int, B: int) -> float:
+    """HBM traffic (elements) of tiled attention with B-row blocks: Q and O once, K and V per
+    query block: N·d + (N/B)·2·N·d + N·d."""
+    return 2 * N * d + (N / B) * 2 * N * d
+
+
+def _io_fit(block) -> float:
+    """Slope of log IO against log M at N=2^20, d=64 for a block-size rule ``block(M, d)``."""
+    Ms = (2**14, 2**16, 2**18)
+    ios = [_io_flash(2**20, 64, block(M, 64)) for M in Ms]
+    return (math.log(ios[-1]) - math.log(ios[0])) / (math.log(Ms[-1]) - math.log(Ms[0]))
+
+
+@claim(
+    "002-ex8.6-a",
+    section="8.8 练习8.6",
+    quote="当 $B = \\Theta(\\sqrt{M/d})$（$M$是SRAM大小）时，IO复杂度为： $$O(N^2d^2/M)$$",
+    paraphrase="With block size B = Θ(√(M/d)) the IO becomes O(N²d²/M).",
+    api="the exercise's IO count in plain Python (an IO model beside estimate is issue 18 item 4)",
+    expected=TEXT_ERROR,
+    assumptions="the exercise's own IO count O(N²d/B) (plain arithmetic: attnlab has no IO "
+    "model yet); N=2^20, d=64, SRAM M ∈ {2^14, 2^16, 2^18} elements; the slope of log IO in "
+    "log M must be −1 for O(N²d²/M)",
+)
+def _ex86() -> Finding:
+    text = _io_fit(lambda M, d: math.sqrt(M / d))
+    right = _io_fit(lambda M, d: M / (4 * d))  # K_j, V_j, Q_i, O_i blocks of B×d in SRAM
+    return _found(
+        f"IO ∝ M^{fmt(text, 3)} with B = √(M/d); IO ∝ M^{fmt(right, 3)} with B = M/(4d)",
+        "(N/B)·2Nd + 2Nd at B = sqrt(M/d) and B = M/(4d)",
+        abs(text + 1) < 0.05,
+        "B = √(M/d) gives O(N²d^1.5/√M); O(N²d²/M) needs B = Θ(M/d) (B×d blocks of Q, K, V, "
+        "O filling the SRAM)",
+    )
+
+
+def _sine_only_residual(k: int = 1) -> tuple[float, float]:
+    """Least-squares relative residual of PE(p+k) ≈ PE(p)·M for sine-only and sin/cos features."""
+    from ...positional import sinusoidal
+
+    p = torch.arange(300, dtype=F64)[:, None]
+    w = 2.0 ** -torch.arange(8, dtype=F64)
+    sines = torch.sin(p * w)  # PE_base(pos, i) = sin(pos·2^−i), the exercise's proposal
+    a, b = sines[: 300 - k], sines[k:]
+    m = torch.linalg.lstsq(a, b).solution
+    r_sin = float((a @ m - b).norm() / b.norm())
+    pe = sinusoidal(300, 16, dtype=F64)
+    m2 = torch.linalg.lstsq(pe[: 300 - k], pe[k:]).solution
+    r_pe = float((pe[: 300 - k] @ m2 - pe[k:]).norm() / pe[k:].norm())
+    return r_sin, r_pe
+
+
+@claim(
+    "002-ex8.7-a",
+    section="8.8 练习8.7",
+    quote="$$PE_{base}(pos, i) = \\sin(pos \\cdot 2^{-i})$$ … - 相对位置：通过频率差异自然编码",
+    paraphrase="The proposed sine-only multi-scale encoding expresses relative positions.",
+    api="attnlab.positional.sinusoidal",
+    expected=TEXT_ERROR,
+    assumptions="8 sine features sin(pos·2^−i), positions 0–299, shift k = 1, best linear map by "
+    "least squares; the same test on attnlab's sin/cos table (d=16)",
+)
+def _ex87() -> Finding:
+    r_sin, r_pe = _sine_only_residual()
+    return _found(
+        f"relative residual of the best linear map PE(p) → PE(p+1): {fmt(r_sin)} for sines only, "
+        f"{_err(r_pe)} for sin/cos pairs",
+        "torch.linalg.lstsq(PE[:-1], PE[1:]) for sin(pos·2^−i) and for sinusoidal(300, 16)",
+        r_sin < 1e-6,
+        "with sines alone no fixed linear map sends PE(p) to PE(p+k) (each sine needs its "
+        "cosine, as in 8.2.2), so relative offsets are not linearly accessible",
+    )
+
+
+def _single_head_copy() -> tuple[Tensor, Tensor, Tensor]:
+    """A one-head MHA built to output x_1 + x_n at every position: (y, target, weights)."""
+    from ... import attention
+
+    E, n, c = 8, 6, 200.0
+    x = _randn(1, n, E, seed=7)
+    x[..., 6] = 0.0
+    x[:, [0, n - 1], 6] = 1.0  # marker on the first and last tokens
+    x[..., 7] = 1.0  # a constant feature
+    mha = _mha(E, 1, bias=False)
+    with torch.no_grad():
+        w = torch.zeros(3 * E, E, dtype=F64)
+        w[0, 7] = c  # q = c·e_0 for every token
+        w[E, 6] = 1.0  # k = e_0 on the marked tokens, 0 elsewhere
+        w[2 * E :] = torch.eye(E, dtype=F64)  # v = x
+        mha.qkv_proj.weight.copy_(w)
+        mha.out_proj.weight.copy_(2 * torch.eye(E, dtype=F64))  # W^O = 2I
+    y = mha(x)
+    q, k, v = mha.project(x)
+    _, a = attention(q, k, v, return_weights=True)
+    return y, (x[:, 0] + x[:, -1]).unsqueeze(1).expand_as(y), a[0, 0]
+
+
+@claim(
+    "002-ex8.8-a",
+    section="8.8 练习8.8",
+    quote="- 无法同时让 $\\alpha_{i1} = 0.5$ 和 $\\alpha_{in} = 0.5$，其他为0",
+    paraphrase="A single head cannot put weight 0.5 on position 1 and 0.5 on position n.",
+    api="attnlab.MultiHeadAttention, attnlab.attention",
+    expected=TEXT_ERROR,
+    assumptions="one head, E=8, n=6, no biases, float64; weights set by hand: a marker feature "
+    "on tokens 1 and n, q = 200·e_0, k = marker·e_0, W^V = I, W^O = 2I",
+)
+def _ex88_single() -> Finding:
+    y, target, a = _single_head_copy()
+    err = float((y - target).abs().max())
+    a1, an, rest = float(a[:, 0].min()), float(a[:, -1].min()), float(a[:, 1:-1].max())
+    return _found(
+        f"α_i1 = {fmt(a1, 6)}, α_in = {fmt(an, 6)} in every row, other weights {_err(rest)}; "
+        f"max |y_i − (x_1 + x_n)| = {_err(err)}",
+        "MultiHeadAttention(8, 1, bias=False) with hand-set weights; attention(…, "
+        "return_weights=True)",
+        not (abs(a1 - 0.5) < 1e-12 and abs(an - 0.5) < 1e-12 and err < 1e-12),
+        "one head does it: equal logits on x_1 and x_n and much lower elsewhere give 0.5/0.5, "
+        "and W^O = 2I outputs x_1 + x_n exactly",
+    )
+
+
+@claim(
+    "002-ex8.8-b",
+    section="8.8 练习8.8",
+    quote="- 因为这需要注意力矩阵的秩至少为2 … 一般性结论：$h$ 头注意力可以表示秩最多为 $h$ "
+    "的注意力模式组合，"
+    "而单头限制为秩1。",
+    paraphrase="Spreading weight over two positions needs an attention matrix of rank ≥ 2; one "
+    "head is limited to rank 1.",
+    api="attnlab.attention (return_weights=True)",
+    expected=TEXT_ERROR,
+    assumptions="the 0.5/0.5 matrix of 8.8-a (n=6) and one random head (n=16, d=16, float64)",
+)
+def _ex88_rank() -> Finding:
+    from ... import attention
+
+    _, _, a = _single_head_copy()
+    r_copy = int(torch.linalg.matrix_rank(a))
+    q, k, v = _qkv(H=1, L=16, D=16)
+    _, w = attention(q, k, v, return_weights=True)
+    r_rand = int(torch.linalg.matrix_rank(w[0, 0]))
+    return _found(
+        f"rank of the 0.5/0.5 matrix = {r_copy}; rank of one random head's 16×16 weights = "
+        f"{r_rand}",
+        "torch.linalg.matrix_rank(attention(q, k, v, return_weights=True)[1][0, 0])",
+        r_copy >= 2 and r_rand == 1,
+        "the 0.5/0.5 pattern has rank 1, and a single head's n×n weights are generically of "
+        "full rank n, not rank 1",
+    )
+
+
+@claim(
+    "002-ex8.8-c",
+    section="8.8 练习8.8",
+    quote="- 输出投影：$\\mathbf{W}^O = 0.5 \\mathbf{I}$ 这样：$\\mathbf{y}_i = 0.5(\\mathbf{x}_1 "
+    "+ "
+    "\\mathbf{x}_n)$",
+    paraphrase="The two-head solution (head 1 copies x_1, head 2 copies x_n, W^O = 0.5·I) meets "
+    "the target y_i = x_1 + x_n.",
+    api="attnlab.attention",
+    expected=TEXT_ERROR,
+    assumptions="two heads with hard one-hot weights (logits ±∞ via masks), each head's output "
+    "projection block 0.5·I, E=8, n=6, float64",
+)
+def _ex88_two_heads() -> Finding:
+    from ... import attention
+
+    n = 6
+    x = _randn(1, 1, n, 8, seed=7)
+    m1 = torch.zeros(n, n, dtype=torch.bool)
+    m1[:, 0] = True
+    m2 = torch.zeros(n, n, dtype=torch.bool)
+    m2[:, -1] = True
+    h1, h2 = attention(x, x, x, mask=m1), attention(x, x, x, mask=m2)
+    y = 0.5 * h1 + 0.5 * h2  # Σ_i head_i W_i^O with W_i^O = 0.5·I
+    target = x[:, :, :1] + x[:, :, -1:]
+    gap = float((y - target).abs().max())
+    half = float((y - 0.5 * target).abs().max())
+    return _found(
+        f"max |y − (x_1 + x_n)| = {fmt(gap)}; max |y − 0.5(x_1 + x_n)| = {_err(half)}",
+        "attention(x, x, x, mask=first/last column) per head; 0.5·head_1 + 0.5·head_2",
+        gap < 1e-12,
+        "W^O = 0.5·I gives 0.5(x_1 + x_n), half the stated target; W_i^O = I gives x_1 + x_n",
+    )
+
+
+@claim(
+    "002-8.3.2-d",
+    section="8.3.2 多头机制的动机",
+    quote="单头注意力对每个查询产生一个注意力分布。多头允许模型同时关注不同类型的信息：",
+    paraphrase="One head gives one distribution per query; h heads give h distributions at once.",
+    api="attnlab.attention (return_weights=True), attnlab.analysis.head_diversity",
+    expected=AGREES,
+    assumptions="4 heads, n=8, d=8, float64, seed 0",
+)
+def _h_distributions() -> Finding:
+    from ... import attention
+    from ...analysis import head_diversity
+
+    q, k, v = _qkv(H=4)
+    _, w = attention(q, k, v, return_weights=True)
+    sums = float((w.sum(-1) - 1).abs().max())
+    div = float(head_diversity(w)[0])
+    distinct = bool(
+        (w[0, :, None] - w[0, None, :]).abs().amax((-1, -2)).add(torch.eye(4)).gt(1e-3).all()
+    )
+    return _found(
+        f"weights {tuple(w.shape)}: one distribution per (head, query) (sums 1 ± {_err(sums)}), "
+        f"the 4 heads' maps pairwise different: {distinct}; head_diversity {fmt(div)}",
+        "attention(q, k, v, return_weights=True)[1]; head_diversity(w)",
+        sums < 1e-12 and distinct,
+        "the heads do not give separate distributions",
+    )
+
+
+@claim(
+    "002-8.4.3-c",
+    section="8.4.3 并行化优势",
+    quote="自注意力主要是矩阵乘法，可充分利用：",
+    paraphrase="Self-attention is mostly matrix multiplication.",
+    api="attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="one layer, batch 1, d_model=768, h=12, n ∈ {512, 4096}; the only non-matmul "
+    "term counted is the softmax (5 FLOPs per score)",
+)
+def _mostly_matmul() -> Finding:
+    share = {}
+    for n in (512, 4096):
+        e = _est(n)
+        share[n] = 1 - e.value("softmax", "naive") / e.value("total", "naive")
+    return _found(
+        "matmul share of the FLOPs: "
+        + ", ".join(f"n={n}: {fmt(100 * s, 4)} %" for n, s in share.items()),
+        "1 − estimate(n, 768, 12).value('softmax') / .value('total')",
+        min(share.values()) > 0.95,
+        "the non-matmul work is not small",
+    )
+
+
+@claim(
+    "002-ex8.5-b",
+    section="8.8 练习8.5",
+    quote="高维推广：将 $d$ 维空间分成 $d/2$ 个2D子空间，每个子空间使用不同频率：",
+    paraphrase="In d dimensions RoPE rotates d/2 independent 2-D planes, each at its own "
+    "frequency.",
+    api="attnlab.positional.RoPE (interleaved=True)",
+    expected=AGREES,
+    assumptions="d=16, position 5, pairs (2i, 2i+1) as in the paper's layout, float64",
+)
+def _ex85_planes() -> Finding:
+    from ...positional import RoPE
+
+    rope = RoPE(16, interleaved=True)
+    x = _randn(1, 1, 1, 16, seed=3)
+    got = rope(x, torch.tensor([5]))[0, 0, 0]
+    blocks = []
+    for i, w in enumerate(rope.inv_freq.to(F64).tolist()):
+        a = 5 * w
+        r = torch.tensor([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]], dtype=F64)
+        blocks.append(r @ x[0, 0, 0, 2 * i : 2 * i + 2])
+    err = float((got - torch.cat(blocks)).abs().max())
+    return _found(
+        f"8 planes, frequencies {fmt(rope.inv_freq[0].item())} … {fmt(rope.inv_freq[-1].item())}; "
+        f"max |RoPE(x, 5) − blockdiag(R_(5ω_i)) x| = {_err(err)}",
+        "RoPE(16, interleaved=True)(x, torch.tensor([5]))",
+        err < 1e-12,
+        "RoPE is not a rotation per plane",
+    )
+
+
+@claim(
+    "002-ex8.7-b",
+    section="8.8 练习8.7",
+    quote="- 使用图拉普拉斯算子的特征向量作为位置编码 - 自然满足平移不变性和局部平滑性",
+    paraphrase="Eigenvectors of the path graph's Laplacian as positional codes are naturally "
+    "translation invariant.",
+    api="attnlab.positional.sinusoidal (for comparison)",
+    expected=TEXT_ERROR,
+    assumptions="path graphs of n=16 and n=32 nodes, the 8 lowest non-constant eigenvectors, "
+    "float64; translation tested as in 002-ex8.7-a (best linear map code(p) → code(p+1))",
+)
+def _ex87_laplacian() -> Finding:
+    def codes(n: int) -> Tensor:
+        lap = torch.diag(torch.tensor([1.0] + [2.0] * (n - 2) + [1.0], dtype=F64))
+        lap -= torch.diag(torch.ones(n - 1, dtype=F64), 1) + torch.diag(
+            torch.ones(n - 1, dtype=F64), -1
+        )
+        _, vec = torch.linalg.eigh(lap)
+        vec = vec[:, 1:9]
+        return vec * vec[0].sign()  # fix each eigenvector's sign
+
+    c16, c32 = codes(16), codes(32)
+    a, b = c32[:-1], c32[1:]
+    m = torch.linalg.lstsq(a, b).solution
+    resid = float((a @ m - b).norm() / b.norm())
+    length = float((c16[3] - c32[3]).abs().max())
+    return _found(
+        f"position 3's code differs between n=16 and n=32 by up to {fmt(length)}; best linear "
+        f"map code(p) → code(p+1) leaves a relative residual {fmt(resid)} (sin/cos: "
+        f"{_err(_sine_only_residual()[1])})",
+        "torch.linalg.eigh(path Laplacian); torch.linalg.lstsq(code[:-1], code[1:])",
+        resid < 1e-6 and length < 1e-6,
+        "the path Laplacian's eigenvectors are cos(πk(j+½)/n): they depend on the length n and "
+        "have no fixed linear shift map (no sine partners, reflecting ends)",
+    )
+
+
+# ------------------------------------------------------------------------- 8.9 pitfalls
+@claim(
+    "002-8.9-a",
+    section="8.9 常见陷阱与错误",
+    quote="**后果**：模型无法区分不同位置的相同词，严重影响性能。",
+    paraphrase="Without positional encoding the same word at different positions gets the same "
+    "representation.",
+    api="attnlab.MultiHeadAttention, attnlab.positional.sinusoidal",
+    expected=AGREES,
+    assumptions="one MHA layer (E=16, h=4), a 6-token sentence whose tokens 1 and 4 are the same "
+    "word, no mask, float64",
+)
+def _same_word() -> Finding:
+    from ...positional import sinusoidal
+
+    mha = _mha(16, 4)
+    x = _randn(1, 6, 16, seed=3)
+    x[0, 4] = x[0, 1]
+    plain = mha(x)
+    pe = mha(x + sinusoidal(6, 16, dtype=F64))
+    d0 = float((plain[0, 1] - plain[0, 4]).abs().max())
+    d1 = float((pe[0, 1] - pe[0, 4]).abs().max())
+    return _found(
+        f"outputs at the two copies differ by {_err(d0)} without PE, {fmt(d1)} with PE",
+        "mha(x)[0, 1] vs mha(x)[0, 4]; mha(x + sinusoidal(6, 16))",
+        d0 < 1e-12 and d1 > 1e-3,
+        "the copies are (in)distinguishable contrary to the text",
+    )
+
+
+@claim(
+    "002-8.9-b",
+    section="8.9 常见陷阱与错误",
+    quote="embedding_dim = 512 pos_encoding_dim = 256 # 不匹配！",
+    paraphrase="A 256-wide positional encoding cannot be added to 512-wide embeddings.",
+    api="attnlab.positional.SinusoidalEmbedding",
+    expected=AGREES,
+    assumptions="10 tokens; torch broadcasting rules",
+)
+def _dim_mismatch() -> Finding:
+    from ...positional import SinusoidalEmbedding
+
+    x = torch.zeros(10, 512)
+    try:
+        _ = x + SinusoidalEmbedding(256)(10)
+        got = "no error"
+    except RuntimeError as e:
+        got = f"RuntimeError: {str(e).splitlines()[0]}"
+    ok_same = (x + SinusoidalEmbedding(512)(10)).shape == (10, 512)
+    return _found(
+        f"512 + 256: {got}; 512 + 512: shape (10, 512)",
+        "torch.zeros(10, 512) + SinusoidalEmbedding(256)(10)",
+        got.startswith("RuntimeError") and ok_same,
+        "the mismatched widths add without error",
+    )
+
+
+@claim(
+    "002-8.9-c",
+    section="8.9 常见陷阱与错误",
+    quote="attention_scores = torch.matmul(Q, K.transpose(-2, -1)) / math.sqrt(d_k) "
+    "attention_weights = softmax(attention_scores)",
+    paraphrase="The corrected snippet divides the scores by √d_k (attnlab's default scale).",
+    api="attnlab.attention (return_weights=True)",
+    expected=AGREES,
+    assumptions="n=8, d_k=8, float64",
+)
+def _scale_snippet() -> Finding:
+    from ... import attention
+
+    q, k, v = _qkv()
+    _, w = attention(q, k, v, return_weights=True)
+    snippet = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(8), -1)
+    _, w1 = attention(q, k, v, scale=1.0, return_weights=True)
+    err = float((w - snippet).abs().max())
+    unscaled = float((w1 - snippet).abs().max())
+    return _found(
+        f"max |attnlab weights − snippet| = {_err(err)}; without the division they differ by "
+        f"{fmt(unscaled)}",
+        "attention(q, k, v, return_weights=True)[1] vs softmax(Q Kᵀ / sqrt(d_k))",
+        err < 1e-12,
+        "attnlab's default does not divide by √d_k",
+    )
+
+
+@claim(
+    "002-8.9-d",
+    section="8.9 常见陷阱与错误",
+    quote="attention_weights = softmax(scores, dim=-2) # 错误！",
+    paraphrase="Softmax over dim −2 normalises the columns (over queries) instead of each "
+    "query's keys.",
+    api="attnlab.attention (return_weights=True)",
+    expected=AGREES,
+    assumptions="n=8, d=8, float64",
+)
+def _softmax_dim() -> Finding:
+    from ... import attention
+
+    q, k, v = _qkv()
+    s = q @ k.transpose(-1, -2) / math.sqrt(8)
+    wrong = torch.softmax(s, -2)
+    _, w = attention(q, k, v, return_weights=True)
+    rows_wrong = float((wrong.sum(-1) - 1).abs().max())
+    err = float((w - torch.softmax(s, -1)).abs().max())
+    return _found(
+        f"dim=-2: row sums miss 1 by up to {fmt(rows_wrong)} (the columns sum to 1); "
+        "attnlab equals dim=-1 to "
+        f"{_err(err)}",
+        "torch.softmax(scores, -2) vs attention(q, k, v, return_weights=True)[1]",
+        rows_wrong > 0.1 and err < 1e-12,
+        "the two softmax dimensions agree",
+    )
+
+
+@claim(
+    "002-8.9-e",
+    section="8.9 常见陷阱与错误",
+    quote="# 错误：使用0会影响softmax分布 mask = torch.zeros(seq_len, seq_len) scores = scores * "
+    "mask "
+    "# 正确：使用负无穷 mask = mask.float().masked_fill(mask == 0, -1e9) scores = scores + mask",
+    paraphrase="Multiplying scores by a 0/1 mask does not mask; adding −1e9 where the mask is 0 "
+    "does.",
+    api="attnlab.attention (mask), attnlab.masks.causal",
+    expected=AGREES,
+    assumptions="causal 0/1 mask, n=8, d=8, float64; a fully masked row is not in this example "
+    "(with −1e9 it would get uniform weights, attnlab gives zeros)",
+)
+def _mask_snippets() -> Finding:
+    from ... import attention, masks
+
+    q, k, v = _qkv()
+    s = q @ k.transpose(-1, -2) / math.sqrt(8)
+    mask01 = masks.causal().to_dense(8, 8)[0, 0].to(F64)  # 1 = may attend
+    times = torch.softmax(s * mask01, -1)
+    plus = torch.softmax(s + mask01.masked_fill(mask01 == 0, -1e9), -1)
+    _, w = attention(q, k, v, mask=masks.causal(), return_weights=True)
+    leak = float((times * (1 - mask01)).sum(-1).max())
+    err = float((plus - w).abs().max())
+    return _found(
+        f"scores·mask leaves up to {fmt(leak)} of a row's weight on masked keys; scores + "
+        f"(−1e9 where 0, +1 elsewhere) equals attnlab's causal weights to {_err(err)}",
+        "attention(q, k, v, mask=masks.causal(), return_weights=True)",
+        leak > 0.1 and err < 1e-12,
+        "the snippets behave otherwise",
+    )
+
+
+@claim(
+    "002-8.9-f",
+    section="8.9 常见陷阱与错误",
+    quote="causal_mask = torch.triu(torch.ones(n, n)) # 错误方向！ # 正确：下三角保留 causal_mask "
+    "= "
+    "torch.tril(torch.ones(n, n))",
+    paraphrase="The causal mask keeps the lower triangle (tril), not the upper.",
+    api="attnlab.masks.causal",
+    expected=AGREES,
+    assumptions="n=7, True = may attend",
+)
+def _tril() -> Finding:
+    from ... import masks
+
+    m = masks.causal().to_dense(7, 7)[0, 0]
+    tril = bool((m == torch.tril(torch.ones(7, 7, dtype=torch.bool))).all())
+    triu = bool((m == torch.triu(torch.ones(7, 7, dtype=torch.bool))).all())
+    return _found(
+        f"masks.causal().to_dense(7, 7) == tril: {tril}; == triu: {triu}",
+        "masks.causal().to_dense(7, 7)",
+        tril and not triu,
+        "the causal mask is not the lower triangle",
+    )
+
+
+@claim(
+    "002-8.9-g",
+    section="8.9 常见陷阱与错误",
+    quote="num_heads = 7 # 512 % 7 != 0 # 正确：确保整除 d_model = 512 num_heads = 8 # 512 % 8 = "
+    "0，d_k = 64",
+    paraphrase="d_model must be divisible by the number of heads: 512/7 is refused, 512/8 gives "
+    "d_k = 64.",
+    api="attnlab.MultiHeadAttention",
+    expected=AGREES,
+    assumptions="d_model = 512",
+)
+def _divisible() -> Finding:
+    from ...modules import MultiHeadAttention
+
+    try:
+        MultiHeadAttention(512, 7)
+        got = "accepted"
+    except ValueError as e:
+        got = f"ValueError: {e}"
+    d8 = MultiHeadAttention(512, 8).head_dim
+    return _found(
+        f"h=7: {got}; h=8: d_k = {d8}",
+        "MultiHeadAttention(512, 7); MultiHeadAttention(512, 8).head_dim",
+        got.startswith("ValueError") and d8 == 64,
+        "the module accepts 7 heads or gives another d_k",
+    )
+
+
+@claim(
+    "002-8.9-h",
+    section="8.9 常见陷阱与错误",
+    quote="x = x.reshape(batch, seq_len, num_heads, d_k) x = x.transpose(1, 2) # (batch, "
+    "num_heads, "
+    "seq_len, d_k)",
+    paraphrase="Split heads with reshape(B, L, h, d_k) then transpose(1, 2); reshape(B, L, "
+    "d_model, h) scrambles the heads.",
+    api="attnlab.MultiHeadAttention.project",
+    expected=AGREES,
+    assumptions="E=16, h=4, n=5, batch 2, float64",
+)
+def _reshape() -> Finding:
+    mha = _mha(16, 4, bias=False)
+    x = _randn(2, 5, 16, seed=1)
+    q, _, _ = mha.project(x)
+    flat = x @ _mha_parts(mha)[0].T  # (B, L, E)
+    right = flat.reshape(2, 5, 4, 4).transpose(1, 2)
+    wrong = flat.reshape(2, 5, 4, 4).permute(0, 3, 1, 2)  # reshape(B, L, d_k, h)-style split
+    e_right, e_wrong = float((q - right).abs().max()), float((q - wrong).abs().max())
+    return _found(
+        f"project() vs reshape+transpose: {_err(e_right)}; vs the scrambled split: {fmt(e_wrong)}",
+        "mha.project(x)[0] vs (x @ W_q.T).reshape(B, L, h, d_k).transpose(1, 2)",
+        e_right < 1e-12 and e_wrong > 1e-3,
+        "the head split differs",
+    )
+
+
+@claim(
+    "002-8.9-i",
+    section="8.9 常见陷阱与错误",
+    quote="attention_matrix = torch.zeros(batch_size, num_heads, seq_len, seq_len) "
+    "# 对seq_len=10000，需要~3GB内存！",
+    paraphrase="A float32 attention matrix at seq_len = 10,000 takes about 3 GB.",
+    api="attnlab.analysis.estimate (row 'score matrix')",
+    expected=AGREES,
+    assumptions="float32, batch_size·num_heads = 8 (e.g. batch 1, 8 heads; the snippet leaves "
+    "both open — one head alone is 0.37 GiB)",
+)
+def _ten_thousand() -> Finding:
+    b = _est(10000, 512, 8).value("score matrix", "naive")
+    one = _est(10000, 64, 1).value("score matrix", "naive")
+    return _found(
+        f"{fmt(b / 2**30)} GiB ({fmt(b / 1e9)} GB) for 8 heads; {fmt(one / 2**30)} GiB per head",
+        "estimate(10000, 512, 8).value('score matrix', 'naive')",
+        2.5e9 < b < 3.5e9,
+        "the matrix is far from 3 GB",
+    )
+
+
+@claim(
+    "002-8.9-j",
+    section="8.9 常见陷阱与错误",
+    quote="# Pre-LN (更稳定) x = x + self_attention(layer_norm(x)) # Post-LN (原始Transformer) x = "
+    "layer_norm(x + self_attention(x))",
+    paraphrase="Pre-LN computes x + f(LN(x)), Post-LN LN(x + f(x)); Pre-LN is the more stable.",
+    api="attnlab.models.TransformerConfig (prenorm), attnlab.models.GPT",
+    expected=AGREES,
+    assumptions="8-layer GPT, d_model=32, 4 heads, n=16, batch 2, random tokens, float64, seed "
+    "0, at initialisation; stability measured as the spread of per-layer gradient norms "
+    "(largest / smallest)",
+)
+def _pre_post_ln() -> Finding:
+    from ...models import GPT, TransformerConfig
+
+    spread = {}
+    for pre in (True, False):
+        torch.manual_seed(0)
+        cfg = TransformerConfig(
+            vocab_size=64,
+            d_model=32,
+            n_layers=8,
+            n_heads=4,
+            max_seq_len=16,
+            prenorm=pre,
+            attn_backend="reference",
+        )
+        model = GPT(cfg).double()
+        idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        logits = model(idx)
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, 64), idx[:, 1:].reshape(-1)
+        )
+        loss.backward()
+        norms = []
+        for blk in model.blocks:
+            g = torch.cat([p.grad.flatten() for p in blk.parameters() if p.grad is not None])
+            norms.append(float(g.norm()))
+        spread[pre] = max(norms) / min(norms)
+    return _found(
+        f"per-layer gradient-norm spread (max/min over 8 layers): Pre-LN {fmt(spread[True])}, "
+        f"Post-LN {fmt(spread[False])}",
+        "GPT(TransformerConfig(n_layers=8, prenorm=True/False)); per-block gradient norms",
+        spread[True] < spread[False],
+        "Post-LN's layer gradients are not more uneven than Pre-LN's at initialisation",
+    )
+
+
+@claim(
+    "002-8.9-k",
+    section="8.9 常见陷阱与错误",
+    quote="# 正确：增量更新KV缓存 if kv_cache is not None: k = torch.cat([kv_cache['k'], new_k], "
+    "dim=1)",
+    paraphrase="Incremental KV caching gives the same outputs as recomputing all keys and "
+    "values for every token.",
+    api="attnlab.KVCache, attnlab.MultiHeadAttention",
+    expected=AGREES,
+    assumptions="causal MHA, E=16, h=4, 8 tokens one at a time, float64; the snippet's dim=1 is "
+    "the sequence axis of a (B, L, …) layout (attnlab's cache uses (B, H, S, D), axis 2)",
+)
+def _kv_recompute() -> Finding:
+    from ... import KVCache, masks
+
+    mha = _mha(16, 4)
+    x = _randn(1, 8, 16, seed=4)
+    cache = KVCache()
+    inc = [mha(x[:, t : t + 1], mask=masks.causal(), cache=cache) for t in range(8)]
+    rec = [mha(x[:, : t + 1], mask=masks.causal())[:, -1:] for t in range(8)]  # recompute all
+    err = float((torch.cat(inc, 1) - torch.cat(rec, 1)).abs().max())
+    return _found(
+        f"cached vs recomputed, 8 steps: max |Δ| = {_err(err)}",
+        "mha(x_t, mask=masks.causal(), cache=KVCache()) vs mha(x[:, :t+1], "
+        "mask=masks.causal())[:, -1:]",
+        err < 1e-12,
+        "the cache changes the outputs",
+    )
+
+
+@claim(
+    "002-8.9-l",
+    section="8.9 常见陷阱与错误",
+    quote="entropy = -(weights * weights.log()).sum(-1).mean()",
+    paraphrase="The debugging snippet computes the mean attention entropy.",
+    api="attnlab.analysis.entropy, attnlab.attention (return_weights=True)",
+    expected=TEXT_ERROR,
+    assumptions="causal attention, n=8, d=8, float64 (masked keys have weight exactly 0)",
+)
+def _entropy_snippet() -> Finding:
+    from ... import attention, masks
+    from ...analysis import entropy
+
+    q, k, v = _qkv()
+    _, weights = attention(q, k, v, mask=masks.causal(), return_weights=True)
+    snippet = float(-(weights * weights.log()).sum(-1).mean())
+    lib = float(entropy(weights).mean())
+    return _found(
+        f"snippet: {snippet}; attnlab.analysis.entropy: {fmt(lib)} nats",
+        "-(weights * weights.log()).sum(-1).mean() vs entropy(weights).mean()",
+        math.isfinite(snippet) and abs(snippet - lib) < 1e-9,
+        "a weight of exactly 0 (any masked key) gives 0·log 0 = 0·(−inf) = NaN, so the snippet "
+        "prints nan for masked attention; treat 0·log 0 as 0 (as analysis.entropy does)",
+    )
+
+
+@claim(
+    "002-8.9-m",
+    section="8.9 常见陷阱与错误",
+    quote="similarity = cosine_similarity(pos1_repr, pos2_repr) # 应该 < 1.0，表明位置信息被编码",
+    paraphrase="The same token at positions 0 and 10 should have cosine similarity below 1 once "
+    "positions are encoded.",
+    api="attnlab.positional.sinusoidal",
+    expected=AGREES,
+    assumptions="token embedding ~ N(0, 1) of width 64 plus sinusoidal PE, float64",
+)
+def _position_cosine() -> Finding:
+    from ...positional import sinusoidal
+
+    e = _randn(64, seed=8)
+    pe = sinusoidal(11, 64, dtype=F64)
+    cos = float(torch.nn.functional.cosine_similarity(e + pe[0], e + pe[10], dim=0))
+    return _found(
+        f"cos(e + PE_0, e + PE_10) = {fmt(cos)}",
+        "cosine_similarity(e + sinusoidal(11, 64)[0], e + sinusoidal(11, 64)[10])",
+        cos < 1 - 1e-3,
+        "the representations coincide",
+    )
+
+
+# ------------------------------------------------------------------ exercise solutions (§8.8)
+_SRC = "seed 002 §8.8"
+
+
+def _lines(*parts: str) -> str:
+    return "\n".join(parts)
+
+
+@exercise("8.1", title="Why the 1/√d_k scale", source=_SRC)
+def _solve_81() -> str:
+    from ...analysis import scaling_experiment
+
+    frac, std, raw, sc = _unscaled_saturation()
+    r = scaling_experiment(d_ks=(64, 512), samples=1024, keys=64, seed=0)
+    return _lines(
+        "For q, k with independent zero-mean unit-variance entries, q·k = Σ_i q_i k_i is a sum",
+        "of d_k independent terms of variance 1, so Var(q·k) = d_k; q·k/√d_k has variance 1.",
+        f"At d_k = 512: std(q·k) = {fmt(std)} (√512 = {fmt(math.sqrt(512))}), and "
+        f"{fmt(100 * frac, 3)} % of the logits exceed ±20.",
+        "Unscaled, softmax is pushed towards one-hot: its Jacobian diag(p) − ppᵀ → 0, so",
+        "gradients vanish and attention degenerates to a hard choice.",
+        f"Check (attnlab.attention, 64 keys): mean largest weight {fmt(raw)} unscaled vs "
+        f"{fmt(sc)} scaled.",
+        "Check (attnlab.analysis.scaling_experiment, 64 keys, d_k = 64 / 512):",
+        f"  Var(q·k) {fmt(r.rows[0][1])} / {fmt(r.rows[1][1])}, scaled "
+        f"{fmt(r.rows[0][2])} / {fmt(r.rows[1][2])};",
+        f"  softmax Jacobian norm unscaled {fmt(r.rows[0][5])} / {fmt(r.rows[1][5])} vs scaled "
+        f"{fmt(r.rows[0][6])} / {fmt(r.rows[1][6])}.",
+    )
+
+
+@exercise("8.2", title="Parameters and attention-matrix memory", source=_SRC)
+def _solve_82() -> str:
+    from ...analysis import estimate
+
+    e = estimate(1024, 768, 12, batch=32, dtype="float16")
+    mha = _mha(768, 12)
+    n_mod = sum(p.numel() for p in mha.parameters())
+    return _lines(
+        "a) Q, K, V projections 3·768·768 = 1,769,472; output projection 768·768 = 589,824;",
+        "   total 4·d_model² = 2,359,296 weights (independent of h). With biases +4·768.",
+        f"   attnlab: estimate(...).value('projection weights') = "
+        f"{int(e.value('projection weights', 'naive')):,}; MultiHeadAttention(768, 12) has "
+        f"{n_mod:,} parameters with biases.",
+        "b) One n×n matrix per head and batch item: 32·12·1024·1024 = 402,653,184 entries;",
+        "   ×2 bytes (FP16) = 805,306,368 B = 768 MiB.",
+        f"   attnlab: estimate(1024, 768, 12, batch=32, dtype='float16').value('score matrix') = "
+        f"{int(e.value('score matrix', 'naive')):,} B = "
+        f"{fmt(e.value('score matrix', 'naive') / 2**20)} MiB; the tiled backend holds "
+        f"{fmt(e.value('score matrix', 'flash') / 2**20)} MiB of scores instead.",
+    )
+
+
+@exercise("8.3", title="Permutation equivariance (the text says invariance)", source=_SRC)
+def _solve_83() -> str:
+    f = _ex83_shapes()
+    inv = _invariance_claim()
+    return _lines(
+        "Write tokens as rows: X ∈ R^{n×d}, Q = XW_Q, K = XW_K, V = XW_V, and let P be an n×n",
+        "permutation matrix acting on rows. Then (PX)W = P(XW), so",
+        "  Attention(PX) = softmax(PQ (PK)ᵀ/√d_k) PV = softmax(P QKᵀ Pᵀ/√d_k) PV.",
+        "Softmax acts row-wise, and permuting rows and columns of its input permutes its",
+        "output the same way: softmax(P S Pᵀ) = P softmax(S) Pᵀ. With PᵀP = I:",
+        "  Attention(PX) = P softmax(QKᵀ/√d_k) Pᵀ P V = P · Attention(X).",
+        "This is equivariance (the output is permuted), not invariance (an unchanged output).",
+        "(With tokens as columns, as the text writes X ∈ R^{d×n}, QKᵀ is d_k×d_k — the",
+        "attention matrix is KᵀQ, and the same argument runs with Pᵀ(KᵀQ)P.)",
+        f"Check: {f.computed}.",
+        f"Check: {inv.computed}.",
+    )
+
+
+@exercise("8.4", title="Local (banded) attention", source=_SRC)
+def _solve_84() -> str:
+    f = _ex84()
+    return _lines(
+        "Mask: M_ij = 0 if |i − j| <= k, −∞ otherwise; softmax(QKᵀ/√d_k + M)V. In attnlab:",
+        "  attention(q, k, v, mask=masks.sliding_window(k + 1, causal=False))",
+        "(a bool mask; the tiled backend skips tiles outside the band, so the cost follows the",
+        "attended pairs). Per-row loop: row i attends keys max(0, i−k) … min(n, i+k+1).",
+        "Cost: n(2k+1) − k(k+1) pairs, each d multiply-adds for scores and for PV:",
+        "O(n·k·d) time and O(n·k) weights, against O(n²·d) and O(n²) dense.",
+        f"Check: {f.computed}.",
+    )
+
+
+@exercise("8.5", title="RoPE and translation invariance", source=_SRC)
+def _solve_85() -> str:
+    f = _ex85()
+    rel = _rope_relative()
+    return _lines(
+        "2-D: R_θ = [[cos θ, −sin θ], [sin θ, cos θ]] is orthogonal and R_aᵀ R_b = R_(b−a).",
+        "With q'_m = R_(mω) q and k'_n = R_(nω) k:",
+        "  q'_mᵀ k'_n = qᵀ R_(mω)ᵀ R_(nω) k = qᵀ R_((n−m)ω) k,",
+        "a function of n − m only. In d dims: d/2 independent planes with ω_i = 10000^(−2i/d),",
+        "block-diagonal R, so the same identity holds plane by plane.",
+        f"Check: {f.computed}.",
+        f"Check: {rel.computed}.",
+    )
+
+
+@exercise("8.6", title="IO complexity of tiled (flash) attention", source=_SRC)
+def _solve_86() -> str:
+    from ...analysis.estimate import FLASH_TILE
+
+    N, d, M = 4096, 64, 2**17
+    naive = 4 * N * d + 4 * N * N  # read Q, K, V + write O; write/read S and P
+    b_text, b_right = math.sqrt(M / d), M / (4 * d)
+    f = _ex86()
+    return _lines(
+        "Standard: read Q, K, V (3Nd), write and read S (2N²), write and read P (2N²), write O",
+        "(Nd): Θ(N² + Nd).",
+        "Tiled: blocks of B query rows; for each of the N/B query blocks stream all of K and V",
+        "(2Nd) through SRAM; Q and O move once. IO = 2Nd + (N/B)·2Nd = Θ(N²d/B).",
+        "SRAM of M elements must hold the B×d blocks of Q_i, K_j, V_j, O_i: 4Bd <= M, so the",
+        "largest block is B = Θ(M/d) (not Θ(√(M/d)) as the text says), giving",
+        "  IO = Θ(N²d / (M/d)) = Θ(N²d²/M).",
+        "With B = √(M/d) the same count gives Θ(N² d^1.5 / √M), which is not N²d²/M.",
+        f"Numbers (N={N}, d={d}, M={M:,} elements): standard {fmt(naive)} elements; tiled "
+        f"{fmt(_io_flash(N, d, b_right))} at B = M/(4d) = {int(b_right)}, "
+        f"{fmt(_io_flash(N, d, b_text))} at B = √(M/d) = {fmt(b_text)}.",
+        f"Check: {f.computed}.",
+        f"attnlab's tiled backend uses {FLASH_TILE[0]}×{FLASH_TILE[1]} tiles on CPU (caches, "
+        "not SRAM); its memory side: " + _flash_memory().computed + ".",
+    )
+
+
+@exercise("8.7", title="Designing a positional encoding (open question)", source=_SRC)
+def _solve_87() -> str:
+    r_sin, r_pe = _sine_only_residual()
+    rel = _rope_relative()
+    t5 = _relative_advantages()
+    return _lines(
+        "Requirement (3), relative positions, asks for PE(p+k) = f_k(PE(p)) with f_k independent",
+        "of p — for a linear f_k that needs sin and cos at each frequency (a rotation per plane).",
+        f"The text's sine-only layers fail it: best linear map residual {fmt(r_sin)} vs "
+        f"{_err(r_pe)} for sin/cos pairs (attnlab.positional.sinusoidal).",
+        "Designs that meet (1)–(3): RoPE (rotate q and k; the score depends on n − m only,",
+        "any length, O(n·d)); or a relative bias b(i − j) (T5 buckets, ALiBi slopes).",
+        f"Check RoPE: {rel.computed}.",
+        f"Check the biases: {t5.computed}.",
+    )
+
+
+@exercise("8.8", title="Multi-head versus single-head expressiveness", source=_SRC)
+def _solve_88() -> str:
+    y, target, a = _single_head_copy()
+    r = _ex88_rank()
+    two = _ex88_two_heads()
+    return _lines(
+        "The text's example does not separate one head from two: one head can output",
+        "y_i = x_1 + x_n. Mark tokens 1 and n with a feature m, let q = c·e_0 for every token",
+        "and k = m·e_0: the logits are c/√d_k on tokens 1 and n and 0 elsewhere, so the weights",
+        "are 1/2, 1/2 (and e^(−c/√d_k) ≈ 0 elsewhere); W_V = I and W_O = 2I give x_1 + x_n.",
+        f"Check: weights {fmt(float(a[0, 0]), 6)}, {fmt(float(a[0, -1]), 6)}; max |y − (x_1 + "
+        f"x_n)| = {_err(float((y - target).abs().max()))}.",
+        "Nor is one head 'rank 1': " + r.computed + ".",
+        "The text's two-head answer with W^O = 0.5·I gives half its target: " + two.computed + ".",
+        "A separating example needs two different averages for the same query, e.g.",
+        "y_i = [x_1 ; x_n] (x_1's content in one output block, x_n's in another, both tokens",
+        "using the same input dimensions): one head's row output is W_O W_V Σ_j α_ij x_j, a",
+        "single average, which mixes the two contents in the same dimensions; two heads (one",
+        "attending token 1, one token n, W_O placing them in separate blocks) give it exactly.",
+    )
