@@ -31,11 +31,12 @@ Example (a tiny random Llama, saved and loaded from a folder, no network):
 
 from .bridge import MIN_TRANSFORMERS, NAME, attention_forward, register
 from .errors import UnsupportedAttentionError
-from .masking import hf_mask
+from .masking import HFMask, hf_mask
 
 __all__ = [
     "MIN_TRANSFORMERS",
     "NAME",
+    "HFMask",
     "UnsupportedAttentionError",
     "attention_forward",
     "hf_mask",

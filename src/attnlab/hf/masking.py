@@ -240,7 +240,7 @@ def hf_mask(
     kv_offset: int = 0,
     mask_function: Callable | None = None,
     attention_mask: Tensor | HFMask | None = None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = "cpu",
     **kwargs: object,
 ) -> HFMask | None:
     """transformers' mask interface for ``attn_implementation="attnlab"``: an attnlab `Mask`.
@@ -295,7 +295,7 @@ def hf_mask(
         result = keys if result is None else result & keys
     if result is None:
         return None
-    where = attention_mask.device if attention_mask is not None else torch.device(device)
+    where = attention_mask.device if attention_mask is not None else torch.device(device or "cpu")
     return HFMask(result, (batch_size, 1, q_length, kv_length), where)
 
 
