@@ -547,3 +547,13 @@ def test_dropout_is_applied_in_training_only(tmp_path, monkeypatch):
     a.sum().backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_the_module_example_runs():
+    import doctest
+
+    (test,) = doctest.DocTestFinder().find(attnlab.hf, "attnlab.hf")[:1]
+    assert test.name == "attnlab.hf"  # the module docstring
+    assert len(test.examples) >= 8
+    result = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE).run(test)
+    assert result.failed == 0 and result.attempted == len(test.examples)

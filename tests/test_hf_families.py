@@ -313,6 +313,9 @@ def _greedy(model, family, steps, cache=None):
         cache_implementation=cache,
         pad_token_id=0,
     )
+    if cache == "static":  # the static cache was really used (its keys are a fixed buffer)
+        inner = getattr(out.past_key_values, "self_attention_cache", out.past_key_values)
+        assert isinstance(inner, transformers.StaticCache), type(inner)
     return out.sequences[:, -steps:], torch.stack(out.logits, dim=1)  # (B, T), (B, T, V)
 
 
