@@ -238,10 +238,18 @@ def rule(impl, golden, naive, real, kind, name):
 
 
 @pytest.mark.parametrize("family", family_params(list(FAMILIES)), indirect=True)
-def test_logits_and_weights_equal_eager(family):
+def test_logits_and_weights_equal_eager(family, monkeypatch):
     kw = family.inputs()
+    calls = []
+    real_attention = attnlab.hf.bridge.attention
+    monkeypatch.setattr(
+        attnlab.hf.bridge, "attention", lambda *a, **k: calls.append(1) or real_attention(*a, **k)
+    )
     with torch.no_grad():
         a = family.attnlab(**kw, output_attentions=True)
+    n_attn = sum(len(a[key]) for key in a if key.endswith("attentions"))
+    assert len(calls) == n_attn >= 2  # every attention of the model ran through attnlab
+    with torch.no_grad():
         e = family.eager(**kw, output_attentions=True)
         g = family.golden(**kw, output_attentions=True)
     real = family.real()

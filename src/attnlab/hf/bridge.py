@@ -52,16 +52,6 @@ def _has_softcap() -> bool:
     return "softcap" in inspect.signature(attention).parameters
 
 
-def _collecting_attentions() -> bool:
-    """True when transformers records attention weights for this forward (output_attentions)."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # pragma: no cover - the kwarg alone decides then
-        return False
-    collected = _active_collector.get()
-    return isinstance(collected, dict) and bool({"attentions", "cross_attentions"} & set(collected))
-
-
 def attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -131,7 +121,7 @@ def attention_forward(
                 "attnlab's attention() does not implement"
             )
         extra["softcap"] = softcap
-    want_weights = bool(kwargs.get("output_attentions")) or _collecting_attentions()
+    want_weights = bool(kwargs.get("output_attentions"))
     result = attention(
         query,
         key,
