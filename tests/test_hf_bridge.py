@@ -317,6 +317,14 @@ CASES = {
         ),
         "sliding_window(2, causal=True) & document",
     ),
+    "packed bidirectional window": (
+        dict(
+            q_length=8,
+            kv_length=8,
+            mask_function=_packed(mu.sliding_window_bidirectional_mask_function(2)),
+        ),
+        "sliding_window(3, causal=False) & document",
+    ),
     "chunked attention (not recognised)": (
         dict(
             q_length=8,

@@ -335,7 +335,7 @@ def test_greedy_generate_equals_eager(family):
     sure = (top2[..., 0] - top2[..., 1]) > MARGIN  # (B, T) steps that are no near-tie
     # a row is compared up to (excluding) its first near-tie: later tokens follow from it
     upto = torch.where(sure.all(1), steps, (~sure).long().argmax(1))
-    assert int(upto.sum()) >= steps  # the comparison is not vacuous
+    assert int(upto.sum()) >= upto.numel() * steps // 2  # most steps are compared
     for cache in (None, "static"):
         tokens_a, logits_a = _greedy(family.attnlab, family, steps, cache)
         for b in range(IDS.shape[0]):

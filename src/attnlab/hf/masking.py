@@ -120,13 +120,18 @@ def _structured(
                 q_length=q_length,
                 kv_length=kv_length,
             )
-            if inner is None:
-                return None
             remapped = True
             if inner == _FULL:
                 full = True
-            else:
-                causal, window, bi_window = _merge_inner(inner, causal, window, bi_window)
+            elif isinstance(inner, masks.CausalMask):
+                causal = True
+            elif isinstance(inner, masks.SlidingWindowMask) and window is None is bi_window:
+                if inner.causal:
+                    causal, window = True, inner.window
+                else:
+                    full, bi_window = True, inner.window - 1
+            else:  # not recognised, or nested packing: HF's own function decides
+                return None
         else:
             return None
     if remapped and not docs:
@@ -156,19 +161,6 @@ def _structured(
     for t in terms[1:]:
         out = out & t
     return out
-
-
-def _merge_inner(
-    inner: Mask, causal: bool, window: int | None, bi_window: int | None
-) -> tuple[bool, int | None, int | None]:
-    """Folds a recognised inner pattern (remapped to packed positions) into the flags."""
-    if isinstance(inner, masks.SlidingWindowMask):
-        if inner.causal:
-            return True, inner.window, bi_window
-        return causal, window, inner.window - 1
-    if isinstance(inner, masks.CausalMask):
-        return True, window, bi_window
-    raise AssertionError(f"unexpected inner pattern {inner!r}")  # _structured builds no other
 
 
 def _key_padding(attention_mask: Tensor, kv_length: int, kv_offset: int) -> Tensor:
