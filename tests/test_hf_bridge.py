@@ -386,19 +386,35 @@ def test_a_prebuilt_mask_is_passed_through():
     assert again is built
 
 
-def test_hf_mask_reads_no_data():
+def _meta_cases():
+    meta = torch.device("meta")
+    pad = torch.ones(2, 8, dtype=torch.bool, device=meta)
+    packed = mu.packed_sequence_mask_function(PACKED.to(meta))
+    return {
+        "causal+padding": dict(
+            q_length=8, kv_length=8, mask_function=mu.causal_mask_function, attention_mask=pad
+        ),
+        "static cache": dict(
+            q_length=8,
+            kv_length=12,
+            q_offset=torch.tensor(0, device=meta),
+            mask_function=mu.causal_mask_function,
+            attention_mask=pad,
+        ),
+        "packed": dict(
+            q_length=8, kv_length=8, mask_function=mu.and_masks(mu.causal_mask_function, packed)
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", ["causal+padding", "static cache", "packed"])
+def test_hf_mask_and_attention_read_no_data(case):
     """Meta tensors carry no data: building the masks and running attention must not read any."""
-    pad = torch.ones(2, 8, dtype=torch.bool, device="meta")
-    out = hf_mask(
-        batch_size=2,
-        q_length=8,
-        kv_length=8,
-        mask_function=mu.causal_mask_function,
-        attention_mask=pad,
-        device="meta",
-    )
+    kw = _meta_cases()[case]
+    out = hf_mask(batch_size=2, device="meta", **kw)
+    S = kw["kv_length"]
     q = torch.empty(2, 4, 8, 16, device="meta")
-    k = v = torch.empty(2, 2, 8, 16, device="meta")
+    k = v = torch.empty(2, 2, S, 16, device="meta")
     o, w = attention_forward(_Module(), q, k, v, out)
     assert o.shape == (2, 8, 4, 16) and o.device.type == "meta" and w is None
 
