@@ -210,6 +210,15 @@ class Family:
 _cache: dict[str, Family] = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads; on a shared machine they cost 5× wall."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def family(request, tmp_path_factory):
     name = request.param
