@@ -90,7 +90,7 @@ def test_register_is_idempotent_and_fills_both_interfaces():
 
 
 def test_register_refuses_transformers_older_than_the_lower_bound(monkeypatch):
-    monkeypatch.setattr(attnlab.hf.bridge.importlib.metadata, "version", lambda name: "5.3.0")
+    monkeypatch.setattr(transformers, "__version__", "5.3.0")
     with pytest.raises(ImportError, match=r"transformers>=5\.4, found 5\.3\.0"):
         attnlab.hf.register()
 

@@ -12,7 +12,6 @@ logit soft-capping, and the exact weights when the caller asked for ``output_att
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import inspect
 import re
 
@@ -147,15 +146,15 @@ def register() -> None:
         MissingExtraError: transformers is not installed (``pip install "attnlab[hf]"``).
         ImportError: the installed transformers is older than 5.4 (its mask interface differs).
     """
-    modeling = require("transformers.modeling_utils", "hf", "attnlab.hf.register")
-    masking = require("transformers.masking_utils", "hf", "attnlab.hf.register")
-    found = importlib.metadata.version("transformers")
+    found = str(require("transformers", "hf", "attnlab.hf.register").__version__)
     if _version_tuple(found) < MIN_TRANSFORMERS:
         want = ".".join(map(str, MIN_TRANSFORMERS))
         raise ImportError(
             f"attnlab.hf.register needs transformers>={want}, found {found}: "
             'pip install "attnlab[hf]"'
         )
+    modeling = require("transformers.modeling_utils", "hf", "attnlab.hf.register")
+    masking = require("transformers.masking_utils", "hf", "attnlab.hf.register")
     modeling.AttentionInterface.register(NAME, attention_forward)
     masking.AttentionMaskInterface.register(NAME, hf_mask)
 
