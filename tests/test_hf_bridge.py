@@ -581,3 +581,22 @@ def test_the_module_example_runs():
     assert len(test.examples) >= 8
     result = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE).run(test)
     assert result.failed == 0 and result.attempted == len(test.examples)
+
+
+def test_an_attention_registered_without_the_mask_function_is_refused(tmp_path):
+    """The known trap: without a mask interface HF passes no mask and padding is ignored."""
+    AttentionInterface.register("attnlab_without_mask", attention_forward)
+    config = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    )
+    transformers.BertModel(config).save_pretrained(tmp_path)
+    model = transformers.BertModel.from_pretrained(
+        tmp_path, attn_implementation="attnlab_without_mask"
+    )
+    ids, mask = torch.tensor([[0, 0, 5, 6]]), torch.tensor([[0, 0, 1, 1]])
+    with pytest.raises(UnsupportedAttentionError, match="padding would be silently ignored"):
+        model(input_ids=ids, attention_mask=mask)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import sys
 
 from torch import Tensor, nn
 
@@ -49,6 +50,20 @@ def _version_tuple(text: str) -> tuple[int, ...]:
 @functools.cache
 def _has_softcap() -> bool:
     return "softcap" in inspect.signature(attention).parameters
+
+
+def _check_mask_interface(module: nn.Module) -> None:
+    """Refuses a model whose attention name has no mask function (HF then passes no mask)."""
+    impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    masking = sys.modules.get("transformers.masking_utils")
+    if impl is None or masking is None:
+        return
+    if impl not in masking.AttentionMaskInterface._global_mapping:
+        raise UnsupportedAttentionError(
+            f"attn_implementation={impl!r} reaches attnlab without a registered mask function, "
+            "so transformers passes no mask and padding would be silently ignored: use "
+            "attnlab.hf.register() and attn_implementation='attnlab'"
+        )
 
 
 def attention_forward(
@@ -92,8 +107,9 @@ def attention_forward(
 
     Raises:
         UnsupportedAttentionError: (a ValueError) a keyword attnlab cannot compute, soft-capping
-            with an attnlab that has no ``softcap``, or a causal / sliding-window call without a
-            mask.
+            with an attnlab that has no ``softcap``, a causal / sliding-window call without a
+            mask, or a model whose attention name has no mask function registered (transformers
+            would then pass no mask at all and ignore padding).
     """
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
@@ -102,6 +118,7 @@ def attention_forward(
                 f"{type(module).__name__} uses; load the model with attn_implementation='eager'"
             )
     if attention_mask is None:
+        _check_mask_interface(module)
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
         if (causal and query.shape[2] > 1) or sliding_window is not None:
             need = "causal" if causal else f"sliding-window ({sliding_window})"
