@@ -90,7 +90,8 @@ def test_register_is_idempotent_and_fills_both_interfaces():
 
 
 def test_register_refuses_transformers_older_than_the_lower_bound(monkeypatch):
-    monkeypatch.setattr(transformers, "__version__", "5.3.0")
+    # the module register() imports (transformers may have replaced its entry in sys.modules)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.3.0")
     with pytest.raises(ImportError, match=r"transformers>=5\.4, found 5\.3\.0"):
         attnlab.hf.register()
 
