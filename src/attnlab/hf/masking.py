@@ -1,0 +1,294 @@
+"""The mask function registered with transformers' ``AttentionMaskInterface``: HF masks → attnlab.
+
+transformers describes every attention mask by an index function ``mask_function(b, h, q, kv)`` on
+absolute positions (query ``q = q_offset + row``, key ``kv = kv_offset + column``), plus a 2-D
+padding mask over the keys, and asks the registered mask function to render it. attnlab renders
+nothing: `hf_mask` returns an `attnlab.masks.Mask` that the attention function receives and
+`attnlab.attention` evaluates tile by tile (no L×S tensor).
+
+The patterns transformers builds are recognised and become attnlab's structured masks, whose
+geometry (band, key intervals, tile maps) the tiled backend uses:
+
+=================================================  ===========================================
+transformers ``mask_function``                     attnlab mask
+=================================================  ===========================================
+``causal_mask_function``                           ``causal()``
+``bidirectional_mask_function``                    none (every key)
+``sliding_window_causal_mask_function(w)``         ``sliding_window(w)``
+``sliding_window_bidirectional_mask_function(w)``  ``sliding_window(w + 1, causal=False)``
+packed sequences (``position_ids`` restarts)       ``document(ids)`` ``&`` the pattern above
+padding (the 2-D ``attention_mask``)               ``from_tensor(valid[:, None, None, :])``
+=================================================  ===========================================
+
+Structured masks are bottom-right aligned (query row r sits at key ``r + S − L``); they are used
+only when HF's own offsets say the same (``q_offset + L == kv_offset + S``, true for the dynamic
+cache and its sliding-window layers). Anything else — a static cache (whose key buffer is longer
+than the tokens seen), a custom ``or_mask_function``, chunked attention — becomes an exact
+`attnlab.masks.from_fn` mask that evaluates HF's own function at HF's own offsets, so the answer
+never changes silently.
+
+Padding query rows (left padding) may attend no key: attnlab gives them zero output and zero
+weights, where HF's eager path gives a uniform distribution over masked keys. Those rows never
+reach a real token (no real query attends a padding key), so every real token's output is equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import masks
+from ..masks import Mask
+
+_HF_MASKING = "transformers.masking_utils"
+_FULL = "full"  # the pattern lets every query see every key
+
+
+def _hf_name(fn: object) -> str | None:
+    """The qualified name of a transformers masking primitive, None for anything else."""
+    if getattr(fn, "__module__", None) != _HF_MASKING:
+        return None
+    return getattr(fn, "__qualname__", None)
+
+
+def _cells(fn: object) -> dict[str, Any]:
+    """The closure variables of a function, by name (empty if it has none)."""
+    code = getattr(fn, "__code__", None)
+    closure = getattr(fn, "__closure__", None)
+    if code is None or closure is None:
+        return {}
+    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, closure, strict=True)}
+
+
+def _flatten(fn: Callable) -> list[Callable]:
+    """The operands of (nested) ``and_masks`` calls; a single function otherwise."""
+    if _hf_name(fn) == "and_masks.<locals>.and_mask":
+        parts = _cells(fn).get("mask_functions")
+        if isinstance(parts, tuple):
+            return [p for part in parts for p in _flatten(part)]
+    return [fn]
+
+
+def _window(fn: Callable) -> int | None:
+    w = _cells(fn).get("sliding_window")
+    return w if isinstance(w, int) and not isinstance(w, bool) and w >= 0 else None
+
+
+def _structured(
+    mask_function: Callable, *, aligned: bool, q_length: int, kv_length: int
+) -> Mask | str | None:
+    """The attnlab mask equal to ``mask_function``, `_FULL`, or None (not recognised).
+
+    ``aligned``: HF's query/key offsets match attnlab's bottom-right alignment, so masks that
+    depend on the query position may be used.
+    """
+    causal = full = False
+    window: int | None = None
+    bi_window: int | None = None
+    docs: list[Tensor] = []
+    remapped = False
+    for part in _flatten(mask_function):
+        name = _hf_name(part)
+        if name == "causal_mask_function":
+            causal = True
+        elif name == "bidirectional_mask_function":
+            full = True
+        elif name == "sliding_window_overlay.<locals>.inner_mask" and window is None:
+            window = _window(part)
+            if window is None or window < 1:
+                return None
+        elif (
+            name == "sliding_window_bidirectional_overlay.<locals>.inner_mask" and bi_window is None
+        ):
+            bi_window = _window(part)
+            if bi_window is None:
+                return None
+        elif name == "packed_sequence_mask_function.<locals>.inner_mask":
+            ids = _cells(part).get("packed_sequence_mask")
+            if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[-1] != kv_length:
+                return None
+            docs.append(ids)
+        elif name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+            # Within one packed sequence, positions grow by exactly 1 per token (that is how HF
+            # finds the sequences), so the inner pattern on positions equals it on indices.
+            inner = _structured(
+                _cells(part).get("mask_function"),
+                aligned=aligned,
+                q_length=q_length,
+                kv_length=kv_length,
+            )
+            remapped = True
+            if inner == _FULL:
+                full = True
+            elif isinstance(inner, masks.CausalMask):
+                causal = True
+            elif isinstance(inner, masks.SlidingWindowMask) and window is None is bi_window:
+                if inner.causal:
+                    causal, window = True, inner.window
+                else:
+                    full, bi_window = True, inner.window - 1
+            else:  # not recognised, or nested packing: HF's own function decides
+                return None
+        else:
+            return None
+    if remapped and not docs:
+        return None
+    if window is not None and not causal:
+        return None  # a one-sided overlay alone is not a pattern HF builds
+    if bi_window is not None and not full:
+        return None
+    if (causal or window is not None or bi_window is not None or docs) and not aligned:
+        return None
+    if docs and q_length != kv_length:
+        return None
+    terms: list[Mask] = []
+    if window is not None:
+        terms.append(masks.sliding_window(window))
+    elif causal:
+        terms.append(masks.causal())
+    if bi_window is not None:
+        terms.append(masks.sliding_window(bi_window + 1, causal=False))
+    for ids in docs:
+        doc = masks.DocumentMask(ids)
+        doc.runs_distinct = True  # HF numbers the sequences by a cumulative sum: one run each
+        terms.append(doc)
+    if not terms:
+        return _FULL
+    out = terms[0]
+    for t in terms[1:]:
+        out = out & t
+    return out
+
+
+def _key_padding(attention_mask: Tensor, kv_length: int, kv_offset: int) -> Tensor:
+    """The keys' validity ``(B, S)`` from HF's 2-D mask over absolute positions (False past it)."""
+    valid = attention_mask if attention_mask.dtype == torch.bool else attention_mask.bool()
+    missing = kv_offset + kv_length - valid.shape[-1]
+    if missing > 0:  # HF pads with False: cache slots past the mask are not tokens
+        valid = torch.nn.functional.pad(valid, (0, missing), value=False)
+    return valid[:, kv_offset : kv_offset + kv_length]  # (B, S)
+
+
+def _exact_fn_mask(
+    mask_function: Callable,
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | Tensor,
+    kv_offset: int,
+) -> Mask:
+    """HF's own index function at HF's offsets, as an attnlab mask (any pattern, any cache)."""
+    shift = q_offset + q_length - kv_length  # absolute query position = aligned p + shift
+
+    def hf_pattern(b: Tensor, h: Tensor, p: Tensor, j: Tensor) -> Tensor:
+        out = mask_function(b, h, p + shift, j + kv_offset)
+        out = out if isinstance(out, Tensor) else torch.as_tensor(out, device=p.device)
+        return out.to(torch.bool)
+
+    return masks.from_fn(hf_pattern, batch_size=batch_size)
+
+
+class HFMask:
+    """The attnlab mask as transformers carries it from the mask function to the attention call.
+
+    transformers treats what its mask function returns as a 4-D mask: generation with a static
+    cache builds it ahead of the forward and calls ``.contiguous()`` on it, and the model passes
+    a prepared 4-D mask through unchanged (``.ndim == 4``). This carrier answers those calls
+    without rendering anything; `attnlab.hf.attention_forward` unwraps `mask`.
+
+    Attributes:
+        mask: the `attnlab.masks.Mask` (True = may attend, bottom-right aligned to the call).
+        shape: ``(B, 1, L, S)``, the shape transformers' dense mask would have.
+    """
+
+    ndim = 4
+    dtype = torch.bool
+
+    def __init__(self, mask: Mask, shape: tuple[int, int, int, int], device: torch.device) -> None:
+        self.mask = mask
+        self.shape = torch.Size(shape)
+        self.device = device
+
+    def dim(self) -> int:
+        """4, as for transformers' dense masks."""
+        return 4
+
+    def contiguous(self) -> HFMask:
+        """Itself (nothing is stored densely)."""
+        return self
+
+    def __repr__(self) -> str:
+        return f"HFMask({self.mask!r}, shape={tuple(self.shape)})"
+
+
+def hf_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | Tensor = 0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: Tensor | HFMask | None = None,
+    device: torch.device | str | None = "cpu",
+    **kwargs: object,
+) -> HFMask | None:
+    """transformers' mask interface for ``attn_implementation="attnlab"``: an attnlab `Mask`.
+
+    Called by transformers' ``create_causal_mask`` / ``create_sliding_window_causal_mask`` /
+    ``create_bidirectional_mask`` (transformers >= 5.4 keywords). Returns the mask the attention
+    function receives as ``attention_mask``: True = may attend, for query rows at absolute
+    positions ``q_offset + r`` and keys at ``kv_offset + c``, ``c < kv_length``.
+
+    Args:
+        batch_size: B.
+        q_length: L, the query rows of the attention call.
+        kv_length: S, the keys of the attention call (a static cache's whole buffer).
+        q_offset: absolute position of query row 0 (an int, or a 0-d tensor for a static cache).
+        kv_offset: absolute position of key 0 (> 0 for a full sliding-window cache layer).
+        mask_function: HF's index function ``fn(b, h, q, kv)`` (transformers always passes it).
+        attention_mask: HF's 2-D padding mask ``(B, >= kv_offset)`` over absolute key positions
+            (True/1 = a real token), None, or an `HFMask` this function built ahead of the forward
+            (static-cache generation), returned as it is.
+        device: where HF builds its masks (the padding mask's device is used when given).
+        **kwargs: the other keywords HF passes (``local_size``, ``dtype``, ``config``,
+            ``allow_is_causal_skip``, ``use_vmap``...); they do not change the mask.
+
+    Returns:
+        An `HFMask` holding the `attnlab.masks.Mask` (see the module's table), or None when every
+        query may attend every key (bidirectional attention without padding).
+
+    Raises:
+        TypeError: ``mask_function`` is not callable.
+    """
+    if isinstance(attention_mask, HFMask):
+        return attention_mask
+    if not callable(mask_function):
+        raise TypeError(
+            f"mask_function must be transformers' index function fn(b, h, q, kv), got "
+            f"{type(mask_function).__name__}"
+        )
+    aligned = (
+        isinstance(q_offset, int)
+        and not isinstance(q_offset, bool)
+        and q_offset + q_length == kv_offset + kv_length
+    )
+    pattern = _structured(mask_function, aligned=aligned, q_length=q_length, kv_length=kv_length)
+    if pattern is None:
+        pattern = _exact_fn_mask(
+            mask_function, batch_size, q_length, kv_length, q_offset, kv_offset
+        )
+    result: Mask | None = None if pattern == _FULL else pattern  # type: ignore[assignment]
+    if attention_mask is not None:
+        valid = _key_padding(attention_mask, kv_length, kv_offset)  # (B, S)
+        keys = masks.from_tensor(valid[:, None, None, :])  # (B, 1, 1, S): a key mask, not L×S
+        result = keys if result is None else result & keys
+    if result is None:
+        return None
+    where = attention_mask.device if attention_mask is not None else torch.device(device or "cpu")
+    return HFMask(result, (batch_size, 1, q_length, kv_length), where)
+
+
+__all__ = ["HFMask", "hf_mask"]
