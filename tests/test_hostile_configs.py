@@ -325,3 +325,24 @@ def test_read_header_reads_no_tensor_data(tmp_path):
 def test_bert_config_still_loads(tmp_path):
     d = write_checkpoint(tmp_path, tiny_state(TINY))
     assert BertConfig.from_json(d / "config.json").num_hidden_layers == 2
+
+
+def test_generate_preallocates_only_what_it_can_use(tmp_path, monkeypatch):
+    """``max_seq_len`` sizes no tensor under RoPE, so no file can justify it: `GPT.generate`
+    preallocates its KV caches for at most the prompt plus the new tokens (before the fix a
+    crafted ``max_seq_len=10**12`` made ``attnlab generate`` request 32 TB)."""
+    path = gpt_file(tmp_path / "long.safetensors", max_seq_len=10**12)
+    model, _, _ = load_model(path)
+    capacities: list[int | None] = []
+    new_caches = GPT.new_caches
+
+    def record(self, capacity=None):
+        capacities.append(capacity)
+        return new_caches(self, capacity)
+
+    monkeypatch.setattr(GPT, "new_caches", record)
+    idx = torch.tensor([[1, 2, 3]])
+    g = torch.Generator().manual_seed(0)
+    cached = model.generate(idx, 5, top_k=1, generator=g)
+    assert capacities == [3 + 5]
+    assert torch.equal(cached, model.generate(idx, 5, top_k=1, use_cache=False))
