@@ -21,6 +21,11 @@ and around the library (file-level parts in `attnlab._files`):
 - No pickle: ``.pt``/``.bin``/... files and zip or pickle content are refused unopened.
 - Ties (stored once, restored as one tensor) and non-contiguous tensors (save_file refuses both).
 - Module loading that checks every key, shape and dtype (``allow_cast``) before copying anything.
+- Configs justified by the file (`build_checked`, `check_fit`, `read_header`): a loader reads
+  the header only (no tensor data), builds the model on the ``meta`` device and accepts its
+  config only if the file holds exactly its tensors (count, names, shapes, dtypes), before
+  anything is allocated; so a config's limits follow from the file, not from fixed caps.
+  ``config.json`` files are read bounded (`read_config_json`).
 - Atomic writes (temp file in a private, flock-held ``.<name>.attnlab.<pid>.<hex>.tmp``
   directory beside the target, fsync, rename): a killed writer leaves the previous file intact,
   and the next save into the directory removes what it left (never a live writer's). Outputs
