@@ -53,6 +53,11 @@ def no_big_allocation(monkeypatch):
 
         return wrapper
 
+    # torch.device("meta") caches its set of factory functions on first use: fill it with the
+    # real ones before they are wrapped (else the wrappers are cached and nothing goes to meta)
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in ("empty", "zeros", "ones", "randn", "rand", "full", "arange"):
         monkeypatch.setattr(torch, name, watch(name, getattr(torch, name)))
     original_new = nn.Parameter.__new__
@@ -346,3 +351,22 @@ def test_generate_preallocates_only_what_it_can_use(tmp_path, monkeypatch):
     cached = model.generate(idx, 5, top_k=1, generator=g)
     assert capacities == [3 + 5]
     assert torch.equal(cached, model.generate(idx, 5, top_k=1, use_cache=False))
+
+
+def test_resume_refuses_settings_the_tensors_do_not_justify(tmp_path, no_big_allocation):
+    """``train(resume=...)`` builds its model from the stored settings: they are checked
+    against the stored tensors first (before the fix: a 4096-wide model was allocated)."""
+    from dataclasses import asdict
+
+    from attnlab.train import TrainSettings, load_text, train
+
+    vocab = sorted(set(load_text(None)))
+    small = TrainSettings(d_model=8, n_heads=2, n_layers=1, seq_len=16)
+    tensors = {f"model.{k}": v for k, v in GPT(small.model_config(len(vocab))).state_dict().items()}
+    crafted = asdict(TrainSettings(d_model=4096, n_heads=2, n_layers=1, seq_len=16))
+    path = tmp_path / "resume.safetensors"
+    save_checkpoint(path, tensors, {"settings": json.dumps(crafted), "vocab": json.dumps(vocab)})
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match=r"do not justify the stored settings: .*\(needs"):
+        train(TrainSettings(out_dir=str(tmp_path / "out")), resume=path, log=lambda _: None)
+    assert time.perf_counter() - start < _FAST

@@ -493,15 +493,17 @@ class _MetaWithoutCompiler(TorchFunctionMode):
             and "device" not in kwargs
         ):
 
-            def stand_in(x):
-                return torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, Tensor) else x
+            def stand_in(x):  # (no nested torch.device context: it would upset the mode stack)
+                return (
+                    torch.zeros(x.shape, dtype=x.dtype, device="cpu")
+                    if isinstance(x, Tensor)
+                    else x
+                )
 
             def back(x):
                 return torch.empty_like(x, device="meta") if isinstance(x, Tensor) else x
 
-            with torch.device("cpu"):
-                out = func(*tree_map(stand_in, args), **tree_map(stand_in, kwargs))
-            return tree_map(back, out)
+            return tree_map(back, func(*tree_map(stand_in, args), **tree_map(stand_in, kwargs)))
         return func(*args, **kwargs)
 
 

@@ -333,8 +333,18 @@ def train(
     train_data, val_data = data[:-n_val], data[-n_val:]
     entropy = unigram_entropy(train_data, len(vocab))
 
+    config = s.model_config(len(vocab))
+    if ck is not None:  # the stored settings must be justified by the stored tensors
+        build_checked(
+            resume,
+            lambda: GPT(config),
+            {k: (t.dtype, tuple(t.shape)) for k, t in ck.tensors.items()},
+            prefix="model.",
+            layers=("blocks", config.n_layers),
+            what="the stored settings",
+        )
     torch.manual_seed(s.seed)
-    model = GPT(s.model_config(len(vocab)))
+    model = GPT(config)
     model.gradient_checkpointing = s.grad_checkpointing
     opt = torch.optim.AdamW(_groups(model, s.weight_decay), lr=s.lr, betas=(0.9, 0.99))
     batch_rng = torch.Generator().manual_seed(s.seed)
