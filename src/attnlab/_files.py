@@ -278,16 +278,16 @@ def _open_regular(path: Path):
 
 
 def _read_at_most(f: Any, size: int) -> bytes:
-    """Up to ``size`` bytes of ``f`` (fewer if the file ends first)."""
-    buf = bytearray(size)
-    view, got = memoryview(buf), 0
+    """Up to ``size`` bytes of ``f`` (fewer if the file ends first), without an extra copy."""
+    chunks: list[bytes] = []
+    got = 0
     while got < size:  # a file that shrank while being read is returned short (truncated)
-        n = f.readinto(view[got:])
-        if not n:
+        chunk = f.read(size - got)  # one read for a regular file (up to ~2 GB on Linux)
+        if not chunk:
             break
-        got += n
-    del view
-    return bytes(buf) if got == size else bytes(buf[:got])
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def read_regular_file(path: Path, limit: int | None = None) -> bytes:
