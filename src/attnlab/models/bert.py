@@ -363,6 +363,14 @@ class BertEncoder(nn.Module):
         buffers are ignored; any other key the encoder does not use is an error. Only
         safetensors are read: pickle checkpoints (``pytorch_model.bin``) are refused.
 
+        The config must be justified by the file before anything is allocated: ``config.json``
+        is read bounded and type-checked, then the safetensors header alone (no tensor data)
+        must list exactly the tensors the config implies, with their shapes and one float
+        dtype (the layer count is checked on the names first, so ``num_hidden_layers: 10**6``
+        is refused at once), and the encoder built on the ``meta`` device must match it
+        (`attnlab.checkpoint.check_fit`). Only then is the file read (through the checked
+        reader, which refuses a file whose header changed) and assigned to the encoder.
+
         Args:
             path: the model directory (or its ``model.safetensors`` file, with ``config.json``
                 beside it).

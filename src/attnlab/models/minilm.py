@@ -100,6 +100,8 @@ class MiniLM(nn.Module):
         Reads ``config.json`` + ``model.safetensors`` (`BertEncoder.from_pretrained`),
         ``tokenizer.json``, and if present ``sentence_bert_config.json`` (max_seq_length),
         ``1_Pooling/config.json`` (must be mean pooling) and ``modules.json`` (Normalize).
+        Every file is read bounded (regular files only, size and JSON nesting limited), and
+        the encoder's config must be justified by its weights (see `BertEncoder.from_pretrained`).
 
         Raises:
             FileNotFoundError: a required file is missing (naming the path).
