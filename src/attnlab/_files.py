@@ -371,7 +371,7 @@ def _uints(value: Any) -> bool:
     return type(value) is list and all(type(x) is int and x >= 0 for x in value)
 
 
-def _parse(path: Path, text: str, pairs: int) -> Any:
+def _parse_json(path: Path, text: str, pairs: int) -> Any:
     """The header's JSON; duplicate names anywhere raise `CheckpointError` naming them.
 
     ``pairs`` is the number of ``name: value`` pairs in the text (its outline's colons). The
@@ -428,7 +428,7 @@ def _parse(
         raise CheckpointError(
             path, f"header lists {count} entries, more than the {MAX_TENSORS}-tensor limit"
         )
-    header = _parse(path, text, outline.count(":"))
+    header = _parse_json(path, text, outline.count(":"))
     if not isinstance(header, dict):
         raise CheckpointError(path, f"header must be a JSON object, got {type(header).__name__}")
     meta = header.pop("__metadata__", {})
