@@ -9,7 +9,8 @@ The rule (first that holds wins; memory = `model_cost(...).memory["total"]`, tim
     ring    devices > 1 and the tiled form fits when its activations are split over the devices
             (exact; each device holds L / devices tokens) with time / devices within max_seconds
     sparse  a causal sliding window of `window` keys fits and is within max_seconds (approximate)
-    linear  linear attention fits (approximate; memory and time ∝ L)
+    linear  linear attention fits and is within max_seconds (approximate; memory and time ∝ L)
+    (none within max_seconds: the first exact option that fits, else the fastest that fits)
     none    nothing fits the budget
 
 Deterministic given its inputs: the machine only enters through ``gflops`` (pass it; the CLI
@@ -171,74 +172,59 @@ def advise(
     lin = model_cost(seq_len, attention="linear", **kw)
     add("linear", lin.memory["total"], lin.flops["step"])
 
-    def ok(name: str) -> bool:
-        o = options.get(name)
-        return bool(o and o["fits"] and o["fast enough"])
-
-    gib = 2**30
-    if ok("dense"):
-        choice, reason = (
-            "dense",
-            (
-                f"the L×L scores fit: {dense.memory['total'] / gib:,.2f} GiB <= "
-                f"{cap / gib:,.2f} GiB and {options['dense']['seconds']:,.3f} s <= "
-                f"{max_seconds} s; "
-                "dense is exact and the simplest"
-            ),
-        )
-    elif ok("tiled"):
-        why = (
-            f"dense needs {dense.memory['total'] / gib:,.2f} GiB > {cap / gib:,.2f} GiB"
-            if not options["dense"]["fits"]
-            else f"dense takes {options['dense']['seconds']:,.3f} s > {max_seconds} s"
-        )
-        choice, reason = (
-            "tiled",
-            (
-                f"{why}; tiled (flash) is exact with memory linear in L: "
-                f"{tiled.memory['total'] / gib:,.2f} GiB, {options['tiled']['seconds']:,.3f} s"
-            ),
-        )
-    elif ok("ring"):
-        choice, reason = (
-            "ring",
-            (
-                "one device cannot hold the tiled form "
-                f"({tiled.memory['total'] / gib:,.2f} GiB) or "
-                f"run it in time; split over {devices} devices each needs "
-                f"{options['ring']['memory'] / gib:,.2f} GiB and "
-                f"{options['ring']['seconds']:,.3f} s "
-                "(exact)"
-            ),
-        )
-    elif ok("sparse"):
-        choice, reason = (
-            "sparse",
-            (
-                f"exact attention does not fit or takes {options['tiled']['seconds']:,.3f} s > "
-                f"{max_seconds} s; a window of {w} keys takes "
-                f"{options['sparse']['seconds']:,.3f} s "
-                "(approximate: each token sees only its window)"
-            ),
-        )
-    elif options["linear"]["fits"]:
-        choice, reason = (
-            "linear",
-            (
-                f"nothing exact or windowed fits in {cap / gib:,.2f} GiB within {max_seconds} s; "
-                f"linear attention needs {lin.memory['total'] / gib:,.2f} GiB and "
-                f"{options['linear']['seconds']:,.3f} s (approximate)"
-            ),
-        )
-    else:
-        choice, reason = (
-            "none",
-            (
-                f"no option fits {cap / gib:,.2f} GiB (the smallest needs "
-                f"{min(o['memory'] for o in options.values()) / gib:,.2f} GiB): shrink the batch, "
-                "the model or the length"
-            ),
-        )
+    choice, reason = _decide(options, cap, max_seconds, w, devices)
     inputs = dict(kw, seq_len=seq_len, budget=cap, gflops=float(gflops), max_seconds=max_seconds)
     inputs.update(window=window, devices=devices, machine=machine)
     return Advice(choice, reason, options, inputs)
+
+
+_WHY = {
+    "dense": "exact and the simplest: the L×L scores fit",
+    "tiled": "exact, memory linear in L (the L×L scores are never stored)",
+    "ring": "exact, the sequence split over {devices} devices",
+    "sparse": "approximate: each query sees only its last {w} keys",
+    "linear": "approximate: a kernel feature map instead of softmax, memory and time linear in L",
+}
+_EXACT = ("dense", "tiled", "ring")
+
+
+def _decide(
+    options: dict[str, dict[str, float]], cap: int, max_seconds: float, w: int, devices: int
+) -> tuple[str, str]:
+    """The module rule: the first option (in `CHOICES` order) that fits and is fast enough; if
+    none is fast enough, the first exact option that fits, else the fastest that fits."""
+    gib = 2**30
+
+    def numbers(name: str) -> str:
+        o = options[name]
+        return f"{o['memory'] / gib:,.2f} GiB of {cap / gib:,.2f} GiB, {o['seconds']:,.3f} s"
+
+    def why(name: str) -> str:
+        return _WHY[name].format(w=w, devices=devices)
+
+    rejected = []
+    for name, o in options.items():
+        if o["fits"] and o["fast enough"]:
+            tail = f" ({'; '.join(rejected)})" if rejected else ""
+            return name, f"{why(name)}: {numbers(name)} <= {max_seconds:g} s{tail}"
+        rejected.append(
+            f"{name}: "
+            + (
+                f"needs {o['memory'] / gib:,.2f} GiB"
+                if not o["fits"]
+                else f"takes {o['seconds']:,.3f} s > {max_seconds:g} s"
+            )
+        )
+    fitting = [n for n, o in options.items() if o["fits"]]
+    if not fitting:
+        smallest = min(o["memory"] for o in options.values())
+        return "none", (
+            f"no option fits {cap / gib:,.2f} GiB (the smallest needs {smallest / gib:,.2f} GiB):"
+            " shrink the batch, the model or the length"
+        )
+    exact = [n for n in fitting if n in _EXACT]
+    name = exact[0] if exact else min(fitting, key=lambda n: options[n]["seconds"])
+    return name, (
+        f"no option takes <= {max_seconds:g} s; {why(name)}: {numbers(name)} "
+        f"({'the first exact option that fits' if exact else 'the fastest that fits'})"
+    )
