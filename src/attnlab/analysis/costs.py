@@ -161,6 +161,12 @@ def model_cost(
         + B·H·L·(D + 1)                            flash: the output O and the log-sum-exp
         + B·H·D·D                                  linear: the state φ(K)ᵀV
 
+    A training step's peak adds the backward transient of one layer (naive: the gradients dP, dS
+    of its scores, ``2·B·H·L·S`` elements; tiled: of one tile). The model counts what a backward
+    must keep, so a real run keeps at least this much: attnlab's own blocks keep copies on top
+    (heads-first q, k, v; the reference backend three L×S tensors per head) — measured 1.3-1.5×
+    (tiled) and 2-2.7× (reference) of the model on CPU (tests/test_costs.py).
+
     ``memory_infer = N_params·b_w + one layer's live tensors + logits (+ KV cache)``.
 
     Args:
@@ -255,6 +261,16 @@ def model_cost(
         memory["master weights"] = float(params * master)
         memory["activations"] = float(n_layers * layer_act)
         memory["logits"] = float(logits)
+        # The backward of one layer at a time: the gradients of its scores (dP and dS) for the
+        # naive form, of one tile for the tiled one, plus the gradient of the MLP hidden.
+        grads = {
+            "naive": 2 * B * H * L * S * nb,
+            "flash": 2 * B * H * FLASH_TILE[0] * FLASH_TILE[1] * 4,
+            "linear": 2 * B * H * D * D * 4,
+        }[attention]
+        memory["backward transient (one layer)"] = float(
+            grads + B * L * F * (m - 1) * nb if n_layers else 0
+        )
     else:
         live_scores = {
             "naive": B * H * L * S * nb,
