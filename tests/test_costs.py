@@ -395,3 +395,19 @@ def test_cli_advise_json_is_the_library_advice(capsys):
     expect = advise(8192, "2GB", 100.0, machine=machine_info())
     assert data["choice"] == expect.choice and data["reason"] == expect.reason
     assert data["rate_source"] == "given"
+
+
+def test_cli_advise_measures_the_rate_in_its_dtype_when_not_given(capsys, monkeypatch):
+    from attnlab.cli import advise as advise_cli
+
+    seen = []
+    monkeypatch.setattr(advise_cli, "matmul_rate", lambda dtype: seen.append(dtype) or 123.0)
+    argv = ["advise", "--seq", "4096", "--budget", "1GB", "--dtype", "bfloat16"]
+    code, out, _ = _cli([*argv, "--json"], capsys)
+    data = json.loads(out)
+    expect = advise(4096, "1GB", 123.0, dtype="bfloat16")
+    assert code == 0 and seen == ["bfloat16"]
+    assert data["inputs"]["gflops"] == 123.0 and data["rate_source"].startswith("measured")
+    assert (data["choice"], data["reason"]) == (expect.choice, expect.reason)
+    code, out, _ = _cli(argv, capsys)
+    assert "matmul rate 123.0 GFLOP/s (measured" in out and f"advice: {expect.choice}" in out

@@ -12,6 +12,18 @@ from ._args import UsageError, float_in, int_at_least, positive_float, positive_
 RATE_MATMUL_N = 1024
 
 
+def matmul_rate(dtype: str, n: int = RATE_MATMUL_N, repeats: int = 3) -> float:
+    """GFLOP/s of an n×n ``torch.mm`` in ``dtype`` on the cpu (best of ``repeats``); in bfloat16
+    this is where AMX shows."""
+    import torch
+
+    from ..utils import best_times
+
+    t = getattr(torch, dtype)
+    a, b = torch.randn(n, n, dtype=t), torch.randn(n, n, dtype=t)
+    return 2 * n**3 / best_times({"mm": lambda: torch.mm(a, b)}, repeats)["mm"] / 1e9
+
+
 def _budget(text: str) -> int:
     from .estimate import _budget as parse
 
@@ -25,9 +37,8 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         raise UsageError("--heads", f"must divide --d-model {args.d_model}, got {args.heads}")
     machine = machine_info()
     if args.gflops is None:
-        from .bench import matmul_rate
-
-        gflops, source = matmul_rate(RATE_MATMUL_N), f"measured ({RATE_MATMUL_N}² fp32 matmul)"
+        gflops = matmul_rate(args.dtype)
+        source = f"measured: {RATE_MATMUL_N}² {args.dtype} matmul on this cpu"
     else:
         gflops, source = args.gflops, "given"
     advice = advise(
@@ -91,7 +102,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--gflops",
         type=positive_float,
         default=None,
-        help="matmul rate in GFLOP/s (default: measure a fp32 matmul on this cpu)",
+        help="matmul rate in GFLOP/s (default: time a matmul in --dtype on this cpu)",
     )
     p.add_argument("--d-model", type=positive_int, default=768)
     p.add_argument("--layers", type=positive_int, default=12)
