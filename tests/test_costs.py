@@ -411,3 +411,25 @@ def test_cli_advise_measures_the_rate_in_its_dtype_when_not_given(capsys, monkey
     assert (data["choice"], data["reason"]) == (expect.choice, expect.reason)
     code, out, _ = _cli(argv, capsys)
     assert "matmul rate 123.0 GFLOP/s (measured" in out and f"advice: {expect.choice}" in out
+
+
+def test_doubling_the_length_of_a_whole_layer_is_not_4x():
+    # "2× length → 4× time" holds for the scores; a d = 768 layer's 24nd² + 4n²d grows less.
+    def ratio(n):
+        f = [
+            model_cost(m, d_model=768, n_layers=1, n_heads=12).flops["forward"] for m in (n, 2 * n)
+        ]
+        return f[1] / f[0]
+
+    assert [round(ratio(n), 2) for n in (1024, 2048, 4096)] == [2.36, 2.62, 2.94]
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from attnlab.analysis import advise as advise_module
+    from attnlab.analysis import costs
+
+    for module in (costs, advise_module):
+        result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

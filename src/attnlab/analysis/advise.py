@@ -15,6 +15,12 @@ The rule (first that holds wins; memory = `model_cost(...).memory["total"]`, tim
 
 Deterministic given its inputs: the machine only enters through ``gflops`` (pass it; the CLI
 measures it when not given) and the informational `machine_info`.
+
+Example:
+    >>> advise(2048, "16GB", gflops=100.0).choice  # BERT-base-sized encoder, inference
+    'dense'
+    >>> advise(65536, "8GB", gflops=100.0, max_seconds=3600.0).choice  # 194 GiB of scores
+    'tiled'
 """
 
 from __future__ import annotations
