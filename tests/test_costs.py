@@ -270,6 +270,7 @@ def test_complexity_table_values_and_the_n_less_than_d_crossover():
     assert (sa["sequential"], sa["path"], rnn["sequential"], rnn["path"]) == (1, 1, 512, 512)
     assert rows["convolutional (k=3)"]["path"] == math.ceil(math.log(512, 3)) == 6
     assert rows["self-attention (window r=64)"]["path"] == 8
+    assert [r["memory_elements"] for r in rows.values()] == [512**2, 768, 3 * 768, 64 * 512]
     for n, cheaper in ((767, True), (768, False), (769, False)):
         r = complexity_table(n, 768)
         assert (r[0]["ops"] < r[1]["ops"]) is cheaper

@@ -337,44 +337,49 @@ def max_seq_len(budget: str | int | float, *, limit: int = 2**31, **kwargs) -> i
 def complexity_table(n: int, d: int, *, kernel: int = 3, window: int | None = None) -> list[dict]:
     """The per-layer cost table of Vaswani et al. (2017, Table 1), with its numbers at (n, d).
 
-    ===========================  ==============  ==========  ================
-    layer type                   FLOPs per layer  sequential  max path length
-    ===========================  ==============  ==========  ================
-    self-attention               n²·d             O(1)        O(1)
-    recurrent                    n·d²             O(n)        O(n)
-    convolutional (kernel k)     k·n·d²           O(1)        O(log_k n)
-    self-attention (window r)    r·n·d            O(1)        O(n/r)
-    ===========================  ==============  ==========  ================
+    ===========================  ===============  ==========  ================  =============
+    layer type                   ops per layer    sequential  max path length   extra memory
+    ===========================  ===============  ==========  ================  =============
+    self-attention               n²·d             O(1)        O(1)              n² (weights)
+    recurrent                    n·d²             O(n)        O(n)              d (state)
+    convolutional (kernel k)     k·n·d²           O(1)        O(log_k n)        k·d (window)
+    self-attention (window r)    r·n·d            O(1)        O(n/r)            r·n (weights)
+    ===========================  ===============  ==========  ================  =============
+
+    "Extra memory" is what a layer holds beside its n·d inputs and outputs in a forward pass (seed
+    000's table: O(n²) for self-attention, O(d) for an RNN); training keeps more (`model_cost`).
 
     Args:
         n: sequence length. d: representation dimension. kernel: k. window: r (default √n).
 
     Returns:
         One dict per row: ``layer``, ``complexity`` (formula), ``ops`` (its value),
-        ``sequential`` and ``path`` (as numbers at this n).
+        ``sequential`` and ``path`` (as numbers at this n), ``memory`` (formula) and
+        ``memory_elements`` (its value).
     """
     n = _int("n", n, 1)
     d = _int("d", d, 1)
     k = _int("kernel", kernel, 2)
     r = max(1, math.isqrt(n)) if window is None else _int("window", window, 1)
     return [
-        dict(layer="self-attention", complexity="n²·d", ops=n * n * d, sequential=1, path=1),
-        dict(layer="recurrent", complexity="n·d²", ops=n * d * d, sequential=n, path=n),
         dict(
-            layer=f"convolutional (k={k})",
-            complexity="k·n·d²",
-            ops=k * n * d * d,
-            sequential=1,
+            layer="self-attention", complexity="n²·d", ops=n * n * d, sequential=1, path=1,
+            memory="n²", memory_elements=n * n,
+        ),
+        dict(
+            layer="recurrent", complexity="n·d²", ops=n * d * d, sequential=n, path=n,
+            memory="d", memory_elements=d,
+        ),
+        dict(
+            layer=f"convolutional (k={k})", complexity="k·n·d²", ops=k * n * d * d, sequential=1,
             path=max(1, math.ceil(math.log(n, k))) if n > 1 else 1,
+            memory="k·d", memory_elements=k * d,
         ),
         dict(
-            layer=f"self-attention (window r={r})",
-            complexity="r·n·d",
-            ops=r * n * d,
-            sequential=1,
-            path=math.ceil(n / r),
+            layer=f"self-attention (window r={r})", complexity="r·n·d", ops=r * n * d,
+            sequential=1, path=math.ceil(n / r), memory="r·n", memory_elements=r * n,
         ),
-    ]
+    ]  # fmt: skip
 
 
 def io_naive(n: int, d: int) -> int:
@@ -413,10 +418,24 @@ def io_tiled(n: int, d: int, sram: int, block: int | None = None) -> int:
 def complexity_text(n: int, d: int, **kwargs) -> str:
     """`complexity_table` as an aligned text table."""
     rows = [
-        [r["layer"], r["complexity"], f"{r['ops']:,}", f"{r['sequential']:,}", f"{r['path']:,}"]
+        [
+            r["layer"],
+            r["complexity"],
+            f"{r['ops']:,}",
+            f"{r['sequential']:,}",
+            f"{r['path']:,}",
+            f"{r['memory']} = {r['memory_elements']:,}",
+        ]
         for r in complexity_table(n, d, **kwargs)
     ]
     return text_table(
-        ["layer type", "ops per layer", f"at n={n}, d={d}", "sequential ops", "max path length"],
+        [
+            "layer type",
+            "ops per layer",
+            f"at n={n}, d={d}",
+            "sequential ops",
+            "max path length",
+            "extra memory",
+        ],
         rows,
     )
