@@ -121,7 +121,10 @@ class ModelCost:
         from .estimate import _fmt
 
         rows = [["parameters", f"{self.params:,}"]]
-        rows += [[f"{k} FLOPs (matmul)", _fmt(v, "FLOPs")] for k, v in self.flops.items()]
+        rows += [
+            [f"{k} FLOPs" + ("" if k.startswith("elementwise") else " (matmul)"), _fmt(v, "FLOPs")]
+            for k, v in self.flops.items()
+        ]
         rows += [[f"memory: {k}", _fmt(v, "bytes")] for k, v in self.memory.items()]
         return text_table(["quantity", "value"], rows)
 
@@ -167,7 +170,9 @@ def model_cost(
     (heads-first q, k, v; the reference backend three L×S tensors per head) — measured 1.3-1.5×
     (tiled) and 2-2.7× (reference) of the model on CPU (tests/test_costs.py).
 
-    ``memory_infer = N_params·b_w + one layer's live tensors + logits (+ KV cache)``.
+    ``memory_infer = N_params·b_w + one layer's live tensors + logits (+ KV cache)``, the live
+    tensors being ``B·L·(2·E + (H + 2·H_kv)·D + F·(m-1))`` elements plus the naive form's scores
+    and probabilities (``2·B·H·L·S``) or one float32 tile per head.
 
     Args:
         seq_len: L (tokens per sequence). d_model: E. n_layers: layers. n_heads: H.
@@ -272,8 +277,8 @@ def model_cost(
             grads + B * L * F * (m - 1) * nb if n_layers else 0
         )
     else:
-        live_scores = {
-            "naive": B * H * L * S * nb,
+        live_scores = {  # naive: the scores and their softmax exist together
+            "naive": 2 * B * H * L * S * nb,
             "flash": B * H * FLASH_TILE[0] * FLASH_TILE[1] * 4,
             "linear": B * H * D * D * 4,
         }[attention]
