@@ -147,11 +147,13 @@ def test_every_command_has_its_own_module():
     assert list(sub.choices) == [
         "check",
         "estimate",
+        "advise",
         "experiment",
         "bench",
         "train",
         "generate",
         "visualize",
+        "textbook",
     ]
     assert [m.__name__.rsplit(".", 1)[1] for m in cli.COMMANDS] == list(sub.choices)
     assert all(len(p.read_text().splitlines()) <= 600 for p in (SRC / "cli").glob("*.py"))
