@@ -435,6 +435,38 @@ def _time_complexity() -> Finding:
 
 
 @claim(
+    "000-o2-b",
+    section="O(n²)问题的影响",
+    quote="- 12GB GPU可处理的最大序列长度约为4096 - 超过此长度需要特殊优化",
+    paraphrase="A 12 GB GPU handles sequences up to about 4096 tokens; beyond that special "
+    "optimisations are needed.",
+    api="attnlab.analysis.costs.max_seq_len, attnlab.analysis.costs.model_cost",
+    expected=AGREES,
+    assumptions="training BERT-base (d=768, 12 layers, 12 heads, vocabulary 30522, 512 learned "
+    "positions) with AdamW at batch 1, 12 GB = 12·10⁹ bytes, attention materialising its n×n "
+    "weights; 'about 4096' read as: float32 and mixed float16 training bracket it",
+)
+def _twelve_gb() -> Finding:
+    from ...analysis.costs import max_seq_len
+
+    bert = dict(
+        d_model=768, n_layers=12, n_heads=12, vocab_size=30522, learned_positions=512, batch=1
+    )
+    naive32 = max_seq_len("12GB", dtype="float32", attention="naive", **bert)
+    naive16 = max_seq_len("12GB", dtype="float16", attention="naive", **bert)
+    tiled32 = max_seq_len("12GB", dtype="float32", attention="flash", **bert)
+    ok = naive32 <= 4096 <= naive16 and tiled32 > 2 * 4096
+    return Finding(
+        computed=f"largest n in 12 GB: {naive32:,} (float32), {naive16:,} (mixed float16); "
+        f"with tiled attention (the 'special optimisation') {tiled32:,} in float32",
+        call="max_seq_len('12GB', dtype=…, attention='naive'|'flash', d_model=768, n_layers=12, "
+        "n_heads=12, vocab_size=30522, learned_positions=512, batch=1)",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the memory model does not put the limit near 4096",
+    )
+
+
+@claim(
     "000-o2-a",
     section="O(n²)问题的影响",
     quote="序列长度翻倍,训练时间增加4倍",

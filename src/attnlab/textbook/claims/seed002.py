@@ -2537,10 +2537,13 @@ def _ex85() -> Finding:
     )
 
 
-def _io_flash(N: int, d: int, B: int) -> float:
-    """HBM traffic (elements) of tiled attention with B-row blocks: Q and O once, K and V per
-    query block: N·d + (N/B)·2·N·d + N·d."""
-    return 2 * N * d + (N / B) * 2 * N * d
+def _io_flash(N: int, d: int, B: float) -> float:
+    """DRAM traffic (elements) of tiled attention with B-row blocks, from attnlab's IO model
+    (`attnlab.analysis.costs.io_tiled`: Q and O once, K and V once per query block)."""
+    from ...analysis.costs import io_tiled
+
+    block = max(1, round(B))
+    return float(io_tiled(N, d, sram=4 * block * d, block=block))
 
 
 def _io_fit(block) -> float:
@@ -2555,10 +2558,10 @@ def _io_fit(block) -> float:
     section="8.8 练习8.6",
     quote="当 $B = \\Theta(\\sqrt{M/d})$（$M$是SRAM大小）时，IO复杂度为： $$O(N^2d^2/M)$$",
     paraphrase="With block size B = Θ(√(M/d)) the IO becomes O(N²d²/M).",
-    api="the exercise's IO count in plain Python (an IO model beside estimate is issue 18 item 4)",
+    api="attnlab.analysis.costs.io_tiled",
     expected=TEXT_ERROR,
-    assumptions="the exercise's own IO count O(N²d/B) (plain arithmetic: attnlab has no IO "
-    "model yet); N=2^20, d=64, SRAM M ∈ {2^14, 2^16, 2^18} elements; the slope of log IO in "
+    assumptions="attnlab's IO model of tiled attention (K and V read once per block of B "
+    "query rows); N=2^20, d=64, SRAM M ∈ {2^14, 2^16, 2^18} elements; the slope of log IO in "
     "log M must be −1 for O(N²d²/M)",
 )
 def _ex86() -> Finding:
@@ -2566,7 +2569,7 @@ def _ex86() -> Finding:
     right = _io_fit(lambda M, d: M / (4 * d))  # K_j, V_j, Q_i, O_i blocks of B×d in SRAM
     return _found(
         f"IO ∝ M^{fmt(text, 3)} with B = √(M/d); IO ∝ M^{fmt(right, 3)} with B = M/(4d)",
-        "(N/B)·2Nd + 2Nd at B = sqrt(M/d) and B = M/(4d)",
+        "io_tiled(N, d, sram, block=B) at B = sqrt(M/d) and B = M/(4d)",
         abs(text + 1) < 0.05,
         "B = √(M/d) gives O(N²d^1.5/√M); O(N²d²/M) needs B = Θ(M/d) (B×d blocks of Q, K, V, "
         "O filling the SRAM)",
