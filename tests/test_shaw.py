@@ -331,3 +331,20 @@ def test_concat_explicit_positions_and_errors():
         cat(torch.randn(3, 6))
     with pytest.raises(TypeError, match=r"encoding must be an nn\.Module"):
         ConcatPositionalEncoding(lambda p: p)
+
+
+def test_nan_rule_per_head_tables_dense_mask_and_weights():
+    q, k, v, rk, rv = _inputs(L=6, S=6, K=1, per_head=True)
+    rv[1, 2, 0] = float("nan")  # head 1, distance +1, column 0
+    k[0, 0, 4, 1] = float("nan")  # kv head 0 = query heads 0, 1
+    keep = seeded(1, 1, 6, 6, seed=4) > 0  # a dense bool mask
+    keep[..., 3, :] = False  # row 3 attends nothing
+    out, w = shaw_attention(q, k, v, rk, rv, mask=keep, return_weights=True)
+    want, w_ref = reference.shaw_attention(q, k, v, rk, rv, mask=keep)
+    for a, b in ((out, want), (w, w_ref)):
+        assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.isfinite(b).any()
+        torch.testing.assert_close(a[~a.isnan()], b[~b.isnan()], rtol=1e-12, atol=1e-13)
+    reads_plus1 = (keep[0, 0] & (reference.shaw_relative_index(6, 6, 1) == 2)).any(-1)  # (L,)
+    assert torch.equal(torch.isnan(out[1, 1, :, 0]), reads_plus1)  # head 1, col 0 (batch 1)
+    assert not torch.isnan(out[1, [0, 2, 3]]).any()  # other heads: their own tables are finite
+    assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))

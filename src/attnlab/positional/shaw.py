@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ..functional import nan_rule
 from ..functional.reference import compute_dtype_for, shaw_relative_index
-from ..functional.request import BiasFn, request_dense
+from ..functional.request import BiasFn, request_dense, request_interval
 from ..functional.validate import plain_request
 from ..masks import Mask
 from ._checks import check_int
@@ -148,13 +148,19 @@ def shaw_attention(
     weights = p.to(q.dtype)
 
     # The NaN rule: content part as in attention, then the tables through per-row bucket counts.
-    out, weights = nan_rule.poison(out, q, k, v, keep=keep, bias=additive, weights=weights)
+    # A structured mask gives each row one key interval: O((S + L)·Dv), no dense pass.
+    interval = None if return_weights else request_interval(req)
+    if interval is not None:
+        out, _ = nan_rule.poison(out, q, k, v, interval=interval)
+    else:
+        out, weights = nan_rule.poison(out, q, k, v, keep=keep, bias=additive, weights=weights)
     keep4 = q.new_ones((), dtype=torch.bool).expand(1, 1, L, S) if keep is None else keep
-    counts = torch.zeros(B, H, L, 2 * K + 1, device=q.device).scatter_add(
-        -1, idx, keep4.expand(B, H, L, S).float()
-    )  # (B, H, L, 2K+1): how many attended pairs read each table row
-    row_bad = (counts @ nan_rule.row_flags(_per_head(rel_k)).unsqueeze(-1)) > 0  # (B, H, L, 1)
-    col_bad = (counts @ nan_rule.flags(_per_head(rel_v))) > 0  # (B, H, L, Dv)
+    kb, kh = keep4.shape[:2]  # (B|1, H|1): the counts stay as small as the mask
+    counts = torch.zeros(kb, kh, L, 2 * K + 1, device=q.device).scatter_add(
+        -1, idx[:kb, :kh], keep4.expand(kb, kh, L, S).float()
+    )  # (B|1, H|1, L, 2K+1): how many attended pairs read each table row
+    row_bad = (counts @ nan_rule.row_flags(_per_head(rel_k)).unsqueeze(-1)) > 0  # (·, H|1, L, 1)
+    col_bad = (counts @ nan_rule.flags(_per_head(rel_v))) > 0  # (B|1, H|1, L, Dv)
     out = nan_rule.add_nan(out, row_bad | col_bad)
     if not return_weights:
         return out
