@@ -348,3 +348,18 @@ def test_nan_rule_per_head_tables_dense_mask_and_weights():
     assert torch.equal(torch.isnan(out[1, 1, :, 0]), reads_plus1)  # head 1, col 0 (batch 1)
     assert not torch.isnan(out[1, [0, 2, 3]]).any()  # other heads: their own tables are finite
     assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+
+
+@pytest.mark.slow
+def test_compiles_in_one_graph_forward_and_backward():
+    """No host syncs: ``torch.compile(fullgraph=True)`` traces the module, backward included."""
+    torch.manual_seed(0)
+    mha = ShawRelativeAttention(16, 2, max_distance=2, num_kv_heads=1)
+    x = torch.randn(2, 7, 16)
+    compiled = torch.compile(
+        lambda t: mha(t, mask=masks.causal()), backend="aot_eager", fullgraph=True
+    )
+    got = compiled(x)
+    torch.testing.assert_close(got, mha(x, mask=masks.causal()), rtol=1e-6, atol=1e-6)
+    got.sum().backward()
+    assert torch.isfinite(mha.relative.rel_v.grad).all() and mha.relative.rel_v.grad.abs().sum() > 0
