@@ -350,6 +350,15 @@ def test_nan_rule_per_head_tables_dense_mask_and_weights():
     assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
 
 
+@pytest.mark.parametrize(("L", "S"), [(0, 3), (3, 0), (0, 0)])
+def test_empty_sizes_give_zeros_even_for_nan_queries(L, S):
+    q, k, v = seeded(1, 2, L, 4), seeded(1, 2, S, 4), seeded(1, 2, S, 4)
+    q[..., 0] = float("nan")
+    rk, rv = seeded(5, 4, seed=1), seeded(5, 4, seed=2)
+    out = shaw_attention(q, k, v, rk, rv, mask=masks.causal())
+    assert out.shape == (1, 2, L, 4) and torch.equal(out, torch.zeros_like(out))
+
+
 @pytest.mark.slow
 def test_compiles_in_one_graph_forward_and_backward():
     """No host syncs: ``torch.compile(fullgraph=True)`` traces the module, backward included."""

@@ -149,7 +149,7 @@ def shaw_attention(
 
     # The NaN rule: content part as in attention, then the tables through per-row bucket counts.
     # A structured mask gives each row one key interval: O((S + L)·Dv), no dense pass.
-    interval = None if return_weights else request_interval(req)
+    interval = None if return_weights or req.is_empty else request_interval(req)
     if interval is not None:
         out, _ = nan_rule.poison(out, q, k, v, interval=interval)
     else:
