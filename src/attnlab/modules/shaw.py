@@ -18,10 +18,12 @@ class ShawRelativeAttention(MultiHeadAttention):
     """Multi-head attention with Shaw et al.'s relative key and value representations.
 
     ``out = W_o · concat_h shaw(x W_q^h, x W_k^{g(h)}, x W_v^{g(h)}; a^K, a^V)`` — the
-    projections, GQA and parameter names of `attnlab.MultiHeadAttention` (a subclass: a
-    ``state_dict`` of an MHA loads with ``strict=False``), plus ``relative`` holding the tables.
-    The relative terms replace absolute positions (no RoPE). No KV cache and no dropout:
-    attention runs through the dense `shaw_attention`.
+    projections, GQA and parameter names of `attnlab.MultiHeadAttention` (a subclass: its
+    ``state_dict`` is an MHA's plus ``relative.rel_k`` and ``relative.rel_v``). Why a module and
+    not ``MultiHeadAttention(bias_fn=...)``: a function bias sees only the indices (b, h, i, j),
+    but the key term ``q_i·a^K[r_ij]`` depends on q and the value term ``Σ_j α_ij a^V[r_ij]`` is
+    added to the output, so neither is a bias. The relative terms replace absolute positions
+    (no RoPE). No KV cache and no dropout: attention runs through the dense `shaw_attention`.
 
     Args:
         embed_dim: E. num_heads: H (head dim ``D = E / H``). max_distance: K.
@@ -47,11 +49,11 @@ class ShawRelativeAttention(MultiHeadAttention):
         bias: bool = True,
         bias_fn: BiasFn | None = None,
     ) -> None:
+        if not isinstance(per_head_tables, bool):
+            raise TypeError(f"per_head_tables must be a bool, got {type(per_head_tables).__name__}")
         super().__init__(
             embed_dim, num_heads, num_kv_heads=num_kv_heads, bias=bias, bias_fn=bias_fn
         )
-        if not isinstance(per_head_tables, bool):
-            raise TypeError(f"per_head_tables must be a bool, got {type(per_head_tables).__name__}")
         self.relative = ShawRelativePositions(
             max_distance, self.head_dim, num_heads=self.num_heads if per_head_tables else None
         )
