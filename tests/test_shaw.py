@@ -86,6 +86,8 @@ CASES = {
     "padding": dict(L=6, S=6, mask=masks.padding([6, 3])),
     "bias": dict(L=5, S=7, bias="float"),
     "L=1": dict(L=1, S=7, mask=masks.causal()),
+    "ALiBi fn bias": dict(L=5, S=7, mask=masks.causal(), bias="alibi"),
+    "float mask": dict(L=5, S=7, mask="float"),
 }
 
 
@@ -96,16 +98,24 @@ def test_dense_path_equals_reference_forward_and_backward(case, per_head):
     mask, bias = c.pop("mask", None), c.pop("bias", None)
     q, k, v, rk, rv = _inputs(per_head=per_head, **c)
     L, S = q.shape[2], k.shape[2]
+    ref_bias = bias
     if bias == "float":
-        bias = seeded(1, 4, L, S, seed=11)
+        bias = ref_bias = seeded(1, 4, L, S, seed=11)
         bias[..., 0] = float("-inf")  # −inf = masked
-    dense_mask = None if mask is None else mask.to_dense(L, S, batch=2, heads=4)
+    elif bias == "alibi":
+        bias = attnlab.pos.ALiBi(4)
+        ref_bias = bias.matrix(L, S).to(F64)  # (H, L, S)
+    if mask == "float":  # an additive float mask: −inf entries are masked
+        mask = torch.where(seeded(L, S, seed=12) > -0.5, 0.0, float("-inf")).to(F64)
+        ref_bias, dense_mask = mask, None
+    else:
+        dense_mask = None if mask is None else mask.to_dense(L, S, batch=2, heads=4)
 
     def fast(*x):
         return shaw_attention(*x, mask=mask, bias=bias)
 
     def ref(*x):
-        return reference.shaw_attention(*x, mask=dense_mask, bias=bias)[0]
+        return reference.shaw_attention(*x, mask=dense_mask, bias=ref_bias)[0]
 
     xs = [t.clone().requires_grad_(True) for t in (q, k, v, rk, rv)]
     out = fast(*xs)
