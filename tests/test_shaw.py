@@ -382,3 +382,16 @@ def test_compiles_in_one_graph_forward_and_backward():
     torch.testing.assert_close(got, mha(x, mask=masks.causal()), rtol=1e-6, atol=1e-6)
     got.sum().backward()
     assert torch.isfinite(mha.relative.rel_v.grad).all() and mha.relative.rel_v.grad.abs().sum() > 0
+
+
+def test_cached_decoding_equals_the_full_causal_run():
+    torch.manual_seed(1)
+    mha = ShawRelativeAttention(16, 4, max_distance=3, num_kv_heads=2)
+    x = torch.randn(2, 9, 16)
+    full = mha(x, mask=masks.causal())
+    cache = attnlab.KVCache()
+    steps = [mha(x[:, :5], mask=masks.causal(), cache=cache)]  # prefill
+    steps += [mha(x[:, t : t + 1], cache=cache) for t in range(5, 9)]  # one token at a time
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="plain KVCache"):
+        mha(x, cache=attnlab.SlidingWindowCache(4))

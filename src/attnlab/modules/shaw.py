@@ -11,6 +11,7 @@ from torch import Tensor
 from ..functional.request import BiasFn
 from ..masks import Mask
 from ..positional.shaw import ShawRelativePositions
+from .kv_cache import KVCache
 from .mha import MultiHeadAttention
 
 
@@ -23,7 +24,8 @@ class ShawRelativeAttention(MultiHeadAttention):
     not ``MultiHeadAttention(bias_fn=...)``: a function bias sees only the indices (b, h, i, j),
     but the key term ``q_i·a^K[r_ij]`` depends on q and the value term ``Σ_j α_ij a^V[r_ij]`` is
     added to the output, so neither is a bias. The relative terms replace absolute positions
-    (no RoPE). No KV cache and no dropout: attention runs through the dense `shaw_attention`.
+    (no RoPE). No dropout, and only a plain `KVCache`: attention runs through the dense
+    `shaw_attention`.
 
     Args:
         embed_dim: E. num_heads: H (head dim ``D = E / H``). max_distance: K.
@@ -65,6 +67,7 @@ class ShawRelativeAttention(MultiHeadAttention):
         value: Tensor | None = None,
         *,
         mask: Mask | Tensor | None = None,
+        cache: KVCache | None = None,
         need_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attends from ``query (B, L, E)`` to ``key``/``value`` (self-attention if key is None).
@@ -73,14 +76,30 @@ class ShawRelativeAttention(MultiHeadAttention):
             query: ``(B, L, E)``. key, value: ``(B, S, E)``.
             mask: `Mask`, bool (True = may attend) or additive float, broadcastable to
                 ``(B, H, L, S)``; bottom-right aligned (also for the relative distances).
+            cache: a plain `KVCache` (self-attention): the new keys/values are appended and the
+                queries attend to everything cached. The cache holds positions 0…S−1 in order,
+                so bottom-right alignment gives the true distances. Evicting caches
+                (`SlidingWindowCache`, `SinkCache`) raise TypeError: their keys are not
+                consecutive positions.
             need_weights: also return the weights ``(B, H, L, S)``.
 
         Returns:
             ``(B, L, E)``, or ``(out, weights)``.
         """
         self._check(query, key, value)
+        if cache is not None:
+            if type(cache) is not KVCache:
+                raise TypeError(
+                    f"cache must be a plain KVCache (consecutive key positions), got "
+                    f"{type(cache).__name__}"
+                )
+            if key is not None:
+                raise ValueError("cache is for self-attention: call with key=None")
         q, k, v = self.project(query, key, value)  # (B, H, L, D), (B, H_kv, S, D) x2
         B, _, L, _ = q.shape
+        if cache is not None:
+            view = cache.update(k, v)  # keys 0…S−1, the new queries are the last L
+            k, v = view.k, view.v  # (B, H_kv, S, D)
         result = self.relative(q, k, v, mask=mask, bias=self.bias_fn, return_weights=need_weights)
         out, weights = result if need_weights else (result, None)
         out = out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim)  # (B, L, H D)
