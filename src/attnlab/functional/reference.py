@@ -606,3 +606,96 @@ def hierarchical_attention(
         reorder=reorder,
     )
     return out.to(q.dtype)
+
+
+def shaw_relative_index(L: int, S: int, max_distance: int, device=None) -> Tensor:
+    """Shaw et al.'s table row of each pair: ``clip(j − i, −k, k) + k``, ``(L, S)`` int64.
+
+    Query row r sits at key position ``i = r + S − L`` (bottom-right alignment), key j at j.
+    """
+    i = torch.arange(L, device=device).view(L, 1) + (S - L)  # (L, 1) aligned query positions
+    j = torch.arange(S, device=device).view(1, S)  # (1, S)
+    return (j - i).clamp(-max_distance, max_distance) + max_distance  # (L, S)
+
+
+def shaw_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rel_k: Tensor,
+    rel_v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    scale: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+    reorder: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Reference Shaw et al. (2018) relative attention, written out with ``(L, S, D)`` tables.
+
+    With ``r_ij = clip(j − i, −K, K)`` (query i aligned bottom-right) and learned tables
+    ``a^K``, ``a^V`` of 2K + 1 rows::
+
+        e_ij = q_i · (k_j + a^K[r_ij]) · scale + bias_ij,   α = softmax_j(e, masked)
+        o_i  = Σ_j α_ij (v_j + a^V[r_ij])
+
+    This function materialises ``a^K[r]`` ``(H|1, L, S, D)`` and ``a^V[r]`` ``(H|1, L, S, Dv)``:
+    the definition, not a fast path (`attnlab.positional.shaw_attention` is). Masks, fully
+    masked rows and the NaN rule are as in `attention`, where a table row counts as part of the
+    key (``a^K``) or value (``a^V``) of every pair that reads it.
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
+        rel_k: ``(2K+1, D)`` shared by the heads, or ``(H, 2K+1, D)`` per head.
+        rel_v: ``(2K+1, Dv)`` or ``(H, 2K+1, Dv)``.
+        mask: bool, True = may attend, broadcastable to ``(B, H, L, S)``.
+        bias: additive float, broadcastable to ``(B, H, L, S)``; −inf entries are masked.
+        scale: logit scale, default ``1/√D``.
+        compute_dtype: precision of logits and softmax; default float32 or wider.
+        reorder: fold the scale into k and a^K and normalise after the weighted sum (same
+            value, different rounding: the tolerance rule's naive run).
+
+    Returns:
+        ``(out (B, H, L, Dv), weights (B, H, L, S))`` in q's dtype.
+    """
+    H, L, D = q.shape[1:]
+    H_kv, S = k.shape[1], k.shape[2]
+    G = H // H_kv if H_kv else 0
+    K = (rel_k.shape[-2] - 1) // 2
+    dtype = compute_dtype or compute_dtype_for(q.dtype)
+    scale = D**-0.5 if scale is None else scale
+    keep = keep_mask(mask, bias)
+    keep4 = torch.ones(1, 1, L, S, dtype=torch.bool, device=q.device) if keep is None else keep
+    idx = shaw_relative_index(L, S, K, q.device)  # (L, S)
+    rk = nan_rule.clean(rel_k).to(dtype)
+    rv = nan_rule.clean(rel_v).to(dtype)
+    ak = (rk if rk.dim() == 3 else rk.unsqueeze(0))[:, idx]  # (H|1, L, S, D)
+    av = (rv if rv.dim() == 3 else rv.unsqueeze(0))[:, idx]  # (H|1, L, S, Dv)
+    qc = nan_rule.clean(q).to(dtype)
+    kc = nan_rule.clean(k).to(dtype).repeat_interleave(G, dim=1)  # (B, H, S, D)
+    vc = nan_rule.clean(v).to(dtype).repeat_interleave(G, dim=1)  # (B, H, S, Dv)
+    if reorder:
+        logits = qc @ (kc * scale).transpose(-1, -2) + torch.einsum(
+            "bhld,hlsd->bhls", qc, ak * scale
+        )
+    else:
+        logits = (qc @ kc.transpose(-1, -2) + torch.einsum("bhld,hlsd->bhls", qc, ak)) * scale
+    if bias is not None:
+        logits = logits + _as4(nan_rule.clean_bias(bias)).to(dtype)
+    e, z = _unnormalized_softmax(logits, keep)  # (B, H, L, S), (B, H, L, 1)
+    if reorder:
+        out = (e @ vc + torch.einsum("bhls,hlsd->bhld", e, av)) / z  # (B, H, L, Dv)
+        p = e / z
+    else:
+        p = e / z  # (B, H, L, S)
+        out = p @ vc + torch.einsum("bhls,hlsd->bhld", p, av)  # (B, H, L, Dv)
+    out, weights = out.to(q.dtype), p.to(q.dtype)
+    out, weights = nan_rule.poison(out, q, k, v, keep=keep, bias=bias, weights=weights)
+    # the tables: a non-finite a^K row read by an attended pair poisons the row, a^V[d] column d
+    flags_k = nan_rule.row_flags(rel_k if rel_k.dim() == 3 else rel_k.unsqueeze(0))[:, idx] > 0
+    flags_v = nan_rule.flags(rel_v if rel_v.dim() == 3 else rel_v.unsqueeze(0))[:, idx] > 0
+    row_bad = (flags_k & keep4).any(dim=-1)  # (B|1, H|1, L)
+    col_bad = (flags_v & keep4.unsqueeze(-1)).any(dim=-2)  # (B|1, H|1, L, Dv)
+    out = nan_rule.add_nan(out, row_bad.unsqueeze(-1) | col_bad)
+    weights = torch.where(row_bad.unsqueeze(-1) & keep4, float("nan"), weights)
+    return out, weights
