@@ -6,6 +6,7 @@ from .hierarchical import HierarchicalAttention
 from .kv_cache import CacheOverflowError, CacheView, KVCache, SinkCache, SlidingWindowCache
 from .linear import LinearAttention, PerformerAttention
 from .mha import MultiHeadAttention
+from .shaw import ShawRelativeAttention
 from .torch_compat import MultiheadAttention
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "MultiHeadAttention",
     "MultiheadAttention",
     "PerformerAttention",
+    "ShawRelativeAttention",
     "SinkCache",
     "SlidingWindowCache",
 ]
