@@ -12,7 +12,8 @@ without "CHAPTER") are kept in book order. ``alice_sentences(n, skip)`` is sente
 **Head classifier** (`classify_heads`): per (layer, head), statistics of the attention weights
 ``p`` (rows = query tokens, averaged over the query rows of every sentence):
 
-- ``prev``, ``next``, ``self``: mean ``p_{i,i−1}``, ``p_{i,i+1}``, ``p_{i,i}``;
+- ``prev``, ``next``, ``self``: mean ``p_{i,i−1}`` (over rows i ≥ 1), ``p_{i,i+1}`` (rows
+  i ≤ T − 2), ``p_{i,i}``;
 - ``special``: mean weight on [CLS] (the first token) plus [SEP];
 - ``rare``: the share of a row's weight on ordinary (not [CLS]/[SEP]) tokens that goes to rare
   tokens — tokens seen at most ``rare_count`` (default 3) times in the whole book (WordPiece
@@ -34,10 +35,11 @@ Classes, the first rule that fires (thresholds in `HEAD_THRESHOLDS`):
 **Pruning sweep** (`pruning_sweep`): heads are removed by gating their output to zero
 (`head_gates`, equal to `MultiHeadAttention.prune_heads` up to float rounding) in two orders —
 *importance* order (least important first; importance = the exact increase of the metric's
-loss ``1 − cosine`` when that head alone is removed, ``head_importance(..., ablation=True)``,
-measured on a separate importance set of sentences) and *random* order (seeded permutations,
-the metric averaged over seeds). The **metric** is the mean over the evaluation sentences of the
-cosine between the pruned and the unpruned model's sentence embeddings,
+loss ``1 − cosine`` when that head alone is removed — `head_importance`'s ``ablation`` —
+measured on a separate importance set of sentences, batched by `ablation_importance`) and
+*random* order (seeded permutations, the metric averaged over seeds). The **metric** is the
+mean over the evaluation sentences of the cosine between the pruned and the unpruned model's
+sentence embeddings,
 ``cos(e, e₀) = e·e₀ / √(‖e‖² ‖e₀‖²)`` in float64 (exactly 1 at fraction 0).
 
 Example:
@@ -57,7 +59,7 @@ import torch
 from torch import Tensor, nn
 
 from ..utils import text_table
-from .importance import attention_modules, head_gates, head_importance
+from .importance import attention_modules, head_gates
 from .weights import entropy
 
 #: The classifier's thresholds (see the module docstring for the rules they enter).
@@ -225,14 +227,25 @@ def head_statistics(
         special: the ids that count as special tokens ([CLS], [SEP]).
         rare: ``(vocab,)`` bool, True for rare token ids.
     """
+    if (
+        not isinstance(weights, Tensor)
+        or weights.dim() != 4
+        or weights.shape[-1] != weights.shape[-2]
+    ):
+        got = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
+        raise ValueError(f"weights must be (layers, heads, T, T), got {got}")
     w = weights.to(torch.float64)  # (layers, H, T, T)
     T = w.shape[-1]
     if T < 2:
         raise ValueError(f"a sentence needs at least 2 tokens, got T={T}")
+    if len(ids) != T:
+        raise ValueError(f"ids must hold T={T} token ids (one per weight row), got {len(ids)}")
+    if not isinstance(rare, Tensor) or rare.dtype != torch.bool or rare.dim() != 1:
+        raise TypeError(f"rare must be a 1-D bool tensor over the vocabulary, got {rare!r:.80}")
     idx = torch.tensor(list(ids), dtype=torch.long)
     i = torch.arange(T)
-    prev = torch.cat([torch.zeros_like(w[..., :1, 0]), w[..., i[1:], i[:-1]]], -1).mean(-1)
-    nxt = torch.cat([w[..., i[:-1], i[1:]], torch.zeros_like(w[..., :1, 0])], -1).mean(-1)
+    prev = w[..., i[1:], i[:-1]].mean(-1)  # over the rows that have a previous token
+    nxt = w[..., i[:-1], i[1:]].mean(-1)  # over the rows that have a next token
     diag = w.diagonal(dim1=-2, dim2=-1).mean(-1)
     is_special = torch.isin(idx, torch.tensor(list(special), dtype=torch.long))
     is_rare = rare[idx] & ~is_special
@@ -385,6 +398,60 @@ def _check_fractions(fractions: object) -> list[float]:
     return out
 
 
+def _sample_gates(model: nn.Module, gates: list[Tensor]) -> Any:
+    """`head_gates` with one gate vector per batch item: ``gates[l]`` is ``(B, H_l)``."""
+    from contextlib import ExitStack
+
+    stack = ExitStack()
+    for (_, m), g in zip(attention_modules(model), gates, strict=True):
+        H, D = m.num_heads, m.head_dim
+
+        def hook(_mod: nn.Module, args: tuple, g: Tensor = g, H: int = H, D: int = D) -> tuple:
+            x = args[0]  # (B, T, H·D)
+            gx = g.to(x.dtype)[:, None, :, None]  # (B, 1, H, 1)
+            return ((x.unflatten(-1, (H, D)) * gx).flatten(-2), *args[1:])
+
+        stack.callback(m.out_proj.register_forward_pre_hook(hook).remove)
+    return stack
+
+
+def ablation_importance(
+    model: Any, batch: tuple[Tensor, Tensor | None], ref: Tensor, *, heads_per_pass: int = 24
+) -> Tensor:
+    """``1 − mean_n cos(e_n, ref_n)`` with each head alone gated to zero, ``(layers, heads)``.
+
+    The same numbers as ``head_importance(model, batch, loss_fn, ablation=True)["ablation"]``
+    for ``loss_fn = 1 − mean cos(model(*batch), ref)`` (whose loss at every gate 1 is exactly 0
+    when ``ref`` is the unpruned output), computed with the sentences repeated once per ablated
+    head and per-item gates: one forward per ``heads_per_pass`` heads instead of one per head.
+
+    Args:
+        model: a `attnlab.models.MiniLM`.
+        batch: padded ``(N, T)`` ids and mask (or None), as ``MiniLM._pad`` returns them.
+        ref: ``(N, E)`` the unpruned embeddings of the batch.
+        heads_per_pass: ablated heads per forward pass.
+    """
+    ids, mask = batch
+    N = ids.shape[0]
+    shape = [m.num_heads for _, m in attention_modules(model)]
+    flat = [(layer, head) for layer, h in enumerate(shape) for head in range(h)]
+    out = torch.zeros(len(shape), max(shape), dtype=torch.float64)
+    for start in range(0, len(flat), heads_per_pass):
+        part = flat[start : start + heads_per_pass]
+        R = len(part)
+        gates = [torch.ones(R, h, device=ids.device) for h in shape]
+        for r, (layer, head) in enumerate(part):
+            gates[layer][r, head] = 0.0
+        gates = [g.repeat_interleave(N, dim=0) for g in gates]  # (R·N, H)
+        big_mask = None if mask is None else mask.repeat(R, 1)
+        with torch.no_grad(), _sample_gates(model, gates):
+            e = model(ids.repeat(R, 1), big_mask)  # (R·N, E)
+        loss = 1.0 - _cosine(e, ref.repeat(R, 1)).unflatten(0, (R, N)).mean(-1)  # (R,)
+        for r, (layer, head) in enumerate(part):
+            out[layer, head] = loss[r]
+    return out
+
+
 def pruning_sweep(
     fractions: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
     *,
@@ -445,13 +512,10 @@ def pruning_sweep(
         imp_ref = embed(imp_batch, None)
         eval_ref = embed(eval_batch, None)
 
-    def loss_fn(m: nn.Module, batch: Any) -> Tensor:
-        return 1.0 - _cosine(m(*batch), imp_ref).mean()
-
     was_training = model.training
     model.eval()
     try:
-        scores = head_importance(model, imp_batch, loss_fn, ablation=True)["ablation"]
+        scores = ablation_importance(model, imp_batch, imp_ref)
         flat = [(layer, head) for layer, h in enumerate(shape) for head in range(h)]
         order = sorted(flat, key=lambda lh: (float(scores[lh]), lh))
 
@@ -495,6 +559,7 @@ __all__ = [
     "HEAD_THRESHOLDS",
     "HeadReport",
     "PruningSweep",
+    "ablation_importance",
     "alice_sentences",
     "classify",
     "classify_heads",
