@@ -112,6 +112,11 @@ def test_classify_rules_and_thresholds() -> None:
     assert classify(st_blind) == [["other"]]
 
 
+def test_classify_error_names_the_shape() -> None:
+    with pytest.raises(ValueError, match=r"stats must be \(layers, heads, 8\), got \(1, 4\)"):
+        classify(torch.zeros(1, 4))
+
+
 def test_head_statistics_errors() -> None:
     with pytest.raises(
         ValueError, match=r"weights must be \(layers, heads, T, T\), got \(4, 6, 6\)"

@@ -66,7 +66,7 @@ from .weights import entropy
 HEAD_THRESHOLDS: dict[str, float] = {
     "positional": 0.5,  # mean weight on the previous / next / same token
     "sink": 0.5,  # mean weight on [CLS] + [SEP]
-    "rare_lift": 3.0,  # weight on rare tokens / their share of the keys
+    "rare_lift": 3.0,  # ordinary weight on rare tokens / their share of the ordinary keys
     "rare_min": 0.1,  # and at least this share of the ordinary weight on rare tokens
     "broad": 0.8,  # mean entropy / ln T
 }
@@ -189,6 +189,9 @@ class HeadReport:
 def classify(stats: Tensor) -> list[list[str]]:
     """Classes of heads from their statistics ``(layers, heads, len(HEAD_STATS))`` (rules and
     thresholds: module docstring, `HEAD_THRESHOLDS`)."""
+    if not isinstance(stats, Tensor) or stats.dim() != 3 or stats.shape[-1] != len(HEAD_STATS):
+        got = tuple(stats.shape) if isinstance(stats, Tensor) else type(stats).__name__
+        raise ValueError(f"stats must be (layers, heads, {len(HEAD_STATS)}), got {got}")
     t = HEAD_THRESHOLDS
     col = {name: stats[..., i] for i, name in enumerate(HEAD_STATS)}
     out = []
