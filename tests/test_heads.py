@@ -283,6 +283,13 @@ def test_cli_heads_rejects_bad_fractions(capsys) -> None:
     assert "--fractions" in capsys.readouterr().err
 
 
+def test_cli_heads_checks_the_png_path_before_work(capsys, tmp_path) -> None:
+    from attnlab.cli import main
+
+    assert main(["heads", "prune", "--png", str(tmp_path / "plot.jpg")]) == 2
+    assert "--png: must end in .png" in capsys.readouterr().err
+
+
 def test_cli_heads_classify_json(model, tmp_path, capsys, monkeypatch) -> None:
     import json
     import sys
