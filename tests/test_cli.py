@@ -147,11 +147,14 @@ def test_every_command_has_its_own_module():
     assert list(sub.choices) == [
         "check",
         "estimate",
+        "advise",
         "experiment",
+        "heads",
         "bench",
         "train",
         "generate",
         "visualize",
+        "textbook",
     ]
     assert [m.__name__.rsplit(".", 1)[1] for m in cli.COMMANDS] == list(sub.choices)
     assert all(len(p.read_text().splitlines()) <= 600 for p in (SRC / "cli").glob("*.py"))
@@ -193,7 +196,7 @@ def test_bench_prints_a_table_of_numbers(tmp_path, capsys, monkeypatch):
     assert cli.main([*argv, "--json", str(tmp_path / "b.json")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("machine: ") and f"{torch.get_num_threads()} threads" in out[0]
-    rate = float(re.fullmatch(r"fp32 matmul .*: (\d+) GFLOP/s .*", out[1]).group(1))
+    rate = float(re.fullmatch(r"fp32 matmul .*: ([0-9.]+) GFLOP/s .*", out[1]).group(1))
     assert rate > 0
     header = out[3].split("  ")
     assert [c.strip() for c in header if c.strip()] == [

@@ -89,6 +89,8 @@ COMMANDS = {
 }
 #: Commands without ``--device``, with the reason.
 HOST_ONLY = {
+    "advise": "arithmetic on the cost model; without --gflops it times one host matmul for the "
+    "rate (the advice is for the machine it runs on)",
     "textbook": "reproduces the texts' claims in float64 on the host: its printed numbers must be "
     "the same on every machine (docs/textbook.md is checked for drift)",
 }

@@ -28,6 +28,7 @@ import stat
 import struct
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from .utils.extras import require
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit (100 MB)
 MAX_TENSORS = 262_144  # per file; far above real single files (a 70B model holds ~700 tensors)
 MAX_JSON_DEPTH = 64  # nesting accepted by `load_json`; a safetensors header nests 3 deep at most
+MAX_CONFIG_BYTES = 16_000_000  # a model's config.json (real ones: a few kB, large label maps ~1 MB)
 STALE_SECONDS = 300  # an unlocked temp file of ours this old is a leftover even if its pid lives
 _TEMP_MARK = "attnlab"  # temp files are ".<name>.attnlab.<pid>.<8 random chars>.tmp"
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
@@ -258,14 +260,8 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def read_regular_file(path: Path) -> bytes:
-    """The bytes of the regular file ``path``; anything else raises `CheckpointError`.
-
-    Devices (``/dev/zero`` never ends), FIFOs (a read blocks until a writer comes) and
-    directories are refused before any read: the path is checked with ``os.stat``, opened with
-    ``O_NONBLOCK`` (opening a FIFO never waits) and checked again with ``fstat`` on the open
-    descriptor (the path may have been swapped in between). At most the ``fstat`` size is read.
-    """
+def _open_regular(path: Path):
+    """``(file, size)``: ``path`` opened for reading if it is a regular file (see below)."""
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
@@ -273,20 +269,43 @@ def read_regular_file(path: Path) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise FileNotFoundError(errno.ENOENT, f"checkpoint not found: {path}", str(path)) from None
-    with open(fd, "rb", buffering=0, closefd=True) as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(path, f"refusing {_kind(st.st_mode)}: expected a regular file")
-        size = st.st_size
-        buf = bytearray(size)
-        view, got = memoryview(buf), 0
-        while got < size:  # a file that shrank while being read is returned short (truncated)
-            n = f.readinto(view[got:])
-            if not n:
-                break
-            got += n
-        del view
-        return bytes(buf) if got == size else bytes(buf[:got])
+    f = open(fd, "rb", buffering=0, closefd=True)  # noqa: SIM115 (the caller closes it)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        f.close()
+        raise CheckpointError(path, f"refusing {_kind(st.st_mode)}: expected a regular file")
+    return f, st.st_size
+
+
+def _read_at_most(f: Any, size: int) -> bytes:
+    """Up to ``size`` bytes of ``f`` (fewer if the file ends first), without an extra copy."""
+    chunks: list[bytes] = []
+    got = 0
+    while got < size:  # a file that shrank while being read is returned short (truncated)
+        chunk = f.read(size - got)  # one read for a regular file (up to ~2 GB on Linux)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def read_regular_file(path: Path, limit: int | None = None) -> bytes:
+    """The bytes of the regular file ``path``; anything else raises `CheckpointError`.
+
+    Devices (``/dev/zero`` never ends), FIFOs (a read blocks until a writer comes) and
+    directories are refused before any read: the path is checked with ``os.stat``, opened with
+    ``O_NONBLOCK`` (opening a FIFO never waits) and checked again with ``fstat`` on the open
+    descriptor (the path may have been swapped in between). At most the ``fstat`` size is read;
+    a file larger than ``limit`` bytes (if given) is refused unread.
+    """
+    f, size = _open_regular(path)
+    with f:
+        if limit is not None and size > limit:
+            raise CheckpointError(
+                path, f"file holds {size} bytes, more than the {limit}-byte limit"
+            )
+        return _read_at_most(f, size)
 
 
 def header_length(raw: bytes) -> int:
@@ -352,7 +371,7 @@ def _uints(value: Any) -> bool:
     return type(value) is list and all(type(x) is int and x >= 0 for x in value)
 
 
-def _parse(path: Path, text: str, pairs: int) -> Any:
+def _parse_json(path: Path, text: str, pairs: int) -> Any:
     """The header's JSON; duplicate names anywhere raise `CheckpointError` naming them.
 
     ``pairs`` is the number of ``name: value`` pairs in the text (its outline's colons). The
@@ -370,26 +389,30 @@ def _parse(path: Path, text: str, pairs: int) -> Any:
     return header
 
 
-def parse_header(path: Path, raw: bytes) -> tuple[dict[str, str], dict[str, tuple[int, int]], int]:
-    """Checks the safetensors structure; returns ``(metadata, {name: (begin, end)}, data start)``.
+def _fill_infos(infos: dict, header: dict) -> None:
+    for name, info in header.items():
+        infos[name] = (DTYPES[info["dtype"]], tuple(info["shape"]))
 
-    safetensors checks the same and more, but names the fault less precisely and accepts
-    duplicate names and unknown fields; this runs first so every error says exactly what is wrong.
-    """
-    if len(raw) < 8:
+
+def _parse(
+    path: Path, raw: bytes, file_len: int, infos: dict | None = None
+) -> tuple[dict, dict, int]:
+    """`parse_header` on ``raw`` (at least the prefix and header) of a ``file_len``-byte file;
+    fills ``infos`` (if given) with ``{name: (dtype, shape)}``."""
+    if file_len < 8 or len(raw) < 8:
         raise CheckpointError(
             path,
-            f"file too small: {len(raw)} bytes, a safetensors file needs at least 8 (truncated?)",
+            f"file too small: {file_len} bytes, a safetensors file needs at least 8 (truncated?)",
         )
     n = header_length(raw)
     if n > MAX_HEADER_BYTES:
         raise CheckpointError(
             path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupted?)"
         )
-    if 8 + n > len(raw):
+    if 8 + n > file_len or 8 + n > len(raw):
         raise CheckpointError(
             path,
-            f"truncated: the header claims {n} bytes but only {len(raw) - 8} follow the prefix",
+            f"truncated: the header claims {n} bytes but only {file_len - 8} follow the prefix",
         )
     try:
         text = raw[8 : 8 + n].decode("utf-8")
@@ -405,7 +428,7 @@ def parse_header(path: Path, raw: bytes) -> tuple[dict[str, str], dict[str, tupl
         raise CheckpointError(
             path, f"header lists {count} entries, more than the {MAX_TENSORS}-tensor limit"
         )
-    header = _parse(path, text, outline.count(":"))
+    header = _parse_json(path, text, outline.count(":"))
     if not isinstance(header, dict):
         raise CheckpointError(path, f"header must be a JSON object, got {type(header).__name__}")
     meta = header.pop("__metadata__", {})
@@ -461,7 +484,7 @@ def parse_header(path: Path, raw: bytes) -> tuple[dict[str, str], dict[str, tupl
                 path, f"gap in the data region: bytes [{position}, {begin}) belong to no tensor"
             )
         position, previous = end, name
-    data_len = len(raw) - 8 - n
+    data_len = file_len - 8 - n
     if position > data_len:
         raise CheckpointError(
             path, f"truncated: tensors need {position} data bytes but the file holds {data_len}"
@@ -472,7 +495,60 @@ def parse_header(path: Path, raw: bytes) -> tuple[dict[str, str], dict[str, tupl
             f"{data_len - position} trailing bytes after the last tensor (the data region must "
             "be covered exactly)",
         )
+    if infos is not None:
+        _fill_infos(infos, header)
     return meta, spans, 8 + n
+
+
+def parse_header(path: Path, raw: bytes) -> tuple[dict[str, str], dict[str, tuple[int, int]], int]:
+    """Checks the safetensors structure; returns ``(metadata, {name: (begin, end)}, data start)``.
+
+    safetensors checks the same and more, but names the fault less precisely and accepts
+    duplicate names and unknown fields; this runs first so every error says exactly what is wrong.
+    """
+    return _parse(path, raw, len(raw))
+
+
+@dataclass(frozen=True)
+class Header:
+    """A safetensors file's checked header, read without its tensor data (`read_header`).
+
+    Attributes:
+        path: the file.
+        metadata: the ``__metadata__`` strings.
+        tensors: ``{name: (dtype, shape)}`` of every stored tensor, in header order.
+        raw: the 8-byte prefix and the header's bytes (to check a later full read against).
+    """
+
+    path: Path
+    metadata: dict[str, str]
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    raw: bytes
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """The checked header of a safetensors file, reading only its first 8 + N bytes.
+
+    The structure is checked as by `parse_header` (sizes, UTF-8, JSON nesting, dtypes, shapes,
+    offsets that cover the data region exactly, as the ``fstat`` size says) without reading any
+    tensor data, so a loader can check what the file holds before it allocates anything.
+    Pickle suffixes, devices, FIFOs and directories are refused unread.
+    """
+    path = Path(os.fspath(path))
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise CheckpointError(
+            path,
+            f"refusing {path.suffix!r}: pickle-based checkpoints can run arbitrary code when "
+            "loaded; convert it to safetensors in a trusted environment",
+        )
+    f, size = _open_regular(path)
+    with f:
+        head = _read_at_most(f, min(size, 8))
+        if len(head) == 8 and header_length(head) <= min(MAX_HEADER_BYTES, size - 8):
+            head += _read_at_most(f, header_length(head))
+    infos: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    meta, _, start = _parse(path, head, size, infos)
+    return Header(path, meta, infos, head[:start])
 
 
 def decode(path: Path, raw: bytes) -> dict[str, Tensor]:
@@ -486,18 +562,28 @@ def decode(path: Path, raw: bytes) -> dict[str, Tensor]:
         raise CheckpointError(path, f"safetensors could not decode the file ({e})") from None
 
 
-def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[str, str]]:
+def read_safetensors(
+    path: str | os.PathLike, *, header: Header | None = None
+) -> tuple[dict[str, Tensor], dict[str, str]]:
     """Reads any safetensors file (e.g. a downloaded model) with full structural validation.
 
     Checks what `load_checkpoint` checks about the structure (sizes, UTF-8, JSON, dtypes,
     shapes, offsets, trailing bytes, pickle refusal) but not checksums, which foreign files lack.
+
+    Args:
+        path: the file.
+        header: the file's `read_header`, already checked by the caller: the file must still
+            have exactly this header (else `CheckpointError`, "changed since its header was
+            read"), so what was checked is what gets decoded.
 
     Returns:
         ``(tensors, metadata)``.
     """
     path = Path(os.fspath(path))
     raw = read_file(path)
-    meta, _, _ = parse_header(path, raw)
+    meta, _, start = parse_header(path, raw)
+    if header is not None and raw[:start] != header.raw:
+        raise CheckpointError(path, "the file changed since its header was read")
     return decode(path, raw), meta
 
 
@@ -515,6 +601,26 @@ def check_header_sha256(path: Path, head: bytes, meta: dict[str, str]) -> None:
     blank = _HEADER_DIGEST_RE.sub(lambda m: m.group(0).replace(found[0], b"0" * 64), head)
     if hashlib.sha256(blank).hexdigest() != found[0].decode():
         raise CheckpointError(path, "header sha256 mismatch: the header is corrupted")
+
+
+def read_config_json(path: str | os.PathLike, *, limit: int = MAX_CONFIG_BYTES) -> Any:
+    """A JSON file such as a model's ``config.json``, read bounded; errors name the path.
+
+    Only a regular file of at most ``limit`` bytes is read (`read_regular_file`); the text must
+    be UTF-8 JSON nested at most `MAX_JSON_DEPTH` levels (checked before parsing, so deep
+    nesting is a `CheckpointError`, never a RecursionError).
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointError: not a regular file, too large, not UTF-8, not JSON, too deeply nested.
+    """
+    path = Path(os.fspath(path))
+    raw = read_regular_file(path, limit)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(path, f"not valid UTF-8 JSON ({e})") from None
+    return loads(path, text, "the file", MAX_JSON_DEPTH)
 
 
 def save_json(path: str | os.PathLike, data: Any) -> None:

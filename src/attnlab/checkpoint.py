@@ -21,6 +21,11 @@ and around the library (file-level parts in `attnlab._files`):
 - No pickle: ``.pt``/``.bin``/... files and zip or pickle content are refused unopened.
 - Ties (stored once, restored as one tensor) and non-contiguous tensors (save_file refuses both).
 - Module loading that checks every key, shape and dtype (``allow_cast``) before copying anything.
+- Configs justified by the file (`build_checked`, `check_fit`, `read_header`): a loader reads
+  the header only (no tensor data), builds the model on the ``meta`` device and accepts its
+  config only if the file holds exactly its tensors (count, names, shapes, dtypes), before
+  anything is allocated; so a config's limits follow from the file, not from fixed caps.
+  ``config.json`` files are read bounded (`read_config_json`).
 - Atomic writes (temp file in a private, flock-held ``.<name>.attnlab.<pid>.<hex>.tmp``
   directory beside the target, fsync, rename): a killed writer leaves the previous file intact,
   and the next save into the directory removes what it left (never a live writer's). Outputs
@@ -35,21 +40,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ._files import (
     DTYPES,
     HEADER_KEY,
+    MAX_CONFIG_BYTES,
     MAX_HEADER_BYTES,
     MAX_TENSORS,
     PICKLE_SUFFIXES,
     CheckpointError,
+    Header,
     atomic_write,
     check_header_sha256,
     decode,
@@ -57,7 +68,9 @@ from ._files import (
     load_json,
     loads,
     parse_header,
+    read_config_json,
     read_file,
+    read_header,
     read_safetensors,
     save_json,
     seal_header_sha256,
@@ -361,15 +374,210 @@ def load_checkpoint(
     return result
 
 
+# ------------------------------------------------------------------ configs justified by the file
+TensorSpecs = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+def checkpoint_specs(header: Header) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """``{name: (dtype, shape)}`` of every tensor of an attnlab checkpoint, from its header
+    alone (`read_header`): tied aliases (``attnlab.ties``) get their stored tensor's entry."""
+    specs = dict(header.tensors)
+    text = header.metadata.get("attnlab.ties", "{}")
+    ties = loads(header.path, text, "attnlab.ties", 1)
+    if not isinstance(ties, dict) or any(
+        not isinstance(a, str) or a in specs or t not in specs for a, t in ties.items()
+    ):
+        raise CheckpointError(header.path, "invalid attnlab.ties")
+    specs.update({alias: specs[target] for alias, target in ties.items()})
+    return specs
+
+
+def _names(keys: list[str], limit: int = 5) -> str:
+    """The first ``limit`` names of ``keys`` and, if there are more, how many in all."""
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f", … ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def check_fit(
+    path: str | os.PathLike,
+    module: nn.Module,
+    specs: TensorSpecs,
+    *,
+    prefix: str = "",
+    what: str = "the config",
+) -> None:
+    """Checks that the tensors in a file are exactly the module's, before any data is read.
+
+    ``module`` is typically built on the ``meta`` device (no memory): its ``state_dict`` names,
+    shapes and dtypes must equal ``specs`` (from the file's header) under ``prefix``. Every
+    missing, unexpected and mismatched name is counted and the first few are listed in one
+    `CheckpointError`.
+    """
+    targets = module.state_dict(keep_vars=True)
+    mine = {k[len(prefix) :]: v for k, v in specs.items() if k.startswith(prefix)}
+    missing = [prefix + k for k in targets if k not in mine]
+    unexpected = [prefix + k for k in mine if k not in targets]
+    mismatched = [
+        f"{prefix}{k} (needs {tuple(t.shape)} {t.dtype}, the file has {mine[k][1]} {mine[k][0]})"
+        for k, t in targets.items()
+        if k in mine and (tuple(t.shape), t.dtype) != (mine[k][1], mine[k][0])
+    ]
+    parts = [
+        f"{len(keys)} {kind} tensor(s) {_names(keys)}"
+        for kind, keys in (("missing", missing), ("unexpected", unexpected))
+        if keys
+    ]
+    if mismatched:
+        shown = "; ".join(mismatched[:5])
+        more = f"; … ({len(mismatched)} in all)" if len(mismatched) > 5 else ""
+        parts.append(f"{len(mismatched)} tensor(s) of another shape or dtype: {shown}{more}")
+    if parts:
+        raise CheckpointError(path, f"the file's tensors do not justify {what}: {'; '.join(parts)}")
+
+
+_ARANGE = torch.arange  # the function a mode receives (even if a caller wraps torch.arange)
+_SMALL = 1024  # meta inputs of at most this many elements in all are computed on CPU stand-ins
+# Functions whose output can be far larger than their inputs: always left to the meta kernels.
+_GROWING = frozenset(
+    {"repeat", "tile", "repeat_interleave", "kron", "einsum", "cartesian_prod", "meshgrid"}
+)
+
+
+class _MetaWithoutCompiler(TorchFunctionMode):
+    """Model building on ``meta`` without torch's Python meta kernels where they are not needed.
+
+    torch implements many meta kernels (``normal_``, ``arange``, ``div``, ``pow``, …) in Python
+    behind ``torch._dynamo.disable``, whose first use imports the compiler (seconds). On
+    ``meta`` there are no values, so: random fills are skipped; ``arange`` becomes an empty
+    meta tensor of its length and dtype; and an op on meta tensors of at most `_SMALL`
+    elements in all (e.g. RoPE's ``1 / base ** (i / d)``) runs on zero-filled CPU stand-ins and
+    its result goes back to ``meta``, except the functions in `_GROWING`. Anything larger
+    uses torch's meta kernels (correct, allocation-free, only slower the first time).
+    """
+
+    _FILLS = frozenset(
+        {
+            Tensor.normal_,
+            nn.init.normal_,
+            nn.init.trunc_normal_,
+            nn.init.xavier_normal_,
+            nn.init.kaiming_normal_,
+        }
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._FILLS:
+            target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+            if isinstance(target, Tensor) and target.is_meta:
+                return target
+            return func(*args, **kwargs)
+        if (
+            func is _ARANGE
+            and torch.device(kwargs.get("device") or "meta").type == "meta"
+            and 1 <= len(args) <= 3
+            and all(isinstance(b, (int, float)) for b in args)
+        ):
+            start, end, step = (0, args[0], 1) if len(args) == 1 else (*args, 1)[:3]
+            exact = all(isinstance(b, int) for b in (start, end, step))
+            dtype = kwargs.get("dtype") or (torch.int64 if exact else torch.get_default_dtype())
+            n = max(0, math.ceil((end - start) / step))
+            return torch.empty(n, dtype=dtype, device="meta")
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [t for t in flat if isinstance(t, Tensor)]
+        if (
+            tensors
+            and all(t.is_meta and not isinstance(t, nn.Parameter) for t in tensors)
+            and sum(t.numel() for t in tensors) <= _SMALL
+            and getattr(func, "__name__", "") not in _GROWING
+            and "device" not in kwargs
+        ):
+
+            def stand_in(x):  # (no nested torch.device context: it would upset the mode stack)
+                return (
+                    torch.zeros(x.shape, dtype=x.dtype, device="cpu")
+                    if isinstance(x, Tensor)
+                    else x
+                )
+
+            def back(x):
+                return torch.empty_like(x, device="meta") if isinstance(x, Tensor) else x
+
+            return tree_map(back, func(*tree_map(stand_in, args), **tree_map(stand_in, kwargs)))
+        return func(*args, **kwargs)
+
+
+def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """``build()`` under ``torch.device("meta")``: parameters and buffers get shapes and
+    dtypes but no memory (random initialisation is skipped; there is nothing to fill)."""
+    with torch.device("meta"), _MetaWithoutCompiler():
+        return build()
+
+
+def build_checked(
+    path: str | os.PathLike,
+    build: Callable[[], nn.Module],
+    specs: TensorSpecs,
+    *,
+    prefix: str = "",
+    layers: tuple[str, int] | None = None,
+    what: str = "the config",
+) -> nn.Module:
+    """``build()`` on the ``meta`` device, accepted only if the file's tensors justify it.
+
+    The rule for every loader: a config is checked against the tensors in the file (their
+    count, names, shapes and dtypes, from the header only) before anything is allocated, so
+    the limits on a config follow from the file rather than from fixed caps.
+
+    1. ``layers=(name, n)``: the file must hold tensors of exactly ``n`` layers
+       ``{prefix}{name}.{i}.…`` (counted from the names, so a config claiming a million layers
+       is refused before a million modules are built, even on ``meta``).
+    2. ``build()`` runs under ``torch.device("meta")`` (no memory; a size that cannot exist
+       is refused with `CheckpointError` too).
+    3. `check_fit`: names, shapes and dtypes must be exactly the file's.
+
+    Returns:
+        The module on ``meta``; the caller then allocates it (building it for real, or
+        ``load_state_dict(..., assign=True)`` from the loaded tensors).
+
+    Raises:
+        CheckpointError: the file's tensors do not justify the config (naming what differs).
+    """
+    if layers is not None:
+        name, n = layers
+        pattern = re.compile(rf"{re.escape(prefix + name)}\.(\d+)\.")
+        found = {m.group(1) for k in specs if (m := pattern.match(k))}
+        if len(found) != n:
+            raise CheckpointError(
+                path,
+                f"the file's tensors do not justify {what}: it says {n} layer(s) but the file "
+                f"holds tensors of {len(found)} ({prefix}{name}.<i>.*)",
+            )
+    try:
+        module = build_on_meta(build)
+    except (RuntimeError, ValueError, TypeError, OverflowError, MemoryError) as e:
+        raise CheckpointError(path, f"{what} describes no buildable model ({e})") from None
+    check_fit(path, module, specs, prefix=prefix, what=what)
+    return module
+
+
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_CONFIG_BYTES",
     "MAX_HEADER_BYTES",
     "MAX_TENSORS",
     "PICKLE_SUFFIXES",
     "Checkpoint",
     "CheckpointError",
+    "Header",
+    "build_checked",
+    "build_on_meta",
+    "check_fit",
+    "checkpoint_specs",
     "load_checkpoint",
     "load_json",
+    "read_config_json",
+    "read_header",
     "read_safetensors",
     "save_checkpoint",
     "save_json",

@@ -24,7 +24,17 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint, save_json
+from ._files import loads
+from .checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    build_checked,
+    checkpoint_specs,
+    load_checkpoint,
+    read_header,
+    save_checkpoint,
+    save_json,
+)
 from .models import GPT, TransformerConfig
 from .utils import Progress, Timer
 from .viz.training import plot_losses
@@ -220,19 +230,66 @@ def _save(
     return path
 
 
+def _stored_config(path: Path, meta: dict[str, str]) -> tuple[TransformerConfig, list[str]]:
+    """The `TransformerConfig` and vocabulary in a checkpoint's metadata, validated."""
+    missing = [k for k in ("config", "vocab") if k not in meta]
+    if missing:
+        raise ValueError(f"{path}: not a checkpoint written by attnlab train (no {missing[0]!r})")
+    data = loads(path, meta["config"], "the stored config", 4)
+    try:
+        config = TransformerConfig.from_dict(data)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{path}: the stored config: {e}") from None
+    vocab = loads(path, meta["vocab"], "the stored vocab", 1)
+    if not isinstance(vocab, list) or not all(isinstance(c, str) for c in vocab):
+        raise CheckpointError(path, "the stored vocab must be a JSON list of strings")
+    if len(vocab) != config.vocab_size:
+        raise CheckpointError(
+            path,
+            f"the stored vocab has {len(vocab)} entries but the config's vocab_size is "
+            f"{config.vocab_size}",
+        )
+    return config, vocab
+
+
 def load_model(
     path: str | os.PathLike, *, device: torch.device | str = "cpu"
 ) -> tuple[GPT, list[str], Checkpoint]:
     """The `GPT` saved by `train` in ``path`` (verified), its vocabulary and the checkpoint.
 
     The file is read and verified on the host; the model is then moved to ``device``.
+
+    The stored config is accepted only if the file's tensors justify it, before anything is
+    allocated: the header alone is read (`read_header`), the `GPT` is built on the ``meta``
+    device and its parameter names, shapes and dtypes must be exactly the file's (and the file
+    must hold exactly ``n_layers`` blocks), so a crafted config (``d_model=4096``,
+    ``n_layers=10**6``, ``vocab_size=10**12``) is refused at once with a `CheckpointError`
+    listing what differs (`attnlab.checkpoint.build_checked`). Only then is the file verified
+    and decoded (`load_checkpoint`) and the model built.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointError: a damaged file, a config the tensors do not justify, a bad vocab.
+        TypeError, ValueError: a stored config field of the wrong type or value (naming it).
     """
+    path = Path(os.fspath(path))
+    header = read_header(path)
+    config, vocab = _stored_config(path, header.metadata)
+    specs = checkpoint_specs(header)
+    build_checked(
+        path,
+        lambda: GPT(config),
+        specs,
+        prefix="model.",
+        layers=("blocks", config.n_layers),
+        what="the stored config",
+    )
     ck = load_checkpoint(path)
-    try:
-        config = TransformerConfig.from_dict(json.loads(ck.metadata["config"]))
-        vocab = json.loads(ck.metadata["vocab"])
-    except KeyError as e:
-        raise ValueError(f"{path}: not a checkpoint written by attnlab train (no {e})") from None
+    same = ck.metadata.get("config") == header.metadata["config"] and specs == {
+        k: (t.dtype, tuple(t.shape)) for k, t in ck.tensors.items()
+    }
+    if not same:
+        raise CheckpointError(path, "the file changed while it was being loaded")
     model = GPT(config)
     ck.load_into(model, prefix="model.", strict=True)
     return model.to(device), vocab, ck
@@ -291,8 +348,18 @@ def train(
     train_data, val_data = data[:-n_val], data[-n_val:]
     entropy = unigram_entropy(train_data, len(vocab))
 
+    config = s.model_config(len(vocab))
+    if ck is not None:  # the stored settings must be justified by the stored tensors
+        build_checked(
+            resume,
+            lambda: GPT(config),
+            {k: (t.dtype, tuple(t.shape)) for k, t in ck.tensors.items()},
+            prefix="model.",
+            layers=("blocks", config.n_layers),
+            what="the stored settings",
+        )
     torch.manual_seed(s.seed)
-    model = GPT(s.model_config(len(vocab))).to(device)
+    model = GPT(config).to(device)
     model.gradient_checkpointing = s.grad_checkpointing
     opt = torch.optim.AdamW(_groups(model, s.weight_decay), lr=s.lr, betas=(0.9, 0.99))
     batch_rng = torch.Generator().manual_seed(s.seed)

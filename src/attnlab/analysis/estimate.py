@@ -5,6 +5,11 @@ a mask actually attends (`Mask.attended_pairs`), never a dense or "÷2" rule. A 
 ``(m × k)·(k × n)`` costs ``2·m·k·n`` FLOPs; softmax costs ``5`` FLOPs per element it touches
 (max, subtract, exp, sum, divide).
 
+This module counts the attention layer alone; `attnlab.analysis.costs` counts whole layers and
+models (projections, MLP, norms, optimizer state) for training and inference, solves for the
+largest length that fits a memory budget, and holds the RNN vs self-attention table and the IO
+model of tiled attention; `attnlab.analysis.advise` turns those numbers into a recommendation.
+
 Example:
     >>> est = estimate(1024, 768, 12, batch=32, dtype="float16")
     >>> est.value("score matrix", "naive") / 2**20

@@ -69,6 +69,11 @@ class Report:
     info: dict[str, str] = field(default_factory=dict)
 
 
+def _rate(gflops: float) -> str:
+    """A rate as printed: whole GFLOP/s, two significant digits below 10 (never a bare 0)."""
+    return f"{gflops:.0f}" if gflops >= 10 else f"{gflops:.2g}"
+
+
 def matmul_rate(n: int = 4096, repeats: int = 3, device: torch.device | str = "cpu") -> float:
     """fp32 ``torch.mm`` GFLOP/s on n×n matrices on ``device`` (best of ``repeats``)."""
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
@@ -416,7 +421,8 @@ def format_table(report: Report) -> str:
     """The results as a plain-text table, with speed-ups against flash within each case."""
     lines = [
         f"machine: {report.info.get('machine', '')}",
-        f"fp32 matmul (torch.mm 4096²): {report.matmul_gflops:.0f} GFLOP/s  <- the physical limit",
+        f"fp32 matmul (torch.mm 4096²): {_rate(report.matmul_gflops)} GFLOP/s  "
+        "<- the physical limit",
         "",
     ]
     header = ("case", "contender", "seconds", "useful GF/s", "% mm", "flash is ×", "note")

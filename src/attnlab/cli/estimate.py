@@ -1,17 +1,71 @@
-"""``attnlab estimate``: parameters, FLOPs and memory of attention (naive, flash, linear)."""
+"""``attnlab estimate``: parameters, FLOPs and memory of attention (naive, flash, linear), of a
+whole model (``--train`` / ``--infer``), the largest length for a memory budget (``--budget``), the
+RNN vs self-attention table (``--complexity``) and the IO model of tiled attention (``--io``)."""
 
 from __future__ import annotations
 
 import argparse
 
-from ._args import UsageError, add_device_argument, positive_int
+from ._args import UsageError, add_device_argument, int_at_least, positive_int
 
 #: Memory `--measure` may use for its runs (the naive run holds the L×S scores and their grads).
 MEASURE_LIMIT_BYTES = 4 * 2**30
 
 
+def _budget(text: str) -> int:
+    """An argparse type: a memory size such as 12GB, 12GiB or 512MB."""
+    from ..analysis.costs import parse_bytes
+
+    try:
+        return parse_bytes(text, "size")
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("size ")) from None
+
+
+def _model_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        kv_heads=args.kv_heads,
+        d_ff=args.d_ff,
+        vocab_size=args.vocab,
+        batch=args.batch,
+        train=not args.infer,
+        dtype=args.dtype,
+        optimizer=args.optimizer,
+        mlp=args.mlp,
+        bias=not args.no_bias,
+        causal=args.causal,
+    )
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    from ..analysis.costs import max_seq_len, model_cost
+
+    kw = _model_kwargs(args)
+    mode = "inference" if args.infer else f"training ({args.optimizer})"
+    print(
+        f"model: {args.layers} layers, E={args.d_model}, H={args.heads}, F={args.d_ff or 'default'}"
+        f", V={args.vocab}, {args.mlp} MLP; batch {args.batch}, {args.dtype}, {mode}\n"
+    )
+    for attention in ("naive", "flash"):
+        print(f"attention={attention}, L={args.seq}:")
+        print(model_cost(args.seq, attention=attention, **kw).table())
+        print()
+    if args.budget is not None:
+        for attention in ("naive", "flash"):
+            n = max_seq_len(args.budget, attention=attention, **kw)
+            print(
+                f"largest sequence length in {args.budget:,} bytes ({args.budget / 2**30:,.2f} "
+                f"GiB), attention={attention}: {n:,}"
+            )
+    return 0
+
+
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from ..analysis import estimate, measure_estimate
+    from ..analysis.costs import complexity_text, io_naive, io_tiled
 
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     if args.d_model % args.heads:
@@ -25,6 +79,30 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         raise UsageError(
             "--kv-heads", f"must divide --heads {args.heads}, got {kv_heads} (one of {divisors})"
         )
+    if args.measure and (args.model or args.infer or args.budget is not None):
+        raise UsageError(
+            "--measure", "measures the attention layers only; drop --train/--infer/--budget"
+        )
+    if args.complexity:
+        print(complexity_text(args.seq, args.d_model))
+        return 0
+    if args.io is not None:
+        d = args.d_model // args.heads
+        if args.io < 4 * d:
+            raise UsageError(
+                "--io", f"the fast memory must hold 4·d = {4 * d} elements (d = E/H), got {args.io}"
+            )
+        naive = io_naive(args.seq, d)
+        tiled = io_tiled(args.seq, d, args.io)
+        print(
+            f"slow-memory reads + writes (elements), N={args.seq}, d={d}, fast memory M={args.io:,}"
+            f" elements, block B_c=M/(4d)={args.io // (4 * d):,}:\n"
+            f"  naive  Θ(Nd + N²):   {naive:,}\n  tiled  Θ(N²d²/M):     {tiled:,}"
+            f"  ({naive / tiled:,.2f}× less)"
+        )
+        return 0
+    if args.model or args.infer or args.budget is not None:
+        return _cmd_model(args)
     est = estimate(
         args.seq,
         args.d_model,
@@ -97,6 +175,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--no-bias", action="store_true", help="projections without biases")
     est.add_argument(
         "--measure", action="store_true", help="also run it and print measured time and peak memory"
+    )
+    est.add_argument("--d-ff", type=positive_int, default=None, help="MLP width F (default 4E)")
+    est.add_argument(
+        "--vocab", type=int_at_least(0), default=0, help="vocabulary V (embedding and head)"
+    )
+    est.add_argument("--mlp", default="gelu", choices=["gelu", "swiglu"])
+    mode = est.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--train", dest="model", action="store_true", help="whole-model costs of a training step"
+    )
+    mode.add_argument("--infer", action="store_true", help="whole-model costs of inference")
+    est.add_argument(
+        "--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "sgd-momentum", "none"]
+    )
+    est.add_argument(
+        "--budget",
+        type=_budget,
+        default=None,
+        help="memory budget (e.g. 12GB, 12GiB): print the largest sequence length that fits",
+    )
+    est.add_argument(
+        "--complexity", action="store_true", help="the RNN vs self-attention cost table at --seq"
+    )
+    est.add_argument(
+        "--io",
+        type=positive_int,
+        default=None,
+        metavar="M",
+        help="IO model of tiled vs naive attention with a fast memory of M elements",
     )
     add_device_argument(est)
     est.set_defaults(func=_cmd_estimate)

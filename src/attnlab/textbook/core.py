@@ -231,6 +231,13 @@ def run_claim(c: Claim) -> Row:
     return Row(c, finding, time.perf_counter() - start)
 
 
+def tiny(x: float, tol: float = 1e-12) -> str:
+    """A difference that should be round-off: ``≈0 (< tol)`` below ``tol`` (its last bits vary
+    with the CPU's BLAS and thread count, which would make ``computed`` text machine-dependent),
+    else `fmt` of it."""
+    return f"≈0 (< {tol:g})" if x < tol else fmt(x)
+
+
 def fmt(x: float, digits: int = 4) -> str:
     """A float with ``digits`` significant digits, the same on every machine (for ``computed``)."""
     return f"{x:.{digits}g}"
@@ -250,4 +257,5 @@ __all__ = [
     "fmt",
     "run_claim",
     "select_claims",
+    "tiny",
 ]

@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from ..core import AGREES, TEXT_ERROR, Finding, claim, fmt
+from ..core import AGREES, TEXT_ERROR, Finding, claim, fmt, tiny
 
 
 @claim(
@@ -124,7 +124,7 @@ def _definition() -> Finding:
     err = float((out - formula).abs().max())
     ok = tuple(out.shape[-2:]) == (5, 3) and err < 1e-12
     return Finding(
-        computed=f"output shape {tuple(out.shape[-2:])}; max |attention − formula| = {err:.1e}",
+        computed=f"output shape {tuple(out.shape[-2:])}; max |attention − formula| = {tiny(err)}",
         call="attention(q, k, v) vs torch.softmax(q @ k.mT / √d_k, -1) @ v",
         verdict=AGREES if ok else TEXT_ERROR,
         explanation="" if ok else "attnlab's attention differs from the formula",
@@ -150,8 +150,8 @@ def _rows_are_distributions() -> Finding:
     avg = float((out - w @ v).abs().max())
     ok = row_sum < 1e-12 and avg < 1e-12 and bool((w >= 0).all()) and bool((w <= 1).all())
     return Finding(
-        computed=f"max |Σⱼ αᵢⱼ − 1| = {row_sum:.1e}; weights in [{float(w.min()):.3g}, "
-        f"{float(w.max()):.3g}]; max |out − αV| = {avg:.1e}",
+        computed=f"max |Σⱼ αᵢⱼ − 1| = {tiny(row_sum)}; weights in [{float(w.min()):.3g}, "
+        f"{float(w.max()):.3g}]; max |out − αV| = {tiny(avg)}",
         call="out, w = attention(q, k, v, return_weights=True); w.sum(-1); w @ v",
         verdict=AGREES if ok else TEXT_ERROR,
         explanation="" if ok else "the weights are not a distribution or out ≠ αV",
@@ -245,7 +245,7 @@ def _dot_geometry() -> Finding:
     ends = [float((e[0] * x).sum()) for x in (e[0], e[1], -e[0])]
     ok = err < 1e-12 and ends == [1.0, 0.0, -1.0]
     return Finding(
-        computed=f"max |q·k − |q||k|cos θ| = {err:.1e} over 100 pairs; unit vectors at 0°, 90°, "
+        computed=f"max |q·k − |q||k|cos θ| = {tiny(err)} over 100 pairs; unit vectors at 0°, 90°, "
         f"180°: {ends}",
         call="get_score('dot') vs norms × get_score('cosine')",
         verdict=AGREES if ok else TEXT_ERROR,
@@ -275,7 +275,7 @@ def _additive_formula() -> Finding:
     err = float((w - torch.softmax(e, -1)).detach().abs().max())
     ok = err < 1e-12
     return Finding(
-        computed=f"max |weights − softmax(vᵀ tanh(W_q q + W_k k))| = {err:.1e}",
+        computed=f"max |weights − softmax(vᵀ tanh(W_q q + W_k k))| = {tiny(err)}",
         call="AdditiveAttention(8, 8, 8, bias=False)(q, k, v)",
         verdict=AGREES if ok else TEXT_ERROR,
         explanation="" if ok else "the module's weights differ from the formula",
@@ -328,7 +328,7 @@ def _cosine_invariance() -> Finding:
     err = float((out - scaled).abs().max())
     ok = err < 1e-12 and float(logits.max()) <= 2.0 + 1e-12
     return Finding(
-        computed=f"rescaling q by 7.5 and k by 0.01 changes the output by {err:.1e}; the largest "
+        computed=f"rescaling q by 7.5 and k by 0.01 changes the output by {tiny(err)}; the largest "
         f"score spread in a row is {float(logits.max()):.3f} ≤ 2 (scores in [-1, 1])",
         call="attention(q, k, v, score='cosine') vs attention(7.5 q, 0.01 k, v, score='cosine')",
         verdict=AGREES if ok else TEXT_ERROR,
@@ -572,8 +572,8 @@ def _linear_formula() -> Finding:
     wrong = ok_ours and rel > 0.5
     return Finding(
         computed="linear_attention = φ(Q)(φ(K)ᵀV) / (φ(Q)φ(K)ᵀ1) to "
-        f"{float((ours - right).abs().max()):.1e}; the text's Q·φ(K)ᵀ·φ(V) differs from it "
-        f"by {rel:.3g} (relative)",
+        f"{tiny(float((ours - right).abs().max()), 1e-10)}; the text's Q·φ(K)ᵀ·φ(V) differs "
+        f"from it by {rel:.3g} (relative)",
         call="linear_attention(q, k, v, feature_map='elu', eps=0.0) vs q @ (φ(k).mT @ φ(v))",
         verdict=TEXT_ERROR if wrong else AGREES,
         explanation="φ belongs on Q and K, not V, and the row normaliser φ(Q)φ(K)ᵀ1 is missing: "

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from ..core import AGREES, TEXT_ERROR, Finding, claim
+from ..core import AGREES, TEXT_ERROR, Finding, claim, tiny
 
 SENTENCE = "The animal didn't cross the street because it was too tired"
 
@@ -85,7 +85,7 @@ def _self_attention() -> Finding:
     ok = err < 1e-12 and tuple(a.shape[-2:]) == (4, 4) and tuple(got.shape[-2:]) == (4, 6)
     return Finding(
         computed=f"S and A are {tuple(a.shape[-2:])}, the output {tuple(got.shape[-2:])}; "
-        f"max |module − formula| = {err:.1e}",
+        f"max |module − formula| = {tiny(err)}",
         call="MultiHeadAttention(6, 1)(x) vs W_O(softmax(XW_Q (XW_K)ᵀ/√6) XW_V)",
         verdict=AGREES if ok else TEXT_ERROR,
         explanation="" if ok else "the module differs from the formula",
@@ -153,7 +153,7 @@ def _parallel() -> Finding:
     err = float((full - steps).abs().max())
     ok = err < 1e-12
     return Finding(
-        computed=f"1 call over 12 positions vs 12 sequential steps: max difference {err:.1e}",
+        computed=f"1 call over 12 positions vs 12 sequential steps: max difference {tiny(err)}",
         call="mha(x, mask=masks.causal()) vs [mha(x[:, t:t+1], cache=KVCache(12)) for t]",
         verdict=AGREES if ok else TEXT_ERROR,
         explanation="" if ok else "the parallel and sequential computations differ",
@@ -181,8 +181,8 @@ def _equivariance() -> Finding:
     pooled = float((yp.mean(1) - y.mean(1)).abs().max())
     wrong = equivariant < 1e-12 and identical > 1e-3
     return Finding(
-        computed=f"max |f(Px) − P f(x)| = {equivariant:.1e} but max |f(Px) − f(x)| = "
-        f"{identical:.3f}; mean-pooled outputs differ by {pooled:.1e}",
+        computed=f"max |f(Px) − P f(x)| = {tiny(equivariant)} but max |f(Px) − f(x)| = "
+        f"{identical:.3f}; mean-pooled outputs differ by {tiny(pooled)}",
         call="mha(x[:, perm]) vs mha(x)[:, perm] and vs mha(x)",
         verdict=TEXT_ERROR if wrong else AGREES,
         explanation="self-attention is permutation-equivariant, not invariant: the outputs are "
@@ -225,7 +225,7 @@ def _word_order() -> Finding:
     with_pe = float((sentence("狗咬了人", True) - sentence("人咬了狗", True)).abs().max())
     ok = without < 1e-12 and with_pe > 1e-3
     return Finding(
-        computed=f"sentence vectors differ by {without:.1e} without positions, by {with_pe:.3f} "
+        computed=f"sentence vectors differ by {tiny(without)} without positions, by {with_pe:.3f} "
         "with sinusoidal positions added",
         call="mha(emb[tokens] (+ SinusoidalEmbedding(16)(positions))).mean(1)",
         verdict=AGREES if ok else TEXT_ERROR,
@@ -257,7 +257,7 @@ def _pe_formula() -> Finding:
     )
     ok = err < 1e-12
     return Finding(
-        computed=f"max |SinusoidalEmbedding − formula| = {err:.1e} over 2048 positions",
+        computed=f"max |SinusoidalEmbedding − formula| = {tiny(err)} over 2048 positions",
         call="SinusoidalEmbedding(512, dtype=torch.float64)(torch.arange(2048))",
         verdict=AGREES if ok else TEXT_ERROR,
         explanation="" if ok else "attnlab's encoding differs from the formula",
@@ -290,7 +290,7 @@ def _pe_unique_relative() -> Finding:
     ok = nearest > 1e-3 and err < 1e-9
     return Finding(
         computed=f"smallest distance between two of 4096 codes {nearest:.4f}; PE(pos+7) = "
-        f"R_7 PE(pos) for every pos to {err:.1e}",
+        f"R_7 PE(pos) for every pos to {tiny(err, 1e-9)}",
         call="SinusoidalEmbedding(64)(torch.arange(4103)); torch.cdist; rotation by 7ω_i",
         verdict=AGREES if ok else TEXT_ERROR,
         explanation="" if ok else "codes repeat or the shift is not a fixed rotation",
@@ -398,9 +398,9 @@ def _diagonal() -> Finding:
     top = float((w.argmax(-1) == torch.arange(n)).float().mean())
     ok = rows < 1e-5 and float(diag.mean()) > float(off.mean())
     return Finding(
-        computed=f"max |row sum − 1| = {rows:.1e}; mean diagonal weight {float(diag.mean()):.3f} "
-        f"vs off-diagonal {float(off.mean()):.3f}; the diagonal is the row maximum in "
-        f"{100 * top:.0f} % of rows",
+        computed=f"max |row sum − 1| = {tiny(rows, 1e-5)}; mean diagonal weight "
+        f"{float(diag.mean()):.3f} vs off-diagonal {float(off.mean()):.3f}; the diagonal is the "
+        f"row maximum in {100 * top:.0f} % of rows",
         call="tokens, w = minilm().attentions(sentence); w.diagonal(dim1=-2, dim2=-1)",
         verdict=AGREES if ok else TEXT_ERROR,
         explanation="" if ok else "the diagonal is not larger than the rest on average",

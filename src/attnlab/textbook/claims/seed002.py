@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim, fmt
+from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim, fmt, tiny
 from ..exercises import exercise
 
 F64 = torch.float64
@@ -35,9 +35,7 @@ def _found(computed: str, call: str, ok: bool, why: str) -> Finding:
     return Finding(computed, call, AGREES if ok else TEXT_ERROR, "" if ok else why)
 
 
-def _err(x: float, tol: float = 1e-12) -> str:
-    """A round-off-sized difference as "≈0 (< tol)" (its last bits vary with BLAS threads)."""
-    return f"≈0 (< {tol:g})" if x < tol else fmt(x)
+_err = tiny  # a round-off-sized difference as ≈0 (< tol)
 
 
 def _softmax_ref(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim
+from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim, tiny
 from .seed001 import SENTENCE, _minilm_attention
 
 #: §5's code sample, verbatim (whitespace-only lines emptied).
@@ -128,7 +128,7 @@ def _multihead() -> Finding:
     ok = err < 1e-12 and shapes == ((24, 6), (24, 24))
     return Finding(
         computed=f"W_i^Q is {shapes[0]}, W^O is {shapes[1]} (h·d_k × d_model); max |module − "
-        f"Concat(head_i) W^O| = {err:.1e}",
+        f"Concat(head_i) W^O| = {tiny(err)}",
         call="MultiHeadAttention(24, 4)(x) vs out_proj(cat(softmax(q_i k_iᵀ/√6) v_i))",
         verdict=AGREES if ok else TEXT_ERROR,
         explanation="" if ok else "the module differs from the per-head formula",
@@ -266,7 +266,7 @@ def _code_sample() -> Finding:
     wrong = bool(error) and err < 1e-12
     return Finding(
         computed=f"as printed: NameError ({error}); with `import math`: equals "
-        f"attnlab.MultiHeadAttention to {err:.1e}",
+        f"attnlab.MultiHeadAttention to {tiny(err)}",
         call="exec(snippet); SelfAttention(32, 4)(x) vs MultiHeadAttention(32, 4) with the "
         "same weights",
         verdict=TEXT_ERROR if wrong else AGREES,

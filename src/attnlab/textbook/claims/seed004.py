@@ -935,17 +935,14 @@ def _max_entropy() -> Finding:
 
 # ------------------------------------------------------------ 位置信息的编码 (positions)
 def _periodic(n: int, period: float) -> Tensor:
-    """``(n, 2)`` = [sin(2πm/T), cos(2πm/T)] for m < n, from attnlab's sinusoidal table.
-
-    A 4-wide table has frequencies ω_0 = 1 and ω_1 = base^(−1/2); base = (T/2π)² makes ω_1 = 2π/T,
-    so its columns 2 and 3 are the single-period encoding of the text (needs T > 2π).
-    """
+    """``(n, 2)`` = [sin(2πm/T), cos(2πm/T)] for m < n: attnlab's sinusoidal table with one
+    explicit period (``periods=[T]``)."""
     from ...positional import sinusoidal
 
-    return sinusoidal(n, 4, base=(period / (2 * math.pi)) ** 2, dtype=F64)[:, 2:4]
+    return sinusoidal(n, 2, periods=[period], dtype=F64)
 
 
-_PERIODIC_CALL = "sinusoidal(n, 4, base=(T / (2 * math.pi)) ** 2, dtype=torch.float64)[:, 2:4]"
+_PERIODIC_CALL = "sinusoidal(n, 2, periods=[T], dtype=torch.float64)"
 
 
 @claim(
@@ -1431,17 +1428,13 @@ def _parallel_prefix() -> Finding:
 
 # ---------------------------------------------------------- 与加性注意力的对比 (additive)
 def _additive(dq: int, dk: int, hidden: int, seed: int, *, zero_bias: bool = True):
-    """An `AdditiveAttention` in float64 with seeded init; ``zero_bias`` drops the key bias b
-    (the text's e = vᵀ tanh(W_1 q + W_2 k) has none)."""
+    """An `AdditiveAttention` in float64 with seeded init; ``zero_bias`` builds it with
+    ``bias=False`` (the text's e = vᵀ tanh(W_1 q + W_2 k) has no bias)."""
     from ... import AdditiveAttention
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        attn = AdditiveAttention(dq, dk, hidden).to(F64)
-    if zero_bias:
-        with torch.no_grad():
-            attn.key_proj.bias.zero_()
-    return attn
+        return AdditiveAttention(dq, dk, hidden, bias=not zero_bias).to(F64)
 
 
 def _centred(w: Tensor) -> Tensor:
@@ -1457,7 +1450,7 @@ def _centred(w: Tensor) -> Tensor:
     paraphrase="Additive attention scores e(q, k) = vᵀ tanh(W_1 q + W_2 k).",
     api="attnlab.AdditiveAttention",
     expected=AGREES,
-    assumptions="AdditiveAttention(6, 6, 10) with its key bias set to 0 (the text has none), "
+    assumptions="AdditiveAttention(6, 6, 10, bias=False) (the text's score has no bias), "
     "float64, L=4, S=5, seed 25; within 1e-12",
 )
 def _additive_formula() -> Finding:
@@ -1473,7 +1466,7 @@ def _additive_formula() -> Finding:
     return Finding(
         computed=f"weights == softmax(vᵀ tanh(W_1 q + W_2 k)): {_close(w, ref)}; output == "
         f"weights @ values: {_close(out, ref @ k)}",
-        call="attn = AdditiveAttention(6, 6, 10); attn.key_proj.bias.zero_(); attn(q, k)",
+        call="attn = AdditiveAttention(6, 6, 10, bias=False); attn(q, k)",
         **_verdict(ok, "AdditiveAttention does not compute vᵀ tanh(W_1 q + W_2 k)"),
     )
 
@@ -1514,8 +1507,8 @@ def _dot_even() -> Finding:
     api="attnlab.AdditiveAttention",
     expected=AGREES,
     assumptions="AdditiveAttention(6, 6, 10), float64, L=4, S=5, seed 27; the logits up to a "
-    "row constant (centred log-weights); key bias 0 as in the text, and attnlab's default "
-    "(non-zero) bias for contrast",
+    "row constant (centred log-weights); bias=False as in the text, and attnlab's default "
+    "(with a bias) for contrast",
 )
 def _additive_odd() -> Finding:
     g = _gen(27)
@@ -1528,7 +1521,7 @@ def _additive_odd() -> Finding:
         res[zero] = _close(cn, -c)
     ok = res[True] and not res[False]
     return Finding(
-        computed=f"bias 0: centred logits of (−q, −k) == −(those of (q, k)): {res[True]}; with "
+        computed=f"bias=False: centred logits of (−q, −k) == −(those of (q, k)): {res[True]}; with "
         f"AdditiveAttention's default key bias b ≠ 0 (vᵀ tanh(W_1 q + W_2 k + b)): {res[False]}",
         call="c = attn(q, k)[1].log(); attn(-q, -k)[1].log() (row-centred) vs -c",
         **_verdict(ok, "additive attention without bias is not odd"),
@@ -1546,7 +1539,7 @@ def _additive_odd() -> Finding:
     "even for one and odd for the other).",
     api="attnlab.AdditiveAttention, attnlab.attention",
     expected=AGREES,
-    assumptions="AdditiveAttention(6, 6, 10) with bias 0, float64, L=4, S=5, seed 27",
+    assumptions="AdditiveAttention(6, 6, 10, bias=False), float64, L=4, S=5, seed 27",
 )
 def _not_equivalent() -> Finding:
     from ... import attention
