@@ -149,6 +149,7 @@ def test_every_command_has_its_own_module():
         "estimate",
         "advise",
         "experiment",
+        "heads",
         "bench",
         "train",
         "generate",

@@ -1,9 +1,11 @@
 """Inspecting attention: weight statistics, head importance, cost estimates, experiments, and
-the texts' readings of attention (bilinear forms, score terms, kernel regression, Gibbs)."""
+the texts' readings of attention (bilinear forms, score terms, kernel regression, Gibbs), and
+MiniLM's heads (a head classifier and a head-pruning sweep)."""
 
 from .capture import capture_attentions, module_attentions
 from .estimate import Estimate, estimate, measure_estimate
 from .experiments import ExperimentResult, scaling_experiment, temperature_experiment
+from .heads import HeadReport, PruningSweep, alice_sentences, classify_heads, pruning_sweep
 from .importance import attention_modules, head_gates, head_importance, output_norm
 from .views import Gibbs, ScoreTerms, bilinear_metric, gibbs, nadaraya_watson, score_decomposition
 from .weights import entropy, head_diversity, head_entropy, row_is_attended
@@ -12,10 +14,14 @@ __all__ = [
     "Estimate",
     "ExperimentResult",
     "Gibbs",
+    "HeadReport",
+    "PruningSweep",
     "ScoreTerms",
+    "alice_sentences",
     "attention_modules",
     "bilinear_metric",
     "capture_attentions",
+    "classify_heads",
     "entropy",
     "estimate",
     "gibbs",
@@ -27,6 +33,7 @@ __all__ = [
     "module_attentions",
     "nadaraya_watson",
     "output_norm",
+    "pruning_sweep",
     "row_is_attended",
     "scaling_experiment",
     "score_decomposition",

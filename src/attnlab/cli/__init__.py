@@ -3,8 +3,8 @@
 Every subcommand has ``--help``. The library never imports this package; the commands import the
 library (heavy optional dependencies only inside the command that needs them).
 
-Subcommands, in ``attnlab --help`` order: `check`, `estimate`, `advise`, `experiment`, `bench`,
-`train`, `generate`, `visualize`, `textbook`.
+Subcommands, in ``attnlab --help`` order: `check`, `estimate`, `advise`, `experiment`, `heads`,
+`bench`, `train`, `generate`, `visualize`, `textbook`.
 
 Errors: a bad argument or input (a parser error, or a ValueError/TypeError/OSError/ImportError
 raised by a command, e.g. the library's CheckpointError) prints ONE line on stderr,
@@ -21,9 +21,20 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from . import advise, bench, check, estimate, experiment, generate, textbook, train, visualize
+from . import (
+    advise,
+    bench,
+    check,
+    estimate,
+    experiment,
+    generate,
+    heads,
+    textbook,
+    train,
+    visualize,
+)
 
-COMMANDS = (check, estimate, advise, experiment, bench, train, generate, visualize, textbook)
+COMMANDS = (check, estimate, advise, experiment, heads, bench, train, generate, visualize, textbook)
 
 #: Exceptions that mean "bad argument or input": one line on stderr, exit code 2.
 INPUT_ERRORS = (ValueError, TypeError, OSError, ImportError)

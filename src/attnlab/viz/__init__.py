@@ -14,7 +14,8 @@ the one place the library moves data to the CPU on purpose.
   `attention_text`: each token's top-k attended tokens per head; `attention_png`: one PNG grid
   of layers × heads (per-head entropies come from `attnlab.analysis`).
 - `plot_experiment`: the scaling and temperature experiments as line plots.
-- `plot_losses`: the loss curve of a training run; `plot_bench`: ``attnlab bench`` results.
+- `plot_losses`: the loss curve of a training run; `plot_bench`: ``attnlab bench`` results;
+  `plot_pruning`: MiniLM's head-pruning sweep (importance vs random order).
 
 Example:
     >>> from attnlab.positional import ALiBi
@@ -27,6 +28,7 @@ from .attention_png import attention_png
 from .attention_view import AttentionView, attention_html, attention_text, save_attention_html, show
 from .bench import plot_bench
 from .experiments import plot_experiment
+from .heads import plot_pruning
 from .heatmap import heatmap, heatmaps
 from .positional import plot_bias, plot_rope_spectrum, plot_sinusoidal
 from .training import plot_losses
@@ -42,6 +44,7 @@ __all__ = [
     "plot_bias",
     "plot_experiment",
     "plot_losses",
+    "plot_pruning",
     "plot_rope_spectrum",
     "plot_sinusoidal",
     "save_attention_html",
