@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 import attnlab
 import attnlab.analysis
+import attnlab.analysis.heads
 from attnlab import cli, masks
 from attnlab.analysis.experiments import scaling_experiment, temperature_experiment
 from attnlab.analysis.model_attentions import collect
@@ -86,6 +87,7 @@ COMMANDS = {
     "train": ["--steps", "1", "--out", "{tmp}/run", "--quiet"],
     "generate": ["--checkpoint", "{ckpt}", "--prompt", "Alice", "--max-new-tokens", "3"],
     "visualize": ["--checkpoint", "{ckpt}", "Alice", "--out", "{tmp}/a.html"],
+    "heads": ["classify", "--sentences", "1"],
 }
 #: Commands without ``--device``, with the reason.
 HOST_ONLY = {
@@ -142,6 +144,7 @@ def no_work(monkeypatch):
         (attnlab.analysis, "measure_estimate"),
         (attnlab.analysis, "scaling_experiment"),
         (attnlab.analysis, "temperature_experiment"),
+        (attnlab.analysis.heads, "classify_heads"),
     ):
         monkeypatch.setattr(module, name, work)
 
@@ -232,6 +235,7 @@ def seen_devices(monkeypatch):
     spy(train, "train", "train")
     spy(generate, "load_model", "generate")
     spy(visualize, "collect", "visualize")
+    spy(attnlab.analysis.heads, "classify_heads", "heads")
     real_rate = bench.matmul_rate
     monkeypatch.setattr(
         bench, "matmul_rate", lambda **kw: seen.update(bench=kw.get("device")) or real_rate(n=64)

@@ -263,7 +263,11 @@ def head_statistics(
 
 
 def classify_heads(
-    sentences: Sequence[str] | None = None, *, model: Any = None, rare_count: int = 3
+    sentences: Sequence[str] | None = None,
+    *,
+    model: Any = None,
+    rare_count: int = 3,
+    device: torch.device | str | None = None,
 ) -> HeadReport:
     """Classifies every head of all-MiniLM-L6-v2 from its attention over ``sentences``.
 
@@ -271,6 +275,7 @@ def classify_heads(
         sentences: default ``alice_sentences(16)``.
         model: a loaded `attnlab.models.MiniLM` (default ``minilm()``).
         rare_count: a token is rare when alice.txt holds it at most this many times.
+        device: where the default model runs (the statistics are computed on the host).
 
     Returns:
         A `HeadReport`: per-head statistics averaged over the sentences (each sentence weighs
@@ -284,7 +289,7 @@ def classify_heads(
         raise ValueError("sentences must not be empty")
     if isinstance(rare_count, bool) or not isinstance(rare_count, int) or rare_count < 1:
         raise ValueError(f"rare_count must be an int >= 1, got {rare_count!r}")
-    model = _minilm(model)
+    model = _minilm(model, device)
     rare = token_counts(model) <= rare_count  # (vocab,)
     special = [
         model.tokenizer.token_to_id(t)
@@ -295,7 +300,7 @@ def classify_heads(
     for text in sentences:
         ids = model.tokenize([text])[0]
         _, w = model.attentions(text)  # (layers, H, T, T)
-        per.append(head_statistics(w, ids, special, rare))
+        per.append(head_statistics(w.cpu(), ids, special, rare))
     stats = torch.stack(per).mean(0)  # (layers, H, stats)
     return HeadReport(stats, classify(stats), len(sentences))
 
@@ -371,11 +376,12 @@ class PruningSweep:
         }
 
 
-def _minilm(model: Any) -> Any:
+def _minilm(model: Any, device: torch.device | str | None = None) -> Any:
+    """``model``, or the shipped all-MiniLM-L6-v2 moved to ``device`` (default cpu)."""
     if model is None:
         from ..models.minilm import minilm
 
-        return minilm()
+        return minilm().to(device if device is not None else "cpu")
     from ..models.minilm import MiniLM
 
     if not isinstance(model, MiniLM):
@@ -463,6 +469,7 @@ def pruning_sweep(
     seeds: int = 3,
     model: Any = None,
     threshold: float = 0.95,
+    device: torch.device | str | None = None,
 ) -> PruningSweep:
     """Prunes fractions of MiniLM's heads in importance order and in random order.
 
@@ -478,6 +485,7 @@ def pruning_sweep(
         seeds: random orders (seeds 0 … seeds − 1) whose metric is averaged.
         model: a loaded `attnlab.models.MiniLM` (default ``minilm()``); gates are removed
             afterwards, the model is not changed.
+        device: where the default model runs (default cpu).
         threshold: the cosine level `PruningSweep.kept_fraction` reports.
 
     Returns:
@@ -493,7 +501,7 @@ def pruning_sweep(
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if not 0.0 < threshold <= 1.0:
         raise ValueError(f"threshold must lie in (0, 1], got {threshold!r}")
-    model = _minilm(model)
+    model = _minilm(model, device)
     mods = attention_modules(model)
     shape = [m.num_heads for _, m in mods]
     total = sum(shape)

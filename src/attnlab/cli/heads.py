@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ._args import check_output_file, float_in, int_at_least
+from ._args import add_device_argument, check_output_file, float_in, int_at_least
 
 
 def _fractions(text: str) -> list[float]:
@@ -34,7 +34,7 @@ def _cmd_heads(args: argparse.Namespace) -> int:
     if args.json:
         check_output_file(args.json, "--json", (".json",))
     if args.action == "classify":
-        report = classify_heads(alice_sentences(args.sentences))
+        report = classify_heads(alice_sentences(args.sentences), device=args.device)
         print(report.table())
         data: object = report.rows()
     else:
@@ -46,6 +46,7 @@ def _cmd_heads(args: argparse.Namespace) -> int:
             importance_sentences=args.importance_sentences,
             seeds=args.seeds,
             threshold=args.threshold,
+            device=args.device,
         )
         print(sweep.table())
         data = sweep.as_dict()
@@ -99,4 +100,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--png", default=None, help="prune: also write the plot to this PNG file")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+    add_device_argument(p)
     p.set_defaults(func=_cmd_heads)
