@@ -750,27 +750,31 @@ def _sinusoidal_extrapolates() -> Finding:
     quote="$$e_{ij} = \\mathbf{q}_i^T \\mathbf{k}_j + \\mathbf{q}_i^T \\mathbf{r}_{i-j}$$",
     paraphrase="Relative keys (Shaw et al.): the score adds q_i·r_{i−j}, which depends on the "
     "offset only.",
-    api="attnlab.attention (bias)",
+    api="attnlab.positional.shaw_attention, attnlab.functional.reference.shaw_attention",
     expected=AGREES,
-    assumptions="the key term is passed as a bias tensor built in plain torch (attnlab has no "
-    "Shaw module yet); scale 1; n=8, d=4, float64; the clipped value term is not checked",
+    assumptions="Shaw et al.'s relative keys with clip distance K = n − 1 (no clipping), the "
+    "value table zero (the text's formula has no value term), scale 1; the text's r_{i−j} is "
+    "Shaw's a^K at j − i, i.e. the table flipped; n=8, d=4, float64",
 )
 def _shaw_key_term() -> Finding:
-    from ... import attention
+    from ...functional.reference import shaw_attention as shaw_reference
+    from ...positional import shaw_attention
 
     q, k, v = _qkv(H=1, D=4)
     n = 8
     r = _randn(2 * n - 1, 4, seed=9)  # r_{i−j}, offsets −(n−1) … n−1
     off = torch.arange(n)[:, None] - torch.arange(n)[None, :] + n - 1
-    bias = torch.einsum("bhid,ijd->bhij", q, r[off])
-    out = attention(q, k, v, scale=1.0, bias=bias)
-    e = q @ k.transpose(-1, -2) + bias
+    e = q @ k.transpose(-1, -2) + torch.einsum("bhid,ijd->bhij", q, r[off])  # the text's e_ij
+    rel_v = torch.zeros(2 * n - 1, 4, dtype=F64)
+    out = shaw_attention(q, k, v, r.flip(0), rel_v, scale=1.0)
+    ref, _ = shaw_reference(q, k, v, r.flip(0), rel_v, scale=1.0)
     err = float((out - torch.softmax(e, -1) @ v).abs().max())
+    err_ref = float((ref - torch.softmax(e, -1) @ v).abs().max())
     return _found(
-        f"max |attention(q, k, v, scale=1, bias=q_i·r_(i−j)) − softmax(q_i·k_j + q_i·r_(i−j))V|"
-        f" = {_err(err)}",
-        "attention(q, k, v, scale=1.0, bias=torch.einsum('bhid,ijd->bhij', q, r[i - j]))",
-        err < 1e-12,
+        "max |shaw_attention(q, k, v, a^K = r flipped, a^V = 0, scale=1) − "
+        f"softmax(q_i·k_j + q_i·r_(i−j))V| = {_err(err)} (reference: {_err(err_ref)})",
+        "shaw_attention(q, k, v, r.flip(0), zeros, scale=1.0)",
+        err < 1e-12 and err_ref < 1e-12,
         "the relative-key score is not reproduced",
     )
 

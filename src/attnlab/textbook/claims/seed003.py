@@ -197,6 +197,44 @@ def _window_tiles() -> Finding:
 
 
 @claim(
+    "003-3.2-c",
+    section="3.2 自注意力机制的优化",
+    quote="3. **编码位置信息**: 将输入序列的位置信息编码后,concat到输入序列中,"
+    "可以帮助模型捕获局部依赖关系。",
+    paraphrase="Concatenating a position encoding to the inputs helps the model capture local "
+    "dependencies.",
+    api="attnlab.positional.ConcatPositionalEncoding, attnlab.attention",
+    expected=AGREES,
+    assumptions="x' = [x; p] with sinusoidal p (64 dims) for 32 random tokens (d = 16), identity "
+    "projections: the logits split into x_i·x_j + p_i·p_j, and the position term is largest at "
+    "j = i and falls for the nearest offsets; float64, seed 4",
+)
+def _concat_positions() -> Finding:
+    from ... import SinusoidalEmbedding, attention
+    from ...positional import ConcatPositionalEncoding
+
+    x = _x(32, 16, seed=4)[0]  # (1, 32, 16)
+    cat = ConcatPositionalEncoding(SinusoidalEmbedding(64, dtype=torch.float64))
+    xp = cat(x)  # (1, 32, 80)
+    p = xp[0, :, 16:]
+    logits = xp[0] @ xp[0].T
+    split = float((logits - (x[0] @ x[0].T + p @ p.T)).abs().max())
+    pp = p @ p.T  # (32, 32), a function of i − j
+    row = pp[16]
+    local = bool(row.argmax() == 16) and bool((row[16:20].diff() < 0).all())
+    _, w = attention(xp, xp, xp, scale=1.0, return_weights=True)
+    ok = split < 1e-12 and local and tuple(w.shape) == (1, 32, 32)
+    return Finding(
+        computed=f"[x; p]·[x; p] − (x·x + p·p) = {tiny(split)}; p_16·p_j = "
+        + ", ".join(f"{float(v):.2f}" for v in row[16:20])
+        + " for j = 16…19 (largest at j = i, falling with the offset)",
+        call="ConcatPositionalEncoding(SinusoidalEmbedding(64))(x); p @ p.T",
+        verdict=AGREES if ok else TEXT_ERROR,
+        explanation="" if ok else "the concatenated positions do not add a local term",
+    )
+
+
+@claim(
     "003-4.3-a",
     section="4.3 自注意力机制的优化",
     quote="$$\\text{SparseAttention}(Q, K, V) = "
