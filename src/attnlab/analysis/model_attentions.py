@@ -9,6 +9,11 @@ torch):
   (``--checkpoint PATH``); tokens are characters (space shown as ␣). Weights are collected by
   `attnlab.analysis.capture.module_attentions`, which re-calls every attnlab
   `MultiHeadAttention` with ``need_weights=True`` during one ordinary forward pass.
+- a folder: a local transformers checkpoint (encoder, decoder or encoder–decoder) with its
+  tokenizer, read by `hf_attentions` from safetensors only (``use_safetensors=True``,
+  ``trust_remote_code=False``, ``local_files_only=True``); the config is checked against the
+  safetensors header(s) before any weight is read (`check_hf_folder`), and the model runs with
+  ``attn_implementation="attnlab"`` (exact weights).
 
 Example:
     >>> run = collect("The animal didn't cross the street because it was too tired")
@@ -19,6 +24,10 @@ Example:
 from __future__ import annotations
 
 import functools
+import json
+import mmap
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,12 +49,18 @@ class Attentions:
         weights: ``(layers, heads, T, T)`` float32/64 on CPU; row i = query token i.
         model: a short name of the model, shown on the page.
         notes: remarks about the run (e.g. truncation), shown on the page and printed.
+        key_tokens: S key tokens for cross-attention (weights ``(layers, heads, T, S)``), None
+            for self-attention.
+        part: which attention of the model ("encoder self-attention", "decoder
+            cross-attention", ...); empty for single-attention models.
     """
 
     tokens: list[str]
     weights: Tensor
     model: str
     notes: list[str] = field(default_factory=list)
+    key_tokens: list[str] | None = None
+    part: str = ""
 
 
 # ------------------------------------------------------------------------------------ adapters
@@ -147,11 +162,230 @@ def collect(
     return minilm_attentions(text, device=device)
 
 
+# ------------------------------------------------------------------- local transformers folders
+HF_MAX_TOKENS = 512  # tokens kept from the text (the viewer stores layers × heads × T × S weights)
+_OFFLINE = {"use_safetensors": True, "trust_remote_code": False, "local_files_only": True}
+
+
+def _header(path: Path) -> dict[str, tuple[int, ...]]:
+    """``{tensor name: shape}`` from a safetensors file's header, reading only the header.
+
+    The file is memory-mapped (regular files only) and checked by `attnlab._files.parse_header`
+    (size, UTF-8, JSON depth, dtypes, shapes, offsets covering the data exactly); no tensor data
+    is read.
+    """
+    from .._files import CheckpointError, parse_header
+
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(path, "refusing a non-regular file: expected a safetensors file")
+    if st.st_size < 8:
+        raise CheckpointError(path, f"file too small: {st.st_size} bytes (truncated?)")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as raw:
+        _, _, start = parse_header(path, raw)  # type: ignore[arg-type]
+        header = json.loads(raw[8:start].decode("utf-8"))
+    header.pop("__metadata__", None)
+    return {name: tuple(info["shape"]) for name, info in header.items()}
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files (one, or the shards its index lists); pickles refused."""
+    from .._files import MAX_JSON_DEPTH, PICKLE_SUFFIXES, loads, read_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        raw = read_file(index, safetensors=False)  # a regular file, read bounded
+        doc = loads(index, raw.decode("utf-8", "replace"), "the index", MAX_JSON_DEPTH)
+        shards = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(shards, dict) or not all(isinstance(v, str) for v in shards.values()):
+            raise ValueError(f"{index}: expected a weight_map of tensor name → shard file")
+        files = sorted({folder / name for name in shards.values()})
+        for f in files:
+            if f.parent != folder or not f.is_file():
+                raise ValueError(f"{index} names a shard {f.name!r} that is not in the folder")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:
+        raise ValueError(
+            f"refusing {folder}: its weights are pickle files ({', '.join(pickles[:3])}), which "
+            "can run arbitrary code when loaded; convert them to safetensors in a trusted "
+            "environment"
+        )
+    raise ValueError(f"{folder} holds no .safetensors weights")
+
+
+def _model_class(config: Any) -> Any:
+    """The transformers class named by ``config.architectures`` (else an Auto class)."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, str(name), None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls
+    if getattr(config, "is_encoder_decoder", False):
+        return transformers.AutoModelForSeq2SeqLM
+    return transformers.AutoModel
+
+
+def check_hf_folder(path: str | os.PathLike) -> tuple[Any, Any]:
+    """Checks a local transformers folder before any weight is read; returns (config, class).
+
+    The config is read with ``trust_remote_code=False``; the model is built from it on the meta
+    device (no memory), and its state_dict's names and shapes must match the safetensors
+    header(s) exactly — parameters tied to another (``lm_head.weight`` = the embedding) may be
+    absent from the file. A folder holding only pickle weights (``.bin``, ``.pt``...) is refused.
+
+    Raises:
+        ValueError: not a folder, no config, pickle-only weights, a missing / extra /
+            differently shaped tensor, a config that needs remote code (each names the cause).
+        attnlab.checkpoint.CheckpointError: (a ValueError) a malformed safetensors header.
+        MissingExtraError: transformers is not installed.
+    """
+    from ..utils.extras import require
+
+    folder = Path(os.fspath(path))
+    if not folder.is_dir():
+        raise ValueError(f"--model must be minilm, gpt or a transformers folder, got {str(path)!r}")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} has no config.json: not a transformers checkpoint folder")
+    files = _weight_files(folder)
+    require("transformers", "hf", "attnlab visualize --model PATH")
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            folder, trust_remote_code=False, local_files_only=True
+        )
+    except (OSError, KeyError) as e:
+        raise ValueError(f"{folder}: cannot read config.json ({' '.join(str(e).split())})") from e
+    cls = _model_class(config)
+    found: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        found.update(_header(f))
+    with torch.device("meta"):
+        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    groups: dict[int, list[str]] = {}  # tied parameters: one tensor, several names
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    present = {n for names in groups.values() if any(m in found for m in names) for n in names}
+    missing = sorted(n for n in expected if n not in found and n not in present)
+    extra = sorted(n for n in found if n not in expected)
+    shapes = sorted(n for n in expected if n in found and found[n] != expected[n])
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} weights missing from the file ({', '.join(missing[:3])})")
+    if extra:
+        problems.append(
+            f"{len(extra)} tensors in the file that {cls.__name__} does not have "
+            f"({', '.join(extra[:3])})"
+        )
+    for n in shapes[:3]:
+        problems.append(f"{n}: the config gives shape {expected[n]}, the file {found[n]}")
+    if problems:
+        raise ValueError(
+            f"{folder}: config.json does not match the safetensors weights ({cls.__name__}): "
+            + "; ".join(problems)
+            + " — refusing to load (missing weights would be randomly initialised)"
+        )
+    return config, cls
+
+
+def _tokens(tokenizer: Any, ids: Tensor) -> list[str]:
+    return [str(t) for t in tokenizer.convert_ids_to_tokens(ids.tolist())]
+
+
+def hf_attentions(
+    path: str | os.PathLike, text: str, *, device: torch.device | str = "cpu"
+) -> list[Attentions]:
+    """A local transformers model's attention over ``text``: one `Attentions` per part.
+
+    The folder is checked (`check_hf_folder`), the tokenizer and model are loaded from it
+    offline with safetensors only, and the model runs once with ``attn_implementation=
+    "attnlab"`` and ``output_attentions=True`` (attnlab's exact weights). Encoder and decoder
+    models give their self-attention; an encoder–decoder gives the encoder's self-attention and
+    the decoder's cross-attention (queries: the decoder tokens, keys: the encoder tokens; the
+    decoder reads the text shifted right after its start token, teacher forcing). The text is
+    cut to `HF_MAX_TOKENS` tokens (with a note).
+
+    Raises:
+        ValueError: see `check_hf_folder`; no tokenizer in the folder; empty text.
+    """
+    import attnlab.hf
+
+    if not text:
+        raise ValueError("text must not be empty")
+    folder = Path(os.fspath(path))
+    config, cls = check_hf_folder(folder)
+    import transformers
+
+    attnlab.hf.register()
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            folder, trust_remote_code=False, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(
+            f"{folder}: no usable tokenizer ({' '.join(str(e).split())[:200]})"
+        ) from None
+    try:
+        model = cls.from_pretrained(folder, attn_implementation="attnlab", **_OFFLINE)
+    except OSError as e:
+        raise ValueError(f"{folder}: cannot load the model ({' '.join(str(e).split())})") from e
+    model = model.to(device).eval()
+    limit = min(HF_MAX_TOKENS, getattr(config, "max_position_embeddings", None) or HF_MAX_TOKENS)
+    enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=limit)
+    ids = enc["input_ids"][:, :limit]
+    notes = []
+    if len(tokenizer(text)["input_ids"]) > ids.shape[1]:
+        notes.append(f"The text was truncated to {ids.shape[1]} tokens.")
+    name = f"{cls.__name__} from {folder.name} ({config.model_type})"
+    kwargs: dict[str, Any] = {"input_ids": ids.to(device), "output_attentions": True}
+    if "attention_mask" in enc:
+        kwargs["attention_mask"] = enc["attention_mask"][:, :limit].to(device)
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    if encoder_decoder:
+        start = getattr(config, "decoder_start_token_id", None)
+        if start is None:
+            raise ValueError(f"{folder}: an encoder–decoder config without decoder_start_token_id")
+        dec = torch.cat([torch.tensor([[int(start)]]), ids[:, :-1]], dim=1)
+        kwargs["decoder_input_ids"] = dec.to(device)
+    with torch.inference_mode():
+        out = model(**kwargs)
+    tokens = _tokens(tokenizer, ids[0])
+
+    def stack(weights: Any) -> Tensor:
+        return torch.stack([w[0] for w in weights]).float().cpu()  # (layers, heads, T, S)
+
+    if not encoder_decoder:
+        return [Attentions(tokens, stack(out.attentions), name, notes)]
+    dec_tokens = _tokens(tokenizer, dec[0])
+    return [
+        Attentions(
+            tokens, stack(out.encoder_attentions), name, notes, None, "encoder self-attention"
+        ),
+        Attentions(
+            dec_tokens,
+            stack(out.cross_attentions),
+            name,
+            list(notes),
+            tokens,
+            "decoder cross-attention",
+        ),
+    ]
+
+
 __all__ = [
+    "HF_MAX_TOKENS",
     "MODELS",
     "Attentions",
+    "check_hf_folder",
     "checkpoint_attentions",
     "collect",
     "gpt_attentions",
+    "hf_attentions",
     "minilm_attentions",
 ]
