@@ -33,7 +33,7 @@ SMALL = dict(
     intermediate_size=32,
     num_hidden_layers=2,
     num_attention_heads=2,
-    max_position_embeddings=64,
+    max_position_embeddings=128,
     pad_token_id=0,
 )
 BART = dict(
@@ -245,3 +245,49 @@ def test_bad_model_argument(tmp_path, capsys):
     assert "--model must be minilm, gpt or a transformers folder" in err
     err = _refused(["--model", str(tmp_path), TEXT], capsys)
     assert "no config.json" in err
+
+
+@pytest.mark.parametrize("name", ["llama", "bart"])
+def test_long_input_top_k_rows_equal_the_dense_viewer(saved, name):
+    """Past ``long_from`` tokens the page is built from exact top-k rows computed a chunk of
+    rows at a time from the lse; it equals the viewer's own top-k mode on the dense weights."""
+    from attnlab.analysis.model_attentions import LongAttentions, long_view_data
+    from attnlab.viz.attention_view import attention_data
+
+    folder, _ = saved[name]
+    text = " ".join((WORDS * 8)[:40])
+    longs = hf_attentions(folder, text, long_from=8, thumb_size=16)
+    dense = hf_attentions(folder, text, long_from=1000)
+    assert len(longs) == len(dense) == (2 if name == "bart" else 1)
+    for run, ref in zip(longs, dense, strict=True):
+        assert isinstance(run, LongAttentions) and run.shape == tuple(ref.weights.shape)
+        got = long_view_data(run, title="t", subtitle="s")
+        want = attention_data(
+            ref.tokens,
+            ref.weights,
+            key_tokens=ref.key_tokens,
+            max_tokens=8,
+            thumb_size=16,
+            title="t",
+            subtitle="s",
+        )
+        assert got.keys() == want.keys()
+        for key in want:
+            if key != "notes":
+                assert got[key] == want[key], key
+        assert got["mode"] == "topk" and got["thumb_shape"] == [16, 16]
+
+
+def test_long_input_cli(saved, tmp_path, capsys):
+    folder, _ = saved["llama"]
+    text = " ".join((WORDS * 8)[:70])  # 70 tokens > 64
+    out = tmp_path / "long.html"
+    assert main(["visualize", "--model", str(folder), text, "--out", str(out), "--top-k", "4"]) == 0
+    assert "top 4 weights" in capsys.readouterr().out
+    _, (data,) = _page_data(out)
+    assert data["mode"] == "topk" and data["T"] == 70 and data["topk"] == 4
+    assert main(["visualize", "--model", str(folder), text, "--format", "text", "--head", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "layer 1, head 1" in printed and "head 0 " not in printed
+    err = _refused(["--model", str(folder), text, "--png", str(tmp_path / "a.png")], capsys)
+    assert "--png draws every weight" in err

@@ -164,7 +164,7 @@ def collect(
 
 
 # ------------------------------------------------------------------- local transformers folders
-HF_MAX_TOKENS = 512  # tokens kept from the text (the viewer stores layers × heads × T × S weights)
+HF_MAX_TOKENS = 2048  # tokens kept from the text (the page stores layers × heads × T × top-k)
 _OFFLINE = {"use_safetensors": True, "trust_remote_code": False, "local_files_only": True}
 
 
@@ -311,10 +311,27 @@ def _tokens(tokenizer: Any, ids: Tensor) -> list[str]:
     return [str(t) for t in tokenizer.convert_ids_to_tokens(ids.tolist())]
 
 
+def _is_cross(name: str) -> bool:
+    """A decoder's cross-attention module, by transformers' names (BART/Marian/Whisper
+    ``encoder_attn``, BERT-style ``crossattention``, T5 ``EncDecAttention``)."""
+    last = name.rsplit(".", 1)[-1].lower()
+    return last in ("encoder_attn", "crossattention", "encdecattention", "cross_attn")
+
+
 def hf_attentions(
-    path: str | os.PathLike, text: str, *, device: torch.device | str = "cpu"
-) -> list[Attentions]:
+    path: str | os.PathLike,
+    text: str,
+    *,
+    device: torch.device | str = "cpu",
+    long_from: int = 64,
+    topk: int = 8,
+    thumb_size: int = 64,
+) -> list[Attentions | LongAttentions]:
     """A local transformers model's attention over ``text``: one `Attentions` per part.
+
+    Inputs longer than ``long_from`` tokens give `LongAttentions` instead: every row's exact
+    top-``topk`` weights, entropies and ``thumb_size`` thumbnails, computed call by call from
+    the log-sum-exp a chunk of rows at a time — no L×S weights are formed or returned.
 
     The folder is checked (`check_hf_folder`), the tokenizer and model are loaded from it
     offline with safetensors only, and the model runs once with ``attn_implementation=
@@ -366,16 +383,50 @@ def hf_attentions(
             raise ValueError(f"{folder}: an encoder–decoder config without decoder_start_token_id")
         dec = torch.cat([torch.tensor([[int(start)]]), ids[:, :-1]], dim=1)
         kwargs["decoder_input_ids"] = dec.to(device)
+    tokens = _tokens(tokenizer, ids[0])
+    dec_tokens = _tokens(tokenizer, dec[0]) if encoder_decoder else tokens
+    if max(len(tokens), len(dec_tokens)) > long_from:
+        del kwargs["output_attentions"]
+        record = _long_forward(model, kwargs, topk, thumb_size)
+        encoder = model.get_encoder() if encoder_decoder else None
+        inside = {
+            n
+            for n, m in model.named_modules()
+            if encoder is not None and any(m is e for e in encoder.modules())
+        }
+
+        def part(names: list[str], q_tokens: list[str], keys: list[str] | None, what: str):
+            calls = [c for n in names for c in record[n]]
+            v, i, e, t = (torch.stack([c[x] for c in calls]).float() for x in range(4))
+            return LongAttentions(
+                q_tokens,
+                v,
+                i.long(),
+                e,
+                t,
+                len(keys or q_tokens),
+                name,
+                list(notes),
+                keys,
+                what,
+            )
+
+        if not encoder_decoder:
+            return [part(list(record), tokens, None, "")]
+        enc_names = [n for n in record if n in inside]
+        cross = [n for n in record if n not in inside and _is_cross(n)]
+        return [
+            part(enc_names, tokens, None, "encoder self-attention"),
+            part(cross, dec_tokens, tokens, "decoder cross-attention"),
+        ]
     with torch.inference_mode():
         out = model(**kwargs)
-    tokens = _tokens(tokenizer, ids[0])
 
     def stack(weights: Any) -> Tensor:
         return torch.stack([w[0] for w in weights]).float().cpu()  # (layers, heads, T, S)
 
     if not encoder_decoder:
         return [Attentions(tokens, stack(out.attentions), name, notes)]
-    dec_tokens = _tokens(tokenizer, dec[0])
     return [
         Attentions(
             tokens, stack(out.encoder_attentions), name, notes, None, "encoder self-attention"
@@ -391,14 +442,158 @@ def hf_attentions(
     ]
 
 
+# --------------------------------------------------------- long inputs: top-k rows, no L×S
+@dataclass
+class LongAttentions:
+    """A long input's attention without L×S weights: what the viewer's top-k mode shows.
+
+    Attributes:
+        tokens, key_tokens, model, notes, part: as in `Attentions`.
+        top_val, top_idx: each query row's ``k`` largest exact weights (largest first, ties by
+            lower key index) and their key indices, ``(layers, heads, T, k)``.
+        row_entropy: ``(layers, heads, T)`` entropy in nats from `attnlab.attention_stats`
+            (NaN for rows that attend no key).
+        thumbs: ``(layers, heads, r, c)`` max-pooled weights (``r = min(T, size)``, ``c =
+            min(S, size)``), pooled per row chunk over keys, then over rows (max is separable).
+        S: the number of keys.
+    """
+
+    tokens: list[str]
+    top_val: Tensor
+    top_idx: Tensor
+    row_entropy: Tensor
+    thumbs: Tensor
+    S: int
+    model: str
+    notes: list[str] = field(default_factory=list)
+    key_tokens: list[str] | None = None
+    part: str = ""
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(layers, heads, T, S)``, the shape the dense weights would have."""
+        Ly, H, T, _ = self.top_val.shape
+        return (Ly, H, T, self.S)
+
+
+def _top_rows(
+    query: Tensor, key: Tensor, mask: Any, scaling: float | None, k: int, size: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Batch item 0's top-k weights, row entropy and thumbnail of one attention call.
+
+    The exact weights of a chunk of rows at a time (`attnlab.attention_weights` from the lse of
+    `attnlab.attention_stats`), so at most ``2**22`` weights exist at once.
+    """
+    import torch.nn.functional as F
+
+    from ..functional.api import attention_stats, attention_weights
+    from ..viz.attention_view import top_weights
+
+    q, kk = query[:1], key[:1]
+    if isinstance(mask, Tensor) and mask.shape[0] > 1:
+        mask = mask[:1]
+    st = attention_stats(q, kk, kk, mask=mask, scale=scaling)
+    H, L, S = q.shape[1], q.shape[2], kk.shape[2]
+    rows = max(1, (1 << 22) // max(1, H * S))
+    vals, idxs, pooled = [], [], []
+    cols = min(S, size)
+    for r0 in range(0, L, rows):
+        r1 = min(L, r0 + rows)
+        w = attention_weights(q, kk, st.lse, rows=slice(r0, r1), mask=mask, scale=scaling)[0]
+        v, i = top_weights(w.double(), min(k, S))  # (H, r, k)
+        vals.append(v)
+        idxs.append(i)
+        pooled.append(F.adaptive_max_pool1d(w.double().reshape(H * (r1 - r0), 1, S), cols))
+    by_key = torch.cat([p.reshape(H, -1, cols) for p in pooled], dim=1)  # (H, L, c)
+    r = min(L, size)
+    thumbs = F.adaptive_max_pool1d(by_key.transpose(1, 2).reshape(H * cols, 1, L), r)
+    thumbs = thumbs.reshape(H, cols, r).transpose(1, 2)  # (H, r, c)
+    ent = torch.where(torch.isneginf(st.lse[0]), torch.nan, st.entropy[0].double())  # (H, L)
+    return torch.cat(vals, 1), torch.cat(idxs, 1), ent, thumbs
+
+
+def _long_forward(model: nn.Module, kwargs: dict[str, Any], k: int, size: int) -> dict[str, list]:
+    """Runs the model once, recording `_top_rows` of every attention call by module name."""
+    from ..hf.bridge import attention_forward
+    from ..hf.masking import HFMask
+    from ..hf.stats import _swapped
+
+    names = {id(m): name for name, m in model.named_modules()}
+    record: dict[str, list] = {}
+
+    def recording(module, query, key, value, attention_mask, **kw):  # type: ignore[no-untyped-def]
+        out = attention_forward(module, query, key, value, attention_mask, **kw)
+        mask = attention_mask.mask if isinstance(attention_mask, HFMask) else attention_mask
+        with torch.no_grad():
+            got = _top_rows(query, key, mask, kw.get("scaling"), k, size)
+        record.setdefault(names.get(id(module), ""), []).append(got)
+        return out
+
+    with _swapped(recording), torch.inference_mode():
+        model(**kwargs)
+    return record
+
+
+def long_view_data(
+    run: LongAttentions, *, title: str, subtitle: str, layer: int = 0, head: int = 0
+) -> dict[str, Any]:
+    """The viewer's JSON document (top-k mode, see `attnlab.viz.attention_view.attention_data`)
+    for a `LongAttentions`, built from its top-k rows and thumbnails (no L×S)."""
+    from ..viz.attention_view import DEFAULT_DECIMALS, MIN_LINE_WEIGHT, _rounded
+
+    Ly, H, T, S = run.shape
+    k = run.top_val.shape[-1]
+    r, c = run.thumbs.shape[-2:]
+    rows = run.row_entropy
+    decimals = DEFAULT_DECIMALS
+    size = f"{T} tokens" if run.key_tokens is None else f"{T} × {S} tokens"
+    notes = [
+        f"Long input ({size}): the head view draws and the hover lists only each token's top {k} "
+        f"weights (exact, computed row by row without the {T}×{S} matrix), which is all the page "
+        f"stores; the thumbnails are max-pooled to {r}×{c} pixels.",
+        *run.notes,
+    ]
+    return {
+        "version": 2,
+        "title": title,
+        "subtitle": subtitle,
+        "tokens": run.tokens,
+        "mask": [True] * T,
+        "cross": run.key_tokens is not None,
+        "key_tokens": run.key_tokens,
+        "key_mask": None if run.key_tokens is None else [True] * S,
+        "sentence_b_start": None,
+        "layers": Ly,
+        "heads": H,
+        "T": T,
+        "S": S,
+        "decimals": decimals,
+        "min_line": MIN_LINE_WEIGHT,
+        "selected": [layer, head],
+        "entropy": _rounded(rows.nanmean(dim=-1), decimals),
+        "row_entropy": _rounded(rows, decimals),
+        "notes": notes,
+        "mode": "topk",
+        "weights": None,
+        "topk": k,
+        "top_idx": run.top_idx.tolist(),
+        "top_val": _rounded(run.top_val, decimals),
+        "thumb_size": max(r, c),
+        "thumb_shape": [r, c],
+        "thumbs": torch.round(run.thumbs * 255).to(torch.int64).reshape(Ly, H, r * c).tolist(),
+    }
+
+
 __all__ = [
     "HF_MAX_TOKENS",
     "MODELS",
     "Attentions",
+    "LongAttentions",
     "check_hf_folder",
     "checkpoint_attentions",
     "collect",
     "gpt_attentions",
     "hf_attentions",
+    "long_view_data",
     "minilm_attentions",
 ]

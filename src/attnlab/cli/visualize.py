@@ -26,7 +26,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..analysis.model_attentions import MODELS, Attentions, collect, hf_attentions
+from ..analysis.model_attentions import (
+    MODELS,
+    Attentions,
+    LongAttentions,
+    collect,
+    hf_attentions,
+    long_view_data,
+)
 from ._args import (
     add_device_argument,
     check_output_file,
@@ -44,16 +51,37 @@ def _short(text: str, limit: int = 80) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-def _summary(run: Attentions) -> str:
-    Ly, H, T, S = run.weights.shape
+def _shape(run: Attentions | LongAttentions) -> tuple[int, ...]:
+    return run.shape if isinstance(run, LongAttentions) else tuple(run.weights.shape)
+
+
+def _long_text(run: LongAttentions, layers: list[int] | None, heads: list[int] | None) -> str:
+    """`attention_text`'s report from a long run's top-k rows (top-3 per query)."""
+    keys = run.key_tokens or run.tokens
+    Ly, H = run.shape[:2]
+    out = []
+    for li in layers if layers is not None else range(Ly):
+        for h in heads if heads is not None else range(H):
+            ent = run.row_entropy[li, h].nanmean().item()
+            out.append(f"layer {li}, head {h} · entropy {ent:.3f} nats")
+            for i, token in enumerate(run.tokens):
+                vals, idx = run.top_val[li, h, i, :3], run.top_idx[li, h, i, :3]
+                pairs = zip(vals.tolist(), idx.tolist(), strict=True)
+                top = "   ".join(f"{keys[j]} {v:.3f}" for v, j in pairs if v > 0)
+                out.append(f"  {token} → {top}")
+    return "\n".join(out)
+
+
+def _summary(run: Attentions | LongAttentions) -> str:
+    Ly, H, T, S = _shape(run)
     size = f"{T} tokens" if run.key_tokens is None else f"{T} queries × {S} keys"
     part = f" · {run.part}" if run.part else ""
     return f"{run.model}{part} · {size} · {Ly} layers × {H} heads"
 
 
-def _check_choice(args: argparse.Namespace, runs: list[Attentions]) -> None:
+def _check_choice(args: argparse.Namespace, runs: list) -> None:
     for run in runs:
-        Ly, H = run.weights.shape[:2]
+        Ly, H = _shape(run)[:2]
         for name, value, size in (("--layer", args.layer, Ly), ("--head", args.head, H)):
             if value is not None and not 0 <= value < size:
                 raise ValueError(f"{name} must be in [0, {size}), got {value}")
@@ -72,9 +100,18 @@ def _save(views: list, path: str) -> Path:
     return out
 
 
+def _quiet_transformers() -> None:
+    """No progress bars from transformers on the command's stderr (errors stay one line)."""
+    try:
+        from transformers.utils import logging
+    except ImportError:
+        return  # check_hf_folder names the missing extra
+    logging.disable_progress_bar()
+
+
 def _cmd_visualize(args: argparse.Namespace) -> int:
     from ..viz.attention_png import attention_png
-    from ..viz.attention_view import MAX_FULL_TOKENS, attention_text, show
+    from ..viz.attention_view import MAX_FULL_TOKENS, AttentionView, attention_text, show
 
     if args.format == "html":
         check_output_file(args.out, "--out", (".html", ".htm"))
@@ -85,17 +122,26 @@ def _cmd_visualize(args: argparse.Namespace) -> int:
         if args.model is not None and args.model not in MODELS:
             if args.checkpoint is not None:
                 raise ValueError("--checkpoint is for --model gpt; drop it with --model FOLDER")
-            runs = hf_attentions(args.model, args.text, device=args.device)
+            _quiet_transformers()
+            runs = hf_attentions(args.model, args.text, device=args.device, topk=args.top_k)
         else:
             runs = [
                 collect(args.text, model=args.model, checkpoint=args.checkpoint, device=args.device)
             ]
         _check_choice(args, runs)
+        if args.png is not None and any(isinstance(r, LongAttentions) for r in runs):
+            raise ValueError(
+                "--png draws every weight: with --model FOLDER it needs at most 64 tokens"
+            )
         if args.format == "text":
             for run in runs:
                 print(_summary(run) + " · top-3 attended tokens per query (weight)\n")
                 for note in run.notes:
                     print(f"note: {note}")
+                if isinstance(run, LongAttentions):
+                    layers = None if args.layer is None else [args.layer]
+                    print(_long_text(run, layers, None if args.head is None else [args.head]))
+                    continue
                 print(
                     attention_text(
                         run.tokens,
@@ -108,7 +154,17 @@ def _cmd_visualize(args: argparse.Namespace) -> int:
                 )
         else:
             views = [
-                show(
+                AttentionView(
+                    long_view_data(
+                        run,
+                        title=f"Attention: {_short(args.text)}",
+                        subtitle=_summary(run),
+                        layer=args.layer or 0,
+                        head=args.head or 0,
+                    )
+                )
+                if isinstance(run, LongAttentions)
+                else show(
                     run.tokens,
                     run.weights,
                     key_tokens=run.key_tokens,
@@ -127,7 +183,7 @@ def _cmd_visualize(args: argparse.Namespace) -> int:
             for run in runs:
                 for note in run.notes:
                     print(f"note: {note}")
-                if max(run.weights.shape[-2:]) > MAX_FULL_TOKENS:
+                if max(_shape(run)[-2:]) > MAX_FULL_TOKENS:
                     print(
                         f"note: long input, the viewer keeps each token's top {args.top_k} weights"
                     )
