@@ -12,7 +12,8 @@ Models: ``minilm`` (default, the pretrained all-MiniLM-L6-v2), ``gpt`` (a charac
 checkpoint written by ``attnlab train``, ``--checkpoint PATH``), or ``--model FOLDER``: a local
 transformers checkpoint (encoder, decoder or encoder–decoder, with its tokenizer), read from
 safetensors only and checked against its config before loading; an encoder–decoder shows its
-encoder self-attention and its decoder cross-attention, two viewers on one page.
+encoder self-attention and its decoder cross-attention, two viewers on one page; its inputs over
+64 tokens keep each row's exact top-k weights, computed without the L×S matrix.
 
 Example:
     $ attnlab visualize "The animal didn't cross the street because it was too tired"
