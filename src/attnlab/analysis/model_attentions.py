@@ -523,6 +523,11 @@ def _long_forward(model: nn.Module, kwargs: dict[str, Any], k: int, size: int) -
 
     def recording(module, query, key, value, attention_mask, **kw):  # type: ignore[no-untyped-def]
         out = attention_forward(module, query, key, value, attention_mask, **kw)
+        if kw.get("softcap") is not None:  # the weights from the lse would lack the cap
+            raise ValueError(
+                f"{type(module).__name__} uses logit soft-capping, which the long-input viewer "
+                "path (top-k rows from the lse) does not compute: use at most 64 tokens"
+            )
         mask = attention_mask.mask if isinstance(attention_mask, HFMask) else attention_mask
         with torch.no_grad():
             got = _top_rows(query, key, mask, kw.get("scaling"), k, size)
