@@ -18,6 +18,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -291,3 +292,37 @@ def test_long_input_cli(saved, tmp_path, capsys):
     assert "layer 1, head 1" in printed and "head 0 " not in printed
     err = _refused(["--model", str(folder), text, "--png", str(tmp_path / "a.png")], capsys)
     assert "--png draws every weight" in err
+
+
+class _Largest(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_long_input_forms_no_lxs_tensor(tmp_path, monkeypatch):
+    import attnlab.analysis.model_attentions as ma
+    import attnlab.masks.base
+
+    folder = tmp_path / "llama_long"
+    config = transformers.LlamaConfig(**dict(MODELS["llama"][2], max_position_embeddings=1024))
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    _tokenizer().save_pretrained(folder)
+    T = 600  # long enough for auto to pick the tiled backend (below, sdpa renders its mask)
+    # the chunk bounds (weights per row chunk, the padding mask's tile-map rendering) are lowered
+    # so that at this small T they sit far below one head's T×T
+    monkeypatch.setattr(ma, "LONG_CHUNK_ELEMENTS", 1 << 16)
+    monkeypatch.setattr(attnlab.masks.base, "_CHUNK_ELEMENTS", 1 << 16)
+    spy = _Largest()
+    with spy:
+        (run,) = hf_attentions(folder, " ".join((WORDS * 60)[:T]))
+    assert run.shape == (2, 2, T, T) and run.top_idx.shape == (2, 2, T, 8)
+    assert spy.largest < T * T // 2, spy.largest  # one head's weights would be T² = 360,000

@@ -165,6 +165,7 @@ def collect(
 
 # ------------------------------------------------------------------- local transformers folders
 HF_MAX_TOKENS = 2048  # tokens kept from the text (the page stores layers × heads × T × top-k)
+LONG_CHUNK_ELEMENTS = 1 << 22  # weights formed at once by the long-input path (a chunk of rows)
 _OFFLINE = {"use_safetensors": True, "trust_remote_code": False, "local_files_only": True}
 
 
@@ -482,7 +483,7 @@ def _top_rows(
     """Batch item 0's top-k weights, row entropy and thumbnail of one attention call.
 
     The exact weights of a chunk of rows at a time (`attnlab.attention_weights` from the lse of
-    `attnlab.attention_stats`), so at most ``2**22`` weights exist at once.
+    `attnlab.attention_stats`), so at most `LONG_CHUNK_ELEMENTS` weights exist at once.
     """
     import torch.nn.functional as F
 
@@ -494,7 +495,7 @@ def _top_rows(
         mask = mask[:1]
     st = attention_stats(q, kk, kk, mask=mask, scale=scaling)
     H, L, S = q.shape[1], q.shape[2], kk.shape[2]
-    rows = max(1, (1 << 22) // max(1, H * S))
+    rows = max(1, LONG_CHUNK_ELEMENTS // max(1, H * S))
     vals, idxs, pooled = [], [], []
     cols = min(S, size)
     for r0 in range(0, L, rows):
