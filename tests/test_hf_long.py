@@ -76,6 +76,11 @@ def folders(tmp_path_factory):
     for name, cls, cfg in (
         ("llama", transformers.LlamaForCausalLM, transformers.LlamaConfig(**LLAMA)),
         ("bart", transformers.BartForConditionalGeneration, transformers.BartConfig(**BART)),
+        (
+            "mistral",
+            transformers.MistralForCausalLM,
+            transformers.MistralConfig(**LLAMA, sliding_window=3),
+        ),
     ):
         out[name] = tmp_path_factory.mktemp(name)
         cls(cfg).save_pretrained(out[name], safe_serialization=True)
@@ -111,17 +116,20 @@ def _compare(call, weights, real_rows, dtype):
         )
 
 
-def test_llama_stats_equal_eager_float64(folders):
+@pytest.mark.parametrize("name", ["llama", "mistral"])  # mistral: a sliding window of 3 keys
+def test_decoder_stats_equal_eager_float64(folders, name):
     ids = torch.tensor([[5, 17, 33, 8, 91, 44, 12, 60], [3, 9, 23, 71, 9, 38, 50, 14]])
-    model = _load(folders["llama"], "attnlab", torch.float64)
+    model = _load(folders[name], "attnlab", torch.float64)
     run = attnlab.hf.attention_stats(model, {"input_ids": ids})
-    eager = _load(folders["llama"], "eager", torch.float64)
+    eager = _load(folders[name], "eager", torch.float64)
     ref = eager(input_ids=ids, output_attentions=True)
     assert [c.name for c in run.layers] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     every = torch.ones(2, 4, 8, dtype=torch.bool)
     for call, w in zip(run.layers, ref.attentions, strict=True):
         _compare(call, w, every, torch.float64)
     torch.testing.assert_close(run.output.logits, ref.logits, atol=2e-5, rtol=1.3e-6)
+    if name == "mistral":  # the window bounds the distance: at most 2 keys back
+        assert run.layers[0].stats.mean_distance.max() <= 2
     # per_head: the mean over rows (here every row attends something)
     per = run.per_head()
     assert per["sink_mass"].shape == (2, 4)
