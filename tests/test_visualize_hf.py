@@ -326,3 +326,42 @@ def test_long_input_forms_no_lxs_tensor(tmp_path, monkeypatch):
         (run,) = hf_attentions(folder, " ".join((WORDS * 60)[:T]))
     assert run.shape == (2, 2, T, T) and run.top_idx.shape == (2, 2, T, 8)
     assert spy.largest < T * T // 2, spy.largest  # one head's weights would be T² = 360,000
+
+
+try:  # the headless-Chromium fixture and helpers of test_browser.py (selenium: the dev extra)
+    import selenium  # noqa: F401
+
+    from test_browser import (
+        driver,
+        errors,
+        expected_lines,
+        lines_of,
+        open_viewers,
+        root_state,
+    )
+except ImportError:
+    driver = None
+
+
+@pytest.mark.skipif(driver is None, reason="selenium is part of the dev extra")
+def test_encoder_decoder_page_two_viewers_respond_in_chromium(saved, tmp_path, request):
+    from selenium.webdriver.common.by import By
+
+    browser = request.getfixturevalue("driver")
+    folder, _ = saved["bart"]
+    out = tmp_path / "bart.html"
+    assert main(["visualize", "--model", str(folder), TEXT, "--out", str(out)]) == 0
+    (one, enc), (two, cross) = open_viewers(browser, out, 2)
+    assert not enc["cross"] and cross["cross"] and cross["key_tokens"] == enc["tokens"]
+    ids = browser.execute_script("return [...document.querySelectorAll('[id]')].map(e => e.id)")
+    assert len(ids) == len(set(ids))
+    assert lines_of(browser, one) == expected_lines(enc, 0, 0)
+    assert lines_of(browser, two) == expected_lines(cross, 0, 0)
+    # a click on the cross-attention viewer's head 1 changes that viewer only
+    browser.find_element(By.CSS_SELECTOR, f'{two} .thumb[data-layer="0"][data-head="1"]').click()
+    assert root_state(browser, two)["head"] == "1" and root_state(browser, one)["head"] == "0"
+    assert lines_of(browser, two) == expected_lines(cross, 0, 1)
+    browser.find_element(By.CSS_SELECTOR, f'{one} .thumb[data-layer="1"][data-head="1"]').click()
+    assert root_state(browser, one)["layer"] == "1" and root_state(browser, two)["layer"] == "0"
+    assert lines_of(browser, one) == expected_lines(enc, 1, 1)
+    assert errors(browser) == []
