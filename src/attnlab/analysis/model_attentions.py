@@ -9,6 +9,11 @@ torch):
   (``--checkpoint PATH``); tokens are characters (space shown as ␣). Weights are collected by
   `attnlab.analysis.capture.module_attentions`, which re-calls every attnlab
   `MultiHeadAttention` with ``need_weights=True`` during one ordinary forward pass.
+- a folder: a local transformers checkpoint (encoder, decoder or encoder–decoder) with its
+  tokenizer, read by `hf_attentions` from safetensors only (``use_safetensors=True``,
+  ``trust_remote_code=False``, ``local_files_only=True``); the config is checked against the
+  safetensors header(s) before any weight is read (`check_hf_folder`), and the model runs with
+  ``attn_implementation="attnlab"`` (exact weights).
 
 Example:
     >>> run = collect("The animal didn't cross the street because it was too tired")
@@ -19,6 +24,11 @@ Example:
 from __future__ import annotations
 
 import functools
+import json
+import mmap
+import os
+import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,12 +50,18 @@ class Attentions:
         weights: ``(layers, heads, T, T)`` float32/64 on CPU; row i = query token i.
         model: a short name of the model, shown on the page.
         notes: remarks about the run (e.g. truncation), shown on the page and printed.
+        key_tokens: S key tokens for cross-attention (weights ``(layers, heads, T, S)``), None
+            for self-attention.
+        part: which attention of the model ("encoder self-attention", "decoder
+            cross-attention", ...); empty for single-attention models.
     """
 
     tokens: list[str]
     weights: Tensor
     model: str
     notes: list[str] = field(default_factory=list)
+    key_tokens: list[str] | None = None
+    part: str = ""
 
 
 # ------------------------------------------------------------------------------------ adapters
@@ -147,11 +163,443 @@ def collect(
     return minilm_attentions(text, device=device)
 
 
+# ------------------------------------------------------------------- local transformers folders
+HF_MAX_TOKENS = 2048  # tokens kept from the text (the page stores layers × heads × T × top-k)
+LONG_CHUNK_ELEMENTS = 1 << 22  # weights formed at once by the long-input path (a chunk of rows)
+_OFFLINE = {"use_safetensors": True, "trust_remote_code": False, "local_files_only": True}
+
+
+def _header(path: Path) -> dict[str, tuple[int, ...]]:
+    """``{tensor name: shape}`` from a safetensors file's header, reading only the header.
+
+    The file is memory-mapped (regular files only) and checked by `attnlab._files.parse_header`
+    (size, UTF-8, JSON depth, dtypes, shapes, offsets covering the data exactly); no tensor data
+    is read.
+    """
+    from .._files import CheckpointError, parse_header
+
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(path, "refusing a non-regular file: expected a safetensors file")
+    if st.st_size < 8:
+        raise CheckpointError(path, f"file too small: {st.st_size} bytes (truncated?)")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as raw:
+        _, _, start = parse_header(path, raw)  # type: ignore[arg-type]
+        header = json.loads(raw[8:start].decode("utf-8"))
+    header.pop("__metadata__", None)
+    return {name: tuple(info["shape"]) for name, info in header.items()}
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files (one, or the shards its index lists); pickles refused."""
+    from .._files import MAX_JSON_DEPTH, PICKLE_SUFFIXES, loads, read_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        raw = read_file(index, safetensors=False)  # a regular file, read bounded
+        doc = loads(index, raw.decode("utf-8", "replace"), "the index", MAX_JSON_DEPTH)
+        shards = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(shards, dict) or not all(isinstance(v, str) for v in shards.values()):
+            raise ValueError(f"{index}: expected a weight_map of tensor name → shard file")
+        files = sorted({folder / name for name in shards.values()})
+        for f in files:
+            if f.parent != folder or not f.is_file():
+                raise ValueError(f"{index} names a shard {f.name!r} that is not in the folder")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:
+        raise ValueError(
+            f"refusing {folder}: its weights are pickle files ({', '.join(pickles[:3])}), which "
+            "can run arbitrary code when loaded; convert them to safetensors in a trusted "
+            "environment"
+        )
+    raise ValueError(f"{folder} holds no .safetensors weights")
+
+
+def _model_class(config: Any) -> Any:
+    """The transformers class named by ``config.architectures`` (else an Auto class)."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, str(name), None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls
+    if getattr(config, "is_encoder_decoder", False):
+        return transformers.AutoModelForSeq2SeqLM
+    return transformers.AutoModel
+
+
+def check_hf_folder(path: str | os.PathLike) -> tuple[Any, Any]:
+    """Checks a local transformers folder before any weight is read; returns (config, class).
+
+    The config is read with ``trust_remote_code=False``; the model is built from it on the meta
+    device (no memory), and its state_dict's names and shapes must match the safetensors
+    header(s) exactly — parameters tied to another (``lm_head.weight`` = the embedding) may be
+    absent from the file, and tensors that are not weights (non-persistent buffers the model
+    recomputes, names it declares ignorable) may be present. A folder holding only pickle
+    weights (``.bin``, ``.pt``...) is refused.
+
+    Raises:
+        ValueError: not a folder, no config, pickle-only weights, a missing / extra /
+            differently shaped tensor, a config that needs remote code (each names the cause).
+        attnlab.checkpoint.CheckpointError: (a ValueError) a malformed safetensors header.
+        MissingExtraError: transformers is not installed.
+    """
+    from ..utils.extras import require
+
+    folder = Path(os.fspath(path))
+    if not folder.is_dir():
+        raise ValueError(f"--model must be minilm, gpt or a transformers folder, got {str(path)!r}")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} has no config.json: not a transformers checkpoint folder")
+    files = _weight_files(folder)
+    require("transformers", "hf", "attnlab visualize --model PATH")
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            folder, trust_remote_code=False, local_files_only=True
+        )
+    except (OSError, KeyError) as e:
+        raise ValueError(f"{folder}: cannot read config.json ({' '.join(str(e).split())})") from e
+    cls = _model_class(config)
+    found: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        found.update(_header(f))
+    with torch.device("meta"):
+        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    groups: dict[int, list[str]] = {}  # tied parameters: one tensor, several names
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    present = {n for names in groups.values() if any(m in found for m in names) for n in names}
+    missing = sorted(n for n in expected if n not in found and n not in present)
+    # Tensors the model recomputes (non-persistent buffers such as BERT's position_ids, which
+    # older checkpoints saved) or declares ignorable are not weights: transformers skips them.
+    buffers = {name for name, _ in model.named_buffers()}
+    ignored = [
+        re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    ]
+    extra = sorted(
+        n
+        for n in found
+        if n not in expected and n not in buffers and not any(r.search(n) for r in ignored)
+    )
+    shapes = sorted(n for n in expected if n in found and found[n] != expected[n])
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} weights missing from the file ({', '.join(missing[:3])})")
+    if extra:
+        problems.append(
+            f"{len(extra)} tensors in the file that {cls.__name__} does not have "
+            f"({', '.join(extra[:3])})"
+        )
+    for n in shapes[:3]:
+        problems.append(f"{n}: the config gives shape {expected[n]}, the file {found[n]}")
+    if problems:
+        raise ValueError(
+            f"{folder}: config.json does not match the safetensors weights ({cls.__name__}): "
+            + "; ".join(problems)
+            + " — refusing to load (missing weights would be randomly initialised)"
+        )
+    return config, cls
+
+
+def _tokens(tokenizer: Any, ids: Tensor) -> list[str]:
+    return [str(t) for t in tokenizer.convert_ids_to_tokens(ids.tolist())]
+
+
+def _is_cross(name: str) -> bool:
+    """A decoder's cross-attention module, by transformers' names (BART/Marian/Whisper
+    ``encoder_attn``, BERT-style ``crossattention``, T5 ``EncDecAttention``)."""
+    last = name.rsplit(".", 1)[-1].lower()
+    return last in ("encoder_attn", "crossattention", "encdecattention", "cross_attn")
+
+
+def hf_attentions(
+    path: str | os.PathLike,
+    text: str,
+    *,
+    device: torch.device | str = "cpu",
+    long_from: int = 64,
+    topk: int = 8,
+    thumb_size: int = 64,
+) -> list[Attentions | LongAttentions]:
+    """A local transformers model's attention over ``text``: one `Attentions` per part.
+
+    Inputs longer than ``long_from`` tokens give `LongAttentions` instead: every row's exact
+    top-``topk`` weights, entropies and ``thumb_size`` thumbnails, computed call by call from
+    the log-sum-exp a chunk of rows at a time — no L×S weights are formed or returned.
+
+    The folder is checked (`check_hf_folder`), the tokenizer and model are loaded from it
+    offline with safetensors only, and the model runs once with ``attn_implementation=
+    "attnlab"`` and ``output_attentions=True`` (attnlab's exact weights). Encoder and decoder
+    models give their self-attention; an encoder–decoder gives the encoder's self-attention and
+    the decoder's cross-attention (queries: the decoder tokens, keys: the encoder tokens; the
+    decoder reads the text shifted right after its start token, teacher forcing). The text is
+    cut to `HF_MAX_TOKENS` tokens (with a note).
+
+    Raises:
+        ValueError: see `check_hf_folder`; no tokenizer in the folder; empty text.
+    """
+    import attnlab.hf
+
+    if not text:
+        raise ValueError("text must not be empty")
+    folder = Path(os.fspath(path))
+    config, cls = check_hf_folder(folder)
+    import transformers
+
+    attnlab.hf.register()
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            folder, trust_remote_code=False, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(
+            f"{folder}: no usable tokenizer ({' '.join(str(e).split())[:200]})"
+        ) from None
+    try:
+        model = cls.from_pretrained(folder, attn_implementation="attnlab", **_OFFLINE)
+    except OSError as e:
+        raise ValueError(f"{folder}: cannot load the model ({' '.join(str(e).split())})") from e
+    model = model.to(device).eval()
+    limit = min(HF_MAX_TOKENS, getattr(config, "max_position_embeddings", None) or HF_MAX_TOKENS)
+    enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=limit)
+    ids = enc["input_ids"][:, :limit]
+    notes = []
+    if len(tokenizer(text)["input_ids"]) > ids.shape[1]:
+        notes.append(f"The text was truncated to {ids.shape[1]} tokens.")
+    name = f"{cls.__name__} from {folder.name} ({config.model_type})"
+    kwargs: dict[str, Any] = {"input_ids": ids.to(device), "output_attentions": True}
+    if "attention_mask" in enc:
+        kwargs["attention_mask"] = enc["attention_mask"][:, :limit].to(device)
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    if encoder_decoder:
+        start = getattr(config, "decoder_start_token_id", None)
+        if start is None:
+            raise ValueError(f"{folder}: an encoder–decoder config without decoder_start_token_id")
+        dec = torch.cat([torch.tensor([[int(start)]]), ids[:, :-1]], dim=1)
+        kwargs["decoder_input_ids"] = dec.to(device)
+    tokens = _tokens(tokenizer, ids[0])
+    dec_tokens = _tokens(tokenizer, dec[0]) if encoder_decoder else tokens
+    if max(len(tokens), len(dec_tokens)) > long_from:
+        del kwargs["output_attentions"]
+        record = _long_forward(model, kwargs, topk, thumb_size)
+        encoder = model.get_encoder() if encoder_decoder else None
+        inside = {
+            n
+            for n, m in model.named_modules()
+            if encoder is not None and any(m is e for e in encoder.modules())
+        }
+
+        def part(names: list[str], q_tokens: list[str], keys: list[str] | None, what: str):
+            calls = [c for n in names for c in record[n]]
+            v, i, e, t = (torch.stack([c[x] for c in calls]).float() for x in range(4))
+            return LongAttentions(
+                q_tokens,
+                v,
+                i.long(),
+                e,
+                t,
+                len(keys or q_tokens),
+                name,
+                list(notes),
+                keys,
+                what,
+            )
+
+        if not encoder_decoder:
+            return [part(list(record), tokens, None, "")]
+        enc_names = [n for n in record if n in inside]
+        cross = [n for n in record if n not in inside and _is_cross(n)]
+        return [
+            part(enc_names, tokens, None, "encoder self-attention"),
+            part(cross, dec_tokens, tokens, "decoder cross-attention"),
+        ]
+    with torch.inference_mode():
+        out = model(**kwargs)
+
+    def stack(weights: Any) -> Tensor:
+        return torch.stack([w[0] for w in weights]).float().cpu()  # (layers, heads, T, S)
+
+    if not encoder_decoder:
+        return [Attentions(tokens, stack(out.attentions), name, notes)]
+    return [
+        Attentions(
+            tokens, stack(out.encoder_attentions), name, notes, None, "encoder self-attention"
+        ),
+        Attentions(
+            dec_tokens,
+            stack(out.cross_attentions),
+            name,
+            list(notes),
+            tokens,
+            "decoder cross-attention",
+        ),
+    ]
+
+
+# --------------------------------------------------------- long inputs: top-k rows, no L×S
+@dataclass
+class LongAttentions:
+    """A long input's attention without L×S weights: what the viewer's top-k mode shows.
+
+    Attributes:
+        tokens, key_tokens, model, notes, part: as in `Attentions`.
+        top_val, top_idx: each query row's ``k`` largest exact weights (largest first, ties by
+            lower key index) and their key indices, ``(layers, heads, T, k)``.
+        row_entropy: ``(layers, heads, T)`` entropy in nats from `attnlab.attention_stats`
+            (NaN for rows that attend no key).
+        thumbs: ``(layers, heads, r, c)`` max-pooled weights (``r = min(T, size)``, ``c =
+            min(S, size)``), pooled per row chunk over keys, then over rows (max is separable).
+        S: the number of keys.
+    """
+
+    tokens: list[str]
+    top_val: Tensor
+    top_idx: Tensor
+    row_entropy: Tensor
+    thumbs: Tensor
+    S: int
+    model: str
+    notes: list[str] = field(default_factory=list)
+    key_tokens: list[str] | None = None
+    part: str = ""
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(layers, heads, T, S)``, the shape the dense weights would have."""
+        Ly, H, T, _ = self.top_val.shape
+        return (Ly, H, T, self.S)
+
+
+def _top_rows(
+    query: Tensor, key: Tensor, mask: Any, scaling: float | None, k: int, size: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Batch item 0's top-k weights, row entropy and thumbnail of one attention call.
+
+    The exact weights of a chunk of rows at a time (`attnlab.attention_weights` from the lse of
+    `attnlab.attention_stats`), so at most `LONG_CHUNK_ELEMENTS` weights exist at once.
+    """
+    import torch.nn.functional as F
+
+    from ..functional.api import attention_stats, attention_weights
+    from ..viz.attention_view import top_weights
+
+    q, kk = query[:1], key[:1]
+    if isinstance(mask, Tensor) and mask.shape[0] > 1:
+        mask = mask[:1]
+    st = attention_stats(q, kk, kk, mask=mask, scale=scaling)
+    H, L, S = q.shape[1], q.shape[2], kk.shape[2]
+    rows = max(1, LONG_CHUNK_ELEMENTS // max(1, H * S))
+    vals, idxs, pooled = [], [], []
+    cols = min(S, size)
+    for r0 in range(0, L, rows):
+        r1 = min(L, r0 + rows)
+        w = attention_weights(q, kk, st.lse, rows=slice(r0, r1), mask=mask, scale=scaling)[0]
+        v, i = top_weights(w.double(), min(k, S))  # (H, r, k)
+        vals.append(v)
+        idxs.append(i)
+        pooled.append(F.adaptive_max_pool1d(w.double().reshape(H * (r1 - r0), 1, S), cols))
+    by_key = torch.cat([p.reshape(H, -1, cols) for p in pooled], dim=1)  # (H, L, c)
+    r = min(L, size)
+    thumbs = F.adaptive_max_pool1d(by_key.transpose(1, 2).reshape(H * cols, 1, L), r)
+    thumbs = thumbs.reshape(H, cols, r).transpose(1, 2)  # (H, r, c)
+    ent = torch.where(torch.isneginf(st.lse[0]), torch.nan, st.entropy[0].double())  # (H, L)
+    return torch.cat(vals, 1), torch.cat(idxs, 1), ent, thumbs
+
+
+def _long_forward(model: nn.Module, kwargs: dict[str, Any], k: int, size: int) -> dict[str, list]:
+    """Runs the model once, recording `_top_rows` of every attention call by module name."""
+    from ..hf.bridge import attention_forward
+    from ..hf.masking import HFMask
+    from ..hf.stats import _swapped
+
+    names = {id(m): name for name, m in model.named_modules()}
+    record: dict[str, list] = {}
+
+    def recording(module, query, key, value, attention_mask, **kw):  # type: ignore[no-untyped-def]
+        out = attention_forward(module, query, key, value, attention_mask, **kw)
+        if kw.get("softcap") is not None:  # the weights from the lse would lack the cap
+            raise ValueError(
+                f"{type(module).__name__} uses logit soft-capping, which the long-input viewer "
+                "path (top-k rows from the lse) does not compute: use at most 64 tokens"
+            )
+        mask = attention_mask.mask if isinstance(attention_mask, HFMask) else attention_mask
+        with torch.no_grad():
+            got = _top_rows(query, key, mask, kw.get("scaling"), k, size)
+        record.setdefault(names.get(id(module), ""), []).append(got)
+        return out
+
+    with _swapped(recording), torch.inference_mode():
+        model(**kwargs)
+    return record
+
+
+def long_view_data(
+    run: LongAttentions, *, title: str, subtitle: str, layer: int = 0, head: int = 0
+) -> dict[str, Any]:
+    """The viewer's JSON document (top-k mode, see `attnlab.viz.attention_view.attention_data`)
+    for a `LongAttentions`, built from its top-k rows and thumbnails (no L×S)."""
+    from ..viz.attention_view import DEFAULT_DECIMALS, MIN_LINE_WEIGHT, _rounded
+
+    Ly, H, T, S = run.shape
+    k = run.top_val.shape[-1]
+    r, c = run.thumbs.shape[-2:]
+    rows = run.row_entropy
+    decimals = DEFAULT_DECIMALS
+    size = f"{T} tokens" if run.key_tokens is None else f"{T} × {S} tokens"
+    notes = [
+        f"Long input ({size}): the head view draws and the hover lists only each token's top {k} "
+        f"weights (exact, computed row by row without the {T}×{S} matrix), which is all the page "
+        f"stores; the thumbnails are max-pooled to {r}×{c} pixels.",
+        *run.notes,
+    ]
+    return {
+        "version": 2,
+        "title": title,
+        "subtitle": subtitle,
+        "tokens": run.tokens,
+        "mask": [True] * T,
+        "cross": run.key_tokens is not None,
+        "key_tokens": run.key_tokens,
+        "key_mask": None if run.key_tokens is None else [True] * S,
+        "sentence_b_start": None,
+        "layers": Ly,
+        "heads": H,
+        "T": T,
+        "S": S,
+        "decimals": decimals,
+        "min_line": MIN_LINE_WEIGHT,
+        "selected": [layer, head],
+        "entropy": _rounded(rows.nanmean(dim=-1), decimals),
+        "row_entropy": _rounded(rows, decimals),
+        "notes": notes,
+        "mode": "topk",
+        "weights": None,
+        "topk": k,
+        "top_idx": run.top_idx.tolist(),
+        "top_val": _rounded(run.top_val, decimals),
+        "thumb_size": max(r, c),
+        "thumb_shape": [r, c],
+        "thumbs": torch.round(run.thumbs * 255).to(torch.int64).reshape(Ly, H, r * c).tolist(),
+    }
+
+
 __all__ = [
+    "HF_MAX_TOKENS",
     "MODELS",
     "Attentions",
+    "LongAttentions",
+    "check_hf_folder",
     "checkpoint_attentions",
     "collect",
     "gpt_attentions",
+    "hf_attentions",
+    "long_view_data",
     "minilm_attentions",
 ]

@@ -8,12 +8,17 @@ layer's attention weights ``(layers, heads, T, T)`` and writes
 - ``--format text``: per head, each token's top-3 attended tokens with weights;
 - ``--png [FILE]``: additionally a grid of heatmaps, layers × heads (`attnlab.viz.attention_png`).
 
-Models: ``minilm`` (default, the pretrained all-MiniLM-L6-v2) or ``gpt`` (a character-level
-checkpoint written by ``attnlab train``, ``--checkpoint PATH``).
+Models: ``minilm`` (default, the pretrained all-MiniLM-L6-v2), ``gpt`` (a character-level
+checkpoint written by ``attnlab train``, ``--checkpoint PATH``), or ``--model FOLDER``: a local
+transformers checkpoint (encoder, decoder or encoder–decoder, with its tokenizer), read from
+safetensors only and checked against its config before loading; an encoder–decoder shows its
+encoder self-attention and its decoder cross-attention, two viewers on one page; its inputs over
+64 tokens keep each row's exact top-k weights, computed without the L×S matrix.
 
 Example:
     $ attnlab visualize "The animal didn't cross the street because it was too tired"
     $ attnlab visualize --checkpoint runs/alice/ckpt.safetensors "Alice was" --format text
+    $ attnlab visualize --model ./my-bart "The cat sat on the mat." --out bart.html
 """
 
 from __future__ import annotations
@@ -22,7 +27,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..analysis.model_attentions import MODELS, collect
+from ..analysis.model_attentions import (
+    MODELS,
+    Attentions,
+    LongAttentions,
+    collect,
+    hf_attentions,
+    long_view_data,
+)
 from ._args import (
     add_device_argument,
     check_output_file,
@@ -40,9 +52,67 @@ def _short(text: str, limit: int = 80) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+def _shape(run: Attentions | LongAttentions) -> tuple[int, ...]:
+    return run.shape if isinstance(run, LongAttentions) else tuple(run.weights.shape)
+
+
+def _long_text(run: LongAttentions, layers: list[int] | None, heads: list[int] | None) -> str:
+    """`attention_text`'s report from a long run's top-k rows (top-3 per query)."""
+    keys = run.key_tokens or run.tokens
+    Ly, H = run.shape[:2]
+    out = []
+    for li in layers if layers is not None else range(Ly):
+        for h in heads if heads is not None else range(H):
+            ent = run.row_entropy[li, h].nanmean().item()
+            out.append(f"layer {li}, head {h} · entropy {ent:.3f} nats")
+            for i, token in enumerate(run.tokens):
+                vals, idx = run.top_val[li, h, i, :3], run.top_idx[li, h, i, :3]
+                pairs = zip(vals.tolist(), idx.tolist(), strict=True)
+                top = "   ".join(f"{keys[j]} {v:.3f}" for v, j in pairs if v > 0)
+                out.append(f"  {token} → {top}")
+    return "\n".join(out)
+
+
+def _summary(run: Attentions | LongAttentions) -> str:
+    Ly, H, T, S = _shape(run)
+    size = f"{T} tokens" if run.key_tokens is None else f"{T} queries × {S} keys"
+    part = f" · {run.part}" if run.part else ""
+    return f"{run.model}{part} · {size} · {Ly} layers × {H} heads"
+
+
+def _check_choice(args: argparse.Namespace, runs: list) -> None:
+    for run in runs:
+        Ly, H = _shape(run)[:2]
+        for name, value, size in (("--layer", args.layer, Ly), ("--head", args.head, H)):
+            if value is not None and not 0 <= value < size:
+                raise ValueError(f"{name} must be in [0, {size}), got {value}")
+
+
+def _save(views: list, path: str) -> Path:
+    """One page: the single view's own page, or every view's fragment one after another."""
+    out = Path(path)
+    if len(views) == 1:
+        return views[0].save(out)
+    page = views[0].html("attnlab-view-0")
+    extra = "".join(v.fragment(f"attnlab-view-{i}") for i, v in enumerate(views) if i)
+    marker = page.rindex("</body>")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page[:marker] + extra + page[marker:], encoding="utf-8")
+    return out
+
+
+def _quiet_transformers() -> None:
+    """No progress bars from transformers on the command's stderr (errors stay one line)."""
+    try:
+        from transformers.utils import logging
+    except ImportError:
+        return  # check_hf_folder names the missing extra
+    logging.disable_progress_bar()
+
+
 def _cmd_visualize(args: argparse.Namespace) -> int:
     from ..viz.attention_png import attention_png
-    from ..viz.attention_view import MAX_FULL_TOKENS, attention_text, save_attention_html
+    from ..viz.attention_view import MAX_FULL_TOKENS, AttentionView, attention_text, show
 
     if args.format == "html":
         check_output_file(args.out, "--out", (".html", ".htm"))
@@ -50,45 +120,77 @@ def _cmd_visualize(args: argparse.Namespace) -> int:
         png = Path(args.out).with_suffix(".png") if args.png is True else Path(args.png)
         check_output_file(png, "--png", (".png",))
     try:
-        run = collect(args.text, model=args.model, checkpoint=args.checkpoint, device=args.device)
-        Ly, H, T, _ = run.weights.shape
-        for name, value, size in (("--layer", args.layer, Ly), ("--head", args.head, H)):
-            if value is not None and not 0 <= value < size:
-                raise ValueError(f"{name} must be in [0, {size}), got {value}")
-        summary = f"{run.model} · {T} tokens · {Ly} layers × {H} heads"
+        if args.model is not None and args.model not in MODELS:
+            if args.checkpoint is not None:
+                raise ValueError("--checkpoint is for --model gpt; drop it with --model FOLDER")
+            _quiet_transformers()
+            runs = hf_attentions(args.model, args.text, device=args.device, topk=args.top_k)
+        else:
+            runs = [
+                collect(args.text, model=args.model, checkpoint=args.checkpoint, device=args.device)
+            ]
+        _check_choice(args, runs)
+        if args.png is not None and any(isinstance(r, LongAttentions) for r in runs):
+            raise ValueError(
+                "--png draws every weight: with --model FOLDER it needs at most 64 tokens"
+            )
         if args.format == "text":
-            print(summary + " · top-3 attended tokens per query (weight)\n")
-            for note in run.notes:
-                print(f"note: {note}")
-            print(
-                attention_text(
+            for run in runs:
+                print(_summary(run) + " · top-3 attended tokens per query (weight)\n")
+                for note in run.notes:
+                    print(f"note: {note}")
+                if isinstance(run, LongAttentions):
+                    layers = None if args.layer is None else [args.layer]
+                    print(_long_text(run, layers, None if args.head is None else [args.head]))
+                    continue
+                print(
+                    attention_text(
+                        run.tokens,
+                        run.weights,
+                        k=3,
+                        layers=None if args.layer is None else [args.layer],
+                        heads=None if args.head is None else [args.head],
+                        key_tokens=run.key_tokens,
+                    )
+                )
+        else:
+            views = [
+                AttentionView(
+                    long_view_data(
+                        run,
+                        title=f"Attention: {_short(args.text)}",
+                        subtitle=_summary(run),
+                        layer=args.layer or 0,
+                        head=args.head or 0,
+                    )
+                )
+                if isinstance(run, LongAttentions)
+                else show(
                     run.tokens,
                     run.weights,
-                    k=3,
-                    layers=None if args.layer is None else [args.layer],
-                    heads=None if args.head is None else [args.head],
+                    key_tokens=run.key_tokens,
+                    title=f"Attention: {_short(args.text)}",
+                    subtitle=_summary(run),
+                    notes=run.notes,
+                    layer=args.layer or 0,
+                    head=args.head or 0,
+                    topk=args.top_k,
                 )
-            )
-        else:
-            out = save_attention_html(
-                run.tokens,
-                run.weights,
-                args.out,
-                title=f"Attention: {_short(args.text)}",
-                subtitle=summary,
-                notes=run.notes,
-                layer=args.layer or 0,
-                head=args.head or 0,
-                topk=args.top_k,
-            )
+                for run in runs
+            ]
+            out = _save(views, args.out)
             size = out.stat().st_size
-            print(f"wrote {out} ({size / 1e6:.2f} MB; {summary})")
-            for note in run.notes:
-                print(f"note: {note}")
-            if T > MAX_FULL_TOKENS:
-                print(f"note: long input, the viewer keeps each token's top {args.top_k} weights")
+            print(f"wrote {out} ({size / 1e6:.2f} MB; {'; '.join(_summary(r) for r in runs)})")
+            for run in runs:
+                for note in run.notes:
+                    print(f"note: {note}")
+                if max(_shape(run)[-2:]) > MAX_FULL_TOKENS:
+                    print(
+                        f"note: long input, the viewer keeps each token's top {args.top_k} weights"
+                    )
         if args.png is not None:
-            attention_png(run.tokens, run.weights, png, title=summary)
+            run = runs[0]
+            attention_png(run.tokens, run.weights, png, title=_summary(run))
             print(f"wrote {png}")
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
         print(f"attnlab visualize: error: {' '.join(str(e).split())}", file=sys.stderr)
@@ -118,9 +220,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model",
-        choices=MODELS,
         default=None,
-        help="minilm (default) or gpt (implied by --checkpoint)",
+        metavar="minilm|gpt|FOLDER",
+        help=(
+            "minilm (default), gpt (implied by --checkpoint), or a local transformers checkpoint "
+            "folder (safetensors weights + tokenizer; pickle .bin weights are refused)"
+        ),
     )
     p.add_argument(
         "--checkpoint",

@@ -8,7 +8,8 @@ sequences (documents) — grouped-query k/v without copies, the model's scaling,
 training, logit soft-capping, and exact weights for ``output_attentions=True``. Query and key
 positions come from transformers' own cache offsets (dynamic and static caches). A model that
 needs something attnlab does not compute (attention sinks, a separate position bias) raises
-`UnsupportedAttentionError` naming it at its first forward call.
+`UnsupportedAttentionError` naming it at its first forward call. `attention_stats` gives every
+attention call's per-head statistics (entropy, sink mass, mean distance) without L×S tensors.
 
 transformers (>= 5.4, the ``hf`` extra) is imported by `register`, not by ``import attnlab.hf``;
 without it `register` raises a one-line ``MissingExtraError`` naming ``attnlab[hf]``.
@@ -32,13 +33,18 @@ Example (a tiny random Llama, saved and loaded from a folder, no network):
 from .bridge import MIN_TRANSFORMERS, NAME, attention_forward, register
 from .errors import UnsupportedAttentionError
 from .masking import HFMask, hf_mask
+from .stats import STATISTICS, CallStats, ModelStats, attention_stats
 
 __all__ = [
     "MIN_TRANSFORMERS",
     "NAME",
+    "STATISTICS",
+    "CallStats",
     "HFMask",
+    "ModelStats",
     "UnsupportedAttentionError",
     "attention_forward",
+    "attention_stats",
     "hf_mask",
     "register",
 ]
