@@ -64,6 +64,7 @@ def _reference_run_lse(req: Request) -> tuple[Tensor, Tensor, Tensor]:
         scale=req.scale,
         temperature=req.temperature,
         score=req.score,
+        softcap=req.softcap,
     )
     return out, weights, lse
 
