@@ -132,6 +132,20 @@ def test_flash_default_tiles_through_attention_float64():
     check_against_reference(default, reference_for(mask, bias, softcap=CAP), [q, k, v])
 
 
+def test_flash_cosine_temperature_negative_scale_match_reference():
+    """The cap acts on ``score · scale / T`` whatever the score, sign or temperature."""
+    mask = masks.sliding_window(12, causal=False)
+    q, k, v = qkv(b=1, l=29, s=29, spread=1.0)
+    kw = {"score": "cosine", "temperature": 0.5, "scale": -3.0, "softcap": CAP}
+
+    def impl(q, k, v):
+        return flash_attention(q, k, v, mask=mask, block_q=8, block_k=8, band_block=4, **kw)[0]
+
+    check_against_reference(impl, reference_for(mask, None, **kw), [q, k, v])
+    plain = attnlab.attention(q, k, v, mask=mask, **{**kw, "softcap": None})
+    assert (impl(q, k, v) - plain).abs().max() > 0.05  # |logits| reach 6 > CAP
+
+
 def test_flash_bias_gradient_and_lse_match_reference():
     """The bias is added after the cap: its gradient is dS, not dS·(1 − tanh²)."""
     mask, bias = mask_cases()["causal_bias"]
@@ -292,6 +306,30 @@ def test_sdpa_declines_and_explain_says_why():
     assert attnlab.explain(q, k, v, mask=masks.causal()).startswith("sdpa:")
     with pytest.raises(ValueError, match=r"engine='kernel' cannot soft-cap"):
         flash_attention(q, k, v, softcap=CAP, engine="kernel")
+
+
+def test_a_backend_that_does_not_declare_softcap_never_sees_it(monkeypatch):
+    """A backend registered without ``softcap=True`` would silently drop the cap: it is refused."""
+    from attnlab.functional import registry
+
+    seen = []
+
+    def plain(req):
+        seen.append(req)
+        return registry.get_backend("reference").run(req)
+
+    monkeypatch.setitem(
+        registry._BACKENDS, "plain", registry.Backend("plain", plain, lambda r: None, "no cap")
+    )
+    monkeypatch.setattr(registry, "_AUTO_ORDER", ["plain", *registry._AUTO_ORDER])
+    q, k, v = qkv(torch.float32, l=5, s=6)
+    with pytest.raises(ValueError, match=r"'plain' cannot run.*does not implement logit soft-cap"):
+        attnlab.attention(q, k, v, softcap=CAP, backend="plain")
+    why = attnlab.explain(q, k, v, softcap=CAP)
+    assert "not 'plain': it does not implement logit soft-capping (softcap=2.5)" in why
+    assert not why.startswith("plain")
+    assert attnlab.explain(q, k, v).startswith("plain:")  # without a cap it runs
+    assert not seen
 
 
 @pytest.mark.parametrize(

@@ -83,6 +83,7 @@ register_backend(
         "key prefixes, logits in float32+",
         run_lse=decode_run_lse,
         declines=decode_declines,
+        softcap=True,
     )
 )
 register_backend(
@@ -93,6 +94,7 @@ register_backend(
         "the explicit definition in functional/reference.py (float64-capable, returns weights)",
         run_lse=_reference_run_lse,
         last_resort=True,
+        softcap=True,
     ),
 )
 register_backend(
@@ -114,6 +116,7 @@ register_backend(
         tiled=True,
         run_lse=_flash_run_lse,
         declines=flash_declines,
+        softcap=True,
     ),
 )
 

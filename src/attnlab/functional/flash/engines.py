@@ -145,22 +145,29 @@ class TorchEngine:
 
     @staticmethod
     def _scores(
-        qg: Tensor, kc: Tensor, logits: Logits, rows: slice, cols: slice
+        qg: Tensor, kc: Tensor, logits: Logits, rows: slice, cols: slice, *, keep_tanh: bool
     ) -> tuple[Tensor, Tensor | None]:
         """Logits ``(nb, H_kv, G, r, c)`` of the tile at ``rows``, ``cols`` of the call, and
-        ``tanh(q·kᵀ·scale / softcap)`` (for backward's ``1 − tanh²``) or None without a cap."""
+        ``tanh(q·kᵀ·scale / softcap)`` if ``keep_tanh`` (backward's ``1 − tanh²``), else None.
+
+        Each step runs in place on the fresh product (the same values as out-of-place ops)."""
         H_kv = kc.shape[1]
-        s = (qg @ kc.unsqueeze(2).transpose(-1, -2)) * logits.scale  # (nb, H_kv, G, r, c)
+        s = (qg @ kc.unsqueeze(2).transpose(-1, -2)).mul_(logits.scale)  # (nb, H_kv, G, r, c)
         t = None
         if logits.softcap is not None:  # as `reference.softcap_logits`, before bias and mask
-            t = torch.tanh(s / logits.softcap)
-            s = t * logits.softcap
+            if keep_tanh:
+                t = s.div_(logits.softcap).tanh_()
+                s = t * logits.softcap
+            else:
+                s = s.div_(logits.softcap).tanh_().mul_(logits.softcap)
         if logits.add is not None:
-            s = s + _group(_slice_add(logits.add, rows, cols), H_kv).to(s.dtype)
-        if logits.causal:
+            s = s.add_(_group(_slice_add(logits.add, rows, cols), H_kv).to(s.dtype))
+        # causal: key c is hidden from row r when c > r; a tile whose last key is at most its
+        # first row has nothing to hide
+        if logits.causal and cols.start + s.shape[-1] - 1 > rows.start:
             r = torch.arange(rows.start, rows.start + s.shape[-2], device=s.device).view(-1, 1)
             c = torch.arange(cols.start, cols.start + s.shape[-1], device=s.device).view(1, -1)
-            s = s.masked_fill(c > r, _NEG_INF)
+            s = s.masked_fill_(c > r, _NEG_INF)
         return s, t
 
     def forward(
@@ -186,10 +193,10 @@ class TorchEngine:
             for c0 in range(0, kmax, self.chunk_k):
                 c1 = min(kmax, c0 + self.chunk_k)
                 kc = k[:, :, c0:c1].to(acc)
-                s, _ = self._scores(qg, kc, logits, slice(r0, r1), slice(c0, c1))
+                s, _ = self._scores(qg, kc, logits, slice(r0, r1), slice(c0, c1), keep_tanh=False)
                 m_new = torch.maximum(m, s.amax(dim=-1))
                 m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
-                p = torch.exp(s - m_safe.unsqueeze(-1))  # (nb, H_kv, G, r, c)
+                p = s.sub_(m_safe.unsqueeze(-1)).exp_()  # (nb, H_kv, G, r, c)
                 alpha = torch.exp(m - m_safe)
                 den = den * alpha + p.sum(dim=-1)
                 o = o * alpha.unsqueeze(-1) + p @ v[:, :, c0:c1].to(acc).unsqueeze(2)
@@ -263,20 +270,20 @@ class TorchEngine:
                 c1 = min(kmax, c0 + self.chunk_k)
                 kc = k[:, :, c0:c1].to(acc)
                 vc = v[:, :, c0:c1].to(acc).unsqueeze(2)  # (nb, H_kv, 1, c, Dv)
-                s, t = self._scores(qg, kc, logits, slice(r0, r1), slice(c0, c1))
-                sl = s - lg if lo is None else (s - lg) - lo
-                p = torch.exp(sl)  # (nb, H_kv, G, r, c); 0 for masked pairs and dead rows
+                s, t = self._scores(qg, kc, logits, slice(r0, r1), slice(c0, c1), keep_tanh=True)
+                sl = s.sub_(lg) if lo is None else s.sub_(lg).sub_(lo)
+                p = sl.exp_()  # (nb, H_kv, G, r, c); 0 for masked pairs and dead rows
                 dv[:, :, c0:c1] += (p.transpose(-1, -2) @ dog).sum(dim=2)
                 dp = dog @ vc.transpose(-1, -2)
                 if own:
                     dg = (p * dp).sum(dim=-1, keepdim=True)  # (…, r, 1)
                     if dlse is not None:
                         dg = dg - dl
-                ds = p * (dp - dg)
+                ds = dp.sub_(dg).mul_(p)  # P ∘ (dP − δ)
                 if on_ds is not None:
                     on_ds(r0, r1, c0, c1, ds.flatten(1, 2))  # the bias is added after the cap
                 if t is not None:  # d/dx softcap·tanh(x / softcap) = 1 − tanh²(x / softcap)
-                    ds = ds * (1 - t * t)
+                    ds = ds.mul_(t.mul_(t).neg_().add_(1))
                 dq[:, :, r0:r1] += (ds @ kc.unsqueeze(2)).flatten(1, 2) * scale
                 dk[:, :, c0:c1] += (ds.transpose(-1, -2) @ qg).sum(dim=2) * scale
         return dq, dk, dv

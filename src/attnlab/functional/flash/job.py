@@ -106,7 +106,8 @@ class FlashJob:
         add one rounding per call. In float32 the partials stay exact enough and only the final
         result is rounded once. Additive tiles are float32 too (`flash_job`): a bias keeps
         its float32 precision, where rounding ALiBi's −slope·|i − j| to bfloat16 would move
-        distant logits by whole units.
+        distant logits by whole units. The torch engine rounds each call's output to the input
+        dtype as well, so it is widened the same way (soft-capped float16/bfloat16 calls run it).
         """
         return q.dtype in (torch.float16, torch.bfloat16)
 
