@@ -70,7 +70,7 @@ def attention(
             it are skipped by ``backend="auto"``. With it, `attention_weights` recomputes any
             rows' weights exactly without the L×S matrix.
         softcap: logit soft-capping ``c > 0`` (a finite float; None = no cap): every logit
-            becomes ``c · tanh(s / c)``, so ``|s| < c`` before the bias. Runs on ``"flash"``
+            becomes ``c · tanh(s / c)``, so ``|s| ≤ c`` before the bias. Runs on ``"flash"``
             (per tile, forward and backward, on its pure-PyTorch engine), ``"decode"`` and
             ``"reference"``; ``"sdpa"`` declines it (torch's fused kernel has no tanh stage) and
             ``backend="auto"`` picks another backend; ``lse``, weights and `attention_stats`

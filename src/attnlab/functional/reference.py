@@ -58,7 +58,7 @@ def softcap_logits(s: Tensor, softcap: float | None) -> Tensor:
     """The logit-transform stage: ``softcap · tanh(s / softcap)`` (identity for None).
 
     Logit soft-capping (Gemma 2, Grok; flash-attn's and transformers' ``softcap``): smooth, odd,
-    monotone, slope 1 at 0 and ``|result| < softcap``. It acts on the scaled scores
+    monotone, slope 1 at 0 and ``|result| ≤ softcap``. It acts on the scaled scores
     ``score(q, k) · scale / T``, BEFORE the bias and the mask are added — the order of
     transformers' gemma2 ``eager_attention_forward`` (``attn_weights = tanh(attn_weights /
     softcap) · softcap``, then ``attn_weights + attention_mask``) and of flash-attn. Its
