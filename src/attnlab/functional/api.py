@@ -30,8 +30,14 @@ def attention(
     backend: str = "auto",
     return_weights: bool = False,
     return_lse: bool = False,
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """Attention as the textbooks define it: ``softmax(score(Q, K) · scale / T + bias) V``.
+
+    With logit soft-capping: ``softmax(c · tanh(score(Q, K) · scale / T / c) + bias) V``,
+    ``c = softcap`` — the cap acts on the scaled scores BEFORE the bias and the mask are added
+    (Gemma 2; transformers' gemma2 ``eager_attention_forward`` caps ``q·kᵀ·scaling`` and then
+    adds its additive causal/padding mask; flash-attn's ``softcap`` likewise).
 
     Defined to equal `attnlab.functional.reference.attention`; every backend agrees with it under
     the tolerance rule.
@@ -63,6 +69,12 @@ def attention(
             (float64 for float64 inputs), −inf for rows with no key. Backends that cannot compute
             it are skipped by ``backend="auto"``. With it, `attention_weights` recomputes any
             rows' weights exactly without the L×S matrix.
+        softcap: logit soft-capping ``c > 0`` (a finite float; None = no cap): every logit
+            becomes ``c · tanh(s / c)``, so ``|s| ≤ c`` before the bias. Runs on ``"flash"``
+            (per tile, forward and backward, on its pure-PyTorch engine), ``"decode"`` and
+            ``"reference"``; ``"sdpa"`` declines it (torch's fused kernel has no tanh stage) and
+            ``backend="auto"`` picks another backend; ``lse``, weights and `attention_stats`
+            are those of the capped logits.
 
     Returns:
         ``out (B, H, L, Dv)`` (3-D in, 3-D out), or ``(out, weights)``, ``(out, lse)`` or
@@ -90,7 +102,9 @@ def attention(
         ValueError: shape mismatches, a mask/bias tensor on another device than q, a mask or
             bias function result that does not broadcast to its index grid, bad
             scale/temperature/dropout_p, an overflowing ``scale / temperature``, a function bias
-            built for another head count, unknown score or backend.
+            built for another head count, unknown score or backend, a ``softcap`` that is not a
+            finite number > 0 (TypeError for a bool or non-number), a backend that cannot run
+            the call (``backend="sdpa"`` with ``softcap``).
 
     Example:
         >>> import torch, attnlab
@@ -110,6 +124,7 @@ def attention(
         dropout_p=dropout_p,
         backend=backend,
         return_weights=return_weights,
+        softcap=softcap,
     )
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
@@ -147,6 +162,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
         "score": "dot",
         "dropout_p": 0.0,
         "return_weights": False,
+        "softcap": None,
     }
     return_lse = kwargs.pop("return_lse", False)
     unknown = set(kwargs) - set(defaults)
@@ -186,19 +202,20 @@ def attention_weights(
     scale: float | None = None,
     temperature: float = 1.0,
     score: str = "dot",
+    softcap: float | None = None,
 ) -> Tensor:
     """Exact attention weights of chosen query rows and heads, from the log-sum-exp.
 
-    ``p_ij = exp(s_ij − lse_i)`` with ``s`` the scaled, biased, masked logits of
+    ``p_ij = exp(s_ij − lse_i)`` with ``s`` the scaled (soft-capped), biased, masked logits of
     `attention` — so only ``len(heads) × len(rows) × S`` values are formed, never the L×S matrix.
-    Pass the same mask/bias/scale/temperature/score as the call that produced ``lse``.
+    Pass the same mask/bias/scale/temperature/score/softcap as the call that produced ``lse``.
 
     Args:
         q: ``(B, H, L, D)`` (or ``(B, L, D)``). k: ``(B, H_kv, S, D)`` (or ``(B, S, D)``).
         lse: ``(B, H, L)`` (or ``(B, L)``) from ``attention(..., return_lse=True)``.
         rows: query rows (ints, a slice or a tensor); default all.
         heads: query heads; default all (ignored for 3-D inputs).
-        mask, bias, scale, temperature, score: as in `attention`.
+        mask, bias, scale, temperature, score, softcap: as in `attention`.
 
     Returns:
         ``(B, len(heads), len(rows), S)`` (3-D in: ``(B, len(rows), S)``) in q's dtype; equal to
@@ -212,7 +229,15 @@ def attention_weights(
         TypeError: as `attention`.
     """
     req = plain_request(
-        q, k, k, mask=mask, bias=bias, scale=scale, temperature=temperature, score=score
+        q,
+        k,
+        k,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        temperature=temperature,
+        score=score,
+        softcap=softcap,
     )
     d = req.dims
     lse4 = _check_lse(lse, q, d)
@@ -234,6 +259,7 @@ def attention_stats(
     temperature: float = 1.0,
     score: str = "dot",
     lse: Tensor | None = None,
+    softcap: float | None = None,
 ) -> AttentionStats:
     """Per-head, per-query statistics of the attention weights, without the L×S matrix.
 
@@ -245,7 +271,7 @@ def attention_stats(
 
     Args:
         q, k, v: as in `attention` (v is only used to compute lse when it is not given).
-        mask, bias, scale, temperature, score: as in `attention`.
+        mask, bias, scale, temperature, score, softcap: as in `attention`.
         lse: the log-sum-exp from ``attention(..., return_lse=True)``, to skip recomputing it.
 
     Returns:
@@ -258,7 +284,15 @@ def attention_stats(
         ValueError, TypeError: as `attention`.
     """
     req = plain_request(
-        q, k, v, mask=mask, bias=bias, scale=scale, temperature=temperature, score=score
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        temperature=temperature,
+        score=score,
+        softcap=softcap,
     )
     d = req.dims
     with torch.no_grad():

@@ -64,6 +64,7 @@ def _reference_run_lse(req: Request) -> tuple[Tensor, Tensor, Tensor]:
         scale=req.scale,
         temperature=req.temperature,
         score=req.score,
+        softcap=req.softcap,
     )
     return out, weights, lse
 
@@ -82,6 +83,7 @@ register_backend(
         "key prefixes, logits in float32+",
         run_lse=decode_run_lse,
         declines=decode_declines,
+        softcap=True,
     )
 )
 register_backend(
@@ -92,6 +94,7 @@ register_backend(
         "the explicit definition in functional/reference.py (float64-capable, returns weights)",
         run_lse=_reference_run_lse,
         last_resort=True,
+        softcap=True,
     ),
 )
 register_backend(
@@ -113,6 +116,7 @@ register_backend(
         tiled=True,
         run_lse=_flash_run_lse,
         declines=flash_declines,
+        softcap=True,
     ),
 )
 

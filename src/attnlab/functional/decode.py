@@ -10,7 +10,9 @@ read by one matrix product, and the logits ``(B, H_kv, G·L, S)`` are small enou
     s = (q · scale / T) kᵀ,   out = softmax(s) v,   row i poisoned iff min_j s_ij is NaN or −inf
 
 (a +inf or NaN logit already makes softmax's row NaN; a −inf one — an infinite key — would be
-dropped, so the row minimum catches it). Half-precision inputs are computed in float32 (the
+dropped, so the row minimum catches it). With ``softcap``, ``s ← softcap·tanh(s / softcap)``
+before the softmax, and row i is poisoned iff some ``s_ij`` was non-finite before capping (tanh
+would turn ±inf into ±softcap). Half-precision inputs are computed in float32 (the
 logits are never rounded to bfloat16) and the output is cast back. Masks must leave every row a
 prefix of the keys known from Python ints (`request.key_prefixes`): other keys are sliced away, so
 non-finite values in padding never reach a row. No host synchronisation.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .reference import softcap_logits
 from .request import Request, key_prefixes, prefix_views
 
 DECODE_MAX_L = 8
@@ -85,8 +88,15 @@ def _attend(
     qg = q.reshape(b * H_kv, (H // H_kv) * L, D).to(c)
     kk, vv = k.reshape(b * H_kv, n, D).to(c), v.reshape(b * H_kv, n, Dv).to(c)
     s = torch.bmm(qg, kk.transpose(1, 2)).mul_(req.scale / req.temperature)  # (b·H_kv, G·L, n)
-    low = s.amin(dim=-1, keepdim=True)  # NaN or −inf iff the row has such a logit
-    poison = low - low  # +0.0, or NaN
+    if req.softcap is None:
+        low = s.amin(dim=-1, keepdim=True)  # NaN or −inf iff the row has such a logit
+        poison = low - low  # +0.0, or NaN
+    else:
+        # tanh maps ±inf to ±1, so the row check reads the logits BEFORE capping: s·0 is NaN
+        # exactly for a non-finite logit (a +inf one too: the cap would hide it from softmax)
+        flag = (s * 0).sum(dim=-1, keepdim=True)  # ±0.0, or NaN
+        poison = flag - flag  # +0.0, or NaN
+        s = softcap_logits(s, req.softcap)
     out = torch.bmm(torch.softmax(s, dim=-1), vv).sub_(poison)  # x − (+0.0) == x
     if not want_lse:
         return out.view(b, H, L, Dv), None

@@ -54,6 +54,28 @@ def keep_mask(mask: Tensor | None, bias: Tensor | None) -> Tensor | None:
     return keep
 
 
+def softcap_logits(s: Tensor, softcap: float | None) -> Tensor:
+    """The logit-transform stage: ``softcap · tanh(s / softcap)`` (identity for None).
+
+    Logit soft-capping (Gemma 2, Grok; flash-attn's and transformers' ``softcap``): smooth, odd,
+    monotone, slope 1 at 0 and ``|result| ≤ softcap``. It acts on the scaled scores
+    ``score(q, k) · scale / T``, BEFORE the bias and the mask are added — the order of
+    transformers' gemma2 ``eager_attention_forward`` (``attn_weights = tanh(attn_weights /
+    softcap) · softcap``, then ``attn_weights + attention_mask``) and of flash-attn. Its
+    derivative is ``1 − tanh²(s / softcap)``.
+
+    Args:
+        s: logits of any shape, float.
+        softcap: the cap (> 0), or None.
+
+    Returns:
+        ``s`` capped, same shape and dtype.
+    """
+    if softcap is None:
+        return s
+    return torch.tanh(s / softcap) * softcap
+
+
 def _logits(
     q: Tensor,
     k: Tensor,
@@ -63,15 +85,19 @@ def _logits(
     score: str,
     dtype: torch.dtype,
     reorder: bool = False,
+    softcap: float | None = None,
 ) -> Tensor:
+    """``softcap_logits(score(q, k) · scale / T)`` grouped: ``(B, H_kv, G, L, S)`` in ``dtype``."""
     s = get_score(score)
     H_kv = k.shape[1]
     qg = s.prepare(q.to(dtype)).unflatten(1, (H_kv, q.shape[1] // H_kv if H_kv else 0))
     kg = s.prepare(k.to(dtype)).unsqueeze(2)  # (B, H_kv, 1, S, D)
     # qg: (B, H_kv, G, L, D)
     if reorder:  # the same value with the scale folded into k first (a different rounding)
-        return qg @ (kg * (scale / temperature)).transpose(-1, -2)  # (B, H_kv, G, L, S)
-    return (qg @ kg.transpose(-1, -2)) * (scale / temperature)  # (B, H_kv, G, L, S)
+        logits = qg @ (kg * (scale / temperature)).transpose(-1, -2)  # (B, H_kv, G, L, S)
+    else:
+        logits = (qg @ kg.transpose(-1, -2)) * (scale / temperature)  # (B, H_kv, G, L, S)
+    return softcap_logits(logits, softcap)
 
 
 def _unnormalized_softmax(logits: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -113,8 +139,12 @@ def attention(
     generator: torch.Generator | None = None,
     compute_dtype: torch.dtype | None = None,
     reorder: bool = False,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Reference attention: ``softmax(score(q, k) · scale / temperature + bias, masked) @ v``.
+    """Reference attention: ``softmax(cap(score(q, k) · scale / temperature) + bias, masked) @ v``.
+
+    ``cap(s) = softcap · tanh(s / softcap)`` (`softcap_logits`; the identity when ``softcap`` is
+    None): soft-capping acts on the scaled scores, before the bias and the mask.
 
     Args:
         q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
@@ -129,6 +159,7 @@ def attention(
         reorder: fold the scale into k before the product and normalise after the weighted sum.
             Same definition, different rounding: the tolerance rule runs it in the input dtype to
             measure the naive formula's error.
+        softcap: logit soft-capping (> 0), or None for none.
 
     Returns:
         ``(out (B, H, L, Dv), weights (B, H, L, S))`` in q's dtype. ``weights`` are those that
@@ -143,7 +174,14 @@ def attention(
     q_in, k_in, v_in = q, k, v
     q, k, v = nan_rule.clean(q), nan_rule.clean(k), nan_rule.clean(v)
     logits = _logits(
-        q, k, scale=scale, temperature=temperature, score=score, dtype=dtype, reorder=reorder
+        q,
+        k,
+        scale=scale,
+        temperature=temperature,
+        score=score,
+        dtype=dtype,
+        reorder=reorder,
+        softcap=softcap,
     )
     if bias is not None:
         logits = logits + group_heads(nan_rule.clean_bias(bias), H_kv).to(dtype)
@@ -171,8 +209,12 @@ def logsumexp(
     scale: float | None = None,
     temperature: float = 1.0,
     score: str = "dot",
+    softcap: float | None = None,
 ) -> Tensor:
-    """Reference log-sum-exp of the masked logits ``(B, H, L)``, float32+, −inf if empty."""
+    """Reference log-sum-exp of the masked logits ``(B, H, L)``, float32+, −inf if empty.
+
+    The logits are those of `attention` (soft-capped when ``softcap`` is given, then biased).
+    """
     B, H, L, _ = q.shape
     H_kv = k.shape[1]
     dtype = compute_dtype_for(q.dtype)
@@ -181,7 +223,9 @@ def logsumexp(
     keep = keep_mask(mask, bias)
     row_bad, _ = nan_rule.bad_entries(q, k, k[..., :0], keep=keep, bias=bias)
     q, k = nan_rule.clean(q), nan_rule.clean(k)
-    logits = _logits(q, k, scale=scale, temperature=temperature, score=score, dtype=dtype)
+    logits = _logits(
+        q, k, scale=scale, temperature=temperature, score=score, dtype=dtype, softcap=softcap
+    )
     if bias is not None:
         logits = logits + group_heads(nan_rule.clean_bias(bias), H_kv).to(dtype)
     if keep is not None:

@@ -21,4 +21,5 @@ def reference_run(req: Request) -> tuple[Tensor, Tensor]:
         temperature=req.temperature,
         score=req.score,
         dropout_p=req.dropout_p,
+        softcap=req.softcap,
     )

@@ -31,6 +31,9 @@ class Backend:
             a later backend is faster. A declined backend still runs the call when every other
             supporting backend is a ``last_resort``.
         last_resort: picked by auto only when no other backend supports the call (the reference).
+        softcap: the backend applies logit soft-capping (`Request.softcap`). A backend that does
+            not declare it never sees a soft-capped request (`select` refuses it with a reason),
+            so a backend registered before soft-capping existed cannot silently ignore the cap.
     """
 
     name: str
@@ -41,6 +44,7 @@ class Backend:
     run_lse: RunLseFn | None = None
     declines: SupportsFn | None = None
     last_resort: bool = False
+    softcap: bool = False
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -89,7 +93,10 @@ def check_backend_name(name: object) -> str:
 def _why_not(backend: Backend, req: Request, need_lse: bool) -> str | None:
     if need_lse and backend.run_lse is None:
         return "it cannot return the log-sum-exp (return_lse=True)"
-    return backend.supports(req)
+    why = backend.supports(req)
+    if why is None and req.softcap is not None and not backend.softcap:
+        why = f"it does not implement logit soft-capping (softcap={req.softcap})"
+    return why
 
 
 def select(name: str, req: Request, *, need_lse: bool = False) -> tuple[Backend, str]:

@@ -69,7 +69,12 @@ def check_bias_output(
 
 @dataclass
 class Request:
-    """One validated attention call; q ``(B, H, L, D)``, k/v ``(B, H_kv, S, ·)`` (always 4-D)."""
+    """One validated attention call; q ``(B, H, L, D)``, k/v ``(B, H_kv, S, ·)`` (always 4-D).
+
+    The logits are ``s = score(q, k) · scale / temperature``, then the logit-transform stage
+    (``softcap``: ``s ← softcap · tanh(s / softcap)``, `reference.softcap_logits`), then the bias
+    and the mask; ``softcap`` is None for no transform.
+    """
 
     q: Tensor
     k: Tensor
@@ -82,6 +87,7 @@ class Request:
     score: str
     dropout_p: float
     return_weights: bool
+    softcap: float | None = None
 
     @property
     def is_empty(self) -> bool:

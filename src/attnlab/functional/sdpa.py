@@ -17,9 +17,14 @@ from .scores import get_score
 
 
 def sdpa_supports(req: Request) -> str | None:
-    """SDPA computes everything but the weights."""
+    """SDPA computes everything but the weights and soft-capped logits."""
     if req.return_weights:
         return "torch's fused kernel does not return the attention weights (return_weights=True)"
+    if req.softcap is not None:
+        return (
+            f"torch's scaled_dot_product_attention has no logit soft-capping "
+            f"(softcap={req.softcap}): its fused kernel cannot apply tanh to the logits"
+        )
     return None
 
 

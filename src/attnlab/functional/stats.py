@@ -1,7 +1,8 @@
 """Attention weights and per-query statistics without an L×S matrix, from the log-sum-exp.
 
 With the log-sum-exp of each query row (``attention(..., return_lse=True)``) every weight is one
-exponential away: ``p_ij = exp(s_ij − lse_i)``, where ``s_ij`` is the scaled, biased logit. So:
+exponential away: ``p_ij = exp(s_ij − lse_i)``, where ``s_ij`` is the scaled (soft-capped, when
+the request has ``softcap``), biased logit. So:
 
 - `attention_weights` recomputes the exact weights of chosen rows and heads only;
 - `attention_stats` streams over the same tiles as the tiled backend (skipping empty tiles) and
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .flash import TileSource, flash_job
+from .reference import softcap_logits
 from .request import Request
 from .scores import get_score
 from .tiling import CALL_CAUSAL, CALL_MASKED, Call
@@ -102,7 +104,7 @@ def compute_stats(
                 keys = keys_all[c0 : min(n_keys, c0 + chunk_k)]
                 s = _logits(qs, k[c.b0 : c.b1].index_select(2, keys).to(acc), job.scale)
                 add = _tile_add(src, c, b, rows, keys, c0)
-                s, bad = _masked_logits(s, add, acc)
+                s, bad = _masked_logits(s, add, acc, req.softcap)
                 logp = s - lrow  # log p_ij; −inf where masked, −inf on dead rows (lse = +inf)
                 p = torch.exp(logp)
                 live = p > 0
@@ -131,15 +133,23 @@ def _poison(bad: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.where(bad, float("nan"), -0.0).to(dtype)
 
 
-def _masked_logits(s: Tensor, add: Tensor | None, acc: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``(s + add with masked entries at −inf, row flag)``: the flag ``(..., r)`` is NaN where
-    an attended logit (add ≠ −inf) is NaN or ±inf, else 0 — masked entries never reach it."""
+def _masked_logits(
+    s: Tensor, add: Tensor | None, acc: torch.dtype, softcap: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(cap(s) + add with masked entries at −inf, row flag)``: the flag ``(..., r)`` is NaN
+    where an attended logit (add ≠ −inf) is NaN or ±inf, else 0 — masked entries never reach it.
+
+    ``cap`` is `reference.softcap_logits`; the flag reads the logits before capping (tanh would
+    turn ±inf into ±softcap)."""
+    raw = s
+    s = softcap_logits(s, softcap)
     if add is not None:
-        s = s + add.to(acc)
+        add = add.to(acc)
+        raw, s = raw + add, s + add
         masked = torch.isneginf(add)
-        bad = torch.where(masked, 0.0, s * 0).sum(dim=-1)  # x·0 is NaN exactly for non-finite x
+        bad = torch.where(masked, 0.0, raw * 0).sum(dim=-1)  # x·0 is NaN exactly for non-finite x
         return torch.where(masked, _NEG_INF, s), bad
-    return s, (s * 0).sum(dim=-1)
+    return s, (raw * 0).sum(dim=-1)
 
 
 def _tile_add(
@@ -184,7 +194,7 @@ def compute_weights(
         with_mask=True,
         h=heads.view(1, -1, 1, 1),
     )
-    s, bad = _masked_logits(s, add, acc)
+    s, bad = _masked_logits(s, add, acc, req.softcap)
     lrow = lse[:, heads][:, :, rows].to(acc)  # (B, nh, nr)
     poison = _poison(torch.isnan(bad) | torch.isnan(lrow) | torch.isposinf(lrow), acc)
     lrow = torch.where(torch.isneginf(lrow), float("inf"), lrow).unsqueeze(-1)

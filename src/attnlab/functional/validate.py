@@ -7,6 +7,9 @@ the expected and the received value.
 
 from __future__ import annotations
 
+import math
+
+import torch
 from torch import Tensor
 
 from .._shapes import (
@@ -27,6 +30,40 @@ def _unit_stride_last(t: Tensor) -> Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
+def check_softcap(softcap: object, dtype: torch.dtype) -> float | None:
+    """``softcap``: None, or a finite real number > 0 that stays a normal number in the logits'
+    compute dtype (float32 for float32/float16/bfloat16 inputs, float64 for float64).
+
+    ``softcap · tanh(s / softcap)`` with a cap that rounds to 0 (or a subnormal) in the compute
+    dtype would divide by zero, and one that rounds to inf would give ``inf · 0``: both are
+    refused before any work.
+
+    Raises:
+        TypeError: a bool, or anything but an int/float (e.g. a tensor), naming ``softcap``.
+        ValueError: NaN, ±inf, a value <= 0, or outside the compute dtype's normal range.
+    """
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(
+            f"softcap must be None or a float > 0 (logits become softcap·tanh(s/softcap)), got "
+            f"{type(softcap).__name__} {softcap!r}"
+        )
+    cap = float(softcap)
+    if torch.compiler.is_compiling():
+        return cap  # may be symbolic (torch.compile(dynamic=True)): checked in eager calls only
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    info = torch.finfo(compute)
+    if not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"softcap must be a finite float > 0 (or None), got {softcap!r}")
+    if not info.tiny <= cap <= info.max:
+        raise ValueError(
+            f"softcap must lie in [{info.tiny:.3g}, {info.max:.3g}] for {dtype} inputs (a normal "
+            f"{compute} number: the logits are capped in {compute}), got {softcap!r}"
+        )
+    return cap
+
+
 def build_request(
     q: Tensor,
     k: Tensor,
@@ -40,12 +77,14 @@ def build_request(
     dropout_p: float,
     backend: str,
     return_weights: bool,
+    softcap: float | None = None,
 ) -> Request:
     """Validates every argument (before any computation) and returns the 4-D request."""
     dims = check_qkv(q, k, v)
     s = get_score(score)
     check_backend_name(backend)
     temperature = check_number("temperature", temperature, positive=True)
+    cap = check_softcap(softcap, q.dtype)
     dropout_p = check_probability("dropout_p", dropout_p)
     scale = s.default_scale(dims.D) if scale is None else check_number("scale", scale, nonzero=True)
     check_logit_multiplier(scale, temperature, q.dtype)
@@ -98,6 +137,7 @@ def build_request(
         score=score,
         dropout_p=dropout_p,
         return_weights=return_weights,
+        softcap=cap,
     )
 
 
@@ -111,6 +151,7 @@ def plain_request(
     scale: float | None,
     temperature: float,
     score: str,
+    softcap: float | None = None,
 ) -> Request:
     """`build_request` without dropout or weights: the entry points that only need the logits."""
     return build_request(
@@ -125,4 +166,5 @@ def plain_request(
         dropout_p=0.0,
         backend="auto",
         return_weights=False,
+        softcap=softcap,
     )

@@ -1,14 +1,16 @@
 """Tile engines: one attention call over a set of keys, and its backward given the GLOBAL stats.
 
-A *call* is ``softmax(q·kᵀ·scale + add) v`` over the keys it holds (`Logits` says how the logits
-are formed). Its forward returns the call's output and log-sum-exp; its backward, given the
-GLOBAL output and log-sum-exp of the rows (`Residuals`), returns exactly this key set's dK, dV
-and its share of dQ, so the gradients of calls over disjoint key sets sum to the exact gradient.
+A *call* is ``softmax(cap(q·kᵀ·scale) + add) v`` over the keys it holds (`Logits` says how the
+logits are formed; ``cap`` is the optional soft-capping ``softcap·tanh(s / softcap)``). Its
+forward returns the call's output and log-sum-exp; its backward, given the GLOBAL output and
+log-sum-exp of the rows (`Residuals`), returns exactly this key set's dK, dV and its share of dQ,
+so the gradients of calls over disjoint key sets sum to the exact gradient.
 
 - `kernel_forward` / `kernel_backward`: torch's fused CPU flash kernel
   (``aten._scaled_dot_product_flash_attention_for_cpu``; float32, float16, bfloat16, float64);
 - `TorchEngine`: a pure-PyTorch online softmax over (row chunk × key chunk) tiles, for any device
-  and dtype; it also exposes the logit gradient dS (the gradient of an additive bias).
+  and dtype; it also exposes the logit gradient dS (the gradient of an additive bias) and is the
+  engine that applies logit soft-capping (the kernel cannot apply tanh to its logits).
 
 Used by the tiled backend (`functional.flash`) and by ring attention (`attnlab.distributed`).
 """
@@ -37,7 +39,8 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Logits:
-    """How one call forms its logits: ``s = q·kᵀ·scale + add`` (causal: −inf above the diagonal).
+    """How one call forms its logits: ``s = cap(q·kᵀ·scale) + add`` (causal: −inf above the
+    diagonal), ``cap(x) = softcap·tanh(x / softcap)`` or the identity.
 
     Attributes:
         scale: the logit multiplier; positive for the kernel (it fills causal −inf before it
@@ -45,11 +48,13 @@ class Logits:
         add: additive tile broadcastable to ``(nb, H, R, K)`` — bias plus the mask as −inf — or
             None.
         causal: key c is visible to row r only when ``c <= r`` (top-left, within the call).
+        softcap: logit soft-capping (> 0), or None; only the `TorchEngine` applies it.
     """
 
     scale: float
     add: Tensor | None = None
     causal: bool = False
+    softcap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -82,11 +87,16 @@ def _ready(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return t.contiguous()
 
 
+_NO_CAP = "torch's CPU flash kernel cannot soft-cap logits: run the call on the TorchEngine"
+
+
 def kernel_forward(q: Tensor, k: Tensor, v: Tensor, logits: Logits) -> tuple[Tensor, Tensor]:
     """``(out (nb, H, R, Dv), lse (nb, H, R) float32+)`` of one call on torch's CPU flash kernel.
 
     Rows whose every pair is masked come back as out = 0, lse = 0 (see `tiles.fix_dead_rows`).
     """
+    if logits.softcap is not None:
+        raise ValueError(_NO_CAP)
     add = _ready(logits.add, q.dtype)
     out, lse = _KERNEL_FWD(q, k, v, 0.0, logits.causal, attn_mask=add, scale=logits.scale)
     return out, lse
@@ -94,6 +104,8 @@ def kernel_forward(q: Tensor, k: Tensor, v: Tensor, logits: Logits) -> tuple[Ten
 
 def kernel_backward(res: Residuals, logits: Logits) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of one call on torch's CPU flash kernel, in the input dtype."""
+    if logits.softcap is not None:
+        raise ValueError(_NO_CAP)
     dq, dk, dv = _KERNEL_BWD(
         res.dout,
         res.q,
@@ -132,17 +144,31 @@ class TorchEngine:
     chunk_k: int = 512
 
     @staticmethod
-    def _scores(qg: Tensor, kc: Tensor, logits: Logits, rows: slice, cols: slice) -> Tensor:
-        """Logits ``(nb, H_kv, G, r, c)`` of the tile at ``rows``, ``cols`` of the call."""
+    def _scores(
+        qg: Tensor, kc: Tensor, logits: Logits, rows: slice, cols: slice, *, keep_tanh: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """Logits ``(nb, H_kv, G, r, c)`` of the tile at ``rows``, ``cols`` of the call, and
+        ``tanh(q·kᵀ·scale / softcap)`` if ``keep_tanh`` (backward's ``1 − tanh²``), else None.
+
+        Each step runs in place on the fresh product (the same values as out-of-place ops)."""
         H_kv = kc.shape[1]
-        s = (qg @ kc.unsqueeze(2).transpose(-1, -2)) * logits.scale  # (nb, H_kv, G, r, c)
+        s = (qg @ kc.unsqueeze(2).transpose(-1, -2)).mul_(logits.scale)  # (nb, H_kv, G, r, c)
+        t = None
+        if logits.softcap is not None:  # as `reference.softcap_logits`, before bias and mask
+            if keep_tanh:
+                t = s.div_(logits.softcap).tanh_()
+                s = t * logits.softcap
+            else:
+                s = s.div_(logits.softcap).tanh_().mul_(logits.softcap)
         if logits.add is not None:
-            s = s + _group(_slice_add(logits.add, rows, cols), H_kv).to(s.dtype)
-        if logits.causal:
+            s = s.add_(_group(_slice_add(logits.add, rows, cols), H_kv).to(s.dtype))
+        # causal: key c is hidden from row r when c > r; a tile whose last key is at most its
+        # first row has nothing to hide
+        if logits.causal and cols.start + s.shape[-1] - 1 > rows.start:
             r = torch.arange(rows.start, rows.start + s.shape[-2], device=s.device).view(-1, 1)
             c = torch.arange(cols.start, cols.start + s.shape[-1], device=s.device).view(1, -1)
-            s = s.masked_fill(c > r, _NEG_INF)
-        return s
+            s = s.masked_fill_(c > r, _NEG_INF)
+        return s, t
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, logits: Logits
@@ -166,10 +192,11 @@ class TorchEngine:
             kmax = min(K, r1) if logits.causal else K
             for c0 in range(0, kmax, self.chunk_k):
                 c1 = min(kmax, c0 + self.chunk_k)
-                s = self._scores(qg, k[:, :, c0:c1].to(acc), logits, slice(r0, r1), slice(c0, c1))
+                kc = k[:, :, c0:c1].to(acc)
+                s, _ = self._scores(qg, kc, logits, slice(r0, r1), slice(c0, c1), keep_tanh=False)
                 m_new = torch.maximum(m, s.amax(dim=-1))
                 m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
-                p = torch.exp(s - m_safe.unsqueeze(-1))  # (nb, H_kv, G, r, c)
+                p = s.sub_(m_safe.unsqueeze(-1)).exp_()  # (nb, H_kv, G, r, c)
                 alpha = torch.exp(m - m_safe)
                 den = den * alpha + p.sum(dim=-1)
                 o = o * alpha.unsqueeze(-1) + p @ v[:, :, c0:c1].to(acc).unsqueeze(2)
@@ -199,7 +226,8 @@ class TorchEngine:
         """Gradients ``(dq, dk, dv)`` (float32+) of one call given the GLOBAL out and lse.
 
         ``dS = P ∘ (dP − δ + dlse)`` with ``δ = rowsum(dout ∘ out)``: the lse gradient enters
-        through the row constant.
+        through the row constant. With soft-capping, dS is the gradient of the capped logits
+        (what ``on_ds`` receives: a bias's gradient) and q, k get ``dS ∘ (1 − tanh²)``.
 
         Args:
             res: the call's tensors and the global stats of its rows.
@@ -242,18 +270,20 @@ class TorchEngine:
                 c1 = min(kmax, c0 + self.chunk_k)
                 kc = k[:, :, c0:c1].to(acc)
                 vc = v[:, :, c0:c1].to(acc).unsqueeze(2)  # (nb, H_kv, 1, c, Dv)
-                s = self._scores(qg, kc, logits, slice(r0, r1), slice(c0, c1))
-                sl = s - lg if lo is None else (s - lg) - lo
-                p = torch.exp(sl)  # (nb, H_kv, G, r, c); 0 for masked pairs and dead rows
+                s, t = self._scores(qg, kc, logits, slice(r0, r1), slice(c0, c1), keep_tanh=True)
+                sl = s.sub_(lg) if lo is None else s.sub_(lg).sub_(lo)
+                p = sl.exp_()  # (nb, H_kv, G, r, c); 0 for masked pairs and dead rows
                 dv[:, :, c0:c1] += (p.transpose(-1, -2) @ dog).sum(dim=2)
                 dp = dog @ vc.transpose(-1, -2)
                 if own:
                     dg = (p * dp).sum(dim=-1, keepdim=True)  # (…, r, 1)
                     if dlse is not None:
                         dg = dg - dl
-                ds = p * (dp - dg)
+                ds = dp.sub_(dg).mul_(p)  # P ∘ (dP − δ)
                 if on_ds is not None:
-                    on_ds(r0, r1, c0, c1, ds.flatten(1, 2))
+                    on_ds(r0, r1, c0, c1, ds.flatten(1, 2))  # the bias is added after the cap
+                if t is not None:  # d/dx softcap·tanh(x / softcap) = 1 − tanh²(x / softcap)
+                    ds = ds.mul_(t.mul_(t).neg_().add_(1))
                 dq[:, :, r0:r1] += (ds @ kc.unsqueeze(2)).flatten(1, 2) * scale
                 dk[:, :, c0:c1] += (ds.transpose(-1, -2) @ qg).sum(dim=2) * scale
         return dq, dk, dv

@@ -53,6 +53,8 @@ class FlashJob:
         band_tiles: the tiles of batched band calls (relative-bias tiles cached per call).
         bwd_plan: the plan backward runs, if not the forward's.
         bias_grads: gradients of the ``grad_biases`` tensors, filled by `backward`.
+        softcap: logit soft-capping ``softcap·tanh(s / softcap)`` (> 0) applied per tile before
+            the additive tile, or None; only the ``"torch"`` engine runs it (`flash_job`).
     """
 
     plan: Plan
@@ -66,10 +68,16 @@ class FlashJob:
     band_tiles: BandTiles | None = None
     bwd_plan: Plan | None = None
     bias_grads: list[Tensor] = field(default_factory=list)
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.band_tiles is None:
             self.band_tiles = BandTiles(self.source)
+        if self.softcap is not None and self.engine != "torch":
+            raise ValueError(
+                f"softcap={self.softcap} needs engine='torch' (torch's CPU flash kernel cannot "
+                f"apply tanh to its logits), got engine={self.engine!r}"
+            )
 
     @property
     def shared_tiles(self) -> dict[BandCall, Tensor]:
@@ -91,16 +99,17 @@ class FlashJob:
         return qc, kc, vc, self.source.for_call(c)
 
     def _widen(self, q: Tensor) -> bool:
-        """float16/bfloat16 with several calls run the kernel in float32.
+        """float16/bfloat16 with several calls run the kernel (or the torch engine) in float32.
 
         Each kernel call rounds its partial output and gradients to the input dtype; summing
         several such partials (over query blocks for dK/dV, over key sets for the output) would
         add one rounding per call. In float32 the partials stay exact enough and only the final
         result is rounded once. Additive tiles are float32 too (`flash_job`): a bias keeps
         its float32 precision, where rounding ALiBi's −slope·|i − j| to bfloat16 would move
-        distant logits by whole units.
+        distant logits by whole units. The torch engine rounds each call's output to the input
+        dtype as well, so it is widened the same way (soft-capped float16/bfloat16 calls run it).
         """
-        return self.engine == "kernel" and q.dtype in (torch.float16, torch.bfloat16)
+        return q.dtype in (torch.float16, torch.bfloat16)
 
     def _store(self, out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
         """Writes a call's rows, or merges them in when the plan's groups overlap."""
@@ -171,7 +180,7 @@ class FlashJob:
 
     def _simple_forward(self, q, k, v, c: Call) -> tuple[Tensor, Tensor, Tensor | None]:
         qc, kc, vc, add = self._call_tensors(q, k, v, c)
-        logits = Logits(self.scale, add, c.kind == CALL_CAUSAL)
+        logits = Logits(self.scale, add, c.kind == CALL_CAUSAL, self.softcap)
         if self.engine == "kernel":
             o, l = kernel_forward(qc, kc, vc, logits)
             o, l = fix_dead_rows(o, l, add)
@@ -249,7 +258,7 @@ class FlashJob:
         qc, kc, vc, add = self._call_tensors(res.q, res.k, res.v, c)
         rows = _rows(c)
         part = Residuals(res.dout[rows], qc, kc, vc, res.out[rows], res.lse[rows])
-        logits = Logits(self.scale, add, c.kind == CALL_CAUSAL)
+        logits = Logits(self.scale, add, c.kind == CALL_CAUSAL, self.softcap)
         if kernel:
             gq, gk, gv = kernel_backward(part, logits)
         else:

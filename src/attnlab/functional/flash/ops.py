@@ -38,6 +38,7 @@ def _request(
     bias: Tensor | None,
     mask_spec: str,
     scale: float,
+    softcap: float | None = None,
 ) -> Request:
     """The eager request an operator stands for (mask rebuilt from its spec and tensors)."""
     B, H, L, D = q.shape
@@ -57,6 +58,7 @@ def _request(
         score="dot",
         dropout_p=0.0,
         return_weights=False,
+        softcap=softcap,
     )
 
 
@@ -70,6 +72,7 @@ def flash_fwd(
     bias: Tensor | None,
     mask_spec: str,
     scale: float,
+    softcap: float | None,
 ) -> tuple[Tensor, Tensor]:
     """``(out (B, H, L, Dv), lse (B, H, L))`` of clean (finite) inputs, before the NaN rule."""
     req = _request(
@@ -81,13 +84,14 @@ def flash_fwd(
         bias=bias,
         mask_spec=mask_spec,
         scale=scale,
+        softcap=softcap,
     )
     out, lse = run_clean(flash_job(req), req)
     return out.contiguous(), lse.contiguous()
 
 
 @flash_fwd.register_fake
-def _(q, k, v, mask_tensors, float_mask, bias, mask_spec, scale):
+def _(q, k, v, mask_tensors, float_mask, bias, mask_spec, scale, softcap):
     B, H, L, _ = q.shape
     return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, dtype=acc_dtype(q.dtype))
 
@@ -106,6 +110,7 @@ def flash_bwd(
     bias: Tensor | None,
     mask_spec: str,
     scale: float,
+    softcap: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of `flash_fwd`, recomputed tile by tile from the saved out and lse."""
     req = _request(
@@ -117,6 +122,7 @@ def flash_bwd(
         bias=bias,
         mask_spec=mask_spec,
         scale=scale,
+        softcap=softcap,
     )
     job = flash_job(req)
     qp, kp, vp, Dv = prepare_inputs(req, job.engine)
@@ -134,23 +140,35 @@ def flash_bwd(
 
 
 @flash_bwd.register_fake
-def _(dout, dlse, q, k, v, out, lse, mask_tensors, float_mask, bias, mask_spec, scale):
+def _(dout, dlse, q, k, v, out, lse, mask_tensors, float_mask, bias, mask_spec, scale, softcap):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, mask_tensors, float_mask, bias, mask_spec, scale = inputs
+    q, k, v, mask_tensors, float_mask, bias, mask_spec, scale, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, float_mask, bias, *mask_tensors)
-    ctx.mask_spec, ctx.scale = mask_spec, scale
+    ctx.mask_spec, ctx.scale, ctx.softcap = mask_spec, scale, softcap
 
 
 def _backward(ctx, dout: Tensor, dlse: Tensor):
     q, k, v, out, lse, float_mask, bias, *mask_tensors = ctx.saved_tensors
     dq, dk, dv = flash_bwd(
-        dout, dlse, q, k, v, out, lse, mask_tensors, float_mask, bias, ctx.mask_spec, ctx.scale
+        dout,
+        dlse,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        mask_tensors,
+        float_mask,
+        bias,
+        ctx.mask_spec,
+        ctx.scale,
+        ctx.softcap,
     )
-    return dq, dk, dv, [None] * len(mask_tensors), None, None, None, None
+    return dq, dk, dv, [None] * len(mask_tensors), None, None, None, None, None
 
 
 flash_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -212,7 +230,7 @@ def compiled_flash(req: Request) -> tuple[Tensor, Tensor]:
     clean_mask = None if float_mask is None else nan_rule.clean_bias(float_mask)
     clean_b = None if bias is None else nan_rule.clean_bias(bias)
     scale = req.scale / req.temperature
-    out, lse = flash_fwd(q, k, v, spec[1], clean_mask, clean_b, spec[0], scale)
+    out, lse = flash_fwd(q, k, v, spec[1], clean_mask, clean_b, spec[0], scale, req.softcap)
     row_bad, bad = flash_rule(req.q, req.k, req.v, lse, spec[1], float_mask, bias, spec[0])
     return nan_rule.add_nan(out, bad), torch.where(row_bad, float("nan"), lse)
 

@@ -76,11 +76,14 @@ def flash_job(
         req: the validated request.
         block_q, block_k: tile size of the block map (default 128 × 128, 256 × 256 with a bias,
             1024 keys for a relative bias alone, 2048 × 2048 in float64).
-        band_block: query block of batched band calls (default 32 forward, 64 backward).
-        engine: ``"kernel"`` or ``"torch"`` (default: kernel on CPU below float64).
+        band_block: query block of batched band calls (default 32 forward, 64 backward; 64
+            both ways on the torch engine).
+        engine: ``"kernel"`` or ``"torch"`` (default: kernel on CPU below float64, and torch
+            whenever the request soft-caps its logits: the kernel cannot apply tanh).
 
     Raises:
-        ValueError: a block size that is not a positive int, or an unknown engine.
+        ValueError: a block size that is not a positive int, an unknown engine, or
+            ``engine="kernel"`` with ``req.softcap``.
     """
     d = req.dims
     mask, fn, tensors = split_mask_bias(req.mask, req.bias)
@@ -108,10 +111,23 @@ def flash_job(
         # own summation order (float64 rounding), which a tiled sum over 128-row blocks misses by
         # a few ulp. So float64 runs the pure-PyTorch engine on wide tiles (BLOCK_64), i.e. one
         # tile up to 2048 × 2048 — still bounded memory for any length.
+        # Soft-capping applies tanh to every tile's logits, which torch's fused kernel cannot:
+        # such requests run the pure-PyTorch engine (the same tiles, plan and merging).
         on_cpu = req.q.device.type == "cpu"
-        engine = "kernel" if on_cpu and req.q.dtype != torch.float64 else "torch"
+        kernel = on_cpu and req.q.dtype != torch.float64 and req.softcap is None
+        engine = "kernel" if kernel else "torch"
     if engine not in ("kernel", "torch"):
         raise ValueError(f"engine must be 'kernel' or 'torch', got {engine!r}")
+    if engine == "kernel" and req.softcap is not None:
+        raise ValueError(
+            f"engine='kernel' cannot soft-cap logits (softcap={req.softcap}): torch's CPU flash "
+            f"kernel has no tanh stage; use engine='torch' (the default with softcap)"
+        )
+    if engine == "torch" and band_block is None:
+        # the 32-row forward block suits the kernel; the torch engine (soft-capped calls) pays
+        # per call: its forward is faster on 64-row blocks (window 512, L = 4096, H = 8, fp32,
+        # one thread, best CPU time of 7: 305 ms at 32 rows, 255 at 64, 251 at 128)
+        bb_fwd = bb
     bias_kind = "tensor" if tensors else ("fn" if fn is not None else None)
     relative = bias_kind == "fn" and is_relative_bias(fn)
 
@@ -145,7 +161,15 @@ def flash_job(
         relative=relative,
     )
     chunks = TorchEngine(max(bq, 128), max(bk, 512))
-    return FlashJob(plan, source, req.scale / req.temperature, engine, chunks, bwd_plan=bwd_plan)
+    return FlashJob(
+        plan,
+        source,
+        req.scale / req.temperature,
+        engine,
+        chunks,
+        bwd_plan=bwd_plan,
+        softcap=req.softcap,
+    )
 
 
 def prepare_inputs(req: Request, engine: str) -> tuple[Tensor, Tensor, Tensor, int]:

@@ -115,8 +115,12 @@ def flash_attention(
     block_k: int | None = None,
     band_block: int | None = None,
     engine: str | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Tiled exact attention with its log-sum-exp: ``softmax(q·kᵀ·scale/T + bias) v`` and ``lse``.
+    """Tiled exact attention with its log-sum-exp: ``softmax(cap(q·kᵀ·scale/T) + bias) v``, ``lse``.
+
+    ``cap(s) = softcap · tanh(s / softcap)`` when ``softcap`` is given (else the identity),
+    applied to every tile's logits before the bias and the mask, in forward and backward.
 
     Defined to equal `reference.attention` and `reference.logsumexp`; see `attnlab.attention` for
     the meaning of mask, bias, scale, temperature and score (bottom-right aligned masks, True =
@@ -130,7 +134,9 @@ def flash_attention(
         band_block: query block of batched band (sliding-window) calls (default 32 in forward,
             64 in backward: each kernel's fastest).
         engine: ``"kernel"`` (torch's CPU flash kernel, the default on CPU below float64) or
-            ``"torch"`` (pure-PyTorch online softmax: the default for float64 and off CPU).
+            ``"torch"`` (pure-PyTorch online softmax: the default for float64, off CPU and with
+            ``softcap``, which the kernel cannot apply).
+        softcap: logit soft-capping (> 0), or None; see `attnlab.attention`.
 
     Returns:
         ``(out (B, H, L, Dv), lse (B, H, L))``; lse is float32 (float64 for float64 inputs) and
@@ -143,7 +149,15 @@ def flash_attention(
     if q.dim() != 4:
         raise ValueError(f"flash_attention expects 4-D q (B, H, L, D), got shape {tuple(q.shape)}")
     req = plain_request(
-        q, k, v, mask=mask, bias=bias, scale=scale, temperature=temperature, score=score
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        temperature=temperature,
+        score=score,
+        softcap=softcap,
     )
     why_not = flash_supports(req)
     if why_not is not None:
@@ -151,6 +165,7 @@ def flash_attention(
     if req.is_empty:
         dm, db = request_dense(req)
         logits = {"mask": dm, "bias": db, "scale": req.scale, "temperature": req.temperature}
+        logits["softcap"] = req.softcap
         out, _ = reference.attention(q, k, v, **logits, score=req.score)
         lse = reference.logsumexp(q, k, **logits, score=req.score)
         return out, lse
@@ -161,7 +176,11 @@ def flash_attention(
 
 def explain_plan(req: Request) -> str:
     """How flash would tile a request (for `explain`)."""
-    return flash_job(req).plan.describe()
+    job = flash_job(req)
+    text = job.plan.describe()
+    if job.softcap is not None:
+        text += ", soft-capped logits on the pure-PyTorch tile engine"
+    return text
 
 
 __all__ = ["explain_plan", "flash_attention", "flash_run", "flash_run_lse", "flash_supports"]
