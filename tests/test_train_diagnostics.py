@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from attnlab.checkpoint import load_checkpoint, load_json
+from attnlab.checkpoint import load_checkpoint, load_json, save_checkpoint
 from attnlab.cli._args import UsageError
 from attnlab.cli.train import register as register_train
 from attnlab.models import GPT
@@ -257,3 +257,29 @@ def test_cli_refuses_bad_diagnostic_options(tmp_path, argv, message):
     args = _parser().parse_args(["train", "--out", str(tmp_path / "r"), *argv])
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(".", r"\.")):
         args.func(args)
+
+
+def test_a_checkpoint_from_before_the_diagnostics_still_resumes(tmp_path):
+    """Old checkpoints lack schedule/precision in their settings and the gradient-norm log: the
+    settings take their defaults (``bf16`` still maps to a precision) and the unknown norms are
+    NaN, while the training itself continues bit-exactly."""
+    kw = {**SMALL, "steps": 3, "eval_interval": 3, "bf16": True}
+    straight = train(TrainSettings(out_dir=str(tmp_path / "a"), **kw), log=_quiet)
+    train(TrainSettings(out_dir=str(tmp_path / "b"), **kw), stop_at=1, log=_quiet)
+    path = tmp_path / "b" / "ckpt.safetensors"
+    ck = load_checkpoint(path)
+    settings = json.loads(ck.metadata["settings"])
+    del settings["schedule"], settings["precision"]
+    meta = {k: v for k, v in ck.metadata.items() if k not in ("grad_norm_layers", "grad_scaler")}
+    meta["settings"] = json.dumps(settings)
+    tensors = {k: v for k, v in ck.tensors.items() if not k.startswith("log.grad_norm")}
+    save_checkpoint(path, tensors, meta)
+    resumed = train(TrainSettings(out_dir=str(tmp_path / "b")), resume=path, log=_quiet)
+    assert resumed.train_losses == straight.train_losses
+    _same_weights(straight.model, resumed.model)
+    assert all(math.isnan(g) for g in resumed.grad_norms[0]) and math.isnan(
+        resumed.grad_norm_total[0]
+    )
+    assert resumed.grad_norms[1:] == straight.grad_norms[1:]
+    stored = json.loads(load_checkpoint(path).metadata["settings"])
+    assert (stored["precision"], stored["schedule"], stored["bf16"]) == ("bf16", "cosine", True)
