@@ -208,7 +208,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--precision",
         choices=list(PRECISIONS),
         help="fp32, bf16 autocast, or fp16 autocast with dynamic loss scaling "
-        "(torch.amp.GradScaler) (default fp32)",
+        "(torch.amp.GradScaler; on CPUs without fp16 matmul units it is several times slower "
+        "than fp32) (default fp32)",
     )
     p.add_argument("--bf16", action="store_true", default=None, help="alias of --precision bf16")
     p.add_argument(
