@@ -498,7 +498,11 @@ def train(
         tokens += x.numel()
         done = step + 1
         if bar.active:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens / timer.lap():.0f}")
+            bar.set_postfix(
+                loss=f"{losses[-1]:.3f}",
+                gnorm=f"{totals[-1]:.3g}",
+                tok_s=f"{tokens / timer.lap():.0f}",
+            )
             tokens = 0
         if done % s.eval_interval == 0 or done == s.steps:
             v = evaluate(model, val_data, s, seed=s.seed + 1)
