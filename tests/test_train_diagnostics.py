@@ -47,6 +47,15 @@ def _quiet(_line: str) -> None:
     pass
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one thread is ~10× faster than two when other processes load the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnlab")
     register_train(parser.add_subparsers(dest="command"))
@@ -144,8 +153,10 @@ def test_train_logs_per_layer_grad_norms_of_the_real_gradients(tmp_path, capsys)
 # --------------------------------------------------------------------------------------- fp16
 def test_fp16_autocast_with_unscaled_gradients_matches_fp32_closely(tmp_path):
     kw = {**SMALL, "steps": 2, "eval_interval": 2}
-    full = train(TrainSettings(out_dir=str(tmp_path / "a"), **kw), log=_quiet)
-    half = train(TrainSettings(out_dir=str(tmp_path / "b"), precision="fp16", **kw), log=_quiet)
+    full = train(TrainSettings(out_dir=str(tmp_path / "a"), **kw), log=_quiet, plots=False)
+    half = train(
+        TrainSettings(out_dir=str(tmp_path / "b"), precision="fp16", **kw), log=_quiet, plots=False
+    )
     # autocast is on (the loss differs in its low bits) ...
     assert half.train_losses[0] != full.train_losses[0]
     assert half.train_losses[0] == pytest.approx(full.train_losses[0], rel=1e-2)
@@ -173,18 +184,19 @@ def test_resume_with_noam_and_fp16_loss_scaling_is_bit_exact(tmp_path, monkeypat
     )
     kw = {**SMALL, "steps": 5, "dropout": 0.1, "eval_interval": 5, "precision": "fp16"}
     kw.update(schedule="noam", warmup=3)
-    straight = train(TrainSettings(out_dir=str(tmp_path / "a"), **kw), log=_quiet)
+    straight = train(TrainSettings(out_dir=str(tmp_path / "a"), **kw), log=_quiet, plots=False)
     assert [math.isfinite(t) for t in straight.grad_norm_total] == [False] * 3 + [True] * 2
     ck = load_checkpoint(tmp_path / "a" / "ckpt.safetensors")
     assert json.loads(ck.metadata["grad_scaler"])["scale"] == 2.0**17
     part = TrainSettings(out_dir=str(tmp_path / "b"), **kw)
-    first = train(part, stop_at=2, log=_quiet)
+    first = train(part, stop_at=2, log=_quiet, plots=False)
     torch.manual_seed(part.seed)
     _same_weights(first.model, GPT(part.model_config(len(first.vocab))))  # skipped: untouched
     stored = json.loads(load_checkpoint(tmp_path / "b" / "ckpt.safetensors").metadata["settings"])
     assert (stored["schedule"], stored["warmup"], stored["precision"]) == ("noam", 3, "fp16")
-    resumed = train(TrainSettings(out_dir=str(tmp_path / "b")),
-                    resume=tmp_path / "b" / "ckpt.safetensors", log=_quiet)  # fmt: skip
+    resume = tmp_path / "b" / "ckpt.safetensors"
+    resumed = train(TrainSettings(out_dir=str(tmp_path / "b")), resume=resume, log=_quiet,
+                    plots=False)  # fmt: skip
     assert resumed.train_losses == straight.train_losses
     assert resumed.val_history == straight.val_history
     assert str(resumed.grad_norms) == str(straight.grad_norms)  # nan == nan
@@ -264,8 +276,8 @@ def test_a_checkpoint_from_before_the_diagnostics_still_resumes(tmp_path):
     settings take their defaults (``bf16`` still maps to a precision) and the unknown norms are
     NaN, while the training itself continues bit-exactly."""
     kw = {**SMALL, "steps": 3, "eval_interval": 3, "bf16": True}
-    straight = train(TrainSettings(out_dir=str(tmp_path / "a"), **kw), log=_quiet)
-    train(TrainSettings(out_dir=str(tmp_path / "b"), **kw), stop_at=1, log=_quiet)
+    straight = train(TrainSettings(out_dir=str(tmp_path / "a"), **kw), log=_quiet, plots=False)
+    train(TrainSettings(out_dir=str(tmp_path / "b"), **kw), stop_at=1, log=_quiet, plots=False)
     path = tmp_path / "b" / "ckpt.safetensors"
     ck = load_checkpoint(path)
     settings = json.loads(ck.metadata["settings"])
@@ -274,7 +286,9 @@ def test_a_checkpoint_from_before_the_diagnostics_still_resumes(tmp_path):
     meta["settings"] = json.dumps(settings)
     tensors = {k: v for k, v in ck.tensors.items() if not k.startswith("log.grad_norm")}
     save_checkpoint(path, tensors, meta)
-    resumed = train(TrainSettings(out_dir=str(tmp_path / "b")), resume=path, log=_quiet)
+    resumed = train(
+        TrainSettings(out_dir=str(tmp_path / "b")), resume=path, log=_quiet, plots=False
+    )
     assert resumed.train_losses == straight.train_losses
     _same_weights(straight.model, resumed.model)
     assert all(math.isnan(g) for g in resumed.grad_norms[0]) and math.isnan(
