@@ -231,6 +231,8 @@ def test_sweep_trains_each_grid_point_and_reports_its_final_losses(tmp_path):
         sweep(TrainSettings(schedule="noam"), {"lr": [1e-3]})
     with pytest.raises(ValueError, match=r"grid point \{'lr': 0.0001\}: min_lr must be <="):
         sweep(TrainSettings(min_lr=1e-3), {"lr": [1e-4]})
+    with pytest.raises(ValueError, match=r"grid point \{'warmup': 1.5\}: warmup must be an int"):
+        sweep(TrainSettings(), {"warmup": [1.5]})
 
 
 def test_cli_sweep_writes_table_json_and_png(tmp_path, capsys):

@@ -24,7 +24,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -647,6 +647,26 @@ def _check_grid(base: TrainSettings, grid: dict[str, Sequence[float | int]]) -> 
     return clean
 
 
+def sweep_plan(
+    base: TrainSettings, grid: dict[str, Sequence[float | int]]
+) -> tuple[dict[str, list], list[dict[str, float | int]], list[TrainSettings]]:
+    """Checks a `sweep` grid without training: the cleaned grid, its points (the Cartesian
+    product, first axis slowest) and each point's `TrainSettings` (``out_dir`` a subfolder of
+    ``base.out_dir``). Raises ValueError naming the axis or the grid point that is invalid."""
+    clean = _check_grid(base, grid)
+    keys = list(clean)
+    points = [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*clean.values())]
+    settings = []
+    for point in points:
+        try:
+            s = TrainSettings(**{**asdict(base), **point})
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"grid point {point}: {e}") from None
+        name = "_".join(f"{k}={v:g}" for k, v in point.items())
+        settings.append(replace(s, out_dir=str(Path(base.out_dir) / name)))
+    return clean, points, settings
+
+
 def sweep(
     base: TrainSettings,
     grid: dict[str, Sequence[float | int]],
@@ -672,17 +692,7 @@ def sweep(
     Returns:
         A `SweepResult` (``table()``, ``to_dict()``, ``best()``).
     """
-    clean = _check_grid(base, grid)
-    keys = list(clean)
-    points = [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*clean.values())]
-    settings = []
-    for point in points:
-        name = "_".join(f"{k}={v:g}" for k, v in point.items())
-        values = {**asdict(base), **point, "out_dir": str(Path(base.out_dir) / name)}
-        try:
-            settings.append(TrainSettings(**values))
-        except ValueError as e:
-            raise ValueError(f"grid point {point}: {e}") from None
+    clean, points, settings = sweep_plan(base, grid)
     bar = Progress(total=len(settings), desc="sweep", unit="run", enabled=progress)
     write = bar.write if bar.active else log
     runs = []
@@ -758,6 +768,7 @@ __all__ = [
     "plot_losses",
     "sample_text",
     "sweep",
+    "sweep_plan",
     "train",
     "unigram_entropy",
     "write_sweep",

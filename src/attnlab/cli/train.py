@@ -23,6 +23,7 @@ from ..train import (
     SWEEP_AXES,
     TrainSettings,
     sweep,
+    sweep_plan,
     train,
     write_sweep,
 )
@@ -94,9 +95,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 flag = "--" + name.replace("_", "-")
                 raise UsageError("--sweep", f"sweeps {name}; remove {flag} {values[name]}")
         try:
-            result = sweep(settings, grid, progress=not args.quiet, device=args.device)
+            sweep_plan(settings, grid)  # every point checked before the first run
         except ValueError as e:
             raise UsageError("--sweep", str(e)) from None
+        result = sweep(settings, grid, progress=not args.quiet, device=args.device)
         print(result.table())
         paths = write_sweep(result, settings.out_dir)
         print("wrote " + ", ".join(str(p) for p in paths))
