@@ -43,6 +43,15 @@ def _quiet(_line: str) -> None:
     pass
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one thread is ~10× faster than two when other processes load the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnlab")
     sub = parser.add_subparsers(dest="command")

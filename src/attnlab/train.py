@@ -1,24 +1,30 @@
 """Character-level GPT training and sampling (the library behind ``attnlab train`` / ``generate``).
 
 `train` fits a `GPT` to a text file (default: the shipped public-domain ``alice.txt``) with
-AdamW, linear warmup then cosine decay, gradient clipping, optional bf16 autocast and gradient
-checkpointing. It reports the loss in nats per character next to the text's unigram entropy
-(the loss of the best model that ignores context), saves a verified checkpoint atomically (one
-safetensors file with model, optimizer and RNG state, so ``--resume`` continues bit-exactly)
-plus a checksummed ``config.json`` and a loss-curve PNG.
+AdamW, linear warmup then cosine decay (or the inverse-square-root "noam" schedule of Vaswani et
+al. 2017), gradient clipping, optional bf16 or fp16 autocast (fp16 with dynamic loss scaling by
+`torch.amp.GradScaler`) and gradient checkpointing. It reports the loss in nats per character
+next to the text's unigram entropy (the loss of the best model that ignores context) and the
+gradient norm of every layer, saves a verified checkpoint atomically (one safetensors file with
+model, optimizer, loss-scaler and RNG state, so ``--resume`` continues bit-exactly) plus a
+checksummed ``config.json``, a loss-curve PNG and a per-layer gradient-norm PNG. `sweep` runs a
+grid of small runs over learning rate and warmup (the ablation behind ``attnlab train --sweep``).
 
 Example:
     $ attnlab train --steps 600 --out runs/alice
+    $ attnlab train --steps 200 --schedule noam --precision fp16 --out runs/noam16
+    $ attnlab train --steps 200 --out runs/sweep --sweep lr=1e-3,3e-3 warmup=0,50
     $ attnlab generate --checkpoint runs/alice/ckpt.safetensors --prompt "Alice said"
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -37,9 +43,12 @@ from .checkpoint import (
 )
 from .models import GPT, TransformerConfig
 from .utils import Progress, Timer
-from .viz.training import plot_losses
+from .viz.training import plot_grad_norms, plot_losses, plot_sweep
 
 CHECKPOINT_NAME = "ckpt.safetensors"
+PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULES = ("cosine", "noam")
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -52,9 +61,15 @@ class TrainSettings:
         steps: optimizer steps in total. batch_size, seq_len: B and L of each batch.
         d_model, n_layers, n_heads, n_kv_heads, dropout, positional: the `TransformerConfig`.
         lr, min_lr, warmup: peak LR, final LR and linear-warmup steps of the cosine schedule.
+            The "noam" schedule uses only ``warmup`` (>= 1) and ``d_model`` (see `lr_at`).
+        schedule: "cosine" (linear warmup, cosine decay) or "noam" (inverse square root).
         weight_decay: AdamW decay of weight matrices and embeddings (not biases or norm gains).
         grad_clip: max global gradient norm (0 = off).
-        bf16: bfloat16 autocast for the forward pass. grad_checkpointing: recompute blocks.
+        precision: "fp32", "bf16" (bfloat16 autocast of the forward pass) or "fp16" (float16
+            autocast plus dynamic loss scaling with `torch.amp.GradScaler`).
+        bf16: alias kept for old callers and checkpoints: True means ``precision="bf16"``; after
+            construction it always equals ``precision == "bf16"``.
+        grad_checkpointing: recompute blocks in backward.
         eval_interval, eval_batches: how often and on how many batches to measure val loss.
         save_interval: checkpoint every this many steps (and at the end).
         seed: seeds init, batch order and dropout.
@@ -76,6 +91,8 @@ class TrainSettings:
     warmup: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    schedule: str = "cosine"
+    precision: str = "fp32"
     bf16: bool = False
     grad_checkpointing: bool = False
     eval_interval: int = 100
@@ -98,6 +115,21 @@ class TrainSettings:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr must be <= lr={self.lr}, got {self.min_lr}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule == "noam" and self.warmup < 1:
+            raise ValueError(f"warmup must be >= 1 with schedule='noam', got {self.warmup}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
+        if not isinstance(self.bf16, bool):
+            raise TypeError(f"bf16 must be a bool, got {self.bf16!r}")
+        if self.bf16 and self.precision not in ("fp32", "bf16"):
+            raise ValueError(
+                f"bf16=True is the alias of precision='bf16'; got precision={self.precision!r}"
+            )
+        if self.bf16:
+            self.precision = "bf16"
+        self.bf16 = self.precision == "bf16"
 
     def model_config(self, vocab_size: int) -> TransformerConfig:
         """The `TransformerConfig` of this run for a vocabulary of ``vocab_size`` characters."""
@@ -125,6 +157,9 @@ class TrainResult:
     step: int
     seconds: float
     checkpoint: Path
+    grad_norm_layers: list[str] = field(default_factory=list)
+    grad_norms: list[list[float]] = field(default_factory=list)  # per step: one norm per layer
+    grad_norm_total: list[float] = field(default_factory=list)  # per step: the global norm
 
 
 # ------------------------------------------------------------------------------------- the data
@@ -161,7 +196,16 @@ def get_batch(
 
 
 def lr_at(step: int, s: TrainSettings) -> float:
-    """Linear warmup to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr``."""
+    """The learning rate of optimizer step ``step`` (0-based) under ``s.schedule``.
+
+    "cosine": linear warmup to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr``.
+    "noam" (Vaswani et al. 2017, eq. 3), with t = step + 1 and w = warmup:
+    ``lr_t = d_model^-0.5 · min(t^-0.5, t · w^-1.5)`` — linear growth for w steps up to the peak
+    ``(d_model · w)^-0.5``, then decay as t^-0.5; ``lr`` and ``min_lr`` are not used.
+    """
+    if s.schedule == "noam":
+        t = step + 1
+        return s.d_model**-0.5 * min(t**-0.5, t * s.warmup**-1.5)
     if step < s.warmup:
         return s.lr * (step + 1) / s.warmup
     progress = (step - s.warmup) / max(1, s.steps - s.warmup)
@@ -177,6 +221,74 @@ def _groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": decay, "weight_decay": weight_decay},
         {"params": rest, "weight_decay": 0.0},
     ]
+
+
+def _layer_of(name: str) -> str:
+    """The layer a parameter belongs to: ``blocks.3`` for ``blocks.3.attn.qkv_proj.weight``,
+    else the top-level module (``tok_emb``, ``pos_emb``, ``norm_f``, ...)."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "blocks" and len(parts) > 2 else parts[0]
+
+
+def layer_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """The trainable parameters grouped by layer (`_layer_of`), in model order; a tied weight
+    appears once, under its first name (as in ``model.parameters()``)."""
+    groups: dict[str, list[nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault(_layer_of(name), []).append(p)
+    return groups
+
+
+@torch.no_grad()
+def layer_grad_norms(groups: dict[str, list[nn.Parameter]]) -> Tensor:
+    """Per-layer L2 norms of the gradients, ``(n_layers,)`` float64 on the parameters' device.
+
+    ``norm_l = sqrt(Σ_{p in layer l} ||∇p||²)`` (a parameter without a gradient counts 0), so
+    ``sqrt(Σ_l norm_l²)`` is the global norm that `torch.nn.utils.clip_grad_norm_` returns.
+    Sync-free: the result stays a tensor.
+    """
+    rows = []
+    for params in groups.values():
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            rows.append(torch.zeros((), dtype=torch.float64, device=params[0].device))
+            continue
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])
+        rows.append(torch.linalg.vector_norm(norms))
+    return torch.stack(rows)  # (n_layers,)
+
+
+def _check_precision(precision: str, device: torch.device) -> None:
+    """Raises ValueError if ``device`` cannot autocast to ``precision`` (checked before training,
+    by entering an autocast region and reading back the dtype torch actually enabled)."""
+    if precision == "fp32":
+        return
+    dtype = _AUTOCAST_DTYPES[precision]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns and disables autocast for unknown dtypes
+        try:
+            with torch.autocast(device.type, dtype=dtype):
+                ok = torch.is_autocast_enabled(device.type) and (
+                    torch.get_autocast_dtype(device.type) == dtype
+                )
+        except (RuntimeError, ValueError):
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"precision={precision!r} needs {dtype} autocast on {device.type}, which this torch "
+            f"({torch.__version__}) does not support; use precision='fp32' or another device"
+        )
+    if precision == "fp16":
+        try:
+            torch.amp.GradScaler(device.type)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(
+                f"precision='fp16' needs torch.amp.GradScaler on {device.type}, which this "
+                f"torch ({torch.__version__}) does not provide: {e}"
+            ) from None
 
 
 @torch.no_grad()
@@ -206,6 +318,10 @@ def _save(
     losses: list[float],
     val: list[tuple[int, float, float]],
     entropy: float,
+    layers: list[str],
+    norms: list[list[float]],
+    totals: list[float],
+    scaler: torch.amp.GradScaler,
 ) -> Path:
     tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
     for i, state in opt.state_dict()["state"].items():
@@ -215,6 +331,8 @@ def _save(
     tensors["rng.torch"] = torch.get_rng_state()
     tensors["log.train_loss"] = torch.tensor(losses, dtype=torch.float64)
     tensors["log.val"] = torch.tensor(val, dtype=torch.float64).reshape(-1, 3)
+    tensors["log.grad_norm"] = torch.tensor(norms, dtype=torch.float64).reshape(-1, len(layers))
+    tensors["log.grad_norm_total"] = torch.tensor(totals, dtype=torch.float64)
     config = model.config.to_dict()
     meta = {
         "config": json.dumps(config),
@@ -222,6 +340,8 @@ def _save(
         "settings": json.dumps(asdict(s)),
         "step": str(step),
         "unigram_entropy": repr(entropy),
+        "grad_norm_layers": json.dumps(layers),
+        "grad_scaler": json.dumps(scaler.state_dict() if scaler.is_enabled() else {}),
     }
     out.mkdir(parents=True, exist_ok=True)
     path = out / CHECKPOINT_NAME
@@ -304,6 +424,7 @@ def train(
     progress: bool = False,
     log: Callable[[str], None] = print,
     device: torch.device | str = "cpu",
+    plots: bool = True,
 ) -> TrainResult:
     """Trains a character-level `GPT`; see the module docstring.
 
@@ -321,6 +442,8 @@ def train(
             setting (a run may resume on another device). The checkpoint stores the CPU RNG
             state; on an accelerator, dropout draws from that device's RNG, which a resume does
             not restore, so there a resumed run equals an uninterrupted one only without dropout.
+        plots: write ``loss.png`` and ``grad_norm.png`` with each checkpoint (`sweep` turns
+            this off: its runs share one ``sweep.png``).
     """
     device = torch.device(device)
     s = settings if settings is not None else TrainSettings()
@@ -331,7 +454,11 @@ def train(
             raise ValueError(f"{resume}: not a checkpoint written by attnlab train (no settings)")
         stored = json.loads(ck.metadata["settings"])
         stored["out_dir"] = s.out_dir
-        s = TrainSettings(**{f.name: stored[f.name] for f in fields(TrainSettings)})
+        # settings added later (schedule, precision) take their defaults in older checkpoints
+        s = TrainSettings(
+            **{f.name: stored[f.name] for f in fields(TrainSettings) if f.name in stored}
+        )
+    _check_precision(s.precision, device)
     text = load_text(s.text)
     vocab = sorted(set(text)) if ck is None else json.loads(ck.metadata["vocab"])
     index = {c: i for i, c in enumerate(vocab)}
@@ -362,9 +489,14 @@ def train(
     model = GPT(config).to(device)
     model.gradient_checkpointing = s.grad_checkpointing
     opt = torch.optim.AdamW(_groups(model, s.weight_decay), lr=s.lr, betas=(0.9, 0.99))
+    scaler = torch.amp.GradScaler(device.type, enabled=s.precision == "fp16")
+    groups = layer_parameters(model)
+    layers = list(groups)
     batch_rng = torch.Generator().manual_seed(s.seed)
     losses: list[float] = []
     val: list[tuple[int, float, float]] = []
+    norms: list[list[float]] = []
+    totals: list[float] = []
     step = 0
     if ck is not None:
         ck.load_into(model, prefix="model.")
@@ -379,6 +511,14 @@ def train(
         losses = ck.tensors["log.train_loss"].tolist()
         val = [(int(a), b, c) for a, b, c in ck.tensors["log.val"].tolist()]
         step = int(ck.metadata["step"])
+        if "log.grad_norm" in ck.tensors and json.loads(ck.metadata["grad_norm_layers"]) == layers:
+            norms = ck.tensors["log.grad_norm"].tolist()
+            totals = ck.tensors["log.grad_norm_total"].tolist()
+        else:  # a checkpoint from before the gradient-norm log: those steps are unknown
+            norms = [[math.nan] * len(layers) for _ in range(step)]
+            totals = [math.nan] * step
+        if scaler.is_enabled():
+            scaler.load_state_dict(json.loads(ck.metadata["grad_scaler"]))
         log(f"resumed from {resume} at step {step}")
 
     if stop_at is not None and not (
@@ -401,36 +541,55 @@ def train(
     model.train()
     timer = Timer()
     tokens = 0
+    autocast_dtype = _AUTOCAST_DTYPES.get(s.precision, torch.float32)
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
         x, y = get_batch(train_data, s.batch_size, s.seq_len, batch_rng)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=s.bf16):
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=s.precision != "fp32"):
             logits = model(x)  # (B, L, V)
         loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        scaler.scale(loss).backward()  # fp16: loss × scale, so small gradients do not flush to 0
+        scaler.unscale_(opt)  # true gradients from here on (a no-op unless fp16)
+        layer_norms = layer_grad_norms(groups)  # (n_layers,) before clipping
         if s.grad_clip > 0:
-            nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-        opt.step()
+            total = nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        else:
+            total = torch.linalg.vector_norm(layer_norms)
+        scaler.step(opt)  # fp16: skipped when a gradient is inf/NaN (the scale then shrinks)
+        scaler.update()
         losses.append(loss.item())
+        norms.append(layer_norms.tolist())
+        totals.append(float(total))
         tokens += x.numel()
         done = step + 1
         if bar.active:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens / timer.lap():.0f}")
+            bar.set_postfix(
+                loss=f"{losses[-1]:.3f}",
+                gnorm=f"{totals[-1]:.3g}",
+                tok_s=f"{tokens / timer.lap():.0f}",
+            )
             tokens = 0
         if done % s.eval_interval == 0 or done == s.steps:
             v = evaluate(model, val_data, s, seed=s.seed + 1)
             tr = evaluate(model, train_data, s, seed=s.seed + 2)
             val.append((done, tr, v))
+            per_layer = ", ".join(f"{n} {g:.3g}" for n, g in zip(layers, norms[-1], strict=True))
+            scale = f" · loss scale {scaler.get_scale():g}" if scaler.is_enabled() else ""
             write(
                 f"step {done}/{s.steps}: train {tr:.3f}, val {v:.3f} nats/char "
                 f"(unigram entropy {entropy:.3f}) · lr {lr_at(step, s):.2e} · "
-                f"{timer.seconds:.0f} s"
+                f"{timer.seconds:.0f} s\n  grad norm {totals[-1]:.3g} ({per_layer}){scale}"
             )
         if (s.save_interval and done % s.save_interval == 0) or done in (s.steps, last):
-            ckpt = _save(out, model, opt, batch_rng, s, vocab, done, losses, val, entropy)
-            plot_losses(out / "loss.png", losses, val, entropy)
+            ckpt = _save(
+                out, model, opt, batch_rng, s, vocab, done, losses, val, entropy,
+                layers, norms, totals, scaler,
+            )  # fmt: skip
+            if plots:
+                plot_losses(out / "loss.png", losses, val, entropy)
+                plot_grad_norms(out / "grad_norm.png", layers, norms, totals)
     bar.close()
     seconds = timer.seconds
     step = len(losses)
@@ -441,7 +600,193 @@ def train(
             f"({v / math.log(2):.2f} vs {entropy / math.log(2):.2f} bits/char) in {seconds:.0f} s"
             f"; checkpoint {ckpt}"
         )
-    return TrainResult(model, vocab, losses, val, entropy, step, seconds, ckpt)
+    return TrainResult(
+        model, vocab, losses, val, entropy, step, seconds, ckpt, layers, norms, totals
+    )
+
+
+# ------------------------------------------------------------------------------------ ablation
+SWEEP_AXES = ("lr", "warmup")
+
+
+@dataclass
+class SweepRun:
+    """One run of a `sweep`: its grid point, final losses (nats/char) and where it was saved.
+
+    Attributes:
+        point: the swept settings of this run, e.g. ``{"lr": 0.003, "warmup": 50}``.
+        final_train, final_val: the last evaluation's train / validation loss (NaN if diverged).
+        train_losses: the per-step batch losses. seconds: wall time. out_dir: its run directory.
+    """
+
+    point: dict[str, float | int]
+    final_train: float
+    final_val: float
+    train_losses: list[float]
+    seconds: float
+    out_dir: str
+
+    @property
+    def diverged(self) -> bool:
+        """True when the final validation loss is not finite."""
+        return not math.isfinite(self.final_val)
+
+
+@dataclass
+class SweepResult:
+    """What `sweep` returns: the base settings, the grid and one `SweepRun` per grid point."""
+
+    base: TrainSettings
+    grid: dict[str, list[float | int]]
+    runs: list[SweepRun]
+    unigram_entropy: float
+
+    def best(self) -> SweepRun:
+        """The run with the lowest finite final validation loss (the first run if all diverged)."""
+        finite = [r for r in self.runs if not r.diverged]
+        return min(finite, key=lambda r: r.final_val) if finite else self.runs[0]
+
+    def table(self) -> str:
+        """A plain-text table: one row per run, the best marked with ``*``."""
+        best = self.best()
+        keys = list(self.grid)
+        head = [*keys, "final train", "final val", "seconds"]
+        rows = []
+        for r in self.runs:
+            cells = [f"{r.point[k]:g}" for k in keys]
+            cells += [f"{r.final_train:.4f}", f"{r.final_val:.4f}", f"{r.seconds:.1f}"]
+            rows.append([*cells, "*" if r is best else ""])
+        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+        lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
+        lines += [
+            "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=False)) + " " + row[-1]
+            for row in rows
+        ]
+        s = self.base
+        lines.append(
+            f"({s.schedule} schedule, {s.steps} steps of {s.batch_size}×{s.seq_len} characters, "
+            f"d_model={s.d_model}, {s.n_layers} layers, {s.precision}; unigram entropy "
+            f"{self.unigram_entropy:.3f} nats/char; * = lowest final validation loss)"
+        )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        """JSON-ready: non-finite losses become None (strict JSON has no NaN)."""
+
+        def num(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        return {
+            "base": asdict(self.base),
+            "grid": self.grid,
+            "unigram_entropy": self.unigram_entropy,
+            "runs": [
+                {
+                    **r.point,
+                    "final_train_loss": num(r.final_train),
+                    "final_val_loss": num(r.final_val),
+                    "diverged": r.diverged,
+                    "seconds": r.seconds,
+                    "out_dir": r.out_dir,
+                    "train_losses": [num(x) for x in r.train_losses],
+                }
+                for r in self.runs
+            ],
+        }
+
+
+def _check_grid(base: TrainSettings, grid: dict[str, Sequence[float | int]]) -> dict[str, list]:
+    if not isinstance(grid, dict) or not grid:
+        raise ValueError(f"grid must be a non-empty dict of {list(SWEEP_AXES)}, got {grid!r}")
+    clean: dict[str, list] = {}
+    for name, values in grid.items():
+        if name not in SWEEP_AXES:
+            raise ValueError(f"grid axis must be one of {list(SWEEP_AXES)}, got {name!r}")
+        values = list(values)
+        if not values or len(set(values)) != len(values):
+            raise ValueError(f"grid[{name!r}] must be non-empty without repeats, got {values}")
+        if name == "lr" and base.schedule == "noam":
+            raise ValueError(
+                "grid axis 'lr' has no effect with schedule='noam' (its rate is "
+                "d_model^-0.5 · min(t^-0.5, t · warmup^-1.5)); sweep 'warmup' or use 'cosine'"
+            )
+        clean[name] = values
+    return clean
+
+
+def sweep_plan(
+    base: TrainSettings, grid: dict[str, Sequence[float | int]]
+) -> tuple[dict[str, list], list[dict[str, float | int]], list[TrainSettings]]:
+    """Checks a `sweep` grid without training: the cleaned grid, its points (the Cartesian
+    product, first axis slowest) and each point's `TrainSettings` (``out_dir`` a subfolder of
+    ``base.out_dir``). Raises ValueError naming the axis or the grid point that is invalid."""
+    clean = _check_grid(base, grid)
+    keys = list(clean)
+    points = [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*clean.values())]
+    settings = []
+    for point in points:
+        try:
+            s = TrainSettings(**{**asdict(base), **point})
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"grid point {point}: {e}") from None
+        name = "_".join(f"{k}={v:g}" for k, v in point.items())
+        settings.append(replace(s, out_dir=str(Path(base.out_dir) / name)))
+    return clean, points, settings
+
+
+def sweep(
+    base: TrainSettings,
+    grid: dict[str, Sequence[float | int]],
+    *,
+    progress: bool = False,
+    log: Callable[[str], None] = print,
+    device: torch.device | str = "cpu",
+) -> SweepResult:
+    """The learning-rate / warmup ablation: one `train` run per point of the grid.
+
+    Every point of the Cartesian product of ``grid`` (axes ``lr`` and/or ``warmup``) is trained
+    from ``base`` (same seed, so the same initial weights and batches) into
+    ``base.out_dir/<axis>=<value>_...`` (a checkpoint each, no per-run PNGs); the result lists
+    each run's final train and validation loss. All settings are checked before the first run
+    starts.
+
+    Args:
+        base: the settings every run shares (its ``out_dir`` holds the runs).
+        grid: e.g. ``{"lr": [1e-3, 3e-3], "warmup": [0, 100]}``.
+        progress: a progress bar over the runs. log: one line per finished run.
+        device: as in `train`.
+
+    Returns:
+        A `SweepResult` (``table()``, ``to_dict()``, ``best()``).
+    """
+    clean, points, settings = sweep_plan(base, grid)
+    bar = Progress(total=len(settings), desc="sweep", unit="run", enabled=progress)
+    write = bar.write if bar.active else log
+    runs = []
+    entropy = math.nan
+    for point, s in zip(points, settings, strict=True):
+        bar.step(", ".join(f"{k}={v:g}" for k, v in point.items()))
+        r = train(s, log=lambda _line: None, device=device, plots=False)
+        entropy = r.unigram_entropy
+        _, tr, v = r.val_history[-1]
+        runs.append(SweepRun(point, tr, v, r.train_losses, r.seconds, s.out_dir))
+        bar.set_postfix(val=f"{v:.3f}")
+        write(f"{s.out_dir}: final train {tr:.4f}, val {v:.4f} nats/char ({r.seconds:.1f} s)")
+    bar.close()
+    return SweepResult(base, clean, runs, entropy)
+
+
+def write_sweep(result: SweepResult, out_dir: str | os.PathLike) -> list[Path]:
+    """Writes ``sweep.json`` (strict JSON), ``sweep.txt`` (the table) and ``sweep.png`` (when
+    matplotlib is installed) into ``out_dir``; returns the paths written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "sweep.json", out / "sweep.txt"]
+    save_json(paths[0], result.to_dict())
+    paths[1].write_text(result.table() + "\n", encoding="utf-8")
+    if plot_sweep(out / "sweep.png", result):
+        paths.append(out / "sweep.png")
+    return paths
 
 
 # ------------------------------------------------------------------------------------ sampling
@@ -473,15 +818,25 @@ def sample_text(
 
 __all__ = [
     "CHECKPOINT_NAME",
+    "PRECISIONS",
+    "SCHEDULES",
+    "SWEEP_AXES",
+    "SweepResult",
+    "SweepRun",
     "TrainResult",
     "TrainSettings",
     "evaluate",
     "get_batch",
+    "layer_grad_norms",
+    "layer_parameters",
     "load_model",
     "load_text",
     "lr_at",
     "plot_losses",
     "sample_text",
+    "sweep",
+    "sweep_plan",
     "train",
     "unigram_entropy",
+    "write_sweep",
 ]

@@ -3,6 +3,8 @@
 Example:
     $ attnlab train --steps 600 --out runs/alice
     $ attnlab train --out runs/alice --resume
+    $ attnlab train --schedule noam --warmup 100 --precision fp16 --out runs/noam
+    $ attnlab train --steps 200 --out runs/sweep --sweep lr=1e-3,3e-3 warmup=0,50
 """
 
 from __future__ import annotations
@@ -14,7 +16,17 @@ from pathlib import Path
 
 import torch
 
-from ..train import CHECKPOINT_NAME, TrainSettings, train
+from ..train import (
+    CHECKPOINT_NAME,
+    PRECISIONS,
+    SCHEDULES,
+    SWEEP_AXES,
+    TrainSettings,
+    sweep,
+    sweep_plan,
+    train,
+    write_sweep,
+)
 from ._args import (
     UsageError,
     add_device_argument,
@@ -36,6 +48,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
     }
     if args.positional == "none":
         values["positional"] = None
+    if values.get("bf16") and values.get("precision", "bf16") != "bf16":
+        raise UsageError(
+            "--bf16", f"is the alias of --precision bf16; got --precision {values['precision']}"
+        )
+    if values.get("schedule") == "noam":
+        given = [n for n in ("lr", "min_lr") if n in values]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise UsageError(
+                flag,
+                "is not used by --schedule noam (lr = d_model^-0.5 · min(t^-0.5, t · "
+                f"warmup^-1.5)); got {flag} {values[given[0]]}",
+            )
+        if values.get("warmup", defaults.warmup) < 1:
+            raise UsageError(
+                "--warmup", f"must be >= 1 with --schedule noam, got {values['warmup']}"
+            )
     if values.get("min_lr", defaults.min_lr) > values.get("lr", defaults.lr):
         raise UsageError(
             "--min-lr",
@@ -55,6 +84,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
     check_output_dir(settings.out_dir, "--out")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.sweep is not None:
+        if args.resume is not None:
+            raise UsageError(
+                "--sweep", "cannot be combined with --resume (each point is a new run)"
+            )
+        grid = _parse_sweep(args.sweep)
+        for name in grid:
+            if name in values:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError("--sweep", f"sweeps {name}; remove {flag} {values[name]}")
+        try:
+            sweep_plan(settings, grid)  # every point checked before the first run
+        except ValueError as e:
+            raise UsageError("--sweep", str(e)) from None
+        result = sweep(settings, grid, progress=not args.quiet, device=args.device)
+        print(result.table())
+        paths = write_sweep(result, settings.out_dir)
+        print("wrote " + ", ".join(str(p) for p in paths))
+        return 0
     resume = None
     if args.resume is not None:
         resume = args.resume or str(Path(settings.out_dir) / CHECKPOINT_NAME)
@@ -69,8 +117,32 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if not Path(resume).is_file():
             raise UsageError("--resume", f"no checkpoint file {resume!r}")
     result = train(settings, resume=resume, progress=not args.quiet, device=args.device)
-    print(f"wrote {result.checkpoint}, {Path(settings.out_dir) / 'loss.png'}")
+    out = Path(settings.out_dir)
+    print(f"wrote {result.checkpoint}, {out / 'loss.png'}, {out / 'grad_norm.png'}")
     return 0
+
+
+def _parse_sweep(specs: list[str]) -> dict[str, list[float | int]]:
+    """``["lr=1e-3,3e-3", "warmup=0,100"]`` -> ``{"lr": [0.001, 0.003], "warmup": [0, 100]}``."""
+    grid: dict[str, list[float | int]] = {}
+    for spec in specs:
+        name, sep, text = spec.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in SWEEP_AXES:
+            raise UsageError(
+                "--sweep", f"expects AXIS=V1,V2,... with AXIS in {list(SWEEP_AXES)}, got {spec!r}"
+            )
+        if name in grid:
+            raise UsageError("--sweep", f"gives {name} twice, got {spec!r}")
+        kind = nonnegative_int if name == "warmup" else nonnegative_float
+        try:
+            values = [kind(v.strip()) for v in text.split(",")]
+        except argparse.ArgumentTypeError as e:
+            raise UsageError("--sweep", f"{name}: {e}") from None
+        if len(set(values)) != len(values):
+            raise UsageError("--sweep", f"{name} has repeated values, got {text!r}")
+        grid[name] = values
+    return grid
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -80,10 +152,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train a character-level GPT on a text file (default: the shipped Alice text)",
         description=(
-            "Trains a character-level GPT with AdamW, warmup + cosine LR, gradient clipping and "
-            "optional bf16 autocast / gradient checkpointing. Prints train and validation loss "
-            "next to the text's unigram entropy (nats/char), shows a progress bar, and writes "
-            "OUT/ckpt.safetensors (verified, atomic), OUT/config.json and OUT/loss.png. "
+            "Trains a character-level GPT with AdamW, warmup + cosine LR (or the 2017 paper's "
+            "inverse-square-root 'noam' schedule), gradient clipping and optional bf16 / fp16 "
+            "(with loss scaling) autocast and gradient checkpointing. Prints train and validation "
+            "loss next to the text's unigram entropy (nats/char) and per-layer gradient norms, "
+            "shows a progress bar, and writes OUT/ckpt.safetensors (verified, atomic), "
+            "OUT/config.json, OUT/loss.png and OUT/grad_norm.png. With --sweep it trains one run "
+            "per grid point into OUT/<point>/ and writes OUT/sweep.{txt,json,png}. "
             f"The defaults ({d.steps} steps) learn visibly in a few minutes on 2 CPU cores."
         ),
     )
@@ -124,7 +199,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["rope", "learned", "sinusoidal", "alibi", "none"],
         help="position encoding (default rope)",
     )
-    p.add_argument("--bf16", action="store_true", default=None, help="bfloat16 autocast")
+    p.add_argument(
+        "--schedule",
+        choices=list(SCHEDULES),
+        help="learning-rate schedule: cosine = linear warmup then cosine decay to --min-lr; "
+        "noam = d_model^-0.5 · min(step^-0.5, step · warmup^-1.5) (Vaswani et al. 2017; "
+        "--lr/--min-lr unused) (default cosine)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=list(PRECISIONS),
+        help="fp32, bf16 autocast, or fp16 autocast with dynamic loss scaling "
+        "(torch.amp.GradScaler; on CPUs without fp16 matmul units it is several times slower "
+        "than fp32) (default fp32)",
+    )
+    p.add_argument("--bf16", action="store_true", default=None, help="alias of --precision bf16")
+    p.add_argument(
+        "--sweep",
+        nargs="+",
+        metavar="AXIS=V1,V2",
+        help=f"learning-rate / warmup ablation: one run per grid point, axes {list(SWEEP_AXES)}, "
+        "e.g. --sweep lr=1e-3,3e-3 warmup=0,100; writes OUT/sweep.txt, sweep.json, sweep.png",
+    )
     p.add_argument(
         "--grad-checkpointing",
         dest="grad_checkpointing",
