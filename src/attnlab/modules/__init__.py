@@ -1,5 +1,6 @@
 """nn.Module wrappers: projections and state around the functional math, no new math."""
 
+from .adaptive_span import AdaptiveSpan, AdaptiveSpanAttention
 from .additive import AdditiveAttention
 from .fnet import FNetMixing
 from .hierarchical import HierarchicalAttention
@@ -9,6 +10,8 @@ from .mha import MultiHeadAttention
 from .torch_compat import MultiheadAttention
 
 __all__ = [
+    "AdaptiveSpan",
+    "AdaptiveSpanAttention",
     "AdditiveAttention",
     "CacheOverflowError",
     "CacheView",
