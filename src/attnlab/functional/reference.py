@@ -646,7 +646,7 @@ def adaptive_span_attention(
     compute_dtype: torch.dtype | None = None,
     reorder: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Reference adaptive-span attention (causal): ``a_ij = m(x_ij) e^{s_ij} / Σ_k m(x_ik) e^{s_ik}``.
+    """Reference adaptive-span attention: ``a_ij = m(x_ij) e^{s_ij} / Σ_k m(x_ik) e^{s_ik}``.
 
     Sukhbaatar et al. (2019): head h attends key j from query i with the weight of softmax
     attention multiplied by the soft mask ``m = span_ramp(x, z_h, R)`` of the distance

@@ -105,7 +105,9 @@ class AdaptiveSpan(nn.Module):
         init = float(max_span) if init_span is None else init_span
         ok = isinstance(init, (int, float)) and not isinstance(init, bool)
         if not ok or not 0 <= init <= max_span:
-            raise ValueError(f"init_span must be a number in [0, max_span={max_span}], got {init!r}")
+            raise ValueError(
+                f"init_span must be a number in [0, max_span={max_span}], got {init!r}"
+            )
         self.backend = check_backend_name(backend)
         self.z = nn.Parameter(torch.full((num_heads,), float(init)))
         self.span = 1
