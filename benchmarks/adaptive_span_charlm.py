@@ -80,7 +80,7 @@ def train_spans(
     batch: int = 16,
     max_span: int = 64,
     ramp: float = 8.0,
-    penalty: float = 2e-3,
+    penalty: float = 5e-5,
     lr: float = 3e-3,
     span_lr: float = 100.0,
     seed: int = 0,
@@ -148,10 +148,12 @@ def plot(run: SpanRun, path: Path, max_span: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--penalty", type=float, default=2e-3)
+    ap.add_argument("--penalty", type=float, default=5e-5)
     ap.add_argument("--max-span", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("adaptive_span"))
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: tiny ops)")
     a = ap.parse_args()
+    torch.set_num_threads(a.threads)
     a.out.mkdir(parents=True, exist_ok=True)
     run = train_spans(a.steps, penalty=a.penalty, max_span=a.max_span)
     (a.out / "spans.json").write_text(json.dumps(run.__dict__))
