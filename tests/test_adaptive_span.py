@@ -18,7 +18,8 @@ from attnlab.functional import reference
 from attnlab.functional.flash import flash_job
 from attnlab.functional.validate import plain_request
 from attnlab.modules import AdaptiveSpan, AdaptiveSpanAttention
-from attnlab.modules.adaptive_span import span_log_mask
+from attnlab.modules import adaptive_span as adaptive_span_module
+from attnlab.modules.adaptive_span import SpanLogMask, span_log_mask
 from attnlab.testing import check_against_reference, seeded
 
 F64 = torch.float64
@@ -126,6 +127,32 @@ def test_fast_path_matches_the_reference_forward_and_backward(dtype, L, S):
 
     mean = 10.0 if dtype == torch.float32 else None
     check_against_reference(sp, ref, [q, k, v], mean_factor=mean)
+
+
+def test_inference_uses_the_relative_bias_function_and_matches_the_reference(monkeypatch):
+    """Without a gradient for z, forward passes `SpanLogMask` (a relative bias function, no
+    (H, L, S) tensor); its output equals the gradient-mode output and the reference."""
+    sp = _span([3.5, 20.5, 60.25], max_span=300, ramp=8.0, dtype=torch.float32)
+    q, k, v = _qkv(2, 3, 300, 300, 16, dtype=torch.float32)
+    seen = []
+    real = adaptive_span_module.attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["bias"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(adaptive_span_module, "attention", spy)
+    with torch.no_grad():
+        fast = sp(q, k, v)
+    dense = sp(q, k, v)
+    assert isinstance(seen[0], SpanLogMask) and seen[0].relative
+    assert isinstance(seen[1], torch.Tensor) and seen[1].shape == (1, 3, 300, 300)
+    idx = torch.arange(300)
+    grid = seen[0](idx[:1, None, None, None], idx[None, :3, None, None], idx[:, None], idx)
+    assert torch.equal(grid, seen[1])  # the same log m, entry by entry
+    ref, _ = reference.adaptive_span_attention(q.double(), k.double(), v.double(), sp.z, ramp=8.0)
+    torch.testing.assert_close(fast, dense, atol=2e-6, rtol=0)
+    torch.testing.assert_close(fast.double(), ref, atol=2e-6, rtol=0)
 
 
 @pytest.mark.parametrize("backend", ["flash", "sdpa", "reference"])

@@ -64,6 +64,29 @@ def span_log_mask(z: Tensor, L: int, S: int, ramp: float) -> Tensor:
     return torch.where(live, logm, float("-inf")).unsqueeze(0)  # (1, H, L, S)
 
 
+class SpanLogMask:
+    """`span_log_mask` as a relative bias function ``fn(b, h, i, j)`` (no gradient in z).
+
+    Depends only on the head and ``i − j`` (``relative = True``), so the tiled backend evaluates
+    it per tile inside the window and never holds the ``(H, L, S)`` bias. Used by
+    `AdaptiveSpan.forward` when z needs no gradient (inference, ``torch.no_grad()``).
+
+    Args:
+        z: ``(H,)`` spans (detached). ramp: R > 0.
+    """
+
+    relative = True
+
+    def __init__(self, z: Tensor, ramp: float) -> None:
+        self.z, self.ramp, self.num_heads = z, ramp, int(z.shape[0])
+
+    def __call__(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        x = (i - j).to(self.z.dtype)
+        m = span_ramp(x, self.z[h], self.ramp)  # broadcast of (h, i, j)
+        live = (m > 0) & (x >= 0)
+        return torch.where(live, torch.log(torch.where(live, m, 1.0)), float("-inf"))
+
+
 class AdaptiveSpan(nn.Module):
     """The learned spans ``z (H,)`` and the causal attention over them, on given q, k, v.
 
@@ -146,7 +169,11 @@ class AdaptiveSpan(nn.Module):
         """Causal adaptive-span attention ``(B, H, L, Dv)``.
 
         ``attention(q, k, v, mask=sliding_window(span), bias=log m)`` — equal to
-        `reference.adaptive_span_attention(q, k, v, effective_z(), ramp=R)`.
+        `reference.adaptive_span_attention(q, k, v, effective_z(), ramp=R)`. With a gradient
+        for z the bias is the ``(1, H, L, S)`` tensor `log_mask` (flash returns its gradient);
+        otherwise the relative bias function `SpanLogMask`, evaluated per tile inside the
+        window (O(tile) memory; under ``torch.compile`` flash takes no bias function, and
+        ``backend="auto"`` renders it for sdpa).
 
         Args:
             q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
@@ -160,7 +187,11 @@ class AdaptiveSpan(nn.Module):
             got = tuple(k.shape) if isinstance(k, Tensor) else type(k).__name__
             raise ValueError(f"k must be (B, H_kv, S, D), got {got}")
         L, S = q.shape[2], k.shape[2]
-        bias = self.log_mask(L, S).to(q.dtype)  # (1, H, L, S)
+        bias: Tensor | SpanLogMask
+        if torch.is_grad_enabled() and self.z.requires_grad:
+            bias = self.log_mask(L, S).to(q.dtype)  # (1, H, L, S): its gradient reaches z
+        else:
+            bias = SpanLogMask(self.effective_z().detach(), self.ramp)  # per tile, no L×S
         out = attention(q, k, v, mask=self.mask(), bias=bias, backend=self.backend)
         assert isinstance(out, Tensor)
         return out
@@ -219,4 +250,4 @@ class AdaptiveSpanAttention(nn.Module):
         return self.out(o.transpose(1, 2).reshape(B, L, E))  # (B, L, E)
 
 
-__all__ = ["AdaptiveSpan", "AdaptiveSpanAttention", "span_log_mask"]
+__all__ = ["AdaptiveSpan", "AdaptiveSpanAttention", "SpanLogMask", "span_log_mask"]
