@@ -335,6 +335,17 @@ def test_bad_arguments_raise_naming_them(kwargs, pattern):
         AdaptiveSpan(**kwargs)
 
 
+def test_refresh_span_refuses_a_nan_span():
+    sp = _span([1.0, 2.0])
+    with torch.no_grad():
+        sp.z[1] = float("nan")
+    with pytest.raises(
+        ValueError, match=r"z must be finite to refresh the span, got \[1\.0, nan\]"
+    ):
+        sp.refresh_span()
+    assert sp.span == math.ceil(2.0 + 4.0)  # unchanged
+
+
 def test_wrong_head_count_raises_before_any_work():
     sp = AdaptiveSpan(2, 8)
     q = torch.randn(1, 3, 4, 8)

@@ -139,9 +139,16 @@ class AdaptiveSpan(nn.Module):
     @torch.no_grad()
     def refresh_span(self) -> int:
         """Clamps z to ``[0, S_max]`` and sets ``span = max_h ⌈z_h + R⌉`` (a host sync: call it
-        outside forward, e.g. after ``optimizer.step()``). Returns the new span."""
+        outside forward, e.g. after ``optimizer.step()``). Returns the new span.
+
+        Raises:
+            ValueError: z holds NaN (a diverged step), naming the values.
+        """
+        top = float(self.z.max())
+        if math.isnan(top):
+            raise ValueError(f"z must be finite to refresh the span, got {self.z.tolist()}")
         self.z.clamp_(0.0, float(self.max_span))
-        top = float(self.z.max()) if self.num_heads else 0.0
+        top = float(self.z.max())
         self.span = max(1, math.ceil(top + self.ramp))
         return self.span
 
