@@ -85,6 +85,22 @@ def test_log_mask_bias_gives_exactly_the_multiplicative_weights():
     assert torch.equal(torch.isneginf(bias).expand_as(w_m), w_m == 0)
 
 
+@pytest.mark.parametrize(
+    ("L", "S"), [(5, 5), (3, 9), (9, 3), (1, 1), (4, 1), (1, 4), (0, 3), (3, 0)]
+)
+def test_log_mask_toeplitz_view_equals_the_entrywise_formula(L, S):
+    """The strided (unfold + flip) rendering equals log m(i' − j) computed entry by entry,
+    bit for bit, for L = S, L < S, L > S (rows with i' < 0 all −inf) and empty sizes."""
+    z, R = torch.tensor([0.5, 2.0, 7.3], dtype=F64), 2.5
+    i = torch.arange(L) + S - L
+    x = (i[:, None] - torch.arange(S)[None, :]).to(F64)  # (L, S)
+    m = reference.span_ramp(x, z[:, None, None], R)
+    live = (m > 0) & (x >= 0)
+    want = torch.where(live, torch.log(torch.where(live, m, 1.0)), float("-inf"))
+    got = span_log_mask(z, L, S, R)
+    assert got.shape == (1, 3, L, S) and torch.equal(got[0], want)
+
+
 def test_log_mask_gradient_is_finite_and_equals_the_ramp_derivative():
     """d log m / dz = 1/(R + z − x) on the ramp, 0 where m = 1 and where m = 0 (never NaN)."""
     R, L = 4.0, 12

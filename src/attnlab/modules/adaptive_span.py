@@ -56,12 +56,19 @@ def span_log_mask(z: Tensor, L: int, S: int, ramp: float) -> Tensor:
     Returns:
         ``(1, H, L, S)`` in z's dtype.
     """
-    pos_q = torch.arange(L, device=z.device) + (S - L)
-    x = (pos_q[:, None] - torch.arange(S, device=z.device)[None, :]).to(z.dtype)  # (L, S)
-    m = span_ramp(x, z[:, None, None], ramp)  # (H, L, S)
+    # every distance i' − j = i + S − L − j occurs on a diagonal: log m of the L + S − 1
+    # distances t + 1 − L (t = 0 … L + S − 2), then the Toeplitz matrix by a strided view
+    # (unfold) and one flip, so the (H, L, S) tensor costs one copy and its gradient one sum
+    # per diagonal
+    if L == 0 or S == 0:
+        return (z[:, None, None] * 0).expand(z.shape[0], L, S).unsqueeze(0)  # empty
+    x = (torch.arange(L + S - 1, device=z.device) + (1 - L)).to(z.dtype)  # (L + S − 1,)
+    m = span_ramp(x, z[:, None], ramp)  # (H, L + S − 1)
     live = (m > 0) & (x >= 0)
     logm = torch.log(torch.where(live, m, 1.0))  # no log(0): its gradient would be NaN
-    return torch.where(live, logm, float("-inf")).unsqueeze(0)  # (1, H, L, S)
+    u = torch.where(live, logm, float("-inf"))  # (H, L + S − 1): u[t] = log m(t + 1 − L)
+    toeplitz = u.unfold(-1, S, 1)  # (H, L, S): toeplitz[h, i, S − 1 − j] = log m(i' − j)
+    return toeplitz.flip(-1).unsqueeze(0)  # (1, H, L, S)
 
 
 class SpanLogMask:
