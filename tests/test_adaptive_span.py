@@ -252,7 +252,7 @@ def test_span_and_plan_change_only_in_refresh_span():
 def test_forward_makes_no_host_sync_and_compiles_without_graph_breaks():
     """forward on meta tensors gives the shape; torch.compile(fullgraph=True) traces it (a graph
     break would raise); the compiled forward + backward (aot_eager) equals eager, the gradient
-    of z included."""
+    of z included, and so does the compiled inference (no_grad) forward."""
     dynamo.reset()
     try:
         attn = AdaptiveSpanAttention(16, 2, 32, ramp=4.0, init_span=5.5).double()
@@ -281,6 +281,8 @@ def test_forward_makes_no_host_sync_and_compiles_without_graph_breaks():
         for a, b in zip(g_c, g_e, strict=True):
             torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
         assert attn.span.z.grad is not None and torch.all(attn.span.z.grad != 0)
+        with torch.no_grad():  # inference: the relative bias function, also in one graph
+            torch.testing.assert_close(compiled(x), attn(x), atol=1e-12, rtol=0)
     finally:
         dynamo.reset()
 
