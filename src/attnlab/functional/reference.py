@@ -743,3 +743,93 @@ def shaw_attention(
     out = nan_rule.add_nan(out, row_bad.unsqueeze(-1) | col_bad)
     weights = torch.where(row_bad.unsqueeze(-1) & keep4, float("nan"), weights)
     return out, weights
+
+
+# ------------------------------------------------------------------------------------------------
+# Adaptive attention span (Sukhbaatar et al., 2019, "Adaptive Attention Span in Transformers").
+# The fast form (modules/adaptive_span.py) writes the ramp as an additive log-mask bias and lets
+# the tiled backend skip every tile beyond the largest span; it equals this multiplicative form.
+# ------------------------------------------------------------------------------------------------
+
+
+def span_ramp(x: Tensor, z: Tensor, ramp: float) -> Tensor:
+    """The soft span mask ``m_z(x) = clamp((R + z − x) / R, 0, 1)`` of a distance x ≥ 0.
+
+    1 for ``x <= z``, a linear ramp down to 0 over ``z < x < z + R``, 0 from ``x = z + R`` on. The
+    derivative in z is ``1/R`` on the ramp (``0 < m < 1``, and at ``x = z`` where m reaches 1) and
+    0 where m = 0 (the one-sided derivative at ``x = z + R``: the pair is not attended, so its
+    gradient is the one of the masked form).
+
+    Args:
+        x: distances ``i − j`` (any float or int tensor, broadcastable with z).
+        z: spans (float tensor).
+        ramp: R > 0, the ramp width.
+
+    Returns:
+        ``m`` of the broadcast shape, in z's dtype.
+    """
+    raw = (ramp + z - x) / ramp
+    return torch.where(raw > 0, raw.clamp(max=1.0), 0.0)
+
+
+def adaptive_span_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    z: Tensor,
+    *,
+    ramp: float,
+    scale: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+    reorder: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Reference adaptive-span attention: ``a_ij = m(x_ij) e^{s_ij} / Σ_k m(x_ik) e^{s_ik}``.
+
+    Sukhbaatar et al. (2019): head h attends key j from query i with the weight of softmax
+    attention multiplied by the soft mask ``m = span_ramp(x, z_h, R)`` of the distance
+    ``x_ij = i' − j`` (``i' = i + S − L``, bottom-right causal: only ``x >= 0``) and renormalised.
+    Written here multiplicatively, as in the paper; equals `attention` with the additive bias
+    ``log m`` (−inf where m = 0). Pairs with m = 0 are not attended (the NaN rule treats them as
+    masked); a row with no such pair (``i' < 0``) outputs zeros.
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``; ``H % H_kv == 0``.
+        z: ``(H,)`` the per-head spans (≥ 0 in the model; any real value is accepted here).
+        ramp: R > 0, the ramp width.
+        scale: logit scale, default ``1/√D``.
+        compute_dtype: precision; default float32 or wider.
+        reorder: normalise after the weighted sum (same value, different rounding).
+
+    Returns:
+        ``(out (B, H, L, Dv), weights (B, H, L, S))`` in q's dtype.
+    """
+    B, H, L, D = q.shape
+    H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    dtype = compute_dtype or compute_dtype_for(q.dtype)
+    scale = D**-0.5 if scale is None else scale
+    pos_q = torch.arange(L, device=q.device) + (S - L)
+    x = (pos_q[:, None] - torch.arange(S, device=q.device)[None, :]).to(dtype)  # (L, S)
+    m = span_ramp(x, z.to(dtype)[:, None, None], ramp)  # (H, L, S)
+    m = torch.where(x >= 0, m, 0.0)
+    keep = (m > 0).unsqueeze(0)  # (1, H, L, S)
+    qc, kc, vc = nan_rule.clean(q), nan_rule.clean(k), nan_rule.clean(v)
+    logits = _logits(qc, kc, scale=scale, temperature=1.0, score="dot", dtype=dtype)
+    mg = group_heads(m.unsqueeze(0), H_kv)  # (1, H_kv, G, L, S)
+    keepg = group_heads(keep, H_kv)
+    logits = logits.masked_fill(~keepg, _NEG_INF)
+    top = logits.amax(dim=-1, keepdim=True).detach()
+    dead = top == _NEG_INF
+    w = mg * torch.exp(logits - torch.where(dead, 0.0, top))  # m · e^{s − max}
+    den = torch.where(dead, 1.0, w.sum(dim=-1, keepdim=True))
+    vg = vc.to(dtype).unsqueeze(2)  # (B, H_kv, 1, S, Dv)
+    if reorder:
+        out = (w @ vg) / den  # (B, H_kv, G, L, Dv)
+        p = w / den
+    else:
+        p = w / den
+        out = p @ vg  # (B, H_kv, G, L, Dv)
+    out = out.flatten(1, 2).to(q.dtype).reshape(B, H, L, Dv)  # (B, H, L, Dv)
+    weights = p.flatten(1, 2).to(q.dtype).reshape(B, H, L, S)  # (B, H, L, S)
+    out, weights = nan_rule.poison(out, q, k, v, keep=keep, weights=weights)
+    assert weights is not None
+    return out, weights

@@ -1,5 +1,6 @@
 """nn.Module wrappers: projections and state around the functional math, no new math."""
 
+from .adaptive_span import AdaptiveSpan, AdaptiveSpanAttention
 from .additive import AdditiveAttention
 from .fnet import FNetMixing
 from .hierarchical import HierarchicalAttention
@@ -10,6 +11,8 @@ from .shaw import ShawRelativeAttention
 from .torch_compat import MultiheadAttention
 
 __all__ = [
+    "AdaptiveSpan",
+    "AdaptiveSpanAttention",
     "AdditiveAttention",
     "CacheOverflowError",
     "CacheView",
