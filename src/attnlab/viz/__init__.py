@@ -6,6 +6,12 @@ from any device are copied to the CPU (``.to("cpu")``) before they are drawn or 
 the one place the library moves data to the CPU on purpose.
 
 - `heatmap`, `heatmaps`: any 2-D matrix, or a grid of them (one per head), as a PNG.
+
+Every picture also comes as a matplotlib ``Figure`` without a file (`heatmap_figure`,
+`heatmaps_figure`, `sinusoidal_figure`, `rope_spectrum_figure`, `bias_figure`,
+`attention_figure`, `experiment_figure`, `bench_figure`, `losses_figure`, `pruning_figure`);
+the single-panel ones take ``ax=`` (draw into your own Axes; its figure is returned) and
+`rope_spectrum_figure` takes ``axes=(left, right)``. Figures are not registered with pyplot.
 - `plot_sinusoidal`, `plot_rope_spectrum`, `plot_bias`: positional encodings.
 - `show` (an `AttentionView`, rendered inline in Jupyter), `attention_html`,
   `save_attention_html`: a self-contained HTML attention viewer (head view, all-heads view,
@@ -24,22 +30,36 @@ Example:
     PosixPath('alibi.png')
 """
 
-from .attention_png import attention_png
+from .attention_png import attention_figure, attention_png
 from .attention_view import AttentionView, attention_html, attention_text, save_attention_html, show
-from .bench import plot_bench
-from .experiments import plot_experiment
-from .heads import plot_pruning
-from .heatmap import heatmap, heatmaps
-from .positional import plot_bias, plot_rope_spectrum, plot_sinusoidal
-from .training import plot_losses
+from .bench import bench_figure, plot_bench
+from .experiments import experiment_figure, plot_experiment
+from .heads import plot_pruning, pruning_figure
+from .heatmap import heatmap, heatmap_figure, heatmaps, heatmaps_figure
+from .positional import (
+    bias_figure,
+    plot_bias,
+    plot_rope_spectrum,
+    plot_sinusoidal,
+    rope_spectrum_figure,
+    sinusoidal_figure,
+)
+from .training import losses_figure, plot_losses
 
 __all__ = [
     "AttentionView",
+    "attention_figure",
     "attention_html",
     "attention_png",
     "attention_text",
+    "bench_figure",
+    "bias_figure",
+    "experiment_figure",
     "heatmap",
+    "heatmap_figure",
     "heatmaps",
+    "heatmaps_figure",
+    "losses_figure",
     "plot_bench",
     "plot_bias",
     "plot_experiment",
@@ -47,6 +67,9 @@ __all__ = [
     "plot_pruning",
     "plot_rope_spectrum",
     "plot_sinusoidal",
+    "pruning_figure",
+    "rope_spectrum_figure",
     "save_attention_html",
     "show",
+    "sinusoidal_figure",
 ]

@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..analysis.experiments import ExperimentResult
 from .heatmap import PathLike, new_figure, save_figure
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.figure import Figure
 
 
 def plot_experiment(
     path: PathLike, result: ExperimentResult, panels: list[list[str]], *, dpi: int = 120
 ) -> Path:
+    """Saves `experiment_figure` ``(result, panels)`` as a PNG; returns the path written."""
+    return save_figure(experiment_figure(result, panels), path, dpi)
+
+
+def experiment_figure(result: ExperimentResult, panels: list[list[str]]) -> Figure:
     """One panel per group of columns, each plotted against the first column (log x axis).
 
     Args:
-        path: where to write the PNG.
         result: an experiment's table.
         panels: column names per panel, e.g. ``[["var q·k", "var q·k/√d_k"], ["entropy", ...]]``.
     """
@@ -39,7 +47,7 @@ def plot_experiment(
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(result.title, fontsize=9)
-    return save_figure(fig, path, dpi)
+    return fig
 
 
 SCALING_PANELS = [

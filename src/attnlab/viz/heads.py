@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..analysis.heads import PruningSweep
 from .heatmap import PathLike, new_figure, save_figure
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 def plot_pruning(path: PathLike, sweep: PruningSweep, *, dpi: int = 120) -> Path:
@@ -22,10 +27,20 @@ def plot_pruning(path: PathLike, sweep: PruningSweep, *, dpi: int = 120) -> Path
     Returns:
         The path written.
     """
+    if Path(path).suffix.lower() != ".png":  # before any drawing
+        raise ValueError(f"path must end in .png, got {str(path)!r}")
+    return save_figure(pruning_figure(sweep), path, dpi)
+
+
+def pruning_figure(sweep: PruningSweep, *, ax: Axes | None = None) -> Figure:
+    """The figure `plot_pruning` saves; ``ax``: draw into this Axes (its figure is returned)."""
     if not isinstance(sweep, PruningSweep):
         raise TypeError(f"sweep must be a PruningSweep, got {type(sweep).__name__}")
-    fig = new_figure(6.0, 4.0)
-    ax = fig.add_subplot(1, 1, 1)
+    if ax is None:
+        fig = new_figure(6.0, 4.0)
+        ax = fig.add_subplot(1, 1, 1)
+    else:
+        fig = ax.figure
     x = sweep.fractions
     for run in sweep.random_runs:
         ax.plot(x, run, color="tab:orange", lw=0.6, alpha=0.4)
@@ -50,7 +65,7 @@ def plot_pruning(path: PathLike, sweep: PruningSweep, *, dpi: int = 120) -> Path
         f"random = mean of {len(sweep.random_runs)} seeds",
         fontsize=9,
     )
-    return save_figure(fig, path, dpi)
+    return fig
 
 
-__all__ = ["plot_pruning"]
+__all__ = ["plot_pruning", "pruning_figure"]

@@ -109,6 +109,48 @@ def draw_heatmap(
         bar.set_label(colorbar_label)
 
 
+def heatmap_figure(
+    matrix: Tensor | Any,
+    *,
+    ax: Axes | None = None,
+    title: str | None = None,
+    xlabel: str | None = "key position j",
+    ylabel: str | None = "query position i",
+    cmap: str = "viridis",
+    vmin: float | None = None,
+    vmax: float | None = None,
+    colorbar_label: str | None = None,
+    size: tuple[float, float] = (6.0, 5.0),
+) -> Figure:
+    """One ``(rows, cols)`` matrix as a heatmap (row 0 at the top); returns the Figure.
+
+    Args:
+        matrix: 2-D tensor or array, e.g. attention weights ``(L, S)`` of one head.
+        ax: draw into this matplotlib Axes (its figure gets the colour bar and is returned);
+            default a new Figure of ``size`` inches, not registered with pyplot.
+        title, xlabel, ylabel, cmap, vmin, vmax, colorbar_label: as in `heatmap`.
+        size: figure size in inches when ``ax`` is None.
+    """
+    if ax is None:
+        fig = new_figure(*size)
+        ax = fig.add_subplot()
+    else:
+        fig = ax.figure
+    draw_heatmap(
+        fig,
+        ax,
+        matrix,
+        title=title,
+        xlabel=xlabel,
+        ylabel=ylabel,
+        cmap=cmap,
+        vmin=vmin,
+        vmax=vmax,
+        colorbar_label=colorbar_label,
+    )
+    return fig
+
+
 def heatmap(
     matrix: Tensor | Any,
     path: PathLike,
@@ -123,7 +165,8 @@ def heatmap(
     size: tuple[float, float] = (6.0, 5.0),
     dpi: int = 100,
 ) -> Path:
-    """Saves one ``(rows, cols)`` matrix as a PNG heatmap (row 0 at the top).
+    """Saves one ``(rows, cols)`` matrix as a PNG heatmap (row 0 at the top); see
+    `heatmap_figure` for the Figure itself (and ``ax=``).
 
     Args:
         matrix: 2-D tensor or array, e.g. attention weights ``(L, S)`` of one head.
@@ -138,10 +181,9 @@ def heatmap(
     Returns:
         The path written.
     """
-    fig = new_figure(*size)
-    draw_heatmap(
-        fig,
-        fig.add_subplot(),
+    if Path(path).suffix.lower() != ".png":  # before any drawing
+        raise ValueError(f"path must end in .png, got {str(path)!r}")
+    fig = heatmap_figure(
         matrix,
         title=title,
         xlabel=xlabel,
@@ -150,6 +192,7 @@ def heatmap(
         vmin=vmin,
         vmax=vmax,
         colorbar_label=colorbar_label,
+        size=size,
     )
     return save_figure(fig, path, dpi)
 
@@ -157,6 +200,17 @@ def heatmap(
 def heatmaps(
     matrices: Tensor | Sequence[Tensor | Any],
     path: PathLike,
+    *,
+    dpi: int = 100,
+    **kwargs: Any,
+) -> Path:
+    """Saves `heatmaps_figure` ``(matrices, **kwargs)`` as a PNG (grid of heatmaps, e.g. one
+    panel per head of an ``(H, L, S)`` tensor); returns the path written."""
+    return save_figure(heatmaps_figure(matrices, **kwargs), path, dpi)
+
+
+def heatmaps_figure(
+    matrices: Tensor | Sequence[Tensor | Any],
     *,
     titles: Sequence[str] | None = None,
     suptitle: str | None = None,
@@ -167,13 +221,14 @@ def heatmaps(
     shared_scale: bool = False,
     colorbar_label: str | None = None,
     panel_size: float = 3.0,
-    dpi: int = 100,
-) -> Path:
-    """Saves a grid of heatmaps, e.g. one panel per head of an ``(H, L, S)`` tensor.
+) -> Figure:
+    """A grid of heatmaps, e.g. one panel per head of an ``(H, L, S)`` tensor, as a Figure.
+
+    A grid needs a figure of its own (one Axes per panel), so there is no ``ax=``; draw one
+    panel into your own Axes with `heatmap_figure`.
 
     Args:
         matrices: ``(N, rows, cols)`` tensor or a sequence of N 2-D matrices.
-        path: where to write the PNG.
         titles: one title per panel (default "head 0", "head 1", …).
         suptitle: title of the whole figure.
         ncols: panels per row.
@@ -183,10 +238,6 @@ def heatmaps(
             heads whose scales differ, like ALiBi's slopes).
         colorbar_label: label of the colour bars.
         panel_size: inches per panel.
-        dpi: pixels per inch.
-
-    Returns:
-        The path written.
     """
     panels = list(matrices.unbind(0)) if isinstance(matrices, Tensor) else list(matrices)
     if not panels:
@@ -229,4 +280,4 @@ def heatmaps(
             vmax=vmax,
             colorbar_label=colorbar_label,
         )
-    return save_figure(fig, path, dpi)
+    return fig

@@ -5,13 +5,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ..masks import Mask, causal
 from ..positional import RoPE, dense_bias, sinusoidal
-from .heatmap import PathLike, draw_heatmap, heatmaps, new_figure, save_figure
+from .heatmap import PathLike, draw_heatmap, heatmaps_figure, new_figure, save_figure
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 def plot_sinusoidal(
@@ -22,15 +27,30 @@ def plot_sinusoidal(
     *,
     dpi: int = 100,
 ) -> Path:
-    """Saves the sinusoidal table ``PE (length, dim)`` as a heatmap: positions down, dims across.
+    """Saves `sinusoidal_figure` as a PNG; returns the path written."""
+    return save_figure(sinusoidal_figure(length, dim, base), path, dpi)
+
+
+def sinusoidal_figure(
+    length: int = 128, dim: int = 64, base: float = 10000.0, *, ax: Axes | None = None
+) -> Figure:
+    """The sinusoidal table ``PE (length, dim)`` as a heatmap: positions down, dims across.
 
     Fast sin/cos pairs on the left vary from row to row; slow pairs on the right barely change.
+
+    Args:
+        length, dim, base: the table (`attnlab.positional.sinusoidal`).
+        ax: draw into this Axes (its figure is returned); default a new Figure.
     """
     table = sinusoidal(length, dim, base, dtype=torch.float64)  # (P, E)
-    fig = new_figure(7.0, 5.0)
+    if ax is None:
+        fig = new_figure(7.0, 5.0)
+        ax = fig.add_subplot()
+    else:
+        fig = ax.figure
     draw_heatmap(
         fig,
-        fig.add_subplot(),
+        ax,
         table,
         title=f"sinusoidal PE (dim={dim}, base={base:g})",
         xlabel="dimension (even: sin, odd: cos)",
@@ -40,7 +60,7 @@ def plot_sinusoidal(
         vmax=1.0,
         colorbar_label="PE[p, d]",
     )
-    return save_figure(fig, path, dpi)
+    return fig
 
 
 def plot_rope_spectrum(
@@ -50,25 +70,39 @@ def plot_rope_spectrum(
     *,
     dpi: int = 100,
 ) -> Path:
-    """Saves RoPE's frequency spectrum: ``cos(p·θ_i)`` as a heatmap, and wavelengths per pair.
+    """Saves `rope_spectrum_figure` as a PNG; returns the path written."""
+    return save_figure(rope_spectrum_figure(rope, length), path, dpi)
+
+
+def rope_spectrum_figure(
+    rope: RoPE | Mapping[str, RoPE],
+    length: int = 256,
+    *,
+    axes: tuple[Axes, Axes] | None = None,
+) -> Figure:
+    """RoPE's frequency spectrum: ``cos(p·θ_i)`` as a heatmap, and wavelengths per pair.
 
     Left: the rotation angle of every pair i (rows) at positions ``0..length−1`` (columns) for the
     first RoPE. Right: the wavelength ``2π/θ_i`` of every pair on a log axis, one line per RoPE,
     which shows how a scaling (linear, ntk, yarn, llama3, …) stretches the slow frequencies.
 
     Args:
-        path: where to write the PNG.
         rope: a `RoPE`, or ``{label: RoPE}`` to compare several.
         length: positions shown in the heatmap.
-        dpi: pixels per inch.
+        axes: ``(left, right)`` Axes to draw into (their figure is returned); default a new
+            Figure with both.
     """
     ropes = {"rope": rope} if isinstance(rope, RoPE) else dict(rope)
     if not ropes or not all(isinstance(r, RoPE) for r in ropes.values()):
         raise ValueError(f"rope must be a RoPE or a non-empty {{label: RoPE}} dict, got {rope!r}")
     label, first = next(iter(ropes.items()))
     cos, _ = first.cos_sin(torch.arange(length), dtype=torch.float64)  # (P, R/2)
-    fig = new_figure(12.0, 4.8)
-    left, right = fig.subplots(1, 2, width_ratios=(3, 2))
+    if axes is None:
+        fig = new_figure(12.0, 4.8)
+        left, right = fig.subplots(1, 2, width_ratios=(3, 2))
+    else:
+        left, right = axes
+        fig = left.figure
     draw_heatmap(
         fig,
         left,
@@ -94,11 +128,23 @@ def plot_rope_spectrum(
     right.set_title("RoPE spectrum" + (" (dotted: original length)" if originals else ""))
     right.grid(True, which="both", alpha=0.3)
     right.legend(fontsize=8)
-    return save_figure(fig, path, dpi)
+    return fig
 
 
 def plot_bias(
     path: PathLike,
+    bias: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
+    L: int,
+    S: int | None = None,
+    *,
+    dpi: int = 100,
+    **kwargs: object,
+) -> Path:
+    """Saves `bias_figure` ``(bias, L, S, **kwargs)`` as a PNG; returns the path written."""
+    return save_figure(bias_figure(bias, L, S, **kwargs), path, dpi)  # type: ignore[arg-type]
+
+
+def bias_figure(
     bias: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
     L: int,
     S: int | None = None,
@@ -108,15 +154,15 @@ def plot_bias(
     title: str | None = None,
     ncols: int = 4,
     mask: Mask | str | None = "auto",
-    dpi: int = 100,
-) -> Path:
-    """Saves a function bias (ALiBi, T5RelativeBias, …) as one ``(L, S)`` heatmap per head.
+) -> Figure:
+    """A function bias (ALiBi, T5RelativeBias, …) as one ``(L, S)`` heatmap per head.
 
     Cells the mask removes are drawn blank (NaN), not coloured by a bias that never applies: a
     causal ALiBi's biases on future keys (positive, brighter than any real one) are hidden.
 
+    A grid (one Axes per head) has a figure of its own, so there is no ``ax=``.
+
     Args:
-        path: where to write the PNG.
         bias: a function bias ``fn(b, h, i, j)``; ALiBi and T5RelativeBias know their head count.
         L: query length. S: key length (default L); rows are aligned bottom-right.
         num_heads: H, for biases that do not carry ``num_heads``.
@@ -126,7 +172,6 @@ def plot_bias(
         mask: the mask the bias is used with (batch item 0 is drawn): ``"auto"`` (default) is
             ``masks.causal()`` for a bias with ``causal=True`` (ALiBi's decoder form) and no mask
             otherwise; None draws every cell.
-        dpi: pixels per inch.
     """
     H = num_heads if num_heads is not None else getattr(bias, "num_heads", None)
     if not isinstance(H, int) or isinstance(H, bool) or H < 1:
@@ -151,13 +196,11 @@ def plot_bias(
         titles = [f"head {h}, slope {float(slopes[h]):.3g}" for h in chosen]
     else:
         titles = [f"head {h}" for h in chosen]
-    return heatmaps(
+    return heatmaps_figure(
         [dense[h] for h in chosen],
-        path,
         titles=titles,
         suptitle=(title if title is not None else repr(bias))
         + ("" if mask is None else f"; blank: masked by {mask!r}"),
         ncols=ncols,
         colorbar_label="bias",
-        dpi=dpi,
     )

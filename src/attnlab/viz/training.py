@@ -13,13 +13,32 @@ def plot_losses(
 ) -> bool:
     """Writes the loss curve PNG (matplotlib, imported here); False if matplotlib is missing."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        fig = losses_figure(losses, val, entropy)
     except ImportError:
         return False
-    fig = Figure(figsize=(7, 4), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    fig.tight_layout()
+    _save_png(fig, path)
+    return True
+
+
+def losses_figure(
+    losses: list[float],
+    val: list[tuple[int, float, float]],
+    entropy: float,
+    *,
+    ax: object | None = None,
+) -> object:
+    """The loss-curve Figure: per-batch train loss, validation points ``(step, val, train)``
+    and the unigram entropy; ``ax``: draw into this Axes (its figure is returned)."""
+    if ax is None:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(7, 4), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+    else:
+        fig = ax.figure  # type: ignore[attr-defined]
     ax.plot(range(1, len(losses) + 1), losses, lw=0.8, alpha=0.6, label="train (batch)")
     if val:
         steps, _, v = zip(*val, strict=True)
@@ -29,9 +48,7 @@ def plot_losses(
     ax.set_ylabel("cross-entropy (nats/char)")
     ax.set_title("attnlab train: character-level GPT")
     ax.legend()
-    fig.tight_layout()
-    _save_png(fig, path)
-    return True
+    return fig
 
 
 def _save_png(fig: object, path: Path) -> None:
