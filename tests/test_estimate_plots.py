@@ -324,8 +324,8 @@ def test_causal_alibi_plot_blanks_the_future_keys(tmp_path, monkeypatch, L, S):
     from attnlab import viz
     from attnlab.positional import ALiBi
 
-    figures = [viz.bias_figure(ALiBi(2), L, S)]  # the figure plot_bias saves
     viz.plot_bias(tmp_path / "a.png", ALiBi(2), L, S)
+    figures = [viz.bias_figure(ALiBi(2), L, S)]  # the figure plot_bias saves
     above = torch.ones(L, S, dtype=torch.bool).triu(S - L + 1).numpy()  # j > i + S − L
     panels = [ax for ax in figures[-1].axes if ax.images and ax.get_title().startswith("head")]
     assert len(panels) == 2
@@ -339,6 +339,7 @@ def test_causal_alibi_plot_blanks_the_future_keys(tmp_path, monkeypatch, L, S):
     # non-causal ALiBi, or mask=None, draws every cell
     for bias, mask in ((ALiBi(2, causal=False), "auto"), (ALiBi(2), None)):
         viz.plot_bias(tmp_path / "b.png", bias, L, S, mask=mask)
+        figures.append(viz.bias_figure(bias, L, S, mask=mask))
         for ax in figures[-1].axes:
             if ax.images and ax.get_title().startswith("head"):
                 assert not ax.images[0].get_array().mask.any()
