@@ -31,12 +31,13 @@ def _cmd_textbook(args: argparse.Namespace) -> int:
     if args.markdown is not None:
         check_output_file(args.markdown, "--markdown", suffixes=(".md",))
     try:
-        claims = select_claims(args.only or (), include_slow=args.with_training)
+        claims = select_claims(args.only or (), include_slow=args.with_training or args.list)
     except ValueError as e:
         raise UsageError("--only", str(e).removeprefix("only: ")) from None
     if args.list:
         for c in claims:
-            print(f"{c.id}\t{c.expected}\t{c.section}")
+            mark = " (--with-training)" if c.slow else ""
+            print(f"{c.id}\t{c.expected}{mark}\t{c.section}")
         for e in all_exercises() if not args.only else ():
             origin = "" if e.from_text else " (not from the text)"
             print(f"exercise {e.id}\t{e.source}{origin}\t{e.title}")

@@ -1007,29 +1007,38 @@ def _metric_shape() -> Finding:
     )
 
 
-_TRAINED = (
-    "not yet: needs the MiniLM head-pruning sweep of issue 18 item 3 (heads pruned in importance "
-    "order vs random order against a named metric); a task metric needs labelled data"
-)
-
-
 @claim(
     "002-8.3.2-c",
     section="8.3.2 多头机制的动机",
     quote="实证观察表明，通常只有部分头是关键的，其余提供冗余。 … "
     "实践中，通常只有30-50%的头对最终性能至关重要。",
     paraphrase="Empirically only some heads are critical (30–50 %); the rest are redundant.",
-    api="attnlab.analysis.head_importance",
-    expected=NOT_CHECKABLE,
-    assumptions="needs a trained model and a pruning sweep",
+    api="attnlab.analysis.heads.pruning_sweep",
+    expected=TEXT_ERROR,
+    assumptions="the real all-MiniLM-L6-v2 (72 heads), heads zero-gated in importance order "
+    "(exact ablation loss on 6 held-out Alice sentences); a head 'matters' when the embeddings "
+    "of 16 Alice sentences can no longer keep mean cosine ≥ 0.95 to the unpruned model without "
+    "it; random order (mean of 3 seeds) for contrast; a training-scale experiment (≈ 12 s)",
+    slow=True,
 )
 def _heads_redundant() -> Finding:
+    from ...analysis.heads import pruning_sweep
+
+    sweep = pruning_sweep(tuple(i / 20 for i in range(21)), threshold=0.95)
+    kept = sweep.kept_fraction("importance")  # largest fraction pruned with cosine ≥ 0.95
+    rand = sweep.kept_fraction("random")
+    matter = 1.0 - kept
+    ok = 0.3 <= matter <= 0.5
     return Finding(
-        "nothing computed: head importance of an untrained model says nothing about this; the "
-        "trained MiniLM ships (see 002-8.3.4-b), the sweep does not exist yet",
-        "head_importance(model, batch, loss_fn, ablation=True) on a trained model",
-        NOT_CHECKABLE,
-        _TRAINED,
+        f"cosine ≥ 0.95 holds up to {kept:.0%} of the heads pruned in importance order "
+        f"({rand:.0%} in random order): {matter:.0%} of the heads matter at that bar",
+        "pruning_sweep(fractions=0, 0.05, …, 1, threshold=0.95).kept_fraction('importance')",
+        AGREES if ok else TEXT_ERROR,
+        ""
+        if ok
+        else f"in the distilled 6-layer MiniLM about {matter:.0%} of the heads matter at "
+        "cosine 0.95 — the 30–50 % rule comes from larger models (Michel et al.) and depends on "
+        "the model and the metric's bar",
     )
 
 
