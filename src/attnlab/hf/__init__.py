@@ -8,7 +8,8 @@ sequences (documents) — grouped-query k/v without copies, the model's scaling,
 training, logit soft-capping, and exact weights for ``output_attentions=True``. Query and key
 positions come from transformers' own cache offsets (dynamic and static caches). A model that
 needs something attnlab does not compute (attention sinks, a separate position bias) raises
-`UnsupportedAttentionError` naming it at its first forward call. `attention_stats` gives every
+`UnsupportedAttentionError` naming it: at load time with `from_pretrained` (or `check_model` on
+a model loaded otherwise), else at its first forward call. `attention_stats` gives every
 attention call's per-head statistics (entropy, sink mass, mean distance) without L×S tensors.
 
 transformers (>= 5.4, the ``hf`` extra) is imported by `register`, not by ``import attnlab.hf``;
@@ -32,6 +33,7 @@ Example (a tiny random Llama, saved and loaded from a folder, no network):
 
 from .bridge import MIN_TRANSFORMERS, NAME, attention_forward, register
 from .errors import UnsupportedAttentionError
+from .loading import check_model, from_pretrained
 from .masking import HFMask, hf_mask
 from .stats import STATISTICS, CallStats, ModelStats, attention_stats
 
@@ -45,6 +47,8 @@ __all__ = [
     "UnsupportedAttentionError",
     "attention_forward",
     "attention_stats",
+    "check_model",
+    "from_pretrained",
     "hf_mask",
     "register",
 ]
