@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..analysis.heads import PruningSweep
-from .heatmap import PathLike, new_figure, save_figure
+from .heatmap import PathLike, figure_and_axes, save_figure
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
@@ -36,11 +36,7 @@ def pruning_figure(sweep: PruningSweep, *, ax: Axes | None = None) -> Figure:
     """The figure `plot_pruning` saves; ``ax``: draw into this Axes (its figure is returned)."""
     if not isinstance(sweep, PruningSweep):
         raise TypeError(f"sweep must be a PruningSweep, got {type(sweep).__name__}")
-    if ax is None:
-        fig = new_figure(6.0, 4.0)
-        ax = fig.add_subplot(1, 1, 1)
-    else:
-        fig = ax.figure
+    fig, ax = figure_and_axes(ax, 6.0, 4.0)
     x = sweep.fractions
     for run in sweep.random_runs:
         ax.plot(x, run, color="tab:orange", lw=0.6, alpha=0.4)

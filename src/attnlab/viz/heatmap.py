@@ -27,6 +27,14 @@ def new_figure(width: float, height: float) -> Figure:
     return Figure(figsize=(width, height), layout="constrained")
 
 
+def figure_and_axes(ax: Axes | None, width: float, height: float) -> tuple[Figure, Axes]:
+    """``(ax.figure, ax)`` for a caller's Axes, else a new `new_figure` with one Axes."""
+    if ax is not None:
+        return ax.figure, ax
+    fig = new_figure(width, height)
+    return fig, fig.add_subplot()
+
+
 def wrap_to_width(text: str, width: float, fontsize: float) -> str:
     """``text`` wrapped at spaces so that every line is at most ``width`` inches wide.
 
@@ -131,11 +139,7 @@ def heatmap_figure(
         title, xlabel, ylabel, cmap, vmin, vmax, colorbar_label: as in `heatmap`.
         size: figure size in inches when ``ax`` is None.
     """
-    if ax is None:
-        fig = new_figure(*size)
-        ax = fig.add_subplot()
-    else:
-        fig = ax.figure
+    fig, ax = figure_and_axes(ax, *size)
     draw_heatmap(
         fig,
         ax,

@@ -12,7 +12,14 @@ from torch import Tensor
 
 from ..masks import Mask, causal
 from ..positional import RoPE, dense_bias, sinusoidal
-from .heatmap import PathLike, draw_heatmap, heatmaps_figure, new_figure, save_figure
+from .heatmap import (
+    PathLike,
+    draw_heatmap,
+    figure_and_axes,
+    heatmaps_figure,
+    new_figure,
+    save_figure,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
@@ -43,11 +50,7 @@ def sinusoidal_figure(
         ax: draw into this Axes (its figure is returned); default a new Figure.
     """
     table = sinusoidal(length, dim, base, dtype=torch.float64)  # (P, E)
-    if ax is None:
-        fig = new_figure(7.0, 5.0)
-        ax = fig.add_subplot()
-    else:
-        fig = ax.figure
+    fig, ax = figure_and_axes(ax, 7.0, 5.0)
     draw_heatmap(
         fig,
         ax,
