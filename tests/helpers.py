@@ -5,6 +5,7 @@ and used by every numeric test through this module.
 """
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnlab
 from attnlab.testing import (
@@ -63,3 +64,19 @@ __all__ = [
     "reference_for",
     "seeded",
 ]
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op produces (``.largest``):
+    a test that no L×S tensor is formed runs its code under this mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out

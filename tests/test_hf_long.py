@@ -17,7 +17,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import LargestTensor
 
 transformers = pytest.importorskip("transformers")
 
@@ -179,21 +180,6 @@ def test_bart_cross_attention_stats_equal_eager(folders):
     assert cross.keys == 8 and cross.stats.entropy.shape == (1, 4, 3)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_long_input_forms_no_lxs_tensor(folders, monkeypatch):
     L = 2048
     # The padding (key) mask's tile map is evaluated densely in bounded row chunks of
@@ -202,7 +188,7 @@ def test_long_input_forms_no_lxs_tensor(folders, monkeypatch):
     monkeypatch.setattr(attnlab.masks.base, "_CHUNK_ELEMENTS", 1 << 18)
     model = _load(folders["llama"], "attnlab", torch.float32).model  # the base model: no logits
     ids = torch.randint(1, 100, (1, L))
-    spy = _LargestTensor()
+    spy = LargestTensor()
     with spy:
         run = attnlab.hf.attention_stats(
             model, {"input_ids": ids, "attention_mask": torch.ones(1, L, dtype=torch.long)}

@@ -18,7 +18,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import LargestTensor
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -294,19 +295,6 @@ def test_long_input_cli(saved, tmp_path, capsys):
     assert "--png draws every weight" in err
 
 
-class _Largest(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_long_input_forms_no_lxs_tensor(tmp_path, monkeypatch):
     import attnlab.analysis.model_attentions as ma
     import attnlab.masks.base
@@ -321,7 +309,7 @@ def test_long_input_forms_no_lxs_tensor(tmp_path, monkeypatch):
     # so that at this small T they sit far below one head's T×T
     monkeypatch.setattr(ma, "LONG_CHUNK_ELEMENTS", 1 << 16)
     monkeypatch.setattr(attnlab.masks.base, "_CHUNK_ELEMENTS", 1 << 16)
-    spy = _Largest()
+    spy = LargestTensor()
     with spy:
         (run,) = hf_attentions(folder, " ".join((WORDS * 60)[:T]))
     assert run.shape == (2, 2, T, T) and run.top_idx.shape == (2, 2, T, 8)
