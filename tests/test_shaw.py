@@ -395,3 +395,14 @@ def test_cached_decoding_equals_the_full_causal_run():
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-6)
     with pytest.raises(TypeError, match="plain KVCache"):
         mha(x, cache=attnlab.SlidingWindowCache(4))
+
+
+def test_prune_heads_is_refused_and_leaves_the_module_unchanged():
+    from attnlab.modules import ShawRelativeAttention
+
+    m = ShawRelativeAttention(16, 4, 3)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(ValueError, match=r"prune_heads: .*relative tables"):
+        m.prune_heads([1])
+    assert m.num_heads == 4
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())

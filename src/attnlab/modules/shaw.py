@@ -107,5 +107,9 @@ class ShawRelativeAttention(MultiHeadAttention):
         return (out, weights) if need_weights else out
 
     def prune_heads(self, heads: object) -> None:
-        """Not supported: the tables (per head) and the projections would need pruning together."""
-        raise NotImplementedError("ShawRelativeAttention does not support prune_heads")
+        """Refused (ValueError): the relative tables and the projections would have to be pruned
+        together, which this module does not do; prune a plain `MultiHeadAttention`."""
+        raise ValueError(
+            "prune_heads: ShawRelativeAttention's relative tables would have to be pruned with the "
+            f"projections, which it does not do (heads {heads!r} left in place)"
+        )
