@@ -269,6 +269,45 @@ def _odot_mask() -> Finding:
 
 
 @claim(
+    "003-4.3-b",
+    section="4.3 自注意力机制的优化",
+    quote="3. **动态调整注意力范围**: $$\\text{DynamicAttention}(Q, K, V) = "
+    "\\text{softmax}(\\frac{QK^T}{\\sqrt{d_k}} \\odot f(Q, K))V$$",
+    paraphrase="A dynamic attention range multiplies the scaled logits by a learned f(Q, K).",
+    api="attnlab.functional.reference.adaptive_span_attention, "
+    "attnlab.functional.reference.span_ramp",
+    expected=TEXT_ERROR,
+    assumptions="f = the adaptive-span ramp m(i − j) of Sukhbaatar et al. (span z = 2, ramp R = 2, "
+    "one head), 12 causal positions, d = 8, float64, seed 5",
+)
+def _dynamic_range() -> Finding:
+    from ...functional.reference import adaptive_span_attention, span_ramp
+
+    q, k, v = (_x(12, 8, seed=5 + i) for i in range(3))
+    z = torch.tensor([2.0], dtype=torch.float64)
+    _, w = adaptive_span_attention(q, k, v, z, ramp=2.0)
+    i = torch.arange(12)
+    dist = (i[:, None] - i[None, :]).to(torch.float64)  # x = i − j
+    m = torch.where(dist >= 0, span_ramp(dist, z, 2.0), 0.0)  # causal ramp, (12, 12)
+    text = torch.softmax((q @ k.mT / 8**0.5) * m, dim=-1)  # the text's ⊙ f on the logits
+    outside = m == 0
+    leak = float((text * outside).sum(-1).max())  # weight on keys outside the span, per row
+    ours = float(w[..., outside].abs().max())
+    wrong = ours == 0.0 and leak > 0.1
+    return Finding(
+        computed=f"⊙ on the logits leaves up to {leak:.3f} of a row's weight on keys outside the "
+        f"span (f = 0 gives logit 0, not −∞); the adaptive span's weights there: {ours:g}",
+        call="adaptive_span_attention(q, k, v, z, ramp=2.0) vs softmax((q @ k.mT / √d) * m)",
+        verdict=TEXT_ERROR if wrong else AGREES,
+        explanation="a range must scale the weights, not the logits: a_ij ∝ f_ij·exp(s_ij), i.e. "
+        "softmax(QKᵀ/√d_k + log f)V (Sukhbaatar et al.); scaling a logit by f only changes its "
+        "temperature and keeps every key"
+        if wrong
+        else "",
+    )
+
+
+@claim(
     "003-5-a",
     section="5. 项目实践：代码实例和详细解释说明",
     quote=SNIPPET,
