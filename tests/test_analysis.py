@@ -268,6 +268,13 @@ def test_temperature_experiment_entropy_rises(tmp_path, capsys):
     r = temperature_experiment(samples=1024)
     ent = r.column("entropy")
     assert ent == sorted(ent) and ent[-1] < math.log(64) + 1e-9
+    # the Gibbs reading: F = U − T·S per sample, hence for the means; U rises with T
+    for T, S, U, F in zip(
+        r.column("T"), ent, r.column("energy U"), r.column("free energy F"), strict=True
+    ):
+        assert abs(F - (U - T * S)) < 1e-9 * max(1.0, abs(F))
+    energy = r.column("energy U")
+    assert energy == sorted(energy)
     from attnlab import cli
 
     png = tmp_path / "t.png"

@@ -97,10 +97,15 @@ def temperature_experiment(
     seed: int = 0,
     device: torch.device | str | None = None,
 ) -> ExperimentResult:
-    """Softmax entropy and maximum weight of scaled logits divided by a temperature T.
+    """Softmax entropy and maximum weight of scaled logits divided by a temperature T, and the
+    statistical-physics reading of the same weights (`attnlab.analysis.views.gibbs`): energies
+    ``E_j = −s_j``, internal energy ``U = Σ p E`` and free energy ``F = −T log Z`` (means over the
+    samples), with ``F = U − T·S`` for the entropy column S.
 
     The samples are drawn on the CPU generator and computed on ``device`` (default cpu).
     """
+    from .views import gibbs
+
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(samples, 1, d_k, generator=g, dtype=torch.float64).to(device)
     k = torch.randn(samples, keys, d_k, generator=g, dtype=torch.float64).to(device)
@@ -109,10 +114,11 @@ def temperature_experiment(
     for t in temperatures:
         ent, jac = _softmax_stats(logits / t)
         top = float(torch.softmax(logits / t, -1).amax(-1).mean())
-        rows.append([t, ent, top, jac])
+        g = gibbs(logits, t)
+        rows.append([t, ent, top, jac, float(g.energy.mean()), float(g.free_energy.mean())])
     return ExperimentResult(
         f"Temperature: softmax(q·k/√d_k / T), d_k={d_k}, {keys} keys "
-        f"(uniform entropy = {math.log(keys):.3f})",
-        ["T", "entropy", "max weight", "grad norm"],
+        f"(uniform entropy = {math.log(keys):.3f}); U, F: Gibbs energy and free energy",
+        ["T", "entropy", "max weight", "grad norm", "energy U", "free energy F"],
         rows,
     )

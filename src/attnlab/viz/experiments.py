@@ -55,4 +55,4 @@ SCALING_PANELS = [
     ["entropy", "entropy scaled"],
     ["grad norm", "grad norm scaled"],
 ]
-TEMPERATURE_PANELS = [["entropy"], ["max weight", "grad norm"]]
+TEMPERATURE_PANELS = [["entropy"], ["max weight", "grad norm"], ["energy U", "free energy F"]]
