@@ -281,3 +281,23 @@ def test_temperature_experiment_entropy_rises(tmp_path, capsys):
     assert cli.main(["experiment", "temperature", "--samples", "512", "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "entropy" in capsys.readouterr().out
+
+
+def test_kernel_regression_experiment_has_a_best_bandwidth(tmp_path, capsys):
+    from attnlab.analysis import kernel_regression_experiment
+
+    r = kernel_regression_experiment()
+    fit, loo = r.column("fit error"), r.column("leave-one-out error")
+    pieces = r.column("pieces averaged")
+    assert fit == sorted(fit) and pieces == sorted(pieces)  # more smoothing, worse fit
+    best = loo.index(min(loo))
+    assert 0 < best < len(loo) - 1 and min(loo) < 0.9 * loo[0]  # an interior optimum
+    assert all(f < o for f, o in zip(fit, loo, strict=True))  # leaving a piece out costs
+    with pytest.raises(ValueError, match="bandwidths must be positive"):
+        kernel_regression_experiment(bandwidths=(1.0, 0.0))
+    from attnlab import cli
+
+    png = tmp_path / "k.png"
+    assert cli.main(["experiment", "kernel-regression", "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "leave-one-out error" in capsys.readouterr().out

@@ -4,7 +4,12 @@ MiniLM's heads (a head classifier and a head-pruning sweep)."""
 
 from .capture import capture_attentions, module_attentions
 from .estimate import Estimate, estimate, measure_estimate
-from .experiments import ExperimentResult, scaling_experiment, temperature_experiment
+from .experiments import (
+    ExperimentResult,
+    kernel_regression_experiment,
+    scaling_experiment,
+    temperature_experiment,
+)
 from .heads import HeadReport, PruningSweep, alice_sentences, classify_heads, pruning_sweep
 from .importance import attention_modules, head_gates, head_importance, output_norm
 from .views import Gibbs, ScoreTerms, bilinear_metric, gibbs, nadaraya_watson, score_decomposition
@@ -29,6 +34,7 @@ __all__ = [
     "head_entropy",
     "head_gates",
     "head_importance",
+    "kernel_regression_experiment",
     "measure_estimate",
     "module_attentions",
     "nadaraya_watson",

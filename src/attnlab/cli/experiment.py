@@ -8,16 +8,23 @@ from ._args import add_device_argument, check_output_file, int_at_least
 
 
 def _cmd_experiment(args: argparse.Namespace) -> int:
-    from ..analysis import scaling_experiment, temperature_experiment
+    from ..analysis import (
+        kernel_regression_experiment,
+        scaling_experiment,
+        temperature_experiment,
+    )
 
     if args.png:
         check_output_file(args.png, "--png", (".png",))
     if args.name == "scaling":
         result = scaling_experiment(samples=args.samples, device=args.device)
         panels_name = "SCALING_PANELS"
-    else:
+    elif args.name == "temperature":
         result = temperature_experiment(samples=args.samples, device=args.device)
         panels_name = "TEMPERATURE_PANELS"
+    else:  # kernel-regression: the shipped text decides the sample size
+        result = kernel_regression_experiment(device=args.device)
+        panels_name = "KERNEL_REGRESSION_PANELS"
     print(result.table())
     if args.png:
         from ..viz import experiments as viz_experiments
@@ -33,15 +40,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Adds ``attnlab experiment`` to the ``attnlab`` command's subparsers."""
     exp = sub.add_parser(
         "experiment",
-        help="the textbook experiments: scaling (why 1/√d_k) and temperature",
+        help="the textbook experiments: scaling (why 1/√d_k), temperature (with the Gibbs "
+        "energies) and kernel regression (attention as Nadaraya–Watson on the Alice text)",
         description="Runs a textbook experiment, prints its table, optionally draws a PNG.",
     )
-    exp.add_argument("name", choices=["scaling", "temperature"])
+    exp.add_argument("name", choices=["scaling", "temperature", "kernel-regression"])
     exp.add_argument(
         "--samples",
         type=int_at_least(2),
         default=4096,
-        help="samples per point, >= 2 for a variance (default 4096)",
+        help="samples per point, >= 2 for a variance (default 4096; kernel-regression uses "
+        "the whole text)",
     )
     exp.add_argument("--png", default=None, help="also write the plot to this PNG file")
     add_device_argument(exp)

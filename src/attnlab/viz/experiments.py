@@ -55,4 +55,5 @@ SCALING_PANELS = [
     ["entropy", "entropy scaled"],
     ["grad norm", "grad norm scaled"],
 ]
+KERNEL_REGRESSION_PANELS = [["fit error", "leave-one-out error"], ["pieces averaged"]]
 TEMPERATURE_PANELS = [["entropy"], ["max weight", "grad norm"], ["energy U", "free energy F"]]
