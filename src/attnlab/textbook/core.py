@@ -231,6 +231,16 @@ def run_claim(c: Claim) -> Row:
     return Row(c, finding, time.perf_counter() - start)
 
 
+def judged(agrees: bool, why: str) -> dict[str, str]:
+    """`Finding`'s ``verdict``/``explanation`` keywords: ``agrees``, or ``text error`` with the
+    one-line reason ``why`` (``Finding(computed, call, **judged(ok, "…"))``)."""
+    return (
+        {"verdict": AGREES, "explanation": ""}
+        if agrees
+        else {"verdict": TEXT_ERROR, "explanation": why}
+    )
+
+
 def tiny(x: float, tol: float = 1e-12) -> str:
     """A difference that should be round-off: ``≈0 (< tol)`` below ``tol`` (its last bits vary
     with the CPU's BLAS and thread count, which would make ``computed`` text machine-dependent),
@@ -255,6 +265,7 @@ __all__ = [
     "all_claims",
     "claim",
     "fmt",
+    "judged",
     "run_claim",
     "select_claims",
     "tiny",

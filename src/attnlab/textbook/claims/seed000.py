@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from ..core import AGREES, TEXT_ERROR, Finding, claim, fmt, tiny
+from ..core import AGREES, TEXT_ERROR, Finding, claim, fmt, judged, tiny
 
 
 @claim(
@@ -38,8 +38,7 @@ def _variance() -> Finding:
         computed="; ".join(parts),
         call="s = get_score('dot'); raw = (s.prepare(q) * s.prepare(k)).sum(-1); "
         "(raw * s.default_scale(d)).var()",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the sample variances do not match d_k and 1",
+        **judged(ok, "the sample variances do not match d_k and 1"),
     )
 
 
@@ -61,11 +60,11 @@ def _saturation() -> Finding:
     return Finding(
         computed=f"softmax = [{', '.join(exact)}], to four decimals [{', '.join(shown)}]",
         call="torch.softmax(torch.tensor([0.1, 0.2, 10.0], dtype=torch.float64), 0)",
-        verdict=AGREES if agrees else TEXT_ERROR,
-        explanation=""
-        if agrees
-        else "the small weights are 5.0e-5 and 5.5e-5, which round to 0.0001 and the largest to "
-        "0.9999 at four decimals; the saturation point itself stands",
+        **judged(
+            agrees,
+            "the small weights are 5.0e-5 and 5.5e-5, which round to 0.0001 and the largest to "
+            "0.9999 at four decimals; the saturation point itself stands",
+        ),
     )
 
 
@@ -91,8 +90,7 @@ def _matrix_memory() -> Finding:
     return Finding(
         computed="; ".join(got),
         call="estimate(n, 64, 1, dtype='float32').value('score matrix', 'naive')",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the byte counts differ from the table",
+        **judged(ok, "the byte counts differ from the table"),
     )
 
 
@@ -126,8 +124,7 @@ def _definition() -> Finding:
     return Finding(
         computed=f"output shape {tuple(out.shape[-2:])}; max |attention − formula| = {tiny(err)}",
         call="attention(q, k, v) vs torch.softmax(q @ k.mT / √d_k, -1) @ v",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "attnlab's attention differs from the formula",
+        **judged(ok, "attnlab's attention differs from the formula"),
     )
 
 
@@ -153,8 +150,7 @@ def _rows_are_distributions() -> Finding:
         computed=f"max |Σⱼ αᵢⱼ − 1| = {tiny(row_sum)}; weights in [{float(w.min()):.3g}, "
         f"{float(w.max()):.3g}]; max |out − αV| = {tiny(avg)}",
         call="out, w = attention(q, k, v, return_weights=True); w.sum(-1); w @ v",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the weights are not a distribution or out ≠ αV",
+        **judged(ok, "the weights are not a distribution or out ≠ αV"),
     )
 
 
@@ -188,8 +184,7 @@ def _ranges() -> Finding:
     return Finding(
         computed="; ".join(parts),
         call="(s.prepare(q) * s.prepare(k)).sum(-1).abs().quantile(0.998)",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the observed ranges differ from the text's by more than 5 %",
+        **judged(ok, "the observed ranges differ from the text's by more than 5 %"),
     )
 
 
@@ -217,8 +212,7 @@ def _saturation_gradient() -> Finding:
         computed=f"|∂out/∂q| = {norms['unscaled']:.2e} unscaled vs {norms['scaled']:.2e} with "
         "1/√d_k",
         call="attention(q, k, v, scale=1.0).sum().backward(); q.grad.norm()",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the unscaled gradient is not close to zero",
+        **judged(ok, "the unscaled gradient is not close to zero"),
     )
 
 
@@ -248,8 +242,7 @@ def _dot_geometry() -> Finding:
         computed=f"max |q·k − |q||k|cos θ| = {tiny(err)} over 100 pairs; unit vectors at 0°, 90°, "
         f"180°: {ends}",
         call="get_score('dot') vs norms × get_score('cosine')",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "q·k differs from |q||k|cos θ",
+        **judged(ok, "q·k differs from |q||k|cos θ"),
     )
 
 
@@ -277,8 +270,7 @@ def _additive_formula() -> Finding:
     return Finding(
         computed=f"max |weights − softmax(vᵀ tanh(W_q q + W_k k))| = {tiny(err)}",
         call="AdditiveAttention(8, 8, 8, bias=False)(q, k, v)",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the module's weights differ from the formula",
+        **judged(ok, "the module's weights differ from the formula"),
     )
 
 
@@ -303,8 +295,7 @@ def _additive_parameters() -> Finding:
         computed=f"d=64: {n:,} parameters (2d² + d = {2 * d * d + d:,}); with the tanh bias "
         f"{with_bias:,}; attention(score='dot'|'cosine') has none",
         call="sum(p.numel() for p in AdditiveAttention(64, 64, 64, bias=False).parameters())",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the parameter count differs from 2d² + d",
+        **judged(ok, "the parameter count differs from 2d² + d"),
     )
 
 
@@ -331,8 +322,7 @@ def _cosine_invariance() -> Finding:
         computed=f"rescaling q by 7.5 and k by 0.01 changes the output by {tiny(err)}; the largest "
         f"score spread in a row is {float(logits.max()):.3f} ≤ 2 (scores in [-1, 1])",
         call="attention(q, k, v, score='cosine') vs attention(7.5 q, 0.01 k, v, score='cosine')",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "cosine attention depends on the lengths",
+        **judged(ok, "cosine attention depends on the lengths"),
     )
 
 
@@ -362,12 +352,12 @@ def _cosine_dimension() -> Finding:
         computed=f"std of cos θ: {spreads[0]:.3f} at d=16, {spreads[1]:.4f} at d=1024 (≈ 1/√d); "
         f"mean weight entropy {ents[0]:.4f} → {ents[1]:.4f} nats (uniform: {uniform:.4f})",
         call="attention(q, k, v, score='cosine', return_weights=True); entropy(w)",
-        verdict=TEXT_ERROR if shrinks else AGREES,
-        explanation="the range [-1, 1] does not depend on d, but the spread of cos θ between "
-        "random vectors is 1/√d, so without a learned scale (temperature) the weights flatten "
-        "towards uniform as d grows"
-        if shrinks
-        else "",
+        **judged(
+            not shrinks,
+            "the range [-1, 1] does not depend on d, but the spread of cos θ between "
+            "random vectors is 1/√d, so without a learned scale (temperature) the weights flatten "
+            "towards uniform as d grows",
+        ),
     )
 
 
@@ -396,8 +386,7 @@ def _temperature() -> Finding:
         + ", ".join(f"T={t:g}: {e:.3f}" for t, e in zip(temps, ents, strict=True))
         + " nats (uniform 3.466)",
         call="entropy(attention(q, k, v, temperature=T, return_weights=True)[1])",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "entropy does not grow with T",
+        **judged(ok, "entropy does not grow with T"),
     )
 
 
@@ -429,8 +418,7 @@ def _time_complexity() -> Finding:
         computed=f"n=512, d=64: QKᵀ {base[0]:,.0f}, softmax {base[1]:,.0f}, PV {base[2]:,.0f} "
         f"FLOPs; ×{by_n} when n doubles, ×{by_d} when d doubles",
         call="estimate(n, d, 1).value('scores QKᵀ' | 'softmax' | 'weighted sum PV', 'naive')",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the FLOP counts do not scale as n²d, n², n²d",
+        **judged(ok, "the FLOP counts do not scale as n²d, n², n²d"),
     )
 
 
@@ -461,8 +449,7 @@ def _twelve_gb() -> Finding:
         f"with tiled attention (the 'special optimisation') {tiled32:,} in float32",
         call="max_seq_len('12GB', dtype=…, attention='naive'|'flash', d_model=768, n_layers=12, "
         "n_heads=12, vocab_size=30522, learned_positions=512, batch=1)",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the memory model does not put the limit near 4096",
+        **judged(ok, "the memory model does not put the limit near 4096"),
     )
 
 
@@ -499,12 +486,12 @@ def _doubling() -> Finding:
         computed="FLOPs per layer = 24nd² + 4n²d exactly; doubling n multiplies them by "
         + ", ".join(f"{r:.2f} at n={n}" for n, r in ratios.items()),
         call="FlopCounterMode(); TransformerBlock(cfg)(torch.empty(1, n, 768, device='meta'))",
-        verdict=TEXT_ERROR if wrong else AGREES,
-        explanation="only the n² part (attention scores) quadruples; a whole layer at d=768 "
-        f"grows {ratios[1024]:.2f}× (n=1024), {ratios[2048]:.2f}× (2048), {ratios[4096]:.2f}× "
-        "(4096) and approaches 4× only when n ≫ 6d"
-        if wrong
-        else "",
+        **judged(
+            not wrong,
+            "only the n² part (attention scores) quadruples; a whole layer at d=768 "
+            f"grows {ratios[1024]:.2f}× (n=1024), {ratios[2048]:.2f}× (2048), {ratios[4096]:.2f}× "
+            "(4096) and approaches 4× only when n ≫ 6d",
+        ),
     )
 
 
@@ -546,8 +533,7 @@ def _rnn_table() -> Finding:
         ),
         call="estimate(n, 512, 1) QKᵀ + PV rows vs FlopCounterMode over torch.nn.RNN(512, 512) "
         "(per step, 4d² FLOPs, times n)",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the crossover is not at n ≈ d",
+        **judged(ok, "the crossover is not at n ≈ d"),
     )
 
 
@@ -577,8 +563,7 @@ def _sparse_cost() -> Finding:
         computed="; ".join(parts) + f"; dense causal {masks.causal().attended_pairs(4096, 4096):,}",
         call="masks.sliding_window(64).attended_pairs(n, n); "
         "masks.strided(√n).attended_pairs(n, n)",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the pair counts do not scale as nw and n√n",
+        **judged(ok, "the pair counts do not scale as nw and n√n"),
     )
 
 
@@ -607,11 +592,11 @@ def _linear_formula() -> Finding:
         f"{tiny(float((ours - right).abs().max()), 1e-10)}; the text's Q·φ(K)ᵀ·φ(V) differs "
         f"from it by {rel:.3g} (relative)",
         call="linear_attention(q, k, v, feature_map='elu', eps=0.0) vs q @ (φ(k).mT @ φ(v))",
-        verdict=TEXT_ERROR if wrong else AGREES,
-        explanation="φ belongs on Q and K, not V, and the row normaliser φ(Q)φ(K)ᵀ1 is missing: "
-        "linear attention is φ(Q)(φ(K)ᵀV) / (φ(Q)(φ(K)ᵀ1))"
-        if wrong
-        else "",
+        **judged(
+            not wrong,
+            "φ belongs on Q and K, not V, and the row normaliser φ(Q)φ(K)ᵀ1 is missing: "
+            "linear attention is φ(Q)(φ(K)ᵀV) / (φ(Q)(φ(K)ᵀ1))",
+        ),
     )
 
 
@@ -657,6 +642,5 @@ def _checkpointing() -> Finding:
         f"{saved[True] / 2**20:.2f} MiB; forward + backward FLOPs "
         f"×{flops[True] / flops[False]:.3f}; same loss: {losses[True] == losses[False]}",
         call="model.gradient_checkpointing = True; saved_tensors_hooks; FlopCounterMode",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "checkpointing did not trade compute for memory",
+        **judged(ok, "checkpointing did not trade compute for memory"),
     )

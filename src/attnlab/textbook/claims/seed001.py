@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from ..core import AGREES, TEXT_ERROR, Finding, claim, tiny
+from ..core import AGREES, TEXT_ERROR, Finding, claim, judged, tiny
 
 SENTENCE = "The animal didn't cross the street because it was too tired"
 
@@ -55,8 +55,7 @@ def _it_animal() -> Finding:
         computed=f"layer {layer}, head {head}: it→animal {a:.3f}, it→street {s:.3f}; "
         f"{prefer} of {wa.numel()} heads weight 'animal' above 'street'",
         call=f"tokens, w = minilm().attentions({SENTENCE!r}); w[:, :, it, animal]",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "no head of the pretrained model prefers 'animal' clearly",
+        **judged(ok, "no head of the pretrained model prefers 'animal' clearly"),
     )
 
 
@@ -87,8 +86,7 @@ def _self_attention() -> Finding:
         computed=f"S and A are {tuple(a.shape[-2:])}, the output {tuple(got.shape[-2:])}; "
         f"max |module − formula| = {tiny(err)}",
         call="MultiHeadAttention(6, 1)(x) vs W_O(softmax(XW_Q (XW_K)ᵀ/√6) XW_V)",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the module differs from the formula",
+        **judged(ok, "the module differs from the formula"),
     )
 
 
@@ -122,11 +120,11 @@ def _traditional_cost() -> Finding:
         computed=f"FLOPs {counts[256]:,} (n=256), {counts[512]:,} (512), {counts[1024]:,} (1024): "
         f"×{growth[0]:.2f}, ×{growth[1]:.2f} per doubling of n",
         call="FlopCounterMode(); AdditiveAttention(64, 64, 64, bias=False)(x, x, x) on meta",
-        verdict=TEXT_ERROR if quadratic else AGREES,
-        explanation="each decoder step scores all n encoder states, so the attention itself is "
-        "O(n²d) in total (O(nd) per step); O(nd²) is the recurrence's (and the projections') cost"
-        if quadratic
-        else "",
+        **judged(
+            not quadratic,
+            "each decoder step scores all n encoder states, so the attention itself is O(n²d) "
+            "in total (O(nd) per step); O(nd²) is the recurrence's (and the projections') cost",
+        ),
     )
 
 
@@ -155,8 +153,7 @@ def _parallel() -> Finding:
     return Finding(
         computed=f"1 call over 12 positions vs 12 sequential steps: max difference {tiny(err)}",
         call="mha(x, mask=masks.causal()) vs [mha(x[:, t:t+1], cache=KVCache(12)) for t]",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the parallel and sequential computations differ",
+        **judged(ok, "the parallel and sequential computations differ"),
     )
 
 
@@ -184,12 +181,12 @@ def _equivariance() -> Finding:
         computed=f"max |f(Px) − P f(x)| = {tiny(equivariant)} but max |f(Px) − f(x)| = "
         f"{identical:.3f}; mean-pooled outputs differ by {tiny(pooled)}",
         call="mha(x[:, perm]) vs mha(x)[:, perm] and vs mha(x)",
-        verdict=TEXT_ERROR if wrong else AGREES,
-        explanation="self-attention is permutation-equivariant, not invariant: the outputs are "
-        "swapped the same way (each word's output is unchanged, but it moves); only an "
-        "order-free summary such as the mean is identical"
-        if wrong
-        else "",
+        **judged(
+            not wrong,
+            "self-attention is permutation-equivariant, not invariant: the outputs are "
+            "swapped the same way (each word's output is unchanged, but it moves); only an "
+            "order-free summary such as the mean is identical",
+        ),
     )
 
 
@@ -228,8 +225,7 @@ def _word_order() -> Finding:
         computed=f"sentence vectors differ by {tiny(without)} without positions, by {with_pe:.3f} "
         "with sinusoidal positions added",
         call="mha(emb[tokens] (+ SinusoidalEmbedding(16)(positions))).mean(1)",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the two sentences are distinguishable without positions",
+        **judged(ok, "the two sentences are distinguishable without positions"),
     )
 
 
@@ -259,8 +255,7 @@ def _pe_formula() -> Finding:
     return Finding(
         computed=f"max |SinusoidalEmbedding − formula| = {tiny(err)} over 2048 positions",
         call="SinusoidalEmbedding(512, dtype=torch.float64)(torch.arange(2048))",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "attnlab's encoding differs from the formula",
+        **judged(ok, "attnlab's encoding differs from the formula"),
     )
 
 
@@ -292,8 +287,7 @@ def _pe_unique_relative() -> Finding:
         computed=f"smallest distance between two of 4096 codes {nearest:.4f}; PE(pos+7) = "
         f"R_7 PE(pos) for every pos to {tiny(err, 1e-9)}",
         call="SinusoidalEmbedding(64)(torch.arange(4103)); torch.cdist; rotation by 7ω_i",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "codes repeat or the shift is not a fixed rotation",
+        **judged(ok, "codes repeat or the shift is not a fixed rotation"),
     )
 
 
@@ -316,8 +310,7 @@ def _pe_frequencies() -> Finding:
         computed=f"zero crossings over 1000 positions: dimension 0: {int(flips[0])}, 32: "
         f"{int(flips[16])}, 126: {int(flips[-1])} (non-increasing with the dimension)",
         call="SinusoidalEmbedding(128)(torch.arange(1000))[:, 0::2].sign() changes",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the frequencies do not fall with the dimension",
+        **judged(ok, "the frequencies do not fall with the dimension"),
     )
 
 
@@ -343,11 +336,11 @@ def _pe_geometry() -> Finding:
         f"{float(dist[100]):.2f} (100); first decrease at k={first}"
         + (f" ({float(dist[first]):.3f} → {float(dist[first + 1]):.3f})" if first else ""),
         call="SinusoidalEmbedding(512)(torch.arange(200)); (pe - pe[0]).norm(dim=-1)",
-        verdict=TEXT_ERROR if wrong else AGREES,
-        explanation=f"near positions are close, but the distance is not monotone in the offset: "
-        f"it first falls at k={first}, so a farther position can be nearer in encoding space"
-        if wrong
-        else "",
+        **judged(
+            not wrong,
+            f"near positions are close, but the distance is not monotone in the offset: "
+            f"it first falls at k={first}, so a farther position can be nearer in encoding space",
+        ),
     )
 
 
@@ -373,8 +366,7 @@ def _shapes() -> Finding:
     return Finding(
         computed=f"weights {shapes[0]}, output {shapes[1]}",
         call="attention(q[None], k[None], v[None], return_weights=True) with q, k, v (4, 6)",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the shapes differ",
+        **judged(ok, "the shapes differ"),
     )
 
 
@@ -402,8 +394,7 @@ def _diagonal() -> Finding:
         f"{float(diag.mean()):.3f} vs off-diagonal {float(off.mean()):.3f}; the diagonal is the "
         f"row maximum in {100 * top:.0f} % of rows",
         call="tokens, w = minilm().attentions(sentence); w.diagonal(dim1=-2, dim2=-1)",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the diagonal is not larger than the rest on average",
+        **judged(ok, "the diagonal is not larger than the rest on average"),
     )
 
 
@@ -425,8 +416,7 @@ def _head_dim() -> Finding:
     return Finding(
         computed="; ".join(f"d_model={E}, {H} heads: head_dim {D}" for E, H, D in dims),
         call="MultiHeadAttention(512, 8).head_dim",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "head_dim differs from d_model / num_heads",
+        **judged(ok, "head_dim differs from d_model / num_heads"),
     )
 
 
@@ -460,8 +450,7 @@ def _fixed_vs_learned() -> Finding:
         computed=f"parameters: sinusoidal {n_fixed}, learned {n_learned:,}; position 600: "
         f"sinusoidal gives a code, learned raises ValueError ({refused[:60]}…)",
         call="SinusoidalEmbedding(64)(600); LearnedPositionalEmbedding(512, 64)(600)",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the parameter counts or the extrapolation behaviour differ",
+        **judged(ok, "the parameter counts or the extrapolation behaviour differ"),
     )
 
 
@@ -492,6 +481,5 @@ def _softmax_gradient() -> Finding:
         computed="|∂p₀/∂q| for logit gaps "
         + ", ".join(f"{g:g}: {v:.2e}" for g, v in grads.items()),
         call="attention(q, k, v, scale=1.0).sum().backward() with k = [[gap], [0]]",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the gradient does not vanish at the extremes",
+        **judged(ok, "the gradient does not vanish at the extremes"),
     )

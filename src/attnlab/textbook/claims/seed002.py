@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim, fmt, tiny
+from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim, fmt, judged, tiny
 from ..exercises import exercise
 
 F64 = torch.float64
@@ -32,7 +32,7 @@ def _qkv(B: int = 1, H: int = 2, L: int = 8, D: int = 8, seed: int = 0) -> tuple
 
 def _found(computed: str, call: str, ok: bool, why: str) -> Finding:
     """``agrees`` when the text's statement holds (``ok``), else ``text error`` with ``why``."""
-    return Finding(computed, call, AGREES if ok else TEXT_ERROR, "" if ok else why)
+    return Finding(computed, call, **judged(ok, why))
 
 
 _err = tiny  # a round-off-sized difference as ≈0 (< tol)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim, tiny
+from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim, judged, tiny
 from .seed001 import SENTENCE, _minilm_attention
 
 #: §5's code sample, verbatim (whitespace-only lines emptied).
@@ -88,12 +88,12 @@ def _q_equals_k() -> Finding:
         f"{d_proj:.3f} (uniform 1/16 = 0.0625)",
         call="attention(x, x, x, return_weights=True) vs MultiHeadAttention(64, 1)(x, "
         "need_weights=True)",
-        verdict=TEXT_ERROR if wrong else AGREES,
-        explanation="Q, K and V come from the same X through three different projections "
-        "(§3.1's Q = XW^Q, K = XW^K, V = XW^V); with Q = K literally, q_i·q_i dominates and each "
-        "token attends almost only to itself"
-        if wrong
-        else "",
+        **judged(
+            not wrong,
+            "Q, K and V come from the same X through three different projections "
+            "(§3.1's Q = XW^Q, K = XW^K, V = XW^V); with Q = K literally, q_i·q_i dominates and "
+            "each token attends almost only to itself",
+        ),
     )
 
 
@@ -130,8 +130,7 @@ def _multihead() -> Finding:
         computed=f"W_i^Q is {shapes[0]}, W^O is {shapes[1]} (h·d_k × d_model); max |module − "
         f"Concat(head_i) W^O| = {tiny(err)}",
         call="MultiHeadAttention(24, 4)(x) vs out_proj(cat(softmax(q_i k_iᵀ/√6) v_i))",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the module differs from the per-head formula",
+        **judged(ok, "the module differs from the per-head formula"),
     )
 
 
@@ -159,12 +158,12 @@ def _local_heads() -> Finding:
         f"weight on the previous token; layer {q // H}, head {q % H} {float(nxt.max()):.3f} on "
         "the next",
         call="tokens, w = minilm().attentions(sentence); w[..., i, i - 1].mean()",
-        verdict=TEXT_ERROR if wrong else AGREES,
-        explanation="a trained model learns local heads (previous/next-token attention) with "
-        "positional information; what self-attention lacks is a built-in locality bias, not the "
-        "ability to attend locally"
-        if wrong
-        else "",
+        **judged(
+            not wrong,
+            "a trained model learns local heads (previous/next-token attention) with positional "
+            "information; what self-attention lacks is a built-in locality bias, not the ability "
+            "to attend locally",
+        ),
     )
 
 
@@ -191,8 +190,7 @@ def _window_tiles() -> Finding:
         computed=f"tiles computed at n={n}: causal {counts['causal']}, window 128 "
         f"{counts['window 128']} of {(n // b) ** 2}",
         call="(mask.block_map(4096, 4096, 128, 128) != masks.EMPTY).sum()",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the window does not reduce the work",
+        **judged(ok, "the window does not reduce the work"),
     )
 
 
@@ -229,8 +227,7 @@ def _concat_positions() -> Finding:
         + ", ".join(f"{float(v):.2f}" for v in row[16:20])
         + " for j = 16…19 (largest at j = i, falling with the offset)",
         call="ConcatPositionalEncoding(SinusoidalEmbedding(64))(x); p @ p.T",
-        verdict=AGREES if ok else TEXT_ERROR,
-        explanation="" if ok else "the concatenated positions do not add a local term",
+        **judged(ok, "the concatenated positions do not add a local term"),
     )
 
 
@@ -260,11 +257,11 @@ def _odot_mask() -> Finding:
         f"the mask excludes (they get logit 0, not −∞); attnlab's masked weights there: {ours:g}",
         call="attention(q, k, v, mask=masks.sliding_window(3), return_weights=True) vs "
         "softmax((q @ k.mT / √d) * M)",
-        verdict=TEXT_ERROR if wrong else AGREES,
-        explanation="multiplying by 0 sets a logit to 0, which still receives weight e^0/Σ; a "
-        "mask must set excluded logits to −∞ (add log M), e.g. softmax(QKᵀ/√d_k + log M)"
-        if wrong
-        else "",
+        **judged(
+            not wrong,
+            "multiplying by 0 sets a logit to 0, which still receives weight e^0/Σ; a "
+            "mask must set excluded logits to −∞ (add log M), e.g. softmax(QKᵀ/√d_k + log M)",
+        ),
     )
 
 
@@ -298,12 +295,12 @@ def _dynamic_range() -> Finding:
         computed=f"⊙ on the logits leaves up to {leak:.3f} of a row's weight on keys outside the "
         f"span (f = 0 gives logit 0, not −∞); the adaptive span's weights there: {ours:g}",
         call="adaptive_span_attention(q, k, v, z, ramp=2.0) vs softmax((q @ k.mT / √d) * m)",
-        verdict=TEXT_ERROR if wrong else AGREES,
-        explanation="a range must scale the weights, not the logits: a_ij ∝ f_ij·exp(s_ij), i.e. "
-        "softmax(QKᵀ/√d_k + log f)V (Sukhbaatar et al.); scaling a logit by f only changes its "
-        "temperature and keeps every key"
-        if wrong
-        else "",
+        **judged(
+            not wrong,
+            "a range must scale the weights, not the logits: a_ij ∝ f_ij·exp(s_ij), i.e. "
+            "softmax(QKᵀ/√d_k + log f)V (Sukhbaatar et al.); scaling a logit by f only changes its "
+            "temperature and keeps every key",
+        ),
     )
 
 
@@ -346,11 +343,11 @@ def _code_sample() -> Finding:
         f"attnlab.MultiHeadAttention to {tiny(err)}",
         call="exec(snippet); SelfAttention(32, 4)(x) vs MultiHeadAttention(32, 4) with the "
         "same weights",
-        verdict=TEXT_ERROR if wrong else AGREES,
-        explanation="the code calls math.sqrt without `import math`; with it added, the module "
-        "computes standard multi-head self-attention"
-        if wrong
-        else "",
+        **judged(
+            not wrong,
+            "the code calls math.sqrt without `import math`; with it added, the module "
+            "computes standard multi-head self-attention",
+        ),
     )
 
 

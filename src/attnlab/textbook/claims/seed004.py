@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim, fmt
+from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim, fmt, judged
 from ..exercises import exercise
 
 F64 = torch.float64
@@ -34,13 +34,7 @@ def _close(a: Tensor, b: Tensor, tol: float = 1e-12) -> bool:
     return bool((a - b).abs().max() <= tol) if a.numel() else True
 
 
-def _verdict(ok: bool, why: str) -> dict[str, str]:
-    """``verdict``/``explanation`` keyword arguments: agrees, or a text error with ``why``."""
-    return (
-        {"verdict": AGREES, "explanation": ""}
-        if ok
-        else {"verdict": TEXT_ERROR, "explanation": why}
-    )
+_verdict = judged  # verdict/explanation keywords: agrees, or a text error with why
 
 
 def _scores(w: Tensor, lse: Tensor) -> Tensor:
