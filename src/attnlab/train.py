@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ._files import loads
+from .apps.loop import cosine_lr, param_groups
 from .checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -206,21 +207,7 @@ def lr_at(step: int, s: TrainSettings) -> float:
     if s.schedule == "noam":
         t = step + 1
         return s.d_model**-0.5 * min(t**-0.5, t * s.warmup**-1.5)
-    if step < s.warmup:
-        return s.lr * (step + 1) / s.warmup
-    progress = (step - s.warmup) / max(1, s.steps - s.warmup)
-    return s.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (s.lr - s.min_lr)
-
-
-def _groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: weight decay on matrices (dim >= 2), none on biases and norm gains."""
-    params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
-    decay = [p for p in params if p.dim() >= 2]
-    rest = [p for p in params if p.dim() < 2]
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": rest, "weight_decay": 0.0},
-    ]
+    return cosine_lr(step, s.steps, s.lr, s.min_lr, s.warmup)
 
 
 def _layer_of(name: str) -> str:
@@ -488,7 +475,7 @@ def train(
     torch.manual_seed(s.seed)
     model = GPT(config).to(device)
     model.gradient_checkpointing = s.grad_checkpointing
-    opt = torch.optim.AdamW(_groups(model, s.weight_decay), lr=s.lr, betas=(0.9, 0.99))
+    opt = torch.optim.AdamW(param_groups(model, s.weight_decay), lr=s.lr, betas=(0.9, 0.99))
     scaler = torch.amp.GradScaler(device.type, enabled=s.precision == "fp16")
     groups = layer_parameters(model)
     layers = list(groups)

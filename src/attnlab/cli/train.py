@@ -27,6 +27,7 @@ from ..train import (
     train,
     write_sweep,
 )
+from . import tasks
 from ._args import (
     UsageError,
     add_device_argument,
@@ -237,3 +238,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_device_argument(p)
     p.set_defaults(func=_cmd_train)
+    _register_tasks(p)
+
+
+def _register_tasks(p: argparse.ArgumentParser) -> None:
+    """``attnlab train TASK ...``: one sub-command per module of `attnlab.cli.tasks`."""
+    modules = tasks.discover()
+    if not modules:
+        return
+    names = [m.__name__.rsplit(".", 1)[1] for m in modules]
+    sub = p.add_subparsers(
+        dest="task",
+        metavar="TASK",
+        parser_class=type(p),
+        title="tasks (attnlab train TASK --help; without a task: the character-level GPT)",
+    )
+    for name, module in zip(names, modules, strict=True):
+        tp = sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
+        module.add_arguments(tp)
+        tp.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+        )
+        tp.set_defaults(func=module.run)
