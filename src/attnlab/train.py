@@ -42,6 +42,7 @@ from .checkpoint import (
     save_checkpoint,
     save_json,
 )
+from .distributed.ddp import Parallel
 from .models import GPT, TransformerConfig
 from .utils import Progress, Timer
 from .viz.training import plot_grad_norms, plot_losses, plot_sweep
@@ -278,19 +279,31 @@ def _check_precision(precision: str, device: torch.device) -> None:
             ) from None
 
 
+def _wide(logits: Tensor) -> Tensor:
+    """Logits for the loss in float32 or wider (bf16/fp16 autocast logits are upcast)."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
 @torch.no_grad()
-def evaluate(model: GPT, data: Tensor, s: TrainSettings, seed: int) -> float:
-    """Mean cross-entropy (nats/char) on ``eval_batches`` fixed random batches of ``data``."""
+def evaluate(
+    model: GPT, data: Tensor, s: TrainSettings, seed: int, *, parallel: Parallel | None = None
+) -> float:
+    """Mean cross-entropy (nats/char) on ``eval_batches`` fixed random batches of ``data``.
+
+    With ``parallel`` (several ranks; collective) each rank evaluates its part of the same
+    batches and the ranks' means are averaged, which is the mean over the whole batches.
+    """
+    par = parallel if parallel is not None else Parallel()
     was_training = model.training
     model.eval()
     g = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(s.eval_batches):
-        x, y = get_batch(data, s.batch_size, s.seq_len, g)
+        x, y = par.local(*get_batch(data, s.batch_size, s.seq_len, g))
         logits = model(x)  # (B, L, V)
-        losses.append(nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten()))
+        losses.append(nn.functional.cross_entropy(_wide(logits).flatten(0, 1), y.flatten()))
     model.train(was_training)
-    return float(torch.stack(losses).mean())
+    return float(par.mean(torch.stack(losses).mean()))
 
 
 # ------------------------------------------------------------------------------- checkpointing
@@ -309,6 +322,7 @@ def _save(
     norms: list[list[float]],
     totals: list[float],
     scaler: torch.amp.GradScaler,
+    rng_ranks: Tensor | None = None,
 ) -> Path:
     tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
     for i, state in opt.state_dict()["state"].items():
@@ -316,6 +330,8 @@ def _save(
             tensors[f"optim.{i}.{name}"] = value
     tensors["rng.batch"] = batch_rng.get_state()
     tensors["rng.torch"] = torch.get_rng_state()
+    if rng_ranks is not None:  # several ranks: each one's dropout stream, (W, n)
+        tensors["rng.torch_ranks"] = rng_ranks
     tensors["log.train_loss"] = torch.tensor(losses, dtype=torch.float64)
     tensors["log.val"] = torch.tensor(val, dtype=torch.float64).reshape(-1, 3)
     tensors["log.grad_norm"] = torch.tensor(norms, dtype=torch.float64).reshape(-1, len(layers))
@@ -412,6 +428,7 @@ def train(
     log: Callable[[str], None] = print,
     device: torch.device | str = "cpu",
     plots: bool = True,
+    context_parallel: bool = False,
 ) -> TrainResult:
     """Trains a character-level `GPT`; see the module docstring.
 
@@ -431,12 +448,25 @@ def train(
             not restore, so there a resumed run equals an uninterrupted one only without dropout.
         plots: write ``loss.png`` and ``grad_norm.png`` with each checkpoint (`sweep` turns
             this off: its runs share one ``sweep.png``).
+        context_parallel: with several ranks, shard every sequence across them (ring
+            attention) instead of the batch; see `attnlab.distributed.ddp`.
+
+    Several ranks: when a default process group is initialised (``torchrun``), every rank calls
+    `train` with the same arguments and trains with DistributedDataParallel; every rank draws the
+    same global batch and takes its part (`attnlab.distributed.ddp.Parallel`), so the run equals
+    one process's up to rounding (without dropout). Rank 0 reads ``resume`` and sends it to the
+    others, and alone logs, shows the progress bar and writes files; every rank returns the
+    result, with the losses averaged over the ranks.
     """
     device = torch.device(device)
     s = settings if settings is not None else TrainSettings()
+    par = Parallel.current(context_parallel)
+    if not par.is_main:
+        progress, plots = False, False
+        log = lambda _line: None  # noqa: E731
     ck = None
     if resume is not None:
-        ck = load_checkpoint(resume)
+        ck = par.broadcast(load_checkpoint, resume)
         if "settings" not in ck.metadata:
             raise ValueError(f"{resume}: not a checkpoint written by attnlab train (no settings)")
         stored = json.loads(ck.metadata["settings"])
@@ -446,6 +476,9 @@ def train(
             **{f.name: stored[f.name] for f in fields(TrainSettings) if f.name in stored}
         )
     _check_precision(s.precision, device)
+    par.check(
+        batch_size=s.batch_size, seq_len=s.seq_len, dropout=s.dropout, positional=s.positional
+    )
     text = load_text(s.text)
     vocab = sorted(set(text)) if ck is None else json.loads(ck.metadata["vocab"])
     index = {c: i for i, c in enumerate(vocab)}
@@ -473,8 +506,9 @@ def train(
             what="the stored settings",
         )
     torch.manual_seed(s.seed)
-    model = GPT(config).to(device)
+    model = par.prepare(GPT(config).to(device))  # context parallel: ring attention
     model.gradient_checkpointing = s.grad_checkpointing
+    par.seed(s.seed)  # several ranks: a dropout stream each
     opt = torch.optim.AdamW(param_groups(model, s.weight_decay), lr=s.lr, betas=(0.9, 0.99))
     scaler = torch.amp.GradScaler(device.type, enabled=s.precision == "fp16")
     groups = layer_parameters(model)
@@ -495,6 +529,8 @@ def train(
         opt.load_state_dict(state)
         batch_rng.set_state(ck.tensors["rng.batch"])
         torch.set_rng_state(ck.tensors["rng.torch"])
+        if par.mode != "single":
+            par.restore_rng(ck.tensors.get("rng.torch_ranks"), s.seed, int(ck.metadata["step"]))
         losses = ck.tensors["log.train_loss"].tolist()
         val = [(int(a), b, c) for a, b, c in ck.tensors["log.val"].tolist()]
         step = int(ck.metadata["step"])
@@ -507,6 +543,7 @@ def train(
         if scaler.is_enabled():
             scaler.load_state_dict(json.loads(ck.metadata["grad_scaler"]))
         log(f"resumed from {resume} at step {step}")
+    net = par.wrap(model)  # DistributedDataParallel on several ranks
 
     if stop_at is not None and not (
         isinstance(stop_at, int) and not isinstance(stop_at, bool) and step < stop_at <= s.steps
@@ -517,6 +554,7 @@ def train(
         f"GPT: {n_params / 1e6:.2f}M parameters, {len(vocab)} characters, "
         f"{len(train_data)} training / {len(val_data)} validation characters; "
         f"unigram entropy {entropy:.3f} nats/char ({entropy / math.log(2):.2f} bits)"
+        + ("" if par.mode == "single" else f"; {par.describe()}")
     )
     out = Path(s.out_dir)
     last = stop_at if stop_at is not None else s.steps
@@ -532,10 +570,11 @@ def train(
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
-        x, y = get_batch(train_data, s.batch_size, s.seq_len, batch_rng)
+        x, y = get_batch(train_data, s.batch_size, s.seq_len, batch_rng)  # the global batch
+        x_local, y_local = par.local(x, y)  # this rank's rows or sequence shards
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=s.precision != "fp32"):
-            logits = model(x)  # (B, L, V)
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            logits = net(x_local)  # (B_local, L_local, V)
+        loss = nn.functional.cross_entropy(_wide(logits).flatten(0, 1), y_local.flatten())
         opt.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()  # fp16: loss × scale, so small gradients do not flush to 0
         scaler.unscale_(opt)  # true gradients from here on (a no-op unless fp16)
@@ -546,7 +585,7 @@ def train(
             total = torch.linalg.vector_norm(layer_norms)
         scaler.step(opt)  # fp16: skipped when a gradient is inf/NaN (the scale then shrinks)
         scaler.update()
-        losses.append(loss.item())
+        losses.append(par.mean(loss.detach()).item())  # the global batch's mean loss
         norms.append(layer_norms.tolist())
         totals.append(float(total))
         tokens += x.numel()
@@ -559,8 +598,8 @@ def train(
             )
             tokens = 0
         if done % s.eval_interval == 0 or done == s.steps:
-            v = evaluate(model, val_data, s, seed=s.seed + 1)
-            tr = evaluate(model, train_data, s, seed=s.seed + 2)
+            v = evaluate(model, val_data, s, seed=s.seed + 1, parallel=par)
+            tr = evaluate(model, train_data, s, seed=s.seed + 2, parallel=par)
             val.append((done, tr, v))
             per_layer = ", ".join(f"{n} {g:.3g}" for n, g in zip(layers, norms[-1], strict=True))
             scale = f" · loss scale {scaler.get_scale():g}" if scaler.is_enabled() else ""
@@ -570,10 +609,12 @@ def train(
                 f"{timer.seconds:.0f} s\n  grad norm {totals[-1]:.3g} ({per_layer}){scale}"
             )
         if (s.save_interval and done % s.save_interval == 0) or done in (s.steps, last):
-            ckpt = _save(
-                out, model, opt, batch_rng, s, vocab, done, losses, val, entropy,
-                layers, norms, totals, scaler,
-            )  # fmt: skip
+            rng_ranks = par.rng_states()  # collective: every rank takes part
+            if par.is_main:
+                ckpt = _save(
+                    out, model, opt, batch_rng, s, vocab, done, losses, val, entropy,
+                    layers, norms, totals, scaler, rng_ranks,
+                )  # fmt: skip
             if plots:
                 plot_losses(out / "loss.png", losses, val, entropy)
                 plot_grad_norms(out / "grad_norm.png", layers, norms, totals)

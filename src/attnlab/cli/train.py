@@ -5,17 +5,21 @@ Example:
     $ attnlab train --out runs/alice --resume
     $ attnlab train --schedule noam --warmup 100 --precision fp16 --out runs/noam
     $ attnlab train --steps 200 --out runs/sweep --sweep lr=1e-3,3e-3 warmup=0,50
+    $ torchrun --nproc-per-node=2 -m attnlab train --out runs/ddp
+    $ torchrun --nproc-per-node=2 -m attnlab train --context-parallel --dropout 0 --out runs/cp
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 
+from ..distributed.ddp import launched_by_torchrun, process_group_from_env, rank_device
 from ..train import (
     CHECKPOINT_NAME,
     PRECISIONS,
@@ -86,6 +90,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.sweep is not None:
+        if launched_by_torchrun() and os.environ["WORLD_SIZE"] != "1":
+            raise UsageError(
+                "--sweep", "trains one process per grid point; run it without torchrun"
+            )
         if args.resume is not None:
             raise UsageError(
                 "--sweep", "cannot be combined with --resume (each point is a new run)"
@@ -117,9 +125,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
             return 2
         if not Path(resume).is_file():
             raise UsageError("--resume", f"no checkpoint file {resume!r}")
-    result = train(settings, resume=resume, progress=not args.quiet, device=args.device)
-    out = Path(settings.out_dir)
-    print(f"wrote {result.checkpoint}, {out / 'loss.png'}, {out / 'grad_norm.png'}")
+    device = rank_device(args.device)  # under torchrun: cuda -> cuda:LOCAL_RANK
+    with process_group_from_env(device):  # torchrun: DistributedDataParallel over its ranks
+        result = train(
+            settings,
+            resume=resume,
+            progress=not args.quiet,
+            device=device,
+            context_parallel=args.context_parallel,
+        )
+    if os.environ.get("RANK", "0") == "0":  # only rank 0 writes
+        out = Path(settings.out_dir)
+        print(f"wrote {result.checkpoint}, {out / 'loss.png'}, {out / 'grad_norm.png'}")
     return 0
 
 
@@ -159,7 +176,11 @@ def register(sub: argparse._SubParsersAction) -> None:
             "loss next to the text's unigram entropy (nats/char) and per-layer gradient norms, "
             "shows a progress bar, and writes OUT/ckpt.safetensors (verified, atomic), "
             "OUT/config.json, OUT/loss.png and OUT/grad_norm.png. With --sweep it trains one run "
-            "per grid point into OUT/<point>/ and writes OUT/sweep.{txt,json,png}. "
+            "per grid point into OUT/<point>/ and writes OUT/sweep.{txt,json,png}. Launched by "
+            "torchrun (torchrun --nproc-per-node=N -m attnlab train ...) it trains with "
+            "DistributedDataParallel: every rank draws the same global batch and takes its "
+            "slice (or, with --context-parallel, its shard of every sequence), and rank 0 alone "
+            "logs and writes. "
             f"The defaults ({d.steps} steps) learn visibly in a few minutes on 2 CPU cores."
         ),
     )
@@ -234,6 +255,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=positive_int,
         help="torch intra-op threads (default: torch's choice, one per core); 1 avoids thread "
         "stalls when other processes keep the cores busy",
+    )
+    p.add_argument(
+        "--context-parallel",
+        action="store_true",
+        help="under torchrun: shard every sequence across the ranks (ring attention; needs "
+        "--dropout 0 and --seq-len divisible by the ranks) instead of the batch (default: data "
+        "parallel, --batch-size divisible by the ranks); one process: no effect",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_device_argument(p)
