@@ -85,6 +85,15 @@ def _resume(root: Path) -> dict:
     return {"whole": whole, "parts": parts}
 
 
+def _missing_resume(root: Path) -> str:
+    """Resuming from a file rank 0 cannot read: the error each rank raises."""
+    try:
+        train(_settings(root / "missing"), resume=root / "no-such.safetensors", log=print)
+    except Exception as e:  # the test compares the type and the message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def _loss_and_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, par: Parallel) -> tuple:
     """The mean cross-entropy over the global batch and the gradients of every parameter."""
     net = par.wrap(model)
@@ -149,6 +158,7 @@ def _scenarios(rank: int, world: int, root: str) -> dict:
         "curves": _curves(root / "curves"),
         "resume": _resume(root / "resume"),
         "exact": _context_exactness(),  # collective: every rank takes part
+        "missing": _missing_resume(root),
     }
     return _send(result)
 
@@ -227,6 +237,15 @@ def test_two_rank_run_resumes_bit_exactly_with_dropout(ranks):
             assert torch.equal(parts["params"][n], p), n
     # every rank reports the global batch's mean loss
     assert per_rank[0]["resume"]["whole"]["losses"] == per_rank[1]["resume"]["whole"]["losses"]
+
+
+def test_a_checkpoint_rank_zero_cannot_read_fails_on_every_rank(ranks):
+    per_rank, root = ranks
+    assert per_rank[0]["missing"].startswith("FileNotFoundError: ")
+    assert "no-such.safetensors" in per_rank[0]["missing"]
+    assert per_rank[1]["missing"] == (
+        f"RuntimeError: rank 0 could not read {str(root / 'no-such.safetensors')!r}"
+    )
 
 
 @pytest.mark.parametrize("positional", ["rope", "learned", "sinusoidal", None])

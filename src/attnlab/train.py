@@ -454,8 +454,8 @@ def train(
     Several ranks: when a default process group is initialised (``torchrun``), every rank calls
     `train` with the same arguments and trains with DistributedDataParallel; every rank draws the
     same global batch and takes its part (`attnlab.distributed.ddp.Parallel`), so the run equals
-    one process's up to rounding (without dropout). Rank 0 reads ``resume`` and sends it to the
-    others, and alone logs, shows the progress bar and writes files; every rank returns the
+    one process's up to rounding (without dropout). Rank 0 reads ``resume`` and sends its bytes to
+    the others, and alone logs, shows the progress bar and writes files; every rank returns the
     result, with the losses averaged over the ranks.
     """
     device = torch.device(device)
@@ -466,7 +466,7 @@ def train(
         log = lambda _line: None  # noqa: E731
     ck = None
     if resume is not None:
-        ck = par.broadcast(load_checkpoint, resume)
+        ck = par.load_shared(resume, load_checkpoint)  # rank 0's file, on every rank
         if "settings" not in ck.metadata:
             raise ValueError(f"{resume}: not a checkpoint written by attnlab train (no settings)")
         stored = json.loads(ck.metadata["settings"])

@@ -86,7 +86,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if heads % kv_heads:
         raise UsageError("--n-kv-heads", f"must divide --n-heads {heads}, got {kv_heads}")
     settings = TrainSettings(**{**asdict(defaults), **values})
-    check_output_dir(settings.out_dir, "--out")
+    main = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reads and writes files
+    if main:
+        check_output_dir(settings.out_dir, "--out")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.sweep is not None:
@@ -123,7 +125,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        if not Path(resume).is_file():
+        if main and not Path(resume).is_file():
             raise UsageError("--resume", f"no checkpoint file {resume!r}")
     device = rank_device(args.device)  # under torchrun: cuda -> cuda:LOCAL_RANK
     with process_group_from_env(device):  # torchrun: DistributedDataParallel over its ranks
@@ -134,7 +136,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             device=device,
             context_parallel=args.context_parallel,
         )
-    if os.environ.get("RANK", "0") == "0":  # only rank 0 writes
+    if main:
         out = Path(settings.out_dir)
         print(f"wrote {result.checkpoint}, {out / 'loss.png'}, {out / 'grad_norm.png'}")
     return 0

@@ -30,10 +30,12 @@ from __future__ import annotations
 import datetime
 import inspect
 import os
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,7 @@ from torch import Tensor, nn
 from ..masks import CausalMask, Mask
 from .ring_mha import RingMultiHeadAttention
 
+T = TypeVar("T")
 MODES = ("single", "data", "context")
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -301,26 +304,38 @@ class Parallel:
         self.seed(seed + 7919 * step)
         return False
 
-    def broadcast(self, load: Any, *args: Any) -> Any:
-        """``load(*args)`` on rank 0, its result sent to every rank (pickled). An exception on
-        rank 0 is raised there, and as a RuntimeError naming it on the other ranks."""
+    def load_shared(self, path: str | os.PathLike, load: Callable[[Path], T]) -> T:
+        """``load(path)`` where only rank 0 needs the file (e.g. ``--resume`` on one machine).
+
+        Rank 0 reads the file's bytes and broadcasts them as a uint8 tensor (no pickle); every
+        other rank writes them to a temporary file and loads that, so each rank verifies the
+        same bytes with the same loader. If rank 0 cannot read the file it raises its OSError
+        and the other ranks raise RuntimeError naming the path.
+        """
         if self.mode == "single":
-            return load(*args)
-        box: list[Any] = [None]
-        error: BaseException | None = None
+            return load(Path(path))
+        data, error = b"", None
         if self.is_main:
             try:
-                box[0] = ("ok", load(*args))
-            except Exception as e:  # every rank must hear of it, or they would wait forever
+                data = Path(path).read_bytes()
+            except OSError as e:
                 error = e
-                box[0] = ("error", f"{type(e).__name__}: {e}")
-        dist.broadcast_object_list(box, src=0)
+        size = torch.tensor([-1 if error is not None else len(data)], dtype=torch.int64)
+        dist.broadcast(size, src=0)
         if error is not None:
             raise error
-        status, payload = box[0]
-        if status != "ok":
-            raise RuntimeError(f"rank 0 failed: {payload}")
-        return payload
+        if int(size[0]) < 0:
+            raise RuntimeError(f"rank 0 could not read {os.fspath(path)!r}")
+        payload = torch.empty(int(size[0]), dtype=torch.uint8)
+        if self.is_main:
+            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        dist.broadcast(payload, src=0)
+        if self.is_main:
+            return load(Path(path))
+        with tempfile.TemporaryDirectory(prefix="attnlab-rank-") as tmp:
+            local = Path(tmp) / Path(path).name
+            local.write_bytes(payload.numpy().tobytes())
+            return load(local)
 
 
 __all__ = [
