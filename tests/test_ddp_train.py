@@ -85,6 +85,11 @@ def _resume(root: Path) -> dict:
     return {"whole": whole, "parts": parts}
 
 
+def _half(root: Path) -> None:
+    """The first 4 of the 8 steps of `_settings` on the ranks, kept in ``root/half``."""
+    train(_settings(root / "half"), stop_at=4, log=lambda _line: None, plots=False)
+
+
 def _missing_resume(root: Path) -> str:
     """Resuming from a file rank 0 cannot read: the error each rank raises."""
     try:
@@ -159,6 +164,7 @@ def _scenarios(rank: int, world: int, root: str) -> dict:
         "resume": _resume(root / "resume"),
         "exact": _context_exactness(),  # collective: every rank takes part
         "missing": _missing_resume(root),
+        "half": _half(root),
     }
     return _send(result)
 
@@ -237,6 +243,16 @@ def test_two_rank_run_resumes_bit_exactly_with_dropout(ranks):
             assert torch.equal(parts["params"][n], p), n
     # every rank reports the global batch's mean loss
     assert per_rank[0]["resume"]["whole"]["losses"] == per_rank[1]["resume"]["whole"]["losses"]
+
+
+def test_one_process_continues_a_two_rank_checkpoint(ranks, one_process, tmp_path):
+    """4 steps on 2 ranks + 4 in one process: the one-process curve, by the rule."""
+    _, root = ranks
+    r = _run(_settings(tmp_path), resume=root / "half" / train_mod.CHECKPOINT_NAME)
+    got, gold, naive = _curve(r), _curve(one_process["fp64"]), _curve(one_process["fp32"])
+    assert len(got[0]) == 8
+    assert_close_rule(got[0].float(), gold[0], naive[0].float(), kind="fwd", name="loss curve")
+    assert_close_rule(got[1].float(), gold[1], naive[1].float(), kind="fwd", name="evaluations")
 
 
 def test_a_checkpoint_rank_zero_cannot_read_fails_on_every_rank(ranks):
