@@ -295,6 +295,29 @@ def test_parallel_slices_the_global_batch():
     assert Parallel().local(x, y) == (x, y)
 
 
+def test_context_parallel_attention_keeps_the_weights_and_refuses_what_it_cannot_do():
+    from attnlab import masks
+    from attnlab.distributed.ddp import _ring_of
+    from attnlab.modules import KVCache, MultiHeadAttention
+    from attnlab.positional import RoPE
+
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4, num_kv_heads=2, rope=RoPE(8))
+    ring = _ring_of(attn, None)
+    assert ring.rope is attn.rope and ring.causal and ring.layout == "contiguous"
+    want = attn.state_dict()
+    assert ring.state_dict().keys() == want.keys()
+    assert all(torch.equal(t, want[k]) for k, t in ring.state_dict().items())
+    x = torch.randn(1, 4, 32)  # (B, L_local, E)
+    for kwargs, word in (
+        ({"cache": KVCache()}, "cache"),
+        ({"need_weights": True}, "need_weights"),
+        ({"mask": masks.sliding_window(2)}, "SlidingWindowMask"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            ring(x, **kwargs)
+
+
 @pytest.mark.parametrize(
     "mode, changes, words",
     [

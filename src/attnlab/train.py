@@ -449,7 +449,9 @@ def train(
         plots: write ``loss.png`` and ``grad_norm.png`` with each checkpoint (`sweep` turns
             this off: its runs share one ``sweep.png``).
         context_parallel: with several ranks, shard every sequence across them (ring
-            attention) instead of the batch; see `attnlab.distributed.ddp`.
+            attention) instead of the batch; see `attnlab.distributed.ddp`. The returned model
+            then keeps its ring attention (a collective call on shards); `load_model` of the
+            checkpoint gives the plain GPT.
 
     Several ranks: when a default process group is initialised (``torchrun``), every rank calls
     `train` with the same arguments and trains with DistributedDataParallel; every rank draws the
