@@ -101,6 +101,14 @@ def process_group_from_env(
         dist.destroy_process_group()
 
 
+def _comm_device() -> torch.device:
+    """Where the default group's collectives need their tensors: this process's GPU for nccl,
+    the CPU otherwise."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class _CausalRing(RingMultiHeadAttention):
     """`RingMultiHeadAttention` with `MultiHeadAttention`'s call signature, as a GPT block calls it.
 
@@ -288,10 +296,10 @@ class Parallel:
         """Every rank's torch RNG state ``(W, n)`` uint8 (collective), for the checkpoint."""
         if self.mode == "single":
             return None
-        state = torch.get_rng_state()
+        state = torch.get_rng_state().to(_comm_device())
         parts = [torch.empty_like(state) for _ in range(self.world)]
         dist.all_gather(parts, state)
-        return torch.stack(parts)
+        return torch.stack(parts).cpu()
 
     def restore_rng(self, states: Tensor | None, seed: int, step: int) -> bool:
         """Sets this rank's torch RNG from a checkpoint's ``(W, n)`` states; if they are missing
@@ -320,16 +328,18 @@ class Parallel:
                 data = Path(path).read_bytes()
             except OSError as e:
                 error = e
-        size = torch.tensor([-1 if error is not None else len(data)], dtype=torch.int64)
+        device = _comm_device()
+        size = torch.tensor([-1 if error is not None else len(data)], device=device)  # int64
         dist.broadcast(size, src=0)
         if error is not None:
             raise error
         if int(size[0]) < 0:
             raise RuntimeError(f"rank 0 could not read {os.fspath(path)!r}")
-        payload = torch.empty(int(size[0]), dtype=torch.uint8)
+        payload = torch.empty(int(size[0]), dtype=torch.uint8, device=device)
         if self.is_main:
-            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
         dist.broadcast(payload, src=0)
+        payload = payload.cpu()
         if self.is_main:
             return load(Path(path))
         with tempfile.TemporaryDirectory(prefix="attnlab-rank-") as tmp:
