@@ -63,6 +63,7 @@ def _run(settings: TrainSettings, **kwargs: object) -> dict:
     return {
         "losses": r.train_losses,
         "val": r.val_history,
+        "gnorm": r.grad_norm_total,
         "log": lines,
         "params": _params(r.model),
     }
@@ -214,6 +215,13 @@ def test_two_ranks_follow_the_one_process_loss_curve(ranks, one_process, name):
     for i, what in enumerate(("train loss curve", "evaluations")):
         impl = got[0][i].float()  # each value is a float32 loss
         assert_close_rule(impl, gold[i], naive[i].float(), kind="fwd", name=f"{name}: {what}")
+    # the gradient is the global batch mean's: a sum over the ranks would double its norm, which
+    # Adam's invariance to the gradient's scale would hide from the losses
+    norms = [
+        torch.tensor(r["gnorm"], dtype=torch.float64)
+        for r in (per_rank[0]["curves"][name], ref["fp64"], ref["fp32"])
+    ]
+    assert_close_rule(norms[0].float(), norms[1], norms[2].float(), kind="grad", name="grad norm")
     # the run learns (so the curve compared is not flat)
     assert got[0][0][-1] < got[0][0][0] - 0.1
 
