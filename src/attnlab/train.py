@@ -9,12 +9,15 @@ gradient norm of every layer, saves a verified checkpoint atomically (one safete
 model, optimizer, loss-scaler and RNG state, so ``--resume`` continues bit-exactly) plus a
 checksummed ``config.json``, a loss-curve PNG and a per-layer gradient-norm PNG. `sweep` runs a
 grid of small runs over learning rate and warmup (the ablation behind ``attnlab train --sweep``).
+Launched by ``torchrun``, `train` runs data- or context-parallel on every rank
+(`attnlab.distributed.ddp`).
 
 Example:
     $ attnlab train --steps 600 --out runs/alice
     $ attnlab train --steps 200 --schedule noam --precision fp16 --out runs/noam16
     $ attnlab train --steps 200 --out runs/sweep --sweep lr=1e-3,3e-3 warmup=0,50
     $ attnlab generate --checkpoint runs/alice/ckpt.safetensors --prompt "Alice said"
+    $ torchrun --nproc-per-node=2 -m attnlab train --out runs/ddp
 """
 
 from __future__ import annotations
