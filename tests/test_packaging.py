@@ -37,6 +37,9 @@ OPTIONAL = (
     "hypothesis",
     "selenium",
     "local_attention",
+    "num2words",
+    "wordfreq",
+    "sklearn",
 )
 
 
@@ -87,7 +90,9 @@ def test_the_wheel_ships_the_text_the_viewer_assets_py_typed_and_the_license(tmp
 def test_the_all_extra_is_every_user_extra_and_require_names_only_declared_extras():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    assert extras["all"] == ["attnlab[cli,viz,models,hf]"]
+    users = [name for name in extras if name not in ("all", "dev")]
+    assert users == ["cli", "viz", "models", "hf", "apps"]
+    assert extras["all"] == [f"attnlab[{','.join(users)}]"]
     assert set(EXTRAS) <= set(extras)
     assert project["dependencies"] == ["torch>=2.5,<3"]
     assert project["license"] == "Apache-2.0" and (ROOT / "LICENSE").is_file()

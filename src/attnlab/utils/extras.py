@@ -13,7 +13,7 @@ import importlib
 from types import ModuleType
 
 # The extras declared in pyproject.toml's [project.optional-dependencies] that `require` names.
-EXTRAS = ("cli", "viz", "models", "hf", "all")
+EXTRAS = ("cli", "viz", "models", "hf", "apps", "all")
 
 
 class MissingExtraError(ImportError):
