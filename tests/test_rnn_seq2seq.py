@@ -222,3 +222,24 @@ def test_gradients_reach_the_attention_and_not_the_padding():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
     assert model.src_emb.weight.grad[28].abs().sum() > 0
     assert torch.equal(model.src_emb.weight.grad[29], torch.zeros(16))  # padding: no gradient
+
+
+def test_attend_with_projected_keys_is_the_additive_attention_module():
+    """The decoder's step (keys projected once per source) computes exactly what calling its
+    `AdditiveAttention` module computes, values and gradients, masks and an empty source too."""
+    model = _small()
+    g = torch.Generator().manual_seed(5)
+    state = torch.randn(4, 32, generator=g, requires_grad=True)
+    states = torch.randn(4, 7, 48, generator=g, requires_grad=True)
+    keep = (torch.arange(7)[None] < torch.tensor([[7], [3], [1], [0]]))[:, None, :]  # (B, 1, S)
+    ours = model.attend(state, model.project_keys(states), states, keep)
+    ref_out, ref_w = model.attention(state[:, None], states, mask=keep)
+    torch.testing.assert_close(ours[0], ref_out[:, 0])
+    torch.testing.assert_close(ours[1], ref_w[:, 0])
+    assert torch.equal(ours[1][3], torch.zeros(7)) and torch.equal(ours[0][3], torch.zeros(48))
+    dout = torch.randn(4, 48, generator=g)
+    grads = torch.autograd.grad((ours[0] * dout).sum(), (state, states))
+    ref_grads = torch.autograd.grad((ref_out[:, 0] * dout).sum(), (state, states))
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert a.isfinite().all()
+        torch.testing.assert_close(a, b)

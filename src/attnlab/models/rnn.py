@@ -130,9 +130,12 @@ class RNNSeq2Seq(nn.Module):
         s_i = GRU([emb(y_{i−1}); c_i], s_{i−1})
         logits_i = W_o tanh(W_t [s_i; c_i; emb(y_{i−1})])
 
-    The attention is `attnlab.AdditiveAttention`; ``forward`` (teacher forcing) and ``greedy``
-    (incremental) run the same step function, so greedy decoding equals the argmax of the
-    teacher-forced logits on its own output.
+    The attention is an `attnlab.AdditiveAttention` (``self.attention``: its parameters and its
+    definition); the decoder projects the keys ``W_k h_j + b`` once per source (`project_keys`)
+    and each step computes the module's result from them (`attend`, tested equal to calling the
+    module), instead of projecting all S keys again at every step. ``forward`` (teacher forcing)
+    and ``greedy`` (incremental) run the same step function, so greedy decoding equals the argmax
+    of the teacher-forced logits on its own output.
 
     Example:
         >>> model = RNNSeq2Seq(RNNSeq2SeqConfig(src_vocab_size=30, tgt_vocab_size=32))
@@ -188,24 +191,56 @@ class RNNSeq2Seq(nn.Module):
         return states * src_mask[..., None], s0
 
     # ------------------------------------------------------------------------------- decoder
+    def project_keys(self, states: Tensor) -> Tensor:
+        """``W_k h_j + b`` of the attention, ``(B, S, A)``: the same at every decoder step, so it
+        is computed once per source (Bahdanau et al.'s own precomputation of ``U_a h_j``)."""
+        return self.attention.key_proj(states)
+
+    def attend(
+        self, state: Tensor, keys: Tensor, states: Tensor, keep: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """``self.attention(state, states, mask=keep)`` with the keys already projected.
+
+        ``α_j = softmax_j(vᵀ tanh(W_q s + keys_j))`` over the kept j (masked and fully masked
+        entries exactly 0), ``c = Σ_j α_j h_j``: what the `AdditiveAttention` module computes
+        (tests/test_rnn_seq2seq.py checks it), without projecting the S keys again at each step.
+
+        Args:
+            state: ``(B, Dd)`` the query s_{i−1}. keys: ``(B, S, A)`` from `project_keys`.
+            states: ``(B, S, 2H)`` the values h_j. keep: ``(B, 1, S)`` bool, True = real token.
+
+        Returns:
+            ``(context (B, 2H), weights (B, S))``.
+        """
+        att = self.attention
+        query = att.query_proj(state)[:, None, :]  # (B, 1, A)
+        scores = torch.tanh(query + keys) @ att.v  # (B, S)
+        kept = keep[:, 0, :]  # (B, S)
+        # a finite floor (not −inf) keeps a fully masked row finite in backward; it is zeroed
+        scores = scores.masked_fill(~kept, torch.finfo(scores.dtype).min)
+        weights = torch.where(kept, torch.softmax(scores, dim=-1), 0.0)  # (B, S)
+        if self.training and att.dropout > 0:
+            weights = nn.functional.dropout(weights, att.dropout)
+        return (weights[:, None, :] @ states)[:, 0], weights
+
     def step(
-        self, y_prev: Tensor, state: Tensor, states: Tensor, keep: Tensor
+        self, y_prev: Tensor, state: Tensor, states: Tensor, keys: Tensor, keep: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
         """One decoder step.
 
         Args:
             y_prev: ``(B,)`` previous target ids. state: ``(B, Dd)`` s_{i−1}.
-            states: ``(B, S, 2H)`` encoder states. keep: ``(B, 1, S)`` bool, True = real token.
+            states: ``(B, S, 2H)`` encoder states. keys: ``(B, S, A)`` from `project_keys`.
+            keep: ``(B, 1, S)`` bool, True = real token.
 
         Returns:
             ``(logits (B, V), s_i (B, Dd), α_i (B, S))``.
         """
         e = self.drop(self.tgt_emb(y_prev))  # (B, E)
-        context, weights = self.attention(state[:, None], states, mask=keep)  # (B,1,2H),(B,1,S)
-        context = context[:, 0]
+        context, weights = self.attend(state, keys, states, keep)  # (B, 2H), (B, S)
         state = self.decoder(torch.cat([e, context], dim=-1), state)  # (B, Dd)
         hidden = torch.tanh(self.pre_out(self.drop(torch.cat([state, context, e], dim=-1))))
-        return self.out(hidden), state, weights[:, 0]
+        return self.out(hidden), state, weights
 
     def _teacher(self, src: Tensor, src_mask: Tensor, tgt_in: Tensor) -> tuple[Tensor, Tensor]:
         src, src_mask = _check_pair(src, src_mask)
@@ -217,10 +252,10 @@ class RNNSeq2Seq(nn.Module):
                 f"{tuple(tgt_in.shape)}"
             )
         states, s = self.encode(src, src_mask)
-        keep = src_mask[:, None, :]  # (B, 1, S)
+        keys, keep = self.project_keys(states), src_mask[:, None, :]  # (B, S, A), (B, 1, S)
         logits, weights = [], []
         for t in range(tgt_in.shape[1]):
-            lg, s, w = self.step(tgt_in[:, t], s, states, keep)
+            lg, s, w = self.step(tgt_in[:, t], s, states, keys, keep)
             logits.append(lg)
             weights.append(w)
         B, S = src.shape
@@ -271,12 +306,12 @@ class RNNSeq2Seq(nn.Module):
         self.eval()
         try:
             states, s = self.encode(src, src_mask)
-            keep = src_mask[:, None, :]
+            keys, keep = self.project_keys(states), src_mask[:, None, :]
             y = torch.full((src.shape[0],), bos, dtype=torch.long, device=src.device)
             done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
             out = []
             for _ in range(max_len):
-                logits, s, _ = self.step(y, s, states, keep)
+                logits, s, _ = self.step(y, s, states, keys, keep)
                 y = torch.where(done, eos, logits.argmax(-1))  # (B,)
                 out.append(y)
                 done = done | (y == eos)
