@@ -36,10 +36,13 @@ def plot_rnn_vs_attention(
     curves: Mapping[str, tuple[Sequence[float], Sequence[float]]],
     entropy: float,
     budget: float,
+    *,
+    clock: str = "wall-clock",
 ) -> bool:
     """Three panels: ms per training step and ms per generated token against the sequence length
     (log–log, one line per model), and validation loss against wall-clock seconds within the
-    same budget (``curves[name] = (seconds, val_loss)``); False if matplotlib is missing."""
+    same budget of ``clock`` seconds (``curves[name] = (seconds, val_loss)``); False if
+    matplotlib is missing."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -59,8 +62,8 @@ def plot_rnn_vs_attention(
     for name, (xs, ys) in curves.items():
         c.plot(xs, ys, "o-", label=name)
     c.axhline(entropy, color="gray", ls="--", label=f"unigram entropy {entropy:.2f}")
-    c.set(xlabel="training seconds", ylabel="validation loss (nats/char)")
-    c.set_title(f"same wall-clock budget ({budget:g} s each)")
+    c.set(xlabel=f"training seconds ({clock})", ylabel="validation loss (nats/char)")
+    c.set_title(f"same {clock} budget ({budget:g} s each)")
     for ax in (a, b, c):
         ax.legend()
         ax.grid(True, which="both", alpha=0.3)
