@@ -106,13 +106,15 @@ class RNNSeq2SeqConfig:
 
 
 def _check_pair(src: object, src_mask: object) -> tuple[Tensor, Tensor]:
+    if not isinstance(src, Tensor):
+        raise TypeError(f"src must be a (B, S) integer tensor, got {type(src).__name__}")
     if not isinstance(src_mask, Tensor) or src_mask.dtype != torch.bool:
         got = src_mask.dtype if isinstance(src_mask, Tensor) else type(src_mask).__name__
         raise TypeError(f"src_mask must be a (B, S) bool tensor (True = real token), got {got}")
-    if not isinstance(src, Tensor) or src.shape != src_mask.shape:
-        got = tuple(src.shape) if isinstance(src, Tensor) else type(src).__name__
+    if src.shape != src_mask.shape:
         raise ValueError(
-            f"src and src_mask must both be (B, S), got src {got}, src_mask {tuple(src_mask.shape)}"
+            f"src and src_mask must both be (B, S), got src {tuple(src.shape)}, src_mask "
+            f"{tuple(src_mask.shape)}"
         )
     return src, src_mask
 
