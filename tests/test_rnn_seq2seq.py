@@ -125,6 +125,8 @@ def test_bad_inputs_are_named():
     tgt = torch.randint(0, 31, (2, 4))
     with pytest.raises(TypeError, match=r"src_mask must be a .* bool tensor"):
         model(src, mask.long(), tgt)
+    with pytest.raises(TypeError, match=r"src must be a \(B, S\) integer tensor, got list"):
+        model(src.tolist(), mask, tgt)
     with pytest.raises(ValueError, match=r"src and src_mask must both be \(B, S\)"):
         model(src, mask[:, :4], tgt)
     with pytest.raises(
