@@ -13,11 +13,13 @@ from .config import TransformerConfig
 from .encoder import Encoder
 from .gpt import GPT
 from .minilm import MiniLM, minilm
+from .rnn import RNNLM, RNNLMConfig, RNNSeq2Seq, RNNSeq2SeqConfig, build_rnn_lm, build_rnn_seq2seq
 
 __all__ = [
     "GPT",
     "MLPS",
     "NORMS",
+    "RNNLM",
     "BertConfig",
     "BertEncoder",
     "BertOutput",
@@ -25,8 +27,13 @@ __all__ = [
     "GeluMLP",
     "MiniLM",
     "RMSNorm",
+    "RNNLMConfig",
+    "RNNSeq2Seq",
+    "RNNSeq2SeqConfig",
     "SwiGLU",
     "TransformerBlock",
     "TransformerConfig",
+    "build_rnn_lm",
+    "build_rnn_seq2seq",
     "minilm",
 ]
