@@ -52,6 +52,8 @@ def as_text(rows: Sequence[Row], *, width: int = 100) -> str:
             lines.append(f"  assuming: {_short(c.assumptions, width - 12)}")
         if f.explanation:
             lines.append(f"  why:      {_short(f.explanation, width - 12)}")
+        if f.measured:
+            lines.append(f"  measured: {_short(f.measured, width - 12)}")
         out.append("\n".join(lines))
     out.append(summary(rows))
     return "\n\n".join(out)
@@ -67,7 +69,8 @@ def _md(text: str) -> str:
 
 
 def as_markdown(rows: Sequence[Row]) -> str:
-    """``docs/textbook.md``: a summary, then every claim grouped by seed."""
+    """``docs/textbook.md``: a summary, then every claim grouped by seed (without the findings'
+    machine-dependent ``measured`` text, so the file is the same on every machine)."""
     out = [_DOC_HEADER, f"**{summary(rows)}.**\n"]
     seed = None
     for r in rows:

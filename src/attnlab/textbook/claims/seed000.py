@@ -275,6 +275,92 @@ def _additive_formula() -> Finding:
 
 
 @claim(
+    "000-add-b",
+    section="加性注意力(Additive Attention)",
+    quote="2. **灵活性高**: 可以处理不同维度的query和key",
+    paraphrase="Additive attention handles queries and keys of different sizes.",
+    api="attnlab.AdditiveAttention, attnlab.attention",
+    expected=AGREES,
+    assumptions="queries of size 5, keys of size 7, hidden 6, float64, seed 12",
+)
+def _additive_dims() -> Finding:
+    from ... import AdditiveAttention, attention
+
+    torch.manual_seed(12)
+    m = AdditiveAttention(5, 7, 6).double()
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(1, 3, 5, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 4, 7, generator=g, dtype=torch.float64)
+    out, w = m(q, k, k)
+    try:
+        attention(q[:, None], k[:, None], k[:, None])
+        dot = "accepted"
+    except ValueError:
+        dot = "refused (ValueError)"
+    ok = tuple(out.shape) == (1, 3, 7) and tuple(w.shape) == (1, 3, 4) and dot != "accepted"
+    return Finding(
+        computed=f"AdditiveAttention(5, 7, 6): weights {tuple(w.shape)}, output "
+        f"{tuple(out.shape)}; the dot product of 5- and 7-vectors: {dot}",
+        call="AdditiveAttention(5, 7, 6)(q, k, k) vs attention(q, k, v) with d_q=5, d_k=7",
+        **judged(ok, "additive attention does not accept different query and key sizes"),
+    )
+
+
+@claim(
+    "000-add-c",
+    section="加性注意力(Additive Attention)",
+    quote="- 计算复杂度较高 - 需要额外的参数存储 - 训练速度较慢",
+    paraphrase="Additive attention costs more compute, needs extra parameters and trains more "
+    "slowly.",
+    api="attnlab.AdditiveAttention, attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="one head, n = 512 queries and keys, d = h = 64, bias-free; training cost = the "
+    "forward FLOPs and the (n, n, h) tanh hidden its backward must keep; the measured "
+    "forward + backward times (this machine, float32) are reported, not judged",
+)
+def _additive_limits() -> Finding:
+    from ... import AdditiveAttention
+
+    n, d = 512, 64
+    c = _score_costs(n, d)
+    params = sum(p.numel() for p in AdditiveAttention(d, d, d, bias=False).parameters())
+    kept = c["additive"]["largest"] * 4  # float32 tanh hidden, kept for backward
+    ok = c["additive"]["total"] > c["dot"]["total"] and params > 0 and kept > 4 * n * n
+    return Finding(
+        computed=f"forward FLOPs {c['additive']['total']:,} vs {c['dot']['total']:,} for dot "
+        f"(×{c['additive']['total'] / c['dot']['total']:.2f}); {params:,} parameters vs 0; the "
+        f"backward keeps the tanh hidden, {kept / 2**20:.0f} MiB vs {4 * n * n / 2**20:.0f} MiB of "
+        "dot-product weights",
+        call="AdditiveAttention(64, 64, 64, bias=False): parameters and weight shapes; "
+        "estimate(512, 64, 1)",
+        **judged(ok, "additive attention is not the costlier one"),
+        measured=_train_timing_note(256, d),
+    )
+
+
+def _train_timing_note(n: int, d: int) -> str:
+    """Best-of-3 forward + backward seconds of dot and additive attention, float32."""
+    from ... import AdditiveAttention, attention
+    from ...utils.timing import best_times
+
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(1, 1, n, d, generator=g).requires_grad_() for _ in range(3))
+    torch.manual_seed(13)
+    add = AdditiveAttention(d, d, d, bias=False)
+    t = best_times(
+        {
+            "dot": lambda: attention(q, k, v).sum().backward(),
+            "additive": lambda: add(q[0], k[0], v[0])[0].sum().backward(),
+        },
+        3,
+    )
+    return (
+        f"forward + backward at n={n}, d={d} on this machine (best of 3): dot "
+        f"{1e3 * t['dot']:.2f} ms, additive {1e3 * t['additive']:.2f} ms (upper bounds under load)"
+    )
+
+
+@claim(
     "000-compare-a",
     section="三种方法对比",
     quote="| 参数量 | 0 | 2d²+d | 0 |",
@@ -296,6 +382,107 @@ def _additive_parameters() -> Finding:
         f"{with_bias:,}; attention(score='dot'|'cosine') has none",
         call="sum(p.numel() for p in AdditiveAttention(64, 64, 64, bias=False).parameters())",
         **judged(ok, "the parameter count differs from 2d² + d"),
+    )
+
+
+def _score_costs(n: int, d: int) -> dict[str, dict[str, int]]:
+    """FLOPs of one head's attention (n queries, n keys, d = d_k = d_v, additive hidden h = d) by
+    score: ``total``, ``matmul`` (what a BLAS runs) and ``largest`` (the biggest intermediate, in
+    elements). Dot-product rows from `estimate`; the cosine form adds the two row normalisations;
+    the additive form's terms come from `AdditiveAttention`'s weight shapes."""
+    from ... import AdditiveAttention
+    from ...analysis import estimate
+
+    e = estimate(n, d, 1)
+    qk, sm, pv = (e.value(r, "naive") for r in ("scores QKᵀ", "softmax", "weighted sum PV"))
+    with torch.device("meta"):
+        add = AdditiveAttention(d, d, d, bias=False)
+    h, dq = add.query_proj.weight.shape
+    dk = add.key_proj.weight.shape[1]
+    proj = 2 * n * dq * h + 2 * n * dk * h  # W_q q and W_k k
+    # broadcast sum and tanh over the (n, n, h) hidden, then vᵀ·tanh (a multiply-add per unit)
+    hidden = n * n * h + n * n * h + 2 * n * n * h
+    norms = 2 * n * (3 * d + 1)  # squares, sum, sqrt, divide for every q and k row
+    return {
+        "dot": {"total": int(qk + sm + pv), "matmul": int(qk + pv), "largest": n * n},
+        "cosine": {"total": int(qk + sm + pv + norms), "matmul": int(qk + pv), "largest": n * n},
+        "additive": {
+            "total": int(proj + hidden + sm + pv),
+            "matmul": int(proj + pv),
+            "largest": n * n * h,
+        },
+    }
+
+
+def _score_times(n: int, d: int) -> dict[str, float]:
+    """Best-of-3 wall-clock seconds of one forward of each score form, float32 (``measured``)."""
+    from ... import AdditiveAttention, attention
+    from ...utils.timing import best_times
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 1, n, d, generator=g) for _ in range(3))
+    torch.manual_seed(11)
+    add = AdditiveAttention(d, d, d, bias=False).eval()
+    with torch.no_grad():
+        return best_times(
+            {
+                "dot": lambda: attention(q, k, v),
+                "cosine": lambda: attention(q, k, v, score="cosine"),
+                "additive": lambda: add(q[0], k[0], v[0]),
+            },
+            3,
+        )
+
+
+def _timing_note(n: int, d: int) -> str:
+    import os
+
+    t = _score_times(n, d)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (
+        f"one float32 forward at n={n}, d={d} on this machine (best of 3): "
+        + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in t.items())
+        + f" (additive/dot ×{t['additive'] / t['dot']:.1f}); load average {load:.1f}, so these "
+        "are upper bounds"
+    )
+
+
+@claim(
+    "000-compare-b",
+    section="三种方法对比",
+    quote="| 计算复杂度 | O(n²d) | O(n²d) | O(n²d) | … | 计算效率 | 高 | 低 | 中 |",
+    paraphrase="All three scores cost O(n²d); dot-product is the most efficient, cosine in "
+    "between, additive the least.",
+    api="attnlab.analysis.estimate, attnlab.AdditiveAttention, attnlab.attention (score='cosine')",
+    expected=AGREES,
+    assumptions="one head, n queries = n keys, d = d_k = d_v = 64 and an additive hidden size "
+    "h = d (bias-free, the text's 2d² + d form); n = 512 → 1024 for the growth; efficiency judged "
+    "on counted FLOPs, the share done by matrix multiplication and the largest intermediate; the "
+    "measured times (this machine, float32) are reported beside them, not judged",
+)
+def _score_comparison() -> Finding:
+    d = 64
+    c, c2 = _score_costs(512, d), _score_costs(1024, d)
+    growth = {k: c2[k]["total"] / c[k]["total"] for k in c}
+    quadratic = all(3.5 < g <= 4.0 for g in growth.values())
+    dot, cos, add = (c[k]["total"] for k in ("dot", "cosine", "additive"))
+    order = dot < cos < 1.01 * dot and add > 1.5 * dot
+    share = {k: c[k]["matmul"] / c[k]["total"] for k in c}
+    ok = quadratic and order and share["additive"] < 0.5 < share["dot"]
+    return Finding(
+        computed="n=512: "
+        + "; ".join(
+            f"{k} {v['total']:,} FLOPs ({100 * share[k]:.0f} % matmul, largest intermediate "
+            f"{v['largest']:,})"
+            for k, v in c.items()
+        )
+        + "; ×"
+        + ", ×".join(f"{growth[k]:.2f} ({k})" for k in c)
+        + " when n doubles",
+        call="estimate(512, 64, 1).value('scores QKᵀ' | 'softmax' | 'weighted sum PV', 'naive') "
+        "+ the cosine norms + AdditiveAttention(64, 64, 64, bias=False)'s weight shapes",
+        **judged(ok, "the FLOP counts do not rank dot < cosine < additive or do not grow as n²"),
+        measured=_timing_note(256, d),
     )
 
 
@@ -538,6 +725,41 @@ def _rnn_table() -> Finding:
 
 
 @claim(
+    "000-rnn-b",
+    section="与RNN的复杂度对比",
+    quote="- RNN在序列较长时（n > d）内存效率更高 - Self-Attention的最大优势是长距离路径为O(1)",
+    paraphrase="For n > d an RNN uses less memory; self-attention's main advantage is its O(1) "
+    "path between any two positions.",
+    api="attnlab.analysis.costs.complexity_table, attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="d = 512, one head, float32, n = 128 and 2048; training memory: an RNN keeps its n "
+    "hidden states (n·d), self-attention its n×n weights on top of the same n·d; the table's "
+    "O(d) column is an RNN step's state at inference",
+)
+def _rnn_memory_path() -> Finding:
+    from ...analysis import estimate
+    from ...analysis.costs import complexity_table
+
+    d, parts, ok = 512, [], True
+    for n in (128, 2048):
+        rows = {r["layer"]: r for r in complexity_table(n, d)}
+        sa, rnn = rows["self-attention"], rows["recurrent"]
+        scores = estimate(n, d, 1, dtype="float32").value("score matrix", "naive")
+        states = n * d * 4
+        ok &= (scores > states) == (n > d) and sa["path"] == 1 and rnn["path"] == n
+        parts.append(
+            f"n={n}: n×n weights {int(scores):,} B vs RNN states {states:,} B; path "
+            f"{sa['path']} vs {rnn['path']}"
+        )
+    return Finding(
+        computed="; ".join(parts),
+        call="complexity_table(n, 512) rows 'self-attention' / 'recurrent' (path); "
+        "estimate(n, 512, 1).value('score matrix', 'naive')",
+        **judged(ok, "the memory crossover is not at n = d or the paths are not 1 and n"),
+    )
+
+
+@claim(
     "000-sparse-a",
     section="1. 稀疏注意力(Sparse Attention)",
     quote="复杂度: O(n²d) → O(nwd) (其中w是窗口大小) … 复杂度: O(n²d) → O(nd√n)",
@@ -643,4 +865,43 @@ def _checkpointing() -> Finding:
         f"×{flops[True] / flops[False]:.3f}; same loss: {losses[True] == losses[False]}",
         call="model.gradient_checkpointing = True; saved_tensors_hooks; FlopCounterMode",
         **judged(ok, "checkpointing did not trade compute for memory"),
+    )
+
+
+@claim(
+    "000-mem-b",
+    section="3. 内存优化",
+    quote="**混合精度**: - 使用FP16或BF16减少内存占用 - 配合梯度缩放保证训练稳定性",
+    paraphrase="FP16 or BF16 reduce memory; gradient (loss) scaling keeps training stable.",
+    api="attnlab.analysis.costs.model_cost, torch.amp.GradScaler",
+    expected=AGREES,
+    assumptions="BERT-base-sized training (d=768, 12 layers, 12 heads, vocabulary 30522) with "
+    "AdamW at batch 8 × 512; a gradient of 1e-8 for the scaling; GradScaler's initial scale 2¹⁶ "
+    "(attnlab train --precision fp16 uses it)",
+)
+def _mixed_precision() -> Finding:
+    from ...analysis.costs import model_cost
+
+    kw = dict(d_model=768, n_layers=12, n_heads=12, vocab_size=30522, batch=8, train=True)
+    mem = {dt: model_cost(512, dtype=dt, **kw).memory for dt in ("float32", "bfloat16")}
+    scale = torch.amp.GradScaler("cpu").get_scale()
+    g = torch.tensor(1e-8)
+    fp16, bf16 = float(g.half()), float(g.bfloat16())
+    scaled = float((g * scale).half()) / scale
+    ok = (
+        mem["bfloat16"]["total"] < mem["float32"]["total"]
+        and mem["bfloat16"]["activations"] < 0.51 * mem["float32"]["activations"]
+        and fp16 == 0.0
+        and abs(scaled / 1e-8 - 1) < 1e-2
+        and bf16 > 0
+    )
+    return Finding(
+        computed=f"training memory {mem['float32']['total'] / 2**30:.2f} GiB float32 → "
+        f"{mem['bfloat16']['total'] / 2**30:.2f} GiB mixed bfloat16 (activations "
+        f"×{mem['bfloat16']['activations'] / mem['float32']['activations']:.3f}, float32 master "
+        f"weights added); a 1e-8 gradient is {fp16:g} in float16, {scaled:.3g} after "
+        f"scaling by {scale:g}, {bf16:.3g} in bfloat16 (which needs no scaling)",
+        call="model_cost(512, dtype='float32'|'bfloat16', train=True, …).memory; "
+        "torch.tensor(1e-8).half(), (g * GradScaler('cpu').get_scale()).half()",
+        **judged(ok, "16-bit training does not save memory or fp16 does not need scaling"),
     )
