@@ -17,7 +17,8 @@ regenerates it and fails on any difference). Verdicts: **agrees** (reproduced un
 assumptions), **text error** (the text is wrong, with the reason), **not checkable here** (naming
 what is missing). Quotes are verbatim; paraphrases are ours. Claims that need a training-scale
 experiment (`attnlab textbook --list` marks them) run only with `--with-training` and are not in
-this file.
+this file, nor are the machine-dependent measurements some checks print beside their verdict
+(wall-clock times, this machine's CPU and matmul rate).
 """
 
 

@@ -306,6 +306,53 @@ def _additive_dims() -> Finding:
     )
 
 
+def _additive_scores(m, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``e(q_i, k_i) = vᵀ tanh(W_q q_i + W_k k_i (+ b))`` of an `AdditiveAttention`, per pair."""
+    return torch.tanh(m.query_proj(q) + m.key_proj(k)) @ m.v
+
+
+@claim(
+    "000-add-d",
+    section="加性注意力(Additive Attention)",
+    quote="3. **理论基础**: 在理论上更强大(通用逗近定理)",
+    paraphrase="Additive attention is theoretically more powerful: the universal approximation "
+    "theorem applies to it.",
+    api="attnlab.AdditiveAttention (bias=False | True)",
+    expected=TEXT_ERROR,
+    assumptions="the text's formula vᵀ tanh(W_q q + W_k k) (no bias, its 2d² + d parameters) "
+    "against attnlab's default with the tanh bias; d = 8, hidden 64, 2000 random pairs and their "
+    "negations, float64, seed 14; target score q·k",
+)
+def _additive_universal() -> Finding:
+    from ... import AdditiveAttention
+
+    g = torch.Generator().manual_seed(14)
+    q, k = (torch.randn(2000, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    odd, fit = {}, {}
+    for bias in (False, True):
+        torch.manual_seed(14)
+        m = AdditiveAttention(8, 8, 64, bias=bias).double().requires_grad_(False)
+        e, e_neg = _additive_scores(m, q, k), _additive_scores(m, -q, -k)
+        odd[bias] = float((e + e_neg).abs().max())
+        # least-squares fit of q·k by the score over the symmetric sample {(q, k), (−q, −k)}
+        x, s = torch.cat([e, e_neg]), torch.cat([(q * k).sum(-1)] * 2)
+        fit[bias] = float((x @ s) / (x @ x))
+    wrong = odd[False] < 1e-12 and abs(fit[False]) < 1e-12 and odd[True] > 1e-3
+    return Finding(
+        computed=f"bias-free: max |e(q, k) + e(−q, −k)| = {tiny(odd[False])} (odd), its best "
+        f"multiple fitting q·k on the symmetric sample is {tiny(abs(fit[False]))}; with the tanh "
+        f"bias: {odd[True]:.3g} (not odd)",
+        call="AdditiveAttention(8, 8, 64, bias=False|True): vᵀ tanh(query_proj(q) + key_proj(k)) "
+        "at (q, k) and (−q, −k)",
+        **judged(
+            not wrong,
+            "the formula as written (no bias) is odd in (q, k), so it cannot approximate an even "
+            "score such as q·k at all; universal approximation needs the bias inside the tanh "
+            "(a one-hidden-layer network of [q; k], 2d² + 2d parameters)",
+        ),
+    )
+
+
 @claim(
     "000-add-c",
     section="加性注意力(Additive Attention)",

@@ -341,7 +341,8 @@ def _dynamic_range() -> Finding:
     section="3.2 自注意力机制的优化",
     quote="4. **动态调整注意力范围**: 根据输入序列的内容动态调整注意力计算的范围,以提高计算效率。",
     paraphrase="Adjusting the attention range dynamically makes attention cheaper.",
-    api="attnlab.AdaptiveSpan, attnlab.AdaptiveSpan.mask, attnlab.Mask.attended_pairs",
+    api="attnlab.modules.AdaptiveSpan, attnlab.modules.AdaptiveSpan.mask, "
+    "attnlab.Mask.attended_pairs",
     expected=AGREES,
     assumptions="adaptive attention span (Sukhbaatar et al.) as the dynamic range: learned per "
     "head (not per input), 4 heads with spans z = 16, 32, 64, 200, ramp 32, n = 2048; the work is "
