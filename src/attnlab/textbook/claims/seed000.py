@@ -730,6 +730,45 @@ def _doubling() -> Finding:
 
 
 @claim(
+    "000-o2-c",
+    section="O(n²)问题的影响",
+    quote="3. **推理延迟**: - 生成式任务需要多步自回归,每步都要计算注意力 - 长序列会导致明显的延迟",
+    paraphrase="Generation is autoregressive and every step computes attention, so long sequences "
+    "add latency.",
+    api="attnlab.MultiHeadAttention, attnlab.KVCache, torch.utils.flop_counter.FlopCounterMode",
+    expected=AGREES,
+    assumptions="one causal MultiHeadAttention layer (E = 64, 4 heads, reference backend so every "
+    "matmul is counted) decoding one token after 64, 256 and 1024 cached tokens, seed 16",
+)
+def _decode_latency() -> Finding:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ... import KVCache, MultiHeadAttention, masks
+
+    E = 64
+    torch.manual_seed(16)
+    mha = MultiHeadAttention(E, 4, backend="reference").eval()
+    g = torch.Generator().manual_seed(16)
+    flops = {}
+    for t in (64, 256, 1024):
+        cache = KVCache()
+        with torch.no_grad():
+            mha(torch.randn(1, t, E, generator=g), mask=masks.causal(), cache=cache)
+            with FlopCounterMode(display=False) as fc:
+                mha(torch.randn(1, 1, E, generator=g), mask=masks.causal(), cache=cache)
+        flops[t] = fc.get_total_flops()
+    ok = all(f == 8 * E * E + 4 * (t + 1) * E for t, f in flops.items())
+    return Finding(
+        computed="FLOPs of one decoding step: "
+        + ", ".join(f"{f:,} after {t} tokens" for t, f in flops.items())
+        + " = 8E² (projections) + 4(t + 1)E (attention over the cache): linear in the context, "
+        "so a whole generation of n tokens is O(n²d)",
+        call="FlopCounterMode(); mha(x_new, mask=masks.causal(), cache=cache) with t cached tokens",
+        **judged(ok, "the per-step cost does not grow with the context"),
+    )
+
+
+@claim(
     "000-rnn-a",
     section="与RNN的复杂度对比",
     quote="| RNN | O(nd²) | O(d) | O(n) | O(n) | | Self-Attention | O(n²d) | O(n²) | O(1) | O(1) | "

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from ..core import AGREES, TEXT_ERROR, Finding, claim, judged, tiny
+from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim, judged, tiny
 
 SENTENCE = "The animal didn't cross the street because it was too tired"
 
@@ -550,6 +550,32 @@ def _head_dim() -> Finding:
         computed="; ".join(f"d_model={E}, {H} heads: head_dim {D}" for E, H, D in dims),
         call="MultiHeadAttention(512, 8).head_dim",
         **judged(ok, "head_dim differs from d_model / num_heads"),
+    )
+
+
+@claim(
+    "001-6.2-b",
+    section="6.2 特征维度的选择",
+    quote="- d_model通常选择512或1024",
+    paraphrase="d_model is usually 512 or 1024.",
+    api="attnlab.MultiHeadAttention",
+    expected=NOT_CHECKABLE,
+    assumptions="what is 'usual' is a survey of published models, not a property of a library",
+)
+def _usual_width() -> Finding:
+    from ... import MultiHeadAttention
+
+    with torch.device("meta"):
+        built = [
+            (E, H, MultiHeadAttention(E, H).head_dim) for E, H in ((512, 8), (768, 12), (1024, 16))
+        ]
+    return Finding(
+        computed="attnlab builds any width divisible by the head count: "
+        + ", ".join(f"d_model={E} with {H} heads (head_dim {D})" for E, H, D in built),
+        call="MultiHeadAttention(E, H).head_dim on the meta device",
+        verdict=NOT_CHECKABLE,
+        explanation="which widths are usual is a historical fact about published models (the "
+        "2017 Transformer used 512 and 1024, BERT-base and GPT-2 768), not something to compute",
     )
 
 
