@@ -96,6 +96,27 @@ def test_eager_saved_bytes_on_meta_match_real_tensors():
     assert squares == 4  # scores, probabilities, dropout mask and dropped probabilities
 
 
+def test_plain_attention_square_count_on_meta_matches_the_cpu():
+    """The text's own eager attention saves as many (1, H, L, L) tensors on real CPU tensors as
+    the meta-device count used by 002-8.4.2-f says."""
+    from attnlab.textbook.claims.seed002 import _plain_squares
+
+    L, H, D = 64, 2, 8
+    q, k, v = (torch.randn(1, H, L, D, requires_grad=True) for _ in range(3))
+    storages: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() == H * L * L:
+            storages.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        s = torch.matmul(q, k.transpose(-2, -1)) / D**0.5
+        p = torch.nn.functional.dropout(torch.softmax(s, dim=-1), 0.1, training=True)
+        torch.matmul(p, v)
+    assert _plain_squares(L, H, D) == len(storages) == 3
+
+
 def test_length_claims_name_the_hardware_they_assume():
     for c in select_claims(["001-6.1-a", "002-8.6-i", "002-8.7-h"]):
         assert "GFLOP/s" in c.assumptions or "TFLOP/s" in c.assumptions
