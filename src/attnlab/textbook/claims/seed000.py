@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
@@ -625,6 +626,41 @@ def _temperature() -> Finding:
 
 
 @claim(
+    "000-code-a",
+    section="核心代码示例",
+    quote="Variable Q = wQ.forward(input); … Variable scores = Q.dot(K.transpose(-2, -1)); … "
+    "scores = scores.div(Math.sqrt(dKey)); … Variable weights = scores.softmax(-1); … "
+    "Variable output = weights.dot(V); … return wO.forward(output);",
+    paraphrase="The code sample: project to Q, K, V; scores = Q·Kᵀ / √d_key; softmax over the "
+    "last axis; output = weights·V; then the output projection.",
+    api="attnlab.MultiHeadAttention",
+    expected=AGREES,
+    assumptions="the sample's steps transcribed to PyTorch with the weights of a single-head "
+    "attnlab.MultiHeadAttention(16, 1) (d_key = 16), batch 2 × 7 tokens, float64, seed 18",
+)
+def _java_sample() -> Finding:
+    from ... import MultiHeadAttention
+
+    torch.manual_seed(18)
+    mha = MultiHeadAttention(16, 1).double().eval().requires_grad_(False)
+    (wq, bq), (wk, bk), (wv, bv) = mha._weights()
+    x = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(18), dtype=torch.float64)
+    lin = torch.nn.functional.linear
+    Q, K, V = lin(x, wq, bq), lin(x, wk, bk), lin(x, wv, bv)  # wQ/wK/wV.forward(input)
+    scores = Q @ K.transpose(-2, -1)  # Q.dot(K.transpose(-2, -1))
+    scores = scores / math.sqrt(16)  # scores.div(Math.sqrt(dKey))
+    weights = scores.softmax(-1)  # scores.softmax(-1)
+    output = weights @ V  # weights.dot(V)
+    sample = mha.out_proj(output)  # wO.forward(output)
+    err = float((sample - mha(x)).abs().max())
+    return Finding(
+        computed=f"max |sample − MultiHeadAttention(16, 1)(x)| = {tiny(err)}",
+        call="the sample's six steps with mha._weights() and mha.out_proj vs mha(x)",
+        **judged(err < 1e-12, "the code sample differs from attention with an output projection"),
+    )
+
+
+@claim(
     "000-time-a",
     section="时间复杂度详细分析",
     quote="Q: (n, d) × Kᵀ: (d, n) = (n, n) 时间复杂度: O(n²d) … 输入: (n, n) 时间复杂度: O(n²) … "
@@ -904,6 +940,65 @@ def _linear_formula() -> Finding:
             not wrong,
             "φ belongs on Q and K, not V, and the row normaliser φ(Q)φ(K)ᵀ1 is missing: "
             "linear attention is φ(Q)(φ(K)ᵀV) / (φ(Q)(φ(K)ᵀ1))",
+        ),
+    )
+
+
+@claim(
+    "000-linear-b",
+    section="2. 线性注意力(Linear Attention)",
+    quote="**代表工作**: - Performer (使用FAVOR+算法) - Linear Transformer - FNet (使用傅里叶变换)",
+    paraphrase="Representative linear-attention works: Performer (FAVOR+), the Linear Transformer "
+    "and FNet (Fourier transform).",
+    api="attnlab.functional.performer.favor_attention, attnlab.linear.linear_attention, "
+    "attnlab.functional.fnet.fnet_mixing",
+    expected=TEXT_ERROR,
+    assumptions="one head, d = 32, n = 512 → 1024, matmul FLOPs counted by FlopCounterMode "
+    "(FAVOR+ with 64 random features, seed 17; the Linear Transformer with φ = elu + 1); FNet's "
+    "mixing applied to a one-hot token (n = 8, E = 4), float64",
+)
+def _linear_works() -> Finding:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ...functional.fnet import fnet_mixing
+    from ...functional.performer import favor_attention
+    from ...linear import linear_attention
+
+    def count(fn) -> int:
+        with FlopCounterMode(display=False) as fc:
+            fn()
+        return fc.get_total_flops()
+
+    growth = {}
+    for name, fn in (
+        (
+            "Performer",
+            lambda q: favor_attention(
+                q, q, q, num_features=64, generator=torch.Generator().manual_seed(17)
+            ),
+        ),
+        ("Linear Transformer", lambda q: linear_attention(q, q, q, feature_map="elu")),
+    ):
+        f1, f2 = (count(lambda n=n, fn=fn: fn(torch.zeros(1, 1, n, 32))) for n in (512, 1024))
+        growth[name] = f2 / f1
+    x = torch.zeros(1, 8, 4, dtype=torch.float64)
+    x[0, 3, 1] = 1.0
+    mixed = fnet_mixing(x)[0]
+    negative, reached = int((mixed < -1e-12).sum()), int((mixed.abs() > 1e-12).sum())
+    wrong = all(abs(g - 2) < 0.01 for g in growth.values()) and negative > 0
+    return Finding(
+        computed="FLOPs ×"
+        + ", ×".join(f"{g:.3f} ({k})" for k, g in growth.items())
+        + " when n doubles (linear); FNet's fnet_mixing(x) takes no queries or keys: a one-hot "
+        f"token reaches {reached} of {mixed.numel()} outputs, {negative} with negative weights (no "
+        "softmax, not a distribution), by an FFT",
+        call="FlopCounterMode over favor_attention(q, q, q, num_features=64) and "
+        "linear_attention(q, q, q, feature_map='elu') at n = 512, 1024; fnet_mixing(one-hot)",
+        **judged(
+            not wrong,
+            "Performer and the Linear Transformer are linear-time attention, but FNet is not "
+            "attention at all (a fixed Fourier token mixing without queries, keys or softmax) "
+            "and its FFT costs O(n log n), not O(n)",
         ),
     )
 
