@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from collections import Counter
 from collections.abc import Sequence
 
@@ -53,8 +54,13 @@ def as_text(rows: Sequence[Row], *, width: int = 100) -> str:
             lines.append(f"  assuming: {_short(c.assumptions, width - 12)}")
         if f.explanation:
             lines.append(f"  why:      {_short(f.explanation, width - 12)}")
-        if f.measured:
-            lines.append(f"  measured: {_short(f.measured, width - 12)}")
+        if f.measured:  # in full: the numbers are the point (not in the Markdown)
+            lines += textwrap.wrap(
+                " ".join(f.measured.split()),
+                width,
+                initial_indent="  measured: ",
+                subsequent_indent=" " * 12,
+            )
         out.append("\n".join(lines))
     out.append(summary(rows))
     return "\n\n".join(out)

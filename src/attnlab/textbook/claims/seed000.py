@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -382,7 +384,7 @@ def _additive_limits() -> Finding:
         call="AdditiveAttention(64, 64, 64, bias=False): parameters and weight shapes; "
         "estimate(512, 64, 1)",
         **judged(ok, "additive attention is not the costlier one"),
-        measured=_train_timing_note(256, d),
+        measured=_train_timing_note(n, d),
     )
 
 
@@ -395,15 +397,16 @@ def _train_timing_note(n: int, d: int) -> str:
     q, k, v = (torch.randn(1, 1, n, d, generator=g).requires_grad_() for _ in range(3))
     torch.manual_seed(13)
     add = AdditiveAttention(d, d, d, bias=False)
-    t = best_times(
-        {
-            "dot": lambda: attention(q, k, v).sum().backward(),
-            "additive": lambda: add(q[0], k[0], v[0])[0].sum().backward(),
-        },
-        3,
-    )
+    with _one_thread():
+        t = best_times(
+            {
+                "dot": lambda: attention(q, k, v).sum().backward(),
+                "additive": lambda: add(q[0], k[0], v[0])[0].sum().backward(),
+            },
+            3,
+        )
     return (
-        f"forward + backward at n={n}, d={d} on this machine (best of 3): dot "
+        f"forward + backward at n={n}, d={d} on one thread of this machine (best of 3): dot "
         f"{1e3 * t['dot']:.2f} ms, additive {1e3 * t['additive']:.2f} ms (upper bounds under load)"
     )
 
@@ -462,6 +465,18 @@ def _score_costs(n: int, d: int) -> dict[str, dict[str, int]]:
     }
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Times on one CPU thread: stable when other jobs share the cores (oversubscribed threads
+    can make a small kernel 100× slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _score_times(n: int, d: int) -> dict[str, float]:
     """Best-of-3 wall-clock seconds of one forward of each score form, float32 (``measured``)."""
     from ... import AdditiveAttention, attention
@@ -471,7 +486,7 @@ def _score_times(n: int, d: int) -> dict[str, float]:
     q, k, v = (torch.randn(1, 1, n, d, generator=g) for _ in range(3))
     torch.manual_seed(11)
     add = AdditiveAttention(d, d, d, bias=False).eval()
-    with torch.no_grad():
+    with torch.no_grad(), _one_thread():
         return best_times(
             {
                 "dot": lambda: attention(q, k, v),
@@ -488,7 +503,7 @@ def _timing_note(n: int, d: int) -> str:
     t = _score_times(n, d)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return (
-        f"one float32 forward at n={n}, d={d} on this machine (best of 3): "
+        f"one float32 forward at n={n}, d={d} on one thread of this machine (best of 3): "
         + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in t.items())
         + f" (additive/dot ×{t['additive'] / t['dot']:.1f}); load average {load:.1f}, so these "
         "are upper bounds"
@@ -530,7 +545,7 @@ def _score_comparison() -> Finding:
         call="estimate(512, 64, 1).value('scores QKᵀ' | 'softmax' | 'weighted sum PV', 'naive') "
         "+ the cosine norms + AdditiveAttention(64, 64, 64, bias=False)'s weight shapes",
         **judged(ok, "the FLOP counts do not rank dot < cosine < additive or do not grow as n²"),
-        measured=_timing_note(256, d),
+        measured=_timing_note(512, d),
     )
 
 
