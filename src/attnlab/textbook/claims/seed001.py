@@ -474,6 +474,35 @@ def _long_range() -> Finding:
     )
 
 
+@claim(
+    "001-5.2-a",
+    section="5.2 局限性",
+    quote="4. **局部性缺失**：不像CNN那样有内置的局部偏置",
+    paraphrase="Self-attention lacks a CNN's built-in locality bias.",
+    api="attnlab.attention (return_weights=True)",
+    expected=AGREES,
+    assumptions="n = 256 random tokens (d = 16, no positional encoding) attending to each other "
+    "(q = k = v = x), float64, seed 19, against a convolution with kernel 3; the mean weight a "
+    "query gives a key at distance 1, 16 and 128",
+)
+def _no_locality() -> Finding:
+    from ... import attention
+
+    n = 256
+    x = _x(n, 16, 19)[:, None]  # (1, 1, n, 16)
+    _, w = attention(x, x, x, return_weights=True)
+    dist = (torch.arange(n)[:, None] - torch.arange(n)[None]).abs()
+    att = [float(w[0, 0][dist == k].mean()) for k in (1, 16, 128)]
+    ok = min(att) > 0.5 * max(att)  # no decay with distance (a kernel-3 conv: 0 beyond 1)
+    return Finding(
+        computed="mean weight at distance 1, 16, 128: attention "
+        + ", ".join(f"{v:.3g}" for v in att)
+        + f" (uniform 1/n = {1 / n:.3g}); a kernel-3 convolution reaches distance 1 only",
+        call="_, w = attention(x, x, x, return_weights=True); w averaged by |i − j|",
+        **judged(ok, "attention's weights decay with distance like a convolution's"),
+    )
+
+
 #: The reference CPU assumed for §6.1's length rule (not this machine: the command prints that).
 _CPU = dict(budget="16GB", gflops=100.0, max_seconds=1.0, window=256)
 #: The 2017 Transformer-base encoder (d_model = 512, the text's own §6.2 size).
