@@ -97,8 +97,8 @@ def test_eager_saved_bytes_on_meta_match_real_tensors():
 
 
 def test_plain_attention_square_count_on_meta_matches_the_cpu():
-    """The text's own eager attention saves as many (1, H, L, L) tensors on real CPU tensors as
-    the meta-device count used by 002-8.4.2-f says."""
+    """Plain PyTorch attention (as the texts write it) saves as many (1, H, L, L) tensors on real
+    CPU tensors as the meta-device count used by 002-8.4.2-f says."""
     from attnlab.textbook.claims.seed002 import _plain_squares
 
     L, H, D = 64, 2, 8

@@ -3442,8 +3442,9 @@ def _eager_saved_per_layer(seq_len: int, d_model: int, n_heads: int, dropout: fl
 
 
 def _plain_squares(seq_len: int, n_heads: int, head_dim: int) -> int:
-    """How many (1, H, L, L) tensors the text's own eager attention (§8.9: ``softmax(Q Kᵀ /
-    √d_k)``, dropout 0.1, ``· V``) saves for backward, counted on the meta device."""
+    """How many (1, H, L, L) tensors plain PyTorch attention as the texts write it (§8.9's
+    ``softmax(Q Kᵀ / √d_k)``, seed 003's dropout 0.1, ``· V``) saves for backward, counted on the
+    meta device."""
     q, k, v = (
         torch.empty(1, n_heads, seq_len, head_dim, device="meta", requires_grad=True)
         for _ in range(3)
@@ -3472,9 +3473,9 @@ def _plain_squares(seq_len: int, n_heads: int, head_dim: int) -> int:
     assumptions="the 12-layer model is GPT-2 small (d_model=768, 12 heads, vocabulary 50257, tied "
     "head), batch 1 × 2048, AdamW, float32 unless said; 16 GB = 16·10⁹ B and 'about' = within "
     "15 % for some implementation; the eager implementations keep several L×L tensors per head "
-    "for backward: the text's own §8.9 code (matmul, softmax, dropout 0.1, matmul) and attnlab's "
-    "reference backend (dropout 0.1), their saved tensors counted on the meta device with "
-    "autograd's saved-tensor hooks",
+    "for backward: plain PyTorch code as the texts write it (matmul, softmax, dropout 0.1 as in "
+    "seed 003's sample, matmul) and attnlab's reference backend (dropout 0.1), their saved "
+    "tensors counted on the meta device with autograd's saved-tensor hooks",
 )
 def _sixteen_gb() -> Finding:
     from ...analysis.costs import model_cost
@@ -3494,14 +3495,14 @@ def _sixteen_gb() -> Finding:
     return _found(
         f"cost model (one L×L per head kept): {fmt(low.memory['total'] / gb, 3)} GB float32, "
         f"{fmt(mixed.memory['total'] / gb, 3)} GB mixed float16, "
-        f"{fmt(tiled.memory['total'] / gb, 3)} GB float32 with tiled attention; the text's own "
-        f"eager code keeps {plain_sq} tensors of 12×2048×2048 floats per layer: "
+        f"{fmt(tiled.memory['total'] / gb, 3)} GB float32 with tiled attention; plain "
+        f"PyTorch attention keeps {plain_sq} tensors of 12×2048×2048 floats per layer: "
         f"{fmt(plain / gb, 3)} GB; attnlab's reference layer keeps {squares} "
         f"({fmt(eager_layer / 2**20, 4)} MiB instead of {fmt(model_layer / 2**20, 4)} MiB): "
         f"{fmt(eager / gb, 3)} GB",
         "model_cost(2048, d_model=768, n_layers=12, n_heads=12, vocab_size=50257, train=True, "
         "dtype=…, attention='naive'|'flash').memory['total']; saved_tensors_hooks around "
-        "TransformerBlock(attn_backend='reference', dropout=0.1) and the §8.9 code on the meta "
+        "TransformerBlock(attn_backend='reference', dropout=0.1) and the plain code on the meta "
         "device",
         ok,
         "no stated implementation of this model comes near 16 GB",
