@@ -340,6 +340,38 @@ def _pe_frequencies() -> Finding:
 
 
 @claim(
+    "001-3.3-e",
+    section="3.3 正弦余弦位置编码",
+    quote='- 形成类似"二进制编码"的效果',
+    paraphrase="Together the frequencies act like a binary code of the position.",
+    api="attnlab.positional.sinusoidal",
+    expected=AGREES,
+    assumptions="read as the usual analogy: like the digits of a binary counter, each dimension "
+    "pair is a periodic digit whose period grows geometrically with its index, and together the "
+    "digits tell positions apart (by their values); d_model = 128, positions 0…1023, float64",
+)
+def _binary_like() -> Finding:
+    from ...positional import sinusoidal
+
+    d, n = 128, 1024
+    pe = sinusoidal(n, d, dtype=torch.float64)
+    p = torch.arange(n, dtype=torch.float64)[:, None]
+    omega = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    fit = float((pe[:, 0::2] - torch.sin(p * omega)).abs().max())  # digit i: sin(p·ω_i)
+    ratio = omega[:-1] / omega[1:]  # the same factor between neighbouring digits
+    closest = float(torch.pdist(pe).min())
+    signs = len({tuple(r) for r in (pe > 0).to(torch.int64).tolist()})
+    ok = fit < 1e-12 and float(ratio.max() - ratio.min()) < 1e-9 and closest > 0.1
+    return Finding(
+        computed=f"period ratio between neighbouring pairs {float(ratio[0]):.4f} for every pair "
+        f"(binary digits: 2); closest two of {n} positions {closest:.3f} apart; unlike binary "
+        f"digits the signs alone are not a unique code ({signs} distinct sign patterns)",
+        call="sinusoidal(1024, 128) vs sin(p·10000^(−2i/d)); torch.pdist; (pe > 0) rows",
+        **judged(ok, "the dimensions do not form a geometric ladder of periodic digits"),
+    )
+
+
+@claim(
     "001-3.3-d",
     section="3.3 正弦余弦位置编码",
     quote="3. **外推性**：可以处理训练时未见过的序列长度",
