@@ -124,8 +124,8 @@ def test_length_claims_name_the_hardware_they_assume():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cid", ["002-8.9-o", "002-8.7-i"])
-def test_learning_rate_claims_get_their_declared_verdicts(cid):
+@pytest.mark.parametrize("cid", ["002-8.9-o", "002-8.7-i", "002-8.9-q"])
+def test_training_claims_get_their_declared_verdicts(cid):
     (c,) = select_claims([cid], include_slow=True)
     assert c.slow
     f = c.check()
