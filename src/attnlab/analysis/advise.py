@@ -163,7 +163,7 @@ def advise(
     if devices > 1:
         # Each device keeps the weights (and optimizer state) and 1/devices of the activations.
         per_dev = tiled.memory["total"] - sum(
-            v for k, v in tiled.memory.items() if k in ("activations", "logits", "total")
+            v for k, v in tiled.memory.items() if k in ("activations", "logits")
         )
         per_dev += (tiled.memory.get("activations", 0) + tiled.memory.get("logits", 0)) / devices
         if not train:

@@ -14,7 +14,9 @@ Each claim also declares the verdict it is ``expected`` to get. The test suite r
 and asserts that the computed verdict equals the declared one, so a change in the library that
 breaks a reproduced claim fails a test. ``computed`` strings are deterministic (seeded, float64,
 counts and ratios — never wall-clock timings), so the rendered ``docs/textbook.md`` can be checked
-for drift.
+for drift. What depends on the machine (a wall-clock time, this CPU's name, its measured matmul
+rate) goes into a finding's ``measured`` text: the command prints it and ``--json`` carries it,
+but it never decides a verdict and never enters ``docs/textbook.md``.
 
 Claims register themselves with the `claim` decorator at import time of their module
 (``attnlab.textbook.claims.seed00N``); `all_claims` imports them all.
@@ -56,12 +58,15 @@ class Finding:
         verdict: one of `VERDICTS`.
         explanation: one line; required for ``text error`` (why) and ``not checkable here``
             (the missing resource).
+        measured: machine-dependent observations (wall-clock times, this machine), "" if none;
+            reported, never used for the verdict, left out of ``docs/textbook.md``.
     """
 
     computed: str
     call: str
     verdict: str
     explanation: str = ""
+    measured: str = ""
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -132,6 +137,7 @@ class Row:
             "call": f.call,
             "verdict": f.verdict,
             "explanation": f.explanation,
+            "measured": f.measured,
             "expected": c.expected,
             "ok": self.ok,
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from collections import Counter
 from collections.abc import Sequence
 
@@ -17,7 +18,8 @@ regenerates it and fails on any difference). Verdicts: **agrees** (reproduced un
 assumptions), **text error** (the text is wrong, with the reason), **not checkable here** (naming
 what is missing). Quotes are verbatim; paraphrases are ours. Claims that need a training-scale
 experiment (`attnlab textbook --list` marks them) run only with `--with-training` and are not in
-this file.
+this file, nor are the machine-dependent measurements some checks print beside their verdict
+(wall-clock times, this machine's CPU and matmul rate).
 """
 
 
@@ -52,6 +54,13 @@ def as_text(rows: Sequence[Row], *, width: int = 100) -> str:
             lines.append(f"  assuming: {_short(c.assumptions, width - 12)}")
         if f.explanation:
             lines.append(f"  why:      {_short(f.explanation, width - 12)}")
+        if f.measured:  # in full: the numbers are the point (not in the Markdown)
+            lines += textwrap.wrap(
+                " ".join(f.measured.split()),
+                width,
+                initial_indent="  measured: ",
+                subsequent_indent=" " * 12,
+            )
         out.append("\n".join(lines))
     out.append(summary(rows))
     return "\n\n".join(out)
@@ -67,7 +76,8 @@ def _md(text: str) -> str:
 
 
 def as_markdown(rows: Sequence[Row]) -> str:
-    """``docs/textbook.md``: a summary, then every claim grouped by seed."""
+    """``docs/textbook.md``: a summary, then every claim grouped by seed (without the findings'
+    machine-dependent ``measured`` text, so the file is the same on every machine)."""
     out = [_DOC_HEADER, f"**{summary(rows)}.**\n"]
     seed = None
     for r in rows:

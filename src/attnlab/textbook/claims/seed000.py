@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
+from collections.abc import Iterator
 
 import torch
 
@@ -275,6 +278,140 @@ def _additive_formula() -> Finding:
 
 
 @claim(
+    "000-add-b",
+    section="加性注意力(Additive Attention)",
+    quote="2. **灵活性高**: 可以处理不同维度的query和key",
+    paraphrase="Additive attention handles queries and keys of different sizes.",
+    api="attnlab.AdditiveAttention, attnlab.attention",
+    expected=AGREES,
+    assumptions="queries of size 5, keys of size 7, hidden 6, float64, seed 12",
+)
+def _additive_dims() -> Finding:
+    from ... import AdditiveAttention, attention
+
+    torch.manual_seed(12)
+    m = AdditiveAttention(5, 7, 6).double()
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(1, 3, 5, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 4, 7, generator=g, dtype=torch.float64)
+    out, w = m(q, k, k)
+    try:
+        attention(q[:, None], k[:, None], k[:, None])
+        dot = "accepted"
+    except ValueError:
+        dot = "refused (ValueError)"
+    ok = tuple(out.shape) == (1, 3, 7) and tuple(w.shape) == (1, 3, 4) and dot != "accepted"
+    return Finding(
+        computed=f"AdditiveAttention(5, 7, 6): weights {tuple(w.shape)}, output "
+        f"{tuple(out.shape)}; the dot product of 5- and 7-vectors: {dot}",
+        call="AdditiveAttention(5, 7, 6)(q, k, k) vs attention(q, k, v) with d_q=5, d_k=7",
+        **judged(ok, "additive attention does not accept different query and key sizes"),
+    )
+
+
+def _additive_scores(m, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``e(q_i, k_i) = vᵀ tanh(W_q q_i + W_k k_i (+ b))`` of an `AdditiveAttention`, per pair."""
+    return torch.tanh(m.query_proj(q) + m.key_proj(k)) @ m.v
+
+
+@claim(
+    "000-add-d",
+    section="加性注意力(Additive Attention)",
+    quote="3. **理论基础**: 在理论上更强大(通用逗近定理)",
+    paraphrase="Additive attention is theoretically more powerful: the universal approximation "
+    "theorem applies to it.",
+    api="attnlab.AdditiveAttention (bias=False | True)",
+    expected=TEXT_ERROR,
+    assumptions="the text's formula vᵀ tanh(W_q q + W_k k) (no bias, its 2d² + d parameters) "
+    "against attnlab's default with the tanh bias; d = 8, hidden 64, 2000 random pairs and their "
+    "negations, float64, seed 14; target score q·k",
+)
+def _additive_universal() -> Finding:
+    from ... import AdditiveAttention
+
+    g = torch.Generator().manual_seed(14)
+    q, k = (torch.randn(2000, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    odd, fit = {}, {}
+    for bias in (False, True):
+        torch.manual_seed(14)
+        m = AdditiveAttention(8, 8, 64, bias=bias).double().requires_grad_(False)
+        e, e_neg = _additive_scores(m, q, k), _additive_scores(m, -q, -k)
+        odd[bias] = float((e + e_neg).abs().max())
+        # least-squares fit of q·k by the score over the symmetric sample {(q, k), (−q, −k)}
+        x, s = torch.cat([e, e_neg]), torch.cat([(q * k).sum(-1)] * 2)
+        fit[bias] = float((x @ s) / (x @ x))
+    wrong = odd[False] < 1e-12 and abs(fit[False]) < 1e-12 and odd[True] > 1e-3
+    return Finding(
+        computed=f"bias-free: max |e(q, k) + e(−q, −k)| = {tiny(odd[False])} (odd), its best "
+        f"multiple fitting q·k on the symmetric sample is {tiny(abs(fit[False]))}; with the tanh "
+        f"bias: {odd[True]:.3g} (not odd)",
+        call="AdditiveAttention(8, 8, 64, bias=False|True): vᵀ tanh(query_proj(q) + key_proj(k)) "
+        "at (q, k) and (−q, −k)",
+        **judged(
+            not wrong,
+            "the formula as written (no bias) is odd in (q, k), so it cannot approximate an even "
+            "score such as q·k at all; universal approximation needs the bias inside the tanh "
+            "(a one-hidden-layer network of [q; k], 2d² + 2d parameters)",
+        ),
+    )
+
+
+@claim(
+    "000-add-c",
+    section="加性注意力(Additive Attention)",
+    quote="- 计算复杂度较高 - 需要额外的参数存储 - 训练速度较慢",
+    paraphrase="Additive attention costs more compute, needs extra parameters and trains more "
+    "slowly.",
+    api="attnlab.AdditiveAttention, attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="one head, n = 512 queries and keys, d = h = 64, bias-free; training cost = the "
+    "forward FLOPs and the (n, n, h) tanh hidden its backward must keep; the measured "
+    "forward + backward times (this machine, float32) are reported, not judged",
+)
+def _additive_limits() -> Finding:
+    from ... import AdditiveAttention
+
+    n, d = 512, 64
+    c = _score_costs(n, d)
+    params = sum(p.numel() for p in AdditiveAttention(d, d, d, bias=False).parameters())
+    kept = c["additive"]["largest"] * 4  # float32 tanh hidden, kept for backward
+    ok = c["additive"]["total"] > c["dot"]["total"] and params > 0 and kept > 4 * n * n
+    return Finding(
+        computed=f"forward FLOPs {c['additive']['total']:,} vs {c['dot']['total']:,} for dot "
+        f"(×{c['additive']['total'] / c['dot']['total']:.2f}); {params:,} parameters vs 0; the "
+        f"backward keeps the tanh hidden, {kept / 2**20:.0f} MiB vs {4 * n * n / 2**20:.0f} MiB of "
+        "dot-product weights",
+        call="AdditiveAttention(64, 64, 64, bias=False): parameters and weight shapes; "
+        "estimate(512, 64, 1)",
+        **judged(ok, "additive attention is not the costlier one"),
+        measured=_train_timing_note(n, d),
+    )
+
+
+def _train_timing_note(n: int, d: int) -> str:
+    """Best-of-3 forward + backward seconds of dot and additive attention, float32."""
+    from ... import AdditiveAttention, attention
+    from ...utils.timing import best_times
+
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(1, 1, n, d, generator=g).requires_grad_() for _ in range(3))
+    torch.manual_seed(13)
+    add = AdditiveAttention(d, d, d, bias=False)
+    with _one_thread():
+        t = best_times(
+            {
+                "dot": lambda: attention(q, k, v).sum().backward(),
+                "additive": lambda: add(q[0], k[0], v[0])[0].sum().backward(),
+            },
+            3,
+        )
+    return (
+        f"forward + backward at n={n}, d={d} on one thread of this machine (best of 3): dot "
+        f"{1e3 * t['dot']:.2f} ms, additive {1e3 * t['additive']:.2f} ms (upper bounds under load)"
+    )
+
+
+@claim(
     "000-compare-a",
     section="三种方法对比",
     quote="| 参数量 | 0 | 2d²+d | 0 |",
@@ -296,6 +433,119 @@ def _additive_parameters() -> Finding:
         f"{with_bias:,}; attention(score='dot'|'cosine') has none",
         call="sum(p.numel() for p in AdditiveAttention(64, 64, 64, bias=False).parameters())",
         **judged(ok, "the parameter count differs from 2d² + d"),
+    )
+
+
+def _score_costs(n: int, d: int) -> dict[str, dict[str, int]]:
+    """FLOPs of one head's attention (n queries, n keys, d = d_k = d_v, additive hidden h = d) by
+    score: ``total``, ``matmul`` (what a BLAS runs) and ``largest`` (the biggest intermediate, in
+    elements). Dot-product rows from `estimate`; the cosine form adds the two row normalisations;
+    the additive form's terms come from `AdditiveAttention`'s weight shapes."""
+    from ... import AdditiveAttention
+    from ...analysis import estimate
+
+    e = estimate(n, d, 1)
+    qk, sm, pv = (e.value(r, "naive") for r in ("scores QKᵀ", "softmax", "weighted sum PV"))
+    with torch.device("meta"):
+        add = AdditiveAttention(d, d, d, bias=False)
+    h, dq = add.query_proj.weight.shape
+    dk = add.key_proj.weight.shape[1]
+    proj = 2 * n * dq * h + 2 * n * dk * h  # W_q q and W_k k
+    # broadcast sum and tanh over the (n, n, h) hidden, then vᵀ·tanh (a multiply-add per unit)
+    hidden = n * n * h + n * n * h + 2 * n * n * h
+    norms = 2 * n * (3 * d + 1)  # squares, sum, sqrt, divide for every q and k row
+    return {
+        "dot": {"total": int(qk + sm + pv), "matmul": int(qk + pv), "largest": n * n},
+        "cosine": {"total": int(qk + sm + pv + norms), "matmul": int(qk + pv), "largest": n * n},
+        "additive": {
+            "total": int(proj + hidden + sm + pv),
+            "matmul": int(proj + pv),
+            "largest": n * n * h,
+        },
+    }
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Times on one CPU thread: stable when other jobs share the cores (oversubscribed threads
+    can make a small kernel 100× slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _score_times(n: int, d: int) -> dict[str, float]:
+    """Best-of-3 wall-clock seconds of one forward of each score form, float32 (``measured``)."""
+    from ... import AdditiveAttention, attention
+    from ...utils.timing import best_times
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 1, n, d, generator=g) for _ in range(3))
+    torch.manual_seed(11)
+    add = AdditiveAttention(d, d, d, bias=False).eval()
+    with torch.no_grad(), _one_thread():
+        return best_times(
+            {
+                "dot": lambda: attention(q, k, v),
+                "cosine": lambda: attention(q, k, v, score="cosine"),
+                "additive": lambda: add(q[0], k[0], v[0]),
+            },
+            3,
+        )
+
+
+def _timing_note(n: int, d: int) -> str:
+    import os
+
+    t = _score_times(n, d)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (
+        f"one float32 forward at n={n}, d={d} on one thread of this machine (best of 3): "
+        + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in t.items())
+        + f" (additive/dot ×{t['additive'] / t['dot']:.1f}); load average {load:.1f}, so these "
+        "are upper bounds"
+    )
+
+
+@claim(
+    "000-compare-b",
+    section="三种方法对比",
+    quote="| 计算复杂度 | O(n²d) | O(n²d) | O(n²d) | … | 计算效率 | 高 | 低 | 中 |",
+    paraphrase="All three scores cost O(n²d); dot-product is the most efficient, cosine in "
+    "between, additive the least.",
+    api="attnlab.analysis.estimate, attnlab.AdditiveAttention, attnlab.attention (score='cosine')",
+    expected=AGREES,
+    assumptions="one head, n queries = n keys, d = d_k = d_v = 64 and an additive hidden size "
+    "h = d (bias-free, the text's 2d² + d form); n = 512 → 1024 for the growth; efficiency judged "
+    "on counted FLOPs, the share done by matrix multiplication and the largest intermediate; the "
+    "measured times (this machine, float32) are reported beside them, not judged",
+)
+def _score_comparison() -> Finding:
+    d = 64
+    c, c2 = _score_costs(512, d), _score_costs(1024, d)
+    growth = {k: c2[k]["total"] / c[k]["total"] for k in c}
+    quadratic = all(3.5 < g <= 4.0 for g in growth.values())
+    dot, cos, add = (c[k]["total"] for k in ("dot", "cosine", "additive"))
+    order = dot < cos < 1.01 * dot and add > 1.5 * dot
+    share = {k: c[k]["matmul"] / c[k]["total"] for k in c}
+    ok = quadratic and order and share["additive"] < 0.5 < share["dot"]
+    return Finding(
+        computed="n=512: "
+        + "; ".join(
+            f"{k} {v['total']:,} FLOPs ({100 * share[k]:.0f} % matmul, largest intermediate "
+            f"{v['largest']:,})"
+            for k, v in c.items()
+        )
+        + "; ×"
+        + ", ×".join(f"{growth[k]:.2f} ({k})" for k in c)
+        + " when n doubles",
+        call="estimate(512, 64, 1).value('scores QKᵀ' | 'softmax' | 'weighted sum PV', 'naive') "
+        "+ the cosine norms + AdditiveAttention(64, 64, 64, bias=False)'s weight shapes",
+        **judged(ok, "the FLOP counts do not rank dot < cosine < additive or do not grow as n²"),
+        measured=_timing_note(512, d),
     )
 
 
@@ -387,6 +637,41 @@ def _temperature() -> Finding:
         + " nats (uniform 3.466)",
         call="entropy(attention(q, k, v, temperature=T, return_weights=True)[1])",
         **judged(ok, "entropy does not grow with T"),
+    )
+
+
+@claim(
+    "000-code-a",
+    section="核心代码示例",
+    quote="Variable Q = wQ.forward(input); … Variable scores = Q.dot(K.transpose(-2, -1)); … "
+    "scores = scores.div(Math.sqrt(dKey)); … Variable weights = scores.softmax(-1); … "
+    "Variable output = weights.dot(V); … return wO.forward(output);",
+    paraphrase="The code sample: project to Q, K, V; scores = Q·Kᵀ / √d_key; softmax over the "
+    "last axis; output = weights·V; then the output projection.",
+    api="attnlab.MultiHeadAttention",
+    expected=AGREES,
+    assumptions="the sample's steps transcribed to PyTorch with the weights of a single-head "
+    "attnlab.MultiHeadAttention(16, 1) (d_key = 16), batch 2 × 7 tokens, float64, seed 18",
+)
+def _java_sample() -> Finding:
+    from ... import MultiHeadAttention
+
+    torch.manual_seed(18)
+    mha = MultiHeadAttention(16, 1).double().eval().requires_grad_(False)
+    (wq, bq), (wk, bk), (wv, bv) = mha._weights()
+    x = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(18), dtype=torch.float64)
+    lin = torch.nn.functional.linear
+    Q, K, V = lin(x, wq, bq), lin(x, wk, bk), lin(x, wv, bv)  # wQ/wK/wV.forward(input)
+    scores = Q @ K.transpose(-2, -1)  # Q.dot(K.transpose(-2, -1))
+    scores = scores / math.sqrt(16)  # scores.div(Math.sqrt(dKey))
+    weights = scores.softmax(-1)  # scores.softmax(-1)
+    output = weights @ V  # weights.dot(V)
+    sample = mha.out_proj(output)  # wO.forward(output)
+    err = float((sample - mha(x)).abs().max())
+    return Finding(
+        computed=f"max |sample − MultiHeadAttention(16, 1)(x)| = {tiny(err)}",
+        call="the sample's six steps with mha._weights() and mha.out_proj vs mha(x)",
+        **judged(err < 1e-12, "the code sample differs from attention with an output projection"),
     )
 
 
@@ -496,6 +781,45 @@ def _doubling() -> Finding:
 
 
 @claim(
+    "000-o2-c",
+    section="O(n²)问题的影响",
+    quote="3. **推理延迟**: - 生成式任务需要多步自回归,每步都要计算注意力 - 长序列会导致明显的延迟",
+    paraphrase="Generation is autoregressive and every step computes attention, so long sequences "
+    "add latency.",
+    api="attnlab.MultiHeadAttention, attnlab.KVCache, torch.utils.flop_counter.FlopCounterMode",
+    expected=AGREES,
+    assumptions="one causal MultiHeadAttention layer (E = 64, 4 heads, reference backend so every "
+    "matmul is counted) decoding one token after 64, 256 and 1024 cached tokens, seed 16",
+)
+def _decode_latency() -> Finding:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ... import KVCache, MultiHeadAttention, masks
+
+    E = 64
+    torch.manual_seed(16)
+    mha = MultiHeadAttention(E, 4, backend="reference").eval()
+    g = torch.Generator().manual_seed(16)
+    flops = {}
+    for t in (64, 256, 1024):
+        cache = KVCache()
+        with torch.no_grad():
+            mha(torch.randn(1, t, E, generator=g), mask=masks.causal(), cache=cache)
+            with FlopCounterMode(display=False) as fc:
+                mha(torch.randn(1, 1, E, generator=g), mask=masks.causal(), cache=cache)
+        flops[t] = fc.get_total_flops()
+    ok = all(f == 8 * E * E + 4 * (t + 1) * E for t, f in flops.items())
+    return Finding(
+        computed="FLOPs of one decoding step: "
+        + ", ".join(f"{f:,} after {t} tokens" for t, f in flops.items())
+        + " = 8E² (projections) + 4(t + 1)E (attention over the cache): linear in the context, "
+        "so a whole generation of n tokens is O(n²d)",
+        call="FlopCounterMode(); mha(x_new, mask=masks.causal(), cache=cache) with t cached tokens",
+        **judged(ok, "the per-step cost does not grow with the context"),
+    )
+
+
+@claim(
     "000-rnn-a",
     section="与RNN的复杂度对比",
     quote="| RNN | O(nd²) | O(d) | O(n) | O(n) | | Self-Attention | O(n²d) | O(n²) | O(1) | O(1) | "
@@ -534,6 +858,41 @@ def _rnn_table() -> Finding:
         call="estimate(n, 512, 1) QKᵀ + PV rows vs FlopCounterMode over torch.nn.RNN(512, 512) "
         "(per step, 4d² FLOPs, times n)",
         **judged(ok, "the crossover is not at n ≈ d"),
+    )
+
+
+@claim(
+    "000-rnn-b",
+    section="与RNN的复杂度对比",
+    quote="- RNN在序列较长时（n > d）内存效率更高 - Self-Attention的最大优势是长距离路径为O(1)",
+    paraphrase="For n > d an RNN uses less memory; self-attention's main advantage is its O(1) "
+    "path between any two positions.",
+    api="attnlab.analysis.costs.complexity_table, attnlab.analysis.estimate",
+    expected=AGREES,
+    assumptions="d = 512, one head, float32, n = 128 and 2048; training memory: an RNN keeps its n "
+    "hidden states (n·d), self-attention its n×n weights on top of the same n·d; the table's "
+    "O(d) column is an RNN step's state at inference",
+)
+def _rnn_memory_path() -> Finding:
+    from ...analysis import estimate
+    from ...analysis.costs import complexity_table
+
+    d, parts, ok = 512, [], True
+    for n in (128, 2048):
+        rows = {r["layer"]: r for r in complexity_table(n, d)}
+        sa, rnn = rows["self-attention"], rows["recurrent"]
+        scores = estimate(n, d, 1, dtype="float32").value("score matrix", "naive")
+        states = n * d * 4
+        ok &= (scores > states) == (n > d) and sa["path"] == 1 and rnn["path"] == n
+        parts.append(
+            f"n={n}: n×n weights {int(scores):,} B vs RNN states {states:,} B; path "
+            f"{sa['path']} vs {rnn['path']}"
+        )
+    return Finding(
+        computed="; ".join(parts),
+        call="complexity_table(n, 512) rows 'self-attention' / 'recurrent' (path); "
+        "estimate(n, 512, 1).value('score matrix', 'naive')",
+        **judged(ok, "the memory crossover is not at n = d or the paths are not 1 and n"),
     )
 
 
@@ -601,6 +960,65 @@ def _linear_formula() -> Finding:
 
 
 @claim(
+    "000-linear-b",
+    section="2. 线性注意力(Linear Attention)",
+    quote="**代表工作**: - Performer (使用FAVOR+算法) - Linear Transformer - FNet (使用傅里叶变换)",
+    paraphrase="Representative linear-attention works: Performer (FAVOR+), the Linear Transformer "
+    "and FNet (Fourier transform).",
+    api="attnlab.functional.performer.favor_attention, attnlab.linear.linear_attention, "
+    "attnlab.functional.fnet.fnet_mixing",
+    expected=TEXT_ERROR,
+    assumptions="one head, d = 32, n = 512 → 1024, matmul FLOPs counted by FlopCounterMode "
+    "(FAVOR+ with 64 random features, seed 17; the Linear Transformer with φ = elu + 1); FNet's "
+    "mixing applied to a one-hot token (n = 8, E = 4), float64",
+)
+def _linear_works() -> Finding:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ...functional.fnet import fnet_mixing
+    from ...functional.performer import favor_attention
+    from ...linear import linear_attention
+
+    def count(fn) -> int:
+        with FlopCounterMode(display=False) as fc:
+            fn()
+        return fc.get_total_flops()
+
+    growth = {}
+    for name, fn in (
+        (
+            "Performer",
+            lambda q: favor_attention(
+                q, q, q, num_features=64, generator=torch.Generator().manual_seed(17)
+            ),
+        ),
+        ("Linear Transformer", lambda q: linear_attention(q, q, q, feature_map="elu")),
+    ):
+        f1, f2 = (count(lambda n=n, fn=fn: fn(torch.zeros(1, 1, n, 32))) for n in (512, 1024))
+        growth[name] = f2 / f1
+    x = torch.zeros(1, 8, 4, dtype=torch.float64)
+    x[0, 3, 1] = 1.0
+    mixed = fnet_mixing(x)[0]
+    negative, reached = int((mixed < -1e-12).sum()), int((mixed.abs() > 1e-12).sum())
+    wrong = all(abs(g - 2) < 0.01 for g in growth.values()) and negative > 0
+    return Finding(
+        computed="FLOPs ×"
+        + ", ×".join(f"{g:.3f} ({k})" for k, g in growth.items())
+        + " when n doubles (linear); FNet's fnet_mixing(x) takes no queries or keys: a one-hot "
+        f"token reaches {reached} of {mixed.numel()} outputs, {negative} with negative weights (no "
+        "softmax, not a distribution), by an FFT",
+        call="FlopCounterMode over favor_attention(q, q, q, num_features=64) and "
+        "linear_attention(q, q, q, feature_map='elu') at n = 512, 1024; fnet_mixing(one-hot)",
+        **judged(
+            not wrong,
+            "Performer and the Linear Transformer are linear-time attention, but FNet is not "
+            "attention at all (a fixed Fourier token mixing without queries, keys or softmax) "
+            "and its FFT costs O(n log n), not O(n)",
+        ),
+    )
+
+
+@claim(
     "000-mem-a",
     section="3. 内存优化",
     quote="**梯度检查点(Gradient Checkpointing)**: - 不存储中间激活值,反向传播时重计算 "
@@ -643,4 +1061,43 @@ def _checkpointing() -> Finding:
         f"×{flops[True] / flops[False]:.3f}; same loss: {losses[True] == losses[False]}",
         call="model.gradient_checkpointing = True; saved_tensors_hooks; FlopCounterMode",
         **judged(ok, "checkpointing did not trade compute for memory"),
+    )
+
+
+@claim(
+    "000-mem-b",
+    section="3. 内存优化",
+    quote="**混合精度**: - 使用FP16或BF16减少内存占用 - 配合梯度缩放保证训练稳定性",
+    paraphrase="FP16 or BF16 reduce memory; gradient (loss) scaling keeps training stable.",
+    api="attnlab.analysis.costs.model_cost, torch.amp.GradScaler",
+    expected=AGREES,
+    assumptions="BERT-base-sized training (d=768, 12 layers, 12 heads, vocabulary 30522) with "
+    "AdamW at batch 8 × 512; a gradient of 1e-8 for the scaling; GradScaler's initial scale 2¹⁶ "
+    "(attnlab train --precision fp16 uses it)",
+)
+def _mixed_precision() -> Finding:
+    from ...analysis.costs import model_cost
+
+    kw = dict(d_model=768, n_layers=12, n_heads=12, vocab_size=30522, batch=8, train=True)
+    mem = {dt: model_cost(512, dtype=dt, **kw).memory for dt in ("float32", "bfloat16")}
+    scale = torch.amp.GradScaler("cpu").get_scale()
+    g = torch.tensor(1e-8)
+    fp16, bf16 = float(g.half()), float(g.bfloat16())
+    scaled = float((g * scale).half()) / scale
+    ok = (
+        mem["bfloat16"]["total"] < mem["float32"]["total"]
+        and mem["bfloat16"]["activations"] < 0.51 * mem["float32"]["activations"]
+        and fp16 == 0.0
+        and abs(scaled / 1e-8 - 1) < 1e-2
+        and bf16 > 0
+    )
+    return Finding(
+        computed=f"training memory {mem['float32']['total'] / 2**30:.2f} GiB float32 → "
+        f"{mem['bfloat16']['total'] / 2**30:.2f} GiB mixed bfloat16 (activations "
+        f"×{mem['bfloat16']['activations'] / mem['float32']['activations']:.3f}, float32 master "
+        f"weights added); a 1e-8 gradient is {fp16:g} in float16, {scaled:.3g} after "
+        f"scaling by {scale:g}, {bf16:.3g} in bfloat16 (which needs no scaling)",
+        call="model_cost(512, dtype='float32'|'bfloat16', train=True, …).memory; "
+        "torch.tensor(1e-8).half(), (g * GradScaler('cpu').get_scale()).half()",
+        **judged(ok, "16-bit training does not save memory or fp16 does not need scaling"),
     )

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from ..core import AGREES, TEXT_ERROR, Finding, claim, judged, tiny
+from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim, judged, tiny
 
 SENTENCE = "The animal didn't cross the street because it was too tired"
 
@@ -230,6 +230,31 @@ def _word_order() -> Finding:
 
 
 @claim(
+    "001-3.2-a",
+    section="3.2 位置编码的作用",
+    quote="这样，即使是相同的词在不同位置也会有不同的表示。",
+    paraphrase="With positional encodings added, the same word at different positions gets "
+    "different input vectors.",
+    api="attnlab.positional.sinusoidal",
+    expected=AGREES,
+    assumptions="one word embedding (seeded, d = 64) at positions 0–511 plus the sinusoidal "
+    "encoding, float64",
+)
+def _same_word_differs() -> Finding:
+    from ...positional import sinusoidal
+
+    e = _x(1, 64, 31)[0, 0]
+    x = e + sinusoidal(512, 64, dtype=torch.float64)  # (512, 64): the word at every position
+    dist = torch.cdist(x, x)
+    closest = float(dist[~torch.eye(512, dtype=torch.bool)].min())
+    return Finding(
+        computed=f"512 copies of one word: the closest two differ by {closest:.3f} (L2)",
+        call="e + sinusoidal(512, 64); torch.cdist",
+        **judged(closest > 0.1, "two positions give the word the same representation"),
+    )
+
+
+@claim(
     "001-3.3-a",
     section="3.3 正弦余弦位置编码",
     quote="PE(pos, 2i) = sin(pos / 10000^(2i/d_model)) "
@@ -312,6 +337,55 @@ def _pe_frequencies() -> Finding:
         call="SinusoidalEmbedding(128)(torch.arange(1000))[:, 0::2].sign() changes",
         **judged(ok, "the frequencies do not fall with the dimension"),
     )
+
+
+@claim(
+    "001-3.3-e",
+    section="3.3 正弦余弦位置编码",
+    quote='- 形成类似"二进制编码"的效果',
+    paraphrase="Together the frequencies act like a binary code of the position.",
+    api="attnlab.positional.sinusoidal",
+    expected=AGREES,
+    assumptions="read as the usual analogy: like the digits of a binary counter, each dimension "
+    "pair is a periodic digit whose period grows geometrically with its index, and together the "
+    "digits tell positions apart (by their values); d_model = 128, positions 0…1023, float64",
+)
+def _binary_like() -> Finding:
+    from ...positional import sinusoidal
+
+    d, n = 128, 1024
+    pe = sinusoidal(n, d, dtype=torch.float64)
+    p = torch.arange(n, dtype=torch.float64)[:, None]
+    omega = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    fit = float((pe[:, 0::2] - torch.sin(p * omega)).abs().max())  # digit i: sin(p·ω_i)
+    ratio = omega[:-1] / omega[1:]  # the same factor between neighbouring digits
+    closest = float(torch.pdist(pe).min())
+    signs = len({tuple(r) for r in (pe > 0).to(torch.int64).tolist()})
+    ok = fit < 1e-12 and float(ratio.max() - ratio.min()) < 1e-9 and closest > 0.1
+    return Finding(
+        computed=f"period ratio between neighbouring pairs {float(ratio[0]):.4f} for every pair "
+        f"(binary digits: 2); closest two of {n} positions {closest:.3f} apart; unlike binary "
+        f"digits the signs alone are not a unique code ({signs} distinct sign patterns)",
+        call="sinusoidal(1024, 128) vs sin(p·10000^(−2i/d)); torch.pdist; (pe > 0) rows",
+        **judged(ok, "the dimensions do not form a geometric ladder of periodic digits"),
+    )
+
+
+@claim(
+    "001-3.3-d",
+    section="3.3 正弦余弦位置编码",
+    quote="3. **外推性**：可以处理训练时未见过的序列长度",
+    paraphrase="Sinusoidal encodings extend to sequence lengths not seen in training.",
+    api="attnlab.positional.sinusoidal, attnlab.positional.sinusoidal_shift",
+    expected=AGREES,
+    assumptions="as 002-8.2.3-b: 'training length' 512, positions up to 4096, d = 32, float64; "
+    "the encoding is defined and keeps its shift structure there (whether a trained model "
+    "generalises to such lengths is a separate, empirical question)",
+)
+def _extrapolation() -> Finding:
+    from .seed002 import _sinusoidal_extrapolates
+
+    return _sinusoidal_extrapolates()
 
 
 @claim(
@@ -399,6 +473,126 @@ def _diagonal() -> Finding:
 
 
 @claim(
+    "001-5.1-a",
+    section="5.1 优势",
+    quote="1. **长距离依赖**：可以直接建模任意距离的词对关系",
+    paraphrase="Self-attention relates word pairs at any distance directly.",
+    api="attnlab.MultiHeadAttention, attnlab.analysis.costs.complexity_table",
+    expected=AGREES,
+    assumptions="n = 256 tokens, d = 32, one MultiHeadAttention layer (4 heads) against a "
+    "torch.nn.RNN(32, 32) at their default initialisation, float64, seed 32: the gradient of "
+    "the last output with respect to the first input",
+)
+def _long_range() -> Finding:
+    from ...analysis.costs import complexity_table
+
+    n, d = 256, 32
+    x = _x(n, d, 32).requires_grad_()
+    _mha(d, 4, 32)(x)[0, -1].sum().backward()
+    attn = float(x.grad[0, 0].norm())
+    torch.manual_seed(32)
+    rnn = torch.nn.RNN(d, d, batch_first=True).double()
+    x2 = x.detach().clone().requires_grad_()
+    rnn(x2)[0][0, -1].sum().backward()
+    rec = float(x2.grad[0, 0].norm())
+    rows = {r["layer"]: r["path"] for r in complexity_table(n, d)}
+    ok = attn > 1e-6 and rec < 1e-6 * attn and rows["self-attention"] == 1
+    return Finding(
+        computed=f"|∂y_{n}/∂x_1| = {attn:.2e} through one attention layer vs {rec:.2e} through "
+        f"the RNN; path lengths {rows['self-attention']} vs {rows['recurrent']}",
+        call="MultiHeadAttention(32, 4)(x)[0, -1].sum().backward(); the same through "
+        "torch.nn.RNN(32, 32); complexity_table(256, 32)",
+        **judged(ok, "the far token does not reach the last output directly"),
+    )
+
+
+@claim(
+    "001-5.2-a",
+    section="5.2 局限性",
+    quote="4. **局部性缺失**：不像CNN那样有内置的局部偏置",
+    paraphrase="Self-attention lacks a CNN's built-in locality bias.",
+    api="attnlab.attention (return_weights=True)",
+    expected=AGREES,
+    assumptions="n = 256 random tokens (d = 16, no positional encoding) attending to each other "
+    "(q = k = v = x), float64, seed 19, against a convolution with kernel 3; the mean weight a "
+    "query gives a key at distance 1, 16 and 128",
+)
+def _no_locality() -> Finding:
+    from ... import attention
+
+    n = 256
+    x = _x(n, 16, 19)[:, None]  # (1, 1, n, 16)
+    _, w = attention(x, x, x, return_weights=True)
+    dist = (torch.arange(n)[:, None] - torch.arange(n)[None]).abs()
+    att = [float(w[0, 0][dist == k].mean()) for k in (1, 16, 128)]
+    ok = min(att) > 0.5 * max(att)  # no decay with distance (a kernel-3 conv: 0 beyond 1)
+    return Finding(
+        computed="mean weight at distance 1, 16, 128: attention "
+        + ", ".join(f"{v:.3g}" for v in att)
+        + f" (uniform 1/n = {1 / n:.3g}); a kernel-3 convolution reaches distance 1 only",
+        call="_, w = attention(x, x, x, return_weights=True); w averaged by |i − j|",
+        **judged(ok, "attention's weights decay with distance like a convolution's"),
+    )
+
+
+#: The reference CPU assumed for §6.1's length rule (not this machine: the command prints that).
+_CPU = dict(budget="16GB", gflops=100.0, max_seconds=1.0, window=256)
+#: The 2017 Transformer-base encoder (d_model = 512, the text's own §6.2 size).
+_BASE = dict(d_model=512, n_layers=6, n_heads=8)
+
+
+def _length_rule(gflops: float) -> dict[int, tuple[float, str]]:
+    """Per length: the attention core's share of a layer's forward FLOPs and `advise`'s choice."""
+    from ...analysis.advise import advise
+    from ...analysis.costs import model_cost
+
+    out = {}
+    for n in (50, 500, 2000):
+        layer = model_cost(n, train=False, **_BASE).per_layer
+        share = layer["attention core"] / sum(layer.values())
+        out[n] = (share, advise(n, **dict(_CPU, gflops=gflops), **_BASE).choice)
+    return out
+
+
+@claim(
+    "001-6.1-a",
+    section="6.1 序列长度的影响",
+    quote="- **短序列**（n < 100）：自注意力效率很高 - **中等序列**（100 < n < 1000）："
+    "需要权衡计算成本 - **长序列**（n > 1000）：考虑稀疏注意力或其他优化",
+    paraphrase="Short sequences (n < 100) are cheap for self-attention; medium ones (100–1000) "
+    "need a cost trade-off; for long ones (n > 1000) consider sparse attention or other "
+    "optimisations.",
+    api="attnlab.analysis.advise.advise, attnlab.analysis.costs.model_cost, "
+    "attnlab.analysis.advise.machine_info",
+    expected=AGREES,
+    assumptions="the Transformer-base encoder (d_model = 512 as in §6.2, 6 layers, 8 heads), "
+    "inference of one sequence; hardware assumed (the command also prints this machine's): a CPU "
+    "sustaining 100 GFLOP/s with 16 GB, one forward within 1 s, sparse = a 256-key window; one "
+    "length per band: 50, 500, 2000",
+)
+def _length_rule_claim() -> Finding:
+    from .seed002 import _this_machine
+
+    rule = _length_rule(_CPU["gflops"])
+    note, rate = _this_machine()
+    live = _length_rule(rate)
+    (s50, c50), (s500, c500), (_, c2000) = rule.values()
+    ok = s50 < 0.05 and c50 == c500 == "dense" and 0.05 < s500 < 0.5 and c2000 != "dense"
+    return Finding(
+        computed="the n² part's share of a layer's FLOPs and the advice: "
+        + "; ".join(f"n={n}: {100 * s:.1f} %, {c}" for n, (s, c) in rule.items())
+        + f" (the n² part passes half of the FLOPs at n = 6·d_model = {6 * _BASE['d_model']}, "
+        "so the bands scale with d_model)",
+        call="model_cost(n, d_model=512, n_layers=6, n_heads=8, train=False).per_layer; "
+        "advise(n, '16GB', gflops=100, d_model=512, n_layers=6, n_heads=8, max_seconds=1, "
+        "window=256).choice",
+        **judged(ok, "the advice does not change across the text's bands"),
+        measured=f"{note}; at this rate advise picks "
+        + ", ".join(f"n={n}: {c}" for n, (_, c) in live.items()),
+    )
+
+
+@claim(
     "001-6.2-a",
     section="6.2 特征维度的选择",
     quote="- d_k = d_v = d_model / num_heads",
@@ -417,6 +611,32 @@ def _head_dim() -> Finding:
         computed="; ".join(f"d_model={E}, {H} heads: head_dim {D}" for E, H, D in dims),
         call="MultiHeadAttention(512, 8).head_dim",
         **judged(ok, "head_dim differs from d_model / num_heads"),
+    )
+
+
+@claim(
+    "001-6.2-b",
+    section="6.2 特征维度的选择",
+    quote="- d_model通常选择512或1024",
+    paraphrase="d_model is usually 512 or 1024.",
+    api="attnlab.MultiHeadAttention",
+    expected=NOT_CHECKABLE,
+    assumptions="what is 'usual' is a survey of published models, not a property of a library",
+)
+def _usual_width() -> Finding:
+    from ... import MultiHeadAttention
+
+    with torch.device("meta"):
+        built = [
+            (E, H, MultiHeadAttention(E, H).head_dim) for E, H in ((512, 8), (768, 12), (1024, 16))
+        ]
+    return Finding(
+        computed="attnlab builds any width divisible by the head count: "
+        + ", ".join(f"d_model={E} with {H} heads (head_dim {D})" for E, H, D in built),
+        call="MultiHeadAttention(E, H).head_dim on the meta device",
+        verdict=NOT_CHECKABLE,
+        explanation="which widths are usual is a historical fact about published models (the "
+        "2017 Transformer used 512 and 1024, BERT-base and GPT-2 768), not something to compute",
     )
 
 
