@@ -140,6 +140,10 @@ def test_cli_json_only_and_errors(tmp_path, capsys):
     code, out, err = _cli(capsys, "--json", "--only", first.id, "--quiet")
     assert code == 0, err
     assert [r["id"] for r in json.loads(out)] == [first.id]
+    last = CLAIMS[-1]
+    code, out, err = _cli(capsys, "--json", "--only", first.id, "--only", last.id, "--quiet")
+    assert code == 0, err
+    assert [r["id"] for r in json.loads(out)] == [first.id, last.id]  # --only repeats
     for args, flag in (
         (["--only", "no-such"], "--only"),
         (["--exercise", "99.9"], "--exercise"),

@@ -85,8 +85,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--only",
         nargs="+",
+        action="extend",
         metavar="ID",
-        help="claims whose id equals or starts with ID (e.g. 002 or 002-8.1.3)",
+        help="claims whose id equals or starts with an ID (e.g. 002 or 002-8.1.3; repeatable)",
     )
     p.add_argument(
         "--with-training",
