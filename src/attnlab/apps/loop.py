@@ -71,6 +71,11 @@ class FitSettings:
             is recorded in `FitHistory.stopped_by`.
         precision: "fp32" or "bf16" (autocast; parameters and optimizer state stay fp32).
         betas: AdamW's betas.
+        schedule: "steps" (the cosine runs over ``steps``) or "time" (it runs over the
+            ``time_budget`` seconds instead: step t at elapsed training time e gets
+            ``cosine_lr`` at the fraction e / time_budget, after the same step warmup, so a
+            slower machine takes fewer steps but still ends at ``min_lr``; ``steps`` is then
+            only an upper bound).
     """
 
     steps: int = 1000
@@ -84,6 +89,7 @@ class FitSettings:
     time_budget: float | None = None
     precision: str = "fp32"
     betas: tuple[float, float] = (0.9, 0.98)
+    schedule: str = "steps"
 
     def __post_init__(self) -> None:
         _check_number("steps", self.steps, 1, integer=True)
@@ -98,6 +104,10 @@ class FitSettings:
             _check_number("time_budget", self.time_budget, 0.0)
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
+        if self.schedule not in ("steps", "time"):
+            raise ValueError(f"schedule must be 'steps' or 'time', got {self.schedule!r}")
+        if self.schedule == "time" and self.time_budget is None:
+            raise ValueError("schedule='time' needs a time_budget (seconds), got None")
         b = tuple(self.betas)
         if len(b) != 2 or not all(isinstance(x, float) and 0 <= x < 1 for x in b):
             raise ValueError(f"betas must be two floats in [0, 1), got {self.betas!r}")
@@ -201,7 +211,14 @@ def fit(
 
     model.train()
     for step in bar:
-        lr = cosine_lr(step, s.steps, s.lr, s.min_lr, s.warmup)
+        if s.schedule == "time":
+            elapsed = time.perf_counter() - start - spent_evaluating
+            frac = min(1.0, elapsed / s.time_budget)  # type: ignore[operator]
+            lr = min(1.0, (step + 1) / max(1, s.warmup)) * cosine_lr(
+                round(frac * 10**6), 10**6, s.lr, s.min_lr, 0
+            )
+        else:
+            lr = cosine_lr(step, s.steps, s.lr, s.min_lr, s.warmup)
         for group in opt.param_groups:
             group["lr"] = lr
         with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None):
@@ -211,7 +228,7 @@ def fit(
         if s.grad_clip > 0:
             nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
         opt.step()
-        value = float(loss)
+        value = float(loss.detach())
         if not math.isfinite(value):
             bar.close()
             raise ValueError(f"{desc}: the loss is {value} at step {step} (lr {lr:.3g})")
