@@ -106,6 +106,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--threads", type=positive_int, default=None, help="torch threads (default: torch's)"
     )
     p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="what --minutes counts: wall time (default) or this process's CPU time (for a "
+        "measurement on a shared, loaded machine)",
+    )
+    p.add_argument(
         "--seed", type=int_at_least(0), default=0, help="training seed (default %(default)s)"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -152,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         grad_clip=1.0,
         time_budget=args.minutes * 60.0,
         schedule="time",
+        clock=args.clock,
         precision=args.precision,
         seed=args.seed,
     )
