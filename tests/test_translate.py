@@ -219,3 +219,17 @@ def _code(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as e:
         return int(e.code or 0)
+
+
+def test_fit_settings_time_schedule_and_cpu_clock() -> None:
+    from attnlab.apps.loop import fit
+
+    with pytest.raises(ValueError, match="time_budget"):
+        FitSettings(schedule="time")
+    with pytest.raises(ValueError, match="clock"):
+        FitSettings(clock="gpu")
+    model = torch.nn.Linear(3, 1)
+    x = torch.randn(8, 3)
+    s = FitSettings(steps=50, warmup=0, time_budget=0.0, schedule="time", clock="cpu")
+    h = fit(model, lambda step: model(x).pow(2).mean(), s, log=lambda _: None)
+    assert h.steps == 1 and h.stopped_by == "time_budget"

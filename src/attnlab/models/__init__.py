@@ -13,6 +13,7 @@ from .config import TransformerConfig
 from .encoder import Encoder
 from .gpt import GPT
 from .minilm import MiniLM, minilm
+from .seq2seq import Seq2SeqConfig, Seq2SeqTransformer, build_seq2seq_transformer
 
 __all__ = [
     "GPT",
@@ -25,8 +26,11 @@ __all__ = [
     "GeluMLP",
     "MiniLM",
     "RMSNorm",
+    "Seq2SeqConfig",
+    "Seq2SeqTransformer",
     "SwiGLU",
     "TransformerBlock",
     "TransformerConfig",
+    "build_seq2seq_transformer",
     "minilm",
 ]
