@@ -221,7 +221,8 @@ def fit(
     for step in bar:
         if s.schedule == "time":
             elapsed = clock() - start - spent_evaluating
-            frac = min(1.0, elapsed / s.time_budget)  # type: ignore[operator]
+            budget = s.time_budget or 0.0
+            frac = min(1.0, elapsed / budget) if budget > 0 else 1.0
             lr = min(1.0, (step + 1) / max(1, s.warmup)) * cosine_lr(
                 round(frac * 10**6), 10**6, s.lr, s.min_lr, 0
             )
