@@ -273,6 +273,10 @@ def train_translate(
         "eval_seconds": round(eval_seconds, 2),
         "eval_cpu_seconds": round(eval_cpu, 2),
         "final_train_loss": history.train_loss[-1] if history.train_loss else None,
+        "train_loss_every_50": [
+            round(sum(chunk) / len(chunk), 4)
+            for chunk in (history.train_loss[i : i + 50] for i in range(0, history.steps, 50))
+        ],
         "parameters": n_params,
         "config": config,
         "settings": {**asdict(s), "fit": asdict(s.fit)},
