@@ -183,3 +183,13 @@ def test_bad_inputs_are_refused() -> None:
         model(src, mask, src[:2])
     with pytest.raises(ValueError, match="beam"):
         model.beam_search(src, mask, beam=0, max_len=3, bos=BOS, eos=EOS)
+
+
+def test_decode_backend_gives_the_same_tokens_and_is_restored() -> None:
+    model = _model("rope")
+    src, mask = _batch()
+    auto = model.greedy(src, mask, max_len=10, bos=BOS, eos=EOS)
+    model.config.decode_backend = "reference"
+    ref = model.greedy(src, mask, max_len=10, bos=BOS, eos=EOS)
+    assert torch.equal(auto, ref)
+    assert {m.backend for m in model.modules() if hasattr(m, "backend")} == {"auto"}
