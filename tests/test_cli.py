@@ -153,6 +153,7 @@ def test_every_command_has_its_own_module():
         "bench",
         "train",
         "generate",
+        "translate",
         "visualize",
         "textbook",
     ]

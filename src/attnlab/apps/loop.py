@@ -71,6 +71,14 @@ class FitSettings:
             is recorded in `FitHistory.stopped_by`.
         precision: "fp32" or "bf16" (autocast; parameters and optimizer state stay fp32).
         betas: AdamW's betas.
+        schedule: "steps" (the cosine runs over ``steps``) or "time" (it runs over the
+            ``time_budget`` seconds instead: step t at elapsed training time e gets
+            ``cosine_lr`` at the fraction e / time_budget, after the same step warmup, so a
+            slower machine takes fewer steps but still ends at ``min_lr``; ``steps`` is then
+            only an upper bound).
+        clock: what ``time_budget`` (and ``schedule="time"``) counts: "wall" seconds, or "cpu",
+            the process's CPU seconds (all threads; `time.process_time`), which on a shared,
+            loaded machine measures the work a quiet machine would do in that wall time.
     """
 
     steps: int = 1000
@@ -84,6 +92,8 @@ class FitSettings:
     time_budget: float | None = None
     precision: str = "fp32"
     betas: tuple[float, float] = (0.9, 0.98)
+    schedule: str = "steps"
+    clock: str = "wall"
 
     def __post_init__(self) -> None:
         _check_number("steps", self.steps, 1, integer=True)
@@ -98,6 +108,12 @@ class FitSettings:
             _check_number("time_budget", self.time_budget, 0.0)
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
+        if self.schedule not in ("steps", "time"):
+            raise ValueError(f"schedule must be 'steps' or 'time', got {self.schedule!r}")
+        if self.clock not in ("wall", "cpu"):
+            raise ValueError(f"clock must be 'wall' or 'cpu', got {self.clock!r}")
+        if self.schedule == "time" and self.time_budget is None:
+            raise ValueError("schedule='time' needs a time_budget (seconds), got None")
         b = tuple(self.betas)
         if len(b) != 2 or not all(isinstance(x, float) and 0 <= x < 1 for x in b):
             raise ValueError(f"betas must be two floats in [0, 1), got {self.betas!r}")
@@ -108,7 +124,8 @@ class FitHistory:
     """What `fit` did.
 
     Attributes:
-        steps: optimizer steps taken; seconds: training wall time (evaluation excluded).
+        steps: optimizer steps taken; seconds: training time on `FitSettings.clock` (wall
+            seconds by default; evaluation excluded).
         train_loss: the loss of every step; evals: ``{"step": n, **metrics}`` per evaluation.
         stopped_by: "steps" or "time_budget".
     """
@@ -183,25 +200,34 @@ def fit(
     history = FitHistory()
     bar = Progress(range(s.steps), desc=desc, total=s.steps, unit="step", enabled=progress)
     write = bar.write if bar.active else log
-    start = time.perf_counter()
+    clock = time.process_time if s.clock == "cpu" else time.perf_counter
+    start = clock()
     spent_evaluating = 0.0
 
     def run_eval(step: int) -> None:
         nonlocal spent_evaluating
         if evaluate is None:
             return
-        t0 = time.perf_counter()
+        t0 = clock()
         model.eval()
         with torch.no_grad():
             metrics = {k: float(v) for k, v in evaluate().items()}
         model.train()
-        spent_evaluating += time.perf_counter() - t0
+        spent_evaluating += clock() - t0
         history.evals.append({"step": step, **metrics})
         write(f"{desc} step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
 
     model.train()
     for step in bar:
-        lr = cosine_lr(step, s.steps, s.lr, s.min_lr, s.warmup)
+        if s.schedule == "time":
+            elapsed = clock() - start - spent_evaluating
+            budget = s.time_budget or 0.0
+            frac = min(1.0, elapsed / budget) if budget > 0 else 1.0
+            lr = min(1.0, (step + 1) / max(1, s.warmup)) * cosine_lr(
+                round(frac * 10**6), 10**6, s.lr, s.min_lr, 0
+            )
+        else:
+            lr = cosine_lr(step, s.steps, s.lr, s.min_lr, s.warmup)
         for group in opt.param_groups:
             group["lr"] = lr
         with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None):
@@ -211,7 +237,7 @@ def fit(
         if s.grad_clip > 0:
             nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
         opt.step()
-        value = float(loss)
+        value = float(loss.detach())
         if not math.isfinite(value):
             bar.close()
             raise ValueError(f"{desc}: the loss is {value} at step {step} (lr {lr:.3g})")
@@ -221,13 +247,13 @@ def fit(
             bar.set_postfix(loss=f"{value:.4f}", lr=f"{lr:.2e}")
         if s.eval_every and history.steps % s.eval_every == 0 and history.steps < s.steps:
             run_eval(history.steps)
-        elapsed = time.perf_counter() - start - spent_evaluating
+        elapsed = clock() - start - spent_evaluating
         if s.time_budget is not None and elapsed >= s.time_budget and history.steps < s.steps:
             history.stopped_by = "time_budget"
             write(f"{desc}: time budget {s.time_budget:g} s reached at step {history.steps}")
             break
     bar.close()
-    history.seconds = time.perf_counter() - start - spent_evaluating
+    history.seconds = clock() - start - spent_evaluating
     run_eval(history.steps)
     return history
 

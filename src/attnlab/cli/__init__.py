@@ -4,7 +4,7 @@ Every subcommand has ``--help``. The library never imports this package; the com
 library (heavy optional dependencies only inside the command that needs them).
 
 Subcommands, in ``attnlab --help`` order: `check`, `estimate`, `advise`, `experiment`, `heads`,
-`bench`, `train`, `generate`, `visualize`, `textbook`.
+`bench`, `train`, `generate`, `translate`, `visualize`, `textbook`.
 
 Errors: a bad argument or input (a parser error, or a ValueError/TypeError/OSError/ImportError
 raised by a command, e.g. the library's CheckpointError) prints ONE line on stderr,
@@ -31,10 +31,23 @@ from . import (
     heads,
     textbook,
     train,
+    translate,
     visualize,
 )
 
-COMMANDS = (check, estimate, advise, experiment, heads, bench, train, generate, visualize, textbook)
+COMMANDS = (
+    check,
+    estimate,
+    advise,
+    experiment,
+    heads,
+    bench,
+    train,
+    generate,
+    translate,
+    visualize,
+    textbook,
+)
 
 #: Exceptions that mean "bad argument or input": one line on stderr, exit code 2.
 INPUT_ERRORS = (ValueError, TypeError, OSError, ImportError)

@@ -13,12 +13,16 @@ checkpoint written by ``attnlab train``, ``--checkpoint PATH``), or ``--model FO
 transformers checkpoint (encoder, decoder or encoder–decoder, with its tokenizer), read from
 safetensors only and checked against its config before loading; an encoder–decoder shows its
 encoder self-attention and its decoder cross-attention, two viewers on one page; its inputs over
-64 tokens keep each row's exact top-k weights, computed without the L×S matrix.
+64 tokens keep each row's exact top-k weights, computed without the L×S matrix. A checkpoint of
+``attnlab train translate`` (recognised by the kind stored in the file) shows its decoder
+cross-attention on its own translation of TEXT: output characters × source characters
+(non-square), every layer and head in the viewer, the mean over them with ``--png``.
 
 Example:
     $ attnlab visualize "The animal didn't cross the street because it was too tired"
     $ attnlab visualize --checkpoint runs/alice/ckpt.safetensors "Alice was" --format text
     $ attnlab visualize --model ./my-bart "The cat sat on the mat." --out bart.html
+    $ attnlab visualize --checkpoint runs/translate/ckpt.safetensors "twenty-three" --png
 """
 
 from __future__ import annotations
@@ -80,6 +84,37 @@ def _summary(run: Attentions | LongAttentions) -> str:
     return f"{run.model}{part} · {size} · {Ly} layers × {H} heads"
 
 
+TRANSLATE_TEXT = "nine hundred and eighty-seven thousand, six hundred and fifty-four"
+
+
+def _is_translate(path: str) -> bool:
+    from ..apps import read_kind
+
+    return read_kind(path) == "translate"
+
+
+def _translate_run(args: argparse.Namespace) -> Attentions:
+    """The decoder cross-attention of a translate checkpoint on its own translation of TEXT:
+    output characters (queries) × source characters (keys), every layer and head."""
+    from ..apps.translate import cross_attentions, langs_of, load, vocab_of
+
+    model, ck = load(args.checkpoint, device=args.device)
+    vocab, langs = vocab_of(ck), langs_of(ck)
+    if args.lang not in langs:
+        raise ValueError(f"--lang must be one of {langs} for this checkpoint, got {args.lang!r}")
+    text = TRANSLATE_TEXT if args.text == DEFAULT_TEXT else args.text
+    src, out, weights = cross_attentions(model, vocab, text, args.lang)
+    translation = "".join(t for t in out if t != "<eos>")
+    return Attentions(
+        tokens=out,
+        weights=weights,
+        model="translate",
+        notes=[f"{text} -> ({args.lang}) {translation}"],
+        key_tokens=src,
+        part="decoder cross-attention",
+    )
+
+
 def _check_choice(args: argparse.Namespace, runs: list) -> None:
     for run in runs:
         Ly, H = _shape(run)[:2]
@@ -120,7 +155,9 @@ def _cmd_visualize(args: argparse.Namespace) -> int:
         png = Path(args.out).with_suffix(".png") if args.png is True else Path(args.png)
         check_output_file(png, "--png", (".png",))
     try:
-        if args.model is not None and args.model not in MODELS:
+        if args.checkpoint is not None and args.model is None and _is_translate(args.checkpoint):
+            runs = [_translate_run(args)]
+        elif args.model is not None and args.model not in MODELS:
             if args.checkpoint is not None:
                 raise ValueError("--checkpoint is for --model gpt; drop it with --model FOLDER")
             _quiet_transformers()
@@ -188,7 +225,15 @@ def _cmd_visualize(args: argparse.Namespace) -> int:
                     print(
                         f"note: long input, the viewer keeps each token's top {args.top_k} weights"
                     )
-        if args.png is not None:
+        if args.png is not None and runs[0].model == "translate":
+            from ..viz.alignment import plot_alignments
+
+            run = runs[0]
+            title = f"{_short(run.notes[0], 60)} (mean of layers and heads)"
+            mean = run.weights.mean((0, 1))  # (T, S)
+            plot_alignments(png, [(title, run.key_tokens, run.tokens, mean)])
+            print(f"wrote {png}")
+        elif args.png is not None:
             run = runs[0]
             attention_png(run.tokens, run.weights, png, title=_summary(run))
             print(f"wrote {png}")
@@ -231,7 +276,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--checkpoint",
         type=existing_file,
         metavar="PATH",
-        help="a GPT checkpoint (.safetensors) from `attnlab train`",
+        help="a GPT checkpoint (.safetensors) from `attnlab train`, or a translate checkpoint "
+        "from `attnlab train translate` (shows its cross-attention: output characters × "
+        "source characters, on its own translation of TEXT)",
+    )
+    p.add_argument(
+        "--lang",
+        default="de",
+        help="translate checkpoints: the target language (default de)",
     )
     p.add_argument(
         "--out",

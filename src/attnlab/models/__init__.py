@@ -14,6 +14,7 @@ from .encoder import Encoder
 from .gpt import GPT
 from .minilm import MiniLM, minilm
 from .rnn import RNNLM, RNNLMConfig, RNNSeq2Seq, RNNSeq2SeqConfig, build_rnn_lm, build_rnn_seq2seq
+from .seq2seq import Seq2SeqConfig, Seq2SeqTransformer, build_seq2seq_transformer
 
 __all__ = [
     "GPT",
@@ -30,10 +31,13 @@ __all__ = [
     "RNNLMConfig",
     "RNNSeq2Seq",
     "RNNSeq2SeqConfig",
+    "Seq2SeqConfig",
+    "Seq2SeqTransformer",
     "SwiGLU",
     "TransformerBlock",
     "TransformerConfig",
     "build_rnn_lm",
     "build_rnn_seq2seq",
+    "build_seq2seq_transformer",
     "minilm",
 ]

@@ -1,0 +1,307 @@
+"""Number words as a translation task: English -> German / French, character level on both sides.
+
+Every sentence is produced by `num2words` (nothing hand-written): the source is the English words
+of a number preceded by a target-language token, the target the same number in German or French::
+
+    <de> twenty-three          ->  dreiundzwanzig        (units before tens: a reordering)
+    <fr> seventy-one           ->  soixante et onze
+    <de> one million, two ...  ->  eine Million zwei...
+
+Numbers are drawn with a uniform number of digits (1 … ``max_digits``) and then uniformly among the
+numbers with that many digits, so every magnitude is equally represented. A fixed, seeded set of
+held-out numbers (>= 1,000, i.e. 4 … ``max_digits`` digits) is excluded from training in both
+languages; the 1,000 numbers below 1,000 are the building blocks and all stay in training.
+
+The vocabulary is one character table shared by both sides: the special tokens, one token per
+target language, then every character num2words writes for the numbers 0 … 999 and the powers of
+a thousand up to ``10**(max_digits - 1)`` in the three languages (sorted), so it is derived from
+the library's output, not from a hand-made list.
+
+Example:
+    >>> task = NumberTask(seed=0)
+    >>> vocab = task.vocab
+    >>> src, tgt = task.pair(23, "de")           # ("twenty-three", "dreiundzwanzig")
+    >>> ids = vocab.encode_source(src, "de")     # [<de>, t, w, …, <eos>]
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+#: The source language.
+SOURCE_LANG = "en"
+#: Target languages, each selected by its token ``<de>`` / ``<fr>`` at the start of the source.
+TARGET_LANGS = ("de", "fr")
+#: Special tokens (ids 0, 1, 2).
+PAD, BOS, EOS = 0, 1, 2
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+
+
+@lru_cache(maxsize=1 << 18)
+def _words(n: int, lang: str) -> str:
+    from num2words import num2words
+
+    return num2words(n, lang=lang)
+
+
+def words(n: int, lang: str) -> str:
+    """The words of ``n`` in ``lang`` ("en", "de", "fr") as num2words writes them."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    if lang not in (SOURCE_LANG, *TARGET_LANGS):
+        raise ValueError(f"lang must be one of {[SOURCE_LANG, *TARGET_LANGS]}, got {lang!r}")
+    return _words(n, lang)
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """A character vocabulary shared by source and target.
+
+    Attributes:
+        tokens: id -> token: the specials, the language tokens ``<de>``, ``<fr>``, then characters.
+    """
+
+    tokens: tuple[str, ...]
+    index: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if tuple(self.tokens[: len(SPECIALS)]) != SPECIALS:
+            raise ValueError(f"tokens must start with {SPECIALS}, got {self.tokens[:3]!r}")
+        if len(set(self.tokens)) != len(self.tokens):
+            raise ValueError("tokens must be distinct")
+        object.__setattr__(self, "index", {t: i for i, t in enumerate(self.tokens)})
+
+    @classmethod
+    def from_characters(cls, chars: Iterable[str], langs: Sequence[str] = TARGET_LANGS) -> Vocab:
+        """Specials, ``<lang>`` tokens, then the sorted distinct characters."""
+        return cls((*SPECIALS, *(f"<{lang}>" for lang in langs), *sorted(set(chars))))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def lang_id(self, lang: str) -> int:
+        """The id of the target-language token ``<lang>``."""
+        token = f"<{lang}>"
+        if token not in self.index:
+            langs = [t[1:-1] for t in self.tokens if t.startswith("<") and t not in SPECIALS]
+            raise ValueError(f"lang must be one of {langs}, got {lang!r}")
+        return self.index[token]
+
+    def encode(self, text: str) -> list[int]:
+        """Character ids of ``text`` (ValueError naming the first unknown character)."""
+        try:
+            return [self.index[c] for c in text]
+        except KeyError as e:
+            raise ValueError(
+                f"text {text!r} has the character {e.args[0]!r}, which is not in the vocabulary"
+            ) from None
+
+    def encode_source(self, text: str, lang: str) -> list[int]:
+        """``[<lang>, chars…, <eos>]``."""
+        return [self.lang_id(lang), *self.encode(text), EOS]
+
+    def encode_target(self, text: str) -> list[int]:
+        """``[chars…, <eos>]`` (the decoder input is ``[<bos>, chars…]``)."""
+        return [*self.encode(text), EOS]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Characters up to the first ``<eos>``; padding and other specials are dropped."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == EOS:
+                break
+            if i >= len(SPECIALS) and 0 <= i < len(self.tokens):
+                tok = self.tokens[i]
+                if not (tok.startswith("<") and len(tok) > 1):
+                    out.append(tok)
+        return "".join(out)
+
+
+def vocabulary(max_digits: int = 9, langs: Sequence[str] = TARGET_LANGS) -> Vocab:
+    """The characters num2words writes for 0 … 999 and for multiples of the powers of 1,000
+    below ``10**max_digits`` (a few multipliers and remainders), in English and the ``langs``."""
+    numbers = list(range(1000))
+    for p in range(3, max_digits, 3):
+        numbers += [m * 10**p + r for m in (1, 2, 21, 101, 180) for r in (0, 1, 100, 121, 180)]
+    chars: set[str] = set()
+    for lang in (SOURCE_LANG, *langs):
+        for n in numbers:
+            chars.update(words(n, lang))
+    return Vocab.from_characters(chars, langs)
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def sample_number(rng: random.Random, max_digits: int, min_digits: int = 1) -> int:
+    """A number with a uniform digit count in [min_digits, max_digits], then uniform."""
+    d = rng.randint(min_digits, max_digits)
+    low = 0 if d == 1 else 10 ** (d - 1)
+    return rng.randint(low, 10**d - 1)
+
+
+class NumberTask:
+    """The number-translation task: a vocabulary, held-out numbers and seeded training batches.
+
+    Args:
+        max_digits: numbers go from 0 to ``10**max_digits − 1`` (default 9: up to 999,999,999).
+        held_out: how many distinct held-out numbers (>= 1,000; every one is evaluated in every
+            target language and never appears in training).
+        langs: the target languages.
+        seed: fixes the held-out numbers (the training draws take their own seed).
+
+    Attributes:
+        vocab: the shared `Vocab`. held_out_numbers: the sorted held-out numbers.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_digits: int = 9,
+        held_out: int = 2000,
+        langs: Sequence[str] = TARGET_LANGS,
+        seed: int = 0,
+    ) -> None:
+        self.max_digits = _check_int("max_digits", max_digits, 1, 12)
+        langs = tuple(langs)
+        if (
+            not langs
+            or any(lang not in TARGET_LANGS for lang in langs)
+            or len(set(langs)) != len(langs)
+        ):
+            raise ValueError(f"langs must be distinct names from {TARGET_LANGS}, got {langs!r}")
+        self.langs = langs
+        self.seed = _check_int("seed", seed, 0)
+        low = 1000 if max_digits >= 4 else 0
+        room = 10**max_digits - low
+        self.held_out_size = _check_int("held_out", held_out, 1, room // 2)
+        self.vocab = vocabulary(max_digits, langs)
+        rng = random.Random(f"numbers-held-out-{seed}")
+        held: set[int] = set()
+        min_digits = 4 if max_digits >= 4 else 1
+        while len(held) < held_out:
+            held.add(sample_number(rng, max_digits, min_digits))
+        self.held_out_numbers = sorted(held)
+        self._held = held
+
+    def pair(self, n: int, lang: str) -> tuple[str, str]:
+        """``(English words, words in lang)`` of ``n``."""
+        if lang not in self.langs:
+            raise ValueError(f"lang must be one of {list(self.langs)}, got {lang!r}")
+        return words(n, SOURCE_LANG), words(n, lang)
+
+    def is_held_out(self, n: int) -> bool:
+        return n in self._held
+
+    def training_numbers(self, count: int, seed: int) -> list[int]:
+        """``count`` training numbers (repeats allowed, held-out numbers never), seeded."""
+        rng = random.Random(f"numbers-train-{self.seed}-{seed}")
+        out: list[int] = []
+        while len(out) < count:
+            n = sample_number(rng, self.max_digits)
+            if n not in self._held:
+                out.append(n)
+        return out
+
+    def examples(self, numbers: Iterable[int], langs: Iterable[str]) -> list[Example]:
+        """Encoded examples of ``numbers`` paired with ``langs`` (zip)."""
+        v = self.vocab
+        out = []
+        for n, lang in zip(numbers, langs, strict=True):
+            en, tgt = self.pair(n, lang)
+            out.append(Example(n, lang, v.encode_source(en, lang), v.encode_target(tgt)))
+        return out
+
+    def training_examples(self, count: int, seed: int) -> list[Example]:
+        """``count`` seeded training examples, target languages alternating by a seeded draw."""
+        rng = random.Random(f"numbers-langs-{self.seed}-{seed}")
+        numbers = self.training_numbers(count, seed)
+        return self.examples(numbers, [rng.choice(self.langs) for _ in numbers])
+
+    def held_out_examples(self, lang: str) -> list[Example]:
+        """Every held-out number in ``lang``."""
+        return self.examples(self.held_out_numbers, [lang] * len(self.held_out_numbers))
+
+
+@dataclass(frozen=True)
+class Example:
+    """One pair: the number, the target language, source ids and target ids (both end in EOS)."""
+
+    number: int
+    lang: str
+    src: list[int]
+    tgt: list[int]
+
+
+def collate(examples: Sequence[Example]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Pads a batch: ``src (B, S)``, ``src_mask (B, S)`` (True = real), ``tgt_in (B, T)`` =
+    ``[BOS, chars…]`` and ``tgt_out (B, T)`` = ``[chars…, EOS]`` (PAD after the end)."""
+    B = len(examples)
+    S = max(len(e.src) for e in examples)
+    T = max(len(e.tgt) for e in examples)
+    src = torch.full((B, S), PAD, dtype=torch.long)
+    tgt_in = torch.full((B, T), PAD, dtype=torch.long)
+    tgt_out = torch.full((B, T), PAD, dtype=torch.long)
+    for i, e in enumerate(examples):
+        src[i, : len(e.src)] = torch.tensor(e.src)
+        tgt_out[i, : len(e.tgt)] = torch.tensor(e.tgt)
+        tgt_in[i, 0] = BOS
+        tgt_in[i, 1 : len(e.tgt)] = torch.tensor(e.tgt[:-1])
+    return src, src != PAD, tgt_in, tgt_out
+
+
+def length_batches(
+    examples: Sequence[Example], tokens: int, rng: random.Random
+) -> list[list[Example]]:
+    """Buckets by length: sorted by source + target length, cut into batches of about
+    ``tokens`` padded tokens each, returned in a seeded random order."""
+    order = sorted(examples, key=lambda e: (len(e.src) + len(e.tgt), rng.random()))
+    batches: list[list[Example]] = []
+    cur: list[Example] = []
+    for e in order:
+        width = len(e.src) + len(e.tgt)  # the longest so far (sorted ascending)
+        if cur and (len(cur) + 1) * width > tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(e)
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def reorders(n: int) -> bool:
+    """True when German writes ``n``'s last two digits units before tens (units != 0, tens >= 2)."""
+    return n % 10 != 0 and (n // 10) % 10 >= 2
+
+
+__all__ = [
+    "BOS",
+    "EOS",
+    "PAD",
+    "SOURCE_LANG",
+    "SPECIALS",
+    "TARGET_LANGS",
+    "Example",
+    "NumberTask",
+    "Vocab",
+    "collate",
+    "length_batches",
+    "reorders",
+    "sample_number",
+    "vocabulary",
+    "words",
+]
