@@ -206,10 +206,10 @@ def test_a_tiny_run_learns_and_writes_its_files(tmp_path):
         char_steps=150,
         char_batch=64,
         minilm_layers=0,
-        minilm_steps=60,
+        minilm_steps=40,
         minilm_batch=64,
         minilm_lr=3e-3,
-        ablation_words=40,
+        ablation_words=20,
     )
     result = run(s, tmp_path, log=lambda _: None)
     m = json.loads((tmp_path / "metrics.json").read_text())
@@ -217,7 +217,7 @@ def test_a_tiny_run_learns_and_writes_its_files(tmp_path):
     assert chance < 0.32
     for name in ("ngram", "char", "minilm"):
         assert m["accuracy"][name] > chance + 0.2, (name, m["accuracy"])
-    assert m["head_ablation"]["minilm"]["words"] == 40
+    assert m["head_ablation"]["minilm"]["words"] == 20
     assert len(m["head_ablation"]["minilm"]["accuracy_drop"]) == 6
     assert m["models"]["minilm"]["trained"] == "the head only"
     for name in ("char.safetensors", "minilm.safetensors", "confusion.png", "heads.png"):

@@ -5,7 +5,7 @@ language dropped, split by word, stratified, seeded). Classifiers, all scored on
 held-out words:
 
 - **ngram**: the baseline, scikit-learn ``TfidfVectorizer(analyzer="char_wb",
-  ngram_range=(1, 4), sublinear_tf=True)`` + ``LogisticRegression`` on the training words;
+  ngram_range=(1, 4), sublinear_tf=True)`` + ``LogisticRegression(C=10)`` on the training words;
 - **char**: a small character-level `attnlab.models.Encoder` trained from scratch with a
   classification head (`attnlab.models.classifier`), every parameter trained;
 - **minilm**: the pretrained all-MiniLM-L6-v2 encoder (its uncased WordPiece tokenizer) with a
@@ -405,7 +405,8 @@ def ngram_baseline(split: LanguageSplit, seed: int = 0) -> dict[str, Any]:
     """Character n-grams + logistic regression (scikit-learn), fitted on the training words.
 
     ``TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 4), sublinear_tf=True)`` then
-    ``LogisticRegression(C=10, max_iter=2000)``.
+    ``LogisticRegression(C=10, solver="saga", tol=1e-4)`` (saga: the default lbfgs took 10×
+    longer on these 40,000 sparse features for the same accuracy).
 
     Returns:
         ``{"accuracy", "predictions" (test order), "seconds", "features"}``.
@@ -417,7 +418,7 @@ def ngram_baseline(split: LanguageSplit, seed: int = 0) -> dict[str, Any]:
     t0 = time.perf_counter()
     vec = fe.TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 4), sublinear_tf=True)
     x_train = vec.fit_transform(split.train_words)
-    clf = lm.LogisticRegression(C=10.0, max_iter=2000, random_state=seed)
+    clf = lm.LogisticRegression(C=10.0, solver="saga", max_iter=1000, tol=1e-4, random_state=seed)
     clf.fit(x_train, list(split.train_labels))
     preds = [int(p) for p in clf.predict(vec.transform(split.test_words))]
     correct = sum(p == y for p, y in zip(preds, split.test_labels, strict=True))
@@ -611,7 +612,7 @@ def run(
     preds["ngram"] = base["predictions"]
     results["ngram"] = {
         "accuracy": base["accuracy"],
-        "model": "TfidfVectorizer(char_wb, 1-4) + LogisticRegression(C=10)",
+        "model": "TfidfVectorizer(char_wb, 1-4) + LogisticRegression(C=10, saga)",
         "features": base["features"],
     }
     log(f"ngram baseline: held-out accuracy {base['accuracy']:.4f} ({base['seconds']:.1f} s)")
@@ -680,7 +681,7 @@ def run(
         "task": "classify",
         "metric": "held-out accuracy (language of a single word)",
         "accuracy": {k: v["accuracy"] for k, v in results.items()},
-        "chance": max(split.counts().values())[1] / len(split.test_words),
+        "chance": max(n for _, n in split.counts().values()) / len(split.test_words),
         "languages": list(split.labels),
         "data": {
             "source": "wordfreq.top_n_list",

@@ -9,6 +9,7 @@ Example:
 
 from .bert import BertConfig, BertEncoder, BertOutput
 from .blocks import MLPS, NORMS, GeluMLP, RMSNorm, SwiGLU, TransformerBlock
+from .classifier import AttentionPooling, ClassifierConfig, TextClassifier
 from .config import TransformerConfig
 from .encoder import Encoder
 from .gpt import GPT
@@ -18,14 +19,17 @@ __all__ = [
     "GPT",
     "MLPS",
     "NORMS",
+    "AttentionPooling",
     "BertConfig",
     "BertEncoder",
     "BertOutput",
+    "ClassifierConfig",
     "Encoder",
     "GeluMLP",
     "MiniLM",
     "RMSNorm",
     "SwiGLU",
+    "TextClassifier",
     "TransformerBlock",
     "TransformerConfig",
     "minilm",
