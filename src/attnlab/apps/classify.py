@@ -25,8 +25,10 @@ shuffled again, so a batch pads little.
 
 Example:
     >>> result = run(ClassifySettings(n_words=1000, char_steps=300, minilm_steps=100), "out")
-    >>> result["accuracy"]
+    >>> result.metrics["accuracy"]          # held-out accuracy of each classifier
     {'ngram': ..., 'char': ..., 'minilm': ...}
+    >>> model, _ = load("out/char.safetensors")
+    >>> model.predict(["haus", "maison"])
 """
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ Example:
     >>> ids, mask = model.batch(["ab", "cab"])          # (2, 4) ids, (2, 4) bool
     >>> model(ids, mask).shape
     torch.Size([2, 2])
-    >>> model.predict(["abc"])
-    ['de']
+    >>> model.predict(["abc"])                        # one label per text (untrained here)
 """
 
 from __future__ import annotations
