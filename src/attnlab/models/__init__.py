@@ -9,6 +9,7 @@ Example:
 
 from .bert import BertConfig, BertEncoder, BertOutput
 from .blocks import MLPS, NORMS, GeluMLP, RMSNorm, SwiGLU, TransformerBlock
+from .classifier import AttentionPooling, ClassifierConfig, TextClassifier
 from .config import TransformerConfig
 from .encoder import Encoder
 from .gpt import GPT
@@ -21,9 +22,11 @@ __all__ = [
     "MLPS",
     "NORMS",
     "RNNLM",
+    "AttentionPooling",
     "BertConfig",
     "BertEncoder",
     "BertOutput",
+    "ClassifierConfig",
     "Encoder",
     "GeluMLP",
     "MiniLM",
@@ -34,6 +37,7 @@ __all__ = [
     "Seq2SeqConfig",
     "Seq2SeqTransformer",
     "SwiGLU",
+    "TextClassifier",
     "TransformerBlock",
     "TransformerConfig",
     "build_rnn_lm",
