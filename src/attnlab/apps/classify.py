@@ -415,8 +415,8 @@ def ngram_baseline(split: LanguageSplit, seed: int = 0) -> dict[str, Any]:
     """
     from ..utils.extras import require
 
-    fe = require("sklearn.feature_extraction.text", "all", "the n-gram baseline")
-    lm = require("sklearn.linear_model", "all", "the n-gram baseline")
+    fe = require("sklearn.feature_extraction.text", "apps", "the n-gram baseline")
+    lm = require("sklearn.linear_model", "apps", "the n-gram baseline")
     t0 = time.perf_counter()
     vec = fe.TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 4), sublinear_tf=True)
     x_train = vec.fit_transform(split.train_words)

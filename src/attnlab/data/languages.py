@@ -135,7 +135,7 @@ def language_words(
     """
     langs = _check_languages(languages)
     _check_int("n_words", n_words, 1)
-    wordfreq = require("wordfreq", "all", "attnlab.data.languages")
+    wordfreq = require("wordfreq", "apps", "attnlab.data.languages")
     lists = {}
     for lang in langs:
         words = [w for w in wordfreq.top_n_list(lang, n_words) if w.isalpha()]
