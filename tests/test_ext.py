@@ -84,7 +84,9 @@ def test_sdpa_prefix_bit_equal_to_tensor_ops(ext, monkeypatch, dtype, mask) -> N
             v = torch.randn(B, H_kv, S, Dv, dtype=dtype)
             _plant((q, k, v), planted, seed=planted + S)
             m = MASKS[mask](B, S)
-            off, on = _both(monkeypatch, lambda m=m: attnlab.attention(q, k, v, mask=m))
+            off, on = _both(
+                monkeypatch, lambda q=q, k=k, v=v, m=m: attnlab.attention(q, k, v, mask=m)
+            )
             assert _same(off, on), (B, H, H_kv, L, S, D, Dv, planted)
             ref = attnlab.attention(q.double(), k.double(), v.double(), mask=m, backend="reference")
             assert torch.equal(torch.isfinite(on), torch.isfinite(ref))
@@ -130,7 +132,7 @@ def test_poison_prefix_bit_equal(ext, monkeypatch, dtype) -> None:
         ):
             lse0 = lse.clone()
 
-            def run(hi=hi):
+            def run(hi=hi, out=out, q=q, k=k, v=v, lse=lse):
                 return nan_rule.poison_prefix(out.clone(), q, k, v, hi, own_out=True, lse=lse)
 
             (o1, l1), (o2, l2) = _both(monkeypatch, run)
