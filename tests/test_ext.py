@@ -215,16 +215,26 @@ print("status:", _ext.status("nan_rule"))
 
 def test_no_compiler_falls_back(tmp_path) -> None:
     """With the compiler hidden and an empty cache, attention runs on the PyTorch path (same
-    NaN rule), nothing is built, and ATTNLAB_EXT=require raises a clear error."""
+    NaN rule) in a fresh process, and nothing is built."""
     env = {"CXX": str(tmp_path / "no-such-c++"), _ext.CACHE_ENV: str(tmp_path / "cache")}
     r = _run_python(FALLBACK_CHECK, env)
     assert r.returncode == 0, r.stderr
     assert "status: RuntimeError: no C++ compiler found" in r.stdout
     assert not list((tmp_path / "cache").glob("*.so"))
-    code = "from attnlab import _ext\n_ext.load('nan_rule')"
-    r = _run_python(code, {**env, _ext.ENV: "require"})
-    assert r.returncode != 0
-    assert "ExtensionUnavailableError" in r.stderr and "no C++ compiler found" in r.stderr
+
+
+def test_no_compiler_reason_and_require(tmp_path, monkeypatch) -> None:
+    """The reason names the missing compiler, no ``.failed`` note is left (installing one later
+    builds), and ATTNLAB_EXT=require turns the reason into ExtensionUnavailableError."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setenv(_ext.CACHE_ENV, str(tmp_path))
+    why = _ext._load_now("nan_rule")
+    assert isinstance(why, str) and "no C++ compiler found" in why
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setenv(_ext.ENV, "require")
+    monkeypatch.setitem(_ext._STATE, "nan_rule_test", why)  # as `load` records it
+    with pytest.raises(_ext.ExtensionUnavailableError, match=r"no C\+\+ compiler found"):
+        _ext.load("nan_rule_test")
 
 
 def test_failed_build_is_remembered(tmp_path, monkeypatch) -> None:
