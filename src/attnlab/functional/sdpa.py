@@ -94,18 +94,18 @@ def _prefix_ext(req: Request, is_causal: bool, clean_k: bool) -> Tensor | None:
     NaN. Bit-equal to the tensor-op path of `sdpa_run`; None when it does not apply."""
     if req.bias is not None or req.score != "dot" or req.dropout_p:
         return None
+    if not (req.mask is None or isinstance(req.mask, Mask)):
+        return None
+    if not nan_rule.ext_ready(req.q, req.k, req.v):  # before any tensor is made (meta, grad)
+        return None
     d = req.dims
     if req.mask is None:
         hi = torch.full((1, 1, 1), d.S, dtype=torch.long)
-    elif isinstance(req.mask, Mask):
+    else:
         interval = request_interval(req)
         if interval is None or interval[0] is not None:
             return None
         hi = interval[1]
-    else:
-        return None
-    if not nan_rule.ext_ready(req.q, req.k, req.v):
-        return None
     allowed = None if is_causal or req.mask is None else request_dense(req)[0]
     return torch.ops.attnlab_nan.sdpa_prefix(
         req.q,
