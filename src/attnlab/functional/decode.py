@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import nan_rule
 from .reference import softcap_logits
 from .request import Request, key_prefixes, prefix_views
 
@@ -81,12 +82,17 @@ def _attend(
 
     Returns ``out (b, H, L, Dv)`` in the compute dtype and, if asked, ``lse (b, H, L)``.
     """
+    if req.softcap is None and not want_lse and nan_rule.ext_ready(q, k, v):
+        # the same ATen calls in C++ (bit-equal), without a Python round trip per call
+        return torch.ops.attnlab_nan.decode_attend(q, k, v, req.scale / req.temperature), None
     b, H, L, D = q.shape
     H_kv, n, Dv = k.shape[1], k.shape[2], v.shape[-1]
     c = _compute_dtype(q.dtype)
     # (b, H, L, D) → (b·H_kv, G·L, D): the G query heads sharing one k/v head, stacked (a view)
-    qg = q.reshape(b * H_kv, (H // H_kv) * L, D).to(c)
-    kk, vv = k.reshape(b * H_kv, n, D).to(c), v.reshape(b * H_kv, n, Dv).to(c)
+    qg = q.reshape(b * H_kv, (H // H_kv) * L, D)
+    kk, vv = k.reshape(b * H_kv, n, D), v.reshape(b * H_kv, n, Dv)
+    if q.dtype != c:
+        qg, kk, vv = qg.to(c), kk.to(c), vv.to(c)
     s = torch.bmm(qg, kk.transpose(1, 2)).mul_(req.scale / req.temperature)  # (b·H_kv, G·L, n)
     if req.softcap is None:
         low = s.amin(dim=-1, keepdim=True)  # NaN or −inf iff the row has such a logit
@@ -108,6 +114,8 @@ def _run(req: Request, want_lse: bool) -> tuple[Tensor, Tensor | None]:
     d = req.dims
     prefixes = key_prefixes(req)
     assert prefixes is not None  # decode_supports
+    if not want_lse and all(n == d.S for n in prefixes):  # one call on the whole batch
+        return _attend(req, req.q, req.k, req.v, False)[0].to(req.q.dtype), None
     c = _compute_dtype(req.q.dtype)
     outs, lses = [], []
     for views in prefix_views(req, prefixes):

@@ -21,6 +21,15 @@ index or prefix sums, O((S + L) · Dv); other masks use their dense rendering (`
 
 Gradients are those of the clean computation (poison is a constant): finite for a finite
 ``dout``, and they reach only the inputs a row may attend.
+
+Prefix masks without gradient (`poison_prefix`, and sdpa's prefix calls) run on two C++ operators
+when they can be built (`attnlab._ext`, ``_ext/nan_rule.cpp``): they read q, k and v once and
+write the output only where it becomes NaN, and ``sdpa_prefix`` copies k/v for cleaning only when
+they hold a non-finite entry. Their results are bit-equal to the tensor-op path below, which runs
+whenever they are unavailable (no compiler, ``ATTNLAB_EXT=0``), under ``torch.compile``, on
+``meta`` and non-CPU tensors and with autograd. (One difference at the edge of the float range:
+the tensor-op path detects a non-finite row by its float32 sum, so a finite row whose sum
+overflows, |x| ≳ 1e36, counts as non-finite there; the operators test every entry.)
 """
 
 from __future__ import annotations
@@ -28,7 +37,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import _ext  # loads nothing until `_ext.load` is called (never at import)
+
 _NAN = float("nan")
+_EXT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def ext_ready(*xs: Tensor) -> bool:
+    """True if the C++ operators (``torch.ops.attnlab_nan``) may run on ``xs``: eager mode, CPU
+    tensors of a float dtype that need no gradient, and the extension built (`attnlab._ext.load`:
+    the first call on a machine compiles it)."""
+    grad = torch.is_grad_enabled()
+    for x in xs:
+        if x.device.type != "cpu" or x.dtype not in _EXT_DTYPES or (grad and x.requires_grad):
+            return False
+    return not torch.compiler.is_compiling() and _ext.load("nan_rule")
 
 
 class _Clean(torch.autograd.Function):
@@ -253,6 +276,11 @@ def poison_prefix(
         ``out`` with NaN where the rule says (gradients pass to ``out`` unchanged); with ``lse``
         given, ``(out, lse)``.
     """
+    if own_out and ext_ready(out, q, k, v) and (lse is None or lse.dtype in _EXT_DTYPES[:2]):
+        # C++: reads q, k, v once and writes only the entries that become NaN
+        lse = None if lse is None else lse.clone()
+        torch.ops.attnlab_nan.poison_prefix_(out, q, k, v, hi, lse)
+        return out if lse is None else (out, lse)
     B, H, L, Dv = out.shape
     H_kv, S = k.shape[1], k.shape[2]
     G = H // H_kv if H_kv else 1

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..masks import Mask
 from . import nan_rule
 from .reference import keep_mask
 from .request import Request, key_prefixes, prefix_views, request_dense, request_interval
@@ -86,6 +87,39 @@ def _sliced(req: Request) -> Tensor | None:
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
+def _prefix_ext(req: Request, is_causal: bool, clean_k: bool) -> Tensor | None:
+    """Prefix calls (no mask, causal, padding, both) without bias or gradient, on the C++
+    operator ``attnlab_nan::sdpa_prefix`` (`nan_rule.ext_ready`): one read of q, k, v, no copy
+    of k/v unless they hold a non-finite entry, and the output written only where it becomes
+    NaN. Bit-equal to the tensor-op path of `sdpa_run`; None when it does not apply."""
+    if req.bias is not None or req.score != "dot" or req.dropout_p:
+        return None
+    if not (req.mask is None or isinstance(req.mask, Mask)):
+        return None
+    if not nan_rule.ext_ready(req.q, req.k, req.v):  # before any tensor is made (meta, grad)
+        return None
+    d = req.dims
+    if req.mask is None:
+        hi = torch.full((1, 1, 1), d.S, dtype=torch.long)
+    else:
+        interval = request_interval(req)
+        if interval is None or interval[0] is not None:
+            return None
+        hi = interval[1]
+    allowed = None if is_causal or req.mask is None else request_dense(req)[0]
+    return torch.ops.attnlab_nan.sdpa_prefix(
+        req.q,
+        req.k,
+        req.v,
+        allowed,
+        hi,
+        req.scale / req.temperature,
+        is_causal,
+        d.H_kv != d.H,
+        clean_k,
+    )
+
+
 def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
     """Runs torch SDPA: bottom-right masks become dense masks, except plain causal with L == S.
 
@@ -99,13 +133,6 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
     # torch's is_causal path masks after scaling with -inf, so a negative scale turns the masked
     # logits into +inf (NaN output): use the dense mask then.
     is_causal = req.is_plain_causal and req.bias is None and req.scale > 0
-    fast = _sliced(req)
-    if fast is not None:
-        return fast, None
-    allowed, additive = (None, None) if is_causal else request_dense(req)
-    # a non-finite q_i only reaches row i (poisoned, or zeros if it attends nothing): q needs
-    # cleaning only for its gradient
-    q = nan_rule.clean(req.q) if _needs_grad(req.q) else req.q
     # torch's fused CPU causal kernel skips masked logits (a NaN key cannot leak), so k is
     # cleaned there only for its gradient. Its math fallback (Dv != D, dropout, other devices)
     # adds −inf to q·k and NaN + (−inf) stays NaN: clean k then. v always (0 · NaN at masked
@@ -113,6 +140,15 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
     fused_causal = (
         is_causal and req.q.device.type == "cpu" and req.dims.Dv == req.dims.D and not req.dropout_p
     )
+    fast = _sliced(req)
+    if fast is None:
+        fast = _prefix_ext(req, is_causal, clean_k=not fused_causal)
+    if fast is not None:
+        return fast, None
+    allowed, additive = (None, None) if is_causal else request_dense(req)
+    # a non-finite q_i only reaches row i (poisoned, or zeros if it attends nothing): q needs
+    # cleaning only for its gradient
+    q = nan_rule.clean(req.q) if _needs_grad(req.q) else req.q
     k = req.k if fused_causal and not _needs_grad(req.k) else nan_rule.clean(req.k)
     v = nan_rule.clean(req.v)
     if req.score != "dot":

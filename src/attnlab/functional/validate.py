@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .._shapes import (
+    Dims,
     check_logit_multiplier,
     check_mask_tensor,
     check_number,
@@ -138,6 +139,31 @@ def build_request(
         dropout_p=dropout_p,
         return_weights=return_weights,
         softcap=cap,
+    )
+
+
+def trusted_request(q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float = 0.0) -> Request:
+    """The request of ``attention(q, k, v, dropout_p=dropout_p)`` (4-D, no mask, no bias, the
+    default scale) WITHOUT its checks, for callers whose q ``(B, H, L, D)``, k ``(B, H_kv, S, D)``
+    and v ``(B, H_kv, S, Dv)`` are consistent by construction — `MultiHeadAttention`'s own
+    projections — and whose ``dropout_p`` is already validated. Anything else goes through
+    `build_request`, which raises on bad arguments.
+    """
+    B, H, L, D = q.shape
+    H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    return Request(
+        q=_unit_stride_last(q),
+        k=_unit_stride_last(k),
+        v=_unit_stride_last(v),
+        dims=Dims(B=B, H=H, H_kv=H_kv, L=L, S=S, D=D, Dv=Dv, three_d=False),
+        mask=None,
+        bias=None,
+        scale=get_score("dot").default_scale(D),
+        temperature=1.0,
+        score="dot",
+        dropout_p=dropout_p,
+        return_weights=False,
+        softcap=None,
     )
 
 

@@ -240,8 +240,9 @@ class KVCache:
             pos = pos.expand(self._pos.shape[0], -1)
         self._reserve(k, v, pos, T)
         assert self._k is not None and self._v is not None
-        self._k[:, :, self._len : self._len + T] = k
-        self._v[:, :, self._len : self._len + T] = v
+        # narrow + copy_: the slice assignment without Python's indexing machinery (decode steps)
+        self._k.narrow(2, self._len, T).copy_(k)
+        self._v.narrow(2, self._len, T).copy_(v)
         if pos is not None:
             assert self._pos is not None
             self._pos[:, self._len : self._len + T] = pos
@@ -261,7 +262,7 @@ class KVCache:
             )
         n = self._len
         ps = None if self._pos is None else self._pos[:, :n]
-        return _dynamic_len(self._k[:, :, :n]), _dynamic_len(self._v[:, :, :n]), ps
+        return _dynamic_len(self._k.narrow(2, 0, n)), _dynamic_len(self._v.narrow(2, 0, n)), ps
 
     def _view(self, k: Tensor, v: Tensor, pos: Tensor | None, mask: Mask | None) -> CacheView:
         """The view after appending ``k, v`` (``pos``: the caller's positions, or None)."""

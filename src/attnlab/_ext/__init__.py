@@ -1,0 +1,206 @@
+"""Just-in-time C++ operators: built once per machine on first use, never required.
+
+A C++ source next to this file (``<name>.cpp``) registers ``torch.ops`` operators with
+``TORCH_LIBRARY``. `load` builds it with `torch.utils.cpp_extension.load` the first time a caller
+asks for it, keeps the shared library in a cache directory, and loads it into the process; every
+caller keeps a pure-PyTorch fallback that computes the same values, used whenever `load` returns
+False (no compiler, a failed build, ``ATTNLAB_EXT=0``, under ``torch.compile``, meta tensors).
+
+The cache entry is keyed on everything the binary depends on — the source text, the compiler
+flags, torch's and Python's versions, the architecture and **the CPU's feature flags** (it is
+built with ``-march=native``), so a library built on one CPU (say, with AMX) is never loaded on
+another: a different CPU builds its own. Builds run in a private temporary directory and the
+finished library is moved into the cache atomically, so concurrent processes never see a partial
+file and no lock can be left behind. A failed build is remembered (a ``.failed`` file holding the
+compiler's message) and not retried until the key changes or the file is deleted.
+
+Environment:
+    ``ATTNLAB_EXT``: unset/``auto`` — build or load on first use, fall back silently on failure
+    (one logged warning); ``0``/``off`` — never load (the pure-PyTorch paths run);
+    ``require`` — raise `ExtensionUnavailableError` instead of falling back (tests, benchmarks).
+    ``ATTNLAB_EXT_CACHE``: the cache directory (default ``$XDG_CACHE_HOME/attnlab/ext`` or
+    ``~/.cache/attnlab/ext``). ``CXX``: the compiler (default ``c++``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+ENV = "ATTNLAB_EXT"
+CACHE_ENV = "ATTNLAB_EXT_CACHE"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+
+_HERE = Path(__file__).resolve().parent
+_LOCK = threading.Lock()
+_STATE: dict[str, bool | str] = {}  # name -> True (loaded) or why not
+_log = logging.getLogger("attnlab.ext")
+
+
+class ExtensionUnavailableError(RuntimeError):
+    """``ATTNLAB_EXT=require`` and an extension could not be built or loaded."""
+
+
+def mode() -> str:
+    """``"auto"``, ``"off"`` or ``"require"`` from ``ATTNLAB_EXT``."""
+    raw = os.environ.get(ENV)
+    if raw is None:
+        return "auto"
+    raw = raw.strip().lower()
+    if raw in ("0", "off", "false", "no", "never"):
+        return "off"
+    if raw in ("require", "required", "force", "1", "on", "yes"):
+        return "require"
+    return "auto"
+
+
+def cpu_flags() -> str:
+    """The CPU's model name and sorted feature flags (``/proc/cpuinfo``; else `platform`)."""
+    model, flags = platform.processor() or "", ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith(("flags", "Features")) and not flags:
+                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                if model and flags:
+                    break
+    except OSError:
+        pass
+    return f"{platform.machine()}|{model}|{flags}"
+
+
+def compiler() -> str | None:
+    """The C++ compiler's path (``$CXX`` or ``c++`` on PATH), or None when there is none."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def build_key(name: str, source: str) -> str:
+    """Hex digest naming one build: source, flags, torch, Python, compiler and CPU flags."""
+    parts = (
+        name,
+        source,
+        " ".join(CFLAGS + LDFLAGS),
+        torch.__version__,
+        sys.version,
+        str(compiler()),
+        cpu_flags(),
+    )
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept (see the module docstring)."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "attnlab" / "ext"
+
+
+def _build(name: str, source: str, target: Path) -> None:
+    """Compiles ``source`` in a private directory and moves the library to ``target``."""
+    from torch.utils import cpp_extension
+
+    if compiler() is None:
+        raise RuntimeError(f"no C++ compiler found (CXX={os.environ.get('CXX', 'c++')!r})")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=target.parent) as tmp:
+        src = Path(tmp) / f"{name}.cpp"
+        src.write_text(source, encoding="utf-8")
+        cpp_extension.load(
+            name=target.stem,
+            sources=[str(src)],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=tmp,
+            is_python_module=False,
+            verbose=False,
+        )
+        os.replace(Path(tmp) / f"{target.stem}.so", target)
+
+
+def load(name: str) -> bool:
+    """Makes the operators of ``_ext/<name>.cpp`` available; False if they cannot be.
+
+    Builds on the first call on this machine (tens of seconds), then loads the cached library
+    (milliseconds); the answer is remembered for the process.
+
+    Raises:
+        ExtensionUnavailableError: only with ``ATTNLAB_EXT=require``, when the build or load failed.
+    """
+    how = mode()
+    if how == "off":
+        return False
+    state = _STATE.get(name)
+    if state is None:
+        with _LOCK:
+            state = _STATE.get(name)
+            if state is None:
+                state = _STATE[name] = _load_now(name)
+    if state is not True and how == "require":
+        raise ExtensionUnavailableError(f"attnlab C++ extension {name!r} is unavailable: {state}")
+    return state is True
+
+
+def _load_now(name: str) -> bool | str:
+    try:
+        source = (_HERE / f"{name}.cpp").read_text(encoding="utf-8")
+        key = build_key(name, source)
+        target = cache_dir() / f"attnlab_{name}_{key}.so"
+        failed = target.with_suffix(".failed")
+        if not target.exists():
+            if failed.exists():
+                return f"an earlier build failed ({failed}): {failed.read_text()[:300]}"
+            try:
+                _build(name, source, target)
+            except Exception as e:
+                why = f"{type(e).__name__}: {e}"
+                if compiler() is not None:  # a real failure: remember it for this key
+                    failed.parent.mkdir(parents=True, exist_ok=True)
+                    failed.write_text(why, encoding="utf-8")
+                _log.warning("attnlab: C++ extension %r not built, using PyTorch: %s", name, why)
+                return why
+        torch.ops.load_library(str(target))
+    except Exception as e:
+        why = f"{type(e).__name__}: {e}"
+        _log.warning("attnlab: C++ extension %r not loaded, using PyTorch: %s", name, why)
+        return why
+    return True
+
+
+def status(name: str) -> bool | str | None:
+    """True if loaded in this process, the reason it is not, or None if never asked."""
+    return _STATE.get(name)
+
+
+def forget(name: str) -> None:
+    """Forgets this process's answer for ``name`` (tests; an already loaded library stays)."""
+    with _LOCK:
+        _STATE.pop(name, None)
+
+
+__all__ = [
+    "CACHE_ENV",
+    "ENV",
+    "ExtensionUnavailableError",
+    "build_key",
+    "cache_dir",
+    "compiler",
+    "cpu_flags",
+    "forget",
+    "load",
+    "mode",
+    "status",
+]

@@ -1,0 +1,311 @@
+// The NaN rule's prefix case as two CPU operators (see attnlab/functional/nan_rule.py).
+//
+// Every query row i attends a prefix [0, hi_i) of the keys (no mask, causal, padding, both).
+// Row i is NaN in column d iff the first key whose k (any entry) or v[d] is non-finite lies below
+// hi_i, or q_i is non-finite and hi_i > 0. Both operators read q, k and v once and touch the
+// output only where it becomes NaN: for finite inputs their cost is one read of the inputs.
+//
+//   attnlab_nan::poison_prefix_(out!, q, k, v, hi, lse?) -> ()
+//       writes NaN into out (and lse, on whole-row poison) where the rule says; in place.
+//   attnlab_nan::sdpa_prefix(q, k, v, attn_mask?, hi, scale, is_causal, enable_gqa, clean_k)
+//       -> out: at::scaled_dot_product_attention on (q, k', v') with v' = nan_to_num(v) and
+//       k' = nan_to_num(k) (if clean_k) when they hold a non-finite entry (else the inputs
+//       themselves: no copy), then poison_prefix_.
+//   attnlab_nan::decode_attend(q, k, v, scale) -> out: the decode backend's unmasked step
+//       (attnlab/functional/decode.py `_attend`) as the same ATen calls in the same order, so
+//       bit-equal to it, without a Python round trip per call.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// A value is non-finite iff its exponent bits are all ones (inf or NaN).
+template <typename T> struct Bits;
+template <> struct Bits<float> {
+  using U = uint32_t;
+  static constexpr U kExp = 0x7f800000u;
+};
+template <> struct Bits<double> {
+  using U = uint64_t;
+  static constexpr U kExp = 0x7ff0000000000000ull;
+};
+template <> struct Bits<c10::BFloat16> {
+  using U = uint16_t;
+  static constexpr U kExp = 0x7f80u;
+};
+template <> struct Bits<c10::Half> {
+  using U = uint16_t;
+  static constexpr U kExp = 0x7c00u;
+};
+
+// True iff some entry of the n contiguous values at p is non-finite (branch-free, vectorisable).
+template <typename T>
+inline bool row_bad(const T* p, int64_t n) {
+  using U = typename Bits<T>::U;
+  constexpr U E = Bits<T>::kExp;
+  const U* u = reinterpret_cast<const U*>(p);
+  U acc = 0;
+  for (int64_t j = 0; j < n; ++j) acc |= static_cast<U>(((u[j] & E) == E) ? 1 : 0);
+  return acc != 0;
+}
+
+template <typename T>
+inline bool is_bad(const T* p) {
+  using U = typename Bits<T>::U;
+  constexpr U E = Bits<T>::kExp;
+  return (*reinterpret_cast<const U*>(p) & E) == E;
+}
+
+at::Tensor unit_last(const at::Tensor& x) {
+  return (x.size(-1) <= 1 || x.stride(-1) == 1) ? x : x.contiguous();
+}
+
+// What the rule needs from q, k, v: per (b, h_kv) and column d the first key whose k row or
+// v[d] is non-finite (S if none); per query row whether q_i is non-finite; whether k or v holds
+// any non-finite entry.
+struct Scan {
+  std::vector<int64_t> first;  // (B, H_kv, Dv)
+  std::vector<int64_t> first_min;  // (B, H_kv): min over d
+  std::vector<int64_t> first_k;  // (B, H_kv)
+  std::vector<uint8_t> q_bad;  // (B, H, L)
+  bool k_any = false, v_any = false;
+};
+
+template <typename T>
+Scan scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
+  const int64_t Hk = k.size(1), S = k.size(2), Dv = v.size(3);
+  Scan r;
+  r.first.assign(B * Hk * Dv, S);
+  r.first_min.assign(B * Hk, S);
+  r.first_k.assign(B * Hk, S);
+  r.q_bad.assign(B * H * L, 0);
+  const T* kp = k.const_data_ptr<T>();
+  const T* vp = v.const_data_ptr<T>();
+  const T* qp = q.const_data_ptr<T>();
+  const auto ks = k.strides();
+  const auto vs = v.strides();
+  const auto qs = q.strides();
+  std::vector<uint8_t> vbad(B * Hk, 0);
+  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / Hk, h = bh % Hk;
+      const T* kb = kp + b * ks[0] + h * ks[1];
+      int64_t fk = S;
+      for (int64_t s = 0; s < S; ++s) {
+        if (row_bad(kb + s * ks[2], D)) {
+          fk = s;
+          break;
+        }
+      }
+      r.first_k[bh] = fk;
+      const T* vb = vp + b * vs[0] + h * vs[1];
+      int64_t* first = r.first.data() + bh * Dv;
+      // columns found so far; the scan of v stops at the first key of a bad k row (nothing
+      // past it can lower `first` below fk)
+      int64_t found = 0;
+      for (int64_t s = 0; s < fk && found < Dv; ++s) {
+        const T* row = vb + s * vs[2];
+        if (!row_bad(row, Dv)) continue;
+        vbad[bh] = 1;
+        for (int64_t d = 0; d < Dv; ++d) {
+          if (first[d] == S && is_bad(row + d)) {
+            first[d] = s;
+            ++found;
+          }
+        }
+      }
+      if (fk < S && !vbad[bh]) {
+        // v beyond the first bad key is not needed for `first`, but sdpa_prefix must know
+        // whether v needs cleaning at all
+        for (int64_t s = fk; s < S; ++s) {
+          if (row_bad(vb + s * vs[2], Dv)) {
+            vbad[bh] = 1;
+            break;
+          }
+        }
+      }
+      int64_t mn = fk;
+      for (int64_t d = 0; d < Dv; ++d) {
+        first[d] = std::min(first[d], fk);
+        mn = std::min(mn, first[d]);
+      }
+      r.first_min[bh] = mn;
+    }
+  });
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const T* qb = qp + b * qs[0] + h * qs[1];
+      for (int64_t i = 0; i < L; ++i) r.q_bad[bh * L + i] = row_bad(qb + i * qs[2], D) ? 1 : 0;
+    }
+  });
+  for (int64_t bh = 0; bh < B * Hk; ++bh) {
+    r.k_any = r.k_any || r.first_k[bh] < S;
+    r.v_any = r.v_any || vbad[bh];
+  }
+  return r;
+}
+
+template <typename T, typename TL>
+void apply(const Scan& r, at::Tensor& out, const at::Tensor& hi, at::Tensor* lse, int64_t Hk,
+           int64_t S) {
+  const int64_t B = out.size(0), H = out.size(1), L = out.size(2), Dv = out.size(3);
+  const int64_t G = H / Hk;
+  T* op = out.mutable_data_ptr<T>();
+  const auto os = out.strides();
+  const at::Tensor hic = hi.to(at::kLong).contiguous();
+  const int64_t* hp = hic.const_data_ptr<int64_t>();
+  const int64_t hB = hic.size(0) == 1 ? 0 : hic.size(-1) * hic.size(1);
+  const int64_t hL = hic.size(-1) == 1 ? 0 : 1;
+  TL* lp = lse ? lse->mutable_data_ptr<TL>() : nullptr;
+  const auto ls = lse ? lse->strides() : at::IntArrayRef();
+  const T nan = std::numeric_limits<T>::quiet_NaN();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H, bk = b * Hk + h / G;
+      const int64_t mn = r.first_min[bk];
+      const int64_t* first = r.first.data() + bk * Dv;
+      for (int64_t i = 0; i < L; ++i) {
+        int64_t lim = hp[b * hB + i * hL];
+        if (lim > 0 && r.q_bad[bh * L + i]) lim = S + 1;  // a bad q poisons every column
+        if (lim <= mn) continue;  // the common case: nothing to poison, out is not touched
+        T* row = op + b * os[0] + h * os[1] + i * os[2];
+        for (int64_t d = 0; d < Dv; ++d) {
+          if (first[d] < lim) row[d * os[3]] = nan;
+        }
+        if (lp && r.first_k[bk] < lim) {
+          lp[b * ls[0] + h * ls[1] + i * ls[2]] = std::numeric_limits<TL>::quiet_NaN();
+        }
+      }
+    }
+  });
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& hi) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attnlab_nan: q, k, v must be 4-D");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() &&
+                  hi.device().is_cpu(),
+              "attnlab_nan: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "attnlab_nan: q, k and v must share one dtype");
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == v.size(1) &&
+                  k.size(2) == v.size(2) && k.size(3) == q.size(3),
+              "attnlab_nan: q (B, H, L, D), k (B, H_kv, S, D), v (B, H_kv, S, Dv) expected");
+  TORCH_CHECK(k.size(1) == 0 ? q.size(1) == 0 : q.size(1) % k.size(1) == 0,
+              "attnlab_nan: H % H_kv != 0");
+  TORCH_CHECK(hi.dim() == 3 && hi.size(1) == 1 && (hi.size(0) == 1 || hi.size(0) == q.size(0)) &&
+                  (hi.size(2) == 1 || hi.size(2) == q.size(2)),
+              "attnlab_nan: hi must be (B|1, 1, L|1)");
+}
+
+void check_out(const at::Tensor& out, const at::Tensor& q, const at::Tensor& v) {
+  TORCH_CHECK(out.dim() == 4 && out.device().is_cpu() && out.scalar_type() == q.scalar_type(),
+              "attnlab_nan: out must be a 4-D CPU tensor of q's dtype");
+  TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1) && out.size(2) == q.size(2) &&
+                  out.size(3) == v.size(3),
+              "attnlab_nan: out must be (B, H, L, Dv)");
+}
+
+template <typename T>
+void poison_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& hi, const c10::optional<at::Tensor>& lse, const Scan& r) {
+  if (lse.has_value()) {
+    at::Tensor l = *lse;
+    TORCH_CHECK(l.dim() == 3 && l.size(0) == q.size(0) && l.size(1) == q.size(1) &&
+                    l.size(2) == q.size(2),
+                "attnlab_nan: lse must be (B, H, L)");
+    if (l.scalar_type() == at::kDouble) {
+      apply<T, double>(r, out, hi, &l, k.size(1), k.size(2));
+    } else {
+      TORCH_CHECK(l.scalar_type() == at::kFloat, "attnlab_nan: lse must be float32 or float64");
+      apply<T, float>(r, out, hi, &l, k.size(1), k.size(2));
+    }
+  } else {
+    apply<T, float>(r, out, hi, nullptr, k.size(1), k.size(2));
+  }
+}
+
+#define ATTNLAB_DISPATCH(dtype, NAME, ...)                                  \
+  switch (dtype) {                                                          \
+    case at::kFloat: { using scalar_t = float; __VA_ARGS__; break; }        \
+    case at::kDouble: { using scalar_t = double; __VA_ARGS__; break; }      \
+    case at::kBFloat16: { using scalar_t = c10::BFloat16; __VA_ARGS__; break; } \
+    case at::kHalf: { using scalar_t = c10::Half; __VA_ARGS__; break; }     \
+    default: TORCH_CHECK(false, NAME ": unsupported dtype ", dtype);        \
+  }
+
+void poison_prefix_(at::Tensor out, const at::Tensor& q_, const at::Tensor& k_,
+                    const at::Tensor& v_, const at::Tensor& hi,
+                    const c10::optional<at::Tensor>& lse) {
+  const at::Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
+  check_inputs(q, k, v, hi);
+  check_out(out, q, v);
+  if (q.numel() == 0 || k.size(2) == 0 || out.numel() == 0) return;
+  ATTNLAB_DISPATCH(q.scalar_type(), "poison_prefix_", {
+    const Scan r = scan<scalar_t>(q, k, v);
+    poison_impl<scalar_t>(out, q, k, v, hi, lse, r);
+  });
+}
+
+at::Tensor sdpa_prefix(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                       const c10::optional<at::Tensor>& attn_mask, const at::Tensor& hi,
+                       double scale, bool is_causal, bool enable_gqa, bool clean_k) {
+  const at::Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
+  check_inputs(q, k, v, hi);
+  at::Tensor out;
+  ATTNLAB_DISPATCH(q.scalar_type(), "sdpa_prefix", {
+    const Scan r = scan<scalar_t>(q, k, v);
+    const at::Tensor kk = (clean_k && r.k_any) ? at::nan_to_num(k, 0.0, 0.0, 0.0) : k;
+    const at::Tensor vv = r.v_any ? at::nan_to_num(v, 0.0, 0.0, 0.0) : v;
+    out = at::scaled_dot_product_attention(q, kk, vv, attn_mask, 0.0, is_causal, scale,
+                                           enable_gqa);
+    check_out(out, q, v);
+    if (q.numel() != 0 && k.size(2) != 0 && out.numel() != 0) {
+      poison_impl<scalar_t>(out, q, k, v, hi, c10::nullopt, r);
+    }
+  });
+  return out;
+}
+
+at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attend: 4-D q, k, v");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "decode_attend: H % H_kv != 0");
+  const auto c = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const int64_t b = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
+  const int64_t Hk = k.size(1), n = k.size(2), Dv = v.size(3);
+  // (b, H, L, D) -> (b·H_kv, G·L, D): the G query heads sharing one k/v head, stacked
+  const at::Tensor qg = q.reshape({b * Hk, (H / Hk) * L, D}).to(c);
+  const at::Tensor kk = k.reshape({b * Hk, n, D}).to(c);
+  const at::Tensor vv = v.reshape({b * Hk, n, Dv}).to(c);
+  at::Tensor s = at::bmm(qg, kk.transpose(1, 2)).mul_(scale);  // (b·H_kv, G·L, n)
+  const at::Tensor low = s.amin({-1}, true);  // NaN or -inf iff the row has such a logit
+  const at::Tensor poison = low - low;  // +0.0, or NaN
+  at::Tensor out = at::bmm(at::softmax(s, -1), vv).sub_(poison);  // x - (+0.0) == x
+  return out.view({b, H, L, Dv});  // in the compute dtype, as `_attend`
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attnlab_nan, m) {
+  m.def("poison_prefix_(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor hi, "
+        "Tensor(b!)? lse=None) -> ()");
+  m.def("sdpa_prefix(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor hi, float scale, "
+        "bool is_causal, bool enable_gqa, bool clean_k) -> Tensor");
+  m.def("decode_attend(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnlab_nan, CPU, m) {
+  m.impl("poison_prefix_", &poison_prefix_);
+  m.impl("sdpa_prefix", &sdpa_prefix);
+  m.impl("decode_attend", &decode_attend);
+}

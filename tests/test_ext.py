@@ -1,0 +1,250 @@
+"""The just-in-time C++ operators (`attnlab._ext`, ``_ext/nan_rule.cpp``) and their fallback.
+
+The operators must give bit-for-bit the results of the pure-PyTorch NaN-rule paths they replace
+(sdpa's prefix calls, `nan_rule.poison_prefix`, the decode step), on finite inputs and with
+NaN/±inf planted anywhere; without a compiler (or with ``ATTNLAB_EXT=0``) everything runs on the
+fallback; a build is keyed on the CPU's flags.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnlab
+from attnlab import _ext, masks
+from attnlab.functional import nan_rule
+from attnlab.functional.decode import decode_run
+from attnlab.functional.validate import build_request
+
+SRC = str(Path(attnlab.__file__).resolve().parent.parent)
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.fixture(scope="module")
+def ext() -> None:
+    """Builds (first run on a machine: about a minute) or loads the operators, else skips."""
+    if _ext.mode() == "off" or not _ext.load("nan_rule"):
+        pytest.skip(f"C++ extension unavailable: {_ext.status('nan_rule')}")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal: the same NaN positions and the same bits everywhere else (sign of 0 too)."""
+    if not torch.equal(torch.isnan(a), torch.isnan(b)):
+        return False
+    a0, b0 = a.nan_to_num(0.0, INF, -INF), b.nan_to_num(0.0, INF, -INF)
+    return torch.equal(a0, b0) and torch.equal(torch.signbit(a0), torch.signbit(b0))
+
+
+def _plant(ts: tuple[torch.Tensor, ...], n: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    values = (NAN, INF, -INF)
+    for t in ts:
+        for _ in range(n):
+            idx = tuple(int(torch.randint(0, s, (1,), generator=g)) for s in t.shape)
+            t[idx] = values[int(torch.randint(0, 3, (1,), generator=g))]
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, fn):
+    """``fn()`` on the fallback (ATTNLAB_EXT=0), then on the operators (require)."""
+    monkeypatch.setenv(_ext.ENV, "0")
+    off = fn()
+    monkeypatch.setenv(_ext.ENV, "require")
+    on = fn()
+    return off, on
+
+
+MASKS = {
+    "causal": lambda B, S: masks.causal(),
+    "causal&padding": lambda B, S: masks.causal() & masks.padding([S - 3 * b for b in range(B)]),
+}
+SHAPES = [  # B, H, H_kv, L, S, D, Dv
+    (2, 4, 2, 33, 33, 16, 16),  # causal L == S: torch's fused is_causal kernel
+    (1, 2, 1, 70, 70, 8, 8),
+    (3, 4, 4, 20, 45, 16, 16),  # L < S: a dense bottom-right mask
+    (2, 2, 1, 9, 9, 8, 12),  # Dv != D: torch's math kernel, k cleaned
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_sdpa_prefix_bit_equal_to_tensor_ops(ext, monkeypatch, dtype, mask) -> None:
+    """``sdpa_prefix`` (scan, conditional clean, kernel, poison) equals sdpa's tensor-op path bit
+    for bit, and both follow the NaN rule (non-finite pattern of the float64 reference)."""
+    torch.manual_seed(0)
+    for B, H, H_kv, L, S, D, Dv in SHAPES:
+        for planted in (0, 1, 3):
+            q = torch.randn(B, H, L, D, dtype=dtype)
+            k = torch.randn(B, H_kv, S, D, dtype=dtype)
+            v = torch.randn(B, H_kv, S, Dv, dtype=dtype)
+            _plant((q, k, v), planted, seed=planted + S)
+            m = MASKS[mask](B, S)
+            off, on = _both(
+                monkeypatch, lambda q=q, k=k, v=v, m=m: attnlab.attention(q, k, v, mask=m)
+            )
+            assert _same(off, on), (B, H, H_kv, L, S, D, Dv, planted)
+            ref = attnlab.attention(q.double(), k.double(), v.double(), mask=m, backend="reference")
+            assert torch.equal(torch.isfinite(on), torch.isfinite(ref))
+
+
+def test_sdpa_prefix_runs_and_poisons_exactly(ext, monkeypatch) -> None:
+    """The operator itself: a NaN in v[j, d] makes column d NaN exactly from row j on (causal),
+    a NaN q_i exactly row i, an inf key j rows ≥ j; everything else equals the finite call."""
+    monkeypatch.setenv(_ext.ENV, "require")
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
+    clean = attnlab.attention(q, k, v, mask=masks.causal())
+    v[0, 1, 10, 3] = NAN
+    q[0, 0, 5, 0] = NAN
+    k[0, 0, 30, 2] = -INF
+    hi = (torch.arange(40) + 1).view(1, 1, 40)
+    out = torch.ops.attnlab_nan.sdpa_prefix(q, k, v, None, hi, 8**-0.5, True, False, False)
+    want = torch.zeros(1, 2, 40, 8, dtype=torch.bool)
+    want[0, 1, 10:, 3] = True
+    want[0, 0, 5] = True
+    want[0, 0, 30:] = True  # k head 0 serves query head 0 only (H = H_kv = 2)
+    assert torch.equal(torch.isnan(out), want)
+    assert torch.equal(out[~want], clean[~want])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_poison_prefix_bit_equal(ext, monkeypatch, dtype) -> None:
+    """`nan_rule.poison_prefix` (used by flash) on the operator equals its tensor ops, out and
+    lse, for causal and padding prefixes with GQA; the caller's lse is not modified."""
+    torch.manual_seed(2)
+    B, H, H_kv, L, S, D = 2, 4, 2, 24, 30, 8
+    for planted in (0, 2, 5):
+        q = torch.randn(B, H, L, D, dtype=dtype)
+        k = torch.randn(B, H_kv, S, D, dtype=dtype)
+        v = torch.randn(B, H_kv, S, D, dtype=dtype)
+        _plant((q, k, v), planted, seed=planted)
+        out = torch.randn(B, H, L, D, dtype=dtype)
+        lse = torch.randn(B, H, L, dtype=torch.float64 if dtype == torch.float64 else None)
+        for hi in (
+            (torch.arange(L) + S - L + 1).view(1, 1, L),
+            torch.tensor([S, 7]).view(B, 1, 1),
+            torch.tensor([[0] * L, list(range(L))]).view(B, 1, L),
+        ):
+            lse0 = lse.clone()
+
+            def run(hi=hi, out=out, q=q, k=k, v=v, lse=lse):
+                return nan_rule.poison_prefix(out.clone(), q, k, v, hi, own_out=True, lse=lse)
+
+            (o1, l1), (o2, l2) = _both(monkeypatch, run)
+            assert _same(o1, o2) and _same(l1, l2)
+            assert torch.equal(lse, lse0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_decode_attend_bit_equal(ext, monkeypatch, dtype) -> None:
+    """The decode step (`decode._attend`) on the operator equals its Python calls bit for bit."""
+    torch.manual_seed(3)
+    q = torch.randn(2, 8, 1, 32, dtype=dtype)
+    k = torch.randn(2, 2, 600, 32, dtype=dtype)
+    v = torch.randn(2, 2, 600, 32, dtype=dtype)
+    for planted in (0, 1, 4):
+        _plant((q, k, v), planted, seed=planted)
+        req = build_request(
+            q,
+            k,
+            v,
+            mask=masks.padding([600, 411]),
+            bias=None,
+            scale=None,
+            temperature=0.7,
+            score="dot",
+            dropout_p=0.0,
+            backend="decode",
+            return_weights=False,
+        )
+        off, on = _both(monkeypatch, lambda req=req: decode_run(req)[0])
+        assert on.dtype == dtype and _same(off, on)
+
+
+def test_not_used_with_autograd_compile_or_meta() -> None:
+    """`nan_rule.ext_ready` refuses tensors needing a gradient, meta tensors, other dtypes."""
+    x = torch.randn(2, 3)
+    assert not nan_rule.ext_ready(x.requires_grad_())
+    assert not nan_rule.ext_ready(torch.empty(2, 3, device="meta"))
+    assert not nan_rule.ext_ready(torch.zeros(2, 3, dtype=torch.int64))
+    with torch.no_grad():  # no gradient is recorded: allowed (if built)
+        assert nan_rule.ext_ready(x) == (_ext.mode() != "off" and _ext.load("nan_rule"))
+
+
+def test_off_mode_never_loads(monkeypatch) -> None:
+    monkeypatch.setenv(_ext.ENV, "0")
+    assert _ext.mode() == "off"
+    assert _ext.load("nan_rule") is False
+    assert not nan_rule.ext_ready(torch.zeros(2))
+
+
+def test_build_key_depends_on_cpu_flags_and_source(monkeypatch) -> None:
+    """A library built on one CPU is never loaded on another: the key includes its flags."""
+    key = _ext.build_key("nan_rule", "src")
+    assert _ext.build_key("nan_rule", "src") == key
+    assert _ext.build_key("nan_rule", "src2") != key
+    monkeypatch.setattr(_ext, "cpu_flags", lambda: "x86_64|Intel Xeon|amx_bf16 avx512f")
+    assert _ext.build_key("nan_rule", "src") != key
+
+
+def _run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "PYTHONPATH": SRC, **env}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=240
+    )
+
+
+FALLBACK_CHECK = """
+import torch, attnlab
+from attnlab import _ext, masks
+torch.manual_seed(0)
+q, k, v = (torch.randn(2, 4, 40, 16) for _ in range(3))
+v[0, 1, 7, 3] = float("nan")
+out = attnlab.attention(q, k, v, mask=masks.causal())
+ref = attnlab.attention(q, k, v, mask=masks.causal(), backend="reference")
+assert torch.equal(torch.isnan(out), torch.isnan(ref))
+assert torch.allclose(out.nan_to_num(0), ref.nan_to_num(0), atol=1e-5)
+print("status:", _ext.status("nan_rule"))
+"""
+
+
+def test_no_compiler_falls_back(tmp_path) -> None:
+    """With the compiler hidden and an empty cache, attention runs on the PyTorch path (same
+    NaN rule) in a fresh process, and nothing is built."""
+    env = {"CXX": str(tmp_path / "no-such-c++"), _ext.CACHE_ENV: str(tmp_path / "cache")}
+    r = _run_python(FALLBACK_CHECK, env)
+    assert r.returncode == 0, r.stderr
+    assert "status: RuntimeError: no C++ compiler found" in r.stdout
+    assert not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_no_compiler_reason_and_require(tmp_path, monkeypatch) -> None:
+    """The reason names the missing compiler, no ``.failed`` note is left (installing one later
+    builds), and ATTNLAB_EXT=require turns the reason into ExtensionUnavailableError."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setenv(_ext.CACHE_ENV, str(tmp_path))
+    why = _ext._load_now("nan_rule")
+    assert isinstance(why, str) and "no C++ compiler found" in why
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setenv(_ext.ENV, "require")
+    monkeypatch.setitem(_ext._STATE, "nan_rule_test", why)  # as `load` records it
+    with pytest.raises(_ext.ExtensionUnavailableError, match=r"no C\+\+ compiler found"):
+        _ext.load("nan_rule_test")
+
+
+def test_failed_build_is_remembered(tmp_path, monkeypatch) -> None:
+    """A compiler that fails leaves a ``.failed`` note for this key: the next process does not
+    retry the build (and falls back), until the note is deleted or the key changes."""
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv(_ext.CACHE_ENV, str(tmp_path))
+    why = _ext._load_now("nan_rule")
+    assert why is not True
+    notes = list(tmp_path.glob("*.failed"))
+    assert len(notes) == 1 and not list(tmp_path.glob("*.so"))
+    again = _ext._load_now("nan_rule")
+    assert isinstance(again, str) and again.startswith("an earlier build failed")
