@@ -29,7 +29,7 @@ NAN, INF = float("nan"), float("inf")
 @pytest.fixture(scope="module")
 def ext() -> None:
     """Builds (first run on a machine: about a minute) or loads the operators, else skips."""
-    if _ext.mode() == "off" or not _ext.load("nan_rule"):
+    if _ext.mode() == "off" or not _ext.load("nan_rule", wait=True):
         pytest.skip(f"C++ extension unavailable: {_ext.status('nan_rule')}")
 
 
@@ -176,6 +176,38 @@ def test_not_used_with_autograd_compile_or_meta() -> None:
         assert nan_rule.ext_ready(x) == (_ext.mode() != "off" and _ext.load("nan_rule"))
 
 
+def test_auto_mode_builds_in_the_background(tmp_path, monkeypatch) -> None:
+    """With nothing cached, the first `load` in auto mode returns False at once and builds in a
+    daemon thread (the PyTorch path runs meanwhile); ``wait=True`` then returns the result."""
+    import threading
+    import time
+
+    started = threading.Event()
+    release = threading.Event()
+
+    def slow_build(name, source, target):
+        started.set()
+        release.wait(10)
+        raise RuntimeError("stand-in compiler failed")
+
+    monkeypatch.delenv(_ext.ENV, raising=False)
+    monkeypatch.setenv(_ext.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CXX", sys.executable)  # "a compiler exists" (never run: _build is replaced)
+    monkeypatch.setattr(_ext, "_build", slow_build)
+    monkeypatch.setattr(_ext, "_build_detached", lambda name: None)  # then _load_now builds
+    name = "nan_rule"
+    monkeypatch.setitem(_ext._STATE, name, None)
+    _ext._STATE.pop(name)
+    t0 = time.perf_counter()
+    assert _ext.load(name) is False  # returns at once
+    assert time.perf_counter() - t0 < 5 and started.wait(10)
+    assert _ext.status(name) == _ext.BUILDING and _ext.load(name) is False
+    release.set()
+    assert _ext.load(name, wait=True) is False
+    assert "stand-in compiler failed" in str(_ext.status(name))
+    assert len(list(tmp_path.glob("*.failed"))) == 1  # remembered for the next process
+
+
 def test_off_mode_never_loads(monkeypatch) -> None:
     monkeypatch.setenv(_ext.ENV, "0")
     assert _ext.mode() == "off"
@@ -221,6 +253,26 @@ def test_no_compiler_falls_back(tmp_path) -> None:
     assert r.returncode == 0, r.stderr
     assert "status: RuntimeError: no C++ compiler found" in r.stdout
     assert not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_python_m_attnlab_ext_reports_each_extension(tmp_path) -> None:
+    """``python -m attnlab._ext`` (the detached builder): one line per extension, exit 1 when one
+    is unavailable (here: no compiler, so nothing is built or remembered)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": SRC,
+        "CXX": str(tmp_path / "no-such-c++"),
+        _ext.CACHE_ENV: str(tmp_path),
+    }
+    r = subprocess.run(
+        [sys.executable, "-m", "attnlab._ext", "nan_rule"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1 and r.stdout.startswith("nan_rule: RuntimeError: no C++ compiler")
+    assert not list(tmp_path.iterdir())
 
 
 def test_no_compiler_reason_and_require(tmp_path, monkeypatch) -> None:

@@ -2,7 +2,12 @@
 
 A C++ source next to this file (``<name>.cpp``) registers ``torch.ops`` operators with
 ``TORCH_LIBRARY``. `load` builds it with `torch.utils.cpp_extension.load` the first time a caller
-asks for it, keeps the shared library in a cache directory, and loads it into the process; every
+asks for it, keeps the shared library in a cache directory, and loads it into the process. The
+first build on a machine takes tens of seconds, so by default it runs in a separate process
+(``python -m attnlab._ext NAME``, in its own session: it finishes even if the caller exits first),
+watched by a background thread, and nobody waits for it: until it is done `load` answers False
+and the callers run their PyTorch path (``load(name, wait=True)`` and ``ATTNLAB_EXT=require``
+wait for it); every
 caller keeps a pure-PyTorch fallback that computes the same values, used whenever `load` returns
 False (no compiler, a failed build, ``ATTNLAB_EXT=0``, under ``torch.compile``, meta tensors).
 
@@ -15,8 +20,9 @@ file and no lock can be left behind. A failed build is remembered (a ``.failed``
 compiler's message) and not retried until the key changes or the file is deleted.
 
 Environment:
-    ``ATTNLAB_EXT``: unset/``auto`` — build or load on first use, fall back silently on failure
-    (one logged warning); ``0``/``off`` — never load (the pure-PyTorch paths run);
+    ``ATTNLAB_EXT``: unset/``auto`` — load on first use, or build in the background (the
+    PyTorch paths run meanwhile); fall back silently on failure (one logged warning);
+    ``0``/``off`` — never load (the pure-PyTorch paths run);
     ``require`` — raise `ExtensionUnavailableError` instead of falling back (tests, benchmarks).
     ``ATTNLAB_EXT_CACHE``: the cache directory (default ``$XDG_CACHE_HOME/attnlab/ext`` or
     ``~/.cache/attnlab/ext``). ``CXX``: the compiler (default ``c++``).
@@ -44,6 +50,9 @@ LDFLAGS = ("-fopenmp",)
 _HERE = Path(__file__).resolve().parent
 _LOCK = threading.Lock()
 _STATE: dict[str, bool | str] = {}  # name -> True (loaded) or why not
+_THREADS: dict[str, threading.Thread] = {}  # name -> its background build
+BUILDING = "building in the background"
+STALE_SECONDS = 3600  # a build directory older than this was left by a killed process
 _log = logging.getLogger("attnlab.ext")
 
 
@@ -116,6 +125,7 @@ def _build(name: str, source: str, target: Path) -> None:
     if compiler() is None:
         raise RuntimeError(f"no C++ compiler found (CXX={os.environ.get('CXX', 'c++')!r})")
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(target.parent, name)
     with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=target.parent) as tmp:
         src = Path(tmp) / f"{name}.cpp"
         src.write_text(source, encoding="utf-8")
@@ -131,11 +141,31 @@ def _build(name: str, source: str, target: Path) -> None:
         os.replace(Path(tmp) / f"{target.stem}.so", target)
 
 
-def load(name: str) -> bool:
-    """Makes the operators of ``_ext/<name>.cpp`` available; False if they cannot be.
+def _remove_stale(directory: Path, name: str) -> None:
+    """Deletes build directories that a killed process left behind (older than an hour)."""
+    import time
 
-    Builds on the first call on this machine (tens of seconds), then loads the cached library
-    (milliseconds); the answer is remembered for the process.
+    for d in directory.glob(f"{name}-*"):
+        try:
+            if d.is_dir() and time.time() - d.stat().st_mtime > STALE_SECONDS:
+                shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _target(name: str) -> tuple[str, Path]:
+    source = (_HERE / f"{name}.cpp").read_text(encoding="utf-8")
+    return source, cache_dir() / f"attnlab_{name}_{build_key(name, source)}.so"
+
+
+def load(name: str, *, wait: bool | None = None) -> bool:
+    """Makes the operators of ``_ext/<name>.cpp`` available; False if they are not (yet).
+
+    A library built earlier on this machine loads at once (milliseconds). Otherwise the first
+    call starts the build: in a background daemon thread (``wait=False``, the default in "auto"
+    mode: this call and the calls during the build answer False and their callers use PyTorch),
+    or in this call (``wait=True``, the default with ``ATTNLAB_EXT=require``). The answer is
+    remembered for the process.
 
     Raises:
         ExtensionUnavailableError: only with ``ATTNLAB_EXT=require``, when the build or load failed.
@@ -143,22 +173,64 @@ def load(name: str) -> bool:
     how = mode()
     if how == "off":
         return False
+    if wait is None:
+        wait = how == "require"
     state = _STATE.get(name)
     if state is None:
         with _LOCK:
             state = _STATE.get(name)
             if state is None:
-                state = _STATE[name] = _load_now(name)
+                state = _STATE[name] = _start(name, wait)
+    if state == BUILDING and wait:
+        thread = _THREADS.get(name)
+        if thread is not None:
+            thread.join()
+        state = _STATE.get(name)
     if state is not True and how == "require":
         raise ExtensionUnavailableError(f"attnlab C++ extension {name!r} is unavailable: {state}")
     return state is True
 
 
+def _build_detached(name: str) -> None:
+    """Builds ``name`` in ``python -m attnlab._ext`` in its own session, so the build finishes
+    (and the library lands in the cache) even if this process exits first."""
+    import subprocess
+
+    path = os.pathsep.join(p for p in (str(_HERE.parent.parent), os.environ.get("PYTHONPATH")) if p)
+    subprocess.run(
+        [sys.executable, "-m", "attnlab._ext", name],
+        env={**os.environ, "PYTHONPATH": path},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        check=False,
+    )
+
+
+def _start(name: str, wait: bool) -> bool | str:
+    """Loads a cached library now, or builds: now (``wait``) or in a background thread."""
+    try:
+        _, target = _target(name)
+        quick = wait or target.exists() or target.with_suffix(".failed").exists()
+    except Exception:  # the reason is recorded by `_load_now`
+        quick = True
+    if quick or compiler() is None:
+        return _load_now(name)
+
+    def build() -> None:
+        _build_detached(name)
+        _STATE[name] = _load_now(name)  # the library it left, or its ``.failed`` note
+
+    thread = threading.Thread(target=build, name=f"attnlab-ext-{name}", daemon=True)
+    _THREADS[name] = thread
+    thread.start()
+    return BUILDING
+
+
 def _load_now(name: str) -> bool | str:
     try:
-        source = (_HERE / f"{name}.cpp").read_text(encoding="utf-8")
-        key = build_key(name, source)
-        target = cache_dir() / f"attnlab_{name}_{key}.so"
+        source, target = _target(name)
         failed = target.with_suffix(".failed")
         if not target.exists():
             if failed.exists():
@@ -188,10 +260,15 @@ def status(name: str) -> bool | str | None:
 def forget(name: str) -> None:
     """Forgets this process's answer for ``name`` (tests; an already loaded library stays)."""
     with _LOCK:
+        thread = _THREADS.pop(name, None)
+    if thread is not None:
+        thread.join()
+    with _LOCK:
         _STATE.pop(name, None)
 
 
 __all__ = [
+    "BUILDING",
     "CACHE_ENV",
     "ENV",
     "ExtensionUnavailableError",
