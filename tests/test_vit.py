@@ -371,11 +371,12 @@ def test_cli_defaults_are_the_library_defaults():
         s.warmup,
         s.weight_decay,
     )
-    assert (args.shift, args.seed, args.time_budget, args.eval_every) == (
+    assert (args.shift, args.seed, args.time_budget, args.eval_every, args.label_smoothing) == (
         s.shift,
         s.seed,
         s.time_budget,
         s.eval_every,
+        s.label_smoothing,
     )
     assert (
         args.patch_size,

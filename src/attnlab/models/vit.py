@@ -67,7 +67,7 @@ class ViTConfig:
     n_layers: int = 4
     n_heads: int = 4
     d_ff: int | None = None
-    dropout: float = 0.1
+    dropout: float = 0.0
     positional: str = "learned"
     norm: str = "layernorm"
     attn_backend: str = "auto"

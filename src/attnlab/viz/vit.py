@@ -2,8 +2,8 @@
 
 `vit_maps_figure` draws one row per image: the image itself, then its attention rollout (the
 [CLS] row of `attnlab.analysis.rollout.attention_rollout` over the patches), then the [CLS] row of
-every head of one layer, each map laid over the grey image as a translucent heat layer with one
-cell per patch. `patch_tokens` names the patches for the HTML viewer (`attnlab.viz.show`).
+every head of one layer, each map a heat picture with one cell per patch and the digit's
+outline drawn over it. `patch_tokens` names the patches for the HTML viewer (`attnlab.viz.show`).
 
 Example:
     >>> logits, weights = vit(images, need_weights=True)
@@ -61,7 +61,7 @@ def vit_maps_figure(
     labels: Sequence[str] | None = None,
     title: str | None = None,
     panel_size: float = 1.3,
-    alpha: float = 0.6,
+    outline_width: float = 0.8,
 ) -> Figure:
     """One row per image: the image, its rollout, and the [CLS] map of each head of ``layer``.
 
@@ -76,7 +76,7 @@ def vit_maps_figure(
         layer: the layer whose heads are drawn.
         labels: B row labels (e.g. "true 3 · pred 3").
         title: the figure title.
-        panel_size: inches per panel. alpha: opacity of the heat layer.
+        panel_size: inches per panel. outline_width: line width of the digit's outline.
 
     Returns:
         A matplotlib Figure (not registered with pyplot).
@@ -107,26 +107,27 @@ def vit_maps_figure(
         ]
         for c, (name, values) in enumerate(panels):
             ax = axes[b][c]
-            ax.imshow(pics[b].numpy(), cmap="gray_r", interpolation="nearest")
-            if values is not None:
-                heat = patch_map(values, grid, size)
-                top = float(heat.max())
-                ax.imshow(
-                    (heat / top if top > 0 else heat).numpy(),
-                    cmap="inferno",
-                    alpha=alpha,
-                    vmin=0.0,
-                    vmax=1.0,
-                    interpolation="nearest",
-                )
-                name = f"{name}\nmax {top:.2f}"
             ax.set_xticks([])
             ax.set_yticks([])
-            if b == 0 or values is None:
-                label = name if b == 0 else ""
-                if values is None and labels is not None:
-                    label = f"{label}\n{labels[b]}" if label else labels[b]
-                ax.set_title(label, fontsize=7)
+            if values is None:
+                ax.imshow(pics[b].numpy(), cmap="gray_r", interpolation="nearest")
+                label = labels[b] if labels is not None else ""
+                ax.set_title(f"{name}\n{label}" if b == 0 else label, fontsize=7)
+                continue
+            heat = patch_map(values, grid, size)
+            top = float(heat.max())
+            ax.imshow(
+                (heat / top if top > 0 else heat).numpy(),
+                cmap="inferno",
+                vmin=0.0,
+                vmax=1.0,
+                interpolation="nearest",
+            )
+            # The digit's outline (half the brightest pixel) over the heat.
+            if float(pics[b].max()) > float(pics[b].min()):
+                level = 0.5 * (float(pics[b].max()) + float(pics[b].min()))
+                ax.contour(pics[b].numpy(), levels=[level], colors="cyan", linewidths=outline_width)
+            ax.set_title(f"{name}\nmax {top:.2f}" if b == 0 else f"max {top:.2f}", fontsize=7)
     if title:
         fig.suptitle(title, fontsize=9)
     return fig
