@@ -13,6 +13,7 @@ from .config import TransformerConfig
 from .encoder import Encoder
 from .gpt import GPT
 from .minilm import MiniLM, minilm
+from .vit import VisionTransformer, ViTConfig
 
 __all__ = [
     "GPT",
@@ -28,5 +29,7 @@ __all__ = [
     "SwiGLU",
     "TransformerBlock",
     "TransformerConfig",
+    "ViTConfig",
+    "VisionTransformer",
     "minilm",
 ]
