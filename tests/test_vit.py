@@ -371,7 +371,13 @@ def test_cli_defaults_are_the_library_defaults():
         s.warmup,
         s.weight_decay,
     )
-    assert (args.shift, args.seed, args.time_budget, args.eval_every, args.label_smoothing) == (
+    assert (
+        args.shift,
+        args.seed,
+        args.time_budget or None,
+        args.eval_every,
+        args.label_smoothing,
+    ) == (
         s.shift,
         s.seed,
         s.time_budget,

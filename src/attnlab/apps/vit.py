@@ -139,7 +139,7 @@ class VitSettings:
     grad_clip: float = 1.0
     eval_every: int = 500
     seed: int = 0
-    time_budget: float | None = 270.0
+    time_budget: float | None = None
     precision: str = "fp32"
     shift: int = 1
     label_smoothing: float = 0.1

@@ -30,7 +30,7 @@ DESCRIPTION = (
     "OUT/metrics.json, OUT/vit_attention.png (attention rollout ½(A+I) and each head's [CLS] "
     "map over the patches, drawn on held-out digits) and OUT/attention.html (the attention "
     "viewer with the patches as tokens). The default 3,000 steps cost about 155 CPU-seconds "
-    "on one thread (AMD EPYC); --time-budget stops training earlier on a loaded machine."
+    "on one thread (AMD EPYC); --time-budget SECONDS stops training early."
 )
 
 
@@ -84,9 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--time-budget",
         type=nonnegative_float,
-        default=270.0,
+        default=0.0,
         metavar="SECONDS",
-        help="stop training after this many seconds (default 270; 0 = no limit)",
+        help="stop training after this many seconds of wall-clock time (default 0 = no limit; "
+        "a stop before the last step ends the run with a high learning rate)",
     )
     t.add_argument("--eval-every", type=nonnegative_int, default=500, metavar="STEPS", help="(500)")
     t.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="autocast (fp32)")
