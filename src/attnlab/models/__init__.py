@@ -16,6 +16,7 @@ from .gpt import GPT
 from .minilm import MiniLM, minilm
 from .rnn import RNNLM, RNNLMConfig, RNNSeq2Seq, RNNSeq2SeqConfig, build_rnn_lm, build_rnn_seq2seq
 from .seq2seq import Seq2SeqConfig, Seq2SeqTransformer, build_seq2seq_transformer
+from .vit import VisionTransformer, ViTConfig
 
 __all__ = [
     "GPT",
@@ -40,6 +41,8 @@ __all__ = [
     "TextClassifier",
     "TransformerBlock",
     "TransformerConfig",
+    "ViTConfig",
+    "VisionTransformer",
     "build_rnn_lm",
     "build_rnn_seq2seq",
     "build_seq2seq_transformer",
