@@ -38,6 +38,7 @@ from torch import Tensor
 
 from ..checkpoint import Checkpoint
 from ..models.vit import VisionTransformer, ViTConfig, build_vit
+from ..utils.extras import require
 from .loop import FitHistory, FitSettings, fit, load_model, save_model, write_metrics
 
 #: The checkpoint kind (``attnlab.apps.load_any`` dispatches on it).
@@ -75,11 +76,11 @@ def digits_split(seed: int = SPLIT_SEED, test_fraction: float = TEST_FRACTION) -
     Returns:
         A `DigitsSplit` (1,437 train and 360 test images with the defaults).
     """
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    datasets = require("sklearn.datasets", "apps", "attnlab.apps.vit (the digits)")
+    selection = require("sklearn.model_selection", "apps", "attnlab.apps.vit (the split)")
 
-    x, y = load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(
+    x, y = datasets.load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = selection.train_test_split(
         x, y, test_size=test_fraction, stratify=y, random_state=seed
     )
 
@@ -253,7 +254,7 @@ def svm_baseline(split: DigitsSplit | None = None) -> dict[str, float]:
     Returns:
         ``{"accuracy": held-out accuracy, "seconds": fit + predict time}``.
     """
-    from sklearn.svm import SVC
+    SVC = require("sklearn.svm", "apps", "the SVM baseline").SVC
 
     split = digits_split() if split is None else split
     t0 = time.perf_counter()
