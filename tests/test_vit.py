@@ -430,3 +430,14 @@ def test_cli_tiny_run_writes_everything(tmp_path, capsys):
     assert kind == "vit" and model.config.d_model == 16
     text = capsys.readouterr().out
     assert "held-out accuracy" in text and "SVM baseline" in text
+    # attnlab visualize knows the kind from the file: the digit's patches as tokens
+    capsys.readouterr()
+    view = tmp_path / "view.html"
+    ckpt = str(out / "ckpt.safetensors")
+    code = cli.main(["visualize", "--checkpoint", ckpt, "7", "--out", str(view), "--png"])
+    printed = capsys.readouterr().out
+    assert code == 0 and "held-out digit 7: true" in printed
+    assert "r3c3" in view.read_text() and view.with_suffix(".png").stat().st_size > 1000
+    code = cli.main(["visualize", "--checkpoint", ckpt, "360", "--format", "text"])
+    err = capsys.readouterr().err
+    assert code == 2 and "held-out image index in [0, 360)" in err and len(err.splitlines()) == 1

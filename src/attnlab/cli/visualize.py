@@ -87,10 +87,39 @@ def _summary(run: Attentions | LongAttentions) -> str:
 TRANSLATE_TEXT = "nine hundred and eighty-seven thousand, six hundred and fifty-four"
 
 
-def _is_translate(path: str) -> bool:
+def _kind(path: str) -> str:
     from ..apps import read_kind
 
-    return read_kind(path) == "translate"
+    return read_kind(path)
+
+
+def _vit_run(args: argparse.Namespace) -> Attentions:
+    """The self-attention of a vit checkpoint on one held-out digit (TEXT: its index in the
+    held-out split, default 0): [CLS] and the patches as tokens, every layer and head."""
+    import torch
+
+    from ..apps.vit import digits_split, load
+    from ..viz.vit import patch_tokens
+
+    text = "0" if args.text == DEFAULT_TEXT else args.text
+    split = digits_split()
+    n = len(split.y_test)
+    if not text.isdigit() or not 0 <= int(text) < n:
+        raise ValueError(f"TEXT must be a held-out image index in [0, {n}) for a vit checkpoint")
+    model, _ = load(args.checkpoint, device=args.device)
+    image = split.x_test[int(text)].unsqueeze(0).to(args.device)  # (1, 1, H, W)
+    with torch.no_grad():
+        logits, weights = model(image, need_weights=True)
+    stacked = torch.stack([w[0].float().cpu() for w in weights])  # (layers, heads, T, T)
+    grid = model.config.grid
+    pred, truth = int(logits.argmax(-1)), int(split.y_test[int(text)])
+    return Attentions(
+        tokens=patch_tokens(grid),
+        weights=stacked,
+        model="vit",
+        notes=[f"held-out digit {text}: true {truth}, predicted {pred}; tokens r<row>c<col>"],
+        part="encoder self-attention",
+    )
 
 
 def _translate_run(args: argparse.Namespace) -> Attentions:
@@ -155,8 +184,11 @@ def _cmd_visualize(args: argparse.Namespace) -> int:
         png = Path(args.out).with_suffix(".png") if args.png is True else Path(args.png)
         check_output_file(png, "--png", (".png",))
     try:
-        if args.checkpoint is not None and args.model is None and _is_translate(args.checkpoint):
+        kind = _kind(args.checkpoint) if args.checkpoint and args.model is None else None
+        if kind == "translate":
             runs = [_translate_run(args)]
+        elif kind == "vit":
+            runs = [_vit_run(args)]
         elif args.model is not None and args.model not in MODELS:
             if args.checkpoint is not None:
                 raise ValueError("--checkpoint is for --model gpt; drop it with --model FOLDER")
@@ -278,7 +310,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="a GPT checkpoint (.safetensors) from `attnlab train`, or a translate checkpoint "
         "from `attnlab train translate` (shows its cross-attention: output characters × "
-        "source characters, on its own translation of TEXT)",
+        "source characters, on its own translation of TEXT), or a vit checkpoint from `attnlab "
+        "train vit` (TEXT: a held-out image index; [CLS] and the patches as tokens)",
     )
     p.add_argument(
         "--lang",
