@@ -69,6 +69,7 @@ class Vocab:
 
     tokens: tuple[str, ...]
     index: dict[str, int] = field(init=False, repr=False, compare=False)
+    longest: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if tuple(self.tokens[: len(SPECIALS)]) != SPECIALS:
@@ -76,6 +77,8 @@ class Vocab:
         if len(set(self.tokens)) != len(self.tokens):
             raise ValueError("tokens must be distinct")
         object.__setattr__(self, "index", {t: i for i, t in enumerate(self.tokens)})
+        longest = max((len(t) for t in self.tokens[len(SPECIALS) :] if not _is_tag(t)), default=1)
+        object.__setattr__(self, "longest", longest)
 
     @classmethod
     def from_characters(cls, chars: Iterable[str], langs: Sequence[str] = TARGET_LANGS) -> Vocab:
@@ -94,13 +97,30 @@ class Vocab:
         return self.index[token]
 
     def encode(self, text: str) -> list[int]:
-        """Character ids of ``text`` (ValueError naming the first unknown character)."""
-        try:
-            return [self.index[c] for c in text]
-        except KeyError as e:
-            raise ValueError(
-                f"text {text!r} has the character {e.args[0]!r}, which is not in the vocabulary"
-            ) from None
+        """Token ids of ``text``: at each position the longest token that matches (a character
+        vocabulary gives one id per character; ValueError naming the first unknown character)."""
+        index = self.index
+        if self.longest == 1:
+            try:
+                return [index[c] for c in text]
+            except KeyError as e:
+                raise ValueError(
+                    f"text {text!r} has the character {e.args[0]!r}, which is not in the vocabulary"
+                ) from None
+        out: list[int] = []
+        i, n = 0, len(text)
+        while i < n:
+            for j in range(min(n, i + self.longest), i, -1):
+                t = index.get(text[i:j])
+                if t is not None and (j > i + 1 or not _is_tag(text[i:j])):
+                    out.append(t)
+                    i = j
+                    break
+            else:
+                raise ValueError(
+                    f"text {text!r} has the character {text[i]!r}, which is not in the vocabulary"
+                )
+        return out
 
     def encode_source(self, text: str, lang: str) -> list[int]:
         """``[<lang>, chars…, <eos>]``."""
@@ -124,9 +144,40 @@ class Vocab:
         return "".join(out)
 
 
-def vocabulary(max_digits: int = 9, langs: Sequence[str] = TARGET_LANGS) -> Vocab:
+def _is_tag(token: str) -> bool:
+    return token.startswith("<") and len(token) > 1
+
+
+def number_pieces(max_digits: int = 9, langs: Sequence[str] = TARGET_LANGS) -> set[str]:
+    """Multi-character tokens derived from num2words: the words of 0 … 99 as whole strings
+    (``twenty-three``, ``dreiundzwanzig``, ``quatre-vingt-dix-neuf``) and the words of the
+    powers 10**2, 10**3, 10**6, 10**9 below ``10**max_digits`` (times 1 … 9, split at spaces
+    and commas; a part that starts with the multiplier's own word keeps its remainder:
+    ``zweihundert`` -> ``hundert``) and the new words of 10**p + 1 (English ``and``), in
+    English and the ``langs``."""
+    pieces: set[str] = set()
+    powers = [p for p in (2, 3, 6, 9, 12) if p < max_digits]
+    for lang in (SOURCE_LANG, *langs):
+        pieces.update(words(n, lang) for n in range(min(100, 10**max_digits)))
+        for p in powers:
+            for k in range(1, 10):
+                head = words(k, lang)
+                for part in words(k * 10**p, lang).replace(",", " ").split():
+                    if part.startswith(head) and len(part) > len(head):
+                        part = part[len(head) :]
+                    pieces.add(part)
+            for part in words(10**p + 1, lang).replace(",", " ").split():
+                if not any(part.startswith(t) for t in pieces if len(t) > 1):
+                    pieces.add(part)  # a joining word: English "and"
+    return {t for t in pieces if len(t) > 1}
+
+
+def vocabulary(
+    max_digits: int = 9, langs: Sequence[str] = TARGET_LANGS, *, pieces: bool = True
+) -> Vocab:
     """The characters num2words writes for 0 … 999 and for multiples of the powers of 1,000
-    below ``10**max_digits`` (a few multipliers and remainders), in English and the ``langs``."""
+    below ``10**max_digits`` (a few multipliers and remainders), in English and the ``langs``;
+    with ``pieces`` also the `number_pieces` (3-4× shorter sequences than characters)."""
     numbers = list(range(1000))
     for p in range(3, max_digits, 3):
         numbers += [m * 10**p + r for m in (1, 2, 21, 101, 180) for r in (0, 1, 100, 121, 180)]
@@ -134,6 +185,8 @@ def vocabulary(max_digits: int = 9, langs: Sequence[str] = TARGET_LANGS) -> Voca
     for lang in (SOURCE_LANG, *langs):
         for n in numbers:
             chars.update(words(n, lang))
+    if pieces:
+        chars |= number_pieces(max_digits, langs)
     return Vocab.from_characters(chars, langs)
 
 
@@ -300,6 +353,7 @@ __all__ = [
     "Vocab",
     "collate",
     "length_batches",
+    "number_pieces",
     "reorders",
     "sample_number",
     "vocabulary",

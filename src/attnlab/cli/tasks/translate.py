@@ -76,6 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--warmup", type=int_at_least(0), default=100, help="warmup steps (default %(default)s)"
     )
     p.add_argument(
+        "--label-smoothing",
+        type=float_in(0.0, 1.0, high_open=True),
+        default=0.1,
+        help="label smoothing of the cross-entropy (default %(default)s)",
+    )
+    p.add_argument(
         "--batch-tokens",
         type=int_at_least(200),
         default=6000,
@@ -171,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         langs=langs,
         pool=args.pool,
         batch_tokens=args.batch_tokens,
+        label_smoothing=args.label_smoothing,
         fit=fit,
         threads=args.threads,
     )
