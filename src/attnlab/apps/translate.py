@@ -1,4 +1,4 @@
-"""Translation of number words (English -> German / French, characters) with a seq2seq model.
+"""Translation of number words (English -> German / French, number pieces) with a seq2seq model.
 
 `train_translate` trains any architecture of `ARCHITECTURES` (name -> ``build(config_dict)``)
 through the seq2seq interface only (``forward``, ``greedy``, ``alignment``, ``config.to_dict()``)

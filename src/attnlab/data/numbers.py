@@ -1,4 +1,4 @@
-"""Number words as a translation task: English -> German / French, character level on both sides.
+"""Number words as a translation task: English -> German / French, in number pieces on both sides.
 
 Every sentence is produced by `num2words` (nothing hand-written): the source is the English words
 of a number preceded by a target-language token, the target the same number in German or French::
@@ -12,16 +12,20 @@ numbers with that many digits, so every magnitude is equally represented. A fixe
 held-out numbers (>= 1,000, i.e. 4 … ``max_digits`` digits) is excluded from training in both
 languages; the 1,000 numbers below 1,000 are the building blocks and all stay in training.
 
-The vocabulary is one character table shared by both sides: the special tokens, one token per
-target language, then every character num2words writes for the numbers 0 … 999 and the powers of
-a thousand up to ``10**(max_digits - 1)`` in the three languages (sorted), so it is derived from
-the library's output, not from a hand-made list.
+The vocabulary is one table shared by both sides: the special tokens, one token per target
+language, then every character num2words writes for the numbers 0 … 999 and the powers of a
+thousand up to ``10**(max_digits - 1)`` in the three languages, and the `number_pieces` (the
+words of 0 … 99 and of the powers, ``dreiundzwanzig``, ``hundert``, ``Millionen``), sorted; text
+is encoded by the longest matching token at each position. Everything is derived from the
+library's output, not from a hand-made list. Pieces make the sequences 3-4× shorter than
+characters (German 43 characters -> 6 tokens on average), which makes training ~4× cheaper per
+number and the task easier; ``vocabulary(pieces=False)`` is the character table.
 
 Example:
     >>> task = NumberTask(seed=0)
     >>> vocab = task.vocab
     >>> src, tgt = task.pair(23, "de")           # ("twenty-three", "dreiundzwanzig")
-    >>> ids = vocab.encode_source(src, "de")     # [<de>, t, w, …, <eos>]
+    >>> ids = vocab.encode_source(src, "de")     # [<de>, twenty-three, <eos>]
 """
 
 from __future__ import annotations
@@ -61,10 +65,12 @@ def words(n: int, lang: str) -> str:
 
 @dataclass(frozen=True)
 class Vocab:
-    """A character vocabulary shared by source and target.
+    """A vocabulary of characters and multi-character pieces shared by source and target.
 
     Attributes:
-        tokens: id -> token: the specials, the language tokens ``<de>``, ``<fr>``, then characters.
+        tokens: id -> token: the specials, the language tokens ``<de>``, ``<fr>``, then
+            characters and pieces (`encode` takes the longest match at each position).
+        longest: the length of the longest token (1 = a character vocabulary).
     """
 
     tokens: tuple[str, ...]

@@ -11,10 +11,11 @@ import argparse
 
 from .._args import UsageError, check_output_dir, float_in, int_at_least, positive_int
 
-HELP = "encoder–decoder Transformer: number words English -> German/French (characters)"
+HELP = "encoder–decoder Transformer: number words English -> German/French (number pieces)"
 DESCRIPTION = (
     "Trains a seq2seq model (default: the encoder–decoder Transformer) on number words written "
-    "by num2words, character level on both sides: English -> German (units before tens: "
+    "by num2words, in number pieces (words of 0-99, hundert, Millionen, ...) on both sides: "
+    "English -> German (units before tens: "
     "twenty-three -> dreiundzwanzig) and English -> French, chosen by a target-language token, "
     "numbers 0 .. 10**max_digits - 1 with a uniform number of digits. 2,000 held-out numbers "
     "(>= 1,000) never seen in training are translated by batched greedy decoding; OUT gets "
