@@ -87,18 +87,18 @@ class TranslateSettings:
     max_digits: int = 9
     held_out: int = 2000
     langs: tuple[str, ...] = ("de", "fr")
-    pool: int = 60000
-    batch_tokens: int = 12000
-    label_smoothing: float = 0.1
+    pool: int = 40000
+    batch_tokens: int = 1500
+    label_smoothing: float = 0.0
     fit: FitSettings = field(
         default_factory=lambda: FitSettings(
             steps=100000,
-            lr=2e-3,
+            lr=3e-3,
             min_lr=5e-5,
-            warmup=150,
+            warmup=100,
             weight_decay=0.01,
             grad_clip=1.0,
-            time_budget=480.0,
+            time_budget=540.0,
             schedule="time",
             precision="bf16",
         )
