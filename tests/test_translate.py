@@ -75,7 +75,7 @@ def test_vocabulary_covers_what_num2words_writes() -> None:
 
 
 def test_pieces_shorten_the_sequences_and_decode_exactly() -> None:
-    v = vocabulary(9)
+    v = vocabulary(9, pieces=True)
     ids = v.encode(words(999_999_999, "de"))
     # neun hundert neunundneunzig ␣ Millionen ␣ neun hundert neunundneunzig tausend neun …
     assert [v.tokens[i] for i in ids[:5]] == ["neun", "hundert", "neunundneunzig", " ", "Millionen"]
@@ -94,7 +94,9 @@ def test_pieces_shorten_the_sequences_and_decode_exactly() -> None:
     assert len(chars.encode("twenty-three")) == 12 and chars.longest == 1
     assert chars.decode(chars.encode("twenty-three")) == "twenty-three"
     # the whole held-out target set is 3x shorter in pieces than in characters
-    task = NumberTask(held_out=300)
+    assert NumberTask(held_out=10).vocab.longest == 1  # the default stays characters
+    task = NumberTask(held_out=300, pieces=True)
+    assert "hundert" in task.vocab.index and "hundert" not in NumberTask(held_out=10).vocab.index
     for lang in ("de", "fr"):
         ex = task.held_out_examples(lang)
         n_chars = sum(len(words(e.number, lang)) for e in ex)
@@ -224,7 +226,7 @@ def test_visualize_shows_the_cross_attention(tiny, tmp_path, capsys) -> None:
     code = main(["visualize", "--checkpoint", ckpt, "forty-seven", "--out", str(html), "--png"])
     assert code == 0, capsys.readouterr().err
     text = capsys.readouterr().out
-    assert "queries × 3 keys" in text  # <de> + the piece "forty-seven" + <eos>
+    assert "queries × 13 keys" in text  # <de> + 11 characters + <eos>: non-square
     assert html.stat().st_size > 1000 and png.stat().st_size > 1000
     assert main(["visualize", "--checkpoint", ckpt, "forty-seven", "--format", "text"]) == 0
     assert "f" in capsys.readouterr().out

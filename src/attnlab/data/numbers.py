@@ -18,14 +18,15 @@ thousand up to ``10**(max_digits - 1)`` in the three languages, and the `number_
 words of 0 … 99 and of the powers, ``dreiundzwanzig``, ``hundert``, ``Millionen``), sorted; text
 is encoded by the longest matching token at each position. Everything is derived from the
 library's output, not from a hand-made list. Pieces make the sequences 3-4× shorter than
-characters (German 43 characters -> 6 tokens on average), which makes training ~4× cheaper per
-number and the task easier; ``vocabulary(pieces=False)`` is the character table.
+characters (German 43 characters -> 6 tokens on average); ``vocabulary(pieces=True)`` /
+``NumberTask(pieces=True)`` use them, the default is the character table (it trained better in
+the measured 9-minute budget, see benchmarks/RESULTS.md).
 
 Example:
     >>> task = NumberTask(seed=0)
     >>> vocab = task.vocab
     >>> src, tgt = task.pair(23, "de")           # ("twenty-three", "dreiundzwanzig")
-    >>> ids = vocab.encode_source(src, "de")     # [<de>, twenty-three, <eos>]
+    >>> ids = vocab.encode_source(src, "de")     # [<de>, t, w, …, <eos>]
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ def number_pieces(max_digits: int = 9, langs: Sequence[str] = TARGET_LANGS) -> s
 
 
 def vocabulary(
-    max_digits: int = 9, langs: Sequence[str] = TARGET_LANGS, *, pieces: bool = True
+    max_digits: int = 9, langs: Sequence[str] = TARGET_LANGS, *, pieces: bool = False
 ) -> Vocab:
     """The characters num2words writes for 0 … 999 and for multiples of the powers of 1,000
     below ``10**max_digits`` (a few multipliers and remainders), in English and the ``langs``;
@@ -221,6 +222,7 @@ class NumberTask:
             target language and never appears in training).
         langs: the target languages.
         seed: fixes the held-out numbers (the training draws take their own seed).
+        pieces: a vocabulary with the `number_pieces` (default: characters only).
 
     Attributes:
         vocab: the shared `Vocab`. held_out_numbers: the sorted held-out numbers.
@@ -233,6 +235,7 @@ class NumberTask:
         held_out: int = 2000,
         langs: Sequence[str] = TARGET_LANGS,
         seed: int = 0,
+        pieces: bool = False,
     ) -> None:
         self.max_digits = _check_int("max_digits", max_digits, 1, 12)
         langs = tuple(langs)
@@ -247,7 +250,7 @@ class NumberTask:
         low = 1000 if max_digits >= 4 else 0
         room = 10**max_digits - low
         self.held_out_size = _check_int("held_out", held_out, 1, room // 2)
-        self.vocab = vocabulary(max_digits, langs)
+        self.vocab = vocabulary(max_digits, langs, pieces=pieces)
         rng = random.Random(f"numbers-held-out-{seed}")
         held: set[int] = set()
         min_digits = 4 if max_digits >= 4 else 1
