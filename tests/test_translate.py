@@ -29,6 +29,7 @@ from attnlab.data.numbers import (
     length_batches,
     reorders,
     sample_number,
+    vocabulary,
     words,
 )
 
@@ -71,6 +72,35 @@ def test_vocabulary_covers_what_num2words_writes() -> None:
             assert task.vocab.decode(ids) == words(n, lang)
     with pytest.raises(ValueError, match="'!'"):
         task.vocab.encode("one!")
+
+
+def test_pieces_shorten_the_sequences_and_decode_exactly() -> None:
+    v = vocabulary(9, pieces=True)
+    ids = v.encode(words(999_999_999, "de"))
+    # neun hundert neunundneunzig ␣ Millionen ␣ neun hundert neunundneunzig tausend neun …
+    assert [v.tokens[i] for i in ids[:5]] == ["neun", "hundert", "neunundneunzig", " ", "Millionen"]
+    assert len(ids) == 13 and v.decode(ids) == words(999_999_999, "de")
+    assert [v.tokens[i] for i in v.encode("one hundred and one")] == [
+        "one",
+        " ",
+        "hundred",
+        " ",
+        "and",
+        " ",
+        "one",
+    ]
+    # a character vocabulary (old checkpoints) still encodes one id per character
+    chars = vocabulary(9, pieces=False)
+    assert len(chars.encode("twenty-three")) == 12 and chars.longest == 1
+    assert chars.decode(chars.encode("twenty-three")) == "twenty-three"
+    # the whole held-out target set is 3x shorter in pieces than in characters
+    assert NumberTask(held_out=10).vocab.longest == 1  # the default stays characters
+    task = NumberTask(held_out=300, pieces=True)
+    assert "hundert" in task.vocab.index and "hundert" not in NumberTask(held_out=10).vocab.index
+    for lang in ("de", "fr"):
+        ex = task.held_out_examples(lang)
+        n_chars = sum(len(words(e.number, lang)) for e in ex)
+        assert sum(len(e.tgt) - 1 for e in ex) * 3 < n_chars
 
 
 def test_collate_and_length_buckets() -> None:

@@ -1,4 +1,4 @@
-"""Translation of number words (English -> German / French, characters) with a seq2seq model.
+"""Translation of number words (English -> German / French) with a seq2seq model.
 
 `train_translate` trains any architecture of `ARCHITECTURES` (name -> ``build(config_dict)``)
 through the seq2seq interface only (``forward``, ``greedy``, ``alignment``, ``config.to_dict()``)
@@ -79,6 +79,7 @@ class TranslateSettings:
         batch_tokens: padded source + target tokens per batch (length-bucketed).
         label_smoothing: of the cross-entropy. fit: the optimisation settings.
         threads: torch threads (None = torch's default).
+        pieces: multi-character number pieces in the vocabulary (`attnlab.data.numbers`).
         eval_batch: sentences per greedy-decoding batch.
     """
 
@@ -106,6 +107,7 @@ class TranslateSettings:
     threads: int | None = None
     eval_batch: int = 500
     data_seed: int = 0
+    pieces: bool = False
 
 
 def seq2seq_loss(model: nn.Module, batch: Sequence[Tensor], label_smoothing: float) -> Tensor:
@@ -235,7 +237,13 @@ def train_translate(
     t_start, cpu_start = time.perf_counter(), time.process_time()
     if s.threads is not None:
         torch.set_num_threads(s.threads)
-    task = NumberTask(max_digits=s.max_digits, held_out=s.held_out, langs=s.langs, seed=s.data_seed)
+    task = NumberTask(
+        max_digits=s.max_digits,
+        held_out=s.held_out,
+        langs=s.langs,
+        seed=s.data_seed,
+        pieces=s.pieces,
+    )
     config = default_config(s.arch, len(task.vocab), **s.model)
     torch.manual_seed(s.fit.seed)
     model = ARCHITECTURES[s.arch](config)

@@ -1,4 +1,4 @@
-"""Number words as a translation task: English -> German / French, character level on both sides.
+"""Number words as a translation task: English -> German / French, in number pieces on both sides.
 
 Every sentence is produced by `num2words` (nothing hand-written): the source is the English words
 of a number preceded by a target-language token, the target the same number in German or French::
@@ -12,10 +12,15 @@ numbers with that many digits, so every magnitude is equally represented. A fixe
 held-out numbers (>= 1,000, i.e. 4 … ``max_digits`` digits) is excluded from training in both
 languages; the 1,000 numbers below 1,000 are the building blocks and all stay in training.
 
-The vocabulary is one character table shared by both sides: the special tokens, one token per
-target language, then every character num2words writes for the numbers 0 … 999 and the powers of
-a thousand up to ``10**(max_digits - 1)`` in the three languages (sorted), so it is derived from
-the library's output, not from a hand-made list.
+The vocabulary is one table shared by both sides: the special tokens, one token per target
+language, then every character num2words writes for the numbers 0 … 999 and the powers of a
+thousand up to ``10**(max_digits - 1)`` in the three languages, and the `number_pieces` (the
+words of 0 … 99 and of the powers, ``dreiundzwanzig``, ``hundert``, ``Millionen``), sorted; text
+is encoded by the longest matching token at each position. Everything is derived from the
+library's output, not from a hand-made list. Pieces make the sequences 3-4× shorter than
+characters (German 43 characters -> 6 tokens on average); ``vocabulary(pieces=True)`` /
+``NumberTask(pieces=True)`` use them, the default is the character table (it trained better in
+the measured 9-minute budget, see benchmarks/RESULTS.md).
 
 Example:
     >>> task = NumberTask(seed=0)
@@ -61,14 +66,17 @@ def words(n: int, lang: str) -> str:
 
 @dataclass(frozen=True)
 class Vocab:
-    """A character vocabulary shared by source and target.
+    """A vocabulary of characters and multi-character pieces shared by source and target.
 
     Attributes:
-        tokens: id -> token: the specials, the language tokens ``<de>``, ``<fr>``, then characters.
+        tokens: id -> token: the specials, the language tokens ``<de>``, ``<fr>``, then
+            characters and pieces (`encode` takes the longest match at each position).
+        longest: the length of the longest token (1 = a character vocabulary).
     """
 
     tokens: tuple[str, ...]
     index: dict[str, int] = field(init=False, repr=False, compare=False)
+    longest: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if tuple(self.tokens[: len(SPECIALS)]) != SPECIALS:
@@ -76,6 +84,8 @@ class Vocab:
         if len(set(self.tokens)) != len(self.tokens):
             raise ValueError("tokens must be distinct")
         object.__setattr__(self, "index", {t: i for i, t in enumerate(self.tokens)})
+        longest = max((len(t) for t in self.tokens[len(SPECIALS) :] if not _is_tag(t)), default=1)
+        object.__setattr__(self, "longest", longest)
 
     @classmethod
     def from_characters(cls, chars: Iterable[str], langs: Sequence[str] = TARGET_LANGS) -> Vocab:
@@ -94,13 +104,30 @@ class Vocab:
         return self.index[token]
 
     def encode(self, text: str) -> list[int]:
-        """Character ids of ``text`` (ValueError naming the first unknown character)."""
-        try:
-            return [self.index[c] for c in text]
-        except KeyError as e:
-            raise ValueError(
-                f"text {text!r} has the character {e.args[0]!r}, which is not in the vocabulary"
-            ) from None
+        """Token ids of ``text``: at each position the longest token that matches (a character
+        vocabulary gives one id per character; ValueError naming the first unknown character)."""
+        index = self.index
+        if self.longest == 1:
+            try:
+                return [index[c] for c in text]
+            except KeyError as e:
+                raise ValueError(
+                    f"text {text!r} has the character {e.args[0]!r}, which is not in the vocabulary"
+                ) from None
+        out: list[int] = []
+        i, n = 0, len(text)
+        while i < n:
+            for j in range(min(n, i + self.longest), i, -1):
+                t = index.get(text[i:j])
+                if t is not None and (j > i + 1 or not _is_tag(text[i:j])):
+                    out.append(t)
+                    i = j
+                    break
+            else:
+                raise ValueError(
+                    f"text {text!r} has the character {text[i]!r}, which is not in the vocabulary"
+                )
+        return out
 
     def encode_source(self, text: str, lang: str) -> list[int]:
         """``[<lang>, chars…, <eos>]``."""
@@ -124,9 +151,40 @@ class Vocab:
         return "".join(out)
 
 
-def vocabulary(max_digits: int = 9, langs: Sequence[str] = TARGET_LANGS) -> Vocab:
+def _is_tag(token: str) -> bool:
+    return token.startswith("<") and len(token) > 1
+
+
+def number_pieces(max_digits: int = 9, langs: Sequence[str] = TARGET_LANGS) -> set[str]:
+    """Multi-character tokens derived from num2words: the words of 0 … 99 as whole strings
+    (``twenty-three``, ``dreiundzwanzig``, ``quatre-vingt-dix-neuf``) and the words of the
+    powers 10**2, 10**3, 10**6, 10**9 below ``10**max_digits`` (times 1 … 9, split at spaces
+    and commas; a part that starts with the multiplier's own word keeps its remainder:
+    ``zweihundert`` -> ``hundert``) and the new words of 10**p + 1 (English ``and``), in
+    English and the ``langs``."""
+    pieces: set[str] = set()
+    powers = [p for p in (2, 3, 6, 9, 12) if p < max_digits]
+    for lang in (SOURCE_LANG, *langs):
+        pieces.update(words(n, lang) for n in range(min(100, 10**max_digits)))
+        for p in powers:
+            for k in range(1, 10):
+                head = words(k, lang)
+                for part in words(k * 10**p, lang).replace(",", " ").split():
+                    if part.startswith(head) and len(part) > len(head):
+                        part = part[len(head) :]
+                    pieces.add(part)
+            for part in words(10**p + 1, lang).replace(",", " ").split():
+                if not any(part.startswith(t) for t in pieces if len(t) > 1):
+                    pieces.add(part)  # a joining word: English "and"
+    return {t for t in pieces if len(t) > 1}
+
+
+def vocabulary(
+    max_digits: int = 9, langs: Sequence[str] = TARGET_LANGS, *, pieces: bool = False
+) -> Vocab:
     """The characters num2words writes for 0 … 999 and for multiples of the powers of 1,000
-    below ``10**max_digits`` (a few multipliers and remainders), in English and the ``langs``."""
+    below ``10**max_digits`` (a few multipliers and remainders), in English and the ``langs``;
+    with ``pieces`` also the `number_pieces` (3-4× shorter sequences than characters)."""
     numbers = list(range(1000))
     for p in range(3, max_digits, 3):
         numbers += [m * 10**p + r for m in (1, 2, 21, 101, 180) for r in (0, 1, 100, 121, 180)]
@@ -134,6 +192,8 @@ def vocabulary(max_digits: int = 9, langs: Sequence[str] = TARGET_LANGS) -> Voca
     for lang in (SOURCE_LANG, *langs):
         for n in numbers:
             chars.update(words(n, lang))
+    if pieces:
+        chars |= number_pieces(max_digits, langs)
     return Vocab.from_characters(chars, langs)
 
 
@@ -162,6 +222,7 @@ class NumberTask:
             target language and never appears in training).
         langs: the target languages.
         seed: fixes the held-out numbers (the training draws take their own seed).
+        pieces: a vocabulary with the `number_pieces` (default: characters only).
 
     Attributes:
         vocab: the shared `Vocab`. held_out_numbers: the sorted held-out numbers.
@@ -174,6 +235,7 @@ class NumberTask:
         held_out: int = 2000,
         langs: Sequence[str] = TARGET_LANGS,
         seed: int = 0,
+        pieces: bool = False,
     ) -> None:
         self.max_digits = _check_int("max_digits", max_digits, 1, 12)
         langs = tuple(langs)
@@ -188,7 +250,7 @@ class NumberTask:
         low = 1000 if max_digits >= 4 else 0
         room = 10**max_digits - low
         self.held_out_size = _check_int("held_out", held_out, 1, room // 2)
-        self.vocab = vocabulary(max_digits, langs)
+        self.vocab = vocabulary(max_digits, langs, pieces=pieces)
         rng = random.Random(f"numbers-held-out-{seed}")
         held: set[int] = set()
         min_digits = 4 if max_digits >= 4 else 1
@@ -300,6 +362,7 @@ __all__ = [
     "Vocab",
     "collate",
     "length_batches",
+    "number_pieces",
     "reorders",
     "sample_number",
     "vocabulary",

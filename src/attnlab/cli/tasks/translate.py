@@ -14,7 +14,8 @@ from .._args import UsageError, check_output_dir, float_in, int_at_least, positi
 HELP = "encoder–decoder Transformer: number words English -> German/French (characters)"
 DESCRIPTION = (
     "Trains a seq2seq model (default: the encoder–decoder Transformer) on number words written "
-    "by num2words, character level on both sides: English -> German (units before tens: "
+    "by num2words, character level on both sides (--pieces: number pieces such as "
+    "dreiundzwanzig, hundert, Millionen): English -> German (units before tens: "
     "twenty-three -> dreiundzwanzig) and English -> French, chosen by a target-language token, "
     "numbers 0 .. 10**max_digits - 1 with a uniform number of digits. 2,000 held-out numbers "
     "(>= 1,000) never seen in training are translated by batched greedy decoding; OUT gets "
@@ -76,6 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--warmup", type=int_at_least(0), default=100, help="warmup steps (default %(default)s)"
     )
     p.add_argument(
+        "--label-smoothing",
+        type=float_in(0.0, 1.0, high_open=True),
+        default=0.1,
+        help="label smoothing of the cross-entropy (default %(default)s)",
+    )
+    p.add_argument(
         "--batch-tokens",
         type=int_at_least(200),
         default=6000,
@@ -114,6 +121,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--seed", type=int_at_least(0), default=0, help="training seed (default %(default)s)"
+    )
+    p.add_argument(
+        "--pieces",
+        action="store_true",
+        help="number pieces (words of 0-99, hundert, Millionen, ...) as tokens instead of "
+        "characters: 3-4x shorter sequences",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -171,8 +184,10 @@ def run(args: argparse.Namespace) -> int:
         langs=langs,
         pool=args.pool,
         batch_tokens=args.batch_tokens,
+        label_smoothing=args.label_smoothing,
         fit=fit,
         threads=args.threads,
+        pieces=args.pieces,
     )
     result = train_translate(out, s, progress=not args.quiet)
     m = result.metrics
