@@ -40,6 +40,7 @@ from ..data.numbers import (
     length_batches,
     reorders,
 )
+from ..models.rnn import build_rnn_seq2seq
 from ..models.seq2seq import Seq2SeqConfig, build_seq2seq_transformer
 from .loop import FitHistory, FitSettings, fit, load_model, save_model, write_metrics
 
@@ -48,6 +49,7 @@ KIND = "translate"
 #: Architectures: name -> ``build(config_dict) -> model`` implementing the seq2seq interface.
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
     "transformer": build_seq2seq_transformer,
+    "rnn": build_rnn_seq2seq,  # the textbook's baseline: GRUs + additive (Bahdanau) attention
 }
 
 #: ``config -> (layer list name, count)`` for `load_model`'s layer check, per architecture.

@@ -30,7 +30,12 @@ ARCHS = ("transformer",)  # the lead adds "rnn" with apps.translate.ARCHITECTURE
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/translate", help="output directory (default %(default)s)")
-    p.add_argument("--arch", default="transformer", help="model architecture (default %(default)s)")
+    p.add_argument(
+        "--arch",
+        default="transformer",
+        help="transformer, or rnn: the textbook's baseline, GRUs with additive (Bahdanau) "
+        "attention (default %(default)s)",
+    )
     p.add_argument(
         "--minutes",
         type=float_in(0.0, low_open=True),
