@@ -190,7 +190,10 @@ def test_attnlab_translate_prints_one_line_per_text(tiny, capsys) -> None:
     assert main(["translate", "--checkpoint", ckpt, "--lang", "de", *texts]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines == translate(result.model, result.task.vocab, texts, lang="de")
-    assert main(["translate", "--checkpoint", ckpt, "--beam", "3", "twenty-three"]) == 0
+    assert (
+        main(["translate", "--checkpoint", ckpt, "--beam", "3", "--device", "cpu", "twenty-three"])
+        == 0
+    )
     assert len(capsys.readouterr().out.splitlines()) == 1
 
 
