@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from ..functional import attention
 from .blocks import run_blocks
 from .config import TransformerConfig
-from .encoder import Encoder
+from .encoder import Encoder, check_padding_mask
 from .gpt import check_token_ids
 
 #: The poolings of `ClassifierHead`.
@@ -168,16 +168,7 @@ class AttentionPooling(nn.Module):
         B, T, _ = x.shape
         mask = None
         if padding_mask is not None:
-            if not isinstance(padding_mask, Tensor) or padding_mask.dtype != torch.bool:
-                got = padding_mask.dtype if isinstance(padding_mask, Tensor) else type(padding_mask)
-                raise TypeError(
-                    f"padding_mask must be a bool tensor (True = real token), got {got}"
-                )
-            if tuple(padding_mask.shape) != (B, T):
-                raise ValueError(
-                    f"padding_mask must have shape (B, T) = {(B, T)}, got "
-                    f"{tuple(padding_mask.shape)}"
-                )
+            check_padding_mask(padding_mask, B, T, "(B, T)")
             mask = padding_mask[:, None, None, :]  # (B, 1, 1, T)
         H, D = self.n_heads, self.head_dim
         k, v = self.kv_proj(x).unflatten(-1, (2, H, D)).permute(2, 0, 3, 1, 4)  # 2 × (B, H, T, D)

@@ -12,6 +12,18 @@ from .config import TransformerConfig
 from .gpt import check_token_ids
 
 
+def check_padding_mask(padding_mask: object, B: int, T: int, dims: str) -> None:
+    """Raises TypeError/ValueError unless ``padding_mask`` is a bool ``(B, T)`` tensor
+    (True = real token); ``dims`` names the shape in the message, e.g. ``"(B, L)"``."""
+    if not isinstance(padding_mask, Tensor) or padding_mask.dtype != torch.bool:
+        got = padding_mask.dtype if isinstance(padding_mask, Tensor) else type(padding_mask)
+        raise TypeError(f"padding_mask must be a bool tensor (True = real token), got {got}")
+    if tuple(padding_mask.shape) != (B, T):
+        raise ValueError(
+            f"padding_mask must have shape {dims} = {(B, T)}, got {tuple(padding_mask.shape)}"
+        )
+
+
 class Encoder(nn.Module):
     """Bidirectional stack: ``h = norm(blocks(embed(idx)))`` where every token sees every real key.
 
@@ -83,16 +95,7 @@ class Encoder(nn.Module):
             raise ValueError(f"idx has {L} positions, more than max_seq_len={cfg.max_seq_len}")
         mask = None
         if padding_mask is not None:
-            if not isinstance(padding_mask, Tensor) or padding_mask.dtype != torch.bool:
-                got = padding_mask.dtype if isinstance(padding_mask, Tensor) else type(padding_mask)
-                raise TypeError(
-                    f"padding_mask must be a bool tensor (True = real token), got {got}"
-                )
-            if tuple(padding_mask.shape) != (B, L):
-                raise ValueError(
-                    f"padding_mask must have shape (B, L) = {(B, L)}, got "
-                    f"{tuple(padding_mask.shape)}"
-                )
+            check_padding_mask(padding_mask, B, L, "(B, L)")
             mask = from_tensor(padding_mask[:, None, None, :].to(idx.device))  # (B, 1, 1, S)
         if token_type_ids is not None:
             if self.type_emb is None:
