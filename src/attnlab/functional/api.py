@@ -13,6 +13,7 @@ from .flash import explain_plan
 from .registry import select
 from .request import BiasFn
 from .stats import AttentionStats, as_index, compute_stats, compute_weights
+from .thresholds import describe as describe_thresholds
 from .validate import build_request, plain_request
 
 
@@ -152,7 +153,12 @@ def attention(
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
-    """Which backend ``attention(q, k, v, **kwargs)`` would run, and why (one short string)."""
+    """Which backend ``attention(q, k, v, **kwargs)`` would run, and why (one short string).
+
+    With ``backend="auto"`` it also says where auto's size thresholds for q's dtype come from
+    (the built-in defaults, or the cache file measured on this CPU at a date:
+    `attnlab.functional.thresholds`).
+    """
     backend = kwargs.pop("backend", "auto")
     defaults = {
         "mask": None,
@@ -172,6 +178,8 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
     chosen, why = select(backend, req, need_lse=bool(return_lse))  # type: ignore[arg-type]
     if chosen.name == "flash":
         why = f"{why}; {explain_plan(req)}"
+    if backend == "auto":
+        why = f"{why}; {describe_thresholds(req.q.dtype)}"
     return f"{chosen.name}: {why}"
 
 

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..masks import Mask, TensorMask
 from . import reference
+from . import thresholds as _thresholds
 from .decode import decode_declines, decode_run, decode_run_lse, decode_supports
 from .flash import flash_run, flash_run_lse, flash_supports
 from .reference_backend import reference_run
@@ -23,33 +24,40 @@ from .tiling import band_of
 
 # ------------------------------------------------------------------ auto's policy
 # Sizes at which auto prefers flash (see `flash_declines`), from benchmarks/bench_crossover.py
-# (B=1, H=8, D=64, fp32; benchmarks/RESULTS.md): a sliding window is as fast on flash at L = 256
-# and 1.7× faster at 384; causal document masks and ALiBi cross over near L = 512.
-AUTO_BAND_MIN = 1 << 16  # L·S from which sliding windows (narrow bands, no bias) go to flash
-AUTO_SPARSE_MIN = 1 << 18  # L·S from which other structured masks and bias functions go
-AUTO_LONG_MIN = 1 << 24  # L·S from which every call goes to flash
+# (B=1, H=8, D=64; benchmarks/RESULTS.md): a sliding window is as fast on flash at L = 256
+# and 1.7× faster at 384; causal document masks and ALiBi cross over near L = 512. These are the
+# built-in defaults of every dtype; a machine can measure its own per dtype
+# (`functional.thresholds`, `python -m attnlab.functional.calibrate`), which auto then uses.
+AUTO_BAND_MIN = _thresholds.BUILTIN.band  # L·S from which sliding windows (no bias) go to flash
+AUTO_SPARSE_MIN = _thresholds.BUILTIN.sparse  # ... other structured masks and bias functions
+AUTO_LONG_MIN = _thresholds.BUILTIN.long  # L·S from which every call goes to flash
 
 
 def flash_declines(req: Request) -> str | None:
-    """Auto's preference: None if flash should run this call, else why sdpa is the better pick."""
+    """Auto's preference: None if flash should run this call, else why sdpa is the better pick.
+
+    The thresholds are those of the query's dtype (`thresholds.for_dtype`: the built-in
+    defaults, or this machine's cached measurement).
+    """
     d = req.dims
     n = d.L * d.S
+    limits = _thresholds.for_dtype(req.q.dtype)
     structured = isinstance(req.mask, Mask) and not isinstance(req.mask, TensorMask)
     if structured and req.is_plain_causal and req.bias is None:
         structured = False  # sdpa runs plain causal with the same kernel call
     fn_bias = req.bias is not None and not isinstance(req.bias, Tensor)
-    if n >= AUTO_LONG_MIN:
+    if n >= limits.long:
         return None
     band = band_of(req.mask) if structured and req.bias is None else None
     narrow = band is not None and math.isfinite(band[0]) and math.isfinite(band[1])
-    threshold = AUTO_BAND_MIN if narrow else AUTO_SPARSE_MIN
+    threshold = limits.band if narrow else limits.sparse
     if (structured or fn_bias) and n >= threshold:
         return None
     # (a compiled graph must not print a symbolic size: that would specialise it)
     size = "L·S" if torch.compiler.is_compiling() else f"L·S = {n}"
     if structured or fn_bias:
         return f"{size} < {threshold}: at this size sdpa with the rendered mask/bias beats tiling"
-    return f"dense mask/bias and {size} < {AUTO_LONG_MIN}: sdpa's single fused call is as fast"
+    return f"dense mask/bias and {size} < {limits.long}: sdpa's single fused call is as fast"
 
 
 def _reference_run_lse(req: Request) -> tuple[Tensor, Tensor, Tensor]:
