@@ -1,12 +1,16 @@
-"""Where does the tiled backend start beating sdpa? The evidence behind auto's thresholds.
+"""Where does the tiled backend start beating sdpa? Evidence for auto's thresholds per dtype.
 
 For structured masks (sliding window, causal document) and a function bias (ALiBi, causal), times
 ``backend="flash"`` against ``backend="sdpa"`` (which renders the mask/bias densely and runs one
-fused call) side by side, interleaved, at growing L, and prints sdpa/flash ratios, what
-``backend="auto"`` picks at each size (``AUTO_BAND_MIN``, ``AUTO_SPARSE_MIN`` in
-``functional/backends.py``), and the machine's fp32 matmul rate.
+fused call) side by side, interleaved, at growing L, in each ``--dtype``, and prints sdpa/flash
+ratios, what ``backend="auto"`` picks at each size (its thresholds for that dtype:
+`attnlab.functional.thresholds`), the crossover L of each threshold class, and the machine's
+matmul rate of each dtype. The measuring code is `attnlab.functional.calibrate` (what
+``python -m attnlab.functional.calibrate`` caches); this script only prints, it never writes the
+cache.
 
-Run: python benchmarks/bench_crossover.py [--repeats 15] [--lengths 256 384 512 724 1024]
+Run: python benchmarks/bench_crossover.py [--dtype float32 bfloat16] [--repeats 7]
+     [--lengths 256 362 512 724 1024] [--clock cpu --threads 1]
 """
 
 from __future__ import annotations
@@ -16,52 +20,47 @@ import argparse
 import torch
 
 import attnlab
-from attnlab import masks
-from attnlab.functional.backends import AUTO_BAND_MIN, AUTO_SPARSE_MIN
-from attnlab.positional import ALiBi
-from common import interleaved_medians, print_machine
-
-
-def cases(L: int, H: int) -> dict[str, dict[str, object]]:
-    """name -> keyword arguments of `attnlab.attention`."""
-    return {
-        "window 64": {"mask": masks.sliding_window(64)},
-        "causal document (2 docs)": {
-            "mask": masks.causal() & masks.document.from_lengths([L // 2, L - L // 2])
-        },
-        "ALiBi causal": {"mask": masks.causal(), "bias": ALiBi(H)},
-    }
+from attnlab.functional import calibrate, thresholds
+from common import CLOCKS, DTYPES, print_machine
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 384, 512, 724, 1024])
+    parser.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["float32"])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(calibrate.LADDER))
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--clock", choices=list(CLOCKS), default="cpu")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    print_machine()
-    print(f"B=1 H={args.heads} D={args.dim} fp32 forward; medians of {args.repeats} interleaved")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = CLOCKS[args.clock]
+    dtypes = [DTYPES[name] for name in args.dtype]
+    print_machine(tuple(dtypes), clock)
     print(
-        f"auto sends windows to flash from L·S >= {AUTO_BAND_MIN} (AUTO_BAND_MIN), the others "
-        f"from L·S >= {AUTO_SPARSE_MIN} (AUTO_SPARSE_MIN)\n"
+        f"B=1 H={args.heads} D={args.dim} forward; min of {args.repeats} interleaved rounds, "
+        f"{args.clock} clock"
     )
-    head = f"{'case':26} {'L':>5} {'flash ms':>9} {'sdpa ms':>9} {'sdpa/flash':>10}  auto picks"
-    print(head)
-    for L in args.lengths:
-        q, k, v = (torch.randn(1, args.heads, L, args.dim) for _ in range(3))
-        for name, kw in cases(L, args.heads).items():
-            fns = {
-                be: (lambda be=be, kw=kw, x=(q, k, v): attnlab.attention(*x, backend=be, **kw))
-                for be in ("flash", "sdpa")
-            }
-            t = interleaved_medians(fns, args.repeats)
-            picked = attnlab.explain(q, k, v, **kw).split(":")[0]
-            print(
-                f"{name:26} {L:5d} {t['flash'] * 1e3:9.2f} {t['sdpa'] * 1e3:9.2f} "
-                f"{t['sdpa'] / t['flash']:10.2f}  {picked}"
-            )
+    for dtype in dtypes:
+        limits = thresholds.for_dtype(dtype)
+        print(
+            f"\n{dtype}: auto sends windows to flash from L·S >= {limits.band}, the others from "
+            f"L·S >= {limits.sparse} ({limits.source})"
+        )
+        rows = calibrate.measure(
+            dtype, args.lengths, args.repeats, heads=args.heads, dim=args.dim, clock=clock
+        )
+        lines = calibrate.format_rows(rows).splitlines()
+        print(f"{lines[0]}  auto picks")
+        for line, r in zip(lines[1:], rows, strict=True):
+            x = torch.empty(1, args.heads, r.L, args.dim, dtype=dtype)
+            kw = calibrate.cases(r.L, args.heads)[r.case][1]
+            picked = attnlab.explain(x, x, x, **kw).split(":")[0]
+            print(f"{line}  {picked}")
+        cross = calibrate.crossovers(rows)
+        print(f"crossover L (flash at least as fast from here on): {cross}")
 
 
 if __name__ == "__main__":

@@ -9,32 +9,50 @@ from collections.abc import Callable
 
 import torch
 
+#: ``--dtype`` names of the benchmark scripts.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+#: ``--clock`` names: wall clock, or this process's CPU time (with one thread: the uncontended
+#: time on a shared machine).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
-def timed(fn: Callable[[], object]) -> float:
-    """Wall-clock seconds of one call."""
-    t0 = time.perf_counter()
+
+def timed(fn: Callable[[], object], clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds of one call on ``clock`` (wall clock by default)."""
+    t0 = clock()
     fn()
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
-def matmul_gflops(n: int = 4096, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+def matmul_gflops(
+    n: int = 4096,
+    repeats: int = 5,
+    dtype: torch.dtype = torch.float32,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """``torch.mm`` rate of ``dtype`` on n×n matrices, GFLOP/s (best of ``repeats``): the limit."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     torch.mm(a, b)
-    best = min(timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    best = min(timed(lambda: torch.mm(a, b), clock) for _ in range(repeats))
     return 2 * n**3 / best / 1e9
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each function after one warm-up call, measured round by round
-    (interleaved) so that drift of the machine hits all of them alike."""
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+    stat: str = "median",
+) -> dict[str, float]:
+    """Median (or ``stat="min"``) seconds of each function after one warm-up call, measured
+    round by round (interleaved) so that drift of the machine hits all of them alike."""
     for fn in fns.values():
         fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            samples[name].append(timed(fn))
-    return {name: statistics.median(s) for name, s in samples.items()}
+            samples[name].append(timed(fn, clock))
+    reduce = min if stat == "min" else statistics.median
+    return {name: reduce(s) for name, s in samples.items()}
 
 
 def cpu_model() -> str:
@@ -61,10 +79,28 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def print_machine() -> None:
-    """The header every benchmark prints: CPU, AMX, torch, threads, and the fp32 matmul rate (the
-    limit; benchmarks of other dtypes print that dtype's rate too)."""
-    amx = sorted(f for f in cpu_flags() if f.startswith("amx"))
-    print(f"CPU: {cpu_model()}; AMX: {', '.join(amx) if amx else 'no'}")
+def matrix_features() -> str:
+    """The CPU's matrix extensions as printed in headers: AMX flags, AVX512-FP16, AVX512-BF16."""
+    flags = cpu_flags()
+    amx = sorted(f for f in flags if f.startswith("amx"))
+    return (
+        f"AMX: {', '.join(amx) if amx else 'no'}; "
+        f"AVX512-FP16: {'yes' if 'avx512_fp16' in flags else 'no'}; "
+        f"AVX512-BF16: {'yes' if 'avx512_bf16' in flags else 'no'}"
+    )
+
+
+def print_machine(
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[torch.dtype, float]:
+    """The header every benchmark prints: CPU, matrix extensions, torch, threads, and the matmul
+    rate of each measured dtype (the limit); returns the rates."""
+    print(f"CPU: {cpu_model()}; {matrix_features()}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"fp32 matmul rate (torch.mm 4096²): {matmul_gflops():.1f} GFLOP/s")
+    rates = {}
+    for dtype in dtypes:
+        rates[dtype] = matmul_gflops(dtype=dtype, clock=clock)
+        name = SHORT.get(dtype, str(dtype).removeprefix("torch."))
+        print(f"{name} matmul rate (torch.mm 4096²): {rates[dtype]:.1f} GFLOP/s")
+    return rates

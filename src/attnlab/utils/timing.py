@@ -34,11 +34,13 @@ class Timer:
         return seconds
 
 
-def time_call(fn: Callable[[], T]) -> tuple[T, float]:
-    """Runs ``fn()`` once; returns ``(result, seconds)``."""
-    t0 = time.perf_counter()
+def time_call(
+    fn: Callable[[], T], clock: Callable[[], float] = time.perf_counter
+) -> tuple[T, float]:
+    """Runs ``fn()`` once; returns ``(result, seconds)`` on ``clock`` (wall clock by default)."""
+    t0 = clock()
     result = fn()
-    return result, time.perf_counter() - t0
+    return result, clock() - t0
 
 
 def best_times(
@@ -47,6 +49,7 @@ def best_times(
     *,
     warmup: bool = True,
     on_step: Callable[[str], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """Best time of each function over ``repeats`` rounds, interleaved: one call of each per round.
 
@@ -58,6 +61,7 @@ def best_times(
         repeats: timed rounds (>= 1).
         warmup: call each function once before timing.
         on_step: called with a description after every call (e.g. a progress bar's step).
+        clock: the timer (``time.process_time`` for this process's CPU time).
 
     Returns:
         name -> the smallest time in seconds.
@@ -72,7 +76,7 @@ def best_times(
             step(f"warm-up {name}")
     for r in range(repeats):
         for name, fn in fns.items():
-            _, seconds = time_call(fn)
+            _, seconds = time_call(fn, clock)
             best[name] = min(best[name], seconds)
             step(f"round {r + 1} {name}")
     return best
