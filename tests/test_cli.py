@@ -197,11 +197,13 @@ def test_bench_prints_a_table_of_numbers(tmp_path, capsys, monkeypatch):
     assert cli.main([*argv, "--json", str(tmp_path / "b.json")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("machine: ") and f"{torch.get_num_threads()} threads" in out[0]
-    rate = float(re.fullmatch(r"fp32 matmul .*: ([0-9.]+) GFLOP/s .*", out[1]).group(1))
+    assert out[1].startswith("cpu: ") and "AMX: " in out[1]
+    rate = float(re.fullmatch(r"fp32 matmul .*: ([0-9.]+) GFLOP/s .*", out[2]).group(1))
     assert rate > 0
-    header = out[3].split("  ")
+    header = out[4].split("  ")
     assert [c.strip() for c in header if c.strip()] == [
         "case",
+        "dtype",
         "contender",
         "seconds",
         "useful GF/s",
@@ -209,22 +211,25 @@ def test_bench_prints_a_table_of_numbers(tmp_path, capsys, monkeypatch):
         "flash is ×",
         "note",
     ]
-    assert set(out[4]) == {"-", " "}
-    rows = {line.split("  ")[0].strip(): line for line in out[5:] if line}
+    assert set(out[5]) == {"-", " "}
+    rows = {line.split("  ")[0].strip(): line for line in out[6:] if line}
     case = f"causal L={L} fwd"
-    lines = [line for line in out[5:] if line.startswith(case)]
-    assert [re.split(r"\s{2,}", line)[1] for line in lines] == ["flash", "sdpa is_causal"]
+    lines = [line for line in out[6:] if line.startswith(case)]
+    assert [re.split(r"\s{2,}", line)[2] for line in lines] == ["flash", "sdpa is_causal"]
     report = json.loads((tmp_path / "b.json").read_text())
     by_name = {r["name"]: r for r in report["rows"]}
     pairs = B * H * L * (L + 1) // 2  # causal: row i attends i + 1 keys
     for line in lines:
         cells = re.split(r"\s{2,}", line)
-        r = by_name[cells[1]]
-        assert r["seconds"] > 0 and float(cells[2]) == pytest.approx(r["seconds"], abs=5e-4)
+        r = by_name[cells[2]]
+        assert cells[1] == "fp32" and r["dtype"] == "float32"
+        assert r["seconds"] > 0 and float(cells[3]) == pytest.approx(r["seconds"], abs=5e-4)
         assert r["useful_gflops"] * r["seconds"] == pytest.approx(4 * pairs * D / 1e9, rel=1e-9)
-        assert cells[4] == f"{100 * r['useful_gflops'] / report['matmul_gflops']:.0f}%"
+        mm = report["matmul_gflops"]["float32"]
+        assert cells[5] == f"{100 * r['useful_gflops'] / mm:.0f}%"
     sdpa = re.split(r"\s{2,}", lines[1])
     ratio = by_name["sdpa is_causal"]["seconds"] / by_name["flash"]["seconds"]
-    assert sdpa[5] == f"{ratio:.2f}×"
-    assert float(sdpa[6].removeprefix("max|Δ| vs flash ")) < 1e-5  # same attention, fp32
+    assert sdpa[6] == f"{ratio:.2f}×"
+    err = float(re.match(r"max\|Δ\| vs flash (\S+) ok \(tol", sdpa[7]).group(1))
+    assert err < 1e-5  # same attention, fp32
     assert rows and by_name["sdpa is_causal"]["max_err"] < 1e-5

@@ -183,7 +183,7 @@ def load(*, reload: bool = False) -> dict[torch.dtype, Thresholds]:
     else:
         try:
             table = read_cache(path)
-            why = "" if table else f"the cache file {path} has no entry for this machine"
+            why = ""
         except (OSError, ValueError) as e:
             why = f"the cache file {path} is unusable"
             warnings.warn(
@@ -217,8 +217,9 @@ def describe(dtype: torch.dtype) -> str:
     t = for_dtype(dtype)
     name = str(dtype).removeprefix("torch.")
     source = t.source
-    if t is BUILTIN and _WHY:
-        source = f"{source}; {_WHY}"
+    if t is BUILTIN:
+        why = _WHY or f"the cache file {cache_file()} has no {name} entry for this machine"
+        source = f"{source}; {why}"
     return (
         f"auto's {name} thresholds (L·S: band {t.band}, sparse {t.sparse}, long {t.long}) are "
         f"{source}"
