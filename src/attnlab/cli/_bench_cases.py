@@ -444,8 +444,11 @@ def case_alibi(args, report: Report, progress: Progress) -> None:
 MEMORY_SCRIPT = r"""
 import json, resource, sys, time, torch, attnlab
 from attnlab import masks
-B, H, L, D = (int(x) for x in sys.argv[1:5])
-dtype = getattr(torch, sys.argv[5])
+B, H, L, D, threads = (int(x) for x in sys.argv[1:6])
+dtype = getattr(torch, sys.argv[6])
+clock = time.process_time if sys.argv[7] == "cpu" else time.perf_counter
+if threads:
+    torch.set_num_threads(threads)
 q, k, v = (torch.randn(B, H, L, D).to(dtype).requires_grad_(True) for _ in range(3))
 dout = torch.randn(B, H, L, D).to(dtype)
 def status_mb(field):  # VmRSS / VmHWM of this process (ru_maxrss would include the parent's)
@@ -454,11 +457,11 @@ def status_mb(field):  # VmRSS / VmHWM of this process (ru_maxrss would include 
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
 peak = lambda: status_mb("VmHWM")
 base = status_mb("VmRSS")  # with the inputs allocated: growth = what attention itself adds
-t = time.perf_counter()
+t = clock()
 out = attnlab.attention(q, k, v, mask=masks.causal(), backend="flash")
-t_fwd = time.perf_counter() - t
+t_fwd = clock() - t
 out.backward(dout)
-total = time.perf_counter() - t
+total = clock() - t
 print(json.dumps({"growth_mb": peak() - base, "fwd_s": t_fwd, "fwd_bwd_s": total,
                   "finite": bool(torch.isfinite(q.grad).all())}))
 """
@@ -474,7 +477,12 @@ def case_memory(args, report: Report, progress: Progress) -> None:
         return
     progress.step(f"memory: causal fwd+bwd L={L} {name_dt} (subprocess)")
     proc = subprocess.run(
-        [sys.executable, "-c", MEMORY_SCRIPT, str(B), str(H), str(L), str(D), name_dt],
+        [
+            sys.executable,
+            "-c",
+            MEMORY_SCRIPT,
+            *(str(x) for x in (B, H, L, D, args.threads or 0, name_dt, args.clock)),
+        ],
         capture_output=True,
         text=True,
     )
@@ -492,7 +500,7 @@ def case_memory(args, report: Report, progress: Progress) -> None:
             res["fwd_bwd_s"],
             3.5 * useful / res["fwd_bwd_s"],
             note=f"peak RSS growth {res['growth_mb'] / 1024:.2f} GB "
-            f"(one {SHORT.get(name_dt, name_dt)} L×S score tensor: {lxs:.0f} GB; wall clock)",
+            f"(one {SHORT.get(name_dt, name_dt)} L×S score tensor: {lxs:.0f} GB)",
             dtype=name_dt,
         )
     )
