@@ -178,3 +178,15 @@ def test_window_case_has_the_kernel_bound_row_in_each_dtype(tmp_path, capsys, sm
     compared = [r for r in rows if r["max_err"] is not None]
     assert {r["name"] for r in compared} >= {"sdpa dense mask"}
     assert all(r["within_tolerance"] for r in compared)
+
+
+def test_best_times_and_matmul_rate_use_the_clock_given():
+    from attnlab.utils import best_times
+
+    ticks = iter([0.0, 2.0, 10.0, 11.0])  # two rounds on the given clock: 2.0 then 1.0
+    assert best_times({"f": lambda: None}, 2, warmup=False, clock=lambda: next(ticks)) == {"f": 1.0}
+    seconds = iter([0.0, 0.5])  # matmul_rate's one timed call (after its warm-up) took 0.5 s
+    rate = _bench_cases.matmul_rate(
+        n=64, repeats=1, dtype=torch.bfloat16, clock=lambda: next(seconds)
+    )
+    assert rate == pytest.approx(2 * 64**3 / 0.5 / 1e9)

@@ -34,10 +34,10 @@ class Timer:
         return seconds
 
 
-def time_call(
-    fn: Callable[[], T], clock: Callable[[], float] = time.perf_counter
-) -> tuple[T, float]:
-    """Runs ``fn()`` once; returns ``(result, seconds)`` on ``clock`` (wall clock by default)."""
+def time_call(fn: Callable[[], T], clock: Callable[[], float] | None = None) -> tuple[T, float]:
+    """Runs ``fn()`` once; returns ``(result, seconds)`` on ``clock`` (default
+    ``time.perf_counter``, looked up at call time)."""
+    clock = clock or time.perf_counter
     t0 = clock()
     result = fn()
     return result, clock() - t0
@@ -49,7 +49,7 @@ def best_times(
     *,
     warmup: bool = True,
     on_step: Callable[[str], None] | None = None,
-    clock: Callable[[], float] = time.perf_counter,
+    clock: Callable[[], float] | None = None,
 ) -> dict[str, float]:
     """Best time of each function over ``repeats`` rounds, interleaved: one call of each per round.
 
@@ -61,7 +61,8 @@ def best_times(
         repeats: timed rounds (>= 1).
         warmup: call each function once before timing.
         on_step: called with a description after every call (e.g. a progress bar's step).
-        clock: the timer (``time.process_time`` for this process's CPU time).
+        clock: the timer (default ``time.perf_counter``; ``time.process_time`` for this
+            process's CPU time).
 
     Returns:
         name -> the smallest time in seconds.
