@@ -190,3 +190,21 @@ def test_best_times_and_matmul_rate_use_the_clock_given():
         n=64, repeats=1, dtype=torch.bfloat16, clock=lambda: next(seconds)
     )
     assert rate == pytest.approx(2 * 64**3 / 0.5 / 1e9)
+
+
+def test_plot_of_several_dtypes_has_one_panel_per_case_and_dtype(tmp_path, monkeypatch, capsys):
+    import attnlab.viz.bench as viz_bench
+
+    monkeypatch.setattr(bench, "matmul_rate", lambda **kw: 1.0)
+
+    def fake_case(args, report, progress):
+        name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[args.run_dtype]
+        report.rows.append(_bench_cases.Row("causal L=8 fwd", "flash", 1.0, dtype=name))
+
+    monkeypatch.setattr(bench, "case_causal", fake_case)
+    seen = {}
+    monkeypatch.setattr(viz_bench, "plot_bench", lambda rows, path: seen.update(rows=rows))
+    argv = ["bench", "--case", "causal", "--quiet", "--plot", str(tmp_path / "p.png")]
+    assert cli.main([*argv, "--dtype", "float32", "bfloat16"]) == 0
+    capsys.readouterr()
+    assert [r.case for r in seen["rows"]] == ["causal L=8 fwd fp32", "causal L=8 fwd bf16"]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -258,7 +259,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.plot:
         from ..viz.bench import plot_bench
 
-        plot_bench(report.rows, args.plot)
+        rows = report.rows
+        if len(dtypes) > 1:  # one panel per case and dtype
+            rows = [replace(r, case=f"{r.case} {SHORT.get(r.dtype, r.dtype)}") for r in rows]
+        plot_bench(rows, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
