@@ -208,3 +208,16 @@ def test_plot_of_several_dtypes_has_one_panel_per_case_and_dtype(tmp_path, monke
     assert cli.main([*argv, "--dtype", "float32", "bfloat16"]) == 0
     capsys.readouterr()
     assert [r.case for r in seen["rows"]] == ["causal L=8 fwd fp32", "causal L=8 fwd bf16"]
+
+
+def test_bench_calibrate_measures_the_thresholds_instead_of_the_cases(monkeypatch, capsys):
+    from attnlab.functional import calibrate
+
+    monkeypatch.setattr(bench, "matmul_rate", _heavy)
+    monkeypatch.setattr(bench, "case_window", _heavy)
+    calls = []
+    monkeypatch.setattr(calibrate, "calibrate", lambda *a, **kw: calls.append((a, kw)))
+    argv = ["bench", "--calibrate", "--dtype", "bfloat16", "float16", "--repeats", "2"]
+    assert cli.main(argv) == 0
+    assert calls == [((["bfloat16", "float16"],), {"repeats": 2, "threads": 1})]
+    capsys.readouterr()
