@@ -47,7 +47,7 @@ def main() -> None:
         limits = thresholds.for_dtype(dtype)
         print(
             f"\n{dtype}: auto sends windows to flash from L·S >= {limits.band}, the others from "
-            f"L·S >= {limits.sparse} ({limits.source})"
+            f"L·S >= {limits.sparse}: {limits.source}"
         )
         rows = calibrate.measure(
             dtype, args.lengths, args.repeats, heads=args.heads, dim=args.dim, clock=clock
