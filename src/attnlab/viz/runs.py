@@ -36,7 +36,8 @@ def _check(curves: object) -> list[tuple[str, list[float]]]:
 
 def same_run_figure(curves: Sequence[tuple[str, Sequence[float]]], *, dpi: int = 80) -> object:
     """Left: each run's per-step training loss; right: ``|loss_run(t) − loss_first(t)|`` per
-    step for every run after the first (log scale; an exact 0 is drawn at the axis floor).
+    step for every run after the first (log scale; an exact 0 is drawn at the axis floor; a
+    run has the same colour in both panels).
 
     Args:
         curves: ``(name, losses)`` pairs, the reference first, all with the same step count.
@@ -58,21 +59,22 @@ def same_run_figure(curves: Sequence[tuple[str, Sequence[float]]], *, dpi: int =
     steps = range(1, len(runs[0][1]) + 1)
     styles = ["-", "--", ":", "-."]
     for i, (name, values) in enumerate(runs):
-        left.plot(steps, values, styles[i % 4], lw=1.6 - 0.3 * (i % 4), label=name)
+        left.plot(steps, values, styles[i % 4], color=f"C{i}", lw=1.6 - 0.3 * (i % 4), label=name)
     left.set_xlabel("step")
     left.set_ylabel("training loss (nats/char)")
+    left.set_title("training loss per step", fontsize=9)
     left.legend(fontsize=8)
     left.grid(alpha=0.3)
     ref = runs[0][1]
     floor = 1e-9
-    for name, values in runs[1:]:
+    for i, (name, values) in enumerate(runs[1:], start=1):
         delta = [max(abs(a - b), floor) for a, b in zip(values, ref, strict=True)]
-        right.plot(steps, delta, "o-", ms=2.5, lw=0.8, label=name)
+        right.plot(steps, delta, "o-", color=f"C{i}", ms=2.5, lw=0.8, label=name)
     right.set_yscale("log")
     right.set_ylim(floor / 2, None)
     right.set_xlabel("step")
     right.set_ylabel(f"|loss − {runs[0][0]}|")
-    right.legend(fontsize=8)
+    right.set_title(f"per step; {floor:g} = exactly equal", fontsize=9)
     right.grid(alpha=0.3)
     fig.tight_layout()
     return fig
