@@ -16,13 +16,18 @@ encoder self-attention and its decoder cross-attention, two viewers on one page;
 64 tokens keep each row's exact top-k weights, computed without the L×S matrix. A checkpoint of
 ``attnlab train translate`` (recognised by the kind stored in the file) shows its decoder
 cross-attention on its own translation of TEXT: output characters × source characters
-(non-square), every layer and head in the viewer, the mean over them with ``--png``.
+(non-square), every layer and head in the viewer, the mean over them with ``--png``; with
+``--compare B`` a second translate checkpoint (e.g. the RNN of ``--arch rnn``) translates the
+same TEXT and the two alignments are drawn side by side (``--png``,
+`attnlab.viz.alignment.plot_alignment_comparison`) or shown one after the other (html, text).
 
 Example:
     $ attnlab visualize "The animal didn't cross the street because it was too tired"
     $ attnlab visualize --checkpoint runs/alice/ckpt.safetensors "Alice was" --format text
     $ attnlab visualize --model ./my-bart "The cat sat on the mat." --out bart.html
     $ attnlab visualize --checkpoint runs/translate/ckpt.safetensors "twenty-three" --png
+    $ attnlab visualize --checkpoint runs/translate/ckpt.safetensors \
+          --compare runs/translate-rnn/ckpt.safetensors "twenty-three" --png
 """
 
 from __future__ import annotations
@@ -122,26 +127,73 @@ def _vit_run(args: argparse.Namespace) -> Attentions:
     )
 
 
-def _translate_run(args: argparse.Namespace) -> Attentions:
-    """The decoder cross-attention of a translate checkpoint on its own translation of TEXT:
-    output characters (queries) × source characters (keys), every layer and head."""
+def _translate_run(
+    args: argparse.Namespace, path: str | None = None, option: str = "--checkpoint"
+) -> Attentions:
+    """The cross-attention of a translate checkpoint (``path``, default ``--checkpoint``) on its
+    own translation of TEXT: output characters (queries) × source characters (keys), every
+    layer and head (an RNN's additive attention: one layer, one head)."""
     from ..apps.translate import cross_attentions, langs_of, load, vocab_of
 
-    model, ck = load(args.checkpoint, device=args.device)
+    model, ck = load(path or args.checkpoint, device=args.device)
     vocab, langs = vocab_of(ck), langs_of(ck)
     if args.lang not in langs:
-        raise ValueError(f"--lang must be one of {langs} for this checkpoint, got {args.lang!r}")
+        raise ValueError(f"--lang must be one of {langs} for {option}, got {args.lang!r}")
     text = TRANSLATE_TEXT if args.text == DEFAULT_TEXT else args.text
     src, out, weights = cross_attentions(model, vocab, text, args.lang)
     translation = "".join(t for t in out if t != "<eos>")
+    arch = ck.metadata.get("arch", "transformer")
     return Attentions(
         tokens=out,
         weights=weights,
         model="translate",
         notes=[f"{text} -> ({args.lang}) {translation}"],
         key_tokens=src,
-        part="decoder cross-attention",
+        part="decoder cross-attention" if arch == "transformer" else f"{arch} additive attention",
     )
+
+
+def _compare_runs(args: argparse.Namespace) -> list[Attentions]:
+    """``--checkpoint A --compare B``: both translate checkpoints' alignments on TEXT."""
+    if args.checkpoint is None or args.model is not None:
+        raise ValueError("--compare needs --checkpoint (a translate checkpoint) and no --model")
+    for option, path in (("--checkpoint", args.checkpoint), ("--compare", args.compare)):
+        kind = _kind(path)
+        if kind != "translate":
+            raise ValueError(
+                f"{option} must be a translate checkpoint with --compare, got kind {kind!r}"
+            )
+    return [
+        _translate_run(args, args.checkpoint, "--checkpoint"),
+        _translate_run(args, args.compare, "--compare"),
+    ]
+
+
+def _compare_png(args: argparse.Namespace, runs: list[Attentions], png: Path) -> None:
+    """The two checkpoints' alignments side by side (mean of layers and heads each)."""
+    from ..viz.alignment import plot_alignment_comparison
+
+    paths = (args.checkpoint, args.compare)
+    names = [
+        r.part.split()[0] if r.part.endswith("additive attention") else "transformer" for r in runs
+    ]
+    if names[0] == names[1]:
+        names = [f"{n} ({_short(str(p), 40)})" for n, p in zip(names, paths, strict=True)]
+    columns = [
+        (
+            name,
+            [
+                (
+                    "→ " + _short(run.notes[0].split(" -> ", 1)[-1], 48),
+                    run.key_tokens,
+                    run.tokens,
+                    run.weights.mean((0, 1)),  # (T, S): the mean of layers and heads
+                )
+            ],
+        )
+        for name, run in zip(names, runs, strict=True)
+    ]
+    plot_alignment_comparison(png, columns)
 
 
 def _check_choice(args: argparse.Namespace, runs: list) -> None:
@@ -185,7 +237,9 @@ def _cmd_visualize(args: argparse.Namespace) -> int:
         check_output_file(png, "--png", (".png",))
     try:
         kind = _kind(args.checkpoint) if args.checkpoint and args.model is None else None
-        if kind == "translate":
+        if args.compare is not None:
+            runs = _compare_runs(args)
+        elif kind == "translate":
             runs = [_translate_run(args)]
         elif kind == "vit":
             runs = [_vit_run(args)]
@@ -257,7 +311,10 @@ def _cmd_visualize(args: argparse.Namespace) -> int:
                     print(
                         f"note: long input, the viewer keeps each token's top {args.top_k} weights"
                     )
-        if args.png is not None and runs[0].model == "translate":
+        if args.png is not None and args.compare is not None:
+            _compare_png(args, runs, png)
+            print(f"wrote {png}")
+        elif args.png is not None and runs[0].model == "translate":
             from ..viz.alignment import plot_alignments
 
             run = runs[0]
@@ -312,6 +369,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "from `attnlab train translate` (shows its cross-attention: output characters × "
         "source characters, on its own translation of TEXT), or a vit checkpoint from `attnlab "
         "train vit` (TEXT: a held-out image index; [CLS] and the patches as tokens)",
+    )
+    p.add_argument(
+        "--compare",
+        type=existing_file,
+        metavar="PATH",
+        help="a second translate checkpoint (e.g. `train translate --arch rnn`): both "
+        "models translate TEXT and their alignments are shown side by side (--png) or one "
+        "after the other (html, text)",
     )
     p.add_argument(
         "--lang",
