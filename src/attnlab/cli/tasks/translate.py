@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float_in(0.0, low_open=True),
         default=8.0,
         help="training time budget in minutes (default %(default)s); data and evaluation "
-        "come on top (about 1 minute)",
+        "come on top (about 1-2 minutes on one core)",
     )
     p.add_argument(
         "--steps",
