@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnlab.masks import PaddingMask
+from attnlab.models import seq2seq
 from attnlab.models.seq2seq import (
     Seq2SeqConfig,
     Seq2SeqTransformer,
@@ -193,3 +195,27 @@ def test_decode_backend_gives_the_same_tokens_and_is_restored() -> None:
     ref = model.greedy(src, mask, max_len=10, bos=BOS, eos=EOS)
     assert torch.equal(auto, ref)
     assert {m.backend for m in model.modules() if hasattr(m, "backend")} == {"auto"}
+
+
+def test_source_mask_is_a_padding_mask_only_for_right_padding() -> None:
+    _, mask = _batch()
+    m = seq2seq.source_mask(mask)
+    assert isinstance(m, PaddingMask)
+    assert torch.equal(m.lengths, mask.sum(-1))
+    left = mask.flip(-1)  # padding first: not a prefix, stays the dense (B, 1, 1, S) tensor
+    d = seq2seq.source_mask(left)
+    assert isinstance(d, torch.Tensor) and torch.equal(d, left[:, None, None, :])
+
+
+@pytest.mark.parametrize("positional", ["sinusoidal", "rope"])
+def test_decoding_with_the_padding_mask_equals_the_dense_mask(positional, monkeypatch) -> None:
+    model = _model(positional)
+    src, mask = _batch()
+    assert not bool(mask.all())  # some rows are padded
+    greedy = model.greedy(src, mask, max_len=10, bos=BOS, eos=EOS)
+    beam, scores = model.beam_search(src, mask, beam=3, max_len=10, bos=BOS, eos=EOS)
+    monkeypatch.setattr(seq2seq, "source_mask", lambda m: m[:, None, None, :])
+    assert torch.equal(greedy, model.greedy(src, mask, max_len=10, bos=BOS, eos=EOS))
+    beam_d, scores_d = model.beam_search(src, mask, beam=3, max_len=10, bos=BOS, eos=EOS)
+    assert torch.equal(beam, beam_d)
+    torch.testing.assert_close(scores, scores_d, rtol=1e-5, atol=1e-5)

@@ -91,14 +91,14 @@ class TranslateSettings:
     held_out: int = 2000
     langs: tuple[str, ...] = ("de", "fr")
     pool: int = 60000
-    batch_tokens: int = 12000
-    label_smoothing: float = 0.1
+    batch_tokens: int = 800
+    label_smoothing: float = 0.0
     fit: FitSettings = field(
         default_factory=lambda: FitSettings(
             steps=100000,
-            lr=2e-3,
+            lr=1e-3,
             min_lr=5e-5,
-            warmup=150,
+            warmup=100,
             weight_decay=0.01,
             grad_clip=1.0,
             time_budget=480.0,
@@ -107,7 +107,7 @@ class TranslateSettings:
         )
     )
     threads: int | None = None
-    eval_batch: int = 500
+    eval_batch: int = 250
     data_seed: int = 0
     pieces: bool = False
 
@@ -139,7 +139,7 @@ def decode_batch(
 
 @torch.no_grad()
 def predict(
-    model: nn.Module, vocab: Vocab, examples: Sequence[Example], batch: int = 500
+    model: nn.Module, vocab: Vocab, examples: Sequence[Example], batch: int = 250
 ) -> list[str]:
     """Greedy translations of ``examples`` (batched by source length; returned in order)."""
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].src))
@@ -156,7 +156,7 @@ def predict(
 
 
 def evaluate(
-    model: nn.Module, task: NumberTask, batch: int = 500, longest: float = 0.1
+    model: nn.Module, task: NumberTask, batch: int = 250, longest: float = 0.1
 ) -> dict[str, Any]:
     """Held-out exact match per language; German reordering cases; the longest numbers.
 

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float_in(0.0, low_open=True),
         default=8.0,
         help="training time budget in minutes (default %(default)s); data and evaluation "
-        "come on top (about 1 minute)",
+        "come on top (about 1-2 minutes on one core)",
     )
     p.add_argument(
         "--steps",
@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lr",
         type=float_in(0.0, low_open=True),
-        default=2e-3,
+        default=1e-3,
         help="peak learning rate (default %(default)s)",
     )
     p.add_argument(
@@ -84,19 +84,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--label-smoothing",
         type=float_in(0.0, 1.0, high_open=True),
-        default=0.1,
+        default=0.0,
         help="label smoothing of the cross-entropy (default %(default)s)",
     )
     p.add_argument(
         "--batch-tokens",
         type=int_at_least(200),
-        default=6000,
+        default=800,
         help="padded source + target tokens per batch (default %(default)s)",
     )
     p.add_argument(
         "--pool",
         type=int_at_least(100),
-        default=30000,
+        default=60000,
         help="distinct training pairs drawn (num2words writes ~2,500 pairs/s; default %(default)s)",
     )
     p.add_argument(
