@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from .. import masks
 from ..modules import KVCache
-from .blocks import TransformerBlock, make_norm, positional_parts, run_blocks
+from .blocks import StackOutput, TransformerBlock, make_norm, positional_parts, run_blocks
 from .config import TransformerConfig
 
 
@@ -139,8 +139,16 @@ class GPT(nn.Module):
             TypeError / ValueError: non-integer ids, ids outside the vocabulary, more than
                 ``max_seq_len`` positions (cached + new), or a wrong number of caches.
         """
+        idx = check_token_ids("idx", idx, self.config.vocab_size)
+        out = self._trunk(idx, caches, need_weights)
+        logits = self.lm_head(self.norm_f(out.last_hidden_state))  # (B, L, V)
+        return (logits, out.attentions) if need_weights else logits  # type: ignore[return-value]
+
+    def _trunk(
+        self, idx: Tensor, caches: list[KVCache] | None, need_weights: bool = False
+    ) -> StackOutput:
+        """The blocks' output for checked ids ``(B, L)``: ``last_hidden_state`` ``(B, L, E)``."""
         cfg = self.config
-        idx = check_token_ids("idx", idx, cfg.vocab_size)
         offset = 0
         if caches is not None:
             if not isinstance(caches, (list, tuple)) or len(caches) != len(self.blocks):
@@ -157,10 +165,11 @@ class GPT(nn.Module):
         if self.pos_emb is not None:
             pos = torch.arange(offset, offset + L, device=idx.device)  # (L,)
             x = x + self.pos_emb(pos).to(x.dtype)  # (B, L, E)
-        x = self.drop(x)
+        if self.training:  # eval-mode dropout is the identity: skip the call (decode steps)
+            x = self.drop(x)
         # Bottom-right causal; a single new token (decoding) is the last query and sees every key.
         causal = masks.causal() if L > 1 else None
-        out = run_blocks(
+        return run_blocks(
             self.blocks,
             x,
             mask=causal,
@@ -170,8 +179,16 @@ class GPT(nn.Module):
                 self.gradient_checkpointing and self.training and torch.is_grad_enabled()
             ),
         )
-        logits = self.lm_head(self.norm_f(out.last_hidden_state))  # (B, L, V)
-        return (logits, out.attentions) if need_weights else logits  # type: ignore[return-value]
+
+    def _next_logits(self, idx: Tensor, caches: list[KVCache] | None) -> Tensor:
+        """Logits ``(B, V)`` of the last position only, for ids `generate` already checked.
+
+        The final norm and the output projection run on one position per row (a prompt of P
+        tokens would otherwise cost P·E·V multiply-adds in the head for one used row); the norm
+        is per position, so the values are those of ``self(idx)[:, -1]``.
+        """
+        h = self._trunk(idx, caches).last_hidden_state[:, -1:]  # (B, 1, E)
+        return self.lm_head(self.norm_f(h))[:, 0]  # (B, V)
 
     @torch.no_grad()
     def generate(
@@ -225,21 +242,25 @@ class GPT(nn.Module):
         was_training = self.training
         self.eval()
         try:
+            B, P = idx.shape
+            # The prompt and every new token in one buffer (no torch.cat per token); the new
+            # tokens come from argmax/sampling over the V logits, so they need no id check.
+            out = idx.new_empty(B, P + max_new_tokens, dtype=torch.long)
+            out[:, :P] = idx
             start, caches = 0, None
-            for _ in range(max_new_tokens):
-                new_start = context_start(idx.shape[1], start, window)
+            for t in range(P, P + max_new_tokens):
+                new_start = context_start(t, start, window)
                 if not use_cache:
                     start = new_start
-                    logits = self(idx[:, start:])[:, -1]  # recompute the context: (B, V)
+                    logits = self._next_logits(out[:, start:t], None)  # recompute: (B, V)
                 elif caches is None or new_start != start:
                     # Prefill, or the context is full: rebuild the caches from its tail.
                     start, caches = new_start, self.new_caches(min(window, total - new_start))
-                    logits = self(idx[:, start:], caches=caches)[:, -1]  # (B, V)
+                    logits = self._next_logits(out[:, start:t], caches)  # (B, V)
                 else:
-                    logits = self(idx[:, -1:], caches=caches)[:, -1]  # one token: (B, V)
-                nxt = self._sample(logits, temperature, top_k, generator)  # (B, 1)
-                idx = torch.cat((idx, nxt), dim=1)  # (B, L + t + 1)
-            return idx
+                    logits = self._next_logits(out[:, t - 1 : t], caches)  # one token: (B, V)
+                out[:, t : t + 1] = self._sample(logits, temperature, top_k, generator)
+            return out
         finally:
             self.train(was_training)
 
