@@ -184,8 +184,9 @@ class GPT(nn.Module):
         """Logits ``(B, V)`` of the last position only, for ids `generate` already checked.
 
         The final norm and the output projection run on one position per row (a prompt of P
-        tokens would otherwise cost P·E·V multiply-adds in the head for one used row); the norm
-        is per position, so the values are those of ``self(idx)[:, -1]``.
+        tokens would otherwise cost P·E·V multiply-adds in the head for one used row). The norm
+        is per position, so the values are those of ``self(idx)[:, -1]`` up to the rounding of
+        a matrix product of another shape.
         """
         h = self._trunk(idx, caches).last_hidden_state[:, -1:]  # (B, 1, E)
         return self.lm_head(self.norm_f(h))[:, 0]  # (B, V)
