@@ -132,3 +132,23 @@ def test_generate_uses_the_forward_logits_of_the_last_position(positional):
     with torch.no_grad():
         logits = model(out[:, :-1])  # (B, 35, V)
     assert torch.equal(out[:, 6:], logits[:, 5:].argmax(-1))
+
+
+def test_generate_runs_in_inference_mode_but_returns_an_ordinary_tensor():
+    """`generate` decodes under ``torch.inference_mode``; what it returns and what it leaves in
+    the model (RoPE's table memo) still work with autograd afterwards."""
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, max_seq_len=24)
+    model = GPT(cfg)
+    seen: list[bool] = []
+    model.lm_head.register_forward_hook(
+        lambda m, i, o: seen.append(torch.is_inference_mode_enabled())
+    )
+    out = model.generate(torch.tensor([[1, 2, 3]]), 5, top_k=1)
+    assert seen and all(seen) and model.training
+    assert not out.is_inference()
+    out[:, 0] = 7  # an inference tensor would refuse this in-place write
+    loss = torch.nn.functional.cross_entropy(model(out[:, :-1]).flatten(0, 1), out[:, 1:].flatten())
+    loss.backward()  # RoPE tables memoised during generate are ordinary tensors
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)

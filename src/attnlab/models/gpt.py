@@ -191,7 +191,6 @@ class GPT(nn.Module):
         h = self._trunk(idx, caches).last_hidden_state[:, -1:]  # (B, 1, E)
         return self.lm_head(self.norm_f(h))[:, 0]  # (B, V)
 
-    @torch.no_grad()
     def generate(
         self,
         idx: Tensor,
@@ -238,32 +237,48 @@ class GPT(nn.Module):
             isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1
         ):
             raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-        window = self.config.max_seq_len
-        total = idx.shape[1] + max_new_tokens  # the caches never hold more (nor than window)
         was_training = self.training
         self.eval()
         try:
-            B, P = idx.shape
-            # The prompt and every new token in one buffer (no torch.cat per token); the new
-            # tokens come from argmax/sampling over the V logits, so they need no id check.
-            out = idx.new_empty(B, P + max_new_tokens, dtype=torch.long)
-            out[:, :P] = idx
-            start, caches = 0, None
-            for t in range(P, P + max_new_tokens):
-                new_start = context_start(t, start, window)
-                if not use_cache:
-                    start = new_start
-                    logits = self._next_logits(out[:, start:t], None)  # recompute: (B, V)
-                elif caches is None or new_start != start:
-                    # Prefill, or the context is full: rebuild the caches from its tail.
-                    start, caches = new_start, self.new_caches(min(window, total - new_start))
-                    logits = self._next_logits(out[:, start:t], caches)  # (B, V)
-                else:
-                    logits = self._next_logits(out[:, t - 1 : t], caches)  # one token: (B, V)
-                out[:, t : t + 1] = self._sample(logits, temperature, top_k, generator)
-            return out
+            # inference_mode (no autograd bookkeeping at all: ~10 % of a small model's decode
+            # step); the result is cloned out of it so callers get an ordinary tensor.
+            with torch.inference_mode():
+                out = self._decode(idx, max_new_tokens, temperature, top_k, use_cache, generator)
+            return out.clone()
         finally:
             self.train(was_training)
+
+    def _decode(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        use_cache: bool,
+        generator: torch.Generator | None,
+    ) -> Tensor:
+        """`generate`'s loop on checked arguments: ``(B, P) -> (B, P + max_new_tokens)``."""
+        window = self.config.max_seq_len
+        B, P = idx.shape
+        total = P + max_new_tokens  # the caches never hold more (nor than window)
+        # The prompt and every new token in one buffer (no torch.cat per token); the new tokens
+        # come from argmax/sampling over the V logits, so they need no id check.
+        out = idx.new_empty(B, total, dtype=torch.long)
+        out[:, :P] = idx
+        start, caches = 0, None
+        for t in range(P, total):
+            new_start = context_start(t, start, window)
+            if not use_cache:
+                start = new_start
+                logits = self._next_logits(out[:, start:t], None)  # recompute: (B, V)
+            elif caches is None or new_start != start:
+                # Prefill, or the context is full: rebuild the caches from its tail.
+                start, caches = new_start, self.new_caches(min(window, total - new_start))
+                logits = self._next_logits(out[:, start:t], caches)  # (B, V)
+            else:
+                logits = self._next_logits(out[:, t - 1 : t], caches)  # one token: (B, V)
+            out[:, t : t + 1] = self._sample(logits, temperature, top_k, generator)
+        return out
 
     @staticmethod
     def _sample(
