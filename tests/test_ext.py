@@ -173,7 +173,8 @@ def test_rope_decode_attend_bit_equal(ext, monkeypatch, dtype, layout) -> None:
     """The module's fused decode step (`decode.rope_decode_run`: RoPE of q and of the cached
     keys from table rows, then the decode step, one operator) equals `RoPE` followed by
     `decode_run` on the tensor-op path bit for bit: both RoPE layouts, a partial rotary dim, a
-    strided q, keys rotated or already rotated (``k_start=None``), NaN/±inf planted."""
+    strided q, keys rotated or already rotated (``k_start=None``), NaN/±inf planted; and so
+    does the rotation alone (``attnlab_nan::rope_rows``) against `RoPE.forward`."""
     torch.manual_seed(6)
     rope = RoPE(
         32, interleaved=layout == "interleaved", rotary_dim=16 if layout == "partial" else None
@@ -195,6 +196,9 @@ def test_rope_decode_attend_bit_equal(ext, monkeypatch, dtype, layout) -> None:
             assert decode_step_ready("decode", q, k, v, 0.0)
             on = rope_decode_run(q, k, v, cos, sin, 40, k_start, rope.rotary_dim, rope.interleaved)
             assert on.dtype == dtype and _same(off, on), (planted, k_start)
+        # the rotation alone (a rotate-at-insert cache's new keys) equals RoPE.forward
+        rows = torch.ops.attnlab_nan.rope_rows(q, cos, sin, 40, rope.rotary_dim, rope.interleaved)
+        assert rows.dtype == dtype and _same(rows, rope(q, 40))
 
 
 def test_not_used_with_autograd_compile_or_meta() -> None:

@@ -19,6 +19,8 @@
 //       the cache update: RoPE of q (positions q_start…) and, if rotate_keys, of every cached key
 //       (positions k_start…) from rows of the tables cos/sin (N, rotary_dim/2) — the calls of
 //       `RoPE.forward`'s table path — then decode_attend; bit-equal to those Python calls.
+//   attnlab_nan::rope_rows(x, cos, sin, start, rotary_dim, interleaved) -> out: that rotation
+//       alone (a rotate-at-insert cache's new keys), bit-equal to `RoPE.forward(x, start)`.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -402,6 +404,18 @@ at::Tensor rope_decode_attend(const at::Tensor& q, const at::Tensor& k, const at
   return decode_attend(qr, kr, v, scale);
 }
 
+at::Tensor rope_rows_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                        int64_t start, int64_t rotary_dim, bool interleaved) {
+  const int64_t R = rotary_dim;
+  TORCH_CHECK(x.dim() == 4 && R >= 2 && R % 2 == 0 && R <= x.size(3),
+              "rope_rows: 4-D x and an even rotary_dim <= D expected");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(1) == R / 2 &&
+                  sin.scalar_type() == cos.scalar_type(),
+              "rope_rows: cos and sin must be (N, rotary_dim/2) tables");
+  TORCH_CHECK(start >= 0 && start + x.size(2) <= cos.size(0), "rope_rows: positions outside");
+  return rope_rows(x, cos, sin, start, R, interleaved);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnlab_nan, m) {
@@ -412,6 +426,8 @@ TORCH_LIBRARY(attnlab_nan, m) {
   m.def("decode_attend(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   m.def("rope_decode_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, int q_start, "
         "int k_start, bool rotate_keys, int rotary_dim, bool interleaved, float scale) -> Tensor");
+  m.def("rope_rows(Tensor x, Tensor cos, Tensor sin, int start, int rotary_dim, bool interleaved) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_nan, CPU, m) {
@@ -419,4 +435,5 @@ TORCH_LIBRARY_IMPL(attnlab_nan, CPU, m) {
   m.impl("sdpa_prefix", &sdpa_prefix);
   m.impl("decode_attend", &decode_attend);
   m.impl("rope_decode_attend", &rope_decode_attend);
+  m.impl("rope_rows", &rope_rows_op);
 }

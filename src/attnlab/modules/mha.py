@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .._shapes import check_probability
-from ..functional import attention
+from ..functional import attention, nan_rule
 from ..functional.decode import decode_step_ready, decode_step_run, rope_decode_run
 from ..functional.registry import check_backend_name, select
 from ..functional.request import BiasFn
@@ -32,6 +32,29 @@ def _combine(user: Mask | Tensor | None, policy: Mask | None) -> Mask | Tensor |
     if isinstance(user, Tensor) and user.dtype != torch.bool:
         raise ValueError("a float (additive) mask cannot be combined with a cache's window mask")
     return policy & (user if isinstance(user, Mask) else from_tensor(user))
+
+
+def _rotate_new_keys(rope: nn.Module, k: Tensor, positions: Tensor | int) -> Tensor:
+    """``rope(k, positions)`` for a rotate-at-insert cache's new keys ``(B, H_kv, T, D)``.
+
+    With a plain static `RoPE`, an int start and the C++ operators usable (eager, CPU, no
+    gradient), one call rotates from the memoised table (``attnlab_nan::rope_rows``, bit-equal
+    to `RoPE.forward`'s table path) instead of RoPE's Python checks and six tensor ops.
+    """
+    if (
+        type(rope) is RoPE
+        and not rope.depends_on_seq_len
+        and type(positions) is int
+        and positions >= 0
+        and k.dim() == 4
+        and nan_rule.ext_ready(k)
+    ):
+        dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+        cos, sin = rope._table(positions + k.shape[2], k.device, dtype)
+        return torch.ops.attnlab_nan.rope_rows(
+            k, cos, sin, positions, rope.rotary_dim, rope.interleaved
+        )
+    return rope(k, positions)
 
 
 class MultiHeadAttention(nn.Module):
@@ -231,7 +254,8 @@ class MultiHeadAttention(nn.Module):
             if isinstance(positions, int) and not isinstance(positions, bool):
                 positions = torch.arange(positions, positions + L, device=q.device)
             if rotated_cache:  # the new keys are rotated once, at their positions, and cached
-                k = rope(k, cache.seen if positions is None else positions)  # type: ignore[misc]
+                start = cache.seen if positions is None else positions
+                k = _rotate_new_keys(rope, k, start)  # type: ignore[arg-type]
             view = cache.update(k, v, positions)
             k, v = view.k, view.v
             mask = _combine(mask, view.mask)
