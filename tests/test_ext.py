@@ -19,8 +19,9 @@ import torch
 import attnlab
 from attnlab import _ext, masks
 from attnlab.functional import nan_rule
-from attnlab.functional.decode import decode_run
-from attnlab.functional.validate import build_request
+from attnlab.functional.decode import decode_run, decode_step_ready, rope_decode_run
+from attnlab.functional.validate import build_request, trusted_request
+from attnlab.positional import RoPE
 
 SRC = str(Path(attnlab.__file__).resolve().parent.parent)
 NAN, INF = float("nan"), float("inf")
@@ -164,6 +165,40 @@ def test_decode_attend_bit_equal(ext, monkeypatch, dtype) -> None:
         )
         off, on = _both(monkeypatch, lambda req=req: decode_run(req)[0])
         assert on.dtype == dtype and _same(off, on)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
+@pytest.mark.parametrize("layout", ["rotate-half", "interleaved", "partial"])
+def test_rope_decode_attend_bit_equal(ext, monkeypatch, dtype, layout) -> None:
+    """The module's fused decode step (`decode.rope_decode_run`: RoPE of q and of the cached
+    keys from table rows, then the decode step, one operator) equals `RoPE` followed by
+    `decode_run` on the tensor-op path bit for bit: both RoPE layouts, a partial rotary dim, a
+    strided q, keys rotated or already rotated (``k_start=None``), NaN/±inf planted; and so
+    does the rotation alone (``attnlab_nan::rope_rows``) against `RoPE.forward`."""
+    torch.manual_seed(6)
+    rope = RoPE(
+        32, interleaved=layout == "interleaved", rotary_dim=16 if layout == "partial" else None
+    )
+    q = torch.randn(2, 3, 8, 32, dtype=dtype).transpose(1, 2)  # (2, 8, 3, 32), strided
+    k = torch.randn(2, 2, 600, 32, dtype=dtype)
+    v = torch.randn(2, 2, 600, 32, dtype=dtype)
+    table = torch.float64 if dtype == torch.float64 else torch.float32
+    cos, sin = rope._table(700, q.device, table)
+    for planted in (0, 3):
+        _plant((q, k, v), planted, seed=10 + planted)
+        for k_start in (None, 5):
+
+            def python(k_start=k_start):
+                keys = k if k_start is None else rope(k, k_start)
+                return decode_run(trusted_request(rope(q, 40), keys, v))[0]
+
+            off, _ = _both(monkeypatch, python)
+            assert decode_step_ready("decode", q, k, v, 0.0)
+            on = rope_decode_run(q, k, v, cos, sin, 40, k_start, rope.rotary_dim, rope.interleaved)
+            assert on.dtype == dtype and _same(off, on), (planted, k_start)
+        # the rotation alone (a rotate-at-insert cache's new keys) equals RoPE.forward
+        rows = torch.ops.attnlab_nan.rope_rows(q, cos, sin, 40, rope.rotary_dim, rope.interleaved)
+        assert rows.dtype == dtype and _same(rows, rope(q, 40))
 
 
 def test_not_used_with_autograd_compile_or_meta() -> None:

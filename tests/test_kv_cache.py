@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnlab import masks
+from attnlab import _ext, masks
 from attnlab.modules import (
     CacheOverflowError,
     KVCache,
@@ -280,3 +280,41 @@ def test_positions_become_explicit_after_the_first_caller_given_ones():
     assert view.start is None and view.k_positions.tolist() == [[0, 1, 2, 10]]
     view = cache.update(*one)  # default again: the next position is the token count
     assert view.k_positions.tolist() == [[0, 1, 2, 10, 4]] and view.q_positions.tolist() == [[4]]
+
+
+@pytest.mark.parametrize("ext", ["0", "require"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotate_at_insert_equals_the_pre_rope_cache_bit_for_bit(monkeypatch, ext, interleaved):
+    """``KVCache(rotate_at_insert=True)`` rotates each key once, at its position, when it is
+    cached; re-rotating the pre-RoPE keys at every step computes the same rotation of the same
+    values, so every output is bit-equal — prefill, decode steps, caller-given positions, and
+    the decode backend's fused step (≥ 512 keys) with and without the C++ operators (which
+    also rotate the new keys: ``attnlab_nan::rope_rows``)."""
+    if ext == "require" and (_ext.mode() == "off" or not _ext.load("nan_rule", wait=True)):
+        pytest.skip(f"C++ extension unavailable: {_ext.status('nan_rule')}")
+    monkeypatch.setenv("ATTNLAB_EXT", ext)
+    mha = _mha(torch.float32, num_kv_heads=2, rope=RoPE(8, interleaved=interleaved))
+    x = torch.randn(2, 515, 32)
+    with torch.no_grad():
+        for prefill, stop, shift in ((5, 20, 0), (5, 12, 3), (512, 515, 0)):
+            got = _decode(
+                mha, x[:, :stop], prefill, KVCache(rotate_at_insert=True), positions_shift=shift
+            )
+            want = _decode(mha, x[:, :stop], prefill, KVCache(), positions_shift=shift)
+            assert torch.equal(got, want), (prefill, shift)
+
+
+def test_rotate_at_insert_refuses_seq_len_dependent_rope_and_keeps_its_mode():
+    """Keys rotated once go stale when the frequencies change with the length (dynamic NTK,
+    LongRoPE): refused before any work, naming the option. ``reset`` keeps the mode."""
+    scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 6}
+    mha = _mha(rope=RoPE(8, scaling=scaling))
+    cache = KVCache(8, rotate_at_insert=True)
+    with pytest.raises(ValueError, match="rotate_at_insert"):
+        mha(torch.randn(1, 3, 32, dtype=torch.float64), mask=masks.causal(), cache=cache)
+    assert len(cache) == 0 and cache.seen == 0
+    with pytest.raises(TypeError, match="rotate_at_insert must be a bool, got int"):
+        KVCache(rotate_at_insert=1)
+    cache.reset()
+    assert cache.rotate_at_insert and cache.capacity == 8
+    assert not SlidingWindowCache(4).rotate_at_insert and not SinkCache(1, 4).rotate_at_insert

@@ -7,13 +7,17 @@ be the same computation: the same backend and bit-equal outputs as calling `atte
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-from attnlab import attention, masks
+from attnlab import _ext, attention, masks
+from attnlab.functional.decode import decode_step_ready
 from attnlab.functional.registry import select
 from attnlab.functional.validate import build_request, trusted_request
 from attnlab.modules import KVCache, MultiHeadAttention
+from attnlab.modules import mha as mha_module
 from attnlab.positional import RoPE
 
 
@@ -70,6 +74,37 @@ def test_trusted_request_equals_build_request() -> None:
             assert select("auto", got)[0].name == select("auto", want)[0].name
 
 
+@pytest.mark.parametrize("backend", ["auto", "decode", "sdpa"])
+def test_decode_step_ready_agrees_with_select(backend) -> None:
+    """`decode.decode_step_ready` (the module's request-free check) says "decode" exactly when
+    `select` gives the decode backend to the same request and its C++ step can run: over
+    sizes around auto's 512-key threshold and the logits bound, L up to 9, empty calls, dtypes,
+    dropout, and inputs that require grad (with and without grad mode)."""
+    ext_on = _ext.mode() != "off" and _ext.load("nan_rule", wait=True)
+    cases = 0
+    for S, L, B, dtype, p, grad, mode in itertools.product(
+        (0, 1, 511, 512, 4096, 1 << 20),
+        (1, 8, 9),
+        (0, 1, 3),
+        (torch.float32, torch.bfloat16, torch.float64),
+        (0.0, 0.1),
+        (False, True),
+        (False, True),
+    ):
+        q = torch.zeros(1, 1, 1, 16, dtype=dtype, requires_grad=grad).expand(B, 4, L, 16)
+        k = v = torch.zeros(1, 1, 1, 16, dtype=dtype).expand(B, 2, S, 16)  # no memory
+        with torch.set_grad_enabled(mode):
+            req = trusted_request(q, k, v, dropout_p=p)
+            try:
+                picked = select(backend, req)[0].name == "decode"
+            except ValueError:  # an explicit backend refused it: so must the check
+                picked = False
+            want = picked and ext_on and not (grad and mode)
+            assert decode_step_ready(backend, q, k, v, p) == want, (S, L, B, dtype, p, grad)
+            cases += want
+    assert (cases > 0) == (ext_on and backend != "sdpa")
+
+
 def test_project_views_match_split_then_view() -> None:
     """The fused projection split gives the same views (values, strides, offsets) as splitting
     the features first and viewing each part."""
@@ -84,3 +119,91 @@ def test_project_views_match_split_then_view() -> None:
         assert torch.equal(got, want)
         assert got.stride() == want.stride()
         assert got.storage_offset() == want.storage_offset()
+
+
+@pytest.fixture(scope="module")
+def ext() -> None:
+    """The C++ operators, built or loaded (first run on a machine: about a minute), else skip."""
+    if _ext.mode() == "off" or not _ext.load("nan_rule", wait=True):
+        pytest.skip(f"C++ extension unavailable: {_ext.status('nan_rule')}")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal: the same NaN positions and the same values everywhere else."""
+    inf = float("inf")
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(
+        a.nan_to_num(0.0, inf, -inf), b.nan_to_num(0.0, inf, -inf)
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype,rope_kw",
+    [
+        (torch.float32, {}),
+        (torch.float32, {"interleaved": True}),
+        (torch.float32, {"rotary_dim": 8}),
+        (torch.bfloat16, {"interleaved": True}),
+        (torch.float64, {}),
+    ],
+)
+def test_fused_rope_decode_step_bit_equal_to_the_python_path(ext, monkeypatch, rope_kw, dtype):
+    """A cached decode step that auto gives the decode backend rotates q and every cached key
+    and attends in one C++ call (`decode.rope_decode_run`); it equals the pure-PyTorch path
+    (``ATTNLAB_EXT=0``: `RoPE` then the backend) bit for bit, for both RoPE layouts and a
+    partial rotary dim, with NaN/inf planted in one batch item's cache (the NaN rule: that
+    item's rows are non-finite, the other item's are finite and unchanged)."""
+    calls = []
+    real = mha_module.rope_decode_run
+    monkeypatch.setattr(
+        mha_module, "rope_decode_run", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    torch.manual_seed(4)
+    E, H, H_kv = 64, 4, 2
+    mha = MultiHeadAttention(E, H, num_kv_heads=H_kv, rope=RoPE(E // H, **rope_kw))
+    mha = mha.eval().to(dtype)
+    x = torch.randn(2, 4, E, dtype=dtype)
+    k0, v0 = torch.randn(2, H_kv, 512, E // H, dtype=dtype), torch.randn(2, H_kv, 512, E // H)
+
+    def run(mode: str, plant: bool) -> list[torch.Tensor]:
+        monkeypatch.setenv(_ext.ENV, mode)
+        cache = KVCache(520)
+        cache.update(k0.clone(), v0.to(dtype))  # a 512-token prompt's pre-RoPE keys
+        if plant:  # a NaN key entry and an inf value entry of item 0
+            cache._k[0, 1, 100, 3] = float("nan")
+            cache._v[0, 0, 7, 2] = float("inf")
+        with torch.no_grad():
+            return [mha(x[:, t : t + 1], cache=cache) for t in range(4)]
+
+    for plant in (False, True):
+        before = len(calls)
+        off = run("0", plant)
+        assert len(calls) == before  # no operators: RoPE in Python, then the backend
+        on = run("require", plant)
+        assert len(calls) == before + 4  # each decode step took the fused call
+        for a, b in zip(off, on, strict=True):
+            assert _same(a, b)
+        if plant:
+            steps = torch.cat(on, dim=1)
+            assert steps[0].isnan().all() and steps[1].isfinite().all()
+
+
+def test_fused_step_is_not_used_under_autograd(ext, monkeypatch) -> None:
+    """With gradients the decode backend does not run (inference-only), so neither does the
+    fused call; the module's output then matches the fused no-grad output to rounding."""
+    calls = []
+    real = mha_module.rope_decode_run
+    monkeypatch.setattr(
+        mha_module, "rope_decode_run", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    torch.manual_seed(5)
+    mha = MultiHeadAttention(32, 4, num_kv_heads=2, rope=RoPE(8)).eval()
+    x = torch.randn(1, 513, 32)
+    c1, c2 = KVCache(), KVCache()
+    with torch.no_grad():
+        mha(x[:, :512], mask=masks.causal(), cache=c1)
+        fused = mha(x[:, 512:], cache=c1)
+    assert calls == [1]
+    mha(x[:, :512], mask=masks.causal(), cache=c2)
+    graded = mha(x[:, 512:], cache=c2)
+    assert graded.requires_grad and calls == [1]
+    torch.testing.assert_close(graded.detach(), fused, atol=1e-6, rtol=0)

@@ -14,6 +14,13 @@
 //   attnlab_nan::decode_attend(q, k, v, scale) -> out: the decode backend's unmasked step
 //       (attnlab/functional/decode.py `_attend`) as the same ATen calls in the same order, so
 //       bit-equal to it, without a Python round trip per call.
+//   attnlab_nan::rope_decode_attend(q, k, v, cos, sin, q_start, k_start, rotate_keys,
+//       rotary_dim, interleaved, scale) -> out: `MultiHeadAttention`'s cached decode step after
+//       the cache update: RoPE of q (positions q_start…) and, if rotate_keys, of every cached key
+//       (positions k_start…) from rows of the tables cos/sin (N, rotary_dim/2) — the calls of
+//       `RoPE.forward`'s table path — then decode_attend; bit-equal to those Python calls.
+//   attnlab_nan::rope_rows(x, cos, sin, start, rotary_dim, interleaved) -> out: that rotation
+//       alone (a rotate-at-insert cache's new keys), bit-equal to `RoPE.forward(x, start)`.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -294,6 +301,121 @@ at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return out.view({b, H, L, Dv});  // in the compute dtype, as `_attend`
 }
 
+// One row, unit strides, rotate-half: a vectorisable loop per half, then the unrotated tail.
+template <typename T, typename C>
+inline void rotate_half_row(const T* __restrict xa, const C* __restrict cc,
+                            const C* __restrict sc, T* __restrict o, int64_t P, int64_t R,
+                            int64_t D) {
+  const T* __restrict xb = xa + P;
+  for (int64_t i = 0; i < P; ++i) {
+    const C a = static_cast<C>(xa[i]), b = static_cast<C>(xb[i]);
+    const C ac = a * cc[i], bs = b * sc[i];
+    o[i] = static_cast<T>(ac - bs);
+  }
+  for (int64_t i = 0; i < P; ++i) {
+    const C a = static_cast<C>(xa[i]), b = static_cast<C>(xb[i]);
+    const C bc = b * cc[i], as = a * sc[i];
+    o[P + i] = static_cast<T>(bc + as);
+  }
+  for (int64_t d = R; d < D; ++d) o[d] = xa[d];
+}
+
+// RoPE of the rows of x (B, n_heads, n, D) at positions start…start+n-1 from tables cos/sin
+// (N, R/2) of dtype C, into a new contiguous tensor of x's dtype: per pair (a, b) of the first R
+// dims, (a·c − b·s, b·c + a·s) computed in C (x converted to C exactly, each product and sum
+// rounded in C, the result rounded to x's dtype), the other dims copied. These are the values of
+// RoPE.forward's tensor ops (mul, mul, sub / add, cat or stack, .to) in one pass; the library
+// is compiled with -ffp-contract=off, so no product is fused into the subtraction.
+template <typename T, typename C>
+void rope_rows_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                    at::Tensor& out, int64_t start, int64_t R, bool interleaved) {
+  const int64_t B = x.size(0), N = x.size(1), n = x.size(2), D = x.size(3), P = R / 2;
+  const auto xs = x.strides();
+  const T* xp = x.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  const C* cp = cos.const_data_ptr<C>();
+  const C* sp = sin.const_data_ptr<C>();
+  const int64_t cs0 = cos.stride(0), cs1 = cos.stride(1), ss0 = sin.stride(0), ss1 = sin.stride(1);
+  const int64_t ia = interleaved ? 2 : 1, ib = interleaved ? 2 : 1;
+  const int64_t oa = 0, ob = interleaved ? 1 : P;
+  const bool contiguous = !interleaved && xs[3] == 1 && cs1 == 1 && ss1 == 1;
+  // rows are split by (b, head) so that no row index is divided (64-bit division per row
+  // costs more than the row's arithmetic at D = 32)
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, n * D));
+  at::parallel_for(0, B * N, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const int64_t b = bh / N, h = bh % N;
+      for (int64_t l = 0; l < n; ++l) {
+        const T* xr = xp + b * xs[0] + h * xs[1] + l * xs[2];
+        T* orow = op + (bh * n + l) * D;
+        const C* c = cp + (start + l) * cs0;
+        const C* s = sp + (start + l) * ss0;
+        if (contiguous) {
+          rotate_half_row<T, C>(xr, c, s, orow, P, R, D);
+          continue;
+        }
+        for (int64_t i = 0; i < P; ++i) {
+          const C a = static_cast<C>(xr[(oa + i * ia) * xs[3]]);
+          const C bb = static_cast<C>(xr[(ob + i * ib) * xs[3]]);
+          const C ci = c[i * cs1], si = s[i * ss1];
+          const C ac = a * ci, bs = bb * si, bc = bb * ci, as = a * si;
+          orow[oa + i * ia] = static_cast<T>(ac - bs);
+          orow[ob + i * ib] = static_cast<T>(bc + as);
+        }
+        for (int64_t d = R; d < D; ++d) orow[d] = xr[d * xs[3]];
+      }
+    }
+  });
+}
+
+at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     int64_t start, int64_t R, bool interleaved) {
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  if (cos.scalar_type() == at::kDouble) {
+    TORCH_CHECK(x.scalar_type() == at::kDouble, "rope_decode_attend: float64 tables for float64");
+    rope_rows_impl<double, double>(x, cos, sin, out, start, R, interleaved);
+    return out;
+  }
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && x.scalar_type() != at::kDouble,
+              "rope_decode_attend: float32 tables (float64 for float64 inputs)");
+  ATTNLAB_DISPATCH(x.scalar_type(), "rope_decode_attend", {
+    rope_rows_impl<scalar_t, float>(x, cos, sin, out, start, R, interleaved);
+  });
+  return out;
+}
+
+at::Tensor rope_decode_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& cos, const at::Tensor& sin, int64_t q_start,
+                              int64_t k_start, bool rotate_keys, int64_t rotary_dim,
+                              bool interleaved, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "rope_decode_attend: 4-D q, k, v");
+  const int64_t R = rotary_dim;
+  TORCH_CHECK(R >= 2 && R % 2 == 0 && R <= q.size(3) && k.size(3) == q.size(3),
+              "rope_decode_attend: an even rotary_dim <= D expected");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(1) == R / 2 &&
+                  sin.scalar_type() == cos.scalar_type() && cos.is_floating_point(),
+              "rope_decode_attend: cos and sin must be float (N, rotary_dim/2) tables");
+  TORCH_CHECK(q_start >= 0 && q_start + q.size(2) <= cos.size(0) &&
+                  (!rotate_keys || (k_start >= 0 && k_start + k.size(2) <= cos.size(0))),
+              "rope_decode_attend: positions outside the tables");
+  const at::Tensor qr = rope_rows(q, cos, sin, q_start, R, interleaved);
+  const at::Tensor kr = rotate_keys ? rope_rows(k, cos, sin, k_start, R, interleaved) : k;
+  return decode_attend(qr, kr, v, scale);
+}
+
+at::Tensor rope_rows_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                        int64_t start, int64_t rotary_dim, bool interleaved) {
+  const int64_t R = rotary_dim;
+  TORCH_CHECK(x.dim() == 4 && R >= 2 && R % 2 == 0 && R <= x.size(3),
+              "rope_rows: 4-D x and an even rotary_dim <= D expected");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(1) == R / 2 &&
+                  sin.scalar_type() == cos.scalar_type(),
+              "rope_rows: cos and sin must be (N, rotary_dim/2) tables");
+  TORCH_CHECK(start >= 0 && start + x.size(2) <= cos.size(0), "rope_rows: positions outside");
+  return rope_rows(x, cos, sin, start, R, interleaved);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnlab_nan, m) {
@@ -302,10 +424,16 @@ TORCH_LIBRARY(attnlab_nan, m) {
   m.def("sdpa_prefix(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor hi, float scale, "
         "bool is_causal, bool enable_gqa, bool clean_k) -> Tensor");
   m.def("decode_attend(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("rope_decode_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, int q_start, "
+        "int k_start, bool rotate_keys, int rotary_dim, bool interleaved, float scale) -> Tensor");
+  m.def("rope_rows(Tensor x, Tensor cos, Tensor sin, int start, int rotary_dim, bool interleaved) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_nan, CPU, m) {
   m.impl("poison_prefix_", &poison_prefix_);
   m.impl("sdpa_prefix", &sdpa_prefix);
   m.impl("decode_attend", &decode_attend);
+  m.impl("rope_decode_attend", &rope_decode_attend);
+  m.impl("rope_rows", &rope_rows_op);
 }

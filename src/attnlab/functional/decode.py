@@ -25,7 +25,9 @@ from torch import Tensor
 
 from . import nan_rule
 from .reference import softcap_logits
+from .registry import _AUTO_ORDER  # auto's order (read, never changed, here)
 from .request import Request, key_prefixes, prefix_views
+from .scores import SCORES
 
 DECODE_MAX_L = 8
 """At most this many query rows (one decode step, or a short speculative draft)."""
@@ -45,6 +47,20 @@ def _needs_grad(req: Request) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in (req.q, req.k, req.v))
 
 
+def _size_reason(
+    B: int, H: int, H_kv: int, L: int, S: int, D: int, Dv: int, dtype: torch.dtype
+) -> str | None:
+    """Why the sizes rule the decode path out (too many query rows, too large), or None."""
+    if L > DECODE_MAX_L:
+        return f"it is for at most {DECODE_MAX_L} query rows (decoding)"
+    held = B * H * L * S
+    if dtype not in (torch.float32, torch.float64):
+        held += B * H_kv * S * (D + Dv)  # float32 copies of k and v
+    if held > DECODE_MAX_ELEMENTS:
+        return f"the logits would exceed {DECODE_MAX_ELEMENTS} elements"
+    return None
+
+
 def decode_supports(req: Request) -> str | None:
     """None if the decode path runs the call, else why not (one clause)."""
     d = req.dims
@@ -60,12 +76,7 @@ def decode_supports(req: Request) -> str | None:
         return f"it is for at most {DECODE_MAX_L} query rows (decoding)"
     if key_prefixes(req) is None:
         return "the mask/bias does not reduce to key prefixes known from Python ints"
-    held = d.B * d.H * d.L * d.S
-    if req.q.dtype not in (torch.float32, torch.float64):
-        held += d.B * d.H_kv * d.S * (d.D + d.Dv)  # float32 copies of k and v
-    if held > DECODE_MAX_ELEMENTS:
-        return f"the logits would exceed {DECODE_MAX_ELEMENTS} elements"
-    return None
+    return _size_reason(d.B, d.H, d.H_kv, d.L, d.S, d.D, d.Dv, req.q.dtype)
 
 
 def decode_declines(req: Request) -> str | None:
@@ -130,6 +141,88 @@ def _run(req: Request, want_lse: bool) -> tuple[Tensor, Tensor | None]:
     if not want_lse:
         return out.to(req.q.dtype), None
     return out.to(req.q.dtype), lses[0] if len(lses) == 1 else torch.cat(lses)
+
+
+def decode_step_ready(backend: str, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
+    """Whether ``attention(q, k, v, dropout_p=dropout_p, backend=backend)`` — no mask, bias,
+    weights or soft-capping, the default scale — runs on the decode backend's C++ step, decided
+    from shapes, dtypes and devices without building its `Request` (a decode step's fixed cost).
+
+    True exactly when `registry.select` would give the decode backend to that request (explicitly
+    named, or auto with "decode" first in its order: `decode_supports` and `decode_declines` on
+    the same sizes) and the operators can run (`nan_rule.ext_ready`: built, eager, CPU, no
+    gradient). False sends the caller to the general path, which decides again (and raises
+    what `select` raises). ``tests/test_mha_fast_path.py`` checks the agreement with `select`.
+    """
+    if backend == "auto":
+        if not _AUTO_ORDER or _AUTO_ORDER[0] != "decode":
+            return False
+    elif backend != "decode":
+        return False
+    if dropout_p > 0:
+        return False
+    B, H, L, D = q.shape
+    H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if 0 in (B, H, L, S):  # the reference path runs empty calls
+        return False
+    if backend == "auto" and S < DECODE_MIN_S:
+        return False
+    if _size_reason(B, H, H_kv, L, S, D, Dv, q.dtype) is not None:
+        return False
+    return nan_rule.ext_ready(q, k, v)  # (gradient: it refuses inputs that require grad)
+
+
+def decode_step_run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """``attention(q, k, v)`` (default scale, no mask) on the decode backend's C++ step, for
+    calls `decode_step_ready` accepts: `decode_run` of their request without building it."""
+    scale = SCORES["dot"].default_scale(q.shape[-1])  # `trusted_request`'s scale
+    return torch.ops.attnlab_nan.decode_attend(q, k, v, scale).to(q.dtype)
+
+
+def rope_decode_run(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    q_start: int,
+    k_start: int | None,
+    rotary_dim: int,
+    interleaved: bool,
+) -> Tensor:
+    """A decode step whose q and k are given BEFORE RoPE (the module's cached step), in one call.
+
+    Equals ``attention(rope(q, q_start), rope(k, k_start), v)`` on the decode backend (``k``
+    unchanged for ``k_start=None``: keys rotated when they were cached), ``rope`` being
+    `attnlab.positional.RoPE`'s eager table path, bit for bit: the C++ operator
+    ``attnlab_nan::rope_decode_attend`` rotates in one pass with the same roundings as RoPE's
+    tensor ops and then makes decode_attend's ATen calls, without a Python round trip per call.
+    Only for calls `decode_step_ready` accepts.
+
+    Args:
+        q: ``(B, H, L, D)``; k: ``(B, H_kv, S, D)``; v: ``(B, H_kv, S, Dv)``.
+        cos, sin: the RoPE tables ``(N, rotary_dim/2)`` for positions ``0…N−1`` (float32, or
+            float64 for float64 inputs), ``N >= q_start + L`` and ``N >= k_start + S``.
+        q_start: position of the first query row; k_start: of the first key (or None).
+        rotary_dim: R, the rotated leading dims of D; interleaved: the pairwise layout.
+
+    Returns:
+        ``out (B, H, L, Dv)`` in ``q.dtype``, with the default scale ``1/√D``.
+    """
+    out = torch.ops.attnlab_nan.rope_decode_attend(
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        q_start,
+        0 if k_start is None else k_start,
+        k_start is not None,
+        rotary_dim,
+        interleaved,
+        SCORES["dot"].default_scale(q.shape[-1]),  # `trusted_request`'s scale
+    )
+    return out.to(q.dtype)
 
 
 def decode_run(req: Request) -> tuple[Tensor, None]:

@@ -4,6 +4,8 @@ A cache stores keys *before* RoPE together with their positions, so that the att
 rotates them at every step with the current frequencies. Evicting tokens (sliding windows,
 attention sinks) and sequence-length dependent RoPE scaling (dynamic NTK) therefore stay
 consistent — rotating keys once at insertion and caching the result is the bug class peers shipped.
+`KVCache(rotate_at_insert=True)` opts into exactly that for the one case where it is correct —
+static RoPE frequencies, no eviction — and saves the re-rotation of every cached key per step.
 
 Every cache has one method, `update`, that appends the new keys/values and returns what the new
 queries attend to: all keys, their positions, the positions of the new queries, and the mask the
@@ -134,10 +136,18 @@ class KVCache:
     Args:
         capacity: None for a dynamic cache (amortised doubling), or the fixed number of positions
             to preallocate; appending beyond it raises `CacheOverflowError`.
+        rotate_at_insert: False (default): keys are cached before RoPE and `MultiHeadAttention`
+            re-rotates all of them at every step (right for every RoPE). True: the module
+            rotates each new key once, at its position, and caches the result; a step then
+            rotates only its queries. Only for RoPE whose frequencies do not depend on the
+            sequence length (the module raises ValueError for ``dynamic``/``longrope``), and the
+            cache must stay with the module (and RoPE) that filled it. The eviction caches
+            (`SlidingWindowCache`, `SinkCache`) always keep pre-RoPE keys.
 
     Attributes:
         seen: tokens ever appended (the next default position), a Python int.
         capacity: the preallocated size, or None.
+        rotate_at_insert: whether the cached keys are stored after RoPE.
 
     The number of stored tokens (``len(cache)``) and ``seen`` are host-side Python ints advanced
     by every `update`; `update` never reads a tensor's value. While the cache assigns positions
@@ -151,12 +161,17 @@ class KVCache:
         >>> out = mha(x_next, mask=masks.causal(), cache=cache)     # one token at a time
     """
 
-    def __init__(self, capacity: int | None = None) -> None:
+    def __init__(self, capacity: int | None = None, *, rotate_at_insert: bool = False) -> None:
         if capacity is not None and (
             isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
         ):
             raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
+        if not isinstance(rotate_at_insert, bool):
+            raise TypeError(
+                f"rotate_at_insert must be a bool, got {type(rotate_at_insert).__name__}"
+            )
         self.capacity = capacity
+        self.rotate_at_insert = rotate_at_insert
         self._k: Tensor | None = None
         self._v: Tensor | None = None
         self._pos: Tensor | None = None  # only once a caller passed positions (else implied)
@@ -171,7 +186,7 @@ class KVCache:
 
     def reset(self) -> None:
         """Forgets every cached token."""
-        self.__init__(self.capacity)  # type: ignore[misc]
+        self.__init__(self.capacity, rotate_at_insert=self.rotate_at_insert)  # type: ignore[misc]
 
     def _check_against_cache(self, k: Tensor, v: Tensor, pos: Tensor | None) -> None:
         if self._k is None or self._v is None:

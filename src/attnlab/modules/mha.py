@@ -8,11 +8,13 @@ import torch
 from torch import Tensor, nn
 
 from .._shapes import check_probability
-from ..functional import attention
+from ..functional import attention, nan_rule
+from ..functional.decode import decode_step_ready, decode_step_run, rope_decode_run
 from ..functional.registry import check_backend_name, select
 from ..functional.request import BiasFn
 from ..functional.validate import trusted_request
 from ..masks import CausalMask, Mask, from_tensor
+from ..positional.rope import RoPE
 from .kv_cache import KVCache, check_cache_positions
 
 
@@ -32,6 +34,29 @@ def _combine(user: Mask | Tensor | None, policy: Mask | None) -> Mask | Tensor |
     return policy & (user if isinstance(user, Mask) else from_tensor(user))
 
 
+def _rotate_new_keys(rope: nn.Module, k: Tensor, positions: Tensor | int) -> Tensor:
+    """``rope(k, positions)`` for a rotate-at-insert cache's new keys ``(B, H_kv, T, D)``.
+
+    With a plain static `RoPE`, an int start and the C++ operators usable (eager, CPU, no
+    gradient), one call rotates from the memoised table (``attnlab_nan::rope_rows``, bit-equal
+    to `RoPE.forward`'s table path) instead of RoPE's Python checks and six tensor ops.
+    """
+    if (
+        type(rope) is RoPE
+        and not rope.depends_on_seq_len
+        and type(positions) is int
+        and positions >= 0
+        and k.dim() == 4
+        and nan_rule.ext_ready(k)
+    ):
+        dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+        cos, sin = rope._table(positions + k.shape[2], k.device, dtype)
+        return torch.ops.attnlab_nan.rope_rows(
+            k, cos, sin, positions, rope.rotary_dim, rope.interleaved
+        )
+    return rope(k, positions)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention: ``out = W_o · concat_h attn(x W_q^h, x W_k^{g(h)}, x W_v^{g(h)})``.
 
@@ -46,7 +71,8 @@ class MultiHeadAttention(nn.Module):
         dropout: dropout on the attention weights in training mode.
         bias: whether the projections have biases.
         kdim, vdim: feature sizes of key and value inputs for cross-attention (default E).
-        rope: an `attnlab.positional.RoPE` applied to q and k (keys are cached before it).
+        rope: an `attnlab.positional.RoPE` applied to q and k (keys are cached before it, unless
+            the cache was made with ``rotate_at_insert=True``).
         bias_fn: an additive bias ``fn(b, h, i, j)`` such as `attnlab.positional.ALiBi`.
         backend: the `attnlab.attention` backend.
 
@@ -67,6 +93,12 @@ class MultiHeadAttention(nn.Module):
           module's ``forward`` (a wrapper calling ``mha(query, mask=masks.causal())``).
           Caches are Python state, not inputs: export the uncached forward.
         - ``meta`` tensors (``mha.to("meta")``) give the output shapes, weights included.
+
+        Decode steps: with a cache, no mask (or causal with one query), no bias and no weights,
+        when auto picks the decode backend and RoPE is a plain `RoPE` with static frequencies,
+        the rotation of q and of every cached key and the attention run in one C++ call
+        (`attnlab.functional.decode.rope_decode_run`; bit-equal to the Python path, which runs
+        whenever the operators are unavailable, under compile, on meta tensors or with autograd).
 
         Eager-only host reads: RoPE scaling that depends on the sequence length (``dynamic``,
         ``longrope``) with caller-given position *tensors* reads ``max(positions) + 1`` (default
@@ -204,8 +236,16 @@ class MultiHeadAttention(nn.Module):
         self._check(query, key, value)
         if cache is not None and key is not None:
             raise ValueError("cache is for self-attention: call with key=None when passing a cache")
+        rope = self.rope
+        # a rotate-at-insert cache holds keys after RoPE: only the new keys are rotated
+        rotated_cache = rope is not None and getattr(cache, "rotate_at_insert", False) is True
         if cache is not None:
             check_cache_positions(positions if isinstance(positions, Tensor) else None)
+            if rotated_cache and getattr(rope, "depends_on_seq_len", True):
+                raise ValueError(
+                    "a rotate_at_insert KVCache needs a RoPE whose frequencies do not depend on "
+                    f"the sequence length (got {rope!r}): use a cache of pre-RoPE keys"
+                )
         q, k, v = self.project(query, key, value)
         B, _, L, _ = q.shape
         q_pos = k_pos = positions
@@ -213,35 +253,41 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             if isinstance(positions, int) and not isinstance(positions, bool):
                 positions = torch.arange(positions, positions + L, device=q.device)
+            if rotated_cache:  # the new keys are rotated once, at their positions, and cached
+                start = cache.seen if positions is None else positions
+                k = _rotate_new_keys(rope, k, start)  # type: ignore[arg-type]
             view = cache.update(k, v, positions)
-            k, v, k_pos, q_pos = view.k, view.v, view.k_positions, view.q_positions
+            k, v = view.k, view.v
             mask = _combine(mask, view.mask)
             if view.start is not None:  # positions start, start + 1, …: known on the host
                 S = k.shape[2]
                 k_pos, q_pos, seq_len = view.start, view.start + S - L, view.start + S
+            else:
+                k_pos, q_pos = view.k_positions, view.q_positions
         if L == 1 and isinstance(mask, CausalMask):
             mask = None  # bottom-right causal: a single query (a decode step) sees every key
-        if self.rope is not None:
+        if rope is not None:
             if key is not None and positions is None:
                 k_pos = None
             if (
                 seq_len is None
                 and isinstance(k_pos, Tensor)
-                and getattr(self.rope, "depends_on_seq_len", True)
+                and getattr(rope, "depends_on_seq_len", True)
                 and k_pos.numel()
             ):
                 # Eager-only host read: dynamic/longrope scaling with caller-given position
                 # tensors (default and int positions never get here).
                 seq_len = int(k_pos.max()) + 1
-            q = self.rope(q, q_pos, seq_len=seq_len)
-            k = self.rope(k, k_pos, seq_len=seq_len)
         dropout_p = self.dropout if self.training else 0.0
         if mask is None and self.bias_fn is None and not need_weights:
             # `attention(q, k, v, dropout_p=…, backend=…)` without re-checking what the
             # projections made consistent: the same request, backend choice and kernel
-            req = trusted_request(q, k, v, dropout_p=dropout_p)
-            out, weights = select(self.backend, req)[0].run(req)
+            out = self._unmasked(q, k, v, rope, q_pos, k_pos, seq_len, dropout_p, rotated_cache)
         else:
+            if rope is not None:
+                q = rope(q, q_pos, seq_len=seq_len)
+                if not rotated_cache:
+                    k = rope(k, k_pos, seq_len=seq_len)
             result = attention(
                 q,
                 k,
@@ -256,6 +302,57 @@ class MultiHeadAttention(nn.Module):
         out = out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim)  # (B, L, H D)
         out = self.out_proj(out)  # (B, L, E)
         return (out, weights) if need_weights else out
+
+    def _unmasked(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        rope: nn.Module | None,
+        q_pos: Tensor | int | None,
+        k_pos: Tensor | int | None,
+        seq_len: int | None,
+        dropout_p: float,
+        keys_rotated: bool,
+    ) -> Tensor:
+        """``attention(rope(q, q_pos), rope(k, k_pos), v, dropout_p=…, backend=…)`` (no mask,
+        bias or weights) for q ``(B, H, L, D)``, k/v ``(B, H_kv, S, ·)`` before RoPE (k as it is
+        with ``keys_rotated``: a rotate-at-insert cache's keys).
+
+        The request is built without re-validating the projections (`trusted_request`: the same
+        fields, backend choice and kernel as `attention`). When the call goes to the decode
+        backend's C++ step (`decode.decode_step_ready`, decided from shapes without a request)
+        and RoPE reads rows of its eager table (a plain `RoPE` with static frequencies, int
+        positions), the rotations and the step run in one C++ call (`decode.rope_decode_run`,
+        bit-equal to rotating here and running the backend).
+        """
+        table_rope = (
+            type(rope) is RoPE
+            and not rope.depends_on_seq_len
+            and type(q_pos) is int
+            and q_pos >= 0
+            and (keys_rotated or (type(k_pos) is int and k_pos >= 0))
+        )
+        if (rope is None or table_rope) and decode_step_ready(self.backend, q, k, v, dropout_p):
+            if rope is None:
+                return decode_step_run(q, k, v)
+            # RoPE keeps shapes, dtypes and devices: the rotated q and k would get the decode
+            # backend too, so rotating inside its step is the same computation
+            n = q_pos + q.shape[2]
+            k_start = None if keys_rotated else k_pos
+            if k_start is not None:
+                n = max(n, k_start + k.shape[2])
+            dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            cos, sin = rope._table(n, q.device, dtype)  # rows 0…n−1 (at least), memoised
+            return rope_decode_run(
+                q, k, v, cos, sin, q_pos, k_start, rope.rotary_dim, rope.interleaved
+            )
+        if rope is not None:
+            q = rope(q, q_pos, seq_len=seq_len)
+            if not keys_rotated:
+                k = rope(k, k_pos, seq_len=seq_len)
+        req = trusted_request(q, k, v, dropout_p=dropout_p)
+        return select(self.backend, req)[0].run(req)[0]
 
     # ------------------------------------------------------------------ pruning
     @torch.no_grad()
