@@ -244,3 +244,27 @@ def test_flash_equal_with_and_without_the_scan(ext, monkeypatch, name) -> None:
         for a, b in zip(*results, strict=True):
             assert torch.equal(torch.isfinite(a), torch.isfinite(b))
             assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def test_band_block_override(monkeypatch) -> None:
+    """ATTNLAB_FLASH_BAND_BLOCK sets the forward band block; results stay within the rule."""
+    from attnlab.functional.flash import flash_job
+    from attnlab.functional.validate import plain_request
+
+    q, k, v = qkv(192, torch.bfloat16)
+    mask = masks.sliding_window(24)
+    for raw, want in (("", flash_plan.BAND_BLOCK_FWD), ("16", 16), ("64", 64)):
+        monkeypatch.setenv(flash_plan.BAND_BLOCK_ENV, raw)
+        job = flash_job(plain_request(q, k, v, mask=mask))
+        assert job.plan.kind == "band" and job.plan.block_q == want
+        check_against_reference(
+            call_backend("flash", mask),
+            reference_for(mask, None),
+            [q, k, v],
+            mean_factor=mean_factor_for("flash", torch.bfloat16),
+        )
+    monkeypatch.setenv(flash_plan.BAND_BLOCK_ENV, "-3")
+    with pytest.raises(
+        ValueError, match=r"ATTNLAB_FLASH_BAND_BLOCK must be a positive int, got '-3'"
+    ):
+        flash_attention(q, k, v, mask=mask)

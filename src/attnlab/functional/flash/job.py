@@ -101,7 +101,7 @@ class FlashJob:
             vc = v[c.b0 : c.b1].index_select(2, idx)
         return qc, kc, vc, self.source.for_call(c)
 
-    def _widen(self, q: Tensor, plan: Plan | None = None) -> bool:
+    def _widen(self, q: Tensor, plan: Plan | None = None, *, backward: bool = False) -> bool:
         """float16/bfloat16 with several calls run the kernel (or the torch engine) in float32.
 
         Except on the kernel engine when every output row comes from exactly ONE call of the
@@ -109,6 +109,7 @@ class FlashJob:
         is ``"native"`` (`plan.low_precision`): each row's output is then rounded once either
         way, and each call's dK/dV is rounded once before it is added in float32, so the
         kernel runs in the input dtype (its bfloat16/float16 matmuls, float32 statistics).
+        Batched band calls widen their ``backward`` anyway (measured faster in float32).
 
         Each kernel call rounds its partial output and gradients to the input dtype; summing
         several such partials (over query blocks for dK/dV, over key sets for the output) would
@@ -121,6 +122,11 @@ class FlashJob:
         if q.dtype not in (torch.float16, torch.bfloat16):
             return False
         plan = self.plan if plan is None else plan
+        if backward and any(isinstance(c, BandCall) for g in plan.groups for c in g.calls):
+            # measured (bfloat16, window 256, L=16384, AMD EPYC without AMX): the kernel's
+            # backward on 64-row band blocks is slower in bfloat16 than in float32 (fwd+bwd
+            # 1.34 s native vs 1.13 s widened), while its forward is faster (0.21 vs 0.27 s)
+            return True
         return not (self.engine == "kernel" and self.native_low and plan.merge_free())
 
     def _store(self, out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
@@ -238,12 +244,12 @@ class FlashJob:
         single = self._single_call(plan, q, k) if use_kernel else None
         if single is not None:
             logits = Logits(self.scale, causal=single.kind == CALL_CAUSAL)
-            if not self._widen(q, plan):
+            if not self._widen(q, plan, backward=True):
                 return kernel_backward(res, logits)
             # the kernel sums dK/dV over query blocks in the input dtype: do it in float32
             wide = Residuals(*(x.float() for x in (res.dout, q, k, v, res.out)), lse_b)
             return self._narrow(kernel_backward(wide, logits), q, k, v)
-        if self._widen(q, plan):
+        if self._widen(q, plan, backward=True):
             out32 = self.out32 if self.out32 is not None else res.out.float()
             wide = Residuals(*(x.float() for x in (res.dout, q, k, v)), out32, lse_b)
             return self._narrow(self.backward(wide, dlse), q, k, v)

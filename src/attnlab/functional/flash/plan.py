@@ -30,6 +30,28 @@ BAND_BLOCK = 64
 # pairs on 32-row blocks (288 keys per block for a 256-window instead of 320), while the backward
 # kernel is faster on 64-row blocks (measured at window 256, L=16384, benchmarks/RESULTS.md).
 BAND_BLOCK_FWD = 32
+# Measured again for bfloat16 (issue 19, AMD EPYC without AMX, window 256, L=16384, one thread,
+# best CPU time of 3): 16/32/64/128-row blocks take 0.186/0.166/0.184/0.216 s in bfloat16 and
+# 0.179/0.168/0.183/0.215 s in float32, so 32 stays for both. CPUs whose low-precision matmul
+# is much faster (AMX) may prefer larger blocks: ATTNLAB_FLASH_BAND_BLOCK overrides the default
+# (measure with `attnlab bench --case window`).
+BAND_BLOCK_ENV = "ATTNLAB_FLASH_BAND_BLOCK"
+
+
+def band_block_fwd() -> int:
+    """The forward query block of batched band calls: ``$ATTNLAB_FLASH_BAND_BLOCK`` or 32.
+
+    Raises:
+        ValueError: the variable is set to something other than a positive int.
+    """
+    raw = os.environ.get(BAND_BLOCK_ENV, "").strip()
+    if not raw:
+        return BAND_BLOCK_FWD
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{BAND_BLOCK_ENV} must be a positive int, got {raw!r}")
+    return int(raw)
+
+
 # Tile size with a bias (measured: 256 beats 128 for ALiBi), and for float64 (see `flash_job`).
 BLOCK_BIAS = 256
 BLOCK_64 = 2048
@@ -188,7 +210,7 @@ def flash_job(
     else:
         bk = BLOCK_BIAS if biased else BLOCK_K
     bb = (BLOCK_64 if wide else BAND_BLOCK) if band_block is None else band_block
-    bb_fwd = BAND_BLOCK_FWD if band_block is None and not wide else bb
+    bb_fwd = band_block_fwd() if band_block is None and not wide else bb
     bq, bk, bb = (
         _check_block("block_q", bq),
         _check_block("block_k", bk),
@@ -286,6 +308,7 @@ def prepare_inputs(req: Request, engine: str) -> tuple[Tensor, Tensor, Tensor, i
 
 __all__ = [
     "BAND_BLOCK",
+    "BAND_BLOCK_ENV",
     "BAND_BLOCK_FWD",
     "BLOCK_64",
     "BLOCK_BIAS",
@@ -295,6 +318,7 @@ __all__ = [
     "LOW_PRECISION_ENV",
     "PLAN_CACHE_SIZE",
     "RELATIVE_WINDOW",
+    "band_block_fwd",
     "cached_plan",
     "clear_plan_cache",
     "flash_job",
