@@ -255,7 +255,8 @@ def test_band_block_override(monkeypatch) -> None:
     mask = masks.sliding_window(24)
     for raw, want in (("", flash_plan.BAND_BLOCK_FWD), ("16", 16), ("64", 64)):
         monkeypatch.setenv(flash_plan.BAND_BLOCK_ENV, raw)
-        job = flash_job(plain_request(q, k, v, mask=mask))
+        req = plain_request(q, k, v, mask=mask, bias=None, scale=None, temperature=1.0, score="dot")
+        job = flash_job(req)
         assert job.plan.kind == "band" and job.plan.block_q == want
         check_against_reference(
             call_backend("flash", mask),
