@@ -104,7 +104,7 @@ class FlashJob:
     def _widen(self, q: Tensor, plan: Plan | None = None, *, backward: bool = False) -> bool:
         """float16/bfloat16 with several calls run the kernel (or the torch engine) in float32.
 
-        Except on the kernel engine when every output row comes from exactly ONE call of the
+        Except on the kernel engine without a bias when every output row comes from ONE call of the
         plan (`Plan.merge_free`: bands, causal, packed documents) and the low-precision policy
         is ``"native"`` (`plan.low_precision`): each row's output is then rounded once either
         way, and each call's dK/dV is rounded once before it is added in float32, so the
@@ -127,7 +127,10 @@ class FlashJob:
             # backward on 64-row band blocks is slower in bfloat16 than in float32 (fwd+bwd
             # 1.34 s native vs 1.13 s widened), while its forward is faster (0.21 vs 0.27 s)
             return True
-        return not (self.engine == "kernel" and self.native_low and plan.merge_free())
+        # the kernel reads an additive tile in the query dtype: a bias (ALiBi's −slope·|i − j|)
+        # must not be rounded to half precision, so only mask-only plans run native
+        native = self.engine == "kernel" and self.native_low and not self.source.has_bias
+        return not (native and plan.merge_free())
 
     def _store(self, out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
         """Writes a call's rows, or merges them in when the plan's groups overlap."""
