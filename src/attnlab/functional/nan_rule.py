@@ -81,6 +81,38 @@ def clean(x: Tensor) -> Tensor:
     return torch.nan_to_num(x, 0.0, 0.0, 0.0)
 
 
+def flash_ext_ready(x: Tensor) -> bool:
+    """True if ``attnlab_flash.clean_copy`` (``_ext/flash_rule.cpp``) may scan ``x``: eager mode,
+    a CPU tensor of a float dtype, and the extension built (`attnlab._ext.load`)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in _EXT_DTYPES
+        and not torch.compiler.is_compiling()
+        and _ext.load("flash_rule")
+    )
+
+
+def clean_flagged(x: Tensor) -> tuple[Tensor, bool]:
+    """``(clean(x), may_be_bad)``: `clean` that copies only when ``x`` holds a NaN/±inf entry.
+
+    On the C++ operator (``attnlab_flash.clean_copy``) a finite ``x`` costs one read and comes
+    back as ``x`` itself with ``may_be_bad = False`` (the operator answers with an empty tensor,
+    so the decision is read from a shape, never from a tensor value: no host sync). Without the
+    operator (no compiler, ``ATTNLAB_EXT=0``, under ``torch.compile``, meta/non-CPU tensors) this
+    is ``(clean(x), True)``. Gradients are those of `clean` either way (the identity where ``x``
+    is finite).
+    """
+    if x.numel() == 0 or not flash_ext_ready(x):
+        return clean(x), x.numel() != 0
+    with torch.no_grad():
+        copy = torch.ops.attnlab_flash.clean_copy(x.detach())
+    if copy.numel() == 0:
+        return x, False
+    if x.requires_grad and torch.is_grad_enabled():
+        return _Clean.apply(x), True
+    return copy, True
+
+
 def clean_bias(bias: Tensor) -> Tensor:
     """An additive bias with NaN and +inf replaced by 0; −inf (masked) stays."""
     return torch.nan_to_num(bias, nan=0.0, posinf=0.0, neginf=float("-inf"))

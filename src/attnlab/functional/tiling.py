@@ -25,6 +25,7 @@ The mask's geometry comes from its own public methods, in O(tiles) instead of O(
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -136,6 +137,42 @@ class BandCall:
         return out
 
 
+@dataclass(frozen=True)
+class SegmentCall:
+    """``count`` consecutive segments of ``n`` positions from ``start``, as ONE call per batch item.
+
+    Segment ``s`` covers rows and keys ``[start + s·n, start + (s+1)·n)``: its rows attend only
+    its own keys, every one of them or causally (top-left within the segment). Packed documents
+    of equal length are such segments; the kernel runs them batched over strided views.
+    """
+
+    b0: int
+    b1: int
+    start: int
+    n: int
+    count: int
+    causal: bool
+
+    @property
+    def r0(self) -> int:
+        """First query row."""
+        return self.start
+
+    @property
+    def r1(self) -> int:
+        """One past the last query row."""
+        return self.start + self.count * self.n
+
+    def block_calls(self) -> list[Call]:
+        """The same work as one `Call` per segment (for the pure-PyTorch engine and stats)."""
+        kind = CALL_CAUSAL if self.causal else CALL_FULL
+        out = []
+        for s in range(self.count):
+            a = self.start + s * self.n
+            out.append(Call(self.b0, self.b1, a, a + self.n, (a, a + self.n), kind))
+        return out
+
+
 @dataclass
 class Group:
     """Calls over disjoint key sets that together cover batch [b0, b1) × rows [r0, r1)."""
@@ -144,7 +181,7 @@ class Group:
     b1: int
     r0: int
     r1: int
-    calls: list[Call | BandCall] = field(default_factory=list)
+    calls: list[Call | BandCall | SegmentCall] = field(default_factory=list)
 
 
 @dataclass
@@ -191,13 +228,17 @@ class Plan:
         out: list[Call] = []
         for g in self.groups:
             for c in g.calls:
-                out.extend(c.block_calls() if isinstance(c, BandCall) else [c])
+                out.extend(c.block_calls() if isinstance(c, BandCall | SegmentCall) else [c])
         return out
 
     @property
     def num_calls(self) -> int:
         """Number of engine calls (a batched band call counts once per batch range)."""
         return sum(len(g.calls) for g in self.groups)
+
+    def merge_free(self) -> bool:
+        """True when every output row comes from exactly one engine call (nothing is merged)."""
+        return not self.overlap and all(len(g.calls) == 1 for g in self.groups)
 
     def is_single_call(self, B: int, L: int, S: int) -> bool:
         """True when one unmasked call covers every row and every key (no merging needed)."""
@@ -217,6 +258,10 @@ class Plan:
         text = f"{self.kind} plan, {self.num_calls} engine call(s)"
         if n_band:
             text += f" ({n_band} batched band call(s) of {self.block_q}-row blocks)"
+        segs = [c for g in self.groups for c in g.calls if isinstance(c, SegmentCall)]
+        if segs:
+            n = sum(c.count for c in segs)
+            text += f" ({n} document(s) in {len(segs)} batched segment call(s))"
         return text
 
 
@@ -449,6 +494,65 @@ def _relative_plan(B: int, L: int, S: int, lo: float, hi: float, bq: int, wc: in
     return Plan(groups, "relative", bq, wc, overlap=True)
 
 
+# Packed documents run as batched segment calls while a batch item needs at most this many
+# (one per run of consecutive equal-length documents); beyond it, the block-sparse plan.
+SEGMENT_MAX_CALLS = 64
+
+
+def _documents(mask: Mask | None) -> tuple[Mask, bool] | None:
+    """``(document mask, causal)`` for ``document(ids)`` or ``document(ids) & causal()``."""
+    from ..masks import DocumentMask
+
+    if isinstance(mask, DocumentMask):
+        return mask, False
+    if getattr(mask, "op", None) != "&":
+        return None
+    a, b = mask.a, mask.b  # type: ignore[union-attr]
+    for doc, other in ((a, b), (b, a)):
+        if isinstance(doc, DocumentMask) and other.band() == (-math.inf, 0):
+            return doc, True
+    return None
+
+
+def segment_plan(mask: Mask | None, *, B: int, L: int, S: int, bias: str | None) -> Plan | None:
+    """Packed documents (causal or not) as batched `SegmentCall` s, or None if not applicable.
+
+    Applies to ``document(ids)`` and ``document(ids) & causal()`` without bias, with ``L == S``
+    and every id labelling ONE run of positions (block-diagonal). The runs are read from the
+    mask's ids on the host, like any block map (mask structure, never q/k/v values).
+    """
+    found = _documents(mask)
+    if found is None or bias is not None or L != S or L == 0:
+        return None
+    doc, causal = found
+    ids = doc.ids.to("cpu")  # type: ignore[attr-defined]
+    if ids.shape[-1] != S:
+        return None  # the generic path raises the mask's own error
+    per_batch = ids.dim() == 2 and ids.shape[0] > 1
+    table = ids if ids.dim() == 2 else ids.view(1, S)
+    groups: list[Group] = []
+    for bi in range(table.shape[0]):
+        row = table[bi]
+        new = torch.ones(S, dtype=torch.bool)
+        new[1:] = row[1:] != row[:-1]
+        starts = new.nonzero().flatten()
+        if torch.unique(row).numel() != starts.numel():
+            return None  # an id in several runs: not block-diagonal
+        bounds = [*starts.tolist(), S]
+        b0, b1 = (bi, bi + 1) if per_batch else (0, B)
+        calls: list[SegmentCall] = []
+        for a, e in itertools.pairwise(bounds):
+            last = calls[-1] if calls else None
+            if last is not None and last.n == e - a and last.r1 == a:
+                calls[-1] = SegmentCall(b0, b1, last.start, last.n, last.count + 1, causal)
+            else:
+                calls.append(SegmentCall(b0, b1, a, e - a, 1, causal))
+        if len(calls) > SEGMENT_MAX_CALLS:
+            return None
+        groups.extend(Group(b0, b1, c.r0, c.r1, [c]) for c in calls)
+    return Plan(groups, "documents", 0, 0)
+
+
 def build_plan(
     mask: Mask | None,
     *,
@@ -506,6 +610,9 @@ def build_plan(
         codes = band_block_map(L, S, block_q, block_k, lo, hi, device)
         return _generic_plan(codes, B, H, L, S, block_q, block_k, with_bias, "band (tiled)")
     assert mask is not None
+    plan = segment_plan(mask, B=B, L=L, S=S, bias=bias)
+    if plan is not None:
+        return plan
     codes = block_map(mask, L, S, block_q, block_k, batch=B, heads=H, device=device)
     return _generic_plan(codes, B, H, L, S, block_q, block_k, with_bias, "block-sparse")
 
@@ -518,8 +625,10 @@ __all__ = [
     "Call",
     "Group",
     "Plan",
+    "SegmentCall",
     "band_block_map",
     "band_of",
     "block_map",
     "build_plan",
+    "segment_plan",
 ]

@@ -13,11 +13,17 @@ How it runs:
    runs as one causal call. A *relative* bias function (``fn.relative = True``: ALiBi, T5) over
    a wide band (causal, none) cuts each query block's keys into windows at fixed offsets from
    the block: one batched call per offset, sharing ONE additive tile, merged by log-sum-exp.
+   Packed documents (``document(ids)``, optionally ``& causal()``, block-diagonal) run as
+   batched *segment* calls: consecutive documents of equal length form ONE kernel call over
+   strided views. Plans are cached per shape and mask structure (`plan.cached_plan`: a bounded
+   LRU whose key reads no tensor value).
 2. Each call runs on a tile *engine* that returns the call's output and log-sum-exp:
 
    - ``"kernel"``: torch's fused CPU flash kernel
      (``aten._scaled_dot_product_flash_attention_for_cpu``) for float32, float16 and bfloat16
-     (float16/bfloat16 plans with several calls run it in float32 and round once at the end);
+     (float16/bfloat16 plans whose rows each come from one call — bands, causal, packed
+     documents — run it in their own dtype, ``ATTNLAB_FLASH_LOWP=widen`` forces float32; other
+     plans, and band backward, run it in float32 and round once at the end);
    - ``"torch"``: a pure-PyTorch online-softmax loop over (row, key) chunks: float64 (the
      verification dtype, on wide 2048-tiles) and devices other than the CPU.
 
@@ -33,6 +39,9 @@ plan forward and backward), `autograd` (the differentiable entry), `poison` (the
 entries), `ops` (custom operators for ``torch.compile``), `run` (the registry's hooks and
 `flash_attention`). Auto's size thresholds (``AUTO_*_MIN``) and `flash_declines` are the dispatch
 policy: they live in `functional.backends`.
+
+Inputs are cleaned for the NaN rule only when they hold NaN/±inf (`nan_rule.clean_flagged`: a
+C++ scan, ``_ext/flash_rule.cpp``; without a compiler every input is cleaned by a copy).
 
 Not supported (the backend's ``supports`` says so and ``backend="auto"`` picks another): dropout,
 returning the (B, H, L, S) weights, and gradients through bias *functions* whose values require

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from torch import Tensor
 
-from ..tiling import BandCall
+from ..tiling import BandCall, SegmentCall
 from .engines import Logits, Residuals, kernel_backward, kernel_forward
 from .tiles import BandTiles, fix_dead_rows
 
@@ -160,4 +160,47 @@ def _interior_backward(
             region[:, j : j + nblk] += piece.transpose(0, 1)
 
 
-__all__ = ["band_backward", "band_forward", "blocks", "edges", "interior", "windows"]
+def segments(t: Tensor, b: int, c: SegmentCall) -> Tensor:
+    """``t[b]``'s positions of ``c`` viewed as ``(count, H, n, ·)`` (3-D lse too): no copy."""
+    st = t.stride()
+    size = (c.count, t.shape[1], c.n, *t.shape[3:])
+    stride = (c.n * st[2], st[1], st[2], *st[3:])
+    return t.as_strided(size, stride, t.storage_offset() + b * st[0] + c.start * st[2])
+
+
+def segment_forward(
+    c: SegmentCall, q: Tensor, k: Tensor, v: Tensor, *, scale: float, out: Tensor, lse: Tensor
+) -> None:
+    """Runs batched segments (packed documents) on the kernel, one call per batch item."""
+    logits = Logits(scale, causal=c.causal)
+    for b in range(c.b0, c.b1):
+        o, l = kernel_forward(segments(q, b, c), segments(k, b, c), segments(v, b, c), logits)
+        segments(out, b, c).copy_(o)
+        segments(lse, b, c).copy_(l)
+
+
+def segment_backward(
+    c: SegmentCall, res: Residuals, *, scale: float, grads: tuple[Tensor, Tensor, Tensor]
+) -> None:
+    """Adds the gradients of batched segments into ``grads = (dq, dk, dv)`` (kernel engine)."""
+    logits = Logits(scale, causal=c.causal)
+    for b in range(c.b0, c.b1):
+        part = Residuals(
+            *(segments(x, b, c) for x in (res.dout, res.q, res.k, res.v, res.out)),
+            lse=segments(res.lse, b, c),
+        )
+        for grad, g in zip(grads, kernel_backward(part, logits), strict=True):
+            segments(grad, b, c).add_(g)
+
+
+__all__ = [
+    "band_backward",
+    "band_forward",
+    "blocks",
+    "edges",
+    "interior",
+    "segment_backward",
+    "segment_forward",
+    "segments",
+    "windows",
+]

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from ..merge import merge_into, merge_partials
-from ..tiling import CALL_CAUSAL, BandCall, Call, Plan
-from .band import band_backward, band_forward
+from ..tiling import CALL_CAUSAL, BandCall, Call, Plan, SegmentCall
+from .band import band_backward, band_forward, segment_backward, segment_forward
 from .engines import (
     DsSink,
     Logits,
@@ -55,6 +55,8 @@ class FlashJob:
         bias_grads: gradients of the ``grad_biases`` tensors, filled by `backward`.
         softcap: logit soft-capping ``softcap·tanh(s / softcap)`` (> 0) applied per tile before
             the additive tile, or None; only the ``"torch"`` engine runs it (`flash_job`).
+        native_low: float16/bfloat16 merge-free plans run the kernel in the input dtype
+            (`_widen`; `plan.low_precision`).
     """
 
     plan: Plan
@@ -69,6 +71,7 @@ class FlashJob:
     bwd_plan: Plan | None = None
     bias_grads: list[Tensor] = field(default_factory=list)
     softcap: float | None = None
+    native_low: bool = False
 
     def __post_init__(self) -> None:
         if self.band_tiles is None:
@@ -98,8 +101,15 @@ class FlashJob:
             vc = v[c.b0 : c.b1].index_select(2, idx)
         return qc, kc, vc, self.source.for_call(c)
 
-    def _widen(self, q: Tensor) -> bool:
+    def _widen(self, q: Tensor, plan: Plan | None = None, *, backward: bool = False) -> bool:
         """float16/bfloat16 with several calls run the kernel (or the torch engine) in float32.
+
+        Except on the kernel engine without a bias when every output row comes from ONE call of the
+        plan (`Plan.merge_free`: bands, causal, packed documents) and the low-precision policy
+        is ``"native"`` (`plan.low_precision`): each row's output is then rounded once either
+        way, and each call's dK/dV is rounded once before it is added in float32, so the
+        kernel runs in the input dtype (its bfloat16/float16 matmuls, float32 statistics).
+        Batched band calls widen their ``backward`` anyway (measured faster in float32).
 
         Each kernel call rounds its partial output and gradients to the input dtype; summing
         several such partials (over query blocks for dK/dV, over key sets for the output) would
@@ -109,7 +119,18 @@ class FlashJob:
         distant logits by whole units. The torch engine rounds each call's output to the input
         dtype as well, so it is widened the same way (soft-capped float16/bfloat16 calls run it).
         """
-        return q.dtype in (torch.float16, torch.bfloat16)
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return False
+        plan = self.plan if plan is None else plan
+        if backward and any(isinstance(c, BandCall) for g in plan.groups for c in g.calls):
+            # measured (bfloat16, window 256, L=16384, AMD EPYC without AMX): the kernel's
+            # backward on 64-row band blocks is slower in bfloat16 than in float32 (fwd+bwd
+            # 1.34 s native vs 1.13 s widened), while its forward is faster (0.21 vs 0.27 s)
+            return True
+        # the kernel reads an additive tile in the query dtype: a bias (ALiBi's −slope·|i − j|)
+        # must not be rounded to half precision, so only mask-only plans run native
+        native = self.engine == "kernel" and self.native_low and not self.source.has_bias
+        return not (native and plan.merge_free())
 
     def _store(self, out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
         """Writes a call's rows, or merges them in when the plan's groups overlap."""
@@ -151,7 +172,9 @@ class FlashJob:
         for g in plan.groups:
             parts: list[tuple[Tensor, Tensor, Tensor | None]] = []
             for c in g.calls:
-                if isinstance(c, BandCall):
+                if isinstance(c, SegmentCall) and self.engine == "kernel":
+                    segment_forward(c, q, k, v, scale=self.scale, out=out, lse=lse)
+                elif isinstance(c, BandCall | SegmentCall):
                     self._band_forward(q, k, v, c, out=out, lse=lse)
                 else:
                     parts.append(self._simple_forward(q, k, v, c))
@@ -166,8 +189,10 @@ class FlashJob:
             self._store(out[rows], lse[rows], o, l)
         return out, lse
 
-    def _band_forward(self, q, k, v, c: BandCall, *, out: Tensor, lse: Tensor) -> None:
-        if self.engine == "kernel":
+    def _band_forward(
+        self, q, k, v, c: BandCall | SegmentCall, *, out: Tensor, lse: Tensor
+    ) -> None:
+        if self.engine == "kernel" and isinstance(c, BandCall):
             assert self.band_tiles is not None
             tiles, scale = self.band_tiles, self.scale
             band_forward(c, q, k, v, tiles=tiles, scale=scale, out=out, lse=lse, store=self._store)
@@ -222,12 +247,12 @@ class FlashJob:
         single = self._single_call(plan, q, k) if use_kernel else None
         if single is not None:
             logits = Logits(self.scale, causal=single.kind == CALL_CAUSAL)
-            if q.dtype not in (torch.float16, torch.bfloat16):
+            if not self._widen(q, plan, backward=True):
                 return kernel_backward(res, logits)
             # the kernel sums dK/dV over query blocks in the input dtype: do it in float32
             wide = Residuals(*(x.float() for x in (res.dout, q, k, v, res.out)), lse_b)
             return self._narrow(kernel_backward(wide, logits), q, k, v)
-        if self._widen(q):
+        if self._widen(q, plan, backward=True):
             out32 = self.out32 if self.out32 is not None else res.out.float()
             wide = Residuals(*(x.float() for x in (res.dout, q, k, v)), out32, lse_b)
             return self._narrow(self.backward(wide, dlse), q, k, v)
@@ -240,7 +265,10 @@ class FlashJob:
                     assert self.band_tiles is not None
                     band_backward(c, res, tiles=self.band_tiles, scale=self.scale, grads=grads)
                     continue
-                calls = c.block_calls() if isinstance(c, BandCall) else (c,)
+                if isinstance(c, SegmentCall) and use_kernel:
+                    segment_backward(c, res, scale=self.scale, grads=grads)
+                    continue
+                calls = c.block_calls() if isinstance(c, BandCall | SegmentCall) else (c,)
                 for bc in calls:
                     self._simple_backward(res, bc, grads, dlse=dlse, kernel=use_kernel, whole=whole)
         return self._narrow(grads, q, k, v)

@@ -6,6 +6,11 @@ structure only (plans may depend on shapes and mask structure, never on tensor v
 
 from __future__ import annotations
 
+import os
+import threading
+import weakref
+from collections import OrderedDict
+
 import torch
 from torch import Tensor
 
@@ -25,11 +30,116 @@ BAND_BLOCK = 64
 # pairs on 32-row blocks (288 keys per block for a 256-window instead of 320), while the backward
 # kernel is faster on 64-row blocks (measured at window 256, L=16384, benchmarks/RESULTS.md).
 BAND_BLOCK_FWD = 32
+# Measured again for bfloat16 (issue 19, AMD EPYC without AMX, window 256, L=16384, one thread,
+# best CPU time of 3): 16/32/64/128-row blocks take 0.186/0.166/0.184/0.216 s in bfloat16 and
+# 0.179/0.168/0.183/0.215 s in float32, so 32 stays for both. CPUs whose low-precision matmul
+# is much faster (AMX) may prefer larger blocks: ATTNLAB_FLASH_BAND_BLOCK overrides the default
+# (measure with `attnlab bench --case window`).
+BAND_BLOCK_ENV = "ATTNLAB_FLASH_BAND_BLOCK"
+
+
+def band_block_fwd() -> int:
+    """The forward query block of batched band calls: ``$ATTNLAB_FLASH_BAND_BLOCK`` or 32.
+
+    Raises:
+        ValueError: the variable is set to something other than a positive int.
+    """
+    raw = os.environ.get(BAND_BLOCK_ENV, "").strip()
+    if not raw:
+        return BAND_BLOCK_FWD
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{BAND_BLOCK_ENV} must be a positive int, got {raw!r}")
+    return int(raw)
+
+
 # Tile size with a bias (measured: 256 beats 128 for ALiBi), and for float64 (see `flash_job`).
 BLOCK_BIAS = 256
 BLOCK_64 = 2048
 # Key window of a relative bias over a wide band (causal, none): one shared tile per offset.
 RELATIVE_WINDOW = 1024
+# float16/bfloat16 on merge-free plans: "native" runs the kernel in the input dtype (its
+# low-precision matmuls, float32 statistics; measured 1.3-2x faster than widening), "widen"
+# runs it in float32 and rounds once at the end (`FlashJob._widen`). The environment variable
+# ATTNLAB_FLASH_LOWP overrides this module-level default (tests force both paths on any CPU).
+LOW_PRECISION = "native"
+LOW_PRECISION_ENV = "ATTNLAB_FLASH_LOWP"
+
+
+def low_precision() -> str:
+    """``"native"`` or ``"widen"``: ``$ATTNLAB_FLASH_LOWP`` if set, else `LOW_PRECISION`.
+
+    Raises:
+        ValueError: the variable (or `LOW_PRECISION`) is neither.
+    """
+    raw = os.environ.get(LOW_PRECISION_ENV, "").strip().lower() or LOW_PRECISION
+    if raw not in ("native", "widen"):
+        raise ValueError(f"{LOW_PRECISION_ENV} must be 'native' or 'widen', got {raw!r}")
+    return raw
+
+
+# Plans cached per (shape, mask structure): see `cached_plan`.
+PLAN_CACHE_SIZE = 64
+PLAN_CACHE_ENV = "ATTNLAB_FLASH_PLAN_CACHE"
+_PLANS: OrderedDict[tuple, tuple[Plan, tuple[weakref.ref, ...]]] = OrderedDict()
+_PLANS_LOCK = threading.Lock()
+
+
+def _mask_key(mask: Mask | None) -> tuple | None:
+    """A key for the mask's structure that reads no tensor value, or None (not cacheable).
+
+    The structure string of `Mask.spec` plus, for each tensor the mask holds, its identity
+    (``id``, version counter, data pointer, shape, stride, dtype, device): an in-place change
+    bumps the version counter, a new tensor is a different object.
+    """
+    if mask is None:
+        return ("",)
+    spec = mask.spec()
+    if spec is None:
+        return None
+    parts: list[object] = [spec[0]]
+    for t in spec[1]:
+        parts.append(
+            (id(t), t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device))
+        )
+    return tuple(parts)
+
+
+def cached_plan(mask: Mask | None, **kwargs: object) -> Plan:
+    """`build_plan` through a bounded LRU cache keyed on shapes and mask structure.
+
+    The key needs no tensor value (no host sync): the mask's `Mask.spec` string and the
+    identity of its tensors (`_mask_key`), plus every argument of `build_plan`. Invalidation:
+    an entry is used only while every tensor it was built from is the same live object with the
+    same version counter (an in-place write, e.g. new document ids copied into the same tensor,
+    changes the key); the least recently used entry goes once ``PLAN_CACHE_SIZE`` are held;
+    `clear_plan_cache` empties it; ``ATTNLAB_FLASH_PLAN_CACHE=0`` turns it off. Masks without a
+    spec (`from_fn`) are never cached. Plans hold only host data and index tensors that no one
+    writes, so one plan may serve many calls.
+    """
+    key_m = _mask_key(mask)
+    off = os.environ.get(PLAN_CACHE_ENV, "").strip().lower() in ("0", "off", "false", "no")
+    if key_m is None or off or PLAN_CACHE_SIZE <= 0:
+        return build_plan(mask, **kwargs)  # type: ignore[arg-type]
+    key = (key_m, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
+    tensors = () if mask is None else tuple(mask.spec()[1])  # type: ignore[index]
+    with _PLANS_LOCK:
+        hit = _PLANS.get(key)
+        if hit is not None and all(r() is t for r, t in zip(hit[1], tensors, strict=True)):
+            _PLANS.move_to_end(key)
+            return hit[0]
+    plan = build_plan(mask, **kwargs)  # type: ignore[arg-type]
+    with _PLANS_LOCK:
+        _PLANS[key] = (plan, tuple(weakref.ref(t) for t in tensors))
+        _PLANS.move_to_end(key)
+        while len(_PLANS) > PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    return plan
+
+
+def clear_plan_cache() -> None:
+    """Empties the plan cache (`cached_plan`)."""
+    with _PLANS_LOCK:
+        _PLANS.clear()
 
 
 def split_mask_bias(
@@ -100,7 +210,7 @@ def flash_job(
     else:
         bk = BLOCK_BIAS if biased else BLOCK_K
     bb = (BLOCK_64 if wide else BAND_BLOCK) if band_block is None else band_block
-    bb_fwd = BAND_BLOCK_FWD if band_block is None and not wide else bb
+    bb_fwd = band_block_fwd() if band_block is None and not wide else bb
     bq, bk, bb = (
         _check_block("block_q", bq),
         _check_block("block_k", bk),
@@ -132,7 +242,7 @@ def flash_job(
     relative = bias_kind == "fn" and is_relative_bias(fn)
 
     def plan_for(band_block: int) -> Plan:
-        return build_plan(
+        return cached_plan(
             mask,
             B=d.B,
             H=d.H,
@@ -169,6 +279,7 @@ def flash_job(
         chunks,
         bwd_plan=bwd_plan,
         softcap=req.softcap,
+        native_low=low_precision() == "native",
     )
 
 
@@ -197,13 +308,21 @@ def prepare_inputs(req: Request, engine: str) -> tuple[Tensor, Tensor, Tensor, i
 
 __all__ = [
     "BAND_BLOCK",
+    "BAND_BLOCK_ENV",
     "BAND_BLOCK_FWD",
     "BLOCK_64",
     "BLOCK_BIAS",
     "BLOCK_K",
     "BLOCK_Q",
+    "LOW_PRECISION",
+    "LOW_PRECISION_ENV",
+    "PLAN_CACHE_SIZE",
     "RELATIVE_WINDOW",
+    "band_block_fwd",
+    "cached_plan",
+    "clear_plan_cache",
     "flash_job",
+    "low_precision",
     "prepare_inputs",
     "split_mask_bias",
 ]

@@ -1,7 +1,9 @@
 """Running a request on the tiled backend: the registry's hooks and `flash_attention`.
 
 `flash_run_lse` applies the NaN rule around the clean computation: the tiles run on inputs whose
-non-finite entries are 0 (`nan_rule.clean`), and NaN is added back where the rule puts it. Under
+non-finite entries are 0 (`nan_rule.clean_flagged`: on the C++ scan, finite inputs are not
+copied and, with no bias tensor, need no poisoning at all), and NaN is added back where the rule
+puts it. Under
 ``torch.compile`` (and on ``meta`` tensors) the same computation runs as custom operators
 (`functional.flash.ops`).
 """
@@ -21,6 +23,8 @@ from .autograd import needs_grad, run_clean
 from .plan import flash_job, split_mask_bias
 from .poison import poison_entries
 
+_NAN = float("nan")
+
 
 def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
     """Runs a validated request on the tiled backend: ``(out (B, H, L, Dv), lse (B, H, L))``.
@@ -36,16 +40,24 @@ def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
 
         return compiled_flash(req)
     float_mask = isinstance(req.mask, Tensor) and req.mask.dtype != torch.bool
+    (q, q_bad), (k, k_bad), (v, v_bad) = (nan_rule.clean_flagged(x) for x in (req.q, req.k, req.v))
     clean_req = replace(
         req,
-        q=nan_rule.clean(req.q),
-        k=nan_rule.clean(req.k),
-        v=nan_rule.clean(req.v),
+        q=q,
+        k=k,
+        v=v,
         mask=nan_rule.clean_bias(req.mask) if float_mask else req.mask,  # type: ignore[arg-type]
         bias=nan_rule.clean_bias(req.bias) if isinstance(req.bias, Tensor) else req.bias,
     )
     job = flash_job(clean_req, **options)  # type: ignore[arg-type]
     out, lse = run_clean(job, clean_req)
+    if not (q_bad or k_bad or v_bad or float_mask or isinstance(req.bias, Tensor)):
+        # q, k, v are finite (scanned, `nan_rule.clean_flagged`) and no tensor holds a bias:
+        # only a bias function can still poison rows, and its NaN/+inf shows in the clean lse
+        if req.bias is None:
+            return out, lse
+        fn_bad = torch.isnan(lse) | torch.isposinf(lse)  # (B, H, L)
+        return nan_rule.add_nan(out, fn_bad.unsqueeze(-1)), torch.where(fn_bad, _NAN, lse)
     if req.bias is None and not isinstance(req.mask, Tensor):
         d = req.dims
         if req.mask is None:
