@@ -236,6 +236,12 @@ def plot(path: str, times, mems, errors, args) -> None:
     plt.close(fig)
 
 
+def _clocked(clock: Callable[[], float], fn: Callable[[], object]) -> float:
+    t0 = clock()
+    fn()
+    return clock() - t0
+
+
 def scaling(args: argparse.Namespace) -> None:
     """Causal linear attention time vs L (issue #19 item 4): fwd and fwd+bwd, per dtype."""
     amx = sorted(f for f in cpu_flags() if f.startswith("amx"))
@@ -244,9 +250,15 @@ def scaling(args: argparse.Namespace) -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; attnlab {attnlab.__file__}"
     )
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
-    for dt in dtypes:
-        print(f"{dt} matmul rate (torch.mm 4096²): {matmul_gflops(dtype=dt):.1f} GFLOP/s")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    for dt in dtypes:
+        a, b = torch.randn(4096, 4096).to(dt), torch.randn(4096, 4096).to(dt)
+        torch.mm(a, b)
+        sec = min(_clocked(clock, lambda a=a, b=b: torch.mm(a, b)) for _ in range(3))
+        print(
+            f"{dt} matmul rate (torch.mm 4096², {args.clock} clock): "
+            f"{2 * 4096**3 / sec / 1e9:.1f} GFLOP/s"
+        )
     B, H, D = args.batch, args.heads, args.head_dim
     print(
         f"causal linear_attention (elu), B={B} H={H} D=Dv={D}; {args.clock} clock, min of "
