@@ -7,8 +7,12 @@ Three forms of the causal case compute the same thing:
 
 - parallel: `reference.linear_attention` with its explicit masked ``(L, S)`` matrix;
 - chunked (`linear_attention`): exact attention inside chunks of C tokens plus the running state
-  ``Σ φ(k_j) v_jᵀ`` of earlier chunks, taken with one prefix sum over chunks — O(L·C + L·F·Dv)
-  work, no Python loop over tokens;
+  ``Σ φ(k_j) v_jᵀ`` of earlier chunks — O(L·C + L·F·Dv) work, no Python loop over tokens. The
+  chunks are scanned in blocks of about `BLOCK_BYTES` that carry one ``(F, Dv + 1)`` state per
+  head (and the NaN rule's running flags) from block to block, so no intermediate grows with L:
+  the time stays linear where L-sized temporaries would fall out of cache and be page-faulted in
+  afresh by the allocator on every call (issue #19: time(64K)/time(8K) was 11–13.5 with one
+  prefix sum over all chunk states);
 - recurrent (`LinearAttentionState.step`): one token at a time, for decoding.
 """
 
@@ -455,7 +459,8 @@ def linear_attention(
 
     Defined to equal `attnlab.functional.reference.linear_attention` (explicit ``(L, S)`` kernel
     matrix); computed in O(L) memory: non-causal as ``φ(Q) (φ(K)ᵀ V)``, causal by chunks of
-    ``chunk_size`` tokens and a prefix sum of the state over chunks. Causal alignment is
+    ``chunk_size`` tokens whose running state is carried through blocks of `BLOCK_BYTES` (time
+    linear in L, every intermediate a block's size). Causal alignment is
     bottom-right, as everywhere in attnlab (L=2, S=4: the last query sees every key)::
 
         ■ ■ ■ ⬚
