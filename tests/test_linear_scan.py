@@ -237,3 +237,24 @@ def test_block_tokens_is_a_multiple_of_the_chunk_within_the_budget():
         assert n % chunk == 0 and n >= chunk
         assert n == chunk or rows * n * width * itemsize <= lin.BLOCK_BYTES
         assert rows * (n + chunk) * width * itemsize > lin.BLOCK_BYTES  # the largest such
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.bfloat16])
+@pytest.mark.parametrize("L,S", [(37, 37), (45, 30), (30, 45)])
+def test_inference_writes_the_same_output_as_autograd(blocks, dtype, L, S):
+    """Without autograd the blocks are written into one output tensor (rows before the first
+    key zeroed); with autograd they are concatenated: the two are bit-equal."""
+    q, k, v = (x.to(dtype) for x in qkv(L=L, S=S, seed=L - S + 50))
+    q[0, 1, L - 2, 2] = float("nan")  # a row with real keys: NaN
+    key_mask = padding(2, S, seed=3)
+    calls = blocks(1)
+    with torch.no_grad():
+        out = linear_attention(q, k, v, causal=True, key_mask=key_mask, chunk_size=4)
+    assert len(calls) >= 3
+    q_g = q.clone().requires_grad_(True)
+    out_g = linear_attention(q_g, k, v, causal=True, key_mask=key_mask, chunk_size=4)
+    assert out_g.grad_fn is not None and out.dtype == dtype
+    assert torch.equal(out.isnan(), out_g.isnan()) and out.isnan().any()
+    assert torch.equal(out.nan_to_num(0.0), out_g.detach().nan_to_num(0.0))
+    if L > S:
+        assert torch.equal(out[:, :, : L - S], torch.zeros_like(out[:, :, : L - S]))

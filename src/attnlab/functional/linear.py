@@ -413,8 +413,15 @@ def _causal_linear_attention(
             v_sum = v_sum + vflag.sum(dim=-2, keepdim=True)
             if mb is not None:
                 n_live = n_live + mb.sum(dim=-1, keepdim=True)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # without autograd each block is written into the output as it is done: no block outputs
+    # pile up (the allocator would grow and trim the heap by L · Dv on every call)
+    result = None if grad else q.new_empty(B, H, L, Dv)
     q_dead, q = q.split([dead, T], dim=2)
     outs = [q.new_zeros(B, H, dead, Dv) + anchor.to(q.dtype)] if dead else []  # see no key
+    if result is not None:
+        result[:, :, :dead].zero_()
+    start = dead
     sizes = _block_sizes(T, n)
     mbs = masks[1].split(sizes, dim=1) if masks[1] is not None else [None] * len(sizes)
     for qb, kb, vb, mb in zip(
@@ -435,7 +442,13 @@ def _causal_linear_attention(
         row = q_bad | (k_seen > 0).unsqueeze(2)  # (B, H_kv, G, n)
         bad = row.unsqueeze(-1) | torch.isnan(v_seen).unsqueeze(2)  # (B, H_kv, G, n, Dv)
         out = _normalise(acc[..., :Dv], acc[..., Dv:], eps, _poison(bad, dtype))
-        outs.append(out.flatten(1, 2).to(q.dtype))  # (B, H, n, Dv)
+        if result is None:
+            outs.append(out.flatten(1, 2).to(q.dtype))  # (B, H, n, Dv)
+        else:
+            result[:, :, start : start + out.shape[3]].copy_(out.flatten(1, 2))
+            start += out.shape[3]
+    if result is not None:
+        return result
     if not outs:
         return q_dead.new_zeros(B, H, L, Dv) + anchor.to(q.dtype)
     return torch.cat(outs, dim=2)  # (B, H, L, Dv)
