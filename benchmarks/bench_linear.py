@@ -15,8 +15,15 @@ Forward passes (inference, ``torch.no_grad``) on ``(B, H, L, D)`` fp32 inputs, L
 
 The machine's fp32 matmul rate is printed first as the physical limit.
 
+``--scaling`` runs only the causal-linear scaling check of issue #19 item 4 instead: causal
+`linear_attention` at B=1 H=8 D=64, L = 8K…64K, forward (no_grad) and forward + backward, per
+dtype (``--dtypes float32,bfloat16``), ``--clock cpu`` (this process's CPU time; with
+``--threads 1`` the uncontended time on a shared machine) or wall, min over interleaved rounds,
+with the CPU header (model, AMX, the matmul rate of each dtype) and time(64K)/time(8K).
+
 Run: python benchmarks/bench_linear.py [--lengths 1024,2048,...,65536] [--heads 4] [--repeats 3]
      [--exact-budget 20] [--plot benchmarks/bench_linear.png]
+     python benchmarks/bench_linear.py --scaling [--threads 1] [--clock cpu] [--dtypes float32]
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import math
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -35,7 +43,7 @@ import attnlab
 from attnlab import masks
 from attnlab.analysis.measure import measure
 from attnlab.linear import favor_attention, linear_attention
-from common import matmul_gflops, timed
+from common import cpu_flags, cpu_model, matmul_gflops, timed
 
 _MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 
@@ -228,6 +236,72 @@ def plot(path: str, times, mems, errors, args) -> None:
     plt.close(fig)
 
 
+def _clocked(clock: Callable[[], float], fn: Callable[[], object]) -> float:
+    t0 = clock()
+    fn()
+    return clock() - t0
+
+
+def scaling(args: argparse.Namespace) -> None:
+    """Causal linear attention time vs L (issue #19 item 4): fwd and fwd+bwd, per dtype."""
+    amx = sorted(f for f in cpu_flags() if f.startswith("amx"))
+    print(f"CPU: {cpu_model()}; AMX: {', '.join(amx) if amx else 'no'}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; attnlab {attnlab.__file__}"
+    )
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    for dt in dtypes:
+        a, b = torch.randn(4096, 4096).to(dt), torch.randn(4096, 4096).to(dt)
+        torch.mm(a, b)
+        sec = min(_clocked(clock, lambda a=a, b=b: torch.mm(a, b)) for _ in range(3))
+        print(
+            f"{dt} matmul rate (torch.mm 4096², {args.clock} clock): "
+            f"{2 * 4096**3 / sec / 1e9:.1f} GFLOP/s"
+        )
+    B, H, D = args.batch, args.heads, args.head_dim
+    print(
+        f"causal linear_attention (elu), B={B} H={H} D=Dv={D}; {args.clock} clock, min of "
+        f"{args.repeats} interleaved rounds after a warm-up; load average (1 min) at start "
+        f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs\n"
+    )
+
+    def call(q, k, v, backward: bool) -> float:
+        if not backward:
+            with torch.no_grad():
+                t0 = clock()
+                linear_attention(q, k, v, causal=True)
+                return clock() - t0
+        q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+        t0 = clock()
+        out = linear_attention(q, k, v, causal=True)
+        out.backward(torch.ones_like(out))
+        return clock() - t0
+
+    for dt in dtypes:
+        data = {}
+        for L in args.lengths:
+            g = torch.Generator().manual_seed(L)
+            data[L] = [torch.randn(B, H, L, D, generator=g).to(dt) for _ in range(3)]
+        for backward in (False, True):
+            kind = "fwd+bwd" if backward else "fwd"
+            for L in args.lengths:  # warm-up
+                call(*data[L], backward)
+            best = dict.fromkeys(args.lengths, math.inf)
+            for _ in range(args.repeats):
+                for L in args.lengths:
+                    best[L] = min(best[L], call(*data[L], backward))
+            cells = "  ".join(f"L={L}: {best[L] * 1e3:8.1f} ms" for L in args.lengths)
+            print(f"{dt!s:15s} {kind:8s} {cells}")
+            lo, hi = min(args.lengths), max(args.lengths)
+            print(
+                f"{'':24s} time({hi})/time({lo}) = {best[hi] / best[lo]:.2f}  "
+                f"(ideal {hi / lo:.0f}; issue #19 target <= 10 for 65536/8192)"
+            )
+        del data
+    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.2f}")
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -250,7 +324,24 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=4)
     parser.add_argument("--plot", default="benchmarks/bench_linear.png")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument(
+        "--scaling", action="store_true", help="only causal linear time(64K)/time(8K), issue #19"
+    )
+    parser.add_argument("--dtypes", default="float32", help="--scaling: e.g. float32,bfloat16")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="--scaling")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.scaling:
+        if "--lengths" not in sys.argv:
+            args.lengths = _ints("8192,16384,32768,65536")
+        if "--heads" not in sys.argv:
+            args.heads = 8
+        if "--repeats" not in sys.argv:
+            args.repeats = 3
+        scaling(args)
+        return
     _pin_malloc()
     flash = "flash" in attnlab.backends()
     threads = torch.get_num_threads()

@@ -381,17 +381,18 @@ def test_no_l_by_s_tensor_forward_or_backward():
 
 @pytest.mark.slow
 def test_causal_time_scales_linearly():
-    """time(L=65536) / time(L=8192) <= 10 (ideal 8); timing, so behind the slow marker."""
+    """time(L=65536) / time(L=8192) <= 10 (ideal 8) at B=1 H=8 D=64 (issues #6, #19), in this
+    process's CPU time (robust on a shared machine); timing, so behind the slow marker."""
 
     def best(L: int) -> float:
-        q, k, v = (torch.randn(1, 4, L, 64) for _ in range(3))
+        q, k, v = (torch.randn(1, 8, L, 64) for _ in range(3))
         with torch.no_grad():
             linear_attention(q, k, v, causal=True)
             times = []
             for _ in range(3):
-                t0 = time.perf_counter()
+                t0 = time.process_time()
                 linear_attention(q, k, v, causal=True)
-                times.append(time.perf_counter() - t0)
+                times.append(time.process_time() - t0)
         return min(times)
 
     assert best(65536) / best(8192) <= 10

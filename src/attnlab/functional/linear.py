@@ -7,8 +7,12 @@ Three forms of the causal case compute the same thing:
 
 - parallel: `reference.linear_attention` with its explicit masked ``(L, S)`` matrix;
 - chunked (`linear_attention`): exact attention inside chunks of C tokens plus the running state
-  ``Σ φ(k_j) v_jᵀ`` of earlier chunks, taken with one prefix sum over chunks — O(L·C + L·F·Dv)
-  work, no Python loop over tokens;
+  ``Σ φ(k_j) v_jᵀ`` of earlier chunks — O(L·C + L·F·Dv) work, no Python loop over tokens. The
+  chunks are scanned in blocks of about `BLOCK_BYTES` that carry one ``(F, Dv + 1)`` state per
+  head (and the NaN rule's running flags) from block to block, so no intermediate grows with L:
+  the time stays linear where L-sized temporaries would fall out of cache and be page-faulted in
+  afresh by the allocator on every call (issue #19: time(64K)/time(8K) was 11–13.5 with one
+  prefix sum over all chunk states);
 - recurrent (`LinearAttentionState.step`): one token at a time, for decoding.
 """
 
@@ -27,6 +31,10 @@ from .reference import LINEAR_FEATURE_MAPS, compute_dtype_for
 FeatureMap = Callable[[Tensor], Tensor]
 FEATURE_MAPS = LINEAR_FEATURE_MAPS
 DEFAULT_CHUNK_SIZE = 64
+#: Bytes of one block's widest intermediate in the causal scan (`block_tokens`): small enough to
+#: stay in cache and be reused by the allocator at any L, large enough that per-block work
+#: outweighs Python's per-call overhead.
+BLOCK_BYTES = 1 << 21
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -225,6 +233,55 @@ def kernel_attention(
     return _normalise(fq @ kv, fq @ z, eps, poison)  # (B, H_kv, G, L, Dv)
 
 
+def block_tokens(rows: int, width: int, itemsize: int, chunk: int) -> int:
+    """Tokens per block of the causal scan: a multiple of ``chunk`` whose ``(rows, n, width)``
+    intermediates take about `BLOCK_BYTES` (at least one chunk)."""
+    n = BLOCK_BYTES // max(rows * width * itemsize, 1)
+    return max(chunk, n // chunk * chunk)
+
+
+def _block_sizes(total: int, n: int) -> list[int]:
+    """``total`` split into pieces of ``n`` (the last one shorter)."""
+    return [n] * (total // n) + ([total % n] if total % n else [])
+
+
+def _scan_block(fq: Tensor, fk: Tensor, va: Tensor, state: Tensor, C: int) -> tuple[Tensor, Tensor]:
+    """One block of the causal scan: chunks of C tokens on top of the running state.
+
+    ``acc_t = φq_tᵀ (state + Σ_{earlier chunks of the block} φK_cᵀ Va_c) + Σ_{j <= t in its
+    chunk} (φq_t · φk_j) va_j``; the block's last chunk may be shorter (zero-padded tokens after
+    the end are causally invisible).
+
+    Args:
+        fq: ``(B, H_kv, G, n, F)``. fk: ``(B, H_kv, n, F)``. va: ``(B, H_kv, n, Dv + 1)`` (values
+            with a column of ones). state: ``(B, H_kv, 1, F, Dv + 1)``, Σ φ(k) vaᵀ before the block.
+        C: tokens per chunk.
+
+    Returns:
+        ``(acc (B, H_kv, G, n, Dv + 1), state after the block (B, H_kv, 1, F, Dv + 1))``.
+    """
+    n = fk.shape[2]
+    N = -(-n // C)
+    pad = N * C - n
+    if pad:
+        fq, fk, va = (F.pad(t, (0, 0, 0, pad)) for t in (fq, fk, va))
+    qc = fq.unflatten(-2, (N, C))  # (B, H_kv, G, N, C, F)
+    kc = fk.unflatten(-2, (N, C))  # (B, H_kv, N, C, F)
+    vc = va.unflatten(-2, (N, C))  # (B, H_kv, N, C, Dv + 1)
+    per_chunk = kc.transpose(-1, -2) @ vc  # (B, H_kv, N, F, Dv + 1)
+    # run[n] = state before chunk n of the block; run[N] = state after it
+    run = torch.cat([state, per_chunk], dim=2).cumsum(dim=2)  # (B, H_kv, N + 1, F, Dv + 1)
+    scores = (qc @ kc.unsqueeze(2).transpose(-1, -2)).tril_()  # (B, H_kv, G, N, C, C)
+    acc = scores @ vc.unsqueeze(2)  # (B, H_kv, G, N, C, Dv + 1): inside the chunk
+    acc = acc.add_(qc @ run[:, :, None, :N])  # + earlier chunks and blocks
+    return acc.flatten(3, 4)[:, :, :, :n], run[:, :, N:]
+
+
+def _with_ones(v: Tensor) -> Tensor:
+    """``[v | 1]``: ``(B, H_kv, n, Dv + 1)``, so one product carries Σ φ(k) vᵀ and Σ φ(k)."""
+    return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+
+
 def causal_kernel_attention(
     fq: Tensor,
     fk: Tensor,
@@ -234,12 +291,13 @@ def causal_kernel_attention(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     poison: Tensor | None = None,
 ) -> Tensor:
-    """Causal (bottom-right) kernelised attention by chunks and a prefix sum over chunks.
+    """Causal (bottom-right) kernelised attention by chunks, scanned in blocks of chunks.
 
     With ``P = S − L`` keys before the first query when S > L (they form the initial state), and
     the first ``L − S`` queries seeing no key when L > S. Inside a chunk of C aligned tokens the
-    masked ``C × C`` kernel block is explicit; earlier chunks enter through the exclusive prefix
-    sum of ``φ(K_c)ᵀ [V_c, 1]``.
+    masked ``C × C`` kernel block is explicit; earlier chunks enter through the running state
+    ``Σ φ(K_c)ᵀ [V_c, 1]``, carried from block to block (`block_tokens`), so every
+    intermediate stays a block's size and the time grows linearly in L.
 
     Args:
         fq: ``(B, H_kv, G, L, F)``. fk: ``(B, H_kv, S, F)``. v: ``(B, H_kv, S, Dv)``.
@@ -250,39 +308,150 @@ def causal_kernel_attention(
     Returns:
         ``(B, H_kv, G, L, Dv)``.
     """
-    B, H_kv, G, L, _ = fq.shape
+    B, H_kv, G, L, Fd = fq.shape
     S, Dv = fk.shape[2], v.shape[-1]
-    dtype = fq.dtype
-    # The running state holds [Σ φ(k) vᵀ | Σ φ(k)]: v gets a column of ones.
-    va = torch.cat([v, v.new_ones(B, H_kv, S, 1)], dim=-1)  # (B, H_kv, S, Dv + 1)
-    P = max(S - L, 0)
-    state0 = (fk[:, :, :P].transpose(-1, -2) @ va[:, :, :P]).unsqueeze(2)  # (B, H_kv, 1, F, Dv+1)
-    fk, va = fk[:, :, P:], va[:, :, P:]  # (B, H_kv, T, ·)
-    dead = max(L - S, 0)  # queries before the first key
-    fq_live = fq[:, :, :, dead:]  # (B, H_kv, G, T, F)
-    T = fk.shape[2]
+    P, dead = max(S - L, 0), max(L - S, 0)
+    T = L - dead  # aligned tokens: query dead + t sees keys j <= P + t
     C = min(chunk_size, max(T, 1))
-    N = -(-T // C)
-    pad = N * C - T
-    if pad:  # zero tokens after the end: causally invisible to every real query
-        fq_live, fk, va = (F.pad(t, (0, 0, 0, pad)) for t in (fq_live, fk, va))
-    qc = fq_live.unflatten(-2, (N, C))  # (B, H_kv, G, N, C, F)
-    kc = fk.unflatten(-2, (N, C))  # (B, H_kv, N, C, F)
-    vc = va.unflatten(-2, (N, C))  # (B, H_kv, N, C, Dv + 1)
-    per_chunk = kc.transpose(-1, -2) @ vc  # (B, H_kv, N, F, Dv + 1)
-    # state before chunk n = state0 + Σ_{m < n} per_chunk[m]  (exclusive prefix sum)
-    prefix = torch.cat([state0, per_chunk], dim=2).cumsum(dim=2)[:, :, :N]  # (B, H_kv, N, F, Dv+1)
-    inter = qc @ prefix.unsqueeze(2)  # (B, H_kv, G, N, C, Dv + 1)
-    scores = qc @ kc.unsqueeze(2).transpose(-1, -2)  # (B, H_kv, G, N, C, C)
-    tril = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril()
-    intra = torch.where(tril, scores, 0.0) @ vc.unsqueeze(2)  # (B, H_kv, G, N, C, Dv + 1)
-    acc = (inter + intra).flatten(3, 4)[:, :, :, :T]  # (B, H_kv, G, T, Dv + 1)
-    if poison is not None:  # rows that see no key are never poisoned
-        poison = poison[..., dead:, :]  # (B, H_kv, G|1, T, Dv)
-    out = _normalise(acc[..., :Dv], acc[..., Dv:], eps, poison)  # (B, H_kv, G, T, Dv)
+    n = block_tokens(B * H_kv * G, max(Fd, Dv + 1, C), fq.element_size(), C)
+    state = fk.new_zeros(B, H_kv, 1, Fd, Dv + 1)
+    if P:
+        fk_p, fk = fk.split([P, T], dim=2)
+        v_p, v = v.split([P, T], dim=2)
+        for kb, vb in zip(fk_p.split(n, dim=2), v_p.split(n, dim=2), strict=True):
+            state = state + (kb.transpose(-1, -2) @ _with_ones(vb)).unsqueeze(2)
+    # zero rows joined to the graph (an empty sum) so that backward runs even with no key
+    anchor = fq[:, :, :, :0].sum()
+    outs = [fq.new_zeros(B, H_kv, G, dead, Dv) + anchor] if dead else []
     if dead:
-        out = torch.cat([out.new_zeros(B, H_kv, G, dead, Dv, dtype=dtype), out], dim=3)
-    return out  # (B, H_kv, G, L, Dv)
+        fq = fq.split([dead, T], dim=3)[1]
+        if poison is not None:
+            poison = poison.split([dead, T], dim=3)[1]
+    sizes = _block_sizes(T, n)
+    blocks = zip(
+        fq.split(sizes, dim=3),
+        fk.split(sizes, dim=2),
+        v.split(sizes, dim=2),
+        poison.split(sizes, dim=3) if poison is not None else [None] * len(sizes),
+        strict=True,
+    )
+    for qb, kb, vb, pb in blocks:
+        acc, state = _scan_block(qb, kb, _with_ones(vb), state, C)
+        outs.append(_normalise(acc[..., :Dv], acc[..., Dv:], eps, pb))
+    if not outs:
+        return fq.new_zeros(B, H_kv, G, L, Dv) + anchor
+    return torch.cat(outs, dim=3)  # (B, H_kv, G, L, Dv)
+
+
+def _causal_linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    phi: FeatureMap,
+    *,
+    eps: float,
+    chunk_size: int,
+    key_mask: Tensor | None,
+    groups: int,
+) -> Tensor:
+    """Causal `linear_attention` on raw 4-D inputs, everything per block of tokens.
+
+    Cleaning, features, key padding and the NaN rule's flags are computed block by block
+    alongside the scan (`_scan_block`), with running sums carried between blocks: the state
+    ``Σ φ(k) [v, 1]ᵀ``, the count of non-finite attended keys (a row at or after one is NaN),
+    the sum of value flags (0, or NaN from the first non-finite ``v[d]`` on: column d) and the
+    count of real keys (a row with none attends nothing and stays zeros whatever its query). No
+    intermediate is larger than a block, so the time is linear in L.
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)`` (raw inputs).
+        phi: the feature map. eps: added to the denominators. chunk_size: C.
+        key_mask: bool ``(B|1, S)`` or None. groups: G = H / H_kv.
+
+    Returns:
+        ``(B, H, L, Dv)`` in q's dtype.
+    """
+    B, H, L, _ = q.shape
+    H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    dtype = compute_dtype_for(q.dtype)
+    P, dead = max(S - L, 0), max(L - S, 0)
+    T = L - dead  # aligned tokens: query dead + t sees keys j <= P + t
+    C = min(chunk_size, max(T, 1))
+    # the feature size F, from the first query and key (or empty slices); every block is checked
+    fq0, fk0 = phi(clean(q[:, :, :1].to(dtype))), phi(clean(k[:, :, :1].to(dtype)))
+    _check_features(fq0, fk0, q[:, :, :1], k[:, :, :1])
+    Fd = fq0.shape[-1]
+    anchor = fq0[:, :, :0].sum()  # 0, joins all-zero outputs to the graph (backward runs)
+    n = block_tokens(B * H, max(Fd, Dv + 1, C), torch.finfo(dtype).bits // 8, C)
+
+    def keys(kb: Tensor, vb: Tensor, mb: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """φ(k) and [v | 1] of a block, its bad-key flags (B, H_kv, n) and value flags."""
+        fk = _block_features(phi, kb, dtype, Fd, "key")  # (B, H_kv, n, F)
+        vflag = _flag(vb.to(dtype))  # (B, H_kv, n, Dv): 0, NaN where non-finite
+        kbad = _bad_rows(kb)  # (B, H_kv, n)
+        if mb is not None:  # padded keys carry no kernel weight and no flag
+            live = mb[:, None, :, None]  # (B|1, 1, n, 1)
+            fk = torch.where(live, fk, 0.0)
+            vflag = torch.where(live, vflag, 0.0)
+            kbad = kbad & mb[:, None, :]
+        return fk, _with_ones(clean(vb.to(dtype))), kbad, vflag
+
+    state = q.new_zeros(B, H_kv, 1, Fd, Dv + 1, dtype=dtype)  # Σ φ(k) [v | 1]ᵀ
+    k_count = torch.zeros(B, H_kv, 1, dtype=torch.long, device=q.device)  # non-finite keys
+    v_sum = q.new_zeros(B, H_kv, 1, Dv, dtype=dtype)  # Σ value flags: NaN per column once bad
+    n_live = torch.zeros(1, 1, dtype=torch.long, device=q.device)  # real keys (with key_mask)
+    masks = key_mask.split([P, T], dim=1) if key_mask is not None else (None, None)
+    k_p, k = k.split([P, T], dim=2)
+    v_p, v = v.split([P, T], dim=2)
+    if P:  # keys before the first query: the initial state and flags
+        pieces = _block_sizes(P, n)
+        mps = masks[0].split(pieces, dim=1) if masks[0] is not None else [None] * len(pieces)
+        for kb, vb, mb in zip(k_p.split(pieces, 2), v_p.split(pieces, 2), mps, strict=True):
+            fk, va, kbad, vflag = keys(kb, vb, mb)
+            state = state + (fk.transpose(-1, -2) @ va).unsqueeze(2)
+            k_count = k_count + kbad.sum(dim=-1, keepdim=True)
+            v_sum = v_sum + vflag.sum(dim=-2, keepdim=True)
+            if mb is not None:
+                n_live = n_live + mb.sum(dim=-1, keepdim=True)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # without autograd each block is written into the output as it is done: no block outputs
+    # pile up (the allocator would grow and trim the heap by L · Dv on every call)
+    result = None if grad else q.new_empty(B, H, L, Dv)
+    q_dead, q = q.split([dead, T], dim=2)
+    outs = [q.new_zeros(B, H, dead, Dv) + anchor.to(q.dtype)] if dead else []  # see no key
+    if result is not None:
+        result[:, :, :dead].zero_()
+    start = dead
+    sizes = _block_sizes(T, n)
+    mbs = masks[1].split(sizes, dim=1) if masks[1] is not None else [None] * len(sizes)
+    for qb, kb, vb, mb in zip(
+        q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2), mbs, strict=True
+    ):
+        fk, va, kbad, vflag = keys(kb, vb, mb)
+        fq = _block_features(phi, qb, dtype, Fd, "query").unflatten(1, (H_kv, groups))
+        acc, state = _scan_block(fq, fk, va, state, C)  # (B, H_kv, G, n, Dv + 1)
+        # the NaN rule: prefix counts of bad keys and sums of value flags, carried over
+        k_seen = kbad.cumsum(dim=-1) + k_count  # (B, H_kv, n)
+        v_seen = vflag.cumsum(dim=-2) + v_sum  # (B, H_kv, n, Dv)
+        k_count, v_sum = k_seen[..., -1:], v_seen[..., -1:, :]
+        q_bad = _bad_rows(qb).unflatten(1, (H_kv, groups))  # (B, H_kv, G, n)
+        if mb is not None:  # a row with no real key yet attends nothing
+            live_seen = mb.cumsum(dim=-1) + n_live  # (B|1, n)
+            n_live = live_seen[:, -1:]
+            q_bad = q_bad & (live_seen > 0)[:, None, None, :]
+        row = q_bad | (k_seen > 0).unsqueeze(2)  # (B, H_kv, G, n)
+        bad = row.unsqueeze(-1) | torch.isnan(v_seen).unsqueeze(2)  # (B, H_kv, G, n, Dv)
+        out = _normalise(acc[..., :Dv], acc[..., Dv:], eps, _poison(bad, dtype))
+        if result is None:
+            outs.append(out.flatten(1, 2).to(q.dtype))  # (B, H, n, Dv)
+        else:
+            result[:, :, start : start + out.shape[3]].copy_(out.flatten(1, 2))
+            start += out.shape[3]
+    if result is not None:
+        return result
+    if not outs:
+        return q_dead.new_zeros(B, H, L, Dv) + anchor.to(q.dtype)
+    return torch.cat(outs, dim=2)  # (B, H, L, Dv)
 
 
 # ------------------------------------------------------------------------------------------ public
@@ -303,7 +472,8 @@ def linear_attention(
 
     Defined to equal `attnlab.functional.reference.linear_attention` (explicit ``(L, S)`` kernel
     matrix); computed in O(L) memory: non-causal as ``φ(Q) (φ(K)ᵀ V)``, causal by chunks of
-    ``chunk_size`` tokens and a prefix sum of the state over chunks. Causal alignment is
+    ``chunk_size`` tokens whose running state is carried through blocks of `BLOCK_BYTES` (time
+    linear in L, every intermediate a block's size). Causal alignment is
     bottom-right, as everywhere in attnlab (L=2, S=4: the last query sees every key)::
 
         ■ ■ ■ ⬚
@@ -347,8 +517,13 @@ def linear_attention(
     key_mask = check_key_mask(key_mask, dims)
     chunk_size = check_positive_int("chunk_size", chunk_size)
     q, k, v = as_4d(q, k, v, dims)
+    if causal:
+        out = _causal_linear_attention(
+            q, k, v, phi, eps=eps, chunk_size=chunk_size, key_mask=key_mask, groups=dims.groups
+        )
+        return out.squeeze(1) if dims.three_d else out
     dtype = compute_dtype_for(q.dtype)
-    row, col = nan_rule_poison(q, k, v, causal=causal, key_mask=key_mask)
+    row, col = nan_rule_poison(q, k, v, causal=False, key_mask=key_mask)
     kc, vc, live = zero_padded_keys(clean(k.to(dtype)), clean(v.to(dtype)), key_mask)
     fq = phi(clean(q.to(dtype)))  # (B, H, L, F)
     fk = phi(kc)  # (B, H_kv, S, F)
@@ -357,12 +532,21 @@ def linear_attention(
         fk = torch.where(live, fk, 0.0)  # padded keys carry no kernel weight
     fq = fq.unflatten(1, (dims.H_kv, dims.groups))  # (B, H_kv, G, L, F)
     poison = row + col  # (B, H_kv, G, L, Dv): NaN where the rule says, −0.0 elsewhere
-    if causal:
-        out = causal_kernel_attention(fq, fk, vc, eps=eps, chunk_size=chunk_size, poison=poison)
-    else:
-        out = kernel_attention(fq, fk, vc, eps=eps, poison=poison)
+    out = kernel_attention(fq, fk, vc, eps=eps, poison=poison)
     out = out.flatten(1, 2).to(q.dtype)  # (B, H, L, Dv)
     return out.squeeze(1) if dims.three_d else out
+
+
+def _block_features(phi: FeatureMap, x: Tensor, dtype: torch.dtype, Fd: int, name: str) -> Tensor:
+    """``φ(clean(x))`` of one block ``(B, H, n, D)``, checked to be ``(B, H, n, F)``."""
+    fx = phi(clean(x.to(dtype)))
+    if fx.shape[:-1] != x.shape[:-1] or fx.shape[-1] != Fd:
+        raise ValueError(
+            "feature_map must map (..., D) to (..., F) with one F for queries and keys, got "
+            f"{name} features {tuple(fx.shape)} from {tuple(x.shape)} (F = {Fd} for the first "
+            "query and key)"
+        )
+    return fx
 
 
 def _check_features(fq: Tensor, fk: Tensor, q: Tensor, k: Tensor) -> None:

@@ -1,0 +1,260 @@
+"""The blockwise causal scan of linear attention and FAVOR+ (issue #19 item 4).
+
+The causal forms carry one running state ``Σ φ(k) [v, 1]ᵀ`` (and the NaN rule's running flags)
+through blocks of `BLOCK_BYTES`; the default sizes of the other tests fit one or a few blocks.
+Here `BLOCK_BYTES` is shrunk so that odd sizes cross many blocks, and every result is compared
+with the explicit reference (float64, forward and backward) or the NaN rule written out row by row.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import attnlab.functional.linear as lin
+from attnlab.functional import reference
+from attnlab.linear import favor_attention, favor_projection, linear_attention
+from helpers import FIXED_TABLE, fwd_bwd, seeded
+from nan_rule_linear import check_nan_rule, keep_matrix, planted
+
+F64 = torch.float64
+FWD_ATOL, FWD_RTOL, GRAD_ATOL, GRAD_RTOL = FIXED_TABLE[F64]
+
+
+@pytest.fixture
+def blocks(monkeypatch):
+    """Sets `BLOCK_BYTES` and counts the blocks `_scan_block` is called on."""
+    calls = []
+    scan = lin._scan_block
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].shape[2])  # tokens in the block
+        return scan(*args, **kwargs)
+
+    monkeypatch.setattr(lin, "_scan_block", counting)
+
+    def use(nbytes: int) -> list[int]:
+        monkeypatch.setattr(lin, "BLOCK_BYTES", nbytes)
+        calls.clear()
+        return calls
+
+    return use
+
+
+def qkv(B=2, H=4, H_kv=2, L=17, S=17, D=8, Dv=5, seed=0, scale=1.0):
+    return (
+        seeded(B, H, L, D, dtype=F64, seed=seed, scale=scale),
+        seeded(B, H_kv, S, D, dtype=F64, seed=seed + 1, scale=scale),
+        seeded(B, H_kv, S, Dv, dtype=F64, seed=seed + 2),
+    )
+
+
+def padding(B: int, S: int, seed: int) -> torch.Tensor:
+    """Random key padding with an all-padding item and a leading run of padding."""
+    g = torch.Generator().manual_seed(seed)
+    key_mask = torch.rand(B, S, generator=g) > 0.3
+    key_mask[0, : S // 3] = False  # causal rows of item 0 start with no real key
+    key_mask[-1] = False
+    return key_mask
+
+
+def assert_equal_to_reference(fast, ref, inputs):
+    out_f, grads_f = fwd_bwd(fast, inputs)
+    out_r, grads_r = fwd_bwd(ref, inputs)
+    torch.testing.assert_close(out_f, out_r, atol=FWD_ATOL, rtol=FWD_RTOL)
+    for gf, gr in zip(grads_f, grads_r, strict=True):
+        torch.testing.assert_close(gf, gr, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+
+
+# (L, S, chunk, block bytes): S > L puts keys before the first query (the initial state, itself
+# summed in blocks), L > S queries before the first key; 1 byte = one chunk per block.
+SCAN_CASES = [
+    (37, 37, 4, 1, "elu"),
+    (37, 37, 5, 3000, "relu"),
+    (23, 61, 3, 1, "relu"),
+    (61, 23, 4, 1, "elu"),
+    (29, 40, 7, 4000, "elu"),
+    (1, 50, 4, 1, "elu"),
+    (50, 1, 4, 1, "elu"),
+]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("L,S,chunk,nbytes,feature_map", SCAN_CASES)
+def test_linear_scan_in_blocks_equals_reference(blocks, L, S, chunk, nbytes, feature_map, padded):
+    inputs = qkv(L=L, S=S, seed=L * S)
+    key_mask = padding(2, S, seed=L + S) if padded else None
+    calls = blocks(nbytes)
+
+    def fast(q, k, v):
+        return linear_attention(
+            q, k, v, feature_map=feature_map, causal=True, key_mask=key_mask, chunk_size=chunk
+        )
+
+    def ref(q, k, v):
+        return reference.linear_attention(
+            q, k, v, feature_map=feature_map, causal=True, key_mask=key_mask
+        )
+
+    assert_equal_to_reference(fast, ref, inputs)
+    T = min(L, S)
+    block = lin.block_tokens(2 * 4, max(8, 5 + 1, min(chunk, T)), 8, min(chunk, T))
+    assert sum(calls) == T and max(calls) == min(block, T)
+    assert len(calls) >= (2 if T > 1 else 1)  # several blocks (each a multiple of the chunk)
+
+
+@pytest.mark.parametrize("L,S,chunk,nbytes", [(37, 37, 4, 1), (23, 41, 3, 1), (41, 23, 5, 5000)])
+def test_favor_causal_scan_in_blocks_equals_reference(blocks, L, S, chunk, nbytes):
+    inputs = qkv(L=L, S=S, seed=L + 2 * S, scale=0.7)
+    key_mask = padding(2, S, seed=S)
+    W = favor_projection(16, 8, generator=torch.Generator().manual_seed(1), dtype=F64)
+    calls = blocks(nbytes)
+
+    def fast(q, k, v):
+        return favor_attention(
+            q, k, v, num_features=16, projection=W, causal=True, key_mask=key_mask, chunk_size=chunk
+        )
+
+    def ref(q, k, v):
+        return reference.favor_attention(q, k, v, W, causal=True, key_mask=key_mask)
+
+    assert_equal_to_reference(fast, ref, inputs)
+    assert len(calls) >= 3 and sum(calls) == min(L, S)
+
+
+# ------------------------------------------------------------------------ the NaN rule, carried
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    "L,S,padded", [(9, 11, False), (9, 11, True), (11, 7, True), (13, 13, True)]
+)
+def test_nan_rule_carried_across_blocks(blocks, seed, L, S, padded):
+    """Planted NaN/±inf with blocks of one 2-token chunk: bad keys/values of earlier blocks
+    poison later blocks' rows/columns only, padding never leaks, no-key rows stay zeros."""
+    key_mask = None
+    if padded:
+        key_mask = torch.ones(2, S, dtype=torch.bool)
+        key_mask[0, S - 3 :] = False
+        key_mask[1] = False
+        key_mask[1, S // 2] = True  # item 1: one real key; causal rows before it see none
+    inputs = planted(seed + 7 * L, L=L, S=S, key_mask=key_mask)
+    keep = keep_matrix(2, L, S, True, key_mask)
+    calls = blocks(1)
+
+    def fast(q, k, v):
+        return linear_attention(q, k, v, causal=True, key_mask=key_mask, chunk_size=2)
+
+    def ref(q, k, v):
+        return reference.linear_attention(q, k, v, causal=True, key_mask=key_mask)
+
+    check_nan_rule(fast, ref, inputs, keep, key_mask)
+    assert len(calls) >= 4
+
+
+@pytest.mark.parametrize("where", ["prefix", "first block"])
+def test_nan_rule_bad_key_and_value_reach_every_later_block(blocks, where):
+    """A bad key (value column) in the prefix keys or in the first block poisons the rows
+    (column 1) of every later block, and no row before it; padded bad keys poison nothing."""
+    L, S = 12, 16 if where == "prefix" else 12
+    q, k, v = qkv(B=1, H=2, H_kv=1, L=L, S=S)
+    j = 1 if where == "prefix" else S - L + 2  # key index; its first row is j − (S − L)
+    blocks(1)
+    for name in ("k", "v"):
+        k2, v2 = k.clone(), v.clone()
+        (k2 if name == "k" else v2)[0, 0, j, 1] = float("nan")
+        clean = linear_attention(q, k, v, causal=True, chunk_size=2)
+        out = linear_attention(q, k2, v2, causal=True, chunk_size=2)
+        first = max(j - (S - L), 0)
+        assert torch.equal(out[:, :, :first], clean[:, :, :first])
+        cols = slice(None) if name == "k" else 1
+        assert torch.isnan(out[:, :, first:, cols]).all()
+        if name == "v":
+            torch.testing.assert_close(out[:, :, :, [0, 2, 3, 4]], clean[:, :, :, [0, 2, 3, 4]])
+        key_mask = torch.ones(1, S, dtype=torch.bool)
+        key_mask[0, j] = False  # the bad key is padding: nothing changes
+        hidden = linear_attention(q, k2, v2, causal=True, chunk_size=2, key_mask=key_mask)
+        assert torch.equal(
+            hidden, linear_attention(q, k, v, causal=True, chunk_size=2, key_mask=key_mask)
+        )
+
+
+def test_nan_query_of_rows_whose_keys_are_all_padding_gives_zeros(blocks):
+    """The running count of real keys: rows before the first real key (blocks later) are zeros
+    even with a NaN query; the first row that has one is NaN."""
+    q, k, v = qkv(B=1, H=1, H_kv=1, L=10, S=10)
+    key_mask = torch.zeros(1, 10, dtype=torch.bool)
+    key_mask[0, 7:] = True
+    q = q.clone()
+    q[0, 0, [2, 5, 8]] = float("nan")
+    blocks(1)
+    out = linear_attention(q, k, v, causal=True, key_mask=key_mask, chunk_size=2)
+    assert torch.equal(out[0, 0, :7], torch.zeros(7, 5, dtype=F64))
+    assert torch.isnan(out[0, 0, 8]).all() and torch.isfinite(out[0, 0, [7, 9]]).all()
+
+
+# ------------------------------------------------------------------------ sizes of intermediates
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op produces (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("S", [1024, 1500])
+def test_no_intermediate_larger_than_the_inputs(blocks, S):
+    """Per block, not per sequence: the largest tensor of forward + backward is q, k, v, the
+    output or their gradients (L · D elements), never ``(L, C)`` scores, the ``(L, Dv + 1)``
+    values with ones, or the NaN rule's flags of all tokens."""
+    L, D, C = 1024, 8, 32
+    xs = [
+        x.requires_grad_(True)
+        for x in (torch.randn(1, 1, L, D), torch.randn(1, 1, S, D), torch.randn(1, 1, S, D))
+    ]
+    calls = blocks(128 * 32 * 4)  # 128 tokens of 32 floats: 4 chunks per block
+    with LargestTensor() as mode:
+        out = linear_attention(*xs, causal=True, chunk_size=C)
+        out.sum().backward()
+    assert mode.largest == S * D  # k's own size (its gradient)
+    assert calls == [128] * 8
+
+
+def test_block_tokens_is_a_multiple_of_the_chunk_within_the_budget():
+    for rows, width, itemsize, chunk in [(8, 65, 4, 64), (1, 17, 8, 5), (64, 129, 4, 32)]:
+        n = lin.block_tokens(rows, width, itemsize, chunk)
+        assert n % chunk == 0 and n >= chunk
+        assert n == chunk or rows * n * width * itemsize <= lin.BLOCK_BYTES
+        assert rows * (n + chunk) * width * itemsize > lin.BLOCK_BYTES  # the largest such
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.bfloat16])
+@pytest.mark.parametrize("L,S", [(37, 37), (45, 30), (30, 45)])
+def test_inference_writes_the_same_output_as_autograd(blocks, dtype, L, S):
+    """Without autograd the blocks are written into one output tensor (rows before the first
+    key zeroed); with autograd they are concatenated: the two are bit-equal."""
+    q, k, v = (x.to(dtype) for x in qkv(L=L, S=S, seed=L - S + 50))
+    q[0, 1, L - 2, 2] = float("nan")  # a row with real keys: NaN
+    key_mask = padding(2, S, seed=3)
+    calls = blocks(1)
+    with torch.no_grad():
+        out = linear_attention(q, k, v, causal=True, key_mask=key_mask, chunk_size=4)
+    assert len(calls) >= 3
+    q_g = q.clone().requires_grad_(True)
+    out_g = linear_attention(q_g, k, v, causal=True, key_mask=key_mask, chunk_size=4)
+    assert out_g.grad_fn is not None and out.dtype == dtype
+    assert torch.equal(out.isnan(), out_g.isnan()) and out.isnan().any()
+    assert torch.equal(out.nan_to_num(0.0), out_g.detach().nan_to_num(0.0))
+    if L > S:
+        assert torch.equal(out[:, :, : L - S], torch.zeros_like(out[:, :, : L - S]))
