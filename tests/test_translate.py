@@ -120,6 +120,24 @@ def test_collate_and_length_buckets() -> None:
         assert len(b) == 1 or len(b) * width <= 1500
 
 
+def test_collate_pads_to_a_multiple_and_buckets_count_the_padding() -> None:
+    task = NumberTask(max_digits=6, held_out=10)
+    ex = task.training_examples(300, seed=0)
+    plain, padded = collate(ex[:5]), collate(ex[:5], multiple=32)
+    for a, b in zip(plain, padded, strict=True):
+        assert b.shape[0] == a.shape[0] and b.shape[1] % 32 == 0 and b.shape[1] >= a.shape[1]
+        assert torch.equal(b[:, : a.shape[1]], a)  # the same batch ...
+        fill = False if b.dtype == torch.bool else PAD
+        assert bool((b[:, a.shape[1] :] == fill).all())  # ... then only padding
+    batches = length_batches(ex, 1500, random.Random(0), multiple=32)
+    assert sorted(id(e) for b in batches for e in b) == sorted(id(e) for e in ex)
+    for b in batches:
+        src, _, tgt_in, _ = collate(b, multiple=32)
+        assert len(b) == 1 or src.numel() + tgt_in.numel() <= 1500
+    widths = {collate(b, multiple=32)[0].shape[1] for b in batches}
+    assert widths <= {32, 64, 96}  # few distinct shapes
+
+
 def test_task_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="langs"):
         NumberTask(langs=("de", "es"))

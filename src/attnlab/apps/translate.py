@@ -83,6 +83,8 @@ class TranslateSettings:
         threads: torch threads (None = torch's default).
         pieces: multi-character number pieces in the vocabulary (`attnlab.data.numbers`).
         eval_batch: sentences per greedy-decoding batch.
+        pad_multiple: training batches pad source and target lengths to a multiple of this
+            (few distinct shapes: faster CPU kernels; 1 = pad to the longest only).
     """
 
     arch: str = "transformer"
@@ -110,6 +112,7 @@ class TranslateSettings:
     eval_batch: int = 250
     data_seed: int = 0
     pieces: bool = False
+    pad_multiple: int = 32
 
 
 def seq2seq_loss(model: nn.Module, batch: Sequence[Tensor], label_smoothing: float) -> Tensor:
@@ -190,16 +193,17 @@ def evaluate(
 class _Batches:
     """Length-bucketed batches of a pool, reshuffled every epoch from a seeded generator."""
 
-    def __init__(self, pool: Sequence[Example], tokens: int, seed: int) -> None:
+    def __init__(self, pool: Sequence[Example], tokens: int, seed: int, multiple: int = 1) -> None:
         self.pool, self.tokens, self.rng = pool, tokens, random.Random(f"batches-{seed}")
+        self.multiple = multiple
         self.queue: list[list[Example]] = []
         self.epochs = 0
 
     def next(self) -> tuple[Tensor, ...]:
         if not self.queue:
-            self.queue = length_batches(self.pool, self.tokens, self.rng)
+            self.queue = length_batches(self.pool, self.tokens, self.rng, self.multiple)
             self.epochs += 1
-        return collate(self.queue.pop())
+        return collate(self.queue.pop(), self.multiple)
 
 
 def _arch_meta(arch: str, config: dict[str, Any], task: NumberTask) -> dict[str, str]:
@@ -253,7 +257,7 @@ def train_translate(
     pool = task.training_examples(s.pool, s.fit.seed)
     data_seconds = (time.process_time() if s.fit.clock == "cpu" else time.perf_counter()) - t0
     log(f"translate: {len(pool)} training pairs generated in {data_seconds:.1f} s")
-    batches = _Batches(pool, s.batch_tokens, s.fit.seed)
+    batches = _Batches(pool, s.batch_tokens, s.fit.seed, s.pad_multiple)
     ls = s.label_smoothing
 
     def loss_at(step: int) -> Tensor:

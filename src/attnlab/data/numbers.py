@@ -308,12 +308,22 @@ class Example:
     tgt: list[int]
 
 
-def collate(examples: Sequence[Example]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def collate(
+    examples: Sequence[Example], multiple: int = 1
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Pads a batch: ``src (B, S)``, ``src_mask (B, S)`` (True = real), ``tgt_in (B, T)`` =
-    ``[BOS, chars…]`` and ``tgt_out (B, T)`` = ``[chars…, EOS]`` (PAD after the end)."""
+    ``[BOS, chars…]`` and ``tgt_out (B, T)`` = ``[chars…, EOS]`` (PAD after the end).
+
+    ``multiple``: S and T are rounded up to a multiple of it. Training pads to few distinct
+    shapes because the CPU kernels (oneDNN's primitive cache) are much slower when almost every
+    batch has a new shape (`benchmarks/RESULTS.md`, translation)."""
     B = len(examples)
-    S = max(len(e.src) for e in examples)
-    T = max(len(e.tgt) for e in examples)
+    S = _round_up(max(len(e.src) for e in examples), multiple)
+    T = _round_up(max(len(e.tgt) for e in examples), multiple)
     src = torch.full((B, S), PAD, dtype=torch.long)
     tgt_in = torch.full((B, T), PAD, dtype=torch.long)
     tgt_out = torch.full((B, T), PAD, dtype=torch.long)
@@ -326,19 +336,22 @@ def collate(examples: Sequence[Example]) -> tuple[Tensor, Tensor, Tensor, Tensor
 
 
 def length_batches(
-    examples: Sequence[Example], tokens: int, rng: random.Random
+    examples: Sequence[Example], tokens: int, rng: random.Random, multiple: int = 1
 ) -> list[list[Example]]:
     """Buckets by length: sorted by source + target length, cut into batches of about
-    ``tokens`` padded tokens each, returned in a seeded random order."""
+    ``tokens`` padded tokens each (lengths rounded up to ``multiple`` as `collate` pads them),
+    returned in a seeded random order."""
     order = sorted(examples, key=lambda e: (len(e.src) + len(e.tgt), rng.random()))
     batches: list[list[Example]] = []
     cur: list[Example] = []
+    S = T = 0  # the batch's longest source and target, as `collate` pads them
     for e in order:
-        width = len(e.src) + len(e.tgt)  # the longest so far (sorted ascending)
-        if cur and (len(cur) + 1) * width > tokens:
+        s, t = _round_up(len(e.src), multiple), _round_up(len(e.tgt), multiple)
+        if cur and (len(cur) + 1) * (max(S, s) + max(T, t)) > tokens:
             batches.append(cur)
-            cur = []
+            cur, S, T = [], 0, 0
         cur.append(e)
+        S, T = max(S, s), max(T, t)
     if cur:
         batches.append(cur)
     rng.shuffle(batches)
