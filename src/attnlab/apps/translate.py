@@ -103,7 +103,7 @@ class TranslateSettings:
             warmup=100,
             weight_decay=0.01,
             grad_clip=1.0,
-            time_budget=480.0,
+            time_budget=540.0,
             schedule="time",
             precision="bf16",
         )

@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--minutes",
         type=float_in(0.0, low_open=True),
-        default=8.0,
+        default=9.0,
         help="training time budget in minutes (default %(default)s); data and evaluation "
         "come on top (about 1-2 minutes on one core)",
     )
