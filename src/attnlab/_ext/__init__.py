@@ -34,6 +34,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -153,8 +154,18 @@ def _remove_stale(directory: Path, name: str) -> None:
             pass
 
 
-def _target(name: str) -> tuple[str, Path]:
+_LOCAL_INCLUDE = re.compile(r'^#include "(\w+\.h)"[ \t]*$', re.MULTILINE)
+
+
+def source_text(name: str) -> str:
+    """``_ext/<name>.cpp`` with each ``#include "x.h"`` of a header next to it pasted in (the
+    build compiles one file in a private directory, and the cache key covers the headers)."""
     source = (_HERE / f"{name}.cpp").read_text(encoding="utf-8")
+    return _LOCAL_INCLUDE.sub(lambda m: (_HERE / m.group(1)).read_text(encoding="utf-8"), source)
+
+
+def _target(name: str) -> tuple[str, Path]:
+    source = source_text(name)
     return source, cache_dir() / f"attnlab_{name}_{build_key(name, source)}.so"
 
 

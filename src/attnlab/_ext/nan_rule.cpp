@@ -31,36 +31,15 @@
 #include <limits>
 #include <vector>
 
+#include "nonfinite.h"
+
 namespace {
 
-// A value is non-finite iff its exponent bits are all ones (inf or NaN).
-template <typename T> struct Bits;
-template <> struct Bits<float> {
-  using U = uint32_t;
-  static constexpr U kExp = 0x7f800000u;
-};
-template <> struct Bits<double> {
-  using U = uint64_t;
-  static constexpr U kExp = 0x7ff0000000000000ull;
-};
-template <> struct Bits<c10::BFloat16> {
-  using U = uint16_t;
-  static constexpr U kExp = 0x7f80u;
-};
-template <> struct Bits<c10::Half> {
-  using U = uint16_t;
-  static constexpr U kExp = 0x7c00u;
-};
+using attnlab_bits::Bits;
 
-// True iff some entry of the n contiguous values at p is non-finite (branch-free, vectorisable).
 template <typename T>
 inline bool row_bad(const T* p, int64_t n) {
-  using U = typename Bits<T>::U;
-  constexpr U E = Bits<T>::kExp;
-  const U* u = reinterpret_cast<const U*>(p);
-  U acc = 0;
-  for (int64_t j = 0; j < n; ++j) acc |= static_cast<U>(((u[j] & E) == E) ? 1 : 0);
-  return acc != 0;
+  return attnlab_bits::span_bad(p, n);
 }
 
 template <typename T>
