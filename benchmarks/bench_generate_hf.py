@@ -230,19 +230,6 @@ def rounds(
     return out
 
 
-def cpu_matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """``torch.mm`` rate of ``dtype`` on n×n matrices in this process's CPU time, GFLOP/s (best
-    of ``repeats``): the limit per busy thread, less sensitive to other load than wall time."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.process_time()
-        torch.mm(a, b)
-        best = min(best, time.process_time() - t0)
-    return 2 * n**3 / best / 1e9
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=32000)
@@ -272,7 +259,8 @@ def main() -> None:
         if name != "float32":
             rate = matmul_gflops(dtype=getattr(torch, name))
             print(f"{name} matmul rate (torch.mm 4096²): {rate:.1f} GFLOP/s")
-    rates = ", ".join(f"{n} {cpu_matmul_gflops(getattr(torch, n)):.1f}" for n in args.dtype)
+    per_thread = partial(matmul_gflops, 2048, clock=time.process_time)  # CPU clock
+    rates = ", ".join(f"{n} {per_thread(dtype=getattr(torch, n)):.1f}" for n in args.dtype)
     print(f"matmul rate per thread, CPU clock (torch.mm 2048²): {rates} GFLOP/s")
     print(f"transformers {transformers.__version__}; load: {os.getloadavg()[0]:.2f}")
     cfg = llama_like(args.vocab, args.d_model, args.layers, args.heads, args.kv_heads)

@@ -92,19 +92,6 @@ def fixed_batches(model, texts: list[str], batch_size: int) -> torch.Tensor:
     return out
 
 
-def cpu_matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """``torch.mm`` rate of ``dtype`` on n×n matrices in this process's CPU time, GFLOP/s (best
-    of ``repeats``): the limit per busy thread, less sensitive to other load than wall time."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.process_time()
-        torch.mm(a, b)
-        best = min(best, time.process_time() - t0)
-    return 2 * n**3 / best / 1e9
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
@@ -145,7 +132,8 @@ def main() -> None:
 
     print_machine()
     print(f"bf16 matmul rate (torch.mm 4096²): {matmul_gflops(dtype=torch.bfloat16):.1f} GFLOP/s")
-    rates = [cpu_matmul_gflops(d) for d in (torch.float32, torch.bfloat16)]
+    dtypes = (torch.float32, torch.bfloat16)
+    rates = [matmul_gflops(2048, dtype=d, clock=time.process_time) for d in dtypes]  # CPU clock
     print(
         f"matmul rate per thread, CPU clock (torch.mm 2048²): float32 {rates[0]:.1f}, "
         f"bfloat16 {rates[1]:.1f} GFLOP/s"
