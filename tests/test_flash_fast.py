@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab import _ext, masks
+from attnlab import _ext, attention, masks
 from attnlab.functional import nan_rule
 from attnlab.functional.flash import flash_attention
 from attnlab.functional.flash import plan as flash_plan
@@ -156,6 +156,21 @@ def test_plan_cache_hits_and_invalidation(monkeypatch) -> None:
     assert flash_plan.cached_plan(fn_mask, **kw) is not flash_plan.cached_plan(fn_mask, **kw)
     monkeypatch.setenv(flash_plan.PLAN_CACHE_ENV, "0")
     assert flash_plan.cached_plan(mask, **kw) is not flash_plan.cached_plan(mask, **kw)
+
+
+def test_plan_cache_skips_inference_tensors() -> None:
+    """Inference tensors have no version counter: such a mask is planned every time, and flash
+    runs on it (as in a transformers forward under ``torch.inference_mode``)."""
+    flash_plan.clear_plan_cache()
+    kw = dict(B=1, H=2, L=64, S=64, block_q=16, block_k=16, band_block=16, bias=None)
+    with torch.inference_mode():
+        mask = masks.causal() & masks.document(torch.arange(64) // 16)
+        first = flash_plan.cached_plan(mask, **kw)
+        assert flash_plan.cached_plan(mask, **kw) is not first  # planned again, no error
+        q, k, v = torch.randn(3, 1, 2, 64, 8)
+        out = attention(q, k, v, mask=mask, backend="flash")
+        ref = attention(q, k, v, mask=mask, backend="reference")
+    torch.testing.assert_close(out, ref)
 
 
 def test_plan_cache_is_bounded(monkeypatch) -> None:

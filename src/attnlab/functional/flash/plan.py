@@ -89,7 +89,8 @@ def _mask_key(mask: Mask | None) -> tuple | None:
 
     The structure string of `Mask.spec` plus, for each tensor the mask holds, its identity
     (``id``, version counter, data pointer, shape, stride, dtype, device): an in-place change
-    bumps the version counter, a new tensor is a different object.
+    bumps the version counter, a new tensor is a different object. A mask holding an inference
+    tensor (made under ``torch.inference_mode``: no version counter) is not cacheable.
     """
     if mask is None:
         return ("",)
@@ -98,6 +99,8 @@ def _mask_key(mask: Mask | None) -> tuple | None:
         return None
     parts: list[object] = [spec[0]]
     for t in spec[1]:
+        if t.is_inference():
+            return None
         parts.append(
             (id(t), t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device))
         )
