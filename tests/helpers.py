@@ -6,6 +6,7 @@ and used by every numeric test through this module.
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import attnlab
 from attnlab.testing import (
@@ -76,7 +77,7 @@ class LargestTensor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
+        for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
         return out

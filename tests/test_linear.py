@@ -13,13 +13,11 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import attnlab
 from attnlab.functional import reference
 from attnlab.linear import LinearAttention, LinearAttentionState, linear_attention
-from helpers import FIXED_TABLE, check_against_reference, fwd_bwd, seeded
+from helpers import FIXED_TABLE, LargestTensor, check_against_reference, fwd_bwd, seeded
 from nan_rule_linear import check_nan_rule, expected_finite, keep_matrix, planted
 
 F64 = torch.float64
@@ -341,21 +339,6 @@ def test_f2_fp16_accumulates_in_fp32_and_stays_finite_up_to_1e3(causal, feature_
 
 
 # ------------------------------------------------------------------------ O(L) memory, structure
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any op produces (forward and backward)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 def largest_tensor(fn, inputs) -> int:

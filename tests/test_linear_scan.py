@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import attnlab.functional.linear as lin
 from attnlab.functional import reference
 from attnlab.linear import favor_attention, favor_projection, linear_attention
-from helpers import FIXED_TABLE, fwd_bwd, seeded
+from helpers import FIXED_TABLE, LargestTensor, fwd_bwd, seeded
 from nan_rule_linear import check_nan_rule, keep_matrix, planted
 
 F64 = torch.float64
@@ -196,21 +194,6 @@ def test_nan_query_of_rows_whose_keys_are_all_padding_gives_zeros(blocks):
 
 
 # ------------------------------------------------------------------------ sizes of intermediates
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any op produces (forward and backward)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 @pytest.mark.parametrize("S", [1024, 1500])
