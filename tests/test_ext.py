@@ -61,6 +61,7 @@ def _both(monkeypatch: pytest.MonkeyPatch, fn):
 
 
 MASKS = {
+    "none": lambda B, S: None,  # prefill without a mask: sdpa_prefix before `_sliced`
     "causal": lambda B, S: masks.causal(),
     "causal&padding": lambda B, S: masks.causal() & masks.padding([S - 3 * b for b in range(B)]),
 }
@@ -88,7 +89,14 @@ def test_sdpa_prefix_bit_equal_to_tensor_ops(ext, monkeypatch, dtype, mask) -> N
             off, on = _both(
                 monkeypatch, lambda q=q, k=k, v=v, m=m: attnlab.attention(q, k, v, mask=m)
             )
-            assert _same(off, on), (B, H, H_kv, L, S, D, Dv, planted)
+            if m is None:
+                # the fallback is `_unmasked` (the kernel on the raw inputs: a planted ±inf in v
+                # may come out ±inf where the operator writes NaN; the rule allows either), so
+                # the same non-finite positions and bit-equal finite values
+                fin = torch.isfinite(on)
+                assert torch.equal(torch.isfinite(off), fin) and _same(off[fin], on[fin])
+            else:
+                assert _same(off, on), (B, H, H_kv, L, S, D, Dv, planted)
             ref = attnlab.attention(q.double(), k.double(), v.double(), mask=m, backend="reference")
             assert torch.equal(torch.isfinite(on), torch.isfinite(ref))
 

@@ -10,7 +10,9 @@
 //   attnlab_nan::sdpa_prefix(q, k, v, attn_mask?, hi, scale, is_causal, enable_gqa, clean_k)
 //       -> out: at::scaled_dot_product_attention on (q, k', v') with v' = nan_to_num(v) and
 //       k' = nan_to_num(k) (if clean_k) when they hold a non-finite entry (else the inputs
-//       themselves: no copy), then poison_prefix_.
+//       themselves: no copy), then poison_prefix_. The kernel runs on the inputs first and the
+//       scan after it (the inputs still cached); only a call that needs a cleaned copy runs
+//       the kernel a second time.
 //   attnlab_nan::decode_attend(q, k, v, scale) -> out: the decode backend's unmasked step
 //       (attnlab/functional/decode.py `_attend`) as the same ATen calls in the same order, so
 //       bit-equal to it, without a Python round trip per call.
@@ -40,6 +42,24 @@ using attnlab_bits::Bits;
 template <typename T>
 inline bool row_bad(const T* p, int64_t n) {
   return attnlab_bits::span_bad(p, n);
+}
+
+// The first of `rows` rows (n values each, `stride` apart) holding a non-finite value, or
+// `rows`. Contiguous rows are checked in blocks of 32 rows as one straight span (the common,
+// all-finite case is one vectorised pass), and only a bad block is searched row by row.
+template <typename T>
+int64_t first_bad_row(const T* p, int64_t rows, int64_t stride, int64_t n) {
+  constexpr int64_t kBlock = 32;
+  int64_t s = 0;
+  if (stride == n) {
+    for (; s + kBlock <= rows; s += kBlock) {
+      if (row_bad(p + s * stride, kBlock * n)) break;
+    }
+  }
+  for (; s < rows; ++s) {
+    if (row_bad(p + s * stride, n)) return s;
+  }
+  return rows;
 }
 
 template <typename T>
@@ -84,13 +104,7 @@ Scan scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hk, h = bh % Hk;
       const T* kb = kp + b * ks[0] + h * ks[1];
-      int64_t fk = S;
-      for (int64_t s = 0; s < S; ++s) {
-        if (row_bad(kb + s * ks[2], D)) {
-          fk = s;
-          break;
-        }
-      }
+      const int64_t fk = first_bad_row(kb, S, ks[2], D);
       r.first_k[bh] = fk;
       const T* vb = vp + b * vs[0] + h * vs[1];
       int64_t* first = r.first.data() + bh * Dv;
@@ -98,8 +112,9 @@ Scan scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
       // past it can lower `first` below fk)
       int64_t found = 0;
       for (int64_t s = 0; s < fk && found < Dv; ++s) {
+        s += first_bad_row(vb + s * vs[2], fk - s, vs[2], Dv);  // the next bad row, or fk
+        if (s >= fk) break;
         const T* row = vb + s * vs[2];
-        if (!row_bad(row, Dv)) continue;
         vbad[bh] = 1;
         for (int64_t d = 0; d < Dv; ++d) {
           if (first[d] == S && is_bad(row + d)) {
@@ -111,12 +126,7 @@ Scan scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
       if (fk < S && !vbad[bh]) {
         // v beyond the first bad key is not needed for `first`, but sdpa_prefix must know
         // whether v needs cleaning at all
-        for (int64_t s = fk; s < S; ++s) {
-          if (row_bad(vb + s * vs[2], Dv)) {
-            vbad[bh] = 1;
-            break;
-          }
-        }
+        if (first_bad_row(vb + fk * vs[2], S - fk, vs[2], Dv) < S - fk) vbad[bh] = 1;
       }
       int64_t mn = fk;
       for (int64_t d = 0; d < Dv; ++d) {
@@ -130,7 +140,10 @@ Scan scan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       const T* qb = qp + b * qs[0] + h * qs[1];
-      for (int64_t i = 0; i < L; ++i) r.q_bad[bh * L + i] = row_bad(qb + i * qs[2], D) ? 1 : 0;
+      for (int64_t i = first_bad_row(qb, L, qs[2], D); i < L;
+           i += 1 + first_bad_row(qb + (i + 1) * qs[2], L - i - 1, qs[2], D)) {
+        r.q_bad[bh * L + i] = 1;  // (the rest stay 0 from assign)
+      }
     }
   });
   for (int64_t bh = 0; bh < B * Hk; ++bh) {
@@ -249,11 +262,18 @@ at::Tensor sdpa_prefix(const at::Tensor& q_, const at::Tensor& k_, const at::Ten
   check_inputs(q, k, v, hi);
   at::Tensor out;
   ATTNLAB_DISPATCH(q.scalar_type(), "sdpa_prefix", {
-    const Scan r = scan<scalar_t>(q, k, v);
-    const at::Tensor kk = (clean_k && r.k_any) ? at::nan_to_num(k, 0.0, 0.0, 0.0) : k;
-    const at::Tensor vv = r.v_any ? at::nan_to_num(v, 0.0, 0.0, 0.0) : v;
-    out = at::scaled_dot_product_attention(q, kk, vv, attn_mask, 0.0, is_causal, scale,
+    // The kernel first, on the inputs themselves, and the scan after it, while q, k and v are
+    // still in cache from the kernel's own reads; in the rare call whose k (when cleaned) or v
+    // holds a non-finite entry the kernel runs again on the cleaned copies.
+    out = at::scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale,
                                            enable_gqa);
+    const Scan r = scan<scalar_t>(q, k, v);
+    if ((clean_k && r.k_any) || r.v_any) {
+      const at::Tensor kk = (clean_k && r.k_any) ? at::nan_to_num(k, 0.0, 0.0, 0.0) : k;
+      const at::Tensor vv = r.v_any ? at::nan_to_num(v, 0.0, 0.0, 0.0) : v;
+      out = at::scaled_dot_product_attention(q, kk, vv, attn_mask, 0.0, is_causal, scale,
+                                             enable_gqa);
+    }
     check_out(out, q, v);
     if (q.numel() != 0 && k.size(2) != 0 && out.numel() != 0) {
       poison_impl<scalar_t>(out, q, k, v, hi, c10::nullopt, r);

@@ -140,8 +140,14 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
     fused_causal = (
         is_causal and req.q.device.type == "cpu" and req.dims.Dv == req.dims.D and not req.dropout_p
     )
-    fast = _sliced(req)
+    # Whole-key calls with several query rows (prefill, no mask) go to the C++ scan first: one
+    # read of q, k, v and the output left alone, where `_unmasked` reads q, k and the output
+    # and writes the output again. Decoding (one row) and padding prefixes keep `_sliced`.
+    ext_first = req.mask is None and req.dims.L > 1
+    fast = _prefix_ext(req, is_causal, clean_k=not fused_causal) if ext_first else None
     if fast is None:
+        fast = _sliced(req)
+    if fast is None and not ext_first:
         fast = _prefix_ext(req, is_causal, clean_k=not fused_causal)
     if fast is not None:
         return fast, None
