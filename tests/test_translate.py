@@ -147,6 +147,19 @@ def test_task_arguments_are_checked() -> None:
         NumberTask(max_digits=2, held_out=80)
 
 
+def test_language_weights_set_how_often_each_language_is_drawn() -> None:
+    task = NumberTask(max_digits=6, held_out=10)
+    plain = task.training_examples(3000, seed=1)
+    heavy = task.training_examples(3000, seed=1, weights={"fr": 3.0})
+    share = [sum(e.lang == "fr" for e in ex) / len(ex) for ex in (plain, heavy)]
+    assert abs(share[0] - 0.5) < 0.04 and abs(share[1] - 0.75) < 0.04
+    assert [e.number for e in plain] == [e.number for e in heavy]  # the same numbers
+    assert task.language_weights({"de": 0.5}) == [0.5, 1.0]
+    for bad, needle in (({"es": 1.0}, "es"), ({"fr": 0.0}, "fr"), ({"de": float("nan")}, "de")):
+        with pytest.raises(ValueError, match=needle):
+            task.training_examples(10, seed=0, weights=bad)
+
+
 # ------------------------------------------------------------------------------------ a tiny run
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory):
@@ -258,6 +271,9 @@ def test_train_translate_errors_are_one_line(tmp_path, capsys) -> None:
         (["--langs", "de,es"], "--langs"),
         (["--heads", "3"], "--heads"),
         (["--arch", "lstm"], "--arch"),
+        (["--lang-weights", "fr=0"], "--lang-weights"),
+        (["--lang-weights", "es=2"], "--lang-weights"),
+        (["--lang-weights", "fr"], "--lang-weights"),
     ):
         assert main(["train", "translate", "--out", str(tmp_path), *args]) == 2
         err = capsys.readouterr().err

@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -287,11 +287,35 @@ class NumberTask:
             out.append(Example(n, lang, v.encode_source(en, lang), v.encode_target(tgt)))
         return out
 
-    def training_examples(self, count: int, seed: int) -> list[Example]:
-        """``count`` seeded training examples, target languages alternating by a seeded draw."""
+    def training_examples(
+        self, count: int, seed: int, weights: Mapping[str, float] | None = None
+    ) -> list[Example]:
+        """``count`` seeded training examples; each one's target language is a seeded draw.
+
+        Args:
+            count: examples. seed: the training seed.
+            weights: relative frequency per target language (missing ones: 1.0; None: uniform),
+                e.g. ``{"fr": 2.0}`` draws French twice as often as German.
+        """
+        w = self.language_weights(weights)
         rng = random.Random(f"numbers-langs-{self.seed}-{seed}")
         numbers = self.training_numbers(count, seed)
-        return self.examples(numbers, [rng.choice(self.langs) for _ in numbers])
+        return self.examples(numbers, rng.choices(self.langs, weights=w, k=len(numbers)))
+
+    def language_weights(self, weights: Mapping[str, float] | None) -> list[float]:
+        """``weights`` checked and listed in the order of `langs` (missing languages: 1.0)."""
+        if weights is None:
+            return [1.0] * len(self.langs)
+        unknown = sorted(set(weights) - set(self.langs))
+        if unknown:
+            raise ValueError(f"weights names languages {unknown} outside langs {list(self.langs)}")
+        out = []
+        for lang in self.langs:
+            x = weights.get(lang, 1.0)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x < float("inf"):
+                raise ValueError(f"weights[{lang!r}] must be a positive finite number, got {x!r}")
+            out.append(float(x))
+        return out
 
     def held_out_examples(self, lang: str) -> list[Example]:
         """Every held-out number in ``lang``."""

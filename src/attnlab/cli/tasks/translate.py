@@ -112,6 +112,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--langs", default="de,fr", help="target languages, comma-separated (default %(default)s)"
     )
     p.add_argument(
+        "--lang-weights",
+        default="fr=2",
+        help="how often each target language is drawn for training, relative, as LANG=W pairs "
+        "(missing languages: 1; default %(default)s: French, the harder direction, twice as "
+        "often as German)",
+    )
+    p.add_argument(
         "--precision", choices=("fp32", "bf16"), default="bf16", help="(default %(default)s)"
     )
     p.add_argument(
@@ -136,6 +143,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _lang_weights(text: str, langs: tuple[str, ...]) -> dict[str, float]:
+    """``"fr=2,de=1"`` -> ``{"fr": 2.0, "de": 1.0}`` (known languages outside ``langs`` are
+    dropped, so the default works with ``--langs de``; unknown names are refused)."""
+    from ...data.numbers import TARGET_LANGS
+
+    out: dict[str, float] = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        lang, sep, value = item.partition("=")
+        try:
+            w = float(value)
+        except ValueError:
+            w = float("nan")
+        if not sep or lang.strip() not in TARGET_LANGS or not 0 < w < float("inf"):
+            raise UsageError(
+                "--lang-weights",
+                f"must be LANG=W pairs, LANG in {list(TARGET_LANGS)}, W > 0 (e.g. fr=2), "
+                f"got {text!r}",
+            )
+        if lang.strip() in langs:
+            out[lang.strip()] = w
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from ...apps.loop import FitSettings
     from ...apps.translate import ARCHITECTURES, TranslateSettings, train_translate
@@ -148,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             "--langs", f"must be distinct names from {list(TARGET_LANGS)}, got {args.langs!r}"
         )
+    weights = _lang_weights(args.lang_weights, langs)
     if args.d_model % args.heads:
         raise UsageError("--heads", f"must divide --d-model={args.d_model}, got {args.heads}")
     if args.held_out > (10**args.max_digits) // 4:
@@ -193,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         fit=fit,
         threads=args.threads,
         pieces=args.pieces,
+        lang_weights=weights,
     )
     result = train_translate(out, s, progress=not args.quiet)
     m = result.metrics
