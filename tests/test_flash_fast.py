@@ -284,3 +284,31 @@ def test_band_block_override(monkeypatch) -> None:
         ValueError, match=r"ATTNLAB_FLASH_BAND_BLOCK must be a positive int, got '-3'"
     ):
         flash_attention(q, k, v, mask=mask)
+
+
+def test_a_mask_made_of_blocks_tiles_by_its_own_block(monkeypatch) -> None:
+    """BigBird (alone or combined) tiles by its block size, so no tile is partial; the result
+    is the reference's, forward and backward, and fp32 equals the 128-tile plan's."""
+    from attnlab.functional.flash import flash_job
+    from attnlab.functional.validate import plain_request
+
+    assert masks.causal().natural_block() is None
+    bb = masks.bigbird(64, 3, 1, 2)
+    assert bb.natural_block() == 64 and (masks.causal() & bb).natural_block() == 64
+    assert (bb | masks.bigbird(32, 3, 1, 1)).natural_block() is None  # two block sizes
+    assert flash_plan.natural_tile(masks.bigbird(16, 3, 1, 1)) is None  # outside NATURAL_TILE
+    q, k, v = qkv(448, torch.float32)
+    for mask in (bb, masks.causal() & bb):
+        req = plain_request(q, k, v, mask=mask, bias=None, scale=None, temperature=1.0, score="dot")
+        plan = flash_job(req).plan
+        assert (plan.block_q, plan.block_k) == (64, 64)
+        if mask is bb:  # every tile fully attended or empty: no mask inside a call
+            assert all(c.kind == "full" for g in plan.groups for c in g.calls)
+        check_against_reference(call_backend("flash", mask), reference_for(mask, None), [q, k, v])
+        natural = flash_attention(q, k, v, mask=mask)
+        monkeypatch.setattr(flash_plan, "NATURAL_TILE", (1, 0))
+        flash_plan.clear_plan_cache()
+        assert flash_job(req).plan.block_q == flash_plan.BLOCK_Q
+        torch.testing.assert_close(flash_attention(q, k, v, mask=mask), natural)
+        monkeypatch.undo()
+        flash_plan.clear_plan_cache()

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attnlab import attention as M_attention
 from attnlab import masks as M
 from attnlab.masks import EMPTY, FULL, PARTIAL, Mask
 from attnlab.masks import base as masks_base
@@ -1093,3 +1094,37 @@ def test_property_counts_equal_dense(case, heads):
     if mask.num_heads in (None, 1):
         assert mask.attended_pairs(L, S, heads=heads) == int(expand_bh(d, B, heads).sum())
     assert torch.equal(declared(mask, dense(~mask, L, S)), ~d)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        M.causal(),  # bottom-right when L != S
+        M.bigbird(16, 3, 1, 2, seed=3),  # its random blocks drawn before Flex's vmap
+        M.causal() & M.document.from_lengths([50, 40, 70]),
+        M.sliding_window(24) | M.strided(8),
+    ],
+)
+def test_mask_mod_runs_the_same_mask_on_flex_attention(mask) -> None:
+    """`Mask.mask_mod` -> FlexAttention's create_block_mask gives the reference's output."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    L, S = 144, 160
+    if "document" in repr(mask):  # documents need L == S
+        L = S
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, L, 16, generator=g)
+    k, v = (torch.randn(1, 2, S, 16, generator=g) for _ in range(2))
+    block = flex.create_block_mask(mask.mask_mod(L, S), None, None, L, S, device="cpu")
+    want = M_attention(q, k, v, mask=mask, backend="reference")
+    dense = mask.to_dense(L, S)
+    got = flex.flex_attention(q, k, v, block_mask=block)
+    rows = dense.any(-1, keepdim=True)  # Flex leaves rows that attend nothing at 0 too
+    torch.testing.assert_close(torch.where(rows, got, 0.0), want, atol=2e-6, rtol=2e-6)
+    mod = mask.mask_mod(L, S)
+    i, j = torch.arange(L).view(L, 1), torch.arange(S).view(1, S)
+    assert torch.equal(mod(torch.tensor(0), torch.tensor(0), i, j).expand(L, S), dense[0, 0])
+
+
+def test_mask_mod_refuses_a_mask_that_needs_4d_grids() -> None:
+    with pytest.raises(ValueError, match=r"mask_mod: .*padding.* 0-d"):
+        (M.causal() & M.padding([20])).mask_mod(32, 32)

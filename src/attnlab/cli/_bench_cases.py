@@ -20,6 +20,8 @@ import torch
 from ..testing import FIXED_TABLE
 from ..utils import Progress, best_times
 
+#: ``masks.bigbird`` arguments of the bigbird case: block size, window, global, random blocks.
+BIGBIRD = (64, 3, 2, 3)
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -358,6 +360,80 @@ def case_causal(args, report: Report, progress: Progress) -> None:
         report.rows.append(Row(label + " fwd+bwd", name, t, 3.5 * useful / t, dtype=name_dt))
 
 
+def _masked_case(
+    args, report: Report, progress: Progress, label: str, mask, L: int, recipe: str
+) -> None:
+    """flash against SDPA with the dense mask and compiled Flex (the mask's own `mask_mod`),
+    forward (with max|Δ|) and forward + backward (Flex has no CPU backward), then flash's peak
+    memory for one forward + backward in a subprocess (`memory_row`)."""
+    from ..functional import attention
+
+    B, H, D = args.batch, args.heads, args.dim
+    dt, name_dt, clock = args.run_dtype, dtype_name(args.run_dtype), CLOCKS[args.clock]
+    q, k, v, dout = _inputs(args, L)
+    useful = 4 * mask.attended_pairs(L, L) * B * H * D / 1e9
+
+    def flash(q, k, v):
+        return attention(q, k, v, mask=mask, backend="flash")
+
+    dense = mask.to_dense(L, L, device=args.device)
+
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+
+    fwd = {"flash": _no_grad(flash, q, k, v), "sdpa dense mask": _no_grad(sdpa, q, k, v)}
+    notes: dict[str, str] = {}
+    if not args.no_flex:
+        flex, why = _flex(L, L, mask.mask_mod(L, L), B, H, D, dt, args.device)
+        if flex is not None:
+            fwd["flex (compiled, BlockMask)"] = _no_grad(flex, q, k, v)
+        else:
+            notes["flex (compiled, BlockMask)"] = why
+    outs = {name: fn() for name, fn in fwd.items()}
+    tol = tolerance(dt, outs["flash"])
+    for name, t in interleaved(
+        fwd, args.repeats, progress, label + " fwd", args.device, clock
+    ).items():
+        err = _err(outs[name], outs["flash"]) if name != "flash" else None
+        report.rows.append(
+            Row(label + " fwd", name, t, useful / t, "", err, name_dt, tol if err else None)
+        )
+    for name, why in notes.items():
+        report.rows.append(Row(label + " fwd", name, None, note=why, dtype=name_dt))
+    if args.no_backward:
+        return
+    bwd = {
+        "flash": _fwd_bwd(flash, q, k, v, dout),
+        "sdpa dense mask": _fwd_bwd(sdpa, q, k, v, dout),
+    }
+    for name, t in interleaved(
+        bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd", args.device, clock
+    ).items():
+        report.rows.append(Row(label + " fwd+bwd", name, t, 3.5 * useful / t, dtype=name_dt))
+    memory_row(args, report, progress, f"memory {label} fwd+bwd", recipe, L)
+
+
+def case_documents(args, report: Report, progress: Progress) -> None:
+    """Packed documents: ``causal() & document.from_lengths([doc] * (L // doc))``."""
+    from .. import masks
+
+    L, doc = args.documents_length, args.doc_length
+    if L % doc:
+        raise ValueError(f"--documents-length must be a multiple of --doc-length={doc}, got {L}")
+    mask = masks.causal() & masks.document.from_lengths([doc] * (L // doc))
+    label = f"documents {L // doc}×{doc} causal L={L}"
+    _masked_case(args, report, progress, label, mask, L, f"documents:{doc}")
+
+
+def case_bigbird(args, report: Report, progress: Progress) -> None:
+    """BigBird (`BIGBIRD`): blocks of 64, a window of 3 blocks, 2 global, 3 random per row."""
+    from .. import masks
+
+    L = args.bigbird_length
+    mask = masks.bigbird(*BIGBIRD)
+    _masked_case(args, report, progress, f"bigbird 64/3/2/3 L={L}", mask, L, "bigbird")
+
+
 def case_alibi(args, report: Report, progress: Progress) -> None:
     from .. import masks
     from ..functional import attention
@@ -438,15 +514,47 @@ def case_alibi(args, report: Report, progress: Progress) -> None:
                 tol if other else None,
             )
         )
+    if not args.no_backward:
+        q, k, v, dout = (*(t.detach() for t in (q, k, v)), torch.randn_like(q))
+
+        def flash_bwd():
+            x = [t.detach().requires_grad_(True) for t in (q, k, v)]
+            attention(*x, mask=mask, bias=alibi, backend="flash").backward(dout)
+
+        def sdpa_bwd():
+            x = [t.detach().requires_grad_(True) for t in (q, k, v)]
+            out = torch.nn.functional.scaled_dot_product_attention(*x, attn_mask=holder["bias"])
+            out.backward(dout)
+
+        bwd = {"flash": flash_bwd, "sdpa (bias prebuilt)": sdpa_bwd}
+        for name, t in interleaved(
+            bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd", args.device, clock
+        ).items():
+            report.rows.append(Row(label + " fwd+bwd", name, t, 3.5 * useful / t, dtype=name_dt))
     holder.clear()
+    if not args.no_backward:
+        memory_row(args, report, progress, f"memory {label} fwd+bwd", "alibi", L)
 
 
 MEMORY_SCRIPT = r"""
-import json, resource, sys, time, torch, attnlab
+import json, sys, time, torch, attnlab
 from attnlab import masks
+from attnlab.positional import ALiBi
 B, H, L, D, threads = (int(x) for x in sys.argv[1:6])
 dtype = getattr(torch, sys.argv[6])
 clock = time.process_time if sys.argv[7] == "cpu" else time.perf_counter
+kind, _, arg = sys.argv[8].partition(":")
+bias = None
+if kind == "causal":
+    mask = masks.causal()
+elif kind == "documents":
+    mask = masks.causal() & masks.document.from_lengths([int(arg)] * (L // int(arg)))
+elif kind == "bigbird":
+    mask = masks.bigbird(*(int(x) for x in sys.argv[9].split(",")))
+elif kind == "alibi":
+    mask, bias = masks.causal(), ALiBi(H)
+else:
+    raise SystemExit(f"unknown mask recipe {sys.argv[8]!r}")
 if threads:
     torch.set_num_threads(threads)
 q, k, v = (torch.randn(B, H, L, D).to(dtype).requires_grad_(True) for _ in range(3))
@@ -458,31 +566,30 @@ open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the c
 peak = lambda: status_mb("VmHWM")
 base = status_mb("VmRSS")  # with the inputs allocated: growth = what attention itself adds
 t = clock()
-out = attnlab.attention(q, k, v, mask=masks.causal(), backend="flash")
+out = attnlab.attention(q, k, v, mask=mask, bias=bias, backend="flash")
 t_fwd = clock() - t
 out.backward(dout)
 total = clock() - t
 print(json.dumps({"growth_mb": peak() - base, "fwd_s": t_fwd, "fwd_bwd_s": total,
-                  "finite": bool(torch.isfinite(q.grad).all())}))
+                  "finite": bool(torch.isfinite(q.grad).all()),
+                  "pairs": mask.attended_pairs(L, L)}))
 """
 
 
-def case_memory(args, report: Report, progress: Progress) -> None:
-    B, H, D, L = args.batch, args.heads, args.dim, args.memory_length
+def memory_row(args, report: Report, progress: Progress, label: str, recipe: str, L: int) -> None:
+    """flash's peak RSS growth (and time) for one forward + backward at length ``L`` in a fresh
+    subprocess, the mask given by ``recipe`` (``causal``, ``documents:DOC``, ``bigbird``,
+    ``alibi``: causal with ALiBi's bias); the row is ``memory LABEL fwd+bwd``."""
+    B, H, D = args.batch, args.heads, args.dim
     name_dt = dtype_name(args.run_dtype)
-    label = f"memory causal fwd+bwd L={L}"
     if torch.device(args.device).type != "cpu":
         note = f"skipped: measures the host's peak RSS (cpu only), not {args.device}"
         report.rows.append(Row(label, "flash", None, note=note, dtype=name_dt))
         return
-    progress.step(f"memory: causal fwd+bwd L={L} {name_dt} (subprocess)")
+    progress.step(f"{label} {name_dt} (subprocess)")
+    argv = (B, H, L, D, args.threads or 0, name_dt, args.clock, recipe, ",".join(map(str, BIGBIRD)))
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            MEMORY_SCRIPT,
-            *(str(x) for x in (B, H, L, D, args.threads or 0, name_dt, args.clock)),
-        ],
+        [sys.executable, "-c", MEMORY_SCRIPT, *(str(x) for x in argv)],
         capture_output=True,
         text=True,
     )
@@ -491,7 +598,7 @@ def case_memory(args, report: Report, progress: Progress) -> None:
         report.rows.append(Row(label, "flash", None, note=note, dtype=name_dt))
         return
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    useful = 4 * (L * (L + 1) // 2) * B * H * D / 1e9
+    useful = 4 * res["pairs"] * B * H * D / 1e9
     lxs = args.run_dtype.itemsize * B * H * L * L / 1e9
     report.rows.append(
         Row(
@@ -500,7 +607,13 @@ def case_memory(args, report: Report, progress: Progress) -> None:
             res["fwd_bwd_s"],
             3.5 * useful / res["fwd_bwd_s"],
             note=f"peak RSS growth {res['growth_mb'] / 1024:.2f} GB "
-            f"(one {SHORT.get(name_dt, name_dt)} L×S score tensor: {lxs:.0f} GB)",
+            f"(one {SHORT.get(name_dt, name_dt)} L×S score tensor: {lxs:.1f} GB)",
             dtype=name_dt,
         )
     )
+
+
+def case_memory(args, report: Report, progress: Progress) -> None:
+    """flash's peak memory for one causal forward + backward at ``--memory-length``."""
+    L = args.memory_length
+    memory_row(args, report, progress, f"memory causal fwd+bwd L={L}", "causal", L)

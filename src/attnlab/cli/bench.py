@@ -20,8 +20,13 @@ Cases (B=1, H=8, D=64):
   matrices fit in memory), and the kernel bound: one SDPA call on the (block, block+window−1)
   tiles flash's band forward uses, batched (a target is beyond the machine only with it);
 - ``causal``: dense causal at L=8192 — flash vs sdpa ``is_causal=True``;
+- ``documents``: packed documents, ``causal() & document.from_lengths([2048] * 8)`` at L=16384 —
+  flash vs sdpa with the dense mask and compiled FlexAttention (the mask's own
+  `Mask.mask_mod`), forward and forward + backward, and flash's peak memory (subprocess);
+- ``bigbird``: BigBird (blocks of 64, window 3, 2 global, 3 random) at L=16384 — the same
+  contenders and memory row;
 - ``alibi``: ALiBi + causal at L=16384 — flash (one relative-bias tile per window offset) vs sdpa
-  with the materialised bias;
+  with the materialised bias, forward and forward + backward, and flash's peak memory;
 - ``memory``: forward + backward of causal attention at L=65536, peak RSS growth (subprocess).
 
 Optional dependencies are imported where used: tqdm (progress, ``cli`` extra), matplotlib
@@ -39,7 +44,13 @@ import torch
 
 from ..functional.thresholds import cpu_info
 from ..utils import Progress, text_table
-from ._args import add_device_argument, check_output_file, nonnegative_float, positive_int
+from ._args import (
+    UsageError,
+    add_device_argument,
+    check_output_file,
+    nonnegative_float,
+    positive_int,
+)
 from ._bench_cases import (  # noqa: F401  (re-exported: the measuring pieces live there)
     CLOCKS,
     DTYPES,
@@ -47,20 +58,24 @@ from ._bench_cases import (  # noqa: F401  (re-exported: the measuring pieces li
     Report,
     Row,
     case_alibi,
+    case_bigbird,
     case_causal,
+    case_documents,
     case_memory,
     case_window,
     interleaved,
     matmul_rate,
 )
 
-CASES = ("window", "causal", "alibi", "memory")
+CASES = ("window", "causal", "documents", "bigbird", "alibi", "memory")
 #: File types ``--plot`` can write (matplotlib's raster and vector formats).
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 #: Sequence length of each case (``--window-length`` etc.); ``--quick`` divides the ones not given.
 LENGTHS = {
     "window_length": 16384,
     "causal_length": 8192,
+    "documents_length": 16384,
+    "bigbird_length": 16384,
     "alibi_length": 16384,
     "memory_length": 65536,
 }
@@ -162,6 +177,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
             help=f"default {default} ({default // 8} with --quick)",
         )
     p.add_argument(
+        "--doc-length",
+        type=positive_int,
+        default=None,
+        help="tokens per packed document in the documents case (default 2048, 256 with --quick)",
+    )
+    p.add_argument(
         "--max-bias-gb",
         type=nonnegative_float,
         default=10.0,
@@ -227,9 +248,18 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     report.info["cpu"] = f"{model}; {matrix_units(flags)}"
     report.info["command"] = "attnlab bench " + " ".join(sys.argv[2:])
+    if args.doc_length is None:
+        args.doc_length = 256 if args.quick else 2048
+    if args.documents_length % args.doc_length:
+        raise UsageError(
+            "--documents-length",
+            f"must be a multiple of --doc-length={args.doc_length}, got {args.documents_length}",
+        )
     runners = {
         "window": case_window,
         "causal": case_causal,
+        "documents": case_documents,
+        "bigbird": case_bigbird,
         "alibi": case_alibi,
         "memory": case_memory,
     }

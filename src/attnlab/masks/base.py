@@ -93,6 +93,37 @@ class Mask:
         """
         return self._mod(b, h, align(i, L, S), j, S)
 
+    def mask_mod(self, L: int, S: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+        """The mask as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` for an L × S call.
+
+        Pass it to ``torch.nn.attention.flex_attention.create_block_mask(mod, B, H, L, S)`` to
+        run the same mask on FlexAttention (bottom-right alignment included). Tables a mask draws
+        lazily (BigBird's random blocks) are drawn here, outside Flex's vmap.
+
+        Example:
+            >>> from torch.nn.attention.flex_attention import create_block_mask
+            >>> m = masks.causal() & masks.document.from_lengths([300, 212])
+            >>> block = create_block_mask(m.mask_mod(512, 512), None, None, 512, 512)
+        """
+        _check_lengths(L, S)
+        zero = torch.zeros((), dtype=torch.long)
+        try:  # Flex calls it on 0-d indices; this also builds lazily drawn tables now
+            probe = self._eval(zero, zero, zero, zero, L, S)
+        except ValueError as e:
+            probe, why = None, str(e)
+        if probe is None or probe.dim() != 0:
+            shape = "an error" if probe is None else f"shape {tuple(probe.shape)}"
+            raise ValueError(
+                f"mask_mod: {self!r} is not a mask_mod: on 0-d indices (FlexAttention's "
+                f"protocol) it gives {shape}, expected a 0-d bool tensor"
+                + ("" if probe is not None else f" ({why})")
+            )
+
+        def mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return self._eval(b, h, q_idx, kv_idx, L, S)
+
+        return mod
+
     @staticmethod
     def positions(L: int, S: int, *, device: torch.device | str | None = None) -> Tensor:
         """Aligned key position of every query row, ``p = r + S − L``: int64 ``(L,)``."""
@@ -117,6 +148,15 @@ class Mask:
             return None
         d = torch.arange(-(S - 1), L, device=device).double()
         return (d >= band[0]) & (d <= band[1])
+
+    def natural_block(self) -> int | None:
+        """The block size the mask is made of (BigBird's blocks), or None.
+
+        A mask constant on ``block × block`` cells of aligned positions says so here; the tiled
+        backend then uses that tile size, so that every tile is either fully attended or empty
+        (no mask evaluated inside a tile).
+        """
+        return None
 
     def key_interval(
         self, L: int, S: int, *, device: torch.device | str | None = None
@@ -492,6 +532,12 @@ class _Combined(Mask):
         if a is None or b is None:
             return None
         return f"({a[0]}{self.op}{b[0]})", [*a[1], *b[1]]
+
+    def natural_block(self):
+        # one operand's blocks (the other's edges cut tiles wherever they fall), unless both
+        # have blocks of different sizes
+        a, b = self.a.natural_block(), self.b.natural_block()
+        return a if b is None or b == a else b if a is None else None
 
     def band(self):
         if self.op != "&":

@@ -346,6 +346,9 @@ class BigBirdMask(Mask):
             keep = keep | (table[qb.clamp(min=0), kb] & valid)
         return keep
 
+    def natural_block(self) -> int:
+        return self.block_size
+
     def _mod(self, b, h, p, j, S):
         block = _cap(self.block_size)
         qb = torch.div(p, block, rounding_mode="floor")

@@ -52,6 +52,11 @@ def band_block_fwd() -> int:
     return int(raw)
 
 
+# A mask made of blocks (BigBird) tiles by its own block size within this range: BigBird with
+# blocks of 64 at L = 4096 (window 3, 2 global, 3 random; 2 threads, AMD EPYC, best of 3) ran fwd
+# 0.161 -> 0.084 s and fwd+bwd 0.469 -> 0.314 s in fp32, 0.155 -> 0.050 / 0.437 -> 0.190 s in
+# bf16 on 64-tiles instead of 128 (every tile full or empty: no mask inside a tile).
+NATURAL_TILE = (32, 256)
 # Tile size with a bias (measured: 256 beats 128 for ALiBi), and for float64 (see `flash_job`).
 BLOCK_BIAS = 256
 BLOCK_64 = 2048
@@ -169,6 +174,14 @@ def split_mask_bias(
     return m, fn, tensors
 
 
+def natural_tile(mask: Mask | None) -> int | None:
+    """The mask's own block size (`Mask.natural_block`) as the tile size, when it lies within
+    ``NATURAL_TILE`` (inclusive): every tile is then fully attended or empty. None otherwise."""
+    block = None if mask is None else mask.natural_block()
+    lo, hi = NATURAL_TILE
+    return block if block is not None and lo <= block <= hi else None
+
+
 def _check_block(name: str, val: object) -> int:
     if isinstance(val, bool) or not isinstance(val, int) or val < 1:
         raise ValueError(f"{name} must be a positive int, got {val!r}")
@@ -187,8 +200,9 @@ def flash_job(
 
     Args:
         req: the validated request.
-        block_q, block_k: tile size of the block map (default 128 × 128, 256 × 256 with a bias,
-            1024 keys for a relative bias alone, 2048 × 2048 in float64).
+        block_q, block_k: tile size of the block map (default 128 × 128; a mask made of
+            blocks, `Mask.natural_block` within `NATURAL_TILE`, its own block; 256 × 256 with a
+            bias, 1024 keys for a relative bias alone, 2048 × 2048 in float64).
         band_block: query block of batched band calls (default 32 forward, 64 backward; 64
             both ways on the torch engine).
         engine: ``"kernel"`` or ``"torch"`` (default: kernel on CPU below float64, and torch
@@ -204,8 +218,13 @@ def flash_job(
     # with a bias every tile carries an additive tile: larger tiles mean fewer, fuller calls
     biased = fn is not None or bool(tensors)
     bq = (BLOCK_64 if wide else BLOCK_BIAS if biased else BLOCK_Q) if block_q is None else block_q
+    natural = natural_tile(mask) if not (wide or biased) else None
+    if natural is not None and block_q is None:
+        bq = natural
     if block_k is not None:
         bk = block_k
+    elif natural is not None:
+        bk = natural
     elif wide:
         bk = BLOCK_64
     elif fn is not None and is_relative_bias(fn) and not tensors:
@@ -319,6 +338,7 @@ __all__ = [
     "BLOCK_Q",
     "LOW_PRECISION",
     "LOW_PRECISION_ENV",
+    "NATURAL_TILE",
     "PLAN_CACHE_SIZE",
     "RELATIVE_WINDOW",
     "band_block_fwd",
@@ -326,6 +346,7 @@ __all__ = [
     "clear_plan_cache",
     "flash_job",
     "low_precision",
+    "natural_tile",
     "prepare_inputs",
     "split_mask_bias",
 ]
