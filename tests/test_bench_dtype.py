@@ -221,3 +221,36 @@ def test_bench_calibrate_measures_the_thresholds_instead_of_the_cases(monkeypatc
     assert cli.main(argv) == 0
     assert calls == [((["bfloat16", "float16"],), {"repeats": 2, "threads": 1})]
     capsys.readouterr()
+
+
+def test_documents_bigbird_and_alibi_cases_run_forward_backward_and_memory(
+    tmp_path, capsys, small_mm
+):
+    """Each masked case compares flash with SDPA's dense mask within the dtype's tolerance,
+    times forward and forward + backward, and measures flash's memory in a subprocess."""
+    path = tmp_path / "m.json"
+    argv = ["bench", "--case", "documents", "bigbird", "alibi", "--heads", "2", "--dim", "16"]
+    argv += ["--documents-length", "256", "--doc-length", "64", "--bigbird-length", "256"]
+    argv += ["--alibi-length", "128", "--repeats", "1", "--no-flex", "--quiet"]
+    assert cli.main([*argv, "--dtype", "bfloat16", "--json", str(path)]) == 0
+    capsys.readouterr()
+    rows = json.loads(path.read_text())["rows"]
+    cases = {r["case"] for r in rows}
+    for label in ("documents 4×64 causal L=256", "bigbird 64/3/2/3 L=256", "alibi causal L=128"):
+        assert {f"{label}{x}" for x in ("", " fwd")} & cases, label
+        assert f"{label} fwd+bwd" in cases and f"memory {label} fwd+bwd" in cases
+    memory = [r for r in rows if r["case"].startswith("memory")]
+    assert len(memory) == 3 and all("peak RSS growth" in r["note"] for r in memory)
+    compared = [r for r in rows if r["max_err"] is not None]
+    assert {r["case"] for r in compared} == {
+        "documents 4×64 causal L=256 fwd",
+        "bigbird 64/3/2/3 L=256 fwd",
+        "alibi causal L=128",
+    }
+    assert all(r["within_tolerance"] for r in compared)
+    assert all(r["seconds"] > 0 for r in rows if r["case"].endswith("fwd+bwd"))
+
+
+def test_documents_length_must_be_a_multiple_of_the_document(capsys):
+    code, err = run(["bench", "--case", "documents", "--documents-length", "1000"], capsys)
+    assert code == 2 and "--documents-length" in err and "--doc-length=2048" in err

@@ -8,70 +8,23 @@ or this process's CPU time with ``--clock cpu``).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from ..testing import FIXED_TABLE
 from ..utils import Progress, best_times
-
-#: ``masks.bigbird`` arguments of the bigbird case: block size, window, global, random blocks.
-BIGBIRD = (64, 3, 2, 3)
-CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-# --------------------------------------------------------------------------- measuring
-@dataclass
-class Row:
-    """One contender's result in one case, in one dtype."""
-
-    case: str
-    name: str
-    seconds: float | None
-    useful_gflops: float | None = None
-    note: str = ""
-    max_err: float | None = None
-    dtype: str = "float32"
-    tolerance: float | None = None
-
-    @property
-    def within_tolerance(self) -> bool | None:
-        """max|Δ| against flash within the dtype's tolerance (None: nothing compared)."""
-        if self.max_err is None or self.tolerance is None:
-            return None
-        return self.max_err <= self.tolerance
-
-    def to_dict(self) -> dict[str, object]:
-        """The row as written by ``--json`` (with ``within_tolerance``)."""
-        return {**self.__dict__, "within_tolerance": self.within_tolerance}
-
-
-@dataclass
-class Report:
-    """Everything one `attnlab bench` run measured."""
-
-    rows: list[Row] = field(default_factory=list)
-    matmul_gflops: dict[str, float] = field(default_factory=dict)  # dtype name -> rate
-    info: dict[str, str] = field(default_factory=dict)
-
-
-def tolerance(dtype: torch.dtype, reference: torch.Tensor) -> float:
-    """Largest max|Δ| accepted between two exact contenders in ``dtype``: twice the fixed
-    forward table's ``atol + rtol·max|out|`` (each may be that far from the truth)."""
-    atol, rtol = FIXED_TABLE[dtype][:2]
-    return 2 * (atol + rtol * float(reference.detach().abs().max().double()))
+from ._bench_memory import memory_row
+from ._bench_rows import (  # noqa: F401  (re-exported for `attnlab.cli.bench`)
+    BIGBIRD,
+    CLOCKS,
+    DTYPES,
+    SHORT,
+    Report,
+    Row,
+    dtype_name,
+    tolerance,
+)
 
 
 def _synced(fn: Callable[[], object], device: torch.device | str) -> Callable[[], object]:
@@ -289,7 +242,16 @@ def case_window(args, report: Report, progress: Progress) -> None:
         err = _err(outs[name], outs["flash"]) if name in outs and name != "flash" else None
         note = "same tile shapes as flash's band forward" if name == bound else ""
         report.rows.append(
-            Row(label + " fwd", name, t, useful / t, note, err, name_dt, tol if err else None)
+            Row(
+                label + " fwd",
+                name,
+                t,
+                useful / t,
+                note,
+                err,
+                name_dt,
+                tol if err is not None else None,
+            )
         )
     for name, why in notes.items():
         report.rows.append(Row(label + " fwd", name, None, note=why, dtype=name_dt))
@@ -396,7 +358,16 @@ def _masked_case(
     ).items():
         err = _err(outs[name], outs["flash"]) if name != "flash" else None
         report.rows.append(
-            Row(label + " fwd", name, t, useful / t, "", err, name_dt, tol if err else None)
+            Row(
+                label + " fwd",
+                name,
+                t,
+                useful / t,
+                "",
+                err,
+                name_dt,
+                tol if err is not None else None,
+            )
         )
     for name, why in notes.items():
         report.rows.append(Row(label + " fwd", name, None, note=why, dtype=name_dt))
@@ -534,83 +505,6 @@ def case_alibi(args, report: Report, progress: Progress) -> None:
     holder.clear()
     if not args.no_backward:
         memory_row(args, report, progress, f"memory {label} fwd+bwd", "alibi", L)
-
-
-MEMORY_SCRIPT = r"""
-import json, sys, time, torch, attnlab
-from attnlab import masks
-from attnlab.positional import ALiBi
-B, H, L, D, threads = (int(x) for x in sys.argv[1:6])
-dtype = getattr(torch, sys.argv[6])
-clock = time.process_time if sys.argv[7] == "cpu" else time.perf_counter
-kind, _, arg = sys.argv[8].partition(":")
-bias = None
-if kind == "causal":
-    mask = masks.causal()
-elif kind == "documents":
-    mask = masks.causal() & masks.document.from_lengths([int(arg)] * (L // int(arg)))
-elif kind == "bigbird":
-    mask = masks.bigbird(*(int(x) for x in sys.argv[9].split(",")))
-elif kind == "alibi":
-    mask, bias = masks.causal(), ALiBi(H)
-else:
-    raise SystemExit(f"unknown mask recipe {sys.argv[8]!r}")
-if threads:
-    torch.set_num_threads(threads)
-q, k, v = (torch.randn(B, H, L, D).to(dtype).requires_grad_(True) for _ in range(3))
-dout = torch.randn(B, H, L, D).to(dtype)
-def status_mb(field):  # VmRSS / VmHWM of this process (ru_maxrss would include the parent's)
-    line = next(x for x in open("/proc/self/status") if x.startswith(field + ":"))
-    return int(line.split()[1]) / 1024
-open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
-peak = lambda: status_mb("VmHWM")
-base = status_mb("VmRSS")  # with the inputs allocated: growth = what attention itself adds
-t = clock()
-out = attnlab.attention(q, k, v, mask=mask, bias=bias, backend="flash")
-t_fwd = clock() - t
-out.backward(dout)
-total = clock() - t
-print(json.dumps({"growth_mb": peak() - base, "fwd_s": t_fwd, "fwd_bwd_s": total,
-                  "finite": bool(torch.isfinite(q.grad).all()),
-                  "pairs": mask.attended_pairs(L, L)}))
-"""
-
-
-def memory_row(args, report: Report, progress: Progress, label: str, recipe: str, L: int) -> None:
-    """flash's peak RSS growth (and time) for one forward + backward at length ``L`` in a fresh
-    subprocess, the mask given by ``recipe`` (``causal``, ``documents:DOC``, ``bigbird``,
-    ``alibi``: causal with ALiBi's bias); the row is ``memory LABEL fwd+bwd``."""
-    B, H, D = args.batch, args.heads, args.dim
-    name_dt = dtype_name(args.run_dtype)
-    if torch.device(args.device).type != "cpu":
-        note = f"skipped: measures the host's peak RSS (cpu only), not {args.device}"
-        report.rows.append(Row(label, "flash", None, note=note, dtype=name_dt))
-        return
-    progress.step(f"{label} {name_dt} (subprocess)")
-    argv = (B, H, L, D, args.threads or 0, name_dt, args.clock, recipe, ",".join(map(str, BIGBIRD)))
-    proc = subprocess.run(
-        [sys.executable, "-c", MEMORY_SCRIPT, *(str(x) for x in argv)],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        note = f"failed: {proc.stderr[-200:]}"
-        report.rows.append(Row(label, "flash", None, note=note, dtype=name_dt))
-        return
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    useful = 4 * res["pairs"] * B * H * D / 1e9
-    lxs = args.run_dtype.itemsize * B * H * L * L / 1e9
-    report.rows.append(
-        Row(
-            label,
-            "flash",
-            res["fwd_bwd_s"],
-            3.5 * useful / res["fwd_bwd_s"],
-            note=f"peak RSS growth {res['growth_mb'] / 1024:.2f} GB "
-            f"(one {SHORT.get(name_dt, name_dt)} L×S score tensor: {lxs:.1f} GB)",
-            dtype=name_dt,
-        )
-    )
 
 
 def case_memory(args, report: Report, progress: Progress) -> None:
