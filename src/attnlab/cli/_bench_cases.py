@@ -103,6 +103,10 @@ def _flex(L: int, S: int, mask_mod, B: int, H: int, D: int, dtype, device="cpu")
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         block = create_block_mask(mask_mod, B=None, H=None, Q_LEN=L, KV_LEN=S, device=device)
+        # a fresh compile per case: recompiling flex_attention for a second mask in the same
+        # process fell back to an unfused path (a documents case after the window case grew to
+        # 24 GB and was killed; a bigbird case failed to compile)
+        torch._dynamo.reset()
         compiled = torch.compile(flex_attention, dynamic=False)
 
         def run(q, k, v):
