@@ -190,6 +190,50 @@ def band_tiles(q, k, v, window: int, block: int):
     return qt, tiles_of(k, keys), tiles_of(v, keys), mask.to(q.device)
 
 
+def _fwd_rows(
+    report: Report,
+    case: str,
+    times: dict[str, float],
+    outs: dict[str, torch.Tensor],
+    useful: float,
+    tol: float,
+    name_dt: str,
+    notes: dict[str, str],
+) -> None:
+    """Rows of timed forward contenders (max|Δ| against flash's output where there is one,
+    judged by ``tol``) and of contenders that did not run (``notes`` of names not timed)."""
+    for name, t in times.items():
+        err = _err(outs[name], outs["flash"]) if name in outs and name != "flash" else None
+        tol_row = tol if err is not None else None
+        report.rows.append(
+            Row(case, name, t, useful / t, notes.get(name, ""), err, name_dt, tol_row)
+        )
+    for name, why in notes.items():
+        if name not in times:
+            report.rows.append(Row(case, name, None, note=why, dtype=name_dt))
+
+
+def _bwd_rows(
+    args,
+    report: Report,
+    progress: Progress,
+    case: str,
+    fns: dict[str, Callable[[], None]],
+    useful: float,
+    notes: dict[str, str] | None = None,
+) -> None:
+    """Times forward + backward contenders (``--repeats`` − 1 rounds) into rows of ``case``
+    (useful GFLOP/s count the backward as 2.5 forwards), then rows for ``notes``."""
+    name_dt = dtype_name(args.run_dtype)
+    times = interleaved(
+        fns, max(1, args.repeats - 1), progress, case, args.device, CLOCKS[args.clock]
+    )
+    for name, t in times.items():
+        report.rows.append(Row(case, name, t, 3.5 * useful / t, dtype=name_dt))
+    for name, why in (notes or {}).items():
+        report.rows.append(Row(case, name, None, note=why, dtype=name_dt))
+
+
 # --------------------------------------------------------------------------- cases
 def case_window(args, report: Report, progress: Progress) -> None:
     from .. import masks
@@ -242,23 +286,8 @@ def case_window(args, report: Report, progress: Progress) -> None:
     label = f"window {w} L={L}"
     tol = tolerance(dt, outs["flash"])
     times = interleaved(fwd, args.repeats, progress, label + " fwd", args.device, clock)
-    for name, t in times.items():
-        err = _err(outs[name], outs["flash"]) if name in outs and name != "flash" else None
-        note = "same tile shapes as flash's band forward" if name == bound else ""
-        report.rows.append(
-            Row(
-                label + " fwd",
-                name,
-                t,
-                useful / t,
-                note,
-                err,
-                name_dt,
-                tol if err is not None else None,
-            )
-        )
-    for name, why in notes.items():
-        report.rows.append(Row(label + " fwd", name, None, note=why, dtype=name_dt))
+    notes[bound] = "same tile shapes as flash's band forward"
+    _fwd_rows(report, label + " fwd", times, outs, useful, tol, name_dt, notes)
     if args.no_backward:
         return
     bwd = {
@@ -275,13 +304,7 @@ def case_window(args, report: Report, progress: Progress) -> None:
             bwd_notes["flex (compiled, BlockMask)"] = f"{type(e).__name__}: {str(e)[:70]}"
     if local is not None:
         bwd["local-attention"] = _fwd_bwd(local, q, k, v, dout)
-    times = interleaved(
-        bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd", args.device, clock
-    )
-    for name, t in times.items():
-        report.rows.append(Row(label + " fwd+bwd", name, t, 3.5 * useful / t, dtype=name_dt))
-    for name, why in bwd_notes.items():
-        report.rows.append(Row(label + " fwd+bwd", name, None, note=why, dtype=name_dt))
+    _bwd_rows(args, report, progress, label + " fwd+bwd", bwd, useful, bwd_notes)
 
 
 def case_causal(args, report: Report, progress: Progress) -> None:
@@ -320,10 +343,7 @@ def case_causal(args, report: Report, progress: Progress) -> None:
     if args.no_backward:
         return
     bwd = {"flash": _fwd_bwd(flash, q, k, v, dout), "sdpa is_causal": _fwd_bwd(sdpa, q, k, v, dout)}
-    for name, t in interleaved(
-        bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd", args.device, clock
-    ).items():
-        report.rows.append(Row(label + " fwd+bwd", name, t, 3.5 * useful / t, dtype=name_dt))
+    _bwd_rows(args, report, progress, label + " fwd+bwd", bwd, useful)
 
 
 def _masked_case(
@@ -357,34 +377,15 @@ def _masked_case(
             notes["flex (compiled, BlockMask)"] = why
     outs = {name: fn() for name, fn in fwd.items()}
     tol = tolerance(dt, outs["flash"])
-    for name, t in interleaved(
-        fwd, args.repeats, progress, label + " fwd", args.device, clock
-    ).items():
-        err = _err(outs[name], outs["flash"]) if name != "flash" else None
-        report.rows.append(
-            Row(
-                label + " fwd",
-                name,
-                t,
-                useful / t,
-                "",
-                err,
-                name_dt,
-                tol if err is not None else None,
-            )
-        )
-    for name, why in notes.items():
-        report.rows.append(Row(label + " fwd", name, None, note=why, dtype=name_dt))
+    times = interleaved(fwd, args.repeats, progress, label + " fwd", args.device, clock)
+    _fwd_rows(report, label + " fwd", times, outs, useful, tol, name_dt, notes)
     if args.no_backward:
         return
     bwd = {
         "flash": _fwd_bwd(flash, q, k, v, dout),
         "sdpa dense mask": _fwd_bwd(sdpa, q, k, v, dout),
     }
-    for name, t in interleaved(
-        bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd", args.device, clock
-    ).items():
-        report.rows.append(Row(label + " fwd+bwd", name, t, 3.5 * useful / t, dtype=name_dt))
+    _bwd_rows(args, report, progress, label + " fwd+bwd", bwd, useful)
     memory_row(args, report, progress, f"memory {label} fwd+bwd", recipe, L)
 
 
@@ -502,10 +503,7 @@ def case_alibi(args, report: Report, progress: Progress) -> None:
             out.backward(dout)
 
         bwd = {"flash": flash_bwd, "sdpa (bias prebuilt)": sdpa_bwd}
-        for name, t in interleaved(
-            bwd, max(1, args.repeats - 1), progress, label + " fwd+bwd", args.device, clock
-        ).items():
-            report.rows.append(Row(label + " fwd+bwd", name, t, 3.5 * useful / t, dtype=name_dt))
+        _bwd_rows(args, report, progress, label + " fwd+bwd", bwd, useful)
     holder.clear()
     if not args.no_backward:
         memory_row(args, report, progress, f"memory {label} fwd+bwd", "alibi", L)
