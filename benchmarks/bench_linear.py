@@ -249,6 +249,10 @@ def scaling(args: argparse.Namespace) -> None:
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; attnlab {attnlab.__file__}"
     )
+    # torch's CPU allocator on transparent huge pages: the L-sized outputs and gradients of a
+    # long call are fresh allocations, faulted in 4 KiB at a time without it
+    thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "") == "1"
+    print(f"THP_MEM_ALLOC_ENABLE: {'1 (huge pages)' if thp else 'unset (4 KiB pages)'}")
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for dt in dtypes:
