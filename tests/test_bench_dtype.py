@@ -37,7 +37,7 @@ def run(argv: list[str], capsys) -> tuple[int, str]:
 @pytest.fixture
 def small_mm(monkeypatch):
     real = bench.matmul_rate
-    monkeypatch.setattr(bench, "matmul_rate", lambda **kw: real(n=256, repeats=1, **kw))
+    monkeypatch.setattr(bench, "matmul_rate", lambda **kw: real(**{**kw, "n": 256, "repeats": 1}))
 
 
 @pytest.mark.parametrize(
@@ -254,3 +254,12 @@ def test_documents_bigbird_and_alibi_cases_run_forward_backward_and_memory(
 def test_documents_length_must_be_a_multiple_of_the_document(capsys):
     code, err = run(["bench", "--case", "documents", "--documents-length", "1000"], capsys)
     assert code == 2 and "--documents-length" in err and "--doc-length=2048" in err
+
+
+def test_matmul_size_shrinks_for_a_slow_dtype() -> None:
+    """A dtype whose 4096² product would take too long is measured on a smaller one."""
+    assert _bench_cases.matmul_size(torch.float32, budget=1e9) == 4096
+    assert _bench_cases.matmul_size(torch.float32, budget=1e-9) == 512
+    ticks = iter(range(100))  # a clock that says every 512² product takes 1 s
+    slow = _bench_cases.matmul_size(torch.float32, clock=lambda: float(next(ticks)), budget=10)
+    assert slow == 1024  # 4096²: 512 s, 2048²: 64 s, 1024²: 8 s <= 10

@@ -190,7 +190,9 @@ def test_pos_and_linear_are_registered_names_not_files():
 # ------------------------------------------------------------------------------------- bench
 def test_bench_prints_a_table_of_numbers(tmp_path, capsys, monkeypatch):
     real_rate = bench.matmul_rate
-    monkeypatch.setattr(bench, "matmul_rate", lambda **kw: real_rate(n=256, repeats=1, **kw))
+    monkeypatch.setattr(
+        bench, "matmul_rate", lambda **kw: real_rate(**{**kw, "n": 256, "repeats": 1})
+    )
     L, B, H, D = 128, 1, 2, 16
     argv = ["bench", "--case", "causal", "--causal-length", str(L), "--batch", str(B)]
     argv += ["--heads", str(H), "--dim", str(D), "--repeats", "2", "--no-backward", "--quiet"]

@@ -55,6 +55,29 @@ def matmul_rate(
     return 2 * n**3 / best["mm"] / 1e9
 
 
+def matmul_size(
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    n: int = 4096,
+    budget: float = 2.0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> int:
+    """The largest power-of-two size up to ``n`` whose ``torch.mm`` should take at most
+    ``budget`` seconds, from one timed 512² product (at least 512). A dtype without native
+    matrix units (float16 on a CPU without AVX512-FP16: ~1 GFLOP/s) would otherwise spend
+    minutes on the 4096² rate."""
+    m = min(n, 512)
+    a = torch.randn(m, m, device=device).to(dtype)
+    mm = _synced(lambda: torch.mm(a, a), device)
+    mm()
+    t0 = clock()
+    mm()
+    per_flop = max(clock() - t0, 1e-9) / (2 * m**3)
+    while n > 512 and per_flop * 2 * n**3 > budget:
+        n //= 2
+    return n
+
+
 def interleaved(
     fns: dict[str, Callable[[], object]],
     repeats: int,

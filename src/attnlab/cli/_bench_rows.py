@@ -54,6 +54,7 @@ class Report:
 
     rows: list[Row] = field(default_factory=list)
     matmul_gflops: dict[str, float] = field(default_factory=dict)  # dtype name -> rate
+    matmul_size: dict[str, int] = field(default_factory=dict)  # dtype name -> n of the n² mm
     info: dict[str, str] = field(default_factory=dict)
 
 

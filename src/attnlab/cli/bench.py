@@ -4,7 +4,8 @@ Each case times every contender in the same process, interleaved round by round 
 hits them alike), keeps the best of ``--repeats`` rounds, checks every contender's output against
 flash's (max|Δ| judged against the dtype's tolerance), and prints ratios. "Useful GFLOP/s"
 counts only attended pairs, ``4·B·H·pairs·D / seconds`` (`Mask.attended_pairs`); the matmul rate
-of each measured dtype (``torch.mm`` on 4096² matrices of that dtype) is measured in the same run
+of each measured dtype (``torch.mm`` on 4096² matrices of that dtype, smaller where that would
+take over 2 s: `matmul_size`) is measured in the same run
 as the physical limit, and the header names the CPU and its matrix units (AMX, AVX512-FP16/BF16).
 
 Every case runs in each ``--dtype`` (float32 by default; bfloat16, float16; several in one run),
@@ -65,6 +66,7 @@ from ._bench_cases import (  # noqa: F401  (re-exported: the measuring pieces li
     case_window,
     interleaved,
     matmul_rate,
+    matmul_size,
 )
 
 CASES = ("window", "causal", "documents", "bigbird", "alibi", "memory")
@@ -101,8 +103,9 @@ def format_table(report: Report) -> str:
     """The results as a plain-text table, with speed-ups against flash within each case."""
     lines = [f"machine: {report.info.get('machine', '')}", f"cpu: {report.info.get('cpu', '')}"]
     for name, rate in report.matmul_gflops.items():
+        n = report.matmul_size.get(name, 4096)
         lines.append(
-            f"{SHORT.get(name, name)} matmul (torch.mm 4096², {name}): {_rate(rate)} GFLOP/s  "
+            f"{SHORT.get(name, name)} matmul (torch.mm {n}², {name}): {_rate(rate)} GFLOP/s  "
             "<- the physical limit"
         )
     lines.append("")
@@ -267,8 +270,10 @@ def run_bench(args: argparse.Namespace) -> int:
     for name_dt in dtypes:
         args.run_dtype = DTYPES[name_dt]
         progress.step(f"{name_dt} matmul rate")
+        n = matmul_size(args.run_dtype, args.device, clock=clock)
+        report.matmul_size[name_dt] = n
         report.matmul_gflops[name_dt] = matmul_rate(
-            device=args.device, dtype=args.run_dtype, clock=clock
+            n=n, device=args.device, dtype=args.run_dtype, clock=clock
         )
         for name in cases:
             runners[name](args, report, progress)
