@@ -114,8 +114,8 @@ class Mask:
         if probe is None or probe.dim() != 0:
             shape = "an error" if probe is None else f"shape {tuple(probe.shape)}"
             raise ValueError(
-                f"mask_mod: {self!r} is not a mask_mod: on 0-d indices (FlexAttention's "
-                f"protocol) it gives {shape}, expected a 0-d bool tensor"
+                f"mask_mod: {self!r} cannot run on FlexAttention's 0-d indices: it gives "
+                f"{shape} there, expected a 0-d bool tensor"
                 + ("" if probe is not None else f" ({why})")
             )
 
