@@ -102,6 +102,14 @@ def _fwd_bwd(fn: Callable[..., torch.Tensor], q, k, v, dout) -> Callable[[], Non
     return run
 
 
+def _flash_and_dense_bwd(flash, sdpa, q, k, v, dout) -> dict[str, Callable[[], None]]:
+    """Forward + backward of flash and of SDPA with the dense mask, named as in the rows."""
+    return {
+        "flash": _fwd_bwd(flash, q, k, v, dout),
+        "sdpa dense mask": _fwd_bwd(sdpa, q, k, v, dout),
+    }
+
+
 def _no_grad(fn: Callable[..., torch.Tensor], *args) -> Callable[[], torch.Tensor]:
     def run() -> torch.Tensor:
         with torch.no_grad():
@@ -313,10 +321,7 @@ def case_window(args, report: Report, progress: Progress) -> None:
     _fwd_rows(report, label + " fwd", times, outs, useful, tol, name_dt, notes)
     if args.no_backward:
         return
-    bwd = {
-        "flash": _fwd_bwd(flash, q, k, v, dout),
-        "sdpa dense mask": _fwd_bwd(sdpa, q, k, v, dout),
-    }
+    bwd = _flash_and_dense_bwd(flash, sdpa, q, k, v, dout)
     bwd_notes: dict[str, str] = {}
     if "flex (compiled, BlockMask)" in fwd:
         flex_bwd = _fwd_bwd(flex, q, k, v, dout)
@@ -404,10 +409,7 @@ def _masked_case(
     _fwd_rows(report, label + " fwd", times, outs, useful, tol, name_dt, notes)
     if args.no_backward:
         return
-    bwd = {
-        "flash": _fwd_bwd(flash, q, k, v, dout),
-        "sdpa dense mask": _fwd_bwd(sdpa, q, k, v, dout),
-    }
+    bwd = _flash_and_dense_bwd(flash, sdpa, q, k, v, dout)
     _bwd_rows(args, report, progress, label + " fwd+bwd", bwd, useful)
     memory_row(args, report, progress, f"memory {label} fwd+bwd", recipe, L)
 
