@@ -284,7 +284,12 @@ out = attnlab.attention(q, k, v, mask=masks.causal())
 ref = attnlab.attention(q, k, v, mask=masks.causal(), backend="reference")
 assert torch.equal(torch.isnan(out), torch.isnan(ref))
 assert torch.allclose(out.nan_to_num(0), ref.nan_to_num(0), atol=1e-5)
+w = attnlab.attention(q, k, v, mask=masks.sliding_window(9), backend="flash")
+w_ref = attnlab.attention(q, k, v, mask=masks.sliding_window(9), backend="reference")
+assert torch.equal(torch.isnan(w), torch.isnan(w_ref))
+assert torch.allclose(w.nan_to_num(0), w_ref.nan_to_num(0), atol=1e-5)
 print("status:", _ext.status("nan_rule"))
+print("band status:", _ext.status("band_attn"))
 """
 
 
@@ -295,6 +300,7 @@ def test_no_compiler_falls_back(tmp_path) -> None:
     r = _run_python(FALLBACK_CHECK, env)
     assert r.returncode == 0, r.stderr
     assert "status: RuntimeError: no C++ compiler found" in r.stdout
+    assert "band status: RuntimeError: no C++ compiler found" in r.stdout  # window: torch's kernel
     assert not list((tmp_path / "cache").glob("*.so"))
 
 

@@ -13,7 +13,7 @@ import torch
 
 from attnlab import _ext, attention, masks
 from attnlab.functional import nan_rule
-from attnlab.functional.flash import flash_attention
+from attnlab.functional.flash import band_kernel, flash_attention
 from attnlab.functional.flash import plan as flash_plan
 from attnlab.functional.tiling import SegmentCall, build_plan
 from helpers import call_backend, check_against_reference, mean_factor_for, reference_for, seeded
@@ -107,24 +107,33 @@ def test_low_precision_policies_match_reference(monkeypatch, policy, dtype, name
 
 
 def test_native_policy_runs_the_kernel_in_the_input_dtype(monkeypatch) -> None:
-    """On a merge-free plan "native" calls the kernel in bfloat16; "widen" in float32."""
+    """On a merge-free plan "native" calls the kernels in bfloat16; "widen" in float32 — torch's
+    kernel (``ATTNLAB_FLASH_BAND_ENGINE=aten``) and attnlab's C++ band kernel alike."""
     seen: list[torch.dtype] = []
     from attnlab.functional.flash import band, engines
 
-    real = engines.kernel_forward
+    real, real_band = engines.kernel_forward, band_kernel.forward_into
 
     def spy(q, k, v, logits):
         seen.append(q.dtype)
         return real(q, k, v, logits)
 
+    def spy_band(out, lse, q, *rest):
+        seen.append(q.dtype)
+        return real_band(out, lse, q, *rest)
+
     monkeypatch.setattr(band, "kernel_forward", spy)
+    monkeypatch.setattr(band_kernel, "forward_into", spy_band)
     q, k, v = qkv(128, torch.bfloat16)
-    for policy, want in (("native", torch.bfloat16), ("widen", torch.float32)):
-        monkeypatch.setenv(flash_plan.LOW_PRECISION_ENV, policy)
-        seen.clear()
-        out, _ = flash_attention(q, k, v, mask=masks.sliding_window(16))
-        assert seen and set(seen) == {want}, (policy, seen)
-        assert out.dtype == torch.bfloat16
+    engines_ = ["aten"] + (["auto"] if band_kernel.ready(q, band_kernel.BLOCK) else [])
+    for engine in engines_:
+        monkeypatch.setenv(band_kernel.ENGINE_ENV, engine)
+        for policy, want in (("native", torch.bfloat16), ("widen", torch.float32)):
+            monkeypatch.setenv(flash_plan.LOW_PRECISION_ENV, policy)
+            seen.clear()
+            out, _ = flash_attention(q, k, v, mask=masks.sliding_window(16))
+            assert seen and set(seen) == {want}, (engine, policy, seen)
+            assert out.dtype == torch.bfloat16
 
 
 def test_bad_low_precision_setting_is_named(monkeypatch) -> None:
@@ -244,6 +253,9 @@ def test_flash_equal_with_and_without_the_scan(ext, monkeypatch, name) -> None:
         "alibi": (masks.causal(), ALiBi(4)),
     }[name]
     q, k, v = qkv(L, torch.float32)
+    # ATTNLAB_EXT=0 also turns off the C++ band kernel: keep torch's on both sides, so only the
+    # scan differs (the band kernel's own checks: test_band_kernel_*)
+    monkeypatch.setenv(band_kernel.ENGINE_ENV, "aten")
     planted = [x.clone() for x in (q, k, v)]
     planted[0][0, 1, 50, 3] = float("nan")
     planted[1][1, 0, 30, 2] = float("inf")
@@ -268,7 +280,9 @@ def test_band_block_override(monkeypatch) -> None:
 
     q, k, v = qkv(192, torch.bfloat16)
     mask = masks.sliding_window(24)
-    for raw, want in (("", flash_plan.BAND_BLOCK_FWD), ("16", 16), ("64", 64)):
+    native = band_kernel.ready(q, band_kernel.BLOCK)  # the C++ kernel's own block if it runs
+    default = band_kernel.BLOCK if native else flash_plan.BAND_BLOCK_FWD
+    for raw, want in (("", default), ("16", 16), ("64", 64)):
         monkeypatch.setenv(flash_plan.BAND_BLOCK_ENV, raw)
         req = plain_request(q, k, v, mask=mask, bias=None, scale=None, temperature=1.0, score="dot")
         job = flash_job(req)
@@ -312,3 +326,110 @@ def test_a_mask_made_of_blocks_tiles_by_its_own_block(monkeypatch) -> None:
         torch.testing.assert_close(flash_attention(q, k, v, mask=mask), natural)
         monkeypatch.undo()
         flash_plan.clear_plan_cache()
+
+
+# --------------------------------------------------------------------------- C++ band kernel
+@pytest.fixture
+def band_ext():
+    if _ext.mode() == "off" or not _ext.load(band_kernel.EXT, wait=True):
+        pytest.skip(f"C++ extension unavailable: {_ext.status(band_kernel.EXT)}")
+
+
+def _count_band_kernel(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = band_kernel.forward_into
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(band_kernel, "forward_into", spy)
+    return calls
+
+
+BAND_CASES = {
+    # odd L, odd window, GQA (qkv: H=4, H_kv=2), head dim 16
+    "window": (lambda: masks.sliding_window(37), None),
+    "window non-causal": (lambda: masks.sliding_window(21, causal=False), None),
+    "window + alibi": (lambda: masks.sliding_window(29), "alibi"),
+    "wide window": (lambda: masks.sliding_window(150), None),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(BAND_CASES))
+def test_band_kernel_matches_reference(band_ext, monkeypatch, dtype, name) -> None:
+    """Sliding windows run their interior blocks on the C++ kernel (the spy sees it) and equal
+    the float64 reference with the tolerance rule, forward and backward (which reads the
+    kernel's lse), with a bias too (rows without keys: `test_band_kernel_rows_without_keys`)."""
+    from attnlab.positional import ALiBi
+
+    make, bias_kind = BAND_CASES[name]
+    if bias_kind is not None and dtype == torch.bfloat16:
+        pytest.skip("a bias widens bfloat16 plans to float32: the float32 case covers it")
+    bias = ALiBi(4) if bias_kind == "alibi" else None
+    calls = _count_band_kernel(monkeypatch)
+    mask = make()
+    check_against_reference(
+        call_backend("flash", mask, bias),
+        reference_for(mask, bias),
+        list(qkv(203, dtype)),
+        mean_factor=mean_factor_for("flash", dtype),
+    )
+    assert calls, "the C++ band kernel did not run"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_band_kernel_and_aten_agree(band_ext, monkeypatch, dtype) -> None:
+    """The two forward engines of band calls give the same output within the dtype's rounding,
+    and ``aten`` keeps the C++ kernel out (the spy sees no call)."""
+    q, k, v = qkv(333, dtype, D=32)
+    mask = masks.sliding_window(64)
+    calls = _count_band_kernel(monkeypatch)
+    outs = {}
+    for engine in ("aten", "auto"):
+        monkeypatch.setenv(band_kernel.ENGINE_ENV, engine)
+        calls.clear()
+        outs[engine], _ = flash_attention(q, k, v, mask=mask)
+        assert bool(calls) == (engine == "auto")
+    tol = 2e-6 if dtype == torch.float32 else 1.6e-2
+    assert (outs["aten"].float() - outs["auto"].float()).abs().max() <= tol
+
+
+def test_band_kernel_rows_without_keys(band_ext) -> None:
+    """The operator itself on a tile with a fully masked row: out 0, lse −inf; other rows equal
+    the float64 formula (scale, additive tile, GQA, a view as destination)."""
+    g = torch.Generator().manual_seed(0)
+    H, H_kv, L, D, Dv, bq, W, nblk, r0, ks = 4, 2, 90, 8, 12, 4, 11, 6, 5, 2
+    q = torch.randn(H, L, D, generator=g)
+    k = torch.randn(H_kv, L, D, generator=g)
+    v = torch.randn(H_kv, L, Dv, generator=g)
+    add = torch.randn(nblk, 1, bq, W, generator=g)
+    add[:, :, :, ::4] = float("-inf")
+    add[2, 0, 1] = float("-inf")  # block 2, row 1: no key
+    big = torch.zeros(nblk, H, bq + 3, Dv)
+    out, lse = big[:, :, :bq], torch.empty(nblk, H, bq)
+    torch.ops.attnlab_band.forward_into(out, lse, q, k, v, add, r0, nblk, bq, ks, W, 0.7)
+    for t in range(nblk):
+        qq = q[:, r0 + t * bq : r0 + (t + 1) * bq].double()
+        kk = k[:, ks + t * bq : ks + t * bq + W].double().repeat_interleave(2, 0)
+        vv = v[:, ks + t * bq : ks + t * bq + W].double().repeat_interleave(2, 0)
+        s = qq @ kk.transpose(-1, -2) * 0.7 + add[t].double()
+        want = torch.softmax(s, -1).nan_to_num(0.0) @ vv
+        assert torch.allclose(out[t].double(), want, atol=2e-6), t
+        assert torch.allclose(lse[t].double(), torch.logsumexp(s, -1), atol=2e-6), t
+    assert torch.equal(out[2, :, 1], torch.zeros(H, Dv))
+    assert torch.isneginf(lse[2, :, 1]).all()
+    assert torch.equal(big[:, :, bq:], torch.zeros(nblk, H, 3, Dv))  # nothing written outside
+
+
+def test_band_kernel_not_for_meta_float16_or_bad_setting(monkeypatch) -> None:
+    """Meta tensors, float16 and odd bfloat16 head dims stay on torch's kernel; an unknown
+    ``ATTNLAB_FLASH_BAND_ENGINE`` is named."""
+    assert not band_kernel.ready(torch.empty(1, 2, 8, 4, device="meta"))
+    assert not band_kernel.ready(torch.empty(1, 2, 8, 4, dtype=torch.float16))
+    assert not band_kernel.ready(torch.empty(1, 2, 8, 5, dtype=torch.bfloat16))
+    assert not band_kernel.ready(torch.empty(1, 2, 8, 4, dtype=torch.bfloat16), bq=7)
+    monkeypatch.setenv(band_kernel.ENGINE_ENV, "fast")
+    with pytest.raises(ValueError, match=r"ATTNLAB_FLASH_BAND_ENGINE must be one of auto, aten"):
+        band_kernel.ready(torch.empty(1, 2, 8, 4))

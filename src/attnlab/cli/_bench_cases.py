@@ -187,11 +187,11 @@ def _naive(q, k, v, allowed, bias=None):
     return torch.softmax(s, dim=-1) @ v
 
 
-def band_block() -> int:
-    """Query rows per block of flash's batched band forward (its plan's ``BAND_BLOCK_FWD``)."""
+def band_block(q) -> int:
+    """Query rows per block of flash's batched band forward on ``q`` (`plan.band_block_fwd`)."""
     from ..functional.flash import plan
 
-    return int(getattr(plan, "BAND_BLOCK_FWD", 32))
+    return plan.band_block_fwd(q)
 
 
 def band_tiles(q, k, v, window: int, block: int):
@@ -304,7 +304,7 @@ def case_window(args, report: Report, progress: Progress) -> None:
         outs["local-attention"] = fwd["local-attention"]()
     else:
         notes["local-attention"] = why
-    block = band_block()
+    block = band_block(q)
     qt, kt, vt, tile_mask = band_tiles(q, k, v, w, block)
     bound = f"kernel bound: 1 sdpa call, {qt.shape[0]}×({H}, {block}, {kt.shape[2]}) tiles"
     fwd[bound] = _no_grad(torch.nn.functional.scaled_dot_product_attention, qt, kt, vt, tile_mask)

@@ -4,7 +4,8 @@ A `BandCall` covers query blocks ``t0..t1`` of ``bq`` rows; block t sees the key
 ``[k_start + t·bq, … + W)``. The blocks whose window lies inside the keys run as ONE kernel call
 over strided views (no copy) with one shared additive tile; the edge blocks run one by one on
 their clipped windows. Only the kernel engine runs batched band calls (the torch engine runs
-`BandCall.block_calls`).
+`BandCall.block_calls`); the batched forward runs on attnlab's C++ band kernel
+(`band_kernel`) when it is available, else on torch's fused kernel.
 """
 
 from __future__ import annotations
@@ -12,14 +13,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
+import torch
 from torch import Tensor
 
 from ..tiling import BandCall, SegmentCall
+from . import band_kernel
 from .engines import Logits, Residuals, kernel_backward, kernel_forward
 from .tiles import BandTiles, fix_dead_rows
 
 Store = Callable[[Tensor, Tensor, Tensor, Tensor], None]
 """``store(out_rows, lse_rows, o, l)``: writes (or merges) a call's result into the output."""
+
+
+def _copy(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
+    out.copy_(o)
+    lse.copy_(l)
 
 
 def interior(c: BandCall, add: Tensor) -> tuple[BandCall | None, Tensor]:
@@ -73,16 +81,29 @@ def band_forward(
     scale: float,
     out: Tensor,
     lse: Tensor,
-    store: Store,
+    store: Store | None = None,
 ) -> None:
     """Runs a batched band call on the kernel into ``out (B, H, L, Dv)`` and ``lse (B, H, L)``.
 
-    Inputs are finite (`nan_rule.clean`), so the batched call is always possible.
+    ``store`` merges a call's rows into the output (overlapping plans); None writes them (the
+    C++ band kernel then writes straight into ``out``). Inputs are finite (`nan_rule.clean`),
+    so the batched call is always possible.
     """
+    put = store or _copy
     for b in range(c.b0, c.b1):
         add = tiles.tile(c, b, q.device)
         inner, add_in = interior(c, add)
-        if inner is not None:
+        if inner is not None and band_kernel.usable(q, k, v, inner.bq):
+            o_rows, l_rows = blocks(out, b, inner), blocks(lse, b, inner)
+            o, l = (
+                (o_rows, l_rows)
+                if store is None
+                else (torch.empty_like(o_rows), torch.empty_like(l_rows))
+            )
+            band_kernel.forward_into(o, l, q[b], k[b], v[b], add_in, inner, scale)
+            if store is not None:
+                store(o_rows, l_rows, o, l)
+        elif inner is not None:
             o, l = kernel_forward(
                 blocks(q, b, inner),
                 windows(k, b, inner),
@@ -91,14 +112,14 @@ def band_forward(
             )
             if add.dim() == 4:  # a bias may mask whole rows
                 o, l = fix_dead_rows(o, l, add_in)
-            store(blocks(out, b, inner), blocks(lse, b, inner), o, l)
+            put(blocks(out, b, inner), blocks(lse, b, inner), o, l)
         for _, rows, (j0, j1), tile in edges(c, add):
             bs = slice(b, b + 1)
             o, l = kernel_forward(
                 q[bs, :, rows], k[bs, :, j0:j1], v[bs, :, j0:j1], Logits(scale, tile)
             )
             o, l = fix_dead_rows(o, l, tile)
-            store(out[bs, :, rows], lse[bs, :, rows], o, l)
+            put(out[bs, :, rows], lse[bs, :, rows], o, l)
 
 
 def band_backward(

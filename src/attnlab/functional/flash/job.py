@@ -195,7 +195,8 @@ class FlashJob:
         if self.engine == "kernel" and isinstance(c, BandCall):
             assert self.band_tiles is not None
             tiles, scale = self.band_tiles, self.scale
-            band_forward(c, q, k, v, tiles=tiles, scale=scale, out=out, lse=lse, store=self._store)
+            store = self._store if self.plan.overlap else None  # None: written in place
+            band_forward(c, q, k, v, tiles=tiles, scale=scale, out=out, lse=lse, store=store)
             return
         for bc in c.block_calls():
             o, l, lo = self._simple_forward(q, k, v, bc)

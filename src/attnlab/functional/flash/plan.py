@@ -18,6 +18,7 @@ from ...masks import Mask, TensorMask
 from ..request import BiasFn, Request, is_relative_bias
 from ..scores import get_score
 from ..tiling import Plan, build_plan
+from . import band_kernel
 from .engines import TorchEngine, acc_dtype
 from .job import FlashJob
 from .tiles import TileSource
@@ -34,18 +35,22 @@ BAND_BLOCK_FWD = 32
 # best CPU time of 3): 16/32/64/128-row blocks take 0.186/0.166/0.184/0.216 s in bfloat16 and
 # 0.179/0.168/0.183/0.215 s in float32, so 32 stays for both. CPUs whose low-precision matmul
 # is much faster (AMX) may prefer larger blocks: ATTNLAB_FLASH_BAND_BLOCK overrides the default
-# (measure with `attnlab bench --case window`).
+# (measure with `attnlab bench --case window`). attnlab's C++ band kernel (`band_kernel`), when it
+# runs the calls, prefers its own block (`band_kernel.BLOCK`).
 BAND_BLOCK_ENV = "ATTNLAB_FLASH_BAND_BLOCK"
 
 
-def band_block_fwd() -> int:
-    """The forward query block of batched band calls: ``$ATTNLAB_FLASH_BAND_BLOCK`` or 32.
+def band_block_fwd(q: Tensor | None = None) -> int:
+    """The forward query block of batched band calls: ``$ATTNLAB_FLASH_BAND_BLOCK``, else the
+    C++ band kernel's block when it runs calls on ``q`` (`band_kernel.ready`), else 32.
 
     Raises:
         ValueError: the variable is set to something other than a positive int.
     """
     raw = os.environ.get(BAND_BLOCK_ENV, "").strip()
     if not raw:
+        if q is not None and band_kernel.ready(q, band_kernel.BLOCK):
+            return band_kernel.BLOCK
         return BAND_BLOCK_FWD
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"{BAND_BLOCK_ENV} must be a positive int, got {raw!r}")
@@ -232,7 +237,7 @@ def flash_job(
     else:
         bk = BLOCK_BIAS if biased else BLOCK_K
     bb = (BLOCK_64 if wide else BAND_BLOCK) if band_block is None else band_block
-    bb_fwd = band_block_fwd() if band_block is None and not wide else bb
+    bb_fwd = band_block_fwd(req.q) if band_block is None and not wide else bb
     bq, bk, bb = (
         _check_block("block_q", bq),
         _check_block("block_k", bk),

@@ -1,0 +1,107 @@
+"""attnlab's C++ band kernel (``_ext/band_attn.cpp``): the forward of batched band calls.
+
+A batched band call (`tiling.BandCall`, a sliding window) holds every key of its rows in one
+window, so its softmax needs one pass; attnlab's operator packs each head's keys once for all the
+overlapping windows and runs both products on oneDNN's brgemm micro-kernel (float32 accumulation),
+where torch's fused kernel repacks every window and keeps a running rescale. Measured at window
+256, L = 16384, H = 8, D = 64 on an AMD EPYC without AMX (2 threads): float32 0.101 → 0.069 s,
+bfloat16 0.095 → 0.041 s (benchmarks/RESULTS.md).
+
+It runs a call when all of these hold, else torch's kernel does (same values within the
+tolerance rule; both give out = 0, lse = −inf on a row with no key):
+
+- the CPU, float32 or bfloat16 (bfloat16 with an even head dim and block), unit stride in the
+  last dim, not while `torch.compile` traces;
+- the extension is built (`attnlab._ext.load`; the first use on a machine builds it in the
+  background) and the CPU runs oneDNN's micro-kernel in that dtype (``supported``, asked once);
+- ``ATTNLAB_FLASH_BAND_ENGINE`` is unset or ``auto``; ``aten`` forces torch's kernel (the suite
+  runs both on any CPU).
+
+Backward keeps torch's kernel (given the global out and lse it is exact per call).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+from ... import _ext
+from ..tiling import BandCall
+
+ENGINE_ENV = "ATTNLAB_FLASH_BAND_ENGINE"
+ENGINES = ("auto", "aten")
+EXT = "band_attn"
+# Forward query block of band calls on this kernel: 16 rows (271 keys for a 256-window) beat 32
+# (287) — window 256, L = 16384, 2 threads, AMD EPYC: float32 0.069 vs 0.071 s, bfloat16 0.041
+# vs 0.043 s; 8 and 24 rows were no faster.
+BLOCK = 16
+
+
+def engine_setting() -> str:
+    """``$ATTNLAB_FLASH_BAND_ENGINE`` (default ``auto``).
+
+    Raises:
+        ValueError: the variable holds something else.
+    """
+    raw = os.environ.get(ENGINE_ENV, "").strip().lower() or "auto"
+    if raw not in ENGINES:
+        raise ValueError(f"{ENGINE_ENV} must be one of {', '.join(ENGINES)}, got {raw!r}")
+    return raw
+
+
+@functools.cache
+def _cpu_supports(dtype: torch.dtype) -> bool:
+    return bool(torch.ops.attnlab_band.supported(dtype))
+
+
+def ready(q: Tensor, bq: int | None = None) -> bool:
+    """Whether band calls on ``q`` (query block ``bq``) run on attnlab's C++ kernel."""
+    if engine_setting() != "auto" or q.device.type != "cpu":
+        return False
+    if q.dtype not in (torch.float32, torch.bfloat16) or torch.compiler.is_compiling():
+        return False
+    if q.dtype == torch.bfloat16 and (q.shape[-1] % 2 or (bq is not None and bq % 2)):
+        return False
+    return _ext.load(EXT) and _cpu_supports(q.dtype)
+
+
+def usable(q: Tensor, k: Tensor, v: Tensor, bq: int) -> bool:
+    """`ready` for these tensors: also unit stride in the last dim of q, k and v."""
+    return all(x.stride(-1) == 1 or x.shape[-1] == 1 for x in (q, k, v)) and ready(q, bq)
+
+
+def forward_into(
+    out: Tensor,
+    lse: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    add: Tensor,
+    c: BandCall,
+    scale: float,
+) -> None:
+    """Writes band call ``c``'s output and log-sum-exp for one batch item (no allocation).
+
+    Args:
+        out: ``(nblk, H, bq, Dv)`` destination (a view of the whole output is fine).
+        lse: ``(nblk, H, bq)`` float32 destination.
+        q: ``(H, L, D)``; k: ``(H_kv, S, D)``; v: ``(H_kv, S, Dv)``: one batch item.
+        add: additive tile ``(bq, W)`` or ``(1|nblk, H|1, bq, W)`` (mask as −inf, plus bias).
+        c: the call; every window inside the keys.
+        scale: logit multiplier.
+
+    ``out = softmax(q·kᵀ·scale + add) v`` per block; a row with no key gets 0 and lse = −inf.
+    """
+    add4 = add.reshape((1,) * (4 - add.dim()) + tuple(add.shape)).float()
+    if add4.stride(-1) != 1:
+        add4 = add4.contiguous()
+    nblk = c.t1 - c.t0
+    torch.ops.attnlab_band.forward_into(
+        out, lse, q, k, v, add4, c.r0, nblk, c.bq, c.k_start, c.width, float(scale)
+    )
+
+
+__all__ = ["BLOCK", "ENGINES", "ENGINE_ENV", "engine_setting", "forward_into", "ready", "usable"]
