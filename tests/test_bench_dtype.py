@@ -175,6 +175,11 @@ def test_window_case_has_the_kernel_bound_row_in_each_dtype(tmp_path, capsys, sm
     bound = [r for r in rows if r["name"].startswith("kernel bound")]
     assert len(bound) == 1 and bound[0]["seconds"] > 0
     assert f"×(2, {block}, {block + 15}) tiles" in bound[0]["name"]
+    floor = [r for r in rows if r["name"].startswith("matmul floor")]
+    assert len(floor) == 1 and floor[0]["seconds"] > 0 and floor[0]["max_err"] is None
+    rate = json.loads(path.read_text())["matmul_gflops"]["float16"]
+    flops = 4 * (128 // block) * 2 * block * (block + 15) * 16  # tiles × heads × rows·keys·D
+    assert floor[0]["seconds"] == pytest.approx(flops / (rate * 1e9))
     compared = [r for r in rows if r["max_err"] is not None]
     assert {r["name"] for r in compared} >= {"sdpa dense mask"}
     assert all(r["within_tolerance"] for r in compared)

@@ -221,6 +221,18 @@ def band_tiles(q, k, v, window: int, block: int):
     return qt, tiles_of(k, keys), tiles_of(v, keys), mask.to(q.device)
 
 
+def _matmul_floor_row(report: Report, case: str, flops: float, useful: float, name_dt: str) -> None:
+    """A computed row: the time of the tiles' two products (``flops``) at the dtype's measured
+    matmul rate — what no kernel on those tiles can beat, softmax aside."""
+    rate = report.matmul_gflops.get(name_dt)
+    if not rate:
+        return
+    seconds = flops / (rate * 1e9)
+    name = f"matmul floor: q·kᵀ and p·v of those tiles at {rate:.0f} GF/s"
+    note = "computed, not timed: 4·rows·keys·D flops per tile and head / the mm rate above"
+    report.rows.append(Row(case, name, seconds, useful / seconds, note, None, name_dt, None))
+
+
 def _fwd_rows(
     report: Report,
     case: str,
@@ -319,6 +331,9 @@ def case_window(args, report: Report, progress: Progress) -> None:
     times = interleaved(fwd, args.repeats, progress, label + " fwd", args.device, clock)
     notes[bound] = "same tile shapes as flash's band forward"
     _fwd_rows(report, label + " fwd", times, outs, useful, tol, name_dt, notes)
+    _matmul_floor_row(
+        report, label + " fwd", 4 * qt.shape[0] * H * block * kt.shape[2] * D, useful, name_dt
+    )
     if args.no_backward:
         return
     bwd = _flash_and_dense_bwd(flash, sdpa, q, k, v, dout)
