@@ -24,6 +24,10 @@
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -94,29 +98,68 @@ struct Traits<c10::BFloat16> {
 
 // Packs the keys [k0, k0 + n) of one head as B of q·kᵀ: float32 (D, n_pad) row-major; bfloat16
 // VNNI pairs (D/2, n_pad, 2). Columns n..n_pad are zero.
+// Transposes a 16 × 16 block of 32-bit words: dst[d][j] = src[j][d].
+inline void transpose16(const uint32_t* src, int64_t lds, uint32_t* dst, int64_t ldd) {
+#if defined(__AVX512F__)
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(src + i * lds));
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int h = 0; h < 16; h += 8) {
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(reinterpret_cast<float*>(dst + i * ldd), r[i]);
+#else
+  for (int d = 0; d < 16; ++d) {
+    for (int j = 0; j < 16; ++j) dst[d * ldd + j] = src[j * lds + d];
+  }
+#endif
+}
+
 // Keys [j_lo, j_hi) of one head packed as B of q·kᵀ (row stride ld): float32 (D, ld)
 // row-major; bfloat16 VNNI pairs (D/2, ld, 2). Keys at or past n are zero.
 template <typename T>
 void pack_keys(const T* k, int64_t ks, int64_t D, int64_t n, int64_t j_lo, int64_t j_hi,
                int64_t ld, T* out) {
-  using W = std::conditional_t<Traits<T>::vnni, uint32_t, T>;  // bf16: a pair (d, d+1) = a word
-  constexpr int64_t per = sizeof(W) / sizeof(T);
-  const int64_t Dw = D / per;
-  W* o = reinterpret_cast<W*>(out);
-  W tile[16][16];
+  constexpr int64_t per = 4 / sizeof(T);  // bf16: a pair (d, d+1) of one key is one word
+  static_assert(sizeof(T) * per == 4, "32-bit words");
+  const int64_t Dw = D / per, ksw = ks / per;
+  const auto* kw = reinterpret_cast<const uint32_t*>(k);
+  auto* o = reinterpret_cast<uint32_t*>(out);
+  const bool fast = ks % per == 0 && reinterpret_cast<uintptr_t>(k) % 4 == 0;
+  uint32_t tile[16][16];
   for (int64_t j0 = j_lo; j0 < j_hi; j0 += 16) {
     const int64_t nj = std::min<int64_t>(16, j_hi - j0);
     for (int64_t d0 = 0; d0 < Dw; d0 += 16) {
       const int64_t nd = std::min<int64_t>(16, Dw - d0);
+      if (fast && nj == 16 && nd == 16 && j0 + 16 <= n) {
+        transpose16(kw + j0 * ksw + d0, ksw, o + d0 * ld + j0, ld);
+        continue;
+      }
       for (int64_t j = 0; j < nj; ++j) {
         if (j0 + j < n) {
-          std::memcpy(tile[j], k + (j0 + j) * ks + d0 * per, nd * sizeof(W));
+          std::memcpy(tile[j], k + (j0 + j) * ks + d0 * per, nd * 4);
         } else {
-          std::memset(tile[j], 0, nd * sizeof(W));
+          std::memset(tile[j], 0, nd * 4);
         }
       }
       for (int64_t d = 0; d < nd; ++d) {
-        W* row = o + (d0 + d) * ld + j0;
+        uint32_t* row = o + (d0 + d) * ld + j0;
         for (int64_t j = 0; j < nj; ++j) row[j] = tile[j][d];
       }
     }
