@@ -330,9 +330,11 @@ def test_a_mask_made_of_blocks_tiles_by_its_own_block(monkeypatch) -> None:
 
 # --------------------------------------------------------------------------- C++ band kernel
 @pytest.fixture
-def band_ext():
+def band_ext(monkeypatch):
+    """The C++ band kernel, built and selected (whatever ATTNLAB_FLASH_BAND_ENGINE says)."""
     if _ext.mode() == "off" or not _ext.load(band_kernel.EXT, wait=True):
         pytest.skip(f"C++ extension unavailable: {_ext.status(band_kernel.EXT)}")
+    monkeypatch.setenv(band_kernel.ENGINE_ENV, "auto")
 
 
 def _count_band_kernel(monkeypatch) -> list[int]:
@@ -396,11 +398,12 @@ def test_band_kernel_and_aten_agree(band_ext, monkeypatch, dtype) -> None:
     assert (outs["aten"].float() - outs["auto"].float()).abs().max() <= tol
 
 
-def test_band_kernel_rows_without_keys(band_ext) -> None:
-    """The operator itself on a tile with a fully masked row: out 0, lse −inf; other rows equal
-    the float64 formula (scale, additive tile, GQA, a view as destination)."""
+def test_band_kernel_rows_without_keys_and_clipped_windows(band_ext) -> None:
+    """The operator itself against the float64 formula: scale, additive tile, GQA, a view as
+    destination, windows reaching before key 0 and past ``limit`` (clipped), a fully masked
+    row and rows past ``limit`` (out 0, lse −inf)."""
     g = torch.Generator().manual_seed(0)
-    H, H_kv, L, D, Dv, bq, W, nblk, r0, ks = 4, 2, 90, 8, 12, 4, 11, 6, 5, 2
+    H, H_kv, L, D, Dv, bq, W, nblk, r0, ks, limit = 4, 2, 90, 8, 12, 4, 11, 20, 5, -7, 60
     q = torch.randn(H, L, D, generator=g)
     k = torch.randn(H_kv, L, D, generator=g)
     v = torch.randn(H_kv, L, Dv, generator=g)
@@ -409,17 +412,25 @@ def test_band_kernel_rows_without_keys(band_ext) -> None:
     add[2, 0, 1] = float("-inf")  # block 2, row 1: no key
     big = torch.zeros(nblk, H, bq + 3, Dv)
     out, lse = big[:, :, :bq], torch.empty(nblk, H, bq)
-    torch.ops.attnlab_band.forward_into(out, lse, q, k, v, add, r0, nblk, bq, ks, W, 0.7)
+    torch.ops.attnlab_band.forward_into(out, lse, q, k, v, add, r0, nblk, bq, ks, W, limit, 0.7)
+    dead = 0
     for t in range(nblk):
+        keys = torch.arange(ks + t * bq, ks + t * bq + W)
+        live = (keys >= 0) & (keys < limit)
+        idx = keys.clamp(0, L - 1)
         qq = q[:, r0 + t * bq : r0 + (t + 1) * bq].double()
-        kk = k[:, ks + t * bq : ks + t * bq + W].double().repeat_interleave(2, 0)
-        vv = v[:, ks + t * bq : ks + t * bq + W].double().repeat_interleave(2, 0)
-        s = qq @ kk.transpose(-1, -2) * 0.7 + add[t].double()
+        kk = k[:, idx].double().repeat_interleave(2, 0)
+        vv = v[:, idx].double().repeat_interleave(2, 0)
+        s = (qq @ kk.transpose(-1, -2) * 0.7 + add[t].double()).masked_fill(~live, -torch.inf)
+        want_lse = torch.logsumexp(s, -1)
         want = torch.softmax(s, -1).nan_to_num(0.0) @ vv
         assert torch.allclose(out[t].double(), want, atol=2e-6), t
-        assert torch.allclose(lse[t].double(), torch.logsumexp(s, -1), atol=2e-6), t
+        assert torch.equal(torch.isneginf(lse[t]), torch.isneginf(want_lse)), t
+        fin = torch.isfinite(want_lse)
+        assert torch.allclose(lse[t].double()[fin], want_lse[fin], atol=2e-6), t
+        dead += int((~fin).sum())
+    assert dead > H  # block 2's masked row and the rows whose window is past `limit`
     assert torch.equal(out[2, :, 1], torch.zeros(H, Dv))
-    assert torch.isneginf(lse[2, :, 1]).all()
     assert torch.equal(big[:, :, bq:], torch.zeros(nblk, H, 3, Dv))  # nothing written outside
 
 

@@ -1,10 +1,12 @@
 // Batched band calls (sliding windows) of the flash backend as one CPU operator
 // (see attnlab/functional/flash/band.py and engines.py `BandEngine`).
 //
-//   attnlab_band::forward_into(out!, lse!, q, k, v, add, r0, nblk, bq, k_start, width, scale)
+//   attnlab_band::forward_into(out!, lse!, q, k, v, add, r0, nblk, bq, k_start, width, limit,
+//                              scale)
 //       q (H, L, D), k (H_kv, S, D), v (H_kv, S, Dv): one batch item, unit stride in the last
 //       dim; query block t (0 <= t < nblk) holds rows r0 + t·bq … + bq and sees the keys
-//       [k_start + t·bq, … + width), all inside [0, S). add (A0, A1, bq, width) float32 with
+//       [k_start + t·bq, … + width) that lie in [0, limit) (edge windows are clipped: columns
+//       outside are masked; limit <= S). add (A0, A1, bq, width) float32 with
 //       A0 in {1, nblk} and A1 in {1, H}: the additive tile (mask as −inf, plus any bias).
 //       Writes out (nblk, H, bq, Dv) in q's dtype and lse (nblk, H, bq) float32 (any strides,
 //       e.g. views of the whole output):
@@ -131,11 +133,12 @@ inline void transpose16(const uint32_t* src, int64_t lds, uint32_t* dst, int64_t
 #endif
 }
 
-// Keys [j_lo, j_hi) of one head packed as B of q·kᵀ (row stride ld): float32 (D, ld)
-// row-major; bfloat16 VNNI pairs (D/2, ld, 2). Keys at or past n are zero.
+// Packed columns [j_lo, j_hi) of one head's keys as B of q·kᵀ (row stride ld): column j holds
+// key k0 + j when v_lo <= j < v_hi, else zeros; float32 (D, ld) row-major, bfloat16 VNNI pairs
+// (D/2, ld, 2). ``k`` points at key 0.
 template <typename T>
-void pack_keys(const T* k, int64_t ks, int64_t D, int64_t n, int64_t j_lo, int64_t j_hi,
-               int64_t ld, T* out) {
+void pack_keys(const T* k, int64_t ks, int64_t D, int64_t k0, int64_t v_lo, int64_t v_hi,
+               int64_t j_lo, int64_t j_hi, int64_t ld, T* out) {
   constexpr int64_t per = 4 / sizeof(T);  // bf16: a pair (d, d+1) of one key is one word
   static_assert(sizeof(T) * per == 4, "32-bit words");
   const int64_t Dw = D / per, ksw = ks / per;
@@ -147,13 +150,13 @@ void pack_keys(const T* k, int64_t ks, int64_t D, int64_t n, int64_t j_lo, int64
     const int64_t nj = std::min<int64_t>(16, j_hi - j0);
     for (int64_t d0 = 0; d0 < Dw; d0 += 16) {
       const int64_t nd = std::min<int64_t>(16, Dw - d0);
-      if (fast && nj == 16 && nd == 16 && j0 + 16 <= n) {
-        transpose16(kw + j0 * ksw + d0, ksw, o + d0 * ld + j0, ld);
+      if (fast && nj == 16 && nd == 16 && j0 >= v_lo && j0 + 16 <= v_hi) {
+        transpose16(kw + (k0 + j0) * ksw + d0, ksw, o + d0 * ld + j0, ld);
         continue;
       }
       for (int64_t j = 0; j < nj; ++j) {
-        if (j0 + j < n) {
-          std::memcpy(tile[j], k + (j0 + j) * ks + d0 * per, nd * 4);
+        if (j0 + j >= v_lo && j0 + j < v_hi) {
+          std::memcpy(tile[j], k + (k0 + j0 + j) * ks + d0 * per, nd * 4);
         } else {
           std::memset(tile[j], 0, nd * 4);
         }
@@ -166,14 +169,16 @@ void pack_keys(const T* k, int64_t ks, int64_t D, int64_t n, int64_t j_lo, int64
   }
 }
 
-// Values [j_lo, j_hi) (j_lo even) of one head as B of p·v: bfloat16 VNNI pairs (·, Dv, 2), rows
-// at or past n zero (float32 values are read in place).
-void pack_values(const c10::BFloat16* v, int64_t vs, int64_t Dv, int64_t n, int64_t j_lo,
-                 int64_t j_hi, c10::BFloat16* out) {
+// Packed rows [j_lo, j_hi) (j_lo even) of one head's values as B of p·v: bfloat16 VNNI pairs
+// (·, Dv, 2), row j = value k0 + j when v_lo <= j < v_hi, else zeros (float32 values are read
+// in place). ``v`` points at value 0.
+void pack_values(const c10::BFloat16* v, int64_t vs, int64_t Dv, int64_t k0, int64_t v_lo,
+                 int64_t v_hi, int64_t j_lo, int64_t j_hi, c10::BFloat16* out) {
   const c10::BFloat16 zero(0.0f);
+  auto row = [&](int64_t j) { return j >= v_lo && j < v_hi ? v + (k0 + j) * vs : nullptr; };
   for (int64_t j = j_lo; j < j_hi; j += 2) {
-    const c10::BFloat16* a = j < n ? v + j * vs : nullptr;
-    const c10::BFloat16* b = j + 1 < n ? v + (j + 1) * vs : nullptr;
+    const c10::BFloat16* a = row(j);
+    const c10::BFloat16* b = row(j + 1);
     c10::BFloat16* o = out + j * Dv;
     for (int64_t c = 0; c < Dv; ++c) {
       o[2 * c] = a ? a[c] : zero;
@@ -185,16 +190,22 @@ void pack_values(const c10::BFloat16* v, int64_t vs, int64_t Dv, int64_t n, int6
 template <typename T>
 void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk, int64_t bq,
-                  int64_t k_start, int64_t width, double scale_d) {
+                  int64_t k_start, int64_t width, int64_t limit, double scale_d) {
   constexpr bool vnni = Traits<T>::vnni;
   const int64_t H = q.size(0), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
   const int64_t G = H / Hkv;
   const float scale = static_cast<float>(scale_d);
-  const int64_t wp = vnni ? width + (width & 1) : width;  // keys per block in the products
-  const int64_t nk = (nblk - 1) * bq + width;              // keys the band covers
+  const int64_t wp = vnni ? width + (width & 1) : width;  // keys per block in p·v
+  const int64_t ws = (width + 15) / 16 * 16;  // scores per row: whole vectors (add holds −inf)
+  const int64_t nk = (nblk - 1) * bq + width;  // keys the band covers
+  // packed column j is key k_start + j: a key when v_lo <= j < v_hi (edge windows reach past
+  // [0, limit): those columns are −inf and their packed keys and values zero)
+  const int64_t v_lo = std::max<int64_t>(0, -k_start);
+  const int64_t v_hi = std::max(v_lo, std::min(nk, limit - k_start));
   const int64_t nkp = (nblk - 1) * bq + wp;
   // row stride of the packed keys: rounded up and off a multiple of 4 KiB (a power-of-two
-  // stride maps every row of a window to the same cache sets)
+  // stride maps every row of a window to the same cache sets); q·kᵀ reads ws <= ldk − t·bq
+  // columns, all packed (zero past the band)
   const int64_t ldk = (nkp + 15) / 16 * 16 + 16;
 
   const T* qp = q.const_data_ptr<T>();
@@ -218,54 +229,79 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
   std::unique_ptr<T[]> vpack(vnni ? new T[static_cast<size_t>(nkp * Dv)] : nullptr);
   constexpr int64_t kChunk = 512;
   for (int64_t hk = 0; hk < Hkv; ++hk) {
-    const T* kh_ = kp + hk * kh + k_start * ks;
-    const T* vh_ = vp + hk * vh + k_start * vs;
-    at::parallel_for(0, (nkp + kChunk - 1) / kChunk, 1, [&](int64_t c0, int64_t c1) {
-      const int64_t j_lo = c0 * kChunk, j_hi = std::min(nkp, c1 * kChunk);
-      pack_keys<T>(kh_, ks, D, nk, j_lo, j_hi, ldk, kpack.get());
-      if constexpr (vnni) pack_values(vh_, vs, Dv, nk, j_lo, j_hi, vpack.get());
+    const T* kh_ = kp + hk * kh;  // key 0 of this head
+    const T* vh_ = vp + hk * vh;
+    at::parallel_for(0, (ldk + kChunk - 1) / kChunk, 1, [&](int64_t c0, int64_t c1) {
+      const int64_t j_lo = c0 * kChunk, j_hi = std::min(ldk, c1 * kChunk);
+      pack_keys<T>(kh_, ks, D, k_start, v_lo, v_hi, j_lo, j_hi, ldk, kpack.get());
+      if constexpr (vnni) {
+        if (j_lo < nkp) {
+          pack_values(vh_, vs, Dv, k_start, v_lo, v_hi, j_lo, std::min(nkp, j_hi), vpack.get());
+        }
+      }
     });
     at::parallel_for(0, nblk * G, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> s(static_cast<size_t>(bq * wp));
-      std::vector<T> p(vnni ? static_cast<size_t>(bq * wp) : 0);
+      std::vector<float> s(static_cast<size_t>(bq * ws));
+      std::vector<T> p(vnni ? static_cast<size_t>(bq * ws) : 0);
       std::vector<float> o(static_cast<size_t>(bq * Dv));
       std::vector<float> m(bq), den(bq);
       for (int64_t it = i0; it < i1; ++it) {
         const int64_t t = it / G, h = hk * G + it % G;
         const T* qb = qp + h * qh + (r0 + t * bq) * qs;
         const T* kb = kpack.get() + (vnni ? 2 : 1) * t * bq;
-        brgemm(bq, wp, D, qs, ldk, wp, false, qb, kb, s.data(), vnni);
+        brgemm(bq, ws, D, qs, ldk, ws, false, qb, kb, s.data(), vnni);
         const float* at = ap + t * a0 + h * a1;
+        // this block's columns that are keys: [c_lo, c_hi) (all of them inside the band)
+        const int64_t c_lo = std::clamp<int64_t>(v_lo - t * bq, 0, ws);
+        const int64_t c_hi = std::clamp<int64_t>(v_hi - t * bq, c_lo, ws);
         for (int64_t r = 0; r < bq; ++r) {
-          float* sr = s.data() + r * wp;
+          // rows run in whole 16-lane vectors: no scalar remainder (padding columns are −inf)
+          float* sr = s.data() + r * ws;
           const float* ad = at + r * ar;
-          float mx = kNegInf;
-#pragma omp simd reduction(max : mx)
-          for (int64_t c = 0; c < width; ++c) {
-            const float x = std::fma(sr[c], scale, ad[c]);
-            sr[c] = x;
-            mx = std::max(mx, x);
+          float mv[16];
+          for (int c = 0; c < 16; ++c) mv[c] = kNegInf;
+          for (int64_t c0 = 0; c0 < ws; c0 += 16) {
+#pragma omp simd
+            for (int c = 0; c < 16; ++c) {
+              const int64_t col = c0 + c;
+              const float y = std::fma(sr[col], scale, ad[col]);
+              const float x = col >= c_lo && col < c_hi ? y : kNegInf;
+              sr[col] = x;
+              mv[c] = std::max(mv[c], x);
+            }
           }
-          for (int64_t c = width; c < wp; ++c) sr[c] = kNegInf;
+          float mx = kNegInf;
+          for (int c = 0; c < 16; ++c) mx = std::max(mx, mv[c]);
           m[r] = mx;
           const float base = mx == kNegInf ? 0.0f : mx;
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t c = 0; c < wp; ++c) {
-            const float e = exp_neg(sr[c] - base);
-            sr[c] = e;
-            sum += e;
+          float sv[16] = {};
+          for (int64_t c0 = 0; c0 < ws; c0 += 16) {
+#pragma omp simd
+            for (int c = 0; c < 16; ++c) {
+              const float e = exp_neg(sr[c0 + c] - base);
+              sr[c0 + c] = e;
+              sv[c] += e;
+            }
           }
+          float sum = 0.0f;
+          for (int c = 0; c < 16; ++c) sum += sv[c];
           den[r] = sum;
           if constexpr (vnni) {
-            T* pr = p.data() + r * wp;
+            T* pr = p.data() + r * ws;
 #pragma omp simd
-            for (int64_t c = 0; c < wp; ++c) pr[c] = Traits<T>::store(sr[c]);
+            for (int64_t c = 0; c < ws; ++c) pr[c] = Traits<T>::store(sr[c]);
           }
         }
         const T* pa = vnni ? p.data() : reinterpret_cast<const T*>(s.data());
-        const T* vb = vnni ? vpack.get() + t * bq * Dv : vh_ + t * bq * vs;
-        brgemm(bq, Dv, wp, wp, vnni ? Dv : vs, Dv, false, pa, vb, o.data(), vnni);
+        if constexpr (vnni) {  // packed values: zero rows where there is no key
+          brgemm(bq, Dv, wp, ws, Dv, Dv, false, pa, vpack.get() + t * bq * Dv, o.data(), true);
+        } else if (c_hi > c_lo) {  // values in place: only the rows that exist
+          const T* vb = vh_ + (k_start + t * bq + c_lo) * vs;
+          brgemm(bq, Dv, std::min(wp, c_hi) - c_lo, ws, vs, Dv, false, pa + c_lo, vb, o.data(),
+                 false);
+        } else {
+          std::fill(o.begin(), o.end(), 0.0f);
+        }
         for (int64_t r = 0; r < bq; ++r) {
           const bool dead = m[r] == kNegInf;
           const float inv = dead ? 0.0f : 1.0f / den[r];
@@ -290,7 +326,7 @@ void check(const at::Tensor& x, const char* name, int64_t dim) {
 
 void forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk, int64_t bq,
-                  int64_t k_start, int64_t width, double scale) {
+                  int64_t k_start, int64_t width, int64_t limit, double scale) {
   check(q, "q", 3);
   check(k, "k", 3);
   check(v, "v", 3);
@@ -307,8 +343,8 @@ void forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at:
               "attnlab_band.forward_into: bad head counts");
   TORCH_CHECK(r0 >= 0 && r0 + nblk * bq <= q.size(1),
               "attnlab_band.forward_into: rows out of range");
-  TORCH_CHECK(k_start >= 0 && k_start + (nblk - 1) * bq + width <= k.size(1),
-              "attnlab_band.forward_into: a window leaves the keys");
+  TORCH_CHECK(limit >= 1 && limit <= k.size(1),
+              "attnlab_band.forward_into: limit must be in [1, S], got ", limit);
   TORCH_CHECK((add.size(0) == 1 || add.size(0) == nblk) &&
                   (add.size(1) == 1 || add.size(1) == q.size(0)) && add.size(2) == bq &&
                   add.size(3) == width,
@@ -321,10 +357,16 @@ void forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at:
               "attnlab_band.forward_into: float32 or bfloat16 only, got ", q.scalar_type());
   TORCH_CHECK(!bf16 || (q.size(2) % 2 == 0 && bq % 2 == 0),
               "attnlab_band.forward_into: bfloat16 needs an even head dim and block");
+  // the tile padded with −inf to whole 16-lane rows (the kernel's softmax has no remainder)
+  const int64_t ws = (width + 15) / 16 * 16;
+  const at::Tensor addp =
+      ws == width ? add
+                  : at::constant_pad_nd(add, {0, ws - width}, -std::numeric_limits<double>::infinity());
   if (bf16) {
-    band_forward<c10::BFloat16>(out, lse, q, k, v, add, r0, nblk, bq, k_start, width, scale);
+    band_forward<c10::BFloat16>(out, lse, q, k, v, addp, r0, nblk, bq, k_start, width, limit,
+                                scale);
   } else {
-    band_forward<float>(out, lse, q, k, v, add, r0, nblk, bq, k_start, width, scale);
+    band_forward<float>(out, lse, q, k, v, addp, r0, nblk, bq, k_start, width, limit, scale);
   }
 }
 
@@ -355,7 +397,7 @@ bool supported(at::ScalarType dtype) {
 TORCH_LIBRARY(attnlab_band, m) {
   m.def(
       "forward_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, Tensor add, "
-      "int r0, int nblk, int bq, int k_start, int width, float scale) -> ()");
+      "int r0, int nblk, int bq, int k_start, int width, int limit, float scale) -> ()");
   m.def("supported(ScalarType dtype) -> bool", &supported);
 }
 

@@ -415,16 +415,18 @@ def _causal_plan(B: int, L: int, S: int) -> Plan:
 def _band_plan(
     B: int, H: int, L: int, S: int, lo: int, hi: int, bq: int, with_bias: bool
 ) -> Plan | None:
-    """Batched interior blocks plus one masked call per edge block; None if not worthwhile."""
+    """Every full query block whose window holds a key, batched (windows reaching outside the
+    keys are clipped: ``key_limit``), plus one masked call for a last partial block; None if
+    not worthwhile."""
     off, span = S - L, hi - lo
     width = -(-(bq + span) // bq) * bq  # keys per window, a multiple of bq
     if width >= S:
         return None
     block_budget = max(1, TILE_BUDGET // (H * bq * width)) if with_bias else None
     nq = -(-L // bq)
-    # interior: full block, window inside [0, S)
-    t_a = max(0, -((off + lo) // bq))  # first block whose window starts at key >= 0
-    t_b = min(L // bq, (S - width - off - lo) // bq + 1) if S - width - off - lo >= 0 else 0
+    # block t's window is [t·bq + off + lo, … + width): batch the full blocks where it meets [0, S)
+    t_a = max(0, -((off + lo + width - 1) // bq))  # first block whose window ends past key 0
+    t_b = min(L // bq, -(-(S - off - lo) // bq))  # past the last block whose window starts < S
     groups: list[Group] = []
     if t_b - t_a < 2:
         t_a = t_b = 0
@@ -435,7 +437,7 @@ def _band_plan(
                 for s in range(t_a, t_b, step):
                     e = min(t_b, s + step)
                     ks = s * bq + off + lo
-                    band = BandCall(0, B, s, e, bq, width, ks, span)
+                    band = BandCall(0, B, s, e, bq, width, ks, span, key_limit=S)
                     groups.append(Group(0, B, s * bq, e * bq, [band]))
             continue
         r0, r1 = t * bq, min(L, (t + 1) * bq)

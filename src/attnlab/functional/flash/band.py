@@ -90,20 +90,22 @@ def band_forward(
     so the batched call is always possible.
     """
     put = store or _copy
+    native = band_kernel.usable(q, k, v, c.bq)  # every block, edges too, in one C++ call
     for b in range(c.b0, c.b1):
         add = tiles.tile(c, b, q.device)
-        inner, add_in = interior(c, add)
-        if inner is not None and band_kernel.usable(q, k, v, inner.bq):
-            o_rows, l_rows = blocks(out, b, inner), blocks(lse, b, inner)
+        if native:
+            o_rows, l_rows = blocks(out, b, c), blocks(lse, b, c)
             o, l = (
                 (o_rows, l_rows)
                 if store is None
                 else (torch.empty_like(o_rows), torch.empty_like(l_rows))
             )
-            band_kernel.forward_into(o, l, q[b], k[b], v[b], add_in, inner, scale)
+            band_kernel.forward_into(o, l, q[b], k[b], v[b], add, c, scale)
             if store is not None:
                 store(o_rows, l_rows, o, l)
-        elif inner is not None:
+            continue
+        inner, add_in = interior(c, add)
+        if inner is not None:
             o, l = kernel_forward(
                 blocks(q, b, inner),
                 windows(k, b, inner),

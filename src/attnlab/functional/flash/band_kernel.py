@@ -90,17 +90,20 @@ def forward_into(
         lse: ``(nblk, H, bq)`` float32 destination.
         q: ``(H, L, D)``; k: ``(H_kv, S, D)``; v: ``(H_kv, S, Dv)``: one batch item.
         add: additive tile ``(bq, W)`` or ``(1|nblk, H|1, bq, W)`` (mask as −inf, plus bias).
-        c: the call; every window inside the keys.
+        c: the call, all its blocks: windows reaching outside ``[0, c.key_limit)`` (or the
+            keys) are clipped to it.
         scale: logit multiplier.
 
-    ``out = softmax(q·kᵀ·scale + add) v`` per block; a row with no key gets 0 and lse = −inf.
+    ``out = softmax(q·kᵀ·scale + add) v`` per block over the keys of its window; a row with
+    no key gets 0 and lse = −inf.
     """
     add4 = add.reshape((1,) * (4 - add.dim()) + tuple(add.shape)).float()
     if add4.stride(-1) != 1:
         add4 = add4.contiguous()
     nblk = c.t1 - c.t0
+    limit = c.key_limit if c.key_limit > 0 else k.shape[1]
     torch.ops.attnlab_band.forward_into(
-        out, lse, q, k, v, add4, c.r0, nblk, c.bq, c.k_start, c.width, float(scale)
+        out, lse, q, k, v, add4, c.r0, nblk, c.bq, c.k_start, c.width, limit, float(scale)
     )
 
 
