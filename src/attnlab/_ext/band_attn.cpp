@@ -24,6 +24,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <torch/library.h>
 
 #if defined(__AVX512F__)
@@ -317,6 +319,29 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
   }
 }
 
+// Faults in the pages of a large fresh output before the kernel writes it: one madvise
+// (MADV_POPULATE_WRITE, Linux >= 5.14) per thread instead of a trap per 4 KiB page inside the
+// kernel (window 256, L = 16384, fp32, best of 15 interleaved: 0.0736 → 0.0710 s). Only the
+// bytes the view spans; a no-op where the pages exist, an ignored hint elsewhere.
+void populate(const at::Tensor& t) {
+#if defined(MADV_POPULATE_WRITE)
+  int64_t lo = 0, hi = 0;  // element offsets spanned by the view
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    (t.stride(d) < 0 ? lo : hi) += (t.size(d) - 1) * t.stride(d);
+  }
+  const int64_t item = t.element_size();
+  const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t a = (base + lo * item) & ~(page - 1);
+  const uintptr_t b = (base + (hi + 1) * item + page - 1) & ~(page - 1);
+  if (t.numel() == 0 || b - a < (uintptr_t{8} << 20)) return;
+  const int64_t pages = static_cast<int64_t>((b - a) / page);
+  at::parallel_for(0, pages, pages / 2 + 1, [&](int64_t p0, int64_t p1) {
+    madvise(reinterpret_cast<void*>(a + p0 * page), (p1 - p0) * page, MADV_POPULATE_WRITE);
+  });
+#endif
+}
+
 void check(const at::Tensor& x, const char* name, int64_t dim) {
   TORCH_CHECK(x.device().is_cpu(), "attnlab_band.forward_into: ", name, " must be on the CPU");
   TORCH_CHECK(x.dim() == dim, "attnlab_band.forward_into: ", name, " must be ", dim, "-D, got ",
@@ -362,6 +387,7 @@ void forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at:
   const at::Tensor addp =
       ws == width ? add
                   : at::constant_pad_nd(add, {0, ws - width}, -std::numeric_limits<double>::infinity());
+  populate(out);
   if (bf16) {
     band_forward<c10::BFloat16>(out, lse, q, k, v, addp, r0, nblk, bq, k_start, width, limit,
                                 scale);
