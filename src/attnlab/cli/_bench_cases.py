@@ -63,16 +63,20 @@ def matmul_size(
     clock: Callable[[], float] = time.perf_counter,
 ) -> int:
     """The largest power-of-two size up to ``n`` whose ``torch.mm`` should take at most
-    ``budget`` seconds, from one timed 512² product (at least 512). A dtype without native
+    ``budget`` seconds, from the best of three timed 512² products (at least 512; one timing
+    hit by a preempted thread picked 2048² for float32 in a run). A dtype without native
     matrix units (float16 on a CPU without AVX512-FP16: ~1 GFLOP/s) would otherwise spend
     minutes on the 4096² rate."""
     m = min(n, 512)
     a = torch.randn(m, m, device=device).to(dtype)
     mm = _synced(lambda: torch.mm(a, a), device)
     mm()
-    t0 = clock()
-    mm()
-    per_flop = max(clock() - t0, 1e-9) / (2 * m**3)
+    seconds = []
+    for _ in range(3):
+        t0 = clock()
+        mm()
+        seconds.append(clock() - t0)
+    per_flop = max(min(seconds), 1e-9) / (2 * m**3)
     while n > 512 and per_flop * 2 * n**3 > budget:
         n //= 2
     return n
