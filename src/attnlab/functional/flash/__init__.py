@@ -27,6 +27,11 @@ How it runs:
    - ``"torch"``: a pure-PyTorch online-softmax loop over (row, key) chunks: float64 (the
      verification dtype, on wide 2048-tiles) and devices other than the CPU.
 
+   On the kernel engine, batched band calls (sliding windows) run their forward on attnlab's own
+   C++ band kernel when it is built (`band_kernel`: float32/bfloat16, one operator call per
+   band, a one-pass softmax per block, oneDNN's brgemm products); their backward stays on
+   torch's kernel.
+
 3. Calls over disjoint key sets are combined with `merge_partials` (log-sum-exp weights).
 4. Backward recomputes every call from q, k, v and the GLOBAL out and lse: the kernel's backward
    over a subset of keys, given the global normaliser, returns exactly that subset's dK, dV and its
@@ -34,7 +39,8 @@ How it runs:
    Calls run in a fixed order, so gradients are bit-deterministic.
 
 Modules (one job each): `plan` (tile sizes, engine, plan for a request), `tiles` (additive
-tiles), `engines` (kernel and pure-PyTorch engines), `band` (batched band calls), `job` (walks a
+tiles), `engines` (kernel and pure-PyTorch engines), `band` (batched band calls),
+`band_kernel` (when the C++ band kernel runs them), `job` (walks a
 plan forward and backward), `autograd` (the differentiable entry), `poison` (the NaN rule's
 entries), `ops` (custom operators for ``torch.compile``), `run` (the registry's hooks and
 `flash_attention`). Auto's size thresholds (``AUTO_*_MIN``) and `flash_declines` are the dispatch
