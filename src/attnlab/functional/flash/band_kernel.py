@@ -57,7 +57,9 @@ def engine_setting() -> str:
 
 @functools.cache
 def _cpu_supports(dtype: torch.dtype) -> bool:
-    return bool(torch.ops.attnlab_band.supported(dtype))
+    """The operator's answer (a Python bool, no tensor), asked once per dtype."""
+    answer: bool = torch.ops.attnlab_band.supported(dtype)
+    return answer
 
 
 def ready(q: Tensor, bq: int | None = None) -> bool:
