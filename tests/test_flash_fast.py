@@ -444,3 +444,109 @@ def test_band_kernel_not_for_meta_float16_or_bad_setting(monkeypatch) -> None:
     monkeypatch.setenv(band_kernel.ENGINE_ENV, "fast")
     with pytest.raises(ValueError, match=r"ATTNLAB_FLASH_BAND_ENGINE must be one of auto, aten"):
         band_kernel.ready(torch.empty(1, 2, 8, 4))
+
+
+# --------------------------------------------------------------------------- C++ segment kernel
+def _count_segment_kernel(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = band_kernel.segments_into
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(band_kernel, "segments_into", spy)
+    return calls
+
+
+SEGMENT_CASES = {
+    # fp32: odd segment lengths (37) that the 64-row block does not divide; bfloat16 even ones
+    "documents causal": lambda n: masks.causal() & masks.document.from_lengths([n] * 4),
+    "documents full": lambda n: masks.document.from_lengths([n] * 4),
+    "documents mixed": lambda n: masks.causal() & masks.document.from_lengths([n, n, 2 * n]),
+    "dense causal": lambda n: masks.causal(),
+    "no mask": lambda n: None,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(SEGMENT_CASES))
+def test_segment_kernel_matches_reference(band_ext, monkeypatch, dtype, name) -> None:
+    """Packed documents, and one causal or unmasked call with L = S, run on the C++ segment
+    kernel (the spy sees it) and equal the float64 reference with the tolerance rule, forward and
+    backward (torch's backward reads the kernel's lse); GQA, head dim 16."""
+    n = 37 if dtype == torch.float32 else 38
+    calls = _count_segment_kernel(monkeypatch)
+    mask = SEGMENT_CASES[name](n)
+    check_against_reference(
+        call_backend("flash", mask),
+        reference_for(mask, None),
+        list(qkv(4 * n, dtype)),
+        mean_factor=mean_factor_for("flash", dtype),
+    )
+    assert calls, "the C++ segment kernel did not run"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_segment_kernel_and_aten_agree(band_ext, monkeypatch, dtype) -> None:
+    """Both engines of segment calls agree within the dtype's rounding (lse too); ``aten`` and
+    segments longer than `band_kernel.SEGMENT_MAX` keep the C++ kernel out."""
+    q, k, v = qkv(400, dtype, D=32)
+    mask = masks.causal() & masks.document.from_lengths([200, 200])
+    calls = _count_segment_kernel(monkeypatch)
+    runs = {}
+    for engine, limit, want in (("aten", 4096, False), ("auto", 199, False), ("auto", 4096, True)):
+        monkeypatch.setenv(band_kernel.ENGINE_ENV, engine)
+        monkeypatch.setattr(band_kernel, "SEGMENT_MAX", limit)
+        calls.clear()
+        runs[(engine, limit)] = flash_attention(q, k, v, mask=mask)
+        assert bool(calls) == want, (engine, limit)
+    (o_a, l_a), (o_c, l_c) = runs[("aten", 4096)], runs[("auto", 4096)]
+    # the two kernels round bfloat16 products in different places: lse moves by ~1e-4
+    tol, tol_lse = (2e-6, 2e-5) if dtype == torch.float32 else (1.6e-2, 1e-3)
+    assert (o_a.float() - o_c.float()).abs().max() <= tol
+    assert (l_a - l_c).abs().max() <= tol_lse
+    torch.testing.assert_close(runs[("auto", 199)], runs[("aten", 4096)], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_segment_kernel_operator(band_ext, causal) -> None:
+    """The operator itself against the float64 formula: segments from an offset, a block that
+    does not divide them, GQA, Dv != D, a strided destination; rows outside the segments keep
+    what they held."""
+    g = torch.Generator().manual_seed(1)
+    H, H_kv, L, D, Dv, start, n, count = 4, 2, 120, 8, 12, 5, 33, 3
+    q = torch.randn(H, L, D, generator=g)
+    k = torch.randn(H_kv, L, D, generator=g)
+    v = torch.randn(H_kv, L, Dv, generator=g)
+    big = torch.full((H, L, Dv + 3), 7.0)
+    out, lse = big[..., :Dv], torch.full((H, L), 7.0)
+    torch.ops.attnlab_band.segments_into(out, lse, q, k, v, start, n, count, causal, 16, 0.6)
+    for s in range(count):
+        rows = slice(start + s * n, start + (s + 1) * n)
+        qq = q[:, rows].double()
+        kk = k[:, rows].double().repeat_interleave(2, 0)
+        vv = v[:, rows].double().repeat_interleave(2, 0)
+        sc = qq @ kk.transpose(-1, -2) * 0.6
+        if causal:
+            sc = sc.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -torch.inf)
+        assert torch.allclose(out[:, rows].double(), torch.softmax(sc, -1) @ vv, atol=2e-6)
+        assert torch.allclose(lse[:, rows].double(), torch.logsumexp(sc, -1), atol=2e-6)
+    end = start + count * n
+    for t in (out[:, :start], out[:, end:], lse[:, :start], lse[:, end:], big[..., Dv:]):
+        assert torch.equal(t, torch.full_like(t, 7.0))
+
+
+def test_segment_kernel_checks_its_arguments(band_ext) -> None:
+    """Bad calls are refused by the operator before any work, with the reason."""
+    q = torch.randn(2, 64, 8)
+    out, lse = torch.empty(2, 64, 8), torch.empty(2, 64)
+    op = torch.ops.attnlab_band.segments_into
+    with pytest.raises(RuntimeError, match="segments out of range"):
+        op(out, lse, q, q, q, 10, 30, 2, True, 16, 1.0)
+    with pytest.raises(RuntimeError, match="even segment length"):
+        qb = q.bfloat16()
+        op(out.bfloat16(), lse, qb, qb, qb, 0, 31, 2, True, 16, 1.0)
+    with pytest.raises(RuntimeError, match=r"out must be \(H, L, Dv\)"):
+        op(out[:, :10], lse, q, q, q, 0, 32, 2, True, 16, 1.0)
+    assert not band_kernel.segments_usable(q.bfloat16(), q.bfloat16(), q.bfloat16(), 31)

@@ -1,5 +1,5 @@
-// Batched band calls (sliding windows) of the flash backend as one CPU operator
-// (see attnlab/functional/flash/band.py and engines.py `BandEngine`).
+// Batched band calls (sliding windows) and batched segments (packed documents) of the flash
+// backend, each as one CPU operator (see attnlab/functional/flash/band.py and band_kernel.py).
 //
 //   attnlab_band::forward_into(out!, lse!, q, k, v, add, r0, nblk, bq, k_start, width, limit,
 //                              scale)
@@ -12,6 +12,11 @@
 //       e.g. views of the whole output):
 //           out = softmax(q·kᵀ·scale + add) v,   lse = log Σ exp(q·kᵀ·scale + add);
 //       a row whose every key is masked gets out = 0, lse = −inf.
+//   attnlab_band::segments_into(out!, lse!, q, k, v, start, n, count, causal, bq, scale)
+//       q, k, v as above; segment s (0 <= s < count) holds rows and keys [start + s·n, … + n):
+//       its rows attend all its keys, or (causal) the keys up to their own position. Writes the
+//       segments' rows of out (H, L, Dv) and lse (H, L) float32 (other rows untouched), in
+//       query blocks of bq rows: out = softmax(q·kᵀ·scale) v, lse = log Σ exp(q·kᵀ·scale).
 //   attnlab_band::supported(dtype) -> bool: whether this CPU runs the operator in that dtype
 //       (oneDNN's brgemm micro-kernel: float32 anywhere it exists, bfloat16 with AVX512-BF16 or
 //       AMX); the caller falls back to torch's flash kernel otherwise.
@@ -99,6 +104,59 @@ struct Traits<c10::BFloat16> {
     return c10::BFloat16(to_bf16(f), c10::BFloat16::from_bits());
   }
 };
+
+// One row of ws scores (ws a multiple of 16) turned into softmax numerators in place:
+// x = s·scale + add on the columns [c_lo, c_hi) (add may be null: no additive tile), −inf on the
+// others; the row runs in whole 16-lane vectors (no scalar remainder). Returns (max, Σ exp(x −
+// max)); max = −inf when no column is a key (the numerators are then all 0).
+template <bool HasAdd>
+inline std::pair<float, float> softmax_row(float* sr, const float* ad, int64_t ws, int64_t c_lo,
+                                           int64_t c_hi, float scale) {
+  float mv[16];
+  for (int c = 0; c < 16; ++c) mv[c] = kNegInf;
+  for (int64_t c0 = 0; c0 < ws; c0 += 16) {
+#pragma omp simd
+    for (int c = 0; c < 16; ++c) {
+      const int64_t col = c0 + c;
+      const float y = HasAdd ? std::fma(sr[col], scale, ad[col]) : sr[col] * scale;
+      const float x = col >= c_lo && col < c_hi ? y : kNegInf;
+      sr[col] = x;
+      mv[c] = std::max(mv[c], x);
+    }
+  }
+  float mx = kNegInf;
+  for (int c = 0; c < 16; ++c) mx = std::max(mx, mv[c]);
+  const float base = mx == kNegInf ? 0.0f : mx;
+  float sv[16] = {};
+  for (int64_t c0 = 0; c0 < ws; c0 += 16) {
+#pragma omp simd
+    for (int c = 0; c < 16; ++c) {
+      const float e = exp_neg(sr[c0 + c] - base);
+      sr[c0 + c] = e;
+      sv[c] += e;
+    }
+  }
+  float sum = 0.0f;
+  for (int c = 0; c < 16; ++c) sum += sv[c];
+  return {mx, sum};
+}
+
+// The numerators rounded to bfloat16 for p·v.
+inline void to_p(const float* sr, c10::BFloat16* pr, int64_t n) {
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c) pr[c] = Traits<c10::BFloat16>::store(sr[c]);
+}
+
+// Writes one output row (the unnormalized p·v row ``src`` divided by the denominator) and its
+// log-sum-exp; a row without keys (max −inf) gets 0 and −inf.
+template <typename T>
+inline void finish_row(T* orow, float* lrow, const float* src, int64_t Dv, float mx, float den) {
+  const bool dead = mx == kNegInf;
+  const float inv = dead ? 0.0f : 1.0f / den;
+#pragma omp simd
+  for (int64_t c = 0; c < Dv; ++c) orow[c] = Traits<T>::store(src[c] * inv);
+  *lrow = dead ? kNegInf : mx + std::log(den);
+}
 
 // Packs the keys [k0, k0 + n) of one head as B of q·kᵀ: float32 (D, n_pad) row-major; bfloat16
 // VNNI pairs (D/2, n_pad, 2). Columns n..n_pad are zero.
@@ -257,42 +315,11 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
         const int64_t c_lo = std::clamp<int64_t>(v_lo - t * bq, 0, ws);
         const int64_t c_hi = std::clamp<int64_t>(v_hi - t * bq, c_lo, ws);
         for (int64_t r = 0; r < bq; ++r) {
-          // rows run in whole 16-lane vectors: no scalar remainder (padding columns are −inf)
           float* sr = s.data() + r * ws;
-          const float* ad = at + r * ar;
-          float mv[16];
-          for (int c = 0; c < 16; ++c) mv[c] = kNegInf;
-          for (int64_t c0 = 0; c0 < ws; c0 += 16) {
-#pragma omp simd
-            for (int c = 0; c < 16; ++c) {
-              const int64_t col = c0 + c;
-              const float y = std::fma(sr[col], scale, ad[col]);
-              const float x = col >= c_lo && col < c_hi ? y : kNegInf;
-              sr[col] = x;
-              mv[c] = std::max(mv[c], x);
-            }
-          }
-          float mx = kNegInf;
-          for (int c = 0; c < 16; ++c) mx = std::max(mx, mv[c]);
+          const auto [mx, sum] = softmax_row<true>(sr, at + r * ar, ws, c_lo, c_hi, scale);
           m[r] = mx;
-          const float base = mx == kNegInf ? 0.0f : mx;
-          float sv[16] = {};
-          for (int64_t c0 = 0; c0 < ws; c0 += 16) {
-#pragma omp simd
-            for (int c = 0; c < 16; ++c) {
-              const float e = exp_neg(sr[c0 + c] - base);
-              sr[c0 + c] = e;
-              sv[c] += e;
-            }
-          }
-          float sum = 0.0f;
-          for (int c = 0; c < 16; ++c) sum += sv[c];
           den[r] = sum;
-          if constexpr (vnni) {
-            T* pr = p.data() + r * ws;
-#pragma omp simd
-            for (int64_t c = 0; c < ws; ++c) pr[c] = Traits<T>::store(sr[c]);
-          }
+          if constexpr (vnni) to_p(sr, p.data() + r * ws, ws);
         }
         const T* pa = vnni ? p.data() : reinterpret_cast<const T*>(s.data());
         if constexpr (vnni) {  // packed values: zero rows where there is no key
@@ -305,13 +332,97 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
           std::fill(o.begin(), o.end(), 0.0f);
         }
         for (int64_t r = 0; r < bq; ++r) {
-          const bool dead = m[r] == kNegInf;
-          const float inv = dead ? 0.0f : 1.0f / den[r];
-          T* orow = op + t * o0 + h * o1 + r * o2;
-          const float* src = o.data() + r * Dv;
-#pragma omp simd
-          for (int64_t c = 0; c < Dv; ++c) orow[c] = Traits<T>::store(src[c] * inv);
-          lp[t * l0 + h * l1 + r * l2] = dead ? kNegInf : m[r] + std::log(den[r]);
+          finish_row(op + t * o0 + h * o1 + r * o2, lp + t * l0 + h * l1 + r * l2,
+                     o.data() + r * Dv, Dv, m[r], den[r]);
+        }
+      }
+      brgemm_release(vnni);
+    });
+  }
+}
+
+// Batched segments (packed documents, `tiling.SegmentCall`) of one batch item: segment s holds
+// rows and keys [start + s·n, start + (s+1)·n); its rows see all its keys, or (causal) the keys
+// up to their own position. Every row's keys are in one block, so the softmax is one pass; each
+// key head is packed once for all its segments. Query block t of a segment (rows t·bq …) needs
+// only the keys [0, t·bq + rows) of it when causal: its scores are computed and read in chunks
+// of 512 columns (a handful of brgemm shapes for any n). Work items run the blocks of a segment
+// in the order 0, last, 1, last − 1, … so that the two halves of the range (one per thread)
+// carry equal work.
+template <typename T>
+void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, int64_t start, int64_t n, int64_t count, bool causal,
+                     int64_t bq, double scale_d) {
+  constexpr bool vnni = Traits<T>::vnni;
+  constexpr int64_t kCols = 512;  // columns per brgemm call, both products
+  const int64_t H = q.size(0), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
+  const int64_t G = H / Hkv;
+  const float scale = static_cast<float>(scale_d);
+  const int64_t nk = count * n;                // keys of the call; even in bfloat16 (n even)
+  const int64_t wmax = (n + 15) / 16 * 16;     // scores per row: whole vectors
+  const int64_t ldk = (nk + 15) / 16 * 16 + 16;  // packed keys: every row reads wmax columns
+  const int64_t nblk = (n + bq - 1) / bq;
+
+  const T* qp = q.const_data_ptr<T>();
+  const T* kp = k.const_data_ptr<T>();
+  const T* vp = v.const_data_ptr<T>();
+  const int64_t qh = q.stride(0), qs = q.stride(1);
+  const int64_t kh = k.stride(0), ks = k.stride(1);
+  const int64_t vh = v.stride(0), vs = v.stride(1);
+  T* op = out.data_ptr<T>();
+  float* lp = lse.data_ptr<float>();
+  const int64_t o0 = out.stride(0), o1 = out.stride(1), l0 = lse.stride(0), l1 = lse.stride(1);
+
+  std::unique_ptr<T[]> kpack(new T[static_cast<size_t>(D * ldk)]);
+  std::unique_ptr<T[]> vpack(vnni ? new T[static_cast<size_t>(nk * Dv)] : nullptr);
+  constexpr int64_t kChunk = 512;
+  for (int64_t hk = 0; hk < Hkv; ++hk) {
+    const T* kh_ = kp + hk * kh;
+    const T* vh_ = vp + hk * vh;
+    at::parallel_for(0, (ldk + kChunk - 1) / kChunk, 1, [&](int64_t c0, int64_t c1) {
+      const int64_t j_lo = c0 * kChunk, j_hi = std::min(ldk, c1 * kChunk);
+      pack_keys<T>(kh_, ks, D, start, 0, nk, j_lo, j_hi, ldk, kpack.get());
+      if constexpr (vnni) {
+        if (j_lo < nk) {
+          pack_values(vh_, vs, Dv, start, 0, nk, j_lo, std::min(nk, j_hi), vpack.get());
+        }
+      }
+    });
+    at::parallel_for(0, count * nblk * G, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> s(static_cast<size_t>(bq * wmax));
+      std::vector<T> p(vnni ? static_cast<size_t>(bq * wmax) : 0);
+      std::vector<float> o(static_cast<size_t>(bq * Dv));
+      std::vector<float> m(bq), den(bq);
+      for (int64_t it = i0; it < i1; ++it) {
+        const int64_t seg = it / (nblk * G), u = it / G % nblk, h = hk * G + it % G;
+        const int64_t t = u % 2 == 0 ? u / 2 : nblk - 1 - u / 2;  // 0, last, 1, last − 1, …
+        const int64_t rows = std::min(bq, n - t * bq);
+        const int64_t width = causal ? t * bq + rows : n;  // this block's keys
+        const int64_t ws = (width + 15) / 16 * 16;
+        const int64_t key0 = seg * n;  // the segment's first packed column
+        const int64_t row0 = start + key0 + t * bq;
+        const T* qb = qp + h * qh + row0 * qs;
+        for (int64_t c0 = 0; c0 < ws; c0 += kCols) {
+          brgemm(rows, std::min(kCols, ws - c0), D, qs, ldk, wmax, false, qb,
+                 kpack.get() + (vnni ? 2 : 1) * (key0 + c0), s.data() + c0, vnni);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* sr = s.data() + r * wmax;
+          const int64_t hi = causal ? t * bq + r + 1 : n;
+          const auto [mx, sum] = softmax_row<false>(sr, nullptr, ws, 0, hi, scale);
+          m[r] = mx;
+          den[r] = sum;
+          if constexpr (vnni) to_p(sr, p.data() + r * wmax, ws);
+        }
+        const T* pa = vnni ? p.data() : reinterpret_cast<const T*>(s.data());
+        for (int64_t c0 = 0; c0 < width; c0 += kCols) {
+          const int64_t kc = std::min(kCols, width - c0);
+          const T* vb = vnni ? vpack.get() + (key0 + c0) * Dv : vh_ + (start + key0 + c0) * vs;
+          brgemm(rows, Dv, kc, wmax, vnni ? Dv : vs, Dv, c0 > 0, pa + c0, vb, o.data(), vnni);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          finish_row(op + h * o0 + (row0 + r) * o1, lp + h * l0 + (row0 + r) * l1,
+                     o.data() + r * Dv, Dv, m[r], den[r]);
         }
       }
       brgemm_release(vnni);
@@ -342,30 +453,43 @@ void populate(const at::Tensor& t) {
 #endif
 }
 
-void check(const at::Tensor& x, const char* name, int64_t dim) {
-  TORCH_CHECK(x.device().is_cpu(), "attnlab_band.forward_into: ", name, " must be on the CPU");
-  TORCH_CHECK(x.dim() == dim, "attnlab_band.forward_into: ", name, " must be ", dim, "-D, got ",
+void check(const at::Tensor& x, const char* op, const char* name, int64_t dim) {
+  TORCH_CHECK(x.device().is_cpu(), "attnlab_band.", op, ": ", name, " must be on the CPU");
+  TORCH_CHECK(x.dim() == dim, "attnlab_band.", op, ": ", name, " must be ", dim, "-D, got ",
               x.dim(), "-D");
-  TORCH_CHECK(x.stride(-1) == 1, "attnlab_band.forward_into: ", name, " needs unit last stride");
+  TORCH_CHECK(x.stride(-1) == 1, "attnlab_band.", op, ": ", name, " needs unit last stride");
+}
+
+// What both operators ask of q, k, v, out: one CPU batch item, a shared dtype the kernel runs,
+// grouped heads; returns whether it is bfloat16.
+bool check_inputs(const char* op, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& v, int64_t out_dim) {
+  check(q, op, "q", 3);
+  check(k, op, "k", 3);
+  check(v, op, "v", 3);
+  check(out, op, "out", out_dim);
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(),
+              "attnlab_band.", op, ": q, k, v, out must share a dtype");
+  TORCH_CHECK(q.size(0) % k.size(0) == 0 && v.size(0) == k.size(0) && v.size(1) == k.size(1),
+              "attnlab_band.", op, ": bad head counts");
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "attnlab_band.", op,
+              ": float32 or bfloat16 only, got ", q.scalar_type());
+  TORCH_CHECK(!bf16 || q.size(2) % 2 == 0, "attnlab_band.", op,
+              ": bfloat16 needs an even head dim");
+  return bf16;
 }
 
 void forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk, int64_t bq,
                   int64_t k_start, int64_t width, int64_t limit, double scale) {
-  check(q, "q", 3);
-  check(k, "k", 3);
-  check(v, "v", 3);
-  check(add, "add", 4);
-  check(out, "out", 4);
+  const bool bf16 = check_inputs("forward_into", out, q, k, v, 4);
+  check(add, "forward_into", "add", 4);
   TORCH_CHECK(lse.dim() == 3 && lse.scalar_type() == at::kFloat,
               "attnlab_band.forward_into: lse must be 3-D float32");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(),
-              "attnlab_band.forward_into: q, k, v, out must share a dtype");
   TORCH_CHECK(add.scalar_type() == at::kFloat, "attnlab_band.forward_into: add must be float32");
   TORCH_CHECK(nblk >= 1 && bq >= 1 && width >= 1, "attnlab_band.forward_into: empty call");
-  TORCH_CHECK(q.size(0) % k.size(0) == 0 && v.size(0) == k.size(0) && v.size(1) == k.size(1),
-              "attnlab_band.forward_into: bad head counts");
   TORCH_CHECK(r0 >= 0 && r0 + nblk * bq <= q.size(1),
               "attnlab_band.forward_into: rows out of range");
   TORCH_CHECK(limit >= 1 && limit <= k.size(1),
@@ -377,11 +501,7 @@ void forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at:
   TORCH_CHECK(out.sizes() == at::IntArrayRef({nblk, q.size(0), bq, v.size(2)}) &&
                   lse.sizes() == at::IntArrayRef({nblk, q.size(0), bq}),
               "attnlab_band.forward_into: out must be (nblk, H, bq, Dv), lse (nblk, H, bq)");
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat,
-              "attnlab_band.forward_into: float32 or bfloat16 only, got ", q.scalar_type());
-  TORCH_CHECK(!bf16 || (q.size(2) % 2 == 0 && bq % 2 == 0),
-              "attnlab_band.forward_into: bfloat16 needs an even head dim and block");
+  TORCH_CHECK(!bf16 || bq % 2 == 0, "attnlab_band.forward_into: bfloat16 needs an even block");
   // the tile padded with −inf to whole 16-lane rows (the kernel's softmax has no remainder)
   const int64_t ws = (width + 15) / 16 * 16;
   const at::Tensor addp =
@@ -393,6 +513,28 @@ void forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at:
                                 scale);
   } else {
     band_forward<float>(out, lse, q, k, v, addp, r0, nblk, bq, k_start, width, limit, scale);
+  }
+}
+
+void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
+                   const at::Tensor& v, int64_t start, int64_t n, int64_t count, bool causal,
+                   int64_t bq, double scale) {
+  const bool bf16 = check_inputs("segments_into", out, q, k, v, 3);
+  TORCH_CHECK(lse.dim() == 2 && lse.scalar_type() == at::kFloat,
+              "attnlab_band.segments_into: lse must be 2-D float32");
+  TORCH_CHECK(n >= 1 && count >= 1 && bq >= 1, "attnlab_band.segments_into: empty call");
+  TORCH_CHECK(start >= 0 && start + count * n <= std::min(q.size(1), k.size(1)),
+              "attnlab_band.segments_into: segments out of range");
+  TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1) && out.size(2) == v.size(2) &&
+                  lse.size(0) == q.size(0) && lse.size(1) == q.size(1),
+              "attnlab_band.segments_into: out must be (H, L, Dv), lse (H, L)");
+  TORCH_CHECK(!bf16 || (n % 2 == 0 && bq % 2 == 0),
+              "attnlab_band.segments_into: bfloat16 needs an even segment length and block");
+  populate(out.narrow(1, start, count * n));
+  if (bf16) {
+    segment_forward<c10::BFloat16>(out, lse, q, k, v, start, n, count, causal, bq, scale);
+  } else {
+    segment_forward<float>(out, lse, q, k, v, start, n, count, causal, bq, scale);
   }
 }
 
@@ -424,7 +566,13 @@ TORCH_LIBRARY(attnlab_band, m) {
   m.def(
       "forward_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, Tensor add, "
       "int r0, int nblk, int bq, int k_start, int width, int limit, float scale) -> ()");
+  m.def(
+      "segments_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, int start, "
+      "int n, int count, bool causal, int bq, float scale) -> ()");
   m.def("supported(ScalarType dtype) -> bool", &supported);
 }
 
-TORCH_LIBRARY_IMPL(attnlab_band, CPU, m) { m.impl("forward_into", &forward_into); }
+TORCH_LIBRARY_IMPL(attnlab_band, CPU, m) {
+  m.impl("forward_into", &forward_into);
+  m.impl("segments_into", &segments_into);
+}

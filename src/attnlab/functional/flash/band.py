@@ -194,7 +194,12 @@ def segments(t: Tensor, b: int, c: SegmentCall) -> Tensor:
 def segment_forward(
     c: SegmentCall, q: Tensor, k: Tensor, v: Tensor, *, scale: float, out: Tensor, lse: Tensor
 ) -> None:
-    """Runs batched segments (packed documents) on the kernel, one call per batch item."""
+    """Runs batched segments (packed documents) on the kernel, one call per batch item: attnlab's
+    C++ kernel when it takes them (`band_kernel.segments_usable`), else torch's."""
+    if band_kernel.segments_usable(q, k, v, c.n):
+        for b in range(c.b0, c.b1):
+            band_kernel.segments_into(out[b], lse[b], q[b], k[b], v[b], c, scale)
+        return
     logits = Logits(scale, causal=c.causal)
     for b in range(c.b0, c.b1):
         o, l = kernel_forward(segments(q, b, c), segments(k, b, c), segments(v, b, c), logits)

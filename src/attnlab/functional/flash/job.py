@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..merge import merge_into, merge_partials
 from ..tiling import CALL_CAUSAL, BandCall, Call, Plan, SegmentCall
+from . import band_kernel
 from .band import band_backward, band_forward, segment_backward, segment_forward
 from .engines import (
     DsSink,
@@ -157,8 +158,15 @@ class FlashJob:
         plan = self.plan
         single = self._single_call(plan, q, k) if self.engine == "kernel" else None
         if single is not None:
-            logits = Logits(self.scale, causal=single.kind == CALL_CAUSAL)
-            out, lse = kernel_forward(q, k, v, logits)
+            causal = single.kind == CALL_CAUSAL
+            if k.shape[2] == L and band_kernel.segments_usable(q, k, v, L):
+                # one segment of L positions: attnlab's one-pass kernel (faster than torch's)
+                out = torch.empty(B, H, L, Dv, dtype=q.dtype, device=q.device)
+                lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
+                whole = SegmentCall(0, B, 0, L, 1, causal)
+                segment_forward(whole, q, k, v, scale=self.scale, out=out, lse=lse)
+                return out, lse
+            out, lse = kernel_forward(q, k, v, Logits(self.scale, causal=causal))
             return out, lse.contiguous()
         if self._widen(q):
             out, lse = self.forward(q.float(), k.float(), v.float())
