@@ -5,7 +5,9 @@ A `BandCall` covers query blocks ``t0..t1`` of ``bq`` rows; block t sees the key
 over strided views (no copy) with one shared additive tile; the edge blocks run one by one on
 their clipped windows. Only the kernel engine runs batched band calls (the torch engine runs
 `BandCall.block_calls`); the batched forward runs on attnlab's C++ band kernel
-(`band_kernel`) when it is available, else on torch's fused kernel.
+(`band_kernel`) when it is available, else on torch's fused kernel. Batched segments (packed
+documents, `SegmentCall`) run the same way: attnlab's C++ segment kernel, else one strided call
+of torch's kernel per batch item.
 """
 
 from __future__ import annotations
