@@ -241,3 +241,28 @@ def test_inference_writes_the_same_output_as_autograd(blocks, dtype, L, S):
     assert torch.equal(out.nan_to_num(0.0), out_g.detach().nan_to_num(0.0))
     if L > S:
         assert torch.equal(out[:, :, : L - S], torch.zeros_like(out[:, :, : L - S]))
+
+
+def _graph_nodes(out: torch.Tensor) -> list[str]:
+    seen, todo, names = set(), [out.grad_fn], []
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(type(fn).__name__)
+        todo.extend(nxt for nxt, _ in fn.next_functions)
+    return names
+
+
+@pytest.mark.parametrize(("L", "S", "splits"), [(40, 40, 3), (40, 52, 7), (52, 40, 4)])
+def test_causal_scan_splits_each_input_once_when_aligned(blocks, L, S, splits) -> None:
+    """With L = S each of q, k, v is split into blocks once: every split's backward concatenates
+    its pieces' gradients into a fresh L-sized tensor (the cost issue #19 item 4 measures), so a
+    split into ``[0, L]`` would add one per input. Keys before the first query (S > L) split k
+    and v twice more (off, then into blocks); queries without keys (L > S) split q once more."""
+    blocks(4096)
+    q = seeded(1, 2, L, 8, seed=1).requires_grad_(True)
+    k, v = (seeded(1, 2, S, 8, seed=s).requires_grad_(True) for s in (2, 3))
+    out = linear_attention(q, k, v, causal=True)
+    assert _graph_nodes(out).count("SplitWithSizesBackward0") == splits

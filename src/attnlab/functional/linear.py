@@ -401,9 +401,11 @@ def _causal_linear_attention(
     v_sum = q.new_zeros(B, H_kv, 1, Dv, dtype=dtype)  # Σ value flags: NaN per column once bad
     n_live = torch.zeros(1, 1, dtype=torch.long, device=q.device)  # real keys (with key_mask)
     masks = key_mask.split([P, T], dim=1) if key_mask is not None else (None, None)
-    k_p, k = k.split([P, T], dim=2)
-    v_p, v = v.split([P, T], dim=2)
+    # split only what has two parts: autograd's backward of a split concatenates the pieces'
+    # gradients into a fresh L-sized tensor (page-faulted anew on every call at long L)
     if P:  # keys before the first query: the initial state and flags
+        k_p, k = k.split([P, T], dim=2)
+        v_p, v = v.split([P, T], dim=2)
         pieces = _block_sizes(P, n)
         mps = masks[0].split(pieces, dim=1) if masks[0] is not None else [None] * len(pieces)
         for kb, vb, mb in zip(k_p.split(pieces, 2), v_p.split(pieces, 2), mps, strict=True):
@@ -417,7 +419,8 @@ def _causal_linear_attention(
     # without autograd each block is written into the output as it is done: no block outputs
     # pile up (the allocator would grow and trim the heap by L · Dv on every call)
     result = None if grad else q.new_empty(B, H, L, Dv)
-    q_dead, q = q.split([dead, T], dim=2)
+    if dead:
+        q = q.split([dead, T], dim=2)[1]
     outs = [q.new_zeros(B, H, dead, Dv) + anchor.to(q.dtype)] if dead else []  # see no key
     if result is not None:
         result[:, :, :dead].zero_()
@@ -450,7 +453,7 @@ def _causal_linear_attention(
     if result is not None:
         return result
     if not outs:
-        return q_dead.new_zeros(B, H, L, Dv) + anchor.to(q.dtype)
+        return q.new_zeros(B, H, L, Dv) + anchor.to(q.dtype)
     return torch.cat(outs, dim=2)  # (B, H, L, Dv)
 
 
