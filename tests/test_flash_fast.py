@@ -550,3 +550,27 @@ def test_segment_kernel_checks_its_arguments(band_ext) -> None:
     with pytest.raises(RuntimeError, match=r"out must be \(H, L, Dv\)"):
         op(out[:, :10], lse, q, q, q, 0, 32, 2, True, 16, 1.0)
     assert not band_kernel.segments_usable(q.bfloat16(), q.bfloat16(), q.bfloat16(), 31)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_auto_sends_one_segment_to_flash_when_the_kernel_runs_it(band_ext, monkeypatch, dtype):
+    """A causal or unmasked call with L = S goes to flash from the ``sparse`` threshold (L = 512
+    by default) when the C++ segment kernel runs it, and stays on sdpa below it, with a bias,
+    with L != S, or when torch's kernel would run it (``ATTNLAB_FLASH_BAND_ENGINE=aten``)."""
+    from attnlab import explain
+    from attnlab.functional import thresholds
+
+    monkeypatch.setenv(thresholds.ENV, "off")  # the built-in thresholds, whatever is cached
+
+    def picked(L: int, S: int | None = None, **kw) -> str:
+        q = torch.zeros(1, 2, L, 8, dtype=dtype)
+        k = torch.zeros(1, 2, L if S is None else S, 8, dtype=dtype)
+        return explain(q, k, k, **kw).split(":")[0]
+
+    assert picked(512, mask=masks.causal()) == "flash"
+    assert picked(512) == "flash"
+    assert picked(256, mask=masks.causal()) == "sdpa"
+    assert picked(512, 520) == "sdpa"  # unmasked, L != S: not one segment
+    assert picked(512, bias=torch.zeros(512, 512, dtype=dtype)) == "sdpa"
+    monkeypatch.setenv(band_kernel.ENGINE_ENV, "aten")
+    assert picked(512, mask=masks.causal()) == "sdpa"

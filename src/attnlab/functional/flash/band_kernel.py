@@ -93,12 +93,17 @@ def usable(q: Tensor, k: Tensor, v: Tensor, bq: int) -> bool:
     return all(x.stride(-1) == 1 or x.shape[-1] == 1 for x in (q, k, v)) and ready(q, bq)
 
 
-def segments_usable(q: Tensor, k: Tensor, v: Tensor, n: int) -> bool:
-    """Whether segments of ``n`` positions on these tensors run on attnlab's C++ kernel:
-    `usable` (bfloat16: ``n`` even too) and ``n <= SEGMENT_MAX``."""
+def segments_ready(q: Tensor, n: int) -> bool:
+    """Whether segments of ``n`` positions of queries like ``q`` run on attnlab's C++ kernel
+    (unit-stride inputs given): `ready`, ``n <= SEGMENT_MAX`` and, in bfloat16, ``n`` even."""
     if n > SEGMENT_MAX or (q.dtype == torch.bfloat16 and n % 2):
         return False
-    return usable(q, k, v, SEGMENT_BLOCK)
+    return ready(q, SEGMENT_BLOCK)
+
+
+def segments_usable(q: Tensor, k: Tensor, v: Tensor, n: int) -> bool:
+    """`segments_ready` for these tensors: also unit stride in the last dim of q, k and v."""
+    return all(x.stride(-1) == 1 or x.shape[-1] == 1 for x in (q, k, v)) and segments_ready(q, n)
 
 
 def segments_into(
@@ -164,6 +169,7 @@ __all__ = [
     "forward_into",
     "ready",
     "segments_into",
+    "segments_ready",
     "segments_usable",
     "usable",
 ]
