@@ -178,10 +178,27 @@ def test_declines(case, reason):
         attnlab.attention(q, k, v, backend="decode", **kw)
 
 
-def test_auto_prefers_sdpa_for_short_key_sequences():
-    q, k, v = _qkv(1, 4, 2, 1, decode.DECODE_MIN_S - 1)
-    why = attnlab.explain(q, k, v)
-    assert why.startswith("sdpa:") and "fewer than" in why
+@pytest.mark.parametrize(
+    ("dtype", "B", "S", "want"),
+    [
+        (torch.float32, 1, 255, "sdpa"),  # B·S below DECODE_MIN_KEYS[float32] = 256
+        (torch.float32, 1, 256, "decode"),
+        (torch.float32, 4, 64, "decode"),
+        (torch.bfloat16, 1, 1, "decode"),  # half precision: always the decode path
+        (torch.float16, 2, 3, "decode"),
+        (torch.float64, 4, decode.DECODE_MIN_S - 1, "sdpa"),  # float64: S below DECODE_MIN_S
+        (torch.float64, 1, decode.DECODE_MIN_S, "decode"),
+    ],
+)
+def test_auto_size_rule_for_decode_steps(dtype, B, S, want):
+    """Auto takes the decode path from `DECODE_MIN_KEYS` keys over the batch (per dtype), from
+    `DECODE_MIN_S` keys in float64, and says why it does not below."""
+    q, k, v = _qkv(B, 4, 2, 1, S, dtype=dtype)
+    with torch.no_grad():
+        why = attnlab.explain(q, k, v)
+    assert why.startswith(f"{want}:"), why
+    if want == "sdpa":
+        assert "fewer than" in why
 
 
 # --------------------------------------------------------------------------- compile, meta

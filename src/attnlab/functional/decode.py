@@ -33,7 +33,17 @@ DECODE_MAX_L = 8
 """At most this many query rows (one decode step, or a short speculative draft)."""
 
 DECODE_MIN_S = 512
-"""Auto prefers the fused kernel below this many keys (both cost little more than the call)."""
+"""Auto prefers the fused kernel below this many keys in float64 (and any dtype not in
+`DECODE_MIN_KEYS`): both cost little more than the call."""
+
+DECODE_MIN_KEYS = {torch.float32: 256, torch.bfloat16: 1, torch.float16: 1}
+"""Auto prefers the decode path from this many keys summed over the batch (B·S), per dtype.
+Measured (one query row, H = 8, H_kv = 2, D = 64, AMD EPYC without AVX512-FP16, 1 and 2
+threads, median of 100; benchmarks/RESULTS.md), SDPA's time over the decode path's: float32
+B=1 0.62–0.86× at S = 64, 0.92–1.06× at 140, 1.09–1.13× at 300; B=4 1.08–1.25× at 64, 1.17–1.39×
+at 140; bfloat16 1.0–2.0× at B=1, S=64 and 1.5–9.7× at every larger size; float16 2.1–8.4× (0.8–1.5×
+at B=1, S=16): torch's fused CPU kernel runs half-precision decode steps far below its float32
+speed, where the decode path's two float32 products do not care."""
 
 DECODE_MAX_ELEMENTS = 1 << 25
 """Bound on the float32 logits (and upcast K/V for half inputs) one call may hold (128 MB)."""
@@ -79,11 +89,22 @@ def decode_supports(req: Request) -> str | None:
     return _size_reason(d.B, d.H, d.H_kv, d.L, d.S, d.D, d.Dv, req.q.dtype)
 
 
-def decode_declines(req: Request) -> str | None:
-    """Auto's preference: None for a long enough key sequence, else why sdpa is as good."""
-    if req.dims.S < DECODE_MIN_S:
-        return f"fewer than {DECODE_MIN_S} keys: sdpa's fused call is as fast"
+def _declines(B: int, S: int, dtype: torch.dtype) -> str | None:
+    """Auto's size rule (`DECODE_MIN_KEYS`, `DECODE_MIN_S`): None to take the decode path."""
+    least = DECODE_MIN_KEYS.get(dtype)
+    if least is None:
+        if S < DECODE_MIN_S:
+            return f"fewer than {DECODE_MIN_S} keys: sdpa's fused call is as fast"
+        return None
+    if least > B * S:
+        name = str(dtype).removeprefix("torch.")
+        return f"fewer than {least} keys over the batch in {name}: sdpa's fused call is as fast"
     return None
+
+
+def decode_declines(req: Request) -> str | None:
+    """Auto's preference: None for enough keys (per dtype), else why sdpa is as good."""
+    return _declines(req.dims.B, req.dims.S, req.q.dtype)
 
 
 def _attend(
@@ -165,7 +186,7 @@ def decode_step_ready(backend: str, q: Tensor, k: Tensor, v: Tensor, dropout_p: 
     H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     if 0 in (B, H, L, S):  # the reference path runs empty calls
         return False
-    if backend == "auto" and S < DECODE_MIN_S:
+    if backend == "auto" and _declines(B, S, q.dtype) is not None:
         return False
     if _size_reason(B, H, H_kv, L, S, D, Dv, q.dtype) is not None:
         return False
