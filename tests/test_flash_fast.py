@@ -464,6 +464,7 @@ SEGMENT_CASES = {
     "documents causal": lambda n: masks.causal() & masks.document.from_lengths([n] * 4),
     "documents full": lambda n: masks.document.from_lengths([n] * 4),
     "documents mixed": lambda n: masks.causal() & masks.document.from_lengths([n, n, 2 * n]),
+    "tiny documents": lambda n: masks.causal() & masks.document.from_lengths([2] * (2 * n)),
     "dense causal": lambda n: masks.causal(),
     "no mask": lambda n: None,
 }
