@@ -337,16 +337,21 @@ def band_ext(monkeypatch):
     monkeypatch.setenv(band_kernel.ENGINE_ENV, "auto")
 
 
-def _count_band_kernel(monkeypatch) -> list[int]:
+def _count_calls(monkeypatch, name: str) -> list[int]:
+    """A spy on ``band_kernel.<name>``: the returned list grows by one per call."""
     calls: list[int] = []
-    real = band_kernel.forward_into
+    real = getattr(band_kernel, name)
 
     def spy(*a, **kw):
         calls.append(1)
         return real(*a, **kw)
 
-    monkeypatch.setattr(band_kernel, "forward_into", spy)
+    monkeypatch.setattr(band_kernel, name, spy)
     return calls
+
+
+def _count_band_kernel(monkeypatch) -> list[int]:
+    return _count_calls(monkeypatch, "forward_into")
 
 
 BAND_CASES = {
@@ -448,15 +453,7 @@ def test_band_kernel_not_for_meta_float16_or_bad_setting(monkeypatch) -> None:
 
 # --------------------------------------------------------------------------- C++ segment kernel
 def _count_segment_kernel(monkeypatch) -> list[int]:
-    calls: list[int] = []
-    real = band_kernel.segments_into
-
-    def spy(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(band_kernel, "segments_into", spy)
-    return calls
+    return _count_calls(monkeypatch, "segments_into")
 
 
 SEGMENT_CASES = {

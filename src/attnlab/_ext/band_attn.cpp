@@ -247,6 +247,45 @@ void pack_values(const c10::BFloat16* v, int64_t vs, int64_t Dv, int64_t k0, int
   }
 }
 
+// Pointers and strides of one batch item's q (H, L, D), k (H_kv, S, D) and v (H_kv, S, Dv).
+template <typename T>
+struct Heads {
+  const T* q;
+  const T* k;
+  const T* v;
+  int64_t qh, qs, kh, ks, vh, vs;
+  Heads(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_)
+      : q(q_.const_data_ptr<T>()),
+        k(k_.const_data_ptr<T>()),
+        v(v_.const_data_ptr<T>()),
+        qh(q_.stride(0)),
+        qs(q_.stride(1)),
+        kh(k_.stride(0)),
+        ks(k_.stride(1)),
+        vh(v_.stride(0)),
+        vs(v_.stride(1)) {}
+  const T* values(int64_t hk) const { return v + hk * vh; }  // value 0 of key head hk
+};
+
+// Packs key head hk for both products, in parallel chunks of 512 columns: its keys' columns
+// [0, ldk) (`pack_keys`: key k0 + j where v_lo <= j < v_hi, else zeros) and, in bfloat16, its
+// values' rows [0, nv) (`pack_values`).
+template <typename T>
+void pack_head(const Heads<T>& in, int64_t hk, int64_t D, int64_t Dv, int64_t k0, int64_t v_lo,
+               int64_t v_hi, int64_t ldk, int64_t nv, T* kpack, T* vpack) {
+  constexpr int64_t kChunk = 512;
+  const T* keys = in.k + hk * in.kh;
+  at::parallel_for(0, (ldk + kChunk - 1) / kChunk, 1, [&](int64_t c0, int64_t c1) {
+    const int64_t j_lo = c0 * kChunk, j_hi = std::min(ldk, c1 * kChunk);
+    pack_keys<T>(keys, in.ks, D, k0, v_lo, v_hi, j_lo, j_hi, ldk, kpack);
+    if constexpr (Traits<T>::vnni) {
+      if (j_lo < nv) {
+        pack_values(in.values(hk), in.vs, Dv, k0, v_lo, v_hi, j_lo, std::min(nv, j_hi), vpack);
+      }
+    }
+  });
+}
+
 template <typename T>
 void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk, int64_t bq,
@@ -268,12 +307,8 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
   // columns, all packed (zero past the band)
   const int64_t ldk = (nkp + 15) / 16 * 16 + 16;
 
-  const T* qp = q.const_data_ptr<T>();
-  const T* kp = k.const_data_ptr<T>();
-  const T* vp = v.const_data_ptr<T>();
-  const int64_t qh = q.stride(0), qs = q.stride(1);
-  const int64_t kh = k.stride(0), ks = k.stride(1);
-  const int64_t vh = v.stride(0), vs = v.stride(1);
+  const Heads<T> in(q, k, v);
+  const int64_t qs = in.qs, vs = in.vs;
   const float* ap = add.const_data_ptr<float>();
   const int64_t a0 = add.size(0) > 1 ? add.stride(0) : 0;
   const int64_t a1 = add.size(1) > 1 ? add.stride(1) : 0;
@@ -287,19 +322,9 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
   // every head, then every (block, query head of the group) as a work item
   std::unique_ptr<T[]> kpack(new T[static_cast<size_t>(D * ldk)]);
   std::unique_ptr<T[]> vpack(vnni ? new T[static_cast<size_t>(nkp * Dv)] : nullptr);
-  constexpr int64_t kChunk = 512;
   for (int64_t hk = 0; hk < Hkv; ++hk) {
-    const T* kh_ = kp + hk * kh;  // key 0 of this head
-    const T* vh_ = vp + hk * vh;
-    at::parallel_for(0, (ldk + kChunk - 1) / kChunk, 1, [&](int64_t c0, int64_t c1) {
-      const int64_t j_lo = c0 * kChunk, j_hi = std::min(ldk, c1 * kChunk);
-      pack_keys<T>(kh_, ks, D, k_start, v_lo, v_hi, j_lo, j_hi, ldk, kpack.get());
-      if constexpr (vnni) {
-        if (j_lo < nkp) {
-          pack_values(vh_, vs, Dv, k_start, v_lo, v_hi, j_lo, std::min(nkp, j_hi), vpack.get());
-        }
-      }
-    });
+    const T* vh_ = in.values(hk);
+    pack_head(in, hk, D, Dv, k_start, v_lo, v_hi, ldk, nkp, kpack.get(), vpack.get());
     at::parallel_for(0, nblk * G, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> s(static_cast<size_t>(bq * ws));
       std::vector<T> p(vnni ? static_cast<size_t>(bq * ws) : 0);
@@ -307,7 +332,7 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
       std::vector<float> m(bq), den(bq);
       for (int64_t it = i0; it < i1; ++it) {
         const int64_t t = it / G, h = hk * G + it % G;
-        const T* qb = qp + h * qh + (r0 + t * bq) * qs;
+        const T* qb = in.q + h * in.qh + (r0 + t * bq) * qs;
         const T* kb = kpack.get() + (vnni ? 2 : 1) * t * bq;
         brgemm(bq, ws, D, qs, ldk, ws, false, qb, kb, s.data(), vnni);
         const float* at = ap + t * a0 + h * a1;
@@ -363,31 +388,17 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
   const int64_t ldk = (nk + 15) / 16 * 16 + 16;  // packed keys: every row reads wmax columns
   const int64_t nblk = (n + bq - 1) / bq;
 
-  const T* qp = q.const_data_ptr<T>();
-  const T* kp = k.const_data_ptr<T>();
-  const T* vp = v.const_data_ptr<T>();
-  const int64_t qh = q.stride(0), qs = q.stride(1);
-  const int64_t kh = k.stride(0), ks = k.stride(1);
-  const int64_t vh = v.stride(0), vs = v.stride(1);
+  const Heads<T> in(q, k, v);
+  const int64_t qs = in.qs, vs = in.vs;
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
   const int64_t o0 = out.stride(0), o1 = out.stride(1), l0 = lse.stride(0), l1 = lse.stride(1);
 
   std::unique_ptr<T[]> kpack(new T[static_cast<size_t>(D * ldk)]);
   std::unique_ptr<T[]> vpack(vnni ? new T[static_cast<size_t>(nk * Dv)] : nullptr);
-  constexpr int64_t kChunk = 512;
   for (int64_t hk = 0; hk < Hkv; ++hk) {
-    const T* kh_ = kp + hk * kh;
-    const T* vh_ = vp + hk * vh;
-    at::parallel_for(0, (ldk + kChunk - 1) / kChunk, 1, [&](int64_t c0, int64_t c1) {
-      const int64_t j_lo = c0 * kChunk, j_hi = std::min(ldk, c1 * kChunk);
-      pack_keys<T>(kh_, ks, D, start, 0, nk, j_lo, j_hi, ldk, kpack.get());
-      if constexpr (vnni) {
-        if (j_lo < nk) {
-          pack_values(vh_, vs, Dv, start, 0, nk, j_lo, std::min(nk, j_hi), vpack.get());
-        }
-      }
-    });
+    const T* vh_ = in.values(hk);
+    pack_head(in, hk, D, Dv, start, 0, nk, ldk, nk, kpack.get(), vpack.get());
     at::parallel_for(0, count * nblk * G, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> s(static_cast<size_t>(bq * wmax));
       std::vector<T> p(vnni ? static_cast<size_t>(bq * wmax) : 0);
@@ -401,7 +412,7 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
         const int64_t ws = (width + 15) / 16 * 16;
         const int64_t key0 = seg * n;  // the segment's first packed column
         const int64_t row0 = start + key0 + t * bq;
-        const T* qb = qp + h * qh + row0 * qs;
+        const T* qb = in.q + h * in.qh + row0 * qs;
         for (int64_t c0 = 0; c0 < ws; c0 += kCols) {
           brgemm(rows, std::min(kCols, ws - c0), D, qs, ldk, wmax, false, qb,
                  kpack.get() + (vnni ? 2 : 1) * (key0 + c0), s.data() + c0, vnni);
