@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from attnlab import _ext, attention, masks
+from attnlab.functional import gemv
 from attnlab.functional.decode import decode_step_ready
 from attnlab.functional.registry import select
 from attnlab.functional.validate import build_request, trusted_request
@@ -151,7 +152,10 @@ def test_fused_rope_decode_step_bit_equal_to_the_python_path(ext, monkeypatch, r
     and attends in one C++ call (`decode.rope_decode_run`); it equals the pure-PyTorch path
     (``ATTNLAB_EXT=0``: `RoPE` then the backend) bit for bit, for both RoPE layouts and a
     partial rotary dim, with NaN/inf planted in one batch item's cache (the NaN rule: that
-    item's rows are non-finite, the other item's are finite and unchanged)."""
+    item's rows are non-finite, the other item's are finite and unchanged). The projections
+    stay on torch's kernel in both runs (``ATTNLAB_GEMV=off``: the streaming linear sums in
+    another order; tests/test_gemv.py)."""
+    monkeypatch.setenv(gemv.ENV, "off")
     calls = []
     real = mha_module.rope_decode_run
     monkeypatch.setattr(

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..functional.request import BiasFn
 from ..masks import Mask
-from ..modules import KVCache, MultiHeadAttention
+from ..modules import KVCache, MultiHeadAttention, StreamLinear
 from ..positional import ALiBi, LearnedPositionalEmbedding, RoPE, SinusoidalEmbedding
 from .config import TransformerConfig
 
@@ -95,8 +95,8 @@ class GeluMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.activation = _activation(activation)
-        self.fc1 = nn.Linear(d_model, d_ff, bias=bias)
-        self.fc2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.fc1 = StreamLinear(d_model, d_ff, bias=bias)
+        self.fc2 = StreamLinear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         """``(B, L, E) -> (B, L, E)``."""
@@ -119,9 +119,9 @@ class SwiGLU(nn.Module):
     ) -> None:
         super().__init__()
         self.activation = _activation(activation)
-        self.gate = nn.Linear(d_model, d_ff, bias=bias)
-        self.up = nn.Linear(d_model, d_ff, bias=bias)
-        self.down = nn.Linear(d_ff, d_model, bias=bias)
+        self.gate = StreamLinear(d_model, d_ff, bias=bias)
+        self.up = StreamLinear(d_model, d_ff, bias=bias)
+        self.down = StreamLinear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         """``(B, L, E) -> (B, L, E)``."""

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import masks
-from ..modules import KVCache
+from ..modules import KVCache, StreamLinear
 from .blocks import StackOutput, TransformerBlock, make_norm, positional_parts, run_blocks
 from .config import TransformerConfig
 
@@ -94,7 +94,7 @@ class GPT(nn.Module):
         )
         # Post-LN blocks already end in a norm; pre-LN stacks need a final one.
         self.norm_f = make_norm(config) if config.prenorm else nn.Identity()
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = StreamLinear(config.d_model, config.vocab_size, bias=False)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith(("attn.out_proj.weight", "mlp.fc2.weight", "mlp.down.weight")):

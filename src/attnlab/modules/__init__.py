@@ -8,6 +8,7 @@ from .kv_cache import CacheOverflowError, CacheView, KVCache, SinkCache, Sliding
 from .linear import LinearAttention, PerformerAttention
 from .mha import MultiHeadAttention
 from .shaw import ShawRelativeAttention
+from .stream_linear import StreamLinear
 from .torch_compat import MultiheadAttention
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "ShawRelativeAttention",
     "SinkCache",
     "SlidingWindowCache",
+    "StreamLinear",
 ]

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .._shapes import check_probability
-from ..functional import attention, nan_rule
+from ..functional import attention, gemv, nan_rule
 from ..functional.decode import decode_step_ready, decode_step_run, rope_decode_run
 from ..functional.registry import check_backend_name, select
 from ..functional.request import BiasFn
@@ -16,6 +16,7 @@ from ..functional.validate import trusted_request
 from ..masks import CausalMask, Mask, from_tensor
 from ..positional.rope import RoPE
 from .kv_cache import KVCache, check_cache_positions
+from .stream_linear import StreamLinear
 
 
 def _positive(name: str, value: object) -> int:
@@ -141,14 +142,14 @@ class MultiHeadAttention(nn.Module):
         self.bias_fn = bias_fn
         D = self.head_dim
         if self.kdim == E and self.vdim == E:
-            self.qkv_proj: nn.Linear | None = nn.Linear(E, (H + 2 * H_kv) * D, bias=bias)
+            self.qkv_proj: nn.Linear | None = StreamLinear(E, (H + 2 * H_kv) * D, bias=bias)
             self.q_proj = self.k_proj = self.v_proj = None
         else:
             self.qkv_proj = None
-            self.q_proj = nn.Linear(E, H * D, bias=bias)
-            self.k_proj = nn.Linear(self.kdim, H_kv * D, bias=bias)
-            self.v_proj = nn.Linear(self.vdim, H_kv * D, bias=bias)
-        self.out_proj = nn.Linear(H * D, E, bias=bias)
+            self.q_proj = StreamLinear(E, H * D, bias=bias)
+            self.k_proj = StreamLinear(self.kdim, H_kv * D, bias=bias)
+            self.v_proj = StreamLinear(self.vdim, H_kv * D, bias=bias)
+        self.out_proj = StreamLinear(H * D, E, bias=bias)
 
     # ------------------------------------------------------------------ projections
     def _weights(self) -> tuple[tuple[Tensor, Tensor | None], ...]:
@@ -177,9 +178,9 @@ class MultiHeadAttention(nn.Module):
         (wq, bq), (wk, bk), (wv, bv) = self._weights()
         key = query if key is None else key
         value = key if value is None else value
-        q = nn.functional.linear(query, wq, bq)  # (B, L, H D)
-        k = nn.functional.linear(key, wk, bk)  # (B, S, H_kv D)
-        v = nn.functional.linear(value, wv, bv)  # (B, S, H_kv D)
+        q = gemv.linear(query, wq, bq)  # (B, L, H D)
+        k = gemv.linear(key, wk, bk)  # (B, S, H_kv D)
+        v = gemv.linear(value, wv, bv)  # (B, S, H_kv D)
         return self._heads(q, H), self._heads(k, H_kv), self._heads(v, H_kv)
 
     def _check(self, query: Tensor, key: Tensor | None, value: Tensor | None) -> None:
@@ -399,7 +400,7 @@ class MultiHeadAttention(nn.Module):
         has_bias = parts[0][1] is not None
         if self.qkv_proj is not None:
             rows_out = sum(w.shape[0] for w, _ in parts)
-            new = nn.Linear(
+            new = StreamLinear(
                 self.embed_dim, rows_out, bias=has_bias, device=wq.device, dtype=wq.dtype
             )
             new.weight.copy_(torch.cat([w for w, _ in parts]))
@@ -408,7 +409,7 @@ class MultiHeadAttention(nn.Module):
             self.qkv_proj = new
         else:
             for name, (w, b) in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
-                lin = nn.Linear(
+                lin = StreamLinear(
                     w.shape[1], w.shape[0], bias=has_bias, device=w.device, dtype=w.dtype
                 )
                 lin.weight.copy_(w)
@@ -416,7 +417,7 @@ class MultiHeadAttention(nn.Module):
                     lin.bias.copy_(b)  # type: ignore[arg-type]
                 setattr(self, name, lin)
         w_out = self.out_proj.weight
-        out = nn.Linear(
+        out = StreamLinear(
             len(keep_q) * D,
             self.embed_dim,
             bias=self.out_proj.bias is not None,

@@ -1,0 +1,127 @@
+"""attnlab's streaming linear for decode steps (`functional.gemv`, `modules.StreamLinear`).
+
+The kernel is checked against the float64 product (float32: to float32 rounding of a K-term
+sum; bfloat16: one rounding of a float32 sum of exact products), on odd sizes, rows at a stride,
+with and without bias; `StreamLinear` against ``nn.Linear``; and every condition that keeps
+torch's kernel: autograd, many rows, other dtypes, meta, ``ATTNLAB_GEMV=off``, a bad setting.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from attnlab import _ext
+from attnlab.functional import gemv
+from attnlab.modules import StreamLinear
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """The extension built and selected; skipped where this CPU has no kernel for a dtype."""
+    if _ext.mode() == "off" or not _ext.load(gemv.EXT, wait=True):
+        pytest.skip(f"C++ extension unavailable: {_ext.status(gemv.EXT)}")
+    monkeypatch.setenv(gemv.ENV, "auto")
+
+
+def _count(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = torch.ops.attnlab_gemv.linear
+
+    class Spy:
+        @staticmethod
+        def linear(*a):
+            calls.append(1)
+            return real(*a)
+
+        supported = torch.ops.attnlab_gemv.supported
+
+    monkeypatch.setattr(torch.ops, "attnlab_gemv", Spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("K", [1, 37, 512, 1000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_the_float64_product(kernel, monkeypatch, dtype, M, K, bias) -> None:
+    if not torch.ops.attnlab_gemv.supported(dtype):
+        pytest.skip(f"no {dtype} kernel on this CPU")
+    g = torch.Generator().manual_seed(M * 1000 + K)
+    N = 45
+    big = torch.randn(M, K + 5, generator=g).to(dtype)
+    x = big[:, 2 : 2 + K]  # rows at a stride of K + 5
+    w = torch.randn(N, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    calls = _count(monkeypatch)
+    with torch.no_grad():
+        y = gemv.linear(x, w, b)
+    assert calls == [1] and y.dtype == dtype and y.shape == (M, N)
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    scale = (x.double().abs() @ w.double().abs().T) + (b.double().abs() if bias else 0)
+    if dtype == torch.float32:
+        tol = 4 * K * 2.0**-24 * scale + 1e-30  # a K-term float32 sum, any order
+    else:  # exact products, a float32 sum, one rounding to bfloat16
+        tol = 2.0**-8 * want.abs() + 4 * K * 2.0**-24 * scale + 1e-30
+    assert ((y.double() - want).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_stream_linear_is_nn_linear_with_a_decode_kernel(kernel, monkeypatch, dtype) -> None:
+    """Same parameters and state_dict as nn.Linear; a few rows without autograd take the kernel
+    (3-D input, bias), within rounding of nn.Linear; training, many rows and gradients do not
+    (bit-equal to nn.Linear there)."""
+    if not torch.ops.attnlab_gemv.supported(dtype):
+        pytest.skip(f"no {dtype} kernel on this CPU")
+    torch.manual_seed(0)
+    ref = nn.Linear(96, 40).to(dtype)
+    lin = StreamLinear(96, 40).to(dtype)
+    lin.load_state_dict(ref.state_dict())
+    assert isinstance(lin, nn.Linear) and lin.state_dict().keys() == ref.state_dict().keys()
+    calls = _count(monkeypatch)
+    x = torch.randn(2, 3, 96, dtype=dtype)
+    with torch.no_grad():
+        y, want = lin(x[:, :1]), ref(x[:, :1])
+    assert calls == [1]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y, want, atol=tol, rtol=tol)
+    x9 = torch.randn(3, 3, 96, dtype=dtype)
+    with torch.no_grad():
+        assert torch.equal(lin(x9), ref(x9))  # 9 rows: torch's kernel
+    xg = x[:, :1].clone().requires_grad_(True)
+    out = lin(xg)
+    out.sum().backward()
+    assert calls == [1] and torch.equal(out, ref(xg))  # autograd: torch's kernel
+    assert lin.weight.grad is not None
+
+
+def test_torch_kernel_for_other_cases(monkeypatch) -> None:
+    """float16/float64, meta tensors, ``ATTNLAB_GEMV=off`` and a non-contiguous weight keep
+    torch's kernel; a bad setting is named."""
+    w = torch.randn(4, 8)
+    with torch.no_grad():
+        assert not gemv.usable(torch.randn(1, 8, dtype=torch.float16), w.half(), None)
+        assert not gemv.usable(torch.randn(1, 8, dtype=torch.float64), w.double(), None)
+        assert not gemv.usable(torch.empty(1, 8, device="meta"), w.to("meta"), None)
+        assert not gemv.usable(torch.randn(1, 4), torch.randn(4, 8).T, None)
+        assert not gemv.usable(torch.randn(1, 8), w, torch.zeros(4, dtype=torch.float64))
+        monkeypatch.setenv(gemv.ENV, "off")
+        assert not gemv.usable(torch.randn(1, 8), w, None)
+        x = torch.randn(1, 8)
+        assert torch.equal(gemv.linear(x, w), torch.nn.functional.linear(x, w))
+    monkeypatch.setenv(gemv.ENV, "fast")
+    with pytest.raises(ValueError, match=r"ATTNLAB_GEMV must be 'auto' or 'off', got 'fast'"):
+        gemv.usable(torch.randn(1, 8), w, None)
+
+
+def test_operator_refuses_bad_calls(kernel) -> None:
+    op = torch.ops.attnlab_gemv.linear
+    with pytest.raises(RuntimeError, match="at most 8 rows"):
+        op(torch.randn(9, 4), torch.randn(3, 4), None)
+    with pytest.raises(RuntimeError, match=r"x \(M, K\) and w \(N, K\)"):
+        op(torch.randn(2, 4), torch.randn(3, 5), None)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        op(torch.randn(2, 4), torch.randn(3, 4).double(), None)
+    with pytest.raises(RuntimeError, match=r"b must be \(N,\)"):
+        op(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4))
