@@ -125,3 +125,15 @@ def test_operator_refuses_bad_calls(kernel) -> None:
         op(torch.randn(2, 4), torch.randn(3, 4).double(), None)
     with pytest.raises(RuntimeError, match=r"b must be \(N,\)"):
         op(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4))
+
+
+def test_flop_counter_sees_aten_mm(kernel, monkeypatch) -> None:
+    """Under a TorchDispatchMode (here FlopCounterMode) the standard aten product runs, so FLOP
+    counts include the projections (2·M·N·K)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    calls = _count(monkeypatch)
+    lin = StreamLinear(64, 32)
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        lin(torch.randn(2, 1, 64))
+    assert calls == [] and fc.get_total_flops() == 2 * 2 * 64 * 32

@@ -13,7 +13,8 @@ product; the sums differ only in rounding order):
 
 - at most `MAX_ROWS` rows (``x.numel() / in_features``), CPU, float32 or bfloat16 (x, weight
   and bias of one dtype), a contiguous weight, x with unit stride in its last dim;
-- no autograd (grad disabled, or nothing requires grad), not while `torch.compile` traces;
+- no autograd (grad disabled, or nothing requires grad), not while `torch.compile` traces nor
+  under a ``TorchDispatchMode`` (``FlopCounterMode``, fake tensors: they see ``aten.mm``);
 - the extension is built (`attnlab._ext.load`: the first use on a machine builds it in the
   background) and this CPU has the kernel for the dtype (AVX-512F / AVX512-BF16);
 - ``ATTNLAB_GEMV`` is unset or ``auto``; ``off`` forces torch's kernel.
@@ -27,6 +28,7 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from .. import _ext
 
@@ -56,8 +58,8 @@ def _cpu_supports(dtype: torch.dtype) -> bool:
 
 def usable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether `linear` runs ``x·weightᵀ + bias`` on the streaming kernel (see the module)."""
-    if torch.compiler.is_compiling():
-        return False
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+        return False  # tracing, FLOP counting, fake tensors: the standard aten ops
     if x.device.type != "cpu" or x.dtype not in _DTYPES or weight.dtype != x.dtype:
         return False
     if bias is not None and bias.dtype != x.dtype:
