@@ -2,9 +2,10 @@
 // attnlab/modules/stream_linear.py).
 //
 //   attnlab_gemv::linear(x, w, b) -> y
-//       x (M, K) with unit stride in K (rows at any stride), M <= kMaxRows; w (N, K) contiguous
-//       (nn.Linear's weight); b (N,) or None; float32 or bfloat16, all one dtype:
-//           y = x·wᵀ + b   (M, N) in x's dtype, float32 accumulation, one rounding (bfloat16).
+//       x (..., K) whose M = numel / K rows (M <= kMaxRows) view as (M, K) with unit stride in K;
+//       w (N, K) contiguous (nn.Linear's weight); b (N,) contiguous or None; float32 or
+//       bfloat16, all one dtype:
+//           y = x·wᵀ + b   (..., N) in x's dtype, float32 accumulation, one rounding.
 //   attnlab_gemv::supported(dtype) -> bool: this build has the kernel for that dtype
 //       (AVX-512F for float32, AVX512-BF16 for bfloat16).
 //
@@ -26,6 +27,7 @@
 #include <cstdint>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -36,8 +38,8 @@ constexpr int64_t kAhead = 4;    // software prefetch distance, in rows of w
 #if defined(__AVX512F__)
 // y[m][n0 .. n0 + nr) for all m < M: nr <= kRowsW rows of w against every row of x.
 template <int M, int NR>
-inline void rows_f32(const float* x, int64_t xs, const float* w, int64_t K, float* out,
-                     int64_t os) {
+inline void rows_f32(const float* x, int64_t xs, const float* w, int64_t K, const float* b,
+                     float* out, int64_t os) {
   __m512 acc[M][NR];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -56,14 +58,18 @@ inline void rows_f32(const float* x, int64_t xs, const float* w, int64_t K, floa
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < NR; ++r) out[m * os + r] = _mm512_reduce_add_ps(acc[m][r]);
+    for (int r = 0; r < NR; ++r) {
+      // the float32 sum plus the bias, rounded once to the output dtype (as torch's addmm)
+      const float bias = b ? static_cast<float>(b[r]) : 0.0f;
+      out[m * os + r] = _mm512_reduce_add_ps(acc[m][r]) + bias;
+    }
 }
 #endif
 
 #if defined(__AVX512BF16__)
 template <int M, int NR>
 inline void rows_bf16(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64_t K,
-                      float* out, int64_t os) {
+                      const c10::BFloat16* b, c10::BFloat16* out, int64_t os) {
   __m512 acc[M][NR];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -81,25 +87,29 @@ inline void rows_bf16(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < NR; ++r) out[m * os + r] = _mm512_reduce_add_ps(acc[m][r]);
+    for (int r = 0; r < NR; ++r) {
+      // the float32 sum plus the bias, rounded once to the output dtype (as torch's addmm)
+      const float bias = b ? static_cast<float>(b[r]) : 0.0f;
+      out[m * os + r] = _mm512_reduce_add_ps(acc[m][r]) + bias;
+    }
 }
 #endif
 
 // y (M, N) float32 for a compile-time number of rows M of x; rows of w split between threads
 // (grain: ~256 KiB of weight).
 template <typename T, int M>
-void run_rows(const T* x, int64_t xs, const T* w, int64_t N, int64_t K, float* y) {
+void run_rows(const T* x, int64_t xs, const T* w, int64_t N, int64_t K, const T* b, T* y) {
   const int64_t grain = std::max<int64_t>(kRowsW, (int64_t{1} << 18) / (K * sizeof(T)));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     auto rows = [&](auto nr, int64_t n) {
       constexpr int NR = decltype(nr)::value;
       if constexpr (std::is_same_v<T, float>) {
 #if defined(__AVX512F__)
-        rows_f32<M, NR>(x, xs, w + n * K, K, y + n, N);
+        rows_f32<M, NR>(x, xs, w + n * K, K, b ? b + n : nullptr, y + n, N);
 #endif
       } else {
 #if defined(__AVX512BF16__)
-        rows_bf16<M, NR>(x, xs, w + n * K, K, y + n, N);
+        rows_bf16<M, NR>(x, xs, w + n * K, K, b ? b + n : nullptr, y + n, N);
 #endif
       }
     };
@@ -110,16 +120,16 @@ void run_rows(const T* x, int64_t xs, const T* w, int64_t N, int64_t K, float* y
 }
 
 template <typename T>
-void run(const T* x, int64_t xs, int64_t M, const T* w, int64_t N, int64_t K, float* y) {
+void run(const T* x, int64_t xs, int64_t M, const T* w, int64_t N, int64_t K, const T* b, T* y) {
   switch (M) {
-    case 1: return run_rows<T, 1>(x, xs, w, N, K, y);
-    case 2: return run_rows<T, 2>(x, xs, w, N, K, y);
-    case 3: return run_rows<T, 3>(x, xs, w, N, K, y);
-    case 4: return run_rows<T, 4>(x, xs, w, N, K, y);
-    case 5: return run_rows<T, 5>(x, xs, w, N, K, y);
-    case 6: return run_rows<T, 6>(x, xs, w, N, K, y);
-    case 7: return run_rows<T, 7>(x, xs, w, N, K, y);
-    default: return run_rows<T, 8>(x, xs, w, N, K, y);
+    case 1: return run_rows<T, 1>(x, xs, w, N, K, b, y);
+    case 2: return run_rows<T, 2>(x, xs, w, N, K, b, y);
+    case 3: return run_rows<T, 3>(x, xs, w, N, K, b, y);
+    case 4: return run_rows<T, 4>(x, xs, w, N, K, b, y);
+    case 5: return run_rows<T, 5>(x, xs, w, N, K, b, y);
+    case 6: return run_rows<T, 6>(x, xs, w, N, K, b, y);
+    case 7: return run_rows<T, 7>(x, xs, w, N, K, b, y);
+    default: return run_rows<T, 8>(x, xs, w, N, K, b, y);
   }
 }
 
@@ -133,10 +143,13 @@ bool supported(at::ScalarType dtype) {
   return false;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "attnlab_gemv.linear: CPU tensors");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
-              "attnlab_gemv.linear: x (M, K) and w (N, K), got ", x.sizes(), " and ", w.sizes());
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w,
+                  const std::optional<at::Tensor>& b) {
+  TORCH_CHECK(x_in.device().is_cpu() && w.device().is_cpu(), "attnlab_gemv.linear: CPU tensors");
+  TORCH_CHECK(x_in.dim() >= 1 && w.dim() == 2 && x_in.size(-1) == w.size(1),
+              "attnlab_gemv.linear: x (..., K) and w (N, K), got ", x_in.sizes(), " and ",
+              w.sizes());
+  const at::Tensor x = x_in.reshape({-1, w.size(1)});  // (M, K): a view for decode inputs
   TORCH_CHECK(x.size(0) <= kMaxRows, "attnlab_gemv.linear: at most ", kMaxRows, " rows, got ",
               x.size(0));
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "attnlab_gemv.linear: x and w share a dtype");
@@ -145,21 +158,24 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   TORCH_CHECK(w.is_contiguous() && (x.size(1) <= 1 || x.stride(1) == 1),
               "attnlab_gemv.linear: w contiguous, x with unit stride in K");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const bool has_b = b.has_value() && b->defined();
+  TORCH_CHECK(!has_b || (b->dim() == 1 && b->size(0) == N && b->is_contiguous() &&
+                         b->scalar_type() == x.scalar_type()),
+              "attnlab_gemv.linear: b must be (N,), contiguous, in x's dtype");
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());  // (..., N), contiguous: rows N apart
   if (M > 0 && N > 0) {
     if (x.scalar_type() == at::kFloat) {
       run<float>(x.const_data_ptr<float>(), x.stride(0), M, w.const_data_ptr<float>(), N, K,
-                 y.data_ptr<float>());
+                 has_b ? b->const_data_ptr<float>() : nullptr, y.data_ptr<float>());
     } else {
-      run<c10::BFloat16>(x.const_data_ptr<c10::BFloat16>(), x.stride(0), M,
-                         w.const_data_ptr<c10::BFloat16>(), N, K, y.data_ptr<float>());
+      using BF = c10::BFloat16;
+      run<BF>(x.const_data_ptr<BF>(), x.stride(0), M, w.const_data_ptr<BF>(), N, K,
+              has_b ? b->const_data_ptr<BF>() : nullptr, y.data_ptr<BF>());
     }
   }
-  if (b.has_value() && b->defined()) {
-    TORCH_CHECK(b->dim() == 1 && b->size(0) == N, "attnlab_gemv.linear: b must be (N,)");
-    y.add_(*b);  // float32 + the bias, rounded once below (as torch's addmm)
-  }
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return y;
 }
 
 }  // namespace

@@ -12,7 +12,8 @@ interleaved; benchmarks/RESULTS.md): float32 1.8× (one row) and 1.8× (four row
 product; the sums differ only in rounding order):
 
 - at most `MAX_ROWS` rows (``x.numel() / in_features``), CPU, float32 or bfloat16 (x, weight
-  and bias of one dtype), a contiguous weight, x with unit stride in its last dim;
+  and bias of one dtype), a contiguous weight, x with unit stride in its last dim; one float32
+  row only against a weight of at least `FP32_ONE_ROW_MIN` elements;
 - no autograd (grad disabled, or nothing requires grad), not while `torch.compile` traces nor
   under a ``TorchDispatchMode`` (``FlopCounterMode``, fake tensors: they see ``aten.mm``);
 - the extension is built (`attnlab._ext.load`: the first use on a machine builds it in the
@@ -35,6 +36,11 @@ from .. import _ext
 EXT = "gemv"
 ENV = "ATTNLAB_GEMV"
 MAX_ROWS = 8
+# One float32 row against a weight of fewer elements (1 MiB) stays on torch's kernel: on the
+# 2.9M-parameter GPT (256-wide, weights in cache) its matrix products alone ran 2,613 tok/s on
+# torch's kernel and 1,754 on this one (one thread, benchmarks/RESULTS.md); bfloat16 and more
+# rows were faster here at every size measured.
+FP32_ONE_ROW_MIN = 1 << 18
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -57,21 +63,25 @@ def _cpu_supports(dtype: torch.dtype) -> bool:
 
 
 def usable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether `linear` runs ``x·weightᵀ + bias`` on the streaming kernel (see the module)."""
+    """Whether `linear` runs ``x·weightᵀ + bias`` on the streaming kernel (see the module).
+
+    The cheap checks run first: this sits on every projection of a decode step."""
     if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
         return False  # tracing, FLOP counting, fake tensors: the standard aten ops
-    if x.device.type != "cpu" or x.dtype not in _DTYPES or weight.dtype != x.dtype:
-        return False
-    if bias is not None and bias.dtype != x.dtype:
+    if not x.is_cpu or x.dtype not in _DTYPES or weight.dtype != x.dtype:
         return False
     K = weight.shape[-1]
     if weight.dim() != 2 or K == 0 or x.shape[-1] != K or x.numel() > MAX_ROWS * K:
         return False
+    if x.dtype == torch.float32 and x.numel() == K and weight.numel() < FP32_ONE_ROW_MIN:
+        return False  # torch's single-row float32 kernel is faster on cache-sized weights
     if torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     ):
         return False
     if not weight.is_contiguous() or (x.stride(-1) != 1 and K > 1):
+        return False
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         return False
     if setting() != "auto":
         return False
@@ -90,9 +100,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """
     if not usable(x, weight, bias):
         return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])
-    out: Tensor = torch.ops.attnlab_gemv.linear(rows, weight, bias)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    out: Tensor = torch.ops.attnlab_gemv.linear(x, weight, bias)
+    return out
 
 
-__all__ = ["ENV", "EXT", "MAX_ROWS", "linear", "setting", "usable"]
+__all__ = ["ENV", "EXT", "FP32_ONE_ROW_MIN", "MAX_ROWS", "linear", "setting", "usable"]
