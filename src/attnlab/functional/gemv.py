@@ -1,12 +1,13 @@
 """A linear layer on a few rows (decode steps) on attnlab's streaming kernel (``_ext/gemv.cpp``).
 
 With one to eight rows, ``x·Wᵀ`` is bound by reading W: torch's CPU kernel reads a decode step's
-weights at 6–10 GB/s on one AMD EPYC core, attnlab's reads each weight row once, in order, with
+weights at 6–12 GB/s on one AMD EPYC core, attnlab's reads each weight row once, in order, with
 a software prefetch a few rows ahead, against every row of x (float32 fused multiply-adds, or
-AVX512-BF16 pair dot products for bfloat16: float32 accumulation, one rounding). Measured on the
-41 weights of an 8-layer, d_model 512 Llama-like model (55M parameters, one thread, best of 9
-interleaved; benchmarks/RESULTS.md): float32 1.8× (one row) and 1.8× (four rows), bfloat16
-2.3× and 1.6× faster than ``torch.nn.functional.linear``.
+AVX512-BF16 pair dot products for bfloat16: float32 accumulation, bias added and one rounding in
+the kernel). Measured on the 41 weights of an 8-layer, d_model 512 Llama-like model (38M
+parameters, one thread, best of 9 interleaved; ``benchmarks/bench_gemv.py``, RESULTS.md): one
+row 2.4× (float32) and 3.5× (bfloat16) faster than ``torch.nn.functional.linear`` — at the
+core's streaming-read rate — four rows 1.8× and 1.6×, eight rows 1.4× and 1.3×.
 
 `linear` runs the kernel when all of these hold, else ``torch.nn.functional.linear`` (the same
 product; the sums differ only in rounding order):
