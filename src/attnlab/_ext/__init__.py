@@ -45,7 +45,7 @@ import torch
 
 ENV = "ATTNLAB_EXT"
 CACHE_ENV = "ATTNLAB_EXT_CACHE"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
 
 _HERE = Path(__file__).resolve().parent
