@@ -125,7 +125,7 @@ def test_native_policy_runs_the_kernel_in_the_input_dtype(monkeypatch) -> None:
     monkeypatch.setattr(band, "kernel_forward", spy)
     monkeypatch.setattr(band_kernel, "forward_into", spy_band)
     q, k, v = qkv(128, torch.bfloat16)
-    engines_ = ["aten"] + (["auto"] if band_kernel.ready(q, band_kernel.BLOCK) else [])
+    engines_ = ["aten"] + (["auto"] if band_kernel.ready(q, band_kernel.block(q)) else [])
     for engine in engines_:
         monkeypatch.setenv(band_kernel.ENGINE_ENV, engine)
         for policy, want in (("native", torch.bfloat16), ("widen", torch.float32)):
@@ -280,8 +280,8 @@ def test_band_block_override(monkeypatch) -> None:
 
     q, k, v = qkv(192, torch.bfloat16)
     mask = masks.sliding_window(24)
-    native = band_kernel.ready(q, band_kernel.BLOCK)  # the C++ kernel's own block if it runs
-    default = band_kernel.BLOCK if native else flash_plan.BAND_BLOCK_FWD
+    native = band_kernel.ready(q, band_kernel.block(q))  # the kernel's own block if it runs
+    default = band_kernel.BLOCKS[torch.bfloat16] if native else flash_plan.BAND_BLOCK_FWD
     for raw, want in (("", default), ("16", 16), ("64", 64)):
         monkeypatch.setenv(flash_plan.BAND_BLOCK_ENV, raw)
         req = plain_request(q, k, v, mask=mask, bias=None, scale=None, temperature=1.0, score="dot")

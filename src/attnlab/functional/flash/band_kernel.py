@@ -47,10 +47,13 @@ from ..tiling import BandCall, SegmentCall
 ENGINE_ENV = "ATTNLAB_FLASH_BAND_ENGINE"
 ENGINES = ("auto", "aten")
 EXT = "band_attn"
-# Forward query block of band calls on this kernel: 16 rows (271 keys for a 256-window) beat 32
-# (287) — window 256, L = 16384, 2 threads, AMD EPYC: float32 0.069 vs 0.071 s, bfloat16 0.041
-# vs 0.043 s; 8 and 24 rows were no faster.
-BLOCK = 16
+# Forward query block of band calls on this kernel, per dtype. float32: 16 rows (271 keys for a
+# 256-window) beat 32 (287) — window 256, L = 16384, 2 threads, AMD EPYC: 0.069 vs 0.071 s; 8 and
+# 24 rows were no faster; Xeon with AMX: 16/32/48/64 rows 44/49/52/49 ms. bfloat16 rows are
+# padded to whole 32-key steps (16 and 32 rows both read 288 keys), so 32 rows halve the calls:
+# Xeon with AMX, 16 → 32 rows 17.1 → 16.0 ms (48 rows 22, 64 rows 20).
+BLOCKS = {torch.float32: 16, torch.bfloat16: 32}
+BLOCK = BLOCKS[torch.float32]
 # Query block of segment calls (8 × 2048 causal at L = 16384, best of 7: 32/64/96/128 rows took
 # 0.202/0.208/0.212/0.208 s in float32 and 0.134/0.126/0.127/0.134 s in bfloat16), and the
 # longest segment it takes (its scores: 64 × 32768 floats = 8 MiB per thread).
@@ -86,6 +89,11 @@ def ready(q: Tensor, bq: int | None = None) -> bool:
     if q.dtype == torch.bfloat16 and (q.shape[-1] % 2 or (bq is not None and bq % 2)):
         return False
     return _ext.load(EXT) and _cpu_supports(q.dtype)
+
+
+def block(q: Tensor) -> int:
+    """This kernel's forward query block of band calls on ``q``'s dtype (`BLOCKS`)."""
+    return BLOCKS.get(q.dtype, BLOCK)
 
 
 def usable(q: Tensor, k: Tensor, v: Tensor, bq: int) -> bool:
@@ -161,10 +169,12 @@ def forward_into(
 
 __all__ = [
     "BLOCK",
+    "BLOCKS",
     "ENGINES",
     "ENGINE_ENV",
     "SEGMENT_BLOCK",
     "SEGMENT_MAX",
+    "block",
     "engine_setting",
     "forward_into",
     "ready",

@@ -36,7 +36,7 @@ BAND_BLOCK_FWD = 32
 # 0.179/0.168/0.183/0.215 s in float32, so 32 stays for both. CPUs whose low-precision matmul
 # is much faster (AMX) may prefer larger blocks: ATTNLAB_FLASH_BAND_BLOCK overrides the default
 # (measure with `attnlab bench --case window`). attnlab's C++ band kernel (`band_kernel`), when it
-# runs the calls, prefers its own block (`band_kernel.BLOCK`).
+# runs the calls, prefers its own block per dtype (`band_kernel.BLOCKS`).
 BAND_BLOCK_ENV = "ATTNLAB_FLASH_BAND_BLOCK"
 
 
@@ -49,8 +49,8 @@ def band_block_fwd(q: Tensor | None = None) -> int:
     """
     raw = os.environ.get(BAND_BLOCK_ENV, "").strip()
     if not raw:
-        if q is not None and band_kernel.ready(q, band_kernel.BLOCK):
-            return band_kernel.BLOCK
+        if q is not None and band_kernel.ready(q, band_kernel.block(q)):
+            return band_kernel.block(q)
         return BAND_BLOCK_FWD
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"{BAND_BLOCK_ENV} must be a positive int, got {raw!r}")
