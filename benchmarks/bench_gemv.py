@@ -49,13 +49,16 @@ def main() -> None:
     dims = shapes(args.layers, args.d_model, args.qkv, args.d_ff, args.vocab)
     print(
         f"{len(dims)} weights per step ({sum(n * k for n, k in dims) / 1e6:.1f}M parameters); "
-        f"min of {args.rounds} interleaved rounds, wall clock\n"
+        f"min of {args.rounds} interleaved rounds, wall clock; weight rows per pass: "
+        f"{gemv.rows_per_pass() or torch.ops.attnlab_gemv.default_rows_per_pass()}"
+        f" ({gemv.ROWS_ENV}={gemv.rows_per_pass() or 'auto'})\n"
     )
     print(
         f"{'dtype':<9} {'rows':>4} {'torch ms':>9} {'GB/s':>6} {'attnlab ms':>11} {'GB/s':>6} "
         f"{'speed-up':>8} {'stream read GB/s':>17}"
     )
     op = torch.ops.attnlab_gemv.linear
+    per_pass = gemv.rows_per_pass()
     for dtype in dtypes:
         if not torch.ops.attnlab_gemv.supported(dtype):
             print(f"{dtype!s:<9} no kernel on this CPU")
@@ -76,11 +79,13 @@ def main() -> None:
             with torch.inference_mode():
                 for w in weights[:5]:  # the same product, up to the order of the float32 sums
                     x = xs[w.shape[1]]
-                    torch.testing.assert_close(op(x, w, None), F.linear(x, w), rtol=2e-2, atol=2e-2)
+                    torch.testing.assert_close(
+                        op(x, w, None, per_pass), F.linear(x, w), rtol=2e-2, atol=2e-2
+                    )
                 t = interleaved_medians(
                     {
                         "torch": lambda: run(F.linear),
-                        "attnlab": lambda: run(lambda rows, weight: op(rows, weight, None)),
+                        "attnlab": lambda: run(lambda r, weight: op(r, weight, None, per_pass)),
                     },
                     args.rounds,
                     stat="min",

@@ -8,6 +8,8 @@ torch's kernel: autograd, many rows, other dtypes, meta, ``ATTNLAB_GEMV=off``, a
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -45,7 +47,8 @@ def _count(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("M", [1, 3, 8])
 @pytest.mark.parametrize("K", [1, 37, 512, 1000])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_matches_the_float64_product(kernel, dtype, M, K, bias) -> None:
+@pytest.mark.parametrize("rows", [0, 1, 2])  # weight rows per pass: the CPU's default, 1, 2
+def test_kernel_matches_the_float64_product(kernel, dtype, M, K, bias, rows) -> None:
     if not torch.ops.attnlab_gemv.supported(dtype):
         pytest.skip(f"no {dtype} kernel on this CPU")
     g = torch.Generator().manual_seed(M * 1000 + K)
@@ -55,7 +58,7 @@ def test_kernel_matches_the_float64_product(kernel, dtype, M, K, bias) -> None:
     w = torch.randn(N, K, generator=g).to(dtype)
     b = torch.randn(N, generator=g).to(dtype) if bias else None
     with torch.no_grad():
-        y = torch.ops.attnlab_gemv.linear(x, w, b)
+        y = torch.ops.attnlab_gemv.linear(x, w, b, rows)  # N odd: a lone last row too
     assert y.dtype == dtype and y.shape == (M, N)
     want = x.double() @ w.double().T + (b.double() if bias else 0)
     scale = (x.double().abs() @ w.double().abs().T) + (b.double().abs() if bias else 0)
@@ -124,6 +127,40 @@ def test_operator_refuses_bad_calls(kernel) -> None:
         op(torch.randn(2, 4), torch.randn(3, 4).double(), None)
     with pytest.raises(RuntimeError, match=r"b must be \(N,\)"):
         op(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4))
+    with pytest.raises(RuntimeError, match="rows_per_pass must be 0, 1 or 2, got 3"):
+        op(torch.randn(2, 4), torch.randn(3, 4), None, 3)
+
+
+def test_rows_per_pass_setting(kernel, monkeypatch) -> None:
+    """``ATTNLAB_GEMV_ROWS`` reaches the operator (``auto`` → 0: the kernel's default, which is
+    1 on AMD and 2 elsewhere); a bad value is named."""
+    seen: list[int] = []
+    spy = torch.ops.attnlab_gemv
+
+    class Args:
+        supported = spy.supported
+
+        @staticmethod
+        def linear(*a):
+            seen.append(a[3])
+            return spy.linear(*a)
+
+    monkeypatch.setattr(torch.ops, "attnlab_gemv", Args)
+    x, w = torch.randn(2, 64), torch.randn(8, 64)
+    for raw, want in (("", 0), ("auto", 0), ("1", 1), ("2", 2)):
+        monkeypatch.setenv(gemv.ROWS_ENV, raw)
+        with torch.no_grad():
+            y = gemv.linear(x, w)
+        assert seen[-1] == want
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, w))
+    assert len(seen) == 4
+    monkeypatch.setenv(gemv.ROWS_ENV, "3")
+    with pytest.raises(ValueError, match=r"ATTNLAB_GEMV_ROWS must be 'auto', '1' or '2', got '3'"):
+        gemv.linear(x, w)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        amd = "AuthenticAMD" in cpuinfo.read_text()
+        assert spy.default_rows_per_pass() == (1 if amd else 2)
 
 
 def test_flop_counter_sees_aten_mm(kernel, monkeypatch) -> None:

@@ -113,9 +113,9 @@ struct Traits<c10::BFloat16> {
 template <typename T>
 class Buffer {
  public:
-  explicit Buffer(size_t n)
-      : p_(static_cast<T*>(std::aligned_alloc(64, (std::max<size_t>(n, 1) * sizeof(T) + 63) / 64 * 64)),
-           &std::free) {
+  explicit Buffer(size_t n) : p_(nullptr, &std::free) {
+    const size_t bytes = (std::max<size_t>(n, 1) * sizeof(T) + 63) / 64 * 64;
+    p_.reset(static_cast<T*>(std::aligned_alloc(64, bytes)));
     if (!p_) throw std::bad_alloc();
   }
   T* get() const { return p_.get(); }
@@ -132,9 +132,11 @@ inline int64_t score_cols(int64_t width, bool bf16) {
   return (width + a - 1) / a * a;
 }
 
+// `softmax_row` (below) in plain C++ for CPUs without AVX-512: exp_neg in 16-lane loops.
 template <bool HasAdd, typename P>
-inline std::pair<float, float> softmax_row_portable(float* sr, const float* ad, int64_t ws, int64_t c_lo,
-                                           int64_t c_hi, float scale, P* pr) {
+inline std::pair<float, float> softmax_row_portable(float* sr, const float* ad, int64_t ws,
+                                                    int64_t c_lo, int64_t c_hi, float scale,
+                                                    P* pr) {
   float mv[16];
   for (int c = 0; c < 16; ++c) mv[c] = kNegInf;
   for (int64_t c0 = 0; c0 < ws; c0 += 16) {
@@ -198,13 +200,13 @@ inline void store16(c10::BFloat16* p, __m512 e) {  // to_bf16 on 16 lanes
 #if defined(__AVX512BF16__)
   // one instruction (round to nearest even; numerators below 2⁻¹²⁶ become 0)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(e));
-  return;
-#endif
+#else
   const __m512i u = _mm512_castps_si512(e);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r =
-      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  const __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+#endif
 }
 #endif
 
@@ -540,8 +542,8 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
   };
   const size_t rows = static_cast<size_t>(kGroup * bq);
   const size_t scratch[4] = {rows * ws, vnni ? rows * ws : 0, rows * Dv, rows};
-  run_heads<T>(Hkv, ngrp * G, static_cast<size_t>(D * ldk), vnni ? static_cast<size_t>(nkp * Dv) : 0,
-               scratch, pack, run);
+  const size_t nvp = vnni ? static_cast<size_t>(nkp * Dv) : 0;
+  run_heads<T>(Hkv, ngrp * G, static_cast<size_t>(D * ldk), nvp, scratch, pack, run);
 }
 
 // Batched segments (packed documents, `tiling.SegmentCall`) of one batch item: segment s holds

@@ -20,6 +20,11 @@ product; the sums differ only in rounding order):
 - the extension is built (`attnlab._ext.load`: the first use on a machine builds it in the
   background) and this CPU has the kernel for the dtype (AVX-512F / AVX512-BF16);
 - ``ATTNLAB_GEMV`` is unset or ``auto``; ``off`` forces torch's kernel.
+
+The kernel streams one row of the weight at a time on AMD CPUs and two side by side elsewhere
+(on a Xeon with AMX two rows per pass took one-row float32 from 0.88× to 1.02× torch's kernel
+and one-row bfloat16 from 1.63× to 1.89×; one core, RESULTS.md); ``ATTNLAB_GEMV_ROWS`` (``1``
+or ``2``) forces either on any CPU.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from .. import _ext
 
 EXT = "gemv"
 ENV = "ATTNLAB_GEMV"
+ROWS_ENV = "ATTNLAB_GEMV_ROWS"
 MAX_ROWS = 8
 # One float32 row against a weight of fewer elements (1 MiB) stays on torch's kernel: on the
 # 2.9M-parameter GPT (256-wide, weights in cache) its matrix products alone ran 2,613 tok/s on
@@ -55,6 +61,19 @@ def setting() -> str:
     if raw not in ("auto", "off"):
         raise ValueError(f"{ENV} must be 'auto' or 'off', got {raw!r}")
     return raw
+
+
+def rows_per_pass() -> int:
+    """``$ATTNLAB_GEMV_ROWS``: rows of the weight streamed side by side, ``1`` or ``2``; ``0``
+    (unset or ``auto``) leaves the choice to the kernel (1 on AMD, 2 elsewhere).
+
+    Raises:
+        ValueError: the variable holds something else.
+    """
+    raw = os.environ.get(ROWS_ENV, "").strip().lower() or "auto"
+    if raw not in ("auto", "1", "2"):
+        raise ValueError(f"{ROWS_ENV} must be 'auto', '1' or '2', got {raw!r}")
+    return 0 if raw == "auto" else int(raw)
 
 
 @functools.cache
@@ -101,8 +120,18 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """
     if not usable(x, weight, bias):
         return F.linear(x, weight, bias)
-    out: Tensor = torch.ops.attnlab_gemv.linear(x, weight, bias)
+    out: Tensor = torch.ops.attnlab_gemv.linear(x, weight, bias, rows_per_pass())
     return out
 
 
-__all__ = ["ENV", "EXT", "FP32_ONE_ROW_MIN", "MAX_ROWS", "linear", "setting", "usable"]
+__all__ = [
+    "ENV",
+    "EXT",
+    "FP32_ONE_ROW_MIN",
+    "MAX_ROWS",
+    "ROWS_ENV",
+    "linear",
+    "rows_per_pass",
+    "setting",
+    "usable",
+]
