@@ -50,8 +50,11 @@ def main() -> None:
     print(
         f"{len(dims)} weights per step ({sum(n * k for n, k in dims) / 1e6:.1f}M parameters); "
         f"min of {args.rounds} interleaved rounds, wall clock; weight rows per pass: "
-        f"{gemv.rows_per_pass() or torch.ops.attnlab_gemv.default_rows_per_pass()}"
-        f" ({gemv.ROWS_ENV}={gemv.rows_per_pass() or 'auto'})\n"
+        + ", ".join(
+            f"{d} {gemv.rows_per_pass() or torch.ops.attnlab_gemv.default_rows_per_pass(d)}"
+            for d in dtypes
+        )
+        + f" ({gemv.ROWS_ENV}={gemv.rows_per_pass() or 'auto'})\n"
     )
     print(
         f"{'dtype':<9} {'rows':>4} {'torch ms':>9} {'GB/s':>6} {'attnlab ms':>11} {'GB/s':>6} "

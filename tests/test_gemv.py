@@ -47,7 +47,7 @@ def _count(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("M", [1, 3, 8])
 @pytest.mark.parametrize("K", [1, 37, 512, 1000])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [0, 1, 2])  # weight rows per pass: the CPU's default, 1, 2
+@pytest.mark.parametrize("rows", [0, 1, 2, 4])  # weight rows per pass (0: the CPU's default)
 def test_kernel_matches_the_float64_product(kernel, dtype, M, K, bias, rows) -> None:
     if not torch.ops.attnlab_gemv.supported(dtype):
         pytest.skip(f"no {dtype} kernel on this CPU")
@@ -58,7 +58,7 @@ def test_kernel_matches_the_float64_product(kernel, dtype, M, K, bias, rows) -> 
     w = torch.randn(N, K, generator=g).to(dtype)
     b = torch.randn(N, generator=g).to(dtype) if bias else None
     with torch.no_grad():
-        y = torch.ops.attnlab_gemv.linear(x, w, b, rows)  # N odd: a lone last row too
+        y = torch.ops.attnlab_gemv.linear(x, w, b, rows)  # N = 45: every remainder path
     assert y.dtype == dtype and y.shape == (M, N)
     want = x.double() @ w.double().T + (b.double() if bias else 0)
     scale = (x.double().abs() @ w.double().abs().T) + (b.double().abs() if bias else 0)
@@ -127,13 +127,13 @@ def test_operator_refuses_bad_calls(kernel) -> None:
         op(torch.randn(2, 4), torch.randn(3, 4).double(), None)
     with pytest.raises(RuntimeError, match=r"b must be \(N,\)"):
         op(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4))
-    with pytest.raises(RuntimeError, match="rows_per_pass must be 0, 1 or 2, got 3"):
+    with pytest.raises(RuntimeError, match="rows_per_pass must be 0, 1, 2 or 4, got 3"):
         op(torch.randn(2, 4), torch.randn(3, 4), None, 3)
 
 
 def test_rows_per_pass_setting(kernel, monkeypatch) -> None:
     """``ATTNLAB_GEMV_ROWS`` reaches the operator (``auto`` → 0: the kernel's default, which is
-    1 on AMD and 2 elsewhere); a bad value is named."""
+    1 on AMD, elsewhere 4 in float32 and 2 in bfloat16); a bad value is named."""
     seen: list[int] = []
     spy = torch.ops.attnlab_gemv
 
@@ -147,20 +147,21 @@ def test_rows_per_pass_setting(kernel, monkeypatch) -> None:
 
     monkeypatch.setattr(torch.ops, "attnlab_gemv", Args)
     x, w = torch.randn(2, 64), torch.randn(8, 64)
-    for raw, want in (("", 0), ("auto", 0), ("1", 1), ("2", 2)):
+    for raw, want in (("", 0), ("auto", 0), ("1", 1), ("2", 2), ("4", 4)):
         monkeypatch.setenv(gemv.ROWS_ENV, raw)
         with torch.no_grad():
             y = gemv.linear(x, w)
         assert seen[-1] == want
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w))
-    assert len(seen) == 4
+    assert len(seen) == 5
     monkeypatch.setenv(gemv.ROWS_ENV, "3")
-    with pytest.raises(ValueError, match=r"ATTNLAB_GEMV_ROWS must be 'auto', '1' or '2', got '3'"):
+    with pytest.raises(ValueError, match=r"ATTNLAB_GEMV_ROWS must be 'auto', '1', '2' or '4', got"):
         gemv.linear(x, w)
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         amd = "AuthenticAMD" in cpuinfo.read_text()
-        assert spy.default_rows_per_pass() == (1 if amd else 2)
+        assert spy.default_rows_per_pass(torch.float32) == (1 if amd else 4)
+        assert spy.default_rows_per_pass(torch.bfloat16) == (1 if amd else 2)
 
 
 def test_flop_counter_sees_aten_mm(kernel, monkeypatch) -> None:

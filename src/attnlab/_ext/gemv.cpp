@@ -6,8 +6,8 @@
 //       w (N, K) contiguous (nn.Linear's weight); b (N,) contiguous or None; float32 or
 //       bfloat16, all one dtype:
 //           y = x·wᵀ + b   (..., N) in x's dtype, float32 accumulation, one rounding.
-//       rows_per_pass: rows of w streamed side by side (1 or 2; 0: this CPU's default, 1 on
-//       AMD, 2 elsewhere).
+//       rows_per_pass: rows of w streamed side by side (1, 2 or 4; 0: this CPU's default for
+//       the dtype, `default_rows_per_pass`).
 //   attnlab_gemv::supported(dtype) -> bool: this build has the kernel for that dtype
 //       (AVX-512F for float32, AVX512-BF16 for bfloat16).
 //
@@ -37,16 +37,17 @@ constexpr int64_t kMaxRows = 8;  // rows of x: one accumulator each per row of w
 constexpr int64_t kAhead = 4;    // software prefetch distance, in rows of w
 
 // Rows of w per pass by default: one, read strictly in order, on AMD (Zen 4: the fastest);
-// two side by side elsewhere (one core of a Xeon with AMX, 41 weights of a 38M-parameter model,
-// best of 9: float32 one row 13.22 → 11.51 ms, 4 rows 14.91 → 13.96; bfloat16 one row 6.46 →
-// 5.80, 4 rows 7.69 → 7.17 ms; four rows per pass lost at 4 bfloat16 rows).
-int64_t default_rows_per_pass() {
-  static const int64_t rows = __builtin_cpu_is("amd") ? 1 : 2;
-  return rows;
+// elsewhere four in float32 and two in bfloat16 (one core of a Xeon with AMX, the 41 weights of
+// a 38M-parameter model, best of 9, 1 / 2 / 4 rows per pass: float32 one row of x 13.22 / 11.51
+// / 11.31 ms, four rows 14.91 / 13.96 / 12.28; bfloat16 one row 6.46 / 5.80 / 5.82, four rows
+// 7.69 / 7.17 / 8.63 ms).
+int64_t default_rows_per_pass(at::ScalarType dtype) {
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd ? 1 : dtype == at::kFloat ? 4 : 2;
 }
 
 #if defined(__AVX512F__)
-// y[m][n0 .. n0 + NR) for all m < M: NR (1 or 2) rows of w against every row of x.
+// y[m][n0 .. n0 + NR) for all m < M: NR (1, 2 or 4) rows of w against every row of x.
 template <int M, int NR>
 inline void rows_f32(const float* x, int64_t xs, const float* w, int64_t K, const float* b,
                      float* out, int64_t os) {
@@ -105,12 +106,12 @@ inline void rows_bf16(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w
 }
 #endif
 
-// y (M, N) float32 for a compile-time number of rows M of x, `pass` (1 or 2) rows of w at a
+// y (M, N) float32 for a compile-time number of rows M of x, `pass` (1, 2 or 4) rows of w at a
 // time; rows of w split between threads (grain: ~256 KiB of weight).
 template <typename T, int M>
 void run_rows(const T* x, int64_t xs, const T* w, int64_t N, int64_t K, const T* b, T* y,
               int64_t pass) {
-  const int64_t grain = std::max<int64_t>(2, (int64_t{1} << 18) / (K * sizeof(T)));
+  const int64_t grain = std::max<int64_t>(4, (int64_t{1} << 18) / (K * sizeof(T)));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     auto rows = [&](auto nr, int64_t n) {
       constexpr int NR = decltype(nr)::value;
@@ -125,7 +126,10 @@ void run_rows(const T* x, int64_t xs, const T* w, int64_t N, int64_t K, const T*
       }
     };
     int64_t n = n0;
-    if (pass == 2) {
+    if (pass == 4) {
+      for (; n + 4 <= n1; n += 4) rows(std::integral_constant<int, 4>{}, n);
+    }
+    if (pass >= 2) {
       for (; n + 2 <= n1; n += 2) rows(std::integral_constant<int, 2>{}, n);
     }
     for (; n < n1; ++n) rows(std::integral_constant<int, 1>{}, n);
@@ -159,9 +163,9 @@ bool supported(at::ScalarType dtype) {
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& b,
                   int64_t rows_per_pass) {
-  TORCH_CHECK(rows_per_pass >= 0 && rows_per_pass <= 2,
-              "attnlab_gemv.linear: rows_per_pass must be 0, 1 or 2, got ", rows_per_pass);
-  const int64_t pass = rows_per_pass == 0 ? default_rows_per_pass() : rows_per_pass;
+  TORCH_CHECK(rows_per_pass == 0 || rows_per_pass == 1 || rows_per_pass == 2 || rows_per_pass == 4,
+              "attnlab_gemv.linear: rows_per_pass must be 0, 1, 2 or 4, got ", rows_per_pass);
+  const int64_t pass = rows_per_pass == 0 ? default_rows_per_pass(x_in.scalar_type()) : rows_per_pass;
   TORCH_CHECK(x_in.device().is_cpu() && w.device().is_cpu(), "attnlab_gemv.linear: CPU tensors");
   TORCH_CHECK(x_in.dim() >= 1 && w.dim() == 2 && x_in.size(-1) == w.size(1),
               "attnlab_gemv.linear: x (..., K) and w (N, K), got ", x_in.sizes(), " and ",
@@ -199,7 +203,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const std::option
 
 TORCH_LIBRARY(attnlab_gemv, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? b, int rows_per_pass=0) -> Tensor");
-  m.def("default_rows_per_pass() -> int", &default_rows_per_pass);
+  m.def("default_rows_per_pass(ScalarType dtype) -> int", &default_rows_per_pass);
   m.def("supported(ScalarType dtype) -> bool", &supported);
 }
 

@@ -21,10 +21,10 @@ product; the sums differ only in rounding order):
   background) and this CPU has the kernel for the dtype (AVX-512F / AVX512-BF16);
 - ``ATTNLAB_GEMV`` is unset or ``auto``; ``off`` forces torch's kernel.
 
-The kernel streams one row of the weight at a time on AMD CPUs and two side by side elsewhere
-(on a Xeon with AMX two rows per pass took one-row float32 from 0.88× to 1.02× torch's kernel
-and one-row bfloat16 from 1.63× to 1.89×; one core, RESULTS.md); ``ATTNLAB_GEMV_ROWS`` (``1``
-or ``2``) forces either on any CPU.
+The kernel streams one row of the weight at a time on AMD CPUs; elsewhere four side by side in
+float32 and two in bfloat16 (on a Xeon with AMX: one float32 row of x 0.87× → 1.04× torch's
+kernel, four rows 1.42× → 1.75×; one bfloat16 row 1.63× → 1.9×; one core, RESULTS.md);
+``ATTNLAB_GEMV_ROWS`` (``1``, ``2`` or ``4``) forces a count on any CPU.
 """
 
 from __future__ import annotations
@@ -64,15 +64,16 @@ def setting() -> str:
 
 
 def rows_per_pass() -> int:
-    """``$ATTNLAB_GEMV_ROWS``: rows of the weight streamed side by side, ``1`` or ``2``; ``0``
-    (unset or ``auto``) leaves the choice to the kernel (1 on AMD, 2 elsewhere).
+    """``$ATTNLAB_GEMV_ROWS``: rows of the weight streamed side by side, ``1``, ``2`` or ``4``;
+    ``0`` (unset or ``auto``) leaves the choice to the kernel (1 on AMD; elsewhere 4 in float32,
+    2 in bfloat16).
 
     Raises:
         ValueError: the variable holds something else.
     """
     raw = os.environ.get(ROWS_ENV, "").strip().lower() or "auto"
-    if raw not in ("auto", "1", "2"):
-        raise ValueError(f"{ROWS_ENV} must be 'auto', '1' or '2', got {raw!r}")
+    if raw not in ("auto", "1", "2", "4"):
+        raise ValueError(f"{ROWS_ENV} must be 'auto', '1', '2' or '4', got {raw!r}")
     return 0 if raw == "auto" else int(raw)
 
 
