@@ -6,10 +6,17 @@ window, so its softmax needs one pass; attnlab's operator packs each head's keys
 overlapping windows and runs both products on oneDNN's brgemm micro-kernel (float32 accumulation),
 where torch's fused kernel repacks every window and keeps a running rescale. One call covers the
 whole band, edge blocks included (their windows are clipped to the keys inside the kernel).
-Measured with ``attnlab bench --case window`` (window 256, L = 16384, H = 8, D = 64, AMD EPYC
-without AMX, 2 threads): float32 0.101 → 0.068 s (70 % of the fp32 matmul rate, 2.2× compiled
-FlexAttention), bfloat16 0.099 → 0.039 s (57 % of the bf16 rate, 5.3× Flex);
-benchmarks/RESULTS.md.
+Measured with ``attnlab bench --case window`` (window 256, L = 16384, H = 8, D = 64, 2 threads):
+on an AMD EPYC without AMX float32 0.101 → 0.068 s (70 % of the fp32 matmul rate, 2.2× compiled
+FlexAttention), bfloat16 0.099 → 0.039 s (57 % of the bf16 rate, 5.3× Flex); on an Intel Xeon
+with AMX float32 0.053 s (50 % of its fp32 rate, 3.3× Flex), bfloat16 0.019–0.022 s (1.9–2.0×
+Flex; torch's kernel on the same tiles 0.057 s); benchmarks/RESULTS.md.
+
+What made it fast on AMX (all in the C++ file, each measured there): 64-byte aligned scratch
+(tile rows straddling cache lines ran the products 2.4× slower), bfloat16 rows in whole 32-key
+steps (a K remainder takes a slower micro-kernel), each product run on a group of blocks before
+the other (one tile configuration per group), and the softmax in explicit AVX-512 (2^t as
+2ⁿ·poly, one-instruction bfloat16 rounding) with 32-row blocks in bfloat16 (`BLOCKS`).
 
 Segments (`tiling.SegmentCall`: rows attend only their own segment, causally or fully) are
 one-pass too: each query block holds every key of its rows (causal: only the keys up to them),
