@@ -31,7 +31,7 @@ transformers = pytest.importorskip("transformers")
 
 import attnlab.hf  # noqa: E402
 from attnlab.hf.bridge import _has_softcap  # noqa: E402
-from attnlab.testing import FIXED_TABLE, assert_close_rule  # noqa: E402
+from attnlab.testing import FIXED_TABLE, assert_close_rule, mean_factor_for  # noqa: E402
 
 if attnlab.hf.bridge._version_tuple(transformers.__version__) < attnlab.hf.MIN_TRANSFORMERS:
     pytest.skip("attnlab.hf needs transformers>=5.4", allow_module_level=True)
@@ -314,7 +314,14 @@ def test_backward_equals_eager(family):
             assert float(g.abs().max()) < 1e-12, name
             assert float(a.abs().max()) <= FIXED_TABLE[torch.float32][2], name
             continue
-        assert_close_rule(a, g, e, kind="grad", name=f"{family.name} d{name}")
+        # attnlab's auto runs torch's tiled (online-softmax) SDPA kernel on these calls, so the
+        # rule's allowance for fp32 tiled kernels applies (10× the naive mean error when the max
+        # rule fails): on an Intel Xeon with AMX that kernel's qwen2 dk_proj.bias is 3.5× the
+        # naive max error (5.98e-6 vs 1.69e-6), the same max error as transformers' own
+        # attn_implementation="sdpa" (benchmarks/RESULTS.md, session 11); on an AMD EPYC the
+        # max rule holds
+        mf = mean_factor_for("auto", torch.float32)
+        assert_close_rule(a, g, e, kind="grad", name=f"{family.name} d{name}", mean_factor=mf)
         compared += 1
     assert compared >= 10  # every layer's projections took part
 

@@ -168,8 +168,9 @@ inline std::pair<float, float> softmax_row_portable(float* sr, const float* ad, 
 
 #if defined(__AVX512F__)
 // 2^t on 16 lanes: 2ⁿ·poly(t − n) with n = round(t) and a fit of 2^f on [−½, ½] (relative
-// error 1.5e-7 in degree 5 for float32 numerators, 2.6e-6 in degree 4 for numerators rounded to
-// bfloat16, whose step is 2⁻⁸): 11–12 vector operations per 16 scores where exp_neg takes 17;
+// error 7.9e-8 in degree 6 for float32 numerators — the backward recomputes them from the lse,
+// so they must be as exact as exp_neg's — and 2.6e-6 in degree 4 for numerators rounded to
+// bfloat16, whose step is 2⁻⁸): 12–14 vector operations per 16 scores where exp_neg takes 17;
 // exactly 0 below 2⁻¹²⁶ and for −inf (a masked key weighs nothing).
 template <typename P>
 inline __m512 exp2_16(__m512 t) {
@@ -177,13 +178,14 @@ inline __m512 exp2_16(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p;
-  if constexpr (std::is_same_v<P, float>) {
-    p = _mm512_fmadd_ps(_mm512_set1_ps(0.00132764654699713f), f,
-                        _mm512_set1_ps(0.009675540961325169f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550713464617729f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022120237350464f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+  if constexpr (std::is_same_v<P, float>) {  // p(0) = 1 exactly: a lone key weighs 1
+    p = _mm512_fmadd_ps(_mm512_set1_ps(0.0001535335904918611f), f,
+                        _mm512_set1_ps(0.0013398875016719103f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00961843691766262f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.055503323674201965f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022647738456726f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471824645996f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   } else {
     p = _mm512_fmadd_ps(_mm512_set1_ps(0.009570094756782055f), f,
                         _mm512_set1_ps(0.05591785907745361f));
@@ -242,12 +244,13 @@ inline std::pair<float, float> softmax_row(float* sr, const float* ad, int64_t w
   const float mx = _mm512_reduce_max_ps(mv);
   const float bs = mx == kNegInf ? 0.0f : mx;
   __m512 sv = _mm512_setzero_ps();
-  // t = (x − max)·log₂e in one fused step (its rounding shifts every numerator of the row
-  // alike: the row's normalization cancels it)
+  // t = (x − max)·log₂e: the difference first (exact near the max), so huge logits stay exact
+  // (a fused x·log₂e − max·log₂e is off by ulp(max·log₂e): thousands at |max| ~ 1e10)
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 shift = _mm512_set1_ps(-bs * 1.44269504088896341f);
+  const __m512 base = _mm512_set1_ps(bs);
   for (int64_t c0 = 0; c0 < ws; c0 += 16) {
-    const __m512 e = exp2_16<P>(_mm512_fmadd_ps(_mm512_loadu_ps(sr + c0), log2e, shift));
+    const __m512 t = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + c0), base), log2e);
+    const __m512 e = exp2_16<P>(t);
     sv = _mm512_add_ps(sv, e);
     store16(pr + c0, e);
   }
