@@ -9,7 +9,7 @@ whole band, edge blocks included (their windows are clipped to the keys inside t
 Measured with ``attnlab bench --case window`` (window 256, L = 16384, H = 8, D = 64, 2 threads):
 on an AMD EPYC without AMX float32 0.101 → 0.068 s (70 % of the fp32 matmul rate, 2.2× compiled
 FlexAttention), bfloat16 0.099 → 0.039 s (57 % of the bf16 rate, 5.3× Flex); on an Intel Xeon
-with AMX float32 0.053 s (50 % of its fp32 rate, 3.3× Flex), bfloat16 0.019–0.022 s (1.9–2.0×
+with AMX float32 0.053 s (50 % of its fp32 rate, 3.3–3.4× Flex), bfloat16 0.019–0.022 s (1.8–2.0×
 Flex; torch's kernel on the same tiles 0.057 s); benchmarks/RESULTS.md.
 
 What made it fast on AMX (all in the C++ file, each measured there): 64-byte aligned scratch
