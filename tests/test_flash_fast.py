@@ -572,3 +572,80 @@ def test_auto_sends_one_segment_to_flash_when_the_kernel_runs_it(band_ext, monke
     assert picked(512, bias=torch.zeros(512, 512, dtype=dtype)) == "sdpa"
     monkeypatch.setenv(band_kernel.ENGINE_ENV, "aten")
     assert picked(512, mask=masks.causal()) == "sdpa"
+
+
+def _spy_checks(monkeypatch) -> tuple[list[list[bool]], list[int]]:
+    """Spies on ``band_kernel.checking_inputs`` (the lists it yields) and on the NaN rule's
+    scans (``nan_rule.clean_flagged`` calls)."""
+    import contextlib
+
+    lists: list[list[bool]] = []
+    real = band_kernel.checking_inputs
+
+    @contextlib.contextmanager
+    def spy():
+        with real() as found:
+            lists.append(found)
+            yield found
+
+    monkeypatch.setattr(band_kernel, "checking_inputs", spy)
+    return lists, _count_calls_of(monkeypatch, nan_rule, "clean_flagged")
+
+
+def _count_calls_of(monkeypatch, module, name: str) -> list[int]:
+    calls: list[int] = []
+    real = getattr(module, name)
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("where", ["none", "q nan", "k nan", "k inf", "v nan", "unread k"])
+def test_band_kernel_checks_the_inputs_it_reads(band_ext, monkeypatch, dtype, where) -> None:
+    """Without autograd a plan of band calls skips the NaN rule's three scans: the C++ kernel
+    tests the q, k, v entries it reads, and a find re-runs the call on the scanning path. Finite
+    inputs give the scanning path's result bit for bit; with a non-finite entry the output
+    follows the NaN rule (the float64 reference: NaN exactly on the rows that attend it)."""
+    L, S = 192, 229  # whole blocks; bottom-right windows of 37 keys: key 0 is in no window
+    mask = masks.sliding_window(37)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, n, 16, generator=g).to(dtype) for n in (L, S, S))
+    bad = {"q nan": (q, 50, float("nan")), "k nan": (k, 120, float("nan"))}
+    bad |= {"k inf": (k, 7, float("inf")), "v nan": (v, 200, float("nan"))}
+    bad |= {"unread k": (k, 0, float("nan"))}
+    if where in bad:
+        x, row, value = bad[where]
+        x[1, 2, row, 5] = value
+    lists, scans = _spy_checks(monkeypatch)
+    with torch.no_grad():
+        out = attention(q, k, v, mask=mask, backend="flash")
+    assert lists and lists[0], "the checked band path did not run"
+    found = any(lists[0])
+    assert found == (where not in ("none", "unread k"))
+    assert (len(scans) == 3) == found  # the scanning path ran exactly when the kernel found one
+    ref = attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
+    assert torch.equal(out.isnan(), ref.isnan())
+    if where != "none":
+        assert out.isnan().any() == (where != "unread k")
+    fin = ~ref.isnan()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.double()[fin] - ref[fin]).abs().max() <= tol
+    if where == "none":  # the scanning path (taken when autograd records) gives the same bits
+        qg = q.clone().requires_grad_()
+        slow = attention(qg, k, v, mask=mask, backend="flash").detach()
+        assert len(scans) == 3 and torch.equal(out, slow)
+
+
+def test_band_kernel_check_needs_a_plan_of_band_calls_only(band_ext, monkeypatch) -> None:
+    """Rows past the last whole block run as a plain call on torch's kernel: such a plan keeps
+    the NaN rule's scans (the kernel cannot vouch for inputs it does not read)."""
+    q, k, v = qkv(203, torch.float32)
+    lists, scans = _spy_checks(monkeypatch)
+    with torch.no_grad():
+        attention(q, k, v, mask=masks.sliding_window(37), backend="flash")
+    assert not lists and len(scans) == 3

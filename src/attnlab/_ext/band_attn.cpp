@@ -2,7 +2,7 @@
 // backend, each as one CPU operator (see attnlab/functional/flash/band.py and band_kernel.py).
 //
 //   attnlab_band::forward_into(out!, lse!, q, k, v, add, r0, nblk, bq, k_start, width, limit,
-//                              scale)
+//                              scale, check=False) -> seen
 //       q (H, L, D), k (H_kv, S, D), v (H_kv, S, Dv): one batch item, unit stride in the last
 //       dim; query block t (0 <= t < nblk) holds rows r0 + t·bq … + bq and sees the keys
 //       [k_start + t·bq, … + width) that lie in [0, limit) (edge windows are clipped: columns
@@ -12,6 +12,10 @@
 //       e.g. views of the whole output):
 //           out = softmax(q·kᵀ·scale + add) v,   lse = log Σ exp(q·kᵀ·scale + add);
 //       a row whose every key is masked gets out = 0, lse = −inf.
+//       check: also test every q, k, v entry the call reads (the q rows of its blocks, the keys
+//       and values of its windows) for NaN/±inf: seen is then a 1-element tensor if one was
+//       found (out and lse are not meaningful), else empty (numel 0; also when not checking),
+//       so the caller branches on shape, as on `attnlab_flash::clean_copy`.
 //   attnlab_band::segments_into(out!, lse!, q, k, v, start, n, count, causal, bq, scale)
 //       q, k, v as above; segment s (0 <= s < count) holds rows and keys [start + s·n, … + n):
 //       its rows attend all its keys, or (causal) the keys up to their own position. Writes the
@@ -33,12 +37,15 @@
 #include <unistd.h>
 #include <torch/library.h>
 
+#include "nonfinite.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -406,14 +413,24 @@ struct Heads {
 
 // Packs key head hk for both products, in parallel chunks of 512 columns: its keys' columns
 // [0, ldk) (`pack_keys`: key k0 + j where v_lo <= j < v_hi, else zeros) and, in bfloat16, its
-// values' rows [0, nv) (`pack_values`).
+// values' rows [0, nv) (`pack_values`). With `bad`, each chunk's keys and values (rows k0 + j,
+// v_lo <= j < v_hi) are also tested for NaN/±inf while they are in cache; a find sets *bad.
 template <typename T>
 void pack_head(const Heads<T>& in, int64_t hk, int64_t D, int64_t Dv, int64_t k0, int64_t v_lo,
-               int64_t v_hi, int64_t ldk, int64_t nv, T* kpack, T* vpack) {
+               int64_t v_hi, int64_t ldk, int64_t nv, T* kpack, T* vpack,
+               std::atomic<bool>* bad) {
   constexpr int64_t kChunk = 512;
   const T* keys = in.k + hk * in.kh;
   at::parallel_for(0, (ldk + kChunk - 1) / kChunk, 1, [&](int64_t c0, int64_t c1) {
     const int64_t j_lo = c0 * kChunk, j_hi = std::min(ldk, c1 * kChunk);
+    if (bad != nullptr) {
+      bool found = false;
+      for (int64_t j = std::max(j_lo, v_lo); j < std::min(j_hi, v_hi); ++j) {
+        found |= attnlab_bits::span_bad(keys + (k0 + j) * in.ks, D);
+        found |= attnlab_bits::span_bad(in.values(hk) + (k0 + j) * in.vs, Dv);
+      }
+      if (found) bad->store(true, std::memory_order_relaxed);
+    }
     pack_keys<T>(keys, in.ks, D, k0, v_lo, v_hi, j_lo, j_hi, ldk, kpack);
     if constexpr (Traits<T>::vnni) {
       if (j_lo < nv) {
@@ -461,7 +478,8 @@ constexpr int64_t kGroup = 4;
 template <typename T>
 void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk, int64_t bq,
-                  int64_t k_start, int64_t width, int64_t limit, double scale_d) {
+                  int64_t k_start, int64_t width, int64_t limit, double scale_d,
+                  std::atomic<bool>* bad) {
   constexpr bool vnni = Traits<T>::vnni;
   const int64_t H = q.size(0), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
   const int64_t G = H / Hkv;
@@ -494,7 +512,7 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
   // each key head's keys (and bfloat16 values) packed once, then every (group of blocks, query
   // head of the group) as a work item
   auto pack = [&](int64_t hk, T* kp, T* vp) {
-    pack_head(in, hk, D, Dv, k_start, v_lo, v_hi, ldk, nkp, kp, vp);
+    pack_head(in, hk, D, Dv, k_start, v_lo, v_hi, ldk, nkp, kp, vp, bad);
   };
   auto run = [&](int64_t hk, const T* kpack, const T* vpack, int64_t i0, int64_t i1,
                  Scratch<T>& sc) {
@@ -507,6 +525,11 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
       const int64_t t1 = std::min(nblk, t0 + kGroup);
       for (int64_t t = t0; t < t1; ++t) {
         const T* qb = in.q + h * in.qh + (r0 + t * bq) * qs;
+        if (bad != nullptr) {  // this block's query rows, once per (block, head)
+          bool found = false;
+          for (int64_t r = 0; r < bq; ++r) found |= attnlab_bits::span_bad(qb + r * qs, D);
+          if (found) bad->store(true, std::memory_order_relaxed);
+        }
         const T* kb = kpack + (vnni ? 2 : 1) * t * bq;
         brgemm(bq, ws, D, qs, ldk, ws, false, qb, kb, s + (t - t0) * bq * ws, vnni);
       }
@@ -581,7 +604,7 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
   const int64_t o0 = out.stride(0), o1 = out.stride(1), l0 = lse.stride(0), l1 = lse.stride(1);
 
   auto pack = [&](int64_t hk, T* kp, T* vp) {
-    pack_head(in, hk, D, Dv, start, 0, nk, ldk, nv, kp, vp);
+    pack_head(in, hk, D, Dv, start, 0, nk, ldk, nv, kp, vp, nullptr);
   };
   auto run = [&](int64_t hk, const T* kpack, const T* vpack, int64_t i0, int64_t i1,
                  Scratch<T>& sc) {
@@ -681,9 +704,10 @@ bool check_inputs(const char* op, const at::Tensor& out, const at::Tensor& q, co
   return bf16;
 }
 
-void forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
-                  const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk, int64_t bq,
-                  int64_t k_start, int64_t width, int64_t limit, double scale) {
+at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk,
+                        int64_t bq, int64_t k_start, int64_t width, int64_t limit, double scale,
+                        bool check_inputs_for_nonfinite) {
   const bool bf16 = check_inputs("forward_into", out, q, k, v, 4);
   check(add, "forward_into", "add", 4);
   TORCH_CHECK(lse.dim() == 3 && lse.scalar_type() == at::kFloat,
@@ -708,12 +732,16 @@ void forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at:
       ws == width ? add
                   : at::constant_pad_nd(add, {0, ws - width}, -std::numeric_limits<double>::infinity());
   populate(out);
+  std::atomic<bool> bad{false};
+  std::atomic<bool>* seen = check_inputs_for_nonfinite ? &bad : nullptr;
   if (bf16) {
     band_forward<c10::BFloat16>(out, lse, q, k, v, addp, r0, nblk, bq, k_start, width, limit,
-                                scale);
+                                scale, seen);
   } else {
-    band_forward<float>(out, lse, q, k, v, addp, r0, nblk, bq, k_start, width, limit, scale);
+    band_forward<float>(out, lse, q, k, v, addp, r0, nblk, bq, k_start, width, limit, scale,
+                        seen);
   }
+  return at::empty({bad.load() ? 1 : 0}, q.options().dtype(at::kByte));
 }
 
 void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
@@ -765,7 +793,8 @@ bool supported(at::ScalarType dtype) {
 TORCH_LIBRARY(attnlab_band, m) {
   m.def(
       "forward_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, Tensor add, "
-      "int r0, int nblk, int bq, int k_start, int width, int limit, float scale) -> ()");
+      "int r0, int nblk, int bq, int k_start, int width, int limit, float scale, "
+      "bool check=False) -> Tensor");
   m.def(
       "segments_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, int start, "
       "int n, int count, bool causal, int bq, float scale) -> ()");

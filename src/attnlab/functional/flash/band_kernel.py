@@ -42,8 +42,11 @@ Backward keeps torch's kernel (given the global out and lse it is exact per call
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor
@@ -66,6 +69,8 @@ BLOCK = BLOCKS[torch.float32]
 # longest segment it takes (its scores: 64 × 32768 floats = 8 MiB per thread).
 SEGMENT_BLOCK = 64
 SEGMENT_MAX = 32768
+# Set by `checking_inputs`: the list each band call appends its finding to.
+_CHECKS: ContextVar[list[bool] | None] = ContextVar("attnlab_band_checks", default=None)
 
 
 def engine_setting() -> str:
@@ -140,6 +145,21 @@ def segments_into(
     )
 
 
+@contextlib.contextmanager
+def checking_inputs() -> Iterator[list[bool]]:
+    """Within it, each `forward_into` call also tests every q, k and v entry it reads (the query
+    rows of its blocks, the keys and values of its windows) for NaN/±inf, while packing them,
+    and appends to the yielded list whether it found one (that call's out and lse are then not
+    meaningful). The answer comes from the operator's result shape: no tensor value is read.
+    """
+    found: list[bool] = []
+    token = _CHECKS.set(found)
+    try:
+        yield found
+    finally:
+        _CHECKS.reset(token)
+
+
 def forward_into(
     out: Tensor,
     lse: Tensor,
@@ -169,9 +189,25 @@ def forward_into(
         add4 = add4.contiguous()
     nblk = c.t1 - c.t0
     limit = c.key_limit if c.key_limit > 0 else k.shape[1]
-    torch.ops.attnlab_band.forward_into(
-        out, lse, q, k, v, add4, c.r0, nblk, c.bq, c.k_start, c.width, limit, float(scale)
+    checks = _CHECKS.get()
+    seen = torch.ops.attnlab_band.forward_into(
+        out,
+        lse,
+        q,
+        k,
+        v,
+        add4,
+        c.r0,
+        nblk,
+        c.bq,
+        c.k_start,
+        c.width,
+        limit,
+        float(scale),
+        checks is not None,
     )
+    if checks is not None:
+        checks.append(seen.numel() > 0)
 
 
 __all__ = [
@@ -182,6 +218,7 @@ __all__ = [
     "SEGMENT_BLOCK",
     "SEGMENT_MAX",
     "block",
+    "checking_inputs",
     "engine_setting",
     "forward_into",
     "ready",

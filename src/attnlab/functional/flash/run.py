@@ -3,9 +3,10 @@
 `flash_run_lse` applies the NaN rule around the clean computation: the tiles run on inputs whose
 non-finite entries are 0 (`nan_rule.clean_flagged`: on the C++ scan, finite inputs are not
 copied and, with no bias tensor, need no poisoning at all), and NaN is added back where the rule
-puts it. Under
-``torch.compile`` (and on ``meta`` tensors) the same computation runs as custom operators
-(`functional.flash.ops`).
+puts it. A forward without autograd whose plan is only batched band calls on attnlab's C++
+kernel skips the scans: the kernel tests the entries it reads and a find re-runs the call on the
+scanning path (`_run_band_checked`). Under ``torch.compile`` (and on ``meta`` tensors) the same
+computation runs as custom operators (`functional.flash.ops`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from torch import Tensor
 from ...masks import Mask
 from .. import nan_rule, reference
 from ..request import BiasFn, Request, request_dense
+from ..tiling import BandCall, Plan
 from ..validate import plain_request
+from . import band_kernel
 from .autograd import needs_grad, run_clean
 from .plan import flash_job, split_mask_bias
 from .poison import poison_entries
@@ -39,6 +42,9 @@ def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
         from .ops import compiled_flash
 
         return compiled_flash(req)
+    checked = _run_band_checked(req, options)
+    if checked is not None:
+        return checked
     float_mask = isinstance(req.mask, Tensor) and req.mask.dtype != torch.bool
     (q, q_bad), (k, k_bad), (v, v_bad) = (nan_rule.clean_flagged(x) for x in (req.q, req.k, req.v))
     clean_req = replace(
@@ -72,6 +78,41 @@ def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
     original = replace(job.source, bias_tensors=split_mask_bias(req.mask, req.bias)[2])
     row_bad, bad = poison_entries(req, job.plan, original, lse)
     return nan_rule.add_nan(out, bad), torch.where(row_bad, float("nan"), lse)
+
+
+def _band_kernel_covers(plan: Plan, q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Every row of the call is in a batched band call of attnlab's C++ kernel, once."""
+    calls = [c for g in plan.groups for c in g.calls]
+    if plan.overlap or not calls or not all(isinstance(c, BandCall) for c in calls):
+        return False
+    B, L = q.shape[0], q.shape[2]
+    rows = sum((c.b1 - c.b0) * (c.r1 - c.r0) for c in calls)  # type: ignore[union-attr]
+    if rows != B * L or any(c.r1 > L for c in calls):  # type: ignore[union-attr]
+        return False
+    return all(band_kernel.usable(q, k, v, c.bq) for c in calls)  # type: ignore[union-attr]
+
+
+def _run_band_checked(req: Request, options: dict[str, object]) -> tuple[Tensor, Tensor] | None:
+    """The forward of a plan made only of batched band calls on attnlab's C++ kernel (sliding
+    windows), without autograd, bias or tensor mask: the kernel tests the q, k and v entries it
+    reads for NaN/±inf while packing them (`band_kernel.checking_inputs`) instead of the three
+    scans of `nan_rule.clean_flagged` before the call (window 256, L = 16384, bf16 on a Xeon
+    with AMX: 2.4–4.1 ms of a 17–20 ms call). Finite inputs give exactly the scanning path's
+    result (the same job on the same tensors); None — run the scanning path — for any other
+    plan, or when the kernel found a non-finite entry.
+    """
+    if req.bias is not None or isinstance(req.mask, Tensor):
+        return None
+    if any(needs_grad(x) for x in (req.q, req.k, req.v)):
+        return None
+    job = flash_job(req, **options)  # type: ignore[arg-type]
+    if not _band_kernel_covers(job.plan, req.q, req.k, req.v):
+        return None
+    with band_kernel.checking_inputs() as found:
+        out, lse = run_clean(job, req)
+    if not found or any(found):
+        return None
+    return out, lse
 
 
 def flash_run(req: Request) -> tuple[Tensor, None]:
