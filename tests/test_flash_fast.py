@@ -339,15 +339,7 @@ def band_ext(monkeypatch):
 
 def _count_calls(monkeypatch, name: str) -> list[int]:
     """A spy on ``band_kernel.<name>``: the returned list grows by one per call."""
-    calls: list[int] = []
-    real = getattr(band_kernel, name)
-
-    def spy(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(band_kernel, name, spy)
-    return calls
+    return _count_calls_of(monkeypatch, band_kernel, name)
 
 
 def _count_band_kernel(monkeypatch) -> list[int]:
@@ -593,6 +585,7 @@ def _spy_checks(monkeypatch) -> tuple[list[list[bool]], list[int]]:
 
 
 def _count_calls_of(monkeypatch, module, name: str) -> list[int]:
+    """A spy on ``module.<name>``: the returned list grows by one per call."""
     calls: list[int] = []
     real = getattr(module, name)
 

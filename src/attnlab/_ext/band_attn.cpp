@@ -444,24 +444,31 @@ void pack_head(const Heads<T>& in, int64_t hk, int64_t D, int64_t Dv, int64_t k0
 // unnormalized output o, and each row's max m and denominator den.
 template <typename T>
 struct Scratch {
-  Buffer<float> s;
-  Buffer<T> p;
-  Buffer<float> o;
+  Buffer<float> s_buf;
+  Buffer<T> p_buf;
+  Buffer<float> o_buf;
+  float* s;
+  T* p;
+  float* o;
   std::vector<float> m, den;
   Scratch(size_t ns, size_t np, size_t no, size_t rows)
-      : s(ns), p(np), o(no), m(rows), den(rows) {}
+      : s_buf(ns), p_buf(np), o_buf(no), s(s_buf.get()), p(p_buf.get()), o(o_buf.get()),
+        m(rows), den(rows) {}
 };
 
-// Runs one batch item's work: for each key head, `pack(hk, kpack, vpack)` packs it (all threads)
-// and `run(hk, kpack, vpack, i0, i1, scratch)` runs its work items [i0, i1) split between the
+// Runs one batch item's work: for each key head, `pack_head` packs it (all threads; keys
+// k0 + j for v_lo <= j < v_hi into ldk columns, bfloat16 values into nv rows) and
+// `run(hk, kpack, vpack, i0, i1, scratch)` runs its work items [i0, i1) split between the
 // threads. (Whole heads per thread, one parallel region per call, measured the same: window
 // 256, L = 16384 on a Xeon with AMX, 17.1 vs 17.1 ms bfloat16, 51.2 vs 51.3 ms float32.)
-template <typename T, typename Pack, typename Run>
-void run_heads(int64_t Hkv, int64_t items, size_t kn, size_t vn, const size_t (&scratch)[4],
-               const Pack& pack, const Run& run) {
-  const Buffer<T> kpack(kn), vpack(vn);
+template <typename T, typename Run>
+void run_heads(const Heads<T>& in, int64_t Hkv, int64_t D, int64_t Dv, int64_t k0, int64_t v_lo,
+               int64_t v_hi, int64_t ldk, int64_t nv, std::atomic<bool>* bad, int64_t items,
+               const size_t (&scratch)[4], const Run& run) {
+  const Buffer<T> kpack(static_cast<size_t>(D * ldk));
+  const Buffer<T> vpack(Traits<T>::vnni ? static_cast<size_t>(nv * Dv) : 0);
   for (int64_t hk = 0; hk < Hkv; ++hk) {
-    pack(hk, kpack.get(), vpack.get());
+    pack_head(in, hk, D, Dv, k0, v_lo, v_hi, ldk, nv, kpack.get(), vpack.get(), bad);
     at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
       Scratch<T> sc(scratch[0], scratch[1], scratch[2], scratch[3]);
       run(hk, kpack.get(), vpack.get(), i0, i1, sc);
@@ -511,15 +518,10 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
 
   // each key head's keys (and bfloat16 values) packed once, then every (group of blocks, query
   // head of the group) as a work item
-  auto pack = [&](int64_t hk, T* kp, T* vp) {
-    pack_head(in, hk, D, Dv, k_start, v_lo, v_hi, ldk, nkp, kp, vp, bad);
-  };
   auto run = [&](int64_t hk, const T* kpack, const T* vpack, int64_t i0, int64_t i1,
                  Scratch<T>& sc) {
     const T* vh_ = in.values(hk);
-    float* s = sc.s.get();
-    T* p = sc.p.get();
-    float* o = sc.o.get();
+    float* const s = sc.s;
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t h = hk * G + it % G, t0 = it / G * kGroup;
       const int64_t t1 = std::min(nblk, t0 + kGroup);
@@ -541,14 +543,14 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
         const int64_t g = (t - t0) * bq;
         for (int64_t r = 0; r < bq; ++r) {
           float* sr = s + (g + r) * ws;
-          T* pr = vnni ? p + (g + r) * ws : reinterpret_cast<T*>(sr);
+          T* pr = vnni ? sc.p + (g + r) * ws : reinterpret_cast<T*>(sr);
           const auto [mx, sum] = softmax_row<true>(sr, at + r * ar, ws, c_lo, c_hi, scale, pr);
           sc.m[g + r] = mx;
           sc.den[g + r] = sum;
         }
-        float* ob = o + g * Dv;
+        float* ob = sc.o + g * Dv;
         if constexpr (vnni) {  // packed values: zero rows where there is no key
-          brgemm(bq, Dv, ws, ws, Dv, Dv, false, p + g * ws, vpack + t * bq * Dv, ob, true);
+          brgemm(bq, Dv, ws, ws, Dv, Dv, false, sc.p + g * ws, vpack + t * bq * Dv, ob, true);
         } else if (c_hi > c_lo) {  // values in place: only the rows that exist
           const T* vb = vh_ + (k_start + t * bq + c_lo) * vs;
           brgemm(bq, Dv, std::min(width, c_hi) - c_lo, ws, vs, Dv, false, s + g * ws + c_lo, vb,
@@ -561,15 +563,14 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
         const int64_t g = (t - t0) * bq;
         for (int64_t r = 0; r < bq; ++r) {
           finish_row(op + t * o0 + h * o1 + r * o2, lp + t * l0 + h * l1 + r * l2,
-                     o + (g + r) * Dv, Dv, sc.m[g + r], sc.den[g + r]);
+                     sc.o + (g + r) * Dv, Dv, sc.m[g + r], sc.den[g + r]);
         }
       }
     }
   };
   const size_t rows = static_cast<size_t>(kGroup * bq);
   const size_t scratch[4] = {rows * ws, vnni ? rows * ws : 0, rows * Dv, rows};
-  const size_t nvp = vnni ? static_cast<size_t>(nkp * Dv) : 0;
-  run_heads<T>(Hkv, ngrp * G, static_cast<size_t>(D * ldk), nvp, scratch, pack, run);
+  run_heads<T>(in, Hkv, D, Dv, k_start, v_lo, v_hi, ldk, nkp, bad, ngrp * G, scratch, run);
 }
 
 // Batched segments (packed documents, `tiling.SegmentCall`) of one batch item: segment s holds
@@ -603,15 +604,10 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
   float* lp = lse.data_ptr<float>();
   const int64_t o0 = out.stride(0), o1 = out.stride(1), l0 = lse.stride(0), l1 = lse.stride(1);
 
-  auto pack = [&](int64_t hk, T* kp, T* vp) {
-    pack_head(in, hk, D, Dv, start, 0, nk, ldk, nv, kp, vp, nullptr);
-  };
   auto run = [&](int64_t hk, const T* kpack, const T* vpack, int64_t i0, int64_t i1,
                  Scratch<T>& sc) {
     const T* vh_ = in.values(hk);
-    float* s = sc.s.get();
-    T* p = sc.p.get();
-    float* o = sc.o.get();
+    float* const s = sc.s;
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t seg = it / (nblk * G), u = it / G % nblk, h = hk * G + it % G;
       const int64_t t = u % 2 == 0 ? u / 2 : nblk - 1 - u / 2;  // 0, last, 1, last − 1, …
@@ -627,30 +623,29 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
       }
       for (int64_t r = 0; r < rows; ++r) {
         float* sr = s + r * wmax;
-        T* pr = vnni ? p + r * wmax : reinterpret_cast<T*>(sr);
+        T* pr = vnni ? sc.p + r * wmax : reinterpret_cast<T*>(sr);
         const int64_t hi = causal ? t * bq + r + 1 : n;
         const auto [mx, sum] = softmax_row<false>(sr, nullptr, ws, 0, hi, scale, pr);
         sc.m[r] = mx;
         sc.den[r] = sum;
       }
-      const T* pa = vnni ? p : reinterpret_cast<const T*>(s);
+      const T* pa = vnni ? sc.p : reinterpret_cast<const T*>(s);
       // bfloat16: whole 32-key steps (p is 0 past the keys, the packed values too)
       const int64_t kn = vnni ? ws : width;
       for (int64_t c0 = 0; c0 < kn; c0 += kCols) {
         const int64_t kc = std::min(kCols, kn - c0);
         const T* vb = vnni ? vpack + (key0 + c0) * Dv : vh_ + (start + key0 + c0) * vs;
-        brgemm(rows, Dv, kc, wmax, vnni ? Dv : vs, Dv, c0 > 0, pa + c0, vb, o, vnni);
+        brgemm(rows, Dv, kc, wmax, vnni ? Dv : vs, Dv, c0 > 0, pa + c0, vb, sc.o, vnni);
       }
       for (int64_t r = 0; r < rows; ++r) {
-        finish_row(op + h * o0 + (row0 + r) * o1, lp + h * l0 + (row0 + r) * l1, o + r * Dv, Dv,
+        finish_row(op + h * o0 + (row0 + r) * o1, lp + h * l0 + (row0 + r) * l1, sc.o + r * Dv, Dv,
                    sc.m[r], sc.den[r]);
       }
     }
   };
   const size_t rows = static_cast<size_t>(bq);
   const size_t scratch[4] = {rows * wmax, vnni ? rows * wmax : 0, rows * Dv, rows};
-  run_heads<T>(Hkv, count * nblk * G, static_cast<size_t>(D * ldk),
-               vnni ? static_cast<size_t>(nv * Dv) : 0, scratch, pack, run);
+  run_heads<T>(in, Hkv, D, Dv, start, 0, nk, ldk, nv, nullptr, count * nblk * G, scratch, run);
 }
 
 // Faults in the pages of a large fresh output before the kernel writes it: one madvise

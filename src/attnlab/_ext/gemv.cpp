@@ -165,7 +165,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const std::option
                   int64_t rows_per_pass) {
   TORCH_CHECK(rows_per_pass == 0 || rows_per_pass == 1 || rows_per_pass == 2 || rows_per_pass == 4,
               "attnlab_gemv.linear: rows_per_pass must be 0, 1, 2 or 4, got ", rows_per_pass);
-  const int64_t pass = rows_per_pass == 0 ? default_rows_per_pass(x_in.scalar_type()) : rows_per_pass;
+  const int64_t pass =
+      rows_per_pass == 0 ? default_rows_per_pass(x_in.scalar_type()) : rows_per_pass;
   TORCH_CHECK(x_in.device().is_cpu() && w.device().is_cpu(), "attnlab_gemv.linear: CPU tensors");
   TORCH_CHECK(x_in.dim() >= 1 && w.dim() == 2 && x_in.size(-1) == w.size(1),
               "attnlab_gemv.linear: x (..., K) and w (N, K), got ", x_in.sizes(), " and ",
