@@ -181,6 +181,13 @@ CACHE_CONFIGS = [
     {"positional": "sinusoidal"},
     {"positional": None, "n_kv_heads": 4},
 ]
+# dynamic NTK: the frequencies follow the current length, so decoding step by step equals
+# recomputing the prefix (generate with and without cache), not one forward at the full length
+DYNAMIC_ROPE = {
+    "n_kv_heads": 2,
+    "positional": "rope",
+    "rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16},
+}
 
 
 @pytest.mark.parametrize("kw", CACHE_CONFIGS)
@@ -195,7 +202,16 @@ def test_cached_decode_logits_equal_full_forward_fp32(kw):
     assert all(len(c) == 24 for c in caches)
 
 
-@pytest.mark.parametrize("kw", CACHE_CONFIGS[:3] + CACHE_CONFIGS[4:5])
+def test_new_caches_rotate_keys_at_insert_only_for_static_rope():
+    """`GPT.new_caches` caches keys after RoPE when its frequencies are static (each key rotated
+    once), before RoPE when they depend on the sequence length (dynamic NTK: re-rotated at every
+    step) or without RoPE; decoding equals recomputing (the next test)."""
+    assert all(c.rotate_at_insert for c in _gpt(**CACHE_CONFIGS[0]).new_caches())
+    assert not any(c.rotate_at_insert for c in _gpt(**DYNAMIC_ROPE).new_caches())
+    assert not any(c.rotate_at_insert for c in _gpt(**CACHE_CONFIGS[3]).new_caches())
+
+
+@pytest.mark.parametrize("kw", [*CACHE_CONFIGS[:3], DYNAMIC_ROPE, CACHE_CONFIGS[4]])
 def test_cached_generate_equals_uncached_greedy_token_for_token(kw):
     model = _gpt(**kw)
     prompt = torch.randint(0, 37, (2, 5), generator=torch.Generator().manual_seed(2))

@@ -14,13 +14,15 @@
 //       scan after it (the inputs still cached); only a call that needs a cleaned copy runs
 //       the kernel a second time.
 //   attnlab_nan::decode_attend(q, k, v, scale) -> out: the decode backend's unmasked step
-//       (attnlab/functional/decode.py `_attend`) as the same ATen calls in the same order, so
-//       bit-equal to it, without a Python round trip per call.
+//       (attnlab/functional/decode.py `_attend`: softmax(q·kᵀ·scale)·v, a row with a non-finite
+//       logit NaN) in one pass per (item, k/v head) that reads the cached k and v rows in place
+//       (no copy of a cache view, each row once for the G query heads sharing it), in float32
+//       (float64 for float64 inputs); the tensor-op path's values up to rounding.
 //   attnlab_nan::rope_decode_attend(q, k, v, cos, sin, q_start, k_start, rotate_keys,
 //       rotary_dim, interleaved, scale) -> out: `MultiHeadAttention`'s cached decode step after
 //       the cache update: RoPE of q (positions q_start…) and, if rotate_keys, of every cached key
 //       (positions k_start…) from rows of the tables cos/sin (N, rotary_dim/2) — the calls of
-//       `RoPE.forward`'s table path — then decode_attend; bit-equal to those Python calls.
+//       `RoPE.forward`'s table path — then decode_attend.
 //   attnlab_nan::rope_rows(x, cos, sin, start, rotary_dim, interleaved) -> out: that rotation
 //       alone (a rotate-at-insert cache's new keys), bit-equal to `RoPE.forward(x, start)`.
 #include <ATen/ATen.h>
@@ -30,10 +32,18 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <cmath>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "nonfinite.h"
+#include "vexp.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -282,22 +292,276 @@ at::Tensor sdpa_prefix(const at::Tensor& q_, const at::Tensor& k_, const at::Ten
   return out;
 }
 
-at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attend: 4-D q, k, v");
-  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "decode_attend: H % H_kv != 0");
-  const auto c = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+// Σ a[d]·b[d] over D values (float32 in 512-bit vectors where the CPU has them: the plain
+// loop's reduction is summed lane by lane in order under -ffp-contract=off).
+inline float dot(const float* a, const float* b, int64_t D) {
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  }
+  if (d < D) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (D - d)) - 1u);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float acc[16] = {};
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+#pragma omp simd
+    for (int l = 0; l < 16; ++l) acc[l] = std::fma(a[d + l], b[d + l], acc[l]);
+  }
+  for (; d < D; ++d) acc[0] = std::fma(a[d], b[d], acc[0]);
+  for (int w = 8; w > 0; w /= 2) {
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  }
+  return acc[0];
+#endif
+}
+
+inline double dot(const double* a, const double* b, int64_t D) {
+  double acc = 0;
+  for (int64_t d = 0; d < D; ++d) acc = std::fma(a[d], b[d], acc);
+  return acc;
+}
+
+// (max of the n values, whether all are finite).
+inline std::pair<float, bool> max_finite(const float* x, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 bad = _mm512_setzero_ps();  // x − x: 0 for finite x, NaN for ±inf and NaN
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    mx = _mm512_max_ps(mx, v);
+    bad = _mm512_add_ps(bad, _mm512_sub_ps(v, v));
+  }
+  if (j < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1u);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + j);
+    mx = _mm512_mask_max_ps(mx, m, mx, v);
+    bad = _mm512_add_ps(bad, _mm512_sub_ps(v, v));
+  }
+  const bool finite = _mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q) == 0;
+  return {_mm512_reduce_max_ps(mx), finite};
+#else
+  float mx = -std::numeric_limits<float>::infinity();
+  bool finite = true;
+  for (int64_t j = 0; j < n; ++j) {
+    mx = std::max(mx, x[j]);
+    finite = finite && std::isfinite(x[j]);
+  }
+  return {mx, finite};
+#endif
+}
+
+inline std::pair<double, bool> max_finite(const double* x, int64_t n) {
+  double mx = -std::numeric_limits<double>::infinity();
+  bool finite = true;
+  for (int64_t j = 0; j < n; ++j) {
+    mx = std::max(mx, x[j]);
+    finite = finite && std::isfinite(x[j]);
+  }
+  return {mx, finite};
+}
+
+#if defined(__AVX512F__)
+// acc rows r0…r0+N−1, columns d…d+15 (mask m) = Σ_j e[r][j]·v[j]: N accumulators in registers.
+template <int N>
+inline void weigh_rows(const float* e, int64_t n, const float* v, int64_t vs, float* acc,
+                       int64_t Dv, int64_t d, __mmask16 m) {
+  __m512 a[N];
+  for (int r = 0; r < N; ++r) a[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 x = _mm512_maskz_loadu_ps(m, v + j * vs + d);
+    for (int r = 0; r < N; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(e[r * n + j]), x, a[r]);
+  }
+  for (int r = 0; r < N; ++r) _mm512_mask_storeu_ps(acc + r * Dv + d, m, a[r]);
+}
+#endif
+
+// acc (R × Dv) = e (R × n, row stride n) · v (n rows of Dv, row stride vs), float32; with
+// AVX-512 in groups of 4 rows × 16 columns whose accumulators stay in registers.
+inline void weigh_values(const float* e, int64_t n, const float* v, int64_t vs, float* acc,
+                         int64_t R, int64_t Dv) {
+#if defined(__AVX512F__)
+  for (int64_t d = 0; d < Dv; d += 16) {
+    const __mmask16 m = static_cast<__mmask16>(Dv - d >= 16 ? 0xFFFFu : (1u << (Dv - d)) - 1u);
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) weigh_rows<4>(e + r * n, n, v, vs, acc + r * Dv, Dv, d, m);
+    for (; r < R; ++r) weigh_rows<1>(e + r * n, n, v, vs, acc + r * Dv, Dv, d, m);
+  }
+#else
+  std::fill(acc, acc + R * Dv, 0.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t r = 0; r < R; ++r) {
+      const float w = e[r * n + j];
+      float* ar = acc + r * Dv;
+#pragma omp simd
+      for (int64_t d = 0; d < Dv; ++d) ar[d] = std::fma(w, v[j * vs + d], ar[d]);
+    }
+  }
+#endif
+}
+
+// s (R × n, row stride n) = (q · kᵀ)·scale for q (R × D, rows D apart) and n keys (row stride
+// ks), float32; with AVX-512 four rows per key at once, their four sums reduced together.
+inline void score_rows(const float* q, const float* k, int64_t ks, float* s, int64_t R,
+                       int64_t n, int64_t D, float scale) {
+  int64_t r = 0;
+#if defined(__AVX512F__)
+  const __m128 vscale = _mm_set1_ps(scale);
+  for (; r + 4 <= R; r += 4) {
+    const float* q0 = q + r * D;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kr = k + j * ks;
+      __m512 p[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+      for (int64_t d = 0; d < D; d += 16) {
+        const __mmask16 m =
+            static_cast<__mmask16>(D - d >= 16 ? 0xFFFFu : (1u << (D - d)) - 1u);
+        const __m512 x = _mm512_maskz_loadu_ps(m, kr + d);
+        for (int i = 0; i < 4; ++i) {
+          p[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q0 + i * D + d), x, p[i]);
+        }
+      }
+      // four 16-lane sums at once: pairwise within 128-bit blocks, then the four blocks
+      const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(p[0], p[1]), _mm512_unpackhi_ps(p[0], p[1]));
+      const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(p[2], p[3]), _mm512_unpackhi_ps(p[2], p[3]));
+      const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+      const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+      const __m128 f = _mm_mul_ps(
+          _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), vscale);
+      alignas(16) float out[4];
+      _mm_store_ps(out, f);
+      for (int i = 0; i < 4; ++i) s[(r + i) * n + j] = out[i];
+    }
+  }
+#endif
+  for (; r < R; ++r) {
+    for (int64_t j = 0; j < n; ++j) s[r * n + j] = dot(q + r * D, k + j * ks, D) * scale;
+  }
+}
+
+// One (batch item, key/value head) of the decode step: its R = G·L query rows (the G heads that
+// share the k/v head, L rows each) against its n keys. k and v rows are read in place (any row
+// stride, unit stride inside a row), each once for all R rows: scores s = (q·k)·scale, then per
+// row the softmax numerators e = exp(s − max) and out = (Σ e·v) / Σ e, all in C. A row with a
+// non-finite logit is NaN (the rule `_attend`'s amin poison implements); an inf or NaN value
+// reaches the rows that weigh it through the products, as in a matrix product.
+template <typename T, typename C>
+void decode_task(const T* const* qrow, const T* kp, int64_t ks, const T* vp, int64_t vs,
+                 C* const* orow, int64_t R, int64_t n, int64_t D, int64_t Dv, C scale) {
+  std::vector<C> buf(R * D + R * n + R * Dv + D + Dv);
+  C* qc = buf.data();  // (R, D)
+  C* s = qc + R * D;  // (R, n)
+  C* acc = s + R * n;  // (R, Dv)
+  C* kc = acc + R * Dv;  // one key row (D)
+  C* vc = kc + D;  // one value row (Dv)
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t d = 0; d < D; ++d) qc[r * D + d] = static_cast<C>(qrow[r][d]);
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    score_rows(qc, kp, ks, s, R, n, D, scale);
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      const T* kr = kp + j * ks;
+      for (int64_t d = 0; d < D; ++d) kc[d] = static_cast<C>(kr[d]);
+      for (int64_t r = 0; r < R; ++r) s[r * n + j] = dot(qc + r * D, kc, D) * scale;
+    }
+  }
+  std::vector<C> den(R);
+  std::vector<uint8_t> poisoned(R);
+  for (int64_t r = 0; r < R; ++r) {
+    C* sr = s + r * n;
+    const auto [mx, finite] = max_finite(sr, n);
+    poisoned[r] = !finite;
+    const C base = finite ? mx : C(0);
+    C sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      const C e = attnlab_exp::exp_neg(sr[j] - base);
+      sr[j] = e;
+      sum += e;
+    }
+    den[r] = sum;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    weigh_values(s, n, vp, vs, acc, R, Dv);
+  } else {
+    std::fill(acc, acc + R * Dv, C(0));
+    for (int64_t j = 0; j < n; ++j) {
+      const T* vr = vp + j * vs;
+      for (int64_t d = 0; d < Dv; ++d) vc[d] = static_cast<C>(vr[d]);
+      for (int64_t r = 0; r < R; ++r) {
+        const C e = s[r * n + j];
+        C* ar = acc + r * Dv;
+#pragma omp simd
+        for (int64_t d = 0; d < Dv; ++d) ar[d] = std::fma(e, vc[d], ar[d]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const C inv = poisoned[r] ? std::numeric_limits<C>::quiet_NaN() : C(1) / den[r];
+    const C* ar = acc + r * Dv;
+    C* o = orow[r];
+#pragma omp simd
+    for (int64_t d = 0; d < Dv; ++d) o[d] = ar[d] * inv;
+  }
+}
+
+template <typename T, typename C>
+void decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                 double scale) {
   const int64_t b = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
-  const int64_t Hk = k.size(1), n = k.size(2), Dv = v.size(3);
-  // (b, H, L, D) -> (b·H_kv, G·L, D): the G query heads sharing one k/v head, stacked
-  const at::Tensor qg = q.reshape({b * Hk, (H / Hk) * L, D}).to(c);
-  const at::Tensor kk = k.reshape({b * Hk, n, D}).to(c);
-  const at::Tensor vv = v.reshape({b * Hk, n, Dv}).to(c);
-  at::Tensor s = at::bmm(qg, kk.transpose(1, 2)).mul_(scale);  // (b·H_kv, G·L, n)
-  const at::Tensor low = s.amin({-1}, true);  // NaN or -inf iff the row has such a logit
-  const at::Tensor poison = low - low;  // +0.0, or NaN
-  at::Tensor out = at::bmm(at::softmax(s, -1), vv).sub_(poison);  // x - (+0.0) == x
-  return out.view({b, H, L, Dv});  // in the compute dtype, as `_attend`
+  const int64_t Hk = k.size(1), n = k.size(2), Dv = v.size(3), G = H / Hk, R = G * L;
+  const T* qp = q.const_data_ptr<T>();
+  const T* kp = k.const_data_ptr<T>();
+  const T* vp = v.const_data_ptr<T>();
+  C* op = out.mutable_data_ptr<C>();
+  const auto qs = q.strides(), ks = k.strides(), vs = v.strides();
+  // one task per (item, k/v head); tasks of a few thousand multiply-adds stay on one thread
+  const int64_t work = std::max<int64_t>(1, R * n * (D + Dv));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work);
+  at::parallel_for(0, b * Hk, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<const T*> qrow(R);
+    std::vector<C*> orow(R);
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t i = t / Hk, hk = t % Hk;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = hk * G + g;
+        for (int64_t l = 0; l < L; ++l) {
+          qrow[g * L + l] = qp + i * qs[0] + h * qs[1] + l * qs[2];
+          orow[g * L + l] = op + ((i * H + h) * L + l) * Dv;
+        }
+      }
+      decode_task<T, C>(qrow.data(), kp + i * ks[0] + hk * ks[1], ks[2],
+                        vp + i * vs[0] + hk * vs[1], vs[2], orow.data(), R, n, D, Dv,
+                        static_cast<C>(scale));
+    }
+  });
+}
+
+at::Tensor decode_attend(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                         double scale) {
+  TORCH_CHECK(q_.dim() == 4 && k_.dim() == 4 && v_.dim() == 4, "decode_attend: 4-D q, k, v");
+  TORCH_CHECK(k_.size(1) > 0 && q_.size(1) % k_.size(1) == 0, "decode_attend: H % H_kv != 0");
+  TORCH_CHECK(q_.scalar_type() == k_.scalar_type() && q_.scalar_type() == v_.scalar_type(),
+              "decode_attend: q, k, v of one dtype");
+  const at::Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
+  const auto c = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto opts = q.options().dtype(c);
+  if (k.size(2) == 0) return at::zeros({q.size(0), q.size(1), q.size(2), v.size(3)}, opts);
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, opts);
+  if (out.numel() == 0) return out;
+  ATTNLAB_DISPATCH(q.scalar_type(), "decode_attend", {
+    using compute_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    decode_impl<scalar_t, compute_t>(q, k, v, out, scale);
+  });
+  return out;  // in the compute dtype, as `_attend`
 }
 
 // One row, unit strides, rotate-half: a vectorisable loop per half, then the unrotated tail.

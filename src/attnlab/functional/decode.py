@@ -16,6 +16,12 @@ would turn ±inf into ±softcap). Half-precision inputs are computed in float32 
 logits are never rounded to bfloat16) and the output is cast back. Masks must leave every row a
 prefix of the keys known from Python ints (`request.key_prefixes`): other keys are sliced away, so
 non-finite values in padding never reach a row. No host synchronisation.
+
+Without autograd and with the C++ operators (`attnlab._ext`, ``_ext/nan_rule.cpp``) the unmasked
+step runs as one kernel per (item, key/value head) instead of these tensor ops: the cached k and
+v rows are read in place (a cache's views are not copied), each once for the G·L query rows,
+in float32 (float64 for float64 inputs), with the same poisoned rows; ``tests/test_ext.py``
+holds it to the tolerance rule with the tensor ops as the naive.
 """
 
 from __future__ import annotations
@@ -115,7 +121,7 @@ def _attend(
     Returns ``out (b, H, L, Dv)`` in the compute dtype and, if asked, ``lse (b, H, L)``.
     """
     if req.softcap is None and not want_lse and nan_rule.ext_ready(q, k, v):
-        # the same ATen calls in C++ (bit-equal), without a Python round trip per call
+        # the C++ kernel: k and v read in place, once per k/v head (the rule, same NaN rows)
         return torch.ops.attnlab_nan.decode_attend(q, k, v, req.scale / req.temperature), None
     b, H, L, D = q.shape
     H_kv, n, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -217,7 +223,7 @@ def rope_decode_run(
     unchanged for ``k_start=None``: keys rotated when they were cached), ``rope`` being
     `attnlab.positional.RoPE`'s eager table path, bit for bit: the C++ operator
     ``attnlab_nan::rope_decode_attend`` rotates in one pass with the same roundings as RoPE's
-    tensor ops and then makes decode_attend's ATen calls, without a Python round trip per call.
+    tensor ops and then runs decode_attend's kernel, without a Python round trip per call.
     Only for calls `decode_step_ready` accepts.
 
     Args:

@@ -112,8 +112,17 @@ class GPT(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
 
     def new_caches(self, capacity: int | None = None) -> list[KVCache]:
-        """One empty `KVCache` per layer (``capacity`` preallocates, e.g. max_seq_len)."""
-        return [KVCache(capacity) for _ in self.blocks]
+        """One empty `KVCache` per layer (``capacity`` preallocates, e.g. max_seq_len).
+
+        With a RoPE whose frequencies do not depend on the sequence length the caches rotate
+        each key once, when it is cached (``KVCache(rotate_at_insert=True)``: these caches never
+        evict, so the rotated keys are the ones a re-rotation would make, bit for bit), and a
+        decode step rotates only its query; with a seq-len dependent RoPE they hold keys before
+        RoPE and every step re-rotates them at the current frequencies.
+        """
+        rope = self.blocks[0].attn.rope if len(self.blocks) else None
+        static = rope is not None and getattr(rope, "depends_on_seq_len", True) is False
+        return [KVCache(capacity, rotate_at_insert=static) for _ in self.blocks]
 
     def forward(
         self,

@@ -98,8 +98,10 @@ class MultiHeadAttention(nn.Module):
         Decode steps: with a cache, no mask (or causal with one query), no bias and no weights,
         when auto picks the decode backend and RoPE is a plain `RoPE` with static frequencies,
         the rotation of q and of every cached key and the attention run in one C++ call
-        (`attnlab.functional.decode.rope_decode_run`; bit-equal to the Python path, which runs
-        whenever the operators are unavailable, under compile, on meta tensors or with autograd).
+        (`attnlab.functional.decode.rope_decode_run`; bit-equal to rotating in Python and
+        calling the decode backend, whose C++ kernel follows the tolerance rule against the
+        tensor-op path that runs whenever the operators are unavailable, under compile, on meta
+        tensors or with autograd).
 
         Eager-only host reads: RoPE scaling that depends on the sequence length (``dynamic``,
         ``longrope``) with caller-given position *tensors* reads ``max(positions) + 1`` (default
