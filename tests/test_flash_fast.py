@@ -395,6 +395,37 @@ def test_band_kernel_and_aten_agree(band_ext, monkeypatch, dtype) -> None:
     assert (outs["aten"].float() - outs["auto"].float()).abs().max() <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_band_kernel_streams_a_long_band(band_ext, monkeypatch, dtype) -> None:
+    """A band longer than the kernel's per-thread key buffer (L = 4128, whole blocks: each
+    thread's blocks slide it several times), GQA (two query heads per key head) and two batch items: the C++
+    kernel equals torch's kernel on the same plan (``aten``) within the dtype's rounding, and a
+    NaN planted in a late key, packed after slides, is found by the in-kernel check and poisons
+    exactly the rows whose window holds it (the NaN rule)."""
+    L, w = 4128, 61
+    q, k, v = qkv(L, dtype, B=2, H=4, H_kv=2, D=32)
+    mask = masks.sliding_window(w)
+    calls = _count_band_kernel(monkeypatch)
+    outs = {}
+    with torch.no_grad():
+        for engine in ("aten", "auto"):
+            monkeypatch.setenv(band_kernel.ENGINE_ENV, engine)
+            calls.clear()
+            outs[engine] = attention(q, k, v, mask=mask, backend="flash")
+            assert bool(calls) == (engine == "auto")
+    tol = 2e-6 if dtype == torch.float32 else 1.6e-2
+    assert (outs["aten"].float() - outs["auto"].float()).abs().max() <= tol
+    k[1, 0, 3900, 7] = float("nan")
+    lists, scans = _spy_checks(monkeypatch)
+    with torch.no_grad():
+        out = attention(q, k, v, mask=mask, backend="flash")
+    assert lists and any(lists[0]) and len(scans) == 3  # found in the kernel, then re-run
+    rows = out.isnan().any(-1)  # (B, H, L)
+    want = torch.zeros_like(rows)
+    want[1, :2, 3900 : 3900 + w] = True  # key head 0 serves query heads 0 and 1
+    assert torch.equal(rows, want)
+
+
 def test_band_kernel_rows_without_keys_and_clipped_windows(band_ext) -> None:
     """The operator itself against the float64 formula: scale, additive tile, GQA, a view as
     destination, windows reaching before key 0 and past ``limit`` (clipped), a fully masked

@@ -26,8 +26,9 @@
 //       AMX); the caller falls back to torch's flash kernel otherwise.
 //
 // Why it is faster than torch's fused kernel on these calls: every block holds ALL its keys, so
-// the softmax is one pass (no running rescale); the keys are packed once per head for the whole
-// band (the windows of neighbouring blocks overlap, torch's kernel repacks them per block); both
+// the softmax is one pass (no running rescale); each key is packed once per thread (the windows
+// of neighbouring blocks overlap, torch's kernel repacks them per block), band calls as their
+// blocks reach it, into a buffer that stays in cache (`BandStream`), segment calls per head; both
 // products run on oneDNN's batch-reduce GEMM micro-kernel (brgemm) with float32 accumulation
 // (bfloat16 inputs in VNNI pairs), the same micro-kernel torch's kernel uses on AMX CPUs.
 #include <ATen/ATen.h>
@@ -253,13 +254,47 @@ inline void finish_row(T* orow, float* lrow, const float* src, int64_t Dv, float
   *lrow = dead ? kNegInf : mx + std::log(den);
 }
 
+#if defined(__AVX512BW__)
+// Lanes of T in the 512 bits of x that are NaN or ±inf (exponent bits all ones), as a mask.
+template <typename T>
+inline uint64_t nonfinite_lanes(__m512i x) {
+  using U = typename attnlab_bits::Bits<T>::U;
+  constexpr U E = attnlab_bits::Bits<T>::kExp;
+  if constexpr (sizeof(T) == 2) {
+    const __m512i e = _mm512_set1_epi16(static_cast<int16_t>(E));
+    return _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, e), e);
+  } else {
+    const __m512i e = _mm512_set1_epi32(static_cast<int32_t>(E));
+    return _mm512_cmpeq_epi32_mask(_mm512_and_si512(x, e), e);
+  }
+}
+#endif
+
 // Packs the keys [k0, k0 + n) of one head as B of q·kᵀ: float32 (D, n_pad) row-major; bfloat16
 // VNNI pairs (D/2, n_pad, 2). Columns n..n_pad are zero.
-// Transposes a 16 × 16 block of 32-bit words: dst[d][j] = src[j][d].
-inline void transpose16(const uint32_t* src, int64_t lds, uint32_t* dst, int64_t ldd) {
+// Transposes a 16 × 16 block of 32-bit words: dst[d][j] = src[j][d]. With `bad` (AVX-512BW),
+// also tests the words' values of T for NaN/±inf while they are in registers (a find sets it).
+template <typename T>
+inline void transpose16(const uint32_t* src, int64_t lds, uint32_t* dst, int64_t ldd,
+                        bool* bad) {
 #if defined(__AVX512F__)
   __m512 r[16], t[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(src + i * lds));
+#if defined(__AVX512BW__)
+  if (bad != nullptr) {
+    uint64_t m = 0;
+    for (int i = 0; i < 16; ++i) m |= nonfinite_lanes<T>(_mm512_castps_si512(r[i]));
+    if (m != 0) *bad = true;
+  }
+#else
+  if (bad != nullptr) {
+    for (int i = 0; i < 16; ++i) {
+      if (attnlab_bits::span_bad(reinterpret_cast<const T*>(src + i * lds), 64 / sizeof(T))) {
+        *bad = true;
+      }
+    }
+  }
+#endif
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
@@ -282,6 +317,11 @@ inline void transpose16(const uint32_t* src, int64_t lds, uint32_t* dst, int64_t
   }
   for (int i = 0; i < 16; ++i) _mm512_storeu_ps(reinterpret_cast<float*>(dst + i * ldd), r[i]);
 #else
+  for (int j = 0; j < 16 && bad != nullptr; ++j) {
+    if (attnlab_bits::span_bad(reinterpret_cast<const T*>(src + j * lds), 64 / sizeof(T))) {
+      *bad = true;
+    }
+  }
   for (int d = 0; d < 16; ++d) {
     for (int j = 0; j < 16; ++j) dst[d * ldd + j] = src[j * lds + d];
   }
@@ -290,10 +330,11 @@ inline void transpose16(const uint32_t* src, int64_t lds, uint32_t* dst, int64_t
 
 // Packed columns [j_lo, j_hi) of one head's keys as B of q·kᵀ (row stride ld): column j holds
 // key k0 + j when v_lo <= j < v_hi, else zeros; float32 (D, ld) row-major, bfloat16 VNNI pairs
-// (D/2, ld, 2). ``k`` points at key 0.
+// (D/2, ld, 2). ``k`` points at key 0; column j is written at position j − col0. With `bad`,
+// every key packed is also tested for NaN/±inf (a find sets *bad).
 template <typename T>
 void pack_keys(const T* k, int64_t ks, int64_t D, int64_t k0, int64_t v_lo, int64_t v_hi,
-               int64_t j_lo, int64_t j_hi, int64_t ld, T* out) {
+               int64_t j_lo, int64_t j_hi, int64_t ld, T* out, bool* bad, int64_t col0 = 0) {
   constexpr int64_t per = 4 / sizeof(T);  // bf16: a pair (d, d+1) of one key is one word
   static_assert(sizeof(T) * per == 4, "32-bit words");
   const int64_t Dw = D / per, ksw = ks / per;
@@ -306,18 +347,20 @@ void pack_keys(const T* k, int64_t ks, int64_t D, int64_t k0, int64_t v_lo, int6
     for (int64_t d0 = 0; d0 < Dw; d0 += 16) {
       const int64_t nd = std::min<int64_t>(16, Dw - d0);
       if (fast && nj == 16 && nd == 16 && j0 >= v_lo && j0 + 16 <= v_hi) {
-        transpose16(kw + (k0 + j0) * ksw + d0, ksw, o + d0 * ld + j0, ld);
+        transpose16<T>(kw + (k0 + j0) * ksw + d0, ksw, o + d0 * ld + j0 - col0, ld, bad);
         continue;
       }
       for (int64_t j = 0; j < nj; ++j) {
         if (j0 + j >= v_lo && j0 + j < v_hi) {
-          std::memcpy(tile[j], k + (k0 + j0 + j) * ks + d0 * per, nd * 4);
+          const T* row = k + (k0 + j0 + j) * ks + d0 * per;
+          if (bad != nullptr && attnlab_bits::span_bad(row, nd * per)) *bad = true;
+          std::memcpy(tile[j], row, nd * 4);
         } else {
           std::memset(tile[j], 0, nd * 4);
         }
       }
       for (int64_t d = 0; d < nd; ++d) {
-        uint32_t* row = o + (d0 + d) * ld + j0;
+        uint32_t* row = o + (d0 + d) * ld + j0 - col0;
         for (int64_t j = 0; j < nj; ++j) row[j] = tile[j][d];
       }
     }
@@ -326,9 +369,11 @@ void pack_keys(const T* k, int64_t ks, int64_t D, int64_t k0, int64_t v_lo, int6
 
 // Packed rows [j_lo, j_hi) (j_lo even) of one head's values as B of p·v: bfloat16 VNNI pairs
 // (·, Dv, 2), row j = value k0 + j when v_lo <= j < v_hi, else zeros (float32 values are read
-// in place). ``v`` points at value 0.
+// in place). ``v`` points at value 0; row j is written at position j − row0 (even). With `bad`,
+// every value packed is also tested for NaN/±inf (a find sets *bad).
 void pack_values(const c10::BFloat16* v, int64_t vs, int64_t Dv, int64_t k0, int64_t v_lo,
-                 int64_t v_hi, int64_t j_lo, int64_t j_hi, c10::BFloat16* out) {
+                 int64_t v_hi, int64_t j_lo, int64_t j_hi, c10::BFloat16* out, bool* bad,
+                 int64_t row0 = 0) {
   const c10::BFloat16 zero(0.0f);
   auto row = [&](int64_t j) { return j >= v_lo && j < v_hi ? v + (k0 + j) * vs : nullptr; };
 #if defined(__AVX512BW__)
@@ -347,23 +392,35 @@ void pack_values(const c10::BFloat16* v, int64_t vs, int64_t Dv, int64_t k0, int
   const __m512i lo_half = _mm512_loadu_si512(kPairs.data());
   const __m512i hi_half = _mm512_loadu_si512(kPairs.data() + 32);
 #endif
+#if defined(__AVX512BW__)
+  uint64_t found = 0;
+#endif
   for (int64_t j = j_lo; j < j_hi; j += 2) {
     const c10::BFloat16* a = row(j);
     const c10::BFloat16* b = row(j + 1);
-    c10::BFloat16* o = out + j * Dv;
+    c10::BFloat16* o = out + (j - row0) * Dv;
     int64_t c = 0;
 #if defined(__AVX512BW__)
     for (; a && b && c + 32 <= Dv; c += 32) {
       const __m512i x = _mm512_loadu_si512(a + c), y = _mm512_loadu_si512(b + c);
+      if (bad != nullptr) found |= nonfinite_lanes<c10::BFloat16>(x) | nonfinite_lanes<c10::BFloat16>(y);
       _mm512_storeu_si512(o + 2 * c, _mm512_permutex2var_epi16(x, lo_half, y));
       _mm512_storeu_si512(o + 2 * c + 32, _mm512_permutex2var_epi16(x, hi_half, y));
     }
 #endif
+    if (bad != nullptr && c < Dv) {  // the columns the vector loop left (or a lone row)
+      if ((a && attnlab_bits::span_bad(a + c, Dv - c)) || (b && attnlab_bits::span_bad(b + c, Dv - c))) {
+        *bad = true;
+      }
+    }
     for (; c < Dv; ++c) {
       o[2 * c] = a ? a[c] : zero;
       o[2 * c + 1] = b ? b[c] : zero;
     }
   }
+#if defined(__AVX512BW__)
+  if (found != 0) *bad = true;
+#endif
 }
 
 // Pointers and strides of one batch item's q (H, L, D), k (H_kv, S, D) and v (H_kv, S, Dv).
@@ -398,20 +455,20 @@ void pack_head(const Heads<T>& in, int64_t hk, int64_t D, int64_t Dv, int64_t k0
   const T* keys = in.k + hk * in.kh;
   at::parallel_for(0, (ldk + kChunk - 1) / kChunk, 1, [&](int64_t c0, int64_t c1) {
     const int64_t j_lo = c0 * kChunk, j_hi = std::min(ldk, c1 * kChunk);
-    if (bad != nullptr) {
-      bool found = false;
-      for (int64_t j = std::max(j_lo, v_lo); j < std::min(j_hi, v_hi); ++j) {
-        found |= attnlab_bits::span_bad(keys + (k0 + j) * in.ks, D);
-        found |= attnlab_bits::span_bad(in.values(hk) + (k0 + j) * in.vs, Dv);
-      }
-      if (found) bad->store(true, std::memory_order_relaxed);
-    }
-    pack_keys<T>(keys, in.ks, D, k0, v_lo, v_hi, j_lo, j_hi, ldk, kpack);
+    bool found = false;
+    bool* check = bad != nullptr ? &found : nullptr;
+    pack_keys<T>(keys, in.ks, D, k0, v_lo, v_hi, j_lo, j_hi, ldk, kpack, check);
     if constexpr (Traits<T>::vnni) {
       if (j_lo < nv) {
-        pack_values(in.values(hk), in.vs, Dv, k0, v_lo, v_hi, j_lo, std::min(nv, j_hi), vpack);
+        pack_values(in.values(hk), in.vs, Dv, k0, v_lo, v_hi, j_lo, std::min(nv, j_hi), vpack,
+                    check);
+      }
+    } else if (check != nullptr) {  // float32 values are read in place: tested here
+      for (int64_t j = std::max(j_lo, v_lo); j < std::min(j_hi, v_hi); ++j) {
+        found |= attnlab_bits::span_bad(in.values(hk) + (k0 + j) * in.vs, Dv);
       }
     }
+    if (found) bad->store(true, std::memory_order_relaxed);
   });
 }
 
@@ -431,7 +488,7 @@ struct Scratch {
         m(rows), den(rows) {}
 };
 
-// Runs one batch item's work: for each key head, `pack_head` packs it (all threads; keys
+// Runs one batch item's segment work: for each key head, `pack_head` packs it (all threads; keys
 // k0 + j for v_lo <= j < v_hi into ldk columns, bfloat16 values into nv rows) and
 // `run(hk, kpack, vpack, i0, i1, scratch)` runs its work items [i0, i1) split between the
 // threads. (Whole heads per thread, one parallel region per call, measured the same: window
@@ -451,6 +508,87 @@ void run_heads(const Heads<T>& in, int64_t Hkv, int64_t D, int64_t Dv, int64_t k
     });
   }
 }
+
+// Prefetches rows [lo, hi) of `row_bytes` bytes each (`stride` elements apart) into cache.
+template <typename T>
+inline void prefetch_rows(const T* base, int64_t stride, int64_t lo, int64_t hi,
+                          int64_t row_bytes) {
+  for (int64_t r = lo; r < hi; ++r) {
+    const char* p = reinterpret_cast<const char*>(base + r * stride);
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+  }
+}
+
+// One thread's packed keys (and bfloat16 values) of one key head for the band's columns
+// [base, end), filled as its blocks advance: a block needs the columns [t·bq, t·bq + ws), of
+// which all but its last bq were packed for the blocks before it. The buffer (cap columns)
+// stays in the core's cache, and the head's keys and values are read from memory in step with
+// the computation instead of in a pass of their own (which memory bandwidth bounds: window
+// 256, L = 16384, bfloat16 on a Xeon with AMX, a fifth of the call); when the next columns would
+// not fit, the still-needed ones move to the front.
+template <typename T>
+class BandStream {
+ public:
+  BandStream(const Heads<T>& in, int64_t D, int64_t Dv, int64_t k0, int64_t v_lo, int64_t v_hi,
+             int64_t cap)
+      : in_(in), D_(D), Dv_(Dv), k0_(k0), v_lo_(v_lo), v_hi_(v_hi), cap_(cap),
+        ld_(cap + 16),  // off a power of two (rows of a window would share cache sets)
+        keys_(static_cast<size_t>(D * ld_)),
+        values_(Traits<T>::vnni ? static_cast<size_t>(cap * Dv) : 0) {}
+
+  // Packs what columns [lo, hi) of key head hk still need (lo a multiple of 16, hi − lo <= cap);
+  // with `bad`, the keys and values it packs are tested for NaN/±inf (a find sets *bad).
+  void cover(int64_t hk, int64_t lo, int64_t hi, bool* bad) {
+    if (hk != hk_ || lo < base_ || lo > end_) {
+      hk_ = hk;
+      base_ = end_ = lo;
+    }
+    if (hi - base_ > cap_) slide(lo);
+    if (hi <= end_) return;
+    const T* keys = in_.k + hk * in_.kh;
+    pack_keys<T>(keys, in_.ks, D_, k0_, v_lo_, v_hi_, end_, hi, ld_, keys_.get(), bad, base_);
+    if constexpr (Traits<T>::vnni) {
+      pack_values(in_.values(hk), in_.vs, Dv_, k0_, v_lo_, v_hi_, end_, hi, values_.get(), bad,
+                  base_);
+    } else if (bad != nullptr) {  // float32 values are read in place: tested here
+      for (int64_t j = std::max(end_, v_lo_); j < std::min(hi, v_hi_); ++j) {
+        if (attnlab_bits::span_bad(in_.values(hk) + (k0_ + j) * in_.vs, Dv_)) *bad = true;
+      }
+    }
+    // the keys and values of the next columns (as many as these), on their way into cache
+    // while the blocks compute: the next cover packs from cache, not from memory
+    const int64_t n_lo = std::max(hi, v_lo_), n_hi = std::min(hi + (hi - end_), v_hi_);
+    prefetch_rows(keys, in_.ks, k0_ + n_lo, k0_ + n_hi, D_ * static_cast<int64_t>(sizeof(T)));
+    prefetch_rows(in_.values(hk), in_.vs, k0_ + n_lo, k0_ + n_hi,
+                  Dv_ * static_cast<int64_t>(sizeof(T)));
+    end_ = hi;
+  }
+
+  // B of q·kᵀ for the columns from c on (row stride ld()); B of p·v for the value rows from c on
+  const T* keys(int64_t c) const { return keys_.get() + (Traits<T>::vnni ? 2 : 1) * (c - base_); }
+  const T* values(int64_t c) const { return values_.get() + (c - base_) * Dv_; }
+  int64_t ld() const { return ld_; }
+
+ private:
+  void slide(int64_t lo) {  // columns [lo, end_) to the front
+    const int64_t keep = std::max<int64_t>(0, end_ - lo), shift = lo - base_;
+    constexpr int64_t per = 4 / sizeof(T);  // values of T per packed 32-bit word
+    auto* kw = reinterpret_cast<uint32_t*>(keys_.get());
+    for (int64_t d = 0; d < D_ / per; ++d) {
+      std::memmove(kw + d * ld_, kw + d * ld_ + shift, keep * sizeof(uint32_t));
+    }
+    if constexpr (Traits<T>::vnni) {
+      std::memmove(values_.get(), values_.get() + shift * Dv_, keep * Dv_ * sizeof(T));
+    }
+    base_ = lo;
+    end_ = std::max(end_, lo);
+  }
+
+  const Heads<T>& in_;
+  const int64_t D_, Dv_, k0_, v_lo_, v_hi_, cap_, ld_;
+  Buffer<T> keys_, values_;
+  int64_t hk_ = -1, base_ = 0, end_ = 0;
+};
 
 // Blocks per work item of band_forward: each product runs on all of them before the other
 // (one AMX tile configuration per product and group instead of two per block: 16 × 288 × 64 in
@@ -473,12 +611,11 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
   // [0, limit): those columns are −inf and their packed keys and values zero)
   const int64_t v_lo = std::max<int64_t>(0, -k_start);
   const int64_t v_hi = std::max(v_lo, std::min(nk, limit - k_start));
-  const int64_t nkp = (nblk - 1) * bq + ws;  // packed columns (and bfloat16 value rows)
-  // row stride of the packed keys: rounded up and off a multiple of 4 KiB (a power-of-two
-  // stride maps every row of a window to the same cache sets); q·kᵀ reads ws <= ldk − t·bq
-  // columns, all packed (zero past the band)
-  const int64_t ldk = (nkp + 15) / 16 * 16 + 16;
   const int64_t ngrp = (nblk + kGroup - 1) / kGroup;
+  // columns one work item reads ((kGroup − 1)·bq + ws), and the stream's capacity: several
+  // items' worth, so that a slide (moving the overlap to the front) is rare
+  const int64_t span = (kGroup - 1) * bq + ws;
+  const int64_t cap = std::max<int64_t>(4 * span, 1024) / 16 * 16;
 
   const Heads<T> in(q, k, v);
   const int64_t qs = in.qs, vs = in.vs;
@@ -491,24 +628,25 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
   const int64_t o0 = out.stride(0), o1 = out.stride(1), o2 = out.stride(2);
   const int64_t l0 = lse.stride(0), l1 = lse.stride(1), l2 = lse.stride(2);
 
-  // each key head's keys (and bfloat16 values) packed once, then every (group of blocks, query
-  // head of the group) as a work item
-  auto run = [&](int64_t hk, const T* kpack, const T* vpack, int64_t i0, int64_t i1,
-                 Scratch<T>& sc) {
+  // every (key head, group of blocks, query head of the group) is a work item; a thread runs a
+  // contiguous range of them, packing each key head's columns as its blocks reach them
+  const int64_t items = ngrp * G;
+  auto run = [&](int64_t hk, int64_t it, BandStream<T>& st, Scratch<T>& sc, bool* seen) {
     const T* vh_ = in.values(hk);
     float* const s = sc.s;
-    for (int64_t it = i0; it < i1; ++it) {
+    {
       const int64_t h = hk * G + it % G, t0 = it / G * kGroup;
       const int64_t t1 = std::min(nblk, t0 + kGroup);
+      st.cover(hk, t0 * bq, (t1 - 1) * bq + ws, seen);
       for (int64_t t = t0; t < t1; ++t) {
         const T* qb = in.q + h * in.qh + (r0 + t * bq) * qs;
-        if (bad != nullptr) {  // this block's query rows, once per (block, head)
-          bool found = false;
-          for (int64_t r = 0; r < bq; ++r) found |= attnlab_bits::span_bad(qb + r * qs, D);
-          if (found) bad->store(true, std::memory_order_relaxed);
+        if (seen != nullptr) {  // this block's query rows, once per (block, head)
+          for (int64_t r = 0; r < bq; ++r) {
+            if (attnlab_bits::span_bad(qb + r * qs, D)) *seen = true;
+          }
         }
-        const T* kb = kpack + (vnni ? 2 : 1) * t * bq;
-        brgemm(bq, ws, D, qs, ldk, ws, false, qb, kb, s + (t - t0) * bq * ws, vnni);
+        brgemm(bq, ws, D, qs, st.ld(), ws, false, qb, st.keys(t * bq), s + (t - t0) * bq * ws,
+               vnni);
       }
       for (int64_t t = t0; t < t1; ++t) {
         const float* at = ap + t * a0 + h * a1;
@@ -525,7 +663,7 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
         }
         float* ob = sc.o + g * Dv;
         if constexpr (vnni) {  // packed values: zero rows where there is no key
-          brgemm(bq, Dv, ws, ws, Dv, Dv, false, sc.p + g * ws, vpack + t * bq * Dv, ob, true);
+          brgemm(bq, Dv, ws, ws, Dv, Dv, false, sc.p + g * ws, st.values(t * bq), ob, true);
         } else if (c_hi > c_lo) {  // values in place: only the rows that exist
           const T* vb = vh_ + (k_start + t * bq + c_lo) * vs;
           brgemm(bq, Dv, std::min(width, c_hi) - c_lo, ws, vs, Dv, false, s + g * ws + c_lo, vb,
@@ -544,8 +682,14 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
     }
   };
   const size_t rows = static_cast<size_t>(kGroup * bq);
-  const size_t scratch[4] = {rows * ws, vnni ? rows * ws : 0, rows * Dv, rows};
-  run_heads<T>(in, Hkv, D, Dv, k_start, v_lo, v_hi, ldk, nkp, bad, ngrp * G, scratch, run);
+  at::parallel_for(0, Hkv * items, 1, [&](int64_t w0, int64_t w1) {
+    Scratch<T> sc(rows * ws, vnni ? rows * ws : 0, rows * Dv, rows);
+    BandStream<T> st(in, D, Dv, k_start, v_lo, v_hi, cap);
+    bool seen = false;  // a non-finite q, k or v entry read by this thread's items
+    for (int64_t w = w0; w < w1; ++w) run(w / items, w % items, st, sc, bad ? &seen : nullptr);
+    if (seen) bad->store(true, std::memory_order_relaxed);
+    brgemm_release(vnni);
+  });
 }
 
 // Batched segments (packed documents, `tiling.SegmentCall`) of one batch item: segment s holds
