@@ -249,8 +249,12 @@ template <typename T>
 inline void finish_row(T* orow, float* lrow, const float* src, int64_t Dv, float mx, float den) {
   const bool dead = mx == kNegInf;
   const float inv = dead ? 0.0f : 1.0f / den;
-#pragma omp simd
-  for (int64_t c = 0; c < Dv; ++c) orow[c] = Traits<T>::store(src[c] * inv);
+  int64_t c = 0;
+#if defined(__AVX512F__)
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (; c + 16 <= Dv; c += 16) store16(orow + c, _mm512_mul_ps(_mm512_loadu_ps(src + c), vinv));
+#endif
+  for (; c < Dv; ++c) orow[c] = Traits<T>::store(src[c] * inv);
   *lrow = dead ? kNegInf : mx + std::log(den);
 }
 
@@ -686,7 +690,15 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
     Scratch<T> sc(rows * ws, vnni ? rows * ws : 0, rows * Dv, rows);
     BandStream<T> st(in, D, Dv, k_start, v_lo, v_hi, cap);
     bool seen = false;  // a non-finite q, k or v entry read by this thread's items
-    for (int64_t w = w0; w < w1; ++w) run(w / items, w % items, st, sc, bad ? &seen : nullptr);
+    for (int64_t w = w0; w < w1; ++w) {
+      if (w + 1 < w1) {  // the next item's query rows, on their way into cache
+        const int64_t hk = (w + 1) / items, it = (w + 1) % items;
+        const int64_t t0 = it / G * kGroup, n = std::min(nblk, t0 + kGroup) - t0;
+        const T* qh = in.q + (hk * G + it % G) * in.qh;
+        prefetch_rows(qh, qs, r0 + t0 * bq, r0 + (t0 + n) * bq, D * static_cast<int64_t>(sizeof(T)));
+      }
+      run(w / items, w % items, st, sc, bad ? &seen : nullptr);
+    }
     if (seen) bad->store(true, std::memory_order_relaxed);
     brgemm_release(vnni);
   });
