@@ -364,8 +364,6 @@ def test_band_kernel_matches_reference(band_ext, monkeypatch, dtype, name) -> No
     from attnlab.positional import ALiBi
 
     make, bias_kind = BAND_CASES[name]
-    if bias_kind is not None and dtype == torch.bfloat16:
-        pytest.skip("a bias widens bfloat16 plans to float32: the float32 case covers it")
     bias = ALiBi(4) if bias_kind == "alibi" else None
     calls = _count_band_kernel(monkeypatch)
     mask = make()
@@ -376,6 +374,32 @@ def test_band_kernel_matches_reference(band_ext, monkeypatch, dtype, name) -> No
         mean_factor=mean_factor_for("flash", dtype),
     )
     assert calls, "the C++ band kernel did not run"
+
+
+def test_bf16_bias_band_plans_keep_their_inputs(band_ext, monkeypatch) -> None:
+    """ALiBi on a causal mask in bfloat16 (band calls per offset, merged): the C++ kernel gets
+    the bfloat16 inputs and writes float32 partial outputs (merged in float32, rounded once),
+    where before the whole forward ran widened to float32; the result equals the widened run
+    (``ATTNLAB_FLASH_BAND_ENGINE=aten``: torch's kernel in float32) within bfloat16 rounding and
+    the float64 reference with the tolerance rule (`test_band_kernel_matches_reference`)."""
+    from attnlab.positional import ALiBi
+
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    real = band_kernel.forward_into
+
+    def spy(out, lse, q, *a, **kw):
+        seen.append((q.dtype, out.dtype))
+        return real(out, lse, q, *a, **kw)
+
+    monkeypatch.setattr(band_kernel, "forward_into", spy)
+    q, k, v = qkv(2048, torch.bfloat16, D=32)  # two band calls per row, merged
+    with torch.no_grad():
+        fast = attention(q, k, v, mask=masks.causal(), bias=ALiBi(4), backend="flash")
+        assert seen and set(seen) == {(torch.bfloat16, torch.float32)}
+        monkeypatch.setenv(band_kernel.ENGINE_ENV, "aten")
+        wide = attention(q, k, v, mask=masks.causal(), bias=ALiBi(4), backend="flash")
+    assert fast.dtype == torch.bfloat16
+    assert (fast.float() - wide.float()).abs().max() <= 1.6e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -398,10 +422,10 @@ def test_band_kernel_and_aten_agree(band_ext, monkeypatch, dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_band_kernel_streams_a_long_band(band_ext, monkeypatch, dtype) -> None:
     """A band longer than the kernel's per-thread key buffer (L = 4128, whole blocks: each
-    thread's blocks slide it several times), GQA (two query heads per key head) and two batch items: the C++
-    kernel equals torch's kernel on the same plan (``aten``) within the dtype's rounding, and a
-    NaN planted in a late key, packed after slides, is found by the in-kernel check and poisons
-    exactly the rows whose window holds it (the NaN rule)."""
+    thread's blocks slide it several times), GQA (two query heads per key head) and two batch
+    items: the C++ kernel equals torch's kernel on the same plan (``aten``) within the dtype's
+    rounding, and a NaN planted in a late key, packed after slides, is found by the in-kernel
+    check and poisons exactly the rows whose window holds it (the NaN rule)."""
     L, w = 4128, 61
     q, k, v = qkv(L, dtype, B=2, H=4, H_kv=2, D=32)
     mask = masks.sliding_window(w)

@@ -8,8 +8,9 @@
 //       [k_start + t·bq, … + width) that lie in [0, limit) (edge windows are clipped: columns
 //       outside are masked; limit <= S). add (A0, A1, bq, width) float32 with
 //       A0 in {1, nblk} and A1 in {1, H}: the additive tile (mask as −inf, plus any bias).
-//       Writes out (nblk, H, bq, Dv) in q's dtype and lse (nblk, H, bq) float32 (any strides,
-//       e.g. views of the whole output):
+//       Writes out (nblk, H, bq, Dv) in q's dtype (or float32: bfloat16 calls whose partial
+//       outputs are merged) and lse (nblk, H, bq) float32 (any strides, e.g. views of the
+//       whole output):
 //           out = softmax(q·kᵀ·scale + add) v,   lse = log Σ exp(q·kᵀ·scale + add);
 //       a row whose every key is masked gets out = 0, lse = −inf.
 //       check: also test every q, k, v entry the call reads (the q rows of its blocks, the keys
@@ -599,7 +600,7 @@ class BandStream {
 // bfloat16, 1.0 → 0.7 µs per block for both products).
 constexpr int64_t kGroup = 4;
 
-template <typename T>
+template <typename T, typename TO>
 void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk, int64_t bq,
                   int64_t k_start, int64_t width, int64_t limit, double scale_d,
@@ -627,7 +628,7 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
   const int64_t a0 = add.size(0) > 1 ? add.stride(0) : 0;
   const int64_t a1 = add.size(1) > 1 ? add.stride(1) : 0;
   const int64_t ar = add.stride(2);
-  T* op = out.data_ptr<T>();
+  TO* op = out.data_ptr<TO>();
   float* lp = lse.data_ptr<float>();
   const int64_t o0 = out.stride(0), o1 = out.stride(1), o2 = out.stride(2);
   const int64_t l0 = lse.stride(0), l1 = lse.stride(1), l2 = lse.stride(2);
@@ -809,17 +810,20 @@ void check(const at::Tensor& x, const char* op, const char* name, int64_t dim) {
   TORCH_CHECK(x.stride(-1) == 1, "attnlab_band.", op, ": ", name, " needs unit last stride");
 }
 
-// What both operators ask of q, k, v, out: one CPU batch item, a shared dtype the kernel runs,
-// grouped heads; returns whether it is bfloat16.
+// What both operators ask of q, k, v, out: one CPU batch item, a shared dtype the kernel runs
+// (out: also float32 with `float_out`), grouped heads; returns whether q is bfloat16.
 bool check_inputs(const char* op, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
-                  const at::Tensor& v, int64_t out_dim) {
+                  const at::Tensor& v, int64_t out_dim, bool float_out = false) {
   check(q, op, "q", 3);
   check(k, op, "k", 3);
   check(v, op, "v", 3);
   check(out, op, "out", out_dim);
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(),
-              "attnlab_band.", op, ": q, k, v, out must share a dtype");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "attnlab_band.", op, ": q, k, v must share a dtype");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() ||
+                  (float_out && out.scalar_type() == at::kFloat),
+              "attnlab_band.", op, ": out must have q's dtype",
+              float_out ? " or float32" : "", ", got ", out.scalar_type());
   TORCH_CHECK(q.size(0) % k.size(0) == 0 && v.size(0) == k.size(0) && v.size(1) == k.size(1),
               "attnlab_band.", op, ": bad head counts");
   const bool bf16 = q.scalar_type() == at::kBFloat16;
@@ -834,7 +838,7 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
                         const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk,
                         int64_t bq, int64_t k_start, int64_t width, int64_t limit, double scale,
                         bool check_inputs_for_nonfinite) {
-  const bool bf16 = check_inputs("forward_into", out, q, k, v, 4);
+  const bool bf16 = check_inputs("forward_into", out, q, k, v, 4, /*float_out=*/true);
   check(add, "forward_into", "add", 4);
   TORCH_CHECK(lse.dim() == 3 && lse.scalar_type() == at::kFloat,
               "attnlab_band.forward_into: lse must be 3-D float32");
@@ -860,12 +864,15 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
   populate(out);
   std::atomic<bool> bad{false};
   std::atomic<bool>* seen = check_inputs_for_nonfinite ? &bad : nullptr;
-  if (bf16) {
-    band_forward<c10::BFloat16>(out, lse, q, k, v, addp, r0, nblk, bq, k_start, width, limit,
-                                scale, seen);
+  if (bf16 && out.scalar_type() == at::kFloat) {  // partial outputs merged in float32
+    band_forward<c10::BFloat16, float>(out, lse, q, k, v, addp, r0, nblk, bq, k_start, width,
+                                       limit, scale, seen);
+  } else if (bf16) {
+    band_forward<c10::BFloat16, c10::BFloat16>(out, lse, q, k, v, addp, r0, nblk, bq, k_start,
+                                               width, limit, scale, seen);
   } else {
-    band_forward<float>(out, lse, q, k, v, addp, r0, nblk, bq, k_start, width, limit, scale,
-                        seen);
+    band_forward<float, float>(out, lse, q, k, v, addp, r0, nblk, bq, k_start, width, limit,
+                               scale, seen);
   }
   return at::empty({bad.load() ? 1 : 0}, q.options().dtype(at::kByte));
 }

@@ -23,14 +23,16 @@ How it runs:
      (``aten._scaled_dot_product_flash_attention_for_cpu``) for float32, float16 and bfloat16
      (float16/bfloat16 plans whose rows each come from one call — bands, causal, packed
      documents — run it in their own dtype, ``ATTNLAB_FLASH_LOWP=widen`` forces float32; other
-     plans, and band backward, run it in float32 and round once at the end);
+     plans, and band backward, run it in float32 and round once at the end; bfloat16 plans made
+     only of band calls on attnlab's band kernel — ALiBi on a causal mask — keep their inputs
+     and merge the kernel's float32 partial outputs, rounding once at the end);
    - ``"torch"``: a pure-PyTorch online-softmax loop over (row, key) chunks: float64 (the
      verification dtype, on wide 2048-tiles) and devices other than the CPU.
 
    On the kernel engine, batched band calls (sliding windows) run their forward on attnlab's own
    C++ band kernel when it is built (`band_kernel`: float32/bfloat16, one operator call per
-   band, a one-pass softmax per block, oneDNN's brgemm products); their backward stays on
-   torch's kernel.
+   band, a one-pass softmax per block, oneDNN's brgemm products, keys and values packed per
+   thread as its blocks advance); their backward stays on torch's kernel.
 
 3. Calls over disjoint key sets are combined with `merge_partials` (log-sum-exp weights).
 4. Backward recomputes every call from q, k, v and the GLOBAL out and lse: the kernel's backward

@@ -169,12 +169,38 @@ class FlashJob:
             out, lse = kernel_forward(q, k, v, Logits(self.scale, causal=causal))
             return out, lse.contiguous()
         if self._widen(q):
-            out, lse = self.forward(q.float(), k.float(), v.float())
+            if self._float_partials(q, k, v):
+                out, lse = self._run_groups(q, k, v, torch.float32)
+            else:
+                out, lse = self.forward(q.float(), k.float(), v.float())
             self.out32 = out  # backward's δ = rowsum(dout·out) uses the unrounded output
             return out.to(q.dtype), lse
+        return self._run_groups(q, k, v, q.dtype)
+
+    def _float_partials(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """Whether a bfloat16 forward that `_widen` widens can keep its inputs: every call of
+        the plan is a band call on attnlab's C++ band kernel, which multiplies bfloat16 inputs
+        with float32 accumulation, reads the float32 additive tiles (a bias keeps its
+        precision) and writes float32 partial outputs, so the merges and the one final
+        rounding are those of the widened run while the products run on the bfloat16 units
+        (ALiBi on a causal mask: band calls per offset, merged)."""
+        if self.engine != "kernel" or q.dtype != torch.bfloat16 or not self.native_low:
+            return False  # (``ATTNLAB_FLASH_LOWP=widen`` runs every product in float32)
+        calls = [c for g in self.plan.groups for c in g.calls]
+        return bool(calls) and all(
+            isinstance(c, BandCall) and band_kernel.usable(q, k, v, c.bq) for c in calls
+        )
+
+    def _run_groups(
+        self, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
+        """The plan's calls group by group: ``(out (B, H, L, Dv) in out_dtype, lse (B, H, L))``."""
+        B, H, L, _ = q.shape
+        Dv = v.shape[-1]
+        plan = self.plan
         # rows in no group attend nothing: zeros; skip the memset when every row is covered
         alloc = torch.empty if plan.covers_all(B, L) and not plan.overlap else torch.zeros
-        out = alloc(B, H, L, Dv, dtype=q.dtype, device=q.device)
+        out = alloc(B, H, L, Dv, dtype=out_dtype, device=q.device)
         lse = torch.full((B, H, L), _NEG_INF, dtype=acc_dtype(q.dtype), device=q.device)
         self.lse_lo = None
         for g in plan.groups:
