@@ -328,6 +328,17 @@ inline double dot(const double* a, const double* b, int64_t D) {
 }
 
 // (max of the n values, whether all are finite).
+template <typename C>
+inline std::pair<C, bool> max_finite_plain(const C* x, int64_t n) {
+  C mx = -std::numeric_limits<C>::infinity();
+  bool finite = true;
+  for (int64_t j = 0; j < n; ++j) {
+    mx = std::max(mx, x[j]);
+    finite = finite && std::isfinite(x[j]);
+  }
+  return {mx, finite};
+}
+
 inline std::pair<float, bool> max_finite(const float* x, int64_t n) {
 #if defined(__AVX512F__)
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -347,24 +358,12 @@ inline std::pair<float, bool> max_finite(const float* x, int64_t n) {
   const bool finite = _mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q) == 0;
   return {_mm512_reduce_max_ps(mx), finite};
 #else
-  float mx = -std::numeric_limits<float>::infinity();
-  bool finite = true;
-  for (int64_t j = 0; j < n; ++j) {
-    mx = std::max(mx, x[j]);
-    finite = finite && std::isfinite(x[j]);
-  }
-  return {mx, finite};
+  return max_finite_plain(x, n);
 #endif
 }
 
 inline std::pair<double, bool> max_finite(const double* x, int64_t n) {
-  double mx = -std::numeric_limits<double>::infinity();
-  bool finite = true;
-  for (int64_t j = 0; j < n; ++j) {
-    mx = std::max(mx, x[j]);
-    finite = finite && std::isfinite(x[j]);
-  }
-  return {mx, finite};
+  return max_finite_plain(x, n);
 }
 
 #if defined(__AVX512F__)
