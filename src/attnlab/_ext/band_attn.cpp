@@ -396,9 +396,7 @@ void pack_values(const c10::BFloat16* v, int64_t vs, int64_t Dv, int64_t k0, int
   }();
   const __m512i lo_half = _mm512_loadu_si512(kPairs.data());
   const __m512i hi_half = _mm512_loadu_si512(kPairs.data() + 32);
-#endif
-#if defined(__AVX512BW__)
-  uint64_t found = 0;
+  uint64_t found = 0;  // non-finite lanes seen (with `bad`)
 #endif
   for (int64_t j = j_lo; j < j_hi; j += 2) {
     const c10::BFloat16* a = row(j);
@@ -408,15 +406,16 @@ void pack_values(const c10::BFloat16* v, int64_t vs, int64_t Dv, int64_t k0, int
 #if defined(__AVX512BW__)
     for (; a && b && c + 32 <= Dv; c += 32) {
       const __m512i x = _mm512_loadu_si512(a + c), y = _mm512_loadu_si512(b + c);
-      if (bad != nullptr) found |= nonfinite_lanes<c10::BFloat16>(x) | nonfinite_lanes<c10::BFloat16>(y);
+      if (bad != nullptr) {
+        found |= nonfinite_lanes<c10::BFloat16>(x) | nonfinite_lanes<c10::BFloat16>(y);
+      }
       _mm512_storeu_si512(o + 2 * c, _mm512_permutex2var_epi16(x, lo_half, y));
       _mm512_storeu_si512(o + 2 * c + 32, _mm512_permutex2var_epi16(x, hi_half, y));
     }
 #endif
     if (bad != nullptr && c < Dv) {  // the columns the vector loop left (or a lone row)
-      if ((a && attnlab_bits::span_bad(a + c, Dv - c)) || (b && attnlab_bits::span_bad(b + c, Dv - c))) {
-        *bad = true;
-      }
+      const bool bad_a = a && attnlab_bits::span_bad(a + c, Dv - c);
+      if (bad_a || (b && attnlab_bits::span_bad(b + c, Dv - c))) *bad = true;
     }
     for (; c < Dv; ++c) {
       o[2 * c] = a ? a[c] : zero;
@@ -696,7 +695,8 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
         const int64_t hk = (w + 1) / items, it = (w + 1) % items;
         const int64_t t0 = it / G * kGroup, n = std::min(nblk, t0 + kGroup) - t0;
         const T* qh = in.q + (hk * G + it % G) * in.qh;
-        prefetch_rows(qh, qs, r0 + t0 * bq, r0 + (t0 + n) * bq, D * static_cast<int64_t>(sizeof(T)));
+        const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+        prefetch_rows(qh, qs, r0 + t0 * bq, r0 + (t0 + n) * bq, row_bytes);
       }
       run(w / items, w % items, st, sc, bad ? &seen : nullptr);
     }

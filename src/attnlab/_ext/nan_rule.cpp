@@ -427,8 +427,10 @@ inline void score_rows(const float* q, const float* k, int64_t ks, float* s, int
         }
       }
       // four 16-lane sums at once: pairwise within 128-bit blocks, then the four blocks
-      const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(p[0], p[1]), _mm512_unpackhi_ps(p[0], p[1]));
-      const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(p[2], p[3]), _mm512_unpackhi_ps(p[2], p[3]));
+      const __m512 a =
+          _mm512_add_ps(_mm512_unpacklo_ps(p[0], p[1]), _mm512_unpackhi_ps(p[0], p[1]));
+      const __m512 b =
+          _mm512_add_ps(_mm512_unpacklo_ps(p[2], p[3]), _mm512_unpackhi_ps(p[2], p[3]));
       const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
                                      _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
       const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
