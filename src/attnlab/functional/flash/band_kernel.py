@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from ... import _ext
-from ..tiling import BandCall, SegmentCall
+from ..tiling import BandCall, Plan, SegmentCall
 
 ENGINE_ENV = "ATTNLAB_FLASH_BAND_ENGINE"
 ENGINES = ("auto", "aten")
@@ -111,6 +111,14 @@ def block(q: Tensor) -> int:
 def usable(q: Tensor, k: Tensor, v: Tensor, bq: int) -> bool:
     """`ready` for these tensors: also unit stride in the last dim of q, k and v."""
     return all(x.stride(-1) == 1 or x.shape[-1] == 1 for x in (q, k, v)) and ready(q, bq)
+
+
+def runs_every_call(plan: Plan, q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the plan has calls and every one is a batched band call this kernel runs."""
+    calls = [c for g in plan.groups for c in g.calls]
+    return bool(calls) and all(
+        isinstance(c, BandCall) and usable(q, k, v, c.bq) for c in calls
+    )
 
 
 def segments_ready(q: Tensor, n: int) -> bool:
@@ -222,6 +230,7 @@ __all__ = [
     "engine_setting",
     "forward_into",
     "ready",
+    "runs_every_call",
     "segments_into",
     "segments_ready",
     "segments_usable",

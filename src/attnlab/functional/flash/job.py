@@ -186,10 +186,7 @@ class FlashJob:
         (ALiBi on a causal mask: band calls per offset, merged)."""
         if self.engine != "kernel" or q.dtype != torch.bfloat16 or not self.native_low:
             return False  # (``ATTNLAB_FLASH_LOWP=widen`` runs every product in float32)
-        calls = [c for g in self.plan.groups for c in g.calls]
-        return bool(calls) and all(
-            isinstance(c, BandCall) and band_kernel.usable(q, k, v, c.bq) for c in calls
-        )
+        return band_kernel.runs_every_call(self.plan, q, k, v)
 
     def _run_groups(
         self, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dtype

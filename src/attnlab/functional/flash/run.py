@@ -19,7 +19,7 @@ from torch import Tensor
 from ...masks import Mask
 from .. import nan_rule, reference
 from ..request import BiasFn, Request, request_dense
-from ..tiling import BandCall, Plan
+from ..tiling import Plan
 from ..validate import plain_request
 from . import band_kernel
 from .autograd import needs_grad, run_clean
@@ -82,14 +82,12 @@ def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
 
 def _band_kernel_covers(plan: Plan, q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Every row of the call is in a batched band call of attnlab's C++ kernel, once."""
-    calls = [c for g in plan.groups for c in g.calls]
-    if plan.overlap or not calls or not all(isinstance(c, BandCall) for c in calls):
+    if plan.overlap or not band_kernel.runs_every_call(plan, q, k, v):
         return False
+    calls = [c for g in plan.groups for c in g.calls]
     B, L = q.shape[0], q.shape[2]
     rows = sum((c.b1 - c.b0) * (c.r1 - c.r0) for c in calls)  # type: ignore[union-attr]
-    if rows != B * L or any(c.r1 > L for c in calls):  # type: ignore[union-attr]
-        return False
-    return all(band_kernel.usable(q, k, v, c.bq) for c in calls)  # type: ignore[union-attr]
+    return rows == B * L and all(c.r1 <= L for c in calls)  # type: ignore[union-attr]
 
 
 def _run_band_checked(req: Request, options: dict[str, object]) -> tuple[Tensor, Tensor] | None:
