@@ -116,9 +116,7 @@ def usable(q: Tensor, k: Tensor, v: Tensor, bq: int) -> bool:
 def runs_every_call(plan: Plan, q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether the plan has calls and every one is a batched band call this kernel runs."""
     calls = [c for g in plan.groups for c in g.calls]
-    return bool(calls) and all(
-        isinstance(c, BandCall) and usable(q, k, v, c.bq) for c in calls
-    )
+    return bool(calls) and all(isinstance(c, BandCall) and usable(q, k, v, c.bq) for c in calls)
 
 
 def segments_ready(q: Tensor, n: int) -> bool:
