@@ -19,6 +19,7 @@ from attnlab.functional.tiling import SegmentCall, build_plan
 from helpers import call_backend, check_against_reference, mean_factor_for, reference_for, seeded
 
 LOW = [torch.bfloat16, torch.float16]
+KERNEL_DTYPES = [torch.float32, *LOW]  # the C++ band kernel's (float16 widened as packed)
 
 
 def qkv(L: int, dtype: torch.dtype, B: int = 2, H: int = 4, H_kv: int = 2, D: int = 16):
@@ -355,7 +356,7 @@ BAND_CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(BAND_CASES))
 def test_band_kernel_matches_reference(band_ext, monkeypatch, dtype, name) -> None:
     """Sliding windows run their interior blocks on the C++ kernel (the spy sees it) and equal
@@ -376,12 +377,14 @@ def test_band_kernel_matches_reference(band_ext, monkeypatch, dtype, name) -> No
     assert calls, "the C++ band kernel did not run"
 
 
-def test_bf16_bias_band_plans_keep_their_inputs(band_ext, monkeypatch) -> None:
-    """ALiBi on a causal mask in bfloat16 (band calls per offset, merged): the C++ kernel gets
-    the bfloat16 inputs and writes float32 partial outputs (merged in float32, rounded once),
-    where before the whole forward ran widened to float32; the result equals the widened run
-    (``ATTNLAB_FLASH_BAND_ENGINE=aten``: torch's kernel in float32) within bfloat16 rounding and
-    the float64 reference with the tolerance rule (`test_band_kernel_matches_reference`)."""
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_low_precision_bias_band_plans_keep_their_inputs(band_ext, monkeypatch, dtype) -> None:
+    """ALiBi on a causal mask in bfloat16/float16 (band calls per offset, merged): the C++ kernel
+    gets the inputs in their dtype and writes float32 partial outputs (merged in float32, rounded
+    once), where before the whole forward ran widened to float32; the result equals the widened
+    run (``ATTNLAB_FLASH_BAND_ENGINE=aten``: torch's kernel in float32) within the dtype's
+    rounding and the float64 reference with the tolerance rule
+    (`test_band_kernel_matches_reference`)."""
     from attnlab.positional import ALiBi
 
     seen: list[tuple[torch.dtype, torch.dtype]] = []
@@ -392,17 +395,17 @@ def test_bf16_bias_band_plans_keep_their_inputs(band_ext, monkeypatch) -> None:
         return real(out, lse, q, *a, **kw)
 
     monkeypatch.setattr(band_kernel, "forward_into", spy)
-    q, k, v = qkv(2048, torch.bfloat16, D=32)  # two band calls per row, merged
+    q, k, v = qkv(2048, dtype, D=32)  # two band calls per row, merged
     with torch.no_grad():
         fast = attention(q, k, v, mask=masks.causal(), bias=ALiBi(4), backend="flash")
-        assert seen and set(seen) == {(torch.bfloat16, torch.float32)}
+        assert seen and set(seen) == {(dtype, torch.float32)}
         monkeypatch.setenv(band_kernel.ENGINE_ENV, "aten")
         wide = attention(q, k, v, mask=masks.causal(), bias=ALiBi(4), backend="flash")
-    assert fast.dtype == torch.bfloat16
+    assert fast.dtype == dtype
     assert (fast.float() - wide.float()).abs().max() <= 1.6e-2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 def test_band_kernel_and_aten_agree(band_ext, monkeypatch, dtype) -> None:
     """The two forward engines of band calls give the same output within the dtype's rounding,
     and ``aten`` keeps the C++ kernel out (the spy sees no call)."""
@@ -419,7 +422,7 @@ def test_band_kernel_and_aten_agree(band_ext, monkeypatch, dtype) -> None:
     assert (outs["aten"].float() - outs["auto"].float()).abs().max() <= tol
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 def test_band_kernel_streams_a_long_band(band_ext, monkeypatch, dtype) -> None:
     """A band longer than the kernel's per-thread key buffer (L = 4128, whole blocks: each
     thread's blocks slide it several times), GQA (two query heads per key head) and two batch
@@ -450,19 +453,30 @@ def test_band_kernel_streams_a_long_band(band_ext, monkeypatch, dtype) -> None:
     assert torch.equal(rows, want)
 
 
-def test_band_kernel_rows_without_keys_and_clipped_windows(band_ext) -> None:
-    """The operator itself against the float64 formula: scale, additive tile, GQA, a view as
-    destination, windows reaching before key 0 and past ``limit`` (clipped), a fully masked
-    row and rows past ``limit`` (out 0, lse −inf)."""
+@pytest.mark.parametrize(
+    ("dtype", "out_dtype", "atol"),
+    # float16 inputs are widened exactly: only the output's rounding (half a step, |out| < 4)
+    [
+        (torch.float32, torch.float32, 2e-6),
+        (torch.float16, torch.float16, 2e-3),
+        (torch.float16, torch.float32, 2e-6),
+    ],
+    ids=str,
+)
+def test_band_kernel_rows_without_keys_and_clipped_windows(band_ext, dtype, out_dtype, atol):
+    """The operator itself against the float64 formula of its inputs: scale, additive tile,
+    GQA, a view as destination, windows reaching before key 0 and past ``limit`` (clipped), a
+    fully masked row and rows past ``limit`` (out 0, lse −inf); float16 inputs with a float16
+    or a float32 output (partial outputs that a plan merges)."""
     g = torch.Generator().manual_seed(0)
     H, H_kv, L, D, Dv, bq, W, nblk, r0, ks, limit = 4, 2, 90, 8, 12, 4, 11, 20, 5, -7, 60
-    q = torch.randn(H, L, D, generator=g)
-    k = torch.randn(H_kv, L, D, generator=g)
-    v = torch.randn(H_kv, L, Dv, generator=g)
+    q = torch.randn(H, L, D, generator=g).to(dtype)
+    k = torch.randn(H_kv, L, D, generator=g).to(dtype)
+    v = torch.randn(H_kv, L, Dv, generator=g).to(dtype)
     add = torch.randn(nblk, 1, bq, W, generator=g)
     add[:, :, :, ::4] = float("-inf")
     add[2, 0, 1] = float("-inf")  # block 2, row 1: no key
-    big = torch.zeros(nblk, H, bq + 3, Dv)
+    big = torch.zeros(nblk, H, bq + 3, Dv, dtype=out_dtype)
     out, lse = big[:, :, :bq], torch.empty(nblk, H, bq)
     torch.ops.attnlab_band.forward_into(out, lse, q, k, v, add, r0, nblk, bq, ks, W, limit, 0.7)
     dead = 0
@@ -476,21 +490,21 @@ def test_band_kernel_rows_without_keys_and_clipped_windows(band_ext) -> None:
         s = (qq @ kk.transpose(-1, -2) * 0.7 + add[t].double()).masked_fill(~live, -torch.inf)
         want_lse = torch.logsumexp(s, -1)
         want = torch.softmax(s, -1).nan_to_num(0.0) @ vv
-        assert torch.allclose(out[t].double(), want, atol=2e-6), t
+        assert torch.allclose(out[t].double(), want, rtol=0, atol=atol), t
         assert torch.equal(torch.isneginf(lse[t]), torch.isneginf(want_lse)), t
         fin = torch.isfinite(want_lse)
-        assert torch.allclose(lse[t].double()[fin], want_lse[fin], atol=2e-6), t
+        assert torch.allclose(lse[t].double()[fin], want_lse[fin], rtol=0, atol=2e-6), t
         dead += int((~fin).sum())
     assert dead > H  # block 2's masked row and the rows whose window is past `limit`
-    assert torch.equal(out[2, :, 1], torch.zeros(H, Dv))
-    assert torch.equal(big[:, :, bq:], torch.zeros(nblk, H, 3, Dv))  # nothing written outside
+    assert torch.equal(out[2, :, 1], torch.zeros(H, Dv, dtype=out_dtype))
+    assert not big[:, :, bq:].any()  # nothing written outside
 
 
-def test_band_kernel_not_for_meta_float16_or_bad_setting(monkeypatch) -> None:
-    """Meta tensors, float16 and odd bfloat16 head dims stay on torch's kernel; an unknown
+def test_band_kernel_not_for_meta_float64_or_bad_setting(monkeypatch) -> None:
+    """Meta tensors, float64 and odd bfloat16 head dims stay on torch's kernel; an unknown
     ``ATTNLAB_FLASH_BAND_ENGINE`` is named."""
     assert not band_kernel.ready(torch.empty(1, 2, 8, 4, device="meta"))
-    assert not band_kernel.ready(torch.empty(1, 2, 8, 4, dtype=torch.float16))
+    assert not band_kernel.ready(torch.empty(1, 2, 8, 4, dtype=torch.float64))
     assert not band_kernel.ready(torch.empty(1, 2, 8, 5, dtype=torch.bfloat16))
     assert not band_kernel.ready(torch.empty(1, 2, 8, 4, dtype=torch.bfloat16), bq=7)
     monkeypatch.setenv(band_kernel.ENGINE_ENV, "fast")
@@ -514,7 +528,7 @@ SEGMENT_CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(SEGMENT_CASES))
 def test_segment_kernel_matches_reference(band_ext, monkeypatch, dtype, name) -> None:
     """Packed documents, and one causal or unmasked call with L = S, run on the C++ segment
@@ -532,7 +546,7 @@ def test_segment_kernel_matches_reference(band_ext, monkeypatch, dtype, name) ->
     assert calls, "the C++ segment kernel did not run"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 def test_segment_kernel_and_aten_agree(band_ext, monkeypatch, dtype) -> None:
     """Both engines of segment calls agree within the dtype's rounding (lse too); ``aten`` and
     segments longer than `band_kernel.SEGMENT_MAX` keep the C++ kernel out."""
@@ -594,10 +608,13 @@ def test_segment_kernel_checks_its_arguments(band_ext) -> None:
         op(out.bfloat16(), lse, qb, qb, qb, 0, 31, 2, True, 16, 1.0)
     with pytest.raises(RuntimeError, match=r"out must be \(H, L, Dv\)"):
         op(out[:, :10], lse, q, q, q, 0, 32, 2, True, 16, 1.0)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 only, got Double"):
+        qd = q.double()
+        op(out.double(), lse, qd, qd, qd, 0, 32, 2, True, 16, 1.0)
     assert not band_kernel.segments_usable(q.bfloat16(), q.bfloat16(), q.bfloat16(), 31)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 def test_auto_sends_one_segment_to_flash_when_the_kernel_runs_it(band_ext, monkeypatch, dtype):
     """A causal or unmasked call with L = S goes to flash from the ``sparse`` threshold (L = 512
     by default) when the C++ segment kernel runs it, and stays on sdpa below it, with a bias,
@@ -652,7 +669,7 @@ def _count_calls_of(monkeypatch, module, name: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("where", ["none", "q nan", "k nan", "k inf", "v nan", "unread k"])
 def test_band_kernel_checks_the_inputs_it_reads(band_ext, monkeypatch, dtype, where) -> None:
     """Without autograd a plan of band calls skips the NaN rule's three scans: the C++ kernel

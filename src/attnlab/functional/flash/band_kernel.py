@@ -30,8 +30,10 @@ positions stay on torch's kernel (the kernel holds a block's scores for a whole 
 It runs a call when all of these hold, else torch's kernel does (same values within the
 tolerance rule; both give out = 0, lse = −inf on a row with no key):
 
-- the CPU, float32 or bfloat16 (bfloat16 with an even head dim and block), unit stride in the
-  last dim, not while `torch.compile` traces;
+- the CPU, float32, bfloat16 (with an even head dim and block) or float16 (widened to float32 as
+  it is packed: exact, and the float32 products run at the float16 matmul rate on CPUs with
+  AVX512-FP16 but no AMX-FP16, far above torch's float16 kernel elsewhere; outputs rounded once),
+  unit stride in the last dim, not while `torch.compile` traces;
 - the extension is built (`attnlab._ext.load`; the first use on a machine builds it in the
   background) and the CPU runs oneDNN's micro-kernel in that dtype (``supported``, asked once);
 - ``ATTNLAB_FLASH_BAND_ENGINE`` is unset or ``auto``; ``aten`` forces torch's kernel (the suite
@@ -62,7 +64,7 @@ EXT = "band_attn"
 # 24 rows were no faster; Xeon with AMX: 16/32/48/64 rows 44/49/52/49 ms. bfloat16 rows are
 # padded to whole 32-key steps (16 and 32 rows both read 288 keys), so 32 rows halve the calls:
 # Xeon with AMX, 16 → 32 rows 17.1 → 16.0 ms (48 rows 22, 64 rows 20).
-BLOCKS = {torch.float32: 16, torch.bfloat16: 32}
+BLOCKS = {torch.float32: 16, torch.bfloat16: 32, torch.float16: 16}
 BLOCK = BLOCKS[torch.float32]
 # Query block of segment calls (8 × 2048 causal at L = 16384, best of 7: 32/64/96/128 rows took
 # 0.202/0.208/0.212/0.208 s in float32 and 0.134/0.126/0.127/0.134 s in bfloat16), and the
@@ -96,7 +98,7 @@ def ready(q: Tensor, bq: int | None = None) -> bool:
     """Whether band calls on ``q`` (query block ``bq``) run on attnlab's C++ kernel."""
     if engine_setting() != "auto" or q.device.type != "cpu":
         return False
-    if q.dtype not in (torch.float32, torch.bfloat16) or torch.compiler.is_compiling():
+    if q.dtype not in BLOCKS or torch.compiler.is_compiling():
         return False
     if q.dtype == torch.bfloat16 and (q.shape[-1] % 2 or (bq is not None and bq % 2)):
         return False

@@ -184,7 +184,7 @@ class FlashJob:
         precision) and writes float32 partial outputs, so the merges and the one final
         rounding are those of the widened run while the products run on the bfloat16 units
         (ALiBi on a causal mask: band calls per offset, merged)."""
-        if self.engine != "kernel" or q.dtype != torch.bfloat16 or not self.native_low:
+        if self.engine != "kernel" or not self.native_low:
             return False  # (``ATTNLAB_FLASH_LOWP=widen`` runs every product in float32)
         return band_kernel.runs_every_call(self.plan, q, k, v)
 
