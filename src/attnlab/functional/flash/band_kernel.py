@@ -63,7 +63,8 @@ EXT = "band_attn"
 # 256-window) beat 32 (287) — window 256, L = 16384, 2 threads, AMD EPYC: 0.069 vs 0.071 s; 8 and
 # 24 rows were no faster; Xeon with AMX: 16/32/48/64 rows 44/49/52/49 ms. bfloat16 rows are
 # padded to whole 32-key steps (16 and 32 rows both read 288 keys), so 32 rows halve the calls:
-# Xeon with AMX, 16 → 32 rows 17.1 → 16.0 ms (48 rows 22, 64 rows 20).
+# Xeon with AMX, 16 → 32 rows 17.1 → 16.0 ms (48 rows 22, 64 rows 20). float16 runs the float32
+# products (widened as packed): 16 rows, as float32 (same Xeon: 16 vs 32 rows 37–38 vs 39 ms).
 BLOCKS = {torch.float32: 16, torch.bfloat16: 32, torch.float16: 16}
 BLOCK = BLOCKS[torch.float32]
 # Query block of segment calls (8 × 2048 causal at L = 16384, best of 7: 32/64/96/128 rows took
