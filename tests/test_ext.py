@@ -243,6 +243,47 @@ def test_rope_decode_attend(ext, monkeypatch, dtype, layout) -> None:
         assert rows.dtype == dtype and _same(rows, rope(q, 40))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
+def test_rms_norm_operator_follows_the_rule(ext, monkeypatch, dtype) -> None:
+    """`RMSNorm` without autograd runs ``attnlab_nan::rms_norm`` (one call; the spy sees it)
+    and equals its tensor-op path (naive; ``ATTNLAB_EXT=0``) and the float64 formula (golden)
+    with the tolerance rule, on a strided input, an E that is not a multiple of 16, a batch
+    large enough to split between threads, and NaN/±inf planted: NaN where the formula gives
+    NaN (a row with ±inf: x·0 is 0, ±inf·0 NaN), and only in the rows holding one."""
+    from attnlab.models.blocks import RMSNorm
+
+    torch.manual_seed(7)
+    norm = RMSNorm(72, eps=1e-5).to(dtype)
+    norm.weight.data.normal_()
+    x = torch.randn(3, 72, 1200, dtype=dtype).transpose(1, 2)  # (3, 1200, 72), strided
+    _plant((x,), 3, seed=8)
+    calls: list[int] = []
+    ops = torch.ops.attnlab_nan
+
+    class Spy:  # torch.ops.attnlab_nan, counting rms_norm calls
+        def __getattr__(self, name):
+            op = getattr(ops, name)
+            return (lambda *a: calls.append(1) or op(*a)) if name == "rms_norm" else op
+
+    monkeypatch.setattr(torch.ops, "attnlab_nan", Spy(), raising=False)
+    with torch.no_grad():
+        naive, on = _both(monkeypatch, lambda: norm(x))
+        assert len(calls) == 1  # the operator ran once, on the `require` pass only
+        w = norm.weight.double()
+        xd = x.double()
+        golden = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    bad = ~torch.isfinite(x).all(-1, keepdim=True)  # rows holding a planted value
+    assert bad.any() and not (on.isnan() & ~bad).any()  # other rows are untouched by them
+    assert on.dtype == dtype and torch.equal(on.isnan(), naive.isnan())
+    assert torch.equal(on.isnan(), golden.isnan())
+    fin = ~bad.expand_as(on)
+    if dtype == torch.float64:
+        atol, rtol = FIXED_TABLE[torch.float64][:2]
+        torch.testing.assert_close(on[fin], golden[fin], atol=atol, rtol=rtol)
+    else:
+        assert_close_rule(on[fin], golden[fin], naive[fin])
+
+
 def test_not_used_with_autograd_compile_or_meta() -> None:
     """`nan_rule.ext_ready` refuses tensors needing a gradient, meta tensors, other dtypes."""
     x = torch.randn(2, 3)

@@ -25,6 +25,11 @@
 //       `RoPE.forward`'s table path — then decode_attend.
 //   attnlab_nan::rope_rows(x, cos, sin, start, rotary_dim, interleaved) -> out: that rotation
 //       alone (a rotate-at-insert cache's new keys), bit-equal to `RoPE.forward(x, start)`.
+//   attnlab_nan::rms_norm(x, weight, eps) -> out: `RMSNorm.forward` without autograd in one
+//       pass per row, y = x·rsqrt(mean(x²) + eps)·w: statistics in float32 (float64 for
+//       float64), and for float16/bfloat16 x·rsqrt(…) rounded to the dtype before the product
+//       with w, as the module's tensor ops do (a decode step runs 2 per layer on a few rows,
+//       where torch's composite op takes ~8 operator calls).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -680,6 +685,49 @@ at::Tensor rope_rows_op(const at::Tensor& x, const at::Tensor& cos, const at::Te
   return rope_rows(x, cos, sin, start, R, interleaved);
 }
 
+// One row at a time (rows of E contiguous values): the sum of squares in C (float32, float64
+// for float64), r = 1/sqrt(sum/E + eps), y = (x·r)·w with x·r rounded to T first.
+template <typename T, typename C>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
+  const int64_t E = x.size(-1), rows = x.numel() / E;
+  const T* xp = x.const_data_ptr<T>();
+  const T* wp = w.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  const C ce = static_cast<C>(eps), n = static_cast<C>(E);
+  // a few rows (a decode step) stay on the calling thread
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, E));
+  at::parallel_for(0, rows, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const T* xr = xp + r * E;
+      T* orow = op + r * E;
+      C ss = 0;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t e = 0; e < E; ++e) ss += static_cast<C>(xr[e]) * static_cast<C>(xr[e]);
+      const C inv = C(1) / std::sqrt(ss / n + ce);
+#pragma omp simd
+      for (int64_t e = 0; e < E; ++e) {
+        const T y = static_cast<T>(static_cast<C>(xr[e]) * inv);
+        orow[e] = static_cast<T>(static_cast<C>(y) * static_cast<C>(wp[e]));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x_.dim() >= 1 && w.dim() == 1 && w.size(0) == x_.size(-1),
+              "rms_norm: weight must be (E,) with E the last dim of x");
+  TORCH_CHECK(w.scalar_type() == x_.scalar_type(), "rms_norm: x and weight must share a dtype");
+  const at::Tensor x = x_.contiguous();
+  const at::Tensor wc = w.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (out.numel() == 0) return out;
+  ATTNLAB_DISPATCH(x.scalar_type(), "rms_norm", {
+    using C = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    rms_norm_impl<scalar_t, C>(x, wc, eps, out);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnlab_nan, m) {
@@ -692,6 +740,7 @@ TORCH_LIBRARY(attnlab_nan, m) {
         "int k_start, bool rotate_keys, int rotary_dim, bool interleaved, float scale) -> Tensor");
   m.def("rope_rows(Tensor x, Tensor cos, Tensor sin, int start, int rotary_dim, bool interleaved) "
         "-> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_nan, CPU, m) {
@@ -700,4 +749,5 @@ TORCH_LIBRARY_IMPL(attnlab_nan, CPU, m) {
   m.impl("decode_attend", &decode_attend);
   m.impl("rope_decode_attend", &rope_decode_attend);
   m.impl("rope_rows", &rope_rows_op);
+  m.impl("rms_norm", &rms_norm);
 }
