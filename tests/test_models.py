@@ -36,6 +36,31 @@ def _gpt(seed=0, dtype=torch.float32, **kw) -> GPT:
 
 
 # ------------------------------------------------------------------------------ config checks
+@pytest.mark.parametrize("activation", ["silu", "relu", "gelu"])
+def test_swiglu_without_autograd_is_the_same_function(activation) -> None:
+    """SwiGLU without autograd writes the activation and the product into the gate's output
+    (SiLU, ReLU): the same bits as the out-of-place ops on the same layers, float32 and
+    bfloat16, a batch of prefill rows and a decode row; with autograd the gradient flows."""
+    from torch.nn.functional import gelu, silu
+
+    act = {"silu": silu, "relu": torch.relu, "gelu": gelu}[activation]
+    torch.manual_seed(1)
+    mlp = TransformerBlock(_cfg(mlp="swiglu", activation=activation)).mlp
+    for dtype in (torch.float32, torch.bfloat16):
+        mlp = mlp.to(dtype)
+        for L in (9, 1):
+            x = torch.randn(2, L, mlp.gate.in_features, dtype=dtype)
+            with torch.no_grad():
+                fast = mlp(x)
+                want = mlp.down(act(mlp.gate(x)) * mlp.up(x))
+            assert torch.equal(fast, want)
+            slow = mlp(x.clone().requires_grad_())
+            slow.sum().backward()
+            assert mlp.gate.weight.grad is not None and mlp.gate.weight.grad.abs().sum() > 0
+            mlp.zero_grad()
+            torch.testing.assert_close(slow.detach(), fast)
+
+
 @pytest.mark.parametrize(
     "kw,exc,pattern",
     [

@@ -91,6 +91,16 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
+# The same functions writing into their input, for tensors no gradient is recorded for: a
+# prefill's (B, L, F) hidden activations are fresh multi-MB allocations whose first touch pays a
+# page fault per 4 KiB (SwiGLU's silu and product at B 4, L 128, F 1368 on a Xeon: 653 + 187 →
+# ~90 + 60 µs per layer); the values are the same bits.
+ACTIVATIONS_INPLACE: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": torch.relu_,
+    "silu": partial(F.silu, inplace=True),
+}
+
+
 def _activation(name: str) -> str:
     if name not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
@@ -124,6 +134,10 @@ class GeluMLP(nn.Module):
 class SwiGLU(nn.Module):
     """``y = W_d · (act(W_g x) ⊙ W_u x)``, act = SiLU by default (Shazeer, 2020); E -> F -> E.
 
+    Without autograd (SiLU, ReLU) the activation and the product are written into ``gate``'s
+    output (`ACTIVATIONS_INPLACE`, as ``nn.ReLU(inplace=True)``): a forward hook on ``gate``
+    that keeps its output sees it overwritten.
+
     Args:
         d_model: E. d_ff: F. bias: biases in the three linear layers.
         activation: the gate's nonlinearity, a name in `ACTIVATIONS` ("gelu" gives GeGLU).
@@ -140,6 +154,10 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``(B, L, E) -> (B, L, E)``."""
+        inplace = ACTIVATIONS_INPLACE.get(self.activation)
+        if inplace is not None and not torch.is_grad_enabled():
+            # no autograd: the activation and the product written into the gate's output
+            return self.down(inplace(self.gate(x)).mul_(self.up(x)))
         gate = ACTIVATIONS[self.activation](self.gate(x))  # (B, L, F)
         return self.down(gate * self.up(x))  # (B, L, F) -> (B, L, E)
 
