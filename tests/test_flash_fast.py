@@ -518,7 +518,7 @@ def _count_segment_kernel(monkeypatch) -> list[int]:
 
 
 SEGMENT_CASES = {
-    # fp32: odd segment lengths (37) that the 64-row block does not divide; bfloat16 even ones
+    # odd segment lengths (37) that the 64-row block does not divide; bfloat16 even ones (38)
     "documents causal": lambda n: masks.causal() & masks.document.from_lengths([n] * 4),
     "documents full": lambda n: masks.document.from_lengths([n] * 4),
     "documents mixed": lambda n: masks.causal() & masks.document.from_lengths([n, n, 2 * n]),
@@ -534,7 +534,7 @@ def test_segment_kernel_matches_reference(band_ext, monkeypatch, dtype, name) ->
     """Packed documents, and one causal or unmasked call with L = S, run on the C++ segment
     kernel (the spy sees it) and equal the float64 reference with the tolerance rule, forward and
     backward (torch's backward reads the kernel's lse); GQA, head dim 16."""
-    n = 37 if dtype == torch.float32 else 38
+    n = 38 if dtype == torch.bfloat16 else 37  # bfloat16 needs even segments
     calls = _count_segment_kernel(monkeypatch)
     mask = SEGMENT_CASES[name](n)
     check_against_reference(
