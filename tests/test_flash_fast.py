@@ -359,14 +359,16 @@ BAND_CASES = {
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(BAND_CASES))
 def test_band_kernel_matches_reference(band_ext, monkeypatch, dtype, name) -> None:
-    """Sliding windows run their interior blocks on the C++ kernel (the spy sees it) and equal
-    the float64 reference with the tolerance rule, forward and backward (which reads the
-    kernel's lse), with a bias too (rows without keys: `test_band_kernel_rows_without_keys`)."""
+    """Sliding windows run on the C++ kernel, forward and backward (the spies see both; the
+    backward of 16-bit inputs runs widened to float32) and equal the float64 reference with
+    the tolerance rule, with a bias too (rows without keys: `test_band_kernel_rows_without_keys`,
+    `test_band_kernel_backward_operator`)."""
     from attnlab.positional import ALiBi
 
     make, bias_kind = BAND_CASES[name]
     bias = ALiBi(4) if bias_kind == "alibi" else None
     calls = _count_band_kernel(monkeypatch)
+    backward_calls = _count_calls(monkeypatch, "backward_into")
     mask = make()
     check_against_reference(
         call_backend("flash", mask, bias),
@@ -375,6 +377,7 @@ def test_band_kernel_matches_reference(band_ext, monkeypatch, dtype, name) -> No
         mean_factor=mean_factor_for("flash", dtype),
     )
     assert calls, "the C++ band kernel did not run"
+    assert backward_calls, "the C++ band backward did not run (float32, widened 16-bit too)"
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
@@ -498,6 +501,73 @@ def test_band_kernel_rows_without_keys_and_clipped_windows(band_ext, dtype, out_
     assert dead > H  # block 2's masked row and the rows whose window is past `limit`
     assert torch.equal(out[2, :, 1], torch.zeros(H, Dv, dtype=out_dtype))
     assert not big[:, :, bq:].any()  # nothing written outside
+
+
+@pytest.mark.parametrize(
+    ("sizes", "threads"),
+    [
+        # H, H_kv, L, D, Dv, bq, W, nblk, r0, k_start, limit, per-block tile
+        ((4, 2, 90, 8, 12, 4, 11, 20, 5, -7, 60, True), 2),  # clipped windows, dead rows
+        ((2, 1, 300, 16, 16, 16, 37, 17, 0, -21, 290, True), 2),  # one head split by threads
+        ((2, 1, 300, 16, 16, 16, 37, 17, 0, -21, 290, True), 4),  # short ranges per thread
+        ((4, 4, 2100, 16, 24, 8, 29, 250, 60, 40, 2100, False), 2),  # slides the accumulators
+    ],
+)
+def test_band_kernel_backward_operator(band_ext, sizes, threads) -> None:
+    """The backward operator against autograd on the float64 formula of the forward operator's
+    blocks: dq, dk, dv added into what they held, GQA, Dv != D, windows clipped before key 0
+    and at ``limit``, masked columns, a row with no key (lse +inf: no gradient), several
+    threads sharing a key head's columns (their ends added under a lock) and more threads
+    than blocks per head, and per-thread accumulators that slide along a long band."""
+    H, H_kv, L, D, Dv, bq, W, nblk, r0, ks, limit, per_block = sizes
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(H, L, D, generator=g)
+    k = torch.randn(H_kv, L, D, generator=g)
+    v = torch.randn(H_kv, L, Dv, generator=g)
+    add = torch.randn(nblk if per_block else 1, 1, bq, W, generator=g)
+    add[:, :, :, ::4] = float("-inf")
+    add[0, 0, 1] = float("-inf")  # block 0 (every block without a per-block tile), row 1
+    out, lse = torch.zeros(nblk, H, bq, Dv), torch.empty(nblk, H, bq)
+    torch.ops.attnlab_band.forward_into(out, lse, q, k, v, add, r0, nblk, bq, ks, W, limit, 0.7)
+    dout = torch.randn(nblk, H, bq, Dv, generator=g)
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+    loss = torch.zeros((), dtype=torch.float64)
+    for t in range(nblk):
+        keys = torch.arange(ks + t * bq, ks + t * bq + W)
+        live = (keys >= 0) & (keys < limit)
+        idx = keys.clamp(0, L - 1)
+        kk = kd[:, idx].repeat_interleave(H // H_kv, 0)
+        vv = vd[:, idx].repeat_interleave(H // H_kv, 0)
+        qq = qd[:, r0 + t * bq : r0 + (t + 1) * bq]
+        s = (qq @ kk.transpose(-1, -2) * 0.7 + add[t if per_block else 0].double()).masked_fill(
+            ~live, -torch.inf
+        )
+        dead = s.isneginf().all(-1, keepdim=True)  # a row without a key: output 0, no gradient
+        p = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
+        loss = loss + (p @ vv * dout[t].double()).sum()
+    loss.backward()
+    whole = {  # (H, L, ·) tensors holding the call's rows; lse +inf on rows without a key
+        "out": torch.zeros(H, L, Dv),
+        "dout": torch.zeros(H, L, Dv),
+        "lse": torch.full((H, L), float("inf")),
+    }
+    for t in range(nblk):
+        rows = slice(r0 + t * bq, r0 + (t + 1) * bq)
+        whole["out"][:, rows], whole["dout"][:, rows] = out[t], dout[t]
+        whole["lse"][:, rows] = lse[t].masked_fill(lse[t].isneginf(), float("inf"))
+    assert whole["lse"].isinf().sum() > L - nblk * bq  # a row of the call has no key
+    held = [torch.randn(x.shape, generator=g) for x in (q, k, v)]
+    grads = [x.clone() for x in held]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.ops.attnlab_band.backward_into(
+            *grads, q, k, v, *whole.values(), add, r0, nblk, bq, ks, W, limit, 0.7
+        )
+    finally:
+        torch.set_num_threads(before)
+    for got, was, want in zip(grads, held, (qd.grad, kd.grad, vd.grad), strict=True):
+        torch.testing.assert_close((got - was).double(), want, atol=2e-5, rtol=1e-5)
 
 
 def test_band_kernel_not_for_meta_float64_or_bad_setting(monkeypatch) -> None:

@@ -56,6 +56,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <type_traits>
 #include <vector>
@@ -914,6 +915,217 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
   run_heads<T>(in, Hkv, D, Dv, start, 0, nk, ldk, nv, nullptr, count * nblk * G, scratch, run);
 }
 
+// ---------------------------------------------------------------------------- band backward
+// Transposes rows × cols floats (row stride lds) into dst (cols × rows, row stride ldd).
+inline void transpose_f32(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
+                          int64_t ldd) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      if (r0 + 16 <= rows && c0 + 16 <= cols) {
+        transpose16<float>(reinterpret_cast<const uint32_t*>(src + r0 * lds + c0), lds,
+                           reinterpret_cast<uint32_t*>(dst + c0 * ldd + r0), ldd, nullptr);
+        continue;
+      }
+      for (int64_t r = r0; r < std::min(rows, r0 + 16); ++r) {
+        for (int64_t c = c0; c < std::min(cols, c0 + 16); ++c) dst[c * ldd + r] = src[r * lds + c];
+      }
+    }
+  }
+}
+
+// One thread's dKᵀ (D × ld) and dVᵀ (Dv × ld) of key head hk for the band columns [base, end):
+// its blocks add into them (one block: the columns [t·bq, t·bq + ws)); columns left of the
+// current block are final for the thread and go to `flush(hk, c0, c1, dkt, dvt, ld)` (the
+// transposed columns [c0, c1)), on a change of head, when the buffer would overflow (the
+// still-open columns then move to the front) and at the end (`finish`).
+template <typename Flush>
+class GradAcc {
+ public:
+  GradAcc(int64_t D, int64_t Dv, int64_t cap, const Flush& flush)
+      : D_(D), Dv_(Dv), cap_(cap), ld_(cap + 16), dk_(static_cast<size_t>(D * ld_)),
+        dv_(static_cast<size_t>(Dv * ld_)), flush_(flush) {}
+
+  void cover(int64_t hk, int64_t lo, int64_t hi) {
+    if (hk != hk_) {
+      finish();
+      hk_ = hk;
+      base_ = end_ = lo;
+    }
+    if (hi - base_ > cap_) {
+      emit(base_, lo);
+      const int64_t keep = std::max<int64_t>(0, end_ - lo);
+      for (int64_t d = 0; d < D_; ++d) std::memmove(dkt(base_) + d * ld_, dkt(lo) + d * ld_, keep * 4);
+      for (int64_t d = 0; d < Dv_; ++d) std::memmove(dvt(base_) + d * ld_, dvt(lo) + d * ld_, keep * 4);
+      base_ = lo;
+      end_ = std::max(end_, lo);
+    }
+    if (hi > end_) {
+      for (int64_t d = 0; d < D_; ++d) std::fill(dkt(end_) + d * ld_, dkt(hi) + d * ld_, 0.0f);
+      for (int64_t d = 0; d < Dv_; ++d) std::fill(dvt(end_) + d * ld_, dvt(hi) + d * ld_, 0.0f);
+      end_ = hi;
+    }
+  }
+
+  void finish() {
+    if (hk_ >= 0 && end_ > base_) emit(base_, end_);
+    base_ = end_;
+  }
+
+  float* dkt(int64_t c) { return dk_.get() + (c - base_); }
+  float* dvt(int64_t c) { return dv_.get() + (c - base_); }
+  int64_t ld() const { return ld_; }
+
+ private:
+  void emit(int64_t c0, int64_t c1) {
+    if (c1 > c0) flush_(hk_, c0, c1, dkt(c0), dvt(c0), ld_);
+  }
+
+  const int64_t D_, Dv_, cap_, ld_;
+  Buffer<float> dk_, dv_;
+  const Flush& flush_;
+  int64_t hk_ = -1, base_ = 0, end_ = 0;
+};
+
+// Adds the transposed columns [0, n) of src (rows × ·, row stride lds) into n rows of dst (row
+// stride ldd, `rows` values each) from row 0.
+inline void add_transposed(const float* src, int64_t lds, int64_t rows, int64_t n, float* dst,
+                           int64_t ldd) {
+  alignas(64) float tile[16][16];
+  for (int64_t c0 = 0; c0 < n; c0 += 16) {
+    const int64_t nc = std::min<int64_t>(16, n - c0);
+    for (int64_t d0 = 0; d0 < rows; d0 += 16) {
+      const int64_t nd = std::min<int64_t>(16, rows - d0);
+      if (nc == 16 && nd == 16) {
+        transpose16<float>(reinterpret_cast<const uint32_t*>(src + d0 * lds + c0), lds,
+                           reinterpret_cast<uint32_t*>(&tile[0][0]), 16, nullptr);
+      } else {
+        for (int64_t d = 0; d < nd; ++d)
+          for (int64_t c = 0; c < nc; ++c) tile[c][d] = src[(d0 + d) * lds + c0 + c];
+      }
+      for (int64_t c = 0; c < nc; ++c) {
+        float* row = dst + (c0 + c) * ldd + d0;
+#pragma omp simd
+        for (int64_t d = 0; d < nd; ++d) row[d] += tile[c][d];
+      }
+    }
+  }
+}
+
+// The backward of `band_forward` in float32 for one batch item, added into dq (H, L, D),
+// dk (H_kv, S, D), dv (H_kv, S, Dv): per query block t and head h, with the forward's lse and
+// δ = rowsum(dO ⊙ O),
+//     P = exp(q·kᵀ·scale + add − lse),  dS = P ⊙ (dO·vᵀ − δ)·scale,
+//     dq += dS·k,  dkᵀ += qᵀ·dS,  dvᵀ += dOᵀ·P   (over the window's keys);
+// a row with lse = +inf (no key) contributes nothing. Work items are (key head, block) with the
+// G query heads of the group inside; each thread keeps dKᵀ/dVᵀ of its columns (`GradAcc`) and
+// adds a column into dk/dv once it is done with it — under a lock for the columns the
+// neighbouring threads' blocks share (at most a window at each end of its range).
+void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Tensor& q,
+                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                   const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& add,
+                   int64_t r0, int64_t nblk, int64_t bq, int64_t k_start, int64_t width,
+                   int64_t limit, double scale_d) {
+  const int64_t H = q.size(0), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
+  const int64_t G = H / Hkv;
+  const float scale = static_cast<float>(scale_d);
+  const int64_t ws = score_cols(width, false);
+  const int64_t nk = (nblk - 1) * bq + width;
+  const int64_t v_lo = std::max<int64_t>(0, -k_start);
+  const int64_t v_hi = std::max(v_lo, std::min(nk, limit - k_start));
+  const int64_t cap = std::max<int64_t>(4 * ws, 1024) / 16 * 16;
+
+  const Heads<float> in(q, k, v);
+  const Heads<float> vin(q, v, v);  // "keys" = values: packed as vᵀ for dO·vᵀ
+  const float* ap = add.const_data_ptr<float>();
+  const int64_t a0 = add.size(0) > 1 ? add.stride(0) : 0;
+  const int64_t a1 = add.size(1) > 1 ? add.stride(1) : 0;
+  const int64_t ar = add.stride(2);
+  const float* op = out.const_data_ptr<float>();
+  const float* gp = dout.const_data_ptr<float>();
+  const float* lp = lse.const_data_ptr<float>();
+  float* dqp = dq.data_ptr<float>();
+  float* dkp = dk.data_ptr<float>();
+  float* dvp = dv.data_ptr<float>();
+  const int64_t oh = out.stride(0), os = out.stride(1), gh = dout.stride(0), gs = dout.stride(1);
+  const int64_t lh = lse.stride(0), ls = lse.stride(1);
+  const int64_t dqh = dq.stride(0), dqs = dq.stride(1), dkh = dk.stride(0), dks = dk.stride(1);
+  const int64_t dvh = dv.stride(0), dvs = dv.stride(1);
+  std::mutex shared_cols;
+
+  at::parallel_for(0, Hkv * nblk, 1, [&](int64_t w0, int64_t w1) {
+    // columns this range shares with its neighbours' ranges, per end: [0, lo_end) of the first
+    // head when the range starts inside it, [hi_start, ·) of the last head likewise
+    const int64_t hk_a = w0 / nblk, ta = w0 % nblk;
+    const int64_t hk_b = (w1 - 1) / nblk, tb = (w1 - 1) % nblk;
+    const int64_t lo_end = ta > 0 ? ta * bq + ws - bq : 0;
+    const int64_t hi_start = tb < nblk - 1 ? (tb + 1) * bq : nk + ws;
+    auto flush = [&](int64_t hk, int64_t c0, int64_t c1, const float* dkt, const float* dvt,
+                     int64_t ld) {
+      const int64_t j0 = std::max(c0, v_lo), j1 = std::min(c1, v_hi);  // keys that exist
+      if (j1 <= j0) return;
+      const bool shared = (hk == hk_a && j0 < lo_end) || (hk == hk_b && j1 > hi_start);
+      std::unique_lock<std::mutex> lock(shared_cols, std::defer_lock);
+      if (shared) lock.lock();
+      add_transposed(dkt + (j0 - c0), ld, D, j1 - j0, dkp + hk * dkh + (k_start + j0) * dks, dks);
+      add_transposed(dvt + (j0 - c0), ld, Dv, j1 - j0, dvp + hk * dvh + (k_start + j0) * dvs, dvs);
+    };
+    BandStream<float> kst(in, D, Dv, k_start, v_lo, v_hi, cap);
+    BandStream<float> vst(vin, Dv, Dv, k_start, v_lo, v_hi, cap);
+    GradAcc<decltype(flush)> acc(D, Dv, cap, flush);
+    Buffer<float> s_buf(bq * ws), dp_buf(bq * ws), qt_buf(D * bq), gt_buf(Dv * bq);
+    float* const s = s_buf.get();
+    float* const dp = dp_buf.get();
+    std::vector<float> delta(bq);
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t hk = w / nblk, t = w % nblk, c = t * bq;
+      kst.cover(hk, c, c + ws, nullptr);
+      vst.cover(hk, c, c + ws, nullptr);
+      acc.cover(hk, c, c + ws);
+      const int64_t c_lo = std::clamp<int64_t>(v_lo - c, 0, ws);
+      const int64_t c_hi = std::clamp<int64_t>(v_hi - c, c_lo, ws);
+      if (c_hi <= c_lo) continue;  // no key in this window: nothing to add
+      const int64_t kn = std::min(width, c_hi) - c_lo;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = hk * G + g, row = r0 + c;
+        const float* qb = in.q + h * in.qh + row * in.qs;
+        const float* gb = gp + h * gh + row * gs;
+        const float* ob = op + h * oh + row * os;
+        const float* lb = lp + h * lh + row * ls;
+        const float* at = ap + t * a0 + h * a1;
+        for (int64_t r = 0; r < bq; ++r) {
+          float d = 0.0f;
+          for (int64_t e = 0; e < Dv; ++e) d += gb[r * gs + e] * ob[r * os + e];
+          delta[r] = d;
+        }
+        brgemm(bq, ws, D, in.qs, kst.ld(), ws, false, qb, kst.keys(c), s, false);
+        brgemm(bq, ws, Dv, gs, vst.ld(), ws, false, gb, vst.keys(c), dp, false);
+        for (int64_t r = 0; r < bq; ++r) {
+          float* sr = s + r * ws;  // becomes P
+          float* dr = dp + r * ws;  // becomes dS·scale
+          const float* ad = at + r * ar;
+          const float l = lb[r * ls], dl = delta[r];
+          for (int64_t j = 0; j < ws; ++j) {
+            const float x = j >= c_lo && j < c_hi ? std::fma(sr[j], scale, ad[j]) : kNegInf;
+            const float pj = exp_neg(x - l);
+            sr[j] = pj;
+            dr[j] = pj * (dr[j] - dl) * scale;
+          }
+        }
+        // dq rows += dS·k over the keys that exist (k read in place)
+        brgemm(bq, D, kn, ws, in.ks, dqs, true, dp + c_lo,
+               in.k + hk * in.kh + (k_start + c + c_lo) * in.ks, dqp + h * dqh + row * dqs,
+               false);
+        transpose_f32(qb, in.qs, bq, D, qt_buf.get(), bq);
+        transpose_f32(gb, gs, bq, Dv, gt_buf.get(), bq);
+        brgemm(D, ws, bq, bq, ws, acc.ld(), true, qt_buf.get(), dp, acc.dkt(c), false);
+        brgemm(Dv, ws, bq, bq, ws, acc.ld(), true, gt_buf.get(), s, acc.dvt(c), false);
+      }
+    }
+    acc.finish();
+    brgemm_release(false);
+  });
+}
+
 // Faults in the pages of a large fresh output before the kernel writes it: one madvise
 // (MADV_POPULATE_WRITE, Linux >= 5.14) per thread instead of a trap per 4 KiB page inside the
 // kernel (window 256, L = 16384, fp32, best of 15 interleaved: 0.0736 → 0.0710 s). Only the
@@ -1041,6 +1253,48 @@ void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at
   }
 }
 
+void backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const at::Tensor& q,
+                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                   const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& add,
+                   int64_t r0, int64_t nblk, int64_t bq, int64_t k_start, int64_t width,
+                   int64_t limit, double scale) {
+  const char* op = "backward_into";
+  check_inputs(op, out, q, k, v, 3);
+  check(dq, op, "dq", 3);
+  check(dk, op, "dk", 3);
+  check(dv, op, "dv", 3);
+  check(dout, op, "dout", 3);
+  check(add, op, "add", 4);
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "attnlab_band.backward_into: float32 only, got ",
+              q.scalar_type());
+  for (const at::ScalarType t : {dq.scalar_type(), dk.scalar_type(), dv.scalar_type(),
+                                 out.scalar_type(), dout.scalar_type(), lse.scalar_type(),
+                                 add.scalar_type()}) {
+    TORCH_CHECK(t == at::kFloat, "attnlab_band.backward_into: float32 tensors, got ", t);
+  }
+  TORCH_CHECK(dq.sizes() == q.sizes() && dk.sizes() == k.sizes() && dv.sizes() == v.sizes() &&
+                  dout.sizes() == out.sizes() && out.size(0) == q.size(0) &&
+                  out.size(1) == q.size(1) && out.size(2) == v.size(2),
+              "attnlab_band.backward_into: dq, dk, dv like q, k, v; out and dout (H, L, Dv)");
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1),
+              "attnlab_band.backward_into: lse must be (H, L)");
+  TORCH_CHECK(nblk >= 1 && bq >= 1 && width >= 1, "attnlab_band.backward_into: empty call");
+  TORCH_CHECK(r0 >= 0 && r0 + nblk * bq <= q.size(1),
+              "attnlab_band.backward_into: rows out of range");
+  TORCH_CHECK(limit >= 1 && limit <= k.size(1),
+              "attnlab_band.backward_into: limit must be in [1, S], got ", limit);
+  TORCH_CHECK((add.size(0) == 1 || add.size(0) == nblk) &&
+                  (add.size(1) == 1 || add.size(1) == q.size(0)) && add.size(2) == bq &&
+                  add.size(3) == width,
+              "attnlab_band.backward_into: add must be (1|nblk, 1|H, bq, width)");
+  const int64_t ws = score_cols(width, false);
+  const at::Tensor addp =
+      ws == width ? add
+                  : at::constant_pad_nd(add, {0, ws - width}, -std::numeric_limits<double>::infinity());
+  band_backward(dq, dk, dv, q, k, v, out, dout, lse, addp, r0, nblk, bq, k_start, width, limit,
+                scale);
+}
+
 bool supported(at::ScalarType dtype) {
   // a tiny product through the same micro-kernel: oneDNN throws when the CPU lacks the ISA
   try {
@@ -1073,10 +1327,15 @@ TORCH_LIBRARY(attnlab_band, m) {
   m.def(
       "segments_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, int start, "
       "int n, int count, bool causal, int bq, float scale) -> ()");
+  m.def(
+      "backward_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor q, Tensor k, Tensor v, "
+      "Tensor out, Tensor dout, Tensor lse, Tensor add, int r0, int nblk, int bq, int k_start, "
+      "int width, int limit, float scale) -> ()");
   m.def("supported(ScalarType dtype) -> bool", &supported);
 }
 
 TORCH_LIBRARY_IMPL(attnlab_band, CPU, m) {
   m.impl("forward_into", &forward_into);
   m.impl("segments_into", &segments_into);
+  m.impl("backward_into", &backward_into);
 }

@@ -139,8 +139,13 @@ def band_backward(
     ``res`` holds the whole tensors ``(B, …)``; its lse is +inf on rows with no key.
     """
     dq, dk, dv = grads
+    native = band_kernel.backward_usable(res.q, res.k, res.v, res.out, res.dout, dq)
     for b in range(c.b0, c.b1):
         add = tiles.tile(c, b, res.q.device)
+        if native:  # every block, edges too, in one C++ call
+            parts = (res.q[b], res.k[b], res.v[b], res.out[b], res.dout[b], res.lse[b])
+            band_kernel.backward_into((dq[b], dk[b], dv[b]), *parts, add, c, scale)
+            continue
         inner, add_in = interior(c, add)
         if inner is not None:
             _interior_backward(inner, res, b, Logits(scale, add_in), grads)

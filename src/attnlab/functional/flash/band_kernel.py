@@ -39,7 +39,16 @@ tolerance rule; both give out = 0, lse = −inf on a row with no key):
 - ``ATTNLAB_FLASH_BAND_ENGINE`` is unset or ``auto``; ``aten`` forces torch's kernel (the suite
   runs both on any CPU).
 
-Backward keeps torch's kernel (given the global out and lse it is exact per call).
+The backward of band calls (`backward_into`, float32: 16-bit inputs are widened for it, as the
+flash job widens every band backward) runs on the same extension when `backward_usable`: per
+query block and head it recomputes ``P = exp(q·kᵀ·scale + add − lse)`` from the forward's lse,
+``dS = P ⊙ (dO·vᵀ − δ)`` with ``δ = rowsum(dO ⊙ O)``, adds ``dS·k`` into dq and keeps ``qᵀ·dS``
+and ``dOᵀ·P`` for the window's keys in per-thread accumulators that add each key's gradient
+into dk/dv once (five brgemm products per block; the keys and values packed as they advance,
+as in the forward). It runs the forward plan's blocks. Measured: window 256, L = 16384, fp32 on
+a Xeon with AMX, fwd+bwd 0.40 → 0.20 s (the backward call itself 0.09 s against 0.04 s for the
+forward's). Segments and single calls keep torch's backward (given the global out and lse it is
+exact per call).
 """
 
 from __future__ import annotations
@@ -154,6 +163,68 @@ def segments_into(
     )
 
 
+def backward_ready(q: Tensor) -> bool:
+    """Whether the backward of band calls on queries like ``q`` will run on attnlab's C++
+    kernel (in float32: 16-bit inputs are widened for it): `ready` for float32 on q's device."""
+    return ready(torch.empty((0,), dtype=torch.float32, device=q.device))
+
+
+def backward_usable(*xs: Tensor) -> bool:
+    """Whether the backward of band calls on these float32 tensors (q, k, v, out, dout) runs on
+    attnlab's C++ kernel: `ready`, every tensor float32 with unit stride in the last dim."""
+    if any(x.dtype != torch.float32 or (x.stride(-1) != 1 and x.shape[-1] > 1) for x in xs):
+        return False
+    return ready(xs[0])
+
+
+def backward_into(
+    grads: tuple[Tensor, Tensor, Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    dout: Tensor,
+    lse: Tensor,
+    add: Tensor,
+    c: BandCall,
+    scale: float,
+) -> None:
+    """Adds band call ``c``'s gradients for one batch item into ``grads = (dq, dk, dv)``.
+
+    Args:
+        grads: float32 ``(H, L, D)``, ``(H_kv, S, D)``, ``(H_kv, S, Dv)`` accumulators.
+        q, k, v: the call's inputs, as for `forward_into`; out, dout: ``(H, L, Dv)``, the
+            whole forward output and its gradient; lse: ``(H, L)``, the whole forward's
+            log-sum-exp, +inf on rows without a key.
+        add: additive tile, as for `forward_into`.
+        c: the call. scale: logit multiplier.
+
+    Per block, with ``P = exp(q·kᵀ·scale + add − lse)`` and ``δ = rowsum(dout ⊙ out)``:
+    ``dS = P ⊙ (dout·vᵀ − δ)``, ``dq += dS·k·scale``, ``dk += dSᵀ·q·scale``, ``dv += Pᵀ·dout``.
+    """
+    add4 = add.reshape((1,) * (4 - add.dim()) + tuple(add.shape)).float()
+    if add4.stride(-1) != 1:
+        add4 = add4.contiguous()
+    limit = c.key_limit if c.key_limit > 0 else k.shape[1]
+    torch.ops.attnlab_band.backward_into(
+        *grads,
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        add4,
+        c.r0,
+        c.t1 - c.t0,
+        c.bq,
+        c.k_start,
+        c.width,
+        limit,
+        float(scale),
+    )
+
+
 @contextlib.contextmanager
 def checking_inputs() -> Iterator[list[bool]]:
     """Within it, each `forward_into` call also tests every q, k and v entry it reads (the query
@@ -226,6 +297,9 @@ __all__ = [
     "ENGINE_ENV",
     "SEGMENT_BLOCK",
     "SEGMENT_MAX",
+    "backward_into",
+    "backward_ready",
+    "backward_usable",
     "block",
     "checking_inputs",
     "engine_setting",

@@ -284,7 +284,11 @@ def flash_job(
         )
 
     plan = plan_for(bb_fwd)
-    bwd_plan = plan_for(bb) if bb != bb_fwd and plan.kind == "band" else None
+    # torch's backward kernel is faster on 64-row band blocks; attnlab's C++ band backward runs
+    # the forward's blocks (window 256, L = 16384, fp32, Xeon with AMX: 16/32/64-row blocks
+    # 0.095/0.097/0.099 s)
+    own = engine == "kernel" and band_kernel.backward_ready(req.q)
+    bwd_plan = plan_for(bb) if bb != bb_fwd and plan.kind == "band" and not own else None
     source = TileSource(
         mask,
         fn,
