@@ -570,6 +570,26 @@ def test_band_kernel_backward_operator(band_ext, sizes, threads) -> None:
         torch.testing.assert_close((got - was).double(), want, atol=2e-5, rtol=1e-5)
 
 
+def test_band_kernel_backward_checks_its_arguments(band_ext) -> None:
+    """Bad backward calls are refused by the operator before any work, with the reason."""
+    q = torch.randn(2, 64, 8)
+    out, lse, add = torch.zeros(2, 64, 8), torch.zeros(2, 64), torch.zeros(1, 1, 8, 15)
+    grads = [torch.zeros(2, 64, 8) for _ in range(3)]
+    op = torch.ops.attnlab_band.backward_into
+    args = (q, q, q, out, out, lse, add, 0, 8, 8, -7, 15, 64, 1.0)
+    with pytest.raises(RuntimeError, match="float32 only, got BFloat16"):
+        b, ob = q.bfloat16(), out.bfloat16()
+        op(*grads, b, b, b, ob, ob, *args[5:])
+    with pytest.raises(RuntimeError, match=r"lse must be \(H, L\)"):
+        op(*grads, *args[:5], lse[:, :10], *args[6:])
+    with pytest.raises(RuntimeError, match="rows out of range"):
+        op(*grads, *args[:7], 8, *args[8:])
+    with pytest.raises(RuntimeError, match=r"add must be \(1\|nblk, 1\|H, bq, width\)"):
+        op(*grads, *args[:6], add[..., :9], *args[7:])
+    op(*grads, *args)  # the same call with good arguments runs
+    assert grads[0].abs().sum() > 0
+
+
 def test_band_kernel_not_for_meta_float64_or_bad_setting(monkeypatch) -> None:
     """Meta tensors, float64 and odd bfloat16 head dims stay on torch's kernel; an unknown
     ``ATTNLAB_FLASH_BAND_ENGINE`` is named."""

@@ -1180,6 +1180,28 @@ at::ScalarType check_inputs(const char* op, const at::Tensor& out, const at::Ten
   return dt;
 }
 
+// What both band operators ask of a call's geometry: blocks of rows inside q, a key limit inside
+// k, and an additive tile (1|nblk, 1|H, bq, width).
+void check_band_call(const char* op, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& add, int64_t r0, int64_t nblk, int64_t bq, int64_t width,
+                     int64_t limit) {
+  TORCH_CHECK(nblk >= 1 && bq >= 1 && width >= 1, "attnlab_band.", op, ": empty call");
+  TORCH_CHECK(r0 >= 0 && r0 + nblk * bq <= q.size(1), "attnlab_band.", op,
+              ": rows out of range");
+  TORCH_CHECK(limit >= 1 && limit <= k.size(1), "attnlab_band.", op,
+              ": limit must be in [1, S], got ", limit);
+  TORCH_CHECK((add.size(0) == 1 || add.size(0) == nblk) &&
+                  (add.size(1) == 1 || add.size(1) == q.size(0)) && add.size(2) == bq &&
+                  add.size(3) == width,
+              "attnlab_band.", op, ": add must be (1|nblk, 1|H, bq, width)");
+}
+
+// The additive tile padded with −inf to the kernel's row of ws scores (whole vectors).
+at::Tensor padded_tile(const at::Tensor& add, int64_t width, int64_t ws) {
+  if (ws == width) return add;
+  return at::constant_pad_nd(add, {0, ws - width}, -std::numeric_limits<double>::infinity());
+}
+
 at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk,
                         int64_t bq, int64_t k_start, int64_t width, int64_t limit, double scale,
@@ -1190,24 +1212,12 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
   TORCH_CHECK(lse.dim() == 3 && lse.scalar_type() == at::kFloat,
               "attnlab_band.forward_into: lse must be 3-D float32");
   TORCH_CHECK(add.scalar_type() == at::kFloat, "attnlab_band.forward_into: add must be float32");
-  TORCH_CHECK(nblk >= 1 && bq >= 1 && width >= 1, "attnlab_band.forward_into: empty call");
-  TORCH_CHECK(r0 >= 0 && r0 + nblk * bq <= q.size(1),
-              "attnlab_band.forward_into: rows out of range");
-  TORCH_CHECK(limit >= 1 && limit <= k.size(1),
-              "attnlab_band.forward_into: limit must be in [1, S], got ", limit);
-  TORCH_CHECK((add.size(0) == 1 || add.size(0) == nblk) &&
-                  (add.size(1) == 1 || add.size(1) == q.size(0)) && add.size(2) == bq &&
-                  add.size(3) == width,
-              "attnlab_band.forward_into: add must be (1|nblk, 1|H, bq, width)");
+  check_band_call("forward_into", q, k, add, r0, nblk, bq, width, limit);
   TORCH_CHECK(out.sizes() == at::IntArrayRef({nblk, q.size(0), bq, v.size(2)}) &&
                   lse.sizes() == at::IntArrayRef({nblk, q.size(0), bq}),
               "attnlab_band.forward_into: out must be (nblk, H, bq, Dv), lse (nblk, H, bq)");
   TORCH_CHECK(!bf16 || bq % 2 == 0, "attnlab_band.forward_into: bfloat16 needs an even block");
-  // the tile padded with −inf to the kernel's row of scores (whole vectors, no remainder)
-  const int64_t ws = score_cols(width, bf16);
-  const at::Tensor addp =
-      ws == width ? add
-                  : at::constant_pad_nd(add, {0, ws - width}, -std::numeric_limits<double>::infinity());
+  const at::Tensor addp = padded_tile(add, width, score_cols(width, bf16));
   populate(out);
   std::atomic<bool> bad{false};
   std::atomic<bool>* seen = check_inputs_for_nonfinite ? &bad : nullptr;
@@ -1278,19 +1288,8 @@ void backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const at::Tensor
               "attnlab_band.backward_into: dq, dk, dv like q, k, v; out and dout (H, L, Dv)");
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1),
               "attnlab_band.backward_into: lse must be (H, L)");
-  TORCH_CHECK(nblk >= 1 && bq >= 1 && width >= 1, "attnlab_band.backward_into: empty call");
-  TORCH_CHECK(r0 >= 0 && r0 + nblk * bq <= q.size(1),
-              "attnlab_band.backward_into: rows out of range");
-  TORCH_CHECK(limit >= 1 && limit <= k.size(1),
-              "attnlab_band.backward_into: limit must be in [1, S], got ", limit);
-  TORCH_CHECK((add.size(0) == 1 || add.size(0) == nblk) &&
-                  (add.size(1) == 1 || add.size(1) == q.size(0)) && add.size(2) == bq &&
-                  add.size(3) == width,
-              "attnlab_band.backward_into: add must be (1|nblk, 1|H, bq, width)");
-  const int64_t ws = score_cols(width, false);
-  const at::Tensor addp =
-      ws == width ? add
-                  : at::constant_pad_nd(add, {0, ws - width}, -std::numeric_limits<double>::infinity());
+  check_band_call("backward_into", q, k, add, r0, nblk, bq, width, limit);
+  const at::Tensor addp = padded_tile(add, width, score_cols(width, false));
   band_backward(dq, dk, dv, q, k, v, out, dout, lse, addp, r0, nblk, bq, k_start, width, limit,
                 scale);
 }
