@@ -573,7 +573,7 @@ def test_band_kernel_backward_operator(band_ext, sizes, threads) -> None:
 def test_band_kernel_backward_checks_its_arguments(band_ext) -> None:
     """Bad backward calls are refused by the operator before any work, with the reason."""
     q = torch.randn(2, 64, 8)
-    out, lse, add = torch.zeros(2, 64, 8), torch.zeros(2, 64), torch.zeros(1, 1, 8, 15)
+    out, lse, add = torch.randn(2, 64, 8), torch.zeros(2, 64), torch.zeros(1, 1, 8, 15)
     grads = [torch.zeros(2, 64, 8) for _ in range(3)]
     op = torch.ops.attnlab_band.backward_into
     args = (q, q, q, out, out, lse, add, 0, 8, 8, -7, 15, 64, 1.0)
