@@ -518,7 +518,8 @@ def test_band_kernel_backward_operator(band_ext, sizes, threads) -> None:
     blocks: dq, dk, dv added into what they held, GQA, Dv != D, windows clipped before key 0
     and at ``limit``, masked columns, a row with no key (lse +inf: no gradient), several
     threads sharing a key head's columns (their ends added under a lock) and more threads
-    than blocks per head, and per-thread accumulators that slide along a long band."""
+    than blocks per head, and per-thread accumulators that slide along a long band; ten runs
+    give the same bits (the shared columns are added in a fixed order)."""
     H, H_kv, L, D, Dv, bq, W, nblk, r0, ks, limit, per_block = sizes
     g = torch.Generator().manual_seed(5)
     q = torch.randn(H, L, D, generator=g)
@@ -557,15 +558,19 @@ def test_band_kernel_backward_operator(band_ext, sizes, threads) -> None:
         whole["lse"][:, rows] = lse[t].masked_fill(lse[t].isneginf(), float("inf"))
     assert whole["lse"].isinf().sum() > L - nblk * bq  # a row of the call has no key
     held = [torch.randn(x.shape, generator=g) for x in (q, k, v)]
-    grads = [x.clone() for x in held]
+    runs = []
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        torch.ops.attnlab_band.backward_into(
-            *grads, q, k, v, *whole.values(), add, r0, nblk, bq, ks, W, limit, 0.7
-        )
+        for _ in range(10):  # added into gradients that hold values: the same bits every run
+            grads = [x.clone() for x in held]
+            torch.ops.attnlab_band.backward_into(
+                *grads, q, k, v, *whole.values(), add, r0, nblk, bq, ks, W, limit, 0.7
+            )
+            runs.append(grads)
     finally:
         torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run, strict=True))
     for got, was, want in zip(grads, held, (qd.grad, kd.grad, vd.grad), strict=True):
         torch.testing.assert_close((got - was).double(), want, atol=2e-5, rtol=1e-5)
 

@@ -1018,8 +1018,10 @@ inline void add_transposed(const float* src, int64_t lds, int64_t rows, int64_t 
 //     dq += dS·k,  dkᵀ += qᵀ·dS,  dvᵀ += dOᵀ·P   (over the window's keys);
 // a row with lse = +inf (no key) contributes nothing. Work items are (key head, block) with the
 // G query heads of the group inside; each thread keeps dKᵀ/dVᵀ of its columns (`GradAcc`) and
-// adds a column into dk/dv once it is done with it — under a lock for the columns the
-// neighbouring threads' blocks share (at most a window at each end of its range).
+// adds a column into dk/dv once it is done with it; the columns the neighbouring threads'
+// blocks share (at most a window at each end of its range) are kept and added after the
+// parallel region in the order of the ranges: every run adds the same numbers in the same order
+// (bit-deterministic, as the catalogue asks of every backward).
 void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Tensor& q,
                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                    const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& add,
@@ -1050,7 +1052,14 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
   const int64_t lh = lse.stride(0), ls = lse.stride(1);
   const int64_t dqh = dq.stride(0), dqs = dq.stride(1), dkh = dk.stride(0), dks = dk.stride(1);
   const int64_t dvh = dv.stride(0), dvs = dv.stride(1);
-  std::mutex shared_cols;
+  // gradients of columns that neighbouring ranges share, per range (keyed by its first item):
+  // added after the parallel region in range order, so every run sums them in the same order
+  struct Shared {
+    int64_t hk, j0, j1;
+    std::vector<float> dk, dv;  // (j1 − j0) rows of D and Dv values
+  };
+  std::vector<std::pair<int64_t, std::vector<Shared>>> shared_parts;
+  std::mutex shared_lock;
 
   at::parallel_for(0, Hkv * nblk, 1, [&](int64_t w0, int64_t w1) {
     // columns this range shares with its neighbours' ranges, per end: [0, lo_end) of the first
@@ -1059,13 +1068,19 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
     const int64_t hk_b = (w1 - 1) / nblk, tb = (w1 - 1) % nblk;
     const int64_t lo_end = ta > 0 ? ta * bq + ws - bq : 0;
     const int64_t hi_start = tb < nblk - 1 ? (tb + 1) * bq : nk + ws;
+    std::vector<Shared> mine;
     auto flush = [&](int64_t hk, int64_t c0, int64_t c1, const float* dkt, const float* dvt,
                      int64_t ld) {
       const int64_t j0 = std::max(c0, v_lo), j1 = std::min(c1, v_hi);  // keys that exist
       if (j1 <= j0) return;
-      const bool shared = (hk == hk_a && j0 < lo_end) || (hk == hk_b && j1 > hi_start);
-      std::unique_lock<std::mutex> lock(shared_cols, std::defer_lock);
-      if (shared) lock.lock();
+      if ((hk == hk_a && j0 < lo_end) || (hk == hk_b && j1 > hi_start)) {  // kept for later
+        Shared part{hk, j0, j1, std::vector<float>((j1 - j0) * D, 0.0f),
+                    std::vector<float>((j1 - j0) * Dv, 0.0f)};
+        add_transposed(dkt + (j0 - c0), ld, D, j1 - j0, part.dk.data(), D);
+        add_transposed(dvt + (j0 - c0), ld, Dv, j1 - j0, part.dv.data(), Dv);
+        mine.push_back(std::move(part));
+        return;
+      }
       add_transposed(dkt + (j0 - c0), ld, D, j1 - j0, dkp + hk * dkh + (k_start + j0) * dks, dks);
       add_transposed(dvt + (j0 - c0), ld, Dv, j1 - j0, dvp + hk * dvh + (k_start + j0) * dvs, dvs);
     };
@@ -1123,7 +1138,25 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
     }
     acc.finish();
     brgemm_release(false);
+    if (!mine.empty()) {
+      const std::lock_guard<std::mutex> guard(shared_lock);
+      shared_parts.emplace_back(w0, std::move(mine));
+    }
   });
+  std::sort(shared_parts.begin(), shared_parts.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (const auto& [w0, parts] : shared_parts) {
+    for (const Shared& part : parts) {
+      for (int64_t j = part.j0; j < part.j1; ++j) {
+        float* krow = dkp + part.hk * dkh + (k_start + j) * dks;
+        float* vrow = dvp + part.hk * dvh + (k_start + j) * dvs;
+        const float* pk = part.dk.data() + (j - part.j0) * D;
+        const float* pv = part.dv.data() + (j - part.j0) * Dv;
+        for (int64_t d = 0; d < D; ++d) krow[d] += pk[d];
+        for (int64_t d = 0; d < Dv; ++d) vrow[d] += pv[d];
+      }
+    }
+  }
 }
 
 // Faults in the pages of a large fresh output before the kernel writes it: one madvise
