@@ -627,10 +627,11 @@ SEGMENT_CASES = {
 @pytest.mark.parametrize("name", list(SEGMENT_CASES))
 def test_segment_kernel_matches_reference(band_ext, monkeypatch, dtype, name) -> None:
     """Packed documents, and one causal or unmasked call with L = S, run on the C++ segment
-    kernel (the spy sees it) and equal the float64 reference with the tolerance rule, forward and
-    backward (torch's backward reads the kernel's lse); GQA, head dim 16."""
+    kernel (the spies see it; float32 backward too) and equal the float64 reference with the
+    tolerance rule, forward and backward (which reads the kernel's lse); GQA, head dim 16."""
     n = 38 if dtype == torch.bfloat16 else 37  # bfloat16 needs even segments
     calls = _count_segment_kernel(monkeypatch)
+    backward_calls = _count_calls(monkeypatch, "segments_backward_into")
     mask = SEGMENT_CASES[name](n)
     check_against_reference(
         call_backend("flash", mask),
@@ -639,6 +640,8 @@ def test_segment_kernel_matches_reference(band_ext, monkeypatch, dtype, name) ->
         mean_factor=mean_factor_for("flash", dtype),
     )
     assert calls, "the C++ segment kernel did not run"
+    # float32 backward on the C++ kernel; 16-bit backward on torch's kernel in the input dtype
+    assert bool(backward_calls) == (dtype == torch.float32)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
@@ -689,6 +692,53 @@ def test_segment_kernel_operator(band_ext, causal) -> None:
     end = start + count * n
     for t in (out[:, :start], out[:, end:], lse[:, :start], lse[:, end:], big[..., Dv:]):
         assert torch.equal(t, torch.full_like(t, 7.0))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_segment_kernel_backward_operator(band_ext, causal, threads) -> None:
+    """The segment backward operator against autograd on the float64 formula: segments from an
+    offset, a block that does not divide them, GQA, Dv != D, gradients added into what they
+    held (rows and keys outside the segments keep it), the same bits on every run."""
+    g = torch.Generator().manual_seed(2)
+    H, H_kv, L, D, Dv, start, n, count, bq = 4, 2, 120, 8, 12, 5, 33, 3, 16
+    q = torch.randn(H, L, D, generator=g)
+    k = torch.randn(H_kv, L, D, generator=g)
+    v = torch.randn(H_kv, L, Dv, generator=g)
+    out, lse = torch.zeros(H, L, Dv), torch.full((H, L), float("inf"))
+    torch.ops.attnlab_band.segments_into(out, lse, q, k, v, start, n, count, causal, bq, 0.6)
+    dout = torch.randn(H, L, Dv, generator=g)
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+    loss = torch.zeros((), dtype=torch.float64)
+    for s in range(count):
+        rows = slice(start + s * n, start + (s + 1) * n)
+        kk = kd[:, rows].repeat_interleave(2, 0)
+        vv = vd[:, rows].repeat_interleave(2, 0)
+        sc = qd[:, rows] @ kk.transpose(-1, -2) * 0.6
+        if causal:
+            sc = sc.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -torch.inf)
+        loss = loss + (torch.softmax(sc, -1) @ vv * dout[:, rows].double()).sum()
+    loss.backward()
+    held = [torch.randn(x.shape, generator=g) for x in (q, k, v)]
+    runs = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(3):
+            grads = [x.clone() for x in held]
+            torch.ops.attnlab_band.segments_backward_into(
+                *grads, q, k, v, out, dout, lse, start, n, count, causal, bq, 0.6
+            )
+            runs.append(grads)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run, strict=True))
+    for got, was, want in zip(runs[0], held, (qd.grad, kd.grad, vd.grad), strict=True):
+        torch.testing.assert_close((got - was).double(), want, atol=2e-5, rtol=1e-5)
+        end = start + count * n
+        assert torch.equal(got[:, :start], was[:, :start]) and torch.equal(
+            got[:, end:], was[:, end:]
+        )
 
 
 def test_segment_kernel_checks_its_arguments(band_ext) -> None:

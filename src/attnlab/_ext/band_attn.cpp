@@ -1159,6 +1159,98 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
   }
 }
 
+// The backward of `segment_forward` in float32 for one batch item, added into dq (H, L, D),
+// dk (H_kv, S, D), dv (H_kv, S, Dv): the formulas of `band_backward` over each row's keys in its
+// segment (causal: up to the row). A work item is one (segment, key head) with the G query heads
+// of the group and all the segment's query blocks inside: it owns the dk/dv rows of its keys
+// (accumulated transposed per thread, added once at its end), so nothing is shared between
+// threads and every run adds in the same order. Products run in chunks of 512 columns, as in
+// the forward.
+void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Tensor& q,
+                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                      const at::Tensor& dout, const at::Tensor& lse, int64_t start, int64_t n,
+                      int64_t count, bool causal, int64_t bq, double scale_d) {
+  constexpr int64_t kCols = 512;
+  const int64_t H = q.size(0), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
+  const int64_t G = H / Hkv;
+  const float scale = static_cast<float>(scale_d);
+  const int64_t wmax = score_cols(n, false), ldk = wmax + 16;
+  const int64_t nblk = (n + bq - 1) / bq;
+  const Heads<float> in(q, k, v);
+  const float* op = out.const_data_ptr<float>();
+  const float* gp = dout.const_data_ptr<float>();
+  const float* lp = lse.const_data_ptr<float>();
+  float* dqp = dq.data_ptr<float>();
+  float* dkp = dk.data_ptr<float>();
+  float* dvp = dv.data_ptr<float>();
+  const int64_t oh = out.stride(0), os = out.stride(1), gh = dout.stride(0), gs = dout.stride(1);
+  const int64_t lh = lse.stride(0), ls = lse.stride(1);
+  const int64_t dqh = dq.stride(0), dqs = dq.stride(1), dkh = dk.stride(0), dks = dk.stride(1);
+  const int64_t dvh = dv.stride(0), dvs = dv.stride(1);
+
+  at::parallel_for(0, count * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    Buffer<float> kt(D * ldk), vt(Dv * ldk), dkt(D * ldk), dvt(Dv * ldk);
+    Buffer<float> s_buf(bq * wmax), dp_buf(bq * wmax), qt(D * bq), gt(Dv * bq);
+    float* const s = s_buf.get();
+    float* const dp = dp_buf.get();
+    std::vector<float> delta(bq);
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t seg = it / Hkv, hk = it % Hkv, key0 = start + seg * n;
+      const float* keys = in.k + hk * in.kh;
+      pack_keys<float>(keys, in.ks, D, key0, 0, n, 0, wmax, ldk, kt.get(), nullptr);
+      pack_keys<float>(in.values(hk), in.vs, Dv, key0, 0, n, 0, wmax, ldk, vt.get(), nullptr);
+      for (int64_t d = 0; d < D; ++d) std::fill(dkt.get() + d * ldk, dkt.get() + d * ldk + wmax, 0.0f);
+      for (int64_t d = 0; d < Dv; ++d) std::fill(dvt.get() + d * ldk, dvt.get() + d * ldk + wmax, 0.0f);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = hk * G + g;
+        for (int64_t t = 0; t < nblk; ++t) {
+          const int64_t rows = std::min(bq, n - t * bq), row0 = key0 + t * bq;
+          const int64_t w = causal ? t * bq + rows : n, ws = score_cols(w, false);
+          const float* qb = in.q + h * in.qh + row0 * in.qs;
+          const float* gb = gp + h * gh + row0 * gs;
+          const float* ob = op + h * oh + row0 * os;
+          const float* lb = lp + h * lh + row0 * ls;
+          for (int64_t r = 0; r < rows; ++r) {
+            float d = 0.0f;
+            for (int64_t e = 0; e < Dv; ++e) d += gb[r * gs + e] * ob[r * os + e];
+            delta[r] = d;
+          }
+          for (int64_t c0 = 0; c0 < ws; c0 += kCols) {
+            const int64_t nc = std::min(kCols, ws - c0);
+            brgemm(rows, nc, D, in.qs, ldk, wmax, false, qb, kt.get() + c0, s + c0, false);
+            brgemm(rows, nc, Dv, gs, ldk, wmax, false, gb, vt.get() + c0, dp + c0, false);
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            float* sr = s + r * wmax;  // becomes P
+            float* dr = dp + r * wmax;  // becomes dS·scale
+            const int64_t hi = causal ? t * bq + r + 1 : n;
+            const float l = lb[r * ls], dl = delta[r];
+            for (int64_t j = 0; j < ws; ++j) {
+              const float pj = j < hi ? exp_neg(sr[j] * scale - l) : 0.0f;
+              sr[j] = pj;
+              dr[j] = pj * (dr[j] - dl) * scale;
+            }
+          }
+          for (int64_t c0 = 0; c0 < w; c0 += kCols) {  // dq rows += dS·k (k read in place)
+            brgemm(rows, D, std::min(kCols, w - c0), wmax, in.ks, dqs, true, dp + c0,
+                   keys + (key0 + c0) * in.ks, dqp + h * dqh + row0 * dqs, false);
+          }
+          transpose_f32(qb, in.qs, rows, D, qt.get(), rows);
+          transpose_f32(gb, gs, rows, Dv, gt.get(), rows);
+          for (int64_t c0 = 0; c0 < ws; c0 += kCols) {
+            const int64_t nc = std::min(kCols, ws - c0);
+            brgemm(D, nc, rows, rows, wmax, ldk, true, qt.get(), dp + c0, dkt.get() + c0, false);
+            brgemm(Dv, nc, rows, rows, wmax, ldk, true, gt.get(), s + c0, dvt.get() + c0, false);
+          }
+        }
+      }
+      add_transposed(dkt.get(), ldk, D, n, dkp + hk * dkh + key0 * dks, dks);
+      add_transposed(dvt.get(), ldk, Dv, n, dvp + hk * dvh + key0 * dvs, dvs);
+    }
+    brgemm_release(false);
+  });
+}
+
 // Faults in the pages of a large fresh output before the kernel writes it: one madvise
 // (MADV_POPULATE_WRITE, Linux >= 5.14) per thread instead of a trap per 4 KiB page inside the
 // kernel (window 256, L = 16384, fp32, best of 15 interleaved: 0.0736 → 0.0710 s). Only the
@@ -1296,35 +1388,54 @@ void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at
   }
 }
 
-void backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const at::Tensor& q,
-                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                   const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& add,
-                   int64_t r0, int64_t nblk, int64_t bq, int64_t k_start, int64_t width,
-                   int64_t limit, double scale) {
-  const char* op = "backward_into";
+// What both backward operators ask: float32 q, k, v (one batch item, `check_inputs`), dq, dk, dv
+// shaped like them, out and dout (H, L, Dv), lse (H, L).
+void check_backward(const char* op, const at::Tensor& dq, const at::Tensor& dk,
+                    const at::Tensor& dv, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, const at::Tensor& out, const at::Tensor& dout,
+                    const at::Tensor& lse) {
   check_inputs(op, out, q, k, v, 3);
   check(dq, op, "dq", 3);
   check(dk, op, "dk", 3);
   check(dv, op, "dv", 3);
   check(dout, op, "dout", 3);
-  check(add, op, "add", 4);
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "attnlab_band.backward_into: float32 only, got ",
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "attnlab_band.", op, ": float32 only, got ",
               q.scalar_type());
   for (const at::ScalarType t : {dq.scalar_type(), dk.scalar_type(), dv.scalar_type(),
-                                 out.scalar_type(), dout.scalar_type(), lse.scalar_type(),
-                                 add.scalar_type()}) {
-    TORCH_CHECK(t == at::kFloat, "attnlab_band.backward_into: float32 tensors, got ", t);
+                                 out.scalar_type(), dout.scalar_type(), lse.scalar_type()}) {
+    TORCH_CHECK(t == at::kFloat, "attnlab_band.", op, ": float32 tensors, got ", t);
   }
   TORCH_CHECK(dq.sizes() == q.sizes() && dk.sizes() == k.sizes() && dv.sizes() == v.sizes() &&
                   dout.sizes() == out.sizes() && out.size(0) == q.size(0) &&
                   out.size(1) == q.size(1) && out.size(2) == v.size(2),
-              "attnlab_band.backward_into: dq, dk, dv like q, k, v; out and dout (H, L, Dv)");
+              "attnlab_band.", op, ": dq, dk, dv like q, k, v; out and dout (H, L, Dv)");
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1),
-              "attnlab_band.backward_into: lse must be (H, L)");
+              "attnlab_band.", op, ": lse must be (H, L)");
+}
+
+void backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const at::Tensor& q,
+                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                   const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& add,
+                   int64_t r0, int64_t nblk, int64_t bq, int64_t k_start, int64_t width,
+                   int64_t limit, double scale) {
+  check_backward("backward_into", dq, dk, dv, q, k, v, out, dout, lse);
+  check(add, "backward_into", "add", 4);
+  TORCH_CHECK(add.scalar_type() == at::kFloat, "attnlab_band.backward_into: add must be float32");
   check_band_call("backward_into", q, k, add, r0, nblk, bq, width, limit);
   const at::Tensor addp = padded_tile(add, width, score_cols(width, false));
   band_backward(dq, dk, dv, q, k, v, out, dout, lse, addp, r0, nblk, bq, k_start, width, limit,
                 scale);
+}
+
+void segments_backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                            const at::Tensor& dout, const at::Tensor& lse, int64_t start,
+                            int64_t n, int64_t count, bool causal, int64_t bq, double scale) {
+  check_backward("segments_backward_into", dq, dk, dv, q, k, v, out, dout, lse);
+  TORCH_CHECK(n >= 1 && count >= 1 && bq >= 1, "attnlab_band.segments_backward_into: empty call");
+  TORCH_CHECK(start >= 0 && start + count * n <= std::min(q.size(1), k.size(1)),
+              "attnlab_band.segments_backward_into: segments out of range");
+  segment_backward(dq, dk, dv, q, k, v, out, dout, lse, start, n, count, causal, bq, scale);
 }
 
 bool supported(at::ScalarType dtype) {
@@ -1363,6 +1474,10 @@ TORCH_LIBRARY(attnlab_band, m) {
       "backward_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor q, Tensor k, Tensor v, "
       "Tensor out, Tensor dout, Tensor lse, Tensor add, int r0, int nblk, int bq, int k_start, "
       "int width, int limit, float scale) -> ()");
+  m.def(
+      "segments_backward_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor q, Tensor k, "
+      "Tensor v, Tensor out, Tensor dout, Tensor lse, int start, int n, int count, bool causal, "
+      "int bq, float scale) -> ()");
   m.def("supported(ScalarType dtype) -> bool", &supported);
 }
 
@@ -1370,4 +1485,5 @@ TORCH_LIBRARY_IMPL(attnlab_band, CPU, m) {
   m.impl("forward_into", &forward_into);
   m.impl("segments_into", &segments_into);
   m.impl("backward_into", &backward_into);
+  m.impl("segments_backward_into", &segments_backward_into);
 }

@@ -217,7 +217,15 @@ def segment_forward(
 def segment_backward(
     c: SegmentCall, res: Residuals, *, scale: float, grads: tuple[Tensor, Tensor, Tensor]
 ) -> None:
-    """Adds the gradients of batched segments into ``grads = (dq, dk, dv)`` (kernel engine)."""
+    """Adds the gradients of batched segments into ``grads = (dq, dk, dv)`` (kernel engine):
+    attnlab's C++ kernel in float32 (`band_kernel.segments_backward_into`), else torch's."""
+    dq, dk, dv = grads
+    xs = (res.q, res.k, res.v, res.out, res.dout, dq)
+    if band_kernel.backward_usable(*xs) and band_kernel.segments_ready(res.q, c.n):
+        for b in range(c.b0, c.b1):
+            parts = (res.q[b], res.k[b], res.v[b], res.out[b], res.dout[b], res.lse[b])
+            band_kernel.segments_backward_into((dq[b], dk[b], dv[b]), *parts, c, scale)
+        return
     logits = Logits(scale, causal=c.causal)
     for b in range(c.b0, c.b1):
         part = Residuals(

@@ -47,8 +47,9 @@ and ``dOᵀ·P`` for the window's keys in per-thread accumulators that add each 
 into dk/dv once (five brgemm products per block; the keys and values packed as they advance,
 as in the forward). It runs the forward plan's blocks. Measured: window 256, L = 16384, fp32 on
 a Xeon with AMX, fwd+bwd 0.40 → 0.20 s (the backward call itself 0.09 s against 0.04 s for the
-forward's). Segments and single calls keep torch's backward (given the global out and lse it is
-exact per call).
+forward's). Segments (and one whole causal or full call with L = S) have their float32
+backward on it too (`segments_backward_into`: one work item per segment and key head, owning its
+keys' gradients); in bfloat16/float16 they keep torch's kernel in the input dtype.
 """
 
 from __future__ import annotations
@@ -225,6 +226,38 @@ def backward_into(
     )
 
 
+def segments_backward_into(
+    grads: tuple[Tensor, Tensor, Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    dout: Tensor,
+    lse: Tensor,
+    c: SegmentCall,
+    scale: float,
+) -> None:
+    """Adds segment call ``c``'s gradients for one batch item into ``grads = (dq, dk, dv)``
+    (float32; tensors as for `backward_into`; the formulas of `backward_into` over each row's
+    keys in its segment, causal or full). Each (segment, key head) is one work item that owns
+    its keys' dk/dv rows: nothing is shared between threads."""
+    torch.ops.attnlab_band.segments_backward_into(
+        *grads,
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        c.start,
+        c.n,
+        c.count,
+        c.causal,
+        SEGMENT_BLOCK,
+        float(scale),
+    )
+
+
 @contextlib.contextmanager
 def checking_inputs() -> Iterator[list[bool]]:
     """Within it, each `forward_into` call also tests every q, k and v entry it reads (the query
@@ -306,6 +339,7 @@ __all__ = [
     "forward_into",
     "ready",
     "runs_every_call",
+    "segments_backward_into",
     "segments_into",
     "segments_ready",
     "segments_usable",

@@ -278,7 +278,17 @@ class FlashJob:
         ]
         single = self._single_call(plan, q, k) if use_kernel else None
         if single is not None:
-            logits = Logits(self.scale, causal=single.kind == CALL_CAUSAL)
+            causal = single.kind == CALL_CAUSAL
+            B, _, L, _ = q.shape
+            xs = (q, k, v, res.out, res.dout)
+            if k.shape[2] == L and band_kernel.backward_usable(*xs):
+                # one segment of L positions: attnlab's C++ backward (float32)
+                whole = SegmentCall(0, B, 0, L, 1, causal)
+                grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
+                assert len(grads) == 3
+                segment_backward(whole, res, scale=self.scale, grads=grads)
+                return grads
+            logits = Logits(self.scale, causal=causal)
             if not self._widen(q, plan, backward=True):
                 return kernel_backward(res, logits)
             # the kernel sums dK/dV over query blocks in the input dtype: do it in float32
