@@ -558,21 +558,29 @@ def test_band_kernel_backward_operator(band_ext, sizes, threads) -> None:
         whole["lse"][:, rows] = lse[t].masked_fill(lse[t].isneginf(), float("inf"))
     assert whole["lse"].isinf().sum() > L - nblk * bq  # a row of the call has no key
     held = [torch.randn(x.shape, generator=g) for x in (q, k, v)]
+    op = torch.ops.attnlab_band.backward_into
+    args = (q, k, v, *whole.values(), add, r0, nblk, bq, ks, W, limit, 0.7)
+    grads = _backward_runs(held, threads, 10, lambda grads: op(*grads, *args))
+    for got, was, want in zip(grads, held, (qd.grad, kd.grad, vd.grad), strict=True):
+        torch.testing.assert_close((got - was).double(), want, atol=2e-5, rtol=1e-5)
+
+
+def _backward_runs(held: list[torch.Tensor], threads: int, n: int, run) -> list[torch.Tensor]:
+    """``run(grads)`` n times on ``threads`` threads, each time on copies of ``held`` (the
+    operators add into what the gradients hold): asserts that every run gives the same bits
+    and returns the gradients of the first."""
     runs = []
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for _ in range(10):  # added into gradients that hold values: the same bits every run
+        for _ in range(n):
             grads = [x.clone() for x in held]
-            torch.ops.attnlab_band.backward_into(
-                *grads, q, k, v, *whole.values(), add, r0, nblk, bq, ks, W, limit, 0.7
-            )
+            run(grads)
             runs.append(grads)
     finally:
         torch.set_num_threads(before)
-    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run, strict=True))
-    for got, was, want in zip(grads, held, (qd.grad, kd.grad, vd.grad), strict=True):
-        torch.testing.assert_close((got - was).double(), want, atol=2e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for r in runs[1:] for a, b in zip(runs[0], r, strict=True))
+    return runs[0]
 
 
 def test_band_kernel_backward_checks_its_arguments(band_ext) -> None:
@@ -720,20 +728,10 @@ def test_segment_kernel_backward_operator(band_ext, causal, threads) -> None:
         loss = loss + (torch.softmax(sc, -1) @ vv * dout[:, rows].double()).sum()
     loss.backward()
     held = [torch.randn(x.shape, generator=g) for x in (q, k, v)]
-    runs = []
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for _ in range(3):
-            grads = [x.clone() for x in held]
-            torch.ops.attnlab_band.segments_backward_into(
-                *grads, q, k, v, out, dout, lse, start, n, count, causal, bq, 0.6
-            )
-            runs.append(grads)
-    finally:
-        torch.set_num_threads(before)
-    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run, strict=True))
-    for got, was, want in zip(runs[0], held, (qd.grad, kd.grad, vd.grad), strict=True):
+    op = torch.ops.attnlab_band.segments_backward_into
+    args = (q, k, v, out, dout, lse, start, n, count, causal, bq, 0.6)
+    grads = _backward_runs(held, threads, 3, lambda grads: op(*grads, *args))
+    for got, was, want in zip(grads, held, (qd.grad, kd.grad, vd.grad), strict=True):
         torch.testing.assert_close((got - was).double(), want, atol=2e-5, rtol=1e-5)
         end = start + count * n
         assert torch.equal(got[:, :start], was[:, :start]) and torch.equal(

@@ -647,7 +647,8 @@ inline void prefetch_rows(const T* base, int64_t stride, int64_t lo, int64_t hi,
   }
 }
 
-// One thread's packed keys (and packed values: bfloat16, float16) of one key head for the band's columns
+// One thread's packed keys (and packed values: bfloat16, float16) of one key head for the band's
+// columns
 // [base, end), filled as its blocks advance: a block needs the columns [t·bq, t·bq + ws), of
 // which all but its last bq were packed for the blocks before it. The buffer (cap columns)
 // stays in the core's cache, and the head's keys and values are read from memory in step with
@@ -933,7 +934,7 @@ inline void transpose_f32(const float* src, int64_t lds, int64_t rows, int64_t c
   }
 }
 
-// One thread's dKᵀ (D × ld) and dVᵀ (Dv × ld) of key head hk for the band columns [base, end):
+// One thread's dKᵀ (D × ld) and dVᵀ (Dv × ld) of key head hk, band columns [base, end):
 // its blocks add into them (one block: the columns [t·bq, t·bq + ws)); columns left of the
 // current block are final for the thread and go to `flush(hk, c0, c1, dkt, dvt, ld)` (the
 // transposed columns [c0, c1)), on a change of head, when the buffer would overflow (the
@@ -954,8 +955,9 @@ class GradAcc {
     if (hi - base_ > cap_) {
       emit(base_, lo);
       const int64_t keep = std::max<int64_t>(0, end_ - lo);
-      for (int64_t d = 0; d < D_; ++d) std::memmove(dkt(base_) + d * ld_, dkt(lo) + d * ld_, keep * 4);
-      for (int64_t d = 0; d < Dv_; ++d) std::memmove(dvt(base_) + d * ld_, dvt(lo) + d * ld_, keep * 4);
+      const size_t bytes = keep * sizeof(float);
+      for (int64_t d = 0; d < D_; ++d) std::memmove(dkt(base_) + d * ld_, dkt(lo) + d * ld_, bytes);
+      for (int64_t d = 0; d < Dv_; ++d) std::memmove(dvt(base_) + d * ld_, dvt(lo) + d * ld_, bytes);
       base_ = lo;
       end_ = std::max(end_, lo);
     }
@@ -1011,6 +1013,54 @@ inline void add_transposed(const float* src, int64_t lds, int64_t rows, int64_t 
   }
 }
 
+// Pointers and strides of a backward call's float32 out, dout (H, L, Dv), lse (H, L) and the
+// gradients dq (H, L, D), dk (H_kv, S, D), dv (H_kv, S, Dv) of one batch item.
+struct GradIo {
+  const float* o;
+  const float* g;
+  const float* l;
+  float* dq;
+  float* dk;
+  float* dv;
+  int64_t oh, os, gh, gs, lh, ls, dqh, dqs, dkh, dks, dvh, dvs;
+  GradIo(at::Tensor& dq_, at::Tensor& dk_, at::Tensor& dv_, const at::Tensor& out,
+         const at::Tensor& dout, const at::Tensor& lse)
+      : o(out.const_data_ptr<float>()), g(dout.const_data_ptr<float>()),
+        l(lse.const_data_ptr<float>()), dq(dq_.data_ptr<float>()), dk(dk_.data_ptr<float>()),
+        dv(dv_.data_ptr<float>()), oh(out.stride(0)), os(out.stride(1)), gh(dout.stride(0)),
+        gs(dout.stride(1)), lh(lse.stride(0)), ls(lse.stride(1)), dqh(dq_.stride(0)),
+        dqs(dq_.stride(1)), dkh(dk_.stride(0)), dks(dk_.stride(1)), dvh(dv_.stride(0)),
+        dvs(dv_.stride(1)) {}
+  // δ = rowsum(dO ⊙ O) of `rows` rows of head h from row0, into delta
+  void deltas(int64_t h, int64_t row0, int64_t rows, int64_t Dv, float* delta) const {
+    const float* gb = g + h * gh + row0 * gs;
+    const float* ob = o + h * oh + row0 * os;
+    for (int64_t r = 0; r < rows; ++r) {
+      float d = 0.0f;
+      for (int64_t e = 0; e < Dv; ++e) d += gb[r * gs + e] * ob[r * os + e];
+      delta[r] = d;
+    }
+  }
+  float lse_at(int64_t h, int64_t row) const { return l[h * lh + row * ls]; }
+  const float* g_row(int64_t h, int64_t row) const { return g + h * gh + row * gs; }
+  float* dq_row(int64_t h, int64_t row) const { return dq + h * dqh + row * dqs; }
+  float* dk_row(int64_t hk, int64_t key) const { return dk + hk * dkh + key * dks; }
+  float* dv_row(int64_t hk, int64_t key) const { return dv + hk * dvh + key * dvs; }
+};
+
+// One row of ws scores sr and dO·vᵀ values dr turned into P = exp(x − lse) (in sr) and
+// dS·scale = P ⊙ (dr − δ)·scale (in dr), with x = s·scale + add (add may be null) on the
+// columns [lo, hi) and −inf (P = 0) on the others.
+inline void grad_row(float* sr, float* dr, const float* ad, int64_t ws, int64_t lo, int64_t hi,
+                     float scale, float lse, float delta) {
+  for (int64_t j = 0; j < ws; ++j) {
+    const float y = ad != nullptr ? std::fma(sr[j], scale, ad[j]) : sr[j] * scale;
+    const float pj = j >= lo && j < hi ? exp_neg(y - lse) : 0.0f;
+    sr[j] = pj;
+    dr[j] = pj * (dr[j] - delta) * scale;
+  }
+}
+
 // The backward of `band_forward` in float32 for one batch item, added into dq (H, L, D),
 // dk (H_kv, S, D), dv (H_kv, S, Dv): per query block t and head h, with the forward's lse and
 // δ = rowsum(dO ⊙ O),
@@ -1042,16 +1092,7 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
   const int64_t a0 = add.size(0) > 1 ? add.stride(0) : 0;
   const int64_t a1 = add.size(1) > 1 ? add.stride(1) : 0;
   const int64_t ar = add.stride(2);
-  const float* op = out.const_data_ptr<float>();
-  const float* gp = dout.const_data_ptr<float>();
-  const float* lp = lse.const_data_ptr<float>();
-  float* dqp = dq.data_ptr<float>();
-  float* dkp = dk.data_ptr<float>();
-  float* dvp = dv.data_ptr<float>();
-  const int64_t oh = out.stride(0), os = out.stride(1), gh = dout.stride(0), gs = dout.stride(1);
-  const int64_t lh = lse.stride(0), ls = lse.stride(1);
-  const int64_t dqh = dq.stride(0), dqs = dq.stride(1), dkh = dk.stride(0), dks = dk.stride(1);
-  const int64_t dvh = dv.stride(0), dvs = dv.stride(1);
+  const GradIo io(dq, dk, dv, out, dout, lse);
   // gradients of columns that neighbouring ranges share, per range (keyed by its first item):
   // added after the parallel region in range order, so every run sums them in the same order
   struct Shared {
@@ -1081,8 +1122,8 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
         mine.push_back(std::move(part));
         return;
       }
-      add_transposed(dkt + (j0 - c0), ld, D, j1 - j0, dkp + hk * dkh + (k_start + j0) * dks, dks);
-      add_transposed(dvt + (j0 - c0), ld, Dv, j1 - j0, dvp + hk * dvh + (k_start + j0) * dvs, dvs);
+      add_transposed(dkt + (j0 - c0), ld, D, j1 - j0, io.dk_row(hk, k_start + j0), io.dks);
+      add_transposed(dvt + (j0 - c0), ld, Dv, j1 - j0, io.dv_row(hk, k_start + j0), io.dvs);
     };
     BandStream<float> kst(in, D, Dv, k_start, v_lo, v_hi, cap);
     BandStream<float> vst(vin, Dv, Dv, k_start, v_lo, v_hi, cap);
@@ -1103,35 +1144,21 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hk * G + g, row = r0 + c;
         const float* qb = in.q + h * in.qh + row * in.qs;
-        const float* gb = gp + h * gh + row * gs;
-        const float* ob = op + h * oh + row * os;
-        const float* lb = lp + h * lh + row * ls;
+        const float* gb = io.g_row(h, row);
         const float* at = ap + t * a0 + h * a1;
-        for (int64_t r = 0; r < bq; ++r) {
-          float d = 0.0f;
-          for (int64_t e = 0; e < Dv; ++e) d += gb[r * gs + e] * ob[r * os + e];
-          delta[r] = d;
-        }
+        io.deltas(h, row, bq, Dv, delta.data());
         brgemm(bq, ws, D, in.qs, kst.ld(), ws, false, qb, kst.keys(c), s, false);
-        brgemm(bq, ws, Dv, gs, vst.ld(), ws, false, gb, vst.keys(c), dp, false);
-        for (int64_t r = 0; r < bq; ++r) {
-          float* sr = s + r * ws;  // becomes P
-          float* dr = dp + r * ws;  // becomes dS·scale
-          const float* ad = at + r * ar;
-          const float l = lb[r * ls], dl = delta[r];
-          for (int64_t j = 0; j < ws; ++j) {
-            const float x = j >= c_lo && j < c_hi ? std::fma(sr[j], scale, ad[j]) : kNegInf;
-            const float pj = exp_neg(x - l);
-            sr[j] = pj;
-            dr[j] = pj * (dr[j] - dl) * scale;
-          }
+        brgemm(bq, ws, Dv, io.gs, vst.ld(), ws, false, gb, vst.keys(c), dp, false);
+        for (int64_t r = 0; r < bq; ++r) {  // s becomes P, dp dS·scale
+          grad_row(s + r * ws, dp + r * ws, at + r * ar, ws, c_lo, c_hi, scale,
+                   io.lse_at(h, row + r), delta[r]);
         }
         // dq rows += dS·k over the keys that exist (k read in place)
-        brgemm(bq, D, kn, ws, in.ks, dqs, true, dp + c_lo,
-               in.k + hk * in.kh + (k_start + c + c_lo) * in.ks, dqp + h * dqh + row * dqs,
+        brgemm(bq, D, kn, ws, in.ks, io.dqs, true, dp + c_lo,
+               in.k + hk * in.kh + (k_start + c + c_lo) * in.ks, io.dq_row(h, row),
                false);
         transpose_f32(qb, in.qs, bq, D, qt_buf.get(), bq);
-        transpose_f32(gb, gs, bq, Dv, gt_buf.get(), bq);
+        transpose_f32(gb, io.gs, bq, Dv, gt_buf.get(), bq);
         brgemm(D, ws, bq, bq, ws, acc.ld(), true, qt_buf.get(), dp, acc.dkt(c), false);
         brgemm(Dv, ws, bq, bq, ws, acc.ld(), true, gt_buf.get(), s, acc.dvt(c), false);
       }
@@ -1148,8 +1175,8 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
   for (const auto& [w0, parts] : shared_parts) {
     for (const Shared& part : parts) {
       for (int64_t j = part.j0; j < part.j1; ++j) {
-        float* krow = dkp + part.hk * dkh + (k_start + j) * dks;
-        float* vrow = dvp + part.hk * dvh + (k_start + j) * dvs;
+        float* krow = io.dk_row(part.hk, k_start + j);
+        float* vrow = io.dv_row(part.hk, k_start + j);
         const float* pk = part.dk.data() + (j - part.j0) * D;
         const float* pv = part.dv.data() + (j - part.j0) * Dv;
         for (int64_t d = 0; d < D; ++d) krow[d] += pk[d];
@@ -1177,16 +1204,7 @@ void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::
   const int64_t wmax = score_cols(n, false), ldk = wmax + 16;
   const int64_t nblk = (n + bq - 1) / bq;
   const Heads<float> in(q, k, v);
-  const float* op = out.const_data_ptr<float>();
-  const float* gp = dout.const_data_ptr<float>();
-  const float* lp = lse.const_data_ptr<float>();
-  float* dqp = dq.data_ptr<float>();
-  float* dkp = dk.data_ptr<float>();
-  float* dvp = dv.data_ptr<float>();
-  const int64_t oh = out.stride(0), os = out.stride(1), gh = dout.stride(0), gs = dout.stride(1);
-  const int64_t lh = lse.stride(0), ls = lse.stride(1);
-  const int64_t dqh = dq.stride(0), dqs = dq.stride(1), dkh = dk.stride(0), dks = dk.stride(1);
-  const int64_t dvh = dv.stride(0), dvs = dv.stride(1);
+  const GradIo io(dq, dk, dv, out, dout, lse);
 
   at::parallel_for(0, count * Hkv, 1, [&](int64_t i0, int64_t i1) {
     Buffer<float> kt(D * ldk), vt(Dv * ldk), dkt(D * ldk), dvt(Dv * ldk);
@@ -1199,44 +1217,32 @@ void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::
       const float* keys = in.k + hk * in.kh;
       pack_keys<float>(keys, in.ks, D, key0, 0, n, 0, wmax, ldk, kt.get(), nullptr);
       pack_keys<float>(in.values(hk), in.vs, Dv, key0, 0, n, 0, wmax, ldk, vt.get(), nullptr);
-      for (int64_t d = 0; d < D; ++d) std::fill(dkt.get() + d * ldk, dkt.get() + d * ldk + wmax, 0.0f);
-      for (int64_t d = 0; d < Dv; ++d) std::fill(dvt.get() + d * ldk, dvt.get() + d * ldk + wmax, 0.0f);
+      std::fill(dkt.get(), dkt.get() + D * ldk, 0.0f);
+      std::fill(dvt.get(), dvt.get() + Dv * ldk, 0.0f);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hk * G + g;
         for (int64_t t = 0; t < nblk; ++t) {
           const int64_t rows = std::min(bq, n - t * bq), row0 = key0 + t * bq;
           const int64_t w = causal ? t * bq + rows : n, ws = score_cols(w, false);
           const float* qb = in.q + h * in.qh + row0 * in.qs;
-          const float* gb = gp + h * gh + row0 * gs;
-          const float* ob = op + h * oh + row0 * os;
-          const float* lb = lp + h * lh + row0 * ls;
-          for (int64_t r = 0; r < rows; ++r) {
-            float d = 0.0f;
-            for (int64_t e = 0; e < Dv; ++e) d += gb[r * gs + e] * ob[r * os + e];
-            delta[r] = d;
-          }
+          const float* gb = io.g_row(h, row0);
+          io.deltas(h, row0, rows, Dv, delta.data());
           for (int64_t c0 = 0; c0 < ws; c0 += kCols) {
             const int64_t nc = std::min(kCols, ws - c0);
             brgemm(rows, nc, D, in.qs, ldk, wmax, false, qb, kt.get() + c0, s + c0, false);
-            brgemm(rows, nc, Dv, gs, ldk, wmax, false, gb, vt.get() + c0, dp + c0, false);
+            brgemm(rows, nc, Dv, io.gs, ldk, wmax, false, gb, vt.get() + c0, dp + c0, false);
           }
-          for (int64_t r = 0; r < rows; ++r) {
-            float* sr = s + r * wmax;  // becomes P
-            float* dr = dp + r * wmax;  // becomes dS·scale
+          for (int64_t r = 0; r < rows; ++r) {  // s becomes P, dp dS·scale
             const int64_t hi = causal ? t * bq + r + 1 : n;
-            const float l = lb[r * ls], dl = delta[r];
-            for (int64_t j = 0; j < ws; ++j) {
-              const float pj = j < hi ? exp_neg(sr[j] * scale - l) : 0.0f;
-              sr[j] = pj;
-              dr[j] = pj * (dr[j] - dl) * scale;
-            }
+            grad_row(s + r * wmax, dp + r * wmax, nullptr, ws, 0, hi, scale,
+                     io.lse_at(h, row0 + r), delta[r]);
           }
           for (int64_t c0 = 0; c0 < w; c0 += kCols) {  // dq rows += dS·k (k read in place)
-            brgemm(rows, D, std::min(kCols, w - c0), wmax, in.ks, dqs, true, dp + c0,
-                   keys + (key0 + c0) * in.ks, dqp + h * dqh + row0 * dqs, false);
+            brgemm(rows, D, std::min(kCols, w - c0), wmax, in.ks, io.dqs, true, dp + c0,
+                   keys + (key0 + c0) * in.ks, io.dq_row(h, row0), false);
           }
           transpose_f32(qb, in.qs, rows, D, qt.get(), rows);
-          transpose_f32(gb, gs, rows, Dv, gt.get(), rows);
+          transpose_f32(gb, io.gs, rows, Dv, gt.get(), rows);
           for (int64_t c0 = 0; c0 < ws; c0 += kCols) {
             const int64_t nc = std::min(kCols, ws - c0);
             brgemm(D, nc, rows, rows, wmax, ldk, true, qt.get(), dp + c0, dkt.get() + c0, false);
@@ -1244,8 +1250,8 @@ void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::
           }
         }
       }
-      add_transposed(dkt.get(), ldk, D, n, dkp + hk * dkh + key0 * dks, dks);
-      add_transposed(dvt.get(), ldk, Dv, n, dvp + hk * dvh + key0 * dvs, dvs);
+      add_transposed(dkt.get(), ldk, D, n, io.dk_row(hk, key0), io.dks);
+      add_transposed(dvt.get(), ldk, Dv, n, io.dv_row(hk, key0), io.dvs);
     }
     brgemm_release(false);
   });

@@ -144,7 +144,7 @@ def band_backward(
         add = tiles.tile(c, b, res.q.device)
         if native:  # every block, edges too, in one C++ call
             parts = (res.q[b], res.k[b], res.v[b], res.out[b], res.dout[b], res.lse[b])
-            band_kernel.backward_into((dq[b], dk[b], dv[b]), *parts, add, c, scale)
+            band_kernel.backward_into((dq[b], dk[b], dv[b]), parts, add, c, scale)
             continue
         inner, add_in = interior(c, add)
         if inner is not None:
@@ -224,7 +224,7 @@ def segment_backward(
     if band_kernel.backward_usable(*xs) and band_kernel.segments_ready(res.q, c.n):
         for b in range(c.b0, c.b1):
             parts = (res.q[b], res.k[b], res.v[b], res.out[b], res.dout[b], res.lse[b])
-            band_kernel.segments_backward_into((dq[b], dk[b], dv[b]), *parts, c, scale)
+            band_kernel.segments_backward_into((dq[b], dk[b], dv[b]), parts, c, scale)
         return
     logits = Logits(scale, causal=c.causal)
     for b in range(c.b0, c.b1):

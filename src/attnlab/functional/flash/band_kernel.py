@@ -180,12 +180,7 @@ def backward_usable(*xs: Tensor) -> bool:
 
 def backward_into(
     grads: tuple[Tensor, Tensor, Tensor],
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    dout: Tensor,
-    lse: Tensor,
+    parts: tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor],
     add: Tensor,
     c: BandCall,
     scale: float,
@@ -194,9 +189,9 @@ def backward_into(
 
     Args:
         grads: float32 ``(H, L, D)``, ``(H_kv, S, D)``, ``(H_kv, S, Dv)`` accumulators.
-        q, k, v: the call's inputs, as for `forward_into`; out, dout: ``(H, L, Dv)``, the
-            whole forward output and its gradient; lse: ``(H, L)``, the whole forward's
-            log-sum-exp, +inf on rows without a key.
+        parts: float32 ``(q, k, v, out, dout, lse)``: the call's inputs as for `forward_into`,
+            the whole forward output and its gradient ``(H, L, Dv)``, and the whole forward's
+            log-sum-exp ``(H, L)``, +inf on rows without a key.
         add: additive tile, as for `forward_into`.
         c: the call. scale: logit multiplier.
 
@@ -206,55 +201,24 @@ def backward_into(
     add4 = add.reshape((1,) * (4 - add.dim()) + tuple(add.shape)).float()
     if add4.stride(-1) != 1:
         add4 = add4.contiguous()
-    limit = c.key_limit if c.key_limit > 0 else k.shape[1]
+    limit = c.key_limit if c.key_limit > 0 else parts[1].shape[1]
     torch.ops.attnlab_band.backward_into(
-        *grads,
-        q,
-        k,
-        v,
-        out,
-        dout,
-        lse,
-        add4,
-        c.r0,
-        c.t1 - c.t0,
-        c.bq,
-        c.k_start,
-        c.width,
-        limit,
-        float(scale),
+        *grads, *parts, add4, c.r0, c.t1 - c.t0, c.bq, c.k_start, c.width, limit, float(scale)
     )
 
 
 def segments_backward_into(
     grads: tuple[Tensor, Tensor, Tensor],
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    dout: Tensor,
-    lse: Tensor,
+    parts: tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor],
     c: SegmentCall,
     scale: float,
 ) -> None:
     """Adds segment call ``c``'s gradients for one batch item into ``grads = (dq, dk, dv)``
-    (float32; tensors as for `backward_into`; the formulas of `backward_into` over each row's
-    keys in its segment, causal or full). Each (segment, key head) is one work item that owns
-    its keys' dk/dv rows: nothing is shared between threads."""
+    (``grads``, ``parts`` as for `backward_into`; its formulas over each row's keys in its
+    segment, causal or full). Each (segment, key head) is one work item that owns its keys'
+    dk/dv rows: nothing is shared between threads."""
     torch.ops.attnlab_band.segments_backward_into(
-        *grads,
-        q,
-        k,
-        v,
-        out,
-        dout,
-        lse,
-        c.start,
-        c.n,
-        c.count,
-        c.causal,
-        SEGMENT_BLOCK,
-        float(scale),
+        *grads, *parts, c.start, c.n, c.count, c.causal, SEGMENT_BLOCK, float(scale)
     )
 
 
