@@ -178,12 +178,13 @@ class FlashJob:
         return self._run_groups(q, k, v, q.dtype)
 
     def _float_partials(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
-        """Whether a bfloat16 forward that `_widen` widens can keep its inputs: every call of
-        the plan is a band call on attnlab's C++ band kernel, which multiplies bfloat16 inputs
-        with float32 accumulation, reads the float32 additive tiles (a bias keeps its
-        precision) and writes float32 partial outputs, so the merges and the one final
-        rounding are those of the widened run while the products run on the bfloat16 units
-        (ALiBi on a causal mask: band calls per offset, merged)."""
+        """Whether a bfloat16/float16 forward that `_widen` widens can keep its inputs: every
+        call of the plan is a band call on attnlab's C++ band kernel, which multiplies bfloat16
+        inputs with float32 accumulation (float16 ones widened as it packs them), reads the
+        float32 additive tiles (a bias keeps its precision) and writes float32 partial outputs,
+        so the merges and the one final rounding are those of the widened run while bfloat16
+        products run on the bfloat16 units (ALiBi on a causal mask: band calls per offset,
+        merged)."""
         if self.engine != "kernel" or not self.native_low:
             return False  # (``ATTNLAB_FLASH_LOWP=widen`` runs every product in float32)
         return band_kernel.runs_every_call(self.plan, q, k, v)
