@@ -583,6 +583,50 @@ def _backward_runs(held: list[torch.Tensor], threads: int, n: int, run) -> list[
     return runs[0]
 
 
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_band_kernel_backward_reads_16_bit_inputs(band_ext, monkeypatch, dtype) -> None:
+    """16-bit q, k, v, dout are widened as the backward packs them: the same bits as the
+    operator on their float32 copies; and the flash job hands them over as they are (the spy
+    sees the input dtype) with the gradients of the widened run."""
+    g = torch.Generator().manual_seed(4)
+    H, H_kv, L, D, Dv, bq, W, nblk, r0, ks, limit = 4, 2, 800, 32, 48, 16, 61, 40, 30, -20, 690
+    shapes = ((H, D), (H_kv, D), (H_kv, Dv))
+    q, k, v = (torch.randn(h, L, d, generator=g).to(dtype) for h, d in shapes)
+    dout = torch.randn(H, L, Dv, generator=g).to(dtype)
+    out, lse = torch.randn(H, L, Dv, generator=g), torch.rand(H, L, generator=g) + 4
+    add = torch.randn(nblk, 1, bq, W, generator=g)
+    add[..., ::5] = float("-inf")
+    runs = []
+    for x in ((q, k, v, dout), tuple(t.float() for t in (q, k, v, dout))):
+        grads = [torch.zeros(H, L, D), torch.zeros(H_kv, L, D), torch.zeros(H_kv, L, Dv)]
+        torch.ops.attnlab_band.backward_into(
+            *grads, *x[:3], out, x[3], lse, add, r0, nblk, bq, ks, W, limit, 0.7
+        )
+        runs.append(grads)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert runs[0][1].abs().sum() > 0
+
+    seen: list[torch.dtype] = []
+    real = band_kernel.backward_into
+
+    def spy(grads, parts, *a, **kw):
+        seen.append(parts[0].dtype)
+        return real(grads, parts, *a, **kw)
+
+    monkeypatch.setattr(band_kernel, "backward_into", spy)
+    # whole blocks (768 rows): a plan of band calls only, whose backward takes the inputs as
+    # they are (rows past the last block would be a plain call on torch's kernel: widened)
+    qq, kk, vv = (t[None, :, :768].clone().requires_grad_() for t in (q, k, v))
+    dO = torch.randn(1, H, 768, Dv, generator=g).to(dtype)
+    attention(qq, kk, vv, mask=masks.sliding_window(61), backend="flash").backward(dO)
+    assert seen and set(seen) == {dtype}
+    wide = [t.detach().float().requires_grad_() for t in (qq, kk, vv)]
+    attention(*wide, mask=masks.sliding_window(61), backend="flash").backward(dO.float())
+    for a, b in zip((qq, kk, vv), wide, strict=True):
+        assert a.grad.dtype == dtype
+        torch.testing.assert_close(a.grad.float(), b.grad, atol=2e-2, rtol=2e-2)
+
+
 def test_band_kernel_backward_checks_its_arguments(band_ext) -> None:
     """Bad backward calls are refused by the operator before any work, with the reason."""
     q = torch.randn(2, 64, 8)
@@ -590,9 +634,15 @@ def test_band_kernel_backward_checks_its_arguments(band_ext) -> None:
     grads = [torch.zeros(2, 64, 8) for _ in range(3)]
     op = torch.ops.attnlab_band.backward_into
     args = (q, q, q, out, out, lse, add, 0, 8, 8, -7, 15, 64, 1.0)
-    with pytest.raises(RuntimeError, match="float32 only, got BFloat16"):
-        b, ob = q.bfloat16(), out.bfloat16()
-        op(*grads, b, b, b, ob, ob, *args[5:])
+    b = q.bfloat16()
+    with pytest.raises(RuntimeError, match="float32 out, lse, dq, dk, dv, got BFloat16"):
+        op(*grads, b, b, b, out.bfloat16(), b, *args[5:])
+    with pytest.raises(RuntimeError, match="dout must have q's dtype, got Float"):
+        op(*grads, b, b, b, out, out, *args[5:])
+    with pytest.raises(RuntimeError, match="segments_backward_into: float32 only, got BFloat16"):
+        torch.ops.attnlab_band.segments_backward_into(
+            *grads, b, b, b, out, b, lse, 0, 32, 2, True, 16, 1.0
+        )
     with pytest.raises(RuntimeError, match=r"lse must be \(H, L\)"):
         op(*grads, *args[:5], lse[:, :10], *args[6:])
     with pytest.raises(RuntimeError, match="rows out of range"):

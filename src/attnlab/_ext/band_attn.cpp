@@ -111,9 +111,33 @@ struct Traits<c10::Half> {
   static c10::Half store(float f) { return c10::Half(f); }  // round to nearest even
 };
 
-// Whether T is multiplied as a wider C (float16 as float32).
+// bfloat16 read as float32: the bits of c10::BFloat16, widened as they are packed (the band
+// backward's products run in float32 for every input dtype).
+struct WideBF16 {
+  uint16_t x;
+  operator float() const { return from_bits(static_cast<uint32_t>(x) << 16); }
+};
+
+template <>
+struct Traits<WideBF16> {
+  using C = float;
+  static constexpr bool vnni = false;
+  static constexpr bool packs_values = true;
+  static WideBF16 store(float f) { return WideBF16{to_bf16(f)}; }
+};
+
+// Whether T is multiplied as a wider C (float16, WideBF16 as float32).
 template <typename T>
 constexpr bool kWidens = !std::is_same_v<T, typename Traits<T>::C>;
+
+}  // namespace
+
+namespace attnlab_bits {
+template <>
+struct Bits<WideBF16> : Bits<c10::BFloat16> {};
+}  // namespace attnlab_bits
+
+namespace {
 
 // 64-byte aligned scratch (AMX tile loads and stores run at a third of their speed when rows
 // straddle cache lines: brgemm 16 × 272 × 64 in bfloat16, 2.9 → 1.2 µs for both products).
@@ -467,10 +491,24 @@ inline void widen_row(const c10::Half* a, int64_t n, float* o) {
   for (; c < n; ++c) o[c] = static_cast<float>(a[c]);
 }
 
-// `pack_keys` for float16 keys, widened to float32 (D, ld) as they are packed: 16 keys × 16
-// dims at a time are widened into a tile and transposed (the NaN/±inf test, with `bad`, runs on
-// the widened registers: widening keeps them).
-void pack_keys_wide(const c10::Half* k, int64_t ks, int64_t D, int64_t k0, int64_t v_lo,
+// n bfloat16 values widened to float32 (exactly: the bits shifted into the upper half).
+inline void widen_row(const WideBF16* a, int64_t n, float* o) {
+  int64_t c = 0;
+#if defined(__AVX512F__)
+  for (; c + 16 <= n; c += 16) {
+    const __m512i u =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)));
+    _mm512_storeu_ps(o + c, _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
+  }
+#endif
+  for (; c < n; ++c) o[c] = static_cast<float>(a[c]);
+}
+
+// `pack_keys` for float16 (or WideBF16) keys, widened to float32 (D, ld) as they are packed: 16
+// keys × 16 dims at a time are widened into a tile and transposed (the NaN/±inf test, with
+// `bad`, runs on the widened registers: widening keeps them).
+template <typename T>
+void pack_keys_wide(const T* k, int64_t ks, int64_t D, int64_t k0, int64_t v_lo,
                     int64_t v_hi, int64_t j_lo, int64_t j_hi, int64_t ld, float* out, bool* bad,
                     int64_t col0) {
   alignas(64) float tile[16][16];
@@ -502,10 +540,11 @@ void pack_keys_wide(const c10::Half* k, int64_t ks, int64_t D, int64_t k0, int64
   }
 }
 
-// Rows [j_lo, j_hi) of one head's float16 values widened to float32 rows (·, Dv): row j = value
-// k0 + j when v_lo <= j < v_hi, else zeros, written at position j − row0. With `bad`, every
-// value packed is also tested for NaN/±inf (a find sets *bad).
-void pack_values_wide(const c10::Half* v, int64_t vs, int64_t Dv, int64_t k0, int64_t v_lo,
+// Rows [j_lo, j_hi) of one head's float16 (or WideBF16) values widened to float32 rows (·, Dv):
+// row j = value k0 + j when v_lo <= j < v_hi, else zeros, written at position j − row0. With
+// `bad`, every value packed is also tested for NaN/±inf (a find sets *bad).
+template <typename T>
+void pack_values_wide(const T* v, int64_t vs, int64_t Dv, int64_t k0, int64_t v_lo,
                       int64_t v_hi, int64_t j_lo, int64_t j_hi, float* out, bool* bad,
                       int64_t row0) {
   for (int64_t j = j_lo; j < j_hi; ++j) {
@@ -514,7 +553,7 @@ void pack_values_wide(const c10::Half* v, int64_t vs, int64_t Dv, int64_t k0, in
       std::fill(o, o + Dv, 0.0f);
       continue;
     }
-    const c10::Half* a = v + (k0 + j) * vs;
+    const T* a = v + (k0 + j) * vs;
     if (bad != nullptr && attnlab_bits::span_bad(a, Dv)) *bad = true;
     widen_row(a, Dv, o);
   }
@@ -554,9 +593,9 @@ struct Heads {
   const T* v;
   int64_t qh, qs, kh, ks, vh, vs;
   Heads(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_)
-      : q(q_.const_data_ptr<T>()),
-        k(k_.const_data_ptr<T>()),
-        v(v_.const_data_ptr<T>()),
+      : q(static_cast<const T*>(q_.const_data_ptr())),
+        k(static_cast<const T*>(k_.const_data_ptr())),
+        v(static_cast<const T*>(v_.const_data_ptr())),
         qh(q_.stride(0)),
         qs(q_.stride(1)),
         kh(k_.stride(0)),
@@ -1013,11 +1052,13 @@ inline void add_transposed(const float* src, int64_t lds, int64_t rows, int64_t 
   }
 }
 
-// Pointers and strides of a backward call's float32 out, dout (H, L, Dv), lse (H, L) and the
-// gradients dq (H, L, D), dk (H_kv, S, D), dv (H_kv, S, Dv) of one batch item.
+// Pointers and strides of a backward call's float32 out (H, L, Dv), dout (H, L, Dv) in the
+// inputs' dtype T, float32 lse (H, L) and gradients dq (H, L, D), dk (H_kv, S, D), dv (H_kv, S,
+// Dv) of one batch item.
+template <typename T>
 struct GradIo {
   const float* o;
-  const float* g;
+  const T* g;
   const float* l;
   float* dq;
   float* dk;
@@ -1025,7 +1066,7 @@ struct GradIo {
   int64_t oh, os, gh, gs, lh, ls, dqh, dqs, dkh, dks, dvh, dvs;
   GradIo(at::Tensor& dq_, at::Tensor& dk_, at::Tensor& dv_, const at::Tensor& out,
          const at::Tensor& dout, const at::Tensor& lse)
-      : o(out.const_data_ptr<float>()), g(dout.const_data_ptr<float>()),
+      : o(out.const_data_ptr<float>()), g(static_cast<const T*>(dout.const_data_ptr())),
         l(lse.const_data_ptr<float>()), dq(dq_.data_ptr<float>()), dk(dk_.data_ptr<float>()),
         dv(dv_.data_ptr<float>()), oh(out.stride(0)), os(out.stride(1)), gh(dout.stride(0)),
         gs(dout.stride(1)), lh(lse.stride(0)), ls(lse.stride(1)), dqh(dq_.stride(0)),
@@ -1033,16 +1074,16 @@ struct GradIo {
         dvs(dv_.stride(1)) {}
   // δ = rowsum(dO ⊙ O) of `rows` rows of head h from row0, into delta
   void deltas(int64_t h, int64_t row0, int64_t rows, int64_t Dv, float* delta) const {
-    const float* gb = g + h * gh + row0 * gs;
+    const T* gb = g + h * gh + row0 * gs;
     const float* ob = o + h * oh + row0 * os;
     for (int64_t r = 0; r < rows; ++r) {
       float d = 0.0f;
-      for (int64_t e = 0; e < Dv; ++e) d += gb[r * gs + e] * ob[r * os + e];
+      for (int64_t e = 0; e < Dv; ++e) d += static_cast<float>(gb[r * gs + e]) * ob[r * os + e];
       delta[r] = d;
     }
   }
   float lse_at(int64_t h, int64_t row) const { return l[h * lh + row * ls]; }
-  const float* g_row(int64_t h, int64_t row) const { return g + h * gh + row * gs; }
+  const T* g_row(int64_t h, int64_t row) const { return g + h * gh + row * gs; }
   float* dq_row(int64_t h, int64_t row) const { return dq + h * dqh + row * dqs; }
   float* dk_row(int64_t hk, int64_t key) const { return dk + hk * dkh + key * dks; }
   float* dv_row(int64_t hk, int64_t key) const { return dv + hk * dvh + key * dvs; }
@@ -1072,6 +1113,7 @@ inline void grad_row(float* sr, float* dr, const float* ad, int64_t ws, int64_t 
 // blocks share (at most a window at each end of its range) are kept and added after the
 // parallel region in the order of the ranges: every run adds the same numbers in the same order
 // (bit-deterministic, as the catalogue asks of every backward).
+template <typename T>
 void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Tensor& q,
                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                    const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& add,
@@ -1086,13 +1128,14 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
   const int64_t v_hi = std::max(v_lo, std::min(nk, limit - k_start));
   const int64_t cap = std::max<int64_t>(4 * ws, 1024) / 16 * 16;
 
-  const Heads<float> in(q, k, v);
-  const Heads<float> vin(q, v, v);  // "keys" = values: packed as vᵀ for dO·vᵀ
+  // keys packed as kᵀ for q·kᵀ and (16-bit inputs, widened) as rows for dS·k; values as vᵀ
+  const Heads<T> in(q, k, k);
+  const Heads<T> vin(q, v, v);
   const float* ap = add.const_data_ptr<float>();
   const int64_t a0 = add.size(0) > 1 ? add.stride(0) : 0;
   const int64_t a1 = add.size(1) > 1 ? add.stride(1) : 0;
   const int64_t ar = add.stride(2);
-  const GradIo io(dq, dk, dv, out, dout, lse);
+  const GradIo<T> io(dq, dk, dv, out, dout, lse);
   // gradients of columns that neighbouring ranges share, per range (keyed by its first item):
   // added after the parallel region in range order, so every run sums them in the same order
   struct Shared {
@@ -1125,10 +1168,11 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
       add_transposed(dkt + (j0 - c0), ld, D, j1 - j0, io.dk_row(hk, k_start + j0), io.dks);
       add_transposed(dvt + (j0 - c0), ld, Dv, j1 - j0, io.dv_row(hk, k_start + j0), io.dvs);
     };
-    BandStream<float> kst(in, D, Dv, k_start, v_lo, v_hi, cap);
-    BandStream<float> vst(vin, Dv, Dv, k_start, v_lo, v_hi, cap);
+    BandStream<T> kst(in, D, D, k_start, v_lo, v_hi, cap);
+    BandStream<T> vst(vin, Dv, Dv, k_start, v_lo, v_hi, cap);
     GradAcc<decltype(flush)> acc(D, Dv, cap, flush);
     Buffer<float> s_buf(bq * ws), dp_buf(bq * ws), qt_buf(D * bq), gt_buf(Dv * bq);
+    Buffer<float> qw(kWidens<T> ? bq * D : 0), gw(kWidens<T> ? bq * Dv : 0);  // widened rows
     float* const s = s_buf.get();
     float* const dp = dp_buf.get();
     std::vector<float> delta(bq);
@@ -1143,22 +1187,27 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
       const int64_t kn = std::min(width, c_hi) - c_lo;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hk * G + g, row = r0 + c;
-        const float* qb = in.q + h * in.qh + row * in.qs;
-        const float* gb = io.g_row(h, row);
+        // q and dO rows: in place (float32) or widened
+        const auto [qb, lq] = query_rows(in.q + h * in.qh + row * in.qs, in.qs, bq, D, qw.get());
+        const auto [gb, lg] = query_rows(io.g_row(h, row), io.gs, bq, Dv, gw.get());
         const float* at = ap + t * a0 + h * a1;
         io.deltas(h, row, bq, Dv, delta.data());
-        brgemm(bq, ws, D, in.qs, kst.ld(), ws, false, qb, kst.keys(c), s, false);
-        brgemm(bq, ws, Dv, io.gs, vst.ld(), ws, false, gb, vst.keys(c), dp, false);
+        brgemm(bq, ws, D, lq, kst.ld(), ws, false, qb, kst.keys(c), s, false);
+        brgemm(bq, ws, Dv, lg, vst.ld(), ws, false, gb, vst.keys(c), dp, false);
         for (int64_t r = 0; r < bq; ++r) {  // s becomes P, dp dS·scale
           grad_row(s + r * ws, dp + r * ws, at + r * ar, ws, c_lo, c_hi, scale,
                    io.lse_at(h, row + r), delta[r]);
         }
-        // dq rows += dS·k over the keys that exist (k read in place)
-        brgemm(bq, D, kn, ws, in.ks, io.dqs, true, dp + c_lo,
-               in.k + hk * in.kh + (k_start + c + c_lo) * in.ks, io.dq_row(h, row),
-               false);
-        transpose_f32(qb, in.qs, bq, D, qt_buf.get(), bq);
-        transpose_f32(gb, io.gs, bq, Dv, gt_buf.get(), bq);
+        // dq rows += dS·k over the keys that exist (float32 k in place, else widened rows)
+        if constexpr (Traits<T>::packs_values) {
+          brgemm(bq, D, kn, ws, D, io.dqs, true, dp + c_lo, kst.values(c + c_lo),
+                 io.dq_row(h, row), false);
+        } else {
+          brgemm(bq, D, kn, ws, in.ks, io.dqs, true, dp + c_lo,
+                 in.k + hk * in.kh + (k_start + c + c_lo) * in.ks, io.dq_row(h, row), false);
+        }
+        transpose_f32(qb, lq, bq, D, qt_buf.get(), bq);
+        transpose_f32(gb, lg, bq, Dv, gt_buf.get(), bq);
         brgemm(D, ws, bq, bq, ws, acc.ld(), true, qt_buf.get(), dp, acc.dkt(c), false);
         brgemm(Dv, ws, bq, bq, ws, acc.ld(), true, gt_buf.get(), s, acc.dvt(c), false);
       }
@@ -1204,7 +1253,7 @@ void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::
   const int64_t wmax = score_cols(n, false), ldk = wmax + 16;
   const int64_t nblk = (n + bq - 1) / bq;
   const Heads<float> in(q, k, v);
-  const GradIo io(dq, dk, dv, out, dout, lse);
+  const GradIo<float> io(dq, dk, dv, out, dout, lse);
 
   at::parallel_for(0, count * Hkv, 1, [&](int64_t i0, int64_t i1) {
     Buffer<float> kt(D * ldk), vt(Dv * ldk), dkt(D * ldk), dvt(Dv * ldk);
@@ -1400,16 +1449,16 @@ void check_backward(const char* op, const at::Tensor& dq, const at::Tensor& dk,
                     const at::Tensor& dv, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& dout,
                     const at::Tensor& lse) {
-  check_inputs(op, out, q, k, v, 3);
+  check_inputs(op, out, q, k, v, 3, /*float_out=*/true);
   check(dq, op, "dq", 3);
   check(dk, op, "dk", 3);
   check(dv, op, "dv", 3);
   check(dout, op, "dout", 3);
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "attnlab_band.", op, ": float32 only, got ",
-              q.scalar_type());
+  TORCH_CHECK(dout.scalar_type() == q.scalar_type(), "attnlab_band.", op,
+              ": dout must have q's dtype, got ", dout.scalar_type());
   for (const at::ScalarType t : {dq.scalar_type(), dk.scalar_type(), dv.scalar_type(),
-                                 out.scalar_type(), dout.scalar_type(), lse.scalar_type()}) {
-    TORCH_CHECK(t == at::kFloat, "attnlab_band.", op, ": float32 tensors, got ", t);
+                                 out.scalar_type(), lse.scalar_type()}) {
+    TORCH_CHECK(t == at::kFloat, "attnlab_band.", op, ": float32 out, lse, dq, dk, dv, got ", t);
   }
   TORCH_CHECK(dq.sizes() == q.sizes() && dk.sizes() == k.sizes() && dv.sizes() == v.sizes() &&
                   dout.sizes() == out.sizes() && out.size(0) == q.size(0) &&
@@ -1429,8 +1478,15 @@ void backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const at::Tensor
   TORCH_CHECK(add.scalar_type() == at::kFloat, "attnlab_band.backward_into: add must be float32");
   check_band_call("backward_into", q, k, add, r0, nblk, bq, width, limit);
   const at::Tensor addp = padded_tile(add, width, score_cols(width, false));
-  band_backward(dq, dk, dv, q, k, v, out, dout, lse, addp, r0, nblk, bq, k_start, width, limit,
-                scale);
+  auto run = [&](auto in_type) {
+    band_backward<decltype(in_type)>(dq, dk, dv, q, k, v, out, dout, lse, addp, r0, nblk, bq,
+                                     k_start, width, limit, scale);
+  };
+  switch (q.scalar_type()) {  // every product in float32: 16-bit inputs widened as packed
+    case at::kFloat: return run(float{});
+    case at::kHalf: return run(c10::Half{});
+    default: return run(WideBF16{});
+  }
 }
 
 void segments_backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const at::Tensor& q,
@@ -1438,6 +1494,8 @@ void segments_backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const a
                             const at::Tensor& dout, const at::Tensor& lse, int64_t start,
                             int64_t n, int64_t count, bool causal, int64_t bq, double scale) {
   check_backward("segments_backward_into", dq, dk, dv, q, k, v, out, dout, lse);
+  TORCH_CHECK(q.scalar_type() == at::kFloat,
+              "attnlab_band.segments_backward_into: float32 only, got ", q.scalar_type());
   TORCH_CHECK(n >= 1 && count >= 1 && bq >= 1, "attnlab_band.segments_backward_into: empty call");
   TORCH_CHECK(start >= 0 && start + count * n <= std::min(q.size(1), k.size(1)),
               "attnlab_band.segments_backward_into: segments out of range");

@@ -139,7 +139,7 @@ def band_backward(
     ``res`` holds the whole tensors ``(B, …)``; its lse is +inf on rows with no key.
     """
     dq, dk, dv = grads
-    native = band_kernel.backward_usable(res.q, res.k, res.v, res.out, res.dout, dq)
+    native = band_kernel.backward_usable(res.q, res.k, res.v, res.out, res.dout)
     for b in range(c.b0, c.b1):
         add = tiles.tile(c, b, res.q.device)
         if native:  # every block, edges too, in one C++ call
@@ -220,8 +220,7 @@ def segment_backward(
     """Adds the gradients of batched segments into ``grads = (dq, dk, dv)`` (kernel engine):
     attnlab's C++ kernel in float32 (`band_kernel.segments_backward_into`), else torch's."""
     dq, dk, dv = grads
-    xs = (res.q, res.k, res.v, res.out, res.dout, dq)
-    if band_kernel.backward_usable(*xs) and band_kernel.segments_ready(res.q, c.n):
+    if band_kernel.segments_backward_usable(res.q, res.k, res.v, res.out, res.dout, c.n):
         for b in range(c.b0, c.b1):
             parts = (res.q[b], res.k[b], res.v[b], res.out[b], res.dout[b], res.lse[b])
             band_kernel.segments_backward_into((dq[b], dk[b], dv[b]), parts, c, scale)

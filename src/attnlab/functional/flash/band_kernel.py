@@ -39,8 +39,9 @@ tolerance rule; both give out = 0, lse = −inf on a row with no key):
 - ``ATTNLAB_FLASH_BAND_ENGINE`` is unset or ``auto``; ``aten`` forces torch's kernel (the suite
   runs both on any CPU).
 
-The backward of band calls (`backward_into`, float32: 16-bit inputs are widened for it, as the
-flash job widens every band backward) runs on the same extension when `backward_usable`: per
+The backward of band calls (`backward_into`: every product in float32, 16-bit inputs widened as
+they are packed — the values of a widened run, without the widened copies) runs on the same
+extension when `backward_usable`: per
 query block and head it recomputes ``P = exp(q·kᵀ·scale + add − lse)`` from the forward's lse,
 ``dS = P ⊙ (dO·vᵀ − δ)`` with ``δ = rowsum(dO ⊙ O)``, adds ``dS·k`` into dq and keeps ``qᵀ·dS``
 and ``dOᵀ·P`` for the window's keys in per-thread accumulators that add each key's gradient
@@ -170,12 +171,24 @@ def backward_ready(q: Tensor) -> bool:
     return ready(torch.empty((0,), dtype=torch.float32, device=q.device))
 
 
-def backward_usable(*xs: Tensor) -> bool:
-    """Whether the backward of band calls on these float32 tensors (q, k, v, out, dout) runs on
-    attnlab's C++ kernel: `ready`, every tensor float32 with unit stride in the last dim."""
-    if any(x.dtype != torch.float32 or (x.stride(-1) != 1 and x.shape[-1] > 1) for x in xs):
+def backward_usable(q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor) -> bool:
+    """Whether the backward of band calls on these tensors runs on attnlab's C++ kernel:
+    `ready` for q, k, v and dout in q's dtype (16-bit ones are widened as they are packed), out
+    float32, every tensor with unit stride in the last dim."""
+    xs = (q, k, v, out, dout)
+    if any(x.stride(-1) != 1 and x.shape[-1] > 1 for x in xs) or out.dtype != torch.float32:
         return False
-    return ready(xs[0])
+    return all(x.dtype == q.dtype for x in (k, v, dout)) and ready(q)
+
+
+def segments_backward_usable(
+    res_q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, n: int
+) -> bool:
+    """`backward_usable` for segments of ``n`` positions, in float32 only (16-bit segment
+    backwards run torch's kernel in their dtype), ``n <= SEGMENT_MAX``."""
+    if res_q.dtype != torch.float32 or n > SEGMENT_MAX:
+        return False
+    return backward_usable(res_q, k, v, out, dout)
 
 
 def backward_into(
@@ -189,9 +202,9 @@ def backward_into(
 
     Args:
         grads: float32 ``(H, L, D)``, ``(H_kv, S, D)``, ``(H_kv, S, Dv)`` accumulators.
-        parts: float32 ``(q, k, v, out, dout, lse)``: the call's inputs as for `forward_into`,
-            the whole forward output and its gradient ``(H, L, Dv)``, and the whole forward's
-            log-sum-exp ``(H, L)``, +inf on rows without a key.
+        parts: ``(q, k, v, out, dout, lse)``: the call's inputs as for `forward_into`, the
+            whole forward output (float32) and its gradient (q's dtype) ``(H, L, Dv)``, and the
+            whole forward's log-sum-exp ``(H, L)``, +inf on rows without a key.
         add: additive tile, as for `forward_into`.
         c: the call. scale: logit multiplier.
 
@@ -304,6 +317,7 @@ __all__ = [
     "ready",
     "runs_every_call",
     "segments_backward_into",
+    "segments_backward_usable",
     "segments_into",
     "segments_ready",
     "segments_usable",
