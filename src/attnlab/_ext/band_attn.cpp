@@ -1036,13 +1036,7 @@ inline void add_transposed(const float* src, int64_t lds, int64_t rows, int64_t 
     const int64_t nc = std::min<int64_t>(16, n - c0);
     for (int64_t d0 = 0; d0 < rows; d0 += 16) {
       const int64_t nd = std::min<int64_t>(16, rows - d0);
-      if (nc == 16 && nd == 16) {
-        transpose16<float>(reinterpret_cast<const uint32_t*>(src + d0 * lds + c0), lds,
-                           reinterpret_cast<uint32_t*>(&tile[0][0]), 16, nullptr);
-      } else {
-        for (int64_t d = 0; d < nd; ++d)
-          for (int64_t c = 0; c < nc; ++c) tile[c][d] = src[(d0 + d) * lds + c0 + c];
-      }
+      transpose_f32(src + d0 * lds + c0, lds, nd, nc, &tile[0][0], 16);  // tile[c][d]
       for (int64_t c = 0; c < nc; ++c) {
         float* row = dst + (c0 + c) * ldd + d0;
 #pragma omp simd

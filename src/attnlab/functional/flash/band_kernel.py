@@ -108,13 +108,17 @@ def _cpu_supports(dtype: torch.dtype) -> bool:
 
 def ready(q: Tensor, bq: int | None = None) -> bool:
     """Whether band calls on ``q`` (query block ``bq``) run on attnlab's C++ kernel."""
-    if engine_setting() != "auto" or q.device.type != "cpu":
+    return _ready(q.dtype, q.device, q.shape[-1], bq)
+
+
+def _ready(dtype: torch.dtype, device: torch.device, D: int, bq: int | None) -> bool:
+    if engine_setting() != "auto" or device.type != "cpu":
         return False
-    if q.dtype not in BLOCKS or torch.compiler.is_compiling():
+    if dtype not in BLOCKS or torch.compiler.is_compiling():
         return False
-    if q.dtype == torch.bfloat16 and (q.shape[-1] % 2 or (bq is not None and bq % 2)):
+    if dtype == torch.bfloat16 and (D % 2 or (bq is not None and bq % 2)):
         return False
-    return _ext.load(EXT) and _cpu_supports(q.dtype)
+    return _ext.load(EXT) and _cpu_supports(dtype)
 
 
 def block(q: Tensor) -> int:
@@ -127,10 +131,25 @@ def usable(q: Tensor, k: Tensor, v: Tensor, bq: int) -> bool:
     return all(x.stride(-1) == 1 or x.shape[-1] == 1 for x in (q, k, v)) and ready(q, bq)
 
 
+def _band_calls(plan: Plan) -> list[BandCall] | None:
+    """The plan's calls when it has some and every one is a batched band call, else None."""
+    calls = [c for g in plan.groups for c in g.calls]
+    bands = [c for c in calls if isinstance(c, BandCall)]
+    return bands if bands and len(bands) == len(calls) else None
+
+
 def runs_every_call(plan: Plan, q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether the plan has calls and every one is a batched band call this kernel runs."""
-    calls = [c for g in plan.groups for c in g.calls]
-    return bool(calls) and all(isinstance(c, BandCall) and usable(q, k, v, c.bq) for c in calls)
+    calls = _band_calls(plan)
+    return calls is not None and all(usable(q, k, v, c.bq) for c in calls)
+
+
+def backward_runs_every_call(
+    plan: Plan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor
+) -> bool:
+    """Whether the plan has calls, every one a batched band call whose backward runs on this
+    kernel with these tensors (`backward_usable`)."""
+    return _band_calls(plan) is not None and backward_usable(q, k, v, out, dout)
 
 
 def segments_ready(q: Tensor, n: int) -> bool:
@@ -168,7 +187,7 @@ def segments_into(
 def backward_ready(q: Tensor) -> bool:
     """Whether the backward of band calls on queries like ``q`` will run on attnlab's C++
     kernel (in float32: 16-bit inputs are widened for it): `ready` for float32 on q's device."""
-    return ready(torch.empty((0,), dtype=torch.float32, device=q.device))
+    return _ready(torch.float32, q.device, q.shape[-1], None)
 
 
 def backward_usable(q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor) -> bool:
@@ -309,6 +328,7 @@ __all__ = [
     "SEGMENT_MAX",
     "backward_into",
     "backward_ready",
+    "backward_runs_every_call",
     "backward_usable",
     "block",
     "checking_inputs",

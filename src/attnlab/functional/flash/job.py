@@ -297,7 +297,7 @@ class FlashJob:
             return self._narrow(kernel_backward(wide, logits), q, k, v)
         if self._widen(q, plan, backward=True):
             out32 = self.out32 if self.out32 is not None else res.out.float()
-            if use_kernel and self._bands_only(plan, q, k, v, out32, res.dout):
+            if use_kernel and band_kernel.backward_runs_every_call(plan, q, k, v, out32, res.dout):
                 # attnlab's C++ band backward widens 16-bit inputs as it packs them: the
                 # widened run's values without the widened copies
                 res = Residuals(res.dout, q, k, v, out32, lse_b)
@@ -320,14 +320,6 @@ class FlashJob:
                 for bc in calls:
                     self._simple_backward(res, bc, grads, dlse=dlse, kernel=use_kernel, whole=whole)
         return self._narrow(grads, q, k, v)
-
-    @staticmethod
-    def _bands_only(plan: Plan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor) -> bool:
-        """Whether the plan has calls and every one is a band call whose backward runs on
-        attnlab's C++ kernel (`band_kernel.backward_usable`)."""
-        calls = [c for g in plan.groups for c in g.calls]
-        usable = band_kernel.backward_usable(q, k, v, out, dout)
-        return bool(calls) and usable and all(isinstance(c, BandCall) for c in calls)
 
     @staticmethod
     def _narrow(grads: _Grads, q: Tensor, k: Tensor, v: Tensor) -> _Grads:
