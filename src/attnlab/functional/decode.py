@@ -199,6 +199,23 @@ def decode_step_ready(backend: str, q: Tensor, k: Tensor, v: Tensor, dropout_p: 
     return nan_rule.ext_ready(q, k, v)  # (gradient: it refuses inputs that require grad)
 
 
+def fused_step_fits(backend: str, B: int, H: int, H_kv: int, S: int, D: int, dtype) -> bool:
+    """Whether a block's fused one-token step (`attnlab.models.fused_step`) may run its attention
+    on the decode kernel: ``backend`` is "decode", or "auto" with the decode backend first in
+    auto's order, and the sizes fit (`_size_reason`; S counts the new key).
+
+    Auto's preference for SDPA on a lone float32 call with few keys (`DECODE_MIN_KEYS`) is not
+    applied: inside the fused step the decode kernel also rotates q, where SDPA would need RoPE's
+    tensor ops and the NaN rule's around it.
+    """
+    if backend == "auto":
+        if not _AUTO_ORDER or _AUTO_ORDER[0] != "decode":
+            return False
+    elif backend != "decode":
+        return False
+    return _size_reason(B, H, H_kv, 1, S, D, D, dtype) is None
+
+
 def decode_step_run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """``attention(q, k, v)`` (default scale, no mask) on the decode backend's C++ step, for
     calls `decode_step_ready` accepts: `decode_run` of their request without building it."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -88,25 +89,56 @@ def usable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 
     The cheap checks run first: this sits on every projection of a decode step."""
     if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
-        return False  # tracing, FLOP counting, fake tensors: the standard aten ops
+        return False  # before any size test: a traced size would get a guard
     if not x.is_cpu or x.dtype not in _DTYPES or weight.dtype != x.dtype:
         return False
     K = weight.shape[-1]
-    if weight.dim() != 2 or K == 0 or x.shape[-1] != K or x.numel() > MAX_ROWS * K:
+    if weight.dim() != 2 or K == 0 or x.shape[-1] != K:
         return False
-    if x.dtype == torch.float32 and x.numel() == K and weight.numel() < FP32_ONE_ROW_MIN:
+    if torch.is_grad_enabled() and x.requires_grad:
+        return False
+    if x.stride(-1) != 1 and K > 1:
+        return False
+    return _weight_ok(x.numel() // K, weight, bias) and _ready(x.dtype)
+
+
+def stream_mask(
+    rows: int, dtype: torch.dtype, layers: Sequence[tuple[Tensor, Tensor | None]]
+) -> int:
+    """Bit i set iff `linear` would run ``rows`` contiguous CPU rows of ``dtype`` through
+    ``layers[i] = (weight, bias)`` on the streaming kernel (`usable` without a tensor ``x``:
+    `attnlab.models.fused_step` plans a whole block's step from the shapes)."""
+    if not _ready(dtype):
+        return 0
+    mask = 0
+    for i, (weight, bias) in enumerate(layers):
+        if weight.dtype == dtype and _weight_ok(rows, weight, bias):
+            mask |= 1 << i
+    return mask
+
+
+def _weight_ok(rows: int, weight: Tensor, bias: Tensor | None) -> bool:
+    """The weight's and bias's part of `usable`, for ``rows`` rows of x of weight's dtype."""
+    if not weight.is_cpu or weight.dim() != 2 or weight.shape[-1] == 0 or rows > MAX_ROWS:
+        return False
+    if weight.dtype == torch.float32 and rows == 1 and weight.numel() < FP32_ONE_ROW_MIN:
         return False  # torch's single-row float32 kernel is faster on cache-sized weights
     if torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        weight.requires_grad or (bias is not None and bias.requires_grad)
     ):
         return False
-    if not weight.is_contiguous() or (x.stride(-1) != 1 and K > 1):
+    if not weight.is_contiguous():
         return False
-    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+    return bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())
+
+
+def _ready(dtype: torch.dtype) -> bool:
+    """The call-independent part of `usable`: eager mode, the setting, the built kernel."""
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+        return False  # tracing, FLOP counting, fake tensors: the standard aten ops
+    if dtype not in _DTYPES or setting() != "auto":
         return False
-    if setting() != "auto":
-        return False
-    return _ext.load(EXT) and _cpu_supports(x.dtype)
+    return _ext.load(EXT) and _cpu_supports(dtype)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -134,5 +166,6 @@ __all__ = [
     "linear",
     "rows_per_pass",
     "setting",
+    "stream_mask",
     "usable",
 ]

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from .. import masks
 from ..modules import KVCache, StreamLinear
+from . import fused_step
 from .blocks import StackOutput, TransformerBlock, make_norm, positional_parts, run_blocks
 from .config import TransformerConfig
 
@@ -170,12 +171,7 @@ class GPT(nn.Module):
                 f"sequence of {offset + L} positions ({offset} cached + {L} new) exceeds "
                 f"max_seq_len={cfg.max_seq_len}"
             )
-        x = self.tok_emb(idx)  # (B, L, E)
-        if self.pos_emb is not None:
-            pos = torch.arange(offset, offset + L, device=idx.device)  # (L,)
-            x = x + self.pos_emb(pos).to(x.dtype)  # (B, L, E)
-        if self.training:  # eval-mode dropout is the identity: skip the call (decode steps)
-            x = self.drop(x)
+        x = self._embed(idx, offset)  # (B, L, E)
         # Bottom-right causal; a single new token (decoding) is the last query and sees every key.
         causal = masks.causal() if L > 1 else None
         return run_blocks(
@@ -188,6 +184,29 @@ class GPT(nn.Module):
                 self.gradient_checkpointing and self.training and torch.is_grad_enabled()
             ),
         )
+
+    def _embed(self, idx: Tensor, offset: int) -> Tensor:
+        """Token (and added position) embeddings ``(B, L, E)`` of ids ``(B, L)`` at positions
+        ``offset … offset + L − 1``."""
+        x = self.tok_emb(idx)  # (B, L, E)
+        if self.pos_emb is not None:
+            pos = torch.arange(offset, offset + idx.shape[1], device=idx.device)  # (L,)
+            x = x + self.pos_emb(pos).to(x.dtype)  # (B, L, E)
+        if self.training:  # eval-mode dropout is the identity: skip the call (decode steps)
+            x = self.drop(x)
+        return x
+
+    def _step_logits(
+        self, idx: Tensor, caches: list[KVCache], plans: list[fused_step.StepPlan]
+    ) -> Tensor:
+        """`_next_logits` of one new token per row ``(B, 1)`` through the blocks' fused steps
+        (`attnlab.models.fused_step`: plans made for this decode loop); a block whose plan
+        declines the step runs its modules."""
+        x = self._embed(idx, caches[0].seen)  # (B, 1, E)
+        for block, p, cache in zip(self.blocks, plans, caches, strict=True):
+            y = p.run(x, cache)
+            x = block(x, cache=cache) if y is None else y  # (B, 1, E)
+        return self.lm_head(self.norm_f(x))[:, 0]  # (B, V)
 
     def _next_logits(self, idx: Tensor, caches: list[KVCache] | None) -> Tensor:
         """Logits ``(B, V)`` of the last position only, for ids `generate` already checked.
@@ -275,6 +294,10 @@ class GPT(nn.Module):
         out = idx.new_empty(B, total, dtype=torch.long)
         out[:, :P] = idx
         start, caches = 0, None
+        # one fused C++ call per block and step where every block allows it (planned once: no
+        # user code runs between the steps of this loop)
+        plans = [fused_step.plan(b, B, self.tok_emb.weight.dtype) for b in self.blocks]
+        fused = None if None in plans else plans
         for t in range(P, total):
             new_start = context_start(t, start, window)
             if not use_cache:
@@ -284,6 +307,8 @@ class GPT(nn.Module):
                 # Prefill, or the context is full: rebuild the caches from its tail.
                 start, caches = new_start, self.new_caches(min(window, total - new_start))
                 logits = self._next_logits(out[:, start:t], caches)  # (B, V)
+            elif fused is not None:
+                logits = self._step_logits(out[:, t - 1 : t], caches, fused)  # (B, V)
             else:
                 logits = self._next_logits(out[:, t - 1 : t], caches)  # one token: (B, V)
             out[:, t : t + 1] = self._sample(logits, temperature, top_k, generator)
