@@ -282,7 +282,7 @@ def test_band_block_override(monkeypatch) -> None:
     q, k, v = qkv(192, torch.bfloat16)
     mask = masks.sliding_window(24)
     native = band_kernel.ready(q, band_kernel.block(q))  # the kernel's own block if it runs
-    default = band_kernel.BLOCKS[torch.bfloat16] if native else flash_plan.BAND_BLOCK_FWD
+    default = band_kernel.block(q) if native else flash_plan.BAND_BLOCK_FWD
     for raw, want in (("", default), ("16", 16), ("64", 64)):
         monkeypatch.setenv(flash_plan.BAND_BLOCK_ENV, raw)
         req = plain_request(q, k, v, mask=mask, bias=None, scale=None, temperature=1.0, score="dot")
@@ -654,14 +654,21 @@ def test_band_kernel_backward_checks_its_arguments(band_ext) -> None:
 
 
 def test_band_kernel_not_for_meta_float64_or_bad_setting(monkeypatch) -> None:
-    """Meta tensors, float64 and odd bfloat16 head dims stay on torch's kernel; an unknown
-    ``ATTNLAB_FLASH_BAND_ENGINE`` is named."""
+    """Meta tensors and float64 stay on torch's kernel, and so do odd head dims and blocks in
+    bfloat16 pairs (widened bfloat16 takes them); an unknown ``ATTNLAB_FLASH_BAND_ENGINE`` is
+    named."""
     assert not band_kernel.ready(torch.empty(1, 2, 8, 4, device="meta"))
     assert not band_kernel.ready(torch.empty(1, 2, 8, 4, dtype=torch.float64))
-    assert not band_kernel.ready(torch.empty(1, 2, 8, 5, dtype=torch.bfloat16))
-    assert not band_kernel.ready(torch.empty(1, 2, 8, 4, dtype=torch.bfloat16), bq=7)
+    if _ext.mode() != "off" and _ext.load(band_kernel.EXT, wait=True):
+        for engine in ("auto", "widen"):
+            monkeypatch.setenv(band_kernel.ENGINE_ENV, engine)
+            odd_ok = not band_kernel.pairs(torch.bfloat16)
+            assert band_kernel.ready(torch.empty(1, 2, 8, 5, dtype=torch.bfloat16)) == odd_ok
+            assert band_kernel.ready(torch.empty(1, 2, 8, 4, dtype=torch.bfloat16), 7) == odd_ok
     monkeypatch.setenv(band_kernel.ENGINE_ENV, "fast")
-    with pytest.raises(ValueError, match=r"ATTNLAB_FLASH_BAND_ENGINE must be one of auto, aten"):
+    with pytest.raises(
+        ValueError, match=r"ATTNLAB_FLASH_BAND_ENGINE must be one of auto, aten, widen"
+    ):
         band_kernel.ready(torch.empty(1, 2, 8, 4))
 
 
@@ -796,15 +803,50 @@ def test_segment_kernel_checks_its_arguments(band_ext) -> None:
     op = torch.ops.attnlab_band.segments_into
     with pytest.raises(RuntimeError, match="segments out of range"):
         op(out, lse, q, q, q, 10, 30, 2, True, 16, 1.0)
-    with pytest.raises(RuntimeError, match="even segment length"):
-        qb = q.bfloat16()
-        op(out.bfloat16(), lse, qb, qb, qb, 0, 31, 2, True, 16, 1.0)
+    qb = q.bfloat16()
+    if band_kernel.pairs(torch.bfloat16):  # bfloat16 pairs need even segments
+        with pytest.raises(RuntimeError, match="even segment length"):
+            op(out.bfloat16(), lse, qb, qb, qb, 0, 31, 2, True, 16, 1.0)
+    op(out.bfloat16(), lse, qb, qb, qb, 0, 31, 2, True, 16, 1.0, True)  # widened: any length
     with pytest.raises(RuntimeError, match=r"out must be \(H, L, Dv\)"):
         op(out[:, :10], lse, q, q, q, 0, 32, 2, True, 16, 1.0)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 only, got Double"):
         qd = q.double()
         op(out.double(), lse, qd, qd, qd, 0, 32, 2, True, 16, 1.0)
-    assert not band_kernel.segments_usable(q.bfloat16(), q.bfloat16(), q.bfloat16(), 31)
+    assert band_kernel.segments_usable(qb, qb, qb, 31) == (not band_kernel.pairs(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", ["window", "window + alibi", "documents", "dense causal"])
+def test_bfloat16_widened_forward_matches_reference(band_ext, monkeypatch, name) -> None:
+    """``ATTNLAB_FLASH_BAND_ENGINE=widen`` (what CPUs without AVX512-BF16/AMX run: an AVX2-only
+    AMD EPYC) runs bfloat16 band and segment calls on the C++ kernel with the inputs widened to
+    float32 as they are packed, on any CPU: an odd head dim and odd segments (which bfloat16
+    pairs refuse), float32's query block, the float64 reference with the tolerance rule."""
+    from attnlab.positional import ALiBi
+
+    monkeypatch.setenv(band_kernel.ENGINE_ENV, "widen")
+    assert not band_kernel.pairs(torch.bfloat16)
+    q = torch.zeros(1, 1, 8, 15, dtype=torch.bfloat16)
+    assert band_kernel.ready(q, 17) and band_kernel.block(q) == band_kernel.BLOCK
+    cases = {
+        "window": (masks.sliding_window(37), None, "forward_into"),
+        "window + alibi": (masks.sliding_window(29), ALiBi(4), "forward_into"),
+        "documents": (
+            masks.causal() & masks.document.from_lengths([37] * 4),
+            None,
+            "segments_into",
+        ),
+        "dense causal": (masks.causal(), None, "segments_into"),
+    }
+    mask, bias, op = cases[name]
+    calls = _count_calls(monkeypatch, op)
+    check_against_reference(
+        call_backend("flash", mask, bias),
+        reference_for(mask, bias),
+        list(qkv(148, torch.bfloat16, D=15)),
+        mean_factor=mean_factor_for("flash", torch.bfloat16),
+    )
+    assert calls, f"the C++ kernel's {op} did not run"
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)

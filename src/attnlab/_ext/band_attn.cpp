@@ -2,7 +2,7 @@
 // backend, each as one CPU operator (see attnlab/functional/flash/band.py and band_kernel.py).
 //
 //   attnlab_band::forward_into(out!, lse!, q, k, v, add, r0, nblk, bq, k_start, width, limit,
-//                              scale, check=False) -> seen
+//                              scale, check=False, widen=False) -> seen
 //       q (H, L, D), k (H_kv, S, D), v (H_kv, S, Dv): one batch item, unit stride in the last
 //       dim; query block t (0 <= t < nblk) holds rows r0 + t·bq … + bq and sees the keys
 //       [k_start + t·bq, … + width) that lie in [0, limit) (edge windows are clipped: columns
@@ -17,15 +17,20 @@
 //       and values of its windows) for NaN/±inf: seen is then a 1-element tensor if one was
 //       found (out and lse are not meaningful), else empty (numel 0; also when not checking),
 //       so the caller branches on shape, as on `attnlab_flash::clean_copy`.
-//   attnlab_band::segments_into(out!, lse!, q, k, v, start, n, count, causal, bq, scale)
+//   attnlab_band::segments_into(out!, lse!, q, k, v, start, n, count, causal, bq, scale,
+//                               widen=False)
 //       q, k, v as above; segment s (0 <= s < count) holds rows and keys [start + s·n, … + n):
 //       its rows attend all its keys, or (causal) the keys up to their own position. Writes the
 //       segments' rows of out (H, L, Dv) and lse (H, L) float32 (other rows untouched), in
 //       query blocks of bq rows: out = softmax(q·kᵀ·scale) v, lse = log Σ exp(q·kᵀ·scale).
 //   attnlab_band::supported(dtype) -> bool: whether this CPU runs the operator in that dtype
-//       (oneDNN's brgemm micro-kernel: float32 anywhere it exists, and float16, which is widened
-//       to float32 as it is packed; bfloat16 with AVX512-BF16 or AMX); the caller falls back to
-//       torch's flash kernel otherwise.
+//       (oneDNN's brgemm micro-kernel in float32, wherever it exists: float16 is widened to
+//       float32 as it is packed, and so is bfloat16 unless its own products run); the caller
+//       falls back to torch's flash kernel otherwise.
+//   attnlab_band::native(dtype) -> bool: whether the forward multiplies in that dtype itself:
+//       float32, and bfloat16 (in VNNI pairs: an even head dim and block) on CPUs with
+//       AVX512-BF16 or AMX. Elsewhere, or with widen=True, a bfloat16 forward widens its inputs
+//       to float32 as it packs them (exact; the same float32 products as float16).
 //
 // Why it is faster than torch's fused kernel on these calls: every block holds ALL its keys, so
 // the softmax is one pass (no running rescale); each key is packed once per thread (the windows
@@ -232,6 +237,12 @@ inline void store16(float* p, __m512 e) { _mm512_storeu_ps(p, e); }
 inline void store16(c10::Half* p, __m512 e) {  // round to nearest even on 16 lanes
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                       _mm512_cvtps_ph(e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+inline void store16(c10::BFloat16* p, __m512 e);
+
+inline void store16(WideBF16* p, __m512 e) {  // the bits of c10::BFloat16
+  store16(reinterpret_cast<c10::BFloat16*>(p), e);
 }
 
 inline void store16(c10::BFloat16* p, __m512 e) {  // to_bf16 on 16 lanes
@@ -787,7 +798,7 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
   const int64_t a0 = add.size(0) > 1 ? add.stride(0) : 0;
   const int64_t a1 = add.size(1) > 1 ? add.stride(1) : 0;
   const int64_t ar = add.stride(2);
-  TO* op = out.data_ptr<TO>();
+  TO* op = static_cast<TO*>(out.data_ptr());  // WideBF16: the bits of bfloat16
   float* lp = lse.data_ptr<float>();
   const int64_t o0 = out.stride(0), o1 = out.stride(1), o2 = out.stride(2);
   const int64_t l0 = lse.stride(0), l1 = lse.stride(1), l2 = lse.stride(2);
@@ -900,7 +911,7 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
 
   const Heads<T> in(q, k, v);
   const int64_t qs = in.qs, vs = in.vs;
-  T* op = out.data_ptr<T>();
+  T* op = static_cast<T*>(out.data_ptr());  // WideBF16: the bits of bfloat16
   float* lp = lse.data_ptr<float>();
   const int64_t o0 = out.stride(0), o1 = out.stride(1), l0 = lse.stride(0), l1 = lse.stride(1);
 
@@ -1349,9 +1360,34 @@ at::ScalarType check_inputs(const char* op, const at::Tensor& out, const at::Ten
   const at::ScalarType dt = q.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "attnlab_band.", op,
               ": float32, bfloat16 or float16 only, got ", dt);
-  TORCH_CHECK(dt != at::kBFloat16 || q.size(2) % 2 == 0, "attnlab_band.", op,
-              ": bfloat16 needs an even head dim");
   return dt;
+}
+
+// Whether oneDNN's micro-kernel multiplies bfloat16 on this CPU (AVX512-BF16 or AMX): a tiny
+// product through it, asked once (oneDNN throws when the CPU lacks the ISA).
+bool native_bf16() {
+  static const bool yes = [] {
+    try {
+      std::vector<c10::BFloat16> a(4 * 4, c10::BFloat16(1.0f)), b(4 * 16, c10::BFloat16(1.0f));
+      std::vector<float> c(4 * 16);
+      brgemm(4, 16, 4, 4, 16, 16, false, a.data(), b.data(), c.data(), true);
+      brgemm_release(true);
+      return c[0] == 4.0f;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return yes;
+}
+
+// Whether a forward call in dtype dt multiplies bfloat16 in VNNI pairs (else float32 products,
+// 16-bit inputs widened as they are packed): bfloat16, not `widen`, on a CPU that has it. The
+// pairs need an even head dim and an even block of rows.
+bool bf16_pairs(const char* op, at::ScalarType dt, bool widen, const at::Tensor& q, int64_t bq) {
+  if (dt != at::kBFloat16 || widen || !native_bf16()) return false;
+  TORCH_CHECK(q.size(2) % 2 == 0 && bq % 2 == 0, "attnlab_band.", op,
+              ": bfloat16 pairs need an even head dim and block (widen=True takes any)");
+  return true;
 }
 
 // What both band operators ask of a call's geometry: blocks of rows inside q, a key limit inside
@@ -1379,9 +1415,9 @@ at::Tensor padded_tile(const at::Tensor& add, int64_t width, int64_t ws) {
 at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk,
                         int64_t bq, int64_t k_start, int64_t width, int64_t limit, double scale,
-                        bool check_inputs_for_nonfinite) {
+                        bool check_inputs_for_nonfinite, bool widen) {
   const at::ScalarType dt = check_inputs("forward_into", out, q, k, v, 4, /*float_out=*/true);
-  const bool bf16 = dt == at::kBFloat16;
+  const bool bf16 = bf16_pairs("forward_into", dt, widen, q, bq);
   check(add, "forward_into", "add", 4);
   TORCH_CHECK(lse.dim() == 3 && lse.scalar_type() == at::kFloat,
               "attnlab_band.forward_into: lse must be 3-D float32");
@@ -1390,7 +1426,6 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
   TORCH_CHECK(out.sizes() == at::IntArrayRef({nblk, q.size(0), bq, v.size(2)}) &&
                   lse.sizes() == at::IntArrayRef({nblk, q.size(0), bq}),
               "attnlab_band.forward_into: out must be (nblk, H, bq, Dv), lse (nblk, H, bq)");
-  TORCH_CHECK(!bf16 || bq % 2 == 0, "attnlab_band.forward_into: bfloat16 needs an even block");
   const at::Tensor addp = padded_tile(add, width, score_cols(width, bf16));
   populate(out);
   std::atomic<bool> bad{false};
@@ -1406,6 +1441,8 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
     run(float{}, float{});
   } else if (bf16) {
     float_out ? run(c10::BFloat16{}, float{}) : run(c10::BFloat16{}, c10::BFloat16{});
+  } else if (dt == at::kBFloat16) {
+    float_out ? run(WideBF16{}, float{}) : run(WideBF16{}, WideBF16{});
   } else {
     float_out ? run(c10::Half{}, float{}) : run(c10::Half{}, c10::Half{});
   }
@@ -1414,9 +1451,9 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
 
 void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
                    const at::Tensor& v, int64_t start, int64_t n, int64_t count, bool causal,
-                   int64_t bq, double scale) {
+                   int64_t bq, double scale, bool widen) {
   const at::ScalarType dt = check_inputs("segments_into", out, q, k, v, 3);
-  const bool bf16 = dt == at::kBFloat16;
+  const bool bf16 = bf16_pairs("segments_into", dt, widen, q, bq);
   TORCH_CHECK(lse.dim() == 2 && lse.scalar_type() == at::kFloat,
               "attnlab_band.segments_into: lse must be 2-D float32");
   TORCH_CHECK(n >= 1 && count >= 1 && bq >= 1, "attnlab_band.segments_into: empty call");
@@ -1425,11 +1462,13 @@ void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at
   TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1) && out.size(2) == v.size(2) &&
                   lse.size(0) == q.size(0) && lse.size(1) == q.size(1),
               "attnlab_band.segments_into: out must be (H, L, Dv), lse (H, L)");
-  TORCH_CHECK(!bf16 || (n % 2 == 0 && bq % 2 == 0),
-              "attnlab_band.segments_into: bfloat16 needs an even segment length and block");
+  TORCH_CHECK(!bf16 || n % 2 == 0,
+              "attnlab_band.segments_into: bfloat16 pairs need an even segment length");
   populate(out.narrow(1, start, count * n));
   if (bf16) {
     segment_forward<c10::BFloat16>(out, lse, q, k, v, start, n, count, causal, bq, scale);
+  } else if (dt == at::kBFloat16) {
+    segment_forward<WideBF16>(out, lse, q, k, v, start, n, count, causal, bq, scale);
   } else if (dt == at::kHalf) {
     segment_forward<c10::Half>(out, lse, q, k, v, start, n, count, causal, bq, scale);
   } else {
@@ -1497,19 +1536,13 @@ void segments_backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const a
 }
 
 bool supported(at::ScalarType dtype) {
-  // a tiny product through the same micro-kernel: oneDNN throws when the CPU lacks the ISA
+  // a tiny float32 product through the same micro-kernel: oneDNN throws when the CPU lacks the
+  // ISA; float16, and bfloat16 without `native_bf16`, run the float32 products (widened)
   try {
-    if (dtype == at::kFloat || dtype == at::kHalf) {  // float16 runs the float32 products
+    if (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) {
       std::vector<float> a(4 * 4, 1.0f), b(4 * 16, 1.0f), c(4 * 16);
       brgemm(4, 16, 4, 4, 16, 16, false, a.data(), b.data(), c.data(), false);
       brgemm_release(false);
-      return c[0] == 4.0f;
-    }
-    if (dtype == at::kBFloat16) {
-      std::vector<c10::BFloat16> a(4 * 4, c10::BFloat16(1.0f)), b(4 * 16, c10::BFloat16(1.0f));
-      std::vector<float> c(4 * 16);
-      brgemm(4, 16, 4, 4, 16, 16, false, a.data(), b.data(), c.data(), true);
-      brgemm_release(true);
       return c[0] == 4.0f;
     }
   } catch (const std::exception&) {
@@ -1518,16 +1551,20 @@ bool supported(at::ScalarType dtype) {
   return false;
 }
 
+bool native(at::ScalarType dtype) {
+  return dtype == at::kFloat || (dtype == at::kBFloat16 && native_bf16());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnlab_band, m) {
   m.def(
       "forward_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, Tensor add, "
       "int r0, int nblk, int bq, int k_start, int width, int limit, float scale, "
-      "bool check=False) -> Tensor");
+      "bool check=False, bool widen=False) -> Tensor");
   m.def(
       "segments_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, int start, "
-      "int n, int count, bool causal, int bq, float scale) -> ()");
+      "int n, int count, bool causal, int bq, float scale, bool widen=False) -> ()");
   m.def(
       "backward_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor q, Tensor k, Tensor v, "
       "Tensor out, Tensor dout, Tensor lse, Tensor add, int r0, int nblk, int bq, int k_start, "
@@ -1537,6 +1574,7 @@ TORCH_LIBRARY(attnlab_band, m) {
       "Tensor v, Tensor out, Tensor dout, Tensor lse, int start, int n, int count, bool causal, "
       "int bq, float scale) -> ()");
   m.def("supported(ScalarType dtype) -> bool", &supported);
+  m.def("native(ScalarType dtype) -> bool", &native);
 }
 
 TORCH_LIBRARY_IMPL(attnlab_band, CPU, m) {

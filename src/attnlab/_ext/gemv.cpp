@@ -8,8 +8,9 @@
 //           y = x·wᵀ + b   (..., N) in x's dtype, float32 accumulation, one rounding.
 //       rows_per_pass: rows of w streamed side by side (1, 2 or 4; 0: this CPU's default for
 //       the dtype, `default_rows_per_pass`).
-//   attnlab_gemv::supported(dtype) -> bool: this build has the kernel for that dtype
-//       (AVX-512F for float32, AVX512-BF16 for bfloat16).
+//   attnlab_gemv::supported(dtype) -> bool: this build has the kernel for that dtype (float32
+//       and bfloat16 everywhere: AVX-512F / AVX512-BF16 loops where the CPU has them, else the
+//       portable loop below, which compilers turn into AVX2 FMAs on CPUs without AVX-512).
 //
 // Why: with a few rows the product is bound by reading w. torch's kernel reads a (4 × 512) ·
 // (512 × 1368) bfloat16 weight at ~11–17 GB/s on one AMD EPYC core, where a plain streaming loop
@@ -27,6 +28,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -106,6 +108,61 @@ inline void rows_bf16(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w
 }
 #endif
 
+// The same as rows_f32 / rows_bf16 in portable C++ (GCC/Clang vector types of 16 floats: two
+// AVX2 registers, or one AVX-512 register): each weight row is read once, in order, against
+// every row of x; bfloat16 is widened exactly (its bits << 16) before the float32 FMAs; the K %
+// 16 tail is added to the vector's lanes. Used where the CPU lacks AVX-512F (float32) or
+// AVX512-BF16 (bfloat16).
+using V16 = float __attribute__((vector_size(64)));
+
+inline V16 load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline V16 load16(const c10::BFloat16* p) {
+  using U16 = uint16_t __attribute__((vector_size(32)));
+  using U32 = uint32_t __attribute__((vector_size(64)));
+  U16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const U32 u = __builtin_convertvector(h, U32) << 16;
+  V16 v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+template <int M, int NR, typename T>
+inline void rows_portable(const T* x, int64_t xs, const T* w, int64_t K, const T* b, T* out,
+                          int64_t os) {
+  V16 acc[M][NR] = {};
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    V16 wv[NR];
+    for (int r = 0; r < NR; ++r) {
+      __builtin_prefetch(w + (kAhead + r) * K + k, 0, 3);
+      wv[r] = load16(w + r * K + k);
+    }
+    for (int m = 0; m < M; ++m) {
+      const V16 xv = load16(x + m * xs + k);
+      for (int r = 0; r < NR; ++r) acc[m][r] += xv * wv[r];
+    }
+  }
+  for (int64_t j = 0; k + j < K; ++j) {  // the tail, lane j
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < NR; ++r)
+        acc[m][r][j] += static_cast<float>(x[m * xs + k + j]) * static_cast<float>(w[r * K + k + j]);
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < NR; ++r) {
+      float sum = 0.0f;
+      for (int l = 0; l < 16; ++l) sum += acc[m][r][l];
+      // the float32 sum plus the bias, rounded once to the output dtype (as torch's addmm)
+      const float bias = b ? static_cast<float>(b[r]) : 0.0f;
+      out[m * os + r] = sum + bias;
+    }
+}
+
 // y (M, N) float32 for a compile-time number of rows M of x, `pass` (1, 2 or 4) rows of w at a
 // time; rows of w split between threads (grain: ~256 KiB of weight).
 template <typename T, int M>
@@ -118,10 +175,14 @@ void run_rows(const T* x, int64_t xs, const T* w, int64_t N, int64_t K, const T*
       if constexpr (std::is_same_v<T, float>) {
 #if defined(__AVX512F__)
         rows_f32<M, NR>(x, xs, w + n * K, K, b ? b + n : nullptr, y + n, N);
+#else
+        rows_portable<M, NR>(x, xs, w + n * K, K, b ? b + n : nullptr, y + n, N);
 #endif
       } else {
 #if defined(__AVX512BF16__)
         rows_bf16<M, NR>(x, xs, w + n * K, K, b ? b + n : nullptr, y + n, N);
+#else
+        rows_portable<M, NR>(x, xs, w + n * K, K, b ? b + n : nullptr, y + n, N);
 #endif
       }
     };
@@ -152,13 +213,7 @@ void run(const T* x, int64_t xs, int64_t M, const T* w, int64_t N, int64_t K, co
 }
 
 bool supported(at::ScalarType dtype) {
-#if defined(__AVX512F__)
-  if (dtype == at::kFloat) return true;
-#endif
-#if defined(__AVX512BF16__)
-  if (dtype == at::kBFloat16) return true;
-#endif
-  return false;
+  return dtype == at::kFloat || dtype == at::kBFloat16;
 }
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& b,

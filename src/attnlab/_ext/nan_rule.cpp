@@ -371,25 +371,61 @@ inline std::pair<double, bool> max_finite(const double* x, int64_t n) {
   return max_finite_plain(x, n);
 }
 
+// Keys per partial sum of p·v: each block of kSumBlock keys is summed on its own and then added
+// to the row's total, so a float32 sum over n keys carries ~(√kSumBlock + √(n / kSumBlock))
+// roundings instead of ~√n (600 keys: 2.3× fewer); the float32 decode step then stays within
+// the tolerance rule of torch's blocked matrix product on every CPU (an AVX2-only EPYC failed it
+// in 1 case of 12 with one running sum).
+constexpr int64_t kSumBlock = 32;
+
+// acc (R × Dv) = Σ_j e[r][j]·row(j)[d] in C, summed per block of kSumBlock keys into `part`
+// (R × Dv scratch) and then added to acc.
+template <typename C, typename Row>
+inline void weigh_blocks(const C* e, int64_t n, const Row& row, C* acc, int64_t R, int64_t Dv,
+                         C* part) {
+  std::fill(acc, acc + R * Dv, C(0));
+  for (int64_t j0 = 0; j0 < n; j0 += kSumBlock) {
+    std::fill(part, part + R * Dv, C(0));
+    for (int64_t j = j0; j < std::min(n, j0 + kSumBlock); ++j) {
+      const C* vr = row(j);
+      for (int64_t r = 0; r < R; ++r) {
+        const C w = e[r * n + j];
+        C* pr = part + r * Dv;
+#pragma omp simd
+        for (int64_t d = 0; d < Dv; ++d) pr[d] = std::fma(w, vr[d], pr[d]);
+      }
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < R * Dv; ++i) acc[i] += part[i];
+  }
+}
+
 #if defined(__AVX512F__)
-// acc rows r0…r0+N−1, columns d…d+15 (mask m) = Σ_j e[r][j]·v[j]: N accumulators in registers.
+// acc rows r0…r0+N−1, columns d…d+15 (mask m) = Σ_j e[r][j]·v[j]: N accumulators in registers,
+// each fed by a partial sum per block of kSumBlock keys.
 template <int N>
 inline void weigh_rows(const float* e, int64_t n, const float* v, int64_t vs, float* acc,
                        int64_t Dv, int64_t d, __mmask16 m) {
   __m512 a[N];
   for (int r = 0; r < N; ++r) a[r] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 x = _mm512_maskz_loadu_ps(m, v + j * vs + d);
-    for (int r = 0; r < N; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(e[r * n + j]), x, a[r]);
+  for (int64_t j0 = 0; j0 < n; j0 += kSumBlock) {
+    __m512 b[N];
+    for (int r = 0; r < N; ++r) b[r] = _mm512_setzero_ps();
+    for (int64_t j = j0; j < std::min(n, j0 + kSumBlock); ++j) {
+      const __m512 x = _mm512_maskz_loadu_ps(m, v + j * vs + d);
+      for (int r = 0; r < N; ++r) b[r] = _mm512_fmadd_ps(_mm512_set1_ps(e[r * n + j]), x, b[r]);
+    }
+    for (int r = 0; r < N; ++r) a[r] = _mm512_add_ps(a[r], b[r]);
   }
   for (int r = 0; r < N; ++r) _mm512_mask_storeu_ps(acc + r * Dv + d, m, a[r]);
 }
 #endif
 
-// acc (R × Dv) = e (R × n, row stride n) · v (n rows of Dv, row stride vs), float32; with
-// AVX-512 in groups of 4 rows × 16 columns whose accumulators stay in registers.
+// acc (R × Dv) = e (R × n, row stride n) · v (n rows of Dv, row stride vs), float32, in partial
+// sums of kSumBlock keys; with AVX-512 in groups of 4 rows × 16 columns whose accumulators stay
+// in registers (`part`: R × Dv floats of scratch for the portable loop).
 inline void weigh_values(const float* e, int64_t n, const float* v, int64_t vs, float* acc,
-                         int64_t R, int64_t Dv) {
+                         int64_t R, int64_t Dv, [[maybe_unused]] float* part) {
 #if defined(__AVX512F__)
   for (int64_t d = 0; d < Dv; d += 16) {
     const __mmask16 m = static_cast<__mmask16>(Dv - d >= 16 ? 0xFFFFu : (1u << (Dv - d)) - 1u);
@@ -398,15 +434,7 @@ inline void weigh_values(const float* e, int64_t n, const float* v, int64_t vs, 
     for (; r < R; ++r) weigh_rows<1>(e + r * n, n, v, vs, acc + r * Dv, Dv, d, m);
   }
 #else
-  std::fill(acc, acc + R * Dv, 0.0f);
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t r = 0; r < R; ++r) {
-      const float w = e[r * n + j];
-      float* ar = acc + r * Dv;
-#pragma omp simd
-      for (int64_t d = 0; d < Dv; ++d) ar[d] = std::fma(w, v[j * vs + d], ar[d]);
-    }
-  }
+  weigh_blocks(e, n, [&](int64_t j) { return v + j * vs; }, acc, R, Dv, part);
 #endif
 }
 
@@ -461,11 +489,12 @@ inline void score_rows(const float* q, const float* k, int64_t ks, float* s, int
 template <typename T, typename C>
 void decode_task(const T* const* qrow, const T* kp, int64_t ks, const T* vp, int64_t vs,
                  C* const* orow, int64_t R, int64_t n, int64_t D, int64_t Dv, C scale) {
-  std::vector<C> buf(R * D + R * n + R * Dv + D + Dv);
+  std::vector<C> buf(R * D + R * n + 2 * R * Dv + D + Dv);
   C* qc = buf.data();  // (R, D)
   C* s = qc + R * D;  // (R, n)
   C* acc = s + R * n;  // (R, Dv)
-  C* kc = acc + R * Dv;  // one key row (D)
+  C* part = acc + R * Dv;  // (R, Dv): one block's partial sums of p·v
+  C* kc = part + R * Dv;  // one key row (D)
   C* vc = kc + D;  // one value row (Dv)
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t d = 0; d < D; ++d) qc[r * D + d] = static_cast<C>(qrow[r][d]);
@@ -496,19 +525,14 @@ void decode_task(const T* const* qrow, const T* kp, int64_t ks, const T* vp, int
     den[r] = sum;
   }
   if constexpr (std::is_same_v<T, float>) {
-    weigh_values(s, n, vp, vs, acc, R, Dv);
+    weigh_values(s, n, vp, vs, acc, R, Dv, part);
   } else {
-    std::fill(acc, acc + R * Dv, C(0));
-    for (int64_t j = 0; j < n; ++j) {
+    auto widened = [&](int64_t j) {  // value row j in C (rows are visited once, in order)
       const T* vr = vp + j * vs;
       for (int64_t d = 0; d < Dv; ++d) vc[d] = static_cast<C>(vr[d]);
-      for (int64_t r = 0; r < R; ++r) {
-        const C e = s[r * n + j];
-        C* ar = acc + r * Dv;
-#pragma omp simd
-        for (int64_t d = 0; d < Dv; ++d) ar[d] = std::fma(e, vc[d], ar[d]);
-      }
-    }
+      return static_cast<const C*>(vc);
+    };
+    weigh_blocks(s, n, widened, acc, R, Dv, part);
   }
   for (int64_t r = 0; r < R; ++r) {
     const C inv = poisoned[r] ? std::numeric_limits<C>::quiet_NaN() : C(1) / den[r];

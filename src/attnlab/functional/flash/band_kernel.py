@@ -30,14 +30,17 @@ positions stay on torch's kernel (the kernel holds a block's scores for a whole 
 It runs a call when all of these hold, else torch's kernel does (same values within the
 tolerance rule; both give out = 0, lse = −inf on a row with no key):
 
-- the CPU, float32, bfloat16 (with an even head dim and block) or float16 (widened to float32 as
-  it is packed: exact, and the float32 products run at the float16 matmul rate on CPUs with
-  AVX512-FP16 but no AMX-FP16, far above torch's float16 kernel elsewhere; outputs rounded once),
-  unit stride in the last dim, not while `torch.compile` traces;
+- the CPU, float32, bfloat16 or float16, unit stride in the last dim, not while
+  `torch.compile` traces. bfloat16 multiplies in VNNI pairs (an even head dim and block) where
+  the CPU's micro-kernel has them (AVX512-BF16 or AMX, `pairs`); float16, and bfloat16 on other
+  CPUs, are widened to float32 as they are packed (exact: the float32 products run at the
+  float16 matmul rate on CPUs with AVX512-FP16 but no AMX-FP16, and far above torch's 16-bit
+  kernels on CPUs without 16-bit arithmetic — an AVX2-only AMD EPYC, see RESULTS.md); outputs
+  are rounded once;
 - the extension is built (`attnlab._ext.load`; the first use on a machine builds it in the
-  background) and the CPU runs oneDNN's micro-kernel in that dtype (``supported``, asked once);
-- ``ATTNLAB_FLASH_BAND_ENGINE`` is unset or ``auto``; ``aten`` forces torch's kernel (the suite
-  runs both on any CPU).
+  background) and the CPU runs oneDNN's float32 micro-kernel (``supported``, asked once);
+- ``ATTNLAB_FLASH_BAND_ENGINE`` is unset, ``auto`` or ``widen`` (bfloat16 widened on any CPU);
+  ``aten`` forces torch's kernel (the suite runs every one on any CPU).
 
 The backward of band calls (`backward_into`: every product in float32, 16-bit inputs widened as
 they are packed — the values of a widened run, without the widened copies) runs on the same
@@ -68,7 +71,7 @@ from ... import _ext
 from ..tiling import BandCall, Plan, SegmentCall
 
 ENGINE_ENV = "ATTNLAB_FLASH_BAND_ENGINE"
-ENGINES = ("auto", "aten")
+ENGINES = ("auto", "aten", "widen")
 EXT = "band_attn"
 # Forward query block of band calls on this kernel, per dtype. float32: 16 rows (271 keys for a
 # 256-window) beat 32 (287) — window 256, L = 16384, 2 threads, AMD EPYC: 0.069 vs 0.071 s; 8 and
@@ -76,6 +79,7 @@ EXT = "band_attn"
 # padded to whole 32-key steps (16 and 32 rows both read 288 keys), so 32 rows halve the calls:
 # Xeon with AMX, 16 → 32 rows 17.1 → 16.0 ms (48 rows 22, 64 rows 20). float16 runs the float32
 # products (widened as packed): 16 rows, as float32 (same Xeon: 16 vs 32 rows 37–38 vs 39 ms).
+# bfloat16 widened to float32 as it is packed (`pairs` is False) takes float32's block.
 BLOCKS = {torch.float32: 16, torch.bfloat16: 32, torch.float16: 16}
 BLOCK = BLOCKS[torch.float32]
 # Query block of segment calls (8 × 2048 causal at L = 16384, best of 7: 32/64/96/128 rows took
@@ -88,7 +92,9 @@ _CHECKS: ContextVar[list[bool] | None] = ContextVar("attnlab_band_checks", defau
 
 
 def engine_setting() -> str:
-    """``$ATTNLAB_FLASH_BAND_ENGINE`` (default ``auto``).
+    """``$ATTNLAB_FLASH_BAND_ENGINE`` (default ``auto``): ``auto`` runs this kernel where it can,
+    ``aten`` torch's kernel instead, ``widen`` this kernel with bfloat16 widened to float32 as it
+    is packed even on CPUs whose micro-kernel multiplies bfloat16 (`pairs`).
 
     Raises:
         ValueError: the variable holds something else.
@@ -106,23 +112,42 @@ def _cpu_supports(dtype: torch.dtype) -> bool:
     return answer
 
 
+@functools.cache
+def _cpu_native(dtype: torch.dtype) -> bool:
+    answer: bool = torch.ops.attnlab_band.native(dtype)
+    return answer
+
+
+def pairs(dtype: torch.dtype) -> bool:
+    """Whether this kernel's forward multiplies ``dtype`` in bfloat16 VNNI pairs (AVX512-BF16 or
+    AMX; an even head dim, block and segment length), rather than in float32 with the inputs
+    widened as they are packed (float16 always; bfloat16 on other CPUs, e.g. AVX2-only ones, or
+    with ``ATTNLAB_FLASH_BAND_ENGINE=widen``)."""
+    if dtype != torch.bfloat16 or engine_setting() == "widen":
+        return False
+    return _ext.load(EXT) and _cpu_native(dtype)
+
+
 def ready(q: Tensor, bq: int | None = None) -> bool:
     """Whether band calls on ``q`` (query block ``bq``) run on attnlab's C++ kernel."""
     return _ready(q.dtype, q.device, q.shape[-1], bq)
 
 
 def _ready(dtype: torch.dtype, device: torch.device, D: int, bq: int | None) -> bool:
-    if engine_setting() != "auto" or device.type != "cpu":
+    if engine_setting() == "aten" or device.type != "cpu":
         return False
     if dtype not in BLOCKS or torch.compiler.is_compiling():
         return False
-    if dtype == torch.bfloat16 and (D % 2 or (bq is not None and bq % 2)):
+    if not (_ext.load(EXT) and _cpu_supports(dtype)):
         return False
-    return _ext.load(EXT) and _cpu_supports(dtype)
+    return not (pairs(dtype) and (D % 2 or (bq is not None and bq % 2)))
 
 
 def block(q: Tensor) -> int:
-    """This kernel's forward query block of band calls on ``q``'s dtype (`BLOCKS`)."""
+    """This kernel's forward query block of band calls on ``q``'s dtype (`BLOCKS`; bfloat16
+    widened to float32 takes float32's)."""
+    if q.dtype == torch.bfloat16 and not pairs(q.dtype):
+        return BLOCK
     return BLOCKS.get(q.dtype, BLOCK)
 
 
@@ -154,10 +179,11 @@ def backward_runs_every_call(
 
 def segments_ready(q: Tensor, n: int) -> bool:
     """Whether segments of ``n`` positions of queries like ``q`` run on attnlab's C++ kernel
-    (unit-stride inputs given): `ready`, ``n <= SEGMENT_MAX`` and, in bfloat16, ``n`` even."""
-    if n > SEGMENT_MAX or (q.dtype == torch.bfloat16 and n % 2):
+    (unit-stride inputs given): `ready`, ``n <= SEGMENT_MAX`` and, in bfloat16 `pairs`, ``n``
+    even."""
+    if n > SEGMENT_MAX or not ready(q, SEGMENT_BLOCK):
         return False
-    return ready(q, SEGMENT_BLOCK)
+    return not (n % 2 and pairs(q.dtype))
 
 
 def segments_usable(q: Tensor, k: Tensor, v: Tensor, n: int) -> bool:
@@ -180,7 +206,18 @@ def segments_into(
     ``out = softmax(q·kᵀ·scale) v`` per row over its segment's keys (causal: up to the row).
     """
     torch.ops.attnlab_band.segments_into(
-        out, lse, q, k, v, c.start, c.n, c.count, c.causal, SEGMENT_BLOCK, float(scale)
+        out,
+        lse,
+        q,
+        k,
+        v,
+        c.start,
+        c.n,
+        c.count,
+        c.causal,
+        SEGMENT_BLOCK,
+        float(scale),
+        not pairs(q.dtype),
     )
 
 
@@ -314,6 +351,7 @@ def forward_into(
         limit,
         float(scale),
         checks is not None,
+        not pairs(q.dtype),
     )
     if checks is not None:
         checks.append(seen.numel() > 0)
@@ -334,6 +372,7 @@ __all__ = [
     "checking_inputs",
     "engine_setting",
     "forward_into",
+    "pairs",
     "ready",
     "runs_every_call",
     "segments_backward_into",
