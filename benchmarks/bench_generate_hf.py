@@ -262,11 +262,7 @@ def main() -> None:
 
     from common import matmul_gflops, print_machine
 
-    print_machine()
-    for name in args.dtype:
-        if name != "float32":
-            rate = matmul_gflops(dtype=getattr(torch, name))
-            print(f"{name} matmul rate (torch.mm 4096²): {rate:.1f} GFLOP/s")
+    print_machine((torch.float32, *(getattr(torch, n) for n in args.dtype if n != "float32")))
     per_thread = partial(matmul_gflops, 2048, clock=time.process_time)  # CPU clock
     rates = ", ".join(f"{n} {per_thread(dtype=getattr(torch, n)):.1f}" for n in args.dtype)
     print(f"matmul rate per thread, CPU clock (torch.mm 2048²): {rates} GFLOP/s")

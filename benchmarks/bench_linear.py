@@ -42,6 +42,7 @@ import torch
 import attnlab
 from attnlab import masks
 from attnlab.analysis.measure import measure
+from attnlab.cli._bench_cases import matmul_size
 from attnlab.linear import favor_attention, linear_attention
 from common import cpu_flags, cpu_model, matmul_gflops, timed
 
@@ -256,12 +257,13 @@ def scaling(args: argparse.Namespace) -> None:
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for dt in dtypes:
-        a, b = torch.randn(4096, 4096).to(dt), torch.randn(4096, 4096).to(dt)
+        n = matmul_size(dt, clock=clock)  # smaller where the dtype has no native products
+        a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
         torch.mm(a, b)
         sec = min(_clocked(clock, lambda a=a, b=b: torch.mm(a, b)) for _ in range(3))
         print(
-            f"{dt} matmul rate (torch.mm 4096², {args.clock} clock): "
-            f"{2 * 4096**3 / sec / 1e9:.1f} GFLOP/s"
+            f"{dt} matmul rate (torch.mm {n}², {args.clock} clock): "
+            f"{2 * n**3 / sec / 1e9:.1f} GFLOP/s"
         )
     B, H, D = args.batch, args.heads, args.head_dim
     print(

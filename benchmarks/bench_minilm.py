@@ -130,8 +130,7 @@ def main() -> None:
     q = torch.randn(bs, 12, 64, 32)
     backend = attnlab.explain(q, q, q, mask=torch.ones(bs, 1, 1, 64, dtype=torch.bool))
 
-    print_machine()
-    print(f"bf16 matmul rate (torch.mm 4096²): {matmul_gflops(dtype=torch.bfloat16):.1f} GFLOP/s")
+    print_machine((torch.float32, torch.bfloat16))
     dtypes = (torch.float32, torch.bfloat16)
     rates = [matmul_gflops(2048, dtype=d, clock=time.process_time) for d in dtypes]  # CPU clock
     print(

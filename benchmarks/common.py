@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import torch
 
+from attnlab.cli._bench_cases import matmul_size
+
 #: ``--dtype`` names of the benchmark scripts.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -100,7 +102,10 @@ def print_machine(
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     rates = {}
     for dtype in dtypes:
-        rates[dtype] = matmul_gflops(dtype=dtype, clock=clock)
+        # 4096², or smaller for a dtype without native products (bfloat16 and float16 on an
+        # AVX2-only CPU: ~1 GFLOP/s, minutes per 4096² product)
+        n = matmul_size(dtype, clock=clock)
+        rates[dtype] = matmul_gflops(n, dtype=dtype, clock=clock)
         name = SHORT.get(dtype, str(dtype).removeprefix("torch."))
-        print(f"{name} matmul rate (torch.mm 4096²): {rates[dtype]:.1f} GFLOP/s")
+        print(f"{name} matmul rate (torch.mm {n}²): {rates[dtype]:.1f} GFLOP/s")
     return rates
