@@ -10,7 +10,7 @@
 //       the dtype, `default_rows_per_pass`).
 //   attnlab_gemv::supported(dtype) -> bool: this build has the kernel for that dtype (float32
 //       and bfloat16 everywhere: AVX-512F / AVX512-BF16 loops where the CPU has them, else the
-//       portable loop below, which compilers turn into AVX2 FMAs on CPUs without AVX-512).
+//       portable 8-lane loop below, which compilers turn into AVX2 FMAs).
 //
 // Why: with a few rows the product is bound by reading w. torch's kernel reads a (4 × 512) ·
 // (512 × 1368) bfloat16 weight at ~11–17 GB/s on one AMD EPYC core, where a plain streaming loop
@@ -108,58 +108,66 @@ inline void rows_bf16(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w
 }
 #endif
 
-// The same as rows_f32 / rows_bf16 in portable C++ (GCC/Clang vector types of 16 floats: two
-// AVX2 registers, or one AVX-512 register): each weight row is read once, in order, against
-// every row of x; bfloat16 is widened exactly (its bits << 16) before the float32 FMAs; the K %
-// 16 tail is added to the vector's lanes. Used where the CPU lacks AVX-512F (float32) or
-// AVX512-BF16 (bfloat16).
-using V16 = float __attribute__((vector_size(64)));
+// The same as rows_f32 / rows_bf16 in portable C++ (GCC/Clang vector types of 8 floats: one
+// AVX2 register, so that M × NR accumulators stay in the 16 registers): each weight row is read
+// once, in order, against every row of x; bfloat16 is widened exactly (its bits << 16) before
+// the float32 FMAs; the K % 8 tail is read through zero-padded copies. Used where the CPU lacks
+// AVX-512F (float32) or AVX512-BF16 (bfloat16).
+using V8 = float __attribute__((vector_size(32)));
 
-inline V16 load16(const float* p) {
-  V16 v;
+inline V8 load8(const float* p) {
+  V8 v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline V16 load16(const c10::BFloat16* p) {
-  using U16 = uint16_t __attribute__((vector_size(32)));
-  using U32 = uint32_t __attribute__((vector_size(64)));
+inline V8 load8(const c10::BFloat16* p) {
+  using U16 = uint16_t __attribute__((vector_size(16)));
+  using U32 = uint32_t __attribute__((vector_size(32)));
   U16 h;
   std::memcpy(&h, p, sizeof(h));
   const U32 u = __builtin_convertvector(h, U32) << 16;
-  V16 v;
+  V8 v;
   std::memcpy(&v, &u, sizeof(v));
   return v;
+}
+
+inline float sum8(V8 v) {
+  float t[8];
+  std::memcpy(t, &v, sizeof(t));
+  return ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
 }
 
 template <int M, int NR, typename T>
 inline void rows_portable(const T* x, int64_t xs, const T* w, int64_t K, const T* b, T* out,
                           int64_t os) {
-  V16 acc[M][NR] = {};
+  V8 acc[M][NR];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = V8{};
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    V16 wv[NR];
+  for (; k + 8 <= K; k += 8) {
+    V8 wv[NR];
     for (int r = 0; r < NR; ++r) {
       __builtin_prefetch(w + (kAhead + r) * K + k, 0, 3);
-      wv[r] = load16(w + r * K + k);
+      wv[r] = load8(w + r * K + k);
     }
     for (int m = 0; m < M; ++m) {
-      const V16 xv = load16(x + m * xs + k);
+      const V8 xv = load8(x + m * xs + k);
       for (int r = 0; r < NR; ++r) acc[m][r] += xv * wv[r];
     }
   }
-  for (int64_t j = 0; k + j < K; ++j) {  // the tail, lane j
+  if (k < K) {  // the tail through zero-padded copies
+    T wt[NR][8] = {}, xt[M][8] = {};
+    for (int r = 0; r < NR; ++r) std::copy(w + r * K + k, w + r * K + K, wt[r]);
+    for (int m = 0; m < M; ++m) std::copy(x + m * xs + k, x + m * xs + K, xt[m]);
     for (int m = 0; m < M; ++m)
-      for (int r = 0; r < NR; ++r)
-        acc[m][r][j] += static_cast<float>(x[m * xs + k + j]) * static_cast<float>(w[r * K + k + j]);
+      for (int r = 0; r < NR; ++r) acc[m][r] += load8(xt[m]) * load8(wt[r]);
   }
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < NR; ++r) {
-      float sum = 0.0f;
-      for (int l = 0; l < 16; ++l) sum += acc[m][r][l];
       // the float32 sum plus the bias, rounded once to the output dtype (as torch's addmm)
       const float bias = b ? static_cast<float>(b[r]) : 0.0f;
-      out[m * os + r] = sum + bias;
+      out[m * os + r] = sum8(acc[m][r]) + bias;
     }
 }
 
