@@ -1363,20 +1363,24 @@ at::ScalarType check_inputs(const char* op, const at::Tensor& out, const at::Ten
   return dt;
 }
 
-// Whether oneDNN's micro-kernel multiplies bfloat16 on this CPU (AVX512-BF16 or AMX): a tiny
-// product through it, asked once (oneDNN throws when the CPU lacks the ISA).
+// A 4 × 16 × 4 product of ones through oneDNN's micro-kernel with A and B in dtype A (bfloat16
+// in VNNI pairs): whether this CPU runs it (oneDNN throws when the CPU lacks the ISA).
+template <typename A>
+bool brgemm_runs(bool vnni) {
+  try {
+    std::vector<A> a(4 * 4, A(1.0f)), b(4 * 16, A(1.0f));
+    std::vector<float> c(4 * 16);
+    brgemm(4, 16, 4, 4, 16, 16, false, a.data(), b.data(), c.data(), vnni);
+    brgemm_release(vnni);
+    return c[0] == 4.0f;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+// Whether oneDNN's micro-kernel multiplies bfloat16 on this CPU (AVX512-BF16 or AMX), asked once.
 bool native_bf16() {
-  static const bool yes = [] {
-    try {
-      std::vector<c10::BFloat16> a(4 * 4, c10::BFloat16(1.0f)), b(4 * 16, c10::BFloat16(1.0f));
-      std::vector<float> c(4 * 16);
-      brgemm(4, 16, 4, 4, 16, 16, false, a.data(), b.data(), c.data(), true);
-      brgemm_release(true);
-      return c[0] == 4.0f;
-    } catch (const std::exception&) {
-      return false;
-    }
-  }();
+  static const bool yes = brgemm_runs<c10::BFloat16>(true);
   return yes;
 }
 
@@ -1536,19 +1540,9 @@ void segments_backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const a
 }
 
 bool supported(at::ScalarType dtype) {
-  // a tiny float32 product through the same micro-kernel: oneDNN throws when the CPU lacks the
-  // ISA; float16, and bfloat16 without `native_bf16`, run the float32 products (widened)
-  try {
-    if (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) {
-      std::vector<float> a(4 * 4, 1.0f), b(4 * 16, 1.0f), c(4 * 16);
-      brgemm(4, 16, 4, 4, 16, 16, false, a.data(), b.data(), c.data(), false);
-      brgemm_release(false);
-      return c[0] == 4.0f;
-    }
-  } catch (const std::exception&) {
-    return false;
-  }
-  return false;
+  // the float32 micro-kernel: float16, and bfloat16 without `native_bf16`, run float32 products
+  const bool ours = dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
+  return ours && brgemm_runs<float>(false);
 }
 
 bool native(at::ScalarType dtype) {
