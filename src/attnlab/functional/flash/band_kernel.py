@@ -34,9 +34,10 @@ tolerance rule; both give out = 0, lse = −inf on a row with no key):
   `torch.compile` traces. bfloat16 multiplies in VNNI pairs (an even head dim and block) where
   the CPU's micro-kernel has them (AVX512-BF16 or AMX, `pairs`); float16, and bfloat16 on other
   CPUs, are widened to float32 as they are packed (exact: the float32 products run at the
-  float16 matmul rate on CPUs with AVX512-FP16 but no AMX-FP16, and far above torch's 16-bit
-  kernels on CPUs without 16-bit arithmetic — an AVX2-only AMD EPYC, see RESULTS.md); outputs
-  are rounded once;
+  float16 matmul rate on CPUs with AVX512-FP16 but no AMX-FP16; on an AVX2-only AMD EPYC the
+  float16 window forward runs 2× torch's kernel, while torch's is the faster float32 and
+  bfloat16 forward there and this kernel's band backward the faster backward — RESULTS.md,
+  ``ATTNLAB_FLASH_BAND_ENGINE=aten`` picks torch's); outputs are rounded once;
 - the extension is built (`attnlab._ext.load`; the first use on a machine builds it in the
   background) and the CPU runs oneDNN's float32 micro-kernel (``supported``, asked once);
 - ``ATTNLAB_FLASH_BAND_ENGINE`` is unset, ``auto`` or ``widen`` (bfloat16 widened on any CPU);
