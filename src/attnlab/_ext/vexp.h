@@ -7,6 +7,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace attnlab_exp {
 
@@ -39,6 +42,29 @@ inline float exp_neg(float x) {
   const float two_n = from_bits(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
   return x < -87.3f ? 0.0f : p * two_n;
 }
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// exp_neg on 8 lanes, operation for operation (the same results as the scalar function).
+inline __m256 exp_neg8(__m256 x) {
+  const __m256 lim = _mm256_set1_ps(-87.3f);
+  const __m256 xc = _mm256_max_ps(lim, x);  // NaN stays NaN, as in std::max(x, lim)
+  const __m256 big = _mm256_set1_ps(12582912.0f);
+  const __m256 n =
+      _mm256_sub_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), big), big);
+  const __m256 r = _mm256_fmadd_ps(
+      n, _mm256_set1_ps(2.12194440e-4f), _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), xc));
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500e-4f), r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, lim, _CMP_LT_OQ), y);  // x < −87.3: 0
+}
+#endif
 
 // exp(x) for x <= 0 in float64 (the float64 path is a reference, not a fast path).
 inline double exp_neg(double x) { return std::exp(x); }
