@@ -635,13 +635,15 @@ def test_band_kernel_backward_checks_its_arguments(band_ext) -> None:
     op = torch.ops.attnlab_band.backward_into
     args = (q, q, q, out, out, lse, add, 0, 8, 8, -7, 15, 64, 1.0)
     b = q.bfloat16()
-    with pytest.raises(RuntimeError, match="float32 out, lse, dq, dk, dv, got BFloat16"):
+    with pytest.raises(RuntimeError, match="backward_into: out must be float32, got BFloat16"):
         op(*grads, b, b, b, out.bfloat16(), b, *args[5:])
+    with pytest.raises(RuntimeError, match="float32 lse, dq, dk, dv, got BFloat16"):
+        op(grads[0].bfloat16(), *grads[1:], b, b, b, out, b, *args[5:])
     with pytest.raises(RuntimeError, match="dout must have q's dtype, got Float"):
         op(*grads, b, b, b, out, out, *args[5:])
-    with pytest.raises(RuntimeError, match="segments_backward_into: float32 only, got BFloat16"):
+    with pytest.raises(RuntimeError, match="out must have q's dtype or float32, got Half"):
         torch.ops.attnlab_band.segments_backward_into(
-            *grads, b, b, b, out, b, lse, 0, 32, 2, True, 16, 1.0
+            *grads, b, b, b, out.half(), b, lse, 0, 32, 2, True, 16, 1.0
         )
     with pytest.raises(RuntimeError, match=r"lse must be \(H, L\)"):
         op(*grads, *args[:5], lse[:, :10], *args[6:])
@@ -705,8 +707,9 @@ def test_segment_kernel_matches_reference(band_ext, monkeypatch, dtype, name) ->
         mean_factor=mean_factor_for("flash", dtype),
     )
     assert calls, "the C++ segment kernel did not run"
-    # float32 backward on the C++ kernel; 16-bit backward on torch's kernel in the input dtype
-    assert bool(backward_calls) == (dtype == torch.float32)
+    # the backward on the C++ kernel in float32, and in 16-bit dtypes whose products this CPU
+    # does not run natively (widened); bfloat16 pairs (AVX512-BF16/AMX) on torch's kernel
+    assert bool(backward_calls) == (not band_kernel.pairs(dtype))
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
@@ -796,6 +799,29 @@ def test_segment_kernel_backward_operator(band_ext, causal, threads) -> None:
         )
 
 
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_segment_kernel_backward_reads_16_bit_inputs(band_ext, dtype) -> None:
+    """16-bit q, k, v, dout are widened as the segment backward packs them: the same bits as the
+    operator on their float32 copies, with out float32 or in q's dtype (δ reads it widened); the
+    head dim and segments are odd (no pairs here)."""
+    g = torch.Generator().manual_seed(5)
+    H, H_kv, L, D, Dv, start, n, count, bq = 4, 2, 130, 15, 9, 3, 41, 3, 16
+    q, k, v = (
+        torch.randn(h, L, d, generator=g).to(dtype) for h, d in ((H, D), (H_kv, D), (H_kv, Dv))
+    )
+    dout = torch.randn(H, L, Dv, generator=g).to(dtype)
+    out, lse = torch.randn(H, L, Dv, generator=g), torch.rand(H, L, generator=g) + 4
+    op = torch.ops.attnlab_band.segments_backward_into
+    for o in (out, out.to(dtype)):
+        runs = []
+        for x in ((q, k, v, dout, o), tuple(t.float() for t in (q, k, v, dout, o))):
+            grads = [torch.zeros(H, L, D), torch.zeros(H_kv, L, D), torch.zeros(H_kv, L, Dv)]
+            op(*grads, *x[:3], x[4], x[3], lse, start, n, count, True, bq, 0.7)
+            runs.append(grads)
+        assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+        assert all(t.abs().sum() > 0 for t in runs[0])
+
+
 def test_segment_kernel_checks_its_arguments(band_ext) -> None:
     """Bad calls are refused by the operator before any work, with the reason."""
     q = torch.randn(2, 64, 8)
@@ -821,7 +847,8 @@ def test_bfloat16_widened_forward_matches_reference(band_ext, monkeypatch, name)
     """``ATTNLAB_FLASH_BAND_ENGINE=widen`` (what CPUs without AVX512-BF16/AMX run: an AVX2-only
     AMD EPYC) runs bfloat16 band and segment calls on the C++ kernel with the inputs widened to
     float32 as they are packed, on any CPU: an odd head dim and odd segments (which bfloat16
-    pairs refuse), float32's query block, the float64 reference with the tolerance rule."""
+    pairs refuse), float32's query block, the float64 reference with the tolerance rule; the
+    backward runs attnlab's C++ kernel too (band and segment backwards read bfloat16 widened)."""
     from attnlab.positional import ALiBi
 
     monkeypatch.setenv(band_kernel.ENGINE_ENV, "widen")
@@ -840,6 +867,8 @@ def test_bfloat16_widened_forward_matches_reference(band_ext, monkeypatch, name)
     }
     mask, bias, op = cases[name]
     calls = _count_calls(monkeypatch, op)
+    backward_op = "backward_into" if op == "forward_into" else "segments_backward_into"
+    backward_calls = _count_calls(monkeypatch, backward_op)
     check_against_reference(
         call_backend("flash", mask, bias),
         reference_for(mask, bias),
@@ -847,6 +876,7 @@ def test_bfloat16_widened_forward_matches_reference(band_ext, monkeypatch, name)
         mean_factor=mean_factor_for("flash", torch.bfloat16),
     )
     assert calls, f"the C++ kernel's {op} did not run"
+    assert backward_calls, f"the C++ kernel's {backward_op} did not run"
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)

@@ -23,6 +23,13 @@
 //       its rows attend all its keys, or (causal) the keys up to their own position. Writes the
 //       segments' rows of out (H, L, Dv) and lse (H, L) float32 (other rows untouched), in
 //       query blocks of bq rows: out = softmax(q·kᵀ·scale) v, lse = log Σ exp(q·kᵀ·scale).
+//   attnlab_band::backward_into(dq!, dk!, dv!, q, k, v, out, dout, lse, add, r0, nblk, bq,
+//                               k_start, width, limit, scale)
+//   attnlab_band::segments_backward_into(dq!, dk!, dv!, q, k, v, out, dout, lse, start, n,
+//                                        count, causal, bq, scale)
+//       The backward of the two calls, added into float32 dq, dk, dv: every product in float32
+//       (float16 and bfloat16 q, k, v, dout widened as they are packed), out float32 (segments:
+//       or q's dtype), lse float32 (+inf on rows without a key).
 //   attnlab_band::supported(dtype) -> bool: whether this CPU runs the operator in that dtype
 //       (oneDNN's brgemm micro-kernel in float32, wherever it exists: float16 is widened to
 //       float32 as it is packed, and so is bfloat16 unless its own products run); the caller
@@ -603,6 +610,11 @@ inline void widen_row(const c10::Half* a, int64_t n, float* o) {
     _mm512_storeu_ps(o + c, _mm512_cvtph_ps(_mm256_loadu_si256(
                                 reinterpret_cast<const __m256i*>(a + c))));
   }
+#elif defined(ATTNLAB_AVX2) && defined(__F16C__)
+  for (; c + 8 <= n; c += 8) {
+    _mm256_storeu_ps(o + c, _mm256_cvtph_ps(_mm_loadu_si128(
+                                reinterpret_cast<const __m128i*>(a + c))));
+  }
 #endif
   for (; c < n; ++c) o[c] = static_cast<float>(a[c]);
 }
@@ -615,6 +627,12 @@ inline void widen_row(const WideBF16* a, int64_t n, float* o) {
     const __m512i u =
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)));
     _mm512_storeu_ps(o + c, _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
+  }
+#elif defined(ATTNLAB_AVX2)
+  for (; c + 8 <= n; c += 8) {
+    const __m256i u =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + c)));
+    _mm256_storeu_ps(o + c, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
   }
 #endif
   for (; c < n; ++c) o[c] = static_cast<float>(a[c]);
@@ -1162,12 +1180,12 @@ inline void add_transposed(const float* src, int64_t lds, int64_t rows, int64_t 
   }
 }
 
-// Pointers and strides of a backward call's float32 out (H, L, Dv), dout (H, L, Dv) in the
-// inputs' dtype T, float32 lse (H, L) and gradients dq (H, L, D), dk (H_kv, S, D), dv (H_kv, S,
-// Dv) of one batch item.
-template <typename T>
+// Pointers and strides of a backward call's out (H, L, Dv) in O (float32, or the inputs' dtype),
+// dout (H, L, Dv) in the inputs' dtype T, float32 lse (H, L) and gradients dq (H, L, D), dk
+// (H_kv, S, D), dv (H_kv, S, Dv) of one batch item.
+template <typename T, typename O = float>
 struct GradIo {
-  const float* o;
+  const O* o;
   const T* g;
   const float* l;
   float* dq;
@@ -1176,7 +1194,7 @@ struct GradIo {
   int64_t oh, os, gh, gs, lh, ls, dqh, dqs, dkh, dks, dvh, dvs;
   GradIo(at::Tensor& dq_, at::Tensor& dk_, at::Tensor& dv_, const at::Tensor& out,
          const at::Tensor& dout, const at::Tensor& lse)
-      : o(out.const_data_ptr<float>()), g(static_cast<const T*>(dout.const_data_ptr())),
+      : o(static_cast<const O*>(out.const_data_ptr())), g(static_cast<const T*>(dout.const_data_ptr())),
         l(lse.const_data_ptr<float>()), dq(dq_.data_ptr<float>()), dk(dk_.data_ptr<float>()),
         dv(dv_.data_ptr<float>()), oh(out.stride(0)), os(out.stride(1)), gh(dout.stride(0)),
         gs(dout.stride(1)), lh(lse.stride(0)), ls(lse.stride(1)), dqh(dq_.stride(0)),
@@ -1185,10 +1203,12 @@ struct GradIo {
   // δ = rowsum(dO ⊙ O) of `rows` rows of head h from row0, into delta
   void deltas(int64_t h, int64_t row0, int64_t rows, int64_t Dv, float* delta) const {
     const T* gb = g + h * gh + row0 * gs;
-    const float* ob = o + h * oh + row0 * os;
+    const O* ob = o + h * oh + row0 * os;
     for (int64_t r = 0; r < rows; ++r) {
       float d = 0.0f;
-      for (int64_t e = 0; e < Dv; ++e) d += static_cast<float>(gb[r * gs + e]) * ob[r * os + e];
+      for (int64_t e = 0; e < Dv; ++e) {
+        d += static_cast<float>(gb[r * gs + e]) * static_cast<float>(ob[r * os + e]);
+      }
       delta[r] = d;
     }
   }
@@ -1368,13 +1388,15 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
   }
 }
 
-// The backward of `segment_forward` in float32 for one batch item, added into dq (H, L, D),
+// The backward of `segment_forward` for one batch item, every product in float32 (float16 and
+// bfloat16 inputs widened as they are packed; out float32), added into dq (H, L, D),
 // dk (H_kv, S, D), dv (H_kv, S, Dv): the formulas of `band_backward` over each row's keys in its
 // segment (causal: up to the row). A work item is one (segment, key head) with the G query heads
 // of the group and all the segment's query blocks inside: it owns the dk/dv rows of its keys
 // (accumulated transposed per thread, added once at its end), so nothing is shared between
 // threads and every run adds in the same order. Products run in chunks of 512 columns, as in
 // the forward.
+template <typename T, typename O>
 void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Tensor& q,
                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                       const at::Tensor& dout, const at::Tensor& lse, int64_t start, int64_t n,
@@ -1385,20 +1407,41 @@ void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::
   const float scale = static_cast<float>(scale_d);
   const int64_t wmax = score_cols(n, false), ldk = wmax + 16;
   const int64_t nblk = (n + bq - 1) / bq;
-  const Heads<float> in(q, k, v);
-  const GradIo<float> io(dq, dk, dv, out, dout, lse);
+  const Heads<T> in(q, k, v);
+  const GradIo<T, O> io(dq, dk, dv, out, dout, lse);
+  // kᵀ and vᵀ of a segment's keys (D, ldk), (Dv, ldk): float32 read as is, 16-bit widened
+  auto pack_t = [&](const T* x, int64_t xs, int64_t dim, int64_t key0, float* o) {
+    if constexpr (kWidens<T>) {
+      pack_keys_wide(x, xs, dim, key0, 0, n, 0, wmax, ldk, o, nullptr, 0);
+    } else {
+      pack_keys<float>(x, xs, dim, key0, 0, n, 0, wmax, ldk, o, nullptr);
+    }
+  };
 
   at::parallel_for(0, count * Hkv, 1, [&](int64_t i0, int64_t i1) {
     Buffer<float> kt(D * ldk), vt(Dv * ldk), dkt(D * ldk), dvt(Dv * ldk);
     Buffer<float> s_buf(bq * wmax), dp_buf(bq * wmax), qt(D * bq), gt(Dv * bq);
+    // 16-bit inputs: the segment's key rows (B of dS·k), a block's q and dO rows, widened
+    Buffer<float> kw(kWidens<T> ? n * D : 0), qw(kWidens<T> ? bq * D : 0);
+    Buffer<float> gw(kWidens<T> ? bq * Dv : 0);
     float* const s = s_buf.get();
     float* const dp = dp_buf.get();
     std::vector<float> delta(bq);
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t seg = it / Hkv, hk = it % Hkv, key0 = start + seg * n;
-      const float* keys = in.k + hk * in.kh;
-      pack_keys<float>(keys, in.ks, D, key0, 0, n, 0, wmax, ldk, kt.get(), nullptr);
-      pack_keys<float>(in.values(hk), in.vs, Dv, key0, 0, n, 0, wmax, ldk, vt.get(), nullptr);
+      const T* keys = in.k + hk * in.kh;
+      pack_t(keys, in.ks, D, key0, kt.get());
+      pack_t(in.values(hk), in.vs, Dv, key0, vt.get());
+      const float* krows;  // key rows from the segment's first, row stride kst
+      int64_t kst;
+      if constexpr (kWidens<T>) {
+        pack_values_wide(keys, in.ks, D, key0, 0, n, 0, n, kw.get(), nullptr, 0);
+        krows = kw.get();
+        kst = D;
+      } else {
+        krows = keys + key0 * in.ks;
+        kst = in.ks;
+      }
       std::fill(dkt.get(), dkt.get() + D * ldk, 0.0f);
       std::fill(dvt.get(), dvt.get() + Dv * ldk, 0.0f);
       for (int64_t g = 0; g < G; ++g) {
@@ -1406,25 +1449,26 @@ void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::
         for (int64_t t = 0; t < nblk; ++t) {
           const int64_t rows = std::min(bq, n - t * bq), row0 = key0 + t * bq;
           const int64_t w = causal ? t * bq + rows : n, ws = score_cols(w, false);
-          const float* qb = in.q + h * in.qh + row0 * in.qs;
-          const float* gb = io.g_row(h, row0);
+          const auto [qb, lq] = query_rows(in.q + h * in.qh + row0 * in.qs, in.qs, rows, D,
+                                           qw.get());
+          const auto [gb, lg] = query_rows(io.g_row(h, row0), io.gs, rows, Dv, gw.get());
           io.deltas(h, row0, rows, Dv, delta.data());
           for (int64_t c0 = 0; c0 < ws; c0 += kCols) {
             const int64_t nc = std::min(kCols, ws - c0);
-            brgemm(rows, nc, D, in.qs, ldk, wmax, false, qb, kt.get() + c0, s + c0, false);
-            brgemm(rows, nc, Dv, io.gs, ldk, wmax, false, gb, vt.get() + c0, dp + c0, false);
+            brgemm(rows, nc, D, lq, ldk, wmax, false, qb, kt.get() + c0, s + c0, false);
+            brgemm(rows, nc, Dv, lg, ldk, wmax, false, gb, vt.get() + c0, dp + c0, false);
           }
           for (int64_t r = 0; r < rows; ++r) {  // s becomes P, dp dS·scale
             const int64_t hi = causal ? t * bq + r + 1 : n;
             grad_row(s + r * wmax, dp + r * wmax, nullptr, ws, 0, hi, scale,
                      io.lse_at(h, row0 + r), delta[r]);
           }
-          for (int64_t c0 = 0; c0 < w; c0 += kCols) {  // dq rows += dS·k (k read in place)
-            brgemm(rows, D, std::min(kCols, w - c0), wmax, in.ks, io.dqs, true, dp + c0,
-                   keys + (key0 + c0) * in.ks, io.dq_row(h, row0), false);
+          for (int64_t c0 = 0; c0 < w; c0 += kCols) {  // dq rows += dS·k
+            brgemm(rows, D, std::min(kCols, w - c0), wmax, kst, io.dqs, true, dp + c0,
+                   krows + c0 * kst, io.dq_row(h, row0), false);
           }
-          transpose_f32(qb, in.qs, rows, D, qt.get(), rows);
-          transpose_f32(gb, io.gs, rows, Dv, gt.get(), rows);
+          transpose_f32(qb, lq, rows, D, qt.get(), rows);
+          transpose_f32(gb, lg, rows, Dv, gt.get(), rows);
           for (int64_t c0 = 0; c0 < ws; c0 += kCols) {
             const int64_t nc = std::min(kCols, ws - c0);
             brgemm(D, nc, rows, rows, wmax, ldk, true, qt.get(), dp + c0, dkt.get() + c0, false);
@@ -1613,7 +1657,7 @@ void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at
 void check_backward(const char* op, const at::Tensor& dq, const at::Tensor& dk,
                     const at::Tensor& dv, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& dout,
-                    const at::Tensor& lse) {
+                    const at::Tensor& lse, bool out_like_q = false) {
   check_inputs(op, out, q, k, v, 3, /*float_out=*/true);
   check(dq, op, "dq", 3);
   check(dk, op, "dk", 3);
@@ -1621,10 +1665,12 @@ void check_backward(const char* op, const at::Tensor& dq, const at::Tensor& dk,
   check(dout, op, "dout", 3);
   TORCH_CHECK(dout.scalar_type() == q.scalar_type(), "attnlab_band.", op,
               ": dout must have q's dtype, got ", dout.scalar_type());
-  for (const at::ScalarType t : {dq.scalar_type(), dk.scalar_type(), dv.scalar_type(),
-                                 out.scalar_type(), lse.scalar_type()}) {
-    TORCH_CHECK(t == at::kFloat, "attnlab_band.", op, ": float32 out, lse, dq, dk, dv, got ", t);
+  for (const at::ScalarType t :
+       {dq.scalar_type(), dk.scalar_type(), dv.scalar_type(), lse.scalar_type()}) {
+    TORCH_CHECK(t == at::kFloat, "attnlab_band.", op, ": float32 lse, dq, dk, dv, got ", t);
   }
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out_like_q, "attnlab_band.", op,
+              ": out must be float32, got ", out.scalar_type());
   TORCH_CHECK(dq.sizes() == q.sizes() && dk.sizes() == k.sizes() && dv.sizes() == v.sizes() &&
                   dout.sizes() == out.sizes() && out.size(0) == q.size(0) &&
                   out.size(1) == q.size(1) && out.size(2) == v.size(2),
@@ -1658,13 +1704,27 @@ void segments_backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const a
                             const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                             const at::Tensor& dout, const at::Tensor& lse, int64_t start,
                             int64_t n, int64_t count, bool causal, int64_t bq, double scale) {
-  check_backward("segments_backward_into", dq, dk, dv, q, k, v, out, dout, lse);
-  TORCH_CHECK(q.scalar_type() == at::kFloat,
-              "attnlab_band.segments_backward_into: float32 only, got ", q.scalar_type());
+  check_backward("segments_backward_into", dq, dk, dv, q, k, v, out, dout, lse,
+                 /*out_like_q=*/true);
   TORCH_CHECK(n >= 1 && count >= 1 && bq >= 1, "attnlab_band.segments_backward_into: empty call");
   TORCH_CHECK(start >= 0 && start + count * n <= std::min(q.size(1), k.size(1)),
               "attnlab_band.segments_backward_into: segments out of range");
-  segment_backward(dq, dk, dv, q, k, v, out, dout, lse, start, n, count, causal, bq, scale);
+  const bool wide_out = out.scalar_type() == at::kFloat;
+  auto run = [&](auto in_type) {
+    using T = decltype(in_type);
+    if (wide_out) {
+      segment_backward<T, float>(dq, dk, dv, q, k, v, out, dout, lse, start, n, count, causal,
+                                 bq, scale);
+    } else if constexpr (!std::is_same_v<T, float>) {
+      segment_backward<T, T>(dq, dk, dv, q, k, v, out, dout, lse, start, n, count, causal, bq,
+                             scale);
+    }
+  };
+  switch (q.scalar_type()) {  // every product in float32: 16-bit inputs widened as packed
+    case at::kFloat: return run(float{});
+    case at::kHalf: return run(c10::Half{});
+    default: return run(WideBF16{});
+  }
 }
 
 bool supported(at::ScalarType dtype) {

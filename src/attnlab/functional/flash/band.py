@@ -218,7 +218,8 @@ def segment_backward(
     c: SegmentCall, res: Residuals, *, scale: float, grads: tuple[Tensor, Tensor, Tensor]
 ) -> None:
     """Adds the gradients of batched segments into ``grads = (dq, dk, dv)`` (kernel engine):
-    attnlab's C++ kernel in float32 (`band_kernel.segments_backward_into`), else torch's."""
+    attnlab's C++ kernel (`band_kernel.segments_backward_into`) where
+    `band_kernel.segments_backward_usable`, else torch's."""
     dq, dk, dv = grads
     if band_kernel.segments_backward_usable(res.q, res.k, res.v, res.out, res.dout, c.n):
         for b in range(c.b0, c.b1):

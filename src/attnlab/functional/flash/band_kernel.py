@@ -34,9 +34,9 @@ tolerance rule; both give out = 0, lse = −inf on a row with no key):
   `torch.compile` traces. bfloat16 multiplies in VNNI pairs (an even head dim and block) where
   the CPU's micro-kernel has them (AVX512-BF16 or AMX, `pairs`); float16, and bfloat16 on other
   CPUs, are widened to float32 as they are packed (exact: the float32 products run at the
-  float16 matmul rate on CPUs with AVX512-FP16 but no AMX-FP16; on an AVX2-only AMD EPYC the
-  float16 window forward runs 2× torch's kernel, while torch's is the faster float32 and
-  bfloat16 forward there and this kernel's band backward the faster backward — RESULTS.md,
+  float16 matmul rate on CPUs with AVX512-FP16 but no AMX-FP16; on an AVX2-only AMD EPYC,
+  with the softmax, exp and transposes in 8-lane AVX2, window 256 at L = 16384 runs 1.5–3.3×
+  faster than torch's kernel forward and 1.7–2.1× fwd+bwd in all three dtypes — RESULTS.md,
   ``ATTNLAB_FLASH_BAND_ENGINE=aten`` picks torch's); outputs are rounded once;
 - the extension is built (`attnlab._ext.load`; the first use on a machine builds it in the
   background) and the CPU runs oneDNN's float32 micro-kernel (``supported``, asked once);
@@ -52,9 +52,11 @@ and ``dOᵀ·P`` for the window's keys in per-thread accumulators that add each 
 into dk/dv once (five brgemm products per block; the keys and values packed as they advance,
 as in the forward). It runs the forward plan's blocks. Measured: window 256, L = 16384, fp32 on
 a Xeon with AMX, fwd+bwd 0.40 → 0.20 s (the backward call itself 0.09 s against 0.04 s for the
-forward's). Segments (and one whole causal or full call with L = S) have their float32
-backward on it too (`segments_backward_into`: one work item per segment and key head, owning its
-keys' gradients); in bfloat16/float16 they keep torch's kernel in the input dtype.
+forward's). Segments (and one whole causal or full call with L = S) have their backward on it
+too (`segments_backward_into`: one work item per segment and key head, owning its keys'
+gradients) in float32, and in 16-bit dtypes whose products the CPU does not run natively
+(`segments_backward_usable`: widened as packed; 8 × 2048 causal documents in bfloat16 on an
+AVX2-only EPYC, fwd+bwd 7.6 → 1.2 s); bfloat16 pairs keep torch's kernel in bfloat16.
 """
 
 from __future__ import annotations
@@ -228,12 +230,17 @@ def backward_ready(q: Tensor) -> bool:
     return _ready(torch.float32, q.device, q.shape[-1], None)
 
 
-def backward_usable(q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor) -> bool:
+def backward_usable(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, *, out_like_q: bool = False
+) -> bool:
     """Whether the backward of band calls on these tensors runs on attnlab's C++ kernel:
     `ready` for q, k, v and dout in q's dtype (16-bit ones are widened as they are packed), out
-    float32, every tensor with unit stride in the last dim."""
+    float32 (or, with ``out_like_q``, in q's dtype: δ then reads the rounded output widened),
+    every tensor with unit stride in the last dim."""
     xs = (q, k, v, out, dout)
-    if any(x.stride(-1) != 1 and x.shape[-1] > 1 for x in xs) or out.dtype != torch.float32:
+    if any(x.stride(-1) != 1 and x.shape[-1] > 1 for x in xs):
+        return False
+    if out.dtype != torch.float32 and not (out_like_q and out.dtype == q.dtype):
         return False
     return all(x.dtype == q.dtype for x in (k, v, dout)) and ready(q)
 
@@ -241,11 +248,15 @@ def backward_usable(q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor) 
 def segments_backward_usable(
     res_q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, n: int
 ) -> bool:
-    """`backward_usable` for segments of ``n`` positions, in float32 only (16-bit segment
-    backwards run torch's kernel in their dtype), ``n <= SEGMENT_MAX``."""
-    if res_q.dtype != torch.float32 or n > SEGMENT_MAX:
+    """`backward_usable` for segments of ``n <= SEGMENT_MAX`` positions: float32, and 16-bit
+    inputs (widened as they are packed) whose products this CPU's micro-kernel does not run
+    natively (not `pairs`: float16 always, bfloat16 without AVX512-BF16/AMX or with
+    ``ATTNLAB_FLASH_BAND_ENGINE=widen``). There torch's kernel would multiply them at its 16-bit
+    GEMM rate (about 1 GF/s on an AVX2-only EPYC: 8 packed documents of 2048 in bfloat16,
+    fwd+bwd 7.6–8.0 s against 1.2 s in float32); where they are native it runs them itself."""
+    if pairs(res_q.dtype) or n > SEGMENT_MAX:
         return False
-    return backward_usable(res_q, k, v, out, dout)
+    return backward_usable(res_q, k, v, out, dout, out_like_q=True)
 
 
 def backward_into(

@@ -283,7 +283,7 @@ class FlashJob:
             B, _, L, _ = q.shape
             xs = (q, k, v, res.out, res.dout)
             if k.shape[2] == L and band_kernel.segments_backward_usable(*xs, L):
-                # one segment of L positions: attnlab's C++ backward (float32)
+                # one segment of L positions: attnlab's C++ backward (float32 products)
                 whole = SegmentCall(0, B, 0, L, 1, causal)
                 grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
                 assert len(grads) == 3
