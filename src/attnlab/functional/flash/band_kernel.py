@@ -36,8 +36,8 @@ tolerance rule; both give out = 0, lse = −inf on a row with no key):
   CPUs, are widened to float32 as they are packed (exact: the float32 products run at the
   float16 matmul rate on CPUs with AVX512-FP16 but no AMX-FP16; on an AVX2-only AMD EPYC,
   with the softmax, exp and transposes in 8-lane AVX2, window 256 at L = 16384 runs 1.5–3.3×
-  faster than torch's kernel forward and 1.7–2.1× fwd+bwd in all three dtypes — RESULTS.md,
-  ``ATTNLAB_FLASH_BAND_ENGINE=aten`` picks torch's); outputs are rounded once;
+  faster than torch's kernel forward (fp32, bf16, fp16) and 1.7–2.1× fwd+bwd (fp32, bf16) —
+  RESULTS.md; ``ATTNLAB_FLASH_BAND_ENGINE=aten`` picks torch's); outputs are rounded once;
 - the extension is built (`attnlab._ext.load`; the first use on a machine builds it in the
   background) and the CPU runs oneDNN's float32 micro-kernel (``supported``, asked once);
 - ``ATTNLAB_FLASH_BAND_ENGINE`` is unset, ``auto`` or ``widen`` (bfloat16 widened on any CPU);
