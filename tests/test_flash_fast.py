@@ -734,13 +734,23 @@ def test_segment_kernel_and_aten_agree(band_ext, monkeypatch, dtype) -> None:
     torch.testing.assert_close(runs[("auto", 199)], runs[("aten", 4096)], rtol=0, atol=0)
 
 
+def _long_segment() -> tuple[int, int, int, int]:
+    """``(L, start, n, count)`` for one segment over two whole score spans and part of a third
+    (`attnlab_band::segment_span`: the forward merges their softmax online)."""
+    n = 2 * torch.ops.attnlab_band.segment_span() + 37
+    return n + 9, 5, n, 1
+
+
 @pytest.mark.parametrize("causal", [True, False])
-def test_segment_kernel_operator(band_ext, causal) -> None:
+@pytest.mark.parametrize("long", [False, True], ids=["short", "spans"])
+def test_segment_kernel_operator(band_ext, causal, long) -> None:
     """The operator itself against the float64 formula: segments from an offset, a block that
     does not divide them, GQA, Dv != D, a strided destination; rows outside the segments keep
-    what they held."""
+    what they held; a segment longer than two score spans."""
     g = torch.Generator().manual_seed(1)
     H, H_kv, L, D, Dv, start, n, count = 4, 2, 120, 8, 12, 5, 33, 3
+    if long:
+        L, start, n, count = _long_segment()
     q = torch.randn(H, L, D, generator=g)
     k = torch.randn(H_kv, L, D, generator=g)
     v = torch.randn(H_kv, L, Dv, generator=g)
@@ -763,13 +773,16 @@ def test_segment_kernel_operator(band_ext, causal) -> None:
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_segment_kernel_backward_operator(band_ext, causal, threads) -> None:
+@pytest.mark.parametrize(("threads", "long"), [(1, False), (2, False), (2, True)])
+def test_segment_kernel_backward_operator(band_ext, causal, threads, long) -> None:
     """The segment backward operator against autograd on the float64 formula: segments from an
     offset, a block that does not divide them, GQA, Dv != D, gradients added into what they
-    held (rows and keys outside the segments keep it), the same bits on every run."""
+    held (rows and keys outside the segments keep it), the same bits on every run; a segment
+    longer than two score spans."""
     g = torch.Generator().manual_seed(2)
     H, H_kv, L, D, Dv, start, n, count, bq = 4, 2, 120, 8, 12, 5, 33, 3, 16
+    if long:
+        L, start, n, count = _long_segment()
     q = torch.randn(H, L, D, generator=g)
     k = torch.randn(H_kv, L, D, generator=g)
     v = torch.randn(H_kv, L, Dv, generator=g)

@@ -34,6 +34,8 @@
 //       (oneDNN's brgemm micro-kernel in float32, wherever it exists: float16 is widened to
 //       float32 as it is packed, and so is bfloat16 unless its own products run); the caller
 //       falls back to torch's flash kernel otherwise.
+//   attnlab_band::segment_span() -> int: score columns a segment block holds at once (longer
+//       rows run in spans of that many, merged online).
 //   attnlab_band::native(dtype) -> bool: whether the forward multiplies in that dtype itself:
 //       float32, and bfloat16 (in VNNI pairs: an even head dim and block) on CPUs with
 //       AVX512-BF16 or AMX. Elsewhere, or with widen=True, a bfloat16 forward widens its inputs
@@ -1006,10 +1008,18 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
   });
 }
 
+// Score columns a segment block holds at once (forward and backward): longer rows (one causal
+// call over L = 16384) run in spans of this many, so that a 64-row block's scores (512 KiB)
+// stay in the core's cache; the forward merges the spans' softmax online. One causal call at
+// L = 16384, fp32 forward on an AVX2 EPYC: flash/SDPA 1.13–1.17 (all 16384 at once) → 0.98–1.03
+// (2048; 512: 1.04, 1024: 0.95–1.13); packed documents of 2048 stay one pass.
+constexpr int64_t kSegmentSpan = 2048;
+
 // Batched segments (packed documents, `tiling.SegmentCall`) of one batch item: segment s holds
 // rows and keys [start + s·n, start + (s+1)·n); its rows see all its keys, or (causal) the keys
-// up to their own position. Every row's keys are in one block, so the softmax is one pass; each
-// key head is packed once for all its segments. Query block t of a segment (rows t·bq …) needs
+// up to their own position. Every row's keys are in one block, so the softmax is one pass (up
+// to kSegmentSpan columns; longer rows merge spans online); each key head is packed once for
+// all its segments. Query block t of a segment (rows t·bq …) needs
 // only the keys [0, t·bq + rows) of it when causal: its scores are computed and read in chunks
 // of 512 columns (a handful of brgemm shapes for any n). Work items run the blocks of a segment
 // in the order 0, last, 1, last − 1, … so that the two halves of the range (one per thread)
@@ -1026,10 +1036,13 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
   const float scale = static_cast<float>(scale_d);
   const int64_t nk = count * n;  // keys of the call; even in bfloat16 (n even)
   const int64_t wmax = score_cols(n, vnni);  // scores per row
+  // scores held at once per row: all of them up to kSegmentSpan, else spans of that many
+  // columns whose softmax is merged online
+  const int64_t span = std::min(wmax, kSegmentSpan);
   // their row stride: 64 bytes off a power of two (score rows 2^k floats apart share cache
   // sets; one causal call at L = 8192, fp32 on an AVX2 EPYC: flash/SDPA 0.95–1.03 → 0.89–0.98
   // in 4 of 5 alternating runs)
-  const int64_t lds = wmax + (vnni ? 32 : 16);
+  const int64_t lds = span + (vnni ? 32 : 16);
   // packed rows of bfloat16 values: p·v of a block reads whole 32-key steps, up to 31 zero
   // rows past the last key; packed keys: every row reads up to wmax columns
   const int64_t nv = vnni ? nk + 32 : nk;
@@ -1055,31 +1068,52 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
       const int64_t key0 = seg * n;  // the segment's first packed column
       const int64_t row0 = start + key0 + t * bq;
       const auto [qa, lda] = query_rows(in.q + h * in.qh + row0 * qs, qs, rows, D, sc.q);
-      for (int64_t c0 = 0; c0 < ws; c0 += kCols) {
-        brgemm(rows, std::min(kCols, ws - c0), D, lda, ldk, lds, false, qa,
-               kpack + (vnni ? 2 : 1) * (key0 + c0), s + c0, vnni);
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* sr = s + r * lds;
-        C* pr = vnni ? sc.p + r * lds : reinterpret_cast<C*>(sr);
-        const int64_t hi = causal ? t * bq + r + 1 : n;
-        const auto [mx, sum] = softmax_row<false>(sr, nullptr, ws, 0, hi, scale, pr);
-        sc.m[r] = mx;
-        sc.den[r] = sum;
-      }
-      const C* pa = vnni ? sc.p : reinterpret_cast<const C*>(s);
       // bfloat16: whole 32-key steps (p is 0 past the keys, the packed values too)
       const int64_t kn = vnni ? ws : width;
       constexpr bool packed = Traits<T>::packs_values;
-      for (int64_t c0 = 0; c0 < kn; c0 += kCols) {
-        const int64_t kc = std::min(kCols, kn - c0);
-        const C* vb;
-        if constexpr (packed) {
-          vb = vpack + (key0 + c0) * Dv;
-        } else {
-          vb = vh_ + (start + key0 + c0) * vs;
+      for (int64_t a0 = 0; a0 < ws; a0 += span) {  // one span of columns (usually the only one)
+        const int64_t wa = std::min(span, ws - a0);
+        for (int64_t c0 = 0; c0 < wa; c0 += kCols) {
+          brgemm(rows, std::min(kCols, wa - c0), D, lda, ldk, lds, false, qa,
+                 kpack + (vnni ? 2 : 1) * (key0 + a0 + c0), s + c0, vnni);
         }
-        brgemm(rows, Dv, kc, lds, packed ? Dv : vs, Dv, c0 > 0, pa + c0, vb, sc.o, vnni);
+        // the first span's softmax and p·v go to m, den, o; a later one's to their second
+        // halves, then merged: o·e^(m − m') + o₂·e^(m₂ − m') with m' = max(m, m₂)
+        float* const m = sc.m.data() + (a0 > 0 ? rows : 0);
+        float* const den = sc.den.data() + (a0 > 0 ? rows : 0);
+        float* const o = sc.o + (a0 > 0 ? rows * Dv : 0);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* sr = s + r * lds;
+          C* pr = vnni ? sc.p + r * lds : reinterpret_cast<C*>(sr);
+          const int64_t hi = std::clamp<int64_t>((causal ? t * bq + r + 1 : n) - a0, 0, wa);
+          const auto [mx, sum] = softmax_row<false>(sr, nullptr, wa, 0, hi, scale, pr);
+          m[r] = mx;
+          den[r] = sum;
+        }
+        const C* pa = vnni ? sc.p : reinterpret_cast<const C*>(s);
+        const int64_t ka = std::min(wa, kn - a0);
+        for (int64_t c0 = 0; c0 < ka; c0 += kCols) {
+          const int64_t kc = std::min(kCols, ka - c0);
+          const C* vb;
+          if constexpr (packed) {
+            vb = vpack + (key0 + a0 + c0) * Dv;
+          } else {
+            vb = vh_ + (start + key0 + a0 + c0) * vs;
+          }
+          brgemm(rows, Dv, kc, lds, packed ? Dv : vs, Dv, c0 > 0, pa + c0, vb, o, vnni);
+        }
+        if (a0 == 0) continue;
+        for (int64_t r = 0; r < rows; ++r) {
+          if (m[r] == kNegInf) continue;  // no key of this row in the span
+          const float mm = std::max(sc.m[r], m[r]);
+          const float e1 = sc.m[r] == kNegInf ? 0.0f : std::exp(sc.m[r] - mm);
+          const float e2 = std::exp(m[r] - mm);
+          float* orow = sc.o + r * Dv;
+          const float* o2 = o + r * Dv;
+          for (int64_t d = 0; d < Dv; ++d) orow[d] = orow[d] * e1 + o2[d] * e2;
+          sc.den[r] = sc.den[r] * e1 + den[r] * e2;
+          sc.m[r] = mm;
+        }
       }
       for (int64_t r = 0; r < rows; ++r) {
         finish_row(op + h * o0 + (row0 + r) * o1, lp + h * l0 + (row0 + r) * l1, sc.o + r * Dv, Dv,
@@ -1088,7 +1122,8 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
     }
   };
   const size_t rows = static_cast<size_t>(bq);
-  const size_t scratch[5] = {rows * lds, vnni ? rows * lds : 0, rows * Dv, rows,
+  const size_t spans = (wmax > span ? 2 : 1);  // 2: a second set of m, den, o to merge
+  const size_t scratch[5] = {rows * lds, vnni ? rows * lds : 0, spans * rows * Dv, spans * rows,
                              kWidens<T> ? rows * static_cast<size_t>(D) : 0};
   run_heads<T>(in, Hkv, D, Dv, start, 0, nk, ldk, nv, nullptr, count * nblk * G, scratch, run);
 }
@@ -1410,9 +1445,10 @@ void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::
   const int64_t G = H / Hkv;
   const float scale = static_cast<float>(scale_d);
   const int64_t wmax = score_cols(n, false), ldk = wmax + 16;
-  // score rows 64 bytes off a power of two (as in the forward; one causal call at L = 8192,
-  // fp32 fwd+bwd on an AVX2 EPYC: flash/SDPA 1.13–1.20 → 0.96–1.06 in alternating runs)
-  const int64_t lds = wmax + 16;
+  // a block's scores in spans of at most kSegmentSpan columns (as the forward), their rows 64
+  // bytes off a power of two (one causal call at L = 8192, fp32 fwd+bwd on an AVX2 EPYC:
+  // flash/SDPA 1.13–1.20 → 0.96–1.06 in alternating runs)
+  const int64_t span = std::min(wmax, kSegmentSpan), lds = span + 16;
   const int64_t nblk = (n + bq - 1) / bq;
   const Heads<T> in(q, k, v);
   const GradIo<T, O> io(dq, dk, dv, out, dout, lse);
@@ -1460,26 +1496,30 @@ void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::
                                            qw.get());
           const auto [gb, lg] = query_rows(io.g_row(h, row0), io.gs, rows, Dv, gw.get());
           io.deltas(h, row0, rows, Dv, delta.data());
-          for (int64_t c0 = 0; c0 < ws; c0 += kCols) {
-            const int64_t nc = std::min(kCols, ws - c0);
-            brgemm(rows, nc, D, lq, ldk, lds, false, qb, kt.get() + c0, s + c0, false);
-            brgemm(rows, nc, Dv, lg, ldk, lds, false, gb, vt.get() + c0, dp + c0, false);
-          }
-          for (int64_t r = 0; r < rows; ++r) {  // s becomes P, dp dS·scale
-            const int64_t hi = causal ? t * bq + r + 1 : n;
-            grad_row(s + r * lds, dp + r * lds, nullptr, ws, 0, hi, scale,
-                     io.lse_at(h, row0 + r), delta[r]);
-          }
-          for (int64_t c0 = 0; c0 < w; c0 += kCols) {  // dq rows += dS·k
-            brgemm(rows, D, std::min(kCols, w - c0), lds, kst, io.dqs, true, dp + c0,
-                   krows + c0 * kst, io.dq_row(h, row0), false);
-          }
           transpose_f32(qb, lq, rows, D, qt.get(), rows);
           transpose_f32(gb, lg, rows, Dv, gt.get(), rows);
-          for (int64_t c0 = 0; c0 < ws; c0 += kCols) {
-            const int64_t nc = std::min(kCols, ws - c0);
-            brgemm(D, nc, rows, rows, lds, ldk, true, qt.get(), dp + c0, dkt.get() + c0, false);
-            brgemm(Dv, nc, rows, rows, lds, ldk, true, gt.get(), s + c0, dvt.get() + c0, false);
+          for (int64_t a0 = 0; a0 < ws; a0 += span) {  // spans of columns: P needs only lse
+            const int64_t wa = std::min(span, ws - a0);
+            for (int64_t c0 = 0; c0 < wa; c0 += kCols) {
+              const int64_t nc = std::min(kCols, wa - c0), c = a0 + c0;
+              brgemm(rows, nc, D, lq, ldk, lds, false, qb, kt.get() + c, s + c0, false);
+              brgemm(rows, nc, Dv, lg, ldk, lds, false, gb, vt.get() + c, dp + c0, false);
+            }
+            for (int64_t r = 0; r < rows; ++r) {  // s becomes P, dp dS·scale
+              const int64_t hi = std::clamp<int64_t>((causal ? t * bq + r + 1 : n) - a0, 0, wa);
+              grad_row(s + r * lds, dp + r * lds, nullptr, wa, 0, hi, scale,
+                       io.lse_at(h, row0 + r), delta[r]);
+            }
+            const int64_t wk = std::min(wa, w - a0);  // the span's keys
+            for (int64_t c0 = 0; c0 < wk; c0 += kCols) {  // dq rows += dS·k
+              brgemm(rows, D, std::min(kCols, wk - c0), lds, kst, io.dqs, true, dp + c0,
+                     krows + (a0 + c0) * kst, io.dq_row(h, row0), false);
+            }
+            for (int64_t c0 = 0; c0 < wa; c0 += kCols) {
+              const int64_t nc = std::min(kCols, wa - c0), c = a0 + c0;
+              brgemm(D, nc, rows, rows, lds, ldk, true, qt.get(), dp + c0, dkt.get() + c, false);
+              brgemm(Dv, nc, rows, rows, lds, ldk, true, gt.get(), s + c0, dvt.get() + c, false);
+            }
           }
         }
       }
@@ -1740,6 +1780,8 @@ bool supported(at::ScalarType dtype) {
   return ours && brgemm_runs<float>(false);
 }
 
+int64_t segment_span() { return kSegmentSpan; }
+
 bool native(at::ScalarType dtype) {
   return dtype == at::kFloat || (dtype == at::kBFloat16 && native_bf16());
 }
@@ -1764,6 +1806,7 @@ TORCH_LIBRARY(attnlab_band, m) {
       "int bq, float scale) -> ()");
   m.def("supported(ScalarType dtype) -> bool", &supported);
   m.def("native(ScalarType dtype) -> bool", &native);
+  m.def("segment_span() -> int", &segment_span);
 }
 
 TORCH_LIBRARY_IMPL(attnlab_band, CPU, m) {
