@@ -1487,18 +1487,23 @@ void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::
       }
       std::fill(dkt.get(), dkt.get() + D * ldk, 0.0f);
       std::fill(dvt.get(), dvt.get() + Dv * ldk, 0.0f);
+      // span by span of keys (P needs only lse), each with the query blocks that see it: the
+      // span's dkᵀ/dvᵀ columns stay in cache while the blocks add into them (one causal call at
+      // L = 16384: 4 MiB each per thread over all columns; fp32 fwd+bwd on an AVX2 EPYC,
+      // flash/SDPA 1.03–1.04 block by block → 0.88–0.96 span by span, alternating runs)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hk * G + g;
-        for (int64_t t = 0; t < nblk; ++t) {
-          const int64_t rows = std::min(bq, n - t * bq), row0 = key0 + t * bq;
-          const int64_t w = causal ? t * bq + rows : n, ws = score_cols(w, false);
-          const auto [qb, lq] = query_rows(in.q + h * in.qh + row0 * in.qs, in.qs, rows, D,
-                                           qw.get());
-          const auto [gb, lg] = query_rows(io.g_row(h, row0), io.gs, rows, Dv, gw.get());
-          io.deltas(h, row0, rows, Dv, delta.data());
-          transpose_f32(qb, lq, rows, D, qt.get(), rows);
-          transpose_f32(gb, lg, rows, Dv, gt.get(), rows);
-          for (int64_t a0 = 0; a0 < ws; a0 += span) {  // spans of columns: P needs only lse
+        for (int64_t a0 = 0; a0 < wmax; a0 += span) {
+          for (int64_t t = 0; t < nblk; ++t) {
+            const int64_t rows = std::min(bq, n - t * bq), row0 = key0 + t * bq;
+            const int64_t w = causal ? t * bq + rows : n, ws = score_cols(w, false);
+            if (a0 >= ws) continue;  // causal: the block sees no key of this span
+            const auto [qb, lq] = query_rows(in.q + h * in.qh + row0 * in.qs, in.qs, rows, D,
+                                             qw.get());
+            const auto [gb, lg] = query_rows(io.g_row(h, row0), io.gs, rows, Dv, gw.get());
+            io.deltas(h, row0, rows, Dv, delta.data());
+            transpose_f32(qb, lq, rows, D, qt.get(), rows);
+            transpose_f32(gb, lg, rows, Dv, gt.get(), rows);
             const int64_t wa = std::min(span, ws - a0);
             for (int64_t c0 = 0; c0 < wa; c0 += kCols) {
               const int64_t nc = std::min(kCols, wa - c0), c = a0 + c0;
