@@ -35,9 +35,10 @@ tolerance rule; both give out = 0, lse = −inf on a row with no key):
   the CPU's micro-kernel has them (AVX512-BF16 or AMX, `pairs`); float16, and bfloat16 on other
   CPUs, are widened to float32 as they are packed (exact: the float32 products run at the
   float16 matmul rate on CPUs with AVX512-FP16 but no AMX-FP16; on an AVX2-only AMD EPYC,
-  with the softmax, exp and transposes in 8-lane AVX2, window 256 at L = 16384 runs 1.5–3.3×
-  faster than torch's kernel forward (fp32, bf16, fp16) and 1.7–2.1× fwd+bwd (fp32, bf16) —
-  RESULTS.md; ``ATTNLAB_FLASH_BAND_ENGINE=aten`` picks torch's); outputs are rounded once;
+  with the softmax, exp and transposes in 8-lane AVX2, window 256 at L = 16384 runs 1.5–3.2×
+  faster than torch's kernel forward and 2.0–2.5× fwd+bwd in fp32, bf16 and fp16
+  (``benchmarks/bench_engines.py``, RESULTS.md; ``ATTNLAB_FLASH_BAND_ENGINE=aten`` picks
+  torch's); outputs are rounded once;
 - the extension is built (`attnlab._ext.load`; the first use on a machine builds it in the
   background) and the CPU runs oneDNN's float32 micro-kernel (``supported``, asked once);
 - ``ATTNLAB_FLASH_BAND_ENGINE`` is unset, ``auto`` or ``widen`` (bfloat16 widened on any CPU);
