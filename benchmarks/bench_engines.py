@@ -4,8 +4,10 @@ The same ``attnlab.attention(backend="flash")`` calls — a sliding window (band
 causal documents (segment calls) — with ``ATTNLAB_FLASH_BAND_ENGINE`` switched between ``aten``
 (torch's fused flash kernel) and ``auto`` (attnlab's C++ kernels, ``_ext/band_attn.cpp``, where
 they run) round by round in one process, forward and forward + backward, per dtype. The plan
-cache is off so that every call plans for the engine in force. Prints the minimum (and median)
-seconds of each, and the ratio aten / auto (> 1: attnlab's kernel is the faster one).
+cache is off so that every call plans for the engine in force, and the extension is required
+(``ATTNLAB_EXT=require`` unless set: a missing build fails instead of timing torch twice).
+Prints the minimum (and median) seconds of each, and the ratio aten / auto (> 1: attnlab's
+kernel is the faster one).
 
 Run: python benchmarks/bench_engines.py [--dtype float32 bfloat16 float16] [--rounds 7]
 """
