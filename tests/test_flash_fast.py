@@ -218,6 +218,24 @@ def test_clean_flagged_copies_only_non_finite_inputs(ext, dtype) -> None:
     assert torch.equal(nan_rule.clean_flagged(t2)[0], torch.nan_to_num(t2, 0.0, 0.0, 0.0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, *LOW], ids=str)
+def test_known_finite_reads_strided_inputs(ext, dtype) -> None:
+    x = seeded(2, 3, 37, 5, dtype=dtype, seed=1)
+    block = x[:, :, 10:20]  # a non-contiguous slice, as the causal linear scan asks about
+    assert nan_rule.known_finite(block) and nan_rule.known_finite(x[:, :, :0])
+    for val in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[1, 2, 15, 4] = val
+        assert not nan_rule.known_finite(y[:, :, 10:20])
+        assert nan_rule.known_finite(y[:, :, :15])  # the bad entry is outside the slice
+    assert not nan_rule.known_finite(torch.empty(2, 3, device="meta", dtype=dtype))
+
+
+def test_known_finite_without_the_extension(monkeypatch) -> None:
+    monkeypatch.setenv(_ext.ENV, "0")
+    assert not nan_rule.known_finite(seeded(2, 3, 8, 5, dtype=torch.float32, seed=1))
+
+
 def test_clean_flagged_without_the_extension(monkeypatch) -> None:
     monkeypatch.setenv(_ext.ENV, "0")
     x = seeded(2, 3, 8, 5, dtype=torch.float32, seed=1)

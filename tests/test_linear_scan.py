@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import attnlab.functional.linear as lin
-from attnlab.functional import reference
+from attnlab.functional import nan_rule, reference
+from attnlab.functional.linear_features import clean_features
 from attnlab.linear import favor_attention, favor_projection, linear_attention
 from helpers import FIXED_TABLE, LargestTensor, fwd_bwd, seeded
 from nan_rule_linear import check_nan_rule, keep_matrix, planted
@@ -79,16 +80,28 @@ SCAN_CASES = [
 ]
 
 
+def as_callable(name: str):
+    """The built-in map ``name`` as a user's callable: the scan through autograd, not fused."""
+    phi = reference.LINEAR_FEATURE_MAPS[name]
+    return lambda x: phi(x)
+
+
+@pytest.mark.parametrize("form", ["fused", "callable"])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("L,S,chunk,nbytes,feature_map", SCAN_CASES)
-def test_linear_scan_in_blocks_equals_reference(blocks, L, S, chunk, nbytes, feature_map, padded):
+def test_linear_scan_in_blocks_equals_reference(
+    blocks, L, S, chunk, nbytes, feature_map, padded, form
+):
+    """Both forms of the causal scan: `_CausalScan` (built-in maps, hand-written backward) and
+    autograd through the block ops (a user's callable), forward and backward."""
     inputs = qkv(L=L, S=S, seed=L * S)
     key_mask = padding(2, S, seed=L + S) if padded else None
     calls = blocks(nbytes)
+    phi = feature_map if form == "fused" else as_callable(feature_map)
 
     def fast(q, k, v):
         return linear_attention(
-            q, k, v, feature_map=feature_map, causal=True, key_mask=key_mask, chunk_size=chunk
+            q, k, v, feature_map=phi, causal=True, key_mask=key_mask, chunk_size=chunk
         )
 
     def ref(q, k, v):
@@ -125,13 +138,24 @@ def test_favor_causal_scan_in_blocks_equals_reference(blocks, L, S, chunk, nbyte
 # ------------------------------------------------------------------------ the NaN rule, carried
 
 
+@pytest.fixture(params=["detected", "flags"])
+def finite_blocks(request, monkeypatch):
+    """ "detected": blocks known finite (`nan_rule.known_finite`, the C++ operator) skip the
+    flags; "flags": nothing is known finite, every block computes them (no compiler, compile)."""
+    if request.param == "flags":
+        monkeypatch.setattr(lin, "known_finite", lambda x: False)
+    return request.param
+
+
+@pytest.mark.parametrize("form", ["fused", "callable"])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize(
     "L,S,padded", [(9, 11, False), (9, 11, True), (11, 7, True), (13, 13, True)]
 )
-def test_nan_rule_carried_across_blocks(blocks, seed, L, S, padded):
+def test_nan_rule_carried_across_blocks(blocks, finite_blocks, seed, L, S, padded, form):
     """Planted NaN/±inf with blocks of one 2-token chunk: bad keys/values of earlier blocks
-    poison later blocks' rows/columns only, padding never leaks, no-key rows stay zeros."""
+    poison later blocks' rows/columns only, padding never leaks, no-key rows stay zeros; the
+    gradients are those of the cleaned inputs (0 at the non-finite entries)."""
     key_mask = None
     if padded:
         key_mask = torch.ones(2, S, dtype=torch.bool)
@@ -142,8 +166,12 @@ def test_nan_rule_carried_across_blocks(blocks, seed, L, S, padded):
     keep = keep_matrix(2, L, S, True, key_mask)
     calls = blocks(1)
 
+    phi = "elu" if form == "fused" else as_callable("elu")
+
     def fast(q, k, v):
-        return linear_attention(q, k, v, causal=True, key_mask=key_mask, chunk_size=2)
+        return linear_attention(
+            q, k, v, feature_map=phi, causal=True, key_mask=key_mask, chunk_size=2
+        )
 
     def ref(q, k, v):
         return reference.linear_attention(q, k, v, causal=True, key_mask=key_mask)
@@ -153,7 +181,7 @@ def test_nan_rule_carried_across_blocks(blocks, seed, L, S, padded):
 
 
 @pytest.mark.parametrize("where", ["prefix", "first block"])
-def test_nan_rule_bad_key_and_value_reach_every_later_block(blocks, where):
+def test_nan_rule_bad_key_and_value_reach_every_later_block(blocks, finite_blocks, where):
     """A bad key (value column) in the prefix keys or in the first block poisons the rows
     (column 1) of every later block, and no row before it; padded bad keys poison nothing."""
     L, S = 12, 16 if where == "prefix" else 12
@@ -179,7 +207,7 @@ def test_nan_rule_bad_key_and_value_reach_every_later_block(blocks, where):
         )
 
 
-def test_nan_query_of_rows_whose_keys_are_all_padding_gives_zeros(blocks):
+def test_nan_query_of_rows_whose_keys_are_all_padding_gives_zeros(blocks, finite_blocks):
     """The running count of real keys: rows before the first real key (blocks later) are zeros
     even with a NaN query; the first row that has one is NaN."""
     q, k, v = qkv(B=1, H=1, H_kv=1, L=10, S=10)
@@ -226,16 +254,25 @@ def test_block_tokens_is_a_multiple_of_the_chunk_within_the_budget():
 @pytest.mark.parametrize("L,S", [(37, 37), (45, 30), (30, 45)])
 def test_inference_writes_the_same_output_as_autograd(blocks, dtype, L, S):
     """Without autograd the blocks are written into one output tensor (rows before the first
-    key zeroed); with autograd they are concatenated: the two are bit-equal."""
+    key zeroed; so is `_CausalScan`'s forward); with autograd through the block ops (a user's
+    feature map) they are concatenated: the two are bit-equal."""
     q, k, v = (x.to(dtype) for x in qkv(L=L, S=S, seed=L - S + 50))
     q[0, 1, L - 2, 2] = float("nan")  # a row with real keys: NaN
     key_mask = padding(2, S, seed=3)
     calls = blocks(1)
+    phi = as_callable("elu")
     with torch.no_grad():
-        out = linear_attention(q, k, v, causal=True, key_mask=key_mask, chunk_size=4)
+        out = linear_attention(
+            q, k, v, feature_map=phi, causal=True, key_mask=key_mask, chunk_size=4
+        )
+        fused = linear_attention(q, k, v, causal=True, key_mask=key_mask, chunk_size=4)
     assert len(calls) >= 3
     q_g = q.clone().requires_grad_(True)
-    out_g = linear_attention(q_g, k, v, causal=True, key_mask=key_mask, chunk_size=4)
+    out_g = linear_attention(
+        q_g, k, v, feature_map=phi, causal=True, key_mask=key_mask, chunk_size=4
+    )
+    fused_g = linear_attention(q_g, k, v, causal=True, key_mask=key_mask, chunk_size=4)
+    assert torch.equal(fused.nan_to_num(0.0), fused_g.detach().nan_to_num(0.0))
     assert out_g.grad_fn is not None and out.dtype == dtype
     assert torch.equal(out.isnan(), out_g.isnan()) and out.isnan().any()
     assert torch.equal(out.nan_to_num(0.0), out_g.detach().nan_to_num(0.0))
@@ -264,5 +301,80 @@ def test_causal_scan_splits_each_input_once_when_aligned(blocks, L, S, splits) -
     blocks(4096)
     q = seeded(1, 2, L, 8, seed=1).requires_grad_(True)
     k, v = (seeded(1, 2, S, 8, seed=s).requires_grad_(True) for s in (2, 3))
-    out = linear_attention(q, k, v, causal=True)
+    out = linear_attention(q, k, v, feature_map=as_callable("elu"), causal=True)
     assert _graph_nodes(out).count("SplitWithSizesBackward0") == splits
+    # the built-in maps: one node, whose backward writes dq, dk, dv in place block by block
+    fused = linear_attention(q, k, v, causal=True)
+    assert _graph_nodes(fused) == ["_CausalScanBackward"] + ["AccumulateGrad"] * 3
+
+
+# ------------------------------------------------------------- the fused form and its memory
+
+
+@pytest.mark.parametrize("name", ["elu", "relu"])
+def test_fused_features_equal_the_composition(name):
+    """φ(clean(x)) fused: the values and gradients of the reference map on the cleaned input,
+    0 gradient at the non-finite entries, float32 features from bfloat16 in, gradient in x's
+    dtype."""
+    phi = reference.LINEAR_FEATURE_MAPS[name]
+    x = seeded(3, 41, 6, dtype=F64, seed=4, scale=3.0)
+    x[0, 1, 2], x[1, 5, 0], x[2, 40, 5], x[0, 7, 3] = float("nan"), float("inf"), -float("inf"), 0.0
+    want, want_grad = fwd_bwd(lambda t: phi(nan_rule.clean(t)), [x])
+    got, got_grad = fwd_bwd(lambda t: clean_features(phi, t, F64), [x])
+    torch.testing.assert_close(got, want, atol=1e-15, rtol=1e-13)
+    torch.testing.assert_close(got_grad[0], want_grad[0], atol=1e-15, rtol=1e-13)
+    assert (got_grad[0][~torch.isfinite(x)] == 0).all()
+    xb = x.to(torch.bfloat16).requires_grad_(True)
+    fb = clean_features(phi, xb, torch.float32)
+    assert fb.dtype == torch.float32
+    torch.testing.assert_close(fb, phi(nan_rule.clean(xb.float())))  # float32 defaults
+    fb.sum().backward()
+    assert xb.grad.dtype == torch.bfloat16
+
+
+def test_fused_scan_keeps_only_its_inputs_and_a_row_per_token():
+    """Autograd holds q, k, v themselves (no copy, no feature, score or chunk-state tensor) and
+    the tape: one state per block and one denominator per (row, head): far from the ~600
+    numbers per token and head that autograd through the block ops keeps."""
+    B, H, L, D = 1, 4, 1000, 16
+    q, k, v = (seeded(B, H, L, D, seed=s).requires_grad_(True) for s in (1, 2, 3))
+    inputs = {x.untyped_storage().data_ptr() for x in (q, k, v)}
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = linear_attention(q, k, v, causal=True)
+        ref_saved = len(saved)
+        linear_attention(q, k, v, feature_map=as_callable("elu"), causal=True)
+    assert {t.untyped_storage().data_ptr() for t in saved[:ref_saved]} <= inputs
+    assert any(t.untyped_storage().data_ptr() not in inputs for t in saved[ref_saved:])
+    tape = out.grad_fn.tape
+    kept = sum(t.numel() for t in tape.states + tape.dens)
+    assert kept <= len(tape.states) * H * D * (D + 1) + B * H * L
+    assert sum(t.numel() for t in tape.dens) == B * H * L
+
+
+def test_fused_scan_compiles_and_runs_on_meta():
+    """`torch.compile(fullgraph=True)` traces `_CausalScan` forward and backward (no graph
+    break, no host sync) and equals eager; meta tensors give the shapes without data."""
+    q, k, v = (seeded(1, 2, 300, 16, seed=s).requires_grad_(True) for s in (1, 2, 3))
+    f = torch.compile(lambda q, k, v: linear_attention(q, k, v, causal=True), fullgraph=True)
+    want, want_grads = fwd_bwd(lambda *x: linear_attention(*x, causal=True), [q, k, v])
+    got, got_grads = fwd_bwd(f, [q, k, v])
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
+    m = [torch.empty(1, 2, 300, 16, device="meta", requires_grad=True) for _ in range(3)]
+    out = linear_attention(*m, causal=True)
+    out.sum().backward()
+    assert out.shape == (1, 2, 300, 16) and m[0].grad.shape == m[0].shape
+
+
+def test_fused_scan_is_differentiable_once_and_says_so():
+    """A second derivative of the fused scan is refused with the way out, never silently wrong;
+    through a callable feature map (autograd through the block ops) it exists."""
+    q, k, v = (seeded(1, 1, 9, 4, dtype=F64, seed=s).requires_grad_(True) for s in (1, 2, 3))
+    out = linear_attention(q, k, v, causal=True)
+    with pytest.raises(RuntimeError, match="once.*feature_map=lambda"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+    out = linear_attention(q, k, v, feature_map=as_callable("elu"), causal=True)
+    (g,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    assert g.requires_grad

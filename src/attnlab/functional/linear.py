@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._shapes import Dims, check_number, check_qkv
-from .nan_rule import clean
+from .linear_features import CleanFeature, clean_features, clean_with_ones, finite, fused_feature
+from .nan_rule import clean, known_finite
 from .reference import LINEAR_FEATURE_MAPS, compute_dtype_for
 
 FeatureMap = Callable[[Tensor], Tensor]
@@ -268,13 +269,37 @@ def _scan_block(fq: Tensor, fk: Tensor, va: Tensor, state: Tensor, C: int) -> tu
     qc = fq.unflatten(-2, (N, C))  # (B, H_kv, G, N, C, F)
     kc = fk.unflatten(-2, (N, C))  # (B, H_kv, N, C, F)
     vc = va.unflatten(-2, (N, C))  # (B, H_kv, N, C, Dv + 1)
-    per_chunk = kc.transpose(-1, -2) @ vc  # (B, H_kv, N, F, Dv + 1)
-    # run[n] = state before chunk n of the block; run[N] = state after it
-    run = torch.cat([state, per_chunk], dim=2).cumsum(dim=2)  # (B, H_kv, N + 1, F, Dv + 1)
+    before, after = _chunk_states(kc, vc, state)  # (B, H_kv, N | 1, F, Dv + 1)
     scores = (qc @ kc.unsqueeze(2).transpose(-1, -2)).tril_()  # (B, H_kv, G, N, C, C)
     acc = scores @ vc.unsqueeze(2)  # (B, H_kv, G, N, C, Dv + 1): inside the chunk
-    acc = acc.add_(qc @ run[:, :, None, :N])  # + earlier chunks and blocks
-    return acc.flatten(3, 4)[:, :, :, :n], run[:, :, N:]
+    acc = acc.add_(qc @ before.unsqueeze(2))  # + earlier chunks and blocks
+    return acc.flatten(3, 4)[:, :, :, :n], after
+
+
+def _ones_triangle(N: int, like: Tensor, diagonal: int) -> Tensor:
+    """``(N, N)`` ones on and below (``diagonal=0``) or strictly above (``1``) the diagonal."""
+    ones = torch.ones(N, N, dtype=like.dtype, device=like.device)
+    return ones.tril_() if diagonal == 0 else ones.triu_(diagonal)
+
+
+def _chunk_states(kc: Tensor, vc: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """``Σ φ(k) [v | 1]ᵀ`` before each chunk of a block and after the block.
+
+    ``before[c] = state + Σ_{c' < c} kc[c']ᵀ vc[c']``: an exclusive prefix sum over the chunks,
+    as one product with a triangle of ones (contiguous, unlike a slice of an inclusive
+    ``cumsum``, so the products that read it need no copy).
+
+    Args:
+        kc: ``(B, H_kv, N, C, F)``. vc: ``(B, H_kv, N, C, W)``. state: ``(B, H_kv, 1, F, W)``.
+
+    Returns:
+        ``(before (B, H_kv, N, F, W), after (B, H_kv, 1, F, W))``.
+    """
+    per_chunk = kc.transpose(-1, -2) @ vc  # (B, H_kv, N, F, W)
+    shifted = torch.cat([state, per_chunk[:, :, :-1]], dim=2)  # (B, H_kv, N, F, W)
+    tri = _ones_triangle(per_chunk.shape[2], per_chunk, 0)
+    before = (tri @ shifted.flatten(3)).view(shifted.shape)
+    return before, before[:, :, -1:] + per_chunk[:, :, -1:]
 
 
 def _with_ones(v: Tensor) -> Tensor:
@@ -343,6 +368,45 @@ def causal_kernel_attention(
     return torch.cat(outs, dim=3)  # (B, H_kv, G, L, Dv)
 
 
+def _key_block(
+    phi: FeatureMap, kb: Tensor, vb: Tensor, mb: Tensor | None, dtype: torch.dtype, Fd: int
+) -> tuple[Tensor, Tensor]:
+    """φ(clean(k)) of a block (zero at padded keys) and ``[clean(v) | 1]``.
+
+    Returns:
+        ``(fk (B, H_kv, n, F), va (B, H_kv, n, Dv + 1))`` in ``dtype``.
+    """
+    fk = _block_features(phi, kb, dtype, Fd, "key")  # (B, H_kv, n, F)
+    if mb is not None:  # padded keys carry no kernel weight
+        fk = torch.where(mb[:, None, :, None], fk, 0.0)
+    return fk, clean_with_ones(vb, dtype)
+
+
+def _key_flags(
+    kb: Tensor, vb: Tensor, mb: Tensor | None, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """The NaN rule's flags of a key block: bad keys ``(B, H_kv, n)`` and value flags
+    ``(B, H_kv, n, Dv)`` (0, NaN where non-finite); padded keys carry none."""
+    vflag = _flag(vb.to(dtype))
+    kbad = _bad_rows(kb)
+    if mb is not None:
+        vflag = torch.where(mb[:, None, :, None], vflag, 0.0)
+        kbad = kbad & mb[:, None, :]
+    return kbad, vflag
+
+
+class _Tape:
+    """What `_CausalScan` keeps for its backward besides the inputs: the block size, the
+    feature size, the state before each block and each block's ``den + eps``."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.Fd = 0
+        self.states: list[Tensor] = []  # (B, H_kv, 1, F, Dv + 1) per block
+        self.finite: list[tuple[bool, bool, bool]] = []  # q, k, v known finite, per key block
+        self.dens: list[Tensor] = []  # (B, H_kv, G, n, 1) per block
+
+
 def _causal_linear_attention(
     q: Tensor,
     k: Tensor,
@@ -354,7 +418,39 @@ def _causal_linear_attention(
     key_mask: Tensor | None,
     groups: int,
 ) -> Tensor:
-    """Causal `linear_attention` on raw 4-D inputs, everything per block of tokens.
+    """Causal `linear_attention` on raw 4-D inputs: `_CausalScan` for the built-in feature maps
+    under autograd, else `_causal_scan` (autograd through its ops for a user's ``φ``).
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)`` (raw inputs).
+        phi: the feature map. eps: added to the denominators. chunk_size: C.
+        key_mask: bool ``(B|1, S)`` or None. groups: G = H / H_kv.
+
+    Returns:
+        ``(B, H, L, Dv)`` in q's dtype.
+    """
+    op = fused_feature(phi)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if op is not None and grad:
+        return _CausalScan.apply(q, k, v, key_mask, op, phi, eps, chunk_size, groups)
+    return _causal_scan(
+        q, k, v, phi, eps=eps, chunk_size=chunk_size, key_mask=key_mask, groups=groups
+    )
+
+
+def _causal_scan(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    phi: FeatureMap,
+    *,
+    eps: float,
+    chunk_size: int,
+    key_mask: Tensor | None,
+    groups: int,
+    tape: _Tape | None = None,
+) -> Tensor:
+    """The causal scan, everything per block of tokens.
 
     Cleaning, features, key padding and the NaN rule's flags are computed block by block
     alongside the scan (`_scan_block`), with running sums carried between blocks: the state
@@ -364,9 +460,8 @@ def _causal_linear_attention(
     intermediate is larger than a block, so the time is linear in L.
 
     Args:
-        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)`` (raw inputs).
-        phi: the feature map. eps: added to the denominators. chunk_size: C.
-        key_mask: bool ``(B|1, S)`` or None. groups: G = H / H_kv.
+        q, k, v, phi, eps, chunk_size, key_mask, groups: as `_causal_linear_attention`.
+        tape: filled with what `_causal_scan_backward` needs (by `_CausalScan`, without grad).
 
     Returns:
         ``(B, H, L, Dv)`` in q's dtype.
@@ -383,23 +478,11 @@ def _causal_linear_attention(
     Fd = fq0.shape[-1]
     anchor = fq0[:, :, :0].sum()  # 0, joins all-zero outputs to the graph (backward runs)
     n = block_tokens(B * H, max(Fd, Dv + 1, C), torch.finfo(dtype).bits // 8, C)
-
-    def keys(kb: Tensor, vb: Tensor, mb: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """φ(k) and [v | 1] of a block, its bad-key flags (B, H_kv, n) and value flags."""
-        fk = _block_features(phi, kb, dtype, Fd, "key")  # (B, H_kv, n, F)
-        vflag = _flag(vb.to(dtype))  # (B, H_kv, n, Dv): 0, NaN where non-finite
-        kbad = _bad_rows(kb)  # (B, H_kv, n)
-        if mb is not None:  # padded keys carry no kernel weight and no flag
-            live = mb[:, None, :, None]  # (B|1, 1, n, 1)
-            fk = torch.where(live, fk, 0.0)
-            vflag = torch.where(live, vflag, 0.0)
-            kbad = kbad & mb[:, None, :]
-        return fk, _with_ones(clean(vb.to(dtype))), kbad, vflag
+    if tape is not None:
+        tape.n, tape.Fd = n, Fd
 
     state = q.new_zeros(B, H_kv, 1, Fd, Dv + 1, dtype=dtype)  # Σ φ(k) [v | 1]ᵀ
-    k_count = torch.zeros(B, H_kv, 1, dtype=torch.long, device=q.device)  # non-finite keys
-    v_sum = q.new_zeros(B, H_kv, 1, Dv, dtype=dtype)  # Σ value flags: NaN per column once bad
-    n_live = torch.zeros(1, 1, dtype=torch.long, device=q.device)  # real keys (with key_mask)
+    rule = _RuleCarry(B, H_kv, Dv, dtype, q.device)
     masks = key_mask.split([P, T], dim=1) if key_mask is not None else (None, None)
     # split only what has two parts: autograd's backward of a split concatenates the pieces'
     # gradients into a fresh L-sized tensor (page-faulted anew on every call at long L)
@@ -409,12 +492,11 @@ def _causal_linear_attention(
         pieces = _block_sizes(P, n)
         mps = masks[0].split(pieces, dim=1) if masks[0] is not None else [None] * len(pieces)
         for kb, vb, mb in zip(k_p.split(pieces, 2), v_p.split(pieces, 2), mps, strict=True):
-            fk, va, kbad, vflag = keys(kb, vb, mb)
+            fk, va = _key_block(phi, kb, vb, mb, dtype, Fd)
             state = state + (fk.transpose(-1, -2) @ va).unsqueeze(2)
-            k_count = k_count + kbad.sum(dim=-1, keepdim=True)
-            v_sum = v_sum + vflag.sum(dim=-2, keepdim=True)
-            if mb is not None:
-                n_live = n_live + mb.sum(dim=-1, keepdim=True)
+            fine = rule.keys(kb, vb, mb)
+            if tape is not None:
+                tape.finite.append(fine)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     # without autograd each block is written into the output as it is done: no block outputs
     # pile up (the allocator would grow and trim the heap by L · Dv on every call)
@@ -430,21 +512,16 @@ def _causal_linear_attention(
     for qb, kb, vb, mb in zip(
         q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2), mbs, strict=True
     ):
-        fk, va, kbad, vflag = keys(kb, vb, mb)
+        fk, va = _key_block(phi, kb, vb, mb, dtype, Fd)
         fq = _block_features(phi, qb, dtype, Fd, "query").unflatten(1, (H_kv, groups))
+        if tape is not None:
+            tape.states.append(state)
         acc, state = _scan_block(fq, fk, va, state, C)  # (B, H_kv, G, n, Dv + 1)
-        # the NaN rule: prefix counts of bad keys and sums of value flags, carried over
-        k_seen = kbad.cumsum(dim=-1) + k_count  # (B, H_kv, n)
-        v_seen = vflag.cumsum(dim=-2) + v_sum  # (B, H_kv, n, Dv)
-        k_count, v_sum = k_seen[..., -1:], v_seen[..., -1:, :]
-        q_bad = _bad_rows(qb).unflatten(1, (H_kv, groups))  # (B, H_kv, G, n)
-        if mb is not None:  # a row with no real key yet attends nothing
-            live_seen = mb.cumsum(dim=-1) + n_live  # (B|1, n)
-            n_live = live_seen[:, -1:]
-            q_bad = q_bad & (live_seen > 0)[:, None, None, :]
-        row = q_bad | (k_seen > 0).unsqueeze(2)  # (B, H_kv, G, n)
-        bad = row.unsqueeze(-1) | torch.isnan(v_seen).unsqueeze(2)  # (B, H_kv, G, n, Dv)
-        out = _normalise(acc[..., :Dv], acc[..., Dv:], eps, _poison(bad, dtype))
+        poison, fine = rule.block(qb, kb, vb, mb, groups)
+        if tape is not None:
+            tape.finite.append(fine)
+            tape.dens.append(acc[..., Dv:] + eps)
+        out = _normalise(acc[..., :Dv], acc[..., Dv:], eps, poison)
         if result is None:
             outs.append(out.flatten(1, 2).to(q.dtype))  # (B, H, n, Dv)
         else:
@@ -455,6 +532,249 @@ def _causal_linear_attention(
     if not outs:
         return q.new_zeros(B, H, L, Dv) + anchor.to(q.dtype)
     return torch.cat(outs, dim=2)  # (B, H, L, Dv)
+
+
+class _RuleCarry:
+    """The NaN rule of the causal scan, block by block, with its running sums.
+
+    Carried from block to block: the count of non-finite attended keys (a row at or after one
+    is NaN), the sum of value flags (0, or NaN from the first non-finite ``v[d]`` on: column d)
+    and the count of real keys (a row with none attends nothing and stays zeros whatever its
+    query). Blocks whose inputs are known finite (`nan_rule.known_finite`, one read each) skip
+    the flags while no earlier key or value block may have held a non-finite entry.
+    """
+
+    def __init__(self, B: int, H_kv: int, Dv: int, dtype: torch.dtype, device) -> None:
+        self.dtype = dtype
+        self.k_count = torch.zeros(B, H_kv, 1, dtype=torch.long, device=device)
+        self.v_sum = torch.zeros(B, H_kv, 1, Dv, dtype=dtype, device=device)
+        self.n_live = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.flagged = False  # an earlier key or value may be non-finite
+
+    def _known_finite(self, kb: Tensor, vb: Tensor) -> tuple[bool, bool]:
+        fine = (known_finite(kb), known_finite(vb))
+        self.flagged = self.flagged or not all(fine)
+        return fine
+
+    def keys(self, kb: Tensor, vb: Tensor, mb: Tensor | None) -> tuple[bool, bool, bool]:
+        """Adds a block of keys before the first query; returns ``(q, k, v)`` known finite."""
+        fine = self._known_finite(kb, vb)
+        if self.flagged:
+            kbad, vflag = _key_flags(kb, vb, mb, self.dtype)
+            self.k_count = self.k_count + kbad.sum(dim=-1, keepdim=True)
+            self.v_sum = self.v_sum + vflag.sum(dim=-2, keepdim=True)
+        if mb is not None:
+            self.n_live = self.n_live + mb.sum(dim=-1, keepdim=True)
+        return (True, *fine)
+
+    def block(
+        self, qb: Tensor, kb: Tensor, vb: Tensor, mb: Tensor | None, groups: int
+    ) -> tuple[Tensor | None, tuple[bool, bool, bool]]:
+        """The poison ``(B, H_kv, G, n, Dv)`` (NaN/−0.0) of an aligned block, None if nothing can
+        be poisoned; and ``(q, k, v)`` known finite."""
+        fine = (known_finite(qb), *self._known_finite(kb, vb))
+        if not self.flagged and fine[0]:
+            if mb is not None:
+                self.n_live = self.n_live + mb.sum(dim=-1, keepdim=True)
+            return None, fine
+        kbad, vflag = _key_flags(kb, vb, mb, self.dtype)
+        k_seen = kbad.cumsum(dim=-1) + self.k_count  # (B, H_kv, n)
+        v_seen = vflag.cumsum(dim=-2) + self.v_sum  # (B, H_kv, n, Dv)
+        self.k_count, self.v_sum = k_seen[..., -1:], v_seen[..., -1:, :]
+        q_bad = _bad_rows(qb).unflatten(1, (k_seen.shape[1], groups))  # (B, H_kv, G, n)
+        if mb is not None:  # a row with no real key yet attends nothing
+            live_seen = mb.cumsum(dim=-1) + self.n_live  # (B|1, n)
+            self.n_live = live_seen[:, -1:]
+            q_bad = q_bad & (live_seen > 0)[:, None, None, :]
+        row = q_bad | (k_seen > 0).unsqueeze(2)  # (B, H_kv, G, n)
+        bad = row.unsqueeze(-1) | torch.isnan(v_seen).unsqueeze(2)  # (B, H_kv, G, n, Dv)
+        return _poison(bad, self.dtype), fine
+
+
+def _scan_block_backward(
+    fq: Tensor,
+    fk: Tensor,
+    va: Tensor,
+    state: Tensor,
+    den: Tensor,
+    grad: Tensor,
+    d_next: Tensor,
+    C: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of one block of `_scan_block` followed by the normalisation ``acc_v / den``.
+
+    Recomputes the chunk states and the in-chunk scores (two products) instead of keeping them;
+    the output's ``num`` is never needed: with ``t = g / den``, ``g · num / den = Σ_j s_ij
+    (t_i · v_j) + φq_i · (run t_i)``, row sums of the two products the gradient forms anyway.
+    ``dacc = [t, −(g · num) / den²]``, then the chunk products backwards and a reverse prefix
+    sum of the state gradients (``d_next``: the gradient of the state after the block).
+
+    Args:
+        fq: ``(B, H_kv, G, n, F)``. fk: ``(B, H_kv, n, F)``. va: ``(B, H_kv, n, Dv + 1)``.
+        state: ``(B, H_kv, 1, F, Dv + 1)`` before the block. den: ``(B, H_kv, G, n, 1)``, the
+            forward's ``den + eps``. grad: ``(B, H_kv, G, n, Dv)`` of the block's output.
+        d_next: ``(B, H_kv, 1, F, Dv + 1)``. C: tokens per chunk.
+
+    Returns:
+        ``(dfq (B, H_kv, G, n, F), dfk (B, H_kv, n, F), dva (B, H_kv, n, Dv + 1), d_state)``.
+    """
+    n, Dv = fk.shape[2], grad.shape[-1]
+    N = -(-n // C)
+    pad = N * C - n
+    zero = den == 0  # the forward divided by 1 there: no gradient into den
+    t = grad / torch.where(zero, 1.0, den)
+    if pad:
+        fq, fk, va, t = (F.pad(x, (0, 0, 0, pad)) for x in (fq, fk, va, t))
+        den, zero = F.pad(den, (0, 0, 0, pad), value=1.0), F.pad(zero, (0, 0, 0, pad))
+    qc = fq.unflatten(-2, (N, C))  # (B, H_kv, G, N, C, F)
+    kc = fk.unflatten(-2, (N, C)).unsqueeze(2)  # (B, H_kv, 1, N, C, F)
+    vc = va.unflatten(-2, (N, C)).unsqueeze(2)  # (B, H_kv, 1, N, C, Dv + 1)
+    tc = t.unflatten(-2, (N, C))  # (B, H_kv, G, N, C, Dv)
+    run = _chunk_states(kc.squeeze(2), vc.squeeze(2), state)[0].unsqueeze(2)  # (.., 1, N, F, W)
+    scores = (qc @ kc.transpose(-1, -2)).tril_()  # (B, H_kv, G, N, C, C)
+    tv = tc @ vc[..., :Dv].transpose(-1, -2)  # (B, H_kv, G, N, C, C): t_i · v_j
+    tr = tc @ run[..., :Dv].transpose(-1, -2)  # (B, H_kv, G, N, C, F): run_v t_i
+    g_num = (scores * tv).sum(-1, keepdim=True) + (qc * tr).sum(-1, keepdim=True)
+    den, zero = den.unflatten(-2, (N, C)), zero.unflatten(-2, (N, C))  # (B, H_kv, G, N, C, 1)
+    d_den = torch.where(zero, 0.0, -g_num / den)
+    d_acc = torch.cat([tc, d_den], dim=-1)  # (B, H_kv, G, N, C, Dv + 1)
+    d_scores = tv.add_(d_den).tril_()  # the ones column of va carries d_den to every j <= i
+    d_qc = (d_scores @ kc).add_(tr).add_(d_den * run[..., Dv].unsqueeze(-2))
+    d_run = (qc.transpose(-1, -2) @ d_acc).sum(2)  # (B, H_kv, N, F, Dv + 1)
+    # run[m] = state + Σ_{c<m} per_chunk[c] and the state after is state + Σ_c per_chunk[c]:
+    # per_chunk[c] collects the d_run after it, the state all of them
+    above = _ones_triangle(N, d_run, 1)  # above[c, m] = [m > c]
+    d_per = (above @ d_run.flatten(3)).view(d_run.shape).add_(d_next)
+    d_state = d_run.sum(2, keepdim=True).add_(d_next)
+    d_kc = (d_scores.transpose(-1, -2) @ qc).sum(2) + vc.squeeze(2) @ d_per.transpose(-1, -2)
+    d_vc = (scores.transpose(-1, -2) @ d_acc).sum(2) + kc.squeeze(2) @ d_per
+    return (
+        d_qc.flatten(3, 4)[:, :, :, :n],
+        d_kc.flatten(2, 3)[:, :, :n],
+        d_vc.flatten(2, 3)[:, :, :n],
+        d_state,
+    )
+
+
+def _causal_scan_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_mask: Tensor | None,
+    op: CleanFeature,
+    phi: FeatureMap,
+    tape: _Tape,
+    grad_out: Tensor,
+    *,
+    chunk_size: int,
+    groups: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of `_causal_scan` with a fused feature map, block by block backwards.
+
+    Each block's features are recomputed from the inputs (one elementwise pass), its products
+    by `_scan_block_backward`; the state's gradient is carried from block to block towards the
+    start and finally into the keys before the first query. Gradients are written into the
+    three result tensors as each block is done: nothing L-sized but those.
+    """
+    B, _, L, _ = q.shape
+    H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    dtype = compute_dtype_for(q.dtype)
+    P, dead = max(S - L, 0), max(L - S, 0)
+    T = L - dead
+    C = min(chunk_size, max(T, 1))
+    n, Fd = tape.n, tape.Fd
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq[:, :, :dead].zero_()  # rows that see no key
+    d_state = q.new_zeros(B, H_kv, 1, Fd, Dv + 1, dtype=dtype)
+
+    prefix = _block_sizes(P, n)
+    sizes = _block_sizes(T, n)
+
+    def keys_backward(i: int, a: int, m: int, dfk: Tensor, dva: Tensor, fk: Tensor) -> None:
+        """dk, dv of the keys [a, a + m), key block i of the tape."""
+        kb, vb = k[:, :, a : a + m], v[:, :, a : a + m]
+        if key_mask is not None:  # padded keys: no gradient (their φ was replaced by 0)
+            dfk = torch.where(key_mask[:, None, a : a + m, None], dfk, 0.0)
+        _, k_fine, v_fine = tape.finite[i]
+        dk[:, :, a : a + m] = op.backward(kb, fk, dfk, k_fine)
+        dva = dva[..., :Dv]
+        dv[:, :, a : a + m] = dva if v_fine else torch.where(finite(vb), dva, 0.0)
+
+    def block(a: int, m: int) -> tuple[Tensor, Tensor]:
+        mb = key_mask[:, a : a + m] if key_mask is not None else None
+        return _key_block(phi, k[:, :, a : a + m], v[:, :, a : a + m], mb, dtype, Fd)
+
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    for i in reversed(range(len(sizes))):
+        a, m = starts[i], sizes[i]
+        qb = q[:, :, dead + a : dead + a + m]
+        fq = op.forward(qb, dtype)  # (B, H, m, F)
+        fk, va = block(P + a, m)
+        g = grad_out[:, :, dead + a : dead + a + m].to(dtype).unflatten(1, (H_kv, groups))
+        dfq, dfk, dva, d_state = _scan_block_backward(
+            fq.unflatten(1, (H_kv, groups)), fk, va, tape.states[i], tape.dens[i], g, d_state, C
+        )
+        q_fine = tape.finite[len(prefix) + i][0]
+        dq[:, :, dead + a : dead + a + m] = op.backward(qb, fq, dfq.flatten(1, 2), q_fine)
+        keys_backward(len(prefix) + i, P + a, m, dfk, dva, fk)
+    d_s = d_state.squeeze(2)  # (B, H_kv, F, Dv + 1): into the initial state Σ φ(k) [v | 1]ᵀ
+    for i, (a, m) in enumerate(zip(range(0, P, n), prefix, strict=True)):
+        fk, va = block(a, m)
+        keys_backward(i, a, m, va @ d_s.transpose(-1, -2), fk @ d_s, fk)
+    return dq, dk, dv
+
+
+class _CausalScan(torch.autograd.Function):
+    """`_causal_scan` with a fused feature map and a hand-written backward.
+
+    Saves the inputs, the state before each block and each row's denominator (``(F, Dv + 1)``
+    per block and one number per row): the chunk states, scores and features are recomputed
+    block by block in the backward (two extra products per chunk) instead of being kept, so the
+    memory autograd holds is O(L · H) numbers rather than ~600 per token and head, and the
+    gradients go straight into ``dq, dk, dv`` (no concatenation of block gradients).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_mask, op, phi, eps, chunk_size, groups):  # type: ignore[override]
+        tape = _Tape()
+        out = _causal_scan(
+            q,
+            k,
+            v,
+            phi,
+            eps=eps,
+            chunk_size=chunk_size,
+            key_mask=key_mask,
+            groups=groups,
+            tape=tape,
+        )
+        ctx.save_for_backward(q, k, v, key_mask)
+        ctx.tape, ctx.op, ctx.phi = tape, op, phi
+        ctx.chunk_size, ctx.groups = chunk_size, groups
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True: the tape's sums are constants
+            raise RuntimeError(
+                "causal linear_attention with a built-in feature_map is differentiable once "
+                "(its backward recomputes from a tape); for higher derivatives pass the map as "
+                "a callable, e.g. feature_map=lambda x: torch.nn.functional.elu(x) + 1"
+            )
+        q, k, v, key_mask = ctx.saved_tensors
+        dq, dk, dv = _causal_scan_backward(
+            q,
+            k,
+            v,
+            key_mask,
+            ctx.op,
+            ctx.phi,
+            ctx.tape,
+            grad_out,
+            chunk_size=ctx.chunk_size,
+            groups=ctx.groups,
+        )
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------ public
@@ -542,7 +862,7 @@ def linear_attention(
 
 def _block_features(phi: FeatureMap, x: Tensor, dtype: torch.dtype, Fd: int, name: str) -> Tensor:
     """``φ(clean(x))`` of one block ``(B, H, n, D)``, checked to be ``(B, H, n, F)``."""
-    fx = phi(clean(x.to(dtype)))
+    fx = clean_features(phi, x, dtype)
     if fx.shape[:-1] != x.shape[:-1] or fx.shape[-1] != Fd:
         raise ValueError(
             "feature_map must map (..., D) to (..., F) with one F for queries and keys, got "

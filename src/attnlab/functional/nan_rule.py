@@ -113,6 +113,22 @@ def clean_flagged(x: Tensor) -> tuple[Tensor, bool]:
     return copy, True
 
 
+def known_finite(x: Tensor) -> bool:
+    """True when ``x`` is known to hold no NaN/±inf, so the NaN rule's flags may be skipped.
+
+    ``attnlab_flash.clean_copy`` reads ``x`` once and answers with an empty tensor when every
+    entry is finite: the answer is a shape, not a tensor value (no host sync). False whenever
+    the operator cannot run (no compiler, ``ATTNLAB_EXT=0``, under ``torch.compile``, meta and
+    non-CPU tensors): the caller then takes the path that handles non-finite entries.
+    """
+    if not flash_ext_ready(x):
+        return False
+    if x.numel() == 0:
+        return True
+    with torch.no_grad():
+        return torch.ops.attnlab_flash.clean_copy(x.detach()).numel() == 0
+
+
 def clean_bias(bias: Tensor) -> Tensor:
     """An additive bias with NaN and +inf replaced by 0; −inf (masked) stays."""
     return torch.nan_to_num(bias, nan=0.0, posinf=0.0, neginf=float("-inf"))
