@@ -373,7 +373,7 @@ def test_fused_scan_is_differentiable_once_and_says_so():
     through a callable feature map (autograd through the block ops) it exists."""
     q, k, v = (seeded(1, 1, 9, 4, dtype=F64, seed=s).requires_grad_(True) for s in (1, 2, 3))
     out = linear_attention(q, k, v, causal=True)
-    with pytest.raises(RuntimeError, match="once.*feature_map=lambda"):
+    with pytest.raises(RuntimeError, match=r"once.*feature_map=lambda"):
         torch.autograd.grad(out.sum(), q, create_graph=True)
     out = linear_attention(q, k, v, feature_map=as_callable("elu"), causal=True)
     (g,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
