@@ -277,9 +277,14 @@ def _scan_block(fq: Tensor, fk: Tensor, va: Tensor, state: Tensor, C: int) -> tu
 
 
 def _ones_triangle(N: int, like: Tensor, diagonal: int) -> Tensor:
-    """``(N, N)`` ones on and below (``diagonal=0``) or strictly above (``1``) the diagonal."""
+    """``(N, N)`` ones strictly below (``diagonal=-1``) or strictly above (``1``) the diagonal."""
     ones = torch.ones(N, N, dtype=like.dtype, device=like.device)
-    return ones.tril_() if diagonal == 0 else ones.triu_(diagonal)
+    return ones.tril_(diagonal) if diagonal < 0 else ones.triu_(diagonal)
+
+
+def _sum_groups(x: Tensor) -> Tensor:
+    """``x (B, H_kv, G, ...)`` summed over the G query heads that share a key head."""
+    return x.squeeze(2) if x.shape[2] == 1 else x.sum(2)  # G = 1: a view, no copy
 
 
 def _chunk_states(kc: Tensor, vc: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
@@ -296,9 +301,8 @@ def _chunk_states(kc: Tensor, vc: Tensor, state: Tensor) -> tuple[Tensor, Tensor
         ``(before (B, H_kv, N, F, W), after (B, H_kv, 1, F, W))``.
     """
     per_chunk = kc.transpose(-1, -2) @ vc  # (B, H_kv, N, F, W)
-    shifted = torch.cat([state, per_chunk[:, :, :-1]], dim=2)  # (B, H_kv, N, F, W)
-    tri = _ones_triangle(per_chunk.shape[2], per_chunk, 0)
-    before = (tri @ shifted.flatten(3)).view(shifted.shape)
+    below = _ones_triangle(per_chunk.shape[2], per_chunk, -1)  # below[c, c'] = [c' < c]
+    before = (below @ per_chunk.flatten(3)).view(per_chunk.shape).add_(state)
     return before, before[:, :, -1:] + per_chunk[:, :, -1:]
 
 
@@ -639,15 +643,17 @@ def _scan_block_backward(
     d_den = torch.where(zero, 0.0, -g_num / den)
     d_acc = torch.cat([tc, d_den], dim=-1)  # (B, H_kv, G, N, C, Dv + 1)
     d_scores = tv.add_(d_den).tril_()  # the ones column of va carries d_den to every j <= i
-    d_qc = (d_scores @ kc).add_(tr).add_(d_den * run[..., Dv].unsqueeze(-2))
-    d_run = (qc.transpose(-1, -2) @ d_acc).sum(2)  # (B, H_kv, N, F, Dv + 1)
+    d_qc = (d_scores @ kc).add_(tr).addcmul_(d_den, run[..., Dv].unsqueeze(-2))
+    d_run = _sum_groups(qc.transpose(-1, -2) @ d_acc)  # (B, H_kv, N, F, Dv + 1)
     # run[m] = state + Σ_{c<m} per_chunk[c] and the state after is state + Σ_c per_chunk[c]:
     # per_chunk[c] collects the d_run after it, the state all of them
     above = _ones_triangle(N, d_run, 1)  # above[c, m] = [m > c]
     d_per = (above @ d_run.flatten(3)).view(d_run.shape).add_(d_next)
     d_state = d_run.sum(2, keepdim=True).add_(d_next)
-    d_kc = (d_scores.transpose(-1, -2) @ qc).sum(2) + vc.squeeze(2) @ d_per.transpose(-1, -2)
-    d_vc = (scores.transpose(-1, -2) @ d_acc).sum(2) + kc.squeeze(2) @ d_per
+    d_kc = _sum_groups(d_scores.transpose(-1, -2) @ qc)  # (B, H_kv, N, C, F)
+    d_kc.flatten(0, 2).baddbmm_(vc.squeeze(2).flatten(0, 2), d_per.flatten(0, 2).mT)
+    d_vc = _sum_groups(scores.transpose(-1, -2) @ d_acc)  # (B, H_kv, N, C, Dv + 1)
+    d_vc.flatten(0, 2).baddbmm_(kc.squeeze(2).flatten(0, 2), d_per.flatten(0, 2))
     return (
         d_qc.flatten(3, 4)[:, :, :, :n],
         d_kc.flatten(2, 3)[:, :, :n],
