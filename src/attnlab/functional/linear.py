@@ -12,7 +12,10 @@ Three forms of the causal case compute the same thing:
   head (and the NaN rule's running flags) from block to block, so no intermediate grows with L:
   the time stays linear where L-sized temporaries would fall out of cache and be page-faulted in
   afresh by the allocator on every call (issue #19: time(64K)/time(8K) was 11–13.5 with one
-  prefix sum over all chunk states);
+  prefix sum over all chunk states). With a built-in feature map the scan is one autograd node
+  (`_CausalScan`) whose backward runs the blocks in reverse from a small tape (a state per block,
+  a denominator per row), recomputing what it needs, so autograd keeps no block intermediates;
+  a user's callable goes through autograd op by op;
 - recurrent (`LinearAttentionState.step`): one token at a time, for decoding.
 """
 
