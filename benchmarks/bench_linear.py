@@ -304,8 +304,32 @@ def scaling(args: argparse.Namespace) -> None:
                 f"{'':24s} time({hi})/time({lo}) = {best[hi] / best[lo]:.2f}  "
                 f"(ideal {hi / lo:.0f}; issue #19 target <= 10 for 65536/8192)"
             )
+        print(f"{'':24s} autograd keeps beyond q, k, v: {_kept_mb(*data[max(args.lengths)])}")
         del data
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.2f}")
+
+
+def _kept_mb(q, k, v) -> str:
+    """MB autograd holds for the backward of one causal call, beyond the inputs themselves: the
+    saved tensors (hooks) and `_CausalScan`'s tape (one state per block, a denominator per row)."""
+    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+    inputs = {x.untyped_storage().data_ptr() for x in (q, k, v)}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in inputs:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = linear_attention(q, k, v, causal=True)
+    tape = getattr(out.grad_fn, "tape", None)
+    taped = sum(t.nbytes for t in tape.states + tape.dens) if tape is not None else 0
+    return (
+        f"{sum(kept.values()) / 1e6:.1f} MB saved tensors + {taped / 1e6:.1f} MB tape "
+        f"at L={q.shape[2]} (the output alone is {out.nbytes / 1e6:.1f} MB)"
+    )
 
 
 def _ints(text: str) -> list[int]:
