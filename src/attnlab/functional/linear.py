@@ -653,14 +653,16 @@ def _scan_block_backward(
     above = _ones_triangle(N, d_run, 1)  # above[c, m] = [m > c]
     d_per = (above @ d_run.flatten(3)).view(d_run.shape).add_(d_next)
     d_state = d_run.sum(2, keepdim=True).add_(d_next)
-    d_kc = _sum_groups(d_scores.transpose(-1, -2) @ qc)  # (B, H_kv, N, C, F)
-    d_kc.flatten(0, 2).baddbmm_(vc.squeeze(2).flatten(0, 2), d_per.flatten(0, 2).mT)
-    d_vc = _sum_groups(scores.transpose(-1, -2) @ d_acc)  # (B, H_kv, N, C, Dv + 1)
-    d_vc.flatten(0, 2).baddbmm_(kc.squeeze(2).flatten(0, 2), d_per.flatten(0, 2))
+    # the key side: in-chunk terms summed over the group, plus the later states' (in place)
+    d_kc = _sum_groups(d_scores.transpose(-1, -2) @ qc).flatten(0, 2)  # (B·H_kv·N, C, F)
+    d_kc.baddbmm_(vc.squeeze(2).flatten(0, 2), d_per.flatten(0, 2).mT)
+    d_vc = _sum_groups(scores.transpose(-1, -2) @ d_acc).flatten(0, 2)  # (B·H_kv·N, C, Dv + 1)
+    d_vc.baddbmm_(kc.squeeze(2).flatten(0, 2), d_per.flatten(0, 2))
+    keys = d_run.shape[:3]  # (B, H_kv, N)
     return (
         d_qc.flatten(3, 4)[:, :, :, :n],
-        d_kc.flatten(2, 3)[:, :, :n],
-        d_vc.flatten(2, 3)[:, :, :n],
+        d_kc.unflatten(0, keys).flatten(2, 3)[:, :, :n],
+        d_vc.unflatten(0, keys).flatten(2, 3)[:, :, :n],
         d_state,
     )
 
