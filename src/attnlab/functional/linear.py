@@ -414,37 +414,6 @@ class _Tape:
         self.dens: list[Tensor] = []  # (B, H_kv, G, n, 1) per block
 
 
-def _causal_linear_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    phi: FeatureMap,
-    *,
-    eps: float,
-    chunk_size: int,
-    key_mask: Tensor | None,
-    groups: int,
-) -> Tensor:
-    """Causal `linear_attention` on raw 4-D inputs: `_CausalScan` for the built-in feature maps
-    under autograd, else `_causal_scan` (autograd through its ops for a user's ``φ``).
-
-    Args:
-        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)`` (raw inputs).
-        phi: the feature map. eps: added to the denominators. chunk_size: C.
-        key_mask: bool ``(B|1, S)`` or None. groups: G = H / H_kv.
-
-    Returns:
-        ``(B, H, L, Dv)`` in q's dtype.
-    """
-    op = fused_feature(phi)
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if op is not None and grad:
-        return _CausalScan.apply(q, k, v, key_mask, op, phi, eps, chunk_size, groups)
-    return _causal_scan(
-        q, k, v, phi, eps=eps, chunk_size=chunk_size, key_mask=key_mask, groups=groups
-    )
-
-
 def _causal_scan(
     q: Tensor,
     k: Tensor,
@@ -467,7 +436,9 @@ def _causal_scan(
     intermediate is larger than a block, so the time is linear in L.
 
     Args:
-        q, k, v, phi, eps, chunk_size, key_mask, groups: as `_causal_linear_attention`.
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)`` (raw inputs).
+        phi: the feature map. eps: added to the denominators. chunk_size: C.
+        key_mask: bool ``(B|1, S)`` or None. groups: G = H / H_kv.
         tape: filled with what `_causal_scan_backward` needs (by `_CausalScan`, without grad).
 
     Returns:
@@ -852,9 +823,14 @@ def linear_attention(
     chunk_size = check_positive_int("chunk_size", chunk_size)
     q, k, v = as_4d(q, k, v, dims)
     if causal:
-        out = _causal_linear_attention(
-            q, k, v, phi, eps=eps, chunk_size=chunk_size, key_mask=key_mask, groups=dims.groups
-        )
+        op = fused_feature(phi)
+        grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+        if op is not None and grad:  # built-in φ: one autograd node, its own backward
+            out = _CausalScan.apply(q, k, v, key_mask, op, phi, eps, chunk_size, dims.groups)
+        else:  # no autograd, or a user's φ: autograd through the block ops
+            out = _causal_scan(
+                q, k, v, phi, eps=eps, chunk_size=chunk_size, key_mask=key_mask, groups=dims.groups
+            )
         return out.squeeze(1) if dims.three_d else out
     dtype = compute_dtype_for(q.dtype)
     row, col = nan_rule_poison(q, k, v, causal=False, key_mask=key_mask)
