@@ -834,12 +834,13 @@ def linear_attention(
         return out.squeeze(1) if dims.three_d else out
     dtype = compute_dtype_for(q.dtype)
     row, col = nan_rule_poison(q, k, v, causal=False, key_mask=key_mask)
-    kc, vc, live = zero_padded_keys(clean(k.to(dtype)), clean(v.to(dtype)), key_mask)
-    fq = phi(clean(q.to(dtype)))  # (B, H, L, F)
-    fk = phi(kc)  # (B, H_kv, S, F)
+    vc = clean(v.to(dtype))
+    fq = clean_features(phi, q, dtype)  # (B, H, L, F): fused for the built-in maps
+    fk = clean_features(phi, k, dtype)  # (B, H_kv, S, F)
     _check_features(fq, fk, q, k)
-    if live is not None:
-        fk = torch.where(live, fk, 0.0)  # padded keys carry no kernel weight
+    if key_mask is not None:  # padded keys carry no kernel weight and no value
+        live = key_mask[:, None, :, None]  # (B|1, 1, S, 1)
+        fk, vc = torch.where(live, fk, 0.0), torch.where(live, vc, 0.0)
     fq = fq.unflatten(1, (dims.H_kv, dims.groups))  # (B, H_kv, G, L, F)
     poison = row + col  # (B, H_kv, G, L, Dv): NaN where the rule says, −0.0 elsewhere
     out = kernel_attention(fq, fk, vc, eps=eps, poison=poison)
