@@ -188,3 +188,50 @@ def test_one_float32_row_needs_a_large_weight(kernel) -> None:
         assert gemv.usable(torch.randn(2, 1, 64), small, None)
         if torch.ops.attnlab_gemv.supported(torch.bfloat16):
             assert gemv.usable(torch.randn(1, 64).bfloat16(), small.bfloat16(), None)
+
+
+# ------------------------------------------------------- 16-bit products widened to float32
+
+
+def test_native_products_follow_the_cpu_flags(monkeypatch) -> None:
+    for flags, bf16, fp16 in [
+        ("avx2 fma", False, False),
+        ("avx2 avx512f avx512_bf16", True, False),
+        ("amx_bf16 amx_tile avx512_fp16", True, True),
+    ]:
+        monkeypatch.setattr(gemv._ext, "cpu_flags", lambda f=flags: f"x86_64|cpu|{f}")
+        gemv.native_products.cache_clear()
+        assert gemv.native_products(torch.bfloat16) is bf16
+        assert gemv.native_products(torch.float16) is fp16
+        assert gemv.native_products(torch.float32)
+    gemv.native_products.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("setting", ["on", "off", "auto"])
+def test_many_16_bit_rows_are_multiplied_widened(monkeypatch, dtype, setting) -> None:
+    """Off the streaming kernel (more than `MAX_ROWS` rows, autograd), 16-bit products run in
+    float32 with one rounding where the CPU has no native products (or with ``on``): the value
+    is that of the float64 product rounded once, and gradients come back in the inputs' dtype;
+    float32 and ``off`` keep torch's kernel as is."""
+    monkeypatch.setenv(gemv.WIDEN_ENV, setting)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 9, 48, generator=g).to(dtype).requires_grad_(True)
+    w = torch.randn(40, 48, generator=g).to(dtype).requires_grad_(True)
+    b = torch.randn(40, generator=g).to(dtype).requires_grad_(True)
+    widen = setting == "on" or (setting == "auto" and not gemv.native_products(dtype))
+    assert gemv.widens(x, w) is widen
+    assert not gemv.widens(x.float(), w.float()) and not gemv.widens(x, w.float())
+    out = gemv.linear(x, w, b)
+    exact = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    if widen:  # float32 sums of exact products: within a float32 rounding of float64, then one
+        want = exact.float().to(dtype)  # rounding to the 16-bit dtype
+        assert (out.double() - want.double()).abs().max() <= exact.abs().max() * 2**-8
+        assert out.dtype == dtype
+    else:
+        assert torch.equal(out, torch.nn.functional.linear(x, w, b))
+    out.float().pow(2).sum().backward()
+    assert x.grad.dtype == w.grad.dtype == b.grad.dtype == dtype
+    monkeypatch.setenv(gemv.WIDEN_ENV, "always")
+    with pytest.raises(ValueError, match=r"ATTNLAB_LINEAR_WIDEN must be 'auto', 'on' or 'off'"):
+        gemv.linear(x, w, b)

@@ -27,6 +27,12 @@ The kernel streams one row of the weight at a time on AMD CPUs; elsewhere four s
 float32 and two in bfloat16 (on a Xeon with AMX: one float32 row of x 0.87× → 1.04× torch's
 kernel, four rows 1.42× → 1.75×; one bfloat16 row 1.63× → 1.9×; one core, RESULTS.md);
 ``ATTNLAB_GEMV_ROWS`` (``1``, ``2`` or ``4``) forces a count on any CPU.
+
+More rows (prefill, training) go to ``torch.nn.functional.linear``; in bfloat16 or float16 on a
+CPU without native products of that dtype (no AVX512-BF16/AMX-BF16, no AVX512-FP16/AMX-FP16)
+they are multiplied widened to float32 and rounded once (`widens`): torch's CPU kernel runs such
+products at ~1 GFLOP/s on an AVX2-only AMD EPYC (float32: 130–170), and its sums are float32 as
+well. ``ATTNLAB_LINEAR_WIDEN`` = ``auto`` (default), ``on`` or ``off`` forces the choice.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from .. import _ext
 
 EXT = "gemv"
 ENV = "ATTNLAB_GEMV"
+WIDEN_ENV = "ATTNLAB_LINEAR_WIDEN"
 ROWS_ENV = "ATTNLAB_GEMV_ROWS"
 MAX_ROWS = 8
 # One float32 row against a weight of fewer elements (1 MiB) stays on torch's kernel: on the
@@ -78,6 +85,44 @@ def rows_per_pass() -> int:
     if raw not in ("auto", "1", "2", "4"):
         raise ValueError(f"{ROWS_ENV} must be 'auto', '1', '2' or '4', got {raw!r}")
     return 0 if raw == "auto" else int(raw)
+
+
+def widen_setting() -> str:
+    """``$ATTNLAB_LINEAR_WIDEN``: ``auto`` (default), ``on`` or ``off``.
+
+    Raises:
+        ValueError: the variable holds something else.
+    """
+    raw = os.environ.get(WIDEN_ENV, "").strip().lower() or "auto"
+    if raw not in ("auto", "on", "off"):
+        raise ValueError(f"{WIDEN_ENV} must be 'auto', 'on' or 'off', got {raw!r}")
+    return raw
+
+
+#: CPU flags with native products of a 16-bit dtype (torch's CPU matmul is fast with one).
+NATIVE_FLAGS = {
+    torch.bfloat16: frozenset({"avx512_bf16", "amx_bf16"}),
+    torch.float16: frozenset({"avx512_fp16", "amx_fp16"}),
+}
+
+
+@functools.cache
+def native_products(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` natively (float32/float64 always; bfloat16 and
+    float16 with the flags of `NATIVE_FLAGS`, read from ``/proc/cpuinfo``)."""
+    if dtype not in NATIVE_FLAGS:
+        return True
+    flags = set(_ext.cpu_flags().split("|")[-1].split())
+    return bool(flags & NATIVE_FLAGS[dtype])
+
+
+def widens(x: Tensor, weight: Tensor) -> bool:
+    """Whether `linear` multiplies ``x·weightᵀ`` widened to float32 (off the streaming kernel):
+    CPU tensors of one 16-bit dtype the CPU has no native products of, or the setting ``on``."""
+    if x.dtype not in NATIVE_FLAGS or weight.dtype != x.dtype or not x.is_cpu:
+        return False
+    setting = widen_setting()
+    return setting == "on" or (setting == "auto" and not native_products(x.dtype))
 
 
 @functools.cache
@@ -151,9 +196,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
     Returns:
         ``(..., N)`` in x's dtype; on attnlab's streaming kernel when `usable` (a few rows
-        without autograd), else on torch's.
+        without autograd), else on torch's (widened to float32 when `widens`).
     """
     if not usable(x, weight, bias):
+        if widens(x, weight):  # float32 products, one rounding: as torch's, ~100× faster here
+            wide_bias = None if bias is None else bias.float()
+            return F.linear(x.float(), weight.float(), wide_bias).to(x.dtype)
         return F.linear(x, weight, bias)
     out: Tensor = torch.ops.attnlab_gemv.linear(x, weight, bias, rows_per_pass())
     return out
@@ -164,10 +212,15 @@ __all__ = [
     "EXT",
     "FP32_ONE_ROW_MIN",
     "MAX_ROWS",
+    "NATIVE_FLAGS",
     "ROWS_ENV",
+    "WIDEN_ENV",
     "linear",
+    "native_products",
     "rows_per_pass",
     "setting",
     "stream_mask",
     "usable",
+    "widen_setting",
+    "widens",
 ]
