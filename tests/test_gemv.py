@@ -235,3 +235,15 @@ def test_many_16_bit_rows_are_multiplied_widened(monkeypatch, dtype, setting) ->
     monkeypatch.setenv(gemv.WIDEN_ENV, "always")
     with pytest.raises(ValueError, match=r"ATTNLAB_LINEAR_WIDEN must be 'auto', 'on' or 'off'"):
         gemv.linear(x, w, b)
+
+
+def test_widened_linear_compiles_without_graph_breaks(monkeypatch) -> None:
+    """Under `torch.compile` the choice reads no file or setting (torch's op is traced), so a
+    bfloat16 `StreamLinear` on many rows compiles with ``fullgraph=True``."""
+    monkeypatch.setenv(gemv.WIDEN_ENV, "on")
+    m = StreamLinear(48, 40).to(torch.bfloat16)
+    x = torch.randn(3, 20, 48, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        eager = m(x)
+        compiled = torch.compile(m, fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager)  # bfloat16 tolerances: one rounding apart

@@ -118,8 +118,11 @@ def native_products(dtype: torch.dtype) -> bool:
 
 def widens(x: Tensor, weight: Tensor) -> bool:
     """Whether `linear` multiplies ``x·weightᵀ`` widened to float32 (off the streaming kernel):
-    CPU tensors of one 16-bit dtype the CPU has no native products of, or the setting ``on``."""
+    CPU tensors of one 16-bit dtype the CPU has no native products of, or the setting ``on``;
+    never while `torch.compile` traces or under a ``TorchDispatchMode`` (they see torch's op)."""
     if x.dtype not in NATIVE_FLAGS or weight.dtype != x.dtype or not x.is_cpu:
+        return False
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
         return False
     setting = widen_setting()
     return setting == "on" or (setting == "auto" and not native_products(x.dtype))
