@@ -7,3 +7,15 @@ import os
 # started by tests inherit the setting. tests/test_thresholds.py turns the cache on where it is
 # the subject.
 os.environ["ATTNLAB_THRESHOLDS"] = "off"
+
+# Under pytest-xdist (`-n auto`, the README's test command) the workers share the cores: each
+# gets its share of intra-op threads (and so do the subprocesses tests start), instead of every
+# worker running one thread per core and the workers preempting each other. Tests of the
+# kernels' thread-parallel paths set their thread counts themselves.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    import torch
+
+    _threads = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
