@@ -19,11 +19,13 @@ The machine's fp32 matmul rate is printed first as the physical limit.
 `linear_attention` at B=1 H=8 D=64, L = 8K…64K, forward (no_grad) and forward + backward, per
 dtype (``--dtypes float32,bfloat16``), ``--clock cpu`` (this process's CPU time; with
 ``--threads 1`` the uncontended time on a shared machine) or wall, min over interleaved rounds,
-with the CPU header (model, AMX, the matmul rate of each dtype) and time(64K)/time(8K).
+with the CPU header (model, AMX, the matmul rate of each dtype) and time(64K)/time(8K);
+``--scaling-method favor_attention`` times causal FAVOR+ (``--features`` random features) instead.
 
 Run: python benchmarks/bench_linear.py [--lengths 1024,2048,...,65536] [--heads 4] [--repeats 3]
      [--exact-budget 20] [--plot benchmarks/bench_linear.png]
      python benchmarks/bench_linear.py --scaling [--threads 1] [--clock cpu] [--dtypes float32]
+         [--scaling-method linear_attention|favor_attention] [--features 256]
 """
 
 from __future__ import annotations
@@ -244,7 +246,8 @@ def _clocked(clock: Callable[[], float], fn: Callable[[], object]) -> float:
 
 
 def scaling(args: argparse.Namespace) -> None:
-    """Causal linear attention time vs L (issue #19 item 4): fwd and fwd+bwd, per dtype."""
+    """Causal linear attention (or FAVOR+) time vs L (issue #19 item 4): fwd and fwd+bwd, per
+    dtype."""
     amx = sorted(f for f in cpu_flags() if f.startswith("amx"))
     print(f"CPU: {cpu_model()}; AMX: {', '.join(amx) if amx else 'no'}")
     print(
@@ -266,8 +269,9 @@ def scaling(args: argparse.Namespace) -> None:
             f"{2 * n**3 / sec / 1e9:.1f} GFLOP/s"
         )
     B, H, D = args.batch, args.heads, args.head_dim
+    attend = _scaling_method(args)
     print(
-        f"causal linear_attention (elu), B={B} H={H} D=Dv={D}; {args.clock} clock, min of "
+        f"causal {args.scaling_method}, B={B} H={H} D=Dv={D}; {args.clock} clock, min of "
         f"{args.repeats} interleaved rounds after a warm-up; load average (1 min) at start "
         f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs\n"
     )
@@ -276,11 +280,11 @@ def scaling(args: argparse.Namespace) -> None:
         if not backward:
             with torch.no_grad():
                 t0 = clock()
-                linear_attention(q, k, v, causal=True)
+                attend(q, k, v)
                 return clock() - t0
         q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
         t0 = clock()
-        out = linear_attention(q, k, v, causal=True)
+        out = attend(q, k, v)
         out.backward(torch.ones_like(out))
         return clock() - t0
 
@@ -304,14 +308,27 @@ def scaling(args: argparse.Namespace) -> None:
                 f"{'':24s} time({hi})/time({lo}) = {best[hi] / best[lo]:.2f}  "
                 f"(ideal {hi / lo:.0f}; issue #19 target <= 10 for 65536/8192)"
             )
-        print(f"{'':24s} autograd keeps beyond q, k, v: {_kept_mb(*data[max(args.lengths)])}")
+        kept = _kept_mb(attend, *data[max(args.lengths)])
+        print(f"{'':24s} autograd keeps beyond q, k, v: {kept}")
         del data
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.2f}")
 
 
-def _kept_mb(q, k, v) -> str:
+def _scaling_method(args: argparse.Namespace) -> Callable[..., torch.Tensor]:
+    """The causal call `scaling` times: linear attention (elu) or FAVOR+ with a fixed projection."""
+    if args.scaling_method == "linear_attention":
+        return lambda q, k, v: linear_attention(q, k, v, causal=True)
+    W = attnlab.linear.favor_projection(
+        args.features, args.head_dim, generator=torch.Generator().manual_seed(0)
+    )
+    return lambda q, k, v: favor_attention(
+        q, k, v, num_features=args.features, projection=W, causal=True
+    )
+
+
+def _kept_mb(attend: Callable[..., torch.Tensor], q, k, v) -> str:
     """MB autograd holds for the backward of one causal call, beyond the inputs themselves: the
-    saved tensors (hooks) and `_CausalScan`'s tape (one state per block, a denominator per row)."""
+    saved tensors (hooks) and the scan's tape (one state per block, a denominator per row)."""
     q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
     inputs = {x.untyped_storage().data_ptr() for x in (q, k, v)}
     kept: dict[int, int] = {}
@@ -323,9 +340,17 @@ def _kept_mb(q, k, v) -> str:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = linear_attention(q, k, v, causal=True)
-    tape = getattr(out.grad_fn, "tape", None)
-    taped = sum(t.nbytes for t in tape.states + tape.dens) if tape is not None else 0
+        out = attend(q, k, v)
+    taped, todo, seen = 0, [out.grad_fn], set()
+    while todo:  # the scan's node: `_CausalScan` or FAVOR+'s `_CausalKernel`
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        tape = getattr(node, "tape", None)
+        if tape is not None:
+            taped += sum(t.nbytes for t in tape.states + tape.dens)
+        todo.extend(nxt for nxt, _ in node.next_functions)
     return (
         f"{sum(kept.values()) / 1e6:.1f} MB saved tensors + {taped / 1e6:.1f} MB tape "
         f"at L={q.shape[2]} (the output alone is {out.nbytes / 1e6:.1f} MB)"
@@ -359,6 +384,12 @@ def main() -> None:
     )
     parser.add_argument("--dtypes", default="float32", help="--scaling: e.g. float32,bfloat16")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="--scaling")
+    parser.add_argument(
+        "--scaling-method",
+        choices=("linear_attention", "favor_attention"),
+        default="linear_attention",
+        help="--scaling: the causal call timed (favor_attention: --features random features)",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
     if args.threads:

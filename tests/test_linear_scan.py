@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import attnlab.functional.kernel_scan as ks
 import attnlab.functional.linear as lin
 from attnlab.functional import nan_rule, reference
 from attnlab.functional.linear_features import clean_features
@@ -24,18 +25,18 @@ FWD_ATOL, FWD_RTOL, GRAD_ATOL, GRAD_RTOL = FIXED_TABLE[F64]
 
 @pytest.fixture
 def blocks(monkeypatch):
-    """Sets `BLOCK_BYTES` and counts the blocks `_scan_block` is called on."""
+    """Sets `BLOCK_BYTES` and counts the blocks `scan_block` is called on."""
     calls = []
-    scan = lin._scan_block
+    scan = ks.scan_block
 
     def counting(*args, **kwargs):
         calls.append(args[1].shape[2])  # tokens in the block
         return scan(*args, **kwargs)
 
-    monkeypatch.setattr(lin, "_scan_block", counting)
+    monkeypatch.setattr(ks, "scan_block", counting)
 
     def use(nbytes: int) -> list[int]:
-        monkeypatch.setattr(lin, "BLOCK_BYTES", nbytes)
+        monkeypatch.setattr(ks, "BLOCK_BYTES", nbytes)
         calls.clear()
         return calls
 
@@ -111,7 +112,7 @@ def test_linear_scan_in_blocks_equals_reference(
 
     assert_equal_to_reference(fast, ref, inputs)
     T = min(L, S)
-    block = lin.block_tokens(2 * 4, max(8, 5 + 1, min(chunk, T)), 8, min(chunk, T))
+    block = ks.block_tokens(2 * 4, max(8, 5 + 1, min(chunk, T)), 8, min(chunk, T))
     assert sum(calls) == T and max(calls) == min(block, T)
     assert len(calls) >= (2 if T > 1 else 1)  # several blocks (each a multiple of the chunk)
 
@@ -244,10 +245,10 @@ def test_no_intermediate_larger_than_the_inputs(blocks, S):
 
 def test_block_tokens_is_a_multiple_of_the_chunk_within_the_budget():
     for rows, width, itemsize, chunk in [(8, 65, 4, 64), (1, 17, 8, 5), (64, 129, 4, 32)]:
-        n = lin.block_tokens(rows, width, itemsize, chunk)
+        n = ks.block_tokens(rows, width, itemsize, chunk)
         assert n % chunk == 0 and n >= chunk
-        assert n == chunk or rows * n * width * itemsize <= lin.BLOCK_BYTES
-        assert rows * (n + chunk) * width * itemsize > lin.BLOCK_BYTES  # the largest such
+        assert n == chunk or rows * n * width * itemsize <= ks.BLOCK_BYTES
+        assert rows * (n + chunk) * width * itemsize > ks.BLOCK_BYTES  # the largest such
 
 
 @pytest.mark.parametrize("dtype", [F64, torch.bfloat16])
@@ -280,16 +281,20 @@ def test_inference_writes_the_same_output_as_autograd(blocks, dtype, L, S):
         assert torch.equal(out[:, :, : L - S], torch.zeros_like(out[:, :, : L - S]))
 
 
-def _graph_nodes(out: torch.Tensor) -> list[str]:
-    seen, todo, names = set(), [out.grad_fn], []
+def _graph_fns(out: torch.Tensor) -> list:
+    """The autograd nodes behind ``out``, each once."""
+    seen, todo = [], [out.grad_fn]
     while todo:
         fn = todo.pop()
         if fn is None or fn in seen:
             continue
-        seen.add(fn)
-        names.append(type(fn).__name__)
+        seen.append(fn)
         todo.extend(nxt for nxt, _ in fn.next_functions)
-    return names
+    return seen
+
+
+def _graph_nodes(out: torch.Tensor) -> list[str]:
+    return [type(fn).__name__ for fn in _graph_fns(out)]
 
 
 @pytest.mark.parametrize(("L", "S", "splits"), [(40, 40, 3), (40, 52, 7), (52, 40, 4)])
@@ -352,29 +357,124 @@ def test_fused_scan_keeps_only_its_inputs_and_a_row_per_token():
     assert sum(t.numel() for t in tape.dens) == B * H * L
 
 
-def test_fused_scan_compiles_and_runs_on_meta():
-    """`torch.compile(fullgraph=True)` traces `_CausalScan` forward and backward (no graph
-    break, no host sync) and equals eager; meta tensors give the shapes without data."""
+@pytest.mark.parametrize("kind", ["linear", "favor"])
+def test_fused_scan_compiles_and_runs_on_meta(kind):
+    """`torch.compile(fullgraph=True)` traces `_CausalScan` / `_CausalKernel` (FAVOR+) forward
+    and backward (no graph break, no host sync) and equals eager; meta tensors give the shapes
+    without data."""
     q, k, v = (seeded(1, 2, 300, 16, seed=s).requires_grad_(True) for s in (1, 2, 3))
-    f = torch.compile(lambda q, k, v: linear_attention(q, k, v, causal=True), fullgraph=True)
-    want, want_grads = fwd_bwd(lambda *x: linear_attention(*x, causal=True), [q, k, v])
+    if kind == "linear":
+        run = lambda q, k, v: linear_attention(q, k, v, causal=True)  # noqa: E731
+    else:
+        W = favor_projection(32, 16, generator=torch.Generator().manual_seed(0))
+        run = _favor(W.to(q.device))
+    f = torch.compile(run, fullgraph=True)
+    want, want_grads = fwd_bwd(run, [q, k, v])
     got, got_grads = fwd_bwd(f, [q, k, v])
     torch.testing.assert_close(got, want)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w)
     m = [torch.empty(1, 2, 300, 16, device="meta", requires_grad=True) for _ in range(3)]
-    out = linear_attention(*m, causal=True)
+    if kind == "favor":
+        run = _favor(W.to("meta"))
+    out = run(*m)
     out.sum().backward()
     assert out.shape == (1, 2, 300, 16) and m[0].grad.shape == m[0].shape
 
 
-def test_fused_scan_is_differentiable_once_and_says_so():
-    """A second derivative of the fused scan is refused with the way out, never silently wrong;
-    through a callable feature map (autograd through the block ops) it exists."""
-    q, k, v = (seeded(1, 1, 9, 4, dtype=F64, seed=s).requires_grad_(True) for s in (1, 2, 3))
-    out = linear_attention(q, k, v, causal=True)
-    with pytest.raises(RuntimeError, match=r"once.*feature_map=lambda"):
-        torch.autograd.grad(out.sum(), q, create_graph=True)
-    out = linear_attention(q, k, v, feature_map=as_callable("elu"), causal=True)
-    (g,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
-    assert g.requires_grad
+def _favor(W, key_mask=None, chunk=4):
+    def run(q, k, v):
+        return favor_attention(
+            q,
+            k,
+            v,
+            num_features=W.shape[0],
+            projection=W,
+            causal=True,
+            key_mask=key_mask,
+            chunk_size=chunk,
+        )
+
+    return run
+
+
+def _hvp(fn, inputs, seed=11):
+    """Hessian-vector products of ``⟨fn(q, k, v), dout⟩`` along seeded directions, for q, k, v."""
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*xs)
+    dout = seeded(*out.shape, dtype=out.dtype, seed=seed)
+    grads = torch.autograd.grad(out, xs, dout, create_graph=True)
+    dirs = [seeded(*x.shape, dtype=x.dtype, seed=seed + 1 + i) for i, x in enumerate(xs)]
+    dot = sum((g * d).sum() for g, d in zip(grads, dirs, strict=True))
+    return torch.autograd.grad(dot, xs)
+
+
+@pytest.mark.parametrize("kind", ["linear", "favor"])
+@pytest.mark.parametrize("L,S", [(23, 31), (31, 23)])
+def test_second_derivatives_equal_the_reference(blocks, kind, L, S):
+    """Under ``create_graph=True`` the scans' backward (`_CausalScan`, `_CausalKernel`) runs
+    the forward again through the block ops and differentiates that: Hessian-vector products
+    equal the explicit reference's (float64, a block per chunk, keys before the first query or
+    queries before the first key, key padding)."""
+    inputs = qkv(L=L, S=S, seed=L + S, scale=0.7)
+    key_mask = padding(2, S, seed=L)
+    calls = blocks(1)
+    if kind == "linear":
+
+        def fast(q, k, v):
+            return linear_attention(q, k, v, causal=True, key_mask=key_mask, chunk_size=3)
+
+        def ref(q, k, v):
+            return reference.linear_attention(q, k, v, causal=True, key_mask=key_mask)
+
+    else:
+        W = favor_projection(16, 8, generator=torch.Generator().manual_seed(2), dtype=F64)
+        fast = _favor(W, key_mask, chunk=3)
+
+        def ref(q, k, v):
+            return reference.favor_attention(q, k, v, W, causal=True, key_mask=key_mask)
+
+    got, want = _hvp(fast, inputs), _hvp(ref, inputs)
+    assert len(calls) >= 3
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+    assert all(g.abs().max() > 0 for g in got)
+
+
+def test_favor_causal_scan_is_one_node_keeping_features_and_a_tape(blocks):
+    """FAVOR+ causal: the scan is one autograd node (`_CausalKernel`) that keeps the features,
+    the values, one state per block and one denominator per (row, head) — not the per-block
+    scores, chunk states and numerators that autograd through the block ops keeps — and its
+    gradients equal those of the block ops (the form its higher derivatives use)."""
+    B, H, L, D, M = 1, 4, 300, 16, 32
+    blocks(1 << 16)
+    q, k, v = (seeded(B, H, L, D, seed=s, scale=0.5) for s in (1, 2, 3))
+    W = favor_projection(M, D, generator=torch.Generator().manual_seed(0))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out, grads = fwd_bwd(_favor(W), [q, k, v])
+        fast = sum(t.numel() for t in saved)
+        saved.clear()
+        with pytest.MonkeyPatch.context() as mp:  # autograd through the block ops
+            mp.setattr(
+                lin._CausalKernel,
+                "apply",
+                lambda fq, fk, v, poison, eps, chunk: lin._kernel_scan(
+                    fq, fk, v, eps=eps, chunk_size=chunk, poison=poison
+                ),
+            )
+            out_ops, grads_ops = fwd_bwd(_favor(W), [q, k, v])
+        ops = sum(t.numel() for t in saved)
+    torch.testing.assert_close(out, out_ops, atol=0, rtol=0)
+    for g, w in zip(grads, grads_ops, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+    xs = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    node = next(
+        n for n in _graph_fns(_favor(W)(*xs)) if type(n).__name__ == "_CausalKernelBackward"
+    )
+    fq, fk, vc = node.saved_tensors
+    assert fq.shape == (B, H, 1, L, M) and fk.shape == (B, H, L, M) and vc.shape == (B, H, L, D)
+    tape = node.tape
+    assert len(tape.states) >= 2 and sum(t.numel() for t in tape.dens) == B * H * L
+    kept = sum(t.numel() for t in (fq, fk, vc, *tape.states, *tape.dens))
+    assert fast < ops - 2 * kept  # the block ops keep scores, chunk states, accumulators too

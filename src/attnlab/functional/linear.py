@@ -8,8 +8,8 @@ Three forms of the causal case compute the same thing:
 - parallel: `reference.linear_attention` with its explicit masked ``(L, S)`` matrix;
 - chunked (`linear_attention`): exact attention inside chunks of C tokens plus the running state
   ``Σ φ(k_j) v_jᵀ`` of earlier chunks — O(L·C + L·F·Dv) work, no Python loop over tokens. The
-  chunks are scanned in blocks of about `BLOCK_BYTES` that carry one ``(F, Dv + 1)`` state per
-  head (and the NaN rule's running flags) from block to block, so no intermediate grows with L:
+  chunks are scanned in blocks of about `kernel_scan.BLOCK_BYTES` that carry one ``(F, Dv + 1)``
+  state per head (and the NaN rule's running flags) from block to block, so nothing grows with L:
   the time stays linear where L-sized temporaries would fall out of cache and be page-faulted in
   afresh by the allocator on every call (issue #19: time(64K)/time(8K) was 11–13.5 with one
   prefix sum over all chunk states). With a built-in feature map the scan is one autograd node
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._shapes import Dims, check_number, check_qkv
+from . import kernel_scan as _ks
 from .linear_features import CleanFeature, clean_features, clean_with_ones, finite, fused_feature
 from .nan_rule import clean, known_finite
 from .reference import LINEAR_FEATURE_MAPS, compute_dtype_for
@@ -35,11 +36,6 @@ from .reference import LINEAR_FEATURE_MAPS, compute_dtype_for
 FeatureMap = Callable[[Tensor], Tensor]
 FEATURE_MAPS = LINEAR_FEATURE_MAPS
 DEFAULT_CHUNK_SIZE = 64
-#: Bytes of one block's widest intermediate in the causal scan (`block_tokens`): small enough to
-#: stay in cache and be reused by the allocator at any L, large enough that per-block work
-#: outweighs Python's per-call overhead.
-BLOCK_BYTES = 1 << 21
-
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "FEATURE_MAPS",
@@ -208,14 +204,6 @@ def nan_rule_poison(
 # ------------------------------------------------------------------------------------------ kernels
 
 
-def _normalise(num: Tensor, den: Tensor, eps: float, poison: Tensor | None = None) -> Tensor:
-    den = den + eps
-    den = torch.where(den == 0, 1.0, den)  # a row with no key weight outputs 0
-    if poison is None:
-        return num / den
-    return torch.addcdiv(poison, num, den)  # poison + num / den in one pass
-
-
 def kernel_attention(
     fq: Tensor, fk: Tensor, v: Tensor, *, eps: float, poison: Tensor | None = None
 ) -> Tensor:
@@ -234,84 +222,7 @@ def kernel_attention(
     """
     kv = (fk.transpose(-1, -2) @ v).unsqueeze(2)  # (B, H_kv, 1, F, Dv)
     z = fk.sum(dim=-2)[:, :, None, :, None]  # (B, H_kv, 1, F, 1)
-    return _normalise(fq @ kv, fq @ z, eps, poison)  # (B, H_kv, G, L, Dv)
-
-
-def block_tokens(rows: int, width: int, itemsize: int, chunk: int) -> int:
-    """Tokens per block of the causal scan: a multiple of ``chunk`` whose ``(rows, n, width)``
-    intermediates take about `BLOCK_BYTES` (at least one chunk)."""
-    n = BLOCK_BYTES // max(rows * width * itemsize, 1)
-    return max(chunk, n // chunk * chunk)
-
-
-def _block_sizes(total: int, n: int) -> list[int]:
-    """``total`` split into pieces of ``n`` (the last one shorter)."""
-    return [n] * (total // n) + ([total % n] if total % n else [])
-
-
-def _scan_block(fq: Tensor, fk: Tensor, va: Tensor, state: Tensor, C: int) -> tuple[Tensor, Tensor]:
-    """One block of the causal scan: chunks of C tokens on top of the running state.
-
-    ``acc_t = φq_tᵀ (state + Σ_{earlier chunks of the block} φK_cᵀ Va_c) + Σ_{j <= t in its
-    chunk} (φq_t · φk_j) va_j``; the block's last chunk may be shorter (zero-padded tokens after
-    the end are causally invisible).
-
-    Args:
-        fq: ``(B, H_kv, G, n, F)``. fk: ``(B, H_kv, n, F)``. va: ``(B, H_kv, n, Dv + 1)`` (values
-            with a column of ones). state: ``(B, H_kv, 1, F, Dv + 1)``, Σ φ(k) vaᵀ before the block.
-        C: tokens per chunk.
-
-    Returns:
-        ``(acc (B, H_kv, G, n, Dv + 1), state after the block (B, H_kv, 1, F, Dv + 1))``.
-    """
-    n = fk.shape[2]
-    N = -(-n // C)
-    pad = N * C - n
-    if pad:
-        fq, fk, va = (F.pad(t, (0, 0, 0, pad)) for t in (fq, fk, va))
-    qc = fq.unflatten(-2, (N, C))  # (B, H_kv, G, N, C, F)
-    kc = fk.unflatten(-2, (N, C))  # (B, H_kv, N, C, F)
-    vc = va.unflatten(-2, (N, C))  # (B, H_kv, N, C, Dv + 1)
-    before, after = _chunk_states(kc, vc, state)  # (B, H_kv, N | 1, F, Dv + 1)
-    scores = (qc @ kc.unsqueeze(2).transpose(-1, -2)).tril_()  # (B, H_kv, G, N, C, C)
-    acc = scores @ vc.unsqueeze(2)  # (B, H_kv, G, N, C, Dv + 1): inside the chunk
-    acc = acc.add_(qc @ before.unsqueeze(2))  # + earlier chunks and blocks
-    return acc.flatten(3, 4)[:, :, :, :n], after
-
-
-def _ones_triangle(N: int, like: Tensor, diagonal: int) -> Tensor:
-    """``(N, N)`` ones strictly below (``diagonal=-1``) or strictly above (``1``) the diagonal."""
-    ones = torch.ones(N, N, dtype=like.dtype, device=like.device)
-    return ones.tril_(diagonal) if diagonal < 0 else ones.triu_(diagonal)
-
-
-def _sum_groups(x: Tensor) -> Tensor:
-    """``x (B, H_kv, G, ...)`` summed over the G query heads that share a key head."""
-    return x.squeeze(2) if x.shape[2] == 1 else x.sum(2)  # G = 1: a view, no copy
-
-
-def _chunk_states(kc: Tensor, vc: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-    """``Σ φ(k) [v | 1]ᵀ`` before each chunk of a block and after the block.
-
-    ``before[c] = state + Σ_{c' < c} kc[c']ᵀ vc[c']``: an exclusive prefix sum over the chunks,
-    as one product with a triangle of ones (contiguous, unlike a slice of an inclusive
-    ``cumsum``, so the products that read it need no copy).
-
-    Args:
-        kc: ``(B, H_kv, N, C, F)``. vc: ``(B, H_kv, N, C, W)``. state: ``(B, H_kv, 1, F, W)``.
-
-    Returns:
-        ``(before (B, H_kv, N, F, W), after (B, H_kv, 1, F, W))``.
-    """
-    per_chunk = kc.transpose(-1, -2) @ vc  # (B, H_kv, N, F, W)
-    below = _ones_triangle(per_chunk.shape[2], per_chunk, -1)  # below[c, c'] = [c' < c]
-    before = (below @ per_chunk.flatten(3)).view(per_chunk.shape).add_(state)
-    return before, before[:, :, -1:] + per_chunk[:, :, -1:]
-
-
-def _with_ones(v: Tensor) -> Tensor:
-    """``[v | 1]``: ``(B, H_kv, n, Dv + 1)``, so one product carries Σ φ(k) vᵀ and Σ φ(k)."""
-    return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+    return _ks.normalise(fq @ kv, fq @ z, eps, poison)  # (B, H_kv, G, L, Dv)
 
 
 def causal_kernel_attention(
@@ -323,56 +234,120 @@ def causal_kernel_attention(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     poison: Tensor | None = None,
 ) -> Tensor:
-    """Causal (bottom-right) kernelised attention by chunks, scanned in blocks of chunks.
+    """Causal (bottom-right) kernelised attention of given features by chunks, in blocks.
 
-    With ``P = S − L`` keys before the first query when S > L (they form the initial state), and
-    the first ``L − S`` queries seeing no key when L > S. Inside a chunk of C aligned tokens the
-    masked ``C × C`` kernel block is explicit; earlier chunks enter through the running state
-    ``Σ φ(K_c)ᵀ [V_c, 1]``, carried from block to block (`block_tokens`), so every
-    intermediate stays a block's size and the time grows linearly in L.
+    ``out_i = Σ_{j ≤ i + S − L} (φq_i · φk_j) v_j / (Σ_{j ≤ i + S − L} φq_i · φk_j + eps)``, by
+    `kernel_scan.scan_forward`: keys before the first query (S > L) form the initial state,
+    queries before the first key (L > S) output zeros, and every intermediate stays a block's
+    size. With autograd it is one node (`_CausalKernel`) whose backward runs the blocks in
+    reverse from a tape (a state per block, a denominator per row).
 
     Args:
-        fq: ``(B, H_kv, G, L, F)``. fk: ``(B, H_kv, S, F)``. v: ``(B, H_kv, S, Dv)``.
+        fq: ``(B, H_kv, G, L, F)``. fk: ``(B, H_kv, S, F)``. v: ``(B, H_kv, S, Dv)``, all of one
+            float dtype, finite.
         eps: added to the denominator. chunk_size: C.
         poison: optional ``(B, H_kv, G|1, L, Dv)`` NaN/−0.0 of the NaN rule added to the output
-            (rows that see no key are never poisoned).
+            (rows that see no key are never poisoned; no gradient flows into it).
 
     Returns:
-        ``(B, H_kv, G, L, Dv)``.
+        ``(B, H_kv, G, L, Dv)`` in fq's dtype.
     """
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (fq, fk, v)):
+        return _CausalKernel.apply(fq, fk, v, poison, eps, chunk_size)
+    return _kernel_scan(fq, fk, v, eps=eps, chunk_size=chunk_size, poison=poison)
+
+
+class _GivenFeatures:
+    """`kernel_scan.BlockSource` of features given whole: blocks are slices; gradients are
+    written into ``dfq, dfk, dv``."""
+
+    def __init__(self, fq: Tensor, fk: Tensor, v: Tensor) -> None:
+        self.fq, self.fk, self.v = fq, fk, v
+        self.grads: tuple[Tensor, Tensor, Tensor] | None = None
+
+    def queries(self, a: int, m: int) -> Tensor:
+        return self.fq[:, :, :, a : a + m]
+
+    def keys(self, a: int, m: int) -> tuple[Tensor, Tensor]:
+        return self.fk[:, :, a : a + m], _ks.with_ones(self.v[:, :, a : a + m])
+
+    def start_backward(self, dead: int) -> None:
+        dfq, dfk, dv = (torch.empty_like(x) for x in (self.fq, self.fk, self.v))
+        dfq[:, :, :, :dead].zero_()  # rows that see no key
+        self.grads = dfq, dfk, dv
+
+    def query_grad(self, a: int, m: int, fq: Tensor, dfq: Tensor) -> None:
+        assert self.grads is not None
+        self.grads[0][:, :, :, a : a + m] = dfq
+
+    def key_grad(self, a: int, m: int, fk: Tensor, dfk: Tensor, dva: Tensor) -> None:
+        assert self.grads is not None
+        self.grads[1][:, :, a : a + m] = dfk
+        self.grads[2][:, :, a : a + m] = dva[..., :-1]
+
+
+def _kernel_shape(fq: Tensor, fk: Tensor, v: Tensor, chunk_size: int) -> _ks.ScanShape:
     B, H_kv, G, L, Fd = fq.shape
-    S, Dv = fk.shape[2], v.shape[-1]
-    P, dead = max(S - L, 0), max(L - S, 0)
-    T = L - dead  # aligned tokens: query dead + t sees keys j <= P + t
-    C = min(chunk_size, max(T, 1))
-    n = block_tokens(B * H_kv * G, max(Fd, Dv + 1, C), fq.element_size(), C)
-    state = fk.new_zeros(B, H_kv, 1, Fd, Dv + 1)
-    if P:
-        fk_p, fk = fk.split([P, T], dim=2)
-        v_p, v = v.split([P, T], dim=2)
-        for kb, vb in zip(fk_p.split(n, dim=2), v_p.split(n, dim=2), strict=True):
-            state = state + (kb.transpose(-1, -2) @ _with_ones(vb)).unsqueeze(2)
-    # zero rows joined to the graph (an empty sum) so that backward runs even with no key
-    anchor = fq[:, :, :, :0].sum()
-    outs = [fq.new_zeros(B, H_kv, G, dead, Dv) + anchor] if dead else []
-    if dead:
-        fq = fq.split([dead, T], dim=3)[1]
-        if poison is not None:
-            poison = poison.split([dead, T], dim=3)[1]
-    sizes = _block_sizes(T, n)
-    blocks = zip(
-        fq.split(sizes, dim=3),
-        fk.split(sizes, dim=2),
-        v.split(sizes, dim=2),
-        poison.split(sizes, dim=3) if poison is not None else [None] * len(sizes),
-        strict=True,
+    return _ks.ScanShape(B, H_kv, G, L, fk.shape[2], Fd, v.shape[-1], chunk_size)
+
+
+def _kernel_scan(
+    fq: Tensor,
+    fk: Tensor,
+    v: Tensor,
+    *,
+    eps: float,
+    chunk_size: int,
+    poison: Tensor | None,
+    tape: _ks.Tape | None = None,
+) -> Tensor:
+    """`causal_kernel_attention` by `kernel_scan.scan_forward`."""
+
+    def poisoned(a: int, m: int) -> Tensor | None:
+        if poison is None:
+            return None
+        return poison[:, :, :, a : a + m] if poison.shape[3] > 1 else poison
+
+    return _ks.scan_forward(
+        _GivenFeatures(fq, fk, v),
+        _kernel_shape(fq, fk, v, chunk_size),
+        dtype=fq.dtype,
+        out_dtype=fq.dtype,
+        device=fq.device,
+        eps=eps,
+        poison=poisoned,
+        tape=tape,
     )
-    for qb, kb, vb, pb in blocks:
-        acc, state = _scan_block(qb, kb, _with_ones(vb), state, C)
-        outs.append(_normalise(acc[..., :Dv], acc[..., Dv:], eps, pb))
-    if not outs:
-        return fq.new_zeros(B, H_kv, G, L, Dv) + anchor
-    return torch.cat(outs, dim=3)  # (B, H_kv, G, L, Dv)
+
+
+class _CausalKernel(torch.autograd.Function):
+    """`_kernel_scan` with a hand-written backward from a small tape: autograd keeps the
+    features, the values, a state per block and a denominator per row; the chunk states and
+    scores are recomputed block by block (`kernel_scan.scan_backward`)."""
+
+    @staticmethod
+    def forward(ctx, fq, fk, v, poison, eps, chunk_size):  # type: ignore[override]
+        tape = _ks.Tape()
+        out = _kernel_scan(fq, fk, v, eps=eps, chunk_size=chunk_size, poison=poison, tape=tape)
+        ctx.save_for_backward(fq, fk, v)
+        ctx.tape, ctx.eps, ctx.chunk_size = tape, eps, chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        fq, fk, v = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the block ops instead
+
+            def run(fq: Tensor, fk: Tensor, v: Tensor) -> Tensor:  # the poison adds a constant
+                return _kernel_scan(fq, fk, v, eps=ctx.eps, chunk_size=ctx.chunk_size, poison=None)
+
+            return (*_ks.recomputed_grads(run, (fq, fk, v), grad_out), None, None, None)
+        src = _GivenFeatures(fq, fk, v)
+        shape = _kernel_shape(fq, fk, v, ctx.chunk_size)
+        src.start_backward(shape.dead)
+        _ks.scan_backward(src, shape, ctx.tape, grad_out)
+        assert src.grads is not None
+        return (*src.grads, None, None, None)
 
 
 def _key_block(
@@ -402,18 +377,6 @@ def _key_flags(
     return kbad, vflag
 
 
-class _Tape:
-    """What `_CausalScan` keeps for its backward besides the inputs: the block size, the
-    feature size, the state before each block and each block's ``den + eps``."""
-
-    def __init__(self) -> None:
-        self.n = 0
-        self.Fd = 0
-        self.states: list[Tensor] = []  # (B, H_kv, 1, F, Dv + 1) per block
-        self.finite: list[tuple[bool, bool, bool]] = []  # q, k, v known finite, per key block
-        self.dens: list[Tensor] = []  # (B, H_kv, G, n, 1) per block
-
-
 def _causal_scan(
     q: Tensor,
     k: Tensor,
@@ -424,12 +387,13 @@ def _causal_scan(
     chunk_size: int,
     key_mask: Tensor | None,
     groups: int,
-    tape: _Tape | None = None,
+    tape: _ks.Tape | None = None,
 ) -> Tensor:
     """The causal scan, everything per block of tokens.
 
     Cleaning, features, key padding and the NaN rule's flags are computed block by block
-    alongside the scan (`_scan_block`), with running sums carried between blocks: the state
+    alongside the scan (`kernel_scan.scan_block`), with running sums carried between blocks: the
+    state
     ``Σ φ(k) [v, 1]ᵀ``, the count of non-finite attended keys (a row at or after one is NaN),
     the sum of value flags (0, or NaN from the first non-finite ``v[d]`` on: column d) and the
     count of real keys (a row with none attends nothing and stays zeros whatever its query). No
@@ -439,7 +403,7 @@ def _causal_scan(
         q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)`` (raw inputs).
         phi: the feature map. eps: added to the denominators. chunk_size: C.
         key_mask: bool ``(B|1, S)`` or None. groups: G = H / H_kv.
-        tape: filled with what `_causal_scan_backward` needs (by `_CausalScan`, without grad).
+        tape: filled with what `kernel_scan.scan_backward` needs (by `_CausalScan`, without grad).
 
     Returns:
         ``(B, H, L, Dv)`` in q's dtype.
@@ -455,7 +419,7 @@ def _causal_scan(
     _check_features(fq0, fk0, q[:, :, :1], k[:, :, :1])
     Fd = fq0.shape[-1]
     anchor = fq0[:, :, :0].sum()  # 0, joins all-zero outputs to the graph (backward runs)
-    n = block_tokens(B * H, max(Fd, Dv + 1, C), torch.finfo(dtype).bits // 8, C)
+    n = _ks.block_tokens(B * H, max(Fd, Dv + 1, C), torch.finfo(dtype).bits // 8, C)
     if tape is not None:
         tape.n, tape.Fd = n, Fd
 
@@ -467,7 +431,7 @@ def _causal_scan(
     if P:  # keys before the first query: the initial state and flags
         k_p, k = k.split([P, T], dim=2)
         v_p, v = v.split([P, T], dim=2)
-        pieces = _block_sizes(P, n)
+        pieces = _ks.block_sizes(P, n)
         mps = masks[0].split(pieces, dim=1) if masks[0] is not None else [None] * len(pieces)
         for kb, vb, mb in zip(k_p.split(pieces, 2), v_p.split(pieces, 2), mps, strict=True):
             fk, va = _key_block(phi, kb, vb, mb, dtype, Fd)
@@ -485,7 +449,7 @@ def _causal_scan(
     if result is not None:
         result[:, :, :dead].zero_()
     start = dead
-    sizes = _block_sizes(T, n)
+    sizes = _ks.block_sizes(T, n)
     mbs = masks[1].split(sizes, dim=1) if masks[1] is not None else [None] * len(sizes)
     for qb, kb, vb, mb in zip(
         q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2), mbs, strict=True
@@ -494,12 +458,12 @@ def _causal_scan(
         fq = _block_features(phi, qb, dtype, Fd, "query").unflatten(1, (H_kv, groups))
         if tape is not None:
             tape.states.append(state)
-        acc, state = _scan_block(fq, fk, va, state, C)  # (B, H_kv, G, n, Dv + 1)
+        acc, state = _ks.scan_block(fq, fk, va, state, C)  # (B, H_kv, G, n, Dv + 1)
         poison, fine = rule.block(qb, kb, vb, mb, groups)
         if tape is not None:
             tape.finite.append(fine)
             tape.dens.append(acc[..., Dv:] + eps)
-        out = _normalise(acc[..., :Dv], acc[..., Dv:], eps, poison)
+        out = _ks.normalise(acc[..., :Dv], acc[..., Dv:], eps, poison)
         if result is None:
             outs.append(out.flatten(1, 2).to(q.dtype))  # (B, H, n, Dv)
         else:
@@ -569,141 +533,59 @@ class _RuleCarry:
         return _poison(bad, self.dtype), fine
 
 
-def _scan_block_backward(
-    fq: Tensor,
-    fk: Tensor,
-    va: Tensor,
-    state: Tensor,
-    den: Tensor,
-    grad: Tensor,
-    d_next: Tensor,
-    C: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of one block of `_scan_block` followed by the normalisation ``acc_v / den``.
+class _FusedSource:
+    """`kernel_scan.BlockSource` of linear attention with a fused feature map, for the
+    backward: each block's features are recomputed from q, k, v (one elementwise pass) and the
+    gradients written into ``dq, dk, dv`` through the map's closed-form derivative, skipping the
+    finite masks of blocks the forward knew to be finite."""
 
-    Recomputes the chunk states and the in-chunk scores (two products) instead of keeping them;
-    the output's ``num`` is never needed: with ``t = g / den``, ``g · num / den = Σ_j s_ij
-    (t_i · v_j) + φq_i · (run t_i)``, row sums of the two products the gradient forms anyway.
-    ``dacc = [t, −(g · num) / den²]``, then the chunk products backwards and a reverse prefix
-    sum of the state gradients (``d_next``: the gradient of the state after the block).
+    def __init__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        key_mask: Tensor | None,
+        op: CleanFeature,
+        tape: _ks.Tape,
+        groups: int,
+    ) -> None:
+        self.q, self.k, self.v, self.key_mask, self.op = q, k, v, key_mask, op
+        self.dtype = compute_dtype_for(q.dtype)
+        self.groups, self.n = groups, tape.n
+        self.finite = tape.finite  # per key block: prefix blocks first, then aligned ones
+        self.P, self.dead = max(k.shape[2] - q.shape[2], 0), max(q.shape[2] - k.shape[2], 0)
+        self.prefix = len(_ks.block_sizes(self.P, self.n))
+        self.dq, self.dk, self.dv = (torch.empty_like(x) for x in (q, k, v))
+        self.dq[:, :, : self.dead].zero_()  # rows that see no key
 
-    Args:
-        fq: ``(B, H_kv, G, n, F)``. fk: ``(B, H_kv, n, F)``. va: ``(B, H_kv, n, Dv + 1)``.
-        state: ``(B, H_kv, 1, F, Dv + 1)`` before the block. den: ``(B, H_kv, G, n, 1)``, the
-            forward's ``den + eps``. grad: ``(B, H_kv, G, n, Dv)`` of the block's output.
-        d_next: ``(B, H_kv, 1, F, Dv + 1)``. C: tokens per chunk.
+    def _block(self, a: int) -> int:
+        """The tape's index of the key block starting at key ``a``."""
+        return a // self.n if a < self.P else self.prefix + (a - self.P) // self.n
 
-    Returns:
-        ``(dfq (B, H_kv, G, n, F), dfk (B, H_kv, n, F), dva (B, H_kv, n, Dv + 1), d_state)``.
-    """
-    n, Dv = fk.shape[2], grad.shape[-1]
-    N = -(-n // C)
-    pad = N * C - n
-    zero = den == 0  # the forward divided by 1 there: no gradient into den
-    t = grad / torch.where(zero, 1.0, den)
-    if pad:
-        fq, fk, va, t = (F.pad(x, (0, 0, 0, pad)) for x in (fq, fk, va, t))
-        den, zero = F.pad(den, (0, 0, 0, pad), value=1.0), F.pad(zero, (0, 0, 0, pad))
-    qc = fq.unflatten(-2, (N, C))  # (B, H_kv, G, N, C, F)
-    kc = fk.unflatten(-2, (N, C)).unsqueeze(2)  # (B, H_kv, 1, N, C, F)
-    vc = va.unflatten(-2, (N, C)).unsqueeze(2)  # (B, H_kv, 1, N, C, Dv + 1)
-    tc = t.unflatten(-2, (N, C))  # (B, H_kv, G, N, C, Dv)
-    run = _chunk_states(kc.squeeze(2), vc.squeeze(2), state)[0].unsqueeze(2)  # (.., 1, N, F, W)
-    scores = (qc @ kc.transpose(-1, -2)).tril_()  # (B, H_kv, G, N, C, C)
-    tv = tc @ vc[..., :Dv].transpose(-1, -2)  # (B, H_kv, G, N, C, C): t_i · v_j
-    tr = tc @ run[..., :Dv].transpose(-1, -2)  # (B, H_kv, G, N, C, F): run_v t_i
-    g_num = (scores * tv).sum(-1, keepdim=True) + (qc * tr).sum(-1, keepdim=True)
-    den, zero = den.unflatten(-2, (N, C)), zero.unflatten(-2, (N, C))  # (B, H_kv, G, N, C, 1)
-    d_den = torch.where(zero, 0.0, -g_num / den)
-    d_acc = torch.cat([tc, d_den], dim=-1)  # (B, H_kv, G, N, C, Dv + 1)
-    d_scores = tv.add_(d_den).tril_()  # the ones column of va carries d_den to every j <= i
-    d_qc = (d_scores @ kc).add_(tr).addcmul_(d_den, run[..., Dv].unsqueeze(-2))
-    d_run = _sum_groups(qc.transpose(-1, -2) @ d_acc)  # (B, H_kv, N, F, Dv + 1)
-    # run[m] = state + Σ_{c<m} per_chunk[c] and the state after is state + Σ_c per_chunk[c]:
-    # per_chunk[c] collects the d_run after it, the state all of them
-    above = _ones_triangle(N, d_run, 1)  # above[c, m] = [m > c]
-    d_per = (above @ d_run.flatten(3)).view(d_run.shape).add_(d_next)
-    d_state = d_run.sum(2, keepdim=True).add_(d_next)
-    # the key side: in-chunk terms summed over the group, plus the later states' (in place)
-    d_kc = _sum_groups(d_scores.transpose(-1, -2) @ qc).flatten(0, 2)  # (B·H_kv·N, C, F)
-    d_kc.baddbmm_(vc.squeeze(2).flatten(0, 2), d_per.flatten(0, 2).mT)
-    d_vc = _sum_groups(scores.transpose(-1, -2) @ d_acc).flatten(0, 2)  # (B·H_kv·N, C, Dv + 1)
-    d_vc.baddbmm_(kc.squeeze(2).flatten(0, 2), d_per.flatten(0, 2))
-    keys = d_run.shape[:3]  # (B, H_kv, N)
-    return (
-        d_qc.flatten(3, 4)[:, :, :, :n],
-        d_kc.unflatten(0, keys).flatten(2, 3)[:, :, :n],
-        d_vc.unflatten(0, keys).flatten(2, 3)[:, :, :n],
-        d_state,
-    )
+    def queries(self, a: int, m: int) -> Tensor:
+        fq = self.op.forward(self.q[:, :, a : a + m], self.dtype)  # (B, H, m, F)
+        return fq.unflatten(1, (self.k.shape[1], self.groups))
 
+    def keys(self, a: int, m: int) -> tuple[Tensor, Tensor]:
+        mb = self.key_mask[:, a : a + m] if self.key_mask is not None else None
+        fk = self.op.forward(self.k[:, :, a : a + m], self.dtype)  # (B, H_kv, m, F)
+        if mb is not None:  # padded keys carry no kernel weight
+            fk = torch.where(mb[:, None, :, None], fk, 0.0)
+        return fk, clean_with_ones(self.v[:, :, a : a + m], self.dtype)
 
-def _causal_scan_backward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    key_mask: Tensor | None,
-    op: CleanFeature,
-    phi: FeatureMap,
-    tape: _Tape,
-    grad_out: Tensor,
-    *,
-    chunk_size: int,
-    groups: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of `_causal_scan` with a fused feature map, block by block backwards.
+    def query_grad(self, a: int, m: int, fq: Tensor, dfq: Tensor) -> None:
+        q_fine = self.finite[self._block(self.P + a - self.dead)][0]
+        qb = self.q[:, :, a : a + m]
+        self.dq[:, :, a : a + m] = self.op.backward(qb, fq.flatten(1, 2), dfq.flatten(1, 2), q_fine)
 
-    Each block's features are recomputed from the inputs (one elementwise pass), its products
-    by `_scan_block_backward`; the state's gradient is carried from block to block towards the
-    start and finally into the keys before the first query. Gradients are written into the
-    three result tensors as each block is done: nothing L-sized but those.
-    """
-    B, _, L, _ = q.shape
-    H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    dtype = compute_dtype_for(q.dtype)
-    P, dead = max(S - L, 0), max(L - S, 0)
-    T = L - dead
-    C = min(chunk_size, max(T, 1))
-    n, Fd = tape.n, tape.Fd
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dq[:, :, :dead].zero_()  # rows that see no key
-    d_state = q.new_zeros(B, H_kv, 1, Fd, Dv + 1, dtype=dtype)
-
-    prefix = _block_sizes(P, n)
-    sizes = _block_sizes(T, n)
-
-    def keys_backward(i: int, a: int, m: int, dfk: Tensor, dva: Tensor, fk: Tensor) -> None:
-        """dk, dv of the keys [a, a + m), key block i of the tape."""
-        kb, vb = k[:, :, a : a + m], v[:, :, a : a + m]
-        if key_mask is not None:  # padded keys: no gradient (their φ was replaced by 0)
-            dfk = torch.where(key_mask[:, None, a : a + m, None], dfk, 0.0)
-        _, k_fine, v_fine = tape.finite[i]
-        dk[:, :, a : a + m] = op.backward(kb, fk, dfk, k_fine)
-        dva = dva[..., :Dv]
-        dv[:, :, a : a + m] = dva if v_fine else torch.where(finite(vb), dva, 0.0)
-
-    def block(a: int, m: int) -> tuple[Tensor, Tensor]:
-        mb = key_mask[:, a : a + m] if key_mask is not None else None
-        return _key_block(phi, k[:, :, a : a + m], v[:, :, a : a + m], mb, dtype, Fd)
-
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    for i in reversed(range(len(sizes))):
-        a, m = starts[i], sizes[i]
-        qb = q[:, :, dead + a : dead + a + m]
-        fq = op.forward(qb, dtype)  # (B, H, m, F)
-        fk, va = block(P + a, m)
-        g = grad_out[:, :, dead + a : dead + a + m].to(dtype).unflatten(1, (H_kv, groups))
-        dfq, dfk, dva, d_state = _scan_block_backward(
-            fq.unflatten(1, (H_kv, groups)), fk, va, tape.states[i], tape.dens[i], g, d_state, C
-        )
-        q_fine = tape.finite[len(prefix) + i][0]
-        dq[:, :, dead + a : dead + a + m] = op.backward(qb, fq, dfq.flatten(1, 2), q_fine)
-        keys_backward(len(prefix) + i, P + a, m, dfk, dva, fk)
-    d_s = d_state.squeeze(2)  # (B, H_kv, F, Dv + 1): into the initial state Σ φ(k) [v | 1]ᵀ
-    for i, (a, m) in enumerate(zip(range(0, P, n), prefix, strict=True)):
-        fk, va = block(a, m)
-        keys_backward(i, a, m, va @ d_s.transpose(-1, -2), fk @ d_s, fk)
-    return dq, dk, dv
+    def key_grad(self, a: int, m: int, fk: Tensor, dfk: Tensor, dva: Tensor) -> None:
+        kb, vb = self.k[:, :, a : a + m], self.v[:, :, a : a + m]
+        if self.key_mask is not None:  # padded keys: no gradient (their φ was replaced by 0)
+            dfk = torch.where(self.key_mask[:, None, a : a + m, None], dfk, 0.0)
+        _, k_fine, v_fine = self.finite[self._block(a)]
+        self.dk[:, :, a : a + m] = self.op.backward(kb, fk, dfk, k_fine)
+        dva = dva[..., :-1]
+        self.dv[:, :, a : a + m] = dva if v_fine else torch.where(finite(vb), dva, 0.0)
 
 
 class _CausalScan(torch.autograd.Function):
@@ -718,7 +600,7 @@ class _CausalScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_mask, op, phi, eps, chunk_size, groups):  # type: ignore[override]
-        tape = _Tape()
+        tape = _ks.Tape()
         out = _causal_scan(
             q,
             k,
@@ -731,32 +613,34 @@ class _CausalScan(torch.autograd.Function):
             tape=tape,
         )
         ctx.save_for_backward(q, k, v, key_mask)
-        ctx.tape, ctx.op, ctx.phi = tape, op, phi
+        ctx.tape, ctx.op, ctx.phi, ctx.eps = tape, op, phi, eps
         ctx.chunk_size, ctx.groups = chunk_size, groups
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        if torch.is_grad_enabled():  # create_graph=True: the tape's sums are constants
-            raise RuntimeError(
-                "causal linear_attention with a built-in feature_map is differentiable once "
-                "(its backward recomputes from a tape); for higher derivatives pass the map as "
-                "a callable, e.g. feature_map=lambda x: torch.nn.functional.elu(x) + 1"
-            )
         q, k, v, key_mask = ctx.saved_tensors
-        dq, dk, dv = _causal_scan_backward(
-            q,
-            k,
-            v,
-            key_mask,
-            ctx.op,
-            ctx.phi,
-            ctx.tape,
-            grad_out,
-            chunk_size=ctx.chunk_size,
-            groups=ctx.groups,
-        )
-        return dq, dk, dv, None, None, None, None, None, None
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the block ops instead
+
+            def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                return _causal_scan(
+                    q,
+                    k,
+                    v,
+                    ctx.phi,
+                    eps=ctx.eps,
+                    chunk_size=ctx.chunk_size,
+                    key_mask=key_mask,
+                    groups=ctx.groups,
+                )
+
+            return (*_ks.recomputed_grads(run, (q, k, v), grad_out), *[None] * 6)
+        B, L = q.shape[0], q.shape[2]
+        H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+        shape = _ks.ScanShape(B, H_kv, ctx.groups, L, S, ctx.tape.Fd, Dv, ctx.chunk_size)
+        src = _FusedSource(q, k, v, key_mask, ctx.op, ctx.tape, ctx.groups)
+        _ks.scan_backward(src, shape, ctx.tape, grad_out.unflatten(1, (H_kv, ctx.groups)))
+        return src.dq, src.dk, src.dv, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------ public
@@ -777,8 +661,9 @@ def linear_attention(
 
     Defined to equal `attnlab.functional.reference.linear_attention` (explicit ``(L, S)`` kernel
     matrix); computed in O(L) memory: non-causal as ``φ(Q) (φ(K)ᵀ V)``, causal by chunks of
-    ``chunk_size`` tokens whose running state is carried through blocks of `BLOCK_BYTES` (time
-    linear in L, every intermediate a block's size). Causal alignment is
+    ``chunk_size`` tokens whose running state is carried through blocks of
+    `kernel_scan.BLOCK_BYTES` (time linear in L, every intermediate a block's size). Causal
+    alignment is
     bottom-right, as everywhere in attnlab (L=2, S=4: the last query sees every key)::
 
         ■ ■ ■ ⬚
@@ -963,7 +848,7 @@ class LinearAttentionState:
         fq = fq.unflatten(1, (H_kv, q.shape[1] // H_kv))  # (B, H_kv, G, L, F)
         num = fq @ self.kv.unsqueeze(2)  # (B, H_kv, G, L, Dv)
         den = fq @ self.z[:, :, None, :, None]  # (B, H_kv, G, L, 1)
-        out = _normalise(num, den, self.eps)  # (B, H_kv, G, L, Dv)
+        out = _ks.normalise(num, den, self.eps)  # (B, H_kv, G, L, Dv)
         if self.length:  # the NaN rule; with no key appended every row is zeros
             assert self.k_flag is not None and self.v_flag is not None
             q_flag = _flag(q).sum(dim=-1).unflatten(1, (H_kv, -1)).to(out.dtype)  # (B,H_kv,G,L)

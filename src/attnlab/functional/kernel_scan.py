@@ -1,0 +1,372 @@
+"""The blockwise causal scan of kernelised attention, forward and backward (issue #19 item 4).
+
+``out_i = Σ_{j ≤ i} (φq_i · φk_j) v_j / Σ_{j ≤ i} φq_i · φk_j`` (bottom-right causal) by chunks of
+C aligned tokens: the masked ``C × C`` kernel block inside a chunk is explicit, earlier chunks
+enter through the running state ``Σ φ(k) [v | 1]ᵀ``. Chunks are scanned in blocks of about
+`BLOCK_BYTES`, each block's features made on demand by a `BlockSource` (slices of given features,
+linear attention's fused maps, FAVOR+'s random features), so nothing grows with L but the inputs,
+the output and their gradients, and the time stays linear where L-sized temporaries would be
+page-faulted in afresh on every call.
+
+Without autograd `scan_forward` writes each block into the output and fills a `Tape`: the state
+before each block and each row's ``den + eps``. `scan_backward` runs the blocks in reverse from
+that tape, recomputing each block's features, chunk states and in-chunk scores, and hands the
+features' gradients to the source block by block. With autograd enabled `scan_forward` runs
+through the block ops instead (what a scan's backward differentiates under
+``create_graph=True``, `recomputed_grads`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+#: Bytes of one block's widest intermediate in the causal scan (`block_tokens`): small enough to
+#: stay in cache and be reused by the allocator at any L, large enough that per-block work
+#: outweighs Python's per-call overhead.
+BLOCK_BYTES = 1 << 21
+
+__all__ = [
+    "BLOCK_BYTES",
+    "BlockSource",
+    "ScanShape",
+    "Tape",
+    "block_sizes",
+    "block_tokens",
+    "chunk_states",
+    "normalise",
+    "recomputed_grads",
+    "scan_backward",
+    "scan_block",
+    "scan_block_backward",
+    "scan_forward",
+    "with_ones",
+]
+
+
+class ScanShape(NamedTuple):
+    """Sizes of a causal scan: ``B, H_kv, G`` (query heads per key head), L queries, S keys, F
+    features, Dv value columns, C tokens per chunk (given; capped at the aligned tokens)."""
+
+    B: int
+    H_kv: int
+    G: int
+    L: int
+    S: int
+    F: int
+    Dv: int
+    C: int
+
+    @property
+    def P(self) -> int:
+        """Keys before the first query (S > L): they form the initial state."""
+        return max(self.S - self.L, 0)
+
+    @property
+    def dead(self) -> int:
+        """Queries before the first key (L > S): they see no key and output zeros."""
+        return max(self.L - self.S, 0)
+
+    @property
+    def T(self) -> int:
+        """Aligned tokens: query ``dead + t`` sees keys ``j <= P + t``."""
+        return self.L - self.dead
+
+    @property
+    def chunk(self) -> int:
+        return min(self.C, max(self.T, 1))
+
+
+class BlockSource(Protocol):
+    """Features of blocks of queries and keys, in the scan's compute dtype, and where their
+    gradients go. ``a`` counts queries from 0 to L, keys from 0 to S."""
+
+    def queries(self, a: int, m: int) -> Tensor:
+        """``φ(q)`` of queries ``[a, a + m)``: ``(B, H_kv, G, m, F)``."""
+        ...
+
+    def keys(self, a: int, m: int) -> tuple[Tensor, Tensor]:
+        """``φ(k)`` ``(B, H_kv, m, F)`` (zero at padded keys) and ``[v | 1]`` ``(B, H_kv, m,
+        Dv + 1)`` of keys ``[a, a + m)``."""
+        ...
+
+    def query_grad(self, a: int, m: int, fq: Tensor, dfq: Tensor) -> None:
+        """Takes the gradient ``dfq`` of the features ``fq`` of queries ``[a, a + m)``."""
+        ...
+
+    def key_grad(self, a: int, m: int, fk: Tensor, dfk: Tensor, dva: Tensor) -> None:
+        """Takes the gradients of ``φ(k)`` and of ``[v | 1]`` of keys ``[a, a + m)``."""
+        ...
+
+
+class Tape:
+    """What a scan keeps for its backward besides its inputs: the block size, the feature size,
+    the state before each block and each block's ``den + eps``, and (for sources that want them)
+    one entry per key block."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.Fd = 0
+        self.states: list[Tensor] = []  # (B, H_kv, 1, F, Dv + 1) per block
+        self.finite: list[tuple[bool, bool, bool]] = []  # q, k, v known finite, per key block
+        self.dens: list[Tensor] = []  # (B, H_kv, G, n, 1) per block
+
+
+def block_tokens(rows: int, width: int, itemsize: int, chunk: int) -> int:
+    """Tokens per block of the causal scan: a multiple of ``chunk`` whose ``(rows, n, width)``
+    intermediates take about `BLOCK_BYTES` (at least one chunk)."""
+    n = BLOCK_BYTES // max(rows * width * itemsize, 1)
+    return max(chunk, n // chunk * chunk)
+
+
+def block_sizes(total: int, n: int) -> list[int]:
+    """``total`` split into pieces of ``n`` (the last one shorter)."""
+    return [n] * (total // n) + ([total % n] if total % n else [])
+
+
+def _block_starts(total: int, n: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of the pieces of `block_sizes`."""
+    return [(i * n, m) for i, m in enumerate(block_sizes(total, n))]
+
+
+def normalise(num: Tensor, den: Tensor, eps: float, poison: Tensor | None = None) -> Tensor:
+    """``poison + num / (den + eps)``, 0 where ``den + eps == 0`` (a row with no key weight)."""
+    den = den + eps
+    den = torch.where(den == 0, 1.0, den)
+    if poison is None:
+        return num / den
+    return torch.addcdiv(poison, num, den)  # poison + num / den in one pass
+
+
+def with_ones(v: Tensor) -> Tensor:
+    """``[v | 1]``: ``(B, H_kv, n, Dv + 1)``, so one product carries Σ φ(k) vᵀ and Σ φ(k)."""
+    return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+
+
+def _ones_triangle(N: int, like: Tensor, diagonal: int) -> Tensor:
+    """``(N, N)`` ones strictly below (``diagonal=-1``) or strictly above (``1``) the diagonal."""
+    ones = torch.ones(N, N, dtype=like.dtype, device=like.device)
+    return ones.tril_(diagonal) if diagonal < 0 else ones.triu_(diagonal)
+
+
+def _sum_groups(x: Tensor) -> Tensor:
+    """``x (B, H_kv, G, ...)`` summed over the G query heads that share a key head."""
+    return x.squeeze(2) if x.shape[2] == 1 else x.sum(2)  # G = 1: a view, no copy
+
+
+def chunk_states(kc: Tensor, vc: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """``Σ φ(k) [v | 1]ᵀ`` before each chunk of a block and after the block.
+
+    ``before[c] = state + Σ_{c' < c} kc[c']ᵀ vc[c']``: an exclusive prefix sum over the chunks,
+    as one product with a triangle of ones (contiguous, unlike a slice of an inclusive
+    ``cumsum``, so the products that read it need no copy).
+
+    Args:
+        kc: ``(B, H_kv, N, C, F)``. vc: ``(B, H_kv, N, C, W)``. state: ``(B, H_kv, 1, F, W)``.
+
+    Returns:
+        ``(before (B, H_kv, N, F, W), after (B, H_kv, 1, F, W))``.
+    """
+    per_chunk = kc.transpose(-1, -2) @ vc  # (B, H_kv, N, F, W)
+    below = _ones_triangle(per_chunk.shape[2], per_chunk, -1)  # below[c, c'] = [c' < c]
+    before = (below @ per_chunk.flatten(3)).view(per_chunk.shape).add_(state)
+    return before, before[:, :, -1:] + per_chunk[:, :, -1:]
+
+
+def _chunked(C: int, *xs: Tensor) -> tuple[int, list[Tensor]]:
+    """Pads ``x (..., n, ·)`` with zero tokens to whole chunks (causally invisible) and splits
+    the token dim into ``(N, C)``; one contiguous copy of a block sliced out of L-long tensors
+    instead of one per batched product (which flattens the batch dims a slice cannot view)."""
+    n = xs[0].shape[-2]
+    N = -(-n // C)
+    pad = N * C - n
+    out = [(F.pad(x, (0, 0, 0, pad)) if pad else x.contiguous()).unflatten(-2, (N, C)) for x in xs]
+    return N, out
+
+
+def scan_block(fq: Tensor, fk: Tensor, va: Tensor, state: Tensor, C: int) -> tuple[Tensor, Tensor]:
+    """One block of the causal scan: chunks of C tokens on top of the running state.
+
+    ``acc_t = φq_tᵀ (state + Σ_{earlier chunks of the block} φK_cᵀ Va_c) + Σ_{j <= t in its
+    chunk} (φq_t · φk_j) va_j``; the block's last chunk may be shorter.
+
+    Args:
+        fq: ``(B, H_kv, G, n, F)``. fk: ``(B, H_kv, n, F)``. va: ``(B, H_kv, n, Dv + 1)`` (values
+            with a column of ones). state: ``(B, H_kv, 1, F, Dv + 1)``, Σ φ(k) vaᵀ before the block.
+        C: tokens per chunk.
+
+    Returns:
+        ``(acc (B, H_kv, G, n, Dv + 1), state after the block (B, H_kv, 1, F, Dv + 1))``.
+    """
+    n = fk.shape[2]
+    _, (qc, kc, vc) = _chunked(C, fq, fk, va)  # (B, H_kv, [G,] N, C, ·)
+    before, after = chunk_states(kc, vc, state)  # (B, H_kv, N | 1, F, Dv + 1)
+    scores = (qc @ kc.unsqueeze(2).transpose(-1, -2)).tril_()  # (B, H_kv, G, N, C, C)
+    acc = scores @ vc.unsqueeze(2)  # (B, H_kv, G, N, C, Dv + 1): inside the chunk
+    acc = acc.add_(qc @ before.unsqueeze(2))  # + earlier chunks and blocks
+    return acc.flatten(3, 4)[:, :, :, :n], after
+
+
+def scan_block_backward(
+    fq: Tensor,
+    fk: Tensor,
+    va: Tensor,
+    state: Tensor,
+    den: Tensor,
+    grad: Tensor,
+    d_next: Tensor,
+    C: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of one block of `scan_block` followed by the normalisation ``acc_v / den``.
+
+    Recomputes the chunk states and the in-chunk scores (two products) instead of keeping them;
+    the output's ``num`` is never needed: with ``t = g / den``, ``g · num / den = Σ_j s_ij
+    (t_i · v_j) + φq_i · (run t_i)``, row sums of the two products the gradient forms anyway.
+    ``dacc = [t, −(g · num) / den²]``, then the chunk products backwards and a reverse prefix
+    sum of the state gradients (``d_next``: the gradient of the state after the block).
+
+    Args:
+        fq: ``(B, H_kv, G, n, F)``. fk: ``(B, H_kv, n, F)``. va: ``(B, H_kv, n, Dv + 1)``.
+        state: ``(B, H_kv, 1, F, Dv + 1)`` before the block. den: ``(B, H_kv, G, n, 1)``, the
+            forward's ``den + eps``. grad: ``(B, H_kv, G, n, Dv)`` of the block's output.
+        d_next: ``(B, H_kv, 1, F, Dv + 1)``. C: tokens per chunk.
+
+    Returns:
+        ``(dfq (B, H_kv, G, n, F), dfk (B, H_kv, n, F), dva (B, H_kv, n, Dv + 1), d_state)``.
+    """
+    n, Dv = fk.shape[2], grad.shape[-1]
+    zero = den == 0  # the forward divided by 1 there: no gradient into den
+    t = grad / torch.where(zero, 1.0, den)
+    N, (qc, kc, vc, tc) = _chunked(C, fq, fk, va, t)  # (B, H_kv, [G,] N, C, ·)
+    den = F.pad(den, (0, 0, 0, N * C - n), value=1.0).unflatten(-2, (N, C))
+    zero = F.pad(zero, (0, 0, 0, N * C - n)).unflatten(-2, (N, C))  # (B, H_kv, G, N, C, 1)
+    kc, vc = kc.unsqueeze(2), vc.unsqueeze(2)  # (B, H_kv, 1, N, C, ·)
+    run = chunk_states(kc.squeeze(2), vc.squeeze(2), state)[0].unsqueeze(2)  # (.., 1, N, F, W)
+    scores = (qc @ kc.transpose(-1, -2)).tril_()  # (B, H_kv, G, N, C, C)
+    tv = tc @ vc[..., :Dv].transpose(-1, -2)  # (B, H_kv, G, N, C, C): t_i · v_j
+    tr = tc @ run[..., :Dv].transpose(-1, -2)  # (B, H_kv, G, N, C, F): run_v t_i
+    g_num = (scores * tv).sum(-1, keepdim=True) + (qc * tr).sum(-1, keepdim=True)
+    d_den = torch.where(zero, 0.0, -g_num / den)
+    d_acc = torch.cat([tc, d_den], dim=-1)  # (B, H_kv, G, N, C, Dv + 1)
+    d_scores = tv.add_(d_den).tril_()  # the ones column of va carries d_den to every j <= i
+    d_qc = (d_scores @ kc).add_(tr).addcmul_(d_den, run[..., Dv].unsqueeze(-2))
+    d_run = _sum_groups(qc.transpose(-1, -2) @ d_acc)  # (B, H_kv, N, F, Dv + 1)
+    # run[m] = state + Σ_{c<m} per_chunk[c] and the state after is state + Σ_c per_chunk[c]:
+    # per_chunk[c] collects the d_run after it, the state all of them
+    above = _ones_triangle(N, d_run, 1)  # above[c, m] = [m > c]
+    d_per = (above @ d_run.flatten(3)).view(d_run.shape).add_(d_next)
+    d_state = d_run.sum(2, keepdim=True).add_(d_next)
+    # the key side: in-chunk terms summed over the group, plus the later states' (in place)
+    d_kc = _sum_groups(d_scores.transpose(-1, -2) @ qc).flatten(0, 2)  # (B·H_kv·N, C, F)
+    d_kc.baddbmm_(vc.squeeze(2).flatten(0, 2), d_per.flatten(0, 2).mT)
+    d_vc = _sum_groups(scores.transpose(-1, -2) @ d_acc).flatten(0, 2)  # (B·H_kv·N, C, Dv + 1)
+    d_vc.baddbmm_(kc.squeeze(2).flatten(0, 2), d_per.flatten(0, 2))
+    keys = d_run.shape[:3]  # (B, H_kv, N)
+    return (
+        d_qc.flatten(3, 4)[:, :, :, :n],
+        d_kc.unflatten(0, keys).flatten(2, 3)[:, :, :n],
+        d_vc.unflatten(0, keys).flatten(2, 3)[:, :, :n],
+        d_state,
+    )
+
+
+def scan_forward(
+    src: BlockSource,
+    shape: ScanShape,
+    *,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    device: torch.device,
+    eps: float,
+    poison: Callable[[int, int], Tensor | None] | None = None,
+    tape: Tape | None = None,
+) -> Tensor:
+    """The causal scan of ``src``'s features: ``(B, H_kv, G, L, Dv)`` in ``out_dtype``.
+
+    Keys before the first query form the initial state; queries before the first key output
+    zeros. Without autograd each block is written into the output as it is done (no block
+    outputs pile up); with autograd the blocks are concatenated through the block ops.
+
+    Args:
+        src: the features. shape: the sizes. dtype: the compute dtype (the features').
+        out_dtype: the output's. device: where it lives. eps: added to the denominators.
+        poison: ``(a, m) ->`` the NaN rule's NaN/−0.0 ``(B, H_kv, G|1, m, Dv)`` of queries
+            ``[a, a + m)`` added to their output, or None.
+        tape: filled with what `scan_backward` needs (states per block, ``den + eps`` per row).
+    """
+    B, H_kv, G, L, _, Fd, Dv, _ = shape
+    P, dead, T, C = shape.P, shape.dead, shape.T, shape.chunk
+    n = block_tokens(B * H_kv * G, max(Fd, Dv + 1, C), torch.finfo(dtype).bits // 8, C)
+    if tape is not None:
+        tape.n, tape.Fd = n, Fd
+    state = torch.zeros(B, H_kv, 1, Fd, Dv + 1, dtype=dtype, device=device)  # Σ φ(k) [v | 1]ᵀ
+    for a, m in _block_starts(P, n):
+        fk, va = src.keys(a, m)
+        state = state + (fk.transpose(-1, -2) @ va).unsqueeze(2)
+    grad = torch.is_grad_enabled()
+    result = None if grad else torch.empty(B, H_kv, G, L, Dv, dtype=out_dtype, device=device)
+    zeros = torch.zeros(B, H_kv, G, dead, Dv, dtype=out_dtype, device=device)
+    if result is not None:
+        result[:, :, :, :dead] = zeros
+    outs = [zeros]
+    for a, m in _block_starts(T, n):
+        fq, (fk, va) = src.queries(dead + a, m), src.keys(P + a, m)
+        if tape is not None:
+            tape.states.append(state)
+        acc, state = scan_block(fq, fk, va, state, C)  # (B, H_kv, G, m, Dv + 1)
+        if tape is not None:
+            tape.dens.append(acc[..., Dv:] + eps)
+        out = normalise(acc[..., :Dv], acc[..., Dv:], eps, poison and poison(dead + a, m))
+        if result is None:
+            outs.append(out.to(out_dtype))
+        else:
+            result[:, :, :, dead + a : dead + a + m] = out
+    return result if result is not None else torch.cat(outs, dim=3)
+
+
+def scan_backward(src: BlockSource, shape: ScanShape, tape: Tape, grad_out: Tensor) -> None:
+    """Runs the blocks of `scan_forward` in reverse from its tape, handing each block's feature
+    gradients to ``src``; the state's gradient is carried towards the start and finally into
+    the keys before the first query.
+
+    Args:
+        src: the features, recomputed block by block. shape: the sizes. tape: the forward's.
+        grad_out: ``(B, H_kv, G, L, Dv)``, the gradient of the output.
+    """
+    B, H_kv, _, _, _, Fd, Dv, _ = shape
+    P, dead, T, C = shape.P, shape.dead, shape.T, shape.chunk
+    state0 = tape.states[0] if tape.states else None
+    dtype = state0.dtype if state0 is not None else grad_out.dtype
+    d_state = grad_out.new_zeros(B, H_kv, 1, Fd, Dv + 1, dtype=dtype)
+    for i, (a, m) in reversed(list(enumerate(_block_starts(T, tape.n)))):
+        fq, (fk, va) = src.queries(dead + a, m), src.keys(P + a, m)
+        g = grad_out[:, :, :, dead + a : dead + a + m].to(dtype)
+        dfq, dfk, dva, d_state = scan_block_backward(
+            fq, fk, va, tape.states[i], tape.dens[i], g, d_state, C
+        )
+        src.query_grad(dead + a, m, fq, dfq)
+        src.key_grad(P + a, m, fk, dfk, dva)
+    d_s = d_state.squeeze(2)  # (B, H_kv, F, Dv + 1): into the initial state Σ φ(k) [v | 1]ᵀ
+    for a, m in _block_starts(P, tape.n):
+        fk, va = src.keys(a, m)
+        src.key_grad(a, m, fk, va @ d_s.transpose(-1, -2), fk @ d_s)
+
+
+def recomputed_grads(run: Callable[..., Tensor], inputs: tuple, grad_out: Tensor) -> tuple:
+    """The gradients of ``run(*inputs)`` with respect to its tensor inputs that require grad, as
+    differentiable functions of them: a scan's backward under ``create_graph=True`` runs the
+    forward again through the block ops (autograd all the way) and differentiates that, so
+    higher derivatives exist; None for the other inputs, zeros for inputs the output does not
+    depend on."""
+    wanted = [x for x in inputs if isinstance(x, Tensor) and x.requires_grad]
+    with torch.enable_grad():
+        out = run(*inputs)
+        grads = torch.autograd.grad(
+            out, wanted, grad_out, create_graph=True, allow_unused=True, materialize_grads=True
+        )
+    it = iter(grads)
+    return tuple(next(it) if isinstance(x, Tensor) and x.requires_grad else None for x in inputs)
