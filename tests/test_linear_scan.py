@@ -124,15 +124,15 @@ def test_favor_causal_scan_in_blocks_equals_reference(blocks, L, S, chunk, nbyte
     W = favor_projection(16, 8, generator=torch.Generator().manual_seed(1), dtype=F64)
     calls = blocks(nbytes)
 
-    def fast(q, k, v):
+    def fast(q, k, v, W):  # W too: a learned projection gets its gradient
         return favor_attention(
             q, k, v, num_features=16, projection=W, causal=True, key_mask=key_mask, chunk_size=chunk
         )
 
-    def ref(q, k, v):
+    def ref(q, k, v, W):
         return reference.favor_attention(q, k, v, W, causal=True, key_mask=key_mask)
 
-    assert_equal_to_reference(fast, ref, inputs)
+    assert_equal_to_reference(fast, ref, [*inputs, W])
     assert len(calls) >= 3 and sum(calls) == min(L, S)
 
 
@@ -337,23 +337,31 @@ def test_fused_features_equal_the_composition(name):
     assert xb.grad.dtype == torch.bfloat16
 
 
-def test_fused_scan_keeps_only_its_inputs_and_a_row_per_token():
-    """Autograd holds q, k, v themselves (no copy, no feature, score or chunk-state tensor) and
-    the tape: one state per block and one denominator per (row, head): far from the ~600
-    numbers per token and head that autograd through the block ops keeps."""
+@pytest.mark.parametrize("kind", ["linear", "favor"])
+def test_fused_scan_keeps_only_its_inputs_and_a_row_per_token(kind):
+    """Autograd holds q, k, v themselves (no copy, no feature, score or chunk-state tensor; for
+    FAVOR+ also W and one key shift per head) and the tape: one state per block and one
+    denominator per (row, head): far from the ~600 numbers per token and head that autograd
+    through the block ops keeps (a callable feature map), or FAVOR+'s ``(L, M)`` features."""
     B, H, L, D = 1, 4, 1000, 16
     q, k, v = (seeded(B, H, L, D, seed=s).requires_grad_(True) for s in (1, 2, 3))
     inputs = {x.untyped_storage().data_ptr() for x in (q, k, v)}
+    W = favor_projection(64, D, generator=torch.Generator().manual_seed(0))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = linear_attention(q, k, v, causal=True)
+        out = linear_attention(q, k, v, causal=True) if kind == "linear" else _favor(W)(q, k, v)
         ref_saved = len(saved)
         linear_attention(q, k, v, feature_map=as_callable("elu"), causal=True)
-    assert {t.untyped_storage().data_ptr() for t in saved[:ref_saved]} <= inputs
+    assert _graph_nodes(out)[0] == (
+        "_CausalScanBackward" if kind == "linear" else "_FavorCausalBackward"
+    )
+    own = [t for t in saved[:ref_saved] if t.untyped_storage().data_ptr() not in inputs]
+    assert all(t.numel() <= W.numel() for t in own)  # W, the key shift (B·H numbers)
     assert any(t.untyped_storage().data_ptr() not in inputs for t in saved[ref_saved:])
     tape = out.grad_fn.tape
+    F = D if kind == "linear" else W.shape[0]
     kept = sum(t.numel() for t in tape.states + tape.dens)
-    assert kept <= len(tape.states) * H * D * (D + 1) + B * H * L
+    assert kept <= len(tape.states) * H * F * (D + 1) + B * H * L
     assert sum(t.numel() for t in tape.dens) == B * H * L
 
 
@@ -439,42 +447,3 @@ def test_second_derivatives_equal_the_reference(blocks, kind, L, S):
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=GRAD_ATOL, rtol=GRAD_RTOL)
     assert all(g.abs().max() > 0 for g in got)
-
-
-def test_favor_causal_scan_is_one_node_keeping_features_and_a_tape(blocks):
-    """FAVOR+ causal: the scan is one autograd node (`_CausalKernel`) that keeps the features,
-    the values, one state per block and one denominator per (row, head) — not the per-block
-    scores, chunk states and numerators that autograd through the block ops keeps — and its
-    gradients equal those of the block ops (the form its higher derivatives use)."""
-    B, H, L, D, M = 1, 4, 300, 16, 32
-    blocks(1 << 16)
-    q, k, v = (seeded(B, H, L, D, seed=s, scale=0.5) for s in (1, 2, 3))
-    W = favor_projection(M, D, generator=torch.Generator().manual_seed(0))
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out, grads = fwd_bwd(_favor(W), [q, k, v])
-        fast = sum(t.numel() for t in saved)
-        saved.clear()
-        with pytest.MonkeyPatch.context() as mp:  # autograd through the block ops
-            mp.setattr(
-                lin._CausalKernel,
-                "apply",
-                lambda fq, fk, v, poison, eps, chunk: lin._kernel_scan(
-                    fq, fk, v, eps=eps, chunk_size=chunk, poison=poison
-                ),
-            )
-            out_ops, grads_ops = fwd_bwd(_favor(W), [q, k, v])
-        ops = sum(t.numel() for t in saved)
-    torch.testing.assert_close(out, out_ops, atol=0, rtol=0)
-    for g, w in zip(grads, grads_ops, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
-    xs = [x.detach().requires_grad_(True) for x in (q, k, v)]
-    node = next(
-        n for n in _graph_fns(_favor(W)(*xs)) if type(n).__name__ == "_CausalKernelBackward"
-    )
-    fq, fk, vc = node.saved_tensors
-    assert fq.shape == (B, H, 1, L, M) and fk.shape == (B, H, L, M) and vc.shape == (B, H, L, D)
-    tape = node.tape
-    assert len(tape.states) >= 2 and sum(t.numel() for t in tape.dens) == B * H * L
-    kept = sum(t.numel() for t in (fq, fk, vc, *tape.states, *tape.dens))
-    assert fast < ops - 2 * kept  # the block ops keep scores, chunk states, accumulators too

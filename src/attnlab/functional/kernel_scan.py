@@ -78,7 +78,15 @@ class ScanShape(NamedTuple):
 
     @property
     def chunk(self) -> int:
+        """Tokens per chunk: C, at most the aligned tokens."""
         return min(self.C, max(self.T, 1))
+
+    def block(self, dtype: torch.dtype) -> int:
+        """Tokens per block of the scan in ``dtype`` (`block_tokens`)."""
+        width = max(self.F, self.Dv + 1, self.chunk)
+        return block_tokens(
+            self.B * self.H_kv * self.G, width, torch.finfo(dtype).bits // 8, self.chunk
+        )
 
 
 class BlockSource(Protocol):
@@ -147,10 +155,27 @@ def with_ones(v: Tensor) -> Tensor:
     return torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
 
 
-def _ones_triangle(N: int, like: Tensor, diagonal: int) -> Tensor:
-    """``(N, N)`` ones strictly below (``diagonal=-1``) or strictly above (``1``) the diagonal."""
-    ones = torch.ones(N, N, dtype=like.dtype, device=like.device)
-    return ones.tril_(diagonal) if diagonal < 0 else ones.triu_(diagonal)
+def _running_sums(x: Tensor, start: Tensor, *, reverse: bool = False) -> Tensor:
+    """Exclusive running sums over the chunks: ``out[c] = start + Σ_{c' < c} x[c']`` (reverse:
+    ``c' > c``), one in-place add per chunk into one output (a product with a triangle of ones
+    costs N² and ran far below the machine's rate on such flat shapes).
+
+    Args:
+        x: ``(B, H_kv, N, F, W)``. start: ``(B, H_kv, 1, F, W)``.
+
+    Returns:
+        ``(B, H_kv, N, F, W)``.
+    """
+    out = torch.empty_like(x)
+    N = x.shape[2]
+    order = range(N - 1, -1, -1) if reverse else range(N)
+    total, last = start.squeeze(2), None
+    for c in order:
+        now = out[:, :, c].copy_(total)  # in place (no temporary; autograd and compile follow)
+        if last is not None:
+            now.add_(last)
+        total, last = now, x[:, :, c]
+    return out
 
 
 def _sum_groups(x: Tensor) -> Tensor:
@@ -161,9 +186,9 @@ def _sum_groups(x: Tensor) -> Tensor:
 def chunk_states(kc: Tensor, vc: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
     """``Σ φ(k) [v | 1]ᵀ`` before each chunk of a block and after the block.
 
-    ``before[c] = state + Σ_{c' < c} kc[c']ᵀ vc[c']``: an exclusive prefix sum over the chunks,
-    as one product with a triangle of ones (contiguous, unlike a slice of an inclusive
-    ``cumsum``, so the products that read it need no copy).
+    ``before[c] = state + Σ_{c' < c} kc[c']ᵀ vc[c']``: an exclusive prefix sum over the chunks
+    (contiguous, unlike a slice of an inclusive ``cumsum``, so the products that read it need no
+    copy).
 
     Args:
         kc: ``(B, H_kv, N, C, F)``. vc: ``(B, H_kv, N, C, W)``. state: ``(B, H_kv, 1, F, W)``.
@@ -172,8 +197,7 @@ def chunk_states(kc: Tensor, vc: Tensor, state: Tensor) -> tuple[Tensor, Tensor]
         ``(before (B, H_kv, N, F, W), after (B, H_kv, 1, F, W))``.
     """
     per_chunk = kc.transpose(-1, -2) @ vc  # (B, H_kv, N, F, W)
-    below = _ones_triangle(per_chunk.shape[2], per_chunk, -1)  # below[c, c'] = [c' < c]
-    before = (below @ per_chunk.flatten(3)).view(per_chunk.shape).add_(state)
+    before = _running_sums(per_chunk, state)
     return before, before[:, :, -1:] + per_chunk[:, :, -1:]
 
 
@@ -257,8 +281,7 @@ def scan_block_backward(
     d_run = _sum_groups(qc.transpose(-1, -2) @ d_acc)  # (B, H_kv, N, F, Dv + 1)
     # run[m] = state + Σ_{c<m} per_chunk[c] and the state after is state + Σ_c per_chunk[c]:
     # per_chunk[c] collects the d_run after it, the state all of them
-    above = _ones_triangle(N, d_run, 1)  # above[c, m] = [m > c]
-    d_per = (above @ d_run.flatten(3)).view(d_run.shape).add_(d_next)
+    d_per = _running_sums(d_run, d_next, reverse=True)
     d_state = d_run.sum(2, keepdim=True).add_(d_next)
     # the key side: in-chunk terms summed over the group, plus the later states' (in place)
     d_kc = _sum_groups(d_scores.transpose(-1, -2) @ qc).flatten(0, 2)  # (B·H_kv·N, C, F)
@@ -300,7 +323,7 @@ def scan_forward(
     """
     B, H_kv, G, L, _, Fd, Dv, _ = shape
     P, dead, T, C = shape.P, shape.dead, shape.T, shape.chunk
-    n = block_tokens(B * H_kv * G, max(Fd, Dv + 1, C), torch.finfo(dtype).bits // 8, C)
+    n = shape.block(dtype)
     if tape is not None:
         tape.n, tape.Fd = n, Fd
     state = torch.zeros(B, H_kv, 1, Fd, Dv + 1, dtype=dtype, device=device)  # Σ φ(k) [v | 1]ᵀ

@@ -142,6 +142,7 @@ def _poison(bad: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.where(bad, float("nan"), -0.0).to(dtype)
 
 
+@torch.no_grad()  # flags only: no graph (it would keep copies of q, k, v alive)
 def nan_rule_poison(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_mask: Tensor | None
 ) -> tuple[Tensor, Tensor]:

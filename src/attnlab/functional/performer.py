@@ -16,10 +16,10 @@ import torch
 from torch import Tensor
 
 from .._shapes import check_qkv
+from . import kernel_scan as _ks
 from .linear import (
     DEFAULT_CHUNK_SIZE,
     as_4d,
-    causal_kernel_attention,
     check_bool,
     check_key_mask,
     check_positive_int,
@@ -28,6 +28,7 @@ from .linear import (
     nan_rule_poison,
     zero_padded_keys,
 )
+from .linear_features import finite
 from .reference import compute_dtype_for
 
 __all__ = ["favor_attention", "favor_features", "favor_projection"]
@@ -196,6 +197,9 @@ def favor_attention(
         )[:, : dims.D].to(q.device)
     w = projection.to(dtype)
     row, col = nan_rule_poison(q, k, v, causal=causal, key_mask=key_mask)
+    if causal:
+        out = _favor_causal(q, k, v, w, key_mask, row, col, chunk_size, dims.groups)
+        return out.squeeze(1) if dims.three_d else out
     kc, vc, live = zero_padded_keys(clean(k.to(dtype)), clean(v.to(dtype)), key_mask)
     # Stabilisers (constants for the autograd graph) cancel in num / den. A query's −‖q'‖²/2
     # is such a per-query constant too, so it is dropped rather than rounded against W q'.
@@ -211,9 +215,203 @@ def favor_attention(
     fk = torch.exp(lk)  # (B, H_kv, S, M)
     fq = fq.unflatten(1, (dims.H_kv, dims.groups))  # (B, H_kv, G, L, M)
     poison = row + col  # (B, H_kv, G, L, Dv): NaN where the rule says, −0.0 elsewhere
-    if causal:
-        out = causal_kernel_attention(fq, fk, vc, eps=0.0, chunk_size=chunk_size, poison=poison)
-    else:
-        out = kernel_attention(fq, fk, vc, eps=0.0, poison=poison)
+    out = kernel_attention(fq, fk, vc, eps=0.0, poison=poison)
     out = out.flatten(1, 2).to(q.dtype)  # (B, H, L, Dv)
     return out.squeeze(1) if dims.three_d else out
+
+
+# ------------------------------------------------------------------------------- causal, blockwise
+
+
+class _FavorSource:
+    """`kernel_scan.BlockSource` of FAVOR+ features made block by block from q, k, v and W, so
+    no ``(L, M)`` feature tensor exists in either pass; the backward recomputes each block's
+    features and takes their gradients back through ``exp`` and ``W x'`` to q, k, v and W.
+
+    Query features ``exp(W q' − max_m (W q')_m)``, key features ``exp(W k' − ‖k'‖²/2 − c)`` with
+    ``c`` the max over all (live) keys and features of a (batch, key head), found by a first
+    pass over the key blocks (`key_shift`): the same stabilisers as the non-causal form, which
+    cancel in num / den (constants for the gradients).
+    """
+
+    def __init__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        w: Tensor,
+        key_mask: Tensor | None,
+        groups: int,
+        shift: Tensor | None = None,
+    ) -> None:
+        self.q, self.k, self.v, self.w, self.key_mask = q, k, v, w, key_mask
+        self.groups = groups
+        D = q.shape[-1]
+        self.scale = D**-0.25 if D else 1.0
+        self.shift = shift
+        self.grads: list[Tensor | None] = []
+
+    # features
+    def _queries(self, a: int, m: int) -> Tensor:
+        return clean(self.q[:, :, a : a + m].to(self.w.dtype)) * self.scale  # q' (B, H, m, D)
+
+    def _live(self, a: int, m: int) -> Tensor | None:
+        if self.key_mask is None:
+            return None
+        return self.key_mask[:, None, a : a + m, None]  # (B|1, 1, m, 1)
+
+    def _key_inputs(self, a: int, m: int) -> Tensor:
+        """``k'`` of keys ``[a, a + m)``, zero at padded keys: ``(B, H_kv, m, D)``."""
+        xs = clean(self.k[:, :, a : a + m].to(self.w.dtype))
+        live = self._live(a, m)
+        return (xs if live is None else torch.where(live, xs, 0.0)).mul_(self.scale)
+
+    def _log_keys(self, a: int, m: int) -> Tensor:
+        """``W k' − ‖k'‖²/2`` of keys ``[a, a + m)``, −inf at padded keys: ``(B, H_kv, m, M)``."""
+        xs = self._key_inputs(a, m)
+        lk = (xs @ self.w.T).sub_((xs * xs).sum(dim=-1, keepdim=True).mul_(0.5))
+        live = self._live(a, m)
+        return lk if live is None else lk.masked_fill_(~live, float("-inf"))
+
+    def key_shift(self, n: int) -> Tensor:
+        """``c`` ``(B, H_kv, 1, 1)``: the max of ``W k' − ‖k'‖²/2`` over live keys (0 if none)."""
+        B, H_kv, S, _ = self.k.shape
+        c = self.w.new_full((B, H_kv, 1, 1), float("-inf"))
+        with torch.no_grad():
+            for a in range(0, S, n):
+                top = self._log_keys(a, min(n, S - a)).amax(dim=(-2, -1), keepdim=True)
+                c = torch.maximum(c, top)
+        return torch.where(torch.isneginf(c), 0.0, c)
+
+    def queries(self, a: int, m: int) -> Tensor:
+        lq = self._queries(a, m) @ self.w.T  # (B, H, m, M)
+        with torch.no_grad():  # the row's shift: a constant for the gradients
+            top = lq.amax(dim=-1, keepdim=True)
+        fq = lq.sub_(top).exp_()  # in place: one block-sized tensor, not three
+        return fq.unflatten(1, (self.k.shape[1], self.groups))  # (B, H_kv, G, m, M)
+
+    def keys(self, a: int, m: int) -> tuple[Tensor, Tensor]:
+        assert self.shift is not None
+        fk = self._log_keys(a, m).sub_(self.shift).exp_()  # (B, H_kv, m, M)
+        vb = clean(self.v[:, :, a : a + m].to(self.w.dtype))
+        live = self._live(a, m)
+        if live is not None:
+            vb = torch.where(live, vb, 0.0)
+        return fk, _ks.with_ones(vb)
+
+    # gradients
+    def start_backward(self, dead: int, want_w: bool) -> None:
+        dq, dk, dv = (torch.empty_like(x) for x in (self.q, self.k, self.v))
+        dq[:, :, :dead].zero_()  # rows that see no key
+        self.grads = [dq, dk, dv, torch.zeros_like(self.w) if want_w else None]
+
+    def _into_w(self, dl: Tensor, xs: Tensor) -> None:
+        dw = self.grads[3]
+        if dw is not None:  # Σ over rows of dlog φ ⊗ x'
+            dw.addmm_(dl.flatten(0, -2).T, xs.flatten(0, -2))
+
+    def query_grad(self, a: int, m: int, fq: Tensor, dfq: Tensor) -> None:
+        dl = dfq.mul_(fq).flatten(1, 2)  # (B, H, m, M): through exp (the row max: a constant)
+        xs = self._queries(a, m)
+        qb = self.q[:, :, a : a + m]
+        dq = (dl @ self.w).mul_(self.scale)  # (B, H, m, D)
+        self.grads[0][:, :, a : a + m] = torch.where(finite(qb), dq, 0.0)  # type: ignore[index]
+        self._into_w(dl, xs)
+
+    def key_grad(self, a: int, m: int, fk: Tensor, dfk: Tensor, dva: Tensor) -> None:
+        dl = dfk.mul_(fk)  # (B, H_kv, m, M); 0 at padded keys (φ = 0 there)
+        xs = self._key_inputs(a, m)
+        dxs = (dl @ self.w).sub_(xs * dl.sum(dim=-1, keepdim=True))  # d/dk' of W k' − ‖k'‖²/2
+        kb, vb = self.k[:, :, a : a + m], self.v[:, :, a : a + m]
+        self.grads[1][:, :, a : a + m] = torch.where(finite(kb), dxs.mul_(self.scale), 0.0)  # type: ignore[index]
+        ok = finite(vb)
+        live = self._live(a, m)
+        if live is not None:
+            ok = ok & live
+        self.grads[2][:, :, a : a + m] = torch.where(ok, dva[..., :-1], 0.0)  # type: ignore[index]
+        self._into_w(dl, xs)
+
+
+def _favor_shape(q: Tensor, k: Tensor, v: Tensor, M: int, chunk: int, groups: int) -> _ks.ScanShape:
+    B, _, L, _ = q.shape
+    return _ks.ScanShape(B, k.shape[1], groups, L, k.shape[2], M, v.shape[-1], chunk)
+
+
+def _favor_scan(
+    src: _FavorSource,
+    shape: _ks.ScanShape,
+    row: Tensor | None,
+    col: Tensor | None,
+    tape: _ks.Tape | None = None,
+) -> Tensor:
+    """`kernel_scan.scan_forward` of FAVOR+ features: ``(B, H, L, Dv)`` in q's dtype."""
+    if src.shift is None:
+        src.shift = src.key_shift(shape.block(src.w.dtype))
+
+    def poison(a: int, m: int) -> Tensor | None:
+        if row is None or col is None:
+            return None
+        r = row[:, :, :, a : a + m]  # (B, H_kv, G, m, 1)
+        return r + (col[:, :, :, a : a + m] if col.shape[3] > 1 else col)
+
+    out = _ks.scan_forward(
+        src,
+        shape,
+        dtype=src.w.dtype,
+        out_dtype=src.q.dtype,
+        device=src.q.device,
+        eps=0.0,
+        poison=poison,
+        tape=tape,
+    )
+    return out.flatten(1, 2)  # (B, H, L, Dv)
+
+
+class _FavorCausal(torch.autograd.Function):
+    """Causal FAVOR+ as one autograd node: keeps q, k, v, W, the key shift, a state per block
+    and a denominator per row; the backward recomputes each block's features."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, w, key_mask, row, col, chunk_size, groups):  # type: ignore[override]
+        src = _FavorSource(q, k, v, w, key_mask, groups)
+        shape = _favor_shape(q, k, v, w.shape[0], chunk_size, groups)
+        tape = _ks.Tape()
+        out = _favor_scan(src, shape, row, col, tape)
+        ctx.save_for_backward(q, k, v, w, key_mask, src.shift)
+        ctx.tape, ctx.shape, ctx.groups = tape, shape, groups
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        q, k, v, w, key_mask, shift = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the block ops instead
+
+            def run(q: Tensor, k: Tensor, v: Tensor, w: Tensor) -> Tensor:  # poison: a constant
+                src = _FavorSource(q, k, v, w, key_mask, ctx.groups, shift)
+                return _favor_scan(src, ctx.shape, None, None)
+
+            return (*_ks.recomputed_grads(run, (q, k, v, w), grad_out), *[None] * 5)
+        src = _FavorSource(q, k, v, w, key_mask, ctx.groups, shift)
+        src.start_backward(ctx.shape.dead, ctx.needs_input_grad[3])
+        grad = grad_out.unflatten(1, (ctx.shape.H_kv, ctx.groups))  # (B, H_kv, G, L, Dv)
+        _ks.scan_backward(src, ctx.shape, ctx.tape, grad)
+        return (*src.grads, *[None] * 5)
+
+
+def _favor_causal(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    w: Tensor,
+    key_mask: Tensor | None,
+    row: Tensor,
+    col: Tensor,
+    chunk_size: int,
+    groups: int,
+) -> Tensor:
+    """Causal FAVOR+ ``(B, H, L, Dv)``: one autograd node (`_FavorCausal`) when a gradient is
+    wanted, the scan alone otherwise."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, w)):
+        return _FavorCausal.apply(q, k, v, w, key_mask, row, col, chunk_size, groups)
+    src = _FavorSource(q, k, v, w, key_mask, groups)
+    return _favor_scan(src, _favor_shape(q, k, v, w.shape[0], chunk_size, groups), row, col)
