@@ -447,3 +447,27 @@ def test_second_derivatives_equal_the_reference(blocks, kind, L, S):
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=GRAD_ATOL, rtol=GRAD_RTOL)
     assert all(g.abs().max() > 0 for g in got)
+
+
+@pytest.mark.parametrize("L,S", [(37, 37), (23, 41), (41, 23)])
+def test_causal_kernel_attention_of_given_features_equals_reference(blocks, L, S):
+    """`causal_kernel_attention` (given non-negative features, one node `_CausalKernel`): the
+    reference with the identity as feature map, forward, backward and Hessian-vector products,
+    across blocks; keys before the first query and queries before the first key."""
+    q, k, v = qkv(B=2, H=2, H_kv=2, L=L, S=S, seed=L * 3 + S)
+    inputs = [q.abs(), k.abs(), v]
+    calls = blocks(1)
+
+    def fast(fq, fk, v):
+        out = lin.causal_kernel_attention(fq.unsqueeze(2), fk, v, eps=1e-3, chunk_size=4)
+        return out.squeeze(2)
+
+    def ref(fq, fk, v):
+        return reference.linear_attention(fq, fk, v, feature_map=lambda x: x, causal=True, eps=1e-3)
+
+    assert_equal_to_reference(fast, ref, inputs)
+    assert len(calls) >= 3
+    xs = [x.clone().requires_grad_(True) for x in inputs]
+    assert _graph_nodes(fast(*xs))[:2] == ["SqueezeBackward1", "_CausalKernelBackward"]
+    for g, w in zip(_hvp(fast, inputs), _hvp(ref, inputs), strict=True):
+        torch.testing.assert_close(g, w, atol=GRAD_ATOL, rtol=GRAD_RTOL)

@@ -393,12 +393,11 @@ def _causal_scan(
     """The causal scan, everything per block of tokens.
 
     Cleaning, features, key padding and the NaN rule's flags are computed block by block
-    alongside the scan (`kernel_scan.scan_block`), with running sums carried between blocks: the
-    state
-    ``Σ φ(k) [v, 1]ᵀ``, the count of non-finite attended keys (a row at or after one is NaN),
-    the sum of value flags (0, or NaN from the first non-finite ``v[d]`` on: column d) and the
-    count of real keys (a row with none attends nothing and stays zeros whatever its query). No
-    intermediate is larger than a block, so the time is linear in L.
+    alongside the scan (`kernel_scan.scan_block`), with running sums carried between blocks:
+    the state ``Σ φ(k) [v, 1]ᵀ``, the count of non-finite attended keys (a row at or after one
+    is NaN), the sum of value flags (0, or NaN from the first non-finite ``v[d]`` on: column d)
+    and the count of real keys (a row with none attends nothing and stays zeros whatever its
+    query). No intermediate is larger than a block, so the time is linear in L.
 
     Args:
         q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)`` (raw inputs).
