@@ -25,15 +25,15 @@ FWD_ATOL, FWD_RTOL, GRAD_ATOL, GRAD_RTOL = FIXED_TABLE[F64]
 
 @pytest.fixture
 def blocks(monkeypatch):
-    """Sets `BLOCK_BYTES` and counts the blocks `scan_block` is called on."""
+    """Sets `BLOCK_BYTES` and counts the query blocks (`normalise`, once per block of output)."""
     calls = []
-    scan = ks.scan_block
+    normalise = ks.normalise
 
     def counting(*args, **kwargs):
-        calls.append(args[1].shape[2])  # tokens in the block
-        return scan(*args, **kwargs)
+        calls.append(args[0].shape[3])  # rows in the block
+        return normalise(*args, **kwargs)
 
-    monkeypatch.setattr(ks, "scan_block", counting)
+    monkeypatch.setattr(ks, "normalise", counting)
 
     def use(nbytes: int) -> list[int]:
         monkeypatch.setattr(ks, "BLOCK_BYTES", nbytes)
@@ -117,23 +117,25 @@ def test_linear_scan_in_blocks_equals_reference(
     assert len(calls) >= (2 if T > 1 else 1)  # several blocks (each a multiple of the chunk)
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("L,S,chunk,nbytes", [(37, 37, 4, 1), (23, 41, 3, 1), (41, 23, 5, 5000)])
-def test_favor_causal_scan_in_blocks_equals_reference(blocks, L, S, chunk, nbytes):
+def test_favor_in_blocks_equals_reference(blocks, L, S, chunk, nbytes, causal):
+    """FAVOR+ with its features made block by block (`_FavorSource`), causal (the scan) and not
+    (one state over all key blocks), equals the explicit reference in float64, forward and
+    backward, the projection's gradient included."""
     inputs = qkv(L=L, S=S, seed=L + 2 * S, scale=0.7)
     key_mask = padding(2, S, seed=S)
     W = favor_projection(16, 8, generator=torch.Generator().manual_seed(1), dtype=F64)
     calls = blocks(nbytes)
 
     def fast(q, k, v, W):  # W too: a learned projection gets its gradient
-        return favor_attention(
-            q, k, v, num_features=16, projection=W, causal=True, key_mask=key_mask, chunk_size=chunk
-        )
+        return _favor(W, key_mask, chunk, causal)(q, k, v)
 
     def ref(q, k, v, W):
-        return reference.favor_attention(q, k, v, W, causal=True, key_mask=key_mask)
+        return reference.favor_attention(q, k, v, W, causal=causal, key_mask=key_mask)
 
     assert_equal_to_reference(fast, ref, [*inputs, W])
-    assert len(calls) >= 3 and sum(calls) == min(L, S)
+    assert len(calls) >= 3 and sum(calls) == (min(L, S) if causal else L)
 
 
 # ------------------------------------------------------------------------ the NaN rule, carried
@@ -337,7 +339,7 @@ def test_fused_features_equal_the_composition(name):
     assert xb.grad.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("kind", ["linear", "favor"])
+@pytest.mark.parametrize("kind", ["linear", "favor", "favor non-causal"])
 def test_fused_scan_keeps_only_its_inputs_and_a_row_per_token(kind):
     """Autograd holds q, k, v themselves (no copy, no feature, score or chunk-state tensor; for
     FAVOR+ also W and one key shift per head) and the tape: one state per block and one
@@ -349,11 +351,14 @@ def test_fused_scan_keeps_only_its_inputs_and_a_row_per_token(kind):
     W = favor_projection(64, D, generator=torch.Generator().manual_seed(0))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = linear_attention(q, k, v, causal=True) if kind == "linear" else _favor(W)(q, k, v)
+        if kind == "linear":
+            out = linear_attention(q, k, v, causal=True)
+        else:
+            out = _favor(W, causal=kind == "favor")(q, k, v)
         ref_saved = len(saved)
         linear_attention(q, k, v, feature_map=as_callable("elu"), causal=True)
     assert _graph_nodes(out)[0] == (
-        "_CausalScanBackward" if kind == "linear" else "_FavorCausalBackward"
+        "_CausalScanBackward" if kind == "linear" else "_FavorBlocksBackward"
     )
     own = [t for t in saved[:ref_saved] if t.untyped_storage().data_ptr() not in inputs]
     assert all(t.numel() <= W.numel() for t in own)  # W, the key shift (B·H numbers)
@@ -361,13 +366,14 @@ def test_fused_scan_keeps_only_its_inputs_and_a_row_per_token(kind):
     tape = out.grad_fn.tape
     F = D if kind == "linear" else W.shape[0]
     kept = sum(t.numel() for t in tape.states + tape.dens)
+    assert len(tape.states) == (1 if kind == "favor non-causal" else -(-L // tape.n))
     assert kept <= len(tape.states) * H * F * (D + 1) + B * H * L
     assert sum(t.numel() for t in tape.dens) == B * H * L
 
 
-@pytest.mark.parametrize("kind", ["linear", "favor"])
+@pytest.mark.parametrize("kind", ["linear", "favor", "favor non-causal"])
 def test_fused_scan_compiles_and_runs_on_meta(kind):
-    """`torch.compile(fullgraph=True)` traces `_CausalScan` / `_CausalKernel` (FAVOR+) forward
+    """`torch.compile(fullgraph=True)` traces `_CausalScan` / `_FavorBlocks` (FAVOR+) forward
     and backward (no graph break, no host sync) and equals eager; meta tensors give the shapes
     without data."""
     q, k, v = (seeded(1, 2, 300, 16, seed=s).requires_grad_(True) for s in (1, 2, 3))
@@ -375,7 +381,7 @@ def test_fused_scan_compiles_and_runs_on_meta(kind):
         run = lambda q, k, v: linear_attention(q, k, v, causal=True)  # noqa: E731
     else:
         W = favor_projection(32, 16, generator=torch.Generator().manual_seed(0))
-        run = _favor(W.to(q.device))
+        run = _favor(W.to(q.device), causal=kind == "favor")
     f = torch.compile(run, fullgraph=True)
     want, want_grads = fwd_bwd(run, [q, k, v])
     got, got_grads = fwd_bwd(f, [q, k, v])
@@ -383,14 +389,14 @@ def test_fused_scan_compiles_and_runs_on_meta(kind):
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w)
     m = [torch.empty(1, 2, 300, 16, device="meta", requires_grad=True) for _ in range(3)]
-    if kind == "favor":
-        run = _favor(W.to("meta"))
+    if kind != "linear":
+        run = _favor(W.to("meta"), causal=kind == "favor")
     out = run(*m)
     out.sum().backward()
     assert out.shape == (1, 2, 300, 16) and m[0].grad.shape == m[0].shape
 
 
-def _favor(W, key_mask=None, chunk=4):
+def _favor(W, key_mask=None, chunk=4, causal=True):
     def run(q, k, v):
         return favor_attention(
             q,
@@ -398,7 +404,7 @@ def _favor(W, key_mask=None, chunk=4):
             v,
             num_features=W.shape[0],
             projection=W,
-            causal=True,
+            causal=causal,
             key_mask=key_mask,
             chunk_size=chunk,
         )
@@ -417,10 +423,10 @@ def _hvp(fn, inputs, seed=11):
     return torch.autograd.grad(dot, xs)
 
 
-@pytest.mark.parametrize("kind", ["linear", "favor"])
+@pytest.mark.parametrize("kind", ["linear", "favor", "favor non-causal"])
 @pytest.mark.parametrize("L,S", [(23, 31), (31, 23)])
 def test_second_derivatives_equal_the_reference(blocks, kind, L, S):
-    """Under ``create_graph=True`` the scans' backward (`_CausalScan`, `_CausalKernel`) runs
+    """Under ``create_graph=True`` the scans' backward (`_CausalScan`, `_FavorBlocks`) runs
     the forward again through the block ops and differentiates that: Hessian-vector products
     equal the explicit reference's (float64, a block per chunk, keys before the first query or
     queries before the first key, key padding)."""
@@ -437,10 +443,11 @@ def test_second_derivatives_equal_the_reference(blocks, kind, L, S):
 
     else:
         W = favor_projection(16, 8, generator=torch.Generator().manual_seed(2), dtype=F64)
-        fast = _favor(W, key_mask, chunk=3)
+        causal = kind == "favor"
+        fast = _favor(W, key_mask, chunk=3, causal=causal)
 
         def ref(q, k, v):
-            return reference.favor_attention(q, k, v, W, causal=True, key_mask=key_mask)
+            return reference.favor_attention(q, k, v, W, causal=causal, key_mask=key_mask)
 
     got, want = _hvp(fast, inputs), _hvp(ref, inputs)
     assert len(calls) >= 3

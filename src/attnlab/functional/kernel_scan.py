@@ -38,6 +38,8 @@ __all__ = [
     "block_sizes",
     "block_tokens",
     "chunk_states",
+    "full_backward",
+    "full_forward",
     "normalise",
     "recomputed_grads",
     "scan_backward",
@@ -375,6 +377,73 @@ def scan_backward(src: BlockSource, shape: ScanShape, tape: Tape, grad_out: Tens
         src.key_grad(P + a, m, fk, dfk, dva)
     d_s = d_state.squeeze(2)  # (B, H_kv, F, Dv + 1): into the initial state Σ φ(k) [v | 1]ᵀ
     for a, m in _block_starts(P, tape.n):
+        fk, va = src.keys(a, m)
+        src.key_grad(a, m, fk, va @ d_s.transpose(-1, -2), fk @ d_s)
+
+
+def full_forward(
+    src: BlockSource,
+    shape: ScanShape,
+    *,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    device: torch.device,
+    eps: float,
+    poison: Callable[[int, int], Tensor | None] | None = None,
+    tape: Tape | None = None,
+) -> Tensor:
+    """Non-causal kernelised attention of ``src``'s features, block by block: one state
+    ``Σ_j φ(k_j) [v_j | 1]ᵀ`` over all key blocks, read by every query block:
+    ``(B, H_kv, G, L, Dv)`` in ``out_dtype``. Arguments as in `scan_forward` (every query sees
+    every key; ``shape.C`` is unused); the tape keeps the state and each row's ``den + eps``."""
+    B, H_kv, G, L, S, Fd, Dv, _ = shape
+    n = shape.block(dtype)
+    state = torch.zeros(B, H_kv, 1, Fd, Dv + 1, dtype=dtype, device=device)
+    for a, m in _block_starts(S, n):
+        fk, va = src.keys(a, m)
+        state = state + (fk.transpose(-1, -2) @ va).unsqueeze(2)
+    if tape is not None:
+        tape.n, tape.Fd, tape.states = n, Fd, [state]
+    grad = torch.is_grad_enabled()
+    result = None if grad else torch.empty(B, H_kv, G, L, Dv, dtype=out_dtype, device=device)
+    outs = []
+    for a, m in _block_starts(L, n):
+        acc = src.queries(a, m) @ state  # (B, H_kv, G, m, Dv + 1)
+        if tape is not None:
+            tape.dens.append(acc[..., Dv:] + eps)
+        out = normalise(acc[..., :Dv], acc[..., Dv:], eps, poison and poison(a, m))
+        if result is None:
+            outs.append(out.to(out_dtype))
+        else:
+            result[:, :, :, a : a + m] = out
+    if result is not None:
+        return result
+    return torch.cat(outs, dim=3) if outs else state.new_zeros(B, H_kv, G, L, Dv, dtype=out_dtype)
+
+
+def full_backward(src: BlockSource, shape: ScanShape, tape: Tape, grad_out: Tensor) -> None:
+    """The backward of `full_forward` from its tape: each query block's features and its
+    numerator (one product with the state) are recomputed; the state's gradient, summed over
+    the query blocks, then goes to every key block.
+
+    Args:
+        src: the features, recomputed block by block. shape: the sizes. tape: the forward's.
+        grad_out: ``(B, H_kv, G, L, Dv)``, the gradient of the output.
+    """
+    L, S, Dv = shape.L, shape.S, shape.Dv
+    (state,) = tape.states
+    d_state = torch.zeros_like(state)  # (B, H_kv, 1, F, Dv + 1)
+    for i, (a, m) in enumerate(_block_starts(L, tape.n)):
+        fq = src.queries(a, m)  # (B, H_kv, G, m, F)
+        den = tape.dens[i]  # (B, H_kv, G, m, 1)
+        zero = den == 0  # the forward divided by 1 there: no gradient into den
+        t = grad_out[:, :, :, a : a + m].to(state.dtype) / torch.where(zero, 1.0, den)
+        g_num = ((fq @ state[..., :Dv]) * t).sum(-1, keepdim=True)  # g · num / den
+        d_acc = torch.cat([t, torch.where(zero, 0.0, -g_num / den)], dim=-1)
+        src.query_grad(a, m, fq, d_acc @ state.transpose(-1, -2))
+        d_state += _sum_groups(fq.transpose(-1, -2) @ d_acc).unsqueeze(2)
+    d_s = d_state.squeeze(2)  # (B, H_kv, F, Dv + 1)
+    for a, m in _block_starts(S, tape.n):
         fk, va = src.keys(a, m)
         src.key_grad(a, m, fk, va @ d_s.transpose(-1, -2), fk @ d_s)
 

@@ -113,16 +113,6 @@ def as_4d(q: Tensor, k: Tensor, v: Tensor, dims: Dims) -> tuple[Tensor, Tensor, 
     return q, k, v
 
 
-def zero_padded_keys(
-    k: Tensor, v: Tensor, key_mask: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Zeroes padded keys/values (``where``: NaN there cannot leak); ``live`` is ``(B|1,1,S,1)``."""
-    if key_mask is None:
-        return k, v, None
-    live = key_mask[:, None, :, None]  # (B|1, 1, S, 1)
-    return torch.where(live, k, 0.0), torch.where(live, v, 0.0), live
-
-
 # ----------------------------------------------------------------------------------------- NaN rule
 
 

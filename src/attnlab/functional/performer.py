@@ -24,9 +24,7 @@ from .linear import (
     check_key_mask,
     check_positive_int,
     clean,
-    kernel_attention,
     nan_rule_poison,
-    zero_padded_keys,
 )
 from .linear_features import finite
 from .reference import compute_dtype_for
@@ -201,30 +199,11 @@ def favor_attention(
         )[:, : dims.D].to(q.device)
     w = projection.to(dtype)
     row, col = nan_rule_poison(q, k, v, causal=causal, key_mask=key_mask)
-    if causal:
-        out = _favor_causal(q, k, v, w, key_mask, row, col, chunk_size, dims.groups)
-        return out.squeeze(1) if dims.three_d else out
-    kc, vc, live = zero_padded_keys(clean(k.to(dtype)), clean(v.to(dtype)), key_mask)
-    # Stabilisers (constants for the autograd graph) cancel in num / den. A query's −‖q'‖²/2
-    # is such a per-query constant too, so it is dropped rather than rounded against W q'.
-    lq = _scaled(clean(q.to(dtype))) @ w.T  # (B, H, L, M)
-    fq = torch.exp(lq - lq.amax(dim=-1, keepdim=True).detach())  # (B, H, L, M)
-    lk = _log_features(kc, w)  # (B, H_kv, S, M)
-    if live is not None:
-        lk = torch.where(live, lk, float("-inf"))  # padded keys: φ = 0
-    if lk.shape[-2] > 0:
-        ck = lk.detach().amax(dim=(-2, -1), keepdim=True)  # (B, H_kv, 1, 1)
-        ck = torch.where(torch.isneginf(ck), 0.0, ck)
-        lk = lk - ck
-    fk = torch.exp(lk)  # (B, H_kv, S, M)
-    fq = fq.unflatten(1, (dims.H_kv, dims.groups))  # (B, H_kv, G, L, M)
-    poison = row + col  # (B, H_kv, G, L, Dv): NaN where the rule says, −0.0 elsewhere
-    out = kernel_attention(fq, fk, vc, eps=0.0, poison=poison)
-    out = out.flatten(1, 2).to(q.dtype)  # (B, H, L, Dv)
+    out = _favor_blocks(q, k, v, w, key_mask, row, col, causal, chunk_size, dims.groups)
     return out.squeeze(1) if dims.three_d else out
 
 
-# ------------------------------------------------------------------------------- causal, blockwise
+# --------------------------------------------------------------------------------------- blockwise
 
 
 class _FavorSource:
@@ -341,14 +320,23 @@ def _favor_shape(q: Tensor, k: Tensor, v: Tensor, M: int, chunk: int, groups: in
     return _ks.ScanShape(B, k.shape[1], groups, L, k.shape[2], M, v.shape[-1], chunk)
 
 
-def _favor_scan(
+#: causal -> the forward and the backward of the blockwise form
+_PASSES = {
+    True: (_ks.scan_forward, _ks.scan_backward),
+    False: (_ks.full_forward, _ks.full_backward),
+}
+
+
+def _favor_pass(
     src: _FavorSource,
     shape: _ks.ScanShape,
+    causal: bool,
     row: Tensor | None,
     col: Tensor | None,
     tape: _ks.Tape | None = None,
 ) -> Tensor:
-    """`kernel_scan.scan_forward` of FAVOR+ features: ``(B, H, L, Dv)`` in q's dtype."""
+    """FAVOR+ of ``src``'s block features, causal (`kernel_scan.scan_forward`) or not
+    (`kernel_scan.full_forward`): ``(B, H, L, Dv)`` in q's dtype."""
     if src.shift is None:
         src.shift = src.key_shift(shape.block(src.w.dtype))
 
@@ -358,7 +346,7 @@ def _favor_scan(
         r = row[:, :, :, a : a + m]  # (B, H_kv, G, m, 1)
         return r + (col[:, :, :, a : a + m] if col.shape[3] > 1 else col)
 
-    out = _ks.scan_forward(
+    out = _PASSES[causal][0](
         src,
         shape,
         dtype=src.w.dtype,
@@ -371,18 +359,19 @@ def _favor_scan(
     return out.flatten(1, 2)  # (B, H, L, Dv)
 
 
-class _FavorCausal(torch.autograd.Function):
-    """Causal FAVOR+ as one autograd node: keeps q, k, v, W, the key shift, a state per block
-    and a denominator per row; the backward recomputes each block's features."""
+class _FavorBlocks(torch.autograd.Function):
+    """FAVOR+ as one autograd node: keeps q, k, v, W, the key shift, the states (one per block
+    causal, one in all otherwise) and a denominator per row; the backward recomputes each
+    block's features."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, key_mask, row, col, chunk_size, groups):  # type: ignore[override]
+    def forward(ctx, q, k, v, w, key_mask, row, col, causal, chunk_size, groups):  # type: ignore[override]
         src = _FavorSource(q, k, v, w, key_mask, groups)
         shape = _favor_shape(q, k, v, w.shape[0], chunk_size, groups)
         tape = _ks.Tape()
-        out = _favor_scan(src, shape, row, col, tape)
+        out = _favor_pass(src, shape, causal, row, col, tape)
         ctx.save_for_backward(q, k, v, w, key_mask, src.shift)
-        ctx.tape, ctx.shape, ctx.groups = tape, shape, groups
+        ctx.tape, ctx.shape, ctx.causal, ctx.groups = tape, shape, causal, groups
         return out
 
     @staticmethod
@@ -392,17 +381,17 @@ class _FavorCausal(torch.autograd.Function):
 
             def run(q: Tensor, k: Tensor, v: Tensor, w: Tensor) -> Tensor:  # poison: a constant
                 src = _FavorSource(q, k, v, w, key_mask, ctx.groups, shift)
-                return _favor_scan(src, ctx.shape, None, None)
+                return _favor_pass(src, ctx.shape, ctx.causal, None, None)
 
-            return (*_ks.recomputed_grads(run, (q, k, v, w), grad_out), *[None] * 5)
+            return (*_ks.recomputed_grads(run, (q, k, v, w), grad_out), *[None] * 6)
         src = _FavorSource(q, k, v, w, key_mask, ctx.groups, shift)
-        src.start_backward(ctx.shape.dead, ctx.needs_input_grad[3])
+        src.start_backward(ctx.shape.dead if ctx.causal else 0, ctx.needs_input_grad[3])
         grad = grad_out.unflatten(1, (ctx.shape.H_kv, ctx.groups))  # (B, H_kv, G, L, Dv)
-        _ks.scan_backward(src, ctx.shape, ctx.tape, grad)
-        return (*src.grads, *[None] * 5)
+        _PASSES[ctx.causal][1](src, ctx.shape, ctx.tape, grad)
+        return (*src.grads, *[None] * 6)
 
 
-def _favor_causal(
+def _favor_blocks(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -410,12 +399,14 @@ def _favor_causal(
     key_mask: Tensor | None,
     row: Tensor,
     col: Tensor,
+    causal: bool,
     chunk_size: int,
     groups: int,
 ) -> Tensor:
-    """Causal FAVOR+ ``(B, H, L, Dv)``: one autograd node (`_FavorCausal`) when a gradient is
-    wanted, the scan alone otherwise."""
+    """FAVOR+ ``(B, H, L, Dv)`` block by block: one autograd node (`_FavorBlocks`) when a
+    gradient is wanted, the blockwise pass alone otherwise."""
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, w)):
-        return _FavorCausal.apply(q, k, v, w, key_mask, row, col, chunk_size, groups)
+        return _FavorBlocks.apply(q, k, v, w, key_mask, row, col, causal, chunk_size, groups)
     src = _FavorSource(q, k, v, w, key_mask, groups)
-    return _favor_scan(src, _favor_shape(q, k, v, w.shape[0], chunk_size, groups), row, col)
+    shape = _favor_shape(q, k, v, w.shape[0], chunk_size, groups)
+    return _favor_pass(src, shape, causal, row, col)
