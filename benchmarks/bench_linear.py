@@ -20,12 +20,14 @@ The machine's fp32 matmul rate is printed first as the physical limit.
 dtype (``--dtypes float32,bfloat16``), ``--clock cpu`` (this process's CPU time; with
 ``--threads 1`` the uncontended time on a shared machine) or wall, min over interleaved rounds,
 with the CPU header (model, AMX, the matmul rate of each dtype) and time(64K)/time(8K);
-``--scaling-method favor_attention`` times causal FAVOR+ (``--features`` random features) instead.
+``--scaling-method favor_attention`` times causal FAVOR+ (``--features`` random features) instead,
+``favor_attention_noncausal`` non-causal FAVOR+.
 
 Run: python benchmarks/bench_linear.py [--lengths 1024,2048,...,65536] [--heads 4] [--repeats 3]
      [--exact-budget 20] [--plot benchmarks/bench_linear.png]
      python benchmarks/bench_linear.py --scaling [--threads 1] [--clock cpu] [--dtypes float32]
-         [--scaling-method linear_attention|favor_attention] [--features 256]
+         [--scaling-method linear_attention|favor_attention|favor_attention_noncausal]
+         [--features 256]
 """
 
 from __future__ import annotations
@@ -271,7 +273,8 @@ def scaling(args: argparse.Namespace) -> None:
     B, H, D = args.batch, args.heads, args.head_dim
     attend = _scaling_method(args)
     print(
-        f"causal {args.scaling_method}, B={B} H={H} D=Dv={D}; {args.clock} clock, min of "
+        f"{args.scaling_method} (causal unless _noncausal), B={B} H={H} D=Dv={D}; "
+        f"{args.clock} clock, min of "
         f"{args.repeats} interleaved rounds after a warm-up; load average (1 min) at start "
         f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs\n"
     )
@@ -315,15 +318,20 @@ def scaling(args: argparse.Namespace) -> None:
 
 
 def _scaling_method(args: argparse.Namespace) -> Callable[..., torch.Tensor]:
-    """The causal call `scaling` times: linear attention (elu) or FAVOR+ with a fixed projection."""
+    """The call `scaling` times (`SCALING_METHODS`); FAVOR+ with a fixed projection."""
     if args.scaling_method == "linear_attention":
         return lambda q, k, v: linear_attention(q, k, v, causal=True)
     W = attnlab.linear.favor_projection(
         args.features, args.head_dim, generator=torch.Generator().manual_seed(0)
     )
+    causal = args.scaling_method == "favor_attention"
     return lambda q, k, v: favor_attention(
-        q, k, v, num_features=args.features, projection=W, causal=True
+        q, k, v, num_features=args.features, projection=W, causal=causal
     )
+
+
+#: ``--scaling-method`` choices: causal linear attention (elu), causal FAVOR+, non-causal FAVOR+
+SCALING_METHODS = ("linear_attention", "favor_attention", "favor_attention_noncausal")
 
 
 def _kept_mb(attend: Callable[..., torch.Tensor], q, k, v) -> str:
@@ -342,7 +350,7 @@ def _kept_mb(attend: Callable[..., torch.Tensor], q, k, v) -> str:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = attend(q, k, v)
     taped, todo, seen = 0, [out.grad_fn], set()
-    while todo:  # the scan's node: `_CausalScan` or FAVOR+'s `_CausalKernel`
+    while todo:  # the node with a tape: `_CausalScan` or FAVOR+'s `_FavorBlocks`
         node = todo.pop()
         if node is None or node in seen:
             continue
@@ -386,9 +394,9 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="--scaling")
     parser.add_argument(
         "--scaling-method",
-        choices=("linear_attention", "favor_attention"),
+        choices=SCALING_METHODS,
         default="linear_attention",
-        help="--scaling: the causal call timed (favor_attention: --features random features)",
+        help="--scaling: the call timed (causal unless _noncausal; FAVOR+: --features features)",
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = parser.parse_args()

@@ -149,10 +149,10 @@ def favor_attention(
     and denominator, so only rounding changes. Computes in float32 (float64 for float64 inputs).
     A row whose kernel weights are all 0 (S = 0, every key padded, underflow) outputs zeros.
     Causal is bottom-right (query i sees keys ``j <= i + S − L``), by chunks as in
-    `linear_attention`, with the features made block by block from q, k, v (`_FavorSource`: no
-    ``(L, M)`` tensor in either pass) and one autograd node whose backward recomputes them from
-    a tape (a state per block, a denominator per row); a projection that requires grad gets its
-    gradient, and higher derivatives come from running the block ops again under autograd.
+    `linear_attention`. Both forms make the features block by block from q, k, v (`_FavorSource`:
+    no ``(L, M)`` tensor in either pass) and are one autograd node whose backward recomputes
+    them from a tape (the states, a denominator per row); a projection that requires grad gets
+    its gradient, and higher derivatives come from running the block ops again under autograd.
     The NaN rule as in `linear_attention`: a non-finite q_i or attended k_j makes row i NaN, an
     attended ``v_j[d]`` column d; padded or causally later keys never reach row i (the key
     stabiliser is taken over the cleaned keys).
