@@ -299,6 +299,61 @@ def scan_block_backward(
     )
 
 
+def _key_state(
+    src: BlockSource, shape: ScanShape, count: int, n: int, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """``Σ φ(k) [v | 1]ᵀ`` of the first ``count`` keys, block by block:
+    ``(B, H_kv, 1, F, Dv + 1)``."""
+    state = torch.zeros(shape.B, shape.H_kv, 1, shape.F, shape.Dv + 1, dtype=dtype, device=device)
+    for a, m in _block_starts(count, n):
+        fk, va = src.keys(a, m)
+        state = state + (fk.transpose(-1, -2) @ va).unsqueeze(2)
+    return state
+
+
+class _Rows:
+    """A pass's output, written block by block: into one tensor without autograd (no block
+    outputs pile up), concatenated through the block ops with it. Each block's accumulator
+    ``[num | den]`` is normalised (plus its poison) and its ``den + eps`` put on the tape."""
+
+    def __init__(
+        self,
+        shape: ScanShape,
+        out_dtype: torch.dtype,
+        device: torch.device,
+        eps: float,
+        poison: Callable[[int, int], Tensor | None] | None,
+        tape: Tape | None,
+    ) -> None:
+        B, H_kv, G, L, Dv = shape.B, shape.H_kv, shape.G, shape.L, shape.Dv
+        self.eps, self.poison, self.tape, self.Dv, self.dtype = eps, poison, tape, Dv, out_dtype
+        self.whole = None
+        if not torch.is_grad_enabled():
+            self.whole = torch.empty(B, H_kv, G, L, Dv, dtype=out_dtype, device=device)
+        self.blocks = [torch.zeros(B, H_kv, G, 0, Dv, dtype=out_dtype, device=device)]
+
+    def zeros(self, m: int) -> None:
+        """The first m rows see no key: zeros."""
+        if self.whole is not None:
+            self.whole[:, :, :, :m].zero_()
+        else:
+            self.blocks.append(self.blocks[0].new_zeros(*self.blocks[0].shape[:3], m, self.Dv))
+
+    def add(self, a: int, acc: Tensor) -> None:
+        """Rows ``[a, a + m)`` from their accumulator ``(B, H_kv, G, m, Dv + 1)``."""
+        num, den = acc[..., : self.Dv], acc[..., self.Dv :]
+        if self.tape is not None:
+            self.tape.dens.append(den + self.eps)
+        out = normalise(num, den, self.eps, self.poison and self.poison(a, acc.shape[3]))
+        if self.whole is not None:
+            self.whole[:, :, :, a : a + acc.shape[3]] = out
+        else:
+            self.blocks.append(out.to(self.dtype))
+
+    def result(self) -> Tensor:
+        return self.whole if self.whole is not None else torch.cat(self.blocks, dim=3)
+
+
 def scan_forward(
     src: BlockSource,
     shape: ScanShape,
@@ -323,34 +378,20 @@ def scan_forward(
             ``[a, a + m)`` added to their output, or None.
         tape: filled with what `scan_backward` needs (states per block, ``den + eps`` per row).
     """
-    B, H_kv, G, L, _, Fd, Dv, _ = shape
     P, dead, T, C = shape.P, shape.dead, shape.T, shape.chunk
     n = shape.block(dtype)
     if tape is not None:
-        tape.n, tape.Fd = n, Fd
-    state = torch.zeros(B, H_kv, 1, Fd, Dv + 1, dtype=dtype, device=device)  # Σ φ(k) [v | 1]ᵀ
-    for a, m in _block_starts(P, n):
-        fk, va = src.keys(a, m)
-        state = state + (fk.transpose(-1, -2) @ va).unsqueeze(2)
-    grad = torch.is_grad_enabled()
-    result = None if grad else torch.empty(B, H_kv, G, L, Dv, dtype=out_dtype, device=device)
-    zeros = torch.zeros(B, H_kv, G, dead, Dv, dtype=out_dtype, device=device)
-    if result is not None:
-        result[:, :, :, :dead] = zeros
-    outs = [zeros]
+        tape.n, tape.Fd = n, shape.F
+    state = _key_state(src, shape, P, n, dtype, device)  # the keys before the first query
+    rows = _Rows(shape, out_dtype, device, eps, poison, tape)
+    rows.zeros(dead)
     for a, m in _block_starts(T, n):
         fq, (fk, va) = src.queries(dead + a, m), src.keys(P + a, m)
         if tape is not None:
             tape.states.append(state)
         acc, state = scan_block(fq, fk, va, state, C)  # (B, H_kv, G, m, Dv + 1)
-        if tape is not None:
-            tape.dens.append(acc[..., Dv:] + eps)
-        out = normalise(acc[..., :Dv], acc[..., Dv:], eps, poison and poison(dead + a, m))
-        if result is None:
-            outs.append(out.to(out_dtype))
-        else:
-            result[:, :, :, dead + a : dead + a + m] = out
-    return result if result is not None else torch.cat(outs, dim=3)
+        rows.add(dead + a, acc)
+    return rows.result()
 
 
 def scan_backward(src: BlockSource, shape: ScanShape, tape: Tape, grad_out: Tensor) -> None:
@@ -396,29 +437,14 @@ def full_forward(
     ``Σ_j φ(k_j) [v_j | 1]ᵀ`` over all key blocks, read by every query block:
     ``(B, H_kv, G, L, Dv)`` in ``out_dtype``. Arguments as in `scan_forward` (every query sees
     every key; ``shape.C`` is unused); the tape keeps the state and each row's ``den + eps``."""
-    B, H_kv, G, L, S, Fd, Dv, _ = shape
     n = shape.block(dtype)
-    state = torch.zeros(B, H_kv, 1, Fd, Dv + 1, dtype=dtype, device=device)
-    for a, m in _block_starts(S, n):
-        fk, va = src.keys(a, m)
-        state = state + (fk.transpose(-1, -2) @ va).unsqueeze(2)
+    state = _key_state(src, shape, shape.S, n, dtype, device)  # every key
     if tape is not None:
-        tape.n, tape.Fd, tape.states = n, Fd, [state]
-    grad = torch.is_grad_enabled()
-    result = None if grad else torch.empty(B, H_kv, G, L, Dv, dtype=out_dtype, device=device)
-    outs = []
-    for a, m in _block_starts(L, n):
-        acc = src.queries(a, m) @ state  # (B, H_kv, G, m, Dv + 1)
-        if tape is not None:
-            tape.dens.append(acc[..., Dv:] + eps)
-        out = normalise(acc[..., :Dv], acc[..., Dv:], eps, poison and poison(a, m))
-        if result is None:
-            outs.append(out.to(out_dtype))
-        else:
-            result[:, :, :, a : a + m] = out
-    if result is not None:
-        return result
-    return torch.cat(outs, dim=3) if outs else state.new_zeros(B, H_kv, G, L, Dv, dtype=out_dtype)
+        tape.n, tape.Fd, tape.states = n, shape.F, [state]
+    rows = _Rows(shape, out_dtype, device, eps, poison, tape)
+    for a, m in _block_starts(shape.L, n):
+        rows.add(a, src.queries(a, m) @ state)  # (B, H_kv, G, m, Dv + 1)
+    return rows.result()
 
 
 def full_backward(src: BlockSource, shape: ScanShape, tape: Tape, grad_out: Tensor) -> None:
