@@ -536,10 +536,12 @@ class _FusedSource:
         v: Tensor,
         key_mask: Tensor | None,
         op: CleanFeature,
+        phi: FeatureMap,
         tape: _ks.Tape,
         groups: int,
     ) -> None:
-        self.q, self.k, self.v, self.key_mask, self.op = q, k, v, key_mask, op
+        self.q, self.k, self.v, self.key_mask, self.op, self.phi = q, k, v, key_mask, op, phi
+        self.Fd = tape.Fd
         self.dtype = compute_dtype_for(q.dtype)
         self.groups, self.n = groups, tape.n
         self.finite = tape.finite  # per key block: prefix blocks first, then aligned ones
@@ -558,10 +560,8 @@ class _FusedSource:
 
     def keys(self, a: int, m: int) -> tuple[Tensor, Tensor]:
         mb = self.key_mask[:, a : a + m] if self.key_mask is not None else None
-        fk = self.op.forward(self.k[:, :, a : a + m], self.dtype)  # (B, H_kv, m, F)
-        if mb is not None:  # padded keys carry no kernel weight
-            fk = torch.where(mb[:, None, :, None], fk, 0.0)
-        return fk, clean_with_ones(self.v[:, :, a : a + m], self.dtype)
+        kb, vb = self.k[:, :, a : a + m], self.v[:, :, a : a + m]
+        return _key_block(self.phi, kb, vb, mb, self.dtype, self.Fd)  # as the forward's
 
     def query_grad(self, a: int, m: int, fq: Tensor, dfq: Tensor) -> None:
         q_fine = self.finite[self._block(self.P + a - self.dead)][0]
@@ -628,7 +628,7 @@ class _CausalScan(torch.autograd.Function):
         B, L = q.shape[0], q.shape[2]
         H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
         shape = _ks.ScanShape(B, H_kv, ctx.groups, L, S, ctx.tape.Fd, Dv, ctx.chunk_size)
-        src = _FusedSource(q, k, v, key_mask, ctx.op, ctx.tape, ctx.groups)
+        src = _FusedSource(q, k, v, key_mask, ctx.op, ctx.phi, ctx.tape, ctx.groups)
         _ks.scan_backward(src, shape, ctx.tape, grad_out.unflatten(1, (H_kv, ctx.groups)))
         return src.dq, src.dk, src.dv, None, None, None, None, None, None
 
