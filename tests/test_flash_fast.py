@@ -231,6 +231,40 @@ def test_known_finite_reads_strided_inputs(ext, dtype) -> None:
     assert not nan_rule.known_finite(torch.empty(2, 3, device="meta", dtype=dtype))
 
 
+#: views the operator reads in place (no contiguous copy): permutations of a dense block as one
+#: span, else rows of contiguous values found from the other dims' strides, long rows in
+#: pieces, short rows in runs
+STRIDED_VIEWS = {
+    "heads-last (HF layout)": lambda b: b.permute(0, 2, 1, 3),
+    "last dim transposed": lambda b: b.transpose(2, 3),
+    "every other value of a row": lambda b: b[..., ::2],  # rows of one value
+    "every third position": lambda b: b[:, :, ::3],
+    "expanded heads": lambda b: b[:, :1].expand(-1, 4, -1, -1),
+    "one head of three": lambda b: b[:, 1:2],  # a size-1 dim inside the rows
+    "rows longer than a piece": lambda b: b.flatten(2)[:, :, 7:-9],  # 19999 of 20015 values
+}
+
+
+@pytest.mark.parametrize("view", list(STRIDED_VIEWS), ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_known_finite_walks_strides(ext, view, dtype) -> None:
+    base = seeded(2, 3, 4003, 5, dtype=dtype, seed=2)
+    make = STRIDED_VIEWS[view]
+    assert not make(base).is_contiguous() and nan_rule.known_finite(make(base))
+    n = base.numel()
+    spots = torch.randperm(n, generator=torch.Generator().manual_seed(3))[:40].tolist()
+    row = 4003 * 5  # a head's values; the last view keeps [7, row - 9) of each
+    for spot in [0, n - 1, 6, 7, row - 10, row - 9, row + 6, row + 7, *spots]:
+        y = base.clone()
+        y.view(-1)[spot] = float("nan")
+        x = make(y)
+        inside = not bool(torch.isfinite(x).all())  # the bad entry is in the view, or not
+        assert nan_rule.known_finite(x) is not inside, spot
+        cleaned, bad = nan_rule.clean_flagged(x)
+        assert bad is inside and (cleaned is x) is not inside
+        assert torch.equal(cleaned, torch.nan_to_num(x, 0.0, 0.0, 0.0))
+
+
 def test_known_finite_without_the_extension(monkeypatch) -> None:
     monkeypatch.setenv(_ext.ENV, "0")
     assert not nan_rule.known_finite(seeded(2, 3, 8, 5, dtype=torch.float32, seed=1))

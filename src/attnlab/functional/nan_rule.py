@@ -116,8 +116,10 @@ def clean_flagged(x: Tensor) -> tuple[Tensor, bool]:
 def known_finite(x: Tensor) -> bool:
     """True when ``x`` is known to hold no NaN/±inf, so the NaN rule's flags may be skipped.
 
-    ``attnlab_flash.clean_copy`` reads ``x`` once and answers with an empty tensor when every
-    entry is finite: the answer is a shape, not a tensor value (no host sync). False whenever
+    ``attnlab_flash.clean_copy`` reads ``x`` once, in place whatever its strides (a block
+    ``x[:, :, a:b]`` of a ``(B, H, L, D)`` tensor, transformers' ``(B, L, H, D)`` transposed),
+    and answers with an empty tensor when every entry is finite: the answer is a shape, not a
+    tensor value (no host sync). False whenever
     the operator cannot run (no compiler, ``ATTNLAB_EXT=0``, under ``torch.compile``, meta and
     non-CPU tensors): the caller then takes the path that handles non-finite entries.
     """
