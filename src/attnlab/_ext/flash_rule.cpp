@@ -89,8 +89,8 @@ bool any_bad(const at::Tensor& x) {
 
 at::Tensor clean_copy(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu(), "attnlab_flash.clean_copy: CPU tensors only");
-  bool bad = false;
   if (x.numel() == 0) return at::empty({0}, x.options());
+  bool bad = false;
   switch (x.scalar_type()) {  // read in place, whatever its strides (no contiguous copy)
     case at::kFloat: bad = any_bad<float>(x); break;
     case at::kDouble: bad = any_bad<double>(x); break;
