@@ -87,7 +87,7 @@ def test_documents_match_reference_fwd_and_grads(dtype, name) -> None:
 
 
 # --------------------------------------------------------------------------- low precision
-@pytest.mark.parametrize("policy", ["native", "widen"])
+@pytest.mark.parametrize("policy", flash_plan.LOW_PRECISION_SETTINGS)
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("name", ["window", "causal", "documents", "bigbird"])
 def test_low_precision_policies_match_reference(monkeypatch, policy, dtype, name) -> None:
@@ -137,11 +137,72 @@ def test_native_policy_runs_the_kernel_in_the_input_dtype(monkeypatch) -> None:
             assert out.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize(
+    "flags, bf16, fp16",
+    [
+        ("avx2 fma", False, False),
+        ("avx512f avx512_bf16", True, False),
+        ("amx_bf16 amx_fp16", True, True),
+    ],
+)
+def test_auto_policy_widens_torchs_kernel_without_native_products(
+    monkeypatch, flags, bf16, fp16
+) -> None:
+    """``auto`` (the default) hands torch's kernel a 16-bit call in its dtype where the CPU
+    multiplies that dtype natively, else widened to float32 in the passes of `SLOW_16_BIT` (its
+    16-bit backward ran BigBird 3-4x slower there): forward and backward of a merge-free BigBird
+    plan, and the values equal the ``native`` run's within the dtype's rounding."""
+    from attnlab.functional.flash import engines
+
+    monkeypatch.setattr(_ext, "cpu_flags", lambda: f"x86_64|cpu|{flags}")
+    _ext.native_products.cache_clear()
+    seen: list[tuple[str, torch.dtype]] = []
+    real_fwd, real_bwd = engines._KERNEL_FWD, engines._KERNEL_BWD
+
+    def spy_fwd(q, *a, **kw):
+        seen.append(("fwd", q.dtype))
+        return real_fwd(q, *a, **kw)
+
+    def spy_bwd(dout, q, *a, **kw):
+        seen.append(("bwd", q.dtype))
+        return real_bwd(dout, q, *a, **kw)
+
+    monkeypatch.setattr(engines, "_KERNEL_FWD", spy_fwd)
+    monkeypatch.setattr(engines, "_KERNEL_BWD", spy_bwd)
+    mask = masks.bigbird(64, 3, 2, 3, seed=2)  # one call per query block: merge-free
+    try:
+        for dtype, native in ((torch.bfloat16, bf16), (torch.float16, fp16)):
+            monkeypatch.delenv(flash_plan.LOW_PRECISION_ENV, raising=False)  # the default
+            for backward in (False, True):
+                slow = (dtype, backward) in engines.SLOW_16_BIT
+                assert engines.kernel_widens(dtype, backward) is (slow and not native)
+            runs = {}
+            for policy in ("auto", "native"):
+                monkeypatch.setenv(flash_plan.LOW_PRECISION_ENV, policy)
+                seen.clear()
+                q, k, v = (x.requires_grad_() for x in qkv(1024, dtype))
+                out = attention(q, k, v, mask=mask, backend="flash")
+                out.backward(torch.ones_like(out))
+                runs[policy] = [out, q.grad, k.grad, v.grad]
+                for p in ("fwd", "bwd"):
+                    slow = (dtype, p == "bwd") in engines.SLOW_16_BIT
+                    wide = policy == "auto" and slow and not native
+                    want = torch.float32 if wide else dtype
+                    assert {d for q_, d in seen if q_ == p} == {want}, (policy, p, seen)
+            for a, b in zip(runs["auto"], runs["native"], strict=True):
+                assert a.dtype == dtype
+                torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        assert not engines.kernel_widens(torch.float32, backward=True)
+    finally:
+        _ext.native_products.cache_clear()
+
+
 def test_bad_low_precision_setting_is_named(monkeypatch) -> None:
     monkeypatch.setenv(flash_plan.LOW_PRECISION_ENV, "fast")
     q, k, v = qkv(16, torch.bfloat16)
     with pytest.raises(
-        ValueError, match=r"ATTNLAB_FLASH_LOWP must be 'native' or 'widen', got 'fast'"
+        ValueError,
+        match=r"ATTNLAB_FLASH_LOWP must be 'auto', 'native' or 'widen', got 'fast'",
     ):
         flash_attention(q, k, v, mask=masks.causal())
 

@@ -30,6 +30,7 @@ Environment:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -89,6 +90,23 @@ def cpu_flags() -> str:
     except OSError:
         pass
     return f"{platform.machine()}|{model}|{flags}"
+
+
+#: CPU flags with native products of a 16-bit dtype (torch's CPU matmul is fast with one).
+NATIVE_FLAGS = {
+    torch.bfloat16: frozenset({"avx512_bf16", "amx_bf16"}),
+    torch.float16: frozenset({"avx512_fp16", "amx_fp16"}),
+}
+
+
+@functools.cache
+def native_products(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` natively (float32/float64 always; bfloat16 and
+    float16 with the flags of `NATIVE_FLAGS`, read from ``/proc/cpuinfo``)."""
+    if dtype not in NATIVE_FLAGS:
+        return True
+    flags = set(cpu_flags().split("|")[-1].split())
+    return bool(flags & NATIVE_FLAGS[dtype])
 
 
 def compiler() -> str | None:
@@ -282,6 +300,7 @@ __all__ = [
     "BUILDING",
     "CACHE_ENV",
     "ENV",
+    "NATIVE_FLAGS",
     "ExtensionUnavailableError",
     "build_key",
     "cache_dir",
@@ -290,5 +309,6 @@ __all__ = [
     "forget",
     "load",
     "mode",
+    "native_products",
     "status",
 ]

@@ -47,6 +47,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from .. import _ext
+from .._ext import NATIVE_FLAGS, native_products
 
 EXT = "gemv"
 ENV = "ATTNLAB_GEMV"
@@ -97,23 +98,6 @@ def widen_setting() -> str:
     if raw not in ("auto", "on", "off"):
         raise ValueError(f"{WIDEN_ENV} must be 'auto', 'on' or 'off', got {raw!r}")
     return raw
-
-
-#: CPU flags with native products of a 16-bit dtype (torch's CPU matmul is fast with one).
-NATIVE_FLAGS = {
-    torch.bfloat16: frozenset({"avx512_bf16", "amx_bf16"}),
-    torch.float16: frozenset({"avx512_fp16", "amx_fp16"}),
-}
-
-
-@functools.cache
-def native_products(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies ``dtype`` natively (float32/float64 always; bfloat16 and
-    float16 with the flags of `NATIVE_FLAGS`, read from ``/proc/cpuinfo``)."""
-    if dtype not in NATIVE_FLAGS:
-        return True
-    flags = set(_ext.cpu_flags().split("|")[-1].split())
-    return bool(flags & NATIVE_FLAGS[dtype])
 
 
 def widens(x: Tensor, weight: Tensor) -> bool:

@@ -22,7 +22,9 @@ How it runs:
    - ``"kernel"``: torch's fused CPU flash kernel
      (``aten._scaled_dot_product_flash_attention_for_cpu``) for float32, float16 and bfloat16
      (float16/bfloat16 plans whose rows each come from one call — bands, causal, packed
-     documents — run it in their own dtype, ``ATTNLAB_FLASH_LOWP=widen`` forces float32; other
+     documents — run it in their own dtype, ``ATTNLAB_FLASH_LOWP=widen`` forces float32, and
+     under the default ``auto`` a call whose 16-bit pass torch's kernel runs slowly on a CPU
+     without native products of the dtype goes to it widened, `engines.kernel_widens`; other
      plans, and band backward, run it in float32 and round once at the end; bfloat16 plans made
      only of band calls on attnlab's band kernel — ALiBi on a causal mask — keep their inputs
      and merge the kernel's float32 partial outputs, rounding once at the end);

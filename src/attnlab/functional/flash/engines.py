@@ -17,11 +17,14 @@ Used by the tiled backend (`functional.flash`) and by ring attention (`attnlab.d
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from ... import _ext
 
 _NEG_INF = float("-inf")
 
@@ -76,6 +79,46 @@ class Residuals:
     lse: Tensor
 
 
+# float16/bfloat16 on merge-free plans (`FlashJob._widen`): "native" runs the kernels in the
+# input dtype (torch's kernel: its low-precision matmuls, float32 statistics; measured 1.3-2x
+# faster than widening on CPUs with bfloat16 products; attnlab's C++ kernels read 16-bit inputs
+# and widen them as they pack them where the CPU has no such products), "widen" runs the plan in
+# float32 and rounds once at the end. "auto" (the default) is "native" except that torch's kernel
+# gets a call widened to float32 (`kernel_widens`: its results rounded once, as native ones) in
+# the passes of `SLOW_16_BIT` on a CPU without native products of the dtype
+# (`_ext.native_products`: AVX512-BF16/AMX for bfloat16, AVX512-FP16/AMX-FP16 for float16).
+# ATTNLAB_FLASH_LOWP overrides this module-level default (tests force every path on any CPU).
+LOW_PRECISION = "auto"
+LOW_PRECISION_ENV = "ATTNLAB_FLASH_LOWP"
+LOW_PRECISION_SETTINGS = ("auto", "native", "widen")
+# (dtype, backward) passes of torch's kernel that are slow in 16 bits without native products.
+# BigBird 64/3/2/3 at L = 16384 (B=1, H=8, D=64, 2 threads) on an AVX2-only AMD EPYC, native /
+# each call widened: float16 forward 0.87 / 0.38 s, fwd+bwd 8.3 / 1.9 s; bfloat16 fwd+bwd 4.7 /
+# 1.7 s, while its forward is faster native (0.27-0.33 / 0.41-0.46 s) and stays so.
+SLOW_16_BIT = frozenset({(torch.float16, False), (torch.float16, True), (torch.bfloat16, True)})
+
+
+def low_precision() -> str:
+    """The low-precision policy: ``$ATTNLAB_FLASH_LOWP`` if set, else `LOW_PRECISION`.
+
+    Raises:
+        ValueError: the variable (or `LOW_PRECISION`) is none of `LOW_PRECISION_SETTINGS`.
+    """
+    raw = os.environ.get(LOW_PRECISION_ENV, "").strip().lower() or LOW_PRECISION
+    if raw not in LOW_PRECISION_SETTINGS:
+        raise ValueError(f"{LOW_PRECISION_ENV} must be 'auto', 'native' or 'widen', got {raw!r}")
+    return raw
+
+
+def kernel_widens(dtype: torch.dtype, backward: bool) -> bool:
+    """Whether torch's kernel runs a ``dtype`` call of this pass in float32 (`kernel_forward`,
+    `kernel_backward`): a pass of `SLOW_16_BIT` under the ``auto`` policy on a CPU without
+    native products of ``dtype``."""
+    if (dtype, backward) not in SLOW_16_BIT:
+        return False
+    return low_precision() == "auto" and not _ext.native_products(dtype)
+
+
 def _ready(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """The kernel reads the last dim with unit stride and wants the mask in the query dtype."""
     if t is None:
@@ -97,6 +140,9 @@ def kernel_forward(q: Tensor, k: Tensor, v: Tensor, logits: Logits) -> tuple[Ten
     """
     if logits.softcap is not None:
         raise ValueError(_NO_CAP)
+    if kernel_widens(q.dtype, backward=False):  # the additive tile is read in float32 too
+        out, lse = kernel_forward(q.float(), k.float(), v.float(), logits)
+        return out.to(q.dtype), lse
     add = _ready(logits.add, q.dtype)
     out, lse = _KERNEL_FWD(q, k, v, 0.0, logits.causal, attn_mask=add, scale=logits.scale)
     return out, lse
@@ -106,6 +152,10 @@ def kernel_backward(res: Residuals, logits: Logits) -> tuple[Tensor, Tensor, Ten
     """``(dq, dk, dv)`` of one call on torch's CPU flash kernel, in the input dtype."""
     if logits.softcap is not None:
         raise ValueError(_NO_CAP)
+    if kernel_widens(res.q.dtype, backward=True):
+        wide = Residuals(*(x.float() for x in (res.dout, res.q, res.k, res.v, res.out)), res.lse)
+        dq, dk, dv = kernel_backward(wide, logits)
+        return dq.to(res.q.dtype), dk.to(res.k.dtype), dv.to(res.v.dtype)
     dq, dk, dv = _KERNEL_BWD(
         res.dout,
         res.q,
@@ -290,6 +340,10 @@ class TorchEngine:
 
 
 __all__ = [
+    "LOW_PRECISION",
+    "LOW_PRECISION_ENV",
+    "LOW_PRECISION_SETTINGS",
+    "SLOW_16_BIT",
     "DsSink",
     "Logits",
     "Residuals",
@@ -297,4 +351,6 @@ __all__ = [
     "acc_dtype",
     "kernel_backward",
     "kernel_forward",
+    "kernel_widens",
+    "low_precision",
 ]

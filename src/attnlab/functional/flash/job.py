@@ -56,8 +56,9 @@ class FlashJob:
         bias_grads: gradients of the ``grad_biases`` tensors, filled by `backward`.
         softcap: logit soft-capping ``softcap·tanh(s / softcap)`` (> 0) applied per tile before
             the additive tile, or None; only the ``"torch"`` engine runs it (`flash_job`).
-        native_low: float16/bfloat16 merge-free plans run the kernel in the input dtype
-            (`_widen`; `plan.low_precision`).
+        native_low: float16/bfloat16 merge-free plans run the kernels in the input dtype
+            (`_widen`; `engines.low_precision` other than ``"widen"``; under ``"auto"`` torch's
+            kernel widens each call where the CPU has no native products: `kernel_widens`).
     """
 
     plan: Plan
@@ -107,7 +108,7 @@ class FlashJob:
 
         Except on the kernel engine without a bias when every output row comes from ONE call of the
         plan (`Plan.merge_free`: bands, causal, packed documents) and the low-precision policy
-        is ``"native"`` (`plan.low_precision`): each row's output is then rounded once either
+        is not ``"widen"`` (`engines.low_precision`): each row's output is then rounded once either
         way, and each call's dK/dV is rounded once before it is added in float32, so the
         kernel runs in the input dtype (its bfloat16/float16 matmuls, float32 statistics).
         Batched band calls widen their ``backward`` anyway (measured faster in float32).

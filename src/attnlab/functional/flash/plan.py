@@ -19,7 +19,14 @@ from ..request import BiasFn, Request, is_relative_bias
 from ..scores import get_score
 from ..tiling import Plan, build_plan
 from . import band_kernel
-from .engines import TorchEngine, acc_dtype
+from .engines import (
+    LOW_PRECISION,
+    LOW_PRECISION_ENV,
+    LOW_PRECISION_SETTINGS,
+    TorchEngine,
+    acc_dtype,
+    low_precision,
+)
 from .job import FlashJob
 from .tiles import TileSource
 
@@ -67,26 +74,6 @@ BLOCK_BIAS = 256
 BLOCK_64 = 2048
 # Key window of a relative bias over a wide band (causal, none): one shared tile per offset.
 RELATIVE_WINDOW = 1024
-# float16/bfloat16 on merge-free plans: "native" runs the kernel in the input dtype (its
-# low-precision matmuls, float32 statistics; measured 1.3-2x faster than widening), "widen"
-# runs it in float32 and rounds once at the end (`FlashJob._widen`). The environment variable
-# ATTNLAB_FLASH_LOWP overrides this module-level default (tests force both paths on any CPU).
-LOW_PRECISION = "native"
-LOW_PRECISION_ENV = "ATTNLAB_FLASH_LOWP"
-
-
-def low_precision() -> str:
-    """``"native"`` or ``"widen"``: ``$ATTNLAB_FLASH_LOWP`` if set, else `LOW_PRECISION`.
-
-    Raises:
-        ValueError: the variable (or `LOW_PRECISION`) is neither.
-    """
-    raw = os.environ.get(LOW_PRECISION_ENV, "").strip().lower() or LOW_PRECISION
-    if raw not in ("native", "widen"):
-        raise ValueError(f"{LOW_PRECISION_ENV} must be 'native' or 'widen', got {raw!r}")
-    return raw
-
-
 # Plans cached per (shape, mask structure): see `cached_plan`.
 PLAN_CACHE_SIZE = 64
 PLAN_CACHE_ENV = "ATTNLAB_FLASH_PLAN_CACHE"
@@ -310,7 +297,7 @@ def flash_job(
         chunks,
         bwd_plan=bwd_plan,
         softcap=req.softcap,
-        native_low=low_precision() == "native",
+        native_low=low_precision() != "widen",
     )
 
 
@@ -347,6 +334,7 @@ __all__ = [
     "BLOCK_Q",
     "LOW_PRECISION",
     "LOW_PRECISION_ENV",
+    "LOW_PRECISION_SETTINGS",
     "NATURAL_TILE",
     "PLAN_CACHE_SIZE",
     "RELATIVE_WINDOW",
