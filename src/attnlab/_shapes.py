@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def static_int(x: int) -> int:
+    """``x`` as a Python int, also while ``torch.compile(dynamic=True)`` traces.
+
+    Dynamo then sees sizes and every int attribute (a mask's window, a block size) as symbolic;
+    `operator.index` specialises one (a guard: another value recompiles), for the places that
+    need a constant: plan and band tests, `Mask.spec` strings, a kernel's int arguments.
+    """
+    return operator.index(x)
+
+
+def static_bool(b: bool) -> bool:
+    """``b`` as a Python bool, also while ``torch.compile(dynamic=True)`` traces (``L == S`` of
+    symbolic sizes is a SymBool, which torch's kernels do not take): the branch makes dynamo guard
+    on the answer."""
+    return True if b else False  # noqa: SIM210 - a branch, not bool(): it specialises a SymBool
 
 
 @dataclass(frozen=True)

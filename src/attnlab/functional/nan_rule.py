@@ -294,9 +294,17 @@ def first_nonfinite(x: Tensor, block: int = 16) -> Tensor:
 
 
 def _first_true(x: Tensor, dim: int) -> Tensor:
-    """Index of the first True along ``dim``, or its size when there is none (int64)."""
-    found, idx = torch.max(x, dim=dim)
-    return torch.where(found, idx, x.shape[dim])
+    """Index of the first True along ``dim``, or its size when there is none (int64).
+
+    ``min_j (j if x_j else n)``: one integer reduction. (``torch.max`` of a bool tensor with its
+    index is what one would write, but Inductor's C++ code for it does not compile when the
+    reduction leaves a vector tail, torch 2.13: ``tests/test_inductor.py`` keeps the reproducer.)
+    """
+    n = x.shape[dim]
+    shape = [1] * x.dim()
+    shape[dim] = n
+    pos = torch.arange(n, device=x.device).view(shape)
+    return torch.where(x, pos, n).amin(dim=dim)
 
 
 def poison_prefix(

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .._index import index_grid
-from .._shapes import Dims, check_index_fn_output
+from .._shapes import Dims, check_index_fn_output, static_bool
 from ..masks import CausalMask, Mask, PaddingMask
 
 BiasFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -98,7 +98,7 @@ class Request:
     @property
     def is_plain_causal(self) -> bool:
         """A bare `causal()` mask with L == S, where bottom-right equals top-left alignment."""
-        return isinstance(self.mask, CausalMask) and self.dims.L == self.dims.S
+        return isinstance(self.mask, CausalMask) and static_bool(self.dims.L == self.dims.S)
 
 
 def _index_grid(B: int, H: int, L: int, S: int, device: torch.device) -> tuple[Tensor, ...]:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._shapes import static_bool
 from ..masks import Mask
 from . import nan_rule
 from .reference import keep_mask
@@ -40,9 +41,9 @@ def _kernel(req: Request, q: Tensor, k: Tensor, v: Tensor, attn_mask, is_causal:
         v,
         attn_mask=attn_mask,
         dropout_p=req.dropout_p,
-        is_causal=is_causal,
+        is_causal=static_bool(is_causal),
         scale=req.scale / req.temperature,
-        enable_gqa=req.dims.H_kv != req.dims.H,
+        enable_gqa=static_bool(req.dims.H_kv != req.dims.H),
     )
 
 

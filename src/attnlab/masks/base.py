@@ -178,6 +178,8 @@ class Mask:
         `attnlab.masks.from_spec` rebuilds an equal mask from the pair; compiled code passes
         masks this way into custom operators (the string is a constant of the graph, the tensors
         are inputs). Masks given by an arbitrary function (`from_fn`) return None.
+        Integer settings go through `static_int`, so the string is a constant under
+        ``torch.compile(dynamic=True)`` too.
         """
         return None
 

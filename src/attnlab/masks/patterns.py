@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .._shapes import static_int
 from .base import Mask, _check_lengths
 from .blocks import (
     EMPTY,
@@ -114,7 +115,7 @@ class SlidingWindowMask(Mask):
         return (d >= -reach) & (d <= (0 if self.causal else reach))
 
     def band(self):
-        w = self.window
+        w = static_int(self.window)
         return (float(-(w - 1)), 0.0 if self.causal else float(w - 1))
 
     def key_interval(self, L, S, *, device=None):
@@ -140,7 +141,7 @@ class SlidingWindowMask(Mask):
         return f"sliding_window({self.window}, causal={self.causal})"
 
     def spec(self):
-        return f"window:{self.window}:{int(self.causal)}", []
+        return f"window:{static_int(self.window)}:{int(self.causal)}", []
 
 
 class PaddingMask(Mask):
@@ -191,7 +192,7 @@ class PaddingMask(Mask):
 
     def spec(self):
         if self.py_lengths is not None:
-            return "padding:" + ",".join(str(n) for n in self.py_lengths), []
+            return "padding:" + ",".join(str(static_int(n)) for n in self.py_lengths), []
         return "padding", [self.lengths]
 
 
@@ -225,7 +226,7 @@ class StridedMask(Mask):
         return f"strided({self.stride}, causal={self.causal})"
 
     def spec(self):
-        return f"strided:{self.stride}:{int(self.causal)}", []
+        return f"strided:{static_int(self.stride)}:{int(self.causal)}", []
 
 
 class GlobalLocalMask(Mask):
@@ -287,7 +288,7 @@ class GlobalLocalMask(Mask):
         return f"global_local({self.window}, global_tokens={_short_list(self.global_idx)})"
 
     def spec(self):
-        return f"global_local:{self.window}", [self.global_idx]
+        return f"global_local:{static_int(self.window)}", [self.global_idx]
 
 
 class BigBirdMask(Mask):
@@ -347,7 +348,7 @@ class BigBirdMask(Mask):
         return keep
 
     def natural_block(self) -> int:
-        return self.block_size
+        return static_int(self.block_size)
 
     def _mod(self, b, h, p, j, S):
         block = _cap(self.block_size)
@@ -393,8 +394,8 @@ class BigBirdMask(Mask):
     def spec(self):
         b = self
         return (
-            f"bigbird:{b.block_size}:{b.window_blocks}:{b.global_blocks}:{b.random_blocks}:"
-            f"{b.seed}",
+            f"bigbird:{static_int(b.block_size)}:{static_int(b.window_blocks)}:"
+            f"{static_int(b.global_blocks)}:{static_int(b.random_blocks)}:{static_int(b.seed)}",
             [],
         )
 

@@ -141,7 +141,8 @@ def flash_bwd(
 
 @flash_bwd.register_fake
 def _(dout, dlse, q, k, v, out, lse, mask_tensors, float_mask, bias, mask_spec, scale, softcap):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous whatever the inputs' layout, as the real kernel returns them
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -198,7 +199,7 @@ def flash_rule(
     )
     job = flash_job(req)
     row_bad, bad = poison_entries(req, job.plan, job.source, lse)
-    return row_bad.clone(), bad.contiguous()
+    return row_bad.clone(memory_format=torch.contiguous_format), bad.contiguous()
 
 
 @flash_rule.register_fake

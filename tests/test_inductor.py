@@ -1,0 +1,420 @@
+"""Inductor — what ``torch.compile(model)`` gives users — on `attnlab.attention` and the modules.
+
+Every compile here uses the default backend (Inductor: C++ code generated and built for this
+CPU) with ``fullgraph=True``, forward and backward, and checks the compiled result against the
+float64 reference under the tolerance rule (`attnlab.testing`), as eager is checked.
+
+The default run compiles a representative slice: the two failures users met (issue #37:
+`MultiHeadAttention` with a causal mask, the flash backward of fused-QKV views), the README's
+MHA + RoPE + GQA example, one row per backend and dtype, dynamic lengths, and `opcheck` of the
+custom operators on strided inputs. ``-m slow`` runs the grid: every mask × every backend, with
+dtype, layout (contiguous, fused-QKV views, transposed ``(B, L, H, D)``) and ``dynamic`` varied
+so that every pair of values of any two factors is compiled at least once (`pairwise_rows`).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from torch._dynamo.utils import counters
+
+import attnlab
+from attnlab import masks
+from attnlab.functional import reference
+from attnlab.functional.flash import ops
+from attnlab.positional import ALiBi, T5RelativeBias
+from attnlab.testing import check_against_reference, mean_factor_for, reference_for
+
+B, L, H, D = 2, 193, 4, 32  # L: two flash tiles and a tail; odd, as the tolerance rule asks
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    dynamo.reset()
+    counters.clear()
+    yield
+    dynamo.reset()
+
+
+# ----------------------------------------------------------------------------- the cases
+
+
+torch.manual_seed(0)
+ALIBI, T5 = ALiBi(H), T5RelativeBias(H)  # one instance each: a new module would recompile
+
+
+def _case(name: str, n: int = L) -> dict:
+    """``attention`` keyword arguments of one mask/bias case at length ``n``."""
+    lengths = torch.tensor([n - 43, n])
+    ids = torch.arange(n) * 3 // n  # three packed documents
+    dense = torch.rand(1, 1, n, n, generator=torch.Generator().manual_seed(3)) > 0.3
+    return {
+        "none": {},
+        "causal": {"mask": masks.causal()},
+        "sliding_window": {"mask": masks.sliding_window(48)},
+        "document": {"mask": masks.causal() & masks.document(ids)},
+        "bigbird": {"mask": masks.bigbird(16, 3, 1, 1)},
+        "strided": {"mask": masks.strided(16)},
+        "global_local": {"mask": masks.global_local(16, 4)},
+        "padding": {"mask": masks.padding(lengths)},
+        "and": {"mask": masks.causal() & masks.sliding_window(64) & masks.padding(lengths)},
+        "or": {"mask": masks.sliding_window(16) | masks.global_local(4, 2)},
+        "bool_tensor": {"mask": dense},
+        "alibi": {"mask": masks.causal(), "bias": ALIBI},
+        "t5": {"bias": T5},
+        "softcap": {"mask": masks.causal(), "softcap": 20.0},
+        "gqa": {"mask": masks.causal()},
+        "lse": {"mask": masks.sliding_window(48), "return_lse": True},
+    }[name]
+
+
+MASKS = (
+    "none",
+    "causal",
+    "sliding_window",
+    "document",
+    "bigbird",
+    "strided",
+    "global_local",
+    "padding",
+    "and",
+    "or",
+    "bool_tensor",
+    "alibi",
+    "t5",
+    "softcap",
+    "gqa",
+    "lse",
+)
+BACKENDS = ("auto", "flash", "sdpa")
+DTYPES = ("float32", "bfloat16")
+LAYOUTS = ("contiguous", "fused_qkv", "blhd")
+DYNAMIC = (False, True)
+
+#: Masks whose pattern is drawn per number of blocks (BigBird's random blocks): a length with
+#: another block count is another mask, compiled once more; lengths with the same count are not.
+PER_BLOCK_COUNT = {"bigbird"}
+
+#: (case, backend) pairs refused with a ValueError naming why (tested below), as
+#: ``(eager's words or None where eager runs it, the compiled call's words)``: sdpa has no
+#: soft-capping and no log-sum-exp; flash computes no gradient for a bias function with learned
+#: values (T5), and under compile takes bias tensors, not bias functions (its custom operators
+#: receive tensors and the mask's structure string) — ``backend="auto"`` runs those on sdpa.
+FN_BIAS = "under torch.compile flash takes bias tensors, not bias functions"
+REFUSED = {
+    ("softcap", "sdpa"): ("no logit soft-capping",) * 2,
+    ("lse", "sdpa"): ("log-sum-exp",) * 2,
+    ("alibi", "flash"): (None, FN_BIAS),
+    ("t5", "flash"): ("no gradient for a bias function", FN_BIAS),
+}
+
+
+def _kv_heads(name: str) -> int:
+    return 2 if name == "gqa" else H
+
+
+def _split(layout: str, xs: tuple, h_kv: int) -> tuple:
+    """``(q, k, v)`` in ``(B, ·, n, D)`` from a layout's inputs (views, as a model makes them)."""
+    if layout == "contiguous":
+        return xs
+    if layout == "fused_qkv":  # one projection (B, n, (H + 2 H_kv) D), split and transposed
+        q, k, v = xs[0].split([H * D, h_kv * D, h_kv * D], dim=-1)
+        return tuple(t.unflatten(-1, (-1, D)).transpose(1, 2) for t in (q, k, v))
+    return tuple(t.transpose(1, 2) for t in xs)  # transformers' (B, n, H, D)
+
+
+def _inputs(layout: str, dtype: torch.dtype, h_kv: int, n: int = L) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    if layout == "fused_qkv":
+        return [torch.randn(B, n, (H + 2 * h_kv) * D, generator=g).to(dtype)]
+    shape = (lambda h: (B, h, n, D)) if layout == "contiguous" else (lambda h: (B, n, h, D))
+    return [torch.randn(shape(h), generator=g).to(dtype) for h in (H, h_kv, h_kv)]
+
+
+def _rule(compiled, name: str, backend: str, dt: torch.dtype, layout: str, n: int, grads: bool):
+    """Checks ``compiled(xs, kw)`` at length ``n`` against the float64 reference."""
+    kw, h_kv = _case(name, n), _kv_heads(name)
+    kw.pop("return_lse", None)
+    ref = reference_for(kw.get("mask"), kw.get("bias"), softcap=kw.get("softcap"))
+
+    def ref_fn(*xs, compute_dtype, reorder):
+        return ref(*_split(layout, xs, h_kv), compute_dtype=compute_dtype, reorder=reorder)
+
+    check_against_reference(
+        lambda *xs: compiled(xs, kw),
+        ref_fn,
+        _inputs(layout, dt, h_kv, n),
+        grads=grads,
+        mean_factor=mean_factor_for(backend, dt),
+    )
+
+
+def check_row(name: str, backend: str, dtype: str, layout: str, dynamic: bool) -> None:
+    """Compiles one grid row with Inductor and checks it against the float64 reference.
+
+    Forward and the gradient of every input; with ``return_lse`` the compiled lse too; with
+    ``dynamic=True`` a second length (new mask tensors of that length) runs on the same graph,
+    as torch's own SDPA does (`test_dynamic_lengths_compile_once_like_sdpa`).
+    """
+    h_kv, lse = _kv_heads(name), "return_lse" in _case(name)
+    dt = getattr(torch, dtype)
+
+    def fn(xs, kw):
+        q, k, v = _split(layout, xs, h_kv)
+        out = attnlab.attention(q, k, v, backend=backend, return_lse=lse, **kw)
+        return out[0] if lse else out
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+    _rule(compiled, name, backend, dt, layout, L, grads=True)
+    if lse:
+        kw = _case(name)
+        xs = _inputs(layout, dt, h_kv)
+        got = torch.compile(
+            lambda xs, kw: attnlab.attention(*_split(layout, xs, h_kv), backend=backend, **kw)[1],
+            fullgraph=True,
+            dynamic=dynamic,
+        )(xs, kw)
+        q, k, _ = _split(layout, [x.double() for x in xs], h_kv)
+        want = reference.logsumexp(q, k, mask=kw["mask"].to_dense(L, L), scale=D**-0.5)
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    if dynamic:  # two more lengths, both with 9 blocks of 16 (L has 13)
+        for n, new_graphs in ((L - 50, int(name in PER_BLOCK_COUNT)), (L - 53, 0)):
+            graphs = counters["stats"]["unique_graphs"]
+            _rule(compiled, name, backend, dt, layout, n, grads=False)
+            got = counters["stats"]["unique_graphs"] - graphs
+            assert got == new_graphs, f"{name}: length {n} compiled {got} new graphs"
+
+
+def pairwise_rows() -> list[tuple[str, str, str, str, bool]]:
+    """Grid rows covering every (mask, backend) pair that eager runs, and every pair of values of
+    any two factors at least once (greedy pairwise covering, deterministic)."""
+    factors = (MASKS, BACKENDS, DTYPES, LAYOUTS, DYNAMIC)
+
+    def pairs(row):
+        return {(a, row[a], b, row[b]) for a, b in itertools.combinations(range(len(row)), 2)}
+
+    def allowed(row):
+        return (row[0], row[1]) not in REFUSED
+
+    todo = set().union(*(pairs(r) for r in itertools.product(*factors) if allowed(r)))
+    rows = []
+    for m, b in itertools.product(MASKS, BACKENDS):
+        if (m, b) in REFUSED:
+            continue
+        best = max(
+            itertools.product(DTYPES, LAYOUTS, DYNAMIC),
+            key=lambda rest, m=m, b=b: len(pairs((m, b, *rest)) & todo),
+        )
+        rows.append((m, b, *best))
+        todo -= pairs(rows[-1])
+    while todo:  # pairs of the last three factors left over
+        row = max(
+            (r for r in itertools.product(*factors) if allowed(r)),
+            key=lambda r: len(pairs(r) & todo),
+        )
+        rows.append(row)
+        todo -= pairs(row)
+    return rows
+
+
+GRID = pairwise_rows()
+
+
+def test_grid_covers_every_pair():
+    covered = set()
+    for row in GRID:
+        covered |= {(a, row[a], b, row[b]) for a, b in itertools.combinations(range(5), 2)}
+    for a, b in itertools.combinations(range(5), 2):
+        f = (MASKS, BACKENDS, DTYPES, LAYOUTS, DYNAMIC)
+        for x, y in itertools.product(f[a], f[b]):
+            if (a, b) == (0, 1) and (x, y) in REFUSED:
+                continue
+            assert (a, x, b, y) in covered, (a, x, b, y)
+    assert len(GRID) < 70  # pairwise, not the 1,728-row product
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", GRID, ids=lambda r: "-".join(map(str, r)))
+def test_grid(row):
+    check_row(*row)
+
+
+# -------------------------------------------------------------- the default (fast) slice
+
+FAST = [
+    ("causal", "auto", "float32", "contiguous", False),
+    ("and", "flash", "float32", "fused_qkv", False),  # issue #37's flash_bwd fake-stride row
+    ("document", "sdpa", "bfloat16", "blhd", False),
+    ("bigbird", "auto", "bfloat16", "fused_qkv", True),
+    ("lse", "flash", "float32", "blhd", True),
+    ("alibi", "auto", "float32", "contiguous", False),
+]
+
+
+@pytest.mark.parametrize("row", FAST, ids=lambda r: "-".join(map(str, r)))
+def test_fast_slice(row):
+    check_row(*row)
+
+
+@pytest.mark.parametrize(("name", "backend"), sorted(REFUSED))
+def test_refusals_name_why(name, backend):
+    """The grid leaves these pairs out because they are refused with a reason, not silently."""
+    kw = _case(name)
+    q, k, v = _inputs("contiguous", torch.float32, H)
+    eager, compiled = REFUSED[(name, backend)]
+    if eager is None:
+        assert attnlab.attention(q, k, v, backend=backend, **kw).isfinite().all()
+    else:
+        with pytest.raises(ValueError, match=eager):
+            attnlab.attention(q, k, v, backend=backend, **kw)
+    with pytest.raises(Exception, match=compiled):
+        torch.compile(
+            lambda q, k, v: attnlab.attention(q, k, v, backend=backend, **kw), fullgraph=True
+        )(q, k, v)
+
+
+def test_dynamic_lengths_compile_once_like_sdpa():
+    """Three lengths on ``dynamic=True``: attnlab (padding lengths and document ids of each
+    length as graph inputs) compiles as many graphs as torch's SDPA with its dense mask."""
+
+    def graphs(fn, make) -> int:
+        dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+        for n in (L, L - 50, L - 53):
+            compiled(*make(n))
+        return counters["stats"]["unique_graphs"]
+
+    def qkv(n):
+        return _inputs("contiguous", torch.float32, H, n)
+
+    def sdpa(q, k, v, m):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    def ours(q, k, v, m):
+        return attnlab.attention(q, k, v, mask=m, backend="flash")
+
+    def dense(n):
+        return (*qkv(n), _case("and", n)["mask"].to_dense(n, n))
+
+    anchor = graphs(sdpa, dense)
+    assert anchor == 1
+    assert graphs(ours, lambda n: (*qkv(n), _case("and", n)["mask"])) == anchor
+    assert graphs(ours, lambda n: (*qkv(n), _case("document", n)["mask"])) == anchor
+
+
+# ------------------------------------------------------------ the rows users reported (#37)
+
+
+def _mha_check(mha, x, mask, *, grad: bool) -> None:
+    """Compiled `MultiHeadAttention` equals eager: output, and the input's and weights' grads."""
+    compiled = torch.compile(mha, fullgraph=True)
+    if not grad:
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, mask=mask), mha(x, mask=mask))
+        return
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    outs = [compiled(xs[0], mask=mask), mha(xs[1], mask=mask)]
+    grads = []
+    for out, xi in zip(outs, xs, strict=True):
+        mha.zero_grad()
+        out.square().sum().backward()
+        grads.append([xi.grad, *(p.grad.clone() for p in mha.parameters())])
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-5)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_mha_causal_compiles_under_no_grad():
+    """Row 1: Inductor's C++ for ``torch.max`` of a bool tensor did not compile (NaN rule)."""
+    torch.manual_seed(0)
+    mha = attnlab.MultiHeadAttention(256, 4).eval()
+    _mha_check(mha, torch.randn(2, 128, 256), masks.causal(), grad=False)
+
+
+def test_mha_rope_gqa_forward_backward():
+    """The README's MultiHeadAttention with RoPE and grouped-query heads, trained compiled."""
+    torch.manual_seed(0)
+    mha = attnlab.MultiHeadAttention(128, 8, num_kv_heads=2, rope=attnlab.RoPE(16))
+    _mha_check(mha, torch.randn(2, 97, 128), masks.causal(), grad=True)
+
+
+@pytest.mark.parametrize("kind", ["window", "padding"])
+def test_mha_long_masks_run_flash_compiled(kind):
+    """Row 2: at L = 1024 auto picks flash; its backward under Inductor (fake-kernel strides)."""
+    torch.manual_seed(0)
+    mha = attnlab.MultiHeadAttention(64, 4)
+    x = torch.randn(2, 1024, 64)
+    mask = (
+        masks.sliding_window(64) if kind == "window" else masks.padding(torch.tensor([700, 1024]))
+    )
+    assert attnlab.explain(*(torch.randn(2, 4, 1024, 16),) * 3, mask=mask).startswith("flash")
+    _mha_check(mha, x, mask, grad=True)
+
+
+# ------------------------------------------------------------ custom operators and torch bugs
+
+
+def _strided_qkv(dtype=torch.float32, n=150, h_kv=2):
+    """q, k, v as views of one fused projection (non-contiguous, gaps between heads)."""
+    x = torch.randn(B, n, (H + 2 * h_kv) * D, dtype=dtype)
+    return _split("fused_qkv", (x,), h_kv)
+
+
+@pytest.mark.parametrize(
+    "mask", [masks.sliding_window(48) & masks.padding([120, 150]), None], ids=["window", "none"]
+)
+def test_custom_ops_opcheck_on_strided_inputs(mask):
+    """`torch.library.opcheck`: schema, fake kernels (their strides equal the real kernel's for
+    any input layout), autograd registration and AOT dispatch, on fused-QKV views."""
+    q, k, v = (t.detach().requires_grad_(True) for t in _strided_qkv())
+    spec, tensors = ("", []) if mask is None else mask.spec()
+    fwd = (q, k, v, tensors, None, None, spec, D**-0.5, None)
+    torch.library.opcheck(ops.flash_fwd, fwd)
+    out, lse = ops.flash_fwd(*fwd)
+    dout = torch.randn_like(out)
+    bwd = (dout, None, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach())
+    torch.library.opcheck(ops.flash_bwd, (*bwd, tensors, None, None, spec, D**-0.5, None))
+    torch.library.opcheck(ops.flash_rule, (q, k, v, lse.detach(), tensors, None, None, spec))
+
+
+def test_fake_kernels_return_the_real_strides():
+    """The failing row itself, without opcheck: each op's fake output strides equal its real
+    output's for transposed ``(B, L, H, D)`` inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = (t.contiguous().transpose(1, 2) for t in _strided_qkv())
+    spec, tensors = masks.causal().spec()
+    fwd = (q, k, v, tensors, None, None, spec, D**-0.5, None)
+    out, lse = ops.flash_fwd(*fwd)
+    real = [
+        (out, lse),
+        ops.flash_bwd(out, None, q, k, v, out, lse, tensors, None, None, spec, 0.2, None),
+        ops.flash_rule(q, k, v, lse, tensors, None, None, spec),
+    ]
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fq, fk, fv, fo, fl = (mode.from_tensor(t) for t in (q, k, v, out, lse))
+        fake = [
+            ops.flash_fwd(fq, fk, fv, [], None, None, spec, D**-0.5, None),
+            ops.flash_bwd(fo, None, fq, fk, fv, fo, fl, [], None, None, spec, 0.2, None),
+            ops.flash_rule(fq, fk, fv, fl, [], None, None, spec),
+        ]
+    for r, f in zip(real, fake, strict=True):
+        assert [t.stride() for t in r] == [t.stride() for t in f]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch 2.13 Inductor: C++ for torch.max(bool, dim) with a vector tail does not "
+    "compile (max_masked_reduce overload); attnlab's NaN rule uses amin instead",
+)
+def test_torch_bug_inductor_bool_max_reduction():
+    """Stand-alone reproducer of the Inductor bug attnlab routes around (`nan_rule._first_true`).
+    When torch fixes it this test passes, strict xfail fails, and the note can go."""
+    x = torch.randn(2, 128, 4)
+    x[0, 5, 1] = float("nan")
+    found, idx = torch.compile(lambda x: torch.max(~torch.isfinite(x), dim=1), fullgraph=True)(x)
+    assert found[0, 1] and idx[0, 1] == 5 and not found[1].any()
