@@ -146,6 +146,8 @@ def test_every_command_has_its_own_module():
     sub = next(a for a in parser._actions if a.dest == "command")
     assert list(sub.choices) == [
         "check",
+        "build",
+        "info",
         "estimate",
         "advise",
         "experiment",

@@ -33,7 +33,7 @@ NAN, INF = float("nan"), float("inf")
 @pytest.fixture(scope="module")
 def ext() -> None:
     """Builds (first run on a machine: about a minute) or loads the operators, else skips."""
-    if _ext.mode() == "off" or not _ext.load("nan_rule", wait=True):
+    if _ext.mode() == "off" or not _ext.load("nan_rule"):
         pytest.skip(f"C++ extension unavailable: {_ext.status('nan_rule')}")
 
 
@@ -294,38 +294,6 @@ def test_not_used_with_autograd_compile_or_meta() -> None:
         assert nan_rule.ext_ready(x) == (_ext.mode() != "off" and _ext.load("nan_rule"))
 
 
-def test_auto_mode_builds_in_the_background(tmp_path, monkeypatch) -> None:
-    """With nothing cached, the first `load` in auto mode returns False at once and builds in a
-    daemon thread (the PyTorch path runs meanwhile); ``wait=True`` then returns the result."""
-    import threading
-    import time
-
-    started = threading.Event()
-    release = threading.Event()
-
-    def slow_build(name, source, target):
-        started.set()
-        release.wait(10)
-        raise RuntimeError("stand-in compiler failed")
-
-    monkeypatch.delenv(_ext.ENV, raising=False)
-    monkeypatch.setenv(_ext.CACHE_ENV, str(tmp_path))
-    monkeypatch.setenv("CXX", sys.executable)  # "a compiler exists" (never run: _build is replaced)
-    monkeypatch.setattr(_ext, "_build", slow_build)
-    monkeypatch.setattr(_ext, "_build_detached", lambda name: None)  # then _load_now builds
-    name = "nan_rule"
-    monkeypatch.setitem(_ext._STATE, name, None)
-    _ext._STATE.pop(name)
-    t0 = time.perf_counter()
-    assert _ext.load(name) is False  # returns at once
-    assert time.perf_counter() - t0 < 5 and started.wait(10)
-    assert _ext.status(name) == _ext.BUILDING and _ext.load(name) is False
-    release.set()
-    assert _ext.load(name, wait=True) is False
-    assert "stand-in compiler failed" in str(_ext.status(name))
-    assert len(list(tmp_path.glob("*.failed"))) == 1  # remembered for the next process
-
-
 def test_off_mode_never_loads(monkeypatch) -> None:
     monkeypatch.setenv(_ext.ENV, "0")
     assert _ext.mode() == "off"
@@ -372,7 +340,7 @@ print("band status:", _ext.status("band_attn"))
 
 def test_no_compiler_falls_back(tmp_path) -> None:
     """With the compiler hidden and an empty cache, attention runs on the PyTorch path (same
-    NaN rule) in a fresh process, and nothing is built."""
+    NaN rule) in a fresh process, nothing is built, and ONE stderr line says so."""
     env = {"CXX": str(tmp_path / "no-such-c++"), _ext.CACHE_ENV: str(tmp_path / "cache")}
     r = _run_python(FALLBACK_CHECK, env)
     assert r.returncode == 0, r.stderr
@@ -380,11 +348,14 @@ def test_no_compiler_falls_back(tmp_path) -> None:
     # windows and documents ran on torch's kernel
     assert "band status: RuntimeError: no C++ compiler found" in r.stdout
     assert not list((tmp_path / "cache").glob("*.so"))
+    said = [line for line in r.stderr.splitlines() if line.startswith("attnlab:")]
+    assert len(said) == 1 and "no C++ compiler found" in said[0], r.stderr
+    assert "pure-PyTorch engines run" in said[0]
 
 
 def test_python_m_attnlab_ext_reports_each_extension(tmp_path) -> None:
-    """``python -m attnlab._ext`` (the detached builder): one line per extension, exit 1 when one
-    is unavailable (here: no compiler, so nothing is built or remembered)."""
+    """``python -m attnlab._ext`` (``attnlab build``'s loop): one line per kernel, exit 1 when
+    one is unavailable (here: no compiler, so nothing is built or remembered)."""
     env = {
         **os.environ,
         "PYTHONPATH": SRC,
@@ -398,7 +369,10 @@ def test_python_m_attnlab_ext_reports_each_extension(tmp_path) -> None:
         text=True,
         timeout=120,
     )
-    assert r.returncode == 1 and r.stdout.startswith("nan_rule: RuntimeError: no C++ compiler")
+    lines = r.stdout.splitlines()
+    assert r.returncode == 1 and lines[0].startswith("attnlab build: 1 C++ kernel(s)"), r.stdout
+    assert lines[1].split()[:2] == ["nan_rule", "FAILED"] and "no C++ compiler" in lines[1]
+    assert lines[2].startswith("attnlab build: 0 of 1 kernel(s) ready")
     assert not list(tmp_path.iterdir())
 
 
@@ -407,7 +381,7 @@ def test_no_compiler_reason_and_require(tmp_path, monkeypatch) -> None:
     builds), and ATTNLAB_EXT=require turns the reason into ExtensionUnavailableError."""
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     monkeypatch.setenv(_ext.CACHE_ENV, str(tmp_path))
-    why = _ext._load_now("nan_rule")
+    why = _ext._decide("nan_rule")
     assert isinstance(why, str) and "no C++ compiler found" in why
     assert not list(tmp_path.iterdir())
     monkeypatch.setenv(_ext.ENV, "require")
@@ -421,9 +395,9 @@ def test_failed_build_is_remembered(tmp_path, monkeypatch) -> None:
     retry the build (and falls back), until the note is deleted or the key changes."""
     monkeypatch.setenv("CXX", "/bin/false")
     monkeypatch.setenv(_ext.CACHE_ENV, str(tmp_path))
-    why = _ext._load_now("nan_rule")
+    why = _ext._decide("nan_rule")
     assert why is not True
     notes = list(tmp_path.glob("*.failed"))
     assert len(notes) == 1 and not list(tmp_path.glob("*.so"))
-    again = _ext._load_now("nan_rule")
+    again = _ext._decide("nan_rule")
     assert isinstance(again, str) and again.startswith("an earlier build failed")

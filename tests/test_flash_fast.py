@@ -257,7 +257,7 @@ def test_plan_cache_is_bounded(monkeypatch) -> None:
 # --------------------------------------------------------------------------- cleaning scan
 @pytest.fixture
 def ext():
-    if _ext.mode() == "off" or not _ext.load("flash_rule", wait=True):
+    if _ext.mode() == "off" or not _ext.load("flash_rule"):
         pytest.skip(f"C++ extension unavailable: {_ext.status('flash_rule')}")
 
 
@@ -446,7 +446,7 @@ def test_a_mask_made_of_blocks_tiles_by_its_own_block(monkeypatch) -> None:
 @pytest.fixture
 def band_ext(monkeypatch):
     """The C++ band kernel, built and selected (whatever ATTNLAB_FLASH_BAND_ENGINE says)."""
-    if _ext.mode() == "off" or not _ext.load(band_kernel.EXT, wait=True):
+    if _ext.mode() == "off" or not _ext.load(band_kernel.EXT):
         pytest.skip(f"C++ extension unavailable: {_ext.status(band_kernel.EXT)}")
     monkeypatch.setenv(band_kernel.ENGINE_ENV, "auto")
 
@@ -774,7 +774,7 @@ def test_band_kernel_not_for_meta_float64_or_bad_setting(monkeypatch) -> None:
     named."""
     assert not band_kernel.ready(torch.empty(1, 2, 8, 4, device="meta"))
     assert not band_kernel.ready(torch.empty(1, 2, 8, 4, dtype=torch.float64))
-    if _ext.mode() != "off" and _ext.load(band_kernel.EXT, wait=True):
+    if _ext.mode() != "off" and _ext.load(band_kernel.EXT):
         for engine in ("auto", "widen"):
             monkeypatch.setenv(band_kernel.ENGINE_ENV, engine)
             odd_ok = not band_kernel.pairs(torch.bfloat16)

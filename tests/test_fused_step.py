@@ -25,7 +25,7 @@ from attnlab.testing import assert_close_rule
 def ext() -> None:
     """The C++ operators, built or loaded (first run on a machine: about a minute), else skip."""
     for name in ("nan_rule", "gemv", fused_step.EXT):
-        if _ext.mode() == "off" or not _ext.load(name, wait=True):
+        if _ext.mode() == "off" or not _ext.load(name):
             pytest.skip(f"C++ extension unavailable: {_ext.status(name)}")
 
 

@@ -22,7 +22,7 @@ from attnlab.modules import StreamLinear
 @pytest.fixture
 def kernel(monkeypatch):
     """The extension built and selected; skipped where this CPU has no kernel for a dtype."""
-    if _ext.mode() == "off" or not _ext.load(gemv.EXT, wait=True):
+    if _ext.mode() == "off" or not _ext.load(gemv.EXT):
         pytest.skip(f"C++ extension unavailable: {_ext.status(gemv.EXT)}")
     monkeypatch.setenv(gemv.ENV, "auto")
 

@@ -290,7 +290,7 @@ def test_rotate_at_insert_equals_the_pre_rope_cache_bit_for_bit(monkeypatch, ext
     values, so every output is bit-equal — prefill, decode steps, caller-given positions, and
     the decode backend's fused step (≥ 512 keys) with and without the C++ operators (which
     also rotate the new keys: ``attnlab_nan::rope_rows``)."""
-    if ext == "require" and (_ext.mode() == "off" or not _ext.load("nan_rule", wait=True)):
+    if ext == "require" and (_ext.mode() == "off" or not _ext.load("nan_rule")):
         pytest.skip(f"C++ extension unavailable: {_ext.status('nan_rule')}")
     monkeypatch.setenv("ATTNLAB_EXT", ext)
     mha = _mha(torch.float32, num_kv_heads=2, rope=RoPE(8, interleaved=interleaved))

@@ -83,7 +83,7 @@ def test_decode_step_ready_agrees_with_select(backend) -> None:
     `select` gives the decode backend to the same request and its C++ step can run: over
     sizes around auto's 512-key threshold and the logits bound, L up to 9, empty calls, dtypes,
     dropout, and inputs that require grad (with and without grad mode)."""
-    ext_on = _ext.mode() != "off" and _ext.load("nan_rule", wait=True)
+    ext_on = _ext.mode() != "off" and _ext.load("nan_rule")
     cases = 0
     for S, L, B, dtype, p, grad, mode in itertools.product(
         (0, 1, 511, 512, 4096, 1 << 20),
@@ -127,7 +127,7 @@ def test_project_views_match_split_then_view() -> None:
 @pytest.fixture(scope="module")
 def ext() -> None:
     """The C++ operators, built or loaded (first run on a machine: about a minute), else skip."""
-    if _ext.mode() == "off" or not _ext.load("nan_rule", wait=True):
+    if _ext.mode() == "off" or not _ext.load("nan_rule"):
         pytest.skip(f"C++ extension unavailable: {_ext.status('nan_rule')}")
 
 

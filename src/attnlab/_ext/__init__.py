@@ -1,38 +1,51 @@
-"""Just-in-time C++ operators: built once per machine on first use, never required.
+"""attnlab's C++ kernels: built by an explicit step (or on first need), chosen once per process.
 
-A C++ source next to this file (``<name>.cpp``) registers ``torch.ops`` operators with
-``TORCH_LIBRARY``. `load` builds it with `torch.utils.cpp_extension.load` the first time a caller
-asks for it, keeps the shared library in a cache directory, and loads it into the process. The
-first build on a machine takes tens of seconds, so by default it runs in a separate process
-(``python -m attnlab._ext NAME``, in its own session: it finishes even if the caller exits first),
-watched by a background thread, and nobody waits for it: until it is done `load` answers False
-and the callers run their PyTorch path (``load(name, wait=True)`` and ``ATTNLAB_EXT=require``
-wait for it); every
-caller keeps a pure-PyTorch fallback that computes the same values, used whenever `load` returns
-False (no compiler, a failed build, ``ATTNLAB_EXT=0``, under ``torch.compile``, meta tensors).
+Each C++ source next to this file (``<name>.cpp``, `KERNELS`) registers ``torch.ops`` operators
+with ``TORCH_LIBRARY``. They are compiled for the CPU at hand (``-march=native``) against the
+installed torch, so they are not built when attnlab is installed but by ``attnlab build`` (the
+README's set-up: one line per kernel with its time), and kept in a cache directory.
+
+`load` answers, once per process and kernel, whether the kernel's operators are available; every
+caller keeps a pure-PyTorch path that computes the same values, used whenever it answers False:
+
+- a library built earlier on this machine is loaded at once (milliseconds);
+- an unbuilt kernel is built by the call that needs it — only that kernel, synchronously, in the
+  calling thread, under a file lock in the cache directory (a second process waits for the first
+  one's build, then loads its library: a kernel is never built twice) — with one line on stderr:
+  ``attnlab: building C++ kernel 'band_attn' for this CPU (once per machine, 10–40 s)… done in
+  11.2 s``;
+- with no compiler, with ``ATTNLAB_EXT=off``, or after a failed build, one line on stderr says so
+  (once per process) and the callers run their pure-PyTorch paths.
+
+No thread is started and no answer changes inside a running process: the engine of every call
+is the one `attnlab.explain` names (it reports, and never builds: `reporting`). Only
+``ATTNLAB_EXT`` is read on every call (``off`` then answers False whatever was loaded: the
+suite switches it to compare both paths; set it before the process starts). Callers never load
+under ``torch.compile`` or for meta tensors (they check first).
 
 The cache entry is keyed on everything the binary depends on — the source text, the compiler
-flags, torch's and Python's versions, the architecture and **the CPU's feature flags** (it is
-built with ``-march=native``), so a library built on one CPU (say, with AMX) is never loaded on
-another: a different CPU builds its own. Builds run in a private temporary directory and the
-finished library is moved into the cache atomically, so concurrent processes never see a partial
-file and no lock can be left behind. A failed build is remembered (a ``.failed`` file holding the
-compiler's message) and not retried until the key changes or the file is deleted.
+flags, torch's and Python's versions, the compiler, the architecture and **the CPU's feature
+flags** (it is built with ``-march=native``), so a library built on one CPU (say, with AMX) is
+never loaded on another: a different CPU builds its own. A build compiles in a private temporary
+directory and moves the finished library into the cache atomically, so no process ever sees a
+partial file; the lock is an OS file lock (released when its process dies, so none is left
+behind). A failed build is remembered (a ``.failed`` file holding the compiler's message) and
+not retried by `load` until the key changes or the file is deleted (``attnlab build`` retries).
 
 Environment:
-    ``ATTNLAB_EXT``: unset/``auto`` — load on first use, or build in the background (the
-    PyTorch paths run meanwhile); fall back silently on failure (one logged warning);
-    ``0``/``off`` — never load (the pure-PyTorch paths run);
+    ``ATTNLAB_EXT``: unset/``auto`` — load, or build on first need; fall back (one line) on
+    failure; ``0``/``off`` — never load (the pure-PyTorch paths run; one line says so);
     ``require`` — raise `ExtensionUnavailableError` instead of falling back (tests, benchmarks).
     ``ATTNLAB_EXT_CACHE``: the cache directory (default ``$XDG_CACHE_HOME/attnlab/ext`` or
-    ``~/.cache/attnlab/ext``). ``CXX``: the compiler (default ``c++``).
+    ``~/.cache/attnlab/ext``). ``ATTNLAB_EXT_QUIET``: ``1`` silences the one-line notices.
+    ``CXX``: the compiler (default ``c++``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
-import logging
 import os
 import platform
 import re
@@ -40,26 +53,36 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
 ENV = "ATTNLAB_EXT"
 CACHE_ENV = "ATTNLAB_EXT_CACHE"
+QUIET_ENV = "ATTNLAB_EXT_QUIET"
 CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
 
 _HERE = Path(__file__).resolve().parent
-_LOCK = threading.Lock()
-_STATE: dict[str, bool | str] = {}  # name -> True (loaded) or why not
-_THREADS: dict[str, threading.Thread] = {}  # name -> its background build
-BUILDING = "building in the background"
+#: The kernels, one per ``_ext/<name>.cpp``.
+KERNELS: tuple[str, ...] = tuple(sorted(p.stem for p in _HERE.glob("*.cpp")))
+#: What one build takes (measured: 7–14 s each on a 2-core AMD EPYC, more on slower machines).
+BUILD_TIME = "10–40 s"
 STALE_SECONDS = 3600  # a build directory older than this was left by a killed process
-_log = logging.getLogger("attnlab.ext")
+LOCK_TIMEOUT = 900.0  # seconds to wait for another process's build before giving up
+
+_LOCK = threading.RLock()  # one decision at a time in this process (a build holds it)
+_STATE: dict[str, bool | str] = {}  # name -> True (loaded) or why not; set once per process
+_SAID: set[str] = set()  # the once-per-process notices already printed
+_REPORTING: ContextVar[dict[str, bool] | None] = ContextVar("attnlab_ext_reporting", default=None)
 
 
 class ExtensionUnavailableError(RuntimeError):
-    """``ATTNLAB_EXT=require`` and an extension could not be built or loaded."""
+    """``ATTNLAB_EXT=require`` and a kernel could not be built or loaded."""
 
 
 def mode() -> str:
@@ -109,6 +132,18 @@ def native_products(dtype: torch.dtype) -> bool:
     return bool(flags & NATIVE_FLAGS[dtype])
 
 
+def isa_path() -> str:
+    """The vector path the kernels compile to on this CPU (``-march=native``): ``"AVX-512"``
+    (``__AVX512F__``), ``"AVX2"`` (AVX2 and FMA, no AVX-512: the 8-lane loops), or
+    ``"portable C++"`` (anything else, e.g. ARM: what the compiler vectorises itself)."""
+    flags = set(cpu_flags().split("|")[-1].split())
+    if "avx512f" in flags:
+        return "AVX-512"
+    if {"avx2", "fma"} <= flags:
+        return "AVX2"
+    return "portable C++"
+
+
 def compiler() -> str | None:
     """The C++ compiler's path (``$CXX`` or ``c++`` on PATH), or None when there is none."""
     return shutil.which(os.environ.get("CXX", "c++"))
@@ -137,13 +172,67 @@ def cache_dir() -> Path:
     return Path(base) / "attnlab" / "ext"
 
 
+_LOCAL_INCLUDE = re.compile(r'^#include "(\w+\.h)"[ \t]*$', re.MULTILINE)
+
+
+def source_text(name: str) -> str:
+    """``_ext/<name>.cpp`` with each ``#include "x.h"`` of a header next to it pasted in (the
+    build compiles one file in a private directory, and the cache key covers the headers)."""
+    source = (_HERE / f"{name}.cpp").read_text(encoding="utf-8")
+    return _LOCAL_INCLUDE.sub(lambda m: (_HERE / m.group(1)).read_text(encoding="utf-8"), source)
+
+
+def _target(name: str) -> tuple[str, Path]:
+    source = source_text(name)
+    return source, cache_dir() / f"attnlab_{name}_{build_key(name, source)}.so"
+
+
+def library_path(name: str) -> Path:
+    """Where kernel ``name``'s library for this CPU, torch and source is (or would be) cached.
+
+    Raises:
+        ValueError: ``name`` is not one of `KERNELS`.
+    """
+    _check_name(name)
+    return _target(name)[1]
+
+
+def _check_name(name: str) -> None:
+    if name not in KERNELS:
+        raise ValueError(f"unknown C++ kernel {name!r} (choose from {', '.join(KERNELS)})")
+
+
+# ------------------------------------------------------------------------------------- notices
+def _quiet() -> bool:
+    return os.environ.get(QUIET_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _say(text: str, *, end: str = "\n") -> None:
+    """Writes ``text`` to stderr (unless ``ATTNLAB_EXT_QUIET``), flushed at once."""
+    if not _quiet():
+        sys.stderr.write(text + end)
+        sys.stderr.flush()
+
+
+def _say_once(key: str, text: str) -> None:
+    """`_say` the first time ``key`` comes up in this process."""
+    if key not in _SAID:
+        _SAID.add(key)
+        _say(text)
+
+
+def _one_line(text: object, limit: int = 240) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+# -------------------------------------------------------------------------------------- build
 def _build(name: str, source: str, target: Path) -> None:
     """Compiles ``source`` in a private directory and moves the library to ``target``."""
     from torch.utils import cpp_extension
 
     if compiler() is None:
         raise RuntimeError(f"no C++ compiler found (CXX={os.environ.get('CXX', 'c++')!r})")
-    target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(target.parent, name)
     with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=target.parent) as tmp:
         src = Path(tmp) / f"{name}.cpp"
@@ -162,8 +251,6 @@ def _build(name: str, source: str, target: Path) -> None:
 
 def _remove_stale(directory: Path, name: str) -> None:
     """Deletes build directories that a killed process left behind (older than an hour)."""
-    import time
-
     for d in directory.glob(f"{name}-*"):
         try:
             if d.is_dir() and time.time() - d.stat().st_mtime > STALE_SECONDS:
@@ -172,113 +259,233 @@ def _remove_stale(directory: Path, name: str) -> None:
             pass
 
 
-_LOCAL_INCLUDE = re.compile(r'^#include "(\w+\.h)"[ \t]*$', re.MULTILINE)
+def _failed_note(target: Path) -> str | None:
+    """The reason an earlier build of ``target`` failed, or None if none is remembered."""
+    failed = target.with_suffix(".failed")
+    try:
+        text = failed.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    return f"an earlier build failed ({failed}): {_one_line(text, 300)}"
 
 
-def source_text(name: str) -> str:
-    """``_ext/<name>.cpp`` with each ``#include "x.h"`` of a header next to it pasted in (the
-    build compiles one file in a private directory, and the cache key covers the headers)."""
-    source = (_HERE / f"{name}.cpp").read_text(encoding="utf-8")
-    return _LOCAL_INCLUDE.sub(lambda m: (_HERE / m.group(1)).read_text(encoding="utf-8"), source)
+def _build_locked(
+    name: str,
+    source: str,
+    target: Path,
+    *,
+    force: bool = False,
+    line: Callable[[str], None] | None = None,
+) -> str:
+    """Builds ``target`` unless it exists, holding the cache's file lock for ``name``'s key.
 
-
-def _target(name: str) -> tuple[str, Path]:
-    source = source_text(name)
-    return source, cache_dir() / f"attnlab_{name}_{build_key(name, source)}.so"
-
-
-def load(name: str, *, wait: bool | None = None) -> bool:
-    """Makes the operators of ``_ext/<name>.cpp`` available; False if they are not (yet).
-
-    A library built earlier on this machine loads at once (milliseconds). Otherwise the first
-    call starts the build: in a background daemon thread (``wait=False``, the default in "auto"
-    mode: this call and the calls during the build answer False and their callers use PyTorch),
-    or in this call (``wait=True``, the default with ``ATTNLAB_EXT=require``). The answer is
-    remembered for the process.
+    Another process building the same key holds the lock: this one waits, then finds the
+    library (or the other build's ``.failed`` note, raised). ``line(text)`` receives the start of
+    the progress line (the caller ends it). Returns ``"built"`` or ``"found"`` (built by another
+    process while this one waited).
 
     Raises:
-        ExtensionUnavailableError: only with ``ATTNLAB_EXT=require``, when the build or load failed.
+        RuntimeError: the build failed (the compiler's message, also left in ``.failed``), or
+            an earlier build of this key failed (without ``force``).
+        TimeoutError: the other process's build did not end within `LOCK_TIMEOUT` seconds.
+    """
+    from filelock import FileLock, Timeout  # torch's own dependency
+
+    show = line or (lambda text: None)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(target.with_suffix(".lock")))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        show(f"waiting for another process building C++ kernel {name!r}…")
+        try:
+            lock.acquire(timeout=LOCK_TIMEOUT)
+        except Timeout:
+            raise TimeoutError(
+                f"another process held the build lock of {name!r} for {LOCK_TIMEOUT:.0f} s "
+                f"({target.with_suffix('.lock')})"
+            ) from None
+    try:
+        failed = target.with_suffix(".failed")
+        if target.exists() and not force:
+            return "found"
+        if not force:
+            earlier = _failed_note(target)
+            if earlier is not None:
+                raise RuntimeError(earlier)
+        show(f"building C++ kernel {name!r} for this CPU (once per machine, {BUILD_TIME})…")
+        try:
+            _build(name, source, target)
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
+            if compiler() is not None:  # a real failure: remember it for this key
+                failed.write_text(why, encoding="utf-8")
+            raise RuntimeError(why) from None
+        failed.unlink(missing_ok=True)
+        return "built"
+    finally:
+        lock.release()
+
+
+def _load_library(name: str, target: Path) -> None:
+    """Loads a cached library into this process (its ``TORCH_LIBRARY`` registers the ops)."""
+    torch.ops.load_library(str(target))
+
+
+# --------------------------------------------------------------------------------------- load
+def load(name: str) -> bool:
+    """Makes the operators of ``_ext/<name>.cpp`` available; False if they are not.
+
+    Decided on the first call in this process and never changed: a cached library loads at once;
+    an unbuilt kernel is built now, in this call (see the module docstring: one stderr line,
+    a file lock against concurrent builds); no compiler, ``ATTNLAB_EXT=off`` or a failed build
+    answer False (one stderr line per process). Inside `reporting` nothing is built.
+
+    Raises:
+        ExtensionUnavailableError: only with ``ATTNLAB_EXT=require``, when the kernel could not
+            be built or loaded.
     """
     how = mode()
     if how == "off":
+        if "off" not in _SAID:
+            _say_once(
+                "off",
+                f"attnlab: {ENV}={os.environ.get(ENV)}: attnlab's C++ kernels are off, the "
+                "pure-PyTorch engines run in this process",
+            )
+        asked = _REPORTING.get()
+        if asked is not None:
+            asked.setdefault(name, False)
         return False
-    if wait is None:
-        wait = how == "require"
     state = _STATE.get(name)
+    asked = _REPORTING.get()
     if state is None:
+        if asked is not None and _needs_build(name):
+            asked.setdefault(name, False)
+            return False
         with _LOCK:
             state = _STATE.get(name)
             if state is None:
-                state = _STATE[name] = _start(name, wait)
-    if state == BUILDING and wait:
-        thread = _THREADS.get(name)
-        if thread is not None:
-            thread.join()
-        state = _STATE.get(name)
+                state = _STATE[name] = _decide(name)
+    if asked is not None:
+        asked.setdefault(name, state is True)
     if state is not True and how == "require":
-        raise ExtensionUnavailableError(f"attnlab C++ extension {name!r} is unavailable: {state}")
+        raise ExtensionUnavailableError(f"attnlab C++ kernel {name!r} is unavailable: {state}")
     return state is True
 
 
-def _build_detached(name: str) -> None:
-    """Builds ``name`` in ``python -m attnlab._ext`` in its own session, so the build finishes
-    (and the library lands in the cache) even if this process exits first."""
-    import subprocess
-
-    path = os.pathsep.join(p for p in (str(_HERE.parent.parent), os.environ.get("PYTHONPATH")) if p)
-    subprocess.run(
-        [sys.executable, "-m", "attnlab._ext", name],
-        env={**os.environ, "PYTHONPATH": path},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        check=False,
-    )
-
-
-def _start(name: str, wait: bool) -> bool | str:
-    """Loads a cached library now, or builds: now (``wait``) or in a background thread."""
+def _needs_build(name: str) -> bool:
+    """Whether `load` would build ``name`` now (no cached library, no failure note, a compiler)."""
     try:
         _, target = _target(name)
-        quick = wait or target.exists() or target.with_suffix(".failed").exists()
-    except Exception:  # the reason is recorded by `_load_now`
-        quick = True
-    if quick or compiler() is None:
-        return _load_now(name)
-
-    def build() -> None:
-        _build_detached(name)
-        _STATE[name] = _load_now(name)  # the library it left, or its ``.failed`` note
-
-    thread = threading.Thread(target=build, name=f"attnlab-ext-{name}", daemon=True)
-    _THREADS[name] = thread
-    thread.start()
-    return BUILDING
+    except Exception:  # `_decide` records the reason
+        return False
+    return not target.exists() and _failed_note(target) is None and compiler() is not None
 
 
-def _load_now(name: str) -> bool | str:
+def _decide(name: str) -> bool | str:
+    """This process's answer for ``name``: True once loaded, else why not (said on stderr)."""
     try:
         source, target = _target(name)
-        failed = target.with_suffix(".failed")
         if not target.exists():
-            if failed.exists():
-                return f"an earlier build failed ({failed}): {failed.read_text()[:300]}"
-            try:
-                _build(name, source, target)
-            except Exception as e:
-                why = f"{type(e).__name__}: {e}"
-                if compiler() is not None:  # a real failure: remember it for this key
-                    failed.parent.mkdir(parents=True, exist_ok=True)
-                    failed.write_text(why, encoding="utf-8")
-                _log.warning("attnlab: C++ extension %r not built, using PyTorch: %s", name, why)
-                return why
-        torch.ops.load_library(str(target))
+            earlier = _failed_note(target)
+            if earlier is not None:
+                _say_once(
+                    f"failed:{name}",
+                    f"attnlab: C++ kernel {name!r} is not used in this process, the pure-PyTorch "
+                    f"engine runs: {_one_line(earlier)} (retry: `attnlab build {name}`)",
+                )
+                return earlier
+            cxx = compiler()
+            if cxx is None:
+                why = f"no C++ compiler found (CXX={os.environ.get('CXX', 'c++')!r})"
+                _say_once(
+                    "no-compiler",
+                    f"attnlab: {why}: attnlab's C++ kernels that are not built are off in this "
+                    "process, the pure-PyTorch engines run (install one and run `attnlab build`)",
+                )
+                return f"RuntimeError: {why}"
+            _build_announced(name, source, target)
+        _load_library(name, target)
     except Exception as e:
-        why = f"{type(e).__name__}: {e}"
-        _log.warning("attnlab: C++ extension %r not loaded, using PyTorch: %s", name, why)
+        why = f"{type(e).__name__}: {e}" if not isinstance(e, _ReportedError) else str(e)
+        if not isinstance(e, _ReportedError):
+            _say(
+                f"attnlab: C++ kernel {name!r} not loaded, the pure-PyTorch engine runs in this "
+                f"process: {_one_line(why)}"
+            )
         return why
     return True
+
+
+class _ReportedError(RuntimeError):
+    """A failure whose one line was already printed (`_build_announced`)."""
+
+
+def _build_announced(name: str, source: str, target: Path) -> None:
+    """`_build_locked` with its one progress line on stderr: ``attnlab: building … done in
+    12.3 s`` (or ``… failed after 3.1 s: REASON``)."""
+    t0 = time.perf_counter()
+    started: list[str] = []
+
+    def line(text: str) -> None:
+        _say((" " if started else "attnlab: ") + text, end="")
+        started.append(text)
+
+    try:
+        _build_locked(name, source, target, line=line)
+    except Exception as e:
+        dt = time.perf_counter() - t0
+        why = f"{type(e).__name__}: {e}" if not isinstance(e, RuntimeError) else str(e)
+        prefix = " " if started else "attnlab: "
+        _say(
+            f"{prefix}C++ kernel {name!r} failed after {dt:.1f} s, the pure-PyTorch engine runs "
+            f"in this process: {_one_line(why)}"
+        )
+        raise _ReportedError(why) from None
+    if started:
+        _say(f" done in {time.perf_counter() - t0:.1f} s")
+
+
+@contextlib.contextmanager
+def reporting() -> Iterator[dict[str, bool]]:
+    """Inside, `load` never builds: an unbuilt kernel answers False for now (not recorded: a
+    later `load` outside builds it). Cached libraries are loaded as by any call. Yields the
+    kernels `load` was asked about inside, each with its answer (False for an unbuilt one);
+    `attnlab.explain` runs inside and reports them with `describe_kernels`."""
+    asked: dict[str, bool] = {}
+    token = _REPORTING.set(asked)
+    try:
+        yield asked
+    finally:
+        _REPORTING.reset(token)
+
+
+def describe_kernels(names: dict[str, bool] | list[str] | tuple[str, ...]) -> str:
+    """One clause on the kernels ``names`` for `attnlab.explain`: the vector path they are built
+    for, which are loaded, built, not built yet (the first call that needs one builds it) or
+    unavailable and why (`state`)."""
+    if not names:
+        return "no attnlab C++ kernel is involved"
+    groups: dict[str, list[str]] = {}
+    reasons: list[str] = []
+    for name in names:
+        phrase = state(name)
+        head = phrase.split(":", 1)[0]
+        groups.setdefault(head, []).append(name)
+        if head.startswith("unavailable"):
+            reasons.append(f"{name}: {phrase.split(':', 1)[1].strip()}")
+    parts = [f"{' and '.join(ns)} {head}" for head, ns in groups.items()]
+    text = f"attnlab's C++ kernels ({isa_path()} path): {', '.join(parts)}"
+    if "not built yet" in groups:
+        text += (
+            " — so this describes the call without them; the first call that needs one builds "
+            f"it, in that call ({BUILD_TIME} each, once per machine), and runs on it from then "
+            "on (`attnlab build` builds them ahead)"
+        )
+    if reasons:
+        text += f" ({'; '.join(reasons)})"
+    return text
 
 
 def status(name: str) -> bool | str | None:
@@ -286,29 +493,136 @@ def status(name: str) -> bool | str | None:
     return _STATE.get(name)
 
 
+def state(name: str) -> str:
+    """One phrase on kernel ``name`` for `attnlab.explain` and ``attnlab info``, without building
+    or loading anything: ``"loaded"``, ``"built (not loaded yet)"``, ``"not built yet: …"``,
+    ``"off (ATTNLAB_EXT=0)"``, ``"unavailable: REASON"``."""
+    answer = _STATE.get(name)
+    if answer is True:
+        return "loaded"
+    if mode() == "off":
+        return f"off ({ENV}={os.environ.get(ENV)})"
+    if isinstance(answer, str):
+        return f"unavailable in this process: {_one_line(answer, 160)}"
+    try:
+        _, target = _target(name)
+    except Exception as e:
+        return f"unavailable: {type(e).__name__}: {_one_line(e, 160)}"
+    if target.exists():
+        return "built (not loaded yet)"
+    earlier = _failed_note(target)
+    if earlier is not None:
+        return f"unavailable: {_one_line(earlier, 160)}"
+    if compiler() is None:
+        return f"unavailable: not built and no C++ compiler (CXX={os.environ.get('CXX', 'c++')!r})"
+    return (
+        f"not built yet: the first call that needs it builds it ({BUILD_TIME}, once per "
+        "machine), or run `attnlab build`"
+    )
+
+
 def forget(name: str) -> None:
-    """Forgets this process's answer for ``name`` (tests; an already loaded library stays)."""
-    with _LOCK:
-        thread = _THREADS.pop(name, None)
-    if thread is not None:
-        thread.join()
+    """Forgets this process's answer for ``name`` (tests only; a loaded library stays loaded)."""
     with _LOCK:
         _STATE.pop(name, None)
 
 
+# ------------------------------------------------------------------------------ explicit build
+def build_kernels(
+    names: list[str] | tuple[str, ...] | None = None,
+    *,
+    force: bool = False,
+    out: TextIO | None = None,
+) -> list[tuple[str, str]]:
+    """Builds kernels now (default: all of `KERNELS`), one progress line each with its time.
+
+    A kernel already built for this CPU and torch is loaded to check it (``--force`` rebuilds
+    it); a failure note left by an earlier build is retried. The total time ends the output.
+
+    Args:
+        names: kernel names, each one of `KERNELS`.
+        force: rebuild kernels that are already built.
+        out: where the lines go (default stdout).
+
+    Returns:
+        ``[(name, why)]`` of the kernels that failed (empty when every one is ready).
+
+    Raises:
+        ValueError: an unknown kernel name (before anything is built).
+    """
+    out = sys.stdout if out is None else out
+    chosen = list(KERNELS if not names else dict.fromkeys(names))
+    for name in chosen:
+        _check_name(name)
+    cxx = compiler()
+    model = cpu_flags().split("|")[1] or platform.machine()
+    print(
+        f"attnlab build: {len(chosen)} C++ kernel(s) for {model} ({isa_path()}), torch "
+        f"{torch.__version__}, compiler {cxx or 'none'}, into {cache_dir()}",
+        file=out,
+        flush=True,
+    )
+    if mode() == "off":
+        print(f"  note: {ENV}={os.environ.get(ENV)}: processes will not load them", file=out)
+    width = max(len(n) for n in chosen)
+    failures: list[tuple[str, str]] = []
+    total = time.perf_counter()
+    for name in chosen:
+        t0 = time.perf_counter()
+        print(f"  {name:<{width}}  ", end="", file=out, flush=True)
+        try:
+            source, target = _target(name)
+            if target.exists() and not force:
+                verb = "already built"
+            else:
+                if cxx is None:
+                    raise RuntimeError(
+                        f"no C++ compiler found (CXX={os.environ.get('CXX', 'c++')!r})"
+                    )
+                print("building… ", end="", file=out, flush=True)
+                with _LOCK:
+                    verb = _build_locked(name, source, target, force=force)
+                verb = "built by another process" if verb == "found" else "built"
+            if _STATE.get(name) is not True:
+                _load_library(name, target)  # it loads (a build has already loaded its own)
+                _STATE.setdefault(name, True)
+        except Exception as e:
+            why = _one_line(e if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}")
+            print(f"FAILED after {time.perf_counter() - t0:.1f} s: {why}", file=out, flush=True)
+            failures.append((name, why))
+            continue
+        print(f"{verb} in {time.perf_counter() - t0:.1f} s  {target}", file=out, flush=True)
+    ready = len(chosen) - len(failures)
+    print(
+        f"attnlab build: {ready} of {len(chosen)} kernel(s) ready in "
+        f"{time.perf_counter() - total:.1f} s",
+        file=out,
+        flush=True,
+    )
+    return failures
+
+
 __all__ = [
-    "BUILDING",
+    "BUILD_TIME",
     "CACHE_ENV",
     "ENV",
+    "KERNELS",
     "NATIVE_FLAGS",
+    "QUIET_ENV",
     "ExtensionUnavailableError",
+    "build_kernels",
     "build_key",
     "cache_dir",
     "compiler",
     "cpu_flags",
+    "describe_kernels",
     "forget",
+    "isa_path",
+    "library_path",
     "load",
     "mode",
     "native_products",
+    "reporting",
+    "state",
     "status",
 ]

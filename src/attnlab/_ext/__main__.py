@@ -1,25 +1,25 @@
-"""``python -m attnlab._ext [NAME ...]``: build (or load) extensions now and say whether they work.
+"""``python -m attnlab._ext [NAME ...]``: build the C++ kernels now, as ``attnlab build`` does.
 
-Used by `attnlab._ext.load` to build in a separate session (so a build finishes even when the
-process that started it exits first), and by users who want the build done ahead of time.
-Exit code 0 when every named extension (default: all) is ready, 1 otherwise.
+One progress line per kernel (default: all) with its time, then the total; exit code 0 when
+every named kernel is ready, 1 when one failed, 2 for an unknown name (one line on stderr).
 """
 
 from __future__ import annotations
 
 import sys
 
-from . import _HERE, _load_now
+from . import build_kernels
 
 
 def main(argv: list[str] | None = None) -> int:
-    names = (sys.argv[1:] if argv is None else argv) or sorted(p.stem for p in _HERE.glob("*.cpp"))
-    code = 0
-    for name in names:
-        result = _load_now(name)
-        print(f"{name}: {'ready' if result is True else result}")
-        code |= result is not True
-    return code
+    """Builds the kernels named in ``argv`` (default: ``sys.argv[1:]``, else all)."""
+    names = sys.argv[1:] if argv is None else argv
+    try:
+        failures = build_kernels(names)
+    except ValueError as e:
+        print(f"python -m attnlab._ext: error: {e}", file=sys.stderr)
+        return 2
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

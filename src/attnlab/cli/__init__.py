@@ -3,8 +3,8 @@
 Every subcommand has ``--help``. The library never imports this package; the commands import the
 library (heavy optional dependencies only inside the command that needs them).
 
-Subcommands, in ``attnlab --help`` order: `check`, `estimate`, `advise`, `experiment`, `heads`,
-`bench`, `train`, `generate`, `translate`, `visualize`, `textbook`.
+Subcommands, in ``attnlab --help`` order: `check`, `build`, `info`, `estimate`, `advise`,
+`experiment`, `heads`, `bench`, `train`, `generate`, `translate`, `visualize`, `textbook`.
 
 Errors: a bad argument or input (a parser error, or a ValueError/TypeError/OSError/ImportError
 raised by a command, e.g. the library's CheckpointError) prints ONE line on stderr,
@@ -24,11 +24,13 @@ from .. import __version__
 from . import (
     advise,
     bench,
+    build,
     check,
     estimate,
     experiment,
     generate,
     heads,
+    info,
     textbook,
     train,
     translate,
@@ -37,6 +39,8 @@ from . import (
 
 COMMANDS = (
     check,
+    build,
+    info,
     estimate,
     advise,
     experiment,

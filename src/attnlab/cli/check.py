@@ -125,6 +125,11 @@ def run_check(
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    if args.env:
+        from .info import environment, print_environment
+
+        print_environment(environment())
+        return 0
     names = args.backend or [b for b in backends() if b not in ("reference", "auto")] + ["auto"]
     unknown = [n for n in names if n not in backends()]
     if unknown:
@@ -163,4 +168,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     check.add_argument("-S", type=positive_int, default=113, help="key length (default 113)")
     add_device_argument(check)
+    check.add_argument(
+        "--env",
+        action="store_true",
+        help="only print the machine as attnlab sees it (as `attnlab info`) and exit",
+    )
     check.set_defaults(func=_cmd_check)

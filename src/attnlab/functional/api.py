@@ -7,11 +7,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .. import _ext
 from ..masks import Mask
 from . import backends as _backends  # noqa: F401  (fills the registry)
+from . import nan_rule
 from .flash import explain_plan
 from .registry import select
-from .request import BiasFn
+from .request import BiasFn, Request
 from .stats import AttentionStats, as_index, compute_stats, compute_weights
 from .thresholds import describe as describe_thresholds
 from .validate import build_request, plain_request
@@ -153,8 +155,13 @@ def attention(
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
-    """Which backend ``attention(q, k, v, **kwargs)`` would run, and why (one short string).
+    """Which backend ``attention(q, k, v, **kwargs)`` would run, why, and on which engines.
 
+    Names the engine of each part of the plan: attnlab's C++ kernels with the vector path they
+    were built for (AVX-512, AVX2), torch's kernels, or plain PyTorch ops; and the state of the
+    C++ kernels the call asks for (loaded, built, not built yet, unavailable and why:
+    `attnlab._ext.describe_kernels`). It never builds a kernel (`attnlab._ext.reporting`): for
+    an unbuilt one it describes the call without it and says that the first call builds it.
     With ``backend="auto"`` it also says where auto's size thresholds for q's dtype come from
     (the built-in defaults, or the cache file measured on this CPU at a date:
     `attnlab.functional.thresholds`).
@@ -174,13 +181,34 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
     unknown = set(kwargs) - set(defaults)
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}")
-    req = build_request(q, k, v, backend=backend, **{**defaults, **kwargs})  # type: ignore[arg-type]
-    chosen, why = select(backend, req, need_lse=bool(return_lse))  # type: ignore[arg-type]
-    if chosen.name == "flash":
-        why = f"{why}; {explain_plan(req)}"
+    with _ext.reporting() as asked:
+        req = build_request(q, k, v, backend=backend, **{**defaults, **kwargs})  # type: ignore[arg-type]
+        chosen, why = select(backend, req, need_lse=bool(return_lse))  # type: ignore[arg-type]
+        if chosen.name == "flash":
+            why = f"{why}; {explain_plan(req)}"
+        else:
+            why = f"{why}; engine: {_engine(chosen.name, req, bool(return_lse))}"
+    why = f"{why}; {_ext.describe_kernels(asked)}"
     if backend == "auto":
         why = f"{why}; {describe_thresholds(req.q.dtype)}"
     return f"{chosen.name}: {why}"
+
+
+def _engine(name: str, req: Request, want_lse: bool) -> str:
+    """The engine of a backend other than flash, in words (for `explain`)."""
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (req.q, req.k, req.v))
+    ours = not grad and nan_rule.ext_ready(req.q, req.k, req.v)
+    if name == "sdpa":
+        rule = "attnlab's C++ operators where they apply" if ours else "PyTorch ops"
+        return (
+            f"torch's scaled_dot_product_attention (its {torch.backends.cpu.get_cpu_capability()} "
+            f"CPU build); the NaN rule's passes: {rule}"
+        )
+    if name == "decode":
+        if ours and req.softcap is None and not want_lse:
+            return "attnlab's C++ decode kernel (one pass per key/value head)"
+        return "PyTorch tensor ops"
+    return "plain PyTorch ops"
 
 
 def _check_lse(lse: object, q: Tensor, dims) -> Tensor:

@@ -17,10 +17,10 @@ product; the sums differ only in rounding order):
   row only against a weight of at least `FP32_ONE_ROW_MIN` elements;
 - no autograd (grad disabled, or nothing requires grad), not while `torch.compile` traces nor
   under a ``TorchDispatchMode`` (``FlopCounterMode``, fake tensors: they see ``aten.mm``);
-- the extension is built (`attnlab._ext.load`: the first use on a machine builds it in the
-  background) and it has the kernel for the dtype (AVX-512F / AVX512-BF16 loops where the CPU
-  has them, else a portable 8-lane loop: AVX2 FMAs, bfloat16 widened exactly; on an AVX2-only
-  AMD EPYC 1.0–2.0× ``F.linear``);
+- the extension is built (`attnlab._ext.load`: ``attnlab build``, or the first call that needs
+  it builds it, once per machine) and it has the kernel for the dtype (AVX-512F / AVX512-BF16
+  loops where the CPU has them, else a portable 8-lane loop: AVX2 FMAs, bfloat16 widened
+  exactly; on an AVX2-only AMD EPYC 1.0–2.0× ``F.linear``);
 - ``ATTNLAB_GEMV`` is unset or ``auto``; ``off`` forces torch's kernel.
 
 The kernel streams one row of the weight at a time on AMD CPUs; elsewhere four side by side in

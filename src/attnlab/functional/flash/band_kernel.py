@@ -39,8 +39,9 @@ tolerance rule; both give out = 0, lse = −inf on a row with no key):
   faster than torch's kernel forward and 2.0–2.5× fwd+bwd in fp32, bf16 and fp16
   (``benchmarks/bench_engines.py``, RESULTS.md; ``ATTNLAB_FLASH_BAND_ENGINE=aten`` picks
   torch's); outputs are rounded once;
-- the extension is built (`attnlab._ext.load`; the first use on a machine builds it in the
-  background) and the CPU runs oneDNN's float32 micro-kernel (``supported``, asked once);
+- the extension is built (`attnlab._ext.load`: ``attnlab build``, or the first call that needs
+  it builds it, once per machine) and the CPU runs oneDNN's float32 micro-kernel
+  (``supported``, asked once);
 - ``ATTNLAB_FLASH_BAND_ENGINE`` is unset, ``auto`` or ``widen`` (bfloat16 widened on any CPU);
   ``aten`` forces torch's kernel (the suite runs every one on any CPU).
 
@@ -130,6 +131,18 @@ def pairs(dtype: torch.dtype) -> bool:
     if dtype != torch.bfloat16 or engine_setting() == "widen":
         return False
     return _ext.load(EXT) and _cpu_native(dtype)
+
+
+def engine_name(dtype: torch.dtype) -> str:
+    """This kernel in words, for `attnlab.explain`: its vector path on this CPU and how it
+    multiplies ``dtype`` (e.g. ``"attnlab's C++ band kernel (AVX-512, float32 products)"``)."""
+    if dtype == torch.bfloat16 and pairs(dtype):
+        products = "bfloat16 products in VNNI pairs"
+    elif dtype in (torch.bfloat16, torch.float16):
+        products = f"{str(dtype).removeprefix('torch.')} widened to float32 as it is packed"
+    else:
+        products = "float32 products"
+    return f"attnlab's C++ band kernel ({_ext.isa_path()}, {products})"
 
 
 def ready(q: Tensor, bq: int | None = None) -> bool:

@@ -25,6 +25,7 @@ from .engines import (
     acc_dtype,
     kernel_backward,
     kernel_forward,
+    kernel_widens,
 )
 from .tiles import BandTiles, TileSource, as4, fix_dead_rows
 
@@ -259,6 +260,72 @@ class FlashJob:
         if self.plan.overlap:
             lo = torch.where(torch.isneginf(lse[rows]), lo, 0.0)
         self.lse_lo[rows] = lo
+
+    # ---------------------------------------------------------------- explain
+    def engines(self, q: Tensor, k: Tensor, v: Tensor, *, grad: bool) -> list[str]:
+        """Which engine runs each part of this job on ``q``, ``k``, ``v`` (as `forward` and,
+        with ``grad``, `backward` decide; for `attnlab.explain`): phrases such as ``"forward: 1
+        band call on attnlab's C++ band kernel"``. Reads only dtypes, shapes and strides."""
+
+        def like(x: Tensor, dtype: torch.dtype) -> Tensor:  # dtype, device, head dim: no copy
+            return torch.empty((1, 1, 1, x.shape[-1]), dtype=dtype, device=x.device)
+
+        torch_kernel = "torch's CPU flash kernel"
+        if self.engine == "torch":
+            return ["forward and backward: the pure-PyTorch tile engine (online softmax)"]
+        parts: list[str] = []
+        L = q.shape[2]
+        single = self._single_call(self.plan, q, k)
+        if single is not None:
+            if k.shape[2] == L and band_kernel.segments_usable(q, k, v, L):
+                on = f"{band_kernel.engine_name(q.dtype)}, as one segment"
+            else:
+                wide = kernel_widens(q.dtype, backward=False)
+                on = torch_kernel + (" (widened to float32)" if wide else "")
+            parts.append(f"forward: one call on {on}")
+        else:
+            dtype = q.dtype
+            if self._widen(q) and not self._float_partials(q, k, v):
+                dtype = torch.float32
+            ours = band_kernel.engine_name(dtype)
+            qq, kk, vv = like(q, dtype), like(k, dtype), like(v, dtype)
+            counts: dict[str, int] = {}
+            for c in (c for g in self.plan.groups for c in g.calls):
+                if isinstance(c, BandCall):
+                    key = ("band call", band_kernel.usable(qq, kk, vv, c.bq))
+                elif isinstance(c, SegmentCall):
+                    key = ("segment call", band_kernel.segments_usable(qq, kk, vv, c.n))
+                else:
+                    key = ("call", False)
+                name = f"{key[0]}(s) on {ours if key[1] else torch_kernel}"
+                counts[name] = counts.get(name, 0) + 1
+            wide = " (in float32)" if dtype != q.dtype else ""
+            parts += [f"forward{wide}: {n} {name}" for name, n in counts.items()]
+        if grad:
+            parts.append(f"backward: {self._backward_engine(q, k, v, single)}")
+        return parts
+
+    def _backward_engine(self, q: Tensor, k: Tensor, v: Tensor, single: Call | None) -> str:
+        """The engine of `backward` in words (for `engines`)."""
+        if self.grad_biases:
+            return "the pure-PyTorch tile engine (a bias gradient needs its dS)"
+        calls = [c for g in (self.bwd_plan or self.plan).groups for c in g.calls]
+        out = torch.empty((1, 1, 1, v.shape[-1]), dtype=torch.float32, device=q.device)
+        dout = torch.empty((1, 1, 1, v.shape[-1]), dtype=q.dtype, device=q.device)
+        if single is not None:
+            n = q.shape[2] if k.shape[2] == q.shape[2] else band_kernel.SEGMENT_MAX + 1
+            own = band_kernel.segments_backward_usable(q, k, v, out, dout, n)
+        elif any(isinstance(c, BandCall) for c in calls):
+            own = band_kernel.backward_usable(q, k, v, out, dout)
+        else:
+            segs = [c.n for c in calls if isinstance(c, SegmentCall)]
+            own = bool(segs) and band_kernel.segments_backward_usable(q, k, v, out, dout, max(segs))
+        if not own:
+            return "torch's CPU flash kernel"
+        rest = any(not isinstance(c, BandCall | SegmentCall) for c in calls)
+        return band_kernel.engine_name(torch.float32) + (
+            "; other calls on torch's CPU flash kernel" if rest else ""
+        )
 
     # ---------------------------------------------------------------- backward
     def backward(self, res: Residuals, dlse: Tensor | None = None) -> _Grads:

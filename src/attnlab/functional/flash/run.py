@@ -226,12 +226,23 @@ def flash_attention(
 
 
 def explain_plan(req: Request) -> str:
-    """How flash would tile a request (for `explain`)."""
+    """How flash would tile a request and which engine runs each part (for `explain`): the
+    plan, the engines of its forward (and backward, when an input needs a gradient), and how
+    the NaN rule finds non-finite inputs."""
     job = flash_job(req)
     text = job.plan.describe()
     if job.softcap is not None:
         text += ", soft-capped logits on the pure-PyTorch tile engine"
-    return text
+    grad = any(needs_grad(x) for x in (req.q, req.k, req.v))
+    engines = job.engines(req.q, req.k, req.v, grad=grad)
+    checked = req.bias is None and not isinstance(req.mask, Tensor) and not grad
+    if checked and _band_kernel_covers(job.plan, req.q, req.k, req.v):
+        engines.append("NaN/inf check: inside attnlab's band kernel, as it reads q, k, v")
+    elif nan_rule.flash_ext_ready(req.q):
+        engines.append("NaN/inf scan of q, k, v: attnlab's C++ scan (a copy only if one is found)")
+    else:
+        engines.append("NaN/inf handling: PyTorch ops (a cleaned copy of q, k, v)")
+    return f"{text}; engines: {'; '.join(engines)}"
 
 
 __all__ = ["explain_plan", "flash_attention", "flash_run", "flash_run_lse", "flash_supports"]
