@@ -43,16 +43,20 @@ OPTIONAL = (
 )
 
 
-def _shipped_files() -> set[str]:
+def _shipped_files(src: Path = SRC) -> set[str]:
     """Paths (relative to src/) of the package's files, as a wheel names them."""
     return {
-        p.relative_to(SRC).as_posix()
-        for p in (SRC / "attnlab").rglob("*")
+        p.relative_to(src).as_posix()
+        for p in (src / "attnlab").rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
     }
 
 
-def test_the_wheel_ships_the_text_the_viewer_assets_py_typed_and_the_license(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> dict[str, object]:
+    """A wheel built offline from a copy of the project: its file names, METADATA and LICENSE,
+    and the copy's src/ (what was built: the working tree may change meanwhile)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     project = tmp_path / "project"
     project.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
@@ -71,8 +75,13 @@ def test_the_wheel_ships_the_text_the_viewer_assets_py_typed_and_the_license(tmp
         dist_info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
         metadata = zf.read(f"{dist_info}/METADATA").decode()
         license_text = zf.read(f"{dist_info}/licenses/LICENSE").decode()
+    return {"names": names, "metadata": metadata, "license": license_text, "src": project / "src"}
+
+
+def test_the_wheel_ships_the_text_the_viewer_assets_py_typed_and_the_license(wheel):
+    names, metadata, license_text = wheel["names"], wheel["metadata"], wheel["license"]
     package = {n for n in names if n.startswith("attnlab/")}
-    shipped = _shipped_files()
+    shipped = _shipped_files(wheel["src"])
     # The files this test exists for, named so that a failure says which one went missing.
     for must in ("attnlab/py.typed", "attnlab/data/alice.txt", "attnlab/data/README.md"):
         assert must in shipped and must in package, must
@@ -85,6 +94,51 @@ def test_the_wheel_ships_the_text_the_viewer_assets_py_typed_and_the_license(tmp
     assert "License-Expression: Apache-2.0" in metadata
     for extra in ("cli", "viz", "models", "all", "dev"):
         assert f"Provides-Extra: {extra}" in metadata, extra
+
+
+#: Where the code names a file it reads at run time, per kind: (files scanned, pattern, the
+#: wheel path of a match). Matched in the built copy's sources.
+_RUNTIME_READS = (
+    # The viewer's page, style sheet and script: `_asset("attention_view.css")`.
+    ("attnlab/viz/*.py", r'_asset\(\s*"([^"]+)"\s*\)', "attnlab/viz/assets/{}"),
+    # The shipped text: `files(__package__) / "alice.txt"`.
+    ("attnlab/data/*.py", r'files\(__package__\)\s*/\s*"([^"]+)"', "attnlab/data/{}"),
+    # The C++ kernels the library loads: `_ext.load("nan_rule")` or `EXT = "gemv"`.
+    ("attnlab/**/*.py", r'_ext\.load\(\s*"(\w+)"\s*\)', "attnlab/_ext/{}.cpp"),
+    ("attnlab/**/*.py", r'^EXT = "(\w+)"', "attnlab/_ext/{}.cpp"),
+    # The headers a kernel's source pastes in (`attnlab._ext.source_text`).
+    ("attnlab/_ext/*.cpp", r'^#include "(\w+\.h)"[ \t]*$', "attnlab/_ext/{}"),
+)
+
+
+def test_every_file_the_code_reads_at_run_time_is_in_the_wheel(wheel):
+    import re
+
+    src: Path = wheel["src"]
+    names = wheel["names"]
+    found: dict[str, set[str]] = {}
+    for pattern_files, pattern, target in _RUNTIME_READS:
+        regex = re.compile(pattern, re.MULTILINE)
+        for path in sorted(src.glob(pattern_files)):
+            for name in regex.findall(path.read_text(encoding="utf-8")):
+                found.setdefault(target.format(name), set()).add(path.relative_to(src).as_posix())
+    missing = {f: sorted(by) for f, by in found.items() if f not in names}
+    assert not missing, missing  # file -> the modules that read it
+    # The scan saw each kind (a renamed helper would otherwise pass silently).
+    for must in (
+        "attnlab/viz/assets/attention_view.html",
+        "attnlab/viz/assets/attention_view_fragment.html",
+        "attnlab/viz/assets/attention_view.css",
+        "attnlab/viz/assets/attention_view.js",
+        "attnlab/data/alice.txt",
+        "attnlab/_ext/nan_rule.cpp",
+        "attnlab/_ext/nonfinite.h",
+    ):
+        assert must in found, must
+    # Every kernel source in the wheel is one the build can read whole (its headers beside it).
+    sources = {n for n in names if n.startswith("attnlab/_ext/") and n.endswith((".cpp", ".h"))}
+    ext = [*(src / "attnlab" / "_ext").glob("*.cpp"), *(src / "attnlab" / "_ext").glob("*.h")]
+    assert sources == {p.relative_to(src).as_posix() for p in ext}
 
 
 def test_the_all_extra_is_every_user_extra_and_require_names_only_declared_extras():

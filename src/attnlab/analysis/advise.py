@@ -14,7 +14,8 @@ The rule (first that holds wins; memory = `model_cost(...).memory["total"]`, tim
     none    nothing fits the budget
 
 Deterministic given its inputs: the machine only enters through ``gflops`` (pass it; the CLI
-measures it when not given) and the informational `machine_info`.
+uses this machine's rate, measured once and cached by `attnlab.analysis.rates`, when not given)
+and the informational `machine_info`.
 
 Example:
     >>> advise(2048, "16GB", gflops=100.0).choice  # BERT-base-sized encoder, inference

@@ -1,5 +1,9 @@
 """``attnlab advise``: which attention (dense, tiled, ring, sparse, linear) for a sequence length,
-a memory budget and this machine — with the reason and the numbers."""
+a memory budget and this machine — with the reason and the numbers.
+
+The machine enters through its matmul rate: ``--gflops``, else the rate measured once on this
+machine and cached (`attnlab.analysis.rates`; ``--recalibrate`` measures it again), so the same
+arguments give the same advice on every run."""
 
 from __future__ import annotations
 
@@ -35,10 +39,22 @@ def _cmd_advise(args: argparse.Namespace) -> int:
 
     if args.d_model % args.heads:
         raise UsageError("--heads", f"must divide --d-model {args.d_model}, got {args.heads}")
+    if args.recalibrate and args.gflops is not None:
+        raise UsageError("--recalibrate", "measures the rate that --gflops gives; drop one")
     machine = machine_info()
     if args.gflops is None:
-        gflops = matmul_rate(args.dtype)
-        source = f"measured: {RATE_MATMUL_N}² {args.dtype} matmul on this cpu"
+        from ..analysis.rates import machine_rate
+
+        try:
+            rate = machine_rate(
+                args.dtype,
+                matmul_rate,
+                what=f"{RATE_MATMUL_N}² {args.dtype} matmul on this cpu",
+                recalibrate=args.recalibrate,
+            )
+        except ValueError as e:
+            raise UsageError("--recalibrate", str(e)) from None
+        gflops, source = rate.gflops, rate.source
     else:
         gflops, source = args.gflops, "given"
     advice = advise(
@@ -91,7 +107,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Recommends an attention form for a sequence length, a memory budget and this "
             "machine's matmul rate, with the reason and the numbers (memory and FLOPs from the "
-            "cost model, time = FLOPs / rate). Deterministic given --gflops."
+            "cost model, time = FLOPs / rate). The rate is --gflops, else this machine's rate in "
+            "--dtype, measured on the first run and cached (matmul_rates.json beside the "
+            "auto-threshold cache; ATTNLAB_THRESHOLDS_FILE, ATTNLAB_THRESHOLDS=off), so the same "
+            "arguments give the same advice; --recalibrate measures it again."
         ),
     )
     p.add_argument("--seq", type=positive_int, default=4096, help="sequence length L")
@@ -102,7 +121,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--gflops",
         type=positive_float,
         default=None,
-        help="matmul rate in GFLOP/s (default: time a matmul in --dtype on this cpu)",
+        help="matmul rate in GFLOP/s (default: this cpu's cached rate in --dtype, measured on "
+        "first use)",
+    )
+    p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="time the matmul in --dtype again and replace the cached rate",
     )
     p.add_argument("--d-model", type=positive_int, default=768)
     p.add_argument("--layers", type=positive_int, default=12)
