@@ -267,7 +267,7 @@ def test_forward_makes_no_host_sync_and_compiles_without_graph_breaks():
             7,
             8,
         )
-        compiled = torch.compile(attn, backend="aot_eager", fullgraph=True)
+        compiled = torch.compile(attn, fullgraph=True)
 
         def run(fn):
             attn.zero_grad()

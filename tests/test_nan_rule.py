@@ -237,7 +237,7 @@ def test_compile_fullgraph_no_graph_breaks(backend, mask):
     explained = torch._dynamo.explain(f)(q, k, v)
     assert explained.graph_break_count == 0, explained.break_reasons
     torch._dynamo.reset()
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(f, fullgraph=True)
     out = compiled(q, k, v)
     got = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     want_out = f(q, k, v)
@@ -299,7 +299,7 @@ def test_compile_flash_tensor_mask_and_bias():
     explained = torch._dynamo.explain(f)(q, k, v)
     assert explained.graph_break_count == 0, explained.break_reasons
     torch._dynamo.reset()
-    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    out = torch.compile(f, fullgraph=True)(q, k, v)
     want, _ = reference.attention(q.detach(), k.detach(), v.detach(), mask=keep, bias=bias)
     assert_rule_equal(out.detach(), want.double(), 1e-5)
     assert bool(torch.isnan(out[0, 1, 4]).all()) == bool(keep[0, 0, 4, 7])

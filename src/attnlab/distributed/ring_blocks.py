@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..functional.flash import Logits, Residuals, TorchEngine, kernel_backward, kernel_forward
+from ..functional.nan_rule import nan_flags
 from ..masks import Mask
 
 _NEG_INF = float("-inf")
@@ -127,11 +128,6 @@ def block_backward(
 def clean(x: Tensor) -> Tensor:
     """``x`` with every non-finite entry replaced by 0 (finite entries kept bit-exact)."""
     return torch.nan_to_num(x, 0.0, 0.0, 0.0)
-
-
-def nan_flags(x: Tensor) -> Tensor:
-    """``x · 0``: 0 where ``x`` is finite, NaN where it is not (a float op: cheap, sync-free)."""
-    return x * 0
 
 
 def reach(bad: Tensor, kind: str, tile: Tensor | None, H: int) -> Tensor:

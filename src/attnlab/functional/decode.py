@@ -138,7 +138,7 @@ def _attend(
     else:
         # tanh maps ±inf to ±1, so the row check reads the logits BEFORE capping: s·0 is NaN
         # exactly for a non-finite logit (a +inf one too: the cap would hide it from softmax)
-        flag = (s * 0).sum(dim=-1, keepdim=True)  # ±0.0, or NaN
+        flag = nan_rule.nan_flags(s).sum(dim=-1, keepdim=True)  # ±0.0, or NaN
         poison = flag - flag  # +0.0, or NaN
         s = softcap_logits(s, req.softcap)
     out = torch.bmm(torch.softmax(s, dim=-1), vv).sub_(poison)  # x − (+0.0) == x

@@ -30,7 +30,7 @@ from torch import Tensor
 from .._shapes import Dims, check_number, check_qkv
 from . import kernel_scan as _ks
 from .linear_features import CleanFeature, clean_features, clean_with_ones, finite, fused_feature
-from .nan_rule import clean, known_finite
+from .nan_rule import clean, known_finite, nan_flags
 from .reference import LINEAR_FEATURE_MAPS, compute_dtype_for
 
 FeatureMap = Callable[[Tensor], Tensor]
@@ -116,15 +116,10 @@ def as_4d(q: Tensor, k: Tensor, v: Tensor, dims: Dims) -> tuple[Tensor, Tensor, 
 # ----------------------------------------------------------------------------------------- NaN rule
 
 
-def _flag(x: Tensor) -> Tensor:
-    """0 for finite entries, NaN for NaN/±inf ones (``x · 0``), without a host sync."""
-    return x * 0
-
-
 def _bad_rows(x: Tensor) -> Tensor:
     """``(...,)`` bool: the last dim of ``x (..., n)`` holds a NaN or ±inf (one read pass)."""
     lo, hi = torch.aminmax(x, dim=-1) if x.shape[-1] else (x.sum(-1), x.sum(-1))
-    return torch.isnan(lo * 0 + hi * 0)  # NaN propagates through min/max; ±inf·0 is NaN
+    return ~(torch.isfinite(lo) & torch.isfinite(hi))  # NaN propagates through min/max
 
 
 def _poison(bad: Tensor, dtype: torch.dtype) -> Tensor:
@@ -170,7 +165,7 @@ def nan_rule_poison(
         # prefix flags over keys (0, or NaN from the first bad entry on), aligned to the rows
         assert k_bad is not None
         k_seen = k_bad.to(torch.int32).cumsum(dim=-1) > 0  # (B, H_kv, S)
-        v_seen = _flag(v).cumsum(dim=-2)  # (B, H_kv, S, Dv)
+        v_seen = nan_flags(v).cumsum(dim=-2)  # (B, H_kv, S, Dv)
         if L <= S:
             k_row, v_col = k_seen[..., S - L :], torch.isnan(v_seen[..., S - L :, :])
         else:  # the first L − S rows see no key
@@ -360,7 +355,7 @@ def _key_flags(
 ) -> tuple[Tensor, Tensor]:
     """The NaN rule's flags of a key block: bad keys ``(B, H_kv, n)`` and value flags
     ``(B, H_kv, n, Dv)`` (0, NaN where non-finite); padded keys carry none."""
-    vflag = _flag(vb.to(dtype))
+    vflag = nan_flags(vb.to(dtype))
     kbad = _bad_rows(kb)
     if mb is not None:
         vflag = torch.where(mb[:, None, :, None], vflag, 0.0)
@@ -806,8 +801,8 @@ class LinearAttentionState:
         fk = self._features(clean(k))  # (B, H_kv, S, F)
         kv = fk.transpose(-1, -2) @ clean(v.to(fk.dtype))  # (B, H_kv, F, Dv)
         z = fk.sum(dim=-2)  # (B, H_kv, F)
-        k_flag = _flag(k).sum(dim=(-2, -1)).to(fk.dtype)  # (B, H_kv)
-        v_flag = _flag(v).sum(dim=-2).to(fk.dtype)  # (B, H_kv, Dv)
+        k_flag = nan_flags(k).sum(dim=(-2, -1)).to(fk.dtype)  # (B, H_kv)
+        v_flag = nan_flags(v).sum(dim=-2).to(fk.dtype)  # (B, H_kv, Dv)
         if self.kv is None:
             self.kv, self.z, self.k_flag, self.v_flag = kv, z, k_flag, v_flag
         else:
@@ -841,7 +836,7 @@ class LinearAttentionState:
         out = _ks.normalise(num, den, self.eps)  # (B, H_kv, G, L, Dv)
         if self.length:  # the NaN rule; with no key appended every row is zeros
             assert self.k_flag is not None and self.v_flag is not None
-            q_flag = _flag(q).sum(dim=-1).unflatten(1, (H_kv, -1)).to(out.dtype)  # (B,H_kv,G,L)
+            q_flag = nan_flags(q).sum(dim=-1).unflatten(1, (H_kv, -1)).to(out.dtype)  # (B,H_kv,G,L)
             flag = (q_flag + self.k_flag[:, :, None, None]).unsqueeze(-1)  # (B, H_kv, G, L, 1)
             flag = flag + self.v_flag[:, :, None, None, :]  # (B, H_kv, G, L, Dv)
             out = out + torch.where(torch.isnan(flag), float("nan"), -0.0).to(out.dtype)

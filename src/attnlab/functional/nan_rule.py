@@ -136,14 +136,26 @@ def clean_bias(bias: Tensor) -> Tensor:
     return torch.nan_to_num(bias, nan=0.0, posinf=0.0, neginf=float("-inf"))
 
 
+def nan_flags(x: Tensor) -> Tensor:
+    """0 where ``x`` is finite, NaN where it is not, in x's dtype (sums of them are NaN exactly
+    when a summand's entry is non-finite).
+
+    Written with ``isfinite``, not as ``x · 0``: Inductor folds a product with the integer 0
+    into the constant 0 (torch 2.13's constant-folding peephole; ``tests/test_inductor.py``
+    keeps the reproducer), which would drop every NaN the rule must see.
+    """
+    nan = torch.full((), _NAN, dtype=x.dtype, device=x.device)
+    return torch.where(torch.isfinite(x), torch.zeros((), dtype=x.dtype, device=x.device), nan)
+
+
 def flags(x: Tensor) -> Tensor:
-    """1.0 where ``x`` is non-finite, else 0, in float32 (``x · 0`` is NaN exactly there)."""
-    return torch.nan_to_num(x.float() * 0, nan=1.0).abs()
+    """1.0 where ``x`` is non-finite, else 0, in float32."""
+    return (~torch.isfinite(x)).to(torch.float32)
 
 
 def row_flags(x: Tensor) -> Tensor:
     """1.0 where a row (last dim) of ``x`` holds a non-finite entry, else 0; float32 ``(...)``."""
-    return torch.nan_to_num((x * 0).sum(-1, dtype=torch.float32), nan=1.0).abs()
+    return (~torch.isfinite(x)).any(-1).to(torch.float32)
 
 
 def _grouped(t: Tensor, H_kv: int) -> Tensor:
@@ -278,6 +290,10 @@ def first_nonfinite(x: Tensor, block: int = 16) -> Tensor:
     """
     B, Hk, S, C = x.shape
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if torch.compiler.is_compiling():
+        # Inductor fuses the test into the reduction (no x-sized temporary either), and nothing
+        # branches on S, symbolic under dynamic shapes and export (a branch would guard it)
+        return _first_true(~torch.isfinite(x), 2)
     nfull = S // block
     parts = []
     if nfull:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .flash import TileSource, flash_job
+from .nan_rule import nan_flags
 from .reference import softcap_logits
 from .request import Request
 from .scores import get_score
@@ -147,9 +148,9 @@ def _masked_logits(
         add = add.to(acc)
         raw, s = raw + add, s + add
         masked = torch.isneginf(add)
-        bad = torch.where(masked, 0.0, raw * 0).sum(dim=-1)  # x·0 is NaN exactly for non-finite x
+        bad = torch.where(masked, 0.0, nan_flags(raw)).sum(dim=-1)
         return torch.where(masked, _NEG_INF, s), bad
-    return s, (raw * 0).sum(dim=-1)
+    return s, nan_flags(raw).sum(dim=-1)
 
 
 def _tile_add(

@@ -8,8 +8,12 @@ rebuilds the request from tensors plus the mask's structure string (`Mask.spec`)
 same eager code as the tiled backend. Plans are built when the graph RUNS, from the tensors it is
 given, so masks holding tensors (padding lengths, document ids, bool tensors) stay correct from
 call to call. Supported under compile: masks with a `Mask.spec` (every built-in mask, not
-`from_fn`), bool/float mask tensors and bias tensors without gradient; bias functions and
-`from_fn` masks run on sdpa instead (`flash_supports` says so).
+`from_fn`), bool/float mask tensors and bias tensors without gradient, and relative bias
+functions (``fn.relative = True``: ALiBi, T5) whose values need no gradient — the graph evaluates
+one such function once per offset ``d = j − i`` into a table ``(H, L + S − 1)`` (`offset_table`)
+and the operators read it back as the same function (`OffsetTable`): O(H·(L + S)), never the
+``(H, L, S)`` bias. Other bias functions and `from_fn` masks run on sdpa (`flash_supports` says
+so).
 """
 
 from __future__ import annotations
@@ -20,12 +24,42 @@ from torch import Tensor
 from ..._shapes import Dims
 from ...masks import Mask, from_spec, from_tensor
 from .. import nan_rule
-from ..request import Request
+from ..request import BiasFn, Request, check_bias_output
 from ..scores import get_score
 from .autograd import run_clean
 from .engines import Residuals, acc_dtype
 from .plan import flash_job, prepare_inputs
 from .poison import poison_entries
+
+
+class OffsetTable:
+    """A relative bias function read from its values per offset: ``bias(b, h, i, j) =
+    table[h, j − i + S − 1]``, ``table (H, L + S − 1)`` over ``d = j − i ∈ [−(S − 1), L − 1]``
+    (``i`` the query position aligned to the keys; `offset_table` makes it).
+
+    Positions outside the grid (a tile's padding) read the nearest end of the table: they are
+    masked or dropped by the tiled backend, which evaluates relative biases once per offset.
+    """
+
+    relative = True
+
+    def __init__(self, table: Tensor, S: int) -> None:
+        self.table, self.S = table, S
+
+    def __call__(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        d = (j - i + (self.S - 1)).clamp(0, self.table.shape[-1] - 1)  # (…, Lt, St)
+        return self.table[h, d]  # (1|B, H, Lt, St)
+
+
+def offset_table(fn: BiasFn, H: int, L: int, S: int, device: torch.device) -> Tensor:
+    """``(H, L + S − 1)``: a relative bias function (``fn.relative = True``) at every offset
+    ``d = j − i`` of an ``L × S`` call, ``table[h, d + S − 1] = fn(0, h, 0, d)`` — one call of
+    ``fn`` on O(H·(L + S)) indices, in the graph (gradients flow as through ``fn``)."""
+    zero = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=device)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    d = torch.arange(-(S - 1), L, device=device).view(1, 1, 1, -1)
+    out = check_bias_output(fn, fn(zero, h, zero, d), zero, h, zero, d)
+    return out.expand(1, H, 1, d.shape[-1]).reshape(H, d.shape[-1])
 
 
 def _request(
@@ -39,13 +73,17 @@ def _request(
     mask_spec: str,
     scale: float,
     softcap: float | None = None,
+    rel_bias: Tensor | None = None,
 ) -> Request:
-    """The eager request an operator stands for (mask rebuilt from its spec and tensors)."""
+    """The eager request an operator stands for (mask rebuilt from its spec and tensors; a
+    relative bias function from its `offset_table`)."""
     B, H, L, D = q.shape
     H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     mask: Mask | Tensor | None = from_spec(mask_spec, list(mask_tensors)) if mask_spec else None
     if float_mask is not None:
         mask = float_mask
+    if rel_bias is not None:
+        bias = OffsetTable(rel_bias, S)  # type: ignore[assignment]
     return Request(
         q=q,
         k=k,
@@ -73,6 +111,7 @@ def flash_fwd(
     mask_spec: str,
     scale: float,
     softcap: float | None,
+    rel_bias: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """``(out (B, H, L, Dv), lse (B, H, L))`` of clean (finite) inputs, before the NaN rule."""
     req = _request(
@@ -85,13 +124,14 @@ def flash_fwd(
         mask_spec=mask_spec,
         scale=scale,
         softcap=softcap,
+        rel_bias=rel_bias,
     )
     out, lse = run_clean(flash_job(req), req)
     return out.contiguous(), lse.contiguous()
 
 
 @flash_fwd.register_fake
-def _(q, k, v, mask_tensors, float_mask, bias, mask_spec, scale, softcap):
+def _(q, k, v, mask_tensors, float_mask, bias, mask_spec, scale, softcap, rel_bias):
     B, H, L, _ = q.shape
     return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, dtype=acc_dtype(q.dtype))
 
@@ -111,6 +151,7 @@ def flash_bwd(
     mask_spec: str,
     scale: float,
     softcap: float | None,
+    rel_bias: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of `flash_fwd`, recomputed tile by tile from the saved out and lse."""
     req = _request(
@@ -123,6 +164,7 @@ def flash_bwd(
         mask_spec=mask_spec,
         scale=scale,
         softcap=softcap,
+        rel_bias=rel_bias,
     )
     job = flash_job(req)
     qp, kp, vp, Dv = prepare_inputs(req, job.engine)
@@ -140,20 +182,20 @@ def flash_bwd(
 
 
 @flash_bwd.register_fake
-def _(dout, dlse, q, k, v, out, lse, mask_tensors, float_mask, bias, mask_spec, scale, softcap):
+def _(dout, dlse, q, k, v, out, lse, mask_tensors, float_mask, bias, mask_spec, scale, softcap, rb):
     # contiguous whatever the inputs' layout, as the real kernel returns them
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, mask_tensors, float_mask, bias, mask_spec, scale, softcap = inputs
+    q, k, v, mask_tensors, float_mask, bias, mask_spec, scale, softcap, rel_bias = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, float_mask, bias, *mask_tensors)
+    ctx.save_for_backward(q, k, v, out, lse, float_mask, bias, rel_bias, *mask_tensors)
     ctx.mask_spec, ctx.scale, ctx.softcap = mask_spec, scale, softcap
 
 
 def _backward(ctx, dout: Tensor, dlse: Tensor):
-    q, k, v, out, lse, float_mask, bias, *mask_tensors = ctx.saved_tensors
+    q, k, v, out, lse, float_mask, bias, rel_bias, *mask_tensors = ctx.saved_tensors
     dq, dk, dv = flash_bwd(
         dout,
         dlse,
@@ -168,8 +210,9 @@ def _backward(ctx, dout: Tensor, dlse: Tensor):
         ctx.mask_spec,
         ctx.scale,
         ctx.softcap,
+        rel_bias,
     )
-    return dq, dk, dv, [None] * len(mask_tensors), None, None, None, None, None
+    return dq, dk, dv, [None] * len(mask_tensors), None, None, None, None, None, None
 
 
 flash_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -185,6 +228,7 @@ def flash_rule(
     float_mask: Tensor | None,
     bias: Tensor | None,
     mask_spec: str,
+    rel_bias: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """``(row_bad (B, H, L), bad (B, H, L, Dv))``: where the NaN rule puts NaN (original inputs)."""
     req = _request(
@@ -196,6 +240,7 @@ def flash_rule(
         bias=bias,
         mask_spec=mask_spec,
         scale=1.0,
+        rel_bias=rel_bias,
     )
     job = flash_job(req)
     row_bad, bad = poison_entries(req, job.plan, job.source, lse)
@@ -203,7 +248,7 @@ def flash_rule(
 
 
 @flash_rule.register_fake
-def _(q, k, v, lse, mask_tensors, float_mask, bias, mask_spec):
+def _(q, k, v, lse, mask_tensors, float_mask, bias, mask_spec, rel_bias):
     B, H, L, _ = q.shape
     shape = (B, H, L)
     return q.new_empty(shape, dtype=torch.bool), q.new_empty(
@@ -224,6 +269,10 @@ def compiled_flash(req: Request) -> tuple[Tensor, Tensor]:
         # functions are likewise not evaluated), so a mask without a spec needs no operator
         spec = ("", [])
     bias = req.bias if isinstance(req.bias, Tensor) else None
+    table = None
+    if req.bias is not None and bias is None:  # a relative function (`flash_supports` checked)
+        d = req.dims
+        table = offset_table(req.bias, d.H, d.L, d.S, req.q.device)  # type: ignore[arg-type]
     q, k, v = nan_rule.clean(req.q), nan_rule.clean(req.k), nan_rule.clean(req.v)
     if req.score != "dot":
         s = get_score(req.score)
@@ -231,9 +280,23 @@ def compiled_flash(req: Request) -> tuple[Tensor, Tensor]:
     clean_mask = None if float_mask is None else nan_rule.clean_bias(float_mask)
     clean_b = None if bias is None else nan_rule.clean_bias(bias)
     scale = req.scale / req.temperature
-    out, lse = flash_fwd(q, k, v, spec[1], clean_mask, clean_b, spec[0], scale, req.softcap)
-    row_bad, bad = flash_rule(req.q, req.k, req.v, lse, spec[1], float_mask, bias, spec[0])
+    clean_t = None if table is None else nan_rule.clean_bias(table)
+    # AOTInductor passes an empty Tensor[] to an operator as None (torch 2.13: its proxy executor
+    # cannot tell [] from an absent list); `from_spec` ignores tensors past the spec's, so a
+    # spec without tensors travels with one empty placeholder
+    tensors = spec[1] or [req.q.new_empty(0)]
+    out, lse = flash_fwd(
+        q, k, v, tensors, clean_mask, clean_b, spec[0], scale, req.softcap, clean_t
+    )
+    row_bad, bad = flash_rule(req.q, req.k, req.v, lse, tensors, float_mask, bias, spec[0], table)
     return nan_rule.add_nan(out, bad), torch.where(row_bad, float("nan"), lse)
 
 
-__all__ = ["compiled_flash", "flash_bwd", "flash_fwd", "flash_rule"]
+__all__ = [
+    "OffsetTable",
+    "compiled_flash",
+    "flash_bwd",
+    "flash_fwd",
+    "flash_rule",
+    "offset_table",
+]

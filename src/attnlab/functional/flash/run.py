@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ...masks import Mask
 from .. import nan_rule, reference
-from ..request import BiasFn, Request, request_dense
+from ..request import BiasFn, Request, is_relative_bias, request_dense
 from ..tiling import Plan
 from ..validate import plain_request
 from . import band_kernel
@@ -120,8 +120,11 @@ def flash_run(req: Request) -> tuple[Tensor, None]:
 
 def _compile_declines(req: Request) -> str | None:
     """What flash cannot run under torch.compile (see `functional.flash.ops`)."""
-    if req.bias is not None and not isinstance(req.bias, Tensor):
-        return "under torch.compile flash takes bias tensors, not bias functions"
+    if req.bias is not None and not isinstance(req.bias, Tensor) and not is_relative_bias(req.bias):
+        return (
+            "under torch.compile flash takes bias tensors and relative bias functions "
+            "(fn.relative = True: ALiBi, T5), not other bias functions"
+        )
     if isinstance(req.mask, Mask) and req.mask.spec() is None:
         return "under torch.compile flash needs a mask with a spec (not from_fn)"
     for t in (req.mask, req.bias):
