@@ -76,20 +76,9 @@ def rate_key(dtype: str, threads: int | None = None) -> dict[str, Any]:
 
 def _entries(path: Path) -> list[dict[str, Any]]:
     """The file's entries. Raises OSError (unreadable) or ValueError (not a rate cache)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"not UTF-8 ({e.reason})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f'not a matmul-rate cache (no "format": "{FORMAT}")')
-    if data.get("version") != VERSION:
-        raise ValueError(f"version {data.get('version')!r}, this attnlab reads {VERSION}")
-    entries = data.get("entries")
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise ValueError("'entries' must be a list of objects")
-    return entries
+    from ..functional import thresholds
+
+    return thresholds.read_entries(path, FORMAT, VERSION, "matmul-rate cache")
 
 
 def read_rate(path: Path, key: dict[str, Any]) -> Rate | None:

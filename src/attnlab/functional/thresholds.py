@@ -70,6 +70,12 @@ BUILTIN = Thresholds(band=1 << 16, sparse=1 << 18, long=1 << 24, source=BUILTIN_
 
 _TABLE: dict[torch.dtype, Thresholds] | None = None  # this machine's entries, once loaded
 _WHY: str = ""  # why the cache is not in use (for `describe`), once loaded
+# What compiled code reads: the entries loaded so far, one dict updated in place. Compiled code
+# never reads `_TABLE`: Dynamo would guard on ``_TABLE is None``, and the first eager call after
+# a compiled one (it loads the file) would recompile every compiled graph, even when the file
+# holds nothing (tests/test_inductor_models.py). A guard on this dict's entries fails only when
+# loading really added some, and then the recompile sees them, as eager does.
+_LOADED: dict[torch.dtype, Thresholds] = {}
 
 
 def enabled() -> bool:
@@ -137,11 +143,12 @@ def _entry_thresholds(entry: dict[str, Any], path: Path) -> Thresholds:
     return Thresholds(**values, source=source)
 
 
-def read_cache(path: Path, cpuinfo: str | None = None) -> dict[torch.dtype, Thresholds]:
-    """The entries of ``path`` that match this machine, by dtype.
+def read_entries(path: Path, fmt: str, version: int, what: str) -> list[dict[str, Any]]:
+    """The ``entries`` of one of attnlab's per-machine JSON caches (``{"format": fmt,
+    "version": version, "entries": [...]}``: these thresholds, `attnlab.analysis.rates`).
 
     Raises:
-        OSError: the file cannot be read. ValueError: it is not a valid cache file.
+        OSError: the file cannot be read. ValueError: it is not a valid ``what`` file.
     """
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -149,13 +156,23 @@ def read_cache(path: Path, cpuinfo: str | None = None) -> dict[torch.dtype, Thre
         raise ValueError(f"not UTF-8 ({e.reason})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"not JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f'not a thresholds cache (no "format": "{FORMAT}")')
-    if data.get("version") != VERSION:
-        raise ValueError(f"version {data.get('version')!r}, this attnlab reads {VERSION}")
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        raise ValueError(f'not a {what} (no "format": "{fmt}")')
+    if data.get("version") != version:
+        raise ValueError(f"version {data.get('version')!r}, this attnlab reads {version}")
     entries = data.get("entries")
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ValueError("'entries' must be a list of objects")
+    return entries
+
+
+def read_cache(path: Path, cpuinfo: str | None = None) -> dict[torch.dtype, Thresholds]:
+    """The entries of ``path`` that match this machine, by dtype.
+
+    Raises:
+        OSError: the file cannot be read. ValueError: it is not a valid cache file.
+    """
+    entries = read_entries(path, FORMAT, VERSION, "thresholds cache")
     found: dict[torch.dtype, Thresholds] = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         key = machine_key(dtype, cpuinfo)
@@ -193,6 +210,8 @@ def load(*, reload: bool = False) -> dict[torch.dtype, Thresholds]:
                 stacklevel=2,
             )
     _TABLE, _WHY = table, why
+    _LOADED.clear()
+    _LOADED.update(table)
     return table
 
 
@@ -200,14 +219,15 @@ def reset() -> None:
     """Forgets what was loaded: the next `for_dtype` outside a compiled region reads again."""
     global _TABLE, _WHY
     _TABLE, _WHY = None, ""
+    _LOADED.clear()
 
 
 def for_dtype(dtype: torch.dtype) -> Thresholds:
     """Auto's thresholds for inputs of ``dtype`` (no file I/O after the first call)."""
+    if torch.compiler.is_compiling():  # never read a file inside a compiled region
+        return _LOADED.get(dtype, BUILTIN)
     table = _TABLE
     if table is None:
-        if torch.compiler.is_compiling():  # never read a file inside a compiled region
-            return BUILTIN
         table = load()
     return table.get(dtype, BUILTIN)
 
