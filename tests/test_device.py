@@ -92,8 +92,10 @@ COMMANDS = {
 }
 #: Commands without ``--device``, with the reason.
 HOST_ONLY = {
-    "advise": "arithmetic on the cost model; without --gflops it times one host matmul for the "
-    "rate (the advice is for the machine it runs on)",
+    "advise": "arithmetic on the cost model; without --gflops it reads this machine's cached "
+    "matmul rate (measured on the host once: the advice is for the machine it runs on)",
+    "build": "compiles attnlab's C++ kernels for this CPU (host code, no tensors)",
+    "info": "reports the host: its CPU, torch and the C++ kernels built for it",
     "textbook": "reproduces the texts' claims in float64 on the host: its printed numbers must be "
     "the same on every machine (docs/textbook.md is checked for drift)",
 }

@@ -473,3 +473,35 @@ def test_torch_bug_inductor_folds_float_times_int_zero():
     x = torch.tensor([float("nan"), float("inf"), 1.0])
     got = torch.compile(lambda x: x * 0, fullgraph=True)(x)
     assert got[:2].isnan().all() and got[2] == 0
+
+
+@pytest.mark.slow  # one AOTInductor build
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch 2.13 AOTInductor: the proxy executor passes None for an empty Tensor[] "
+    "argument of a custom op (it cannot tell [] from an absent optional list); attnlab's "
+    "compiled_flash passes a placeholder tensor instead",
+)
+def test_torch_bug_aoti_empty_tensor_list(tmp_path):
+    """Stand-alone reproducer of the AOTInductor bug `ops.compiled_flash` routes around."""
+
+    @torch.library.custom_op("attnlab_test::scale_list", mutates_args=())
+    def scale(x: torch.Tensor, extra: list[torch.Tensor]) -> torch.Tensor:
+        out = x * 2
+        for e in extra:
+            out = out + e
+        return out
+
+    @scale.register_fake
+    def _(x, extra):
+        return torch.empty_like(x)
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return scale(x, [])
+
+    x = torch.randn(4)
+    ep = torch.export.export(M(), (x,))
+    assert torch.equal(ep.module()(x), x * 2)
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"))
+    assert torch.equal(torch._inductor.aoti_load_package(path)(x), x * 2)

@@ -485,7 +485,9 @@ class Mask:
 
 
 def _check_lengths(L: int, S: int) -> None:
-    if not (isinstance(L, int) and isinstance(S, int)) or L < 0 or S < 0:
+    # a torch.SymInt is a symbolic length (dynamic shapes, torch.export with a Dim)
+    ints = (int, torch.SymInt)
+    if not (isinstance(L, ints) and isinstance(S, ints)) or L < 0 or S < 0:
         raise ValueError(f"mask lengths must be non-negative ints, got L={L!r}, S={S!r}")
 
 

@@ -154,6 +154,11 @@ def flash_bwd(
     rel_bias: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of `flash_fwd`, recomputed tile by tile from the saved out and lse."""
+    if dlse is not None and not bool(dlse.any()):
+        # a compiled graph passes zeros for an lse nobody differentiates: the job's dS path
+        # (for an lse gradient) would replace its C++ kernels (82x slower, sliding window 256,
+        # L = 4096, benchmarks/bench_compile.py)
+        dlse = None
     req = _request(
         q,
         k,
@@ -218,6 +223,12 @@ def _backward(ctx, dout: Tensor, dlse: Tensor):
 flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _finite(*xs: Tensor) -> bool:
+    """Every entry of every ``x`` is finite: one sum each (in float32 for 16-bit inputs); a sum
+    of finite values that overflows only answers False."""
+    return all(bool(torch.isfinite(x.sum(dtype=acc_dtype(x.dtype)))) for x in xs)
+
+
 @torch.library.custom_op("attnlab::flash_rule", mutates_args=())
 def flash_rule(
     q: Tensor,
@@ -231,6 +242,12 @@ def flash_rule(
     rel_bias: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """``(row_bad (B, H, L), bad (B, H, L, Dv))``: where the NaN rule puts NaN (original inputs)."""
+    B, H, L, Dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
+    if float_mask is None and bias is None and rel_bias is None and _finite(q, k, v):
+        # finite inputs and no additive term: nothing to poison (eager skips the rule likewise,
+        # `flash_run_lse`), without the per-tile search of `poison_entries`
+        shape = (B, H, L)
+        return q.new_zeros(shape, dtype=torch.bool), q.new_zeros((*shape, Dv), dtype=torch.bool)
     req = _request(
         q,
         k,
