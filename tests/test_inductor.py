@@ -403,23 +403,32 @@ def _strided_qkv(dtype=torch.float32, n=150, h_kv=2):
     return _split("fused_qkv", (x,), h_kv)
 
 
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan"])
 @pytest.mark.parametrize(
     "mask", [masks.sliding_window(48) & masks.padding([120, 150]), None], ids=["window", "none"]
 )
-def test_custom_ops_opcheck_on_strided_inputs(mask):
+def test_custom_ops_opcheck_on_strided_inputs(mask, nan):
     """`torch.library.opcheck`: schema, fake kernels (their strides equal the real kernel's for
-    any input layout), autograd registration and AOT dispatch, on fused-QKV views."""
-    q, k, v = (t.detach().requires_grad_(True) for t in _strided_qkv())
+    any input layout), autograd registration and AOT dispatch, on fused-QKV views — with finite
+    inputs (the backward reads them as they are) and with a NaN (it recomputes the clean call)."""
+    q, k, v = (t.detach() for t in _strided_qkv())
+    if nan:
+        k[1, 0, 100, 3] = float("nan")
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     spec, tensors = ("", []) if mask is None else mask.spec()
     table = ops.offset_table(ALIBI, H, q.shape[2], k.shape[2], q.device)  # ALiBi, (H, L + S − 1)
+    # opcheck compares outputs without equal_nan: NaN outputs (the rule's) skip that one check;
+    # the grid's rows (a NaN in every one) compare them with the reference instead
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    kw = {"test_utils": utils} if nan else {}
     fwd = (q, k, v, tensors, None, None, spec, D**-0.5, None, table)
-    torch.library.opcheck(ops.flash_fwd, fwd)
-    out, lse = ops.flash_fwd(*fwd)
+    torch.library.opcheck(ops.flash_fwd, fwd, **kw)
+    out, lse, touched = ops.flash_fwd(*fwd)
+    assert bool(touched) == nan
     dout = torch.randn_like(out)
-    bwd = (dout, None, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach())
-    torch.library.opcheck(ops.flash_bwd, (*bwd, tensors, None, None, spec, D**-0.5, None, table))
-    rule = (q, k, v, lse.detach(), tensors, None, None, spec, table)
-    torch.library.opcheck(ops.flash_rule, rule)
+    bwd = (dout, None, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), touched)
+    args = (*bwd, tensors, None, None, spec, D**-0.5, None, table)
+    torch.library.opcheck(ops.flash_bwd, args, **kw)
 
 
 def test_fake_kernels_return_the_real_strides():
@@ -429,22 +438,17 @@ def test_fake_kernels_return_the_real_strides():
 
     q, k, v = (t.contiguous().transpose(1, 2) for t in _strided_qkv())
     spec, tensors = masks.causal().spec()
-    fwd = (q, k, v, tensors, None, None, spec, D**-0.5, None, None)
-    out, lse = ops.flash_fwd(*fwd)
-    real = [
-        (out, lse),
-        ops.flash_bwd(out, None, q, k, v, out, lse, tensors, None, None, spec, 0.2, None, None),
-        ops.flash_rule(q, k, v, lse, tensors, None, None, spec, None),
-    ]
+    args = (tensors, None, None, spec, D**-0.5, None, None)
+    out, lse, t = ops.flash_fwd(q, k, v, *args)
+    real = [(out, lse, t), ops.flash_bwd(out, None, q, k, v, out, lse, t, *args)]
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fq, fk, fv, fo, fl = (mode.from_tensor(t) for t in (q, k, v, out, lse))
+        fq, fk, fv, fo, fl, ft = (mode.from_tensor(x) for x in (q, k, v, out, lse, t))
         fake = [
-            ops.flash_fwd(fq, fk, fv, [], None, None, spec, D**-0.5, None, None),
-            ops.flash_bwd(fo, None, fq, fk, fv, fo, fl, [], None, None, spec, 0.2, None, None),
-            ops.flash_rule(fq, fk, fv, fl, [], None, None, spec, None),
+            ops.flash_fwd(fq, fk, fv, *args),
+            ops.flash_bwd(fo, None, fq, fk, fv, fo, fl, ft, *args),
         ]
     for r, f in zip(real, fake, strict=True):
-        assert [t.stride() for t in r] == [t.stride() for t in f]
+        assert [x.stride() for x in r] == [x.stride() for x in f]
 
 
 @pytest.mark.xfail(

@@ -26,10 +26,9 @@ from ...masks import Mask, from_spec, from_tensor
 from .. import nan_rule
 from ..request import BiasFn, Request, check_bias_output
 from ..scores import get_score
-from .autograd import run_clean
+from .eager import flash_run_marked
 from .engines import Residuals, acc_dtype
 from .plan import flash_job, prepare_inputs
-from .poison import poison_entries
 
 
 class OffsetTable:
@@ -112,8 +111,11 @@ def flash_fwd(
     scale: float,
     softcap: float | None,
     rel_bias: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    """``(out (B, H, L, Dv), lse (B, H, L))`` of clean (finite) inputs, before the NaN rule."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out (B, H, L, Dv), lse (B, H, L), touched ())``: the eager flash call on the inputs as
+    given, the NaN rule included (`eager.flash_run_marked`: finite inputs are read, not copied);
+    ``touched`` says whether the rule cleaned or poisoned anything (then the backward recomputes
+    the clean forward: `flash_bwd`)."""
     req = _request(
         q,
         k,
@@ -126,14 +128,18 @@ def flash_fwd(
         softcap=softcap,
         rel_bias=rel_bias,
     )
-    out, lse = run_clean(flash_job(req), req)
-    return out.contiguous(), lse.contiguous()
+    out, lse, touched = flash_run_marked(req)
+    return out.contiguous(), lse.contiguous(), torch.tensor(bool(touched))
 
 
 @flash_fwd.register_fake
 def _(q, k, v, mask_tensors, float_mask, bias, mask_spec, scale, softcap, rel_bias):
     B, H, L, _ = q.shape
-    return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, dtype=acc_dtype(q.dtype))
+    return (
+        q.new_empty(B, H, L, v.shape[-1]),
+        q.new_empty(B, H, L, dtype=acc_dtype(q.dtype)),
+        q.new_empty((), dtype=torch.bool),
+    )
 
 
 @torch.library.custom_op("attnlab::flash_bwd", mutates_args=())
@@ -145,6 +151,7 @@ def flash_bwd(
     v: Tensor,
     out: Tensor,
     lse: Tensor,
+    touched: Tensor,
     mask_tensors: list[Tensor],
     float_mask: Tensor | None,
     bias: Tensor | None,
@@ -153,23 +160,35 @@ def flash_bwd(
     softcap: float | None,
     rel_bias: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of `flash_fwd`, recomputed tile by tile from the saved out and lse."""
-    if dlse is not None and not bool(dlse.any()):
-        # a compiled graph passes zeros for an lse nobody differentiates: the job's dS path
-        # (for an lse gradient) would replace its C++ kernels (82x slower, sliding window 256,
-        # L = 4096, benchmarks/bench_compile.py)
-        dlse = None
+    """``(dq, dk, dv)`` of `flash_fwd`, recomputed tile by tile — as eager's autograd gives them.
+
+    The gradients are those of the clean computation (the NaN rule's poison is a constant, a
+    cleaned entry gets 0): untouched calls run the backward on the inputs and the saved ``out``
+    and ``lse`` as they are; touched ones clean the inputs and recompute the clean forward
+    first. Rows the rule poisoned pass no lse gradient (as through eager's ``where``).
+    """
+    if dlse is not None:
+        dlse = torch.where(torch.isnan(lse), 0.0, dlse)
+        if not bool(dlse.any()):
+            # a compiled graph passes zeros for an lse nobody differentiates: the job's dS path
+            # (for an lse gradient) would replace its C++ kernels (82x slower, sliding window
+            # 256, L = 4096, benchmarks/bench_compile.py)
+            dlse = None
+    clean = bool(touched)
+    raw = (q, k, v)
+    if clean:
+        q, k, v = (nan_rule.clean(x) for x in raw)
     req = _request(
         q,
         k,
         v,
         mask_tensors=mask_tensors,
-        float_mask=float_mask,
-        bias=bias,
+        float_mask=None if float_mask is None else nan_rule.clean_bias(float_mask),
+        bias=None if bias is None else nan_rule.clean_bias(bias),
         mask_spec=mask_spec,
         scale=scale,
         softcap=softcap,
-        rel_bias=rel_bias,
+        rel_bias=None if rel_bias is None else nan_rule.clean_bias(rel_bias),
     )
     job = flash_job(req)
     qp, kp, vp, Dv = prepare_inputs(req, job.engine)
@@ -177,30 +196,36 @@ def flash_bwd(
     if job.scale < 0:  # as `run_clean`: scale·(q·k) = |scale|·((−q)·k)
         qp, job.scale, sign = -qp, -job.scale, -1.0
     width = vp.shape[-1]
-    if width != Dv:  # the kernel engine ran on zero-padded values
+    if clean:  # the saved out/lse are poisoned: the clean ones, at the engine's width
+        out, lse = job.forward(qp, kp, vp)
+    elif width != Dv:  # the kernel engine ran on zero-padded values
         out = torch.nn.functional.pad(out, (0, width - Dv))
+    if width != Dv:
         dout = torch.nn.functional.pad(dout, (0, width - Dv))
     res = Residuals(dout=dout.contiguous(), q=qp, k=kp, v=vp, out=out.contiguous(), lse=lse)
     dq, dk, dv = job.backward(res, dlse)
     D = q.shape[-1]
-    return (dq[..., :D] * sign).contiguous(), dk[..., :D].contiguous(), dv[..., :Dv].contiguous()
+    grads = [dq[..., :D] * sign, dk[..., :D], dv[..., :Dv]]
+    if clean:  # `nan_rule.clean`'s gradient: 0 at the entries it replaced
+        grads = [torch.where(torch.isfinite(x), g, 0.0) for x, g in zip(raw, grads, strict=True)]
+    return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
 
 
 @flash_bwd.register_fake
-def _(dout, dlse, q, k, v, out, lse, mask_tensors, float_mask, bias, mask_spec, scale, softcap, rb):
+def _(dout, dlse, q, k, v, out, lse, t, tensors, float_mask, bias, spec, scale, softcap, rb):
     # contiguous whatever the inputs' layout, as the real kernel returns them
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, mask_tensors, float_mask, bias, mask_spec, scale, softcap, rel_bias = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, float_mask, bias, rel_bias, *mask_tensors)
+    out, lse, touched = output
+    ctx.save_for_backward(q, k, v, out, lse, touched, float_mask, bias, rel_bias, *mask_tensors)
     ctx.mask_spec, ctx.scale, ctx.softcap = mask_spec, scale, softcap
 
 
-def _backward(ctx, dout: Tensor, dlse: Tensor):
-    q, k, v, out, lse, float_mask, bias, rel_bias, *mask_tensors = ctx.saved_tensors
+def _backward(ctx, dout: Tensor, dlse: Tensor, _touched: Tensor | None):
+    q, k, v, out, lse, touched, float_mask, bias, rel_bias, *mask_tensors = ctx.saved_tensors
     dq, dk, dv = flash_bwd(
         dout,
         dlse,
@@ -209,6 +234,7 @@ def _backward(ctx, dout: Tensor, dlse: Tensor):
         v,
         out,
         lse,
+        touched,
         mask_tensors,
         float_mask,
         bias,
@@ -223,58 +249,8 @@ def _backward(ctx, dout: Tensor, dlse: Tensor):
 flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _finite(*xs: Tensor) -> bool:
-    """Every entry of every ``x`` is finite: one sum each (in float32 for 16-bit inputs); a sum
-    of finite values that overflows only answers False."""
-    return all(bool(torch.isfinite(x.sum(dtype=acc_dtype(x.dtype)))) for x in xs)
-
-
-@torch.library.custom_op("attnlab::flash_rule", mutates_args=())
-def flash_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lse: Tensor,
-    mask_tensors: list[Tensor],
-    float_mask: Tensor | None,
-    bias: Tensor | None,
-    mask_spec: str,
-    rel_bias: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    """``(row_bad (B, H, L), bad (B, H, L, Dv))``: where the NaN rule puts NaN (original inputs)."""
-    B, H, L, Dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
-    if float_mask is None and bias is None and rel_bias is None and _finite(q, k, v):
-        # finite inputs and no additive term: nothing to poison (eager skips the rule likewise,
-        # `flash_run_lse`), without the per-tile search of `poison_entries`
-        shape = (B, H, L)
-        return q.new_zeros(shape, dtype=torch.bool), q.new_zeros((*shape, Dv), dtype=torch.bool)
-    req = _request(
-        q,
-        k,
-        v,
-        mask_tensors=mask_tensors,
-        float_mask=float_mask,
-        bias=bias,
-        mask_spec=mask_spec,
-        scale=1.0,
-        rel_bias=rel_bias,
-    )
-    job = flash_job(req)
-    row_bad, bad = poison_entries(req, job.plan, job.source, lse)
-    return row_bad.clone(memory_format=torch.contiguous_format), bad.contiguous()
-
-
-@flash_rule.register_fake
-def _(q, k, v, lse, mask_tensors, float_mask, bias, mask_spec, rel_bias):
-    B, H, L, _ = q.shape
-    shape = (B, H, L)
-    return q.new_empty(shape, dtype=torch.bool), q.new_empty(
-        (*shape, v.shape[-1]), dtype=torch.bool
-    )
-
-
 def compiled_flash(req: Request) -> tuple[Tensor, Tensor]:
-    """`flash_run_lse` through the custom operators (clean, flash_fwd, flash_rule, add NaN)."""
+    """`flash_run_lse` as one custom operator (`flash_fwd`, its gradient `flash_bwd`)."""
     mask, float_mask = req.mask, None
     if isinstance(mask, Tensor):
         mask, float_mask = (from_tensor(mask), None) if mask.dtype == torch.bool else (None, mask)
@@ -290,30 +266,19 @@ def compiled_flash(req: Request) -> tuple[Tensor, Tensor]:
     if req.bias is not None and bias is None:  # a relative function (`flash_supports` checked)
         d = req.dims
         table = offset_table(req.bias, d.H, d.L, d.S, req.q.device)  # type: ignore[arg-type]
-    q, k, v = nan_rule.clean(req.q), nan_rule.clean(req.k), nan_rule.clean(req.v)
-    if req.score != "dot":
+    q, k = req.q, req.k
+    if req.score != "dot":  # non-finite rows stay non-finite: the rule sees the same rows
         s = get_score(req.score)
         q, k = s.prepare(q), s.prepare(k)
-    clean_mask = None if float_mask is None else nan_rule.clean_bias(float_mask)
-    clean_b = None if bias is None else nan_rule.clean_bias(bias)
     scale = req.scale / req.temperature
-    clean_t = None if table is None else nan_rule.clean_bias(table)
     # AOTInductor passes an empty Tensor[] to an operator as None (torch 2.13: its proxy executor
     # cannot tell [] from an absent list); `from_spec` ignores tensors past the spec's, so a
     # spec without tensors travels with one empty placeholder
     tensors = spec[1] or [req.q.new_empty(0)]
-    out, lse = flash_fwd(
-        q, k, v, tensors, clean_mask, clean_b, spec[0], scale, req.softcap, clean_t
+    out, lse, _ = flash_fwd(
+        q, k, req.v, tensors, float_mask, bias, spec[0], scale, req.softcap, table
     )
-    row_bad, bad = flash_rule(req.q, req.k, req.v, lse, tensors, float_mask, bias, spec[0], table)
-    return nan_rule.add_nan(out, bad), torch.where(row_bad, float("nan"), lse)
+    return out, lse
 
 
-__all__ = [
-    "OffsetTable",
-    "compiled_flash",
-    "flash_bwd",
-    "flash_fwd",
-    "flash_rule",
-    "offset_table",
-]
+__all__ = ["OffsetTable", "compiled_flash", "flash_bwd", "flash_fwd", "offset_table"]

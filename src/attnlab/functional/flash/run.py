@@ -1,17 +1,11 @@
 """Running a request on the tiled backend: the registry's hooks and `flash_attention`.
 
-`flash_run_lse` applies the NaN rule around the clean computation: the tiles run on inputs whose
-non-finite entries are 0 (`nan_rule.clean_flagged`: on the C++ scan, finite inputs are not
-copied and, with no bias tensor, need no poisoning at all), and NaN is added back where the rule
-puts it. A forward without autograd whose plan is only batched band calls on attnlab's C++
-kernel skips the scans: the kernel tests the entries it reads and a find re-runs the call on the
-scanning path (`_run_band_checked`). Under ``torch.compile`` (and on ``meta`` tensors) the same
-computation runs as custom operators (`functional.flash.ops`).
+`flash_run_lse` runs the eager computation with the NaN rule around it (`eager.flash_run_marked`);
+under ``torch.compile`` (and on ``meta`` tensors) the same computation runs as one custom
+operator (`functional.flash.ops`).
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -19,14 +13,10 @@ from torch import Tensor
 from ...masks import Mask
 from .. import nan_rule, reference
 from ..request import BiasFn, Request, is_relative_bias, request_dense
-from ..tiling import Plan
 from ..validate import plain_request
-from . import band_kernel
-from .autograd import needs_grad, run_clean
-from .plan import flash_job, split_mask_bias
-from .poison import poison_entries
-
-_NAN = float("nan")
+from .autograd import needs_grad
+from .eager import band_kernel_covers, flash_run_marked
+from .plan import flash_job
 
 
 def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
@@ -42,75 +32,7 @@ def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
         from .ops import compiled_flash
 
         return compiled_flash(req)
-    checked = _run_band_checked(req, options)
-    if checked is not None:
-        return checked
-    float_mask = isinstance(req.mask, Tensor) and req.mask.dtype != torch.bool
-    (q, q_bad), (k, k_bad), (v, v_bad) = (nan_rule.clean_flagged(x) for x in (req.q, req.k, req.v))
-    clean_req = replace(
-        req,
-        q=q,
-        k=k,
-        v=v,
-        mask=nan_rule.clean_bias(req.mask) if float_mask else req.mask,  # type: ignore[arg-type]
-        bias=nan_rule.clean_bias(req.bias) if isinstance(req.bias, Tensor) else req.bias,
-    )
-    job = flash_job(clean_req, **options)  # type: ignore[arg-type]
-    out, lse = run_clean(job, clean_req)
-    if not (q_bad or k_bad or v_bad or float_mask or isinstance(req.bias, Tensor)):
-        # q, k, v are finite (scanned, `nan_rule.clean_flagged`) and no tensor holds a bias:
-        # only a bias function can still poison rows, and its NaN/+inf shows in the clean lse
-        if req.bias is None:
-            return out, lse
-        fn_bad = torch.isnan(lse) | torch.isposinf(lse)  # (B, H, L)
-        return nan_rule.add_nan(out, fn_bad.unsqueeze(-1)), torch.where(fn_bad, _NAN, lse)
-    if req.bias is None and not isinstance(req.mask, Tensor):
-        d = req.dims
-        if req.mask is None:
-            hi = torch.full((1, 1, 1), d.S, dtype=torch.long, device=req.q.device)
-            interval = (None, hi)
-        else:
-            interval = req.mask.key_interval(d.L, d.S, device=req.q.device)
-        if interval is not None and interval[0] is None:  # prefixes: one pass over out
-            return nan_rule.poison_prefix(
-                out, req.q, req.k, req.v, interval[1], lse=lse, own_out=True
-            )
-    original = replace(job.source, bias_tensors=split_mask_bias(req.mask, req.bias)[2])
-    row_bad, bad = poison_entries(req, job.plan, original, lse)
-    return nan_rule.add_nan(out, bad), torch.where(row_bad, float("nan"), lse)
-
-
-def _band_kernel_covers(plan: Plan, q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Every row of the call is in a batched band call of attnlab's C++ kernel, once."""
-    if plan.overlap or not band_kernel.runs_every_call(plan, q, k, v):
-        return False
-    calls = [c for g in plan.groups for c in g.calls]
-    B, L = q.shape[0], q.shape[2]
-    rows = sum((c.b1 - c.b0) * (c.r1 - c.r0) for c in calls)  # type: ignore[union-attr]
-    return rows == B * L and all(c.r1 <= L for c in calls)  # type: ignore[union-attr]
-
-
-def _run_band_checked(req: Request, options: dict[str, object]) -> tuple[Tensor, Tensor] | None:
-    """The forward of a plan made only of batched band calls on attnlab's C++ kernel (sliding
-    windows), without autograd, bias or tensor mask: the kernel tests the q, k and v entries it
-    reads for NaN/±inf while packing them (`band_kernel.checking_inputs`) instead of the three
-    scans of `nan_rule.clean_flagged` before the call (window 256, L = 16384, bf16 on a Xeon
-    with AMX: 2.4–4.1 ms of a 17–20 ms call). Finite inputs give exactly the scanning path's
-    result (the same job on the same tensors); None — run the scanning path — for any other
-    plan, or when the kernel found a non-finite entry.
-    """
-    if req.bias is not None or isinstance(req.mask, Tensor):
-        return None
-    if any(needs_grad(x) for x in (req.q, req.k, req.v)):
-        return None
-    job = flash_job(req, **options)  # type: ignore[arg-type]
-    if not _band_kernel_covers(job.plan, req.q, req.k, req.v):
-        return None
-    with band_kernel.checking_inputs() as found:
-        out, lse = run_clean(job, req)
-    if not found or any(found):
-        return None
-    return out, lse
+    return flash_run_marked(req, **options)[:2]
 
 
 def flash_run(req: Request) -> tuple[Tensor, None]:
@@ -239,7 +161,7 @@ def explain_plan(req: Request) -> str:
     grad = any(needs_grad(x) for x in (req.q, req.k, req.v))
     engines = job.engines(req.q, req.k, req.v, grad=grad)
     checked = req.bias is None and not isinstance(req.mask, Tensor) and not grad
-    if checked and _band_kernel_covers(job.plan, req.q, req.k, req.v):
+    if checked and band_kernel_covers(job.plan, req.q, req.k, req.v):
         engines.append("NaN/inf check: inside attnlab's band kernel, as it reads q, k, v")
     elif nan_rule.flash_ext_ready(req.q):
         engines.append("NaN/inf scan of q, k, v: attnlab's C++ scan (a copy only if one is found)")
