@@ -251,7 +251,7 @@ def test_span_and_plan_change_only_in_refresh_span():
 
 def test_forward_makes_no_host_sync_and_compiles_without_graph_breaks():
     """forward on meta tensors gives the shape; torch.compile(fullgraph=True) traces it (a graph
-    break would raise); the compiled forward + backward (aot_eager) equals eager, the gradient
+    break would raise); the compiled forward + backward (Inductor) equals eager, the gradient
     of z included, and so does the compiled inference (no_grad) forward."""
     dynamo.reset()
     try:

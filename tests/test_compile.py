@@ -2,7 +2,8 @@
 
 Graph breaks are counted with `torch._dynamo.explain`, recompiles with a `CompileCounter`
 backend; compiled forward+backward runs on ``aot_eager`` (AOTAutograd traces the backward, no
-C++ build) and is compared with eager. Sizes are tiny: the file is about compile time.
+C++ build) and is compared with eager. Sizes are tiny: the file is about tracing. What users run,
+Inductor, is tested in tests/test_inductor.py and tests/test_inductor_models.py.
 """
 
 from __future__ import annotations
