@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 # backend="auto" must not depend on a per-machine cache of measured thresholds
 # (attnlab.functional.thresholds): the suite always sees the built-in defaults, and subprocesses
 # started by tests inherit the setting. tests/test_thresholds.py turns the cache on where it is
@@ -19,3 +21,16 @@ if _WORKERS > 1:
     _threads = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and counters empty before and after a test that compiles (files that
+    compile use it for every test: ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()

@@ -21,11 +21,7 @@ from attnlab.positional import RoPE
 E, H = 32, 4
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    dynamo.reset()
-    yield
-    dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _mha(kind: str, dtype=torch.float32, backend: str = "sdpa") -> MultiHeadAttention:

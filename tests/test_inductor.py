@@ -36,12 +36,7 @@ from attnlab.testing import (
 B, L, H, D = 2, 193, 4, 32  # L: two flash tiles and a tail; odd, as the tolerance rule asks
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    dynamo.reset()
-    counters.clear()
-    yield
-    dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 # ----------------------------------------------------------------------------- the cases

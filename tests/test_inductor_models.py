@@ -21,7 +21,6 @@ import os
 
 import pytest
 import torch
-import torch._dynamo as dynamo
 from torch._dynamo.utils import counters
 
 from attnlab import masks
@@ -32,12 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    dynamo.reset()
-    counters.clear()
-    yield
-    dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _graphs() -> int:
