@@ -497,11 +497,11 @@ def state(name: str) -> str:
     """One phrase on kernel ``name`` for `attnlab.explain` and ``attnlab info``, without building
     or loading anything: ``"loaded"``, ``"built (not loaded yet)"``, ``"not built yet: …"``,
     ``"off (ATTNLAB_EXT=0)"``, ``"unavailable: REASON"``."""
+    if mode() == "off":  # `load` answers False then, whatever was loaded
+        return f"off ({ENV}={os.environ.get(ENV)})"
     answer = _STATE.get(name)
     if answer is True:
         return "loaded"
-    if mode() == "off":
-        return f"off ({ENV}={os.environ.get(ENV)})"
     if isinstance(answer, str):
         return f"unavailable in this process: {_one_line(answer, 160)}"
     try:

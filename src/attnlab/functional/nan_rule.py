@@ -87,10 +87,10 @@ class _Clean(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
-        if len(ctx.saved_tensors) == 1:
-            (x,) = ctx.saved_tensors
-            return torch.where(torch.isfinite(x), grad, 0.0)
-        x, c = ctx.saved_tensors
+        saved = ctx.saved_tensors  # read once (activation checkpointing unpacks each once)
+        if len(saved) == 1:
+            return torch.where(torch.isfinite(saved[0]), grad, 0.0)
+        x, c = saved
         return torch.where(x == c, grad, 0.0)
 
 
