@@ -43,6 +43,18 @@ def call_backend(backend: str, mask=None, bias=None, **kw):
     return impl
 
 
+def run_cli(argv, capsys):
+    """``(exit code, stdout, stderr)`` of ``attnlab ARGV`` run in this process."""
+    from attnlab import cli
+
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def fwd_bwd(fn, inputs, dout_seed=7):
     """``(out, grads)`` of ``fn(*inputs)`` for a seeded dout; zeros for unused inputs."""
     xs = [x.detach().clone().requires_grad_(True) for x in inputs]
@@ -63,6 +75,7 @@ __all__ = [
     "fwd_bwd",
     "mean_factor_for",
     "reference_for",
+    "run_cli",
     "seeded",
 ]
 

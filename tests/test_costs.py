@@ -14,7 +14,6 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import attnlab
-from attnlab import cli
 from attnlab.analysis.advise import advise, machine_info
 from attnlab.analysis.costs import (
     complexity_table,
@@ -25,6 +24,7 @@ from attnlab.analysis.costs import (
     parse_bytes,
 )
 from attnlab.models import GPT, TransformerBlock, TransformerConfig
+from helpers import run_cli
 
 BERT_BASE = dict(d_model=768, n_layers=12, n_heads=12, vocab_size=30522, learned_positions=512)
 
@@ -345,26 +345,17 @@ def test_machine_info_reads_amx_from_cpuinfo():
     assert machine_info("flags : fpu sse")["amx"] is False
 
 
-def _cli(argv, capsys):
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_cli_estimate_budget_complexity_io(capsys):
-    code, out, _ = _cli(
+    code, out, _ = run_cli(
         ["estimate", "--train", "--layers", "12", "--vocab", "30522", "--budget", "12GB"], capsys
     )
     kw = dict(d_model=768, n_layers=12, n_heads=12, vocab_size=30522)
     assert code == 0
     assert f"attention=naive: {max_seq_len('12GB', **kw):,}" in out
     assert f"attention=flash: {max_seq_len('12GB', attention='flash', **kw):,}" in out
-    code, out, _ = _cli(["estimate", "--complexity", "--seq", "512"], capsys)
+    code, out, _ = run_cli(["estimate", "--complexity", "--seq", "512"], capsys)
     assert code == 0 and f"{512**2 * 768:,}" in out and f"{512 * 768**2:,}" in out
-    code, out, _ = _cli(["estimate", "--io", "65536", "--seq", "4096"], capsys)
+    code, out, _ = run_cli(["estimate", "--io", "65536", "--seq", "4096"], capsys)
     assert (
         code == 0 and f"{io_tiled(4096, 64, 65536):,}" in out and f"{io_naive(4096, 64):,}" in out
     )
@@ -382,13 +373,13 @@ def test_cli_estimate_budget_complexity_io(capsys):
     ],
 )
 def test_cli_errors_are_one_line_exit_2(argv, message, capsys):
-    code, out, err = _cli(argv, capsys)
+    code, out, err = run_cli(argv, capsys)
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and message in err, err
 
 
 def test_cli_advise_json_is_the_library_advice(capsys):
-    code, out, _ = _cli(
+    code, out, _ = run_cli(
         ["advise", "--seq", "8192", "--gflops", "100", "--budget", "2GB", "--json"], capsys
     )
     assert code == 0
@@ -404,13 +395,13 @@ def test_cli_advise_measures_the_rate_in_its_dtype_when_not_given(capsys, monkey
     seen = []
     monkeypatch.setattr(advise_cli, "matmul_rate", lambda dtype: seen.append(dtype) or 123.0)
     argv = ["advise", "--seq", "4096", "--budget", "1GB", "--dtype", "bfloat16"]
-    code, out, _ = _cli([*argv, "--json"], capsys)
+    code, out, _ = run_cli([*argv, "--json"], capsys)
     data = json.loads(out)
     expect = advise(4096, "1GB", 123.0, dtype="bfloat16")
     assert code == 0 and seen == ["bfloat16"]
     assert data["inputs"]["gflops"] == 123.0 and data["rate_source"].startswith("measured")
     assert (data["choice"], data["reason"]) == (expect.choice, expect.reason)
-    code, out, _ = _cli(argv, capsys)
+    code, out, _ = run_cli(argv, capsys)
     assert "matmul rate 123.0 GFLOP/s (measured" in out and f"advice: {expect.choice}" in out
 
 

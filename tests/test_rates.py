@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from attnlab import cli
 from attnlab.analysis import rates
 from attnlab.cli import advise as advise_cli
+from helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 ADVISE = ["advise", "--seq", "6144", "--budget", "4GB", "--max-seconds", "2"]
@@ -95,15 +95,6 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _advise(argv, capsys):
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def _measure_with(monkeypatch, values):
     seen = []
 
@@ -120,15 +111,15 @@ def test_the_cache_is_per_dtype_and_recalibrate_replaces_the_entry(cache_dir, mo
     json_args = [*ADVISE, "--json"]
     rate_of = {}
     for dtype in ("float32", "bfloat16", "float32", "bfloat16"):
-        code, out, _ = _advise([*json_args, "--dtype", dtype], capsys)
+        code, out, _ = run_cli([*json_args, "--dtype", dtype], capsys)
         assert code == 0
         rate_of.setdefault(dtype, []).append(json.loads(out)["inputs"]["gflops"])
     assert seen == ["float32", "bfloat16"]  # measured once per dtype
     assert rate_of == {"float32": [100.0, 100.0], "bfloat16": [40.0, 40.0]}
-    code, out, _ = _advise([*ADVISE, "--recalibrate"], capsys)
+    code, out, _ = run_cli([*ADVISE, "--recalibrate"], capsys)
     assert code == 0 and seen == ["float32", "bfloat16", "float32"]
     assert "matmul rate 55.5 GFLOP/s (measured now: " in out
-    code, out, _ = _advise(json_args, capsys)
+    code, out, _ = run_cli(json_args, capsys)
     assert json.loads(out)["inputs"]["gflops"] == 55.5 and len(seen) == 3
     entries = json.loads((cache_dir / rates.FILE_NAME).read_text())["entries"]
     assert sorted((e["dtype"], e["gflops"]) for e in entries) == [
@@ -139,10 +130,10 @@ def test_the_cache_is_per_dtype_and_recalibrate_replaces_the_entry(cache_dir, mo
 
 def test_gflops_overrides_and_writes_nothing(cache_dir, monkeypatch, capsys):
     seen = _measure_with(monkeypatch, [])
-    code, out, _ = _advise([*ADVISE, "--gflops", "80", "--json"], capsys)
+    code, out, _ = run_cli([*ADVISE, "--gflops", "80", "--json"], capsys)
     assert code == 0 and seen == [] and json.loads(out)["rate_source"] == "given"
     assert not list(cache_dir.iterdir())
-    code, _, err = _advise([*ADVISE, "--gflops", "80", "--recalibrate"], capsys)
+    code, _, err = run_cli([*ADVISE, "--gflops", "80", "--recalibrate"], capsys)
     assert code == 2 and "argument --recalibrate: measures the rate that --gflops gives" in err
 
 
@@ -154,7 +145,7 @@ def test_an_entry_of_another_machine_or_thread_count_is_not_used(cache_dir, monk
     rates.write_rate(path, other)
     rates.write_rate(path, cpu)
     seen = _measure_with(monkeypatch, [70.0])
-    code, out, _ = _advise([*ADVISE, "--json"], capsys)
+    code, out, _ = run_cli([*ADVISE, "--json"], capsys)
     assert code == 0 and seen == ["float32"] and json.loads(out)["inputs"]["gflops"] == 70.0
     entries = json.loads(path.read_text())["entries"]
     assert [e["gflops"] for e in entries] == [1.0, 2.0, 70.0]  # the others are kept
@@ -165,7 +156,7 @@ def test_an_invalid_cache_warns_once_and_is_replaced(cache_dir, monkeypatch, cap
     path.write_text("{not json")
     seen = _measure_with(monkeypatch, [90.0])
     with pytest.warns(UserWarning, match=r"ignoring the matmul-rate cache .*not JSON"):
-        code, out, _ = _advise([*ADVISE, "--json"], capsys)
+        code, out, _ = run_cli([*ADVISE, "--json"], capsys)
     assert code == 0 and seen == ["float32"] and json.loads(out)["inputs"]["gflops"] == 90.0
     assert json.loads(path.read_text())["format"] == rates.FORMAT
     key = rates.rate_key("float32")
@@ -180,12 +171,12 @@ def test_with_the_cache_off_every_run_measures_and_nothing_is_written(
     monkeypatch.setenv("ATTNLAB_THRESHOLDS", "off")
     seen = _measure_with(monkeypatch, [10.0, 11.0])
     for want in (10.0, 11.0):
-        code, out, _ = _advise([*ADVISE, "--json"], capsys)
+        code, out, _ = run_cli([*ADVISE, "--json"], capsys)
         data = json.loads(out)
         assert code == 0 and data["inputs"]["gflops"] == want
         assert data["rate_source"].endswith("not cached (ATTNLAB_THRESHOLDS=off)")
     assert len(seen) == 2 and not list(cache_dir.iterdir())
-    code, _, err = _advise([*ADVISE, "--recalibrate"], capsys)
+    code, _, err = run_cli([*ADVISE, "--recalibrate"], capsys)
     assert code == 2 and "argument --recalibrate: ATTNLAB_THRESHOLDS=off turns" in err
 
 
