@@ -8,6 +8,7 @@ tolerance rule, or bit for bit against the path it replaces.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -214,30 +215,62 @@ def test_plan_cache_hits_and_invalidation(monkeypatch) -> None:
     ids = torch.arange(64) // 16
     mask = masks.document(ids)
     first = flash_plan.cached_plan(mask, **kw)
-    assert flash_plan.cached_plan(mask, **kw) is first  # same structure, same tensors: a hit
+    assert flash_plan.cached_plan(mask, **kw) is first  # same structure, same values: a hit
     assert flash_plan.cached_plan(masks.document(ids), **kw) is first  # same ids tensor
+    other = masks.document(torch.arange(64) // 16)  # equal values in another tensor: shared
+    assert flash_plan.cached_plan(other, **kw) is first
     assert flash_plan.cached_plan(mask, **{**kw, "H": 4}) is not first  # other shape
-    ids.copy_(torch.arange(64) // 32)  # in place: the version counter changes the key
+    ids.copy_(torch.arange(64) // 32)  # new values: another key
     second = flash_plan.cached_plan(mask, **kw)
     assert second is not first
     assert [(c.start, c.n, c.count) for g in second.groups for c in g.calls] == [(0, 32, 2)]
-    other = masks.document(torch.arange(64) // 16)  # equal values, another tensor: rebuilt
-    assert flash_plan.cached_plan(other, **kw) is not first
     fn_mask = masks.from_fn(lambda b, h, i, j: i >= j)  # no spec: never cached
     assert flash_plan.cached_plan(fn_mask, **kw) is not flash_plan.cached_plan(fn_mask, **kw)
     monkeypatch.setenv(flash_plan.PLAN_CACHE_ENV, "0")
     assert flash_plan.cached_plan(mask, **kw) is not flash_plan.cached_plan(mask, **kw)
 
 
-def test_plan_cache_skips_inference_tensors() -> None:
-    """Inference tensors have no version counter: such a mask is planned every time, and flash
-    runs on it (as in a transformers forward under ``torch.inference_mode``)."""
+def test_plan_cache_sees_memory_written_behind_torch() -> None:
+    """Issue 38 item 1: mask tensors refilled through NumPy views (no version bump, same data
+    pointer) with a permutation of the same values — a sum or a count cannot tell — are planned
+    again: the answer follows the values it runs on, for every mask family holding data."""
+    flash_plan.clear_plan_cache()
+    torch.manual_seed(0)
+    q, k, v = (x.expand(2, -1, -1, -1) for x in torch.randn(3, 1, 2, 600, 16))
+    ids, lengths, table = np.zeros(600, np.int64), np.zeros(2, np.int64), np.zeros((600, 600), bool)
+    tri = np.tril(np.ones((600, 600), bool))
+    family = {
+        "causal & document": masks.causal() & masks.document(torch.from_numpy(ids)),
+        "document": masks.document(torch.from_numpy(ids)),
+        "padding": masks.padding(torch.from_numpy(lengths)),
+        "tensor": masks.from_tensor(torch.from_numpy(table)),
+    }
+    # each second fill permutes the first: same multiset of ids, lengths and True counts
+    fills = [
+        ([0] * 300 + [1] * 300, [600, 450], tri),
+        ([0] * 100 + [1] * 300 + [0] * 200, [450, 600], tri.T),
+    ]
+    for name, mask in family.items():
+        for ids_now, lengths_now, table_now in fills:
+            held = mask.spec()[1][0]
+            before = (held.data_ptr(), held._version)
+            ids[:], lengths[:], table[:] = ids_now, lengths_now, table_now
+            assert (held.data_ptr(), held._version) == before  # invisible to torch
+            got = attention(q, k, v, mask=mask, backend="flash")
+            want = attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5, msg=name)
+    assert len(flash_plan._PLANS) >= 2 * len(family)  # one plan per contents
+
+
+def test_plan_cache_serves_inference_tensors() -> None:
+    """Inference tensors (no version counter, as in a transformers forward under
+    ``torch.inference_mode``) are cached by their contents too, and flash runs on them."""
     flash_plan.clear_plan_cache()
     kw = dict(B=1, H=2, L=64, S=64, block_q=16, block_k=16, band_block=16, bias=None)
     with torch.inference_mode():
         mask = masks.causal() & masks.document(torch.arange(64) // 16)
         first = flash_plan.cached_plan(mask, **kw)
-        assert flash_plan.cached_plan(mask, **kw) is not first  # planned again, no error
+        assert flash_plan.cached_plan(mask, **kw) is first
         q, k, v = torch.randn(3, 1, 2, 64, 8)
         out = attention(q, k, v, mask=mask, backend="flash")
         ref = attention(q, k, v, mask=mask, backend="reference")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import multiprocessing
 
+import numpy as np
 import pytest
 import torch
 
 import attnlab
 import ring_workers as W
-from attnlab.distributed import ring_attention
+from attnlab import masks
+from attnlab.distributed import ring_attention, ring_comm
 from attnlab.distributed.launch import run_local
 
 
@@ -353,3 +355,16 @@ def test_block_math_off_cpu_engine_equals_the_kernel(kind, monkeypatch):
         torch.testing.assert_close(a.to(b.dtype), b, atol=2e-6, rtol=1e-5)
     if tile is not None:
         assert torch.isneginf(lse[:, :, 3]).all() and (out[:, :, 3] == 0).all()
+
+
+def test_mask_fingerprint_reads_values_written_behind_torch():
+    """Issue 38 item 1: the handshake's fingerprint follows the ids' values, not the tensor's
+    identity and version counter (a NumPy view writes without bumping them)."""
+    buf = np.zeros(64, dtype=np.int64)
+    mask = masks.causal() & masks.document(torch.from_numpy(buf))
+    buf[:] = [0] * 32 + [1] * 32
+    first = ring_comm._mask_fingerprint(mask)
+    buf[:] = [0] * 16 + [1] * 32 + [0] * 16  # a permutation: same counts
+    assert ring_comm._mask_fingerprint(mask) != first
+    buf[:] = [0] * 32 + [1] * 32
+    assert ring_comm._mask_fingerprint(mask) == first

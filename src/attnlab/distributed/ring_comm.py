@@ -14,7 +14,6 @@ import functools
 import hashlib
 import time
 import types
-import weakref
 import zlib
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._digest import tensor_digest
 from ..masks import Mask
 from .ring_layout import LAYOUTS, chunk_ids
 
@@ -195,7 +195,7 @@ def _feed(h, obj: object, seen: set[int], depth: int = 0) -> None:
         return
     seen = seen | {id(obj)}
     if isinstance(obj, Tensor):
-        h.update(_tensor_digest(obj))
+        h.update(tensor_digest(obj))  # read every time: values may change behind torch
         return
     parts: list[object]
     if isinstance(obj, list | tuple):
@@ -220,28 +220,6 @@ def _feed(h, obj: object, seen: set[int], depth: int = 0) -> None:
     h.update(f"[{len(parts)}]".encode())
     for x in parts:
         _feed(h, x, seen, depth + 1)
-
-
-# Digests of mask tensors by id, recomputed only when the tensor changes in place (its _version);
-# an entry goes when its tensor does. (Tensors cannot be dict keys: == is elementwise.)
-_DIGESTS: dict[int, tuple[weakref.ref, int, bytes]] = {}
-
-
-def _tensor_digest(x: Tensor) -> bytes:
-    """A digest of a tensor's dtype, shape and contents (wherever it lives)."""
-    cached = _DIGESTS.get(id(x))
-    if cached is not None and cached[0]() is x and cached[1] == x._version:
-        return cached[2]
-    t = x.detach().reshape(-1).cpu().contiguous()
-    h = hashlib.blake2b(f"{t.dtype}{tuple(x.shape)}".encode(), digest_size=16)
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    key = id(x)
-    _DIGESTS[key] = (
-        weakref.ref(x, lambda _, key=key: _DIGESTS.pop(key, None)),
-        x._version,
-        h.digest(),
-    )
-    return h.digest()
 
 
 _DATA = (Tensor, bool, int, float, complex, str, bytes, list, tuple, dict)

@@ -15,8 +15,8 @@ How it runs:
    the block: one batched call per offset, sharing ONE additive tile, merged by log-sum-exp.
    Packed documents (``document(ids)``, optionally ``& causal()``, block-diagonal) run as
    batched *segment* calls: consecutive documents of equal length form ONE kernel call over
-   strided views. Plans are cached per shape and mask structure (`plan.cached_plan`: a bounded
-   LRU whose key reads no tensor value).
+   strided views. Plans are cached per shape, mask structure and the digest of the mask's tensors'
+   values (`plan.cached_plan`: a bounded LRU; a buffer rewritten behind torch's back misses).
 2. Each call runs on a tile *engine* that returns the call's output and log-sum-exp:
 
    - ``"kernel"``: torch's fused CPU flash kernel

@@ -1,19 +1,20 @@
 """The job for a validated request: tile sizes, engine, tiling plan and tile source.
 
-Nothing here touches the values of q, k, v: `flash_job` reads shapes, dtypes and the mask's
-structure only (plans may depend on shapes and mask structure, never on tensor values).
+Nothing here touches the values of q, k, v: `flash_job` reads shapes, dtypes and the mask
+(its structure, and the values of the tensors it holds where the plan needs them: document ids,
+lengths, a boolean mask). A cached plan is keyed on those values' digest (`cached_plan`).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import weakref
 from collections import OrderedDict
 
 import torch
 from torch import Tensor
 
+from ..._digest import tensor_digest
 from ...masks import Mask, TensorMask
 from ..request import BiasFn, Request, is_relative_bias
 from ..scores import get_score
@@ -74,20 +75,21 @@ BLOCK_BIAS = 256
 BLOCK_64 = 2048
 # Key window of a relative bias over a wide band (causal, none): one shared tile per offset.
 RELATIVE_WINDOW = 1024
-# Plans cached per (shape, mask structure): see `cached_plan`.
+# Plans cached per (shape, mask structure and contents): see `cached_plan`.
 PLAN_CACHE_SIZE = 64
 PLAN_CACHE_ENV = "ATTNLAB_FLASH_PLAN_CACHE"
-_PLANS: OrderedDict[tuple, tuple[Plan, tuple[weakref.ref, ...]]] = OrderedDict()
+_PLANS: OrderedDict[tuple, Plan] = OrderedDict()
 _PLANS_LOCK = threading.Lock()
 
 
 def _mask_key(mask: Mask | None) -> tuple | None:
-    """A key for the mask's structure that reads no tensor value, or None (not cacheable).
+    """A key for the mask's structure and contents, or None (not cacheable).
 
-    The structure string of `Mask.spec` plus, for each tensor the mask holds, its identity
-    (``id``, version counter, data pointer, shape, stride, dtype, device): an in-place change
-    bumps the version counter, a new tensor is a different object. A mask holding an inference
-    tensor (made under ``torch.inference_mode``: no version counter) is not cacheable.
+    The structure string of `Mask.spec` plus, for each tensor the mask holds, its shape, dtype,
+    device and `tensor_digest` of its values, read now: a plan depends on the values it was
+    built from (document ids, padding lengths, a boolean mask), and memory can change without
+    torch's version counter noticing (a NumPy view, a buffer refilled in place, shared memory,
+    DLPack). Equal contents in another tensor share the entry.
     """
     if mask is None:
         return ("",)
@@ -96,40 +98,36 @@ def _mask_key(mask: Mask | None) -> tuple | None:
         return None
     parts: list[object] = [spec[0]]
     for t in spec[1]:
-        if t.is_inference():
-            return None
-        parts.append(
-            (id(t), t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device))
-        )
+        parts.append((tuple(t.shape), t.dtype, str(t.device), tensor_digest(t)))
     return tuple(parts)
 
 
 def cached_plan(mask: Mask | None, **kwargs: object) -> Plan:
-    """`build_plan` through a bounded LRU cache keyed on shapes and mask structure.
+    """`build_plan` through a bounded LRU cache keyed on shapes, mask structure and contents.
 
-    The key needs no tensor value (no host sync): the mask's `Mask.spec` string and the
-    identity of its tensors (`_mask_key`), plus every argument of `build_plan`. Invalidation:
-    an entry is used only while every tensor it was built from is the same live object with the
-    same version counter (an in-place write, e.g. new document ids copied into the same tensor,
-    changes the key); the least recently used entry goes once ``PLAN_CACHE_SIZE`` are held;
-    `clear_plan_cache` empties it; ``ATTNLAB_FLASH_PLAN_CACHE=0`` turns it off. Masks without a
-    spec (`from_fn`) are never cached. Plans hold only host data and index tensors that no one
-    writes, so one plan may serve many calls.
+    The key (`_mask_key`) is the mask's `Mask.spec` string, the shape, dtype, device and
+    content digest of each tensor it holds, plus every argument of `build_plan`. The digest is
+    read on every call (a plan reads the same values when it is built; a 4096 × 4096 boolean
+    mask digests in about a third of its planning time), so an entry serves exactly the values
+    it was built from and the cache never changes an answer. The least recently used entry goes
+    once ``PLAN_CACHE_SIZE`` are held; `clear_plan_cache` empties it;
+    ``ATTNLAB_FLASH_PLAN_CACHE=0`` turns it off. Masks without a spec (`from_fn`) are never
+    cached. Plans hold only host data and index tensors that no one writes, so one plan may
+    serve many calls.
     """
-    key_m = _mask_key(mask)
     off = os.environ.get(PLAN_CACHE_ENV, "").strip().lower() in ("0", "off", "false", "no")
-    if key_m is None or off or PLAN_CACHE_SIZE <= 0:
+    key_m = None if off or PLAN_CACHE_SIZE <= 0 else _mask_key(mask)
+    if key_m is None:
         return build_plan(mask, **kwargs)  # type: ignore[arg-type]
     key = (key_m, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
-    tensors = () if mask is None else tuple(mask.spec()[1])  # type: ignore[index]
     with _PLANS_LOCK:
         hit = _PLANS.get(key)
-        if hit is not None and all(r() is t for r, t in zip(hit[1], tensors, strict=True)):
+        if hit is not None:
             _PLANS.move_to_end(key)
-            return hit[0]
+            return hit
     plan = build_plan(mask, **kwargs)  # type: ignore[arg-type]
     with _PLANS_LOCK:
-        _PLANS[key] = (plan, tuple(weakref.ref(t) for t in tensors))
+        _PLANS[key] = plan
         _PLANS.move_to_end(key)
         while len(_PLANS) > PLAN_CACHE_SIZE:
             _PLANS.popitem(last=False)
