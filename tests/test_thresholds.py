@@ -135,6 +135,7 @@ def test_the_key_follows_the_cpu_flags_and_model():
         (json.dumps({"format": thresholds.FORMAT, "version": 1, "entries": 3}).encode(), "list"),
         (None, "band"),  # a matching entry with band = -1
         (b"", "not JSON"),  # an empty (truncated) file
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),  # issue 38: was RecursionError
     ],
 )
 def test_a_corrupt_cache_gives_defaults_with_one_warning(cache_on, content, problem):

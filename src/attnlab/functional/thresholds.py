@@ -156,6 +156,8 @@ def read_entries(path: Path, fmt: str, version: int, what: str) -> list[dict[str
         raise ValueError(f"not UTF-8 ({e.reason})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"not JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read") from None
     if not isinstance(data, dict) or data.get("format") != fmt:
         raise ValueError(f'not a {what} (no "format": "{fmt}")')
     if data.get("version") != version:
