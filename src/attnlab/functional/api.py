@@ -46,14 +46,23 @@ def attention(
     the tolerance rule.
 
     Args:
-        q: queries ``(B, H, L, D)``, or ``(B, L, D)`` for a single head.
-        k: keys ``(B, H_kv, S, D)``; ``H % H_kv == 0`` gives grouped-query / multi-query attention
-            (k and v are shared by ``G = H / H_kv`` consecutive query heads, not copied).
-        v: values ``(B, H_kv, S, Dv)``.
+        q: queries ``(B, H, L, D)``, or ``(B, L, D)`` for a single head. Also torch SDPA's other
+            layouts: ``(L, D)`` (no batch), or ``(*batch, H, L, D)`` with any number of leading
+            batch dims, e.g. ``(2, 3, 1, 16, 16)``: run as ``B = prod(batch)`` (the inputs'
+            reshapes to 4-D are views whenever their batch dims can be merged) and returned
+            in the caller's layout. q, k and v then share the rank and the batch dims (they are
+            not broadcast against each other: expand them).
+        k: keys ``(B, H_kv, S, D)`` (``(S, D)``, ``(*batch, H_kv, S, D)``); ``H % H_kv == 0``
+            gives grouped-query / multi-query attention (k and v are shared by ``G = H / H_kv``
+            consecutive query heads, not copied).
+        v: values ``(B, H_kv, S, Dv)`` (``(S, Dv)``, ``(*batch, H_kv, S, Dv)``); ``Dv`` may
+            differ from ``D``.
         mask: an `attnlab.masks.Mask`, a bool tensor (True = may attend) or an additive float
-            tensor, broadcastable to ``(B, H, L, S)`` and on q's device. Masks align
-            bottom-right when L != S.
-        bias: additive float tensor broadcastable to ``(B, H, L, S)`` on q's device, or
+            tensor, broadcastable to ``(B, H, L, S)`` (``(L, S)``, ``(*batch, H, L, S)``: torch's
+            broadcasting rules) and on q's device. Masks align bottom-right when L != S. With
+            several batch dims, a batch- or head-dependent `Mask` and a bias function see the
+            flattened batch index ``b`` in ``[0, prod(batch))``.
+        bias: additive float tensor broadcastable like ``mask``, on q's device, or
             ``fn(b, h, i, j)`` returning a float tensor that broadcasts to the index grid it is
             given; a function with an int ``num_heads`` attribute (ALiBi, T5) must match H.
         scale: logit scale; default ``1/√D`` for ``score="dot"`` and 1 for ``"cosine"``.
@@ -67,8 +76,10 @@ def attention(
         score: ``"dot"`` (q·k) or ``"cosine"`` (cos(q, k)); see `functional.scores`.
         dropout_p: dropout on the weights, in [0, 1).
         backend: ``"auto"``, ``"sdpa"``, ``"reference"`` or another name in `attnlab.backends()`.
-        return_weights: also return the weights ``(B, H, L, S)`` (computed by the reference).
-        return_lse: also return the log-sum-exp of each query row's logits ``(B, H, L)``, float32
+        return_weights: also return the weights ``(B, H, L, S)`` (computed by the reference;
+            ``(..., L, S)`` in the layout of q).
+        return_lse: also return the log-sum-exp of each query row's logits ``(B, H, L)``
+            (``(..., L)`` in the layout of q), float32
             (float64 for float64 inputs), −inf for rows with no key. Backends that cannot compute
             it are skipped by ``backend="auto"``. With it, `attention_weights` recomputes any
             rows' weights exactly without the L×S matrix.
@@ -80,9 +91,10 @@ def attention(
             are those of the capped logits.
 
     Returns:
-        ``out (B, H, L, Dv)`` (3-D in, 3-D out), or ``(out, weights)``, ``(out, lse)`` or
-        ``(out, weights, lse)``. A query row with no key to attend outputs zeros, with zero
-        weights and zero gradients.
+        ``out (B, H, L, Dv)`` in the layout of q (3-D in, 3-D out; ``(L, D)`` in, ``(L, Dv)``
+        out; ``(*batch, H, L, D)`` in, ``(*batch, H, L, Dv)`` out, a view of the 4-D result), or
+        ``(out, weights)``, ``(out, lse)`` or ``(out, weights, lse)``. A query row with no key
+        to attend outputs zeros, with zero weights and zero gradients.
 
     The NaN rule (every backend; `functional.nan_rule`): row i depends only on ``q_i`` and the
     keys/values it may attend. A non-finite ``q_i`` or attended ``k_j`` (or a NaN/+inf attended
@@ -102,12 +114,13 @@ def attention(
     Raises:
         TypeError: non-tensor inputs, mixed or non-float dtypes, bad mask/bias dtype, a mask or
             bias function returning a non-bool / non-float result.
-        ValueError: shape mismatches, a mask/bias tensor on another device than q, a mask or
-            bias function result that does not broadcast to its index grid, bad
-            scale/temperature/dropout_p, an overflowing ``scale / temperature``, a function bias
-            built for another head count, unknown score or backend, a ``softcap`` that is not a
-            finite number > 0 (TypeError for a bool or non-number), a backend that cannot run
-            the call (``backend="sdpa"`` with ``softcap``).
+        ValueError: shape mismatches (a rank below 2, ranks or batch dims that differ between
+            q, k and v, a mask/bias that does not broadcast), a mask/bias tensor on another
+            device than q, a mask or bias function result that does not broadcast to its index
+            grid, bad scale/temperature/dropout_p, an overflowing ``scale / temperature``, a
+            function bias built for another head count, unknown score or backend, a ``softcap``
+            that is not a finite number > 0 (TypeError for a bool or non-number), a backend
+            that cannot run the call (``backend="sdpa"`` with ``softcap``).
 
     Example:
         >>> import torch, attnlab
@@ -128,6 +141,7 @@ def attention(
         backend=backend,
         return_weights=return_weights,
         softcap=softcap,
+        leading=True,
     )
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
@@ -142,6 +156,11 @@ def attention(
         out = out.squeeze(1)  # (B, L, Dv)
         weights = None if weights is None else weights.squeeze(1)  # (B, L, S)
         lse = None if lse is None else lse.squeeze(1)  # (B, L)
+    elif req.batch_shape is not None:  # the caller's (L, ·) or (*batch, H, L, ·)
+        d, lead = req.dims, req.batch_shape
+        out = out.reshape(*lead, d.L, d.Dv)  # splits B: a view
+        weights = None if weights is None else weights.reshape(*lead, d.L, d.S)
+        lse = None if lse is None else lse.reshape(*lead, d.L)
     if return_weights and return_lse:
         assert weights is not None and lse is not None
         return out, weights, lse
@@ -182,7 +201,8 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}")
     with _ext.reporting() as asked:
-        req = build_request(q, k, v, backend=backend, **{**defaults, **kwargs})  # type: ignore[arg-type]
+        kw = {**defaults, **kwargs}
+        req = build_request(q, k, v, backend=backend, leading=True, **kw)  # type: ignore[arg-type]
         chosen, why = select(backend, req, need_lse=bool(return_lse))  # type: ignore[arg-type]
         if chosen.name == "flash":
             why = f"{why}; {explain_plan(req)}"
@@ -211,18 +231,27 @@ def _engine(name: str, req: Request, want_lse: bool) -> str:
     return "plain PyTorch ops"
 
 
-def _check_lse(lse: object, q: Tensor, dims) -> Tensor:
+def _check_lse(lse: object, q: Tensor, req: Request) -> Tensor:
+    """``lse`` in the layout of q (``(B, H, L)``, ``(B, L)``, ``(L,)``, ``(*batch, H, L)``)
+    as ``(B, H, L)``."""
+    dims, lead = req.dims, req.batch_shape
     if not isinstance(lse, Tensor):
         raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
-    want = (dims.B, dims.L) if dims.three_d else (dims.B, dims.H, dims.L)
+    if lead is not None:
+        want, letters = (*lead, dims.L), "(L,)" if not lead else "(..., H, L)"
+    elif dims.three_d:
+        want, letters = (dims.B, dims.L), "(B, L)"
+    else:
+        want, letters = (dims.B, dims.H, dims.L), "(B, H, L)"
     if tuple(lse.shape) != want:
-        letters = "(B, L)" if dims.three_d else "(B, H, L)"
         raise ValueError(
             f"lse must have shape {letters} = {want} for query {tuple(q.shape)}, got "
             f"{tuple(lse.shape)}"
         )
     if not lse.is_floating_point():
         raise TypeError(f"lse must be a float tensor, got {lse.dtype}")
+    if lead is not None:
+        return lse.reshape(dims.B, dims.H, dims.L)
     return lse.unsqueeze(1) if dims.three_d else lse  # (B, H, L)
 
 
@@ -247,14 +276,18 @@ def attention_weights(
     Pass the same mask/bias/scale/temperature/score/softcap as the call that produced ``lse``.
 
     Args:
-        q: ``(B, H, L, D)`` (or ``(B, L, D)``). k: ``(B, H_kv, S, D)`` (or ``(B, S, D)``).
-        lse: ``(B, H, L)`` (or ``(B, L)``) from ``attention(..., return_lse=True)``.
+        q: ``(B, H, L, D)`` (or ``(B, L, D)``, ``(L, D)``, ``(*batch, H, L, D)`` as in
+            `attention`). k: ``(B, H_kv, S, D)`` (or the matching layout).
+        lse: ``(B, H, L)`` (or ``(B, L)``, ``(L,)``, ``(*batch, H, L)``) from
+            ``attention(..., return_lse=True)``.
         rows: query rows (ints, a slice or a tensor); default all.
-        heads: query heads; default all (ignored for 3-D inputs).
+        heads: query heads; default all (ignored for 3-D and 2-D inputs).
         mask, bias, scale, temperature, score, softcap: as in `attention`.
 
     Returns:
-        ``(B, len(heads), len(rows), S)`` (3-D in: ``(B, len(rows), S)``) in q's dtype; equal to
+        ``(B, len(heads), len(rows), S)`` (3-D in: ``(B, len(rows), S)``; 2-D in:
+        ``(len(rows), S)``; ``(*batch, H, L, D)`` in: ``(*batch, len(heads), len(rows), S)``)
+        in q's dtype; equal to
         ``attention(..., return_weights=True)[1][:, heads][:, :, rows]``. Masked pairs and rows
         with no key are exactly 0. The NaN rule: a NaN/±inf logit on a pair row i may attend
         (from q_i, k_j or the bias), or a NaN/+inf lse_i, makes row i's weights NaN; non-finite
@@ -274,14 +307,18 @@ def attention_weights(
         temperature=temperature,
         score=score,
         softcap=softcap,
+        leading=True,
     )
-    d = req.dims
-    lse4 = _check_lse(lse, q, d)
+    d, lead = req.dims, req.batch_shape
+    lse4 = _check_lse(lse, q, req)
     row_idx = as_index("rows", rows, d.L, q.device)
-    head_idx = as_index("heads", None if d.three_d else heads, d.H, q.device)
+    one_head = d.three_d or lead == ()
+    head_idx = as_index("heads", None if one_head else heads, d.H, q.device)
     with torch.no_grad():
         w = compute_weights(req, lse4, row_idx, head_idx)  # (B, nh, nr, S)
-    return w.squeeze(1) if d.three_d else w
+    if lead:
+        return w.reshape(*lead[:-1], *w.shape[1:])  # (*batch, nh, nr, S)
+    return w.squeeze(1) if d.three_d else w[0, 0] if lead == () else w
 
 
 def attention_stats(
@@ -311,7 +348,8 @@ def attention_stats(
         lse: the log-sum-exp from ``attention(..., return_lse=True)``, to skip recomputing it.
 
     Returns:
-        `AttentionStats` of ``(B, H, L)`` tensors (``(B, L)`` for 3-D inputs) in float32
+        `AttentionStats` of ``(B, H, L)`` tensors (``(B, L)`` for 3-D inputs; ``(L,)``,
+        ``(*batch, H, L)`` for those layouts) in float32
         (float64 for float64 inputs); rows with no key have every statistic 0. The NaN rule: a
         non-finite logit on a pair row i may attend, or a NaN/+inf lse_i, makes row i's
         statistics NaN; non-finite keys it may not attend never reach it.
@@ -329,6 +367,7 @@ def attention_stats(
         temperature=temperature,
         score=score,
         softcap=softcap,
+        leading=True,
     )
     d = req.dims
     with torch.no_grad():
@@ -337,7 +376,7 @@ def attention_stats(
             assert chosen.run_lse is not None
             lse4 = chosen.run_lse(req)[2]
         else:
-            lse4 = _check_lse(lse, q, d)
+            lse4 = _check_lse(lse, q, req)
         if req.is_empty:
             z = torch.zeros(d.B, d.H, d.L, dtype=lse4.dtype, device=q.device)
             st = AttentionStats(z, z.clone(), z.clone(), z.clone(), lse4)
@@ -345,4 +384,7 @@ def attention_stats(
             st = compute_stats(req, lse4)
     if d.three_d:
         st = AttentionStats(**{name: t.squeeze(1) for name, t in st.as_dict().items()})
+    elif req.batch_shape is not None:
+        lead = req.batch_shape
+        st = AttentionStats(**{n: t.reshape(*lead, d.L) for n, t in st.as_dict().items()})
     return st

@@ -74,6 +74,11 @@ class Request:
     The logits are ``s = score(q, k) · scale / temperature``, then the logit-transform stage
     (``softcap``: ``s ← softcap · tanh(s / softcap)``, `reference.softcap_logits`), then the bias
     and the mask; ``softcap`` is None for no transform.
+
+    ``batch_shape`` is None for the caller's 3-D/4-D layouts; for SDPA's other layouts (2-D
+    ``(L, D)`` or several leading batch dims, `validate.leading_to_4d`) it is the caller's
+    ``(*batch, H)`` (``()`` for 2-D): q is ``(B, H, L, D)`` with ``B = prod(batch)`` and the
+    caller gets ``out.reshape(*batch_shape, L, Dv)``.
     """
 
     q: Tensor
@@ -88,6 +93,7 @@ class Request:
     dropout_p: float
     return_weights: bool
     softcap: float | None = None
+    batch_shape: tuple[int, ...] | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -8,6 +8,7 @@ the expected and the received value.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -29,6 +30,100 @@ from .scores import get_score
 
 def _unit_stride_last(t: Tensor) -> Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _check_extra(name: str, t: Tensor, target: tuple[int, ...]) -> None:
+    """Raises ValueError, quoting both shapes, unless the mask or bias tensor ``t`` broadcasts
+    to ``target = (*batch, H, L, S)`` (``(L, S)`` for 2-D inputs) by torch's rules: aligned at
+    the right, every size 1 or equal, no more dims than the inputs."""
+    if t.dim() > len(target) or not all(
+        a in (1, b) for a, b in zip(reversed(t.shape), reversed(target), strict=False)
+    ):
+        letters = "(L, S)" if len(target) == 2 else "(..., H, L, S)"
+        raise ValueError(
+            f"{name} of shape {_shape(t)} is not broadcastable to {letters} = {target}"
+        )
+
+
+def _extra_to_4d(t: Tensor, target: tuple[int, ...], B: int) -> Tensor:
+    """A mask or bias tensor that broadcasts to ``target`` (`_check_extra`) as one that
+    broadcasts to ``(B, H, L, S)``, ``B = prod(batch)``: a view when its batch dims are all 1 or
+    all full (and mergeable); one that broadcasts over some batch dims but not others is
+    expanded over them and copied once."""
+    r = len(target)
+    t = t.reshape((1,) * (r - t.dim()) + _shape(t))  # (1|batch..., H|1, L|1, S|1)
+    if r == 2:
+        return t.reshape(1, 1, *t.shape)  # (1, 1, L|1, S|1)
+    batch, tail = _shape(t)[:-3], _shape(t)[-3:]
+    if all(n == 1 for n in batch):
+        return t.reshape(1, *tail)  # (1, H|1, L|1, S|1)
+    if batch != target[:-3]:
+        t = t.expand(*target[:-3], *tail)  # broadcast over some batch dims only
+    return t.reshape(B, *tail)  # (B, H|1, L|1, S|1)
+
+
+class _Leading(NamedTuple):
+    """What `leading_to_4d` made of SDPA-style inputs."""
+
+    q: Tensor  # (B, H, L, D)
+    k: Tensor  # (B, H_kv, S, D)
+    v: Tensor  # (B, H_kv, S, Dv)
+    batch_shape: tuple[int, ...]  # the caller's (*batch, H), or () for 2-D inputs
+    target: tuple[int, ...]  # (*batch, H, L, S), or (L, S) for 2-D inputs
+    B: int  # prod(batch)
+
+
+def leading_to_4d(q: Tensor, k: Tensor, v: Tensor) -> _Leading | None:
+    """SDPA's layouts beyond `attention`'s 3-D/4-D ones, as 4-D views (before any work).
+
+    q ``(*batch, H, L, D)`` with ≥ 1 batch dims (rank ≥ 5), k ``(*batch, H_kv, S, D)`` and v
+    ``(*batch, H_kv, S, Dv)`` become ``(B, H, L, D)``, ``(B, H_kv, S, D)``, ``(B, H_kv, S, Dv)``
+    with ``B = prod(batch)``; 2-D inputs ``(L, D)``, ``(S, D)``, ``(S, Dv)`` become
+    ``(1, 1, L, D)`` etc. Views, unless the batch dims of an input cannot be merged (then
+    `Tensor.reshape` copies it once). The output is ``out.reshape(*batch_shape, L, Dv)``.
+
+    Returns:
+        None for 3-D/4-D inputs and non-tensors (`check_qkv` handles them).
+
+    Raises:
+        ValueError: a rank below 2, ranks that differ, or batch dims that differ between q, k and
+            v (they are not broadcast: expand them, which is free), naming every shape.
+    """
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        return None
+    ranks = (q.dim(), k.dim(), v.dim())
+    if all(r in (3, 4) for r in ranks):
+        return None
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.dim() < 2:
+            raise ValueError(
+                f"{name} must have rank 3 (B, L, D), 4 (B, H, L, D), 2 (L, D) or more "
+                f"(..., H, L, D), got rank {t.dim()} with shape {_shape(t)}"
+            )
+    if len(set(ranks)) > 1:
+        raise ValueError(
+            f"query, key and value must have the same rank, got query {_shape(q)}, key "
+            f"{_shape(k)}, value {_shape(v)}"
+        )
+    if q.dim() == 2:
+        q4, k4, v4 = (t.reshape(1, 1, *t.shape) for t in (q, k, v))  # (1, 1, L|S, D|Dv)
+        return _Leading(q4, k4, v4, (), (q.shape[0], k.shape[0]), 1)
+    batch = _shape(q)[:-3]
+    if _shape(k)[:-3] != batch or _shape(v)[:-3] != batch:
+        raise ValueError(
+            f"query, key and value must share the batch dims {batch} before (H, L|S, D), got "
+            f"query {_shape(q)}, key {_shape(k)}, value {_shape(v)}"
+        )
+    B = math.prod(batch)
+    q4 = q.reshape(B, *q.shape[-3:])  # (B, H, L, D)
+    k4 = k.reshape(B, *k.shape[-3:])  # (B, H_kv, S, D)
+    v4 = v.reshape(B, *v.shape[-3:])  # (B, H_kv, S, Dv)
+    target = (*batch, q.shape[-3], q.shape[-2], k.shape[-2])
+    return _Leading(q4, k4, v4, _shape(q)[:-2], target, B)
 
 
 def check_softcap(softcap: object, dtype: torch.dtype) -> float | None:
@@ -79,9 +174,31 @@ def build_request(
     backend: str,
     return_weights: bool,
     softcap: float | None = None,
+    leading: bool = False,
 ) -> Request:
-    """Validates every argument (before any computation) and returns the 4-D request."""
-    dims = check_qkv(q, k, v)
+    """Validates every argument (before any computation) and returns the 4-D request.
+
+    With ``leading=True`` (the entry points that restore the caller's layout on their outputs:
+    `attention`, `attention_weights`, `attention_stats`, `explain`) q/k/v may also be 2-D or
+    have several leading batch dims (`leading_to_4d`); ``Request.batch_shape`` records the
+    caller's ``(*batch, H)``. Otherwise only 3-D and 4-D inputs are accepted.
+    """
+    lead = None
+    given = (q, k, v)
+    if leading:
+        lead = leading_to_4d(q, k, v)
+        if lead is not None:
+            q, k, v = lead.q, lead.k, lead.v
+            for name, t in (("mask", mask), ("bias", bias)):
+                if isinstance(t, Tensor):
+                    _check_extra(name, t, lead.target)
+    try:
+        dims = check_qkv(q, k, v)
+    except ValueError as e:
+        if lead is None:
+            raise
+        shapes = ", ".join(str(_shape(t)) for t in given)
+        raise ValueError(f"{e} (inputs of shapes {shapes} read as (B, H, L|S, D))") from None
     s = get_score(score)
     check_backend_name(backend)
     temperature = check_number("temperature", temperature, positive=True)
@@ -91,6 +208,9 @@ def build_request(
     check_logit_multiplier(scale, temperature, q.dtype)
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
+    if lead is not None:
+        mask = _extra_to_4d(mask, lead.target, lead.B) if isinstance(mask, Tensor) else mask
+        bias = _extra_to_4d(bias, lead.target, lead.B) if isinstance(bias, Tensor) else bias
     if isinstance(mask, Tensor):
         check_mask_tensor("mask", mask, q.dtype, dims)
         check_same_device("mask", mask, q)
@@ -139,6 +259,7 @@ def build_request(
         dropout_p=dropout_p,
         return_weights=return_weights,
         softcap=cap,
+        batch_shape=None if lead is None else lead.batch_shape,
     )
 
 
@@ -178,6 +299,7 @@ def plain_request(
     temperature: float,
     score: str,
     softcap: float | None = None,
+    leading: bool = False,
 ) -> Request:
     """`build_request` without dropout or weights: the entry points that only need the logits."""
     return build_request(
@@ -193,4 +315,5 @@ def plain_request(
         backend="auto",
         return_weights=False,
         softcap=softcap,
+        leading=leading,
     )

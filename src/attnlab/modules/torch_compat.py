@@ -4,11 +4,25 @@ Same constructor, parameter names (so state dicts load both ways), forward signa
 (``key_padding_mask`` True = ignore; bool ``attn_mask`` True = not allowed; float masks additive)
 and outputs. The one deliberate difference: a query that may attend to nothing returns zeros and
 zero weights where torch returns NaN (pytorch #41508, #160064).
+
+Bad inputs raise torch's exception types with the wording of torch's Python checks, in torch's
+order and before any projection: `ShapeAssertionError` where torch raises AssertionError,
+`ShapeRuntimeError` where it raises RuntimeError (both also ValueError), `MaskDtypeError`
+(AssertionError and TypeError) for a mask neither bool nor float. Where torch would take its fused
+inference path (which the drop-in never calls) torch leaves shape checks to its C++ kernel, which
+raises RuntimeError: the drop-in raises `ShapeRuntimeError` there.
+
+torch's `nn.TransformerEncoderLayer` (and `nn.TransformerEncoder`) have their own fused inference
+path: in eval mode without grad they call the attention module's `merge_masks` and then torch's
+fused kernel on its weights, never its ``forward``. The drop-in provides `merge_masks`, so such
+layers run (with torch's results, NaN rows included), and says so once with a `UserWarning`;
+``torch.backends.mha.set_fastpath_enabled(False)`` makes them call the drop-in's ``forward``.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import Tensor, nn
@@ -17,6 +31,82 @@ from torch.nn import functional as F
 from .._shapes import check_probability
 from ..functional import attention
 from ..functional.registry import check_backend_name
+
+
+class ShapeAssertionError(ValueError, AssertionError):
+    """A bad input shape where `torch.nn.MultiheadAttention` raises AssertionError (ranks of
+    query/key/value and the masks, the embedding dim, key vs value, key_padding_mask ``(N, S)``):
+    code that catches torch's AssertionError, or attnlab's ValueError, catches it."""
+
+
+class ShapeRuntimeError(ValueError, RuntimeError):
+    """A bad input shape where `torch.nn.MultiheadAttention` raises RuntimeError (an attn_mask
+    that is not ``(L, S)`` or ``(N·num_heads, L, S)``, a key batch that is not query's)."""
+
+
+class MaskDtypeError(TypeError, AssertionError):
+    """A mask that is neither bool nor float: AssertionError in torch, TypeError in attnlab."""
+
+
+def _check_mask_dtypes(key_padding_mask: Tensor | None, attn_mask: Tensor | None) -> None:
+    """torch's `F._canonical_mask` check (before the shape checks, as in torch)."""
+    for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+        if m is not None and m.dtype != torch.bool and not m.is_floating_point():
+            raise MaskDtypeError(
+                f"only bool and floating types of {name} are supported: {name} must be bool "
+                f"(True = not allowed) or an additive float mask, got {m.dtype}"
+            )
+
+
+def _check_shapes(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
+    num_heads: int,
+    error: type[ValueError],
+) -> None:
+    """torch's `F._mha_shape_check`: the ranks of every input (before any work).
+
+    Raises:
+        error: `ShapeAssertionError` (torch's Python path) or `ShapeRuntimeError` (where torch
+            would take its fused path, whose C++ checks raise RuntimeError), with the message of
+            torch's Python path naming the shapes received.
+    """
+    r = query.dim()
+    if r not in (2, 3):
+        raise ShapeAssertionError(
+            f"query should be unbatched 2D or batched 3D tensor but received {r}-D query "
+            f"tensor: query must be (L, E) unbatched or 3-D batched, got shape "
+            f"{tuple(query.shape)}"
+        )
+    kind = "For batched (3-D) `query`" if r == 3 else "For unbatched (2-D) `query`"
+    if key.dim() != r or value.dim() != r:
+        raise error(
+            f"{kind}, expected `key` and `value` to be {r}-D but found {key.dim()}-D and "
+            f"{value.dim()}-D tensors respectively: key and value must have the rank of query "
+            f"({r}-D), got query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+            f"{tuple(value.shape)}"
+        )
+    if key_padding_mask is not None and key_padding_mask.dim() != r - 1:
+        raise error(
+            f"{kind}, expected `key_padding_mask` to be `None` or {r - 1}-D but found "
+            f"{key_padding_mask.dim()}-D tensor instead (shape {tuple(key_padding_mask.shape)})"
+        )
+    if attn_mask is not None:
+        if attn_mask.dim() not in (2, 3):
+            raise error(
+                f"{kind}, expected `attn_mask` to be `None`, 2-D or 3-D but found "
+                f"{attn_mask.dim()}-D tensor instead (shape {tuple(attn_mask.shape)})"
+            )
+        want = (num_heads, query.shape[0], key.shape[0])
+        if r == 2 and attn_mask.dim() == 3 and tuple(attn_mask.shape) != want:
+            raise error(
+                f"Expected `attn_mask` shape to be {want} but got {attn_mask.shape}: attn_mask "
+                f"must have shape (L, S) = {want[1:]} or (num_heads, L, S) = {want} for "
+                f"unbatched inputs"
+            )
 
 
 def _additive(mask: Tensor, name: str, dtype: torch.dtype) -> Tensor:
@@ -30,6 +120,16 @@ def _additive(mask: Tensor, name: str, dtype: torch.dtype) -> Tensor:
 
 def _is_float(mask: Tensor | None) -> bool:
     return mask is not None and torch.is_floating_point(mask)
+
+
+FUSED_LAYER_WARNING = (
+    "attnlab.MultiheadAttention: torch's TransformerEncoderLayer fast path runs torch's fused "
+    "kernel on this module's weights, not attnlab's attention (rows with nothing to attend are "
+    "NaN there); call torch.backends.mha.set_fastpath_enabled(False) to run attnlab"
+)
+_warned_fused = False
+# torch's own method, taken before anyone patches nn.MultiheadAttention with the drop-in
+_torch_merge_masks = nn.MultiheadAttention.merge_masks
 
 
 class MultiheadAttention(nn.Module):
@@ -162,6 +262,30 @@ class MultiheadAttention(nn.Module):
             or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
         )
 
+    def merge_masks(
+        self, attn_mask: Tensor | None, key_padding_mask: Tensor | None, query: Tensor
+    ) -> tuple[Tensor | None, int | None]:
+        """torch's `nn.MultiheadAttention.merge_masks`: one mask for torch's fused kernel.
+
+        Only torch's `nn.TransformerEncoderLayer` fast path calls it, right before it runs torch's
+        fused kernel on this module's weights instead of `forward`: the first call warns once
+        (`FUSED_LAYER_WARNING`).
+
+        Args:
+            attn_mask: ``(L, L)`` or ``(N·num_heads, L, L)``, or None.
+            key_padding_mask: ``(N, L)``, or None.
+            query: ``(N, L, E)``.
+
+        Returns:
+            ``(mask, kind)``: kind 0 = attn_mask, 1 = key_padding_mask, 2 = both as one
+            ``(N, num_heads, L, L)`` mask; ``(None, None)`` without masks.
+        """
+        global _warned_fused
+        if not _warned_fused:
+            _warned_fused = True
+            warnings.warn(FUSED_LAYER_WARNING, UserWarning, stacklevel=2)
+        return _torch_merge_masks(self, attn_mask, key_padding_mask, query)  # type: ignore[arg-type]
+
     def forward(
         self,
         query: Tensor,
@@ -196,16 +320,12 @@ class MultiheadAttention(nn.Module):
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if query.dim() not in (2, 3):
-            raise ValueError(
-                f"query must be (L, E) unbatched or 3-D batched, got shape {tuple(query.shape)}"
-            )
-        if key.dim() != query.dim() or value.dim() != query.dim():
-            raise ValueError(
-                f"key and value must have the rank of query ({query.dim()}-D), got query "
-                f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
-            )
+        # torch's checks, in torch's order and with its exception types, before any work
+        _check_mask_dtypes(key_padding_mask, attn_mask)
         fast = self._torch_fast_path(query, key, value, attn_mask, key_padding_mask)
+        # torch's fused path leaves shape checks to its C++ kernel: RuntimeError, not Assertion
+        asserted = ShapeRuntimeError if fast else ShapeAssertionError
+        _check_shapes(query, key, value, key_padding_mask, attn_mask, self.num_heads, asserted)
         batched = query.dim() == 3
         if not batched:
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
@@ -216,32 +336,53 @@ class MultiheadAttention(nn.Module):
         L, N, E = query.shape
         S = key.shape[0]
         H, D = self.num_heads, self.head_dim
-        if self.embed_dim != E:
-            raise ValueError(f"query embed dim must be {self.embed_dim}, got {E}")
-        if key.shape[:2] != value.shape[:2] or key.shape[1] != N:
-            raise ValueError(
-                f"key {tuple(key.shape)} and value {tuple(value.shape)} must share (S, N) with "
-                f"N={N} from query"
-            )
-        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (N, S):
-            raise ValueError(
-                f"key_padding_mask must have shape (N, S) = {(N, S)}, "
-                f"got {tuple(key_padding_mask.shape)}"
-            )
         if is_causal and attn_mask is None and not fast:  # torch's fused path ignores is_causal
             raise RuntimeError("Need attn_mask if specifying the is_causal hint.")
-        if attn_mask is not None:
-            want = ((L, S), (N * H, L, S))
-            if tuple(attn_mask.shape) not in want:
-                raise ValueError(
-                    f"attn_mask must have shape (L, S) = {want[0]} or (N·num_heads, L, S) = "
-                    f"{want[1]}, got {tuple(attn_mask.shape)}"
-                )
-        dtype = query.dtype
         # torch's contract: with this hint, the top-left causal mask over the final keys replaces
         # attn_mask when no padding mask is given and no weights are needed, except on torch's
-        # fused inference path, which always uses attn_mask.
+        # fused inference path, which always uses attn_mask. The replaced mask is not read, so
+        # (as in torch) its shape is not checked.
         causal_hint = is_causal and not fast and key_padding_mask is None and not need_weights
+        if self.embed_dim != E:
+            raise asserted(
+                f"was expecting embedding dimension of {self.embed_dim}, but got {E}: query "
+                f"embed dim must be {self.embed_dim}, got {E} (query {tuple(query.shape)} as "
+                f"(L, N, E))"
+            )
+        same = key.shape == value.shape if self._qkv_same_embed_dim else None
+        if same is False or key.shape[:2] != value.shape[:2]:
+            torch_says = (
+                f"key shape {key.shape} does not match value shape {value.shape}"
+                if same is False
+                else f"key's sequence and batch dims {key.shape[:2]} do not match value's "
+                f"{value.shape[:2]}"
+            )
+            raise asserted(
+                f"{torch_says}: key {tuple(key.shape)} and value {tuple(value.shape)} must share "
+                f"(S, N) with N={N} from query"
+            )
+        if key.shape[1] != N:
+            raise ShapeRuntimeError(
+                f"key {tuple(key.shape)} and value {tuple(value.shape)} must share (S, N) with "
+                f"N={N} from query {tuple(query.shape)} (as (L|S, N, E))"
+            )
+        if attn_mask is not None and not causal_hint:
+            want = ((L, S), (N * H, L, S))
+            got = tuple(attn_mask.shape)
+            if got != want[attn_mask.dim() - 2]:
+                raise ShapeRuntimeError(
+                    f"The shape of the {attn_mask.dim()}D attn_mask is {attn_mask.shape}, but "
+                    f"should be {want[attn_mask.dim() - 2]}. attn_mask must have shape (L, S) = "
+                    f"{want[0]} or (N·num_heads, L, S) = {want[1]}, got {got}"
+                )
+        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (N, S):
+            i = 0 if key_padding_mask.shape[0] != N else 1
+            raise asserted(
+                f"Expected key_padded_mask.shape[{i}] to be {(N, S)[i]}, but got "
+                f"{key_padding_mask.shape[i]}: key_padding_mask must have shape (N, S) = "
+                f"{(N, S)}, got {tuple(key_padding_mask.shape)}"
+            )
+        dtype = query.dtype
         if causal_hint:
             attn_mask = None
         q, k, v = self._project(query, key, value)  # (L, N, E), (S, N, E), (S, N, E)
