@@ -32,6 +32,22 @@ partial file; the lock is an OS file lock (released when its process dies, so no
 behind). A failed build is remembered (a ``.failed`` file holding the compiler's message) and
 not retried by `load` until the key changes or the file is deleted (``attnlab build`` retries).
 
+A cached library is checked before it is loaded, never after: each build writes a record next
+to the library (``<library>.json``: its file name, size and sha256), in the private directory
+before either file gets its name in the cache, and every load (`_load_library`, the one place
+that loads) compares the file with its record first — once per process and file, about 1 ms
+per MB. A library that fails (truncated, zero bytes, overwritten, bits flipped, another
+kernel's or another CPU's library under this name, a record of another library, or no record:
+built by an attnlab before records) is never loaded: the call that needs it removes it and
+rebuilds it under the lock, with one stderr line (``attnlab: cached C++ kernel 'gemv' failed its
+check (PATH: size 4096, expected 256208), removed; rebuilding it (10–40 s)… done in 11.0 s``).
+If the rebuild fails too, the same line ends with the reason and the pure-PyTorch engine runs
+(the failure is remembered as for any build); with ``ATTNLAB_EXT=require``, as for an unbuilt
+kernel, the rebuild is tried and its failure raises `ExtensionUnavailableError` naming the file,
+what was expected and found, and why the rebuild failed. ``attnlab info`` and `state` show such
+an entry as ``corrupt (…)``; ``attnlab build`` rebuilds it. The check is against damage, not
+against someone who may write the cache directory (they could write a matching record too).
+
 Environment:
     ``ATTNLAB_EXT``: unset/``auto`` — load, or build on first need; fall back (one line) on
     failure; ``0``/``off`` — never load (the pure-PyTorch paths run; one line says so);
@@ -46,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import platform
 import re
@@ -83,6 +100,10 @@ _REPORTING: ContextVar[dict[str, bool] | None] = ContextVar("attnlab_ext_reporti
 
 class ExtensionUnavailableError(RuntimeError):
     """``ATTNLAB_EXT=require`` and a kernel could not be built or loaded."""
+
+
+class CorruptLibraryError(RuntimeError):
+    """A cached library does not match the record its build wrote (it is not loaded)."""
 
 
 def mode() -> str:
@@ -202,6 +223,101 @@ def _check_name(name: str) -> None:
         raise ValueError(f"unknown C++ kernel {name!r} (choose from {', '.join(KERNELS)})")
 
 
+# ------------------------------------------------------------------------------------ records
+RECORD_FORMAT = 1
+NO_RECORD = "no checksum record (built by an older attnlab, or the build was interrupted)"
+_VERIFIED: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # path -> the files checked
+
+
+def _record_path(target: Path) -> Path:
+    """The record of library ``target``: ``<library>.json`` beside it."""
+    return target.with_suffix(".json")
+
+
+def _digest(path: Path) -> tuple[int, str]:
+    """``(size, sha256 hex digest)`` of the file at ``path``, read in 1 MiB pieces (``read``,
+    never a mapping: a truncated file cannot fault)."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _signature(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _check_library(target: Path) -> str | None:
+    """None when the library at ``target`` is the one its record describes, else what is wrong.
+
+    Compares the file's size and sha256 with its record (`_record_path`), which must name this
+    file. A file and record that passed are not hashed again in this process while neither
+    changes (device, inode, size, modification and change times).
+
+    Args:
+        target: the library's path in the cache.
+
+    Returns:
+        None, or one phrase without a colon, e.g. ``"size 4096, expected 99888"``,
+        ``"sha256 1f2e3d4c5b6a…, expected 0a1b2c3d4e5f…"``, ``"missing"``, `NO_RECORD`,
+        ``"its checksum record describes attnlab_gemv_….so"``.
+    """
+    record = _record_path(target)
+    try:
+        lib_sig = _signature(os.stat(target))
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"unreadable ({type(e).__name__})"
+    try:
+        rec_sig = _signature(os.stat(record))
+        data = json.loads(record.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return NO_RECORD
+    except (OSError, ValueError) as e:
+        return f"unreadable checksum record ({type(e).__name__})"
+    if _VERIFIED.get(str(target)) == (lib_sig, rec_sig):
+        return None
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("size"), int)
+        or not isinstance(data.get("sha256"), str)
+        or not isinstance(data.get("file"), str)
+    ):
+        return "unreadable checksum record (fields missing)"
+    if data["file"] != target.name:
+        return f"its checksum record describes {_one_line(data['file'], 80)}"
+    if lib_sig[2] != data["size"]:  # a cheap first test, before reading the file
+        return f"size {lib_sig[2]}, expected {data['size']}"
+    try:
+        size, sha = _digest(target)
+    except OSError as e:
+        return f"unreadable ({type(e).__name__})"
+    if size != data["size"]:
+        return f"size {size}, expected {data['size']}"
+    if sha != data["sha256"]:
+        return f"sha256 {sha[:12]}…, expected {_one_line(data['sha256'], 80)[:12]}…"
+    _VERIFIED[str(target)] = (lib_sig, rec_sig)
+    return None
+
+
+def _write_record(library: Path, record: Path, file_name: str) -> None:
+    """Writes ``record``: the size and sha256 of ``library``, to be installed as ``file_name``."""
+    size, sha = _digest(library)
+    data = {"format": RECORD_FORMAT, "file": file_name, "size": size, "sha256": sha}
+    record.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+
+
+def _discard(target: Path) -> None:
+    """Removes library ``target`` and its record (a library that failed its check)."""
+    _VERIFIED.pop(str(target), None)
+    target.unlink(missing_ok=True)
+    _record_path(target).unlink(missing_ok=True)
+
+
 # ------------------------------------------------------------------------------------- notices
 def _quiet() -> bool:
     return os.environ.get(QUIET_ENV, "").strip().lower() in ("1", "true", "yes", "on")
@@ -226,14 +342,28 @@ def _one_line(text: object, limit: int = 240) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+_ERROR_LINE = re.compile(r"^.*\berror:.*$", re.MULTILINE | re.IGNORECASE)
+
+
+def _brief(why: str) -> str:
+    """A build failure in brief: torch's first line (``Error building extension 'x'``) without
+    the command lines it quotes, and the compiler's first ``error:`` line (``g++: error: …``,
+    ``x.cpp:3:1: error: …``); ``why`` itself when it has no such line."""
+    lines = why.splitlines()
+    found = _ERROR_LINE.search("\n".join(lines[1:]))
+    if len(lines) < 2 or found is None:
+        return why
+    return f"{lines[0].split(': [', 1)[0]}: {found.group(0).strip()}"
+
+
 # -------------------------------------------------------------------------------------- build
 def _build(name: str, source: str, target: Path) -> None:
-    """Compiles ``source`` in a private directory and moves the library to ``target``."""
+    """Compiles ``source`` in a private directory and moves the library to ``target`` (a path
+    in `_build_staged`'s private directory, not yet in the cache)."""
     from torch.utils import cpp_extension
 
     if compiler() is None:
         raise RuntimeError(f"no C++ compiler found (CXX={os.environ.get('CXX', 'c++')!r})")
-    _remove_stale(target.parent, name)
     with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=target.parent) as tmp:
         src = Path(tmp) / f"{name}.cpp"
         src.write_text(source, encoding="utf-8")
@@ -247,6 +377,25 @@ def _build(name: str, source: str, target: Path) -> None:
             verbose=False,
         )
         os.replace(Path(tmp) / f"{target.stem}.so", target)
+
+
+def _build_staged(name: str, source: str, target: Path) -> None:
+    """`_build` into a private directory of the cache, then the record (`_write_record`), then
+    both moved to their names (``os.replace``: a reader sees the old file or the new one, never a
+    part). The library is moved first: a reader that comes between the two moves finds a
+    mismatch, waits for the lock this build holds, and checks again."""
+    _remove_stale(target.parent, name)
+    stage = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=target.parent))
+    try:
+        built = stage / target.name
+        _build(name, source, built)
+        record = stage / _record_path(target).name
+        _write_record(built, record, target.name)
+        _VERIFIED.pop(str(target), None)
+        os.replace(built, target)
+        os.replace(record, _record_path(target))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 def _remove_stale(directory: Path, name: str) -> None:
@@ -266,7 +415,16 @@ def _failed_note(target: Path) -> str | None:
         text = failed.read_text(encoding="utf-8")
     except OSError:
         return None
-    return f"an earlier build failed ({failed}): {_one_line(text, 300)}"
+    return f"an earlier build failed ({failed}): {_one_line(_brief(text), 300)}"
+
+
+class _RebuildError(RuntimeError):
+    """The rebuild of a library that failed its check failed: the message names the file, what
+    was wrong and the build's reason; ``why`` is the build's reason alone."""
+
+    def __init__(self, text: str, why: str) -> None:
+        super().__init__(text)
+        self.why = why
 
 
 def _build_locked(
@@ -277,16 +435,20 @@ def _build_locked(
     force: bool = False,
     line: Callable[[str], None] | None = None,
 ) -> str:
-    """Builds ``target`` unless it exists, holding the cache's file lock for ``name``'s key.
+    """Builds ``target`` unless it exists and passes its check, holding the cache's file lock
+    for ``name``'s key.
 
     Another process building the same key holds the lock: this one waits, then finds the
-    library (or the other build's ``.failed`` note, raised). ``line(text)`` receives the start of
-    the progress line (the caller ends it). Returns ``"built"`` or ``"found"`` (built by another
+    library (or the other build's ``.failed`` note, raised). A library that fails its check
+    (`_check_library`, done under the lock) is removed with its record and rebuilt.
+    ``line(text)`` receives the start of the progress line (the caller ends it). Returns
+    ``"built"``, ``"rebuilt"`` (a library that failed its check) or ``"found"`` (built by another
     process while this one waited).
 
     Raises:
         RuntimeError: the build failed (the compiler's message, also left in ``.failed``), or
-            an earlier build of this key failed (without ``force``).
+            an earlier build of this key failed (without ``force``); `_RebuildError` when the
+            build was the rebuild of a library that failed its check.
         TimeoutError: the other process's build did not end within `LOCK_TIMEOUT` seconds.
     """
     from filelock import FileLock, Timeout  # torch's own dependency
@@ -307,28 +469,54 @@ def _build_locked(
             ) from None
     try:
         failed = target.with_suffix(".failed")
+        problem = None
         if target.exists() and not force:
-            return "found"
+            problem = _check_library(target)
+            if problem is None:
+                return "found"
+            _discard(target)  # never loaded: removed before anything else is tried
+        bad = f"the cached library {target} failed its check ({problem}) and was removed"
         if not force:
             earlier = _failed_note(target)
             if earlier is not None:
+                if problem is not None:
+                    raise _RebuildError(f"{bad}; {earlier}", earlier)
                 raise RuntimeError(earlier)
-        show(f"building C++ kernel {name!r} for this CPU (once per machine, {BUILD_TIME})…")
+        if problem is None:
+            show(f"building C++ kernel {name!r} for this CPU (once per machine, {BUILD_TIME})…")
+        else:
+            show(
+                f"cached C++ kernel {name!r} failed its check ({target}: {problem}), removed; "
+                f"rebuilding it ({BUILD_TIME})…"
+            )
         try:
-            _build(name, source, target)
+            _build_staged(name, source, target)
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
             if compiler() is not None:  # a real failure: remember it for this key
                 failed.write_text(why, encoding="utf-8")
+            if problem is not None:
+                brief = _brief(why)
+                raise _RebuildError(f"{bad}; rebuilding it failed: {brief}", brief) from None
             raise RuntimeError(why) from None
         failed.unlink(missing_ok=True)
-        return "built"
+        return "built" if problem is None else "rebuilt"
     finally:
         lock.release()
 
 
 def _load_library(name: str, target: Path) -> None:
-    """Loads a cached library into this process (its ``TORCH_LIBRARY`` registers the ops)."""
+    """Loads a cached library into this process (its ``TORCH_LIBRARY`` registers the ops) after
+    checking it against its record (`_check_library`): the one place that loads a library.
+
+    Raises:
+        CorruptLibraryError: the file does not match its record (or has none); nothing was
+            loaded.
+        OSError: the loader refused the file.
+    """
+    problem = _check_library(target)
+    if problem is not None:
+        raise CorruptLibraryError(f"{target} failed its check ({problem}); not loaded")
     torch.ops.load_library(str(target))
 
 
@@ -375,12 +563,17 @@ def load(name: str) -> bool:
 
 
 def _needs_build(name: str) -> bool:
-    """Whether `load` would build ``name`` now (no cached library, no failure note, a compiler)."""
+    """Whether `load` would build ``name`` now: a compiler, and no cached library and no failure
+    note, or a cached library that fails its check."""
     try:
         _, target = _target(name)
     except Exception:  # `_decide` records the reason
         return False
-    return not target.exists() and _failed_note(target) is None and compiler() is not None
+    if compiler() is None:
+        return False
+    if target.exists():  # a library that fails its check is rebuilt
+        return _check_library(target) is not None
+    return _failed_note(target) is None
 
 
 def _decide(name: str) -> bool | str:
@@ -406,6 +599,8 @@ def _decide(name: str) -> bool | str:
                 )
                 return f"RuntimeError: {why}"
             _build_announced(name, source, target)
+        elif _check_library(target) is not None:
+            _build_announced(name, source, target)  # removes it, rebuilds it (one line)
         _load_library(name, target)
     except Exception as e:
         why = f"{type(e).__name__}: {e}" if not isinstance(e, _ReportedError) else str(e)
@@ -424,7 +619,8 @@ class _ReportedError(RuntimeError):
 
 def _build_announced(name: str, source: str, target: Path) -> None:
     """`_build_locked` with its one progress line on stderr: ``attnlab: building … done in
-    12.3 s`` (or ``… failed after 3.1 s: REASON``)."""
+    12.3 s`` (or ``… failed after 3.1 s: REASON``; ``attnlab: cached C++ kernel … failed its
+    check (…), removed; rebuilding it …`` for a library that failed its check)."""
     t0 = time.perf_counter()
     started: list[str] = []
 
@@ -437,11 +633,14 @@ def _build_announced(name: str, source: str, target: Path) -> None:
     except Exception as e:
         dt = time.perf_counter() - t0
         why = f"{type(e).__name__}: {e}" if not isinstance(e, RuntimeError) else str(e)
+        said = e.why if isinstance(e, _RebuildError) and started else why  # the line named it
         prefix = " " if started else "attnlab: "
-        _say(
-            f"{prefix}C++ kernel {name!r} failed after {dt:.1f} s, the pure-PyTorch engine runs "
-            f"in this process: {_one_line(why)}"
+        then = (
+            f"{ENV}=require: an error follows"
+            if mode() == "require"
+            else "the pure-PyTorch engine runs in this process"
         )
+        _say(f"{prefix}C++ kernel {name!r} failed after {dt:.1f} s, {then}: {_one_line(said)}")
         raise _ReportedError(why) from None
     if started:
         _say(f" done in {time.perf_counter() - t0:.1f} s")
@@ -496,7 +695,8 @@ def status(name: str) -> bool | str | None:
 def state(name: str) -> str:
     """One phrase on kernel ``name`` for `attnlab.explain` and ``attnlab info``, without building
     or loading anything: ``"loaded"``, ``"built (not loaded yet)"``, ``"not built yet: …"``,
-    ``"off (ATTNLAB_EXT=0)"``, ``"unavailable: REASON"``."""
+    ``"off (ATTNLAB_EXT=0)"``, ``"unavailable: REASON"``, ``"corrupt (size 4096, expected
+    99888) — …"`` (a cached library that fails its check: `_check_library`)."""
     if mode() == "off":  # `load` answers False then, whatever was loaded
         return f"off ({ENV}={os.environ.get(ENV)})"
     answer = _STATE.get(name)
@@ -509,7 +709,19 @@ def state(name: str) -> str:
     except Exception as e:
         return f"unavailable: {type(e).__name__}: {_one_line(e, 160)}"
     if target.exists():
-        return "built (not loaded yet)"
+        problem = _check_library(target)
+        if problem is None:
+            return "built (not loaded yet)"
+        head = "unverified" if problem == NO_RECORD else "corrupt"
+        if compiler() is None:
+            return (
+                f"{head} ({problem}) — not loaded, and no C++ compiler to rebuild it "
+                f"(CXX={os.environ.get('CXX', 'c++')!r}): the pure-PyTorch engine runs"
+            )
+        return (
+            f"{head} ({problem}) — not loaded; the first call that needs it rebuilds it "
+            f"({BUILD_TIME}), or run `attnlab build {name}`"
+        )
     earlier = _failed_note(target)
     if earlier is not None:
         return f"unavailable: {_one_line(earlier, 160)}"
@@ -537,7 +749,8 @@ def build_kernels(
     """Builds kernels now (default: all of `KERNELS`), one progress line each with its time.
 
     A kernel already built for this CPU and torch is loaded to check it (``--force`` rebuilds
-    it); a failure note left by an earlier build is retried. The total time ends the output.
+    it); one whose library fails its check against its record is rebuilt; a failure note left by
+    an earlier build is retried. The total time ends the output.
 
     Args:
         names: kernel names, each one of `KERNELS`.
@@ -572,17 +785,20 @@ def build_kernels(
         print(f"  {name:<{width}}  ", end="", file=out, flush=True)
         try:
             source, target = _target(name)
-            if target.exists() and not force:
+            problem = _check_library(target) if target.exists() else None
+            if target.exists() and problem is None and not force:
                 verb = "already built"
             else:
                 if cxx is None:
                     raise RuntimeError(
                         f"no C++ compiler found (CXX={os.environ.get('CXX', 'c++')!r})"
+                        + (f"; the cached library failed its check ({problem})" if problem else "")
                     )
-                print("building… ", end="", file=out, flush=True)
+                doing = f"failed its check ({problem}), rebuilding… " if problem else "building… "
+                print(doing, end="", file=out, flush=True)
                 with _LOCK:
                     verb = _build_locked(name, source, target, force=force)
-                verb = "built by another process" if verb == "found" else "built"
+                verb = "built by another process" if verb == "found" else verb
             if _STATE.get(name) is not True:
                 _load_library(name, target)  # it loads (a build has already loaded its own)
                 _STATE.setdefault(name, True)
@@ -609,6 +825,7 @@ __all__ = [
     "KERNELS",
     "NATIVE_FLAGS",
     "QUIET_ENV",
+    "CorruptLibraryError",
     "ExtensionUnavailableError",
     "build_kernels",
     "build_key",
