@@ -29,6 +29,7 @@ import attnlab.checkpoint as ckmod
 from attnlab.checkpoint import CheckpointError, build_on_meta, save_checkpoint
 from attnlab.models import GPT, TransformerConfig
 from attnlab.models.bert import BertConfig, BertEncoder
+from attnlab.models.config import MAX_UNSIZED_SEQ_LEN
 from attnlab.train import load_model
 from test_bert_minilm import TINY, tiny_state, write_checkpoint
 from test_cli_errors import run
@@ -108,16 +109,18 @@ def test_a_valid_checkpoint_loads_exactly(tmp_path):
     [
         (
             {"d_model": 4096, "n_layers": 4},
-            r"do not justify the stored config: it says 4 layer\(s\) but the file holds "
-            r"tensors of 1 \(model\.blocks\.<i>\.\*\)",
+            r"do not justify the stored config: n_layers: it says 4 layer\(s\) but the file "
+            r"holds tensors of 1 \(model\.blocks\.<i>\.\*\); d_model = 4096 but",
         ),
         ({"n_layers": 10**6}, r"it says 1000000 layer\(s\) but the file holds tensors of 1"),
         (
             {"d_model": 4096},
-            r"\d+ tensor\(s\) of another shape or dtype: model\.tok_emb\.weight \(needs "
-            r"\(6, 4096\) torch\.float32, the file has \(6, 8\) torch\.float32\)",
+            r"d_model = 4096 but model\.tok_emb\.weight has shape \(6, 8\) \(size 8 along dim 1\)",
         ),
-        ({"d_ff": 10**9}, r"model\.blocks\.0\.mlp\.fc1\.weight \(needs \(1000000000, 8\)"),
+        (
+            {"d_ff": 10**9},
+            r"d_ff = 1000000000 but model\.blocks\.0\.mlp\.fc1\.weight has shape \(32, 8\)",
+        ),
         ({"n_layers": 0}, r"it says 0 layer\(s\) but the file holds tensors of 1"),
         ({"n_kv_heads": 1}, r"model\.blocks\.0\.attn\.qkv_proj\.weight \(needs \(16, 8\)"),
         ({"positional": "learned"}, r"1 missing tensor\(s\) 'model\.pos_emb\.weight'"),
@@ -138,10 +141,15 @@ def test_a_config_the_tensors_do_not_justify_is_refused_at_once(
 def test_a_huge_vocab_is_refused_by_the_shapes(tmp_path, no_big_allocation):
     vocab = [chr(0x4E00 + i) for i in range(100_000)]  # a consistent 100k-entry vocab
     path = gpt_file(tmp_path / "vocab.safetensors", vocab=vocab, vocab_size=len(vocab))
-    with pytest.raises(CheckpointError, match=r"model\.tok_emb\.weight \(needs \(100000, 8\)"):
+    with pytest.raises(
+        CheckpointError, match=r"vocab_size = 100000 but model\.tok_emb\.weight has shape \(6, 8\)"
+    ):
         load_model(path)
     path = gpt_file(tmp_path / "vocab2.safetensors", vocab_size=10**12)
-    with pytest.raises(CheckpointError, match=r"stored vocab has 6 entries but the config's"):
+    with pytest.raises(CheckpointError, match=r"vocab_size = 1000000000000 but model\.tok_emb"):
+        load_model(path)
+    path = gpt_file(tmp_path / "vocab3.safetensors", vocab=VOCAB[:-1])
+    with pytest.raises(CheckpointError, match=r"stored vocab has 5 entries but the config's"):
         load_model(path)
 
 
@@ -157,10 +165,14 @@ def test_a_file_with_too_few_tensors_lists_them_with_a_count(tmp_path):
 @pytest.mark.parametrize(
     ("edits", "error", "pattern"),
     [
-        ({"n_layers": True}, TypeError, r"stored config: n_layers must be an int, got bool"),
-        ({"n_layers": 1.0}, TypeError, r"n_layers must be an int, got float 1\.0"),
+        (
+            {"n_layers": True},
+            CheckpointError,
+            r"config is invalid: n_layers must be an int, got bool",
+        ),
+        ({"n_layers": 1.0}, CheckpointError, r"n_layers must be an int, got float 1\.0"),
         ({"d_model": -8}, ValueError, r"d_model must be >= 1, got -8"),
-        ({"n_heads": "2"}, TypeError, r"n_heads must be an int, got str '2'"),
+        ({"n_heads": "2"}, CheckpointError, r"n_heads must be an int, got str '2'"),
         ({"bogus": 1}, ValueError, r"unknown TransformerConfig field\(s\) \['bogus'\]"),
     ],
 )
@@ -335,8 +347,9 @@ def test_bert_config_still_loads(tmp_path):
 def test_generate_preallocates_only_what_it_can_use(tmp_path, monkeypatch):
     """``max_seq_len`` sizes no tensor under RoPE, so no file can justify it: `GPT.generate`
     preallocates its KV caches for at most the prompt plus the new tokens (before the fix a
-    crafted ``max_seq_len=10**12`` made ``attnlab generate`` request 32 TB)."""
-    path = gpt_file(tmp_path / "long.safetensors", max_seq_len=10**12)
+    crafted ``max_seq_len=10**12`` made ``attnlab generate`` request 32 TB; such a file is now
+    refused: `MAX_UNSIZED_SEQ_LEN` is the most a file without a position table may claim)."""
+    path = gpt_file(tmp_path / "long.safetensors", max_seq_len=MAX_UNSIZED_SEQ_LEN)
     model, _, _ = load_model(path)
     capacities: list[int | None] = []
     new_caches = GPT.new_caches

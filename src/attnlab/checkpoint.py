@@ -25,7 +25,13 @@ and around the library (file-level parts in `attnlab._files`):
   the header only (no tensor data), builds the model on the ``meta`` device and accepts its
   config only if the file holds exactly its tensors (count, names, shapes, dtypes), before
   anything is allocated; so a config's limits follow from the file, not from fixed caps.
+  Before that, `justify_config` checks the stored config's integer fields against a table of
+  `ConfigRule` (layer counts from the tensor names, sizes from the tensor shapes, a limit for a
+  size no tensor gives), and a build on ``meta`` stops once it registers far more tensors than
+  the file holds (`tensor_budget`), so no config makes a loader build for long.
   ``config.json`` files are read bounded (`read_config_json`).
+- Folders: `file_in_folder` confines every file a folder names (a shard index, a config) to the
+  folder, ``..``, absolute paths and symlinks resolved.
 - Atomic writes (temp file in a private, flock-held ``.<name>.attnlab.<pid>.<hex>.tmp``
   directory beside the target, fsync, rename): a killed writer leaves the previous file intact,
   and the next save into the directory removes what it left (never a live writer's). Outputs
@@ -43,12 +49,18 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -507,11 +519,79 @@ class _MetaWithoutCompiler(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+class TensorBudgetError(RuntimeError):
+    """A model being built registered more parameters and buffers than `tensor_budget` allows.
+
+    Attributes:
+        limit: the budget.
+    """
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the model registers more than {limit} parameters and buffers")
+        self.limit = limit
+
+
+def tensor_limit(count: int) -> int:
+    """The budget of a model built to be compared with a file of ``count`` tensors: 4·count + 64.
+
+    A model that matches the file registers about ``count`` parameters and buffers (tied
+    parameters are registered twice, non-persistent buffers are not in the file), far below
+    this; one that registers more cannot match, so its build may stop there.
+    """
+    return 4 * count + 64
+
+
+@contextmanager
+def tensor_budget(limit: int | None) -> Iterator[None]:
+    """Inside, the calling thread's modules may register at most ``limit`` parameters and
+    buffers in all; one more raises `TensorBudgetError` (None: no limit).
+
+    A loader builds a model (on ``meta``) only to compare it with a file's tensors, so a
+    config claiming 10**9 layers can be stopped after ``limit`` registrations instead of
+    building for minutes. Counted by torch's global module registration hooks, which are
+    removed on exit; registrations by other threads are not counted.
+    """
+    if limit is None:
+        yield
+        return
+    owner = threading.get_ident()
+    count = 0
+
+    def hook(module: nn.Module, name: str, tensor: Tensor | None) -> None:
+        nonlocal count
+        if tensor is not None and threading.get_ident() == owner:
+            count += 1
+            if count > limit:
+                raise TensorBudgetError(limit)
+
+    on_parameter = register_module_parameter_registration_hook(hook)
+    on_buffer = register_module_buffer_registration_hook(hook)
+    try:
+        yield
+    finally:
+        on_parameter.remove()
+        on_buffer.remove()
+
+
+def build_on_meta(build: Callable[[], nn.Module], *, limit: int | None = None) -> nn.Module:
     """``build()`` under ``torch.device("meta")``: parameters and buffers get shapes and
-    dtypes but no memory (random initialisation is skipped; there is nothing to fill)."""
-    with torch.device("meta"), _MetaWithoutCompiler():
+    dtypes but no memory (random initialisation is skipped; there is nothing to fill).
+
+    Args:
+        build: makes the module.
+        limit: at most this many parameters and buffers may be registered (`tensor_budget`);
+            more raise `TensorBudgetError`. None: no limit.
+    """
+    with torch.device("meta"), _MetaWithoutCompiler(), tensor_budget(limit):
         return build()
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, at most ``limit`` characters (torch appends
+    C++ stack traces to some messages)."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    text = " ".join(lines[0].split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def build_checked(
@@ -533,7 +613,9 @@ def build_checked(
        ``{prefix}{name}.{i}.…`` (counted from the names, so a config claiming a million layers
        is refused before a million modules are built, even on ``meta``).
     2. ``build()`` runs under ``torch.device("meta")`` (no memory; a size that cannot exist
-       is refused with `CheckpointError` too).
+       is refused with `CheckpointError` too), registering at most `tensor_limit` of the
+       file's tensor count parameters and buffers (a config the table of layers missed still
+       stops at once).
     3. `check_fit`: names, shapes and dtypes must be exactly the file's.
 
     Returns:
@@ -545,20 +627,227 @@ def build_checked(
     """
     if layers is not None:
         name, n = layers
-        pattern = re.compile(rf"{re.escape(prefix + name)}\.(\d+)\.")
-        found = {m.group(1) for k in specs if (m := pattern.match(k))}
+        found = layer_indices(specs, prefix + name)
         if len(found) != n:
             raise CheckpointError(
                 path,
                 f"the file's tensors do not justify {what}: it says {n} layer(s) but the file "
                 f"holds tensors of {len(found)} ({prefix}{name}.<i>.*)",
             )
+    limit = tensor_limit(len(specs))
     try:
-        module = build_on_meta(build)
+        module = build_on_meta(build, limit=limit)
+    except TensorBudgetError:
+        raise CheckpointError(
+            path,
+            f"the file's tensors do not justify {what}: it builds a model of more than {limit} "
+            f"parameters and buffers but the file holds {len(specs)} tensors (stopped building)",
+        ) from None
     except (RuntimeError, ValueError, TypeError, OverflowError, MemoryError) as e:
-        raise CheckpointError(path, f"{what} describes no buildable model ({e})") from None
+        raise CheckpointError(
+            path, f"{what} describes no buildable model ({one_line(e)})"
+        ) from None
     check_fit(path, module, specs, prefix=prefix, what=what)
     return module
+
+
+# ------------------------------------------------------- stored configs, field by field
+@dataclass(frozen=True)
+class ConfigRule:
+    """How the tensors of a file justify one integer field of a stored config.
+
+    Every field named by a rule must be an int (not a bool, float or str) of at least
+    ``low``; then, if ``layers`` is set, the file must hold exactly that many layers; else, if
+    one of ``tensor`` is in the file, the field must equal its size along ``dim``; else the
+    field must equal ``absent`` (if set) and be at most ``limit`` (if set). A field missing
+    from the config (the config class's default applies) is not checked here.
+
+    Attributes:
+        field: the field, dotted into nested dicts (``"encoder.n_layers"``).
+        low: the smallest valid value.
+        layers: the field counts layers: tensors ``{prefix}{layers}.<i>.…`` with that many
+            distinct i.
+        tensor: the tensor(s) (without the loader's prefix) whose size the field is; the first
+            one the file holds is used.
+        dim: the dimension of ``tensor`` (negative counts from the end).
+        absent: the value the field must have when the file holds none of ``tensor`` (0: "no
+            such table").
+        limit: the largest value when the file holds none of ``tensor``: for a size no tensor
+            gives (a sequence length under RoPE).
+        optional: None is accepted (the model derives the value).
+    """
+
+    field: str
+    low: int = 0
+    layers: str | None = None
+    tensor: str | tuple[str, ...] = ()
+    dim: int = 0
+    absent: int | None = None
+    limit: int | None = None
+    optional: bool = False
+
+
+_NOT_SET = object()
+
+
+def _lookup(config: Mapping, dotted: str) -> object:
+    value: object = config
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _NOT_SET
+        value = value[part]
+    return value
+
+
+def layer_indices(names: Sequence[str] | Mapping[str, object], stem: str) -> set[int]:
+    """The distinct i of the names ``{stem}.<i>.…`` (a layer list's entries in the file)."""
+    pattern = re.compile(rf"{re.escape(stem)}\.(\d+)\.")
+    return {int(m.group(1)) for k in names if (m := pattern.match(k))}
+
+
+def _excerpt(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def justify_config(
+    path: str | os.PathLike,
+    config: Mapping,
+    specs: TensorSpecs,
+    rules: Sequence[ConfigRule],
+    *,
+    prefix: str = "",
+    what: str = "the stored config",
+) -> None:
+    """Checks a stored config's integer fields against the tensors of its file, by ``rules``.
+
+    Runs on the header alone (``specs`` from `checkpoint_specs`) before anything is built, in
+    time linear in the number of tensors, so a field of 10**9 or 2**62 (layers, a vocabulary,
+    a sequence length) is refused at once. Every problem is listed in one `CheckpointError`
+    naming the field, the stored value and what the tensors say.
+
+    Args:
+        path: the file (for messages).
+        config: the stored config (a JSON object).
+        specs: ``{name: (dtype, shape)}`` of the file's tensors.
+        rules: one `ConfigRule` per field.
+        prefix: prepended to every tensor and layer name of the rules (e.g. "model.").
+        what: how messages call the config.
+
+    Raises:
+        CheckpointError: a field of the wrong type or below its minimum ("{what} is
+            invalid: …"), or one the tensors do not justify ("the file's tensors do not
+            justify {what}: …").
+    """
+    invalid: list[str] = []
+    unjustified: list[str] = []
+    for rule in rules:
+        value = _lookup(config, rule.field)
+        if value is _NOT_SET or (value is None and rule.optional):
+            continue
+        if type(value) is not int:
+            invalid.append(
+                f"{rule.field} must be an int, got {type(value).__name__} {_excerpt(value)}"
+            )
+            continue
+        if value < rule.low:
+            invalid.append(f"{rule.field} must be >= {rule.low}, got {value}")
+            continue
+        if rule.layers is not None:
+            found = len(layer_indices(specs, prefix + rule.layers))
+            if value != found:
+                unjustified.append(
+                    f"{rule.field}: it says {value} layer(s) but the file holds tensors of "
+                    f"{found} ({prefix}{rule.layers}.<i>.*)"
+                )
+            continue
+        names = [
+            prefix + t for t in ((rule.tensor,) if isinstance(rule.tensor, str) else rule.tensor)
+        ]
+        name = next((n for n in names if n in specs), None)
+        if name is not None:
+            shape = tuple(specs[name][1])
+            size = shape[rule.dim] if -len(shape) <= rule.dim < len(shape) else None
+            if value != size:
+                unjustified.append(
+                    f"{rule.field} = {value} but {name} has shape {shape} (size {size} along "
+                    f"dim {rule.dim})"
+                )
+        elif rule.absent is not None and value != rule.absent:
+            unjustified.append(
+                f"{rule.field} = {value} but the file holds no {' or '.join(names)}, so it "
+                f"must be {rule.absent}"
+            )
+        elif rule.limit is not None and value > rule.limit:
+            sized = f"the file holds no {' or '.join(names)}" if names else "no tensor sizes it"
+            unjustified.append(
+                f"{rule.field} = {value} is above {rule.limit}, the most accepted when "
+                f"{sized} to justify it"
+            )
+    if invalid:
+        raise CheckpointError(path, f"{what} is invalid: {'; '.join(invalid)}")
+    if unjustified:
+        raise CheckpointError(
+            path, f"the file's tensors do not justify {what}: {'; '.join(unjustified)}"
+        )
+
+
+# ------------------------------------------------------------------------ files in a folder
+def folder_roots(folder: str | os.PathLike) -> tuple[Path, ...]:
+    """Where the files of ``folder`` may really be: the folder itself (symlinks resolved) and,
+    for a snapshot of the Hugging Face cache (``…/models--org--name/snapshots/<revision>``,
+    whose files are links into ``…/blobs``), that repository's ``blobs`` directory."""
+    real = Path(os.fspath(folder)).resolve()
+    roots = [real]
+    blobs = real.parent.parent / "blobs"
+    if real.parent.name == "snapshots" and blobs.is_dir():
+        roots.append(blobs.resolve())
+    return tuple(roots)
+
+
+def file_in_folder(
+    folder: str | os.PathLike, name: object, *, named_by: str | os.PathLike | None = None
+) -> Path:
+    """``folder / name``, refused unless that file stays inside ``folder``.
+
+    ``name`` must be a non-empty relative path without ``..`` components (POSIX or Windows
+    spelling), and the file it names, every symlink resolved, must lie inside the folder (or,
+    for a Hugging Face cache snapshot, inside its repository's blobs: `folder_roots`).
+
+    Args:
+        folder: the folder the caller was given.
+        name: the file name, as read from a config or a shard index.
+        named_by: the file that names it (an index), for messages; default the folder.
+
+    Returns:
+        ``folder / name`` (not resolved: reads follow the checked links).
+
+    Raises:
+        CheckpointError: a name that is not a relative path inside the folder, or a link out.
+    """
+    folder = Path(os.fspath(folder))
+    source = Path(os.fspath(named_by)) if named_by is not None else folder
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise CheckpointError(source, f"names the file {_excerpt(name)}: not a file name")
+    posix, windows = PurePosixPath(name), PureWindowsPath(name)
+    if posix.is_absolute() or windows.is_absolute() or windows.drive:
+        raise CheckpointError(
+            source,
+            f"names the file {name!r}, an absolute path: only files inside {folder} are read",
+        )
+    if ".." in posix.parts or ".." in windows.parts:
+        raise CheckpointError(
+            source, f"names the file {name!r}, which leaves {folder} ('..'): refused"
+        )
+    target = folder / name
+    real = target.resolve()
+    if not any(real == root or real.is_relative_to(root) for root in folder_roots(folder)):
+        raise CheckpointError(
+            source,
+            f"names the file {name!r}, a link to {real}, outside {folder}: only files inside "
+            "the folder are read",
+        )
+    return target
 
 
 __all__ = [
@@ -569,11 +858,17 @@ __all__ = [
     "PICKLE_SUFFIXES",
     "Checkpoint",
     "CheckpointError",
+    "ConfigRule",
     "Header",
+    "TensorBudgetError",
     "build_checked",
     "build_on_meta",
     "check_fit",
     "checkpoint_specs",
+    "file_in_folder",
+    "folder_roots",
+    "justify_config",
+    "layer_indices",
     "load_checkpoint",
     "load_json",
     "read_config_json",
@@ -581,4 +876,6 @@ __all__ = [
     "read_safetensors",
     "save_checkpoint",
     "save_json",
+    "tensor_budget",
+    "tensor_limit",
 ]

@@ -24,11 +24,7 @@ Example:
 from __future__ import annotations
 
 import functools
-import json
-import mmap
 import os
-import re
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,143 +165,31 @@ LONG_CHUNK_ELEMENTS = 1 << 22  # weights formed at once by the long-input path (
 _OFFLINE = {"use_safetensors": True, "trust_remote_code": False, "local_files_only": True}
 
 
-def _header(path: Path) -> dict[str, tuple[int, ...]]:
-    """``{tensor name: shape}`` from a safetensors file's header, reading only the header.
-
-    The file is memory-mapped (regular files only) and checked by `attnlab._files.parse_header`
-    (size, UTF-8, JSON depth, dtypes, shapes, offsets covering the data exactly); no tensor data
-    is read.
-    """
-    from .._files import CheckpointError, parse_header
-
-    st = os.stat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(path, "refusing a non-regular file: expected a safetensors file")
-    if st.st_size < 8:
-        raise CheckpointError(path, f"file too small: {st.st_size} bytes (truncated?)")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as raw:
-        _, _, start = parse_header(path, raw)  # type: ignore[arg-type]
-        header = json.loads(raw[8:start].decode("utf-8"))
-    header.pop("__metadata__", None)
-    return {name: tuple(info["shape"]) for name, info in header.items()}
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    """The folder's safetensors files (one, or the shards its index lists); pickles refused."""
-    from .._files import MAX_JSON_DEPTH, PICKLE_SUFFIXES, loads, read_file
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        raw = read_file(index, safetensors=False)  # a regular file, read bounded
-        doc = loads(index, raw.decode("utf-8", "replace"), "the index", MAX_JSON_DEPTH)
-        shards = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(shards, dict) or not all(isinstance(v, str) for v in shards.values()):
-            raise ValueError(f"{index}: expected a weight_map of tensor name → shard file")
-        files = sorted({folder / name for name in shards.values()})
-        for f in files:
-            if f.parent != folder or not f.is_file():
-                raise ValueError(f"{index} names a shard {f.name!r} that is not in the folder")
-        return files
-    files = sorted(folder.glob("*.safetensors"))
-    if files:
-        return files
-    pickles = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
-    if pickles:
-        raise ValueError(
-            f"refusing {folder}: its weights are pickle files ({', '.join(pickles[:3])}), which "
-            "can run arbitrary code when loaded; convert them to safetensors in a trusted "
-            "environment"
-        )
-    raise ValueError(f"{folder} holds no .safetensors weights")
-
-
-def _model_class(config: Any) -> Any:
-    """The transformers class named by ``config.architectures`` (else an Auto class)."""
-    import transformers
-
-    for name in getattr(config, "architectures", None) or ():
-        cls = getattr(transformers, str(name), None)
-        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
-            return cls
-    if getattr(config, "is_encoder_decoder", False):
-        return transformers.AutoModelForSeq2SeqLM
-    return transformers.AutoModel
-
-
 def check_hf_folder(path: str | os.PathLike) -> tuple[Any, Any]:
     """Checks a local transformers folder before any weight is read; returns (config, class).
 
-    The config is read with ``trust_remote_code=False``; the model is built from it on the meta
-    device (no memory), and its state_dict's names and shapes must match the safetensors
-    header(s) exactly — parameters tied to another (``lm_head.weight`` = the embedding) may be
-    absent from the file, and tensors that are not weights (non-persistent buffers the model
-    recomputes, names it declares ignorable) may be present. A folder holding only pickle
-    weights (``.bin``, ``.pt``...) is refused.
+    The check `attnlab.hf.from_pretrained` runs too (`attnlab.hf.folder.check_folder`): every
+    file inside the folder (shard indexes, links and ``..`` resolved), pickle weights refused,
+    the config read with ``trust_remote_code=False``, its layer counts and then the names and
+    shapes of the model built from it on the meta device (no memory, stopped once it
+    outgrows the files) equal to the safetensors header(s).
 
     Raises:
-        ValueError: not a folder, no config, pickle-only weights, a missing / extra /
-            differently shaped tensor, a config that needs remote code (each names the cause).
-        attnlab.checkpoint.CheckpointError: (a ValueError) a malformed safetensors header.
+        ValueError: not a folder; a file outside it, a missing / extra / differently shaped
+            tensor, a config that needs remote code (`attnlab.checkpoint.CheckpointError`,
+            each naming the cause).
+        FileNotFoundError: no config.json, no safetensors weights (pickle files named).
         MissingExtraError: transformers is not installed.
     """
+    from ..hf.folder import check_folder
     from ..utils.extras import require
 
     folder = Path(os.fspath(path))
     if not folder.is_dir():
         raise ValueError(f"--model must be minilm, gpt or a transformers folder, got {str(path)!r}")
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{folder} has no config.json: not a transformers checkpoint folder")
-    files = _weight_files(folder)
     require("transformers", "hf", "attnlab visualize --model PATH")
-    import transformers
-
-    try:
-        config = transformers.AutoConfig.from_pretrained(
-            folder, trust_remote_code=False, local_files_only=True
-        )
-    except (OSError, KeyError) as e:
-        raise ValueError(f"{folder}: cannot read config.json ({' '.join(str(e).split())})") from e
-    cls = _model_class(config)
-    found: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        found.update(_header(f))
-    with torch.device("meta"):
-        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    groups: dict[int, list[str]] = {}  # tied parameters: one tensor, several names
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    present = {n for names in groups.values() if any(m in found for m in names) for n in names}
-    missing = sorted(n for n in expected if n not in found and n not in present)
-    # Tensors the model recomputes (non-persistent buffers such as BERT's position_ids, which
-    # older checkpoints saved) or declares ignorable are not weights: transformers skips them.
-    buffers = {name for name, _ in model.named_buffers()}
-    ignored = [
-        re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
-    ]
-    extra = sorted(
-        n
-        for n in found
-        if n not in expected and n not in buffers and not any(r.search(n) for r in ignored)
-    )
-    shapes = sorted(n for n in expected if n in found and found[n] != expected[n])
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} weights missing from the file ({', '.join(missing[:3])})")
-    if extra:
-        problems.append(
-            f"{len(extra)} tensors in the file that {cls.__name__} does not have "
-            f"({', '.join(extra[:3])})"
-        )
-    for n in shapes[:3]:
-        problems.append(f"{n}: the config gives shape {expected[n]}, the file {found[n]}")
-    if problems:
-        raise ValueError(
-            f"{folder}: config.json does not match the safetensors weights ({cls.__name__}): "
-            + "; ".join(problems)
-            + " — refusing to load (missing weights would be randomly initialised)"
-        )
-    return config, cls
+    checked = check_folder(folder)
+    return checked.config, checked.model_class
 
 
 def _tokens(tokenizer: Any, ids: Tensor) -> list[str]:
@@ -346,6 +230,7 @@ def hf_attentions(
         ValueError: see `check_hf_folder`; no tokenizer in the folder; empty text.
     """
     import attnlab.hf
+    from attnlab.hf.folder import check_loading_info
 
     if not text:
         raise ValueError("text must not be empty")
@@ -363,9 +248,12 @@ def hf_attentions(
             f"{folder}: no usable tokenizer ({' '.join(str(e).split())[:200]})"
         ) from None
     try:
-        model = cls.from_pretrained(folder, attn_implementation="attnlab", **_OFFLINE)
+        model, info = cls.from_pretrained(
+            folder, attn_implementation="attnlab", output_loading_info=True, **_OFFLINE
+        )
     except OSError as e:
         raise ValueError(f"{folder}: cannot load the model ({' '.join(str(e).split())})") from e
+    check_loading_info(folder, info, cls.__name__)
     model = model.to(device).eval()
     limit = min(HF_MAX_TOKENS, getattr(config, "max_position_embeddings", None) or HF_MAX_TOKENS)
     enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=limit)

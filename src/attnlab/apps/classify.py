@@ -47,9 +47,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..analysis.importance import attention_modules, head_gates
-from ..checkpoint import Checkpoint
+from ..checkpoint import Checkpoint, ConfigRule
 from ..data.languages import LANGUAGES, LanguageSplit, language_split
 from ..models.classifier import POOLINGS, TextClassifier, build_classifier, char_classifier
+from ..models.config import checkpoint_rules
 from .loop import FitHistory, FitSettings, fit, load_model, save_model, write_metrics
 
 #: The checkpoint kind of `save_model` / `load`.
@@ -556,18 +557,21 @@ def load(
         path,
         KIND,
         build_classifier,
-        layers=lambda c: ("encoder.blocks", _layers(c)),
+        rules=RULES,
         device=device,
     )
     return model, ck  # type: ignore[return-value]
 
 
-def _layers(config: dict[str, Any]) -> int:
-    enc = config.get("encoder")
-    n = enc.get("n_layers") if isinstance(enc, dict) else None
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"encoder.n_layers must be an int >= 0, got {n!r}")
-    return n
+#: How the tensors of a "classify" checkpoint justify its stored `ClassifierConfig`
+#: (`attnlab.checkpoint.justify_config`): the encoder's `TransformerConfig` like a GPT's, and
+#: the head's integer fields (its class count is the classifier's rows, which the build on
+#: ``meta`` compares).
+RULES = (
+    *checkpoint_rules("encoder.", "encoder."),
+    ConfigRule("max_len", low=2),
+    ConfigRule("pool_heads", low=1),
+)
 
 
 # ------------------------------------------------------------------------------ the run

@@ -20,7 +20,7 @@ import math
 import os
 import platform
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,8 +32,10 @@ from .._files import atomic_write, loads
 from ..checkpoint import (
     Checkpoint,
     CheckpointError,
+    ConfigRule,
     build_checked,
     checkpoint_specs,
+    justify_config,
     load_checkpoint,
     read_header,
     save_checkpoint,
@@ -301,10 +303,13 @@ def load_model(
     build: Callable[[dict[str, Any]], nn.Module],
     *,
     layers: Callable[[dict[str, Any]], tuple[str, int] | None] | None = None,
+    rules: Sequence[ConfigRule] = (),
     device: torch.device | str = "cpu",
 ) -> tuple[nn.Module, dict[str, Any], Checkpoint]:
     """Reads a checkpoint written by `save_model`, checking the kind and that the tensors justify
-    the stored config before anything is allocated (`attnlab.checkpoint.build_checked`).
+    the stored config before anything is built: field by field from the header
+    (`attnlab.checkpoint.justify_config` with ``rules``), then names and shapes of a build on
+    ``meta`` (`attnlab.checkpoint.build_checked`).
 
     Args:
         path: the file.
@@ -312,6 +317,8 @@ def load_model(
         build: ``config -> model`` (raises TypeError/ValueError for a bad config).
         layers: ``config -> (name, n)``: the file must hold exactly n ``model.{name}.{i}.*``
             layers (so a config claiming 10**6 layers is refused from the names alone).
+        rules: the kind's table of integer config fields (types, layer counts, sizes) that
+            the tensors must justify, relative to the ``model.`` prefix.
         device: where the model goes after verification.
 
     Returns:
@@ -332,11 +339,13 @@ def load_model(
     config = loads(path, header.metadata["config"], "the stored config", 4)
     if not isinstance(config, dict):
         raise CheckpointError(path, f"the stored config must be a JSON object, got {config!r}")
+    specs = checkpoint_specs(header)
+    justify_config(path, config, specs, rules, prefix="model.")
     try:
         build_checked(
             path,
             lambda: build(config),
-            checkpoint_specs(header),
+            specs,
             prefix="model.",
             layers=layers(config) if layers is not None else None,
             what="the stored config",

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from .._files import loads
-from ..checkpoint import Checkpoint, CheckpointError
+from ..checkpoint import Checkpoint, CheckpointError, ConfigRule
 from ..models.rnn import RNNLM, RNNLMConfig, build_rnn_lm
 from ..train import evaluate, get_batch, load_text, unigram_entropy
 from .loop import FitHistory, FitSettings, fit, load_model, save_model, write_metrics
@@ -252,6 +252,16 @@ def train_rnn(
 
 
 # ------------------------------------------------------------------------------ files, sampling
+#: How the tensors of an "rnn" checkpoint justify its stored `RNNLMConfig`
+#: (`attnlab.checkpoint.justify_config`; names below the ``model.`` prefix).
+RULES = (
+    ConfigRule("n_layers", low=1, layers="layers"),
+    ConfigRule("vocab_size", low=1, tensor="embed.weight", dim=0),
+    ConfigRule("d_embed", low=1, tensor="embed.weight", dim=1),
+    ConfigRule("d_hidden", low=1, tensor="head.weight", dim=1),
+)
+
+
 def load(path: str | os.PathLike, device: torch.device | str = "cpu") -> tuple[RNNLM, Checkpoint]:
     """The `RNNLM` in a checkpoint of kind "rnn" (verified; the stored config must be justified
     by the tensors, layer count included, before anything is allocated) and the checkpoint."""
@@ -259,7 +269,7 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu") -> tuple[R
         path,
         KIND,
         build_rnn_lm,
-        layers=lambda c: ("layers", c.get("n_layers")),
+        rules=RULES,
         device=device,
     )
     vocab_of(ck, model.config.vocab_size)

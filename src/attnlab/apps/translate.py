@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..checkpoint import Checkpoint, CheckpointError, read_header
+from ..checkpoint import Checkpoint, CheckpointError, ConfigRule, read_header
 from ..data.numbers import (
     BOS,
     EOS,
@@ -46,15 +46,41 @@ from .loop import FitHistory, FitSettings, fit, load_model, save_model, write_me
 
 KIND = "translate"
 
+#: The longest text `translate` accepts, in characters. Decoding a text of n characters takes up
+#: to 2n + 20 steps that each attend to the whole source, so the time grows with n²: the longest
+#: number word below 10**15 has 197 characters (below 10**9, the default task: 114) and takes
+#: about a second, while 7,000 characters ran over 300 s. Longer input: one number per text.
+MAX_SOURCE_CHARS = 256
+
 #: Architectures: name -> ``build(config_dict) -> model`` implementing the seq2seq interface.
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
     "transformer": build_seq2seq_transformer,
     "rnn": build_rnn_seq2seq,  # the textbook's baseline: GRUs + additive (Bahdanau) attention
 }
 
-#: ``config -> (layer list name, count)`` for `load_model`'s layer check, per architecture.
-LAYERS: dict[str, Callable[[dict[str, Any]], tuple[str, int]]] = {
-    "transformer": lambda c: ("encoder", int(c["enc_layers"])),
+#: How the tensors of a checkpoint justify its stored config, per architecture
+#: (`attnlab.checkpoint.justify_config`: layer counts, vocabularies and widths; names below
+#: the ``model.`` prefix).
+RULES: dict[str, tuple[ConfigRule, ...]] = {
+    "transformer": (
+        ConfigRule("enc_layers", low=1, layers="encoder"),
+        ConfigRule("dec_layers", low=1, layers="decoder"),
+        ConfigRule("src_vocab_size", low=1, tensor="src_embed.weight", dim=0),
+        ConfigRule("tgt_vocab_size", low=1, tensor="tgt_embed.weight", dim=0),
+        ConfigRule("d_model", low=1, tensor="src_embed.weight", dim=1),
+        ConfigRule("n_heads", low=1),
+        ConfigRule("d_ff", low=1, tensor="encoder.0.mlp.fc1.weight", dim=0, optional=True),
+        ConfigRule("pad_id"),
+    ),
+    "rnn": (
+        ConfigRule("src_vocab_size", low=1, tensor="src_emb.weight", dim=0),
+        ConfigRule("tgt_vocab_size", low=1, tensor="tgt_emb.weight", dim=0),
+        ConfigRule("d_embed", low=1, tensor="src_emb.weight", dim=1),
+        ConfigRule("d_encoder", low=1, tensor="enc_fwd.weight_hh_l0", dim=1),
+        ConfigRule("d_decoder", low=1, tensor="decoder.weight_hh", dim=1),
+        ConfigRule("d_attention", low=1, tensor="attention.v", dim=0),
+        ConfigRule("d_output", low=1, tensor="out.weight", dim=1),
+    ),
 }
 
 
@@ -395,8 +421,7 @@ def load(
             Path(os.fspath(path)),
             f"names an unknown architecture {arch!r} (known: {sorted(ARCHITECTURES)})",
         )
-    layers = LAYERS.get(arch)
-    model, _, ck = load_model(path, KIND, ARCHITECTURES[arch], layers=layers, device=device)
+    model, _, ck = load_model(path, KIND, ARCHITECTURES[arch], rules=RULES[arch], device=device)
     vocab_of(ck)  # a damaged vocabulary fails now, not at the first translation
     return model, ck
 
@@ -430,9 +455,16 @@ def translate(
     max_len: int | None = None,
 ) -> list[str]:
     """Translations of English number words ``texts`` into ``lang`` (ValueError for a
-    character outside the vocabulary or an unknown language, naming it)."""
+    character outside the vocabulary, an unknown language or a text longer than
+    `MAX_SOURCE_CHARS`, naming it)."""
     if not texts:
         return []
+    for i, t in enumerate(texts):
+        if len(t) > MAX_SOURCE_CHARS:
+            raise ValueError(
+                f"texts[{i}] has {len(t)} characters, more than the {MAX_SOURCE_CHARS} a "
+                "translation accepts (one number's words per text; split longer input)"
+            )
     ids = [vocab.encode_source(t, lang) for t in texts]
     examples = [Example(-1, lang, s, [EOS]) for s in ids]
     src, src_mask, _, _ = collate(examples)
@@ -444,6 +476,7 @@ def translate(
 __all__ = [
     "ARCHITECTURES",
     "KIND",
+    "MAX_SOURCE_CHARS",
     "TranslateResult",
     "TranslateSettings",
     "alignment_examples",

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checkpoint import Checkpoint
+from ..checkpoint import Checkpoint, ConfigRule
 from ..models.vit import VisionTransformer, ViTConfig, build_vit
 from ..utils.extras import require
 from .loop import FitHistory, FitSettings, fit, load_model, save_model, write_metrics
@@ -265,9 +265,20 @@ def svm_baseline(split: DigitsSplit | None = None) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------- files
-def _layers(config: dict[str, Any]) -> tuple[str, int] | None:
-    n = config.get("n_layers")
-    return ("blocks", n) if isinstance(n, int) and not isinstance(n, bool) else None
+#: How the tensors of a "vit" checkpoint justify its stored `ViTConfig`
+#: (`attnlab.checkpoint.justify_config`; names below the ``model.`` prefix). The image, patch
+#: and channel sizes multiply into the patch projection and position tables, which the build
+#: on ``meta`` compares.
+RULES = (
+    ConfigRule("n_layers", layers="blocks"),
+    ConfigRule("d_model", low=1, tensor="cls_token", dim=2),
+    ConfigRule("num_classes", low=1, tensor="head.weight", dim=0),
+    ConfigRule("n_heads", low=1),
+    ConfigRule("d_ff", low=1, tensor="blocks.0.mlp.fc1.weight", dim=0, optional=True),
+    ConfigRule("image_size", low=1),
+    ConfigRule("patch_size", low=1),
+    ConfigRule("channels", low=1),
+)
 
 
 def save(path: str | os.PathLike, model: VisionTransformer, **info: Any) -> Path:
@@ -288,7 +299,7 @@ def load(
         FileNotFoundError, CheckpointError: a missing or damaged file, another kind, a config
             its tensors do not justify.
     """
-    model, _, ck = load_model(path, KIND, build_vit, layers=_layers, device=device)
+    model, _, ck = load_model(path, KIND, build_vit, rules=RULES, device=device)
     return model, ck  # type: ignore[return-value]
 
 

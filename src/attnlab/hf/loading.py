@@ -2,11 +2,15 @@
 
 transformers only checks that ``attn_implementation="attnlab"`` is registered; which features a
 model's attention layers pass (attention sinks, a position bias, …) shows only when they run.
-`from_pretrained` loads with attnlab's rules (safetensors only, no remote code) and then calls
-`check_model`, which runs one 2-token forward without gradient: every attention layer calls
-`attention_forward` once, whose argument checks refuse what attnlab does not compute
-(`UnsupportedAttentionError`, naming the feature and the layer class) — so an unsupported model
-is refused before it is returned, never with a silently different answer later.
+`from_pretrained` loads with attnlab's rules (safetensors only, no remote code), after checking
+the folder (`attnlab.hf.folder.check_folder`: every file inside the folder, the config against
+the safetensors headers — layer counts, names and shapes — before any weight is read), then
+refuses what transformers' own loading report lists (`attnlab.hf.folder.check_loading_info`:
+missing, unexpected or mismatched tensors) and calls `check_model`, which runs one 2-token
+forward without gradient: every attention layer calls `attention_forward` once, whose argument
+checks refuse what attnlab does not compute (`UnsupportedAttentionError`, naming the feature
+and the layer class) — so a half-loaded or unsupported model is refused before it is returned,
+never with a silently different answer later.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ import torch
 from torch import nn
 
 from .bridge import NAME, register
+from .folder import check_folder, check_loading_info, local_folder
 
 #: Keyword arguments `from_pretrained` sets itself: attnlab's attention, safetensors weights, no
 #: code from the checkpoint folder.
 FIXED = {"attn_implementation": NAME, "use_safetensors": True, "trust_remote_code": False}
+#: Keyword arguments that would load weights from elsewhere than the checked safetensors files.
+REFUSED = ("gguf_file", "state_dict", "from_tf", "from_flax")
 
 
 def check_model(model: nn.Module) -> None:
@@ -63,18 +70,27 @@ def from_pretrained(model_class: Any, path: Any, **kwargs: Any) -> Any:
 
     Sets ``attn_implementation="attnlab"``, ``use_safetensors=True`` and
     ``trust_remote_code=False`` (a conflicting value in ``kwargs`` is a ValueError), registers
-    attnlab with transformers, loads, and runs `check_model`.
+    attnlab with transformers, checks the folder before any weight is read
+    (`attnlab.hf.folder.check_folder`: files inside the folder, config against the safetensors
+    headers), loads, refuses any tensor transformers reports missing, unexpected or of another
+    shape (`attnlab.hf.folder.check_loading_info`), and runs `check_model`.
 
     Args:
         model_class: a transformers model class, e.g. ``AutoModelForCausalLM``.
-        path: a local checkpoint folder (or a hub id when the caller allows the network).
-        **kwargs: passed on (e.g. ``torch_dtype``, ``local_files_only=True``).
+        path: a local checkpoint folder, or a hub id (its cached snapshot is checked like a
+            folder; downloaded first unless ``local_files_only=True``).
+        **kwargs: passed on (e.g. ``torch_dtype``, ``local_files_only=True``, ``config``,
+            ``variant``, ``subfolder``); ``output_loading_info=True`` returns ``(model,
+            info)`` as in transformers.
 
     Returns:
-        The loaded model.
+        The loaded model (and transformers' loading info with ``output_loading_info``).
 
     Raises:
         UnsupportedAttentionError: the model needs something attnlab does not compute.
+        CheckpointError: (a ValueError) a file outside the folder, a config the safetensors
+            weights do not match, or tensors transformers could not load exactly (named).
+        FileNotFoundError: no config.json or no safetensors weights (pickle files refused).
         ValueError: a keyword that contradicts attnlab's loading rules.
     """
     for key, value in FIXED.items():
@@ -82,10 +98,27 @@ def from_pretrained(model_class: Any, path: Any, **kwargs: Any) -> Any:
             raise ValueError(
                 f"{key} must be {value!r} for attnlab.hf.from_pretrained, got {kwargs[key]!r}"
             )
+    for key in REFUSED:
+        if kwargs.get(key):
+            raise ValueError(
+                f"attnlab.hf.from_pretrained reads checked safetensors files only: drop {key}="
+            )
+    want_info = kwargs.pop("output_loading_info", False)
     register()
-    model = model_class.from_pretrained(path, **{**kwargs, **FIXED})
+    folder = local_folder(path, **kwargs)
+    checked = check_folder(
+        folder,
+        model_class,
+        config=kwargs.get("config"),
+        variant=kwargs.get("variant"),
+        subfolder=kwargs.get("subfolder") or "",
+    )
+    model, info = model_class.from_pretrained(
+        folder, **{**kwargs, **FIXED, "output_loading_info": True}
+    )
+    check_loading_info(checked.folder, info, type(model).__name__)
     check_model(model)
-    return model
+    return (model, info) if want_info else model
 
 
-__all__ = ["FIXED", "check_model", "from_pretrained"]
+__all__ = ["FIXED", "REFUSED", "check_model", "from_pretrained"]

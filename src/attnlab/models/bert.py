@@ -30,6 +30,7 @@ from ..checkpoint import (
     Header,
     build_on_meta,
     check_fit,
+    file_in_folder,
     read_config_json,
     read_header,
     read_safetensors,
@@ -380,7 +381,8 @@ class BertEncoder(nn.Module):
         Raises:
             FileNotFoundError: the config or weights file is missing (naming the path).
             CheckpointError: missing or unexpected keys, or a tensor whose shape or dtype does
-                not fit the config (naming the tensor and the file).
+                not fit the config (naming the tensor and the file); a directory whose
+                ``model.safetensors`` is a link to a file outside it.
             ValueError: a pickle checkpoint, or a config this encoder cannot run.
         """
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -434,7 +436,7 @@ def _resolve_paths(path: str | Path) -> tuple[Path, Path]:
         if (p / "model.safetensors.index.json").is_file():
             raise ValueError(f"{p} holds a sharded checkpoint; only one model.safetensors is read")
         raise FileNotFoundError(f"BERT weights file not found: {weights}")
-    return config, weights
+    return config, file_in_folder(p, weights.name)  # a link out of the folder is refused
 
 
 def bert_checkpoint_shapes(config: BertConfig, *, pooler: bool) -> dict[str, tuple[int, ...]]:

@@ -6,10 +6,16 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from ..checkpoint import ConfigRule
+
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 POSITIONALS = ("rope", "learned", "sinusoidal", "alibi", None)
+#: The largest ``max_seq_len`` a checkpoint may store when no tensor sizes it (RoPE, ALiBi,
+#: sinusoidal or no positions; "learned" positions are a table of exactly that many rows):
+#: 2**24 = 16,777,216 tokens, above the longest context any released model was trained for.
+MAX_UNSIZED_SEQ_LEN = 1 << 24
 
 
 def _int(name: str, value: object, minimum: int) -> None:
@@ -170,3 +176,38 @@ class TransformerConfig:
                 f"unknown TransformerConfig field(s) {unknown}; known: {sorted(known)}"
             )
         return cls(**data)
+
+
+def checkpoint_rules(field_root: str = "", tensor_root: str = "") -> tuple[ConfigRule, ...]:
+    """How a checkpoint's tensors justify a stored `TransformerConfig` (`GPT` or `Encoder`).
+
+    The layer count is the number of ``blocks.<i>`` in the file; ``vocab_size`` and
+    ``d_model`` are the token table's shape; ``max_seq_len`` is the learned position table's
+    rows, or at most `MAX_UNSIZED_SEQ_LEN` without one; ``type_vocab_size`` is the token-type
+    table's rows, or 0 without one (a `GPT` has none); ``d_ff`` is the MLP's hidden width; the
+    other integer fields are type-checked. For `attnlab.checkpoint.justify_config`.
+
+    Args:
+        field_root: where the config sits in the stored config (e.g. ``"encoder."``).
+        tensor_root: where the model's tensors sit below the loader's prefix (e.g.
+            ``"encoder."``).
+    """
+    f, t = field_root, tensor_root
+    mlp = (f"{t}blocks.0.mlp.fc1.weight", f"{t}blocks.0.mlp.up.weight")
+    return (
+        ConfigRule(f"{f}n_layers", layers=f"{t}blocks"),
+        ConfigRule(f"{f}vocab_size", low=1, tensor=f"{t}tok_emb.weight", dim=0),
+        ConfigRule(f"{f}d_model", low=1, tensor=f"{t}tok_emb.weight", dim=1),
+        ConfigRule(f"{f}n_heads", low=1),
+        ConfigRule(f"{f}n_kv_heads", low=1, optional=True),
+        ConfigRule(f"{f}d_ff", low=1, tensor=mlp, dim=0, optional=True),
+        ConfigRule(
+            f"{f}max_seq_len",
+            low=1,
+            tensor=f"{t}pos_emb.weight",
+            dim=0,
+            limit=MAX_UNSIZED_SEQ_LEN,
+        ),
+        ConfigRule(f"{f}type_vocab_size", tensor=f"{t}type_emb.weight", dim=0, absent=0),
+        ConfigRule(f"{f}pad_token_id", optional=True),
+    )
