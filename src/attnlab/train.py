@@ -6,9 +6,11 @@ al. 2017), gradient clipping, optional bf16 or fp16 autocast (fp16 with dynamic 
 `torch.amp.GradScaler`) and gradient checkpointing. It reports the loss in nats per character
 next to the text's unigram entropy (the loss of the best model that ignores context) and the
 gradient norm of every layer, saves a verified checkpoint atomically (one safetensors file with
-model, optimizer, loss-scaler and RNG state, so ``--resume`` continues bit-exactly) plus a
-checksummed ``config.json``, a loss-curve PNG and a per-layer gradient-norm PNG. `sweep` runs a
-grid of small runs over learning rate and warmup (the ablation behind ``attnlab train --sweep``).
+model, optimizer, loss-scaler and RNG state and the torch thread count, so ``--resume``
+continues bit-exactly) plus a checksummed ``config.json``, a loss-curve PNG and a per-layer
+gradient-norm PNG, all written atomically (a killed run leaves no temp file that the next run
+does not remove). `sweep` runs a grid of small runs over learning rate and warmup (the ablation
+behind ``attnlab train --sweep``).
 Launched by ``torchrun``, `train` runs data- or context-parallel on every rank
 (`attnlab.distributed.ddp`).
 
@@ -26,6 +28,9 @@ import itertools
 import json
 import math
 import os
+import re
+import time
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -33,13 +38,14 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ._files import loads
+from ._files import STALE_SECONDS, atomic_write, loads, remove_stale_temps
 from .apps.loop import cosine_lr, param_groups
 from .checkpoint import (
     Checkpoint,
     CheckpointError,
     build_checked,
     checkpoint_specs,
+    justify_config,
     load_checkpoint,
     read_header,
     save_checkpoint,
@@ -47,6 +53,7 @@ from .checkpoint import (
 )
 from .distributed.ddp import Parallel
 from .models import GPT, TransformerConfig
+from .models.config import checkpoint_rules
 from .utils import Progress, Timer
 from .viz.training import plot_grad_norms, plot_losses, plot_sweep
 
@@ -348,12 +355,140 @@ def _save(
         "unigram_entropy": repr(entropy),
         "grad_norm_layers": json.dumps(layers),
         "grad_scaler": json.dumps(scaler.state_dict() if scaler.is_enabled() else {}),
+        THREADS_KEY: str(torch.get_num_threads()),  # the float results depend on it
     }
     out.mkdir(parents=True, exist_ok=True)
     path = out / CHECKPOINT_NAME
     save_checkpoint(path, tensors, meta)
     save_json(out / "config.json", {"config": config, "vocab": vocab, "step": step})
     return path
+
+
+#: Checkpoint metadata key of the torch intra-op thread count the run was trained with.
+THREADS_KEY = "torch_threads"
+
+
+def _type_name(kind: object) -> str:
+    return "None" if kind is type(None) else getattr(kind, "__name__", str(kind))
+
+
+def _field_types() -> dict[str, tuple[type, ...]]:
+    """The JSON types each `TrainSettings` field accepts (from its annotation)."""
+    hints = typing.get_type_hints(TrainSettings)
+    out: dict[str, tuple[type, ...]] = {}
+    for f in fields(TrainSettings):
+        hint = hints[f.name]
+        kinds = typing.get_args(hint) if typing.get_args(hint) else (hint,)
+        if float in kinds and int not in kinds:
+            kinds = (*kinds, int)  # JSON writes 1.0 as 1
+        out[f.name] = tuple(kinds)
+    return out
+
+
+def stored_settings(path: str | os.PathLike, meta: dict[str, str]) -> TrainSettings:
+    """The `TrainSettings` stored in a checkpoint's metadata by `train`, checked field by field.
+
+    The JSON is parsed with its nesting bounded (a flat object; deeper nesting is refused
+    before parsing, never a RecursionError), every field must have its annotated type (an int
+    is not a bool, a str is not a number) and then pass `TrainSettings`' value checks. Settings
+    added after a checkpoint was written take their defaults.
+
+    Raises:
+        CheckpointError: no settings, not JSON, nested too deeply, not an object.
+        TypeError: a field of the wrong type (naming the field, expected and received types).
+        ValueError: a field of the right type but a bad value (naming it).
+    """
+    path = Path(os.fspath(path))
+    if "settings" not in meta:
+        raise CheckpointError(path, "not a checkpoint written by attnlab train (no settings)")
+    data = loads(path, meta["settings"], "the stored settings", 2)
+    if not isinstance(data, dict):
+        raise CheckpointError(
+            path, f"the stored settings must be a JSON object, got {type(data).__name__}"
+        )
+    types = _field_types()
+    for name, value in data.items():
+        kinds = types.get(name)
+        if kinds is None:
+            continue  # a setting of a later version: ignored, as before
+        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+        if not ok:
+            expected = " or ".join(_type_name(k) for k in kinds)
+            raise TypeError(
+                f"{path}: the stored settings: field {name!r} must be {expected}, got "
+                f"{type(value).__name__} {str(value)[:40]!r}"
+            )
+    try:
+        return TrainSettings(
+            **{f.name: data[f.name] for f in fields(TrainSettings) if f.name in data}
+        )
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{path}: the stored settings: {e}") from None
+
+
+def _resumed_vocab(path: str | os.PathLike, meta: dict[str, str]) -> list[str]:
+    """The vocabulary stored in a checkpoint of `train` (a flat JSON list of strings)."""
+    vocab = loads(path, meta.get("vocab", "null"), "the stored vocab", 1)
+    if not isinstance(vocab, list) or not all(isinstance(c, str) for c in vocab):
+        raise CheckpointError(Path(os.fspath(path)), "the stored vocab must be a list of strings")
+    return vocab
+
+
+def stored_threads(meta: dict[str, str]) -> int | None:
+    """The torch thread count a checkpoint of `train` was written with (None: not recorded)."""
+    text = meta.get(THREADS_KEY, "")
+    return int(text) if text.isdigit() and 0 < int(text) <= 2**16 else None
+
+
+#: Temp files older attnlab versions (and `attnlab.viz.training` alone) leave beside a PNG
+#: when killed mid-write: ``.<name>.<8 characters>.png`` (`tempfile.mkstemp`).
+_PNG_TEMP = re.compile(r"\.(loss|grad_norm|sweep)\.png\.[a-z0-9_]{8}\.png")
+
+
+def remove_stale_run_temps(out: Path) -> list[str]:
+    """Removes the temp files a killed run left in ``out``; returns their names.
+
+    Temp directories of `atomic_write` (checkpoint, config.json, the PNGs) whose writer is gone
+    go at once (`remove_stale_temps`: their pid is dead or their lock is free for long); PNG
+    temp files of the older naming, which carries no pid, once `STALE_SECONDS` old.
+    """
+    removed = remove_stale_temps(out, CHECKPOINT_NAME)
+    try:
+        entries = list(os.scandir(out))
+    except OSError:
+        return removed
+    now = time.time()
+    for e in entries:
+        if not _PNG_TEMP.fullmatch(e.name):
+            continue
+        try:
+            if e.is_file(follow_symlinks=False) and now - e.stat().st_mtime > STALE_SECONDS:
+                os.unlink(e.path)
+                removed.append(e.name)
+        except OSError:
+            continue
+    return removed
+
+
+class _NoPictureError(Exception):
+    """Raised inside `atomic_write` when matplotlib is missing: nothing replaces the file."""
+
+
+def _write_png(path: Path, draw: Callable[[Path], bool]) -> bool:
+    """``draw(file)`` into a private temp directory beside ``path``, then renamed over it
+    (`atomic_write`): a run killed while drawing leaves ``path`` as it was, and its temp
+    directory is removed by the next write or run. False (nothing written) without matplotlib.
+    """
+
+    def fill(tmp: str) -> None:
+        if not draw(Path(tmp)):
+            raise _NoPictureError
+
+    try:
+        atomic_write(path, fill)
+    except _NoPictureError:
+        return False
+    return True
 
 
 def _stored_config(path: Path, meta: dict[str, str]) -> tuple[TransformerConfig, list[str]]:
@@ -388,20 +523,26 @@ def load_model(
     The stored config is accepted only if the file's tensors justify it, before anything is
     allocated: the header alone is read (`read_header`), the `GPT` is built on the ``meta``
     device and its parameter names, shapes and dtypes must be exactly the file's (and the file
-    must hold exactly ``n_layers`` blocks), so a crafted config (``d_model=4096``,
+    must hold exactly ``n_layers`` blocks; every integer field is first justified by the tensors,
+    `attnlab.models.config.checkpoint_rules`), so a crafted config (``d_model=4096``,
     ``n_layers=10**6``, ``vocab_size=10**12``) is refused at once with a `CheckpointError`
     listing what differs (`attnlab.checkpoint.build_checked`). Only then is the file verified
     and decoded (`load_checkpoint`) and the model built.
 
     Raises:
         FileNotFoundError: no such file.
-        CheckpointError: a damaged file, a config the tensors do not justify, a bad vocab.
-        TypeError, ValueError: a stored config field of the wrong type or value (naming it).
+        CheckpointError: a damaged file, a config the tensors do not justify or an integer
+            field of the wrong type (naming it), a bad vocab.
+        TypeError, ValueError: another stored config field of the wrong type or value.
     """
     path = Path(os.fspath(path))
     header = read_header(path)
-    config, vocab = _stored_config(path, header.metadata)
     specs = checkpoint_specs(header)
+    if "config" in header.metadata:  # every field against the tensors, before any parsing
+        raw = loads(path, header.metadata["config"], "the stored config", 4)
+        if isinstance(raw, dict):
+            justify_config(path, raw, specs, checkpoint_rules(), prefix="model.")
+    config, vocab = _stored_config(path, header.metadata)
     build_checked(
         path,
         lambda: GPT(config),
@@ -432,6 +573,7 @@ def train(
     device: torch.device | str = "cpu",
     plots: bool = True,
     context_parallel: bool = False,
+    threads: int | None = None,
 ) -> TrainResult:
     """Trains a character-level `GPT`; see the module docstring.
 
@@ -455,6 +597,12 @@ def train(
             attention) instead of the batch; see `attnlab.distributed.ddp`. The returned model
             then keeps its ring attention (a collective call on shards); `load_model` of the
             checkpoint gives the plain GPT.
+        threads: torch intra-op threads for the run (None: as set). Every checkpoint stores the
+            count it was trained with, because the float results depend on it (reductions are
+            split across threads); resuming with None restores the stored count, so the
+            continued run is bit-exact whatever the process's default; a ``threads`` that
+            differs from the stored count is used and logged as a warning (the continuation is
+            then not bit-exact). The process's count is put back when `train` returns.
 
     Several ranks: when a default process group is initialised (``torchrun``), every rank calls
     `train` with the same arguments and trains with DistributedDataParallel; every rank draws the
@@ -463,6 +611,54 @@ def train(
     the others, and alone logs, shows the progress bar and writes files; every rank returns the
     result, with the losses averaged over the ranks.
     """
+    previous = torch.get_num_threads()
+    try:
+        return _train(
+            settings,
+            resume=resume,
+            stop_at=stop_at,
+            progress=progress,
+            log=log,
+            device=device,
+            plots=plots,
+            context_parallel=context_parallel,
+            threads=threads,
+        )
+    finally:
+        if torch.get_num_threads() != previous:
+            torch.set_num_threads(previous)
+
+
+def _set_threads(
+    threads: int | None, stored: int | None, resume: object, log: Callable[[str], None]
+) -> None:
+    """Sets the run's torch thread count: ``threads``, else the checkpoint's ``stored`` one."""
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        torch.set_num_threads(threads)
+        if stored is not None and stored != threads:
+            log(
+                f"warning: {resume} was trained with {stored} torch threads, this run uses "
+                f"{threads}: the resumed run will not be bit-exact"
+            )
+    elif stored is not None and stored != torch.get_num_threads():
+        torch.set_num_threads(stored)
+
+
+def _train(
+    settings: TrainSettings | None,
+    *,
+    resume: str | os.PathLike | None,
+    stop_at: int | None,
+    progress: bool,
+    log: Callable[[str], None],
+    device: torch.device | str,
+    plots: bool,
+    context_parallel: bool,
+    threads: int | None,
+) -> TrainResult:
+    """`train` without putting the process's thread count back."""
     device = torch.device(device)
     s = settings if settings is not None else TrainSettings()
     par = Parallel.current(context_parallel)
@@ -472,20 +668,17 @@ def train(
     ck = None
     if resume is not None:
         ck = par.load_shared(resume, load_checkpoint)  # rank 0's file, on every rank
-        if "settings" not in ck.metadata:
-            raise ValueError(f"{resume}: not a checkpoint written by attnlab train (no settings)")
-        stored = json.loads(ck.metadata["settings"])
-        stored["out_dir"] = s.out_dir
         # settings added later (schedule, precision) take their defaults in older checkpoints
-        s = TrainSettings(
-            **{f.name: stored[f.name] for f in fields(TrainSettings) if f.name in stored}
-        )
+        s = replace(stored_settings(resume, ck.metadata), out_dir=s.out_dir)
+    _set_threads(threads, stored_threads(ck.metadata) if ck else None, resume, log)
+    if par.is_main and Path(s.out_dir).is_dir():
+        remove_stale_run_temps(Path(s.out_dir))  # what a killed run left (SIGKILL, power loss)
     _check_precision(s.precision, device)
     par.check(
         batch_size=s.batch_size, seq_len=s.seq_len, dropout=s.dropout, positional=s.positional
     )
     text = load_text(s.text)
-    vocab = sorted(set(text)) if ck is None else json.loads(ck.metadata["vocab"])
+    vocab = sorted(set(text)) if ck is None else _resumed_vocab(resume, ck.metadata)
     index = {c: i for i, c in enumerate(vocab)}
     unknown = sorted(set(text) - set(index))
     if unknown:
@@ -539,15 +732,16 @@ def train(
         losses = ck.tensors["log.train_loss"].tolist()
         val = [(int(a), b, c) for a, b, c in ck.tensors["log.val"].tolist()]
         step = int(ck.metadata["step"])
-        if "log.grad_norm" in ck.tensors and json.loads(ck.metadata["grad_norm_layers"]) == layers:
+        stored_layers = loads(resume, ck.metadata.get("grad_norm_layers", "[]"), "the layers", 1)
+        if "log.grad_norm" in ck.tensors and stored_layers == layers:
             norms = ck.tensors["log.grad_norm"].tolist()
             totals = ck.tensors["log.grad_norm_total"].tolist()
         else:  # a checkpoint from before the gradient-norm log: those steps are unknown
             norms = [[math.nan] * len(layers) for _ in range(step)]
             totals = [math.nan] * step
         if scaler.is_enabled():
-            scaler.load_state_dict(json.loads(ck.metadata["grad_scaler"]))
-        log(f"resumed from {resume} at step {step}")
+            scaler.load_state_dict(loads(resume, ck.metadata["grad_scaler"], "the scaler", 1))
+        log(f"resumed from {resume} at step {step} (torch threads: {torch.get_num_threads()})")
     net = par.wrap(model)  # DistributedDataParallel on several ranks
 
     if stop_at is not None and not (
@@ -621,8 +815,10 @@ def train(
                     layers, norms, totals, scaler, rng_ranks,
                 )  # fmt: skip
             if plots:
-                plot_losses(out / "loss.png", losses, val, entropy)
-                plot_grad_norms(out / "grad_norm.png", layers, norms, totals)
+                _write_png(out / "loss.png", lambda p: plot_losses(p, losses, val, entropy))
+                _write_png(
+                    out / "grad_norm.png", lambda p: plot_grad_norms(p, layers, norms, totals)
+                )
     bar.close()
     seconds = timer.seconds
     step = len(losses)
@@ -817,7 +1013,7 @@ def write_sweep(result: SweepResult, out_dir: str | os.PathLike) -> list[Path]:
     paths = [out / "sweep.json", out / "sweep.txt"]
     save_json(paths[0], result.to_dict())
     paths[1].write_text(result.table() + "\n", encoding="utf-8")
-    if plot_sweep(out / "sweep.png", result):
+    if _write_png(out / "sweep.png", lambda p: plot_sweep(p, result)):
         paths.append(out / "sweep.png")
     return paths
 

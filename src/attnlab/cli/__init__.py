@@ -11,14 +11,20 @@ raised by a command, e.g. the library's CheckpointError) prints ONE line on stde
 ``attnlab COMMAND: error: ...``, and exits with code 2; any other exception prints one line and
 exits with 1. ``--debug`` (before or after the command name) re-raises it with its traceback.
 Writing into a closed pipe (``attnlab check | head -3``) ends quietly with code 141 (128 + SIGPIPE).
+SIGTERM (``kill``, a batch scheduler, torchrun stopping its workers) is turned into an exception
+while a command runs, so its ``finally`` blocks remove the temp files it was writing; the command
+prints ``attnlab COMMAND: terminated`` and exits with 143 (128 + SIGTERM), like Ctrl-C with 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 from .. import __version__
 from . import (
@@ -58,6 +64,34 @@ INPUT_ERRORS = (ValueError, TypeError, OSError, ImportError)
 
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived while a command ran (a BaseException: ``except Exception`` lets it pass,
+    ``finally`` blocks run)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises `Terminated` inside the block (main thread only; the previous handler is
+    put back after it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except (ValueError, OSError):  # no signals here (e.g. an embedded interpreter)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class Parser(argparse.ArgumentParser):
@@ -134,10 +168,12 @@ def _main(argv: Sequence[str] | None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    prog = f"attnlab {command}"
+    task = getattr(args, "task", None)
+    prog = f"attnlab {command}" + (f" {task}" if task else "")
     try:
-        code = int(args.func(args))
-        sys.stdout.flush()  # a closed pipe fails here, inside the handler, not at exit
+        with _sigterm_raises():
+            code = int(args.func(args))
+            sys.stdout.flush()  # a closed pipe fails here, inside the handler, not at exit
         return code
     except BrokenPipeError:
         raise
@@ -146,6 +182,11 @@ def _main(argv: Sequence[str] | None) -> int:
             raise
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        if args.debug:
+            raise
+        print(f"{prog}: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except INPUT_ERRORS as e:
         if args.debug:
             raise
@@ -162,4 +203,4 @@ def _main(argv: Sequence[str] | None) -> int:
         return 1
 
 
-__all__ = ["COMMANDS", "INPUT_ERRORS", "Parser", "build_parser", "main"]
+__all__ = ["COMMANDS", "INPUT_ERRORS", "Parser", "Terminated", "build_parser", "main"]

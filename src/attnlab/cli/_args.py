@@ -45,6 +45,55 @@ def int_at_least(low: int) -> Callable[[str], int]:
 positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
 
+#: Upper bound of the size arguments of ``attnlab train`` (widths, layers, heads, batch,
+#: sequence length): far above anything that fits a machine, so a value in range is judged by
+#: its estimated memory (`attnlab.cli._budget`), and low enough that no size computation
+#: overflows int64.
+MAX_SIZE = 2**30
+#: Upper bound of step counts and intervals (steps, warmup, evaluation and save intervals).
+MAX_STEPS = 10**9
+#: Upper bound of seeds: numpy's and scikit-learn's ``random_state`` range, [0, 2**32 - 1].
+MAX_SEED = 2**32 - 1
+#: Upper bound of ``--threads``.
+MAX_THREADS = 1024
+
+
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an int in ``[low, high]``.
+
+    Below ``low`` (or not an int) the error reads as `int_at_least`'s; above ``high`` it names
+    both bounds: ``expected an int in [1, 1073741824], got 2147483648``.
+    """
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # also Python's limit on the digits of an int string
+            raise argparse.ArgumentTypeError(
+                f"expected an int >= {low}, got {_clip(text)!r}"
+            ) from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {_clip(str(value))}")
+        if value > high:
+            raise argparse.ArgumentTypeError(
+                f"expected an int in [{low}, {high}], got {_clip(str(value))}"
+            )
+        return value
+
+    parse.__name__ = f"int in [{low}, {high}]"
+    return parse
+
+
+def _clip(text: str, limit: int = 40) -> str:
+    """``text`` cut to ``limit`` characters (a 5,000-digit argument stays one short line)."""
+    return text if len(text) <= limit else f"{text[: limit - 1]}…({len(text)} characters)"
+
+
+size_int = int_in(1, MAX_SIZE)
+step_count = int_in(1, MAX_STEPS)
+step_interval = int_in(0, MAX_STEPS)
+seed_int = int_in(0, MAX_SEED)
+
 
 def float_in(
     low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = True

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
@@ -33,15 +33,70 @@ from ..train import (
 )
 from . import tasks
 from ._args import (
+    MAX_THREADS,
     UsageError,
     add_device_argument,
     check_output_dir,
     existing_file,
+    int_in,
     nonnegative_float,
     nonnegative_int,
-    positive_int,
     probability,
+    seed_int,
+    size_int,
+    step_count,
+    step_interval,
 )
+from ._budget import Estimate, check_fits, parameter_count, transformer_activation_bytes
+
+#: Characters assumed by the memory estimate (the text's own count is known only once read;
+#: the embedding is a small part of any model that does not fit).
+_ESTIMATE_VOCAB = 256
+
+
+def check_memory(settings: TrainSettings, device: torch.device) -> None:
+    """Raises `UsageError` (naming the size argument) if the run cannot fit in memory.
+
+    Parameters are counted on the meta device (`parameter_count`), activations estimated for
+    one batch (`transformer_activation_bytes`; under torchrun, this rank's part of it).
+    """
+
+    def build(layers: int) -> torch.nn.Module:
+        from ..models import GPT
+
+        return GPT(replace(settings, n_layers=layers).model_config(_ESTIMATE_VOCAB))
+
+    params, buffers = parameter_count(build, settings.n_layers)
+    ranks = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
+    tokens = -(-settings.batch_size * settings.seq_len // max(1, ranks))
+    acts = transformer_activation_bytes(
+        tokens,
+        settings.n_layers,
+        settings.d_model,
+        _ESTIMATE_VOCAB,
+        checkpointing=settings.grad_checkpointing,
+    )
+    d = TrainSettings()
+    sizes = [
+        (f"--{name.replace('_', '-')}", getattr(settings, name), getattr(d, name))
+        for name in ("d_model", "n_layers", "batch_size", "seq_len")
+    ]
+    check_fits(Estimate(params, buffers, acts), sizes, device)
+
+
+def _check_resume(path: str) -> None:
+    """Refuses a checkpoint whose stored settings are malformed (``--resume``, one line)."""
+    from ..checkpoint import read_header
+    from ..train import stored_settings
+
+    try:
+        meta = read_header(path).metadata
+    except (OSError, ValueError):  # a damaged file: `train` names the fault when it verifies it
+        return
+    try:
+        stored_settings(path, meta)
+    except (TypeError, ValueError) as e:  # CheckpointError is a ValueError
+        raise UsageError("--resume", " ".join(str(e).split())) from None
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -89,9 +144,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     main = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reads and writes files
     if main:
         check_output_dir(settings.out_dir, "--out")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    if args.resume is None:  # a resumed run's sizes are those its checkpoint's tensors hold
+        check_memory(settings, args.device)
     if args.sweep is not None:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
         if launched_by_torchrun() and os.environ["WORLD_SIZE"] != "1":
             raise UsageError(
                 "--sweep", "trains one process per grid point; run it without torchrun"
@@ -127,6 +184,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             return 2
         if main and not Path(resume).is_file():
             raise UsageError("--resume", f"no checkpoint file {resume!r}")
+        if main:
+            _check_resume(resume)
     device = rank_device(args.device)  # under torchrun: cuda -> cuda:LOCAL_RANK
     with process_group_from_env(device):  # torchrun: DistributedDataParallel over its ranks
         result = train(
@@ -135,6 +194,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             device=device,
             context_parallel=args.context_parallel,
+            threads=args.threads,
         )
     if main:
         out = Path(settings.out_dir)
@@ -182,7 +242,13 @@ def register(sub: argparse._SubParsersAction) -> None:
             "torchrun (torchrun --nproc-per-node=N -m attnlab train ...) it trains with "
             "DistributedDataParallel: every rank draws the same global batch and takes its "
             "slice (or, with --context-parallel, its shard of every sequence), and rank 0 alone "
-            "logs and writes. "
+            "logs and writes. Sizes are checked before anything is built: a run whose "
+            "parameters, gradients, AdamW state and activations need more memory than is "
+            "available is refused in one line naming the argument and the estimated bytes; "
+            "integer arguments have upper bounds (sizes 2**30, steps 10**9, seeds 2**32 - 1). "
+            "Every file is written atomically; a run ended by SIGTERM or Ctrl-C removes its "
+            "temp files, and the temp files of a killed run (SIGKILL) are removed by the next "
+            "run into the same directory. "
             f"The defaults ({d.steps} steps) learn visibly in a few minutes on 2 CPU cores."
         ),
     )
@@ -195,26 +261,26 @@ def register(sub: argparse._SubParsersAction) -> None:
         nargs="?",
         const="",
         help="continue from a checkpoint (default path: OUT/ckpt.safetensors); the stored "
-        "settings are used",
+        "settings (each field's type checked first) and torch thread count are used",
     )
     for name, kind, text in (
-        ("steps", positive_int, "optimizer steps"),
-        ("batch_size", positive_int, "sequences per batch"),
-        ("seq_len", positive_int, "characters per sequence (= max_seq_len)"),
-        ("d_model", positive_int, "model width"),
-        ("n_layers", positive_int, "Transformer blocks"),
-        ("n_heads", positive_int, "attention heads"),
-        ("n_kv_heads", positive_int, "key/value heads (GQA)"),
+        ("steps", step_count, "optimizer steps"),
+        ("batch_size", size_int, "sequences per batch"),
+        ("seq_len", size_int, "characters per sequence (= max_seq_len)"),
+        ("d_model", size_int, "model width"),
+        ("n_layers", size_int, "Transformer blocks"),
+        ("n_heads", size_int, "attention heads"),
+        ("n_kv_heads", size_int, "key/value heads (GQA)"),
         ("dropout", probability, "dropout probability"),
         ("lr", nonnegative_float, "peak learning rate"),
         ("min_lr", nonnegative_float, "final learning rate of the cosine decay"),
-        ("warmup", nonnegative_int, "linear warmup steps"),
+        ("warmup", step_interval, "linear warmup steps"),
         ("weight_decay", nonnegative_float, "AdamW weight decay of matrices"),
         ("grad_clip", nonnegative_float, "max gradient norm (0 = off)"),
-        ("eval_interval", positive_int, "steps between evaluations"),
-        ("eval_batches", positive_int, "batches per evaluation"),
-        ("save_interval", nonnegative_int, "steps between checkpoints"),
-        ("seed", int, "random seed"),
+        ("eval_interval", step_count, "steps between evaluations"),
+        ("eval_batches", step_count, "batches per evaluation"),
+        ("save_interval", step_interval, "steps between checkpoints"),
+        ("seed", seed_int, "random seed"),
     ):
         flag = "--" + name.replace("_", "-")
         p.add_argument(flag, dest=name, type=kind, help=f"{text} (default {getattr(d, name)})")
@@ -254,9 +320,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--threads",
-        type=positive_int,
-        help="torch intra-op threads (default: torch's choice, one per core); 1 avoids thread "
-        "stalls when other processes keep the cores busy",
+        type=int_in(1, MAX_THREADS),
+        help="torch intra-op threads (default: torch's choice, one per core; with --resume: "
+        "the count stored in the checkpoint, so the continued run is bit-exact; another "
+        "count is used with a warning that it will not be); 1 avoids thread stalls when "
+        "other processes keep the cores busy",
     )
     p.add_argument(
         "--context-parallel",

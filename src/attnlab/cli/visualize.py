@@ -45,6 +45,7 @@ from ..analysis.model_attentions import (
     long_view_data,
 )
 from ._args import (
+    UsageError,
     add_device_argument,
     check_output_file,
     existing_file,
@@ -133,8 +134,14 @@ def _translate_run(
     """The cross-attention of a translate checkpoint (``path``, default ``--checkpoint``) on its
     own translation of TEXT: output characters (queries) × source characters (keys), every
     layer and head (an RNN's additive attention: one layer, one head)."""
-    from ..apps.translate import cross_attentions, langs_of, load, vocab_of
+    from ..apps.translate import MAX_SOURCE_CHARS, cross_attentions, langs_of, load, vocab_of
 
+    if len(args.text) > MAX_SOURCE_CHARS:
+        raise UsageError(
+            "TEXT",
+            f"has {len(args.text):,} characters; a translate checkpoint takes at most "
+            f"{MAX_SOURCE_CHARS} (one number's words)",
+        )
     model, ck = load(path or args.checkpoint, device=args.device)
     vocab, langs = vocab_of(ck), langs_of(ck)
     if args.lang not in langs:
@@ -226,6 +233,99 @@ def _quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
+#: The JSON files of a transformers folder that Python's json module parses (tokenizer.json is
+#: parsed by the tokenizers library, which bounds its own nesting).
+_FOLDER_JSON = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+
+
+def _config_error(e: BaseException) -> str | None:
+    """The one-line cause of a config that transformers refused field by field, else None."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return None
+    if not isinstance(e, StrictDataclassError):
+        return None
+    text = " ".join(str(e).split())
+    _, sep, cause = text.partition(": ")  # "Validation error for field 'x': TypeError: ..."
+    cause = cause if sep and cause else text
+    for prefix in ("TypeError: ", "ValueError: "):
+        cause = cause.removeprefix(prefix)
+    return cause[:1].lower() + cause[1:]  # "field 'x' expected int, got str (value: '2')"
+
+
+def check_folder_inputs(folder: str, text: str) -> None:
+    """Checks a transformers folder and TEXT before `hf_attentions` loads any weight.
+
+    Refused with `UsageError` naming ``--model`` (one line, exit code 2):
+
+    - a JSON file of the folder that is larger than 16 MB, not UTF-8, not JSON or nested more
+      than 64 levels deep (checked before parsing: never a RecursionError);
+    - a config field of the wrong type (transformers' own typed fields: the field, the type
+      expected and the type received);
+    - a tokenizer that turns TEXT into an id the model has no embedding for (a tokenizer of
+      another model: the id, the token, the model's ``vocab_size`` and the tokenizer's size).
+
+    A folder that is not one (no config.json, ...) is left to `hf_attentions`' own messages.
+    """
+    from .._files import read_config_json
+
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        return
+    for name in _FOLDER_JSON:
+        if (path / name).is_file():
+            try:
+                read_config_json(path / name)
+            except ValueError as e:  # CheckpointError: too large, not JSON, too deep
+                raise UsageError("--model", " ".join(str(e).split())) from None
+    from ..analysis.model_attentions import HF_MAX_TOKENS
+    from ..utils.extras import require
+
+    require("transformers", "hf", "attnlab visualize --model PATH")
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            path, trust_remote_code=False, local_files_only=True
+        )
+    except Exception as e:
+        cause = _config_error(e)
+        if cause is None:
+            return  # hf_attentions reports it (unknown model type, remote code, ...)
+        raise UsageError("--model", f"{path / 'config.json'}: {cause}") from None
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text_config, "vocab_size", None)
+    if isinstance(vocab, bool) or not isinstance(vocab, int):
+        return
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            path, trust_remote_code=False, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError):
+        return  # hf_attentions names the missing tokenizer
+    limit = min(HF_MAX_TOKENS, getattr(config, "max_position_embeddings", None) or HF_MAX_TOKENS)
+    ids = list(tokenizer(text, truncation=True, max_length=limit)["input_ids"])
+    start = getattr(config, "decoder_start_token_id", None)
+    if getattr(config, "is_encoder_decoder", False) and isinstance(start, int):
+        ids.append(start)
+    if not ids or max(ids) < vocab:
+        return
+    bad = max(ids)
+    token = tokenizer.convert_ids_to_tokens([bad])[0] if bad != start else "decoder start"
+    raise UsageError(
+        "--model",
+        f"the tokenizer in {str(path)!r} gives TEXT the token id {bad} ({token!r}), but the "
+        f"model's vocabulary has {vocab} entries (config.json vocab_size {vocab}; the "
+        f"tokenizer has {len(tokenizer)} tokens): the tokenizer belongs to another model",
+    )
+
+
 def _cmd_visualize(args: argparse.Namespace) -> int:
     from ..viz.attention_png import attention_png
     from ..viz.attention_view import MAX_FULL_TOKENS, AttentionView, attention_text, show
@@ -247,6 +347,7 @@ def _cmd_visualize(args: argparse.Namespace) -> int:
             if args.checkpoint is not None:
                 raise ValueError("--checkpoint is for --model gpt; drop it with --model FOLDER")
             _quiet_transformers()
+            check_folder_inputs(args.model, args.text)
             runs = hf_attentions(args.model, args.text, device=args.device, topk=args.top_k)
         else:
             runs = [
@@ -342,7 +443,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             "head view (lines from each token to the tokens it attends to), a model view "
             "(layers × heads thumbnails; click to select), per-head entropy and hover "
             "details. Default model: the pretrained all-MiniLM-L6-v2; --checkpoint uses a "
-            "character-level GPT written by `attnlab train`."
+            "character-level GPT written by `attnlab train`. With --model FOLDER, before any "
+            "weight is read: its JSON files must be at most 16 MB and 64 levels deep, its "
+            "config fields of their declared types, and the tokenizer must map TEXT to ids "
+            "below the model's vocab_size (each refused in one line, exit code 2)."
         ),
     )
     p.add_argument(

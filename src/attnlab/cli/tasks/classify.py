@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 
 from .._args import (
+    MAX_THREADS,
     UsageError,
     add_device_argument,
     check_output_dir,
+    int_in,
     nonnegative_int,
     positive_float,
-    positive_int,
     probability,
+    seed_int,
+    size_int,
+    step_count,
 )
 
 HELP = "text classification: the language of a word (MiniLM head, char Transformer, n-grams)"
@@ -25,8 +29,11 @@ DESCRIPTION = (
     "removes each encoder head in turn to show which heads the classifiers use. Writes "
     "OUT/metrics.json (held-out accuracy of the three), OUT/char.safetensors, "
     "OUT/minilm.safetensors (kind 'classify'; attnlab.apps.load_any reads them), "
-    "OUT/confusion.png and OUT/heads.png."
+    "OUT/confusion.png and OUT/heads.png. A character model whose parameters, gradients, "
+    "AdamW state and activations need more memory than is available is refused before "
+    "anything is built (one line naming --char-layers and the estimated bytes)."
 )
+_MAX_WORDS = 1_000_000
 
 _DEFAULT_LANGUAGES = "de,en,es,fr,it,nl,pl,pt,sv,tr"
 
@@ -41,9 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--words",
-        type=positive_int,
+        type=int_in(1, _MAX_WORDS),
         default=3000,
-        help="most frequent words read per language (default %(default)s)",
+        help=f"most frequent words read per language (at most {_MAX_WORDS:,}; default %(default)s)",
     )
     p.add_argument(
         "--test-fraction",
@@ -51,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.2,
         help="share of each language's words held out (default %(default)s)",
     )
-    p.add_argument("--seed", type=int, default=0, help="data split, init and batch order seed")
+    p.add_argument("--seed", type=seed_int, default=0, help="data split, init and batch order seed")
     p.add_argument(
         "--pooling",
         choices=["attention", "cls"],
@@ -60,24 +67,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "state (default %(default)s)",
     )
     p.add_argument(
-        "--char-steps", type=positive_int, default=1500, help="char model steps (default 1500)"
+        "--char-steps", type=step_count, default=1500, help="char model steps (default 1500)"
     )
+    p.add_argument("--char-layers", type=size_int, default=3, help="char model layers (default 3)")
     p.add_argument(
-        "--char-layers", type=positive_int, default=3, help="char model layers (default 3)"
-    )
-    p.add_argument(
-        "--minilm-steps", type=positive_int, default=600, help="MiniLM steps (default 600)"
+        "--minilm-steps", type=step_count, default=600, help="MiniLM steps (default 600)"
     )
     p.add_argument(
         "--minilm-layers",
-        type=nonnegative_int,
+        type=nonnegative_int,  # at most 6: checked in run ("MiniLM has 6 layers")
         default=2,
         help="top MiniLM layers trained with the head, 0-6 (0 = the head only; default 2)",
     )
     p.add_argument("--no-minilm", action="store_true", help="skip the MiniLM classifier")
     p.add_argument(
         "--ablation-words",
-        type=nonnegative_int,
+        type=int_in(0, _MAX_WORDS),
         default=1000,
         help="held-out words the head ablation scores (0 = no ablation; default 1000)",
     )
@@ -86,9 +91,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_float,
         help="seconds of training per model (default: no limit)",
     )
-    p.add_argument("--threads", type=positive_int, help="torch intra-op threads")
+    p.add_argument("--threads", type=int_in(1, MAX_THREADS), help="torch intra-op threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_device_argument(p)
+
+
+def _check_memory(args: argparse.Namespace) -> None:
+    """Refuses (`UsageError` naming ``--char-layers``) a character model that cannot fit."""
+    from ...apps.classify import ClassifySettings
+    from ...models.classifier import char_classifier
+    from .._budget import Estimate, check_fits, parameter_count, transformer_activation_bytes
+
+    s = ClassifySettings(char_layers=args.char_layers)
+    chars = "".join(chr(c) for c in range(97, 97 + 64))  # the words' characters: a few dozen
+
+    def build(layers: int):
+        return char_classifier(
+            chars,
+            ["a", "b"],
+            d_model=s.char_d_model,
+            n_layers=layers,
+            n_heads=s.char_heads,
+            max_len=s.char_max_len,
+        )
+
+    params, buffers = parameter_count(build, s.char_layers)
+    acts = transformer_activation_bytes(
+        s.char_batch * s.char_max_len, s.char_layers, s.char_d_model, len(chars)
+    )
+    check_fits(Estimate(params, buffers, acts), [("--char-layers", s.char_layers, 3)], args.device)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     from ...apps.classify import ClassifySettings
     from ...apps.classify import run as run_classify
 
+    _check_memory(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     settings = ClassifySettings(

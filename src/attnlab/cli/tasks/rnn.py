@@ -10,15 +10,19 @@ from __future__ import annotations
 import argparse
 
 from .._args import (
+    MAX_THREADS,
     UsageError,
     add_device_argument,
     check_output_dir,
     existing_file,
+    int_in,
     nonnegative_float,
-    nonnegative_int,
     positive_float,
-    positive_int,
     probability,
+    seed_int,
+    size_int,
+    step_count,
+    step_interval,
 )
 
 HELP = "a GRU/LSTM character LM: the RNN baseline of the GPT (same text, split and loss)"
@@ -30,8 +34,14 @@ DESCRIPTION = (
     "clipping, optional time budget). Writes OUT/ckpt.safetensors (kind 'rnn'), "
     "OUT/metrics.json (held-out loss) and OUT/loss.png, and prints a sample. The defaults "
     "(600 steps, 2 GRU layers of 256, the GPT's parameter count within 0.5 %) take a few "
-    "minutes on 2 CPU cores."
+    "minutes on 2 CPU cores. A model whose parameters, gradients, AdamW state and activations "
+    "need more memory than is available is refused before anything is built (one line naming "
+    "the argument and the estimated bytes)."
 )
+
+#: Characters assumed by the memory estimate (the text's own count is known once it is read).
+_ESTIMATE_VOCAB = 256
+_MAX_SAMPLE = 1_000_000
 
 _DEFAULTS = {  # mirrors RNNTrainSettings (the module imports no torch at import time)
     "steps": 600,
@@ -63,21 +73,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--cell", choices=["gru", "lstm"], default="gru", help="recurrent cell")
     for name, kind, text in (
-        ("steps", positive_int, "optimizer steps"),
-        ("batch_size", positive_int, "sequences per batch"),
-        ("seq_len", positive_int, "characters per sequence"),
-        ("d_embed", positive_int, "character embedding width"),
-        ("d_hidden", positive_int, "state width of each layer"),
-        ("n_layers", positive_int, "stacked recurrent layers"),
+        ("steps", step_count, "optimizer steps"),
+        ("batch_size", size_int, "sequences per batch"),
+        ("seq_len", size_int, "characters per sequence"),
+        ("d_embed", size_int, "character embedding width"),
+        ("d_hidden", size_int, "state width of each layer"),
+        ("n_layers", size_int, "stacked recurrent layers"),
         ("dropout", probability, "dropout on embeddings, between layers and before the head"),
         ("lr", nonnegative_float, "peak learning rate"),
         ("min_lr", nonnegative_float, "final learning rate of the cosine decay"),
-        ("warmup", nonnegative_int, "linear warmup steps"),
+        ("warmup", step_interval, "linear warmup steps"),
         ("weight_decay", nonnegative_float, "AdamW weight decay of matrices"),
         ("grad_clip", nonnegative_float, "max gradient norm (0 = off)"),
-        ("eval_interval", positive_int, "steps between evaluations"),
-        ("eval_batches", positive_int, "batches per evaluation"),
-        ("seed", int, "random seed"),
+        ("eval_interval", step_count, "steps between evaluations"),
+        ("eval_batches", step_count, "batches per evaluation"),
+        ("seed", seed_int, "random seed"),
     ):
         flag = "--" + name.replace("_", "-")
         p.add_argument(
@@ -93,19 +103,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="autocast")
     p.add_argument(
         "--sample",
-        type=nonnegative_int,
+        type=int_in(0, _MAX_SAMPLE),
         default=200,
-        help="characters to sample after training (0 = none; default 200)",
+        help=f"characters to sample after training (0 = none, at most {_MAX_SAMPLE:,}; "
+        "default 200)",
     )
     p.add_argument("--prompt", default="Alice ", help="the sample's prompt (default 'Alice ')")
     p.add_argument(
         "--threads",
-        type=positive_int,
+        type=int_in(1, MAX_THREADS),
         help="torch intra-op threads (default: torch's choice); 1 avoids thread stalls when "
         "other processes keep the cores busy",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_device_argument(p)
+
+
+def _check_memory(args: argparse.Namespace) -> None:
+    """Refuses (`UsageError` naming the size argument) a recurrent LM that cannot fit.
+
+    Activations: per layer and character a GRU/LSTM step keeps its gates and states (about 8
+    vectors of ``d_hidden``), plus the embeddings and the logits with their gradient.
+    """
+    from ...models.rnn import RNNLM, RNNLMConfig
+    from .._budget import Estimate, check_fits, parameter_count
+
+    def build(layers: int):
+        return RNNLM(
+            RNNLMConfig(
+                vocab_size=_ESTIMATE_VOCAB,
+                d_embed=args.d_embed,
+                d_hidden=args.d_hidden,
+                n_layers=layers,
+                cell=args.cell,
+            )
+        )
+
+    params, buffers = parameter_count(build, args.n_layers)
+    tokens = args.batch_size * args.seq_len
+    acts = 4 * tokens * (8 * args.n_layers * args.d_hidden + args.d_embed + 2 * _ESTIMATE_VOCAB)
+    sizes = [
+        (f"--{name.replace('_', '-')}", getattr(args, name), _DEFAULTS[name])
+        for name in ("d_hidden", "d_embed", "n_layers", "batch_size", "seq_len")
+    ]
+    check_fits(Estimate(params, buffers, acts), sizes, args.device)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sample and not args.prompt:
         raise UsageError("--prompt", "must not be empty when --sample > 0")
     check_output_dir(args.out_dir, "--out")
+    _check_memory(args)
     import torch
 
     from ...apps.rnn import RNNTrainSettings, char_data, sample, train_rnn

@@ -9,7 +9,18 @@ from __future__ import annotations
 
 import argparse
 
-from .._args import UsageError, check_output_dir, float_in, int_at_least, positive_int
+from .._args import (
+    MAX_SIZE,
+    MAX_THREADS,
+    UsageError,
+    check_output_dir,
+    float_in,
+    int_in,
+    seed_int,
+    size_int,
+    step_count,
+    step_interval,
+)
 
 HELP = "encoder–decoder Transformer: number words English -> German/French (characters)"
 DESCRIPTION = (
@@ -22,10 +33,17 @@ DESCRIPTION = (
     "metrics.json (exact match per language, on the German reordering cases and on the longest "
     "10%), loss.png, alignment.png (the cross-attention of held-out examples) and "
     "ckpt.safetensors. Training stops at --minutes (the learning rate's cosine follows the "
-    "clock) or at --steps, whichever comes first."
+    "clock) or at --steps, whichever comes first. A model whose parameters, gradients, AdamW "
+    "state and activations need more memory than is available is refused before anything is "
+    "built (one line naming the argument and the estimated bytes)."
 )
 
-ARCHS = ("transformer",)  # the lead adds "rnn" with apps.translate.ARCHITECTURES
+#: Vocabulary size assumed by the memory estimate (characters: ~60; --pieces: a few hundred).
+_ESTIMATE_VOCAB = 512
+
+ARCHS = ("transformer",)
+_MAX_POOL = 10_000_000  # ~70 minutes of num2words
+_MAX_HELD_OUT = 1_000_000  # the lead adds "rnn" with apps.translate.ARCHITECTURES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,21 +63,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--steps",
-        type=positive_int,
+        type=step_count,
         default=100000,
         help="maximum optimizer steps (default %(default)s)",
     )
     p.add_argument(
-        "--d-model", type=positive_int, default=128, help="model width (default %(default)s)"
+        "--d-model", type=size_int, default=128, help="model width (default %(default)s)"
     )
     p.add_argument(
         "--layers",
-        type=positive_int,
+        type=size_int,
         default=2,
         help="encoder and decoder layers (default %(default)s)",
     )
     p.add_argument(
-        "--heads", type=positive_int, default=4, help="attention heads (default %(default)s)"
+        "--heads", type=size_int, default=4, help="attention heads (default %(default)s)"
     )
     p.add_argument(
         "--positional",
@@ -79,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="peak learning rate (default %(default)s)",
     )
     p.add_argument(
-        "--warmup", type=int_at_least(0), default=100, help="warmup steps (default %(default)s)"
+        "--warmup", type=step_interval, default=100, help="warmup steps (default %(default)s)"
     )
     p.add_argument(
         "--label-smoothing",
@@ -89,24 +107,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--batch-tokens",
-        type=int_at_least(200),
+        type=int_in(200, MAX_SIZE),
         default=800,
         help="padded source + target tokens per batch (default %(default)s)",
     )
     p.add_argument(
         "--pool",
-        type=int_at_least(100),
+        type=int_in(100, _MAX_POOL),
         default=60000,
-        help="distinct training pairs drawn (num2words writes ~2,500 pairs/s; default %(default)s)",
+        help="distinct training pairs drawn (num2words writes ~2,500 pairs/s; at most "
+        f"{_MAX_POOL:,}; default %(default)s)",
     )
     p.add_argument(
         "--max-digits",
-        type=int_at_least(2),
+        type=int_in(2, 12),
         default=9,
-        help="numbers below 10**N (default %(default)s)",
+        help="numbers below 10**N, N in [2, 12] (default %(default)s)",
     )
     p.add_argument(
-        "--held-out", type=positive_int, default=2000, help="held-out numbers (default %(default)s)"
+        "--held-out",
+        type=int_in(1, _MAX_HELD_OUT),
+        default=2000,
+        help="held-out numbers (default %(default)s)",
     )
     p.add_argument(
         "--langs", default="de,fr", help="target languages, comma-separated (default %(default)s)"
@@ -122,7 +144,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--precision", choices=("fp32", "bf16"), default="bf16", help="(default %(default)s)"
     )
     p.add_argument(
-        "--threads", type=positive_int, default=None, help="torch threads (default: torch's)"
+        "--threads",
+        type=int_in(1, MAX_THREADS),
+        default=None,
+        help="torch threads (default: torch's)",
     )
     p.add_argument(
         "--clock",
@@ -131,9 +156,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="what --minutes counts: wall time (default) or this process's CPU time (for a "
         "measurement on a shared, loaded machine)",
     )
-    p.add_argument(
-        "--seed", type=int_at_least(0), default=0, help="training seed (default %(default)s)"
-    )
+    p.add_argument("--seed", type=seed_int, default=0, help="training seed (default %(default)s)")
     p.add_argument(
         "--pieces",
         action="store_true",
@@ -166,6 +189,28 @@ def _lang_weights(text: str, langs: tuple[str, ...]) -> dict[str, float]:
         if lang.strip() in langs:
             out[lang.strip()] = w
     return out
+
+
+def _check_memory(args: argparse.Namespace, model: dict) -> None:
+    """Refuses (`UsageError` naming the size argument) a transformer that cannot fit."""
+    from ...apps.translate import default_config
+    from ...models.seq2seq import build_seq2seq_transformer
+    from .._budget import Estimate, check_fits, parameter_count, transformer_activation_bytes
+
+    def build(layers: int):
+        config = {**model, "enc_layers": layers, "dec_layers": layers}
+        return build_seq2seq_transformer(default_config("transformer", _ESTIMATE_VOCAB, **config))
+
+    params, buffers = parameter_count(build, args.layers)
+    acts = transformer_activation_bytes(
+        args.batch_tokens, 2 * args.layers, args.d_model, _ESTIMATE_VOCAB
+    )
+    sizes = [
+        ("--d-model", args.d_model, 128),
+        ("--layers", args.layers, 2),
+        ("--batch-tokens", args.batch_tokens, 800),
+    ]
+    check_fits(Estimate(params, buffers, acts), sizes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -201,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
             "tie_embeddings": not args.separate_embeddings,
             "attn_backend": "reference",
         }
+        _check_memory(args, model)
     fit = FitSettings(
         steps=args.steps,
         lr=args.lr,

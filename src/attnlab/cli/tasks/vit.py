@@ -10,14 +10,18 @@ from __future__ import annotations
 import argparse
 
 from .._args import (
+    MAX_THREADS,
     UsageError,
     add_device_argument,
     check_output_dir,
     float_in,
+    int_in,
     nonnegative_float,
-    nonnegative_int,
     positive_float,
-    positive_int,
+    seed_int,
+    size_int,
+    step_count,
+    step_interval,
 )
 
 HELP = "a Vision Transformer on scikit-learn's 8×8 digits (held-out accuracy vs an SVM)"
@@ -30,7 +34,10 @@ DESCRIPTION = (
     "OUT/metrics.json, OUT/vit_attention.png (attention rollout ½(A+I) and each head's [CLS] "
     "map over the patches, drawn on held-out digits) and OUT/attention.html (the attention "
     "viewer with the patches as tokens). The default 3,000 steps cost about 155 CPU-seconds "
-    "on one thread (AMD EPYC); --time-budget SECONDS stops training early."
+    "on one thread (AMD EPYC); --time-budget SECONDS stops training early. A model whose "
+    "parameters, gradients, AdamW state and activations need more memory than is available "
+    "is refused before anything is built (one line naming the argument and the estimated "
+    "bytes)."
 )
 
 
@@ -52,26 +59,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="learned",
         help="learned 2-D (row + column vectors, default) or fixed 2-D sinusoidal positions",
     )
-    g.add_argument("--d-model", type=positive_int, default=64, metavar="E", help="width (64)")
-    g.add_argument("--layers", type=positive_int, default=4, metavar="N", help="blocks (4)")
-    g.add_argument("--heads", type=positive_int, default=4, metavar="H", help="heads (4)")
+    g.add_argument("--d-model", type=size_int, default=64, metavar="E", help="width (64)")
+    g.add_argument("--layers", type=size_int, default=4, metavar="N", help="blocks (4)")
+    g.add_argument("--heads", type=size_int, default=4, metavar="H", help="heads (4)")
     g.add_argument(
         "--dropout", type=float_in(0.0, 1.0), default=0.0, metavar="P", help="dropout (0)"
     )
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=positive_int, default=3000, help="optimizer steps (3000)")
-    t.add_argument("--batch-size", type=positive_int, default=64, metavar="B", help="(64)")
+    t.add_argument("--steps", type=step_count, default=3000, help="optimizer steps (3000)")
+    t.add_argument("--batch-size", type=size_int, default=64, metavar="B", help="(64)")
     t.add_argument("--lr", type=positive_float, default=2e-3, help="peak learning rate (2e-3)")
-    t.add_argument("--warmup", type=nonnegative_int, default=100, help="warmup steps (100)")
+    t.add_argument("--warmup", type=step_interval, default=100, help="warmup steps (100)")
     t.add_argument(
         "--weight-decay", type=nonnegative_float, default=0.05, metavar="WD", help="(0.05)"
     )
     t.add_argument(
         "--shift",
-        type=nonnegative_int,
+        type=int_in(0, 7),
         default=1,
         metavar="PIXELS",
-        help="augmentation: random shifts of up to this many pixels (default 1; 0 = none)",
+        help="augmentation: random shifts of up to this many pixels, 0-7 (default 1; 0 = none)",
     )
     t.add_argument(
         "--label-smoothing",
@@ -80,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="EPS",
         help="label smoothing of the cross-entropy (0.1)",
     )
-    t.add_argument("--seed", type=nonnegative_int, default=0, help="model and batch seed (0)")
+    t.add_argument("--seed", type=seed_int, default=0, help="model and batch seed (0)")
     t.add_argument(
         "--time-budget",
         type=nonnegative_float,
@@ -89,12 +96,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="stop training after this many seconds of wall-clock time (default 0 = no limit; "
         "a stop before the last step ends the run with a high learning rate)",
     )
-    t.add_argument("--eval-every", type=nonnegative_int, default=500, metavar="STEPS", help="(500)")
+    t.add_argument("--eval-every", type=step_interval, default=500, metavar="STEPS", help="(500)")
     t.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="autocast (fp32)")
-    t.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
+    t.add_argument(
+        "--threads", type=int_in(1, MAX_THREADS), help="torch threads (default: torch's)"
+    )
     p.add_argument("--no-baseline", action="store_true", help="skip the scikit-learn SVM baseline")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_device_argument(p)
+
+
+def _check_memory(args: argparse.Namespace, config: object) -> None:
+    """Refuses (`UsageError` naming the size argument) a ViT that cannot fit."""
+    from dataclasses import replace
+
+    from ...models.vit import VisionTransformer
+    from .._budget import Estimate, check_fits, parameter_count, transformer_activation_bytes
+
+    params, buffers = parameter_count(
+        lambda layers: VisionTransformer(replace(config, n_layers=layers)), args.layers
+    )
+    tokens = args.batch_size * ((8 // args.patch_size) ** 2 + 1)  # patches + [CLS]
+    acts = transformer_activation_bytes(tokens, args.layers, args.d_model, 10)
+    sizes = [
+        ("--d-model", args.d_model, 64),
+        ("--layers", args.layers, 4),
+        ("--batch-size", args.batch_size, 64),
+    ]
+    check_fits(Estimate(params, buffers, acts), sizes, args.device)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,8 +144,6 @@ def run(args: argparse.Namespace) -> int:
     from ...apps.vit import run as run_vit
     from ...models.vit import ViTConfig
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     config = ViTConfig(
         patch_size=args.patch_size,
         d_model=args.d_model,
@@ -125,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
         dropout=args.dropout,
         positional=args.positional,
     )
+    _check_memory(args, config)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     settings = VitSettings(
         steps=args.steps,
         batch_size=args.batch_size,
