@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._shapes import static_bool
-from ..masks import Mask
+from ..masks import CausalMask, Mask
 from . import nan_rule
 from .reference import keep_mask
 from .request import Request, key_prefixes, prefix_views, request_dense, request_interval
@@ -34,8 +34,38 @@ def _needs_grad(*xs: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _widens(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> bool:
+    """A float16/bfloat16 CPU call with gradient: the kernel runs on float32 copies.
+
+    torch's CPU flash kernel (the fused path for D == Dv without dropout) backpropagates 16-bit
+    inputs in their own dtype: it rounds the probabilities and dS to it for its products, adds
+    each block of 32-256 query rows into the 16-bit dk/dv (each block of 512 keys into dq), and
+    forms ``δ_i = Σ dout_i · out_i`` from the rounded output — every partial sum keeps 8 bits of
+    mantissa (bfloat16). Keys many rows attend (global tokens) collect several ulps: dv 0.23
+    for bfloat16, D = 256, L = 200, S = 77, ``global_local`` (issue 38), up to 1.8× the
+    tolerance rule's bound at L = 767. Widened, the probabilities, the sums and δ stay float32
+    and each gradient is rounded once, as on torch's math path (which widens 16-bit inputs
+    itself). Costs the float32 kernel (measured 1.1-1.9x the 16-bit forward + backward on an
+    AVX-512 EPYC) and float32 copies of q, k, v; calls without gradient keep the 16-bit
+    kernel, whose forward accumulates in float32.
+    """
+    return (
+        q.dtype in _HALF_DTYPES
+        and q.device.type == "cpu"
+        and _needs_grad(q, k, v, attn_mask if isinstance(attn_mask, Tensor) else None)
+    )
+
+
 def _kernel(req: Request, q: Tensor, k: Tensor, v: Tensor, attn_mask, is_causal: bool) -> Tensor:
-    return F.scaled_dot_product_attention(
+    dtype = q.dtype
+    if _widens(q, k, v, attn_mask):
+        q, k, v = (x.to(torch.float32) for x in (q, k, v))
+        if isinstance(attn_mask, Tensor) and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(torch.float32)
+    out = F.scaled_dot_product_attention(
         q,
         k,
         v,
@@ -45,6 +75,7 @@ def _kernel(req: Request, q: Tensor, k: Tensor, v: Tensor, attn_mask, is_causal:
         scale=req.scale / req.temperature,
         enable_gqa=static_bool(req.dims.H_kv != req.dims.H),
     )
+    return out.to(dtype)  # the output itself when nothing was widened
 
 
 def _unmasked(req: Request, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -88,6 +119,19 @@ def _sliced(req: Request) -> Tensor | None:
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
+def _rows_may_be_empty(req: Request) -> bool:
+    """True unless the call's shapes and mask kind alone prove that every query row attends at
+    least one key (no mask, or bottom-right `causal()` with L <= S; S > 0 here, empty calls go to
+    the reference). torch's kernel returns zeros for a row with no key only when its ``q_i`` is
+    finite: a NaN ``q_i`` makes the row NaN, where the rule wants zeros whatever ``q_i``."""
+    if req.bias is not None:
+        return True
+    return not (
+        req.mask is None
+        or (isinstance(req.mask, CausalMask) and static_bool(req.dims.L <= req.dims.S))
+    )
+
+
 def _prefix_ext(req: Request, is_causal: bool, clean_k: bool) -> Tensor | None:
     """Prefix calls (no mask, causal, padding, both) without bias or gradient, on the C++
     operator ``attnlab_nan::sdpa_prefix`` (`nan_rule.ext_ready`): one read of q, k, v, no copy
@@ -107,6 +151,11 @@ def _prefix_ext(req: Request, is_causal: bool, clean_k: bool) -> Tensor | None:
         if interval is None or interval[0] is not None:
             return None
         hi = interval[1]
+    if _rows_may_be_empty(req) and not nan_rule.known_finite(req.q):
+        # the operator runs torch's kernel on q itself: a non-finite q_i of a row with no key
+        # would come back NaN (the rule: zeros). Such calls take the tensor-op path, which
+        # cleans q; a finite q costs one read (a shape answer, no host sync).
+        return None
     allowed = None if is_causal or req.mask is None else request_dense(req)[0]
     return torch.ops.attnlab_nan.sdpa_prefix(
         req.q,
@@ -153,9 +202,14 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
     if fast is not None:
         return fast, None
     allowed, additive = (None, None) if is_causal else request_dense(req)
-    # a non-finite q_i only reaches row i (poisoned, or zeros if it attends nothing): q needs
-    # cleaning only for its gradient
-    q = nan_rule.clean(req.q) if _needs_grad(req.q) else req.q
+    # A non-finite q_i only reaches row i, which is poisoned if it attends a key. q is cleaned
+    # (a) when a row may attend nothing: torch's kernel zeros such a row only for a finite q_i,
+    # and the rule wants zeros whatever q_i; (b) for any gradient: dq of course, and dk/dv too,
+    # which the kernel's backward forms from q_i (0 · NaN = NaN even for a row with no key).
+    if _rows_may_be_empty(req) or _needs_grad(req.q, req.k, req.v):
+        q = nan_rule.clean(req.q)
+    else:
+        q = req.q
     k = req.k if fused_causal and not _needs_grad(req.k) else nan_rule.clean(req.k)
     v = nan_rule.clean(req.v)
     if req.score != "dot":
