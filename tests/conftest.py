@@ -23,6 +23,17 @@ if _WORKERS > 1:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny models (they gain nothing from threads; on a
+    shared machine threads cost up to 5x wall), restored after it. Use it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def fresh_dynamo():
     """Dynamo's caches and counters empty before and after a test that compiles (files that

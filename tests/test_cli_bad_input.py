@@ -28,16 +28,9 @@ import attnlab.apps.translate
 import attnlab.apps.vit
 from attnlab.cli import train as cli_train
 from helpers import run_cli
+from test_cli_errors import _heavy
 
 FAST = 10.0  # seconds: a refusal comes before any model is built (imports on a loaded machine)
-
-
-class HeavyWorkError(RuntimeError):
-    pass
-
-
-def _heavy(*args, **kwargs):
-    raise HeavyWorkError("a probe reached the long work")
 
 
 @pytest.fixture

@@ -40,21 +40,14 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import attnlab.hf  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 #: A refusal must come well within this (the fixed code takes milliseconds; the old code took
 #: 67 s, more than 180 s, or never finished).
 QUICK = 5.0
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread is faster on a shared machine (restored after the test)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def refused_quickly(load, match: str, error: type[BaseException] = CheckpointError) -> str:

@@ -39,6 +39,8 @@ if attnlab.hf.bridge._version_tuple(transformers.__version__) < attnlab.hf.MIN_T
 from transformers import masking_utils  # noqa: E402
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # Without rotary embeddings a key bias adds a per-row constant to the logits: zero gradient.
 NO_ROPE = ("bert", "bart", "minilm")
 ZERO_GRAD = ("key.bias", "k_proj.bias")
@@ -208,15 +210,6 @@ class Family:
 
 
 _cache: dict[str, Family] = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared machine they cost 5× wall."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

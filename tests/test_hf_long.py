@@ -30,6 +30,8 @@ if attnlab.hf.bridge._version_tuple(transformers.__version__) < attnlab.hf.MIN_T
 
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 attnlab.hf.register()
 
 LLAMA = dict(
@@ -60,14 +62,6 @@ BART = dict(
 # eager computes its softmax in float32 even for a float64 model, so its weights are the reference
 # only to float32 precision: the fixed fp32 forward table (atol, rtol) applies to every comparison.
 TOL = (2e-5, 1.3e-6)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

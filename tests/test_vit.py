@@ -24,16 +24,9 @@ from attnlab.models.vit import (
 from attnlab.positional import sinusoidal
 from attnlab.viz.vit import patch_map, patch_tokens
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TINY = {"d_model": 16, "n_layers": 2, "n_heads": 2, "dropout": 0.0}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread, much faster than two on a loaded machine (and restored)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
