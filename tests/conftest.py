@@ -28,6 +28,8 @@ def one_thread():
     """One intra-op thread for a module of tiny models (they gain nothing from threads; on a
     shared machine threads cost up to 5x wall), restored after it. Use it with
     ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
