@@ -103,18 +103,8 @@ def test_sdpa_with_gradient_runs_the_kernel_in_float32():
 
 
 # ----------------------------------------------------------------- many query blocks
-FLASH_16BIT_BACKWARD = pytest.mark.xfail(
-    strict=True,
-    reason="flash's backward runs torch's CPU kernel on bfloat16 tiles (16-bit sums per block of "
-    "query rows), like sdpa before its fix; widening it is issue 38's open part (item 9)",
-)
-
-
 @pytest.mark.parametrize("family", ISSUE_FAMILIES)
-@pytest.mark.parametrize(
-    "backend",
-    [pytest.param(b, marks=FLASH_16BIT_BACKWARD) if b == "flash" else b for b in BACKENDS],
-)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_many_query_blocks_bf16_d256(backend, family):
     """L = 767: torch's backward sums dk/dv over 12 blocks of 64 query rows; fails the rule on
     the 16-bit kernel, passes widened."""

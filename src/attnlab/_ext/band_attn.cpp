@@ -24,12 +24,13 @@
 //       segments' rows of out (H, L, Dv) and lse (H, L) float32 (other rows untouched), in
 //       query blocks of bq rows: out = softmax(q·kᵀ·scale) v, lse = log Σ exp(q·kᵀ·scale).
 //   attnlab_band::backward_into(dq!, dk!, dv!, q, k, v, out, dout, lse, add, r0, nblk, bq,
-//                               k_start, width, limit, scale)
+//                               k_start, width, limit, scale, own_delta=False)
 //   attnlab_band::segments_backward_into(dq!, dk!, dv!, q, k, v, out, dout, lse, start, n,
 //                                        count, causal, bq, scale)
 //       The backward of the two calls, added into float32 dq, dk, dv: every product in float32
 //       (float16 and bfloat16 q, k, v, dout widened as they are packed), out float32 (segments:
-//       or q's dtype), lse float32 (+inf on rows without a key).
+//       or q's dtype), lse float32 (+inf on rows without a key). own_delta: the band call holds
+//       every key of its rows, so δ is Σ P·dP of each row rather than rowsum(dout ⊙ out).
 //   attnlab_band::supported(dtype) -> bool: whether this CPU runs the operator in that dtype
 //       (oneDNN's brgemm micro-kernel in float32, wherever it exists: float16 is widened to
 //       float32 as it is packed, and so is bfloat16 unless its own products run); the caller
@@ -1239,16 +1240,20 @@ struct GradIo {
         gs(dout.stride(1)), lh(lse.stride(0)), ls(lse.stride(1)), dqh(dq_.stride(0)),
         dqs(dq_.stride(1)), dkh(dk_.stride(0)), dks(dk_.stride(1)), dvh(dv_.stride(0)),
         dvs(dv_.stride(1)) {}
-  // δ = rowsum(dO ⊙ O) of `rows` rows of head h from row0, into delta
+  // δ = rowsum(dO ⊙ O) of `rows` rows of head h from row0, into delta. Summed in double: every
+  // dS_ij = P_ij·(dP_ij − δ_i) carries δ's error, and a row whose P sits on a few keys (ALiBi)
+  // passes it whole into dq_i = Σ_j dS_ij·k_j — a float32 chain over Dv = 128 took dq to 1.6×
+  // torch's error (issue #38); rounded once, δ is exact to float32 (bq·Dv products per block).
   void deltas(int64_t h, int64_t row0, int64_t rows, int64_t Dv, float* delta) const {
     const T* gb = g + h * gh + row0 * gs;
     const O* ob = o + h * oh + row0 * os;
     for (int64_t r = 0; r < rows; ++r) {
-      float d = 0.0f;
+      double d = 0.0;
       for (int64_t e = 0; e < Dv; ++e) {
-        d += static_cast<float>(gb[r * gs + e]) * static_cast<float>(ob[r * os + e]);
+        d += static_cast<double>(static_cast<float>(gb[r * gs + e])) *
+             static_cast<double>(static_cast<float>(ob[r * os + e]));
       }
-      delta[r] = d;
+      delta[r] = static_cast<float>(d);
     }
   }
   float lse_at(int64_t h, int64_t row) const { return l[h * lh + row * ls]; }
@@ -1294,9 +1299,28 @@ inline void grad_row(float* sr, float* dr, const float* ad, int64_t ws, int64_t 
   }
 }
 
+// `grad_row` of a row whose every key the call holds, with δ = Σ_j P_j·dP_j of the row itself
+// (in double), as softmax's own backward forms it: dS then sums to zero with the very P and dP
+// it multiplies (a row with one key gets dS = 0 exactly), where rowsum(dO ⊙ O) differs from
+// Σ P·dP by the roundings of O and of the dO·vᵀ product. On rows with a few keys (window edges,
+// L > S) or with P on a few keys (ALiBi) that difference reached dq whole: 5–7× the error of
+// the same-dtype softmax at D = 256 (issue #38). Runs `grad_row` with δ = 0 (dr = P·dP·scale),
+// then dr −= (Σ dr)·P: two light passes over the row.
+inline void grad_row_own(float* sr, float* dr, const float* ad, int64_t ws, int64_t lo,
+                         int64_t hi, float scale, float lse) {
+  grad_row(sr, dr, ad, ws, lo, hi, scale, lse, 0.0f);
+  double d = 0.0;
+#pragma omp simd reduction(+ : d)
+  for (int64_t j = 0; j < ws; ++j) d += static_cast<double>(dr[j]);
+  const float dl = static_cast<float>(d);
+#pragma omp simd
+  for (int64_t j = 0; j < ws; ++j) dr[j] -= dl * sr[j];
+}
+
 // The backward of `band_forward` in float32 for one batch item, added into dq (H, L, D),
 // dk (H_kv, S, D), dv (H_kv, S, Dv): per query block t and head h, with the forward's lse and
-// δ = rowsum(dO ⊙ O),
+// δ = rowsum(dO ⊙ O) (with `own_delta`, when the call holds every key of its rows, δ = Σ P·dP
+// of the row: `grad_row_own`),
 //     P = exp(q·kᵀ·scale + add − lse),  dS = P ⊙ (dO·vᵀ − δ)·scale,
 //     dq += dS·k,  dkᵀ += qᵀ·dS,  dvᵀ += dOᵀ·P   (over the window's keys);
 // a row with lse = +inf (no key) contributes nothing. Work items are (key head, block) with the
@@ -1310,7 +1334,7 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                    const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& add,
                    int64_t r0, int64_t nblk, int64_t bq, int64_t k_start, int64_t width,
-                   int64_t limit, double scale_d) {
+                   int64_t limit, double scale_d, bool own_delta) {
   const int64_t H = q.size(0), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
   const int64_t G = H / Hkv;
   const float scale = static_cast<float>(scale_d);
@@ -1383,12 +1407,17 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
         const auto [qb, lq] = query_rows(in.q + h * in.qh + row * in.qs, in.qs, bq, D, qw.get());
         const auto [gb, lg] = query_rows(io.g_row(h, row), io.gs, bq, Dv, gw.get());
         const float* at = ap + t * a0 + h * a1;
-        io.deltas(h, row, bq, Dv, delta.data());
+        if (!own_delta) io.deltas(h, row, bq, Dv, delta.data());
         brgemm(bq, ws, D, lq, kst.ld(), ws, false, qb, kst.keys(c), s, false);
         brgemm(bq, ws, Dv, lg, vst.ld(), ws, false, gb, vst.keys(c), dp, false);
         for (int64_t r = 0; r < bq; ++r) {  // s becomes P, dp dS·scale
-          grad_row(s + r * ws, dp + r * ws, at + r * ar, ws, c_lo, c_hi, scale,
-                   io.lse_at(h, row + r), delta[r]);
+          if (own_delta) {
+            grad_row_own(s + r * ws, dp + r * ws, at + r * ar, ws, c_lo, c_hi, scale,
+                         io.lse_at(h, row + r));
+          } else {
+            grad_row(s + r * ws, dp + r * ws, at + r * ar, ws, c_lo, c_hi, scale,
+                     io.lse_at(h, row + r), delta[r]);
+          }
         }
         // dq rows += dS·k over the keys that exist (float32 k in place, else widened rows)
         if constexpr (Traits<T>::packs_values) {
@@ -1735,7 +1764,7 @@ void backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const at::Tensor
                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                    const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& add,
                    int64_t r0, int64_t nblk, int64_t bq, int64_t k_start, int64_t width,
-                   int64_t limit, double scale) {
+                   int64_t limit, double scale, bool own_delta) {
   check_backward("backward_into", dq, dk, dv, q, k, v, out, dout, lse);
   check(add, "backward_into", "add", 4);
   TORCH_CHECK(add.scalar_type() == at::kFloat, "attnlab_band.backward_into: add must be float32");
@@ -1743,7 +1772,7 @@ void backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const at::Tensor
   const at::Tensor addp = padded_tile(add, width, score_cols(width, false));
   auto run = [&](auto in_type) {
     band_backward<decltype(in_type)>(dq, dk, dv, q, k, v, out, dout, lse, addp, r0, nblk, bq,
-                                     k_start, width, limit, scale);
+                                     k_start, width, limit, scale, own_delta);
   };
   switch (q.scalar_type()) {  // every product in float32: 16-bit inputs widened as packed
     case at::kFloat: return run(float{});
@@ -1804,7 +1833,7 @@ TORCH_LIBRARY(attnlab_band, m) {
   m.def(
       "backward_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor q, Tensor k, Tensor v, "
       "Tensor out, Tensor dout, Tensor lse, Tensor add, int r0, int nblk, int bq, int k_start, "
-      "int width, int limit, float scale) -> ()");
+      "int width, int limit, float scale, bool own_delta=False) -> ()");
   m.def(
       "segments_backward_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor q, Tensor k, "
       "Tensor v, Tensor out, Tensor dout, Tensor lse, int start, int n, int count, bool causal, "

@@ -133,10 +133,13 @@ def band_backward(
     tiles: BandTiles,
     scale: float,
     grads: tuple[Tensor, Tensor, Tensor],
+    whole: bool = False,
 ) -> None:
     """Adds the gradients of a batched band call into ``grads = (dq, dk, dv)`` (kernel engine).
 
-    ``res`` holds the whole tensors ``(B, …)``; its lse is +inf on rows with no key.
+    ``res`` holds the whole tensors ``(B, …)``; its lse is +inf on rows with no key. ``whole``:
+    the call holds every key of its rows, so attnlab's C++ backward forms δ from each row's own
+    ``Σ P·dP`` (`band_kernel.backward_into`); torch's kernel always reads ``rowsum(dout ⊙ out)``.
     """
     dq, dk, dv = grads
     native = band_kernel.backward_usable(res.q, res.k, res.v, res.out, res.dout)
@@ -144,7 +147,7 @@ def band_backward(
         add = tiles.tile(c, b, res.q.device)
         if native:  # every block, edges too, in one C++ call
             parts = (res.q[b], res.k[b], res.v[b], res.out[b], res.dout[b], res.lse[b])
-            band_kernel.backward_into((dq[b], dk[b], dv[b]), parts, add, c, scale)
+            band_kernel.backward_into((dq[b], dk[b], dv[b]), parts, add, c, scale, whole=whole)
             continue
         inner, add_in = interior(c, add)
         if inner is not None:

@@ -49,7 +49,9 @@ The backward of band calls (`backward_into`: every product in float32, 16-bit in
 they are packed — the values of a widened run, without the widened copies) runs on the same
 extension when `backward_usable`: per
 query block and head it recomputes ``P = exp(q·kᵀ·scale + add − lse)`` from the forward's lse,
-``dS = P ⊙ (dO·vᵀ − δ)`` with ``δ = rowsum(dO ⊙ O)``, adds ``dS·k`` into dq and keeps ``qᵀ·dS``
+``dS = P ⊙ (dO·vᵀ − δ)`` with ``δ = Σ_j P_ij·dP_ij`` of each row when the call holds every key
+of its rows (as softmax's own backward: dS sums to zero with the P and dP it multiplies), else
+``δ = rowsum(dO ⊙ O)`` summed in double, adds ``dS·k`` into dq and keeps ``qᵀ·dS``
 and ``dOᵀ·P`` for the window's keys in per-thread accumulators that add each key's gradient
 into dk/dv once (five brgemm products per block; the keys and values packed as they advance,
 as in the forward). It runs the forward plan's blocks. Measured: window 256, L = 16384, fp32 on
@@ -279,6 +281,8 @@ def backward_into(
     add: Tensor,
     c: BandCall,
     scale: float,
+    *,
+    whole: bool = False,
 ) -> None:
     """Adds band call ``c``'s gradients for one batch item into ``grads = (dq, dk, dv)``.
 
@@ -289,16 +293,30 @@ def backward_into(
             whole forward's log-sum-exp ``(H, L)``, +inf on rows without a key.
         add: additive tile, as for `forward_into`.
         c: the call. scale: logit multiplier.
+        whole: the call holds every key of its rows (no other call of the plan adds to them):
+            δ is then ``Σ_j P_ij·dP_ij`` of each row, as softmax's own backward forms it, so dS
+            sums to zero with the very P and dP it multiplies (a row with one key gets dS = 0).
 
-    Per block, with ``P = exp(q·kᵀ·scale + add − lse)`` and ``δ = rowsum(dout ⊙ out)``:
-    ``dS = P ⊙ (dout·vᵀ − δ)``, ``dq += dS·k·scale``, ``dk += dSᵀ·q·scale``, ``dv += Pᵀ·dout``.
+    Per block, with ``P = exp(q·kᵀ·scale + add − lse)`` and ``δ = rowsum(dout ⊙ out)`` (or the
+    row's own ``Σ P·dP``): ``dS = P ⊙ (dout·vᵀ − δ)``, ``dq += dS·k·scale``,
+    ``dk += dSᵀ·q·scale``, ``dv += Pᵀ·dout``.
     """
     add4 = add.reshape((1,) * (4 - add.dim()) + tuple(add.shape)).float()
     if add4.stride(-1) != 1:
         add4 = add4.contiguous()
     limit = c.key_limit if c.key_limit > 0 else parts[1].shape[1]
     torch.ops.attnlab_band.backward_into(
-        *grads, *parts, add4, c.r0, c.t1 - c.t0, c.bq, c.k_start, c.width, limit, float(scale)
+        *grads,
+        *parts,
+        add4,
+        c.r0,
+        c.t1 - c.t0,
+        c.bq,
+        c.k_start,
+        c.width,
+        limit,
+        float(scale),
+        bool(whole),
     )
 
 

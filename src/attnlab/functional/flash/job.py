@@ -39,6 +39,38 @@ def _rows(c: Call) -> _Rows:
     return (slice(c.b0, c.b1), slice(None), slice(c.r0, c.r1))
 
 
+def merge_compensated(
+    parts: list[tuple[Tensor, Tensor, Tensor | None]],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`merge_partials` of parts whose lse carries its rounding error: ``(o, hi, lo)`` triples.
+
+    Each part's log-sum-exp is ``hi + lo`` (``lo`` from `TorchEngine.forward`'s two-sum, or a
+    previous merge; None = 0). The merge weights ``exp(hi_i + lo_i − lse)`` and the merged
+    ``lse = hi + lo`` are formed in float64, so neither the output nor backward's probabilities
+    ``exp(s − hi − lo)`` see the rounding of a large lse (ulp(32) ≈ 4e-6 in float32). Inputs are
+    finite (the NaN rule cleans them first); rows with no key in any part stay ``o = 0``,
+    ``lse = −inf``, ``lo = 0``.
+
+    Returns:
+        ``(out (..., L, Dv) in the first part's dtype, hi (..., L), lo (..., L))``, hi and lo in
+        the first part's lse dtype.
+    """
+    exact = torch.stack(
+        [l.double() if lo is None else l.double() + lo.double() for _, l, lo in parts]
+    )  # (n, ..., L)
+    top = torch.logsumexp(exact, dim=0)  # (..., L); −inf where every part is empty
+    weights = torch.exp(exact - torch.where(torch.isneginf(top), 0.0, top))  # (n, ..., L)
+    o0, l0 = parts[0][0], parts[0][1]
+    acc = acc_dtype(o0.dtype)
+    out = sum(
+        (w.to(acc).unsqueeze(-1) * o.to(acc) for w, (o, _, _) in zip(weights, parts, strict=True)),
+        torch.zeros((), dtype=acc, device=o0.device),
+    )
+    hi = top.to(l0.dtype)
+    lo = torch.where(torch.isneginf(top), 0.0, top - hi.double()).to(l0.dtype)
+    return out.to(o0.dtype), hi, lo
+
+
 @dataclass
 class FlashJob:
     """Everything that defines one tiled attention call except the tensors q, k, v.
@@ -51,7 +83,8 @@ class FlashJob:
         torch_engine: chunk sizes of the torch engine.
         grad_biases: indices into ``source.bias_tensors`` that need gradients.
         out32: float32 output of a widened float16/bfloat16 forward (backward's δ reads it).
-        lse_lo: rounding error of lse, on rows computed by a single torch-engine call.
+        lse_lo: rounding error of lse on the torch engine (``lse + lse_lo`` is the log-sum-exp
+            to about float64 precision, merged rows included); None on the kernel engine.
         band_tiles: the tiles of batched band calls (relative-bias tiles cached per call).
         bwd_plan: the plan backward runs, if not the forward's.
         bias_grads: gradients of the ``grad_biases`` tensors, filled by `backward`.
@@ -107,12 +140,12 @@ class FlashJob:
     def _widen(self, q: Tensor, plan: Plan | None = None, *, backward: bool = False) -> bool:
         """float16/bfloat16 with several calls run the kernel (or the torch engine) in float32.
 
-        Except on the kernel engine without a bias when every output row comes from ONE call of the
-        plan (`Plan.merge_free`: bands, causal, packed documents) and the low-precision policy
-        is not ``"widen"`` (`engines.low_precision`): each row's output is then rounded once either
-        way, and each call's dK/dV is rounded once before it is added in float32, so the
-        kernel runs in the input dtype (its bfloat16/float16 matmuls, float32 statistics).
-        Batched band calls widen their ``backward`` anyway (measured faster in float32).
+        Except the forward on the kernel engine without a bias when every output row comes from
+        ONE call of the plan (`Plan.merge_free`: bands, causal, packed documents) and the
+        low-precision policy is not ``"widen"`` (`engines.low_precision`): each row's output is
+        then rounded once either way, so the kernel runs in the input dtype (its
+        bfloat16/float16 matmuls, float32 statistics). The ``backward`` is always widened: torch's
+        kernel would sum dK/dV over its query blocks and a group's heads in the input dtype.
 
         Each kernel call rounds its partial output and gradients to the input dtype; summing
         several such partials (over query blocks for dK/dV, over key sets for the output) would
@@ -125,10 +158,16 @@ class FlashJob:
         if q.dtype not in (torch.float16, torch.bfloat16):
             return False
         plan = self.plan if plan is None else plan
-        if backward and any(isinstance(c, BandCall) for g in plan.groups for c in g.calls):
-            # measured (bfloat16, window 256, L=16384, AMD EPYC without AMX): the kernel's
-            # backward on 64-row band blocks is slower in bfloat16 than in float32 (fwd+bwd
-            # 1.34 s native vs 1.13 s widened), while its forward is faster (0.21 vs 0.27 s)
+        if backward:
+            # torch's kernel backpropagates 16-bit inputs in their dtype: it sums dK/dV over its
+            # blocks of query rows (and over the G query heads of a key head) in 16-bit tensors,
+            # so a key many rows attend gathers one rounding per block — dV 2.4× torch's own
+            # error for bfloat16 GQA at L = 256 (issue #38), over the tolerance rule for
+            # global tokens at L = 767. Widened, every sum stays float32 and each gradient is
+            # rounded once (attnlab's C++ band backward reads the 16-bit inputs and widens them
+            # as it packs them). Batched band calls were measured faster in float32 anyway
+            # (bfloat16, window 256, L=16384, AMD EPYC without AMX, fwd+bwd 1.34 s native vs
+            # 1.13 s widened).
             return True
         # the kernel reads an additive tile in the query dtype: a bias (ALiBi's −slope·|i − j|)
         # must not be rounded to half precision, so only mask-only plans run native
@@ -202,7 +241,8 @@ class FlashJob:
         alloc = torch.empty if plan.covers_all(B, L) and not plan.overlap else torch.zeros
         out = alloc(B, H, L, Dv, dtype=out_dtype, device=q.device)
         lse = torch.full((B, H, L), _NEG_INF, dtype=acc_dtype(q.dtype), device=q.device)
-        self.lse_lo = None
+        # the torch engine returns lse's rounding error with each call; merges keep it too
+        self.lse_lo = torch.zeros_like(lse) if self.engine == "torch" else None  # (B, H, L)
         for g in plan.groups:
             parts: list[tuple[Tensor, Tensor, Tensor | None]] = []
             for c in g.calls:
@@ -217,10 +257,12 @@ class FlashJob:
             rows = (slice(g.b0, g.b1), slice(None), slice(g.r0, g.r1))
             if len(parts) == 1:
                 o, l, lo = parts[0]
-                self._keep_lo(lse, rows, lo)
+            elif self.lse_lo is not None:  # the torch engine: keep lse's rounding error
+                o, l, lo = merge_compensated(parts)
             else:
                 o, l = merge_partials([p[0] for p in parts], [p[1] for p in parts])
-            self._store(out[rows], lse[rows], o, l)
+                lo = None
+            self._put(out, lse, rows, o, l, lo)
         return out, lse
 
     def _band_forward(
@@ -234,9 +276,7 @@ class FlashJob:
             return
         for bc in c.block_calls():
             o, l, lo = self._simple_forward(q, k, v, bc)
-            rows = _rows(bc)
-            self._keep_lo(lse, rows, lo)
-            self._store(out[rows], lse[rows], o, l)
+            self._put(out, lse, _rows(bc), o, l, lo)
 
     def _simple_forward(self, q, k, v, c: Call) -> tuple[Tensor, Tensor, Tensor | None]:
         qc, kc, vc, add = self._call_tensors(q, k, v, c)
@@ -247,18 +287,25 @@ class FlashJob:
             return o, l, None
         return self.torch_engine.forward(qc, kc, vc, logits)
 
-    def _keep_lo(self, lse: Tensor, rows: _Rows, lo: Tensor | None) -> None:
-        """Keeps lse's rounding error for rows computed by ONE call (merges drop it).
+    def _put(
+        self, out: Tensor, lse: Tensor, rows: _Rows, o: Tensor, l: Tensor, lo: Tensor | None
+    ) -> None:
+        """Writes one part's rows into ``out``/``lse`` (merges them in when the plan's groups
+        overlap), and on the torch engine its lse's rounding error ``lo`` into `lse_lo`.
 
-        Call it before the part is stored: in overlapping plans a row already reached by an
-        earlier part (finite lse) is a merge, whose lse carries a rounding of its own.
+        A merged row's lse is ``hi + lo`` of the compensated merge (`merge_compensated`), so
+        backward's ``exp(s − lse − lse_lo)`` stays exact to float32 however many calls a row
+        took: soft-capped or biased logits near ±30 or −500 put ulp(lse) at 2e-6 to 3e-5.
         """
-        if lo is None:
-            return
         if self.lse_lo is None:
-            self.lse_lo = torch.zeros_like(lse)  # (B, H, L)
+            self._store(out[rows], lse[rows], o, l)
+            return
+        lo = torch.zeros_like(l) if lo is None else lo
         if self.plan.overlap:
-            lo = torch.where(torch.isneginf(lse[rows]), lo, 0.0)
+            prev = (out[rows], lse[rows], self.lse_lo[rows])
+            o, l, lo = merge_compensated([prev, (o, l, lo)])
+        out[rows].copy_(o)
+        lse[rows].copy_(l)
         self.lse_lo[rows] = lo
 
     # ---------------------------------------------------------------- explain
@@ -357,12 +404,13 @@ class FlashJob:
                 assert len(grads) == 3
                 segment_backward(whole, res, scale=self.scale, grads=grads)
                 return grads
-            logits = Logits(self.scale, causal=causal)
             if not self._widen(q, plan, backward=True):
-                return kernel_backward(res, logits)
-            # the kernel sums dK/dV over query blocks in the input dtype: do it in float32
-            wide = Residuals(*(x.float() for x in (res.dout, q, k, v, res.out)), lse_b)
-            return self._narrow(kernel_backward(wide, logits), q, k, v)
+                return kernel_backward(res, Logits(self.scale, causal=causal))
+            # the kernel sums dK/dV over query blocks in the input dtype: do it in float32 (where
+            # attnlab's C++ segment backward takes the float32 call, it runs it)
+            out32 = self.out32 if self.out32 is not None else res.out.float()
+            wide = Residuals(*(x.float() for x in (res.dout, q, k, v)), out32, lse_b)
+            return self._narrow(self.backward(wide, dlse), q, k, v)
         if self._widen(q, plan, backward=True):
             out32 = self.out32 if self.out32 is not None else res.out.float()
             if use_kernel and band_kernel.backward_runs_every_call(plan, q, k, v, out32, res.dout):
@@ -379,7 +427,9 @@ class FlashJob:
             for c in g.calls:
                 if isinstance(c, BandCall) and use_kernel:
                     assert self.band_tiles is not None
-                    band_backward(c, res, tiles=self.band_tiles, scale=self.scale, grads=grads)
+                    band_backward(
+                        c, res, tiles=self.band_tiles, scale=self.scale, grads=grads, whole=whole
+                    )
                     continue
                 if isinstance(c, SegmentCall) and use_kernel:
                     segment_backward(c, res, scale=self.scale, grads=grads)
