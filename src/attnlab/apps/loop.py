@@ -355,7 +355,10 @@ def load_model(
             raise
         raise type(e)(f"{path}: the stored config: {e}") from None
     ck = load_checkpoint(path)
-    if ck.metadata.get("config") != header.metadata["config"]:
+    same = ck.metadata.get("config") == header.metadata["config"] and specs == {
+        k: (t.dtype, tuple(t.shape)) for k, t in ck.tensors.items()
+    }
+    if not same:
         raise CheckpointError(path, "the file changed while it was being loaded")
     model = build(config)
     ck.load_into(model, prefix="model.", strict=True)
