@@ -7,6 +7,8 @@ checked; `load` reads the model through the apps' one verified loader
 (`attnlab.apps.loop.load_model`, kind "gpt": files of ``attnlab train`` carry no kind);
 `remove_stale_run_temps` clears what a killed run left and `write_png` draws a picture
 atomically.
+
+A part of the GPT app: `attnlab.apps.gpt` hands on its public names.
 """
 
 from __future__ import annotations
@@ -249,16 +251,3 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu") -> tuple[G
             f"{config.get('vocab_size')}",
         )
     return model, ck  # type: ignore[return-value]
-
-
-__all__ = [
-    "KIND",
-    "THREADS_KEY",
-    "load",
-    "remove_stale_run_temps",
-    "save_run",
-    "stored_settings",
-    "stored_threads",
-    "vocab_of",
-    "write_png",
-]

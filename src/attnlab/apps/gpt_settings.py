@@ -3,6 +3,8 @@ learning-rate schedule, per-layer gradient norms and the held-out loss (`attnlab
 
 The RNN language model (`attnlab.apps.rnn`) shares the text, the batches and the evaluation, so
 the two are measured alike.
+
+A part of the GPT app: `attnlab.apps.gpt` hands on its public names.
 """
 
 from __future__ import annotations
@@ -260,21 +262,3 @@ def evaluate(
         losses.append(nn.functional.cross_entropy(wide_logits(logits).flatten(0, 1), y.flatten()))
     model.train(was_training)
     return float(par.mean(torch.stack(losses).mean()))
-
-
-__all__ = [
-    "AUTOCAST_DTYPES",
-    "CHECKPOINT_NAME",
-    "PRECISIONS",
-    "SCHEDULES",
-    "TrainSettings",
-    "check_precision",
-    "evaluate",
-    "get_batch",
-    "layer_grad_norms",
-    "layer_parameters",
-    "load_text",
-    "lr_at",
-    "unigram_entropy",
-    "wide_logits",
-]

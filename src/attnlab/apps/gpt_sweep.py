@@ -2,6 +2,8 @@
 
 `sweep_plan` checks a grid and gives every point's `TrainSettings` without training;
 `attnlab.apps.gpt.sweep` trains them into a `SweepResult` (a table, strict JSON, the best run).
+
+A part of the GPT app: `attnlab.apps.gpt` hands on its public names.
 """
 
 from __future__ import annotations
@@ -140,6 +142,3 @@ def sweep_plan(
         name = "_".join(f"{k}={v:g}" for k, v in point.items())
         settings.append(replace(s, out_dir=str(Path(base.out_dir) / name)))
     return clean, points, settings
-
-
-__all__ = ["SWEEP_AXES", "SweepResult", "SweepRun", "sweep_plan"]
