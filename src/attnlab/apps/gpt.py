@@ -69,6 +69,7 @@ from .gpt_settings import (
     layer_parameters,
     load_text,
     lr_at,
+    sample_chars,
     unigram_entropy,
     wide_logits,
 )
@@ -433,18 +434,17 @@ def sample_text(
     seed: int = 0,
 ) -> str:
     """Continues ``prompt`` (every character must be in ``vocab``) by sampling the model on its
-    device (the prompt and the sampling generator are created there)."""
-    index = {c: i for i, c in enumerate(vocab)}
-    unknown = sorted(set(prompt) - set(index))
-    if unknown:
-        raise ValueError(f"prompt has characters {unknown} that are not in the vocabulary")
-    if not prompt:
-        raise ValueError("prompt must not be empty")
-    device = next(model.parameters()).device
-    idx = torch.tensor([[index[c] for c in prompt]], dtype=torch.long, device=device)  # (1, L)
-    g = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature, top_k, use_cache=use_cache, generator=g)
-    return "".join(vocab[i] for i in out[0].tolist())
+    device (`attnlab.apps.gpt_settings.sample_chars`; ``use_cache``: a KV cache per layer)."""
+    return sample_chars(
+        model,
+        vocab,
+        prompt,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        use_cache=use_cache,
+    )
 
 
 __all__ = [

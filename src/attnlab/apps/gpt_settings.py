@@ -262,3 +262,34 @@ def evaluate(
         losses.append(nn.functional.cross_entropy(wide_logits(logits).flatten(0, 1), y.flatten()))
     model.train(was_training)
     return float(par.mean(torch.stack(losses).mean()))
+
+
+def sample_chars(
+    model: nn.Module,
+    vocab: list[str],
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    seed: int = 0,
+    **options: object,
+) -> str:
+    """Continues ``prompt`` by sampling a character model on its device: its
+    ``generate(idx, max_new_tokens, temperature, top_k, generator=g, **options)`` (the prompt and
+    the sampling generator ``g``, seeded with ``seed``, are created there).
+
+    Raises:
+        ValueError: an empty prompt, or characters outside ``vocab`` (listed).
+    """
+    index = {c: i for i, c in enumerate(vocab)}
+    unknown = sorted(set(prompt) - set(index))
+    if unknown:
+        raise ValueError(f"prompt has characters {unknown} that are not in the vocabulary")
+    if not prompt:
+        raise ValueError("prompt must not be empty")
+    device = next(model.parameters()).device
+    idx = torch.tensor([[index[c] for c in prompt]], dtype=torch.long, device=device)  # (1, L)
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(idx, max_new_tokens, temperature, top_k, generator=g, **options)
+    return "".join(vocab[i] for i in out[0].tolist())
