@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from attnlab.apps.gpt import get_batch, load_text
 from attnlab.modules import AdaptiveSpanAttention
-from attnlab.train import get_batch, load_text
 
 
 @dataclass

@@ -5,8 +5,8 @@ For structured masks (sliding window, causal document) and a function bias (ALiB
 fused call) side by side, interleaved, at growing L, in each ``--dtype``, and prints sdpa/flash
 ratios, what ``backend="auto"`` picks at each size (its thresholds for that dtype:
 `attnlab.functional.thresholds`), the crossover L of each threshold class, and the machine's
-matmul rate of each dtype. The measuring code is `attnlab.functional.calibrate` (what
-``python -m attnlab.functional.calibrate`` caches); this script only prints, it never writes the
+matmul rate of each dtype. The measuring code is `attnlab.analysis.calibrate` (what
+``python -m attnlab.analysis.calibrate`` caches); this script only prints, it never writes the
 cache.
 
 Run: python benchmarks/bench_crossover.py [--dtype float32 bfloat16] [--repeats 7]
@@ -20,7 +20,8 @@ import argparse
 import torch
 
 import attnlab
-from attnlab.functional import calibrate, thresholds
+from attnlab.analysis import calibrate
+from attnlab.functional import thresholds
 from common import CLOCKS, DTYPES, print_machine
 
 

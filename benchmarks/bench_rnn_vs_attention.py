@@ -34,10 +34,10 @@ import torch
 from torch import nn
 
 from attnlab.analysis.costs import complexity_table
+from attnlab.apps.gpt import TrainSettings, evaluate
 from attnlab.apps.loop import FitSettings, fit, param_groups
 from attnlab.apps.rnn import RNNTrainSettings, char_data, lm_loss_at
 from attnlab.models import GPT, RNNLM
-from attnlab.train import TrainSettings, evaluate
 from attnlab.utils import text_table
 from attnlab.viz.rnn import plot_rnn_vs_attention
 from common import print_machine

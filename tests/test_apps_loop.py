@@ -164,7 +164,7 @@ def test_load_any_refuses_an_unknown_kind(tmp_path):
 
 
 def test_load_any_reads_a_gpt_checkpoint(tmp_path):
-    from attnlab.train import TrainSettings, train
+    from attnlab.apps.gpt import TrainSettings, train
 
     s = TrainSettings(
         steps=2,

@@ -1,4 +1,5 @@
-"""Architecture rules of src/attnlab (issue 14): no import cycle between its modules.
+"""Architecture rules of src/attnlab (issue 14): no import cycle between its modules, and
+(issue 39) none between its packages even through deferred and ``TYPE_CHECKING`` imports.
 
 Modules are discovered from the package directory (new packages and moved modules are picked up
 without editing this file). An edge A → B means that executing A's module body imports B: every
@@ -7,11 +8,19 @@ blocks, but not under ``if TYPE_CHECKING:``), resolved to the module it loads �
 name`` loads ``pkg.name`` when that is a module, else ``pkg`` — plus the packages on the way
 (importing ``a.b.c`` runs ``a/b/__init__`` first) that are not already packages of A. Imports
 inside functions are deferred to call time and are not edges.
+
+The package rule (`package_graph`) counts every import, wherever it stands, between the nodes
+``attnlab.<name>`` (a subpackage with everything below it, or a top-level module). The root
+``attnlab/__init__`` is not a node: it is the package's face and imports every subpackage on
+purpose, so counting it would make each ``from attnlab import name`` a trivial cycle. Such an
+import is an edge to the module the root takes ``name`` from, so a dependency through a
+re-export still counts.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import pytest
@@ -211,3 +220,150 @@ def test_cycle_finder_ignores_deferred_imports(tmp_path):
     assert edges == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": set()}
     assert find_cycle(edges) is None
     assert find_cycle(import_graph(tmp_path / "pkg", deferred=True)) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+# ------------------------------------------------------------------- package-level cycles
+def _node(module: str) -> str:
+    """``attnlab.functional.flash.run`` -> ``attnlab.functional``; a top-level module is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def _all_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement: module level, inside functions and under ``if TYPE_CHECKING:``."""
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+
+
+def root_names(root: Path) -> dict[str, str]:
+    """``{name: module}`` for every name the root ``__init__`` imports from its submodules
+    (anywhere in the file: the lazily built namespaces such as ``attnlab.linear`` count too)."""
+    mods = discover(root)
+    names: dict[str, str] = {}
+    for node in _all_imports(ast.parse((root / "__init__.py").read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            base = _resolve(root.name, True, node.level, node.module)
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                names[a.asname or a.name] = full if full in mods else base
+    return names
+
+
+def package_graph(root: Path) -> dict[str, dict[str, set[str]]]:
+    """Package-level edges over ALL imports: ``{node: {node: {"importer -> imported", ...}}}``.
+
+    The nodes are `_node` of the modules below the root; the root itself is left out as a
+    source and resolved through `root_names` as a target (see the module docstring).
+    """
+    mods = discover(root)
+    top = root.name
+    names = root_names(root)
+    graph: dict[str, dict[str, set[str]]] = {}
+    for name, (path, is_pkg) in mods.items():
+        if name == top:
+            continue
+        for node in _all_imports(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                pairs = [(a.name, None) for a in node.names]
+            else:
+                base = _resolve(name, is_pkg, node.level, node.module)
+                pairs = [(base, a.name) for a in node.names]
+            for base, imported in pairs:
+                if base != top and not base.startswith(top + "."):
+                    continue  # another library
+                full = f"{base}.{imported}" if imported else base
+                if full in mods:
+                    target = full
+                elif base in mods and base != top:
+                    target = base
+                elif imported in names:  # a name the root (or its namespaces) hands on
+                    target = names[imported]
+                else:
+                    continue  # the root itself, by no name: nothing to resolve
+                if _node(target) not in (top, _node(name)):
+                    edge = graph.setdefault(_node(name), {}).setdefault(_node(target), set())
+                    edge.add(f"{name} -> {target}")
+    return graph
+
+
+def package_cycles(graph: dict[str, dict[str, set[str]]], limit: int = 50) -> list[list[str]]:
+    """The elementary cycles ``[a, b, …, a]`` of ``graph`` (at most ``limit``), each starting at
+    its smallest node."""
+    cycles: list[list[str]] = []
+
+    def walk(start: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(path[-1], {})):
+            if len(cycles) >= limit:
+                return
+            if nxt == start:
+                cycles.append([*path, start])
+            elif nxt > start and nxt not in path:
+                walk(start, [*path, nxt])
+
+    for start in sorted(graph):
+        walk(start, [start])
+    return cycles
+
+
+def describe(graph: dict[str, dict[str, set[str]]], cycle: list[str]) -> str:
+    """One cycle with the module imports behind each of its edges."""
+    lines = [" → ".join(cycle)]
+    for a, b in itertools.pairwise(cycle):
+        lines.append(f"  {a} → {b}: " + "; ".join(sorted(graph[a][b])))
+    return "\n".join(lines)
+
+
+def test_no_package_level_cycle_through_any_import():
+    """Issue 39: layers point one way — no cycle between attnlab's packages, counting imports
+    inside functions and under ``TYPE_CHECKING`` too."""
+    graph = package_graph(ROOT)
+    assert "attnlab.apps" in graph and "attnlab.functional" in graph["attnlab.modules"]
+    cycles = package_cycles(graph)
+    for cycle in cycles:
+        print(describe(graph, cycle))
+    assert not cycles, f"{len(cycles)} package-level cycle(s):\n" + "\n".join(
+        describe(graph, c) for c in cycles
+    )
+
+
+@pytest.mark.parametrize(
+    ("files", "cycles"),
+    [
+        (  # a deferred import closes the circle
+            {
+                "pkg/__init__.py": "",
+                "pkg/a/__init__.py": "",
+                "pkg/a/x.py": "from ..b import y\n",
+                "pkg/b.py": "def f():\n    from .a import x\n",
+            },
+            [["pkg.a", "pkg.b", "pkg.a"]],
+        ),
+        (  # so does one under TYPE_CHECKING
+            {
+                "pkg/__init__.py": "",
+                "pkg/a.py": (
+                    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import y\n"
+                ),
+                "pkg/b.py": "import pkg.a\n",
+            },
+            [["pkg.a", "pkg.b", "pkg.a"]],
+        ),
+        (  # the root's re-exports are no cycle; the name leads to the module that defines it
+            {
+                "pkg/__init__.py": "from .a import f\nfrom .b import g\n",
+                "pkg/a.py": "def f():\n    from . import g\n",
+                "pkg/b.py": "from pkg import f\ndef g(): ...\n",
+            },
+            [["pkg.a", "pkg.b", "pkg.a"]],
+        ),
+        (
+            {
+                "pkg/__init__.py": "from .a import f\nfrom .b import g\n",
+                "pkg/a.py": "import pkg\ndef f():\n    from . import g\n",
+                "pkg/b.py": "def g(): ...\n",
+            },
+            [],
+        ),
+    ],
+    ids=["deferred", "type-checking", "through-the-root", "root-is-no-node"],
+)
+def test_package_cycle_finder(tmp_path, files, cycles):
+    assert package_cycles(package_graph(_write(tmp_path, files))) == cycles

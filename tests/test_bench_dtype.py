@@ -219,7 +219,7 @@ def test_plot_of_several_dtypes_has_one_panel_per_case_and_dtype(tmp_path, monke
 
 
 def test_bench_calibrate_measures_the_thresholds_instead_of_the_cases(monkeypatch, capsys):
-    from attnlab.functional import calibrate
+    from attnlab.analysis import calibrate
 
     monkeypatch.setattr(bench, "matmul_rate", _heavy)
     monkeypatch.setattr(bench, "case_window", _heavy)

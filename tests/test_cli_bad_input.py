@@ -2,7 +2,7 @@
 resume bit-exactly and leave no temp files when killed.
 
 Every refusal: exit code 2, one stderr line naming the argument, no traceback, within seconds.
-The in-process probes replace the commands' long work (`attnlab.train.train`, the apps' training
+The in-process probes replace the commands' long work (`attnlab.apps.gpt.train`, the apps' training
 functions, `translate`) with a function that raises, so a probe that gets past the checks ends
 with exit code 1 instead of allocating terabytes or running for minutes. The resume and kill
 tests run the command in subprocesses.
@@ -110,9 +110,9 @@ def test_translate_beam_is_bounded(capsys, tmp_path):
 
 
 def test_the_parameter_count_is_exact_and_the_defaults_fit():
+    from attnlab.apps.gpt import TrainSettings
     from attnlab.cli._budget import parameter_count
     from attnlab.models import GPT
-    from attnlab.train import TrainSettings
 
     s = TrainSettings(n_layers=3)
     params, _ = parameter_count(lambda n: GPT(TrainSettings(n_layers=n).model_config(80)), 3)
@@ -281,7 +281,7 @@ TINY = dict(
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A finished tiny run (its checkpoint at step 8)."""
-    from attnlab.train import TrainSettings, train
+    from attnlab.apps.gpt import TrainSettings, train
 
     out = tmp_path_factory.mktemp("gpt")
     train(TrainSettings(out_dir=str(out), **TINY), log=lambda _line: None, plots=False)
@@ -345,7 +345,7 @@ def _model_tensors(path: Path) -> dict[str, torch.Tensor]:
 def test_resume_restores_the_thread_count_bit_exactly(tmp_path):
     """8 steps straight on 2 threads == 4 steps on 2 threads + a resume in a process whose
     default is 1 thread (OMP_NUM_THREADS=1): the checkpoint's count is restored."""
-    from attnlab.train import TrainSettings, train
+    from attnlab.apps.gpt import TrainSettings, train
 
     straight, split = tmp_path / "straight", tmp_path / "split"
     quiet = {"log": lambda _line: None, "plots": False}

@@ -109,7 +109,7 @@ def refused_everywhere(folder: Path, tmp_path: Path, capsys, match: str) -> str:
     by every entry point: `attnlab.hf.from_pretrained` (a `CheckpointError`), the checker of
     ``attnlab visualize --model`` and the command itself (exit 2, that message on one line, no
     traceback, no page). Returns the message."""
-    from attnlab.analysis.model_attentions import check_hf_folder
+    from attnlab.apps.attentions import check_hf_folder
 
     msg = refused_quickly(lambda: from_pretrained(folder), match)
     assert msg.startswith(f"{folder}: ") or msg.startswith(f"{folder}/"), msg
@@ -446,10 +446,10 @@ GPT_CRAFTED = [row for row in CRAFTED if row[0] == "gpt"]
 
 @pytest.mark.parametrize(("kind", "edits", "field", "shown"), GPT_CRAFTED)
 def test_every_gpt_loader_justifies_the_stored_config(tmp_path, kind, edits, field, shown):
-    """`attnlab.train.load_model` (behind ``attnlab generate`` and ``visualize --checkpoint``)
+    """`attnlab.apps.gpt.load` (behind ``attnlab generate`` and ``visualize --checkpoint``)
     refuses what `load_any` refuses, as fast."""
-    from attnlab.train import load_model
+    from attnlab.apps.gpt import load
 
     path = app_file(tmp_path / "crafted.safetensors", kind, edits)
-    msg = refused_quickly(lambda: load_model(path), rf"(: |; ){re.escape(field)}\b")
+    msg = refused_quickly(lambda: load(path), rf"(: |; ){re.escape(field)}\b")
     assert shown in msg, msg

@@ -21,13 +21,13 @@ import pytest
 import torch
 from torch import nn
 
-import attnlab.train as train_mod
+import attnlab.apps.gpt as train_mod
 from attnlab import cli
+from attnlab.apps.gpt import TrainSettings, load, train
 from attnlab.distributed.ddp import Parallel
 from attnlab.distributed.launch import free_port, run_local
 from attnlab.models import GPT, TransformerConfig
 from attnlab.testing import FIXED_TABLE, assert_close_rule
-from attnlab.train import TrainSettings, load_model, train
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -231,7 +231,7 @@ def test_only_rank_zero_logs_and_the_checkpoint_is_a_plain_gpt(ranks):
     for name in CURVES:
         assert per_rank[0]["curves"][name]["log"] and not per_rank[1]["curves"][name]["log"]
         path = root / "curves" / name / train_mod.CHECKPOINT_NAME
-        model, _, _ = load_model(path)  # no "module." prefix, attention stored as usual
+        model, _ = load(path)  # no "module." prefix, attention stored as usual
         for n, p in model.named_parameters():
             assert torch.equal(p, per_rank[0]["curves"][name]["params"][n]), n
             assert torch.equal(p, per_rank[1]["curves"][name]["params"][n]), n
@@ -405,6 +405,6 @@ def test_torchrun_trains_end_to_end(tmp_path, mode):
     assert stdout.count("wrote ") == 1  # rank 0 alone reports
     kind = "data parallel" if mode == "data" else "context parallel (ring attention)"
     assert f"{kind} on 2 ranks" in stdout
-    _, _, ck = load_model(out / train_mod.CHECKPOINT_NAME)
+    _, ck = load(out / train_mod.CHECKPOINT_NAME)
     assert ck.metadata["step"] == "2" and ck.tensors["rng.torch_ranks"].shape[0] == 2
     assert (out / "loss.png").stat().st_size > 0

@@ -26,13 +26,13 @@ import attnlab.analysis
 import attnlab.analysis.heads
 from attnlab import cli, masks
 from attnlab.analysis.experiments import scaling_experiment, temperature_experiment
-from attnlab.analysis.model_attentions import collect
+from attnlab.apps.attentions import collect
+from attnlab.apps.gpt import TrainSettings, get_batch, load, vocab_of
 from attnlab.checkpoint import save_checkpoint
 from attnlab.cli import _args, bench, check, generate, train, visualize
 from attnlab.models import GPT, TransformerConfig
 from attnlab.positional import LearnedPositionalEmbedding, SinusoidalEmbedding
 from attnlab.testing import seeded
-from attnlab.train import TrainSettings, get_batch, load_model
 
 META = torch.device("meta")
 CPU = torch.device("cpu")
@@ -142,7 +142,7 @@ def no_work(monkeypatch):
         (bench, "matmul_rate"),
         (check, "run_check"),
         (train, "train"),
-        (generate, "load_model"),
+        (generate, "load"),
         (visualize, "collect"),
         (attnlab.analysis, "measure_estimate"),
         (attnlab.analysis, "scaling_experiment"),
@@ -236,7 +236,7 @@ def seen_devices(monkeypatch):
     spy(attnlab.analysis, "measure_estimate", "estimate")
     spy(attnlab.analysis, "scaling_experiment", "experiment")
     spy(train, "train", "train")
-    spy(generate, "load_model", "generate")
+    spy(generate, "load", "generate")
     spy(visualize, "collect", "visualize")
     spy(attnlab.analysis.heads, "classify_heads", "heads")
     real_rate = bench.matmul_rate
@@ -405,17 +405,19 @@ def test_get_batch_builds_windows_on_the_data_device():
 
 
 def test_load_model_maps_the_model_after_the_verified_load(tiny_checkpoint):
-    model, vocab, _ = load_model(tiny_checkpoint)
+    model, ck = load(tiny_checkpoint)
+    vocab = vocab_of(ck)
     assert {p.device for p in model.parameters()} == {CPU}
-    meta, vocab_meta, _ = load_model(tiny_checkpoint, device="meta")
+    meta, ck_meta = load(tiny_checkpoint, device="meta")
+    vocab_meta = vocab_of(ck_meta)
     assert vocab_meta == vocab and {p.device for p in meta.parameters()} == {META}
 
 
 def test_train_on_an_explicit_device_equals_the_default(tmp_path):
     kw = dict(steps=2, batch_size=2, seq_len=8, d_model=16, n_layers=1, n_heads=2)
     kw.update(eval_interval=2, eval_batches=1)
-    a = attnlab.train.train(TrainSettings(out_dir=str(tmp_path / "a"), **kw), log=lambda s: None)
-    b = attnlab.train.train(
+    a = attnlab.apps.gpt.train(TrainSettings(out_dir=str(tmp_path / "a"), **kw), log=lambda s: None)
+    b = attnlab.apps.gpt.train(
         TrainSettings(out_dir=str(tmp_path / "b"), **kw), log=lambda s: None, device="cpu"
     )
     assert a.train_losses == b.train_losses and a.val_history == b.val_history

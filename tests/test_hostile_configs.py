@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 import attnlab.checkpoint as ckmod
+from attnlab.apps.gpt import load, vocab_of
 from attnlab.checkpoint import CheckpointError, build_on_meta, save_checkpoint
 from attnlab.models import GPT, TransformerConfig
 from attnlab.models.bert import BertConfig, BertEncoder
 from attnlab.models.config import MAX_UNSIZED_SEQ_LEN
-from attnlab.train import load_model
 from test_bert_minilm import TINY, tiny_state, write_checkpoint
 from test_cli_errors import run
 
@@ -95,7 +95,8 @@ def test_a_valid_checkpoint_loads_exactly(tmp_path):
     path = tmp_path / "ok.safetensors"
     meta = {"config": json.dumps(SMALL.to_dict()), "vocab": json.dumps(VOCAB)}
     save_checkpoint(path, {f"model.{k}": v for k, v in model.state_dict().items()}, meta)
-    loaded, vocab, _ = load_model(path)
+    loaded, ck = load(path)
+    vocab = vocab_of(ck)
     assert vocab == VOCAB and loaded.config == SMALL
     want, got = model.state_dict(), loaded.state_dict()
     assert list(want) == list(got)
@@ -133,7 +134,7 @@ def test_a_config_the_tensors_do_not_justify_is_refused_at_once(
     path = gpt_file(tmp_path / "crafted.safetensors", **edits)
     start = time.perf_counter()
     with pytest.raises(CheckpointError, match=pattern) as info:
-        load_model(path)
+        load(path)
     assert time.perf_counter() - start < _FAST
     assert str(info.value).startswith(f"{path}: ")
 
@@ -144,13 +145,13 @@ def test_a_huge_vocab_is_refused_by_the_shapes(tmp_path, no_big_allocation):
     with pytest.raises(
         CheckpointError, match=r"vocab_size = 100000 but model\.tok_emb\.weight has shape \(6, 8\)"
     ):
-        load_model(path)
+        load(path)
     path = gpt_file(tmp_path / "vocab2.safetensors", vocab_size=10**12)
     with pytest.raises(CheckpointError, match=r"vocab_size = 1000000000000 but model\.tok_emb"):
-        load_model(path)
+        load(path)
     path = gpt_file(tmp_path / "vocab3.safetensors", vocab=VOCAB[:-1])
     with pytest.raises(CheckpointError, match=r"stored vocab has 5 entries but the config's"):
-        load_model(path)
+        load(path)
 
 
 def test_a_file_with_too_few_tensors_lists_them_with_a_count(tmp_path):
@@ -159,7 +160,7 @@ def test_a_file_with_too_few_tensors_lists_them_with_a_count(tmp_path):
     meta = {"config": json.dumps(SMALL.to_dict()), "vocab": json.dumps(VOCAB)}
     save_checkpoint(tmp_path / "few.safetensors", tensors, meta)
     with pytest.raises(CheckpointError, match=r"4 missing tensor\(s\) 'model\.blocks\.0\.mlp"):
-        load_model(tmp_path / "few.safetensors")
+        load(tmp_path / "few.safetensors")
 
 
 @pytest.mark.parametrize(
@@ -179,7 +180,7 @@ def test_a_file_with_too_few_tensors_lists_them_with_a_count(tmp_path):
 def test_config_fields_are_type_checked_naming_the_field(tmp_path, edits, error, pattern):
     path = gpt_file(tmp_path / "typed.safetensors", **edits)
     with pytest.raises(error, match=pattern) as info:
-        load_model(path)
+        load(path)
     assert str(path) in str(info.value)
 
 
@@ -188,7 +189,7 @@ def test_a_deeply_nested_stored_config_is_a_clear_error(tmp_path):
     meta = {"config": "[" * 100_000 + "]" * 100_000, "vocab": json.dumps(VOCAB)}
     save_checkpoint(path, {f"model.{k}": v for k, v in GPT(SMALL).state_dict().items()}, meta)
     with pytest.raises(CheckpointError, match=r"the stored config nests deeper than 4 levels"):
-        load_model(path)
+        load(path)
 
 
 @pytest.mark.parametrize("command", ["generate", "visualize"])
@@ -350,7 +351,7 @@ def test_generate_preallocates_only_what_it_can_use(tmp_path, monkeypatch):
     crafted ``max_seq_len=10**12`` made ``attnlab generate`` request 32 TB; such a file is now
     refused: `MAX_UNSIZED_SEQ_LEN` is the most a file without a position table may claim)."""
     path = gpt_file(tmp_path / "long.safetensors", max_seq_len=MAX_UNSIZED_SEQ_LEN)
-    model, _, _ = load_model(path)
+    model, _ = load(path)
     capacities: list[int | None] = []
     new_caches = GPT.new_caches
 
@@ -371,7 +372,7 @@ def test_resume_refuses_settings_the_tensors_do_not_justify(tmp_path, no_big_all
     against the stored tensors first (before the fix: a 4096-wide model was allocated)."""
     from dataclasses import asdict
 
-    from attnlab.train import TrainSettings, load_text, train
+    from attnlab.apps.gpt import TrainSettings, load_text, train
 
     vocab = sorted(set(load_text(None)))
     small = TrainSettings(d_model=8, n_heads=2, n_layers=1, seq_len=16)

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from attnlab.apps import load_any
+from attnlab.apps.gpt import evaluate, load_text
 from attnlab.apps.loop import save_model
 from attnlab.apps.rnn import RNNTrainSettings, char_data, load, sample, train_rnn, vocab_of
 from attnlab.checkpoint import CheckpointError
 from attnlab.cli import main
 from attnlab.cli.tasks import rnn as rnn_task
 from attnlab.models import RNNLM, RNNLMConfig, build_rnn_lm
-from attnlab.train import evaluate, load_text
 
 
 @pytest.fixture(autouse=True)

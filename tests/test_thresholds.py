@@ -15,7 +15,8 @@ import torch
 
 import attnlab
 from attnlab import masks
-from attnlab.functional import calibrate, thresholds
+from attnlab.analysis import calibrate
+from attnlab.functional import thresholds
 from attnlab.functional.backends import flash_declines
 from attnlab.functional.validate import build_request
 

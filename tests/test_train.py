@@ -1,4 +1,4 @@
-"""attnlab.train: a tiny run learns, resume is bit-exact, the CLI trains and samples."""
+"""attnlab.apps.gpt: a tiny run learns, resume is bit-exact, the CLI trains and samples."""
 
 from __future__ import annotations
 
@@ -9,18 +9,19 @@ import math
 import pytest
 import torch
 
-from attnlab.checkpoint import CheckpointError, load_json
-from attnlab.cli.generate import register as register_generate
-from attnlab.cli.train import register as register_train
-from attnlab.data import default_text_path
-from attnlab.train import (
+from attnlab.apps.gpt import (
     TrainSettings,
-    load_model,
+    load,
     lr_at,
     sample_text,
     train,
     unigram_entropy,
+    vocab_of,
 )
+from attnlab.checkpoint import CheckpointError, load_json
+from attnlab.cli.generate import register as register_generate
+from attnlab.cli.train import register as register_train
+from attnlab.data import default_text_path
 
 TINY = dict(
     steps=40,
@@ -102,7 +103,8 @@ def test_tiny_run_loss_falls_below_the_unigram_entropy(tmp_path):
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     side = load_json(tmp_path / "config.json")  # checksummed
     assert side["config"] == result.model.config.to_dict() and side["step"] == 40
-    model, vocab, ck = load_model(tmp_path / "ckpt.safetensors")
+    model, ck = load(tmp_path / "ckpt.safetensors")
+    vocab = vocab_of(ck)
     assert vocab == result.vocab and ck.metadata["step"] == "40"
     idx = torch.randint(0, len(vocab), (2, 16))
     assert torch.equal(model(idx), result.model.eval()(idx))
@@ -176,7 +178,7 @@ def test_corrupted_checkpoint_is_refused_by_generate(tmp_path):
     raw[-100] ^= 0xFF
     path.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="sha256 mismatch"):
-        load_model(path)
+        load(path)
 
 
 def test_sample_text_rejects_unknown_characters(tmp_path):

@@ -12,13 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from attnlab.checkpoint import load_checkpoint, load_json, save_checkpoint
-from attnlab.cli._args import UsageError
-from attnlab.cli.train import register as register_train
-from attnlab.models import GPT
-from attnlab.train import (
+from attnlab.apps.gpt import (
     TrainSettings,
-    _check_precision,
+    check_precision,
     get_batch,
     layer_grad_norms,
     layer_parameters,
@@ -27,6 +23,10 @@ from attnlab.train import (
     sweep,
     train,
 )
+from attnlab.checkpoint import load_checkpoint, load_json, save_checkpoint
+from attnlab.cli._args import UsageError
+from attnlab.cli.train import register as register_train
+from attnlab.models import GPT
 
 SMALL = dict(
     steps=4,
@@ -169,10 +169,10 @@ def test_fp16_autocast_with_unscaled_gradients_matches_fp32_closely(tmp_path):
 
 
 def test_precision_without_autocast_support_is_refused(monkeypatch):
-    _check_precision("fp16", torch.device("cpu"))  # this torch supports CPU fp16 autocast
+    check_precision("fp16", torch.device("cpu"))  # this torch supports CPU fp16 autocast
     monkeypatch.setattr(torch, "get_autocast_dtype", lambda _device: torch.bfloat16)
     with pytest.raises(ValueError, match=r"precision='fp16' needs torch.float16 autocast on cpu"):
-        _check_precision("fp16", torch.device("cpu"))
+        check_precision("fp16", torch.device("cpu"))
 
 
 # ------------------------------------------------------------------------------ noam + resume

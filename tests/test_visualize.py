@@ -377,7 +377,7 @@ def test_cli_errors_exit_2(tmp_path, capsys):
 # -------------------------------------------------------------------------------------- GPT
 @pytest.fixture(scope="module")
 def gpt_checkpoint(tmp_path_factory):
-    from attnlab.train import TrainSettings, train
+    from attnlab.apps.gpt import TrainSettings, train
 
     out = tmp_path_factory.mktemp("gpt")
     settings = TrainSettings(
@@ -398,7 +398,7 @@ def gpt_checkpoint(tmp_path_factory):
 
 
 def test_gpt_checkpoint_weights_are_its_attention_modules_weights(gpt_checkpoint, tmp_path):
-    from attnlab.train import load_model
+    from attnlab.apps.gpt import load, vocab_of
 
     out = tmp_path / "gpt.html"
     assert run_cli(["--checkpoint", str(gpt_checkpoint), "--out", str(out)]) == 0
@@ -408,7 +408,8 @@ def test_gpt_checkpoint_weights_are_its_attention_modules_weights(gpt_checkpoint
     assert any("cut to the model's max_seq_len = 32" in n for n in data["notes"])
     assert (data["layers"], data["heads"], data["T"]) == (2, 2, 32)
 
-    model, vocab, _ = load_model(gpt_checkpoint)
+    model, ck = load(gpt_checkpoint)
+    vocab = vocab_of(ck)
     run = gpt_attentions(model, vocab, text)
     assert data["weights"] == rounded(run.weights)
     w = run.weights.double()

@@ -24,7 +24,7 @@ from helpers import LargestTensor
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from attnlab.analysis.model_attentions import check_hf_folder, hf_attentions  # noqa: E402
+from attnlab.apps.attentions import check_hf_folder, hf_attentions  # noqa: E402
 from attnlab.cli import main  # noqa: E402
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "it", "was", "tired", "dog", "ran"]
@@ -253,8 +253,8 @@ def test_bad_model_argument(tmp_path, capsys):
 def test_long_input_top_k_rows_equal_the_dense_viewer(saved, name):
     """Past ``long_from`` tokens the page is built from exact top-k rows computed a chunk of
     rows at a time from the lse; it equals the viewer's own top-k mode on the dense weights."""
-    from attnlab.analysis.model_attentions import LongAttentions, long_view_data
-    from attnlab.viz.attention_view import attention_data
+    from attnlab.analysis.model_attentions import LongAttentions
+    from attnlab.viz.attention_view import attention_data, long_view_data
 
     folder, _ = saved[name]
     text = " ".join((WORDS * 8)[:40])

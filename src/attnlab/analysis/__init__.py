@@ -13,7 +13,7 @@ from .experiments import (
 from .heads import HeadReport, PruningSweep, alice_sentences, classify_heads, pruning_sweep
 from .importance import attention_modules, head_gates, head_importance, output_norm
 from .views import Gibbs, ScoreTerms, bilinear_metric, gibbs, nadaraya_watson, score_decomposition
-from .weights import entropy, head_diversity, head_entropy, row_is_attended
+from .weights import entropy, head_diversity, head_entropy, row_is_attended, top_weights
 
 __all__ = [
     "Estimate",
@@ -44,4 +44,5 @@ __all__ = [
     "scaling_experiment",
     "score_decomposition",
     "temperature_experiment",
+    "top_weights",
 ]

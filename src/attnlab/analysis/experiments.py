@@ -142,8 +142,8 @@ def kernel_regression_experiment(
     leave-one-out error); large h averages the whole book (both errors → 1); the leave-one-out
     minimum is the bandwidth — the temperature — that generalises best.
     """
-    from .. import attention
     from ..data import default_text_path
+    from ..functional import attention
     from .weights import entropy
 
     text = default_text_path().read_text(encoding="utf-8")

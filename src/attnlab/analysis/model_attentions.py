@@ -1,22 +1,20 @@
 """A model's attention over a text: tokens and weights ``(layers, heads, T, T)``.
 
-This is what ``attnlab visualize`` draws. Models (loaded lazily, so this module imports only
-torch):
+This is what ``attnlab visualize`` draws, from a model already loaded (loading a checkpoint or a
+transformers folder, checked, is the app layer's: `attnlab.apps.attentions`). This module
+imports only torch:
 
-- ``minilm`` (default): the pretrained all-MiniLM-L6-v2 of `attnlab.models.minilm`, WordPiece
-  tokens including [CLS] and [SEP].
-- ``gpt``: a character-level `attnlab.models.GPT` checkpoint written by ``attnlab train``
-  (``--checkpoint PATH``); tokens are characters (space shown as ␣). Weights are collected by
-  `attnlab.analysis.capture.module_attentions`, which re-calls every attnlab
+- `minilm_attentions`: the pretrained all-MiniLM-L6-v2 of `attnlab.models.minilm` (loaded once
+  per process), WordPiece tokens including [CLS] and [SEP].
+- `gpt_attentions`: a character-level `attnlab.models.GPT`; tokens are characters. Weights are
+  collected by `attnlab.analysis.capture.module_attentions`, which re-calls every attnlab
   `MultiHeadAttention` with ``need_weights=True`` during one ordinary forward pass.
-- a folder: a local transformers checkpoint (encoder, decoder or encoder–decoder) with its
-  tokenizer, read by `hf_attentions` from safetensors only (``use_safetensors=True``,
-  ``trust_remote_code=False``, ``local_files_only=True``); the config is checked against the
-  safetensors header(s) before any weight is read (`check_hf_folder`), and the model runs with
-  ``attn_implementation="attnlab"`` (exact weights).
+- `hf_model_attentions`: a transformers model (encoder, decoder or encoder–decoder) run with
+  ``attn_implementation="attnlab"`` (exact weights); past 64 tokens each row's exact top-k
+  weights (`LongAttentions`), without the L×S matrix.
 
 Example:
-    >>> run = collect("The animal didn't cross the street because it was too tired")
+    >>> run = minilm_attentions("The animal didn't cross the street because it was too tired")
     >>> tuple(run.weights.shape[:2])  # (layers, heads) of all-MiniLM-L6-v2
     (6, 12)
 """
@@ -24,17 +22,13 @@ Example:
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .capture import module_attentions
-
-MODELS = ("minilm", "gpt")
 
 
 @dataclass
@@ -115,81 +109,9 @@ def gpt_attentions(model: nn.Module, vocab: list[str], text: str) -> Attentions:
     return Attentions(list(text), weights.float().cpu(), "character-level GPT", notes)
 
 
-def checkpoint_attentions(
-    path: str | Path, text: str, *, device: torch.device | str = "cpu"
-) -> Attentions:
-    """`gpt_attentions` of the GPT saved by ``attnlab train`` at ``path`` (verified on load, then
-    moved to ``device``)."""
-    from ..train import load_model
-
-    model, vocab, _ = load_model(path, device=device)
-    result = gpt_attentions(model, vocab, text)
-    cfg = model.config
-    result.model = (
-        f"character-level GPT {Path(path).name} ({cfg.n_layers} layers, {cfg.n_heads} heads, "
-        f"d_model {cfg.d_model})"
-    )
-    return result
-
-
-def collect(
-    text: str,
-    *,
-    model: str | None = None,
-    checkpoint: str | None = None,
-    device: torch.device | str = "cpu",
-) -> Attentions:
-    """Runs the chosen model on ``text`` on ``device``: ``minilm`` (default), or ``gpt`` with a
-    checkpoint. The weights are returned on the host (they are drawn or printed)."""
-    if not isinstance(text, str):
-        raise TypeError(f"text must be a str, got {type(text).__name__}")
-    kind = model if model is not None else ("gpt" if checkpoint is not None else "minilm")
-    if kind not in MODELS:
-        raise ValueError(f"model must be one of {list(MODELS)}, got {kind!r}")
-    if kind == "gpt":
-        if checkpoint is None:
-            raise ValueError(
-                "--model gpt needs --checkpoint PATH (a file written by attnlab train)"
-            )
-        return checkpoint_attentions(checkpoint, text, device=device)
-    if checkpoint is not None:
-        raise ValueError(
-            "--checkpoint is a GPT checkpoint written by attnlab train; drop --model minilm"
-        )
-    return minilm_attentions(text, device=device)
-
-
-# ------------------------------------------------------------------- local transformers folders
+# ------------------------------------------------------------------- transformers models
 HF_MAX_TOKENS = 2048  # tokens kept from the text (the page stores layers × heads × T × top-k)
 LONG_CHUNK_ELEMENTS = 1 << 22  # weights formed at once by the long-input path (a chunk of rows)
-_OFFLINE = {"use_safetensors": True, "trust_remote_code": False, "local_files_only": True}
-
-
-def check_hf_folder(path: str | os.PathLike) -> tuple[Any, Any]:
-    """Checks a local transformers folder before any weight is read; returns (config, class).
-
-    The check `attnlab.hf.from_pretrained` runs too (`attnlab.hf.folder.check_folder`): every
-    file inside the folder (shard indexes, links and ``..`` resolved), pickle weights refused,
-    the config read with ``trust_remote_code=False``, its layer counts and then the names and
-    shapes of the model built from it on the meta device (no memory, stopped once it
-    outgrows the files) equal to the safetensors header(s).
-
-    Raises:
-        ValueError: not a folder; a file outside it, a missing / extra / differently shaped
-            tensor, a config that needs remote code (`attnlab.checkpoint.CheckpointError`,
-            each naming the cause).
-        FileNotFoundError: no config.json, no safetensors weights (pickle files named).
-        MissingExtraError: transformers is not installed.
-    """
-    from ..hf.folder import check_folder
-    from ..utils.extras import require
-
-    folder = Path(os.fspath(path))
-    if not folder.is_dir():
-        raise ValueError(f"--model must be minilm, gpt or a transformers folder, got {str(path)!r}")
-    require("transformers", "hf", "attnlab visualize --model PATH")
-    checked = check_folder(folder)
-    return checked.config, checked.model_class
 
 
 def _tokens(tokenizer: Any, ids: Tensor) -> list[str]:
@@ -203,65 +125,48 @@ def _is_cross(name: str) -> bool:
     return last in ("encoder_attn", "crossattention", "encdecattention", "cross_attn")
 
 
-def hf_attentions(
-    path: str | os.PathLike,
+def hf_model_attentions(
+    model: nn.Module,
+    tokenizer: Any,
     text: str,
     *,
-    device: torch.device | str = "cpu",
+    name: str,
     long_from: int = 64,
     topk: int = 8,
     thumb_size: int = 64,
 ) -> list[Attentions | LongAttentions]:
-    """A local transformers model's attention over ``text``: one `Attentions` per part.
+    """A loaded transformers model's attention over ``text``: one `Attentions` per part.
 
-    Inputs longer than ``long_from`` tokens give `LongAttentions` instead: every row's exact
-    top-``topk`` weights, entropies and ``thumb_size`` thumbnails, computed call by call from
-    the log-sum-exp a chunk of rows at a time — no L×S weights are formed or returned.
+    The model (in eval mode, with ``attn_implementation="attnlab"``: attnlab's exact weights)
+    runs once on its own device with ``output_attentions=True``. Encoder and decoder models give
+    their self-attention; an encoder–decoder gives the encoder's self-attention and the decoder's
+    cross-attention (queries: the decoder tokens, keys: the encoder tokens; the decoder reads the
+    text shifted right after its start token, teacher forcing). The text is cut to
+    `HF_MAX_TOKENS` tokens (with a note). Inputs longer than ``long_from`` tokens give
+    `LongAttentions` instead: every row's exact top-``topk`` weights, entropies and
+    ``thumb_size`` thumbnails, computed call by call from the log-sum-exp a chunk of rows at a
+    time — no L×S weights are formed or returned. Loading a folder, checked, is
+    `attnlab.apps.attentions.hf_attentions`.
 
-    The folder is checked (`check_hf_folder`), the tokenizer and model are loaded from it
-    offline with safetensors only, and the model runs once with ``attn_implementation=
-    "attnlab"`` and ``output_attentions=True`` (attnlab's exact weights). Encoder and decoder
-    models give their self-attention; an encoder–decoder gives the encoder's self-attention and
-    the decoder's cross-attention (queries: the decoder tokens, keys: the encoder tokens; the
-    decoder reads the text shifted right after its start token, teacher forcing). The text is
-    cut to `HF_MAX_TOKENS` tokens (with a note).
+    Args:
+        model: a transformers model; its ``config`` describes it.
+        tokenizer: the model's tokenizer.
+        text: the input. name: how the model is called on the page.
+        long_from, topk, thumb_size: the long-input path (see above).
 
     Raises:
-        ValueError: see `check_hf_folder`; no tokenizer in the folder; empty text.
+        ValueError: empty text; an encoder–decoder config without ``decoder_start_token_id``.
     """
-    import attnlab.hf
-    from attnlab.hf.folder import check_loading_info
-
     if not text:
         raise ValueError("text must not be empty")
-    folder = Path(os.fspath(path))
-    config, cls = check_hf_folder(folder)
-    import transformers
-
-    attnlab.hf.register()
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            folder, trust_remote_code=False, local_files_only=True
-        )
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(
-            f"{folder}: no usable tokenizer ({' '.join(str(e).split())[:200]})"
-        ) from None
-    try:
-        model, info = cls.from_pretrained(
-            folder, attn_implementation="attnlab", output_loading_info=True, **_OFFLINE
-        )
-    except OSError as e:
-        raise ValueError(f"{folder}: cannot load the model ({' '.join(str(e).split())})") from e
-    check_loading_info(folder, info, cls.__name__)
-    model = model.to(device).eval()
+    config = model.config
     limit = min(HF_MAX_TOKENS, getattr(config, "max_position_embeddings", None) or HF_MAX_TOKENS)
     enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=limit)
     ids = enc["input_ids"][:, :limit]
     notes = []
     if len(tokenizer(text)["input_ids"]) > ids.shape[1]:
         notes.append(f"The text was truncated to {ids.shape[1]} tokens.")
-    name = f"{cls.__name__} from {folder.name} ({config.model_type})"
+    device = next(model.parameters()).device
     kwargs: dict[str, Any] = {"input_ids": ids.to(device), "output_attentions": True}
     if "attention_mask" in enc:
         kwargs["attention_mask"] = enc["attention_mask"][:, :limit].to(device)
@@ -269,7 +174,7 @@ def hf_attentions(
     if encoder_decoder:
         start = getattr(config, "decoder_start_token_id", None)
         if start is None:
-            raise ValueError(f"{folder}: an encoder–decoder config without decoder_start_token_id")
+            raise ValueError(f"{name}: an encoder–decoder config without decoder_start_token_id")
         dec = torch.cat([torch.tensor([[int(start)]]), ids[:, :-1]], dim=1)
         kwargs["decoder_input_ids"] = dec.to(device)
     tokens = _tokens(tokenizer, ids[0])
@@ -376,7 +281,7 @@ def _top_rows(
     import torch.nn.functional as F
 
     from ..functional.api import attention_stats, attention_weights
-    from ..viz.attention_view import top_weights
+    from .weights import top_weights
 
     q, kk = query[:1], key[:1]
     if isinstance(mask, Tensor) and mask.shape[0] > 1:
@@ -428,66 +333,12 @@ def _long_forward(model: nn.Module, kwargs: dict[str, Any], k: int, size: int) -
     return record
 
 
-def long_view_data(
-    run: LongAttentions, *, title: str, subtitle: str, layer: int = 0, head: int = 0
-) -> dict[str, Any]:
-    """The viewer's JSON document (top-k mode, see `attnlab.viz.attention_view.attention_data`)
-    for a `LongAttentions`, built from its top-k rows and thumbnails (no L×S)."""
-    from ..viz.attention_view import DEFAULT_DECIMALS, MIN_LINE_WEIGHT, _rounded
-
-    Ly, H, T, S = run.shape
-    k = run.top_val.shape[-1]
-    r, c = run.thumbs.shape[-2:]
-    rows = run.row_entropy
-    decimals = DEFAULT_DECIMALS
-    size = f"{T} tokens" if run.key_tokens is None else f"{T} × {S} tokens"
-    notes = [
-        f"Long input ({size}): the head view draws and the hover lists only each token's top {k} "
-        f"weights (exact, computed row by row without the {T}×{S} matrix), which is all the page "
-        f"stores; the thumbnails are max-pooled to {r}×{c} pixels.",
-        *run.notes,
-    ]
-    return {
-        "version": 2,
-        "title": title,
-        "subtitle": subtitle,
-        "tokens": run.tokens,
-        "mask": [True] * T,
-        "cross": run.key_tokens is not None,
-        "key_tokens": run.key_tokens,
-        "key_mask": None if run.key_tokens is None else [True] * S,
-        "sentence_b_start": None,
-        "layers": Ly,
-        "heads": H,
-        "T": T,
-        "S": S,
-        "decimals": decimals,
-        "min_line": MIN_LINE_WEIGHT,
-        "selected": [layer, head],
-        "entropy": _rounded(rows.nanmean(dim=-1), decimals),
-        "row_entropy": _rounded(rows, decimals),
-        "notes": notes,
-        "mode": "topk",
-        "weights": None,
-        "topk": k,
-        "top_idx": run.top_idx.tolist(),
-        "top_val": _rounded(run.top_val, decimals),
-        "thumb_size": max(r, c),
-        "thumb_shape": [r, c],
-        "thumbs": torch.round(run.thumbs * 255).to(torch.int64).reshape(Ly, H, r * c).tolist(),
-    }
-
-
 __all__ = [
     "HF_MAX_TOKENS",
-    "MODELS",
+    "LONG_CHUNK_ELEMENTS",
     "Attentions",
     "LongAttentions",
-    "check_hf_folder",
-    "checkpoint_attentions",
-    "collect",
     "gpt_attentions",
-    "hf_attentions",
-    "long_view_data",
+    "hf_model_attentions",
     "minilm_attentions",
 ]

@@ -141,7 +141,7 @@ def nadaraya_watson(x: Tensor, x_train: Tensor, y_train: Tensor, bandwidth: floa
     Returns:
         ``(N, c)`` predictions.
     """
-    from .. import attention
+    from ..functional import attention
 
     if not isinstance(bandwidth, (int, float)) or isinstance(bandwidth, bool) or bandwidth <= 0:
         raise ValueError(f"bandwidth must be a positive number, got {bandwidth!r}")

@@ -1,4 +1,4 @@
-"""Statistics of attention weights: entropy and head diversity.
+"""Statistics of attention weights: entropy, head diversity and each row's top-k weights.
 
 Every function takes the weights explicitly — ``(B, H, L, S)``, or ``(layers, H, L, S)`` for one
 input through a model — and never reads state hidden on modules. For inputs too long for an
@@ -69,3 +69,32 @@ def head_diversity(weights: Tensor) -> Tensor:
     off = ~torch.eye(H, dtype=torch.bool, device=w.device)
     mean_cos = cos[..., off].mean(-1)  # (…,)
     return (1.0 - mean_cos).to(torch.float32 if w.dtype != torch.float64 else torch.float64)
+
+
+def top_weights(weights: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` largest weights of every row, largest first; ties keep the lower key index.
+
+    Exactly the first ``k`` of a stable descending sort, without sorting whole rows:
+    `torch.topk` picks k per row (memory ``(..., T, k)``), the k are ordered by
+    ``(−value, index)``, and only rows where the k-th value ties with a value left out are
+    sorted whole to choose the lower indices.
+
+    Args:
+        weights: ``(..., T, S)``, no NaN. k: how many (at most S).
+
+    Returns:
+        ``(values, indices)``, each ``(..., T, k)``.
+    """
+    *lead, S = weights.shape
+    flat = weights.reshape(-1, S)  # (rows, S)
+    values, indices = torch.topk(flat, k, dim=-1)  # (rows, k), ties in any order
+    order = torch.argsort(indices, dim=-1)  # by index, then stably by value: (−value, index)
+    values, indices = values.gather(-1, order), indices.gather(-1, order)
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    values, indices = values.gather(-1, order), indices.gather(-1, order)
+    tied = (flat >= values[:, -1:]).sum(dim=-1) > k  # (rows,) a value equal to the k-th is out
+    rows = tied.nonzero().squeeze(1)
+    if rows.numel():  # e.g. a causal row with fewer than k keys: its zeros tie
+        v, i = torch.sort(flat[rows], dim=-1, descending=True, stable=True)
+        values[rows], indices[rows] = v[:, :k], i[:, :k]
+    return values.reshape(*lead, k), indices.reshape(*lead, k)

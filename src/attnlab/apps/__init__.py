@@ -1,10 +1,12 @@
 """Applications of attention, trained end to end: one module per task, sharing `loop`.
 
-Each task module ``attnlab.apps.<kind>`` trains and evaluates one model kind on data that ships
-with a package or with attnlab (nothing is downloaded) and defines
-``load(path, device="cpu") -> (model, checkpoint)`` for its checkpoints. `load_any` reads a
-checkpoint of any kind: the kind is stored in the file's metadata (``model_kind``; files written
-by ``attnlab train``, which predate it, are "gpt"). Whatever the kind, the stored config is
+Each task module ``attnlab.apps.<kind>`` (``gpt``: the character-level GPT of ``attnlab train``;
+``translate``, ``classify``, ``vit``, ``rnn``) trains and evaluates one model kind on data that
+ships with a package or with attnlab (nothing is downloaded) and defines
+``load(path, device="cpu") -> (model, checkpoint)`` for its checkpoints, each through the one
+verified loader `attnlab.apps.loop.load_model`. `load_any` reads a checkpoint of any kind: the
+kind is stored in the file's metadata (``model_kind``; files written by ``attnlab train``, which
+predate it, are "gpt"). Whatever the kind, the stored config is
 justified by the tensors before anything is built: its integer fields by the kind's table of
 `attnlab.checkpoint.ConfigRule` (every layer count from the tensor names, every size from a
 tensor shape, types and bounds), read from the header alone, then its names and shapes by a
@@ -21,7 +23,6 @@ import importlib
 import importlib.util
 import os
 import re
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -30,25 +31,7 @@ from ..checkpoint import Checkpoint, CheckpointError
 from .loop import read_kind
 
 
-def _load_gpt(path: str | os.PathLike, device: torch.device | str) -> tuple[nn.Module, Checkpoint]:
-    """A checkpoint of ``attnlab train`` (`attnlab.train.load_model`: its stored config is
-    justified field by field first); a stored config field of the wrong type or value is a
-    `CheckpointError` too."""
-    from ..train import load_model
-
-    try:
-        model, _, ck = load_model(path, device=device)
-    except (TypeError, ValueError) as e:
-        head = f"{Path(os.fspath(path))}: "
-        if isinstance(e, CheckpointError) or not str(e).startswith(head + "the stored config"):
-            raise
-        raise CheckpointError(path, str(e)[len(head) :]) from None
-    return model, ck
-
-
 def _loader(path: str | os.PathLike, kind: str):
-    if kind == "gpt":
-        return _load_gpt
     name = f"{__name__}.{kind}"
     if re.fullmatch(r"[a-z][a-z0-9_]*", kind) is None or importlib.util.find_spec(name) is None:
         raise CheckpointError(path, f"holds an unknown model kind {kind!r}")

@@ -5,7 +5,8 @@ wall-clock budget, periodic evaluation and a progress bar; the task supplies onl
 ``loss_at(step) -> loss`` (drawing its own batch from its own seeded generator) and an
 ``evaluate() -> {metric: value}``. `save_model` / `load_model` write and read a model of any
 registered kind as a verified safetensors checkpoint whose metadata names the kind and the
-config; `write_metrics` writes ``DIR/metrics.json`` with the machine it ran on.
+config (`load_model` is every app's one loader, the GPT's of ``attnlab train`` included, whose
+files name no kind: "gpt"); `write_metrics` writes ``DIR/metrics.json`` with the machine it ran on.
 
 Example:
     >>> s = FitSettings(steps=200, lr=3e-3, warmup=20)
@@ -326,7 +327,8 @@ def load_model(
 
     Raises:
         FileNotFoundError, CheckpointError: a missing or damaged file, another kind, a config
-            its tensors do not justify.
+            its tensors do not justify, a file whose config or tensors changed between the
+            header check and the load.
         TypeError, ValueError: a bad stored config field (naming it).
     """
     path = Path(os.fspath(path))
@@ -355,7 +357,10 @@ def load_model(
             raise
         raise type(e)(f"{path}: the stored config: {e}") from None
     ck = load_checkpoint(path)
-    if ck.metadata.get("config") != header.metadata["config"]:
+    same = ck.metadata.get("config") == header.metadata["config"] and specs == {
+        k: (t.dtype, tuple(t.shape)) for k, t in ck.tensors.items()
+    }
+    if not same:
         raise CheckpointError(path, "the file changed while it was being loaded")
     model = build(config)
     ck.load_into(model, prefix="model.", strict=True)

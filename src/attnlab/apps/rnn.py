@@ -1,7 +1,7 @@
 """The RNN language-model baseline (``attnlab train rnn``): a GRU/LSTM character LM on the GPT's
 text, split, batches and loss protocol.
 
-Everything but the model is the GPT trainer's (`attnlab.train`): the text (`load_text`, default
+Everything but the model is the GPT trainer's (`attnlab.apps.gpt`): the text (`load_text`, default
 the shipped Alice text), the vocabulary (its sorted characters), the split (the last tenth is
 validation), random windows of ``seq_len`` characters (`get_batch` with a seeded generator), the
 loss (cross-entropy in nats/char, compared with `unigram_entropy`), and the evaluation (`evaluate`:
@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from .._files import loads
 from ..checkpoint import Checkpoint, CheckpointError, ConfigRule
 from ..models.rnn import RNNLM, RNNLMConfig, build_rnn_lm
-from ..train import evaluate, get_batch, load_text, unigram_entropy
+from .gpt_settings import evaluate, get_batch, load_text, sample_chars, unigram_entropy
 from .loop import FitHistory, FitSettings, fit, load_model, save_model, write_metrics
 
 KIND = "rnn"
@@ -134,7 +134,7 @@ class CharData:
 
 
 def char_data(text_path: str | None, seq_len: int, device: torch.device | str = "cpu") -> CharData:
-    """The text split as `attnlab.train.train` splits it (the last tenth is validation)."""
+    """The text split as `attnlab.apps.gpt.train` splits it (the last tenth is validation)."""
     text = load_text(text_path)
     vocab = sorted(set(text))
     index = {c: i for i, c in enumerate(vocab)}
@@ -302,18 +302,11 @@ def sample(
     top_k: int | None = None,
     seed: int = 0,
 ) -> str:
-    """Continues ``prompt`` (every character must be in ``vocab``) by sampling the model."""
-    index = {c: i for i, c in enumerate(vocab)}
-    unknown = sorted(set(prompt) - set(index))
-    if unknown:
-        raise ValueError(f"prompt has characters {unknown} that are not in the vocabulary")
-    if not prompt:
-        raise ValueError("prompt must not be empty")
-    device = next(model.parameters()).device
-    idx = torch.tensor([[index[c] for c in prompt]], dtype=torch.long, device=device)  # (1, L)
-    g = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature, top_k, generator=g)
-    return "".join(vocab[i] for i in out[0].tolist())
+    """Continues ``prompt`` (every character must be in ``vocab``) by sampling the model
+    (`attnlab.apps.gpt_settings.sample_chars`, as the GPT app samples)."""
+    return sample_chars(
+        model, vocab, prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+    )
 
 
 __all__ = [

@@ -12,7 +12,7 @@ Every case runs in each ``--dtype`` (float32 by default; bfloat16, float16; seve
 all contenders in that dtype. Timing is wall clock, or this process's CPU time with ``--clock
 cpu`` (with ``--threads 1``: the uncontended time on a shared machine). ``--calibrate`` measures
 ``backend="auto"``'s thresholds per dtype instead and caches them
-(`attnlab.functional.calibrate`).
+(`attnlab.analysis.calibrate`).
 
 Cases (B=1, H=8, D=64):
 
@@ -213,7 +213,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--calibrate",
         action="store_true",
         help="instead of the cases: measure backend='auto''s flash/sdpa crossovers in each "
-        "--dtype and cache them (python -m attnlab.functional.calibrate)",
+        "--dtype and cache them (python -m attnlab.analysis.calibrate)",
     )
     p.add_argument("--plot", metavar="PNG", help="also write a bar chart")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -234,7 +234,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.calibrate:
-        from ..functional.calibrate import calibrate
+        from ..analysis.calibrate import calibrate
 
         calibrate(dtypes, repeats=args.repeats, threads=args.threads or 1)
         return 0

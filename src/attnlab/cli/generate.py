@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..train import load_model, sample_text
+from ..apps.gpt import load, sample_text, vocab_of
 from ._args import (
     UsageError,
     add_device_argument,
@@ -23,7 +23,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise UsageError("--prompt", "must not be empty")
     try:
-        model, vocab, _ = load_model(args.checkpoint, device=args.device)
+        model, ck = load(args.checkpoint, device=args.device)
+        vocab = vocab_of(ck)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         raise UsageError("--checkpoint", " ".join(str(e).split())) from e
     unknown = sorted(set(args.prompt) - set(vocab))

@@ -1,4 +1,4 @@
-"""``attnlab train``: fit a character-level GPT to a text file (`attnlab.train.train`).
+"""``attnlab train``: fit a character-level GPT to a text file (`attnlab.apps.gpt.train`).
 
 Example:
     $ attnlab train --steps 600 --out runs/alice
@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..distributed.ddp import launched_by_torchrun, process_group_from_env, rank_device
-from ..train import (
+from ..apps.gpt import (
     CHECKPOINT_NAME,
     PRECISIONS,
     SCHEDULES,
@@ -31,6 +30,7 @@ from ..train import (
     train,
     write_sweep,
 )
+from ..distributed.ddp import launched_by_torchrun, process_group_from_env, rank_device
 from . import tasks
 from ._args import (
     MAX_THREADS,
@@ -86,8 +86,8 @@ def check_memory(settings: TrainSettings, device: torch.device) -> None:
 
 def _check_resume(path: str) -> None:
     """Refuses a checkpoint whose stored settings are malformed (``--resume``, one line)."""
+    from ..apps.gpt import stored_settings
     from ..checkpoint import read_header
-    from ..train import stored_settings
 
     try:
         meta = read_header(path).metadata

@@ -1,6 +1,6 @@
 """``attnlab visualize``: see what a real model attends to, as HTML, PNG or text.
 
-The command runs a model on a text (`attnlab.analysis.model_attentions.collect`), takes every
+The command runs a model on a text (`attnlab.apps.attentions.collect`), takes every
 layer's attention weights ``(layers, heads, T, T)`` and writes
 
 - ``--format html`` (default): one self-contained page (`attnlab.viz.save_attention_html`) with
@@ -36,14 +36,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..analysis.model_attentions import (
-    MODELS,
-    Attentions,
-    LongAttentions,
-    collect,
-    hf_attentions,
-    long_view_data,
-)
+from ..analysis.model_attentions import Attentions, LongAttentions
+from ..apps.attentions import MODELS, collect, hf_attentions
 from ._args import (
     UsageError,
     add_device_argument,
@@ -328,7 +322,13 @@ def check_folder_inputs(folder: str, text: str) -> None:
 
 def _cmd_visualize(args: argparse.Namespace) -> int:
     from ..viz.attention_png import attention_png
-    from ..viz.attention_view import MAX_FULL_TOKENS, AttentionView, attention_text, show
+    from ..viz.attention_view import (
+        MAX_FULL_TOKENS,
+        AttentionView,
+        attention_text,
+        long_view_data,
+        show,
+    )
 
     if args.format == "html":
         check_output_file(args.out, "--out", (".html", ".htm"))

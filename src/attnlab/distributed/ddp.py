@@ -1,6 +1,6 @@
 """Data-parallel and context-parallel training of the GPT over torch.distributed (torchrun).
 
-`attnlab.train.train` runs on every rank that ``torchrun`` starts; a `Parallel` tells it how the
+`attnlab.apps.gpt.train` runs on every rank that ``torchrun`` starts; a `Parallel` tells it how the
 ranks share the work. Both modes keep the run of one process:
 
 - ``"data"`` (DistributedDataParallel): every rank draws the same global batch ``(B, L)`` from the

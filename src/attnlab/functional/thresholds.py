@@ -4,7 +4,7 @@
 ``functional/backends.py``): ``band`` for sliding windows without bias, ``sparse`` for the other
 structured masks and bias functions, ``long`` for every call. Where flash starts to win depends
 on the CPU (AMX or not), torch's kernels and the dtype, so the values can be measured once per
-machine and dtype (`attnlab.functional.calibrate`: ``python -m attnlab.functional.calibrate`` or
+machine and dtype (`attnlab.analysis.calibrate`: ``python -m attnlab.analysis.calibrate`` or
 ``attnlab bench --calibrate``) and kept in a JSON cache. An entry is used only when its key —
 CPU model, a digest of the CPU's feature flags, torch's version and the dtype — equals this
 process's; any other entry, a missing file, or a dtype never measured gives the built-in
@@ -207,7 +207,7 @@ def load(*, reload: bool = False) -> dict[torch.dtype, Thresholds]:
             why = f"the cache file {path} is unusable"
             warnings.warn(
                 f"attnlab: ignoring the auto-threshold cache {path}: {e}; using the built-in "
-                "defaults (re-measure with `python -m attnlab.functional.calibrate`)",
+                "defaults (re-measure with `python -m attnlab.analysis.calibrate`)",
                 UserWarning,
                 stacklevel=2,
             )

@@ -1,7 +1,7 @@
 """One check of a transformers checkpoint folder against its config, before any weight is read.
 
 `check_folder` runs before `attnlab.hf.from_pretrained` and ``attnlab visualize --model FOLDER``
-(`attnlab.analysis.model_attentions.check_hf_folder`) load anything:
+(`attnlab.apps.attentions.check_hf_folder`) load anything:
 
 1. Files stay inside the folder: ``config.json``, the weights file transformers would open
    (``model.safetensors``, else the shards of ``model.safetensors.index.json``, or the file a

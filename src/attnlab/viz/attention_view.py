@@ -49,10 +49,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from ..analysis.weights import entropy, top_weights
+
+if TYPE_CHECKING:
+    from ..analysis.model_attentions import LongAttentions
 
 PathLike = str | os.PathLike[str]
 
@@ -328,43 +333,12 @@ def entropies(weights: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tens
     Returns:
         ``(rows (layers, heads, T), heads (layers, heads))`` float64.
     """
-    from ..analysis.weights import entropy
-
     w = weights.to(torch.float64)
     # one layer at a time: the L×S temporaries of one layer, not of all of them
     rows = torch.cat([entropy(w[n : n + 1]) for n in range(w.shape[0])])  # (layers, heads, T)
     if mask is not None:
         rows = torch.where(mask.to(rows.device), rows, torch.nan)
     return rows, rows.nanmean(dim=-1)
-
-
-def top_weights(weights: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The ``k`` largest weights of every row, largest first; ties keep the lower key index.
-
-    Exactly the first ``k`` of a stable descending sort, without sorting whole rows:
-    `torch.topk` picks k per row (memory ``(..., T, k)``), the k are ordered by
-    ``(−value, index)``, and only rows where the k-th value ties with a value left out are
-    sorted whole to choose the lower indices.
-
-    Args:
-        weights: ``(..., T, S)``, no NaN. k: how many (at most S).
-
-    Returns:
-        ``(values, indices)``, each ``(..., T, k)``.
-    """
-    *lead, S = weights.shape
-    flat = weights.reshape(-1, S)  # (rows, S)
-    values, indices = torch.topk(flat, k, dim=-1)  # (rows, k), ties in any order
-    order = torch.argsort(indices, dim=-1)  # by index, then stably by value: (−value, index)
-    values, indices = values.gather(-1, order), indices.gather(-1, order)
-    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
-    values, indices = values.gather(-1, order), indices.gather(-1, order)
-    tied = (flat >= values[:, -1:]).sum(dim=-1) > k  # (rows,) a value equal to the k-th is out
-    rows = tied.nonzero().squeeze(1)
-    if rows.numel():  # e.g. a causal row with fewer than k keys: its zeros tie
-        v, i = torch.sort(flat[rows], dim=-1, descending=True, stable=True)
-        values[rows], indices[rows] = v[:, :k], i[:, :k]
-    return values.reshape(*lead, k), indices.reshape(*lead, k)
 
 
 def pooled_thumbnails(weights: Tensor, size: int) -> Tensor:
@@ -543,6 +517,55 @@ def attention_data(
         f"max-pooled to {r}×{c} pixels.",
     )
     return data
+
+
+def long_view_data(
+    run: LongAttentions, *, title: str, subtitle: str, layer: int = 0, head: int = 0
+) -> dict[str, Any]:
+    """The viewer's JSON document (top-k mode, see `attention_data`) for a
+    `attnlab.analysis.model_attentions.LongAttentions`, built from its top-k rows and
+    thumbnails (no L×S)."""
+    Ly, H, T, S = run.shape
+    k = run.top_val.shape[-1]
+    r, c = run.thumbs.shape[-2:]
+    rows = run.row_entropy
+    decimals = DEFAULT_DECIMALS
+    size = f"{T} tokens" if run.key_tokens is None else f"{T} × {S} tokens"
+    notes = [
+        f"Long input ({size}): the head view draws and the hover lists only each token's top {k} "
+        f"weights (exact, computed row by row without the {T}×{S} matrix), which is all the page "
+        f"stores; the thumbnails are max-pooled to {r}×{c} pixels.",
+        *run.notes,
+    ]
+    return {
+        "version": 2,
+        "title": title,
+        "subtitle": subtitle,
+        "tokens": run.tokens,
+        "mask": [True] * T,
+        "cross": run.key_tokens is not None,
+        "key_tokens": run.key_tokens,
+        "key_mask": None if run.key_tokens is None else [True] * S,
+        "sentence_b_start": None,
+        "layers": Ly,
+        "heads": H,
+        "T": T,
+        "S": S,
+        "decimals": decimals,
+        "min_line": MIN_LINE_WEIGHT,
+        "selected": [layer, head],
+        "entropy": _rounded(rows.nanmean(dim=-1), decimals),
+        "row_entropy": _rounded(rows, decimals),
+        "notes": notes,
+        "mode": "topk",
+        "weights": None,
+        "topk": k,
+        "top_idx": run.top_idx.tolist(),
+        "top_val": _rounded(run.top_val, decimals),
+        "thumb_size": max(r, c),
+        "thumb_shape": [r, c],
+        "thumbs": torch.round(run.thumbs * 255).to(torch.int64).reshape(Ly, H, r * c).tolist(),
+    }
 
 
 def _json_for_script(data: Any) -> str:
@@ -843,6 +866,7 @@ __all__ = [
     "check_attention",
     "check_inputs",
     "entropies",
+    "long_view_data",
     "pooled_thumbnails",
     "save_attention_html",
     "show",

@@ -107,7 +107,7 @@ def plot_grad_norms(
 
 
 def plot_sweep(path: Path, result: object) -> bool:
-    """Writes the ablation PNG of a `attnlab.train.SweepResult`; False without matplotlib.
+    """Writes the ablation PNG of a `attnlab.apps.gpt.SweepResult`; False without matplotlib.
 
     Left: final validation loss against the first swept axis (log x for ``lr``), one line per
     value of the second axis. Right: every run's batch-loss curve (moving mean of 10 steps).

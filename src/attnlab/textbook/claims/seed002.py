@@ -3656,13 +3656,13 @@ def _eight_k() -> Finding:
     quote="# 正确：使用较小的学习率和warmup optimizer = Adam(lr=5e-4) "
     "scheduler = WarmupScheduler(warmup_steps=4000)",
     paraphrase="Use a small learning rate (5e-4) with a 4000-step warmup.",
-    api="attnlab.train.lr_at, attnlab.train.TrainSettings (schedule='noam')",
+    api="attnlab.apps.gpt.lr_at, attnlab.apps.gpt.TrainSettings (schedule='noam')",
     expected=AGREES,
     assumptions="the 2017 paper's warmup schedule (lr = d_model^-0.5 · min(t^-0.5, t · w^-1.5)) "
     "with its d_model = 512 and w = 4000; 'agrees' when its peak is within 2× of 5e-4",
 )
 def _noam_peak() -> Finding:
-    from ...train import TrainSettings, lr_at
+    from ...apps.gpt import TrainSettings, lr_at
 
     s = TrainSettings(schedule="noam", warmup=4000, d_model=512, steps=100_000)
     at = {t: lr_at(t, s) for t in (0, 999, 3999, 15999, 99999)}
@@ -3704,11 +3704,11 @@ _SWEEP_NOTE = (
 
 @functools.cache
 def _lr_sweep() -> dict[tuple[float, int], float]:
-    """Final validation loss (nats/char) per (lr, warmup) of `attnlab.train.sweep` over
+    """Final validation loss (nats/char) per (lr, warmup) of `attnlab.apps.gpt.sweep` over
     lr ∈ {1e-2, 5e-4} × warmup ∈ {0, 30} (`_SWEEP`), on one thread."""
     import tempfile
 
-    from ...train import TrainSettings, sweep
+    from ...apps.gpt import TrainSettings, sweep
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # oversubscribed threads slow a tiny model down by 10× or more
@@ -3724,10 +3724,10 @@ def _lr_sweep() -> dict[tuple[float, int], float]:
 @functools.cache
 def _no_clip_val() -> float:
     """Final validation loss of the lr 1e-2, warmup 0 run of `_lr_sweep` without gradient
-    clipping (`attnlab.train.train` with ``grad_clip=0``), on one thread."""
+    clipping (`attnlab.apps.gpt.train` with ``grad_clip=0``), on one thread."""
     import tempfile
 
-    from ...train import TrainSettings, train
+    from ...apps.gpt import TrainSettings, train
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -3757,7 +3757,7 @@ _SWEEP_CALL = (
     quote="**错误**：学习率过大 … # 错误：对Transformer使用过大的学习率 optimizer = Adam(lr=1e-2) "
     "# 太大！",
     paraphrase="A learning rate of 1e-2 is too large for a Transformer; use 5e-4 with warmup.",
-    api="attnlab.train.sweep",
+    api="attnlab.apps.gpt.sweep",
     expected=TEXT_ERROR,
     assumptions=_SWEEP_NOTE + "; 'too large' = diverges or ends worse than 5e-4 under the same "
     "warmup",
@@ -3784,7 +3784,7 @@ def _lr_too_large() -> Finding:
     quote="- **训练稳定性**：使用Pre-LN，warmup学习率，梯度裁剪 … 7. ✅ 使用学习率warmup",
     paraphrase="(Summary and checklist) For stable training use pre-LN, a learning-rate warmup "
     "and gradient clipping.",
-    api="attnlab.train.sweep, attnlab.train.train (grad_clip=0)",
+    api="attnlab.apps.gpt.sweep, attnlab.apps.gpt.train (grad_clip=0)",
     expected=AGREES,
     assumptions=_SWEEP_NOTE + "; every run is pre-LN (TrainSettings has no post-LN switch, so "
     "pre-LN itself is not ablated); 'helps' = warmup lowers the final loss at the large rate and "
@@ -3815,7 +3815,7 @@ def _warmup_helps() -> Finding:
     quote="# 检查各层梯度范数 … # 梯度消失：< 1e-6；梯度爆炸：> 1000",
     paraphrase="Monitor per-parameter gradient norms: below 1e-6 means vanishing, above 1000 "
     "exploding gradients.",
-    api="attnlab.models.GPT, attnlab.train.layer_parameters, attnlab.train.layer_grad_norms",
+    api="attnlab.models.GPT, attnlab.apps.gpt.layer_parameters, attnlab.apps.gpt.layer_grad_norms",
     expected=AGREES,
     assumptions="checked one way only — a healthy model must read healthy: attnlab's GPT char-LM "
     "at initialisation (d_model=64, 2 layers, 4 heads, RoPE), one batch of 8×64 characters of the "
@@ -3823,8 +3823,8 @@ def _warmup_helps() -> Finding:
     "below 1000 even with every weight ×100, so an exploding contrast needs a diverging run)",
 )
 def _grad_thresholds() -> Finding:
+    from ...apps.gpt import TrainSettings, get_batch, layer_grad_norms, layer_parameters, load_text
     from ...models import GPT
-    from ...train import TrainSettings, get_batch, layer_grad_norms, layer_parameters, load_text
 
     text = load_text(None)
     vocab = sorted(set(text))
@@ -3855,9 +3855,9 @@ def _ln_runs() -> dict[str, float]:
     diverged) of a 6-layer char-LM trained by
     `attnlab.apps.loop.fit` at lr 1e-2: Pre-LN and Post-LN without warmup, Post-LN with 30
     warmup steps; same seed, batches and settings otherwise, one thread."""
+    from ...apps.gpt import get_batch, load_text, unigram_entropy
     from ...apps.loop import FitSettings, fit
     from ...models import GPT, TransformerConfig
-    from ...train import get_batch, load_text, unigram_entropy
 
     text = load_text(None)
     index = {c: i for i, c in enumerate(sorted(set(text)))}

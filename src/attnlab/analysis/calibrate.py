@@ -9,7 +9,7 @@ at every larger measured L. The threshold is that L² (``L·S`` with S = L); whe
 in the measured range it is (2·largest L)². ``long`` (every call goes to flash) bounds memory, not
 speed, and keeps its built-in value.
 
-Run: ``python -m attnlab.functional.calibrate [--dtype float32 bfloat16] [--repeats 5]
+Run: ``python -m attnlab.analysis.calibrate [--dtype float32 bfloat16] [--repeats 5]
 [--threads 1] [--dry-run]`` (or ``attnlab bench --calibrate``). Timing uses this process's CPU
 clock (``time.process_time``) with one thread by default, minima over interleaved rounds, so a
 shared machine gives the uncontended crossover.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import thresholds as _thr
+from ..functional import thresholds as _thr
 
 #: Lengths measured (half octaves); the crossovers of RESULTS.md lie between 256 and 724.
 LADDER = (128, 181, 256, 362, 512, 724, 1024, 1448, 2048)
@@ -77,7 +77,7 @@ def measure(
     on_step: Callable[[str], None] | None = None,
 ) -> list[Timing]:
     """flash vs sdpa per case and length: the minimum of ``repeats`` interleaved rounds each."""
-    from .api import attention
+    from ..functional.api import attention
 
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -145,9 +145,9 @@ def format_rows(rows: Sequence[Timing]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The options of ``python -m attnlab.functional.calibrate``."""
+    """The options of ``python -m attnlab.analysis.calibrate``."""
     p = argparse.ArgumentParser(
-        prog="python -m attnlab.functional.calibrate", description=__doc__.split("\n\n")[0]
+        prog="python -m attnlab.analysis.calibrate", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["float32", "bfloat16"])
     p.add_argument("--lengths", type=int, nargs="+", default=list(LADDER))
@@ -197,7 +197,7 @@ def calibrate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m attnlab.functional.calibrate``."""
+    """Entry point of ``python -m attnlab.analysis.calibrate``."""
     args = build_parser().parse_args(argv)
     model, flags = _thr.cpu_info()
     amx = sorted(f for f in flags if f.startswith("amx"))
