@@ -1,8 +1,7 @@
 """Checkpoints as safetensors files, verified on load; never pickle.
 
-A checkpoint is a standard safetensors file, serialized and decoded by the safetensors library
-(`safetensors.torch.save` / `load`), so any safetensors reader opens it. attnlab adds these
-fields to the header's ``__metadata__``:
+A checkpoint is a standard safetensors file, written and decoded by the safetensors library, so
+any safetensors reader opens it. attnlab adds to the header's ``__metadata__``:
 
     attnlab.format_version   "1"
     attnlab.sha256           JSON {tensor name: sha256 of its bytes}
@@ -10,36 +9,13 @@ fields to the header's ``__metadata__``:
     attnlab.header_sha256    sha256 of the 8-byte prefix and the header, computed with this
                              value set to 64 zeros
 
-and around the library (file-level parts in `attnlab._files`):
-
-- Verification: the header's sha256 on the raw 8 + N header bytes (a swapped shape or an edited
-  metadata string is caught) and every tensor's sha256 (safetensors alone loads a flipped data
-  byte silently). Any flipped byte or truncation raises `CheckpointError`, naming the file.
-- Exact diagnoses: the header is checked before safetensors decodes the bytes, naming the
-  tensor and the bytes at fault where safetensors says "invalid offset for tensor"; duplicate
-  names and unknown fields, which safetensors accepts, are refused.
-- No pickle: ``.pt``/``.bin``/... files and zip or pickle content are refused unopened.
-- Ties (stored once, restored as one tensor) and non-contiguous tensors (save_file refuses both).
-- Module loading that checks every key, shape and dtype (``allow_cast``) before copying anything.
-- Configs justified by the file (`build_checked`, `check_fit`, `read_header`): a loader reads
-  the header only (no tensor data), builds the model on the ``meta`` device and accepts its
-  config only if the file holds exactly its tensors (count, names, shapes, dtypes), before
-  anything is allocated; so a config's limits follow from the file, not from fixed caps.
-  Before that, `justify_config` checks the stored config's integer fields against a table of
-  `ConfigRule` (layer counts from the tensor names, sizes from the tensor shapes, a limit for a
-  size no tensor gives), and a build on ``meta`` stops once it registers far more tensors than
-  the file holds (`tensor_budget`), so no config makes a loader build for long.
-  ``config.json`` files are read bounded (`read_config_json`).
-- Folders: `file_in_folder` confines every file a folder names (a shard index, a config) to the
-  folder, ``..``, absolute paths and symlinks resolved.
-- Atomic writes (temp file in a private, flock-held ``.<name>.attnlab.<pid>.<hex>.tmp``
-  directory beside the target, fsync, rename): a killed writer leaves the previous file intact,
-  and the next save into the directory removes what it left (never a live writer's). Outputs
-  get mode 0o666 minus the umask.
-- Hostile files: only regular files are opened (``/dev/zero``, FIFOs and directories are refused
-  before any read; a FIFO never blocks), at most the size ``fstat`` reports is read, every
-  header check is linear, and the header's size (`MAX_HEADER_BYTES`), tensor count
-  (`MAX_TENSORS`) and JSON nesting (3 levels) are bounded, each with a `CheckpointError`.
+and around the library: both sha256s verified on load (safetensors alone loads a flipped data
+byte or a swapped shape silently); ties and non-contiguous tensors (``save_file`` refuses
+both); module loading that checks every key, shape and dtype before copying anything; configs
+justified by a file's header before anything is allocated (`justify_config`, `build_checked`,
+`tensor_budget`); files confined to a folder (`file_in_folder`). `attnlab._files` holds the
+file level: atomic writes, regular files only, pickle refused unopened, what safetensors lets
+through (duplicate names, unknown fields, too many tensors) refused. See docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -75,13 +51,10 @@ from ._files import (
     Header,
     atomic_write,
     check_header_sha256,
-    decode,
-    header_length,
     load_json,
     loads,
-    parse_header,
+    one_line,
     read_config_json,
-    read_file,
     read_header,
     read_safetensors,
     save_json,
@@ -244,7 +217,7 @@ def save_checkpoint(
         save_file(stored, tmp, metadata=meta)  # safetensors streams the tensors to the file
         with open(tmp, "rb+") as f:
             head = f.read(8)
-            head += f.read(header_length(head))
+            head += f.read(int.from_bytes(head, "little"))
             f.seek(0)
             f.write(seal_header_sha256(head))
 
@@ -252,8 +225,9 @@ def save_checkpoint(
 
 
 # --------------------------------------------------------------------------------------- loading
-def _verify(path: Path, raw: bytes, meta: dict[str, str], spans: dict, start: int):
-    """Checks the format version and every sha256; returns ``(user metadata, ties)``."""
+def _check_header(header: Header) -> None:
+    """Checks the format version and the header's sha256, before any tensor is decoded."""
+    path, meta = header.path, header.metadata
     version = meta.get("attnlab.format_version")
     if version is None:
         raise CheckpointError(
@@ -265,24 +239,23 @@ def _verify(path: Path, raw: bytes, meta: dict[str, str], spans: dict, start: in
             f"unknown checkpoint format version {version!r} (this attnlab reads version "
             f"{FORMAT_VERSION!r})",
         )
-    check_header_sha256(path, raw[:start], meta)
+    check_header_sha256(path, header.raw, meta)
+
+
+def _verify(path: Path, meta: dict[str, str], tensors: dict[str, Tensor]):
+    """Checks every tensor's sha256 and the ties; returns ``(user metadata, ties)``."""
     if "attnlab.sha256" not in meta or "attnlab.ties" not in meta:
         raise CheckpointError(path, "attnlab metadata is incomplete (attnlab.sha256, attnlab.ties)")
     digests = loads(path, meta["attnlab.sha256"], "attnlab.sha256", 1)
     ties = loads(path, meta["attnlab.ties"], "attnlab.ties", 1)
-    if not isinstance(digests, dict) or set(digests) != set(spans):
+    if not isinstance(digests, dict) or set(digests) != set(tensors):
         raise CheckpointError(path, "the sha256 table does not list exactly the stored tensors")
-    view = memoryview(raw)
-    bad = [
-        name
-        for name, (begin, end) in spans.items()
-        if hashlib.sha256(view[start + begin : start + end]).hexdigest() != digests[name]
-    ]
+    bad = [name for name, t in tensors.items() if _sha256(t) != digests[name]]
     if bad:
         raise CheckpointError(
             path, f"sha256 mismatch for tensor(s) {sorted(bad)}: the data is corrupted"
         )
-    if not isinstance(ties, dict) or any(a in spans or t not in spans for a, t in ties.items()):
+    if not isinstance(ties, dict) or any(a in tensors or t not in tensors for a, t in ties.items()):
         raise CheckpointError(path, f"invalid attnlab.ties {ties!r}")
     return {k: v for k, v in meta.items() if not k.startswith(_RESERVED)}, ties
 
@@ -368,17 +341,17 @@ def load_checkpoint(
     Raises:
         FileNotFoundError: no such file (the message names the path).
         CheckpointError: not a regular file (a device, FIFO or directory), pickle formats,
-            an oversized or too deeply nested header, too many tensors, truncation, trailing
-            bytes, a bad header, a checksum mismatch, an unknown format version, or a module
-            mismatch (key, shapes, dtypes).
+            anything safetensors refuses (truncation, trailing bytes, a bad header, quoting
+            its message), duplicate names or unknown fields, too many tensors, a checksum
+            mismatch, an unknown format version, or a module mismatch (key, shapes, dtypes).
     """
     path = Path(os.fspath(path))
     if module is not None and not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module or None, got {type(module).__name__}")
-    raw = read_file(path)
-    meta, spans, start = parse_header(path, raw)
-    user, ties = _verify(path, raw, meta, spans, start)
-    tensors = decode(path, raw)
+    header = read_header(path)
+    _check_header(header)
+    tensors, meta = read_safetensors(path, header=header)
+    user, ties = _verify(path, meta, tensors)
     tensors.update({alias: tensors[target] for alias, target in ties.items()})
     result = Checkpoint(str(path), dict(sorted(tensors.items())), user)
     if module is not None:
@@ -584,14 +557,6 @@ def build_on_meta(build: Callable[[], nn.Module], *, limit: int | None = None) -
     """
     with torch.device("meta"), _MetaWithoutCompiler(), tensor_budget(limit):
         return build()
-
-
-def one_line(error: BaseException, limit: int = 300) -> str:
-    """The first line of an exception's message, at most ``limit`` characters (torch appends
-    C++ stack traces to some messages)."""
-    lines = str(error).strip().splitlines() or [type(error).__name__]
-    text = " ".join(lines[0].split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def build_checked(
@@ -871,6 +836,7 @@ __all__ = [
     "layer_indices",
     "load_checkpoint",
     "load_json",
+    "one_line",
     "read_config_json",
     "read_header",
     "read_safetensors",
