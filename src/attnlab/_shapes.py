@@ -12,6 +12,15 @@ from torch import Tensor
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of statistics and accumulators for inputs of ``dtype``: float32 or wider.
+
+    float64 for float64, else float32: 16-bit inputs (float16, bfloat16) are widened, as
+    their sums, maxima and rotation tables lose digits, and float32 stays float32.
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def static_int(x: int) -> int:
     """``x`` as a Python int, also while ``torch.compile(dynamic=True)`` traces.
 
@@ -193,7 +202,7 @@ def check_logit_multiplier(scale: float, temperature: float, dtype: torch.dtype)
     Beyond the bound the logits overflow the compute dtype (float32, or float64 for float64
     inputs) and softmax turns ``inf − inf`` into NaN, so the call is refused before any work.
     """
-    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    compute = stat_dtype(dtype)
     bound = MAX_LOGIT_MULTIPLIER[compute]
     m = scale / temperature  # Python floats: float64, inf on overflow, 0.0 on underflow
     if torch.compiler.is_compiling():

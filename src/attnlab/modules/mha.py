@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from .._shapes import check_probability
+from .._shapes import check_probability, stat_dtype
 from ..functional import attention, gemv, nan_rule
 from ..functional.decode import decode_step_ready, decode_step_run, rope_decode_run
 from ..functional.registry import check_backend_name, select
@@ -50,7 +50,7 @@ def _rotate_new_keys(rope: nn.Module, k: Tensor, positions: Tensor | int) -> Ten
         and k.dim() == 4
         and nan_rule.ext_ready(k)
     ):
-        dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+        dtype = stat_dtype(k.dtype)
         cos, sin = rope._table(positions + k.shape[2], k.device, dtype)
         return torch.ops.attnlab_nan.rope_rows(
             k, cos, sin, positions, rope.rotary_dim, rope.interleaved
@@ -345,7 +345,7 @@ class MultiHeadAttention(nn.Module):
             k_start = None if keys_rotated else k_pos
             if k_start is not None:
                 n = max(n, k_start + k.shape[2])
-            dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            dtype = stat_dtype(q.dtype)
             cos, sin = rope._table(n, q.device, dtype)  # rows 0…n−1 (at least), memoised
             return rope_decode_run(
                 q, k, v, cos, sin, q_pos, k_start, rope.rotary_dim, rope.interleaved

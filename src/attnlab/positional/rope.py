@@ -17,6 +17,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from .._shapes import stat_dtype
 from ._checks import check_int, check_positions, check_real
 from .rope_scaling import compute_rope_parameters, depends_on_seq_len, rope_type_of
 
@@ -211,7 +212,7 @@ class RoPE(nn.Module):
                 f"x must be (..., L, head_dim={self.head_dim}), got shape {tuple(x.shape)}"
             )
         L = x.shape[-2]
-        table_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        table_dtype = stat_dtype(x.dtype)
         host = positions is None or (
             isinstance(positions, (int, torch.SymInt)) and not isinstance(positions, bool)
         )
