@@ -39,6 +39,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from .._shapes import check_int
+
 #: The source language.
 SOURCE_LANG = "en"
 #: Target languages, each selected by its token ``<de>`` / ``<fr>`` at the start of the source.
@@ -197,15 +199,6 @@ def vocabulary(
     return Vocab.from_characters(chars, langs)
 
 
-def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return value
-
-
 def sample_number(rng: random.Random, max_digits: int, min_digits: int = 1) -> int:
     """A number with a uniform digit count in [min_digits, max_digits], then uniform."""
     d = rng.randint(min_digits, max_digits)
@@ -237,7 +230,7 @@ class NumberTask:
         seed: int = 0,
         pieces: bool = False,
     ) -> None:
-        self.max_digits = _check_int("max_digits", max_digits, 1, 12)
+        self.max_digits = check_int("max_digits", max_digits, minimum=1, maximum=12)
         langs = tuple(langs)
         if (
             not langs
@@ -246,10 +239,10 @@ class NumberTask:
         ):
             raise ValueError(f"langs must be distinct names from {TARGET_LANGS}, got {langs!r}")
         self.langs = langs
-        self.seed = _check_int("seed", seed, 0)
+        self.seed = check_int("seed", seed, minimum=0)
         low = 1000 if max_digits >= 4 else 0
         room = 10**max_digits - low
-        self.held_out_size = _check_int("held_out", held_out, 1, room // 2)
+        self.held_out_size = check_int("held_out", held_out, minimum=1, maximum=room // 2)
         self.vocab = vocabulary(max_digits, langs, pieces=pieces)
         rng = random.Random(f"numbers-held-out-{seed}")
         held: set[int] = set()

@@ -28,17 +28,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._shapes import check_int
 from ..modules import AdditiveAttention
 from .gpt import check_token_ids
 
 CELLS = ("gru", "lstm")
-
-
-def _int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _dropout(value: object) -> None:
@@ -92,7 +86,7 @@ class RNNSeq2SeqConfig:
             "d_attention",
             "d_output",
         ):
-            _int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), minimum=1)
         _dropout(self.dropout)
 
     def to_dict(self) -> dict[str, Any]:
@@ -298,10 +292,10 @@ class RNNSeq2Seq(nn.Module):
         """
         src, src_mask = _check_pair(src, src_mask)
         check_token_ids("src", src, self.config.src_vocab_size)
-        _int("max_len", max_len, 1)
+        check_int("max_len", max_len, minimum=1)
         V = self.config.tgt_vocab_size
         for name, value in (("bos", bos), ("eos", eos)):
-            _int(name, value, 0)
+            check_int(name, value, minimum=0)
             if value >= V:
                 raise ValueError(f"{name} must be < tgt_vocab_size={V}, got {value}")
         was_training = self.training
@@ -349,7 +343,7 @@ class RNNLMConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_embed", "d_hidden", "n_layers"):
-            _int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), minimum=1)
         if self.cell not in CELLS:
             raise ValueError(f"cell must be one of {list(CELLS)}, got {self.cell!r}")
         _dropout(self.dropout)
@@ -446,7 +440,7 @@ class RNNLM(nn.Module):
         idx = check_token_ids("idx", idx, self.config.vocab_size)
         if idx.shape[1] < 1:
             raise ValueError(f"idx must hold at least one token per row, got {tuple(idx.shape)}")
-        _int("max_new_tokens", max_new_tokens, 0)
+        check_int("max_new_tokens", max_new_tokens, minimum=0)
         if (
             isinstance(temperature, bool)
             or not isinstance(temperature, (int, float))
@@ -455,7 +449,7 @@ class RNNLM(nn.Module):
         ):
             raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
         if top_k is not None:
-            _int("top_k", top_k, 1)
+            check_int("top_k", top_k, minimum=1)
         was_training = self.training
         self.eval()
         try:

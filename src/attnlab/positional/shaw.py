@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .._shapes import check_int
 from ..functional import nan_rule
 from ..functional.reference import compute_dtype_for, shaw_relative_index
 from ..functional.request import BiasFn, request_dense, request_interval
 from ..functional.validate import plain_request
 from ..masks import Mask
-from ._checks import check_int
 
 _NEG_INF = float("-inf")
 
