@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from .._shapes import check_int
+from .._shapes import check_int, check_number, check_probability
 from ..checkpoint import ConfigRule
 
 NORMS = ("layernorm", "rmsnorm")
@@ -103,18 +102,10 @@ class TransformerConfig:
                 )
         if self.d_ff is not None:
             check_int("d_ff", self.d_ff, minimum=1)
-        for name in ("dropout", "norm_eps", "rope_base"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
-        if self.rope_base <= 1:
-            raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
+        check_number("dropout", self.dropout)
+        check_probability("dropout", self.dropout)
+        check_number("norm_eps", self.norm_eps, positive=True)
+        check_number("rope_base", self.rope_base, greater=1.0)
         _choice("norm", self.norm, NORMS)
         _choice("mlp", self.mlp, MLPS)
         _choice("positional", self.positional, POSITIONALS)

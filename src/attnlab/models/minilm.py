@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._files import read_regular_file
+from .._shapes import check_int
 from ..checkpoint import read_config_json
 from ..utils.extras import require
 from .bert import BertEncoder
@@ -190,8 +191,7 @@ class MiniLM(nn.Module):
             texts = [texts]
         if not isinstance(texts, Sequence) or not all(isinstance(t, str) for t in texts):
             raise TypeError("texts must be a string or a sequence of strings")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        check_int("batch_size", batch_size, minimum=1)
         weight = self.encoder.word_embeddings.weight
         out = torch.empty(len(texts), self.embedding_dim, dtype=weight.dtype, device=weight.device)
         if not texts:

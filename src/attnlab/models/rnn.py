@@ -28,18 +28,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._shapes import check_int
+from .._shapes import check_int, check_number, check_probability
 from ..modules import AdditiveAttention
 from .gpt import check_token_ids
 
 CELLS = ("gru", "lstm")
-
-
-def _dropout(value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"dropout must be a number, got {type(value).__name__} {value!r}")
-    if not (math.isfinite(value) and 0.0 <= value < 1.0):
-        raise ValueError(f"dropout must be in [0, 1), got {value!r}")
 
 
 def _from_dict(cls: type, data: object) -> Any:
@@ -87,7 +80,7 @@ class RNNSeq2SeqConfig:
             "d_output",
         ):
             check_int(name, getattr(self, name), minimum=1)
-        _dropout(self.dropout)
+        check_probability("dropout", self.dropout)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; ``RNNSeq2SeqConfig.from_dict(c.to_dict()) == c``."""
@@ -346,7 +339,7 @@ class RNNLMConfig:
             check_int(name, getattr(self, name), minimum=1)
         if self.cell not in CELLS:
             raise ValueError(f"cell must be one of {list(CELLS)}, got {self.cell!r}")
-        _dropout(self.dropout)
+        check_probability("dropout", self.dropout)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; ``RNNLMConfig.from_dict(c.to_dict()) == c``."""
@@ -441,13 +434,7 @@ class RNNLM(nn.Module):
         if idx.shape[1] < 1:
             raise ValueError(f"idx must hold at least one token per row, got {tuple(idx.shape)}")
         check_int("max_new_tokens", max_new_tokens, minimum=0)
-        if (
-            isinstance(temperature, bool)
-            or not isinstance(temperature, (int, float))
-            or not math.isfinite(temperature)
-            or temperature <= 0
-        ):
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        check_number("temperature", temperature, positive=True)
         if top_k is not None:
             check_int("top_k", top_k, minimum=1)
         was_training = self.training
