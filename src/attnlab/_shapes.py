@@ -232,7 +232,9 @@ def check_number(
 def check_probability(name: str, value: object) -> float:
     """A dropout probability in [0, 1)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float in [0, 1), got {type(value).__name__}")
+        raise ArgumentTypeError(
+            f"{name} must be a float in [0, 1), got {type(value).__name__} {value!r}"
+        )
     x = float(value)
     if torch.compiler.is_compiling():
         return x  # may be symbolic (torch.compile(dynamic=True)): checked in eager calls only
