@@ -229,8 +229,21 @@ def save_checkpoint(
 
 
 # --------------------------------------------------------------------------------------- loading
-def _check_header(header: Header) -> None:
-    """Checks the format version and the header's sha256, before any tensor is decoded."""
+def _ties(header: Header) -> dict[str, str]:
+    """``{alias: stored name}`` from a checkpoint's header (``attnlab.ties``; none if absent)."""
+    text = header.metadata.get("attnlab.ties", "{}")
+    ties = loads(header.path, text, "attnlab.ties", 1)
+    names = header.tensors
+    if not isinstance(ties, dict) or any(
+        type(t) is not str or a in names or t not in names for a, t in ties.items()
+    ):
+        raise CheckpointError(header.path, f"invalid attnlab.ties {text[:80]!r}")
+    return ties
+
+
+def _check_header(header: Header) -> dict[str, str]:
+    """Checks the format version, the header's sha256 and the ties (returned) before any
+    tensor is decoded."""
     path, meta = header.path, header.metadata
     version = meta.get("attnlab.format_version")
     if version is None:
@@ -244,14 +257,14 @@ def _check_header(header: Header) -> None:
             f"{FORMAT_VERSION!r})",
         )
     check_header_sha256(path, header.raw, meta)
-
-
-def _verify(path: Path, meta: dict[str, str], tensors: dict[str, Tensor]):
-    """Checks every tensor's sha256 and the ties; returns ``(user metadata, ties)``."""
     if "attnlab.sha256" not in meta or "attnlab.ties" not in meta:
         raise CheckpointError(path, "attnlab metadata is incomplete (attnlab.sha256, attnlab.ties)")
+    return _ties(header)
+
+
+def _verify(path: Path, meta: dict[str, str], tensors: dict[str, Tensor]) -> dict[str, str]:
+    """Checks every tensor's sha256; returns the user metadata."""
     digests = loads(path, meta["attnlab.sha256"], "attnlab.sha256", 1)
-    ties = loads(path, meta["attnlab.ties"], "attnlab.ties", 1)
     if not isinstance(digests, dict) or set(digests) != set(tensors):
         raise CheckpointError(path, "the sha256 table does not list exactly the stored tensors")
     bad = [name for name, t in tensors.items() if _sha256(t) != digests[name]]
@@ -259,9 +272,7 @@ def _verify(path: Path, meta: dict[str, str], tensors: dict[str, Tensor]):
         raise CheckpointError(
             path, f"sha256 mismatch for tensor(s) {sorted(bad)}: the data is corrupted"
         )
-    if not isinstance(ties, dict) or any(a in tensors or t not in tensors for a, t in ties.items()):
-        raise CheckpointError(path, f"invalid attnlab.ties {ties!r}")
-    return {k: v for k, v in meta.items() if not k.startswith(_RESERVED)}, ties
+    return {k: v for k, v in meta.items() if not k.startswith(_RESERVED)}
 
 
 def _bits_equal(a: Tensor, b: Tensor) -> bool:
@@ -353,9 +364,9 @@ def load_checkpoint(
     if module is not None and not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module or None, got {type(module).__name__}")
     header = read_header(path)
-    _check_header(header)
+    ties = _check_header(header)
     tensors, meta = read_safetensors(path, header=header)
-    user, ties = _verify(path, meta, tensors)
+    user = _verify(path, meta, tensors)
     tensors.update({alias: tensors[target] for alias, target in ties.items()})
     result = Checkpoint(str(path), dict(sorted(tensors.items())), user)
     if module is not None:
@@ -368,13 +379,7 @@ def checkpoint_specs(header: Header) -> dict[str, tuple[torch.dtype, tuple[int, 
     """``{name: (dtype, shape)}`` of every tensor of an attnlab checkpoint, from its header
     alone (`read_header`): tied aliases (``attnlab.ties``) get their stored tensor's entry."""
     specs = dict(header.tensors)
-    text = header.metadata.get("attnlab.ties", "{}")
-    ties = loads(header.path, text, "attnlab.ties", 1)
-    if not isinstance(ties, dict) or any(
-        not isinstance(a, str) or a in specs or t not in specs for a, t in ties.items()
-    ):
-        raise CheckpointError(header.path, "invalid attnlab.ties")
-    specs.update({alias: specs[target] for alias, target in ties.items()})
+    specs.update({alias: specs[target] for alias, target in _ties(header).items()})
     return specs
 
 
