@@ -17,13 +17,12 @@ Example:
 
 from __future__ import annotations
 
-import math
 import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._shapes import check_int
+from .._shapes import check_int, check_number
 from ..utils.extras import require
 
 #: The default languages: ten Latin-script languages that wordfreq ships large lists for.
@@ -164,9 +163,7 @@ def language_split(
     langs = _check_languages(languages)
     check_int("n_words", n_words, minimum=1)
     check_int("seed", seed, minimum=-(2**63))
-    if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)):
-        raise TypeError(f"test_fraction must be a number, got {type(test_fraction).__name__}")
-    if not (0.0 < test_fraction < 1.0 and math.isfinite(test_fraction)):
+    if not 0.0 < check_number("test_fraction", test_fraction) < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
     words, dropped = language_words(langs, n_words)
     rng = random.Random(seed)

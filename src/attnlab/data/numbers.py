@@ -39,7 +39,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from .._shapes import check_int
+from .._shapes import check_int, check_number
 
 #: The source language.
 SOURCE_LANG = "en"
@@ -59,8 +59,7 @@ def _words(n: int, lang: str) -> str:
 
 def words(n: int, lang: str) -> str:
     """The words of ``n`` in ``lang`` ("en", "de", "fr") as num2words writes them."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    check_int("n", n, minimum=0)
     if lang not in (SOURCE_LANG, *TARGET_LANGS):
         raise ValueError(f"lang must be one of {[SOURCE_LANG, *TARGET_LANGS]}, got {lang!r}")
     return _words(n, lang)
@@ -305,9 +304,7 @@ class NumberTask:
         out = []
         for lang in self.langs:
             x = weights.get(lang, 1.0)
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x < float("inf"):
-                raise ValueError(f"weights[{lang!r}] must be a positive finite number, got {x!r}")
-            out.append(float(x))
+            out.append(check_number(f"weights[{lang!r}]", x, positive=True))
         return out
 
     def held_out_examples(self, lang: str) -> list[Example]:
