@@ -73,9 +73,7 @@ class MiniLM(nn.Module):
         if not isinstance(encoder, BertEncoder):
             raise TypeError(f"encoder must be a BertEncoder, got {type(encoder).__name__}")
         limit = encoder.config.max_position_embeddings
-        if isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int):
-            raise TypeError(f"max_seq_length must be an int, got {max_seq_length!r}")
-        if not 2 <= max_seq_length <= limit:
+        if not 2 <= check_int("max_seq_length", max_seq_length) <= limit:
             raise ValueError(
                 f"max_seq_length must be in [2, max_position_embeddings={limit}], got "
                 f"{max_seq_length}"
