@@ -338,9 +338,9 @@ def test_l1_penalty_gradient_is_lambda_per_head_and_shrinks_spans():
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
-        ({"num_heads": 0, "max_span": 8}, r"num_heads must be a positive int, got 0"),
-        ({"num_heads": 2, "max_span": 2.5}, r"max_span must be a positive int, got 2\.5"),
-        ({"num_heads": 2, "max_span": 8, "ramp": 0}, r"ramp must be a finite number > 0, got 0"),
+        ({"num_heads": 0, "max_span": 8}, r"num_heads must be >= 1, got 0"),
+        ({"num_heads": 2, "max_span": 2.5}, r"max_span must be an int, got float 2\.5"),
+        ({"num_heads": 2, "max_span": 8, "ramp": 0}, r"ramp must be > 0, got 0"),
         (
             {"num_heads": 2, "max_span": 8, "init_span": 9},
             r"init_span must be a number in \[0, max_span=8\], got 9",

@@ -101,7 +101,7 @@ def test_float32_close_to_float64():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match=r"hidden_dim must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"hidden_dim must be >= 1, got 0"):
         attnlab.AdditiveAttention(4, 4, 0)
     m = _module()
     with pytest.raises(

@@ -180,11 +180,11 @@ def test_k8_a_tie_holding_nan_loads_into_a_tied_module():
 @pytest.mark.parametrize(
     "cut,pattern",
     [
-        (0, r"file too small: 0 bytes"),
-        (4, r"file too small: 4 bytes"),
-        (8, r"truncated: the header claims \d+ bytes but only 0 follow"),
-        (20, r"truncated: the header claims \d+ bytes but only 12 follow"),
-        (-1, r"truncated: tensors need \d+ data bytes but the file holds \d+"),
+        (0, r"not a valid safetensors file \(.*header too small\)"),
+        (4, r"not a valid safetensors file \(.*header too small\)"),
+        (8, r"not a valid safetensors file \(.*invalid header length\)"),
+        (20, r"not a valid safetensors file \(.*invalid header length\)"),
+        (-1, r"not a valid safetensors file \(.*file not fully covered\)"),
     ],
 )
 def test_k1_truncation_raises_checkpoint_error_with_path_and_cause(saved, cut, pattern):
@@ -200,7 +200,9 @@ def test_k1_truncation_raises_checkpoint_error_with_path_and_cause(saved, cut, p
 def test_k2_trailing_junk_is_rejected(saved):
     path, _ = saved
     path.write_bytes(path.read_bytes() + b"PK\x03\x04 polyglot")
-    with pytest.raises(CheckpointError, match=r"13 trailing bytes after the last tensor"):
+    with pytest.raises(
+        CheckpointError, match=r"not a valid safetensors file \(.*file not fully covered\)"
+    ):
         load_checkpoint(path)
 
 
@@ -255,53 +257,58 @@ F32x4 = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
 @pytest.mark.parametrize(
     "header,data,n,pattern",
     [
-        (b"{}", b"", 200_000_000, r"header length 200000000 exceeds the 100000000-byte limit"),
-        (b'{"\xff\xfe": 1}', b"", None, r"header is not valid UTF-8"),
-        (b'{"a": {"dtype": ', b"", None, r"header is not valid JSON"),
-        (b"[1, 2]", b"", None, r"header must be a JSON object, got list"),
-        (b'{"a": 1, "a": 2}', b"", None, r"not valid JSON \(duplicate keys \['a'\]\)"),
-        (b'{"a": NaN}', b"", None, r"not valid JSON \(non-standard JSON constant NaN\)"),
+        (b"{}", b"", 200_000_000, r"\(.*header too large\)"),
+        (b'{"\xff\xfe": 1}', b"", None, r"\(.*invalid UTF-8 in header"),
+        (b'{"a": {"dtype": ', b"", None, r"\(.*invalid JSON in header: EOF while parsing"),
+        (b"[1, 2]", b"", None, r"\(.*invalid type: sequence, expected struct"),
+        (
+            b'{"a": 1, "a": 2}',
+            b"",
+            None,
+            r"\(.*invalid type: integer `1`, expected struct TensorInfo",
+        ),
+        (b'{"a": NaN}', b"", None, r"\(.*invalid JSON in header: expected value"),
         (
             {"a": F32x4, "b": {"dtype": "F32", "shape": [2, 2], "data_offsets": [8, 24]}},
             bytes(24),
             None,
-            r"overlapping data_offsets: 'b' \[8, 24\) overlaps 'a' \[0, 16\)",
+            r"\(.*invalid offset for tensor `b`\)",
         ),
         (
             {"a": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 16]}},
             bytes(16),
             None,
-            r"tensor 'a': shape \[4611686018427387904, 4611686018427387904\] × F32 overflows",
+            r"\(.*overflow computing buffer size",
         ),
         (
             {"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}},
             bytes(12),
             None,
-            r"tensor 'a': data_offsets \[0, 12\] span 12 bytes but shape \[2, 2\] × F32 needs 16",
+            r"\(.*invalid shape, data type, or offset for tensor\)",
         ),
         (
             {"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 0]}},
             bytes(16),
             None,
-            r"data_offsets \[16, 0\] span -16 bytes",
+            r"\(.*invalid offset for tensor `a`\)",
         ),
         (
             {"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [4, 20]}},
             bytes(20),
             None,
-            r"gap in the data region: bytes \[0, 4\) belong to no tensor",
+            r"\(.*invalid offset for tensor `a`\)",
         ),
         (
             {"a": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}},
             bytes(16),
             None,
-            r"tensor 'a': unknown dtype 'F128'",
+            r"\(.*unknown variant `F128`",
         ),
         (
             {"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}},
             bytes(4),
             None,
-            r"shape must be a list of non-negative ints, got \[-1\]",
+            r"\(.*invalid value: integer `-1`, expected usize",
         ),
         (
             {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "extra": 1}},
@@ -313,7 +320,13 @@ F32x4 = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
             {"__metadata__": {"k": 1}},
             b"",
             None,
-            r"__metadata__ must be an object of string values",
+            r"\(.*invalid type: integer `1`, expected a string",
+        ),
+        (  # safetensors reads it; attnlab stores and reads only `DTYPES`
+            {"a": {"dtype": "F8_E8M0", "shape": [1], "data_offsets": [0, 1]}},
+            bytes(1),
+            None,
+            r"unknown dtype 'F8_E8M0'",
         ),
         ({"a": F32x4}, bytes(16), None, r"not an attnlab checkpoint"),
     ],
@@ -375,7 +388,7 @@ def test_read_safetensors_accepts_foreign_files_but_validates_structure(tmp_path
     with pytest.raises(CheckpointError, match="not an attnlab checkpoint"):
         load_checkpoint(path)
     path.write_bytes(path.read_bytes() + b"junk")
-    with pytest.raises(CheckpointError, match="4 trailing bytes"):
+    with pytest.raises(CheckpointError, match="file not fully covered"):
         read_safetensors(path)
 
 

@@ -165,7 +165,7 @@ def test_forward_from_cached_features_equals_forward():
     for layer in range(3):
         x = model.features(ids, mask, layer)
         torch.testing.assert_close(model.forward_from(x, mask, layer), full)
-    with pytest.raises(ValueError, match=r"layer must be an int in \[0, 2\], got 3"):
+    with pytest.raises(ValueError, match=r"layer must be in \[0, 2\], got 3"):
         model.features(ids, mask, 3)
 
 

@@ -285,13 +285,21 @@ def test_bert_config_json_is_read_bounded(tmp_path):
         BertEncoder.from_pretrained(d)
 
 
-def test_bert_never_opens_the_weights_with_safe_open(tmp_path, monkeypatch):
+def test_bert_opens_the_weights_with_safe_open_only_through_the_checked_descriptor(
+    tmp_path, monkeypatch
+):
+    """`read_header` hands safetensors the descriptor it opened and checked (a regular file),
+    never the path again (which may have been swapped for a FIFO or a device meanwhile)."""
     import safetensors
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("safe_open on an unchecked file")
+    real = safetensors.safe_open
 
-    monkeypatch.setattr(safetensors, "safe_open", refuse)
+    def checked_only(filename, *args, **kwargs):
+        if not str(filename).startswith("/proc/self/fd/"):
+            raise AssertionError(f"safe_open on an unchecked file {filename}")
+        return real(filename, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", checked_only)
     d = write_checkpoint(tmp_path, tiny_state(TINY))
     enc = BertEncoder.from_pretrained(d)
     assert enc.word_embeddings.weight.shape == (40, 16)

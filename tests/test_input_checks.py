@@ -297,3 +297,41 @@ def test_function_bias_head_count_three_d_inputs():
     assert out.shape == (2, 9, 8)
     with pytest.raises(ValueError, match=r"ALiBi was built with num_heads=2, .* H=1"):
         attnlab.attention(q, k, v, bias=ALiBi(2))
+
+
+# ------------------------------------------------- issue 39 item 5: one validation kit
+def test_the_kit_names_the_argument_the_expected_and_the_received_value():
+    from attnlab._shapes import ArgumentTypeError, check_bool, check_int, check_number
+
+    assert check_int("n", 3, minimum=1, maximum=3) == 3
+    cases = [
+        (lambda: check_int("n", 2.0), r"^n must be an int, got float 2\.0$"),
+        (lambda: check_int("n", True), r"^n must be an int, got bool True$"),
+        (lambda: check_int("n", 0, minimum=1), r"^n must be >= 1, got 0$"),
+        (lambda: check_int("n", 5, maximum=4), r"^n must be <= 4, got 5$"),
+        (lambda: check_int("n", 5, minimum=0, maximum=4), r"^n must be in \[0, 4\], got 5$"),
+        (lambda: check_number("x", "1"), r"^x must be a real number, got str '1'$"),
+        (lambda: check_number("x", float("nan")), r"^x must be finite, got nan$"),
+        (lambda: check_number("x", 0, positive=True), r"^x must be > 0, got 0$"),
+        (lambda: check_number("x", 1.0, greater=1.0), r"^x must be > 1, got 1$"),
+        (lambda: check_number("x", -1, at_least=0.0), r"^x must be >= 0, got -1$"),
+        (lambda: check_bool("b", 1), r"^b must be a bool, got int 1$"),
+    ]
+    for call, pattern in cases:
+        with pytest.raises((TypeError, ValueError), match=pattern):
+            call()
+    with pytest.raises(ArgumentTypeError) as info:  # a wrong type is both, for old callers
+        check_int("n", "3")
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+
+
+def test_statistics_are_float32_or_wider():
+    from attnlab._shapes import stat_dtype
+
+    for dtype, expected in [
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+    ]:
+        assert stat_dtype(dtype) == expected

@@ -695,7 +695,7 @@ BAD_SCALINGS = [
     (_bad(YARN, factor=0.25), r"yarn: factor must be >= 1, got 0.25"),
     (_bad(LLAMA3, factor=0.5), r"llama3: factor must be >= 1, got 0.5"),
     (_bad(LONGROPE, factor=0.5), r"longrope: factor must be >= 1, got 0.5"),
-    ({"rope_type": "linear", "factor": "2"}, r"linear: factor must be a number, got str"),
+    ({"rope_type": "linear", "factor": "2"}, r"linear: factor must be a real number, got str"),
     ({"rope_type": "linear"}, r"rope_type 'linear' requires the field\(s\) \['factor'\]"),
     (
         _bad(YARN, original_max_position_embeddings=None),
@@ -720,7 +720,7 @@ BAD_SCALINGS = [
     (_bad(LONGROPE, long_factor=[2.0] * 3), r"long_factor must have dim/2 = 4 entries, got 3"),
     (
         _bad(LONGROPE, original_max_position_embeddings=0),
-        r"original_max_position_embeddings must be a positive int, got 0",
+        r"original_max_position_embeddings must be >= 1, got 0",
     ),
     (_bad(YARN, rope_theta=500000.0), r"rope_theta=500000.0 disagrees with base=10000.0"),
 ]

@@ -47,7 +47,7 @@ def test_best_times_interleaves_and_keeps_the_minimum(monkeypatch):
     assert calls == ["a", "b", "a", "b", "a", "b"]  # warm-up, then one call of each per round
     assert best == {"a": 1.5, "b": 0.5}
     assert steps == ["warm-up a", "warm-up b", "round 1 a", "round 1 b", "round 2 a", "round 2 b"]
-    with pytest.raises(ValueError, match="repeats must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
         best_times({}, 0)
 
 

@@ -1,4 +1,10 @@
-"""Input checks that raise before any computation, naming the argument and the shapes involved."""
+"""Input checks that raise before any computation, naming the argument and the shapes involved.
+
+The library's one validation kit for arguments: `check_int`, `check_number`, `check_bool`,
+`check_probability` (scalars), `check_qkv` and the tensor checks, and `stat_dtype`. Every error
+names the argument, the expected and the received value: ``TypeError`` for a value of the wrong
+type, ``ValueError`` for one out of range.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,15 @@ import torch
 from torch import Tensor
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of statistics and accumulators for inputs of ``dtype``: float32 or wider.
+
+    float64 for float64, else float32: 16-bit inputs (float16, bfloat16) are widened, as
+    their sums, maxima and rotation tables lose digits, and float32 stays float32.
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def static_int(x: int) -> int:
@@ -145,12 +160,59 @@ def check_mask_tensor(name: str, t: Tensor, q_dtype: torch.dtype, dims: Dims) ->
     check_broadcast(name, t, dims)
 
 
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type (`check_int`, `check_number`, `check_bool`).
+
+    A ``TypeError``, and a ``ValueError`` too: several modules refused every bad argument with
+    ValueError before they used this kit, and their callers keep catching what they caught.
+    """
+
+
+def check_int(
+    name: str, value: object, *, minimum: int | None = None, maximum: int | None = None
+) -> int:
+    """An int (not a bool) in ``[minimum, maximum]`` (either bound optional).
+
+    Raises:
+        ArgumentTypeError: not an int ("n must be an int, got float 2.0"); a TypeError.
+        ValueError: out of range ("n must be >= 1, got 0", "n must be in [0, 9], got 10").
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bound = (
+            f"in [{minimum}, {maximum}]"
+            if minimum is not None and maximum is not None
+            else f">= {minimum}"
+            if minimum is not None
+            else f"<= {maximum}"
+        )
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def check_bool(name: str, value: object) -> bool:
+    """A plain bool; raises TypeError naming the argument and the received value otherwise."""
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 def check_number(
-    name: str, value: object, *, positive: bool = False, nonzero: bool = False
+    name: str,
+    value: object,
+    *,
+    positive: bool = False,
+    nonzero: bool = False,
+    greater: float | None = None,
+    at_least: float | None = None,
 ) -> float:
-    """A finite real number (optionally > 0 or != 0); raises naming the argument otherwise."""
+    """A finite real number (not a bool), optionally > 0 (``positive``), != 0, ``> greater``
+    or ``>= at_least``; raises naming the argument, the bound and the value otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+        raise ArgumentTypeError(
+            f"{name} must be a real number, got {type(value).__name__} {value!r}"
+        )
     x = float(value)
     if torch.compiler.is_compiling():
         return x  # may be symbolic (torch.compile(dynamic=True)): checked in eager calls only
@@ -160,13 +222,19 @@ def check_number(
         raise ValueError(f"{name} must be > 0, got {value}")
     if nonzero and x == 0:
         raise ValueError(f"{name} must be non-zero, got {value}")
+    if greater is not None and not x > greater:
+        raise ValueError(f"{name} must be > {greater:g}, got {x:g}")
+    if at_least is not None and not x >= at_least:
+        raise ValueError(f"{name} must be >= {at_least:g}, got {x:g}")
     return x
 
 
 def check_probability(name: str, value: object) -> float:
     """A dropout probability in [0, 1)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float in [0, 1), got {type(value).__name__}")
+        raise ArgumentTypeError(
+            f"{name} must be a float in [0, 1), got {type(value).__name__} {value!r}"
+        )
     x = float(value)
     if torch.compiler.is_compiling():
         return x  # may be symbolic (torch.compile(dynamic=True)): checked in eager calls only
@@ -193,7 +261,7 @@ def check_logit_multiplier(scale: float, temperature: float, dtype: torch.dtype)
     Beyond the bound the logits overflow the compute dtype (float32, or float64 for float64
     inputs) and softmax turns ``inf − inf`` into NaN, so the call is refused before any work.
     """
-    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    compute = stat_dtype(dtype)
     bound = MAX_LOGIT_MULTIPLIER[compute]
     m = scale / temperature  # Python floats: float64, inf on overflow, 0.0 on underflow
     if torch.compiler.is_compiling():

@@ -1,8 +1,7 @@
 """Checkpoints as safetensors files, verified on load; never pickle.
 
-A checkpoint is a standard safetensors file, serialized and decoded by the safetensors library
-(`safetensors.torch.save` / `load`), so any safetensors reader opens it. attnlab adds these
-fields to the header's ``__metadata__``:
+A checkpoint is a standard safetensors file, written and decoded by the safetensors library, so
+any safetensors reader opens it. attnlab adds to the header's ``__metadata__``:
 
     attnlab.format_version   "1"
     attnlab.sha256           JSON {tensor name: sha256 of its bytes}
@@ -10,59 +9,27 @@ fields to the header's ``__metadata__``:
     attnlab.header_sha256    sha256 of the 8-byte prefix and the header, computed with this
                              value set to 64 zeros
 
-and around the library (file-level parts in `attnlab._files`):
-
-- Verification: the header's sha256 on the raw 8 + N header bytes (a swapped shape or an edited
-  metadata string is caught) and every tensor's sha256 (safetensors alone loads a flipped data
-  byte silently). Any flipped byte or truncation raises `CheckpointError`, naming the file.
-- Exact diagnoses: the header is checked before safetensors decodes the bytes, naming the
-  tensor and the bytes at fault where safetensors says "invalid offset for tensor"; duplicate
-  names and unknown fields, which safetensors accepts, are refused.
-- No pickle: ``.pt``/``.bin``/... files and zip or pickle content are refused unopened.
-- Ties (stored once, restored as one tensor) and non-contiguous tensors (save_file refuses both).
-- Module loading that checks every key, shape and dtype (``allow_cast``) before copying anything.
-- Configs justified by the file (`build_checked`, `check_fit`, `read_header`): a loader reads
-  the header only (no tensor data), builds the model on the ``meta`` device and accepts its
-  config only if the file holds exactly its tensors (count, names, shapes, dtypes), before
-  anything is allocated; so a config's limits follow from the file, not from fixed caps.
-  Before that, `justify_config` checks the stored config's integer fields against a table of
-  `ConfigRule` (layer counts from the tensor names, sizes from the tensor shapes, a limit for a
-  size no tensor gives), and a build on ``meta`` stops once it registers far more tensors than
-  the file holds (`tensor_budget`), so no config makes a loader build for long.
-  ``config.json`` files are read bounded (`read_config_json`).
-- Folders: `file_in_folder` confines every file a folder names (a shard index, a config) to the
-  folder, ``..``, absolute paths and symlinks resolved.
-- Atomic writes (temp file in a private, flock-held ``.<name>.attnlab.<pid>.<hex>.tmp``
-  directory beside the target, fsync, rename): a killed writer leaves the previous file intact,
-  and the next save into the directory removes what it left (never a live writer's). Outputs
-  get mode 0o666 minus the umask.
-- Hostile files: only regular files are opened (``/dev/zero``, FIFOs and directories are refused
-  before any read; a FIFO never blocks), at most the size ``fstat`` reports is read, every
-  header check is linear, and the header's size (`MAX_HEADER_BYTES`), tensor count
-  (`MAX_TENSORS`) and JSON nesting (3 levels) are bounded, each with a `CheckpointError`.
+and around the library: both sha256s verified on load (safetensors alone loads a flipped data
+byte or a swapped shape silently); ties and non-contiguous tensors (``save_file`` refuses
+both); module loading that checks every key, shape and dtype before copying anything.
+`attnlab._files` holds the file level (atomic writes, regular files only, pickle refused
+unopened, headers read through safetensors, what it lets through refused: duplicate names,
+unknown fields, too many tensors); `attnlab._fit` the configs justified by a file's header
+before anything is allocated (`justify_config`, `build_checked`, `tensor_budget`) and files
+confined to a folder (`file_in_folder`), re-exported here. See docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import re
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.module import (
-    register_module_buffer_registration_hook,
-    register_module_parameter_registration_hook,
-)
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 from ._files import (
     DTYPES,
@@ -75,17 +42,27 @@ from ._files import (
     Header,
     atomic_write,
     check_header_sha256,
-    decode,
-    header_length,
     load_json,
     loads,
-    parse_header,
+    one_line,
     read_config_json,
-    read_file,
     read_header,
     read_safetensors,
     save_json,
     seal_header_sha256,
+)
+from ._fit import (
+    ConfigRule,
+    TensorBudgetError,
+    build_checked,
+    build_on_meta,
+    check_fit,
+    file_in_folder,
+    folder_roots,
+    justify_config,
+    layer_indices,
+    tensor_budget,
+    tensor_limit,
 )
 from .utils.extras import require
 
@@ -244,7 +221,7 @@ def save_checkpoint(
         save_file(stored, tmp, metadata=meta)  # safetensors streams the tensors to the file
         with open(tmp, "rb+") as f:
             head = f.read(8)
-            head += f.read(header_length(head))
+            head += f.read(int.from_bytes(head, "little"))
             f.seek(0)
             f.write(seal_header_sha256(head))
 
@@ -252,8 +229,22 @@ def save_checkpoint(
 
 
 # --------------------------------------------------------------------------------------- loading
-def _verify(path: Path, raw: bytes, meta: dict[str, str], spans: dict, start: int):
-    """Checks the format version and every sha256; returns ``(user metadata, ties)``."""
+def _ties(header: Header) -> dict[str, str]:
+    """``{alias: stored name}`` from a checkpoint's header (``attnlab.ties``; none if absent)."""
+    text = header.metadata.get("attnlab.ties", "{}")
+    ties = loads(header.path, text, "attnlab.ties", 1)
+    names = header.tensors
+    if not isinstance(ties, dict) or any(
+        type(t) is not str or a in names or t not in names for a, t in ties.items()
+    ):
+        raise CheckpointError(header.path, f"invalid attnlab.ties {text[:80]!r}")
+    return ties
+
+
+def _check_header(header: Header) -> dict[str, str]:
+    """Checks the format version, the header's sha256 and the ties (returned) before any
+    tensor is decoded."""
+    path, meta = header.path, header.metadata
     version = meta.get("attnlab.format_version")
     if version is None:
         raise CheckpointError(
@@ -265,26 +256,23 @@ def _verify(path: Path, raw: bytes, meta: dict[str, str], spans: dict, start: in
             f"unknown checkpoint format version {version!r} (this attnlab reads version "
             f"{FORMAT_VERSION!r})",
         )
-    check_header_sha256(path, raw[:start], meta)
+    check_header_sha256(path, header.raw, meta)
     if "attnlab.sha256" not in meta or "attnlab.ties" not in meta:
         raise CheckpointError(path, "attnlab metadata is incomplete (attnlab.sha256, attnlab.ties)")
+    return _ties(header)
+
+
+def _verify(path: Path, meta: dict[str, str], tensors: dict[str, Tensor]) -> dict[str, str]:
+    """Checks every tensor's sha256; returns the user metadata."""
     digests = loads(path, meta["attnlab.sha256"], "attnlab.sha256", 1)
-    ties = loads(path, meta["attnlab.ties"], "attnlab.ties", 1)
-    if not isinstance(digests, dict) or set(digests) != set(spans):
+    if not isinstance(digests, dict) or set(digests) != set(tensors):
         raise CheckpointError(path, "the sha256 table does not list exactly the stored tensors")
-    view = memoryview(raw)
-    bad = [
-        name
-        for name, (begin, end) in spans.items()
-        if hashlib.sha256(view[start + begin : start + end]).hexdigest() != digests[name]
-    ]
+    bad = [name for name, t in tensors.items() if _sha256(t) != digests[name]]
     if bad:
         raise CheckpointError(
             path, f"sha256 mismatch for tensor(s) {sorted(bad)}: the data is corrupted"
         )
-    if not isinstance(ties, dict) or any(a in spans or t not in spans for a, t in ties.items()):
-        raise CheckpointError(path, f"invalid attnlab.ties {ties!r}")
-    return {k: v for k, v in meta.items() if not k.startswith(_RESERVED)}, ties
+    return {k: v for k, v in meta.items() if not k.startswith(_RESERVED)}
 
 
 def _bits_equal(a: Tensor, b: Tensor) -> bool:
@@ -368,17 +356,17 @@ def load_checkpoint(
     Raises:
         FileNotFoundError: no such file (the message names the path).
         CheckpointError: not a regular file (a device, FIFO or directory), pickle formats,
-            an oversized or too deeply nested header, too many tensors, truncation, trailing
-            bytes, a bad header, a checksum mismatch, an unknown format version, or a module
-            mismatch (key, shapes, dtypes).
+            anything safetensors refuses (truncation, trailing bytes, a bad header, quoting
+            its message), duplicate names or unknown fields, too many tensors, a checksum
+            mismatch, an unknown format version, or a module mismatch (key, shapes, dtypes).
     """
     path = Path(os.fspath(path))
     if module is not None and not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module or None, got {type(module).__name__}")
-    raw = read_file(path)
-    meta, spans, start = parse_header(path, raw)
-    user, ties = _verify(path, raw, meta, spans, start)
-    tensors = decode(path, raw)
+    header = read_header(path)
+    ties = _check_header(header)
+    tensors, meta = read_safetensors(path, header=header)
+    user = _verify(path, meta, tensors)
     tensors.update({alias: tensors[target] for alias, target in ties.items()})
     result = Checkpoint(str(path), dict(sorted(tensors.items())), user)
     if module is not None:
@@ -387,467 +375,12 @@ def load_checkpoint(
 
 
 # ------------------------------------------------------------------ configs justified by the file
-TensorSpecs = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
-
-
 def checkpoint_specs(header: Header) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """``{name: (dtype, shape)}`` of every tensor of an attnlab checkpoint, from its header
     alone (`read_header`): tied aliases (``attnlab.ties``) get their stored tensor's entry."""
     specs = dict(header.tensors)
-    text = header.metadata.get("attnlab.ties", "{}")
-    ties = loads(header.path, text, "attnlab.ties", 1)
-    if not isinstance(ties, dict) or any(
-        not isinstance(a, str) or a in specs or t not in specs for a, t in ties.items()
-    ):
-        raise CheckpointError(header.path, "invalid attnlab.ties")
-    specs.update({alias: specs[target] for alias, target in ties.items()})
+    specs.update({alias: specs[target] for alias, target in _ties(header).items()})
     return specs
-
-
-def _names(keys: list[str], limit: int = 5) -> str:
-    """The first ``limit`` names of ``keys`` and, if there are more, how many in all."""
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return shown + (f", … ({len(keys)} in all)" if len(keys) > limit else "")
-
-
-def check_fit(
-    path: str | os.PathLike,
-    module: nn.Module,
-    specs: TensorSpecs,
-    *,
-    prefix: str = "",
-    what: str = "the config",
-) -> None:
-    """Checks that the tensors in a file are exactly the module's, before any data is read.
-
-    ``module`` is typically built on the ``meta`` device (no memory): its ``state_dict`` names,
-    shapes and dtypes must equal ``specs`` (from the file's header) under ``prefix``. Every
-    missing, unexpected and mismatched name is counted and the first few are listed in one
-    `CheckpointError`.
-    """
-    targets = module.state_dict(keep_vars=True)
-    mine = {k[len(prefix) :]: v for k, v in specs.items() if k.startswith(prefix)}
-    missing = [prefix + k for k in targets if k not in mine]
-    unexpected = [prefix + k for k in mine if k not in targets]
-    mismatched = [
-        f"{prefix}{k} (needs {tuple(t.shape)} {t.dtype}, the file has {mine[k][1]} {mine[k][0]})"
-        for k, t in targets.items()
-        if k in mine and (tuple(t.shape), t.dtype) != (mine[k][1], mine[k][0])
-    ]
-    parts = [
-        f"{len(keys)} {kind} tensor(s) {_names(keys)}"
-        for kind, keys in (("missing", missing), ("unexpected", unexpected))
-        if keys
-    ]
-    if mismatched:
-        shown = "; ".join(mismatched[:5])
-        more = f"; … ({len(mismatched)} in all)" if len(mismatched) > 5 else ""
-        parts.append(f"{len(mismatched)} tensor(s) of another shape or dtype: {shown}{more}")
-    if parts:
-        raise CheckpointError(path, f"the file's tensors do not justify {what}: {'; '.join(parts)}")
-
-
-_ARANGE = torch.arange  # the function a mode receives (even if a caller wraps torch.arange)
-_SMALL = 1024  # meta inputs of at most this many elements in all are computed on CPU stand-ins
-# Functions whose output can be far larger than their inputs: always left to the meta kernels.
-_GROWING = frozenset(
-    {"repeat", "tile", "repeat_interleave", "kron", "einsum", "cartesian_prod", "meshgrid"}
-)
-
-
-class _MetaWithoutCompiler(TorchFunctionMode):
-    """Model building on ``meta`` without torch's Python meta kernels where they are not needed.
-
-    torch implements many meta kernels (``normal_``, ``arange``, ``div``, ``pow``, …) in Python
-    behind ``torch._dynamo.disable``, whose first use imports the compiler (seconds). On
-    ``meta`` there are no values, so: random fills are skipped; ``arange`` becomes an empty
-    meta tensor of its length and dtype; and an op on meta tensors of at most `_SMALL`
-    elements in all (e.g. RoPE's ``1 / base ** (i / d)``) runs on zero-filled CPU stand-ins and
-    its result goes back to ``meta``, except the functions in `_GROWING`. Anything larger
-    uses torch's meta kernels (correct, allocation-free, only slower the first time).
-    """
-
-    _FILLS = frozenset(
-        {
-            Tensor.normal_,
-            nn.init.normal_,
-            nn.init.trunc_normal_,
-            nn.init.xavier_normal_,
-            nn.init.kaiming_normal_,
-        }
-    )
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self._FILLS:
-            target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
-            if isinstance(target, Tensor) and target.is_meta:
-                return target
-            return func(*args, **kwargs)
-        if (
-            func is _ARANGE
-            and torch.device(kwargs.get("device") or "meta").type == "meta"
-            and 1 <= len(args) <= 3
-            and all(isinstance(b, (int, float)) for b in args)
-        ):
-            start, end, step = (0, args[0], 1) if len(args) == 1 else (*args, 1)[:3]
-            exact = all(isinstance(b, int) for b in (start, end, step))
-            dtype = kwargs.get("dtype") or (torch.int64 if exact else torch.get_default_dtype())
-            n = max(0, math.ceil((end - start) / step))
-            return torch.empty(n, dtype=dtype, device="meta")
-        flat, _ = tree_flatten((args, kwargs))
-        tensors = [t for t in flat if isinstance(t, Tensor)]
-        if (
-            tensors
-            and all(t.is_meta and not isinstance(t, nn.Parameter) for t in tensors)
-            and sum(t.numel() for t in tensors) <= _SMALL
-            and getattr(func, "__name__", "") not in _GROWING
-            and "device" not in kwargs
-        ):
-
-            def stand_in(x):  # (no nested torch.device context: it would upset the mode stack)
-                return (
-                    torch.zeros(x.shape, dtype=x.dtype, device="cpu")
-                    if isinstance(x, Tensor)
-                    else x
-                )
-
-            def back(x):
-                return torch.empty_like(x, device="meta") if isinstance(x, Tensor) else x
-
-            return tree_map(back, func(*tree_map(stand_in, args), **tree_map(stand_in, kwargs)))
-        return func(*args, **kwargs)
-
-
-class TensorBudgetError(RuntimeError):
-    """A model being built registered more parameters and buffers than `tensor_budget` allows.
-
-    Attributes:
-        limit: the budget.
-    """
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"the model registers more than {limit} parameters and buffers")
-        self.limit = limit
-
-
-def tensor_limit(count: int) -> int:
-    """The budget of a model built to be compared with a file of ``count`` tensors: 4·count + 64.
-
-    A model that matches the file registers about ``count`` parameters and buffers (tied
-    parameters are registered twice, non-persistent buffers are not in the file), far below
-    this; one that registers more cannot match, so its build may stop there.
-    """
-    return 4 * count + 64
-
-
-@contextmanager
-def tensor_budget(limit: int | None) -> Iterator[None]:
-    """Inside, the calling thread's modules may register at most ``limit`` parameters and
-    buffers in all; one more raises `TensorBudgetError` (None: no limit).
-
-    A loader builds a model (on ``meta``) only to compare it with a file's tensors, so a
-    config claiming 10**9 layers can be stopped after ``limit`` registrations instead of
-    building for minutes. Counted by torch's global module registration hooks, which are
-    removed on exit; registrations by other threads are not counted.
-    """
-    if limit is None:
-        yield
-        return
-    owner = threading.get_ident()
-    count = 0
-
-    def hook(module: nn.Module, name: str, tensor: Tensor | None) -> None:
-        nonlocal count
-        if tensor is not None and threading.get_ident() == owner:
-            count += 1
-            if count > limit:
-                raise TensorBudgetError(limit)
-
-    on_parameter = register_module_parameter_registration_hook(hook)
-    on_buffer = register_module_buffer_registration_hook(hook)
-    try:
-        yield
-    finally:
-        on_parameter.remove()
-        on_buffer.remove()
-
-
-def build_on_meta(build: Callable[[], nn.Module], *, limit: int | None = None) -> nn.Module:
-    """``build()`` under ``torch.device("meta")``: parameters and buffers get shapes and
-    dtypes but no memory (random initialisation is skipped; there is nothing to fill).
-
-    Args:
-        build: makes the module.
-        limit: at most this many parameters and buffers may be registered (`tensor_budget`);
-            more raise `TensorBudgetError`. None: no limit.
-    """
-    with torch.device("meta"), _MetaWithoutCompiler(), tensor_budget(limit):
-        return build()
-
-
-def one_line(error: BaseException, limit: int = 300) -> str:
-    """The first line of an exception's message, at most ``limit`` characters (torch appends
-    C++ stack traces to some messages)."""
-    lines = str(error).strip().splitlines() or [type(error).__name__]
-    text = " ".join(lines[0].split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def build_checked(
-    path: str | os.PathLike,
-    build: Callable[[], nn.Module],
-    specs: TensorSpecs,
-    *,
-    prefix: str = "",
-    layers: tuple[str, int] | None = None,
-    what: str = "the config",
-) -> nn.Module:
-    """``build()`` on the ``meta`` device, accepted only if the file's tensors justify it.
-
-    The rule for every loader: a config is checked against the tensors in the file (their
-    count, names, shapes and dtypes, from the header only) before anything is allocated, so
-    the limits on a config follow from the file rather than from fixed caps.
-
-    1. ``layers=(name, n)``: the file must hold tensors of exactly ``n`` layers
-       ``{prefix}{name}.{i}.…`` (counted from the names, so a config claiming a million layers
-       is refused before a million modules are built, even on ``meta``).
-    2. ``build()`` runs under ``torch.device("meta")`` (no memory; a size that cannot exist
-       is refused with `CheckpointError` too), registering at most `tensor_limit` of the
-       file's tensor count parameters and buffers (a config the table of layers missed still
-       stops at once).
-    3. `check_fit`: names, shapes and dtypes must be exactly the file's.
-
-    Returns:
-        The module on ``meta``; the caller then allocates it (building it for real, or
-        ``load_state_dict(..., assign=True)`` from the loaded tensors).
-
-    Raises:
-        CheckpointError: the file's tensors do not justify the config (naming what differs).
-    """
-    if layers is not None:
-        name, n = layers
-        found = layer_indices(specs, prefix + name)
-        if len(found) != n:
-            raise CheckpointError(
-                path,
-                f"the file's tensors do not justify {what}: it says {n} layer(s) but the file "
-                f"holds tensors of {len(found)} ({prefix}{name}.<i>.*)",
-            )
-    limit = tensor_limit(len(specs))
-    try:
-        module = build_on_meta(build, limit=limit)
-    except TensorBudgetError:
-        raise CheckpointError(
-            path,
-            f"the file's tensors do not justify {what}: it builds a model of more than {limit} "
-            f"parameters and buffers but the file holds {len(specs)} tensors (stopped building)",
-        ) from None
-    except (RuntimeError, ValueError, TypeError, OverflowError, MemoryError) as e:
-        raise CheckpointError(
-            path, f"{what} describes no buildable model ({one_line(e)})"
-        ) from None
-    check_fit(path, module, specs, prefix=prefix, what=what)
-    return module
-
-
-# ------------------------------------------------------- stored configs, field by field
-@dataclass(frozen=True)
-class ConfigRule:
-    """How the tensors of a file justify one integer field of a stored config.
-
-    Every field named by a rule must be an int (not a bool, float or str) of at least
-    ``low``; then, if ``layers`` is set, the file must hold exactly that many layers; else, if
-    one of ``tensor`` is in the file, the field must equal its size along ``dim``; else the
-    field must equal ``absent`` (if set) and be at most ``limit`` (if set). A field missing
-    from the config (the config class's default applies) is not checked here.
-
-    Attributes:
-        field: the field, dotted into nested dicts (``"encoder.n_layers"``).
-        low: the smallest valid value.
-        layers: the field counts layers: tensors ``{prefix}{layers}.<i>.…`` with that many
-            distinct i.
-        tensor: the tensor(s) (without the loader's prefix) whose size the field is; the first
-            one the file holds is used.
-        dim: the dimension of ``tensor`` (negative counts from the end).
-        absent: the value the field must have when the file holds none of ``tensor`` (0: "no
-            such table").
-        limit: the largest value when the file holds none of ``tensor``: for a size no tensor
-            gives (a sequence length under RoPE).
-        optional: None is accepted (the model derives the value).
-    """
-
-    field: str
-    low: int = 0
-    layers: str | None = None
-    tensor: str | tuple[str, ...] = ()
-    dim: int = 0
-    absent: int | None = None
-    limit: int | None = None
-    optional: bool = False
-
-
-_NOT_SET = object()
-
-
-def _lookup(config: Mapping, dotted: str) -> object:
-    value: object = config
-    for part in dotted.split("."):
-        if not isinstance(value, Mapping) or part not in value:
-            return _NOT_SET
-        value = value[part]
-    return value
-
-
-def layer_indices(names: Sequence[str] | Mapping[str, object], stem: str) -> set[int]:
-    """The distinct i of the names ``{stem}.<i>.…`` (a layer list's entries in the file)."""
-    pattern = re.compile(rf"{re.escape(stem)}\.(\d+)\.")
-    return {int(m.group(1)) for k in names if (m := pattern.match(k))}
-
-
-def _excerpt(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:39] + "…"
-
-
-def justify_config(
-    path: str | os.PathLike,
-    config: Mapping,
-    specs: TensorSpecs,
-    rules: Sequence[ConfigRule],
-    *,
-    prefix: str = "",
-    what: str = "the stored config",
-) -> None:
-    """Checks a stored config's integer fields against the tensors of its file, by ``rules``.
-
-    Runs on the header alone (``specs`` from `checkpoint_specs`) before anything is built, in
-    time linear in the number of tensors, so a field of 10**9 or 2**62 (layers, a vocabulary,
-    a sequence length) is refused at once. Every problem is listed in one `CheckpointError`
-    naming the field, the stored value and what the tensors say.
-
-    Args:
-        path: the file (for messages).
-        config: the stored config (a JSON object).
-        specs: ``{name: (dtype, shape)}`` of the file's tensors.
-        rules: one `ConfigRule` per field.
-        prefix: prepended to every tensor and layer name of the rules (e.g. "model.").
-        what: how messages call the config.
-
-    Raises:
-        CheckpointError: a field of the wrong type or below its minimum ("{what} is
-            invalid: …"), or one the tensors do not justify ("the file's tensors do not
-            justify {what}: …").
-    """
-    invalid: list[str] = []
-    unjustified: list[str] = []
-    for rule in rules:
-        value = _lookup(config, rule.field)
-        if value is _NOT_SET or (value is None and rule.optional):
-            continue
-        if type(value) is not int:
-            invalid.append(
-                f"{rule.field} must be an int, got {type(value).__name__} {_excerpt(value)}"
-            )
-            continue
-        if value < rule.low:
-            invalid.append(f"{rule.field} must be >= {rule.low}, got {value}")
-            continue
-        if rule.layers is not None:
-            found = len(layer_indices(specs, prefix + rule.layers))
-            if value != found:
-                unjustified.append(
-                    f"{rule.field}: it says {value} layer(s) but the file holds tensors of "
-                    f"{found} ({prefix}{rule.layers}.<i>.*)"
-                )
-            continue
-        names = [
-            prefix + t for t in ((rule.tensor,) if isinstance(rule.tensor, str) else rule.tensor)
-        ]
-        name = next((n for n in names if n in specs), None)
-        if name is not None:
-            shape = tuple(specs[name][1])
-            size = shape[rule.dim] if -len(shape) <= rule.dim < len(shape) else None
-            if value != size:
-                unjustified.append(
-                    f"{rule.field} = {value} but {name} has shape {shape} (size {size} along "
-                    f"dim {rule.dim})"
-                )
-        elif rule.absent is not None and value != rule.absent:
-            unjustified.append(
-                f"{rule.field} = {value} but the file holds no {' or '.join(names)}, so it "
-                f"must be {rule.absent}"
-            )
-        elif rule.limit is not None and value > rule.limit:
-            sized = f"the file holds no {' or '.join(names)}" if names else "no tensor sizes it"
-            unjustified.append(
-                f"{rule.field} = {value} is above {rule.limit}, the most accepted when "
-                f"{sized} to justify it"
-            )
-    if invalid:
-        raise CheckpointError(path, f"{what} is invalid: {'; '.join(invalid)}")
-    if unjustified:
-        raise CheckpointError(
-            path, f"the file's tensors do not justify {what}: {'; '.join(unjustified)}"
-        )
-
-
-# ------------------------------------------------------------------------ files in a folder
-def folder_roots(folder: str | os.PathLike) -> tuple[Path, ...]:
-    """Where the files of ``folder`` may really be: the folder itself (symlinks resolved) and,
-    for a snapshot of the Hugging Face cache (``…/models--org--name/snapshots/<revision>``,
-    whose files are links into ``…/blobs``), that repository's ``blobs`` directory."""
-    real = Path(os.fspath(folder)).resolve()
-    roots = [real]
-    blobs = real.parent.parent / "blobs"
-    if real.parent.name == "snapshots" and blobs.is_dir():
-        roots.append(blobs.resolve())
-    return tuple(roots)
-
-
-def file_in_folder(
-    folder: str | os.PathLike, name: object, *, named_by: str | os.PathLike | None = None
-) -> Path:
-    """``folder / name``, refused unless that file stays inside ``folder``.
-
-    ``name`` must be a non-empty relative path without ``..`` components (POSIX or Windows
-    spelling), and the file it names, every symlink resolved, must lie inside the folder (or,
-    for a Hugging Face cache snapshot, inside its repository's blobs: `folder_roots`).
-
-    Args:
-        folder: the folder the caller was given.
-        name: the file name, as read from a config or a shard index.
-        named_by: the file that names it (an index), for messages; default the folder.
-
-    Returns:
-        ``folder / name`` (not resolved: reads follow the checked links).
-
-    Raises:
-        CheckpointError: a name that is not a relative path inside the folder, or a link out.
-    """
-    folder = Path(os.fspath(folder))
-    source = Path(os.fspath(named_by)) if named_by is not None else folder
-    if not isinstance(name, str) or not name or "\x00" in name:
-        raise CheckpointError(source, f"names the file {_excerpt(name)}: not a file name")
-    posix, windows = PurePosixPath(name), PureWindowsPath(name)
-    if posix.is_absolute() or windows.is_absolute() or windows.drive:
-        raise CheckpointError(
-            source,
-            f"names the file {name!r}, an absolute path: only files inside {folder} are read",
-        )
-    if ".." in posix.parts or ".." in windows.parts:
-        raise CheckpointError(
-            source, f"names the file {name!r}, which leaves {folder} ('..'): refused"
-        )
-    target = folder / name
-    real = target.resolve()
-    if not any(real == root or real.is_relative_to(root) for root in folder_roots(folder)):
-        raise CheckpointError(
-            source,
-            f"names the file {name!r}, a link to {real}, outside {folder}: only files inside "
-            "the folder are read",
-        )
-    return target
 
 
 __all__ = [
@@ -871,6 +404,7 @@ __all__ = [
     "layer_indices",
     "load_checkpoint",
     "load_json",
+    "one_line",
     "read_config_json",
     "read_header",
     "read_safetensors",

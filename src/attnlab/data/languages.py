@@ -17,12 +17,12 @@ Example:
 
 from __future__ import annotations
 
-import math
 import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .._shapes import check_int, check_number
 from ..utils.extras import require
 
 #: The default languages: ten Latin-script languages that wordfreq ships large lists for.
@@ -109,14 +109,6 @@ def _check_languages(languages: object) -> tuple[str, ...]:
     return langs
 
 
-def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return value
-
-
 def language_words(
     languages: Sequence[str] = LANGUAGES, n_words: int = 3000
 ) -> tuple[dict[str, list[str]], int]:
@@ -134,7 +126,7 @@ def language_words(
         TypeError, ValueError: a bad ``languages`` or ``n_words`` (checked before any reading).
     """
     langs = _check_languages(languages)
-    _check_int("n_words", n_words, 1)
+    check_int("n_words", n_words, minimum=1)
     wordfreq = require("wordfreq", "apps", "attnlab.data.languages")
     lists = {}
     for lang in langs:
@@ -169,11 +161,9 @@ def language_split(
         TypeError, ValueError: bad arguments, or a language left with fewer than 2 words.
     """
     langs = _check_languages(languages)
-    _check_int("n_words", n_words, 1)
-    _check_int("seed", seed, -(2**63))
-    if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)):
-        raise TypeError(f"test_fraction must be a number, got {type(test_fraction).__name__}")
-    if not (0.0 < test_fraction < 1.0 and math.isfinite(test_fraction)):
+    check_int("n_words", n_words, minimum=1)
+    check_int("seed", seed, minimum=-(2**63))
+    if not 0.0 < check_number("test_fraction", test_fraction) < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
     words, dropped = language_words(langs, n_words)
     rng = random.Random(seed)

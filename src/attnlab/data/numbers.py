@@ -39,6 +39,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from .._shapes import check_int, check_number
+
 #: The source language.
 SOURCE_LANG = "en"
 #: Target languages, each selected by its token ``<de>`` / ``<fr>`` at the start of the source.
@@ -57,8 +59,7 @@ def _words(n: int, lang: str) -> str:
 
 def words(n: int, lang: str) -> str:
     """The words of ``n`` in ``lang`` ("en", "de", "fr") as num2words writes them."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    check_int("n", n, minimum=0)
     if lang not in (SOURCE_LANG, *TARGET_LANGS):
         raise ValueError(f"lang must be one of {[SOURCE_LANG, *TARGET_LANGS]}, got {lang!r}")
     return _words(n, lang)
@@ -197,15 +198,6 @@ def vocabulary(
     return Vocab.from_characters(chars, langs)
 
 
-def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return value
-
-
 def sample_number(rng: random.Random, max_digits: int, min_digits: int = 1) -> int:
     """A number with a uniform digit count in [min_digits, max_digits], then uniform."""
     d = rng.randint(min_digits, max_digits)
@@ -237,7 +229,7 @@ class NumberTask:
         seed: int = 0,
         pieces: bool = False,
     ) -> None:
-        self.max_digits = _check_int("max_digits", max_digits, 1, 12)
+        self.max_digits = check_int("max_digits", max_digits, minimum=1, maximum=12)
         langs = tuple(langs)
         if (
             not langs
@@ -246,10 +238,10 @@ class NumberTask:
         ):
             raise ValueError(f"langs must be distinct names from {TARGET_LANGS}, got {langs!r}")
         self.langs = langs
-        self.seed = _check_int("seed", seed, 0)
+        self.seed = check_int("seed", seed, minimum=0)
         low = 1000 if max_digits >= 4 else 0
         room = 10**max_digits - low
-        self.held_out_size = _check_int("held_out", held_out, 1, room // 2)
+        self.held_out_size = check_int("held_out", held_out, minimum=1, maximum=room // 2)
         self.vocab = vocabulary(max_digits, langs, pieces=pieces)
         rng = random.Random(f"numbers-held-out-{seed}")
         held: set[int] = set()
@@ -312,9 +304,7 @@ class NumberTask:
         out = []
         for lang in self.langs:
             x = weights.get(lang, 1.0)
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x < float("inf"):
-                raise ValueError(f"weights[{lang!r}] must be a positive finite number, got {x!r}")
-            out.append(float(x))
+            out.append(check_number(f"weights[{lang!r}]", x, positive=True))
         return out
 
     def held_out_examples(self, lang: str) -> list[Example]:

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from .._shapes import check_int
 from ..checkpoint import (
     CheckpointError,
     Header,
@@ -84,10 +85,8 @@ class BertConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-                raise TypeError(
-                    f"BertConfig.{f.name} must be an int, got {type(value).__name__} {value!r}"
-                )
+            if f.type == "int":
+                check_int(f"BertConfig.{f.name}", value)
         for name in (
             "vocab_size",
             "hidden_size",

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._shapes import check_int, check_probability
 from ..functional import attention
 from .blocks import run_blocks
 from .config import TransformerConfig
@@ -139,8 +140,7 @@ class AttentionPooling(nn.Module):
     def __init__(self, d_model: int, n_heads: int = 1, *, backend: str = "auto") -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("n_heads", n_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, value, minimum=1)
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
@@ -267,11 +267,8 @@ class ClassifierConfig:
             raise ValueError(f"pooling must be one of {list(POOLINGS)}, got {self.pooling!r}")
         for name, low in (("max_len", 2), ("pool_heads", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        d = self.dropout
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d < 1.0:
-            raise ValueError(f"dropout must be a number in [0, 1), got {d!r}")
+            check_int(name, value, minimum=low)
+        check_probability("dropout", self.dropout)
         if not isinstance(self.trained, str):
             raise TypeError(f"trained must be a str, got {type(self.trained).__name__}")
 
@@ -377,8 +374,7 @@ class TextClassifier(nn.Module):
         return self.head(self.encoder.norm_f(h), padding_mask)  # (B, C)
 
     def _check_layer(self, layer: int) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= self.n_layers:
-            raise ValueError(f"layer must be an int in [0, {self.n_layers}], got {layer!r}")
+        check_int("layer", layer, minimum=0, maximum=self.n_layers)
 
     # ------------------------------------------------------------------ text
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
@@ -409,8 +405,7 @@ class TextClassifier(nn.Module):
     @torch.no_grad()
     def predict(self, texts: Sequence[str], batch_size: int = 256) -> list[str]:
         """The predicted label of each text (the model is used as it is: call ``eval()``)."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        check_int("batch_size", batch_size, minimum=1)
         out: list[str] = []
         for i in range(0, len(texts), batch_size):
             ids, mask = self.batch(texts[i : i + batch_size])

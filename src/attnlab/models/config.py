@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from .._shapes import check_int, check_number, check_probability
 from ..checkpoint import ConfigRule
 
 NORMS = ("layernorm", "rmsnorm")
@@ -16,13 +16,6 @@ POSITIONALS = ("rope", "learned", "sinusoidal", "alibi", None)
 #: sinusoidal or no positions; "learned" positions are a table of exactly that many rows):
 #: 2**24 = 16,777,216 tokens, above the longest context any released model was trained for.
 MAX_UNSIZED_SEQ_LEN = 1 << 24
-
-
-def _int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _choice(name: str, value: object, choices: tuple) -> None:
@@ -87,14 +80,14 @@ class TransformerConfig:
     attn_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        _int("vocab_size", self.vocab_size, 1)
-        _int("d_model", self.d_model, 1)
-        _int("n_layers", self.n_layers, 0)
-        _int("n_heads", self.n_heads, 1)
-        _int("max_seq_len", self.max_seq_len, 1)
-        _int("type_vocab_size", self.type_vocab_size, 0)
+        check_int("vocab_size", self.vocab_size, minimum=1)
+        check_int("d_model", self.d_model, minimum=1)
+        check_int("n_layers", self.n_layers, minimum=0)
+        check_int("n_heads", self.n_heads, minimum=1)
+        check_int("max_seq_len", self.max_seq_len, minimum=1)
+        check_int("type_vocab_size", self.type_vocab_size, minimum=0)
         if self.pad_token_id is not None:
-            _int("pad_token_id", self.pad_token_id, 0)
+            check_int("pad_token_id", self.pad_token_id, minimum=0)
             if self.pad_token_id >= self.vocab_size:
                 raise ValueError(
                     f"pad_token_id must be < vocab_size={self.vocab_size}, got {self.pad_token_id}"
@@ -102,25 +95,17 @@ class TransformerConfig:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         if self.n_kv_heads is not None:
-            _int("n_kv_heads", self.n_kv_heads, 1)
+            check_int("n_kv_heads", self.n_kv_heads, minimum=1)
             if self.n_heads % self.n_kv_heads:
                 raise ValueError(
                     f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}"
                 )
         if self.d_ff is not None:
-            _int("d_ff", self.d_ff, 1)
-        for name in ("dropout", "norm_eps", "rope_base"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
-        if self.rope_base <= 1:
-            raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
+            check_int("d_ff", self.d_ff, minimum=1)
+        check_number("dropout", self.dropout)
+        check_probability("dropout", self.dropout)
+        check_number("norm_eps", self.norm_eps, positive=True)
+        check_number("rope_base", self.rope_base, greater=1.0)
         _choice("norm", self.norm, NORMS)
         _choice("mlp", self.mlp, MLPS)
         _choice("positional", self.positional, POSITIONALS)

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
 from .. import _ext
+from .._shapes import stat_dtype
 from ..functional import gemv, nan_rule
 from ..functional.decode import fused_step_fits
 from ..functional.scores import SCORES
@@ -116,7 +117,7 @@ class StepPlan:
             return None
         cos = sin = None
         if self.rope is not None:
-            table_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+            table_dtype = stat_dtype(self.dtype)
             cos, sin = self.rope._table(n + 1, x.device, table_dtype)
         y: Tensor = torch.ops.attnlab_block.step(x, kc, vc, n, cos, sin, *self.static)
         cache._len += 1

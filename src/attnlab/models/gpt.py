@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import masks
+from .._shapes import check_int, check_number
 from ..modules import KVCache, StreamLinear
 from . import fused_step
 from .blocks import StackOutput, TransformerBlock, make_norm, positional_parts, run_blocks
@@ -250,21 +251,10 @@ class GPT(nn.Module):
         idx = check_token_ids("idx", idx, self.config.vocab_size)
         if idx.shape[1] < 1:
             raise ValueError(f"idx must hold at least one token per row, got {tuple(idx.shape)}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if (
-            isinstance(temperature, bool)
-            or not isinstance(temperature, (int, float))
-            or not math.isfinite(temperature)
-            or temperature <= 0
-        ):
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-        if top_k is not None and (
-            isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1
-        ):
-            raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        check_int("max_new_tokens", max_new_tokens, minimum=0)
+        check_number("temperature", temperature, positive=True)
+        if top_k is not None:
+            check_int("top_k", top_k, minimum=1)
         was_training = self.training
         self.eval()
         try:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._shapes import stat_dtype
 from ..functional import nan_rule
 from ..modules import StreamLinear
 from .config import TransformerConfig
@@ -51,7 +52,7 @@ class RMSNorm(nn.Module):
         if x.dtype == self.weight.dtype and x.dtype in (torch.float32, torch.float64):
             # torch's fused op: the same formula in one call (a decode step runs 2 per layer)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        xf = x.to(stat_dtype(x.dtype))
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., E)
         return y.to(x.dtype) * self.weight
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._files import read_regular_file
+from .._shapes import check_int
 from ..checkpoint import read_config_json
 from ..utils.extras import require
 from .bert import BertEncoder
@@ -72,9 +73,7 @@ class MiniLM(nn.Module):
         if not isinstance(encoder, BertEncoder):
             raise TypeError(f"encoder must be a BertEncoder, got {type(encoder).__name__}")
         limit = encoder.config.max_position_embeddings
-        if isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int):
-            raise TypeError(f"max_seq_length must be an int, got {max_seq_length!r}")
-        if not 2 <= max_seq_length <= limit:
+        if not 2 <= check_int("max_seq_length", max_seq_length) <= limit:
             raise ValueError(
                 f"max_seq_length must be in [2, max_position_embeddings={limit}], got "
                 f"{max_seq_length}"
@@ -190,8 +189,7 @@ class MiniLM(nn.Module):
             texts = [texts]
         if not isinstance(texts, Sequence) or not all(isinstance(t, str) for t in texts):
             raise TypeError("texts must be a string or a sequence of strings")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        check_int("batch_size", batch_size, minimum=1)
         weight = self.encoder.word_embeddings.weight
         out = torch.empty(len(texts), self.embedding_dim, dtype=weight.dtype, device=weight.device)
         if not texts:

@@ -28,24 +28,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._shapes import check_int, check_number, check_probability
 from ..modules import AdditiveAttention
 from .gpt import check_token_ids
 
 CELLS = ("gru", "lstm")
-
-
-def _int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _dropout(value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"dropout must be a number, got {type(value).__name__} {value!r}")
-    if not (math.isfinite(value) and 0.0 <= value < 1.0):
-        raise ValueError(f"dropout must be in [0, 1), got {value!r}")
 
 
 def _from_dict(cls: type, data: object) -> Any:
@@ -92,8 +79,8 @@ class RNNSeq2SeqConfig:
             "d_attention",
             "d_output",
         ):
-            _int(name, getattr(self, name), 1)
-        _dropout(self.dropout)
+            check_int(name, getattr(self, name), minimum=1)
+        check_probability("dropout", self.dropout)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; ``RNNSeq2SeqConfig.from_dict(c.to_dict()) == c``."""
@@ -298,10 +285,10 @@ class RNNSeq2Seq(nn.Module):
         """
         src, src_mask = _check_pair(src, src_mask)
         check_token_ids("src", src, self.config.src_vocab_size)
-        _int("max_len", max_len, 1)
+        check_int("max_len", max_len, minimum=1)
         V = self.config.tgt_vocab_size
         for name, value in (("bos", bos), ("eos", eos)):
-            _int(name, value, 0)
+            check_int(name, value, minimum=0)
             if value >= V:
                 raise ValueError(f"{name} must be < tgt_vocab_size={V}, got {value}")
         was_training = self.training
@@ -349,10 +336,10 @@ class RNNLMConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_embed", "d_hidden", "n_layers"):
-            _int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), minimum=1)
         if self.cell not in CELLS:
             raise ValueError(f"cell must be one of {list(CELLS)}, got {self.cell!r}")
-        _dropout(self.dropout)
+        check_probability("dropout", self.dropout)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict; ``RNNLMConfig.from_dict(c.to_dict()) == c``."""
@@ -446,16 +433,10 @@ class RNNLM(nn.Module):
         idx = check_token_ids("idx", idx, self.config.vocab_size)
         if idx.shape[1] < 1:
             raise ValueError(f"idx must hold at least one token per row, got {tuple(idx.shape)}")
-        _int("max_new_tokens", max_new_tokens, 0)
-        if (
-            isinstance(temperature, bool)
-            or not isinstance(temperature, (int, float))
-            or not math.isfinite(temperature)
-            or temperature <= 0
-        ):
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        check_int("max_new_tokens", max_new_tokens, minimum=0)
+        check_number("temperature", temperature, positive=True)
         if top_k is not None:
-            _int("top_k", top_k, 1)
+            check_int("top_k", top_k, minimum=1)
         was_training = self.training
         self.eval()
         try:

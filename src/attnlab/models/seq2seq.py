@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._shapes import check_int
 from ..functional import attention
 from ..functional.registry import check_backend_name
 from ..masks import Mask, PaddingMask, causal, padding
@@ -47,13 +48,6 @@ from .blocks import TransformerBlock, make_mlp, make_norm
 from .config import TransformerConfig
 
 POSITIONALS = ("sinusoidal", "rope")
-
-
-def _int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 @dataclass
@@ -92,12 +86,12 @@ class Seq2SeqConfig:
 
     def __post_init__(self) -> None:
         for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads"):
-            _int(name, getattr(self, name), 1)
-        _int("enc_layers", self.enc_layers, 1)
-        _int("dec_layers", self.dec_layers, 1)
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("enc_layers", self.enc_layers, minimum=1)
+        check_int("dec_layers", self.dec_layers, minimum=1)
         if self.d_ff is not None:
-            _int("d_ff", self.d_ff, 1)
-        _int("pad_id", self.pad_id, 0)
+            check_int("d_ff", self.d_ff, minimum=1)
+        check_int("pad_id", self.pad_id, minimum=0)
         if self.pad_id >= min(self.src_vocab_size, self.tgt_vocab_size):
             raise ValueError(f"pad_id must be a token id of both vocabularies, got {self.pad_id}")
         if self.d_model % self.n_heads:
@@ -464,7 +458,7 @@ class Seq2SeqTransformer(nn.Module):
 
         ``y_t = argmax p(y | y_<t, src)``; stops when every row has produced EOS.
         """
-        _int("max_len", max_len, 1)
+        check_int("max_len", max_len, minimum=1)
         with self._decoding():
             return self._greedy(src, src_mask, max_len, bos, eos, use_cache)
 
@@ -507,8 +501,8 @@ class Seq2SeqTransformer(nn.Module):
             ``(tokens (B, <= max_len), scores (B,))`` of the best hypothesis per source (BOS
             excluded, EOS after the end). ``beam=1`` is greedy decoding.
         """
-        _int("beam", beam, 1)
-        _int("max_len", max_len, 1)
+        check_int("beam", beam, minimum=1)
+        check_int("max_len", max_len, minimum=1)
         with self._decoding():
             return self._beam(src, src_mask, beam, max_len, bos, eos, use_cache)
 

@@ -22,20 +22,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._shapes import check_int
 from ..positional import sinusoidal
 from .blocks import StackOutput, TransformerBlock, make_norm, run_blocks
 from .config import TransformerConfig
 
 #: Position schemes of `ViTConfig.positional`.
 VIT_POSITIONALS = ("learned", "sinusoidal")
-
-
-def _int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 @dataclass
@@ -82,7 +75,7 @@ class ViTConfig:
             ("n_layers", 0),
             ("n_heads", 1),
         ):
-            _int(name, getattr(self, name), low)
+            check_int(name, getattr(self, name), minimum=low)
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"patch_size must divide image_size={self.image_size}, got {self.patch_size}"
@@ -174,7 +167,7 @@ def patchify(images: Tensor, patch_size: int) -> Tensor:
     Raises:
         TypeError, ValueError: not a 4-D tensor, or p does not divide H and W.
     """
-    p = _int("patch_size", patch_size, 1)
+    p = check_int("patch_size", patch_size, minimum=1)
     if not isinstance(images, Tensor) or images.dim() != 4:
         got = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
         raise ValueError(f"images must be (B, C, H, W), got {got}")
@@ -199,9 +192,9 @@ def unpatchify(patches: Tensor, patch_size: int, height: int, width: int | None 
     Raises:
         ValueError: the patch count or patch width do not fit H, W and p.
     """
-    p = _int("patch_size", patch_size, 1)
-    H = _int("height", height, 1)
-    W = H if width is None else _int("width", width, 1)
+    p = check_int("patch_size", patch_size, minimum=1)
+    H = check_int("height", height, minimum=1)
+    W = H if width is None else check_int("width", width, minimum=1)
     if H % p or W % p:
         raise ValueError(f"patch_size must divide H={H} and W={W}, got {p}")
     if not isinstance(patches, Tensor) or patches.dim() != 3:

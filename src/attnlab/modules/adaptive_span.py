@@ -23,23 +23,11 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .._shapes import check_int, check_number
 from ..functional import attention
 from ..functional.reference import span_ramp
 from ..functional.registry import check_backend_name
 from ..masks import Mask, sliding_window
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _positive_float(name: str, value: object) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type]
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
 
 
 def span_log_mask(z: Tensor, L: int, S: int, ramp: float) -> Tensor:
@@ -129,9 +117,9 @@ class AdaptiveSpan(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.max_span = _positive_int("max_span", max_span)
-        self.ramp = _positive_float("ramp", ramp)
+        self.num_heads = check_int("num_heads", num_heads, minimum=1)
+        self.max_span = check_int("max_span", max_span, minimum=1)
+        self.ramp = check_number("ramp", ramp, positive=True)
         init = float(max_span) if init_span is None else init_span
         ok = isinstance(init, (int, float)) and not isinstance(init, bool)
         if not ok or not 0 <= init <= max_span:
@@ -238,8 +226,8 @@ class AdaptiveSpanAttention(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        _positive_int("embed_dim", embed_dim)
-        _positive_int("num_heads", num_heads)
+        check_int("embed_dim", embed_dim, minimum=1)
+        check_int("num_heads", num_heads, minimum=1)
         if embed_dim % num_heads:
             raise ValueError(
                 f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim}, "

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .._shapes import Dims, check_mask_tensor, check_probability
+from .._shapes import Dims, check_int, check_mask_tensor, check_probability
 from ..functional import reference
 from ..functional.request import BiasFn, dense_mask_and_bias
 from ..masks import Mask
@@ -52,8 +52,7 @@ class AdditiveAttention(nn.Module):
             ("key_dim", key_dim),
             ("hidden_dim", hidden_dim),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, value, minimum=1)
         self.dropout = check_probability("dropout", dropout)
         self.query_proj = nn.Linear(query_dim, hidden_dim, bias=False)
         self.key_proj = nn.Linear(key_dim, hidden_dim, bias=bias)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._shapes import check_int
 from ..masks import Mask, causal, from_fn, sliding_window
 
 
@@ -162,10 +163,8 @@ class KVCache:
     """
 
     def __init__(self, capacity: int | None = None, *, rotate_at_insert: bool = False) -> None:
-        if capacity is not None and (
-            isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
-        ):
-            raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
+        if capacity is not None:
+            check_int("capacity", capacity, minimum=1)
         if not isinstance(rotate_at_insert, bool):
             raise TypeError(
                 f"rotate_at_insert must be a bool, got {type(rotate_at_insert).__name__}"
@@ -323,8 +322,7 @@ class SlidingWindowCache(KVCache):
     """
 
     def __init__(self, window: int) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive int, got {window!r}")
+        check_int("window", window, minimum=1)
         super().__init__(None)
         self.window = window
 
@@ -373,8 +371,7 @@ class SinkCache(SlidingWindowCache):
     """
 
     def __init__(self, sink_tokens: int, window: int) -> None:
-        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be a non-negative int, got {sink_tokens!r}")
+        check_int("sink_tokens", sink_tokens, minimum=0)
         super().__init__(window)
         self.sink_tokens = sink_tokens
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from .._shapes import check_probability
+from .._shapes import check_int, check_probability, stat_dtype
 from ..functional import attention, gemv, nan_rule
 from ..functional.decode import decode_step_ready, decode_step_run, rope_decode_run
 from ..functional.registry import check_backend_name, select
@@ -17,12 +17,6 @@ from ..masks import CausalMask, Mask, from_tensor
 from ..positional.rope import RoPE
 from .kv_cache import KVCache, check_cache_positions
 from .stream_linear import StreamLinear
-
-
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def _combine(user: Mask | Tensor | None, policy: Mask | None) -> Mask | Tensor | None:
@@ -50,7 +44,7 @@ def _rotate_new_keys(rope: nn.Module, k: Tensor, positions: Tensor | int) -> Ten
         and k.dim() == 4
         and nan_rule.ext_ready(k)
     ):
-        dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+        dtype = stat_dtype(k.dtype)
         cos, sin = rope._table(positions + k.shape[2], k.device, dtype)
         return torch.ops.attnlab_nan.rope_rows(
             k, cos, sin, positions, rope.rotary_dim, rope.interleaved
@@ -127,17 +121,17 @@ class MultiHeadAttention(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        E = _positive("embed_dim", embed_dim)
-        H = _positive("num_heads", num_heads)
-        H_kv = H if num_kv_heads is None else _positive("num_kv_heads", num_kv_heads)
+        E = check_int("embed_dim", embed_dim, minimum=1)
+        H = check_int("num_heads", num_heads, minimum=1)
+        H_kv = H if num_kv_heads is None else check_int("num_kv_heads", num_kv_heads, minimum=1)
         if E % H:
             raise ValueError(f"embed_dim={E} must be divisible by num_heads={H}")
         if H % H_kv:
             raise ValueError(f"num_heads={H} must be divisible by num_kv_heads={H_kv}")
         self.embed_dim, self.num_heads, self.num_kv_heads = E, H, H_kv
         self.head_dim = E // H
-        self.kdim = E if kdim is None else _positive("kdim", kdim)
-        self.vdim = E if vdim is None else _positive("vdim", vdim)
+        self.kdim = E if kdim is None else check_int("kdim", kdim, minimum=1)
+        self.vdim = E if vdim is None else check_int("vdim", vdim, minimum=1)
         self.dropout = check_probability("dropout", dropout)
         self.backend = check_backend_name(backend)
         self.rope = rope
@@ -345,7 +339,7 @@ class MultiHeadAttention(nn.Module):
             k_start = None if keys_rotated else k_pos
             if k_start is not None:
                 n = max(n, k_start + k.shape[2])
-            dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            dtype = stat_dtype(q.dtype)
             cos, sin = rope._table(n, q.device, dtype)  # rows 0…n−1 (at least), memoised
             return rope_decode_run(
                 q, k, v, cos, sin, q_pos, k_start, rope.rotary_dim, rope.interleaved

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .._shapes import check_probability
+from .._shapes import check_int, check_probability
 from ..functional import attention
 from ..functional.registry import check_backend_name
 
@@ -164,8 +164,7 @@ class MultiheadAttention(nn.Module):
     ) -> None:
         super().__init__()
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, value, minimum=1)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
         kw = {"device": device, "dtype": dtype}

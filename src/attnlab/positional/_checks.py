@@ -1,20 +1,12 @@
-"""Argument checks shared by the positional encodings; every error names the argument."""
+"""Argument checks of the positional encodings beyond the library's kit (`attnlab._shapes`:
+`check_int`, `check_number`); every error names the argument."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
 
-
-def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
-    """An int (not a bool), at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+from .._shapes import check_int
 
 
 def check_even_dim(name: str, value: object) -> int:
@@ -22,26 +14,6 @@ def check_even_dim(name: str, value: object) -> int:
     value = check_int(name, value, minimum=1)
     if value % 2:
         raise ValueError(f"{name} must be even (dimensions come in sin/cos pairs), got {value}")
-    return value
-
-
-def check_real(
-    name: str,
-    value: object,
-    *,
-    greater: float | None = None,
-    at_least: float | None = None,
-) -> float:
-    """A finite real number (not a bool), optionally ``> greater`` or ``>= at_least``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if greater is not None and not value > greater:
-        raise ValueError(f"{name} must be > {greater:g}, got {value:g}")
-    if at_least is not None and not value >= at_least:
-        raise ValueError(f"{name} must be >= {at_least:g}, got {value:g}")
     return value
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .._index import index_grid
-from ._checks import check_int
+from .._shapes import check_int
 
 
 def dense_bias(

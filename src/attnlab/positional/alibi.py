@@ -7,7 +7,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ._checks import check_head_index, check_int
+from .._shapes import check_int
+from ._checks import check_head_index
 from ._grid import dense_bias
 
 

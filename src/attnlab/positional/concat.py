@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._checks import check_int
+from .._shapes import check_int
 from .sinusoidal import SinusoidalEmbedding
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._checks import check_int, check_positions
+from .._shapes import check_int
+from ._checks import check_positions
 
 
 class LearnedPositionalEmbedding(nn.Module):

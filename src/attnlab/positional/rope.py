@@ -17,7 +17,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from ._checks import check_int, check_positions, check_real
+from .._shapes import check_int, check_number, stat_dtype
+from ._checks import check_positions
 from .rope_scaling import compute_rope_parameters, depends_on_seq_len, rope_type_of
 
 _TABLE_DTYPES = (torch.float32, torch.float64)
@@ -90,7 +91,7 @@ class RoPE(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = check_int("head_dim", head_dim, minimum=1)
-        self.base = check_real("base", base, greater=1.0)
+        self.base = check_number("base", base, greater=1.0)
         if not isinstance(interleaved, bool):
             raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
         self.interleaved = interleaved
@@ -98,7 +99,7 @@ class RoPE(nn.Module):
         fields = dict(scaling) if scaling is not None else None
         if fields is not None and "partial_rotary_factor" in fields:
             prf = fields.pop("partial_rotary_factor")
-            prf = check_real("partial_rotary_factor", prf, greater=0.0)
+            prf = check_number("partial_rotary_factor", prf, greater=0.0)
             from_factor = int(self.head_dim * prf)
             if rotary_dim is not None and rotary_dim != from_factor:
                 raise ValueError(
@@ -211,7 +212,7 @@ class RoPE(nn.Module):
                 f"x must be (..., L, head_dim={self.head_dim}), got shape {tuple(x.shape)}"
             )
         L = x.shape[-2]
-        table_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        table_dtype = stat_dtype(x.dtype)
         host = positions is None or (
             isinstance(positions, (int, torch.SymInt)) and not isinstance(positions, bool)
         )

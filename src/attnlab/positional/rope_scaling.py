@@ -21,44 +21,20 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from .._shapes import check_int, check_number
+
 RopeScalingFn = Callable[..., tuple[Tensor, float]]
 
 _NOT_FIELDS = ("dim", "base", "seq_len")
 
 
 # ----------------------------------------------------------------------------- argument checks
-def _number(
-    where: str,
-    name: str,
-    value: object,
-    *,
-    at_least: float | None = None,
-    greater: float | None = None,
-) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{where}: {name} must be a number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{where}: {name} must be finite, got {value}")
-    if at_least is not None and value < at_least:
-        raise ValueError(f"{where}: {name} must be >= {at_least:g}, got {value:g}")
-    if greater is not None and value <= greater:
-        raise ValueError(f"{where}: {name} must be > {greater:g}, got {value:g}")
-    return value
-
-
-def _positive_int(where: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
-    return value
-
-
 def _dim_base(where: str, dim: object, base: object, *, min_dim: int = 2) -> tuple[int, float]:
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < min_dim or dim % 2:
         raise ValueError(
             f"{where}: dim (the rotary dim) must be an even int >= {min_dim}, got {dim!r}"
         )
-    return dim, _number(where, "base", base, greater=1.0)
+    return dim, check_number(f"{where}: base", base, greater=1.0)
 
 
 def _factors(where: str, name: str, values: object, dim: int) -> Tensor:
@@ -69,7 +45,7 @@ def _factors(where: str, name: str, values: object, dim: int) -> Tensor:
     if len(values) != dim // 2:
         raise ValueError(f"{where}: {name} must have dim/2 = {dim // 2} entries, got {len(values)}")
     for v in values:
-        _number(where, name, v, greater=0.0)
+        check_number(f"{where}: {name}", v, greater=0.0)
     return torch.tensor([float(v) for v in values], dtype=torch.float64)  # (dim/2,)
 
 
@@ -78,7 +54,7 @@ def _seq_len(where: str, seq_len: object) -> int | None:
         return None
     if isinstance(seq_len, Tensor) and seq_len.numel() == 1 and not seq_len.is_floating_point():
         seq_len = int(seq_len)
-    return _positive_int(where, "seq_len", seq_len)
+    return check_int(f"{where}: seq_len", seq_len, minimum=1)
 
 
 def _inv_freq(dim: int, base: float) -> Tensor:
@@ -96,7 +72,7 @@ def default(dim: int, base: float) -> tuple[Tensor, float]:
 def linear(dim: int, base: float, *, factor: float) -> tuple[Tensor, float]:
     """Position interpolation (Chen et al., 2023): ``θ_i / factor``, i.e. positions / factor."""
     dim, base = _dim_base("linear", dim, base)
-    factor = _number("linear", "factor", factor, at_least=1.0)
+    factor = check_number("linear: factor", factor, at_least=1.0)
     return _inv_freq(dim, base) / factor, 1.0
 
 
@@ -106,7 +82,7 @@ def ntk(dim: int, base: float, *, factor: float) -> tuple[Tensor, float]:
     The lowest frequency is then divided by exactly ``factor`` while the highest is unchanged.
     """
     dim, base = _dim_base("ntk", dim, base, min_dim=4)
-    factor = _number("ntk", "factor", factor, at_least=1.0)
+    factor = check_number("ntk: factor", factor, at_least=1.0)
     return _inv_freq(dim, base * factor ** (dim / (dim - 2))), 1.0
 
 
@@ -127,9 +103,9 @@ def dynamic(
     so sequences within the original length use the unscaled frequencies.
     """
     dim, base = _dim_base("dynamic", dim, base, min_dim=4)
-    factor = _number("dynamic", "factor", factor, at_least=1.0)
-    L0 = _positive_int(
-        "dynamic", "original_max_position_embeddings", original_max_position_embeddings
+    factor = check_number("dynamic: factor", factor, at_least=1.0)
+    L0 = check_int(
+        "dynamic: original_max_position_embeddings", original_max_position_embeddings, minimum=1
     )
     s = max(_seq_len("dynamic", seq_len) or L0, L0)
     new_base = base * (factor * s / L0 - (factor - 1.0)) ** (dim / (dim - 2))
@@ -164,10 +140,12 @@ def yarn(
     """
     where = "yarn"
     dim, base = _dim_base(where, dim, base)
-    factor = _number(where, "factor", factor, at_least=1.0)
-    L0 = _positive_int(where, "original_max_position_embeddings", original_max_position_embeddings)
-    beta_fast = _number(where, "beta_fast", beta_fast, greater=0.0)
-    beta_slow = _number(where, "beta_slow", beta_slow, greater=0.0)
+    factor = check_number(f"{where}: factor", factor, at_least=1.0)
+    L0 = check_int(
+        f"{where}: original_max_position_embeddings", original_max_position_embeddings, minimum=1
+    )
+    beta_fast = check_number(f"{where}: beta_fast", beta_fast, greater=0.0)
+    beta_slow = check_number(f"{where}: beta_slow", beta_slow, greater=0.0)
     if beta_fast < beta_slow:
         raise ValueError(
             f"{where}: beta_fast must be >= beta_slow, got beta_fast={beta_fast:g}, "
@@ -176,15 +154,15 @@ def yarn(
     if not isinstance(truncate, bool):
         raise ValueError(f"{where}: truncate must be a bool, got {truncate!r}")
     if attention_factor is not None:
-        attention_factor = _number(where, "attention_factor", attention_factor, greater=0.0)
+        attention_factor = check_number(f"{where}: attention_factor", attention_factor, greater=0.0)
     elif mscale is not None or mscale_all_dim is not None:
         if mscale is None or mscale_all_dim is None:
             missing = "mscale_all_dim" if mscale_all_dim is None else "mscale"
             raise ValueError(
                 f"{where}: mscale and mscale_all_dim must be given together, {missing} is missing"
             )
-        m = _number(where, "mscale", mscale, greater=0.0)
-        m_all = _number(where, "mscale_all_dim", mscale_all_dim, greater=0.0)
+        m = check_number(f"{where}: mscale", mscale, greater=0.0)
+        m_all = check_number(f"{where}: mscale_all_dim", mscale_all_dim, greater=0.0)
         attention_factor = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all)
     else:
         attention_factor = _yarn_mscale(factor)
@@ -224,10 +202,12 @@ def llama3(
     """
     where = "llama3"
     dim, base = _dim_base(where, dim, base)
-    factor = _number(where, "factor", factor, at_least=1.0)
-    L0 = _positive_int(where, "original_max_position_embeddings", original_max_position_embeddings)
-    low = _number(where, "low_freq_factor", low_freq_factor, greater=0.0)
-    high = _number(where, "high_freq_factor", high_freq_factor, greater=0.0)
+    factor = check_number(f"{where}: factor", factor, at_least=1.0)
+    L0 = check_int(
+        f"{where}: original_max_position_embeddings", original_max_position_embeddings, minimum=1
+    )
+    low = check_number(f"{where}: low_freq_factor", low_freq_factor, greater=0.0)
+    high = check_number(f"{where}: high_freq_factor", high_freq_factor, greater=0.0)
     if high <= low:
         raise ValueError(
             f"{where}: high_freq_factor must be > low_freq_factor, got "
@@ -266,17 +246,19 @@ def longrope(
     dim, base = _dim_base(where, dim, base)
     short = _factors(where, "short_factor", short_factor, dim)
     long = _factors(where, "long_factor", long_factor, dim)
-    L0 = _positive_int(where, "original_max_position_embeddings", original_max_position_embeddings)
+    L0 = check_int(
+        f"{where}: original_max_position_embeddings", original_max_position_embeddings, minimum=1
+    )
     seq_len = _seq_len(where, seq_len)
     if attention_factor is not None:
-        attention_factor = _number(where, "attention_factor", attention_factor, greater=0.0)
+        attention_factor = check_number(f"{where}: attention_factor", attention_factor, greater=0.0)
     elif factor is None:
         raise ValueError(
             f"{where}: factor is required when attention_factor is not given "
             "(Phi-3: max_position_embeddings / original_max_position_embeddings)"
         )
     else:
-        factor = _number(where, "factor", factor, at_least=1.0)
+        factor = check_number(f"{where}: factor", factor, at_least=1.0)
         attention_factor = 1.0 if factor == 1.0 else math.sqrt(1 + math.log(factor) / math.log(L0))
     ext = long if seq_len is not None and seq_len > L0 else short
     return _inv_freq(dim, base) / ext, float(attention_factor)

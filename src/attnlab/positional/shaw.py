@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .._shapes import check_int, stat_dtype
 from ..functional import nan_rule
-from ..functional.reference import compute_dtype_for, shaw_relative_index
+from ..functional.reference import shaw_relative_index
 from ..functional.request import BiasFn, request_dense, request_interval
 from ..functional.validate import plain_request
 from ..masks import Mask
-from ._checks import check_int
 
 _NEG_INF = float("-inf")
 
@@ -125,7 +125,7 @@ def shaw_attention(
     B, H, L, _ = q.shape
     H_kv, S = k.shape[1], k.shape[2]
     G = H // H_kv
-    dtype = compute_dtype_for(q.dtype)
+    dtype = stat_dtype(q.dtype)
     idx = shaw_relative_index(L, S, K, q.device).expand(B, H, L, S)  # (B, H, L, S)
 
     qc = nan_rule.clean(q).to(dtype)

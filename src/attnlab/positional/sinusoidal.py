@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from ._checks import check_even_dim, check_int, check_positions, check_real
+from .._shapes import check_int, check_number
+from ._checks import check_even_dim, check_positions
 
 DEFAULT_BASE = 10000.0
 
@@ -29,7 +30,7 @@ def _check_periods(periods: object, dim: int, base: float) -> tuple[float, ...] 
     if values is None or len(values) != dim // 2:
         got = len(values) if values is not None else type(periods).__name__
         raise ValueError(f"periods must be a sequence of dim/2 = {dim // 2} wavelengths, got {got}")
-    return tuple(check_real(f"periods[{i}]", float(v), greater=0.0) for i, v in enumerate(values))
+    return tuple(check_number(f"periods[{i}]", float(v), greater=0.0) for i, v in enumerate(values))
 
 
 def _encode(
@@ -97,8 +98,8 @@ def sinusoidal(
     """
     length = check_int("length", length, minimum=0)
     dim = check_even_dim("dim", dim)
-    base = check_real("base", base, greater=1.0)
-    amplitude = check_real("amplitude", amplitude, greater=0.0)
+    base = check_number("base", base, greater=1.0)
+    amplitude = check_number("amplitude", amplitude, greater=0.0)
     checked = _check_periods(periods, dim, base)
     positions = torch.arange(length, device=device)  # (P,)
     return _encode(positions, dim, base, dtype, amplitude, checked)
@@ -122,7 +123,7 @@ def sinusoidal_shift(offset: int, dim: int, base: float = 10000.0) -> Tensor:
     """
     offset = check_int("offset", offset)
     dim = check_even_dim("dim", dim)
-    base = check_real("base", base, greater=1.0)
+    base = check_number("base", base, greater=1.0)
     angle = offset * _frequencies(dim, base)  # (E/2,)
     c, s = angle.cos(), angle.sin()
     blocks = torch.stack((torch.stack((c, s), -1), torch.stack((-s, c), -1)), -2)  # (E/2, 2, 2)
@@ -160,9 +161,9 @@ class SinusoidalEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.dim = check_even_dim("dim", dim)
-        self.base = check_real("base", base, greater=1.0)
+        self.base = check_number("base", base, greater=1.0)
         self.dtype = dtype
-        self.amplitude = check_real("amplitude", amplitude, greater=0.0)
+        self.amplitude = check_number("amplitude", amplitude, greater=0.0)
         self.periods = _check_periods(periods, self.dim, self.base)
 
     def forward(

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .._shapes import check_int
+
 T = TypeVar("T")
 
 
@@ -67,8 +69,7 @@ def best_times(
     Returns:
         name -> the smallest time in seconds.
     """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    check_int("repeats", repeats, minimum=1)
     step = on_step if on_step is not None else (lambda what: None)
     best = dict.fromkeys(fns, math.inf)
     if warmup:
