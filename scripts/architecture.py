@@ -27,7 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ROOT = REPO / "src" / "attnlab"
 TESTS = REPO / "tests" / "test_architecture.py"
-BEGIN = "<!-- architecture:begin (python scripts/architecture.py --write README.md) -->"
+COMMAND = "python scripts/architecture.py --write README.md"
+BEGIN = f"<!-- architecture:begin ({COMMAND}) -->"
 END = "<!-- architecture:end -->"
 
 
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         args.write.write_text(replaced(args.write.read_text(), block))
     elif args.check:
         if replaced(args.check.read_text(), block) != args.check.read_text():
-            print(f"{args.check}: the Architecture listing is stale; run {BEGIN[5:-4]}")
+            print(f"{args.check}: the Architecture listing is stale; run {COMMAND}")
             return 1
     else:
         print(block)
