@@ -11,13 +11,14 @@ per row (`Mask.key_interval`), a geometry for exact counts (`Mask.geometry`) and
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from .._shapes import static_int
-from .base import Mask
+from .base import Mask, _describe
 from .blocks import (
     EMPTY,
     FULL,
@@ -476,6 +477,81 @@ class DocumentMask(Mask):
 
     def spec(self):
         return f"document:{int(self.runs_distinct)}", [self.ids]
+
+
+# What linear, FAVOR+ and hierarchical attention accept (`causal_and_padding`).
+KERNEL_MASKS = "None, masks.causal(), masks.padding(lengths) or an & of them"
+
+
+def causal_and_padding(
+    mask: object, *, where: str, batch: int, S: int, device: torch.device | str | None = None
+) -> tuple[bool, Tensor | None]:
+    """Splits a mask made of `causal` and `padding` into ``(causal, key_mask)``.
+
+    The forms whose attention needs no ``L × S`` matrix (linear, FAVOR+, hierarchical): the
+    result keeps key j for row p iff ``(not causal or j <= p) and key_mask[b, j]``, with
+    ``key_mask[b, j] = j < min over the paddings of lengths[b]``. Tensor ops only, no host sync.
+
+    Args:
+        mask: None, ``masks.causal()``, ``masks.padding(lengths)`` or an ``&`` of them.
+        where: the calling function, named in errors. batch: B of the call. S: key length.
+        device: where the key mask is built.
+
+    Returns:
+        ``(causal, key_mask)``: key_mask bool ``(B|1, S)`` (True = a real key) or None.
+
+    Raises:
+        ValueError: any other mask (naming what is supported and what was received), or
+            padding lengths for another batch size.
+    """
+    if mask is None:
+        return False, None
+    parts = mask.conjuncts() if isinstance(mask, Mask) else ()
+    if not parts or not all(isinstance(m, (CausalMask, PaddingMask)) for m in parts):
+        got = repr(mask) if isinstance(mask, Mask) else _describe(mask)
+        raise ValueError(f"{where}: mask must be {KERNEL_MASKS}, got {got}")
+    causal = any(isinstance(m, CausalMask) for m in parts)
+    lengths = None
+    for m in parts:
+        if isinstance(m, PaddingMask):
+            if m.lengths.numel() not in (1, batch):
+                raise ValueError(
+                    f"{where}: mask {m!r} has {m.lengths.numel()} lengths, expected 1 or "
+                    f"batch={batch}"
+                )
+            n = m.lengths.to(device)
+            lengths = n if lengths is None else torch.minimum(lengths, n)
+    if lengths is None:
+        return causal, None
+    return causal, torch.arange(S, device=device) < lengths.view(-1, 1)  # (B|1, S)
+
+
+def with_causal(mask: Mask | None, causal: object, *, where: str) -> Mask | None:
+    """``mask`` with the former ``causal=`` flag folded in, warning that it is deprecated.
+
+    Args:
+        mask: the call's ``mask=``. causal: the call's ``causal=`` (None: not given).
+        where: the calling function, named in the warning.
+
+    Returns:
+        ``causal() & mask`` for ``causal=True``, else ``mask``.
+
+    Raises:
+        TypeError: ``causal`` is not a bool.
+    """
+    if causal is None:
+        return mask
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    warnings.warn(
+        f"{where}(causal=...) is deprecated: pass mask=masks.causal() (combined with other "
+        "masks by &)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if not causal:
+        return mask
+    return CausalMask() if mask is None else CausalMask() & mask
 
 
 def causal() -> Mask:
