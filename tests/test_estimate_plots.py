@@ -57,7 +57,7 @@ SIZES = list(itertools.product([1, 2, 3, 5, 8, 13], [1, 2, 4, 7, 11, 16]))
 def test_closed_form_counts_equal_brute_force(L, S):
     for mask in closed_form_masks(S):
         geometry = mask.geometry(L, S)
-        assert geometry is not None and geometry.pairs is None or isinstance(mask, M.DocumentMask)
+        assert (geometry is not None and geometry.pairs is None) or isinstance(mask, M.DocumentMask)
         assert mask.attended_pairs(L, S) == brute_pairs(mask, L, S), (mask, L, S)
 
 
@@ -172,10 +172,10 @@ def test_count_without_closed_form_above_the_budget_is_a_clear_error():
 
 def test_estimate_counts_huge_lengths_in_closed_form():
     n = 10**12
-    est = estimate(n, 768, 12, causal=True)
+    est = estimate(n, 768, 12, mask=M.causal())
     assert est.config["attended_pairs"] == n * (n + 1) // 2
     assert est.value("attended pairs per head", "flash") == n * (n + 1) // 2
-    est = estimate(2 * 10**8, 768, 12, layers=12, window=4096)
+    est = estimate(2 * 10**8, 768, 12, layers=12, mask=M.sliding_window(4096))
     assert est.value("attended pairs per head", "flash") == 4096 * 2 * 10**8 - 4096 * 4095 // 2
 
 
