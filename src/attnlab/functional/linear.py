@@ -100,7 +100,7 @@ def check_kernel_mask(
     Raises:
         ValueError: a mask other than causal, padding and their ``&`` (before any work).
     """
-    mask = with_causal(mask, causal, where=where)
+    mask = with_causal(mask, causal, where=where, stacklevel=4)
     return causal_and_padding(mask, where=where, batch=dims.B, S=dims.S, device=device)
 
 

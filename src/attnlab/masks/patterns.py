@@ -526,12 +526,15 @@ def causal_and_padding(
     return causal, torch.arange(S, device=device) < lengths.view(-1, 1)  # (B|1, S)
 
 
-def with_causal(mask: Mask | None, causal: object, *, where: str) -> Mask | None:
+def with_causal(
+    mask: Mask | None, causal: object, *, where: str, stacklevel: int = 3
+) -> Mask | None:
     """``mask`` with the former ``causal=`` flag folded in, warning that it is deprecated.
 
     Args:
         mask: the call's ``mask=``. causal: the call's ``causal=`` (None: not given).
         where: the calling function, named in the warning.
+        stacklevel: the warning's frame: 3 is the caller of ``where`` when ``where`` calls this.
 
     Returns:
         ``causal() & mask`` for ``causal=True``, else ``mask``.
@@ -547,7 +550,7 @@ def with_causal(mask: Mask | None, causal: object, *, where: str) -> Mask | None
         f"{where}(causal=...) is deprecated: pass mask=masks.causal() (combined with other "
         "masks by &)",
         DeprecationWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
     if not causal:
         return mask
