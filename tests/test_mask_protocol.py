@@ -15,8 +15,7 @@ import torch
 import attnlab
 from attnlab import masks as M
 from attnlab.functional.tiling import build_plan
-from attnlab.masks import Mask
-from attnlab.masks.counts import Geometry
+from attnlab.masks import Geometry, Mask
 from attnlab.testing import check_against_reference, mean_factor_for, reference_for, seeded
 
 
