@@ -101,10 +101,10 @@ def methods(
     W = attnlab.linear.favor_projection(features, q.shape[-1], generator=g)
     fns: dict[str, Callable[[], object]] = {
         "linear": lambda: linear_attention(q, k, v),
-        "linear causal": lambda: linear_attention(q, k, v, causal=True),
+        "linear causal": lambda: linear_attention(q, k, v, mask=causal),
         f"favor{features}": lambda: favor_attention(q, k, v, num_features=features, projection=W),
         f"favor{features} causal": lambda: favor_attention(
-            q, k, v, num_features=features, projection=W, causal=True
+            q, k, v, num_features=features, projection=W, mask=causal
         ),
         "sdpa": lambda: attnlab.attention(q, k, v, backend="sdpa"),
         "sdpa causal": lambda: attnlab.attention(q, k, v, mask=causal, backend="sdpa"),
@@ -320,13 +320,13 @@ def scaling(args: argparse.Namespace) -> None:
 def _scaling_method(args: argparse.Namespace) -> Callable[..., torch.Tensor]:
     """The call `scaling` times (`SCALING_METHODS`); FAVOR+ with a fixed projection."""
     if args.scaling_method == "linear_attention":
-        return lambda q, k, v: linear_attention(q, k, v, causal=True)
+        return lambda q, k, v: linear_attention(q, k, v, mask=masks.causal())
     W = attnlab.linear.favor_projection(
         args.features, args.head_dim, generator=torch.Generator().manual_seed(0)
     )
-    causal = args.scaling_method == "favor_attention"
+    causal = masks.causal() if args.scaling_method == "favor_attention" else None
     return lambda q, k, v: favor_attention(
-        q, k, v, num_features=args.features, projection=W, causal=causal
+        q, k, v, num_features=args.features, projection=W, mask=causal
     )
 
 

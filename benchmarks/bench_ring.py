@@ -39,7 +39,8 @@ def _rank(rank: int, world: int, N: int, H: int, D: int, pieces: int | None) -> 
     options = {} if pieces is None else {"pieces": pieces}
 
     def step(q, k, v):
-        ring_attention(q, k, v, causal=True, layout="zigzag", **options).sum().backward()
+        mask = attnlab.masks.causal()
+        ring_attention(q, k, v, mask=mask, layout="zigzag", **options).sum().backward()
 
     _warm_up(step, H, D)
     g = torch.Generator().manual_seed(rank)

@@ -8,11 +8,27 @@ from __future__ import annotations
 
 import torch
 
+from attnlab import masks
 from helpers import FIXED_TABLE, fwd_bwd, seeded
 
 F64 = torch.float64
 FWD_ATOL, FWD_RTOL, GRAD_ATOL, GRAD_RTOL = FIXED_TABLE[F64]
 BAD = (float("nan"), float("inf"), float("-inf"))
+
+
+def as_mask(causal: bool, key_mask: torch.Tensor | None) -> masks.Mask | None:
+    """The ``mask=`` of a causal flag and a padding key mask ``(B|1, S)`` (True = real key).
+
+    The key mask must be a prefix per row (padding): it becomes ``masks.padding(lengths)``.
+    """
+    mask = masks.causal() if causal else None
+    if key_mask is not None:
+        lengths = key_mask.sum(-1)
+        prefix = torch.arange(key_mask.shape[-1]) < lengths[:, None]
+        assert torch.equal(prefix, key_mask), "a test key mask must be a padding (prefix) mask"
+        pad = masks.padding(lengths.tolist())
+        mask = pad if mask is None else mask & pad
+    return mask
 
 
 def keep_matrix(B: int, L: int, S: int, causal: bool, key_mask: torch.Tensor | None):

@@ -34,11 +34,16 @@ def _mask(case: dict):
     return None
 
 
-def _full(q, k, v, dout, case, backend):
-    xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    m = _mask(case)
+def _with_causal(case: dict, m):
+    """The case's mask with its causal flag folded in by ``&`` (the one mask of the call)."""
     if case["causal"]:
         m = masks.causal() if m is None else masks.causal() & m
+    return m
+
+
+def _full(q, k, v, dout, case, backend):
+    xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    m = _with_causal(case, _mask(case))
     out = attnlab.attention(*xs, mask=m, backend=backend)
     grads = torch.autograd.grad(out, xs, dout)
     return out.detach(), grads
@@ -54,7 +59,7 @@ def exactness(rank: int, world: int, cases: list[dict]) -> list[dict]:
             q, k, v, dout, case, "reference" if q.dtype == torch.float64 else "sdpa"
         )
         xs = [shard(t, layout=layout).detach().requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*xs, causal=case["causal"], mask=_mask(case), layout=layout)
+        out = ring_attention(*xs, mask=_with_causal(case, _mask(case)), layout=layout)
         grads = torch.autograd.grad(out, xs, shard(dout, layout=layout))
         full_out = unshard(out.detach(), layout=layout)
         full_grads = [unshard(g, layout=layout) for g in grads]
@@ -92,19 +97,19 @@ def determinism_and_hops(rank: int, world: int, layout: str) -> dict:
 
     ring_mod.Ring.start = counting
     xs = [shard(t, layout=layout).detach().requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*xs, causal=True, layout=layout)
+    out = ring_attention(*xs, mask=masks.causal(), layout=layout)
     fwd_calls = list(calls)
     first = None
     bit_equal = True
     for _ in range(20):
         grads = torch.autograd.grad(
-            ring_attention(*xs, causal=True, layout=layout), xs, shard(dout, layout=layout)
+            ring_attention(*xs, mask=masks.causal(), layout=layout), xs, shard(dout, layout=layout)
         )
         if first is None:
             first = grads
         else:
             bit_equal &= all(torch.equal(a, b) for a, b in zip(first, grads, strict=True))
-    out2 = ring_attention(*xs, causal=True, layout=layout)
+    out2 = ring_attention(*xs, mask=masks.causal(), layout=layout)
     ring_mod.Ring.start = original
     block = xs[1].numel() + xs[2].numel()  # one rank's keys and values
     return {
@@ -136,7 +141,7 @@ def mismatch(rank: int, world: int, field: str) -> str:
     q = torch.randn(B, H, L, D, dtype=dtype)
     k = torch.randn(B, H_kv, L, D, dtype=dtype)
     try:
-        ring_attention(q, k, k.clone(), causal=causal, pieces=pieces)
+        ring_attention(q, k, k.clone(), mask=masks.causal() if causal else None, pieces=pieces)
     except ValueError as e:
         return str(e)
     return "no error"
@@ -160,7 +165,7 @@ def pieces_invariance(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
             ring_mod.Ring.start = counting
             out = ring_attention(
-                *xs, causal=case["causal"], mask=_mask(case), layout=layout, pieces=pieces
+                *xs, mask=_with_causal(case, _mask(case)), layout=layout, pieces=pieces
             )
             forward_messages = len(sent)
             grads = torch.autograd.grad(out, xs, shard(dout, layout=layout))
@@ -242,7 +247,6 @@ def module_parity(rank: int, world: int, layout: str) -> float:
         4,
         num_kv_heads=2,
         rope=RoPE(8),
-        causal=True,
         layout=layout,
         pieces=1 if layout == "zigzag" else 4,
     ).double()
@@ -251,7 +255,7 @@ def module_parity(rank: int, world: int, layout: str) -> float:
         2, 8 * world, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
     )
     want = local(x, mask=masks.causal())
-    got = unshard(ring(shard(x, layout=layout, dim=1)), layout=layout, dim=1)
+    got = unshard(ring(shard(x, layout=layout, dim=1), mask=masks.causal()), layout=layout, dim=1)
     return float((got - want).abs().max())
 
 
@@ -291,7 +295,7 @@ def nan_rule(rank: int, world: int, cases: list[dict]) -> list[dict]:
         layout = case["layout"]
         xs = [shard(case[n], layout=layout).detach().requires_grad_() for n in ("q", "k", "v")]
         out, lse = ring_attention(
-            *xs, causal=case["causal"], mask=rule_mask(case), layout=layout, return_lse=True
+            *xs, mask=_with_causal(case, rule_mask(case)), layout=layout, return_lse=True
         )
         grads = torch.autograd.grad(out, xs, shard(case["dout"], layout=layout))
         # numpy arrays: they pickle by value (a tensor would be shared with a process that exits)

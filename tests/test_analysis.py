@@ -184,14 +184,29 @@ def test_estimate_reproduces_textbook_figures():
 
 def test_estimate_counts_exactly_the_attended_pairs():
     L, w = 1000, 64
-    e = estimate(L, 256, 4, window=w)
+    e = estimate(L, 256, 4, mask=masks.sliding_window(w))
     exact = sum(min(i + 1, w) for i in range(L))
     assert e.value("attended pairs per head", "flash") == exact
     assert e.value("attended pairs per head", "naive") == L * L
     D = 64
     assert e.value("scores QKᵀ", "flash") == 2 * 4 * exact * D
-    causal = estimate(L, 256, 4, causal=True)
+    causal = estimate(L, 256, 4, mask=masks.causal())
     assert causal.value("attended pairs per head", "flash") == L * (L + 1) // 2  # not L²/2
+    # any mask: a padded batch averages its items' pairs over the (B, H) grid
+    padded = estimate(L, 256, 4, batch=2, mask=masks.causal() & masks.padding([L, L // 2]))
+    half = L // 2
+    want = (L * (L + 1) // 2 + half * (half + 1) // 2 + (L - half) * half) / 2
+    assert padded.value("attended pairs per head", "flash") == want
+    assert padded.value("scores QKᵀ", "flash") == 2 * 2 * 4 * want * D
+    with pytest.raises(ValueError, match=r"expected a batch of 2 .* got batch=3"):
+        estimate(L, 256, 4, batch=3, mask=masks.padding([L, 1]))
+    # the former keywords still work, with a warning
+    with pytest.warns(DeprecationWarning, match=r"estimate\(causal=\.\.\.\) is deprecated"):
+        old = estimate(L, 256, 4, causal=True)
+    assert old.value("attended pairs per head", "flash") == L * (L + 1) // 2
+    with pytest.warns(DeprecationWarning, match=r"estimate\(window=\.\.\.\) is deprecated"):
+        old = estimate(L, 256, 4, window=w)
+    assert old.value("attended pairs per head", "flash") == exact
     # decode: one query against the cache; projections only for the new token
     d = estimate(4096, 512, 8, kv_heads=2, decode=True, dtype="float16")
     assert d.config["L"] == 1 and d.value("attended pairs per head", "flash") == 4096
@@ -219,7 +234,7 @@ def test_estimate_per_head_pairs_and_score_matrix_are_one_layers():
         assert twelve.value("parameter memory", impl) == 12 * one.value("parameter memory", impl)
         kept = "activations kept for backward"
         assert twelve.value(kept, impl) == 12 * one.value(kept, impl)
-    causal = estimate(2048, 768, 12, layers=12, causal=True)
+    causal = estimate(2048, 768, 12, layers=12, mask=masks.causal())
     assert causal.value("attended pairs per head", "flash") == 2048 * 2049 // 2
     assert "4,194,304" in twelve.table() and "50,331,648" not in twelve.table()
 

@@ -425,3 +425,28 @@ def test_docstring_examples_run():
     for module in (costs, advise_module):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+def test_model_cost_counts_the_pairs_of_any_mask_for_the_tiled_form():
+    from attnlab import masks
+
+    L, B, H = 257, 2, 4
+    base = dict(d_model=64, n_layers=2, n_heads=H, batch=B, train=False)
+    dense = model_cost(L, attention="flash", **base)
+    causal = model_cost(L, attention="flash", mask=masks.causal(), **base)
+    window = model_cost(L, attention="flash", mask=masks.sliding_window(16), **base)
+    padded = masks.causal() & masks.padding([L, 100])
+    mixed = model_cost(L, attention="flash", mask=padded, **base)
+    core = lambda c: c.per_layer["attention core"]  # noqa: E731 - 4·B·H·pairs·D
+    D = 64 // H
+    assert core(dense) == 4 * B * H * L * L * D
+    assert core(causal) == 4 * B * H * (L * (L + 1) // 2) * D
+    assert core(window) == 4 * B * H * masks.sliding_window(16).attended_pairs(L, L) * D
+    assert core(mixed) == 4 * H * padded.attended_pairs(L, L) * D  # both items, exactly
+    # the naive form computes every score whatever the mask
+    naive = model_cost(L, attention="naive", mask=masks.causal(), **base)
+    assert core(naive) == core(model_cost(L, attention="naive", **base))
+    with pytest.raises(TypeError, match=r"mask must be an attnlab Mask or None, got bool"):
+        model_cost(L, mask=True)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'causal'"):
+        model_cost(L, causal=True)

@@ -312,7 +312,7 @@ def test_context_parallel_attention_keeps_the_weights_and_refuses_what_it_cannot
     torch.manual_seed(0)
     attn = MultiHeadAttention(32, 4, num_kv_heads=2, rope=RoPE(8))
     ring = _ring_of(attn, None)
-    assert ring.rope is attn.rope and ring.causal and ring.layout == "contiguous"
+    assert ring.rope is attn.rope and ring.layout == "contiguous"
     want = attn.state_dict()
     assert ring.state_dict().keys() == want.keys()
     assert all(torch.equal(t, want[k]) for k, t in ring.state_dict().items())

@@ -56,7 +56,8 @@ SIZES = list(itertools.product([1, 2, 3, 5, 8, 13], [1, 2, 4, 7, 11, 16]))
 @pytest.mark.parametrize("L,S", SIZES)
 def test_closed_form_counts_equal_brute_force(L, S):
     for mask in closed_form_masks(S):
-        assert mask._geometry(L, S) is not None or isinstance(mask, M.DocumentMask), mask
+        geometry = mask.geometry(L, S)
+        assert (geometry is not None and geometry.pairs is None) or isinstance(mask, M.DocumentMask)
         assert mask.attended_pairs(L, S) == brute_pairs(mask, L, S), (mask, L, S)
 
 
@@ -73,7 +74,7 @@ def test_longformer_and_bigbird_counts_equal_brute_force(L, S):
         M.bigbird(1, 3, 2, 0),
         M.bigbird(4, 5, 1, 1),
     ]:
-        assert mask._exact_counts(L, S) is not None
+        assert mask.geometry(L, S).pairs is not None  # counted from the data it holds
         assert mask.attended_pairs(L, S) == brute_pairs(mask, L, S), (mask, L, S)
     n, w = 10**12, 512  # globals 0..3 lie inside each other's band: no double count
     extra = 2 * sum(n - (g + w) for g in range(4))
@@ -93,7 +94,7 @@ def test_counts_of_other_combinations_equal_brute_force(L, S):
         M.from_tensor(torch.rand(1, S) > 0.5) & M.causal(),
         M.from_fn(lambda b, h, i, j: (i + j) % 3 == 0, num_heads=2),
     ]:
-        assert mask._geometry(L, S) is None
+        assert mask.geometry(L, S) is None or mask.geometry(L, S).pairs is not None
         assert mask.attended_pairs(L, S) == brute_pairs(mask, L, S), (mask, L, S)
     assert M.padding([2, 3]).attended_pairs(L, S, heads=4) == 4 * L * (min(2, S) + min(3, S))
 
@@ -112,7 +113,7 @@ def test_unions_and_complements_count_in_closed_form(L, S):
         ~(M.causal() & M.padding([3, 1])),
         M.sliding_window(2) | M.strided(3),
     ]:
-        assert mask._closed_counts(L, S) is not None, mask
+        assert mask.geometry(L, S) is not None, mask
         assert mask.attended_pairs(L, S) == brute_pairs(mask, L, S), (mask, L, S)
     # at 10**12: row i < p sees the p prefix keys (p − 1 − i more than causal), later rows i + 1
     n, p = 10**12, 4096
@@ -171,10 +172,10 @@ def test_count_without_closed_form_above_the_budget_is_a_clear_error():
 
 def test_estimate_counts_huge_lengths_in_closed_form():
     n = 10**12
-    est = estimate(n, 768, 12, causal=True)
+    est = estimate(n, 768, 12, mask=M.causal())
     assert est.config["attended_pairs"] == n * (n + 1) // 2
     assert est.value("attended pairs per head", "flash") == n * (n + 1) // 2
-    est = estimate(2 * 10**8, 768, 12, layers=12, window=4096)
+    est = estimate(2 * 10**8, 768, 12, layers=12, mask=M.sliding_window(4096))
     assert est.value("attended pairs per head", "flash") == 4096 * 2 * 10**8 - 4096 * 4095 // 2
 
 

@@ -12,6 +12,7 @@ from attnlab import masks
 from attnlab.functional import reference
 from attnlab.linear import FNetMixing, HierarchicalAttention, fnet_mixing, hierarchical_attention
 from helpers import FIXED_TABLE, check_against_reference, fwd_bwd, seeded
+from nan_rule_linear import as_mask
 
 F64 = torch.float64
 FWD_ATOL, FWD_RTOL, GRAD_ATOL, GRAD_RTOL = FIXED_TABLE[F64]
@@ -109,8 +110,12 @@ def qkv(B=2, H=4, H_kv=2, L=17, D=8, Dv=5, dtype=F64, seed=0):
 def test_hierarchical_matches_reference_fp64(causal, L, D, block):
     inputs = qkv(L=L, D=D, Dv=7, seed=L + block)
     assert_fp64_equal(
-        lambda q, k, v: hierarchical_attention(q, k, v, block_size=block, causal=causal),
-        lambda q, k, v: reference.hierarchical_attention(q, k, v, block_size=block, causal=causal),
+        lambda q, k, v: hierarchical_attention(
+            q, k, v, block_size=block, mask=as_mask(causal, None)
+        ),
+        lambda q, k, v: reference.hierarchical_attention(
+            q, k, v, block_size=block, mask=as_mask(causal, None)
+        ),
         inputs,
     )
 
@@ -119,9 +124,15 @@ def test_hierarchical_matches_reference_fp64(causal, L, D, block):
 @pytest.mark.parametrize("dtype,L", [(torch.float32, 257), (torch.bfloat16, 97)])
 def test_hierarchical_tolerance_rule(causal, dtype, L):
     check_against_reference(
-        lambda q, k, v: hierarchical_attention(q, k, v, block_size=16, causal=causal),
+        lambda q, k, v: hierarchical_attention(q, k, v, block_size=16, mask=as_mask(causal, None)),
         lambda q, k, v, compute_dtype, reorder: reference.hierarchical_attention(
-            q, k, v, block_size=16, causal=causal, compute_dtype=compute_dtype, reorder=reorder
+            q,
+            k,
+            v,
+            block_size=16,
+            compute_dtype=compute_dtype,
+            reorder=reorder,
+            mask=as_mask(causal, None),
         ),
         list(qkv(L=L, D=64, Dv=64, dtype=dtype, seed=5)),
     )
@@ -134,7 +145,7 @@ def test_hierarchical_equals_attention_with_block_mean_keys(causal):
     earlier blocks only, and j <= i inside the block)."""
     L, b = 23, 5
     q, k, v = qkv(B=1, H=2, H_kv=2, L=L, seed=3)
-    out = hierarchical_attention(q, k, v, block_size=b, causal=causal)
+    out = hierarchical_attention(q, k, v, block_size=b, mask=as_mask(causal, None))
     blk = torch.arange(L) // b
     for i in (0, 4, 5, 12, 22):
         same = blk == blk[i]
@@ -160,34 +171,80 @@ def test_hierarchical_degenerates_to_exact_attention(causal, block):
     """b = 1 (every summary is one token) and b >= L (one block) are exact softmax attention."""
     q, k, v = qkv(L=29)
     exact = attnlab.attention(q, k, v, mask=masks.causal() if causal else None, backend="reference")
-    out = hierarchical_attention(q, k, v, block_size=block, causal=causal)
+    out = hierarchical_attention(q, k, v, block_size=block, mask=as_mask(causal, None))
     torch.testing.assert_close(out, exact, atol=1e-12, rtol=0)
     # an intermediate block size is an approximation, not exact attention
-    approx = hierarchical_attention(q, k, v, block_size=4, causal=causal)
+    approx = hierarchical_attention(q, k, v, block_size=4, mask=as_mask(causal, None))
     assert (approx - exact).abs().max() > 1e-3
 
 
 def test_hierarchical_causal_ignores_the_future_and_three_d_and_module():
     q, k, v = qkv(L=20)
-    out = hierarchical_attention(q, k, v, block_size=6, causal=True)
+    out = hierarchical_attention(q, k, v, block_size=6, mask=masks.causal())
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 13:] = 5.0
     v2[:, :, 13:] = -5.0
-    out2 = hierarchical_attention(q, k2, v2, block_size=6, causal=True)
+    out2 = hierarchical_attention(q, k2, v2, block_size=6, mask=masks.causal())
     assert torch.equal(out[:, :, :13], out2[:, :, :13])
-    out3 = hierarchical_attention(q[:, 0], k[:, 0], v[:, 0], block_size=6, causal=True)
+    out3 = hierarchical_attention(q[:, 0], k[:, 0], v[:, 0], block_size=6, mask=masks.causal())
     q1 = q[:, :1]
-    one_head = hierarchical_attention(q1, k[:, :1], v[:, :1], block_size=6, causal=True)
+    one_head = hierarchical_attention(q1, k[:, :1], v[:, :1], block_size=6, mask=masks.causal())
     torch.testing.assert_close(out3, one_head[:, 0], atol=0, rtol=0)
-    mod = HierarchicalAttention(6, causal=True, scale=0.3)
+    mod = HierarchicalAttention(6, scale=0.3)
     torch.testing.assert_close(
-        mod(q, k, v),
-        reference.hierarchical_attention(q, k, v, block_size=6, causal=True, scale=0.3),
+        mod(q, k, v, mask=masks.causal()),
+        reference.hierarchical_attention(q, k, v, block_size=6, scale=0.3, mask=masks.causal()),
         atol=1e-12,
         rtol=0,
     )
     q0, k0, v0 = qkv(L=0)
     assert hierarchical_attention(q0, k0, v0, block_size=4).shape == (2, 4, 0, 5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "L,block,lengths", [(17, 4, [17, 9]), (97, 10, [0, 41]), (113, 16, [3, 96])]
+)
+def test_hierarchical_padding_matches_reference_fp64(causal, L, block, lengths):
+    """Padded keys leave both levels: blocks average their real keys, an empty block is no
+    summary, a row with no key is zeros (forward and backward against the float64 reference)."""
+    mask = masks.padding(lengths) if not causal else masks.causal() & masks.padding(lengths)
+    inputs = qkv(L=L, D=8, Dv=7, seed=L + block)
+    assert_fp64_equal(
+        lambda q, k, v: hierarchical_attention(q, k, v, block_size=block, mask=mask),
+        lambda q, k, v: reference.hierarchical_attention(q, k, v, block_size=block, mask=mask),
+        inputs,
+    )
+
+
+def test_hierarchical_padding_equals_the_truncated_sequence_and_hides_nan():
+    """The real rows of a padded batch item equal hierarchical attention of its real prefix."""
+    q, k, v = qkv(L=23, seed=4)
+    n = 14
+    out = hierarchical_attention(q, k, v, block_size=5, mask=masks.padding([n, 23]))
+    short = hierarchical_attention(q[:1, :, :n], k[:1, :, :n], v[:1, :, :n], block_size=5)
+    torch.testing.assert_close(out[:1, :, :n], short, atol=1e-12, rtol=0)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[0, :, n:], v_bad[0, :, n:] = float("nan"), float("inf")
+    again = hierarchical_attention(q, k_bad, v_bad, block_size=5, mask=masks.padding([n, 23]))
+    torch.testing.assert_close(again, out, atol=0, rtol=0)
+    empty = hierarchical_attention(q, k, v, block_size=5, mask=masks.padding([0, 23]))
+    assert torch.equal(empty[0], torch.zeros_like(empty[0]))
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [masks.sliding_window(3), masks.causal() | masks.padding([3, 6]), torch.ones(6, 6).bool()],
+    ids=["window", "union", "tensor"],
+)
+def test_hierarchical_refuses_other_masks_before_any_work(mask):
+    q, k, v = qkv(L=6)
+    with pytest.raises(
+        ValueError,
+        match=r"hierarchical_attention: mask must be None, "
+        r"masks\.causal\(\), masks\.padding\(lengths\) or an & of them, got ",
+    ):
+        hierarchical_attention(q, k, v, block_size=2, mask=mask)
 
 
 def test_hierarchical_errors():

@@ -473,32 +473,22 @@ class _Wrap(torch.nn.Module):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("kind", ["linear", "favor", "favor+key_mask"])
+@pytest.mark.parametrize("kind", ["linear", "favor", "favor+padding"])
 def test_linear_and_favor_attention_compiled(kind, causal):
     from attnlab.functional.linear import linear_attention
     from attnlab.functional.performer import favor_attention, favor_projection
 
     q, k, v = (seeded(1, 2, 40, 8, seed=s).float() for s in (1, 2, 3))
-    key_mask = None
-    if kind.endswith("key_mask"):
-        key_mask = torch.ones(1, 40, dtype=torch.bool)
-        key_mask[0, 30:] = False
+    mask = masks.causal() if causal else None
+    if kind.endswith("padding"):
+        mask = masks.padding([30]) if mask is None else mask & masks.padding([30])
     w = favor_projection(16, 8, generator=torch.Generator().manual_seed(0))
     holder = _Wrap(w=w)
 
     def fn(m, q, k, v):
         if kind == "linear":
-            return linear_attention(q, k, v, causal=causal)
-        return favor_attention(
-            q,
-            k,
-            v,
-            num_features=16,
-            projection=m.w,
-            causal=causal,
-            key_mask=key_mask,
-            chunk_size=8,
-        )
+            return linear_attention(q, k, v, mask=mask)
+        return favor_attention(q, k, v, num_features=16, projection=m.w, chunk_size=8, mask=mask)
 
     check_compiled(holder, fn, [q, k, v])
 

@@ -15,10 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attnlab
+from attnlab import masks
 from attnlab.functional import reference
 from attnlab.linear import LinearAttention, LinearAttentionState, linear_attention
 from helpers import FIXED_TABLE, LargestTensor, check_against_reference, fwd_bwd, seeded
-from nan_rule_linear import check_nan_rule, expected_finite, keep_matrix, planted
+from nan_rule_linear import as_mask, check_nan_rule, expected_finite, keep_matrix, planted
 
 F64 = torch.float64
 FWD_ATOL, FWD_RTOL, GRAD_ATOL, GRAD_RTOL = FIXED_TABLE[F64]
@@ -61,10 +62,12 @@ def test_matches_reference_fp64_forward_and_grads(causal, feature_map, L, S, D):
     inputs = qkv(L=L, S=S, D=D, Dv=7, seed=L + S)
 
     def fast(q, k, v):
-        return linear_attention(q, k, v, feature_map=feature_map, causal=causal)
+        return linear_attention(q, k, v, feature_map=feature_map, mask=as_mask(causal, None))
 
     def ref(q, k, v):
-        return reference.linear_attention(q, k, v, feature_map=feature_map, causal=causal)
+        return reference.linear_attention(
+            q, k, v, feature_map=feature_map, mask=as_mask(causal, None)
+        )
 
     assert_fp64_equal(fast, ref, inputs)
 
@@ -72,7 +75,7 @@ def test_matches_reference_fp64_forward_and_grads(causal, feature_map, L, S, D):
 def test_reference_is_the_textbook_formula():
     """Guards the reference itself: one query row written out by hand (elu + 1, causal)."""
     q, k, v = qkv(B=1, H=1, H_kv=1, L=6, S=6, D=4, Dv=3)
-    out = reference.linear_attention(q, k, v, causal=True)
+    out = reference.linear_attention(q, k, v, mask=masks.causal())
     i = 3
     phi_q = F.elu(q[0, 0, i]) + 1
     weights = torch.stack([phi_q @ (F.elu(k[0, 0, j]) + 1) for j in range(i + 1)])
@@ -88,9 +91,14 @@ def test_reference_is_the_textbook_formula():
 def test_tolerance_rule_low_precision(causal, dtype, L, S, D):
     inputs = list(qkv(L=L, S=S, D=D, Dv=D, dtype=dtype, seed=3))
     check_against_reference(
-        lambda q, k, v: linear_attention(q, k, v, causal=causal),
+        lambda q, k, v: linear_attention(q, k, v, mask=as_mask(causal, None)),
         lambda q, k, v, compute_dtype, reorder: reference.linear_attention(
-            q, k, v, causal=causal, compute_dtype=compute_dtype, reorder=reorder
+            q,
+            k,
+            v,
+            compute_dtype=compute_dtype,
+            reorder=reorder,
+            mask=as_mask(causal, None),
         ),
         inputs,
     )
@@ -100,25 +108,33 @@ def test_gradcheck_small():
     q, k, v = (x.requires_grad_(True) for x in qkv(B=1, H=2, H_kv=1, L=5, S=7, D=3, Dv=2))
     for causal in (False, True):
         assert torch.autograd.gradcheck(
-            lambda q, k, v, c=causal: linear_attention(q, k, v, causal=c, chunk_size=2), (q, k, v)
+            lambda q, k, v, c=causal: linear_attention(
+                q, k, v, chunk_size=2, mask=as_mask(c, None)
+            ),
+            (q, k, v),
         )
 
 
 def test_gqa_equals_repeat_interleave():
     q, k, v = qkv(H=6, H_kv=2, L=19, S=19)
     for causal in (False, True):
-        out = linear_attention(q, k, v, causal=causal)
+        out = linear_attention(q, k, v, mask=as_mask(causal, None))
         mha = linear_attention(
-            q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), causal=causal
+            q,
+            k.repeat_interleave(3, dim=1),
+            v.repeat_interleave(3, dim=1),
+            mask=as_mask(causal, None),
         )
         torch.testing.assert_close(out, mha, atol=1e-12, rtol=0)
 
 
 def test_three_d_inputs_are_one_head():
     q, k, v = qkv(H=1, H_kv=1, L=9, S=11)
-    out3 = linear_attention(q[:, 0], k[:, 0], v[:, 0], causal=True)
+    out3 = linear_attention(q[:, 0], k[:, 0], v[:, 0], mask=masks.causal())
     assert out3.shape == (2, 9, 5)
-    torch.testing.assert_close(out3, linear_attention(q, k, v, causal=True)[:, 0], atol=0, rtol=0)
+    torch.testing.assert_close(
+        out3, linear_attention(q, k, v, mask=masks.causal())[:, 0], atol=0, rtol=0
+    )
 
 
 def test_non_causal_keeps_no_order():
@@ -145,11 +161,13 @@ def recurrent(q, k, v, feature_map="elu", eps=1e-6):
 @pytest.mark.parametrize("feature_map", FEATURE_MAPS, ids=["elu", "relu", "callable"])
 def test_f1_parallel_chunked_recurrent_agree(feature_map):
     q, k, v = qkv(L=37, S=37, D=6, Dv=4)
-    parallel = reference.linear_attention(q, k, v, feature_map=feature_map, causal=True)
+    parallel = reference.linear_attention(q, k, v, feature_map=feature_map, mask=masks.causal())
     rec = recurrent(q, k, v, feature_map)
     torch.testing.assert_close(rec, parallel, atol=1e-10, rtol=0)
     for chunk in (1, 3, 16):
-        chunked = linear_attention(q, k, v, feature_map=feature_map, causal=True, chunk_size=chunk)
+        chunked = linear_attention(
+            q, k, v, feature_map=feature_map, chunk_size=chunk, mask=masks.causal()
+        )
         torch.testing.assert_close(chunked, parallel, atol=1e-10, rtol=0)
         torch.testing.assert_close(chunked, rec, atol=1e-10, rtol=0)
 
@@ -160,8 +178,8 @@ def test_causal_actually_masks_the_future():
     k2, v2 = k.clone(), v.clone()
     k2[:, :, -1] += 1.0
     v2[:, :, -1] += 1.0
-    a = linear_attention(q, k, v, causal=True)
-    b = linear_attention(q, k2, v2, causal=True)
+    a = linear_attention(q, k, v, mask=masks.causal())
+    b = linear_attention(q, k2, v2, mask=masks.causal())
     assert torch.equal(a[:, :, :-1], b[:, :, :-1])
     assert not torch.allclose(a[:, :, -1], b[:, :, -1])
 
@@ -169,7 +187,7 @@ def test_causal_actually_masks_the_future():
 @pytest.mark.parametrize("prefill", [0, 1, 7, 20])
 def test_prefill_then_decode_equals_full_causal(prefill):
     q, k, v = qkv(L=20, S=20)
-    full = linear_attention(q, k, v, causal=True)
+    full = linear_attention(q, k, v, mask=masks.causal())
     state = LinearAttentionState()
     if prefill:
         state.append(k[:, :, :prefill], v[:, :, :prefill])
@@ -184,7 +202,7 @@ def test_prefill_then_decode_equals_full_causal(prefill):
         decoded = torch.stack(steps, dim=2)
         torch.testing.assert_close(decoded, full[:, :, prefill:], atol=1e-10, rtol=0)
         # bottom-right alignment: the last L - prefill queries against all 20 keys
-        tail = linear_attention(q[:, :, prefill:], k, v, causal=True)
+        tail = linear_attention(q[:, :, prefill:], k, v, mask=masks.causal())
         torch.testing.assert_close(decoded, tail, atol=1e-10, rtol=0)
     assert state.length == 20
 
@@ -222,9 +240,11 @@ def test_h13_parallel_equals_recurrent(B, H_kv, G, L, D, Dv, feature_map, chunk,
     q = torch.randn(B, H_kv * G, L, D, generator=g, dtype=F64)
     k = torch.randn(B, H_kv, L, D, generator=g, dtype=F64)
     v = torch.randn(B, H_kv, L, Dv, generator=g, dtype=F64)
-    parallel = reference.linear_attention(q, k, v, feature_map=feature_map, causal=True)
+    parallel = reference.linear_attention(q, k, v, feature_map=feature_map, mask=masks.causal())
     rec = recurrent(q, k, v, feature_map)
-    chunked = linear_attention(q, k, v, feature_map=feature_map, causal=True, chunk_size=chunk)
+    chunked = linear_attention(
+        q, k, v, feature_map=feature_map, chunk_size=chunk, mask=masks.causal()
+    )
     torch.testing.assert_close(rec, parallel, atol=1e-10, rtol=0)
     torch.testing.assert_close(chunked, parallel, atol=1e-10, rtol=0)
 
@@ -240,7 +260,7 @@ def test_f2_all_padding_row_outputs_zero_with_finite_grads(causal, eps):
     key_mask[1] = False  # batch item 1: every key is padding
     key_mask[0, 4:] = False
     out, (dq, dk, dv) = fwd_bwd(
-        lambda q, k, v: linear_attention(q, k, v, causal=causal, eps=eps, key_mask=key_mask),
+        lambda q, k, v: linear_attention(q, k, v, eps=eps, mask=as_mask(causal, key_mask)),
         [q, k, v],
     )
     assert torch.equal(out[1], torch.zeros_like(out[1]))
@@ -249,30 +269,30 @@ def test_f2_all_padding_row_outputs_zero_with_finite_grads(causal, eps):
         dv[0, :, 4:], dv[0, :, 4:] * 0
     )
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
-    ref = reference.linear_attention(q, k, v, causal=causal, eps=eps, key_mask=key_mask)
+    ref = reference.linear_attention(q, k, v, eps=eps, mask=as_mask(causal, key_mask))
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
 
 
 def test_f2_key_mask_equals_dropping_keys_and_hides_nan():
     q, k, v = qkv(L=7, S=10)
     key_mask = torch.tensor([[True] * 6 + [False] * 4, [True] * 10])
-    out = linear_attention(q, k, v, key_mask=key_mask)
+    out = linear_attention(q, k, v, mask=as_mask(False, key_mask))
     dropped = linear_attention(q[:1], k[:1, :, :6], v[:1, :, :6])
     torch.testing.assert_close(out[:1], dropped, atol=1e-12, rtol=0)
     k_nan, v_nan = k.clone(), v.clone()
     k_nan[0, :, 6:] = float("nan")
     v_nan[0, :, 6:] = float("inf")
     for causal in (False, True):
-        clean = linear_attention(q, k, v, key_mask=key_mask, causal=causal)
-        assert torch.equal(
-            linear_attention(q, k_nan, v_nan, key_mask=key_mask, causal=causal), clean
-        )
+        clean = linear_attention(q, k, v, mask=as_mask(causal, key_mask))
+        assert torch.equal(linear_attention(q, k_nan, v_nan, mask=as_mask(causal, key_mask)), clean)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_f2_zero_length_query(causal):
     q, k, v = qkv(L=0, S=5)
-    out, (_, dk, dv) = fwd_bwd(lambda q, k, v: linear_attention(q, k, v, causal=causal), [q, k, v])
+    out, (_, dk, dv) = fwd_bwd(
+        lambda q, k, v: linear_attention(q, k, v, mask=as_mask(causal, None)), [q, k, v]
+    )
     assert out.shape == (2, 4, 0, 5)
     assert torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
 
@@ -282,7 +302,7 @@ def test_f2_zero_length_query(causal):
 def test_f2_zero_length_keys(causal, eps):
     q, k, v = qkv(L=4, S=0)
     out, (dq, _, _) = fwd_bwd(
-        lambda q, k, v: linear_attention(q, k, v, causal=causal, eps=eps), [q, k, v]
+        lambda q, k, v: linear_attention(q, k, v, eps=eps, mask=as_mask(causal, None)), [q, k, v]
     )
     assert out.shape == (2, 4, 4, 5) and torch.equal(out, torch.zeros_like(out))
     assert torch.equal(dq, torch.zeros_like(dq))
@@ -290,10 +310,10 @@ def test_f2_zero_length_keys(causal, eps):
 
 def test_f2_causal_queries_before_the_first_key_are_zero():
     q, k, v = qkv(L=9, S=4)  # bottom-right: the first 5 queries see no key
-    out = linear_attention(q, k, v, causal=True, eps=0.0)
+    out = linear_attention(q, k, v, eps=0.0, mask=masks.causal())
     assert torch.equal(out[:, :, :5], torch.zeros_like(out[:, :, :5]))
     torch.testing.assert_close(
-        out, reference.linear_attention(q, k, v, causal=True, eps=0.0), atol=1e-12, rtol=0
+        out, reference.linear_attention(q, k, v, eps=0.0, mask=masks.causal()), atol=1e-12, rtol=0
     )
 
 
@@ -304,7 +324,12 @@ def test_f2_relu_all_zero_features_are_guarded():
     for causal in (False, True):
         out, grads = fwd_bwd(
             lambda q, k, v, c=causal: linear_attention(
-                q, k, v, feature_map="relu", eps=0.0, causal=c
+                q,
+                k,
+                v,
+                feature_map="relu",
+                eps=0.0,
+                mask=as_mask(c, None),
             ),
             [q, k, v],
         )
@@ -321,18 +346,31 @@ def test_f2_fp16_accumulates_in_fp32_and_stays_finite_up_to_1e3(causal, feature_
     q16, k16, v16 = (x.half() for x in (q, k, v))
     # The inputs are adversarial: the same formula accumulated in fp16 overflows.
     naive16 = reference.linear_attention(
-        q16, k16, v16, feature_map=feature_map, causal=causal, compute_dtype=torch.float16
+        q16,
+        k16,
+        v16,
+        feature_map=feature_map,
+        compute_dtype=torch.float16,
+        mask=as_mask(causal, None),
     )
     assert not torch.isfinite(naive16).all()
-    out = linear_attention(q16, k16, v16, feature_map=feature_map, causal=causal)
+    out = linear_attention(q16, k16, v16, feature_map=feature_map, mask=as_mask(causal, None))
     assert out.dtype == torch.float16 and torch.isfinite(out).all()
     # accumulating in fp32 means: bit-equal to the fp32 computation on the upcast inputs
     out32 = linear_attention(
-        q16.float(), k16.float(), v16.float(), feature_map=feature_map, causal=causal
+        q16.float(),
+        k16.float(),
+        v16.float(),
+        feature_map=feature_map,
+        mask=as_mask(causal, None),
     )
     assert torch.equal(out, out32.half())
     golden = reference.linear_attention(
-        q16.double(), k16.double(), v16.double(), feature_map=feature_map, causal=causal
+        q16.double(),
+        k16.double(),
+        v16.double(),
+        feature_map=feature_map,
+        mask=as_mask(causal, None),
     )
     atol, rtol, _, _ = FIXED_TABLE[torch.float16]
     torch.testing.assert_close(out.double(), golden, atol=atol, rtol=rtol)
@@ -357,7 +395,7 @@ def test_no_l_by_s_tensor_forward_or_backward():
     # ... and the fast forms stay within O(L · chunk) elements
     for causal in (False, True):
         largest = largest_tensor(
-            lambda q, k, v, c=causal: linear_attention(q, k, v, causal=c), inputs
+            lambda q, k, v, c=causal: linear_attention(q, k, v, mask=as_mask(c, None)), inputs
         )
         assert largest <= 2 * L * 64, (causal, largest)
 
@@ -370,11 +408,11 @@ def test_causal_time_scales_linearly():
     def best(L: int) -> float:
         q, k, v = (torch.randn(1, 8, L, 64) for _ in range(3))
         with torch.no_grad():
-            linear_attention(q, k, v, causal=True)
+            linear_attention(q, k, v, mask=masks.causal())
             times = []
             for _ in range(3):
                 t0 = time.process_time()
-                linear_attention(q, k, v, causal=True)
+                linear_attention(q, k, v, mask=masks.causal())
                 times.append(time.process_time() - t0)
         return min(times)
 
@@ -386,15 +424,24 @@ def test_causal_time_scales_linearly():
 
 def test_module_equals_function_and_new_state_decodes():
     q, k, v = qkv(L=11, S=11)
-    attn = LinearAttention("relu", causal=True, eps=1e-5)
+    attn = LinearAttention("relu", eps=1e-5)
     assert list(attn.parameters()) == []
+    causal = masks.causal()
     torch.testing.assert_close(
-        attn(q, k, v),
-        linear_attention(q, k, v, feature_map="relu", causal=True, eps=1e-5),
+        attn(q, k, v, mask=causal),
+        linear_attention(q, k, v, feature_map="relu", eps=1e-5, mask=masks.causal()),
         atol=0,
         rtol=0,
     )
-    torch.testing.assert_close(recurrent(q, k, v, "relu", 1e-5), attn(q, k, v), atol=1e-10, rtol=0)
+    got = attn(q, k, v, mask=causal)
+    torch.testing.assert_close(recurrent(q, k, v, "relu", 1e-5), got, atol=1e-10, rtol=0)
+    padded = masks.padding([7, 11])
+    torch.testing.assert_close(
+        attn(q, k, v, mask=padded),
+        reference.linear_attention(q, k, v, feature_map="relu", eps=1e-5, mask=padded),
+        atol=1e-12,
+        rtol=0,
+    )
     state = attn.new_state()
     assert state.eps == 1e-5
     assert "feature_map='relu'" in repr(attn)
@@ -439,18 +486,50 @@ def test_error_feature_map_with_mismatched_sizes():
         ({"chunk_size": 2.0}, TypeError, r"chunk_size must be an int >= 1, got float 2.0"),
         ({"causal": 1}, TypeError, r"causal must be a bool, got int 1"),
         (
-            {"key_mask": torch.ones(2, 5, dtype=torch.bool)},
+            {"mask": masks.padding([6, 6, 6])},
             ValueError,
-            r"key_mask must have shape \(B, S\) = \(2, 6\) .* got \(2, 5\)",
+            r"linear_attention: mask padding\(\[6, 6, 6\]\) has 3 lengths, expected 1 or batch=2",
         ),
-        ({"key_mask": torch.ones(2, 6)}, TypeError, r"key_mask must be bool .* got torch.float32"),
-        ({"key_mask": [True]}, TypeError, r"key_mask must be a bool tensor"),
     ],
 )
 def test_error_bad_arguments(kwargs, exc, pattern):
     q, k, v = qkv(L=5, S=6, dtype=torch.float32)
     with pytest.raises(exc, match=pattern):
         linear_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "mask,got",
+    [
+        (masks.sliding_window(2), r"sliding_window\(2, causal=True\)"),
+        (masks.causal() | masks.padding([3, 4]), r"\(causal\(\) \| padding\(\[3, 4\]\)\)"),
+        (masks.causal() & masks.document.from_lengths([3, 3]), r".*document"),
+        (torch.ones(5, 6, dtype=torch.bool), r"Tensor\(dtype=torch.bool, shape=\(5, 6\)\)"),
+    ],
+    ids=["window", "union", "document", "tensor"],
+)
+def test_error_unsupported_mask_names_argument_supported_forms_and_value(mask, got):
+    q, k, v = qkv(L=5, S=6, dtype=torch.float32)
+    supported = r"mask must be None, masks\.causal\(\), masks\.padding\(lengths\) or an & of them"
+    for fn in (linear_attention, reference.linear_attention):
+        with pytest.raises(ValueError, match=rf"linear_attention: {supported}, got {got}"):
+            fn(q, k, v, mask=mask)
+
+
+def test_causal_keyword_is_deprecated_and_still_works():
+    q, k, v = qkv(L=5, S=6)
+    with pytest.warns(DeprecationWarning, match=r"linear_attention\(causal=\.\.\.\) is deprecated"):
+        old = linear_attention(q, k, v, causal=True)
+    torch.testing.assert_close(old, linear_attention(q, k, v, mask=masks.causal()), atol=0, rtol=0)
+    pad = masks.padding([4, 6])
+    with pytest.warns(DeprecationWarning):
+        both = linear_attention(q, k, v, causal=True, mask=pad)
+    torch.testing.assert_close(
+        both, linear_attention(q, k, v, mask=masks.causal() & pad), atol=0, rtol=0
+    )
+    with pytest.warns(DeprecationWarning):
+        off = linear_attention(q, k, v, causal=False, mask=pad)
+    torch.testing.assert_close(off, linear_attention(q, k, v, mask=pad), atol=0, rtol=0)
 
 
 def test_error_shape_mismatches_name_the_shapes():
@@ -511,16 +590,15 @@ def test_nan_rule_fast_and_reference(seed, L, S, causal, padded):
     if padded:
         key_mask = torch.ones(2, S, dtype=torch.bool)
         key_mask[0, S - 3 :] = False
-        key_mask[1] = False
-        key_mask[1, 2] = True  # item 1: a single real key (causal rows before it see none)
+        key_mask[1, 3:] = False  # item 1: three real keys (causal rows before them see none)
     inputs = planted(seed + 10 * L, L=L, S=S, key_mask=key_mask)
     keep = keep_matrix(2, L, S, causal, key_mask)
 
     def fast(q, k, v):
-        return linear_attention(q, k, v, causal=causal, key_mask=key_mask, chunk_size=4)
+        return linear_attention(q, k, v, chunk_size=4, mask=as_mask(causal, key_mask))
 
     def ref(q, k, v):
-        return reference.linear_attention(q, k, v, causal=causal, key_mask=key_mask)
+        return reference.linear_attention(q, k, v, mask=as_mask(causal, key_mask))
 
     check_nan_rule(fast, ref, inputs, keep, key_mask)
 
@@ -534,8 +612,8 @@ def test_nan_rule_causal_value_reaches_only_later_rows(bad):
         k2, v2 = k.clone(), v.clone()
         (k2 if name == "k" else v2)[1, 0, 6, 2] = bad
         for fn in (
-            lambda *a: linear_attention(*a, causal=True, chunk_size=3),
-            lambda *a: reference.linear_attention(*a, causal=True),
+            lambda *a: linear_attention(*a, chunk_size=3, mask=masks.causal()),
+            lambda *a: reference.linear_attention(*a, mask=masks.causal()),
         ):
             clean, out = fn(q, k, v), fn(q, k2, v2)
             assert torch.equal(out[:, :, :6], clean[:, :, :6])  # rows before j: untouched
@@ -556,9 +634,11 @@ def test_nan_rule_non_causal_padding_never_leaks():
     v_bad[:, :, 6:] = float("inf")
     k_bad[1], v_bad[1] = float("-inf"), float("nan")
     for fn in (linear_attention, reference.linear_attention):
-        out, grads = fwd_bwd(lambda q, k, v, f=fn: f(q, k, v, key_mask=key_mask), [q, k, v])
+        out, grads = fwd_bwd(
+            lambda q, k, v, f=fn: f(q, k, v, mask=as_mask(False, key_mask)), [q, k, v]
+        )
         out_bad, grads_bad = fwd_bwd(
-            lambda q, k, v, f=fn: f(q, k, v, key_mask=key_mask), [q, k_bad, v_bad]
+            lambda q, k, v, f=fn: f(q, k, v, mask=as_mask(False, key_mask)), [q, k_bad, v_bad]
         )
         assert torch.equal(out_bad, out) and torch.equal(out[1], torch.zeros_like(out[1]))
         for g, gb in zip(grads, grads_bad, strict=True):
@@ -570,7 +650,7 @@ def test_nan_rule_query_of_a_row_with_no_key_gives_zeros():
     q = q.clone()
     q[:, :, 2] = float("nan")
     q[:, :, 7] = float("-inf")
-    out = linear_attention(q, k, v, causal=True)
+    out = linear_attention(q, k, v, mask=masks.causal())
     assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
     assert torch.isnan(out[:, :, 7]).all() and torch.isfinite(out[:, :, 8]).all()
 
@@ -579,7 +659,7 @@ def test_nan_rule_query_of_a_row_with_no_key_gives_zeros():
 def test_nan_rule_recurrent_equals_chunked(prefill):
     """`LinearAttentionState` (prefill + steps) under the rule equals the chunked causal form."""
     q, k, v = planted(5, L=8, S=8 + prefill)
-    want = linear_attention(q, k, v, causal=True, chunk_size=3)
+    want = linear_attention(q, k, v, chunk_size=3, mask=masks.causal())
     state = LinearAttentionState()
     if prefill:
         state.append(k[:, :, :prefill], v[:, :, :prefill])

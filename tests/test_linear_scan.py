@@ -13,11 +13,12 @@ import torch
 
 import attnlab.functional.kernel_scan as ks
 import attnlab.functional.linear as lin
+from attnlab import masks
 from attnlab.functional import nan_rule, reference
 from attnlab.functional.linear_features import clean_features
 from attnlab.linear import favor_attention, favor_projection, linear_attention
 from helpers import FIXED_TABLE, LargestTensor, fwd_bwd, seeded
-from nan_rule_linear import check_nan_rule, keep_matrix, planted
+from nan_rule_linear import as_mask, check_nan_rule, keep_matrix, planted
 
 F64 = torch.float64
 FWD_ATOL, FWD_RTOL, GRAD_ATOL, GRAD_RTOL = FIXED_TABLE[F64]
@@ -52,12 +53,12 @@ def qkv(B=2, H=4, H_kv=2, L=17, S=17, D=8, Dv=5, seed=0, scale=1.0):
 
 
 def padding(B: int, S: int, seed: int) -> torch.Tensor:
-    """Random key padding with an all-padding item and a leading run of padding."""
+    """Random key padding (a real prefix per item) with an all-padding last item."""
     g = torch.Generator().manual_seed(seed)
-    key_mask = torch.rand(B, S, generator=g) > 0.3
-    key_mask[0, : S // 3] = False  # causal rows of item 0 start with no real key
-    key_mask[-1] = False
-    return key_mask
+    lengths = torch.randint(0, S + 1, (B,), generator=g)
+    lengths[0] = S // 3  # item 0: most keys are padding
+    lengths[-1] = 0
+    return torch.arange(S) < lengths[:, None]
 
 
 def assert_equal_to_reference(fast, ref, inputs):
@@ -102,12 +103,21 @@ def test_linear_scan_in_blocks_equals_reference(
 
     def fast(q, k, v):
         return linear_attention(
-            q, k, v, feature_map=phi, causal=True, key_mask=key_mask, chunk_size=chunk
+            q,
+            k,
+            v,
+            feature_map=phi,
+            chunk_size=chunk,
+            mask=as_mask(True, key_mask),
         )
 
     def ref(q, k, v):
         return reference.linear_attention(
-            q, k, v, feature_map=feature_map, causal=True, key_mask=key_mask
+            q,
+            k,
+            v,
+            feature_map=feature_map,
+            mask=as_mask(True, key_mask),
         )
 
     assert_equal_to_reference(fast, ref, inputs)
@@ -132,7 +142,7 @@ def test_favor_in_blocks_equals_reference(blocks, L, S, chunk, nbytes, causal):
         return _favor(W, key_mask, chunk, causal)(q, k, v)
 
     def ref(q, k, v, W):
-        return reference.favor_attention(q, k, v, W, causal=causal, key_mask=key_mask)
+        return reference.favor_attention(q, k, v, W, mask=as_mask(causal, key_mask))
 
     assert_equal_to_reference(fast, ref, [*inputs, W])
     assert len(calls) >= 3 and sum(calls) == (min(L, S) if causal else L)
@@ -163,8 +173,7 @@ def test_nan_rule_carried_across_blocks(blocks, finite_blocks, seed, L, S, padde
     if padded:
         key_mask = torch.ones(2, S, dtype=torch.bool)
         key_mask[0, S - 3 :] = False
-        key_mask[1] = False
-        key_mask[1, S // 2] = True  # item 1: one real key; causal rows before it see none
+        key_mask[1, 1:] = False  # item 1: one real key; causal rows before it see none
     inputs = planted(seed + 7 * L, L=L, S=S, key_mask=key_mask)
     keep = keep_matrix(2, L, S, True, key_mask)
     calls = blocks(1)
@@ -173,11 +182,16 @@ def test_nan_rule_carried_across_blocks(blocks, finite_blocks, seed, L, S, padde
 
     def fast(q, k, v):
         return linear_attention(
-            q, k, v, feature_map=phi, causal=True, key_mask=key_mask, chunk_size=2
+            q,
+            k,
+            v,
+            feature_map=phi,
+            chunk_size=2,
+            mask=as_mask(True, key_mask),
         )
 
     def ref(q, k, v):
-        return reference.linear_attention(q, k, v, causal=True, key_mask=key_mask)
+        return reference.linear_attention(q, k, v, mask=as_mask(True, key_mask))
 
     check_nan_rule(fast, ref, inputs, keep, key_mask)
     assert len(calls) >= 4
@@ -194,8 +208,8 @@ def test_nan_rule_bad_key_and_value_reach_every_later_block(blocks, finite_block
     for name in ("k", "v"):
         k2, v2 = k.clone(), v.clone()
         (k2 if name == "k" else v2)[0, 0, j, 1] = float("nan")
-        clean = linear_attention(q, k, v, causal=True, chunk_size=2)
-        out = linear_attention(q, k2, v2, causal=True, chunk_size=2)
+        clean = linear_attention(q, k, v, chunk_size=2, mask=masks.causal())
+        out = linear_attention(q, k2, v2, chunk_size=2, mask=masks.causal())
         first = max(j - (S - L), 0)
         assert torch.equal(out[:, :, :first], clean[:, :, :first])
         cols = slice(None) if name == "k" else 1
@@ -203,23 +217,22 @@ def test_nan_rule_bad_key_and_value_reach_every_later_block(blocks, finite_block
         if name == "v":
             torch.testing.assert_close(out[:, :, :, [0, 2, 3, 4]], clean[:, :, :, [0, 2, 3, 4]])
         key_mask = torch.ones(1, S, dtype=torch.bool)
-        key_mask[0, j] = False  # the bad key is padding: nothing changes
-        hidden = linear_attention(q, k2, v2, causal=True, chunk_size=2, key_mask=key_mask)
+        key_mask[0, j:] = False  # the bad key is padding: nothing changes
+        hidden = linear_attention(q, k2, v2, chunk_size=2, mask=as_mask(True, key_mask))
         assert torch.equal(
-            hidden, linear_attention(q, k, v, causal=True, chunk_size=2, key_mask=key_mask)
+            hidden, linear_attention(q, k, v, chunk_size=2, mask=as_mask(True, key_mask))
         )
 
 
 def test_nan_query_of_rows_whose_keys_are_all_padding_gives_zeros(blocks, finite_blocks):
-    """The running count of real keys: rows before the first real key (blocks later) are zeros
-    even with a NaN query; the first row that has one is NaN."""
-    q, k, v = qkv(B=1, H=1, H_kv=1, L=10, S=10)
-    key_mask = torch.zeros(1, 10, dtype=torch.bool)
-    key_mask[0, 7:] = True
+    """The running count of keys: rows before the first key (bottom-right, blocks later) are
+    zeros even with a NaN query; the first row that has one is NaN."""
+    q, k, v = qkv(B=1, H=1, H_kv=1, L=10, S=3)  # bottom-right: rows 0..6 have no key
+    key_mask = torch.ones(1, 3, dtype=torch.bool)
     q = q.clone()
     q[0, 0, [2, 5, 8]] = float("nan")
     blocks(1)
-    out = linear_attention(q, k, v, causal=True, key_mask=key_mask, chunk_size=2)
+    out = linear_attention(q, k, v, chunk_size=2, mask=as_mask(True, key_mask))
     assert torch.equal(out[0, 0, :7], torch.zeros(7, 5, dtype=F64))
     assert torch.isnan(out[0, 0, 8]).all() and torch.isfinite(out[0, 0, [7, 9]]).all()
 
@@ -239,7 +252,7 @@ def test_no_intermediate_larger_than_the_inputs(blocks, S):
     ]
     calls = blocks(128 * 32 * 4)  # 128 tokens of 32 floats: 4 chunks per block
     with LargestTensor() as mode:
-        out = linear_attention(*xs, causal=True, chunk_size=C)
+        out = linear_attention(*xs, chunk_size=C, mask=masks.causal())
         out.sum().backward()
     assert mode.largest == S * D  # k's own size (its gradient)
     assert calls == [128] * 8
@@ -266,15 +279,25 @@ def test_inference_writes_the_same_output_as_autograd(blocks, dtype, L, S):
     phi = as_callable("elu")
     with torch.no_grad():
         out = linear_attention(
-            q, k, v, feature_map=phi, causal=True, key_mask=key_mask, chunk_size=4
+            q,
+            k,
+            v,
+            feature_map=phi,
+            chunk_size=4,
+            mask=as_mask(True, key_mask),
         )
-        fused = linear_attention(q, k, v, causal=True, key_mask=key_mask, chunk_size=4)
+        fused = linear_attention(q, k, v, chunk_size=4, mask=as_mask(True, key_mask))
     assert len(calls) >= 3
     q_g = q.clone().requires_grad_(True)
     out_g = linear_attention(
-        q_g, k, v, feature_map=phi, causal=True, key_mask=key_mask, chunk_size=4
+        q_g,
+        k,
+        v,
+        feature_map=phi,
+        chunk_size=4,
+        mask=as_mask(True, key_mask),
     )
-    fused_g = linear_attention(q_g, k, v, causal=True, key_mask=key_mask, chunk_size=4)
+    fused_g = linear_attention(q_g, k, v, chunk_size=4, mask=as_mask(True, key_mask))
     assert torch.equal(fused.nan_to_num(0.0), fused_g.detach().nan_to_num(0.0))
     assert out_g.grad_fn is not None and out.dtype == dtype
     assert torch.equal(out.isnan(), out_g.isnan()) and out.isnan().any()
@@ -308,10 +331,10 @@ def test_causal_scan_splits_each_input_once_when_aligned(blocks, L, S, splits) -
     blocks(4096)
     q = seeded(1, 2, L, 8, seed=1).requires_grad_(True)
     k, v = (seeded(1, 2, S, 8, seed=s).requires_grad_(True) for s in (2, 3))
-    out = linear_attention(q, k, v, feature_map=as_callable("elu"), causal=True)
+    out = linear_attention(q, k, v, feature_map=as_callable("elu"), mask=masks.causal())
     assert _graph_nodes(out).count("SplitWithSizesBackward0") == splits
     # the built-in maps: one node, whose backward writes dq, dk, dv in place block by block
-    fused = linear_attention(q, k, v, causal=True)
+    fused = linear_attention(q, k, v, mask=masks.causal())
     assert _graph_nodes(fused) == ["_CausalScanBackward"] + ["AccumulateGrad"] * 3
 
 
@@ -352,11 +375,11 @@ def test_fused_scan_keeps_only_its_inputs_and_a_row_per_token(kind):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         if kind == "linear":
-            out = linear_attention(q, k, v, causal=True)
+            out = linear_attention(q, k, v, mask=masks.causal())
         else:
             out = _favor(W, causal=kind == "favor")(q, k, v)
         ref_saved = len(saved)
-        linear_attention(q, k, v, feature_map=as_callable("elu"), causal=True)
+        linear_attention(q, k, v, feature_map=as_callable("elu"), mask=masks.causal())
     assert _graph_nodes(out)[0] == (
         "_CausalScanBackward" if kind == "linear" else "_FavorBlocksBackward"
     )
@@ -378,7 +401,7 @@ def test_fused_scan_compiles_and_runs_on_meta(kind):
     without data."""
     q, k, v = (seeded(1, 2, 300, 16, seed=s).requires_grad_(True) for s in (1, 2, 3))
     if kind == "linear":
-        run = lambda q, k, v: linear_attention(q, k, v, causal=True)  # noqa: E731
+        run = lambda q, k, v: linear_attention(q, k, v, mask=masks.causal())  # noqa: E731
     else:
         W = favor_projection(32, 16, generator=torch.Generator().manual_seed(0))
         run = _favor(W.to(q.device), causal=kind == "favor")
@@ -404,9 +427,8 @@ def _favor(W, key_mask=None, chunk=4, causal=True):
             v,
             num_features=W.shape[0],
             projection=W,
-            causal=causal,
-            key_mask=key_mask,
             chunk_size=chunk,
+            mask=as_mask(causal, key_mask),
         )
 
     return run
@@ -436,10 +458,10 @@ def test_second_derivatives_equal_the_reference(blocks, kind, L, S):
     if kind == "linear":
 
         def fast(q, k, v):
-            return linear_attention(q, k, v, causal=True, key_mask=key_mask, chunk_size=3)
+            return linear_attention(q, k, v, chunk_size=3, mask=as_mask(True, key_mask))
 
         def ref(q, k, v):
-            return reference.linear_attention(q, k, v, causal=True, key_mask=key_mask)
+            return reference.linear_attention(q, k, v, mask=as_mask(True, key_mask))
 
     else:
         W = favor_projection(16, 8, generator=torch.Generator().manual_seed(2), dtype=F64)
@@ -447,7 +469,7 @@ def test_second_derivatives_equal_the_reference(blocks, kind, L, S):
         fast = _favor(W, key_mask, chunk=3, causal=causal)
 
         def ref(q, k, v):
-            return reference.favor_attention(q, k, v, W, causal=causal, key_mask=key_mask)
+            return reference.favor_attention(q, k, v, W, mask=as_mask(causal, key_mask))
 
     got, want = _hvp(fast, inputs), _hvp(ref, inputs)
     assert len(calls) >= 3
@@ -470,7 +492,9 @@ def test_causal_kernel_attention_of_given_features_equals_reference(blocks, L, S
         return out.squeeze(2)
 
     def ref(fq, fk, v):
-        return reference.linear_attention(fq, fk, v, feature_map=lambda x: x, causal=True, eps=1e-3)
+        return reference.linear_attention(
+            fq, fk, v, feature_map=lambda x: x, eps=1e-3, mask=masks.causal()
+        )
 
     assert_equal_to_reference(fast, ref, inputs)
     assert len(calls) >= 3

@@ -26,7 +26,7 @@ from attnlab.linear import (
     favor_projection,
 )
 from helpers import FIXED_TABLE, check_against_reference, fwd_bwd, seeded
-from nan_rule_linear import check_nan_rule, keep_matrix, planted
+from nan_rule_linear import as_mask, check_nan_rule, keep_matrix, planted
 
 F64 = torch.float64
 FWD_ATOL, FWD_RTOL, GRAD_ATOL, GRAD_RTOL = FIXED_TABLE[F64]
@@ -61,10 +61,10 @@ def test_matches_reference_fp64_forward_and_grads(causal, M, L, S, D):
     W = projection(M, D, seed=M)
 
     def fast(q, k, v):
-        return favor_attention(q, k, v, num_features=M, projection=W, causal=causal)
+        return favor_attention(q, k, v, num_features=M, projection=W, mask=as_mask(causal, None))
 
     def ref(q, k, v):
-        return reference.favor_attention(q, k, v, W, causal=causal)
+        return reference.favor_attention(q, k, v, W, mask=as_mask(causal, None))
 
     out_f, grads_f = fwd_bwd(fast, inputs)
     out_r, grads_r = fwd_bwd(ref, inputs)
@@ -79,9 +79,17 @@ def test_tolerance_rule_low_precision(causal, dtype):
     inputs = list(qkv(L=97, S=113, D=40, Dv=40, dtype=dtype, seed=3))
     W = projection(64, 40, dtype=torch.float32)
     check_against_reference(
-        lambda q, k, v: favor_attention(q, k, v, num_features=64, projection=W, causal=causal),
+        lambda q, k, v: favor_attention(
+            q, k, v, num_features=64, projection=W, mask=as_mask(causal, None)
+        ),
         lambda q, k, v, compute_dtype, reorder: reference.favor_attention(
-            q, k, v, W, causal=causal, compute_dtype=compute_dtype, reorder=reorder
+            q,
+            k,
+            v,
+            W,
+            compute_dtype=compute_dtype,
+            reorder=reorder,
+            mask=as_mask(causal, None),
         ),
         inputs,
     )
@@ -91,7 +99,7 @@ def test_chunk_sizes_agree_and_draws_are_reproducible():
     q, k, v = qkv(L=37, S=37)
     W = projection(16, 8)
     outs = [
-        favor_attention(q, k, v, num_features=16, projection=W, causal=True, chunk_size=c)
+        favor_attention(q, k, v, num_features=16, projection=W, chunk_size=c, mask=masks.causal())
         for c in (1, 3, 16, 64)
     ]
     for out in outs[1:]:
@@ -183,7 +191,7 @@ def _mean_rel_error(q, k, v, M, causal, seeds):
     errs = []
     for s in seeds:
         g = torch.Generator().manual_seed(1000 * M + s)
-        out = favor_attention(q, k, v, num_features=M, causal=causal, generator=g)
+        out = favor_attention(q, k, v, num_features=M, generator=g, mask=as_mask(causal, None))
         errs.append(float(((out - exact).norm(dim=-1) / exact.norm(dim=-1)).mean()))
     e = torch.tensor(errs, dtype=F64)
     return float(e.mean()), float(e.std() / math.sqrt(len(errs)))
@@ -216,12 +224,18 @@ def test_stabilised_where_the_plain_formula_underflows(causal):
     q, k, v = qkv(B=1, H=2, H_kv=2, L=50, S=60, D=16, Dv=8, dtype=torch.float32, scale=10.0)
     W = projection(64, 16, dtype=torch.float32)
     golden = reference.favor_attention(
-        q.double(), k.double(), v.double(), W.double(), causal=causal
+        q.double(),
+        k.double(),
+        v.double(),
+        W.double(),
+        mask=as_mask(causal, None),
     )
-    plain32 = reference.favor_attention(q, k, v, W, causal=causal, compute_dtype=torch.float32)
+    plain32 = reference.favor_attention(
+        q, k, v, W, compute_dtype=torch.float32, mask=as_mask(causal, None)
+    )
     underflowed = (plain32 == 0).all(-1)  # exp(−‖x'‖²/2) ≈ e^-200 flushes to 0 in fp32
     assert underflowed.float().mean() > 0.5
-    out = favor_attention(q, k, v, num_features=64, projection=W, causal=causal)
+    out = favor_attention(q, k, v, num_features=64, projection=W, mask=as_mask(causal, None))
     atol, rtol, _, _ = FIXED_TABLE[torch.float32]
     torch.testing.assert_close(out.double(), golden, atol=atol, rtol=rtol)
 
@@ -230,10 +244,15 @@ def test_stabilised_where_the_plain_formula_underflows(causal):
 def test_fp16_accumulates_in_fp32(causal):
     q, k, v = qkv(L=40, S=40, D=16, dtype=torch.float16, scale=3.0)
     W = projection(64, 16, dtype=torch.float32)
-    out = favor_attention(q, k, v, num_features=64, projection=W, causal=causal)
+    out = favor_attention(q, k, v, num_features=64, projection=W, mask=as_mask(causal, None))
     assert out.dtype == torch.float16 and torch.isfinite(out).all()
     out32 = favor_attention(
-        q.float(), k.float(), v.float(), num_features=64, projection=W, causal=causal
+        q.float(),
+        k.float(),
+        v.float(),
+        num_features=64,
+        projection=W,
+        mask=as_mask(causal, None),
     )
     assert torch.equal(out, out32.half())
 
@@ -248,16 +267,21 @@ def test_all_padding_and_empty_inputs_give_zeros(causal):
     W = projection(16, 8)
     out, grads = fwd_bwd(
         lambda q, k, v: favor_attention(
-            q, k, v, num_features=16, projection=W, key_mask=key_mask, causal=causal
+            q,
+            k,
+            v,
+            num_features=16,
+            projection=W,
+            mask=as_mask(causal, key_mask),
         ),
         [q, k, v],
     )
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert all(torch.isfinite(g).all() for g in grads)
-    ref = reference.favor_attention(q, k, v, W, key_mask=key_mask, causal=causal)
+    ref = reference.favor_attention(q, k, v, W, mask=as_mask(causal, key_mask))
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
     q0, k0, v0 = qkv(L=4, S=0)
-    out0 = favor_attention(q0, k0, v0, num_features=16, projection=W, causal=causal)
+    out0 = favor_attention(q0, k0, v0, num_features=16, projection=W, mask=as_mask(causal, None))
     assert out0.shape == (2, 4, 4, 5) and torch.equal(out0, torch.zeros_like(out0))
     q1, k1, v1 = qkv(L=0, S=4)
     assert favor_attention(q1, k1, v1, num_features=16, projection=W).shape == (2, 4, 0, 5)
@@ -283,15 +307,18 @@ def test_module_holds_projection_and_redraws_on_demand():
     assert torch.equal(
         a.projection, favor_projection(32, 8, generator=torch.Generator().manual_seed(3))
     )
-    c = PerformerAttention(8, num_features=32, causal=True, seed=1).double()
+    c = PerformerAttention(8, num_features=32, seed=1).double()
     assert c.projection.dtype == F64
     qd, kd, vd = qkv(L=9, S=9)
-    torch.testing.assert_close(
-        c(qd, kd, vd),
-        reference.favor_attention(qd, kd, vd, c.projection, causal=True),
-        atol=1e-12,
-        rtol=0,
-    )
+    for mask in (masks.causal(), masks.padding([5, 9]), masks.causal() & masks.padding([9, 2])):
+        torch.testing.assert_close(
+            c(qd, kd, vd, mask=mask),
+            reference.favor_attention(qd, kd, vd, c.projection, mask=mask),
+            atol=1e-12,
+            rtol=0,
+        )
+    with pytest.raises(ValueError, match=r"favor_attention: mask must be None, .* got strided"):
+        c(qd, kd, vd, mask=masks.strided(2))
 
 
 # ----------------------------------------------------------------------------------- errors
@@ -302,7 +329,17 @@ def test_module_holds_projection_and_redraws_on_demand():
     [
         ({"num_features": 0}, ValueError, r"num_features must be >= 1, got 0"),
         ({"num_features": 2.5}, TypeError, r"num_features must be an int >= 1, got float 2.5"),
-        ({"causal": "yes"}, TypeError, r"causal must be a bool, got str 'yes'"),
+        (
+            {"mask": masks.sliding_window(4)},
+            ValueError,
+            r"favor_attention: mask must be None, masks\.causal\(\), masks\.padding\(lengths\) "
+            r"or an & of them, got sliding_window\(4, causal=True\)",
+        ),
+        (
+            {"mask": masks.causal() & masks.padding([1, 2, 3])},
+            ValueError,
+            r"favor_attention: mask padding\(\[1, 2, 3\]\) has 3 lengths, expected 1 or batch=2",
+        ),
         ({"orthogonal": None}, TypeError, r"orthogonal must be a bool, got NoneType"),
         ({"chunk_size": -1}, ValueError, r"chunk_size must be >= 1, got -1"),
         (
@@ -319,11 +356,6 @@ def test_module_holds_projection_and_redraws_on_demand():
             {"num_features": 16, "projection": torch.randn(16, 8), "generator": torch.Generator()},
             ValueError,
             r"pass generator or projection, not both",
-        ),
-        (
-            {"key_mask": torch.ones(2, 7, dtype=torch.bool)},
-            ValueError,
-            r"key_mask must have shape \(B, S\) = \(2, 6\)",
         ),
     ],
 )
@@ -364,18 +396,24 @@ def test_nan_rule_fast_and_reference(seed, L, S, causal, padded):
     if padded:
         key_mask = torch.ones(2, S, dtype=torch.bool)
         key_mask[0, S - 3 :] = False
-        key_mask[1, :4] = False
+        key_mask[1, 4:] = False
     inputs = planted(seed + 10 * L, L=L, S=S, key_mask=key_mask)
     keep = keep_matrix(2, L, S, causal, key_mask)
     W = projection(16, 4, seed=seed)
 
     def fast(q, k, v):
         return favor_attention(
-            q, k, v, num_features=16, projection=W, causal=causal, key_mask=key_mask, chunk_size=4
+            q,
+            k,
+            v,
+            num_features=16,
+            projection=W,
+            chunk_size=4,
+            mask=as_mask(causal, key_mask),
         )
 
     def ref(q, k, v):
-        return reference.favor_attention(q, k, v, W, causal=causal, key_mask=key_mask)
+        return reference.favor_attention(q, k, v, W, mask=as_mask(causal, key_mask))
 
     check_nan_rule(fast, ref, inputs, keep, key_mask)
 
@@ -385,10 +423,14 @@ def test_nan_rule_causal_later_key_does_not_reach_earlier_rows():
     rows i < j exact (it used to make the whole head NaN)."""
     q, k, v = qkv(L=10, S=10, D=4)
     W = projection(16, 4)
-    clean = favor_attention(q, k, v, num_features=16, projection=W, causal=True, chunk_size=3)
+    clean = favor_attention(
+        q, k, v, num_features=16, projection=W, chunk_size=3, mask=masks.causal()
+    )
     k2 = k.clone()
     k2[0, 1, 7] = float("nan")
-    out = favor_attention(q, k2, v, num_features=16, projection=W, causal=True, chunk_size=3)
+    out = favor_attention(
+        q, k2, v, num_features=16, projection=W, chunk_size=3, mask=masks.causal()
+    )
     # the shared stabiliser may change rounding only (it cancels in num / den)
     torch.testing.assert_close(out[:, :, :7], clean[:, :, :7], atol=1e-12, rtol=0)
     torch.testing.assert_close(out[1], clean[1], atol=1e-12, rtol=0)

@@ -368,3 +368,42 @@ def test_mask_fingerprint_reads_values_written_behind_torch():
     assert ring_comm._mask_fingerprint(mask) != first
     buf[:] = [0] * 32 + [1] * 32
     assert ring_comm._mask_fingerprint(mask) == first
+
+
+def test_ring_reads_the_block_map_and_evaluates_only_partial_piece_pairs():
+    """Ring attention asks the mask for its block map over pieces: empty pairs are skipped and
+    full ones run unmasked without evaluating the mask; the causal factor of ``causal() & m``
+    runs as the kernels' causal diagonal."""
+    from attnlab.distributed.ring import split_causal
+    from attnlab.distributed.ring_blocks import tile_relation
+    from attnlab.distributed.ring_comm import RingConfig
+
+    calls = []
+
+    class Counted(masks.Mask):
+        def diagonals(self):
+            return [(-7, 0, 1, 0)]  # a causal window of 8 keys, through the protocol
+
+        def evaluate(self, b, h, i, j, L, S):
+            calls.append((int(i.min()), int(j.min())))
+            return super().evaluate(b, h, i, j, L, S)
+
+    causal, rest = split_causal(masks.causal() & Counted())
+    assert causal and isinstance(rest, Counted)
+    assert split_causal(masks.causal()) == (True, None)
+    cfg = RingConfig(None, 0, 2, causal, rest, 1.0, "contiguous", None, 1)
+    kinds = [
+        [tile_relation(a, b, cfg=cfg, C=8, N=32, B=1, H=1, device="cpu")[0] for b in range(4)]
+        for a in range(4)
+    ]
+    assert kinds == [
+        ["masked", "skip", "skip", "skip"],
+        ["masked", "masked", "skip", "skip"],
+        ["skip", "masked", "masked", "skip"],
+        ["skip", "skip", "masked", "masked"],
+    ]
+    assert len(calls) == 7  # the partial pairs only, each once
+    wide = masks.sliding_window(64, causal=False)
+    wide = RingConfig(None, 0, 2, True, wide, 1.0, "contiguous", None, 1)
+    assert tile_relation(2, 1, cfg=wide, C=8, N=32, B=1, H=1, device="cpu") == ("full", None)
+    assert tile_relation(2, 2, cfg=wide, C=8, N=32, B=1, H=1, device="cpu") == ("causal", None)

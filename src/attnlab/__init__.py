@@ -83,9 +83,9 @@ Each fast form equals an explicit quadratic definition in `attnlab.functional.re
 
 Example:
     >>> import torch
-    >>> from attnlab import linear
+    >>> from attnlab import linear, masks
     >>> q = k = v = torch.randn(1, 8, 16384, 64)
-    >>> out = linear.linear_attention(q, k, v, causal=True)        # O(L) time and memory
+    >>> out = linear.linear_attention(q, k, v, mask=masks.causal())  # O(L) time and memory
     >>> approx = linear.PerformerAttention(head_dim=64, seed=0)(q, k, v)  # ≈ softmax attention
 """
 

@@ -30,6 +30,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from ..masks import Mask
 from ..utils import text_table
 
 _BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
@@ -147,7 +148,7 @@ def model_cost(
     bias: bool = True,
     tie_embeddings: bool = True,
     learned_positions: int = 0,
-    causal: bool = False,
+    mask: Mask | None = None,
     decode_cache: int = 0,
 ) -> ModelCost:
     """Parameters, matmul FLOPs and memory of a pre-LN Transformer for training or inference.
@@ -185,7 +186,9 @@ def model_cost(
         mlp: "gelu" (two matrices) or "swiglu" (three).
         bias: biases in the linear layers and norms. tie_embeddings: the head shares the embedding.
         learned_positions: rows of a learned position table (BERT: max(512, L)); 0 = none.
-        causal: only the L·(L+1)/2 causal pairs for the tiled form's FLOPs.
+        mask: any `attnlab.masks.Mask`: the tiled form's FLOPs count only the pairs it attends
+            over the ``(B, H)`` grid (`Mask.attended_pairs`; ``masks.causal()``: L·(L+1)/2 per
+            head); the naive form computes every score whatever the mask.
         decode_cache: inference with a KV cache of this many tokens (memory only).
 
     Returns:
@@ -214,7 +217,12 @@ def model_cost(
         F = _int("d_ff", d_ff, 1)
     D, nb, m = E // H, _BYTES[dtype], MLPS[mlp]
     S = L
-    pairs = L * S if not (causal and attention == "flash") else L * (L + 1) // 2
+    pairs = L * S
+    if mask is not None and not isinstance(mask, Mask):
+        raise TypeError(f"mask must be an attnlab Mask or None, got {type(mask).__name__}")
+    if mask is not None and attention == "flash":  # per head of one item: the grid, averaged
+        total = mask.attended_pairs(L, S, batch=B, heads=H)
+        pairs = total // (B * H) if total % (B * H) == 0 else total / (B * H)
 
     # Parameters.
     attn_p = E * (H + 2 * H_kv) * D + H * D * E + ((H + 2 * H_kv) * D + E if bias else 0)

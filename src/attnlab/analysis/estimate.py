@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from ..masks import Mask
 from ..masks import causal as _causal
 from ..masks import sliding_window as _sliding_window
+from ..masks.patterns import with_causal
 from ..utils import text_table
 
 IMPLEMENTATIONS = ("naive", "flash", "linear")
@@ -108,11 +110,11 @@ def estimate(
     *,
     kv_heads: int | None = None,
     key_len: int | None = None,
-    causal: bool = False,
-    window: int | None = None,
     mask: Mask | None = None,
     decode: bool = False,
     bias: bool = True,
+    causal: bool | None = None,
+    window: int | None = None,
 ) -> Estimate:
     """Estimates parameters, FLOPs and memory of multi-head attention layers.
 
@@ -123,11 +125,14 @@ def estimate(
         dtype: "float32", "float16", "bfloat16" or "float64".
         kv_heads: H_kv for grouped-query attention (default H).
         key_len: S for cross-attention (default L).
-        causal: causal (bottom-right) masking.
-        window: causal sliding window of this many keys (implies causal).
-        mask: any `attnlab.masks.Mask` (combined with the two above).
-        decode: one new query token attending to ``seq_len`` cached keys (a KV cache).
+        mask: any `attnlab.masks.Mask` (``masks.causal()``, ``masks.sliding_window(w)``, …);
+            the score terms count exactly the pairs it attends over the ``(B, H)`` grid
+            (`Mask.attended_pairs`; a mask that depends on the batch or the head must have
+            ``batch`` items or ``num_heads`` heads).
+        decode: one new query token attending to ``seq_len`` cached keys (a KV cache; causal).
         bias: whether the projections have biases.
+        causal: deprecated, use ``mask=masks.causal()``.
+        window: deprecated, use ``mask=masks.sliding_window(window)``.
 
     Returns:
         An `Estimate`; ``print(est.table())`` shows it. Rows are totals over ``layers``, except
@@ -149,14 +154,24 @@ def estimate(
     S = L if key_len is None else _positive("key_len", key_len, 0)
     Lq = 1 if decode else L
     D, nb = E // H, _BYTES[dtype]
-    m = mask
-    if causal or decode:
-        m = _causal() if m is None else _causal() & m
+    if mask is not None and not isinstance(mask, Mask):
+        raise TypeError(f"mask must be an attnlab Mask or None, got {type(mask).__name__}")
+    m = with_causal(mask, causal, where="estimate")
     if window is not None:
+        warnings.warn(
+            "estimate(window=...) is deprecated: pass mask=masks.sliding_window(window)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         w = _sliding_window(_positive("window", window))
         m = w if m is None else m & w
+    if decode:
+        m = _causal() if m is None else _causal() & m
     dense = Lq * S
-    pairs = dense if m is None else m.attended_pairs(Lq, S)
+    pairs = dense
+    if m is not None:  # per head of one batch item: the (B, H) grid's count, averaged
+        total = m.attended_pairs(Lq, S, batch=B, heads=H)
+        pairs = total // (B * H) if total % (B * H) == 0 else total / (B * H)
     cfg = {
         "B": B,
         "L": Lq,

@@ -22,6 +22,17 @@ def _budget(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e).removeprefix("size ")) from None
 
 
+def _mask(args: argparse.Namespace, *, window: bool = True):
+    """The mask of ``--causal`` and (with ``window``) ``--window W``: their ``&``, or None."""
+    from .. import masks
+
+    mask = masks.causal() if args.causal else None
+    if window and args.window is not None:
+        band = masks.sliding_window(args.window)
+        mask = band if mask is None else mask & band
+    return mask
+
+
 def _model_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         d_model=args.d_model,
@@ -36,7 +47,7 @@ def _model_kwargs(args: argparse.Namespace) -> dict:
         optimizer=args.optimizer,
         mlp=args.mlp,
         bias=not args.no_bias,
-        causal=args.causal,
+        mask=_mask(args, window=False),  # the whole-model cost counts causal pairs only
     )
 
 
@@ -111,8 +122,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         layers=args.layers,
         dtype=args.dtype,
         kv_heads=args.kv_heads,
-        causal=args.causal,
-        window=args.window,
+        mask=_mask(args),
         decode=args.decode,
         bias=not args.no_bias,
     )

@@ -142,7 +142,10 @@ class _CausalRing(RingMultiHeadAttention):
                 f"context-parallel attention is causal; mask must be masks.causal() or None, "
                 f"got {type(mask).__name__}"
             )
-        return super().forward(query)
+        return super().forward(query, mask=_CAUSAL)
+
+
+_CAUSAL = CausalMask()
 
 
 def _ring_of(attn: nn.Module, group: dist.ProcessGroup | None) -> _CausalRing:
@@ -155,7 +158,6 @@ def _ring_of(attn: nn.Module, group: dist.ProcessGroup | None) -> _CausalRing:
         bias=has_bias,
         rope=attn.rope,
         group=group,
-        causal=True,
         layout="contiguous",
     )
     ring.load_state_dict(attn.state_dict())

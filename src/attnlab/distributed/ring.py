@@ -44,7 +44,9 @@ the metadata handshake), `ring_blocks` (one piece against one piece, on the engi
 from __future__ import annotations
 
 import datetime
+import functools
 import math
+import operator
 from collections.abc import Callable, Iterator
 
 import torch
@@ -54,7 +56,8 @@ from torch import Tensor
 from .._shapes import check_number, check_qkv
 from ..functional.flash import Residuals
 from ..functional.merge import merge_partials
-from ..masks import Mask
+from ..masks import CausalMask, Mask
+from ..masks.patterns import with_causal
 from .ring_blocks import (
     add_reach,
     block_backward,
@@ -70,6 +73,18 @@ from .ring_layout import LAYOUTS, chunk_ids, rank_and_world, shard, unshard
 _NEG_INF = float("-inf")
 
 
+def split_causal(mask: Mask | None) -> tuple[bool, Mask | None]:
+    """``(causal, rest)`` with ``mask = causal() & rest``: the causal factor runs as the kernels'
+    own causal diagonal, the rest through its block map (None: nothing else)."""
+    if mask is None:
+        return False, None
+    parts = mask.conjuncts()
+    rest = [m for m in parts if not isinstance(m, CausalMask)]
+    if len(rest) == len(parts):
+        return False, mask
+    return True, functools.reduce(operator.and_, rest) if rest else None
+
+
 def _piece_count(chunk_len: int, pieces: int) -> int:
     """The largest divisor of ``chunk_len`` that is at most ``pieces`` (so pieces are equal)."""
     return max(p for p in range(1, min(pieces, max(chunk_len, 1)) + 1) if chunk_len % p == 0)
@@ -82,9 +97,7 @@ def _queries_seeing(
     B, H, L, _ = q.shape
     N = L * cfg.world
     for a, q_id in enumerate(cfg.piece_ids(cfg.rank)):
-        kind, tile = tile_relation(
-            q_id, key_id, mask=cfg.mask, causal=cfg.causal, C=c, N=N, B=B, H=H, device=q.device
-        )
+        kind, tile = tile_relation(q_id, key_id, cfg=cfg, C=c, N=N, B=B, H=H, device=q.device)
         if kind != "skip":
             yield a, kind, tile
 
@@ -292,13 +305,13 @@ def ring_attention(
     v: Tensor,
     *,
     group: dist.ProcessGroup | None = None,
-    causal: bool = False,
     mask: Mask | None = None,
     scale: float | None = None,
     layout: str = "contiguous",
     pieces: int = 2,
     timeout: float | None = None,
     return_lse: bool = False,
+    causal: bool | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -306,9 +319,9 @@ def ring_attention(
     queries' rows; equal to `attnlab.attention` on the unsharded tensors (then sharded).
 
     Non-finite inputs follow the library's NaN rule, exactly as one process would: row i depends
-    only on q_i and the keys/values it may attend (by ``causal`` and ``mask``, over global
-    positions). A non-finite q_i or attended k_j makes the whole row NaN (and its lse NaN); a
-    non-finite attended v_j[d] makes o_i[d] NaN and leaves the other columns exact; a non-finite
+    only on q_i and the keys/values it may attend (by ``mask``, over global positions). A
+    non-finite q_i or attended k_j makes the whole row NaN (and its lse NaN); a non-finite
+    attended v_j[d] makes o_i[d] NaN and leaves the other columns exact; a non-finite
     entry anywhere else — another document, a later causal position, another rank's keys the
     row does not attend — never reaches row i, and a row that attends nothing is zeros (lse −inf)
     even when q_i is NaN. For a finite ``dout`` the gradients are those of the computation on
@@ -320,8 +333,10 @@ def ring_attention(
         k: this rank's keys ``(B, H_kv, L_local, D)`` (``H % H_kv == 0``).
         v: this rank's values ``(B, H_kv, L_local, Dv)``.
         group: the process group (default: the world).
-        causal: causal over global positions (keys at positions <= the query's).
-        mask: an `attnlab.masks.Mask` over global positions (combined with ``causal``).
+        mask: any `attnlab.masks.Mask` over global positions (``masks.causal()``: keys at
+            positions <= the query's), or None. Its block map (`Mask.block_map`, tiles of one
+            piece) decides which pieces meet: empty tiles are skipped, full ones run unmasked,
+            a causal factor runs as the kernels' own causal diagonal.
         scale: default ``1/√D``.
         layout: ``"contiguous"`` or ``"zigzag"`` (see the module docstring and `shard`).
         pieces: how many equal pieces each of the rank's layout chunks (one for
@@ -335,13 +350,14 @@ def ring_attention(
         timeout: seconds to wait for a peer at each exchange — the metadata handshake before
             the first hop included (default: the process group's timeout).
         return_lse: also return the log-sum-exp ``(B, H, L_local)`` (float32 or wider).
+        causal: deprecated, use ``mask=masks.causal()`` (combined with other masks by ``&``).
 
     Returns:
         ``out (B, H, L_local, Dv)`` in q's dtype, or ``(out, lse)``.
 
     Raises:
         RuntimeError: no initialised process group, or a backend that cannot carry these tensors.
-        TypeError: ``pieces`` is not an int.
+        TypeError: ``pieces`` is not an int, ``mask`` is not a Mask.
         ValueError: bad shapes or ``pieces < 1``, or ranks that disagree on shapes, dtype or
             configuration (including the mask's contents, compared by a fingerprint of its
             structure, tensors and the closures of mask functions).
@@ -359,6 +375,8 @@ def ring_attention(
         raise TypeError(
             f"mask must be an attnlab Mask (over global positions), got {type(mask).__name__}"
         )
+    mask = with_causal(mask, causal, where="ring_attention")
+    is_causal, rest = split_causal(mask)
     backend = dist.get_backend(group)
     if q.device.type == "cpu" and backend not in ("gloo", "mpi"):
         raise RuntimeError(
@@ -375,7 +393,7 @@ def ring_attention(
     tmo = None
     if timeout is not None:
         tmo = datetime.timedelta(seconds=check_number("timeout", timeout, positive=True))
-    cfg = RingConfig(group, rank, world, bool(causal), mask, scale, layout, tmo, pieces)
+    cfg = RingConfig(group, rank, world, is_causal, rest, scale, layout, tmo, pieces)
     handshake(q, k, v, cfg)
     # torch's CPU kernel reads the last dim with unit stride: copy only inputs where it is not so
     q, k, v = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))

@@ -15,17 +15,29 @@ from torch import Tensor
 
 from ..functional.flash import Logits, Residuals, TorchEngine, kernel_backward, kernel_forward
 from ..functional.nan_rule import nan_flags
-from ..masks import Mask
+from ..masks import EMPTY, FULL, PARTIAL, Mask
+from .ring_comm import RingConfig
 
 _NEG_INF = float("-inf")
+
+
+def piece_codes(mask: Mask, C: int, N: int, B: int, H: int) -> list[list[int]]:
+    """The mask's block map over pieces (`Mask.block_map`, tiles of ``C × C``), united over the
+    batch and heads: ``codes[q_id][k_id]`` is EMPTY / FULL only if so for every item and head.
+
+    A host-side plan from the mask's structure (closed form for structured masks), computed once
+    per call and shape.
+    """
+    codes = mask.block_map(N, N, C, C, batch=B, heads=H)  # (B|1, H|1, N/C, N/C)
+    lo, hi = codes.amin(dim=(0, 1)), codes.amax(dim=(0, 1))
+    return torch.where(lo == hi, lo, PARTIAL).tolist()
 
 
 def tile_relation(
     q_id: int,
     k_id: int,
     *,
-    mask: Mask | None,
-    causal: bool,
+    cfg: RingConfig,
     C: int,
     N: int,
     B: int,
@@ -35,17 +47,29 @@ def tile_relation(
     """How queries of piece q_id see keys of piece k_id: skip, full, causal or masked (a tile).
 
     Pieces are global: piece ``i`` holds positions ``[i·C, (i+1)·C)`` of the ``N`` positions.
-    The tile of a masked pair is bool ``(B|1, H|1, C, C)``, True = may attend.
+    ``cfg.causal`` is the causal factor of the mask, ``cfg.mask`` the rest (None: nothing), read
+    through its block map (`piece_codes`); only a PARTIAL piece pair evaluates the mask. The tile
+    of a masked pair is bool ``(B|1, H|1, C, C)``, True = may attend.
     """
+    causal, mask = cfg.causal, cfg.mask
     if causal and q_id < k_id:
         return "skip", None
+    diagonal = "causal" if causal and q_id == k_id else "full"
     if mask is None:
-        return ("causal", None) if causal and q_id == k_id else ("full", None)
+        return diagonal, None
+    key = (C, N, B, H)
+    if key not in cfg.piece_codes:
+        cfg.piece_codes[key] = piece_codes(mask, C, N, B, H)
+    code = cfg.piece_codes[key][q_id][k_id]
+    if code == EMPTY:
+        return "skip", None
+    if code == FULL:
+        return diagonal, None
     b = torch.arange(B, device=device).view(-1, 1, 1, 1)
     h = torch.arange(H, device=device).view(1, -1, 1, 1)
     i = torch.arange(q_id * C, (q_id + 1) * C, device=device).view(1, 1, C, 1)
     j = torch.arange(k_id * C, (k_id + 1) * C, device=device).view(1, 1, 1, C)
-    tile = mask._eval(b, h, i, j, N, N)
+    tile = mask.evaluate(b, h, i, j, N, N)
     if causal:
         tile = tile & (j <= i)
     if not bool(tile.any()):
@@ -179,6 +203,7 @@ __all__ = [
     "clean",
     "expand_kv",
     "nan_flags",
+    "piece_codes",
     "reach",
     "tile_relation",
 ]

@@ -15,7 +15,7 @@ import hashlib
 import time
 import types
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -124,6 +124,8 @@ class RingConfig:
         layout: ``"contiguous"`` or ``"zigzag"`` (`ring_layout`).
         timeout: the wait for a peer at each exchange (None: the group's).
         pieces: parts per layout chunk; divides the chunk length.
+        piece_codes: the mask's block map over pieces, per ``(C, N, B, H)`` (filled on use by
+            `ring_blocks.tile_relation`).
     """
 
     group: dist.ProcessGroup | None
@@ -135,6 +137,7 @@ class RingConfig:
     layout: str
     timeout: datetime.timedelta | None
     pieces: int
+    piece_codes: dict = field(default_factory=dict)
 
     def ring(self) -> Ring:
         """A fresh ring (hop count 0) for one pass."""

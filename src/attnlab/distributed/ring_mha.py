@@ -21,7 +21,6 @@ class RingMultiHeadAttention(MultiHeadAttention):
     Args:
         embed_dim, num_heads, num_kv_heads, bias, rope: as in `MultiHeadAttention`.
         group: the process group (default: the world).
-        causal: causal attention over global positions.
         layout: ``"contiguous"`` or ``"zigzag"`` — how the caller sharded the sequence.
         timeout: seconds to wait for a peer at each exchange, the metadata handshake included.
         pieces: pieces per layout chunk that blocks stream in (see `ring_attention`): more
@@ -34,7 +33,6 @@ class RingMultiHeadAttention(MultiHeadAttention):
         num_heads: int,
         *,
         group: dist.ProcessGroup | None = None,
-        causal: bool = False,
         layout: str = "contiguous",
         timeout: float | None = None,
         pieces: int = 2,
@@ -46,7 +44,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         super().__init__(embed_dim, num_heads, **kwargs)  # type: ignore[arg-type]
-        self.group, self.causal, self.layout, self.timeout = group, causal, layout, timeout
+        self.group, self.layout, self.timeout = group, layout, timeout
         self.pieces = check_pieces(pieces)
 
     def global_positions(self, L_local: int, device: torch.device | None = None) -> Tensor:
@@ -57,7 +55,11 @@ class RingMultiHeadAttention(MultiHeadAttention):
         return torch.cat([torch.arange(c * C, (c + 1) * C, device=device) for c in ids])
 
     def forward(self, x: Tensor, *, mask: Mask | None = None) -> Tensor:  # type: ignore[override]
-        """Self-attention of this rank's shard ``x (B, L_local, E)`` over the global sequence."""
+        """Self-attention of this rank's shard ``x (B, L_local, E)`` over the global sequence.
+
+        ``mask`` is any `attnlab.masks.Mask` over global positions (``masks.causal()`` for a
+        causal model), as in `ring_attention`.
+        """
         self._check(x, None, None)
         q, k, v = self.project(x)  # (B, H, L_local, D), (B, H_kv, L_local, D) ×2
         B, _, L, _ = q.shape
@@ -70,7 +72,6 @@ class RingMultiHeadAttention(MultiHeadAttention):
             k,
             v,
             group=self.group,
-            causal=self.causal,
             mask=mask,
             layout=self.layout,
             timeout=self.timeout,

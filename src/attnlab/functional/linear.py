@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._shapes import Dims, check_number, check_qkv
+from ..masks import Mask
+from ..masks.patterns import causal_and_padding, with_causal
 from . import kernel_scan as _ks
 from .linear_features import CleanFeature, clean_features, clean_with_ones, finite, fused_feature
 from .nan_rule import clean, known_finite, nan_flags
@@ -90,20 +92,16 @@ def check_eps(eps: object) -> float:
     return x
 
 
-def check_key_mask(key_mask: object, dims: Dims) -> Tensor | None:
-    """A bool key-padding mask ``(B|1, S)``, True = a real key."""
-    if key_mask is None:
-        return None
-    if not isinstance(key_mask, Tensor):
-        raise TypeError(f"key_mask must be a bool tensor (B, S) or None, got {type(key_mask)}")
-    if key_mask.dtype != torch.bool:
-        raise TypeError(f"key_mask must be bool (True = a real key), got {key_mask.dtype}")
-    if key_mask.dim() != 2 or key_mask.shape[0] not in (1, dims.B) or key_mask.shape[1] != dims.S:
-        raise ValueError(
-            f"key_mask must have shape (B, S) = ({dims.B}, {dims.S}) or (1, {dims.S}), "
-            f"got {tuple(key_mask.shape)}"
-        )
-    return key_mask
+def check_kernel_mask(
+    mask: object, causal: object, dims: Dims, *, where: str, device: torch.device
+) -> tuple[bool, Tensor | None]:
+    """``(causal, key_mask)`` of a kernel-attention call's ``mask=`` (and deprecated ``causal=``).
+
+    Raises:
+        ValueError: a mask other than causal, padding and their ``&`` (before any work).
+    """
+    mask = with_causal(mask, causal, where=where, stacklevel=4)
+    return causal_and_padding(mask, where=where, batch=dims.B, S=dims.S, device=device)
 
 
 def as_4d(q: Tensor, k: Tensor, v: Tensor, dims: Dims) -> tuple[Tensor, Tensor, Tensor]:
@@ -637,10 +635,10 @@ def linear_attention(
     v: Tensor,
     *,
     feature_map: str | FeatureMap = "elu",
-    causal: bool = False,
+    mask: Mask | None = None,
     eps: float = 1e-6,
-    key_mask: Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    causal: bool | None = None,
 ) -> Tensor:
     """Linear attention: ``out_i = Σ_j φ(q_i)·φ(k_j) v_j / (Σ_j φ(q_i)·φ(k_j) + eps)``.
 
@@ -667,29 +665,33 @@ def linear_attention(
         v: ``(B, H_kv, S, Dv)``.
         feature_map: ``"elu"`` (φ(x) = elu(x) + 1), ``"relu"``, or a callable mapping
             ``(..., D) -> (..., F)`` with non-negative values.
-        causal: query i sees keys ``j <= i + S − L``.
+        mask: ``masks.causal()`` (query i sees keys ``j <= i + S − L``),
+            ``masks.padding(lengths)`` (keys ``j >= lengths[b]`` are padding), their ``&``, or
+            None; the sums over j run over the keys the mask keeps.
         eps: added to each denominator (>= 0).
-        key_mask: bool ``(B, S)`` or ``(1, S)``, True = a real key, False = padding.
         chunk_size: C, tokens per chunk of the causal form (>= 1); does not change the result.
+        causal: deprecated, use ``mask=masks.causal()``.
 
     Returns:
         ``(B, H, L, Dv)`` (3-D in, 3-D out), in q's dtype.
 
     Raises:
-        TypeError: non-tensor or mixed-dtype inputs, a bad feature_map/causal/key_mask type.
+        TypeError: non-tensor or mixed-dtype inputs, a bad feature_map/causal type.
         ValueError: shape mismatches, unknown feature_map name, eps < 0, chunk_size < 1, a
-            feature map whose query and key features differ in size.
+            feature map whose query and key features differ in size, a mask other than
+            causal, padding and their ``&``.
 
     Example:
         >>> q = k = v = torch.randn(2, 4, 1000, 32)
-        >>> linear_attention(q, k, v, causal=True).shape
+        >>> linear_attention(q, k, v, mask=masks.causal()).shape
         torch.Size([2, 4, 1000, 32])
     """
     dims = check_qkv(q, k, v)
     phi = check_feature_map(feature_map)
-    check_bool("causal", causal)
     eps = check_eps(eps)
-    key_mask = check_key_mask(key_mask, dims)
+    causal, key_mask = check_kernel_mask(
+        mask, causal, dims, where="linear_attention", device=q.device
+    )
     chunk_size = check_positive_int("chunk_size", chunk_size)
     q, k, v = as_4d(q, k, v, dims)
     if causal:
@@ -747,9 +749,10 @@ class LinearAttentionState:
     in float32 (float64 for float64 inputs), so memory is constant in the sequence length.
     ``step(q_t, k_t, v_t)`` appends a token and returns
     ``φ(q_t)ᵀ kv / (φ(q_t)ᵀ z + eps)``; a prefill with `append` followed by steps equals
-    ``linear_attention(q, k, v, causal=True)`` on the whole sequence (bottom-right alignment),
-    NaN rule included: a non-finite key appended makes every later read's row NaN, a non-finite
-    ``v[d]`` their column d, a non-finite query its own row (the state itself stays finite).
+    ``linear_attention(q, k, v, mask=masks.causal())`` on the whole sequence (bottom-right
+    alignment), NaN rule included: a non-finite key appended makes every later read's row NaN, a
+    non-finite ``v[d]`` their column d, a non-finite query its own row (the state itself stays
+    finite).
 
     Args:
         feature_map: as in `linear_attention`.
@@ -758,7 +761,7 @@ class LinearAttentionState:
     Example:
         >>> state = LinearAttentionState()
         >>> outs = [state.step(q[:, :, t], k[:, :, t], v[:, :, t]) for t in range(L)]
-        >>> torch.stack(outs, dim=2)  # equals linear_attention(q, k, v, causal=True)
+        >>> torch.stack(outs, dim=2)  # equals linear_attention(q, k, v, mask=masks.causal())
     """
 
     def __init__(self, feature_map: str | FeatureMap = "elu", eps: float = 1e-6) -> None:

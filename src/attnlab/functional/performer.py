@@ -16,12 +16,13 @@ import torch
 from torch import Tensor
 
 from .._shapes import check_qkv
+from ..masks import Mask
 from . import kernel_scan as _ks
 from .linear import (
     DEFAULT_CHUNK_SIZE,
     as_4d,
     check_bool,
-    check_key_mask,
+    check_kernel_mask,
     check_positive_int,
     clean,
     nan_rule_poison,
@@ -132,11 +133,10 @@ def favor_attention(
     v: Tensor,
     *,
     num_features: int = 256,
-    causal: bool = False,
+    mask: Mask | None = None,
     orthogonal: bool = True,
     generator: torch.Generator | None = None,
     projection: Tensor | None = None,
-    key_mask: Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> Tensor:
     """FAVOR+ attention ``φ(Q) (φ(K)ᵀ V) / φ(Q) (φ(K)ᵀ 1)`` ≈ ``softmax(Q Kᵀ / √D) V``.
@@ -161,19 +161,20 @@ def favor_attention(
         q: ``(B, H, L, D)`` or ``(B, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
         num_features: M >= 1, the number of random features (drawn on every call unless
             ``projection`` is given; it must then equal ``projection.shape[0]``).
-        causal: causal attention.
+        mask: ``masks.causal()``, ``masks.padding(lengths)``, their ``&`` or None: the keys
+            each row's sums run over.
         orthogonal: orthogonal random feature blocks (used only when drawing).
         generator: RNG for the draw; cannot be combined with ``projection``.
         projection: a fixed W ``(M, D)`` from `favor_projection` (e.g. a module's buffer).
-        key_mask: bool ``(B, S)`` or ``(1, S)``, True = a real key, False = padding.
         chunk_size: tokens per chunk in the causal form; does not change the result.
 
     Returns:
         ``(B, H, L, Dv)`` (3-D in, 3-D out) in q's dtype.
 
     Raises:
-        TypeError: bad input types (tensors, bools, generator, key_mask).
-        ValueError: shape mismatches, num_features < 1, a projection that does not fit.
+        TypeError: bad input types (tensors, bools, generator).
+        ValueError: shape mismatches, num_features < 1, a projection that does not fit, a mask
+            other than causal, padding and their ``&``.
 
     Example:
         >>> q, k, v = (torch.randn(1, 4, 4096, 64) for _ in range(3))
@@ -183,9 +184,8 @@ def favor_attention(
     """
     dims = check_qkv(q, k, v)
     M = check_positive_int("num_features", num_features)
-    check_bool("causal", causal)
     check_bool("orthogonal", orthogonal)
-    key_mask = check_key_mask(key_mask, dims)
+    causal, key_mask = check_kernel_mask(mask, None, dims, where="favor_attention", device=q.device)
     chunk_size = check_positive_int("chunk_size", chunk_size)
     if projection is not None:
         if generator is not None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..masks import Mask
+from ..masks.patterns import causal_and_padding
 from . import nan_rule
 from .scores import get_score
 
@@ -437,9 +439,8 @@ def linear_attention(
     v: Tensor,
     *,
     feature_map="elu",
-    causal: bool = False,
+    mask: Mask | None = None,
     eps: float = 1e-6,
-    key_mask: Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
     reorder: bool = False,
 ) -> Tensor:
@@ -453,9 +454,10 @@ def linear_attention(
     Args:
         q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
         feature_map: a name in `LINEAR_FEATURE_MAPS` or a callable ``(..., D) -> (..., F)``.
-        causal: bottom-right causal (query i sees keys ``j <= i + S − L``).
+        mask: ``masks.causal()`` (query i sees keys ``j <= i + S − L``), ``masks.padding``,
+            their ``&`` or None (`masks.patterns.causal_and_padding`): the sums run over the
+            keys it keeps.
         eps: added to the denominator; a zero denominator is replaced by 1.
-        key_mask: bool ``(B|1, S)``, True = a real key (False = padding).
         compute_dtype: precision of the computation; default float32 or wider.
         reorder: normalise after the product with V.
 
@@ -464,6 +466,9 @@ def linear_attention(
     """
     dtype = compute_dtype or compute_dtype_for(q.dtype)
     phi = LINEAR_FEATURE_MAPS[feature_map] if isinstance(feature_map, str) else feature_map
+    causal, key_mask = causal_and_padding(
+        mask, where="reference.linear_attention", batch=q.shape[0], S=k.shape[-2], device=q.device
+    )
     out = _kernel_reference(
         q.to(dtype),
         k.to(dtype),
@@ -501,8 +506,7 @@ def favor_attention(
     v: Tensor,
     projection: Tensor,
     *,
-    causal: bool = False,
-    key_mask: Tensor | None = None,
+    mask: Mask | None = None,
     compute_dtype: torch.dtype | None = None,
     reorder: bool = False,
 ) -> Tensor:
@@ -515,7 +519,8 @@ def favor_attention(
     Args:
         q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
         projection: the random features W ``(M, D)``.
-        causal: bottom-right causal. key_mask: bool ``(B|1, S)``, True = a real key.
+        mask: ``masks.causal()``, ``masks.padding``, their ``&`` or None, as in
+            `linear_attention`.
         compute_dtype: precision; default float32 or wider. reorder: normalise after ``A V``.
 
     Returns:
@@ -523,6 +528,9 @@ def favor_attention(
     """
     dtype = compute_dtype or compute_dtype_for(q.dtype)
     w = projection.to(dtype)
+    causal, key_mask = causal_and_padding(
+        mask, where="reference.favor_attention", batch=q.shape[0], S=k.shape[-2], device=q.device
+    )
     out = _kernel_reference(
         q.to(dtype),
         k.to(dtype),
@@ -572,38 +580,49 @@ def fnet_mixing(
 
 
 def hierarchical_parts(
-    k: Tensor, v: Tensor, block_size: int, *, causal: bool
+    k: Tensor, v: Tensor, block_size: int, *, causal: bool, key_mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The explicit key set of hierarchical attention for self-attention of length L.
 
-    Keys are the L tokens followed by the N = ⌈L/b⌉ block summaries (block means of k and v).
-    Query i (block I = i // b) may attend to token j iff ``j // b == I`` (and ``j <= i`` if
-    causal) and to summary J iff ``J != I`` (``J < I`` if causal). A summary's logit gets
-    ``+ log n_J`` (n_J tokens in block J): it stands for the n_J tokens it averages.
+    Keys are the L tokens followed by the N = ⌈L/b⌉ block summaries (block means of the real keys
+    and values). Query i (block I = i // b) may attend to token j iff ``j // b == I``, j is real
+    (``key_mask``) and ``j <= i`` if causal, and to summary J iff ``J != I`` (``J < I`` if causal)
+    and block J holds a real key. A summary's logit gets ``+ log n_J`` (n_J real tokens in block
+    J): it stands for the n_J tokens it averages.
 
     Args:
         k: ``(B, H_kv, L, D)``. v: ``(B, H_kv, L, Dv)``. block_size: b.
+        causal: causal at both levels. key_mask: bool ``(B|1, L)``, True = a real key, or None.
 
     Returns:
-        ``(k_all (B, H_kv, L + N, D), v_all (B, H_kv, L + N, Dv), keep (L, L + N) bool,
-        bias (L + N,))``.
+        ``(k_all (B, H_kv, L + N, D), v_all (B, H_kv, L + N, Dv), keep (B|1, 1, L, L + N) bool,
+        bias (B|1, 1, 1, L + N))``.
     """
     L, b = k.shape[2], block_size
     N = -(-L // b)
     pos = torch.arange(L, device=k.device)
     blk = pos // b  # (L,)
-    member = (blk[None, :] == torch.arange(N, device=k.device)[:, None]).to(k.dtype)  # (N, L)
-    counts = member.sum(-1)  # (N,)
-    pool = member / counts[:, None]  # (N, L): row J averages block J
+    live = (
+        torch.ones(1, L, dtype=torch.bool, device=k.device) if key_mask is None else key_mask
+    )  # (B|1, L)
+    if key_mask is not None:  # padded keys hold 0 (`where`): nothing there reaches a summary
+        k = torch.where(live[:, None, :, None], k, 0.0)
+        v = torch.where(live[:, None, :, None], v, 0.0)
+    member = (blk[None, :] == torch.arange(N, device=k.device)[:, None]) & live[:, None, :]
+    member = member.to(k.dtype)  # (B|1, N, L)
+    counts = member.sum(-1)  # (B|1, N)
+    pool = (member / counts.clamp(min=1)[..., None])[:, None]  # (B|1, 1, N, L): J's mean
     k_all = torch.cat([k, pool @ k], dim=2)  # (B, H_kv, L + N, D)
     v_all = torch.cat([v, pool @ v], dim=2)  # (B, H_kv, L + N, Dv)
-    fine = blk[:, None] == blk[None, :]  # (L, L)
+    fine = (blk[:, None] == blk[None, :]) & live[:, None, :]  # (B|1, L, L)
     coarse = blk[:, None] != torch.arange(N, device=k.device)[None, :]  # (L, N)
     if causal:
         fine = fine & (pos[None, :] <= pos[:, None])
         coarse = torch.arange(N, device=k.device)[None, :] < blk[:, None]
-    keep = torch.cat([fine, coarse], dim=1)  # (L, L + N)
-    bias = torch.cat([torch.zeros(L, dtype=k.dtype, device=k.device), counts.log()])  # (L + N,)
+    coarse = coarse & (counts > 0)[:, None, :]  # (B|1, L, N)
+    keep = torch.cat([fine, coarse], dim=-1)[:, None]  # (B|1, 1, L, L + N)
+    zeros = torch.zeros(counts.shape[0], L, dtype=k.dtype, device=k.device)
+    bias = torch.cat([zeros, counts.log()], dim=-1)[:, None, None]  # (B|1, 1, 1, L + N)
     return k_all, v_all, keep, bias
 
 
@@ -613,7 +632,7 @@ def hierarchical_attention(
     v: Tensor,
     *,
     block_size: int,
-    causal: bool = False,
+    mask: Mask | None = None,
     scale: float | None = None,
     compute_dtype: torch.dtype | None = None,
     reorder: bool = False,
@@ -623,12 +642,15 @@ def hierarchical_attention(
     ``out_i = softmax_j∈fine(i) ∪ coarse(i)(s·q_i·k_j + [j is a summary]·log n_J) v_j`` with the
     key set of `hierarchical_parts`: exact attention inside the query's block of b tokens, block
     means of keys and values for every other block (earlier blocks only if causal). Equivalently:
-    full softmax attention in which every key and value outside the query's block is replaced by
-    its block mean.
+    full softmax attention over the real keys in which every key and value outside the query's
+    block is replaced by its block mean.
 
     Args:
         q: ``(B, H, L, D)``. k: ``(B, H_kv, L, D)``. v: ``(B, H_kv, L, Dv)`` (self-attention).
-        block_size: b ≥ 1. causal: tokens ``j <= i`` in the own block, earlier blocks only.
+        block_size: b ≥ 1.
+        mask: ``masks.causal()`` (tokens ``j <= i`` in the own block, earlier blocks only),
+            ``masks.padding(lengths)`` (keys ``j >= lengths[b]`` dropped at both levels), their
+            ``&`` or None.
         scale: logit scale, default 1/√D.
         compute_dtype: precision; default float32 or wider. reorder: normalise after ``P V``.
 
@@ -636,8 +658,15 @@ def hierarchical_attention(
         ``(B, H, L, Dv)`` in q's dtype.
     """
     dtype = compute_dtype or compute_dtype_for(q.dtype)
+    causal, key_mask = causal_and_padding(
+        mask,
+        where="reference.hierarchical_attention",
+        batch=q.shape[0],
+        S=k.shape[-2],
+        device=q.device,
+    )
     k_all, v_all, keep, bias = hierarchical_parts(
-        k.to(dtype), v.to(dtype), block_size, causal=causal
+        k.to(dtype), v.to(dtype), block_size, causal=causal, key_mask=key_mask
     )
     out, _ = attention(
         q.to(dtype),

@@ -505,15 +505,13 @@ def _documents(mask: Mask | None) -> tuple[Mask, bool] | None:
     """``(document mask, causal)`` for ``document(ids)`` or ``document(ids) & causal()``."""
     from ..masks import DocumentMask
 
-    if isinstance(mask, DocumentMask):
-        return mask, False
-    if getattr(mask, "op", None) != "&":
+    if mask is None:
         return None
-    a, b = mask.a, mask.b  # type: ignore[union-attr]
-    for doc, other in ((a, b), (b, a)):
-        if isinstance(doc, DocumentMask) and other.band() == (-math.inf, 0):
-            return doc, True
-    return None
+    parts = mask.conjuncts()
+    docs = [m for m in parts if isinstance(m, DocumentMask)]
+    if len(docs) != 1 or any(m.band() != (-math.inf, 0) for m in parts if m is not docs[0]):
+        return None
+    return docs[0], len(parts) > 1
 
 
 def segment_plan(mask: Mask | None, *, B: int, L: int, S: int, bias: str | None) -> Plan | None:

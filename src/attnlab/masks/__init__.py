@@ -1,5 +1,9 @@
 """Composable attention masks (True = may attend), bottom-right aligned when L != S.
 
+A new structured mask subclasses `Mask` and states its closed form once (`Mask.diagonals`, or
+`Mask.mod` plus `key_interval` / `geometry` / `block_codes`): it then gets dense rendering,
+exact counts, the tiled backend's block map and FlexAttention's ``mask_mod`` (docs/masks.md).
+
 Example:
     >>> from attnlab import masks
     >>> m = masks.causal() & masks.padding([3, 4])
@@ -8,6 +12,7 @@ Example:
 """
 
 from .base import EMPTY, FULL, PARTIAL, FnMask, Mask, TensorMask, from_fn, from_tensor
+from .counts import Geometry
 from .patterns import (
     BigBirdMask,
     CausalMask,
@@ -34,6 +39,7 @@ __all__ = [
     "CausalMask",
     "DocumentMask",
     "FnMask",
+    "Geometry",
     "GlobalLocalMask",
     "Mask",
     "PaddingMask",

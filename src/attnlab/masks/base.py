@@ -14,6 +14,7 @@ query sees the last key), which is what KV-cache decoding needs. For causal with
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -32,7 +33,15 @@ from .blocks import (
     interval_codes,
     refine,
 )
-from .counts import COUNT_BUDGET, Geometry, budget_error, combine_geometry, geometry_pairs
+from .counts import (
+    COUNT_BUDGET,
+    Geometry,
+    Piece,
+    budget_error,
+    combine_geometry,
+    diagonal_keep,
+    geometry_counts,
+)
 
 ATTEND = "■"
 IGNORE = "⬚"
@@ -55,12 +64,30 @@ def _merge_dim(name: str, a: int | None, b: int | None) -> int | None:
 
 
 class Mask:
-    """Base class of all masks. True = the query may attend to the key.
+    """Base class of all masks, and the protocol a new structured mask implements.
 
-    Subclasses implement :meth:`_mod` (the index function on aligned positions); a subclass
-    that needs the raw query rows (a tensor indexed by row) overrides :meth:`_eval` instead. Masks
-    combine with ``&``, ``|`` and ``~``. Structured kinds describe their geometry through
-    :meth:`band`, :meth:`key_interval` and a closed-form :meth:`block_map`.
+    True = the query may attend to the key. A mask is an index function on *aligned* positions
+    (``p = i + S − L``, bottom-right) plus, optionally, a closed form of its geometry; everything
+    else (dense tensors, pair counts, the tiled backend's block maps, FlexAttention's
+    ``mask_mod``) is derived from those. Masks combine with ``&``, ``|`` and ``~``.
+
+    A subclass implements one of (each closed form stated once; the rest derives from it):
+
+    - `diagonals`: the mask as progressions of ``d = j − p`` (bands, dilated and strided
+      patterns). `mod`, `band`, `key_interval`, `geometry` and `block_codes` then derive from it.
+    - `mod`: the index function itself; add `band`, `key_interval`, `natural_block`,
+      `geometry` or `block_codes` when a closed form exists (each is optional: without one the
+      mask is evaluated, chunk by chunk).
+
+    `evaluate` (raw query rows) is what the library calls; override it only when the mask needs
+    the raw rows (a tensor indexed by row).
+
+    Example:
+        >>> class Dilated(Mask):  # every r-th key among the last w (a causal dilated window)
+        ...     def __init__(self, w, r): self.w, self.r = w, r
+        ...     def diagonals(self): return [(-(self.w - 1), 0, self.r, 0)]
+        >>> Dilated(4, 2).to_dense(4, 4)[0, 0].int().tolist()
+        [[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 1]]
 
     Attributes:
         batch_size: size of the batch dimension the mask depends on, or None if it does not.
@@ -70,12 +97,24 @@ class Mask:
     batch_size: int | None = None
     num_heads: int | None = None
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        # Subclasses written against the former private names keep working: `_mod` is `mod`,
+        # `_eval` is `evaluate` (the library calls the public names only).
+        super().__init_subclass__(**kwargs)
+        if "_mod" in cls.__dict__ and "mod" not in cls.__dict__:
+            cls.mod = cls.__dict__["_mod"]
+        if "_eval" in cls.__dict__ and "evaluate" not in cls.__dict__:
+            cls.evaluate = cls.__dict__["_eval"]
+
     # ----------------------------------------------------------------- definition
-    def _mod(self, b: Tensor, h: Tensor, p: Tensor, j: Tensor, S: int) -> Tensor:
-        """The index function on aligned positions (what subclasses implement).
+    def mod(self, b: Tensor, h: Tensor, p: Tensor, j: Tensor, S: int) -> Tensor:
+        """The index function on aligned positions: True where query ``p`` may attend key ``j``.
+
+        The default evaluates `diagonals`: ``∨_pieces (lo <= j − p <= hi) ∧ (j − p ≡ anchor
+        (mod step))``.
 
         Args:
-            b, h: batch and head indices (Long, broadcastable).
+            b, h: batch and head indices (int64, broadcastable).
             p: aligned query positions ``r + S − L`` (key coordinates; negative for the first
                 ``L − S`` rows when L > S).
             j: key positions in [0, S).
@@ -84,14 +123,25 @@ class Mask:
         Returns:
             Bool tensor broadcastable against the broadcast of the index tensors.
         """
-        raise NotImplementedError(f"{type(self).__name__} implements neither _mod nor _eval")
+        pieces = self._pieces()
+        if pieces is None:
+            raise NotImplementedError(f"{type(self).__name__} implements neither mod nor diagonals")
+        return diagonal_keep(pieces, j - p)
+
+    def evaluate(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor, L: int, S: int) -> Tensor:
+        """The mask on raw query rows ``i`` in [0, L) and keys ``j`` in [0, S).
+
+        The one place where rows meet the alignment: `mod` receives ``p = i + S − L``.
+        """
+        return self.mod(b, h, align(i, L, S), j, S)
+
+    def _mod(self, b: Tensor, h: Tensor, p: Tensor, j: Tensor, S: int) -> Tensor:
+        """Former name of `mod` (kept while callers move)."""
+        return self.mod(b, h, p, j, S)
 
     def _eval(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor, L: int, S: int) -> Tensor:
-        """Evaluates the mask on raw query rows ``i`` in [0, L) and keys ``j`` in [0, S).
-
-        The one place where rows meet the alignment: ``_mod`` receives ``p = i + S − L``.
-        """
-        return self._mod(b, h, align(i, L, S), j, S)
+        """Former name of `evaluate` (kept while callers move)."""
+        return self.evaluate(b, h, i, j, L, S)
 
     def mask_mod(self, L: int, S: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
         """The mask as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` for an L × S call.
@@ -108,7 +158,7 @@ class Mask:
         _check_lengths(L, S)
         zero = torch.zeros((), dtype=torch.long)
         try:  # Flex calls it on 0-d indices; this also builds lazily drawn tables now
-            probe = self._eval(zero, zero, zero, zero, L, S)
+            probe = self.evaluate(zero, zero, zero, zero, L, S)
         except ValueError as e:
             probe, why = None, str(e)
         if probe is None or probe.dim() != 0:
@@ -120,7 +170,7 @@ class Mask:
             )
 
         def mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return self._eval(b, h, q_idx, kv_idx, L, S)
+            return self.evaluate(b, h, q_idx, kv_idx, L, S)
 
         return mod
 
@@ -130,24 +180,50 @@ class Mask:
         return query_positions(L, S, device=device)
 
     # ----------------------------------------------------------------- geometry
+    def diagonals(self) -> list[Piece] | None:
+        """The mask as disjoint progressions of ``d = j − p``, if it depends on ``d`` alone.
+
+        Each piece ``(lo, hi, step, anchor)`` keeps ``lo <= d <= hi`` (None: unbounded) with
+        ``d ≡ anchor (mod step)``: ``causal()`` is ``[(None, 0, 1, 0)]``, a causal window of w keys
+        ``[(1 − w, 0, 1, 0)]``. A mask that states its diagonals gets `mod`, `band`,
+        `key_interval`, `geometry` (exact counts at any size) and its block map from them.
+        Other masks return None.
+        """
+        return None
+
     def band(self) -> tuple[float, float] | None:
         """``(lo, hi)`` with ``mask = {lo <= j − p <= hi}`` (±inf: no bound), if the mask is one.
 
-        Causal masks, sliding windows and their intersections are bands; the tiled backend
-        batches narrow bands into shared-tile calls. Other masks return None.
+        Derived from `diagonals` (one piece of step 1). Causal masks, sliding windows and their
+        intersections are bands; the tiled backend batches narrow bands into shared-tile calls.
+        Other masks return None.
         """
-        return None
+        pieces = self.diagonals()
+        if pieces is None or len(pieces) != 1 or pieces[0][2] != 1:
+            return None
+        lo, hi = pieces[0][0], pieces[0][1]
+        return (-math.inf if lo is None else float(lo), math.inf if hi is None else float(hi))
 
     def _diagonals(self, L: int, S: int, device: torch.device | str | None) -> Tensor | None:
         """For a mask of ``d = j − p`` alone: bool ``(L + S − 1,)`` over ``d = −(S − 1) … L − 1``.
 
-        Bands and strided masks (and their combinations) are such masks; others return None.
+        Evaluated from `diagonals` (or `band`); combinations of such masks combine theirs.
         """
+        pieces = self._pieces()
+        if pieces is None:
+            return None
+        return diagonal_keep(pieces, torch.arange(-(S - 1), L, device=device))
+
+    def _pieces(self) -> list[Piece] | None:
+        """`diagonals`, or the one piece of `band` (a mask that states only its band)."""
+        pieces = self.diagonals()
+        if pieces is not None:
+            return pieces
         band = self.band()
         if band is None:
             return None
-        d = torch.arange(-(S - 1), L, device=device).double()
-        return (d >= band[0]) & (d <= band[1])
+        lo, hi = (None if math.isinf(x) else int(x) for x in band)
+        return [(lo, hi, 1, 0)]
 
     def natural_block(self) -> int | None:
         """The block size the mask is made of (BigBird's blocks), or None.
@@ -168,9 +244,29 @@ class Mask:
         ``(B, H, L)`` with ``0 <= lo`` and ``hi <= S`` (a row with ``hi <= lo`` attends nothing);
         ``lo`` is None when it is 0 for every row. Computed from the mask's structure in O(L)
         tensor ops, no host reads, so the NaN rule and other per-row reductions over the attended
-        keys run as prefix sums instead of an L×S product. Other masks return None.
+        keys run as prefix sums instead of an L×S product. The default derives it from `band`:
+        ``[p + lo, p + hi + 1) ∩ [0, S)``. Other masks return None.
         """
-        return None
+        band = self.band()
+        if band is None:
+            return None
+        p = self.positions(L, S, device=device)
+        reach = L + S  # |j − p| < L + S on the grid: wider bounds attend the same keys
+        lo = None if band[0] == -math.inf else int(max(band[0], -reach))
+        hi = int(min(band[1], reach))
+        first = None if lo is None else (p + lo).clamp(0, S).view(1, 1, L)
+        return first, (p + hi + 1).clamp(0, S).view(1, 1, L)
+
+    def geometry(self, L: int, S: int) -> Geometry | None:
+        """The mask's structure for an exact pair count (`counts.Geometry`), or None.
+
+        The one counting hook: diagonals, a per-batch key limit, per-batch runs of keys, or the
+        exact per-``(b, h)`` counts a mask reads from the data it holds (``pairs``). The
+        default is `diagonals` (or `band`). `attended_pairs` counts any ``&`` of geometries in
+        closed form; without one it evaluates the mask (bounded by `counts.COUNT_BUDGET`).
+        """
+        pieces = self._pieces()
+        return None if pieces is None else Geometry(diagonals=list(pieces))
 
     def spec(self) -> tuple[str, list[Tensor]] | None:
         """The mask as a string of its structure plus the tensors it holds, or None.
@@ -183,7 +279,11 @@ class Mask:
         """
         return None
 
-    def _data_tensors(self) -> list[tuple[str, Tensor]]:
+    def conjuncts(self) -> tuple[Mask, ...]:
+        """The masks whose ``&`` this mask is, flattened (a mask that is no ``&``: itself)."""
+        return (self,)
+
+    def data_tensors(self) -> list[tuple[str, Tensor]]:
         """``(description, tensor)`` of the data tensors the mask holds (from_tensor masks).
 
         `attnlab.attention` checks they live on the query's device. Small index tensors
@@ -191,8 +291,18 @@ class Mask:
         """
         return []
 
+    def _data_tensors(self) -> list[tuple[str, Tensor]]:
+        """Former name of `data_tensors` (kept while callers move)."""
+        return self.data_tensors()
+
     # ----------------------------------------------------------------- rendering
-    def _batch_heads(self, batch: int | None, heads: int | None) -> tuple[int, int]:
+    def batch_heads(self, batch: int | None, heads: int | None) -> tuple[int, int]:
+        """The ``(B|1, H|1)`` sizes the mask is evaluated on, checked against a call's B and H.
+
+        Raises:
+            ValueError: the mask depends on a batch (heads) of another size than ``batch``
+                (``heads``).
+        """
         nb = self.batch_size if self.batch_size is not None else 1
         nh = self.num_heads if self.num_heads is not None else 1
         if batch is not None and self.batch_size not in (None, 1) and batch != self.batch_size:
@@ -206,11 +316,15 @@ class Mask:
             )
         return nb, nh
 
+    def _batch_heads(self, batch: int | None, heads: int | None) -> tuple[int, int]:
+        """Former name of `batch_heads` (kept while callers move)."""
+        return self.batch_heads(batch, heads)
+
     def _eval_rows(
         self, rows: Tensor, L: int, S: int, nb: int, nh: int, device: torch.device | None
     ) -> Tensor:
         b, h, i, j = index_grid(nb, nh, L, S, rows=rows, aligned=False, device=device)
-        out = self._eval(b, h, i, j, L, S)
+        out = self.evaluate(b, h, i, j, L, S)
         # Custom subclasses too: a wrong shape is named here, not in torch's expand message.
         out = check_index_fn_output("mask function", self, out, (b, h, i, j), want_bool=True)
         out = out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
@@ -237,7 +351,7 @@ class Mask:
             Bool tensor broadcastable to ``(B, H, L, S)``; True = may attend.
         """
         _check_lengths(L, S)
-        nb, nh = self._batch_heads(batch, heads)
+        nb, nh = self.batch_heads(batch, heads)
         rows = torch.arange(L, device=device)
         return self._eval_rows(rows, L, S, nb, nh, device)
 
@@ -258,10 +372,16 @@ class Mask:
     ) -> Tensor:
         """Number of keys each query attends to, shape ``(B|1, H|1, L)`` (int64).
 
-        Evaluated in row chunks, so memory stays O(chunk · S) whatever L is.
+        ``hi − lo`` of `key_interval` when the mask has one (O(L)); otherwise evaluated in row
+        chunks, so memory stays O(chunk · S) whatever L is.
         """
         _check_lengths(L, S)
-        nb, nh = self._batch_heads(batch, heads)
+        nb, nh = self.batch_heads(batch, heads)
+        interval = self.key_interval(L, S, device=device)
+        if interval is not None:
+            lo, hi = interval
+            width = (hi if lo is None else hi - lo).clamp(min=0)
+            return width.expand(*width.shape[:-1], L)  # (B|1, H|1, L)
         parts = []
         for lo, hi in self._row_chunks(L, S):
             rows = torch.arange(lo, hi, device=device)
@@ -288,27 +408,17 @@ class Mask:
             ValueError: a mask without a closed form whose count would exceed the budget.
         """
         _check_lengths(L, S)
-        self._batch_heads(batch, heads)
+        self.batch_heads(batch, heads)
         counts = self._pair_counts(L, S)  # (B|1) × (H|1) Python ints
         nb = batch if batch is not None else (self.batch_size or 1)
         nh = heads if heads is not None else (self.num_heads or 1)
         total = sum(sum(row) * (nh if len(row) == 1 else 1) for row in counts)
         return total * (nb if len(counts) == 1 else 1)
 
-    def _geometry(self, L: int, S: int) -> Geometry | None:
-        """The mask's structure for a closed-form count (`counts.Geometry`), or None."""
-        return None
-
-    def _exact_counts(self, L: int, S: int) -> list[list[int]] | None:
-        """Per-``(b, h)`` pair counts from the data a mask holds (no L×S work), or None."""
-        return None
-
     def _closed_counts(self, L: int, S: int) -> list[list[int]] | None:
-        """`_pair_counts` from the geometry or the held data alone (no L×S work), or None."""
-        geometry = self._geometry(L, S)
-        if geometry is not None:
-            return [[n] for n in geometry_pairs(geometry, L, S)]
-        return self._exact_counts(L, S)
+        """`_pair_counts` from `geometry` alone (no L×S work), or None."""
+        geometry = self.geometry(L, S)
+        return None if geometry is None else geometry_counts(geometry, L, S)
 
     def _pair_counts(self, L: int, S: int) -> list[list[int]]:
         """Attended pairs per ``(batch item, head)`` of the sizes the mask depends on (or 1).
@@ -319,7 +429,7 @@ class Mask:
         exact = self._closed_counts(L, S)
         if exact is not None:
             return exact
-        nb, nh = self._batch_heads(None, None)
+        nb, nh = self.batch_heads(None, None)
         if L == 0 or S == 0:
             return [[0]]
         if L + S <= COUNT_BUDGET:
@@ -374,15 +484,25 @@ class Mask:
                 raise TypeError(f"{name} must be an int, got {type(size).__name__}")
         if block_q < 1 or block_k < 1:
             raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
-        nb, nh = self._batch_heads(batch, heads)
+        nb, nh = self.batch_heads(batch, heads)
         if L == 0 or S == 0:
             return self._dense_block_map(L, S, block_q, block_k, nb, nh, device)
-        return self._block_map(L, S, block_q, block_k, nb, nh, device)
+        return self.block_codes(L, S, block_q, block_k, nb, nh, device)
 
-    def _block_map(
+    def block_codes(
         self, L: int, S: int, bq: int, bk: int, nb: int, nh: int, device: torch.device | str | None
     ) -> Tensor:
-        """`block_map` for L, S >= 1 and checked arguments: what structured kinds override."""
+        """`block_map` for L, S >= 1 and checked arguments: what a closed form overrides.
+
+        The default derives the codes from `band`, `diagonals` or `key_interval`
+        (`masks.blocks`), else from the rendering. An override returns int8 codes
+        ``(nb|1, nh|1, ceil(L/bq), ceil(S/bk))``; `masks.blocks.refine` evaluates exactly the
+        tiles a rule leaves undecided.
+
+        Args:
+            L, S: query and key lengths. bq, bk: tile sizes.
+            nb, nh: the ``(B|1, H|1)`` sizes to evaluate on (`batch_heads`). device: where.
+        """
         codes = self._geometric_block_map(L, S, bq, bk, device)
         return self._dense_block_map(L, S, bq, bk, nb, nh, device) if codes is None else codes
 
@@ -446,7 +566,7 @@ class Mask:
             1, 1, L, S, rows=torch.tensor(rows), keys=torch.tensor(cols), aligned=False
         )
         out = check_index_fn_output(
-            "mask function", self, self._eval(*idx, L, S), idx, want_bool=True
+            "mask function", self, self.evaluate(*idx, L, S), idx, want_bool=True
         )
         grid = out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))[0, 0]
         grid = grid.expand(len(rows), len(cols)).tolist()
@@ -525,11 +645,14 @@ class _Combined(Mask):
         self.num_heads = _merge_dim("num_heads", a.num_heads, b.num_heads)
         self._pins_size = a._pins_size or b._pins_size
 
-    def _eval(self, b, h, i, j, L, S):
+    def evaluate(self, b, h, i, j, L, S):
         idx = (b, h, i, j)
-        x = check_index_fn_output("mask function", self.a, self.a._eval(*idx, L, S), idx)
-        y = check_index_fn_output("mask function", self.b, self.b._eval(*idx, L, S), idx)
+        x = check_index_fn_output("mask function", self.a, self.a.evaluate(*idx, L, S), idx)
+        y = check_index_fn_output("mask function", self.b, self.b.evaluate(*idx, L, S), idx)
         return x & y if self.op == "&" else x | y
+
+    def conjuncts(self):
+        return (*self.a.conjuncts(), *self.b.conjuncts()) if self.op == "&" else (self,)
 
     def spec(self):
         a, b = self.a.spec(), self.b.spec()
@@ -558,30 +681,25 @@ class _Combined(Mask):
             return None
         return a & b if self.op == "&" else a | b
 
-    def _block_map(self, L, S, bq, bk, nb, nh, device):
+    def block_codes(self, L, S, bq, bk, nb, nh, device):
         codes = self._geometric_block_map(L, S, bq, bk, device)
         if codes is not None:
             return codes
         # each operand on the (B, H) sizes it depends on itself
-        a = self.a._block_map(L, S, bq, bk, *self.a._batch_heads(None, None), device)
-        b = self.b._block_map(L, S, bq, bk, *self.b._batch_heads(None, None), device)
+        a = self.a.block_codes(L, S, bq, bk, *self.a.batch_heads(None, None), device)
+        b = self.b.block_codes(L, S, bq, bk, *self.b.batch_heads(None, None), device)
         codes, todo = combine_codes(self.op, a, b)
         return refine(self, codes, todo, L, S, bq, bk, nb, nh, device)
 
-    def _geometry(self, L, S):
-        if self.op != "&":
-            return None
-        return combine_geometry(self.a._geometry(L, S), self.b._geometry(L, S))
-
-    def _exact_counts(self, L, S):
+    def geometry(self, L, S):
+        if self.op == "&":
+            return combine_geometry(self.a.geometry(L, S), self.b.geometry(L, S))
         # a | b = a + b − (a & b), each in closed form (prefix-LM: causal() | padding([n]))
-        if self.op != "|":
-            return None
         a, b = self.a._closed_counts(L, S), self.b._closed_counts(L, S)
         both = None if a is None or b is None else (self.a & self.b)._closed_counts(L, S)
         if both is None:
             return None
-        return _add_counts(_add_counts(a, b, 1), both, -1)
+        return Geometry(pairs=_add_counts(_add_counts(a, b, 1), both, -1))
 
     def key_interval(self, L, S, *, device=None):
         if self.op != "&":
@@ -593,8 +711,8 @@ class _Combined(Mask):
         lo = a[0] if b[0] is None else b[0] if a[0] is None else torch.maximum(a[0], b[0])
         return lo, torch.minimum(a[1], b[1])
 
-    def _data_tensors(self) -> list[tuple[str, Tensor]]:
-        return self.a._data_tensors() + self.b._data_tensors()
+    def data_tensors(self) -> list[tuple[str, Tensor]]:
+        return self.a.data_tensors() + self.b.data_tensors()
 
     def _default_size(self) -> tuple[int, int]:
         # A fixed-size operand (a tensor, document ids) decides; otherwise the larger picture.
@@ -611,26 +729,26 @@ class _Not(Mask):
         self.batch_size, self.num_heads = inner.batch_size, inner.num_heads
         self._pins_size = inner._pins_size
 
-    def _eval(self, b, h, i, j, L, S):
+    def evaluate(self, b, h, i, j, L, S):
         idx = (b, h, i, j)
         return ~check_index_fn_output(
-            "mask function", self.inner, self.inner._eval(*idx, L, S), idx
+            "mask function", self.inner, self.inner.evaluate(*idx, L, S), idx
         )
 
-    def _exact_counts(self, L, S):
+    def geometry(self, L, S):
         inner = self.inner._closed_counts(L, S)
-        return None if inner is None else [[L * S - n for n in row] for row in inner]
+        return None if inner is None else Geometry(pairs=[[L * S - n for n in r] for r in inner])
 
     def _diagonals(self, L, S, device):
         inner = self.inner._diagonals(L, S, device)
         return None if inner is None else ~inner
 
-    def _block_map(self, L, S, bq, bk, nb, nh, device):
-        inner = self.inner._block_map(L, S, bq, bk, nb, nh, device)  # same (B, H) sizes
+    def block_codes(self, L, S, bq, bk, nb, nh, device):
+        inner = self.inner.block_codes(L, S, bq, bk, nb, nh, device)  # same (B, H) sizes
         return (FULL - inner).to(torch.int8)  # EMPTY <-> FULL, PARTIAL stays
 
-    def _data_tensors(self) -> list[tuple[str, Tensor]]:
-        return self.inner._data_tensors()
+    def data_tensors(self) -> list[tuple[str, Tensor]]:
+        return self.inner.data_tensors()
 
     def spec(self):
         inner = self.inner.spec()
@@ -669,7 +787,7 @@ class TensorMask(Mask):
                 f"mask of shape {tuple(self.t.shape)} is not broadcastable to (B, H, L={L}, S={S})"
             )
 
-    def _eval(self, b, h, i, j, L, S):
+    def evaluate(self, b, h, i, j, L, S):
         self._check(L, S)
         t = self.t.to(i.device)
         bi = b if t.shape[0] > 1 else torch.zeros_like(b)
@@ -678,15 +796,15 @@ class TensorMask(Mask):
         jj = j if t.shape[3] > 1 else torch.zeros_like(j)
         return t[bi, hi, ii, jj]
 
-    def _exact_counts(self, L, S):
+    def geometry(self, L, S):
         self._check(L, S)
         t = self.t.sum((-2, -1), dtype=torch.int64)  # (B|1, H|1): counted once, then repeated
         repeat = (L if self.t.shape[-2] == 1 else 1) * (S if self.t.shape[-1] == 1 else 1)
-        return [[int(n) * repeat for n in row] for row in t.tolist()]
+        return Geometry(pairs=[[int(n) * repeat for n in row] for row in t.tolist()])
 
     def to_dense(self, L, S, *, batch=None, heads=None, device=None):
         _check_lengths(L, S)
-        self._batch_heads(batch, heads)
+        self.batch_heads(batch, heads)
         self._check(L, S)
         t = self.t if device is None else self.t.to(device)
         return t.expand(t.shape[0], t.shape[1], L, S)
@@ -697,7 +815,7 @@ class TensorMask(Mask):
     def spec(self):
         return "tensor", [self.t]
 
-    def _data_tensors(self) -> list[tuple[str, Tensor]]:
+    def data_tensors(self) -> list[tuple[str, Tensor]]:
         return [(repr(self), self.t)]
 
     def __repr__(self) -> str:
@@ -725,12 +843,12 @@ class FnMask(Mask):
         self.batch_size, self.num_heads = batch_size, num_heads
         self.name = name or getattr(fn, "__name__", "fn")
 
-    def _mod(self, b, h, p, j, S):
+    def mod(self, b, h, p, j, S):
         out = self.fn(b, h, p, j)
         # Checked here, not only on the final result: inside `&`/`|` a Python bool or an int
         # tensor would otherwise be silently absorbed (or fail with a torch-internal error), and
         # a wrong shape would broadcast into the other operand. The tiled backend evaluates
-        # tiles through `_eval`, so this check covers it as well.
+        # tiles through `evaluate`, so this check covers it as well.
         return check_index_fn_output("mask function", self.fn, out, (b, h, p, j), want_bool=True)
 
     def __repr__(self) -> str:

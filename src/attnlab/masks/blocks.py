@@ -220,7 +220,7 @@ def tile_eval(
 ) -> Tensor:
     """The mask on raw rows × keys, shape ``(B|1, H|1, R, K)`` (bool)."""
     b, h, i, j = index_grid(nb, nh, L, S, rows=rows, keys=keys, aligned=False, device=device)
-    out = mask._eval(b, h, i, j, L, S)
+    out = mask.evaluate(b, h, i, j, L, S)
     out = check_index_fn_output("mask function", mask, out, (b, h, i, j), want_bool=True)
     return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
 

@@ -1,26 +1,59 @@
 """Exact attended-pair counts: closed forms on Python ints, and a bounded fallback.
 
-`Mask.attended_pairs` asks each mask for its *geometry* (`Geometry`): a set of diagonals
-``d = j − p`` (p the bottom-right aligned query position ``i + S − L``), a per-batch key limit
-(padding lengths) and per-batch runs of keys (documents built from lengths). Every combination of
-those with ``&`` is counted by `geometry_pairs` in O(pieces) Python-int arithmetic, exact for any
-size (``L = S = 10**12`` takes microseconds, no tensor is built). Longformer (inclusion-exclusion
-over the globals), BigBird (block cells), raw document ids (bincount) and tensor masks count from
-the data they hold (`Mask._exact_counts`); unions and complements of closed counts by
-inclusion-exclusion. Masks without a closed form are
-counted by diagonals, key intervals or rows, up to `COUNT_BUDGET` evaluated elements; above it
-`attended_pairs` raises a ValueError naming the lengths and the limit.
+`Mask.attended_pairs` asks each mask for its *geometry* (`Mask.geometry`, one `Geometry`
+record): a set of diagonals ``d = j − p`` (p the bottom-right aligned query position
+``i + S − L``), a per-batch key limit (padding lengths), per-batch runs of keys (documents built
+from lengths), or the exact counts a mask reads from the data it holds (``pairs``: Longformer by
+inclusion-exclusion over the globals, BigBird by block cells, raw document ids by bincount,
+tensor masks by a sum; unions and complements of closed counts by inclusion-exclusion). Every
+``&`` of diagonals, key limits and runs is counted by `geometry_pairs` in O(pieces) Python-int
+arithmetic, exact for any size (``L = S = 10**12`` takes microseconds, no tensor is built).
+Masks without a geometry are counted by diagonals, key intervals or rows, up to `COUNT_BUDGET`
+evaluated elements; above it `attended_pairs` raises a ValueError naming the lengths and the
+limit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
 # Evaluated elements (diagonals, rows, or query × key pairs) the fallback may spend on one count.
 COUNT_BUDGET = 1 << 30
 
 # One arithmetic progression of diagonals: d ≡ anchor (mod step), lo <= d <= hi (None: unbounded).
 Piece = tuple[int | None, int | None, int, int]
+
+# Any size at least this large acts as "unbounded" on int64 positions: sizes are capped to it
+# before they meet an index tensor (exact on every grid smaller than 2^62, no int64 overflow).
+HUGE = 1 << 62
+
+
+def diagonal_keep(pieces: list[Piece], d: Tensor) -> Tensor:
+    """Whether each offset ``d = j − p`` lies in one of the progressions ``pieces`` (bool).
+
+    ``keep(d) = ∨_(lo, hi, step, anchor) (lo <= d <= hi) ∧ (d ≡ anchor mod step)``: the index
+    function of every mask given by its `Mask.diagonals`. Bounds and steps are capped to
+    ``±HUGE``, so a huge window or stride neither overflows int64 nor changes the pattern.
+    """
+    keep = None
+    for lo, hi, step, anchor in pieces:
+        part = None
+        if lo is not None:
+            part = d >= max(-HUGE, min(lo, HUGE))
+        if hi is not None:
+            upper = d <= max(-HUGE, min(hi, HUGE))
+            part = upper if part is None else part & upper
+        if step != 1:
+            s = min(step, HUGE)
+            on = (d - anchor % s).remainder(s) == 0
+            part = on if part is None else part & on
+        if part is None:
+            part = torch.ones_like(d, dtype=torch.bool)
+        keep = part if keep is None else keep | part
+    return torch.zeros_like(d, dtype=torch.bool) if keep is None else keep
 
 
 def _ap_stats(x: int, y: int, step: int, anchor: int) -> tuple[int, int]:
@@ -96,21 +129,27 @@ class _NoClosedFormError(Exception):
 
 @dataclass
 class Geometry:
-    """The structure of a mask that `geometry_pairs` counts exactly (each part None: no limit).
+    """A mask's structure, counted exactly by `geometry_counts` (each part None: no limit).
 
     Attributes:
         diagonals: disjoint progressions of ``d = j − p`` that may attend (`Piece`).
         key_limit: per batch item (or one for all), keys ``j < key_limit`` may attend.
         runs: per batch item (or one for all), the ``(start, length)`` runs of keys; a query
             attends only keys of its own run, and a query before the keys (p < 0) nothing.
+        pairs: the exact counts per ``(batch item, head)`` of the sizes the mask depends on
+            (``[[n]]`` if neither), for a mask that counts from the data it holds; it excludes
+            the other parts and does not combine with ``&``.
     """
 
     diagonals: list[Piece] | None = None
     key_limit: list[int] | None = None
     runs: list[list[tuple[int, int]]] | None = None
+    pairs: list[list[int]] | None = None
 
     def __and__(self, other: Geometry) -> Geometry:
         if self.runs is not None and other.runs is not None:
+            raise _NoClosedFormError
+        if self.pairs is not None or other.pairs is not None:
             raise _NoClosedFormError
         return Geometry(
             _intersect_pieces(self.diagonals, other.diagonals),
@@ -172,6 +211,11 @@ def geometry_pairs(g: Geometry, L: int, S: int) -> list[int]:
     return out
 
 
+def geometry_counts(g: Geometry, L: int, S: int) -> list[list[int]]:
+    """Attended pairs per ``(batch item, head)`` (``[[n]]`` when the mask depends on neither)."""
+    return g.pairs if g.pairs is not None else [[n] for n in geometry_pairs(g, L, S)]
+
+
 def budget_error(mask: object, L: int, S: int, cost: int) -> ValueError:
     """The error of a count above `COUNT_BUDGET`, naming the lengths and the limit."""
     return ValueError(
@@ -183,9 +227,13 @@ def budget_error(mask: object, L: int, S: int, cost: int) -> ValueError:
 
 __all__ = [
     "COUNT_BUDGET",
+    "HUGE",
     "Geometry",
+    "Piece",
     "budget_error",
     "combine_geometry",
+    "diagonal_keep",
     "diagonal_pairs",
+    "geometry_counts",
     "geometry_pairs",
 ]

@@ -1,21 +1,24 @@
 """The structured mask patterns of the literature, each a small index function.
 
-All patterns are index functions of the aligned query position ``p = i + S − L`` (bottom-right
-alignment, computed once in `Mask._eval`) and the key position ``j``. Each kind also gives its
-geometry in closed form: a band (`Mask.band`), an interval of keys per row (`Mask.key_interval`)
-and a block map (`Mask.block_map`) in O(tiles) work.
+Each pattern states its closed form once, through the `Mask` protocol: causal masks, sliding
+windows and strided patterns as progressions of ``d = j − p`` (`Mask.diagonals`; the index
+function, band, key intervals, counts and block maps derive from it), the others as an index
+function of the aligned query position ``p = i + S − L`` (bottom-right alignment, computed once in
+`Mask.evaluate`) and the key position ``j``, plus the closed forms that exist: an interval of keys
+per row (`Mask.key_interval`), a geometry for exact counts (`Mask.geometry`) and a block map
+(`Mask.block_codes`) in O(tiles) work.
 """
 
 from __future__ import annotations
 
-import math
+import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from .._shapes import static_int
-from .base import Mask, _check_lengths
+from .base import Mask, _describe
 from .blocks import (
     EMPTY,
     FULL,
@@ -27,16 +30,12 @@ from .blocks import (
     refine,
     tile_bounds,
 )
-from .counts import COUNT_BUDGET, Geometry, diagonal_pairs
-
-# Any size at least this large acts as "unbounded" on int64 positions: sizes are capped to it
-# before they meet an index tensor, so `sliding_window(sys.maxsize)` or `strided(2**70)` neither
-# overflows int64 (p + window wrapped around before) nor fails to convert.
-_HUGE = 1 << 62
+from .counts import COUNT_BUDGET, HUGE, Geometry, diagonal_pairs
 
 
 def _cap(n: int) -> int:
-    return min(n, _HUGE)
+    """``n`` capped to `counts.HUGE`: `global_local(sys.maxsize)` cannot overflow int64."""
+    return min(n, HUGE)
 
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> int:
@@ -67,32 +66,11 @@ def _short_list(t: Tensor, edge: int = 3) -> str:
     return f"[{', '.join(map(str, head))}, ..., {', '.join(map(str, tail))}] ({t.numel()} values)"
 
 
-def _interval_counts(lo: Tensor, hi: Tensor, S: int) -> Tensor:
-    """Number of integers in [lo, hi] ∩ [0, S)."""
-    return (hi.clamp(max=S - 1) - lo.clamp(min=0) + 1).clamp(min=0)
-
-
 class CausalMask(Mask):
     """Bottom-right causal: key ``j`` is visible from position ``p`` iff ``j <= p``."""
 
-    def _mod(self, b, h, p, j, S):
-        return j <= p
-
-    def band(self):
-        return (-math.inf, 0.0)
-
-    def key_interval(self, L, S, *, device=None):
-        p = self.positions(L, S, device=device)
-        return None, (p + 1).clamp(0, S).view(1, 1, L)
-
-    def row_counts(self, L, S, *, batch=None, heads=None, device=None):
-        _check_lengths(L, S)
-        self._batch_heads(batch, heads)
-        p = self.positions(L, S, device=device)
-        return _interval_counts(torch.zeros_like(p), p, S).view(1, 1, L)
-
-    def _geometry(self, L, S):
-        return Geometry(diagonals=[(None, 0, 1, 0)])
+    def diagonals(self):
+        return [(None, 0, 1, 0)]  # j − p <= 0
 
     def __repr__(self) -> str:
         return "causal()"
@@ -108,34 +86,10 @@ class SlidingWindowMask(Mask):
         self.window = _positive_int("window", window)
         self.causal = bool(causal)
 
-    def _mod(self, b, h, p, j, S):
-        # On d = j − p (small), never p ± window: exact for every window without int64 overflow.
-        d = j - p
-        reach = _cap(self.window) - 1
-        return (d >= -reach) & (d <= (0 if self.causal else reach))
-
-    def band(self):
-        w = static_int(self.window)
-        return (float(-(w - 1)), 0.0 if self.causal else float(w - 1))
-
-    def key_interval(self, L, S, *, device=None):
-        p = self.positions(L, S, device=device)
-        reach = min(self.window, max(L, S) + 1) - 1  # a wider window attends the same keys
-        lo, hi = p - reach, (p if self.causal else p + reach)
-        return lo.clamp(0, S).view(1, 1, L), (hi + 1).clamp(0, S).view(1, 1, L)
-
-    def row_counts(self, L, S, *, batch=None, heads=None, device=None):
-        _check_lengths(L, S)
-        self._batch_heads(batch, heads)
-        p = self.positions(L, S, device=device)
-        # |j − p| <= max(L, S) − 1 on the grid, so a wider window counts the same.
-        reach = min(self.window, max(L, S) + 1) - 1
-        lo, hi = p - reach, (p if self.causal else p + reach)
-        return _interval_counts(lo, hi, S).view(1, 1, L)
-
-    def _geometry(self, L, S):
-        reach = self.window - 1
-        return Geometry(diagonals=[(-reach, 0 if self.causal else reach, 1, 0)])
+    def diagonals(self):
+        # the one statement of the band: 1 − w <= j − p <= 0 (causal) or <= w − 1
+        reach = static_int(self.window) - 1
+        return [(-reach, 0 if self.causal else reach, 1, 0)]
 
     def __repr__(self) -> str:
         return f"sliding_window({self.window}, causal={self.causal})"
@@ -159,12 +113,12 @@ class PaddingMask(Mask):
         if isinstance(lengths, (list, tuple)):
             self.py_lengths = tuple(int(n) for n in lengths)
 
-    def _mod(self, b, h, p, j, S):
+    def mod(self, b, h, p, j, S):
         n = self.lengths.to(j.device)
         # One length broadcasts over a batch of any size (batch_size 1 combines with any batch).
         return j < (n[b] if n.numel() != 1 else n.view(1, 1, 1, 1))
 
-    def _block_map(self, L, S, bq, bk, nb, nh, device):
+    def block_codes(self, L, S, bq, bk, nb, nh, device):
         _, _, k0, k1 = tile_bounds(L, S, bq, bk, device)
         n = self.lengths.to(device).view(-1, 1)  # (B, 1)
         codes = torch.where(k1 <= n, FULL, torch.where(k0 >= n, EMPTY, PARTIAL)).to(torch.int8)
@@ -174,13 +128,7 @@ class PaddingMask(Mask):
     def key_interval(self, L, S, *, device=None):
         return None, self.lengths.to(device).clamp(max=S).view(-1, 1, 1)
 
-    def row_counts(self, L, S, *, batch=None, heads=None, device=None):
-        _check_lengths(L, S)
-        self._batch_heads(batch, heads)
-        n = self.lengths.to(device).clamp(max=S)
-        return n.view(-1, 1, 1).expand(-1, 1, L)
-
-    def _geometry(self, L, S):
+    def geometry(self, L, S):
         return Geometry(key_limit=[int(n) for n in self.lengths.tolist()])
 
     def _default_size(self) -> tuple[int, int]:
@@ -203,24 +151,11 @@ class StridedMask(Mask):
         self.stride = _positive_int("stride", stride)
         self.causal = bool(causal)
 
-    def _keep(self, d: Tensor) -> Tensor:
-        """Whether the offset ``d = p − j`` is attended."""
-        stride = _cap(self.stride)  # the same pattern on any grid smaller than 2^62
-        keep = (d.abs() < stride) | (d.remainder(stride) == 0)
-        return keep & (d >= 0) if self.causal else keep
-
-    def _mod(self, b, h, p, j, S):
-        return self._keep(p - j)
-
-    def _diagonals(self, L, S, device):
-        d = torch.arange(-(S - 1), L, device=device)  # every j − p of the grid
-        return self._keep(-d)
-
-    def _geometry(self, L, S):
+    def diagonals(self):
         # d = j − p: the local block |d| < stride, then every multiple of stride beyond it
         s = self.stride
         pieces = [(-(s - 1), 0 if self.causal else s - 1, 1, 0), (None, -s, s, 0)]
-        return Geometry(diagonals=pieces if self.causal else [*pieces, (s, None, s, 0)])
+        return pieces if self.causal else [*pieces, (s, None, s, 0)]
 
     def __repr__(self) -> str:
         return f"strided({self.stride}, causal={self.causal})"
@@ -249,10 +184,10 @@ class GlobalLocalMask(Mask):
         g = self.global_idx.to(pos.device)
         return torch.isin(pos, g)
 
-    def _mod(self, b, h, p, j, S):
+    def mod(self, b, h, p, j, S):
         return ((p - j).abs() < _cap(self.window)) | self._is_global(p) | self._is_global(j)
 
-    def _block_map(self, L, S, bq, bk, nb, nh, device):
+    def block_codes(self, L, S, bq, bk, nb, nh, device):
         # band | global query rows | global keys, each in closed form; tiles where two of them
         # are PARTIAL are evaluated exactly.
         reach = float(self.window - 1)
@@ -264,11 +199,11 @@ class GlobalLocalMask(Mask):
         codes, todo = combine_codes("|", band, rows, keys.view(1, 1, 1, -1))
         return refine(self, codes, todo, L, S, bq, bk, nb, nh, device)
 
-    def _exact_counts(self, L, S):
+    def geometry(self, L, S):
         # Inclusion-exclusion over the band |p − j| < w, global query rows and global keys:
         # pairs = L·S − #(outside the band, row and key not global). O(G log G) for G globals.
         if L == 0 or S == 0:
-            return [[0]]
+            return Geometry(pairs=[[0]])
         w = min(self.window, max(L, S) + 1)
         g = torch.unique(self.global_idx)
         keys = g[g < S]  # global key positions
@@ -282,7 +217,7 @@ class GlobalLocalMask(Mask):
         hi = torch.searchsorted(keys, rows + w - 1, right=True)
         band_both = int((hi - torch.searchsorted(keys, rows - w + 1)).sum())
         outside = plain - (band - band_rows - band_keys + band_both)
-        return [[L * S - outside]]
+        return Geometry(pairs=[[L * S - outside]])
 
     def __repr__(self) -> str:
         return f"global_local({self.window}, global_tokens={_short_list(self.global_idx)})"
@@ -350,12 +285,12 @@ class BigBirdMask(Mask):
     def natural_block(self) -> int:
         return static_int(self.block_size)
 
-    def _mod(self, b, h, p, j, S):
+    def mod(self, b, h, p, j, S):
         block = _cap(self.block_size)
         qb = torch.div(p, block, rounding_mode="floor")
         return self._block_keep(qb, torch.div(j, block, rounding_mode="floor"), S)
 
-    def _block_map(self, L, S, bq, bk, nb, nh, device):
+    def block_codes(self, L, S, bq, bk, nb, nh, device):
         # The mask is constant on (query block, key block) cells: tiles from the cell table.
         block = _cap(self.block_size)
         p0, p1, k0, k1 = tile_bounds(L, S, bq, bk, device)
@@ -367,10 +302,10 @@ class BigBirdMask(Mask):
         codes = cell_codes(table, q_range, (k0 // block, (k1 - 1) // block))
         return codes.view(1, 1, *codes.shape)
 
-    def _exact_counts(self, L, S):
+    def geometry(self, L, S):
         # Constant on (query block, key block) cells: Σ cell · rows in it · keys in it.
         if L == 0 or S == 0:
-            return [[0]]
+            return Geometry(pairs=[[0]])
         block = _cap(self.block_size)
         first, last, nk = (S - L) // block, (S - 1) // block, -(-S // block)
         if (last - first + 1) * nk > COUNT_BUDGET:
@@ -382,7 +317,7 @@ class BigBirdMask(Mask):
             min=0
         )
         keys = torch.clamp((kc + 1) * block, max=S) - kc * block
-        return [[int((table.long() * rows.view(-1, 1) * keys.view(1, -1)).sum())]]
+        return Geometry(pairs=[[int((table.long() * rows.view(-1, 1) * keys.view(1, -1)).sum())]])
 
     def __repr__(self) -> str:
         return (
@@ -434,7 +369,7 @@ class DocumentMask(Mask):
             raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()}")
         return cls.from_lengths(cu.diff())
 
-    def _mod(self, b, h, p, j, S):
+    def mod(self, b, h, p, j, S):
         if self.ids.shape[-1] != S:
             raise ValueError(f"document ids cover {self.ids.shape[-1]} positions, but S={S}")
         if S == 0:  # no key positions: nothing to look up (ids[..., 0] would be out of range)
@@ -471,9 +406,9 @@ class DocumentMask(Mask):
         hi = torch.where(valid, hi, lo)  # rows before the keys attend nothing
         return lo.unsqueeze(1), hi.unsqueeze(1)
 
-    def _block_map(self, L, S, bq, bk, nb, nh, device):
+    def block_codes(self, L, S, bq, bk, nb, nh, device):
         if self.runs_distinct:  # one run of keys per row: exact from the intervals
-            return super()._block_map(L, S, bq, bk, nb, nh, device)
+            return super().block_codes(L, S, bq, bk, nb, nh, device)
         # Raw ids: conservative id-range rules per tile, then exact evaluation of the rest.
         if self.ids.shape[-1] != S:
             raise ValueError(f"document ids cover {self.ids.shape[-1]} positions, but S={S}")
@@ -507,11 +442,11 @@ class DocumentMask(Mask):
         if self.ids.shape[-1] != S:
             raise ValueError(f"document ids cover {self.ids.shape[-1]} positions, but S={S}")
 
-    def _geometry(self, L, S):
-        if not self.runs_distinct:
-            return None
+    def geometry(self, L, S):
         self._check_S(S)
         ids = self.ids if self.ids.dim() == 2 else self.ids.view(1, S)
+        if not self.runs_distinct:  # raw ids: counted from the ids
+            return Geometry(pairs=self._id_counts(ids, L, S))
         runs = []
         for row in ids:
             _, lengths = torch.unique_consecutive(row, return_counts=True)
@@ -519,10 +454,9 @@ class DocumentMask(Mask):
             runs.append([(a, n) for a, n in zip(starts, lengths.tolist(), strict=False)])
         return Geometry(runs=runs)
 
-    def _exact_counts(self, L, S):
-        # Raw ids: Σ over ids of (queries with the id) × (keys with the id), by bincount.
-        self._check_S(S)
-        ids = self.ids if self.ids.dim() == 2 else self.ids.view(1, S)
+    @staticmethod
+    def _id_counts(ids: Tensor, L: int, S: int) -> list[list[int]]:
+        """Σ over ids of (queries with the id) × (keys with the id), by bincount, per row."""
         out = []
         for row in ids:
             if S == 0 or L == 0:
@@ -543,6 +477,84 @@ class DocumentMask(Mask):
 
     def spec(self):
         return f"document:{int(self.runs_distinct)}", [self.ids]
+
+
+# What linear, FAVOR+ and hierarchical attention accept (`causal_and_padding`).
+KERNEL_MASKS = "None, masks.causal(), masks.padding(lengths) or an & of them"
+
+
+def causal_and_padding(
+    mask: object, *, where: str, batch: int, S: int, device: torch.device | str | None = None
+) -> tuple[bool, Tensor | None]:
+    """Splits a mask made of `causal` and `padding` into ``(causal, key_mask)``.
+
+    The forms whose attention needs no ``L × S`` matrix (linear, FAVOR+, hierarchical): the
+    result keeps key j for row p iff ``(not causal or j <= p) and key_mask[b, j]``, with
+    ``key_mask[b, j] = j < min over the paddings of lengths[b]``. Tensor ops only, no host sync.
+
+    Args:
+        mask: None, ``masks.causal()``, ``masks.padding(lengths)`` or an ``&`` of them.
+        where: the calling function, named in errors. batch: B of the call. S: key length.
+        device: where the key mask is built.
+
+    Returns:
+        ``(causal, key_mask)``: key_mask bool ``(B|1, S)`` (True = a real key) or None.
+
+    Raises:
+        ValueError: any other mask (naming what is supported and what was received), or
+            padding lengths for another batch size.
+    """
+    if mask is None:
+        return False, None
+    parts = mask.conjuncts() if isinstance(mask, Mask) else ()
+    if not parts or not all(isinstance(m, (CausalMask, PaddingMask)) for m in parts):
+        got = repr(mask) if isinstance(mask, Mask) else _describe(mask)
+        raise ValueError(f"{where}: mask must be {KERNEL_MASKS}, got {got}")
+    causal = any(isinstance(m, CausalMask) for m in parts)
+    lengths = None
+    for m in parts:
+        if isinstance(m, PaddingMask):
+            if m.lengths.numel() not in (1, batch):
+                raise ValueError(
+                    f"{where}: mask {m!r} has {m.lengths.numel()} lengths, expected 1 or "
+                    f"batch={batch}"
+                )
+            n = m.lengths.to(device)
+            lengths = n if lengths is None else torch.minimum(lengths, n)
+    if lengths is None:
+        return causal, None
+    return causal, torch.arange(S, device=device) < lengths.view(-1, 1)  # (B|1, S)
+
+
+def with_causal(
+    mask: Mask | None, causal: object, *, where: str, stacklevel: int = 3
+) -> Mask | None:
+    """``mask`` with the former ``causal=`` flag folded in, warning that it is deprecated.
+
+    Args:
+        mask: the call's ``mask=``. causal: the call's ``causal=`` (None: not given).
+        where: the calling function, named in the warning.
+        stacklevel: the warning's frame: 3 is the caller of ``where`` when ``where`` calls this.
+
+    Returns:
+        ``causal() & mask`` for ``causal=True``, else ``mask``.
+
+    Raises:
+        TypeError: ``causal`` is not a bool.
+    """
+    if causal is None:
+        return mask
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    warnings.warn(
+        f"{where}(causal=...) is deprecated: pass mask=masks.causal() (combined with other "
+        "masks by &)",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+    if not causal:
+        return mask
+    return CausalMask() if mask is None else CausalMask() & mask
 
 
 def causal() -> Mask:

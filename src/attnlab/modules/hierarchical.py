@@ -6,7 +6,8 @@ from torch import Tensor, nn
 
 from .._shapes import check_number
 from ..functional.hierarchical import hierarchical_attention
-from ..functional.linear import check_bool, check_positive_int
+from ..functional.linear import check_positive_int
+from ..masks import Mask
 
 __all__ = ["HierarchicalAttention"]
 
@@ -19,27 +20,29 @@ class HierarchicalAttention(nn.Module):
 
     Args:
         block_size: b >= 1 tokens per block (b ≈ √L minimises the cost).
-        causal: causal at both levels (own block: ``j <= i``; summaries: earlier blocks only).
         scale: logit scale, default 1/√D.
 
     Example:
-        >>> attn = HierarchicalAttention(block_size=32, causal=True)
+        >>> attn = HierarchicalAttention(block_size=32)
         >>> q = k = v = torch.randn(1, 4, 1024, 64)
-        >>> attn(q, k, v).shape
+        >>> attn(q, k, v, mask=masks.causal()).shape
         torch.Size([1, 4, 1024, 64])
     """
 
-    def __init__(self, block_size: int, *, causal: bool = False, scale: float | None = None):
+    def __init__(self, block_size: int, *, scale: float | None = None):
         super().__init__()
         self.block_size = check_positive_int("block_size", block_size)
-        self.causal = check_bool("causal", causal)
         self.scale = None if scale is None else check_number("scale", scale, nonzero=True)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q ``(B, H, L, D)``, k ``(B, H_kv, L, D)``, v ``(B, H_kv, L, Dv)`` → ``(B, H, L, Dv)``."""
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None = None) -> Tensor:
+        """q ``(B, H, L, D)``, k ``(B, H_kv, L, D)``, v ``(B, H_kv, L, Dv)`` → ``(B, H, L, Dv)``.
+
+        mask: ``masks.causal()`` (own block ``j <= i``, earlier blocks only),
+        ``masks.padding(lengths)``, their ``&`` or None.
+        """
         return hierarchical_attention(
-            q, k, v, block_size=self.block_size, causal=self.causal, scale=self.scale
+            q, k, v, block_size=self.block_size, mask=mask, scale=self.scale
         )
 
     def extra_repr(self) -> str:
-        return f"block_size={self.block_size}, causal={self.causal}, scale={self.scale}"
+        return f"block_size={self.block_size}, scale={self.scale}"

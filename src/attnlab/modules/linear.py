@@ -20,6 +20,7 @@ from ..functional.linear import (
     linear_attention,
 )
 from ..functional.performer import favor_attention, favor_projection
+from ..masks import Mask
 
 __all__ = ["LinearAttention", "PerformerAttention"]
 
@@ -32,14 +33,13 @@ class LinearAttention(nn.Module):
 
     Args:
         feature_map: ``"elu"`` (elu + 1), ``"relu"`` or a callable ``(..., D) -> (..., F)``.
-        causal: bottom-right causal attention.
         eps: added to each denominator.
         chunk_size: tokens per chunk of the causal form (speed only).
 
     Example:
-        >>> attn = LinearAttention(causal=True)
+        >>> attn = LinearAttention()
         >>> q = k = v = torch.randn(2, 4, 4096, 64)
-        >>> attn(q, k, v).shape
+        >>> attn(q, k, v, mask=masks.causal()).shape
         torch.Size([2, 4, 4096, 64])
     """
 
@@ -47,30 +47,27 @@ class LinearAttention(nn.Module):
         self,
         feature_map: str | FeatureMap = "elu",
         *,
-        causal: bool = False,
         eps: float = 1e-6,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> None:
         super().__init__()
         check_feature_map(feature_map)
         self.feature_map = feature_map
-        self.causal = check_bool("causal", causal)
         self.eps = check_eps(eps)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None = None) -> Tensor:
         """q ``(B, H, L, D)``, k ``(B, H_kv, S, D)``, v ``(B, H_kv, S, Dv)`` → ``(B, H, L, Dv)``.
 
-        key_mask: bool ``(B, S)``, True = a real key.
+        mask: ``masks.causal()``, ``masks.padding(lengths)``, their ``&`` or None.
         """
         return linear_attention(
             q,
             k,
             v,
             feature_map=self.feature_map,
-            causal=self.causal,
+            mask=mask,
             eps=self.eps,
-            key_mask=key_mask,
             chunk_size=self.chunk_size,
         )
 
@@ -80,7 +77,7 @@ class LinearAttention(nn.Module):
 
     def extra_repr(self) -> str:
         fm = self.feature_map if isinstance(self.feature_map, str) else "callable"
-        return f"feature_map={fm!r}, causal={self.causal}, eps={self.eps}"
+        return f"feature_map={fm!r}, eps={self.eps}"
 
 
 class PerformerAttention(nn.Module):
@@ -93,7 +90,6 @@ class PerformerAttention(nn.Module):
     Args:
         head_dim: D.
         num_features: M >= 1 random features.
-        causal: bottom-right causal attention.
         orthogonal: orthogonal random feature blocks.
         seed: seed of the draws (the initial one and every `redraw_features` without a
             generator continue one seeded stream); None uses torch's global RNG.
@@ -112,7 +108,6 @@ class PerformerAttention(nn.Module):
         head_dim: int,
         num_features: int = 256,
         *,
-        causal: bool = False,
         orthogonal: bool = True,
         seed: int | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -120,7 +115,6 @@ class PerformerAttention(nn.Module):
         super().__init__()
         self.head_dim = check_positive_int("head_dim", head_dim)
         self.num_features = check_positive_int("num_features", num_features)
-        self.causal = check_bool("causal", causal)
         self.orthogonal = check_bool("orthogonal", orthogonal)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -146,24 +140,23 @@ class PerformerAttention(nn.Module):
         )
         self.projection.copy_(w)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None = None) -> Tensor:
         """q ``(B, H, L, D)``, k ``(B, H_kv, S, D)``, v ``(B, H_kv, S, Dv)`` → ``(B, H, L, Dv)``.
 
-        key_mask: bool ``(B, S)``, True = a real key.
+        mask: ``masks.causal()``, ``masks.padding(lengths)``, their ``&`` or None.
         """
         return favor_attention(
             q,
             k,
             v,
             num_features=self.num_features,
-            causal=self.causal,
+            mask=mask,
             projection=self.projection,
-            key_mask=key_mask,
             chunk_size=self.chunk_size,
         )
 
     def extra_repr(self) -> str:
         return (
-            f"head_dim={self.head_dim}, num_features={self.num_features}, causal={self.causal}, "
+            f"head_dim={self.head_dim}, num_features={self.num_features}, "
             f"orthogonal={self.orthogonal}"
         )
