@@ -17,17 +17,20 @@ BAD = (float("nan"), float("inf"), float("-inf"))
 
 
 def as_mask(causal: bool, key_mask: torch.Tensor | None) -> masks.Mask | None:
-    """The ``mask=`` of a causal flag and a padding key mask ``(B|1, S)`` (True = real key).
+    """The ``mask=`` of a causal flag and a key mask ``(B|1, S)`` (True = real key).
 
-    The key mask must be a prefix per row (padding): it becomes ``masks.padding(lengths)``.
+    A prefix per row becomes ``masks.padding(lengths)``; any other key mask (left padding,
+    holes) ``masks.from_tensor(key_mask[:, None, None, :])``.
     """
     mask = masks.causal() if causal else None
     if key_mask is not None:
         lengths = key_mask.sum(-1)
         prefix = torch.arange(key_mask.shape[-1]) < lengths[:, None]
-        assert torch.equal(prefix, key_mask), "a test key mask must be a padding (prefix) mask"
-        pad = masks.padding(lengths.tolist())
-        mask = pad if mask is None else mask & pad
+        if torch.equal(prefix, key_mask):
+            keys = masks.padding(lengths.tolist())
+        else:
+            keys = masks.from_tensor(key_mask[:, None, None, :])
+        mask = keys if mask is None else mask & keys
     return mask
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import attnlab
 from attnlab import masks
 from attnlab.functional import reference
 from attnlab.linear import FNetMixing, HierarchicalAttention, fnet_mixing, hierarchical_attention
+from attnlab.masks.patterns import KERNEL_MASKS
 from helpers import FIXED_TABLE, check_against_reference, fwd_bwd, seeded
 from nan_rule_linear import as_mask
 
@@ -241,8 +243,7 @@ def test_hierarchical_refuses_other_masks_before_any_work(mask):
     q, k, v = qkv(L=6)
     with pytest.raises(
         ValueError,
-        match=r"hierarchical_attention: mask must be None, "
-        r"masks\.causal\(\), masks\.padding\(lengths\) or an & of them, got ",
+        match=re.escape(f"hierarchical_attention: mask must be {KERNEL_MASKS}, got "),
     ):
         hierarchical_attention(q, k, v, block_size=2, mask=mask)
 

@@ -6,6 +6,7 @@ chunked causal form, the non-causal ``φ(K)ᵀV``-first form and the recurrent s
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -18,6 +19,7 @@ import attnlab
 from attnlab import masks
 from attnlab.functional import reference
 from attnlab.linear import LinearAttention, LinearAttentionState, linear_attention
+from attnlab.masks.patterns import KERNEL_MASKS
 from helpers import FIXED_TABLE, LargestTensor, check_against_reference, fwd_bwd, seeded
 from nan_rule_linear import as_mask, check_nan_rule, expected_finite, keep_matrix, planted
 
@@ -510,7 +512,7 @@ def test_error_bad_arguments(kwargs, exc, pattern):
 )
 def test_error_unsupported_mask_names_argument_supported_forms_and_value(mask, got):
     q, k, v = qkv(L=5, S=6, dtype=torch.float32)
-    supported = r"mask must be None, masks\.causal\(\), masks\.padding\(lengths\) or an & of them"
+    supported = re.escape(f"mask must be {KERNEL_MASKS}")
     for fn in (linear_attention, reference.linear_attention):
         with pytest.raises(ValueError, match=rf"linear_attention: {supported}, got {got}"):
             fn(q, k, v, mask=mask)
@@ -689,3 +691,43 @@ def test_nan_rule_reference_kernel_attention_on_features(causal):
         key_mask=key_mask,
     )
     torch.testing.assert_close(out[want], golden[want], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", ["linear", "favor", "hierarchical"])
+def test_key_mask_with_holes_matches_reference_and_dropped_keys(kind, causal):
+    """A key mask that is no prefix (left padding, holes) is ``masks.from_tensor`` of shape
+    ``(B, 1, 1, S)``: every kernel form equals its float64 reference, forward and backward;
+    linear and FAVOR+ without causality equal the same call on the kept keys only."""
+    from attnlab.linear import favor_attention
+
+    S = 13 if kind == "hierarchical" else 19  # hierarchical attention is self-attention
+    q, k, v = qkv(L=13, S=S, D=8)
+    keep = torch.ones(2, S, dtype=torch.bool)
+    keep[0, :4] = False  # left padding
+    keep[1, 5:9] = False  # a hole
+    mask = masks.from_tensor(keep[:, None, None, :])
+    if causal:
+        mask = masks.causal() & mask
+    proj = seeded(16, 8, dtype=F64, seed=9)
+    fast, ref = {
+        "linear": (linear_attention, reference.linear_attention),
+        "favor": (
+            lambda *a, **kw: favor_attention(*a, projection=proj, num_features=16, **kw),
+            lambda *a, **kw: reference.favor_attention(*a, projection=proj, **kw),
+        ),
+        "hierarchical": (
+            lambda *a, **kw: attnlab.linear.hierarchical_attention(*a, block_size=4, **kw),
+            lambda *a, **kw: reference.hierarchical_attention(*a, block_size=4, **kw),
+        ),
+    }[kind]
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    assert_fp64_equal(lambda *x: fast(*x, mask=mask), lambda *x: ref(*x, mask=mask), inputs)
+    if kind != "hierarchical" and not causal:
+        for b in range(2):
+            kept = keep[b]
+            alone = fast(q[b : b + 1], k[b : b + 1, :, kept], v[b : b + 1, :, kept])
+            torch.testing.assert_close(fast(q, k, v, mask=mask)[b : b + 1], alone)
+    # a mask that depends on the query is still refused
+    with pytest.raises(ValueError, match="got"):
+        fast(q, k, v, mask=masks.from_tensor(torch.ones(2, 1, 13, S, dtype=torch.bool)))

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .._shapes import static_int
-from .base import Mask, _describe
+from .base import Mask, TensorMask, _describe
 from .blocks import (
     EMPTY,
     FULL,
@@ -480,7 +480,15 @@ class DocumentMask(Mask):
 
 
 # What linear, FAVOR+ and hierarchical attention accept (`causal_and_padding`).
-KERNEL_MASKS = "None, masks.causal(), masks.padding(lengths) or an & of them"
+KERNEL_MASKS = (
+    "None, masks.causal(), masks.padding(lengths), a key mask masks.from_tensor(keep) with keep "
+    "of shape (B|1, 1, 1, S), or an & of them"
+)
+
+
+def _key_only(m: Mask) -> bool:
+    """``m`` is a bool tensor mask that depends on the batch item and the key only."""
+    return isinstance(m, TensorMask) and m.t.shape[1] == 1 and m.t.shape[2] == 1
 
 
 def causal_and_padding(
@@ -490,10 +498,12 @@ def causal_and_padding(
 
     The forms whose attention needs no ``L × S`` matrix (linear, FAVOR+, hierarchical): the
     result keeps key j for row p iff ``(not causal or j <= p) and key_mask[b, j]``, with
-    ``key_mask[b, j] = j < min over the paddings of lengths[b]``. Tensor ops only, no host sync.
+    ``key_mask[b, j] = j < lengths[b]`` for every padding and ``keep[b, 0, 0, j]`` for every
+    key mask (left padding and holes too). Tensor ops only, no host sync.
 
     Args:
-        mask: None, ``masks.causal()``, ``masks.padding(lengths)`` or an ``&`` of them.
+        mask: None, ``masks.causal()``, ``masks.padding(lengths)``, ``masks.from_tensor(keep)``
+            with ``keep`` bool ``(B|1, 1, 1, S)``, or an ``&`` of them.
         where: the calling function, named in errors. batch: B of the call. S: key length.
         device: where the key mask is built.
 
@@ -507,23 +517,27 @@ def causal_and_padding(
     if mask is None:
         return False, None
     parts = mask.conjuncts() if isinstance(mask, Mask) else ()
-    if not parts or not all(isinstance(m, (CausalMask, PaddingMask)) for m in parts):
+    if not parts or not all(
+        isinstance(m, (CausalMask, PaddingMask)) or _key_only(m) for m in parts
+    ):
         got = repr(mask) if isinstance(mask, Mask) else _describe(mask)
         raise ValueError(f"{where}: mask must be {KERNEL_MASKS}, got {got}")
     causal = any(isinstance(m, CausalMask) for m in parts)
-    lengths = None
+    key_mask = None
     for m in parts:
+        if isinstance(m, CausalMask):
+            continue
+        rows = m.lengths.numel() if isinstance(m, PaddingMask) else m.t.shape[0]
+        if rows not in (1, batch):
+            what = "lengths" if isinstance(m, PaddingMask) else "batch rows"
+            raise ValueError(f"{where}: mask {m!r} has {rows} {what}, expected 1 or batch={batch}")
         if isinstance(m, PaddingMask):
-            if m.lengths.numel() not in (1, batch):
-                raise ValueError(
-                    f"{where}: mask {m!r} has {m.lengths.numel()} lengths, expected 1 or "
-                    f"batch={batch}"
-                )
-            n = m.lengths.to(device)
-            lengths = n if lengths is None else torch.minimum(lengths, n)
-    if lengths is None:
-        return causal, None
-    return causal, torch.arange(S, device=device) < lengths.view(-1, 1)  # (B|1, S)
+            keep = torch.arange(S, device=device) < m.lengths.to(device).view(-1, 1)
+        else:
+            m._check(1, S)  # the key dim is S or broadcasts to it
+            keep = m.t[:, 0, 0, :].to(device).expand(rows, S)
+        key_mask = keep if key_mask is None else key_mask & keep  # (B|1, S)
+    return causal, key_mask
 
 
 def with_causal(
@@ -668,8 +682,6 @@ def from_spec(spec: str, tensors: list[Tensor]) -> Mask:
             m.runs_distinct = bool(int(args[0]))
             return m
         if name == "tensor":
-            from .base import TensorMask
-
             return TensorMask(t)
         raise ValueError(f"from_spec: unknown mask {name!r} in {spec!r}")
 
