@@ -72,7 +72,7 @@ def _kernel(req: Request, q: Tensor, k: Tensor, v: Tensor, attn_mask, is_causal:
         attn_mask=attn_mask,
         dropout_p=req.dropout_p,
         is_causal=static_bool(is_causal),
-        scale=req.scale / req.temperature,
+        scale=req.logit_scale,
         enable_gqa=static_bool(req.dims.H_kv != req.dims.H),
     )
     return out.to(dtype)  # the output itself when nothing was widened
@@ -163,7 +163,7 @@ def _prefix_ext(req: Request, is_causal: bool, clean_k: bool) -> Tensor | None:
         req.v,
         allowed,
         hi,
-        req.scale / req.temperature,
+        req.logit_scale,
         is_causal,
         d.H_kv != d.H,
         clean_k,
@@ -182,7 +182,7 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
     s = get_score(req.score)
     # torch's is_causal path masks after scaling with -inf, so a negative scale turns the masked
     # logits into +inf (NaN output): use the dense mask then.
-    is_causal = req.is_plain_causal and req.bias is None and req.scale > 0
+    is_causal = req.is_plain_causal and req.bias is None and req.logit_scale > 0
     # torch's fused CPU causal kernel skips masked logits (a NaN key cannot leak), so k is
     # cleaned there only for its gradient. Its math fallback (Dv != D, dropout, other devices)
     # adds −inf to q·k and NaN + (−inf) stays NaN: clean k then. v always (0 · NaN at masked

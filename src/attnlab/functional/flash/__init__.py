@@ -45,10 +45,11 @@ How it runs:
 Modules (one job each): `plan` (tile sizes, engine, plan for a request), `tiles` (additive
 tiles), `engines` (kernel and pure-PyTorch engines), `band` (batched band calls),
 `band_kernel` (when the C++ band kernel runs them), `job` (walks a
-plan forward and backward), `autograd` (the differentiable entry), `poison` (the NaN rule's
-entries), `ops` (custom operators for ``torch.compile``), `run` (the registry's hooks and
-`flash_attention`). Auto's size thresholds (``AUTO_*_MIN``) and `flash_declines` are the dispatch
-policy: they live in `functional.backends`.
+plan forward and backward), `eager` (the NaN rule around the job's differentiable run: what eager
+calls and the compiled operators both run), `poison` (the NaN rule's entries), `ops` (custom
+operators for ``torch.compile``), `run` (the registry's hooks and `flash_attention`). Auto's size
+thresholds (``AUTO_*_MIN``) and `flash_declines` are the dispatch policy: they live in
+`functional.backends`.
 
 Inputs are cleaned for the NaN rule only when they hold NaN/±inf (`nan_rule.clean_flagged`: a
 C++ scan, ``_ext/flash_rule.cpp``; without a compiler every input is cleaned by a copy).
@@ -61,7 +62,7 @@ broadcast dims); that backward runs on the pure-PyTorch engine, which exposes dS
 
 from __future__ import annotations
 
-from .autograd import run_clean
+from .eager import run_clean
 from .engines import (
     Logits,
     Residuals,
@@ -81,10 +82,15 @@ from .plan import (
     RELATIVE_WINDOW,
     flash_job,
     prepare_inputs,
-    split_mask_bias,
 )
 from .poison import poison_entries
-from .run import explain_plan, flash_attention, flash_run, flash_run_lse, flash_supports
+from .run import (
+    explain_plan,
+    flash_attention,
+    flash_run,
+    flash_run_lse,
+    flash_supports,
+)
 from .tiles import BandTiles, TileSource
 
 __all__ = [
@@ -113,5 +119,4 @@ __all__ = [
     "poison_entries",
     "prepare_inputs",
     "run_clean",
-    "split_mask_bias",
 ]

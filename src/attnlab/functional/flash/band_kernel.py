@@ -67,17 +67,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 from contextvars import ContextVar
 
 import torch
 from torch import Tensor
 
-from ... import _ext
+from ... import _ext, _settings
 from ..tiling import BandCall, Plan, SegmentCall
 
-ENGINE_ENV = "ATTNLAB_FLASH_BAND_ENGINE"
+ENGINE_ENV = _settings.FLASH_BAND_ENGINE
 ENGINES = ("auto", "aten", "widen")
 EXT = "band_attn"
 # Forward query block of band calls on this kernel, per dtype. float32: 16 rows (271 keys for a
@@ -106,7 +105,7 @@ def engine_setting() -> str:
     Raises:
         ValueError: the variable holds something else.
     """
-    raw = os.environ.get(ENGINE_ENV, "").strip().lower() or "auto"
+    raw = (_settings.settings().flash_band_engine or "auto").lower()
     if raw not in ENGINES:
         raise ValueError(f"{ENGINE_ENV} must be one of {', '.join(ENGINES)}, got {raw!r}")
     return raw

@@ -17,14 +17,13 @@ Used by the tiled backend (`functional.flash`) and by ring attention (`attnlab.d
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ... import _ext
+from ... import _ext, _settings
 
 _NEG_INF = float("-inf")
 
@@ -89,7 +88,7 @@ class Residuals:
 # (`_ext.native_products`: AVX512-BF16/AMX for bfloat16, AVX512-FP16/AMX-FP16 for float16).
 # ATTNLAB_FLASH_LOWP overrides this module-level default (tests force every path on any CPU).
 LOW_PRECISION = "auto"
-LOW_PRECISION_ENV = "ATTNLAB_FLASH_LOWP"
+LOW_PRECISION_ENV = _settings.FLASH_LOWP
 LOW_PRECISION_SETTINGS = ("auto", "native", "widen")
 # (dtype, backward) passes of torch's kernel that are slow in 16 bits without native products.
 # BigBird 64/3/2/3 at L = 16384 (B=1, H=8, D=64, 2 threads) on an AVX2-only AMD EPYC, native /
@@ -104,7 +103,7 @@ def low_precision() -> str:
     Raises:
         ValueError: the variable (or `LOW_PRECISION`) is none of `LOW_PRECISION_SETTINGS`.
     """
-    raw = os.environ.get(LOW_PRECISION_ENV, "").strip().lower() or LOW_PRECISION
+    raw = (_settings.settings().flash_lowp or LOW_PRECISION).lower()
     if raw not in LOW_PRECISION_SETTINGS:
         raise ValueError(f"{LOW_PRECISION_ENV} must be 'auto', 'native' or 'widen', got {raw!r}")
     return raw

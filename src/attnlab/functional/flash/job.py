@@ -78,7 +78,8 @@ class FlashJob:
     Attributes:
         plan: the tiling of the (query, key) grid (`functional.tiling.build_plan`).
         source: evaluates additive tiles (mask, bias) on a call's indices.
-        scale: the logit multiplier (made positive before running: see `autograd.run_clean`).
+        scale: the logit multiplier ``|scale / temperature| > 0`` (a negative one's sign is
+            folded into q: `request.logit_qk`).
         engine: ``"kernel"`` or ``"torch"`` (`functional.flash.engines`).
         torch_engine: chunk sizes of the torch engine.
         grad_biases: indices into ``source.bias_tensors`` that need gradients.

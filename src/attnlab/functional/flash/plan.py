@@ -7,17 +7,16 @@ lengths, a boolean mask). A cached plan is keyed on those values' digest (`cache
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 
 import torch
 from torch import Tensor
 
+from ... import _settings
 from ..._digest import tensor_digest
-from ...masks import Mask, TensorMask
-from ..request import BiasFn, Request, is_relative_bias
-from ..scores import get_score
+from ...masks import Mask
+from ..request import Request, is_relative_bias, logit_qk
 from ..tiling import Plan, build_plan
 from . import band_kernel
 from .engines import (
@@ -45,7 +44,7 @@ BAND_BLOCK_FWD = 32
 # is much faster (AMX) may prefer larger blocks: ATTNLAB_FLASH_BAND_BLOCK overrides the default
 # (measure with `attnlab bench --case window`). attnlab's C++ band kernel (`band_kernel`), when it
 # runs the calls, prefers its own block per dtype (`band_kernel.BLOCKS`).
-BAND_BLOCK_ENV = "ATTNLAB_FLASH_BAND_BLOCK"
+BAND_BLOCK_ENV = _settings.FLASH_BAND_BLOCK
 
 
 def band_block_fwd(q: Tensor | None = None) -> int:
@@ -55,7 +54,7 @@ def band_block_fwd(q: Tensor | None = None) -> int:
     Raises:
         ValueError: the variable is set to something other than a positive int.
     """
-    raw = os.environ.get(BAND_BLOCK_ENV, "").strip()
+    raw = _settings.settings().flash_band_block or ""
     if not raw:
         if q is not None and band_kernel.ready(q, band_kernel.block(q)):
             return band_kernel.block(q)
@@ -77,7 +76,7 @@ BLOCK_64 = 2048
 RELATIVE_WINDOW = 1024
 # Plans cached per (shape, mask structure and contents): see `cached_plan`.
 PLAN_CACHE_SIZE = 64
-PLAN_CACHE_ENV = "ATTNLAB_FLASH_PLAN_CACHE"
+PLAN_CACHE_ENV = _settings.FLASH_PLAN_CACHE
 _PLANS: OrderedDict[tuple, Plan] = OrderedDict()
 _PLANS_LOCK = threading.Lock()
 
@@ -115,7 +114,7 @@ def cached_plan(mask: Mask | None, **kwargs: object) -> Plan:
     cached. Plans hold only host data and index tensors that no one writes, so one plan may
     serve many calls.
     """
-    off = os.environ.get(PLAN_CACHE_ENV, "").strip().lower() in ("0", "off", "false", "no")
+    off = not _settings.settings().plan_cache_on
     key_m = None if off or PLAN_CACHE_SIZE <= 0 else _mask_key(mask)
     if key_m is None:
         return build_plan(mask, **kwargs)  # type: ignore[arg-type]
@@ -138,30 +137,6 @@ def clear_plan_cache() -> None:
     """Empties the plan cache (`cached_plan`)."""
     with _PLANS_LOCK:
         _PLANS.clear()
-
-
-def split_mask_bias(
-    mask: Mask | Tensor | None, bias: Tensor | BiasFn | None
-) -> tuple[Mask | None, BiasFn | None, list[Tensor]]:
-    """``(structured mask, bias function, additive tensors)`` of a request's mask and bias.
-
-    A bool mask tensor becomes a `TensorMask`; a float mask and a bias tensor are additive.
-    """
-    tensors: list[Tensor] = []
-    m: Mask | None = None
-    if isinstance(mask, Mask):
-        m = mask
-    elif isinstance(mask, Tensor):
-        if mask.dtype == torch.bool:
-            m = TensorMask(mask)
-        else:
-            tensors.append(mask)
-    fn: BiasFn | None = None
-    if isinstance(bias, Tensor):
-        tensors.append(bias)
-    elif bias is not None:
-        fn = bias
-    return m, fn, tensors
 
 
 def natural_tile(mask: Mask | None) -> int | None:
@@ -202,60 +177,14 @@ def flash_job(
         ValueError: a block size that is not a positive int, an unknown engine, or
             ``engine="kernel"`` with ``req.softcap``.
     """
-    d = req.dims
-    mask, fn, tensors = split_mask_bias(req.mask, req.bias)
-    wide = req.q.dtype == torch.float64  # see below: float64 uses wide tiles
-    # with a bias every tile carries an additive tile: larger tiles mean fewer, fuller calls
-    biased = fn is not None or bool(tensors)
-    bq = (BLOCK_64 if wide else BLOCK_BIAS if biased else BLOCK_Q) if block_q is None else block_q
-    natural = natural_tile(mask) if not (wide or biased) else None
-    if natural is not None and block_q is None:
-        bq = natural
-    if block_k is not None:
-        bk = block_k
-    elif natural is not None:
-        bk = natural
-    elif wide:
-        bk = BLOCK_64
-    elif fn is not None and is_relative_bias(fn) and not tensors:
-        bk = RELATIVE_WINDOW
-    else:
-        bk = BLOCK_BIAS if biased else BLOCK_K
-    bb = (BLOCK_64 if wide else BAND_BLOCK) if band_block is None else band_block
-    bb_fwd = band_block_fwd(req.q) if band_block is None and not wide else bb
-    bq, bk, bb = (
-        _check_block("block_q", bq),
-        _check_block("block_k", bk),
-        _check_block("band_block", bb),
-    )
-    if engine is None:
-        # float64 is the verification dtype: its tolerance rule compares against the reference's
-        # own summation order (float64 rounding), which a tiled sum over 128-row blocks misses by
-        # a few ulp. So float64 runs the pure-PyTorch engine on wide tiles (BLOCK_64), i.e. one
-        # tile up to 2048 × 2048 — still bounded memory for any length.
-        # Soft-capping applies tanh to every tile's logits, which torch's fused kernel cannot:
-        # such requests run the pure-PyTorch engine (the same tiles, plan and merging).
-        on_cpu = req.q.device.type == "cpu"
-        kernel = on_cpu and req.q.dtype != torch.float64 and req.softcap is None
-        engine = "kernel" if kernel else "torch"
-    if engine not in ("kernel", "torch"):
-        raise ValueError(f"engine must be 'kernel' or 'torch', got {engine!r}")
-    if engine == "kernel" and req.softcap is not None:
-        raise ValueError(
-            f"engine='kernel' cannot soft-cap logits (softcap={req.softcap}): torch's CPU flash "
-            f"kernel has no tanh stage; use engine='torch' (the default with softcap)"
-        )
-    if engine == "torch" and band_block is None:
-        # the 32-row forward block suits the kernel; the torch engine (soft-capped calls) pays
-        # per call: its forward is faster on 64-row blocks (window 512, L = 4096, H = 8, fp32,
-        # one thread, best CPU time of 7: 305 ms at 32 rows, 255 at 64, 251 at 128)
-        bb_fwd = bb
-    bias_kind = "tensor" if tensors else ("fn" if fn is not None else None)
-    relative = bias_kind == "fn" and is_relative_bias(fn)
+    d, terms = req.dims, req.terms
+    bq, bk, bb, bb_fwd, engine = _tile_sizes(req, block_q, block_k, band_block, engine)
+    bias_kind = "tensor" if terms.additive else ("fn" if terms.bias_fn is not None else None)
+    relative = bias_kind == "fn" and is_relative_bias(terms.bias_fn)
 
     def plan_for(band_block: int) -> Plan:
         return cached_plan(
-            mask,
+            terms.structured,
             B=d.B,
             H=d.H,
             L=d.L,
@@ -275,9 +204,9 @@ def flash_job(
     own = engine == "kernel" and band_kernel.backward_ready(req.q)
     bwd_plan = plan_for(bb) if bb != bb_fwd and plan.kind == "band" and not own else None
     source = TileSource(
-        mask,
-        fn,
-        tensors,
+        terms.structured,
+        terms.bias_fn,
+        terms.additive,
         B=d.B,
         H=d.H,
         L=d.L,
@@ -286,29 +215,99 @@ def flash_job(
         device=req.q.device,
         relative=relative,
     )
-    chunks = TorchEngine(max(bq, 128), max(bk, 512))
     return FlashJob(
         plan,
         source,
-        req.scale / req.temperature,
+        abs(req.logit_scale),  # the sign is folded into q (`prepare_inputs`)
         engine,
-        chunks,
+        TorchEngine(max(bq, 128), max(bk, 512)),
         bwd_plan=bwd_plan,
         softcap=req.softcap,
         native_low=low_precision() != "widen",
     )
 
 
+def _tile_sizes(
+    req: Request,
+    block_q: int | None,
+    block_k: int | None,
+    band_block: int | None,
+    engine: str | None,
+) -> tuple[int, int, int, int, str]:
+    """``(block_q, block_k, band_block, forward band_block, engine)`` of a request
+    (`flash_job`'s defaults for what is not given), checked (`_engine`).
+
+    float64 takes wide tiles (`BLOCK_64`); a bias larger tiles (every tile carries an
+    additive tile: fewer, fuller calls), a relative bias alone `RELATIVE_WINDOW` keys; a mask
+    made of blocks its own block (`natural_tile`).
+    """
+    terms = req.terms
+    fn, tensors = terms.bias_fn, terms.additive
+    wide = req.q.dtype == torch.float64
+    biased = fn is not None or bool(tensors)
+    bq = (BLOCK_64 if wide else BLOCK_BIAS if biased else BLOCK_Q) if block_q is None else block_q
+    natural = natural_tile(terms.structured) if not (wide or biased) else None
+    if natural is not None and block_q is None:
+        bq = natural
+    if block_k is not None:
+        bk = block_k
+    elif natural is not None:
+        bk = natural
+    elif wide:
+        bk = BLOCK_64
+    elif fn is not None and is_relative_bias(fn) and not tensors:
+        bk = RELATIVE_WINDOW
+    else:
+        bk = BLOCK_BIAS if biased else BLOCK_K
+    bb = (BLOCK_64 if wide else BAND_BLOCK) if band_block is None else band_block
+    bb_fwd = band_block_fwd(req.q) if band_block is None and not wide else bb
+    bq, bk, bb = (
+        _check_block("block_q", bq),
+        _check_block("block_k", bk),
+        _check_block("band_block", bb),
+    )
+    engine = _engine(req, engine)
+    if engine == "torch" and band_block is None:
+        # the 32-row forward block suits the kernel; the torch engine (soft-capped calls) pays
+        # per call: its forward is faster on 64-row blocks (window 512, L = 4096, H = 8, fp32,
+        # one thread, best CPU time of 7: 305 ms at 32 rows, 255 at 64, 251 at 128)
+        bb_fwd = bb
+    return bq, bk, bb, bb_fwd, engine
+
+
+def _engine(req: Request, engine: str | None) -> str:
+    """The tile engine of a request: ``engine`` checked, or the default.
+
+    float64 is the verification dtype: its tolerance rule compares against the reference's
+    own summation order (float64 rounding), which a tiled sum over 128-row blocks misses by a
+    few ulp. So float64 runs the pure-PyTorch engine on wide tiles (`BLOCK_64`), i.e. one tile
+    up to 2048 × 2048 — still bounded memory for any length. Soft-capping applies tanh to
+    every tile's logits, which torch's fused kernel cannot: such requests run the pure-PyTorch
+    engine (the same tiles, plan and merging).
+    """
+    if engine is None:
+        on_cpu = req.q.device.type == "cpu"
+        kernel = on_cpu and req.q.dtype != torch.float64 and req.softcap is None
+        engine = "kernel" if kernel else "torch"
+    if engine not in ("kernel", "torch"):
+        raise ValueError(f"engine must be 'kernel' or 'torch', got {engine!r}")
+    if engine == "kernel" and req.softcap is not None:
+        raise ValueError(
+            f"engine='kernel' cannot soft-cap logits (softcap={req.softcap}): torch's CPU flash "
+            f"kernel has no tanh stage; use engine='torch' (the default with softcap)"
+        )
+    return engine
+
+
 def prepare_inputs(req: Request, engine: str) -> tuple[Tensor, Tensor, Tensor, int]:
-    """``(q, k, v, Dv)`` as the engine reads them: scored (cosine), unit-stride, padded.
+    """``(q, k, v, Dv)`` as the engine reads them: scored (cosine), the sign of the logit scale
+    in q (`request.logit_qk`), unit-stride, padded.
 
     The kernel needs D = Dv: zero columns change no dot product and add zero output columns, so
     padding both to ``max(D, Dv)`` is exact (the caller slices the output back to ``Dv``).
     """
-    q, k, v = req.q, req.k, req.v
-    if req.score != "dot":
-        s = get_score(req.score)
-        q, k = s.prepare(q), s.prepare(k)
+    q, k, _ = logit_qk(req)
+    v = req.v
     q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
     Dv = v.shape[-1]
     D = q.shape[-1]
@@ -343,5 +342,4 @@ __all__ = [
     "low_precision",
     "natural_tile",
     "prepare_inputs",
-    "split_mask_bias",
 ]
