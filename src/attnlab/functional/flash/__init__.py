@@ -80,7 +80,9 @@ from .plan import (
     BLOCK_K,
     BLOCK_Q,
     RELATIVE_WINDOW,
+    FlashOptions,
     flash_job,
+    flash_options,
     prepare_inputs,
 )
 from .poison import poison_entries
@@ -103,6 +105,7 @@ __all__ = [
     "RELATIVE_WINDOW",
     "BandTiles",
     "FlashJob",
+    "FlashOptions",
     "Logits",
     "Residuals",
     "TileSource",
@@ -111,6 +114,7 @@ __all__ = [
     "explain_plan",
     "flash_attention",
     "flash_job",
+    "flash_options",
     "flash_run",
     "flash_run_lse",
     "flash_supports",

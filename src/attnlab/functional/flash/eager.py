@@ -27,7 +27,7 @@ from ..tiling import Plan
 from . import band_kernel
 from .engines import Residuals
 from .job import FlashJob
-from .plan import flash_job, prepare_inputs
+from .plan import FlashOptions, flash_job, flash_options, prepare_inputs
 from .poison import poison_entries
 
 # ---------------------------------------------------------------- eager, with the NaN rule
@@ -43,7 +43,8 @@ def flash_run_marked(req: Request, **options: object) -> tuple[Tensor, Tensor, b
     a backward needs (`ops.flash_bwd`). Otherwise True, or a 0-d bool tensor (a poisoning whose
     extent is a tensor: read it only where a host sync is allowed).
     """
-    checked = _run_band_checked(req, options)
+    opts = flash_options(**options)  # type: ignore[arg-type]  # the settings, read once
+    checked = _run_band_checked(req, opts)
     if checked is not None:
         return (*checked, False)
     terms = req.terms
@@ -56,7 +57,7 @@ def flash_run_marked(req: Request, **options: object) -> tuple[Tensor, Tensor, b
         mask=req.mask if terms.float_mask is None else nan_rule.clean_bias(terms.float_mask),
         bias=req.bias if terms.bias_tensor is None else nan_rule.clean_bias(terms.bias_tensor),
     )
-    job = flash_job(clean_req, **options)  # type: ignore[arg-type]
+    job = flash_job(clean_req, options=opts)
     out, lse = run_clean(job, clean_req)
     if not (q_bad or k_bad or v_bad or terms.additive):
         # q, k, v are finite (scanned, `nan_rule.clean_flagged`) and no tensor holds a bias:
@@ -101,7 +102,7 @@ def band_kernel_covers(plan: Plan, q: Tensor, k: Tensor, v: Tensor) -> bool:
     return rows == B * L and all(c.r1 <= L for c in calls)  # type: ignore[union-attr]
 
 
-def _run_band_checked(req: Request, options: dict[str, object]) -> tuple[Tensor, Tensor] | None:
+def _run_band_checked(req: Request, options: FlashOptions) -> tuple[Tensor, Tensor] | None:
     """The forward of a plan made only of batched band calls on attnlab's C++ kernel (sliding
     windows), without autograd, bias or tensor mask: the kernel tests the q, k and v entries it
     reads for NaN/±inf while packing them (`band_kernel.checking_inputs`) instead of the three
@@ -112,7 +113,7 @@ def _run_band_checked(req: Request, options: dict[str, object]) -> tuple[Tensor,
     """
     if not kernel_checks_inputs(req) or any(needs_grad(x) for x in (req.q, req.k, req.v)):
         return None
-    job = flash_job(req, **options)  # type: ignore[arg-type]
+    job = flash_job(req, options=options)
     if not band_kernel_covers(job.plan, req.q, req.k, req.v):
         return None
     with band_kernel.checking_inputs() as found:

@@ -51,12 +51,14 @@ class Logits:
             None.
         causal: key c is visible to row r only when ``c <= r`` (top-left, within the call).
         softcap: logit soft-capping (> 0), or None; only the `TorchEngine` applies it.
+        policy: the job's low-precision policy (`low_precision`), or None to read the setting.
     """
 
     scale: float
     add: Tensor | None = None
     causal: bool = False
     softcap: float | None = None
+    policy: str | None = None
 
 
 @dataclass(frozen=True)
@@ -97,25 +99,30 @@ LOW_PRECISION_SETTINGS = ("auto", "native", "widen")
 SLOW_16_BIT = frozenset({(torch.float16, False), (torch.float16, True), (torch.bfloat16, True)})
 
 
-def low_precision() -> str:
-    """The low-precision policy: ``$ATTNLAB_FLASH_LOWP`` if set, else `LOW_PRECISION`.
+def low_precision(text: str | None = None) -> str:
+    """The low-precision policy: ``text`` (the setting's text, `FlashOptions.low_precision`),
+    else ``$ATTNLAB_FLASH_LOWP`` if set, else `LOW_PRECISION`.
 
     Raises:
-        ValueError: the variable (or `LOW_PRECISION`) is none of `LOW_PRECISION_SETTINGS`.
+        ValueError: the policy is none of `LOW_PRECISION_SETTINGS`.
     """
-    raw = (_settings.settings().flash_lowp or LOW_PRECISION).lower()
+    if text is None:
+        text = _settings.settings().flash_lowp
+    raw = (text or LOW_PRECISION).lower()
     if raw not in LOW_PRECISION_SETTINGS:
         raise ValueError(f"{LOW_PRECISION_ENV} must be 'auto', 'native' or 'widen', got {raw!r}")
     return raw
 
 
-def kernel_widens(dtype: torch.dtype, backward: bool) -> bool:
+def kernel_widens(dtype: torch.dtype, backward: bool, policy: str | None = None) -> bool:
     """Whether torch's kernel runs a ``dtype`` call of this pass in float32 (`kernel_forward`,
-    `kernel_backward`): a pass of `SLOW_16_BIT` under the ``auto`` policy on a CPU without
-    native products of ``dtype``."""
+    `kernel_backward`): a pass of `SLOW_16_BIT` under the ``auto`` policy (``policy``, the
+    job's; None reads the setting: `low_precision`) on a CPU without native products of
+    ``dtype``."""
     if (dtype, backward) not in SLOW_16_BIT:
         return False
-    return low_precision() == "auto" and not _ext.native_products(dtype)
+    policy = low_precision() if policy is None else policy
+    return policy == "auto" and not _ext.native_products(dtype)
 
 
 def _ready(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -139,7 +146,7 @@ def kernel_forward(q: Tensor, k: Tensor, v: Tensor, logits: Logits) -> tuple[Ten
     """
     if logits.softcap is not None:
         raise ValueError(_NO_CAP)
-    if kernel_widens(q.dtype, backward=False):  # the additive tile is read in float32 too
+    if kernel_widens(q.dtype, False, logits.policy):  # the additive tile is read in float32 too
         out, lse = kernel_forward(q.float(), k.float(), v.float(), logits)
         return out.to(q.dtype), lse
     add = _ready(logits.add, q.dtype)
@@ -151,7 +158,7 @@ def kernel_backward(res: Residuals, logits: Logits) -> tuple[Tensor, Tensor, Ten
     """``(dq, dk, dv)`` of one call on torch's CPU flash kernel, in the input dtype."""
     if logits.softcap is not None:
         raise ValueError(_NO_CAP)
-    if kernel_widens(res.q.dtype, backward=True):
+    if kernel_widens(res.q.dtype, True, logits.policy):
         wide = Residuals(*(x.float() for x in (res.dout, res.q, res.k, res.v, res.out)), res.lse)
         dq, dk, dv = kernel_backward(wide, logits)
         return dq.to(res.q.dtype), dk.to(res.k.dtype), dv.to(res.v.dtype)

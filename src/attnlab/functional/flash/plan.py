@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -47,21 +48,86 @@ BAND_BLOCK_FWD = 32
 BAND_BLOCK_ENV = _settings.FLASH_BAND_BLOCK
 
 
-def band_block_fwd(q: Tensor | None = None) -> int:
-    """The forward query block of batched band calls: ``$ATTNLAB_FLASH_BAND_BLOCK``, else the
-    C++ band kernel's block when it runs calls on ``q`` (`band_kernel.ready`), else 32.
+def band_block_fwd(q: Tensor | None = None, setting: int | None = None) -> int:
+    """The forward query block of batched band calls: ``setting`` (`FlashOptions`), else
+    ``$ATTNLAB_FLASH_BAND_BLOCK``, else the C++ band kernel's block when it runs calls on ``q``
+    (`band_kernel.ready`), else 32.
 
     Raises:
         ValueError: the variable is set to something other than a positive int.
     """
-    raw = _settings.settings().flash_band_block or ""
+    if setting is None:
+        setting = _band_block_setting(_settings.settings().flash_band_block)
+    if setting is not None:
+        return setting
+    if q is not None and band_kernel.ready(q, band_kernel.block(q)):
+        return band_kernel.block(q)
+    return BAND_BLOCK_FWD
+
+
+def _band_block_setting(raw: str | None) -> int | None:
+    """``$ATTNLAB_FLASH_BAND_BLOCK``'s text as an int (None when unset).
+
+    Raises:
+        ValueError: the text is not a positive int.
+    """
     if not raw:
-        if q is not None and band_kernel.ready(q, band_kernel.block(q)):
-            return band_kernel.block(q)
-        return BAND_BLOCK_FWD
+        return None
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"{BAND_BLOCK_ENV} must be a positive int, got {raw!r}")
     return int(raw)
+
+
+@dataclass(frozen=True)
+class FlashOptions:
+    """The tiled backend's knobs in one record: what the caller gave (`flash_attention`) and
+    the settings (`attnlab._settings`), read once per call (`flash_options`) and held by its
+    job.
+
+    Attributes:
+        block_q, block_k: tile size of the block map, or None for `flash_job`'s default.
+        band_block: query block of batched band calls, or None for the default.
+        engine: the tile engine, ``"kernel"`` or ``"torch"``, or None for the default.
+        band_block_fwd: ``$ATTNLAB_FLASH_BAND_BLOCK`` (forward query block of band calls), or
+            None (the C++ band kernel's block, else `BAND_BLOCK_FWD`: `band_block_fwd`).
+        low_precision: the low-precision policy (``$ATTNLAB_FLASH_LOWP``, else
+            `engines.LOW_PRECISION`): ``"auto"``, ``"native"`` or ``"widen"``.
+        plan_cache: plans go through the cache (`cached_plan`; ``$ATTNLAB_FLASH_PLAN_CACHE``
+            off or `PLAN_CACHE_SIZE` 0 turns it off).
+    """
+
+    block_q: int | None = None
+    block_k: int | None = None
+    band_block: int | None = None
+    engine: str | None = None
+    band_block_fwd: int | None = None
+    low_precision: str = LOW_PRECISION
+    plan_cache: bool = True
+
+
+def flash_options(
+    *,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    band_block: int | None = None,
+    engine: str | None = None,
+) -> FlashOptions:
+    """The `FlashOptions` of a call: the knobs given plus the settings, read once.
+
+    Raises:
+        ValueError: a setting holds a value it does not take (`low_precision`,
+            `band_block_fwd`).
+    """
+    s = _settings.settings()
+    return FlashOptions(
+        block_q=block_q,
+        block_k=block_k,
+        band_block=band_block,
+        engine=engine,
+        band_block_fwd=_band_block_setting(s.flash_band_block),
+        low_precision=low_precision(s.flash_lowp or ""),
+        plan_cache=s.plan_cache_on,
+    )
 
 
 # A mask made of blocks (BigBird) tiles by its own block size within this range: BigBird with
@@ -101,7 +167,7 @@ def _mask_key(mask: Mask | None) -> tuple | None:
     return tuple(parts)
 
 
-def cached_plan(mask: Mask | None, **kwargs: object) -> Plan:
+def cached_plan(mask: Mask | None, *, cache: bool | None = None, **kwargs: object) -> Plan:
     """`build_plan` through a bounded LRU cache keyed on shapes, mask structure and contents.
 
     The key (`_mask_key`) is the mask's `Mask.spec` string, the shape, dtype, device and
@@ -112,9 +178,10 @@ def cached_plan(mask: Mask | None, **kwargs: object) -> Plan:
     once ``PLAN_CACHE_SIZE`` are held; `clear_plan_cache` empties it;
     ``ATTNLAB_FLASH_PLAN_CACHE=0`` turns it off. Masks without a spec (`from_fn`) are never
     cached. Plans hold only host data and index tensors that no one writes, so one plan may
-    serve many calls.
+    serve many calls. ``cache`` (`FlashOptions.plan_cache`) says whether the cache is on; None
+    reads the setting.
     """
-    off = not _settings.settings().plan_cache_on
+    off = not (_settings.settings().plan_cache_on if cache is None else cache)
     key_m = None if off or PLAN_CACHE_SIZE <= 0 else _mask_key(mask)
     if key_m is None:
         return build_plan(mask, **kwargs)  # type: ignore[arg-type]
@@ -160,6 +227,7 @@ def flash_job(
     block_k: int | None = None,
     band_block: int | None = None,
     engine: str | None = None,
+    options: FlashOptions | None = None,
 ) -> FlashJob:
     """The plan and tile source for a validated request (no computation on q, k, v).
 
@@ -172,13 +240,18 @@ def flash_job(
             both ways on the torch engine).
         engine: ``"kernel"`` or ``"torch"`` (default: kernel on CPU below float64, and torch
             whenever the request soft-caps its logits: the kernel cannot apply tanh).
+        options: all of these and the settings as one record (`flash_options`); given, it
+            replaces the four arguments above.
 
     Raises:
         ValueError: a block size that is not a positive int, an unknown engine, or
             ``engine="kernel"`` with ``req.softcap``.
     """
     d, terms = req.dims, req.terms
-    bq, bk, bb, bb_fwd, engine = _tile_sizes(req, block_q, block_k, band_block, engine)
+    opts = options or flash_options(
+        block_q=block_q, block_k=block_k, band_block=band_block, engine=engine
+    )
+    bq, bk, bb, bb_fwd, engine = _tile_sizes(req, opts)
     bias_kind = "tensor" if terms.additive else ("fn" if terms.bias_fn is not None else None)
     relative = bias_kind == "fn" and is_relative_bias(terms.bias_fn)
 
@@ -195,6 +268,7 @@ def flash_job(
             bias=bias_kind,
             device=req.q.device,
             relative=relative,
+            cache=opts.plan_cache,
         )
 
     plan = plan_for(bb_fwd)
@@ -203,7 +277,22 @@ def flash_job(
     # 0.095/0.097/0.099 s)
     own = engine == "kernel" and band_kernel.backward_ready(req.q)
     bwd_plan = plan_for(bb) if bb != bb_fwd and plan.kind == "band" and not own else None
-    source = TileSource(
+    return FlashJob(
+        plan,
+        _tile_source(req, relative),
+        abs(req.logit_scale),  # the sign is folded into q (`prepare_inputs`)
+        engine,
+        TorchEngine(max(bq, 128), max(bk, 512)),
+        bwd_plan=bwd_plan,
+        softcap=req.softcap,
+        policy=opts.low_precision,
+    )
+
+
+def _tile_source(req: Request, relative: bool) -> TileSource:
+    """The additive tiles of a request's calls (mask, bias), in the accumulation dtype."""
+    d, terms = req.dims, req.terms
+    return TileSource(
         terms.structured,
         terms.bias_fn,
         terms.additive,
@@ -215,25 +304,9 @@ def flash_job(
         device=req.q.device,
         relative=relative,
     )
-    return FlashJob(
-        plan,
-        source,
-        abs(req.logit_scale),  # the sign is folded into q (`prepare_inputs`)
-        engine,
-        TorchEngine(max(bq, 128), max(bk, 512)),
-        bwd_plan=bwd_plan,
-        softcap=req.softcap,
-        native_low=low_precision() != "widen",
-    )
 
 
-def _tile_sizes(
-    req: Request,
-    block_q: int | None,
-    block_k: int | None,
-    band_block: int | None,
-    engine: str | None,
-) -> tuple[int, int, int, int, str]:
+def _tile_sizes(req: Request, opts: FlashOptions) -> tuple[int, int, int, int, str]:
     """``(block_q, block_k, band_block, forward band_block, engine)`` of a request
     (`flash_job`'s defaults for what is not given), checked (`_engine`).
 
@@ -243,6 +316,7 @@ def _tile_sizes(
     """
     terms = req.terms
     fn, tensors = terms.bias_fn, terms.additive
+    block_q, block_k, band_block = opts.block_q, opts.block_k, opts.band_block
     wide = req.q.dtype == torch.float64
     biased = fn is not None or bool(tensors)
     bq = (BLOCK_64 if wide else BLOCK_BIAS if biased else BLOCK_Q) if block_q is None else block_q
@@ -260,13 +334,13 @@ def _tile_sizes(
     else:
         bk = BLOCK_BIAS if biased else BLOCK_K
     bb = (BLOCK_64 if wide else BAND_BLOCK) if band_block is None else band_block
-    bb_fwd = band_block_fwd(req.q) if band_block is None and not wide else bb
+    bb_fwd = band_block_fwd(req.q, opts.band_block_fwd) if band_block is None and not wide else bb
     bq, bk, bb = (
         _check_block("block_q", bq),
         _check_block("block_k", bk),
         _check_block("band_block", bb),
     )
-    engine = _engine(req, engine)
+    engine = _engine(req, opts.engine)
     if engine == "torch" and band_block is None:
         # the 32-row forward block suits the kernel; the torch engine (soft-capped calls) pays
         # per call: its forward is faster on 64-row blocks (window 512, L = 4096, H = 8, fp32,
@@ -335,10 +409,12 @@ __all__ = [
     "NATURAL_TILE",
     "PLAN_CACHE_SIZE",
     "RELATIVE_WINDOW",
+    "FlashOptions",
     "band_block_fwd",
     "cached_plan",
     "clear_plan_cache",
     "flash_job",
+    "flash_options",
     "low_precision",
     "natural_tile",
     "prepare_inputs",
