@@ -23,8 +23,8 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 TARGET_FILES, TARGET_FILES_GRAD, TARGET_LINES = 12, 15, 60
 """Issue #39's targets."""
 
-MAX_FILES = 23
-MAX_FILES_GRAD = 23
+MAX_FILES = 21
+MAX_FILES_GRAD = 21
 MAX_LINES = 60
 """Reached so far (the gap to the targets is open work)."""
 

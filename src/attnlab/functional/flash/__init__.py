@@ -42,13 +42,13 @@ How it runs:
    share of dQ (ring attention's observation), so the per-call gradients sum to the exact gradient.
    Calls run in a fixed order, so gradients are bit-deterministic.
 
-Modules (one job each): `plan` (tile sizes, engine, plan for a request), `tiles` (additive
-tiles), `engines` (kernel and pure-PyTorch engines), `band` (batched band calls),
-`band_kernel` (when the C++ band kernel runs them), `job` (walks a
-plan forward and backward), `eager` (the NaN rule around the job's differentiable run: what eager
-calls and the compiled operators both run), `poison` (the NaN rule's entries), `ops` (custom
-operators for ``torch.compile``), `run` (the registry's hooks and `flash_attention`). Auto's size
-thresholds (``AUTO_*_MIN``) and `flash_declines` are the dispatch policy: they live in
+Modules (one job each): `plan` (the options record, tile sizes, engine, plan for a request),
+`engines` (kernel and pure-PyTorch engines, and the additive tiles they read), `band` (batched
+band calls), `band_kernel` (when the C++ band kernel runs them), `job` (walks a plan forward and
+backward), `eager` (the NaN rule around the job's differentiable run, and where it puts NaN:
+what eager calls and the compiled operators both run), `ops` (custom operators for
+``torch.compile``), `run` (the registry's hooks and `flash_attention`). Auto's size thresholds
+(``AUTO_*_MIN``) and `flash_declines` are the dispatch policy: they live in
 `functional.backends`.
 
 Inputs are cleaned for the NaN rule only when they hold NaN/±inf (`nan_rule.clean_flagged`: a
@@ -62,10 +62,12 @@ broadcast dims); that backward runs on the pure-PyTorch engine, which exposes dS
 
 from __future__ import annotations
 
-from .eager import run_clean
+from .eager import poison_entries, run_clean
 from .engines import (
+    BandTiles,
     Logits,
     Residuals,
+    TileSource,
     TorchEngine,
     acc_dtype,
     kernel_backward,
@@ -85,7 +87,6 @@ from .plan import (
     flash_options,
     prepare_inputs,
 )
-from .poison import poison_entries
 from .run import (
     explain_plan,
     flash_attention,
@@ -93,7 +94,6 @@ from .run import (
     flash_run_lse,
     flash_supports,
 )
-from .tiles import BandTiles, TileSource
 
 __all__ = [
     "BAND_BLOCK",

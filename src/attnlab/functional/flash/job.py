@@ -18,16 +18,19 @@ from ..tiling import CALL_CAUSAL, BandCall, Call, Plan, SegmentCall
 from . import band_kernel
 from .band import band_backward, band_forward, segment_backward, segment_forward
 from .engines import (
+    BandTiles,
     DsSink,
     Logits,
     Residuals,
+    TileSource,
     TorchEngine,
     acc_dtype,
+    as4,
+    fix_dead_rows,
     kernel_backward,
     kernel_forward,
     kernel_widens,
 )
-from .tiles import BandTiles, TileSource, as4, fix_dead_rows
 
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")

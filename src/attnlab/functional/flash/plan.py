@@ -24,12 +24,12 @@ from .engines import (
     LOW_PRECISION,
     LOW_PRECISION_ENV,
     LOW_PRECISION_SETTINGS,
+    TileSource,
     TorchEngine,
     acc_dtype,
     low_precision,
 )
 from .job import FlashJob
-from .tiles import TileSource
 
 # Default tile sizes (rows × keys) of the block map, and the query block of batched band calls.
 BLOCK_Q = 128
