@@ -55,7 +55,7 @@ def flash_declines(req: Request) -> str | None:
     n = d.L * d.S
     limits = _thresholds.for_dtype(req.q.dtype)
     terms = req.terms
-    structured = terms.structured is not None and terms.bool_mask is None
+    structured = terms.given_mask is not None
     if structured and req.is_plain_causal and req.bias is None:
         structured = False  # sdpa runs plain causal with the same kernel call
     fn_bias = terms.bias_fn is not None
@@ -64,7 +64,7 @@ def flash_declines(req: Request) -> str | None:
     segment = one_segment(req)
     if segment and n >= limits.sparse:
         return None  # attnlab's one-pass segment kernel beats sdpa's call from L = 256-512
-    band = band_of(terms.structured) if structured and req.bias is None else None
+    band = band_of(terms.given_mask) if structured and req.bias is None else None
     narrow = band is not None and math.isfinite(band[0]) and math.isfinite(band[1])
     threshold = limits.band if narrow else limits.sparse
     if (structured or fn_bias) and n >= threshold:

@@ -88,6 +88,11 @@ class LogitTerms:
     bias_fn: BiasFn | None = None
 
     @property
+    def given_mask(self) -> Mask | None:
+        """The mask when the caller gave a `Mask` (not a bool tensor), else None."""
+        return self.structured if self.bool_mask is None else None
+
+    @property
     def additive(self) -> list[Tensor]:
         """The additive tensors, float mask first: ``s ← s + Σ additive``."""
         return [t for t in (self.float_mask, self.bias_tensor) if t is not None]
@@ -227,9 +232,10 @@ def request_interval(req: Request) -> tuple[Tensor | None, Tensor] | None:
     Only for a structured `Mask` without bias (a bias's −inf entries could mask more pairs);
     None otherwise (then the dense mask describes the attended pairs).
     """
-    if not isinstance(req.mask, Mask) or req.bias is not None:
+    mask = req.terms.given_mask
+    if mask is None or req.bias is not None:
         return None
-    return req.mask.key_interval(req.dims.L, req.dims.S, device=req.q.device)
+    return mask.key_interval(req.dims.L, req.dims.S, device=req.q.device)
 
 
 def key_prefixes(req: Request) -> tuple[int, ...] | None:

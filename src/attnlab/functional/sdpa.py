@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._shapes import static_bool
-from ..masks import CausalMask, Mask
+from ..masks import CausalMask
 from . import nan_rule
 from .reference import keep_mask
 from .request import Request, key_prefixes, prefix_views, request_dense, request_interval
@@ -139,7 +139,7 @@ def _prefix_ext(req: Request, is_causal: bool, clean_k: bool) -> Tensor | None:
     NaN. Bit-equal to the tensor-op path of `sdpa_run`; None when it does not apply."""
     if req.bias is not None or req.score != "dot" or req.dropout_p:
         return None
-    if not (req.mask is None or isinstance(req.mask, Mask)):
+    if req.terms.bool_mask is not None or req.terms.float_mask is not None:
         return None
     if not nan_rule.ext_ready(req.q, req.k, req.v):  # before any tensor is made (meta, grad)
         return None

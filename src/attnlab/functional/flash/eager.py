@@ -21,7 +21,6 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from ...masks import Mask
 from .. import nan_rule
 from ..request import Request
 from ..tiling import CALL_CAUSAL, Plan
@@ -35,6 +34,12 @@ _NAN = float("nan")
 
 
 def flash_run_marked(req: Request, **options: object) -> tuple[Tensor, Tensor, bool | Tensor]:
+    """`_run_marked` with the C++ kernel's readiness asked once (`band_kernel.asking_once`)."""
+    with band_kernel.asking_once():
+        return _run_marked(req, **options)
+
+
+def _run_marked(req: Request, **options: object) -> tuple[Tensor, Tensor, bool | Tensor]:
     """`flash_run_lse`'s eager computation, and whether the NaN rule touched it:
     ``(out, lse, touched)``.
 
@@ -202,7 +207,8 @@ class _FlashBackward(torch.autograd.Function):
             )
         with torch.no_grad():
             res = Residuals(dout=dout.contiguous(), q=q, k=k, v=v, out=out, lse=lse)
-            dq, dk, dv = job.backward(res, dlse)
+            with band_kernel.asking_once():
+                dq, dk, dv = job.backward(res, dlse)
             dbias = [
                 g.to(job.source.bias_tensors[i].dtype).reshape(job.source.bias_tensors[i].shape)
                 for g, i in zip(job.bias_grads, job.grad_biases, strict=True)
@@ -283,8 +289,9 @@ def poison_entries(
     d = req.dims
     tensor_bias = bool(source.bias_tensors)
     interval = None
-    if isinstance(req.mask, Mask) and not tensor_bias:
-        interval = req.mask.key_interval(d.L, d.S, device=req.q.device)
+    mask = req.terms.given_mask
+    if mask is not None and not tensor_bias:
+        interval = mask.key_interval(d.L, d.S, device=req.q.device)
     if not tensor_bias and (req.mask is None or interval is not None):
         row_bad, bad = nan_rule.bad_entries(req.q, req.k, req.v, interval=interval)
     else:
