@@ -1,14 +1,14 @@
 """Every ``ATTNLAB_*`` setting of the attention path, read in this one module (`settings`).
 
 A setting is the stripped text of its environment variable (None when unset). `settings` reads
-the variables once and hands out one frozen `Settings` record; the record is read again only
-when a variable's text has changed since (a test's ``monkeypatch.setenv``, a user's
-``os.environ[...] = ...``): the check is one dict lookup per variable, the parsing happens once
-per distinct environment. The modules that own a setting turn its text into a value and raise
-on a bad one, where the setting is used (`attnlab._ext.mode`, `functional.flash.engines
-.low_precision`, `functional.flash.band_kernel.engine_setting`,
-`functional.flash.plan.band_block_fwd`, `functional.flash.plan.cached_plan`,
-`functional.thresholds.enabled`).
+them all into one frozen `Settings` record (made again only when a variable's text has changed
+since: a test's ``monkeypatch.setenv``, a user's ``os.environ[...] = ...``); `text` reads one,
+which is what the attention path does (one lookup per setting it needs, as before this module
+existed: a call reads the flash settings once, `functional.flash.plan.flash_options`). The
+modules that own a setting turn its text into a value and raise on a bad one, where the setting
+is used (`attnlab._ext.mode`, `functional.flash.engines.low_precision`,
+`functional.flash.band_kernel.engine_setting`, `functional.flash.plan.band_block_fwd`,
+`functional.flash.plan.cached_plan`, `functional.thresholds.enabled`).
 
 Core code imports only `os` here (no torch): `import attnlab` stays light.
 """
@@ -60,12 +60,18 @@ class Settings:
     @property
     def plan_cache_on(self) -> bool:
         """False when ``ATTNLAB_FLASH_PLAN_CACHE`` turns the plan cache off (0, off, no...)."""
-        return (self.flash_plan_cache or "").lower() not in _OFF
+        return not turned_off(self.flash_plan_cache)
 
     @property
     def thresholds_on(self) -> bool:
         """False when ``ATTNLAB_THRESHOLDS`` turns auto's per-machine thresholds off."""
-        return (self.thresholds or "").lower() not in _OFF
+        return not turned_off(self.thresholds)
+
+
+def turned_off(text: str | None) -> bool:
+    """Whether a setting's text turns its feature off (``0``, ``off``, ``false``, ``no``,
+    ``never``; any case)."""
+    return (text or "").lower() in _OFF
 
 
 VARIABLES: dict[str, str] = {
@@ -87,6 +93,14 @@ _STATE: tuple[tuple[str | None, ...] | None, Settings] = (None, Settings())
 """The variables' raw text when last read, and the record made from it (swapped as one)."""
 
 
+def text(name: str) -> str | None:
+    """One setting's text, read now: ``name`` is a `Settings` field (``"ext"``,
+    ``"flash_lowp"``, ...); stripped, None when unset or empty. One environment lookup: what
+    the hot path reads (`settings` reads them all)."""
+    raw = os.environ.get(VARIABLES[name])
+    return None if raw is None else (raw.strip() or None)
+
+
 def settings() -> Settings:
     """The `Settings` of the current environment (read once; again only after a change)."""
     global _STATE
@@ -100,4 +114,4 @@ def settings() -> Settings:
     return current
 
 
-__all__ = ["VARIABLES", "Settings", "settings"]
+__all__ = ["VARIABLES", "Settings", "settings", "text", "turned_off"]

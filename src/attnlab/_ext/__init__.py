@@ -110,7 +110,7 @@ class CorruptLibraryError(RuntimeError):
 
 def mode() -> str:
     """``"auto"``, ``"off"`` or ``"require"`` from ``ATTNLAB_EXT``."""
-    raw = _settings.settings().ext
+    raw = _settings.text("ext")
     if raw is None:
         return "auto"
     raw = raw.lower()
@@ -188,7 +188,7 @@ def build_key(name: str, source: str) -> str:
 
 def cache_dir() -> Path:
     """Where built libraries are kept (see the module docstring)."""
-    env = _settings.settings().ext_cache
+    env = _settings.text("ext_cache")
     if env:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -322,7 +322,7 @@ def _discard(target: Path) -> None:
 
 # ------------------------------------------------------------------------------------- notices
 def _quiet() -> bool:
-    return (_settings.settings().ext_quiet or "").lower() in ("1", "true", "yes", "on")
+    return (_settings.text("ext_quiet") or "").lower() in ("1", "true", "yes", "on")
 
 
 def _say(text: str, *, end: str = "\n") -> None:
@@ -540,7 +540,7 @@ def load(name: str) -> bool:
         if "off" not in _SAID:
             _say_once(
                 "off",
-                f"attnlab: {ENV}={_settings.settings().ext}: attnlab's C++ kernels are off, the "
+                f"attnlab: {ENV}={_settings.text('ext')}: attnlab's C++ kernels are off, the "
                 "pure-PyTorch engines run in this process",
             )
         asked = _REPORTING.get()
@@ -700,7 +700,7 @@ def state(name: str) -> str:
     ``"off (ATTNLAB_EXT=0)"``, ``"unavailable: REASON"``, ``"corrupt (size 4096, expected
     99888) — …"`` (a cached library that fails its check: `_check_library`)."""
     if mode() == "off":  # `load` answers False then, whatever was loaded
-        return f"off ({ENV}={_settings.settings().ext})"
+        return f"off ({ENV}={_settings.text('ext')})"
     answer = _STATE.get(name)
     if answer is True:
         return "loaded"
@@ -778,7 +778,7 @@ def build_kernels(
         flush=True,
     )
     if mode() == "off":
-        print(f"  note: {ENV}={_settings.settings().ext}: processes will not load them", file=out)
+        print(f"  note: {ENV}={_settings.text('ext')}: processes will not load them", file=out)
     width = max(len(n) for n in chosen)
     failures: list[tuple[str, str]] = []
     total = time.perf_counter()

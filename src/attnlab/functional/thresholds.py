@@ -82,12 +82,12 @@ _LOADED: dict[torch.dtype, Thresholds] = {}
 
 def enabled() -> bool:
     """False when ``ATTNLAB_THRESHOLDS`` turns the cache off (``0``, ``off``, ``false``, ``no``)."""
-    return _settings.settings().thresholds_on
+    return not _settings.turned_off(_settings.text("thresholds"))
 
 
 def cache_file() -> Path:
     """The cache file's path (``ATTNLAB_THRESHOLDS_FILE`` or the user's cache directory)."""
-    env = _settings.settings().thresholds_file
+    env = _settings.text("thresholds_file")
     if env:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -197,7 +197,7 @@ def load(*, reload: bool = False) -> dict[torch.dtype, Thresholds]:
     table: dict[torch.dtype, Thresholds] = {}
     path = cache_file()
     if not enabled():
-        why = f"{ENV}={_settings.settings().thresholds} turns the cache off"
+        why = f"{ENV}={_settings.text('thresholds')} turns the cache off"
     elif not path.exists():
         why = f"no cache file {path}"
     else:

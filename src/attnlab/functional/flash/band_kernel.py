@@ -142,7 +142,7 @@ def _engine_setting() -> str:
     Raises:
         ValueError: the variable holds something else.
     """
-    raw = (_settings.settings().flash_band_engine or "auto").lower()
+    raw = (_settings.text("flash_band_engine") or "auto").lower()
     if raw not in ENGINES:
         raise ValueError(f"{ENGINE_ENV} must be one of {', '.join(ENGINES)}, got {raw!r}")
     return raw

@@ -117,7 +117,7 @@ def low_precision(text: str | None = None) -> str:
         ValueError: the policy is none of `LOW_PRECISION_SETTINGS`.
     """
     if text is None:
-        text = _settings.settings().flash_lowp
+        text = _settings.text("flash_lowp")
     raw = (text or LOW_PRECISION).lower()
     if raw not in LOW_PRECISION_SETTINGS:
         raise ValueError(f"{LOW_PRECISION_ENV} must be 'auto', 'native' or 'widen', got {raw!r}")

@@ -57,7 +57,7 @@ def band_block_fwd(q: Tensor | None = None, setting: int | None = None) -> int:
         ValueError: the variable is set to something other than a positive int.
     """
     if setting is None:
-        setting = _band_block_setting(_settings.settings().flash_band_block)
+        setting = _band_block_setting(_settings.text("flash_band_block"))
     if setting is not None:
         return setting
     if q is not None and band_kernel.ready(q, band_kernel.block(q)):
@@ -118,15 +118,14 @@ def flash_options(
         ValueError: a setting holds a value it does not take (`low_precision`,
             `band_block_fwd`).
     """
-    s = _settings.settings()
     return FlashOptions(
         block_q=block_q,
         block_k=block_k,
         band_block=band_block,
         engine=engine,
-        band_block_fwd=_band_block_setting(s.flash_band_block),
-        low_precision=low_precision(s.flash_lowp or ""),
-        plan_cache=s.plan_cache_on,
+        band_block_fwd=_band_block_setting(_settings.text("flash_band_block")),
+        low_precision=low_precision(_settings.text("flash_lowp") or ""),
+        plan_cache=not _settings.turned_off(_settings.text("flash_plan_cache")),
     )
 
 
@@ -181,7 +180,9 @@ def cached_plan(mask: Mask | None, *, cache: bool | None = None, **kwargs: objec
     serve many calls. ``cache`` (`FlashOptions.plan_cache`) says whether the cache is on; None
     reads the setting.
     """
-    off = not (_settings.settings().plan_cache_on if cache is None else cache)
+    if cache is None:
+        cache = not _settings.turned_off(_settings.text("flash_plan_cache"))
+    off = not cache
     key_m = None if off or PLAN_CACHE_SIZE <= 0 else _mask_key(mask)
     if key_m is None:
         return build_plan(mask, **kwargs)  # type: ignore[arg-type]
