@@ -222,36 +222,28 @@ def _check_block(name: str, val: object) -> int:
 
 
 def flash_job(
-    req: Request,
-    *,
-    block_q: int | None = None,
-    block_k: int | None = None,
-    band_block: int | None = None,
-    engine: str | None = None,
-    options: FlashOptions | None = None,
+    req: Request, *, options: FlashOptions | None = None, **knobs: int | str | None
 ) -> FlashJob:
     """The plan and tile source for a validated request (no computation on q, k, v).
 
     Args:
         req: the validated request.
-        block_q, block_k: tile size of the block map (default 128 × 128; a mask made of
-            blocks, `Mask.natural_block` within `NATURAL_TILE`, its own block; 256 × 256 with a
-            bias, 1024 keys for a relative bias alone, 2048 × 2048 in float64).
-        band_block: query block of batched band calls (default 32 forward, 64 backward; 64
-            both ways on the torch engine).
-        engine: ``"kernel"`` or ``"torch"`` (default: kernel on CPU below float64, and torch
-            whenever the request soft-caps its logits: the kernel cannot apply tanh).
-        options: all of these and the settings as one record (`flash_options`); given, it
-            replaces the four arguments above.
+        options: the knobs and the settings as one record (`flash_options`).
+        knobs: without ``options``, `flash_options`'s keyword arguments:
+            ``block_q``, ``block_k``: tile size of the block map (default 128 × 128; a mask
+            made of blocks, `Mask.natural_block` within `NATURAL_TILE`, its own block;
+            256 × 256 with a bias, 1024 keys for a relative bias alone, 2048 × 2048 in
+            float64); ``band_block``: query block of batched band calls (default 32 forward,
+            64 backward; 64 both ways on the torch engine); ``engine``: ``"kernel"`` or
+            ``"torch"`` (default: kernel on CPU below float64, and torch whenever the request
+            soft-caps its logits: the kernel cannot apply tanh).
 
     Raises:
         ValueError: a block size that is not a positive int, an unknown engine, or
             ``engine="kernel"`` with ``req.softcap``.
     """
     d, terms = req.dims, req.terms
-    opts = options or flash_options(
-        block_q=block_q, block_k=block_k, band_block=band_block, engine=engine
-    )
+    opts = options or flash_options(**knobs)  # type: ignore[arg-type]
     bq, bk, bb, bb_fwd, engine = _tile_sizes(req, opts)
     bias_kind = "tensor" if terms.additive else ("fn" if terms.bias_fn is not None else None)
     relative = bias_kind == "fn" and is_relative_bias(terms.bias_fn)
