@@ -78,9 +78,11 @@ from typing import TextIO
 
 import torch
 
-ENV = "ATTNLAB_EXT"
-CACHE_ENV = "ATTNLAB_EXT_CACHE"
-QUIET_ENV = "ATTNLAB_EXT_QUIET"
+from .. import _settings
+
+ENV = _settings.EXT
+CACHE_ENV = _settings.EXT_CACHE
+QUIET_ENV = _settings.EXT_QUIET
 CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
 
@@ -108,10 +110,10 @@ class CorruptLibraryError(RuntimeError):
 
 def mode() -> str:
     """``"auto"``, ``"off"`` or ``"require"`` from ``ATTNLAB_EXT``."""
-    raw = os.environ.get(ENV)
+    raw = _settings.text("ext")
     if raw is None:
         return "auto"
-    raw = raw.strip().lower()
+    raw = raw.lower()
     if raw in ("0", "off", "false", "no", "never"):
         return "off"
     if raw in ("require", "required", "force", "1", "on", "yes"):
@@ -186,7 +188,7 @@ def build_key(name: str, source: str) -> str:
 
 def cache_dir() -> Path:
     """Where built libraries are kept (see the module docstring)."""
-    env = os.environ.get(CACHE_ENV)
+    env = _settings.text("ext_cache")
     if env:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -320,7 +322,7 @@ def _discard(target: Path) -> None:
 
 # ------------------------------------------------------------------------------------- notices
 def _quiet() -> bool:
-    return os.environ.get(QUIET_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return (_settings.text("ext_quiet") or "").lower() in ("1", "true", "yes", "on")
 
 
 def _say(text: str, *, end: str = "\n") -> None:
@@ -538,7 +540,7 @@ def load(name: str) -> bool:
         if "off" not in _SAID:
             _say_once(
                 "off",
-                f"attnlab: {ENV}={os.environ.get(ENV)}: attnlab's C++ kernels are off, the "
+                f"attnlab: {ENV}={_settings.text('ext')}: attnlab's C++ kernels are off, the "
                 "pure-PyTorch engines run in this process",
             )
         asked = _REPORTING.get()
@@ -698,7 +700,7 @@ def state(name: str) -> str:
     ``"off (ATTNLAB_EXT=0)"``, ``"unavailable: REASON"``, ``"corrupt (size 4096, expected
     99888) — …"`` (a cached library that fails its check: `_check_library`)."""
     if mode() == "off":  # `load` answers False then, whatever was loaded
-        return f"off ({ENV}={os.environ.get(ENV)})"
+        return f"off ({ENV}={_settings.text('ext')})"
     answer = _STATE.get(name)
     if answer is True:
         return "loaded"
@@ -776,7 +778,7 @@ def build_kernels(
         flush=True,
     )
     if mode() == "off":
-        print(f"  note: {ENV}={os.environ.get(ENV)}: processes will not load them", file=out)
+        print(f"  note: {ENV}={_settings.text('ext')}: processes will not load them", file=out)
     width = max(len(n) for n in chosen)
     failures: list[tuple[str, str]] = []
     total = time.perf_counter()

@@ -11,7 +11,6 @@ import math
 import torch
 from torch import Tensor
 
-from ..masks import Mask, TensorMask
 from . import reference
 from . import thresholds as _thresholds
 from .decode import decode_declines, decode_run, decode_run_lse, decode_supports
@@ -55,16 +54,17 @@ def flash_declines(req: Request) -> str | None:
     d = req.dims
     n = d.L * d.S
     limits = _thresholds.for_dtype(req.q.dtype)
-    structured = isinstance(req.mask, Mask) and not isinstance(req.mask, TensorMask)
+    terms = req.terms
+    structured = terms.given_mask is not None
     if structured and req.is_plain_causal and req.bias is None:
         structured = False  # sdpa runs plain causal with the same kernel call
-    fn_bias = req.bias is not None and not isinstance(req.bias, Tensor)
+    fn_bias = terms.bias_fn is not None
     if n >= limits.long:
         return None
     segment = one_segment(req)
     if segment and n >= limits.sparse:
         return None  # attnlab's one-pass segment kernel beats sdpa's call from L = 256-512
-    band = band_of(req.mask) if structured and req.bias is None else None
+    band = band_of(terms.given_mask) if structured and req.bias is None else None
     narrow = band is not None and math.isfinite(band[0]) and math.isfinite(band[1])
     threshold = limits.band if narrow else limits.sparse
     if (structured or fn_bias) and n >= threshold:
@@ -87,8 +87,8 @@ def _reference_run_lse(req: Request) -> tuple[Tensor, Tensor, Tensor]:
         req.k,
         mask=mask,
         bias=bias,
-        scale=req.scale,
-        temperature=req.temperature,
+        scale=req.logit_scale,
+        temperature=1.0,
         score=req.score,
         softcap=req.softcap,
     )

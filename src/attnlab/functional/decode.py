@@ -122,7 +122,7 @@ def _attend(
     """
     if req.softcap is None and not want_lse and nan_rule.ext_ready(q, k, v):
         # the C++ kernel: k and v read in place, once per k/v head (the rule, same NaN rows)
-        return torch.ops.attnlab_nan.decode_attend(q, k, v, req.scale / req.temperature), None
+        return torch.ops.attnlab_nan.decode_attend(q, k, v, req.logit_scale), None
     b, H, L, D = q.shape
     H_kv, n, Dv = k.shape[1], k.shape[2], v.shape[-1]
     c = _compute_dtype(q.dtype)
@@ -131,7 +131,7 @@ def _attend(
     kk, vv = k.reshape(b * H_kv, n, D), v.reshape(b * H_kv, n, Dv)
     if q.dtype != c:
         qg, kk, vv = qg.to(c), kk.to(c), vv.to(c)
-    s = torch.bmm(qg, kk.transpose(1, 2)).mul_(req.scale / req.temperature)  # (b·H_kv, G·L, n)
+    s = torch.bmm(qg, kk.transpose(1, 2)).mul_(req.logit_scale)  # (b·H_kv, G·L, n)
     if req.softcap is None:
         low = s.amin(dim=-1, keepdim=True)  # NaN or −inf iff the row has such a logit
         poison = low - low  # +0.0, or NaN

@@ -112,7 +112,7 @@ def flash_ext_ready(x: Tensor) -> bool:
     )
 
 
-def clean_flagged(x: Tensor) -> tuple[Tensor, bool]:
+def clean_flagged(x: Tensor, ready: bool | None = None) -> tuple[Tensor, bool]:
     """``(clean(x), may_be_bad)``: `clean` that copies only when ``x`` holds a NaN/±inf entry.
 
     On the C++ operator (``attnlab_flash.clean_copy``) a finite ``x`` costs one read and comes
@@ -120,9 +120,10 @@ def clean_flagged(x: Tensor) -> tuple[Tensor, bool]:
     so the decision is read from a shape, never from a tensor value: no host sync). Without the
     operator (no compiler, ``ATTNLAB_EXT=0``, under ``torch.compile``, meta/non-CPU tensors) this
     is ``(clean(x), True)``. Gradients are those of `clean` either way (the identity where ``x``
-    is finite).
+    is finite). ``ready``: `flash_ext_ready`'s answer for ``x``, when the caller asked already
+    (q, k and v of one call share device and dtype: asked once).
     """
-    if x.numel() == 0 or not flash_ext_ready(x):
+    if x.numel() == 0 or not (flash_ext_ready(x) if ready is None else ready):
         return clean(x), x.numel() != 0
     with torch.no_grad():
         copy = torch.ops.attnlab_flash.clean_copy(x.detach())

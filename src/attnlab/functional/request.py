@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from .._index import index_grid
 from .._shapes import Dims, check_index_fn_output, static_bool
-from ..masks import CausalMask, Mask, PaddingMask
+from ..masks import CausalMask, Mask, PaddingMask, TensorMask
+from .scores import get_score
 
 BiasFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """A bias given as ``fn(b, h, i, j) -> float tensor`` on broadcastable index tensors.
@@ -67,13 +68,60 @@ def check_bias_output(
     return check_index_fn_output("bias function", fn, out, (b, h, i, j), want_bool=False)
 
 
+@dataclass(frozen=True)
+class LogitTerms:
+    """A call's mask and bias sorted once by form (`sort_terms`): what masks the logits and
+    what is added to them.
+
+    Attributes:
+        structured: the mask as a `Mask` (a bool mask tensor as a `TensorMask`), or None.
+        bool_mask: the bool mask tensor as the caller gave it (True = may attend), or None.
+        float_mask: an additive float mask tensor, broadcastable to ``(B, H, L, S)``, or None.
+        bias_tensor: an additive bias tensor, broadcastable to ``(B, H, L, S)``, or None.
+        bias_fn: a bias function ``fn(b, h, i, j)`` (`BiasFn`), or None.
+    """
+
+    structured: Mask | None = None
+    bool_mask: Tensor | None = None
+    float_mask: Tensor | None = None
+    bias_tensor: Tensor | None = None
+    bias_fn: BiasFn | None = None
+
+    @property
+    def given_mask(self) -> Mask | None:
+        """The mask when the caller gave a `Mask` (not a bool tensor), else None."""
+        return self.structured if self.bool_mask is None else None
+
+    @property
+    def additive(self) -> list[Tensor]:
+        """The additive tensors, float mask first: ``s ← s + Σ additive``."""
+        return [t for t in (self.float_mask, self.bias_tensor) if t is not None]
+
+
+def sort_terms(mask: Mask | Tensor | None, bias: Tensor | BiasFn | None) -> LogitTerms:
+    """The one place a mask and a bias are sorted by form: structured (a `Mask`, or a bool
+    tensor wrapped as `TensorMask`), additive tensors (a float mask, a bias tensor) and a bias
+    function."""
+    if isinstance(mask, Tensor) and mask.dtype == torch.bool:
+        as4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B|1, H|1, L|1, S|1)
+        terms = LogitTerms(structured=TensorMask(as4), bool_mask=mask)
+    elif isinstance(mask, Tensor):
+        terms = LogitTerms(float_mask=mask)
+    else:
+        terms = LogitTerms(structured=mask)
+    if isinstance(bias, Tensor):
+        return replace(terms, bias_tensor=bias)
+    return terms if bias is None else replace(terms, bias_fn=bias)
+
+
 @dataclass
 class Request:
     """One validated attention call; q ``(B, H, L, D)``, k/v ``(B, H_kv, S, ·)`` (always 4-D).
 
-    The logits are ``s = score(q, k) · scale / temperature``, then the logit-transform stage
-    (``softcap``: ``s ← softcap · tanh(s / softcap)``, `reference.softcap_logits`), then the bias
-    and the mask; ``softcap`` is None for no transform.
+    The logits are ``s = score(q, k) · logit_scale`` with ``logit_scale = scale / temperature``
+    (resolved once, here), then the logit-transform stage (``softcap``:
+    ``s ← softcap · tanh(s / softcap)``, `reference.softcap_logits`), then the bias and the
+    mask (``terms``: sorted once by form, `sort_terms`); ``softcap`` is None for no transform.
 
     ``batch_shape`` is None for the caller's 3-D/4-D layouts; for SDPA's other layouts (2-D
     ``(L, D)`` or several leading batch dims, `validate.leading_to_4d`) it is the caller's
@@ -94,6 +142,12 @@ class Request:
     return_weights: bool
     softcap: float | None = None
     batch_shape: tuple[int, ...] | None = None
+    logit_scale: float = field(init=False, compare=False)
+    terms: LogitTerms = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.logit_scale = self.scale / self.temperature
+        self.terms = sort_terms(self.mask, self.bias)
 
     @property
     def is_empty(self) -> bool:
@@ -105,6 +159,23 @@ class Request:
     def is_plain_causal(self) -> bool:
         """A bare `causal()` mask with L == S, where bottom-right equals top-left alignment."""
         return isinstance(self.mask, CausalMask) and static_bool(self.dims.L == self.dims.S)
+
+
+def logit_qk(req: Request) -> tuple[Tensor, Tensor, float]:
+    """``(q', k', c)`` with ``score(q, k) · logit_scale = (q' · k'ᵀ) · c`` and ``c > 0``.
+
+    q and k as the scores read them (`scores.Score.prepare`: cosine normalises their rows), and
+    the sign of a negative logit scale folded into ``q' = −q`` (``scale·(q·k) =
+    |scale|·((−q)·k)``, exact): a kernel that fills masked logits with −inf before it scales
+    would turn them into +inf under a negative scale. Shapes as ``req.q``, ``req.k``.
+    """
+    q, k = req.q, req.k
+    if req.score != "dot":
+        s = get_score(req.score)
+        q, k = s.prepare(q), s.prepare(k)
+    if req.logit_scale < 0:
+        return -q, k, -req.logit_scale
+    return q, k, req.logit_scale
 
 
 def _index_grid(B: int, H: int, L: int, S: int, device: torch.device) -> tuple[Tensor, ...]:
@@ -128,24 +199,31 @@ def dense_mask_and_bias(
 
     Both are broadcastable to ``(B, H, L, S)``; either may be None.
     """
-    allowed: Tensor | None = None
+    return dense_terms(sort_terms(mask, bias), dims, dtype, device)
+
+
+def dense_terms(
+    terms: LogitTerms, dims: Dims, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor | None, Tensor | None]:
+    """``(allowed, additive)`` of sorted terms: the structured mask rendered as a bool tensor
+    (a bool tensor as given) and ``Σ terms.additive`` (+ the bias function on the full grid)."""
+    allowed = terms.bool_mask
+    if allowed is None and terms.structured is not None:
+        allowed = terms.structured.to_dense(
+            dims.L, dims.S, batch=dims.B, heads=dims.H, device=device
+        )
     additive: Tensor | None = None
-    if isinstance(mask, Mask):
-        allowed = mask.to_dense(dims.L, dims.S, batch=dims.B, heads=dims.H, device=device)
-    elif isinstance(mask, Tensor):
-        if mask.dtype == torch.bool:
-            allowed = mask
-        else:
-            additive = mask
-    if bias is not None:
-        bt = bias if isinstance(bias, Tensor) else materialize_bias(bias, dims, dtype, device)
+    for t in terms.additive:
+        additive = t if additive is None else additive + t
+    if terms.bias_fn is not None:
+        bt = materialize_bias(terms.bias_fn, dims, dtype, device)
         additive = bt if additive is None else additive + bt
     return allowed, additive
 
 
 def request_dense(req: Request) -> tuple[Tensor | None, Tensor | None]:
-    """`dense_mask_and_bias` for a request."""
-    return dense_mask_and_bias(req.mask, req.bias, req.dims, req.q.dtype, req.q.device)
+    """`dense_terms` of a request."""
+    return dense_terms(req.terms, req.dims, req.q.dtype, req.q.device)
 
 
 def request_interval(req: Request) -> tuple[Tensor | None, Tensor] | None:
@@ -154,9 +232,10 @@ def request_interval(req: Request) -> tuple[Tensor | None, Tensor] | None:
     Only for a structured `Mask` without bias (a bias's −inf entries could mask more pairs);
     None otherwise (then the dense mask describes the attended pairs).
     """
-    if not isinstance(req.mask, Mask) or req.bias is not None:
+    mask = req.terms.given_mask
+    if mask is None or req.bias is not None:
         return None
-    return req.mask.key_interval(req.dims.L, req.dims.S, device=req.q.device)
+    return mask.key_interval(req.dims.L, req.dims.S, device=req.q.device)
 
 
 def key_prefixes(req: Request) -> tuple[int, ...] | None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._shapes import static_bool
-from ..masks import CausalMask, Mask
+from ..masks import CausalMask
 from . import nan_rule
 from .reference import keep_mask
 from .request import Request, key_prefixes, prefix_views, request_dense, request_interval
@@ -72,7 +72,7 @@ def _kernel(req: Request, q: Tensor, k: Tensor, v: Tensor, attn_mask, is_causal:
         attn_mask=attn_mask,
         dropout_p=req.dropout_p,
         is_causal=static_bool(is_causal),
-        scale=req.scale / req.temperature,
+        scale=req.logit_scale,
         enable_gqa=static_bool(req.dims.H_kv != req.dims.H),
     )
     return out.to(dtype)  # the output itself when nothing was widened
@@ -139,7 +139,7 @@ def _prefix_ext(req: Request, is_causal: bool, clean_k: bool) -> Tensor | None:
     NaN. Bit-equal to the tensor-op path of `sdpa_run`; None when it does not apply."""
     if req.bias is not None or req.score != "dot" or req.dropout_p:
         return None
-    if not (req.mask is None or isinstance(req.mask, Mask)):
+    if req.terms.bool_mask is not None or req.terms.float_mask is not None:
         return None
     if not nan_rule.ext_ready(req.q, req.k, req.v):  # before any tensor is made (meta, grad)
         return None
@@ -163,7 +163,7 @@ def _prefix_ext(req: Request, is_causal: bool, clean_k: bool) -> Tensor | None:
         req.v,
         allowed,
         hi,
-        req.scale / req.temperature,
+        req.logit_scale,
         is_causal,
         d.H_kv != d.H,
         clean_k,
@@ -182,7 +182,7 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
     s = get_score(req.score)
     # torch's is_causal path masks after scaling with -inf, so a negative scale turns the masked
     # logits into +inf (NaN output): use the dense mask then.
-    is_causal = req.is_plain_causal and req.bias is None and req.scale > 0
+    is_causal = req.is_plain_causal and req.bias is None and req.logit_scale > 0
     # torch's fused CPU causal kernel skips masked logits (a NaN key cannot leak), so k is
     # cleaned there only for its gradient. Its math fallback (Dv != D, dropout, other devices)
     # adds −inf to q·k and NaN + (−inf) stays NaN: clean k then. v always (0 · NaN at masked

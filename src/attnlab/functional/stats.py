@@ -20,8 +20,7 @@ from torch import Tensor
 from .flash import TileSource, flash_job
 from .nan_rule import nan_flags
 from .reference import softcap_logits
-from .request import Request
-from .scores import get_score
+from .request import Request, logit_qk
 from .tiling import CALL_CAUSAL, CALL_MASKED, Call
 
 _NEG_INF = float("-inf")
@@ -59,10 +58,9 @@ class AttentionStats:
 
 
 def _prepared(req: Request) -> tuple[Tensor, Tensor]:
-    if req.score == "dot":
-        return req.q, req.k
-    s = get_score(req.score)
-    return s.prepare(req.q), s.prepare(req.k)
+    """q and k as the job's logits read them (`request.logit_qk`: the job's scale is > 0)."""
+    q, k, _ = logit_qk(req)
+    return q, k
 
 
 def _logits(qs: Tensor, ks: Tensor, scale: float) -> Tensor:
@@ -185,7 +183,7 @@ def compute_weights(
     G = d.H // d.H_kv
     qs = q[:, heads][:, :, rows].to(acc)  # (B, nh, nr, D)
     ks = k[:, heads // G].to(acc)  # (B, nh, S, D): kv head of each chosen query head
-    s = (qs @ ks.transpose(-1, -2)) * (req.scale / req.temperature)  # (B, nh, nr, S)
+    s = (qs @ ks.transpose(-1, -2)) * abs(req.logit_scale)  # (B, nh, nr, S); sign in q
     job_src = flash_job(req).source
     b = torch.arange(d.B, device=q.device).view(-1, 1, 1, 1)
     add = job_src.additive(

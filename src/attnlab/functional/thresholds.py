@@ -36,8 +36,10 @@ from typing import Any
 
 import torch
 
-ENV = "ATTNLAB_THRESHOLDS"
-FILE_ENV = "ATTNLAB_THRESHOLDS_FILE"
+from .. import _settings
+
+ENV = _settings.THRESHOLDS
+FILE_ENV = _settings.THRESHOLDS_FILE
 FORMAT = "attnlab-auto-thresholds"
 VERSION = 1
 KEYS = ("band", "sparse", "long")
@@ -80,13 +82,12 @@ _LOADED: dict[torch.dtype, Thresholds] = {}
 
 def enabled() -> bool:
     """False when ``ATTNLAB_THRESHOLDS`` turns the cache off (``0``, ``off``, ``false``, ``no``)."""
-    raw = os.environ.get(ENV, "").strip().lower()
-    return raw not in ("0", "off", "false", "no", "never")
+    return not _settings.turned_off(_settings.text("thresholds"))
 
 
 def cache_file() -> Path:
     """The cache file's path (``ATTNLAB_THRESHOLDS_FILE`` or the user's cache directory)."""
-    env = os.environ.get(FILE_ENV)
+    env = _settings.text("thresholds_file")
     if env:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -196,7 +197,7 @@ def load(*, reload: bool = False) -> dict[torch.dtype, Thresholds]:
     table: dict[torch.dtype, Thresholds] = {}
     path = cache_file()
     if not enabled():
-        why = f"{ENV}={os.environ.get(ENV)} turns the cache off"
+        why = f"{ENV}={_settings.text('thresholds')} turns the cache off"
     elif not path.exists():
         why = f"no cache file {path}"
     else:

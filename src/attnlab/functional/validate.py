@@ -8,7 +8,7 @@ the expected and the received value.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -26,6 +26,8 @@ from ..masks import Mask
 from .registry import check_backend_name
 from .request import BiasFn, Request, check_bias_heads
 from .scores import get_score
+
+_T = TypeVar("_T")
 
 
 def _unit_stride_last(t: Tensor) -> Tensor:
@@ -183,22 +185,8 @@ def build_request(
     have several leading batch dims (`leading_to_4d`); ``Request.batch_shape`` records the
     caller's ``(*batch, H)``. Otherwise only 3-D and 4-D inputs are accepted.
     """
-    lead = None
-    given = (q, k, v)
-    if leading:
-        lead = leading_to_4d(q, k, v)
-        if lead is not None:
-            q, k, v = lead.q, lead.k, lead.v
-            for name, t in (("mask", mask), ("bias", bias)):
-                if isinstance(t, Tensor):
-                    _check_extra(name, t, lead.target)
-    try:
-        dims = check_qkv(q, k, v)
-    except ValueError as e:
-        if lead is None:
-            raise
-        shapes = ", ".join(str(_shape(t)) for t in given)
-        raise ValueError(f"{e} (inputs of shapes {shapes} read as (B, H, L|S, D))") from None
+    lead = leading_to_4d(q, k, v) if leading else None
+    dims, q, k, v = _qkv_dims(q, k, v, lead, mask, bias)
     s = get_score(score)
     check_backend_name(backend)
     temperature = check_number("temperature", temperature, positive=True)
@@ -211,6 +199,55 @@ def build_request(
     if lead is not None:
         mask = _extra_to_4d(mask, lead.target, lead.B) if isinstance(mask, Tensor) else mask
         bias = _extra_to_4d(bias, lead.target, lead.B) if isinstance(bias, Tensor) else bias
+    _check_mask_bias(mask, bias, q, dims)
+    # A last dim that is not unit-stride (column-major, channels-last-like) is copied once, so
+    # every backend reads rows the same way as for the contiguous call (bit-equal results, B5).
+    q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
+    if dims.three_d:
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L|S, D)
+        mask, bias = _head_dim(mask), _head_dim(bias)
+    return Request(
+        q=q,
+        k=k,
+        v=v,
+        dims=dims,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        temperature=temperature,
+        score=score,
+        dropout_p=dropout_p,
+        return_weights=return_weights,
+        softcap=cap,
+        batch_shape=None if lead is None else lead.batch_shape,
+    )
+
+
+def _qkv_dims(
+    q: Tensor, k: Tensor, v: Tensor, lead: _Leading | None, mask: object, bias: object
+) -> tuple[Dims, Tensor, Tensor, Tensor]:
+    """``(dims, q, k, v)``: the checked sizes of a call, with q ``(B, H, L, D)``, k
+    ``(B, H_kv, S, D)``, v ``(B, H_kv, S, Dv)`` taken from ``lead`` (`leading_to_4d`'s result
+    for SDPA's other layouts, whose mask/bias tensors are checked against its target shape)
+    when it is not None. A shape error then names the caller's shapes."""
+    if lead is None:
+        return check_qkv(q, k, v), q, k, v
+    for name, t in (("mask", mask), ("bias", bias)):
+        if isinstance(t, Tensor):
+            _check_extra(name, t, lead.target)
+    try:
+        return check_qkv(lead.q, lead.k, lead.v), lead.q, lead.k, lead.v
+    except ValueError as e:
+        shapes = ", ".join(str(_shape(t)) for t in (q, k, v))
+        raise ValueError(f"{e} (inputs of shapes {shapes} read as (B, H, L|S, D))") from None
+
+
+def _check_mask_bias(
+    mask: Mask | Tensor | None, bias: Tensor | BiasFn | None, q: Tensor, dims: Dims
+) -> None:
+    """Raises unless ``mask`` is None, a `Mask` or a bool/float tensor and ``bias`` None, a
+    float tensor or a callable, the tensors broadcastable to ``(B, H, L, S)`` on q's device and
+    a bias function built for ``dims.H`` heads (`check_bias_heads`)."""
     if isinstance(mask, Tensor):
         check_mask_tensor("mask", mask, q.dtype, dims)
         check_same_device("mask", mask, q)
@@ -232,35 +269,19 @@ def build_request(
         )
     elif bias is not None:
         check_bias_heads(bias, dims.H)
-    # A last dim that is not unit-stride (column-major, channels-last-like) is copied once, so
-    # every backend reads rows the same way as for the contiguous call (bit-equal results, B5).
-    q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
-    if dims.three_d:
-        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L|S, D)
-        if isinstance(mask, Tensor) and mask.dim() == 3:
-            mask = mask.unsqueeze(1)  # (B|1, 1, L|1, S|1)
-        if isinstance(bias, Tensor) and bias.dim() == 3:
-            bias = bias.unsqueeze(1)  # (B|1, 1, L|1, S|1)
     if isinstance(mask, Mask):
         # Renders nothing; checks that a batch- or head-dependent mask fits this call.
         mask._batch_heads(dims.B, dims.H)
         for what, t in mask._data_tensors():
             check_same_device(f"mask {what}", t, q)
-    return Request(
-        q=q,
-        k=k,
-        v=v,
-        dims=dims,
-        mask=mask,
-        bias=bias,
-        scale=scale,
-        temperature=temperature,
-        score=score,
-        dropout_p=dropout_p,
-        return_weights=return_weights,
-        softcap=cap,
-        batch_shape=None if lead is None else lead.batch_shape,
-    )
+
+
+def _head_dim(t: _T) -> _T:
+    """A 3-D mask/bias tensor ``(B|1, L|1, S|1)`` of a 3-D call as ``(B|1, 1, L|1, S|1)``; any
+    other argument unchanged."""
+    if isinstance(t, Tensor) and t.dim() == 3:
+        return t.unsqueeze(1)  # type: ignore[return-value]
+    return t
 
 
 def trusted_request(q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float = 0.0) -> Request:

@@ -42,13 +42,14 @@ How it runs:
    share of dQ (ring attention's observation), so the per-call gradients sum to the exact gradient.
    Calls run in a fixed order, so gradients are bit-deterministic.
 
-Modules (one job each): `plan` (tile sizes, engine, plan for a request), `tiles` (additive
-tiles), `engines` (kernel and pure-PyTorch engines), `band` (batched band calls),
-`band_kernel` (when the C++ band kernel runs them), `job` (walks a
-plan forward and backward), `autograd` (the differentiable entry), `poison` (the NaN rule's
-entries), `ops` (custom operators for ``torch.compile``), `run` (the registry's hooks and
-`flash_attention`). Auto's size thresholds (``AUTO_*_MIN``) and `flash_declines` are the dispatch
-policy: they live in `functional.backends`.
+Modules (one job each): `plan` (the options record, tile sizes, engine, plan for a request),
+`engines` (kernel and pure-PyTorch engines, and the additive tiles they read), `band` (batched
+band calls), `band_kernel` (when the C++ band kernel runs them), `job` (walks a plan forward and
+backward), `eager` (the NaN rule around the job's differentiable run, and where it puts NaN:
+what eager calls and the compiled operators both run), `ops` (custom operators for
+``torch.compile``), `run` (the registry's hooks and `flash_attention`). Auto's size thresholds
+(``AUTO_*_MIN``) and `flash_declines` are the dispatch policy: they live in
+`functional.backends`.
 
 Inputs are cleaned for the NaN rule only when they hold NaN/±inf (`nan_rule.clean_flagged`: a
 C++ scan, ``_ext/flash_rule.cpp``; without a compiler every input is cleaned by a copy).
@@ -61,10 +62,12 @@ broadcast dims); that backward runs on the pure-PyTorch engine, which exposes dS
 
 from __future__ import annotations
 
-from .autograd import run_clean
+from .eager import poison_entries, run_clean
 from .engines import (
+    BandTiles,
     Logits,
     Residuals,
+    TileSource,
     TorchEngine,
     acc_dtype,
     kernel_backward,
@@ -79,13 +82,18 @@ from .plan import (
     BLOCK_K,
     BLOCK_Q,
     RELATIVE_WINDOW,
+    FlashOptions,
     flash_job,
+    flash_options,
     prepare_inputs,
-    split_mask_bias,
 )
-from .poison import poison_entries
-from .run import explain_plan, flash_attention, flash_run, flash_run_lse, flash_supports
-from .tiles import BandTiles, TileSource
+from .run import (
+    explain_plan,
+    flash_attention,
+    flash_run,
+    flash_run_lse,
+    flash_supports,
+)
 
 __all__ = [
     "BAND_BLOCK",
@@ -97,6 +105,7 @@ __all__ = [
     "RELATIVE_WINDOW",
     "BandTiles",
     "FlashJob",
+    "FlashOptions",
     "Logits",
     "Residuals",
     "TileSource",
@@ -105,6 +114,7 @@ __all__ = [
     "explain_plan",
     "flash_attention",
     "flash_job",
+    "flash_options",
     "flash_run",
     "flash_run_lse",
     "flash_supports",
@@ -113,5 +123,4 @@ __all__ = [
     "poison_entries",
     "prepare_inputs",
     "run_clean",
-    "split_mask_bias",
 ]

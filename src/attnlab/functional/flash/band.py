@@ -20,8 +20,7 @@ from torch import Tensor
 
 from ..tiling import BandCall, SegmentCall
 from . import band_kernel
-from .engines import Logits, Residuals, kernel_backward, kernel_forward
-from .tiles import BandTiles, fix_dead_rows
+from .engines import BandTiles, Logits, Residuals, fix_dead_rows, kernel_backward, kernel_forward
 
 Store = Callable[[Tensor, Tensor, Tensor, Tensor], None]
 """``store(out_rows, lse_rows, o, l)``: writes (or merges) a call's result into the output."""

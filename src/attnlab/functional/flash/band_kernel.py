@@ -67,17 +67,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 
 import torch
 from torch import Tensor
 
-from ... import _ext
+from ... import _ext, _settings
 from ..tiling import BandCall, Plan, SegmentCall
 
-ENGINE_ENV = "ATTNLAB_FLASH_BAND_ENGINE"
+ENGINE_ENV = _settings.FLASH_BAND_ENGINE
 ENGINES = ("auto", "aten", "widen")
 EXT = "band_attn"
 # Forward query block of band calls on this kernel, per dtype. float32: 16 rows (271 keys for a
@@ -94,11 +93,48 @@ BLOCK = BLOCKS[torch.float32]
 # longest segment it takes (its scores: 64 × 32768 floats = 8 MiB per thread).
 SEGMENT_BLOCK = 64
 SEGMENT_MAX = 32768
+# Set by `asking_once`: the answers of one call (the setting and whether the kernel loaded).
+_ASKED: ContextVar[dict[str, object] | None] = ContextVar("attnlab_band_asked", default=None)
 # Set by `checking_inputs`: the list each band call appends its finding to.
 _CHECKS: ContextVar[list[bool] | None] = ContextVar("attnlab_band_checks", default=None)
 
 
+@contextlib.contextmanager
+def asking_once() -> Iterator[None]:
+    """Within it, "which band engine?" (`engine_setting`) and "is the C++ kernel loaded?"
+    (`attnlab._ext.load`) are asked once and the answers reused: one attention call (its job's
+    plan, forward and backward) asks them once, however many of its calls test `ready`."""
+    token = _ASKED.set({})
+    try:
+        yield
+    finally:
+        _ASKED.reset(token)
+
+
+def _asked(key: str, ask: Callable[[], object]) -> object:
+    """``ask()``, or its answer within the same `asking_once` (never memoised while Dynamo
+    traces: it cannot read a `ContextVar`)."""
+    if torch.compiler.is_compiling():
+        return ask()
+    memo = _ASKED.get()
+    if memo is None:
+        return ask()
+    if key not in memo:
+        memo[key] = ask()
+    return memo[key]
+
+
+def _loaded() -> bool:
+    """`attnlab._ext.load` of this kernel (asked once within `asking_once`)."""
+    return bool(_asked("load", lambda: _ext.load(EXT)))
+
+
 def engine_setting() -> str:
+    """`_engine_setting`, asked once within `asking_once`."""
+    return str(_asked("engine", _engine_setting))
+
+
+def _engine_setting() -> str:
     """``$ATTNLAB_FLASH_BAND_ENGINE`` (default ``auto``): ``auto`` runs this kernel where it can,
     ``aten`` torch's kernel instead, ``widen`` this kernel with bfloat16 widened to float32 as it
     is packed even on CPUs whose micro-kernel multiplies bfloat16 (`pairs`).
@@ -106,7 +142,7 @@ def engine_setting() -> str:
     Raises:
         ValueError: the variable holds something else.
     """
-    raw = os.environ.get(ENGINE_ENV, "").strip().lower() or "auto"
+    raw = (_settings.text("flash_band_engine") or "auto").lower()
     if raw not in ENGINES:
         raise ValueError(f"{ENGINE_ENV} must be one of {', '.join(ENGINES)}, got {raw!r}")
     return raw
@@ -132,7 +168,7 @@ def pairs(dtype: torch.dtype) -> bool:
     with ``ATTNLAB_FLASH_BAND_ENGINE=widen``)."""
     if dtype != torch.bfloat16 or engine_setting() == "widen":
         return False
-    return _ext.load(EXT) and _cpu_native(dtype)
+    return _loaded() and _cpu_native(dtype)
 
 
 def engine_name(dtype: torch.dtype) -> str:
@@ -157,7 +193,7 @@ def _ready(dtype: torch.dtype, device: torch.device, D: int, bq: int | None) -> 
         return False
     if dtype not in BLOCKS or torch.compiler.is_compiling():
         return False
-    if not (_ext.load(EXT) and _cpu_supports(dtype)):
+    if not (_loaded() and _cpu_supports(dtype)):
         return False
     return not (pairs(dtype) and (D % 2 or (bq is not None and bq % 2)))
 

@@ -18,16 +18,19 @@ from ..tiling import CALL_CAUSAL, BandCall, Call, Plan, SegmentCall
 from . import band_kernel
 from .band import band_backward, band_forward, segment_backward, segment_forward
 from .engines import (
+    BandTiles,
     DsSink,
     Logits,
     Residuals,
+    TileSource,
     TorchEngine,
     acc_dtype,
+    as4,
+    fix_dead_rows,
     kernel_backward,
     kernel_forward,
     kernel_widens,
 )
-from .tiles import BandTiles, TileSource, as4, fix_dead_rows
 
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")
@@ -78,7 +81,8 @@ class FlashJob:
     Attributes:
         plan: the tiling of the (query, key) grid (`functional.tiling.build_plan`).
         source: evaluates additive tiles (mask, bias) on a call's indices.
-        scale: the logit multiplier (made positive before running: see `autograd.run_clean`).
+        scale: the logit multiplier ``|scale / temperature| > 0`` (a negative one's sign is
+            folded into q: `request.logit_qk`).
         engine: ``"kernel"`` or ``"torch"`` (`functional.flash.engines`).
         torch_engine: chunk sizes of the torch engine.
         grad_biases: indices into ``source.bias_tensors`` that need gradients.
@@ -90,9 +94,10 @@ class FlashJob:
         bias_grads: gradients of the ``grad_biases`` tensors, filled by `backward`.
         softcap: logit soft-capping ``softcap·tanh(s / softcap)`` (> 0) applied per tile before
             the additive tile, or None; only the ``"torch"`` engine runs it (`flash_job`).
-        native_low: float16/bfloat16 merge-free plans run the kernels in the input dtype
-            (`_widen`; `engines.low_precision` other than ``"widen"``; under ``"auto"`` torch's
-            kernel widens each call where the CPU has no native products: `kernel_widens`).
+        policy: the low-precision policy (`engines.low_precision`, `FlashOptions`): other than
+            ``"widen"``, float16/bfloat16 merge-free plans run the kernels in the input dtype
+            (`_widen`); under ``"auto"`` torch's kernel widens each call where the CPU has no
+            native products (`kernel_widens`).
     """
 
     plan: Plan
@@ -107,7 +112,7 @@ class FlashJob:
     bwd_plan: Plan | None = None
     bias_grads: list[Tensor] = field(default_factory=list)
     softcap: float | None = None
-    native_low: bool = False
+    policy: str = "widen"
 
     def __post_init__(self) -> None:
         if self.band_tiles is None:
@@ -171,7 +176,7 @@ class FlashJob:
             return True
         # the kernel reads an additive tile in the query dtype: a bias (ALiBi's −slope·|i − j|)
         # must not be rounded to half precision, so only mask-only plans run native
-        native = self.engine == "kernel" and self.native_low and not self.source.has_bias
+        native = self.engine == "kernel" and self.policy != "widen" and not self.source.has_bias
         return not (native and plan.merge_free())
 
     def _store(self, out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
@@ -207,7 +212,9 @@ class FlashJob:
                 whole = SegmentCall(0, B, 0, L, 1, causal)
                 segment_forward(whole, q, k, v, scale=self.scale, out=out, lse=lse)
                 return out, lse
-            out, lse = kernel_forward(q, k, v, Logits(self.scale, causal=causal))
+            out, lse = kernel_forward(
+                q, k, v, Logits(self.scale, causal=causal, policy=self.policy)
+            )
             return out, lse.contiguous()
         if self._widen(q):
             if self._float_partials(q, k, v):
@@ -226,7 +233,7 @@ class FlashJob:
         so the merges and the one final rounding are those of the widened run while bfloat16
         products run on the bfloat16 units (ALiBi on a causal mask: band calls per offset,
         merged)."""
-        if self.engine != "kernel" or not self.native_low:
+        if self.engine != "kernel" or self.policy == "widen":
             return False  # (``ATTNLAB_FLASH_LOWP=widen`` runs every product in float32)
         return band_kernel.runs_every_call(self.plan, q, k, v)
 
@@ -280,7 +287,7 @@ class FlashJob:
 
     def _simple_forward(self, q, k, v, c: Call) -> tuple[Tensor, Tensor, Tensor | None]:
         qc, kc, vc, add = self._call_tensors(q, k, v, c)
-        logits = Logits(self.scale, add, c.kind == CALL_CAUSAL, self.softcap)
+        logits = Logits(self.scale, add, c.kind == CALL_CAUSAL, self.softcap, self.policy)
         if self.engine == "kernel":
             o, l = kernel_forward(qc, kc, vc, logits)
             o, l = fix_dead_rows(o, l, add)
@@ -327,7 +334,7 @@ class FlashJob:
             if k.shape[2] == L and band_kernel.segments_usable(q, k, v, L):
                 on = f"{band_kernel.engine_name(q.dtype)}, as one segment"
             else:
-                wide = kernel_widens(q.dtype, backward=False)
+                wide = kernel_widens(q.dtype, False, self.policy)
                 on = torch_kernel + (" (widened to float32)" if wide else "")
             parts.append(f"forward: one call on {on}")
         else:
@@ -405,7 +412,7 @@ class FlashJob:
                 segment_backward(whole, res, scale=self.scale, grads=grads)
                 return grads
             if not self._widen(q, plan, backward=True):
-                return kernel_backward(res, Logits(self.scale, causal=causal))
+                return kernel_backward(res, Logits(self.scale, causal=causal, policy=self.policy))
             # the kernel sums dK/dV over query blocks in the input dtype: do it in float32 (where
             # attnlab's C++ segment backward takes the float32 call, it runs it)
             out32 = self.out32 if self.out32 is not None else res.out.float()
@@ -452,7 +459,7 @@ class FlashJob:
         qc, kc, vc, add = self._call_tensors(res.q, res.k, res.v, c)
         rows = _rows(c)
         part = Residuals(res.dout[rows], qc, kc, vc, res.out[rows], res.lse[rows])
-        logits = Logits(self.scale, add, c.kind == CALL_CAUSAL, self.softcap)
+        logits = Logits(self.scale, add, c.kind == CALL_CAUSAL, self.softcap, self.policy)
         if kernel:
             gq, gk, gv = kernel_backward(part, logits)
         else:

@@ -22,10 +22,10 @@ import torch
 from torch import Tensor
 
 from ..._shapes import Dims
-from ...masks import Mask, from_spec, from_tensor
+from ...masks import Mask, from_spec
 from .. import nan_rule
-from ..request import BiasFn, Request, check_bias_output
-from ..scores import get_score
+from ..request import BiasFn, Request, check_bias_output, logit_qk
+from . import band_kernel
 from .eager import flash_run_marked
 from .engines import Residuals, acc_dtype
 from .plan import flash_job, prepare_inputs
@@ -191,10 +191,7 @@ def flash_bwd(
         rel_bias=None if rel_bias is None else nan_rule.clean_bias(rel_bias),
     )
     job = flash_job(req)
-    qp, kp, vp, Dv = prepare_inputs(req, job.engine)
-    sign = 1.0
-    if job.scale < 0:  # as `run_clean`: scale·(q·k) = |scale|·((−q)·k)
-        qp, job.scale, sign = -qp, -job.scale, -1.0
+    qp, kp, vp, Dv = prepare_inputs(req, job.engine)  # `compiled_flash` passes a scale > 0
     width = vp.shape[-1]
     if clean:  # the saved out/lse are poisoned: the clean ones, at the engine's width
         out, lse = job.forward(qp, kp, vp)
@@ -203,9 +200,10 @@ def flash_bwd(
     if width != Dv:
         dout = torch.nn.functional.pad(dout, (0, width - Dv))
     res = Residuals(dout=dout.contiguous(), q=qp, k=kp, v=vp, out=out.contiguous(), lse=lse)
-    dq, dk, dv = job.backward(res, dlse)
+    with band_kernel.asking_once():
+        dq, dk, dv = job.backward(res, dlse)
     D = q.shape[-1]
-    grads = [dq[..., :D] * sign, dk[..., :D], dv[..., :Dv]]
+    grads = [dq[..., :D], dk[..., :D], dv[..., :Dv]]
     if clean:  # `nan_rule.clean`'s gradient: 0 at the entries it replaced
         grads = [torch.where(torch.isfinite(x), g, 0.0) for x, g in zip(raw, grads, strict=True)]
     return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
@@ -251,9 +249,8 @@ flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def compiled_flash(req: Request) -> tuple[Tensor, Tensor]:
     """`flash_run_lse` as one custom operator (`flash_fwd`, its gradient `flash_bwd`)."""
-    mask, float_mask = req.mask, None
-    if isinstance(mask, Tensor):
-        mask, float_mask = (from_tensor(mask), None) if mask.dtype == torch.bool else (None, mask)
+    terms = req.terms
+    mask, float_mask, bias = terms.structured, terms.float_mask, terms.bias_tensor
     spec = ("", []) if mask is None else mask.spec()
     if spec is None:
         if not req.q.is_meta:  # pragma: no cover - flash_supports declines these under compile
@@ -261,16 +258,13 @@ def compiled_flash(req: Request) -> tuple[Tensor, Tensor]:
         # meta tensors hold no values: the outputs' shapes do not depend on the mask (bias
         # functions are likewise not evaluated), so a mask without a spec needs no operator
         spec = ("", [])
-    bias = req.bias if isinstance(req.bias, Tensor) else None
     table = None
-    if req.bias is not None and bias is None:  # a relative function (`flash_supports` checked)
+    if terms.bias_fn is not None:  # a relative function (`flash_supports` checked)
         d = req.dims
-        table = offset_table(req.bias, d.H, d.L, d.S, req.q.device)  # type: ignore[arg-type]
-    q, k = req.q, req.k
-    if req.score != "dot":  # non-finite rows stay non-finite: the rule sees the same rows
-        s = get_score(req.score)
-        q, k = s.prepare(q), s.prepare(k)
-    scale = req.scale / req.temperature
+        table = offset_table(terms.bias_fn, d.H, d.L, d.S, req.q.device)
+    # non-finite rows stay non-finite under scoring: the rule sees the same rows; the sign of
+    # the scale is in q, so the operators always see a positive scale
+    q, k, scale = logit_qk(req)
     # AOTInductor passes an empty Tensor[] to an operator as None (torch 2.13: its proxy executor
     # cannot tell [] from an absent list); `from_spec` ignores tensors past the spec's, so a
     # spec without tensors travels with one empty placeholder

@@ -7,29 +7,29 @@ lengths, a boolean mask). A cached plan is keyed on those values' digest (`cache
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from ... import _settings
 from ..._digest import tensor_digest
-from ...masks import Mask, TensorMask
-from ..request import BiasFn, Request, is_relative_bias
-from ..scores import get_score
+from ...masks import Mask
+from ..request import Request, is_relative_bias, logit_qk
 from ..tiling import Plan, build_plan
 from . import band_kernel
 from .engines import (
     LOW_PRECISION,
     LOW_PRECISION_ENV,
     LOW_PRECISION_SETTINGS,
+    TileSource,
     TorchEngine,
     acc_dtype,
     low_precision,
 )
 from .job import FlashJob
-from .tiles import TileSource
 
 # Default tile sizes (rows × keys) of the block map, and the query block of batched band calls.
 BLOCK_Q = 128
@@ -45,24 +45,88 @@ BAND_BLOCK_FWD = 32
 # is much faster (AMX) may prefer larger blocks: ATTNLAB_FLASH_BAND_BLOCK overrides the default
 # (measure with `attnlab bench --case window`). attnlab's C++ band kernel (`band_kernel`), when it
 # runs the calls, prefers its own block per dtype (`band_kernel.BLOCKS`).
-BAND_BLOCK_ENV = "ATTNLAB_FLASH_BAND_BLOCK"
+BAND_BLOCK_ENV = _settings.FLASH_BAND_BLOCK
 
 
-def band_block_fwd(q: Tensor | None = None) -> int:
-    """The forward query block of batched band calls: ``$ATTNLAB_FLASH_BAND_BLOCK``, else the
-    C++ band kernel's block when it runs calls on ``q`` (`band_kernel.ready`), else 32.
+def band_block_fwd(q: Tensor | None = None, setting: int | None = None) -> int:
+    """The forward query block of batched band calls: ``setting`` (`FlashOptions`), else
+    ``$ATTNLAB_FLASH_BAND_BLOCK``, else the C++ band kernel's block when it runs calls on ``q``
+    (`band_kernel.ready`), else 32.
 
     Raises:
         ValueError: the variable is set to something other than a positive int.
     """
-    raw = os.environ.get(BAND_BLOCK_ENV, "").strip()
+    if setting is None:
+        setting = _band_block_setting(_settings.text("flash_band_block"))
+    if setting is not None:
+        return setting
+    if q is not None and band_kernel.ready(q, band_kernel.block(q)):
+        return band_kernel.block(q)
+    return BAND_BLOCK_FWD
+
+
+def _band_block_setting(raw: str | None) -> int | None:
+    """``$ATTNLAB_FLASH_BAND_BLOCK``'s text as an int (None when unset).
+
+    Raises:
+        ValueError: the text is not a positive int.
+    """
     if not raw:
-        if q is not None and band_kernel.ready(q, band_kernel.block(q)):
-            return band_kernel.block(q)
-        return BAND_BLOCK_FWD
+        return None
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"{BAND_BLOCK_ENV} must be a positive int, got {raw!r}")
     return int(raw)
+
+
+@dataclass(frozen=True)
+class FlashOptions:
+    """The tiled backend's knobs in one record: what the caller gave (`flash_attention`) and
+    the settings (`attnlab._settings`), read once per call (`flash_options`) and held by its
+    job.
+
+    Attributes:
+        block_q, block_k: tile size of the block map, or None for `flash_job`'s default.
+        band_block: query block of batched band calls, or None for the default.
+        engine: the tile engine, ``"kernel"`` or ``"torch"``, or None for the default.
+        band_block_fwd: ``$ATTNLAB_FLASH_BAND_BLOCK`` (forward query block of band calls), or
+            None (the C++ band kernel's block, else `BAND_BLOCK_FWD`: `band_block_fwd`).
+        low_precision: the low-precision policy (``$ATTNLAB_FLASH_LOWP``, else
+            `engines.LOW_PRECISION`): ``"auto"``, ``"native"`` or ``"widen"``.
+        plan_cache: plans go through the cache (`cached_plan`; ``$ATTNLAB_FLASH_PLAN_CACHE``
+            off or `PLAN_CACHE_SIZE` 0 turns it off).
+    """
+
+    block_q: int | None = None
+    block_k: int | None = None
+    band_block: int | None = None
+    engine: str | None = None
+    band_block_fwd: int | None = None
+    low_precision: str = LOW_PRECISION
+    plan_cache: bool = True
+
+
+def flash_options(
+    *,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    band_block: int | None = None,
+    engine: str | None = None,
+) -> FlashOptions:
+    """The `FlashOptions` of a call: the knobs given plus the settings, read once.
+
+    Raises:
+        ValueError: a setting holds a value it does not take (`low_precision`,
+            `band_block_fwd`).
+    """
+    return FlashOptions(
+        block_q=block_q,
+        block_k=block_k,
+        band_block=band_block,
+        engine=engine,
+        band_block_fwd=_band_block_setting(_settings.text("flash_band_block")),
+        low_precision=low_precision(_settings.text("flash_lowp") or ""),
+        plan_cache=not _settings.turned_off(_settings.text("flash_plan_cache")),
+    )
 
 
 # A mask made of blocks (BigBird) tiles by its own block size within this range: BigBird with
@@ -77,7 +141,7 @@ BLOCK_64 = 2048
 RELATIVE_WINDOW = 1024
 # Plans cached per (shape, mask structure and contents): see `cached_plan`.
 PLAN_CACHE_SIZE = 64
-PLAN_CACHE_ENV = "ATTNLAB_FLASH_PLAN_CACHE"
+PLAN_CACHE_ENV = _settings.FLASH_PLAN_CACHE
 _PLANS: OrderedDict[tuple, Plan] = OrderedDict()
 _PLANS_LOCK = threading.Lock()
 
@@ -102,7 +166,7 @@ def _mask_key(mask: Mask | None) -> tuple | None:
     return tuple(parts)
 
 
-def cached_plan(mask: Mask | None, **kwargs: object) -> Plan:
+def cached_plan(mask: Mask | None, *, cache: bool | None = None, **kwargs: object) -> Plan:
     """`build_plan` through a bounded LRU cache keyed on shapes, mask structure and contents.
 
     The key (`_mask_key`) is the mask's `Mask.spec` string, the shape, dtype, device and
@@ -113,9 +177,12 @@ def cached_plan(mask: Mask | None, **kwargs: object) -> Plan:
     once ``PLAN_CACHE_SIZE`` are held; `clear_plan_cache` empties it;
     ``ATTNLAB_FLASH_PLAN_CACHE=0`` turns it off. Masks without a spec (`from_fn`) are never
     cached. Plans hold only host data and index tensors that no one writes, so one plan may
-    serve many calls.
+    serve many calls. ``cache`` (`FlashOptions.plan_cache`) says whether the cache is on; None
+    reads the setting.
     """
-    off = os.environ.get(PLAN_CACHE_ENV, "").strip().lower() in ("0", "off", "false", "no")
+    if cache is None:
+        cache = not _settings.turned_off(_settings.text("flash_plan_cache"))
+    off = not cache
     key_m = None if off or PLAN_CACHE_SIZE <= 0 else _mask_key(mask)
     if key_m is None:
         return build_plan(mask, **kwargs)  # type: ignore[arg-type]
@@ -140,30 +207,6 @@ def clear_plan_cache() -> None:
         _PLANS.clear()
 
 
-def split_mask_bias(
-    mask: Mask | Tensor | None, bias: Tensor | BiasFn | None
-) -> tuple[Mask | None, BiasFn | None, list[Tensor]]:
-    """``(structured mask, bias function, additive tensors)`` of a request's mask and bias.
-
-    A bool mask tensor becomes a `TensorMask`; a float mask and a bias tensor are additive.
-    """
-    tensors: list[Tensor] = []
-    m: Mask | None = None
-    if isinstance(mask, Mask):
-        m = mask
-    elif isinstance(mask, Tensor):
-        if mask.dtype == torch.bool:
-            m = TensorMask(mask)
-        else:
-            tensors.append(mask)
-    fn: BiasFn | None = None
-    if isinstance(bias, Tensor):
-        tensors.append(bias)
-    elif bias is not None:
-        fn = bias
-    return m, fn, tensors
-
-
 def natural_tile(mask: Mask | None) -> int | None:
     """The mask's own block size (`Mask.natural_block`) as the tile size, when it lies within
     ``NATURAL_TILE`` (inclusive): every tile is then fully attended or empty. None otherwise."""
@@ -179,36 +222,98 @@ def _check_block(name: str, val: object) -> int:
 
 
 def flash_job(
-    req: Request,
-    *,
-    block_q: int | None = None,
-    block_k: int | None = None,
-    band_block: int | None = None,
-    engine: str | None = None,
+    req: Request, *, options: FlashOptions | None = None, **knobs: int | str | None
 ) -> FlashJob:
     """The plan and tile source for a validated request (no computation on q, k, v).
 
     Args:
         req: the validated request.
-        block_q, block_k: tile size of the block map (default 128 × 128; a mask made of
-            blocks, `Mask.natural_block` within `NATURAL_TILE`, its own block; 256 × 256 with a
-            bias, 1024 keys for a relative bias alone, 2048 × 2048 in float64).
-        band_block: query block of batched band calls (default 32 forward, 64 backward; 64
-            both ways on the torch engine).
-        engine: ``"kernel"`` or ``"torch"`` (default: kernel on CPU below float64, and torch
-            whenever the request soft-caps its logits: the kernel cannot apply tanh).
+        options: the knobs and the settings as one record (`flash_options`).
+        knobs: without ``options``, `flash_options`'s keyword arguments:
+            ``block_q``, ``block_k``: tile size of the block map (default 128 × 128; a mask
+            made of blocks, `Mask.natural_block` within `NATURAL_TILE`, its own block;
+            256 × 256 with a bias, 1024 keys for a relative bias alone, 2048 × 2048 in
+            float64); ``band_block``: query block of batched band calls (default 32 forward,
+            64 backward; 64 both ways on the torch engine); ``engine``: ``"kernel"`` or
+            ``"torch"`` (default: kernel on CPU below float64, and torch whenever the request
+            soft-caps its logits: the kernel cannot apply tanh).
 
     Raises:
         ValueError: a block size that is not a positive int, an unknown engine, or
             ``engine="kernel"`` with ``req.softcap``.
     """
-    d = req.dims
-    mask, fn, tensors = split_mask_bias(req.mask, req.bias)
-    wide = req.q.dtype == torch.float64  # see below: float64 uses wide tiles
-    # with a bias every tile carries an additive tile: larger tiles mean fewer, fuller calls
+    d, terms = req.dims, req.terms
+    opts = options or flash_options(**knobs)  # type: ignore[arg-type]
+    bq, bk, bb, bb_fwd, engine = _tile_sizes(req, opts)
+    bias_kind = "tensor" if terms.additive else ("fn" if terms.bias_fn is not None else None)
+    relative = bias_kind == "fn" and is_relative_bias(terms.bias_fn)
+
+    def plan_for(band_block: int) -> Plan:
+        return cached_plan(
+            terms.structured,
+            B=d.B,
+            H=d.H,
+            L=d.L,
+            S=d.S,
+            block_q=bq,
+            block_k=bk,
+            band_block=band_block,
+            bias=bias_kind,
+            device=req.q.device,
+            relative=relative,
+            cache=opts.plan_cache,
+        )
+
+    plan = plan_for(bb_fwd)
+    # torch's backward kernel is faster on 64-row band blocks; attnlab's C++ band backward runs
+    # the forward's blocks (window 256, L = 16384, fp32, Xeon with AMX: 16/32/64-row blocks
+    # 0.095/0.097/0.099 s)
+    own = engine == "kernel" and band_kernel.backward_ready(req.q)
+    bwd_plan = plan_for(bb) if bb != bb_fwd and plan.kind == "band" and not own else None
+    return FlashJob(
+        plan,
+        _tile_source(req, relative),
+        abs(req.logit_scale),  # the sign is folded into q (`prepare_inputs`)
+        engine,
+        TorchEngine(max(bq, 128), max(bk, 512)),
+        bwd_plan=bwd_plan,
+        softcap=req.softcap,
+        policy=opts.low_precision,
+    )
+
+
+def _tile_source(req: Request, relative: bool) -> TileSource:
+    """The additive tiles of a request's calls (mask, bias), in the accumulation dtype."""
+    d, terms = req.dims, req.terms
+    return TileSource(
+        terms.structured,
+        terms.bias_fn,
+        terms.additive,
+        B=d.B,
+        H=d.H,
+        L=d.L,
+        S=d.S,
+        dtype=acc_dtype(req.q.dtype),
+        device=req.q.device,
+        relative=relative,
+    )
+
+
+def _tile_sizes(req: Request, opts: FlashOptions) -> tuple[int, int, int, int, str]:
+    """``(block_q, block_k, band_block, forward band_block, engine)`` of a request
+    (`flash_job`'s defaults for what is not given), checked (`_engine`).
+
+    float64 takes wide tiles (`BLOCK_64`); a bias larger tiles (every tile carries an
+    additive tile: fewer, fuller calls), a relative bias alone `RELATIVE_WINDOW` keys; a mask
+    made of blocks its own block (`natural_tile`).
+    """
+    terms = req.terms
+    fn, tensors = terms.bias_fn, terms.additive
+    block_q, block_k, band_block = opts.block_q, opts.block_k, opts.band_block
+    wide = req.q.dtype == torch.float64
     biased = fn is not None or bool(tensors)
     bq = (BLOCK_64 if wide else BLOCK_BIAS if biased else BLOCK_Q) if block_q is None else block_q
-    natural = natural_tile(mask) if not (wide or biased) else None
+    natural = natural_tile(terms.structured) if not (wide or biased) else None
     if natural is not None and block_q is None:
         bq = natural
     if block_k is not None:
@@ -222,19 +327,32 @@ def flash_job(
     else:
         bk = BLOCK_BIAS if biased else BLOCK_K
     bb = (BLOCK_64 if wide else BAND_BLOCK) if band_block is None else band_block
-    bb_fwd = band_block_fwd(req.q) if band_block is None and not wide else bb
+    bb_fwd = band_block_fwd(req.q, opts.band_block_fwd) if band_block is None and not wide else bb
     bq, bk, bb = (
         _check_block("block_q", bq),
         _check_block("block_k", bk),
         _check_block("band_block", bb),
     )
+    engine = _engine(req, opts.engine)
+    if engine == "torch" and band_block is None:
+        # the 32-row forward block suits the kernel; the torch engine (soft-capped calls) pays
+        # per call: its forward is faster on 64-row blocks (window 512, L = 4096, H = 8, fp32,
+        # one thread, best CPU time of 7: 305 ms at 32 rows, 255 at 64, 251 at 128)
+        bb_fwd = bb
+    return bq, bk, bb, bb_fwd, engine
+
+
+def _engine(req: Request, engine: str | None) -> str:
+    """The tile engine of a request: ``engine`` checked, or the default.
+
+    float64 is the verification dtype: its tolerance rule compares against the reference's
+    own summation order (float64 rounding), which a tiled sum over 128-row blocks misses by a
+    few ulp. So float64 runs the pure-PyTorch engine on wide tiles (`BLOCK_64`), i.e. one tile
+    up to 2048 × 2048 — still bounded memory for any length. Soft-capping applies tanh to
+    every tile's logits, which torch's fused kernel cannot: such requests run the pure-PyTorch
+    engine (the same tiles, plan and merging).
+    """
     if engine is None:
-        # float64 is the verification dtype: its tolerance rule compares against the reference's
-        # own summation order (float64 rounding), which a tiled sum over 128-row blocks misses by
-        # a few ulp. So float64 runs the pure-PyTorch engine on wide tiles (BLOCK_64), i.e. one
-        # tile up to 2048 × 2048 — still bounded memory for any length.
-        # Soft-capping applies tanh to every tile's logits, which torch's fused kernel cannot:
-        # such requests run the pure-PyTorch engine (the same tiles, plan and merging).
         on_cpu = req.q.device.type == "cpu"
         kernel = on_cpu and req.q.dtype != torch.float64 and req.softcap is None
         engine = "kernel" if kernel else "torch"
@@ -245,70 +363,18 @@ def flash_job(
             f"engine='kernel' cannot soft-cap logits (softcap={req.softcap}): torch's CPU flash "
             f"kernel has no tanh stage; use engine='torch' (the default with softcap)"
         )
-    if engine == "torch" and band_block is None:
-        # the 32-row forward block suits the kernel; the torch engine (soft-capped calls) pays
-        # per call: its forward is faster on 64-row blocks (window 512, L = 4096, H = 8, fp32,
-        # one thread, best CPU time of 7: 305 ms at 32 rows, 255 at 64, 251 at 128)
-        bb_fwd = bb
-    bias_kind = "tensor" if tensors else ("fn" if fn is not None else None)
-    relative = bias_kind == "fn" and is_relative_bias(fn)
-
-    def plan_for(band_block: int) -> Plan:
-        return cached_plan(
-            mask,
-            B=d.B,
-            H=d.H,
-            L=d.L,
-            S=d.S,
-            block_q=bq,
-            block_k=bk,
-            band_block=band_block,
-            bias=bias_kind,
-            device=req.q.device,
-            relative=relative,
-        )
-
-    plan = plan_for(bb_fwd)
-    # torch's backward kernel is faster on 64-row band blocks; attnlab's C++ band backward runs
-    # the forward's blocks (window 256, L = 16384, fp32, Xeon with AMX: 16/32/64-row blocks
-    # 0.095/0.097/0.099 s)
-    own = engine == "kernel" and band_kernel.backward_ready(req.q)
-    bwd_plan = plan_for(bb) if bb != bb_fwd and plan.kind == "band" and not own else None
-    source = TileSource(
-        mask,
-        fn,
-        tensors,
-        B=d.B,
-        H=d.H,
-        L=d.L,
-        S=d.S,
-        dtype=acc_dtype(req.q.dtype),
-        device=req.q.device,
-        relative=relative,
-    )
-    chunks = TorchEngine(max(bq, 128), max(bk, 512))
-    return FlashJob(
-        plan,
-        source,
-        req.scale / req.temperature,
-        engine,
-        chunks,
-        bwd_plan=bwd_plan,
-        softcap=req.softcap,
-        native_low=low_precision() != "widen",
-    )
+    return engine
 
 
 def prepare_inputs(req: Request, engine: str) -> tuple[Tensor, Tensor, Tensor, int]:
-    """``(q, k, v, Dv)`` as the engine reads them: scored (cosine), unit-stride, padded.
+    """``(q, k, v, Dv)`` as the engine reads them: scored (cosine), the sign of the logit scale
+    in q (`request.logit_qk`), unit-stride, padded.
 
     The kernel needs D = Dv: zero columns change no dot product and add zero output columns, so
     padding both to ``max(D, Dv)`` is exact (the caller slices the output back to ``Dv``).
     """
-    q, k, v = req.q, req.k, req.v
-    if req.score != "dot":
-        s = get_score(req.score)
-        q, k = s.prepare(q), s.prepare(k)
+    q, k, _ = logit_qk(req)
+    v = req.v
     q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
     Dv = v.shape[-1]
     D = q.shape[-1]
@@ -336,12 +402,13 @@ __all__ = [
     "NATURAL_TILE",
     "PLAN_CACHE_SIZE",
     "RELATIVE_WINDOW",
+    "FlashOptions",
     "band_block_fwd",
     "cached_plan",
     "clear_plan_cache",
     "flash_job",
+    "flash_options",
     "low_precision",
     "natural_tile",
     "prepare_inputs",
-    "split_mask_bias",
 ]

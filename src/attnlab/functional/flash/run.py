@@ -1,8 +1,9 @@
-"""Running a request on the tiled backend: the registry's hooks and `flash_attention`.
+"""The tiled backend's front: the registry's hooks, `flash_attention` and `explain_plan`.
 
-`flash_run_lse` runs the eager computation with the NaN rule around it (`eager.flash_run_marked`);
-under ``torch.compile`` (and on ``meta`` tensors) the same computation runs as one custom
-operator (`functional.flash.ops`).
+`flash_run_lse` runs the eager computation with the NaN rule around it (`eager.flash_run_marked`,
+whose autograd function recomputes the job backward); under ``torch.compile`` (and on ``meta``
+tensors) the same computation runs as one custom operator (`functional.flash.ops`), whose kernel
+is `eager.flash_run_marked` again.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from ...masks import Mask
 from .. import nan_rule, reference
 from ..request import BiasFn, Request, is_relative_bias, request_dense
 from ..validate import plain_request
-from .autograd import needs_grad
-from .eager import band_kernel_covers, flash_run_marked
+from .eager import band_kernel_covers, flash_run_marked, kernel_checks_inputs, needs_grad
 from .plan import flash_job
 
 
@@ -42,16 +42,16 @@ def flash_run(req: Request) -> tuple[Tensor, None]:
 
 def _compile_declines(req: Request) -> str | None:
     """What flash cannot run under torch.compile (see `functional.flash.ops`)."""
-    if req.bias is not None and not isinstance(req.bias, Tensor) and not is_relative_bias(req.bias):
+    terms = req.terms
+    if terms.bias_fn is not None and not is_relative_bias(terms.bias_fn):
         return (
             "under torch.compile flash takes bias tensors and relative bias functions "
             "(fn.relative = True: ALiBi, T5), not other bias functions"
         )
-    if isinstance(req.mask, Mask) and req.mask.spec() is None:
+    if terms.structured is not None and terms.structured.spec() is None:
         return "under torch.compile flash needs a mask with a spec (not from_fn)"
-    for t in (req.mask, req.bias):
-        if isinstance(t, Tensor) and t.is_floating_point() and needs_grad(t):
-            return "under torch.compile flash computes no gradient for mask/bias tensors"
+    if any(needs_grad(t) for t in terms.additive):
+        return "under torch.compile flash computes no gradient for mask/bias tensors"
     return None
 
 
@@ -68,10 +68,11 @@ def flash_supports(req: Request) -> str | None:
         why = _compile_declines(req)
         if why is not None:
             return why
-    if callable(req.bias) and not isinstance(req.bias, Tensor) and torch.is_grad_enabled():
+    fn = req.terms.bias_fn
+    if fn is not None and torch.is_grad_enabled():
         d = req.dims
         one = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=req.q.device)
-        probe = req.bias(one, one, one + (d.S - d.L), one)
+        probe = fn(one, one, one + (d.S - d.L), one)
         if isinstance(probe, Tensor) and probe.requires_grad:
             return "flash computes no gradient for a bias function whose values require grad"
     return None
@@ -140,7 +141,7 @@ def flash_attention(
         raise ValueError(f"flash_attention cannot run this call: {why_not}")
     if req.is_empty:
         dm, db = request_dense(req)
-        logits = {"mask": dm, "bias": db, "scale": req.scale, "temperature": req.temperature}
+        logits = {"mask": dm, "bias": db, "scale": req.logit_scale, "temperature": 1.0}
         logits["softcap"] = req.softcap
         out, _ = reference.attention(q, k, v, **logits, score=req.score)
         lse = reference.logsumexp(q, k, **logits, score=req.score)
@@ -160,7 +161,7 @@ def explain_plan(req: Request) -> str:
         text += ", soft-capped logits on the pure-PyTorch tile engine"
     grad = any(needs_grad(x) for x in (req.q, req.k, req.v))
     engines = job.engines(req.q, req.k, req.v, grad=grad)
-    checked = req.bias is None and not isinstance(req.mask, Tensor) and not grad
+    checked = kernel_checks_inputs(req) and not grad
     if checked and band_kernel_covers(job.plan, req.q, req.k, req.v):
         engines.append("NaN/inf check: inside attnlab's band kernel, as it reads q, k, v")
     elif nan_rule.flash_ext_ready(req.q):
@@ -170,4 +171,10 @@ def explain_plan(req: Request) -> str:
     return f"{text}; engines: {'; '.join(engines)}"
 
 
-__all__ = ["explain_plan", "flash_attention", "flash_run", "flash_run_lse", "flash_supports"]
+__all__ = [
+    "explain_plan",
+    "flash_attention",
+    "flash_run",
+    "flash_run_lse",
+    "flash_supports",
+]

@@ -1,0 +1,117 @@
+"""Every ``ATTNLAB_*`` setting of the attention path, read in this one module (`settings`).
+
+A setting is the stripped text of its environment variable (None when unset). `settings` reads
+them all into one frozen `Settings` record (made again only when a variable's text has changed
+since: a test's ``monkeypatch.setenv``, a user's ``os.environ[...] = ...``); `text` reads one,
+which is what the attention path does (one lookup per setting it needs, as before this module
+existed: a call reads the flash settings once, `functional.flash.plan.flash_options`). The
+modules that own a setting turn its text into a value and raise on a bad one, where the setting
+is used (`attnlab._ext.mode`, `functional.flash.engines.low_precision`,
+`functional.flash.band_kernel.engine_setting`, `functional.flash.plan.band_block_fwd`,
+`functional.flash.plan.cached_plan`, `functional.thresholds.enabled`).
+
+Core code imports only `os` here (no torch): `import attnlab` stays light.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+EXT = "ATTNLAB_EXT"
+EXT_CACHE = "ATTNLAB_EXT_CACHE"
+EXT_QUIET = "ATTNLAB_EXT_QUIET"
+FLASH_LOWP = "ATTNLAB_FLASH_LOWP"
+FLASH_BAND_ENGINE = "ATTNLAB_FLASH_BAND_ENGINE"
+FLASH_BAND_BLOCK = "ATTNLAB_FLASH_BAND_BLOCK"
+FLASH_PLAN_CACHE = "ATTNLAB_FLASH_PLAN_CACHE"
+THRESHOLDS = "ATTNLAB_THRESHOLDS"
+THRESHOLDS_FILE = "ATTNLAB_THRESHOLDS_FILE"
+
+_OFF = ("0", "off", "false", "no", "never")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The text of each ``ATTNLAB_*`` variable (stripped; None when unset or empty).
+
+    Attributes:
+        ext: ``ATTNLAB_EXT`` (attnlab's C++ kernels: auto / off / require).
+        ext_cache: ``ATTNLAB_EXT_CACHE`` (the kernels' build directory).
+        ext_quiet: ``ATTNLAB_EXT_QUIET`` (no build notices).
+        flash_lowp: ``ATTNLAB_FLASH_LOWP`` (flash's low-precision policy).
+        flash_band_engine: ``ATTNLAB_FLASH_BAND_ENGINE`` (who runs band calls).
+        flash_band_block: ``ATTNLAB_FLASH_BAND_BLOCK`` (forward query block of band calls).
+        flash_plan_cache: ``ATTNLAB_FLASH_PLAN_CACHE`` (the plan cache on or off).
+        thresholds: ``ATTNLAB_THRESHOLDS`` (auto's per-machine thresholds on or off).
+        thresholds_file: ``ATTNLAB_THRESHOLDS_FILE`` (their cache file).
+    """
+
+    ext: str | None = None
+    ext_cache: str | None = None
+    ext_quiet: str | None = None
+    flash_lowp: str | None = None
+    flash_band_engine: str | None = None
+    flash_band_block: str | None = None
+    flash_plan_cache: str | None = None
+    thresholds: str | None = None
+    thresholds_file: str | None = None
+
+    @property
+    def plan_cache_on(self) -> bool:
+        """False when ``ATTNLAB_FLASH_PLAN_CACHE`` turns the plan cache off (0, off, no...)."""
+        return not turned_off(self.flash_plan_cache)
+
+    @property
+    def thresholds_on(self) -> bool:
+        """False when ``ATTNLAB_THRESHOLDS`` turns auto's per-machine thresholds off."""
+        return not turned_off(self.thresholds)
+
+
+def turned_off(text: str | None) -> bool:
+    """Whether a setting's text turns its feature off (``0``, ``off``, ``false``, ``no``,
+    ``never``; any case)."""
+    return (text or "").lower() in _OFF
+
+
+VARIABLES: dict[str, str] = {
+    "ext": EXT,
+    "ext_cache": EXT_CACHE,
+    "ext_quiet": EXT_QUIET,
+    "flash_lowp": FLASH_LOWP,
+    "flash_band_engine": FLASH_BAND_ENGINE,
+    "flash_band_block": FLASH_BAND_BLOCK,
+    "flash_plan_cache": FLASH_PLAN_CACHE,
+    "thresholds": THRESHOLDS,
+    "thresholds_file": THRESHOLDS_FILE,
+}
+"""`Settings` field -> environment variable."""
+
+assert set(VARIABLES) == {f.name for f in fields(Settings)}
+
+_STATE: tuple[tuple[str | None, ...] | None, Settings] = (None, Settings())
+"""The variables' raw text when last read, and the record made from it (swapped as one)."""
+
+
+def text(name: str) -> str | None:
+    """One setting's text, read now: ``name`` is a `Settings` field (``"ext"``,
+    ``"flash_lowp"``, ...); stripped, None when unset or empty. One environment lookup: what
+    the hot path reads (`settings` reads them all)."""
+    raw = os.environ.get(VARIABLES[name])
+    return None if raw is None else (raw.strip() or None)
+
+
+def settings() -> Settings:
+    """The `Settings` of the current environment (read once; again only after a change)."""
+    global _STATE
+    raw = tuple(os.environ.get(name) for name in VARIABLES.values())
+    seen, current = _STATE
+    if raw == seen:
+        return current
+    text = [None if r is None else (r.strip() or None) for r in raw]
+    current = Settings(**dict(zip(VARIABLES, text, strict=True)))
+    _STATE = (raw, current)
+    return current
+
+
+__all__ = ["VARIABLES", "Settings", "settings", "text", "turned_off"]

@@ -1,0 +1,91 @@
+"""`attnlab._settings`: the ``ATTNLAB_*`` variables are read in one module (issue #39 item 1),
+and the request resolves its logit scale and mask forms once (`request.LogitTerms`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnlab
+from attnlab import _settings, masks
+from attnlab.functional.request import logit_qk, sort_terms
+from attnlab.functional.validate import build_request
+
+ROOT = Path(attnlab.__file__).resolve().parent
+
+NOT_YET = {
+    "functional/gemv.py": 3,
+    "models/fused_step.py": 1,
+    "cli/info.py": 1,
+    "analysis/rates.py": 2,
+}
+"""Environment reads of ``ATTNLAB_*`` variables still outside `attnlab._settings` (modules of
+other owners): this list only shrinks."""
+
+_READ = re.compile(r"os\.environ(\.get\(|\[)")
+
+
+def _environment_reads() -> dict[str, int]:
+    """``os.environ`` reads per module, except the standard variables (CXX, XDG_CACHE_HOME,
+    torchrun's) that are not attnlab settings."""
+    found: dict[str, int] = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "_settings.py":
+            continue
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if not _READ.search(line):
+                continue
+            if re.search(r"\"(CXX|XDG_CACHE_HOME|WORLD_SIZE|RANK|LOCAL_RANK)\"|'CXX'", line):
+                continue
+            found[rel] = found.get(rel, 0) + 1
+    return found
+
+
+def test_attnlab_settings_are_read_in_one_module():
+    found = _environment_reads()
+    grown = {f: n for f, n in found.items() if n > NOT_YET.get(f, 0)}
+    assert not grown, f"read the environment through attnlab._settings, not in {grown}"
+
+
+def test_settings_follow_the_environment_and_are_parsed_once(monkeypatch):
+    monkeypatch.delenv(_settings.FLASH_LOWP, raising=False)
+    first = _settings.settings()
+    assert _settings.settings() is first  # nothing changed: the same record
+    monkeypatch.setenv(_settings.FLASH_LOWP, "  widen ")
+    changed = _settings.settings()
+    assert changed.flash_lowp == "widen" and changed is not first
+    monkeypatch.setenv(_settings.FLASH_PLAN_CACHE, "off")
+    assert not _settings.settings().plan_cache_on
+
+
+def test_mask_and_bias_are_sorted_by_form_once():
+    bool_mask = torch.ones(4, 6, dtype=torch.bool)
+    float_mask, bias = torch.zeros(4, 6), torch.zeros(1, 1, 4, 6)
+    t = sort_terms(bool_mask, bias)
+    assert isinstance(t.structured, masks.TensorMask) and t.bool_mask is bool_mask
+    assert t.given_mask is None and t.additive == [bias] and t.bias_fn is None
+    t = sort_terms(float_mask, None)
+    assert t.structured is None and t.float_mask is float_mask and t.additive == [float_mask]
+    causal = masks.causal()
+    alibi = attnlab.positional.ALiBi(2)
+    t = sort_terms(causal, alibi)
+    assert t.structured is causal and t.given_mask is causal and t.bias_fn is alibi
+    assert t.additive == []
+
+
+@pytest.mark.parametrize("scale", [0.5, -0.5])
+def test_logit_scale_is_resolved_once_and_its_sign_folded_into_q(scale):
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    kw = dict(mask=None, bias=None, score="dot", dropout_p=0.0, backend="auto")
+    req = build_request(q, k, v, scale=scale, temperature=4.0, return_weights=False, **kw)
+    assert req.logit_scale == scale / 4.0
+    qs, ks, c = logit_qk(req)
+    assert c == abs(scale) / 4.0 and ks is req.k
+    assert torch.equal(qs, q if scale > 0 else -q)
+    want = attnlab.attention(q, k, v, scale=scale, temperature=4.0, backend="reference")
+    got = attnlab.attention(q, k, v, scale=scale, temperature=4.0, backend="flash")
+    torch.testing.assert_close(got, want)
