@@ -85,9 +85,9 @@ def bias_on_meta(b, h, i, j):
 
 
 class WrongShapeMask(masks.Mask):
-    """A user subclass whose `_eval` ignores the index shapes."""
+    """A user subclass whose `evaluate` ignores the index shapes."""
 
-    def _eval(self, b, h, i, j, L, S):
+    def evaluate(self, b, h, i, j, L, S):
         return torch.ones(2, 1, 1, dtype=torch.bool)
 
     def __repr__(self) -> str:

@@ -118,7 +118,7 @@ def test_structured_block_maps_are_closed_form_at_64k(mask, monkeypatch):
     # spot-check one row of tiles against the exact evaluation of that row block
     monkeypatch.undo()
     b, h, i, j = index_grid(2 if mask.batch_size else 1, 1, L, S, rows=torch.arange(896, 1024))
-    rows = mask._eval(b, h, i, j, L, S).expand(b.shape[0], 1, 128, S)  # query block 7
+    rows = mask.evaluate(b, h, i, j, L, S).expand(b.shape[0], 1, 128, S)  # query block 7
     tiles = rows.reshape(rows.shape[0], 1, 128, S // 128, 128).transpose(2, 3).flatten(3)
     want = torch.where(tiles.all(-1), FULL, torch.where(tiles.any(-1), PARTIAL, EMPTY))
     assert torch.equal(codes[:, :, 7].expand_as(want), want)
@@ -177,7 +177,7 @@ def test_bias_functions_and_masks_see_the_same_positions():
 class Tridiagonal(Mask):
     """A user mask on aligned positions that declares its band."""
 
-    def _mod(self, b, h, p, j, S):
+    def mod(self, b, h, p, j, S):
         return (j - p).abs() <= 1
 
     def band(self):

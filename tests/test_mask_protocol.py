@@ -168,20 +168,10 @@ def test_library_patterns_state_their_closed_form_once():
             assert name not in vars(cls), (cls, name)
 
 
-def test_former_private_names_are_thin_aliases():
+def test_conjuncts_split_an_and():
     m = M.causal() & M.padding([3, 4]) & M.from_tensor(torch.ones(5, 5, dtype=torch.bool))
-    b, h = torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.zeros(1, 1, 1, 1, dtype=torch.long)
-    i, j = torch.arange(5).view(1, 1, 5, 1), torch.arange(5).view(1, 1, 1, 5)
-    assert torch.equal(m._eval(b, h, i, j, 5, 5), m.evaluate(b, h, i, j, 5, 5))
-    assert m._batch_heads(2, 3) == m.batch_heads(2, 3) == (2, 1)
-    assert m._data_tensors() == m.data_tensors() and len(m.data_tensors()) == 1
     assert m.conjuncts()[0].band() == (float("-inf"), 0.0) and len(m.conjuncts()) == 3
-
-    class OldStyle(Mask):  # a subclass written against the former private name
-        def _mod(self, b, h, p, j, S):
-            return j == p
-
-    assert torch.equal(OldStyle().to_dense(4, 4)[0, 0], torch.eye(4, dtype=torch.bool))
+    assert m.batch_heads(2, 3) == (2, 1) and len(m.data_tensors()) == 1
 
 
 def test_a_mask_without_an_index_function_says_so():

@@ -51,7 +51,7 @@ def index_grid(
         rows: the raw query rows to cover (default all L rows).
         keys: the key positions to cover (default all S keys).
         aligned: give ``i`` as aligned positions ``r + S − L`` (what bias functions and
-            `attnlab.masks.from_fn` receive); False gives the raw rows (what `Mask._eval` takes).
+            `attnlab.masks.from_fn` receive); False gives the raw rows (what `Mask.evaluate` takes).
         device: where to build the tensors (default: the device of ``rows``/``keys`` if given).
 
     Returns:

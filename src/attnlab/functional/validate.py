@@ -271,8 +271,8 @@ def _check_mask_bias(
         check_bias_heads(bias, dims.H)
     if isinstance(mask, Mask):
         # Renders nothing; checks that a batch- or head-dependent mask fits this call.
-        mask._batch_heads(dims.B, dims.H)
-        for what, t in mask._data_tensors():
+        mask.batch_heads(dims.B, dims.H)
+        for what, t in mask.data_tensors():
             check_same_device(f"mask {what}", t, q)
 
 

@@ -35,11 +35,11 @@ from .blocks import (
 )
 from .counts import (
     COUNT_BUDGET,
+    HUGE,
     Geometry,
     Piece,
     budget_error,
     combine_geometry,
-    diagonal_keep,
     geometry_counts,
 )
 
@@ -61,6 +61,31 @@ def _merge_dim(name: str, a: int | None, b: int | None) -> int | None:
     if b is None or b == 1 or a == b:
         return a
     raise ValueError(f"cannot combine masks: one has {name}={a}, the other {name}={b}")
+
+
+def diagonal_keep(pieces: list[Piece], d: Tensor) -> Tensor:
+    """Whether each offset ``d = j − p`` lies in one of the progressions ``pieces`` (bool).
+
+    ``keep(d) = ∨_(lo, hi, step, anchor) (lo <= d <= hi) ∧ (d ≡ anchor mod step)``: the index
+    function of every mask given by its `Mask.diagonals`. Bounds and steps are capped to
+    ``±HUGE``, so a huge window or stride neither overflows int64 nor changes the pattern.
+    """
+    keep = None
+    for lo, hi, step, anchor in pieces:
+        part = None
+        if lo is not None:
+            part = d >= max(-HUGE, min(lo, HUGE))
+        if hi is not None:
+            upper = d <= max(-HUGE, min(hi, HUGE))
+            part = upper if part is None else part & upper
+        if step != 1:
+            s = min(step, HUGE)
+            on = (d - anchor % s).remainder(s) == 0
+            part = on if part is None else part & on
+        if part is None:
+            part = torch.ones_like(d, dtype=torch.bool)
+        keep = part if keep is None else keep | part
+    return torch.zeros_like(d, dtype=torch.bool) if keep is None else keep
 
 
 class Mask:
@@ -97,15 +122,6 @@ class Mask:
     batch_size: int | None = None
     num_heads: int | None = None
 
-    def __init_subclass__(cls, **kwargs) -> None:
-        # Subclasses written against the former private names keep working: `_mod` is `mod`,
-        # `_eval` is `evaluate` (the library calls the public names only).
-        super().__init_subclass__(**kwargs)
-        if "_mod" in cls.__dict__ and "mod" not in cls.__dict__:
-            cls.mod = cls.__dict__["_mod"]
-        if "_eval" in cls.__dict__ and "evaluate" not in cls.__dict__:
-            cls.evaluate = cls.__dict__["_eval"]
-
     # ----------------------------------------------------------------- definition
     def mod(self, b: Tensor, h: Tensor, p: Tensor, j: Tensor, S: int) -> Tensor:
         """The index function on aligned positions: True where query ``p`` may attend key ``j``.
@@ -134,14 +150,6 @@ class Mask:
         The one place where rows meet the alignment: `mod` receives ``p = i + S − L``.
         """
         return self.mod(b, h, align(i, L, S), j, S)
-
-    def _mod(self, b: Tensor, h: Tensor, p: Tensor, j: Tensor, S: int) -> Tensor:
-        """Former name of `mod` (kept while callers move)."""
-        return self.mod(b, h, p, j, S)
-
-    def _eval(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor, L: int, S: int) -> Tensor:
-        """Former name of `evaluate` (kept while callers move)."""
-        return self.evaluate(b, h, i, j, L, S)
 
     def mask_mod(self, L: int, S: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
         """The mask as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` for an L × S call.
@@ -291,10 +299,6 @@ class Mask:
         """
         return []
 
-    def _data_tensors(self) -> list[tuple[str, Tensor]]:
-        """Former name of `data_tensors` (kept while callers move)."""
-        return self.data_tensors()
-
     # ----------------------------------------------------------------- rendering
     def batch_heads(self, batch: int | None, heads: int | None) -> tuple[int, int]:
         """The ``(B|1, H|1)`` sizes the mask is evaluated on, checked against a call's B and H.
@@ -315,10 +319,6 @@ class Mask:
                 f"mask: expected {self.num_heads} heads (the mask's head count), got heads={heads}"
             )
         return nb, nh
-
-    def _batch_heads(self, batch: int | None, heads: int | None) -> tuple[int, int]:
-        """Former name of `batch_heads` (kept while callers move)."""
-        return self.batch_heads(batch, heads)
 
     def _eval_rows(
         self, rows: Tensor, L: int, S: int, nb: int, nh: int, device: torch.device | None

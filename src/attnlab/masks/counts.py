@@ -17,9 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from torch import Tensor
-
 # Evaluated elements (diagonals, rows, or query × key pairs) the fallback may spend on one count.
 COUNT_BUDGET = 1 << 30
 
@@ -29,31 +26,6 @@ Piece = tuple[int | None, int | None, int, int]
 # Any size at least this large acts as "unbounded" on int64 positions: sizes are capped to it
 # before they meet an index tensor (exact on every grid smaller than 2^62, no int64 overflow).
 HUGE = 1 << 62
-
-
-def diagonal_keep(pieces: list[Piece], d: Tensor) -> Tensor:
-    """Whether each offset ``d = j − p`` lies in one of the progressions ``pieces`` (bool).
-
-    ``keep(d) = ∨_(lo, hi, step, anchor) (lo <= d <= hi) ∧ (d ≡ anchor mod step)``: the index
-    function of every mask given by its `Mask.diagonals`. Bounds and steps are capped to
-    ``±HUGE``, so a huge window or stride neither overflows int64 nor changes the pattern.
-    """
-    keep = None
-    for lo, hi, step, anchor in pieces:
-        part = None
-        if lo is not None:
-            part = d >= max(-HUGE, min(lo, HUGE))
-        if hi is not None:
-            upper = d <= max(-HUGE, min(hi, HUGE))
-            part = upper if part is None else part & upper
-        if step != 1:
-            s = min(step, HUGE)
-            on = (d - anchor % s).remainder(s) == 0
-            part = on if part is None else part & on
-        if part is None:
-            part = torch.ones_like(d, dtype=torch.bool)
-        keep = part if keep is None else keep | part
-    return torch.zeros_like(d, dtype=torch.bool) if keep is None else keep
 
 
 def _ap_stats(x: int, y: int, step: int, anchor: int) -> tuple[int, int]:
@@ -232,7 +204,6 @@ __all__ = [
     "Piece",
     "budget_error",
     "combine_geometry",
-    "diagonal_keep",
     "diagonal_pairs",
     "geometry_counts",
     "geometry_pairs",

@@ -426,7 +426,7 @@ class TileSource:
             val = gather4(t, b, h, rows, keys).to(self.dtype)
             out = val if out is None else out + val
         if with_mask and self.mask is not None:
-            keep = self.mask._eval(b, h, rows, keys, self.L, self.S)
+            keep = self.mask.evaluate(b, h, rows, keys, self.L, self.S)
             if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
                 raise TypeError("mask function must return a bool tensor")
             zero = torch.zeros((), dtype=self.dtype, device=device)
