@@ -16,7 +16,7 @@ from attnlab import _ext, attention, masks
 from attnlab.functional import nan_rule
 from attnlab.functional.flash import band_kernel, flash_attention
 from attnlab.functional.flash import plan as flash_plan
-from attnlab.functional.tiling import SegmentCall, build_plan
+from attnlab.functional.flash.tiling import SegmentCall, build_plan
 from helpers import call_backend, check_against_reference, mean_factor_for, reference_for, seeded
 
 LOW = [torch.bfloat16, torch.float16]

@@ -11,8 +11,8 @@ import torch
 import attnlab
 from attnlab import masks
 from attnlab.functional.flash import flash_attention, flash_job
+from attnlab.functional.flash.tiling import BandCall, build_plan
 from attnlab.functional.request import is_relative_bias
-from attnlab.functional.tiling import BandCall, build_plan
 from attnlab.positional import ALiBi, T5RelativeBias
 from helpers import check_against_reference, mean_factor_for, reference_for, seeded
 

@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from attnlab import masks
-from attnlab.functional import tiling
-from attnlab.functional.tiling import (
+from attnlab.functional.flash import tiling
+from attnlab.functional.flash.tiling import (
     CALL_CAUSAL,
     CALL_FULL,
     CALL_MASKED,
     BandCall,
     band_of,
-    block_map,
     build_plan,
 )
 from attnlab.masks import EMPTY, FULL, PARTIAL, Mask
@@ -64,11 +63,10 @@ def mask_zoo(S: int) -> dict[str, Mask]:
 @pytest.mark.parametrize("bq,bk", [(1, 1), (4, 4), (5, 3), (8, 16), (64, 64)])
 def test_analytic_block_maps_equal_brute_force(L, S, bq, bk):
     for name, mask in mask_zoo(S).items():
-        got = block_map(mask, L, S, bq, bk, batch=2)
+        got = mask.block_map(L, S, bq, bk, batch=2)
         want = brute(mask, L, S, bq, bk, 2)
         assert got.dtype == torch.int8, name
         assert torch.equal(got.expand_as(want), want), name
-        assert torch.equal(got, Mask.block_map(mask, L, S, bq, bk, batch=2)), name  # shape too
 
 
 def test_band_of_structured_masks():
@@ -127,7 +125,7 @@ def test_plans_cover_every_attended_pair_once_and_skip_empty_tiles(name, mask, L
         dense = mask.to_dense(L, S, batch=B).any(1).expand(B, L, S)
         assert cover[dense].all()  # every attended pair is computed
         # nothing is computed in tiles that are EMPTY for the block map
-        codes = block_map(mask, L, S, 32, 32, batch=B).amax(1)  # (B|1, nq, nk)
+        codes = mask.block_map(L, S, 32, 32, batch=B).amax(1)  # (B|1, nq, nk)
         empty = (codes == EMPTY).repeat_interleave(32, 1).repeat_interleave(32, 2)[:, :L, :S]
         if not isinstance(mask, masks.SlidingWindowMask):  # band windows round up to blocks
             assert not cover[empty.expand(B, L, S)].any()

@@ -17,8 +17,8 @@ from attnlab import masks as M
 from attnlab._index import align, index_grid, query_positions
 from attnlab._shapes import Dims
 from attnlab.functional import reference
+from attnlab.functional.flash.tiling import build_plan
 from attnlab.functional.request import materialize_bias
-from attnlab.functional.tiling import build_plan
 from attnlab.masks import EMPTY, FULL, PARTIAL, Mask
 from attnlab.positional import dense_bias
 

@@ -14,7 +14,7 @@ import torch
 
 import attnlab
 from attnlab import masks as M
-from attnlab.functional.tiling import build_plan
+from attnlab.functional.flash.tiling import build_plan
 from attnlab.masks import Geometry, Mask
 from attnlab.testing import check_against_reference, mean_factor_for, reference_for, seeded
 

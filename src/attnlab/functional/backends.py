@@ -16,11 +16,11 @@ from . import thresholds as _thresholds
 from .decode import decode_declines, decode_run, decode_run_lse, decode_supports
 from .flash import flash_run, flash_run_lse, flash_supports
 from .flash.band_kernel import segments_ready
+from .flash.tiling import band_of
 from .reference_backend import reference_run
 from .registry import Backend, register_backend, set_auto_order
 from .request import Request, request_dense
 from .sdpa import sdpa_run, sdpa_supports
-from .tiling import band_of
 
 # ------------------------------------------------------------------ auto's policy
 # Sizes at which auto prefers flash (see `flash_declines`), from benchmarks/bench_crossover.py

@@ -18,10 +18,10 @@ import torch
 from torch import Tensor
 
 from .flash import TileSource, flash_job
+from .flash.tiling import CALL_CAUSAL, CALL_MASKED, Call
 from .nan_rule import nan_flags
 from .reference import softcap_logits
 from .request import Request, logit_qk
-from .tiling import CALL_CAUSAL, CALL_MASKED, Call
 
 _NEG_INF = float("-inf")
 

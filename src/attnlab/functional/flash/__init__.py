@@ -6,7 +6,7 @@ L×S tensor, in either pass.
 
 How it runs:
 
-1. A *plan* (`functional.tiling`) splits the (query, key) grid using the mask's block map: EMPTY
+1. A *plan* (`flash.tiling`) splits the (query, key) grid using the mask's block map: EMPTY
    tiles are skipped, FULL tiles run without evaluating the mask, PARTIAL tiles evaluate it (and a
    bias function) on the tile's indices only. Narrow bands (sliding windows) run all interior
    query blocks as one batched call over strided key windows with one shared mask; plain causal

@@ -74,7 +74,7 @@ import torch
 from torch import Tensor
 
 from ... import _ext, _settings
-from ..tiling import BandCall, Plan, SegmentCall
+from .tiling import BandCall, Plan, SegmentCall
 
 ENGINE_ENV = _settings.FLASH_BAND_ENGINE
 ENGINES = ("auto", "aten", "widen")

@@ -23,11 +23,11 @@ from torch import Tensor
 
 from .. import nan_rule
 from ..request import Request
-from ..tiling import CALL_CAUSAL, Plan
 from . import band_kernel
 from .engines import Residuals, TileSource
 from .job import FlashJob
 from .plan import FlashOptions, flash_job, flash_options, prepare_inputs
+from .tiling import CALL_CAUSAL, Plan
 
 # ---------------------------------------------------------------- eager, with the NaN rule
 _NAN = float("nan")

@@ -33,7 +33,7 @@ from ... import _ext, _settings
 from ..._index import align
 from ...masks import Mask
 from ..request import BiasFn, check_bias_output
-from ..tiling import CALL_CAUSAL, CALL_MASKED, BandCall, Call
+from .tiling import CALL_CAUSAL, CALL_MASKED, BandCall, Call
 
 _NEG_INF = float("-inf")
 

@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from ..merge import merge_into, merge_partials
-from ..tiling import CALL_CAUSAL, BandCall, Call, Plan, SegmentCall
 from . import band_kernel
 from .band import band_backward, band_forward, segment_backward, segment_forward
 from .engines import (
@@ -31,6 +30,7 @@ from .engines import (
     kernel_forward,
     kernel_widens,
 )
+from .tiling import CALL_CAUSAL, BandCall, Call, Plan, SegmentCall
 
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")
@@ -79,7 +79,7 @@ class FlashJob:
     """Everything that defines one tiled attention call except the tensors q, k, v.
 
     Attributes:
-        plan: the tiling of the (query, key) grid (`functional.tiling.build_plan`).
+        plan: the tiling of the (query, key) grid (`flash.tiling.build_plan`).
         source: evaluates additive tiles (mask, bias) on a call's indices.
         scale: the logit multiplier ``|scale / temperature| > 0`` (a negative one's sign is
             folded into q: `request.logit_qk`).

@@ -18,7 +18,6 @@ from ... import _settings
 from ..._digest import tensor_digest
 from ...masks import Mask
 from ..request import Request, is_relative_bias, logit_qk
-from ..tiling import Plan, build_plan
 from . import band_kernel
 from .engines import (
     LOW_PRECISION,
@@ -30,6 +29,7 @@ from .engines import (
     low_precision,
 )
 from .job import FlashJob
+from .tiling import Plan, build_plan
 
 # Default tile sizes (rows × keys) of the block map, and the query block of batched band calls.
 BLOCK_Q = 128

@@ -32,10 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..masks import FULL, PARTIAL, Mask
-from ..masks.blocks import band_codes
-
-_NEG_INF = float("-inf")
+from ...masks import FULL, PARTIAL, Mask
+from ...masks.blocks import band_codes
 
 # Call treatments.
 CALL_FULL, CALL_MASKED, CALL_CAUSAL = "full", "masked", "causal"
@@ -45,10 +43,6 @@ TILE_BUDGET = 1 << 22
 # A relative bias gets shared tiles once L·S holds this many (block_q × block_k) tiles: measured,
 # ALiBi causal at L = 512 and 724 is faster per tile, at L = 1024 and above faster shared.
 RELATIVE_MIN_REUSE = 4
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # --------------------------------------------------------------------------- plan objects
@@ -119,7 +113,7 @@ class BandCall:
         """Blocks ``[ta, tb)`` whose window lies inside ``[0, key_limit)`` (all without a limit)."""
         if self.key_limit <= 0:
             return self.t0, self.t1
-        first = self.t0 + _ceil_div(-self.k_start, self.bq)  # window start >= 0
+        first = self.t0 - (self.k_start // self.bq)  # window start >= 0
         last = self.t0 + (self.key_limit - self.width - self.k_start) // self.bq  # end <= limit
         ta = min(self.t1, max(self.t0, first))
         tb = max(ta, min(self.t1, last + 1))
@@ -284,32 +278,6 @@ def _clip_band(band: tuple[float, float], L: int, S: int) -> tuple[float, float]
     return lo, hi
 
 
-def band_block_map(
-    L: int, S: int, bq: int, bk: int, lo: float, hi: float, device: torch.device | str | None = None
-) -> Tensor:
-    """Exact EMPTY/PARTIAL/FULL codes ``(1, 1, nq, nk)`` of the band ``lo <= j − p <= hi``."""
-    return band_codes(L, S, bq, bk, lo, hi, device)
-
-
-def block_map(
-    mask: Mask,
-    L: int,
-    S: int,
-    bq: int,
-    bk: int,
-    *,
-    batch: int | None = None,
-    heads: int | None = None,
-    device: torch.device | str | None = None,
-) -> Tensor:
-    """`Mask.block_map` (closed form for structured masks, O(tiles) work).
-
-    Returns:
-        int8 ``(B|1, H|1, ceil(L/bq), ceil(S/bk))`` with EMPTY (0) / PARTIAL (1) / FULL (2).
-    """
-    return mask.block_map(L, S, bq, bk, batch=batch, heads=heads, device=device)
-
-
 # --------------------------------------------------------------------------- plan builders
 def _runs(tiles: list[int]) -> list[tuple[int, int]]:
     """Consecutive runs ``[(first, last), …]`` of a sorted tile list."""
@@ -460,7 +428,7 @@ def _relative_plan(B: int, L: int, S: int, lo: float, hi: float, bq: int, wc: in
     """
     off = S - L
     lo_i, hi_i = int(max(lo, -(S - 1))), int(min(hi, L - 1))
-    wc = _ceil_div(max(wc, bq), bq) * bq  # a multiple of bq
+    wc = -(-max(wc, bq) // bq) * bq  # a multiple of bq
     nfull = L // bq
     top = hi_i + bq  # windows end here, relative to p0, and step back by wc
     groups: list[Group] = []
@@ -468,7 +436,7 @@ def _relative_plan(B: int, L: int, S: int, lo: float, hi: float, bq: int, wc: in
     while a + wc > lo_i:
         # blocks whose window [t·bq + off + a, … + wc) meets [0, S)
         t_first = max(0, (-wc - off - a) // bq + 1)
-        t_last = min(nfull - 1, _ceil_div(S - off - a, bq) - 1)
+        t_last = min(nfull - 1, -((off + a - S) // bq) - 1)
         if t_first <= t_last:
             band = BandCall(
                 0,
@@ -503,7 +471,7 @@ SEGMENT_MAX_CALLS = 64
 
 def _documents(mask: Mask | None) -> tuple[Mask, bool] | None:
     """``(document mask, causal)`` for ``document(ids)`` or ``document(ids) & causal()``."""
-    from ..masks import DocumentMask
+    from ...masks import DocumentMask
 
     if mask is None:
         return None
@@ -607,13 +575,13 @@ def build_plan(
             plan = _band_plan(B, H, L, S, int(lo), int(hi), band_block, bias is not None)
             if plan is not None:
                 return plan
-        codes = band_block_map(L, S, block_q, block_k, lo, hi, device)
+        codes = band_codes(L, S, block_q, block_k, lo, hi, device)
         return _generic_plan(codes, B, H, L, S, block_q, block_k, with_bias, "band (tiled)")
     assert mask is not None
     plan = segment_plan(mask, B=B, L=L, S=S, bias=bias)
     if plan is not None:
         return plan
-    codes = block_map(mask, L, S, block_q, block_k, batch=B, heads=H, device=device)
+    codes = mask.block_map(L, S, block_q, block_k, batch=B, heads=H, device=device)
     return _generic_plan(codes, B, H, L, S, block_q, block_k, with_bias, "block-sparse")
 
 
@@ -626,9 +594,7 @@ __all__ = [
     "Group",
     "Plan",
     "SegmentCall",
-    "band_block_map",
     "band_of",
-    "block_map",
     "build_plan",
     "segment_plan",
 ]
