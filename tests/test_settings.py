@@ -16,14 +16,7 @@ from attnlab.functional.validate import build_request
 
 ROOT = Path(attnlab.__file__).resolve().parent
 
-NOT_YET = {
-    "functional/gemv.py": 3,
-    "models/fused_step.py": 1,
-    "cli/info.py": 1,
-    "analysis/rates.py": 2,
-}
-"""Environment reads of ``ATTNLAB_*`` variables still outside `attnlab._settings` (modules of
-other owners): this list only shrinks."""
+
 
 _READ = re.compile(r"os\.environ(\.get\(|\[)")
 
@@ -47,8 +40,7 @@ def _environment_reads() -> dict[str, int]:
 
 def test_attnlab_settings_are_read_in_one_module():
     found = _environment_reads()
-    grown = {f: n for f, n in found.items() if n > NOT_YET.get(f, 0)}
-    assert not grown, f"read the environment through attnlab._settings, not in {grown}"
+    assert not found, f"read the environment through attnlab._settings, not in {found}"
 
 
 def test_settings_follow_the_environment_and_are_parsed_once(monkeypatch):

@@ -8,7 +8,8 @@ existed: a call reads the flash settings once, `functional.flash.plan.flash_opti
 modules that own a setting turn its text into a value and raise on a bad one, where the setting
 is used (`attnlab._ext.mode`, `functional.flash.engines.low_precision`,
 `functional.flash.band_kernel.engine_setting`, `functional.flash.plan.band_block_fwd`,
-`functional.flash.plan.cached_plan`, `functional.thresholds.enabled`).
+`functional.flash.plan.cached_plan`, `functional.thresholds.enabled`); the fixed choices of
+`functional.gemv` and `models.fused_step` are read with `choice`.
 
 Core code imports only `os` here (no torch): `import attnlab` stays light.
 """
@@ -27,6 +28,10 @@ FLASH_BAND_BLOCK = "ATTNLAB_FLASH_BAND_BLOCK"
 FLASH_PLAN_CACHE = "ATTNLAB_FLASH_PLAN_CACHE"
 THRESHOLDS = "ATTNLAB_THRESHOLDS"
 THRESHOLDS_FILE = "ATTNLAB_THRESHOLDS_FILE"
+GEMV = "ATTNLAB_GEMV"
+GEMV_ROWS = "ATTNLAB_GEMV_ROWS"
+LINEAR_WIDEN = "ATTNLAB_LINEAR_WIDEN"
+BLOCK_STEP = "ATTNLAB_BLOCK_STEP"
 
 _OFF = ("0", "off", "false", "no", "never")
 
@@ -45,6 +50,10 @@ class Settings:
         flash_plan_cache: ``ATTNLAB_FLASH_PLAN_CACHE`` (the plan cache on or off).
         thresholds: ``ATTNLAB_THRESHOLDS`` (auto's per-machine thresholds on or off).
         thresholds_file: ``ATTNLAB_THRESHOLDS_FILE`` (their cache file).
+        gemv: ``ATTNLAB_GEMV`` (attnlab's few-row matrix product: auto / off).
+        gemv_rows: ``ATTNLAB_GEMV_ROWS`` (its weight rows per pass: auto / 1 / 2 / 4).
+        linear_widen: ``ATTNLAB_LINEAR_WIDEN`` (16-bit linear layers widened: auto / on / off).
+        block_step: ``ATTNLAB_BLOCK_STEP`` (the fused decoding block step: auto / off).
     """
 
     ext: str | None = None
@@ -56,6 +65,10 @@ class Settings:
     flash_plan_cache: str | None = None
     thresholds: str | None = None
     thresholds_file: str | None = None
+    gemv: str | None = None
+    gemv_rows: str | None = None
+    linear_widen: str | None = None
+    block_step: str | None = None
 
     @property
     def plan_cache_on(self) -> bool:
@@ -84,6 +97,10 @@ VARIABLES: dict[str, str] = {
     "flash_plan_cache": FLASH_PLAN_CACHE,
     "thresholds": THRESHOLDS,
     "thresholds_file": THRESHOLDS_FILE,
+    "gemv": GEMV,
+    "gemv_rows": GEMV_ROWS,
+    "linear_widen": LINEAR_WIDEN,
+    "block_step": BLOCK_STEP,
 }
 """`Settings` field -> environment variable."""
 
@@ -101,6 +118,20 @@ def text(name: str) -> str | None:
     return None if raw is None else (raw.strip() or None)
 
 
+def choice(name: str, allowed: tuple[str, ...]) -> str:
+    """One setting read now as one of ``allowed`` (any case; unset or empty = ``allowed[0]``).
+
+    Raises:
+        ValueError: the variable holds something else (naming it, the choices and the text).
+    """
+    value = (text(name) or allowed[0]).lower()
+    if value not in allowed:
+        names = [repr(a) for a in allowed]
+        expected = ", ".join(names[:-1]) + " or " + names[-1]
+        raise ValueError(f"{VARIABLES[name]} must be {expected}, got {value!r}")
+    return value
+
+
 def settings() -> Settings:
     """The `Settings` of the current environment (read once; again only after a change)."""
     global _STATE
@@ -114,4 +145,4 @@ def settings() -> Settings:
     return current
 
 
-__all__ = ["VARIABLES", "Settings", "settings", "text", "turned_off"]
+__all__ = ["VARIABLES", "Settings", "choice", "settings", "text", "turned_off"]

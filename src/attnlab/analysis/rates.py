@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .. import _settings
 
 FORMAT = "attnlab-matmul-rates"
 VERSION = 1
@@ -145,10 +146,10 @@ def machine_rate(
     if not enabled():
         if recalibrate:
             raise ValueError(
-                f"{thresholds.ENV}={os.environ.get(thresholds.ENV)} turns the per-machine cache "
+                f"{thresholds.ENV}={_settings.text('thresholds')} turns the per-machine cache "
                 "off, so there is nothing to re-measure into; unset it"
             )
-        setting = f"{thresholds.ENV}={os.environ.get(thresholds.ENV)}"
+        setting = f"{thresholds.ENV}={_settings.text('thresholds')}"
         return Rate(measure(dtype), f"measured now: {what}; not cached ({setting})", cached=False)
     key = rate_key(dtype)
     if not recalibrate:

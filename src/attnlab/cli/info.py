@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import __version__, _ext
+from .. import __version__, _ext, _settings
 from ..functional.thresholds import cpu_info
 from ..functional.thresholds import describe as describe_thresholds
 
@@ -71,7 +71,7 @@ def environment() -> dict[str, Any]:
         },
         "ext": {
             "mode": _ext.mode(),
-            "env": os.environ.get(_ext.ENV),
+            "env": _settings.text("ext"),
             "isa_path": _ext.isa_path(),
             "compiler": _ext.compiler(),
             "cache": str(_ext.cache_dir()),

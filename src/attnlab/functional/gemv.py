@@ -38,7 +38,6 @@ well. ``ATTNLAB_LINEAR_WIDEN`` = ``auto`` (default), ``on`` or ``off`` forces th
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 
 import torch
@@ -46,13 +45,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from .. import _ext
+from .. import _ext, _settings
 from .._ext import NATIVE_FLAGS, native_products
 
 EXT = "gemv"
-ENV = "ATTNLAB_GEMV"
-WIDEN_ENV = "ATTNLAB_LINEAR_WIDEN"
-ROWS_ENV = "ATTNLAB_GEMV_ROWS"
+ENV = _settings.GEMV
+WIDEN_ENV = _settings.LINEAR_WIDEN
+ROWS_ENV = _settings.GEMV_ROWS
 MAX_ROWS = 8
 # One float32 row against a weight of fewer elements (1 MiB) stays on torch's kernel: on the
 # 2.9M-parameter GPT (256-wide, weights in cache) its matrix products alone ran 2,613 tok/s on
@@ -68,10 +67,7 @@ def setting() -> str:
     Raises:
         ValueError: the variable holds something else.
     """
-    raw = os.environ.get(ENV, "").strip().lower() or "auto"
-    if raw not in ("auto", "off"):
-        raise ValueError(f"{ENV} must be 'auto' or 'off', got {raw!r}")
-    return raw
+    return _settings.choice("gemv", ("auto", "off"))
 
 
 def rows_per_pass() -> int:
@@ -82,9 +78,7 @@ def rows_per_pass() -> int:
     Raises:
         ValueError: the variable holds something else.
     """
-    raw = os.environ.get(ROWS_ENV, "").strip().lower() or "auto"
-    if raw not in ("auto", "1", "2", "4"):
-        raise ValueError(f"{ROWS_ENV} must be 'auto', '1', '2' or '4', got {raw!r}")
+    raw = _settings.choice("gemv_rows", ("auto", "1", "2", "4"))
     return 0 if raw == "auto" else int(raw)
 
 
@@ -94,10 +88,7 @@ def widen_setting() -> str:
     Raises:
         ValueError: the variable holds something else.
     """
-    raw = os.environ.get(WIDEN_ENV, "").strip().lower() or "auto"
-    if raw not in ("auto", "on", "off"):
-        raise ValueError(f"{WIDEN_ENV} must be 'auto', 'on' or 'off', got {raw!r}")
-    return raw
+    return _settings.choice("linear_widen", ("auto", "on", "off"))
 
 
 def widens(x: Tensor, weight: Tensor) -> bool:

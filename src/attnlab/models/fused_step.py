@@ -32,13 +32,11 @@ does not need.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
-from .. import _ext
+from .. import _ext, _settings
 from .._shapes import stat_dtype
 from ..functional import gemv, nan_rule
 from ..functional.decode import fused_step_fits
@@ -47,7 +45,7 @@ from ..modules import KVCache, MultiHeadAttention, StreamLinear
 from ..positional import RoPE
 from .layers import GeluMLP, RMSNorm, SwiGLU
 
-ENV = "ATTNLAB_BLOCK_STEP"
+ENV = _settings.BLOCK_STEP
 EXT = "block_step"
 
 _NORMS: dict[type, str] = {RMSNorm: "rms", nn.LayerNorm: "layer"}
@@ -64,10 +62,7 @@ def setting() -> str:
     Raises:
         ValueError: the variable holds something else.
     """
-    raw = os.environ.get(ENV, "").strip().lower() or "auto"
-    if raw not in ("auto", "off"):
-        raise ValueError(f"{ENV} must be 'auto' or 'off', got {raw!r}")
-    return raw
+    return _settings.choice("block_step", ("auto", "off"))
 
 
 def _hooked(modules: tuple[nn.Module | None, ...]) -> bool:
