@@ -7,8 +7,21 @@ returns a `Finding` — what attnlab computes, the call that computed it, and a 
 
 - ``"agrees"``: the library reproduces the claim under the stated assumptions;
 - ``"text error"``: the text is wrong; ``explanation`` says why in one line;
+- ``"disagrees"``: attnlab's value differs from the text's and nothing independent backs
+  attnlab's value — a library bug until shown otherwise (the command exits 1);
 - ``"not checkable here"``: ``explanation`` names the missing resource (a GPU, data that cannot
   ship, a historical fact).
+
+The verdict rule (`judged`): a check computes whether attnlab's value matches the text's. If it
+does, the claim ``agrees``. If it does not, the library is blamed by default: the verdict is
+``disagrees``. Only two computed facts together make a ``text error``: attnlab's value differs
+from the text's AND agrees with an independent derivation of the same quantity — a closed form,
+another library (torch, numpy) or a second method — written in `attnlab.textbook.derivations`,
+which imports nothing from attnlab (a test holds that). The derivation is a `Derivation`: whether
+attnlab matched it and, in one line, what it computed; a ``text error`` finding carries that line.
+A check with a derivation that attnlab does not match is ``disagrees`` whatever the text says,
+so a change in the library can never turn into blame on the text: the pre-written reason of a
+text error is only printed when the derivation still stands behind the library.
 
 Each claim also declares the verdict it is ``expected`` to get. The test suite runs every check
 and asserts that the computed verdict equals the declared one, so a change in the library that
@@ -33,8 +46,9 @@ from dataclasses import dataclass, field
 
 AGREES = "agrees"
 TEXT_ERROR = "text error"
+DISAGREES = "disagrees"
 NOT_CHECKABLE = "not checkable here"
-VERDICTS = (AGREES, TEXT_ERROR, NOT_CHECKABLE)
+VERDICTS = (AGREES, TEXT_ERROR, DISAGREES, NOT_CHECKABLE)
 
 #: Seed files of the source texts, by their three-digit number.
 SEEDS = {
@@ -56,10 +70,12 @@ class Finding:
         computed: what attnlab computes, with the numbers (deterministic text).
         call: the call(s) that computed it, as code.
         verdict: one of `VERDICTS`.
-        explanation: one line; required for ``text error`` (why) and ``not checkable here``
-            (the missing resource).
+        explanation: one line; required for ``text error`` (why), ``disagrees`` (what the
+            library got wrong) and ``not checkable here`` (the missing resource).
         measured: machine-dependent observations (wall-clock times, this machine), "" if none;
             reported, never used for the verdict, left out of ``docs/textbook.md``.
+        derivation: the independent derivation attnlab's value agreed with, one line; required
+            for ``text error`` (the second computed fact behind it), "" otherwise if none.
     """
 
     computed: str
@@ -67,14 +83,17 @@ class Finding:
     verdict: str
     explanation: str = ""
     measured: str = ""
+    derivation: str = ""
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
         if self.verdict != AGREES and not self.explanation.strip():
             raise ValueError(f"a {self.verdict!r} finding needs an explanation")
-        if "\n" in self.explanation:
-            raise ValueError("explanation must be one line")
+        if "\n" in self.explanation or "\n" in self.derivation:
+            raise ValueError("explanation and derivation must be one line")
+        if self.verdict == TEXT_ERROR and not self.derivation.strip():
+            raise ValueError("a 'text error' finding needs the independent derivation behind it")
 
 
 @dataclass(frozen=True)
@@ -138,6 +157,7 @@ class Row:
             "verdict": f.verdict,
             "explanation": f.explanation,
             "measured": f.measured,
+            "derivation": f.derivation,
             "expected": c.expected,
             "ok": self.ok,
         }
@@ -237,14 +257,55 @@ def run_claim(c: Claim) -> Row:
     return Row(c, finding, time.perf_counter() - start)
 
 
-def judged(agrees: bool, why: str) -> dict[str, str]:
-    """`Finding`'s ``verdict``/``explanation`` keywords: ``agrees``, or ``text error`` with the
-    one-line reason ``why`` (``Finding(computed, call, **judged(ok, "…"))``)."""
-    return (
-        {"verdict": AGREES, "explanation": ""}
-        if agrees
-        else {"verdict": TEXT_ERROR, "explanation": why}
-    )
+@dataclass(frozen=True)
+class Derivation:
+    """An independent derivation of the quantity a check computes with attnlab.
+
+    Attributes:
+        agrees: attnlab's value equals the derivation's (computed, within the check's tolerance).
+        says: one line — what the derivation computed and how (closed form, torch, numpy).
+    """
+
+    agrees: bool
+    says: str
+
+    def __post_init__(self) -> None:
+        if not self.says.strip() or "\n" in self.says:
+            raise ValueError("a derivation says what it computed, in one line")
+
+
+def judged(agrees: bool, why: str, derivation: Derivation | None = None) -> dict[str, str]:
+    """`Finding`'s ``verdict``/``explanation``/``derivation`` keywords by the verdict rule of the
+    module docstring (``Finding(computed, call, **judged(ok, "…", Derivation(…)))``).
+
+    Args:
+        agrees: attnlab's value matches the text's.
+        why: one line — why the text is wrong (printed for a ``text error``), or what attnlab's
+            value fails to match (printed for a ``disagrees`` without a derivation).
+        derivation: the independent derivation of attnlab's value, if the check has one.
+
+    Returns:
+        ``agrees`` when attnlab matches the text and (if given) the derivation; ``text error``
+        with ``why`` when attnlab differs from the text and matches the derivation; else
+        ``disagrees``, which names the library as the suspect.
+    """
+    if derivation is not None and not derivation.agrees:
+        return {
+            "verdict": DISAGREES,
+            "explanation": "library bug: attnlab's value differs from the independent "
+            f"derivation ({derivation.says})",
+            "derivation": "",
+        }
+    if agrees:
+        return {"verdict": AGREES, "explanation": "", "derivation": ""}
+    if derivation is None:
+        return {
+            "verdict": DISAGREES,
+            "explanation": f"library bug: attnlab differs from the text ({why}) and no "
+            "independent derivation backs attnlab's value",
+            "derivation": "",
+        }
+    return {"verdict": TEXT_ERROR, "explanation": why, "derivation": derivation.says}
 
 
 def tiny(x: float, tol: float = 1e-12) -> str:
@@ -261,11 +322,13 @@ def fmt(x: float, digits: int = 4) -> str:
 
 __all__ = [
     "AGREES",
+    "DISAGREES",
     "NOT_CHECKABLE",
     "SEEDS",
     "TEXT_ERROR",
     "VERDICTS",
     "Claim",
+    "Derivation",
     "Finding",
     "Row",
     "all_claims",

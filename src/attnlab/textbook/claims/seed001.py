@@ -6,7 +6,8 @@ import functools
 
 import torch
 
-from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim, judged, tiny
+from .. import derivations as ind
+from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Derivation, Finding, claim, judged, tiny
 
 SENTENCE = "The animal didn't cross the street because it was too tired"
 
@@ -116,6 +117,7 @@ def _traditional_cost() -> Finding:
         counts[n] = fc.get_total_flops()
     growth = [counts[512] / counts[256], counts[1024] / counts[512]]
     quadratic = growth[1] > 3.5 and growth[1] > growth[0]  # → 4 once n ≫ d
+    closed = all(c == ind.additive_attention_flops(n, n, d, d, d, d) for n, c in counts.items())
     return Finding(
         computed=f"FLOPs {counts[256]:,} (n=256), {counts[512]:,} (512), {counts[1024]:,} (1024): "
         f"×{growth[0]:.2f}, ×{growth[1]:.2f} per doubling of n",
@@ -124,6 +126,11 @@ def _traditional_cost() -> Finding:
             not quadratic,
             "each decoder step scores all n encoder states, so the attention itself is O(n²d) "
             "in total (O(nd) per step); O(nd²) is the recurrence's (and the projections') cost",
+            Derivation(
+                closed,
+                "closed form 4nd·h + 2n²d_v (the projections and the weighted sum) equals the "
+                "counted FLOPs at every n",
+            ),
         ),
     )
 
@@ -173,6 +180,12 @@ def _equivariance() -> Finding:
     perm = torch.tensor([0, 3, 2, 1, 4])
     with torch.no_grad():
         y, yp = mha(x), mha(x[:, perm])
+    weights = (mha.qkv_proj.weight, mha.qkv_proj.bias, mha.out_proj.weight, mha.out_proj.bias)
+    weights = [w.detach().numpy() for w in weights]
+    by_hand = all(
+        ind.close(out[0].numpy(), ind.mha(inp[0].numpy(), *weights, heads=2))
+        for inp, out in ((x, y), (x[:, perm], yp))
+    )
     equivariant = float((yp - y[:, perm]).abs().max())
     identical = float((yp - y).abs().max())
     pooled = float((yp.mean(1) - y.mean(1)).abs().max())
@@ -186,6 +199,11 @@ def _equivariance() -> Finding:
             "self-attention is permutation-equivariant, not invariant: the outputs are "
             "swapped the same way (each word's output is unchanged, but it moves); only an "
             "order-free summary such as the mean is identical",
+            Derivation(
+                by_hand,
+                "multi-head attention in numpy from the module's weights equals its outputs on "
+                "x and on the permuted x",
+            ),
         ),
     )
 
@@ -403,6 +421,7 @@ def _pe_geometry() -> Finding:
     pe = SinusoidalEmbedding(512, dtype=torch.float64)(torch.arange(200))
     dist = (pe - pe[0]).norm(dim=-1)  # ‖PE(0) − PE(k)‖, the same for every start position
     drops = [k for k in range(1, 199) if dist[k + 1] < dist[k]]
+    closed = all(abs(float(dist[k]) - ind.sinusoid_distance(k, 512)) < 1e-9 for k in range(200))
     wrong = bool(drops) and float(dist[1]) < float(dist[10])
     first = drops[0] if drops else None
     return Finding(
@@ -414,6 +433,11 @@ def _pe_geometry() -> Finding:
             not wrong,
             f"near positions are close, but the distance is not monotone in the offset: "
             f"it first falls at k={first}, so a farther position can be nearer in encoding space",
+            Derivation(
+                closed,
+                "closed form ‖PE(p) − PE(p+k)‖ = √Σ(2 − 2cos(k/10000^(2i/d))) equals attnlab's "
+                "distances for k = 0…199",
+            ),
         ),
     )
 

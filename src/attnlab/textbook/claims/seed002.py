@@ -11,10 +11,22 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim, fmt, judged, tiny
+from .. import derivations as ind
+from ..core import (
+    AGREES,
+    NOT_CHECKABLE,
+    TEXT_ERROR,
+    Derivation,
+    Finding,
+    claim,
+    fmt,
+    judged,
+    tiny,
+)
 from ..exercises import exercise
 
 F64 = torch.float64
@@ -30,9 +42,33 @@ def _qkv(B: int = 1, H: int = 2, L: int = 8, D: int = 8, seed: int = 0) -> tuple
     return tuple(_randn(B, H, L, D, seed=seed + i) for i in range(3))
 
 
-def _found(computed: str, call: str, ok: bool, why: str) -> Finding:
-    """``agrees`` when the text's statement holds (``ok``), else ``text error`` with ``why``."""
-    return Finding(computed, call, **judged(ok, why))
+def _found(
+    computed: str, call: str, ok: bool, why: str, derivation: Derivation | None = None
+) -> Finding:
+    """``agrees`` when the text's statement holds (``ok``); else ``text error`` with ``why`` if
+    ``derivation`` backs attnlab's value, ``disagrees`` if not (`attnlab.textbook.core.judged`)."""
+    return Finding(computed, call, **judged(ok, why, derivation))
+
+
+def _mha_by_hand(mha, x: Tensor) -> Derivation:
+    """``mha(x)`` against multi-head attention computed in numpy from the module's weights."""
+    weights = (mha.qkv_proj.weight, mha.qkv_proj.bias, mha.out_proj.weight, mha.out_proj.bias)
+    e = mha.out_proj.weight.shape[0]
+    weights = [
+        w.detach().numpy() if w is not None else np.zeros(n)
+        for w, n in zip(weights, (3 * e, 3 * e, e, e), strict=True)
+    ]
+    with torch.no_grad():
+        y = mha(x)
+    ok = all(
+        ind.close(y[b].numpy(), ind.mha(x[b].numpy(), *weights, heads=mha.num_heads))
+        for b in range(x.shape[0])
+    )
+    return Derivation(
+        ok,
+        "multi-head attention in numpy from the module's weight matrices "
+        "equals its output to 1e-12",
+    )
 
 
 _err = tiny  # a round-off-sized difference as ≈0 (< tol)
@@ -456,6 +492,11 @@ def _equivariance() -> Finding:
 def _invariance_claim() -> Finding:
     """The text's word 'invariance' (置换不变性): the output would be unchanged by a permutation."""
     out, out_p, perm = _permutation_outputs()
+    q, k, v = (t.numpy() for t in _qkv(H=1, L=6))
+    p = perm.numpy()
+    by_hand = ind.close(out.numpy(), ind.sdpa(q, k, v)) and ind.close(
+        out_p.numpy(), ind.sdpa(q[:, :, p], k[:, :, p], v[:, :, p])
+    )
     changed = float((out_p - out).abs().max())
     equi = float((out_p - out[:, :, perm]).abs().max())
     return _found(
@@ -465,6 +506,10 @@ def _invariance_claim() -> Finding:
         changed < 1e-12,
         "the property is permutation equivariance (the output is permuted the same way), not "
         "invariance (an unchanged output)",
+        Derivation(
+            by_hand,
+            "softmax(QKᵀ/√d)V in numpy equals attention on the inputs and on the permuted inputs",
+        ),
     )
 
 
@@ -633,10 +678,19 @@ _PE_QUOTE = (
 )
 
 
-def _pe_mismatches(d_model: int) -> list[str]:
+def _pe_table(d_model: int) -> tuple[Tensor, Derivation]:
+    """attnlab's first 4 positions × 8 dims of the sinusoidal table, and the closed form's."""
     from ...positional import sinusoidal
 
-    pe = sinusoidal(4, d_model, dtype=F64)[:, :8]
+    pe = sinusoidal(4, d_model, dtype=F64)
+    ok = ind.close(pe.numpy(), ind.sinusoid(4, d_model), 1e-12)
+    return pe[:, :8], Derivation(
+        ok, f"sin/cos(p/10000^(2i/{d_model})) by math.sin and math.cos equals attnlab's table"
+    )
+
+
+def _pe_mismatches(d_model: int) -> list[str]:
+    pe = _pe_table(d_model)[0]
     bad = []
     for p in range(4):
         for d in range(8):
@@ -664,7 +718,8 @@ def _pe_table_rounding() -> Finding:
         f"{32 - len(bad)} of 32 entries match; mismatches: {'; '.join(bad) or 'none'}",
         "sinusoidal(4, 8, dtype=torch.float64), each entry formatted with '.2f'",
         not bad,
-        "pos 1 dim 3 is cos(0.1) = 0.995004, which rounds to 1.00, not 0.99",
+        "the table's rounding is off at " + "; ".join(bad),
+        _pe_table(8)[1],
     )
 
 
@@ -681,13 +736,20 @@ def _pe_table_rounding() -> Finding:
 def _pe_table_width() -> Finding:
     bad512 = _pe_mismatches(512)
     bad8 = _pe_mismatches(8)
+    pe512, witness = _pe_table(512)
+    row = ", ".join(f"{float(x):.2f}" for x in pe512[1])
     return _found(
         f"first 8 dims of d_model=512: {32 - len(bad512)} of 32 entries match the table; "
         f"d_model=8: {32 - len(bad8)} of 32",
-        "sinusoidal(4, 512)[:, :8] and sinusoidal(4, 8), formatted with '.2f'",
+        "sinusoidal(4, 512)[:, :8] and sinusoid(4, 8), formatted with '.2f'",
         len(bad512) <= 1,
-        "the values are the whole encoding of d_model = 8; the first 8 dims of a wider model "
-        "differ (d_model=512, pos 1: 0.84, 0.54, 0.82, 0.57, 0.80, 0.60, 0.78, 0.62)",
+        f"the values are the encoding of d_model = 8 ({32 - len(bad8)} of 32 entries match); "
+        f"the first 8 dims of a wider model differ (d_model=512, pos 1: {row})",
+        Derivation(
+            witness.agrees and _pe_table(8)[1].agrees,
+            "sin/cos(p/10000^(2i/d)) by math.sin and math.cos equals attnlab's table at "
+            "d_model = 8 and 512",
+        ),
     )
 
 
@@ -996,6 +1058,10 @@ def _metric_shape() -> Finding:
     WQ, WK = wq[:4].T, wk[:4].T  # the text's layout: (d_model, d_k)
     text_m, right_m = WQ.T @ WK, WQ @ WK.T
     rank = int(torch.linalg.matrix_rank(right_m))
+    x = _randn(1, 5, 16, seed=3)
+    q, k, _ = mha.project(x)  # (1, H, 5, 4): attnlab's head-0 queries and keys
+    xn = x[0].numpy()
+    bilinear = xn @ (WQ.numpy() @ WK.numpy().T) @ xn.T  # xᵀ W^Q (W^K)ᵀ y for every pair
     return _found(
         f"(W^Q)ᵀW^K has shape {tuple(text_m.shape)}; W^Q(W^K)ᵀ has shape "
         f"{tuple(right_m.shape)} and rank {rank}",
@@ -1004,6 +1070,10 @@ def _metric_shape() -> Finding:
         "the two sides mix conventions: with W_i^Q ∈ R^{d_model×d_k} (8.3.1), (xW^Q)ᵀ(yW^K) = "
         "xᵀW^Q(W^K)ᵀy, so M_i = W_i^Q(W_i^K)ᵀ (d_model×d_model, rank ≤ d_k); (W^Q)ᵀW^K is "
         "d_k×d_k (right only in 8.1.2's W ∈ R^{d_k×d} layout)",
+        Derivation(
+            ind.close((q[0, 0] @ k[0, 0].mT).numpy(), bilinear, 1e-10),
+            "xᵀ(W^Q(W^K)ᵀ)y in numpy equals attnlab's head-0 q·k for every pair of 5 tokens",
+        ),
     )
 
 
@@ -1033,12 +1103,12 @@ def _heads_redundant() -> Finding:
         f"cosine ≥ 0.95 holds up to {kept:.0%} of the heads pruned in importance order "
         f"({rand:.0%} in random order): {matter:.0%} of the heads matter at that bar",
         "pruning_sweep(fractions=0, 0.05, …, 1, threshold=0.95).kept_fraction('importance')",
-        AGREES if ok else TEXT_ERROR,
-        ""
-        if ok
-        else f"in the distilled 6-layer MiniLM about {matter:.0%} of the heads matter at "
-        "cosine 0.95 — the 30–50 % rule comes from larger models (Michel et al.) and depends on "
-        "the model and the metric's bar",
+        **judged(
+            ok,
+            f"in the distilled 6-layer MiniLM about {matter:.0%} of the heads matter at "
+            "cosine 0.95 — the 30–50 % rule comes from larger models (Michel et al.) and depends "
+            "on the model and the metric's bar",
+        ),
     )
 
 
@@ -1310,6 +1380,7 @@ def _no_interactions() -> Finding:
         resid > 1e-9,
         "W^O is linear: y = Σ_i head_i W_i^O + b exactly (residual 0), so there is no "
         "interaction term and no confidence-dependent weighting of heads",
+        _mha_by_hand(mha, x),
     )
 
 
@@ -1505,6 +1576,12 @@ def _memory_doubling() -> Finding:
     }
     scores = _est(2048).value("score matrix", "naive") / _est(1024).value("score matrix", "naive")
     ok = abs(kept["naive"] - 4) < 0.2 and abs(kept["flash"] - 4) < 0.2
+    closed = all(
+        _est(n, 768, 12).value("activations kept for backward", i)
+        == ind.attention_kept_bytes(n, 768, 12, 4, tiled=i == "flash")
+        for n in (1024, 2048)
+        for i in ("naive", "flash")
+    )
     return _found(
         f"n 1024 → 2048 (d_model=768, h=12): score matrix ×{fmt(scores)}; activations kept "
         f"for backward ×{fmt(kept['naive'], 3)} (naive), ×{fmt(kept['flash'], 3)} (tiled)",
@@ -1513,6 +1590,11 @@ def _memory_doubling() -> Finding:
         f"only the n×n score matrix grows 4×; a naive layer's kept activations grow "
         f"{kept['naive']:.2f}× (the O(n·d) Q/K/V/output part doubles) and a tiled one's "
         f"{kept['flash']:.2f}×",
+        Derivation(
+            closed,
+            "closed form 4·n·d_model·bytes (Q, K, V, output) + h·n²·bytes (P) or h·n·4 (the "
+            "log-sum-exp) equals estimate's bytes at n = 1024 and 2048",
+        ),
     )
 
 
@@ -1691,6 +1773,7 @@ def _linear_formula() -> Finding:
     norm = phi(q) @ phi(k).sum(-2, keepdim=True).transpose(-1, -2)  # φ(q_i)ᵀ Σ_j φ(k_j)
     err_norm = float((text / norm - lin).abs().max())
     rel = float((text - lin).norm() / lin.norm())
+    witness = ind.close(lin.numpy(), ind.linear_attention(q.numpy(), k.numpy(), v.numpy()), 1e-9)
     return _found(
         f"‖φ(Q)(φ(K)ᵀV) − linear_attention‖/‖linear_attention‖ = {fmt(rel)}; divided by "
         f"φ(Q)(φ(K)ᵀ1) it matches to {_err(err_norm, 1e-9)}",
@@ -1698,6 +1781,11 @@ def _linear_formula() -> Finding:
         rel < 1e-6,
         "the normaliser is missing: φ(Q)(φ(K)ᵀV) must be divided row-wise by φ(Q)(φ(K)ᵀ1), "
         "else rows are sums, not weighted averages (here ~n·mean times too large)",
+        Derivation(
+            witness,
+            "φ(Q)(φ(K)ᵀV) / (φ(Q)(φ(K)ᵀ1)) with φ = elu + 1 in numpy equals linear_attention "
+            "to 1e-9",
+        ),
     )
 
 
@@ -2443,6 +2531,8 @@ def _ex83_shapes() -> Finding:
     out = attention(Q.T[None], K.T[None], V.T[None])[0].T  # (d_v, n)
     out_p = attention(Q.T[perm][None], K.T[perm][None], V.T[perm][None])[0].T
     err = float((out_p - out[:, perm]).abs().max())
+    qn, kn, vn = Q.numpy().T, K.numpy().T, V.numpy().T
+    witness = ind.close(out.numpy(), ind.sdpa(qn, kn, vn).T)
     return _found(
         f"with X ∈ R^(d×n): QKᵀ has shape {qk} (features × features), not (n, n); the token "
         f"form V·softmax(KᵀQ/√d_k) gives Attention(XP) = Attention(X)P to {_err(err)}",
@@ -2450,6 +2540,7 @@ def _ex83_shapes() -> Finding:
         qk == (n, n),
         "with tokens as columns QKᵀ is d_k×d_k, so the derivation permutes features; it must "
         "use KᵀQ (n×n): (KP)ᵀ(QP) = Pᵀ(KᵀQ)P, and softmax commutes with the permutation",
+        Derivation(witness, "V·softmax(KᵀQ/√d_k) in numpy equals attnlab's token-form output"),
     )
 
 
@@ -2559,11 +2650,17 @@ def _io_flash(N: int, d: int, B: float) -> float:
     return float(io_tiled(N, d, sram=4 * block * d, block=block))
 
 
-def _io_fit(block) -> float:
-    """Slope of log IO against log M at N=2^20, d=64 for a block-size rule ``block(M, d)``."""
+def _io_fit(block, io=None) -> float:
+    """Slope of log IO against log M at N=2^20, d=64 for a block-size rule ``block(M, d)``
+    (attnlab's IO model, or ``io(N, d, B)``)."""
+    io = _io_flash if io is None else io
     Ms = (2**14, 2**16, 2**18)
-    ios = [_io_flash(2**20, 64, block(M, 64)) for M in Ms]
+    ios = [io(2**20, 64, block(M, 64)) for M in Ms]
     return (math.log(ios[-1]) - math.log(ios[0])) / (math.log(Ms[-1]) - math.log(Ms[0]))
+
+
+def _io_closed(N: int, d: int, B: float) -> float:
+    return float(ind.tiled_io(N, d, max(1, round(B))))
 
 
 @claim(
@@ -2580,12 +2677,21 @@ def _io_fit(block) -> float:
 def _ex86() -> Finding:
     text = _io_fit(lambda M, d: math.sqrt(M / d))
     right = _io_fit(lambda M, d: M / (4 * d))  # K_j, V_j, Q_i, O_i blocks of B×d in SRAM
+    closed = (
+        _io_fit(lambda M, d: math.sqrt(M / d), _io_closed),
+        _io_fit(lambda M, d: M / (4 * d), _io_closed),
+    )
     return _found(
         f"IO ∝ M^{fmt(text, 3)} with B = √(M/d); IO ∝ M^{fmt(right, 3)} with B = M/(4d)",
         "io_tiled(N, d, sram, block=B) at B = sqrt(M/d) and B = M/(4d)",
         abs(text + 1) < 0.05,
         "B = √(M/d) gives O(N²d^1.5/√M); O(N²d²/M) needs B = Θ(M/d) (B×d blocks of Q, K, V, "
         "O filling the SRAM)",
+        Derivation(
+            abs(closed[0] - text) < 1e-9 and abs(closed[1] - right) < 1e-9,
+            "FlashAttention's Algorithm 1 IO 2Nd + ⌈N/B⌉(3Nd + 4N) in closed form gives slopes "
+            f"{fmt(closed[0], 3)} and {fmt(closed[1], 3)}",
+        ),
     )
 
 
@@ -2617,6 +2723,9 @@ def _sine_only_residual(k: int = 1) -> tuple[float, float]:
 )
 def _ex87() -> Finding:
     r_sin, r_pe = _sine_only_residual()
+    pos = np.arange(300, dtype=np.float64)[:, None]
+    w_sin = ind.shift_residual(np.sin(pos * 2.0 ** -np.arange(8)))
+    w_pe = ind.shift_residual(ind.sinusoid(300, 16))
     return _found(
         f"relative residual of the best linear map PE(p) → PE(p+1): {fmt(r_sin)} for sines only, "
         f"{_err(r_pe)} for sin/cos pairs",
@@ -2624,6 +2733,11 @@ def _ex87() -> Finding:
         r_sin < 1e-6,
         "with sines alone no fixed linear map sends PE(p) to PE(p+k) (each sine needs its "
         "cosine, as in 8.2.2), so relative offsets are not linearly accessible",
+        Derivation(
+            abs(w_sin - r_sin) < 1e-9 and abs(w_pe - r_pe) < 1e-9,
+            f"numpy least squares on the closed-form tables: residuals {fmt(w_sin)} (sines) and "
+            f"{tiny(w_pe)} (sin/cos)",
+        ),
     )
 
 
@@ -2647,7 +2761,11 @@ def _single_head_copy() -> tuple[Tensor, Tensor, Tensor]:
     y = mha(x)
     q, k, v = mha.project(x)
     _, a = attention(q, k, v, return_weights=True)
+    _SINGLE_HEAD_WITNESS[0] = _mha_by_hand(mha, x)
     return y, (x[:, 0] + x[:, -1]).unsqueeze(1).expand_as(y), a[0, 0]
+
+
+_SINGLE_HEAD_WITNESS: list[Derivation] = [Derivation(False, "not computed")]
 
 
 @claim(
@@ -2672,6 +2790,7 @@ def _ex88_single() -> Finding:
         not (abs(a1 - 0.5) < 1e-12 and abs(an - 0.5) < 1e-12 and err < 1e-12),
         "one head does it: equal logits on x_1 and x_n and much lower elsewhere give 0.5/0.5, "
         "and W^O = 2I outputs x_1 + x_n exactly",
+        _SINGLE_HEAD_WITNESS[0],
     )
 
 
@@ -2695,6 +2814,8 @@ def _ex88_rank() -> Finding:
     q, k, v = _qkv(H=1, L=16, D=16)
     _, w = attention(q, k, v, return_weights=True)
     r_rand = int(torch.linalg.matrix_rank(w[0, 0]))
+    w_ind = ind.attention_weights(q.numpy(), k.numpy())[0, 0]
+    witness = ind.close(w[0, 0].numpy(), w_ind) and _SINGLE_HEAD_WITNESS[0].agrees
     return _found(
         f"rank of the 0.5/0.5 matrix = {r_copy}; rank of one random head's 16×16 weights = "
         f"{r_rand}",
@@ -2702,6 +2823,11 @@ def _ex88_rank() -> Finding:
         r_copy >= 2 and r_rand == 1,
         "the 0.5/0.5 pattern has rank 1, and a single head's n×n weights are generically of "
         "full rank n, not rank 1",
+        Derivation(
+            witness,
+            f"softmax(QKᵀ/√d) in numpy equals attnlab's weights (numpy rank "
+            f"{int(np.linalg.matrix_rank(w_ind))}), and the copy head matches numpy",
+        ),
     )
 
 
@@ -2728,6 +2854,10 @@ def _ex88_two_heads() -> Finding:
     m2 = torch.zeros(n, n, dtype=torch.bool)
     m2[:, -1] = True
     h1, h2 = attention(x, x, x, mask=m1), attention(x, x, x, mask=m2)
+    xn = x.numpy()
+    witness = ind.close(h1.numpy(), ind.sdpa(xn, xn, xn, keep=m1.numpy())) and ind.close(
+        h2.numpy(), ind.sdpa(xn, xn, xn, keep=m2.numpy())
+    )
     y = 0.5 * h1 + 0.5 * h2  # Σ_i head_i W_i^O with W_i^O = 0.5·I
     target = x[:, :, :1] + x[:, :, -1:]
     gap = float((y - target).abs().max())
@@ -2737,6 +2867,7 @@ def _ex88_two_heads() -> Finding:
         "attention(x, x, x, mask=first/last column) per head; 0.5·head_1 + 0.5·head_2",
         gap < 1e-12,
         "W^O = 0.5·I gives 0.5(x_1 + x_n), half the stated target; W_i^O = I gives x_1 + x_n",
+        Derivation(witness, "masked softmax(QKᵀ/√d)V in numpy equals both heads"),
     )
 
 
@@ -2849,6 +2980,10 @@ def _ex87_laplacian() -> Finding:
     a, b = c32[:-1], c32[1:]
     m = torch.linalg.lstsq(a, b).solution
     resid = float((a @ m - b).norm() / b.norm())
+    closed = ind.path_laplacian_modes(32, 8)
+    witness = ind.close(c32.numpy(), closed, 1e-9) and ind.close(
+        c16.numpy(), ind.path_laplacian_modes(16, 8), 1e-9
+    )
     length = float((c16[3] - c32[3]).abs().max())
     return _found(
         f"position 3's code differs between n=16 and n=32 by up to {fmt(length)}; best linear "
@@ -2858,6 +2993,11 @@ def _ex87_laplacian() -> Finding:
         resid < 1e-6 and length < 1e-6,
         "the path Laplacian's eigenvectors are cos(πk(j+½)/n): they depend on the length n and "
         "have no fixed linear shift map (no sine partners, reflecting ends)",
+        Derivation(
+            witness and abs(ind.shift_residual(closed) - resid) < 1e-9,
+            "the closed-form modes cos(πk(j+½)/n) equal torch's eigenvectors at n = 16 and 32, "
+            "with the same shift residual",
+        ),
     )
 
 
@@ -3207,12 +3347,20 @@ def _entropy_snippet() -> Finding:
     _, weights = attention(q, k, v, mask=masks.causal(), return_weights=True)
     snippet = float(-(weights * weights.log()).sum(-1).mean())
     lib = float(entropy(weights).mean())
+    w_ind = ind.attention_weights(q.numpy(), k.numpy(), keep=ind.causal_keep(q.shape[-2]))
+    witness = (
+        ind.close(weights.numpy(), w_ind) and abs(lib - float(ind.entropy(w_ind).mean())) < 1e-12
+    )
     return _found(
         f"snippet: {snippet}; attnlab.analysis.entropy: {fmt(lib)} nats",
         "-(weights * weights.log()).sum(-1).mean() vs entropy(weights).mean()",
         math.isfinite(snippet) and abs(snippet - lib) < 1e-9,
         "a weight of exactly 0 (any masked key) gives 0·log 0 = 0·(−inf) = NaN, so the snippet "
         "prints nan for masked attention; treat 0·log 0 as 0 (as analysis.entropy does)",
+        Derivation(
+            witness,
+            "causal softmax(QKᵀ/√d) in numpy and its entropy with 0·log 0 = 0 equal attnlab's",
+        ),
     )
 
 
@@ -3528,6 +3676,21 @@ def _length_scan(gpu: dict) -> dict[int, object]:
     return {n: advise(n, **gpu, **_LLM) for n in _LENGTHS}
 
 
+def _flops_witness(*scans: dict) -> Derivation:
+    """advise's exact-attention FLOPs against the closed form of a decoder forward."""
+    ok = all(
+        a.options[o]["flops"] == ind.decoder_forward_flops(n, 4096, 32, 32000)
+        for scan in scans
+        for n, a in scan.items()
+        for o in ("dense", "tiled")
+    )
+    return Derivation(
+        ok,
+        "closed form 24nLd² + 4Ln²d + 2ndV equals advise's dense and tiled FLOPs at every "
+        "length (the time side of the advice)",
+    )
+
+
 def _in_time(a) -> bool:
     """Some option meets the time limit (else the advice is a fallback)."""
     return any(o["fits"] and o["fast enough"] for o in a.options.values())
@@ -3601,6 +3764,7 @@ def _length_bands() -> Finding:
             "(dense, or tiled = FlashAttention) still fits and meets the limit, so a window is "
             f"optional there; the band edges move with the memory (24 GB: tiled from "
             f"{first('tiled')}, ring from {first('ring')})",
+            _flops_witness(scan, small),
         ),
         measured=_machine_note(),
     )
@@ -3646,6 +3810,7 @@ def _eight_k() -> Finding:
         ok,
         "past 8K the advice is exact attention that scales — tiled (FlashAttention) while one "
         "device's memory holds the sequence, then ring — and never the sparse variant",
+        _flops_witness(*scans.values()),
     )
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim, fmt, judged
+from .. import derivations as ind
+from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Derivation, Finding, claim, fmt, judged
 from ..exercises import exercise
 
 F64 = torch.float64
@@ -541,18 +543,29 @@ def _large_or_small() -> Finding:
     small_uniform = abs(ent[1e-3] - math.log(16)) < 1e-3
     large_onehot = ent[1e3] < 0.05
     error = invariant and small_uniform and large_onehot
+    qn, kn = q[0, 0].numpy(), k[0, 0].numpy()
+    witness = ind.close(w0[0, 0].numpy(), ind.attention_weights(qn, kn)) and all(
+        abs(ent[c] - float(ind.entropy(ind.attention_weights(qn, kn, c / math.sqrt(8))).mean()))
+        < 1e-9
+        for c in ent
+    )
     return Finding(
         computed=f"logits + 1000 and − 1000 give the same weights as the logits: {invariant}; "
         f"mean entropy with logits ×1000: < 0.05 ({large_onehot}), ×1: {fmt(ent[1.0], 3)}, ×0.001: "
         f"{fmt(ent[1e-3], 4)} nats (uniform: log 16 = {fmt(math.log(16), 4)})",
         call="attention(q, k, v, bias=torch.full((4, 16), ±1000.0), return_weights=True); "
         "attention_stats(q, k, v, scale=c / √8).entropy",
-        verdict=TEXT_ERROR if error else AGREES,
-        explanation="softmax sees only differences of its inputs (softmax(x + c) = softmax(x)): "
-        "a large spread of the logits gives one-hot, a small spread (small inputs) gives near-"
-        "uniform weights (entropy → log n), never one-hot; the saturation argument itself stands"
-        if error
-        else "",
+        **judged(
+            not error,
+            "softmax sees only differences of its inputs (softmax(x + c) = softmax(x)): a large "
+            "spread of the logits gives one-hot, a small spread (small inputs) gives near-uniform "
+            "weights (entropy → log n), never one-hot; the saturation argument itself stands",
+            Derivation(
+                witness,
+                "softmax(QKᵀ·c/√8) and its entropy in numpy equal attnlab's weights and "
+                "attention_stats' entropies at c = 1000, 1, 0.001",
+            ),
+        ),
     )
 
 
@@ -1066,17 +1079,26 @@ def _orthogonal_only() -> Finding:
     gram = p @ p.T
     offsets = [float(gram[m, m + 3]) for m in (0, 1, 2)]
     depends_on_offset_only = max(offsets) - min(offsets) < 1e-12
+    t = 2 * math.pi * np.arange(20) / 10.0
+    closed = np.sin(t)[:, None] * np.sin(t)[None] * float(u @ u) + np.cos(t)[:, None] * np.cos(t)[
+        None
+    ] * float(v @ v)  # A²(|u|² sin_i sin_j + |v|² cos_i cos_j), u ⊥ v, A = 1
     return Finding(
         computed="|u| = 1, |v| = 2, u ⊥ v: p_m·p_(m+3) = "
         + ", ".join(f"{fmt(o)} (m={m})" for m, o in enumerate(offsets))
         + f"; a function of the offset alone: {depends_on_offset_only}",
         call=_PERIODIC_CALL + "; p = sc[:, :1] * u + sc[:, 1:] * (2 * v); p @ p.T",
-        verdict=AGREES if depends_on_offset_only else TEXT_ERROR,
-        explanation=""
-        if depends_on_offset_only
-        else "the formula needs orthonormal u, v (|u| = |v| = 1): orthogonal u, v of different "
-        "lengths give A²(|u|² sin_i sin_j + |v|² cos_i cos_j), which depends on i and j "
-        "separately (equal lengths r give A²r² cos(2π(i − j)/T))",
+        **judged(
+            depends_on_offset_only,
+            "the formula needs orthonormal u, v (|u| = |v| = 1): orthogonal u, v of different "
+            "lengths give A²(|u|² sin_i sin_j + |v|² cos_i cos_j), which depends on i and j "
+            "separately (equal lengths r give A²r² cos(2π(i − j)/T))",
+            Derivation(
+                ind.close(gram.numpy(), closed, 1e-12),
+                "the closed form |u|² sin_i sin_j + |v|² cos_i cos_j with sin/cos(2πm/10) by "
+                "numpy equals the Gram matrix of attnlab's encodings",
+            ),
+        ),
     )
 
 
