@@ -26,7 +26,7 @@ from .core import (
     Finding,
     Row,
     all_claims,
-    claim,
+    check,
     run_claim,
     select_claims,
 )
@@ -46,7 +46,7 @@ __all__ = [
     "Row",
     "all_claims",
     "all_exercises",
-    "claim",
+    "check",
     "exercise",
     "get_exercise",
     "run_claim",

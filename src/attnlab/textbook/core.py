@@ -31,8 +31,11 @@ for drift. What depends on the machine (a wall-clock time, this CPU's name, its 
 rate) goes into a finding's ``measured`` text: the command prints it and ``--json`` carries it,
 but it never decides a verdict and never enters ``docs/textbook.md``.
 
-Claims register themselves with the `claim` decorator at import time of their module
-(``attnlab.textbook.claims.seed00N``); `all_claims` imports them all.
+Claims are data: every seed has a data file ``attnlab/textbook/claims/seed00N.toml`` with one
+``[[claim]]`` table per claim (id, section, verbatim quote, paraphrase, api, declared verdict,
+assumptions, ``slow``), in the order of the text. The checks are Python functions registered by
+id with the `check` decorator in the modules of ``attnlab.textbook.claims``; `all_claims` imports
+them and joins both, and refuses a claim without a check or a check without a claim.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from importlib import resources
+
+import tomllib
 
 AGREES = "agrees"
 TEXT_ERROR = "text error"
@@ -163,66 +169,83 @@ class Row:
         }
 
 
-_REGISTRY: dict[str, Claim] = {}
+_CHECKS: dict[str, Callable[[], Finding]] = {}
+_CLAIMS: dict[str, Claim] = {}
+_FIELDS = {"id", "section", "quote", "paraphrase", "api", "expected", "assumptions", "slow"}
+_REQUIRED = ("section", "quote", "paraphrase", "api", "expected")
 
 
-def claim(
-    id: str,
-    *,
-    section: str,
-    quote: str,
-    paraphrase: str,
-    api: str,
-    expected: str,
-    assumptions: str = "",
-    slow: bool = False,
-) -> Callable[[Callable[[], Finding]], Callable[[], Finding]]:
-    """Registers the decorated function as the check of a `Claim` (see its fields).
+def check(id: str) -> Callable[[Callable[[], Finding]], Callable[[], Finding]]:
+    """Registers the decorated function as the check of claim ``id``, whose metadata (section,
+    quote, paraphrase, api, declared verdict, assumptions) is a ``[[claim]]`` table of the seed's
+    data file ``claims/seed00N.toml``.
 
     Raises:
-        ValueError: a malformed or duplicate id, an unknown expected verdict, or an empty quote,
-            paraphrase or api.
+        ValueError: a malformed id, or a second check for the same id.
     """
     if not _ID.match(id):
         raise ValueError(f"claim id must look like '002-8.1.3-a', got {id!r}")
-    if id in _REGISTRY:
-        raise ValueError(f"claim id {id!r} is registered twice")
-    if expected not in VERDICTS:
-        raise ValueError(f"expected must be one of {VERDICTS}, got {expected!r}")
-    for name, value in (("quote", quote), ("paraphrase", paraphrase), ("api", api)):
-        if not value.strip():
-            raise ValueError(f"claim {id}: {name} must not be empty")
+    if id in _CHECKS:
+        raise ValueError(f"claim id {id!r} has two checks")
 
     def register(fn: Callable[[], Finding]) -> Callable[[], Finding]:
-        _REGISTRY[id] = Claim(
-            id=id,
-            section=section,
-            quote=quote,
-            paraphrase=paraphrase,
-            api=api,
-            expected=expected,
-            check=fn,
-            assumptions=assumptions,
-            slow=slow,
-        )
+        _CHECKS[id] = fn
         return fn
 
     return register
 
 
+def claim_from_data(entry: dict[str, object], check_fn: Callable[[], Finding]) -> Claim:
+    """A `Claim` from one ``[[claim]]`` table of a seed's data file and its check.
+
+    Raises:
+        ValueError: a malformed id, an unknown or missing field, an unknown declared verdict, or
+            an empty quote, paraphrase or api.
+    """
+    cid = str(entry.get("id", ""))
+    if not _ID.match(cid):
+        raise ValueError(f"claim id must look like '002-8.1.3-a', got {cid!r}")
+    unknown = set(entry) - _FIELDS
+    missing = [f for f in _REQUIRED if f not in entry]
+    if unknown or missing:
+        raise ValueError(f"claim {cid}: unknown fields {sorted(unknown)}, missing {missing}")
+    if entry["expected"] not in VERDICTS:
+        raise ValueError(f"claim {cid}: expected must be one of {VERDICTS}")
+    for name in ("quote", "paraphrase", "api"):
+        if not str(entry[name]).strip():
+            raise ValueError(f"claim {cid}: {name} must not be empty")
+    fields = {k: v for k, v in entry.items() if k != "id"}
+    return Claim(id=cid, check=check_fn, **fields)
+
+
 def _load() -> None:
+    """Imports the check modules, then joins every seed's data file with the checks."""
+    if _CLAIMS:
+        return
     from . import claims as package
 
     for info in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"{package.__name__}.{info.name}")
+    loaded: dict[str, Claim] = {}
+    for seed in SEEDS:
+        data = resources.files(package).joinpath(f"seed{seed}.toml").read_text(encoding="utf-8")
+        for entry in tomllib.loads(data)["claim"]:
+            cid = str(entry.get("id"))
+            if cid in loaded:
+                raise ValueError(f"claim id {cid!r} is in the data twice")
+            if cid not in _CHECKS:
+                raise ValueError(f"claim {cid} has no check (@check({cid!r}))")
+            loaded[cid] = claim_from_data(entry, _CHECKS[cid])
+    orphans = sorted(set(_CHECKS) - set(loaded))
+    if orphans:
+        raise ValueError(f"checks without a claim in the data files: {orphans}")
+    _CLAIMS.update(loaded)
 
 
 def all_claims(*, include_slow: bool = True) -> list[Claim]:
-    """Every registered claim: by seed, then in the order its module registers them (the
-    order of the text)."""
+    """Every claim: by seed, then in the order of its data file (the order of the text)."""
     _load()
-    chosen = (c for c in _REGISTRY.values() if include_slow or not c.slow)
-    return sorted(chosen, key=lambda c: c.seed)  # stable: registration order within a seed
+    return [c for c in _CLAIMS.values() if include_slow or not c.slow]  # data order
 
 
 def select_claims(only: Iterable[str] = (), *, include_slow: bool = False) -> list[Claim]:
@@ -332,7 +355,8 @@ __all__ = [
     "Finding",
     "Row",
     "all_claims",
-    "claim",
+    "check",
+    "claim_from_data",
     "fmt",
     "judged",
     "run_claim",

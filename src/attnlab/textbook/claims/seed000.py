@@ -10,20 +10,10 @@ from collections.abc import Iterator
 import torch
 
 from .. import derivations as ind
-from ..core import AGREES, TEXT_ERROR, Derivation, Finding, claim, fmt, judged, tiny
+from ..core import Derivation, Finding, check, fmt, judged, tiny
 
 
-@claim(
-    "000-scale-a",
-    section="为什么需要缩放因子",
-    quote="Var[q · k] = Var[Σᵢ qᵢkᵢ] = Σᵢ Var[qᵢkᵢ] = dₖ × Var[q₁]Var[k₁] = dₖ",
-    paraphrase="For q, k with i.i.d. zero-mean unit-variance entries, Var[q·k] = d_k; dividing "
-    "by √d_k brings it back to 1.",
-    api="attnlab.functional.scores.get_score('dot') (the score and its default scale)",
-    expected=AGREES,
-    assumptions="q, k ~ N(0, 1) i.i.d., 20,000 pairs per d_k, float64, seed 0; agreement "
-    "within 5 % (the standard error of a sample variance is about √(2/n) = 1 %)",
-)
+@check("000-scale-a")
 def _variance() -> Finding:
     from ...functional.scores import get_score
 
@@ -46,16 +36,7 @@ def _variance() -> Finding:
     )
 
 
-@claim(
-    "000-scale-b",
-    section="为什么需要缩放因子",
-    quote="softmax([0.1, 0.2, 10.0]) ≈ [0.0000, 0.0000, 1.0000]",
-    paraphrase="A large logit saturates softmax: [0.1, 0.2, 10.0] gives about [0, 0, 1] "
-    "(printed with four decimals).",
-    api="attnlab.attention (its weights), torch.softmax",
-    expected=TEXT_ERROR,
-    assumptions="float64; rounding to four decimals as printed",
-)
+@check("000-scale-b")
 def _saturation() -> Finding:
     from ... import attention
 
@@ -87,16 +68,7 @@ def _saturation() -> Finding:
     )
 
 
-@claim(
-    "000-space-a",
-    section="空间复杂度分析",
-    quote="| 128 | 128×128 | 64 KB | … | 16384 | 16384×16384 | 1 GB |",
-    paraphrase="The float32 attention matrix of one head takes 64 KB at n=128, 1 MB at 512, "
-    "4 MB at 1024, 64 MB at 4096 and 1 GB at 16384 (binary units).",
-    api="attnlab.analysis.estimate (row 'score matrix')",
-    expected=AGREES,
-    assumptions="one head, batch 1, float32, KB/MB/GB read as KiB/MiB/GiB",
-)
+@check("000-space-a")
 def _matrix_memory() -> Finding:
     from ...analysis import estimate
 
@@ -121,17 +93,7 @@ def _qkv(n: int, m: int, dk: int, dv: int, seed: int = 0) -> tuple[torch.Tensor,
     )
 
 
-@claim(
-    "000-def-a",
-    section="基本定义",
-    quote="Attention(Q, K, V) = softmax(QKᵀ/√dₖ) V … Q(Query矩阵)**: 形状为(n, dₖ) … "
-    "K(Key矩阵)**: 形状为(m, dₖ) … V(Value矩阵)**: 形状为(m, dᵥ)",
-    paraphrase="Attention is softmax(QKᵀ/√d_k)V with Q (n, d_k), K (m, d_k), V (m, d_v); the "
-    "output is (n, d_v).",
-    api="attnlab.attention",
-    expected=AGREES,
-    assumptions="n=5 queries, m=7 keys, d_k=4, d_v=3, float64, seed 0",
-)
+@check("000-def-a")
 def _definition() -> Finding:
     from ... import attention
 
@@ -147,16 +109,7 @@ def _definition() -> Finding:
     )
 
 
-@claim(
-    "000-steps-a",
-    section="详细计算步骤",
-    quote="此时满足: Σⱼ αᵢⱼ = 1, 且 0 ≤ αᵢⱼ ≤ 1 … outputᵢ = Σⱼ αᵢⱼ × vⱼ",
-    paraphrase="Each row of weights is a probability distribution and each output row is the "
-    "weighted average of the value rows.",
-    api="attnlab.attention (return_weights=True)",
-    expected=AGREES,
-    assumptions="n=6, m=9, d_k=8, d_v=5, float64, seed 1",
-)
+@check("000-steps-a")
 def _rows_are_distributions() -> Finding:
     from ... import attention
 
@@ -173,19 +126,7 @@ def _rows_are_distributions() -> Finding:
     )
 
 
-@claim(
-    "000-scale-c",
-    section="为什么需要缩放因子",
-    quote="当dₖ=64时: - 不缩放: 点积值范围 [-25, 25], 方差=64 - 缩放后: 点积值范围 [-3.1, 3.1], "
-    "方差=1 当dₖ=512时: - 不缩放: 点种值范围 [-72, 72], 方差=512 - 缩放后: 点积值范围 [-3.2, 3.2], "
-    "方差=1",
-    paraphrase="An experiment: unscaled dot products span about ±25 (d_k=64) and ±72 (d_k=512); "
-    "scaled ones about ±3.1 and ±3.2.",
-    api="attnlab.functional.scores.get_score('dot')",
-    expected=AGREES,
-    assumptions="the text gives no sample size, so a range is read as the central 99.8 % of the "
-    "values (0.1 %–99.9 % quantiles, ±3.09σ); 20,000 pairs, float64, seed 2; agreement within 5 %",
-)
+@check("000-scale-c")
 def _ranges() -> Finding:
     from ...functional.scores import get_score
 
@@ -207,16 +148,7 @@ def _ranges() -> Finding:
     )
 
 
-@claim(
-    "000-scale-d",
-    section="为什么需要缩放因子",
-    quote="此时softmax饱和,梯度接近0,导致训练困难。",
-    paraphrase="Saturated softmax has gradients close to zero.",
-    api="attnlab.attention (backward)",
-    expected=AGREES,
-    assumptions="one query, 16 keys, d_k=512, q, k ~ N(0, 1), float64, seed 3: the gradient "
-    "norm of the output with respect to q, with and without the 1/√d_k scale",
-)
+@check("000-scale-d")
 def _saturation_gradient() -> Finding:
     from ... import attention
 
@@ -235,16 +167,7 @@ def _saturation_gradient() -> Finding:
     )
 
 
-@claim(
-    "000-dot-a",
-    section="点积注意力(Dot-Product Attention)",
-    quote="q · k = |q| × |k| × cos(θ)",
-    paraphrase="The dot score is |q||k|cos θ: largest for aligned, 0 for orthogonal and smallest "
-    "for opposite vectors.",
-    api="attnlab.functional.scores.get_score('dot'), attnlab.functional.scores.get_score('cosine')",
-    expected=AGREES,
-    assumptions="random q, k in d=16, float64, seed 4",
-)
+@check("000-dot-a")
 def _dot_geometry() -> Finding:
     from ...functional.scores import get_score
 
@@ -265,15 +188,7 @@ def _dot_geometry() -> Finding:
     )
 
 
-@claim(
-    "000-add-a",
-    section="加性注意力(Additive Attention)",
-    quote="score(q, k) = vᵀ tanh(W⦑ q + Wₖ k)",
-    paraphrase="The additive (Bahdanau) score is vᵀ tanh(W_q q + W_k k).",
-    api="attnlab.AdditiveAttention",
-    expected=AGREES,
-    assumptions="AdditiveAttention(8, 8, 8, bias=False), 3 queries, 5 keys, float64, seed 5",
-)
+@check("000-add-a")
 def _additive_formula() -> Finding:
     from ... import AdditiveAttention
 
@@ -293,15 +208,7 @@ def _additive_formula() -> Finding:
     )
 
 
-@claim(
-    "000-add-b",
-    section="加性注意力(Additive Attention)",
-    quote="2. **灵活性高**: 可以处理不同维度的query和key",
-    paraphrase="Additive attention handles queries and keys of different sizes.",
-    api="attnlab.AdditiveAttention, attnlab.attention",
-    expected=AGREES,
-    assumptions="queries of size 5, keys of size 7, hidden 6, float64, seed 12",
-)
+@check("000-add-b")
 def _additive_dims() -> Finding:
     from ... import AdditiveAttention, attention
 
@@ -339,18 +246,7 @@ def _additive_by_hand(m, q: torch.Tensor, k: torch.Tensor):
     return np.tanh(q.numpy() @ wq.T + k.numpy() @ wk.T + b) @ m.v.numpy()
 
 
-@claim(
-    "000-add-d",
-    section="加性注意力(Additive Attention)",
-    quote="3. **理论基础**: 在理论上更强大(通用逗近定理)",
-    paraphrase="Additive attention is theoretically more powerful: the universal approximation "
-    "theorem applies to it.",
-    api="attnlab.AdditiveAttention (bias=False | True)",
-    expected=TEXT_ERROR,
-    assumptions="the text's formula vᵀ tanh(W_q q + W_k k) (no bias, its 2d² + d parameters) "
-    "against attnlab's default with the tanh bias; d = 8, hidden 64, 2000 random pairs and their "
-    "negations, float64, seed 14; target score q·k",
-)
+@check("000-add-d")
 def _additive_universal() -> Finding:
     from ... import AdditiveAttention
 
@@ -387,18 +283,7 @@ def _additive_universal() -> Finding:
     )
 
 
-@claim(
-    "000-add-c",
-    section="加性注意力(Additive Attention)",
-    quote="- 计算复杂度较高 - 需要额外的参数存储 - 训练速度较慢",
-    paraphrase="Additive attention costs more compute, needs extra parameters and trains more "
-    "slowly.",
-    api="attnlab.AdditiveAttention, attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="one head, n = 512 queries and keys, d = h = 64, bias-free; training cost = the "
-    "forward FLOPs and the (n, n, h) tanh hidden its backward must keep; the measured "
-    "forward + backward times (this machine, float32) are reported, not judged",
-)
+@check("000-add-c")
 def _additive_limits() -> Finding:
     from ... import AdditiveAttention
 
@@ -442,16 +327,7 @@ def _train_timing_note(n: int, d: int) -> str:
     )
 
 
-@claim(
-    "000-compare-a",
-    section="三种方法对比",
-    quote="| 参数量 | 0 | 2d²+d | 0 |",
-    paraphrase="Dot and cosine scores have no parameters; additive attention has 2d² + d.",
-    api="attnlab.AdditiveAttention, attnlab.attention",
-    expected=AGREES,
-    assumptions="d = query, key and hidden size = 64, the bias-free form the text writes "
-    "(bias=False); the default module adds a tanh bias (d more)",
-)
+@check("000-compare-a")
 def _additive_parameters() -> Finding:
     from ... import AdditiveAttention
 
@@ -541,19 +417,7 @@ def _timing_note(n: int, d: int) -> str:
     )
 
 
-@claim(
-    "000-compare-b",
-    section="三种方法对比",
-    quote="| 计算复杂度 | O(n²d) | O(n²d) | O(n²d) | … | 计算效率 | 高 | 低 | 中 |",
-    paraphrase="All three scores cost O(n²d); dot-product is the most efficient, cosine in "
-    "between, additive the least.",
-    api="attnlab.analysis.estimate, attnlab.AdditiveAttention, attnlab.attention (score='cosine')",
-    expected=AGREES,
-    assumptions="one head, n queries = n keys, d = d_k = d_v = 64 and an additive hidden size "
-    "h = d (bias-free, the text's 2d² + d form); n = 512 → 1024 for the growth; efficiency judged "
-    "on counted FLOPs, the share done by matrix multiplication and the largest intermediate; the "
-    "measured times (this machine, float32) are reported beside them, not judged",
-)
+@check("000-compare-b")
 def _score_comparison() -> Finding:
     d = 64
     c, c2 = _score_costs(512, d), _score_costs(1024, d)
@@ -580,15 +444,7 @@ def _score_comparison() -> Finding:
     )
 
 
-@claim(
-    "000-cos-a",
-    section="余弦相似度注意力(Cosine Similarity Attention)",
-    quote="1. **对长度不敏感**: 只关注方向,不关注模长 2. **数值稳定**: 相似度值始终在[-1, 1]范围内",
-    paraphrase="Cosine scores ignore vector lengths and always lie in [-1, 1].",
-    api="attnlab.attention (score='cosine')",
-    expected=AGREES,
-    assumptions="q, k with entries up to ±1000, rescaled rows, d=32, float64, seed 6",
-)
+@check("000-cos-a")
 def _cosine_invariance() -> Finding:
     from ... import attention
 
@@ -607,15 +463,7 @@ def _cosine_invariance() -> Finding:
     )
 
 
-@claim(
-    "000-cos-b",
-    section="余弦相似度注意力(Cosine Similarity Attention)",
-    quote="3. **不需缩放**: 不受维度影响",
-    paraphrase="Cosine scores need no scaling: they are not affected by the dimension.",
-    api="attnlab.attention (score='cosine'), attnlab.analysis.entropy",
-    expected=TEXT_ERROR,
-    assumptions="random q, k ~ N(0, 1), 128 keys, d=16 and 1024, float64, seed 7",
-)
+@check("000-cos-b")
 def _cosine_dimension() -> Finding:
     from ... import attention
     from ...analysis.weights import entropy
@@ -649,15 +497,7 @@ def _cosine_dimension() -> Finding:
     )
 
 
-@claim(
-    "000-temp-a",
-    section="温度参数",
-    quote="当T较小时，概率分布更加尖锐；当T较大时，概率分布更加平滑。",
-    paraphrase="A small temperature sharpens the distribution; a large one smooths it.",
-    api="attnlab.attention (temperature=), attnlab.analysis.entropy",
-    expected=AGREES,
-    assumptions="8 queries, 32 keys, d=16, T in (0.1, 0.5, 1, 2, 10), float64, seed 8",
-)
+@check("000-temp-a")
 def _temperature() -> Finding:
     from ... import attention
     from ...analysis.weights import entropy
@@ -678,19 +518,7 @@ def _temperature() -> Finding:
     )
 
 
-@claim(
-    "000-code-a",
-    section="核心代码示例",
-    quote="Variable Q = wQ.forward(input); … Variable scores = Q.dot(K.transpose(-2, -1)); … "
-    "scores = scores.div(Math.sqrt(dKey)); … Variable weights = scores.softmax(-1); … "
-    "Variable output = weights.dot(V); … return wO.forward(output);",
-    paraphrase="The code sample: project to Q, K, V; scores = Q·Kᵀ / √d_key; softmax over the "
-    "last axis; output = weights·V; then the output projection.",
-    api="attnlab.MultiHeadAttention",
-    expected=AGREES,
-    assumptions="the sample's steps transcribed to PyTorch with the weights of a single-head "
-    "attnlab.MultiHeadAttention(16, 1) (d_key = 16), batch 2 × 7 tokens, float64, seed 18",
-)
+@check("000-code-a")
 def _java_sample() -> Finding:
     from ... import MultiHeadAttention
 
@@ -713,17 +541,7 @@ def _java_sample() -> Finding:
     )
 
 
-@claim(
-    "000-time-a",
-    section="时间复杂度详细分析",
-    quote="Q: (n, d) × Kᵀ: (d, n) = (n, n) 时间复杂度: O(n²d) … 输入: (n, n) 时间复杂度: O(n²) … "
-    "T(n) = O(n²d) + O(n²) + O(n²d) = O(n²d)",
-    paraphrase="QKᵀ and the product with V cost O(n²d) each and softmax O(n²): O(n²d) in all.",
-    api="attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="one head (d = 64), batch 1, n = 512 → 1024 → 2048: each doubling of n must "
-    "multiply the QKᵀ, softmax and PV rows by 4, and doubling d must double QKᵀ and PV only",
-)
+@check("000-time-a")
 def _time_complexity() -> Finding:
     from ...analysis import estimate
 
@@ -745,18 +563,7 @@ def _time_complexity() -> Finding:
     )
 
 
-@claim(
-    "000-o2-b",
-    section="O(n²)问题的影响",
-    quote="- 12GB GPU可处理的最大序列长度约为4096 - 超过此长度需要特殊优化",
-    paraphrase="A 12 GB GPU handles sequences up to about 4096 tokens; beyond that special "
-    "optimisations are needed.",
-    api="attnlab.analysis.costs.max_seq_len, attnlab.analysis.costs.model_cost",
-    expected=AGREES,
-    assumptions="training BERT-base (d=768, 12 layers, 12 heads, vocabulary 30522, 512 learned "
-    "positions) with AdamW at batch 1, 12 GB = 12·10⁹ bytes, attention materialising its n×n "
-    "weights; 'about 4096' read as: float32 and mixed float16 training bracket it",
-)
+@check("000-o2-b")
 def _twelve_gb() -> Finding:
     from ...analysis.costs import max_seq_len
 
@@ -776,16 +583,7 @@ def _twelve_gb() -> Finding:
     )
 
 
-@claim(
-    "000-o2-a",
-    section="O(n²)问题的影响",
-    quote="序列长度翻倍,训练时间增加4倍",
-    paraphrase="Doubling the sequence length makes training four times slower.",
-    api="attnlab.models.TransformerBlock, torch.utils.flop_counter.FlopCounterMode",
-    expected=TEXT_ERROR,
-    assumptions="one Transformer layer at d = 768, 12 heads, FFN 3072 (BERT-base sized), batch 1, "
-    "matmul FLOPs counted by torch's FlopCounterMode on the meta device (no data)",
-)
+@check("000-o2-a")
 def _doubling() -> Finding:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -823,17 +621,7 @@ def _doubling() -> Finding:
     )
 
 
-@claim(
-    "000-o2-c",
-    section="O(n²)问题的影响",
-    quote="3. **推理延迟**: - 生成式任务需要多步自回归,每步都要计算注意力 - 长序列会导致明显的延迟",
-    paraphrase="Generation is autoregressive and every step computes attention, so long sequences "
-    "add latency.",
-    api="attnlab.MultiHeadAttention, attnlab.KVCache, torch.utils.flop_counter.FlopCounterMode",
-    expected=AGREES,
-    assumptions="one causal MultiHeadAttention layer (E = 64, 4 heads, reference backend so every "
-    "matmul is counted) decoding one token after 64, 256 and 1024 cached tokens, seed 16",
-)
+@check("000-o2-c")
 def _decode_latency() -> Finding:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -862,19 +650,7 @@ def _decode_latency() -> Finding:
     )
 
 
-@claim(
-    "000-rnn-a",
-    section="与RNN的复杂度对比",
-    quote="| RNN | O(nd²) | O(d) | O(n) | O(n) | | Self-Attention | O(n²d) | O(n²) | O(1) | O(1) | "
-    "**关键观察**: - Self-Attention在序列较短时（n < d）效率更高",
-    paraphrase="Per layer an RNN costs O(nd²) and self-attention O(n²d), so self-attention is "
-    "cheaper when n < d.",
-    api="attnlab.analysis.estimate, torch.utils.flop_counter.FlopCounterMode",
-    expected=AGREES,
-    assumptions="the table's terms: self-attention's pairwise part (QKᵀ + PV, 4n²d FLOPs from "
-    "estimate) against an Elman RNN's recurrence (torch.nn.RNN, 2·2nd² FLOPs counted), d = 512, "
-    "n = 128 and 2048",
-)
+@check("000-rnn-a")
 def _rnn_table() -> Finding:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -904,18 +680,7 @@ def _rnn_table() -> Finding:
     )
 
 
-@claim(
-    "000-rnn-b",
-    section="与RNN的复杂度对比",
-    quote="- RNN在序列较长时（n > d）内存效率更高 - Self-Attention的最大优势是长距离路径为O(1)",
-    paraphrase="For n > d an RNN uses less memory; self-attention's main advantage is its O(1) "
-    "path between any two positions.",
-    api="attnlab.analysis.costs.complexity_table, attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="d = 512, one head, float32, n = 128 and 2048; training memory: an RNN keeps its n "
-    "hidden states (n·d), self-attention its n×n weights on top of the same n·d; the table's "
-    "O(d) column is an RNN step's state at inference",
-)
+@check("000-rnn-b")
 def _rnn_memory_path() -> Finding:
     from ...analysis import estimate
     from ...analysis.costs import complexity_table
@@ -939,15 +704,7 @@ def _rnn_memory_path() -> Finding:
     )
 
 
-@claim(
-    "000-sparse-a",
-    section="1. 稀疏注意力(Sparse Attention)",
-    quote="复杂度: O(n²d) → O(nwd) (其中w是窗口大小) … 复杂度: O(n²d) → O(nd√n)",
-    paraphrase="A local window of w keys costs O(nwd); a strided pattern costs O(nd√n).",
-    api="attnlab.masks.sliding_window, attnlab.masks.strided, attnlab.Mask.attended_pairs",
-    expected=AGREES,
-    assumptions="causal masks, n = 1024 and 4096, window w = 64, stride √n; pairs per head",
-)
+@check("000-sparse-a")
 def _sparse_cost() -> Finding:
     from ... import masks
 
@@ -969,15 +726,7 @@ def _sparse_cost() -> Finding:
     )
 
 
-@claim(
-    "000-linear-a",
-    section="2. 线性注意力(Linear Attention)",
-    quote="Attention(Q, K, V) = softmax(QKᵀ)V ≈ Q · φ(K)ᵀ · φ(V)  // 线性化",
-    paraphrase="Linear attention approximates softmax(QKᵀ)V by Q·φ(K)ᵀ·φ(V).",
-    api="attnlab.linear.linear_attention",
-    expected=TEXT_ERROR,
-    assumptions="φ = elu + 1 (Katharopoulos et al.), n = 64, d = 16, float64, seed 9",
-)
+@check("000-linear-a")
 def _linear_formula() -> Finding:
     from ...linear import linear_attention
 
@@ -1006,19 +755,7 @@ def _linear_formula() -> Finding:
     )
 
 
-@claim(
-    "000-linear-b",
-    section="2. 线性注意力(Linear Attention)",
-    quote="**代表工作**: - Performer (使用FAVOR+算法) - Linear Transformer - FNet (使用傅里叶变换)",
-    paraphrase="Representative linear-attention works: Performer (FAVOR+), the Linear Transformer "
-    "and FNet (Fourier transform).",
-    api="attnlab.functional.performer.favor_attention, attnlab.linear.linear_attention, "
-    "attnlab.functional.fnet.fnet_mixing",
-    expected=TEXT_ERROR,
-    assumptions="one head, d = 32, n = 512 → 1024, matmul FLOPs counted by FlopCounterMode "
-    "(FAVOR+ with 64 random features, seed 17; the Linear Transformer with φ = elu + 1); FNet's "
-    "mixing applied to a one-hot token (n = 8, E = 4), float64",
-)
+@check("000-linear-b")
 def _linear_works() -> Finding:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -1071,18 +808,7 @@ def _linear_works() -> Finding:
     )
 
 
-@claim(
-    "000-mem-a",
-    section="3. 内存优化",
-    quote="**梯度检查点(Gradient Checkpointing)**: - 不存储中间激活值,反向传播时重计算 "
-    "- 以计算换存储,可处理更长序列",
-    paraphrase="Gradient checkpointing stores fewer activations and recomputes them in the "
-    "backward pass, trading compute for memory.",
-    api="attnlab.models.GPT (gradient_checkpointing)",
-    expected=AGREES,
-    assumptions="GPT with 2 layers, d = 64, 4 heads, batch 1 × 128 tokens, float64, seed 10: "
-    "bytes saved for backward (autograd's saved-tensor hooks) and the forward FLOPs",
-)
+@check("000-mem-a")
 def _checkpointing() -> Finding:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -1117,17 +843,7 @@ def _checkpointing() -> Finding:
     )
 
 
-@claim(
-    "000-mem-b",
-    section="3. 内存优化",
-    quote="**混合精度**: - 使用FP16或BF16减少内存占用 - 配合梯度缩放保证训练稳定性",
-    paraphrase="FP16 or BF16 reduce memory; gradient (loss) scaling keeps training stable.",
-    api="attnlab.analysis.costs.model_cost, torch.amp.GradScaler",
-    expected=AGREES,
-    assumptions="BERT-base-sized training (d=768, 12 layers, 12 heads, vocabulary 30522) with "
-    "AdamW at batch 8 × 512; a gradient of 1e-8 for the scaling; GradScaler's initial scale 2¹⁶ "
-    "(attnlab train --precision fp16 uses it)",
-)
+@check("000-mem-b")
 def _mixed_precision() -> Finding:
     from ...analysis.costs import model_cost
 

@@ -19,10 +19,9 @@ from .. import derivations as ind
 from ..core import (
     AGREES,
     NOT_CHECKABLE,
-    TEXT_ERROR,
     Derivation,
     Finding,
-    claim,
+    check,
     fmt,
     judged,
     tiny,
@@ -96,16 +95,7 @@ def _mha_parts(mha) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 # ------------------------------------------------------------------------------------ 8.1
-@claim(
-    "002-8.1.1-a",
-    section="8.1.1 从序列到序列的映射",
-    quote="$$\\mathbf{y}_i = \\sum_{j=1}^n \\alpha_{ij} \\mathbf{v}_j$$",
-    paraphrase="Each output is a weighted sum of the value vectors, with the attention weights "
-    "α_ij of row i.",
-    api="attnlab.attention (return_weights=True)",
-    expected=AGREES,
-    assumptions="B=1, H=2, n=8, d=8, float64, seed 0",
-)
+@check("002-8.1.1-a")
 def _weighted_sum() -> Finding:
     from ... import attention
 
@@ -122,16 +112,7 @@ def _weighted_sum() -> Finding:
     )
 
 
-@claim(
-    "002-8.1.1-b",
-    section="8.1.1 从序列到序列的映射",
-    quote="计算 $\\mathbf{y}_i$ 不需要依赖 $\\mathbf{y}_{i-1}$，所有位置可以并行计算",
-    paraphrase="y_i does not depend on y_{i−1}: every row can be computed on its own, all in "
-    "parallel.",
-    api="attnlab.attention",
-    expected=AGREES,
-    assumptions="n=8, d=8, float64; each row recomputed alone from q_i and all keys",
-)
+@check("002-8.1.1-b")
 def _rows_independent() -> Finding:
     from ... import attention
 
@@ -149,18 +130,7 @@ def _rows_independent() -> Finding:
     )
 
 
-@claim(
-    "002-8.1.2-a",
-    section="8.1.2 注意力分数的计算",
-    quote="$$e_{ij} = \\mathbf{q}_i^T \\mathbf{k}_j$$ … "
-    "**几何解释**：点积越大，表示两个向量在高维空间中"
-    "方向越一致，因此应该给予更多注意力。",
-    paraphrase="The raw score is the dot product q_i·k_j; a larger dot product gets more attention "
-    "(the weights are monotone in the score).",
-    api="attnlab.attention (scale=1, return_weights=True)",
-    expected=AGREES,
-    assumptions="n=8, d=8, float64, scale 1 so the logits are exactly q_i·k_j",
-)
+@check("002-8.1.2-a")
 def _dot_scores() -> Finding:
     from ... import attention
 
@@ -180,17 +150,7 @@ def _dot_scores() -> Finding:
     )
 
 
-@claim(
-    "002-8.1.3-a",
-    section="8.1.3 缩放点积注意力",
-    quote="当 $d_k$ 较大时，点积的方差会随维度线性增长。 … $$\\text{Var}(\\mathbf{q}^T\\mathbf{k}) "
-    "= d_k$$",
-    paraphrase="For q, k with i.i.d. zero-mean unit-variance entries the variance of q·k is d_k "
-    "(linear in the dimension).",
-    api="attnlab.analysis.scaling_experiment",
-    expected=AGREES,
-    assumptions="q, k ~ N(0, 1), 1024 queries × 16 keys per d_k, float64, seed 0; within 6 %",
-)
+@check("002-8.1.3-a")
 def _var_dk() -> Finding:
     from ...analysis import scaling_experiment
 
@@ -205,16 +165,7 @@ def _var_dk() -> Finding:
     )
 
 
-@claim(
-    "002-8.1.3-b",
-    section="8.1.3 缩放点积注意力",
-    quote="$$\\text{Attention}(\\mathbf{Q}, \\mathbf{K}, \\mathbf{V}) = \\text{softmax}\\left("
-    "\\frac{\\mathbf{Q}\\mathbf{K}^T}{\\sqrt{d_k}}\\right)\\mathbf{V}$$",
-    paraphrase="Scaled dot-product attention is softmax(QKᵀ/√d_k)V.",
-    api="attnlab.attention",
-    expected=AGREES,
-    assumptions="B=1, H=2, n=8, d_k=8, float64, every backend",
-)
+@check("002-8.1.3-b")
 def _sdpa_formula() -> Finding:
     from ... import attention
 
@@ -233,17 +184,7 @@ def _sdpa_formula() -> Finding:
     )
 
 
-@claim(
-    "002-8.1.3-c",
-    section="8.1.3 缩放点积注意力",
-    quote="**Rule of thumb**: 缩放因子选择 $\\sqrt{d_k}$ 使得点积的方差保持为1，避免softmax饱和。",
-    paraphrase="Dividing by √d_k keeps the variance of the logits at 1, so softmax does not "
-    "saturate as d_k grows.",
-    api="attnlab.analysis.scaling_experiment, attnlab.functional.scores.get_score",
-    expected=AGREES,
-    assumptions="q, k ~ N(0, 1), 512 queries × 16 keys, d_k ∈ {16, 128, 512}, float64, "
-    "seed 0; uniform entropy over 16 keys is ln 16 = 2.773",
-)
+@check("002-8.1.3-c")
 def _scaled_var() -> Finding:
     from ...analysis import scaling_experiment
     from ...functional.scores import get_score
@@ -273,16 +214,7 @@ def _scaled_var() -> Finding:
     )
 
 
-@claim(
-    "002-8.1.3-d",
-    section="8.1.3 缩放点积注意力",
-    quote="大的方差会导致softmax函数进入饱和区，梯度消失。",
-    paraphrase="Large logit variance saturates softmax and its gradient vanishes.",
-    api="attnlab.analysis.scaling_experiment",
-    expected=AGREES,
-    assumptions="the gradient size is the mean Frobenius norm of the softmax Jacobian "
-    "diag(p) − ppᵀ over 512 rows of 16 keys; float64, seed 0",
-)
+@check("002-8.1.3-d")
 def _saturation_grad() -> Finding:
     from ...analysis import scaling_experiment
 
@@ -301,18 +233,7 @@ def _saturation_grad() -> Finding:
     )
 
 
-@claim(
-    "002-8.1.3-e",
-    section="8.1.3 缩放点积注意力",
-    quote="线性变换得到 Q, K, V ↓ 计算缩放点积 QK^T/√d_k ↓ Softmax归一化得到注意力权重 ↓ 加权求和 "
-    "V",
-    paraphrase="The pipeline: project X to Q, K, V; scaled dot products; softmax; weighted sum of "
-    "V; output.",
-    api="attnlab.MultiHeadAttention",
-    expected=AGREES,
-    assumptions="one head, E=8, n=6, no biases, float64, seed 0 (the output projection applied "
-    "after the weighted sum)",
-)
+@check("002-8.1.3-e")
 def _pipeline() -> Finding:
     mha = _mha(8, 1, bias=False)
     x = _randn(1, 6, 8, seed=1)
@@ -329,17 +250,7 @@ def _pipeline() -> Finding:
     )
 
 
-@claim(
-    "002-8.1.4-a",
-    section="8.1.4 注意力的概率解释",
-    quote="$$P(j|i) = \\frac{\\exp(e_{ij}/\\sqrt{d_k})}{\\sum_{k=1}^n \\exp(e_{ik}/\\sqrt{d_k})}$$ "
-    "… 这定义了一个在位置上的概率分布。",
-    paraphrase="The weights P(j|i) = exp(e_ij/√d_k)/Σ_k exp(e_ik/√d_k) form a probability "
-    "distribution over positions.",
-    api="attnlab.attention (return_weights=True)",
-    expected=AGREES,
-    assumptions="n=8, d_k=8, float64, seed 0",
-)
+@check("002-8.1.4-a")
 def _probability() -> Finding:
     from ... import attention
 
@@ -357,16 +268,7 @@ def _probability() -> Finding:
     )
 
 
-@claim(
-    "002-8.1.4-b",
-    section="8.1.4 注意力的概率解释",
-    quote="输出 $\\mathbf{y}_i$ 是值向量的期望：",
-    paraphrase="y_i is the expectation of v_j under j ~ P(·|i).",
-    api="attnlab.attention",
-    expected=AGREES,
-    assumptions="one row, n=8, d=8, 400,000 seeded samples of j ~ P(·|i); the Monte-Carlo mean "
-    "must be within 5 standard errors of y_i in every coordinate",
-)
+@check("002-8.1.4-b")
 def _expectation() -> Finding:
     from ... import attention
 
@@ -386,16 +288,7 @@ def _expectation() -> Finding:
     )
 
 
-@claim(
-    "002-8.1.4-c",
-    section="8.1.4 注意力的概率解释",
-    quote="- 低熵：模型聚焦于少数位置（硬注意力） - 高熵：模型均匀关注所有位置（软注意力）",
-    paraphrase="Low entropy means attention concentrated on few positions; high entropy means "
-    "attention spread uniformly (maximum ln n).",
-    api="attnlab.analysis.entropy, attnlab.attention (temperature)",
-    expected=AGREES,
-    assumptions="n=16 keys, d=8, float64, seed 0; temperatures 0.001, 1 and 1000",
-)
+@check("002-8.1.4-c")
 def _entropy_extremes() -> Finding:
     from ... import attention
     from ...analysis import entropy
@@ -423,18 +316,7 @@ def _entropy_extremes() -> Finding:
     )
 
 
-@claim(
-    "002-8.1.4-d",
-    section="8.1.4 注意力的概率解释",
-    quote="**统计解释**：自注意力执行了一种非参数密度估计，通过相似度加权来聚合局部信息。",
-    paraphrase="Attention is a non-parametric (Nadaraya–Watson kernel) estimator: similarity-"
-    "weighted averaging of the values.",
-    api="attnlab.attention (bias)",
-    expected=AGREES,
-    assumptions="Gaussian kernel exp(−‖q−k‖²/2); attention with scale 1 and the bias −‖k_j‖²/2 "
-    "(‖q_i‖² cancels in softmax); n=8, d=4, float64. Strictly it is kernel regression (a "
-    "conditional mean), not density estimation",
-)
+@check("002-8.1.4-d")
 def _nadaraya_watson() -> Finding:
     from ... import attention
 
@@ -465,19 +347,7 @@ def _permutation_outputs() -> tuple[Tensor, Tensor, Tensor]:
     return out, out_p, perm
 
 
-@claim(
-    "002-8.2.1-a",
-    section="8.2.1 为什么需要位置信息",
-    quote="$$\\text{Attention}(\\mathbf{Q}\\mathbf{P}, \\mathbf{K}\\mathbf{P}, "
-    "\\mathbf{V}\\mathbf{P})"
-    " = \\text{Attention}(\\mathbf{Q}, \\mathbf{K}, \\mathbf{V})\\mathbf{P}$$ 这意味着如果我们打乱"
-    "输入序列的顺序，输出也会以相同方式打乱。",
-    paraphrase="Permuting the tokens of Q, K, V permutes the output the same way (tokens are "
-    "columns in the text, rows in attnlab).",
-    api="attnlab.attention",
-    expected=AGREES,
-    assumptions="n=6, d=8, float64, one seeded permutation",
-)
+@check("002-8.2.1-a")
 def _equivariance() -> Finding:
     out, out_p, perm = _permutation_outputs()
     err = float((out_p - out[:, :, perm]).abs().max())
@@ -513,30 +383,12 @@ def _invariance_claim() -> Finding:
     )
 
 
-@claim(
-    "002-8.2.1-b",
-    section="8.2.1 为什么需要位置信息",
-    quote="自注意力机制有一个根本性质：**置换不变性**。",
-    paraphrase="Self-attention's basic property is called permutation invariance.",
-    api="attnlab.attention",
-    expected=TEXT_ERROR,
-    assumptions="n=6, d=8, float64, one seeded permutation",
-)
+@check("002-8.2.1-b")
 def _invariance_8_2_1() -> Finding:
     return _invariance_claim()
 
 
-@claim(
-    "002-8.2.1-c",
-    section="8.2.1 为什么需要位置信息",
-    quote='模型无法区分"狗咬人"和"人咬狗"。 … $$\\mathbf{x}\'_i = \\mathbf{x}_i + \\mathbf{p}_i$$',
-    paraphrase="Without positions the model cannot tell 'dog bites man' from 'man bites dog'; "
-    "adding a position vector p_i to x_i fixes it.",
-    api="attnlab.MultiHeadAttention, attnlab.positional.sinusoidal",
-    expected=AGREES,
-    assumptions="three random token embeddings (E=16), one MHA layer (4 heads), no mask, "
-    "float64, seed 0; compared: the output at the token '狗' (dog) in both sentences",
-)
+@check("002-8.2.1-c")
 def _dog_bites_man() -> Finding:
     from ...positional import sinusoidal
 
@@ -556,16 +408,7 @@ def _dog_bites_man() -> Finding:
     )
 
 
-@claim(
-    "002-8.2.2-a",
-    section="8.2.2 正弦位置编码",
-    quote="$$PE_{(pos, 2i)} = \\sin\\left(\\frac{pos}{10000^{2i/d}}\\right)$$ "
-    "$$PE_{(pos, 2i+1)} = \\cos\\left(\\frac{pos}{10000^{2i/d}}\\right)$$",
-    paraphrase="Even dimensions hold sin(pos/10000^{2i/d}), odd ones cos of the same angle.",
-    api="attnlab.positional.sinusoidal",
-    expected=AGREES,
-    assumptions="64 positions, d=16, float64",
-)
+@check("002-8.2.2-a")
 def _pe_formula() -> Finding:
     from ...positional import sinusoidal
 
@@ -583,18 +426,7 @@ def _pe_formula() -> Finding:
     )
 
 
-@claim(
-    "002-8.2.2-b",
-    section="8.2.2 正弦位置编码",
-    quote="1. **有界性**：正弦函数输出在[-1, 1]范围内，避免数值问题 2. "
-    "**唯一性**：每个位置获得唯一的编码模式",
-    paraphrase="Sinusoidal encodings are bounded in [−1, 1] and every position gets a distinct "
-    "vector.",
-    api="attnlab.positional.sinusoidal",
-    expected=AGREES,
-    assumptions="2048 positions, d=64, float64 (distinctness: the smallest distance between two "
-    "rows)",
-)
+@check("002-8.2.2-b")
 def _pe_bounded_unique() -> Finding:
     from ...positional import sinusoidal
 
@@ -611,18 +443,7 @@ def _pe_bounded_unique() -> Finding:
     )
 
 
-@claim(
-    "002-8.2.2-c",
-    section="8.2.2 正弦位置编码",
-    quote="$$PE_{pos+k} = PE_{pos} \\cdot \\mathbf{M}_k$$ 其中 $\\mathbf{M}_k$ 是只依赖于 $k$ "
-    "的旋转矩阵。",
-    paraphrase="For a fixed offset k, PE_{pos+k} is PE_pos times a rotation matrix M_k that "
-    "depends only on k.",
-    api="attnlab.positional.sinusoidal_shift, attnlab.positional.sinusoidal",
-    expected=AGREES,
-    assumptions="d=16, offsets k ∈ {1, 5, 37}, positions 0..199, float64; attnlab's map acts on "
-    "column vectors (M·PE), the text's row-vector form uses its transpose",
-)
+@check("002-8.2.2-c")
 def _pe_shift() -> Finding:
     from ...positional import sinusoidal, sinusoidal_shift
 
@@ -640,16 +461,7 @@ def _pe_shift() -> Finding:
     )
 
 
-@claim(
-    "002-8.2.2-d",
-    section="8.2.2 正弦位置编码",
-    quote="- 指数级频率间隔：覆盖多个尺度的位置模式",
-    paraphrase="The frequencies are spaced geometrically (wavelengths from 2π up to 2π·10000).",
-    api="attnlab.positional.RoPE (inv_freq), attnlab.positional.sinusoidal",
-    expected=AGREES,
-    assumptions="d=64, base 10000; the frequencies are read off sinusoidal's table (angle at "
-    "position 1)",
-)
+@check("002-8.2.2-d")
 def _pe_frequencies() -> Finding:
     from ...positional import sinusoidal
 
@@ -673,9 +485,6 @@ _PE_TABLE = [
     [0.91, -0.42, 0.20, 0.98, 0.02, 1.00, 0.00, 1.00],
     [0.14, -0.99, 0.30, 0.96, 0.03, 1.00, 0.00, 1.00],
 ]
-_PE_QUOTE = (
-    "0    0.00   1.00   0.00   1.00   0.00   1.00   0.00   1.00 1    0.84   0.54   0.10   0.99"
-)
 
 
 def _pe_table(d_model: int) -> tuple[Tensor, Derivation]:
@@ -702,16 +511,7 @@ def _pe_mismatches(d_model: int) -> list[str]:
     return bad
 
 
-@claim(
-    "002-8.2.2-e",
-    section="8.2.2 正弦位置编码",
-    quote=_PE_QUOTE,
-    paraphrase="The printed table of the encoding (positions 0–3, dims 0–7, two decimals).",
-    api="attnlab.positional.sinusoidal",
-    expected=TEXT_ERROR,
-    assumptions="d_model = 8 (the only width that reproduces the other entries), float64, "
-    "rounded half away from zero to two decimals",
-)
+@check("002-8.2.2-e")
 def _pe_table_rounding() -> Finding:
     bad = _pe_mismatches(8)
     return _found(
@@ -723,16 +523,7 @@ def _pe_table_rounding() -> Finding:
     )
 
 
-@claim(
-    "002-8.2.2-f",
-    section="8.2.2 正弦位置编码",
-    quote="位置编码可视化（前8维）：",
-    paraphrase="The table shows the first 8 dimensions of the encoding (of a model of unstated, "
-    "larger width).",
-    api="attnlab.positional.sinusoidal",
-    expected=TEXT_ERROR,
-    assumptions="the first 8 dims of d_model = 512 compared with the table; float64, two decimals",
-)
+@check("002-8.2.2-f")
 def _pe_table_width() -> Finding:
     bad512 = _pe_mismatches(512)
     bad8 = _pe_mismatches(8)
@@ -753,15 +544,7 @@ def _pe_table_width() -> Finding:
     )
 
 
-@claim(
-    "002-8.2.3-a",
-    section="8.2.3 可学习位置编码",
-    quote="- 泛化性：无法处理训练时未见过的长度 - 参数量：需要 $O(max \\cdot d)$ 额外参数",
-    paraphrase="A learned table has max·d parameters and cannot encode positions beyond max.",
-    api="attnlab.positional.LearnedPositionalEmbedding",
-    expected=AGREES,
-    assumptions="max = 512, d = 64",
-)
+@check("002-8.2.3-a")
 def _learned() -> Finding:
     from ...positional import LearnedPositionalEmbedding
 
@@ -781,16 +564,7 @@ def _learned() -> Finding:
     )
 
 
-@claim(
-    "002-8.2.3-b",
-    section="8.2.3 可学习位置编码",
-    quote="需要外推到更长序列时用正弦编码。",
-    paraphrase="Sinusoidal encodings extrapolate: they are defined at any position, with the "
-    "same relative-shift structure beyond the training length.",
-    api="attnlab.positional.sinusoidal, attnlab.positional.sinusoidal_shift",
-    expected=AGREES,
-    assumptions="'training length' 512; positions up to 4096 checked; d=32, float64",
-)
+@check("002-8.2.3-b")
 def _sinusoidal_extrapolates() -> Finding:
     from ...positional import sinusoidal, sinusoidal_shift
 
@@ -806,18 +580,7 @@ def _sinusoidal_extrapolates() -> Finding:
     )
 
 
-@claim(
-    "002-8.2.4-a",
-    section="8.2.4 相对位置编码",
-    quote="$$e_{ij} = \\mathbf{q}_i^T \\mathbf{k}_j + \\mathbf{q}_i^T \\mathbf{r}_{i-j}$$",
-    paraphrase="Relative keys (Shaw et al.): the score adds q_i·r_{i−j}, which depends on the "
-    "offset only.",
-    api="attnlab.positional.shaw_attention, attnlab.functional.reference.shaw_attention",
-    expected=AGREES,
-    assumptions="Shaw et al.'s relative keys with clip distance K = n − 1 (no clipping), the "
-    "value table zero (the text's formula has no value term), scale 1; the text's r_{i−j} is "
-    "Shaw's a^K at j − i, i.e. the table flipped; n=8, d=4, float64",
-)
+@check("002-8.2.4-a")
 def _shaw_key_term() -> Finding:
     from ...functional.reference import shaw_attention as shaw_reference
     from ...positional import shaw_attention
@@ -841,17 +604,7 @@ def _shaw_key_term() -> Finding:
     )
 
 
-@claim(
-    "002-8.2.4-b",
-    section="8.2.4 相对位置编码",
-    quote="**T5的简化版本**：使用可学习的标量偏置： $$e_{ij} = \\mathbf{q}_i^T \\mathbf{k}_j + "
-    "b_{i-j}$$",
-    paraphrase="T5 adds a learned scalar b_{i−j} (per head) to the score.",
-    api="attnlab.positional.T5RelativeBias, attnlab.attention",
-    expected=AGREES,
-    assumptions="2 heads, n=12, float64; T5's b depends on the bucketed offset (exact below 8, "
-    "log-spaced up to 128)",
-)
+@check("002-8.2.4-b")
 def _t5() -> Finding:
     from ... import attention
     from ...positional import T5RelativeBias
@@ -873,19 +626,7 @@ def _t5() -> Finding:
     )
 
 
-@claim(
-    "002-8.2.4-c",
-    section="8.2.4 相对位置编码",
-    quote="1. **平移不变性**：相同相对位置的交互模式可复用 2. **长度泛化**：自然支持变长序列 3. "
-    '**归纳偏置**：编码了"近处比远处重要"的先验',
-    paraphrase="Relative biases are translation invariant, apply to any length, and encode a "
-    "nearer-is-more-important prior.",
-    api="attnlab.positional.ALiBi, attnlab.positional.T5RelativeBias",
-    expected=AGREES,
-    assumptions="ALiBi with 4 heads (its bias is −slope·|i−j|); T5 with 2 heads evaluated at "
-    "n=16 and n=1024 from the same 32×2 weights; float64. A learned T5 bias has no built-in "
-    "preference for near keys; ALiBi does",
-)
+@check("002-8.2.4-c")
 def _relative_advantages() -> Finding:
     from ...positional import ALiBi, T5RelativeBias
 
@@ -909,18 +650,7 @@ def _relative_advantages() -> Finding:
     )
 
 
-@claim(
-    "002-8.2.4-d",
-    section="8.2.4 相对位置编码",
-    quote="$$(\\mathbf{R}_i \\mathbf{q})^T (\\mathbf{R}_j \\mathbf{k}) = \\mathbf{q}^T "
-    "\\mathbf{R}_{j-i} \\mathbf{k}$$ 点积只依赖于相对位置 $j-i$。",
-    paraphrase="After RoPE the score of q at i and k at j equals qᵀR_{j−i}k: it depends only on "
-    "j − i.",
-    api="attnlab.positional.RoPE",
-    expected=AGREES,
-    assumptions="head dim 16, pairs (i, j) ∈ {(3, 10), (50, 57), (1000, 1007)} and "
-    "(0, 7) for R_{j−i}; float64",
-)
+@check("002-8.2.4-d")
 def _rope_relative() -> Finding:
     from ...positional import RoPE
 
@@ -953,17 +683,7 @@ def _heads_by_hand(mha, x: Tensor) -> list[Tensor]:
     return out
 
 
-@claim(
-    "002-8.3.1-a",
-    section="8.3.1 投影与子空间",
-    quote="$$\\text{MultiHead}(\\mathbf{Q}, \\mathbf{K}, \\mathbf{V}) = "
-    "\\text{Concat}(\\text{head}_1,"
-    " ..., \\text{head}_h)\\mathbf{W}^O$$",
-    paraphrase="Multi-head attention concatenates the heads and applies the output projection.",
-    api="attnlab.MultiHeadAttention",
-    expected=AGREES,
-    assumptions="E=16, h=4, d_k=d_v=4, no biases, n=6, float64, seed 0",
-)
+@check("002-8.3.1-a")
 def _multihead_formula() -> Finding:
     mha = _mha(16, 4, bias=False)
     x = _randn(1, 6, 16, seed=1)
@@ -977,16 +697,7 @@ def _multihead_formula() -> Finding:
     )
 
 
-@claim(
-    "002-8.3.1-b",
-    section="8.3.1 投影与子空间",
-    quote="通常设置 $d_k = d_v = d_{model}/h$，保持总计算量不变。",
-    paraphrase="With d_k = d_v = d_model/h the total compute does not depend on h.",
-    api="attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="n=512, d_model=768, batch 1, no mask; h ∈ {1, 2, 4, 8, 12}; the softmax "
-    "(5 FLOPs per score, one score matrix per head) is the only h-dependent term",
-)
+@check("002-8.3.1-b")
 def _heads_same_compute() -> Finding:
     from ...analysis import estimate
 
@@ -1011,18 +722,7 @@ def _heads_same_compute() -> Finding:
     )
 
 
-@claim(
-    "002-8.3.2-a",
-    section="8.3.2 多头机制的动机",
-    quote="$$\\text{sim}_i(\\mathbf{x}, \\mathbf{y}) = (\\mathbf{x}\\mathbf{W}_i^Q)^T(\\mathbf{y}"
-    "\\mathbf{W}_i^K)$$",
-    paraphrase="Each head scores a pair with its own bilinear form: the dot product of the "
-    "projected query and key.",
-    api="attnlab.MultiHeadAttention.project",
-    expected=AGREES,
-    assumptions="E=16, h=4, no biases, float64, seed 0; W_i as the head's slice of the fused "
-    "projection",
-)
+@check("002-8.3.2-a")
 def _bilinear() -> Finding:
     mha = _mha(16, 4, bias=False)
     x = _randn(1, 5, 16, seed=1)
@@ -1041,17 +741,7 @@ def _bilinear() -> Finding:
     )
 
 
-@claim(
-    "002-8.3.2-b",
-    section="8.3.2 多头机制的动机",
-    quote="$$\\text{sim}_i(\\mathbf{x}, \\mathbf{y}) = "
-    "\\mathbf{x}^T(\\mathbf{W}_i^Q)^T\\mathbf{W}_i^K"
-    "\\mathbf{y} = \\mathbf{x}^T\\mathbf{M}_i\\mathbf{y}$$",
-    paraphrase="The metric matrix is M_i = (W_i^Q)ᵀW_i^K.",
-    api="attnlab.MultiHeadAttention",
-    expected=TEXT_ERROR,
-    assumptions="W_i^Q, W_i^K ∈ R^{d_model×d_k} as stated in 8.3.1; E=16, h=4",
-)
+@check("002-8.3.2-b")
 def _metric_shape() -> Finding:
     mha = _mha(16, 4, bias=False)
     wq, wk, _, _ = _mha_parts(mha)
@@ -1077,20 +767,7 @@ def _metric_shape() -> Finding:
     )
 
 
-@claim(
-    "002-8.3.2-c",
-    section="8.3.2 多头机制的动机",
-    quote="实证观察表明，通常只有部分头是关键的，其余提供冗余。 … "
-    "实践中，通常只有30-50%的头对最终性能至关重要。",
-    paraphrase="Empirically only some heads are critical (30–50 %); the rest are redundant.",
-    api="attnlab.analysis.heads.pruning_sweep",
-    expected=TEXT_ERROR,
-    assumptions="the real all-MiniLM-L6-v2 (72 heads), heads zero-gated in importance order "
-    "(exact ablation loss on 6 held-out Alice sentences); a head 'matters' when the embeddings "
-    "of 16 Alice sentences can no longer keep mean cosine ≥ 0.95 to the unpruned model without "
-    "it; random order (mean of 3 seeds) for contrast; a training-scale experiment (≈ 12 s)",
-    slow=True,
-)
+@check("002-8.3.2-c")
 def _heads_redundant() -> Finding:
     from ...analysis.heads import pruning_sweep
 
@@ -1139,21 +816,7 @@ def _minilm_head_profile() -> dict[str, Tensor]:
     return {k: torch.stack(v).mean(0) for k, v in parts.items()}
 
 
-@claim(
-    "002-8.3.4-b",
-    section="8.3.4 头之间的相互作用",
-    quote="研究发现，训练后的模型中不同头会自发专门化： - "
-    "**位置头**：关注固定相对位置（如前一个token） … - **全局头**：均匀分布的注意力",
-    paraphrase="Trained heads specialise: positional heads (previous token), syntactic, rare-word "
-    "and global (uniform) heads.",
-    api="attnlab.models.minilm, attnlab.analysis.entropy",
-    expected=AGREES,
-    assumptions="all-MiniLM-L6-v2 (6 layers × 12 heads, shipped by a PyPI package), 3 English "
-    "sentences; positional = > 50 % of the weight on the previous (or next) token, global = "
-    "entropy > 80 % of ln T; syntactic and rare-word heads need annotated data and are not "
-    "tested; slow only because loading the model takes seconds",
-    slow=True,
-)
+@check("002-8.3.4-b")
 def _specialisation() -> Finding:
     prof = _minilm_head_profile()
     named = {
@@ -1177,17 +840,7 @@ def _specialisation() -> Finding:
     )
 
 
-@claim(
-    "002-8.3.3-a",
-    section="8.3.3 参数共享与效率",
-    quote="单头注意力参数量：$3d_{model}^2$（用于Q、K、V投影） 多头注意力参数量：$3d_{model}^2 + "
-    "d_{model}^2 = 4d_{model}^2$（额外的输出投影）",
-    paraphrase="Q, K, V projections take 3·d_model² weights; with the output projection "
-    "4·d_model².",
-    api="attnlab.analysis.estimate, attnlab.MultiHeadAttention",
-    expected=AGREES,
-    assumptions="weights only (biases add 4·d_model); d_model=768, h ∈ {1, 12}",
-)
+@check("002-8.3.3-a")
 def _param_count() -> Finding:
     from ...analysis import estimate
 
@@ -1205,15 +858,7 @@ def _param_count() -> Finding:
     )
 
 
-@claim(
-    "002-8.3.3-b",
-    section="8.3.3 参数共享与效率",
-    quote="尽管参数略有增加，但计算复杂度保持相同： $$O(n^2 \\cdot d_{model})$$",
-    paraphrase="The score and weighted-sum cost stays O(n²·d_model) whatever h.",
-    api="attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="d_model=768, h ∈ {1, 12}, n ∈ {512, 1024}",
-)
+@check("002-8.3.3-b")
 def _score_cost() -> Finding:
     from ...analysis import estimate
 
@@ -1233,17 +878,7 @@ def _score_cost() -> Finding:
     )
 
 
-@claim(
-    "002-8.3.3-c",
-    section="8.3.3 参数共享与效率",
-    quote="将QKV投影合并为单个矩阵乘法 reshape为(batch, seq_len, h, d_k) 并行计算所有头的注意力 "
-    "reshape回(batch, seq_len, d_model)",
-    paraphrase="The fused implementation (one QKV matmul, reshape to heads, all heads at once) "
-    "equals the serial loop over heads.",
-    api="attnlab.MultiHeadAttention",
-    expected=AGREES,
-    assumptions="E=16, h=4, no biases, n=6, batch 2, float64",
-)
+@check("002-8.3.3-c")
 def _fused_vs_loop() -> Finding:
     mha = _mha(16, 4, bias=False)
     x = _randn(2, 6, 16, seed=1)
@@ -1258,15 +893,7 @@ def _fused_vs_loop() -> Finding:
     )
 
 
-@claim(
-    "002-8.3.3-d",
-    section="8.3.3 参数共享与效率",
-    quote="- 头数过多会降低每个头的容量（$d_k$ 太小）",
-    paraphrase="Too many heads leave each head a small d_k = d_model/h.",
-    api="attnlab.MultiHeadAttention (head_dim)",
-    expected=AGREES,
-    assumptions="d_model = 768",
-)
+@check("002-8.3.3-d")
 def _head_dim() -> Finding:
     from ...modules import MultiHeadAttention
 
@@ -1279,15 +906,7 @@ def _head_dim() -> Finding:
     )
 
 
-@claim(
-    "002-8.3.3-e",
-    section="8.3.3 参数共享与效率",
-    quote="- 小模型：4-8个头 - 基础模型：8-12个头 - 大模型：16-32个头",
-    paraphrase="Small models use 4–8 heads, base models 8–12, large ones 16–32.",
-    api="attnlab.models.BertConfig",
-    expected=NOT_CHECKABLE,
-    assumptions="a survey of published configurations",
-)
+@check("002-8.3.3-e")
 def _heads_survey() -> Finding:
     return Finding(
         "nothing computed",
@@ -1298,16 +917,7 @@ def _heads_survey() -> Finding:
     )
 
 
-@claim(
-    "002-8.3.4-a",
-    section="8.3.4 头之间的相互作用",
-    quote="$$\\text{diversity} = 1 - \\frac{1}{h(h-1)}\\sum_{i \\neq j} \\text{cos}(\\mathbf{A}_i, "
-    "\\mathbf{A}_j)$$",
-    paraphrase="Head diversity is 1 minus the mean pairwise cosine of the heads' attention maps.",
-    api="attnlab.analysis.head_diversity",
-    expected=AGREES,
-    assumptions="4 heads, n=8, float64, seed 0",
-)
+@check("002-8.3.4-a")
 def _diversity() -> Finding:
     from ... import attention
     from ...analysis import head_diversity
@@ -1328,16 +938,7 @@ def _diversity() -> Finding:
     )
 
 
-@claim(
-    "002-8.3.4-c",
-    section="8.3.4 头之间的相互作用",
-    quote="$$\\text{importance}_i = \\|\\mathbf{W}^O_{:,i \\cdot d_v:(i+1) \\cdot d_v}\\|_F$$",
-    paraphrase="A head's importance is the Frobenius norm of its slice of the output projection.",
-    api="attnlab.analysis.output_norm",
-    expected=AGREES,
-    assumptions="E=16, h=4, float64; W^O in torch's (out × in) layout, so a head is a column "
-    "block (in the text's R^{hd_v×d_model} layout it would be a row block)",
-)
+@check("002-8.3.4-c")
 def _importance() -> Finding:
     from ...analysis import output_norm
 
@@ -1355,17 +956,7 @@ def _importance() -> Finding:
     )
 
 
-@claim(
-    "002-8.3.4-d",
-    section="8.3.4 头之间的相互作用",
-    quote="$$\\mathbf{y} = \\sum_{i=1}^h \\text{head}_i \\mathbf{W}^O_i + \\text{interactions}$$ "
-    "这种交互使得模型能够根据不同头的置信度动态加权。",
-    paraphrase="The output projection adds interaction terms between heads that weight them by "
-    "confidence.",
-    api="attnlab.MultiHeadAttention",
-    expected=TEXT_ERROR,
-    assumptions="E=16, h=4, with biases, n=6, float64",
-)
+@check("002-8.3.4-d")
 def _no_interactions() -> Finding:
     mha = _mha(16, 4)
     x = _randn(1, 6, 16, seed=1)
@@ -1391,16 +982,7 @@ def _est(n: int, E: int = 768, H: int = 12, **kw):
     return estimate(n, E, H, **kw)
 
 
-@claim(
-    "002-8.4.1-a",
-    section="8.4.1 时间复杂度",
-    quote="**1. 计算QKV投影**： $$O(n \\cdot d_{model}^2)$$",
-    paraphrase="The projections cost O(n·d_model²).",
-    api="attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="batch 1, h=12; (n, d_model) ∈ {(512, 768), (1024, 768), (512, 1536)}; "
-    "the row includes the output projection (8·n·d²)",
-)
+@check("002-8.4.1-a")
 def _proj_cost() -> Finding:
     p = {
         (n, E): _est(n, E).value("QKV + output projections", "naive")
@@ -1417,15 +999,7 @@ def _proj_cost() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.1-b",
-    section="8.4.1 时间复杂度",
-    quote="**2. 计算注意力分数**： $$O(n^2 \\cdot d_k)$$ **3. 加权求和**： $$O(n^2 \\cdot d_v)$$",
-    paraphrase="Scores and the weighted sum each cost O(n²·d) per head.",
-    api="attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="batch 1, one head of d_k = d_v = 64, n ∈ {512, 1024}",
-)
+@check("002-8.4.1-b")
 def _score_pv_cost() -> Finding:
     s = {
         n: (
@@ -1443,15 +1017,7 @@ def _score_pv_cost() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.1-c",
-    section="8.4.1 时间复杂度",
-    quote="总复杂度：$O(n^2 \\cdot d_{model} + n \\cdot d_{model}^2)$",
-    paraphrase="The layer costs O(n²·d_model + n·d_model²) in total.",
-    api="attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="batch 1, d_model=768, h=12; exact count 8nd² + 4n²d + 5hn² (softmax)",
-)
+@check("002-8.4.1-c")
 def _total_cost() -> Finding:
     vals = {n: _est(n).value("total", "naive") for n in (256, 1024, 4096)}
     ok = all(v == 8 * n * 768**2 + 4 * n * n * 768 + 5 * 12 * n * n for n, v in vals.items())
@@ -1469,20 +1035,7 @@ def _rnn_flops(n: int, d: int) -> int:
     return 2 * n * sum(p.numel() for p in rnn.parameters())
 
 
-@claim(
-    "002-8.4.1-d",
-    section="8.4.1 时间复杂度",
-    quote="序列长度 n < d_model 时：Transformer更高效 序列长度 n > d_model 时：RNN更高效 "
-    "典型设置：n ≈ "
-    "512, d_model ≈ 768，两者相当",
-    paraphrase="Self-attention (n²d) beats a recurrence (nd²) when n < d, loses when n > d; at "
-    "n≈512, d≈768 they are comparable.",
-    api="attnlab.analysis.estimate, torch.nn.RNN",
-    expected=AGREES,
-    assumptions="the two terms the text compares: attention scores + softmax + weighted sum "
-    "(estimate, h=12) vs an Elman RNN's recurrence 4nd² (torch.nn.RNN(d, d) weights); "
-    "projections excluded; d=768",
-)
+@check("002-8.4.1-d")
 def _rnn_crossover() -> Finding:
     def core(n: int) -> float:
         e = _est(n)
@@ -1498,15 +1051,7 @@ def _rnn_crossover() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.2-a",
-    section="8.4.2 空间复杂度",
-    quote="- 注意力分数矩阵：$O(n^2 \\cdot h)$ - QKV矩阵：$O(n \\cdot d_{model})$",
-    paraphrase="Forward memory: the score matrices take O(n²·h), Q/K/V O(n·d_model).",
-    api="attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="batch 1, d_model=768, float32, h ∈ {6, 12}, n ∈ {512, 1024}",
-)
+@check("002-8.4.2-a")
 def _forward_memory() -> Finding:
     sm = {
         (n, h): _est(n, 768, h).value("score matrix", "naive") for n in (512, 1024) for h in (6, 12)
@@ -1522,15 +1067,7 @@ def _forward_memory() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.2-b",
-    section="8.4.2 空间复杂度",
-    quote="需要存储所有中间激活，空间复杂度： $$O(L \\cdot n^2 \\cdot h)$$",
-    paraphrase="Training stores every layer's activations: O(L·n²·h).",
-    api="attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="naive attention core, batch 1, d_model=768, h=12, float32, n=2048, L ∈ {1, 12}",
-)
+@check("002-8.4.2-b")
 def _backward_memory() -> Finding:
     one = _est(2048).value("activations kept for backward", "naive")
     twelve = _est(2048, layers=12).value("activations kept for backward", "naive")
@@ -1545,15 +1082,7 @@ def _backward_memory() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.2-c",
-    section="8.4.2 空间复杂度",
-    quote="2. **混合精度**：使用FP16减少内存占用 3. **注意力分块**：将注意力矩阵分块计算",
-    paraphrase="FP16 halves the memory; tiling never materialises the full attention matrix.",
-    api="attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="batch 1, d_model=768, h=12; tiled = attnlab's flash backend (128×128 tiles)",
-)
+@check("002-8.4.2-c")
 def _memory_techniques() -> Finding:
     f32 = _est(4096).value("score matrix", "naive")
     f16 = _est(4096, dtype="float16").value("score matrix", "naive")
@@ -1598,31 +1127,12 @@ def _memory_doubling() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.2-d",
-    section="8.4.2 空间复杂度",
-    quote="- 序列长度翻倍，内存需求增加4倍",
-    paraphrase="Doubling the sequence length quadruples the memory.",
-    api="attnlab.analysis.estimate",
-    expected=TEXT_ERROR,
-    assumptions="one attention layer, batch 1, d_model=768, h=12, float32, n = 1024 → 2048",
-)
+@check("002-8.4.2-d")
 def _memory_4x() -> Finding:
     return _memory_doubling()
 
 
-@claim(
-    "002-8.4.3-a",
-    section="8.4.3 并行化优势",
-    quote="RNN必须顺序处理： h_1 → h_2 → h_3 → ... → h_n 时间复杂度: O(n) Transformer可并行处理： "
-    "[h_1, h_2, h_3, ..., h_n] 同时计算",
-    paraphrase="A recurrence needs n sequential steps; attention computes all n positions in "
-    "one parallel step.",
-    api="attnlab.attention, attnlab.KVCache, attnlab.MultiHeadAttention",
-    expected=AGREES,
-    assumptions="causal MHA, E=16, h=4, n=10, float64: one call over all positions vs 10 "
-    "sequential steps with a KV cache",
-)
+@check("002-8.4.3-a")
 def _parallel_vs_sequential() -> Finding:
     from ... import KVCache, masks
 
@@ -1642,15 +1152,7 @@ def _parallel_vs_sequential() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.3-b",
-    section="8.4.3 并行化优势",
-    quote="小批量：20-30% (受内存带宽限制) 大批量：70-80% (计算密集)",
-    paraphrase="Hardware utilisation is 20–30 % of peak for small batches and 70–80 % for large.",
-    api="attnlab.analysis.measure_estimate",
-    expected=NOT_CHECKABLE,
-    assumptions="an accelerator and its peak FLOPS",
-)
+@check("002-8.4.3-b")
 def _utilisation() -> Finding:
     return Finding(
         "nothing computed",
@@ -1660,17 +1162,7 @@ def _utilisation() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.4-a",
-    section="8.4.4 长序列的挑战",
-    quote="512       262K            0.5MB 2K        4M              8MB 8K        64M             "
-    "128MB 32K       1024M           2GB 128K      16384M          32GB",
-    paraphrase="One n×n matrix in 16-bit takes 0.5 MB at 512, 8 MB at 2K, 128 MB at 8K, 2 GB at "
-    "32K and 32 GB at 128K.",
-    api="attnlab.analysis.estimate (row 'score matrix')",
-    expected=AGREES,
-    assumptions="one head, batch 1, float16; K/M/G binary (2K = 2048, MB = MiB)",
-)
+@check("002-8.4.4-a")
 def _long_table() -> Finding:
     table = {
         512: (262_144, 0.5),
@@ -1694,16 +1186,7 @@ def _long_table() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.4-b",
-    section="8.4.4 长序列的挑战",
-    quote="**1. 稀疏注意力**： 只计算部分注意力连接： $$O(n \\cdot \\sqrt{n} \\cdot d)$$",
-    paraphrase="Sparse attention (strided, stride √n) costs O(n√n·d).",
-    api="attnlab.masks.strided, attnlab.analysis.estimate (mask)",
-    expected=AGREES,
-    assumptions="causal strided pattern with stride √n, n ∈ {256, 1024, 2304}, d_model=64, "
-    "one head; pairs / n^1.5 must be constant within 10 %",
-)
+@check("002-8.4.4-b")
 def _sparse_cost() -> Finding:
     from ... import masks
 
@@ -1721,17 +1204,7 @@ def _sparse_cost() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.4-c",
-    section="8.4.4 长序列的挑战",
-    quote="- 局部注意力：只关注附近 $k$ 个位置 - 跨步注意力：每隔 $k$ 个位置采样 - "
-    "随机注意力：随机采样连接",
-    paraphrase="Sparse patterns: a local window of k positions, a stride of k, random links.",
-    api="attnlab.masks.sliding_window, attnlab.masks.strided, attnlab.masks.bigbird",
-    expected=AGREES,
-    assumptions="n=64, k=8, causal; BigBird with 8-token blocks, 1 window, 1 global and 1 "
-    "random block per row, seed 0",
-)
+@check("002-8.4.4-c")
 def _sparse_patterns() -> Finding:
     from ... import masks
 
@@ -1753,16 +1226,7 @@ def _sparse_patterns() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.4-d",
-    section="8.4.4 长序列的挑战",
-    quote="$$\\text{Attention}(\\mathbf{Q}, \\mathbf{K}, \\mathbf{V}) \\approx \\phi(\\mathbf{Q})"
-    "(\\phi(\\mathbf{K})^T\\mathbf{V})$$",
-    paraphrase="Linear attention approximates attention as φ(Q)(φ(K)ᵀV).",
-    api="attnlab.linear.linear_attention",
-    expected=TEXT_ERROR,
-    assumptions="φ = elu + 1 (attnlab's default), n=256, d=16, float64, seed 0",
-)
+@check("002-8.4.4-d")
 def _linear_formula() -> Finding:
     from ...linear import linear_attention
 
@@ -1789,16 +1253,7 @@ def _linear_formula() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.4-e",
-    section="8.4.4 长序列的挑战",
-    quote="复杂度降至 $O(n \\cdot d^2)$",
-    paraphrase="Linear attention costs O(n·d²).",
-    api="attnlab.analysis.estimate (implementation 'linear')",
-    expected=AGREES,
-    assumptions="one head, batch 1, the attention core only (scores/state + feature map + "
-    "weighted sum); d ∈ {64, 128}, n ∈ {1024, 2048}",
-)
+@check("002-8.4.4-e")
 def _linear_cost() -> Finding:
     def core(n: int, d: int) -> float:
         e = _est(n, d, 1)
@@ -1814,19 +1269,7 @@ def _linear_cost() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.4-f",
-    section="8.4.4 长序列的挑战",
-    quote="原始序列: [x_1, x_2, ..., x_n] ↓ 局部注意力 压缩表示: [z_1, z_2, ..., z_{n/k}] ↓ "
-    "全局注意力",
-    paraphrase="Hierarchical attention: local attention inside blocks, global attention over "
-    "n/k block summaries, then n outputs.",
-    api="attnlab.linear.hierarchical_attention, "
-    "attnlab.functional.reference.hierarchical_attention",
-    expected=AGREES,
-    assumptions="n=64, block k=8, d=8, float64; each query scores its 8 block keys plus "
-    "7 other block summaries (15 logits instead of 64)",
-)
+@check("002-8.4.4-f")
 def _hierarchical() -> Finding:
     from ...functional import reference
     from ...linear import hierarchical_attention
@@ -1845,18 +1288,7 @@ def _hierarchical() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.4-g",
-    section="8.4.4 长序列的挑战",
-    quote="1. 将QKV分成小块 2. 在SRAM中计算每块的注意力 3. 累积部分结果 4. 避免存储完整的 $n "
-    "\\times n$ 矩阵 "
-    "效果： - 内存使用：$O(n)$ 而非 $O(n^2)$",
-    paraphrase="Flash attention tiles Q, K, V, accumulates partial results, never stores the "
-    "n×n matrix: O(n) memory.",
-    api="attnlab.attention (backend='flash'), attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="exactness: n=300, d=16, float64; memory: d_model=768, h=12, float32",
-)
+@check("002-8.4.4-g")
 def _flash_memory() -> Finding:
     from ... import attention
 
@@ -1875,15 +1307,7 @@ def _flash_memory() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.4-h",
-    section="8.4.4 长序列的挑战",
-    quote="- 实际速度：提升2-4倍 - 支持序列长度：可达64K+",
-    paraphrase="Flash attention is 2–4× faster and supports 64K+ tokens.",
-    api="attnlab.analysis.estimate",
-    expected=NOT_CHECKABLE,
-    assumptions="the speed-up is a GPU measurement",
-)
+@check("002-8.4.4-h")
 def _flash_speed() -> Finding:
     naive = _est(65536, 64, 1, dtype="float16").value("score matrix", "naive")
     tiled = _est(65536, 64, 1, dtype="float16").value("activations kept for backward", "flash")
@@ -1897,18 +1321,7 @@ def _flash_speed() -> Finding:
 
 
 # ------------------------------------------------------------------------------ 8.5 – 8.7
-@claim(
-    "002-8.5-a",
-    section="8.5 历史人物",
-    quote="2017年，Google Brain团队的阿希什·瓦斯瓦尼(Ashish "
-    "Vaswani)等八位研究者发表了改变深度学习历史进程的论文"
-    "《Attention is All You Need》。这篇仅12页的论文提出了Transformer架构",
-    paraphrase="In 2017 Vaswani and seven co-authors at Google Brain published the 12-page "
-    "'Attention is All You Need'.",
-    api="attnlab.MultiHeadAttention",
-    expected=NOT_CHECKABLE,
-    assumptions="bibliographic facts",
-)
+@check("002-8.5-a")
 def _history() -> Finding:
     return Finding(
         "nothing computed",
@@ -1918,29 +1331,12 @@ def _history() -> Finding:
     )
 
 
-@claim(
-    "002-8.5-b",
-    section="8.5 历史人物",
-    quote="3. **位置编码**：巧妙解决了注意力的置换不变性问题",
-    paraphrase="Positional encoding solved attention's 'permutation invariance'.",
-    api="attnlab.attention",
-    expected=TEXT_ERROR,
-    assumptions="n=6, d=8, float64, one seeded permutation",
-)
+@check("002-8.5-b")
 def _invariance_8_5() -> Finding:
     return _invariance_claim()
 
 
-@claim(
-    "002-8.6-a",
-    section="8.6 Flash Attention与长上下文优化",
-    quote="S = QK^T → P = softmax(S) → O = PV 需要存储大矩阵S和P … 只需存储块大小的矩阵",
-    paraphrase="Standard attention stores S and P (n×n); the tiled form stores only block-sized "
-    "matrices and recovers weights from the log-sum-exp.",
-    api="attnlab.attention (return_lse), attnlab.attention_weights, attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="n=200, d=16, float64; memory at n=8192, d_model=768, h=12, float32",
-)
+@check("002-8.6-a")
 def _flash_blocks() -> Finding:
     from ... import attention, attention_weights
 
@@ -1961,17 +1357,7 @@ def _flash_blocks() -> Finding:
     )
 
 
-@claim(
-    "002-8.6-b",
-    section="8.6 Flash Attention与长上下文优化",
-    quote="- **SRAM** (快，小)：~20MB，带宽19TB/s - **HBM** (慢，大)：~40GB，带宽1.5TB/s "
-    "通过最小化HBM访问，实现2-4倍加速。",
-    paraphrase="GPU SRAM is ~20 MB at 19 TB/s, HBM ~40 GB at 1.5 TB/s; minimising HBM traffic "
-    "gives 2–4×.",
-    api="attnlab.functional.flash_attention",
-    expected=NOT_CHECKABLE,
-    assumptions="an A100-class GPU",
-)
+@check("002-8.6-b")
 def _gpu_numbers() -> Finding:
     return Finding(
         "nothing computed",
@@ -1981,16 +1367,7 @@ def _gpu_numbers() -> Finding:
     )
 
 
-@claim(
-    "002-8.6-c",
-    section="8.6 Flash Attention与长上下文优化",
-    quote="3. **支持各种注意力变体**：因果注意力、分组查询注意力等",
-    paraphrase="Flash attention 2 supports causal and grouped-query attention.",
-    api="attnlab.attention (backend='flash', mask=attnlab.masks.causal())",
-    expected=AGREES,
-    assumptions="attnlab's tiled backend standing in for FA2: 8 query heads, 2 KV heads, n=150, "
-    "d=16, causal, float64",
-)
+@check("002-8.6-c")
 def _flash_variants() -> Finding:
     from ... import attention, masks
 
@@ -2009,15 +1386,7 @@ def _flash_variants() -> Finding:
     )
 
 
-@claim(
-    "002-8.6-d",
-    section="8.6 Flash Attention与长上下文优化",
-    quote="原始RoPE: 支持2K上下文 位置插值: 线性插值到32K",
-    paraphrase="Position interpolation stretches a 2K RoPE to 32K by dividing positions by 16.",
-    api="attnlab.positional.RoPE (scaling={'rope_type': 'linear'})",
-    expected=AGREES,
-    assumptions="head dim 64; factor 16 = 32K / 2K; float64",
-)
+@check("002-8.6-d")
 def _rope_linear() -> Finding:
     from ...positional import RoPE
 
@@ -2037,16 +1406,7 @@ def _rope_linear() -> Finding:
     )
 
 
-@claim(
-    "002-8.6-e",
-    section="8.6 Flash Attention与长上下文优化",
-    quote="NTK-aware: 调整基频支持更长序列 YaRN: 结合插值和外推",
-    paraphrase="NTK-aware scaling changes the RoPE base; YaRN interpolates the low frequencies "
-    "and extrapolates (keeps) the high ones.",
-    api="attnlab.positional.compute_rope_parameters",
-    expected=AGREES,
-    assumptions="rotary dim 64, base 10000, factor 16, YaRN original length 2048",
-)
+@check("002-8.6-e")
 def _rope_ntk_yarn() -> Finding:
     from ...positional import compute_rope_parameters
 
@@ -2070,18 +1430,7 @@ def _rope_ntk_yarn() -> Finding:
     )
 
 
-@claim(
-    "002-8.6-f",
-    section="8.6 Flash Attention与长上下文优化",
-    quote="- Mistral的方案：每层使用固定窗口(如4K) - 通过多层叠加实现长程依赖 - "
-    "内存使用线性而非二次增长",
-    paraphrase="Sliding-window attention: a fixed window per layer, long range through stacked "
-    "layers, memory linear in n.",
-    api="attnlab.masks.sliding_window, attnlab.analysis.estimate (window)",
-    expected=AGREES,
-    assumptions="causal window W=4, n=64, 1–4 stacked layers (reach = boolean matrix powers); "
-    "memory: W=4096, d_model=4096, 32 heads, n ∈ {16K, 32K}",
-)
+@check("002-8.6-f")
 def _sliding_window() -> Finding:
     from ... import masks
 
@@ -2105,18 +1454,7 @@ def _sliding_window() -> Finding:
     )
 
 
-@claim(
-    "002-8.6-g",
-    section="8.6 Flash Attention与长上下文优化",
-    quote="将序列分配到多个设备 设备1: [0:n/4] 设备2: [n/4:n/2] 设备3: [n/2:3n/4] 设备4: [3n/4:n] "
-    "环形通信计算跨设备注意力",
-    paraphrase="Ring attention splits the sequence over 4 devices; passing KV blocks around the "
-    "ring and merging partial results gives exact attention.",
-    api="attnlab.merge_partials, attnlab.attention (return_lse)",
-    expected=AGREES,
-    assumptions="4 simulated devices in one process, n=64, d=8, float64; each query block "
-    "merges the partials of the 4 KV blocks (what the ring passes around)",
-)
+@check("002-8.6-g")
 def _ring() -> Finding:
     from ... import attention, merge_partials
 
@@ -2135,15 +1473,7 @@ def _ring() -> Finding:
     )
 
 
-@claim(
-    "002-8.6-h",
-    section="8.6 Flash Attention与长上下文优化",
-    quote="- 增量处理新token - 缓存键值对(KV Cache) - 支持实时生成",
-    paraphrase="Streaming attention processes new tokens incrementally with a KV cache.",
-    api="attnlab.KVCache, attnlab.MultiHeadAttention",
-    expected=AGREES,
-    assumptions="causal MHA, E=16, h=4, a 6-token prompt then 4 single tokens, float64",
-)
+@check("002-8.6-h")
 def _streaming() -> Finding:
     from ... import KVCache, masks
 
@@ -2162,28 +1492,12 @@ def _streaming() -> Finding:
     )
 
 
-@claim(
-    "002-8.7-a",
-    section="8.7 本章小结",
-    quote="- 解决注意力的置换不变性问题",
-    paraphrase="(Summary) Positional encoding solves attention's 'permutation invariance'.",
-    api="attnlab.attention",
-    expected=TEXT_ERROR,
-    assumptions="n=6, d=8, float64, one seeded permutation",
-)
+@check("002-8.7-a")
 def _invariance_8_7() -> Finding:
     return _invariance_claim()
 
 
-@claim(
-    "002-8.7-b",
-    section="8.7 本章小结",
-    quote="- 时间：$O(n^2 \\cdot d + n \\cdot d^2)$ - 空间：$O(n^2 \\cdot h \\cdot L)$",
-    paraphrase="(Summary) Time O(n²d + nd²), space O(n²·h·L).",
-    api="attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="naive attention, batch 1, d=768, h=12, float32; n ∈ {1024, 4096}, L ∈ {1, 12}",
-)
+@check("002-8.7-b")
 def _summary_cost() -> Finding:
     t = {n: _est(n).value("total", "naive") for n in (1024, 4096)}
     t_ok = all(v == 8 * n * 768**2 + 4 * n * n * 768 + 60 * n * n for n, v in t.items())
@@ -2199,15 +1513,7 @@ def _summary_cost() -> Finding:
     )
 
 
-@claim(
-    "002-8.7-c",
-    section="8.7 本章小结",
-    quote="- 典型配置：$h \\in [4, 32]$，$d_k = d_{model}/h$",
-    paraphrase="(Summary) Typically h between 4 and 32, with d_k = d_model/h.",
-    api="attnlab.MultiHeadAttention (head_dim), attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="d_model=1024, h ∈ {4, 8, 16, 32}",
-)
+@check("002-8.7-c")
 def _typical_heads() -> Finding:
     from ...modules import MultiHeadAttention
 
@@ -2221,16 +1527,7 @@ def _typical_heads() -> Finding:
     )
 
 
-@claim(
-    "002-8.7-d",
-    section="8.7 本章小结",
-    quote="- **模型规模选择**：参数量翻倍，头数增加1.4倍",
-    paraphrase="Doubling the parameters means about 1.4× the heads.",
-    api="attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="fixed head size 64 and fixed depth (parameters ∝ d_model²); d_model 768 "
-    "(h=12) compared with the width whose attention weights double",
-)
+@check("002-8.7-d")
 def _params_heads() -> Finding:
     base = _est(128, 768, 12, bias=False).value("projection weights", "naive")
     best = min(
@@ -2249,30 +1546,13 @@ def _params_heads() -> Finding:
     )
 
 
-@claim(
-    "002-8.7-e",
-    section="8.7 本章小结",
-    quote="- **内存估算**：序列长度翻倍，内存需求4倍增长",
-    paraphrase="(Summary) Doubling the sequence length quadruples the memory.",
-    api="attnlab.analysis.estimate",
-    expected=TEXT_ERROR,
-    assumptions="one attention layer, batch 1, d_model=768, h=12, float32, n = 1024 → 2048",
-)
+@check("002-8.7-e")
 def _memory_4x_summary() -> Finding:
     return _memory_doubling()
 
 
 # ------------------------------------------------------------------------ more of 8.2–8.7
-@claim(
-    "002-8.2.2-g",
-    section="8.2.2 正弦位置编码",
-    quote="- 低频成分（大波长）：编码全局位置信息 - 高频成分（小波长）：编码局部相对关系",
-    paraphrase="Low frequencies encode the global position, high frequencies local relations.",
-    api="attnlab.positional.sinusoidal",
-    expected=AGREES,
-    assumptions="d=64, positions 0–4095, float64; the highest-frequency pair (dims 0–1, period "
-    "2π) against the lowest (dims 62–63, period ≈ 47,000)",
-)
+@check("002-8.2.2-g")
 def _pe_scales() -> Finding:
     from ...positional import sinusoidal
 
@@ -2294,18 +1574,7 @@ def _pe_scales() -> Finding:
     )
 
 
-@claim(
-    "002-8.3.1-c",
-    section="8.3.1 投影与子空间",
-    quote="- $\\mathbf{W}_i^Q, \\mathbf{W}_i^K \\in \\mathbb{R}^{d_{model} \\times d_k}$ - "
-    "$\\mathbf{W}_i^V \\in \\mathbb{R}^{d_{model} \\times d_v}$ - $\\mathbf{W}^O \\in "
-    "\\mathbb{R}^{hd_v \\times d_{model}}$",
-    paraphrase="Per head W^Q, W^K are d_model×d_k, W^V d_model×d_v; W^O is h·d_v×d_model.",
-    api="attnlab.MultiHeadAttention",
-    expected=AGREES,
-    assumptions="d_model=512, h=8 (d_k = d_v = 64); torch stores Linear weights as (out × in), "
-    "i.e. transposed",
-)
+@check("002-8.3.1-c")
 def _param_shapes() -> Finding:
     mha = _mha(512, 8)
     wq, wk, wv, wo = _mha_parts(mha)
@@ -2320,17 +1589,7 @@ def _param_shapes() -> Finding:
     )
 
 
-@claim(
-    "002-8.3.4-e",
-    section="8.3.4 头之间的相互作用",
-    quote="**头的重要性分析** 通过剪枝实验可以识别关键头：",
-    paraphrase="Pruning experiments identify the key heads (the loss increase when a head is "
-    "removed).",
-    api="attnlab.analysis.head_importance, attnlab.MultiHeadAttention.prune_heads",
-    expected=AGREES,
-    assumptions="an untrained MHA (E=16, 4 heads), the loss ‖mha(x) − target‖², float64; the "
-    "gated ablation of head_importance must equal the loss change of actually pruning the head",
-)
+@check("002-8.3.4-e")
 def _pruning() -> Finding:
     from ...analysis import head_importance
 
@@ -2360,17 +1619,7 @@ def _pruning() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.2-e",
-    section="8.4.2 空间复杂度",
-    quote="1. **梯度检查点**：只存储部分激活，需要时重计算",
-    paraphrase="Gradient checkpointing stores fewer activations and recomputes them in backward, "
-    "with the same gradients.",
-    api="attnlab.models.GPT (gradient_checkpointing)",
-    expected=AGREES,
-    assumptions="2-layer GPT, d_model=32, 4 heads, n=16, batch 2, float64, seed 0; recomputation "
-    "counted with forward pre-hooks on the blocks",
-)
+@check("002-8.4.2-e")
 def _checkpointing() -> Finding:
     from ...models import GPT, TransformerConfig
 
@@ -2397,29 +1646,12 @@ def _checkpointing() -> Finding:
     )
 
 
-@claim(
-    "002-8.7-f",
-    section="8.7 本章小结",
-    quote="- 缩放因子 $1/\\sqrt{d_k}$ 防止softmax饱和",
-    paraphrase="(Summary) The 1/√d_k factor prevents softmax saturation.",
-    api="attnlab.analysis.scaling_experiment",
-    expected=AGREES,
-    assumptions="as 002-8.1.3-c",
-)
+@check("002-8.7-f")
 def _summary_scale() -> Finding:
     return _scaled_var()
 
 
-@claim(
-    "002-8.7-g",
-    section="8.7 本章小结",
-    quote="- 正弦编码：支持任意长度，包含多尺度信息",
-    paraphrase="(Summary) Sinusoidal encodings support any length and carry multi-scale "
-    "information.",
-    api="attnlab.positional.sinusoidal, attnlab.positional.sinusoidal_shift",
-    expected=AGREES,
-    assumptions="as 002-8.2.3-b and 002-8.2.2-g",
-)
+@check("002-8.7-g")
 def _summary_sinusoidal() -> Finding:
     a, b = _sinusoidal_extrapolates(), _pe_scales()
     both = a.verdict == AGREES and b.verdict == AGREES
@@ -2445,17 +1677,7 @@ def _unscaled_saturation() -> tuple[float, float, float, float]:
     return frac, float(dots.std()), float(raw.amax(-1).mean()), float(sc.amax(-1).mean())
 
 
-@claim(
-    "002-ex8.1-a",
-    section="8.8 练习8.1",
-    quote="当 $d_k$ 较大（如512）时，点积的值可能达到 ±20 "
-    "或更大。经过softmax后，最大值对应的概率接近1，其他接近0",
-    paraphrase="At d_k = 512 the unscaled dot products reach ±20 or more and softmax becomes "
-    "nearly one-hot.",
-    api="attnlab.attention (scale=1 vs default)",
-    expected=AGREES,
-    assumptions="q, k ~ N(0, 1), d_k = 512, 256 queries × 64 keys, float64, seeds 3–5",
-)
+@check("002-ex8.1-a")
 def _ex81_claim() -> Finding:
     frac, std, raw, sc = _unscaled_saturation()
     return _found(
@@ -2468,15 +1690,7 @@ def _ex81_claim() -> Finding:
     )
 
 
-@claim(
-    "002-ex8.2-a",
-    section="8.8 练习8.2",
-    quote="- 总计：$2,359,296$ 参数",
-    paraphrase="n=1024, d_model=768, h=12: the attention layer has 2,359,296 weights.",
-    api="attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="weights only (the biases add 3,072 more)",
-)
+@check("002-ex8.2-a")
 def _ex82a() -> Finding:
     e = _est(1024, 768, 12, batch=32, dtype="float16")
     w, wb = e.value("projection weights", "naive"), e.value("projection weights + biases", "naive")
@@ -2488,15 +1702,7 @@ def _ex82a() -> Finding:
     )
 
 
-@claim(
-    "002-ex8.2-b",
-    section="8.8 练习8.2",
-    quote="- FP16存储：$32 \\times 12 \\times 1024 \\times 1024 \\times 2$ 字节 = 768MB",
-    paraphrase="The attention matrices of a batch of 32 take 768 MB in FP16.",
-    api="attnlab.analysis.estimate (row 'score matrix')",
-    expected=AGREES,
-    assumptions="batch 32, 12 heads, n=1024, float16; MB = MiB",
-)
+@check("002-ex8.2-b")
 def _ex82b() -> Finding:
     b = _est(1024, 768, 12, batch=32, dtype="float16").value("score matrix", "naive")
     return _found(
@@ -2507,17 +1713,7 @@ def _ex82b() -> Finding:
     )
 
 
-@claim(
-    "002-ex8.3-a",
-    section="8.8 练习8.3",
-    quote="$$= "
-    "\\text{softmax}\\left(\\frac{\\mathbf{QPP}^T\\mathbf{K}^T}{\\sqrt{d_k}}\\right)\\mathbf{VP}$$",
-    paraphrase="The proof, with tokens as columns (X ∈ R^{d×n}, Q = W^Q X), cancels PPᵀ inside "
-    "softmax(QKᵀ/√d_k).",
-    api="attnlab.attention",
-    expected=TEXT_ERROR,
-    assumptions="d = d_k = 8, n = 5, float64; the text's column convention built in plain torch",
-)
+@check("002-ex8.3-a")
 def _ex83_shapes() -> Finding:
     from ... import attention
 
@@ -2544,15 +1740,7 @@ def _ex83_shapes() -> Finding:
     )
 
 
-@claim(
-    "002-ex8.3-b",
-    section="8.8 练习8.3",
-    quote="因此自注意力具有置换不变性。",
-    paraphrase="Hence self-attention is permutation invariant.",
-    api="attnlab.attention",
-    expected=TEXT_ERROR,
-    assumptions="n=6, d=8, float64, one seeded permutation",
-)
+@check("002-ex8.3-b")
 def _ex83_invariance() -> Finding:
     return _invariance_claim()
 
@@ -2573,18 +1761,7 @@ def _local(n: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
     return loop, band, additive
 
 
-@claim(
-    "002-ex8.4-a",
-    section="8.8 练习8.4",
-    quote="创建掩码矩阵 $\\mathbf{M}$，其中 $M_{ij} = -\\infty$ 如果 $|i-j| > k$，否则为0。 … "
-    "时间复杂度：$O(n \\cdot k \\cdot d)$，当 $k \\ll n$ 时显著优于 $O(n^2 \\cdot d)$。 "
-    "内存复杂度：$O(n \\cdot k)$ 而非 $O(n^2)$。",
-    paraphrase="Local attention: an additive mask of −∞ beyond distance k (or the per-row loop) "
-    "costs O(n·k·d) time and O(n·k) memory.",
-    api="attnlab.attention (mask), attnlab.masks.sliding_window, attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="n=32, k=3, d=8, float64; cost: n=4096, k=64, d_model=64, one head",
-)
+@check("002-ex8.4-a")
 def _ex84() -> Finding:
     from ... import masks
 
@@ -2604,17 +1781,7 @@ def _ex84() -> Finding:
     )
 
 
-@claim(
-    "002-ex8.5-a",
-    section="8.8 练习8.5",
-    quote="$$= \\mathbf{q}_m^T \\mathbf{R}_{(n-m)\\omega} \\mathbf{k}_n$$ … $$\\omega_i = "
-    "10000^{-2i/d}$$",
-    paraphrase="R_{mω}ᵀR_{nω} = R_{(n−m)ω}, so the score depends on n − m; the frequencies are "
-    "ω_i = 10000^(−2i/d).",
-    api="attnlab.positional.RoPE (inv_freq, forward)",
-    expected=AGREES,
-    assumptions="d = 32, ω from RoPE(32); m=11, n=4 and m=111, n=104; float64",
-)
+@check("002-ex8.5-a")
 def _ex85() -> Finding:
     from ...positional import RoPE
 
@@ -2663,17 +1830,7 @@ def _io_closed(N: int, d: int, B: float) -> float:
     return float(ind.tiled_io(N, d, max(1, round(B))))
 
 
-@claim(
-    "002-ex8.6-a",
-    section="8.8 练习8.6",
-    quote="当 $B = \\Theta(\\sqrt{M/d})$（$M$是SRAM大小）时，IO复杂度为： $$O(N^2d^2/M)$$",
-    paraphrase="With block size B = Θ(√(M/d)) the IO becomes O(N²d²/M).",
-    api="attnlab.analysis.costs.io_tiled",
-    expected=TEXT_ERROR,
-    assumptions="attnlab's IO model of tiled attention (K and V read once per block of B "
-    "query rows); N=2^20, d=64, SRAM M ∈ {2^14, 2^16, 2^18} elements; the slope of log IO in "
-    "log M must be −1 for O(N²d²/M)",
-)
+@check("002-ex8.6-a")
 def _ex86() -> Finding:
     text = _io_fit(lambda M, d: math.sqrt(M / d))
     right = _io_fit(lambda M, d: M / (4 * d))  # K_j, V_j, Q_i, O_i blocks of B×d in SRAM
@@ -2711,16 +1868,7 @@ def _sine_only_residual(k: int = 1) -> tuple[float, float]:
     return r_sin, r_pe
 
 
-@claim(
-    "002-ex8.7-a",
-    section="8.8 练习8.7",
-    quote="$$PE_{base}(pos, i) = \\sin(pos \\cdot 2^{-i})$$ … - 相对位置：通过频率差异自然编码",
-    paraphrase="The proposed sine-only multi-scale encoding expresses relative positions.",
-    api="attnlab.positional.sinusoidal",
-    expected=TEXT_ERROR,
-    assumptions="8 sine features sin(pos·2^−i), positions 0–299, shift k = 1, best linear map by "
-    "least squares; the same test on attnlab's sin/cos table (d=16)",
-)
+@check("002-ex8.7-a")
 def _ex87() -> Finding:
     r_sin, r_pe = _sine_only_residual()
     pos = np.arange(300, dtype=np.float64)[:, None]
@@ -2768,16 +1916,7 @@ def _single_head_copy() -> tuple[Tensor, Tensor, Tensor]:
 _SINGLE_HEAD_WITNESS: list[Derivation] = [Derivation(False, "not computed")]
 
 
-@claim(
-    "002-ex8.8-a",
-    section="8.8 练习8.8",
-    quote="- 无法同时让 $\\alpha_{i1} = 0.5$ 和 $\\alpha_{in} = 0.5$，其他为0",
-    paraphrase="A single head cannot put weight 0.5 on position 1 and 0.5 on position n.",
-    api="attnlab.MultiHeadAttention, attnlab.attention",
-    expected=TEXT_ERROR,
-    assumptions="one head, E=8, n=6, no biases, float64; weights set by hand: a marker feature "
-    "on tokens 1 and n, q = 200·e_0, k = marker·e_0, W^V = I, W^O = 2I",
-)
+@check("002-ex8.8-a")
 def _ex88_single() -> Finding:
     y, target, a = _single_head_copy()
     err = float((y - target).abs().max())
@@ -2794,18 +1933,7 @@ def _ex88_single() -> Finding:
     )
 
 
-@claim(
-    "002-ex8.8-b",
-    section="8.8 练习8.8",
-    quote="- 因为这需要注意力矩阵的秩至少为2 … 一般性结论：$h$ 头注意力可以表示秩最多为 $h$ "
-    "的注意力模式组合，"
-    "而单头限制为秩1。",
-    paraphrase="Spreading weight over two positions needs an attention matrix of rank ≥ 2; one "
-    "head is limited to rank 1.",
-    api="attnlab.attention (return_weights=True)",
-    expected=TEXT_ERROR,
-    assumptions="the 0.5/0.5 matrix of 8.8-a (n=6) and one random head (n=16, d=16, float64)",
-)
+@check("002-ex8.8-b")
 def _ex88_rank() -> Finding:
     from ... import attention
 
@@ -2831,19 +1959,7 @@ def _ex88_rank() -> Finding:
     )
 
 
-@claim(
-    "002-ex8.8-c",
-    section="8.8 练习8.8",
-    quote="- 输出投影：$\\mathbf{W}^O = 0.5 \\mathbf{I}$ 这样：$\\mathbf{y}_i = 0.5(\\mathbf{x}_1 "
-    "+ "
-    "\\mathbf{x}_n)$",
-    paraphrase="The two-head solution (head 1 copies x_1, head 2 copies x_n, W^O = 0.5·I) meets "
-    "the target y_i = x_1 + x_n.",
-    api="attnlab.attention",
-    expected=TEXT_ERROR,
-    assumptions="two heads with hard one-hot weights (logits ±∞ via masks), each head's output "
-    "projection block 0.5·I, E=8, n=6, float64",
-)
+@check("002-ex8.8-c")
 def _ex88_two_heads() -> Finding:
     from ... import attention
 
@@ -2871,15 +1987,7 @@ def _ex88_two_heads() -> Finding:
     )
 
 
-@claim(
-    "002-8.3.2-d",
-    section="8.3.2 多头机制的动机",
-    quote="单头注意力对每个查询产生一个注意力分布。多头允许模型同时关注不同类型的信息：",
-    paraphrase="One head gives one distribution per query; h heads give h distributions at once.",
-    api="attnlab.attention (return_weights=True), attnlab.analysis.head_diversity",
-    expected=AGREES,
-    assumptions="4 heads, n=8, d=8, float64, seed 0",
-)
+@check("002-8.3.2-d")
 def _h_distributions() -> Finding:
     from ... import attention
     from ...analysis import head_diversity
@@ -2900,16 +2008,7 @@ def _h_distributions() -> Finding:
     )
 
 
-@claim(
-    "002-8.4.3-c",
-    section="8.4.3 并行化优势",
-    quote="自注意力主要是矩阵乘法，可充分利用：",
-    paraphrase="Self-attention is mostly matrix multiplication.",
-    api="attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="one layer, batch 1, d_model=768, h=12, n ∈ {512, 4096}; the only non-matmul "
-    "term counted is the softmax (5 FLOPs per score)",
-)
+@check("002-8.4.3-c")
 def _mostly_matmul() -> Finding:
     share = {}
     for n in (512, 4096):
@@ -2924,16 +2023,7 @@ def _mostly_matmul() -> Finding:
     )
 
 
-@claim(
-    "002-ex8.5-b",
-    section="8.8 练习8.5",
-    quote="高维推广：将 $d$ 维空间分成 $d/2$ 个2D子空间，每个子空间使用不同频率：",
-    paraphrase="In d dimensions RoPE rotates d/2 independent 2-D planes, each at its own "
-    "frequency.",
-    api="attnlab.positional.RoPE (interleaved=True)",
-    expected=AGREES,
-    assumptions="d=16, position 5, pairs (2i, 2i+1) as in the paper's layout, float64",
-)
+@check("002-ex8.5-b")
 def _ex85_planes() -> Finding:
     from ...positional import RoPE
 
@@ -2955,17 +2045,7 @@ def _ex85_planes() -> Finding:
     )
 
 
-@claim(
-    "002-ex8.7-b",
-    section="8.8 练习8.7",
-    quote="- 使用图拉普拉斯算子的特征向量作为位置编码 - 自然满足平移不变性和局部平滑性",
-    paraphrase="Eigenvectors of the path graph's Laplacian as positional codes are naturally "
-    "translation invariant.",
-    api="attnlab.positional.sinusoidal (for comparison)",
-    expected=TEXT_ERROR,
-    assumptions="path graphs of n=16 and n=32 nodes, the 8 lowest non-constant eigenvectors, "
-    "float64; translation tested as in 002-ex8.7-a (best linear map code(p) → code(p+1))",
-)
+@check("002-ex8.7-b")
 def _ex87_laplacian() -> Finding:
     def codes(n: int) -> Tensor:
         lap = torch.diag(torch.tensor([1.0] + [2.0] * (n - 2) + [1.0], dtype=F64))
@@ -3002,17 +2082,7 @@ def _ex87_laplacian() -> Finding:
 
 
 # ------------------------------------------------------------------------- 8.9 pitfalls
-@claim(
-    "002-8.9-a",
-    section="8.9 常见陷阱与错误",
-    quote="**后果**：模型无法区分不同位置的相同词，严重影响性能。",
-    paraphrase="Without positional encoding the same word at different positions gets the same "
-    "representation.",
-    api="attnlab.MultiHeadAttention, attnlab.positional.sinusoidal",
-    expected=AGREES,
-    assumptions="one MHA layer (E=16, h=4), a 6-token sentence whose tokens 1 and 4 are the same "
-    "word, no mask, float64",
-)
+@check("002-8.9-a")
 def _same_word() -> Finding:
     from ...positional import sinusoidal
 
@@ -3031,15 +2101,7 @@ def _same_word() -> Finding:
     )
 
 
-@claim(
-    "002-8.9-b",
-    section="8.9 常见陷阱与错误",
-    quote="embedding_dim = 512 pos_encoding_dim = 256 # 不匹配！",
-    paraphrase="A 256-wide positional encoding cannot be added to 512-wide embeddings.",
-    api="attnlab.positional.SinusoidalEmbedding",
-    expected=AGREES,
-    assumptions="10 tokens; torch broadcasting rules",
-)
+@check("002-8.9-b")
 def _dim_mismatch() -> Finding:
     from ...positional import SinusoidalEmbedding
 
@@ -3058,16 +2120,7 @@ def _dim_mismatch() -> Finding:
     )
 
 
-@claim(
-    "002-8.9-c",
-    section="8.9 常见陷阱与错误",
-    quote="attention_scores = torch.matmul(Q, K.transpose(-2, -1)) / math.sqrt(d_k) "
-    "attention_weights = softmax(attention_scores)",
-    paraphrase="The corrected snippet divides the scores by √d_k (attnlab's default scale).",
-    api="attnlab.attention (return_weights=True)",
-    expected=AGREES,
-    assumptions="n=8, d_k=8, float64",
-)
+@check("002-8.9-c")
 def _scale_snippet() -> Finding:
     from ... import attention
 
@@ -3086,16 +2139,7 @@ def _scale_snippet() -> Finding:
     )
 
 
-@claim(
-    "002-8.9-d",
-    section="8.9 常见陷阱与错误",
-    quote="attention_weights = softmax(scores, dim=-2) # 错误！",
-    paraphrase="Softmax over dim −2 normalises the columns (over queries) instead of each "
-    "query's keys.",
-    api="attnlab.attention (return_weights=True)",
-    expected=AGREES,
-    assumptions="n=8, d=8, float64",
-)
+@check("002-8.9-d")
 def _softmax_dim() -> Finding:
     from ... import attention
 
@@ -3115,19 +2159,7 @@ def _softmax_dim() -> Finding:
     )
 
 
-@claim(
-    "002-8.9-e",
-    section="8.9 常见陷阱与错误",
-    quote="# 错误：使用0会影响softmax分布 mask = torch.zeros(seq_len, seq_len) scores = scores * "
-    "mask "
-    "# 正确：使用负无穷 mask = mask.float().masked_fill(mask == 0, -1e9) scores = scores + mask",
-    paraphrase="Multiplying scores by a 0/1 mask does not mask; adding −1e9 where the mask is 0 "
-    "does.",
-    api="attnlab.attention (mask), attnlab.masks.causal",
-    expected=AGREES,
-    assumptions="causal 0/1 mask, n=8, d=8, float64; a fully masked row is not in this example "
-    "(with −1e9 it would get uniform weights, attnlab gives zeros)",
-)
+@check("002-8.9-e")
 def _mask_snippets() -> Finding:
     from ... import attention, masks
 
@@ -3148,17 +2180,7 @@ def _mask_snippets() -> Finding:
     )
 
 
-@claim(
-    "002-8.9-f",
-    section="8.9 常见陷阱与错误",
-    quote="causal_mask = torch.triu(torch.ones(n, n)) # 错误方向！ # 正确：下三角保留 causal_mask "
-    "= "
-    "torch.tril(torch.ones(n, n))",
-    paraphrase="The causal mask keeps the lower triangle (tril), not the upper.",
-    api="attnlab.masks.causal",
-    expected=AGREES,
-    assumptions="n=7, True = may attend",
-)
+@check("002-8.9-f")
 def _tril() -> Finding:
     from ... import masks
 
@@ -3173,17 +2195,7 @@ def _tril() -> Finding:
     )
 
 
-@claim(
-    "002-8.9-g",
-    section="8.9 常见陷阱与错误",
-    quote="num_heads = 7 # 512 % 7 != 0 # 正确：确保整除 d_model = 512 num_heads = 8 # 512 % 8 = "
-    "0，d_k = 64",
-    paraphrase="d_model must be divisible by the number of heads: 512/7 is refused, 512/8 gives "
-    "d_k = 64.",
-    api="attnlab.MultiHeadAttention",
-    expected=AGREES,
-    assumptions="d_model = 512",
-)
+@check("002-8.9-g")
 def _divisible() -> Finding:
     from ...modules import MultiHeadAttention
 
@@ -3201,18 +2213,7 @@ def _divisible() -> Finding:
     )
 
 
-@claim(
-    "002-8.9-h",
-    section="8.9 常见陷阱与错误",
-    quote="x = x.reshape(batch, seq_len, num_heads, d_k) x = x.transpose(1, 2) # (batch, "
-    "num_heads, "
-    "seq_len, d_k)",
-    paraphrase="Split heads with reshape(B, L, h, d_k) then transpose(1, 2); reshape(B, L, "
-    "d_model, h) scrambles the heads.",
-    api="attnlab.MultiHeadAttention.project",
-    expected=AGREES,
-    assumptions="E=16, h=4, n=5, batch 2, float64",
-)
+@check("002-8.9-h")
 def _reshape() -> Finding:
     mha = _mha(16, 4, bias=False)
     x = _randn(2, 5, 16, seed=1)
@@ -3229,17 +2230,7 @@ def _reshape() -> Finding:
     )
 
 
-@claim(
-    "002-8.9-i",
-    section="8.9 常见陷阱与错误",
-    quote="attention_matrix = torch.zeros(batch_size, num_heads, seq_len, seq_len) "
-    "# 对seq_len=10000，需要~3GB内存！",
-    paraphrase="A float32 attention matrix at seq_len = 10,000 takes about 3 GB.",
-    api="attnlab.analysis.estimate (row 'score matrix')",
-    expected=AGREES,
-    assumptions="float32, batch_size·num_heads = 8 (e.g. batch 1, 8 heads; the snippet leaves "
-    "both open — one head alone is 0.37 GiB)",
-)
+@check("002-8.9-i")
 def _ten_thousand() -> Finding:
     b = _est(10000, 512, 8).value("score matrix", "naive")
     one = _est(10000, 64, 1).value("score matrix", "naive")
@@ -3251,18 +2242,7 @@ def _ten_thousand() -> Finding:
     )
 
 
-@claim(
-    "002-8.9-j",
-    section="8.9 常见陷阱与错误",
-    quote="# Pre-LN (更稳定) x = x + self_attention(layer_norm(x)) # Post-LN (原始Transformer) x = "
-    "layer_norm(x + self_attention(x))",
-    paraphrase="Pre-LN computes x + f(LN(x)), Post-LN LN(x + f(x)); Pre-LN is the more stable.",
-    api="attnlab.models.TransformerConfig (prenorm), attnlab.models.GPT",
-    expected=AGREES,
-    assumptions="8-layer GPT, d_model=32, 4 heads, n=16, batch 2, random tokens, float64, seed "
-    "0, at initialisation; stability measured as the spread of per-layer gradient norms "
-    "(largest / smallest)",
-)
+@check("002-8.9-j")
 def _pre_post_ln() -> Finding:
     from ...models import GPT, TransformerConfig
 
@@ -3300,18 +2280,7 @@ def _pre_post_ln() -> Finding:
     )
 
 
-@claim(
-    "002-8.9-k",
-    section="8.9 常见陷阱与错误",
-    quote="# 正确：增量更新KV缓存 if kv_cache is not None: k = torch.cat([kv_cache['k'], new_k], "
-    "dim=1)",
-    paraphrase="Incremental KV caching gives the same outputs as recomputing all keys and "
-    "values for every token.",
-    api="attnlab.KVCache, attnlab.MultiHeadAttention",
-    expected=AGREES,
-    assumptions="causal MHA, E=16, h=4, 8 tokens one at a time, float64; the snippet's dim=1 is "
-    "the sequence axis of a (B, L, …) layout (attnlab's cache uses (B, H, S, D), axis 2)",
-)
+@check("002-8.9-k")
 def _kv_recompute() -> Finding:
     from ... import KVCache, masks
 
@@ -3330,15 +2299,7 @@ def _kv_recompute() -> Finding:
     )
 
 
-@claim(
-    "002-8.9-l",
-    section="8.9 常见陷阱与错误",
-    quote="entropy = -(weights * weights.log()).sum(-1).mean()",
-    paraphrase="The debugging snippet computes the mean attention entropy.",
-    api="attnlab.analysis.entropy, attnlab.attention (return_weights=True)",
-    expected=TEXT_ERROR,
-    assumptions="causal attention, n=8, d=8, float64 (masked keys have weight exactly 0)",
-)
+@check("002-8.9-l")
 def _entropy_snippet() -> Finding:
     from ... import attention, masks
     from ...analysis import entropy
@@ -3364,16 +2325,7 @@ def _entropy_snippet() -> Finding:
     )
 
 
-@claim(
-    "002-8.9-m",
-    section="8.9 常见陷阱与错误",
-    quote="similarity = cosine_similarity(pos1_repr, pos2_repr) # 应该 < 1.0，表明位置信息被编码",
-    paraphrase="The same token at positions 0 and 10 should have cosine similarity below 1 once "
-    "positions are encoded.",
-    api="attnlab.positional.sinusoidal",
-    expected=AGREES,
-    assumptions="token embedding ~ N(0, 1) of width 64 plus sinusoidal PE, float64",
-)
+@check("002-8.9-m")
 def _position_cosine() -> Finding:
     from ...positional import sinusoidal
 
@@ -3610,21 +2562,7 @@ def _plain_squares(seq_len: int, n_heads: int, head_dim: int) -> int:
     return sum(1 for t in saved.values() if t.numel() == n_heads * seq_len * seq_len)
 
 
-@claim(
-    "002-8.4.2-f",
-    section="8.4.2 空间复杂度",
-    quote="- 批大小1，序列长度2048，12层模型约需16GB显存",
-    paraphrase="Training a 12-layer model on one sequence of 2048 tokens needs about 16 GB of "
-    "GPU memory.",
-    api="attnlab.analysis.costs.model_cost, attnlab.models.TransformerBlock",
-    expected=AGREES,
-    assumptions="the 12-layer model is GPT-2 small (d_model=768, 12 heads, vocabulary 50257, tied "
-    "head), batch 1 × 2048, AdamW, float32 unless said; 16 GB = 16·10⁹ B and 'about' = within "
-    "15 % for some implementation; the eager implementations keep several L×L tensors per head "
-    "for backward: plain PyTorch code as the texts write it (matmul, softmax, dropout 0.1 as in "
-    "seed 003's sample, matmul) and attnlab's reference backend (dropout 0.1), their saved "
-    "tensors counted on the meta device with autograd's saved-tensor hooks",
-)
+@check("002-8.4.2-f")
 def _sixteen_gb() -> Finding:
     from ...analysis.costs import model_cost
 
@@ -3725,23 +2663,7 @@ def _machine_note() -> str:
     return _this_machine()[0]
 
 
-@claim(
-    "002-8.6-i",
-    section="8.6 Flash Attention与长上下文优化",
-    quote="- 8K以下：标准注意力 + Flash Attention - 8K-32K：滑动窗口或稀疏注意力 - "
-    "32K-128K：环形注意力或混合方案 - 128K+：需要专门的长文本架构",
-    paraphrase="Below 8K use standard attention (with FlashAttention); 8K–32K sliding-window or "
-    "sparse attention; 32K–128K ring attention or hybrids; beyond 128K a dedicated long-context "
-    "architecture.",
-    api="attnlab.analysis.advise.advise, attnlab.analysis.advise.machine_info",
-    expected=TEXT_ERROR,
-    assumptions="hardware assumed (not this machine, a CPU; the command also prints it): one 80 GB "
-    "GPU sustaining 156 TFLOP/s (half an A100-80GB's bf16 peak), ring attention over 8 of them; "
-    "a 7B-class decoder (d_model=4096, 32 layers, 32 heads, vocabulary 32000) in bfloat16 running "
-    "one forward pass (prefill) of one sequence within 10 s; sparse = a 4096-token window "
-    "(Mistral's); the bands checked at 4K, 16K, 64K and 256K; for contrast a 24 GB card at "
-    "82 TFLOP/s",
-)
+@check("002-8.6-i")
 def _length_bands() -> Finding:
     scan, small = _length_scan(_GPU), _length_scan(_GPU_SMALL)
     want = {4096: ("dense", "tiled"), 16384: ("sparse",), 65536: ("ring",)}
@@ -3770,18 +2692,7 @@ def _length_bands() -> Finding:
     )
 
 
-@claim(
-    "002-8.7-h",
-    section="8.7 本章小结",
-    quote="- **序列长度处理**：<8K用标准注意力，>8K考虑稀疏变体",
-    paraphrase="(Summary) Below 8K tokens use standard attention; above 8K consider sparse "
-    "variants.",
-    api="attnlab.analysis.advise.advise",
-    expected=TEXT_ERROR,
-    assumptions="as 002-8.6-i: a 7B-class bfloat16 decoder, one forward within 10 s, on one 80 GB "
-    "GPU (156 TFLOP/s) or a 24 GB card (82 TFLOP/s), ring over 8 devices, a 4096-token window for "
-    "the sparse option; lengths 4K–256K",
-)
+@check("002-8.7-h")
 def _eight_k() -> Finding:
     scans = {"80 GB": _length_scan(_GPU), "24 GB": _length_scan(_GPU_SMALL)}
     first = {
@@ -3815,17 +2726,7 @@ def _eight_k() -> Finding:
 
 
 # ------------------------------------------------------------ the practice rules: learning rate
-@claim(
-    "002-8.9-n",
-    section="8.9 常见陷阱与错误",
-    quote="# 正确：使用较小的学习率和warmup optimizer = Adam(lr=5e-4) "
-    "scheduler = WarmupScheduler(warmup_steps=4000)",
-    paraphrase="Use a small learning rate (5e-4) with a 4000-step warmup.",
-    api="attnlab.train.lr_at, attnlab.train.TrainSettings (schedule='noam')",
-    expected=AGREES,
-    assumptions="the 2017 paper's warmup schedule (lr = d_model^-0.5 · min(t^-0.5, t · w^-1.5)) "
-    "with its d_model = 512 and w = 4000; 'agrees' when its peak is within 2× of 5e-4",
-)
+@check("002-8.9-n")
 def _noam_peak() -> Finding:
     from ...train import TrainSettings, lr_at
 
@@ -3858,12 +2759,6 @@ _SWEEP = dict(
     eval_batches=8,
     save_interval=0,
     seed=0,
-)
-_SWEEP_NOTE = (
-    "attnlab's pre-LN GPT char-LM (d_model=64, 2 layers, 4 heads, RoPE) on the shipped Alice text, "
-    "300 AdamW steps of 16×64 characters, cosine decay to 5e-5, gradient clipping at 1, seed 0, "
-    "one CPU thread (the runs take ≈ 1–2 min under load); warmup 30 steps stands for the text's "
-    "4000 (the same 10 % of a run's steps as 4000 of the 2017 paper's 100,000)"
 )
 
 
@@ -3916,18 +2811,7 @@ _SWEEP_CALL = (
 )
 
 
-@claim(
-    "002-8.9-o",
-    section="8.9 常见陷阱与错误",
-    quote="**错误**：学习率过大 … # 错误：对Transformer使用过大的学习率 optimizer = Adam(lr=1e-2) "
-    "# 太大！",
-    paraphrase="A learning rate of 1e-2 is too large for a Transformer; use 5e-4 with warmup.",
-    api="attnlab.train.sweep",
-    expected=TEXT_ERROR,
-    assumptions=_SWEEP_NOTE + "; 'too large' = diverges or ends worse than 5e-4 under the same "
-    "warmup",
-    slow=True,
-)
+@check("002-8.9-o")
 def _lr_too_large() -> Finding:
     val = _lr_sweep()
     too_large = all(
@@ -3943,20 +2827,7 @@ def _lr_too_large() -> Finding:
     )
 
 
-@claim(
-    "002-8.7-i",
-    section="8.7 本章小结",
-    quote="- **训练稳定性**：使用Pre-LN，warmup学习率，梯度裁剪 … 7. ✅ 使用学习率warmup",
-    paraphrase="(Summary and checklist) For stable training use pre-LN, a learning-rate warmup "
-    "and gradient clipping.",
-    api="attnlab.train.sweep, attnlab.train.train (grad_clip=0)",
-    expected=AGREES,
-    assumptions=_SWEEP_NOTE + "; every run is pre-LN (TrainSettings has no post-LN switch, so "
-    "pre-LN itself is not ablated); 'helps' = warmup lowers the final loss at the large rate and "
-    "costs at most 0.02 nats at the small, and switching clipping off at lr 1e-2 without warmup "
-    "raises it (one more run)",
-    slow=True,
-)
+@check("002-8.7-i")
 def _warmup_helps() -> Finding:
     val = _lr_sweep()
     gain = {lr: val[(lr, 0)] - val[(lr, 30)] for lr in (1e-2, 5e-4)}
@@ -3974,19 +2845,7 @@ def _warmup_helps() -> Finding:
     )
 
 
-@claim(
-    "002-8.9-p",
-    section="8.9 常见陷阱与错误",
-    quote="# 检查各层梯度范数 … # 梯度消失：< 1e-6；梯度爆炸：> 1000",
-    paraphrase="Monitor per-parameter gradient norms: below 1e-6 means vanishing, above 1000 "
-    "exploding gradients.",
-    api="attnlab.models.GPT, attnlab.train.layer_parameters, attnlab.train.layer_grad_norms",
-    expected=AGREES,
-    assumptions="checked one way only — a healthy model must read healthy: attnlab's GPT char-LM "
-    "at initialisation (d_model=64, 2 layers, 4 heads, RoPE), one batch of 8×64 characters of the "
-    "shipped Alice text, cross-entropy loss, float64, seed 15 (a pre-LN model's gradients stay "
-    "below 1000 even with every weight ×100, so an exploding contrast needs a diverging run)",
-)
+@check("002-8.9-p")
 def _grad_thresholds() -> Finding:
     from ...models import GPT
     from ...train import TrainSettings, get_batch, layer_grad_norms, layer_parameters, load_text
@@ -4078,19 +2937,7 @@ def _ln_runs() -> dict[str, float]:
         torch.set_num_threads(threads)
 
 
-@claim(
-    "002-8.9-q",
-    section="8.9 常见陷阱与错误",
-    quote="# 正确：使用Pre-LN或Post-LN # Pre-LN (更稳定) x = x + self_attention(layer_norm(x))",
-    paraphrase="Pre-LN trains more stably than Post-LN.",
-    api="attnlab.apps.loop.fit, attnlab.models.TransformerConfig (prenorm)",
-    expected=AGREES,
-    assumptions="a training-scale complement of 002-8.9-j: attnlab's GPT char-LM with 6 layers "
-    "(d_model=64, 4 heads, RoPE, no dropout) on the shipped Alice text, 300 AdamW steps of 16×64 "
-    "characters at lr 1e-2 (cosine to 5e-5), clipping at 1, seed 0, one thread (≈ 5 min under "
-    "load); 'more stable' = Pre-LN ends lower without warmup; Post-LN with warmup for contrast",
-    slow=True,
-)
+@check("002-8.9-q")
 def _pre_ln_training() -> Finding:
     val = dict(_ln_runs())
     entropy = val.pop("unigram entropy")

@@ -12,12 +12,10 @@ import torch
 
 from .. import derivations as ind
 from ..core import (
-    AGREES,
     NOT_CHECKABLE,
-    TEXT_ERROR,
     Derivation,
     Finding,
-    claim,
+    check,
     judged,
     tiny,
 )
@@ -74,16 +72,7 @@ def _x(n: int, d: int, seed: int) -> torch.Tensor:
     return torch.randn(1, 1, n, d, generator=g, dtype=torch.float64)
 
 
-@claim(
-    "003-1-a",
-    section="1. 背景介绍",
-    quote="1)计算复杂度随序列长度的平方增长,导致对长序列数据处理效率低下",
-    paraphrase="The cost of standard attention grows with the square of the sequence length.",
-    api="attnlab.analysis.estimate, attnlab.masks.causal, attnlab.Mask.attended_pairs",
-    expected=AGREES,
-    assumptions="one head, d = 64, batch 1, n = 256 → 4096 (×16); the score and weighted-sum "
-    "FLOPs and the causal pairs",
-)
+@check("003-1-a")
 def _quadratic() -> Finding:
     from ... import masks
     from ...analysis import estimate
@@ -104,16 +93,7 @@ def _quadratic() -> Finding:
     )
 
 
-@claim(
-    "003-2.2-a",
-    section="2.2 自注意力机制的特点",
-    quote="它将输入序列本身作为查询、键和值,即$Q=K=V$",
-    paraphrase="Self-attention uses the input sequence itself as query, key and value: Q = K = V.",
-    api="attnlab.attention (return_weights=True), attnlab.MultiHeadAttention",
-    expected=TEXT_ERROR,
-    assumptions="16 random tokens, d = 64, float64, seed 0: Q = K = V = X against Q = XW_Q, "
-    "K = XW_K, V = XW_V with random projections",
-)
+@check("003-2.2-a")
 def _q_equals_k() -> Finding:
     from ... import MultiHeadAttention, attention
 
@@ -150,18 +130,7 @@ def _q_equals_k() -> Finding:
     )
 
 
-@claim(
-    "003-3.1-a",
-    section="3.1 自注意力计算过程",
-    quote="$$\\text{MultiHead}(Q, K, V) = \\text{Concat}(head_1, ..., head_h)W^O$$ 其中,$head_i = "
-    "\\text{Attention}(QW_i^Q, KW_i^K, VW_i^V)$,$W_i^Q, W_i^K, W_i^V \\in \\mathbb{R}^{d_{model} "
-    "\\times d_k}$,$W^O \\in \\mathbb{R}^{hd_k \\times d_{model}}$。",
-    paraphrase="Multi-head attention concatenates h heads, each attention over its own "
-    "projections (d_model × d_k), and maps them back with W^O (h·d_k × d_model).",
-    api="attnlab.MultiHeadAttention",
-    expected=AGREES,
-    assumptions="d_model = 24, h = 4 (d_k = 6), 7 tokens, float64, seed 1",
-)
+@check("003-3.1-a")
 def _multihead() -> Finding:
     from ... import MultiHeadAttention
 
@@ -187,16 +156,7 @@ def _multihead() -> Finding:
     )
 
 
-@claim(
-    "003-3.2-a",
-    section="3.2 自注意力机制的优化",
-    quote="2. **无法捕获局部信息**: 自注意力机制是全局的,无法有效地捕获输入序列中的局部信息。",
-    paraphrase="Self-attention is global and cannot capture local information effectively.",
-    api="attnlab.models.MiniLM.attentions",
-    expected=TEXT_ERROR,
-    assumptions="the real all-MiniLM-L6-v2 on the 'animal' sentence of seed 001: each head's "
-    "mean weight on the previous and on the next token",
-)
+@check("003-3.2-a")
 def _local_heads() -> Finding:
     tokens, w = _minilm_attention(SENTENCE)
     n = len(tokens)
@@ -229,16 +189,7 @@ def _local_heads() -> Finding:
     )
 
 
-@claim(
-    "003-3.2-b",
-    section="3.2 自注意力机制的优化",
-    quote="1. **稀疏自注意力**: 通过限制注意力计算的范围,例如只关注当前位置及其邻近位置,"
-    "可以降低计算复杂度。",
-    paraphrase="Restricting attention to a neighbourhood (sparse attention) lowers the cost.",
-    api="attnlab.masks.sliding_window, attnlab.Mask.block_map",
-    expected=AGREES,
-    assumptions="n = 4096, causal window of 128, 128 × 128 tiles (what the flash backend visits)",
-)
+@check("003-3.2-b")
 def _window_tiles() -> Finding:
     from ... import masks
 
@@ -256,19 +207,7 @@ def _window_tiles() -> Finding:
     )
 
 
-@claim(
-    "003-3.2-c",
-    section="3.2 自注意力机制的优化",
-    quote="3. **编码位置信息**: 将输入序列的位置信息编码后,concat到输入序列中,"
-    "可以帮助模型捕获局部依赖关系。",
-    paraphrase="Concatenating a position encoding to the inputs helps the model capture local "
-    "dependencies.",
-    api="attnlab.positional.ConcatPositionalEncoding, attnlab.attention",
-    expected=AGREES,
-    assumptions="x' = [x; p] with sinusoidal p (64 dims) for 32 random tokens (d = 16), identity "
-    "projections: the logits split into x_i·x_j + p_i·p_j, and the position term is largest at "
-    "j = i and falls for the nearest offsets; float64, seed 4",
-)
+@check("003-3.2-c")
 def _concat_positions() -> Finding:
     from ... import SinusoidalEmbedding, attention
     from ...positional import ConcatPositionalEncoding
@@ -293,16 +232,7 @@ def _concat_positions() -> Finding:
     )
 
 
-@claim(
-    "003-4.3-a",
-    section="4.3 自注意力机制的优化",
-    quote="$$\\text{SparseAttention}(Q, K, V) = "
-    "\\text{softmax}(\\frac{QK^T}{\\sqrt{d_k}} \\odot M)V$$",
-    paraphrase="Sparse attention multiplies the scaled logits elementwise by a 0/1 mask M.",
-    api="attnlab.attention (mask=), attnlab.masks.sliding_window",
-    expected=TEXT_ERROR,
-    assumptions="n = 8, d = 16, causal window of 3, float64, seed 2",
-)
+@check("003-4.3-a")
 def _odot_mask() -> Finding:
     from ... import attention, masks
 
@@ -336,18 +266,7 @@ def _odot_mask() -> Finding:
     )
 
 
-@claim(
-    "003-4.3-b",
-    section="4.3 自注意力机制的优化",
-    quote="3. **动态调整注意力范围**: $$\\text{DynamicAttention}(Q, K, V) = "
-    "\\text{softmax}(\\frac{QK^T}{\\sqrt{d_k}} \\odot f(Q, K))V$$",
-    paraphrase="A dynamic attention range multiplies the scaled logits by a learned f(Q, K).",
-    api="attnlab.functional.reference.adaptive_span_attention, "
-    "attnlab.functional.reference.span_ramp",
-    expected=TEXT_ERROR,
-    assumptions="f = the adaptive-span ramp m(i − j) of Sukhbaatar et al. (span z = 2, ramp R = 2, "
-    "one head), 12 causal positions, d = 8, float64, seed 5",
-)
+@check("003-4.3-b")
 def _dynamic_range() -> Finding:
     from ...functional.reference import adaptive_span_attention, span_ramp
 
@@ -383,18 +302,7 @@ def _dynamic_range() -> Finding:
     )
 
 
-@claim(
-    "003-3.2-d",
-    section="3.2 自注意力机制的优化",
-    quote="4. **动态调整注意力范围**: 根据输入序列的内容动态调整注意力计算的范围,以提高计算效率。",
-    paraphrase="Adjusting the attention range dynamically makes attention cheaper.",
-    api="attnlab.modules.AdaptiveSpan, attnlab.modules.AdaptiveSpan.mask, "
-    "attnlab.Mask.attended_pairs",
-    expected=AGREES,
-    assumptions="adaptive attention span (Sukhbaatar et al.) as the dynamic range: learned per "
-    "head (not per input), 4 heads with spans z = 16, 32, 64, 200, ramp 32, n = 2048; the work is "
-    "the key pairs inside the window the tiled backend visits, against dense causal attention",
-)
+@check("003-3.2-d")
 def _dynamic_range() -> Finding:
     from ... import masks
     from ...modules.adaptive_span import AdaptiveSpan
@@ -416,19 +324,7 @@ def _dynamic_range() -> Finding:
     )
 
 
-@claim(
-    "003-4.3-c",
-    section="4.3 自注意力机制的优化",
-    quote="$$\\text{HierarchicalAttention}(Q, K, V) = "
-    "\\text{Concat}(\\text{LocalAttention}(Q, K, V), \\text{GlobalAttention}(Q, K, V))$$ "
-    "先在局部范围内计算注意力权重,再在全局范围内计算注意力权重,以兼顾局部和全局信息。",
-    paraphrase="Hierarchical attention concatenates a local and a global attention over the same "
-    "Q, K, V: first local, then global.",
-    api="attnlab.attention, attnlab.masks.sliding_window, attnlab.Mask.attended_pairs",
-    expected=TEXT_ERROR,
-    assumptions="local = a causal window of 64 keys, global = full causal attention, n = 1024, "
-    "d = 16, float64, seed 3; cost counted in attended pairs",
-)
+@check("003-4.3-c")
 def _hierarchical() -> Finding:
     from ... import attention, masks
 
@@ -475,16 +371,7 @@ def _hierarchical() -> Finding:
     )
 
 
-@claim(
-    "003-5-a",
-    section="5. 项目实践：代码实例和详细解释说明",
-    quote=SNIPPET,
-    paraphrase="A PyTorch multi-head self-attention module (the text's code sample).",
-    api="attnlab.MultiHeadAttention",
-    expected=TEXT_ERROR,
-    assumptions="the sample run as printed, then with `import math` added; d_model = 32, 4 heads, "
-    "dropout off (eval), weights copied into attnlab.MultiHeadAttention, float64, seed 3",
-)
+@check("003-5-a")
 def _code_sample() -> Finding:
     from ... import MultiHeadAttention
 
@@ -530,16 +417,7 @@ def _code_sample() -> Finding:
     )
 
 
-@claim(
-    "003-6-a",
-    section="6. 实际应用场景",
-    quote="1. **机器翻译**: Transformer模型以其出色的机器翻译性能而闻名,自注意力机制是其核心所在。",
-    paraphrase="The Transformer is known for its machine-translation quality, with self-attention "
-    "at its core.",
-    api="attnlab.models",
-    expected=NOT_CHECKABLE,
-    assumptions="the claim refers to published WMT results (BLEU on newstest sets)",
-)
+@check("003-6-a")
 def _translation() -> Finding:
     return Finding(
         computed="no computation: the published results are BLEU scores of large models trained "

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import derivations as ind
-from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Derivation, Finding, claim, fmt, judged
+from ..core import NOT_CHECKABLE, Derivation, Finding, check, fmt, judged
 from ..exercises import exercise
 
 F64 = torch.float64
@@ -46,17 +46,7 @@ def _scores(w: Tensor, lse: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------------------- 引言 (intro)
-@claim(
-    "004-0-a",
-    section="引言",
-    quote="第三章，**“动手实践”**，我们将通过一系列精心设计的编程练习，将理论知识转化为实践能力，"
-    "引导你亲手实现注意力的核心计算、优化策略乃至反向传播过程，从而真正内化所学。",
-    paraphrase="A third chapter of hands-on exercises implements the attention forward pass, its "
-    "optimisations and its backward pass.",
-    api="attnlab.textbook.exercises.get_exercise",
-    expected=NOT_CHECKABLE,
-    assumptions="the exercises H1–H4 of this module (not from the text) stand in for the chapter",
-)
+@check("004-0-a")
 def _hands_on() -> Finding:
     from ..exercises import get_exercise
 
@@ -73,18 +63,7 @@ def _hands_on() -> Finding:
     )
 
 
-@claim(
-    "004-0-b",
-    section="引言",
-    quote="第二章，**“应用与跨学科连接”**，我们将跨出理论的范畴，探索缩放[点积](@entry_id:149019)"
-    "注意力如何在"
-    "自然语言处理、[计算机视觉](@entry_id:138301)、计算生物学、经济学等多元化领域中解决实际问题",
-    paraphrase="A second chapter shows scaled dot-product attention solving problems in NLP, "
-    "vision, computational biology and economics.",
-    api="attnlab.models",
-    expected=NOT_CHECKABLE,
-    assumptions="what attnlab ships: its models and data",
-)
+@check("004-0-b")
 def _applications() -> Finding:
     from ... import models
 
@@ -100,15 +79,7 @@ def _applications() -> Finding:
 
 
 # ----------------------------------------------------------------- 核心机制 (core mechanism)
-@claim(
-    "004-1-a",
-    section="缩放点积注意力的核心机制",
-    quote=r"\text{Attention}(Q, K, V) = \text{softmax}\left(\frac{QK^T}{\sqrt{d_k}}\right)V",
-    paraphrase="Attention(Q, K, V) = softmax(QKᵀ/√d_k) V.",
-    api="attnlab.attention",
-    expected=AGREES,
-    assumptions="float64, B=2, H=3, L=5, S=7, d_k=4, d_v=3, seed 0; agreement within 1e-12",
-)
+@check("004-1-a")
 def _formula() -> Finding:
     from ... import attention
 
@@ -125,18 +96,7 @@ def _formula() -> Finding:
     )
 
 
-@claim(
-    "004-1-b",
-    section="缩放点积注意力的核心机制",
-    quote="这个矩阵的每一个元素 $(QK^T)_{ij}$ 都是第 $i$ 个查询向量 $q_i$ 与第 $j$ 个键向量 $k_j$ "
-    "的"
-    "[点积](@entry_id:149019)。",
-    paraphrase="Entry (i, j) of QKᵀ is the dot product of query i with key j.",
-    api="attnlab.attention (return_weights, return_lse)",
-    expected=AGREES,
-    assumptions="float64, L=5, S=7, d=4, seed 1, scale=1 (raw scores); the logits are read back "
-    "as log p_ij + lse_i",
-)
+@check("004-1-b")
 def _scoring() -> Finding:
     from ... import attention
 
@@ -161,15 +121,7 @@ def _scoring() -> Finding:
     )
 
 
-@claim(
-    "004-1-c",
-    section="缩放点积注意力的核心机制",
-    quote=r"将得到的分数矩阵中的每个元素都除以一个缩放因子 $\sqrt{d_k}$。",
-    paraphrase="Every score is divided by √d_k (attnlab's default scale for the dot score).",
-    api="attnlab.functional.scores.get_score, attnlab.attention",
-    expected=AGREES,
-    assumptions="float64, d_k ∈ {1, 4, 64, 100}, seed 2",
-)
+@check("004-1-c")
 def _scaling_step() -> Finding:
     from ... import attention
     from ...functional.scores import get_score
@@ -189,20 +141,7 @@ def _scaling_step() -> Finding:
     )
 
 
-@claim(
-    "004-1-d",
-    section="缩放点积注意力的核心机制",
-    quote="[Softmax](@entry_id:636766) 函数将任意一组实数转换为一个和为 1 的[概率分布](@entry_id:1"
-    "46404)。 … "
-    "一个较高的[点积](@entry_id:149019)值意味着第 $j$ 个元素所含的信息与第 $i$ 个元素的“提问”高度"
-    "相关。",
-    paraphrase="Softmax turns any real scores into a probability distribution (non-negative, "
-    "summing to 1), and a higher score gets a higher weight.",
-    api="attnlab.attention (return_weights)",
-    expected=AGREES,
-    assumptions="float64, L=6, S=9, d=8, seed 3; queries scaled by 1, 100 and 1000 (logits up to "
-    "~10⁴, where a naive exp overflows)",
-)
+@check("004-1-d")
 def _softmax_distribution() -> Finding:
     from ... import attention
 
@@ -228,15 +167,7 @@ def _softmax_distribution() -> Finding:
     )
 
 
-@claim(
-    "004-1-e",
-    section="缩放点积注意力的核心机制",
-    quote="对于每一个查询，其最终输出都是所有值向量基于其对应注意力权重的加权和。",
-    paraphrase="Each query's output is the weighted sum of all value vectors with its weights.",
-    api="attnlab.attention (return_weights)",
-    expected=AGREES,
-    assumptions="float64, B=2, H=2, L=5, S=6, d=4, d_v=3, seed 4",
-)
+@check("004-1-e")
 def _weighted_sum() -> Finding:
     from ... import attention
 
@@ -251,20 +182,7 @@ def _weighted_sum() -> Finding:
     )
 
 
-@claim(
-    "004-1-f",
-    section="缩放点积注意力的核心机制",
-    quote="假设我们有 4 个输入词元（$n=4$），每个词元的[查询、键、值](@entry_id:635128)向量维度均"
-    "为 2"
-    "（$d_k = d_v = 2$）。 … 最终，第二个词元的输出向量就是 "
-    r"$\alpha_{21}v_1 + \alpha_{22}v_2 + \alpha_{23}v_3 + \alpha_{24}v_4$。",
-    paraphrase="Worked example, n = 4 and d_k = d_v = 2: token 2's output is "
-    "Σ_j α_2j v_j with α_2j = softmax_j(q_2·k_j/√2).",
-    api="attnlab.attention",
-    expected=AGREES,
-    assumptions="the text gives no matrices; we use Q = [[1,0],[0,1],[1,1],[−1,2]], "
-    "K = [[1,1],[0,2],[2,0],[−1,−1]], V = [[1,0],[0,1],[2,2],[−1,3]], float64",
-)
+@check("004-1-f")
 def _worked_example() -> Finding:
     from ... import attention
 
@@ -287,23 +205,7 @@ def _worked_example() -> Finding:
 
 
 # ------------------------------------------------------------- 统计学原理 (why the scaling)
-@claim(
-    "004-2-a",
-    section="统计学原理：为何需要缩放？",
-    quote="让我们考虑一个简化的场景，其中查询向量 $q$ 和键向量 $k$ 的各个分量是[独立同分布](@entry"
-    "_id:169067)"
-    "（i.i.d.）的[随机变量](@entry_id:195330)，其均值为 0，[方差](@entry_id:200758)为 1。这在模型"
-    "初始化时是"
-    "一个合理的假设。",
-    paraphrase="At initialisation, the entries of q and k are (roughly) i.i.d. with mean 0 and "
-    "variance 1.",
-    api="attnlab.MultiHeadAttention.project",
-    expected=AGREES,
-    assumptions="attnlab.MultiHeadAttention(E, 1, bias=False) at its default (PyTorch nn.Linear) i"
-    "nit, "
-    "E = d_k ∈ {32, 128, 512}, inputs x ~ N(0, 1), 512 tokens, float64, seed 5; what matters for "
-    "the argument is zero mean and a variance that does not grow with d_k (10 % tolerance)",
-)
+@check("004-2-a")
 def _init_assumption() -> Finding:
     from ... import MultiHeadAttention
 
@@ -332,16 +234,7 @@ def _init_assumption() -> Finding:
     )
 
 
-@claim(
-    "004-2-b",
-    section="统计学原理：为何需要缩放？",
-    quote=r"所以，点[积的期望](@entry_id:190023)为 $\mathbb{E}[\ell] = 0$。",
-    paraphrase="E[q·k] = 0 for independent zero-mean q, k.",
-    api="attnlab.functional.scores.get_score('dot')",
-    expected=AGREES,
-    assumptions="q, k ~ N(0, 1) i.i.d., 20,000 pairs per d_k ∈ {4, 64}, float64, seed 6; "
-    "|sample mean| within 4 standard errors √(d_k/20000)",
-)
+@check("004-2-b")
 def _mean_zero() -> Finding:
     from ...functional.scores import get_score
 
@@ -361,16 +254,7 @@ def _mean_zero() -> Finding:
     )
 
 
-@claim(
-    "004-2-c",
-    section="统计学原理：为何需要缩放？",
-    quote=r"因此，$\mathrm{Var}(q_i k_i) = 1 \cdot 1 = 1$。",
-    paraphrase="Each product term q_i k_i has variance E[q_i²]E[k_i²] = 1.",
-    api="attnlab.functional.scores.get_score('dot')",
-    expected=AGREES,
-    assumptions="200,000 pairs of scalars q_i, k_i ~ N(0, 1), float64, seed 7; within 2 % "
-    "(Var of a product of normals has standard error √(8/n) ≈ 0.6 %)",
-)
+@check("004-2-c")
 def _term_variance() -> Finding:
     from ...functional.scores import get_score
 
@@ -400,21 +284,9 @@ def _scaling():
 
 _SCALING = None
 _SCALING_CALL = "scaling_experiment(d_ks=(4, 64, 1024), samples=256, keys=32, seed=0)"
-_SCALING_ASSUMPTIONS = (
-    "q, k ~ N(0, 1) i.i.d., d_k ∈ {4, 64, 1024}, 256 queries × 32 keys each, float64, seed 0"
-)
 
 
-@claim(
-    "004-2-d",
-    section="统计学原理：为何需要缩放？",
-    quote=r"\mathrm{Var}(\ell) = \sum_{i=1}^{d_k} 1 = d_k … "
-    "**未缩放的[点积](@entry_id:149019)的[方差](@entry_id:200758)与维度 $d_k$ 成正比**。",
-    paraphrase="The unscaled dot product q·k has variance d_k: it grows in proportion to d_k.",
-    api="attnlab.analysis.scaling_experiment (column 'var q·k')",
-    expected=AGREES,
-    assumptions=_SCALING_ASSUMPTIONS + "; within 10 %",
-)
+@check("004-2-d")
 def _var_dk() -> Finding:
     r = _scaling()
     var = r.column("var q·k")
@@ -426,16 +298,7 @@ def _var_dk() -> Finding:
     )
 
 
-@claim(
-    "004-2-e",
-    section="统计学原理：为何需要缩放？",
-    quote=r"\mathrm{Var}(z_c) = \mathrm{Var}\left(\frac{\ell}{\sqrt{d_k}}\right) = "
-    r"\left(\frac{1}{\sqrt{d_k}}\right)^2 \mathrm{Var}(\ell) = \frac{1}{d_k} \cdot d_k = 1",
-    paraphrase="The scaled logit q·k/√d_k has variance 1 for every d_k.",
-    api="attnlab.analysis.scaling_experiment (column 'var q·k/√d_k')",
-    expected=AGREES,
-    assumptions=_SCALING_ASSUMPTIONS + "; within 10 %",
-)
+@check("004-2-e")
 def _var_scaled() -> Finding:
     var = _scaling().column("var q·k/√d_k")
     ok = all(abs(v - 1) < 0.1 for v in var)
@@ -448,18 +311,7 @@ def _var_scaled() -> Finding:
     )
 
 
-@claim(
-    "004-2-f",
-    section="统计学原理：为何需要缩放？",
-    quote="这意味着，随着模型维度 $d_k$ 的增大，[点积](@entry_id:149019)的数值会变得非常分散，"
-    "其[绝对值](@entry_id:147688)可能会很大。",
-    paraphrase="As d_k grows the dot products spread out: their typical magnitude grows like "
-    "√d_k (E|q·k| ≈ √(2d_k/π) for large d_k).",
-    api="attnlab.functional.scores.get_score('dot')",
-    expected=AGREES,
-    assumptions="q, k ~ N(0, 1), 4,000 pairs per d_k ∈ {4, 64, 1024}, float64, seed 8; "
-    "mean |q·k| within 10 % of √(2d_k/π)",
-)
+@check("004-2-f")
 def _magnitude() -> Finding:
     from ...functional.scores import get_score
 
@@ -479,18 +331,7 @@ def _magnitude() -> Finding:
     )
 
 
-@claim(
-    "004-2-g",
-    section="统计学原理：为何需要缩放？",
-    quote="softmax 函数的输出会趋向于一个**“one-hot”**[分布](@entry_id:182848)，即某个位置的概率接"
-    "近 1，"
-    "而其他所有位置的概率接近 0。这种情况被称为**饱和**（saturation）。",
-    paraphrase="Unscaled logits at large d_k push softmax towards one-hot (saturation).",
-    api="attnlab.analysis.scaling_experiment (column 'entropy'), attnlab.attention_stats",
-    expected=AGREES,
-    assumptions=_SCALING_ASSUMPTIONS + "; max weight from attention_stats(scale=1) over 64 "
-    "queries × 32 keys, seed 9",
-)
+@check("004-2-g")
 def _saturation() -> Finding:
     from ... import attention_stats
 
@@ -514,17 +355,7 @@ def _saturation() -> Finding:
     )
 
 
-@claim(
-    "004-2-h",
-    section="统计学原理：为何需要缩放？",
-    quote="如果输入值过大或过小，softmax 函数的输出会趋向于一个**“one-hot”**[分布](@entry_id:18284"
-    "8)",
-    paraphrase="If the inputs are too large or too small, softmax's output tends to one-hot.",
-    api="attnlab.attention (bias, return_weights), attnlab.attention_stats",
-    expected=TEXT_ERROR,
-    assumptions="float64, L=4, S=16, d=8, seed 10: the logits shifted by ±1000 (a constant "
-    "bias) and scaled by 1000 and by 0.001",
-)
+@check("004-2-h")
 def _large_or_small() -> Finding:
     from ... import attention, attention_stats
 
@@ -569,18 +400,7 @@ def _large_or_small() -> Finding:
     )
 
 
-@claim(
-    "004-2-i",
-    section="统计学原理：为何需要缩放？",
-    quote="当 softmax 函数饱和时，其梯度会变得极其微小，这便是**梯度消失**（vanishing gradient）问"
-    "题。",
-    paraphrase="A saturated softmax has a vanishing gradient.",
-    api="attnlab.analysis.scaling_experiment (column 'grad norm'), attnlab.attention (autograd)",
-    expected=AGREES,
-    assumptions=_SCALING_ASSUMPTIONS + "; plus one row of 16 keys through attnlab.attention with "
-    "its logits scaled by c ∈ {1, 10, 100}, gradient of Σ out·g w.r.t. the logits (a bias "
-    "tensor), float64, seed 11",
-)
+@check("004-2-i")
 def _vanishing() -> Finding:
     from ... import attention
 
@@ -607,18 +427,7 @@ def _vanishing() -> Finding:
     )
 
 
-@claim(
-    "004-2-j",
-    section="统计学原理：为何需要缩放？",
-    quote="通过缩放，我们将 logits 的[方差](@entry_id:200758)稳定在了 1，使其与维度 $d_k$ 无关。"
-    "这能确保 logits 保持在一个合理的范围内，防止 softmax 函数饱和，从而保证了在反向传播过程中"
-    "有稳定且有效的[梯度流](@entry_id:635964)",
-    paraphrase="With the 1/√d_k scale the softmax entropy and gradient size no longer depend on "
-    "d_k: no saturation, a steady gradient.",
-    api="attnlab.analysis.scaling_experiment (columns 'entropy scaled', 'grad norm scaled')",
-    expected=AGREES,
-    assumptions=_SCALING_ASSUMPTIONS + "; entropy and Jacobian norm within 5 % across d_k",
-)
+@check("004-2-j")
 def _scaled_stable() -> Finding:
     r = _scaling()
     ent, jac = r.column("entropy scaled"), r.column("grad norm scaled")
@@ -634,19 +443,7 @@ def _scaled_stable() -> Finding:
     )
 
 
-@claim(
-    "004-2-k",
-    section="统计学原理：为何需要缩放？",
-    quote="由于各个乘积项 $q_i k_i$ 之间也是相互独立的，和的[方差](@entry_id:200758)等于[方差](@en"
-    "try_id:200758)的和",
-    paraphrase="The product terms q_i k_i are independent (uncorrelated), so the variance of their "
-    "sum is the sum of their variances.",
-    api="attnlab.functional.scores.get_score('dot')",
-    expected=AGREES,
-    assumptions="q, k ~ N(0, 1) in d_k = 8, 50,000 pairs, float64, seed 35; every covariance "
-    "between two different terms within 4 standard errors (1/√n ≈ 0.0045) of 0, and "
-    "Var(Σ) within 3 % of Σ Var",
-)
+@check("004-2-k")
 def _sum_of_variances() -> Finding:
     from ...functional.scores import get_score
 
@@ -672,20 +469,7 @@ def _nadaraya_watson(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return w @ v, w
 
 
-@claim(
-    "004-3.1-a",
-    section="作为核回归的视角",
-    quote=r"w_i(q) = \frac{\exp\left(\frac{q^\top k_i}{\sqrt{d_k}}\right)}{\sum_{j=1}^{n} "
-    r"\exp\left(\frac{q^\top k_j}{\sqrt{d_k}}\right)} … 这正是缩放[点积](@entry_id:149019)注意力中"
-    r"的 "
-    "softmax 权重。",
-    paraphrase="Nadaraya–Watson weights with the kernel exp(q·k/√d_k) are exactly the attention "
-    "weights.",
-    api="attnlab.attention (return_weights)",
-    expected=AGREES,
-    assumptions="float64, 6 queries, n = 10 samples (k_i, v_i), d_k = 5, d_v = 3, seed 12; "
-    "within 1e-12",
-)
+@check("004-3.1-a")
 def _nw_weights() -> Finding:
     from ... import attention
 
@@ -700,17 +484,7 @@ def _nw_weights() -> Finding:
     )
 
 
-@claim(
-    "004-3.1-b",
-    section="作为核回归的视角",
-    quote=r"因此，[注意力机制](@entry_id:636429)的输出 $\sum_i \alpha_i v_i$ 在数学上等同于使用指"
-    r"数化"
-    "[点积](@entry_id:149019)作为核函数的 Nadaraya-Watson 核回归。",
-    paraphrase="The attention output equals the Nadaraya–Watson estimate f̂(q) = Σ w_i(q) v_i.",
-    api="attnlab.attention",
-    expected=AGREES,
-    assumptions="float64, 6 queries, n = 10, d_k = 5, d_v = 3, seed 12; within 1e-12",
-)
+@check("004-3.1-b")
 def _nw_output() -> Finding:
     from ... import attention
 
@@ -724,20 +498,7 @@ def _nw_output() -> Finding:
     )
 
 
-@claim(
-    "004-3.1-c",
-    section="作为核回归的视角",
-    quote="**[注意力机制](@entry_id:636429)可以被看作是一种可[微分](@entry_id:158718)的、基于内容"
-    "的内存检索系统**。"
-    "它将 $(K, V)$ 视为一个“记忆”数据库，并根据查询 $q$ 与“键” $K$ 的相似度，非参数地从“值” $V$ "
-    "中“检索”和合成一个答案。",
-    paraphrase="Attention is a differentiable, content-addressed memory: a query close to a "
-    "stored key retrieves that key's value, and the read-out has gradients.",
-    api="attnlab.attention, torch.autograd.gradcheck",
-    expected=AGREES,
-    assumptions="float64, a memory of n = 16 unit-norm keys in d = 32 and values in d_v = 4, "
-    "query β·k_5 for β ∈ {1, 16, 256}, seed 13; gradcheck on a 1×1×2×3 / 3×3 problem",
-)
+@check("004-3.1-c")
 def _retrieval() -> Finding:
     from ... import attention
 
@@ -762,19 +523,7 @@ def _retrieval() -> Finding:
 
 
 # -------------------------------------------------------- 统计物理视角 (Gibbs, temperature)
-@claim(
-    "004-3.2-a",
-    section="作为统计物理分布的视角",
-    quote="我们可以将[注意力机制](@entry_id:636429)中的分数 $s_j$ 视为能量的[相反数](@entry_id:151"
-    "709)，即 $E_j = -s_j$。"
-    "这样，注意力权重就可以被看作是一个能量系统在温度 $T=1$ 时的[概率分布](@entry_id:146404)。",
-    paraphrase="With energies E_j = −s_j the attention weights are the Gibbs distribution "
-    "exp(−E_j/T)/Z at T = 1 (and attnlab's temperature T gives the other T).",
-    api="attnlab.attention (temperature, return_weights)",
-    expected=AGREES,
-    assumptions="float64, L=5, S=12, d=8, seed 14, T ∈ {0.5, 1, 2}; s_j = q·k_j/√d; also "
-    "scale=1 with T = √d (the 1/√d_k scale is a temperature); within 1e-12",
-)
+@check("004-3.2-a")
 def _gibbs() -> Finding:
     from ... import attention
 
@@ -799,20 +548,7 @@ def _gibbs() -> Finding:
     )
 
 
-@claim(
-    "004-3.2-b",
-    section="作为统计物理分布的视角",
-    quote="当温度趋近于零时，分母会由能量最低（即分数最高）的项主导。最终，概率质量会完全集中在具"
-    "有最高"
-    "分数的键上。这使得注意力变成一种“硬性”的、赢家通吃的选择机制，类似于 `[argmax](@entry_id:6346"
-    "10)` "
-    "操作。",
-    paraphrase="As T → 0⁺ the weights become one-hot on the highest-scoring key (argmax).",
-    api="attnlab.attention (temperature, return_weights)",
-    expected=AGREES,
-    assumptions="float64, L=8, S=12, d=8, seed 15, T = 1e-3; plus a row whose top score is "
-    "tied between two keys (then the mass is split equally between them)",
-)
+@check("004-3.2-b")
 def _cold() -> Finding:
     from ... import attention
 
@@ -836,17 +572,7 @@ def _cold() -> Finding:
     )
 
 
-@claim(
-    "004-3.2-c",
-    section="作为统计物理分布的视角",
-    quote=r"当温度趋于无穷大时，所有指数项 $\exp(s_j/T)$ 都趋近于 1。此时，注意力[分布](@entry_id:"
-    r"182848)将"
-    "接近一个**[均匀分布](@entry_id:194597)**",
-    paraphrase="As T → ∞ the weights approach the uniform distribution 1/n.",
-    api="attnlab.attention (temperature, return_weights)",
-    expected=AGREES,
-    assumptions="float64, L=8, S=12, d=8, seed 15, T ∈ {10, 1e3, 1e6}",
-)
+@check("004-3.2-c")
 def _hot() -> Finding:
     from ... import attention
 
@@ -864,19 +590,7 @@ def _hot() -> Finding:
     )
 
 
-@claim(
-    "004-3.2-d",
-    section="作为统计物理分布的视角",
-    quote="当分数不完全相同时，注意力[分布](@entry_id:182848)的**香农熵**（Shannon entropy）是温度"
-    " $T$ 的严格"
-    "递增函数。",
-    paraphrase="If the scores are not all equal, the entropy of the weights strictly increases "
-    "with T.",
-    api="attnlab.attention_stats (temperature, entropy)",
-    expected=AGREES,
-    assumptions="float64, 8 query rows (one with q = 0, i.e. all scores equal), S=12, d=8, "
-    "seed 16, T on a log grid of 25 points from 0.01 to 100",
-)
+@check("004-3.2-d")
 def _entropy_monotone() -> Finding:
     from ... import attention_stats
 
@@ -898,19 +612,7 @@ def _entropy_monotone() -> Finding:
     )
 
 
-@claim(
-    "004-3.2-e",
-    section="作为统计物理分布的视角",
-    quote="这个视角不仅提供了一种调节注意力集中度的理论工具，还将其与信息论和"
-    "[最大熵原理](@entry_id:142702)等更深层次的理论联系起来。",
-    paraphrase="The Gibbs view links attention to the maximum-entropy principle: softmax weights "
-    "maximise entropy among distributions with the same expected score, and "
-    "H(p) = log Z − E_p[s] (free energy).",
-    api="attnlab.attention_stats (entropy, lse), attnlab.attention (return_weights)",
-    expected=AGREES,
-    assumptions="float64, one row of S=10 keys, d=6, seed 17; 2,000 random perturbations δ with "
-    "Σδ = 0 and Σδ·s = 0 (size 1e-3)",
-)
+@check("004-3.2-e")
 def _max_entropy() -> Finding:
     from ... import attention, attention_stats
 
@@ -952,20 +654,7 @@ def _periodic(n: int, period: float) -> Tensor:
 _PERIODIC_CALL = "sinusoidal(n, 2, periods=[T], dtype=torch.float64)"
 
 
-@claim(
-    "004-4-a",
-    section="位置信息的编码",
-    quote=r"[点积](@entry_id:149019)运算 $q_i^\top k_j$ 本身是**[置换](@entry_id:136432)不变**的，"
-    r"也就是说，它只关心"
-    "向量的内容，不关心它们在序列中的位置。",
-    paraphrase="Without position information a score depends only on the two vectors, not on "
-    "where they sit; so self-attention is blind to order — strictly, permutation-equivariant "
-    "(attn(PX) = P·attn(X): each token's output is unchanged by reordering).",
-    api="attnlab.MultiHeadAttention (need_weights)",
-    expected=AGREES,
-    assumptions="MultiHeadAttention(16, 2) without position encoding, float64, 7 tokens, a "
-    "fixed permutation, seed 18; within 1e-12",
-)
+@check("004-4-a")
 def _permutation() -> Finding:
     from ... import MultiHeadAttention
 
@@ -991,18 +680,7 @@ def _permutation() -> Finding:
     )
 
 
-@claim(
-    "004-4-b",
-    section="位置信息的编码",
-    quote=r"q_i^\top k_j = x_i^\top x_j + x_i^\top p_j + p_i^\top x_j + p_i^\top p_j",
-    paraphrase="With q_i = x_i + p_i and k_j = x_j + p_j the score splits into content–content, "
-    "content–position, position–content and position–position terms.",
-    api="attnlab.attention (bias), attnlab.positional.sinusoidal",
-    expected=AGREES,
-    assumptions="float64, L = 9 tokens, d = 8, x ~ N(0, 1) seed 19, p = attnlab's sinusoidal "
-    "table (base 10000); attention(x + p, x + p) against attention(x, x) plus the three other "
-    "terms as an additive bias; within 1e-12",
-)
+@check("004-4-b")
 def _four_terms() -> Finding:
     from ... import attention
     from ...positional import sinusoidal
@@ -1031,17 +709,7 @@ def _unit_pair(g: torch.Generator, d: int) -> tuple[Tensor, Tensor]:
     return basis[:, 0], basis[:, 1]
 
 
-@claim(
-    "004-4-c",
-    section="位置信息的编码",
-    quote=r"p_i^\top p_j = A^2 \cos\left(\frac{2\pi (i-j)}{T}\right)",
-    paraphrase="For p_n = A[u sin(2πn/T) + v cos(2πn/T)] with orthonormal u, v, "
-    "p_i·p_j = A² cos(2π(i − j)/T): it depends only on the offset i − j.",
-    api="attnlab.positional.sinusoidal",
-    expected=AGREES,
-    assumptions="T = 10, A = 3, orthonormal u, v in d = 16 (seed 20), positions 0–39, float64; "
-    "within 1e-12",
-)
+@check("004-4-c")
 def _pe_dot() -> Finding:
     g = _gen(20)
     u, v = _unit_pair(g, 16)
@@ -1058,18 +726,7 @@ def _pe_dot() -> Finding:
     )
 
 
-@claim(
-    "004-4-d",
-    section="位置信息的编码",
-    quote=r"其中 $\boldsymbol{u}, \boldsymbol{v}$ 是[正交向量](@entry_id:142226)，$T$ 是周期。那么"
-    r"，两个位置编码的"
-    "[点积](@entry_id:149019)会简化为一个只依赖于相对位置偏移 $\\Delta = i-j$ 的函数",
-    paraphrase="Orthogonal u, v suffice for p_i·p_j to depend only on i − j.",
-    api="attnlab.positional.sinusoidal",
-    expected=TEXT_ERROR,
-    assumptions="T = 10, A = 1, orthogonal u ⊥ v in d = 16 with |u| = 1, |v| = 2 (seed 20), "
-    "float64",
-)
+@check("004-4-d")
 def _orthogonal_only() -> Finding:
     g = _gen(20)
     u, v = _unit_pair(g, 16)
@@ -1102,16 +759,7 @@ def _orthogonal_only() -> Finding:
     )
 
 
-@claim(
-    "004-4-e",
-    section="位置信息的编码",
-    quote="这使得注意力分数天然地包含了关于相对距离的信息。",
-    paraphrase="Scores between sinusoidal encodings are a function of the relative distance.",
-    api="attnlab.positional.sinusoidal, attnlab.positional.sinusoidal_shift, attnlab.attention",
-    expected=AGREES,
-    assumptions="attnlab's sinusoidal table, d = 16, base 10000, 24 positions, float64; the "
-    "logits of attention(p, p, p, scale=1) read back as log w + lse; within 1e-12",
-)
+@check("004-4-e")
 def _relative() -> Finding:
     from ... import attention
     from ...positional import sinusoidal, sinusoidal_shift
@@ -1136,23 +784,7 @@ def _relative() -> Finding:
     )
 
 
-@claim(
-    "004-4-f",
-    section="位置信息的编码",
-    quote=r"当位置编码的幅度 $A$ 足够大时（例如，当 $A^2 \gtrsim \sigma_x^2 \sqrt{d}$，其中 $\sigm"
-    r"a_x^2$ "
-    "是内容嵌入的[方差](@entry_id:200758)时），位置信号就能主导注意力分数，使模型主要关注相对位置"
-    "关系。",
-    paraphrase="The position term dominates the scores once A² ≳ σ_x²√d (the size of the "
-    "content–content term x_i·x_j).",
-    api="attnlab.attention (return_weights), attnlab.positional.sinusoidal",
-    expected=AGREES,
-    assumptions="q_i = k_i = x_i + p_i, x ~ N(0, σ² = 1) in d = 64, p from one period T = 16 "
-    "(orthonormal u, v), 128 tokens, float64, seed 21, A² = c·σ²√d for c ∈ {0.1, 1, 10}; "
-    "off-diagonal pairs (i ≠ j); 'dominates' = the position term explains most of the score "
-    "variance and the weights are closer (total variation) to position-only weights than to "
-    "content-only weights",
-)
+@check("004-4-f")
 def _dominance() -> Finding:
     from ... import attention
 
@@ -1188,17 +820,7 @@ def _dominance() -> Finding:
     )
 
 
-@claim(
-    "004-4-g",
-    section="位置信息的编码",
-    quote="然而，单一频率的正弦编码会带来**混叠**（aliasing）问题：位置 $j$ 和 $j+T$ 会有完全相同"
-    "的位置"
-    "编码，模型无法区分它们。",
-    paraphrase="A single-period encoding aliases: positions j and j + T get the same code.",
-    api="attnlab.positional.sinusoidal",
-    expected=AGREES,
-    assumptions="period T = 7 (an integer), positions 0–69, float64; 'same' within 1e-12",
-)
+@check("004-4-g")
 def _aliasing() -> Finding:
     sc = _periodic(70, 7.0)
     same = _close(sc[7:], sc[:-7])
@@ -1218,20 +840,7 @@ def _first_repeat(code: Tensor) -> int:
     return int(hit[0, 0]) + 1 if hit.numel() else 0
 
 
-@claim(
-    "004-4-h",
-    section="位置信息的编码",
-    quote="一个优雅的解决方案是使用多种不同周期（例如，[互质](@entry_id:143119)的周期 $T_1, T_2, "
-    "\\dots$）的正弦"
-    "函数，并将它们编码在不同的维度[子空间](@entry_id:150286)中。这样，只有当两个位置在所有周期上"
-    "都重合时，"
-    "它们的位置编码才会相同。",
-    paraphrase="Stacking periods T_1, T_2, … in separate subspaces makes codes repeat only after "
-    "lcm(T_1, T_2, …) — the product T_1·T_2·… for coprime periods.",
-    api="attnlab.positional.sinusoidal",
-    expected=AGREES,
-    assumptions="periods (7, 9) (coprime) and (8, 12) (gcd 4), positions 0–199, float64",
-)
+@check("004-4-h")
 def _coprime() -> Finding:
     parts, ok = [], True
     for t1, t2 in ((7, 9), (8, 12)):
@@ -1248,18 +857,7 @@ def _coprime() -> Finding:
     )
 
 
-@claim(
-    "004-4-i",
-    section="位置信息的编码",
-    quote="答案是通过将**位置编码**（Positional Encoding）向量加入到输入的[词嵌入](@entry_id:63387"
-    "9)中。",
-    paraphrase="Adding a position encoding to the embeddings lets attention see the order: the "
-    "same tokens in another order now give each token a different output.",
-    api="attnlab.MultiHeadAttention, attnlab.SinusoidalEmbedding",
-    expected=AGREES,
-    assumptions="MultiHeadAttention(16, 2), float64, 7 tokens, a fixed permutation, seed 18; "
-    "token outputs compared after undoing the permutation (difference > 1e-6 = order visible)",
-)
+@check("004-4-i")
 def _pe_breaks_symmetry() -> Finding:
     from ... import MultiHeadAttention, SinusoidalEmbedding
 
@@ -1283,18 +881,7 @@ def _pe_breaks_symmetry() -> Finding:
 
 
 # ------------------------------------------------------------------ 掩码机制 (causal mask)
-@claim(
-    "004-5.1-a",
-    section="自回归任务中的掩码机制",
-    quote=r"\alpha_{ij} = \frac{\exp(-\infty)}{\sum_k \exp(l_{ik})} = 0 … "
-    "这确保了模型在任何位置都无法关注到未来的信息。",
-    paraphrase="With −∞ added to the future scores (j > i) their weights are exactly 0 and each "
-    "row still sums to 1.",
-    api="attnlab.masks.causal, attnlab.attention (return_weights)",
-    expected=AGREES,
-    assumptions="float64, B=2, H=2, L=S=9, d=4, seed 22; for the isolation check the keys and "
-    "values (d_v = 4) at positions 5–8 are replaced by NaN (attnlab's NaN rule)",
-)
+@check("004-5.1-a")
 def _causal_weights() -> Finding:
     from ... import attention, masks
 
@@ -1326,21 +913,7 @@ def _causal_weights() -> Finding:
     )
 
 
-@claim(
-    "004-5.1-b",
-    section="自回归任务中的掩码机制",
-    quote="更重要的是，通过[链式法则](@entry_id:190743)可以证明，[损失函数](@entry_id:634569)关于"
-    "被掩码位置的 logit "
-    "$l_{ij}$ 的梯度在 $M \\to \\infty$ 的极限下也恰好为零。这意味着在[反向传播](@entry_id:199535)"
-    "过程中，"
-    "不会有任何信息从未来位置泄露回来",
-    paraphrase="The loss gradient w.r.t. a masked logit (−M added) vanishes as M → ∞ (it is "
-    "α_ij(g_ij − Σ α g) with α_ij ∝ e^−M), so nothing flows back from the future.",
-    api="attnlab.attention (bias tensor with requires_grad, mask), attnlab.masks.causal",
-    expected=AGREES,
-    assumptions="float64, L=S=7, d=4, seed 23, loss Σ out·g; M ∈ {10, 30, 1e9, ∞}; plus the "
-    "gradient of rows < j w.r.t. k_j, v_j under masks.causal()",
-)
+@check("004-5.1-b")
 def _masked_grad() -> Finding:
     from ... import attention, masks
 
@@ -1367,18 +940,7 @@ def _masked_grad() -> Finding:
     )
 
 
-@claim(
-    "004-5.1-c",
-    section="自回归任务中的掩码机制",
-    quote="在实际实现中，通常会使用一个足够大的负数（如 $-10^9$）来代替 $-\\infty$，以在有限精度的"
-    "[浮点数](@entry_id:173316)运算中达到数值上的等效效果，即导致指数项下溢（underflow）为零。",
-    paraphrase="Adding −1e9 instead of −∞ makes the masked exponentials underflow to exactly 0, "
-    "so the result equals true masking.",
-    api="attnlab.attention (additive float mask), attnlab.masks.causal",
-    expected=AGREES,
-    assumptions="B=1, H=2, L=S=8, d=4, seed 24, float32 and float64 (the reference backend "
-    "for both, so only the mask differs); causal rows always keep one key",
-)
+@check("004-5.1-c")
 def _minus_1e9() -> Finding:
     from ... import attention, masks
 
@@ -1411,18 +973,7 @@ def _minus_1e9() -> Finding:
     )
 
 
-@claim(
-    "004-5.1-d",
-    section="自回归任务中的掩码机制",
-    quote="模型在预测第 $i$ 个词时，只能利用位置 $i$ 之前的信息，而不能“偷看”未来的词。为了在并行的"
-    "矩阵运算中实现这一点，[注意力机制](@entry_id:636429)引入了**因果掩码**（causal mask）",
-    paraphrase="With the causal mask one parallel pass gives every position the output it would "
-    "get from its prefix alone.",
-    api="attnlab.attention, attnlab.masks.causal",
-    expected=AGREES,
-    assumptions="float64, B=2, H=2, n = 10, d=4, seed 34; row i of one masked pass against "
-    "attention of query i over keys 0…i only (n separate calls); within 1e-12",
-)
+@check("004-5.1-d")
 def _parallel_prefix() -> Finding:
     from ... import attention, masks
 
@@ -1459,16 +1010,7 @@ def _centred(w: Tensor) -> Tensor:
     return lw - lw.mean(-1, keepdim=True)
 
 
-@claim(
-    "004-5.2-a",
-    section="与加性注意力的对比",
-    quote=r"e(q, k) = v^\top \tanh(W_1 q + W_2 k)",
-    paraphrase="Additive attention scores e(q, k) = vᵀ tanh(W_1 q + W_2 k).",
-    api="attnlab.AdditiveAttention",
-    expected=AGREES,
-    assumptions="AdditiveAttention(6, 6, 10, bias=False) (the text's score has no bias), "
-    "float64, L=4, S=5, seed 25; within 1e-12",
-)
+@check("004-5.2-a")
 def _additive_formula() -> Finding:
     attn = _additive(6, 6, 10, 25)
     g = _gen(25)
@@ -1487,16 +1029,7 @@ def _additive_formula() -> Finding:
     )
 
 
-@claim(
-    "004-5.2-b",
-    section="与加性注意力的对比",
-    quote=r"缩放[点积](@entry_id:149019)注意力 $s(q, k) = q^\top M k$ 是一个**偶函数**，即 $s(-q, "
-    r"-k) = s(q, k)$。",
-    paraphrase="The bilinear score qᵀMk is even: (−q, −k) gives the same score and weights.",
-    api="attnlab.attention (return_weights)",
-    expected=AGREES,
-    assumptions="M = W_Q W_Kᵀ with W_Q, W_K ∈ R^(6×4), float64, L=4, S=5, seed 26; bit-equal",
-)
+@check("004-5.2-b")
 def _dot_even() -> Finding:
     from ... import attention
 
@@ -1513,19 +1046,7 @@ def _dot_even() -> Finding:
     )
 
 
-@claim(
-    "004-5.2-c",
-    section="与加性注意力的对比",
-    quote="而[加性注意力](@entry_id:637004)（使用 [tanh](@entry_id:636446) 作为[激活函数](@entry_i"
-    "d:141784)）$e(q, k)$ 是一个**奇函数**，"
-    "即 $e(-q, -k) = -e(q, k)$。",
-    paraphrase="Additive attention with tanh (and no bias) is odd: e(−q, −k) = −e(q, k).",
-    api="attnlab.AdditiveAttention",
-    expected=AGREES,
-    assumptions="AdditiveAttention(6, 6, 10), float64, L=4, S=5, seed 27; the logits up to a "
-    "row constant (centred log-weights); bias=False as in the text, and attnlab's default "
-    "(with a bias) for contrast",
-)
+@check("004-5.2-c")
 def _additive_odd() -> Finding:
     g = _gen(27)
     q, k = _randn(g, 1, 4, 6), _randn(g, 1, 5, 6)
@@ -1544,19 +1065,7 @@ def _additive_odd() -> Finding:
     )
 
 
-@claim(
-    "004-5.2-d",
-    section="与加性注意力的对比",
-    quote="由于一个非零函数不可能同时是[奇函数和偶函数](@entry_id:157574)，这从根本上说明了这两种"
-    "注意力形式"
-    "在一般情况下是不可等价的。",
-    paraphrase="Since a non-zero function cannot be both odd and even, the two forms are not "
-    "equivalent in general (this survives softmax's per-row shift: the centred logits are "
-    "even for one and odd for the other).",
-    api="attnlab.AdditiveAttention, attnlab.attention",
-    expected=AGREES,
-    assumptions="AdditiveAttention(6, 6, 10, bias=False), float64, L=4, S=5, seed 27",
-)
+@check("004-5.2-d")
 def _not_equivalent() -> Finding:
     from ... import attention
 
@@ -1580,22 +1089,7 @@ def _not_equivalent() -> Finding:
     )
 
 
-@claim(
-    "004-5.2-e",
-    section="与加性注意力的对比",
-    quote="在实践中，缩放[点积](@entry_id:149019)注意力因其[计算效率](@entry_id:270255)而更受欢迎"
-    "。它可以被实现为高度优化的"
-    "[矩阵乘法](@entry_id:156035)操作 … 而[加性注意力](@entry_id:637004)虽然在某些情况下可能更灵活"
-    "（例如，当查询和键的"
-    "维度不同时），但其计算通常更慢。",
-    paraphrase="Dot-product attention is all matrix multiplication; additive attention needs an "
-    "(L × S × h) tanh layer, so it is usually slower.",
-    api="attnlab.analysis.estimate, attnlab.AdditiveAttention",
-    expected=AGREES,
-    assumptions="n = L = S = 128, d = h = 64, one head, batch 1, float64; dot-product FLOPs from "
-    "estimate (scores + weighted sum), additive work counted from the module's parameter shapes "
-    "(a GPU's speed is not measured here)",
-)
+@check("004-5.2-e")
 def _additive_cost() -> Finding:
     from ...analysis import estimate
 
@@ -1624,18 +1118,7 @@ def _additive_cost() -> Finding:
     )
 
 
-@claim(
-    "004-5.2-f",
-    section="与加性注意力的对比",
-    quote="而[加性注意力](@entry_id:637004)虽然在某些情况下可能更灵活（例如，当查询和键的维度不同"
-    "时）",
-    paraphrase="Additive attention handles queries and keys of different sizes; a plain dot "
-    "product needs equal sizes (a bilinear qᵀMk with rectangular M, i.e. projections, also "
-    "handles them).",
-    api="attnlab.AdditiveAttention, attnlab.attention, attnlab.MultiHeadAttention (kdim)",
-    expected=AGREES,
-    assumptions="queries of size 5, keys of size 7, float64, seed 29",
-)
+@check("004-5.2-f")
 def _different_dims() -> Finding:
     from ... import MultiHeadAttention, attention
 
@@ -1663,15 +1146,7 @@ def _different_dims() -> Finding:
 
 
 # ------------------------------------------------------------ 计算效率考量 (efficiency)
-@claim(
-    "004-5.3-a",
-    section="计算效率考量",
-    quote="核心操作 $QK^T$ 的计算量为 $O(n^2 d)$ 次[浮点运算](@entry_id:749454)（FLOPs）",
-    paraphrase="Computing QKᵀ takes O(n²d) FLOPs (2n²d exactly).",
-    api="attnlab.analysis.estimate (row 'scores QKᵀ')",
-    expected=AGREES,
-    assumptions="one head, batch 1; n ∈ {1024, 2048}, d ∈ {64, 128}",
-)
+@check("004-5.3-a")
 def _qk_flops() -> Finding:
     from ...analysis import estimate
 
@@ -1690,16 +1165,7 @@ def _qk_flops() -> Finding:
     )
 
 
-@claim(
-    "004-5.3-b",
-    section="计算效率考量",
-    quote="并且需要生成一个大小为 $n \\times n$ 的中间注意力分数矩阵，其内存占用为 $O(n^2)$ 。",
-    paraphrase="The n × n score matrix costs O(n²) memory.",
-    api="attnlab.analysis.estimate (row 'score matrix'), attnlab.attention (return_weights)",
-    expected=AGREES,
-    assumptions="one head, batch 1, float32, n ∈ {1024, 2048, 4096}; the weights tensor of an "
-    "n = 33 call for the shape",
-)
+@check("004-5.3-b")
 def _score_memory() -> Finding:
     from ... import attention
     from ...analysis import estimate
@@ -1717,18 +1183,7 @@ def _score_memory() -> Finding:
     )
 
 
-@claim(
-    "004-5.3-c",
-    section="计算效率考量",
-    quote="对于长序列（例如 $n > 4096$），$n^2$ 这一项会变得非常庞大，无论是在计算时间还是内存消耗"
-    "上都"
-    "构成巨大挑战。",
-    paraphrase="For long sequences (n > 4096) the n² terms dominate time and memory.",
-    api="attnlab.analysis.estimate",
-    expected=AGREES,
-    assumptions="one BERT-base-sized attention layer (d_model = 768, 12 heads), batch 1, "
-    "float32, naive implementation",
-)
+@check("004-5.3-c")
 def _long_sequences() -> Finding:
     from ...analysis import estimate
 
@@ -1750,19 +1205,7 @@ def _long_sequences() -> Finding:
     )
 
 
-@claim(
-    "004-5.3-d",
-    section="计算效率考量",
-    quote="其核心思想是避免**物化**（materialize）完整的 $n \\times n$ 注意力矩阵。 … 然后通过一个"
-    "精确的"
-    "在线更新算法，将这些局部结果合并成与标准注意力完全相同的最终输出。",
-    paraphrase="Tiled (Flash) attention never forms the n × n matrix and gives exactly the "
-    "standard attention output.",
-    api="attnlab.attention (backend='flash'), attnlab.explain",
-    expected=AGREES,
-    assumptions="float64, B=2, H=3, L=S=200 (a partial tile), d=16, causal and unmasked, seed 31; "
-    "within 1e-12 of backend='reference'",
-)
+@check("004-5.3-d")
 def _flash_exact() -> Finding:
     from ... import attention, explain, masks
 
@@ -1789,16 +1232,7 @@ def _flash_exact() -> Finding:
     )
 
 
-@claim(
-    "004-5.3-e",
-    section="计算效率考量",
-    quote="通过一种**分块**（tiling）策略，FlashAttention 将 $Q, K, V$ 矩阵分成小块",
-    paraphrase="Attention over key blocks, each normalised on its own, merges exactly by the "
-    "blocks' log-sum-exp (the online-softmax update).",
-    api="attnlab.merge_partials, attnlab.attention (return_lse)",
-    expected=AGREES,
-    assumptions="float64, L=10, S=23 keys cut into blocks of 8, 8, 7, d=5, seed 32; within 1e-12",
-)
+@check("004-5.3-e")
 def _online_merge() -> Finding:
     from ... import attention, merge_partials
 
@@ -1819,16 +1253,7 @@ def _online_merge() -> Finding:
     )
 
 
-@claim(
-    "004-5.3-f",
-    section="计算效率考量",
-    quote="这个过程通过重新计算而不是存储中间结果，将内存使用量从 $O(n^2)$ 降低到与序列长度 $n$ "
-    "[线性相关](@entry_id:185830)的 $O(n)$",
-    paraphrase="Recomputing instead of storing brings the memory from O(n²) down to O(n).",
-    api="attnlab.analysis.estimate (rows 'activations kept for backward', 'score matrix')",
-    expected=AGREES,
-    assumptions="d_model = 768, 12 heads, batch 1, float32, n from 2048 to 4096",
-)
+@check("004-5.3-f")
 def _linear_memory() -> Finding:
     from ...analysis import estimate
 
@@ -1848,17 +1273,7 @@ def _linear_memory() -> Finding:
     )
 
 
-@claim(
-    "004-5.3-g",
-    section="计算效率考量",
-    quote="这个过程通过重新计算而不是存储中间结果",
-    paraphrase="The backward pass recomputes the scores instead of storing them, and still gives "
-    "the exact gradients.",
-    api="attnlab.attention (backend='flash'), torch.autograd",
-    expected=AGREES,
-    assumptions="float64, B=1, H=2, L=S=150, d=8, causal, seed 33; dq, dk, dv within 1e-12 of "
-    "the reference backend's autograd",
-)
+@check("004-5.3-g")
 def _flash_backward() -> Finding:
     from ... import attention, masks
 
@@ -1878,18 +1293,7 @@ def _flash_backward() -> Finding:
     )
 
 
-@claim(
-    "004-5.3-h",
-    section="计算效率考量",
-    quote="并利用 GPU 上的快速片上内存（SRAM）来执行计算。它逐块地从慢速的高带宽内存（HBM）中加载"
-    "键和值 … "
-    "同时通过减少与 HBM 的数据交换次数，显著提升了计算速度。",
-    paraphrase="FlashAttention keeps tiles in on-chip SRAM, streams K, V from HBM, and is faster "
-    "because it moves less data to and from HBM.",
-    api="attnlab.functional.flash (BLOCK_Q, BLOCK_K)",
-    expected=NOT_CHECKABLE,
-    assumptions="this machine's CPU backend; no GPU memory hierarchy to measure",
-)
+@check("004-5.3-h")
 def _sram_hbm() -> Finding:
     from ...functional.flash import BLOCK_K, BLOCK_Q
 
