@@ -116,6 +116,9 @@ class Claim:
         check: computes the `Finding` by calling the library.
         assumptions: the conditions of the check (model, batch, precision, n), "" if none.
         slow: a training experiment (runs only with ``--with-training``).
+        subjects: the facts of the library the check depends on (``"scale"``, ``"sinusoid"``,
+            ``"causal"``, …): a mutation of one of them must turn the claim into ``disagrees``
+            (``tests/test_textbook_mutations.py`` holds that).
     """
 
     id: str
@@ -127,6 +130,7 @@ class Claim:
     check: Callable[[], Finding] = field(repr=False, compare=False)
     assumptions: str = ""
     slow: bool = False
+    subjects: tuple[str, ...] = ()
 
     @property
     def seed(self) -> str:
@@ -171,7 +175,17 @@ class Row:
 
 _CHECKS: dict[str, Callable[[], Finding]] = {}
 _CLAIMS: dict[str, Claim] = {}
-_FIELDS = {"id", "section", "quote", "paraphrase", "api", "expected", "assumptions", "slow"}
+_FIELDS = {
+    "id",
+    "section",
+    "quote",
+    "paraphrase",
+    "api",
+    "expected",
+    "assumptions",
+    "slow",
+    "subjects",
+}
 _REQUIRED = ("section", "quote", "paraphrase", "api", "expected")
 
 
@@ -215,6 +229,7 @@ def claim_from_data(entry: dict[str, object], check_fn: Callable[[], Finding]) -
         if not str(entry[name]).strip():
             raise ValueError(f"claim {cid}: {name} must not be empty")
     fields = {k: v for k, v in entry.items() if k != "id"}
+    fields["subjects"] = tuple(fields.get("subjects", ()))
     return Claim(id=cid, check=check_fn, **fields)
 
 

@@ -65,20 +65,44 @@ def _hands_on() -> Finding:
 
 @check("004-0-b")
 def _applications() -> Finding:
-    from ... import models
+    import importlib
 
-    names = sorted(n for n in ("GPT", "MiniLM", "BertEncoder", "Encoder") if hasattr(models, n))
+    from ... import apps, models
+
+    # the chapter's domains and what attnlab ships for each: model classes and apps, by name
+    shipped = {
+        "language": ["GPT", "MiniLM", "BertEncoder", "Seq2SeqTransformer"],
+        "vision": ["VisionTransformer"],
+        "biology": [n for n in models.__all__ if n.lower().startswith(("protein", "dna", "bio"))],
+        "economics": [n for n in models.__all__ if n.lower().startswith(("econ", "timeseries"))],
+    }
+    shipped = {k: [n for n in v if hasattr(models, n)] for k, v in shipped.items()}
+    runnable = {k: [m for d, m in _APP_DOMAINS if d == k] for k in shipped}
+    for names in runnable.values():
+        for m in names:
+            importlib.import_module(f"{apps.__name__}.{m}")  # the app exists and imports
+    have = [k for k, v in shipped.items() if v]
+    missing = [k for k, v in shipped.items() if not v]
+    parts = [
+        f"{k}: {', '.join(shipped[k])}"
+        + (f" (apps: {', '.join(runnable[k])})" if runnable[k] else "")
+        for k in have
+    ]
     return Finding(
-        computed=f"attnlab ships text models ({', '.join(names)}) and one text corpus; no "
-        "vision, biology or economics model or data set",
-        call="attnlab.models.GPT, attnlab.models.MiniLM, attnlab.models.BertEncoder",
+        computed="attnlab ships models for "
+        + "; ".join(parts)
+        + " — none for "
+        + (", ".join(missing) or "no domain"),
+        call="attnlab.models.__all__; attnlab.apps (translate, classify, vit)",
         verdict=NOT_CHECKABLE,
-        explanation="the applications chapter is not in the source file, and its domains' data "
-        "(images, sequences, economic series) do not ship with attnlab",
+        explanation="the applications chapter is not in the source file"
+        + (f", and nothing for {' or '.join(missing)} ships with attnlab" if missing else ""),
     )
 
 
-# ----------------------------------------------------------------- 核心机制 (core mechanism)
+_APP_DOMAINS = (("language", "translate"), ("language", "classify"), ("vision", "vit"))
+
+
 @check("004-1-a")
 def _formula() -> Finding:
     from ... import attention

@@ -1,0 +1,127 @@
+"""Mutations of attnlab for tests/test_textbook_mutations.py: each breaks one fact of the library
+(a subject) the way a plausible bug would; applied with pytest's monkeypatch and undone after.
+
+A mutation is ``(subject, apply)``; ``apply(monkeypatch)`` changes the library in this process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+
+import torch
+
+from attnlab.functional import reference, scores
+from attnlab.masks import patterns
+
+Apply = Callable[[object], None]
+
+
+def _module(name: str):
+    """A module by dotted name (some are shadowed by a function of the same name)."""
+    return importlib.import_module(name)
+
+
+def scale(mp) -> None:
+    """The default logit scale 1/√d → 1/d."""
+    mp.setitem(scores.SCORES, "dot", scores.Score("dot", lambda x: x, lambda d: 1.0 / d))
+
+
+def sinusoid_base(mp) -> None:
+    """The sinusoid base 10000 → 5000 (the table, the module and the shift matrix)."""
+    sin = _module("attnlab.positional.sinusoidal")
+    mp.setattr(sin, "DEFAULT_BASE", 5000.0)
+    mp.setattr(sin.sinusoidal, "__defaults__", (5000.0,))
+    mp.setattr(sin.sinusoidal_shift, "__defaults__", (5000.0,))
+    init = sin.SinusoidalEmbedding.__init__
+    mp.setattr(init, "__defaults__", (5000.0, *init.__defaults__[1:]))
+
+
+def rope_base(mp) -> None:
+    """RoPE's base 10000 → 5000."""
+    rope = _module("attnlab.positional.rope")
+    init = rope.RoPE.__init__
+    mp.setattr(init, "__defaults__", (5000.0, *init.__defaults__[1:]))
+
+
+def causal_alignment(mp) -> None:
+    """Causal masks see one key too many: ``j ≤ p`` → ``j ≤ p + 1`` (a shifted diagonal)."""
+    cls = patterns.CausalMask
+    mp.setattr(cls, "_mod", lambda self, b, h, p, j, S: j <= p + 1)
+    mp.setattr(cls, "band", lambda self: (-math.inf, 1.0))
+
+    def key_interval(self, L, S, *, device=None):
+        p = self.positions(L, S, device=device)
+        return None, (p + 2).clamp(0, S).view(1, 1, L)
+
+    def row_counts(self, L, S, *, batch=None, heads=None, device=None):
+        return (self.positions(L, S, device=device) + 2).clamp(0, S).view(1, 1, L)
+
+    mp.setattr(cls, "key_interval", key_interval)
+    mp.setattr(cls, "row_counts", row_counts)
+    mp.setattr(cls, "_geometry", lambda self, L, S: None)
+
+
+def softmax_flops(mp) -> None:
+    """The FLOP count of a softmax element 5 → 4 (estimate and model_cost)."""
+    mp.setattr(_module("attnlab.analysis.estimate"), "SOFTMAX_FLOPS_PER_ELEMENT", 4)
+    mp.setattr(_module("attnlab.analysis.costs"), "SOFTMAX_FLOPS", 4)
+
+
+def feature_map(mp) -> None:
+    """Linear attention's φ = elu + 1 → elu + 1.5."""
+    shifted = lambda x: torch.nn.functional.elu(x) + 1.5  # noqa: E731
+    mp.setattr(reference, "elu_feature_map", shifted)
+    mp.setitem(reference.LINEAR_FEATURE_MAPS, "elu", shifted)
+
+
+def entropy_base(mp) -> None:
+    """Attention entropy in bits instead of nats."""
+    weights = _module("attnlab.analysis.weights")
+    nats = weights.entropy
+    mp.setattr(weights, "entropy", lambda w, *a, **k: nats(w, *a, **k) / math.log(2))
+    mp.setattr(_module("attnlab.analysis"), "entropy", weights.entropy)
+
+
+def _drop_kwargs(mp, *names: str) -> None:
+    """``attnlab.attention`` silently ignores the keyword arguments ``names``."""
+    import attnlab
+
+    original = attnlab.attention
+
+    def attention(*args, **kwargs):
+        return original(*args, **{k: v for k, v in kwargs.items() if k not in names})
+
+    mp.setattr(attnlab, "attention", attention)
+
+
+def explicit_scale(mp) -> None:
+    """``attention(..., scale=s)`` ignores ``s`` (and the temperature): the default is used."""
+    _drop_kwargs(mp, "scale", "temperature")
+
+
+def masking(mp) -> None:
+    """``attention(..., mask=m, bias=b)`` ignores the mask and the additive bias."""
+    _drop_kwargs(mp, "mask", "bias")
+
+
+def element_bytes(mp) -> None:
+    """Memory counts take float32 for 2 bytes an element (estimate and model_cost)."""
+    for name in ("attnlab.analysis.estimate", "attnlab.analysis.costs"):
+        mp.setitem(_module(name)._BYTES, "float32", 2)
+        mp.setitem(_module(name)._BYTES, "bfloat16", 4)
+
+
+MUTATIONS: dict[str, Apply] = {
+    "scale": scale,
+    "sinusoid": sinusoid_base,
+    "rope": rope_base,
+    "causal": causal_alignment,
+    "flops": softmax_flops,
+    "linear": feature_map,
+    "entropy": entropy_base,
+    "explicit-scale": explicit_scale,
+    "masking": masking,
+    "bytes": element_bytes,
+}
