@@ -291,14 +291,20 @@ def _additive_limits() -> Finding:
     c = _score_costs(n, d)
     params = sum(p.numel() for p in AdditiveAttention(d, d, d, bias=False).parameters())
     kept = c["additive"]["largest"] * 4  # float32 tanh hidden, kept for backward
-    ok = c["additive"]["total"] > c["dot"]["total"] and params > 0 and kept > 4 * n * n
+    dot_kept = c["dot"]["largest"] * 4  # float32 weights, kept for backward
+    ok = (
+        c["additive"]["total"] > c["dot"]["total"]
+        and params > 0
+        and kept > dot_kept
+        and c["dot"]["matmul"] == _estimate_matmul(n, d)
+    )
     return Finding(
         computed=f"forward FLOPs {c['additive']['total']:,} vs {c['dot']['total']:,} for dot "
         f"(×{c['additive']['total'] / c['dot']['total']:.2f}); {params:,} parameters vs 0; the "
-        f"backward keeps the tanh hidden, {kept / 2**20:.0f} MiB vs {4 * n * n / 2**20:.0f} MiB of "
+        f"backward keeps the tanh hidden, {kept / 2**20:.0f} MiB vs {dot_kept / 2**20:.0f} MiB of "
         "dot-product weights",
-        call="AdditiveAttention(64, 64, 64, bias=False): parameters and weight shapes; "
-        "estimate(512, 64, 1)",
+        call="AdditiveAttention(64, 64, 64, bias=False): parameters; FlopCounterMode and "
+        "saved_tensors_hooks around it and attention(q, q, q, backend='reference') on meta",
         **judged(ok, "additive attention is not the costlier one"),
         measured=_train_timing_note(n, d),
     )
@@ -343,33 +349,63 @@ def _additive_parameters() -> Finding:
     )
 
 
+def _measured(fn, *shapes: tuple[int, ...]) -> tuple[int, int]:
+    """What one call of ``fn`` on meta tensors of ``shapes`` does: (matmul FLOPs counted by
+    FlopCounterMode, elements of the largest tensor autograd saves for backward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    xs = [torch.empty(*s, device="meta", requires_grad=True) for s in shapes]
+    saved: list[int] = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel())
+        return t
+
+    with (
+        FlopCounterMode(display=False) as fc,
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
+        fn(*xs)
+    return fc.get_total_flops(), max(saved)
+
+
 def _score_costs(n: int, d: int) -> dict[str, dict[str, int]]:
     """FLOPs of one head's attention (n queries, n keys, d = d_k = d_v, additive hidden h = d) by
     score: ``total``, ``matmul`` (what a BLAS runs) and ``largest`` (the biggest intermediate, in
-    elements). Dot-product rows from `estimate`; the cosine form adds the two row normalisations;
-    the additive form's terms come from `AdditiveAttention`'s weight shapes."""
-    from ... import AdditiveAttention
+    elements), measured on attnlab's calls: the matmuls counted by FlopCounterMode, the largest
+    intermediate as the largest tensor kept for backward. The elementwise work is counted per
+    element of what the calls build: softmax FLOPs from `estimate`, the cosine row norms, and
+    for the additive form the broadcast sum, the tanh and vᵀ·tanh over its (n, n, h) hidden."""
+    from ... import AdditiveAttention, attention
+    from ...analysis import estimate
+
+    with torch.device("meta"):
+        add = AdditiveAttention(d, d, d, bias=False)
+    runs = {
+        "dot": _measured(lambda q: attention(q, q, q, backend="reference"), (1, 1, n, d)),
+        "cosine": _measured(
+            lambda q: attention(q, q, q, score="cosine", backend="reference"), (1, 1, n, d)
+        ),
+        "additive": _measured(lambda q: add(q, q, q), (1, n, d)),
+    }
+    sm = int(estimate(n, d, 1).value("softmax", "naive"))
+    extra = {
+        "dot": sm,
+        "cosine": sm + 2 * n * (3 * d + 1),  # squares, sum, sqrt, divide for every q and k row
+        "additive": sm + 4 * runs["additive"][1],  # sum, tanh, vᵀ multiply-add per hidden unit
+    }
+    return {
+        k: {"total": mm + extra[k], "matmul": mm, "largest": largest}
+        for k, (mm, largest) in runs.items()
+    }
+
+
+def _estimate_matmul(n: int, d: int) -> int:
+    """`estimate`'s matmul FLOPs of one dot-product head (QKᵀ and PV)."""
     from ...analysis import estimate
 
     e = estimate(n, d, 1)
-    qk, sm, pv = (e.value(r, "naive") for r in ("scores QKᵀ", "softmax", "weighted sum PV"))
-    with torch.device("meta"):
-        add = AdditiveAttention(d, d, d, bias=False)
-    h, dq = add.query_proj.weight.shape
-    dk = add.key_proj.weight.shape[1]
-    proj = 2 * n * dq * h + 2 * n * dk * h  # W_q q and W_k k
-    # broadcast sum and tanh over the (n, n, h) hidden, then vᵀ·tanh (a multiply-add per unit)
-    hidden = n * n * h + n * n * h + 2 * n * n * h
-    norms = 2 * n * (3 * d + 1)  # squares, sum, sqrt, divide for every q and k row
-    return {
-        "dot": {"total": int(qk + sm + pv), "matmul": int(qk + pv), "largest": n * n},
-        "cosine": {"total": int(qk + sm + pv + norms), "matmul": int(qk + pv), "largest": n * n},
-        "additive": {
-            "total": int(proj + hidden + sm + pv),
-            "matmul": int(proj + pv),
-            "largest": n * n * h,
-        },
-    }
+    return int(e.value("scores QKᵀ", "naive") + e.value("weighted sum PV", "naive"))
 
 
 @contextlib.contextmanager
@@ -426,7 +462,8 @@ def _score_comparison() -> Finding:
     dot, cos, add = (c[k]["total"] for k in ("dot", "cosine", "additive"))
     order = dot < cos < 1.01 * dot and add > 1.5 * dot
     share = {k: c[k]["matmul"] / c[k]["total"] for k in c}
-    ok = quadratic and order and share["additive"] < 0.5 < share["dot"]
+    counted = c["dot"]["matmul"] == _estimate_matmul(512, d)  # the counter and the cost model
+    ok = quadratic and order and share["additive"] < 0.5 < share["dot"] and counted
     return Finding(
         computed="n=512: "
         + "; ".join(
@@ -437,8 +474,9 @@ def _score_comparison() -> Finding:
         + "; ×"
         + ", ×".join(f"{growth[k]:.2f} ({k})" for k in c)
         + " when n doubles",
-        call="estimate(512, 64, 1).value('scores QKᵀ' | 'softmax' | 'weighted sum PV', 'naive') "
-        "+ the cosine norms + AdditiveAttention(64, 64, 64, bias=False)'s weight shapes",
+        call="FlopCounterMode and saved_tensors_hooks around attention(q, q, q, score=…, "
+        "backend='reference') and AdditiveAttention(64, 64, 64, bias=False)(q, q, q) on meta; "
+        "estimate(512, 64, 1).value('softmax', 'naive')",
         **judged(ok, "the FLOP counts do not rank dot < cosine < additive or do not grow as n²"),
         measured=_timing_note(512, d),
     )

@@ -1115,7 +1115,9 @@ def _not_equivalent() -> Finding:
 
 @check("004-5.2-e")
 def _additive_cost() -> Finding:
+    from ... import attention
     from ...analysis import estimate
+    from .seed000 import _measured
 
     n, d = 128, 64
     est = estimate(n, d, 1)
@@ -1125,19 +1127,29 @@ def _additive_cost() -> Finding:
     q = _randn(g, 1, n, d)
     with torch.no_grad():
         out, w = attn(q, q)
-    h, dq = attn.query_proj.weight.shape
-    dk = attn.key_proj.weight.shape[1]
-    # projections W_1 q and W_2 k, the (L, S, h) tanh layer, vᵀ·tanh and the weighted sum
-    add_flops = 2 * n * dq * h + 2 * n * dk * h + n * n * h + 2 * n * n * h + 2 * n * n * d
-    tanh_evals, exp_evals = n * n * h, int(w.numel())
-    ok = tuple(out.shape) == (1, n, d) and tanh_evals >= h * exp_evals and add_flops > dot_flops
+    h = attn.query_proj.weight.shape[0]
+    # measured on the module's own call: the matmuls (projections, weighted sum) and the largest
+    # tensor it keeps, the (L, S, h) tanh layer; + its broadcast sum and vᵀ·tanh (3 per unit)
+    with torch.device("meta"):
+        meta = _additive(d, d, d, 28).float()
+    matmul, tanh_evals = _measured(lambda x: meta(x, x), (1, n, d))
+    add_flops = matmul + 3 * tanh_evals
+    dot_mm, _ = _measured(lambda x: attention(x, x, x, backend="reference"), (1, 1, n, d))
+    exp_evals = int(w.numel())
+    ok = (
+        tuple(out.shape) == (1, n, d)
+        and tanh_evals >= h * exp_evals
+        and add_flops > dot_flops
+        and dot_mm == dot_flops  # the counted matmuls are the cost model's
+    )
     return Finding(
         computed=f"FLOPs: dot {int(dot_flops):,} (QKᵀ + PV, all matmul), additive {add_flops:,} "
         f"(projections, the n×n×h sum, vᵀ·tanh, PV); transcendental evaluations: dot "
         f"{exp_evals:,} exp, additive {tanh_evals:,} tanh + {exp_evals:,} exp; largest "
         f"intermediate: dot n² = {n * n:,} elements, additive n²h = {tanh_evals:,}",
         call="estimate(128, 64, 1).value('scores QKᵀ' / 'weighted sum PV', 'naive'); "
-        "AdditiveAttention(64, 64, 64)(q, q) and its weight shapes",
+        "AdditiveAttention(64, 64, 64)(q, q); FlopCounterMode and saved_tensors_hooks around it "
+        "and attention(q, q, q, backend='reference') on meta",
         **_verdict(ok, "the additive form is not the costlier one"),
     )
 
