@@ -113,6 +113,89 @@ def element_bytes(mp) -> None:
         mp.setitem(_module(name)._BYTES, "bfloat16", 4)
 
 
+def mlp_matrices(mp) -> None:
+    """model_cost counts three FFN matrices for a GELU MLP (it has two)."""
+    mp.setitem(_module("attnlab.analysis.costs").MLPS, "gelu", 3)
+
+
+def _estimate_rows(mp, fractions: dict[str, float]) -> None:
+    """``estimate`` drops ``fractions[row]`` of each named FLOP row (and of the total)."""
+    import attnlab.analysis
+
+    original = attnlab.analysis.estimate
+
+    def estimate(*args, **kwargs):
+        est = original(*args, **kwargs)
+        rows, cut = [], {}
+        for name, unit, values in est.rows:
+            if name in fractions:
+                dropped = {k: v * fractions[name] for k, v in values.items()}
+                cut = {k: cut.get(k, 0.0) + v for k, v in dropped.items()}
+                values = {k: v - dropped[k] for k, v in values.items()}
+            if name == "total":
+                values = {k: v - cut.get(k, 0.0) for k, v in values.items()}
+            rows.append((name, unit, values))
+        est.rows[:] = rows
+        return est
+
+    mp.setattr(attnlab.analysis, "estimate", estimate)
+
+
+def projection_flops(mp) -> None:
+    """estimate forgets the output projection in its FLOPs (3 of the 4 projections counted)."""
+    _estimate_rows(mp, {"QKV + output projections": 0.25})
+
+
+def score_flops(mp) -> None:
+    """estimate counts one FLOP per multiply-add in QKᵀ and PV (half of the 2 it should)."""
+    _estimate_rows(mp, {"scores QKᵀ": 0.5, "weighted sum PV": 0.5})
+
+
+def sinusoid_frequencies(mp) -> None:
+    """The sinusoid frequencies base^(−2i/d) → base^(−i/d) (the pair index read as the dim)."""
+    sin = _module("attnlab.positional.sinusoidal")
+
+    def frequencies(dim, base, device=None):
+        return base ** (-torch.arange(0, dim // 2, dtype=torch.float64, device=device) / dim)
+
+    mp.setattr(sin, "_frequencies", frequencies)
+
+
+def additive_energy(mp) -> None:
+    """Additive attention scales its score vector v by 2 (e = 2·vᵀ tanh(…))."""
+    original = reference.additive_attention
+
+    def additive_attention(*args, w_v, **kwargs):
+        return original(*args, w_v=2 * w_v, **kwargs)
+
+    mp.setattr(reference, "additive_attention", additive_attention)
+
+
+def io_model(mp) -> None:
+    """The tiled IO model reads K and V twice."""
+    costs = _module("attnlab.analysis.costs")
+    original = costs.io_tiled
+    mp.setattr(
+        costs, "io_tiled", lambda n, d, sram, block=None: original(n, d, sram, block) + 2 * n * d
+    )
+
+
+def output_bias(mp) -> None:
+    """MultiHeadAttention forgets the output projection's bias."""
+    from attnlab import MultiHeadAttention
+
+    original = MultiHeadAttention.forward
+
+    def forward(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        b = self.out_proj.bias
+        if b is None:
+            return out
+        return (out[0] - b, *out[1:]) if isinstance(out, tuple) else out - b
+
+    mp.setattr(MultiHeadAttention, "forward", forward)
+
+
 MUTATIONS: dict[str, Apply] = {
     "scale": scale,
     "sinusoid": sinusoid_base,
@@ -124,4 +207,11 @@ MUTATIONS: dict[str, Apply] = {
     "explicit-scale": explicit_scale,
     "masking": masking,
     "bytes": element_bytes,
+    "mlp": mlp_matrices,
+    "projections": projection_flops,
+    "additive": additive_energy,
+    "io": io_model,
+    "mha": output_bias,
+    "score-flops": score_flops,
+    "frequencies": sinusoid_frequencies,
 }
