@@ -185,6 +185,7 @@ def _sdpa_formula() -> Finding:
 
 
 @check("002-8.1.3-c")
+@check("002-8.7-f")
 def _scaled_var() -> Finding:
     from ...analysis import scaling_experiment
     from ...functional.scores import get_score
@@ -359,6 +360,10 @@ def _equivariance() -> Finding:
     )
 
 
+@check("002-8.2.1-b")
+@check("002-8.5-b")
+@check("002-8.7-a")
+@check("002-ex8.3-b")
 def _invariance_claim() -> Finding:
     """The text's word 'invariance' (置换不变性): the output would be unchanged by a permutation."""
     out, out_p, perm = _permutation_outputs()
@@ -381,11 +386,6 @@ def _invariance_claim() -> Finding:
             "softmax(QKᵀ/√d)V in numpy equals attention on the inputs and on the permuted inputs",
         ),
     )
-
-
-@check("002-8.2.1-b")
-def _invariance_8_2_1() -> Finding:
-    return _invariance_claim()
 
 
 @check("002-8.2.1-c")
@@ -1106,6 +1106,8 @@ def _memory_techniques() -> Finding:
     )
 
 
+@check("002-8.4.2-d")
+@check("002-8.7-e")
 def _memory_doubling() -> Finding:
     kept = {
         i: _est(2048, 768, 12).value("activations kept for backward", i)
@@ -1134,11 +1136,6 @@ def _memory_doubling() -> Finding:
             "log-sum-exp) equals estimate's bytes at n = 1024 and 2048",
         ),
     )
-
-
-@check("002-8.4.2-d")
-def _memory_4x() -> Finding:
-    return _memory_doubling()
 
 
 @check("002-8.4.3-a")
@@ -1340,11 +1337,6 @@ def _history() -> Finding:
     )
 
 
-@check("002-8.5-b")
-def _invariance_8_5() -> Finding:
-    return _invariance_claim()
-
-
 @check("002-8.6-a")
 def _flash_blocks() -> Finding:
     from ... import attention, attention_weights
@@ -1501,11 +1493,6 @@ def _streaming() -> Finding:
     )
 
 
-@check("002-8.7-a")
-def _invariance_8_7() -> Finding:
-    return _invariance_claim()
-
-
 @check("002-8.7-b")
 def _summary_cost() -> Finding:
     t = {n: _est(n).value("total", "naive") for n in (1024, 4096)}
@@ -1553,11 +1540,6 @@ def _params_heads() -> Finding:
         abs(best / 12 - 1.4) < 0.05 and abs(ratio - 2) < 0.1,
         "doubling the parameters does not mean ~1.4× the heads",
     )
-
-
-@check("002-8.7-e")
-def _memory_4x_summary() -> Finding:
-    return _memory_doubling()
 
 
 # ------------------------------------------------------------------------ more of 8.2–8.7
@@ -1655,11 +1637,6 @@ def _checkpointing() -> Finding:
     )
 
 
-@check("002-8.7-f")
-def _summary_scale() -> Finding:
-    return _scaled_var()
-
-
 @check("002-8.7-g")
 def _summary_sinusoidal() -> Finding:
     a, b = _sinusoidal_extrapolates(), _pe_scales()
@@ -1747,11 +1724,6 @@ def _ex83_shapes() -> Finding:
         "use KᵀQ (n×n): (KP)ᵀ(QP) = Pᵀ(KᵀQ)P, and softmax commutes with the permutation",
         Derivation(witness, "V·softmax(KᵀQ/√d_k) in numpy equals attnlab's token-form output"),
     )
-
-
-@check("002-ex8.3-b")
-def _ex83_invariance() -> Finding:
-    return _invariance_claim()
 
 
 def _local(n: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
