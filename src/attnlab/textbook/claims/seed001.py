@@ -284,7 +284,7 @@ def _binary_like() -> Finding:
 
 @check("001-3.3-d")
 def _extrapolation() -> Finding:
-    from .seed002 import _sinusoidal_extrapolates
+    from .seed002_positions import _sinusoidal_extrapolates
 
     return _sinusoidal_extrapolates()
 
@@ -415,7 +415,7 @@ def _length_rule(gflops: float) -> dict[int, tuple[float, str]]:
 
 @check("001-6.1-a")
 def _length_rule_claim() -> Finding:
-    from .seed002 import _this_machine
+    from .seed002_practice import _this_machine
 
     rule = _length_rule(_CPU["gflops"])
     note, rate = _this_machine()

@@ -36,7 +36,7 @@ def _close(a: Tensor, b: Tensor, tol: float = 1e-12) -> bool:
     return bool((a - b).abs().max() <= tol) if a.numel() else True
 
 
-_verdict = judged  # verdict/explanation keywords: agrees, or a text error with why
+_verdict = judged  # the verdict keywords by the rule of attnlab.textbook.core.judged
 
 
 def _scores(w: Tensor, lse: Tensor) -> Tensor:
