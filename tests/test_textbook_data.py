@@ -65,3 +65,12 @@ def test_checks_and_claims_are_joined_one_to_one(monkeypatch):
         core.all_claims()
     with pytest.raises(ValueError, match="has two checks"):
         core.check("000-scale-b")(_check)
+
+
+def test_no_textbook_module_is_over_700_lines():
+    sizes = {
+        p.name: len(p.read_text(encoding="utf-8").splitlines())
+        for p in Path(core.__file__).parent.rglob("*.py")
+    }
+    assert len(sizes) >= 20 and "seed002_practice.py" in sizes
+    assert {k: v for k, v in sizes.items() if v > 700} == {}
