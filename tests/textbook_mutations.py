@@ -196,6 +196,62 @@ def output_bias(mp) -> None:
     mp.setattr(MultiHeadAttention, "forward", forward)
 
 
+def weights_axis(mp) -> None:
+    """``attention(..., return_weights=True)`` returns weights normalised over the queries."""
+    import attnlab
+
+    original = attnlab.attention
+
+    def attention(*args, **kwargs):
+        res = original(*args, **kwargs)
+        if not kwargs.get("return_weights") or not isinstance(res, tuple):
+            return res
+        w = res[1]
+        return (res[0], w / w.sum(-2, keepdim=True).clamp_min(1e-300), *res[2:])
+
+    mp.setattr(attnlab, "attention", attention)
+
+
+def dot_prepare(mp) -> None:
+    """The dot score normalises q and k (it becomes the cosine score, still scaled by 1/√d)."""
+    dot = scores.SCORES["dot"]
+    mp.setitem(scores.SCORES, "dot", scores.Score("dot", scores._unit, dot.default_scale))
+
+
+def sin_cos_order(mp) -> None:
+    """The sinusoidal table puts cos in the even dims and sin in the odd ones."""
+    import attnlab
+    import attnlab.positional
+
+    original = attnlab.positional.sinusoidal
+
+    def sinusoidal(*args, **kwargs):
+        t = original(*args, **kwargs)
+        return t.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+
+    mp.setattr(attnlab.positional, "sinusoidal", sinusoidal)
+    emb = attnlab.positional.SinusoidalEmbedding
+    forward = emb.forward
+    mp.setattr(
+        emb,
+        "forward",
+        lambda self, *a, **k: forward(self, *a, **k).unflatten(-1, (-1, 2)).flip(-1).flatten(-2),
+    )
+
+
+def head_order(mp) -> None:
+    """MultiHeadAttention.project returns the query heads in reverse order."""
+    from attnlab import MultiHeadAttention
+
+    original = MultiHeadAttention.project
+
+    def project(self, *args, **kwargs):
+        q, *rest = original(self, *args, **kwargs)
+        return (q.flip(-3), *rest)
+
+    mp.setattr(MultiHeadAttention, "project", project)
+
+
 MUTATIONS: dict[str, Apply] = {
     "scale": scale,
     "sinusoid": sinusoid_base,
@@ -214,4 +270,8 @@ MUTATIONS: dict[str, Apply] = {
     "mha": output_bias,
     "score-flops": score_flops,
     "frequencies": sinusoid_frequencies,
+    "weights": weights_axis,
+    "dot": dot_prepare,
+    "sin-cos": sin_cos_order,
+    "heads": head_order,
 }
