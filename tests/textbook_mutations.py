@@ -252,6 +252,16 @@ def head_order(mp) -> None:
     mp.setattr(MultiHeadAttention, "project", project)
 
 
+def cache_values(mp) -> None:
+    """The KV cache stores the keys in place of the values."""
+    from attnlab.modules.kv_cache import KVCache
+
+    original = KVCache.update
+    mp.setattr(
+        KVCache, "update", lambda self, k, v, positions=None: original(self, k, k, positions)
+    )
+
+
 MUTATIONS: dict[str, Apply] = {
     "scale": scale,
     "sinusoid": sinusoid_base,
@@ -274,4 +284,5 @@ MUTATIONS: dict[str, Apply] = {
     "dot": dot_prepare,
     "sin-cos": sin_cos_order,
     "heads": head_order,
+    "kv-cache": cache_values,
 }
