@@ -262,6 +262,19 @@ def cache_values(mp) -> None:
     )
 
 
+def minilm_heads(mp) -> None:
+    """MiniLM.attentions returns each layer's heads in reverse order."""
+    from attnlab.models import MiniLM
+
+    original = MiniLM.attentions
+
+    def attentions(self, text):
+        tokens, w = original(self, text)
+        return tokens, w.flip(1)
+
+    mp.setattr(MiniLM, "attentions", attentions)
+
+
 MUTATIONS: dict[str, Apply] = {
     "scale": scale,
     "sinusoid": sinusoid_base,
@@ -285,4 +298,5 @@ MUTATIONS: dict[str, Apply] = {
     "sin-cos": sin_cos_order,
     "heads": head_order,
     "kv-cache": cache_values,
+    "minilm": minilm_heads,
 }

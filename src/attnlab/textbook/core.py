@@ -33,7 +33,10 @@ but it never decides a verdict and never enters ``docs/textbook.md``.
 
 Claims are data: every seed has a data file ``attnlab/textbook/claims/seed00N.toml`` with one
 ``[[claim]]`` table per claim (id, section, verbatim quote, paraphrase, api, declared verdict,
-assumptions, ``slow``), in the order of the text. The checks are Python functions registered by
+assumptions, ``slow``, ``subjects``), in the order of the text. ``subjects`` names the facts of the
+library a check depends on; the test suite breaks each subject in turn (a mutation of the
+library, ``tests/textbook_mutations.py``) and requires every claim of that subject to come out
+``disagrees``, never ``text error``. The checks are Python functions registered by
 id with the `check` decorator in the modules of ``attnlab.textbook.claims``; `all_claims` imports
 them and joins both, and refuses a claim without a check or a check without a claim.
 """
