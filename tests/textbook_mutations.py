@@ -118,9 +118,14 @@ def mlp_matrices(mp) -> None:
     mp.setitem(_module("attnlab.analysis.costs").MLPS, "gelu", 3)
 
 
-def _estimate_rows(mp, fractions: dict[str, float]) -> None:
-    """``estimate`` drops ``fractions[row]`` of each named FLOP row (and of the total)."""
+def _estimate_rows(
+    mp, fractions: dict[str, float], weights: dict[str, float] | None = None
+) -> None:
+    """``estimate`` drops ``fractions[row]`` of each named FLOP row (and of the total), and
+    ``weights[row]`` of each named row outside the total."""
     import attnlab.analysis
+
+    weights = weights or {}
 
     original = attnlab.analysis.estimate
 
@@ -134,6 +139,8 @@ def _estimate_rows(mp, fractions: dict[str, float]) -> None:
                 values = {k: v - dropped[k] for k, v in values.items()}
             if name == "total":
                 values = {k: v - cut.get(k, 0.0) for k, v in values.items()}
+            if name in weights:
+                values = {k: v * (1 - weights[name]) for k, v in values.items()}
             rows.append((name, unit, values))
         est.rows[:] = rows
         return est
@@ -142,8 +149,13 @@ def _estimate_rows(mp, fractions: dict[str, float]) -> None:
 
 
 def projection_flops(mp) -> None:
-    """estimate forgets the output projection in its FLOPs (3 of the 4 projections counted)."""
-    _estimate_rows(mp, {"QKV + output projections": 0.25})
+    """estimate forgets the output projection (3 of the 4 projections counted): in its FLOPs
+    and in its weight count."""
+    _estimate_rows(
+        mp,
+        {"QKV + output projections": 0.25},
+        weights={"projection weights": 0.25, "projection weights + biases": 0.25},
+    )
 
 
 def score_flops(mp) -> None:

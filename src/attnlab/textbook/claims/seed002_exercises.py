@@ -223,6 +223,14 @@ def _sine_only_residual(k: int = 1) -> tuple[float, float]:
     return r_sin, r_pe
 
 
+def _table_is_closed_form() -> bool:
+    """attnlab's sinusoidal(300, 16), the sin/cos table these exercises compare with, equals
+    the closed form."""
+    from ...positional import sinusoidal
+
+    return ind.close(sinusoidal(300, 16, dtype=F64).numpy(), ind.sinusoid(300, 16), 1e-9)
+
+
 @check("002-ex8.7-a")
 def _ex87() -> Finding:
     r_sin, r_pe = _sine_only_residual()
@@ -237,9 +245,10 @@ def _ex87() -> Finding:
         "with sines alone no fixed linear map sends PE(p) to PE(p+k) (each sine needs its "
         "cosine, as in 8.2.2), so relative offsets are not linearly accessible",
         Derivation(
-            abs(w_sin - r_sin) < 1e-9 and abs(w_pe - r_pe) < 1e-9,
-            f"numpy least squares on the closed-form tables: residuals {fmt(w_sin)} (sines) and "
-            f"{tiny(w_pe)} (sin/cos)",
+            abs(w_sin - r_sin) < 1e-9 and abs(w_pe - r_pe) < 1e-9 and _table_is_closed_form(),
+            "attnlab's sinusoidal(300, 16) equals sin/cos(p/10000^(2i/16)) by math.sin and "
+            f"math.cos; numpy least squares on the closed-form tables: residuals {fmt(w_sin)} "
+            f"(sines) and {tiny(w_pe)} (sin/cos)",
         ),
     )
 
@@ -429,8 +438,9 @@ def _ex87_laplacian() -> Finding:
         "the path Laplacian's eigenvectors are cos(πk(j+½)/n): they depend on the length n and "
         "have no fixed linear shift map (no sine partners, reflecting ends)",
         Derivation(
-            witness and abs(ind.shift_residual(closed) - resid) < 1e-9,
+            witness and abs(ind.shift_residual(closed) - resid) < 1e-9 and _table_is_closed_form(),
             "the closed-form modes cos(πk(j+½)/n) equal torch's eigenvectors at n = 16 and 32, "
-            "with the same shift residual",
+            "with the same shift residual; attnlab's sin/cos table compared with equals its "
+            "closed form",
         ),
     )
