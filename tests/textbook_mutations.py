@@ -287,6 +287,12 @@ def minilm_heads(mp) -> None:
     mp.setattr(MiniLM, "attentions", attentions)
 
 
+def fourier_axes(mp) -> None:
+    """FNet's mixing transforms the sequence axis only (the hidden-axis FFT forgotten)."""
+    fnet = _module("attnlab.functional.fnet")
+    mp.setattr(fnet, "fnet_mixing", lambda x: torch.fft.fft(x, dim=-2).real.to(x.dtype))
+
+
 MUTATIONS: dict[str, Apply] = {
     "scale": scale,
     "sinusoid": sinusoid_base,
@@ -311,4 +317,5 @@ MUTATIONS: dict[str, Apply] = {
     "heads": head_order,
     "kv-cache": cache_values,
     "minilm": minilm_heads,
+    "fnet": fourier_axes,
 }
