@@ -115,3 +115,15 @@ def test_a_library_bug_is_printed_as_such_and_exits_1(monkeypatch, capsys):
     assert "library bugs" in err and "000-scale-b" in err
     code, out, _ = _cli(capsys, "--quiet", "--only", "000-def-a")
     assert code == 1 and "[disagrees] 000-def-a" in out and "library bugs: ['000-def-a']" in out
+
+
+def test_the_transformers_witness_of_head_pruning_removes_heads():
+    """002-8.3.2-c's witness: nothing pruned gives cosine 1; the heads it zeroes change the
+    embeddings, more heads more."""
+    from attnlab.models.minilm import model_path
+
+    path, texts = str(model_path()), ["The cat sat on the mat.", "Attention is all you need."]
+    assert ind.bert_pruned_cosine(path, texts, []) == pytest.approx(1.0, abs=1e-12)
+    one = ind.bert_pruned_cosine(path, texts, [(0, 0)])
+    layer = ind.bert_pruned_cosine(path, texts, [(0, h) for h in range(12)])
+    assert layer < one < 1.0

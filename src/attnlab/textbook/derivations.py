@@ -207,6 +207,53 @@ def bert_attentions(model_dir: str, text: str) -> np.ndarray:
     return np.stack([a[0].double().numpy() for a in out.attentions])
 
 
+def bert_pruned_cosine(model_dir: str, texts: list[str], pruned: list[tuple[int, int]]) -> float:
+    """Mean cosine between the mean-pooled sentence embeddings of a BERT-family checkpoint with
+    the heads ``pruned`` (layer, head) removed and without, by Hugging Face transformers: a
+    forward hook zeroes a removed head's slice of its layer's self-attention output (what the
+    head adds before the output projection)."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModel.from_pretrained(model_dir, attn_implementation="eager").eval()
+    enc = tok(texts, return_tensors="pt", padding=True)
+    d = model.config.hidden_size // model.config.num_attention_heads
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in pruned:
+        by_layer.setdefault(layer, []).append(head)
+
+    def zero_heads(heads: list[int]):
+        def hook(_module, _args, output):
+            context = output[0].clone()
+            for h in heads:
+                context[..., h * d : (h + 1) * d] = 0.0
+            return (context, *output[1:])
+
+        return hook
+
+    def embed(remove: bool) -> np.ndarray:
+        handles = [
+            model.encoder.layer[layer].attention.self.register_forward_hook(zero_heads(heads))
+            for layer, heads in by_layer.items()
+            if remove
+        ]
+        try:
+            with torch.no_grad():
+                hidden = model(**enc).last_hidden_state.double()
+        finally:
+            for h in handles:
+                h.remove()
+        keep = enc["attention_mask"].double()[..., None]
+        return ((hidden * keep).sum(1) / keep.sum(1)).numpy()
+
+    a, b = embed(True), embed(False)
+    cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+    return float(cos.mean())
+
+
 def close(a: np.ndarray, b: np.ndarray, tol: float = 1e-12) -> bool:
     """Same shape and max ``|a − b| ≤ tol``."""
     a, b = np.asarray(a, dtype=F64), np.asarray(b, dtype=F64)
@@ -219,6 +266,7 @@ __all__ = [
     "attention_weights",
     "band_keep",
     "bert_attentions",
+    "bert_pruned_cosine",
     "causal_keep",
     "close",
     "decoder_forward_flops",

@@ -277,10 +277,16 @@ _SWEEP = dict(
 )
 
 
-@functools.cache
 def _lr_sweep() -> dict[tuple[float, int], float]:
     """Final validation loss (nats/char) per (lr, warmup) of `attnlab.train.sweep` over
     lr ∈ {1e-2, 5e-4} × warmup ∈ {0, 30} (`_SWEEP`), on one thread."""
+    return _lr_sweep_runs()[0]
+
+
+@functools.cache
+def _lr_sweep_runs() -> tuple[dict[tuple[float, int], float], dict[tuple[float, int], float]]:
+    """`_lr_sweep`'s final validation losses, and the mean batch training loss of each run's
+    last 30 steps (the same runs measured a second way, on the training batches)."""
     import tempfile
 
     from ...train import TrainSettings, sweep
@@ -293,7 +299,10 @@ def _lr_sweep() -> dict[tuple[float, int], float]:
             result = sweep(base, {"lr": [1e-2, 5e-4], "warmup": [0, 30]}, log=lambda _: None)
     finally:
         torch.set_num_threads(threads)
-    return {(r.point["lr"], r.point["warmup"]): r.final_val for r in result.runs}
+    key = {id(r): (r.point["lr"], r.point["warmup"]) for r in result.runs}
+    val = {key[id(r)]: r.final_val for r in result.runs}
+    tail = {key[id(r)]: sum(r.train_losses[-30:]) / 30 for r in result.runs}
+    return val, tail
 
 
 @functools.cache
@@ -328,10 +337,16 @@ _SWEEP_CALL = (
 
 @check("002-8.9-o")
 def _lr_too_large() -> Finding:
-    val = _lr_sweep()
+    val, tail = _lr_sweep_runs()
     too_large = all(
         not math.isfinite(val[(1e-2, w)]) or val[(1e-2, w)] > val[(5e-4, w)] for w in (0, 30)
     )
+
+    # the second measurement: the training batches of the same runs rank them the same way
+    def worse(loss: dict[tuple[float, int], float], w: int) -> bool:
+        return not math.isfinite(loss[(1e-2, w)]) or loss[(1e-2, w)] > loss[(5e-4, w)]
+
+    same_rank = all(worse(val, w) == worse(tail, w) for w in (0, 30))
     return _found(
         _sweep_text(val),
         _SWEEP_CALL,
@@ -339,6 +354,13 @@ def _lr_too_large() -> Finding:
         "for this small pre-LN model 1e-2 trains stably and ends below 5e-4 with or without "
         "warmup: how large is too large depends on the model (depth, post-LN or pre-LN) and the "
         "run, so 1e-2 is not too large for Transformers in general",
+        Derivation(
+            same_rank,
+            "the mean batch loss of the last 30 training steps (a second measurement of the same "
+            "runs, on the training batches, by the per-step log) ranks 1e-2 and 5e-4 as the "
+            "validation loss does: "
+            + ", ".join(f"lr {k[0]:g} warmup {k[1]}: {fmt(v, 3)}" for k, v in tail.items()),
+        ),
     )
 
 
