@@ -14,6 +14,7 @@ import pytest
 from attnlab.cli import main
 from attnlab.textbook import (
     AGREES,
+    DISAGREES,
     NOT_CHECKABLE,
     TEXT_ERROR,
     Finding,
@@ -95,13 +96,19 @@ def test_ids_are_unique_and_every_seed_is_covered():
 
 def test_finding_rules():
     with pytest.raises(ValueError, match="needs an explanation"):
-        Finding("x", "f()", TEXT_ERROR)
+        Finding("x", "f()", TEXT_ERROR, derivation="closed form")
+    with pytest.raises(ValueError, match="needs the independent derivation"):
+        Finding("x", "f()", TEXT_ERROR, "the text is wrong")
+    with pytest.raises(ValueError, match="needs an explanation"):
+        Finding("x", "f()", DISAGREES)
     with pytest.raises(ValueError, match="needs an explanation"):
         Finding("x", "f()", NOT_CHECKABLE, " ")
     with pytest.raises(ValueError, match="verdict must be one of"):
         Finding("x", "f()", "maybe")
     with pytest.raises(ValueError, match="one line"):
-        Finding("x", "f()", TEXT_ERROR, "a\nb")
+        Finding("x", "f()", TEXT_ERROR, "a\nb", derivation="d")
+    with pytest.raises(ValueError, match="one line"):
+        Finding("x", "f()", TEXT_ERROR, "a", derivation="d\ne")
     assert Finding("x", "f()", AGREES).explanation == ""
 
 

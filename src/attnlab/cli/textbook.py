@@ -17,7 +17,7 @@ from ._args import UsageError, check_output_file
 
 
 def _cmd_textbook(args: argparse.Namespace) -> int:
-    from ..textbook import all_exercises, get_exercise, run_claim, select_claims
+    from ..textbook import DISAGREES, all_exercises, get_exercise, run_claim, select_claims
     from ..textbook.exercises import render as render_exercise
     from ..textbook.render import as_json, as_markdown, as_text, summary
     from ..utils.progress import Progress
@@ -54,14 +54,20 @@ def _cmd_textbook(args: argparse.Namespace) -> int:
         print(as_json(rows))
     else:
         print(as_text(rows))
+    bugs = [r.claim.id for r in rows if r.finding.verdict == DISAGREES]
+    if bugs:
+        print(
+            f"attnlab textbook: library bugs (attnlab disagrees with the text and nothing "
+            f"independent backs it): {bugs}",
+            file=sys.stderr,
+        )
     mismatched = [r.claim.id for r in rows if not r.ok]
     if mismatched:
         print(
             f"attnlab textbook: verdicts differ from the declared ones: {mismatched}",
             file=sys.stderr,
         )
-        return 1
-    return 0
+    return 1 if bugs or mismatched else 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -73,8 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Walks every quantitative or checkable claim of the five source texts and prints, per "
             "claim, its id (seed + section), the original sentence and an English paraphrase, "
             "what attnlab computes and the call that computed it, and a verdict: agrees, text "
-            "error (with the reason) or not checkable here (naming what is missing). Exits 1 if "
-            "a verdict differs from the one the claim declares."
+            "error (with the reason and the independent derivation that backs attnlab), "
+            "disagrees (a library bug) or not checkable here (naming what is missing). Exits 1 "
+            "on any disagrees and if a verdict differs from the one the claim declares."
         ),
     )
     out = p.add_mutually_exclusive_group()

@@ -7,8 +7,21 @@ returns a `Finding` — what attnlab computes, the call that computed it, and a 
 
 - ``"agrees"``: the library reproduces the claim under the stated assumptions;
 - ``"text error"``: the text is wrong; ``explanation`` says why in one line;
+- ``"disagrees"``: attnlab's value differs from the text's and nothing independent backs
+  attnlab's value — a library bug until shown otherwise (the command exits 1);
 - ``"not checkable here"``: ``explanation`` names the missing resource (a GPU, data that cannot
   ship, a historical fact).
+
+The verdict rule (`judged`): a check computes whether attnlab's value matches the text's. If it
+does, the claim ``agrees``. If it does not, the library is blamed by default: the verdict is
+``disagrees``. Only two computed facts together make a ``text error``: attnlab's value differs
+from the text's AND agrees with an independent derivation of the same quantity — a closed form,
+another library (torch, numpy) or a second method — written in `attnlab.textbook.derivations`,
+which imports nothing from attnlab (a test holds that). The derivation is a `Derivation`: whether
+attnlab matched it and, in one line, what it computed; a ``text error`` finding carries that line.
+A check with a derivation that attnlab does not match is ``disagrees`` whatever the text says,
+so a change in the library can never turn into blame on the text: the pre-written reason of a
+text error is only printed when the derivation still stands behind the library.
 
 Each claim also declares the verdict it is ``expected`` to get. The test suite runs every check
 and asserts that the computed verdict equals the declared one, so a change in the library that
@@ -18,8 +31,14 @@ for drift. What depends on the machine (a wall-clock time, this CPU's name, its 
 rate) goes into a finding's ``measured`` text: the command prints it and ``--json`` carries it,
 but it never decides a verdict and never enters ``docs/textbook.md``.
 
-Claims register themselves with the `claim` decorator at import time of their module
-(``attnlab.textbook.claims.seed00N``); `all_claims` imports them all.
+Claims are data: every seed has a data file ``attnlab/textbook/claims/seed00N.toml`` with one
+``[[claim]]`` table per claim (id, section, verbatim quote, paraphrase, api, declared verdict,
+assumptions, ``slow``, ``subjects``), in the order of the text. ``subjects`` names the facts of the
+library a check depends on; the test suite breaks each subject in turn (a mutation of the
+library, ``tests/textbook_mutations.py``) and requires every claim of that subject to come out
+``disagrees``, never ``text error``. The checks are Python functions registered by
+id with the `check` decorator in the modules of ``attnlab.textbook.claims``; `all_claims` imports
+them and joins both, and refuses a claim without a check or a check without a claim.
 """
 
 from __future__ import annotations
@@ -30,11 +49,15 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from importlib import resources
+
+import tomllib
 
 AGREES = "agrees"
 TEXT_ERROR = "text error"
+DISAGREES = "disagrees"
 NOT_CHECKABLE = "not checkable here"
-VERDICTS = (AGREES, TEXT_ERROR, NOT_CHECKABLE)
+VERDICTS = (AGREES, TEXT_ERROR, DISAGREES, NOT_CHECKABLE)
 
 #: Seed files of the source texts, by their three-digit number.
 SEEDS = {
@@ -56,10 +79,12 @@ class Finding:
         computed: what attnlab computes, with the numbers (deterministic text).
         call: the call(s) that computed it, as code.
         verdict: one of `VERDICTS`.
-        explanation: one line; required for ``text error`` (why) and ``not checkable here``
-            (the missing resource).
+        explanation: one line; required for ``text error`` (why), ``disagrees`` (what the
+            library got wrong) and ``not checkable here`` (the missing resource).
         measured: machine-dependent observations (wall-clock times, this machine), "" if none;
             reported, never used for the verdict, left out of ``docs/textbook.md``.
+        derivation: the independent derivation attnlab's value agreed with, one line; required
+            for ``text error`` (the second computed fact behind it), "" otherwise if none.
     """
 
     computed: str
@@ -67,14 +92,17 @@ class Finding:
     verdict: str
     explanation: str = ""
     measured: str = ""
+    derivation: str = ""
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
         if self.verdict != AGREES and not self.explanation.strip():
             raise ValueError(f"a {self.verdict!r} finding needs an explanation")
-        if "\n" in self.explanation:
-            raise ValueError("explanation must be one line")
+        if "\n" in self.explanation or "\n" in self.derivation:
+            raise ValueError("explanation and derivation must be one line")
+        if self.verdict == TEXT_ERROR and not self.derivation.strip():
+            raise ValueError("a 'text error' finding needs the independent derivation behind it")
 
 
 @dataclass(frozen=True)
@@ -91,6 +119,9 @@ class Claim:
         check: computes the `Finding` by calling the library.
         assumptions: the conditions of the check (model, batch, precision, n), "" if none.
         slow: a training experiment (runs only with ``--with-training``).
+        subjects: the facts of the library the check depends on (``"scale"``, ``"sinusoid"``,
+            ``"causal"``, …): a mutation of one of them must turn the claim into ``disagrees``
+            (``tests/test_textbook_mutations.py`` holds that).
     """
 
     id: str
@@ -102,6 +133,7 @@ class Claim:
     check: Callable[[], Finding] = field(repr=False, compare=False)
     assumptions: str = ""
     slow: bool = False
+    subjects: tuple[str, ...] = ()
 
     @property
     def seed(self) -> str:
@@ -138,71 +170,100 @@ class Row:
             "verdict": f.verdict,
             "explanation": f.explanation,
             "measured": f.measured,
+            "derivation": f.derivation,
             "expected": c.expected,
             "ok": self.ok,
         }
 
 
-_REGISTRY: dict[str, Claim] = {}
+_CHECKS: dict[str, Callable[[], Finding]] = {}
+_CLAIMS: dict[str, Claim] = {}
+_FIELDS = {
+    "id",
+    "section",
+    "quote",
+    "paraphrase",
+    "api",
+    "expected",
+    "assumptions",
+    "slow",
+    "subjects",
+}
+_REQUIRED = ("section", "quote", "paraphrase", "api", "expected")
 
 
-def claim(
-    id: str,
-    *,
-    section: str,
-    quote: str,
-    paraphrase: str,
-    api: str,
-    expected: str,
-    assumptions: str = "",
-    slow: bool = False,
-) -> Callable[[Callable[[], Finding]], Callable[[], Finding]]:
-    """Registers the decorated function as the check of a `Claim` (see its fields).
+def check(id: str) -> Callable[[Callable[[], Finding]], Callable[[], Finding]]:
+    """Registers the decorated function as the check of claim ``id``, whose metadata (section,
+    quote, paraphrase, api, declared verdict, assumptions) is a ``[[claim]]`` table of the seed's
+    data file ``claims/seed00N.toml``.
 
     Raises:
-        ValueError: a malformed or duplicate id, an unknown expected verdict, or an empty quote,
-            paraphrase or api.
+        ValueError: a malformed id, or a second check for the same id.
     """
     if not _ID.match(id):
         raise ValueError(f"claim id must look like '002-8.1.3-a', got {id!r}")
-    if id in _REGISTRY:
-        raise ValueError(f"claim id {id!r} is registered twice")
-    if expected not in VERDICTS:
-        raise ValueError(f"expected must be one of {VERDICTS}, got {expected!r}")
-    for name, value in (("quote", quote), ("paraphrase", paraphrase), ("api", api)):
-        if not value.strip():
-            raise ValueError(f"claim {id}: {name} must not be empty")
+    if id in _CHECKS:
+        raise ValueError(f"claim id {id!r} has two checks")
 
     def register(fn: Callable[[], Finding]) -> Callable[[], Finding]:
-        _REGISTRY[id] = Claim(
-            id=id,
-            section=section,
-            quote=quote,
-            paraphrase=paraphrase,
-            api=api,
-            expected=expected,
-            check=fn,
-            assumptions=assumptions,
-            slow=slow,
-        )
+        _CHECKS[id] = fn
         return fn
 
     return register
 
 
+def claim_from_data(entry: dict[str, object], check_fn: Callable[[], Finding]) -> Claim:
+    """A `Claim` from one ``[[claim]]`` table of a seed's data file and its check.
+
+    Raises:
+        ValueError: a malformed id, an unknown or missing field, an unknown declared verdict, or
+            an empty quote, paraphrase or api.
+    """
+    cid = str(entry.get("id", ""))
+    if not _ID.match(cid):
+        raise ValueError(f"claim id must look like '002-8.1.3-a', got {cid!r}")
+    unknown = set(entry) - _FIELDS
+    missing = [f for f in _REQUIRED if f not in entry]
+    if unknown or missing:
+        raise ValueError(f"claim {cid}: unknown fields {sorted(unknown)}, missing {missing}")
+    if entry["expected"] not in VERDICTS:
+        raise ValueError(f"claim {cid}: expected must be one of {VERDICTS}")
+    for name in ("quote", "paraphrase", "api"):
+        if not str(entry[name]).strip():
+            raise ValueError(f"claim {cid}: {name} must not be empty")
+    fields = {k: v for k, v in entry.items() if k != "id"}
+    fields["subjects"] = tuple(fields.get("subjects", ()))
+    return Claim(id=cid, check=check_fn, **fields)
+
+
 def _load() -> None:
+    """Imports the check modules, then joins every seed's data file with the checks."""
+    if _CLAIMS:
+        return
     from . import claims as package
 
     for info in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"{package.__name__}.{info.name}")
+    loaded: dict[str, Claim] = {}
+    for seed in SEEDS:
+        data = resources.files(package).joinpath(f"seed{seed}.toml").read_text(encoding="utf-8")
+        for entry in tomllib.loads(data)["claim"]:
+            cid = str(entry.get("id"))
+            if cid in loaded:
+                raise ValueError(f"claim id {cid!r} is in the data twice")
+            if cid not in _CHECKS:
+                raise ValueError(f"claim {cid} has no check (@check({cid!r}))")
+            loaded[cid] = claim_from_data(entry, _CHECKS[cid])
+    orphans = sorted(set(_CHECKS) - set(loaded))
+    if orphans:
+        raise ValueError(f"checks without a claim in the data files: {orphans}")
+    _CLAIMS.update(loaded)
 
 
 def all_claims(*, include_slow: bool = True) -> list[Claim]:
-    """Every registered claim: by seed, then in the order its module registers them (the
-    order of the text)."""
+    """Every claim: by seed, then in the order of its data file (the order of the text)."""
     _load()
-    chosen = (c for c in _REGISTRY.values() if include_slow or not c.slow)
-    return sorted(chosen, key=lambda c: c.seed)  # stable: registration order within a seed
+    return [c for c in _CLAIMS.values() if include_slow or not c.slow]  # data order
 
 
 def select_claims(only: Iterable[str] = (), *, include_slow: bool = False) -> list[Claim]:
@@ -237,14 +298,55 @@ def run_claim(c: Claim) -> Row:
     return Row(c, finding, time.perf_counter() - start)
 
 
-def judged(agrees: bool, why: str) -> dict[str, str]:
-    """`Finding`'s ``verdict``/``explanation`` keywords: ``agrees``, or ``text error`` with the
-    one-line reason ``why`` (``Finding(computed, call, **judged(ok, "…"))``)."""
-    return (
-        {"verdict": AGREES, "explanation": ""}
-        if agrees
-        else {"verdict": TEXT_ERROR, "explanation": why}
-    )
+@dataclass(frozen=True)
+class Derivation:
+    """An independent derivation of the quantity a check computes with attnlab.
+
+    Attributes:
+        agrees: attnlab's value equals the derivation's (computed, within the check's tolerance).
+        says: one line — what the derivation computed and how (closed form, torch, numpy).
+    """
+
+    agrees: bool
+    says: str
+
+    def __post_init__(self) -> None:
+        if not self.says.strip() or "\n" in self.says:
+            raise ValueError("a derivation says what it computed, in one line")
+
+
+def judged(agrees: bool, why: str, derivation: Derivation | None = None) -> dict[str, str]:
+    """`Finding`'s ``verdict``/``explanation``/``derivation`` keywords by the verdict rule of the
+    module docstring (``Finding(computed, call, **judged(ok, "…", Derivation(…)))``).
+
+    Args:
+        agrees: attnlab's value matches the text's.
+        why: one line — why the text is wrong (printed for a ``text error``), or what attnlab's
+            value fails to match (printed for a ``disagrees`` without a derivation).
+        derivation: the independent derivation of attnlab's value, if the check has one.
+
+    Returns:
+        ``agrees`` when attnlab matches the text and (if given) the derivation; ``text error``
+        with ``why`` when attnlab differs from the text and matches the derivation; else
+        ``disagrees``, which names the library as the suspect.
+    """
+    if derivation is not None and not derivation.agrees:
+        return {
+            "verdict": DISAGREES,
+            "explanation": "library bug: attnlab's value differs from the independent "
+            f"derivation ({derivation.says})",
+            "derivation": "",
+        }
+    if agrees:
+        return {"verdict": AGREES, "explanation": "", "derivation": ""}
+    if derivation is None:
+        return {
+            "verdict": DISAGREES,
+            "explanation": f"library bug: attnlab differs from the text ({why}) and no "
+            "independent derivation backs attnlab's value",
+            "derivation": "",
+        }
+    return {"verdict": TEXT_ERROR, "explanation": why, "derivation": derivation.says}
 
 
 def tiny(x: float, tol: float = 1e-12) -> str:
@@ -261,15 +363,18 @@ def fmt(x: float, digits: int = 4) -> str:
 
 __all__ = [
     "AGREES",
+    "DISAGREES",
     "NOT_CHECKABLE",
     "SEEDS",
     "TEXT_ERROR",
     "VERDICTS",
     "Claim",
+    "Derivation",
     "Finding",
     "Row",
     "all_claims",
-    "claim",
+    "check",
+    "claim_from_data",
     "fmt",
     "judged",
     "run_claim",

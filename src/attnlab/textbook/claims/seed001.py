@@ -6,7 +6,8 @@ import functools
 
 import torch
 
-from ..core import AGREES, NOT_CHECKABLE, TEXT_ERROR, Finding, claim, judged, tiny
+from .. import derivations as ind
+from ..core import NOT_CHECKABLE, Derivation, Finding, check, judged, tiny
 
 SENTENCE = "The animal didn't cross the street because it was too tired"
 
@@ -30,18 +31,7 @@ def _x(n: int, E: int, seed: int) -> torch.Tensor:
     return torch.randn(1, n, E, generator=g, dtype=torch.float64)
 
 
-@claim(
-    "001-1.1-a",
-    section="1.1 什么是自注意力？",
-    quote='当处理"it"时，自注意力帮助模型理解"it"指的是"animal"而不是"street"',
-    paraphrase="In 'The animal didn't cross the street because it was too tired', self-attention "
-    "lets the model relate 'it' to 'animal' rather than 'street'.",
-    api="attnlab.models.minilm, attnlab.models.MiniLM.attentions",
-    expected=AGREES,
-    assumptions="the real pretrained all-MiniLM-L6-v2 (6 layers × 12 heads, float32), the "
-    "text's sentence; 'agrees' means some head puts at least 10× more weight on 'animal' than on "
-    "'street' from 'it' — not that every head does",
-)
+@check("001-1.1-a")
 def _it_animal() -> Finding:
     tokens, w = _minilm_attention(SENTENCE)
     it, animal, street = (tokens.index(t) for t in ("it", "animal", "street"))
@@ -59,18 +49,7 @@ def _it_animal() -> Finding:
     )
 
 
-@claim(
-    "001-1.2-a",
-    section="1.2 数学定义",
-    quote="Q = XW_Q  # Query矩阵 K = XW_K  # Key矩阵 V = XW_V  # Value矩阵 … "
-    "Attention(Q,K,V) = softmax(QK^T/√d_k)V",
-    paraphrase="Self-attention projects one input X into Q, K and V and computes "
-    "softmax(QKᵀ/√d_k)V.",
-    api="attnlab.MultiHeadAttention",
-    expected=AGREES,
-    assumptions="one head, d = 6, n = 4 (the text's example size), float64, seed 0; the module "
-    "adds its output projection W_O",
-)
+@check("001-1.2-a")
 def _self_attention() -> Finding:
     mha = _mha(6, 1, seed=0)
     x = _x(4, 6, seed=0)
@@ -90,16 +69,7 @@ def _self_attention() -> Finding:
     )
 
 
-@claim(
-    "001-2.2-a",
-    section="2.2 计算复杂度分析",
-    quote="**传统注意力复杂度**：O(nd²) - n: 序列长度 - d: 特征维度 - 每个时间步计算一次注意力",
-    paraphrase="Traditional (encoder–decoder) attention costs O(nd²): one attention per time step.",
-    api="attnlab.AdditiveAttention, torch.utils.flop_counter.FlopCounterMode",
-    expected=TEXT_ERROR,
-    assumptions="Bahdanau attention of n decoder steps over n encoder states, d = 64, n = 256 → "
-    "512 → 1024; counted by FlopCounterMode on the meta device (matmul FLOPs)",
-)
+@check("001-2.2-a")
 def _traditional_cost() -> Finding:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -116,6 +86,7 @@ def _traditional_cost() -> Finding:
         counts[n] = fc.get_total_flops()
     growth = [counts[512] / counts[256], counts[1024] / counts[512]]
     quadratic = growth[1] > 3.5 and growth[1] > growth[0]  # → 4 once n ≫ d
+    closed = all(c == ind.additive_attention_flops(n, n, d, d, d, d) for n, c in counts.items())
     return Finding(
         computed=f"FLOPs {counts[256]:,} (n=256), {counts[512]:,} (512), {counts[1024]:,} (1024): "
         f"×{growth[0]:.2f}, ×{growth[1]:.2f} per doubling of n",
@@ -124,21 +95,16 @@ def _traditional_cost() -> Finding:
             not quadratic,
             "each decoder step scores all n encoder states, so the attention itself is O(n²d) "
             "in total (O(nd) per step); O(nd²) is the recurrence's (and the projections') cost",
+            Derivation(
+                closed,
+                "closed form 4nd·h + 2n²d_v (the projections and the weighted sum) equals the "
+                "counted FLOPs at every n",
+            ),
         ),
     )
 
 
-@claim(
-    "001-2.3-a",
-    section="2.3 并行化能力",
-    quote="**自注意力**： - 所有位置可以同时计算 - 完全并行化，训练效率高",
-    paraphrase="Self-attention computes all positions at once (in training), while decoding must "
-    "go step by step; both give the same result.",
-    api="attnlab.MultiHeadAttention, attnlab.KVCache, attnlab.masks.causal",
-    expected=AGREES,
-    assumptions="causal self-attention, d = 32, 4 heads, n = 12, float64, seed 1: one call over "
-    "all positions against 12 one-token steps with a KV cache",
-)
+@check("001-2.3-a")
 def _parallel() -> Finding:
     from ... import KVCache, masks
 
@@ -157,22 +123,19 @@ def _parallel() -> Finding:
     )
 
 
-@claim(
-    "001-3.1-a",
-    section="3.1 问题分析",
-    quote="如果交换输入序列中任意两个位置的词，输出结果完全相同",
-    paraphrase="Swapping any two words of the input leaves the output exactly the same.",
-    api="attnlab.MultiHeadAttention",
-    expected=TEXT_ERROR,
-    assumptions="self-attention without positional information, d = 16, 2 heads, n = 5, swap "
-    "positions 1 and 3, float64, seed 2",
-)
+@check("001-3.1-a")
 def _equivariance() -> Finding:
     mha = _mha(16, 2, seed=2)
     x = _x(5, 16, seed=2)
     perm = torch.tensor([0, 3, 2, 1, 4])
     with torch.no_grad():
         y, yp = mha(x), mha(x[:, perm])
+    weights = (mha.qkv_proj.weight, mha.qkv_proj.bias, mha.out_proj.weight, mha.out_proj.bias)
+    weights = [w.detach().numpy() for w in weights]
+    by_hand = all(
+        ind.close(out[0].numpy(), ind.mha(inp[0].numpy(), *weights, heads=2))
+        for inp, out in ((x, y), (x[:, perm], yp))
+    )
     equivariant = float((yp - y[:, perm]).abs().max())
     identical = float((yp - y).abs().max())
     pooled = float((yp.mean(1) - y.mean(1)).abs().max())
@@ -186,21 +149,16 @@ def _equivariance() -> Finding:
             "self-attention is permutation-equivariant, not invariant: the outputs are "
             "swapped the same way (each word's output is unchanged, but it moves); only an "
             "order-free summary such as the mean is identical",
+            Derivation(
+                by_hand,
+                "multi-head attention in numpy from the module's weights equals its outputs on "
+                "x and on the permuted x",
+            ),
         ),
     )
 
 
-@claim(
-    "001-3.1-b",
-    section="3.1 问题分析",
-    quote='"狗咬了人" vs "人咬了狗" - 没有位置信息，模型无法区分这两个句子',
-    paraphrase="Without position information a model cannot tell 'dog bites man' from 'man "
-    "bites dog'.",
-    api="attnlab.MultiHeadAttention, attnlab.SinusoidalEmbedding",
-    expected=AGREES,
-    assumptions="characters embedded at random (d = 16, seed 3), one attention layer, mean-pooled "
-    "sentence vectors, float64",
-)
+@check("001-3.1-b")
 def _word_order() -> Finding:
     from ... import SinusoidalEmbedding
 
@@ -229,17 +187,7 @@ def _word_order() -> Finding:
     )
 
 
-@claim(
-    "001-3.2-a",
-    section="3.2 位置编码的作用",
-    quote="这样，即使是相同的词在不同位置也会有不同的表示。",
-    paraphrase="With positional encodings added, the same word at different positions gets "
-    "different input vectors.",
-    api="attnlab.positional.sinusoidal",
-    expected=AGREES,
-    assumptions="one word embedding (seeded, d = 64) at positions 0–511 plus the sinusoidal "
-    "encoding, float64",
-)
+@check("001-3.2-a")
 def _same_word_differs() -> Finding:
     from ...positional import sinusoidal
 
@@ -254,17 +202,7 @@ def _same_word_differs() -> Finding:
     )
 
 
-@claim(
-    "001-3.3-a",
-    section="3.3 正弦余弦位置编码",
-    quote="PE(pos, 2i) = sin(pos / 10000^(2i/d_model)) "
-    "PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))",
-    paraphrase="The sinusoidal encoding: sine on even, cosine on odd dimensions, with "
-    "wavelengths 10000^(2i/d_model).",
-    api="attnlab.SinusoidalEmbedding",
-    expected=AGREES,
-    assumptions="d_model = 512, positions 0…2047, float64",
-)
+@check("001-3.3-a")
 def _pe_formula() -> Finding:
     from ... import SinusoidalEmbedding
 
@@ -284,16 +222,7 @@ def _pe_formula() -> Finding:
     )
 
 
-@claim(
-    "001-3.3-b",
-    section="3.3 正弦余弦位置编码",
-    quote="1. **唯一性**：每个位置有唯一的编码 2. **相对位置**：模型可以学习相对位置关系",
-    paraphrase="Every position has a unique code, and relative positions are learnable: "
-    "PE(pos + k) is a fixed linear map (a rotation) of PE(pos).",
-    api="attnlab.SinusoidalEmbedding",
-    expected=AGREES,
-    assumptions="d_model = 64, positions 0…4095, offset k = 7, float64",
-)
+@check("001-3.3-b")
 def _pe_unique_relative() -> Finding:
     from ... import SinusoidalEmbedding
 
@@ -316,15 +245,7 @@ def _pe_unique_relative() -> Finding:
     )
 
 
-@claim(
-    "001-3.3-c",
-    section="3.3 正弦余弦位置编码",
-    quote="- 低维度使用高频率（快速变化） - 高维度使用低频率（缓慢变化）",
-    paraphrase="Low dimensions oscillate fast, high dimensions slowly.",
-    api="attnlab.SinusoidalEmbedding",
-    expected=AGREES,
-    assumptions="d_model = 128, positions 0…999: sign changes per dimension pair, float64",
-)
+@check("001-3.3-c")
 def _pe_frequencies() -> Finding:
     from ... import SinusoidalEmbedding
 
@@ -339,17 +260,7 @@ def _pe_frequencies() -> Finding:
     )
 
 
-@claim(
-    "001-3.3-e",
-    section="3.3 正弦余弦位置编码",
-    quote='- 形成类似"二进制编码"的效果',
-    paraphrase="Together the frequencies act like a binary code of the position.",
-    api="attnlab.positional.sinusoidal",
-    expected=AGREES,
-    assumptions="read as the usual analogy: like the digits of a binary counter, each dimension "
-    "pair is a periodic digit whose period grows geometrically with its index, and together the "
-    "digits tell positions apart (by their values); d_model = 128, positions 0…1023, float64",
-)
+@check("001-3.3-e")
 def _binary_like() -> Finding:
     from ...positional import sinusoidal
 
@@ -371,38 +282,21 @@ def _binary_like() -> Finding:
     )
 
 
-@claim(
-    "001-3.3-d",
-    section="3.3 正弦余弦位置编码",
-    quote="3. **外推性**：可以处理训练时未见过的序列长度",
-    paraphrase="Sinusoidal encodings extend to sequence lengths not seen in training.",
-    api="attnlab.positional.sinusoidal, attnlab.positional.sinusoidal_shift",
-    expected=AGREES,
-    assumptions="as 002-8.2.3-b: 'training length' 512, positions up to 4096, d = 32, float64; "
-    "the encoding is defined and keeps its shift structure there (whether a trained model "
-    "generalises to such lengths is a separate, empirical question)",
-)
+@check("001-3.3-d")
 def _extrapolation() -> Finding:
-    from .seed002 import _sinusoidal_extrapolates
+    from .seed002_positions import _sinusoidal_extrapolates
 
     return _sinusoidal_extrapolates()
 
 
-@claim(
-    "001-3.4-a",
-    section="3.4 位置编码的几何解释",
-    quote="- 相邻位置在空间中也相对接近 - 距离远的位置在空间中距离也远",
-    paraphrase="Neighbouring positions are close in encoding space and distant positions are far.",
-    api="attnlab.SinusoidalEmbedding",
-    expected=TEXT_ERROR,
-    assumptions="d_model = 512 (the base model), offsets 1…199, Euclidean distance, float64",
-)
+@check("001-3.4-a")
 def _pe_geometry() -> Finding:
     from ... import SinusoidalEmbedding
 
     pe = SinusoidalEmbedding(512, dtype=torch.float64)(torch.arange(200))
     dist = (pe - pe[0]).norm(dim=-1)  # ‖PE(0) − PE(k)‖, the same for every start position
     drops = [k for k in range(1, 199) if dist[k + 1] < dist[k]]
+    closed = all(abs(float(dist[k]) - ind.sinusoid_distance(k, 512)) < 1e-9 for k in range(200))
     wrong = bool(drops) and float(dist[1]) < float(dist[10])
     first = drops[0] if drops else None
     return Finding(
@@ -414,21 +308,16 @@ def _pe_geometry() -> Finding:
             not wrong,
             f"near positions are close, but the distance is not monotone in the offset: "
             f"it first falls at k={first}, so a farther position can be nearer in encoding space",
+            Derivation(
+                closed,
+                "closed form ‖PE(p) − PE(p+k)‖ = √Σ(2 − 2cos(k/10000^(2i/d))) equals attnlab's "
+                "distances for k = 0…199",
+            ),
         ),
     )
 
 
-@claim(
-    "001-4.1-a",
-    section="4.1 步骤分解",
-    quote="Q = XW_Q  # (4, 6) × (6, 6) = (4, 6) … S = QK^T / √d_k  # (4, 6) × (6, 4) = (4, 4) … "
-    "Output = AV  # (4, 4) × (4, 6) = (4, 6)",
-    paraphrase="With n = 4 and d = 6: Q, K, V are 4×6, the similarity and weight matrices 4×4, "
-    "the output 4×6.",
-    api="attnlab.attention (return_weights=True)",
-    expected=AGREES,
-    assumptions="n = 4, d = 6, float64, seed 4",
-)
+@check("001-4.1-a")
 def _shapes() -> Finding:
     from ... import attention
 
@@ -444,17 +333,7 @@ def _shapes() -> Finding:
     )
 
 
-@claim(
-    "001-4.2-a",
-    section="4.2 注意力矩阵的含义",
-    quote="- 每行和为1（softmax归一化） - 对角线元素通常较大（自我关注）",
-    paraphrase="Each row of the attention matrix sums to 1, and diagonal entries (a token "
-    "attending to itself) are usually large.",
-    api="attnlab.models.MiniLM.attentions",
-    expected=AGREES,
-    assumptions="the real all-MiniLM-L6-v2 on the text's 'animal' sentence (15 tokens, 72 heads); "
-    "'large' read as: the mean diagonal weight exceeds the mean off-diagonal weight",
-)
+@check("001-4.2-a")
 def _diagonal() -> Finding:
     tokens, w = _minilm_attention(SENTENCE)
     n = len(tokens)
@@ -472,17 +351,7 @@ def _diagonal() -> Finding:
     )
 
 
-@claim(
-    "001-5.1-a",
-    section="5.1 优势",
-    quote="1. **长距离依赖**：可以直接建模任意距离的词对关系",
-    paraphrase="Self-attention relates word pairs at any distance directly.",
-    api="attnlab.MultiHeadAttention, attnlab.analysis.costs.complexity_table",
-    expected=AGREES,
-    assumptions="n = 256 tokens, d = 32, one MultiHeadAttention layer (4 heads) against a "
-    "torch.nn.RNN(32, 32) at their default initialisation, float64, seed 32: the gradient of "
-    "the last output with respect to the first input",
-)
+@check("001-5.1-a")
 def _long_range() -> Finding:
     from ...analysis.costs import complexity_table
 
@@ -506,17 +375,7 @@ def _long_range() -> Finding:
     )
 
 
-@claim(
-    "001-5.2-a",
-    section="5.2 局限性",
-    quote="4. **局部性缺失**：不像CNN那样有内置的局部偏置",
-    paraphrase="Self-attention lacks a CNN's built-in locality bias.",
-    api="attnlab.attention (return_weights=True)",
-    expected=AGREES,
-    assumptions="n = 256 random tokens (d = 16, no positional encoding) attending to each other "
-    "(q = k = v = x), float64, seed 19, against a convolution with kernel 3; the mean weight a "
-    "query gives a key at distance 1, 16 and 128",
-)
+@check("001-5.2-a")
 def _no_locality() -> Finding:
     from ... import attention
 
@@ -554,24 +413,9 @@ def _length_rule(gflops: float) -> dict[int, tuple[float, str]]:
     return out
 
 
-@claim(
-    "001-6.1-a",
-    section="6.1 序列长度的影响",
-    quote="- **短序列**（n < 100）：自注意力效率很高 - **中等序列**（100 < n < 1000）："
-    "需要权衡计算成本 - **长序列**（n > 1000）：考虑稀疏注意力或其他优化",
-    paraphrase="Short sequences (n < 100) are cheap for self-attention; medium ones (100–1000) "
-    "need a cost trade-off; for long ones (n > 1000) consider sparse attention or other "
-    "optimisations.",
-    api="attnlab.analysis.advise.advise, attnlab.analysis.costs.model_cost, "
-    "attnlab.analysis.advise.machine_info",
-    expected=AGREES,
-    assumptions="the Transformer-base encoder (d_model = 512 as in §6.2, 6 layers, 8 heads), "
-    "inference of one sequence; hardware assumed (the command also prints this machine's): a CPU "
-    "sustaining 100 GFLOP/s with 16 GB, one forward within 1 s, sparse = a 256-key window; one "
-    "length per band: 50, 500, 2000",
-)
+@check("001-6.1-a")
 def _length_rule_claim() -> Finding:
-    from .seed002 import _this_machine
+    from .seed002_practice import _this_machine
 
     rule = _length_rule(_CPU["gflops"])
     note, rate = _this_machine()
@@ -592,15 +436,7 @@ def _length_rule_claim() -> Finding:
     )
 
 
-@claim(
-    "001-6.2-a",
-    section="6.2 特征维度的选择",
-    quote="- d_k = d_v = d_model / num_heads",
-    paraphrase="Each head's key and value size is d_model / num_heads.",
-    api="attnlab.MultiHeadAttention",
-    expected=AGREES,
-    assumptions="d_model = 512 with 8 heads and 1024 with 16 heads",
-)
+@check("001-6.2-a")
 def _head_dim() -> Finding:
     from ... import MultiHeadAttention
 
@@ -614,15 +450,7 @@ def _head_dim() -> Finding:
     )
 
 
-@claim(
-    "001-6.2-b",
-    section="6.2 特征维度的选择",
-    quote="- d_model通常选择512或1024",
-    paraphrase="d_model is usually 512 or 1024.",
-    api="attnlab.MultiHeadAttention",
-    expected=NOT_CHECKABLE,
-    assumptions="what is 'usual' is a survey of published models, not a property of a library",
-)
+@check("001-6.2-b")
 def _usual_width() -> Finding:
     from ... import MultiHeadAttention
 
@@ -640,16 +468,7 @@ def _usual_width() -> Finding:
     )
 
 
-@claim(
-    "001-6.3-a",
-    section="6.3 位置编码的选择",
-    quote="1. **固定编码**：正弦余弦编码，不需要学习 2. **学习编码**：可学习参数，但外推性差",
-    paraphrase="Sinusoidal encodings have no parameters and extend to any position; learned "
-    "ones have parameters and do not extrapolate.",
-    api="attnlab.SinusoidalEmbedding, attnlab.LearnedPositionalEmbedding",
-    expected=AGREES,
-    assumptions="d = 64; the learned table trained for 512 positions is asked for position 600",
-)
+@check("001-6.3-a")
 def _fixed_vs_learned() -> Finding:
     from ... import LearnedPositionalEmbedding, SinusoidalEmbedding
 
@@ -674,18 +493,7 @@ def _fixed_vs_learned() -> Finding:
     )
 
 
-@claim(
-    "001-7.2-a",
-    section="7.2 softmax的梯度特性",
-    quote="- 输出和为1，形成概率分布 - 梯度在极值处接近0，有助于稳定训练 "
-    "- 但也可能导致梯度消失问题",
-    paraphrase="Softmax outputs sum to 1, and its gradient approaches 0 at the extremes (which "
-    "can make gradients vanish).",
-    api="attnlab.attention (backward)",
-    expected=AGREES,
-    assumptions="two keys with logit gap g = 0, 5, 20, 50 (temperature 1); the gradient of the "
-    "first weight with respect to the gap, float64",
-)
+@check("001-7.2-a")
 def _softmax_gradient() -> Finding:
     from ... import attention
 
