@@ -46,21 +46,11 @@ def rope_base(mp) -> None:
 
 
 def causal_alignment(mp) -> None:
-    """Causal masks see one key too many: ``j ≤ p`` → ``j ≤ p + 1`` (a shifted diagonal)."""
-    cls = patterns.CausalMask
-    mp.setattr(cls, "_mod", lambda self, b, h, p, j, S: j <= p + 1)
-    mp.setattr(cls, "band", lambda self: (-math.inf, 1.0))
+    """Causal masks see one key too many: ``j ≤ p`` → ``j ≤ p + 1`` (a shifted diagonal).
 
-    def key_interval(self, L, S, *, device=None):
-        p = self.positions(L, S, device=device)
-        return None, (p + 2).clamp(0, S).view(1, 1, L)
-
-    def row_counts(self, L, S, *, batch=None, heads=None, device=None):
-        return (self.positions(L, S, device=device) + 2).clamp(0, S).view(1, 1, L)
-
-    mp.setattr(cls, "key_interval", key_interval)
-    mp.setattr(cls, "row_counts", row_counts)
-    mp.setattr(cls, "_geometry", lambda self, L, S: None)
+    The mask states its geometry once (`Mask.diagonals`): its index function, band, key
+    interval, counts and block map all follow."""
+    mp.setattr(patterns.CausalMask, "diagonals", lambda self: [(None, 1, 1, 0)])
 
 
 def softmax_flops(mp) -> None:

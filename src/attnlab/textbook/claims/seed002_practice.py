@@ -384,8 +384,8 @@ def _warmup_helps() -> Finding:
 
 @check("002-8.9-p")
 def _grad_thresholds() -> Finding:
-    from ...models import GPT
     from ...apps.gpt import TrainSettings, get_batch, layer_grad_norms, layer_parameters, load_text
+    from ...models import GPT
 
     text = load_text(None)
     vocab = sorted(set(text))
@@ -416,9 +416,9 @@ def _ln_runs() -> dict[str, float]:
     diverged) of a 6-layer char-LM trained by
     `attnlab.apps.loop.fit` at lr 1e-2: Pre-LN and Post-LN without warmup, Post-LN with 30
     warmup steps; same seed, batches and settings otherwise, one thread."""
+    from ...apps.gpt import get_batch, load_text, unigram_entropy
     from ...apps.loop import FitSettings, fit
     from ...models import GPT, TransformerConfig
-    from ...apps.gpt import get_batch, load_text, unigram_entropy
 
     text = load_text(None)
     index = {c: i for i, c in enumerate(sorted(set(text)))}
