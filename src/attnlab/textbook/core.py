@@ -1,9 +1,10 @@
 """Claims of the source texts and the live checks that judge them.
 
-A `Claim` is one quantitative or checkable statement of a source text (``seeds/00N``): where it
-is (seed and section), the original sentence, an English paraphrase, the attnlab API that checks
-it, the assumptions it is checked under, and a ``check`` function that calls the library live and
-returns a `Finding` — what attnlab computes, the call that computed it, and a verdict:
+A `Claim` is one quantitative or checkable statement of a source text (``00N``, the first part of
+its id): where it is (seed and section), the original sentence, an English paraphrase, the attnlab
+API that checks it, the assumptions it is checked under, and a ``check`` function that calls the
+library live and returns a `Finding` — what attnlab computes, the call that computed it, and a
+verdict:
 
 - ``"agrees"``: the library reproduces the claim under the stated assumptions;
 - ``"text error"``: the text is wrong; ``explanation`` says why in one line;
