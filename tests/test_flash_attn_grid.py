@@ -329,24 +329,18 @@ def merges_kernel_calls(case: Case, inp: Inputs, mask, bias) -> bool:
     return job.engine == "kernel" and not job.plan.merge_free()
 
 
-def run_case(case: Case) -> list[str]:
-    """Runs a case on every backend and torch's kernel; returns the rule's violations."""
-    inp = make_inputs(case)
-    dtype = case.dtype
-    golden = _fwd_bwd(
-        lambda q, k, v: fa_reference(q, k, v, case, inp.lengths, golden=True), inp, torch.float64
-    )
-    naive = _fwd_bwd(
-        lambda q, k, v: fa_reference(q, k, v, case, inp.lengths, golden=False), inp, dtype
-    )
+def _limits(naive: list[Tensor], golden: list[Tensor], case: Case) -> list[float]:
+    """The rule's bound per tensor: 2× (3× soft-capped) / 3× PyTorch's error, plus the floor."""
     fwd_factor = 3.0 if case.softcap else 2.0
-    limits = []
-    for n, (pt, gold) in enumerate(zip(naive, golden, strict=True)):
-        factor = fwd_factor if n == 0 else 3.0
-        limits.append(factor * _err(pt, gold) + _floor(gold, dtype))
-    mask, bias = attnlab_mask_bias(case, inp.lengths)
+    return [
+        (fwd_factor if n == 0 else 3.0) * _err(pt, gold) + _floor(gold, case.dtype)
+        for n, (pt, gold) in enumerate(zip(naive, golden, strict=True))
+    ]
+
+
+def _backend_runs(case: Case, inp, mask, bias, merged: bool) -> tuple[dict, bool]:
+    """``({backend: [out, dq, dk, dv]}, merged)``: every backend (auto reuses what it picks)."""
     softcap = case.softcap or None
-    merged = merges_kernel_calls(case, inp, mask, bias)
     runs: dict[str, list[Tensor]] = {}
     for backend in ("flash", "sdpa", "auto"):
         if backend == "sdpa" and softcap is not None:
@@ -364,48 +358,70 @@ def run_case(case: Case) -> list[str]:
             if chosen in runs:  # the same computation: no need to run it twice
                 runs["auto"] = runs[chosen]
                 continue
-        runs[backend] = _fwd_bwd(call, inp, dtype)
-    torch_errs = None
-    if softcap is None:
-        keep, add = torch_dense(case, mask, bias)
-        dead = ~keep.any(dim=-1, keepdim=True)
+        runs[backend] = _fwd_bwd(call, inp, case.dtype)
+    return runs, merged
 
-        def torch_call(q, k, v):
-            m = keep if add is None else torch.where(keep, add, _NEG_INF).to(q.dtype)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=m, enable_gqa=case.H_kv != case.H
-            )
-            return torch.where(dead, 0.0, out)
 
-        torch_errs = [
-            _err(x, g) for x, g in zip(_fwd_bwd(torch_call, inp, dtype), golden, strict=True)
-        ]
+def _torch_errors(case: Case, inp, mask, bias, golden: list[Tensor]) -> list[float] | None:
+    """torch's own kernel's errors on the same dense mask (None when soft-capped: no kernel)."""
+    if case.softcap:
+        return None
+    keep, add = torch_dense(case, mask, bias)
+    dead = ~keep.any(dim=-1, keepdim=True)
+
+    def torch_call(q, k, v):
+        m = keep if add is None else torch.where(keep, add, _NEG_INF).to(q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=case.H_kv != case.H)
+        return torch.where(dead, 0.0, out)
+
+    return [_err(x, g) for x, g in zip(_fwd_bwd(torch_call, inp, case.dtype), golden, strict=True)]
+
+
+def _violation(backend: str, n: int, err: float, limit: float, pt: float, torch_err, merged):
+    """The rule's verdict on one tensor: None when it holds, else the message."""
+    if err <= limit:
+        return None
+    residual = merged and backend in ("flash", "auto")
+    if residual and torch_err is not None and err <= 2.0 * torch_err:
+        return None  # the residual of `check`: torch's kernel, split and merged per row
+    if torch_err is not None and torch_err > limit:
+        if err <= 2.0 * torch_err:
+            return None  # torch's kernel exceeds the rule too: within 2x of it
+        return (
+            f"{backend} {NAMES[n]}: err {err:.3e} > 2x torch's {torch_err:.3e} "
+            f"(both over the rule's {limit:.3e})"
+        )
+    theirs = "" if torch_err is None else f"; torch {torch_err:.3e} passes"
+    return (
+        f"{backend} {NAMES[n]}: err {err:.3e} > rule {limit:.3e} (PyTorch naive {pt:.3e}){theirs}"
+    )
+
+
+def run_case(case: Case) -> list[str]:
+    """Runs a case on every backend and torch's kernel; returns the rule's violations."""
+    inp = make_inputs(case)
+    golden = _fwd_bwd(
+        lambda q, k, v: fa_reference(q, k, v, case, inp.lengths, golden=True), inp, torch.float64
+    )
+    naive = _fwd_bwd(
+        lambda q, k, v: fa_reference(q, k, v, case, inp.lengths, golden=False), inp, case.dtype
+    )
+    limits = _limits(naive, golden, case)
+    mask, bias = attnlab_mask_bias(case, inp.lengths)
+    merged = merges_kernel_calls(case, inp, mask, bias)
+    runs, merged = _backend_runs(case, inp, mask, bias, merged)
+    torch_errs = _torch_errors(case, inp, mask, bias, golden)
     problems = []
     for backend, got in runs.items():
         for n, (x, gold) in enumerate(zip(got, golden, strict=True)):
             if not torch.isfinite(x).all():
                 problems.append(f"{backend} {NAMES[n]}: non-finite values")
                 continue
-            err = _err(x, gold)
-            if err <= limits[n]:
-                continue
+            torch_err = None if torch_errs is None else torch_errs[n]
             pt = _err(naive[n], gold)
-            residual = merged and backend in ("flash", "auto")
-            if residual and torch_errs is not None and err <= 2.0 * torch_errs[n]:
-                continue  # the residual of `check`: torch's kernel, split and merged per row
-            if torch_errs is not None and torch_errs[n] > limits[n]:
-                if err <= 2.0 * torch_errs[n]:
-                    continue  # torch's kernel exceeds the rule too: within 2x of it
-                problems.append(
-                    f"{backend} {NAMES[n]}: err {err:.3e} > 2x torch's {torch_errs[n]:.3e} "
-                    f"(both over the rule's {limits[n]:.3e})"
-                )
-                continue
-            theirs = "" if torch_errs is None else f"; torch {torch_errs[n]:.3e} passes"
-            problems.append(
-                f"{backend} {NAMES[n]}: err {err:.3e} > rule {limits[n]:.3e} (PyTorch naive "
-                f"{pt:.3e}){theirs}"
-            )
+            found = _violation(backend, n, _err(x, gold), limits[n], pt, torch_err, merged)
+            if found is not None:
+                problems.append(found)
     return problems
 
 

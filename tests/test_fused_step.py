@@ -210,6 +210,42 @@ def _hook(module, args, out):
     return out
 
 
+def _out_of_scope(case, block, cache, x, fired, monkeypatch):
+    """Puts ``block``/``cache``/``x`` in the state ``case`` names (a hook appends to ``fired``);
+    returns ``(cache, x, hook handle or None)``."""
+    handle = None
+    if case == "training":
+        block.train()
+    elif case == "hook on a projection":
+        handle = block.attn.qkv_proj.register_forward_hook(lambda *a: fired.append(1))
+    elif case == "pre-hook on the norm":
+        handle = block.norm2.register_forward_pre_hook(lambda *a: fired.append(1))
+    elif case == "global hook":
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, a, o: fired.append(1) if m is block.mlp else None
+        )
+    elif case == "sdpa backend":
+        block.attn.backend = "sdpa"
+    elif case == "sliding-window cache":
+        cache = SlidingWindowCache(32)
+        with torch.no_grad():
+            block(torch.randn(1, 5, 64), mask=masks.causal(), cache=cache)
+    elif case == "keys before rope":
+        cache = KVCache(16)
+        with torch.no_grad():
+            block(torch.randn(1, 5, 64), mask=masks.causal(), cache=cache)
+    elif case == "two tokens":
+        x = torch.randn(1, 2, 64)
+    elif case == "cache full":
+        with torch.no_grad():
+            block(torch.randn(1, 1, 64), cache=cache)  # the 6th and last row
+    elif case == "extension off":
+        monkeypatch.setenv(_ext.ENV, "0")
+    elif case == "dtype differs":
+        x = x.double()
+    return cache, x, handle
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -240,38 +276,9 @@ def test_what_the_fused_step_leaves_to_the_modules(ext, monkeypatch, case) -> No
     cache = _prefilled(block, 1, 5, 6 if case == "cache full" else 16, seed=2)
     block.attn.backend = "auto"  # the modules' path must run every case (grad too)
     x = torch.randn(1, 1, 64)
-    fired = []
-    handle = None
+    fired: list[int] = []
     ctx = torch.enable_grad() if case == "grad" else torch.no_grad()
-    if case == "training":
-        block.train()
-    elif case == "hook on a projection":
-        handle = block.attn.qkv_proj.register_forward_hook(lambda *a: fired.append(1))
-    elif case == "pre-hook on the norm":
-        handle = block.norm2.register_forward_pre_hook(lambda *a: fired.append(1))
-    elif case == "global hook":
-        handle = torch.nn.modules.module.register_module_forward_hook(
-            lambda m, a, o: fired.append(1) if m is block.mlp else None
-        )
-    elif case == "sdpa backend":
-        block.attn.backend = "sdpa"
-    elif case == "sliding-window cache":
-        cache = SlidingWindowCache(32)
-        with torch.no_grad():
-            block(torch.randn(1, 5, 64), mask=masks.causal(), cache=cache)
-    elif case == "keys before rope":
-        cache = KVCache(16)
-        with torch.no_grad():
-            block(torch.randn(1, 5, 64), mask=masks.causal(), cache=cache)
-    elif case == "two tokens":
-        x = torch.randn(1, 2, 64)
-    elif case == "cache full":
-        with torch.no_grad():
-            block(torch.randn(1, 1, 64), cache=cache)  # the 6th and last row
-    elif case == "extension off":
-        monkeypatch.setenv(_ext.ENV, "0")
-    elif case == "dtype differs":
-        x = x.double()
+    cache, x, handle = _out_of_scope(case, block, cache, x, fired, monkeypatch)
     before = (len(cache), cache.seen)
     try:
         with ctx:
