@@ -102,7 +102,7 @@ def compute_stats(
             for c0 in range(0, n_keys, chunk_k):
                 keys = keys_all[c0 : min(n_keys, c0 + chunk_k)]
                 s = _logits(qs, k[c.b0 : c.b1].index_select(2, keys).to(acc), job.scale)
-                add = _tile_add(src, c, b, rows, keys, c0)
+                add = _tile_add(src, c, b, rows, keys)
                 s, bad = _masked_logits(s, add, acc, req.softcap)
                 logp = s - lrow  # log p_ij; −inf where masked, −inf on dead rows (lse = +inf)
                 p = torch.exp(logp)
@@ -151,9 +151,7 @@ def _masked_logits(
     return s, nan_flags(raw).sum(dim=-1)
 
 
-def _tile_add(
-    src: TileSource, c: Call, b: Tensor, rows: Tensor, keys: Tensor, c0: int
-) -> Tensor | None:
+def _tile_add(src: TileSource, c: Call, b: Tensor, rows: Tensor, keys: Tensor) -> Tensor | None:
     """The additive tile of call ``c`` on a (rows × keys) sub-tile, causal calls included."""
     with_mask = c.kind == CALL_MASKED
     add = None

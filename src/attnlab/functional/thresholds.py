@@ -249,9 +249,7 @@ def describe(dtype: torch.dtype) -> str:
     )
 
 
-def write_entries(
-    path: Path, entries: list[dict[str, Any]], cpuinfo: str | None = None
-) -> list[dict[str, Any]]:
+def write_entries(path: Path, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Adds ``entries`` to the cache file at ``path``, replacing those with the same key.
 
     An existing valid file keeps its other entries (other machines, other dtypes); an invalid

@@ -131,7 +131,7 @@ class PaddingMask(Mask):
     def geometry(self, L, S):
         return Geometry(key_limit=[int(n) for n in self.lengths.tolist()])
 
-    def _default_size(self) -> tuple[int, int]:
+    def default_size(self) -> tuple[int, int]:
         n = max(1, int(self.lengths.max())) if self.lengths.numel() else 1
         return n, n
 
@@ -342,7 +342,7 @@ class DocumentMask(Mask):
     ``L`` positions (bottom-right alignment). Combine with ``causal()`` for packed causal LMs.
     """
 
-    _pins_size = True
+    pins_size = True
 
     def __init__(self, ids: Sequence[int] | Tensor) -> None:
         self.ids = _index_tensor("ids", ids, ndim=(1, 2))
@@ -468,7 +468,7 @@ class DocumentMask(Mask):
             out.append([int((keys * queries).sum())])
         return out
 
-    def _default_size(self) -> tuple[int, int]:
+    def default_size(self) -> tuple[int, int]:
         n = max(1, int(self.ids.shape[-1]))
         return n, n
 
@@ -534,7 +534,7 @@ def causal_and_padding(
         if isinstance(m, PaddingMask):
             keep = torch.arange(S, device=device) < m.lengths.to(device).view(-1, 1)
         else:
-            m._check(1, S)  # the key dim is S or broadcasts to it
+            m.check_size(1, S)  # the key dim is S or broadcasts to it
             keep = m.t[:, 0, 0, :].to(device).expand(rows, S)
         key_mask = keep if key_mask is None else key_mask & keep  # (B|1, S)
     return causal, key_mask
