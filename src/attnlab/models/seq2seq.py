@@ -243,11 +243,7 @@ class DecoderBlock(nn.Module):
 
 def reorder_cache(cache: KVCache, index: Tensor) -> None:
     """Reorders a `KVCache`'s batch rows in place: row b becomes old row ``index[b]``."""
-    if cache._k is not None:
-        cache._k = cache._k.index_select(0, index)
-        cache._v = cache._v.index_select(0, index)  # type: ignore[union-attr]
-    if cache._pos is not None and cache._pos.shape[0] > 1:
-        cache._pos = cache._pos.index_select(0, index)
+    cache.reorder(index)
 
 
 def source_mask(src_mask: Tensor) -> Tensor | Mask:

@@ -228,7 +228,7 @@ class RoPE(nn.Module):
             and offset >= 0
         ):
             # Eager: rows of the memoised table (the same float64 computation, done once).
-            cos, sin = self._table(offset + L, x.device, table_dtype)
+            cos, sin = self.table(offset + L, x.device, table_dtype)
             cos, sin = cos[offset : offset + L], sin[offset : offset + L]  # (L, R/2)
         else:
             positions = self._positions(x, positions, L)
@@ -250,7 +250,7 @@ class RoPE(nn.Module):
             return rotated
         return torch.cat((rotated, x[..., R:]), dim=-1)  # (..., L, D), the tail copied bit-exactly
 
-    def _table(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def table(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``cos_sin(arange(N))`` for some ``N >= n``, computed once per (device, dtype) and grown
         by doubling; only for types whose frequencies do not depend on the sequence length."""
         tables = self.__dict__.setdefault("_tables", {})
