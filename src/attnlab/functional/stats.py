@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._shapes import stat_dtype
 from .flash import TileSource, flash_job
 from .flash.tiling import CALL_CAUSAL, CALL_MASKED, Call
 from .nan_rule import nan_flags
@@ -76,7 +77,7 @@ def compute_stats(
 ) -> AttentionStats:
     """Streams the plan's tiles once, given the rows' lse ``(B, H, L)``; see `attention_stats`."""
     d = req.dims
-    acc = torch.float64 if req.q.dtype == torch.float64 else torch.float32
+    acc = stat_dtype(req.q.dtype)
     job = flash_job(req)
     src: TileSource = job.source
     q, k = _prepared(req)
@@ -176,7 +177,7 @@ def compute_weights(
     """Exact weights ``(B, len(heads), len(rows), S)`` of the chosen rows and heads; see
     `attention_weights`."""
     d = req.dims
-    acc = torch.float64 if req.q.dtype == torch.float64 else torch.float32
+    acc = stat_dtype(req.q.dtype)
     q, k = _prepared(req)
     G = d.H // d.H_kv
     qs = q[:, heads][:, :, rows].to(acc)  # (B, nh, nr, D)

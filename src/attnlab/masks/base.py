@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .._index import align, index_grid, query_positions
-from .._shapes import check_index_fn_output
+from .._shapes import check_index_fn_output, check_int
 from .blocks import (
     EMPTY,
     FULL,
@@ -479,11 +479,8 @@ class Mask:
             ragged end cover only the positions that exist.
         """
         _check_lengths(L, S)
-        for name, size in (("block_q", block_q), ("block_k", block_k)):
-            if isinstance(size, bool) or not isinstance(size, int):
-                raise TypeError(f"{name} must be an int, got {type(size).__name__}")
-        if block_q < 1 or block_k < 1:
-            raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
+        check_int("block_q", block_q, minimum=1)
+        check_int("block_k", block_k, minimum=1)
         nb, nh = self.batch_heads(batch, heads)
         if L == 0 or S == 0:
             return self._dense_block_map(L, S, block_q, block_k, nb, nh, device)

@@ -1,8 +1,8 @@
 """A Transformer block's one-token decode step in one C++ call (``_ext/block_step.cpp``).
 
 At one to eight rows a decode step is bound by streaming the weights, and on a small model the
-~40 operator calls per block and the Python between them cost about as much again (8 layers,
-d_model 512, one float32 row on a Xeon: ~2 of ~6 ms per step; benchmarks/RESULTS.md).
+~40 operator calls per block and the Python between them cost about as much again (measured:
+benchmarks/RESULTS.md).
 `step` hands the block's parameters, its cache's buffers and the RoPE table to
 ``attnlab_block::step``, which calls the very operators the modules would call, in the same
 order — the norms (``attnlab_nan::rms_norm`` / ``layer_norm``), the projections (attnlab's

@@ -247,8 +247,8 @@ def plan_batches(
     ``B·T·(1 + T / attn_tokens + mask_cost·[padded]) + batch_cost`` in token units: padded
     tokens go through every projection, attention grows with T, a padded batch needs a mask,
     and each forward pass has a fixed overhead (small GEMMs run below peak, and every op syncs
-    the CPU threads: measured on a busy 2-core machine, many small batches were 2× slower than
-    a few large ones, hence the large default). Dynamic programming over the cut points finds
+    the CPU threads: many small batches are slower than a few large ones, hence the large
+    default). Dynamic programming over the cut points finds
     the cheapest plan exactly in ``O(N · max_batch)``.
 
     Args:
