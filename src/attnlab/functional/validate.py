@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .._shapes import (
     Dims,
+    check_bool,
     check_logit_multiplier,
     check_mask_tensor,
     check_number,
@@ -188,8 +189,7 @@ def build_request(
     dropout_p = check_probability("dropout_p", dropout_p)
     scale = s.default_scale(dims.D) if scale is None else check_number("scale", scale, nonzero=True)
     check_logit_multiplier(scale, temperature, q.dtype)
-    if not isinstance(return_weights, bool):
-        raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
+    check_bool("return_weights", return_weights)
     if lead is not None:
         mask = _extra_to_4d(mask, lead.target, lead.B) if isinstance(mask, Tensor) else mask
         bias = _extra_to_4d(bias, lead.target, lead.B) if isinstance(bias, Tensor) else bias

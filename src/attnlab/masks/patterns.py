@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._shapes import check_int, static_int
+from .._shapes import check_bool, check_int, static_int
 from .base import Mask, TensorMask, _describe
 from .blocks import (
     EMPTY,
@@ -550,8 +550,7 @@ def with_causal(
     """
     if causal is None:
         return mask
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    check_bool("causal", causal)
     warnings.warn(
         f"{where}(causal=...) is deprecated: pass mask=masks.causal() (combined with other "
         "masks by &)",

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._shapes import check_int
+from .._shapes import check_bool, check_int
 from ..masks import Mask, causal, from_fn, sliding_window
 
 
@@ -165,10 +165,7 @@ class KVCache:
     def __init__(self, capacity: int | None = None, *, rotate_at_insert: bool = False) -> None:
         if capacity is not None:
             check_int("capacity", capacity, minimum=1)
-        if not isinstance(rotate_at_insert, bool):
-            raise TypeError(
-                f"rotate_at_insert must be a bool, got {type(rotate_at_insert).__name__}"
-            )
+        check_bool("rotate_at_insert", rotate_at_insert)
         self.capacity = capacity
         self.rotate_at_insert = rotate_at_insert
         self._k: Tensor | None = None

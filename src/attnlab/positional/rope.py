@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from .._shapes import check_int, check_number, stat_dtype
+from .._shapes import check_bool, check_int, check_number, stat_dtype
 from ._checks import check_positions
 from .rope_scaling import compute_rope_parameters, depends_on_seq_len, rope_type_of
 
@@ -92,8 +92,7 @@ class RoPE(nn.Module):
         super().__init__()
         self.head_dim = check_int("head_dim", head_dim, minimum=1)
         self.base = check_number("base", base, greater=1.0)
-        if not isinstance(interleaved, bool):
-            raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+        check_bool("interleaved", interleaved)
         self.interleaved = interleaved
         self.rope_type = rope_type_of(scaling)
         fields = dict(scaling) if scaling is not None else None
