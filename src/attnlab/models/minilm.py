@@ -123,11 +123,7 @@ class MiniLM(nn.Module):
         st_config = root / "sentence_bert_config.json"
         if st_config.exists():
             max_len = _read_json(st_config, dict).get("max_seq_length", max_len)
-            if isinstance(max_len, bool) or not isinstance(max_len, int):
-                raise TypeError(
-                    f"{st_config}: max_seq_length must be an int, got {type(max_len).__name__} "
-                    f"{max_len!r}"
-                )
+            check_int(f"{st_config}: max_seq_length", max_len)
         normalize, pooling_dirs = True, ["1_Pooling"]
         modules_path = root / "modules.json"
         if modules_path.exists():
