@@ -48,7 +48,7 @@ def fake_build(tmp_path, monkeypatch):
     monkeypatch.delenv(_ext.ENV, raising=False)
     monkeypatch.delenv(_ext.QUIET_ENV, raising=False)
     monkeypatch.setattr(_ext, "_build", build)
-    monkeypatch.setattr(_ext, "_load_library", lambda name, target: None)
+    monkeypatch.setattr(_ext, "_load_library", lambda target: None)
     monkeypatch.setattr(_ext, "source_text", lambda name: f"// the source of {name}")
     monkeypatch.setattr(_ext, "_STATE", {})
     monkeypatch.setattr(_ext, "_SAID", set())
@@ -140,7 +140,7 @@ def build(name, source, target):
     time.sleep(1.5)  # b is at the lock by now
     target.write_bytes(b"stand-in library")
 _ext._build = build
-_ext._load_library = lambda name, target: None
+_ext._load_library = lambda target: None
 _ext.source_text = lambda name: "// the source"
 if role == "b":
     while not (out / "builds").exists():

@@ -221,7 +221,7 @@ def test_rope_decode_attend(ext, monkeypatch, dtype, layout) -> None:
     k = torch.randn(2, 2, 600, 32, dtype=dtype)
     v = torch.randn(2, 2, 600, 32, dtype=dtype)
     table = torch.float64 if dtype == torch.float64 else torch.float32
-    cos, sin = rope._table(700, q.device, table)
+    cos, sin = rope.table(700, q.device, table)
     for planted in (0, 3):
         _plant((q, k, v), planted, seed=10 + planted)
         for k_start in (None, 5):

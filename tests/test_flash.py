@@ -522,7 +522,7 @@ def test_unsupported_requests_name_the_reason():
         check = attnlab.attention(q, k, v, bias=t5, backend="flash")
         ref = attnlab.attention(q, k, v, bias=t5, backend="reference")
     torch.testing.assert_close(check, ref, atol=2e-6, rtol=0)
-    with pytest.raises(ValueError, match=r"block_q must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"block_q must be >= 1, got 0"):
         flash_attention(q, k, v, block_q=0)
     with pytest.raises(ValueError, match=r"engine must be 'kernel' or 'torch', got 'gpu'"):
         flash_attention(q, k, v, engine="gpu")

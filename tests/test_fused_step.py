@@ -308,7 +308,7 @@ def test_the_operator_checks_its_arguments(ext) -> None:
     with torch.no_grad():
         p = fused_step.plan(block, 1, torch.float32)
     assert p is not None
-    cos, sin = block.attn.rope._table(16, torch.device("cpu"), torch.float32)
+    cos, sin = block.attn.rope.table(16, torch.device("cpu"), torch.float32)
     x = torch.randn(1, 1, 64)
     op = torch.ops.attnlab_block.step
     with pytest.raises(RuntimeError, match="length must leave a free cache row"):

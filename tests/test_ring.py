@@ -161,8 +161,8 @@ def test_invalid_pieces_is_a_clear_error():
     for messages in _ok(run_local(W.bad_pieces, 2, timeout=60)):
         assert messages[0] == "ValueError: pieces must be >= 1, got 0", messages
         assert messages[1] == "ValueError: pieces must be >= 1, got -1", messages
-        assert messages[2] == "TypeError: pieces must be an int, got float", messages
-        assert messages[3] == "TypeError: pieces must be an int, got bool", messages
+        assert messages[2] == "ArgumentTypeError: pieces must be an int, got float 1.5", messages
+        assert messages[3] == "ArgumentTypeError: pieces must be an int, got bool True", messages
 
 
 def test_ring_module_rejects_bad_pieces_at_construction():

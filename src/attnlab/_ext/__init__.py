@@ -455,7 +455,7 @@ def _build_locked(
     """
     from filelock import FileLock, Timeout  # torch's own dependency
 
-    show = line or (lambda text: None)
+    show = line or (lambda _text: None)
     target.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(target.with_suffix(".lock")))
     try:
@@ -507,7 +507,7 @@ def _build_locked(
         lock.release()
 
 
-def _load_library(name: str, target: Path) -> None:
+def _load_library(target: Path) -> None:
     """Loads a cached library into this process (its ``TORCH_LIBRARY`` registers the ops) after
     checking it against its record (`_check_library`): the one place that loads a library.
 
@@ -603,7 +603,7 @@ def _decide(name: str) -> bool | str:
             _build_announced(name, source, target)
         elif _check_library(target) is not None:
             _build_announced(name, source, target)  # removes it, rebuilds it (one line)
-        _load_library(name, target)
+        _load_library(target)
     except Exception as e:
         why = f"{type(e).__name__}: {e}" if not isinstance(e, _ReportedError) else str(e)
         if not isinstance(e, _ReportedError):
@@ -802,7 +802,7 @@ def build_kernels(
                     verb = _build_locked(name, source, target, force=force)
                 verb = "built by another process" if verb == "found" else verb
             if _STATE.get(name) is not True:
-                _load_library(name, target)  # it loads (a build has already loaded its own)
+                _load_library(target)  # it loads (a build has already loaded its own)
                 _STATE.setdefault(name, True)
         except Exception as e:
             why = _one_line(e if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}")

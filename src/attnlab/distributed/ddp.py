@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .._shapes import check_bool
 from ..masks import CausalMask, Mask
 from .ring_mha import RingMultiHeadAttention
 
@@ -188,8 +189,7 @@ class Parallel:
         process holds the whole sequence anyway it is then the same as "single". Creating the
         ring's process group is collective: every rank must call this in the same order.
         """
-        if not isinstance(context_parallel, bool):
-            raise TypeError(f"context_parallel must be a bool, got {context_parallel!r}")
+        check_bool("context_parallel", context_parallel)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls()
         rank, world = dist.get_rank(), dist.get_world_size()

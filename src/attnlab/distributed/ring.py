@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._shapes import check_number, check_qkv
+from .._shapes import check_int, check_number, check_qkv, stat_dtype
 from ..functional.flash import Residuals
 from ..functional.merge import merge_partials
 from ..masks import CausalMask, Mask
@@ -102,10 +102,6 @@ def _queries_seeing(
             yield a, kind, tile
 
 
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _kv_pieces(k: Tensor, v: Tensor, c: int) -> list[list[Tensor]]:
     """The block ``[[k_p (B, H_kv, c, D), v_p (B, H_kv, c, Dv)], ...]``: views, no copy."""
     return [[kp, vp] for kp, vp in zip(k.split(c, dim=2), v.split(c, dim=2), strict=True)]
@@ -149,7 +145,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: RingConfig) -> tuple[Ten
     Dv = v.shape[-1]
     n = len(cfg.piece_ids(cfg.rank))
     c = L // n
-    stat = _stat_dtype(q.dtype)
+    stat = stat_dtype(q.dtype)
     out = q.new_zeros((B, H, L, Dv), dtype=stat)  # merged so far: nothing (lse = −inf)
     lse = q.new_full((B, H, L), _NEG_INF, dtype=stat)
     # 0, or NaN once a non-finite value entry (columns :Dv) or key (column Dv) is attended
@@ -230,7 +226,7 @@ def _backward_hop(
     kv = block[p]
     exchange = _start_hop(ring, kv if moves_kv else [], grads[p] if moves_grads else [])
     grads[p] = []  # being sent: freed as soon as the send completes
-    stat = _stat_dtype(q.dtype)
+    stat = stat_dtype(q.dtype)
 
     def incoming() -> list[Tensor]:
         if not moves_grads:  # this rank is the first to see the block
@@ -252,7 +248,7 @@ def _ring_backward(res: Residuals, cfg: RingConfig) -> tuple[Tensor, Tensor, Ten
     dout, q, k, v, out, lse = res.dout, res.q, res.k, res.v, res.out, res.lse
     n = len(cfg.piece_ids(cfg.rank))
     c = q.shape[2] // n
-    dq = torch.zeros(q.shape, dtype=_stat_dtype(q.dtype), device=q.device)
+    dq = torch.zeros(q.shape, dtype=stat_dtype(q.dtype), device=q.device)
     local = tuple(t.split(c, dim=2) for t in (dout, q, out, lse, dq))
     block = _kv_pieces(k, v, c)
     grads: list[list[Tensor]] = [[] for _ in range(n)]
@@ -288,15 +284,6 @@ class _RingAttention(torch.autograd.Function):
         res = Residuals(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
         dq, dk, dv = _ring_backward(res, ctx.cfg)
         return dq, dk, dv, None
-
-
-def check_pieces(pieces: object) -> int:
-    """``pieces`` as an int >= 1; TypeError/ValueError naming it otherwise."""
-    if isinstance(pieces, bool) or not isinstance(pieces, int):
-        raise TypeError(f"pieces must be an int, got {type(pieces).__name__}")
-    if pieces < 1:
-        raise ValueError(f"pieces must be >= 1, got {pieces}")
-    return pieces
 
 
 def ring_attention(
@@ -388,7 +375,7 @@ def ring_attention(
             f"local length {dims.L} must be divisible by {n_local} (layout {layout!r} holds "
             f"{n_local} chunks per rank)"
         )
-    pieces = _piece_count(dims.L // n_local, check_pieces(pieces))
+    pieces = _piece_count(dims.L // n_local, check_int("pieces", pieces, minimum=1))
     scale = 1.0 / math.sqrt(dims.D) if scale is None else check_number("scale", scale, nonzero=True)
     tmo = None
     if timeout is not None:
@@ -405,7 +392,6 @@ __all__ = [
     "LAYOUTS",
     "Ring",
     "RingAttentionError",
-    "check_pieces",
     "chunk_ids",
     "ring_attention",
     "shard",

@@ -6,9 +6,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._shapes import check_int
 from ..masks import Mask
 from ..modules.mha import MultiHeadAttention
-from .ring import check_pieces, ring_attention
+from .ring import ring_attention
 from .ring_layout import LAYOUTS, chunk_ids, rank_and_world
 
 
@@ -45,7 +46,7 @@ class RingMultiHeadAttention(MultiHeadAttention):
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         super().__init__(embed_dim, num_heads, **kwargs)  # type: ignore[arg-type]
         self.group, self.layout, self.timeout = group, layout, timeout
-        self.pieces = check_pieces(pieces)
+        self.pieces = check_int("pieces", pieces, minimum=1)
 
     def global_positions(self, L_local: int, device: torch.device | None = None) -> Tensor:
         """Global positions ``(L_local,)`` of this rank's tokens under the layout."""

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .. import _ext
+from .._shapes import check_bool
 from ..masks import Mask
 from . import backends as _backends  # noqa: F401  (fills the registry)
 from . import nan_rule
@@ -143,8 +144,7 @@ def attention(
         softcap=softcap,
         leading=True,
     )
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_bool("return_lse", return_lse)
     chosen, _ = select(backend, req, need_lse=return_lse)
     lse: Tensor | None = None
     if return_lse:

@@ -116,7 +116,7 @@ register_backend(
     Backend(
         "reference",
         reference_run,
-        lambda req: None,
+        lambda _req: None,
         "the explicit definition in functional/reference.py (float64-capable, returns weights)",
         run_lse=_reference_run_lse,
         last_resort=True,

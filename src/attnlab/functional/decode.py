@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._shapes import stat_dtype
 from . import nan_rule
 from .reference import softcap_logits
 from .registry import _AUTO_ORDER  # auto's order (read, never changed, here)
@@ -53,10 +54,6 @@ speed, where the decode path's two float32 products do not care."""
 
 DECODE_MAX_ELEMENTS = 1 << 25
 """Bound on the float32 logits (and upcast K/V for half inputs) one call may hold (128 MB)."""
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _needs_grad(req: Request) -> bool:
@@ -125,7 +122,7 @@ def _attend(
         return torch.ops.attnlab_nan.decode_attend(q, k, v, req.logit_scale), None
     b, H, L, D = q.shape
     H_kv, n, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    c = _compute_dtype(q.dtype)
+    c = stat_dtype(q.dtype)
     # (b, H, L, D) → (b·H_kv, G·L, D): the G query heads sharing one k/v head, stacked (a view)
     qg = q.reshape(b * H_kv, (H // H_kv) * L, D)
     kk, vv = k.reshape(b * H_kv, n, D), v.reshape(b * H_kv, n, Dv)
@@ -154,7 +151,7 @@ def _run(req: Request, want_lse: bool) -> tuple[Tensor, Tensor | None]:
     assert prefixes is not None  # decode_supports
     if not want_lse and all(n == d.S for n in prefixes):  # one call on the whole batch
         return _attend(req, req.q, req.k, req.v, False)[0].to(req.q.dtype), None
-    c = _compute_dtype(req.q.dtype)
+    c = stat_dtype(req.q.dtype)
     outs, lses = [], []
     for views in prefix_views(req, prefixes):
         if views is None:  # nothing to attend: zeros, lse −inf

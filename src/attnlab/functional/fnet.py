@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .reference import compute_dtype_for
+from .._shapes import stat_dtype
 
 __all__ = ["fnet_mixing"]
 
@@ -48,5 +48,5 @@ def fnet_mixing(x: Tensor) -> Tensor:
         raise ValueError(f"x must have rank >= 2 (..., L, E), got shape {tuple(x.shape)}")
     if x.numel() == 0:
         return x * 0.0  # (..., L, E), keeps the autograd graph
-    xc = x.to(compute_dtype_for(x.dtype))
+    xc = x.to(stat_dtype(x.dtype))
     return torch.fft.fft2(xc, dim=(-2, -1)).real.to(x.dtype)  # (..., L, E)

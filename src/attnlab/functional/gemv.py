@@ -4,10 +4,9 @@ With one to eight rows, ``x·Wᵀ`` is bound by reading W: torch's CPU kernel re
 weights at 6–12 GB/s on one AMD EPYC core, attnlab's reads each weight row once, in order, with
 a software prefetch a few rows ahead, against every row of x (float32 fused multiply-adds, or
 AVX512-BF16 pair dot products for bfloat16: float32 accumulation, bias added and one rounding in
-the kernel). Measured on the 41 weights of an 8-layer, d_model 512 Llama-like model (38M
-parameters, one thread, best of 9 interleaved; ``benchmarks/bench_gemv.py``, RESULTS.md): one
-row 2.4× (float32) and 3.5× (bfloat16) faster than ``torch.nn.functional.linear`` — at the
-core's streaming-read rate — four rows 1.8× and 1.6×, eight rows 1.4× and 1.3×.
+the kernel). At one row it reads the weights at the core's streaming-read rate, faster than
+``torch.nn.functional.linear`` up to eight rows (measured: benchmarks/RESULTS.md,
+``benchmarks/bench_gemv.py``).
 
 `linear` runs the kernel when all of these hold, else ``torch.nn.functional.linear`` (the same
 product; the sums differ only in rounding order):

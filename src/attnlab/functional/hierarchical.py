@@ -21,10 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._shapes import check_number, check_qkv
+from .._shapes import check_int, check_number, check_qkv, stat_dtype
 from ..masks import Mask
-from .linear import as_4d, check_kernel_mask, check_positive_int
-from .reference import compute_dtype_for
+from .linear import as_4d, check_kernel_mask
 
 __all__ = ["hierarchical_attention"]
 
@@ -67,7 +66,7 @@ def hierarchical_attention(
         torch.Size([1, 4, 1024, 64])
     """
     dims = check_qkv(q, k, v)
-    b = check_positive_int("block_size", block_size)
+    b = check_int("block_size", block_size, minimum=1)
     if dims.L != dims.S:
         raise ValueError(
             f"hierarchical attention is self-attention: query length L={dims.L} must equal key "
@@ -80,7 +79,7 @@ def hierarchical_attention(
     if scale is not None:
         s = check_number("scale", scale, nonzero=True)
     q, k, v = as_4d(q, k, v, dims)
-    dtype = compute_dtype_for(q.dtype)
+    dtype = stat_dtype(q.dtype)
     L = dims.L
     b = min(b, max(L, 1))
     N = -(-L // b)

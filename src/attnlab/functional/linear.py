@@ -27,13 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._shapes import Dims, check_number, check_qkv
+from .._shapes import Dims, check_int, check_number, check_qkv, stat_dtype
 from ..masks import Mask
 from ..masks.patterns import causal_and_padding, with_causal
 from . import kernel_scan as _ks
 from .linear_features import CleanFeature, clean_features, clean_with_ones, finite, fused_feature
 from .nan_rule import clean, known_finite, nan_flags
-from .reference import LINEAR_FEATURE_MAPS, compute_dtype_for
+from .reference import LINEAR_FEATURE_MAPS
 
 FeatureMap = Callable[[Tensor], Tensor]
 FEATURE_MAPS = LINEAR_FEATURE_MAPS
@@ -66,30 +66,6 @@ def check_feature_map(feature_map: object) -> FeatureMap:
             f"got {type(feature_map).__name__}"
         )
     return feature_map
-
-
-def check_bool(name: str, value: object) -> bool:
-    """A plain bool; raises TypeError naming the argument otherwise."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
-
-
-def check_positive_int(name: str, value: object) -> int:
-    """An int >= 1; raises naming the argument otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
-def check_eps(eps: object) -> float:
-    """A finite eps >= 0."""
-    x = check_number("eps", eps)
-    if x < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    return x
 
 
 def check_kernel_mask(
@@ -393,7 +369,7 @@ def _causal_scan(
     """
     B, H, L, _ = q.shape
     H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    dtype = compute_dtype_for(q.dtype)
+    dtype = stat_dtype(q.dtype)
     P, dead = max(S - L, 0), max(L - S, 0)
     T = L - dead  # aligned tokens: query dead + t sees keys j <= P + t
     C = min(chunk_size, max(T, 1))
@@ -535,7 +511,7 @@ class _FusedSource:
     ) -> None:
         self.q, self.k, self.v, self.key_mask, self.op, self.phi = q, k, v, key_mask, op, phi
         self.Fd = tape.Fd
-        self.dtype = compute_dtype_for(q.dtype)
+        self.dtype = stat_dtype(q.dtype)
         self.groups, self.n = groups, tape.n
         self.finite = tape.finite  # per key block: prefix blocks first, then aligned ones
         self.P, self.dead = max(k.shape[2] - q.shape[2], 0), max(q.shape[2] - k.shape[2], 0)
@@ -688,11 +664,11 @@ def linear_attention(
     """
     dims = check_qkv(q, k, v)
     phi = check_feature_map(feature_map)
-    eps = check_eps(eps)
+    eps = check_number("eps", eps, at_least=0)
     causal, key_mask = check_kernel_mask(
         mask, causal, dims, where="linear_attention", device=q.device
     )
-    chunk_size = check_positive_int("chunk_size", chunk_size)
+    chunk_size = check_int("chunk_size", chunk_size, minimum=1)
     q, k, v = as_4d(q, k, v, dims)
     if causal:
         op = fused_feature(phi)
@@ -704,7 +680,7 @@ def linear_attention(
                 q, k, v, phi, eps=eps, chunk_size=chunk_size, key_mask=key_mask, groups=dims.groups
             )
         return out.squeeze(1) if dims.three_d else out
-    dtype = compute_dtype_for(q.dtype)
+    dtype = stat_dtype(q.dtype)
     row, col = nan_rule_poison(q, k, v, causal=False, key_mask=key_mask)
     vc = clean(v.to(dtype))
     fq = clean_features(phi, q, dtype)  # (B, H, L, F): fused for the built-in maps
@@ -766,7 +742,7 @@ class LinearAttentionState:
 
     def __init__(self, feature_map: str | FeatureMap = "elu", eps: float = 1e-6) -> None:
         self.phi = check_feature_map(feature_map)
-        self.eps = check_eps(eps)
+        self.eps = check_number("eps", eps, at_least=0)
         self.kv: Tensor | None = None
         self.z: Tensor | None = None
         # The NaN rule: 0, or NaN once a non-finite key (any column) / value (per column) is in.
@@ -783,7 +759,7 @@ class LinearAttentionState:
         return t
 
     def _features(self, x: Tensor) -> Tensor:
-        fx = self.phi(x.to(compute_dtype_for(x.dtype)))
+        fx = self.phi(x.to(stat_dtype(x.dtype)))
         if fx.shape[:-1] != x.shape[:-1]:
             raise ValueError(
                 f"feature_map must map (..., D) to (..., F), got {tuple(fx.shape)} "

@@ -17,11 +17,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .._shapes import stat_dtype
+
 _NEG_INF = float("-inf")
-
-
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
@@ -70,7 +68,7 @@ def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tens
                 f"merge_partials: part {idx} has out {tuple(o.shape)} and lse {tuple(lse.shape)}, "
                 f"expected out {shape} and lse {lshape}"
             )
-    acc = _stat_dtype(outs[0].dtype)
+    acc = stat_dtype(outs[0].dtype)
     if any(lse.dtype == torch.float64 for lse in lses):
         acc = torch.float64
     lse_all = torch.stack([lse.to(acc) for lse in lses])  # (n, ..., L)

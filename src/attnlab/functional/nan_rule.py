@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from .. import _ext  # loads nothing until `_ext.load` is called (never at import)
+from .._shapes import stat_dtype
 
 _NAN = float("nan")
 _EXT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -59,8 +60,8 @@ def _zeroed(x: Tensor) -> Tensor:
 
     Eager: ``nan_to_num`` (one vectorised ATen kernel). Compiled: ``where(isfinite(x), x, 0)``,
     the same values, which Inductor vectorises and fuses into its neighbours (its C++ code for
-    ``nan_to_num`` runs one element at a time: 9 ms per layer of a GPT training step at d_model
-    256, `benchmarks/bench_compile.py`).
+    ``nan_to_num`` runs one element at a time; measured: benchmarks/RESULTS.md,
+    `benchmarks/bench_compile.py`).
     """
     if torch.compiler.is_compiling():
         return torch.where(torch.isfinite(x), x, 0.0)
@@ -310,7 +311,7 @@ def first_nonfinite(x: Tensor, block: int = 16) -> Tensor:
     block of each column only: no x-sized temporary.
     """
     B, Hk, S, C = x.shape
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = stat_dtype(x.dtype)
     if torch.compiler.is_compiling():
         # Inductor fuses the test into the reduction (no x-sized temporary either), and nothing
         # branches on S, symbolic under dynamic shapes and export (a branch would guard it)
@@ -379,7 +380,7 @@ def poison_prefix(
     B, H, L, Dv = out.shape
     H_kv, S = k.shape[1], k.shape[2]
     G = H // H_kv if H_kv else 1
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = stat_dtype(q.dtype)
     # a row of k (or q) is bad iff its sum is non-finite (a finite row overflows only at ~1e37)
     k_bad = ~torch.isfinite(k.sum(dim=-1, dtype=acc))  # (B, H_kv, S)
     first = torch.minimum(first_nonfinite(v), _first_true(k_bad, -1).unsqueeze(-1))

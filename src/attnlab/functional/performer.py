@@ -15,20 +15,17 @@ import math
 import torch
 from torch import Tensor
 
-from .._shapes import check_qkv
+from .._shapes import check_bool, check_int, check_qkv, stat_dtype
 from ..masks import Mask
 from . import kernel_scan as _ks
 from .linear import (
     DEFAULT_CHUNK_SIZE,
     as_4d,
-    check_bool,
     check_kernel_mask,
-    check_positive_int,
     clean,
     nan_rule_poison,
 )
 from .linear_features import finite
-from .reference import compute_dtype_for
 
 __all__ = ["favor_attention", "favor_features", "favor_projection"]
 
@@ -60,8 +57,8 @@ def favor_projection(
     Returns:
         ``(M, D)``.
     """
-    M = check_positive_int("num_features", num_features)
-    D = check_positive_int("head_dim", head_dim)
+    M = check_int("num_features", num_features, minimum=1)
+    D = check_int("head_dim", head_dim, minimum=1)
     check_bool("orthogonal", orthogonal)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator)}")
@@ -102,7 +99,7 @@ def favor_features(x: Tensor, projection: Tensor) -> Tensor:
     Returns:
         ``(..., M)``, computed in float32 or wider, in x's dtype.
     """
-    dtype = compute_dtype_for(x.dtype)
+    dtype = stat_dtype(x.dtype)
     log_phi = _log_features(x.to(dtype), projection.to(dtype)) - 0.5 * math.log(projection.shape[0])
     return torch.exp(log_phi).to(x.dtype)  # (..., M)
 
@@ -183,16 +180,16 @@ def favor_attention(
         torch.Size([1, 4, 4096, 64])
     """
     dims = check_qkv(q, k, v)
-    M = check_positive_int("num_features", num_features)
+    M = check_int("num_features", num_features, minimum=1)
     check_bool("orthogonal", orthogonal)
     causal, key_mask = check_kernel_mask(mask, None, dims, where="favor_attention", device=q.device)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
+    chunk_size = check_int("chunk_size", chunk_size, minimum=1)
     if projection is not None:
         if generator is not None:
             raise ValueError("generator draws a projection: pass generator or projection, not both")
         projection = _check_projection(projection, M, dims.D, q)
     q, k, v = as_4d(q, k, v, dims)
-    dtype = compute_dtype_for(q.dtype)
+    dtype = stat_dtype(q.dtype)
     if projection is None:
         projection = favor_projection(
             M, max(dims.D, 1), orthogonal=orthogonal, generator=generator, dtype=dtype

@@ -22,17 +22,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._shapes import stat_dtype
 from ..masks import Mask
 from ..masks.patterns import causal_and_padding
 from . import nan_rule
 from .scores import get_score
 
 _NEG_INF = float("-inf")
-
-
-def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """Softmax statistics are kept in float32 or wider, whatever the input dtype."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _as4(t: Tensor) -> Tensor:
@@ -169,7 +165,7 @@ def attention(
     """
     B, H, L, _ = q.shape
     H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    dtype = compute_dtype or compute_dtype_for(q.dtype)
+    dtype = compute_dtype or stat_dtype(q.dtype)
     if scale is None:
         scale = get_score(score).default_scale(q.shape[-1])
     keep = keep_mask(mask, bias)
@@ -219,7 +215,7 @@ def logsumexp(
     """
     B, H, L, _ = q.shape
     H_kv = k.shape[1]
-    dtype = compute_dtype_for(q.dtype)
+    dtype = stat_dtype(q.dtype)
     if scale is None:
         scale = get_score(score).default_scale(q.shape[-1])
     keep = keep_mask(mask, bias)
@@ -263,7 +259,7 @@ def additive_attention(
     Returns:
         ``(out (B, L, Dv), weights (B, L, S))``, masked and fully-masked rows as in `attention`.
     """
-    dtype = compute_dtype_for(query.dtype)
+    dtype = stat_dtype(query.dtype)
     mask4 = None if mask is None else _as4(mask.unsqueeze(-3) if mask.dim() == 3 else mask)
     bias4 = None if bias is None else _as4(bias.unsqueeze(-3) if bias.dim() == 3 else bias)
     keep = keep_mask(mask4, bias4)  # (B|1, 1, L|1, S|1)
@@ -464,7 +460,7 @@ def linear_attention(
     Returns:
         ``(B, H, L, Dv)`` in q's dtype.
     """
-    dtype = compute_dtype or compute_dtype_for(q.dtype)
+    dtype = compute_dtype or stat_dtype(q.dtype)
     phi = LINEAR_FEATURE_MAPS[feature_map] if isinstance(feature_map, str) else feature_map
     causal, key_mask = causal_and_padding(
         mask, where="reference.linear_attention", batch=q.shape[0], S=k.shape[-2], device=q.device
@@ -526,7 +522,7 @@ def favor_attention(
     Returns:
         ``(B, H, L, Dv)`` in q's dtype.
     """
-    dtype = compute_dtype or compute_dtype_for(q.dtype)
+    dtype = compute_dtype or stat_dtype(q.dtype)
     w = projection.to(dtype)
     causal, key_mask = causal_and_padding(
         mask, where="reference.favor_attention", batch=q.shape[0], S=k.shape[-2], device=q.device
@@ -569,7 +565,7 @@ def fnet_mixing(
     Returns:
         ``(..., L, E)`` in x's dtype.
     """
-    dtype = compute_dtype or compute_dtype_for(x.dtype)
+    dtype = compute_dtype or stat_dtype(x.dtype)
     L, E = x.shape[-2], x.shape[-1]
     cl, sl = dft_matrices(L, dtype, x.device)
     ce, se = dft_matrices(E, dtype, x.device)
@@ -657,7 +653,7 @@ def hierarchical_attention(
     Returns:
         ``(B, H, L, Dv)`` in q's dtype.
     """
-    dtype = compute_dtype or compute_dtype_for(q.dtype)
+    dtype = compute_dtype or stat_dtype(q.dtype)
     causal, key_mask = causal_and_padding(
         mask,
         where="reference.hierarchical_attention",
@@ -735,7 +731,7 @@ def shaw_attention(
     H_kv, S = k.shape[1], k.shape[2]
     G = H // H_kv if H_kv else 0
     K = (rel_k.shape[-2] - 1) // 2
-    dtype = compute_dtype or compute_dtype_for(q.dtype)
+    dtype = compute_dtype or stat_dtype(q.dtype)
     scale = D**-0.5 if scale is None else scale
     keep = keep_mask(mask, bias)
     keep4 = torch.ones(1, 1, L, S, dtype=torch.bool, device=q.device) if keep is None else keep
@@ -834,7 +830,7 @@ def adaptive_span_attention(
     """
     B, H, L, D = q.shape
     H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    dtype = compute_dtype or compute_dtype_for(q.dtype)
+    dtype = compute_dtype or stat_dtype(q.dtype)
     scale = D**-0.5 if scale is None else scale
     pos_q = torch.arange(L, device=q.device) + (S - L)
     x = (pos_q[:, None] - torch.arange(S, device=q.device)[None, :]).to(dtype)  # (L, S)

@@ -47,7 +47,7 @@ SCORES: dict[str, Score] = {
     # s = q·k, scaled by 1/√D (Vaswani et al.: logit variance ≈ 1 for unit-variance inputs).
     "dot": Score("dot", _identity, _inv_sqrt),
     # s = cos(q, k) = q·k / (‖q‖‖k‖) in [−1, 1]; default scale 1 (sharpen via scale/temperature).
-    "cosine": Score("cosine", _unit, lambda d: 1.0),
+    "cosine": Score("cosine", _unit, lambda _d: 1.0),
 }
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._shapes import static_bool
+from .._shapes import stat_dtype, static_bool
 from ..masks import CausalMask
 from . import nan_rule
 from .reference import keep_mask
@@ -48,8 +48,8 @@ def _widens(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> bool:
     for bfloat16, D = 256, L = 200, S = 77, ``global_local`` (issue 38), up to 1.8× the
     tolerance rule's bound at L = 767. Widened, the probabilities, the sums and δ stay float32
     and each gradient is rounded once, as on torch's math path (which widens 16-bit inputs
-    itself). Costs the float32 kernel (measured 1.1-1.9x the 16-bit forward + backward on an
-    AVX-512 EPYC) and float32 copies of q, k, v; calls without gradient keep the 16-bit
+    itself). Costs the float32 kernel (slower than the 16-bit forward + backward; measured:
+    benchmarks/RESULTS.md) and float32 copies of q, k, v; calls without gradient keep the 16-bit
     kernel, whose forward accumulates in float32.
     """
     return (
@@ -92,7 +92,7 @@ def _unmasked(req: Request, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     out = _kernel(req, q, k, v, None, False)
     # one float per row (B, H_kv, G, L) and per head (B, H_kv); x − x is +0.0 for a finite sum
     # and NaN for a non-finite one
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = stat_dtype(q.dtype)
     B, L = q.shape[0], q.shape[2]  # (a batch slice of the request, see `_sliced`)
     s = q.sum(dim=-1, dtype=acc).view(B, d.H_kv, d.H // d.H_kv, L) + k.sum(
         dim=(2, 3), dtype=acc

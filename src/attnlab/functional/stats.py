@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._shapes import stat_dtype
 from .flash import TileSource, flash_job
 from .flash.tiling import CALL_CAUSAL, CALL_MASKED, Call
 from .nan_rule import nan_flags
@@ -76,7 +77,7 @@ def compute_stats(
 ) -> AttentionStats:
     """Streams the plan's tiles once, given the rows' lse ``(B, H, L)``; see `attention_stats`."""
     d = req.dims
-    acc = torch.float64 if req.q.dtype == torch.float64 else torch.float32
+    acc = stat_dtype(req.q.dtype)
     job = flash_job(req)
     src: TileSource = job.source
     q, k = _prepared(req)
@@ -102,7 +103,7 @@ def compute_stats(
             for c0 in range(0, n_keys, chunk_k):
                 keys = keys_all[c0 : min(n_keys, c0 + chunk_k)]
                 s = _logits(qs, k[c.b0 : c.b1].index_select(2, keys).to(acc), job.scale)
-                add = _tile_add(src, c, b, rows, keys, c0)
+                add = _tile_add(src, c, b, rows, keys)
                 s, bad = _masked_logits(s, add, acc, req.softcap)
                 logp = s - lrow  # log p_ij; −inf where masked, −inf on dead rows (lse = +inf)
                 p = torch.exp(logp)
@@ -151,9 +152,7 @@ def _masked_logits(
     return s, nan_flags(raw).sum(dim=-1)
 
 
-def _tile_add(
-    src: TileSource, c: Call, b: Tensor, rows: Tensor, keys: Tensor, c0: int
-) -> Tensor | None:
+def _tile_add(src: TileSource, c: Call, b: Tensor, rows: Tensor, keys: Tensor) -> Tensor | None:
     """The additive tile of call ``c`` on a (rows × keys) sub-tile, causal calls included."""
     with_mask = c.kind == CALL_MASKED
     add = None
@@ -178,7 +177,7 @@ def compute_weights(
     """Exact weights ``(B, len(heads), len(rows), S)`` of the chosen rows and heads; see
     `attention_weights`."""
     d = req.dims
-    acc = torch.float64 if req.q.dtype == torch.float64 else torch.float32
+    acc = stat_dtype(req.q.dtype)
     q, k = _prepared(req)
     G = d.H // d.H_kv
     qs = q[:, heads][:, :, rows].to(acc)  # (B, nh, nr, D)

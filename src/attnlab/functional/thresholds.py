@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from .. import _settings
+from .._shapes import check_int
 
 ENV = _settings.THRESHOLDS
 FILE_ENV = _settings.THRESHOLDS_FILE
@@ -133,10 +134,9 @@ def _entry_thresholds(entry: dict[str, Any], path: Path) -> Thresholds:
     """An entry's values, checked (ValueError naming the field otherwise)."""
     values = {}
     for key in KEYS:
-        x = entry.get(key)
-        if isinstance(x, bool) or not isinstance(x, int) or not 0 < x <= MAX_THRESHOLD:
-            raise ValueError(f"entry field {key!r} must be an int in [1, 2**62], got {x!r}")
-        values[key] = x
+        values[key] = check_int(
+            f"entry field {key!r}", entry.get(key), minimum=1, maximum=MAX_THRESHOLD
+        )
     when = entry.get("measured_at")
     if not isinstance(when, str):
         raise ValueError(f"entry field 'measured_at' must be a string, got {when!r}")
@@ -249,9 +249,7 @@ def describe(dtype: torch.dtype) -> str:
     )
 
 
-def write_entries(
-    path: Path, entries: list[dict[str, Any]], cpuinfo: str | None = None
-) -> list[dict[str, Any]]:
+def write_entries(path: Path, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Adds ``entries`` to the cache file at ``path``, replacing those with the same key.
 
     An existing valid file keeps its other entries (other machines, other dtypes); an invalid

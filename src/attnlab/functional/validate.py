@@ -15,12 +15,14 @@ from torch import Tensor
 
 from .._shapes import (
     Dims,
+    check_bool,
     check_logit_multiplier,
     check_mask_tensor,
     check_number,
     check_probability,
     check_qkv,
     check_same_device,
+    stat_dtype,
 )
 from ..masks import Mask
 from .registry import check_backend_name
@@ -142,18 +144,11 @@ def check_softcap(softcap: object, dtype: torch.dtype) -> float | None:
     """
     if softcap is None:
         return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(
-            f"softcap must be None or a float > 0 (logits become softcap·tanh(s/softcap)), got "
-            f"{type(softcap).__name__} {softcap!r}"
-        )
-    cap = float(softcap)
+    cap = check_number("softcap", softcap, positive=True)
     if torch.compiler.is_compiling():
         return cap  # may be symbolic (torch.compile(dynamic=True)): checked in eager calls only
-    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    compute = stat_dtype(dtype)
     info = torch.finfo(compute)
-    if not math.isfinite(cap) or cap <= 0:
-        raise ValueError(f"softcap must be a finite float > 0 (or None), got {softcap!r}")
     if not info.tiny <= cap <= info.max:
         raise ValueError(
             f"softcap must lie in [{info.tiny:.3g}, {info.max:.3g}] for {dtype} inputs (a normal "
@@ -194,8 +189,7 @@ def build_request(
     dropout_p = check_probability("dropout_p", dropout_p)
     scale = s.default_scale(dims.D) if scale is None else check_number("scale", scale, nonzero=True)
     check_logit_multiplier(scale, temperature, q.dtype)
-    if not isinstance(return_weights, bool):
-        raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
+    check_bool("return_weights", return_weights)
     if lead is not None:
         mask = _extra_to_4d(mask, lead.target, lead.B) if isinstance(mask, Tensor) else mask
         bias = _extra_to_4d(bias, lead.target, lead.B) if isinstance(bias, Tensor) else bias

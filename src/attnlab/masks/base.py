@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .._index import align, index_grid, query_positions
-from .._shapes import check_index_fn_output
+from .._shapes import check_index_fn_output, check_int
 from .blocks import (
     EMPTY,
     FULL,
@@ -212,7 +212,7 @@ class Mask:
         lo, hi = pieces[0][0], pieces[0][1]
         return (-math.inf if lo is None else float(lo), math.inf if hi is None else float(hi))
 
-    def _diagonals(self, L: int, S: int, device: torch.device | str | None) -> Tensor | None:
+    def diagonal_map(self, L: int, S: int, device: torch.device | str | None) -> Tensor | None:
         """For a mask of ``d = j − p`` alone: bool ``(L + S − 1,)`` over ``d = −(S − 1) … L − 1``.
 
         Evaluated from `diagonals` (or `band`); combinations of such masks combine theirs.
@@ -320,7 +320,7 @@ class Mask:
             )
         return nb, nh
 
-    def _eval_rows(
+    def eval_rows(
         self, rows: Tensor, L: int, S: int, nb: int, nh: int, device: torch.device | None
     ) -> Tensor:
         b, h, i, j = index_grid(nb, nh, L, S, rows=rows, aligned=False, device=device)
@@ -353,7 +353,7 @@ class Mask:
         _check_lengths(L, S)
         nb, nh = self.batch_heads(batch, heads)
         rows = torch.arange(L, device=device)
-        return self._eval_rows(rows, L, S, nb, nh, device)
+        return self.eval_rows(rows, L, S, nb, nh, device)
 
     def _row_chunks(self, L: int, S: int):
         step = max(1, _CHUNK_ELEMENTS // max(S, 1))
@@ -385,7 +385,7 @@ class Mask:
         parts = []
         for lo, hi in self._row_chunks(L, S):
             rows = torch.arange(lo, hi, device=device)
-            parts.append(self._eval_rows(rows, L, S, nb, nh, device).sum(-1))
+            parts.append(self.eval_rows(rows, L, S, nb, nh, device).sum(-1))
         nbo = max(p.shape[0] for p in parts)
         nho = max(p.shape[1] for p in parts)
         return torch.cat([p.expand(nbo, nho, -1) for p in parts], dim=-1)
@@ -415,7 +415,7 @@ class Mask:
         total = sum(sum(row) * (nh if len(row) == 1 else 1) for row in counts)
         return total * (nb if len(counts) == 1 else 1)
 
-    def _closed_counts(self, L: int, S: int) -> list[list[int]] | None:
+    def closed_counts(self, L: int, S: int) -> list[list[int]] | None:
         """`_pair_counts` from `geometry` alone (no L×S work), or None."""
         geometry = self.geometry(L, S)
         return None if geometry is None else geometry_counts(geometry, L, S)
@@ -426,14 +426,14 @@ class Mask:
         The one counting implementation: the closed form when the mask has a geometry, else
         the cheapest bounded evaluation (diagonals, key intervals, rows).
         """
-        exact = self._closed_counts(L, S)
+        exact = self.closed_counts(L, S)
         if exact is not None:
             return exact
         nb, nh = self.batch_heads(None, None)
         if L == 0 or S == 0:
             return [[0]]
         if L + S <= COUNT_BUDGET:
-            keep = self._diagonals(L, S, None)  # over d = j − p = −(S − 1) … L − 1
+            keep = self.diagonal_map(L, S, None)  # over d = j − p = −(S − 1) … L − 1
             if keep is not None:
                 d = torch.arange(-(S - 1), L)
                 rows = (torch.clamp(L - d, max=L) - torch.clamp(L - S - d, min=0)).clamp(min=0)
@@ -479,11 +479,8 @@ class Mask:
             ragged end cover only the positions that exist.
         """
         _check_lengths(L, S)
-        for name, size in (("block_q", block_q), ("block_k", block_k)):
-            if isinstance(size, bool) or not isinstance(size, int):
-                raise TypeError(f"{name} must be an int, got {type(size).__name__}")
-        if block_q < 1 or block_k < 1:
-            raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
+        check_int("block_q", block_q, minimum=1)
+        check_int("block_k", block_k, minimum=1)
         nb, nh = self.batch_heads(batch, heads)
         if L == 0 or S == 0:
             return self._dense_block_map(L, S, block_q, block_k, nb, nh, device)
@@ -509,11 +506,11 @@ class Mask:
     def _geometric_block_map(
         self, L: int, S: int, bq: int, bk: int, device: torch.device | str | None
     ) -> Tensor | None:
-        """The block map from `band`, `_diagonals` or `key_interval` when one applies, else None."""
+        """The block map from `band`, `diagonal_map` or `key_interval` if one applies, else None."""
         band = self.band()
         if band is not None:
             return band_codes(L, S, bq, bk, band[0], band[1], device)
-        keep = self._diagonals(L, S, device)
+        keep = self.diagonal_map(L, S, device)
         if keep is not None:
             return diagonal_codes(L, S, bq, bk, keep, device)
         interval = self.key_interval(L, S, device=device)
@@ -535,11 +532,11 @@ class Mask:
         grid = dense[bi, hi]
         return "\n".join(" ".join(ATTEND if x else IGNORE for x in row.tolist()) for row in grid)
 
-    def _default_size(self) -> tuple[int, int]:
+    def default_size(self) -> tuple[int, int]:
         return 8, 8
 
-    # True when the mask only renders at its own `_default_size` (it holds a tensor of fixed size).
-    _pins_size = False
+    # True when the mask only renders at its own `default_size` (it holds a tensor of fixed size).
+    pins_size = False
 
     def __str__(self) -> str:
         """The ■/⬚ picture at the mask's default size; summarised above `RENDER_LIMIT` a side.
@@ -548,7 +545,7 @@ class Mask:
         header with the shape and the attended count of batch item 0, head 0, then the first and
         last `EDGE_ITEMS` rows and columns with ``...`` between them (a few KB, whatever the size).
         """
-        L, S = self._default_size()
+        L, S = self.default_size()
         if L <= RENDER_LIMIT and S <= RENDER_LIMIT:
             return f"{self!r}  (L={L}, S={S})\n{self.render(L, S)}"
         return self._render_summary(L, S)
@@ -643,7 +640,7 @@ class _Combined(Mask):
         self.op, self.a, self.b = op, a, b
         self.batch_size = _merge_dim("batch_size", a.batch_size, b.batch_size)
         self.num_heads = _merge_dim("num_heads", a.num_heads, b.num_heads)
-        self._pins_size = a._pins_size or b._pins_size
+        self.pins_size = a.pins_size or b.pins_size
 
     def evaluate(self, b, h, i, j, L, S):
         idx = (b, h, i, j)
@@ -674,9 +671,9 @@ class _Combined(Mask):
             return None
         return (max(a[0], b[0]), min(a[1], b[1]))
 
-    def _diagonals(self, L, S, device):
-        a = self.a._diagonals(L, S, device)
-        b = None if a is None else self.b._diagonals(L, S, device)
+    def diagonal_map(self, L, S, device):
+        a = self.a.diagonal_map(L, S, device)
+        b = None if a is None else self.b.diagonal_map(L, S, device)
         if a is None or b is None:
             return None
         return a & b if self.op == "&" else a | b
@@ -695,8 +692,8 @@ class _Combined(Mask):
         if self.op == "&":
             return combine_geometry(self.a.geometry(L, S), self.b.geometry(L, S))
         # a | b = a + b − (a & b), each in closed form (prefix-LM: causal() | padding([n]))
-        a, b = self.a._closed_counts(L, S), self.b._closed_counts(L, S)
-        both = None if a is None or b is None else (self.a & self.b)._closed_counts(L, S)
+        a, b = self.a.closed_counts(L, S), self.b.closed_counts(L, S)
+        both = None if a is None or b is None else (self.a & self.b).closed_counts(L, S)
         if both is None:
             return None
         return Geometry(pairs=_add_counts(_add_counts(a, b, 1), both, -1))
@@ -714,10 +711,10 @@ class _Combined(Mask):
     def data_tensors(self) -> list[tuple[str, Tensor]]:
         return self.a.data_tensors() + self.b.data_tensors()
 
-    def _default_size(self) -> tuple[int, int]:
+    def default_size(self) -> tuple[int, int]:
         # A fixed-size operand (a tensor, document ids) decides; otherwise the larger picture.
-        pinned = [m._default_size() for m in (self.a, self.b) if m._pins_size]
-        return pinned[0] if pinned else max(self.a._default_size(), self.b._default_size())
+        pinned = [m.default_size() for m in (self.a, self.b) if m.pins_size]
+        return pinned[0] if pinned else max(self.a.default_size(), self.b.default_size())
 
     def __repr__(self) -> str:
         return f"({self.a!r} {self.op} {self.b!r})"
@@ -727,7 +724,7 @@ class _Not(Mask):
     def __init__(self, inner: Mask) -> None:
         self.inner = inner
         self.batch_size, self.num_heads = inner.batch_size, inner.num_heads
-        self._pins_size = inner._pins_size
+        self.pins_size = inner.pins_size
 
     def evaluate(self, b, h, i, j, L, S):
         idx = (b, h, i, j)
@@ -736,11 +733,11 @@ class _Not(Mask):
         )
 
     def geometry(self, L, S):
-        inner = self.inner._closed_counts(L, S)
+        inner = self.inner.closed_counts(L, S)
         return None if inner is None else Geometry(pairs=[[L * S - n for n in r] for r in inner])
 
-    def _diagonals(self, L, S, device):
-        inner = self.inner._diagonals(L, S, device)
+    def diagonal_map(self, L, S, device):
+        inner = self.inner.diagonal_map(L, S, device)
         return None if inner is None else ~inner
 
     def block_codes(self, L, S, bq, bk, nb, nh, device):
@@ -754,8 +751,8 @@ class _Not(Mask):
         inner = self.inner.spec()
         return None if inner is None else (f"~{inner[0]}", inner[1])
 
-    def _default_size(self) -> tuple[int, int]:
-        return self.inner._default_size()
+    def default_size(self) -> tuple[int, int]:
+        return self.inner.default_size()
 
     def __repr__(self) -> str:
         return f"~{self.inner!r}"
@@ -764,7 +761,7 @@ class _Not(Mask):
 class TensorMask(Mask):
     """A mask given as a bool tensor broadcastable to ``(B, H, L, S)`` (True = may attend)."""
 
-    _pins_size = True
+    pins_size = True
 
     def __init__(self, t: Tensor) -> None:
         if not isinstance(t, Tensor):
@@ -780,7 +777,7 @@ class TensorMask(Mask):
         self.batch_size = self.t.shape[0] if self.t.shape[0] > 1 else None
         self.num_heads = self.t.shape[1] if self.t.shape[1] > 1 else None
 
-    def _check(self, L: int, S: int) -> None:
+    def check_size(self, L: int, S: int) -> None:
         tl, ts = self.t.shape[-2:]
         if tl not in (1, L) or ts not in (1, S):
             raise ValueError(
@@ -788,7 +785,7 @@ class TensorMask(Mask):
             )
 
     def evaluate(self, b, h, i, j, L, S):
-        self._check(L, S)
+        self.check_size(L, S)
         t = self.t.to(i.device)
         bi = b if t.shape[0] > 1 else torch.zeros_like(b)
         hi = h if t.shape[1] > 1 else torch.zeros_like(h)
@@ -797,7 +794,7 @@ class TensorMask(Mask):
         return t[bi, hi, ii, jj]
 
     def geometry(self, L, S):
-        self._check(L, S)
+        self.check_size(L, S)
         t = self.t.sum((-2, -1), dtype=torch.int64)  # (B|1, H|1): counted once, then repeated
         repeat = (L if self.t.shape[-2] == 1 else 1) * (S if self.t.shape[-1] == 1 else 1)
         return Geometry(pairs=[[int(n) * repeat for n in row] for row in t.tolist()])
@@ -805,11 +802,11 @@ class TensorMask(Mask):
     def to_dense(self, L, S, *, batch=None, heads=None, device=None):
         _check_lengths(L, S)
         self.batch_heads(batch, heads)
-        self._check(L, S)
+        self.check_size(L, S)
         t = self.t if device is None else self.t.to(device)
         return t.expand(t.shape[0], t.shape[1], L, S)
 
-    def _default_size(self) -> tuple[int, int]:
+    def default_size(self) -> tuple[int, int]:
         return int(self.t.shape[-2]), int(self.t.shape[-1])
 
     def spec(self):

@@ -199,7 +199,7 @@ def dense_codes(
     parts = []
     for lo in range(0, max(L, 1), rows_per_chunk):  # L = 0: one empty chunk
         hi = min(L, lo + rows_per_chunk)
-        m = mask._eval_rows(torch.arange(lo, hi, device=device), L, S, nb, nh, device)
+        m = mask.eval_rows(torch.arange(lo, hi, device=device), L, S, nb, nh, device)
         anyv = m.to(torch.int8)
         allv = anyv
         pad_r = -(hi - lo) % bq

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._shapes import static_int
+from .._shapes import check_bool, check_int, static_int
 from .base import Mask, TensorMask, _describe
 from .blocks import (
     EMPTY,
@@ -36,14 +36,6 @@ from .counts import COUNT_BUDGET, HUGE, Geometry, diagonal_pairs
 def _cap(n: int) -> int:
     """``n`` capped to `counts.HUGE`: `global_local(sys.maxsize)` cannot overflow int64."""
     return min(n, HUGE)
-
-
-def _positive_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _index_tensor(name: str, values: object, *, ndim: tuple[int, ...]) -> Tensor:
@@ -83,7 +75,7 @@ class SlidingWindowMask(Mask):
     """A band of ``window`` keys (causal) or ``2·window − 1`` keys (non-causal) around a query."""
 
     def __init__(self, window: int, causal: bool = True) -> None:
-        self.window = _positive_int("window", window)
+        self.window = check_int("window", window, minimum=1)
         self.causal = bool(causal)
 
     def diagonals(self):
@@ -131,7 +123,7 @@ class PaddingMask(Mask):
     def geometry(self, L, S):
         return Geometry(key_limit=[int(n) for n in self.lengths.tolist()])
 
-    def _default_size(self) -> tuple[int, int]:
+    def default_size(self) -> tuple[int, int]:
         n = max(1, int(self.lengths.max())) if self.lengths.numel() else 1
         return n, n
 
@@ -148,7 +140,7 @@ class StridedMask(Mask):
     """Sparse-Transformer strided pattern: a local block of ``stride`` plus every stride-th key."""
 
     def __init__(self, stride: int, causal: bool = True) -> None:
-        self.stride = _positive_int("stride", stride)
+        self.stride = check_int("stride", stride, minimum=1)
         self.causal = bool(causal)
 
     def diagonals(self):
@@ -168,7 +160,7 @@ class GlobalLocalMask(Mask):
     """Longformer: a band ``|p − j| < window`` plus global tokens that see and are seen by all."""
 
     def __init__(self, window: int, global_tokens: int | Sequence[int] | Tensor) -> None:
-        self.window = _positive_int("window", window)
+        self.window = check_int("window", window, minimum=1)
         if isinstance(global_tokens, int) and not isinstance(global_tokens, bool):
             if global_tokens < 0:
                 raise ValueError(f"global_tokens must be >= 0, got {global_tokens}")
@@ -237,12 +229,12 @@ class BigBirdMask(Mask):
     def __init__(
         self, block_size: int, window_blocks: int, global_blocks: int, random_blocks: int, seed: int
     ) -> None:
-        self.block_size = _positive_int("block_size", block_size)
-        self.window_blocks = _positive_int("window_blocks", window_blocks)
+        self.block_size = check_int("block_size", block_size, minimum=1)
+        self.window_blocks = check_int("window_blocks", window_blocks, minimum=1)
         if self.window_blocks % 2 == 0:
             raise ValueError(f"window_blocks must be odd (a centred window), got {window_blocks}")
-        self.global_blocks = _positive_int("global_blocks", global_blocks, minimum=0)
-        self.random_blocks = _positive_int("random_blocks", random_blocks, minimum=0)
+        self.global_blocks = check_int("global_blocks", global_blocks, minimum=0)
+        self.random_blocks = check_int("random_blocks", random_blocks, minimum=0)
         self.seed = int(seed)
         self._tables: dict[int, Tensor] = {}
         self._moved: dict[tuple[int, torch.device], Tensor] = {}
@@ -342,7 +334,7 @@ class DocumentMask(Mask):
     ``L`` positions (bottom-right alignment). Combine with ``causal()`` for packed causal LMs.
     """
 
-    _pins_size = True
+    pins_size = True
 
     def __init__(self, ids: Sequence[int] | Tensor) -> None:
         self.ids = _index_tensor("ids", ids, ndim=(1, 2))
@@ -468,7 +460,7 @@ class DocumentMask(Mask):
             out.append([int((keys * queries).sum())])
         return out
 
-    def _default_size(self) -> tuple[int, int]:
+    def default_size(self) -> tuple[int, int]:
         n = max(1, int(self.ids.shape[-1]))
         return n, n
 
@@ -534,7 +526,7 @@ def causal_and_padding(
         if isinstance(m, PaddingMask):
             keep = torch.arange(S, device=device) < m.lengths.to(device).view(-1, 1)
         else:
-            m._check(1, S)  # the key dim is S or broadcasts to it
+            m.check_size(1, S)  # the key dim is S or broadcasts to it
             keep = m.t[:, 0, 0, :].to(device).expand(rows, S)
         key_mask = keep if key_mask is None else key_mask & keep  # (B|1, S)
     return causal, key_mask
@@ -558,8 +550,7 @@ def with_causal(
     """
     if causal is None:
         return mask
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    check_bool("causal", causal)
     warnings.warn(
         f"{where}(causal=...) is deprecated: pass mask=masks.causal() (combined with other "
         "masks by &)",

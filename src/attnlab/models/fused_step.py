@@ -1,8 +1,8 @@
 """A Transformer block's one-token decode step in one C++ call (``_ext/block_step.cpp``).
 
 At one to eight rows a decode step is bound by streaming the weights, and on a small model the
-~40 operator calls per block and the Python between them cost about as much again (8 layers,
-d_model 512, one float32 row on a Xeon: ~2 of ~6 ms per step; benchmarks/RESULTS.md).
+~40 operator calls per block and the Python between them cost about as much again (measured:
+benchmarks/RESULTS.md).
 `step` hands the block's parameters, its cache's buffers and the RoPE table to
 ``attnlab_block::step``, which calls the very operators the modules would call, in the same
 order — the norms (``attnlab_nan::rms_norm`` / ``layer_norm``), the projections (attnlab's
@@ -96,11 +96,12 @@ class StepPlan:
     def run(self, x: Tensor, cache: KVCache) -> Tensor | None:
         """The block's output ``(B, 1, E)`` for ``x (B, 1, E)``, appending to ``cache``; None
         (nothing changed) when the cache does not fit the fused step (see the module)."""
-        if type(cache) is not KVCache or not cache._contiguous or cache._k is None:
+        buffers = cache.contiguous_buffers() if type(cache) is KVCache else None
+        if buffers is None:
             return None
-        kc, vc = cache._k, cache._v
+        kc, vc = buffers
         n = len(cache)
-        if x.shape != (self.B, 1, x.shape[2]) or x.dtype != self.dtype or vc is None:
+        if x.shape != (self.B, 1, x.shape[2]) or x.dtype != self.dtype:
             return None
         if cache.seen != n or n >= kc.shape[2] or kc.dtype != self.dtype:
             return None
@@ -113,10 +114,9 @@ class StepPlan:
         cos = sin = None
         if self.rope is not None:
             table_dtype = stat_dtype(self.dtype)
-            cos, sin = self.rope._table(n + 1, x.device, table_dtype)
+            cos, sin = self.rope.table(n + 1, x.device, table_dtype)
         y: Tensor = torch.ops.attnlab_block.step(x, kc, vc, n, cos, sin, *self.static)
-        cache._len += 1
-        cache.seen += 1
+        cache.appended_in_place(1)
         return y
 
 

@@ -123,11 +123,7 @@ class MiniLM(nn.Module):
         st_config = root / "sentence_bert_config.json"
         if st_config.exists():
             max_len = _read_json(st_config, dict).get("max_seq_length", max_len)
-            if isinstance(max_len, bool) or not isinstance(max_len, int):
-                raise TypeError(
-                    f"{st_config}: max_seq_length must be an int, got {type(max_len).__name__} "
-                    f"{max_len!r}"
-                )
+            check_int(f"{st_config}: max_seq_length", max_len)
         normalize, pooling_dirs = True, ["1_Pooling"]
         modules_path = root / "modules.json"
         if modules_path.exists():
@@ -247,8 +243,8 @@ def plan_batches(
     ``B·T·(1 + T / attn_tokens + mask_cost·[padded]) + batch_cost`` in token units: padded
     tokens go through every projection, attention grows with T, a padded batch needs a mask,
     and each forward pass has a fixed overhead (small GEMMs run below peak, and every op syncs
-    the CPU threads: measured on a busy 2-core machine, many small batches were 2× slower than
-    a few large ones, hence the large default). Dynamic programming over the cut points finds
+    the CPU threads: many small batches are slower than a few large ones, hence the large
+    default). Dynamic programming over the cut points finds
     the cheapest plan exactly in ``O(N · max_batch)``.
 
     Args:

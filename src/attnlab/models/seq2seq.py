@@ -66,7 +66,8 @@ class Seq2SeqConfig:
         norm: "layernorm" or "rmsnorm". pad_id: the padding id (its embedding row is zero).
         attn_backend: the `attnlab.attention` backend of every attention in ``forward``.
         decode_backend: the backend while decoding (`greedy`, `beam_search`); "auto" picks the
-            single-row "decode" path there, 2.3× faster than "reference" on the held-out set.
+            single-row "decode" path there, faster than "reference" (measured:
+            benchmarks/RESULTS.md).
     """
 
     src_vocab_size: int = 64
@@ -243,11 +244,7 @@ class DecoderBlock(nn.Module):
 
 def reorder_cache(cache: KVCache, index: Tensor) -> None:
     """Reorders a `KVCache`'s batch rows in place: row b becomes old row ``index[b]``."""
-    if cache._k is not None:
-        cache._k = cache._k.index_select(0, index)
-        cache._v = cache._v.index_select(0, index)  # type: ignore[union-attr]
-    if cache._pos is not None and cache._pos.shape[0] > 1:
-        cache._pos = cache._pos.index_select(0, index)
+    cache.reorder(index)
 
 
 def source_mask(src_mask: Tensor) -> Tensor | Mask:
@@ -256,8 +253,8 @@ def source_mask(src_mask: Tensor) -> Tensor | Mask:
     `attnlab.data.numbers.collate` pads), else the dense ``(B, 1, 1, S)`` tensor.
 
     Both mask the same pairs. The padding mask lets `attnlab.attention` apply the NaN rule per
-    key interval instead of cleaning the whole memory at every step (greedy decoding of the
-    translation task: 1.4× faster, same tokens). Reads the mask on the host once (decoding
+    key interval instead of cleaning the whole memory at every step (the same tokens, faster;
+    measured: benchmarks/RESULTS.md). Reads the mask on the host once (decoding
     only: `greedy` and `beam_search` already read ``done`` every step).
     """
     S = src_mask.shape[-1]

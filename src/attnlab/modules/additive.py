@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .._shapes import Dims, check_int, check_mask_tensor, check_probability
+from .._shapes import Dims, check_bool, check_int, check_mask_tensor, check_probability
 from ..functional import reference
 from ..functional.request import BiasFn, dense_mask_and_bias
 from ..masks import Mask
@@ -45,8 +45,7 @@ class AdditiveAttention(nn.Module):
         bias: bool = True,
     ) -> None:
         super().__init__()
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
+        check_bool("bias", bias)
         for name, value in (
             ("query_dim", query_dim),
             ("key_dim", key_dim),

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .._shapes import check_number
+from .._shapes import check_int, check_number
 from ..functional.hierarchical import hierarchical_attention
-from ..functional.linear import check_positive_int
 from ..masks import Mask
 
 __all__ = ["HierarchicalAttention"]
@@ -31,7 +30,7 @@ class HierarchicalAttention(nn.Module):
 
     def __init__(self, block_size: int, *, scale: float | None = None):
         super().__init__()
-        self.block_size = check_positive_int("block_size", block_size)
+        self.block_size = check_int("block_size", block_size, minimum=1)
         self.scale = None if scale is None else check_number("scale", scale, nonzero=True)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None = None) -> Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._shapes import check_int
+from .._shapes import check_bool, check_int
 from ..masks import Mask, causal, from_fn, sliding_window
 
 
@@ -165,10 +165,7 @@ class KVCache:
     def __init__(self, capacity: int | None = None, *, rotate_at_insert: bool = False) -> None:
         if capacity is not None:
             check_int("capacity", capacity, minimum=1)
-        if not isinstance(rotate_at_insert, bool):
-            raise TypeError(
-                f"rotate_at_insert must be a bool, got {type(rotate_at_insert).__name__}"
-            )
+        check_bool("rotate_at_insert", rotate_at_insert)
         self.capacity = capacity
         self.rotate_at_insert = rotate_at_insert
         self._k: Tensor | None = None
@@ -186,6 +183,27 @@ class KVCache:
     def reset(self) -> None:
         """Forgets every cached token."""
         self.__init__(self.capacity, rotate_at_insert=self.rotate_at_insert)  # type: ignore[misc]
+
+    def reorder(self, index: Tensor) -> None:
+        """Reorders the batch rows in place: row b becomes old row ``index[b]`` (beam search)."""
+        if self._k is not None:
+            self._k = self._k.index_select(0, index)
+            self._v = self._v.index_select(0, index)  # type: ignore[union-attr]
+        if self._pos is not None and self._pos.shape[0] > 1:
+            self._pos = self._pos.index_select(0, index)
+
+    def contiguous_buffers(self) -> tuple[Tensor, Tensor] | None:
+        """The preallocated key and value buffers ``(B, H_kv, capacity, D)`` for a kernel that
+        appends in place (then `appended_in_place`), or None: nothing stored yet, or stored
+        positions (a caller passed ``positions``)."""
+        if not self._contiguous or self._k is None or self._v is None:
+            return None
+        return self._k, self._v
+
+    def appended_in_place(self, T: int = 1) -> None:
+        """Records ``T`` tokens that a kernel wrote into `contiguous_buffers` at ``len(self)``."""
+        self._len += T
+        self.seen += T
 
     def _check_against_cache(self, k: Tensor, v: Tensor, pos: Tensor | None) -> None:
         if self._k is None or self._v is None:
@@ -396,7 +414,7 @@ class SinkCache(SlidingWindowCache):
         elif T > 1:
             window = self.window
 
-            def sink_or_window(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            def sink_or_window(_b: Tensor, _h: Tensor, i: Tensor, j: Tensor) -> Tensor:
                 return (j <= i) & ((j < n_sink) | (i - j < window))
 
             mask = from_fn(sink_or_window)

@@ -9,14 +9,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .._shapes import check_bool, check_int, check_number
 from ..functional.linear import (
     DEFAULT_CHUNK_SIZE,
     FeatureMap,
     LinearAttentionState,
-    check_bool,
-    check_eps,
     check_feature_map,
-    check_positive_int,
     linear_attention,
 )
 from ..functional.performer import favor_attention, favor_projection
@@ -53,8 +51,8 @@ class LinearAttention(nn.Module):
         super().__init__()
         check_feature_map(feature_map)
         self.feature_map = feature_map
-        self.eps = check_eps(eps)
-        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.eps = check_number("eps", eps, at_least=0)
+        self.chunk_size = check_int("chunk_size", chunk_size, minimum=1)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | None = None) -> Tensor:
         """q ``(B, H, L, D)``, k ``(B, H_kv, S, D)``, v ``(B, H_kv, S, Dv)`` → ``(B, H, L, Dv)``.
@@ -113,12 +111,12 @@ class PerformerAttention(nn.Module):
         chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> None:
         super().__init__()
-        self.head_dim = check_positive_int("head_dim", head_dim)
-        self.num_features = check_positive_int("num_features", num_features)
+        self.head_dim = check_int("head_dim", head_dim, minimum=1)
+        self.num_features = check_int("num_features", num_features, minimum=1)
         self.orthogonal = check_bool("orthogonal", orthogonal)
-        self.chunk_size = check_positive_int("chunk_size", chunk_size)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        self.chunk_size = check_int("chunk_size", chunk_size, minimum=1)
+        if seed is not None:
+            check_int("seed", seed)
         self._generator = None if seed is None else torch.Generator().manual_seed(seed)
         self.register_buffer(
             "projection",

@@ -45,7 +45,7 @@ def _rotate_new_keys(rope: nn.Module, k: Tensor, positions: Tensor | int) -> Ten
         and nan_rule.ext_ready(k)
     ):
         dtype = stat_dtype(k.dtype)
-        cos, sin = rope._table(positions + k.shape[2], k.device, dtype)
+        cos, sin = rope.table(positions + k.shape[2], k.device, dtype)
         return torch.ops.attnlab_nan.rope_rows(
             k, cos, sin, positions, rope.rotary_dim, rope.interleaved
         )
@@ -180,16 +180,16 @@ class MultiHeadAttention(nn.Module):
         return self._heads(q, H), self._heads(k, H_kv), self._heads(v, H_kv)
 
     def _check(self, query: Tensor, key: Tensor | None, value: Tensor | None) -> None:
-        def bad(name: str, t: object, dim: int) -> bool:
+        def bad(t: object, dim: int) -> bool:
             return not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != dim
 
-        if bad("query", query, self.embed_dim):
+        if bad(query, self.embed_dim):
             got = tuple(query.shape) if isinstance(query, Tensor) else type(query).__name__
             raise ValueError(f"query must be (B, L, embed_dim={self.embed_dim}), got {got}")
-        if key is not None and bad("key", key, self.kdim):
+        if key is not None and bad(key, self.kdim):
             got = tuple(key.shape) if isinstance(key, Tensor) else type(key).__name__
             raise ValueError(f"key must be (B, S, kdim={self.kdim}), got {got}")
-        if value is not None and bad("value", value, self.vdim):
+        if value is not None and bad(value, self.vdim):
             got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
             raise ValueError(f"value must be (B, S, vdim={self.vdim}), got {got}")
         if key is None and value is not None:
@@ -340,7 +340,7 @@ class MultiHeadAttention(nn.Module):
             if k_start is not None:
                 n = max(n, k_start + k.shape[2])
             dtype = stat_dtype(q.dtype)
-            cos, sin = rope._table(n, q.device, dtype)  # rows 0…n−1 (at least), memoised
+            cos, sin = rope.table(n, q.device, dtype)  # rows 0…n−1 (at least), memoised
             return rope_decode_run(
                 q, k, v, cos, sin, q_pos, k_start, rope.rotary_dim, rope.interleaved
             )

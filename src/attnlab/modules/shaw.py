@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from .._shapes import check_bool
 from ..functional.request import BiasFn
 from ..masks import Mask
 from ..positional.shaw import ShawRelativePositions
@@ -51,8 +52,7 @@ class ShawRelativeAttention(MultiHeadAttention):
         bias: bool = True,
         bias_fn: BiasFn | None = None,
     ) -> None:
-        if not isinstance(per_head_tables, bool):
-            raise TypeError(f"per_head_tables must be a bool, got {type(per_head_tables).__name__}")
+        check_bool("per_head_tables", per_head_tables)
         super().__init__(
             embed_dim, num_heads, num_kv_heads=num_kv_heads, bias=bias, bias_fn=bias_fn
         )

@@ -332,9 +332,6 @@ class MultiheadAttention(nn.Module):
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         elif self.batch_first:
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))  # (L|S, N, ·)
-        L, N, E = query.shape
-        S = key.shape[0]
-        H, D = self.num_heads, self.head_dim
         if is_causal and attn_mask is None and not fast:  # torch's fused path ignores is_causal
             raise RuntimeError("Need attn_mask if specifying the is_causal hint.")
         # torch's contract: with this hint, the top-left causal mask over the final keys replaces
@@ -342,6 +339,35 @@ class MultiheadAttention(nn.Module):
         # fused inference path, which always uses attn_mask. The replaced mask is not read, so
         # (as in torch) its shape is not checked.
         causal_hint = is_causal and not fast and key_padding_mask is None and not need_weights
+        self._check_sizes(
+            query, key, value, key_padding_mask, None if causal_hint else attn_mask, asserted
+        )
+        q, k, v = self._project(query, key, value)  # (L, N, E), (S, N, E), (S, N, E)
+        q, k, v, mask = self._heads_and_mask(
+            q, k, v, None if causal_hint else attn_mask, key_padding_mask, causal_hint, query.dtype
+        )
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:  # auto picks a backend that returns weights
+            out, weights = attention(q, k, v, mask=mask, dropout_p=dropout_p, return_weights=True)
+        else:
+            out = attention(q, k, v, mask=mask, dropout_p=dropout_p, backend=self.backend)
+            weights = None
+        return self._output(out, weights, batched, average_attn_weights)
+
+    def _check_sizes(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        asserted: type[Exception],
+    ) -> None:
+        """torch's size checks on ``(L|S, N, ·)`` inputs, in torch's order and exception types
+        (``attn_mask`` None when the causal hint replaces it: then its shape is not read)."""
+        L, N, E = query.shape
+        S = key.shape[0]
+        H = self.num_heads
         if self.embed_dim != E:
             raise asserted(
                 f"was expecting embedding dimension of {self.embed_dim}, but got {E}: query "
@@ -365,7 +391,7 @@ class MultiheadAttention(nn.Module):
                 f"key {tuple(key.shape)} and value {tuple(value.shape)} must share (S, N) with "
                 f"N={N} from query {tuple(query.shape)} (as (L|S, N, E))"
             )
-        if attn_mask is not None and not causal_hint:
+        if attn_mask is not None:
             want = ((L, S), (N * H, L, S))
             got = tuple(attn_mask.shape)
             if got != want[attn_mask.dim() - 2]:
@@ -381,10 +407,22 @@ class MultiheadAttention(nn.Module):
                 f"{key_padding_mask.shape[i]}: key_padding_mask must have shape (N, S) = "
                 f"{(N, S)}, got {tuple(key_padding_mask.shape)}"
             )
-        dtype = query.dtype
-        if causal_hint:
-            attn_mask = None
-        q, k, v = self._project(query, key, value)  # (L, N, E), (S, N, E), (S, N, E)
+
+    def _heads_and_mask(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        attn_mask: Tensor | None,
+        key_padding_mask: Tensor | None,
+        causal_hint: bool,
+        dtype: torch.dtype,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """The projected ``(L|S, N, E)`` inputs as heads ``(N, H, L|S', D)`` and torch's masks
+        as one additive ``(N|1, H|1, L, S')`` mask (bias_k/v and the zero key appended)."""
+        L, N, E = q.shape
+        S = k.shape[0]
+        H, D = self.num_heads, self.head_dim
         add = None if attn_mask is None else _additive(attn_mask, "attn_mask", dtype)
         add = None if add is None else add.view(-1, add.shape[-2], S)  # (1|N·H, L, S)
         kpm = (
@@ -417,13 +455,14 @@ class MultiheadAttention(nn.Module):
         if kpm is not None:
             kpm = kpm.view(N, 1, 1, -1)  # (N, 1, 1, S')
             mask = kpm if mask is None else mask + kpm
-        dropout_p = self.dropout if self.training else 0.0
-        if need_weights:  # auto picks a backend that returns weights
-            out, weights = attention(q, k, v, mask=mask, dropout_p=dropout_p, return_weights=True)
-        else:
-            out = attention(q, k, v, mask=mask, dropout_p=dropout_p, backend=self.backend)
-            weights = None
-        out = out.permute(2, 0, 1, 3).reshape(L, N, E)  # (L, N, E)
+        return q, k, v, mask
+
+    def _output(
+        self, out: Tensor, weights: Tensor | None, batched: bool, average_attn_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """``out (N, H, L, D)`` projected to torch's layout; the weights averaged if asked."""
+        N, _, L, _ = out.shape
+        out = out.permute(2, 0, 1, 3).reshape(L, N, -1)  # (L, N, E)
         out = self.out_proj(out)
         if self.batch_first and batched:
             out = out.transpose(0, 1)  # (N, L, E)

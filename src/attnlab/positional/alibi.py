@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .._shapes import check_int
+from .._shapes import check_bool, check_int
 from ._checks import check_head_index
 from ._grid import dense_bias
 
@@ -77,8 +77,7 @@ class ALiBi(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads = check_int("num_heads", num_heads, minimum=1)
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        check_bool("causal", causal)
         if not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating dtype, got {dtype}")
         self.causal = causal

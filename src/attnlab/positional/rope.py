@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from .._shapes import check_int, check_number, stat_dtype
+from .._shapes import check_bool, check_int, check_number, stat_dtype
 from ._checks import check_positions
 from .rope_scaling import compute_rope_parameters, depends_on_seq_len, rope_type_of
 
@@ -33,7 +33,7 @@ def rope_tables(
 
     An operator so that a compiled graph computes the table once per call: written as tensor
     ops, Inductor fuses the float64 ``cos``/``sin`` into the rotation's loop and evaluates them
-    for every batch item and head (70 ms of a 580 ms GPT training step, d_model 256,
+    for every batch item and head (measured: benchmarks/RESULTS.md,
     `benchmarks/bench_compile.py`).
     """
     angle = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(positions.device)  # (..., R/2)
@@ -92,8 +92,7 @@ class RoPE(nn.Module):
         super().__init__()
         self.head_dim = check_int("head_dim", head_dim, minimum=1)
         self.base = check_number("base", base, greater=1.0)
-        if not isinstance(interleaved, bool):
-            raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+        check_bool("interleaved", interleaved)
         self.interleaved = interleaved
         self.rope_type = rope_type_of(scaling)
         fields = dict(scaling) if scaling is not None else None
@@ -228,7 +227,7 @@ class RoPE(nn.Module):
             and offset >= 0
         ):
             # Eager: rows of the memoised table (the same float64 computation, done once).
-            cos, sin = self._table(offset + L, x.device, table_dtype)
+            cos, sin = self.table(offset + L, x.device, table_dtype)
             cos, sin = cos[offset : offset + L], sin[offset : offset + L]  # (L, R/2)
         else:
             positions = self._positions(x, positions, L)
@@ -250,7 +249,7 @@ class RoPE(nn.Module):
             return rotated
         return torch.cat((rotated, x[..., R:]), dim=-1)  # (..., L, D), the tail copied bit-exactly
 
-    def _table(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def table(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``cos_sin(arange(N))`` for some ``N >= n``, computed once per (device, dtype) and grown
         by doubling; only for types whose frequencies do not depend on the sequence length."""
         tables = self.__dict__.setdefault("_tables", {})

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .._shapes import check_int, check_number
+from .._shapes import check_bool, check_int, check_number
 
 RopeScalingFn = Callable[..., tuple[Tensor, float]]
 
@@ -151,8 +151,7 @@ def yarn(
             f"{where}: beta_fast must be >= beta_slow, got beta_fast={beta_fast:g}, "
             f"beta_slow={beta_slow:g}"
         )
-    if not isinstance(truncate, bool):
-        raise ValueError(f"{where}: truncate must be a bool, got {truncate!r}")
+    check_bool(f"{where}: truncate", truncate)
     if attention_factor is not None:
         attention_factor = check_number(f"{where}: attention_factor", attention_factor, greater=0.0)
     elif mscale is not None or mscale_all_dim is not None:

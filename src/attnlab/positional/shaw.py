@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._shapes import check_int, stat_dtype
+from .._shapes import check_bool, check_int, stat_dtype
 from ..functional import nan_rule
 from ..functional.reference import shaw_relative_index
 from ..functional.request import BiasFn, request_dense, request_interval
@@ -114,8 +114,7 @@ def shaw_attention(
         got = tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__
         raise ValueError(f"q must be 4-D (B, H, L, D), got {got}")
     req = plain_request(q, k, v, mask=mask, bias=bias, scale=scale, temperature=1.0, score="dot")
-    if not isinstance(return_weights, bool):
-        raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
+    check_bool("return_weights", return_weights)
     K = _check_tables(rel_k, rel_v, req.q, req.v)
     keep, additive = (None if t is None else _as4(t) for t in request_dense(req))
     if additive is not None:

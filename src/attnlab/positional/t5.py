@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .._shapes import check_int
+from .._shapes import check_bool, check_int
 from ._checks import check_head_index
 from ._grid import dense_bias
 
@@ -15,8 +15,7 @@ from ._grid import dense_bias
 def _check_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> None:
     check_int("num_buckets", num_buckets, minimum=1)
     check_int("max_distance", max_distance, minimum=1)
-    if not isinstance(bidirectional, bool):
-        raise TypeError(f"bidirectional must be a bool, got {type(bidirectional).__name__}")
+    check_bool("bidirectional", bidirectional)
     per_direction = num_buckets // 2 if bidirectional else num_buckets
     max_exact = per_direction // 2
     if max_exact and max_distance <= max_exact:

@@ -69,7 +69,6 @@ from .engines import (
     Residuals,
     TileSource,
     TorchEngine,
-    acc_dtype,
     kernel_backward,
     kernel_forward,
 )
@@ -110,7 +109,6 @@ __all__ = [
     "Residuals",
     "TileSource",
     "TorchEngine",
-    "acc_dtype",
     "explain_plan",
     "flash_attention",
     "flash_job",

@@ -6,24 +6,18 @@ window, so its softmax needs one pass; attnlab's operator packs each head's keys
 overlapping windows and runs both products on oneDNN's brgemm micro-kernel (float32 accumulation),
 where torch's fused kernel repacks every window and keeps a running rescale. One call covers the
 whole band, edge blocks included (their windows are clipped to the keys inside the kernel).
-Measured with ``attnlab bench --case window`` (window 256, L = 16384, H = 8, D = 64, 2 threads):
-on an AMD EPYC without AMX float32 0.101 → 0.068 s (70 % of the fp32 matmul rate, 2.2× compiled
-FlexAttention), bfloat16 0.099 → 0.039 s (57 % of the bf16 rate, 5.3× Flex); on an Intel Xeon
-with AMX float32 0.053 s (50 % of its fp32 rate, 3.3–3.4× Flex), bfloat16 0.019–0.022 s (1.8–2.0×
-Flex; torch's kernel on the same tiles 0.057 s); benchmarks/RESULTS.md.
+Measured (``attnlab bench --case window``): benchmarks/RESULTS.md.
 
 What made it fast on AMX (all in the C++ file, each measured there): 64-byte aligned scratch
-(tile rows straddling cache lines ran the products 2.4× slower), bfloat16 rows in whole 32-key
+(tile rows straddling cache lines slow the products), bfloat16 rows in whole 32-key
 steps (a K remainder takes a slower micro-kernel), each product run on a group of blocks before
 the other (one tile configuration per group), and the softmax in explicit AVX-512 (2^t as
 2ⁿ·poly, one-instruction bfloat16 rounding) with 32-row blocks in bfloat16 (`BLOCKS`).
 
 Segments (`tiling.SegmentCall`: rows attend only their own segment, causally or fully) are
 one-pass too: each query block holds every key of its rows (causal: only the keys up to them),
-the keys of a head are packed once for all segments. Measured on 8 × 2048 causal documents at
-L = 16384 (H = 8, D = 64, same machine, best of 7): float32 0.271 → 0.208 s, bfloat16 0.284 →
-0.126 s against torch's batched ``is_causal`` call; one causal call over all 16384 positions
-1.80 → 1.52 s (float32), 1.85 → 0.97 s (bfloat16). Segments longer than `SEGMENT_MAX`
+the keys of a head are packed once for all segments (measured against torch's batched
+``is_causal`` call: benchmarks/RESULTS.md). Segments longer than `SEGMENT_MAX`
 positions stay on torch's kernel (the kernel holds a block's scores for a whole segment:
 ``SEGMENT_BLOCK × n`` floats per thread).
 
@@ -34,11 +28,10 @@ tolerance rule; both give out = 0, lse = −inf on a row with no key):
   `torch.compile` traces. bfloat16 multiplies in VNNI pairs (an even head dim and block) where
   the CPU's micro-kernel has them (AVX512-BF16 or AMX, `pairs`); float16, and bfloat16 on other
   CPUs, are widened to float32 as they are packed (exact: the float32 products run at the
-  float16 matmul rate on CPUs with AVX512-FP16 but no AMX-FP16; on an AVX2-only AMD EPYC,
-  with the softmax, exp and transposes in 8-lane AVX2, window 256 at L = 16384 runs 1.5–3.2×
-  faster than torch's kernel forward and 2.0–2.5× fwd+bwd in fp32, bf16 and fp16
-  (``benchmarks/bench_engines.py``, RESULTS.md; ``ATTNLAB_FLASH_BAND_ENGINE=aten`` picks
-  torch's); outputs are rounded once;
+  float16 matmul rate on CPUs with AVX512-FP16 but no AMX-FP16; on AVX2-only CPUs the
+  softmax, exp and transposes run in 8-lane AVX2; measured against torch's kernel:
+  benchmarks/RESULTS.md, ``benchmarks/bench_engines.py``; ``ATTNLAB_FLASH_BAND_ENGINE=aten``
+  picks torch's); outputs are rounded once;
 - the extension is built (`attnlab._ext.load`: ``attnlab build``, or the first call that needs
   it builds it, once per machine) and the CPU runs oneDNN's float32 micro-kernel
   (``supported``, asked once);
@@ -54,13 +47,11 @@ of its rows (as softmax's own backward: dS sums to zero with the P and dP it mul
 ``δ = rowsum(dO ⊙ O)`` summed in double, adds ``dS·k`` into dq and keeps ``qᵀ·dS``
 and ``dOᵀ·P`` for the window's keys in per-thread accumulators that add each key's gradient
 into dk/dv once (five brgemm products per block; the keys and values packed as they advance,
-as in the forward). It runs the forward plan's blocks. Measured: window 256, L = 16384, fp32 on
-a Xeon with AMX, fwd+bwd 0.40 → 0.20 s (the backward call itself 0.09 s against 0.04 s for the
-forward's). Segments (and one whole causal or full call with L = S) have their backward on it
-too (`segments_backward_into`: one work item per segment and key head, owning its keys'
-gradients) in float32, and in 16-bit dtypes whose products the CPU does not run natively
-(`segments_backward_usable`: widened as packed; 8 × 2048 causal documents in bfloat16 on an
-AVX2-only EPYC, fwd+bwd 7.6 → 1.2 s); bfloat16 pairs keep torch's kernel in bfloat16.
+as in the forward). It runs the forward plan's blocks (measured: benchmarks/RESULTS.md).
+Segments (and one whole causal or full call with L = S) have their backward on it too
+(`segments_backward_into`: one work item per segment and key head, owning its keys' gradients)
+in float32, and in 16-bit dtypes whose products the CPU does not run natively
+(`segments_backward_usable`: widened as packed); bfloat16 pairs keep torch's kernel in bfloat16.
 """
 
 from __future__ import annotations
@@ -304,8 +295,8 @@ def segments_backward_usable(
     inputs (widened as they are packed) whose products this CPU's micro-kernel does not run
     natively (not `pairs`: float16 always, bfloat16 without AVX512-BF16/AMX or with
     ``ATTNLAB_FLASH_BAND_ENGINE=widen``). There torch's kernel would multiply them at its 16-bit
-    GEMM rate (about 1 GF/s on an AVX2-only EPYC: 8 packed documents of 2048 in bfloat16,
-    fwd+bwd 7.6–8.0 s against 1.2 s in float32); where they are native it runs them itself."""
+    GEMM rate, far below its float32 rate on CPUs without native 16-bit products (measured:
+    benchmarks/RESULTS.md); where they are native it runs them itself."""
     if pairs(res_q.dtype) or n > SEGMENT_MAX:
         return False
     return backward_usable(res_q, k, v, out, dout, out_like_q=True)

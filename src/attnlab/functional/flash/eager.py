@@ -114,10 +114,9 @@ def _run_band_checked(req: Request, options: FlashOptions) -> tuple[Tensor, Tens
     """The forward of a plan made only of batched band calls on attnlab's C++ kernel (sliding
     windows), without autograd, bias or tensor mask: the kernel tests the q, k and v entries it
     reads for NaN/±inf while packing them (`band_kernel.checking_inputs`) instead of the three
-    scans of `nan_rule.clean_flagged` before the call (window 256, L = 16384, bf16 on a Xeon
-    with AMX: 2.4–4.1 ms of a 17–20 ms call). Finite inputs give exactly the scanning path's
-    result (the same job on the same tensors); None — run the scanning path — for any other
-    plan, or when the kernel found a non-finite entry.
+    scans of `nan_rule.clean_flagged` before the call (measured: benchmarks/RESULTS.md). Finite
+    inputs give exactly the scanning path's result (the same job on the same tensors); None —
+    run the scanning path — for any other plan, or when the kernel found a non-finite entry.
     """
     if not kernel_checks_inputs(req) or any(needs_grad(x) for x in (req.q, req.k, req.v)):
         return None

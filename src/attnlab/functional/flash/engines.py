@@ -31,6 +31,7 @@ from torch import Tensor
 
 from ... import _ext, _settings
 from ..._index import align
+from ..._shapes import stat_dtype
 from ...masks import Mask
 from ..request import BiasFn, check_bias_output
 from .tiling import CALL_CAUSAL, CALL_MASKED, BandCall, Call
@@ -42,11 +43,6 @@ _KERNEL_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backwar
 
 DsSink = Callable[[int, int, int, int, Tensor], None]
 """``sink(r0, r1, c0, c1, dS)``: receives the logit gradient ``(nb, H, r, c)`` of one tile."""
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype statistics and accumulators use: float64 for float64, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass(frozen=True)
@@ -257,7 +253,7 @@ class TorchEngine:
         logits (ALiBi at long range) ``lse`` itself carries an error of ulp(|lse|), which
         backward's ``exp(s − lse − lse_lo)`` removes.
         """
-        acc = acc_dtype(q.dtype)
+        acc = stat_dtype(q.dtype)
         H, R = q.shape[1], q.shape[2]
         H_kv, K = k.shape[1], k.shape[2]
         outs, lses, los = [], [], []
@@ -318,7 +314,7 @@ class TorchEngine:
                 like softmax's own backward, so e.g. a row with a single key gets dS = 0 exactly.
         """
         q, k, v = res.q, res.k, res.v
-        acc = acc_dtype(q.dtype)
+        acc = stat_dtype(q.dtype)
         H, R = q.shape[1], q.shape[2]
         H_kv, K = k.shape[1], k.shape[2]
         G = H // H_kv
@@ -543,7 +539,6 @@ __all__ = [
     "Residuals",
     "TileSource",
     "TorchEngine",
-    "acc_dtype",
     "as4",
     "fix_dead_rows",
     "gather4",

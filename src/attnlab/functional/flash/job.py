@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..._shapes import stat_dtype
 from ..merge import merge_into, merge_partials
 from . import band_kernel
 from .band import band_backward, band_forward, segment_backward, segment_forward
@@ -23,7 +24,6 @@ from .engines import (
     Residuals,
     TileSource,
     TorchEngine,
-    acc_dtype,
     as4,
     fix_dead_rows,
     kernel_backward,
@@ -64,7 +64,7 @@ def merge_compensated(
     top = torch.logsumexp(exact, dim=0)  # (..., L); −inf where every part is empty
     weights = torch.exp(exact - torch.where(torch.isneginf(top), 0.0, top))  # (n, ..., L)
     o0, l0 = parts[0][0], parts[0][1]
-    acc = acc_dtype(o0.dtype)
+    acc = stat_dtype(o0.dtype)
     out = sum(
         (w.to(acc).unsqueeze(-1) * o.to(acc) for w, (o, _, _) in zip(weights, parts, strict=True)),
         torch.zeros((), dtype=acc, device=o0.device),
@@ -247,7 +247,7 @@ class FlashJob:
         # rows in no group attend nothing: zeros; skip the memset when every row is covered
         alloc = torch.empty if plan.covers_all(B, L) and not plan.overlap else torch.zeros
         out = alloc(B, H, L, Dv, dtype=out_dtype, device=q.device)
-        lse = torch.full((B, H, L), _NEG_INF, dtype=acc_dtype(q.dtype), device=q.device)
+        lse = torch.full((B, H, L), _NEG_INF, dtype=stat_dtype(q.dtype), device=q.device)
         # the torch engine returns lse's rounding error with each call; merges keep it too
         self.lse_lo = torch.zeros_like(lse) if self.engine == "torch" else None  # (B, H, L)
         for g in plan.groups:
@@ -390,7 +390,7 @@ class FlashJob:
         """
         q, k, v = res.q, res.k, res.v
         plan = self.plan if self.bwd_plan is None else self.bwd_plan
-        acc = acc_dtype(q.dtype)
+        acc = stat_dtype(q.dtype)
         lse_b = torch.where(torch.isneginf(res.lse), _POS_INF, res.lse)  # no key: P = 0
         res = Residuals(res.dout, q, k, v, res.out, lse_b)
         # the kernel never exposes dS: bias gradients and lse gradients take the torch engine

@@ -21,13 +21,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..._shapes import Dims
+from ..._shapes import Dims, stat_dtype
 from ...masks import Mask, from_spec
 from .. import nan_rule
 from ..request import BiasFn, Request, check_bias_output, logit_qk
 from . import band_kernel
 from .eager import flash_run_marked
-from .engines import Residuals, acc_dtype
+from .engines import Residuals
 from .plan import flash_job, prepare_inputs
 
 
@@ -137,7 +137,7 @@ def _(q, k, v, mask_tensors, float_mask, bias, mask_spec, scale, softcap, rel_bi
     B, H, L, _ = q.shape
     return (
         q.new_empty(B, H, L, v.shape[-1]),
-        q.new_empty(B, H, L, dtype=acc_dtype(q.dtype)),
+        q.new_empty(B, H, L, dtype=stat_dtype(q.dtype)),
         q.new_empty((), dtype=torch.bool),
     )
 

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ... import _settings
 from ..._digest import tensor_digest
+from ..._shapes import check_int, stat_dtype
 from ...masks import Mask
 from ..request import Request, is_relative_bias, logit_qk
 from . import band_kernel
@@ -25,7 +26,6 @@ from .engines import (
     LOW_PRECISION_SETTINGS,
     TileSource,
     TorchEngine,
-    acc_dtype,
     low_precision,
 )
 from .job import FlashJob
@@ -215,12 +215,6 @@ def natural_tile(mask: Mask | None) -> int | None:
     return block if block is not None and lo <= block <= hi else None
 
 
-def _check_block(name: str, val: object) -> int:
-    if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-        raise ValueError(f"{name} must be a positive int, got {val!r}")
-    return val
-
-
 def flash_job(
     req: Request, *, options: FlashOptions | None = None, **knobs: int | str | None
 ) -> FlashJob:
@@ -293,7 +287,7 @@ def _tile_source(req: Request, relative: bool) -> TileSource:
         H=d.H,
         L=d.L,
         S=d.S,
-        dtype=acc_dtype(req.q.dtype),
+        dtype=stat_dtype(req.q.dtype),
         device=req.q.device,
         relative=relative,
     )
@@ -329,9 +323,9 @@ def _tile_sizes(req: Request, opts: FlashOptions) -> tuple[int, int, int, int, s
     bb = (BLOCK_64 if wide else BAND_BLOCK) if band_block is None else band_block
     bb_fwd = band_block_fwd(req.q, opts.band_block_fwd) if band_block is None and not wide else bb
     bq, bk, bb = (
-        _check_block("block_q", bq),
-        _check_block("block_k", bk),
-        _check_block("band_block", bb),
+        check_int("block_q", bq, minimum=1),
+        check_int("block_k", bk, minimum=1),
+        check_int("band_block", bb, minimum=1),
     )
     engine = _engine(req, opts.engine)
     if engine == "torch" and band_block is None:
