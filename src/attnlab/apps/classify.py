@@ -264,7 +264,7 @@ def train_classifier(
     rng = random.Random(seed)
     queue: list[list[int]] = []
 
-    def loss_at(step: int) -> Tensor:
+    def loss_at(_step: int) -> Tensor:
         if not queue:
             queue.extend(length_batches(lengths, batch_size, rng))
         idx = queue.pop()

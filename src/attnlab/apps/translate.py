@@ -237,7 +237,7 @@ class _Batches:
         return collate(self.queue.pop(), self.multiple)
 
 
-def _arch_meta(arch: str, config: dict[str, Any], task: NumberTask) -> dict[str, str]:
+def _arch_meta(arch: str, task: NumberTask) -> dict[str, str]:
     return {
         "arch": arch,
         "vocab": json.dumps(list(task.vocab.tokens), ensure_ascii=False),
@@ -293,7 +293,7 @@ def train_translate(
     batches = _Batches(pool, s.batch_tokens, s.fit.seed, s.pad_multiple)
     ls = s.label_smoothing
 
-    def loss_at(step: int) -> Tensor:
+    def loss_at(_step: int) -> Tensor:
         return seq2seq_loss(model, batches.next(), ls)
 
     history = fit(model, loss_at, s.fit, desc=f"translate/{s.arch}", progress=progress, log=log)
@@ -335,7 +335,7 @@ def train_translate(
             model,
             kind=KIND,
             config=config,
-            extra=_arch_meta(s.arch, config, task),
+            extra=_arch_meta(s.arch, task),
         )
         from ..viz.alignment import plot_alignments, plot_loss
 

@@ -223,7 +223,7 @@ def train_vit(
     x_tr, y_tr = split.x_train.to(device), split.y_train.to(device)
     n = len(y_tr)
 
-    def loss_at(step: int) -> Tensor:
+    def loss_at(_step: int) -> Tensor:
         idx = torch.randint(0, n, (settings.batch_size,), generator=gen).to(device)
         x = shift_images(x_tr[idx], settings.shift, gen)  # (B, 1, 8, 8)
         return F.cross_entropy(model(x), y_tr[idx], label_smoothing=settings.label_smoothing)

@@ -129,7 +129,7 @@ def _no_init() -> Iterator[None]:
     names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
     saved = {n: getattr(nn.init, n) for n in names}
     for n in names:
-        setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        setattr(nn.init, n, lambda tensor, *_args, **_kwargs: tensor)
     try:
         yield
     finally:

@@ -233,7 +233,7 @@ def hf_mask(
     mask_function: Callable | None = None,
     attention_mask: Tensor | HFMask | None = None,
     device: torch.device | str | None = "cpu",
-    **kwargs: object,
+    **_kwargs: object,
 ) -> HFMask | None:
     """transformers' mask interface for ``attn_implementation="attnlab"``: an attnlab `Mask`.
 
@@ -253,7 +253,7 @@ def hf_mask(
             (True/1 = a real token), None, or an `HFMask` this function built ahead of the forward
             (static-cache generation), returned as it is.
         device: where HF builds its masks (the padding mask's device is used when given).
-        **kwargs: the other keywords HF passes (``local_size``, ``dtype``, ``config``,
+        **_kwargs: the other keywords HF passes (``local_size``, ``dtype``, ``config``,
             ``allow_is_causal_skip``, ``use_vmap``...); they do not change the mask.
 
     Returns:
