@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .._files import loads
+from .._shapes import check_int
 from ..checkpoint import build_checked, load_checkpoint, save_json
 from ..distributed.ddp import Parallel
 from ..models import GPT
@@ -165,8 +166,7 @@ def _set_threads(
 ) -> None:
     """Sets the run's torch thread count: ``threads``, else the checkpoint's ``stored`` one."""
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        check_int("threads", threads, minimum=1)
         torch.set_num_threads(threads)
         if stored is not None and stored != threads:
             log(
