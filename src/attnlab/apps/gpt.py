@@ -275,10 +275,8 @@ def _train(
         log(f"resumed from {resume} at step {step} (torch threads: {torch.get_num_threads()})")
     net = par.wrap(model)  # DistributedDataParallel on several ranks
 
-    if stop_at is not None and not (
-        isinstance(stop_at, int) and not isinstance(stop_at, bool) and step < stop_at <= s.steps
-    ):
-        raise ValueError(f"stop_at must be an int in ({step}, {s.steps}], got {stop_at!r}")
+    if stop_at is not None:
+        check_int("stop_at", stop_at, minimum=step + 1, maximum=s.steps)
     n_params = sum(p.numel() for p in model.parameters())
     log(
         f"GPT: {n_params / 1e6:.2f}M parameters, {len(vocab)} characters, "

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .._shapes import check_int, check_number
+from .._shapes import check_int, check_number, stat_dtype
 from ..distributed.ddp import Parallel
 from ..models import GPT, TransformerConfig
 from .loop import cosine_lr
@@ -233,7 +233,7 @@ def check_precision(precision: str, device: torch.device) -> None:
 
 def wide_logits(logits: Tensor) -> Tensor:
     """Logits for the loss in float32 or wider (bf16/fp16 autocast logits are upcast)."""
-    return logits if logits.dtype == torch.float64 else logits.float()
+    return logits.to(stat_dtype(logits.dtype))
 
 
 @torch.no_grad()
