@@ -48,8 +48,8 @@ KIND = "translate"
 
 #: The longest text `translate` accepts, in characters. Decoding a text of n characters takes up
 #: to 2n + 20 steps that each attend to the whole source, so the time grows with n²: the longest
-#: number word below 10**15 has 197 characters (below 10**9, the default task: 114) and takes
-#: about a second, while 7,000 characters ran over 300 s. Longer input: one number per text.
+#: number word below 10**15 has 197 characters (below 10**9, the default task: 114); measured:
+#: benchmarks/RESULTS.md. Longer input: one number per text.
 MAX_SOURCE_CHARS = 256
 
 #: Architectures: name -> ``build(config_dict) -> model`` implementing the seq2seq interface.
@@ -103,7 +103,8 @@ class TranslateSettings:
         arch: a name in `ARCHITECTURES`. model: config overrides (e.g. ``{"d_model": 128}``).
         max_digits: numbers 0 … 10**max_digits − 1. held_out: held-out numbers per language.
         langs: target languages. pool: distinct training examples generated (num2words is
-            slow, ~0.4 ms a pair, so the run draws a pool once and shuffles it every epoch).
+            slow, so the run draws a pool once and shuffles it every epoch; measured:
+            benchmarks/RESULTS.md).
         batch_tokens: padded source + target tokens per batch (length-bucketed).
         label_smoothing: of the cross-entropy. fit: the optimisation settings.
         threads: torch threads (None = torch's default).

@@ -65,8 +65,8 @@ def matmul_size(
     """The largest power-of-two size up to ``n`` whose ``torch.mm`` should take at most
     ``budget`` seconds, from the best of three timed 512² products (at least 512; one timing
     hit by a preempted thread picked 2048² for float32 in a run). A dtype without native
-    matrix units (float16 on a CPU without AVX512-FP16: ~1 GFLOP/s) would otherwise spend
-    minutes on the 4096² rate."""
+    matrix units (float16 on a CPU without AVX512-FP16; measured: benchmarks/RESULTS.md) would
+    otherwise spend minutes on the 4096² rate."""
     m = min(n, 512)
     a = torch.randn(m, m, device=device).to(dtype)
     mm = _synced(lambda: torch.mm(a, a), device)
