@@ -17,7 +17,6 @@ from attnlab.functional.validate import build_request
 ROOT = Path(attnlab.__file__).resolve().parent
 
 
-
 _READ = re.compile(r"os\.environ(\.get\(|\[)")
 
 
