@@ -34,7 +34,7 @@ from common import cpu_flags, interleaved_medians, print_machine, timed
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 
 
-def _train_step(model, fwd, opt, idx, tgt) -> torch.Tensor:
+def _train_step(fwd, opt, idx, tgt) -> torch.Tensor:
     opt.zero_grad(set_to_none=True)
     logits = fwd(idx)
     loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten())
@@ -58,14 +58,14 @@ def train_case(args: argparse.Namespace) -> None:
     dynamo.reset()
     compiled = torch.compile(comp, fullgraph=True)
     t0 = time.perf_counter()
-    loss_c = _train_step(comp, compiled, opt_c, idx, tgt)
+    loss_c = _train_step(compiled, opt_c, idx, tgt)
     first = time.perf_counter() - t0
-    loss_e = _train_step(eager, eager, opt_e, idx, tgt)
+    loss_e = _train_step(eager, opt_e, idx, tgt)
     assert torch.allclose(loss_c, loss_e, rtol=1e-5, atol=1e-5), (loss_c, loss_e)
     med = interleaved_medians(
         {
-            "eager": lambda: _train_step(eager, eager, opt_e, idx, tgt),
-            "compiled": lambda: _train_step(comp, compiled, opt_c, idx, tgt),
+            "eager": lambda: _train_step(eager, opt_e, idx, tgt),
+            "compiled": lambda: _train_step(compiled, opt_c, idx, tgt),
         },
         args.repeats,
     )

@@ -62,7 +62,7 @@ def llama_like(
     )
 
 
-def llama_config(cfg: TransformerConfig):
+def llama_config(cfg: TransformerConfig, attn_implementation: str | None = None):
     """The ``transformers.LlamaConfig`` of the same model; ValueError if Llama cannot express it."""
     import transformers
 
@@ -98,6 +98,7 @@ def llama_config(cfg: TransformerConfig):
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
+        attn_implementation=attn_implementation,
     )
 
 
@@ -111,8 +112,7 @@ def to_llama(model: GPT, attn_implementation: str = "sdpa"):
     import transformers
 
     cfg = model.config
-    config = llama_config(cfg)
-    config._attn_implementation = attn_implementation
+    config = llama_config(cfg, attn_implementation)
     dtype = model.tok_emb.weight.dtype
     hf = transformers.LlamaForCausalLM(config).to(dtype).eval()
     H, H_kv, D = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.head_dim

@@ -73,12 +73,12 @@ def child(folder: str, impl: str, length: int, threads: int) -> dict:
     attnlab.hf.register()
     name = {"eager": "eager", "null": "null"}.get(impl, "attnlab")
     if impl == "null":
-
-        def null_attention(module, query, key, value, attention_mask, **kwargs):
+        # transformers' AttentionInterface signature (module, q, k, v, mask, **kwargs)
+        def null_attention(_module, query, _key, _value, _attention_mask, **_kwargs):
             return query.transpose(1, 2), None  # (B, L, H, D): no attention work at all
 
         transformers.AttentionInterface.register("null", null_attention)
-        transformers.masking_utils.AttentionMaskInterface.register("null", lambda *a, **k: None)
+        transformers.masking_utils.AttentionMaskInterface.register("null", lambda *_a, **_k: None)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, attn_implementation=name, local_files_only=True, use_safetensors=True
     ).model.eval()

@@ -369,7 +369,7 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--lengths", type=_ints, default=_ints("1024,2048,4096,8192,16384,32768,65536")
@@ -399,20 +399,21 @@ def main() -> None:
         help="--scaling: the call timed (causal unless _noncausal; FAVOR+: --features features)",
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.scaling:
-        if "--lengths" not in sys.argv:
-            args.lengths = _ints("8192,16384,32768,65536")
-        if "--heads" not in sys.argv:
-            args.heads = 8
-        if "--repeats" not in sys.argv:
-            args.repeats = 3
-        scaling(args)
-        return
-    _pin_malloc()
-    flash = "flash" in attnlab.backends()
+    return parser
+
+
+def _run_scaling(args: argparse.Namespace) -> None:
+    """--scaling: its own defaults for the lengths, heads and repeats not given."""
+    if "--lengths" not in sys.argv:
+        args.lengths = _ints("8192,16384,32768,65536")
+    if "--heads" not in sys.argv:
+        args.heads = 8
+    if "--repeats" not in sys.argv:
+        args.repeats = 3
+    scaling(args)
+
+
+def _print_header(args: argparse.Namespace) -> None:
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, {threads} threads, backends {attnlab.backends()}")
     print(f"fp32 matmul rate (torch.mm 4096²): {matmul_gflops():.1f} GFLOP/s")
@@ -423,7 +424,8 @@ def main() -> None:
         f"time = {args.stat} of {args.repeats} interleaved runs\n"
     )
 
-    times, mems = sweep(args.lengths, args, flash, memory=not args.no_memory)
+
+def _print_sweep(args: argparse.Namespace, times: dict, mems: dict) -> None:
     names = list(times)
     print(f"time (ms, {args.stat}) vs L; '-' = skipped (predicted over the exact budget)")
     print(f"{'L':>7} " + " ".join(f"{n:>17}" for n in names))
@@ -437,6 +439,8 @@ def main() -> None:
             cells = [f"{mems[n][L]:17.1f}" if L in mems.get(n, {}) else f"{'-':>17}" for n in names]
             print(f"{L:>7} " + " ".join(cells))
 
+
+def _print_crossovers(args: argparse.Namespace, times: dict, flash: bool) -> None:
     small, _ = sweep(args.crossover_lengths, args, flash, memory=False)
     merged = {n: {**small.get(n, {}), **times.get(n, {})} for n in times}
     print(
@@ -452,6 +456,8 @@ def main() -> None:
     ):
         print(f"  {fast:>18} vs {exact:<12}: {crossover(merged, fast, exact)}")
 
+
+def _print_errors(args: argparse.Namespace) -> dict:
     errors = {scale: favor_errors(args, scale) for scale in (0.5, 1.0)}
     print(
         f"\nFAVOR+ mean relative error vs exact softmax (L={args.error_length}, "
@@ -460,7 +466,10 @@ def main() -> None:
     print(f"{'M':>6} " + " ".join(f"{'q,k ~ N(0,' + str(s) + '²)':>22}" for s in errors))
     for M in args.feature_counts:
         print(f"{M:>6} " + " ".join(f"{e[M][0]:>13.4f} ± {e[M][1]:.4f}" for e in errors.values()))
+    return errors
 
+
+def _print_targets(times: dict, mems: dict, errors: dict) -> None:
     print("\ntargets (issue #6)")
     lc = times.get("linear causal", {})
     if 65536 in lc and 8192 in lc:
@@ -481,6 +490,23 @@ def main() -> None:
                 f"  FAVOR+ q,k ~ N(0,{scale}²): error 256 features {e[256][0]:.4f} vs 32 "
                 f"features {e[32][0]:.4f} ({verdict})"
             )
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.scaling:
+        _run_scaling(args)
+        return
+    _pin_malloc()
+    flash = "flash" in attnlab.backends()
+    _print_header(args)
+    times, mems = sweep(args.lengths, args, flash, memory=not args.no_memory)
+    _print_sweep(args, times, mems)
+    _print_crossovers(args, times, flash)
+    errors = _print_errors(args)
+    _print_targets(times, mems, errors)
     if args.plot:
         try:
             plot(args.plot, times, mems, errors, args)

@@ -127,7 +127,7 @@ def profile_path(call: Callable[[], object], package: str) -> dict[str, object]:
     def rel(filename: str) -> str:
         return filename[len(root) :]
 
-    def hook(frame: FrameType, event: str, arg: object) -> None:
+    def hook(frame: FrameType, event: str, _arg: object) -> None:  # sys.setprofile's signature
         nonlocal hops
         if event != "call":
             return
@@ -177,6 +177,7 @@ def measure(case: str, grad: bool, backend: str = "flash") -> dict[str, object]:
     import torch
 
     import attnlab
+    from attnlab._ext import mode as ext_mode
 
     (q, k, v), kwargs = make_call(case, grad)
 
@@ -190,7 +191,7 @@ def measure(case: str, grad: bool, backend: str = "flash") -> dict[str, object]:
     for _ in range(2):
         call()
     record = profile_path(call, _package_dir())
-    record.update(case=case, grad=grad, backend=backend, ext=attnlab._ext.mode())
+    record.update(case=case, grad=grad, backend=backend, ext=ext_mode())
     return record
 
 

@@ -109,7 +109,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory):
             net,
             kind=KIND,
             config=config,
-            extra=_arch_meta(arch, config, task),
+            extra=_arch_meta(arch, task),
         )
     return paths
 

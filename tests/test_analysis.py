@@ -308,7 +308,7 @@ def test_kernel_regression_experiment_has_a_best_bandwidth(tmp_path, capsys):
     best = loo.index(min(loo))
     assert 0 < best < len(loo) - 1 and min(loo) < 0.9 * loo[0]  # an interior optimum
     assert all(f < o for f, o in zip(fit, loo, strict=True))  # leaving a piece out costs
-    with pytest.raises(ValueError, match="bandwidths must be positive"):
+    with pytest.raises(ValueError, match=r"bandwidths must be > 0, got 0\.0"):
         kernel_regression_experiment(bandwidths=(1.0, 0.0))
     from attnlab import cli
 

@@ -249,7 +249,7 @@ def test_parse_bytes():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(seq_len=0), "seq_len must be an int >= 1, got 0"),
+        (dict(seq_len=0), "seq_len must be >= 1, got 0"),
         (dict(n_heads=5), "d_model=768 must be divisible by n_heads=5"),
         (dict(kv_heads=5), "n_heads=12 must be divisible by kv_heads=5"),
         (dict(dtype="int8"), "dtype must be one of"),

@@ -160,7 +160,7 @@ def test_minilm_classifier_finds_the_previous_token_head(model) -> None:
 def test_classify_heads_errors(model) -> None:
     with pytest.raises(TypeError, match="sentences must be a sequence of strings"):
         classify_heads("one string", model=model)
-    with pytest.raises(ValueError, match="rare_count must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="rare_count must be >= 1, got 0"):
         classify_heads(["a b"], model=model, rare_count=0)
     with pytest.raises(TypeError, match=r"model must be an attnlab\.models\.MiniLM, got Linear"):
         classify_heads(["a b"], model=torch.nn.Linear(2, 2))
@@ -250,10 +250,10 @@ def test_batched_ablation_equals_head_importance(model) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"fractions": (0.0, 1.5)}, ValueError, r"fractions must lie in \[0, 1\], got 1.5"),
+        ({"fractions": (0.0, 1.5)}, ValueError, r"fractions must be <= 1, got 1.5"),
         ({"fractions": ()}, TypeError, r"fractions must be a non-empty sequence"),
-        ({"eval_sentences": 0}, ValueError, r"eval_sentences must be an int >= 1, got 0"),
-        ({"seeds": True}, ValueError, r"seeds must be an int >= 1, got True"),
+        ({"eval_sentences": 0}, ValueError, r"eval_sentences must be >= 1, got 0"),
+        ({"seeds": True}, ValueError, r"seeds must be an int, got bool True"),
         ({"threshold": 0.0}, ValueError, r"threshold must lie in \(0, 1\], got 0.0"),
     ],
 )

@@ -86,7 +86,7 @@ def test_lr_schedule_warms_up_linearly_then_decays_by_cosine():
 
 
 def test_settings_validation():
-    with pytest.raises(ValueError, match=r"steps must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"steps must be >= 1, got 0"):
         TrainSettings(steps=0)
     with pytest.raises(ValueError, match=r"min_lr must be <= lr=0.001, got 0.01"):
         TrainSettings(lr=1e-3, min_lr=1e-2)

@@ -179,7 +179,7 @@ def test_sentence_b_start_is_embedded_and_checked():
     assert attention_data(tokens, w, sentence_b_start=4)["sentence_b_start"] == 4
     assert attention_data(tokens, w)["sentence_b_start"] is None
     for bad in (0, 7, -1, 2.0, True):
-        with pytest.raises(ValueError, match=r"sentence_b_start must be an int in \[1, 7\)"):
+        with pytest.raises(ValueError, match=r"sentence_b_start must be (in \[1, 6\]|an int), got"):
             attention_data(tokens, w, sentence_b_start=bad)
     with pytest.raises(ValueError, match="sentence_b_start applies to self-attention"):
         attention_data(tokens[:2], w[..., :2, :], key_tokens=tokens, sentence_b_start=1)
@@ -299,7 +299,7 @@ def test_hf_output_attentions_tuple_equals_the_stacked_tensor(bert_run):
         show(tokens, attentions, mask=attention_mask * 2)
     with pytest.raises(TypeError, match=r"mask must be booleans .* got dtype torch.float32"):
         show(tokens, attentions, mask=attention_mask.float())
-    with pytest.raises(ValueError, match=r"batch must be an int in \[0, 1\) for mask of shape"):
+    with pytest.raises(ValueError, match=r"batch for mask of shape .* must be in \[0, 0\], got 1"):
         show(tokens, attentions, batch=1, mask=attention_mask[:1])
     with pytest.raises(ValueError, match=r"mask must have shape \(7,\) or \(B, 7\).*\(2, 6\)"):
         show(tokens, attentions, mask=attention_mask[:, :6])
@@ -312,9 +312,9 @@ def test_bad_hf_tuples_raise_naming_the_index(bert_run):
     attentions, _ = bert_run
     tokens = [f"t{i}" for i in range(7)]
     a = list(attentions)
-    with pytest.raises(ValueError, match=r"batch must be an int in \[0, 2\).*got 2"):
+    with pytest.raises(ValueError, match=r"batch for .* must be in \[0, 1\], got 2"):
         show(tokens, attentions, batch=2)
-    with pytest.raises(ValueError, match=r"batch must be an int in \[0, 2\).*got -1"):
+    with pytest.raises(ValueError, match=r"batch for .* must be in \[0, 1\], got -1"):
         show(tokens, torch.stack(attentions), batch=-1)
     with pytest.raises(ValueError, match=r"batch picks an item.*got batch=1.*\(3, 4, 7, 7\)"):
         show(tokens, torch.stack(attentions)[:, 0], batch=1)

@@ -216,7 +216,7 @@ def test_bad_inputs_raise_naming_the_argument():
         attention_html("abc", w)
     with pytest.raises(ValueError, match=r"mask must have shape \(3,\)"):
         attention_html(list("abc"), w, mask=[True, False])
-    with pytest.raises(ValueError, match=r"head must be an int in \[0, 2\), got 2"):
+    with pytest.raises(ValueError, match=r"head must be in \[0, 1\], got 2"):
         attention_html(list("abc"), w, head=2)
 
 

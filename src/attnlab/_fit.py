@@ -188,7 +188,8 @@ def tensor_budget(limit: int | None) -> Iterator[None]:
     owner = threading.get_ident()
     count = 0
 
-    def hook(module: nn.Module, name: str, tensor: Tensor | None) -> None:
+    # torch's registration-hook signature: (module, name, tensor), called positionally
+    def hook(_module: nn.Module, _name: str, tensor: Tensor | None) -> None:
         nonlocal count
         if tensor is not None and threading.get_ident() == owner:
             count += 1

@@ -30,6 +30,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._shapes import check_int, check_number
 from ..utils import text_table
 from .costs import model_cost, parse_bytes
 
@@ -126,15 +127,10 @@ def advise(
         ValueError: for a non-positive ``gflops``, ``max_seconds`` or ``devices``.
     """
     cap = parse_bytes(budget)
-    for name, value in (("gflops", gflops), ("max_seconds", max_seconds)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{name} must be a positive number, got {value!r}")
-        if value == float("inf"):
-            raise ValueError(f"{name} must be finite, got {value!r}")
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"devices must be an int >= 1, got {devices!r}")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    check_number("gflops", gflops, positive=True)
+    check_number("max_seconds", max_seconds, positive=True)
+    check_int("devices", devices, minimum=1)
+    check_int("window", window, minimum=1)
     kw = dict(
         d_model=d_model,
         n_layers=n_layers,

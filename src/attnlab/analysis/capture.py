@@ -59,13 +59,14 @@ def capture_attentions(model: nn.Module) -> Iterator[list[tuple[str, Tensor]]]:
     captured: list[tuple[str, Tensor]] = []
     asked: list[bool] = []  # the caller's own need_weights, one entry per call in flight
 
-    def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    # torch's forward (pre-)hook signatures with_kwargs=True, called positionally
+    def before(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if kwargs.get("cache") is not None:
             raise ValueError("module_attentions cannot read weights from a call with a KV cache")
         asked.append(kwargs.get("need_weights", False) is True)
         return args, {**kwargs, "need_weights": True}
 
-    def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def after(module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> Any:
         out, weights = output  # (B, L, E), (B, H, L, S)
         captured.append((names.get(id(module), ""), weights.detach()))
         return output if asked.pop() else out

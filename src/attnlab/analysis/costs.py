@@ -30,6 +30,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from .._shapes import check_int
 from ..masks import Mask
 from ..utils import text_table
 
@@ -82,14 +83,6 @@ def parse_bytes(text: str | int | float, name: str = "budget") -> int:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive size, got {text!r}")
     return int(value)
-
-
-def _int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def _choice(name: str, value: object, choices) -> None:
@@ -168,8 +161,8 @@ def model_cost(
     A training step's peak adds the backward transient of one layer (naive: the gradients dP, dS
     of its scores, ``2·B·H·L·S`` elements; tiled: of one tile). The model counts what a backward
     must keep, so a real run keeps at least this much: attnlab's own blocks keep copies on top
-    (heads-first q, k, v; the reference backend three L×S tensors per head) — measured 1.3-1.5×
-    (tiled) and 2-2.7× (reference) of the model on CPU (tests/test_costs.py).
+    (heads-first q, k, v; the reference backend three L×S tensors per head); measured:
+    benchmarks/RESULTS.md, the lower bound checked by tests/test_costs.py.
 
     ``memory_infer = N_params·b_w + one layer's live tensors + logits (+ KV cache)``, the live
     tensors being ``B·L·(2·E + (H + 2·H_kv)·D + F·(m-1))`` elements plus the naive form's scores
@@ -194,15 +187,15 @@ def model_cost(
     Returns:
         A `ModelCost`.
     """
-    L = _int("seq_len", seq_len, 1)
-    E = _int("d_model", d_model, 1)
-    n_layers = _int("n_layers", n_layers, 0)
-    H = _int("n_heads", n_heads, 1)
-    H_kv = H if kv_heads is None else _int("kv_heads", kv_heads, 1)
-    V = _int("vocab_size", vocab_size, 0)
-    B = _int("batch", batch, 1)
-    P_pos = _int("learned_positions", learned_positions, 0)
-    cache = _int("decode_cache", decode_cache, 0)
+    L = check_int("seq_len", seq_len, minimum=1)
+    E = check_int("d_model", d_model, minimum=1)
+    n_layers = check_int("n_layers", n_layers, minimum=0)
+    H = check_int("n_heads", n_heads, minimum=1)
+    H_kv = H if kv_heads is None else check_int("kv_heads", kv_heads, minimum=1)
+    V = check_int("vocab_size", vocab_size, minimum=0)
+    B = check_int("batch", batch, minimum=1)
+    P_pos = check_int("learned_positions", learned_positions, minimum=0)
+    cache = check_int("decode_cache", decode_cache, minimum=0)
     _choice("dtype", dtype, _BYTES)
     _choice("optimizer", optimizer, OPTIMIZER_BYTES)
     _choice("attention", attention, ATTENTIONS)
@@ -214,7 +207,7 @@ def model_cost(
     if d_ff is None:
         F = 4 * E if mlp == "gelu" else max(8, 8 * round(8 * E / 3 / 8))
     else:
-        F = _int("d_ff", d_ff, 1)
+        F = check_int("d_ff", d_ff, minimum=1)
     D, nb, m = E // H, _BYTES[dtype], MLPS[mlp]
     S = L
     pairs = L * S
@@ -327,7 +320,7 @@ def max_seq_len(budget: str | int | float, *, limit: int = 2**31, **kwargs) -> i
         **kwargs: the other arguments of `model_cost` (model, batch, precision, train/infer).
     """
     cap = parse_bytes(budget)
-    _int("limit", limit, 1)
+    check_int("limit", limit, minimum=1)
 
     def fits(n: int) -> bool:
         return model_cost(n, **kwargs).memory["total"] <= cap
@@ -370,10 +363,10 @@ def complexity_table(n: int, d: int, *, kernel: int = 3, window: int | None = No
         ``sequential`` and ``path`` (as numbers at this n), ``memory`` (formula) and
         ``memory_elements`` (its value).
     """
-    n = _int("n", n, 1)
-    d = _int("d", d, 1)
-    k = _int("kernel", kernel, 2)
-    r = max(1, math.isqrt(n)) if window is None else _int("window", window, 1)
+    n = check_int("n", n, minimum=1)
+    d = check_int("d", d, minimum=1)
+    k = check_int("kernel", kernel, minimum=2)
+    r = max(1, math.isqrt(n)) if window is None else check_int("window", window, minimum=1)
     return [
         dict(
             layer="self-attention", complexity="n²·d", ops=n * n * d, sequential=1, path=1,
@@ -401,7 +394,7 @@ def io_naive(n: int, d: int) -> int:
     ``read Q, K (2Nd) + write S (N²) + read S, write P (2N²) + read P, V (N² + Nd) + write O (Nd)``
     = ``4·N·d + 4·N²``.
     """
-    n, d = _int("n", n, 1), _int("d", d, 1)
+    n, d = check_int("n", n, minimum=1), check_int("d", d, minimum=1)
     return 4 * n * d + 4 * n * n
 
 
@@ -421,8 +414,12 @@ def io_tiled(n: int, d: int, sram: int, block: int | None = None) -> int:
     Args:
         n: N. d: head dim. sram: M, fast-memory size in elements. block: B_c (default M/(4d)).
     """
-    n, d, sram = _int("n", n, 1), _int("d", d, 1), _int("sram", sram, 1)
-    bc = sram // (4 * d) if block is None else _int("block", block, 1)
+    n, d, sram = (
+        check_int("n", n, minimum=1),
+        check_int("d", d, minimum=1),
+        check_int("sram", sram, minimum=1),
+    )
+    bc = sram // (4 * d) if block is None else check_int("block", block, minimum=1)
     if bc < 1:
         raise ValueError(f"sram must hold at least 4·d = {4 * d} elements, got {sram}")
     return 2 * n * d + math.ceil(n / bc) * (3 * n * d + 4 * n)

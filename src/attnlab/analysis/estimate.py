@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._shapes import check_int
 from ..masks import Mask
 from ..masks import causal as _causal
 from ..masks import sliding_window as _sliding_window
@@ -94,12 +95,6 @@ def _fmt(x: float, unit: str) -> str:
     return f"{x:,.0f}"
 
 
-def _positive(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
 def estimate(
     seq_len: int,
     d_model: int,
@@ -139,19 +134,19 @@ def estimate(
         "attended pairs per head" (one head of one layer) and "score matrix" (the layers run one
         after another, so one layer's scores exist at a time).
     """
-    L = _positive("seq_len", seq_len, 0)
-    E = _positive("d_model", d_model)
-    H = _positive("num_heads", num_heads)
-    B = _positive("batch", batch)
-    layers = _positive("layers", layers)
+    L = check_int("seq_len", seq_len, minimum=0)
+    E = check_int("d_model", d_model, minimum=1)
+    H = check_int("num_heads", num_heads, minimum=1)
+    B = check_int("batch", batch, minimum=1)
+    layers = check_int("layers", layers, minimum=1)
     if E % H:
         raise ValueError(f"d_model={E} must be divisible by num_heads={H}")
-    H_kv = H if kv_heads is None else _positive("kv_heads", kv_heads)
+    H_kv = H if kv_heads is None else check_int("kv_heads", kv_heads, minimum=1)
     if H % H_kv:
         raise ValueError(f"num_heads={H} must be divisible by kv_heads={H_kv}")
     if dtype not in _BYTES:
         raise ValueError(f"dtype must be one of {sorted(_BYTES)}, got {dtype!r}")
-    S = L if key_len is None else _positive("key_len", key_len, 0)
+    S = L if key_len is None else check_int("key_len", key_len, minimum=0)
     Lq = 1 if decode else L
     D, nb = E // H, _BYTES[dtype]
     if mask is not None and not isinstance(mask, Mask):
@@ -163,7 +158,7 @@ def estimate(
             DeprecationWarning,
             stacklevel=2,
         )
-        w = _sliding_window(_positive("window", window))
+        w = _sliding_window(check_int("window", window, minimum=1))
         m = w if m is None else m & w
     if decode:
         m = _causal() if m is None else _causal() & m

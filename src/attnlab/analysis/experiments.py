@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._shapes import check_int, check_number
 from ..utils import text_table
 
 
@@ -147,8 +148,7 @@ def kernel_regression_experiment(
     from .weights import entropy
 
     text = default_text_path().read_text(encoding="utf-8")
-    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= len(text) // 4:
-        raise ValueError(f"window must be an int in [1, {len(text) // 4}], got {window!r}")
+    check_int("window", window, minimum=1, maximum=len(text) // 4)
     n = len(text) // window
     share = [
         sum(c in "'\"" for c in text[i * window : (i + 1) * window]) / window for i in range(n)
@@ -159,8 +159,7 @@ def kernel_regression_experiment(
     others = ~torch.eye(n, dtype=torch.bool, device=device)  # leave-one-out: not key i
     rows = []
     for h in bandwidths:
-        if not isinstance(h, (int, float)) or isinstance(h, bool) or not h > 0:
-            raise ValueError(f"bandwidths must be positive numbers, got {h!r}")
+        check_number("bandwidths", h, positive=True)
         bias = (-(x[:, 0] ** 2) / (2 * h * h)).expand(n, n)  # −x_j²/2h² for every query
         fit, w = attention(x[None], x[None], y[None], scale=1 / h**2, bias=bias[None],
                            return_weights=True)  # fmt: skip

@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._shapes import check_int, check_number
 from ..utils import text_table
 from .importance import attention_modules, head_gates
 from .weights import entropy
@@ -104,11 +105,8 @@ def alice_sentences(n: int = 16, skip: int = 0) -> list[str]:
     Raises:
         TypeError, ValueError: ``n`` or ``skip`` not an int in range (the list has about 400).
     """
-    for name, value, low in (("n", n, 1), ("skip", skip, 0)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < low:
-            raise ValueError(f"{name} must be >= {low}, got {value}")
+    check_int("n", n, minimum=1)
+    check_int("skip", skip, minimum=0)
     sentences = _all_sentences()
     if skip + n > len(sentences):
         raise ValueError(
@@ -287,8 +285,7 @@ def classify_heads(
         raise TypeError("sentences must be a sequence of strings")
     if not sentences:
         raise ValueError("sentences must not be empty")
-    if isinstance(rare_count, bool) or not isinstance(rare_count, int) or rare_count < 1:
-        raise ValueError(f"rare_count must be an int >= 1, got {rare_count!r}")
+    check_int("rare_count", rare_count, minimum=1)
     model = _minilm(model, device)
     rare = token_counts(model) <= rare_count  # (vocab,)
     special = [
@@ -401,9 +398,10 @@ def _check_fractions(fractions: object) -> list[float]:
         raise TypeError(f"fractions must be a non-empty sequence of floats, got {fractions!r}")
     out = []
     for f in fractions:
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
-            raise ValueError(f"fractions must lie in [0, 1], got {f!r}")
-        out.append(float(f))
+        x = check_number("fractions", f, at_least=0.0)
+        if x > 1.0:
+            raise ValueError(f"fractions must be <= 1, got {f!r}")
+        out.append(x)
     return out
 
 
@@ -492,13 +490,9 @@ def pruning_sweep(
         A `PruningSweep`.
     """
     fracs = _check_fractions(fractions)
-    for name, value in (
-        ("eval_sentences", eval_sentences),
-        ("importance_sentences", importance_sentences),
-        ("seeds", seeds),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    check_int("eval_sentences", eval_sentences, minimum=1)
+    check_int("importance_sentences", importance_sentences, minimum=1)
+    check_int("seeds", seeds, minimum=1)
     if not 0.0 < threshold <= 1.0:
         raise ValueError(f"threshold must lie in (0, 1], got {threshold!r}")
     model = _minilm(model, device)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _settings
+from .._shapes import check_number
 
 FORMAT = "attnlab-matmul-rates"
 VERSION = 1
@@ -94,8 +95,7 @@ def read_rate(path: Path, key: dict[str, Any]) -> Rate | None:
     for entry in _entries(path):
         if all(entry.get(k) == key[k] for k in _KEY_FIELDS):
             gflops, when = entry.get("gflops"), entry.get("measured_at")
-            if isinstance(gflops, bool) or not isinstance(gflops, (int, float)) or gflops <= 0:
-                raise ValueError(f"entry field 'gflops' must be a positive number, got {gflops!r}")
+            check_number("entry field 'gflops'", gflops, positive=True)
             if not isinstance(when, str):
                 raise ValueError(f"entry field 'measured_at' must be a string, got {when!r}")
             source = (

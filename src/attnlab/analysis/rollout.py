@@ -23,11 +23,12 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from .._shapes import check_int, check_number
 
 #: How `attention_rollout` fuses the heads of one layer.
 HEAD_FUSIONS = ("mean", "max", "min")
@@ -103,17 +104,12 @@ def attention_rollout(
             outside [0, 1], an unknown head_fusion, start_layer out of range.
     """
     a = _stack(attentions)
-    if isinstance(residual, bool) or not isinstance(residual, (int, float)):
-        raise TypeError(f"residual must be a number in [0, 1], got {type(residual).__name__}")
-    if not (math.isfinite(residual) and 0.0 <= residual <= 1.0):
+    if check_number("residual", residual, at_least=0.0) > 1.0:
         raise ValueError(f"residual must be in [0, 1], got {residual}")
     if head_fusion not in HEAD_FUSIONS:
         raise ValueError(f"head_fusion must be one of {list(HEAD_FUSIONS)}, got {head_fusion!r}")
     n_layers = a.shape[0]
-    if isinstance(start_layer, bool) or not isinstance(start_layer, int):
-        raise TypeError(f"start_layer must be an int, got {type(start_layer).__name__}")
-    if not 0 <= start_layer < n_layers:
-        raise ValueError(f"start_layer must be in [0, {n_layers}), got {start_layer}")
+    check_int("start_layer", start_layer, minimum=0, maximum=n_layers - 1)
     x = a[start_layer:].detach().to(torch.float64)  # (layers, B, H, T, T)
     if head_fusion == "mean":
         fused = x.mean(dim=2)
@@ -153,11 +149,8 @@ def cls_attention(
     """
     a = _stack(attentions)
     n_layers, T = a.shape[0], a.shape[-1]
-    for name, value, size in (("layer", layer, n_layers), ("cls_index", cls_index, T)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if not -size <= value < size:
-            raise ValueError(f"{name} must be in [{-size}, {size}), got {value}")
+    check_int("layer", layer, minimum=-n_layers, maximum=n_layers - 1)
+    check_int("cls_index", cls_index, minimum=-T, maximum=T - 1)
     row = a[layer, :, :, cls_index % T].detach()  # (B, H, T)
     keep = [j for j in range(T) if j != cls_index % T]
     return row[..., keep]  # (B, H, T − 1)

@@ -21,6 +21,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from .._shapes import check_number
+
 
 def _projections(
     mha: nn.Module,
@@ -143,8 +145,7 @@ def nadaraya_watson(x: Tensor, x_train: Tensor, y_train: Tensor, bandwidth: floa
     """
     from ..functional import attention
 
-    if not isinstance(bandwidth, (int, float)) or isinstance(bandwidth, bool) or bandwidth <= 0:
-        raise ValueError(f"bandwidth must be a positive number, got {bandwidth!r}")
+    check_number("bandwidth", bandwidth, positive=True)
     if x.dim() != 2 or x_train.dim() != 2 or y_train.dim() != 2:
         raise ValueError(
             f"x, x_train, y_train must be 2-D (N, d), (M, d), (M, c), got {tuple(x.shape)}, "
@@ -183,13 +184,7 @@ def gibbs(logits: Tensor, temperature: float = 1.0) -> Gibbs:
     Returns:
         `Gibbs` with ``probs (..., n)`` and ``energy``, ``free_energy``, ``entropy`` ``(...)``.
     """
-    if (
-        not isinstance(temperature, (int, float))
-        or isinstance(temperature, bool)
-        or not temperature > 0
-    ):
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
-    t = float(temperature)
+    t = check_number("temperature", temperature, positive=True)
     logz = torch.logsumexp(logits / t, dim=-1)
     logp = logits / t - logz.unsqueeze(-1)
     p = logp.exp()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._shapes import stat_dtype
+
 
 def _check_weights(weights: object) -> Tensor:
     if not isinstance(weights, Tensor) or not weights.is_floating_point():
@@ -40,9 +42,7 @@ def entropy(weights: Tensor) -> Tensor:
     w = _check_weights(weights).to(torch.float64)
     plogp = torch.where(w > 0, w * w.clamp_min(1e-300).log(), 0.0)
     h = -plogp.sum(-1)  # (…, H, L)
-    return torch.where(row_is_attended(weights), h, torch.nan).to(
-        weights.dtype if weights.dtype == torch.float64 else torch.float32
-    )
+    return torch.where(row_is_attended(weights), h, torch.nan).to(stat_dtype(weights.dtype))
 
 
 def head_entropy(weights: Tensor) -> Tensor:
@@ -68,7 +68,7 @@ def head_diversity(weights: Tensor) -> Tensor:
     cos = unit @ unit.transpose(-1, -2)  # (…, H, H)
     off = ~torch.eye(H, dtype=torch.bool, device=w.device)
     mean_cos = cos[..., off].mean(-1)  # (…,)
-    return (1.0 - mean_cos).to(torch.float32 if w.dtype != torch.float64 else torch.float64)
+    return (1.0 - mean_cos).to(stat_dtype(w.dtype))
 
 
 def top_weights(weights: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._shapes import check_bool, check_int, check_number
 from ..analysis.importance import attention_modules, head_gates
 from ..checkpoint import Checkpoint, ConfigRule
 from ..data.languages import LANGUAGES, LanguageSplit, language_split
@@ -99,12 +100,12 @@ class ClassifySettings:
     def __post_init__(self) -> None:
         self.languages = tuple(self.languages)
         for name in ("char_d_model", "char_layers", "char_heads", "char_steps", "char_batch"):
-            _int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("minilm_steps", "minilm_batch"):
-            _int(name, getattr(self, name), 1)
-        _int("char_max_len", self.char_max_len, 2)
-        _int("minilm_layers", self.minilm_layers, 0)
-        _int("ablation_words", self.ablation_words, 0)
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("char_max_len", self.char_max_len, minimum=2)
+        check_int("minilm_layers", self.minilm_layers, minimum=0)
+        check_int("ablation_words", self.ablation_words, minimum=0)
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {list(POOLINGS)}, got {self.pooling!r}")
         if self.char_d_model % self.char_heads:
@@ -112,18 +113,8 @@ class ClassifySettings:
                 f"char_heads={self.char_heads} must divide char_d_model={self.char_d_model}"
             )
         for name in ("char_lr", "minilm_lr"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
-                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-        if not isinstance(self.minilm, bool):
-            raise TypeError(f"minilm must be a bool, got {type(self.minilm).__name__}")
-
-
-def _int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
+            check_number(name, getattr(self, name), positive=True)
+        check_bool("minilm", self.minilm)
 
 
 # ------------------------------------------------------------------------------ batches
@@ -264,7 +255,7 @@ def train_classifier(
     rng = random.Random(seed)
     queue: list[list[int]] = []
 
-    def loss_at(step: int) -> Tensor:
+    def loss_at(_step: int) -> Tensor:
         if not queue:
             queue.extend(length_batches(lengths, batch_size, rng))
         idx = queue.pop()

@@ -35,11 +35,13 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from .._files import loads
+from .._shapes import check_int
 from ..checkpoint import build_checked, load_checkpoint, save_json
 from ..distributed.ddp import Parallel
 from ..models import GPT
@@ -165,8 +167,7 @@ def _set_threads(
 ) -> None:
     """Sets the run's torch thread count: ``threads``, else the checkpoint's ``stored`` one."""
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        check_int("threads", threads, minimum=1)
         torch.set_num_threads(threads)
         if stored is not None and stored != threads:
             log(
@@ -175,6 +176,87 @@ def _set_threads(
             )
     elif stored is not None and stored != torch.get_num_threads():
         torch.set_num_threads(stored)
+
+
+def _char_data(s: TrainSettings, ck: Any, device: torch.device) -> tuple[list[str], Tensor, Tensor]:
+    """The text's vocabulary (the checkpoint's when resuming) and its train / validation ids.
+
+    Raises:
+        ValueError: characters outside a checkpoint's vocabulary; fewer than 10·(seq_len + 1).
+    """
+    text = load_text(s.text)
+    vocab = sorted(set(text)) if ck is None else vocab_of(ck)
+    index = {c: i for i, c in enumerate(vocab)}
+    unknown = sorted(set(text) - set(index))
+    if unknown:
+        raise ValueError(f"the text has characters {unknown} outside the checkpoint's vocabulary")
+    data = torch.tensor([index[c] for c in text], dtype=torch.long, device=device)  # (N,)
+    if len(data) < 10 * (s.seq_len + 1):
+        raise ValueError(
+            f"the text has {len(data)} characters; seq_len={s.seq_len} needs at least "
+            f"{10 * (s.seq_len + 1)}"
+        )
+    n_val = len(data) // 10
+    return vocab, data[:-n_val], data[-n_val:]
+
+
+def _check_stored_settings(ck: Any, resume: str | os.PathLike | None, config: Any) -> None:
+    """Raises unless a GPT of the stored settings has exactly the checkpoint's tensors (a
+    resumed run; nothing to check for a new one, ``ck`` None)."""
+    if ck is None:
+        return
+    build_checked(
+        resume,
+        lambda: GPT(config),
+        {k: (t.dtype, tuple(t.shape)) for k, t in ck.tensors.items()},
+        prefix="model.",
+        layers=("blocks", config.n_layers),
+        what="the stored settings",
+    )
+
+
+def _restore_run(
+    ck: Any,
+    resume: str | os.PathLike,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler: Any,
+    batch_rng: torch.Generator,
+    par: Parallel,
+    seed: int,
+) -> int:
+    """Loads a checkpoint's weights, optimizer, scaler and random states; returns its step."""
+    ck.load_into(model, prefix="model.")
+    state = opt.state_dict()
+    for key, value in ck.tensors.items():
+        if key.startswith("optim."):
+            _, i, name = key.split(".", 2)
+            state["state"].setdefault(int(i), {})[name] = value
+    opt.load_state_dict(state)
+    batch_rng.set_state(ck.tensors["rng.batch"])
+    torch.set_rng_state(ck.tensors["rng.torch"])
+    step = int(ck.metadata["step"])
+    if par.mode != "single":
+        par.restore_rng(ck.tensors.get("rng.torch_ranks"), seed, step)
+    if scaler.is_enabled():
+        scaler.load_state_dict(loads(resume, ck.metadata["grad_scaler"], "the scaler", 1))
+    return step
+
+
+def _restored_logs(
+    ck: Any, resume: str | os.PathLike, layers: list[str], step: int
+) -> tuple[list[float], list[tuple[int, float, float]], list[list[float]], list[float]]:
+    """A checkpoint's loss, validation and gradient-norm logs (NaN norms before that log)."""
+    losses = ck.tensors["log.train_loss"].tolist()
+    val = [(int(a), b, c) for a, b, c in ck.tensors["log.val"].tolist()]
+    stored_layers = loads(resume, ck.metadata.get("grad_norm_layers", "[]"), "the layers", 1)
+    if "log.grad_norm" in ck.tensors and stored_layers == layers:
+        norms = ck.tensors["log.grad_norm"].tolist()
+        totals = ck.tensors["log.grad_norm_total"].tolist()
+    else:  # a checkpoint from before the gradient-norm log: those steps are unknown
+        norms = [[math.nan] * len(layers) for _ in range(step)]
+        totals = [math.nan] * step
+    return losses, val, norms, totals
 
 
 def _train(
@@ -208,32 +290,11 @@ def _train(
     par.check(
         batch_size=s.batch_size, seq_len=s.seq_len, dropout=s.dropout, positional=s.positional
     )
-    text = load_text(s.text)
-    vocab = sorted(set(text)) if ck is None else vocab_of(ck)
-    index = {c: i for i, c in enumerate(vocab)}
-    unknown = sorted(set(text) - set(index))
-    if unknown:
-        raise ValueError(f"the text has characters {unknown} outside the checkpoint's vocabulary")
-    data = torch.tensor([index[c] for c in text], dtype=torch.long, device=device)  # (N,)
-    if len(data) < 10 * (s.seq_len + 1):
-        raise ValueError(
-            f"the text has {len(data)} characters; seq_len={s.seq_len} needs at least "
-            f"{10 * (s.seq_len + 1)}"
-        )
-    n_val = len(data) // 10
-    train_data, val_data = data[:-n_val], data[-n_val:]
+    vocab, train_data, val_data = _char_data(s, ck, device)
     entropy = unigram_entropy(train_data, len(vocab))
 
     config = s.model_config(len(vocab))
-    if ck is not None:  # the stored settings must be justified by the stored tensors
-        build_checked(
-            resume,
-            lambda: GPT(config),
-            {k: (t.dtype, tuple(t.shape)) for k, t in ck.tensors.items()},
-            prefix="model.",
-            layers=("blocks", config.n_layers),
-            what="the stored settings",
-        )
+    _check_stored_settings(ck, resume, config)  # a resumed run's settings vs its tensors
     torch.manual_seed(s.seed)
     model = par.prepare(GPT(config).to(device))  # context parallel: ring attention
     model.gradient_checkpointing = s.grad_checkpointing
@@ -249,36 +310,14 @@ def _train(
     totals: list[float] = []
     step = 0
     if ck is not None:
-        ck.load_into(model, prefix="model.")
-        state = opt.state_dict()
-        for key, value in ck.tensors.items():
-            if key.startswith("optim."):
-                _, i, name = key.split(".", 2)
-                state["state"].setdefault(int(i), {})[name] = value
-        opt.load_state_dict(state)
-        batch_rng.set_state(ck.tensors["rng.batch"])
-        torch.set_rng_state(ck.tensors["rng.torch"])
-        if par.mode != "single":
-            par.restore_rng(ck.tensors.get("rng.torch_ranks"), s.seed, int(ck.metadata["step"]))
-        losses = ck.tensors["log.train_loss"].tolist()
-        val = [(int(a), b, c) for a, b, c in ck.tensors["log.val"].tolist()]
-        step = int(ck.metadata["step"])
-        stored_layers = loads(resume, ck.metadata.get("grad_norm_layers", "[]"), "the layers", 1)
-        if "log.grad_norm" in ck.tensors and stored_layers == layers:
-            norms = ck.tensors["log.grad_norm"].tolist()
-            totals = ck.tensors["log.grad_norm_total"].tolist()
-        else:  # a checkpoint from before the gradient-norm log: those steps are unknown
-            norms = [[math.nan] * len(layers) for _ in range(step)]
-            totals = [math.nan] * step
-        if scaler.is_enabled():
-            scaler.load_state_dict(loads(resume, ck.metadata["grad_scaler"], "the scaler", 1))
+        assert resume is not None
+        step = _restore_run(ck, resume, model, opt, scaler, batch_rng, par, s.seed)
+        losses, val, norms, totals = _restored_logs(ck, resume, layers, step)
         log(f"resumed from {resume} at step {step} (torch threads: {torch.get_num_threads()})")
     net = par.wrap(model)  # DistributedDataParallel on several ranks
 
-    if stop_at is not None and not (
-        isinstance(stop_at, int) and not isinstance(stop_at, bool) and step < stop_at <= s.steps
-    ):
-        raise ValueError(f"stop_at must be an int in ({step}, {s.steps}], got {stop_at!r}")
+    if stop_at is not None:
+        check_int("stop_at", stop_at, minimum=step + 1, maximum=s.steps)
     n_params = sum(p.numel() for p in model.parameters())
     log(
         f"GPT: {n_params / 1e6:.2f}M parameters, {len(vocab)} characters, "

@@ -9,7 +9,6 @@ A part of the GPT app: `attnlab.apps.gpt` hands on its public names.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .._shapes import check_int, check_number, stat_dtype
 from ..distributed.ddp import Parallel
 from ..models import GPT, TransformerConfig
 from .loop import cosine_lr
@@ -79,17 +79,11 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_interval", "eval_batches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup", "save_interval"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+            check_int(name, getattr(self, name), minimum=0)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+            check_number(name, getattr(self, name), at_least=0.0)
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr must be <= lr={self.lr}, got {self.min_lr}")
         if self.schedule not in SCHEDULES:
@@ -239,7 +233,7 @@ def check_precision(precision: str, device: torch.device) -> None:
 
 def wide_logits(logits: Tensor) -> Tensor:
     """Logits for the loss in float32 or wider (bf16/fp16 autocast logits are upcast)."""
-    return logits if logits.dtype == torch.float64 else logits.float()
+    return logits.to(stat_dtype(logits.dtype))
 
 
 @torch.no_grad()

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .._files import atomic_write, loads
+from .._shapes import check_int, check_number
 from ..checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -48,15 +49,6 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
 #: Metadata key naming a checkpoint's model kind (files of ``attnlab train`` have none: "gpt").
 KIND_KEY = "model_kind"
-
-
-def _check_number(name: str, value: object, low: float, *, integer: bool = False) -> None:
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        expected = "an int" if integer else "a number"
-        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
-    if not (value >= low and math.isfinite(value)):
-        raise ValueError(f"{name} must be a finite number >= {low}, got {value!r}")
 
 
 @dataclass
@@ -99,16 +91,16 @@ class FitSettings:
     clock: str = "wall"
 
     def __post_init__(self) -> None:
-        _check_number("steps", self.steps, 1, integer=True)
-        _check_number("warmup", self.warmup, 0, integer=True)
-        _check_number("eval_every", self.eval_every, 0, integer=True)
-        _check_number("seed", self.seed, -(2**63), integer=True)
+        check_int("steps", self.steps, minimum=1)
+        check_int("warmup", self.warmup, minimum=0)
+        check_int("eval_every", self.eval_every, minimum=0)
+        check_int("seed", self.seed, minimum=-(2**63))
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
-            _check_number(name, getattr(self, name), 0.0)
+            check_number(name, getattr(self, name), at_least=0.0)
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr must be <= lr={self.lr}, got {self.min_lr}")
         if self.time_budget is not None:
-            _check_number("time_budget", self.time_budget, 0.0)
+            check_number("time_budget", self.time_budget, at_least=0.0)
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
         if self.schedule not in ("steps", "time"):

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from .._files import loads
+from .._shapes import check_int
 from ..checkpoint import Checkpoint, CheckpointError, ConfigRule
 from ..models.rnn import RNNLM, RNNLMConfig, build_rnn_lm
 from .gpt_settings import evaluate, get_batch, load_text, sample_chars, unigram_entropy
@@ -76,9 +77,7 @@ class RNNTrainSettings:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_interval", "eval_batches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, getattr(self, name), minimum=1)
         self.fit_settings()  # checks lr, warmup, clipping, budget, precision
         self.model_config(1)  # checks the model's fields
 

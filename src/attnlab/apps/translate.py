@@ -48,8 +48,8 @@ KIND = "translate"
 
 #: The longest text `translate` accepts, in characters. Decoding a text of n characters takes up
 #: to 2n + 20 steps that each attend to the whole source, so the time grows with n²: the longest
-#: number word below 10**15 has 197 characters (below 10**9, the default task: 114) and takes
-#: about a second, while 7,000 characters ran over 300 s. Longer input: one number per text.
+#: number word below 10**15 has 197 characters (below 10**9, the default task: 114); measured:
+#: benchmarks/RESULTS.md. Longer input: one number per text.
 MAX_SOURCE_CHARS = 256
 
 #: Architectures: name -> ``build(config_dict) -> model`` implementing the seq2seq interface.
@@ -103,7 +103,8 @@ class TranslateSettings:
         arch: a name in `ARCHITECTURES`. model: config overrides (e.g. ``{"d_model": 128}``).
         max_digits: numbers 0 … 10**max_digits − 1. held_out: held-out numbers per language.
         langs: target languages. pool: distinct training examples generated (num2words is
-            slow, ~0.4 ms a pair, so the run draws a pool once and shuffles it every epoch).
+            slow, so the run draws a pool once and shuffles it every epoch; measured:
+            benchmarks/RESULTS.md).
         batch_tokens: padded source + target tokens per batch (length-bucketed).
         label_smoothing: of the cross-entropy. fit: the optimisation settings.
         threads: torch threads (None = torch's default).
@@ -237,7 +238,7 @@ class _Batches:
         return collate(self.queue.pop(), self.multiple)
 
 
-def _arch_meta(arch: str, config: dict[str, Any], task: NumberTask) -> dict[str, str]:
+def _arch_meta(arch: str, task: NumberTask) -> dict[str, str]:
     return {
         "arch": arch,
         "vocab": json.dumps(list(task.vocab.tokens), ensure_ascii=False),
@@ -293,7 +294,7 @@ def train_translate(
     batches = _Batches(pool, s.batch_tokens, s.fit.seed, s.pad_multiple)
     ls = s.label_smoothing
 
-    def loss_at(step: int) -> Tensor:
+    def loss_at(_step: int) -> Tensor:
         return seq2seq_loss(model, batches.next(), ls)
 
     history = fit(model, loss_at, s.fit, desc=f"translate/{s.arch}", progress=progress, log=log)
@@ -335,7 +336,7 @@ def train_translate(
             model,
             kind=KIND,
             config=config,
-            extra=_arch_meta(s.arch, config, task),
+            extra=_arch_meta(s.arch, task),
         )
         from ..viz.alignment import plot_alignments, plot_loss
 

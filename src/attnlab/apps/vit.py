@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._shapes import check_int, check_probability
 from ..checkpoint import Checkpoint, ConfigRule
 from ..models.vit import VisionTransformer, ViTConfig, build_vit
 from ..utils.extras import require
@@ -147,13 +148,9 @@ class VitSettings:
 
     def __post_init__(self) -> None:
         self.fit_settings()  # every shared field checked once, by FitSettings
-        for name, low in (("batch_size", 1), ("shift", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        ls = self.label_smoothing
-        if isinstance(ls, bool) or not isinstance(ls, (int, float)) or not 0.0 <= ls < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {ls!r}")
+        check_int("batch_size", self.batch_size, minimum=1)
+        check_int("shift", self.shift, minimum=0)
+        check_probability("label_smoothing", self.label_smoothing)
 
     def fit_settings(self) -> FitSettings:
         """The `FitSettings` part."""
@@ -223,7 +220,7 @@ def train_vit(
     x_tr, y_tr = split.x_train.to(device), split.y_train.to(device)
     n = len(y_tr)
 
-    def loss_at(step: int) -> Tensor:
+    def loss_at(_step: int) -> Tensor:
         idx = torch.randint(0, n, (settings.batch_size,), generator=gen).to(device)
         x = shift_images(x_tr[idx], settings.shift, gen)  # (B, 1, 8, 8)
         return F.cross_entropy(model(x), y_tr[idx], label_smoothing=settings.label_smoothing)

@@ -72,7 +72,7 @@ class Terminated(BaseException):
     ``finally`` blocks run)."""
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
+def _raise_terminated(signum: int, _frame: object) -> None:  # a signal handler's signature
     raise Terminated(signum)
 
 

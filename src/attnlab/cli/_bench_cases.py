@@ -65,8 +65,8 @@ def matmul_size(
     """The largest power-of-two size up to ``n`` whose ``torch.mm`` should take at most
     ``budget`` seconds, from the best of three timed 512² products (at least 512; one timing
     hit by a preempted thread picked 2048² for float32 in a run). A dtype without native
-    matrix units (float16 on a CPU without AVX512-FP16: ~1 GFLOP/s) would otherwise spend
-    minutes on the 4096² rate."""
+    matrix units (float16 on a CPU without AVX512-FP16; measured: benchmarks/RESULTS.md) would
+    otherwise spend minutes on the 4096² rate."""
     m = min(n, 512)
     a = torch.randn(m, m, device=device).to(dtype)
     mm = _synced(lambda: torch.mm(a, a), device)
@@ -141,7 +141,7 @@ def _flex(L: int, S: int, mask_mod, B: int, H: int, D: int, dtype, device="cpu")
         # a fresh compile per case: recompiling flex_attention for a second mask in the same
         # process fell back to an unfused path (a documents case after the window case grew to
         # 24 GB and was killed; a bigbird case failed to compile)
-        torch._dynamo.reset()
+        torch.compiler.reset()
         compiled = torch.compile(flex_attention, dynamic=False)
 
         def run(q, k, v):
@@ -307,7 +307,7 @@ def case_window(args, report: Report, progress: Progress) -> None:
     outs["sdpa dense mask"] = fwd["sdpa dense mask"]()
     if not args.no_flex:
         flex, why = _flex(
-            L, L, lambda b, h, i, j: (i - j >= 0) & (i - j < w), B, H, D, dt, args.device
+            L, L, lambda _b, _h, i, j: (i - j >= 0) & (i - j < w), B, H, D, dt, args.device
         )
         if flex is not None:
             fwd["flex (compiled, BlockMask)"] = _no_grad(flex, q, k, v)

@@ -125,11 +125,12 @@ def available_memory(device: torch.device | str = "cpu") -> int | None:
 @contextlib.contextmanager
 def _no_init() -> Iterator[None]:
     """``torch.nn.init``'s in-place initialisers as no-ops: meta tensors have no values, and
-    the first meta ``normal_`` of a process costs ~2 s (torch imports its reference ops)."""
+    the first meta ``normal_`` of a process is slow: torch imports its reference ops (measured:
+    benchmarks/RESULTS.md)."""
     names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
     saved = {n: getattr(nn.init, n) for n in names}
     for n in names:
-        setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        setattr(nn.init, n, lambda tensor, *_args, **_kwargs: tensor)
     try:
         yield
     finally:

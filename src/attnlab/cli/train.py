@@ -99,8 +99,8 @@ def _check_resume(path: str) -> None:
         raise UsageError("--resume", " ".join(str(e).split())) from None
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    defaults = TrainSettings()
+def _given_values(args: argparse.Namespace) -> dict:
+    """The `TrainSettings` fields given on the command line (``--positional none``: None)."""
     values = {
         f.name: getattr(args, f.name)
         for f in fields(TrainSettings)
@@ -108,6 +108,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     }
     if args.positional == "none":
         values["positional"] = None
+    return values
+
+
+def _check_schedule(values: dict, defaults: TrainSettings) -> None:
+    """--bf16 against --precision, noam's unused rates and warmup, --min-lr against --lr."""
     if values.get("bf16") and values.get("precision", "bf16") != "bf16":
         raise UsageError(
             "--bf16", f"is the alias of --precision bf16; got --precision {values['precision']}"
@@ -131,6 +136,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
             f"must be <= --lr {values.get('lr', defaults.lr)}, "
             f"got {values.get('min_lr', defaults.min_lr)}",
         )
+
+
+def _check_heads(values: dict, defaults: TrainSettings) -> None:
+    """--n-heads divides --d-model and --n-kv-heads divides --n-heads."""
     heads = values.get("n_heads", defaults.n_heads)
     if values.get("d_model", defaults.d_model) % heads:
         raise UsageError(
@@ -140,6 +149,37 @@ def _cmd_train(args: argparse.Namespace) -> int:
     kv_heads = values.get("n_kv_heads") or heads
     if heads % kv_heads:
         raise UsageError("--n-kv-heads", f"must divide --n-heads {heads}, got {kv_heads}")
+
+
+def _run_sweep(args: argparse.Namespace, settings: TrainSettings, values: dict) -> int:
+    """--sweep: one run per grid point (every point checked first), then the table and files."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if launched_by_torchrun() and os.environ["WORLD_SIZE"] != "1":
+        raise UsageError("--sweep", "trains one process per grid point; run it without torchrun")
+    if args.resume is not None:
+        raise UsageError("--sweep", "cannot be combined with --resume (each point is a new run)")
+    grid = _parse_sweep(args.sweep)
+    for name in grid:
+        if name in values:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError("--sweep", f"sweeps {name}; remove {flag} {values[name]}")
+    try:
+        sweep_plan(settings, grid)  # every point checked before the first run
+    except ValueError as e:
+        raise UsageError("--sweep", str(e)) from None
+    result = sweep(settings, grid, progress=not args.quiet, device=args.device)
+    print(result.table())
+    paths = write_sweep(result, settings.out_dir)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    defaults = TrainSettings()
+    values = _given_values(args)
+    _check_schedule(values, defaults)
+    _check_heads(values, defaults)
     settings = TrainSettings(**{**asdict(defaults), **values})
     main = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reads and writes files
     if main:
@@ -147,30 +187,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.resume is None:  # a resumed run's sizes are those its checkpoint's tensors hold
         check_memory(settings, args.device)
     if args.sweep is not None:
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
-        if launched_by_torchrun() and os.environ["WORLD_SIZE"] != "1":
-            raise UsageError(
-                "--sweep", "trains one process per grid point; run it without torchrun"
-            )
-        if args.resume is not None:
-            raise UsageError(
-                "--sweep", "cannot be combined with --resume (each point is a new run)"
-            )
-        grid = _parse_sweep(args.sweep)
-        for name in grid:
-            if name in values:
-                flag = "--" + name.replace("_", "-")
-                raise UsageError("--sweep", f"sweeps {name}; remove {flag} {values[name]}")
-        try:
-            sweep_plan(settings, grid)  # every point checked before the first run
-        except ValueError as e:
-            raise UsageError("--sweep", str(e)) from None
-        result = sweep(settings, grid, progress=not args.quiet, device=args.device)
-        print(result.table())
-        paths = write_sweep(result, settings.out_dir)
-        print("wrote " + ", ".join(str(p) for p in paths))
-        return 0
+        return _run_sweep(args, settings, values)
     resume = None
     if args.resume is not None:
         resume = args.resume or str(Path(settings.out_dir) / CHECKPOINT_NAME)

@@ -320,113 +320,121 @@ def check_folder_inputs(folder: str, text: str) -> None:
     )
 
 
-def _cmd_visualize(args: argparse.Namespace) -> int:
-    from ..viz.attention_png import attention_png
-    from ..viz.attention_view import (
-        MAX_FULL_TOKENS,
-        AttentionView,
-        attention_text,
-        long_view_data,
-        show,
-    )
+def _collect_runs(args: argparse.Namespace) -> list:
+    """The runs to show: a comparison, a translate or ViT checkpoint, an HF folder or `collect`."""
+    kind = _kind(args.checkpoint) if args.checkpoint and args.model is None else None
+    if args.compare is not None:
+        return _compare_runs(args)
+    if kind == "translate":
+        return [_translate_run(args)]
+    if kind == "vit":
+        return [_vit_run(args)]
+    if args.model is not None and args.model not in MODELS:
+        if args.checkpoint is not None:
+            raise ValueError("--checkpoint is for --model gpt; drop it with --model FOLDER")
+        _quiet_transformers()
+        check_folder_inputs(args.model, args.text)
+        return hf_attentions(args.model, args.text, device=args.device, topk=args.top_k)
+    return [collect(args.text, model=args.model, checkpoint=args.checkpoint, device=args.device)]
 
+
+def _print_text(args: argparse.Namespace, runs: list) -> None:
+    """--format text: each run's top-3 attended tokens per query."""
+    from ..viz.attention_view import attention_text
+
+    layers = None if args.layer is None else [args.layer]
+    heads = None if args.head is None else [args.head]
+    for run in runs:
+        print(_summary(run) + " · top-3 attended tokens per query (weight)\n")
+        for note in run.notes:
+            print(f"note: {note}")
+        if isinstance(run, LongAttentions):
+            print(_long_text(run, layers, heads))
+            continue
+        print(
+            attention_text(
+                run.tokens, run.weights, k=3, layers=layers, heads=heads, key_tokens=run.key_tokens
+            )
+        )
+
+
+def _write_html(args: argparse.Namespace, runs: list) -> None:
+    """--format html: one viewer page for the runs at --out, and its notes."""
+    from ..viz.attention_view import MAX_FULL_TOKENS, AttentionView, long_view_data, show
+
+    views = [
+        AttentionView(
+            long_view_data(
+                run,
+                title=f"Attention: {_short(args.text)}",
+                subtitle=_summary(run),
+                layer=args.layer or 0,
+                head=args.head or 0,
+            )
+        )
+        if isinstance(run, LongAttentions)
+        else show(
+            run.tokens,
+            run.weights,
+            key_tokens=run.key_tokens,
+            title=f"Attention: {_short(args.text)}",
+            subtitle=_summary(run),
+            notes=run.notes,
+            layer=args.layer or 0,
+            head=args.head or 0,
+            topk=args.top_k,
+        )
+        for run in runs
+    ]
+    out = _save(views, args.out)
+    size = out.stat().st_size
+    print(f"wrote {out} ({size / 1e6:.2f} MB; {'; '.join(_summary(r) for r in runs)})")
+    for run in runs:
+        for note in run.notes:
+            print(f"note: {note}")
+        if max(_shape(run)[-2:]) > MAX_FULL_TOKENS:
+            print(f"note: long input, the viewer keeps each token's top {args.top_k} weights")
+
+
+def _write_png(args: argparse.Namespace, runs: list, png: Path) -> None:
+    """--png: the comparison grid, a translation's alignment, or the first run's heatmaps."""
+    if args.compare is not None:
+        _compare_png(args, runs, png)
+    elif runs[0].model == "translate":
+        from ..viz.alignment import plot_alignments
+
+        run = runs[0]
+        title = f"{_short(run.notes[0], 60)} (mean of layers and heads)"
+        mean = run.weights.mean((0, 1))  # (T, S)
+        plot_alignments(png, [(title, run.key_tokens, run.tokens, mean)])
+    else:
+        from ..viz.attention_png import attention_png
+
+        run = runs[0]
+        attention_png(run.tokens, run.weights, png, title=_summary(run))
+    print(f"wrote {png}")
+
+
+def _cmd_visualize(args: argparse.Namespace) -> int:
     if args.format == "html":
         check_output_file(args.out, "--out", (".html", ".htm"))
+    png = None
     if args.png is not None:
         png = Path(args.out).with_suffix(".png") if args.png is True else Path(args.png)
         check_output_file(png, "--png", (".png",))
     try:
-        kind = _kind(args.checkpoint) if args.checkpoint and args.model is None else None
-        if args.compare is not None:
-            runs = _compare_runs(args)
-        elif kind == "translate":
-            runs = [_translate_run(args)]
-        elif kind == "vit":
-            runs = [_vit_run(args)]
-        elif args.model is not None and args.model not in MODELS:
-            if args.checkpoint is not None:
-                raise ValueError("--checkpoint is for --model gpt; drop it with --model FOLDER")
-            _quiet_transformers()
-            check_folder_inputs(args.model, args.text)
-            runs = hf_attentions(args.model, args.text, device=args.device, topk=args.top_k)
-        else:
-            runs = [
-                collect(args.text, model=args.model, checkpoint=args.checkpoint, device=args.device)
-            ]
+        runs = _collect_runs(args)
         _check_choice(args, runs)
-        if args.png is not None and any(isinstance(r, LongAttentions) for r in runs):
+        if png is not None and any(isinstance(r, LongAttentions) for r in runs):
             raise ValueError(
                 "--png draws every weight: with --model FOLDER it needs at most 64 tokens"
             )
         if args.format == "text":
-            for run in runs:
-                print(_summary(run) + " · top-3 attended tokens per query (weight)\n")
-                for note in run.notes:
-                    print(f"note: {note}")
-                if isinstance(run, LongAttentions):
-                    layers = None if args.layer is None else [args.layer]
-                    print(_long_text(run, layers, None if args.head is None else [args.head]))
-                    continue
-                print(
-                    attention_text(
-                        run.tokens,
-                        run.weights,
-                        k=3,
-                        layers=None if args.layer is None else [args.layer],
-                        heads=None if args.head is None else [args.head],
-                        key_tokens=run.key_tokens,
-                    )
-                )
+            _print_text(args, runs)
         else:
-            views = [
-                AttentionView(
-                    long_view_data(
-                        run,
-                        title=f"Attention: {_short(args.text)}",
-                        subtitle=_summary(run),
-                        layer=args.layer or 0,
-                        head=args.head or 0,
-                    )
-                )
-                if isinstance(run, LongAttentions)
-                else show(
-                    run.tokens,
-                    run.weights,
-                    key_tokens=run.key_tokens,
-                    title=f"Attention: {_short(args.text)}",
-                    subtitle=_summary(run),
-                    notes=run.notes,
-                    layer=args.layer or 0,
-                    head=args.head or 0,
-                    topk=args.top_k,
-                )
-                for run in runs
-            ]
-            out = _save(views, args.out)
-            size = out.stat().st_size
-            print(f"wrote {out} ({size / 1e6:.2f} MB; {'; '.join(_summary(r) for r in runs)})")
-            for run in runs:
-                for note in run.notes:
-                    print(f"note: {note}")
-                if max(_shape(run)[-2:]) > MAX_FULL_TOKENS:
-                    print(
-                        f"note: long input, the viewer keeps each token's top {args.top_k} weights"
-                    )
-        if args.png is not None and args.compare is not None:
-            _compare_png(args, runs, png)
-            print(f"wrote {png}")
-        elif args.png is not None and runs[0].model == "translate":
-            from ..viz.alignment import plot_alignments
-
-            run = runs[0]
-            title = f"{_short(run.notes[0], 60)} (mean of layers and heads)"
-            mean = run.weights.mean((0, 1))  # (T, S)
-            plot_alignments(png, [(title, run.key_tokens, run.tokens, mean)])
-            print(f"wrote {png}")
-        elif args.png is not None:
-            run = runs[0]
-            attention_png(run.tokens, run.weights, png, title=_summary(run))
-            print(f"wrote {png}")
+            _write_html(args, runs)
+        if png is not None:
+            _write_png(args, runs, png)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
         print(f"attnlab visualize: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

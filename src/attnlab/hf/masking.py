@@ -35,6 +35,7 @@ reach a real token (no real query attends a padding key), so every real token's 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -77,81 +78,97 @@ def _window(fn: Callable) -> int | None:
     return w if isinstance(w, int) and not isinstance(w, bool) and w >= 0 else None
 
 
-def _structured(
-    mask_function: Callable, *, aligned: bool, q_length: int, kv_length: int
-) -> Mask | str | None:
-    """The attnlab mask equal to ``mask_function``, `_FULL`, or None (not recognised).
+@dataclass
+class _Parts:
+    """What the recognised operands of one HF mask function say, collected by `_read_part`."""
 
-    ``aligned``: HF's query/key offsets match attnlab's bottom-right alignment, so masks that
-    depend on the query position may be used.
-    """
-    causal = full = False
+    causal: bool = False
+    full: bool = False
     window: int | None = None
     bi_window: int | None = None
-    docs: list[Tensor] = []
-    remapped = False
-    for part in _flatten(mask_function):
-        name = _hf_name(part)
-        if name == "causal_mask_function":
-            causal = True
-        elif name == "bidirectional_mask_function":
-            full = True
-        elif name == "sliding_window_overlay.<locals>.inner_mask" and window is None:
-            window = _window(part)
-            if window is None or window < 1:
-                return None
-        elif (
-            name == "sliding_window_bidirectional_overlay.<locals>.inner_mask" and bi_window is None
-        ):
-            bi_window = _window(part)
-            if bi_window is None:
-                return None
-        elif name == "packed_sequence_mask_function.<locals>.inner_mask":
-            ids = _cells(part).get("packed_sequence_mask")
-            if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[-1] != kv_length:
-                return None
-            docs.append(ids)
-        elif name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
-            # Within one packed sequence, positions grow by exactly 1 per token (that is how HF
-            # finds the sequences), so the inner pattern on positions equals it on indices.
-            inner = _structured(
-                _cells(part).get("mask_function"),
-                aligned=aligned,
-                q_length=q_length,
-                kv_length=kv_length,
-            )
-            remapped = True
-            if inner == _FULL:
-                full = True
-            elif isinstance(inner, masks.CausalMask):
-                causal = True
-            elif isinstance(inner, masks.SlidingWindowMask) and window is None is bi_window:
-                if inner.causal:
-                    causal, window = True, inner.window
-                else:
-                    full, bi_window = True, inner.window - 1
-            else:  # not recognised, or nested packing: HF's own function decides
-                return None
+    docs: list[Tensor] = field(default_factory=list)
+    remapped: bool = False
+
+
+def _read_remapped(inner: Mask | str | None, parts: _Parts) -> bool:
+    """Adds the pattern inside a packed-sequence remap; False when it is not recognised."""
+    parts.remapped = True
+    if inner == _FULL:
+        parts.full = True
+    elif isinstance(inner, masks.CausalMask):
+        parts.causal = True
+    elif isinstance(inner, masks.SlidingWindowMask) and parts.window is None is parts.bi_window:
+        if inner.causal:
+            parts.causal, parts.window = True, inner.window
         else:
-            return None
-    if remapped and not docs:
-        return None
-    if window is not None and not causal:
-        return None  # a one-sided overlay alone is not a pattern HF builds
-    if bi_window is not None and not full:
-        return None
-    if (causal or window is not None or bi_window is not None or docs) and not aligned:
-        return None
-    if docs and q_length != kv_length:
-        return None
+            parts.full, parts.bi_window = True, inner.window - 1
+    else:  # not recognised, or nested packing: HF's own function decides
+        return False
+    return True
+
+
+def _read_part(
+    part: Callable, parts: _Parts, *, aligned: bool, q_length: int, kv_length: int
+) -> bool:
+    """Adds one operand of HF's mask function to ``parts``; False when it is not recognised."""
+    name = _hf_name(part)
+    if name == "causal_mask_function":
+        parts.causal = True
+    elif name == "bidirectional_mask_function":
+        parts.full = True
+    elif name == "sliding_window_overlay.<locals>.inner_mask" and parts.window is None:
+        parts.window = _window(part)
+        return parts.window is not None and parts.window >= 1
+    elif (
+        name == "sliding_window_bidirectional_overlay.<locals>.inner_mask"
+        and parts.bi_window is None
+    ):
+        parts.bi_window = _window(part)
+        return parts.bi_window is not None
+    elif name == "packed_sequence_mask_function.<locals>.inner_mask":
+        ids = _cells(part).get("packed_sequence_mask")
+        if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[-1] != kv_length:
+            return False
+        parts.docs.append(ids)
+    elif name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+        # Within one packed sequence, positions grow by exactly 1 per token (that is how HF
+        # finds the sequences), so the inner pattern on positions equals it on indices.
+        inner = _structured(
+            _cells(part).get("mask_function"),
+            aligned=aligned,
+            q_length=q_length,
+            kv_length=kv_length,
+        )
+        return _read_remapped(inner, parts)
+    else:
+        return False
+    return True
+
+
+def _buildable(parts: _Parts, *, aligned: bool, q_length: int, kv_length: int) -> bool:
+    """Whether the parts form a pattern HF builds that attnlab can state at this alignment."""
+    if parts.remapped and not parts.docs:
+        return False
+    if parts.window is not None and not parts.causal:
+        return False  # a one-sided overlay alone is not a pattern HF builds
+    if parts.bi_window is not None and not parts.full:
+        return False
+    positional = parts.causal or parts.window is not None or parts.bi_window is not None
+    if (positional or parts.docs) and not aligned:
+        return False
+    return not (parts.docs and q_length != kv_length)
+
+
+def _combined(parts: _Parts) -> Mask | str:
+    """The attnlab mask of the parts (their ``&``), or `_FULL` when nothing restricts."""
     terms: list[Mask] = []
-    if window is not None:
-        terms.append(masks.sliding_window(window))
-    elif causal:
+    if parts.window is not None:
+        terms.append(masks.sliding_window(parts.window))
+    elif parts.causal:
         terms.append(masks.causal())
-    if bi_window is not None:
-        terms.append(masks.sliding_window(bi_window + 1, causal=False))
-    for ids in docs:
+    if parts.bi_window is not None:
+        terms.append(masks.sliding_window(parts.bi_window + 1, causal=False))
+    for ids in parts.docs:
         doc = masks.DocumentMask(ids)
         doc.runs_distinct = True  # HF numbers the sequences by a cumulative sum: one run each
         terms.append(doc)
@@ -161,6 +178,22 @@ def _structured(
     for t in terms[1:]:
         out = out & t
     return out
+
+
+def _structured(
+    mask_function: Callable, *, aligned: bool, q_length: int, kv_length: int
+) -> Mask | str | None:
+    """The attnlab mask equal to ``mask_function``, `_FULL`, or None (not recognised).
+
+    ``aligned``: HF's query/key offsets match attnlab's bottom-right alignment, so masks that
+    depend on the query position may be used.
+    """
+    parts = _Parts()
+    shape = {"aligned": aligned, "q_length": q_length, "kv_length": kv_length}
+    for part in _flatten(mask_function):
+        if not _read_part(part, parts, **shape):
+            return None
+    return _combined(parts) if _buildable(parts, **shape) else None
 
 
 def _key_padding(attention_mask: Tensor, kv_length: int, kv_offset: int) -> Tensor:
@@ -233,7 +266,7 @@ def hf_mask(
     mask_function: Callable | None = None,
     attention_mask: Tensor | HFMask | None = None,
     device: torch.device | str | None = "cpu",
-    **kwargs: object,
+    **_kwargs: object,
 ) -> HFMask | None:
     """transformers' mask interface for ``attn_implementation="attnlab"``: an attnlab `Mask`.
 
@@ -253,7 +286,7 @@ def hf_mask(
             (True/1 = a real token), None, or an `HFMask` this function built ahead of the forward
             (static-cache generation), returned as it is.
         device: where HF builds its masks (the padding mask's device is used when given).
-        **kwargs: the other keywords HF passes (``local_size``, ``dtype``, ``config``,
+        **_kwargs: the other keywords HF passes (``local_size``, ``dtype``, ``config``,
             ``allow_is_causal_skip``, ``use_vmap``...); they do not change the mask.
 
     Returns:

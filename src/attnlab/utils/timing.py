@@ -70,7 +70,7 @@ def best_times(
         name -> the smallest time in seconds.
     """
     check_int("repeats", repeats, minimum=1)
-    step = on_step if on_step is not None else (lambda what: None)
+    step = on_step if on_step is not None else (lambda _what: None)
     best = dict.fromkeys(fns, math.inf)
     if warmup:
         for name, fn in fns.items():

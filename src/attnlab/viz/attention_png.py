@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import Tensor
 
+from .._shapes import check_int, check_number
 from ..utils.extras import require
 from .attention_view import _display, check_attention, entropies
 from .heatmap import PathLike, save_figure, wrap_to_width
@@ -92,12 +93,10 @@ def attention_figure(
     matplotlib = require("matplotlib", "viz", "attnlab.viz.attention_png")
     np = require("numpy", "viz", "attnlab.viz.attention_png")
     tokens, w, m = check_attention(tokens, weights, mask)
-    if not isinstance(gamma, (int, float)) or isinstance(gamma, bool) or not 0 < gamma <= 1:
-        raise ValueError(f"gamma must be a number in (0, 1], got {gamma!r}")
-    if max_labels is not None and (
-        isinstance(max_labels, bool) or not isinstance(max_labels, int) or max_labels < 0
-    ):
-        raise ValueError(f"max_labels must be None or an int >= 0, got {max_labels!r}")
+    if check_number("gamma", gamma, positive=True) > 1:
+        raise ValueError(f"gamma must be in (0, 1], got {gamma!r}")
+    if max_labels is not None:
+        check_int("max_labels", max_labels, minimum=0)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import PowerNorm
     from matplotlib.figure import Figure

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from .._shapes import check_int
 from ..analysis.weights import entropy, top_weights
 
 if TYPE_CHECKING:
@@ -150,8 +151,7 @@ def _layer_tuple(weights: Sequence[Any], batch: int) -> Tensor:
 
 
 def _check_batch(batch: int, size: int, what: str) -> None:
-    if isinstance(batch, bool) or not isinstance(batch, int) or not 0 <= batch < size:
-        raise ValueError(f"batch must be an int in [0, {size}) for {what}, got {batch!r}")
+    check_int(f"batch for {what}", batch, minimum=0, maximum=size - 1)
 
 
 def _as_weights(weights: Tensor | Sequence[Any] | Any, batch: int | None) -> Tensor:
@@ -438,31 +438,20 @@ def attention_data(
     got = check_inputs(tokens, weights, mask, key_tokens=key_tokens, key_mask=key_mask, batch=batch)
     w = got.weights
     Ly, H, T, S = w.shape
-    for name, value, lowest in (
-        ("topk", topk, 1),
-        ("max_tokens", max_tokens, 1),
-        ("thumb_size", thumb_size, 4),
-        ("decimals", decimals, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-            raise ValueError(f"{name} must be an int >= {lowest}, got {value!r}")
-    if decimals > 8:
-        raise ValueError(f"decimals must be in [1, 8], got {decimals}")
-    for name, value, size in (("layer", layer, Ly), ("head", head, H)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
-            raise ValueError(f"{name} must be an int in [0, {size}), got {value!r}")
+    check_int("topk", topk, minimum=1)
+    check_int("max_tokens", max_tokens, minimum=1)
+    check_int("thumb_size", thumb_size, minimum=4)
+    check_int("decimals", decimals, minimum=1, maximum=8)
+    check_int("layer", layer, minimum=0, maximum=Ly - 1)
+    check_int("head", head, minimum=0, maximum=H - 1)
     if sentence_b_start is not None:
         if got.key_tokens is not None:
             raise ValueError(
                 "sentence_b_start applies to self-attention over a sentence pair, got it with "
                 "key_tokens (cross-attention)"
             )
-        sb = sentence_b_start
-        if isinstance(sb, bool) or not isinstance(sb, int) or not 1 <= sb < T:
-            raise ValueError(
-                f"sentence_b_start must be an int in [1, {T}) (both sentences non-empty), got "
-                f"{sb!r}"
-            )
+        # both sentences non-empty
+        check_int("sentence_b_start", sentence_b_start, minimum=1, maximum=T - 1)
     rows, entropy = entropies(w, got.mask)  # (layers, heads, T), (layers, heads)
     data: dict[str, Any] = {
         "version": 2,
@@ -802,8 +791,7 @@ def attention_text(
     got = check_inputs(tokens, weights, mask, key_tokens=key_tokens, batch=batch)
     tokens, w, m = got.tokens, got.weights, got.mask
     Ly, H, T, S = w.shape
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
+    check_int("k", k, minimum=1)
     chosen = []
     for name, sel, size in (("layers", layers, Ly), ("heads", heads, H)):
         picked = list(range(size)) if sel is None else list(sel)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from .._shapes import check_int
 from ..utils.extras import require
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -250,8 +251,7 @@ def heatmaps_figure(
         raise ValueError(
             f"titles must have one entry per matrix ({len(panels)}), got {len(titles)}"
         )
-    if isinstance(ncols, bool) or not isinstance(ncols, int) or ncols < 1:
-        raise ValueError(f"ncols must be a positive int, got {ncols!r}")
+    check_int("ncols", ncols, minimum=1)
     numpy = require("numpy", "viz", "attnlab.viz")
     data = [as_matrix(f"matrices[{n}]", m) for n, m in enumerate(panels)]
     vmin = vmax = None

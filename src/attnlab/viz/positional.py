@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .._shapes import check_int
 from ..masks import Mask, causal
 from ..positional import RoPE, dense_bias, sinusoidal
 from .heatmap import (
@@ -177,8 +178,9 @@ def bias_figure(
             otherwise; None draws every cell.
     """
     H = num_heads if num_heads is not None else getattr(bias, "num_heads", None)
-    if not isinstance(H, int) or isinstance(H, bool) or H < 1:
-        raise ValueError(f"num_heads must be given for this bias (a positive int), got {H!r}")
+    if H is None:
+        raise ValueError("num_heads must be given for this bias (a positive int), got None")
+    check_int("num_heads", H, minimum=1)
     if isinstance(mask, str) and mask != "auto":
         raise ValueError(f"mask must be a Mask, None or 'auto', got {mask!r}")
     if mask == "auto":
