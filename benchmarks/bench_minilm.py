@@ -87,7 +87,7 @@ def fixed_batches(model, texts: list[str], batch_size: int) -> torch.Tensor:
     with torch.inference_mode():
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
-            batch, mask = model._pad([ids[i] for i in chunk], torch.device("cpu"))
+            batch, mask = model.pad_batch([ids[i] for i in chunk], torch.device("cpu"))
             out[chunk] = model(batch, mask)
     return out
 

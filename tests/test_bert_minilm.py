@@ -449,7 +449,7 @@ def test_minilm_padding_and_batching_invariance(mini):
     torch.testing.assert_close(batched, alone, atol=1e-6, rtol=0)
     # Padding must really be exercised: one padded forward pass over different lengths.
     lengths = [len(ids) for ids in mini.tokenize(SENTENCES)]
-    batch, mask = mini._pad(mini.tokenize(SENTENCES), torch.device("cpu"))
+    batch, mask = mini.pad_batch(mini.tokenize(SENTENCES), torch.device("cpu"))
     assert mask is not None and len(set(lengths)) > 3
     with torch.inference_mode():
         padded = mini(batch, mask)

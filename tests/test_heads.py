@@ -219,7 +219,7 @@ def test_batched_ablation_equals_gated_forwards(model) -> None:
     forward per ablated head, for a few heads."""
     from attnlab.analysis import head_gates
 
-    batch = model._pad(model.tokenize(alice_sentences(2)), torch.device("cpu"))
+    batch = model.pad_batch(model.tokenize(alice_sentences(2)), torch.device("cpu"))
     with torch.no_grad():
         ref = model(*batch)
         scores = ablation_importance(model, batch, ref, heads_per_pass=36)
@@ -236,7 +236,7 @@ def test_batched_ablation_equals_gated_forwards(model) -> None:
 def test_batched_ablation_equals_head_importance(model) -> None:
     from attnlab.analysis import head_importance
 
-    batch = model._pad(model.tokenize(alice_sentences(2)), torch.device("cpu"))
+    batch = model.pad_batch(model.tokenize(alice_sentences(2)), torch.device("cpu"))
     with torch.no_grad():
         ref = model(*batch)
 

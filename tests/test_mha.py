@@ -63,7 +63,7 @@ def test_c3_gqa_equals_mha_with_repeat_interleaved_kv_not_tiled():
     gqa = MultiHeadAttention(32, 4, num_kv_heads=2).double()
     mha = MultiHeadAttention(32, 4).double()
     D = 8
-    (wq, bq), (wk, bk), (wv, bv) = gqa._weights()
+    (wq, bq), (wk, bk), (wv, bv) = gqa.projection_weights()
 
     def interleave(t):
         return t.view(2, D, *t.shape[1:]).repeat_interleave(2, 0).reshape(4 * D, *t.shape[1:])

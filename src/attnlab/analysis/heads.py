@@ -434,7 +434,7 @@ def ablation_importance(
 
     Args:
         model: a `attnlab.models.MiniLM`.
-        batch: padded ``(N, T)`` ids and mask (or None), as ``MiniLM._pad`` returns them.
+        batch: padded ``(N, T)`` ids and mask (or None), as ``MiniLM.pad_batch`` returns them.
         ref: ``(N, E)`` the unpruned embeddings of the batch.
         heads_per_pass: ablated heads per forward pass.
     """
@@ -503,7 +503,7 @@ def pruning_sweep(
     device = model.encoder.word_embeddings.weight.device
 
     def batch_of(part: list[str]) -> tuple[Tensor, Tensor | None]:
-        return model._pad(model.tokenize(part), device)  # (N, T), (N, T) or None
+        return model.pad_batch(model.tokenize(part), device)  # (N, T), (N, T) or None
 
     eval_batch = batch_of(texts[:eval_sentences])
     imp_batch = batch_of(texts[eval_sentences:])

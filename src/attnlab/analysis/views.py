@@ -27,9 +27,9 @@ from .._shapes import check_number
 def _projections(
     mha: nn.Module,
 ) -> tuple[tuple[Tensor, Tensor | None], tuple[Tensor, Tensor | None]]:
-    if not hasattr(mha, "_weights") or not hasattr(mha, "head_dim"):
+    if not hasattr(mha, "projection_weights") or not hasattr(mha, "head_dim"):
         raise TypeError(f"mha must be an attnlab.MultiHeadAttention, got {type(mha).__name__}")
-    (wq, bq), (wk, bk), _ = mha._weights()
+    (wq, bq), (wk, bk), _ = mha.projection_weights()
     return (wq, bq), (wk, bk)
 
 

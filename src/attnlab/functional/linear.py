@@ -236,11 +236,11 @@ class _GivenFeatures:
         dfq[:, :, :, :dead].zero_()  # rows that see no key
         self.grads = dfq, dfk, dv
 
-    def query_grad(self, a: int, m: int, fq: Tensor, dfq: Tensor) -> None:
+    def query_grad(self, a: int, m: int, fq: Tensor, dfq: Tensor) -> None:  # noqa: ARG002 (the scan source's protocol)
         assert self.grads is not None
         self.grads[0][:, :, :, a : a + m] = dfq
 
-    def key_grad(self, a: int, m: int, fk: Tensor, dfk: Tensor, dva: Tensor) -> None:
+    def key_grad(self, a: int, m: int, fk: Tensor, dfk: Tensor, dva: Tensor) -> None:  # noqa: ARG002 (the scan source's protocol)
         assert self.grads is not None
         self.grads[1][:, :, a : a + m] = dfk
         self.grads[2][:, :, a : a + m] = dva[..., :-1]

@@ -58,7 +58,7 @@ def _relu_forward(x: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.nan_to_num(x.to(dtype), 0.0, 0.0, 0.0).relu()
 
 
-def _relu_backward(x: Tensor, y: Tensor, grad: Tensor, x_finite: bool) -> Tensor:
+def _relu_backward(x: Tensor, y: Tensor, grad: Tensor, x_finite: bool) -> Tensor:  # noqa: ARG001 (autograd's backward signature)
     return torch.where(y > 0, grad, 0.0).to(x.dtype)  # cleaned entries have φ = 0
 
 
@@ -122,7 +122,7 @@ class _CleanWithOnes(torch.autograd.Function):
         return _with_ones_forward(v, dtype)
 
     @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
+    def setup_context(ctx, inputs, output) -> None:  # noqa: ARG004 (autograd's backward signature)
         ctx.save_for_backward(inputs[0])
 
     @staticmethod

@@ -58,7 +58,7 @@ def _check_mask_interface(module: nn.Module) -> None:
     masking = sys.modules.get("transformers.masking_utils")
     if impl is None or masking is None:
         return
-    if impl not in masking.AttentionMaskInterface._global_mapping:
+    if impl not in masking.AttentionMaskInterface._global_mapping:  # noqa: SLF001 (transformers' registry has no public lookup)
         raise UnsupportedAttentionError(
             f"attn_implementation={impl!r} reaches attnlab without a registered mask function, "
             "so transformers passes no mask and padding would be silently ignored: use "

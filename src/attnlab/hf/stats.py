@@ -167,7 +167,7 @@ def _swapped(function: Any) -> Iterator[None]:
     block; the previous local entry (usually none) is restored afterwards."""
     modeling = require("transformers.modeling_utils", "hf", "attnlab.hf.attention_stats")
     table = modeling.ALL_ATTENTION_FUNCTIONS
-    local = table._local_mapping
+    local = table._local_mapping  # noqa: SLF001 (restores transformers' exact previous entry)
     had, before = NAME in local, local.get(NAME)
     local[NAME] = function
     try:

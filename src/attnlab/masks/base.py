@@ -123,7 +123,7 @@ class Mask:
     num_heads: int | None = None
 
     # ----------------------------------------------------------------- definition
-    def mod(self, b: Tensor, h: Tensor, p: Tensor, j: Tensor, S: int) -> Tensor:
+    def mod(self, b: Tensor, h: Tensor, p: Tensor, j: Tensor, S: int) -> Tensor:  # noqa: ARG002 (the Mask protocol's signature)
         """The index function on aligned positions: True where query ``p`` may attend key ``j``.
 
         The default evaluates `diagonals`: ``∨_pieces (lo <= j − p <= hi) ∧ (j − p ≡ anchor
@@ -265,7 +265,7 @@ class Mask:
         first = None if lo is None else (p + lo).clamp(0, S).view(1, 1, L)
         return first, (p + hi + 1).clamp(0, S).view(1, 1, L)
 
-    def geometry(self, L: int, S: int) -> Geometry | None:
+    def geometry(self, L: int, S: int) -> Geometry | None:  # noqa: ARG002 (the Mask protocol's signature)
         """The mask's structure for an exact pair count (`counts.Geometry`), or None.
 
         The one counting hook: diagonals, a per-batch key limit, per-batch runs of keys, or the
@@ -840,7 +840,7 @@ class FnMask(Mask):
         self.batch_size, self.num_heads = batch_size, num_heads
         self.name = name or getattr(fn, "__name__", "fn")
 
-    def mod(self, b, h, p, j, S):
+    def mod(self, b, h, p, j, S):  # noqa: ARG002 (the Mask protocol's signature)
         out = self.fn(b, h, p, j)
         # Checked here, not only on the final result: inside `&`/`|` a Python bool or an int
         # tensor would otherwise be silently absorbed (or fail with a torch-internal error), and

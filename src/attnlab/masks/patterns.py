@@ -105,22 +105,22 @@ class PaddingMask(Mask):
         if isinstance(lengths, (list, tuple)):
             self.py_lengths = tuple(int(n) for n in lengths)
 
-    def mod(self, b, h, p, j, S):
+    def mod(self, b, h, p, j, S):  # noqa: ARG002 (the Mask protocol's signature)
         n = self.lengths.to(j.device)
         # One length broadcasts over a batch of any size (batch_size 1 combines with any batch).
         return j < (n[b] if n.numel() != 1 else n.view(1, 1, 1, 1))
 
-    def block_codes(self, L, S, bq, bk, nb, nh, device):
+    def block_codes(self, L, S, bq, bk, nb, nh, device):  # noqa: ARG002 (the Mask protocol's signature)
         _, _, k0, k1 = tile_bounds(L, S, bq, bk, device)
         n = self.lengths.to(device).view(-1, 1)  # (B, 1)
         codes = torch.where(k1 <= n, FULL, torch.where(k0 >= n, EMPTY, PARTIAL)).to(torch.int8)
         nq, nk = -(-L // bq), k0.numel()
         return codes.view(-1, 1, 1, nk).expand(-1, 1, nq, nk).clone()
 
-    def key_interval(self, L, S, *, device=None):
+    def key_interval(self, L, S, *, device=None):  # noqa: ARG002 (the Mask protocol's signature)
         return None, self.lengths.to(device).clamp(max=S).view(-1, 1, 1)
 
-    def geometry(self, L, S):
+    def geometry(self, L, S):  # noqa: ARG002 (the Mask protocol's signature)
         return Geometry(key_limit=[int(n) for n in self.lengths.tolist()])
 
     def default_size(self) -> tuple[int, int]:
@@ -176,7 +176,7 @@ class GlobalLocalMask(Mask):
         g = self.global_idx.to(pos.device)
         return torch.isin(pos, g)
 
-    def mod(self, b, h, p, j, S):
+    def mod(self, b, h, p, j, S):  # noqa: ARG002 (the Mask protocol's signature)
         return ((p - j).abs() < _cap(self.window)) | self._is_global(p) | self._is_global(j)
 
     def block_codes(self, L, S, bq, bk, nb, nh, device):
@@ -277,12 +277,12 @@ class BigBirdMask(Mask):
     def natural_block(self) -> int:
         return static_int(self.block_size)
 
-    def mod(self, b, h, p, j, S):
+    def mod(self, b, h, p, j, S):  # noqa: ARG002 (the Mask protocol's signature)
         block = _cap(self.block_size)
         qb = torch.div(p, block, rounding_mode="floor")
         return self._block_keep(qb, torch.div(j, block, rounding_mode="floor"), S)
 
-    def block_codes(self, L, S, bq, bk, nb, nh, device):
+    def block_codes(self, L, S, bq, bk, nb, nh, device):  # noqa: ARG002 (the Mask protocol's signature)
         # The mask is constant on (query block, key block) cells: tiles from the cell table.
         block = _cap(self.block_size)
         p0, p1, k0, k1 = tile_bounds(L, S, bq, bk, device)
@@ -361,7 +361,7 @@ class DocumentMask(Mask):
             raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()}")
         return cls.from_lengths(cu.diff())
 
-    def mod(self, b, h, p, j, S):
+    def mod(self, b, h, p, j, S):  # noqa: ARG002 (the Mask protocol's signature)
         if self.ids.shape[-1] != S:
             raise ValueError(f"document ids cover {self.ids.shape[-1]} positions, but S={S}")
         if S == 0:  # no key positions: nothing to look up (ids[..., 0] would be out of range)

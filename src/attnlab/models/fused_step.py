@@ -66,9 +66,9 @@ def setting() -> str:
 
 
 def _hooked(modules: tuple[nn.Module | None, ...]) -> bool:
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:  # noqa: SLF001 (nn.Module keeps its hooks in these dicts)
         return True
-    return any(m is not None and (m._forward_hooks or m._forward_pre_hooks) for m in modules)
+    return any(m is not None and (m._forward_hooks or m._forward_pre_hooks) for m in modules)  # noqa: SLF001 (nn.Module keeps its hooks in these dicts)
 
 
 def _params_ok(dtype: torch.dtype, tensors: tuple[Tensor | None, ...]) -> bool:

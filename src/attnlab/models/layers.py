@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
         bias: unused (RMSNorm has no bias); accepted so every norm has one signature.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = False) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = False) -> None:  # noqa: ARG002 (the norms share one signature)
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))

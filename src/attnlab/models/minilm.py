@@ -195,11 +195,13 @@ class MiniLM(nn.Module):
         with torch.inference_mode():
             for start, stop in plan_batches([len(ids[i]) for i in order], batch_size):
                 chunk = order[start:stop]
-                batch, mask = self._pad([ids[i] for i in chunk], weight.device)
+                batch, mask = self.pad_batch([ids[i] for i in chunk], weight.device)
                 out[torch.tensor(chunk, device=weight.device)] = self(batch, mask)
         return out
 
-    def _pad(self, seqs: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor | None]:
+    def pad_batch(
+        self, seqs: list[list[int]], device: torch.device
+    ) -> tuple[Tensor, Tensor | None]:
         """Right-pads ids to ``(B, T)``; the mask is None when every sequence has length T."""
         lengths = [len(s) for s in seqs]
         T = max(lengths)

@@ -75,7 +75,7 @@ class SpanLogMask:
     def __init__(self, z: Tensor, ramp: float) -> None:
         self.z, self.ramp, self.num_heads = z, ramp, int(z.shape[0])
 
-    def __call__(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    def __call__(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:  # noqa: ARG002 (a bias function is fn(b, h, i, j))
         x = (i - j).to(self.z.dtype)
         m = span_ramp(x, self.z[h], self.ramp)  # broadcast of (h, i, j)
         live = (m > 0) & (x >= 0)

@@ -328,7 +328,7 @@ class KVCache:
 def _dynamic_len(t: Tensor) -> Tensor:
     """Marks the sequence dimension of a cached tensor dynamic for `torch.compile` (eager only)."""
     if not torch.compiler.is_compiling():
-        torch._dynamo.maybe_mark_dynamic(t, 2)
+        torch._dynamo.maybe_mark_dynamic(t, 2)  # noqa: SLF001 (maybe_mark_dynamic is only in torch._dynamo)
     return t
 
 

@@ -148,7 +148,7 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = StreamLinear(H * D, E, bias=bias)
 
     # ------------------------------------------------------------------ projections
-    def _weights(self) -> tuple[tuple[Tensor, Tensor | None], ...]:
+    def projection_weights(self) -> tuple[tuple[Tensor, Tensor | None], ...]:
         """``((W_q, b_q), (W_k, b_k), (W_v, b_v))`` as views of the parameters."""
         if self.qkv_proj is None:
             return tuple((p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj))  # type: ignore[union-attr]
@@ -171,7 +171,7 @@ class MultiHeadAttention(nn.Module):
             # (B, H + 2 H_kv, L, D): the same views as splitting first, in three ops instead of 7
             q, k, v = heads.split([H, H_kv, H_kv], dim=1)
             return q, k, v
-        (wq, bq), (wk, bk), (wv, bv) = self._weights()
+        (wq, bq), (wk, bk), (wv, bv) = self.projection_weights()
         key = query if key is None else key
         value = key if value is None else value
         q = gemv.linear(query, wq, bq)  # (B, L, H D)
@@ -385,7 +385,7 @@ class MultiHeadAttention(nn.Module):
                 f"{[len(gr) for gr in groups]}; GQA needs the same number of query heads per group"
             )
 
-        (wq, bq), (wk, bk), (wv, bv) = self._weights()
+        (wq, bq), (wk, bk), (wv, bv) = self.projection_weights()
 
         def rows(idx: list[int]) -> Tensor:  # the weight rows of heads idx, on the weights' device
             return torch.cat([torch.arange(i * D, (i + 1) * D, device=wq.device) for i in idx])

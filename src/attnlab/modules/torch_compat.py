@@ -237,7 +237,7 @@ class MultiheadAttention(nn.Module):
         """
         params = (self.in_proj_weight, self.in_proj_bias, self.out_proj.weight, self.out_proj.bias)
         tensors = (query, key, value, *params)
-        allowed_devices = ("cpu", "cuda", torch._C._get_privateuse1_backend_name())
+        allowed_devices = ("cpu", "cuda", torch._C._get_privateuse1_backend_name())  # noqa: SLF001 (torch's own check uses this name)
         return not (
             _is_float(attn_mask)
             or _is_float(key_padding_mask)

@@ -89,7 +89,7 @@ class ALiBi(nn.Module):
         """``(H,)`` float64 slopes, as in the paper (see `alibi_slopes`)."""
         return self._slopes.clone()
 
-    def forward(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    def forward(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:  # noqa: ARG002 (a bias function is fn(b, h, i, j))
         """The bias on broadcastable Long index tensors.
 
         Args:

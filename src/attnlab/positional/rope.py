@@ -41,7 +41,7 @@ def rope_tables(
 
 
 @rope_tables.register_fake
-def _(positions, inv_freq, scale, dtype):
+def _(positions, inv_freq, scale, dtype):  # noqa: ARG001 (a custom op's fake kernel takes the op's arguments)
     shape = (*positions.shape, inv_freq.shape[0])
     return positions.new_empty(shape, dtype=dtype), positions.new_empty(shape, dtype=dtype)
 

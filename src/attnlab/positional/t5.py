@@ -130,7 +130,7 @@ class T5RelativeBias(nn.Module):
             bidirectional=self.bidirectional,
         )
 
-    def forward(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    def forward(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:  # noqa: ARG002 (a bias function is fn(b, h, i, j))
         """The bias on broadcastable Long index tensors.
 
         Args:

@@ -154,7 +154,7 @@ class _FlashFunction(torch.autograd.Function):
     """``(out, lse)`` of a job; its backward is `_FlashBackward` (so it can be vmapped)."""
 
     @staticmethod
-    def forward(q: Tensor, k: Tensor, v: Tensor, job: FlashJob, *biases: Tensor):
+    def forward(q: Tensor, k: Tensor, v: Tensor, job: FlashJob, *biases: Tensor):  # noqa: ARG004 (autograd.Function's signature)
         # biases: the bias tensors that need gradients (also held, in order, by job.source)
         return job.forward(q, k, v)
 
@@ -191,18 +191,19 @@ class _FlashBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(dout, dlse, q, k, v, out, lse, job: FlashJob, *biases):
-        if torch._C._functorch.is_legacy_batchedtensor(dout):
+        if torch._C._functorch.is_legacy_batchedtensor(dout):  # noqa: SLF001 (torch's legacy vmap has no public API)
             # autograd's is_grads_batched vmaps the backward graph with the legacy batching,
             # which bypasses `vmap` below: unwrap dout, run per slice, batch the results.
-            level = torch._C._vmapmode_increment_nesting() - 1  # the innermost vmap level
-            torch._C._vmapmode_decrement_nesting()
-            plain = torch._remove_batch_dim(dout, level, 1, 0)  # (N, B, H, L, Dv)
+            level = torch._C._vmapmode_increment_nesting() - 1  # the innermost vmap level  # noqa: SLF001 (torch's legacy vmap has no public API)
+            torch._C._vmapmode_decrement_nesting()  # noqa: SLF001 (torch's legacy vmap has no public API)
+            plain = torch._remove_batch_dim(dout, level, 1, 0)  # (N, B, H, L, Dv)  # noqa: SLF001 (torch's legacy vmap has no public API)
             parts = [
                 _FlashBackward.forward(plain[i], dlse, q, k, v, out, lse, job, *biases)
                 for i in range(plain.shape[0])
             ]
             return tuple(
-                torch._add_batch_dim(torch.stack(col), 0, level) for col in zip(*parts, strict=True)
+                torch._add_batch_dim(torch.stack(col), 0, level)  # noqa: SLF001 (as above)
+                for col in zip(*parts, strict=True)
             )
         with torch.no_grad():
             res = Residuals(dout=dout.contiguous(), q=q, k=k, v=v, out=out, lse=lse)
@@ -219,7 +220,7 @@ class _FlashBackward(torch.autograd.Function):
         pass
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx, *grads):  # noqa: ARG004 (autograd.Function's signature)
         raise RuntimeError(_DOUBLE_BACKWARD)
 
     @staticmethod

@@ -38,8 +38,8 @@ from .tiling import CALL_CAUSAL, CALL_MASKED, BandCall, Call
 
 _NEG_INF = float("-inf")
 
-_KERNEL_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_KERNEL_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_KERNEL_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default  # noqa: SLF001 (aten's CPU flash kernel has no public name)
+_KERNEL_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default  # noqa: SLF001 (aten's CPU flash kernel has no public name)
 
 DsSink = Callable[[int, int, int, int, Tensor], None]
 """``sink(r0, r1, c0, c1, dS)``: receives the logit gradient ``(nb, H, r, c)`` of one tile."""

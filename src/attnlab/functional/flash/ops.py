@@ -45,7 +45,7 @@ class OffsetTable:
     def __init__(self, table: Tensor, S: int) -> None:
         self.table, self.S = table, S
 
-    def __call__(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    def __call__(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:  # noqa: ARG002 (a bias function is fn(b, h, i, j))
         d = (j - i + (self.S - 1)).clamp(0, self.table.shape[-1] - 1)  # (…, Lt, St)
         return self.table[h, d]  # (1|B, H, Lt, St)
 
@@ -133,7 +133,7 @@ def flash_fwd(
 
 
 @flash_fwd.register_fake
-def _(q, k, v, mask_tensors, float_mask, bias, mask_spec, scale, softcap, rel_bias):
+def _(q, k, v, mask_tensors, float_mask, bias, mask_spec, scale, softcap, rel_bias):  # noqa: ARG001 (a custom op's fake kernel takes the op's arguments)
     B, H, L, _ = q.shape
     return (
         q.new_empty(B, H, L, v.shape[-1]),
@@ -210,7 +210,7 @@ def flash_bwd(
 
 
 @flash_bwd.register_fake
-def _(dout, dlse, q, k, v, out, lse, t, tensors, float_mask, bias, spec, scale, softcap, rb):
+def _(dout, dlse, q, k, v, out, lse, t, tensors, float_mask, bias, spec, scale, softcap, rb):  # noqa: ARG001 (a custom op's fake kernel takes the op's arguments)
     # contiguous whatever the inputs' layout, as the real kernel returns them
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 

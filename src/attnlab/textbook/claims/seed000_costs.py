@@ -96,7 +96,7 @@ def _java_sample() -> Finding:
 
     torch.manual_seed(18)
     mha = MultiHeadAttention(16, 1).double().eval().requires_grad_(False)
-    (wq, bq), (wk, bk), (wv, bv) = mha._weights()
+    (wq, bq), (wk, bk), (wv, bv) = mha.projection_weights()
     x = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(18), dtype=torch.float64)
     lin = torch.nn.functional.linear
     Q, K, V = lin(x, wq, bq), lin(x, wk, bk), lin(x, wv, bv)  # wQ/wK/wV.forward(input)
@@ -108,7 +108,7 @@ def _java_sample() -> Finding:
     err = float((sample - mha(x)).abs().max())
     return Finding(
         computed=f"max |sample − MultiHeadAttention(16, 1)(x)| = {tiny(err)}",
-        call="the sample's six steps with mha._weights() and mha.out_proj vs mha(x)",
+        call="the sample's six steps with mha.projection_weights() and mha.out_proj vs mha(x)",
         **judged(err < 1e-12, "the code sample differs from attention with an output projection"),
     )
 

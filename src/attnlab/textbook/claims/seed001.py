@@ -53,7 +53,7 @@ def _it_animal() -> Finding:
 def _self_attention() -> Finding:
     mha = _mha(6, 1, seed=0)
     x = _x(4, 6, seed=0)
-    (wq, bq), (wk, bk), (wv, bv) = mha._weights()
+    (wq, bq), (wk, bk), (wv, bv) = mha.projection_weights()
     q, k, v = x @ wq.T + bq, x @ wk.T + bk, x @ wv.T + bv  # (1, 4, 6) each
     a = torch.softmax(q @ k.mT / 6**0.5, dim=-1)  # (1, 4, 4)
     want = mha.out_proj(a @ v)

@@ -89,7 +89,7 @@ def _mha(E: int = 16, H: int = 4, *, bias: bool = True, seed: int = 0):
 
 def _mha_parts(mha) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(W_q, W_k, W_v, W_o) of an attnlab MHA as torch Linear weights (out × in)."""
-    (wq, _), (wk, _), (wv, _) = mha._weights()
+    (wq, _), (wk, _), (wv, _) = mha.projection_weights()
     return wq.detach(), wk.detach(), wv.detach(), mha.out_proj.weight.detach()
 
 

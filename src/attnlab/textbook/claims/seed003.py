@@ -137,7 +137,7 @@ def _multihead() -> Finding:
     torch.manual_seed(1)
     mha = MultiHeadAttention(24, 4).double()
     x = _x(7, 24, seed=1)[0]  # (1, 7, 24)
-    (wq, bq), (wk, bk), (wv, bv) = mha._weights()
+    (wq, bq), (wk, bk), (wv, bv) = mha.projection_weights()
     heads = []
     for i in range(4):
         rows = slice(6 * i, 6 * (i + 1))
