@@ -623,6 +623,135 @@ def stats_temperature(mp) -> None:
     mp.setattr(attnlab, "attention_stats", attention_stats)
 
 
+def merge_weights(mp) -> None:
+    """merge_partials averages the parts' outputs with equal weights (their log-sum-exps unused
+    for the output)."""
+    import attnlab
+
+    original = attnlab.merge_partials
+
+    def merge_partials(outs, lses):
+        _, lse = original(outs, lses)
+        return sum(outs) / len(outs), lse
+
+    mp.setattr(attnlab, "merge_partials", merge_partials)
+
+
+def _estimate_edit(mp, edit) -> None:
+    """``estimate`` with ``edit(name, values, config)`` applied to each row's values (a copy);
+    the total FLOPs re-summed from the edited rows."""
+    import attnlab.analysis
+
+    original = attnlab.analysis.estimate
+    flops = ("QKV + output projections", "scores QKᵀ", "softmax", "weighted sum PV")
+
+    def estimate(*args, **kwargs):
+        est = original(*args, **kwargs)
+        rows = [(n, u, edit(n, dict(v), est.config)) for n, u, v in est.rows]
+        by_name = {n: v for n, _, v in rows}
+        if all(n in by_name for n in flops):
+            total = {i: sum(by_name[n][i] for n in flops) for i in by_name["total"]}
+            rows = [(n, u, total if n == "total" else v) for n, u, v in rows]
+        est.rows[:] = rows
+        return est
+
+    mp.setattr(attnlab.analysis, "estimate", estimate)
+
+
+def linear_state(mp) -> None:
+    """estimate counts linear attention's D×D state as a D-vector (its FLOPs linear in D)."""
+
+    def edit(name, values, c):
+        if name in ("scores QKᵀ", "weighted sum PV"):
+            values["linear"] /= c["D"]
+        return values
+
+    _estimate_edit(mp, edit)
+
+
+def flash_kept(mp) -> None:
+    """estimate has the tiled (flash) form keep the probabilities for backward, like naive."""
+
+    def edit(name, values, c):
+        if name == "activations kept for backward":
+            nb = _module("attnlab.analysis.estimate")._BYTES[c["dtype"]]
+            values["flash"] += c["layers"] * c["B"] * c["H"] * c["dense_pairs"] * nb
+        return values
+
+    _estimate_edit(mp, edit)
+
+
+def kept_layers(mp) -> None:
+    """estimate's activations kept for backward are one layer's, whatever the depth."""
+
+    def edit(name, values, c):
+        if name == "activations kept for backward":
+            values = {i: v / c["layers"] for i, v in values.items()}
+        return values
+
+    _estimate_edit(mp, edit)
+
+
+def score_width(mp) -> None:
+    """estimate's score FLOPs use d_model for the head width (QKᵀ and PV ×H)."""
+
+    def edit(name, values, c):
+        if name in ("scores QKᵀ", "weighted sum PV"):
+            values["naive"] *= c["H"]
+            values["flash"] *= c["H"]
+        return values
+
+    _estimate_edit(mp, edit)
+
+
+def projection_count(mp) -> None:
+    """estimate counts the projection weights of one head (``4·E·D``, not ``4·E²``)."""
+
+    def edit(name, values, c):
+        if name in ("projection weights", "projection weights + biases"):
+            values = {i: v / c["H"] for i, v in values.items()}
+        return values
+
+    _estimate_edit(mp, edit)
+
+
+def rope_range(mp) -> None:
+    """RoPE clamps positions to a cached table of 512 (positions beyond share its last angle)."""
+    rope = _module("attnlab.positional.rope")
+    original = rope.RoPE.forward
+
+    def forward(self, x, positions=None, **kwargs):
+        if isinstance(positions, torch.Tensor):
+            positions = positions.clamp(max=511)
+        return original(self, x, positions, **kwargs)
+
+    mp.setattr(rope.RoPE, "forward", forward)
+
+
+def window_tiles(mp) -> None:
+    """A sliding window's block map skips no tile (every empty tile computed as partial)."""
+    original = patterns.SlidingWindowMask.block_map
+
+    def block_map(self, *args, **kwargs):
+        codes = original(self, *args, **kwargs)
+        return torch.where(codes == 0, torch.ones_like(codes), codes)
+
+    mp.setattr(patterns.SlidingWindowMask, "block_map", block_map)
+
+
+def concat_order(mp) -> None:
+    """ConcatPositionalEncoding puts the positions first: ``[p; x]``."""
+    from attnlab.positional import ConcatPositionalEncoding
+
+    original = ConcatPositionalEncoding.forward
+
+    def forward(self, x, positions=None):
+        out = original(self, x, positions)
+        return torch.cat([out[..., x.shape[-1] :], out[..., : x.shape[-1]]], -1)
+
+    mp.setattr(ConcatPositionalEncoding, "forward", forward)
+
+
 MUTATIONS: dict[str, Apply] = {
     "scale": scale,
     "sinusoid": sinusoid_base,
@@ -672,4 +801,13 @@ MUTATIONS: dict[str, Apply] = {
     "cosine": cosine_unnormalised,
     "stats-axis": stats_axis,
     "temperature": stats_temperature,
+    "merge": merge_weights,
+    "linear-state": linear_state,
+    "flash-kept": flash_kept,
+    "kept-layers": kept_layers,
+    "score-width": score_width,
+    "projection-count": projection_count,
+    "rope-range": rope_range,
+    "window-tiles": window_tiles,
+    "concat": concat_order,
 }
