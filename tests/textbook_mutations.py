@@ -612,12 +612,12 @@ def stats_axis(mp) -> None:
 
 
 def stats_temperature(mp) -> None:
-    """``attention_stats`` ignores its temperature."""
+    """``attention_stats`` ignores its temperature and scale."""
     import attnlab
 
     original = attnlab.attention_stats
 
-    def attention_stats(*args, temperature=None, **kwargs):
+    def attention_stats(*args, temperature=None, scale=None, **kwargs):
         return original(*args, **kwargs)
 
     mp.setattr(attnlab, "attention_stats", attention_stats)
@@ -752,6 +752,114 @@ def concat_order(mp) -> None:
     mp.setattr(ConcatPositionalEncoding, "forward", forward)
 
 
+def full_width_heads(mp) -> None:
+    """MultiHeadAttention does not split d_model: every head is d_model wide (head_dim = E,
+    projections E → H·E)."""
+    from attnlab import MultiHeadAttention
+
+    init = MultiHeadAttention.__init__
+
+    def full_width(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        E, H, H_kv = self.embed_dim, self.num_heads, self.num_kv_heads
+        linear, bias = type(self.out_proj), self.out_proj.bias is not None
+        self.head_dim = E
+        if self.qkv_proj is not None:
+            self.qkv_proj = linear(E, (H + 2 * H_kv) * E, bias=bias)
+        else:
+            self.q_proj = linear(E, H * E, bias=bias)
+            self.k_proj = linear(self.kdim, H_kv * E, bias=bias)
+            self.v_proj = linear(self.vdim, H_kv * E, bias=bias)
+        self.out_proj = linear(H * E, E, bias=bias)
+
+    mp.setattr(MultiHeadAttention, "__init__", full_width)
+
+
+def attention_causal(mp) -> None:
+    """``attention`` applies a causal mask when none is given."""
+    import attnlab
+
+    original = attnlab.attention
+
+    def attention(*args, **kwargs):
+        if kwargs.get("mask") is None:
+            kwargs["mask"] = attnlab.masks.causal()
+        return original(*args, **kwargs)
+
+    mp.setattr(attnlab, "attention", attention)
+
+
+def minilm_transposed(mp) -> None:
+    """MiniLM.attentions returns each map transposed (keys × queries)."""
+    from attnlab.models import MiniLM
+
+    original = MiniLM.attentions
+
+    def attentions(self, text):
+        tokens, w = original(self, text)
+        return tokens, w.transpose(-1, -2)
+
+    mp.setattr(MiniLM, "attentions", attentions)
+
+
+def _scaling_experiment(mp, scale, spread) -> None:
+    """``scaling_experiment`` with the scaled logits ``raw · scale(d)`` and the variance columns
+    ``spread(logits)``."""
+    import attnlab.analysis
+
+    experiments = _module("attnlab.analysis.experiments")
+
+    def scaling_experiment(d_ks=(4, 16, 64, 256, 1024), samples=4096, keys=64, seed=0, device=None):
+        g = torch.Generator().manual_seed(seed)
+        rows = []
+        for d in d_ks:
+            q = torch.randn(samples, 1, d, generator=g, dtype=torch.float64).to(device)
+            k = torch.randn(samples, keys, d, generator=g, dtype=torch.float64).to(device)
+            raw = (q @ k.transpose(-1, -2)).squeeze(1)
+            scaled = raw * scale(d)
+            e_raw, j_raw = experiments._softmax_stats(raw)
+            e_sc, j_sc = experiments._softmax_stats(scaled)
+            rows.append([d, spread(raw), spread(scaled), e_raw, e_sc, j_raw, j_sc])
+        names = ["d_k", "var q·k", "var q·k/√d_k", "entropy", "entropy scaled", "grad norm"]
+        return experiments.ExperimentResult("Scaling", [*names, "grad norm scaled"], rows)
+
+    mp.setattr(experiments, "scaling_experiment", scaling_experiment)
+    mp.setattr(attnlab.analysis, "scaling_experiment", scaling_experiment)
+
+
+def experiment_std(mp) -> None:
+    """scaling_experiment's variance columns hold standard deviations."""
+    _scaling_experiment(mp, lambda d: d**-0.5, lambda x: float(x.std()))
+
+
+def experiment_scale(mp) -> None:
+    """scaling_experiment scales its logits by 1/d_k instead of 1/√d_k."""
+    _scaling_experiment(mp, lambda d: 1.0 / d, lambda x: float(x.var()))
+
+
+def strided_far(mp) -> None:
+    """A strided mask's far piece forgets its stride: every key beyond the local block."""
+
+    def diagonals(self):
+        s = self.stride
+        pieces = [(-(s - 1), 0 if self.causal else s - 1, 1, 0), (None, -s, 1, 0)]
+        return pieces if self.causal else [*pieces, (s, None, 1, 0)]
+
+    mp.setattr(patterns.StridedMask, "diagonals", diagonals)
+
+
+def complexity_path(mp) -> None:
+    """complexity_table gives self-attention the recurrent layer's path length n."""
+    costs = _module("attnlab.analysis.costs")
+    original = costs.complexity_table
+
+    def complexity_table(n, d, **kwargs):
+        rows = original(n, d, **kwargs)
+        return [{**r, "path": n} if r["layer"] == "self-attention" else r for r in rows]
+
+    mp.setattr(costs, "complexity_table", complexity_table)
+
+
 MUTATIONS: dict[str, Apply] = {
     "scale": scale,
     "sinusoid": sinusoid_base,
@@ -810,4 +918,11 @@ MUTATIONS: dict[str, Apply] = {
     "rope-range": rope_range,
     "window-tiles": window_tiles,
     "concat": concat_order,
+    "full-width": full_width_heads,
+    "attention-causal": attention_causal,
+    "minilm-transposed": minilm_transposed,
+    "experiment-std": experiment_std,
+    "experiment-scale": experiment_scale,
+    "strided": strided_far,
+    "complexity-path": complexity_path,
 }
