@@ -860,6 +860,43 @@ def complexity_path(mp) -> None:
     mp.setattr(costs, "complexity_table", complexity_table)
 
 
+def dot_feature_map(mp) -> None:
+    """The dot score prepares q and k with linear attention's feature map elu + 1."""
+    dot = scores.SCORES["dot"]
+    elu1 = lambda x: torch.nn.functional.elu(x) + 1  # noqa: E731
+    mp.setitem(scores.SCORES, "dot", scores.Score("dot", elu1, dot.default_scale))
+
+
+def weights_head_axis(mp) -> None:
+    """For 3-D inputs ``attention`` returns the weights with their head axis kept."""
+    import attnlab
+
+    original = attnlab.attention
+
+    def attention(q, *args, **kwargs):
+        res = original(q, *args, **kwargs)
+        if q.dim() == 3 and kwargs.get("return_weights") and isinstance(res, tuple):
+            return (res[0], res[1].unsqueeze(1), *res[2:])
+        return res
+
+    mp.setattr(attnlab, "attention", attention)
+
+
+def query_key_widths(mp) -> None:
+    """``attention`` accepts queries and keys of different widths (it zero-pads the narrower)."""
+    import attnlab
+
+    original = attnlab.attention
+
+    def attention(q, k, *args, **kwargs):
+        d = max(q.shape[-1], k.shape[-1])
+        q = torch.nn.functional.pad(q, (0, d - q.shape[-1]))
+        k = torch.nn.functional.pad(k, (0, d - k.shape[-1]))
+        return original(q, k, *args, **kwargs)
+
+    mp.setattr(attnlab, "attention", attention)
+
+
 MUTATIONS: dict[str, Apply] = {
     "scale": scale,
     "sinusoid": sinusoid_base,
@@ -925,4 +962,7 @@ MUTATIONS: dict[str, Apply] = {
     "experiment-scale": experiment_scale,
     "strided": strided_far,
     "complexity-path": complexity_path,
+    "dot-feature-map": dot_feature_map,
+    "weights-3d": weights_head_axis,
+    "widths": query_key_widths,
 }
