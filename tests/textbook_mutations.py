@@ -897,6 +897,28 @@ def query_key_widths(mp) -> None:
     mp.setattr(attnlab, "attention", attention)
 
 
+def naive_as_linear(mp) -> None:
+    """estimate's naive score rows hold the linear-attention counts (implementations mixed up)."""
+
+    def edit(name, values, c):
+        if name in ("scores QKᵀ", "softmax", "weighted sum PV"):
+            values["naive"] = values["linear"]
+        return values
+
+    _estimate_edit(mp, edit)
+
+
+def softmax_width(mp) -> None:
+    """estimate counts the softmax like the matmuls, per element and per head dimension."""
+
+    def edit(name, values, c):
+        if name == "softmax":
+            values = {i: v * c["D"] for i, v in values.items()}
+        return values
+
+    _estimate_edit(mp, edit)
+
+
 MUTATIONS: dict[str, Apply] = {
     "scale": scale,
     "sinusoid": sinusoid_base,
@@ -965,4 +987,6 @@ MUTATIONS: dict[str, Apply] = {
     "dot-feature-map": dot_feature_map,
     "weights-3d": weights_head_axis,
     "widths": query_key_widths,
+    "naive-as-linear": naive_as_linear,
+    "softmax-width": softmax_width,
 }
