@@ -235,17 +235,26 @@ def _additive_dims() -> Finding:
 
 
 def _additive_scores(m, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``e(q_i, k_i) = vᵀ tanh(W_q q_i + W_k k_i (+ b))`` of an `AdditiveAttention`, per pair."""
-    return torch.tanh(m.query_proj(q) + m.key_proj(k)) @ m.v
+    """``D(q_i, k_i) = e(q_i, k_i) − e(q_i, 0)`` of an `AdditiveAttention` per pair, read from
+    the module's own weights: each query attends to ``[k_i, 0]``, and the log-ratio of the two
+    weights is the difference of their scores (softmax cancels the rest). With ``e`` odd in
+    ``(q, k)`` (no bias), ``D`` is odd too; a bias inside the tanh makes both not odd."""
+    keys = torch.stack([k, torch.zeros_like(k)], 1)  # (N, 2, d)
+    _, w = m(q[:, None], keys, keys)  # (N, 1, 2)
+    return (w[:, 0, 0].log() - w[:, 0, 1].log()).detach()
 
 
 def _additive_by_hand(m, q: torch.Tensor, k: torch.Tensor):
-    """The same score from the module's weight matrices in numpy (the independent side)."""
+    """The same differences from the module's weight matrices in numpy (the independent side)."""
     import numpy as np
 
     wq, wk = m.query_proj.weight.numpy(), m.key_proj.weight.numpy()
     b = sum(lin.bias.numpy() for lin in (m.query_proj, m.key_proj) if lin.bias is not None)
-    return np.tanh(q.numpy() @ wq.T + k.numpy() @ wk.T + b) @ m.v.numpy()
+
+    def e(kk):
+        return np.tanh(q.numpy() @ wq.T + kk @ wk.T + b) @ m.v.numpy()
+
+    return e(k.numpy()) - e(np.zeros_like(k.numpy()))
 
 
 @check("000-add-d")
@@ -266,11 +275,12 @@ def _additive_universal() -> Finding:
         fit[bias] = float((x @ s) / (x @ x))
     wrong = odd[False] < 1e-12 and abs(fit[False]) < 1e-12 and odd[True] > 1e-3
     return Finding(
-        computed=f"bias-free: max |e(q, k) + e(−q, −k)| = {tiny(odd[False])} (odd), its best "
+        computed=f"bias-free: with D(q, k) = e(q, k) − e(q, 0) read from the module's weights, "
+        f"max |D(q, k) + D(−q, −k)| = {tiny(odd[False])} (odd), its best "
         f"multiple fitting q·k on the symmetric sample is {tiny(abs(fit[False]))}; with the tanh "
         f"bias: {odd[True]:.3g} (not odd)",
-        call="AdditiveAttention(8, 8, 64, bias=False|True): vᵀ tanh(query_proj(q) + key_proj(k)) "
-        "at (q, k) and (−q, −k)",
+        call="AdditiveAttention(8, 8, 64, bias=False|True)(q, [k, 0], [k, 0]): D = log w_k − "
+        "log w_0 at (q, k) and (−q, −k)",
         **judged(
             not wrong,
             "the formula as written (no bias) is odd in (q, k), so it cannot approximate an even "
@@ -279,7 +289,7 @@ def _additive_universal() -> Finding:
             Derivation(
                 by_hand,
                 "vᵀ tanh(W_q q + W_k k (+ b)) in numpy from the module's weight matrices, "
-                "equal to its scores to 1e-10",
+                "its differences equal to the module's to 1e-10",
             ),
         ),
     )

@@ -11,6 +11,7 @@ beside it, the claims' metadata in ``seed004.toml``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -297,17 +298,14 @@ def _term_variance() -> Finding:
 _DKS = (4, 64, 1024)
 
 
+@functools.cache
 def _scaling():
     """`scaling_experiment` at d_k = 4, 64, 1024 (256 queries × 32 keys, seed 0), run once."""
     from ...analysis import scaling_experiment
 
-    global _SCALING
-    if _SCALING is None:
-        _SCALING = scaling_experiment(d_ks=_DKS, samples=256, keys=32, seed=0)
-    return _SCALING
+    return scaling_experiment(d_ks=_DKS, samples=256, keys=32, seed=0)
 
 
-_SCALING = None
 _SCALING_CALL = "scaling_experiment(d_ks=(4, 64, 1024), samples=256, keys=32, seed=0)"
 
 
