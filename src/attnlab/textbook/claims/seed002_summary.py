@@ -136,7 +136,9 @@ def _sliding_window() -> Finding:
         r = ((r @ a) > 0).to(F64)
         reach.append(int(r[-1].sum()))
     pairs = {
-        n: _est(n, 4096, 32, window=4096).value("attended pairs per head", "flash")
+        n: _est(n, 4096, 32, mask=masks.sliding_window(4096)).value(
+            "attended pairs per head", "flash"
+        )
         for n in (16384, 32768)
     }
     ratio = pairs[32768] / pairs[16384]
@@ -144,7 +146,8 @@ def _sliding_window() -> Finding:
     return _found(
         f"last token's reach after 1–4 layers: {reach} tokens (= L·(W−1)+1); attended pairs "
         f"×{fmt(ratio, 4)} from n=16K to 32K",
-        "masks.sliding_window(4).to_dense(64, 64); estimate(n, 4096, 32, window=4096)",
+        "masks.sliding_window(4).to_dense(64, 64); "
+        "estimate(n, 4096, 32, mask=masks.sliding_window(4096))",
         ok,
         "the window's reach or cost do not behave as described",
     )
