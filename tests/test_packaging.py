@@ -145,7 +145,7 @@ def test_the_all_extra_is_every_user_extra_and_require_names_only_declared_extra
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     users = [name for name in extras if name not in ("all", "dev")]
-    assert users == ["cli", "viz", "models", "hf", "apps"]
+    assert users == ["cli", "viz", "models", "hf", "apps", "textbook"]
     assert extras["all"] == [f"attnlab[{','.join(users)}]"]
     assert set(EXTRAS) <= set(extras)
     assert project["dependencies"] == ["torch>=2.5,<3"]

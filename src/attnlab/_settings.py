@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-EXT = "ATTNLAB_EXT"
+EXT_MODE = "ATTNLAB_EXT"
 EXT_CACHE = "ATTNLAB_EXT_CACHE"
 EXT_QUIET = "ATTNLAB_EXT_QUIET"
 FLASH_LOWP = "ATTNLAB_FLASH_LOWP"
@@ -88,7 +88,7 @@ def turned_off(text: str | None) -> bool:
 
 
 VARIABLES: dict[str, str] = {
-    "ext": EXT,
+    "ext": EXT_MODE,
     "ext_cache": EXT_CACHE,
     "ext_quiet": EXT_QUIET,
     "flash_lowp": FLASH_LOWP,

@@ -80,7 +80,7 @@ import torch
 
 from .. import _settings
 
-ENV = _settings.EXT
+ENV = _settings.EXT_MODE
 CACHE_ENV = _settings.EXT_CACHE
 QUIET_ENV = _settings.EXT_QUIET
 CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off")

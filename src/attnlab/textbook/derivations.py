@@ -14,9 +14,25 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 
-F64 = np.float64
+class _NumPy:
+    """NumPy, imported on first use: `import attnlab.textbook` needs torch alone (the
+    derivations need NumPy when they run: ``pip install 'attnlab[textbook]'``)."""
+
+    def __getattr__(self, name: str) -> object:
+        try:
+            import numpy
+        except ModuleNotFoundError as err:
+            raise ModuleNotFoundError(
+                "attnlab.textbook needs numpy, which is not installed: "
+                'pip install "attnlab[textbook]"'
+            ) from err
+        return getattr(numpy, name)
+
+
+np = _NumPy()
+
+F64 = "float64"  # a dtype NumPy reads by name (no import here)
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:

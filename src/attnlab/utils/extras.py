@@ -13,7 +13,7 @@ import importlib
 from types import ModuleType
 
 # The extras declared in pyproject.toml's [project.optional-dependencies] that `require` names.
-EXTRAS = ("cli", "viz", "models", "hf", "apps", "all")
+EXTRAS = ("cli", "viz", "models", "hf", "apps", "textbook", "all")
 
 
 class MissingExtraError(ImportError):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -26,6 +25,7 @@ from ..core import (
     judged,
     tiny,
 )
+from ..derivations import np  # NumPy on first use (the textbook extra)
 
 F64 = torch.float64
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -19,6 +18,7 @@ from ..core import (
     fmt,
     tiny,
 )
+from ..derivations import np  # NumPy on first use (the textbook extra)
 from .seed002 import F64, _err, _found, _mha, _mha_by_hand, _qkv, _randn, _softmax_ref
 from .seed002_costs import _est
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import torch
 
 from .. import derivations as ind
@@ -19,6 +18,7 @@ from ..core import (
     judged,
     tiny,
 )
+from ..derivations import np  # NumPy on first use (the textbook extra)
 from .seed001 import SENTENCE, _minilm_attention
 
 #: §5's code sample, verbatim (whitespace-only lines emptied).

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from .. import derivations as ind
 from ..core import Derivation, Finding, check, fmt, judged
+from ..derivations import np  # NumPy on first use (the textbook extra)
 from .seed004 import F64, _close, _gen, _randn, _scores, _verdict
 
 
