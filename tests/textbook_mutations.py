@@ -919,6 +919,44 @@ def softmax_width(mp) -> None:
     _estimate_edit(mp, edit)
 
 
+def sinusoid_rows(mp) -> None:
+    """The sinusoidal table repeats its first row (positions indexed with a 0-d tensor that
+    broadcasts): every position gets ``PE[0]``."""
+    import attnlab.positional
+
+    original = attnlab.positional.sinusoidal
+
+    def sinusoidal(*args, **kwargs):
+        t = original(*args, **kwargs)
+        return t[..., :1, :].expand_as(t).clone()
+
+    mp.setattr(attnlab.positional, "sinusoidal", sinusoidal)
+
+
+def sinusoid_width(mp) -> None:
+    """The sinusoidal module keeps only its table's first column (a slice ``[..., :1]`` for
+    ``[..., :dim]``), so its output broadcasts against embeddings of any width."""
+    emb = _module("attnlab.positional").SinusoidalEmbedding
+    forward = emb.forward
+    mp.setattr(emb, "forward", lambda self, *a, **k: forward(self, *a, **k)[..., :1])
+
+
+def default_window(mp) -> None:
+    """`attention` without a mask reads it as a local window (``|i − j| ≤ 1``): a default left
+    over from a convolution-style layer."""
+    import attnlab
+    from attnlab import masks
+
+    original = attnlab.attention
+
+    def attention(*args, **kwargs):
+        if kwargs.get("mask") is None:
+            kwargs["mask"] = masks.sliding_window(2, causal=False)
+        return original(*args, **kwargs)
+
+    mp.setattr(attnlab, "attention", attention)
+
+
 MUTATIONS: dict[str, Apply] = {
     "scale": scale,
     "sinusoid": sinusoid_base,
@@ -989,4 +1027,7 @@ MUTATIONS: dict[str, Apply] = {
     "widths": query_key_widths,
     "naive-as-linear": naive_as_linear,
     "softmax-width": softmax_width,
+    "sinusoid-rows": sinusoid_rows,
+    "sinusoid-width": sinusoid_width,
+    "default-window": default_window,
 }
