@@ -47,3 +47,43 @@ def fresh_dynamo():
     counters.clear()
     yield
     torch._dynamo.reset()
+
+
+class _SettingsMonkeyPatch:
+    """pytest's ``monkeypatch`` that reads attnlab's settings again after each change.
+
+    attnlab reads its ``ATTNLAB_*`` variables once per process (`attnlab._settings`) and keeps
+    what it derives from them (whether its C++ kernels run, the flash options); a test that
+    sets a variable or patches the loader (``_ext._STATE``) wants the next call to see it, so
+    every ``setenv``/``delenv``/``setattr``/``delattr`` here ends with
+    `attnlab._settings.refresh`. Everything else is pytest's own.
+    """
+
+    def __init__(self, inner: pytest.MonkeyPatch) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._inner, name)
+        if name not in ("setenv", "delenv", "setattr", "delattr"):
+            return attr
+
+        def patched(*args, **kwargs):
+            result = attr(*args, **kwargs)
+            _refresh_settings()
+            return result
+
+        return patched
+
+
+def _refresh_settings() -> None:
+    from attnlab import _settings
+
+    _settings.refresh()
+
+
+@pytest.fixture
+def monkeypatch(monkeypatch):
+    """`_SettingsMonkeyPatch` around pytest's; its teardown (after pytest's undo) refreshes."""
+    yield _SettingsMonkeyPatch(monkeypatch)
+    monkeypatch.undo()
+    _refresh_settings()

@@ -3,7 +3,9 @@ and the request resolves its logit scale and mask forms once (`request.LogitTerm
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 
 import attnlab
 from attnlab import _settings, masks
+from attnlab.functional.flash import flash_options
 from attnlab.functional.request import logit_qk, sort_terms
 from attnlab.functional.validate import build_request
 
@@ -42,15 +45,40 @@ def test_attnlab_settings_are_read_in_one_module():
     assert not found, f"read the environment through attnlab._settings, not in {found}"
 
 
-def test_settings_follow_the_environment_and_are_parsed_once(monkeypatch):
-    monkeypatch.delenv(_settings.FLASH_LOWP, raising=False)
+def test_settings_are_read_once_per_process_until_refreshed(monkeypatch):
+    monkeypatch.delenv(_settings.FLASH_LOWP, raising=False)  # refreshes (tests/conftest.py)
     first = _settings.settings()
-    assert _settings.settings() is first  # nothing changed: the same record
-    monkeypatch.setenv(_settings.FLASH_LOWP, "  widen ")
-    changed = _settings.settings()
-    assert changed.flash_lowp == "widen" and changed is not first
+    assert _settings.settings() is first  # nothing read again: the same record
+    os.environ[_settings.FLASH_LOWP] = "  widen "  # behind attnlab's back: not seen ...
+    try:
+        assert _settings.settings() is first and _settings.text("flash_lowp") is None
+        assert flash_options().low_precision == "auto"
+        changed = _settings.refresh()  # ... until the settings are read again
+        assert changed.flash_lowp == "widen" and _settings.settings() is changed
+        assert flash_options().low_precision == "widen"  # the derived options were reset
+    finally:
+        del os.environ[_settings.FLASH_LOWP]
+        _settings.refresh()
     monkeypatch.setenv(_settings.FLASH_PLAN_CACHE, "off")
-    assert not _settings.settings().plan_cache_on
+    assert not _settings.settings().plan_cache_on and not flash_options().plan_cache
+
+
+def test_a_warm_flash_call_reads_no_setting(monkeypatch):
+    """Once the settings are read, an attention call does not enter `attnlab._settings`."""
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    attnlab.attention(q, k, v, mask=masks.sliding_window(8), backend="flash")  # warm
+    entered: list[str] = []
+
+    def hook(frame, event, _arg):
+        if event == "call" and frame.f_code.co_filename == _settings.__file__:
+            entered.append(frame.f_code.co_name)
+
+    sys.setprofile(hook)
+    try:
+        attnlab.attention(q, k, v, mask=masks.sliding_window(8), backend="flash")
+    finally:
+        sys.setprofile(None)
+    assert entered == []
 
 
 def test_mask_and_bias_are_sorted_by_form_once():

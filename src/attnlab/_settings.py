@@ -1,14 +1,14 @@
 """Every ``ATTNLAB_*`` setting of the attention path, read in this one module (`settings`).
 
-A setting is the stripped text of its environment variable (None when unset). `settings` reads
-them all into one frozen `Settings` record (made again only when a variable's text has changed
-since: a test's ``monkeypatch.setenv``, a user's ``os.environ[...] = ...``); `text` reads one,
-which is what the attention path does (one lookup per setting it needs, as before this module
-existed: a call reads the flash settings once, `functional.flash.plan.flash_options`). The
-modules that own a setting turn its text into a value and raise on a bad one, where the setting
-is used (`attnlab._ext.mode`, `functional.flash.engines.low_precision`,
-`functional.flash.band_kernel.engine_setting`, `functional.flash.plan.band_block_fwd`,
-`functional.flash.plan.cached_plan`, `functional.thresholds.enabled`); the fixed choices of
+A setting is the stripped text of its environment variable (None when unset). The variables are
+read once per process, on first use, into one frozen `Settings` record (`settings`); `text` and
+`choice` read one setting from it. `refresh` reads the environment again (a test's
+``monkeypatch.setenv``, a user who changes ``os.environ`` after the first attention call) and
+clears every value derived from the settings: modules that keep one register its reset with
+`on_refresh` (the flash options, whether the C++ kernels run). The modules that own a setting turn
+its text into a value and raise on a bad one, where the setting is used (`attnlab._ext.mode`,
+`functional.flash.engines.low_precision`, `functional.flash.band_kernel.engine_setting`,
+`functional.flash.plan.flash_options`, `functional.thresholds.enabled`); the fixed choices of
 `functional.gemv` and `models.fused_step` are read with `choice`.
 
 Core code imports only `os` here (no torch): `import attnlab` stays light.
@@ -17,6 +17,7 @@ Core code imports only `os` here (no torch): `import attnlab` stays light.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 EXT_MODE = "ATTNLAB_EXT"
@@ -106,16 +107,46 @@ VARIABLES: dict[str, str] = {
 
 assert set(VARIABLES) == {f.name for f in fields(Settings)}
 
-_STATE: tuple[tuple[str | None, ...] | None, Settings] = (None, Settings())
-"""The variables' raw text when last read, and the record made from it (swapped as one)."""
+_CURRENT: list[Settings] = []
+"""The record read from the environment (empty until the first read and after `refresh`)."""
+
+_RESETS: list[Callable[[], object]] = []
+"""What `refresh` calls: the resets of values derived from the settings (`on_refresh`)."""
+
+
+def on_refresh(reset: Callable[[], object]) -> None:
+    """Registers ``reset`` (e.g. a dict's ``clear``) to be called by `refresh`: a module that
+    keeps a value derived from the settings forgets it when they are read again."""
+    _RESETS.append(reset)
+
+
+def settings() -> Settings:
+    """The `Settings` of this process: read from the environment on first use (`refresh`)."""
+    return _CURRENT[0] if _CURRENT else refresh()
+
+
+def refresh() -> Settings:
+    """Reads every variable again and resets the values derived from them (`on_refresh`)."""
+    raw = [os.environ.get(name) for name in VARIABLES.values()]
+    text = [None if r is None else (r.strip() or None) for r in raw]
+    record = Settings(**dict(zip(VARIABLES, text, strict=True)))
+    _CURRENT[:] = [record]
+    forget()
+    return record
+
+
+def forget() -> None:
+    """Resets the values derived from the settings (`on_refresh`) without reading them again:
+    the next call asks again (`attnlab._ext.reporting` does this on entry and exit, so the
+    kernels a call involves are asked, and recorded, inside it)."""
+    for reset in _RESETS:
+        reset()
 
 
 def text(name: str) -> str | None:
-    """One setting's text, read now: ``name`` is a `Settings` field (``"ext"``,
-    ``"flash_lowp"``, ...); stripped, None when unset or empty. One environment lookup: what
-    the hot path reads (`settings` reads them all)."""
-    raw = os.environ.get(VARIABLES[name])
-    return None if raw is None else (raw.strip() or None)
+    """One setting's text: ``name`` is a `Settings` field (``"ext"``, ``"flash_lowp"``, ...);
+    stripped, None when unset or empty."""
+    return getattr(settings(), name)
 
 
 def choice(name: str, allowed: tuple[str, ...]) -> str:
@@ -132,17 +163,14 @@ def choice(name: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-def settings() -> Settings:
-    """The `Settings` of the current environment (read once; again only after a change)."""
-    global _STATE
-    raw = tuple(os.environ.get(name) for name in VARIABLES.values())
-    seen, current = _STATE
-    if raw == seen:
-        return current
-    text = [None if r is None else (r.strip() or None) for r in raw]
-    current = Settings(**dict(zip(VARIABLES, text, strict=True)))
-    _STATE = (raw, current)
-    return current
-
-
-__all__ = ["VARIABLES", "Settings", "choice", "settings", "text", "turned_off"]
+__all__ = [
+    "VARIABLES",
+    "Settings",
+    "choice",
+    "forget",
+    "on_refresh",
+    "refresh",
+    "settings",
+    "text",
+    "turned_off",
+]

@@ -656,10 +656,12 @@ def reporting() -> Iterator[dict[str, bool]]:
     `attnlab.explain` runs inside and reports them with `describe_kernels`."""
     asked: dict[str, bool] = {}
     token = _REPORTING.set(asked)
+    _settings.forget()  # the kernels' readiness, as callers keep it, is asked inside ...
     try:
         yield asked
     finally:
         _REPORTING.reset(token)
+        _settings.forget()  # ... and not kept after (an unbuilt kernel answered False)
 
 
 def describe_kernels(names: dict[str, bool] | list[str] | tuple[str, ...]) -> str:

@@ -37,11 +37,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _ext  # loads nothing until `_ext.load` is called (never at import)
+from .. import _ext, _settings  # _ext loads nothing until `_ext.load` is called (never at import)
 from .._shapes import stat_dtype
 
 _NAN = float("nan")
 _EXT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# Whether the scan's extension loaded, asked once per process (`attnlab._settings.forget`).
+_LOADED: list[bool] = []
+_settings.on_refresh(_LOADED.clear)
 
 
 def ext_ready(*xs: Tensor) -> bool:
@@ -104,13 +107,13 @@ def clean(x: Tensor) -> Tensor:
 
 def flash_ext_ready(x: Tensor) -> bool:
     """True if ``attnlab_flash.clean_copy`` (``_ext/flash_rule.cpp``) may scan ``x``: eager mode,
-    a CPU tensor of a float dtype, and the extension built (`attnlab._ext.load`)."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype in _EXT_DTYPES
-        and not torch.compiler.is_compiling()
-        and _ext.load("flash_rule")
-    )
+    a CPU tensor of a float dtype, and the extension built (`attnlab._ext.load`, asked once per
+    process: `attnlab._settings.forget` asks again)."""
+    if x.device.type != "cpu" or x.dtype not in _EXT_DTYPES or torch.compiler.is_compiling():
+        return False
+    if not _LOADED:
+        _LOADED.append(_ext.load("flash_rule"))
+    return _LOADED[0]
 
 
 def clean_flagged(x: Tensor, ready: bool | None = None) -> tuple[Tensor, bool]:

@@ -84,59 +84,40 @@ BLOCK = BLOCKS[torch.float32]
 # longest segment it takes (its scores: 64 × 32768 floats = 8 MiB per thread).
 SEGMENT_BLOCK = 64
 SEGMENT_MAX = 32768
-# Set by `asking_once`: the answers of one call (the setting and whether the kernel loaded).
-_ASKED: ContextVar[dict[str, object] | None] = ContextVar("attnlab_band_asked", default=None)
 # Set by `checking_inputs`: the list each band call appends its finding to.
 _CHECKS: ContextVar[list[bool] | None] = ContextVar("attnlab_band_checks", default=None)
-
-
-@contextlib.contextmanager
-def asking_once() -> Iterator[None]:
-    """Within it, "which band engine?" (`engine_setting`) and "is the C++ kernel loaded?"
-    (`attnlab._ext.load`) are asked once and the answers reused: one attention call (its job's
-    plan, forward and backward) asks them once, however many of its calls test `ready`."""
-    token = _ASKED.set({})
-    try:
-        yield
-    finally:
-        _ASKED.reset(token)
-
-
-def _asked(key: str, ask: Callable[[], object]) -> object:
-    """``ask()``, or its answer within the same `asking_once` (never memoised while Dynamo
-    traces: it cannot read a `ContextVar`)."""
-    if torch.compiler.is_compiling():
-        return ask()
-    memo = _ASKED.get()
-    if memo is None:
-        return ask()
-    if key not in memo:
-        memo[key] = ask()
-    return memo[key]
+# Asked once per process (again after `attnlab._settings.forget`: a settings refresh, entering
+# or leaving `attnlab._ext.reporting`): the band engine setting, whether the extension loaded,
+# and `ready`'s answers per (dtype, device, D, bq).
+_ANSWERS: dict[object, object] = {}
+_settings.on_refresh(_ANSWERS.clear)
 
 
 def _loaded() -> bool:
-    """`attnlab._ext.load` of this kernel (asked once within `asking_once`)."""
-    return bool(_asked("load", lambda: _ext.load(EXT)))
+    """`attnlab._ext.load` of this kernel, asked once per process (`attnlab._ext.reporting`
+    forgets the answer on entry and exit)."""
+    answer = _ANSWERS.get("load")
+    if answer is None:
+        answer = _ANSWERS["load"] = _ext.load(EXT)
+    return bool(answer)
 
 
 def engine_setting() -> str:
-    """`_engine_setting`, asked once within `asking_once`."""
-    return str(_asked("engine", _engine_setting))
-
-
-def _engine_setting() -> str:
-    """``$ATTNLAB_FLASH_BAND_ENGINE`` (default ``auto``): ``auto`` runs this kernel where it can,
-    ``aten`` torch's kernel instead, ``widen`` this kernel with bfloat16 widened to float32 as it
-    is packed even on CPUs whose micro-kernel multiplies bfloat16 (`pairs`).
+    """``$ATTNLAB_FLASH_BAND_ENGINE`` (default ``auto``), read once per process: ``auto`` runs
+    this kernel where it can, ``aten`` torch's kernel instead, ``widen`` this kernel with
+    bfloat16 widened to float32 as it is packed even on CPUs whose micro-kernel multiplies
+    bfloat16 (`pairs`).
 
     Raises:
         ValueError: the variable holds something else.
     """
-    raw = (_settings.text("flash_band_engine") or "auto").lower()
-    if raw not in ENGINES:
-        raise ValueError(f"{ENGINE_ENV} must be one of {', '.join(ENGINES)}, got {raw!r}")
-    return raw
+    answer = _ANSWERS.get("engine")
+    if answer is None:
+        answer = (_settings.text("flash_band_engine") or "auto").lower()
+        if answer not in ENGINES:
+            raise ValueError(f"{ENGINE_ENV} must be one of {', '.join(ENGINES)}, got {answer!r}")
+        _ANSWERS["engine"] = answer
+    return str(answer)
 
 
 @functools.cache
@@ -175,14 +156,24 @@ def engine_name(dtype: torch.dtype) -> str:
 
 
 def ready(q: Tensor, bq: int | None = None) -> bool:
-    """Whether band calls on ``q`` (query block ``bq``) run on attnlab's C++ kernel."""
-    return _ready(q.dtype, q.device, q.shape[-1], bq)
+    """Whether band calls on ``q`` (query block ``bq``) run on attnlab's C++ kernel (asked once
+    per process for each dtype, device, head dim and block)."""
+    return _answer(q.dtype, q.device, q.shape[-1], bq)
+
+
+def _answer(dtype: torch.dtype, device: torch.device, D: int, bq: int | None) -> bool:
+    """`_ready`, asked once per process for each key; False while `torch.compile` traces."""
+    if torch.compiler.is_compiling():
+        return False
+    key = (dtype, device, D, bq)
+    answer = _ANSWERS.get(key)
+    if answer is None:
+        answer = _ANSWERS[key] = _ready(*key)
+    return bool(answer)
 
 
 def _ready(dtype: torch.dtype, device: torch.device, D: int, bq: int | None) -> bool:
-    if engine_setting() == "aten" or device.type != "cpu":
-        return False
-    if dtype not in BLOCKS or torch.compiler.is_compiling():
+    if engine_setting() == "aten" or device.type != "cpu" or dtype not in BLOCKS:
         return False
     if not (_loaded() and _cpu_supports(dtype)):
         return False
@@ -270,7 +261,7 @@ def segments_into(
 def backward_ready(q: Tensor) -> bool:
     """Whether the backward of band calls on queries like ``q`` will run on attnlab's C++
     kernel (in float32: 16-bit inputs are widened for it): `ready` for float32 on q's device."""
-    return _ready(torch.float32, q.device, q.shape[-1], None)
+    return _answer(torch.float32, q.device, q.shape[-1], None)
 
 
 def backward_usable(

@@ -34,12 +34,6 @@ _NAN = float("nan")
 
 
 def flash_run_marked(req: Request, **options: object) -> tuple[Tensor, Tensor, bool | Tensor]:
-    """`_run_marked` with the C++ kernel's readiness asked once (`band_kernel.asking_once`)."""
-    with band_kernel.asking_once():
-        return _run_marked(req, **options)
-
-
-def _run_marked(req: Request, **options: object) -> tuple[Tensor, Tensor, bool | Tensor]:
     """`flash_run_lse`'s eager computation, and whether the NaN rule touched it:
     ``(out, lse, touched)``.
 
@@ -207,8 +201,7 @@ class _FlashBackward(torch.autograd.Function):
             )
         with torch.no_grad():
             res = Residuals(dout=dout.contiguous(), q=q, k=k, v=v, out=out, lse=lse)
-            with band_kernel.asking_once():
-                dq, dk, dv = job.backward(res, dlse)
+            dq, dk, dv = job.backward(res, dlse)
             dbias = [
                 g.to(job.source.bias_tensors[i].dtype).reshape(job.source.bias_tensors[i].shape)
                 for g, i in zip(job.bias_grads, job.grad_biases, strict=True)

@@ -25,7 +25,6 @@ from ..._shapes import Dims, stat_dtype
 from ...masks import Mask, from_spec
 from .. import nan_rule
 from ..request import BiasFn, Request, check_bias_output, logit_qk
-from . import band_kernel
 from .eager import flash_run_marked
 from .engines import Residuals
 from .plan import flash_job, prepare_inputs
@@ -200,8 +199,7 @@ def flash_bwd(
     if width != Dv:
         dout = torch.nn.functional.pad(dout, (0, width - Dv))
     res = Residuals(dout=dout.contiguous(), q=qp, k=kp, v=vp, out=out.contiguous(), lse=lse)
-    with band_kernel.asking_once():
-        dq, dk, dv = job.backward(res, dlse)
+    dq, dk, dv = job.backward(res, dlse)
     D = q.shape[-1]
     grads = [dq[..., :D], dk[..., :D], dv[..., :Dv]]
     if clean:  # `nan_rule.clean`'s gradient: 0 at the entries it replaced

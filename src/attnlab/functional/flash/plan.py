@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -49,15 +49,15 @@ BAND_BLOCK_ENV = _settings.FLASH_BAND_BLOCK
 
 
 def band_block_fwd(q: Tensor | None = None, setting: int | None = None) -> int:
-    """The forward query block of batched band calls: ``setting`` (`FlashOptions`), else
-    ``$ATTNLAB_FLASH_BAND_BLOCK``, else the C++ band kernel's block when it runs calls on ``q``
-    (`band_kernel.ready`), else 32.
+    """The forward query block of batched band calls: ``setting``, else
+    ``$ATTNLAB_FLASH_BAND_BLOCK`` (`FlashOptions.band_block_fwd`), else the C++ band kernel's
+    block when it runs calls on ``q`` (`band_kernel.ready`), else 32.
 
     Raises:
         ValueError: the variable is set to something other than a positive int.
     """
     if setting is None:
-        setting = _band_block_setting(_settings.text("flash_band_block"))
+        setting = flash_options().band_block_fwd
     if setting is not None:
         return setting
     if q is not None and band_kernel.ready(q, band_kernel.block(q)):
@@ -81,7 +81,7 @@ def _band_block_setting(raw: str | None) -> int | None:
 @dataclass(frozen=True)
 class FlashOptions:
     """The tiled backend's knobs in one record: what the caller gave (`flash_attention`) and
-    the settings (`attnlab._settings`), read once per call (`flash_options`) and held by its
+    the settings (`attnlab._settings`, read once per process: `flash_options`), held by its
     job.
 
     Attributes:
@@ -105,6 +105,11 @@ class FlashOptions:
     plan_cache: bool = True
 
 
+_DEFAULTS: list[FlashOptions] = []
+"""The settings as a `FlashOptions`, read once per process (`flash_options`)."""
+_settings.on_refresh(_DEFAULTS.clear)
+
+
 def flash_options(
     *,
     block_q: int | None = None,
@@ -112,21 +117,26 @@ def flash_options(
     band_block: int | None = None,
     engine: str | None = None,
 ) -> FlashOptions:
-    """The `FlashOptions` of a call: the knobs given plus the settings, read once.
+    """The `FlashOptions` of a call: the knobs given plus the settings (read once per process,
+    again after `attnlab._settings.refresh`).
 
     Raises:
         ValueError: a setting holds a value it does not take (`low_precision`,
             `band_block_fwd`).
     """
-    return FlashOptions(
-        block_q=block_q,
-        block_k=block_k,
-        band_block=band_block,
-        engine=engine,
-        band_block_fwd=_band_block_setting(_settings.text("flash_band_block")),
-        low_precision=low_precision(_settings.text("flash_lowp") or ""),
-        plan_cache=not _settings.turned_off(_settings.text("flash_plan_cache")),
-    )
+    if not _DEFAULTS:
+        _DEFAULTS.append(
+            FlashOptions(
+                band_block_fwd=_band_block_setting(_settings.text("flash_band_block")),
+                low_precision=low_precision(_settings.text("flash_lowp") or ""),
+                plan_cache=not _settings.turned_off(_settings.text("flash_plan_cache")),
+            )
+        )
+    defaults = _DEFAULTS[0]
+    if block_q is block_k is band_block is engine is None:
+        return defaults
+    knobs = {"block_q": block_q, "block_k": block_k, "band_block": band_block, "engine": engine}
+    return replace(defaults, **knobs)
 
 
 # A mask made of blocks (BigBird) tiles by its own block size within this range: BigBird with
@@ -181,7 +191,7 @@ def cached_plan(mask: Mask | None, *, cache: bool | None = None, **kwargs: objec
     reads the setting.
     """
     if cache is None:
-        cache = not _settings.turned_off(_settings.text("flash_plan_cache"))
+        cache = flash_options().plan_cache
     off = not cache
     key_m = None if off or PLAN_CACHE_SIZE <= 0 else _mask_key(mask)
     if key_m is None:
