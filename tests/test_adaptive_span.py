@@ -16,7 +16,7 @@ import torch._dynamo as dynamo
 
 from attnlab.functional import reference
 from attnlab.functional.flash import flash_job
-from attnlab.functional.validate import plain_request
+from attnlab.functional.request import plain_request
 from attnlab.modules import AdaptiveSpan, AdaptiveSpanAttention
 from attnlab.modules import adaptive_span as adaptive_span_module
 from attnlab.modules.adaptive_span import SpanLogMask, span_log_mask

@@ -22,7 +22,7 @@ import attnlab
 from attnlab import _ext, masks
 from attnlab.functional import nan_rule
 from attnlab.functional.decode import decode_run, decode_step_ready, rope_decode_run
-from attnlab.functional.validate import build_request, trusted_request
+from attnlab.functional.request import build_request, trusted_request
 from attnlab.positional import RoPE
 from attnlab.testing import FIXED_TABLE, assert_close_rule
 
@@ -190,7 +190,6 @@ def test_decode_attend_follows_the_rule(ext, monkeypatch, dtype, sizes) -> None:
             temperature=0.7,
             score="dot",
             dropout_p=0.0,
-            backend="decode",
             return_weights=False,
         )
         return decode_run(req)[0]

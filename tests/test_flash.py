@@ -10,8 +10,7 @@ import torch
 
 import attnlab
 from attnlab import masks
-from attnlab.functional import reference
-from attnlab.functional.flash import flash_attention
+from attnlab.functional import flash_attention, reference
 from attnlab.functional.request import dense_mask_and_bias
 from attnlab.positional import ALiBi, T5RelativeBias
 from helpers import (

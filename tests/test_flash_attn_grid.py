@@ -57,7 +57,7 @@ from torch import Tensor
 import attnlab
 from attnlab import masks
 from attnlab.functional.flash import flash_job
-from attnlab.functional.validate import build_request
+from attnlab.functional.request import build_request
 from attnlab.positional import ALiBi, alibi_slopes
 
 _NEG_INF = float("-inf")
@@ -322,11 +322,10 @@ def merges_kernel_calls(case: Case, inp: Inputs, mask, bias) -> bool:
         temperature=1.0,
         score="dot",
         dropout_p=0.0,
-        backend="flash",
         return_weights=False,
     )
     job = flash_job(req)
-    return job.engine == "kernel" and not job.plan.merge_free()
+    return job.engine == "kernel" and not job.plan.merge_free
 
 
 def _limits(naive: list[Tensor], golden: list[Tensor], case: Case) -> list[float]:

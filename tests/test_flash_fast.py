@@ -8,15 +8,18 @@ tolerance rule, or bit for bit against the path it replaces.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 
 from attnlab import _ext, attention, masks
-from attnlab.functional import nan_rule
-from attnlab.functional.flash import band_kernel, flash_attention
+from attnlab.functional import flash_attention, nan_rule
+from attnlab.functional.flash import band_kernel
 from attnlab.functional.flash import plan as flash_plan
-from attnlab.functional.flash.tiling import SegmentCall, build_plan
+from attnlab.functional.flash.calls import SegmentCall
+from attnlab.functional.flash.tiling import build_plan
 from helpers import call_backend, check_against_reference, mean_factor_for, reference_for, seeded
 
 LOW = [torch.bfloat16, torch.float16]
@@ -425,7 +428,7 @@ def test_flash_equal_with_and_without_the_scan(ext, monkeypatch, name) -> None:
 def test_band_block_override(monkeypatch) -> None:
     """ATTNLAB_FLASH_BAND_BLOCK sets the forward band block; results stay within the rule."""
     from attnlab.functional.flash import flash_job
-    from attnlab.functional.validate import plain_request
+    from attnlab.functional.request import plain_request
 
     q, k, v = qkv(192, torch.bfloat16)
     mask = masks.sliding_window(24)
@@ -453,7 +456,7 @@ def test_a_mask_made_of_blocks_tiles_by_its_own_block(monkeypatch) -> None:
     """BigBird (alone or combined) tiles by its block size, so no tile is partial; the result
     is the reference's, forward and backward, and fp32 equals the 128-tile plan's."""
     from attnlab.functional.flash import flash_job
-    from attnlab.functional.validate import plain_request
+    from attnlab.functional.request import plain_request
 
     assert masks.causal().natural_block() is None
     bb = masks.bigbird(64, 3, 1, 2)
@@ -1083,6 +1086,12 @@ def _spy_checks(monkeypatch) -> tuple[list[list[bool]], list[int]]:
     return lists, _count_calls_of(monkeypatch, nan_rule, "clean_flagged")
 
 
+@contextlib.contextmanager
+def _finding():
+    """`band_kernel.checking_inputs` as if the kernel had found a non-finite entry."""
+    yield [True]
+
+
 def _count_calls_of(monkeypatch, module, name: str) -> list[int]:
     """A spy on ``module.<name>``: the returned list grows by one per call."""
     calls: list[int] = []
@@ -1099,10 +1108,11 @@ def _count_calls_of(monkeypatch, module, name: str) -> list[int]:
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("where", ["none", "q nan", "k nan", "k inf", "v nan", "unread k"])
 def test_band_kernel_checks_the_inputs_it_reads(band_ext, monkeypatch, dtype, where) -> None:
-    """Without autograd a plan of band calls skips the NaN rule's three scans: the C++ kernel
-    tests the q, k, v entries it reads, and a find re-runs the call on the scanning path. Finite
-    inputs give the scanning path's result bit for bit; with a non-finite entry the output
-    follows the NaN rule (the float64 reference: NaN exactly on the rows that attend it)."""
+    """A plan of band calls skips the NaN rule's three scans (with or without autograd): the C++
+    kernel tests the q, k, v entries it reads, and a find re-runs the call on the scanning path.
+    Finite inputs give the scanning path's result bit for bit; with a non-finite entry the
+    output follows the NaN rule (the float64 reference: NaN exactly on the rows that attend
+    it)."""
     L, S = 192, 229  # whole blocks; bottom-right windows of 37 keys: key 0 is in no window
     mask = masks.sliding_window(37)
     g = torch.Generator().manual_seed(3)
@@ -1127,10 +1137,16 @@ def test_band_kernel_checks_the_inputs_it_reads(band_ext, monkeypatch, dtype, wh
     fin = ~ref.isnan()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out.double()[fin] - ref[fin]).abs().max() <= tol
-    if where == "none":  # the scanning path (taken when autograd records) gives the same bits
+    if where == "none":  # with autograd: the same checked path, the same bits, and the
+        # gradient of the scanning path (forced: `checking_inputs` reports a find)
         qg = q.clone().requires_grad_()
-        slow = attention(qg, k, v, mask=mask, backend="flash").detach()
-        assert len(scans) == 3 and torch.equal(out, slow)
+        fast = attention(qg, k, v, mask=mask, backend="flash")
+        assert not scans and torch.equal(out, fast.detach())
+        (grad,) = torch.autograd.grad(fast.sum(), qg)
+        monkeypatch.setattr(band_kernel, "checking_inputs", _finding)
+        slow = attention(qg, k, v, mask=mask, backend="flash")
+        assert len(scans) == 3 and torch.equal(slow.detach(), out)
+        assert torch.equal(torch.autograd.grad(slow.sum(), qg)[0], grad)
 
 
 def test_band_kernel_check_needs_a_plan_of_band_calls_only(band_ext, monkeypatch) -> None:

@@ -10,8 +10,10 @@ import torch
 
 import attnlab
 from attnlab import masks
-from attnlab.functional.flash import flash_attention, flash_job
-from attnlab.functional.flash.tiling import BandCall, build_plan
+from attnlab.functional import flash_attention
+from attnlab.functional.flash import flash_job
+from attnlab.functional.flash.calls import BandCall
+from attnlab.functional.flash.tiling import build_plan
 from attnlab.functional.request import is_relative_bias
 from attnlab.positional import ALiBi, T5RelativeBias
 from helpers import check_against_reference, mean_factor_for, reference_for, seeded
@@ -199,7 +201,7 @@ def test_plan_alone_marks_groups_that_share_no_row():
         bias="fn",
         relative=True,
     )
-    alone = rel.alone()
+    alone = rel.alone
     bands = [isinstance(g.calls[0], BandCall) for g in rel.groups]
     assert rel.overlap and len(alone) == len(rel.groups)
     assert not any(a for a, band in zip(alone, bands, strict=True) if band)  # offsets share rows
@@ -207,7 +209,7 @@ def test_plan_alone_marks_groups_that_share_no_row():
     plain = build_plan(
         masks.causal(), B=1, H=1, L=70, S=70, block_q=16, block_k=32, band_block=16, bias="fn"
     )
-    assert plain.alone() == [True] * len(plain.groups)
+    assert plain.alone == [True] * len(plain.groups)
 
 
 class Counting:
@@ -246,7 +248,7 @@ def test_relative_plan_describes_itself():
     q = k = v = torch.zeros(1, 2, 3000, 8)
     why = attnlab.explain(q, k, v, mask=masks.causal(), bias=ALiBi(2))
     assert "relative plan" in why, why
-    from attnlab.functional.validate import build_request
+    from attnlab.functional.request import build_request
 
     req = build_request(
         q,
@@ -258,7 +260,6 @@ def test_relative_plan_describes_itself():
         temperature=1.0,
         score="dot",
         dropout_p=0.0,
-        backend="flash",
         return_weights=False,
     )
     assert flash_job(req).plan.overlap

@@ -13,14 +13,8 @@ import torch
 
 from attnlab import masks
 from attnlab.functional.flash import tiling
-from attnlab.functional.flash.tiling import (
-    CALL_CAUSAL,
-    CALL_FULL,
-    CALL_MASKED,
-    BandCall,
-    band_of,
-    build_plan,
-)
+from attnlab.functional.flash.calls import CALL_CAUSAL, CALL_FULL, CALL_MASKED, BandCall
+from attnlab.functional.flash.tiling import band_of, build_plan
 from attnlab.masks import EMPTY, FULL, PARTIAL, Mask
 
 

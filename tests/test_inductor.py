@@ -24,7 +24,7 @@ from torch._dynamo.utils import counters
 import attnlab
 from attnlab import masks
 from attnlab.functional import reference
-from attnlab.functional.flash import ops
+from attnlab.functional.flash import engines, ops
 from attnlab.positional import ALiBi, T5RelativeBias
 from attnlab.testing import (
     assert_close_rule,
@@ -386,10 +386,10 @@ def test_offset_table_reads_back_the_function():
     j = torch.arange(n_k).view(1, 1, 1, -1)
     b, h = torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.arange(H).view(1, -1, 1, 1)
     for fn in (ALIBI, T5):
-        table = ops.offset_table(fn, H, n_q, n_k, torch.device("cpu"))
+        table = engines.offset_table(fn, H, n_q, n_k, torch.device("cpu"))
         assert table.shape == (H, n_q + n_k - 1)
         want = fn(b, h, i, j).expand(1, H, n_q, n_k)
-        assert torch.equal(ops.OffsetTable(table, n_k)(b, h, i, j), want)
+        assert torch.equal(engines.OffsetTable(table, n_k)(b, h, i, j), want)
 
 
 def _strided_qkv(dtype=torch.float32, n=150, h_kv=2):
@@ -411,7 +411,7 @@ def test_custom_ops_opcheck_on_strided_inputs(mask, nan):
         k[1, 0, 100, 3] = float("nan")
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     spec, tensors = ("", []) if mask is None else mask.spec()
-    table = ops.offset_table(ALIBI, H, q.shape[2], k.shape[2], q.device)  # ALiBi, (H, L + S − 1)
+    table = engines.offset_table(ALIBI, H, q.shape[2], k.shape[2], q.device)  # (H, L + S − 1)
     # opcheck compares outputs without equal_nan: NaN outputs (the rule's) skip that one check;
     # the grid's rows (a NaN in every one) compare them with the reference instead
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")

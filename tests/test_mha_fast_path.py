@@ -17,7 +17,7 @@ from attnlab import _ext, attention, masks
 from attnlab.functional import gemv
 from attnlab.functional.decode import decode_step_ready
 from attnlab.functional.registry import select
-from attnlab.functional.validate import build_request, trusted_request
+from attnlab.functional.request import build_request, trusted_request
 from attnlab.modules import KVCache, MultiHeadAttention
 from attnlab.modules import mha as mha_module
 from attnlab.positional import RoPE
@@ -68,7 +68,7 @@ def test_trusted_request_equals_build_request() -> None:
     k, v = torch.randn(1, 2, 600, 32), torch.randn(1, 2, 600, 32)
     kw = dict(mask=None, bias=None, scale=None, temperature=1.0, score="dot", return_weights=False)
     for p in (0.0, 0.25):
-        want = build_request(q, k, v, dropout_p=p, backend="auto", **kw)
+        want = build_request(q, k, v, dropout_p=p, **kw)
         got = trusted_request(q, k, v, dropout_p=p)
         for field in ("dims", "mask", "bias", "scale", "temperature", "score", "dropout_p"):
             assert getattr(got, field) == getattr(want, field), field

@@ -14,8 +14,7 @@ import torch
 import attnlab
 from attnlab import _settings, masks
 from attnlab.functional.flash import flash_options
-from attnlab.functional.request import logit_qk, sort_terms
-from attnlab.functional.validate import build_request
+from attnlab.functional.request import build_request, logit_qk, sort_terms
 
 ROOT = Path(attnlab.__file__).resolve().parent
 
@@ -99,7 +98,7 @@ def test_mask_and_bias_are_sorted_by_form_once():
 @pytest.mark.parametrize("scale", [0.5, -0.5])
 def test_logit_scale_is_resolved_once_and_its_sign_folded_into_q(scale):
     q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
-    kw = dict(mask=None, bias=None, score="dot", dropout_p=0.0, backend="auto")
+    kw = dict(mask=None, bias=None, score="dot", dropout_p=0.0)
     req = build_request(q, k, v, scale=scale, temperature=4.0, return_weights=False, **kw)
     assert req.logit_scale == scale / 4.0
     qs, ks, c = logit_qk(req)

@@ -15,8 +15,7 @@ import torch
 
 import attnlab
 from attnlab import masks
-from attnlab.functional import reference
-from attnlab.functional.flash import flash_attention
+from attnlab.functional import flash_attention, reference
 from attnlab.functional.request import dense_mask_and_bias
 from attnlab.testing import assert_close_rule
 from helpers import check_against_reference, reference_for, seeded

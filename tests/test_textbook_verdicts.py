@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from attnlab.cli import main
-from attnlab.functional import scores
+from attnlab.functional import request
 from attnlab.textbook import (
     AGREES,
     DISAGREES,
@@ -106,7 +106,7 @@ def test_a_library_bug_is_printed_as_such_and_exits_1(monkeypatch, capsys):
     witness it breaks too, and the command exits 1 naming them as library bugs."""
     code, out, _ = _cli(capsys, "--json", "--quiet", "--only", "000-def-a", "000-scale-b")
     assert code == 0 and [r["verdict"] for r in json.loads(out)] == [AGREES, TEXT_ERROR]
-    monkeypatch.setitem(scores.SCORES, "dot", scores.Score("dot", lambda x: x, lambda d: 1.0 / d))
+    monkeypatch.setitem(request.SCORES, "dot", request.Score("dot", lambda x: x, lambda d: 1.0 / d))
     code, out, err = _cli(capsys, "--json", "--quiet", "--only", "000-def-a", "000-scale-b")
     rows = json.loads(out)
     assert code == 1

@@ -18,7 +18,7 @@ from attnlab import masks
 from attnlab.analysis import calibrate
 from attnlab.functional import thresholds
 from attnlab.functional.backends import flash_declines
-from attnlab.functional.validate import build_request
+from attnlab.functional.request import build_request
 
 BUILTIN = thresholds.BUILTIN
 
@@ -61,7 +61,7 @@ def write(path, entries) -> None:
 def window_request(L: int, dtype: torch.dtype = torch.float32):
     q = torch.zeros(1, 2, L, 8, dtype=dtype)
     return build_request(
-        q, q, q, backend="auto", mask=masks.sliding_window(16), bias=None, scale=None,
+        q, q, q, mask=masks.sliding_window(16), bias=None, scale=None,
         temperature=1.0, score="dot", dropout_p=0.0, return_weights=False, softcap=None,
     )  # fmt: skip
 

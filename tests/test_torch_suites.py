@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnlab
-from attnlab.functional.validate import leading_to_4d
+from attnlab._shapes import leading_to_4d
 from attnlab.modules import MultiheadAttention
 from attnlab.modules.torch_compat import MaskDtypeError, ShapeAssertionError, ShapeRuntimeError
 

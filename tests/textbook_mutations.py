@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from attnlab.functional import reference, scores
+from attnlab.functional import reference, request
 from attnlab.masks import patterns
 
 Apply = Callable[[object], None]
@@ -25,7 +25,7 @@ def _module(name: str):
 
 def scale(mp) -> None:
     """The default logit scale 1/√d → 1/d."""
-    mp.setitem(scores.SCORES, "dot", scores.Score("dot", lambda x: x, lambda d: 1.0 / d))
+    mp.setitem(request.SCORES, "dot", request.Score("dot", lambda x: x, lambda d: 1.0 / d))
 
 
 def sinusoid_base(mp) -> None:
@@ -216,8 +216,8 @@ def weights_axis(mp) -> None:
 
 def dot_prepare(mp) -> None:
     """The dot score normalises q and k (it becomes the cosine score, still scaled by 1/√d)."""
-    dot = scores.SCORES["dot"]
-    mp.setitem(scores.SCORES, "dot", scores.Score("dot", scores._unit, dot.default_scale))
+    dot = request.SCORES["dot"]
+    mp.setitem(request.SCORES, "dot", request.Score("dot", request._unit, dot.default_scale))
 
 
 def sin_cos_order(mp) -> None:
@@ -600,8 +600,8 @@ def projection_init(mp) -> None:
 
 def cosine_unnormalised(mp) -> None:
     """The cosine score forgets to normalise q and k (it becomes the dot product)."""
-    cos = scores.SCORES["cosine"]
-    mp.setitem(scores.SCORES, "cosine", scores.Score("cosine", lambda x: x, cos.default_scale))
+    cos = request.SCORES["cosine"]
+    mp.setitem(request.SCORES, "cosine", request.Score("cosine", lambda x: x, cos.default_scale))
 
 
 def stats_axis(mp) -> None:
@@ -862,9 +862,9 @@ def complexity_path(mp) -> None:
 
 def dot_feature_map(mp) -> None:
     """The dot score prepares q and k with linear attention's feature map elu + 1."""
-    dot = scores.SCORES["dot"]
+    dot = request.SCORES["dot"]
     elu1 = lambda x: torch.nn.functional.elu(x) + 1  # noqa: E731
-    mp.setitem(scores.SCORES, "dot", scores.Score("dot", elu1, dot.default_scale))
+    mp.setitem(request.SCORES, "dot", request.Score("dot", elu1, dot.default_scale))
 
 
 def weights_head_axis(mp) -> None:

@@ -1,7 +1,8 @@
 """Input checks that raise before any computation, naming the argument and the shapes involved.
 
 The library's one validation kit for arguments: `check_int`, `check_number`, `check_bool`,
-`check_probability` (scalars), `check_qkv` and the tensor checks, and `stat_dtype`. Every error
+`check_probability` (scalars), `check_qkv` and the tensor checks, `stat_dtype`, and SDPA's
+other layouts as 4-D views (`leading_to_4d`, `extra_to_4d`). Every error
 names the argument, the expected and the received value: ``TypeError`` for a value of the wrong
 type, ``ValueError`` for one out of range.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -344,3 +346,98 @@ def check_index_fn_output(
             f"{device}"
         )
     return out
+
+
+# ---------------------------------------------------------------- SDPA's layouts
+def _dims_of(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_extra(name: str, t: Tensor, target: tuple[int, ...]) -> None:
+    """Raises ValueError, quoting both shapes, unless the mask or bias tensor ``t`` broadcasts
+    to ``target = (*batch, H, L, S)`` (``(L, S)`` for 2-D inputs) by torch's rules: aligned at
+    the right, every size 1 or equal, no more dims than the inputs."""
+    if t.dim() > len(target) or not all(
+        a in (1, b) for a, b in zip(reversed(t.shape), reversed(target), strict=False)
+    ):
+        letters = "(L, S)" if len(target) == 2 else "(..., H, L, S)"
+        raise ValueError(
+            f"{name} of shape {_dims_of(t)} is not broadcastable to {letters} = {target}"
+        )
+
+
+def extra_to_4d(t: Tensor, target: tuple[int, ...], B: int) -> Tensor:
+    """A mask or bias tensor that broadcasts to ``target`` (`check_extra`) as one that
+    broadcasts to ``(B, H, L, S)``, ``B = prod(batch)``: a view when its batch dims are all 1 or
+    all full (and mergeable); one that broadcasts over some batch dims but not others is
+    expanded over them and copied once."""
+    r = len(target)
+    t = t.reshape((1,) * (r - t.dim()) + _dims_of(t))  # (1|batch..., H|1, L|1, S|1)
+    if r == 2:
+        return t.reshape(1, 1, *t.shape)  # (1, 1, L|1, S|1)
+    batch, tail = _dims_of(t)[:-3], _dims_of(t)[-3:]
+    if all(n == 1 for n in batch):
+        return t.reshape(1, *tail)  # (1, H|1, L|1, S|1)
+    if batch != target[:-3]:
+        t = t.expand(*target[:-3], *tail)  # broadcast over some batch dims only
+    return t.reshape(B, *tail)  # (B, H|1, L|1, S|1)
+
+
+class Leading(NamedTuple):
+    """What `leading_to_4d` made of SDPA-style inputs."""
+
+    q: Tensor  # (B, H, L, D)
+    k: Tensor  # (B, H_kv, S, D)
+    v: Tensor  # (B, H_kv, S, Dv)
+    batch_shape: tuple[int, ...]  # the caller's (*batch, H), or () for 2-D inputs
+    target: tuple[int, ...]  # (*batch, H, L, S), or (L, S) for 2-D inputs
+    B: int  # prod(batch)
+
+
+def leading_to_4d(q: Tensor, k: Tensor, v: Tensor) -> Leading | None:
+    """SDPA's layouts beyond `attention`'s 3-D/4-D ones, as 4-D views (before any work).
+
+    q ``(*batch, H, L, D)`` with ≥ 1 batch dims (rank ≥ 5), k ``(*batch, H_kv, S, D)`` and v
+    ``(*batch, H_kv, S, Dv)`` become ``(B, H, L, D)``, ``(B, H_kv, S, D)``, ``(B, H_kv, S, Dv)``
+    with ``B = prod(batch)``; 2-D inputs ``(L, D)``, ``(S, D)``, ``(S, Dv)`` become
+    ``(1, 1, L, D)`` etc. Views, unless the batch dims of an input cannot be merged (then
+    `Tensor.reshape` copies it once). The output is ``out.reshape(*batch_shape, L, Dv)``.
+
+    Returns:
+        None for 3-D/4-D inputs and non-tensors (`check_qkv` handles them).
+
+    Raises:
+        ValueError: a rank below 2, ranks that differ, or batch dims that differ between q, k and
+            v (they are not broadcast: expand them, which is free), naming every shape.
+    """
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        return None
+    ranks = (q.dim(), k.dim(), v.dim())
+    if all(r in (3, 4) for r in ranks):
+        return None
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.dim() < 2:
+            raise ValueError(
+                f"{name} must have rank 3 (B, L, D), 4 (B, H, L, D), 2 (L, D) or more "
+                f"(..., H, L, D), got rank {t.dim()} with shape {_dims_of(t)}"
+            )
+    if len(set(ranks)) > 1:
+        raise ValueError(
+            f"query, key and value must have the same rank, got query {_dims_of(q)}, key "
+            f"{_dims_of(k)}, value {_dims_of(v)}"
+        )
+    if q.dim() == 2:
+        q4, k4, v4 = (t.reshape(1, 1, *t.shape) for t in (q, k, v))  # (1, 1, L|S, D|Dv)
+        return Leading(q4, k4, v4, (), (q.shape[0], k.shape[0]), 1)
+    batch = _dims_of(q)[:-3]
+    if _dims_of(k)[:-3] != batch or _dims_of(v)[:-3] != batch:
+        raise ValueError(
+            f"query, key and value must share the batch dims {batch} before (H, L|S, D), got "
+            f"query {_dims_of(q)}, key {_dims_of(k)}, value {_dims_of(v)}"
+        )
+    B = math.prod(batch)
+    q4 = q.reshape(B, *q.shape[-3:])  # (B, H, L, D)
+    k4 = k.reshape(B, *k.shape[-3:])  # (B, H_kv, S, D)
+    v4 = v.reshape(B, *v.shape[-3:])  # (B, H_kv, S, Dv)
+    target = (*batch, q.shape[-3], q.shape[-2], k.shape[-2])
+    return Leading(q4, k4, v4, _dims_of(q)[:-2], target, B)

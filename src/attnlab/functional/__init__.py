@@ -1,12 +1,10 @@
 """Stateless attention math on tensors: the reference definitions and the fast backends."""
 
 from . import reference
-from .api import attention, attention_stats, attention_weights, explain
-from .flash import flash_attention
+from .api import attention, attention_stats, attention_weights, explain, flash_attention
 from .merge import merge_partials
 from .registry import Backend, backends, register_backend
-from .request import BiasFn, Request
-from .scores import SCORES, Score, register_score
+from .request import SCORES, BiasFn, Request, Score, register_score
 from .stats import AttentionStats
 
 __all__ = [

@@ -1,4 +1,6 @@
-"""`attention`: one entry point that validates, picks a backend and runs it."""
+"""The entry points: `attention` validates, picks a backend and runs it; `explain` says which
+and why; `flash_attention` runs the tiled backend with its knobs; `attention_weights` and
+`attention_stats` read rows of the weights from a log-sum-exp."""
 
 from __future__ import annotations
 
@@ -11,13 +13,19 @@ from .. import _ext
 from .._shapes import check_bool
 from ..masks import Mask
 from . import backends as _backends  # noqa: F401  (fills the registry)
-from . import nan_rule
-from .flash import explain_plan
-from .registry import select
-from .request import BiasFn, Request
+from . import nan_rule, reference
+from .flash import flash_job
+from .flash.run import (
+    band_kernel_covers,
+    flash_run_lse,
+    flash_supports,
+    kernel_checks_inputs,
+    needs_grad,
+)
+from .registry import check_backend_name, select
+from .request import BiasFn, Request, build_request, plain_request, request_dense
 from .stats import AttentionStats, as_index, compute_stats, compute_weights
 from .thresholds import describe as describe_thresholds
-from .validate import build_request, plain_request
 
 
 def attention(
@@ -139,11 +147,11 @@ def attention(
         temperature=temperature,
         score=score,
         dropout_p=dropout_p,
-        backend=backend,
         return_weights=return_weights,
         softcap=softcap,
         leading=True,
     )
+    check_backend_name(backend)
     check_bool("return_lse", return_lse)
     chosen, _ = select(backend, req, need_lse=return_lse)
     lse: Tensor | None = None
@@ -202,7 +210,8 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
         raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}")
     with _ext.reporting() as asked:
         kw = {**defaults, **kwargs}
-        req = build_request(q, k, v, backend=backend, leading=True, **kw)  # type: ignore[arg-type]
+        req = build_request(q, k, v, leading=True, **kw)  # type: ignore[arg-type]
+        check_backend_name(backend)
         chosen, why = select(backend, req, need_lse=bool(return_lse))  # type: ignore[arg-type]
         if chosen.name == "flash":
             why = f"{why}; {explain_plan(req)}"
@@ -212,6 +221,102 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
     if backend == "auto":
         why = f"{why}; {describe_thresholds(req.q.dtype)}"
     return f"{chosen.name}: {why}"
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    bias: Tensor | BiasFn | None = None,
+    scale: float | None = None,
+    temperature: float = 1.0,
+    score: str = "dot",
+    block_q: int | None = None,
+    block_k: int | None = None,
+    band_block: int | None = None,
+    engine: str | None = None,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Tiled exact attention with its log-sum-exp: ``softmax(cap(q·kᵀ·scale/T) + bias) v``, ``lse``.
+
+    ``cap(s) = softcap · tanh(s / softcap)`` when ``softcap`` is given (else the identity),
+    applied to every tile's logits before the bias and the mask, in forward and backward.
+
+    Defined to equal `reference.attention` and `reference.logsumexp`; see `attnlab.attention` for
+    the meaning of mask, bias, scale, temperature and score (bottom-right aligned masks, True =
+    may attend, ``bias(b, h, i, j)`` with i the aligned query position).
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
+        mask, bias, scale, temperature, score: as in `attnlab.attention`.
+        block_q, block_k: tile size of the block map (default 128 × 128, 256 × 256 with a bias;
+            2048 × 2048 in float64, where tiles favour the reference's summation order).
+        band_block: query block of batched band (sliding-window) calls (default 32 in forward,
+            64 in backward: each kernel's fastest).
+        engine: ``"kernel"`` (torch's CPU flash kernel, the default on CPU below float64) or
+            ``"torch"`` (pure-PyTorch online softmax: the default for float64, off CPU and with
+            ``softcap``, which the kernel cannot apply).
+        softcap: logit soft-capping (> 0), or None; see `attnlab.attention`.
+
+    Returns:
+        ``(out (B, H, L, Dv), lse (B, H, L))``; lse is float32 (float64 for float64 inputs) and
+        −inf for a query row with no key to attend (whose output row is 0).
+
+    Raises:
+        ValueError/TypeError: as `attnlab.attention`, plus bad block sizes or engine; flash
+            cannot run dropout, return weights, or differentiate a bias.
+    """
+    if q.dim() != 4:
+        raise ValueError(f"flash_attention expects 4-D q (B, H, L, D), got shape {tuple(q.shape)}")
+    req = plain_request(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        temperature=temperature,
+        score=score,
+        softcap=softcap,
+    )
+    why_not = flash_supports(req)
+    if why_not is not None:
+        raise ValueError(f"flash_attention cannot run this call: {why_not}")
+    if req.is_empty:
+        dm, db = request_dense(req)
+        logits = {"mask": dm, "bias": db, "scale": req.logit_scale, "temperature": 1.0}
+        logits["softcap"] = req.softcap
+        out, _ = reference.attention(q, k, v, **logits, score=req.score)
+        lse = reference.logsumexp(q, k, **logits, score=req.score)
+        return out, lse
+    chosen, _ = select("flash", req, need_lse=True)
+    if chosen.traced is None:  # traced, or on meta tensors: the operators (no tiling knobs)
+        assert chosen.run_lse is not None
+        out, _, lse = chosen.run_lse(req)
+        return out, lse
+    knobs = {"block_q": block_q, "block_k": block_k, "band_block": band_block, "engine": engine}
+    return flash_run_lse(req, **knobs)
+
+
+def explain_plan(req: Request) -> str:
+    """How flash would tile a request and which engine runs each part (for `explain`): the
+    plan, the engines of its forward (and backward, when an input needs a gradient), and how
+    the NaN rule finds non-finite inputs."""
+    job = flash_job(req)
+    text = job.plan.describe()
+    if job.softcap is not None:
+        text += ", soft-capped logits on the pure-PyTorch tile engine"
+    grad = any(needs_grad(x) for x in (req.q, req.k, req.v))
+    engines = job.engines(req.q, req.k, req.v, grad=grad)
+    if kernel_checks_inputs(req) and band_kernel_covers(job, req.q, req.k, req.v):
+        engines.append("NaN/inf check: inside attnlab's band kernel, as it reads q, k, v")
+    elif nan_rule.flash_ext_ready(req.q):
+        engines.append("NaN/inf scan of q, k, v: attnlab's C++ scan (a copy only if one is found)")
+    else:
+        engines.append("NaN/inf handling: PyTorch ops (a cleaned copy of q, k, v)")
+    return f"{text}; engines: {'; '.join(engines)}"
 
 
 def _engine(name: str, req: Request, want_lse: bool) -> str:

@@ -95,6 +95,14 @@ def _reference_run_lse(req: Request) -> tuple[Tensor, Tensor, Tensor]:
     return out, weights, lse
 
 
+def _flash_traced() -> Backend:
+    """Flash under ``torch.compile`` and on ``meta`` tensors: its custom operators (importing
+    them registers them, on first use)."""
+    from .flash.ops import TRACED
+
+    return TRACED
+
+
 def _flash_run_lse(req: Request) -> tuple[Tensor, None, Tensor]:
     out, lse = flash_run_lse(req)
     return out, None, lse
@@ -141,6 +149,7 @@ register_backend(
         "backward, O(L) memory",
         tiled=True,
         run_lse=_flash_run_lse,
+        traced=_flash_traced,
         declines=flash_declines,
         softcap=True,
     ),

@@ -33,8 +33,7 @@ from .._shapes import stat_dtype
 from . import nan_rule
 from .reference import softcap_logits
 from .registry import _AUTO_ORDER  # auto's order (read, never changed, here)
-from .request import Request, key_prefixes, prefix_views
-from .scores import SCORES
+from .request import SCORES, Request, key_prefixes, prefix_views
 
 DECODE_MAX_L = 8
 """At most this many query rows (one decode step, or a short speculative draft)."""

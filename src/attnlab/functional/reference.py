@@ -26,7 +26,7 @@ from .._shapes import stat_dtype
 from ..masks import Mask
 from ..masks.patterns import causal_and_padding
 from . import nan_rule
-from .scores import get_score
+from .request import get_score
 
 _NEG_INF = float("-inf")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from .request import Request
@@ -34,6 +35,9 @@ class Backend:
         softcap: the backend applies logit soft-capping (`Request.softcap`). A backend that does
             not declare it never sees a soft-capped request (`select` refuses it with a reason),
             so a backend registered before soft-capping existed cannot silently ignore the cap.
+        traced: returns the backend as calls traced by ``torch.compile`` (and calls on ``meta``
+            tensors) run it, when that differs (flash: custom operators, imported on first
+            use); `select` hands it out for such requests. None: the same backend.
     """
 
     name: str
@@ -45,6 +49,7 @@ class Backend:
     declines: SupportsFn | None = None
     last_resort: bool = False
     softcap: bool = False
+    traced: Callable[[], Backend] | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -100,6 +105,15 @@ def _why_not(backend: Backend, req: Request, need_lse: bool) -> str | None:
 
 
 def select(name: str, req: Request, *, need_lse: bool = False) -> tuple[Backend, str]:
+    """Chooses the backend for a request and says why (`choose`); a traced request (or one on
+    ``meta`` tensors) gets the backend's traced form (`Backend.traced`)."""
+    backend, why = choose(name, req, need_lse=need_lse)
+    if backend.traced is not None and (torch.compiler.is_compiling() or req.q.is_meta):
+        backend = backend.traced()
+    return backend, why
+
+
+def choose(name: str, req: Request, *, need_lse: bool = False) -> tuple[Backend, str]:
     """Chooses the backend for a request and says why.
 
     Auto tries backends in preference order and takes the first that supports the call and does

@@ -1,18 +1,102 @@
-"""The validated description of one attention call, shared by every backend."""
+"""What one attention call asks for, validated once: the score functions, the `Request` (its
+logit scale and its mask and bias sorted by form, resolved once) and `build_request`, which
+turns the arguments of the entry points into one — raising ValueError/TypeError that name the
+argument, the expected and the received value before any work.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from .._index import index_grid
-from .._shapes import Dims, check_index_fn_output, static_bool
+from .._shapes import (
+    Dims,
+    Leading,
+    check_bool,
+    check_extra,
+    check_index_fn_output,
+    check_logit_multiplier,
+    check_mask_tensor,
+    check_number,
+    check_probability,
+    check_qkv,
+    check_same_device,
+    extra_to_4d,
+    leading_to_4d,
+    stat_dtype,
+    static_bool,
+)
 from ..masks import CausalMask, Mask, PaddingMask, TensorMask
-from .scores import get_score
 
+_T = TypeVar("_T")
+
+
+# ---------------------------------------------------------------- score functions
+# A score function reduces to a dot product of *prepared* queries and keys, so that the fused
+# kernels can run it: ``score(q, k) = prepare(q) · prepare(k)``. A score is a registry entry,
+# not a flag.
+_COSINE_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class Score:
+    """A score function ``s(q, k) = prepare(q) · prepare(k)`` and its default scale.
+
+    Attributes:
+        name: registry name.
+        prepare: maps q ``(…, L, D)`` or k ``(…, S, D)`` to the vectors that are dot-multiplied.
+        default_scale: scale used when the caller passes ``scale=None``, as a function of D.
+    """
+
+    name: str
+    prepare: Callable[[Tensor], Tensor]
+    default_scale: Callable[[int], float]
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+def _unit(x: Tensor) -> Tensor:
+    # x / max(‖x‖, eps): a zero vector has cosine 0 with everything.
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(_COSINE_EPS)
+
+
+def _inv_sqrt(d: int) -> float:
+    return 1.0 / math.sqrt(d) if d > 0 else 1.0
+
+
+SCORES: dict[str, Score] = {
+    # s = q·k, scaled by 1/√D (Vaswani et al.: logit variance ≈ 1 for unit-variance inputs).
+    "dot": Score("dot", _identity, _inv_sqrt),
+    # s = cos(q, k) = q·k / (‖q‖‖k‖) in [−1, 1]; default scale 1 (sharpen via scale/temperature).
+    "cosine": Score("cosine", _unit, lambda _d: 1.0),
+}
+
+
+def get_score(name: object) -> Score:
+    """Looks up a score by name; raises ValueError listing the known names."""
+    if not isinstance(name, str) or name not in SCORES:
+        raise ValueError(f"score must be one of {sorted(SCORES)}, got {name!r}")
+    return SCORES[name]
+
+
+def register_score(
+    name: str, prepare: Callable[[Tensor], Tensor], default_scale: Callable[[int], float]
+) -> None:
+    """Adds a dot-reducible score ``s(q, k) = prepare(q) · prepare(k)`` to the registry."""
+    if name in SCORES:
+        raise ValueError(f"score {name!r} is already registered")
+    SCORES[name] = Score(name, prepare, default_scale)
+
+
+# ---------------------------------------------------------------- the request
 BiasFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """A bias given as ``fn(b, h, i, j) -> float tensor`` on broadcastable index tensors.
 
@@ -273,3 +357,209 @@ def prefix_views(
         None if n == 0 else (q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n])
         for b, n in enumerate(prefixes)
     ]
+
+
+# ---------------------------------------------------------------- building it
+def _unit_stride_last(t: Tensor) -> Tensor:
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def check_softcap(softcap: object, dtype: torch.dtype) -> float | None:
+    """``softcap``: None, or a finite real number > 0 that stays a normal number in the logits'
+    compute dtype (float32 for float32/float16/bfloat16 inputs, float64 for float64).
+
+    ``softcap · tanh(s / softcap)`` with a cap that rounds to 0 (or a subnormal) in the compute
+    dtype would divide by zero, and one that rounds to inf would give ``inf · 0``: both are
+    refused before any work.
+
+    Raises:
+        TypeError: a bool, or anything but an int/float (e.g. a tensor), naming ``softcap``.
+        ValueError: NaN, ±inf, a value <= 0, or outside the compute dtype's normal range.
+    """
+    if softcap is None:
+        return None
+    cap = check_number("softcap", softcap, positive=True)
+    if torch.compiler.is_compiling():
+        return cap  # may be symbolic (torch.compile(dynamic=True)): checked in eager calls only
+    compute = stat_dtype(dtype)
+    info = torch.finfo(compute)
+    if not info.tiny <= cap <= info.max:
+        raise ValueError(
+            f"softcap must lie in [{info.tiny:.3g}, {info.max:.3g}] for {dtype} inputs (a normal "
+            f"{compute} number: the logits are capped in {compute}), got {softcap!r}"
+        )
+    return cap
+
+
+def build_request(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None,
+    bias: Tensor | BiasFn | None,
+    scale: float | None,
+    temperature: float,
+    score: str,
+    dropout_p: float,
+    return_weights: bool,
+    softcap: float | None = None,
+    leading: bool = False,
+) -> Request:
+    """Validates every argument (before any computation) and returns the 4-D request.
+
+    With ``leading=True`` (the entry points that restore the caller's layout on their outputs:
+    `attention`, `attention_weights`, `attention_stats`, `explain`) q/k/v may also be 2-D or
+    have several leading batch dims (`leading_to_4d`); ``Request.batch_shape`` records the
+    caller's ``(*batch, H)``. Otherwise only 3-D and 4-D inputs are accepted.
+    """
+    lead = leading_to_4d(q, k, v) if leading else None
+    dims, q, k, v = _qkv_dims(q, k, v, lead, mask, bias)
+    s = get_score(score)
+    temperature = check_number("temperature", temperature, positive=True)
+    cap = check_softcap(softcap, q.dtype)
+    dropout_p = check_probability("dropout_p", dropout_p)
+    scale = s.default_scale(dims.D) if scale is None else check_number("scale", scale, nonzero=True)
+    check_logit_multiplier(scale, temperature, q.dtype)
+    check_bool("return_weights", return_weights)
+    if lead is not None:
+        mask = extra_to_4d(mask, lead.target, lead.B) if isinstance(mask, Tensor) else mask
+        bias = extra_to_4d(bias, lead.target, lead.B) if isinstance(bias, Tensor) else bias
+    _check_mask_bias(mask, bias, q, dims)
+    # A last dim that is not unit-stride (column-major, channels-last-like) is copied once, so
+    # every backend reads rows the same way as for the contiguous call (bit-equal results, B5).
+    q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
+    if dims.three_d:
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L|S, D)
+        mask, bias = _head_dim(mask), _head_dim(bias)
+    return Request(
+        q=q,
+        k=k,
+        v=v,
+        dims=dims,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        temperature=temperature,
+        score=score,
+        dropout_p=dropout_p,
+        return_weights=return_weights,
+        softcap=cap,
+        batch_shape=None if lead is None else lead.batch_shape,
+    )
+
+
+def _qkv_dims(
+    q: Tensor, k: Tensor, v: Tensor, lead: Leading | None, mask: object, bias: object
+) -> tuple[Dims, Tensor, Tensor, Tensor]:
+    """``(dims, q, k, v)``: the checked sizes of a call, with q ``(B, H, L, D)``, k
+    ``(B, H_kv, S, D)``, v ``(B, H_kv, S, Dv)`` taken from ``lead`` (`leading_to_4d`'s result
+    for SDPA's other layouts, whose mask/bias tensors are checked against its target shape)
+    when it is not None. A shape error then names the caller's shapes."""
+    if lead is None:
+        return check_qkv(q, k, v), q, k, v
+    for name, t in (("mask", mask), ("bias", bias)):
+        if isinstance(t, Tensor):
+            check_extra(name, t, lead.target)
+    try:
+        return check_qkv(lead.q, lead.k, lead.v), lead.q, lead.k, lead.v
+    except ValueError as e:
+        shapes = ", ".join(str(tuple(t.shape)) for t in (q, k, v))
+        raise ValueError(f"{e} (inputs of shapes {shapes} read as (B, H, L|S, D))") from None
+
+
+def _check_mask_bias(
+    mask: Mask | Tensor | None, bias: Tensor | BiasFn | None, q: Tensor, dims: Dims
+) -> None:
+    """Raises unless ``mask`` is None, a `Mask` or a bool/float tensor and ``bias`` None, a
+    float tensor or a callable, the tensors broadcastable to ``(B, H, L, S)`` on q's device and
+    a bias function built for ``dims.H`` heads (`check_bias_heads`)."""
+    if isinstance(mask, Tensor):
+        check_mask_tensor("mask", mask, q.dtype, dims)
+        check_same_device("mask", mask, q)
+    elif mask is not None and not isinstance(mask, Mask):
+        raise TypeError(
+            f"mask must be an attnlab Mask, a bool tensor or an additive float tensor, got "
+            f"{type(mask).__name__}"
+        )
+    if isinstance(bias, Tensor):
+        if not bias.is_floating_point():
+            raise TypeError(
+                f"bias must be a float tensor of the query dtype {q.dtype}, got {bias.dtype}"
+            )
+        check_mask_tensor("bias", bias, q.dtype, dims)
+        check_same_device("bias", bias, q)
+    elif bias is not None and not callable(bias):
+        raise TypeError(
+            f"bias must be a float tensor or a callable fn(b, h, i, j), got {type(bias).__name__}"
+        )
+    elif bias is not None:
+        check_bias_heads(bias, dims.H)
+    if isinstance(mask, Mask):
+        # Renders nothing; checks that a batch- or head-dependent mask fits this call.
+        mask.batch_heads(dims.B, dims.H)
+        for what, t in mask.data_tensors():
+            check_same_device(f"mask {what}", t, q)
+
+
+def _head_dim(t: _T) -> _T:
+    """A 3-D mask/bias tensor ``(B|1, L|1, S|1)`` of a 3-D call as ``(B|1, 1, L|1, S|1)``; any
+    other argument unchanged."""
+    if isinstance(t, Tensor) and t.dim() == 3:
+        return t.unsqueeze(1)  # type: ignore[return-value]
+    return t
+
+
+def trusted_request(q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float = 0.0) -> Request:
+    """The request of ``attention(q, k, v, dropout_p=dropout_p)`` (4-D, no mask, no bias, the
+    default scale) WITHOUT its checks, for callers whose q ``(B, H, L, D)``, k ``(B, H_kv, S, D)``
+    and v ``(B, H_kv, S, Dv)`` are consistent by construction — `MultiHeadAttention`'s own
+    projections — and whose ``dropout_p`` is already validated. Anything else goes through
+    `build_request`, which raises on bad arguments.
+    """
+    B, H, L, D = q.shape
+    H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    return Request(
+        q=_unit_stride_last(q),
+        k=_unit_stride_last(k),
+        v=_unit_stride_last(v),
+        dims=Dims(B=B, H=H, H_kv=H_kv, L=L, S=S, D=D, Dv=Dv, three_d=False),
+        mask=None,
+        bias=None,
+        scale=get_score("dot").default_scale(D),
+        temperature=1.0,
+        score="dot",
+        dropout_p=dropout_p,
+        return_weights=False,
+        softcap=None,
+    )
+
+
+def plain_request(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None,
+    bias: Tensor | BiasFn | None,
+    scale: float | None,
+    temperature: float,
+    score: str,
+    softcap: float | None = None,
+    leading: bool = False,
+) -> Request:
+    """`build_request` without dropout or weights: the entry points that only need the logits."""
+    return build_request(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        temperature=temperature,
+        score=score,
+        dropout_p=0.0,
+        return_weights=False,
+        softcap=softcap,
+        leading=leading,
+    )

@@ -14,8 +14,7 @@ from .._shapes import stat_dtype, static_bool
 from ..masks import CausalMask
 from . import nan_rule
 from .reference import keep_mask
-from .request import Request, key_prefixes, prefix_views, request_dense, request_interval
-from .scores import get_score
+from .request import Request, get_score, key_prefixes, prefix_views, request_dense, request_interval
 
 
 def sdpa_supports(req: Request) -> str | None:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .._shapes import stat_dtype
 from .flash import TileSource, flash_job
-from .flash.tiling import CALL_CAUSAL, CALL_MASKED, Call
+from .flash.calls import CALL_CAUSAL, CALL_MASKED, Call
 from .nan_rule import nan_flags
 from .reference import softcap_logits
 from .request import Request, logit_qk

@@ -40,7 +40,7 @@ from .. import _ext, _settings
 from .._shapes import stat_dtype
 from ..functional import gemv, nan_rule
 from ..functional.decode import fused_step_fits
-from ..functional.scores import SCORES
+from ..functional.request import SCORES
 from ..modules import KVCache, MultiHeadAttention, StreamLinear
 from ..positional import RoPE
 from .layers import GeluMLP, RMSNorm, SwiGLU

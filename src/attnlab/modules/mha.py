@@ -11,8 +11,7 @@ from .._shapes import check_int, check_probability, stat_dtype
 from ..functional import attention, gemv, nan_rule
 from ..functional.decode import decode_step_ready, decode_step_run, rope_decode_run
 from ..functional.registry import check_backend_name, select
-from ..functional.request import BiasFn
-from ..functional.validate import trusted_request
+from ..functional.request import BiasFn, trusted_request
 from ..masks import CausalMask, Mask, from_tensor
 from ..positional.rope import RoPE
 from .kv_cache import KVCache, check_cache_positions

@@ -22,8 +22,7 @@ from torch import Tensor, nn
 from .._shapes import check_bool, check_int, stat_dtype
 from ..functional import nan_rule
 from ..functional.reference import shaw_relative_index
-from ..functional.request import BiasFn, request_dense, request_interval
-from ..functional.validate import plain_request
+from ..functional.request import BiasFn, plain_request, request_dense, request_interval
 from ..masks import Mask
 
 _NEG_INF = float("-inf")

@@ -42,14 +42,14 @@ How it runs:
    share of dQ (ring attention's observation), so the per-call gradients sum to the exact gradient.
    Calls run in a fixed order, so gradients are bit-deterministic.
 
-Modules (one job each): `plan` (the options record, tile sizes, engine, plan for a request),
-`engines` (kernel and pure-PyTorch engines, and the additive tiles they read), `band` (batched
-band calls), `band_kernel` (when the C++ band kernel runs them), `job` (walks a plan forward and
-backward), `eager` (the NaN rule around the job's differentiable run, and where it puts NaN:
-what eager calls and the compiled operators both run), `ops` (custom operators for
-``torch.compile``), `run` (the registry's hooks and `flash_attention`). Auto's size thresholds
-(``AUTO_*_MIN``) and `flash_declines` are the dispatch policy: they live in
-`functional.backends`.
+Modules (one job each): `tiling` (plans), `plan` (the options record, tile sizes, engine, the
+cached plan for a request), `engines` (kernel and pure-PyTorch engines, and the additive tiles
+they read), `band` (batched band calls), `band_kernel` (when the C++ band kernel runs them),
+`job` (walks a plan forward and backward, and where the NaN rule puts NaN), `run` (the
+registry's hooks, and the one forward and backward with the NaN rule that eager autograd and
+the custom operators of ``torch.compile`` both run). `functional.api.flash_attention` is the
+direct entry with the tiling knobs. Auto's size thresholds (``AUTO_*_MIN``) and
+`flash_declines` are the dispatch policy: they live in `functional.backends`.
 
 Inputs are cleaned for the NaN rule only when they hold NaN/±inf (`nan_rule.clean_flagged`: a
 C++ scan, ``_ext/flash_rule.cpp``; without a compiler every input is cleaned by a copy).
@@ -62,7 +62,6 @@ broadcast dims); that backward runs on the pure-PyTorch engine, which exposes dS
 
 from __future__ import annotations
 
-from .eager import poison_entries, run_clean
 from .engines import (
     BandTiles,
     Logits,
@@ -72,7 +71,7 @@ from .engines import (
     kernel_backward,
     kernel_forward,
 )
-from .job import FlashJob
+from .job import FlashJob, poison_entries
 from .plan import (
     BAND_BLOCK,
     BAND_BLOCK_FWD,
@@ -86,13 +85,7 @@ from .plan import (
     flash_options,
     prepare_inputs,
 )
-from .run import (
-    explain_plan,
-    flash_attention,
-    flash_run,
-    flash_run_lse,
-    flash_supports,
-)
+from .run import flash_run, flash_run_lse, flash_supports
 
 __all__ = [
     "BAND_BLOCK",
@@ -109,8 +102,6 @@ __all__ = [
     "Residuals",
     "TileSource",
     "TorchEngine",
-    "explain_plan",
-    "flash_attention",
     "flash_job",
     "flash_options",
     "flash_run",
@@ -120,5 +111,4 @@ __all__ = [
     "kernel_forward",
     "poison_entries",
     "prepare_inputs",
-    "run_clean",
 ]

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from . import band_kernel
+from .calls import BandCall, SegmentCall
 from .engines import BandTiles, Logits, Residuals, fix_dead_rows, kernel_backward, kernel_forward
-from .tiling import BandCall, SegmentCall
 
 Store = Callable[[Tensor, Tensor, Tensor, Tensor], None]
 """``store(out_rows, lse_rows, o, l)``: writes (or merges) a call's result into the output."""

@@ -1,7 +1,7 @@
 """attnlab's C++ band kernel (``_ext/band_attn.cpp``): the forward of batched band calls and of
 batched segments (packed documents, and one whole causal or full call when L = S).
 
-A batched band call (`tiling.BandCall`, a sliding window) holds every key of its rows in one
+A batched band call (`calls.BandCall`, a sliding window) holds every key of its rows in one
 window, so its softmax needs one pass; attnlab's operator packs each head's keys once for all the
 overlapping windows and runs both products on oneDNN's brgemm micro-kernel (float32 accumulation),
 where torch's fused kernel repacks every window and keeps a running rescale. One call covers the
@@ -14,7 +14,7 @@ steps (a K remainder takes a slower micro-kernel), each product run on a group o
 the other (one tile configuration per group), and the softmax in explicit AVX-512 (2^t as
 2ⁿ·poly, one-instruction bfloat16 rounding) with 32-row blocks in bfloat16 (`BLOCKS`).
 
-Segments (`tiling.SegmentCall`: rows attend only their own segment, causally or fully) are
+Segments (`calls.SegmentCall`: rows attend only their own segment, causally or fully) are
 one-pass too: each query block holds every key of its rows (causal: only the keys up to them),
 the keys of a head are packed once for all segments (measured against torch's batched
 ``is_causal`` call: benchmarks/RESULTS.md). Segments longer than `SEGMENT_MAX`
@@ -65,7 +65,7 @@ import torch
 from torch import Tensor
 
 from ... import _ext, _settings
-from .tiling import BandCall, Plan, SegmentCall
+from .calls import BandCall, Plan, SegmentCall
 
 ENGINE_ENV = _settings.FLASH_BAND_ENGINE
 ENGINES = ("auto", "aten", "widen")

@@ -34,7 +34,7 @@ from ..._index import align
 from ..._shapes import stat_dtype
 from ...masks import Mask
 from ..request import BiasFn, check_bias_output
-from .tiling import CALL_CAUSAL, CALL_MASKED, BandCall, Call
+from .calls import CALL_CAUSAL, CALL_MASKED, BandCall, Call
 
 _NEG_INF = float("-inf")
 
@@ -366,6 +366,36 @@ class TorchEngine:
 # ---------------------------------------------------------------- additive tiles
 
 
+class OffsetTable:
+    """A relative bias function read from its values per offset: ``bias(b, h, i, j) =
+    table[h, j − i + S − 1]``, ``table (H, L + S − 1)`` over ``d = j − i ∈ [−(S − 1), L − 1]``
+    (``i`` the query position aligned to the keys; `offset_table` makes it).
+
+    Positions outside the grid (a tile's padding) read the nearest end of the table: they are
+    masked or dropped by the tiled backend, which evaluates relative biases once per offset.
+    """
+
+    relative = True
+
+    def __init__(self, table: Tensor, S: int) -> None:
+        self.table, self.S = table, S
+
+    def __call__(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:  # noqa: ARG002 (a bias function is fn(b, h, i, j))
+        d = (j - i + (self.S - 1)).clamp(0, self.table.shape[-1] - 1)  # (…, Lt, St)
+        return self.table[h, d]  # (1|B, H, Lt, St)
+
+
+def offset_table(fn: BiasFn, H: int, L: int, S: int, device: torch.device) -> Tensor:
+    """``(H, L + S − 1)``: a relative bias function (``fn.relative = True``) at every offset
+    ``d = j − i`` of an ``L × S`` call, ``table[h, d + S − 1] = fn(0, h, 0, d)`` — one call of
+    ``fn`` on O(H·(L + S)) indices, in the graph (gradients flow as through ``fn``)."""
+    zero = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=device)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    d = torch.arange(-(S - 1), L, device=device).view(1, 1, 1, -1)
+    out = check_bias_output(fn, fn(zero, h, zero, d), zero, h, zero, d)
+    return out.expand(1, H, 1, d.shape[-1]).reshape(H, d.shape[-1])
+
+
 @dataclass
 class TileSource:
     """Evaluates the additive term (bias + mask as −inf) on any set of (batch, row, key) indices.
@@ -536,6 +566,7 @@ __all__ = [
     "BandTiles",
     "DsSink",
     "Logits",
+    "OffsetTable",
     "Residuals",
     "TileSource",
     "TorchEngine",
@@ -546,4 +577,5 @@ __all__ = [
     "kernel_forward",
     "kernel_widens",
     "low_precision",
+    "offset_table",
 ]

@@ -8,15 +8,18 @@ out and lse (`engines.Residuals`), in a fixed order, so gradients are bit-determ
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from ..._shapes import stat_dtype
+from .. import nan_rule
 from ..merge import merge_into, merge_partials
+from ..request import Request
 from . import band_kernel
 from .band import band_backward, band_forward, segment_backward, segment_forward
+from .calls import CALL_CAUSAL, BandCall, Call, Plan, SegmentCall
 from .engines import (
     BandTiles,
     DsSink,
@@ -30,7 +33,6 @@ from .engines import (
     kernel_forward,
     kernel_widens,
 )
-from .tiling import CALL_CAUSAL, BandCall, Call, Plan, SegmentCall
 
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")
@@ -177,7 +179,7 @@ class FlashJob:
         # the kernel reads an additive tile in the query dtype: a bias (ALiBi's −slope·|i − j|)
         # must not be rounded to half precision, so only mask-only plans run native
         native = self.engine == "kernel" and self.policy != "widen" and not self.source.has_bias
-        return not (native and plan.merge_free())
+        return not (native and plan.merge_free)
 
     def _store(self, out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
         """Writes a call's rows, or merges them in when the plan's groups overlap."""
@@ -187,10 +189,9 @@ class FlashJob:
             out.copy_(o)
             lse.copy_(l)
 
-    def _single_call(self, plan: Plan, q: Tensor, k: Tensor) -> Call | None:
+    def _single_call(self, plan: Plan) -> Call | None:
         """The plan's only call when it covers the whole grid without a bias (one kernel call)."""
-        B, _, L, _ = q.shape
-        if self.source.has_bias or not plan.is_single_call(B, L, k.shape[2]):
+        if self.source.has_bias or not plan.single_call:
             return None
         c = plan.groups[0].calls[0]
         assert isinstance(c, Call)
@@ -202,7 +203,7 @@ class FlashJob:
         B, H, L, _ = q.shape
         Dv = v.shape[-1]
         plan = self.plan
-        single = self._single_call(plan, q, k) if self.engine == "kernel" else None
+        single = self._single_call(plan) if self.engine == "kernel" else None
         if single is not None:
             causal = single.kind == CALL_CAUSAL
             if k.shape[2] == L and band_kernel.segments_usable(q, k, v, L):
@@ -245,7 +246,7 @@ class FlashJob:
         Dv = v.shape[-1]
         plan = self.plan
         # rows in no group attend nothing: zeros; skip the memset when every row is covered
-        alloc = torch.empty if plan.covers_all(B, L) and not plan.overlap else torch.zeros
+        alloc = torch.empty if plan.covers_all and not plan.overlap else torch.zeros
         out = alloc(B, H, L, Dv, dtype=out_dtype, device=q.device)
         lse = torch.full((B, H, L), _NEG_INF, dtype=stat_dtype(q.dtype), device=q.device)
         # the torch engine returns lse's rounding error with each call; merges keep it too
@@ -329,7 +330,7 @@ class FlashJob:
             return ["forward and backward: the pure-PyTorch tile engine (online softmax)"]
         parts: list[str] = []
         L = q.shape[2]
-        single = self._single_call(self.plan, q, k)
+        single = self._single_call(self.plan)
         if single is not None:
             if k.shape[2] == L and band_kernel.segments_usable(q, k, v, L):
                 on = f"{band_kernel.engine_name(q.dtype)}, as one segment"
@@ -399,7 +400,7 @@ class FlashJob:
             torch.zeros(as4(self.source.bias_tensors[i]).shape, dtype=acc, device=q.device)
             for i in self.grad_biases
         ]
-        single = self._single_call(plan, q, k) if use_kernel else None
+        single = self._single_call(plan) if use_kernel else None
         if single is not None:
             causal = single.kind == CALL_CAUSAL
             B, _, L, _ = q.shape
@@ -429,7 +430,7 @@ class FlashJob:
                 return self._narrow(self.backward(wide, dlse), q, k, v)
         grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
         assert len(grads) == 3
-        for g, alone in zip(plan.groups, plan.alone(), strict=True):
+        for g, alone in zip(plan.groups, plan.alone, strict=True):
             whole = alone and len(g.calls) == 1  # the call holds every key of its rows
             for c in g.calls:
                 if isinstance(c, BandCall) and use_kernel:
@@ -503,4 +504,72 @@ class FlashJob:
         return sink
 
 
-__all__ = ["FlashJob"]
+# ---------------------------------------------------------------- where the NaN rule puts NaN
+def attended_hits(plan: Plan, source: TileSource, ind: Tensor) -> tuple[Tensor, Tensor]:
+    """``any`` of the flags ``ind (B, H_kv, S, C)`` over each row's attended keys, tile by tile.
+
+    Walks the plan's calls (EMPTY tiles are in none): calls without an additive tile reduce over
+    their keys (FULL) or take the first flagged key (CAUSAL); the others multiply their keep tile
+    (mask and bias −inf, from the ORIGINAL bias values) by the flags and also report rows with a
+    NaN/+inf bias entry. Returns ``(hits (B, H, L, C), bias_bad (B, H, L))`` bool.
+    """
+    B, H, L = source.B, source.H, source.L
+    H_kv, C = ind.shape[1], ind.shape[-1]
+    G = H // H_kv
+    hits = torch.zeros(B, H, L, C, dtype=torch.bool, device=ind.device)
+    bias_bad = torch.zeros(B, H, L, dtype=torch.bool, device=ind.device)
+    for c in plan.simple_calls():
+        keys = c.key_index(ind.device)
+        sub = ind[c.b0 : c.b1].index_select(2, keys)  # (nb, H_kv, K, C)
+        R = c.r1 - c.r0
+        rows = (slice(c.b0, c.b1), slice(None), slice(c.r0, c.r1))
+        add = source.for_call(c)
+        if add is None and c.kind == CALL_CAUSAL:
+            hi = torch.arange(1, R + 1, device=ind.device).view(1, 1, R)
+            hit = nan_rule.any_in_interval(sub, None, hi).repeat_interleave(G, dim=1)
+        elif add is None:
+            hit = (sub.amax(dim=2) > 0).unsqueeze(2).repeat_interleave(G, dim=1)
+        else:
+            hit = nan_rule.any_dense(sub, ~torch.isneginf(add)).flatten(1, 2)
+            hit = hit.repeat_interleave(H // hit.shape[1], dim=1)  # (nb, H, R|1, C)
+            bias_bad[rows] |= (torch.isnan(add) | torch.isposinf(add)).any(dim=-1)
+        hits[rows] |= hit
+    return hits, bias_bad
+
+
+def poison_entries(
+    req: Request, plan: Plan, source: TileSource, lse: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Where the NaN rule puts NaN: ``(row_bad (B, H, L), bad (B, H, L, Dv))`` bool.
+
+    ``req`` holds the ORIGINAL inputs and ``source`` evaluates the ORIGINAL additive terms. Which
+    keys a row attends comes from the mask's `Mask.key_interval` when it has one, else from the
+    plan's tiles. A bias *function* is not evaluated again: the clean run's lse is NaN/+inf
+    exactly on rows where it returned NaN/+inf at an attended pair (the clean q, k, v are
+    finite); its −inf entries are not removed from the attended keys of the k/v check.
+    """
+    d = req.dims
+    tensor_bias = bool(source.bias_tensors)
+    interval = None
+    mask = req.terms.given_mask
+    if mask is not None and not tensor_bias:
+        interval = mask.key_interval(d.L, d.S, device=req.q.device)
+    if not tensor_bias and (req.mask is None or interval is not None):
+        row_bad, bad = nan_rule.bad_entries(req.q, req.k, req.v, interval=interval)
+    else:
+        if not tensor_bias:
+            source = replace(source, bias_fn=None)  # the mask alone decides the attended keys
+        ones = torch.ones(d.B, d.H_kv, d.S, 1, device=req.q.device)
+        k_bad = nan_rule.row_flags(req.k).unsqueeze(-1)
+        ind = torch.cat([ones, k_bad, nan_rule.flags(req.v)], dim=-1)  # (B, H_kv, S, 2 + Dv)
+        hits, bias_bad = attended_hits(plan, source, ind)
+        row_bad = hits[..., 0] & ((nan_rule.row_flags(req.q) > 0) | hits[..., 1] | bias_bad)
+        bad = row_bad.unsqueeze(-1) | hits[..., 2:]
+    if source.bias_fn is not None or (req.bias is not None and not tensor_bias):
+        fn_bad = torch.isnan(lse) | torch.isposinf(lse)  # (B, H, L)
+        row_bad = row_bad | fn_bad
+        bad = bad | fn_bad.unsqueeze(-1)
+    return row_bad, bad
+
+
+__all__ = ["FlashJob", "attended_hits", "poison_entries"]

@@ -20,6 +20,7 @@ from ..._shapes import check_int, stat_dtype
 from ...masks import Mask
 from ..request import Request, is_relative_bias, logit_qk
 from . import band_kernel
+from .calls import Plan
 from .engines import (
     LOW_PRECISION,
     LOW_PRECISION_ENV,
@@ -29,7 +30,7 @@ from .engines import (
     low_precision,
 )
 from .job import FlashJob
-from .tiling import Plan, build_plan
+from .tiling import build_plan
 
 # Default tile sizes (rows × keys) of the block map, and the query block of batched band calls.
 BLOCK_Q = 128

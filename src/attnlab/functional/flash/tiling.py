@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from ...masks import FULL, PARTIAL, Mask
 from ...masks.blocks import band_codes
-
-# Call treatments.
-CALL_FULL, CALL_MASKED, CALL_CAUSAL = "full", "masked", "causal"
+from .calls import CALL_CAUSAL, CALL_FULL, CALL_MASKED, BandCall, Call, Group, Plan, SegmentCall
 
 # Elements of an additive (bias/mask) tile built for one call: keeps every tile tensor small.
 TILE_BUDGET = 1 << 22
@@ -45,221 +42,6 @@ TILE_BUDGET = 1 << 22
 RELATIVE_MIN_REUSE = 4
 
 
-# --------------------------------------------------------------------------- plan objects
-@dataclass(frozen=True)
-class Call:
-    """One engine call: batch items [b0, b1), query rows [r0, r1), a key set and a treatment.
-
-    ``keys`` is a contiguous range ``(k0, k1)`` or a sorted int64 tensor of key indices.
-    """
-
-    b0: int
-    b1: int
-    r0: int
-    r1: int
-    keys: tuple[int, int] | Tensor
-    kind: str
-
-    @property
-    def num_keys(self) -> int:
-        """Number of keys in the call."""
-        return self.keys[1] - self.keys[0] if isinstance(self.keys, tuple) else self.keys.numel()
-
-    def key_index(self, device: torch.device | None = None) -> Tensor:
-        """The key positions as an int64 tensor."""
-        if isinstance(self.keys, tuple):
-            return torch.arange(self.keys[0], self.keys[1], device=device)
-        return self.keys.to(device)
-
-
-@dataclass(frozen=True)
-class BandCall:
-    """Query blocks ``t0 <= t < t1`` of size ``bq`` batched into one call per batch item.
-
-    Block t covers rows ``[t·bq, (t+1)·bq)`` and the key window
-    ``[k_start + (t − t0)·bq, … + width)``; inside the window, row ``r`` (0-based in its block) may
-    attend window column ``c`` iff ``c_lo <= c − r <= c_lo + span`` — the same relative mask for
-    every block. With ``key_limit`` > 0 windows may reach outside ``[0, key_limit)``: the blocks
-    whose window does (edge blocks) run on the window's in-range part.
-    """
-
-    b0: int
-    b1: int
-    t0: int
-    t1: int
-    bq: int
-    width: int
-    k_start: int
-    span: int
-    c_lo: int = 0
-    key_limit: int = 0
-
-    @property
-    def r0(self) -> int:
-        """First query row."""
-        return self.t0 * self.bq
-
-    @property
-    def r1(self) -> int:
-        """One past the last query row."""
-        return self.t1 * self.bq
-
-    def window(self, t: int) -> tuple[int, int]:
-        """Key range ``[k0, k1)`` of block t's window, before clipping."""
-        k0 = self.k_start + (t - self.t0) * self.bq
-        return k0, k0 + self.width
-
-    def interior(self) -> tuple[int, int]:
-        """Blocks ``[ta, tb)`` whose window lies inside ``[0, key_limit)`` (all without a limit)."""
-        if self.key_limit <= 0:
-            return self.t0, self.t1
-        first = self.t0 - (self.k_start // self.bq)  # window start >= 0
-        last = self.t0 + (self.key_limit - self.width - self.k_start) // self.bq  # end <= limit
-        ta = min(self.t1, max(self.t0, first))
-        tb = max(ta, min(self.t1, last + 1))
-        return ta, tb
-
-    def block_calls(self) -> list[Call]:
-        """The same work as one `Call` per query block (for the pure-PyTorch engine and stats)."""
-        out = []
-        for t in range(self.t0, self.t1):
-            k0, k1 = self.window(t)
-            if self.key_limit > 0:
-                k0, k1 = max(0, k0), min(self.key_limit, k1)
-            rows = (t * self.bq, (t + 1) * self.bq)
-            out.append(Call(self.b0, self.b1, *rows, (k0, k1), CALL_MASKED))
-        return out
-
-
-@dataclass(frozen=True)
-class SegmentCall:
-    """``count`` consecutive segments of ``n`` positions from ``start``, as ONE call per batch item.
-
-    Segment ``s`` covers rows and keys ``[start + s·n, start + (s+1)·n)``: its rows attend only
-    its own keys, every one of them or causally (top-left within the segment). Packed documents
-    of equal length are such segments; the kernel runs them batched over strided views.
-    """
-
-    b0: int
-    b1: int
-    start: int
-    n: int
-    count: int
-    causal: bool
-
-    @property
-    def r0(self) -> int:
-        """First query row."""
-        return self.start
-
-    @property
-    def r1(self) -> int:
-        """One past the last query row."""
-        return self.start + self.count * self.n
-
-    def block_calls(self) -> list[Call]:
-        """The same work as one `Call` per segment (for the pure-PyTorch engine and stats)."""
-        kind = CALL_CAUSAL if self.causal else CALL_FULL
-        out = []
-        for s in range(self.count):
-            a = self.start + s * self.n
-            out.append(Call(self.b0, self.b1, a, a + self.n, (a, a + self.n), kind))
-        return out
-
-
-@dataclass
-class Group:
-    """Calls over disjoint key sets that together cover batch [b0, b1) × rows [r0, r1)."""
-
-    b0: int
-    b1: int
-    r0: int
-    r1: int
-    calls: list[Call | BandCall | SegmentCall] = field(default_factory=list)
-
-
-@dataclass
-class Plan:
-    """The whole tiling of one attention call. Rows in no group attend nothing (output 0)."""
-
-    groups: list[Group]
-    kind: str
-    block_q: int
-    block_k: int
-    overlap: bool = False  # groups may share rows (over disjoint keys): results merge by lse
-
-    def alone(self) -> list[bool]:
-        """Per group: no other group shares a (batch, row) of it (always so without overlap)."""
-        if not self.overlap:
-            return [True] * len(self.groups)
-
-        def meet(a: Group, b: Group) -> bool:
-            return a.b0 < b.b1 and b.b0 < a.b1 and a.r0 < b.r1 and b.r0 < a.r1
-
-        return [
-            not any(meet(g, h) for j, h in enumerate(self.groups) if j != i)
-            for i, g in enumerate(self.groups)
-        ]
-
-    def covers_all(self, B: int, L: int) -> bool:
-        """True when every (batch, row) lies in some group (from the plan alone, no tensors)."""
-        rows: dict[int, list[tuple[int, int]]] = {}
-        for g in self.groups:
-            for b in range(g.b0, g.b1):
-                rows.setdefault(b, []).append((g.r0, g.r1))
-        for b in range(B):
-            end = 0
-            for r0, r1 in sorted(rows.get(b, [])):
-                if r0 > end:
-                    return False
-                end = max(end, r1)
-            if end < L:
-                return False
-        return True
-
-    def simple_calls(self) -> list[Call]:
-        """Every call, with batched band calls expanded into one call per query block."""
-        out: list[Call] = []
-        for g in self.groups:
-            for c in g.calls:
-                out.extend(c.block_calls() if isinstance(c, BandCall | SegmentCall) else [c])
-        return out
-
-    @property
-    def num_calls(self) -> int:
-        """Number of engine calls (a batched band call counts once per batch range)."""
-        return sum(len(g.calls) for g in self.groups)
-
-    def merge_free(self) -> bool:
-        """True when every output row comes from exactly one engine call (nothing is merged)."""
-        return not self.overlap and all(len(g.calls) == 1 for g in self.groups)
-
-    def is_single_call(self, B: int, L: int, S: int) -> bool:
-        """True when one unmasked call covers every row and every key (no merging needed)."""
-        if len(self.groups) != 1 or len(self.groups[0].calls) != 1:
-            return False
-        c = self.groups[0].calls[0]
-        return (
-            isinstance(c, Call)
-            and c.kind != CALL_MASKED
-            and isinstance(c.keys, tuple)
-            and (c.b0, c.b1, c.r0, c.r1, c.keys) == (0, B, 0, L, (0, S))
-        )
-
-    def describe(self) -> str:
-        """One line for `explain`."""
-        n_band = sum(isinstance(c, BandCall) for g in self.groups for c in g.calls)
-        text = f"{self.kind} plan, {self.num_calls} engine call(s)"
-        if n_band:
-            text += f" ({n_band} batched band call(s) of {self.block_q}-row blocks)"
-        segs = [c for g in self.groups for c in g.calls if isinstance(c, SegmentCall)]
-        if segs:
-            n = sum(c.count for c in segs)
-            text += f" ({n} document(s) in {len(segs)} batched segment call(s))"
-        return text
-
-
-# --------------------------------------------------------------------------- mask geometry
 def band_of(mask: Mask | None) -> tuple[float, float] | None:
     """``(lo, hi)`` with ``mask = {lo <= j − p <= hi}``, ±inf for no bound; None if not a band.
 
@@ -550,6 +332,24 @@ def build_plan(
             holds ``RELATIVE_MIN_REUSE`` tiles of ``block_q × block_k`` (below that a shared tile
             is barely reused and per-tile evaluation is faster).
     """
+    plan = _build(mask, B, H, L, S, block_q, block_k, band_block, bias, device, relative)
+    return plan.settle(B, L, S)
+
+
+def _build(
+    mask: Mask | None,
+    B: int,
+    H: int,
+    L: int,
+    S: int,
+    block_q: int,
+    block_k: int,
+    band_block: int,
+    bias: str | None,
+    device: torch.device | str | None,
+    relative: bool,
+) -> Plan:
+    """`build_plan`'s plan before `Plan.settle`."""
     band = band_of(mask)
     with_bias = bias is not None
     if band is not None:
@@ -586,14 +386,6 @@ def build_plan(
 
 
 __all__ = [
-    "CALL_CAUSAL",
-    "CALL_FULL",
-    "CALL_MASKED",
-    "BandCall",
-    "Call",
-    "Group",
-    "Plan",
-    "SegmentCall",
     "band_of",
     "build_plan",
     "segment_plan",
