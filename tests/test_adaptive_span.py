@@ -215,7 +215,7 @@ def _pairs(sp: AdaptiveSpan, L: int) -> int:
         temperature=1.0,
         score="dot",
     )
-    calls = flash_job(req, block_q=64, block_k=64).plan.simple_calls()
+    calls = flash_job(req, block_q=64, block_k=64).plan.simple_calls
     return sum((c.b1 - c.b0) * (c.r1 - c.r0) * c.num_keys for c in calls)
 
 

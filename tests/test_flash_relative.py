@@ -166,7 +166,7 @@ def test_relative_plan_covers_each_pair_once(mask, L, S, bq, wc):
     )
     allowed = _allowed(mask, L, S)
     count = torch.zeros(L, S, dtype=torch.int64)
-    for c in plan.simple_calls():
+    for c in plan.simple_calls:
         k0, k1 = c.keys
         count[c.r0 : c.r1, k0:k1] += allowed[c.r0 : c.r1, k0:k1].long()
     assert torch.equal(count, allowed.long()), "a pair is missed or computed twice"

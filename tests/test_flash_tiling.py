@@ -82,7 +82,7 @@ def _pairs(plan, L: int, S: int, B: int, mask: Mask | None) -> torch.Tensor:
     """Which (b, row, key) pairs some call covers, and check the calls' treatments."""
     cover = torch.zeros(B, L, S, dtype=torch.int64)
     dense = None if mask is None else mask.to_dense(L, S, batch=B).any(1).expand(B, L, S)
-    for c in plan.simple_calls():
+    for c in plan.simple_calls:
         keys = c.key_index()
         hit = torch.ones(c.r1 - c.r0, len(keys), dtype=torch.int64)
         if c.kind == CALL_CAUSAL:  # the engine computes the lower triangle only
@@ -150,13 +150,13 @@ def test_causal_plans():
             masks.causal(), B=1, H=1, L=L, S=S, block_q=64, block_k=64, band_block=64, bias=None
         )
         assert plan.num_calls == n
-        kinds = [c.kind for c in plan.simple_calls()]
+        kinds = [c.kind for c in plan.simple_calls]
         assert CALL_CAUSAL in kinds and CALL_MASKED not in kinds
     # with a bias function every tile needs the bias: per-block calls, masks only on the diagonal
     plan = build_plan(
         masks.causal(), B=1, H=1, L=256, S=256, block_q=64, block_k=64, band_block=64, bias="fn"
     )
-    masked = [c for c in plan.simple_calls() if c.kind == CALL_MASKED]
+    masked = [c for c in plan.simple_calls if c.kind == CALL_MASKED]
     assert len(masked) == 4 and all(c.num_keys == 64 for c in masked)
 
 
@@ -165,7 +165,7 @@ def test_bias_tiles_stay_within_budget(monkeypatch):
     plan = build_plan(
         None, B=1, H=4, L=100, S=1000, block_q=16, block_k=16, band_block=16, bias="fn"
     )
-    for c in plan.simple_calls():
+    for c in plan.simple_calls:
         assert 4 * (c.r1 - c.r0) * c.num_keys <= 4096 or c.num_keys <= 16
 
 

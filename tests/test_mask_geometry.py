@@ -14,8 +14,7 @@ import torch
 
 import attnlab
 from attnlab import masks as M
-from attnlab._index import align, index_grid, query_positions
-from attnlab._shapes import Dims
+from attnlab._shapes import Dims, align, index_grid, query_positions
 from attnlab.functional import reference
 from attnlab.functional.flash.tiling import build_plan
 from attnlab.functional.request import materialize_bias

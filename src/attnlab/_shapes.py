@@ -441,3 +441,80 @@ def leading_to_4d(q: Tensor, k: Tensor, v: Tensor) -> Leading | None:
     v4 = v.reshape(B, *v.shape[-3:])  # (B, H_kv, S, Dv)
     target = (*batch, q.shape[-3], q.shape[-2], k.shape[-2])
     return Leading(q4, k4, v4, _dims_of(q)[:-2], target, B)
+
+
+# ---------------------------------------------------------------- positions and the index grid
+# Every index function of the library — a `Mask`, a bias function ``fn(b, h, i, j)``, the dense
+# pictures of a bias — is evaluated on broadcastable Long index tensors. When L != S the queries
+# are aligned bottom-right: query row ``r`` sits at key position ``p = r + S − L`` (the last
+# query sees the last key), which is what KV-cache decoding needs.
+def align(rows: Tensor, L: int, S: int) -> Tensor:
+    """Key positions of raw query rows: ``p = rows + S − L`` (bottom-right alignment).
+
+    Args:
+        rows: raw query rows in ``[0, L)``, any shape (Long).
+        L, S: query and key lengths.
+
+    Returns:
+        Tensor of the shape of ``rows``.
+    """
+    return rows + (S - L)
+
+
+def query_positions(L: int, S: int, *, device: torch.device | str | None = None) -> Tensor:
+    """The aligned positions ``p = r + S − L`` of all L query rows, shape ``(L,)`` (int64)."""
+    return align(torch.arange(L, device=device), L, S)
+
+
+def index_grid(
+    B: int,
+    H: int,
+    L: int,
+    S: int,
+    *,
+    rows: Tensor | None = None,
+    keys: Tensor | None = None,
+    aligned: bool = True,
+    device: torch.device | str | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Index tensors ``b (B,1,1,1)``, ``h (1,H,1,1)``, ``i (1,1,R,1)``, ``j (1,1,1,K)``.
+
+    The one grid for masks, bias functions and dense bias pictures.
+
+    Args:
+        B, H: batch and head counts (``arange`` of each).
+        L, S: query and key lengths of the call (they fix the alignment).
+        rows: the raw query rows to cover (default all L rows).
+        keys: the key positions to cover (default all S keys).
+        aligned: give ``i`` as aligned positions ``r + S − L`` (what bias functions and
+            `attnlab.masks.from_fn` receive); False gives the raw rows (what `Mask.evaluate` takes).
+        device: where to build the tensors (default: the device of ``rows``/``keys`` if given).
+
+    Returns:
+        ``(b, h, i, j)``, Long tensors broadcasting to ``(B, H, R, K)``.
+    """
+    if device is None:
+        given = rows if rows is not None else keys
+        device = given.device if given is not None else None
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    r = torch.arange(L, device=device) if rows is None else rows.to(device)
+    i = (align(r, L, S) if aligned else r).reshape(1, 1, -1, 1)
+    k = torch.arange(S, device=device) if keys is None else keys.to(device)
+    j = k.reshape(1, 1, 1, -1)
+    return b, h, i, j
+
+
+def check_head_index(owner: str, num_heads: int, h: Tensor) -> None:
+    """Raises if a function bias is evaluated on more heads than it was built for.
+
+    Reads ``max(h)`` back to the host, so it runs in eager mode only: skipped under
+    `torch.compile`/`torch.export` and for ``meta`` tensors (the head lookup then fails instead).
+    """
+    if torch.compiler.is_compiling() or h.is_meta:
+        return
+    if h.numel() and int(h.max()) >= num_heads:
+        raise ValueError(
+            f"{owner} was built with num_heads={num_heads}, but the attention call has "
+            f"H={int(h.max()) + 1} query heads"
+        )

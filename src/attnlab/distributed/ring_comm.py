@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._digest import tensor_digest
 from ..masks import Mask
+from ..masks.base import tensor_digest
 from .ring_layout import LAYOUTS, chunk_ids
 
 

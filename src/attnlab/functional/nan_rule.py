@@ -42,8 +42,8 @@ from .._shapes import stat_dtype
 
 _NAN = float("nan")
 _EXT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-# Whether the scan's extension loaded, asked once per process (`attnlab._settings.forget`).
-_LOADED: list[bool] = []
+# Whether each extension loaded, asked once per process (`attnlab._settings.forget`).
+_LOADED: dict[str, bool] = {}
 _settings.on_refresh(_LOADED.clear)
 
 
@@ -55,7 +55,7 @@ def ext_ready(*xs: Tensor) -> bool:
     for x in xs:
         if x.device.type != "cpu" or x.dtype not in _EXT_DTYPES or (grad and x.requires_grad):
             return False
-    return not torch.compiler.is_compiling() and _ext.load("nan_rule")
+    return not torch.compiler.is_compiling() and _loaded("nan_rule")
 
 
 def _zeroed(x: Tensor) -> Tensor:
@@ -107,13 +107,18 @@ def clean(x: Tensor) -> Tensor:
 
 def flash_ext_ready(x: Tensor) -> bool:
     """True if ``attnlab_flash.clean_copy`` (``_ext/flash_rule.cpp``) may scan ``x``: eager mode,
-    a CPU tensor of a float dtype, and the extension built (`attnlab._ext.load`, asked once per
-    process: `attnlab._settings.forget` asks again)."""
+    a CPU tensor of a float dtype, and the extension built (`_loaded`)."""
     if x.device.type != "cpu" or x.dtype not in _EXT_DTYPES or torch.compiler.is_compiling():
         return False
-    if not _LOADED:
-        _LOADED.append(_ext.load("flash_rule"))
-    return _LOADED[0]
+    return _loaded("flash_rule")
+
+
+def _loaded(name: str) -> bool:
+    """`attnlab._ext.load` of ``name``, asked once per process (`attnlab._settings.forget`)."""
+    answer = _LOADED.get(name)
+    if answer is None:
+        answer = _LOADED[name] = _ext.load(name)
+    return answer
 
 
 def clean_flagged(x: Tensor, ready: bool | None = None) -> tuple[Tensor, bool]:

@@ -14,7 +14,6 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from .._index import index_grid
 from .._shapes import (
     Dims,
     Leading,
@@ -28,6 +27,7 @@ from .._shapes import (
     check_qkv,
     check_same_device,
     extra_to_4d,
+    index_grid,
     leading_to_4d,
     stat_dtype,
     static_bool,

@@ -88,8 +88,8 @@ def compute_stats(
     lse_b = torch.where(torch.isneginf(lse), float("inf"), lse).to(acc)
     # The NaN rule: 0, or NaN once a row meets a non-finite logit among the keys it may attend
     flag = torch.zeros_like(ent)
-    for c in job.plan.simple_calls():
-        keys_all = c.key_index(q.device)
+    for c in job.plan.simple_calls:
+        keys_all = c.index.to(q.device)
         b = torch.arange(c.b0, c.b1, device=q.device).view(-1, 1, 1, 1)
         for r0 in range(c.r0, c.r1, chunk_q):
             r1 = min(c.r1, r0 + chunk_q)

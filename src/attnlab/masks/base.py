@@ -14,14 +14,14 @@ query sees the last key), which is what KV-cache decoding needs. For causal with
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
 
-from .._index import align, index_grid, query_positions
-from .._shapes import check_index_fn_output, check_int
+from .._shapes import align, check_index_fn_output, check_int, index_grid, query_positions
 from .blocks import (
     EMPTY,
     FULL,
@@ -86,6 +86,37 @@ def diagonal_keep(pieces: list[Piece], d: Tensor) -> Tensor:
             part = torch.ones_like(d, dtype=torch.bool)
         keep = part if keep is None else keep | part
     return torch.zeros_like(d, dtype=torch.bool) if keep is None else keep
+
+
+# ---------------------------------------------------------------- content digests
+# A tensor's identity, version counter and data pointer do not say its values are unchanged:
+# memory written outside torch (a NumPy view, a data-loader buffer refilled in place, shared
+# memory, DLPack) keeps all three. A cache whose entries depend on values keys them on
+# `tensor_digest` instead, computed on every lookup: BLAKE2b over the dtype, the shape and the
+# bytes in row-major order, so a permutation of the same values is a different digest.
+DIGEST_SIZE = 16
+
+
+def tensor_digest(tensors: Tensor | Iterable[Tensor]) -> bytes:
+    """The BLAKE2b digest of one tensor's, or a sequence of tensors', dtype, shape and values.
+
+    Reads the values on the host (a copy to the CPU for tensors elsewhere; a host sync there):
+    call it where the values are read anyway. Costs about 1 ms per 1.5 MB on one core.
+
+    Args:
+        tensors: a tensor, or tensors digested in order.
+
+    Returns:
+        ``DIGEST_SIZE`` bytes; equal for equal dtypes, shapes and values, whatever the strides.
+    """
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    for t in (tensors,) if isinstance(tensors, Tensor) else tensors:
+        t = t.detach().resolve_conj().resolve_neg()
+        h.update(f"{t.dtype}{tuple(t.shape)};".encode())
+        if t.numel():
+            flat = t.cpu().contiguous().reshape(-1).view(torch.uint8)
+            h.update(flat.numpy())
+    return h.digest()
 
 
 class Mask:
@@ -286,6 +317,24 @@ class Mask:
         ``torch.compile(dynamic=True)`` too.
         """
         return None
+
+    def cache_key(self) -> tuple | None:
+        """A key for the mask's structure and contents, or None (not cacheable: no `spec`).
+
+        The structure string of `spec` plus, for each tensor the mask holds, its shape, dtype,
+        device and `tensor_digest` of its values, read now: what depends on the values
+        (document ids, padding lengths, a boolean mask — the flash backend's plan cache) stays
+        correct when memory changes without torch's version counter noticing (a NumPy view, a
+        buffer refilled in place, shared memory, DLPack). Equal contents in another tensor give
+        an equal key.
+        """
+        spec = self.spec()
+        if spec is None:
+            return None
+        parts: list[object] = [spec[0]]
+        for t in spec[1]:
+            parts.append((tuple(t.shape), t.dtype, str(t.device), tensor_digest(t)))
+        return tuple(parts)
 
     def conjuncts(self) -> tuple[Mask, ...]:
         """The masks whose ``&`` this mask is, flattened (a mask that is no ``&``: itself)."""
@@ -876,6 +925,7 @@ def from_fn(
 
 
 __all__ = [
+    "DIGEST_SIZE",
     "EMPTY",
     "FULL",
     "PARTIAL",
@@ -884,4 +934,5 @@ __all__ = [
     "TensorMask",
     "from_fn",
     "from_tensor",
+    "tensor_digest",
 ]

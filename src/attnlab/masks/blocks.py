@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .._index import align, index_grid
-from .._shapes import check_index_fn_output
+from .._shapes import align, check_index_fn_output, index_grid
 
 if TYPE_CHECKING:
     from .base import Mask

@@ -7,8 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .._index import index_grid
-from .._shapes import check_int
+from .._shapes import check_int, index_grid
 
 
 def dense_bias(

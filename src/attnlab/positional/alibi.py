@@ -7,8 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .._shapes import check_bool, check_int
-from ._checks import check_head_index
+from .._shapes import check_bool, check_head_index, check_int
 from ._grid import dense_bias
 
 

@@ -13,7 +13,6 @@ of torch's kernel per batch item.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -33,21 +32,17 @@ def _copy(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
 
 def interior(c: BandCall, add: Tensor) -> tuple[BandCall | None, Tensor]:
     """The batched part of a band call (blocks whose window is in range) and its tile."""
-    ta, tb = c.interior()
-    if ta >= tb:
+    if c.inner is None:
         return None, add
+    ta, tb = c.inner_blocks
     if add.dim() == 4 and add.shape[0] > 1:
         add = add[ta - c.t0 : tb - c.t0]
-    if (ta, tb) == (c.t0, c.t1):
-        return c, add
-    return replace(c, t0=ta, t1=tb, k_start=c.window(ta)[0]), add
+    return c.inner, add
 
 
 def edges(c: BandCall, add: Tensor) -> Iterator[tuple[int, slice, tuple[int, int], Tensor]]:
     """``(t, rows, (j0, j1), tile)`` of every block whose window leaves the keys."""
-    ta, tb = c.interior()
-    for t in (*range(c.t0, ta), *range(tb, c.t1)):
-        k0, k1 = c.window(t)
+    for t, k0, k1 in c.edges:
         j0, j1 = max(0, k0), min(c.key_limit, k1)
         if j1 <= j0:
             continue
@@ -83,15 +78,17 @@ def band_forward(
     out: Tensor,
     lse: Tensor,
     store: Store | None = None,
+    own: bool = True,
 ) -> None:
     """Runs a batched band call on the kernel into ``out (B, H, L, Dv)`` and ``lse (B, H, L)``.
 
     ``store`` merges a call's rows into the output (overlapping plans); None writes them (the
-    C++ band kernel then writes straight into ``out``). Inputs are finite (`nan_rule.clean`),
-    so the batched call is always possible.
+    C++ band kernel then writes straight into ``out``). ``own``: attnlab's C++ band kernel may
+    run (`FlashJob.own_kernel`: False when it never does on this dtype and CPU). Inputs are
+    finite (`nan_rule.clean`), so the batched call is always possible.
     """
     put = store or _copy
-    native = band_kernel.usable(q, k, v, c.bq)  # every block, edges too, in one C++ call
+    native = own and band_kernel.usable(q, k, v, c.bq)  # every block, edges too, in one C++ call
     for b in range(c.b0, c.b1):
         add = tiles.tile(c, b, q.device)
         if native:
@@ -133,6 +130,7 @@ def band_backward(
     scale: float,
     grads: tuple[Tensor, Tensor, Tensor],
     whole: bool = False,
+    own: bool = True,
 ) -> None:
     """Adds the gradients of a batched band call into ``grads = (dq, dk, dv)`` (kernel engine).
 
@@ -141,7 +139,7 @@ def band_backward(
     ``Σ P·dP`` (`band_kernel.backward_into`); torch's kernel always reads ``rowsum(dout ⊙ out)``.
     """
     dq, dk, dv = grads
-    native = band_kernel.backward_usable(res.q, res.k, res.v, res.out, res.dout)
+    native = own and band_kernel.backward_usable(res.q, res.k, res.v, res.out, res.dout)
     for b in range(c.b0, c.b1):
         add = tiles.tile(c, b, res.q.device)
         if native:  # every block, edges too, in one C++ call
@@ -201,11 +199,19 @@ def segments(t: Tensor, b: int, c: SegmentCall) -> Tensor:
 
 
 def segment_forward(
-    c: SegmentCall, q: Tensor, k: Tensor, v: Tensor, *, scale: float, out: Tensor, lse: Tensor
+    c: SegmentCall,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    out: Tensor,
+    lse: Tensor,
+    own: bool = True,
 ) -> None:
     """Runs batched segments (packed documents) on the kernel, one call per batch item: attnlab's
-    C++ kernel when it takes them (`band_kernel.segments_usable`), else torch's."""
-    if band_kernel.segments_usable(q, k, v, c.n):
+    C++ kernel when it takes them (``own`` and `band_kernel.segments_usable`), else torch's."""
+    if own and band_kernel.segments_usable(q, k, v, c.n):
         for b in range(c.b0, c.b1):
             band_kernel.segments_into(out[b], lse[b], q[b], k[b], v[b], c, scale)
         return
@@ -217,13 +223,19 @@ def segment_forward(
 
 
 def segment_backward(
-    c: SegmentCall, res: Residuals, *, scale: float, grads: tuple[Tensor, Tensor, Tensor]
+    c: SegmentCall,
+    res: Residuals,
+    *,
+    scale: float,
+    grads: tuple[Tensor, Tensor, Tensor],
+    own: bool = True,
 ) -> None:
     """Adds the gradients of batched segments into ``grads = (dq, dk, dv)`` (kernel engine):
-    attnlab's C++ kernel (`band_kernel.segments_backward_into`) where
+    attnlab's C++ kernel (`band_kernel.segments_backward_into`) where ``own`` and
     `band_kernel.segments_backward_usable`, else torch's."""
     dq, dk, dv = grads
-    if band_kernel.segments_backward_usable(res.q, res.k, res.v, res.out, res.dout, c.n):
+    xs = (res.q, res.k, res.v, res.out, res.dout)
+    if own and band_kernel.segments_backward_usable(*xs, c.n):
         for b in range(c.b0, c.b1):
             parts = (res.q[b], res.k[b], res.v[b], res.out[b], res.dout[b], res.lse[b])
             band_kernel.segments_backward_into((dq[b], dk[b], dv[b]), parts, c, scale)

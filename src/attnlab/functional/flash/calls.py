@@ -13,7 +13,8 @@ fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -26,7 +27,8 @@ CALL_FULL, CALL_MASKED, CALL_CAUSAL = "full", "masked", "causal"
 class Call:
     """One engine call: batch items [b0, b1), query rows [r0, r1), a key set and a treatment.
 
-    ``keys`` is a contiguous range ``(k0, k1)`` or a sorted int64 tensor of key indices.
+    ``keys`` is a contiguous range ``(k0, k1)`` or a sorted int64 tensor of key indices;
+    ``index`` holds them as an int64 tensor either way (made once, with the plan).
     """
 
     b0: int
@@ -35,17 +37,17 @@ class Call:
     r1: int
     keys: tuple[int, int] | Tensor
     kind: str
+    index: Tensor = field(init=False, compare=False, repr=False)  # the keys as int64 (CPU)
+
+    def __post_init__(self) -> None:
+        keys = self.keys
+        index = torch.arange(keys[0], keys[1]) if isinstance(keys, tuple) else keys
+        object.__setattr__(self, "index", index)
 
     @property
     def num_keys(self) -> int:
         """Number of keys in the call."""
         return self.keys[1] - self.keys[0] if isinstance(self.keys, tuple) else self.keys.numel()
-
-    def key_index(self, device: torch.device | None = None) -> Tensor:
-        """The key positions as an int64 tensor."""
-        if isinstance(self.keys, tuple):
-            return torch.arange(self.keys[0], self.keys[1], device=device)
-        return self.keys.to(device)
 
 
 @dataclass(frozen=True)
@@ -71,17 +73,34 @@ class BandCall:
     key_limit: int = 0
     r0: int = field(init=False, compare=False)  # first query row
     r1: int = field(init=False, compare=False)  # one past the last query row
+    # blocks [ta, tb) whose window lies inside [0, key_limit) (all without a limit), that part
+    # as one call (None if empty, the call itself if it is all), and the other blocks' windows
+    # (t, k0, k1) before clipping
+    inner_blocks: tuple[int, int] = field(init=False, compare=False)
+    inner: BandCall | None = field(init=False, compare=False, repr=False)
+    edges: tuple[tuple[int, int, int], ...] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "r0", self.t0 * self.bq)
-        object.__setattr__(self, "r1", self.t1 * self.bq)
+        put = object.__setattr__
+        put(self, "r0", self.t0 * self.bq)
+        put(self, "r1", self.t1 * self.bq)
+        ta, tb = self._interior()
+        put(self, "inner_blocks", (ta, tb))
+        outer = (*range(self.t0, ta), *range(tb, self.t1))
+        put(self, "edges", tuple((t, *self.window(t)) for t in outer))
+        if ta >= tb:
+            put(self, "inner", None)
+        elif (ta, tb) == (self.t0, self.t1):
+            put(self, "inner", self)
+        else:
+            put(self, "inner", replace(self, t0=ta, t1=tb, k_start=self.window(ta)[0]))
 
     def window(self, t: int) -> tuple[int, int]:
         """Key range ``[k0, k1)`` of block t's window, before clipping."""
         k0 = self.k_start + (t - self.t0) * self.bq
         return k0, k0 + self.width
 
-    def interior(self) -> tuple[int, int]:
+    def _interior(self) -> tuple[int, int]:
         """Blocks ``[ta, tb)`` whose window lies inside ``[0, key_limit)`` (all without a limit)."""
         if self.key_limit <= 0:
             return self.t0, self.t1
@@ -154,7 +173,9 @@ class Plan:
     makes it for a call of ``B × L`` rows and ``S`` keys (`settle`): ``covers_all`` (every
     (batch, row) lies in some group), ``merge_free`` (every output row comes from exactly one
     engine call), ``single_call`` (one unmasked call covers every row and key) and
-    ``band_rows_once`` (every row lies in exactly one batched band call), ``alone``.
+    ``band_rows_once`` (every row lies in exactly one batched band call), ``alone`` (per group:
+    no other group shares a row), ``whole`` (the single call as one `SegmentCall`, L = S) and
+    ``biased`` (the plan was built for a bias).
     """
 
     groups: list[Group]
@@ -167,9 +188,13 @@ class Plan:
     single_call: bool = False
     band_rows_once: bool = False
     alone: list[bool] = field(default_factory=list)  # per group: no other group shares a row
+    whole: SegmentCall | None = None  # the single call as one segment (L = S)
+    biased: bool = False  # every call carries a bias (its tiles are computed)
 
-    def settle(self, B: int, L: int, S: int) -> Plan:
-        """Sets the whole-plan facts (see the class) for ``B × L`` rows and ``S`` keys."""
+    def settle(self, B: int, L: int, S: int, *, biased: bool) -> Plan:
+        """Sets the whole-plan facts (see the class) for ``B × L`` rows and ``S`` keys, with a
+        bias (``biased``) or without."""
+        self.biased = biased
         calls = [c for g in self.groups for c in g.calls]
         spans: dict[int, list[tuple[int, int]]] = {}
         for g in self.groups:
@@ -184,6 +209,9 @@ class Plan:
             and isinstance(one.keys, tuple)
             and (one.b0, one.b1, one.r0, one.r1, one.keys) == (0, B, 0, L, (0, S))
         )
+        if self.single_call and L == S:
+            assert isinstance(one, Call)
+            self.whole = SegmentCall(0, B, 0, L, 1, one.kind == CALL_CAUSAL)
         rows = sum((c.b1 - c.b0) * (c.r1 - c.r0) for c in calls if isinstance(c, BandCall))
         bands = bool(calls) and all(isinstance(c, BandCall) and c.r1 <= L for c in calls)
         self.band_rows_once = bands and not self.overlap and rows == B * L
@@ -193,8 +221,10 @@ class Plan:
         ]
         return self
 
+    @functools.cached_property
     def simple_calls(self) -> list[Call]:
-        """Every call, with batched band calls expanded into one call per query block."""
+        """Every call, with batched band calls expanded into one call per query block (made on
+        first use, kept with the plan)."""
         out: list[Call] = []
         for g in self.groups:
             for c in g.calls:

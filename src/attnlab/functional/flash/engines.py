@@ -30,8 +30,7 @@ import torch
 from torch import Tensor
 
 from ... import _ext, _settings
-from ..._index import align
-from ..._shapes import stat_dtype
+from ..._shapes import align, stat_dtype
 from ...masks import Mask
 from ..request import BiasFn, check_bias_output
 from .calls import CALL_CAUSAL, CALL_MASKED, BandCall, Call
@@ -472,7 +471,7 @@ class TileSource:
         device = self.device
         b = torch.arange(c.b0, c.b1, device=device).view(-1, 1, 1, 1)
         rows = torch.arange(c.r0, c.r1, device=device).view(1, 1, -1, 1)
-        keys = c.key_index(device).view(1, 1, 1, -1)
+        keys = c.index.to(device).view(1, 1, 1, -1)
         add = self.additive(b, rows, keys, with_mask=with_mask)
         if add is not None and c.kind == CALL_CAUSAL:
             r = torch.arange(c.r1 - c.r0, device=add.device).view(-1, 1)
@@ -510,7 +509,7 @@ class BandTiles:
         if src.relative:
             tile = self.shared.get(c)
             if tile is None:
-                ta, tb = c.interior()
+                ta, tb = c.inner_blocks
                 t = ta if ta < tb else c.t0  # a block whose indices are all in range, if any
                 rows = (t * c.bq + r).view(1, 1, -1, 1)
                 keys = (c.window(t)[0] + col).view(1, 1, 1, -1)

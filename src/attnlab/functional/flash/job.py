@@ -100,6 +100,8 @@ class FlashJob:
             ``"widen"``, float16/bfloat16 merge-free plans run the kernels in the input dtype
             (`_widen`); under ``"auto"`` torch's kernel widens each call where the CPU has no
             native products (`kernel_widens`).
+        own_kernel: attnlab's C++ band kernel may run band and segment calls of this job (False
+            when it never does for its dtype and CPU: no call then asks it).
     """
 
     plan: Plan
@@ -115,6 +117,7 @@ class FlashJob:
     bias_grads: list[Tensor] = field(default_factory=list)
     softcap: float | None = None
     policy: str = "widen"
+    own_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.band_tiles is None:
@@ -178,7 +181,7 @@ class FlashJob:
             return True
         # the kernel reads an additive tile in the query dtype: a bias (ALiBi's −slope·|i − j|)
         # must not be rounded to half precision, so only mask-only plans run native
-        native = self.engine == "kernel" and self.policy != "widen" and not self.source.has_bias
+        native = self.engine == "kernel" and self.policy != "widen" and not plan.biased
         return not (native and plan.merge_free)
 
     def _store(self, out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
@@ -191,7 +194,7 @@ class FlashJob:
 
     def _single_call(self, plan: Plan) -> Call | None:
         """The plan's only call when it covers the whole grid without a bias (one kernel call)."""
-        if self.source.has_bias or not plan.single_call:
+        if plan.biased or not plan.single_call:
             return None
         c = plan.groups[0].calls[0]
         assert isinstance(c, Call)
@@ -206,11 +209,11 @@ class FlashJob:
         single = self._single_call(plan) if self.engine == "kernel" else None
         if single is not None:
             causal = single.kind == CALL_CAUSAL
-            if k.shape[2] == L and band_kernel.segments_usable(q, k, v, L):
+            whole = plan.whole
+            if whole is not None and self.own_kernel and band_kernel.segments_usable(q, k, v, L):
                 # one segment of L positions: attnlab's one-pass kernel (faster than torch's)
                 out = torch.empty(B, H, L, Dv, dtype=q.dtype, device=q.device)
                 lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
-                whole = SegmentCall(0, B, 0, L, 1, causal)
                 segment_forward(whole, q, k, v, scale=self.scale, out=out, lse=lse)
                 return out, lse
             out, lse = kernel_forward(
@@ -236,7 +239,7 @@ class FlashJob:
         merged)."""
         if self.engine != "kernel" or self.policy == "widen":
             return False  # (``ATTNLAB_FLASH_LOWP=widen`` runs every product in float32)
-        return band_kernel.runs_every_call(self.plan, q, k, v)
+        return self.own_kernel and band_kernel.runs_every_call(self.plan, q, k, v)
 
     def _run_groups(
         self, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dtype
@@ -255,7 +258,8 @@ class FlashJob:
             parts: list[tuple[Tensor, Tensor, Tensor | None]] = []
             for c in g.calls:
                 if isinstance(c, SegmentCall) and self.engine == "kernel":
-                    segment_forward(c, q, k, v, scale=self.scale, out=out, lse=lse)
+                    own = self.own_kernel
+                    segment_forward(c, q, k, v, scale=self.scale, out=out, lse=lse, own=own)
                 elif isinstance(c, BandCall | SegmentCall):
                     self._band_forward(q, k, v, c, out=out, lse=lse)
                 else:
@@ -280,7 +284,8 @@ class FlashJob:
             assert self.band_tiles is not None
             tiles, scale = self.band_tiles, self.scale
             store = self._store if self.plan.overlap else None  # None: written in place
-            band_forward(c, q, k, v, tiles=tiles, scale=scale, out=out, lse=lse, store=store)
+            kw = {"out": out, "lse": lse, "store": store, "own": self.own_kernel}
+            band_forward(c, q, k, v, tiles=tiles, scale=scale, **kw)
             return
         for bc in c.block_calls():
             o, l, lo = self._simple_forward(q, k, v, bc)
@@ -403,11 +408,12 @@ class FlashJob:
         single = self._single_call(plan) if use_kernel else None
         if single is not None:
             causal = single.kind == CALL_CAUSAL
-            B, _, L, _ = q.shape
+            L = q.shape[2]
             xs = (q, k, v, res.out, res.dout)
-            if k.shape[2] == L and band_kernel.segments_backward_usable(*xs, L):
+            whole = plan.whole
+            own = self.own_kernel
+            if whole is not None and own and band_kernel.segments_backward_usable(*xs, L):
                 # one segment of L positions: attnlab's C++ backward (float32 products)
-                whole = SegmentCall(0, B, 0, L, 1, causal)
                 grads = tuple(torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
                 assert len(grads) == 3
                 segment_backward(whole, res, scale=self.scale, grads=grads)
@@ -421,7 +427,8 @@ class FlashJob:
             return self._narrow(self.backward(wide, dlse), q, k, v)
         if self._widen(q, plan, backward=True):
             out32 = self.out32 if self.out32 is not None else res.out.float()
-            if use_kernel and band_kernel.backward_runs_every_call(plan, q, k, v, out32, res.dout):
+            own = use_kernel and self.own_kernel
+            if own and band_kernel.backward_runs_every_call(plan, q, k, v, out32, res.dout):
                 # attnlab's C++ band backward widens 16-bit inputs as it packs them: the
                 # widened run's values without the widened copies
                 res = Residuals(res.dout, q, k, v, out32, lse_b)
@@ -435,12 +442,12 @@ class FlashJob:
             for c in g.calls:
                 if isinstance(c, BandCall) and use_kernel:
                     assert self.band_tiles is not None
-                    band_backward(
-                        c, res, tiles=self.band_tiles, scale=self.scale, grads=grads, whole=whole
-                    )
+                    kw = {"grads": grads, "whole": whole, "own": self.own_kernel}
+                    band_backward(c, res, tiles=self.band_tiles, scale=self.scale, **kw)
                     continue
                 if isinstance(c, SegmentCall) and use_kernel:
-                    segment_backward(c, res, scale=self.scale, grads=grads)
+                    own = self.own_kernel
+                    segment_backward(c, res, scale=self.scale, grads=grads, own=own)
                     continue
                 calls = c.block_calls() if isinstance(c, BandCall | SegmentCall) else (c,)
                 for bc in calls:
@@ -483,7 +490,7 @@ class FlashJob:
 
     def _bias_grad_sink(self, c: Call) -> DsSink:
         """Adds a tile's dS into the gradient of each bias tensor (summed over broadcast dims)."""
-        keys = c.key_index(self.bias_grads[0].device)
+        keys = c.index.to(self.bias_grads[0].device)
 
         def sink(r0: int, r1: int, c0: int, c1: int, ds: Tensor) -> None:
             for grad in self.bias_grads:
@@ -518,8 +525,8 @@ def attended_hits(plan: Plan, source: TileSource, ind: Tensor) -> tuple[Tensor, 
     G = H // H_kv
     hits = torch.zeros(B, H, L, C, dtype=torch.bool, device=ind.device)
     bias_bad = torch.zeros(B, H, L, dtype=torch.bool, device=ind.device)
-    for c in plan.simple_calls():
-        keys = c.key_index(ind.device)
+    for c in plan.simple_calls:
+        keys = c.index.to(ind.device)
         sub = ind[c.b0 : c.b1].index_select(2, keys)  # (nb, H_kv, K, C)
         R = c.r1 - c.r0
         rows = (slice(c.b0, c.b1), slice(None), slice(c.r0, c.r1))

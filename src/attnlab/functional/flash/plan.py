@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 
 from ... import _settings
-from ..._digest import tensor_digest
 from ..._shapes import check_int, stat_dtype
 from ...masks import Mask
 from ..request import Request, is_relative_bias, logit_qk
@@ -61,9 +60,33 @@ def band_block_fwd(q: Tensor | None = None, setting: int | None = None) -> int:
         setting = flash_options().band_block_fwd
     if setting is not None:
         return setting
-    if q is not None and band_kernel.ready(q, band_kernel.block(q)):
-        return band_kernel.block(q)
-    return BAND_BLOCK_FWD
+    return BAND_BLOCK_FWD if q is None else _kernel_facts(q)[0]
+
+
+_KERNEL: dict[tuple, tuple[int, bool, bool]] = {}
+"""Per (dtype, device, head dim): `_kernel_facts`, asked once per process
+(`attnlab._settings.forget`)."""
+_settings.on_refresh(_KERNEL.clear)
+
+
+def _kernel_facts(q: Tensor) -> tuple[int, bool, bool]:
+    """``(forward query block of band calls, C++ kernel may run, C++ band backward ready)`` for
+    queries like ``q``: the C++ band kernel's block when it runs band calls on ``q``
+    (`band_kernel.ready`), else `BAND_BLOCK_FWD`; whether it runs any call on them (forward or
+    backward); `band_kernel.backward_ready`."""
+    key = (q.dtype, q.device, q.shape[-1])
+    facts = _KERNEL.get(key)
+    if facts is None:
+        block, backward = band_kernel.block(q), band_kernel.backward_ready(q)
+        forward = band_kernel.ready(q)
+        facts = (
+            block if band_kernel.ready(q, block) else BAND_BLOCK_FWD,
+            forward or backward,
+            backward,
+        )
+        if not torch.compiler.is_compiling():
+            _KERNEL[key] = facts
+    return facts
 
 
 def _band_block_setting(raw: str | None) -> int | None:
@@ -157,31 +180,11 @@ _PLANS: OrderedDict[tuple, Plan] = OrderedDict()
 _PLANS_LOCK = threading.Lock()
 
 
-def _mask_key(mask: Mask | None) -> tuple | None:
-    """A key for the mask's structure and contents, or None (not cacheable).
-
-    The structure string of `Mask.spec` plus, for each tensor the mask holds, its shape, dtype,
-    device and `tensor_digest` of its values, read now: a plan depends on the values it was
-    built from (document ids, padding lengths, a boolean mask), and memory can change without
-    torch's version counter noticing (a NumPy view, a buffer refilled in place, shared memory,
-    DLPack). Equal contents in another tensor share the entry.
-    """
-    if mask is None:
-        return ("",)
-    spec = mask.spec()
-    if spec is None:
-        return None
-    parts: list[object] = [spec[0]]
-    for t in spec[1]:
-        parts.append((tuple(t.shape), t.dtype, str(t.device), tensor_digest(t)))
-    return tuple(parts)
-
-
 def cached_plan(mask: Mask | None, *, cache: bool | None = None, **kwargs: object) -> Plan:
     """`build_plan` through a bounded LRU cache keyed on shapes, mask structure and contents.
 
-    The key (`_mask_key`) is the mask's `Mask.spec` string, the shape, dtype, device and
-    content digest of each tensor it holds, plus every argument of `build_plan`. The digest is
+    The key is the mask's `Mask.cache_key` (its `Mask.spec` string, the shape, dtype, device
+    and content digest of each tensor it holds), plus every argument of `build_plan`. The digest is
     read on every call (a plan reads the same values when it is built; a 4096 × 4096 boolean
     mask digests in about a third of its planning time), so an entry serves exactly the values
     it was built from and the cache never changes an answer. The least recently used entry goes
@@ -194,7 +197,7 @@ def cached_plan(mask: Mask | None, *, cache: bool | None = None, **kwargs: objec
     if cache is None:
         cache = flash_options().plan_cache
     off = not cache
-    key_m = None if off or PLAN_CACHE_SIZE <= 0 else _mask_key(mask)
+    key_m = None if off or PLAN_CACHE_SIZE <= 0 else ("",) if mask is None else mask.cache_key()
     if key_m is None:
         return build_plan(mask, **kwargs)  # type: ignore[arg-type]
     key = (key_m, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
@@ -273,7 +276,8 @@ def flash_job(
     # torch's backward kernel is faster on 64-row band blocks; attnlab's C++ band backward runs
     # the forward's blocks (window 256, L = 16384, fp32, Xeon with AMX: 16/32/64-row blocks
     # 0.095/0.097/0.099 s)
-    own = engine == "kernel" and band_kernel.backward_ready(req.q)
+    _, kernel, backward = _kernel_facts(req.q)
+    own = engine == "kernel" and backward
     bwd_plan = plan_for(bb) if bb != bb_fwd and plan.kind == "band" and not own else None
     return FlashJob(
         plan,
@@ -284,6 +288,7 @@ def flash_job(
         bwd_plan=bwd_plan,
         softcap=req.softcap,
         policy=opts.low_precision,
+        own_kernel=kernel,
     )
 
 

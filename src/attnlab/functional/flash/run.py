@@ -201,7 +201,8 @@ def kernel_checks_inputs(req: Request) -> bool:
 
 def band_kernel_covers(job: FlashJob, q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Every row of the call is in a batched band call of attnlab's C++ kernel, once."""
-    return job.plan.band_rows_once and band_kernel.runs_every_call(job.plan, q, k, v)
+    plan = job.plan
+    return job.own_kernel and plan.band_rows_once and band_kernel.runs_every_call(plan, q, k, v)
 
 
 def _run_band_checked(call: FlashCall) -> tuple[Tensor, Tensor] | None:

@@ -333,7 +333,7 @@ def build_plan(
             is barely reused and per-tile evaluation is faster).
     """
     plan = _build(mask, B, H, L, S, block_q, block_k, band_block, bias, device, relative)
-    return plan.settle(B, L, S)
+    return plan.settle(B, L, S, biased=bias is not None)
 
 
 def _build(
