@@ -38,8 +38,10 @@ assumptions, ``slow``, ``subjects``), in the order of the text. ``subjects`` nam
 library a check depends on; the test suite breaks each subject in turn (a mutation of the
 library, ``tests/textbook_mutations.py``) and requires every claim of that subject to come out
 ``disagrees``, never ``text error``. The checks are Python functions registered by
-id with the `check` decorator in the modules of ``attnlab.textbook.claims``; `all_claims` imports
-them and joins both, and refuses a claim without a check or a check without a claim.
+id with the `check` decorator in the modules of ``attnlab.textbook.checks``, one module per
+subject (a function registered with several ids serves every claim of the same fact);
+`all_claims` imports them and joins both, and refuses a claim without a check or a check without a
+claim.
 """
 
 from __future__ import annotations
@@ -193,21 +195,37 @@ _FIELDS = {
 _REQUIRED = ("section", "quote", "paraphrase", "api", "expected")
 
 
-def check(id: str) -> Callable[[Callable[[], Finding]], Callable[[], Finding]]:
-    """Registers the decorated function as the check of claim ``id``, whose metadata (section,
-    quote, paraphrase, api, declared verdict, assumptions) is a ``[[claim]]`` table of the seed's
-    data file ``claims/seed00N.toml``.
+def check(*ids: str) -> Callable[[Callable[[], Finding]], Callable[[], Finding]]:
+    """Registers the decorated function as the check of the claims ``ids``, each with its
+    metadata (section, quote, paraphrase, api, declared verdict, assumptions) in a ``[[claim]]``
+    table of its seed's data file ``claims/seed00N.toml``. Several ids make one function the check
+    of every claim of the same fact (``@check("002-8.2.1-b", "002-8.5-b")``): the texts state it
+    in several places, the library computes it once, and each claim is judged by the same
+    `Finding`.
+
+    Args:
+        *ids: the claim ids, ``SEED-SECTION-LETTER`` (at least one).
+
+    Returns:
+        The decorator; it registers the function under every id and returns it unchanged.
 
     Raises:
-        ValueError: a malformed id, or a second check for the same id.
+        ValueError: no id, a malformed id, an id given twice, or an id that already has a check
+            (then none of ``ids`` is registered).
     """
-    if not _ID.match(id):
-        raise ValueError(f"claim id must look like '002-8.1.3-a', got {id!r}")
-    if id in _CHECKS:
-        raise ValueError(f"claim id {id!r} has two checks")
+    if not ids:
+        raise ValueError("check needs at least one claim id")
+    for id in ids:
+        if not _ID.match(id):
+            raise ValueError(f"claim id must look like '002-8.1.3-a', got {id!r}")
+        if id in _CHECKS:
+            raise ValueError(f"claim id {id!r} has two checks")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"a claim id is given twice: {ids}")
 
     def register(fn: Callable[[], Finding]) -> Callable[[], Finding]:
-        _CHECKS[id] = fn
+        for id in ids:
+            _CHECKS[id] = fn
         return fn
 
     return register
@@ -241,13 +259,13 @@ def _load() -> None:
     """Imports the check modules, then joins every seed's data file with the checks."""
     if _CLAIMS:
         return
-    from . import claims as package
+    from . import checks, claims
 
-    for info in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{package.__name__}.{info.name}")
+    for info in pkgutil.iter_modules(checks.__path__):
+        importlib.import_module(f"{checks.__name__}.{info.name}")
     loaded: dict[str, Claim] = {}
     for seed in SEEDS:
-        data = resources.files(package).joinpath(f"seed{seed}.toml").read_text(encoding="utf-8")
+        data = resources.files(claims).joinpath(f"seed{seed}.toml").read_text(encoding="utf-8")
         for entry in tomllib.loads(data)["claim"]:
             cid = str(entry.get("id"))
             if cid in loaded:
