@@ -4,6 +4,7 @@ refused."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -91,8 +92,9 @@ def test_checks_are_grouped_by_subject_not_by_source_text():
 
 
 def test_one_check_serves_several_claims(monkeypatch):
-    """``check`` takes several ids: one function is the check of every claim of the same fact;
-    it is refused as a whole when one of its ids is malformed or taken."""
+    """``check`` takes several ids: one function is the check of every claim of the same fact
+    (across the texts, too), called with the claim's id when it takes one; it is refused as a
+    whole when one of its ids is malformed or taken."""
     monkeypatch.setattr(core, "_CHECKS", dict(core._CHECKS))
     assert core.check("004-zz-a", "003-zz-b")(_check) is _check
     assert core._CHECKS["004-zz-a"] is core._CHECKS["003-zz-b"] is _check
@@ -103,7 +105,19 @@ def test_one_check_serves_several_claims(monkeypatch):
         core.check("004-zz-d", "004-zz-d")
     with pytest.raises(ValueError, match="at least one claim id"):
         core.check()
-    shared = {}
+    seen: list[str] = []
+
+    def by_id(cid: str) -> Finding:
+        seen.append(cid)
+        return _check()
+
+    core.check("004-zz-e", "001-zz-f")(by_id)
+    core._CHECKS["001-zz-f"]()
+    assert seen == ["001-zz-f"]
+    shared: dict[object, list[str]] = {}
     for c in all_claims():
-        shared.setdefault(c.check, []).append(c.id)
-    assert any(len(ids) > 1 for ids in shared.values())
+        shared.setdefault(inspect.unwrap(c.check), []).append(c.id)
+    merged = {tuple(ids) for ids in shared.values() if len(ids) > 1}
+    merged_ids = {i for ids in merged for i in ids}
+    assert merged_ids >= {"001-3.3-a", "001-3.3-d", "002-8.2.2-a", "002-8.2.3-b", "004-2-d"}
+    assert {ids[0][:3] != ids[-1][:3] for ids in merged} == {True, False}

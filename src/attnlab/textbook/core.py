@@ -46,7 +46,9 @@ claim.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import pkgutil
 import re
 import time
@@ -179,6 +181,9 @@ class Row:
         }
 
 
+#: A check: computes the `Finding` of a claim, with no argument or with the claim's id.
+CheckFn = Callable[[], Finding] | Callable[[str], Finding]
+
 _CHECKS: dict[str, Callable[[], Finding]] = {}
 _CLAIMS: dict[str, Claim] = {}
 _FIELDS = {
@@ -195,13 +200,16 @@ _FIELDS = {
 _REQUIRED = ("section", "quote", "paraphrase", "api", "expected")
 
 
-def check(*ids: str) -> Callable[[Callable[[], Finding]], Callable[[], Finding]]:
+def check(*ids: str) -> Callable[[CheckFn], CheckFn]:
     """Registers the decorated function as the check of the claims ``ids``, each with its
     metadata (section, quote, paraphrase, api, declared verdict, assumptions) in a ``[[claim]]``
-    table of its seed's data file ``claims/seed00N.toml``. Several ids make one function the check
-    of every claim of the same fact (``@check("002-8.2.1-b", "002-8.5-b")``): the texts state it
-    in several places, the library computes it once, and each claim is judged by the same
-    `Finding`.
+    table of its seed's data file ``claims/seed00N.toml``.
+
+    Several ids make one function the check of every claim of the same fact
+    (``@check("001-3.3-a", "002-8.2.2-a")``): the texts state it in several places, the library
+    computes it once. A function without parameters returns the same `Finding` for each of them;
+    a function with one parameter is called with the claim's id, for what differs between the
+    texts (the sizes a text uses, its wording, the value it states).
 
     Args:
         *ids: the claim ids, ``SEED-SECTION-LETTER`` (at least one).
@@ -223,12 +231,23 @@ def check(*ids: str) -> Callable[[Callable[[], Finding]], Callable[[], Finding]]
     if len(set(ids)) != len(ids):
         raise ValueError(f"a claim id is given twice: {ids}")
 
-    def register(fn: Callable[[], Finding]) -> Callable[[], Finding]:
+    def register(fn: CheckFn) -> CheckFn:
+        takes_id = bool(inspect.signature(fn).parameters)
         for id in ids:
-            _CHECKS[id] = fn
+            _CHECKS[id] = _bound(fn, id) if takes_id else fn
         return fn
 
     return register
+
+
+def _bound(fn: Callable[[str], Finding], id: str) -> Callable[[], Finding]:
+    """``fn`` called with the claim id ``id``, under ``fn``'s name and module (`inspect.unwrap`
+    gives ``fn`` back)."""
+
+    def run() -> Finding:
+        return fn(id)
+
+    return functools.update_wrapper(run, fn)
 
 
 def claim_from_data(entry: dict[str, object], check_fn: Callable[[], Finding]) -> Claim:

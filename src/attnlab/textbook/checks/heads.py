@@ -99,17 +99,46 @@ def _diagonal() -> Finding:
     )
 
 
-@check("001-6.2-a")
-def _head_dim_001() -> Finding:
-    from ... import MultiHeadAttention
+#: head_dim = d_model / heads as each text's claim is checked: the (d_model, heads) pairs, how
+#: the finding words them (prefix, separator, one pair), the call, and the claim's wording of a
+#: failure.
+_HEAD_DIMS = {
+    "001-6.2-a": (
+        ((512, 8), (1024, 16)),
+        ("", "; ", "d_model={E}, {H} heads: head_dim {D}"),
+        "MultiHeadAttention(512, 8).head_dim",
+        "head_dim differs from d_model / num_heads",
+    ),
+    "002-8.3.3-d": (
+        tuple((768, h) for h in (4, 12, 32, 96)),
+        ("d_k = ", ", ", "{D} at h={H}"),
+        "MultiHeadAttention(768, h).head_dim",
+        "head_dim is not d_model/h",
+    ),
+}
 
+
+@check("001-6.2-a", "002-8.3.3-d")
+def _head_dim(cid: str) -> Finding:
+    """Each head works in d_model / heads dimensions: `MultiHeadAttention`'s ``head_dim`` at the
+    sizes of claim ``cid`` (`_HEAD_DIMS`), built on the meta device.
+
+    Args:
+        cid: the claim id.
+
+    Returns:
+        The finding: the head widths.
+    """
+    from ...modules import MultiHeadAttention
+
+    sizes, (prefix, sep, part), call, why = _HEAD_DIMS[cid]
     with torch.device("meta"):
-        dims = [(E, H, MultiHeadAttention(E, H).head_dim) for E, H in ((512, 8), (1024, 16))]
-    ok = all(D == E // H for E, H, D in dims)
-    return Finding(
-        computed="; ".join(f"d_model={E}, {H} heads: head_dim {D}" for E, H, D in dims),
-        call="MultiHeadAttention(512, 8).head_dim",
-        **judged(ok, "head_dim differs from d_model / num_heads"),
+        dims = [(E, H, MultiHeadAttention(E, H).head_dim) for E, H in sizes]
+    return _found(
+        prefix + sep.join(part.format(E=E, H=H, D=D) for E, H, D in dims),
+        call,
+        all(D == E // H for E, H, D in dims),
+        why,
     )
 
 
@@ -285,19 +314,6 @@ def _fused_vs_loop() -> Finding:
         "MultiHeadAttention(16, 4, bias=False)(x) vs a per-head loop over weight slices",
         err < 1e-12,
         "the fused and serial forms differ",
-    )
-
-
-@check("002-8.3.3-d")
-def _head_dim() -> Finding:
-    from ...modules import MultiHeadAttention
-
-    dims = {h: MultiHeadAttention(768, h).head_dim for h in (4, 12, 32, 96)}
-    return _found(
-        "d_k = " + ", ".join(f"{d} at h={h}" for h, d in dims.items()),
-        "MultiHeadAttention(768, h).head_dim",
-        all(d == 768 // h for h, d in dims.items()),
-        "head_dim is not d_model/h",
     )
 
 

@@ -11,7 +11,7 @@ from ._shared import _err, _est, _found, _qkv, _qkv_nm, _softmax_ref
 
 
 @check("000-linear-a")
-def _linear_formula_000() -> Finding:
+def _linear_phi_on_values() -> Finding:
     from ...linear import linear_attention
 
     q, k, v = _qkv_nm(64, 64, 16, 16, seed=9)
@@ -93,7 +93,7 @@ def _linear_works() -> Finding:
 
 
 @check("002-8.4.4-d")
-def _linear_formula() -> Finding:
+def _linear_without_normaliser() -> Finding:
     from ...linear import linear_attention
 
     q, k, v = _qkv(H=1, L=256, D=16)

@@ -34,7 +34,7 @@ from ._shared import (
 
 
 @check("000-sparse-a")
-def _sparse_cost_000() -> Finding:
+def _window_cost() -> Finding:
     from ... import masks
 
     parts, ok = [], True
@@ -109,7 +109,7 @@ def _t5() -> Finding:
 
 
 @check("002-8.4.4-b")
-def _sparse_cost() -> Finding:
+def _strided_cost() -> Finding:
     from ... import masks
 
     r = {}

@@ -88,10 +88,7 @@ def _word_order() -> Finding:
     )
 
 
-@check("002-8.2.1-b")
-@check("002-8.5-b")
-@check("002-8.7-a")
-@check("002-ex8.3-b")
+@check("002-8.2.1-b", "002-8.5-b", "002-8.7-a", "002-ex8.3-b")
 def _invariance_claim() -> Finding:
     """The text's word 'invariance' (置换不变性): the output would be unchanged by a permutation."""
     out, out_p, perm = _permutation_outputs()

@@ -43,24 +43,42 @@ def _same_word_differs() -> Finding:
     )
 
 
-@check("001-3.3-a")
-def _pe_formula_001() -> Finding:
-    from ... import SinusoidalEmbedding
+#: The sinusoidal-encoding formula as each text's claim is checked: the API the text shows (the
+#: module or the table function), the positions and width compared, and the claim's wording.
+_PE_FORMULA = {
+    "001-3.3-a": ("SinusoidalEmbedding", 2048, 512, "attnlab's encoding differs from the formula"),
+    "002-8.2.2-a": ("sinusoidal", 64, 16, "the table differs from the formula"),
+}
 
-    d = 512
-    pe = SinusoidalEmbedding(d, dtype=torch.float64)(torch.arange(2048))  # (2048, d)
-    pos = torch.arange(2048, dtype=torch.float64)[:, None]
-    angle = pos / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+
+@check("001-3.3-a", "002-8.2.2-a")
+def _pe_formula(cid: str) -> Finding:
+    """PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(…): attnlab's encoding against the
+    formula, through the API and at the size of claim ``cid`` (`_PE_FORMULA`).
+
+    Args:
+        cid: the claim id.
+
+    Returns:
+        The finding: the largest difference from the formula.
+    """
+    from ...positional import SinusoidalEmbedding, sinusoidal
+
+    api, n, d, why = _PE_FORMULA[cid]
+    if api == "sinusoidal":
+        pe = sinusoidal(n, d, dtype=F64)
+        call, where = f"sinusoidal({n}, {d}, dtype=torch.float64)", ""
+    else:
+        pe = SinusoidalEmbedding(d, dtype=F64)(torch.arange(n))  # (n, d)
+        call = f"SinusoidalEmbedding({d}, dtype=torch.float64)(torch.arange({n}))"
+        where = f" over {n} positions"
+    pos = torch.arange(n, dtype=F64)[:, None]
+    angle = pos / 10000 ** (torch.arange(0, d, 2, dtype=F64) / d)
     err = max(
         float((pe[:, 0::2] - angle.sin()).abs().max()),
         float((pe[:, 1::2] - angle.cos()).abs().max()),
     )
-    ok = err < 1e-12
-    return Finding(
-        computed=f"max |SinusoidalEmbedding − formula| = {tiny(err)} over 2048 positions",
-        call="SinusoidalEmbedding(512, dtype=torch.float64)(torch.arange(2048))",
-        **judged(ok, "attnlab's encoding differs from the formula"),
-    )
+    return _found(f"max |{api} − formula| = {_err(err)}{where}", call, err < 1e-12, why)
 
 
 @check("001-3.3-b")
@@ -87,7 +105,7 @@ def _pe_unique_relative() -> Finding:
 
 
 @check("001-3.3-c")
-def _pe_frequencies_001() -> Finding:
+def _pe_zero_crossings() -> Finding:
     from ... import SinusoidalEmbedding
 
     pe = SinusoidalEmbedding(128, dtype=torch.float64)(torch.arange(1000))[:, 0::2]  # sines
@@ -123,11 +141,6 @@ def _binary_like() -> Finding:
     )
 
 
-@check("001-3.3-d")
-def _extrapolation() -> Finding:
-    return _sinusoidal_extrapolates()
-
-
 @check("001-3.4-a")
 def _pe_geometry() -> Finding:
     from ... import SinusoidalEmbedding
@@ -153,24 +166,6 @@ def _pe_geometry() -> Finding:
                 "distances for k = 0…199",
             ),
         ),
-    )
-
-
-@check("002-8.2.2-a")
-def _pe_formula() -> Finding:
-    from ...positional import sinusoidal
-
-    pe = sinusoidal(64, 16, dtype=F64)
-    pos = torch.arange(64, dtype=F64)[:, None]
-    ang = pos / 10000 ** (torch.arange(0, 16, 2, dtype=F64) / 16)
-    err = max(
-        float((pe[:, 0::2] - ang.sin()).abs().max()), float((pe[:, 1::2] - ang.cos()).abs().max())
-    )
-    return _found(
-        f"max |sinusoidal − formula| = {_err(err)}",
-        "sinusoidal(64, 16, dtype=torch.float64)",
-        err < 1e-12,
-        "the table differs from the formula",
     )
 
 
@@ -210,7 +205,7 @@ def _pe_shift() -> Finding:
 
 
 @check("002-8.2.2-d")
-def _pe_frequencies() -> Finding:
+def _pe_geometric_frequencies() -> Finding:
     from ...positional import sinusoidal
 
     pe = sinusoidal(2, 64, dtype=F64)
@@ -292,7 +287,7 @@ def _pe_table_width() -> Finding:
     )
 
 
-@check("002-8.2.3-b")
+@check("002-8.2.3-b", "001-3.3-d")
 def _sinusoidal_extrapolates() -> Finding:
     from ...positional import sinusoidal, sinusoidal_shift
 

@@ -298,7 +298,7 @@ def _centred(w: Tensor) -> Tensor:
 
 
 @check("004-5.2-a")
-def _additive_formula_004() -> Finding:
+def _additive_weights_and_output() -> Finding:
     attn = _additive(6, 6, 10, 25)
     g = _gen(25)
     q, k = _randn_from(g, 1, 4, 6), _randn_from(g, 1, 5, 6)

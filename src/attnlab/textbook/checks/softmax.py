@@ -319,7 +319,7 @@ def _softmax_distribution() -> Finding:
 
 
 @check("004-1-e")
-def _weighted_sum_004() -> Finding:
+def _output_is_weights_at_values() -> Finding:
     from ... import attention
 
     g = _gen(4)
