@@ -24,7 +24,7 @@ def _clear_check_caches() -> None:
     """Forgets what the checks' cached helpers computed (an earlier run in this process would
     otherwise hand the unmutated library's results to the mutated one)."""
     for name, module in list(sys.modules.items()):
-        if name.startswith("attnlab.textbook.claims."):
+        if name.startswith("attnlab.textbook.checks."):
             for value in vars(module).values():
                 if callable(getattr(value, "cache_clear", None)):
                     value.cache_clear()

@@ -53,7 +53,7 @@ def test_advise_ring_training_memory_splits_only_the_activations():
 def test_score_costs_match_the_flop_counter():
     """The matmul part of each score's FLOPs equals what FlopCounterMode counts in attnlab's
     reference attention and in AdditiveAttention (the additive vᵀ·tanh is elementwise)."""
-    from attnlab.textbook.claims.seed000 import _score_costs
+    from attnlab.textbook.checks.costs import _score_costs
 
     n, d = 128, 16
     c = _score_costs(n, d)
@@ -72,7 +72,7 @@ def test_eager_saved_bytes_on_meta_match_real_tensors():
     """The meta-device count of what an eager block saves for backward (002-8.4.2-f) agrees with
     the same block on real tensors, deduplicated by storage, within 5 %."""
     from attnlab.models import TransformerBlock, TransformerConfig
-    from attnlab.textbook.claims.seed002_practice import _eager_saved_per_layer
+    from attnlab.textbook.checks.memory import _eager_saved_per_layer
 
     L, E, H = 256, 96, 4
     meta, squares = _eager_saved_per_layer(L, E, H, 0.1)
@@ -99,7 +99,7 @@ def test_eager_saved_bytes_on_meta_match_real_tensors():
 def test_plain_attention_square_count_on_meta_matches_the_cpu():
     """Plain PyTorch attention (as the texts write it) saves as many (1, H, L, L) tensors on real
     CPU tensors as the meta-device count used by 002-8.4.2-f says."""
-    from attnlab.textbook.claims.seed002_practice import _plain_squares
+    from attnlab.textbook.checks.memory import _plain_squares
 
     L, H, D = 64, 2, 8
     q, k, v = (torch.randn(1, H, L, D, requires_grad=True) for _ in range(3))

@@ -59,7 +59,7 @@ MUST_IMPORT = (
     "attnlab.apps.translate",
     "attnlab.apps.vit",
     "attnlab.data.languages",
-    "attnlab.textbook.claims.seed000",
+    "attnlab.textbook.checks.scale",
 )
 
 

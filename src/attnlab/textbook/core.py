@@ -38,13 +38,17 @@ assumptions, ``slow``, ``subjects``), in the order of the text. ``subjects`` nam
 library a check depends on; the test suite breaks each subject in turn (a mutation of the
 library, ``tests/textbook_mutations.py``) and requires every claim of that subject to come out
 ``disagrees``, never ``text error``. The checks are Python functions registered by
-id with the `check` decorator in the modules of ``attnlab.textbook.claims``; `all_claims` imports
-them and joins both, and refuses a claim without a check or a check without a claim.
+id with the `check` decorator in the modules of ``attnlab.textbook.checks``, one module per
+subject (a function registered with several ids serves every claim of the same fact);
+`all_claims` imports them and joins both, and refuses a claim without a check or a check without a
+claim.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import pkgutil
 import re
 import time
@@ -177,6 +181,9 @@ class Row:
         }
 
 
+#: A check: computes the `Finding` of a claim, with no argument or with the claim's id.
+CheckFn = Callable[[], Finding] | Callable[[str], Finding]
+
 _CHECKS: dict[str, Callable[[], Finding]] = {}
 _CLAIMS: dict[str, Claim] = {}
 _FIELDS = {
@@ -193,24 +200,54 @@ _FIELDS = {
 _REQUIRED = ("section", "quote", "paraphrase", "api", "expected")
 
 
-def check(id: str) -> Callable[[Callable[[], Finding]], Callable[[], Finding]]:
-    """Registers the decorated function as the check of claim ``id``, whose metadata (section,
-    quote, paraphrase, api, declared verdict, assumptions) is a ``[[claim]]`` table of the seed's
-    data file ``claims/seed00N.toml``.
+def check(*ids: str) -> Callable[[CheckFn], CheckFn]:
+    """Registers the decorated function as the check of the claims ``ids``, each with its
+    metadata (section, quote, paraphrase, api, declared verdict, assumptions) in a ``[[claim]]``
+    table of its seed's data file ``claims/seed00N.toml``.
+
+    Several ids make one function the check of every claim of the same fact
+    (``@check("001-3.3-a", "002-8.2.2-a")``): the texts state it in several places, the library
+    computes it once. A function without parameters returns the same `Finding` for each of them;
+    a function with one parameter is called with the claim's id, for what differs between the
+    texts (the sizes a text uses, its wording, the value it states).
+
+    Args:
+        *ids: the claim ids, ``SEED-SECTION-LETTER`` (at least one).
+
+    Returns:
+        The decorator; it registers the function under every id and returns it unchanged.
 
     Raises:
-        ValueError: a malformed id, or a second check for the same id.
+        ValueError: no id, a malformed id, an id given twice, or an id that already has a check
+            (then none of ``ids`` is registered).
     """
-    if not _ID.match(id):
-        raise ValueError(f"claim id must look like '002-8.1.3-a', got {id!r}")
-    if id in _CHECKS:
-        raise ValueError(f"claim id {id!r} has two checks")
+    if not ids:
+        raise ValueError("check needs at least one claim id")
+    for id in ids:
+        if not _ID.match(id):
+            raise ValueError(f"claim id must look like '002-8.1.3-a', got {id!r}")
+        if id in _CHECKS:
+            raise ValueError(f"claim id {id!r} has two checks")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"a claim id is given twice: {ids}")
 
-    def register(fn: Callable[[], Finding]) -> Callable[[], Finding]:
-        _CHECKS[id] = fn
+    def register(fn: CheckFn) -> CheckFn:
+        takes_id = bool(inspect.signature(fn).parameters)
+        for id in ids:
+            _CHECKS[id] = _bound(fn, id) if takes_id else fn
         return fn
 
     return register
+
+
+def _bound(fn: Callable[[str], Finding], id: str) -> Callable[[], Finding]:
+    """``fn`` called with the claim id ``id``, under ``fn``'s name and module (`inspect.unwrap`
+    gives ``fn`` back)."""
+
+    def run() -> Finding:
+        return fn(id)
+
+    return functools.update_wrapper(run, fn)
 
 
 def claim_from_data(entry: dict[str, object], check_fn: Callable[[], Finding]) -> Claim:
@@ -241,13 +278,13 @@ def _load() -> None:
     """Imports the check modules, then joins every seed's data file with the checks."""
     if _CLAIMS:
         return
-    from . import claims as package
+    from . import checks, claims
 
-    for info in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{package.__name__}.{info.name}")
+    for info in pkgutil.iter_modules(checks.__path__):
+        importlib.import_module(f"{checks.__name__}.{info.name}")
     loaded: dict[str, Claim] = {}
     for seed in SEEDS:
-        data = resources.files(package).joinpath(f"seed{seed}.toml").read_text(encoding="utf-8")
+        data = resources.files(claims).joinpath(f"seed{seed}.toml").read_text(encoding="utf-8")
         for entry in tomllib.loads(data)["claim"]:
             cid = str(entry.get("id"))
             if cid in loaded:

@@ -1,5 +1,5 @@
-"""The checks of the source texts' claims, one module per source text (``seed000`` …
-``seed004``), each function registered by claim id with `attnlab.textbook.core.check` (and the
-exercises with `attnlab.textbook.exercises.exercise`) when imported. The claims' metadata is data:
-``seed00N.toml`` beside the modules. `attnlab.textbook.all_claims` imports every module of this
-package and joins them."""
+"""The claims' metadata, one data file per source text: ``seed000.toml`` … ``seed004.toml``, one
+``[[claim]]`` table per claim in the order of the text (id, section, quote, paraphrase, api,
+declared verdict, assumptions, ``slow``, ``subjects``). The checks that judge them are code, one
+module per subject, in `attnlab.textbook.checks`; `attnlab.textbook.all_claims` joins both by
+claim id."""
