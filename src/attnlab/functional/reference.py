@@ -150,7 +150,7 @@ def attention(
         bias: additive float, broadcastable to ``(B, H, L, S)``; −inf entries are masked.
         scale: logit scale; None means the score's default (1/√D for "dot", 1 for "cosine").
         temperature: logits are divided by it.
-        score: a name from ``functional.scores.SCORES``.
+        score: a name from ``functional.request.SCORES``.
         dropout_p: probability of zeroing a weight (kept weights are scaled by 1/(1−p)).
         generator: RNG for dropout.
         compute_dtype: precision of logits and softmax; default float32 or wider.

@@ -35,7 +35,7 @@ from ._shared import (
 
 @check("000-scale-a")
 def _variance() -> Finding:
-    from ...functional.scores import get_score
+    from ...functional.request import get_score
 
     dot = get_score("dot")
     g = torch.Generator().manual_seed(0)
@@ -106,7 +106,7 @@ def _definition() -> Finding:
 
 @check("000-scale-c")
 def _ranges() -> Finding:
-    from ...functional.scores import get_score
+    from ...functional.request import get_score
 
     dot = get_score("dot")
     g = torch.Generator().manual_seed(2)
@@ -168,7 +168,7 @@ def _sdpa_formula() -> Finding:
 @check("002-8.1.3-c", "002-8.7-f")
 def _scaled_var() -> Finding:
     from ...analysis import scaling_experiment
-    from ...functional.scores import get_score
+    from ...functional.request import get_score
 
     r = scaling_experiment(d_ks=(16, 128, 512), samples=512, keys=16, seed=0)
     var, ent = r.column("var q·k/√d_k"), r.column("entropy scaled")
@@ -389,7 +389,7 @@ def _formula() -> Finding:
 @check("004-1-c")
 def _scaling_step() -> Finding:
     from ... import attention
-    from ...functional.scores import get_score
+    from ...functional.request import get_score
 
     g = _gen(2)
     ok, parts = True, []

@@ -17,7 +17,7 @@ from ._shared import _DKS, F64, _additive, _close, _gen, _heads_seq, _qkv_nm, _r
 
 @check("000-dot-a")
 def _dot_geometry() -> Finding:
-    from ...functional.scores import get_score
+    from ...functional.request import get_score
 
     dot, cos = get_score("dot"), get_score("cosine")
     g = torch.Generator().manual_seed(4)
@@ -214,7 +214,7 @@ def _dynamic_range() -> Finding:
 
 @check("004-2-b")
 def _mean_zero() -> Finding:
-    from ...functional.scores import get_score
+    from ...functional.request import get_score
 
     dot, g = get_score("dot"), _gen(6)
     ok, parts = True, []
@@ -236,7 +236,7 @@ def _mean_zero() -> Finding:
 
 @check("004-2-c")
 def _term_variance() -> Finding:
-    from ...functional.scores import get_score
+    from ...functional.request import get_score
 
     dot, g = get_score("dot"), _gen(7)
     prod = (dot.prepare(_randn_from(g, 200_000, 1)) * dot.prepare(_randn_from(g, 200_000, 1))).sum(
@@ -253,7 +253,7 @@ def _term_variance() -> Finding:
 
 @check("004-2-f")
 def _magnitude() -> Finding:
-    from ...functional.scores import get_score
+    from ...functional.request import get_score
 
     dot, g = get_score("dot"), _gen(8)
     ok, parts = True, []
@@ -273,7 +273,7 @@ def _magnitude() -> Finding:
 
 @check("004-2-k")
 def _sum_of_variances() -> Finding:
-    from ...functional.scores import get_score
+    from ...functional.request import get_score
 
     dot, g = get_score("dot"), _gen(35)
     terms = dot.prepare(_randn_from(g, 50_000, 8)) * dot.prepare(
