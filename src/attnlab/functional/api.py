@@ -82,7 +82,7 @@ def attention(
             beyond it the call raises ValueError (inside it, a tiny temperature gives the
             one-hot limit). Gradients lose precision as ``|logits|·eps`` grows, as for any
             softmax in that dtype.
-        score: ``"dot"`` (q·k) or ``"cosine"`` (cos(q, k)); see `functional.request` (its score registry).
+        score: ``"dot"`` (q·k) or ``"cosine"`` (cos(q, k)); see `functional.request.SCORES`.
         dropout_p: dropout on the weights, in [0, 1).
         backend: ``"auto"``, ``"sdpa"``, ``"reference"`` or another name in `attnlab.backends()`.
         return_weights: also return the weights ``(B, H, L, S)`` (computed by the reference;
