@@ -222,9 +222,11 @@ def cases(*default: str) -> list:
 
 
 def _damaged(built: Built, tmp_path: Path, kind: str) -> tuple[Path, Path, str]:
-    """A private cache holding the kernel's library damaged by ``kind``: (cache, library, what
-    the check must report)."""
+    """A private cache holding the kernel's library damaged by ``kind`` beside a good build of
+    ``nan_rule``, the other kernel the call runs (its NaN poisons a column: the C++ poisoning
+    pass): (cache, library, what the check must report)."""
     cache = tmp_path / "cache"
+    built.install(cache, "nan_rule")
     library = built.install(cache)
     said = {**DAMAGE, **SLOW_DAMAGE}[kind](library, built)
     return cache, library, said

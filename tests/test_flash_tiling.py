@@ -75,7 +75,7 @@ def test_band_of_structured_masks():
 
 
 def _keys(call) -> set[int]:
-    return set(call.key_index().tolist())
+    return set(call.index.tolist())
 
 
 def _pairs(plan, L: int, S: int, B: int, mask: Mask | None) -> torch.Tensor:
@@ -83,7 +83,7 @@ def _pairs(plan, L: int, S: int, B: int, mask: Mask | None) -> torch.Tensor:
     cover = torch.zeros(B, L, S, dtype=torch.int64)
     dense = None if mask is None else mask.to_dense(L, S, batch=B).any(1).expand(B, L, S)
     for c in plan.simple_calls:
-        keys = c.key_index()
+        keys = c.index
         hit = torch.ones(c.r1 - c.r0, len(keys), dtype=torch.int64)
         if c.kind == CALL_CAUSAL:  # the engine computes the lower triangle only
             assert c.r1 - c.r0 == len(keys)

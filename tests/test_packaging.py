@@ -105,6 +105,8 @@ _RUNTIME_READS = (
     ("attnlab/data/*.py", r'files\(__package__\)\s*/\s*"([^"]+)"', "attnlab/data/{}"),
     # The C++ kernels the library loads: `_ext.load("nan_rule")` or `EXT = "gemv"`.
     ("attnlab/**/*.py", r'_ext\.load\(\s*"(\w+)"\s*\)', "attnlab/_ext/{}.cpp"),
+    # ... or through the NaN rule's once-per-process answer: `_loaded("nan_rule")`.
+    ("attnlab/functional/nan_rule.py", r'_loaded\(\s*"(\w+)"\s*\)', "attnlab/_ext/{}.cpp"),
     ("attnlab/**/*.py", r'^EXT = "(\w+)"', "attnlab/_ext/{}.cpp"),
     # The headers a kernel's source pastes in (`attnlab._ext.source_text`).
     ("attnlab/_ext/*.cpp", r'^#include "(\w+\.h)"[ \t]*$', "attnlab/_ext/{}"),

@@ -77,8 +77,9 @@ def _kernel_facts(q: Tensor) -> tuple[int, bool, bool]:
     key = (q.dtype, q.device, q.shape[-1])
     facts = _KERNEL.get(key)
     if facts is None:
-        block, backward = band_kernel.block(q), band_kernel.backward_ready(q)
-        forward = band_kernel.ready(q)
+        block, forward = band_kernel.block(q), band_kernel.ready(q)
+        # its backward runs in float32 (16-bit inputs widened): asked for the dtypes it takes
+        backward = q.dtype in band_kernel.BLOCKS and band_kernel.backward_ready(q)
         facts = (
             block if band_kernel.ready(q, block) else BAND_BLOCK_FWD,
             forward or backward,
