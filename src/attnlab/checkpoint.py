@@ -30,31 +30,33 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ._files import MAX_CONFIG_BYTES as MAX_CONFIG_BYTES
 from ._files import (
+    MAX_CONFIG_BYTES,
     CheckpointError,
     atomic_write,
+    load_json,
     loads,
     one_line,
     open_regular,
     read_at_most,
+    read_config_json,
     read_regular_file,
+    save_json,
     unique_keys,
 )
-from ._files import load_json as load_json
-from ._files import read_config_json as read_config_json
-from ._files import save_json as save_json
-from ._fit import ConfigRule as ConfigRule
-from ._fit import TensorBudgetError as TensorBudgetError
-from ._fit import build_checked as build_checked
-from ._fit import build_on_meta as build_on_meta
-from ._fit import check_fit as check_fit
-from ._fit import file_in_folder as file_in_folder
-from ._fit import folder_roots as folder_roots
-from ._fit import justify_config as justify_config
-from ._fit import layer_indices as layer_indices
-from ._fit import tensor_budget as tensor_budget
-from ._fit import tensor_limit as tensor_limit
+from ._fit import (
+    ConfigRule,
+    TensorBudgetError,
+    build_checked,
+    build_on_meta,
+    check_fit,
+    file_in_folder,
+    folder_roots,
+    justify_config,
+    layer_indices,
+    tensor_budget,
+    tensor_limit,
+)
 from .utils.extras import require
 
 FORMAT_VERSION = "1"
@@ -104,11 +106,10 @@ class Header:
 
 
 def _refuse_pickle(path: Path, head: bytes) -> None:
-    """Refuses zip or pickle content (``head``: the first bytes of a file safetensors refused).
-
-    Judged only once safetensors has refused the file: a valid file may start with the bytes
-    of a pickle (a 896-byte header starts ``80 03``). Nothing is ever unpickled.
-    """
+    """Refuses zip or pickle content, judged by the first bytes of a file safetensors refused
+    (a valid file may start like a pickle: a 896-byte header gives ``80 03``)."""
+    if head[8:].lstrip()[:1] == b"{":  # a safetensors header, refused for another cause
+        return
     if head[:4] == b"PK\x03\x04":
         raise CheckpointError(path, "refusing a zip archive (torch.save format, pickle inside)")
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
@@ -116,14 +117,12 @@ def _refuse_pickle(path: Path, head: bytes) -> None:
 
 
 def read_header(path: str | os.PathLike) -> Header:
-    """The header of a safetensors file, reading only its first 8 + N bytes, so a loader can
-    check what the file holds before it allocates anything.
+    """The checked header of a safetensors file, read without its tensor data (8 + N bytes).
 
-    safetensors checks the file's structure, opening the descriptor already checked to be a
-    regular file (``/proc/self/fd``) where it can; what it lets through is refused after it:
-    more than `MAX_TENSORS` tensors, duplicate names (it keeps the last), unknown fields (it
-    ignores them) and dtypes attnlab does not read (`DTYPES`). Pickle suffixes and content,
-    devices, FIFOs and directories are refused; nothing is unpickled.
+    safetensors checks the structure (given the descriptor already checked to be a regular file,
+    ``/proc/self/fd``, where it can); then what it lets through is refused: more than
+    `MAX_TENSORS` tensors, duplicate names, unknown fields, dtypes not in `DTYPES`. Pickle
+    suffixes and content, devices, FIFOs and directories are refused; nothing is unpickled.
 
     Raises:
         FileNotFoundError: no such file.
@@ -144,7 +143,7 @@ def read_header(path: str | os.PathLike) -> Header:
             with safe_open(same if os.path.exists(same) else str(path), "pt") as st:
                 count = len(st.keys())
         except Exception as e:  # SafetensorError
-            _refuse_pickle(path, read_at_most(f, 8))
+            _refuse_pickle(path, read_at_most(f, 72))
             raise CheckpointError(path, f"not a valid safetensors file ({one_line(e)})") from None
         if count > MAX_TENSORS:
             raise CheckpointError(
@@ -174,17 +173,13 @@ def read_header(path: str | os.PathLike) -> Header:
 def read_safetensors(
     path: str | os.PathLike, *, header: Header | None = None
 ) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """Reads any safetensors file (e.g. a downloaded model): the checks of `read_header`, then
-    safetensors decodes the whole file; no checksums (foreign files lack them).
+    """``(tensors, metadata)`` of any safetensors file (e.g. a downloaded model): the checks of
+    `read_header`, then safetensors decodes the whole file; no checksums (foreign files lack them).
 
     Args:
         path: the file.
-        header: the file's `read_header`, already checked by the caller (default: read now).
-            The file must still have exactly this header (else `CheckpointError`, "changed
-            since its header was read"), so what was checked is what gets decoded.
-
-    Returns:
-        ``(tensors, metadata)``.
+        header: its `read_header`, checked by the caller (default: read now). The file must
+            still have exactly this header, so what was checked is what gets decoded.
     """
     path = Path(os.fspath(path))
     header = header or read_header(path)
@@ -284,11 +279,9 @@ def _prepare(tensors_or_module: Mapping[str, Tensor] | nn.Module):
                 f"tensor {name!r} must be a dense tensor with data, got {t.layout} on {t.device}"
             )
         key = _identity(t)
-        if key is not None and key in seen:
+        if key is not None and seen.setdefault(key, name) != name:
             ties[name] = seen[key]
             continue
-        if key is not None:
-            seen[key] = name
         t = t.detach().to("cpu").resolve_neg().resolve_conj().contiguous()
         if t.numel() and t.untyped_storage().data_ptr() in storages:
             t = t.clone()  # overlapping views become copies (safetensors refuses shared memory)
@@ -324,9 +317,8 @@ def save_checkpoint(
 ) -> None:
     """Saves tensors (or a module's state_dict) as a verified safetensors file, atomically.
 
-    Tied tensors (the same view of the same memory, e.g. a tied LM head) are stored once and
-    restored as one tensor; non-contiguous tensors are stored contiguously. Every tensor's sha256
-    and the header's sha256 go into the header's metadata.
+    Tied tensors (the same view of the same memory, e.g. a tied LM head) are stored once;
+    non-contiguous tensors contiguously. The sha256s go into the header's metadata.
 
     Args:
         path: target file (conventionally ``*.safetensors``); pickle suffixes are refused.
@@ -377,8 +369,7 @@ def _ties(header: Header) -> dict[str, str]:
 
 
 def _check_header(header: Header) -> dict[str, str]:
-    """Checks the format version, the header's sha256 and the ties (returned) before any
-    tensor is decoded."""
+    """Checks the format version, the header's sha256 and the ties (returned)."""
     path, meta = header.path, header.metadata
     version = meta.get("attnlab.format_version")
     if version is None:
@@ -520,3 +511,35 @@ def checkpoint_specs(header: Header) -> dict[str, tuple[torch.dtype, tuple[int, 
     specs = dict(header.tensors)
     specs.update({alias: specs[target] for alias, target in _ties(header).items()})
     return specs
+
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAX_CONFIG_BYTES",
+    "MAX_HEADER_BYTES",
+    "MAX_TENSORS",
+    "PICKLE_SUFFIXES",
+    "Checkpoint",
+    "CheckpointError",
+    "ConfigRule",
+    "Header",
+    "TensorBudgetError",
+    "build_checked",
+    "build_on_meta",
+    "check_fit",
+    "checkpoint_specs",
+    "file_in_folder",
+    "folder_roots",
+    "justify_config",
+    "layer_indices",
+    "load_checkpoint",
+    "load_json",
+    "one_line",
+    "read_config_json",
+    "read_header",
+    "read_safetensors",
+    "save_checkpoint",
+    "save_json",
+    "tensor_budget",
+    "tensor_limit",
+]
