@@ -594,6 +594,23 @@ def test_a_header_whose_length_starts_like_a_pickle_is_not_refused(tmp_path):
     assert torch.equal(load_checkpoint(path).tensors["x" * pad], torch.zeros(1))
 
 
+def test_a_valid_file_is_never_judged_by_its_first_bytes(tmp_path, no_unpickling):
+    """Content is judged as zip or pickle only once safetensors has refused the file: a valid
+    header of 896 bytes that opens with spaces (safetensors accepts them) makes the file start
+    ``80 03`` and not ``… {`` (it was refused as a pickle when attnlab judged the bytes first).
+    A refused file with such a prefix is still refused as safetensors, quoting its cause."""
+    info = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    data = struct.pack("<2f", 1.5, -2.0)
+    path = _raw(tmp_path / "spaces.safetensors", b" " * (896 - len(info)) + info, data)
+    assert path.read_bytes()[:2] == b"\x80\x03" and path.read_bytes()[8:9] == b" "
+    tensors, meta = read_safetensors(path)
+    assert torch.equal(tensors["w"], torch.tensor([1.5, -2.0])) and meta == {}
+    _raw(path, info + b" " * (896 - len(info)), data[:-1])  # truncated
+    assert path.read_bytes()[:2] == b"\x80\x03"
+    with pytest.raises(CheckpointError, match=r"not a valid safetensors file \(.*fully covered"):
+        read_safetensors(path)
+
+
 def test_k9_good_files_load_without_any_unpickling(saved, no_unpickling):
     path, tensors = saved
     ck = load_checkpoint(path)

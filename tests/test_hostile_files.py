@@ -40,10 +40,10 @@ def _file(path: Path, header: str, data: bytes = b"") -> Path:
 
 def _sealed(path: Path, meta: dict[str, str]) -> Path:
     """An attnlab-looking file with one empty tensor and a correct header sha256."""
-    meta = {"attnlab.format_version": "1", **meta, ckfiles.HEADER_KEY: "0" * 64}
+    meta = {"attnlab.format_version": "1", **meta, ckmod.HEADER_KEY: "0" * 64}
     header = {"__metadata__": meta, "a": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}
     body = json.dumps(header).encode()
-    path.write_bytes(ckfiles.seal_header_sha256(struct.pack("<Q", len(body)) + body))
+    path.write_bytes(ckmod.seal_header_sha256(struct.pack("<Q", len(body)) + body))
     return path
 
 
@@ -106,7 +106,7 @@ def test_the_structural_check_catches_the_old_quadratic_duplicate_check():
 
 
 def test_the_tensor_count_is_bounded_before_and_after_parsing(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckfiles, "MAX_TENSORS", 100)
+    monkeypatch.setattr(ckmod, "MAX_TENSORS", 100)
     ok = "{" + ",".join(ENTRY.format(i) for i in range(100)) + ',"__metadata__":{}}'
     with pytest.raises(CheckpointError, match="not an attnlab checkpoint"):  # 100 pass the bound
         load_checkpoint(_file(tmp_path / "ok.safetensors", ok))
@@ -121,12 +121,12 @@ def test_the_tensor_count_is_bounded_before_and_after_parsing(tmp_path, monkeypa
         load_checkpoint(path)
     assert calls == []  # refused before attnlab parses the header itself
     monkeypatch.undo()
-    assert ckfiles.MAX_TENSORS >= 40_000 and ckfiles.MAX_HEADER_BYTES == 100_000_000
+    assert ckmod.MAX_TENSORS >= 40_000 and ckmod.MAX_HEADER_BYTES == 100_000_000
 
 
 def test_the_header_size_is_bounded_before_anything_is_read_into_json(tmp_path):
     path = tmp_path / "big.safetensors"
-    path.write_bytes(struct.pack("<Q", ckfiles.MAX_HEADER_BYTES + 1) + b"{}")
+    path.write_bytes(struct.pack("<Q", ckmod.MAX_HEADER_BYTES + 1) + b"{}")
     with pytest.raises(
         CheckpointError, match=r"not a valid safetensors file \(.*header too large\)"
     ):

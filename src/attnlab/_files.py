@@ -1,11 +1,9 @@
-"""Files on disk for `attnlab.checkpoint`: atomic writes, bounded reads of regular files that
-refuse pickle, safetensors headers and files (checked and decoded by the safetensors library,
-plus what it lets through: duplicate names, unknown fields, too many tensors), the header's own
-sha256, and bounded, checksummed JSON.
+"""Files on disk, whatever their format: atomic writes, bounded reads of regular files, and
+bounded, checksummed JSON.
 
-Hostile input: reads open regular files only (`read_regular_file`) and read at most their
-``fstat`` size; JSON nesting is bounded (`loads`: a RecursionError or a measured depth, never
-recursion of ours); the header's size (safetensors: 100 MB) and tensor count are bounded.
+Hostile input: reads open regular files only (`open_regular`, `read_regular_file`) and read at
+most their ``fstat`` size; JSON nesting is bounded (`loads`: a RecursionError or a measured
+depth, never recursion of ours) and repeated names can be refused (`unique_keys`).
 """
 
 from __future__ import annotations
@@ -21,42 +19,13 @@ import shutil
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import Tensor
-
-from .utils.extras import require
-
-MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit (100 MB)
-MAX_TENSORS = 262_144  # per file; far above real single files (a 70B model holds ~700 tensors)
 MAX_JSON_DEPTH = 64  # nesting accepted by `load_json` and `read_config_json`
 MAX_CONFIG_BYTES = 16_000_000  # a model's config.json (real ones: a few kB, large label maps ~1 MB)
 STALE_SECONDS = 300  # an unlocked temp file of ours this old is a leftover even if its pid lives
 _TEMP_MARK = "attnlab"  # temp files are ".<name>.attnlab.<pid>.<8 random chars>.tmp"
-PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
-# The dtypes attnlab stores and reads: those every safetensors >= 0.4 reader understands.
-DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-HEADER_KEY = "attnlab.header_sha256"
-_HEADER_DIGEST_RE = re.compile(rb'"attnlab\.header_sha256"\s*:\s*"([0-9a-f]{64})"')
 
 
 class CheckpointError(ValueError):
@@ -169,8 +138,8 @@ def atomic_write(path: Path, fill: Callable[[str], object]) -> None:
     """``fill(temp)`` writes a temp file beside ``path``; it is fsynced and renamed over ``path``.
 
     The temp file lives in a private directory ``.<name>.attnlab.<pid>.<8 hex>.tmp`` beside
-    ``path``, so whatever ``fill`` creates next to it (safetensors writes its own ``.tmp*``
-    file and renames it) stays inside. The writer holds an exclusive flock on that directory
+    ``path``, so whatever ``fill`` creates next to it (e.g. a library's own temp file,
+    renamed when done) stays inside. The writer holds an exclusive flock on that directory
     until it is removed, so concurrent writers never remove each other's. A writer killed at
     any point leaves ``path`` as it was; the next write into the directory removes its temp
     directory (`remove_stale_temps`). The output's mode is 0o666 minus the umask, like any
@@ -227,8 +196,9 @@ def _kind(mode: int) -> str:
     return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
-def _open_regular(path: Path):
-    """``(file, size)``: ``path`` opened for reading if it is a regular file (see below)."""
+def open_regular(path: Path) -> tuple[Any, int]:
+    """``(file, size)``: ``path`` opened for reading (unbuffered) if it is a regular file, else
+    `CheckpointError`; checked as `read_regular_file` says. The caller closes the file."""
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
@@ -244,7 +214,7 @@ def _open_regular(path: Path):
     return f, st.st_size
 
 
-def _read_at_most(f: Any, size: int) -> bytes:
+def read_at_most(f: Any, size: int) -> bytes:
     """Up to ``size`` bytes of ``f`` (fewer if the file ends first), without an extra copy."""
     chunks: list[bytes] = []
     got = 0
@@ -266,17 +236,18 @@ def read_regular_file(path: Path, limit: int | None = None) -> bytes:
     descriptor (the path may have been swapped in between). At most the ``fstat`` size is read;
     a file larger than ``limit`` bytes (if given) is refused unread.
     """
-    f, size = _open_regular(path)
+    f, size = open_regular(path)
     with f:
         if limit is not None and size > limit:
             raise CheckpointError(
                 path, f"file holds {size} bytes, more than the {limit}-byte limit"
             )
-        return _read_at_most(f, size)
+        return read_at_most(f, size)
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object's dict; repeated names (safetensors keeps the last one) raise ValueError."""
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's dict, for ``json.loads(..., object_pairs_hook=unique_keys)``: repeated
+    names (which ``json`` and many readers resolve silently to the last) raise ValueError."""
     obj = dict(pairs)
     if len(obj) != len(pairs):  # linear: one set, one pass
         seen: set[str] = set()
@@ -297,7 +268,7 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def loads(path: str | os.PathLike, text: str, what: str, depth: int, **kwargs: Any) -> Any:
+def loads(path: str | os.PathLike, text: str | bytes, what: str, depth: int, **kwargs: Any) -> Any:
     """``json.loads(text)``; anything malformed or nested deeper than ``depth`` raises
     `CheckpointError` naming ``what`` (never a bare ValueError or RecursionError)."""
     try:
@@ -311,159 +282,12 @@ def loads(path: str | os.PathLike, text: str, what: str, depth: int, **kwargs: A
     return value
 
 
-_FIELDS = {"dtype", "shape", "data_offsets"}
-
-
-def _refuse_pickle(path: Path, head: bytes = b"") -> None:
-    """Refuses pickle suffixes and, given the first bytes, zip or pickle content.
-
-    A safetensors prefix is a little-endian length, so a valid file can start with the same two
-    bytes as a pickle (a 896-byte header starts ``80 03``): only content whose header does not
-    open with ``{`` is judged by its magic bytes. Nothing is ever unpickled.
-    """
-    if path.suffix.lower() in PICKLE_SUFFIXES:
-        raise CheckpointError(
-            path,
-            f"refusing {path.suffix!r}: pickle-based checkpoints can run arbitrary code when "
-            "loaded; convert it to safetensors in a trusted environment",
-        )
-    if head[8:9] == b"{":
-        return
-    if head[:4] == b"PK\x03\x04":
-        raise CheckpointError(path, "refusing a zip archive (torch.save format, pickle inside)")
-    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
-        raise CheckpointError(path, f"refusing a pickle stream (protocol {head[1]})")
-
-
-def parse_header(
-    path: Path, head: bytes, count: int
-) -> tuple[dict[str, str], dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
-    """``(metadata, {name: (dtype, shape)})`` of a header that safetensors has accepted (its
-    ``count`` distinct tensors), refusing what safetensors lets through: more than
-    `MAX_TENSORS` tensors, duplicate names (it keeps the last), unknown fields (it ignores
-    them) and dtypes attnlab does not read (`DTYPES`)."""
-    if count > MAX_TENSORS:
-        raise CheckpointError(
-            path, f"header lists {count} tensors, more than the {MAX_TENSORS}-tensor limit"
-        )
-    try:
-        header = json.loads(head[8:], object_pairs_hook=_no_duplicates)
-    except (ValueError, RecursionError) as e:
-        raise CheckpointError(path, f"header is not valid JSON ({e})") from None
-    if type(header) is not dict:  # (safetensors accepted these bytes: only if they changed)
-        raise CheckpointError(path, f"header must be a JSON object, got {type(header).__name__}")
-    meta = header.pop("__metadata__", None) or {}
-    infos: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    for name, info in header.items():
-        if type(info) is not dict or info.keys() != _FIELDS:
-            raise CheckpointError(
-                path, f"tensor {name!r}: expected exactly dtype, shape, data_offsets, got {info!r}"
-            )
-        if info["dtype"] not in DTYPES:
-            raise CheckpointError(
-                path, f"tensor {name!r}: unknown dtype {info['dtype']!r} (known: {sorted(DTYPES)})"
-            )
-        infos[name] = (DTYPES[info["dtype"]], tuple(info["shape"]))
-    return meta, infos
-
-
-@dataclass(frozen=True)
-class Header:
-    """A safetensors file's checked header, read without its tensor data (`read_header`).
-
-    Attributes:
-        path: the file.
-        metadata: the ``__metadata__`` strings.
-        tensors: ``{name: (dtype, shape)}`` of every stored tensor, in header order.
-        raw: the 8-byte prefix and the header's bytes (to check a later full read against).
-    """
-
-    path: Path
-    metadata: dict[str, str]
-    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
-    raw: bytes
-
-
-def read_header(path: str | os.PathLike) -> Header:
-    """The header of a safetensors file, checked by safetensors and `parse_header`, reading
-    only its first 8 + N bytes, so a loader can check what the file holds before it allocates
-    anything. Pickle suffixes and content, devices, FIFOs and directories are refused unread;
-    safetensors opens the descriptor already checked (``/proc/self/fd``) where it can.
-    """
-    path = Path(os.fspath(path))
-    _refuse_pickle(path)
-    safe_open = require("safetensors", "models", "reading a checkpoint").safe_open
-    f, size = _open_regular(path)
-    with f:
-        head = _read_at_most(f, min(size, 8))
-        n = int.from_bytes(head, "little") if len(head) == 8 else 0
-        head += _read_at_most(f, n) if n <= min(MAX_HEADER_BYTES, size - 8) else b""
-        _refuse_pickle(path, head)
-        same = f"/proc/self/fd/{f.fileno()}"
-        try:
-            with safe_open(same if os.path.exists(same) else str(path), "pt") as st:
-                count = len(st.keys())
-        except Exception as e:  # SafetensorError
-            raise CheckpointError(path, f"not a valid safetensors file ({one_line(e)})") from None
-    meta, infos = parse_header(path, head, count)
-    return Header(path, meta, infos, head)
-
-
-def read_safetensors(
-    path: str | os.PathLike, *, header: Header | None = None
-) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """Reads any safetensors file (e.g. a downloaded model) with full structural validation.
-
-    Checks what `load_checkpoint` checks about the structure (`read_header`, then safetensors
-    again on the whole file) but not checksums, which foreign files lack.
-
-    Args:
-        path: the file.
-        header: the file's `read_header`, already checked by the caller (default: read now).
-            The file must still have exactly this header (else `CheckpointError`, "changed
-            since its header was read"), so what was checked is what gets decoded.
-
-    Returns:
-        ``(tensors, metadata)``.
-    """
-    path = Path(os.fspath(path))
-    header = header or read_header(path)
-    raw = read_regular_file(path)
-    if raw[: len(header.raw)] != header.raw:
-        raise CheckpointError(path, "the file changed since its header was read")
-    require("safetensors.torch", "models", "reading a checkpoint")  # one line naming the extra
-    from safetensors.torch import load
-
-    try:
-        return load(raw), header.metadata
-    except KeyError as e:  # a dtype safetensors knows but cannot map to torch
-        raise CheckpointError(path, f"unknown dtype {e} (known: {sorted(DTYPES)})") from None
-    except Exception as e:  # SafetensorError: the file changed (its data region)
-        raise CheckpointError(path, f"not a valid safetensors file ({one_line(e)})") from None
-
-
 def one_line(error: BaseException, limit: int = 300) -> str:
     """The first line of an exception's message, at most ``limit`` characters (torch appends
     C++ stack traces to some messages)."""
     lines = str(error).strip().splitlines() or [type(error).__name__]
     text = " ".join(lines[0].split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def seal_header_sha256(head: bytes) -> bytes:
-    """``head`` (prefix + header) with its `HEADER_KEY` value, 64 zeros, set to its sha256."""
-    digest = hashlib.sha256(head).hexdigest().encode()
-    return _HEADER_DIGEST_RE.sub(lambda m: m.group(0).replace(b"0" * 64, digest), head)
-
-
-def check_header_sha256(path: Path, head: bytes, meta: dict[str, str]) -> None:
-    """Checks a header sealed by `seal_header_sha256` (``meta``: its parsed ``__metadata__``)."""
-    found = _HEADER_DIGEST_RE.findall(head[8:])
-    if len(found) != 1 or meta.get(HEADER_KEY) != found[0].decode():
-        raise CheckpointError(path, "header checksum missing or malformed (corrupted header)")
-    blank = _HEADER_DIGEST_RE.sub(lambda m: m.group(0).replace(found[0], b"0" * 64), head)
-    if hashlib.sha256(blank).hexdigest() != found[0].decode():
-        raise CheckpointError(path, "header sha256 mismatch: the header is corrupted")
 
 
 def read_config_json(path: str | os.PathLike, *, limit: int | None = MAX_CONFIG_BYTES) -> Any:

@@ -9,14 +9,12 @@ any safetensors reader opens it. attnlab adds to the header's ``__metadata__``:
     attnlab.header_sha256    sha256 of the 8-byte prefix and the header, computed with this
                              value set to 64 zeros
 
-and around the library: both sha256s verified on load (safetensors alone loads a flipped data
-byte or a swapped shape silently); ties and non-contiguous tensors (``save_file`` refuses
-both); module loading that checks every key, shape and dtype before copying anything.
-`attnlab._files` holds the file level (atomic writes, regular files only, pickle refused
-unopened, headers read through safetensors, what it lets through refused: duplicate names,
-unknown fields, too many tensors); `attnlab._fit` the configs justified by a file's header
-before anything is allocated (`justify_config`, `build_checked`, `tensor_budget`) and files
-confined to a folder (`file_in_folder`), re-exported here. See docs/reliability.md.
+and around the library: pickle refused unopened; what safetensors lets through refused
+(duplicate names, unknown fields, too many tensors); both sha256s verified (safetensors alone
+loads a flipped data byte or a swapped shape silently); ties and non-contiguous tensors
+(``save_file`` refuses both); module loading that checks every key, shape and dtype before
+copying anything. Files are read and written by `attnlab._files`; the configs a header justifies
+are `attnlab._fit`'s, re-exported here. See docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,24 +31,18 @@ import torch
 from torch import Tensor, nn
 
 from ._files import (
-    DTYPES,
-    HEADER_KEY,
     MAX_CONFIG_BYTES,
-    MAX_HEADER_BYTES,
-    MAX_TENSORS,
-    PICKLE_SUFFIXES,
     CheckpointError,
-    Header,
     atomic_write,
-    check_header_sha256,
     load_json,
     loads,
     one_line,
+    open_regular,
+    read_at_most,
     read_config_json,
-    read_header,
-    read_safetensors,
+    read_regular_file,
     save_json,
-    seal_header_sha256,
+    unique_keys,
 )
 from ._fit import (
     ConfigRule,
@@ -67,9 +60,148 @@ from ._fit import (
 from .utils.extras import require
 
 FORMAT_VERSION = "1"
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit (it refuses larger headers)
+MAX_TENSORS = 262_144  # per file; far above real single files (a 70B model holds ~700 tensors)
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
+# The dtypes attnlab stores and reads: those every safetensors >= 0.4 reader understands.
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+HEADER_KEY = "attnlab.header_sha256"
+_HEADER_DIGEST = re.compile(rb'"attnlab\.header_sha256"\s*:\s*"([0-9a-f]{64})"')
 _RESERVED = "attnlab."
+_FIELDS = {"dtype", "shape", "data_offsets"}
 
 
+# --------------------------------------------------------------------------- safetensors headers
+@dataclass(frozen=True)
+class Header:
+    """A safetensors file's checked header, read without its tensor data (`read_header`).
+
+    Attributes:
+        path: the file.
+        metadata: the ``__metadata__`` strings.
+        tensors: ``{name: (dtype, shape)}`` of every stored tensor, in header order.
+        raw: the 8-byte prefix and the header's bytes (to check a later full read against).
+    """
+
+    path: Path
+    metadata: dict[str, str]
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    raw: bytes
+
+
+def _refuse_pickle(path: Path, head: bytes) -> None:
+    """Refuses zip or pickle content, judged by the first bytes of a file safetensors refused
+    (a valid file may start like a pickle: a 896-byte header gives ``80 03``)."""
+    if head[8:].lstrip()[:1] == b"{":  # a safetensors header, refused for another cause
+        return
+    if head[:4] == b"PK\x03\x04":
+        raise CheckpointError(path, "refusing a zip archive (torch.save format, pickle inside)")
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        raise CheckpointError(path, f"refusing a pickle stream (protocol {head[1]})")
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """The checked header of a safetensors file, read without its tensor data (8 + N bytes).
+
+    safetensors checks the structure (given the descriptor already checked to be a regular file,
+    ``/proc/self/fd``, where it can); then what it lets through is refused: more than
+    `MAX_TENSORS` tensors, duplicate names, unknown fields, dtypes not in `DTYPES`. Pickle
+    suffixes and content, devices, FIFOs and directories are refused; nothing is unpickled.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointError: the file is refused (the cause names what).
+    """
+    path = Path(os.fspath(path))
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise CheckpointError(
+            path,
+            f"refusing {path.suffix!r}: pickle-based checkpoints can run arbitrary code when "
+            "loaded; convert it to safetensors in a trusted environment",
+        )
+    safe_open = require("safetensors", "models", "reading a checkpoint").safe_open
+    f, size = open_regular(path)
+    with f:
+        same = f"/proc/self/fd/{f.fileno()}"
+        try:
+            with safe_open(same if os.path.exists(same) else str(path), "pt") as st:
+                count = len(st.keys())
+        except Exception as e:  # SafetensorError
+            _refuse_pickle(path, read_at_most(f, 72))
+            raise CheckpointError(path, f"not a valid safetensors file ({one_line(e)})") from None
+        if count > MAX_TENSORS:
+            raise CheckpointError(
+                path, f"header lists {count} tensors, more than the {MAX_TENSORS}-tensor limit"
+            )
+        head = read_at_most(f, 8)
+        n = int.from_bytes(head, "little")  # accepted by safetensors (unless the file changed)
+        head += read_at_most(f, n) if n <= min(MAX_HEADER_BYTES, size - 8) else b""
+    header = loads(path, head[8:], "header", 3, object_pairs_hook=unique_keys)
+    if type(header) is not dict:  # (safetensors accepted these bytes: only if they changed)
+        raise CheckpointError(path, f"header must be a JSON object, got {type(header).__name__}")
+    meta = header.pop("__metadata__", None) or {}
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for name, info in header.items():
+        if type(info) is not dict or info.keys() != _FIELDS:
+            raise CheckpointError(
+                path, f"tensor {name!r}: expected exactly dtype, shape, data_offsets, got {info!r}"
+            )
+        if info["dtype"] not in DTYPES:
+            raise CheckpointError(
+                path, f"tensor {name!r}: unknown dtype {info['dtype']!r} (known: {sorted(DTYPES)})"
+            )
+        tensors[name] = (DTYPES[info["dtype"]], tuple(info["shape"]))
+    return Header(path, meta, tensors, head)
+
+
+def read_safetensors(
+    path: str | os.PathLike, *, header: Header | None = None
+) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """``(tensors, metadata)`` of any safetensors file (e.g. a downloaded model): the checks of
+    `read_header`, then safetensors decodes the whole file; no checksums (foreign files lack them).
+
+    Args:
+        path: the file.
+        header: its `read_header`, checked by the caller (default: read now). The file must
+            still have exactly this header, so what was checked is what gets decoded.
+    """
+    path = Path(os.fspath(path))
+    header = header or read_header(path)
+    raw = read_regular_file(path)
+    if raw[: len(header.raw)] != header.raw:
+        raise CheckpointError(path, "the file changed since its header was read")
+    require("safetensors.torch", "models", "reading a checkpoint")  # one line naming the extra
+    from safetensors.torch import load
+
+    try:
+        return load(raw), header.metadata
+    except Exception as e:  # SafetensorError: the file changed (its data region)
+        raise CheckpointError(path, f"not a valid safetensors file ({one_line(e)})") from None
+
+
+def seal_header_sha256(head: bytes) -> bytes:
+    """``head`` (prefix + header) with its `HEADER_KEY` value, 64 zeros, set to its sha256."""
+    digest = hashlib.sha256(head).hexdigest().encode()
+    return _HEADER_DIGEST.sub(lambda m: m.group(0).replace(b"0" * 64, digest), head)
+
+
+# ------------------------------------------------------------------------------------- checkpoints
 @dataclass
 class Checkpoint:
     """What `load_checkpoint` returns.
@@ -107,7 +239,6 @@ class Checkpoint:
         return self
 
 
-# ---------------------------------------------------------------------------------------- saving
 def _identity(t: Tensor) -> tuple | None:
     """Tensors with equal identity are the same view of the same memory (a tie)."""
     if t.numel() == 0:
@@ -148,11 +279,9 @@ def _prepare(tensors_or_module: Mapping[str, Tensor] | nn.Module):
                 f"tensor {name!r} must be a dense tensor with data, got {t.layout} on {t.device}"
             )
         key = _identity(t)
-        if key is not None and key in seen:
+        if key is not None and seen.setdefault(key, name) != name:
             ties[name] = seen[key]
             continue
-        if key is not None:
-            seen[key] = name
         t = t.detach().to("cpu").resolve_neg().resolve_conj().contiguous()
         if t.numel() and t.untyped_storage().data_ptr() in storages:
             t = t.clone()  # overlapping views become copies (safetensors refuses shared memory)
@@ -188,9 +317,8 @@ def save_checkpoint(
 ) -> None:
     """Saves tensors (or a module's state_dict) as a verified safetensors file, atomically.
 
-    Tied tensors (the same view of the same memory, e.g. a tied LM head) are stored once and
-    restored as one tensor; non-contiguous tensors are stored contiguously. Every tensor's sha256
-    and the header's sha256 go into the header's metadata.
+    Tied tensors (the same view of the same memory, e.g. a tied LM head) are stored once;
+    non-contiguous tensors contiguously. The sha256s go into the header's metadata.
 
     Args:
         path: target file (conventionally ``*.safetensors``); pickle suffixes are refused.
@@ -228,7 +356,6 @@ def save_checkpoint(
     atomic_write(path, fill)
 
 
-# --------------------------------------------------------------------------------------- loading
 def _ties(header: Header) -> dict[str, str]:
     """``{alias: stored name}`` from a checkpoint's header (``attnlab.ties``; none if absent)."""
     text = header.metadata.get("attnlab.ties", "{}")
@@ -242,8 +369,7 @@ def _ties(header: Header) -> dict[str, str]:
 
 
 def _check_header(header: Header) -> dict[str, str]:
-    """Checks the format version, the header's sha256 and the ties (returned) before any
-    tensor is decoded."""
+    """Checks the format version, the header's sha256 and the ties (returned)."""
     path, meta = header.path, header.metadata
     version = meta.get("attnlab.format_version")
     if version is None:
@@ -256,7 +382,12 @@ def _check_header(header: Header) -> dict[str, str]:
             f"unknown checkpoint format version {version!r} (this attnlab reads version "
             f"{FORMAT_VERSION!r})",
         )
-    check_header_sha256(path, header.raw, meta)
+    found = _HEADER_DIGEST.findall(header.raw[8:])
+    if len(found) != 1 or meta.get(HEADER_KEY) != found[0].decode():
+        raise CheckpointError(path, "header checksum missing or malformed (corrupted header)")
+    blank = _HEADER_DIGEST.sub(lambda m: m.group(0).replace(found[0], b"0" * 64), header.raw)
+    if hashlib.sha256(blank).hexdigest() != found[0].decode():
+        raise CheckpointError(path, "header sha256 mismatch: the header is corrupted")
     if "attnlab.sha256" not in meta or "attnlab.ties" not in meta:
         raise CheckpointError(path, "attnlab metadata is incomplete (attnlab.sha256, attnlab.ties)")
     return _ties(header)
@@ -374,7 +505,6 @@ def load_checkpoint(
     return result
 
 
-# ------------------------------------------------------------------ configs justified by the file
 def checkpoint_specs(header: Header) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """``{name: (dtype, shape)}`` of every tensor of an attnlab checkpoint, from its header
     alone (`read_header`): tied aliases (``attnlab.ties``) get their stored tensor's entry."""

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from .._shapes import check_int
 from ..checkpoint import (
+    PICKLE_SUFFIXES,
     CheckpointError,
     Header,
     build_on_meta,
@@ -401,7 +402,6 @@ class BertEncoder(nn.Module):
 
 # ---------------------------------------------------------------------------------- loading
 
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 _IGNORED_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids")
 
 
@@ -410,7 +410,7 @@ def _resolve_paths(path: str | Path) -> tuple[Path, Path]:
     if not isinstance(path, (str, Path)):
         raise TypeError(f"path must be a str or Path, got {type(path).__name__}")
     p = Path(path)
-    if p.suffix in _PICKLE_SUFFIXES:
+    if p.suffix in PICKLE_SUFFIXES:
         raise ValueError(
             f"refusing to load {p}: pickle checkpoints can run arbitrary code; convert it to "
             "model.safetensors"
@@ -426,7 +426,7 @@ def _resolve_paths(path: str | Path) -> tuple[Path, Path]:
     if not config.exists():  # anything else there is refused by the bounded reader
         raise FileNotFoundError(f"BERT config file not found: {config}")
     if not weights.is_file():
-        pickles = sorted(q.name for q in p.iterdir() if q.suffix in _PICKLE_SUFFIXES)
+        pickles = sorted(q.name for q in p.iterdir() if q.suffix in PICKLE_SUFFIXES)
         if pickles:
             raise ValueError(
                 f"{p} has no model.safetensors, only pickle checkpoint(s) {pickles}; refusing to "
