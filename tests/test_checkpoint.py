@@ -23,14 +23,8 @@ from torch import nn
 
 import attnlab._files as ckfiles
 import attnlab.checkpoint as ckmod
-from attnlab.checkpoint import (
-    CheckpointError,
-    load_checkpoint,
-    load_json,
-    read_safetensors,
-    save_checkpoint,
-    save_json,
-)
+from attnlab._files import load_json, save_json
+from attnlab.checkpoint import CheckpointError, load_checkpoint, read_safetensors, save_checkpoint
 from attnlab.models import GPT, TransformerConfig
 
 DTYPES = [

@@ -279,7 +279,7 @@ def test_bert_encoder_refuses_weights_linked_from_outside(tmp_path):
 
 
 def test_file_names_are_confined_in_every_spelling(tmp_path):
-    from attnlab.checkpoint import file_in_folder
+    from attnlab._fit import file_in_folder
 
     (tmp_path / "sub").mkdir()
     assert file_in_folder(tmp_path, "sub/x.safetensors") == tmp_path / "sub" / "x.safetensors"

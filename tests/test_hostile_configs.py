@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 import attnlab.checkpoint as ckmod
+from attnlab._fit import build_on_meta
 from attnlab.apps.gpt import load, vocab_of
-from attnlab.checkpoint import CheckpointError, build_on_meta, save_checkpoint
+from attnlab.checkpoint import CheckpointError, save_checkpoint
 from attnlab.models import GPT, TransformerConfig
 from attnlab.models.bert import BertConfig, BertEncoder
 from attnlab.models.config import MAX_UNSIZED_SEQ_LEN

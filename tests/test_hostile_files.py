@@ -27,7 +27,8 @@ import torch
 
 import attnlab._files as ckfiles
 import attnlab.checkpoint as ckmod
-from attnlab.checkpoint import CheckpointError, load_checkpoint, load_json, save_checkpoint
+from attnlab._files import load_json
+from attnlab.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 ENTRY = '"t{:06d}":{{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}'
 

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from attnlab._files import load_json
 from attnlab.apps.gpt import (
     TrainSettings,
     load,
@@ -18,7 +19,7 @@ from attnlab.apps.gpt import (
     unigram_entropy,
     vocab_of,
 )
-from attnlab.checkpoint import CheckpointError, load_json
+from attnlab.checkpoint import CheckpointError
 from attnlab.cli.generate import register as register_generate
 from attnlab.cli.train import register as register_train
 from attnlab.data import default_text_path

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from attnlab._files import load_json
 from attnlab.apps.gpt import (
     TrainSettings,
     check_precision,
@@ -23,7 +24,7 @@ from attnlab.apps.gpt import (
     sweep,
     train,
 )
-from attnlab.checkpoint import load_checkpoint, load_json, save_checkpoint
+from attnlab.checkpoint import load_checkpoint, save_checkpoint
 from attnlab.cli._args import UsageError
 from attnlab.cli.train import register as register_train
 from attnlab.models import GPT

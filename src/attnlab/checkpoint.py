@@ -14,7 +14,7 @@ and around the library: pickle refused unopened; what safetensors lets through r
 loads a flipped data byte or a swapped shape silently); ties and non-contiguous tensors
 (``save_file`` refuses both); module loading that checks every key, shape and dtype before
 copying anything. Files are read and written by `attnlab._files`; the configs a header justifies
-are `attnlab._fit`'s, re-exported here. See docs/reliability.md.
+are `attnlab._fit`'s. See docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -31,31 +31,14 @@ import torch
 from torch import Tensor, nn
 
 from ._files import (
-    MAX_CONFIG_BYTES,
     CheckpointError,
     atomic_write,
-    load_json,
     loads,
     one_line,
     open_regular,
     read_at_most,
-    read_config_json,
     read_regular_file,
-    save_json,
     unique_keys,
-)
-from ._fit import (
-    ConfigRule,
-    TensorBudgetError,
-    build_checked,
-    build_on_meta,
-    check_fit,
-    file_in_folder,
-    folder_roots,
-    justify_config,
-    layer_indices,
-    tensor_budget,
-    tensor_limit,
 )
 from .utils.extras import require
 
@@ -515,31 +498,15 @@ def checkpoint_specs(header: Header) -> dict[str, tuple[torch.dtype, tuple[int, 
 
 __all__ = [
     "FORMAT_VERSION",
-    "MAX_CONFIG_BYTES",
     "MAX_HEADER_BYTES",
     "MAX_TENSORS",
     "PICKLE_SUFFIXES",
     "Checkpoint",
     "CheckpointError",
-    "ConfigRule",
     "Header",
-    "TensorBudgetError",
-    "build_checked",
-    "build_on_meta",
-    "check_fit",
     "checkpoint_specs",
-    "file_in_folder",
-    "folder_roots",
-    "justify_config",
-    "layer_indices",
     "load_checkpoint",
-    "load_json",
-    "one_line",
-    "read_config_json",
     "read_header",
     "read_safetensors",
     "save_checkpoint",
-    "save_json",
-    "tensor_budget",
-    "tensor_limit",
 ]

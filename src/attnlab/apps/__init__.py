@@ -8,7 +8,7 @@ verified loader `attnlab.apps.loop.load_model`. `load_any` reads a checkpoint of
 kind is stored in the file's metadata (``model_kind``; files written by ``attnlab train``, which
 predate it, are "gpt"). Whatever the kind, the stored config is
 justified by the tensors before anything is built: its integer fields by the kind's table of
-`attnlab.checkpoint.ConfigRule` (every layer count from the tensor names, every size from a
+`attnlab._fit.ConfigRule` (every layer count from the tensor names, every size from a
 tensor shape, types and bounds), read from the header alone, then its names and shapes by a
 build on ``meta``; a crafted value (``dec_layers=10**9``, ``max_seq_len=2**62``) is refused
 with a `CheckpointError` in milliseconds.

@@ -46,9 +46,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._fit import ConfigRule
 from .._shapes import check_bool, check_int, check_number
 from ..analysis.importance import attention_modules, head_gates
-from ..checkpoint import Checkpoint, ConfigRule
+from ..checkpoint import Checkpoint
 from ..data.languages import LANGUAGES, LanguageSplit, language_split
 from ..models.classifier import POOLINGS, TextClassifier, build_classifier, char_classifier
 from ..models.config import checkpoint_rules
@@ -555,7 +556,7 @@ def load(
 
 
 #: How the tensors of a "classify" checkpoint justify its stored `ClassifierConfig`
-#: (`attnlab.checkpoint.justify_config`): the encoder's `TransformerConfig` like a GPT's, and
+#: (`attnlab._fit.justify_config`): the encoder's `TransformerConfig` like a GPT's, and
 #: the head's integer fields (its class count is the classifier's rows, which the build on
 #: ``meta`` compares).
 RULES = (

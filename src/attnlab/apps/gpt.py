@@ -40,9 +40,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._files import loads
+from .._files import loads, save_json
+from .._fit import build_checked
 from .._shapes import check_int
-from ..checkpoint import build_checked, load_checkpoint, save_json
+from ..checkpoint import load_checkpoint
 from ..distributed.ddp import Parallel
 from ..models import GPT
 from ..utils import Progress, Timer

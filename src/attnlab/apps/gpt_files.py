@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._files import STALE_SECONDS, atomic_write, loads, remove_stale_temps
-from ..checkpoint import Checkpoint, CheckpointError, save_checkpoint, save_json
+from .._files import STALE_SECONDS, atomic_write, loads, remove_stale_temps, save_json
+from ..checkpoint import Checkpoint, CheckpointError, save_checkpoint
 from ..models import GPT, TransformerConfig
 from ..models.config import checkpoint_rules
 from .gpt_settings import CHECKPOINT_NAME, TrainSettings

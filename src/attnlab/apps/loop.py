@@ -30,14 +30,12 @@ import torch
 from torch import Tensor, nn
 
 from .._files import atomic_write, loads
+from .._fit import ConfigRule, build_checked, justify_config
 from .._shapes import check_int, check_number
 from ..checkpoint import (
     Checkpoint,
     CheckpointError,
-    ConfigRule,
-    build_checked,
     checkpoint_specs,
-    justify_config,
     load_checkpoint,
     read_header,
     save_checkpoint,
@@ -301,8 +299,8 @@ def load_model(
 ) -> tuple[nn.Module, dict[str, Any], Checkpoint]:
     """Reads a checkpoint written by `save_model`, checking the kind and that the tensors justify
     the stored config before anything is built: field by field from the header
-    (`attnlab.checkpoint.justify_config` with ``rules``), then names and shapes of a build on
-    ``meta`` (`attnlab.checkpoint.build_checked`).
+    (`attnlab._fit.justify_config` with ``rules``), then names and shapes of a build on
+    ``meta`` (`attnlab._fit.build_checked`).
 
     Args:
         path: the file.

@@ -28,8 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from .._files import loads
+from .._fit import ConfigRule
 from .._shapes import check_int
-from ..checkpoint import Checkpoint, CheckpointError, ConfigRule
+from ..checkpoint import Checkpoint, CheckpointError
 from ..models.rnn import RNNLM, RNNLMConfig, build_rnn_lm
 from .gpt_settings import evaluate, get_batch, load_text, sample_chars, unigram_entropy
 from .loop import FitHistory, FitSettings, fit, load_model, save_model, write_metrics
@@ -252,7 +253,7 @@ def train_rnn(
 
 # ------------------------------------------------------------------------------ files, sampling
 #: How the tensors of an "rnn" checkpoint justify its stored `RNNLMConfig`
-#: (`attnlab.checkpoint.justify_config`; names below the ``model.`` prefix).
+#: (`attnlab._fit.justify_config`; names below the ``model.`` prefix).
 RULES = (
     ConfigRule("n_layers", low=1, layers="layers"),
     ConfigRule("vocab_size", low=1, tensor="embed.weight", dim=0),

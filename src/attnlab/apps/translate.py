@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..checkpoint import Checkpoint, CheckpointError, ConfigRule, read_header
+from .._fit import ConfigRule
+from ..checkpoint import Checkpoint, CheckpointError, read_header
 from ..data.numbers import (
     BOS,
     EOS,
@@ -59,7 +60,7 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
 }
 
 #: How the tensors of a checkpoint justify its stored config, per architecture
-#: (`attnlab.checkpoint.justify_config`: layer counts, vocabularies and widths; names below
+#: (`attnlab._fit.justify_config`: layer counts, vocabularies and widths; names below
 #: the ``model.`` prefix).
 RULES: dict[str, tuple[ConfigRule, ...]] = {
     "transformer": (

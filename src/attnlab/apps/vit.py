@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._fit import ConfigRule
 from .._shapes import check_int, check_probability
-from ..checkpoint import Checkpoint, ConfigRule
+from ..checkpoint import Checkpoint
 from ..models.vit import VisionTransformer, ViTConfig, build_vit
 from ..utils.extras import require
 from .loop import FitHistory, FitSettings, fit, load_model, save_model, write_metrics
@@ -263,7 +264,7 @@ def svm_baseline(split: DigitsSplit | None = None) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------------- files
 #: How the tensors of a "vit" checkpoint justify its stored `ViTConfig`
-#: (`attnlab.checkpoint.justify_config`; names below the ``model.`` prefix). The image, patch
+#: (`attnlab._fit.justify_config`; names below the ``model.`` prefix). The image, patch
 #: and channel sizes multiply into the patch projection and position tables, which the build
 #: on ``meta`` compares.
 RULES = (

@@ -6,7 +6,7 @@
 1. Files stay inside the folder: ``config.json``, the weights file transformers would open
    (``model.safetensors``, else the shards of ``model.safetensors.index.json``, or the file a
    config's ``transformers_weights`` names) and every shard are resolved (``..``, absolute
-   paths, symlinks) and refused outside the folder (`attnlab.checkpoint.file_in_folder`; a
+   paths, symlinks) and refused outside the folder (`attnlab._fit.file_in_folder`; a
    Hugging Face cache snapshot may link into its repository's ``blobs``). Pickle weights are
    refused.
 2. Only the safetensors headers are read (`attnlab.checkpoint.read_header`: bounded, regular
@@ -15,7 +15,7 @@
    ``encoder_layers``, …) above the largest layer list in the tensor names is a problem
    found from the names alone.
 4. The model is built on the ``meta`` device from the config, stopping once it registers far
-   more parameters and buffers than the files hold (`attnlab.checkpoint.tensor_budget`), so a
+   more parameters and buffers than the files hold (`attnlab._fit.tensor_budget`), so a
    config claiming 20,000 layers is refused in well under a second; its names and shapes must
    then equal the files' (tied parameters may be stored once; non-persistent buffers and
    names the model declares ignorable may be present). Models whose checkpoints transformers
@@ -36,17 +36,9 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import (
-    PICKLE_SUFFIXES,
-    CheckpointError,
-    TensorBudgetError,
-    file_in_folder,
-    one_line,
-    read_config_json,
-    read_header,
-    tensor_budget,
-    tensor_limit,
-)
+from .._files import one_line, read_config_json
+from .._fit import TensorBudgetError, file_in_folder, tensor_budget, tensor_limit
+from ..checkpoint import PICKLE_SUFFIXES, CheckpointError, read_header
 
 #: Config fields (top level or one level down, e.g. ``text_config``) that count layers.
 LAYER_FIELDS = (

@@ -25,18 +25,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from .._files import read_config_json
+from .._fit import build_on_meta, check_fit, file_in_folder
 from .._shapes import check_int
-from ..checkpoint import (
-    PICKLE_SUFFIXES,
-    CheckpointError,
-    Header,
-    build_on_meta,
-    check_fit,
-    file_in_folder,
-    read_config_json,
-    read_header,
-    read_safetensors,
-)
+from ..checkpoint import PICKLE_SUFFIXES, CheckpointError, Header, read_header, read_safetensors
 from .blocks import StackOutput
 from .config import TransformerConfig
 from .encoder import Encoder
@@ -148,7 +140,7 @@ class BertConfig:
     def from_json(cls, path: str | Path) -> BertConfig:
         """Reads a ``config.json`` file (FileNotFoundError naming the path if it is absent).
 
-        The file is read bounded (`attnlab.checkpoint.read_config_json`: a regular file of at
+        The file is read bounded (`attnlab._files.read_config_json`: a regular file of at
         most `MAX_CONFIG_BYTES`, nesting bounded) and every field is type-checked.
         """
         path = Path(path)
@@ -369,7 +361,7 @@ class BertEncoder(nn.Module):
         must list exactly the tensors the config implies, with their shapes and one float
         dtype (the layer count is checked on the names first, so ``num_hidden_layers: 10**6``
         is refused at once), and the encoder built on the ``meta`` device must match it
-        (`attnlab.checkpoint.check_fit`). Only then is the file read (through the checked
+        (`attnlab._fit.check_fit`). Only then is the file read (through the checked
         reader, which refuses a file whose header changed) and assigned to the encoder.
 
         Args:

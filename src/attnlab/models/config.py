@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from .._fit import ConfigRule
 from .._shapes import check_int, check_number, check_probability
-from ..checkpoint import ConfigRule
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
@@ -170,7 +170,7 @@ def checkpoint_rules(field_root: str = "", tensor_root: str = "") -> tuple[Confi
     ``d_model`` are the token table's shape; ``max_seq_len`` is the learned position table's
     rows, or at most `MAX_UNSIZED_SEQ_LEN` without one; ``type_vocab_size`` is the token-type
     table's rows, or 0 without one (a `GPT` has none); ``d_ff`` is the MLP's hidden width; the
-    other integer fields are type-checked. For `attnlab.checkpoint.justify_config`.
+    other integer fields are type-checked. For `attnlab._fit.justify_config`.
 
     Args:
         field_root: where the config sits in the stored config (e.g. ``"encoder."``).

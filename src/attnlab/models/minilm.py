@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._files import read_regular_file
+from .._files import read_config_json, read_regular_file
 from .._shapes import check_int
-from ..checkpoint import read_config_json
 from ..utils.extras import require
 from .bert import BertEncoder
 
