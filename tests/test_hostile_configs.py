@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import attnlab.checkpoint as ckmod
+from attnlab import _files
 from attnlab._fit import build_on_meta
 from attnlab.apps.gpt import load, vocab_of
 from attnlab.checkpoint import CheckpointError, save_checkpoint
@@ -281,7 +282,7 @@ def test_bert_config_json_is_read_bounded(tmp_path):
         BertEncoder.from_pretrained(d)
     config.unlink()
     with config.open("wb") as f:
-        f.truncate(ckmod.MAX_CONFIG_BYTES + 1)  # sparse: no disk used
+        f.truncate(_files.MAX_CONFIG_BYTES + 1)  # sparse: no disk used
     with pytest.raises(CheckpointError, match=r"more than the 16000000-byte limit"):
         BertEncoder.from_pretrained(d)
 
