@@ -42,6 +42,7 @@ def _ext(on: bool, fn: Callable[[], object]) -> Callable[[], object]:
 
     def run() -> object:
         os.environ["ATTNLAB_EXT"] = "auto" if on else "0"
+        attnlab.refresh_settings()  # read once per process: read again after the change
         return fn()
 
     return run

@@ -12,6 +12,7 @@ from importlib.machinery import ModuleSpec as _ModuleSpec
 from importlib.metadata import PackageNotFoundError, version
 
 from . import analysis, checkpoint, functional, masks, models, positional, viz
+from ._settings import refresh as refresh_settings
 from .analysis import estimate
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .functional import (
@@ -129,6 +130,7 @@ __all__ = [
     "models",
     "pos",
     "positional",
+    "refresh_settings",
     "save_checkpoint",
     "show",
     "viz",

@@ -126,7 +126,13 @@ def settings() -> Settings:
 
 
 def refresh() -> Settings:
-    """Reads every variable again and resets the values derived from them (`on_refresh`)."""
+    """Reads every variable again and resets the values derived from them (`on_refresh`);
+    public as ``attnlab.refresh_settings()``: call it after changing an ``ATTNLAB_*`` variable
+    in a process that already ran attention (the first use reads them anyway).
+
+    Returns:
+        The new `Settings` record.
+    """
     raw = [os.environ.get(name) for name in VARIABLES.values()]
     text = [None if r is None else (r.strip() or None) for r in raw]
     record = Settings(**dict(zip(VARIABLES, text, strict=True)))
