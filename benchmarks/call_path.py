@@ -18,8 +18,8 @@ backward (torch runs a CPU backward on the calling thread, so the profile sees i
 
 The C++ kernels are on or off per process (``ATTNLAB_EXT=off``: `attnlab._ext.mode`), so
 `measure_all` runs one subprocess per setting; ``python benchmarks/call_path.py`` prints the
-table for both settings (``--json`` for the raw records). Importable by the tests
-(tests/test_call_path.py).
+table for both settings (``--json`` for the raw records); ``--time`` prints what one warm call
+of each case costs in this process instead. Importable by the tests (tests/test_call_path.py).
 """
 
 from __future__ import annotations
@@ -220,6 +220,28 @@ def measure_all(backend: str = "flash") -> list[dict[str, object]]:
     return records
 
 
+def time_here(repeats: int = 7, calls: int = 50) -> dict[str, float]:
+    """Microseconds per warm call of each case without grad, in this process: the median over
+    ``repeats`` rounds of ``calls`` calls (the path's overhead plus the work of a small call)."""
+    import time
+
+    import attnlab
+
+    out: dict[str, float] = {}
+    for case in CASES:
+        (q, k, v), kwargs = make_call(case, False)
+        for _ in range(3):
+            attnlab.attention(q, k, v, backend="flash", **kwargs)
+        rounds = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                attnlab.attention(q, k, v, backend="flash", **kwargs)
+            rounds.append((time.perf_counter() - t0) / calls * 1e6)
+        out[case] = sorted(rounds)[len(rounds) // 2]
+    return out
+
+
 def _table(records: list[dict[str, object]]) -> str:
     rows = [f"{'case':<15} {'grad':<5} {'ext':<7} {'files':>5} {'hops':>5}  longest function"]
     for r in records:
@@ -237,7 +259,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print the raw records")
     parser.add_argument("--here", action="store_true", help="this process's ATTNLAB_EXT only")
     parser.add_argument("--files", action="store_true", help="list each call's files")
+    parser.add_argument(
+        "--time", action="store_true", help="microseconds per warm call (no grad), this process"
+    )
     args = parser.parse_args(argv)
+    if args.time:
+        from common import print_machine
+
+        print_machine()
+        for case, us in time_here().items():
+            print(f"{case:<15} {us:8.1f} us per call (B={B}, H={H}, L={L}, D={D}, float32)")
+        return
     records = measure_here(args.backend) if args.here else measure_all(args.backend)
     if args.json:
         print(json.dumps(records))
