@@ -136,7 +136,8 @@ def forward_marked(call: FlashCall) -> tuple[Tensor, Tensor, bool | Tensor]:
         nan_rule.clean_flagged(x, scan) for x in (req.q, req.k, req.v)
     )
     clean_req = _cleaned(req, q, k, v)
-    call.job = flash_job(clean_req, options=opts)
+    if call.job is None or clean_req is not req:  # (the band check's job serves an uncleaned call)
+        call.job = flash_job(clean_req, options=opts)
     out, lse = _run_job(call.job, clean_req)
     # without the C++ scan every input was copied: whether one held NaN/±inf is a tensor
     call.touched = True if scan else _nonfinite(req.q, req.k, req.v)
@@ -216,14 +217,14 @@ def _run_band_checked(call: FlashCall) -> tuple[Tensor, Tensor] | None:
     req = call.req
     if not kernel_checks_inputs(req):
         return None
-    job = flash_job(req, options=call.options)
+    call.job = job = flash_job(req, options=call.options)  # the scanning path may reuse it
     if not band_kernel_covers(job, req.q, req.k, req.v):
         return None
     with band_kernel.checking_inputs() as found:
         out, lse = _run_job(job, req)
     if not found or any(found):
         return None
-    call.job, call.touched = job, False
+    call.touched = False
     return out, lse
 
 
