@@ -332,26 +332,12 @@ def build_plan(
             holds ``RELATIVE_MIN_REUSE`` tiles of ``block_q × block_k`` (below that a shared tile
             is barely reused and per-tile evaluation is faster).
     """
-    plan = _build(mask, B, H, L, S, block_q, block_k, band_block, bias, device, relative)
-    return plan.settle(B, L, S, biased=bias is not None)
-
-
-def _build(
-    mask: Mask | None,
-    B: int,
-    H: int,
-    L: int,
-    S: int,
-    block_q: int,
-    block_k: int,
-    band_block: int,
-    bias: str | None,
-    device: torch.device | str | None,
-    relative: bool,
-) -> Plan:
-    """`build_plan`'s plan before `Plan.settle`."""
-    band = band_of(mask)
     with_bias = bias is not None
+
+    def done(plan: Plan) -> Plan:  # the whole-plan facts, settled once
+        return plan.settle(B, L, S, biased=with_bias)
+
+    band = band_of(mask)
     if band is not None:
         lo, hi = _clip_band(band, L, S)
         tiles = L * S / (block_q * block_k)
@@ -360,29 +346,28 @@ def _build(
                 # one shared tile: no need to split the batched call to bound tile memory
                 plan = _band_plan(B, H, L, S, int(lo), int(hi), band_block, False)
                 if plan is not None:
-                    return plan
-            return _relative_plan(B, L, S, lo, hi, block_q, block_k)
+                    return done(plan)
+            return done(_relative_plan(B, L, S, lo, hi, block_q, block_k))
         if lo == -math.inf and hi == math.inf:
             if bias is None:
-                return Plan(
-                    [Group(0, B, 0, L, [Call(0, B, 0, L, (0, S), CALL_FULL)])], "dense", L, S
-                )
+                whole = Group(0, B, 0, L, [Call(0, B, 0, L, (0, S), CALL_FULL)])
+                return done(Plan([whole], "dense", L, S))
             codes = torch.full((1, 1, -(-L // block_q), -(-S // block_k)), FULL, dtype=torch.int8)
-            return _generic_plan(codes, B, H, L, S, block_q, block_k, True, "dense+bias")
+            return done(_generic_plan(codes, B, H, L, S, block_q, block_k, True, "dense+bias"))
         if lo == -math.inf and hi == 0 and bias is None:
-            return _causal_plan(B, L, S)
+            return done(_causal_plan(B, L, S))
         if lo != -math.inf and hi != math.inf and bias != "tensor":
             plan = _band_plan(B, H, L, S, int(lo), int(hi), band_block, bias is not None)
             if plan is not None:
-                return plan
+                return done(plan)
         codes = band_codes(L, S, block_q, block_k, lo, hi, device)
-        return _generic_plan(codes, B, H, L, S, block_q, block_k, with_bias, "band (tiled)")
+        return done(_generic_plan(codes, B, H, L, S, block_q, block_k, with_bias, "band (tiled)"))
     assert mask is not None
     plan = segment_plan(mask, B=B, L=L, S=S, bias=bias)
     if plan is not None:
-        return plan
+        return done(plan)
     codes = mask.block_map(L, S, block_q, block_k, batch=B, heads=H, device=device)
-    return _generic_plan(codes, B, H, L, S, block_q, block_k, with_bias, "block-sparse")
+    return done(_generic_plan(codes, B, H, L, S, block_q, block_k, with_bias, "block-sparse"))
 
 
 __all__ = [
