@@ -227,3 +227,52 @@ def test_no_lxs_tensor_is_allocated():
     for name, mb in growth.items():
         # inputs + grads are a few tens of MB; one L×S bool mask would be >= 1 GiB
         assert mb < 400, f"{name}: peak RSS grew by {mb:.0f} MB"
+
+
+# ---------------------------------------------------------------- key-padding tensors (issue #40)
+@pytest.mark.parametrize(
+    ("L", "S", "bq", "bk"), [(37, 53, 8, 16), (64, 64, 16, 16), (5, 130, 4, 32)]
+)
+@pytest.mark.parametrize("shape", ["key", "full", "query", "plain"])
+@pytest.mark.parametrize("p", [0.0, 0.5, 0.95, 1.0])
+def test_tensor_block_codes_equal_the_rendering(L, S, bq, bk, shape, p):
+    """`TensorMask.block_codes` reads the tensor once (O(B·S) for a key mask at any L) and gives
+    exactly the codes of the rendered L×S grid."""
+    from attnlab.masks.blocks import dense_codes
+
+    dims = {"key": (2, 1, 1, S), "full": (1, 3, L, S), "query": (2, 1, L, 1), "plain": (L, S)}
+    t = torch.rand(dims[shape], generator=torch.Generator().manual_seed(L + S)) < p
+    m = masks.from_tensor(t)
+    nb, nh = m.batch_heads(None, None)
+    want = dense_codes(m, L, S, bq, bk, nb, nh, None, 1 << 20)
+    assert torch.equal(m.block_codes(L, S, bq, bk, nb, nh, None), want)
+
+
+def test_a_key_mask_block_map_never_renders_the_grid(monkeypatch):
+    """A (B, 1, 1, S) key mask at L = S = 65536 maps its blocks without an L×S evaluation."""
+    from attnlab.masks import base
+
+    def boom(*_a, **_k):
+        raise AssertionError("rendered the L×S grid")
+
+    monkeypatch.setattr(base, "dense_codes", boom)
+    keep = torch.ones(2, 1, 1, 65536, dtype=torch.bool)
+    keep[1, ..., :1000] = False  # left padding
+    codes = (masks.causal() & masks.from_tensor(keep)).block_map(65536, 65536, 128, 128)
+    assert codes.shape == (2, 1, 512, 512)
+    assert (codes[1, 0, :, :7] == EMPTY).all() and (codes[1, 0, 7:, 7] == PARTIAL).all()
+
+
+def test_an_all_true_padding_mask_plans_as_the_rest():
+    """transformers' all-ones ``attention_mask`` (``causal() & from_tensor(ones)``) plans as
+    causal alone — one causal call — and a mask with holes keeps its tensor in the plan."""
+    B, L = 2, 256
+    ones = masks.from_tensor(torch.ones(B, 1, 1, L, dtype=torch.bool))
+    kw = dict(B=B, H=2, L=L, S=L, block_q=64, block_k=64, band_block=16, bias=None)
+    plan = build_plan(masks.causal() & ones, **kw)
+    assert plan.kind == "causal" and plan.single_call
+    assert build_plan(ones, **kw).kind == "dense"
+    holes = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    holes[0, ..., :100] = False
+    padded = build_plan(masks.causal() & masks.from_tensor(holes), **kw)
+    assert padded.kind == "block-sparse" and not padded.single_call

@@ -32,6 +32,7 @@ from .blocks import (
     diagonal_codes,
     interval_codes,
     refine,
+    tensor_codes,
 )
 from .counts import (
     COUNT_BUDGET,
@@ -841,6 +842,10 @@ class TensorMask(Mask):
         ii = i if t.shape[2] > 1 else torch.zeros_like(i)
         jj = j if t.shape[3] > 1 else torch.zeros_like(j)
         return t[bi, hi, ii, jj]
+
+    def block_codes(self, L, S, bq, bk, nb, nh, device):  # noqa: ARG002 (the Mask protocol's signature)
+        self.check_size(L, S)
+        return tensor_codes(self.t.to(device), L, S, bq, bk)  # O(t.numel()): never the L×S grid
 
     def geometry(self, L, S):
         self.check_size(L, S)

@@ -214,6 +214,28 @@ def dense_codes(
     return torch.cat([p.expand(nbo, nho, -1, -1) for p in parts], dim=2)
 
 
+def tensor_codes(t: Tensor, L: int, S: int, bq: int, bk: int) -> Tensor:
+    """Codes ``(B|1, H|1, nq, nk)`` of a bool tensor ``t (B|1, H|1, L|1, S|1)`` read once:
+    O(t.numel()), never the L×S grid a broadcast dim stands for (a key mask ``(B, 1, 1, S)``
+    costs O(B·S) at any L). Tiles past the grid's edge count as their in-range part, as in
+    `dense_codes`.
+    """
+    nq, nk = -(-L // bq), -(-S // bk)
+    anyv = allv = t.to(torch.int8)
+    if t.shape[-1] > 1:  # keys: (…, nk, bk) reduced over the tile's keys
+        pad = nk * bk - S
+        anyv = torch.nn.functional.pad(anyv, (0, pad), value=0).unflatten(-1, (nk, bk)).amax(-1)
+        allv = torch.nn.functional.pad(allv, (0, pad), value=1).unflatten(-1, (nk, bk)).amin(-1)
+    if t.shape[-2] > 1:  # queries: (…, nq, bq, nk|1) reduced over the tile's rows
+        pad = nq * bq - L
+        anyv = torch.nn.functional.pad(anyv, (0, 0, 0, pad), value=0)
+        allv = torch.nn.functional.pad(allv, (0, 0, 0, pad), value=1)
+        anyv = anyv.unflatten(-2, (nq, bq)).amax(-2)
+        allv = allv.unflatten(-2, (nq, bq)).amin(-2)
+    codes = (anyv + allv).to(torch.int8)  # EMPTY 0, PARTIAL 1, FULL 2
+    return codes.expand(*codes.shape[:2], nq, nk).clone()
+
+
 def tile_eval(
     mask: Mask, rows: Tensor, keys: Tensor, L: int, S: int, nb: int, nh: int, device
 ) -> Tensor:

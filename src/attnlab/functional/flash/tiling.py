@@ -25,13 +25,15 @@ The mask's geometry comes from its own public methods, in O(tiles) instead of O(
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import operator
 
 import torch
 from torch import Tensor
 
-from ...masks import FULL, PARTIAL, Mask
+from ...masks import FULL, PARTIAL, Mask, TensorMask
 from ...masks.blocks import band_codes
 from .calls import CALL_CAUSAL, CALL_FULL, CALL_MASKED, BandCall, Call, Group, Plan, SegmentCall
 
@@ -40,6 +42,20 @@ TILE_BUDGET = 1 << 22
 # A relative bias gets shared tiles once L·S holds this many (block_q × block_k) tiles: measured,
 # ALiBi causal at L = 512 and 724 is faster per tile, at L = 1024 and above faster shared.
 RELATIVE_MIN_REUSE = 4
+
+
+def _binding(mask: Mask | None) -> Mask | None:
+    """``mask`` without the conjuncts that keep every pair: a mask tensor that is all True (the
+    2-D all-ones ``attention_mask`` transformers passes becomes ``causal() & from_tensor(ones)``)
+    plans as the rest of the ``&`` — the same attention, now on the rest's fast plan (one causal
+    call). Reads the tensor's values, as the plan does anyway (`Mask.cache_key`)."""
+    if mask is None:
+        return None
+    parts = mask.conjuncts()
+    kept = [m for m in parts if not (isinstance(m, TensorMask) and bool(m.t.all()))]
+    if len(kept) == len(parts):
+        return mask
+    return functools.reduce(operator.and_, kept) if kept else None
 
 
 def band_of(mask: Mask | None) -> tuple[float, float] | None:
@@ -337,6 +353,7 @@ def build_plan(
     def done(plan: Plan) -> Plan:  # the whole-plan facts, settled once
         return plan.settle(B, L, S, biased=with_bias)
 
+    mask = _binding(mask)
     band = band_of(mask)
     if band is not None:
         lo, hi = _clip_band(band, L, S)
