@@ -1,0 +1,142 @@
+"""The call most users make: a transformers model with ``attn_implementation="attnlab"``.
+
+Prefill — ``model.model(input_ids, attention_mask=mask)``, the base model's forward, inference
+mode — of Llama, Mistral (sliding window) and Gemma2 (soft-capped logits, alternating sliding
+and full layers) shapes with random weights, against the attention transformers users would
+pick instead, in the same run, rounds interleaved (best of ``--rounds``):
+
+- ``sdpa`` (Llama, Mistral; transformers has no sdpa for Gemma2's soft-capping);
+- ``eager`` (every family; up to ``--eager-max`` tokens: its L×S weights need tens of GB beyond);
+- ``attnlab``.
+
+The mask is what transformers users pass: ``B = 1`` with the all-ones 2-D ``attention_mask``
+(every tokenizer call and ``generate`` pass one), and a left-padded ``B = 8`` batch whose lengths
+spread over 25–100 % of L. Every contender must agree with the first on the real tokens (the
+tolerance rule's float32 bound; a padding row's output is undefined in transformers). Prints the
+CPU header and the matmul rate of each dtype.
+
+Run: python benchmarks/bench_hf.py [--lengths 1024 4096] [--batches 1 8]
+     [--families llama mistral gemma2] [--dtypes float32] [--rounds 3] [--eager-max 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+from common import print_machine
+
+HIDDEN, HEADS, KV_HEADS, LAYERS, FFN, VOCAB = 512, 8, 2, 2, 1024, 1000
+"""The model of issue #40's table: hidden 512, 8 query heads of 64 sharing 2 k/v heads."""
+
+
+def family(name: str, max_len: int):
+    """``(model class, config)`` of a family at the issue's size."""
+    import transformers
+
+    common = dict(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        num_hidden_layers=LAYERS,
+        intermediate_size=FFN,
+        vocab_size=VOCAB,
+        max_position_embeddings=max_len,
+    )
+    if name == "llama":
+        return transformers.LlamaForCausalLM, transformers.LlamaConfig(**common)
+    if name == "mistral":
+        cfg = transformers.MistralConfig(**common, sliding_window=4096)
+        return transformers.MistralForCausalLM, cfg
+    if name == "gemma2":
+        cfg = transformers.Gemma2Config(
+            **common,
+            head_dim=HIDDEN // HEADS,
+            sliding_window=4096,
+            query_pre_attn_scalar=HIDDEN // HEADS,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=None,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+        return transformers.Gemma2ForCausalLM, cfg
+    raise SystemExit(f"unknown family {name!r}: llama, mistral or gemma2")
+
+
+def inputs(B: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``(B, L)`` and the 2-D mask: all ones for B = 1, else left padding with real
+    lengths spread over 25–100 % of L."""
+    g = torch.Generator().manual_seed(L + B)
+    ids = torch.randint(0, VOCAB, (B, L), generator=g)
+    mask = torch.ones(B, L, dtype=torch.long)
+    for b in range(B if B > 1 else 0):
+        real = int(L * (0.25 + 0.75 * b / (B - 1)))
+        mask[b, : L - real] = 0
+    return ids, mask
+
+
+def run_case(name: str, B: int, L: int, dtype: torch.dtype, args) -> None:
+    """Times one (family, B, L, dtype) for every contender that applies; prints one line each."""
+    cls, cfg = family(name, max(args.lengths))
+    impls = ["sdpa"] if name != "gemma2" else []
+    impls += ["eager"] if args.eager_max >= L else []
+    impls.append("attnlab")
+    torch.manual_seed(0)
+    models = {}
+    for impl in impls:
+        model = cls._from_config(copy.deepcopy(cfg), attn_implementation=impl, dtype=dtype)
+        if models:
+            model.load_state_dict(next(iter(models.values())).state_dict())
+        models[impl] = model.eval()
+    ids, mask = inputs(B, L)
+    best: dict[str, float] = {}
+    outs: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            for impl, model in models.items():
+                t0 = time.perf_counter()
+                outs[impl] = model.model(ids, attention_mask=mask).last_hidden_state
+                best[impl] = min(best.get(impl, float("inf")), time.perf_counter() - t0)
+    real = mask.bool()
+    first = next(iter(outs))
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    others = [i for i in impls if i != "attnlab"]
+    anchor = min(others, key=best.__getitem__) if others else None
+    for impl in impls:
+        diff = (outs[impl][real].float() - outs[first][real].float()).abs().max().item()
+        ok = "ok" if diff <= tol else f"DIFFERS (tol {tol:g})"
+        ratio = ""
+        if impl == "attnlab" and anchor is not None:
+            ratio = f"speed {best[anchor] / best[impl]:.2f}× {anchor}'s"
+        dt = str(dtype).removeprefix("torch.")
+        print(
+            f"{name:<8} B={B} L={L:<6} {dt:<9} {impl:<8} {best[impl]:8.3f} s  {ratio}  "
+            f"max|Δ| vs {first} {diff:.1e} {ok}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--families", nargs="+", default=["llama", "mistral", "gemma2"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--eager-max", type=int, default=8192)
+    args = parser.parse_args()
+    import attnlab.hf
+
+    attnlab.hf.register()
+    dtypes = tuple(getattr(torch, d) for d in args.dtypes)
+    print_machine(dtypes)
+    for dtype in dtypes:
+        for name in args.families:
+            for B in args.batches:
+                for L in args.lengths:
+                    run_case(name, B, L, dtype, args)
+
+
+if __name__ == "__main__":
+    main()
