@@ -15,8 +15,13 @@ spread over 25–100 % of L. Every contender must agree with the first on the re
 tolerance rule's float32 bound; a padding row's output is undefined in transformers). Prints the
 CPU header and the matmul rate of each dtype.
 
+``--generate`` times ``model.generate`` instead: greedy ``--new-tokens`` after each prompt
+length, with transformers' dynamic and static KV caches, tokens/s beside sdpa (eager for Gemma2).
+
 Run: python benchmarks/bench_hf.py [--lengths 1024 4096] [--batches 1 8]
      [--families llama mistral gemma2] [--dtypes float32] [--rounds 3] [--eager-max 8192]
+     python benchmarks/bench_hf.py --generate [--prompts 128 4096] [--caches dynamic static]
+     [--batches 1 4] [--new-tokens 64]
 """
 
 from __future__ import annotations
@@ -117,6 +122,48 @@ def run_case(name: str, B: int, L: int, dtype: torch.dtype, args) -> None:
         )
 
 
+def run_generate(name: str, B: int, prompt: int, cache: str, args) -> None:
+    """Times ``model.generate`` of ``--new-tokens`` greedy tokens after a ``prompt``-token
+    prompt (all-ones mask for B = 1, left padding otherwise) with a ``cache`` KV cache
+    (``"dynamic"`` or ``"static"``); prints tokens/s per contender and whether the generated
+    tokens equal the first contender's."""
+    cls, cfg = family(name, prompt + args.new_tokens + 8)
+    impls = ["sdpa", "attnlab"] if name != "gemma2" else ["eager", "attnlab"]
+    torch.manual_seed(0)
+    models = {}
+    for impl in impls:
+        model = cls._from_config(copy.deepcopy(cfg), attn_implementation=impl)
+        if models:
+            model.load_state_dict(next(iter(models.values())).state_dict())
+        models[impl] = model.eval()
+    ids, mask = inputs(B, prompt)
+    kw = dict(
+        attention_mask=mask,
+        max_new_tokens=args.new_tokens,
+        min_new_tokens=args.new_tokens,
+        do_sample=False,
+        cache_implementation=cache,
+        pad_token_id=0,
+    )
+    best: dict[str, float] = {}
+    tokens: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            for impl, model in models.items():
+                t0 = time.perf_counter()
+                tokens[impl] = model.generate(ids, **kw)
+                best[impl] = min(best.get(impl, float("inf")), time.perf_counter() - t0)
+    first = impls[0]
+    for impl in impls:
+        rate = B * args.new_tokens / best[impl]
+        ratio = f"speed {best[first] / best[impl]:.2f}× {first}'s" if impl != first else ""
+        same = torch.equal(tokens[impl], tokens[first])
+        print(
+            f"{name:<8} generate B={B} prompt={prompt:<5} {cache:<7} {impl:<8} "
+            f"{rate:8.1f} tokens/s  {ratio}  same tokens as {first}: {same}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
@@ -125,12 +172,23 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--eager-max", type=int, default=8192)
+    parser.add_argument("--generate", action="store_true", help="time generate instead of prefill")
+    parser.add_argument("--prompts", type=int, nargs="+", default=[128, 4096])
+    parser.add_argument("--caches", nargs="+", default=["dynamic", "static"])
+    parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
     import attnlab.hf
 
     attnlab.hf.register()
     dtypes = tuple(getattr(torch, d) for d in args.dtypes)
     print_machine(dtypes)
+    if args.generate:  # float32
+        for name in args.families:
+            for B in args.batches:
+                for prompt in args.prompts:
+                    for cache in args.caches:
+                        run_generate(name, B, prompt, cache, args)
+        return
     for dtype in dtypes:
         for name in args.families:
             for B in args.batches:
