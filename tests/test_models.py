@@ -539,3 +539,25 @@ def test_encoder_token_types_and_embedding_norm_match_the_formula():
         enc(idx, token_type_ids=types.float())
     with pytest.raises(ValueError, match=r"token_type_ids must have shape \(B, L\) = \(2, 7\)"):
         enc(idx, token_type_ids=types[:, :3])
+
+
+def test_gpt_trains_on_packed_documents_as_on_each_document_alone():
+    """``GPT(idx, mask=masks.document(ids))``: every token's logits equal those of its document
+    run alone (RoPE is relative, so positions need not restart), forward and gradients."""
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)
+    model = GPT(cfg).double()
+    lengths = [5, 11, 7]
+    idx = torch.randint(0, 50, (1, sum(lengths)))
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths)).unsqueeze(0)  # (1, L)
+    packed = model(idx, mask=masks.document(ids))
+    alone = torch.cat([model(part) for part in idx.split(lengths, dim=1)], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(packed, model(idx))  # the mask matters
+    (g_packed,) = torch.autograd.grad(packed.square().sum(), model.tok_emb.weight)
+    (g_alone,) = torch.autograd.grad(alone.square().sum(), model.tok_emb.weight)
+    torch.testing.assert_close(g_packed, g_alone, rtol=1e-10, atol=1e-12)
+    with pytest.raises(TypeError, match="mask must be an attnlab Mask"):
+        model(idx, mask=torch.ones(1, 23, dtype=torch.bool))
+    with pytest.raises(ValueError, match="without caches"):
+        model(idx, mask=masks.document(ids), caches=model.new_caches())

@@ -132,6 +132,7 @@ class GPT(nn.Module):
         *,
         caches: list[KVCache] | None = None,
         need_weights: bool = False,
+        mask: masks.Mask | None = None,
     ) -> Tensor | tuple[Tensor, tuple[Tensor, ...]]:
         """Next-token logits for every position.
 
@@ -141,6 +142,9 @@ class GPT(nn.Module):
                 tokens before ``idx``; they are appended to (prefill, then one token at a time).
             need_weights: also return every layer's attention weights ``(B, H, L, S)`` (S counts
                 the cached tokens too), computed by this forward pass's attention calls.
+            mask: an attnlab `Mask` that restricts the causal attention further
+                (``causal() & mask``): ``masks.document(ids)`` trains on packed documents, each
+                token attending only earlier tokens of its own document. Not with ``caches``.
 
         Returns:
             logits ``(B, L, V)``, or ``(logits, weights)`` with ``need_weights=True`` (a tuple
@@ -148,15 +152,24 @@ class GPT(nn.Module):
 
         Raises:
             TypeError / ValueError: non-integer ids, ids outside the vocabulary, more than
-                ``max_seq_len`` positions (cached + new), or a wrong number of caches.
+                ``max_seq_len`` positions (cached + new), a wrong number of caches, a ``mask``
+                that is not a `Mask`, or a ``mask`` with ``caches``.
         """
         idx = check_token_ids("idx", idx, self.config.vocab_size)
-        out = self._trunk(idx, caches, need_weights)
+        if mask is not None and not isinstance(mask, masks.Mask):
+            raise TypeError(f"mask must be an attnlab Mask or None, got {type(mask).__name__}")
+        if mask is not None and caches is not None:
+            raise ValueError("mask restricts a whole sequence: pass it without caches")
+        out = self._trunk(idx, caches, need_weights, mask)
         logits = self.lm_head(self.norm_f(out.last_hidden_state))  # (B, L, V)
         return (logits, out.attentions) if need_weights else logits  # type: ignore[return-value]
 
     def _trunk(
-        self, idx: Tensor, caches: list[KVCache] | None, need_weights: bool = False
+        self,
+        idx: Tensor,
+        caches: list[KVCache] | None,
+        need_weights: bool = False,
+        extra: masks.Mask | None = None,
     ) -> StackOutput:
         """The blocks' output for checked ids ``(B, L)``: ``last_hidden_state`` ``(B, L, E)``."""
         cfg = self.config
@@ -175,6 +188,8 @@ class GPT(nn.Module):
         x = self._embed(idx, offset)  # (B, L, E)
         # Bottom-right causal; a single new token (decoding) is the last query and sees every key.
         causal = masks.causal() if L > 1 else None
+        if extra is not None:
+            causal = extra if causal is None else causal & extra
         return run_blocks(
             self.blocks,
             x,
