@@ -149,9 +149,9 @@ def test_auto_picks_decode_for_decode_steps():
     [
         ("grad", "inference-only"),
         ("long", "at most 8 query rows"),
-        ("tensor_mask", "key prefixes"),
-        ("causal_L2", "key prefixes"),
-        ("bias", "key prefixes"),
+        ("tensor_mask", "same keys"),
+        ("causal_L2", "same keys"),
+        ("bias", "same keys"),
         ("weights", "weights"),
         ("cosine", "dot-product"),
     ],
@@ -163,8 +163,9 @@ def test_declines(case, reason):
         q.requires_grad_(True)
     elif case == "long":
         q = seeded(1, 4, 9, 40, dtype=torch.float32)
-    elif case == "tensor_mask":
-        kw["mask"] = torch.ones(1, 1, 1, 1024, dtype=torch.bool)
+    elif case == "tensor_mask":  # a mask per query row (rows may differ)
+        q = seeded(1, 4, 2, 40, dtype=torch.float32)
+        kw["mask"] = torch.ones(1, 1, 2, 1024, dtype=torch.bool)
     elif case == "causal_L2":
         q, kw["mask"] = seeded(1, 4, 2, 40, dtype=torch.float32), masks.causal()
     elif case == "bias":
@@ -190,15 +191,63 @@ def test_declines(case, reason):
         (torch.float64, 1, decode.DECODE_MIN_S, "decode"),
     ],
 )
-def test_auto_size_rule_for_decode_steps(dtype, B, S, want):
-    """Auto takes the decode path from `DECODE_MIN_KEYS` keys over the batch (per dtype), from
-    `DECODE_MIN_S` keys in float64, and says why it does not below."""
+def test_auto_size_rule_for_decode_steps(dtype, B, S, want, monkeypatch):
+    """Without the C++ step, auto takes the decode path from `DECODE_MIN_KEYS` keys over the
+    batch (per dtype), from `DECODE_MIN_S` keys in float64, and says why it does not below."""
+    monkeypatch.setenv("ATTNLAB_EXT", "0")
     q, k, v = _qkv(B, 4, 2, 1, S, dtype=dtype)
     with torch.no_grad():
         why = attnlab.explain(q, k, v)
     assert why.startswith(f"{want}:"), why
     if want == "sdpa":
         assert "fewer than" in why
+
+
+def test_auto_takes_the_cpp_step_at_every_float32_size(monkeypatch):
+    """With the C++ step built, auto runs every float32 and 16-bit decode step on it (faster than
+    SDPA at every size: `DECODE_MIN_KEYS`), float64 keeps `DECODE_MIN_S`."""
+    from attnlab import _ext
+
+    if _ext.mode() == "off" or not _ext.load("nan_rule"):
+        pytest.skip(f"C++ extension unavailable: {_ext.status('nan_rule')}")
+    with torch.no_grad():
+        for dtype, S, want in [
+            (torch.float32, 8, "decode"),
+            (torch.bfloat16, 8, "decode"),
+            (torch.float64, decode.DECODE_MIN_S - 1, "sdpa"),
+        ]:
+            why = attnlab.explain(*_qkv(1, 4, 2, 1, S, dtype=dtype))
+            assert why.startswith(f"{want}:"), (dtype, why)
+
+
+@pytest.mark.parametrize("ext", ["0", "auto"])
+def test_key_masks_take_the_decode_path(ext, monkeypatch):
+    """A step whose rows share their keys — a key-padding tensor (transformers' 2-D mask), with
+    `causal()` at one row, or tensor lengths — runs on the decode path under auto (SDPA would
+    render the mask and run the NaN rule's passes), equal to the reference; rows that differ
+    (causal with 3 rows) do not."""
+    monkeypatch.setenv("ATTNLAB_EXT", ext)
+    B, S = 3, 50
+    keep = torch.rand(B, S, generator=torch.Generator().manual_seed(0)) > 0.3
+    keys = masks.from_tensor(keep[:, None, None, :])
+    cases = [
+        (1, masks.causal() & keys, "decode"),
+        (4, keys, "decode"),
+        (2, masks.padding(torch.tensor([50, 20, 0])), "decode"),
+        (1, masks.sliding_window(9) & keys, "decode"),
+        (3, masks.causal() & keys, None),
+    ]
+    for L, mask, want in cases:
+        q, k, v = _qkv(B, 4, 2, L, S)
+        with torch.no_grad():
+            why = attnlab.explain(q, k, v, mask=mask)
+            assert why.startswith("decode:") == (want == "decode"), (L, mask, why)
+        check_against_reference(
+            lambda q, k, v, m=mask: attnlab.attention(q, k, v, mask=m),
+            reference_for(mask),
+            [q, k, v],
+            grads=False,
+        )
 
 
 # --------------------------------------------------------------------------- compile, meta

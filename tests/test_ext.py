@@ -22,6 +22,7 @@ import attnlab
 from attnlab import _ext, masks
 from attnlab.functional import nan_rule
 from attnlab.functional.decode import decode_run, decode_step_ready, rope_decode_run
+from attnlab.functional.reference import attention as reference_attention
 from attnlab.functional.request import build_request, trusted_request
 from attnlab.positional import RoPE
 from attnlab.testing import FIXED_TABLE, assert_close_rule
@@ -201,6 +202,53 @@ def test_decode_attend_follows_the_rule(ext, monkeypatch, dtype, sizes) -> None:
         golden = run(q.double(), k.double(), v.double())
         assert on.dtype == dtype
         _decode_rule(on, naive, golden)
+
+
+def _key_masks(B: int, S: int) -> torch.Tensor:
+    """Keys per item: every key, left padding (one run), holes (runs), none at all."""
+    keep = torch.ones(B, S, dtype=torch.bool)
+    keep[1, : S // 3] = False  # left padding: one run, read in place
+    keep[2, 5:9] = keep[2, S // 2 : S // 2 + 3] = False  # holes: three runs, gathered
+    keep[3] = False  # attends nothing: zeros
+    return keep
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("L", [1, 3])
+def test_decode_attend_with_keys_follows_the_rule(ext, monkeypatch, dtype, L) -> None:
+    """The decode step over a key mask (``decode_attend``'s ``keys``: transformers' padding and
+    a static cache's unused slots): the C++ step against the float64 reference with the
+    tensor-op path (`decode._attend_keys`) as the naive — every key, left padding, holes, an
+    item with no key (zeros, its NaN q included) — and NaN/±inf planted in masked keys (never
+    read) and in attended ones (the rule)."""
+    B, H, H_kv, S, D, Dv = 4, 6, 2, 77, 24, 40
+    torch.manual_seed(5)
+    q = torch.randn(B, H, L, D, dtype=dtype)
+    k = torch.randn(B, H_kv, S, D, dtype=dtype)
+    v = torch.randn(B, H_kv, S, Dv, dtype=dtype)
+    keep = _key_masks(B, S)
+    mask = masks.from_tensor(keep[:, None, None, :])
+    if L == 1:
+        mask = masks.causal() & mask  # one row: causal attends every key
+    k[1, 0, 3] = NAN  # masked: left padding
+    v[2, 1, 6, 2] = INF  # masked: a hole
+    q[3, 0, 0, 0] = NAN  # an item with no key: zeros all the same
+    for planted in (0, 2, 5):
+        _plant((q, k, v), planted, seed=planted + 11)
+
+        def run(q=q, k=k, v=v):
+            with torch.no_grad():
+                return attnlab.attention(q, k, v, mask=mask, backend="decode")
+
+        naive, on = _both(monkeypatch, run)
+        monkeypatch.setenv(_ext.ENV, "0")
+        golden = run(q.double(), k.double(), v.double())
+        ref, _ = reference_attention(q.double(), k.double(), v.double(), mask=keep[:, None, None])
+        assert torch.equal(golden.isnan(), ref.isnan())
+        torch.testing.assert_close(golden, ref, equal_nan=True)
+        assert on.dtype == dtype
+        _decode_rule(on, naive, golden)
+        assert not on[3].any()  # no key: zeros
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])

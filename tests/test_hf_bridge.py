@@ -269,7 +269,7 @@ CASES = {
         ),
         "(sliding_window(3, causal=True) & from_tensor(shape=(2, 1, 1, 4)))",
     ),
-    "static cache": (  # 5 tokens seen, a buffer of 10, queries 3 and 4
+    "static cache": (  # 5 tokens seen, a buffer of 10, queries 3 and 4: keys 0..4 used
         dict(
             q_length=2,
             kv_length=10,
@@ -277,7 +277,56 @@ CASES = {
             attention_mask=PAD[:, :5],
             mask_function=mu.causal_mask_function,
         ),
-        "(from_fn(hf_pattern) & from_tensor(shape=(2, 1, 1, 10)))",
+        "(causal() & from_tensor(shape=(2, 1, 1, 5)))",
+    ),
+    "static cache prefill": (  # an empty buffer of 10, a prompt of 6
+        dict(
+            q_length=6,
+            kv_length=10,
+            q_offset=torch.tensor(0),
+            attention_mask=PAD[:, :6],
+            mask_function=mu.causal_mask_function,
+        ),
+        "(causal() & from_tensor(shape=(2, 1, 1, 6)))",
+    ),
+    "static cache decode": (  # token 7 of a buffer of 10
+        dict(
+            q_length=1,
+            kv_length=10,
+            q_offset=torch.tensor(7),
+            attention_mask=PAD,
+            mask_function=mu.causal_mask_function,
+        ),
+        "(causal() & from_tensor(shape=(2, 1, 1, 8)))",
+    ),
+    "static sliding-window cache": (  # window 3, 6 tokens seen in a buffer of 8
+        dict(
+            q_length=2,
+            kv_length=8,
+            q_offset=torch.tensor(4),
+            attention_mask=PAD[:, :6],
+            mask_function=mu.sliding_window_causal_mask_function(3),
+        ),
+        "(sliding_window(3, causal=True) & from_tensor(shape=(2, 1, 1, 6)))",
+    ),
+    "static cache, bidirectional (whole buffer)": (
+        dict(
+            q_length=2,
+            kv_length=10,
+            q_offset=torch.tensor(3),
+            attention_mask=PAD[:, :5],
+            mask_function=mu.bidirectional_mask_function,
+        ),
+        "from_tensor(shape=(2, 1, 1, 10))",
+    ),
+    "one row, not recognised": (  # decoding: HF's own function on the row, a key mask
+        dict(
+            q_length=1,
+            kv_length=8,
+            q_offset=7,
+            mask_function=mu.or_masks(mu.causal_mask_function, lambda b, h, q, kv: kv == 0),
+        ),
+        "from_tensor(shape=(2, 1, 1, 8))",
     ),
     "bidirectional+padding": (
         dict(
@@ -353,9 +402,15 @@ def test_hf_mask_equals_transformers_mask(case):
     want = mu.sdpa_mask(batch_size=B, allow_is_causal_skip=False, **kw)  # (B, 1, L, S) bool
     assert isinstance(got, HFMask) and tuple(got.shape) == tuple(want.shape)
     L, S = kw["q_length"], kw["kv_length"]
-    dense = got.mask.to_dense(L, S, batch=B).expand_as(want)
-    assert torch.equal(dense, want), case
-    text = repr(got.mask)
+    assert torch.equal(got.mask.to_dense(L, S, batch=B).expand_as(want), want), case
+    mask, n = got.mask, S
+    if got.used is not None:  # a static cache in eager mode: the keys the call uses
+        n, mask = got.used
+        assert "static" in case and n < S
+        dense = mask.to_dense(L, n, batch=B).expand(B, 1, L, n)
+        dense = torch.nn.functional.pad(dense, (0, S - n), value=False)  # the unused keys
+        assert torch.equal(dense, want), case
+    text = repr(mask)
     assert all(part in text for part in kind.split(" & ")) if "document" in kind else text == kind
 
 
@@ -467,6 +522,32 @@ def test_gqa_is_not_repeated_and_matches_the_repeated_formula(monkeypatch):
     torch.testing.assert_close(w, p, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(out, (p @ vr).transpose(1, 2), atol=1e-12, rtol=1e-10)
     assert out.is_contiguous()
+
+
+def test_a_static_cache_call_never_reads_the_unused_buffer():
+    """A static cache's call (tensor q_offset, a buffer longer than the tokens seen) runs on the
+    keys up to the last query's position: NaN in the unused buffer never reaches the output,
+    which equals transformers' own dense mask over the whole buffer; the weights come back for
+    the whole buffer (zeros past the used keys)."""
+    q, k, v = _qkv(L=2, S=10)
+    k[:, :, 5:], v[:, :, 5:] = float("nan"), float("nan")  # an unwritten buffer
+    kw = dict(
+        q_length=2,
+        kv_length=10,
+        q_offset=torch.tensor(3),
+        attention_mask=PAD[:, :5],
+        mask_function=mu.causal_mask_function,
+    )
+    mask = hf_mask(batch_size=2, **kw)
+    assert mask.used is not None and mask.used[0] == 5
+    out, w = attention_forward(_Module(), q, k, v, mask, scaling=0.3, output_attentions=True)
+    dense = mu.sdpa_mask(batch_size=2, allow_is_causal_skip=False, **kw)  # (2, 1, 2, 10)
+    kr, vr = k.nan_to_num(0.0).repeat_interleave(2, 1), v.nan_to_num(0.0).repeat_interleave(2, 1)
+    s = (q @ kr.transpose(-1, -2) * 0.3).masked_fill(~dense, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    assert w.shape == (2, 4, 2, 10) and not w[..., 5:].any()
+    torch.testing.assert_close(w, p, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(out, (p @ vr).transpose(1, 2), atol=1e-12, rtol=1e-10)
 
 
 def test_weights_only_when_asked():

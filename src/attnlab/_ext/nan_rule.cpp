@@ -13,11 +13,14 @@
 //       themselves: no copy), then poison_prefix_. The kernel runs on the inputs first and the
 //       scan after it (the inputs still cached); only a call that needs a cleaned copy runs
 //       the kernel a second time.
-//   attnlab_nan::decode_attend(q, k, v, scale) -> out: the decode backend's unmasked step
+//   attnlab_nan::decode_attend(q, k, v, scale, keys?) -> out: the decode backend's step
 //       (attnlab/functional/decode.py `_attend`: softmax(q·kᵀ·scale)·v, a row with a non-finite
 //       logit NaN) in one pass per (item, k/v head) that reads the cached k and v rows in place
 //       (no copy of a cache view, each row once for the G query heads sharing it), in float32
-//       (float64 for float64 inputs); the tensor-op path's values up to rounding.
+//       (float64 for float64 inputs); the tensor-op path's values up to rounding. keys, a bool
+//       (B or 1, S) tensor, restricts every row of item b to the keys where keys[b] is True:
+//       one run of them (padding on either side) is read in place, several runs (holes) are
+//       gathered first; the other keys are never read, and an item with none gives zeros.
 //   attnlab_nan::rope_decode_attend(q, k, v, cos, sin, q_start, k_start, rotate_keys,
 //       rotary_dim, interleaved, scale) -> out: `MultiHeadAttention`'s cached decode step after
 //       the cache update: RoPE of q (positions q_start…) and, if rotate_keys, of every cached key
@@ -39,6 +42,7 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -543,9 +547,20 @@ void decode_task(const T* const* qrow, const T* kp, int64_t ks, const T* vp, int
   }
 }
 
+// The maximal runs [a, b) of True in keys[0…n) (bool bytes), appended to `runs`.
+inline void key_runs(const bool* keys, int64_t n, std::vector<std::pair<int64_t, int64_t>>& runs) {
+  runs.clear();
+  for (int64_t j = 0; j < n;) {
+    while (j < n && !keys[j]) ++j;
+    const int64_t a = j;
+    while (j < n && keys[j]) ++j;
+    if (j > a) runs.emplace_back(a, j);
+  }
+}
+
 template <typename T, typename C>
 void decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                 double scale) {
+                 double scale, const at::Tensor* keys) {
   const int64_t b = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
   const int64_t Hk = k.size(1), n = k.size(2), Dv = v.size(3), G = H / Hk, R = G * L;
   const T* qp = q.const_data_ptr<T>();
@@ -553,12 +568,16 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const T* vp = v.const_data_ptr<T>();
   C* op = out.mutable_data_ptr<C>();
   const auto qs = q.strides(), ks = k.strides(), vs = v.strides();
+  const bool* kb = keys ? keys->const_data_ptr<bool>() : nullptr;
+  const int64_t kb0 = keys && keys->size(0) > 1 ? keys->stride(0) : 0;
   // one task per (item, k/v head); tasks of a few thousand multiply-adds stay on one thread
   const int64_t work = std::max<int64_t>(1, R * n * (D + Dv));
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work);
   at::parallel_for(0, b * Hk, grain, [&](int64_t lo, int64_t hi) {
     std::vector<const T*> qrow(R);
     std::vector<C*> orow(R);
+    std::vector<std::pair<int64_t, int64_t>> runs;
+    std::vector<T> kg, vg;  // the attended rows gathered, when they are not one run
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t i = t / Hk, hk = t % Hk;
       for (int64_t g = 0; g < G; ++g) {
@@ -568,19 +587,54 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
           orow[g * L + l] = op + ((i * H + h) * L + l) * Dv;
         }
       }
-      decode_task<T, C>(qrow.data(), kp + i * ks[0] + hk * ks[1], ks[2],
-                        vp + i * vs[0] + hk * vs[1], vs[2], orow.data(), R, n, D, Dv,
+      const T* kt = kp + i * ks[0] + hk * ks[1];
+      const T* vt = vp + i * vs[0] + hk * vs[1];
+      int64_t kst = ks[2], vst = vs[2], m = n;
+      if (kb) {  // only the attended keys are read: the others never reach a row
+        key_runs(kb + i * kb0, n, runs);
+        if (runs.empty()) {  // a row that may attend nothing is zeros (the rule)
+          for (int64_t r = 0; r < R; ++r) std::fill(orow[r], orow[r] + Dv, C(0));
+          continue;
+        }
+        if (runs.size() == 1) {
+          kt += runs[0].first * kst;
+          vt += runs[0].first * vst;
+          m = runs[0].second - runs[0].first;
+        } else {
+          m = 0;
+          for (const auto& [a, e] : runs) m += e - a;
+          kg.resize(m * D);
+          vg.resize(m * Dv);
+          int64_t row = 0;
+          for (const auto& [a, e] : runs) {
+            for (int64_t j = a; j < e; ++j, ++row) {
+              std::copy_n(kt + j * kst, D, kg.data() + row * D);
+              std::copy_n(vt + j * vst, Dv, vg.data() + row * Dv);
+            }
+          }
+          kt = kg.data(), vt = vg.data(), kst = D, vst = Dv;
+        }
+      }
+      decode_task<T, C>(qrow.data(), kt, kst, vt, vst, orow.data(), R, m, D, Dv,
                         static_cast<C>(scale));
     }
   });
 }
 
 at::Tensor decode_attend(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                         double scale) {
+                         double scale, const std::optional<at::Tensor>& keys_) {
   TORCH_CHECK(q_.dim() == 4 && k_.dim() == 4 && v_.dim() == 4, "decode_attend: 4-D q, k, v");
   TORCH_CHECK(k_.size(1) > 0 && q_.size(1) % k_.size(1) == 0, "decode_attend: H % H_kv != 0");
   TORCH_CHECK(q_.scalar_type() == k_.scalar_type() && q_.scalar_type() == v_.scalar_type(),
               "decode_attend: q, k, v of one dtype");
+  at::Tensor keys;
+  if (keys_.has_value()) {
+    keys = keys_->contiguous();
+    TORCH_CHECK(keys.scalar_type() == at::kBool && keys.dim() == 2 &&
+                    keys.size(1) == k_.size(2) &&
+                    (keys.size(0) == 1 || keys.size(0) == q_.size(0)),
+                "decode_attend: keys must be a bool (B or 1, S) tensor");
+  }
   const at::Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
   const auto c = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto opts = q.options().dtype(c);
@@ -589,7 +643,7 @@ at::Tensor decode_attend(const at::Tensor& q_, const at::Tensor& k_, const at::T
   if (out.numel() == 0) return out;
   ATTNLAB_DISPATCH(q.scalar_type(), "decode_attend", {
     using compute_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    decode_impl<scalar_t, compute_t>(q, k, v, out, scale);
+    decode_impl<scalar_t, compute_t>(q, k, v, out, scale, keys_.has_value() ? &keys : nullptr);
   });
   return out;  // in the compute dtype, as `_attend`
 }
@@ -694,7 +748,7 @@ at::Tensor rope_decode_attend(const at::Tensor& q, const at::Tensor& k, const at
               "rope_decode_attend: positions outside the tables");
   const at::Tensor qr = rope_rows(q, cos, sin, q_start, R, interleaved);
   const at::Tensor kr = rotate_keys ? rope_rows(k, cos, sin, k_start, R, interleaved) : k;
-  return decode_attend(qr, kr, v, scale);
+  return decode_attend(qr, kr, v, scale, std::nullopt);
 }
 
 at::Tensor rope_rows_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -759,7 +813,7 @@ TORCH_LIBRARY(attnlab_nan, m) {
         "Tensor(b!)? lse=None) -> ()");
   m.def("sdpa_prefix(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor hi, float scale, "
         "bool is_causal, bool enable_gqa, bool clean_k) -> Tensor");
-  m.def("decode_attend(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("decode_attend(Tensor q, Tensor k, Tensor v, float scale, Tensor? keys=None) -> Tensor");
   m.def("rope_decode_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, int q_start, "
         "int k_start, bool rotate_keys, int rotary_dim, bool interleaved, float scale) -> Tensor");
   m.def("rope_rows(Tensor x, Tensor cos, Tensor sin, int start, int rotary_dim, bool interleaved) "

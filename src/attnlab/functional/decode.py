@@ -43,13 +43,17 @@ DECODE_MIN_S = 512
 `DECODE_MIN_KEYS`): both cost little more than the call."""
 
 DECODE_MIN_KEYS = {torch.float32: 256, torch.bfloat16: 1, torch.float16: 1}
-"""Auto prefers the decode path from this many keys summed over the batch (B·S), per dtype.
+"""Auto prefers the decode path from this many keys summed over the batch (B·S), per dtype, when
+its steps run as tensor ops (the C++ step unavailable: ``ATTNLAB_EXT=0``, no compiler, compiled).
 Measured (one query row, H = 8, H_kv = 2, D = 64, AMD EPYC without AVX512-FP16, 1 and 2
 threads, median of 100; benchmarks/RESULTS.md), SDPA's time over the decode path's: float32
 B=1 0.62–0.86× at S = 64, 0.92–1.06× at 140, 1.09–1.13× at 300; B=4 1.08–1.25× at 64, 1.17–1.39×
 at 140; bfloat16 1.0–2.0× at B=1, S=64 and 1.5–9.7× at every larger size; float16 2.1–8.4× (0.8–1.5×
 at B=1, S=16): torch's fused CPU kernel runs half-precision decode steps far below its float32
-speed, where the decode path's two float32 products do not care."""
+speed, where the decode path's two float32 products do not care. The C++ step
+(``attnlab_nan::decode_attend``) is faster than SDPA at every size in float32 and 16 bits
+(1.7–2.5× at B = 1 and 4, S = 8…256, Zen 5 EPYC; benchmarks/RESULTS.md): auto then takes it
+for every float32/16-bit step. Its float64 loop is not vectorised: float64 keeps `DECODE_MIN_S`."""
 
 DECODE_MAX_ELEMENTS = 1 << 25
 """Bound on the float32 logits (and upcast K/V for half inputs) one call may hold (128 MB)."""
@@ -86,14 +90,17 @@ def decode_supports(req: Request) -> str | None:
         return "it is inference-only (no backward) and an input requires grad"
     if d.L > DECODE_MAX_L:
         return f"it is for at most {DECODE_MAX_L} query rows (decoding)"
-    if key_prefixes(req) is None:
-        return "the mask/bias does not reduce to key prefixes known from Python ints"
+    if key_prefixes(req) is None and req.shared_keys is None:
+        return "its query rows do not all attend the same keys (one row, or a mask over keys)"
     return _size_reason(d.B, d.H, d.H_kv, d.L, d.S, d.D, d.Dv, req.q.dtype)
 
 
-def _declines(B: int, S: int, dtype: torch.dtype) -> str | None:
-    """Auto's size rule (`DECODE_MIN_KEYS`, `DECODE_MIN_S`): None to take the decode path."""
+def _declines(B: int, S: int, dtype: torch.dtype, step: bool) -> str | None:
+    """Auto's size rule (`DECODE_MIN_KEYS`, `DECODE_MIN_S`): None to take the decode path.
+    ``step``: the C++ step runs the call (then every float32/16-bit size takes it)."""
     least = DECODE_MIN_KEYS.get(dtype)
+    if step and least is not None:
+        return None
     if least is None:
         if S < DECODE_MIN_S:
             return f"fewer than {DECODE_MIN_S} keys: sdpa's fused call is as fast"
@@ -105,8 +112,12 @@ def _declines(B: int, S: int, dtype: torch.dtype) -> str | None:
 
 
 def decode_declines(req: Request) -> str | None:
-    """Auto's preference: None for enough keys (per dtype), else why sdpa is as good."""
-    return _declines(req.dims.B, req.dims.S, req.q.dtype)
+    """Auto's preference: None for enough keys (per dtype) or a mask (`Request.shared_keys`:
+    sdpa would render it and run the NaN rule's passes over it), else why sdpa is as good."""
+    if key_prefixes(req) is None:
+        return None
+    step = req.softcap is None and nan_rule.ext_ready(req.q, req.k, req.v)
+    return _declines(req.dims.B, req.dims.S, req.q.dtype, step)
 
 
 def _attend(
@@ -144,10 +155,52 @@ def _attend(
     return out.view(b, H, L, Dv), lse.view(b, H, L)
 
 
+def _attend_keys(req: Request, keep: Tensor, want_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """`_attend` of the whole request over the keys ``keep (B|1, S)`` allows (tensor ops).
+
+    Masked logits are −inf and masked values 0 (a non-finite entry there never reaches a row);
+    a row is poisoned iff an attended logit is non-finite, and a row with no key is zeros
+    (lse −inf) whatever its q.
+    """
+    q, k, v = req.q, req.k, req.v
+    B, H, L, D = q.shape
+    H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    c = stat_dtype(q.dtype)
+    vv = torch.where(keep.view(-1, 1, S, 1), v, 0).reshape(B * H_kv, S, Dv).to(c)
+    allowed = keep.view(-1, 1, 1, S).expand(B, H_kv, 1, S).reshape(B * H_kv, 1, S)
+    qg = q.reshape(B * H_kv, (H // H_kv) * L, D).to(c)
+    s = torch.bmm(qg, k.reshape(B * H_kv, S, D).to(c).transpose(1, 2)).mul_(req.logit_scale)
+    # x − x: +0.0 for a finite logit, NaN otherwise (read before capping: tanh hides ±inf)
+    poison = torch.where(allowed, s - s, 0.0).sum(dim=-1, keepdim=True)
+    if req.softcap is not None:
+        s = softcap_logits(s, req.softcap)
+    s = s.masked_fill(~allowed, float("-inf"))
+    some = allowed.any(dim=-1, keepdim=True)  # (B·H_kv, 1, 1)
+    out = torch.bmm(torch.softmax(s, dim=-1), vv).add_(poison)
+    out = torch.where(some, out, 0.0).view(B, H, L, Dv)
+    if not want_lse:
+        return out, None
+    lse = torch.where(some, torch.logsumexp(s, dim=-1, keepdim=True) + poison, float("-inf"))
+    return out, lse.view(B, H, L)
+
+
+def _run_keys(req: Request, want_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """A call whose rows share their keys (`Request.shared_keys`): the C++ step reads only the
+    attended keys in place (one run: no copy) when it can run; else `_attend_keys`."""
+    keep = req.shared_keys
+    assert keep is not None  # decode_supports
+    if req.softcap is None and not want_lse and nan_rule.ext_ready(req.q, req.k, req.v):
+        out = torch.ops.attnlab_nan.decode_attend(req.q, req.k, req.v, req.logit_scale, keep)
+        return out.to(req.q.dtype), None
+    out, lse = _attend_keys(req, keep, want_lse)
+    return out.to(req.q.dtype), lse
+
+
 def _run(req: Request, want_lse: bool) -> tuple[Tensor, Tensor | None]:
     d = req.dims
     prefixes = key_prefixes(req)
-    assert prefixes is not None  # decode_supports
+    if prefixes is None:
+        return _run_keys(req, want_lse)
     if not want_lse and all(n == d.S for n in prefixes):  # one call on the whole batch
         return _attend(req, req.q, req.k, req.v, False)[0].to(req.q.dtype), None
     c = stat_dtype(req.q.dtype)
@@ -188,11 +241,11 @@ def decode_step_ready(backend: str, q: Tensor, k: Tensor, v: Tensor, dropout_p: 
     H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     if 0 in (B, H, L, S):  # the reference path runs empty calls
         return False
-    if backend == "auto" and _declines(B, S, q.dtype) is not None:
-        return False
     if _size_reason(B, H, H_kv, L, S, D, Dv, q.dtype) is not None:
         return False
-    return nan_rule.ext_ready(q, k, v)  # (gradient: it refuses inputs that require grad)
+    if not nan_rule.ext_ready(q, k, v):  # (gradient: it refuses inputs that require grad)
+        return False
+    return backend != "auto" or _declines(B, S, q.dtype, step=True) is None
 
 
 def fused_step_fits(backend: str, B: int, H: int, H_kv: int, S: int, D: int, dtype) -> bool:

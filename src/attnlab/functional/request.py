@@ -198,6 +198,9 @@ def sort_terms(mask: Mask | Tensor | None, bias: Tensor | BiasFn | None) -> Logi
     return terms if bias is None else replace(terms, bias_fn=bias)
 
 
+_UNSET = object()
+
+
 @dataclass
 class Request:
     """One validated attention call; q ``(B, H, L, D)``, k/v ``(B, H_kv, S, ·)`` (always 4-D).
@@ -228,16 +231,36 @@ class Request:
     batch_shape: tuple[int, ...] | None = None
     logit_scale: float = field(init=False, compare=False)
     terms: LogitTerms = field(init=False, compare=False)
+    _keys: object = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.logit_scale = self.scale / self.temperature
         self.terms = sort_terms(self.mask, self.bias)
+        self._keys = _UNSET  # `shared_keys`, computed on first use
 
     @property
     def is_empty(self) -> bool:
         """True when any of B, H, L, S is zero (handled by the reference path)."""
         d = self.dims
         return 0 in (d.B, d.H, d.L, d.S)
+
+    @property
+    def shared_keys(self) -> Tensor | None:
+        """The keys every query row and head attends, when they are the same (`Mask.key_mask`).
+
+        Bool ``(B|1, S)``, contiguous (True = may attend): one query row (decoding) under any
+        mask with key intervals, or a mask over keys alone (padding) at any L. None with a bias
+        or an additive float mask (their −inf entries could mask more), or when rows differ.
+        Computed once per request (O(B·S) tensor ops, no host reads; a plain attribute, not
+        ``functools.cached_property``, whose lock Dynamo cannot trace).
+        """
+        if self._keys is _UNSET:
+            mask = self.terms.structured
+            keep = None
+            if mask is not None and self.bias is None and self.terms.float_mask is None:
+                keep = mask.key_mask(self.dims.L, self.dims.S, device=self.q.device)
+            self._keys = None if keep is None else keep.contiguous()
+        return self._keys  # type: ignore[return-value]
 
     @property
     def is_plain_causal(self) -> bool:

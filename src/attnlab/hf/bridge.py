@@ -16,6 +16,7 @@ import inspect
 import re
 import sys
 
+import torch
 from torch import Tensor, nn
 
 from ..functional.api import attention
@@ -127,8 +128,14 @@ def attention_forward(
                 "its mask was not built by attnlab's mask function (call attnlab.hf.register() "
                 "before loading, and pass a 2-D attention_mask, not a prepared 4-D one)"
             )
+    S = key.shape[2]
     if isinstance(attention_mask, HFMask):
-        attention_mask = attention_mask.mask
+        # a static cache's unused buffer is never attended: eager calls skip it (compiled ones
+        # keep one graph over the whole buffer, so `used`, which changes every step, is not read)
+        used = None if torch.compiler.is_compiling() else attention_mask.used
+        if used is not None:
+            key, value = key[:, :, : used[0]], value[:, :, : used[0]]
+        attention_mask = attention_mask.mask if used is None else used[1]
     extra = {}
     if softcap is not None:
         if not _has_softcap():
@@ -149,6 +156,8 @@ def attention_forward(
         **extra,
     )
     out, weights = result if want_weights else (result, None)  # type: ignore[misc]
+    if weights is not None and weights.shape[-1] < S:  # the unused keys' weights are 0
+        weights = torch.nn.functional.pad(weights, (0, S - weights.shape[-1]))
     return out.transpose(1, 2).contiguous(), weights  # (B, L, H, Dv)
 
 

@@ -23,9 +23,10 @@ padding (the 2-D ``attention_mask``)               ``from_tensor(valid[:, None, 
 Structured masks are bottom-right aligned (query row r sits at key ``r + S − L``); they are used
 only when HF's own offsets say the same (``q_offset + L == kv_offset + S``, true for the dynamic
 cache and its sliding-window layers). Anything else — a static cache (whose key buffer is longer
-than the tokens seen), a custom ``or_mask_function``, chunked attention — becomes an exact
-`attnlab.masks.from_fn` mask that evaluates HF's own function at HF's own offsets, so the answer
-never changes silently.
+than the tokens seen), a custom ``or_mask_function``, chunked attention — evaluates HF's own
+function at HF's own offsets, so the answer never changes silently: for one query row (a decoding
+step) once, into a ``(B, 1, 1, S)`` key mask (decoding then reads only the attended keys); for
+more rows as an exact `attnlab.masks.from_fn` mask evaluated tile by tile.
 
 Padding query rows (left padding) may attend no key: attnlab gives them zero output and zero
 weights, where HF's eager path gives a uniform distribution over masked keys. Those rows never
@@ -224,6 +225,25 @@ def _exact_fn_mask(
     return masks.from_fn(hf_pattern, batch_size=batch_size)
 
 
+def _one_row(
+    mask_function: Callable, batch_size: int, kv_length: int, q_offset: int | Tensor, kv_offset: int
+) -> Mask:
+    """HF's own index function on the one query row of a decoding step, as a key mask.
+
+    ``keep[b, j] = mask_function(b, 0, q_offset, kv_offset + j)`` evaluated once on broadcast
+    index tensors (how transformers' sdpa path evaluates it too): ``(B, 1, 1, S)``, O(B·S). Exact
+    for any pattern and any cache (a static cache's tensor ``q_offset`` included), and a mask
+    over keys alone, so decoding reads only the attended keys (`Mask.key_mask`).
+    """
+    where = q_offset.device if isinstance(q_offset, Tensor) else None
+    b = torch.arange(batch_size, device=where).view(batch_size, 1)
+    j = torch.arange(kv_length, device=where).view(1, kv_length) + kv_offset
+    q = torch.as_tensor(q_offset, device=where)
+    keep = mask_function(b, torch.zeros((), dtype=torch.long, device=where), q, j)
+    keep = torch.as_tensor(keep, device=where).to(torch.bool).expand(batch_size, kv_length)
+    return masks.from_tensor(keep.reshape(batch_size, 1, 1, kv_length))
+
+
 class HFMask:
     """The attnlab mask as transformers carries it from the mask function to the attention call.
 
@@ -233,17 +253,30 @@ class HFMask:
     without rendering anything; `attnlab.hf.attention_forward` unwraps `mask`.
 
     Attributes:
-        mask: the `attnlab.masks.Mask` (True = may attend, bottom-right aligned to the call).
+        mask: the `attnlab.masks.Mask` of the call's S keys (True = may attend, bottom-right
+            aligned): exact for every cache, used whenever `used` is not (and while compiling).
         shape: ``(B, 1, L, S)``, the shape transformers' dense mask would have.
+        used: None, or ``(n, mask_n)`` for a static cache in eager mode: the call uses only
+            its first ``n < S`` keys (the buffer past the last query's position, which a causal
+            pattern never attends), whose structured mask is ``mask_n``; the attention function
+            then runs on ``key[:, :, :n]`` (a view). Not read while compiling: n changes every
+            step, and a compiled static-cache step keeps one graph for the whole buffer.
     """
 
     ndim = 4
     dtype = torch.bool
 
-    def __init__(self, mask: Mask, shape: tuple[int, int, int, int], device: torch.device) -> None:
+    def __init__(
+        self,
+        mask: Mask,
+        shape: tuple[int, int, int, int],
+        device: torch.device,
+        used: tuple[int, Mask] | None = None,
+    ) -> None:
         self.mask = mask
         self.shape = torch.Size(shape)
         self.device = device
+        self.used = used
 
     def dim(self) -> int:
         """4, as for transformers' dense masks."""
@@ -254,7 +287,8 @@ class HFMask:
         return self
 
     def __repr__(self) -> str:
-        return f"HFMask({self.mask!r}, shape={tuple(self.shape)})"
+        used = "" if self.used is None else f", used={self.used[0]} keys: {self.used[1]!r}"
+        return f"HFMask({self.mask!r}, shape={tuple(self.shape)}{used})"
 
 
 def hf_mask(
@@ -303,25 +337,70 @@ def hf_mask(
             f"mask_function must be transformers' index function fn(b, h, q, kv), got "
             f"{type(mask_function).__name__}"
         )
-    aligned = (
-        isinstance(q_offset, int)
-        and not isinstance(q_offset, bool)
-        and q_offset + q_length == kv_offset + kv_length
-    )
+    shape = (batch_size, 1, q_length, kv_length)
+    where = attention_mask.device if attention_mask is not None else torch.device(device or "cpu")
+    aligned = isinstance(q_offset, int) and q_offset + q_length == kv_offset + kv_length
     pattern = _structured(mask_function, aligned=aligned, q_length=q_length, kv_length=kv_length)
-    if pattern is None:
+    if pattern is None and q_length == 1:
+        pattern = _one_row(mask_function, batch_size, kv_length, q_offset, kv_offset)
+    elif pattern is None:
         pattern = _exact_fn_mask(
             mask_function, batch_size, q_length, kv_length, q_offset, kv_offset
         )
-    result: Mask | None = None if pattern == _FULL else pattern  # type: ignore[assignment]
-    if attention_mask is not None:
-        valid = _key_padding(attention_mask, kv_length, kv_offset)  # (B, S)
-        keys = masks.from_tensor(valid[:, None, None, :])  # (B, 1, 1, S): a key mask, not L×S
-        result = keys if result is None else result & keys
+    result = _with_padding(pattern, attention_mask, kv_length, kv_offset)
     if result is None:
         return None
-    where = attention_mask.device if attention_mask is not None else torch.device(device or "cpu")
-    return HFMask(result, (batch_size, 1, q_length, kv_length), where)
+    static = _static_prefix(mask_function, q_length, kv_length, q_offset, kv_offset)
+    used = None
+    if static is not None:
+        n, short = static
+        used = (n, _with_padding(short, attention_mask, n, kv_offset))
+    return HFMask(result, shape, where, used=used)  # type: ignore[arg-type]
+
+
+def _with_padding(
+    pattern: Mask | str, attention_mask: Tensor | None, kv_length: int, kv_offset: int
+) -> Mask | None:
+    """The pattern ``&`` the keys' padding (a ``(B, 1, 1, S)`` key mask, never L×S); None for
+    no restriction at all."""
+    result: Mask | None = None if pattern == _FULL else pattern  # type: ignore[assignment]
+    if attention_mask is None:
+        return result
+    valid = _key_padding(attention_mask, kv_length, kv_offset)  # (B, S)
+    keys = masks.from_tensor(valid[:, None, None, :])
+    return keys if result is None else result & keys
+
+
+def _static_prefix(
+    mask_function: Callable, q_length: int, kv_length: int, q_offset: int | Tensor, kv_offset: int
+) -> tuple[int, Mask] | None:
+    """``(n, mask)``: a static cache's call on its first n keys and their mask, or None.
+
+    A static cache passes its whole buffer (S = ``kv_length``) and its position as a 0-d tensor
+    ``q_offset``. When HF's pattern is causal (a causal conjunct: no row attends a key past its
+    own position), keys past the last query's position ``q_offset + L − 1`` are never attended,
+    so the call equals the one on the first ``n = q_offset + L − kv_offset`` keys, whose
+    offsets match attnlab's bottom-right alignment: its structured mask (causal, windows) then
+    applies, and the unused buffer is never read. The tensor is read in eager mode only, as
+    transformers' own mask code reads it; while tracing (and on ``meta``) None keeps the exact
+    index-function mask.
+    """
+    if isinstance(q_offset, Tensor):
+        if torch.compiler.is_compiling() or q_offset.is_meta or q_offset.numel() != 1:
+            return None
+        q_offset = int(q_offset)
+    elif not isinstance(q_offset, int) or isinstance(q_offset, bool):
+        return None
+    n = q_offset + q_length - kv_offset
+    if not q_length <= n < kv_length:
+        return None
+    pattern = _structured(mask_function, aligned=True, q_length=q_length, kv_length=n)
+    if not isinstance(pattern, Mask) or not any(
+        isinstance(m, masks.CausalMask) or (isinstance(m, masks.SlidingWindowMask) and m.causal)
+        for m in pattern.conjuncts()
+    ):
+        return None
+    return n, pattern
 
 
 __all__ = ["HFMask", "hf_mask"]

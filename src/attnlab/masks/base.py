@@ -297,6 +297,37 @@ class Mask:
         first = None if lo is None else (p + lo).clamp(0, S).view(1, 1, L)
         return first, (p + hi + 1).clamp(0, S).view(1, 1, L)
 
+    def key_mask(
+        self, L: int, S: int, *, device: torch.device | str | None = None
+    ) -> Tensor | None:
+        """The keys of an L × S call, when every query row and head attends the same ones.
+
+        ``keep[b, j]`` says whether every row of batch item ``b`` may attend key ``j``: bool
+        ``(B|1, S)``; None when rows or heads differ (or the mask cannot say). One query row
+        (decoding) always has one when the mask has `key_interval`; a mask over keys alone
+        (padding, a ``(B, 1, 1, S)`` tensor) has one at any L. A backend then reads only the
+        attended keys. The default: for L == 1, the keys of `band` at the row's position
+        ``p = S − 1`` (from Python ints), else ``lo <= j < hi`` of `key_interval`. O(B·S) tensor
+        ops, no host reads.
+        """
+        if L != 1:
+            return None
+        band = self.band()
+        if band is not None:
+            p = S - 1
+            first = 0 if math.isinf(band[0]) else min(S, max(0, p + int(band[0])))
+            end = S if math.isinf(band[1]) else min(S, max(0, p + int(band[1]) + 1))
+            keep = torch.zeros(1, S, dtype=torch.bool, device=device)
+            keep[:, first:end] = True
+            return keep
+        interval = self.key_interval(L, S, device=device)
+        if interval is None:
+            return None
+        lo, hi = interval  # broadcastable to (B|1, 1, 1)
+        j = torch.arange(S, device=device)
+        keep = j < hi.reshape(-1, 1)
+        return keep if lo is None else keep & (j >= lo.reshape(-1, 1))
+
     def geometry(self, L: int, S: int) -> Geometry | None:  # noqa: ARG002 (the Mask protocol's signature)
         """The mask's structure for an exact pair count (`counts.Geometry`), or None.
 
@@ -748,6 +779,13 @@ class _Combined(Mask):
             return None
         return Geometry(pairs=_add_counts(_add_counts(a, b, 1), both, -1))
 
+    def key_mask(self, L, S, *, device=None):
+        a = self.a.key_mask(L, S, device=device)
+        b = None if a is None else self.b.key_mask(L, S, device=device)
+        if b is None:
+            return None
+        return a & b if self.op == "&" else a | b
+
     def key_interval(self, L, S, *, device=None):
         if self.op != "&":
             return None
@@ -788,6 +826,10 @@ class _Not(Mask):
 
     def diagonal_map(self, L, S, device):
         inner = self.inner.diagonal_map(L, S, device)
+        return None if inner is None else ~inner
+
+    def key_mask(self, L, S, *, device=None):
+        inner = self.inner.key_mask(L, S, device=device)
         return None if inner is None else ~inner
 
     def block_codes(self, L, S, bq, bk, nb, nh, device):
@@ -846,6 +888,13 @@ class TensorMask(Mask):
     def block_codes(self, L, S, bq, bk, nb, nh, device):  # noqa: ARG002 (the Mask protocol's signature)
         self.check_size(L, S)
         return tensor_codes(self.t.to(device), L, S, bq, bk)  # O(t.numel()): never the L×S grid
+
+    def key_mask(self, L, S, *, device=None):
+        self.check_size(L, S)
+        if self.t.shape[1] != 1 or self.t.shape[2] != 1:  # heads or rows differ
+            return None
+        t = self.t if device is None else self.t.to(device)
+        return t[:, 0, 0, :].expand(t.shape[0], S)  # (B|1, S)
 
     def geometry(self, L, S):
         self.check_size(L, S)

@@ -120,6 +120,9 @@ class PaddingMask(Mask):
     def key_interval(self, L, S, *, device=None):  # noqa: ARG002 (the Mask protocol's signature)
         return None, self.lengths.to(device).clamp(max=S).view(-1, 1, 1)
 
+    def key_mask(self, L, S, *, device=None):  # noqa: ARG002 (the Mask protocol's signature)
+        return torch.arange(S, device=device) < self.lengths.to(device).view(-1, 1)  # (B, S)
+
     def geometry(self, L, S):  # noqa: ARG002 (the Mask protocol's signature)
         return Geometry(key_limit=[int(n) for n in self.lengths.tolist()])
 
