@@ -169,14 +169,32 @@ def _prefix_ext(req: Request, is_causal: bool, clean_k: bool) -> Tensor | None:
     )
 
 
+def _finite(req: Request, is_causal: bool) -> Tensor | None:
+    """Calls without gradient, bias, float mask, dropout or score transform whose q, k and v hold
+    no NaN/±inf: torch's kernel with the bool mask is then already the rule's answer — a row
+    that may attend nothing comes back zeros for a finite ``q_i`` (torch's CPU kernels since
+    2.5; ``tests/test_sdpa_finite.py`` holds the installed torch to it). The C++ scan reads each
+    input once and answers with a shape (`nan_rule.known_finite`: no host sync), so the call
+    costs no copy and no poison pass (transformers' prefill with its padding mask). None when
+    it does not apply (then `sdpa_run` cleans and poisons)."""
+    if req.bias is not None or req.terms.float_mask is not None or req.score != "dot":
+        return None
+    if req.dropout_p or _needs_grad(req.q, req.k, req.v):
+        return None
+    if not all(nan_rule.known_finite(x) for x in (req.q, req.k, req.v)):
+        return None
+    allowed = None if is_causal else request_dense(req)[0]
+    return _kernel(req, req.q, req.k, req.v, allowed, is_causal)
+
+
 def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
     """Runs torch SDPA: bottom-right masks become dense masks, except plain causal with L == S.
 
     The NaN rule (`functional.nan_rule`): the kernel runs on inputs whose non-finite entries are
     0 — torch's kernel would zero a row whose logits are all NaN and spread ``0 · NaN`` from
     masked pairs — and NaN is added back exactly where the rule puts it. Calls without bias or
-    gradient whose keys are a known prefix (decoding) skip the copies (`_sliced`). No host
-    synchronisation.
+    gradient whose keys are a known prefix (decoding) skip the copies (`_sliced`), and so do
+    calls without gradient on finite inputs (`_finite`). No host synchronisation.
     """
     s = get_score(req.score)
     # torch's is_causal path masks after scaling with -inf, so a negative scale turns the masked
@@ -198,6 +216,8 @@ def sdpa_run(req: Request) -> tuple[Tensor, Tensor | None]:
         fast = _sliced(req)
     if fast is None and not ext_first:
         fast = _prefix_ext(req, is_causal, clean_k=not fused_causal)
+    if fast is None:
+        fast = _finite(req, is_causal)
     if fast is not None:
         return fast, None
     allowed, additive = (None, None) if is_causal else request_dense(req)

@@ -729,6 +729,14 @@ class _Combined(Mask):
         y = check_index_fn_output("mask function", self.b, self.b.evaluate(*idx, L, S), idx)
         return x & y if self.op == "&" else x | y
 
+    def to_dense(self, L, S, *, batch=None, heads=None, device=None):
+        # each operand renders its own way (a tensor mask as a view, a band from its diagonals)
+        # and one elementwise op joins them: no index grid gathered through a tensor operand
+        self.batch_heads(batch, heads)
+        a = self.a.to_dense(L, S, batch=batch, heads=heads, device=device)
+        b = self.b.to_dense(L, S, batch=batch, heads=heads, device=device)
+        return a & b if self.op == "&" else a | b
+
     def conjuncts(self):
         return (*self.a.conjuncts(), *self.b.conjuncts()) if self.op == "&" else (self,)
 
