@@ -16,12 +16,14 @@ tolerance rule's float32 bound; a padding row's output is undefined in transform
 CPU header and the matmul rate of each dtype.
 
 ``--generate`` times ``model.generate`` instead: greedy ``--new-tokens`` after each prompt
-length, with transformers' dynamic and static KV caches, tokens/s beside sdpa (eager for Gemma2).
+length, with transformers' dynamic and static KV caches, tokens/s beside sdpa (eager for Gemma2),
+in each of ``--dtypes``. ``--floor`` adds a contender without attention (zeros): the rest of the
+model's time, the bound no attention implementation can pass on this machine.
 
 Run: python benchmarks/bench_hf.py [--lengths 1024 4096] [--batches 1 8]
      [--families llama mistral gemma2] [--dtypes float32] [--rounds 3] [--eager-max 8192]
      python benchmarks/bench_hf.py --generate [--prompts 128 4096] [--caches dynamic static]
-     [--batches 1 4] [--new-tokens 64]
+     [--batches 1 4] [--new-tokens 64] [--dtypes float32 bfloat16] [--floor]
 """
 
 from __future__ import annotations
@@ -82,12 +84,33 @@ def inputs(B: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+FLOOR = "floor"
+"""The contender without attention: an attention function that returns zeros and computes
+nothing, so its time is the rest of the model (projections, MLP, norms, RoPE, cache, the loop):
+the floor no attention can go below. ``(t_anchor − t_floor) / (t_attnlab − t_floor)`` is the
+attention's own speed-up, and ``t_anchor / t_floor`` bounds the model-level ratio any attention
+could reach on this machine."""
+
+
+def register_floor() -> None:
+    """Registers `FLOOR` with transformers' attention and mask interfaces."""
+    import transformers
+
+    def floor_attention(_module, query, _key, value, _mask, **_kwargs):
+        B, H, L = query.shape[:3]
+        return value.new_zeros(B, L, H, value.shape[-1]), None  # (B, L, H, Dv)
+
+    transformers.AttentionInterface.register(FLOOR, floor_attention)
+    transformers.masking_utils.AttentionMaskInterface.register(FLOOR, lambda *_a, **_k: None)
+
+
 def run_case(name: str, B: int, L: int, dtype: torch.dtype, args) -> None:
     """Times one (family, B, L, dtype) for every contender that applies; prints one line each."""
     cls, cfg = family(name, max(args.lengths))
     impls = ["sdpa"] if name != "gemma2" else []
     impls += ["eager"] if args.eager_max >= L else []
     impls.append("attnlab")
+    impls += [FLOOR] if args.floor else []
     torch.manual_seed(0)
     models = {}
     for impl in impls:
@@ -107,32 +130,43 @@ def run_case(name: str, B: int, L: int, dtype: torch.dtype, args) -> None:
     real = mask.bool()
     first = next(iter(outs))
     tol = 1e-3 if dtype == torch.float32 else 5e-2
-    others = [i for i in impls if i != "attnlab"]
+    others = [i for i in impls if i not in ("attnlab", FLOOR)]
     anchor = min(others, key=best.__getitem__) if others else None
     for impl in impls:
-        diff = (outs[impl][real].float() - outs[first][real].float()).abs().max().item()
-        ok = "ok" if diff <= tol else f"DIFFERS (tol {tol:g})"
+        if impl == FLOOR:
+            bound = f"bound {best[anchor] / best[impl]:.2f}× {anchor}'s" if anchor else ""
+            check = "(no attention: the rest of the model)"
+        else:
+            diff = (outs[impl][real].float() - outs[first][real].float()).abs().max().item()
+            check = f"max|Δ| vs {first} {diff:.1e} " + (
+                "ok" if diff <= tol else f"DIFFERS (tol {tol:g})"
+            )
+            bound = ""
         ratio = ""
         if impl == "attnlab" and anchor is not None:
             ratio = f"speed {best[anchor] / best[impl]:.2f}× {anchor}'s"
+            if FLOOR in best:
+                own = (best[anchor] - best[FLOOR]) / (best[impl] - best[FLOOR])
+                ratio += f" (attention alone {own:.2f}×)"
         dt = str(dtype).removeprefix("torch.")
         print(
-            f"{name:<8} B={B} L={L:<6} {dt:<9} {impl:<8} {best[impl]:8.3f} s  {ratio}  "
-            f"max|Δ| vs {first} {diff:.1e} {ok}"
+            f"{name:<8} B={B} L={L:<6} {dt:<9} {impl:<8} {best[impl]:8.3f} s  {ratio}{bound}  "
+            f"{check}"
         )
 
 
-def run_generate(name: str, B: int, prompt: int, cache: str, args) -> None:
+def run_generate(name: str, B: int, prompt: int, cache: str, dtype: torch.dtype, args) -> None:
     """Times ``model.generate`` of ``--new-tokens`` greedy tokens after a ``prompt``-token
     prompt (all-ones mask for B = 1, left padding otherwise) with a ``cache`` KV cache
     (``"dynamic"`` or ``"static"``); prints tokens/s per contender and whether the generated
     tokens equal the first contender's."""
     cls, cfg = family(name, prompt + args.new_tokens + 8)
     impls = ["sdpa", "attnlab"] if name != "gemma2" else ["eager", "attnlab"]
+    impls += [FLOOR] if args.floor else []
     torch.manual_seed(0)
     models = {}
     for impl in impls:
-        model = cls._from_config(copy.deepcopy(cfg), attn_implementation=impl)
+        model = cls._from_config(copy.deepcopy(cfg), attn_implementation=impl, dtype=dtype)
         if models:
             model.load_state_dict(next(iter(models.values())).state_dict())
         models[impl] = model.eval()
@@ -154,13 +188,18 @@ def run_generate(name: str, B: int, prompt: int, cache: str, args) -> None:
                 tokens[impl] = model.generate(ids, **kw)
                 best[impl] = min(best.get(impl, float("inf")), time.perf_counter() - t0)
     first = impls[0]
+    dt = str(dtype).removeprefix("torch.")
     for impl in impls:
         rate = B * args.new_tokens / best[impl]
         ratio = f"speed {best[first] / best[impl]:.2f}× {first}'s" if impl != first else ""
-        same = torch.equal(tokens[impl], tokens[first])
+        if impl == FLOOR:
+            ratio = f"bound {best[first] / best[impl]:.2f}× {first}'s (no attention)"
+            same = ""
+        else:
+            same = f"same tokens as {first}: {torch.equal(tokens[impl], tokens[first])}"
         print(
-            f"{name:<8} generate B={B} prompt={prompt:<5} {cache:<7} {impl:<8} "
-            f"{rate:8.1f} tokens/s  {ratio}  same tokens as {first}: {same}"
+            f"{name:<8} generate B={B} prompt={prompt:<5} {cache:<7} {dt:<9} {impl:<8} "
+            f"{rate:8.1f} tokens/s  {ratio}  {same}"
         )
 
 
@@ -176,18 +215,25 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, nargs="+", default=[128, 4096])
     parser.add_argument("--caches", nargs="+", default=["dynamic", "static"])
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="add the contender without attention (the rest of the model: the bound)",
+    )
     args = parser.parse_args()
     import attnlab.hf
 
     attnlab.hf.register()
+    register_floor()
     dtypes = tuple(getattr(torch, d) for d in args.dtypes)
     print_machine(dtypes)
-    if args.generate:  # float32
-        for name in args.families:
-            for B in args.batches:
-                for prompt in args.prompts:
-                    for cache in args.caches:
-                        run_generate(name, B, prompt, cache, args)
+    if args.generate:
+        for dtype in dtypes:
+            for name in args.families:
+                for B in args.batches:
+                    for prompt in args.prompts:
+                        for cache in args.caches:
+                            run_generate(name, B, prompt, cache, dtype, args)
         return
     for dtype in dtypes:
         for name in args.families:
