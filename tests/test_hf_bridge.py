@@ -550,6 +550,49 @@ def test_a_static_cache_call_never_reads_the_unused_buffer():
     torch.testing.assert_close(out, (p @ vr).transpose(1, 2), atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_a_decoding_step_runs_the_cpp_step_with_the_keys_rendered_once(static, monkeypatch):
+    """A decoding step's HFMask carries its key mask (rendered once for every layer); with the C++
+    step built the call runs on it directly and equals `attnlab.attention` with the mask, NaN
+    in keys no row attends (left padding, a static buffer past the token) included."""
+    from attnlab import _ext
+
+    if _ext.mode() == "off" or not _ext.load("nan_rule"):
+        pytest.skip(f"C++ extension unavailable: {_ext.status('nan_rule')}")
+    S = 10 if static else 8
+    q = torch.randn(2, 4, 1, 8)
+    k, v = torch.randn(2, 2, S, 8), torch.randn(2, 2, S, 8)
+    k[0, :, 1] = v[0, :, 1] = float("nan")  # item 0's left padding (PAD: its first 2 keys)
+    k[:, :, 8:] = v[:, :, 8:] = float("nan")  # a static buffer's unwritten slots
+    mask = hf_mask(
+        batch_size=2,
+        q_length=1,
+        kv_length=S,
+        q_offset=torch.tensor(7) if static else 7,
+        mask_function=mu.causal_mask_function,
+        attention_mask=PAD,
+    )
+    assert mask.step_keys is not None and mask.step_keys.shape == (2, 8)
+    assert torch.equal(mask.step_keys, PAD.bool())
+    calls = []
+    real = attnlab.hf.bridge.decode_step_run
+    monkeypatch.setattr(
+        attnlab.hf.bridge, "decode_step_run", lambda *a: calls.append(1) or real(*a)
+    )
+    with torch.no_grad():
+        out, _ = attention_forward(_Module(), q, k, v, mask, scaling=0.3)
+        want = attnlab.attention(
+            q,
+            k[:, :, :8],
+            v[:, :, :8],
+            mask=masks.from_tensor(PAD.bool()[:, None, None]),
+            scale=0.3,
+        )
+    assert calls == [1]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-6, rtol=1e-5)
+
+
 def test_weights_only_when_asked():
     q, k, v = _qkv()
     mask = hf_mask(batch_size=2, q_length=5, kv_length=5, mask_function=mu.causal_mask_function)

@@ -265,11 +265,18 @@ def fused_step_fits(backend: str, B: int, H: int, H_kv: int, S: int, D: int, dty
     return _size_reason(B, H, H_kv, 1, S, D, D, dtype) is None
 
 
-def decode_step_run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """``attention(q, k, v)`` (default scale, no mask) on the decode backend's C++ step, for
-    calls `decode_step_ready` accepts: `decode_run` of their request without building it."""
-    scale = SCORES["dot"].default_scale(q.shape[-1])  # `trusted_request`'s scale
-    return torch.ops.attnlab_nan.decode_attend(q, k, v, scale).to(q.dtype)
+def decode_step_run(
+    q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, keys: Tensor | None = None
+) -> Tensor:
+    """``attention(q, k, v, scale=scale, mask=keys)`` on the decode backend's C++ step, for calls
+    `decode_step_ready` accepts: `decode_run` of their request without building it.
+
+    ``scale``: None for the default ``1/√D`` (`trusted_request`'s). ``keys``: None (every key),
+    or the keys every row attends, bool ``(B|1, S)`` (`Mask.key_mask`: a decoding step's mask
+    rendered once for all layers of a model)."""
+    if scale is None:
+        scale = SCORES["dot"].default_scale(q.shape[-1])
+    return torch.ops.attnlab_nan.decode_attend(q, k, v, scale, keys).to(q.dtype)
 
 
 def rope_decode_run(

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..functional.api import attention
+from ..functional.decode import decode_step_ready, decode_step_run
 from ..masks import Mask
 from ..utils.extras import require
 from .errors import UnsupportedAttentionError
@@ -65,6 +66,17 @@ def _check_mask_interface(module: nn.Module) -> None:
             "so transformers passes no mask and padding would be silently ignored: use "
             "attnlab.hf.register() and attn_implementation='attnlab'"
         )
+
+
+def _one_step(
+    q: Tensor, k: Tensor, v: Tensor, dropout: float, softcap: float | None, weights: bool
+) -> bool:
+    """Whether a call with a decoding step's key mask runs on the C++ decode step directly: what
+    `attnlab.attention` would choose (`decode_step_ready`, auto) for a call without weights,
+    dropout or soft-capping, on q, k, v of one dtype."""
+    if weights or softcap is not None or dropout or not q.dtype == k.dtype == v.dtype:
+        return False
+    return q.shape[0] == k.shape[0] == v.shape[0] and decode_step_ready("auto", q, k, v, 0.0)
 
 
 def attention_forward(
@@ -129,12 +141,18 @@ def attention_forward(
                 "before loading, and pass a 2-D attention_mask, not a prepared 4-D one)"
             )
     S = key.shape[2]
+    want_weights = bool(kwargs.get("output_attentions"))
     if isinstance(attention_mask, HFMask):
         # a static cache's unused buffer is never attended: eager calls skip it (compiled ones
         # keep one graph over the whole buffer, so `used`, which changes every step, is not read)
         used = None if torch.compiler.is_compiling() else attention_mask.used
         if used is not None:
             key, value = key[:, :, : used[0]], value[:, :, : used[0]]
+        keys = None if torch.compiler.is_compiling() else attention_mask.step_keys
+        if keys is not None and _one_step(query, key, value, dropout, softcap, want_weights):
+            # a decoding step: the keys every layer attends were rendered once (`hf_mask`)
+            out = decode_step_run(query, key, value, scaling, keys.contiguous())
+            return out.transpose(1, 2).contiguous(), None  # (B, L, H, Dv)
         attention_mask = attention_mask.mask if used is None else used[1]
     extra = {}
     if softcap is not None:
@@ -144,7 +162,6 @@ def attention_forward(
                 "attnlab's attention() does not implement"
             )
         extra["softcap"] = softcap
-    want_weights = bool(kwargs.get("output_attentions"))
     result = attention(
         query,
         key,

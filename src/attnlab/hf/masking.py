@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from .. import masks
+from ..functional.decode import DECODE_MAX_L
 from ..masks import Mask
 
 _HF_MASKING = "transformers.masking_utils"
@@ -261,6 +262,9 @@ class HFMask:
             pattern never attends), whose structured mask is ``mask_n``; the attention function
             then runs on ``key[:, :, :n]`` (a view). Not read while compiling: n changes every
             step, and a compiled static-cache step keeps one graph for the whole buffer.
+        step_keys: for a decoding step in eager mode, the keys every row attends (bool
+            ``(B|1, n or S)``, `Mask.key_mask` of the mask the call uses), rendered once for
+            every layer: the attention function then runs the C++ decode step directly.
     """
 
     ndim = 4
@@ -277,6 +281,7 @@ class HFMask:
         self.shape = torch.Size(shape)
         self.device = device
         self.used = used
+        self.step_keys: Tensor | None = None
 
     def dim(self) -> int:
         """4, as for transformers' dense masks."""
@@ -355,7 +360,11 @@ def hf_mask(
     if static is not None:
         n, short = static
         used = (n, _with_padding(short, attention_mask, n, kv_offset))
-    return HFMask(result, shape, where, used=used)  # type: ignore[arg-type]
+    carrier = HFMask(result, shape, where, used=used)  # type: ignore[arg-type]
+    if q_length <= DECODE_MAX_L and not torch.compiler.is_compiling():
+        call, n = (result, kv_length) if used is None else (used[1], used[0])
+        carrier.step_keys = call.key_mask(q_length, n, device=where)  # type: ignore[union-attr]
+    return carrier
 
 
 def _with_padding(
