@@ -30,18 +30,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 2, 2, 1, 1000
-
-
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` field in bytes (VmRSS, VmHWM)."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def build(folder: str) -> None:
@@ -84,20 +74,19 @@ def child(folder: str, impl: str, length: int, threads: int) -> dict:
     ).model.eval()
     ids = torch.randint(0, VOCAB, (1, length))
     mask = None if impl == "attnlab-nomask" else torch.ones(1, length, dtype=torch.long)
-    with torch.inference_mode():
-        model(input_ids=ids[:, :64], attention_mask=None if mask is None else mask[:, :64])
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        before = _status("VmRSS")
-        t0 = time.perf_counter()
+    from common import peak_growth
+
+    def forward() -> None:
         if impl == "stats":
             result = attnlab.hf.attention_stats(model, {"input_ids": ids, "attention_mask": mask})
             assert len(result.layers) == LAYERS
         else:
             model(input_ids=ids, attention_mask=mask, use_cache=False)
-        seconds = time.perf_counter() - t0
-        peak = _status("VmHWM")
-    return {"impl": impl, "L": length, "growth": peak - before, "seconds": seconds}
+
+    with torch.inference_mode():
+        model(input_ids=ids[:, :64], attention_mask=None if mask is None else mask[:, :64])
+        _, growth, seconds = peak_growth(forward)
+    return {"impl": impl, "L": length, "growth": growth, "seconds": seconds}
 
 
 def main() -> None:

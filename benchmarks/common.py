@@ -26,6 +26,29 @@ def timed(fn: Callable[[], object], clock: Callable[[], float] = time.perf_count
     return clock() - t0
 
 
+def proc_status(field: str) -> int:
+    """A ``/proc/self/status`` memory field in bytes (``VmRSS``, ``VmHWM``; Linux)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def peak_growth(fn: Callable[[], object]) -> tuple[object, int, float]:
+    """``(fn(), peak RSS growth in bytes, seconds)`` of one call: the peak is reset to the current
+    RSS first (``/proc/self/clear_refs``, Linux), so the growth is what the call itself held at
+    its peak. Run it in a fresh process per measurement: memory an earlier call freed but the
+    allocator kept would hide part of the next call's growth."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    before = proc_status("VmRSS")
+    t0 = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - t0
+    return out, proc_status("VmHWM") - before, seconds
+
+
 def matmul_gflops(
     n: int = 4096,
     repeats: int = 5,
