@@ -49,6 +49,31 @@ def peak_growth(fn: Callable[[], object]) -> tuple[object, int, float]:
     return out, proc_status("VmHWM") - before, seconds
 
 
+def peak_tensor_growth(fn: Callable[[], object]) -> int:
+    """Peak bytes of live CPU tensors during one call of ``fn`` above those live when it starts,
+    from torch's profiler memory timeline (the allocator's own events: exact, and unaffected by
+    memory the allocator keeps cached, unlike RSS). Costs a profiled call."""
+    import json
+    import os
+    import tempfile
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated for CUDA; CPU has no other
+        path = os.path.join(folder, "memory.json")
+        prof.export_memory_timeline(path, device="cpu")
+        with open(path, encoding="utf-8") as f:
+            _, sizes = json.load(f)  # per time: bytes by category
+    totals = [sum(row) for row in sizes]
+    return max(totals) - totals[0] if totals else 0
+
+
 def matmul_gflops(
     n: int = 4096,
     repeats: int = 5,
