@@ -239,6 +239,38 @@ def rule(impl, golden, naive, real, kind, name):
 # ----------------------------------------------------------------------------------- tests
 
 
+def _padded(side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` of `IDS`'s real tokens padded on ``side`` ("left", "right"), or the first
+    row's 8 real tokens for every row ("none": the all-ones mask every tokenizer call passes)."""
+    if side == "none":
+        ids = IDS[:1].repeat(3, 1)
+        return ids, torch.ones_like(ids)
+    rows = [row[row != 0] for row in IDS]
+    ids = torch.zeros_like(IDS)
+    for b, row in enumerate(rows):
+        if side == "left":
+            ids[b, IDS.shape[1] - len(row) :] = row
+        else:
+            ids[b, : len(row)] = row
+    return ids, (ids != 0).long()
+
+
+@pytest.mark.parametrize("side", ["left", "right", "none"])
+@pytest.mark.parametrize(
+    "family", family_params(["llama", "mistral", "gemma2_softcap", "bert"]), indirect=True
+)
+def test_padding_on_either_side_equals_eager(family, side):
+    """The bridge's padding path against eager on left, right and no padding: logits of the
+    real tokens by the tolerance rule (float64 golden, eager as the naive)."""
+    ids, mask = _padded(side)
+    with torch.no_grad():
+        a, e, g = (
+            _main(m(input_ids=ids, attention_mask=mask))
+            for m in (family.attnlab, family.eager, family.golden)
+        )
+    rule(a, g, e, mask.bool(), "fwd", f"{family.name} {side} padding logits")
+
+
 @pytest.mark.parametrize("family", family_params(list(FAMILIES)), indirect=True)
 def test_logits_and_weights_equal_eager(family, monkeypatch):
     kw = family.inputs()
