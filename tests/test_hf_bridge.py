@@ -267,7 +267,7 @@ CASES = {
             attention_mask=PAD,
             mask_function=mu.sliding_window_causal_mask_function(3),
         ),
-        "(sliding_window(3, causal=True) & from_tensor(shape=(2, 1, 1, 4)))",
+        "sliding_window(3, causal=True)",  # keys 4..7 carry no padding: dropped (eager)
     ),
     "static cache": (  # 5 tokens seen, a buffer of 10, queries 3 and 4: keys 0..4 used
         dict(
@@ -412,6 +412,18 @@ def test_hf_mask_equals_transformers_mask(case):
         assert torch.equal(dense, want), case
     text = repr(mask)
     assert all(part in text for part in kind.split(" & ")) if "document" in kind else text == kind
+
+
+def test_an_all_ones_padding_mask_is_dropped_in_eager_mode():
+    """transformers passes a 2-D mask of ones with every tokenizer batch and in ``generate``: in
+    eager mode (one read per forward, as transformers' sdpa path reads it) the call is the
+    pattern alone; with any padding the key mask stays."""
+    ones = torch.ones(2, 8, dtype=torch.long)
+    kw = dict(batch_size=2, q_length=8, kv_length=8, mask_function=mu.causal_mask_function)
+    assert repr(hf_mask(attention_mask=ones, **kw).mask) == "causal()"
+    assert "from_tensor" in repr(hf_mask(attention_mask=PAD, **kw).mask)
+    bidirectional = dict(kw, mask_function=mu.bidirectional_mask_function)
+    assert hf_mask(attention_mask=ones, **bidirectional) is None
 
 
 def test_bidirectional_without_padding_is_no_mask():

@@ -371,11 +371,20 @@ def _with_padding(
     pattern: Mask | str, attention_mask: Tensor | None, kv_length: int, kv_offset: int
 ) -> Mask | None:
     """The pattern ``&`` the keys' padding (a ``(B, 1, 1, S)`` key mask, never L×S); None for
-    no restriction at all."""
+    no restriction at all.
+
+    A padding mask of all ones (every tokenizer call and ``generate`` pass one) is dropped in
+    eager mode: one read of the ``(B, S)`` mask per forward, as transformers' own sdpa path reads
+    it (``_ignore_causal_mask_sdpa``); the call is then the pattern alone (plain causal: torch's
+    fused causal kernel, the segment kernel, the decode step without a key mask). While tracing
+    (and on ``meta``) the values are never read.
+    """
     result: Mask | None = None if pattern == _FULL else pattern  # type: ignore[assignment]
     if attention_mask is None:
         return result
     valid = _key_padding(attention_mask, kv_length, kv_offset)  # (B, S)
+    if not torch.compiler.is_compiling() and not valid.is_meta and bool(valid.all()):
+        return result
     keys = masks.from_tensor(valid[:, None, None, :])
     return keys if result is None else result & keys
 
