@@ -142,8 +142,9 @@ def run_case(name: str, B: int, L: int, dtype: torch.dtype, args) -> None:
     real = mask.bool()
     first = next(iter(outs))
     golden = None
-    if args.golden_max >= L:  # the model in float64 (eager's attention, else the anchor's)
-        ref = copy.deepcopy(models["eager" if "eager" in models else first]).double()
+    if args.golden_max >= L:  # the model in float64 (sdpa's or eager's attention)
+        base = next((i for i in ("sdpa", "eager") if i in models), first)
+        ref = copy.deepcopy(models[base]).double()
         with torch.inference_mode():
             golden = ref.model(ids, attention_mask=mask).last_hidden_state[real]
         del ref

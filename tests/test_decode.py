@@ -250,6 +250,23 @@ def test_key_masks_take_the_decode_path(ext, monkeypatch):
         )
 
 
+def test_key_masks_give_the_reference_lse():
+    """The decode path's log-sum-exp over a key mask (tensor ops: the C++ step returns no lse)
+    equals the reference's, an item with no key −inf and zeros."""
+    B, S = 3, 40
+    keep = torch.ones(B, S, dtype=torch.bool)
+    keep[1, :25] = False
+    keep[2] = False
+    mask = masks.causal() & masks.from_tensor(keep[:, None, None, :])
+    q, k, v = _qkv(B, 4, 2, 1, S, dtype=torch.float64)
+    with torch.no_grad():
+        out, lse = attnlab.attention(q, k, v, mask=mask, backend="decode", return_lse=True)
+        r_out, r_lse = attnlab.attention(q, k, v, mask=mask, backend="reference", return_lse=True)
+    torch.testing.assert_close(out, r_out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, r_lse, atol=1e-12, rtol=1e-12)
+    assert torch.isneginf(lse[2]).all() and not out[2].any()
+
+
 # --------------------------------------------------------------------------- compile, meta
 def test_compile_fullgraph_and_meta():
     q, k, v = _qkv(2, 8, 2, 1, 600)

@@ -344,7 +344,11 @@ def hf_mask(
         )
     shape = (batch_size, 1, q_length, kv_length)
     where = attention_mask.device if attention_mask is not None else torch.device(device or "cpu")
-    aligned = isinstance(q_offset, int) and q_offset + q_length == kv_offset + kv_length
+    aligned = (
+        isinstance(q_offset, int)
+        and not isinstance(q_offset, bool)
+        and q_offset + q_length == kv_offset + kv_length
+    )
     pattern = _structured(mask_function, aligned=aligned, q_length=q_length, kv_length=kv_length)
     if pattern is None and q_length == 1:
         pattern = _one_row(mask_function, batch_size, kv_length, q_offset, kv_offset)
