@@ -115,6 +115,19 @@ def register_floor() -> None:
     transformers.masking_utils.AttentionMaskInterface.register(FLOOR, lambda *_a, **_k: None)
 
 
+def build_models(cls, cfg, impls: list[str], dtype: torch.dtype) -> dict:
+    """One model per attention implementation, in eval mode, all with the first one's weights
+    (random, seed 0); each gets its own copy of the config (transformers writes into it)."""
+    torch.manual_seed(0)
+    models: dict = {}
+    for impl in impls:
+        model = cls._from_config(copy.deepcopy(cfg), attn_implementation=impl, dtype=dtype)
+        if models:
+            model.load_state_dict(next(iter(models.values())).state_dict())
+        models[impl] = model.eval()
+    return models
+
+
 def run_case(name: str, B: int, L: int, dtype: torch.dtype, args) -> None:
     """Times one (family, B, L, dtype) for every contender that applies; prints one line each."""
     cls, cfg = family(name, max(args.lengths))
@@ -123,13 +136,7 @@ def run_case(name: str, B: int, L: int, dtype: torch.dtype, args) -> None:
     impls += ["eager"] if args.eager_max >= L else []
     impls.append("attnlab")
     impls += [FLOOR] if args.floor else []
-    torch.manual_seed(0)
-    models = {}
-    for impl in impls:
-        model = cls._from_config(copy.deepcopy(cfg), attn_implementation=impl, dtype=dtype)
-        if models:
-            model.load_state_dict(next(iter(models.values())).state_dict())
-        models[impl] = model.eval()
+    models = build_models(cls, cfg, impls, dtype)
     ids, mask = inputs(B, L)
     best: dict[str, float] = {}
     outs: dict[str, torch.Tensor] = {}
@@ -230,13 +237,7 @@ def run_generate(name: str, B: int, prompt: int, cache: str, dtype: torch.dtype,
     cls, cfg = family(name, prompt + args.new_tokens + 8)
     impls = ["sdpa", "attnlab"] if name != "gemma2" else ["eager", "attnlab"]
     impls += [FLOOR] if args.floor else []
-    torch.manual_seed(0)
-    models = {}
-    for impl in impls:
-        model = cls._from_config(copy.deepcopy(cfg), attn_implementation=impl, dtype=dtype)
-        if models:
-            model.load_state_dict(next(iter(models.values())).state_dict())
-        models[impl] = model.eval()
+    models = build_models(cls, cfg, impls, dtype)
     ids, mask = inputs(B, prompt)
     kw = dict(
         attention_mask=mask,
