@@ -282,3 +282,29 @@ def test_compile_fullgraph_and_meta():
         torch.testing.assert_close(compiled(q, k, v), f(q, k, v), atol=1e-6, rtol=1e-6)
     meta = [x.to("meta") for x in (q, k, v)]
     assert f(*meta).shape == (2, 8, 1, 24) and f(*meta).device.type == "meta"
+
+
+def test_key_mask_step_compiles_fullgraph_with_inductor_and_runs_on_meta():
+    """transformers' decoding mask (causal & a key-padding tensor, an item with no key) under
+    ``torch.compile(fullgraph=True)`` with Inductor: the traced key-mask path (tensor ops), equal
+    to eager's C++ step; and on meta tensors."""
+    q, k, v = _qkv(3, 8, 2, 1, 70)
+    keep = torch.ones(3, 70, dtype=torch.bool)
+    keep[1, :30] = False
+    keep[2] = False
+    k[1, :, 5] = float("nan")  # masked: never reaches a row
+    mask = masks.causal() & masks.from_tensor(keep[:, None, None, :])
+
+    def f(q, k, v):
+        return attnlab.attention(q, k, v, mask=mask)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = f(q, k, v)
+        got = torch.compile(f, fullgraph=True)(q, k, v)
+    torch._dynamo.reset()
+    assert torch.isfinite(got).all() and not got[2].any()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    meta = [x.to("meta") for x in (q, k, v)]
+    mask = masks.causal() & masks.from_tensor(keep.to("meta")[:, None, None, :])
+    assert f(*meta).shape == (3, 8, 1, 24) and f(*meta).device.type == "meta"
