@@ -300,7 +300,11 @@ def test_sdpa_declines_and_explain_says_why():
     why = attnlab.explain(q, k, v, mask=masks.causal(), softcap=CAP)
     assert why.startswith("flash:"), why
     assert "not 'sdpa': torch's scaled_dot_product_attention has no logit soft-capping" in why
-    assert "soft-capped logits on the pure-PyTorch tile engine" in why
+    # no gradient: attnlab's C++ kernels soft-cap in their forward; with one, the torch engine
+    assert "soft-capped logits on attnlab's C++ kernels" in why or not _cpp_ready()
+    grad = attnlab.explain(q.requires_grad_(), k, v, mask=masks.causal(), softcap=CAP)
+    assert "soft-capped logits on the pure-PyTorch tile engine" in grad
+    q.requires_grad_(False)
     # without softcap the same call goes to sdpa: the cap alone changed the choice
     assert attnlab.explain(q, k, v, mask=masks.causal()).startswith("sdpa:")
     with pytest.raises(ValueError, match=r"engine='kernel' cannot soft-cap"):
@@ -364,6 +368,76 @@ def test_bad_softcap_refused_before_any_work(bad, err, match):
     assert not calls
     # float64 inputs accept what float32 cannot hold
     attnlab.attention(q.double(), k.double(), v.double(), softcap=1e-300)
+
+
+# ------------------------------------------------------ attnlab's C++ kernels (no gradient)
+KERNEL_CASES = {  # name -> (mask, L = S): plans whose every call is attnlab's C++ kernel
+    "causal, one segment": (masks.causal(), 301),
+    "full, one segment": (None, 257),
+    "window, band calls": (masks.sliding_window(96), 700),  # + an edge call (torch engine)
+}
+
+
+def _on_cpp_kernel(q, k, v, mask) -> bool:
+    why = attnlab.explain(q, k, v, mask=mask, softcap=CAP)
+    return "soft-capped logits on attnlab's C++ kernels" in why and "C++ band kernel" in why
+
+
+def _cpp_ready() -> bool:
+    from attnlab.functional.flash import band_kernel
+
+    return band_kernel.ready(torch.zeros(1, 1, 64, 64))
+
+
+@pytest.fixture
+def cpp_kernels():
+    if not _cpp_ready():
+        pytest.skip("attnlab's C++ band kernel does not run here")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_cpp_kernels_soft_cap_without_gradient(cpp_kernels, dtype, name):
+    """Without gradient, soft-capped calls whose every call is attnlab's C++ kernel (Gemma 2's
+    causal and sliding-window layers) run there — the tanh applied to each score row before the
+    mask — and follow the tolerance rule against the float64 reference (GQA, odd lengths)."""
+    mask, n = KERNEL_CASES[name]
+    n += n % 2 if dtype == torch.bfloat16 else 0  # bfloat16 pairs: segments of even length
+    q, k, v = qkv(dtype, l=n, s=n, d=64, dv=64, b=2)
+
+    def impl(q, k, v):
+        with torch.no_grad():
+            return attnlab.attention(q, k, v, mask=mask, softcap=CAP)
+
+    with torch.no_grad():
+        assert _on_cpp_kernel(q, k, v, mask), attnlab.explain(q, k, v, mask=mask, softcap=CAP)
+    check_against_reference(impl, reference_for(mask, None, softcap=CAP), [q, k, v], grads=False)
+
+
+def test_with_gradient_soft_capping_stays_on_the_torch_engine(cpp_kernels):
+    """The C++ backward has no tanh stage: a call that needs gradients runs the pure-PyTorch
+    engine (its gradients are checked above), the same call without them attnlab's kernel."""
+    q, k, v = qkv(torch.float32, l=301, s=301, d=64, dv=64)
+    assert "pure-PyTorch" in attnlab.explain(
+        q.requires_grad_(), k, v, mask=masks.causal(), softcap=CAP
+    )
+    with torch.no_grad():
+        assert _on_cpp_kernel(q, k, v, masks.causal())
+
+
+def test_nan_rule_with_softcap_on_the_cpp_kernel(cpp_kernels):
+    """The NaN rule on the kernel path: a non-finite k_j poisons exactly the rows that attend j
+    (causal: rows >= j), a non-finite v_j[d] only column d of them, whatever tanh(±inf) is."""
+    q, k, v = qkv(torch.float32, l=300, s=300, d=64, dv=64)
+    k[:, 0, 200, 3] = float("inf")
+    v[:, 1, 100, 2] = float("nan")
+    with torch.no_grad():
+        assert _on_cpp_kernel(q, k, v, masks.causal())
+        out = attnlab.attention(q, k, v, mask=masks.causal(), softcap=CAP)
+    want = torch.zeros_like(out, dtype=torch.bool)
+    want[:, :2, 200:] = True  # query heads 0, 1 share k/v head 0
+    want[:, 2:, 100:, 2] = True
+    assert torch.equal(out.isnan() | out.isinf(), want)
 
 
 # --------------------------------------------------------------------------- NaN rule, stats

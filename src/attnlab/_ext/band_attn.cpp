@@ -12,7 +12,9 @@
 //       partial outputs are merged) and lse (nblk, H, bq) float32 (any strides, e.g. views of the
 //       whole output):
 //           out = softmax(q·kᵀ·scale + add) v,   lse = log Σ exp(q·kᵀ·scale + add);
-//       a row whose every key is masked gets out = 0, lse = −inf.
+//       a row whose every key is masked gets out = 0, lse = −inf. softcap > 0 (both forward
+//       operators): the logits q·kᵀ·scale become softcap·tanh(q·kᵀ·scale / softcap) before add
+//       (Gemma 2's soft-capping; forward only: the backward operators have no tanh stage).
 //       check: also test every q, k, v entry the call reads (the q rows of its blocks, the keys
 //       and values of its windows) for NaN/±inf: seen is then a 1-element tensor if one was
 //       found (out and lse are not meaningful), else empty (numel 0; also when not checking),
@@ -391,6 +393,72 @@ inline std::pair<float, float> softmax_row(float* sr, const float* ad, int64_t w
 #endif
   return softmax_row_portable<HasAdd>(sr, ad, ws, c_lo, c_hi, scale, pr);
 #endif
+}
+
+// Logit soft-capping of one row of n raw scores in place: s ← cap·tanh(s·scale/cap) (Gemma 2;
+// `reference.softcap_logits`), before the additive tile and the mask; `softmax_row` then runs
+// with scale 1. tanh(x) is x + x·z·P(z), z = x², for |x| < 0.625 (Cephes' float fit, ~1 ulp)
+// and sign(x)·(1 − 2/(e^{2|x|} + 1)) above, |x| clamped to 9 (tanh(9) rounds to 1).
+inline float tanh_scalar(float x) { return std::tanh(x); }
+
+#if defined(__AVX512F__)
+inline __m512 tanh16(__m512 x) {
+  const __m512 ax = _mm512_min_ps(_mm512_abs_ps(x), _mm512_set1_ps(9.0f));
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(-5.70498872745e-3f), z,
+                             _mm512_set1_ps(2.06390887954e-2f));
+  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
+  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
+  p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
+  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(x, z), p, x);
+  const __m512 e = exp2_16<float>(_mm512_mul_ps(ax, _mm512_set1_ps(2.88539008177792681f)));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 big = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
+  // sign of x onto the large branch
+  const __m512 sign = _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  const __m512 large = _mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_castps_si512(big), _mm512_castps_si512(sign)));
+  const __mmask16 is_small = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.625f), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(is_small, large, small);
+}
+#endif
+
+#if defined(ATTNLAB_AVX2)
+inline __m256 tanh8(__m256 x) {
+  const __m256 signbit = _mm256_set1_ps(-0.0f);
+  const __m256 ax = _mm256_min_ps(_mm256_andnot_ps(signbit, x), _mm256_set1_ps(9.0f));
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(-5.70498872745e-3f), z,
+                             _mm256_set1_ps(2.06390887954e-2f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(x, z), p, x);
+  const __m256 e = exp2_8(_mm256_mul_ps(ax, _mm256_set1_ps(2.88539008177792681f)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 big = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+  const __m256 large = _mm256_or_ps(big, _mm256_and_ps(x, signbit));
+  const __m256 is_small = _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ);
+  return _mm256_blendv_ps(large, small, is_small);
+}
+#endif
+
+inline void cap_scores(float* s, int64_t n, float scale, float cap) {
+  const float a = scale / cap;
+  int64_t c = 0;
+#if defined(__AVX512F__)
+  const __m512 va = _mm512_set1_ps(a), vc = _mm512_set1_ps(cap);
+  for (; c + 16 <= n; c += 16) {
+    _mm512_storeu_ps(s + c, _mm512_mul_ps(vc, tanh16(_mm512_mul_ps(_mm512_loadu_ps(s + c), va))));
+  }
+#elif defined(ATTNLAB_AVX2)
+  const __m256 va = _mm256_set1_ps(a), vc = _mm256_set1_ps(cap);
+  for (; c + 8 <= n; c += 8) {
+    _mm256_storeu_ps(s + c, _mm256_mul_ps(vc, tanh8(_mm256_mul_ps(_mm256_loadu_ps(s + c), va))));
+  }
+#endif
+  for (; c < n; ++c) s[c] = cap * tanh_scalar(s[c] * a);
 }
 
 // Writes one output row (the unnormalized p·v row ``src`` divided by the denominator) and its
@@ -899,7 +967,7 @@ template <typename T, typename TO>
 void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk, int64_t bq,
                   int64_t k_start, int64_t width, int64_t limit, double scale_d,
-                  std::atomic<bool>* bad) {
+                  std::atomic<bool>* bad, float softcap) {
   using C = typename Traits<T>::C;
   constexpr bool vnni = Traits<T>::vnni;
   const int64_t H = q.size(0), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
@@ -959,7 +1027,9 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
         for (int64_t r = 0; r < bq; ++r) {
           float* sr = s + (g + r) * ws;
           C* pr = vnni ? sc.p + (g + r) * ws : reinterpret_cast<C*>(sr);
-          const auto [mx, sum] = softmax_row<true>(sr, at + r * ar, ws, c_lo, c_hi, scale, pr);
+          if (softcap > 0.0f) cap_scores(sr, ws, scale, softcap);
+          const float sx = softcap > 0.0f ? 1.0f : scale;
+          const auto [mx, sum] = softmax_row<true>(sr, at + r * ar, ws, c_lo, c_hi, sx, pr);
           sc.m[g + r] = mx;
           sc.den[g + r] = sum;
         }
@@ -1028,7 +1098,7 @@ constexpr int64_t kSegmentSpan = 2048;
 template <typename T>
 void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, int64_t start, int64_t n, int64_t count, bool causal,
-                     int64_t bq, double scale_d) {
+                     int64_t bq, double scale_d, float softcap) {
   using C = typename Traits<T>::C;
   constexpr bool vnni = Traits<T>::vnni;
   constexpr int64_t kCols = 512;  // columns per brgemm call, both products
@@ -1087,7 +1157,9 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
           float* sr = s + r * lds;
           C* pr = vnni ? sc.p + r * lds : reinterpret_cast<C*>(sr);
           const int64_t hi = std::clamp<int64_t>((causal ? t * bq + r + 1 : n) - a0, 0, wa);
-          const auto [mx, sum] = softmax_row<false>(sr, nullptr, wa, 0, hi, scale, pr);
+          if (softcap > 0.0f) cap_scores(sr, wa, scale, softcap);
+          const float sx = softcap > 0.0f ? 1.0f : scale;
+          const auto [mx, sum] = softmax_row<false>(sr, nullptr, wa, 0, hi, sx, pr);
           m[r] = mx;
           den[r] = sum;
         }
@@ -1672,7 +1744,9 @@ at::Tensor padded_tile(const at::Tensor& add, int64_t width, int64_t ws) {
 at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk,
                         int64_t bq, int64_t k_start, int64_t width, int64_t limit, double scale,
-                        bool check_inputs_for_nonfinite, bool widen) {
+                        bool check_inputs_for_nonfinite, bool widen, double softcap) {
+  TORCH_CHECK(softcap >= 0.0, "attnlab_band.forward_into: softcap must be >= 0 (0: none)");
+  const float cap = static_cast<float>(softcap);
   const at::ScalarType dt = check_inputs("forward_into", out, q, k, v, 4, /*float_out=*/true);
   const bool bf16 = bf16_pairs("forward_into", dt, widen, q, bq);
   check(add, "forward_into", "add", 4);
@@ -1692,7 +1766,7 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
     using T = decltype(in_type);
     using TO = decltype(out_type);
     band_forward<T, TO>(out, lse, q, k, v, addp, r0, nblk, bq, k_start, width, limit, scale,
-                        seen);
+                        seen, cap);
   };
   if (dt == at::kFloat) {
     run(float{}, float{});
@@ -1708,7 +1782,9 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
 
 void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
                    const at::Tensor& v, int64_t start, int64_t n, int64_t count, bool causal,
-                   int64_t bq, double scale, bool widen) {
+                   int64_t bq, double scale, bool widen, double softcap) {
+  TORCH_CHECK(softcap >= 0.0, "attnlab_band.segments_into: softcap must be >= 0 (0: none)");
+  const float cap = static_cast<float>(softcap);  // 0: none
   const at::ScalarType dt = check_inputs("segments_into", out, q, k, v, 3);
   const bool bf16 = bf16_pairs("segments_into", dt, widen, q, bq);
   TORCH_CHECK(lse.dim() == 2 && lse.scalar_type() == at::kFloat,
@@ -1723,13 +1799,13 @@ void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at
               "attnlab_band.segments_into: bfloat16 pairs need an even segment length");
   populate(out.narrow(1, start, count * n));
   if (bf16) {
-    segment_forward<c10::BFloat16>(out, lse, q, k, v, start, n, count, causal, bq, scale);
+    segment_forward<c10::BFloat16>(out, lse, q, k, v, start, n, count, causal, bq, scale, cap);
   } else if (dt == at::kBFloat16) {
-    segment_forward<WideBF16>(out, lse, q, k, v, start, n, count, causal, bq, scale);
+    segment_forward<WideBF16>(out, lse, q, k, v, start, n, count, causal, bq, scale, cap);
   } else if (dt == at::kHalf) {
-    segment_forward<c10::Half>(out, lse, q, k, v, start, n, count, causal, bq, scale);
+    segment_forward<c10::Half>(out, lse, q, k, v, start, n, count, causal, bq, scale, cap);
   } else {
-    segment_forward<float>(out, lse, q, k, v, start, n, count, causal, bq, scale);
+    segment_forward<float>(out, lse, q, k, v, start, n, count, causal, bq, scale, cap);
   }
 }
 
@@ -1826,10 +1902,11 @@ TORCH_LIBRARY(attnlab_band, m) {
   m.def(
       "forward_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, Tensor add, "
       "int r0, int nblk, int bq, int k_start, int width, int limit, float scale, "
-      "bool check=False, bool widen=False) -> Tensor");
+      "bool check=False, bool widen=False, float softcap=0.0) -> Tensor");
   m.def(
       "segments_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, int start, "
-      "int n, int count, bool causal, int bq, float scale, bool widen=False) -> ()");
+      "int n, int count, bool causal, int bq, float scale, bool widen=False, "
+      "float softcap=0.0) -> ()");
   m.def(
       "backward_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor q, Tensor k, Tensor v, "
       "Tensor out, Tensor dout, Tensor lse, Tensor add, int r0, int nblk, int bq, int k_start, "

@@ -307,7 +307,10 @@ def explain_plan(req: Request) -> str:
     job = flash_job(req)
     text = job.plan.describe()
     if job.softcap is not None:
-        text += ", soft-capped logits on the pure-PyTorch tile engine"
+        where = (
+            "attnlab's C++ kernels" if job.engine == "kernel" else "the pure-PyTorch tile engine"
+        )
+        text += f", soft-capped logits on {where}"
     grad = any(needs_grad(x) for x in (req.q, req.k, req.v))
     engines = job.engines(req.q, req.k, req.v, grad=grad)
     if kernel_checks_inputs(req) and band_kernel_covers(job, req.q, req.k, req.v):

@@ -79,16 +79,20 @@ def band_forward(
     lse: Tensor,
     store: Store | None = None,
     own: bool = True,
+    softcap: float | None = None,
 ) -> None:
     """Runs a batched band call on the kernel into ``out (B, H, L, Dv)`` and ``lse (B, H, L)``.
 
     ``store`` merges a call's rows into the output (overlapping plans); None writes them (the
     C++ band kernel then writes straight into ``out``). ``own``: attnlab's C++ band kernel may
     run (`FlashJob.own_kernel`: False when it never does on this dtype and CPU). Inputs are
-    finite (`nan_rule.clean`), so the batched call is always possible.
+    finite (`nan_rule.clean`), so the batched call is always possible. ``softcap``: soft-capped
+    logits, which only attnlab's C++ kernel applies (the job takes this path for them only when
+    it runs every call: `plan.softcap_on_kernel`).
     """
     put = store or _copy
     native = own and band_kernel.usable(q, k, v, c.bq)  # every block, edges too, in one C++ call
+    assert native or softcap is None, "soft-capped logits need attnlab's C++ band kernel"
     for b in range(c.b0, c.b1):
         add = tiles.tile(c, b, q.device)
         if native:
@@ -98,7 +102,7 @@ def band_forward(
                 if store is None
                 else (torch.empty_like(o_rows), torch.empty_like(l_rows))
             )
-            band_kernel.forward_into(o, l, q[b], k[b], v[b], add, c, scale)
+            band_kernel.forward_into(o, l, q[b], k[b], v[b], add, c, scale, softcap)
             if store is not None:
                 store(o_rows, l_rows, o, l)
             continue
@@ -208,13 +212,16 @@ def segment_forward(
     out: Tensor,
     lse: Tensor,
     own: bool = True,
+    softcap: float | None = None,
 ) -> None:
     """Runs batched segments (packed documents) on the kernel, one call per batch item: attnlab's
-    C++ kernel when it takes them (``own`` and `band_kernel.segments_usable`), else torch's."""
+    C++ kernel when it takes them (``own`` and `band_kernel.segments_usable`), else torch's
+    (which cannot soft-cap: ``softcap`` needs the C++ kernel)."""
     if own and band_kernel.segments_usable(q, k, v, c.n):
         for b in range(c.b0, c.b1):
-            band_kernel.segments_into(out[b], lse[b], q[b], k[b], v[b], c, scale)
+            band_kernel.segments_into(out[b], lse[b], q[b], k[b], v[b], c, scale, softcap)
         return
+    assert softcap is None, "soft-capped logits need attnlab's C++ segment kernel"
     logits = Logits(scale, causal=c.causal)
     for b in range(c.b0, c.b1):
         o, l = kernel_forward(segments(q, b, c), segments(k, b, c), segments(v, b, c), logits)

@@ -229,7 +229,14 @@ def segments_usable(q: Tensor, k: Tensor, v: Tensor, n: int) -> bool:
 
 
 def segments_into(
-    out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, c: SegmentCall, scale: float
+    out: Tensor,
+    lse: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    c: SegmentCall,
+    scale: float,
+    softcap: float | None = None,
 ) -> None:
     """Writes the rows of segment call ``c`` into ``out`` and ``lse`` for one batch item.
 
@@ -239,6 +246,7 @@ def segments_into(
         q: ``(H, L, D)``; k: ``(H_kv, S, D)``; v: ``(H_kv, S, Dv)``: one batch item.
         c: ``c.count`` segments of ``c.n`` positions from ``c.start``; causal or full.
         scale: logit multiplier.
+        softcap: None, or logit soft-capping ``softcap·tanh(s / softcap)`` (forward only).
 
     ``out = softmax(q·kᵀ·scale) v`` per row over its segment's keys (causal: up to the row).
     """
@@ -255,6 +263,7 @@ def segments_into(
         SEGMENT_BLOCK,
         float(scale),
         not pairs(q.dtype),
+        0.0 if softcap is None else float(softcap),
     )
 
 
@@ -377,6 +386,7 @@ def forward_into(
     add: Tensor,
     c: BandCall,
     scale: float,
+    softcap: float | None = None,
 ) -> None:
     """Writes band call ``c``'s output and log-sum-exp for one batch item (no allocation).
 
@@ -388,6 +398,8 @@ def forward_into(
         c: the call, all its blocks: windows reaching outside ``[0, c.key_limit)`` (or the
             keys) are clipped to it.
         scale: logit multiplier.
+        softcap: None, or logit soft-capping ``softcap·tanh(s / softcap)`` of the scaled logits
+            before ``add`` (forward only: the backward operator has no tanh stage).
 
     ``out = softmax(q·kᵀ·scale + add) v`` per block over the keys of its window; a row with
     no key gets 0 and lse = −inf.
@@ -414,6 +426,7 @@ def forward_into(
         float(scale),
         checks is not None,
         not pairs(q.dtype),
+        0.0 if softcap is None else float(softcap),
     )
     if checks is not None:
         checks.append(seen.numel() > 0)

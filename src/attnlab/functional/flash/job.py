@@ -122,10 +122,10 @@ class FlashJob:
     def __post_init__(self) -> None:
         if self.band_tiles is None:
             self.band_tiles = BandTiles(self.source)
-        if self.softcap is not None and self.engine != "torch":
+        if self.softcap is not None and self.engine != "torch" and not self.own_kernel:
             raise ValueError(
-                f"softcap={self.softcap} needs engine='torch' (torch's CPU flash kernel cannot "
-                f"apply tanh to its logits), got engine={self.engine!r}"
+                f"softcap={self.softcap} needs engine='torch' or attnlab's C++ kernels (torch's "
+                f"CPU flash kernel cannot apply tanh to its logits), got engine={self.engine!r}"
             )
 
     @property
@@ -214,8 +214,11 @@ class FlashJob:
                 # one segment of L positions: attnlab's one-pass kernel (faster than torch's)
                 out = torch.empty(B, H, L, Dv, dtype=q.dtype, device=q.device)
                 lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
-                segment_forward(whole, q, k, v, scale=self.scale, out=out, lse=lse)
+                segment_forward(
+                    whole, q, k, v, scale=self.scale, out=out, lse=lse, softcap=self.softcap
+                )
                 return out, lse
+            assert self.softcap is None, "soft-capped logits need attnlab's C++ kernels"
             out, lse = kernel_forward(
                 q, k, v, Logits(self.scale, causal=causal, policy=self.policy)
             )
@@ -258,8 +261,10 @@ class FlashJob:
             parts: list[tuple[Tensor, Tensor, Tensor | None]] = []
             for c in g.calls:
                 if isinstance(c, SegmentCall) and self.engine == "kernel":
-                    own = self.own_kernel
-                    segment_forward(c, q, k, v, scale=self.scale, out=out, lse=lse, own=own)
+                    own, cap = self.own_kernel, self.softcap
+                    segment_forward(
+                        c, q, k, v, scale=self.scale, out=out, lse=lse, own=own, softcap=cap
+                    )
                 elif isinstance(c, BandCall | SegmentCall):
                     self._band_forward(q, k, v, c, out=out, lse=lse)
                 else:
@@ -285,7 +290,7 @@ class FlashJob:
             tiles, scale = self.band_tiles, self.scale
             store = self._store if self.plan.overlap else None  # None: written in place
             kw = {"out": out, "lse": lse, "store": store, "own": self.own_kernel}
-            band_forward(c, q, k, v, tiles=tiles, scale=scale, **kw)
+            band_forward(c, q, k, v, tiles=tiles, scale=scale, softcap=self.softcap, **kw)
             return
         for bc in c.block_calls():
             o, l, lo = self._simple_forward(q, k, v, bc)
@@ -294,10 +299,12 @@ class FlashJob:
     def _simple_forward(self, q, k, v, c: Call) -> tuple[Tensor, Tensor, Tensor | None]:
         qc, kc, vc, add = self._call_tensors(q, k, v, c)
         logits = Logits(self.scale, add, c.kind == CALL_CAUSAL, self.softcap, self.policy)
-        if self.engine == "kernel":
+        if self.engine == "kernel" and self.softcap is None:
             o, l = kernel_forward(qc, kc, vc, logits)
             o, l = fix_dead_rows(o, l, add)
             return o, l, None
+        # the torch engine; on the kernel engine, a soft-capped job's edge tiles (torch's fused
+        # kernel cannot apply tanh; such jobs have no backward, so lse needs no compensation)
         return self.torch_engine.forward(qc, kc, vc, logits)
 
     def _put(
@@ -357,7 +364,8 @@ class FlashJob:
                     key = ("segment call", band_kernel.segments_usable(qq, kk, vv, c.n))
                 else:
                     key = ("call", False)
-                name = f"{key[0]}(s) on {ours if key[1] else torch_kernel}"
+                other = "the pure-PyTorch tile engine" if self.softcap is not None else torch_kernel
+                name = f"{key[0]}(s) on {ours if key[1] else other}"
                 counts[name] = counts.get(name, 0) + 1
             wide = " (in float32)" if dtype != q.dtype else ""
             parts += [f"forward{wide}: {n} {name}" for name, n in counts.items()]

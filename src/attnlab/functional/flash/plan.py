@@ -19,7 +19,7 @@ from ..._shapes import check_int, stat_dtype
 from ...masks import Mask
 from ..request import Request, is_relative_bias, logit_qk
 from . import band_kernel
-from .calls import Plan
+from .calls import BandCall, Plan, SegmentCall
 from .engines import (
     LOW_PRECISION,
     LOW_PRECISION_ENV,
@@ -231,13 +231,20 @@ def natural_tile(mask: Mask | None) -> int | None:
 
 
 def flash_job(
-    req: Request, *, options: FlashOptions | None = None, **knobs: int | str | None
+    req: Request,
+    *,
+    options: FlashOptions | None = None,
+    forward_only: bool | None = None,
+    **knobs: int | str | None,
 ) -> FlashJob:
     """The plan and tile source for a validated request (no computation on q, k, v).
 
     Args:
         req: the validated request.
         options: the knobs and the settings as one record (`flash_options`).
+        forward_only: no gradient will be asked of this job (a soft-capped request may then run
+            on attnlab's C++ kernels, `softcap_on_kernel`); None reads it from ``req``'s inputs
+            (inside an autograd Function they never require grad: the caller says).
         knobs: without ``options``, `flash_options`'s keyword arguments:
             ``block_q``, ``block_k``: tile size of the block map (default 128 × 128; a mask
             made of blocks, `Mask.natural_block` within `NATURAL_TILE`, its own block;
@@ -253,7 +260,9 @@ def flash_job(
     """
     d, terms = req.dims, req.terms
     opts = options or flash_options(**knobs)  # type: ignore[arg-type]
-    bq, bk, bb, bb_fwd, engine = _tile_sizes(req, opts)
+    if forward_only is None:
+        forward_only = _forward_only(req)
+    bq, bk, bb, bb_fwd, engine = _tile_sizes(req, opts, forward_only)
     bias_kind = "tensor" if terms.additive else ("fn" if terms.bias_fn is not None else None)
     relative = bias_kind == "fn" and is_relative_bias(terms.bias_fn)
 
@@ -274,6 +283,9 @@ def flash_job(
         )
 
     plan = plan_for(bb_fwd)
+    if req.softcap is not None and engine == "kernel" and not softcap_on_kernel(plan, req):
+        bq, bk, bb, bb_fwd, engine = _tile_sizes(req, replace(opts, engine="torch"), False)
+        plan = plan_for(bb_fwd)
     # torch's backward kernel is faster on 64-row band blocks; attnlab's C++ band backward runs
     # the forward's blocks (window 256, L = 16384, fp32, Xeon with AMX: 16/32/64-row blocks
     # 0.095/0.097/0.099 s)
@@ -310,7 +322,9 @@ def _tile_source(req: Request, relative: bool) -> TileSource:
     )
 
 
-def _tile_sizes(req: Request, opts: FlashOptions) -> tuple[int, int, int, int, str]:
+def _tile_sizes(
+    req: Request, opts: FlashOptions, forward_only: bool
+) -> tuple[int, int, int, int, str]:
     """``(block_q, block_k, band_block, forward band_block, engine)`` of a request
     (`flash_job`'s defaults for what is not given), checked (`_engine`).
 
@@ -344,7 +358,7 @@ def _tile_sizes(req: Request, opts: FlashOptions) -> tuple[int, int, int, int, s
         check_int("block_k", bk, minimum=1),
         check_int("band_block", bb, minimum=1),
     )
-    engine = _engine(req, opts.engine)
+    engine = _engine(req, opts.engine, forward_only)
     if engine == "torch" and band_block is None:
         # the 32-row forward block suits the kernel; the torch engine (soft-capped calls) pays
         # per call: its forward is faster on 64-row blocks (window 512, L = 4096, H = 8, fp32,
@@ -353,7 +367,31 @@ def _tile_sizes(req: Request, opts: FlashOptions) -> tuple[int, int, int, int, s
     return bq, bk, bb, bb_fwd, engine
 
 
-def _engine(req: Request, engine: str | None) -> str:
+def _forward_only(req: Request) -> bool:
+    """No input of the request needs a gradient."""
+    return not (torch.is_grad_enabled() and any(x.requires_grad for x in (req.q, req.k, req.v)))
+
+
+def softcap_on_kernel(plan: Plan, req: Request) -> bool:
+    """Whether a soft-capped request without gradient runs on the kernel engine: attnlab's C++
+    kernels soft-cap the logits in their forward (torch's fused kernel and the C++ backward
+    cannot), so every call torch's kernel would take must be theirs — one whole segment
+    (`Plan.whole`, a causal or full call with L = S) the segment kernel takes, or band and
+    segment calls they take (`band_kernel.usable`, `segments_usable`); the plan's other
+    tile calls (edges) then run on the pure-PyTorch engine (`FlashJob._simple_forward`)."""
+    q, k, v = req.q, req.k, req.v
+    if not plan.biased and plan.single_call:
+        return plan.whole is not None and band_kernel.segments_usable(q, k, v, req.dims.L)
+    for g in plan.groups:
+        for c in g.calls:
+            if isinstance(c, BandCall) and not band_kernel.usable(q, k, v, c.bq):
+                return False
+            if isinstance(c, SegmentCall) and not band_kernel.segments_usable(q, k, v, c.n):
+                return False
+    return True
+
+
+def _engine(req: Request, engine: str | None, forward_only: bool) -> str:
     """The tile engine of a request: ``engine`` checked, or the default.
 
     float64 is the verification dtype: its tolerance rule compares against the reference's
@@ -361,12 +399,17 @@ def _engine(req: Request, engine: str | None) -> str:
     few ulp. So float64 runs the pure-PyTorch engine on wide tiles (`BLOCK_64`), i.e. one tile
     up to 2048 × 2048 — still bounded memory for any length. Soft-capping applies tanh to
     every tile's logits, which torch's fused kernel cannot: such requests run the pure-PyTorch
-    engine (the same tiles, plan and merging).
+    engine (the same tiles, plan and merging) — except without gradient, where attnlab's C++
+    kernels soft-cap in their forward: the kernel engine then, if they run every call of the
+    plan (`softcap_on_kernel`, decided by `flash_job`).
     """
     if engine is None:
         on_cpu = req.q.device.type == "cpu"
-        kernel = on_cpu and req.q.dtype != torch.float64 and req.softcap is None
+        capped = req.softcap is not None
+        kernel = on_cpu and req.q.dtype != torch.float64 and (not capped or forward_only)
         engine = "kernel" if kernel else "torch"
+        if capped and kernel:
+            return engine  # (`flash_job` falls back to "torch" unless every call is attnlab's)
     if engine not in ("kernel", "torch"):
         raise ValueError(f"engine must be 'kernel' or 'torch', got {engine!r}")
     if engine == "kernel" and req.softcap is not None:

@@ -95,6 +95,7 @@ class FlashCall:
     grad_biases: tuple[int, ...]
     job: FlashJob | None = None
     touched: bool | Tensor = False
+    forward_only: bool = False  # no gradient will be asked (`flash_run_lse` knows)
 
 
 def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
@@ -112,6 +113,7 @@ def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
     biases = req.terms.additive
     call.grad_biases = tuple(i for i, t in enumerate(biases) if needs_grad(t))
     if not call.grad_biases and not any(needs_grad(x) for x in (q, k, req.v)):
+        call.forward_only = True
         return forward_marked(call)[:2]
     grad = (biases[i] for i in call.grad_biases)
     return _Flash.apply(q, k, req.v, call, *grad)
@@ -137,7 +139,7 @@ def forward_marked(call: FlashCall) -> tuple[Tensor, Tensor, bool | Tensor]:
     )
     clean_req = _cleaned(req, q, k, v)
     if call.job is None or clean_req is not req:  # (the band check's job serves an uncleaned call)
-        call.job = flash_job(clean_req, options=opts)
+        call.job = flash_job(clean_req, options=opts, forward_only=call.forward_only)
     out, lse = _run_job(call.job, clean_req)
     # without the C++ scan every input was copied: whether one held NaN/±inf is a tensor
     call.touched = True if scan else _nonfinite(req.q, req.k, req.v)
@@ -217,7 +219,8 @@ def _run_band_checked(call: FlashCall) -> tuple[Tensor, Tensor] | None:
     req = call.req
     if not kernel_checks_inputs(req):
         return None
-    call.job = job = flash_job(req, options=call.options)  # the scanning path may reuse it
+    # (the scanning path may reuse the job)
+    call.job = job = flash_job(req, options=call.options, forward_only=call.forward_only)
     if not band_kernel_covers(job, req.q, req.k, req.v):
         return None
     with band_kernel.checking_inputs() as found:
@@ -250,7 +253,7 @@ def backward_marked(
         req = replace(req, q=q, k=k, v=v)
         if clean:
             req = _cleaned(req, *(nan_rule.clean(x) for x in (q, k, v)))
-        job = flash_job(req, options=call.options)
+        job = flash_job(req, options=call.options, forward_only=False)
     qp, kp, vp, Dv = prepare_inputs(req, job.engine)
     width = vp.shape[-1]
     if clean:  # the saved out/lse are poisoned: the clean ones, at the engine's width
