@@ -20,15 +20,18 @@
 //       found (out and lse are not meaningful), else empty (numel 0; also when not checking),
 //       so the caller branches on shape, as on `attnlab_flash::clean_copy`.
 //   attnlab_band::segments_into(out!, lse!, q, k, v, start, n, count, causal, bq, scale,
-//                               widen=False)
+//                               widen=False, softcap=0.0, keys=None)
 //       q, k, v as above; segment s (0 <= s < count) holds rows and keys [start + s·n, … + n):
-//       its rows attend all its keys, or (causal) the keys up to their own position. Writes the
+//       its rows attend all its keys, or (causal) the keys up to their own position — of those,
+//       with keys (bool (S,): a key mask, padding), only the keys j with keys[j]. Writes the
 //       segments' rows of out (H, L, Dv) and lse (H, L) float32 (other rows untouched), in
-//       query blocks of bq rows: out = softmax(q·kᵀ·scale) v, lse = log Σ exp(q·kᵀ·scale).
+//       query blocks of bq rows: out = softmax(q·kᵀ·scale) v, lse = log Σ exp(q·kᵀ·scale); a
+//       row left without keys gets out = 0, lse = −inf. A key mask costs only the columns from
+//       each segment's first attended key to its last (`KeyRuns`).
 //   attnlab_band::backward_into(dq!, dk!, dv!, q, k, v, out, dout, lse, add, r0, nblk, bq,
 //                               k_start, width, limit, scale, own_delta=False)
 //   attnlab_band::segments_backward_into(dq!, dk!, dv!, q, k, v, out, dout, lse, start, n,
-//                                        count, causal, bq, scale)
+//                                        count, causal, bq, scale, keys=None)
 //       The backward of the two calls, added into float32 dq, dk, dv: every product in float32
 //       (float16 and bfloat16 q, k, v, dout widened as they are packed), out float32 (segments:
 //       or q's dtype), lse float32 (+inf on rows without a key). own_delta: the band call holds
@@ -78,6 +81,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -1086,6 +1090,48 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
 // (2048; 512: 1.04, 1024: 0.95–1.13); packed documents of 2048 stay one pass.
 constexpr int64_t kSegmentSpan = 2048;
 
+// What a key mask (one bool per key of the batch item: padding) leaves of each segment of a
+// call: the run [lo, hi) from its first attended key to one past its last (segment-relative;
+// lo = hi when it has none) and, when some run has holes, an additive row over the call's
+// columns — 0 where a key may be attended, −inf elsewhere and past the call (a block's padded
+// score columns read it). Without a key mask every segment is the run [0, n), without holes.
+// Blocks then compute only the columns from the run's first key (rounded down to 32: whole
+// VNNI pairs and vectors) to their last one: a left-padded row costs its real keys only.
+struct KeyRuns {
+  std::vector<int64_t> lo, hi;
+  std::vector<float> add;  // count·n + 64 columns, or empty: no run has holes
+  int64_t n = 0;
+
+  KeyRuns(const bool* keys, int64_t start, int64_t n_, int64_t count)
+      : lo(count, 0), hi(count, n_), n(n_) {
+    if (keys == nullptr) return;
+    bool holes = false;
+    for (int64_t s = 0; s < count; ++s) {
+      const bool* ks = keys + start + s * n;
+      int64_t a = 0, b = n, on = 0;
+      while (a < n && !ks[a]) ++a;
+      while (b > a && !ks[b - 1]) --b;
+      for (int64_t j = a; j < b; ++j) on += ks[j];
+      lo[s] = a;
+      hi[s] = b;
+      holes = holes || on < b - a;
+    }
+    if (!holes) return;
+    add.assign(static_cast<size_t>(count * n + 64), kNegInf);
+    for (int64_t j = 0; j < count * n; ++j) add[j] = keys[start + j] ? 0.0f : kNegInf;
+  }
+  // the additive row of segment s from its column c on (null: no holes)
+  const float* row(int64_t s, int64_t c) const {
+    return add.empty() ? nullptr : add.data() + s * n + c;
+  }
+  // the first column a block of segment s computes: its first key, rounded down to 32
+  int64_t first(int64_t s) const { return lo[s] / 32 * 32; }
+  // one past the last key of rows [p0, p1) of segment s (causal: up to the last row)
+  int64_t end(int64_t s, bool causal, int64_t p1) const {
+    return causal ? std::min(p1, hi[s]) : hi[s];
+  }
+};
+
 // Batched segments (packed documents, `tiling.SegmentCall`) of one batch item: segment s holds
 // rows and keys [start + s·n, start + (s+1)·n); its rows see all its keys, or (causal) the keys
 // up to their own position. Every row's keys are in one block, so the softmax is one pass (up
@@ -1098,7 +1144,7 @@ constexpr int64_t kSegmentSpan = 2048;
 template <typename T>
 void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, int64_t start, int64_t n, int64_t count, bool causal,
-                     int64_t bq, double scale_d, float softcap) {
+                     int64_t bq, double scale_d, float softcap, const bool* keys) {
   using C = typename Traits<T>::C;
   constexpr bool vnni = Traits<T>::vnni;
   constexpr int64_t kCols = 512;  // columns per brgemm call, both products
@@ -1119,6 +1165,12 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
   const int64_t nv = vnni ? nk + 32 : nk;
   const int64_t ldk = (nv + 15) / 16 * 16 + 16;
   const int64_t nblk = (n + bq - 1) / bq;
+  const KeyRuns runs(keys, start, n, count);
+  const int64_t items = count * nblk * G;
+  // with a key mask, blocks before a segment's first key are empty (a left-padded row): the
+  // threads take items one at a time (per key head) instead of a fixed half each
+  std::vector<std::atomic<int64_t>> next(keys != nullptr ? Hkv : 0);
+  for (auto& x : next) x.store(0);
 
   const Heads<T> in(q, k, v);
   const int64_t qs = in.qs, vs = in.vs;
@@ -1126,79 +1178,101 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
   float* lp = lse.data_ptr<float>();
   const int64_t o0 = out.stride(0), o1 = out.stride(1), l0 = lse.stride(0), l1 = lse.stride(1);
 
-  auto run = [&](int64_t hk, const C* kpack, const C* vpack, int64_t i0, int64_t i1,
-                 Scratch<C>& sc) {
+  auto block = [&](int64_t hk, const C* kpack, const C* vpack, int64_t it, Scratch<C>& sc) {
     [[maybe_unused]] const T* vh_ = in.values(hk);
     float* const s = sc.s;
-    for (int64_t it = i0; it < i1; ++it) {
-      const int64_t seg = it / (nblk * G), u = it / G % nblk, h = hk * G + it % G;
-      const int64_t t = u % 2 == 0 ? u / 2 : nblk - 1 - u / 2;  // 0, last, 1, last − 1, …
-      const int64_t rows = std::min(bq, n - t * bq);
-      const int64_t width = causal ? t * bq + rows : n;  // this block's keys
-      const int64_t ws = score_cols(width, vnni);
-      const int64_t key0 = seg * n;  // the segment's first packed column
-      const int64_t row0 = start + key0 + t * bq;
-      const auto [qa, lda] = query_rows(in.q + h * in.qh + row0 * qs, qs, rows, D, sc.q);
-      // bfloat16: whole 32-key steps (p is 0 past the keys, the packed values too)
-      const int64_t kn = vnni ? ws : width;
-      constexpr bool packed = Traits<T>::packs_values;
-      for (int64_t a0 = 0; a0 < ws; a0 += span) {  // one span of columns (usually the only one)
-        const int64_t wa = std::min(span, ws - a0);
-        for (int64_t c0 = 0; c0 < wa; c0 += kCols) {
-          brgemm(rows, std::min(kCols, wa - c0), D, lda, ldk, lds, false, qa,
-                 kpack + (vnni ? 2 : 1) * (key0 + a0 + c0), s + c0, vnni);
-        }
-        // the first span's softmax and p·v go to m, den, o; a later one's to their second
-        // halves, then merged: o·e^(m − m') + o₂·e^(m₂ − m') with m' = max(m, m₂)
-        float* const m = sc.m.data() + (a0 > 0 ? rows : 0);
-        float* const den = sc.den.data() + (a0 > 0 ? rows : 0);
-        float* const o = sc.o + (a0 > 0 ? rows * Dv : 0);
-        for (int64_t r = 0; r < rows; ++r) {
-          float* sr = s + r * lds;
-          C* pr = vnni ? sc.p + r * lds : reinterpret_cast<C*>(sr);
-          const int64_t hi = std::clamp<int64_t>((causal ? t * bq + r + 1 : n) - a0, 0, wa);
-          if (softcap > 0.0f) cap_scores(sr, wa, scale, softcap);
-          const float sx = softcap > 0.0f ? 1.0f : scale;
-          const auto [mx, sum] = softmax_row<false>(sr, nullptr, wa, 0, hi, sx, pr);
-          m[r] = mx;
-          den[r] = sum;
-        }
-        const C* pa = vnni ? sc.p : reinterpret_cast<const C*>(s);
-        const int64_t ka = std::min(wa, kn - a0);
-        for (int64_t c0 = 0; c0 < ka; c0 += kCols) {
-          const int64_t kc = std::min(kCols, ka - c0);
-          const C* vb;
-          if constexpr (packed) {
-            vb = vpack + (key0 + a0 + c0) * Dv;
-          } else {
-            vb = vh_ + (start + key0 + a0 + c0) * vs;
-          }
-          brgemm(rows, Dv, kc, lds, packed ? Dv : vs, Dv, c0 > 0, pa + c0, vb, o, vnni);
-        }
-        if (a0 == 0) continue;
-        for (int64_t r = 0; r < rows; ++r) {
-          if (m[r] == kNegInf) continue;  // no key of this row in the span
-          const float mm = std::max(sc.m[r], m[r]);
-          const float e1 = sc.m[r] == kNegInf ? 0.0f : std::exp(sc.m[r] - mm);
-          const float e2 = std::exp(m[r] - mm);
-          float* orow = sc.o + r * Dv;
-          const float* o2 = o + r * Dv;
-          for (int64_t d = 0; d < Dv; ++d) orow[d] = orow[d] * e1 + o2[d] * e2;
-          sc.den[r] = sc.den[r] * e1 + den[r] * e2;
-          sc.m[r] = mm;
-        }
-      }
+    const int64_t seg = it / (nblk * G), u = it / G % nblk, h = hk * G + it % G;
+    const int64_t t = u % 2 == 0 ? u / 2 : nblk - 1 - u / 2;  // 0, last, 1, last − 1, …
+    const int64_t rows = std::min(bq, n - t * bq);
+    const int64_t key0 = seg * n;  // the segment's first packed column
+    const int64_t row0 = start + key0 + t * bq;
+    // this block's columns: [kb, end) (its first key rounded down, one past its last key)
+    const int64_t lo = runs.lo[seg], kb = runs.first(seg);
+    const int64_t end = runs.end(seg, causal, t * bq + rows);
+    if (end <= lo) {  // no row of the block has a key: zeros, lse −inf
+      std::fill(sc.o, sc.o + rows * Dv, 0.0f);
       for (int64_t r = 0; r < rows; ++r) {
-        finish_row(op + h * o0 + (row0 + r) * o1, lp + h * l0 + (row0 + r) * l1, sc.o + r * Dv, Dv,
-                   sc.m[r], sc.den[r]);
+        finish_row(op + h * o0 + (row0 + r) * o1, lp + h * l0 + (row0 + r) * l1, sc.o + r * Dv,
+                   Dv, kNegInf, 0.0f);
+      }
+      return;
+    }
+    const int64_t width = end - kb;
+    const int64_t ws = score_cols(width, vnni);
+    const auto [qa, lda] = query_rows(in.q + h * in.qh + row0 * qs, qs, rows, D, sc.q);
+    // bfloat16: whole 32-key steps (p is 0 past the keys, the packed values too)
+    const int64_t kn = vnni ? ws : width;
+    const int64_t col0 = key0 + kb;  // packed column of the block's first score column
+    constexpr bool packed = Traits<T>::packs_values;
+    for (int64_t a0 = 0; a0 < ws; a0 += span) {  // one span of columns (usually the only one)
+      const int64_t wa = std::min(span, ws - a0);
+      for (int64_t c0 = 0; c0 < wa; c0 += kCols) {
+        brgemm(rows, std::min(kCols, wa - c0), D, lda, ldk, lds, false, qa,
+               kpack + (vnni ? 2 : 1) * (col0 + a0 + c0), s + c0, vnni);
+      }
+      // the first span's softmax and p·v go to m, den, o; a later one's to their second
+      // halves, then merged: o·e^(m − m') + o₂·e^(m₂ − m') with m' = max(m, m₂)
+      float* const m = sc.m.data() + (a0 > 0 ? rows : 0);
+      float* const den = sc.den.data() + (a0 > 0 ? rows : 0);
+      float* const o = sc.o + (a0 > 0 ? rows * Dv : 0);
+      const float* ad = runs.row(seg, kb + a0);  // the key mask's holes (null: none)
+      const int64_t c_lo = std::clamp<int64_t>(lo - kb - a0, 0, wa);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = s + r * lds;
+        C* pr = vnni ? sc.p + r * lds : reinterpret_cast<C*>(sr);
+        const int64_t c_hi =
+            std::clamp<int64_t>(runs.end(seg, causal, t * bq + r + 1) - kb - a0, c_lo, wa);
+        if (softcap > 0.0f) cap_scores(sr, wa, scale, softcap);
+        const float sx = softcap > 0.0f ? 1.0f : scale;
+        const auto [mx, sum] = ad == nullptr
+                                   ? softmax_row<false>(sr, nullptr, wa, c_lo, c_hi, sx, pr)
+                                   : softmax_row<true>(sr, ad, wa, c_lo, c_hi, sx, pr);
+        m[r] = mx;
+        den[r] = sum;
+      }
+      const C* pa = vnni ? sc.p : reinterpret_cast<const C*>(s);
+      const int64_t ka = std::min(wa, kn - a0);
+      for (int64_t c0 = 0; c0 < ka; c0 += kCols) {
+        const int64_t kc = std::min(kCols, ka - c0);
+        const C* vb;
+        if constexpr (packed) {
+          vb = vpack + (col0 + a0 + c0) * Dv;
+        } else {
+          vb = vh_ + (start + col0 + a0 + c0) * vs;
+        }
+        brgemm(rows, Dv, kc, lds, packed ? Dv : vs, Dv, c0 > 0, pa + c0, vb, o, vnni);
+      }
+      if (a0 == 0) continue;
+      for (int64_t r = 0; r < rows; ++r) {
+        if (m[r] == kNegInf) continue;  // no key of this row in the span
+        const float mm = std::max(sc.m[r], m[r]);
+        const float e1 = sc.m[r] == kNegInf ? 0.0f : std::exp(sc.m[r] - mm);
+        const float e2 = std::exp(m[r] - mm);
+        float* orow = sc.o + r * Dv;
+        const float* o2 = o + r * Dv;
+        for (int64_t d = 0; d < Dv; ++d) orow[d] = orow[d] * e1 + o2[d] * e2;
+        sc.den[r] = sc.den[r] * e1 + den[r] * e2;
+        sc.m[r] = mm;
       }
     }
+    for (int64_t r = 0; r < rows; ++r) {
+      finish_row(op + h * o0 + (row0 + r) * o1, lp + h * l0 + (row0 + r) * l1, sc.o + r * Dv, Dv,
+                 sc.m[r], sc.den[r]);
+    }
+  };
+  auto run = [&](int64_t hk, const C* kpack, const C* vpack, int64_t i0, int64_t i1,
+                 Scratch<C>& sc) {
+    if (next.empty()) {
+      for (int64_t it = i0; it < i1; ++it) block(hk, kpack, vpack, it, sc);
+      return;
+    }
+    for (int64_t it = next[hk]++; it < items; it = next[hk]++) block(hk, kpack, vpack, it, sc);
   };
   const size_t rows = static_cast<size_t>(bq);
   const size_t spans = (wmax > span ? 2 : 1);  // 2: a second set of m, den, o to merge
   const size_t scratch[5] = {rows * lds, vnni ? rows * lds : 0, spans * rows * Dv, spans * rows,
                              kWidens<T> ? rows * static_cast<size_t>(D) : 0};
-  run_heads<T>(in, Hkv, D, Dv, start, 0, nk, ldk, nv, nullptr, count * nblk * G, scratch, run);
+  run_heads<T>(in, Hkv, D, Dv, start, 0, nk, ldk, nv, nullptr, items, scratch, run);
 }
 
 // ---------------------------------------------------------------------------- band backward
@@ -1540,7 +1614,7 @@ template <typename T, typename O>
 void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Tensor& q,
                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                       const at::Tensor& dout, const at::Tensor& lse, int64_t start, int64_t n,
-                      int64_t count, bool causal, int64_t bq, double scale_d) {
+                      int64_t count, bool causal, int64_t bq, double scale_d, const bool* keys) {
   constexpr int64_t kCols = 512;
   const int64_t H = q.size(0), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
   const int64_t G = H / Hkv;
@@ -1551,6 +1625,7 @@ void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::
   // flash/SDPA 1.13–1.20 → 0.96–1.06 in alternating runs)
   const int64_t span = std::min(wmax, kSegmentSpan), lds = span + 16;
   const int64_t nblk = (n + bq - 1) / bq;
+  const KeyRuns runs(keys, start, n, count);  // as the forward: columns [first, end) per block
   const Heads<T> in(q, k, v);
   const GradIo<T, O> io(dq, dk, dv, out, dout, lse);
   // kᵀ and vᵀ of a segment's keys (D, ldk), (Dv, ldk): float32 read as is, 16-bit widened
@@ -1597,32 +1672,39 @@ void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::
         for (int64_t a0 = 0; a0 < wmax; a0 += span) {
           for (int64_t t = 0; t < nblk; ++t) {
             const int64_t rows = std::min(bq, n - t * bq), row0 = key0 + t * bq;
-            const int64_t w = causal ? t * bq + rows : n, ws = score_cols(w, false);
-            if (a0 >= ws) continue;  // causal: the block sees no key of this span
+            // the block's columns [kb, end) (`KeyRuns`), their part in this span: [cs, ce)
+            const int64_t lo = runs.lo[seg], kb = runs.first(seg);
+            const int64_t end = runs.end(seg, causal, t * bq + rows);
+            const int64_t cs = std::max(a0, kb);
+            const int64_t ce = std::min(a0 + span, kb + score_cols(end - kb, false));
+            if (end <= lo || cs >= ce) continue;  // no key of the block in this span
             const auto [qb, lq] = query_rows(in.q + h * in.qh + row0 * in.qs, in.qs, rows, D,
                                              qw.get());
             const auto [gb, lg] = query_rows(io.g_row(h, row0), io.gs, rows, Dv, gw.get());
             io.deltas(h, row0, rows, Dv, delta.data());
             transpose_f32(qb, lq, rows, D, qt.get(), rows);
             transpose_f32(gb, lg, rows, Dv, gt.get(), rows);
-            const int64_t wa = std::min(span, ws - a0);
+            const int64_t wa = ce - cs;
             for (int64_t c0 = 0; c0 < wa; c0 += kCols) {
-              const int64_t nc = std::min(kCols, wa - c0), c = a0 + c0;
+              const int64_t nc = std::min(kCols, wa - c0), c = cs + c0;
               brgemm(rows, nc, D, lq, ldk, lds, false, qb, kt.get() + c, s + c0, false);
               brgemm(rows, nc, Dv, lg, ldk, lds, false, gb, vt.get() + c, dp + c0, false);
             }
+            const float* ad = runs.row(seg, cs);  // the key mask's holes (null: none)
+            const int64_t c_lo = std::clamp<int64_t>(lo - cs, 0, wa);
             for (int64_t r = 0; r < rows; ++r) {  // s becomes P, dp dS·scale
-              const int64_t hi = std::clamp<int64_t>((causal ? t * bq + r + 1 : n) - a0, 0, wa);
-              grad_row(s + r * lds, dp + r * lds, nullptr, wa, 0, hi, scale,
+              const int64_t c_hi =
+                  std::clamp<int64_t>(runs.end(seg, causal, t * bq + r + 1) - cs, c_lo, wa);
+              grad_row(s + r * lds, dp + r * lds, ad, wa, c_lo, c_hi, scale,
                        io.lse_at(h, row0 + r), delta[r]);
             }
-            const int64_t wk = std::min(wa, w - a0);  // the span's keys
+            const int64_t wk = std::min(wa, end - cs);  // the span's keys
             for (int64_t c0 = 0; c0 < wk; c0 += kCols) {  // dq rows += dS·k
               brgemm(rows, D, std::min(kCols, wk - c0), lds, kst, io.dqs, true, dp + c0,
-                     krows + (a0 + c0) * kst, io.dq_row(h, row0), false);
+                     krows + (cs + c0) * kst, io.dq_row(h, row0), false);
             }
             for (int64_t c0 = 0; c0 < wa; c0 += kCols) {
-              const int64_t nc = std::min(kCols, wa - c0), c = a0 + c0;
+              const int64_t nc = std::min(kCols, wa - c0), c = cs + c0;
               brgemm(D, nc, rows, rows, lds, ldk, true, qt.get(), dp + c0, dkt.get() + c, false);
               brgemm(Dv, nc, rows, rows, lds, ldk, true, gt.get(), s + c0, dvt.get() + c, false);
             }
@@ -1780,9 +1862,25 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
   return at::empty({bad.load() ? 1 : 0}, q.options().dtype(at::kByte));
 }
 
+// The key mask of a segment call (one batch item): bool, 1-D over the item's keys, unit stride
+// (null when none is given).
+const bool* segment_keys(const char* op, const std::optional<at::Tensor>& keys,
+                         const at::Tensor& k, int64_t end) {
+  if (!keys.has_value()) return nullptr;
+  const at::Tensor& t = *keys;
+  TORCH_CHECK(t.scalar_type() == at::kBool && t.dim() == 1 && t.device().is_cpu() &&
+                  (t.stride(0) == 1 || t.size(0) <= 1),
+              "attnlab_band.", op, ": keys must be a 1-D unit-stride bool CPU tensor, got ",
+              t.scalar_type(), " of shape ", t.sizes());
+  TORCH_CHECK(t.size(0) == k.size(1) && end <= t.size(0), "attnlab_band.", op,
+              ": keys must hold one entry per key (", k.size(1), "), got ", t.size(0));
+  return t.const_data_ptr<bool>();
+}
+
 void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
                    const at::Tensor& v, int64_t start, int64_t n, int64_t count, bool causal,
-                   int64_t bq, double scale, bool widen, double softcap) {
+                   int64_t bq, double scale, bool widen, double softcap,
+                   const std::optional<at::Tensor>& keys_) {
   TORCH_CHECK(softcap >= 0.0, "attnlab_band.segments_into: softcap must be >= 0 (0: none)");
   const float cap = static_cast<float>(softcap);  // 0: none
   const at::ScalarType dt = check_inputs("segments_into", out, q, k, v, 3);
@@ -1797,15 +1895,20 @@ void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at
               "attnlab_band.segments_into: out must be (H, L, Dv), lse (H, L)");
   TORCH_CHECK(!bf16 || n % 2 == 0,
               "attnlab_band.segments_into: bfloat16 pairs need an even segment length");
+  const bool* keys = segment_keys("segments_into", keys_, k, start + count * n);
   populate(out.narrow(1, start, count * n));
+  auto run = [&](auto in_type) {
+    segment_forward<decltype(in_type)>(out, lse, q, k, v, start, n, count, causal, bq, scale,
+                                       cap, keys);
+  };
   if (bf16) {
-    segment_forward<c10::BFloat16>(out, lse, q, k, v, start, n, count, causal, bq, scale, cap);
+    run(c10::BFloat16{});
   } else if (dt == at::kBFloat16) {
-    segment_forward<WideBF16>(out, lse, q, k, v, start, n, count, causal, bq, scale, cap);
+    run(WideBF16{});
   } else if (dt == at::kHalf) {
-    segment_forward<c10::Half>(out, lse, q, k, v, start, n, count, causal, bq, scale, cap);
+    run(c10::Half{});
   } else {
-    segment_forward<float>(out, lse, q, k, v, start, n, count, causal, bq, scale, cap);
+    run(float{});
   }
 }
 
@@ -1860,21 +1963,23 @@ void backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const at::Tensor
 void segments_backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const at::Tensor& q,
                             const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                             const at::Tensor& dout, const at::Tensor& lse, int64_t start,
-                            int64_t n, int64_t count, bool causal, int64_t bq, double scale) {
+                            int64_t n, int64_t count, bool causal, int64_t bq, double scale,
+                            const std::optional<at::Tensor>& keys_) {
   check_backward("segments_backward_into", dq, dk, dv, q, k, v, out, dout, lse,
                  /*out_like_q=*/true);
   TORCH_CHECK(n >= 1 && count >= 1 && bq >= 1, "attnlab_band.segments_backward_into: empty call");
   TORCH_CHECK(start >= 0 && start + count * n <= std::min(q.size(1), k.size(1)),
               "attnlab_band.segments_backward_into: segments out of range");
+  const bool* keys = segment_keys("segments_backward_into", keys_, k, start + count * n);
   const bool wide_out = out.scalar_type() == at::kFloat;
   auto run = [&](auto in_type) {
     using T = decltype(in_type);
     if (wide_out) {
       segment_backward<T, float>(dq, dk, dv, q, k, v, out, dout, lse, start, n, count, causal,
-                                 bq, scale);
+                                 bq, scale, keys);
     } else if constexpr (!std::is_same_v<T, float>) {
       segment_backward<T, T>(dq, dk, dv, q, k, v, out, dout, lse, start, n, count, causal, bq,
-                             scale);
+                             scale, keys);
     }
   };
   switch (q.scalar_type()) {  // every product in float32: 16-bit inputs widened as packed
@@ -1906,7 +2011,7 @@ TORCH_LIBRARY(attnlab_band, m) {
   m.def(
       "segments_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, int start, "
       "int n, int count, bool causal, int bq, float scale, bool widen=False, "
-      "float softcap=0.0) -> ()");
+      "float softcap=0.0, Tensor? keys=None) -> ()");
   m.def(
       "backward_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor q, Tensor k, Tensor v, "
       "Tensor out, Tensor dout, Tensor lse, Tensor add, int r0, int nblk, int bq, int k_start, "
@@ -1914,7 +2019,7 @@ TORCH_LIBRARY(attnlab_band, m) {
   m.def(
       "segments_backward_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor q, Tensor k, "
       "Tensor v, Tensor out, Tensor dout, Tensor lse, int start, int n, int count, bool causal, "
-      "int bq, float scale) -> ()");
+      "int bq, float scale, Tensor? keys=None) -> ()");
   m.def("supported(ScalarType dtype) -> bool", &supported);
   m.def("native(ScalarType dtype) -> bool", &native);
   m.def("segment_span() -> int", &segment_span);

@@ -113,4 +113,36 @@ def merge_into(out: Tensor, lse: Tensor, o: Tensor, lse_o: Tensor) -> None:
     lse.copy_(new)
 
 
-__all__ = ["merge_into", "merge_partials"]
+def merge_compensated(
+    parts: list[tuple[Tensor, Tensor, Tensor | None]],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`merge_partials` of parts whose lse carries its rounding error: ``(o, hi, lo)`` triples.
+
+    Each part's log-sum-exp is ``hi + lo`` (``lo`` from `TorchEngine.forward`'s two-sum, or a
+    previous merge; None = 0). The merge weights ``exp(hi_i + lo_i − lse)`` and the merged
+    ``lse = hi + lo`` are formed in float64, so neither the output nor backward's probabilities
+    ``exp(s − hi − lo)`` see the rounding of a large lse (ulp(32) ≈ 4e-6 in float32). Inputs are
+    finite (the NaN rule cleans them first); rows with no key in any part stay ``o = 0``,
+    ``lse = −inf``, ``lo = 0``.
+
+    Returns:
+        ``(out (..., L, Dv) in the first part's dtype, hi (..., L), lo (..., L))``, hi and lo in
+        the first part's lse dtype.
+    """
+    exact = torch.stack(
+        [l.double() if lo is None else l.double() + lo.double() for _, l, lo in parts]
+    )  # (n, ..., L)
+    top = torch.logsumexp(exact, dim=0)  # (..., L); −inf where every part is empty
+    weights = torch.exp(exact - torch.where(torch.isneginf(top), 0.0, top))  # (n, ..., L)
+    o0, l0 = parts[0][0], parts[0][1]
+    acc = stat_dtype(o0.dtype)
+    out = sum(
+        (w.to(acc).unsqueeze(-1) * o.to(acc) for w, (o, _, _) in zip(weights, parts, strict=True)),
+        torch.zeros((), dtype=acc, device=o0.device),
+    )
+    hi = top.to(l0.dtype)
+    lo = torch.where(torch.isneginf(top), 0.0, top - hi.double()).to(l0.dtype)
+    return out.to(o0.dtype), hi, lo
+
+
+__all__ = ["merge_compensated", "merge_into", "merge_partials"]

@@ -618,6 +618,9 @@ class Mask:
 
     # True when the mask only renders at its own `default_size` (it holds a tensor of fixed size).
     pins_size = False
+    # True when the mask depends on the batch item and the key alone (padding, a (B, 1, 1, S)
+    # tensor, their &, | and ~): `key_mask` then gives it at any L. Structure, never values.
+    over_keys = False
 
     def __str__(self) -> str:
         """The ■/⬚ picture at the mask's default size; summarised above `RENDER_LIMIT` a side.
@@ -722,6 +725,7 @@ class _Combined(Mask):
         self.batch_size = _merge_dim("batch_size", a.batch_size, b.batch_size)
         self.num_heads = _merge_dim("num_heads", a.num_heads, b.num_heads)
         self.pins_size = a.pins_size or b.pins_size
+        self.over_keys = a.over_keys and b.over_keys
 
     def evaluate(self, b, h, i, j, L, S):
         idx = (b, h, i, j)
@@ -821,6 +825,7 @@ class _Not(Mask):
         self.inner = inner
         self.batch_size, self.num_heads = inner.batch_size, inner.num_heads
         self.pins_size = inner.pins_size
+        self.over_keys = inner.over_keys
 
     def evaluate(self, b, h, i, j, L, S):
         idx = (b, h, i, j)
@@ -876,6 +881,7 @@ class TensorMask(Mask):
         self.t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # (B|1, H|1, L|1, S|1)
         self.batch_size = self.t.shape[0] if self.t.shape[0] > 1 else None
         self.num_heads = self.t.shape[1] if self.t.shape[1] > 1 else None
+        self.over_keys = self.t.shape[1] == 1 and self.t.shape[2] == 1
 
     def check_size(self, L: int, S: int) -> None:
         tl, ts = self.t.shape[-2:]
@@ -899,7 +905,7 @@ class TensorMask(Mask):
 
     def key_mask(self, L, S, *, device=None):
         self.check_size(L, S)
-        if self.t.shape[1] != 1 or self.t.shape[2] != 1:  # heads or rows differ
+        if not self.over_keys:  # heads or rows differ
             return None
         t = self.t if device is None else self.t.to(device)
         return t[:, 0, 0, :].expand(t.shape[0], S)  # (B|1, S)

@@ -93,10 +93,14 @@ class SlidingWindowMask(Mask):
 class PaddingMask(Mask):
     """Key positions ``j >= lengths[b]`` are masked for every query of batch item ``b``."""
 
+    over_keys = True
+
     def __init__(self, lengths: Sequence[int] | Tensor) -> None:
         self.lengths = _index_tensor("lengths", lengths, ndim=(1,))
-        # a value check reads the tensor on the host: eager only (a compiled graph skips it)
-        if not torch.compiler.is_compiling() and (self.lengths < 0).any():
+        # a value check reads the tensor on the host: eager only (a compiled graph skips it,
+        # and meta lengths hold no value)
+        readable = not torch.compiler.is_compiling() and not self.lengths.is_meta
+        if readable and (self.lengths < 0).any():
             raise ValueError(f"lengths must be >= 0, got {self.lengths.tolist()}")
         self.batch_size = int(self.lengths.numel())
         # Lengths given as Python ints are structure: backends may slice keys by them (no mask

@@ -213,15 +213,19 @@ def segment_forward(
     lse: Tensor,
     own: bool = True,
     softcap: float | None = None,
+    keys: Tensor | None = None,
 ) -> None:
     """Runs batched segments (packed documents) on the kernel, one call per batch item: attnlab's
     C++ kernel when it takes them (``own`` and `band_kernel.segments_usable`), else torch's
-    (which cannot soft-cap: ``softcap`` needs the C++ kernel)."""
+    (which cannot soft-cap: ``softcap`` needs the C++ kernel, and cannot read a key mask:
+    ``keys (B|1, S)`` bool of a keyed call needs it too)."""
     if own and band_kernel.segments_usable(q, k, v, c.n):
         for b in range(c.b0, c.b1):
-            band_kernel.segments_into(out[b], lse[b], q[b], k[b], v[b], c, scale, softcap)
+            kb = None if keys is None else keys[b if keys.shape[0] > 1 else 0]
+            band_kernel.segments_into(out[b], lse[b], q[b], k[b], v[b], c, scale, softcap, kb)
         return
     assert softcap is None, "soft-capped logits need attnlab's C++ segment kernel"
+    assert keys is None, "a key mask needs attnlab's C++ segment kernel"
     logits = Logits(scale, causal=c.causal)
     for b in range(c.b0, c.b1):
         o, l = kernel_forward(segments(q, b, c), segments(k, b, c), segments(v, b, c), logits)
@@ -236,17 +240,20 @@ def segment_backward(
     scale: float,
     grads: tuple[Tensor, Tensor, Tensor],
     own: bool = True,
+    keys: Tensor | None = None,
 ) -> None:
     """Adds the gradients of batched segments into ``grads = (dq, dk, dv)`` (kernel engine):
     attnlab's C++ kernel (`band_kernel.segments_backward_into`) where ``own`` and
-    `band_kernel.segments_backward_usable`, else torch's."""
+    `band_kernel.segments_backward_usable`, else torch's (not with a key mask ``keys``)."""
     dq, dk, dv = grads
     xs = (res.q, res.k, res.v, res.out, res.dout)
     if own and band_kernel.segments_backward_usable(*xs, c.n):
         for b in range(c.b0, c.b1):
             parts = (res.q[b], res.k[b], res.v[b], res.out[b], res.dout[b], res.lse[b])
-            band_kernel.segments_backward_into((dq[b], dk[b], dv[b]), parts, c, scale)
+            kb = None if keys is None else keys[b if keys.shape[0] > 1 else 0]
+            band_kernel.segments_backward_into((dq[b], dk[b], dv[b]), parts, c, scale, kb)
         return
+    assert keys is None, "a key mask needs attnlab's C++ segment kernel"
     logits = Logits(scale, causal=c.causal)
     for b in range(c.b0, c.b1):
         part = Residuals(

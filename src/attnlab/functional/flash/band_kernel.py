@@ -237,6 +237,7 @@ def segments_into(
     c: SegmentCall,
     scale: float,
     softcap: float | None = None,
+    keys: Tensor | None = None,
 ) -> None:
     """Writes the rows of segment call ``c`` into ``out`` and ``lse`` for one batch item.
 
@@ -247,6 +248,9 @@ def segments_into(
         c: ``c.count`` segments of ``c.n`` positions from ``c.start``; causal or full.
         scale: logit multiplier.
         softcap: None, or logit soft-capping ``softcap·tanh(s / softcap)`` (forward only).
+        keys: None, or the item's key mask ``(S,)`` bool (unit stride) of a keyed call: rows
+            attend only the keys it keeps (none left: out 0, lse −inf); the kernel computes
+            only the columns from each segment's first kept key to its last.
 
     ``out = softmax(q·kᵀ·scale) v`` per row over its segment's keys (causal: up to the row).
     """
@@ -264,6 +268,7 @@ def segments_into(
         float(scale),
         not pairs(q.dtype),
         0.0 if softcap is None else float(softcap),
+        keys,
     )
 
 
@@ -352,13 +357,14 @@ def segments_backward_into(
     parts: tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor],
     c: SegmentCall,
     scale: float,
+    keys: Tensor | None = None,
 ) -> None:
     """Adds segment call ``c``'s gradients for one batch item into ``grads = (dq, dk, dv)``
     (``grads``, ``parts`` as for `backward_into`; its formulas over each row's keys in its
-    segment, causal or full). Each (segment, key head) is one work item that owns its keys'
-    dk/dv rows: nothing is shared between threads."""
+    segment, causal or full, that ``keys`` keeps, as `segments_into`). Each (segment, key
+    head) is one work item that owns its keys' dk/dv rows: nothing is shared between threads."""
     torch.ops.attnlab_band.segments_backward_into(
-        *grads, *parts, c.start, c.n, c.count, c.causal, SEGMENT_BLOCK, float(scale)
+        *grads, *parts, c.start, c.n, c.count, c.causal, SEGMENT_BLOCK, float(scale), keys
     )
 
 

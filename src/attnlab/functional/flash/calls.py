@@ -21,6 +21,9 @@ from torch import Tensor
 
 # Call treatments.
 CALL_FULL, CALL_MASKED, CALL_CAUSAL = "full", "masked", "causal"
+# Rows per call when a keyed segment call runs as simple calls (`SegmentCall.block_calls`): each
+# evaluates its mask tile of KEYED_ROWS × keys (2 MiB of float32 per batch item at 8192 keys).
+KEYED_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,8 @@ class SegmentCall:
     Segment ``s`` covers rows and keys ``[start + s·n, start + (s+1)·n)``: its rows attend only
     its own keys, every one of them or causally (top-left within the segment). Packed documents
     of equal length are such segments; the kernel runs them batched over strided views.
+    ``keyed``: of those keys, a row attends only the ones its batch item's key mask keeps (the
+    job's ``keys``, `Mask.key_mask`: padding), which the kernel reads — the plan never does.
     """
 
     b0: int
@@ -137,6 +142,7 @@ class SegmentCall:
     n: int
     count: int
     causal: bool
+    keyed: bool = False
     r0: int = field(init=False, compare=False)  # first query row
     r1: int = field(init=False, compare=False)  # one past the last query row
 
@@ -145,12 +151,21 @@ class SegmentCall:
         object.__setattr__(self, "r1", self.start + self.count * self.n)
 
     def block_calls(self) -> list[Call]:
-        """The same work as one `Call` per segment (for the pure-PyTorch engine and stats)."""
+        """The same work as one `Call` per segment (for the pure-PyTorch engine and stats); a
+        keyed call as one ``MASKED`` call per `KEYED_ROWS` rows of a segment over the keys they
+        may reach (the mask evaluated on that tile: no row's keys are split between calls)."""
         kind = CALL_CAUSAL if self.causal else CALL_FULL
         out = []
         for s in range(self.count):
-            a = self.start + s * self.n
-            out.append(Call(self.b0, self.b1, a, a + self.n, (a, a + self.n), kind))
+            a, e = self.start + s * self.n, self.start + (s + 1) * self.n
+            if not self.keyed:
+                out.append(Call(self.b0, self.b1, a, e, (a, e), kind))
+                continue
+            for r0 in range(a, e, KEYED_ROWS):
+                r1 = min(e, r0 + KEYED_ROWS)
+                out.append(
+                    Call(self.b0, self.b1, r0, r1, (a, r1 if self.causal else e), CALL_MASKED)
+                )
         return out
 
 
@@ -243,7 +258,9 @@ class Plan:
         if n_band:
             text += f" ({n_band} batched band call(s) of {self.block_q}-row blocks)"
         segs = [c for g in self.groups for c in g.calls if isinstance(c, SegmentCall)]
-        if segs:
+        if any(c.keyed for c in segs):
+            text += " (one segment per batch item; the kernel reads the key mask)"
+        elif segs:
             n = sum(c.count for c in segs)
             text += f" ({n} document(s) in {len(segs)} batched segment call(s))"
         return text
@@ -268,6 +285,7 @@ __all__ = [
     "CALL_CAUSAL",
     "CALL_FULL",
     "CALL_MASKED",
+    "KEYED_ROWS",
     "BandCall",
     "Call",
     "Group",

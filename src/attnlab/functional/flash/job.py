@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..._shapes import stat_dtype
 from .. import nan_rule
-from ..merge import merge_into, merge_partials
+from ..merge import merge_compensated, merge_into, merge_partials
 from ..request import Request
 from . import band_kernel
 from .band import band_backward, band_forward, segment_backward, segment_forward
@@ -44,38 +44,6 @@ def _rows(c: Call) -> _Rows:
     return (slice(c.b0, c.b1), slice(None), slice(c.r0, c.r1))
 
 
-def merge_compensated(
-    parts: list[tuple[Tensor, Tensor, Tensor | None]],
-) -> tuple[Tensor, Tensor, Tensor]:
-    """`merge_partials` of parts whose lse carries its rounding error: ``(o, hi, lo)`` triples.
-
-    Each part's log-sum-exp is ``hi + lo`` (``lo`` from `TorchEngine.forward`'s two-sum, or a
-    previous merge; None = 0). The merge weights ``exp(hi_i + lo_i − lse)`` and the merged
-    ``lse = hi + lo`` are formed in float64, so neither the output nor backward's probabilities
-    ``exp(s − hi − lo)`` see the rounding of a large lse (ulp(32) ≈ 4e-6 in float32). Inputs are
-    finite (the NaN rule cleans them first); rows with no key in any part stay ``o = 0``,
-    ``lse = −inf``, ``lo = 0``.
-
-    Returns:
-        ``(out (..., L, Dv) in the first part's dtype, hi (..., L), lo (..., L))``, hi and lo in
-        the first part's lse dtype.
-    """
-    exact = torch.stack(
-        [l.double() if lo is None else l.double() + lo.double() for _, l, lo in parts]
-    )  # (n, ..., L)
-    top = torch.logsumexp(exact, dim=0)  # (..., L); −inf where every part is empty
-    weights = torch.exp(exact - torch.where(torch.isneginf(top), 0.0, top))  # (n, ..., L)
-    o0, l0 = parts[0][0], parts[0][1]
-    acc = stat_dtype(o0.dtype)
-    out = sum(
-        (w.to(acc).unsqueeze(-1) * o.to(acc) for w, (o, _, _) in zip(weights, parts, strict=True)),
-        torch.zeros((), dtype=acc, device=o0.device),
-    )
-    hi = top.to(l0.dtype)
-    lo = torch.where(torch.isneginf(top), 0.0, top - hi.double()).to(l0.dtype)
-    return out.to(o0.dtype), hi, lo
-
-
 @dataclass
 class FlashJob:
     """Everything that defines one tiled attention call except the tensors q, k, v.
@@ -102,6 +70,8 @@ class FlashJob:
             native products (`kernel_widens`).
         own_kernel: attnlab's C++ band kernel may run band and segment calls of this job (False
             when it never does for its dtype and CPU: no call then asks it).
+        keys: the key mask ``(B|1, S)`` bool of a keyed segment call (`SegmentCall.keyed`,
+            `tiling.key_mask_plan`), read by attnlab's C++ segment kernel; None without one.
     """
 
     plan: Plan
@@ -118,6 +88,7 @@ class FlashJob:
     softcap: float | None = None
     policy: str = "widen"
     own_kernel: bool = True
+    keys: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.band_tiles is None:
@@ -260,11 +231,10 @@ class FlashJob:
         for g in plan.groups:
             parts: list[tuple[Tensor, Tensor, Tensor | None]] = []
             for c in g.calls:
-                if isinstance(c, SegmentCall) and self.engine == "kernel":
-                    own, cap = self.own_kernel, self.softcap
-                    segment_forward(
-                        c, q, k, v, scale=self.scale, out=out, lse=lse, own=own, softcap=cap
-                    )
+                if isinstance(c, SegmentCall) and self._segments_run(c, q, k, v):
+                    own, cap, keys = self.own_kernel, self.softcap, self._keys(c)
+                    kw = {"own": own, "softcap": cap, "keys": keys}
+                    segment_forward(c, q, k, v, scale=self.scale, out=out, lse=lse, **kw)
                 elif isinstance(c, BandCall | SegmentCall):
                     self._band_forward(q, k, v, c, out=out, lse=lse)
                 else:
@@ -281,6 +251,18 @@ class FlashJob:
                 lo = None
             self._put(out, lse, rows, o, l, lo)
         return out, lse
+
+    def _segments_run(self, c: SegmentCall, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """Whether segment call ``c`` runs as one call on the kernel engine (torch's kernel
+        takes an unkeyed one attnlab's does not); else its `SegmentCall.block_calls` run."""
+        if self.engine != "kernel":
+            return False
+        return not c.keyed or (self.own_kernel and band_kernel.segments_usable(q, k, v, c.n))
+
+    def _keys(self, c: SegmentCall) -> Tensor | None:
+        """The key mask a segment call reads (None: unkeyed)."""
+        assert not c.keyed or self.keys is not None, "a keyed segment call needs the job's keys"
+        return self.keys if c.keyed else None
 
     def _band_forward(
         self, q, k, v, c: BandCall | SegmentCall, *, out: Tensor, lse: Tensor
@@ -453,14 +435,22 @@ class FlashJob:
                     kw = {"grads": grads, "whole": whole, "own": self.own_kernel}
                     band_backward(c, res, tiles=self.band_tiles, scale=self.scale, **kw)
                     continue
-                if isinstance(c, SegmentCall) and use_kernel:
-                    own = self.own_kernel
-                    segment_backward(c, res, scale=self.scale, grads=grads, own=own)
+                if isinstance(c, SegmentCall) and use_kernel and self._segments_back(c, res):
+                    own, keys = self.own_kernel, self._keys(c)
+                    segment_backward(c, res, scale=self.scale, grads=grads, own=own, keys=keys)
                     continue
                 calls = c.block_calls() if isinstance(c, BandCall | SegmentCall) else (c,)
                 for bc in calls:
                     self._simple_backward(res, bc, grads, dlse=dlse, kernel=use_kernel, whole=whole)
         return self._narrow(grads, q, k, v)
+
+    def _segments_back(self, c: SegmentCall, res: Residuals) -> bool:
+        """Whether segment call ``c``'s backward runs as one call (kernel engine): a keyed one
+        only on attnlab's C++ kernel (else its `SegmentCall.block_calls` run)."""
+        if not c.keyed:
+            return True
+        xs = (res.q, res.k, res.v, res.out, res.dout)
+        return self.own_kernel and band_kernel.segments_backward_usable(*xs, c.n)
 
     @staticmethod
     def _narrow(grads: _Grads, q: Tensor, k: Tensor, v: Tensor) -> _Grads:

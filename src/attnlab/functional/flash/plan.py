@@ -29,7 +29,7 @@ from .engines import (
     low_precision,
 )
 from .job import FlashJob
-from .tiling import build_plan
+from .tiling import build_plan, key_mask_plan
 
 # Default tile sizes (rows × keys) of the block map, and the query block of batched band calls.
 BLOCK_Q = 128
@@ -282,10 +282,11 @@ def flash_job(
             cache=opts.plan_cache,
         )
 
-    plan = plan_for(bb_fwd)
+    keyed = _key_mask_plan(req, bias_kind) if engine == "kernel" else None
+    plan, keys = keyed if keyed is not None else (plan_for(bb_fwd), None)
     if req.softcap is not None and engine == "kernel" and not softcap_on_kernel(plan, req):
         bq, bk, bb, bb_fwd, engine = _tile_sizes(req, replace(opts, engine="torch"), False)
-        plan = plan_for(bb_fwd)
+        plan, keys = plan_for(bb_fwd), None
     # torch's backward kernel is faster on 64-row band blocks; attnlab's C++ band backward runs
     # the forward's blocks (window 256, L = 16384, fp32, Xeon with AMX: 16/32/64-row blocks
     # 0.095/0.097/0.099 s)
@@ -302,7 +303,24 @@ def flash_job(
         softcap=req.softcap,
         policy=opts.low_precision,
         own_kernel=kernel,
+        keys=keys,
     )
+
+
+def _key_mask_plan(req: Request, bias: str | None) -> tuple[Plan, Tensor] | None:
+    """`tiling.key_mask_plan` for a request whose one segment of L positions attnlab's C++
+    segment kernel runs (`band_kernel.segments_ready`); its key mask unit-stride (the kernel
+    reads each item's row)."""
+    d, mask = req.dims, req.terms.structured
+    if mask is None or not any(m.over_keys for m in mask.conjuncts()):
+        return None  # (the warm path of other masks asks nothing more)
+    if not band_kernel.segments_ready(req.q, d.L):
+        return None
+    found = key_mask_plan(mask, B=d.B, L=d.L, S=d.S, bias=bias, device=req.q.device)
+    if found is None:
+        return None
+    plan, keys = found
+    return plan, keys.contiguous()
 
 
 def _tile_source(req: Request, relative: bool) -> TileSource:

@@ -319,6 +319,40 @@ def segment_plan(mask: Mask | None, *, B: int, L: int, S: int, bias: str | None)
     return Plan(groups, "documents", 0, 0)
 
 
+def key_mask_plan(
+    mask: Mask | None, *, B: int, L: int, S: int, bias: str | None, device: torch.device
+) -> tuple[Plan, Tensor] | None:
+    """``(plan, keys)`` for a mask over keys, alone or ``&`` causal, as ONE keyed `SegmentCall`
+    (whose kernel reads the key mask ``keys (B|1, S)`` bool); None if not applicable.
+
+    Applies with ``L == S`` and no bias, when every conjunct of the mask is a band (together
+    unbounded or causal) or over keys alone (`Mask.over_keys`, its `Mask.key_mask`: padding, a
+    ``(B, 1, 1, S)`` tensor, their ``&``/``|``/``~``) and one is. transformers' 2-D
+    ``attention_mask`` (all ones or not) with a causal or encoder mask is such a mask. Nothing
+    is read from the mask's values: the plan is its structure, the key mask a tensor
+    expression (O(B·S) on the device); the kernel finds each item's first and last key.
+    """
+    if mask is None or bias is not None or L != S or L == 0:
+        return None
+    band: tuple[float, float] = (-math.inf, math.inf)
+    keys: Tensor | None = None
+    for part in mask.conjuncts():
+        over_keys = part.key_mask(L, S, device=device) if part.over_keys else None
+        if over_keys is not None:
+            keys = over_keys if keys is None else keys & over_keys
+            continue
+        found = part.band()
+        if found is None:
+            return None
+        band = (max(band[0], found[0]), min(band[1], found[1]))
+    lo, hi = _clip_band(band, L, S)
+    if keys is None or lo != -math.inf or hi not in (0, math.inf):
+        return None
+    call = SegmentCall(0, B, 0, L, 1, hi == 0, keyed=True)
+    plan = Plan([Group(0, B, 0, L, [call])], "key mask", 0, 0)
+    return plan.settle(B, L, S, biased=False), keys
+
+
 def build_plan(
     mask: Mask | None,
     *,
@@ -390,5 +424,6 @@ def build_plan(
 __all__ = [
     "band_of",
     "build_plan",
+    "key_mask_plan",
     "segment_plan",
 ]
