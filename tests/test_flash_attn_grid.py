@@ -28,7 +28,7 @@ What failed before issue #38 (the `FIXED` cases; the float32 ones fail on the co
   of the per-head matrix–vector one (1.5–4× the logit error); large logits turned it into 3× the
   output and 9× the dK error of the per-head formula (`flash.engines.TorchEngine._scores`).
 - ``softcap`` with merged key tiles (causal, key padding, float32): rows whose keys took several
-  calls lost lse's rounding error (ulp(30) ≈ 2e-6), 2–4× dQ/dK (`functional.merge.merge_compensated`).
+  calls lost lse's rounding error (ulp(30) ≈ 2e-6), 2–4× dQ/dK (`merge.merge_compensated`).
 - ``ALiBi + local window`` and window rows with a few keys at L > S (float32, attnlab's C++ band
   backward): δ = rowsum(dO ⊙ O) in one float32 chain over Dv, inconsistent with the tile's own
   P and dO·vᵀ; ALiBi's concentrated P and rows with one to a few keys passed that difference

@@ -16,7 +16,7 @@ import torch
 
 from attnlab import _ext, attention, explain, masks
 from attnlab.functional.flash import band_kernel
-from attnlab.functional.flash.calls import KEYED_ROWS, SegmentCall
+from attnlab.functional.flash.calls import KEYED_ROWS, BandCall, SegmentCall
 from attnlab.functional.flash.tiling import key_mask_plan
 from helpers import check_against_reference, mean_factor_for, reference_for, seeded
 
@@ -37,7 +37,7 @@ def _spy(monkeypatch, module, name: str) -> list[object]:
     real = getattr(module, name)
 
     def spy(*a, **kw):
-        seen.append(a[-1] if len(a) > 0 else None)
+        seen.append(kw["keys"] if "keys" in kw else a[-1])
         return real(*a, **kw)
 
     monkeypatch.setattr(module, name, spy)
@@ -83,25 +83,33 @@ def test_key_mask_plans_are_structure_only() -> None:
         "or, not": ((masks.from_tensor(meta) | ~masks.padding(lengths)) & masks.causal(), True),
         "a window wider than L": (masks.sliding_window(L + 5) & masks.from_tensor(meta), True),
     }
+    sizes = {"B": B, "H": 4, "L": L, "S": L, "band_block": 16, "bias": None}
+    meta_dev = torch.device("meta")
     for name, (mask, causal) in keyed.items():
-        found = key_mask_plan(mask, B=B, L=L, S=L, bias=None, device=torch.device("meta"))
+        found = key_mask_plan(mask, device=meta_dev, **sizes)
         assert found is not None, name
         p, keys = found
         (call,) = [c for g in p.groups for c in g.calls]
         assert isinstance(call, SegmentCall) and call.keyed and call.causal == causal, name
         assert (call.n, call.count, call.start) == (L, 1, 0) and p.covers_all, name
         assert keys.shape[-1] == L and keys.dtype == torch.bool and keys.is_meta, name
+    # a sliding window: its batched band plan, every band call keyed (any L <= S)
+    for n in (L, L - 13):
+        window = masks.sliding_window(9) & masks.from_tensor(meta)
+        p, _ = key_mask_plan(window, device=meta_dev, **(sizes | {"L": n}))
+        bands = [c for g in p.groups for c in g.calls if isinstance(c, BandCall)]
+        assert bands and all(c.keyed for c in bands) and p.kind == "band, key mask"
     rowwise = torch.ones(B, 1, L, L, dtype=torch.bool, device="meta")
     for name, mask, kw in (
         ("rows differ", masks.from_tensor(rowwise) & masks.causal(), {}),
-        ("window", masks.sliding_window(9) & masks.from_tensor(meta), {}),
         ("causal alone", masks.causal(), {}),
         ("documents", masks.document(torch.zeros(L, dtype=torch.long)), {}),
-        ("L != S", masks.from_tensor(meta), {"L": L - 1}),
+        ("L != S, causal", masks.from_tensor(meta) & masks.causal(), {"L": L - 1}),
         ("bias", masks.from_tensor(meta), {"bias": "fn"}),
+        ("a window as wide as the keys", masks.sliding_window(L - 3) & masks.from_tensor(meta),
+         {"L": 50}),
     ):
-        args = {"B": B, "L": L, "S": L, "bias": None, "device": torch.device("meta")} | kw
-        assert key_mask_plan(mask, **args) is None, name
+        assert key_mask_plan(mask, device=meta_dev, **(sizes | kw)) is None, name
 
 
 def test_keyed_calls_as_simple_calls_cover_each_row_once() -> None:
@@ -115,20 +123,28 @@ def test_keyed_calls_as_simple_calls_cover_each_row_once() -> None:
 
 
 # --------------------------------------------------------------------------- the kernel
+BANDS = {
+    "causal": (masks.causal, "segments_into", "segments_backward_into"),
+    "encoder": (None, "segments_into", "segments_backward_into"),
+    "window": (lambda: masks.sliding_window(29), "forward_into", "backward_into"),
+}
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "encoder"])
+@pytest.mark.parametrize("band", list(BANDS))
 @pytest.mark.parametrize("kind", list(key_masks(3, 8)))
-def test_key_masks_match_the_reference(band_ext, monkeypatch, dtype, causal, kind) -> None:
-    """Every kind of 0/1 key mask, causal or not, runs as one keyed call on the C++ segment
-    kernel, forward and backward (the spies see the key mask), and equals the float64
-    reference with the tolerance rule (rows without a key: zeros); GQA, odd L (even in bfloat16
-    pairs)."""
+def test_key_masks_match_the_reference(band_ext, monkeypatch, dtype, band, kind) -> None:
+    """Every kind of 0/1 key mask, causal, unmasked or with a sliding window, runs on attnlab's
+    C++ kernels with the key mask, forward and backward (the spies see it: one segment call per
+    item, or the window's band call), and equals the float64 reference with the tolerance rule
+    (rows without a key: zeros); GQA, odd L (even in bfloat16 pairs)."""
     L = 202 if dtype == torch.bfloat16 else 201
     valid = key_masks(3, L)[kind]
+    make, fwd_op, bwd_op = BANDS[band]
     mask = masks.from_tensor(valid[:, None, None, :])
-    mask = masks.causal() & mask if causal else mask
-    fwd = _spy(monkeypatch, band_kernel, "segments_into")
-    bwd = _spy(monkeypatch, band_kernel, "segments_backward_into")
+    mask = make() & mask if make is not None else mask
+    fwd = _spy(monkeypatch, band_kernel, fwd_op)
+    bwd = _spy(monkeypatch, band_kernel, bwd_op)
     check_against_reference(
         lambda q, k, v: attention(q, k, v, mask=mask, backend="flash"),
         reference_for(mask, None),
@@ -137,6 +153,28 @@ def test_key_masks_match_the_reference(band_ext, monkeypatch, dtype, causal, kin
     )
     assert fwd and all(isinstance(k, torch.Tensor) and k.shape == (L,) for k in fwd)
     assert bwd and all(isinstance(k, torch.Tensor) for k in bwd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_window_and_key_mask_with_fewer_queries(band_ext, dtype) -> None:
+    """A sliding window with a key mask and L < S (a chunk of queries after cached keys,
+    bottom-right aligned), soft-capped without gradient too: the reference's values."""
+    B, L, S = 3, 150, 211
+    valid = key_masks(B, S)["holes"] | key_masks(B, S)["left"]
+    mask = masks.sliding_window(40) & masks.from_tensor(valid[:, None, None, :])
+    q, k, v = qkv(B, S, dtype)
+    q = q[:, :, :L].contiguous()
+    check_against_reference(
+        lambda q, k, v: attention(q, k, v, mask=mask, backend="flash"),
+        reference_for(mask, None),
+        [q, k, v],
+        mean_factor=mean_factor_for("flash", dtype),
+    )
+    with torch.no_grad():
+        got = attention(q, k, v, mask=mask, backend="flash", softcap=5.0)
+        ref = reference_for(mask, None, softcap=5.0)
+        want = ref(q.double(), k.double(), v.double(), compute_dtype=torch.float64, reorder=False)
+    assert (got.double() - want).abs().max() < (2e-6 if dtype == torch.float32 else 3e-2)
 
 
 def test_padding_lengths_and_the_explanation(band_ext) -> None:

@@ -2,11 +2,13 @@
 // backend, each as one CPU operator (see attnlab/functional/flash/band.py and band_kernel.py).
 //
 //   attnlab_band::forward_into(out!, lse!, q, k, v, add, r0, nblk, bq, k_start, width, limit,
-//                              scale, check=False, widen=False) -> seen
+//                              scale, check=False, widen=False, softcap=0.0, keys=None) -> seen
 //       q (H, L, D), k (H_kv, S, D), v (H_kv, S, Dv): one batch item, unit stride in the last
 //       dim; query block t (0 <= t < nblk) holds rows r0 + t·bq … + bq and sees the keys
 //       [k_start + t·bq, … + width) that lie in [0, limit) (edge windows are clipped: columns
-//       outside are masked; limit <= S). add (A0, A1, bq, width) float32 with
+//       outside are masked; limit <= S) and, with keys (bool (S,): a key mask, padding), that
+//       it keeps (blocks whose window holds none of its run skip both products). add
+//       (A0, A1, bq, width) float32 with
 //       A0 in {1, nblk} and A1 in {1, H}: the additive tile (mask as −inf, plus any bias).
 //       Writes out (nblk, H, bq, Dv) in q's dtype (or float32: bfloat16/float16 calls whose
 //       partial outputs are merged) and lse (nblk, H, bq) float32 (any strides, e.g. views of the
@@ -29,7 +31,7 @@
 //       row left without keys gets out = 0, lse = −inf. A key mask costs only the columns from
 //       each segment's first attended key to its last (`KeyRuns`).
 //   attnlab_band::backward_into(dq!, dk!, dv!, q, k, v, out, dout, lse, add, r0, nblk, bq,
-//                               k_start, width, limit, scale, own_delta=False)
+//                               k_start, width, limit, scale, own_delta=False, keys=None)
 //   attnlab_band::segments_backward_into(dq!, dk!, dv!, q, k, v, out, dout, lse, start, n,
 //                                        count, causal, bq, scale, keys=None)
 //       The backward of the two calls, added into float32 dq, dk, dv: every product in float32
@@ -895,6 +897,55 @@ inline void prefetch_rows(const T* base, int64_t stride, int64_t lo, int64_t hi,
   }
 }
 
+// What a key mask (one bool per key of the batch item: padding) leaves of each segment of a
+// call: the run [lo, hi) from its first attended key to one past its last (segment-relative;
+// lo = hi when it has none) and, when some run has holes, an additive row over the call's
+// columns — 0 where a key may be attended, −inf elsewhere and past the call (a block's padded
+// score columns read it). Without a key mask every segment is the run [0, n), without holes.
+// Blocks then compute only the columns from the run's first key (rounded down to 32: whole
+// VNNI pairs and vectors) to their last one: a left-padded row costs its real keys only.
+// Scores of masked keys inside a run to −inf: s[c] += hole[key0 + c] on columns [lo, hi) (hole:
+// 0 for a kept key, −inf for a masked one; the scores are finite, so kept ones are unchanged).
+inline void mask_holes(float* s, const float* hole, int64_t key0, int64_t lo, int64_t hi) {
+#pragma omp simd
+  for (int64_t c = lo; c < hi; ++c) s[c] += hole[key0 + c];
+}
+
+struct KeyRuns {
+  std::vector<int64_t> lo, hi;
+  std::vector<float> add;  // count·n + 64 columns, or empty: no run has holes
+  int64_t n = 0;
+
+  KeyRuns(const bool* keys, int64_t start, int64_t n_, int64_t count)
+      : lo(count, 0), hi(count, n_), n(n_) {
+    if (keys == nullptr) return;
+    bool holes = false;
+    for (int64_t s = 0; s < count; ++s) {
+      const bool* ks = keys + start + s * n;
+      int64_t a = 0, b = n, on = 0;
+      while (a < n && !ks[a]) ++a;
+      while (b > a && !ks[b - 1]) --b;
+      for (int64_t j = a; j < b; ++j) on += ks[j];
+      lo[s] = a;
+      hi[s] = b;
+      holes = holes || on < b - a;
+    }
+    if (!holes) return;
+    add.assign(static_cast<size_t>(count * n + 64), kNegInf);
+    for (int64_t j = 0; j < count * n; ++j) add[j] = keys[start + j] ? 0.0f : kNegInf;
+  }
+  // the additive row of segment s from its column c on (null: no holes)
+  const float* row(int64_t s, int64_t c) const {
+    return add.empty() ? nullptr : add.data() + s * n + c;
+  }
+  // the first column a block of segment s computes: its first key, rounded down to 32
+  int64_t first(int64_t s) const { return lo[s] / 32 * 32; }
+  // one past the last key of rows [p0, p1) of segment s (causal: up to the last row)
+  int64_t end(int64_t s, bool causal, int64_t p1) const {
+    return causal ? std::min(p1, hi[s]) : hi[s];
+  }
+};
+
 // One thread's packed keys (and packed values: bfloat16, float16) of one key head for the band's
 // columns
 // [base, end), filled as its blocks advance: a block needs the columns [t·bq, t·bq + ws), of
@@ -971,7 +1022,7 @@ template <typename T, typename TO>
 void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk, int64_t bq,
                   int64_t k_start, int64_t width, int64_t limit, double scale_d,
-                  std::atomic<bool>* bad, float softcap) {
+                  std::atomic<bool>* bad, float softcap, const bool* keys) {
   using C = typename Traits<T>::C;
   constexpr bool vnni = Traits<T>::vnni;
   const int64_t H = q.size(0), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
@@ -981,9 +1032,12 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
   const int64_t ws = score_cols(width, vnni);
   const int64_t nk = (nblk - 1) * bq + width;  // keys the band covers
   // packed column j is key k_start + j: a key when v_lo <= j < v_hi (edge windows reach past
-  // [0, limit): those columns are −inf and their packed keys and values zero)
-  const int64_t v_lo = std::max<int64_t>(0, -k_start);
-  const int64_t v_hi = std::max(v_lo, std::min(nk, limit - k_start));
+  // [0, limit), a key mask's run of kept keys ends before them: those columns are −inf and
+  // their packed keys and values zero); a key mask's holes are −inf on the scores (`hole`)
+  const KeyRuns runs(keys, 0, k.size(1), 1);
+  const int64_t v_lo = std::max<int64_t>({0, -k_start, runs.lo[0] - k_start});
+  const int64_t v_hi = std::max(v_lo, std::min({nk, limit - k_start, runs.hi[0] - k_start}));
+  const float* hole = runs.row(0, 0);  // over the item's keys: 0 kept, −inf masked (or null)
   const int64_t ngrp = (nblk + kGroup - 1) / kGroup;
   // columns one work item reads ((kGroup − 1)·bq + ws), and the stream's capacity: several
   // items' worth, so that a slide (moving the overlap to the front) is rare
@@ -1018,6 +1072,9 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
             if (attnlab_bits::span_bad(qb + r * qs, D)) *seen = true;
           }
         }
+        if (std::min(v_hi - t * bq, ws) <= std::clamp<int64_t>(v_lo - t * bq, 0, ws)) {
+          continue;  // no key in the window (padding): below, its rows are zeros
+        }
         const auto [qa, lda] = query_rows(qb, qs, bq, D, sc.q);
         brgemm(bq, ws, D, lda, st.ld(), ws, false, qa, st.keys(t * bq), s + (t - t0) * bq * ws,
                vnni);
@@ -1028,10 +1085,16 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
         const int64_t c_lo = std::clamp<int64_t>(v_lo - t * bq, 0, ws);
         const int64_t c_hi = std::clamp<int64_t>(v_hi - t * bq, c_lo, ws);
         const int64_t g = (t - t0) * bq;
+        if (c_hi <= c_lo) {  // no key in the window: the rows are zeros (no product ran)
+          std::fill(sc.o + g * Dv, sc.o + (g + bq) * Dv, 0.0f);
+          std::fill(sc.m.data() + g, sc.m.data() + g + bq, kNegInf);
+          continue;
+        }
         for (int64_t r = 0; r < bq; ++r) {
           float* sr = s + (g + r) * ws;
           C* pr = vnni ? sc.p + (g + r) * ws : reinterpret_cast<C*>(sr);
           if (softcap > 0.0f) cap_scores(sr, ws, scale, softcap);
+          if (hole != nullptr) mask_holes(sr, hole, k_start + t * bq, c_lo, c_hi);
           const float sx = softcap > 0.0f ? 1.0f : scale;
           const auto [mx, sum] = softmax_row<true>(sr, at + r * ar, ws, c_lo, c_hi, sx, pr);
           sc.m[g + r] = mx;
@@ -1089,48 +1152,6 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
 // L = 16384, fp32 forward on an AVX2 EPYC: flash/SDPA 1.13–1.17 (all 16384 at once) → 0.98–1.03
 // (2048; 512: 1.04, 1024: 0.95–1.13); packed documents of 2048 stay one pass.
 constexpr int64_t kSegmentSpan = 2048;
-
-// What a key mask (one bool per key of the batch item: padding) leaves of each segment of a
-// call: the run [lo, hi) from its first attended key to one past its last (segment-relative;
-// lo = hi when it has none) and, when some run has holes, an additive row over the call's
-// columns — 0 where a key may be attended, −inf elsewhere and past the call (a block's padded
-// score columns read it). Without a key mask every segment is the run [0, n), without holes.
-// Blocks then compute only the columns from the run's first key (rounded down to 32: whole
-// VNNI pairs and vectors) to their last one: a left-padded row costs its real keys only.
-struct KeyRuns {
-  std::vector<int64_t> lo, hi;
-  std::vector<float> add;  // count·n + 64 columns, or empty: no run has holes
-  int64_t n = 0;
-
-  KeyRuns(const bool* keys, int64_t start, int64_t n_, int64_t count)
-      : lo(count, 0), hi(count, n_), n(n_) {
-    if (keys == nullptr) return;
-    bool holes = false;
-    for (int64_t s = 0; s < count; ++s) {
-      const bool* ks = keys + start + s * n;
-      int64_t a = 0, b = n, on = 0;
-      while (a < n && !ks[a]) ++a;
-      while (b > a && !ks[b - 1]) --b;
-      for (int64_t j = a; j < b; ++j) on += ks[j];
-      lo[s] = a;
-      hi[s] = b;
-      holes = holes || on < b - a;
-    }
-    if (!holes) return;
-    add.assign(static_cast<size_t>(count * n + 64), kNegInf);
-    for (int64_t j = 0; j < count * n; ++j) add[j] = keys[start + j] ? 0.0f : kNegInf;
-  }
-  // the additive row of segment s from its column c on (null: no holes)
-  const float* row(int64_t s, int64_t c) const {
-    return add.empty() ? nullptr : add.data() + s * n + c;
-  }
-  // the first column a block of segment s computes: its first key, rounded down to 32
-  int64_t first(int64_t s) const { return lo[s] / 32 * 32; }
-  // one past the last key of rows [p0, p1) of segment s (causal: up to the last row)
-  int64_t end(int64_t s, bool causal, int64_t p1) const {
-    return causal ? std::min(p1, hi[s]) : hi[s];
-  }
-};
 
 // Batched segments (packed documents, `tiling.SegmentCall`) of one batch item: segment s holds
 // rows and keys [start + s·n, start + (s+1)·n); its rows see all its keys, or (causal) the keys
@@ -1480,14 +1501,16 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                    const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& add,
                    int64_t r0, int64_t nblk, int64_t bq, int64_t k_start, int64_t width,
-                   int64_t limit, double scale_d, bool own_delta) {
+                   int64_t limit, double scale_d, bool own_delta, const bool* keys) {
   const int64_t H = q.size(0), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
   const int64_t G = H / Hkv;
   const float scale = static_cast<float>(scale_d);
   const int64_t ws = score_cols(width, false);
   const int64_t nk = (nblk - 1) * bq + width;
-  const int64_t v_lo = std::max<int64_t>(0, -k_start);
-  const int64_t v_hi = std::max(v_lo, std::min(nk, limit - k_start));
+  const KeyRuns runs(keys, 0, k.size(1), 1);  // as the forward: the run of kept keys, holes
+  const int64_t v_lo = std::max<int64_t>({0, -k_start, runs.lo[0] - k_start});
+  const int64_t v_hi = std::max(v_lo, std::min({nk, limit - k_start, runs.hi[0] - k_start}));
+  const float* hole = runs.row(0, 0);
   const int64_t cap = std::max<int64_t>(4 * ws, 1024) / 16 * 16;
 
   // keys packed as kᵀ for q·kᵀ and (16-bit inputs, widened) as rows for dS·k; values as vᵀ
@@ -1556,6 +1579,9 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
         if (!own_delta) io.deltas(h, row, bq, Dv, delta.data());
         brgemm(bq, ws, D, lq, kst.ld(), ws, false, qb, kst.keys(c), s, false);
         brgemm(bq, ws, Dv, lg, vst.ld(), ws, false, gb, vst.keys(c), dp, false);
+        if (hole != nullptr) {  // a key mask's holes: P = 0 there
+          for (int64_t r = 0; r < bq; ++r) mask_holes(s + r * ws, hole, k_start + c, c_lo, c_hi);
+        }
         for (int64_t r = 0; r < bq; ++r) {  // s becomes P, dp dS·scale
           if (own_delta) {
             grad_row_own(s + r * ws, dp + r * ws, at + r * ar, ws, c_lo, c_hi, scale,
@@ -1823,10 +1849,26 @@ at::Tensor padded_tile(const at::Tensor& add, int64_t width, int64_t ws) {
   return at::constant_pad_nd(add, {0, ws - width}, -std::numeric_limits<double>::infinity());
 }
 
+// The key mask of a band or segment call (one batch item): bool, 1-D over the item's keys, unit
+// stride (null when none is given).
+const bool* key_mask(const char* op, const std::optional<at::Tensor>& keys,
+                         const at::Tensor& k, int64_t end) {
+  if (!keys.has_value()) return nullptr;
+  const at::Tensor& t = *keys;
+  TORCH_CHECK(t.scalar_type() == at::kBool && t.dim() == 1 && t.device().is_cpu() &&
+                  (t.stride(0) == 1 || t.size(0) <= 1),
+              "attnlab_band.", op, ": keys must be a 1-D unit-stride bool CPU tensor, got ",
+              t.scalar_type(), " of shape ", t.sizes());
+  TORCH_CHECK(t.size(0) == k.size(1) && end <= t.size(0), "attnlab_band.", op,
+              ": keys must hold one entry per key (", k.size(1), "), got ", t.size(0));
+  return t.const_data_ptr<bool>();
+}
+
 at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk,
                         int64_t bq, int64_t k_start, int64_t width, int64_t limit, double scale,
-                        bool check_inputs_for_nonfinite, bool widen, double softcap) {
+                        bool check_inputs_for_nonfinite, bool widen, double softcap,
+                        const std::optional<at::Tensor>& keys_) {
   TORCH_CHECK(softcap >= 0.0, "attnlab_band.forward_into: softcap must be >= 0 (0: none)");
   const float cap = static_cast<float>(softcap);
   const at::ScalarType dt = check_inputs("forward_into", out, q, k, v, 4, /*float_out=*/true);
@@ -1840,6 +1882,7 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
                   lse.sizes() == at::IntArrayRef({nblk, q.size(0), bq}),
               "attnlab_band.forward_into: out must be (nblk, H, bq, Dv), lse (nblk, H, bq)");
   const at::Tensor addp = padded_tile(add, width, score_cols(width, bf16));
+  const bool* keys = key_mask("forward_into", keys_, k, 0);
   populate(out);
   std::atomic<bool> bad{false};
   std::atomic<bool>* seen = check_inputs_for_nonfinite ? &bad : nullptr;
@@ -1848,7 +1891,7 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
     using T = decltype(in_type);
     using TO = decltype(out_type);
     band_forward<T, TO>(out, lse, q, k, v, addp, r0, nblk, bq, k_start, width, limit, scale,
-                        seen, cap);
+                        seen, cap, keys);
   };
   if (dt == at::kFloat) {
     run(float{}, float{});
@@ -1860,21 +1903,6 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
     float_out ? run(c10::Half{}, float{}) : run(c10::Half{}, c10::Half{});
   }
   return at::empty({bad.load() ? 1 : 0}, q.options().dtype(at::kByte));
-}
-
-// The key mask of a segment call (one batch item): bool, 1-D over the item's keys, unit stride
-// (null when none is given).
-const bool* segment_keys(const char* op, const std::optional<at::Tensor>& keys,
-                         const at::Tensor& k, int64_t end) {
-  if (!keys.has_value()) return nullptr;
-  const at::Tensor& t = *keys;
-  TORCH_CHECK(t.scalar_type() == at::kBool && t.dim() == 1 && t.device().is_cpu() &&
-                  (t.stride(0) == 1 || t.size(0) <= 1),
-              "attnlab_band.", op, ": keys must be a 1-D unit-stride bool CPU tensor, got ",
-              t.scalar_type(), " of shape ", t.sizes());
-  TORCH_CHECK(t.size(0) == k.size(1) && end <= t.size(0), "attnlab_band.", op,
-              ": keys must hold one entry per key (", k.size(1), "), got ", t.size(0));
-  return t.const_data_ptr<bool>();
 }
 
 void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
@@ -1895,7 +1923,7 @@ void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at
               "attnlab_band.segments_into: out must be (H, L, Dv), lse (H, L)");
   TORCH_CHECK(!bf16 || n % 2 == 0,
               "attnlab_band.segments_into: bfloat16 pairs need an even segment length");
-  const bool* keys = segment_keys("segments_into", keys_, k, start + count * n);
+  const bool* keys = key_mask("segments_into", keys_, k, start + count * n);
   populate(out.narrow(1, start, count * n));
   auto run = [&](auto in_type) {
     segment_forward<decltype(in_type)>(out, lse, q, k, v, start, n, count, causal, bq, scale,
@@ -1943,15 +1971,17 @@ void backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const at::Tensor
                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                    const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& add,
                    int64_t r0, int64_t nblk, int64_t bq, int64_t k_start, int64_t width,
-                   int64_t limit, double scale, bool own_delta) {
+                   int64_t limit, double scale, bool own_delta,
+                   const std::optional<at::Tensor>& keys_) {
   check_backward("backward_into", dq, dk, dv, q, k, v, out, dout, lse);
+  const bool* keys = key_mask("backward_into", keys_, k, 0);
   check(add, "backward_into", "add", 4);
   TORCH_CHECK(add.scalar_type() == at::kFloat, "attnlab_band.backward_into: add must be float32");
   check_band_call("backward_into", q, k, add, r0, nblk, bq, width, limit);
   const at::Tensor addp = padded_tile(add, width, score_cols(width, false));
   auto run = [&](auto in_type) {
     band_backward<decltype(in_type)>(dq, dk, dv, q, k, v, out, dout, lse, addp, r0, nblk, bq,
-                                     k_start, width, limit, scale, own_delta);
+                                     k_start, width, limit, scale, own_delta, keys);
   };
   switch (q.scalar_type()) {  // every product in float32: 16-bit inputs widened as packed
     case at::kFloat: return run(float{});
@@ -1970,7 +2000,7 @@ void segments_backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const a
   TORCH_CHECK(n >= 1 && count >= 1 && bq >= 1, "attnlab_band.segments_backward_into: empty call");
   TORCH_CHECK(start >= 0 && start + count * n <= std::min(q.size(1), k.size(1)),
               "attnlab_band.segments_backward_into: segments out of range");
-  const bool* keys = segment_keys("segments_backward_into", keys_, k, start + count * n);
+  const bool* keys = key_mask("segments_backward_into", keys_, k, start + count * n);
   const bool wide_out = out.scalar_type() == at::kFloat;
   auto run = [&](auto in_type) {
     using T = decltype(in_type);
@@ -2007,7 +2037,7 @@ TORCH_LIBRARY(attnlab_band, m) {
   m.def(
       "forward_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, Tensor add, "
       "int r0, int nblk, int bq, int k_start, int width, int limit, float scale, "
-      "bool check=False, bool widen=False, float softcap=0.0) -> Tensor");
+      "bool check=False, bool widen=False, float softcap=0.0, Tensor? keys=None) -> Tensor");
   m.def(
       "segments_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, int start, "
       "int n, int count, bool causal, int bq, float scale, bool widen=False, "
@@ -2015,7 +2045,7 @@ TORCH_LIBRARY(attnlab_band, m) {
   m.def(
       "backward_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor q, Tensor k, Tensor v, "
       "Tensor out, Tensor dout, Tensor lse, Tensor add, int r0, int nblk, int bq, int k_start, "
-      "int width, int limit, float scale, bool own_delta=False) -> ()");
+      "int width, int limit, float scale, bool own_delta=False, Tensor? keys=None) -> ()");
   m.def(
       "segments_backward_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor q, Tensor k, "
       "Tensor v, Tensor out, Tensor dout, Tensor lse, int start, int n, int count, bool causal, "

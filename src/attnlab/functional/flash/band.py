@@ -80,6 +80,7 @@ def band_forward(
     store: Store | None = None,
     own: bool = True,
     softcap: float | None = None,
+    keys: Tensor | None = None,
 ) -> None:
     """Runs a batched band call on the kernel into ``out (B, H, L, Dv)`` and ``lse (B, H, L)``.
 
@@ -88,11 +89,13 @@ def band_forward(
     run (`FlashJob.own_kernel`: False when it never does on this dtype and CPU). Inputs are
     finite (`nan_rule.clean`), so the batched call is always possible. ``softcap``: soft-capped
     logits, which only attnlab's C++ kernel applies (the job takes this path for them only when
-    it runs every call: `plan.softcap_on_kernel`).
+    it runs every call: `plan.softcap_on_kernel`); so does a key mask ``keys (B|1, S)`` bool
+    (`BandCall.keyed`).
     """
     put = store or _copy
     native = own and band_kernel.usable(q, k, v, c.bq)  # every block, edges too, in one C++ call
     assert native or softcap is None, "soft-capped logits need attnlab's C++ band kernel"
+    assert native or keys is None, "a key mask needs attnlab's C++ band kernel"
     for b in range(c.b0, c.b1):
         add = tiles.tile(c, b, q.device)
         if native:
@@ -102,7 +105,8 @@ def band_forward(
                 if store is None
                 else (torch.empty_like(o_rows), torch.empty_like(l_rows))
             )
-            band_kernel.forward_into(o, l, q[b], k[b], v[b], add, c, scale, softcap)
+            kb = None if keys is None else keys[b if keys.shape[0] > 1 else 0]
+            band_kernel.forward_into(o, l, q[b], k[b], v[b], add, c, scale, softcap, kb)
             if store is not None:
                 store(o_rows, l_rows, o, l)
             continue
@@ -135,20 +139,25 @@ def band_backward(
     grads: tuple[Tensor, Tensor, Tensor],
     whole: bool = False,
     own: bool = True,
+    keys: Tensor | None = None,
 ) -> None:
     """Adds the gradients of a batched band call into ``grads = (dq, dk, dv)`` (kernel engine).
 
     ``res`` holds the whole tensors ``(B, …)``; its lse is +inf on rows with no key. ``whole``:
     the call holds every key of its rows, so attnlab's C++ backward forms δ from each row's own
-    ``Σ P·dP`` (`band_kernel.backward_into`); torch's kernel always reads ``rowsum(dout ⊙ out)``.
+    ``Σ P·dP`` (`band_kernel.backward_into`); torch's kernel always reads ``rowsum(dout ⊙ out)``
+    (and cannot read a key mask ``keys``: a keyed call needs the C++ backward).
     """
     dq, dk, dv = grads
     native = own and band_kernel.backward_usable(res.q, res.k, res.v, res.out, res.dout)
+    assert native or keys is None, "a key mask needs attnlab's C++ band backward"
     for b in range(c.b0, c.b1):
         add = tiles.tile(c, b, res.q.device)
         if native:  # every block, edges too, in one C++ call
             parts = (res.q[b], res.k[b], res.v[b], res.out[b], res.dout[b], res.lse[b])
-            band_kernel.backward_into((dq[b], dk[b], dv[b]), parts, add, c, scale, whole=whole)
+            kb = None if keys is None else keys[b if keys.shape[0] > 1 else 0]
+            grads_b = (dq[b], dk[b], dv[b])
+            band_kernel.backward_into(grads_b, parts, add, c, scale, whole=whole, keys=kb)
             continue
         inner, add_in = interior(c, add)
         if inner is not None:

@@ -315,6 +315,7 @@ def backward_into(
     scale: float,
     *,
     whole: bool = False,
+    keys: Tensor | None = None,
 ) -> None:
     """Adds band call ``c``'s gradients for one batch item into ``grads = (dq, dk, dv)``.
 
@@ -328,6 +329,7 @@ def backward_into(
         whole: the call holds every key of its rows (no other call of the plan adds to them):
             δ is then ``Σ_j P_ij·dP_ij`` of each row, as softmax's own backward forms it, so dS
             sums to zero with the very P and dP it multiplies (a row with one key gets dS = 0).
+        keys: None, or the item's key mask, as for `forward_into`.
 
     Per block, with ``P = exp(q·kᵀ·scale + add − lse)`` and ``δ = rowsum(dout ⊙ out)`` (or the
     row's own ``Σ P·dP``): ``dS = P ⊙ (dout·vᵀ − δ)``, ``dq += dS·k·scale``,
@@ -349,6 +351,7 @@ def backward_into(
         limit,
         float(scale),
         bool(whole),
+        keys=keys,
     )
 
 
@@ -393,6 +396,7 @@ def forward_into(
     c: BandCall,
     scale: float,
     softcap: float | None = None,
+    keys: Tensor | None = None,
 ) -> None:
     """Writes band call ``c``'s output and log-sum-exp for one batch item (no allocation).
 
@@ -406,6 +410,9 @@ def forward_into(
         scale: logit multiplier.
         softcap: None, or logit soft-capping ``softcap·tanh(s / softcap)`` of the scaled logits
             before ``add`` (forward only: the backward operator has no tanh stage).
+        keys: None, or the item's key mask ``(S,)`` bool (unit stride) of a keyed call
+            (`BandCall.keyed`): windows keep only its kept keys; blocks whose window holds
+            none of the run from its first kept key to its last skip both products.
 
     ``out = softmax(q·kᵀ·scale + add) v`` per block over the keys of its window; a row with
     no key gets 0 and lse = −inf.
@@ -433,6 +440,7 @@ def forward_into(
         checks is not None,
         not pairs(q.dtype),
         0.0 if softcap is None else float(softcap),
+        keys,
     )
     if checks is not None:
         checks.append(seen.numel() > 0)

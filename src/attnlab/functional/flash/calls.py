@@ -61,7 +61,8 @@ class BandCall:
     ``[k_start + (t − t0)·bq, … + width)``; inside the window, row ``r`` (0-based in its block) may
     attend window column ``c`` iff ``c_lo <= c − r <= c_lo + span`` — the same relative mask for
     every block. With ``key_limit`` > 0 windows may reach outside ``[0, key_limit)``: the blocks
-    whose window does (edge blocks) run on the window's in-range part.
+    whose window does (edge blocks) run on the window's in-range part. ``keyed``: rows attend
+    only the keys their batch item's key mask keeps (as `SegmentCall.keyed`).
     """
 
     b0: int
@@ -74,6 +75,7 @@ class BandCall:
     span: int
     c_lo: int = 0
     key_limit: int = 0
+    keyed: bool = False
     r0: int = field(init=False, compare=False)  # first query row
     r1: int = field(init=False, compare=False)  # one past the last query row
     # blocks [ta, tb) whose window lies inside [0, key_limit) (all without a limit), that part
@@ -258,7 +260,10 @@ class Plan:
         if n_band:
             text += f" ({n_band} batched band call(s) of {self.block_q}-row blocks)"
         segs = [c for g in self.groups for c in g.calls if isinstance(c, SegmentCall)]
-        if any(c.keyed for c in segs):
+        keyed = [c for g in self.groups for c in g.calls if getattr(c, "keyed", False)]
+        if any(isinstance(c, BandCall) for c in keyed):
+            text += " (the kernel reads the key mask)"
+        elif keyed:
             text += " (one segment per batch item; the kernel reads the key mask)"
         elif segs:
             n = sum(c.count for c in segs)

@@ -259,19 +259,24 @@ class FlashJob:
             return False
         return not c.keyed or (self.own_kernel and band_kernel.segments_usable(q, k, v, c.n))
 
-    def _keys(self, c: SegmentCall) -> Tensor | None:
-        """The key mask a segment call reads (None: unkeyed)."""
-        assert not c.keyed or self.keys is not None, "a keyed segment call needs the job's keys"
+    def _bands_run(self, c: BandCall, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """`_segments_run` for a band call (kernel engine)."""
+        return not c.keyed or (self.own_kernel and band_kernel.usable(q, k, v, c.bq))
+
+    def _keys(self, c: BandCall | SegmentCall) -> Tensor | None:
+        """The key mask a keyed call reads (None: unkeyed)."""
+        assert not c.keyed or self.keys is not None, "a keyed call needs the job's keys"
         return self.keys if c.keyed else None
 
     def _band_forward(
         self, q, k, v, c: BandCall | SegmentCall, *, out: Tensor, lse: Tensor
     ) -> None:
-        if self.engine == "kernel" and isinstance(c, BandCall):
+        if self.engine == "kernel" and isinstance(c, BandCall) and self._bands_run(c, q, k, v):
             assert self.band_tiles is not None
             tiles, scale = self.band_tiles, self.scale
             store = self._store if self.plan.overlap else None  # None: written in place
             kw = {"out": out, "lse": lse, "store": store, "own": self.own_kernel}
+            kw["keys"] = self._keys(c)
             band_forward(c, q, k, v, tiles=tiles, scale=scale, softcap=self.softcap, **kw)
             return
         for bc in c.block_calls():
@@ -430,10 +435,10 @@ class FlashJob:
         for g, alone in zip(plan.groups, plan.alone, strict=True):
             whole = alone and len(g.calls) == 1  # the call holds every key of its rows
             for c in g.calls:
-                if isinstance(c, BandCall) and use_kernel:
-                    assert self.band_tiles is not None
-                    kw = {"grads": grads, "whole": whole, "own": self.own_kernel}
-                    band_backward(c, res, tiles=self.band_tiles, scale=self.scale, **kw)
+                if isinstance(c, BandCall) and use_kernel and self._bands_back(c, res):
+                    kw = {"whole": whole, "own": self.own_kernel, "keys": self._keys(c)}
+                    kw |= {"grads": grads, "tiles": self.band_tiles, "scale": self.scale}
+                    band_backward(c, res, **kw)
                     continue
                 if isinstance(c, SegmentCall) and use_kernel and self._segments_back(c, res):
                     own, keys = self.own_kernel, self._keys(c)
@@ -451,6 +456,11 @@ class FlashJob:
             return True
         xs = (res.q, res.k, res.v, res.out, res.dout)
         return self.own_kernel and band_kernel.segments_backward_usable(*xs, c.n)
+
+    def _bands_back(self, c: BandCall, res: Residuals) -> bool:
+        """`_segments_back` for a band call."""
+        xs = (res.q, res.k, res.v, res.out, res.dout)
+        return not c.keyed or (self.own_kernel and band_kernel.backward_usable(*xs))
 
     @staticmethod
     def _narrow(grads: _Grads, q: Tensor, k: Tensor, v: Tensor) -> _Grads:

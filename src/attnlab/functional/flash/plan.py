@@ -282,7 +282,7 @@ def flash_job(
             cache=opts.plan_cache,
         )
 
-    keyed = _key_mask_plan(req, bias_kind) if engine == "kernel" else None
+    keyed = _key_mask_plan(req, bias_kind, bb_fwd) if engine == "kernel" else None
     plan, keys = keyed if keyed is not None else (plan_for(bb_fwd), None)
     if req.softcap is not None and engine == "kernel" and not softcap_on_kernel(plan, req):
         bq, bk, bb, bb_fwd, engine = _tile_sizes(req, replace(opts, engine="torch"), False)
@@ -307,19 +307,23 @@ def flash_job(
     )
 
 
-def _key_mask_plan(req: Request, bias: str | None) -> tuple[Plan, Tensor] | None:
-    """`tiling.key_mask_plan` for a request whose one segment of L positions attnlab's C++
-    segment kernel runs (`band_kernel.segments_ready`); its key mask unit-stride (the kernel
-    reads each item's row)."""
-    d, mask = req.dims, req.terms.structured
+def _key_mask_plan(req: Request, bias: str | None, band_block: int) -> tuple[Plan, Tensor] | None:
+    """`tiling.key_mask_plan` for a request whose keyed calls attnlab's C++ kernels run
+    (`band_kernel.segments_ready`, `band_kernel.ready`); its key mask unit-stride (the
+    kernels read each item's row)."""
+    d, mask, q = req.dims, req.terms.structured, req.q
     if mask is None or not any(m.over_keys for m in mask.conjuncts()):
         return None  # (the warm path of other masks asks nothing more)
-    if not band_kernel.segments_ready(req.q, d.L):
-        return None
-    found = key_mask_plan(mask, B=d.B, L=d.L, S=d.S, bias=bias, device=req.q.device)
+    kw = {"B": d.B, "H": d.H, "L": d.L, "S": d.S, "band_block": band_block, "bias": bias}
+    found = key_mask_plan(mask, device=q.device, **kw)
     if found is None:
         return None
     plan, keys = found
+    for c in (c for g in plan.groups for c in g.calls):
+        if isinstance(c, SegmentCall) and not band_kernel.segments_ready(q, c.n):
+            return None
+        if isinstance(c, BandCall) and not band_kernel.ready(q, c.bq):
+            return None
     return plan, keys.contiguous()
 
 

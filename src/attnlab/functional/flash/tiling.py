@@ -29,6 +29,7 @@ import functools
 import itertools
 import math
 import operator
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -320,19 +321,30 @@ def segment_plan(mask: Mask | None, *, B: int, L: int, S: int, bias: str | None)
 
 
 def key_mask_plan(
-    mask: Mask | None, *, B: int, L: int, S: int, bias: str | None, device: torch.device
+    mask: Mask | None,
+    *,
+    B: int,
+    H: int,
+    L: int,
+    S: int,
+    band_block: int,
+    bias: str | None,
+    device: torch.device,
 ) -> tuple[Plan, Tensor] | None:
-    """``(plan, keys)`` for a mask over keys, alone or ``&`` causal, as ONE keyed `SegmentCall`
-    (whose kernel reads the key mask ``keys (B|1, S)`` bool); None if not applicable.
+    """``(plan, keys)`` for a mask over keys ``&`` a band, whose kernels read the key mask
+    ``keys (B|1, S)`` bool; None if not applicable.
 
-    Applies with ``L == S`` and no bias, when every conjunct of the mask is a band (together
-    unbounded or causal) or over keys alone (`Mask.over_keys`, its `Mask.key_mask`: padding, a
-    ``(B, 1, 1, S)`` tensor, their ``&``/``|``/``~``) and one is. transformers' 2-D
-    ``attention_mask`` (all ones or not) with a causal or encoder mask is such a mask. Nothing
-    is read from the mask's values: the plan is its structure, the key mask a tensor
-    expression (O(B·S) on the device); the kernel finds each item's first and last key.
+    Applies without a bias when every conjunct of the mask is a band or over keys alone
+    (`Mask.over_keys`, its `Mask.key_mask`: padding, a ``(B, 1, 1, S)`` tensor, their
+    ``&``/``|``/``~``) and one is. With ``L == S`` and no band or a causal one: ONE keyed
+    `SegmentCall`; with a sliding window: the window's batched band plan with keyed
+    `BandCall` s (any L, S; a last partial block as a masked call, which evaluates the whole
+    mask). transformers' 2-D ``attention_mask`` (all ones or not) with a causal, sliding-window
+    or encoder mask is such a mask. Nothing is read from the mask's values: the plan is its
+    structure, the key mask a tensor expression (O(B·S) on the device); the kernels find each
+    item's first and last kept key.
     """
-    if mask is None or bias is not None or L != S or L == 0:
+    if mask is None or bias is not None or L == 0 or S == 0:
         return None
     band: tuple[float, float] = (-math.inf, math.inf)
     keys: Tensor | None = None
@@ -346,10 +358,22 @@ def key_mask_plan(
             return None
         band = (max(band[0], found[0]), min(band[1], found[1]))
     lo, hi = _clip_band(band, L, S)
-    if keys is None or lo != -math.inf or hi not in (0, math.inf):
+    if keys is None:
         return None
-    call = SegmentCall(0, B, 0, L, 1, hi == 0, keyed=True)
-    plan = Plan([Group(0, B, 0, L, [call])], "key mask", 0, 0)
+    if lo == -math.inf and hi in (0, math.inf):
+        if L != S:
+            return None
+        call = SegmentCall(0, B, 0, L, 1, hi == 0, keyed=True)
+        plan = Plan([Group(0, B, 0, L, [call])], "key mask", 0, 0)
+    elif lo != -math.inf and hi != math.inf:
+        plan = _band_plan(B, H, L, S, int(lo), int(hi), band_block, False)
+        if plan is None:
+            return None
+        for g in plan.groups:
+            g.calls = [replace(c, keyed=True) if isinstance(c, BandCall) else c for c in g.calls]
+        plan.kind = "band, key mask"
+    else:
+        return None
     return plan.settle(B, L, S, biased=False), keys
 
 
