@@ -1458,9 +1458,20 @@ inline void grad_row(float* sr, float* dr, const float* ad, int64_t ws, int64_t 
     _mm256_storeu_ps(dr + j, _mm256_mul_ps(_mm256_mul_ps(pj, d), vscale));
   }
 #endif
+  // two loops, not `ad != nullptr ? … : …` in one: compiled for AVX-512, that loop read ad
+  // through a masked load even without it — a load from page 0 whose fault each masked-off
+  // lane suppresses through a microcode assist (packed documents of 160, fp32, backward 272 →
+  // 98 µs per call on a Zen 5 EPYC)
+  if (ad == nullptr) {
+    for (; j < ws; ++j) {
+      const float pj = j >= lo && j < hi ? exp_neg(sr[j] * scale - lse) : 0.0f;
+      sr[j] = pj;
+      dr[j] = pj * (dr[j] - delta) * scale;
+    }
+    return;
+  }
   for (; j < ws; ++j) {
-    const float y = ad != nullptr ? std::fma(sr[j], scale, ad[j]) : sr[j] * scale;
-    const float pj = j >= lo && j < hi ? exp_neg(y - lse) : 0.0f;
+    const float pj = j >= lo && j < hi ? exp_neg(std::fma(sr[j], scale, ad[j]) - lse) : 0.0f;
     sr[j] = pj;
     dr[j] = pj * (dr[j] - delta) * scale;
   }
