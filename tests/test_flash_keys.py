@@ -106,8 +106,11 @@ def test_key_mask_plans_are_structure_only() -> None:
         ("documents", masks.document(torch.zeros(L, dtype=torch.long)), {}),
         ("L != S, causal", masks.from_tensor(meta) & masks.causal(), {"L": L - 1}),
         ("bias", masks.from_tensor(meta), {"bias": "fn"}),
-        ("a window as wide as the keys", masks.sliding_window(L - 3) & masks.from_tensor(meta),
-         {"L": 50}),
+        (
+            "a window as wide as the keys",
+            masks.sliding_window(L - 3) & masks.from_tensor(meta),
+            {"L": 50},
+        ),
     ):
         assert key_mask_plan(mask, device=meta_dev, **(sizes | kw)) is None, name
 

@@ -243,6 +243,47 @@ def test_decode_supports_softcap(dtype, mask):
     assert_close_rule(lse, golden_lse, naive_lse, name="lse")
 
 
+HOLES = torch.arange(600) % 7 != 3  # a key mask with holes: the C++ step gathers its keys
+
+
+@pytest.mark.parametrize(
+    "dtype,mask",
+    [
+        (torch.float32, None),
+        (torch.bfloat16, masks.causal() & masks.padding([600, 311])),
+        (torch.float32, masks.from_tensor(HOLES.view(1, 1, 1, 600))),
+        (torch.float64, masks.padding([600, 311])),
+    ],
+    ids=repr,
+)
+def test_decode_cpp_step_soft_caps(dtype, mask):
+    """Without lse the decode step runs on attnlab's C++ kernel with soft-capping (the
+    vectorised `tanh_f`; `explain` says so) and follows the rule against the float64 reference;
+    an infinite logit still makes its row NaN (tanh would turn it into ±softcap), another row
+    keeps its value."""
+    from attnlab.functional import nan_rule
+
+    q, k, v = qkv(dtype, l=1, s=600)
+    if not nan_rule.ext_ready(q, k, v):
+        pytest.skip("attnlab's C++ kernels are not built here")
+    assert "C++ decode kernel" in attnlab.explain(q, k, v, mask=mask, softcap=CAP)
+    with torch.no_grad():
+        out = attnlab.attention(q, k, v, mask=mask, softcap=CAP, backend="decode")
+    keep, _ = dense(mask, None, q, k, v)
+    golden, _ = reference.attention(
+        *(x.double() for x in (q, k, v)), mask=keep, softcap=CAP, compute_dtype=torch.float64
+    )
+    naive, _ = reference.attention(
+        q, k, v, mask=keep, softcap=CAP, compute_dtype=dtype, reorder=True
+    )
+    assert_close_rule(out, golden, naive)
+    k = k.clone()
+    k[0, 0, 5, 0] = float("inf")  # attended by every row of item 0's first two heads
+    with torch.no_grad():
+        poisoned = attnlab.attention(q, k, v, mask=mask, softcap=CAP, backend="decode")
+    assert poisoned[0, : H // H_KV].isnan().all() and not poisoned[1].isnan().any()
+
+
 # --------------------------------------------------------------------------- transformers' gemma2
 @pytest.mark.parametrize("window", [None, 11])
 def test_equals_transformers_gemma2_eager_attention(window):

@@ -13,7 +13,7 @@
 //       themselves: no copy), then poison_prefix_. The kernel runs on the inputs first and the
 //       scan after it (the inputs still cached); only a call that needs a cleaned copy runs
 //       the kernel a second time.
-//   attnlab_nan::decode_attend(q, k, v, scale, keys?) -> out: the decode backend's step
+//   attnlab_nan::decode_attend(q, k, v, scale, keys?, softcap=0.0) -> out: the decode backend's step
 //       (attnlab/functional/decode.py `_attend`: softmax(q·kᵀ·scale)·v, a row with a non-finite
 //       logit NaN) in one pass per (item, k/v head) that reads the cached k and v rows in place
 //       (no copy of a cache view, each row once for the G query heads sharing it), in float32
@@ -21,6 +21,8 @@
 //       (B or 1, S) tensor, restricts every row of item b to the keys where keys[b] is True:
 //       one run of them (padding on either side) is read in place, several runs (holes) are
 //       gathered first; the other keys are never read, and an item with none gives zeros.
+//       softcap > 0: the logits become softcap·tanh(logit / softcap) (Gemma 2; `tanh_f`),
+//       after the row's non-finite check (tanh would hide ±inf).
 //   attnlab_nan::rope_decode_attend(q, k, v, cos, sin, q_start, k_start, rotate_keys,
 //       rotary_dim, interleaved, scale) -> out: `MultiHeadAttention`'s cached decode step after
 //       the cache update: RoPE of q (positions q_start…) and, if rotate_keys, of every cached key
@@ -517,7 +519,8 @@ inline void score_rows(const float* q, const float* k, int64_t ks, float* s, int
 // reaches the rows that weigh it through the products, as in a matrix product.
 template <typename T, typename C>
 void decode_task(const T* const* qrow, const T* kp, int64_t ks, const T* vp, int64_t vs,
-                 C* const* orow, int64_t R, int64_t n, int64_t D, int64_t Dv, C scale) {
+                 C* const* orow, int64_t R, int64_t n, int64_t D, int64_t Dv, C scale,
+                 C softcap = C(0)) {
   std::vector<C> buf(R * D + R * n + 2 * R * Dv + D + Dv);
   C* qc = buf.data();  // (R, D)
   C* s = qc + R * D;  // (R, n)
@@ -541,8 +544,14 @@ void decode_task(const T* const* qrow, const T* kp, int64_t ks, const T* vp, int
   std::vector<uint8_t> poisoned(R);
   for (int64_t r = 0; r < R; ++r) {
     C* sr = s + r * n;
-    const auto [mx, finite] = max_finite(sr, n);
-    poisoned[r] = !finite;
+    auto [mx, finite] = max_finite(sr, n);
+    poisoned[r] = !finite;  // read BEFORE capping: tanh maps ±inf to ±1
+    if (softcap > C(0) && finite) {  // s ← cap·tanh(s / cap) (Gemma 2)
+      const C inv = C(1) / softcap;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) sr[j] = softcap * attnlab_exp::tanh_f(sr[j] * inv);
+      mx = max_finite(sr, n).first;
+    }
     const C base = finite ? mx : C(0);
     C sum = 0;
 #pragma omp simd reduction(+ : sum)
@@ -585,7 +594,7 @@ inline void key_runs(const bool* keys, int64_t n, std::vector<std::pair<int64_t,
 
 template <typename T, typename C>
 void decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                 double scale, const at::Tensor* keys) {
+                 double scale, const at::Tensor* keys, double softcap = 0.0) {
   const int64_t b = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
   const int64_t Hk = k.size(1), n = k.size(2), Dv = v.size(3), G = H / Hk, R = G * L;
   const T* qp = q.const_data_ptr<T>();
@@ -641,14 +650,15 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
         }
       }
       decode_task<T, C>(qrow.data(), kt, kst, vt, vst, orow.data(), R, m, D, Dv,
-                        static_cast<C>(scale));
+                        static_cast<C>(scale), static_cast<C>(softcap));
     }
   });
 }
 
 at::Tensor decode_attend(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                         double scale, const std::optional<at::Tensor>& keys_) {
+                         double scale, const std::optional<at::Tensor>& keys_, double softcap) {
   TORCH_CHECK(q_.dim() == 4 && k_.dim() == 4 && v_.dim() == 4, "decode_attend: 4-D q, k, v");
+  TORCH_CHECK(softcap >= 0.0, "decode_attend: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(k_.size(1) > 0 && q_.size(1) % k_.size(1) == 0, "decode_attend: H % H_kv != 0");
   TORCH_CHECK(q_.scalar_type() == k_.scalar_type() && q_.scalar_type() == v_.scalar_type(),
               "decode_attend: q, k, v of one dtype");
@@ -668,7 +678,8 @@ at::Tensor decode_attend(const at::Tensor& q_, const at::Tensor& k_, const at::T
   if (out.numel() == 0) return out;
   ATTNLAB_DISPATCH(q.scalar_type(), "decode_attend", {
     using compute_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    decode_impl<scalar_t, compute_t>(q, k, v, out, scale, keys_.has_value() ? &keys : nullptr);
+    decode_impl<scalar_t, compute_t>(q, k, v, out, scale, keys_.has_value() ? &keys : nullptr,
+                                     softcap);
   });
   return out;  // in the compute dtype, as `_attend`
 }
@@ -773,7 +784,7 @@ at::Tensor rope_decode_attend(const at::Tensor& q, const at::Tensor& k, const at
               "rope_decode_attend: positions outside the tables");
   const at::Tensor qr = rope_rows(q, cos, sin, q_start, R, interleaved);
   const at::Tensor kr = rotate_keys ? rope_rows(k, cos, sin, k_start, R, interleaved) : k;
-  return decode_attend(qr, kr, v, scale, std::nullopt);
+  return decode_attend(qr, kr, v, scale, std::nullopt, 0.0);
 }
 
 at::Tensor rope_rows_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -838,7 +849,9 @@ TORCH_LIBRARY(attnlab_nan, m) {
         "Tensor(b!)? lse=None) -> ()");
   m.def("sdpa_prefix(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor hi, float scale, "
         "bool is_causal, bool enable_gqa, bool clean_k) -> Tensor");
-  m.def("decode_attend(Tensor q, Tensor k, Tensor v, float scale, Tensor? keys=None) -> Tensor");
+  m.def(
+      "decode_attend(Tensor q, Tensor k, Tensor v, float scale, Tensor? keys=None, "
+      "float softcap=0.0) -> Tensor");
   m.def("rope_decode_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, int q_start, "
         "int k_start, bool rotate_keys, int rotary_dim, bool interleaved, float scale) -> Tensor");
   m.def("rope_rows(Tensor x, Tensor cos, Tensor sin, int start, int rotary_dim, bool interleaved) "

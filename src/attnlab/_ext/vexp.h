@@ -69,4 +69,24 @@ inline __m256 exp_neg8(__m256 x) {
 // exp(x) for x <= 0 in float64 (the float64 path is a reference, not a fast path).
 inline double exp_neg(double x) { return std::exp(x); }
 
+// tanh(x) in float32 within ~2 ulp that vectorizes in plain loops (Gemma 2's logit
+// soft-capping): x + x·z·P(z), z = x², for |x| < 0.625 (Cephes' float fit), else
+// sign(x)·(1 − e)/(1 + e) with e = exp(−2|x|), |x| clamped to 9 (tanh(9) rounds to 1).
+// band_attn.cpp's tanh16 / tanh8 are its explicit 16- and 8-lane forms.
+inline float tanh_f(float x) {
+  const float ax = std::min(std::fabs(x), 9.0f);
+  const float z = x * x;
+  float p = std::fma(-5.70498872745e-3f, z, 2.06390887954e-2f);
+  p = std::fma(p, z, -5.37397155531e-2f);
+  p = std::fma(p, z, 1.33314422036e-1f);
+  p = std::fma(p, z, -3.33332819422e-1f);
+  const float small = std::fma(x * z, p, x);
+  const float e = exp_neg(-2.0f * ax);
+  const float big = std::copysign((1.0f - e) / (1.0f + e), x);
+  return ax < 0.625f ? small : big;
+}
+
+// tanh in float64: std::tanh (the reference path).
+inline double tanh_f(double x) { return std::tanh(x); }
+
 }  // namespace attnlab_exp

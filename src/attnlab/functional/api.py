@@ -333,7 +333,7 @@ def _engine(name: str, req: Request, want_lse: bool) -> str:
             f"CPU build); the NaN rule's passes: {rule}"
         )
     if name == "decode":
-        if ours and req.softcap is None and not want_lse:
+        if ours and not want_lse:
             return "attnlab's C++ decode kernel (one pass per key/value head)"
         return "PyTorch tensor ops"
     return "plain PyTorch ops"

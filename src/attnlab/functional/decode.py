@@ -116,7 +116,7 @@ def decode_declines(req: Request) -> str | None:
     sdpa would render it and run the NaN rule's passes over it), else why sdpa is as good."""
     if key_prefixes(req) is None:
         return None
-    step = req.softcap is None and nan_rule.ext_ready(req.q, req.k, req.v)
+    step = nan_rule.ext_ready(req.q, req.k, req.v)
     return _declines(req.dims.B, req.dims.S, req.q.dtype, step)
 
 
@@ -127,9 +127,10 @@ def _attend(
 
     Returns ``out (b, H, L, Dv)`` in the compute dtype and, if asked, ``lse (b, H, L)``.
     """
-    if req.softcap is None and not want_lse and nan_rule.ext_ready(q, k, v):
+    if not want_lse and nan_rule.ext_ready(q, k, v):
         # the C++ kernel: k and v read in place, once per k/v head (the rule, same NaN rows)
-        return torch.ops.attnlab_nan.decode_attend(q, k, v, req.logit_scale), None
+        cap = req.softcap or 0.0
+        return torch.ops.attnlab_nan.decode_attend(q, k, v, req.logit_scale, softcap=cap), None
     b, H, L, D = q.shape
     H_kv, n, Dv = k.shape[1], k.shape[2], v.shape[-1]
     c = stat_dtype(q.dtype)
@@ -189,8 +190,9 @@ def _run_keys(req: Request, want_lse: bool) -> tuple[Tensor, Tensor | None]:
     attended keys in place (one run: no copy) when it can run; else `_attend_keys`."""
     keep = req.shared_keys
     assert keep is not None  # decode_supports
-    if req.softcap is None and not want_lse and nan_rule.ext_ready(req.q, req.k, req.v):
-        out = torch.ops.attnlab_nan.decode_attend(req.q, req.k, req.v, req.logit_scale, keep)
+    if not want_lse and nan_rule.ext_ready(req.q, req.k, req.v):
+        cap = req.softcap or 0.0
+        out = torch.ops.attnlab_nan.decode_attend(req.q, req.k, req.v, req.logit_scale, keep, cap)
         return out.to(req.q.dtype), None
     out, lse = _attend_keys(req, keep, want_lse)
     return out.to(req.q.dtype), lse
@@ -266,17 +268,25 @@ def fused_step_fits(backend: str, B: int, H: int, H_kv: int, S: int, D: int, dty
 
 
 def decode_step_run(
-    q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, keys: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float | None = None,
+    keys: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
-    """``attention(q, k, v, scale=scale, mask=keys)`` on the decode backend's C++ step, for calls
-    `decode_step_ready` accepts: `decode_run` of their request without building it.
+    """``attention(q, k, v, scale=scale, mask=keys, softcap=softcap)`` on the decode backend's
+    C++ step, for calls `decode_step_ready` accepts: `decode_run` of their request without
+    building it.
 
     ``scale``: None for the default ``1/√D`` (`trusted_request`'s). ``keys``: None (every key),
     or the keys every row attends, bool ``(B|1, S)`` (`Mask.key_mask`: a decoding step's mask
-    rendered once for all layers of a model)."""
+    rendered once for all layers of a model). ``softcap``: None, or logit soft-capping
+    ``softcap·tanh(s / softcap)`` (Gemma 2)."""
     if scale is None:
         scale = SCORES["dot"].default_scale(q.shape[-1])
-    return torch.ops.attnlab_nan.decode_attend(q, k, v, scale, keys).to(q.dtype)
+    out = torch.ops.attnlab_nan.decode_attend(q, k, v, scale, keys, softcap or 0.0)
+    return out.to(q.dtype)
 
 
 def rope_decode_run(

@@ -72,10 +72,12 @@ def _one_step(
     q: Tensor, k: Tensor, v: Tensor, dropout: float, softcap: float | None, weights: bool
 ) -> bool:
     """Whether a call with a decoding step's key mask runs on the C++ decode step directly: what
-    `attnlab.attention` would choose (`decode_step_ready`, auto) for a call without weights,
-    dropout or soft-capping, on q, k, v of one dtype."""
-    if weights or softcap is not None or dropout or not q.dtype == k.dtype == v.dtype:
+    `attnlab.attention` would choose (`decode_step_ready`, auto) for a call without weights
+    or dropout, with a positive soft-cap or none, on q, k, v of one dtype."""
+    if weights or dropout or not q.dtype == k.dtype == v.dtype:
         return False
+    if softcap is not None and not softcap > 0:
+        return False  # (attention() raises what it raises for such a value)
     return q.shape[0] == k.shape[0] == v.shape[0] and decode_step_ready("auto", q, k, v, 0.0)
 
 
@@ -151,7 +153,7 @@ def attention_forward(
         keys = None if torch.compiler.is_compiling() else attention_mask.step_keys
         if keys is not None and _one_step(query, key, value, dropout, softcap, want_weights):
             # a decoding step: the keys every layer attends were rendered once (`hf_mask`)
-            out = decode_step_run(query, key, value, scaling, keys.contiguous())
+            out = decode_step_run(query, key, value, scaling, keys.contiguous(), softcap)
             return out.transpose(1, 2).contiguous(), None  # (B, L, H, Dv)
         attention_mask = attention_mask.mask if used is None else used[1]
     extra = {}
