@@ -70,8 +70,9 @@ class FlashJob:
             native products (`kernel_widens`).
         own_kernel: attnlab's C++ band kernel may run band and segment calls of this job (False
             when it never does for its dtype and CPU: no call then asks it).
-        keys: the key mask ``(B|1, S)`` bool of a keyed segment call (`SegmentCall.keyed`,
-            `tiling.key_mask_plan`), read by attnlab's C++ segment kernel; None without one.
+        keys: the key mask ``(B|1, S)`` bool of the plan's keyed calls (`SegmentCall.keyed`,
+            `BandCall.keyed`: `tiling.key_mask_plan`), read by attnlab's C++ kernels; None
+            without them.
     """
 
     plan: Plan
