@@ -88,7 +88,8 @@ def test_key_mask_plans_are_structure_only() -> None:
     for name, (mask, causal) in keyed.items():
         found = key_mask_plan(mask, device=meta_dev, **sizes)
         assert found is not None, name
-        p, keys = found
+        p, keys, rows = found
+        assert rows is None, name
         (call,) = [c for g in p.groups for c in g.calls]
         assert isinstance(call, SegmentCall) and call.keyed and call.causal == causal, name
         assert (call.n, call.count, call.start) == (L, 1, 0) and p.covers_all, name
@@ -96,7 +97,7 @@ def test_key_mask_plans_are_structure_only() -> None:
     # a sliding window: its batched band plan, every band call keyed (any L <= S)
     for n in (L, L - 13):
         window = masks.sliding_window(9) & masks.from_tensor(meta)
-        p, _ = key_mask_plan(window, device=meta_dev, **(sizes | {"L": n}))
+        p, _, _ = key_mask_plan(window, device=meta_dev, **(sizes | {"L": n}))
         bands = [c for g in p.groups for c in g.calls if isinstance(c, BandCall)]
         assert bands and all(c.keyed for c in bands) and p.kind == "band, key mask"
     rowwise = torch.ones(B, 1, L, L, dtype=torch.bool, device="meta")
@@ -332,3 +333,69 @@ def test_keyed_plan_without_the_kernel(monkeypatch) -> None:
         mean_factor=mean_factor_for("flash", torch.float32),
     )
     assert "key mask plan" not in explain(q, k, v, mask=mask, backend="flash")
+
+
+# --------------------------------------------------------------------------- query padding
+def test_query_masks_are_structure_only_too() -> None:
+    """A mask over query rows (a ``(B, 1, L, 1)`` tensor, `Mask.over_queries`) with a band and
+    key masks plans from structure (meta tensors): the same keyed calls (an all-ones key mask
+    without one: run as simple calls they evaluate the whole mask) and the rows the job
+    zeroes."""
+    B, L = 3, 100
+    dev = torch.device("meta")
+    rows_t = masks.from_tensor(torch.ones(B, 1, L, 1, dtype=torch.bool, device=dev))
+    keys_t = masks.from_tensor(torch.ones(B, 1, 1, L, dtype=torch.bool, device=dev))
+    sizes = {"B": B, "H": 4, "L": L, "S": L, "band_block": 16, "bias": None, "device": dev}
+    for mask in (masks.causal() & rows_t, rows_t & keys_t & ~rows_t):
+        p, keys, rows = key_mask_plan(mask, **sizes)
+        (call,) = [c for g in p.groups for c in g.calls]
+        assert call.keyed and keys.shape[-1] == L and p.kind == "key/row mask"
+        assert rows is not None and rows.shape == (B, L) and rows.is_meta
+    assert rows_t.over_queries and not rows_t.over_keys and keys_t.over_keys
+    assert not masks.from_tensor(torch.ones(B, 1, 1, 1, dtype=torch.bool)).over_queries
+
+
+QUERY_CASES = {
+    "rows, causal": lambda q, k: masks.causal() & q,
+    "rows and keys, causal": lambda q, k: masks.causal() & q & k,
+    "rows and keys": lambda q, k: q & k,
+    "rows, window": lambda q, k: masks.sliding_window(29) & q & k,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(QUERY_CASES))
+def test_query_masks_match_the_reference(band_ext, dtype, name) -> None:
+    """Query padding (rows that attend nothing: zeros, no gradient) with or without key
+    padding, causal, unmasked or windowed, on attnlab's kernels: the float64 reference with the
+    tolerance rule, forward and backward; `explain` names the plan."""
+    B, L = 3, 202
+    rows = torch.ones(B, L, dtype=torch.bool)
+    rows[0, 150:], rows[1, :20], rows[2, ::5] = False, False, False
+    keys = key_masks(B, L)["left"]
+    mask = QUERY_CASES[name](
+        masks.from_tensor(rows[:, None, :, None]), masks.from_tensor(keys[:, None, None, :])
+    )
+    q, k, v = qkv(B, L, dtype)
+    check_against_reference(
+        lambda q, k, v: attention(q, k, v, mask=mask, backend="flash"),
+        reference_for(mask, None),
+        [q, k, v],
+        mean_factor=mean_factor_for("flash", dtype),
+    )
+    assert "mask plan" in explain(q, k, v, mask=mask, backend="flash")
+
+
+def test_a_masked_query_row_is_zeros_whatever_its_q(band_ext) -> None:
+    """The NaN rule: a row that may attend nothing is zeros even when its q is NaN; a NaN q
+    in a row that attends makes that row NaN only."""
+    B, L = 2, 97
+    rows = torch.ones(B, L, dtype=torch.bool)
+    rows[0, 40:60] = False
+    mask = masks.causal() & masks.from_tensor(rows[:, None, :, None])
+    q, k, v = qkv(B, L, torch.float32)
+    q[0, 1, 45, 3] = float("nan")  # a masked row
+    q[1, 2, 70, 0] = float("nan")  # an attending row
+    out = attention(q, k, v, mask=mask, backend="flash")
+    assert torch.equal(out[0, :, 40:60], torch.zeros_like(out[0, :, 40:60]))
+    assert out[1, 2, 70].isnan().all() and out.isnan().sum() == out.shape[-1]

@@ -328,6 +328,15 @@ class Mask:
         keep = j < hi.reshape(-1, 1)
         return keep if lo is None else keep & (j >= lo.reshape(-1, 1))
 
+    def query_mask(
+        self, L: int, S: int, *, device: torch.device | str | None = None
+    ) -> Tensor | None:
+        """The query rows that may attend at all, for a mask over query rows alone
+        (`over_queries`): ``rows[b, i]`` bool ``(B|1, L)`` — row i of item b attends every key
+        or none. None for other masks. O(B·L) tensor ops, no host reads."""
+        del L, S, device  # (the Mask protocol's signature)
+        return None
+
     def geometry(self, L: int, S: int) -> Geometry | None:  # noqa: ARG002 (the Mask protocol's signature)
         """The mask's structure for an exact pair count (`counts.Geometry`), or None.
 
@@ -621,6 +630,9 @@ class Mask:
     # True when the mask depends on the batch item and the key alone (padding, a (B, 1, 1, S)
     # tensor, their &, | and ~): `key_mask` then gives it at any L. Structure, never values.
     over_keys = False
+    # True when the mask depends on the batch item and the query row alone (query padding, a
+    # (B, 1, L, 1) tensor, their &, | and ~): `query_mask` gives it. Structure, never values.
+    over_queries = False
 
     def __str__(self) -> str:
         """The ■/⬚ picture at the mask's default size; summarised above `RENDER_LIMIT` a side.
@@ -726,6 +738,7 @@ class _Combined(Mask):
         self.num_heads = _merge_dim("num_heads", a.num_heads, b.num_heads)
         self.pins_size = a.pins_size or b.pins_size
         self.over_keys = a.over_keys and b.over_keys
+        self.over_queries = a.over_queries and b.over_queries
 
     def evaluate(self, b, h, i, j, L, S):
         idx = (b, h, i, j)
@@ -798,6 +811,13 @@ class _Combined(Mask):
             return None
         return a & b if self.op == "&" else a | b
 
+    def query_mask(self, L, S, *, device=None):
+        a = self.a.query_mask(L, S, device=device)
+        b = None if a is None else self.b.query_mask(L, S, device=device)
+        if b is None:
+            return None
+        return a & b if self.op == "&" else a | b
+
     def key_interval(self, L, S, *, device=None):
         if self.op != "&":
             return None
@@ -826,6 +846,7 @@ class _Not(Mask):
         self.batch_size, self.num_heads = inner.batch_size, inner.num_heads
         self.pins_size = inner.pins_size
         self.over_keys = inner.over_keys
+        self.over_queries = inner.over_queries
 
     def evaluate(self, b, h, i, j, L, S):
         idx = (b, h, i, j)
@@ -843,6 +864,10 @@ class _Not(Mask):
 
     def key_mask(self, L, S, *, device=None):
         inner = self.inner.key_mask(L, S, device=device)
+        return None if inner is None else ~inner
+
+    def query_mask(self, L, S, *, device=None):
+        inner = self.inner.query_mask(L, S, device=device)
         return None if inner is None else ~inner
 
     def block_codes(self, L, S, bq, bk, nb, nh, device):
@@ -882,6 +907,7 @@ class TensorMask(Mask):
         self.batch_size = self.t.shape[0] if self.t.shape[0] > 1 else None
         self.num_heads = self.t.shape[1] if self.t.shape[1] > 1 else None
         self.over_keys = self.t.shape[1] == 1 and self.t.shape[2] == 1
+        self.over_queries = self.t.shape[1] == 1 and self.t.shape[3] == 1 and not self.over_keys
 
     def check_size(self, L: int, S: int) -> None:
         tl, ts = self.t.shape[-2:]
@@ -909,6 +935,13 @@ class TensorMask(Mask):
             return None
         t = self.t if device is None else self.t.to(device)
         return t[:, 0, 0, :].expand(t.shape[0], S)  # (B|1, S)
+
+    def query_mask(self, L, S, *, device=None):
+        self.check_size(L, S)
+        if not self.over_queries:
+            return None
+        t = self.t if device is None else self.t.to(device)
+        return t[:, 0, :, 0].expand(t.shape[0], L)  # (B|1, L)
 
     def geometry(self, L, S):
         self.check_size(L, S)

@@ -265,6 +265,8 @@ class Plan:
             text += " (the kernel reads the key mask)"
         elif keyed:
             text += " (one segment per batch item; the kernel reads the key mask)"
+        if self.kind.endswith("row mask"):
+            text += " (the masked query rows are zeros)"
         elif segs:
             n = sum(c.count for c in segs)
             text += f" ({n} document(s) in {len(segs)} batched segment call(s))"

@@ -70,9 +70,9 @@ class FlashJob:
             native products (`kernel_widens`).
         own_kernel: attnlab's C++ band kernel may run band and segment calls of this job (False
             when it never does for its dtype and CPU: no call then asks it).
-        keys: the key mask ``(B|1, S)`` bool of the plan's keyed calls (`SegmentCall.keyed`,
-            `BandCall.keyed`: `tiling.key_mask_plan`), read by attnlab's C++ kernels; None
-            without them.
+        keys: the key mask ``(B|1, S)`` bool that keyed calls read (`tiling.key_mask_plan`).
+        rows: the query rows ``(B|1, L)`` bool that may attend at all (`tiling.key_mask_plan`):
+            `forward` gives the others 0 and lse −inf (backward's P is 0 there); None: all.
     """
 
     plan: Plan
@@ -90,6 +90,7 @@ class FlashJob:
     policy: str = "widen"
     own_kernel: bool = True
     keys: Tensor | None = None
+    rows: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.band_tiles is None:
@@ -175,6 +176,13 @@ class FlashJob:
     # ---------------------------------------------------------------- forward
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``(out (B, H, L, Dv), lse (B, H, L) float32+)``."""
+        out, lse = self._forward(q, k, v)
+        if self.rows is None:
+            return out, lse
+        keep = self.rows[:, None, :]  # (B|1, 1, L): rows outside attend nothing
+        return out.masked_fill(~keep[..., None], 0.0), lse.masked_fill(~keep, _NEG_INF)
+
+    def _forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         B, H, L, _ = q.shape
         Dv = v.shape[-1]
         plan = self.plan
@@ -199,7 +207,7 @@ class FlashJob:
             if self._float_partials(q, k, v):
                 out, lse = self._run_groups(q, k, v, torch.float32)
             else:
-                out, lse = self.forward(q.float(), k.float(), v.float())
+                out, lse = self._forward(q.float(), k.float(), v.float())
             self.out32 = out  # backward's δ = rowsum(dout·out) uses the unrounded output
             return out.to(q.dtype), lse
         return self._run_groups(q, k, v, q.dtype)

@@ -283,10 +283,10 @@ def flash_job(
         )
 
     keyed = _key_mask_plan(req, bias_kind, bb_fwd) if engine == "kernel" else None
-    plan, keys = keyed if keyed is not None else (plan_for(bb_fwd), None)
+    plan, keys, rows = keyed if keyed is not None else (plan_for(bb_fwd), None, None)
     if req.softcap is not None and engine == "kernel" and not softcap_on_kernel(plan, req):
         bq, bk, bb, bb_fwd, engine = _tile_sizes(req, replace(opts, engine="torch"), False)
-        plan, keys = plan_for(bb_fwd), None
+        plan, keys, rows = plan_for(bb_fwd), None, None
     # torch's backward kernel is faster on 64-row band blocks; attnlab's C++ band backward runs
     # the forward's blocks (window 256, L = 16384, fp32, Xeon with AMX: 16/32/64-row blocks
     # 0.095/0.097/0.099 s)
@@ -304,27 +304,30 @@ def flash_job(
         policy=opts.low_precision,
         own_kernel=kernel,
         keys=keys,
+        rows=rows,
     )
 
 
-def _key_mask_plan(req: Request, bias: str | None, band_block: int) -> tuple[Plan, Tensor] | None:
-    """`tiling.key_mask_plan` for a request whose keyed calls attnlab's C++ kernels run
+def _key_mask_plan(
+    req: Request, bias: str | None, band_block: int
+) -> tuple[Plan, Tensor, Tensor | None] | None:
+    """`tiling.key_mask_plan` for a request whose calls attnlab's C++ kernels run
     (`band_kernel.segments_ready`, `band_kernel.ready`); its key mask unit-stride (the
     kernels read each item's row)."""
     d, mask, q = req.dims, req.terms.structured, req.q
-    if mask is None or not any(m.over_keys for m in mask.conjuncts()):
+    if mask is None or not any(m.over_keys or m.over_queries for m in mask.conjuncts()):
         return None  # (the warm path of other masks asks nothing more)
     kw = {"B": d.B, "H": d.H, "L": d.L, "S": d.S, "band_block": band_block, "bias": bias}
     found = key_mask_plan(mask, device=q.device, **kw)
     if found is None:
         return None
-    plan, keys = found
+    plan, keys, rows = found
     for c in (c for g in plan.groups for c in g.calls):
         if isinstance(c, SegmentCall) and not band_kernel.segments_ready(q, c.n):
             return None
         if isinstance(c, BandCall) and not band_kernel.ready(q, c.bq):
             return None
-    return plan, keys.contiguous()
+    return plan, keys.contiguous(), rows
 
 
 def _tile_source(req: Request, relative: bool) -> TileSource:

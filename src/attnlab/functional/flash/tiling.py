@@ -330,51 +330,63 @@ def key_mask_plan(
     band_block: int,
     bias: str | None,
     device: torch.device,
-) -> tuple[Plan, Tensor] | None:
-    """``(plan, keys)`` for a mask over keys ``&`` a band, whose kernels read the key mask
-    ``keys (B|1, S)`` bool; None if not applicable.
+) -> tuple[Plan, Tensor, Tensor | None] | None:
+    """``(plan, keys, rows)`` for a band ``&`` masks over keys or query rows alone, whose
+    kernels read the key mask ``keys (B|1, S)`` bool (all ones without one) and whose output
+    rows outside ``rows (B|1, L)`` bool (None: every row) the job sets to 0 (lse −inf); None if
+    not applicable.
 
-    Applies without a bias when every conjunct of the mask is a band or over keys alone
+    Applies without a bias when every conjunct of the mask is a band, over keys alone
     (`Mask.over_keys`, its `Mask.key_mask`: padding, a ``(B, 1, 1, S)`` tensor, their
-    ``&``/``|``/``~``) and one is. With ``L == S`` and no band or a causal one: ONE keyed
-    `SegmentCall`; with a sliding window: the window's batched band plan with keyed
-    `BandCall` s (any L, S; a last partial block as a masked call, which evaluates the whole
-    mask). transformers' 2-D ``attention_mask`` (all ones or not) with a causal, sliding-window
-    or encoder mask is such a mask. Nothing is read from the mask's values: the plan is its
-    structure, the key mask a tensor expression (O(B·S) on the device); the kernels find each
-    item's first and last kept key.
+    ``&``/``|``/``~``) or over query rows alone (`Mask.over_queries`, `Mask.query_mask`: a
+    ``(B, 1, L, 1)`` tensor), and one is over keys or rows. With ``L == S`` and no band or a
+    causal one: ONE keyed `SegmentCall`; with a sliding window: the window's batched band plan
+    with keyed `BandCall` s (any L, S; a last partial block as a masked call, which evaluates
+    the whole mask). Keyed calls run as simple calls (the NaN rule, the torch engine) evaluate
+    the whole mask, query rows included. transformers' 2-D ``attention_mask`` (all ones or not) with
+    a causal, sliding-window or encoder mask is such a mask. Nothing is read from the mask's
+    values: the plan is its structure, the key and row masks tensor expressions (O(B·(L + S))
+    on the device); the kernels find each item's first and last kept key.
     """
     if mask is None or bias is not None or L == 0 or S == 0:
         return None
     band: tuple[float, float] = (-math.inf, math.inf)
     keys: Tensor | None = None
+    rows: Tensor | None = None
     for part in mask.conjuncts():
         over_keys = part.key_mask(L, S, device=device) if part.over_keys else None
         if over_keys is not None:
             keys = over_keys if keys is None else keys & over_keys
+            continue
+        over_rows = part.query_mask(L, S, device=device) if part.over_queries else None
+        if over_rows is not None:
+            rows = over_rows if rows is None else rows & over_rows
             continue
         found = part.band()
         if found is None:
             return None
         band = (max(band[0], found[0]), min(band[1], found[1]))
     lo, hi = _clip_band(band, L, S)
-    if keys is None:
+    if keys is None and rows is None:
         return None
+    if keys is None:  # keyed calls all the same: run as simple calls, they evaluate the mask
+        keys = torch.ones(1, S, dtype=torch.bool, device=device)
+    kind = "key mask" if rows is None else "key/row mask"
     if lo == -math.inf and hi in (0, math.inf):
         if L != S:
             return None
         call = SegmentCall(0, B, 0, L, 1, hi == 0, keyed=True)
-        plan = Plan([Group(0, B, 0, L, [call])], "key mask", 0, 0)
+        plan = Plan([Group(0, B, 0, L, [call])], kind, 0, 0)
     elif lo != -math.inf and hi != math.inf:
         plan = _band_plan(B, H, L, S, int(lo), int(hi), band_block, False)
         if plan is None:
             return None
         for g in plan.groups:
             g.calls = [replace(c, keyed=True) if isinstance(c, BandCall) else c for c in g.calls]
-        plan.kind = "band, key mask"
+        plan.kind = f"band, {kind}"
     else:
         return None
-    return plan.settle(B, L, S, biased=False), keys
+    return plan.settle(B, L, S, biased=False), keys, rows
 
 
 def build_plan(
