@@ -804,19 +804,19 @@ class _Combined(Mask):
             return None
         return Geometry(pairs=_add_counts(_add_counts(a, b, 1), both, -1))
 
-    def key_mask(self, L, S, *, device=None):
-        a = self.a.key_mask(L, S, device=device)
-        b = None if a is None else self.b.key_mask(L, S, device=device)
+    def _joined(self, method: str, L: int, S: int, device) -> Tensor | None:
+        """Both operands' ``method`` (`key_mask` or `query_mask`) joined by the op, or None."""
+        a = getattr(self.a, method)(L, S, device=device)
+        b = None if a is None else getattr(self.b, method)(L, S, device=device)
         if b is None:
             return None
         return a & b if self.op == "&" else a | b
 
+    def key_mask(self, L, S, *, device=None):
+        return self._joined("key_mask", L, S, device)
+
     def query_mask(self, L, S, *, device=None):
-        a = self.a.query_mask(L, S, device=device)
-        b = None if a is None else self.b.query_mask(L, S, device=device)
-        if b is None:
-            return None
-        return a & b if self.op == "&" else a | b
+        return self._joined("query_mask", L, S, device)
 
     def key_interval(self, L, S, *, device=None):
         if self.op != "&":
