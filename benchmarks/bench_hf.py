@@ -25,7 +25,9 @@ in each of ``--dtypes``. ``--floor`` adds a contender without attention (zeros):
 model's time, the bound no attention implementation can pass on this machine. ``--memory`` adds
 each prefill contender's peak memory growth, measured in a fresh process per contender
 (``/proc/self/clear_refs``), and attention's share of it against eager's (share = growth minus
-the floor's growth; needs ``--floor`` and eager).
+the floor's growth; needs ``--floor`` and eager). A contender the allocator refuses (sdpa's
+float mask of a left-padded ``B = 8`` batch at 32K tokens is one 34 GB tensor) is reported as out
+of memory, and the others still run.
 
 Run: python benchmarks/bench_hf.py [--lengths 1024 4096] [--batches 1 8]
      [--families llama mistral gemma2] [--dtypes float32] [--rounds 3] [--eager-max 8192]
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import subprocess
 import sys
 import time
@@ -140,17 +143,29 @@ def run_case(name: str, B: int, L: int, dtype: torch.dtype, args) -> None:
     ids, mask = inputs(B, L)
     best: dict[str, float] = {}
     outs: dict[str, torch.Tensor] = {}
+    failed: dict[str, str] = {}  # contender -> why it could not run (e.g. its mask's memory)
     with torch.inference_mode():
         for _ in range(args.rounds):
             for impl, model in models.items():
+                if impl in failed:
+                    continue
                 t0 = time.perf_counter()
-                outs[impl] = model.model(ids, attention_mask=mask).last_hidden_state
+                try:
+                    outs[impl] = model.model(ids, attention_mask=mask).last_hidden_state
+                except (RuntimeError, MemoryError) as err:  # the allocator's "can't allocate"
+                    if "allocate" not in str(err) and not isinstance(err, MemoryError):
+                        raise
+                    failed[impl] = _out_of_memory(err)
+                    continue
                 best[impl] = min(best.get(impl, float("inf")), time.perf_counter() - t0)
+    for impl, why in failed.items():
+        print(f"{name:<8} B={B} L={L:<6} {impl:<8} could not run on this machine: {why}")
+    impls = [i for i in impls if i not in failed]
     real = mask.bool()
     first = next(iter(outs))
     golden = None
     if args.golden_max >= L:  # the model in float64 (sdpa's or eager's attention)
-        base = next((i for i in ("sdpa", "eager") if i in models), first)
+        base = next((i for i in ("sdpa", "eager") if i in outs), first)
         ref = copy.deepcopy(models[base]).double()
         with torch.inference_mode():
             golden = ref.model(ids, attention_mask=mask).last_hidden_state[real]
@@ -163,6 +178,8 @@ def run_case(name: str, B: int, L: int, dtype: torch.dtype, args) -> None:
         if impl == FLOOR:
             bound = f"bound {best[anchor] / best[impl]:.2f}× {anchor}'s" if anchor else ""
             check = "(no attention: the rest of the model)"
+        elif impl == first and golden is None:
+            check = "(the first contender: the others are compared with it)"
         elif golden is None:
             diff = (outs[impl][real].float() - outs[first][real].float()).abs().max().item()
             check = f"max|Δ| vs {first} {diff:.1e} (no float64 golden beyond --golden-max)"
@@ -179,6 +196,13 @@ def run_case(name: str, B: int, L: int, dtype: torch.dtype, args) -> None:
             f"{name:<8} B={B} L={L:<6} {dt:<9} {impl:<8} {best[impl]:8.3f} s  {ratio}{bound}  "
             f"{check}{_memory_text(growth, impl)}"
         )
+
+
+def _out_of_memory(err: BaseException) -> str:
+    """One line for a contender the allocator refused: how much it asked for, when it says."""
+    asked = re.search(r"allocate (\d+) bytes", str(err))
+    size = f" (one allocation of {int(asked[1]) / 1e9:.1f} GB)" if asked else ""
+    return f"out of memory{size}"
 
 
 def memory_child(name: str, B: int, L: int, dtype: torch.dtype, impl: str) -> dict:
