@@ -11,9 +11,9 @@ Case ``step``: one attention layer decoding token by token against a cache of ``
 torch's SDPA — the same fused QKV and output projections (shared weights), the same pre-RoPE cache
 in a preallocated buffer with every cached key re-rotated at each step (rotate-half RoPE from a
 table computed once), the same GQA kernel call. It checks that both give the same outputs and
-prints the per-step times and their ratio (target <= 1.1x). The issue allows the other pairing
-too: `MultiHeadAttention` + ``KVCache(rotate_at_insert=True)`` (keys rotated once, when cached:
-less work, correct for static RoPE without eviction) against a hand-written rotate-at-insert layer;
+prints the per-step times and their ratio (target <= 1.1x). The other pairing is measured too:
+`MultiHeadAttention` + ``KVCache(rotate_at_insert=True)`` (keys rotated once, when cached: less
+work, correct for static RoPE without eviction) against a hand-written rotate-at-insert layer;
 both ratios are printed. ``--ext-ab`` adds the module with attnlab's C++ operators switched off
 (``ATTNLAB_EXT=0``: the pure-PyTorch path, as on a machine without a compiler) to the same rounds.
 

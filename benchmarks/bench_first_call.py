@@ -1,7 +1,7 @@
 """The first sliding-window call in a new process against a steady call, with the kernels built.
 
-Issue #37 (item 2): the C++ kernels are built by an explicit step, ``attnlab build``, and a
-process never changes its engine, so the first call in a new process pays no hidden build. This
+The C++ kernels are built by an explicit step, ``attnlab build``, and a process never changes its
+engine, so the first call in a new process pays no hidden build. This
 script times that step (into a fresh temporary cache by default: every kernel is compiled, the
 time a new machine pays once; ``--cache user`` uses the user's cache, where they may be built
 already), then, in new processes that use that cache, the first

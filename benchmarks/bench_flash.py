@@ -1,4 +1,4 @@
-"""Benchmarks of the tiled ("flash") backend against its anchors; see benchmarks/RESULTS.md.
+"""Benchmarks of the tiled ("flash") backend against its anchors (docs/results/attnlab_bench.md).
 
 Same as ``attnlab bench``::
 

@@ -51,11 +51,11 @@ import torch
 from common import print_machine
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, FFN, VOCAB = 512, 8, 2, 2, 1024, 1000
-"""The model of issue #40's table: hidden 512, 8 query heads of 64 sharing 2 k/v heads."""
+"""The benchmark's model: hidden 512, 8 query heads of 64 sharing 2 k/v heads."""
 
 
 def family(name: str, max_len: int):
-    """``(model class, config)`` of a family at the issue's size."""
+    """``(model class, config)`` of a family at the benchmark's size."""
     import transformers
 
     common = dict(

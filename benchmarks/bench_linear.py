@@ -11,15 +11,16 @@ Forward passes (inference, ``torch.no_grad``) on ``(B, H, L, D)`` fp32 inputs, L
 3. the crossover length where linear attention beats exact attention (finer sweep below 1K);
 4. FAVOR+ approximation error vs number of random features (mean relative output error
    against exact softmax attention, over ``--draws`` independent draws);
-5. the targets of issue #6, then a PNG plot (matplotlib, the viz extra).
+5. the project's targets for linear attention, then a PNG plot (matplotlib, the viz extra).
 
 The machine's fp32 matmul rate is printed first as the physical limit.
 
-``--scaling`` runs only the causal-linear scaling check of issue #19 item 4 instead: causal
-`linear_attention` at B=1 H=8 D=64, L = 8K…64K, forward (no_grad) and forward + backward, per
-dtype (``--dtypes float32,bfloat16``), ``--clock cpu`` (this process's CPU time; with
-``--threads 1`` the uncontended time on a shared machine) or wall, min over interleaved rounds,
-with the CPU header (model, AMX, the matmul rate of each dtype) and time(64K)/time(8K);
+``--scaling`` runs only the causal-linear scaling check instead (target: time(64K)/time(8K)
+<= 10, ideal 8): causal `linear_attention` at B=1 H=8 D=64, L = 8K…64K, forward (no_grad) and
+forward + backward, per dtype (``--dtypes float32,bfloat16``), ``--clock cpu`` (this process's
+CPU time; with ``--threads 1`` the uncontended time on a shared machine) or wall, min over
+interleaved rounds, with the CPU header (model, AMX, the matmul rate of each dtype) and
+time(64K)/time(8K);
 ``--scaling-method favor_attention`` times causal FAVOR+ (``--features`` random features) instead,
 ``favor_attention_noncausal`` non-causal FAVOR+.
 
@@ -248,8 +249,8 @@ def _clocked(clock: Callable[[], float], fn: Callable[[], object]) -> float:
 
 
 def scaling(args: argparse.Namespace) -> None:
-    """Causal linear attention (or FAVOR+) time vs L (issue #19 item 4): fwd and fwd+bwd, per
-    dtype."""
+    """Causal linear attention (or FAVOR+) time vs L: fwd and fwd+bwd, per dtype, and
+    time(64K)/time(8K) (target <= 10, ideal 8)."""
     amx = sorted(f for f in cpu_flags() if f.startswith("amx"))
     print(f"CPU: {cpu_model()}; AMX: {', '.join(amx) if amx else 'no'}")
     print(
@@ -309,7 +310,7 @@ def scaling(args: argparse.Namespace) -> None:
             lo, hi = min(args.lengths), max(args.lengths)
             print(
                 f"{'':24s} time({hi})/time({lo}) = {best[hi] / best[lo]:.2f}  "
-                f"(ideal {hi / lo:.0f}; issue #19 target <= 10 for 65536/8192)"
+                f"(ideal {hi / lo:.0f}; target <= 10 for 65536/8192)"
             )
         kept = _kept_mb(attend, *data[max(args.lengths)])
         print(f"{'':24s} autograd keeps beyond q, k, v: {kept}")
@@ -388,7 +389,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", default="benchmarks/bench_linear.png")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument(
-        "--scaling", action="store_true", help="only causal linear time(64K)/time(8K), issue #19"
+        "--scaling", action="store_true", help="only causal linear time(64K)/time(8K), target <= 10"
     )
     parser.add_argument("--dtypes", default="float32", help="--scaling: e.g. float32,bfloat16")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="--scaling")
@@ -470,7 +471,7 @@ def _print_errors(args: argparse.Namespace) -> dict:
 
 
 def _print_targets(times: dict, mems: dict, errors: dict) -> None:
-    print("\ntargets (issue #6)")
+    print("\ntargets")
     lc = times.get("linear causal", {})
     if 65536 in lc and 8192 in lc:
         r = lc[65536] / lc[8192]

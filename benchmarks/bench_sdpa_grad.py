@@ -2,8 +2,8 @@
 
 With a gradient, ``attnlab.attention(backend="sdpa")`` runs torch's CPU kernel on float32 copies
 of bfloat16/float16 inputs (its 16-bit backward sums probabilities, dS, δ and per-block dk/dv in
-16 bits: issue #38 item 7). This times, round by round in one process, forward + backward of:
-``attnlab`` (bfloat16 in, float32 kernel), the anchor users would call instead —
+16 bits, which the tolerance rule rejects). This times, round by round in one process, forward
++ backward of: ``attnlab`` (bfloat16 in, float32 kernel), the anchor users would call instead —
 ``torch.nn.functional.scaled_dot_product_attention`` on the same bfloat16 inputs and the same
 mask as a dense bool tensor (16-bit backward) — and ``attnlab`` in float32. Prints the machine,
 the bfloat16 and float32 matmul rates, median seconds and the ratio attnlab / anchor.

@@ -1,4 +1,4 @@
-"""What logit soft-capping costs on the tiled backend (issue #16).
+"""What logit soft-capping costs on the tiled backend.
 
 torch's fused CPU flash kernel cannot apply ``softcap·tanh(s / softcap)`` to its logits, so a
 soft-capped call runs flash's pure-PyTorch tile engine (same plan, same O(L) memory). This times,

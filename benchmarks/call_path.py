@@ -36,7 +36,7 @@ from pathlib import Path
 from types import CodeType, FrameType
 
 CASES = ("causal", "sliding_window", "document", "bool_tensor", "alibi")
-"""The masks of the issue's target (#39 item 1)."""
+"""The masks the call-path limit is held for (tests/test_call_path.py)."""
 
 LONG = 60
 """A function on the path longer than this many lines (docstring excluded) is listed in
