@@ -1,4 +1,4 @@
-"""The README's Architecture listing, generated from the package tree.
+"""The design page's layer listing (docs/design.md), generated from the package tree.
 
 Every subpackage and top-level module of ``src/attnlab`` is a node; node A depends on node B when
 any file of A imports from B — at module level, inside a function (deferred) or under
@@ -12,8 +12,8 @@ its docstring (the package's ``__init__.py`` for a package). A cycle between nod
 Usage::
 
     python scripts/architecture.py                  # print the listing
-    python scripts/architecture.py --write README.md  # replace it between the markers
-    python scripts/architecture.py --check README.md  # exit 1 if the README's copy is stale
+    python scripts/architecture.py --write docs/design.md  # replace it between the markers
+    python scripts/architecture.py --check docs/design.md  # exit 1 if the page's copy is stale
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ROOT = REPO / "src" / "attnlab"
 TESTS = REPO / "tests" / "test_architecture.py"
-COMMAND = "python scripts/architecture.py --write README.md"
+COMMAND = "python scripts/architecture.py --write docs/design.md"
 BEGIN = f"<!-- architecture:begin ({COMMAND}) -->"
 END = "<!-- architecture:end -->"
 
@@ -124,8 +124,8 @@ def replaced(text: str, block: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--write", type=Path, metavar="README", help="replace the listing in it")
-    group.add_argument("--check", type=Path, metavar="README", help="exit 1 if it is stale")
+    group.add_argument("--write", type=Path, metavar="PAGE", help="replace the listing in it")
+    group.add_argument("--check", type=Path, metavar="PAGE", help="exit 1 if it is stale")
     args = parser.parse_args(argv)
     try:
         block = listing()

@@ -1,4 +1,5 @@
-"""Every ```python block of README.md runs in a fresh interpreter; so do its attnlab commands.
+"""Every ```python block of README.md and of the user guide (docs/guide/*.md) runs in a fresh
+interpreter; so do their attnlab commands.
 
 A Python block runs by itself in a fresh subprocess; a block whose fence is preceded by the line
 ``<!-- continues -->`` runs after its predecessor in the same interpreter (the chain is one run).
@@ -22,6 +23,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: The pages whose code blocks run: the README and every page of the user guide.
+PAGES = [README, *sorted((ROOT / "docs" / "guide").glob("*.md"))]
 CONTINUES = "<!-- continues -->"
 
 #: Shell commands that do not run inside the test suite, by the start of the command (after
@@ -33,12 +36,16 @@ EXEMPT = {
     "ruff check": "the lint step of .ci/run, which runs before the suite",
     "ruff format --check": "the format step of .ci/run, which runs before the suite",
     "python -m pytest": "the test suite itself (it would run this file again)",
+    "python -m build": "builds the sdist and wheel (minutes); tests/test_wheel.py does it (slow)",
     "torchrun": "needs two machines; its train.py block runs here on 2 local ranks (LAUNCH)",
 }
 
 #: Small settings for the default suite, by the README command; the slow test runs it verbatim.
 #: Each value replaces the command's arguments after ``attnlab``.
 OVERRIDES = {
+    "attnlab bench --case window --dtype float32 --quiet": (
+        "bench --case window --dtype float32 --quiet --quick --no-flex --no-backward --repeats 1"
+    ),
     "attnlab train --out runs/alice": (
         "train --out runs/alice --steps 4 --batch-size 2 --seq-len 16 --d-model 16 --n-layers 1"
         " --n-heads 2 --eval-interval 2 --eval-batches 1 --save-interval 2 --warmup 1 --quiet"
@@ -62,22 +69,28 @@ EXPECTED_STDOUT = {
 
 @dataclass
 class Block:
-    """One fenced code block of the README: its index among all fences, language and text."""
+    """One fenced code block of a page: its index among the page's fences, language and text."""
 
     index: int
     lang: str
     text: str
     line: int
     continues: bool
+    page: str = "README.md"
+
+    @property
+    def where(self) -> str:
+        return f"{self.page} line {self.line}"
 
     @property
     def first_line(self) -> str:
         return next((s for s in self.text.splitlines() if s.strip()), "").strip()
 
 
-def readme_blocks(text: str | None = None) -> list[Block]:
-    """Every fenced block of ``text`` (default: README.md), in order."""
-    lines = (README.read_text(encoding="utf-8") if text is None else text).splitlines()
+def readme_blocks(text: str | None = None, page: Path = README) -> list[Block]:
+    """Every fenced block of ``text`` (default: the file ``page``), in order."""
+    lines = (page.read_text(encoding="utf-8") if text is None else text).splitlines()
+    name = str(page.relative_to(ROOT))
     blocks: list[Block] = []
     i = 0
     while i < len(lines):
@@ -93,13 +106,15 @@ def readme_blocks(text: str | None = None) -> list[Block]:
             i += 1
         prev = next((s.strip() for s in reversed(lines[:start]) if s.strip()), "")
         blocks.append(
-            Block(len(blocks), m.group(1), "\n".join(body) + "\n", start + 1, prev == CONTINUES)
+            Block(
+                len(blocks), m.group(1), "\n".join(body) + "\n", start + 1, prev == CONTINUES, name
+            )
         )
         i += 1
     return blocks
 
 
-BLOCKS = readme_blocks()
+BLOCKS = [block for page in PAGES for block in readme_blocks(page=page)]
 
 
 def python_chains(blocks: list[Block]) -> list[list[Block]]:
@@ -109,7 +124,9 @@ def python_chains(blocks: list[Block]) -> list[list[Block]]:
         if b.lang != "python":
             continue
         if b.continues:
-            assert chains, f"README line {b.line}: a continuation with no Python block before it"
+            assert chains and chains[-1][0].page == b.page, (
+                f"{b.where}: a continuation with no Python block before it"
+            )
             chains[-1].append(b)
         else:
             chains.append([b])
@@ -154,7 +171,8 @@ RUNNABLE = [b for b in SHELL if any(exemption(c) is None for c in shell_commands
 
 
 def block_id(block: Block) -> str:
-    return f"block{block.index}-" + re.sub(r"[^\w.=-]+", "_", block.first_line)[:40]
+    page = Path(block.page).stem
+    return f"{page}-block{block.index}-" + re.sub(r"[^\w.=-]+", "_", block.first_line)[:40]
 
 
 def run(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -170,15 +188,19 @@ def run(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.Complete
 
 
 def test_readme_blocks_are_found_and_every_python_run_is_self_contained():
-    """The parser sees the README's blocks; a run never starts with a continuation mark."""
-    assert sum(b.lang == "python" for b in BLOCKS) >= 8
-    assert len(SHELL) >= 3
+    """The parser sees every page's blocks; a run never starts with a continuation mark."""
+    assert len(PAGES) >= 10, PAGES
+    assert sum(b.lang == "python" for b in BLOCKS) >= 15
+    assert len(SHELL) >= 6
     assert all(not chain[0].continues for chain in CHAINS)
     assert all(not is_doctest(b) for chain in CHAINS for b in chain[1:])
     assert {b.lang for b in BLOCKS} <= {"python", "bash", ""}
+    for page in PAGES:  # a fence must open its line, or the block silently never runs
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            assert "```" not in line or line.startswith("```"), f"{page.name} line {n}: {line!r}"
     codes = ["".join(b.text for b in chain) for chain in CHAINS]
     for key in EXPECTED_STDOUT:
-        assert sum(key in code for code in codes) == 1, key
+        assert sum(key in code for code in codes) >= 1, key
     for key in LAUNCH:
         assert sum(chain[0].first_line == key for chain in CHAINS) == 1, key
 
@@ -221,9 +243,9 @@ def test_python_block_runs_in_a_fresh_interpreter(chain: list[Block], tmp_path: 
         (tmp_path / "block.py").write_text(code, encoding="utf-8")
         args = ["block.py"]
     r = run(args, tmp_path)
-    assert r.returncode == 0, f"README line {first.line}:\n{r.stdout}\n{r.stderr}"
+    assert r.returncode == 0, f"{first.where}:\n{r.stdout}\n{r.stderr}"
     for expected in (e for key, lst in EXPECTED_STDOUT.items() if key in code for e in lst):
-        assert expected in r.stdout, f"README line {first.line}: {expected!r} not in {r.stdout!r}"
+        assert expected in r.stdout, f"{first.where}: {expected!r} not in {r.stdout!r}"
 
 
 def test_every_shell_command_runs_or_is_exempt_with_a_reason():
@@ -236,7 +258,7 @@ def test_every_shell_command_runs_or_is_exempt_with_a_reason():
             if key is not None:
                 used_exempt.add(key)
             else:
-                assert command[0] == "attnlab", f"README line {block.line}: {text!r} needs EXEMPT"
+                assert command[0] == "attnlab", f"{block.where}: {text!r} needs EXEMPT"
                 used_override.add(text)
     assert used_exempt == set(EXEMPT), set(EXEMPT) - used_exempt
     assert set(OVERRIDES) <= used_override, set(OVERRIDES) - used_override
@@ -268,7 +290,7 @@ def run_shell_block(block: Block, tmp_path: Path, *, verbatim: bool) -> list[str
             command[1:] if verbatim else shlex.split(OVERRIDES.get(text, shlex.join(command[1:])))
         )
         r = run(["-m", "attnlab.cli", *args], tmp_path, timeout=3600 if verbatim else 600)
-        assert r.returncode == 0, f"README line {block.line}: {text}\n{r.stdout}\n{r.stderr}"
+        assert r.returncode == 0, f"{block.where}: {text}\n{r.stdout}\n{r.stderr}"
         assert "Traceback" not in r.stderr
         check_outputs(text, r, tmp_path)
         outputs.append(r.stdout)
@@ -305,5 +327,17 @@ def test_the_readme_test_command_is_what_ci_runs():
     """The commands exempted as "CI's steps" really are CI's: .ci/run runs the README's command."""
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     tests = [b for b in SHELL if any(exemption(c) == "python -m pytest" for c in shell_commands(b))]
-    assert len(tests) == 1
+    assert len(tests) == 1 and tests[0].page == "README.md"
     assert tests[0].text.strip() in ci
+
+
+def test_the_first_screen_has_a_running_snippet_for_each_job():
+    """The README is a front door: short, and its first screen holds the three quickstarts (your
+    model, a transformers model, the viewer) as Python blocks that run (the tests above)."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250, len(lines)
+    first = [b for b in BLOCKS if b.page == "README.md" and b.lang == "python"][:3]
+    jobs = ["attnlab.attention(", 'attn_implementation="attnlab"', "attnlab.show("]
+    for block, job in zip(first, jobs, strict=True):
+        assert job in block.text, (job, block.where)
+        assert block.line + block.text.count("\n") <= 75, f"{block.where}: below the first screen"

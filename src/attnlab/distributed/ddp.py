@@ -20,7 +20,7 @@ ranks share the work. Both modes keep the run of one process:
 Only rank 0 (``is_main``) writes files, logs and shows a progress bar. Evaluation is collective:
 every rank evaluates its part of the same evaluation batches and the means are averaged.
 
-Example (one machine, two processes; see the README for several machines):
+Example (one machine, two processes; docs/guide/distributed.md for several machines):
     $ torchrun --nproc-per-node=2 -m attnlab train --steps 600 --out runs/ddp
     $ torchrun --nproc-per-node=2 -m attnlab train --context-parallel --dropout 0 --out runs/cp
 """

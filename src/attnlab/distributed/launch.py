@@ -1,6 +1,6 @@
 """Run a function on W local ranks over gloo (loopback only) — for tests, benchmarks and demos.
 
-For real multi-machine jobs use ``torchrun`` (see the README); this helper is the in-process
+For real multi-machine jobs use ``torchrun`` (docs/guide/distributed.md); this helper is the in-process
 equivalent for one machine, with a hard wall-clock limit and no process left behind.
 """
 

@@ -1,8 +1,8 @@
-"""The README's Architecture listing is generated from the tree and names every package (#39).
+"""The design page's layer listing is generated from the tree and names every package.
 
 `scripts/architecture.py` places each subpackage and top-level module of attnlab in a layer by
 its imports (all of them: deferred and TYPE_CHECKING too) and describes it by its docstring's
-first line; the README holds its output between two markers.
+first line; docs/design.md holds its output between two markers.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "design.md"
 
 
 @pytest.fixture(scope="module")
@@ -26,17 +26,17 @@ def arch():
 
 
 def test_readme_listing_is_current(arch) -> None:
-    text = README.read_text()
+    text = PAGE.read_text()
     assert arch.replaced(text, arch.listing()) == text, (
-        "README's Architecture listing is stale: "
-        "run python scripts/architecture.py --write README.md"
+        "docs/design.md's layer listing is stale: "
+        "run python scripts/architecture.py --write docs/design.md"
     )
 
 
 def test_every_package_is_named(arch) -> None:
-    section = README.read_text().split(arch.BEGIN, 1)[1].split(arch.END, 1)[0]
+    section = PAGE.read_text().split(arch.BEGIN, 1)[1].split(arch.END, 1)[0]
     for node in arch.nodes():
-        assert f"`{node}`" in section, f"README's Architecture section does not name {node}"
+        assert f"`{node}`" in section, f"docs/design.md's Layers section does not name {node}"
 
 
 def test_layers_follow_imports(arch, tmp_path) -> None:
