@@ -58,7 +58,7 @@ def main() -> None:
         for line, r in zip(lines[1:], rows, strict=True):
             x = torch.empty(1, args.heads, r.L, args.dim, dtype=dtype)
             kw = calibrate.cases(r.L, args.heads)[r.case][1]
-            picked = attnlab.explain(x, x, x, **kw).split(":")[0]
+            picked = attnlab.explain(x, x, x, **kw).backend
             print(f"{line}  {picked}")
         cross = calibrate.crossovers(rows)
         print(f"crossover L (flash at least as fast from here on): {cross}")

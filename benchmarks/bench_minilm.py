@@ -128,7 +128,7 @@ def main() -> None:
     }
 
     q = torch.randn(bs, 12, 64, 32)
-    backend = attnlab.explain(q, q, q, mask=torch.ones(bs, 1, 1, 64, dtype=torch.bool))
+    why = attnlab.explain(q, q, q, mask=torch.ones(bs, 1, 1, 64, dtype=torch.bool))
 
     print_machine((torch.float32, torch.bfloat16))
     dtypes = (torch.float32, torch.bfloat16)
@@ -139,7 +139,8 @@ def main() -> None:
     )
     print(f"load average: {os.getloadavg()[0]:.2f}")
     print(f"{len(texts)} sentences, {tokens} tokens after truncation to 256, batch_size={bs}")
-    print(f"attention backend for a padded batch: {backend}")
+    engines = "; ".join(why.engines)
+    print(f"attention backend for a padded batch: {why.backend}: {why.reason}; engine: {engines}")
     for name, c in cos.items():
         print(f"min cosine({name}, sentence-transformers fp32) = {c:.7f}")
     assert cos["attnlab fp32"] >= 0.99999, cos

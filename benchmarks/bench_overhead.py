@@ -122,7 +122,7 @@ def main() -> None:
                 t = interleaved(
                     _with_ab(fns, ("auto",), args.ext_ab), args.repeats, args.clock, args.stat
                 )
-                chosen = attnlab.explain(q, k, v, mask=mask).split(":")[0]
+                chosen = attnlab.explain(q, k, v, mask=mask).backend
                 _row(f"{label} B={B} H={H} L={L} D={D}", t, "sdpa", "auto", 1.05, chosen)
         for B in (1, 4) if "decode" in args.cases else ():
             q = torch.randn(B, 8, 1, 64, dtype=dtype)
@@ -146,7 +146,7 @@ def main() -> None:
                 args.clock,
                 args.stat,
             )
-            chosen = attnlab.explain(q, k, v).split(":")[0]
+            chosen = attnlab.explain(q, k, v).backend
             _row(f"decode B={B} S=4096 GQA 8/2, no mask", t, "sdpa", "auto", 1.1, chosen)
             _row(
                 f"decode B={B} S=4096 GQA 8/2, padding {lengths}",

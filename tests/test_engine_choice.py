@@ -215,7 +215,7 @@ def test_explain_never_builds_and_says_what_the_first_call_will_do(fake_build) -
     """With the kernels unbuilt, explain builds nothing (the stand-in compiler is never run),
     describes the call on torch's kernel and says the first call builds attnlab's."""
     q, k, v = _window_call()
-    text = attnlab.explain(q, k, v, mask=masks.sliding_window(32), backend="flash")
+    text = str(attnlab.explain(q, k, v, mask=masks.sliding_window(32), backend="flash"))
     assert fake_build == [] and not list(Path(os.environ[_ext.CACHE_ENV]).glob("*.so"))
     assert "forward: 1 band call(s) on torch's CPU flash kernel" in text
     assert "band_attn" in text and "not built yet" in text
@@ -228,20 +228,20 @@ def test_explain_names_each_engine(monkeypatch) -> None:
     pure-PyTorch tile engine in float64; torch's SDPA; plain PyTorch for the reference."""
     monkeypatch.setenv(_ext.ENV, "0")
     q, k, v = _window_call()
-    text = attnlab.explain(q, k, v, mask=masks.sliding_window(32), backend="flash")
+    text = str(attnlab.explain(q, k, v, mask=masks.sliding_window(32), backend="flash"))
     assert "engines: forward: 1 band call(s) on torch's CPU flash kernel" in text
     assert re.search(r"band_attn( and \w+)* off \(ATTNLAB_EXT=0\)", text), text
     assert "NaN/inf handling: PyTorch ops" in text
     q.requires_grad_()
-    assert "backward: torch's CPU flash kernel" in attnlab.explain(
-        q, k, v, mask=masks.sliding_window(32), backend="flash"
+    assert "backward: torch's CPU flash kernel" in str(
+        attnlab.explain(q, k, v, mask=masks.sliding_window(32), backend="flash")
     )
     d = [x.detach().double() for x in (q, k, v)]
-    text = attnlab.explain(*d, mask=masks.causal(), backend="flash")
+    text = str(attnlab.explain(*d, mask=masks.causal(), backend="flash"))
     assert "the pure-PyTorch tile engine" in text
-    text = attnlab.explain(q, k, v, mask=masks.causal(), backend="sdpa")
+    text = str(attnlab.explain(q, k, v, mask=masks.causal(), backend="sdpa"))
     assert "engine: torch's scaled_dot_product_attention" in text
-    assert "engine: plain PyTorch ops" in attnlab.explain(q, k, v, backend="reference")
+    assert "engine: plain PyTorch ops" in str(attnlab.explain(q, k, v, backend="reference"))
 
 
 def test_explain_names_attnlabs_kernel_with_its_isa_path() -> None:
@@ -249,7 +249,7 @@ def test_explain_names_attnlabs_kernel_with_its_isa_path() -> None:
     if _ext.mode() == "off" or not _ext.load("band_attn"):
         pytest.skip(f"C++ extension unavailable: {_ext.status('band_attn')}")
     q, k, v = _window_call(256)
-    text = attnlab.explain(q, k, v, mask=masks.sliding_window(32), backend="flash")
+    text = str(attnlab.explain(q, k, v, mask=masks.sliding_window(32), backend="flash"))
     isa = _ext.isa_path()
     assert f"band call(s) on attnlab's C++ band kernel ({isa}, float32 products)" in text
     assert "band_attn loaded" in text and f"({isa} path)" in text
@@ -263,10 +263,10 @@ q, k, v = (torch.randn(1, 4, 2048, 32) for _ in range(3))
 w = masks.sliding_window(128)
 threads = {t.name for t in threading.enumerate()}
 first = attnlab.attention(q, k, v, mask=w)
-print("explain:", attnlab.explain(q, k, v, mask=w))
+print("explain:", str(attnlab.explain(q, k, v, mask=w)).replace("\n", "; "))
 same = all(torch.equal(first, attnlab.attention(q, k, v, mask=w)) for _ in range(3))
 print("same:", same)
-print("explain again:", attnlab.explain(q, k, v, mask=w))
+print("explain again:", str(attnlab.explain(q, k, v, mask=w)).replace("\n", "; "))
 print("threads:", sorted({t.name for t in threading.enumerate()} - threads))
 """
 

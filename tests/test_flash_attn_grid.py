@@ -352,7 +352,7 @@ def _backend_runs(case: Case, inp, mask, bias, merged: bool) -> tuple[dict, bool
 
         if backend == "auto":
             xs = [x.detach().requires_grad_(True) for x in (inp.q, inp.k, inp.v)]
-            chosen = attnlab.explain(*xs, mask=mask, bias=bias, softcap=softcap).split(":")[0]
+            chosen = attnlab.explain(*xs, mask=mask, bias=bias, softcap=softcap).backend
             merged = merged and chosen == "flash"
             if chosen in runs:  # the same computation: no need to run it twice
                 runs["auto"] = runs[chosen]

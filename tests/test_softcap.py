@@ -225,7 +225,7 @@ def test_flash_gradcheck_float64_tiny():
 )
 def test_decode_supports_softcap(dtype, mask):
     q, k, v = qkv(dtype, l=1, s=600)
-    assert attnlab.explain(q, k, v, mask=mask, softcap=CAP).startswith("decode:")
+    assert attnlab.explain(q, k, v, mask=mask, softcap=CAP).backend == "decode"
     with torch.no_grad():
         out, lse = attnlab.attention(
             q, k, v, mask=mask, softcap=CAP, backend="decode", return_lse=True
@@ -266,7 +266,7 @@ def test_decode_cpp_step_soft_caps(dtype, mask):
     q, k, v = qkv(dtype, l=1, s=600)
     if not nan_rule.ext_ready(q, k, v):
         pytest.skip("attnlab's C++ kernels are not built here")
-    assert "C++ decode kernel" in attnlab.explain(q, k, v, mask=mask, softcap=CAP)
+    assert "C++ decode kernel" in attnlab.explain(q, k, v, mask=mask, softcap=CAP).engines[0]
     with torch.no_grad():
         out = attnlab.attention(q, k, v, mask=mask, softcap=CAP, backend="decode")
     keep, _ = dense(mask, None, q, k, v)
@@ -339,15 +339,17 @@ def test_sdpa_declines_and_explain_says_why():
     with pytest.raises(ValueError, match=r"backend='sdpa' cannot run.*soft-capping.*softcap=2.5"):
         attnlab.attention(q, k, v, softcap=CAP, backend="sdpa")
     why = attnlab.explain(q, k, v, mask=masks.causal(), softcap=CAP)
-    assert why.startswith("flash:"), why
-    assert "not 'sdpa': torch's scaled_dot_product_attention has no logit soft-capping" in why
+    assert why.backend == "flash", why
+    assert "not 'sdpa': torch's scaled_dot_product_attention has no logit soft-capping" in (
+        why.reason
+    )
     # no gradient: attnlab's C++ kernels soft-cap in their forward; with one, the torch engine
-    assert "soft-capped logits on attnlab's C++ kernels" in why or not _cpp_ready()
+    assert "soft-capped logits on attnlab's C++ kernels" in why.plan or not _cpp_ready()
     grad = attnlab.explain(q.requires_grad_(), k, v, mask=masks.causal(), softcap=CAP)
-    assert "soft-capped logits on the pure-PyTorch tile engine" in grad
+    assert "soft-capped logits on the pure-PyTorch tile engine" in grad.plan
     q.requires_grad_(False)
     # without softcap the same call goes to sdpa: the cap alone changed the choice
-    assert attnlab.explain(q, k, v, mask=masks.causal()).startswith("sdpa:")
+    assert attnlab.explain(q, k, v, mask=masks.causal()).backend == "sdpa"
     with pytest.raises(ValueError, match=r"engine='kernel' cannot soft-cap"):
         flash_attention(q, k, v, softcap=CAP, engine="kernel")
 
@@ -370,9 +372,9 @@ def test_a_backend_that_does_not_declare_softcap_never_sees_it(monkeypatch):
     with pytest.raises(ValueError, match=r"'plain' cannot run.*does not implement logit soft-cap"):
         attnlab.attention(q, k, v, softcap=CAP, backend="plain")
     why = attnlab.explain(q, k, v, softcap=CAP)
-    assert "not 'plain': it does not implement logit soft-capping (softcap=2.5)" in why
-    assert not why.startswith("plain")
-    assert attnlab.explain(q, k, v).startswith("plain:")  # without a cap it runs
+    assert "not 'plain': it does not implement logit soft-capping (softcap=2.5)" in why.reason
+    assert why.backend != "plain"
+    assert attnlab.explain(q, k, v).backend == "plain"  # without a cap it runs
     assert not seen
 
 
@@ -421,7 +423,8 @@ KERNEL_CASES = {  # name -> (mask, L = S): plans whose every call is attnlab's C
 
 def _on_cpp_kernel(q, k, v, mask) -> bool:
     why = attnlab.explain(q, k, v, mask=mask, softcap=CAP)
-    return "soft-capped logits on attnlab's C++ kernels" in why and "C++ band kernel" in why
+    capped = why.plan is not None and "soft-capped logits on attnlab's C++ kernels" in why.plan
+    return capped and "C++ band kernel" in "; ".join(why.engines)
 
 
 def _cpp_ready() -> bool:
@@ -459,8 +462,8 @@ def test_with_gradient_soft_capping_stays_on_the_torch_engine(cpp_kernels):
     """The C++ backward has no tanh stage: a call that needs gradients runs the pure-PyTorch
     engine (its gradients are checked above), the same call without them attnlab's kernel."""
     q, k, v = qkv(torch.float32, l=301, s=301, d=64, dv=64)
-    assert "pure-PyTorch" in attnlab.explain(
-        q.requires_grad_(), k, v, mask=masks.causal(), softcap=CAP
+    assert "pure-PyTorch" in str(
+        attnlab.explain(q.requires_grad_(), k, v, mask=masks.causal(), softcap=CAP)
     )
     with torch.no_grad():
         assert _on_cpp_kernel(q, k, v, masks.causal())
@@ -553,7 +556,7 @@ def test_compile_fullgraph_forward_backward():
     def f(q, k, v):
         return attnlab.attention(q, k, v, mask=mask, softcap=CAP)
 
-    assert attnlab.explain(q, k, v, mask=mask, softcap=CAP).startswith("flash:")
+    assert attnlab.explain(q, k, v, mask=mask, softcap=CAP).backend == "flash"
     torch._dynamo.reset()
     out = torch.compile(f, fullgraph=True)(q, k, v)  # raises on a break
     got = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))

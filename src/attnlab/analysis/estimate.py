@@ -41,6 +41,8 @@ FLASH_TILE = (128, 128)
 class Estimate:
     """A table of quantities × implementations.
 
+    ``print(est)`` shows the configuration and the table (`table`); ``repr(est)`` is one line.
+
     Attributes:
         config: the resolved configuration (B, L, S, E, H, H_kv, D, layers, dtype, pairs).
         rows: ``[(quantity, unit, {implementation: value})]`` in display order.
@@ -77,6 +79,21 @@ class Estimate:
                     ]
                 )
         return text_table(lines[0], lines[1:])
+
+    def _config_line(self) -> str:
+        """The configuration in one line: ``"B=32, L=1024, S=1024, E=768, H=12, ..."``."""
+        c = self.config
+        sizes = [f"{k}={c[k]}" for k in ("B", "L", "S", "E", "H", "H_kv", "D", "layers") if k in c]
+        mask = "none" if c.get("mask") is None else repr(c["mask"])
+        decode = ["decode (one new query token)"] if c.get("decode") else []
+        return ", ".join([*sizes, str(c.get("dtype", "?")), f"mask {mask}", *decode])
+
+    def __str__(self) -> str:
+        return f"Estimate of multi-head attention: {self._config_line()}\n{self.table()}"
+
+    def __repr__(self) -> str:
+        measured = f", measured={sorted(self.measured)}" if self.measured else ""
+        return f"Estimate({self._config_line()}; {len(self.rows)} quantities{measured})"
 
 
 def _fmt(x: float, unit: str) -> str:
@@ -130,7 +147,7 @@ def estimate(
         window: deprecated, use ``mask=masks.sliding_window(window)``.
 
     Returns:
-        An `Estimate`; ``print(est.table())`` shows it. Rows are totals over ``layers``, except
+        An `Estimate`; ``print(est)`` shows it. Rows are totals over ``layers``, except
         "attended pairs per head" (one head of one layer) and "score matrix" (the layers run one
         after another, so one layer's scores exist at a time).
     """

@@ -162,8 +162,9 @@ def parameter_count(build: Callable[[int], nn.Module], layers: int) -> tuple[int
 
 
 @dataclass(frozen=True)
-class Estimate:
-    """A training run's estimated memory.
+class TrainingMemory:
+    """A training run's estimated memory (not `attnlab.analysis.Estimate`, the attention layer's
+    parameters, FLOPs and memory).
 
     Attributes:
         parameters: trainable parameters (counted once when tied).
@@ -186,6 +187,10 @@ class Estimate:
         return self.state_bytes + self.activation_bytes
 
 
+# The former name, until the subcommands import `TrainingMemory` (then this line goes).
+Estimate = TrainingMemory
+
+
 def _culprit(sizes: Sequence[tuple[str, int, int]]) -> tuple[str, int]:
     """The size argument furthest above its default: ``(flag, value)``."""
     flag, value, _ = max(sizes, key=lambda s: s[1] / max(1, s[2]))
@@ -193,7 +198,7 @@ def _culprit(sizes: Sequence[tuple[str, int, int]]) -> tuple[str, int]:
 
 
 def check_fits(
-    estimate: Estimate,
+    estimate: TrainingMemory,
     sizes: Sequence[tuple[str, int, int]],
     device: torch.device | str = "cpu",
     *,
@@ -202,7 +207,7 @@ def check_fits(
     """Raises `UsageError` when ``estimate`` exceeds the memory available on ``device``.
 
     Args:
-        estimate: the run's `Estimate`.
+        estimate: the run's `TrainingMemory`.
         sizes: ``(flag, value, default)`` of the size arguments; the error names the one whose
             value is the largest multiple of its default.
         device: where the run would allocate.
@@ -241,7 +246,7 @@ def transformer_activation_bytes(
 
 __all__ = [
     "TRAIN_BYTES_PER_PARAM",
-    "Estimate",
+    "TrainingMemory",
     "available_memory",
     "check_fits",
     "format_bytes",

@@ -14,6 +14,7 @@ from .._shapes import check_bool
 from ..masks import Mask
 from . import backends as _backends  # noqa: F401  (fills the registry)
 from . import nan_rule, reference
+from .explanation import Explanation, describe_term
 from .flash import flash_job
 from .flash.run import (
     band_kernel_covers,
@@ -181,7 +182,7 @@ def attention(
     return out
 
 
-def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
+def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> Explanation:
     """Which backend ``attention(q, k, v, **kwargs)`` would run, why, and on which engines.
 
     Names the engine of each part of the plan: attnlab's C++ kernels with the vector path they
@@ -192,6 +193,18 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
     With ``backend="auto"`` it also says where auto's size thresholds for q's dtype come from
     (the built-in defaults, or the cache file measured on this CPU at a date:
     `attnlab.functional.thresholds`).
+
+    Args:
+        q, k, v: as in `attention`.
+        **kwargs: `attention`'s keyword arguments (``mask``, ``bias``, ``backend``, ...).
+
+    Returns:
+        An `Explanation`: ``print()`` it for a short paragraph; its fields (``.backend``,
+        ``.reason``, ``.plan``, ``.engines``, ...) hold the same facts.
+
+    Raises:
+        TypeError: a keyword `attention` does not take.
+        ValueError: as `attention` (bad inputs, or a named backend that cannot run the call).
     """
     backend = kwargs.pop("backend", "auto")
     defaults = {
@@ -213,14 +226,25 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
         req = build_request(q, k, v, leading=True, **kw)  # type: ignore[arg-type]
         check_backend_name(backend)
         chosen, why = select(backend, req, need_lse=bool(return_lse))  # type: ignore[arg-type]
+        plan = None
         if chosen.name == "flash":
-            why = f"{why}; {explain_plan(req)}"
+            plan, engines = explain_plan(req)
         else:
-            why = f"{why}; engine: {_engine(chosen.name, req, bool(return_lse))}"
-    why = f"{why}; {_ext.describe_kernels(asked)}"
-    if backend == "auto":
-        why = f"{why}; {describe_thresholds(req.q.dtype)}"
-    return f"{chosen.name}: {why}"
+            engines = (_engine(chosen.name, req, bool(return_lse)),)
+    mask, bias = kw["mask"], kw["bias"]
+    return Explanation(
+        backend=chosen.name,
+        requested=str(backend),
+        reason=why,
+        plan=plan,
+        engines=engines,
+        kernels=_ext.describe_kernels(asked),
+        thresholds=describe_thresholds(req.q.dtype) if backend == "auto" else None,
+        dtype=q.dtype,
+        shapes=(tuple(q.shape), tuple(k.shape), tuple(v.shape)),
+        mask="none" if mask is None else describe_term(mask),
+        bias=None if bias is None else describe_term(bias),
+    )
 
 
 def flash_attention(
@@ -300,10 +324,10 @@ def flash_attention(
     return flash_run_lse(req, **knobs)
 
 
-def explain_plan(req: Request) -> str:
-    """How flash would tile a request and which engine runs each part (for `explain`): the
-    plan, the engines of its forward (and backward, when an input needs a gradient), and how
-    the NaN rule finds non-finite inputs."""
+def explain_plan(req: Request) -> tuple[str, tuple[str, ...]]:
+    """How flash would tile a request and which engine runs each part (for `explain`):
+    ``(plan, engines)``, the plan in words and the engines of its forward (and backward, when
+    an input needs a gradient) and of how the NaN rule finds non-finite inputs."""
     job = flash_job(req)
     text = job.plan.describe()
     if job.softcap is not None:
@@ -319,7 +343,7 @@ def explain_plan(req: Request) -> str:
         engines.append("NaN/inf scan of q, k, v: attnlab's C++ scan (a copy only if one is found)")
     else:
         engines.append("NaN/inf handling: PyTorch ops (a cleaned copy of q, k, v)")
-    return f"{text}; engines: {'; '.join(engines)}"
+    return text, tuple(engines)
 
 
 def _engine(name: str, req: Request, want_lse: bool) -> str:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .._shapes import stat_dtype
+from ..utils.table import text_table
 from .flash import TileSource, flash_job
 from .flash.calls import CALL_CAUSAL, CALL_MASKED, Call
 from .nan_rule import nan_flags
@@ -31,7 +32,8 @@ _NEG_INF = float("-inf")
 class AttentionStats:
     """Per-head, per-query statistics of the attention weights; each ``(B, H, L)`` (3-D in: (B, L)).
 
-    Rows with no key to attend have every statistic 0 and lse −inf.
+    Rows with no key to attend have every statistic 0 and lse −inf. ``print(stats)`` shows the
+    shape and the mean, min and max of each statistic; ``repr(stats)`` the shape and the means.
 
     Attributes:
         entropy: ``−Σ_j p_ij log p_ij`` in nats (0 for one-hot, log n for uniform over n keys).
@@ -56,6 +58,46 @@ class AttentionStats:
             "mean_distance": self.mean_distance,
             "lse": self.lse,
         }
+
+    def _layout(self) -> str:
+        """``"(B, H, L) = (2, 4, 128), float32"`` (the letters of 3, 2 or 1 dims)."""
+        shape = tuple(self.entropy.shape)
+        letters = {3: "(B, H, L) = ", 2: "(B, L) = ", 1: "(L,) = "}.get(len(shape), "")
+        device = self.entropy.device
+        where = "" if device.type == "cpu" else f" on {device}"
+        return f"{letters}{shape}, {str(self.entropy.dtype).removeprefix('torch.')}{where}"
+
+    def __repr__(self) -> str:
+        means = []
+        for name, t in self.as_dict().items():
+            summary = _summary(t)
+            if name != "lse" and summary is not None:
+                means.append(f"{name}={summary[0]}")
+        values = f"; means over rows: {', '.join(means)}" if means else ""
+        return f"AttentionStats({self._layout()}{values})"
+
+    def __str__(self) -> str:
+        rows = []
+        for name, t in self.as_dict().items():
+            summary = _summary(t)
+            rows.append([name, *summary] if summary else [name, "—", "—", "—", "—"])
+        header = ["statistic", "mean", "min", "max", "non-finite rows"]
+        table = text_table(header, rows, align="<>>>>")
+        return f"AttentionStats {self._layout()}\n{table}"
+
+
+def _summary(t: Tensor) -> list[str] | None:
+    """Mean, min and max of the finite values of ``t`` and how many are not finite, as text;
+    None for values that cannot be read (meta tensors) or no values."""
+    if t.is_meta or t.numel() == 0:
+        return None
+    x = t.detach().to("cpu", torch.float64)  # a summary for people: one host copy
+    finite = x[torch.isfinite(x)]
+    bad = x.numel() - finite.numel()
+    if finite.numel() == 0:
+        return ["—", "—", "—", str(bad)]
+    nums = (finite.mean().item(), finite.min().item(), finite.max().item())
+    return [*(f"{n:.4g}" for n in nums), str(bad)]
 
 
 def _prepared(req: Request) -> tuple[Tensor, Tensor]:

@@ -180,6 +180,29 @@ class KVCache:
     def __len__(self) -> int:
         return self._len
 
+    def __repr__(self) -> str:
+        """``KVCache(B=1, H_kv=2, S=12, D=64, dtype=torch.float32, seen=12, capacity=16)``: the
+        stored keys' layout (S = ``len(cache)``), dtype, tokens ever appended and the policy.
+        Reads host ints and tensor metadata only (no value: no host sync, meta tensors print)."""
+        state = [f"S={self._len}"]
+        if self._k is not None and self._v is not None:
+            B, H_kv, _, D = self._k.shape
+            state = [f"B={B}", f"H_kv={H_kv}", f"S={self._len}", f"D={D}"]
+            if self._v.shape[-1] != D:
+                state.append(f"Dv={self._v.shape[-1]}")
+            state.append(f"dtype={self._k.dtype}")
+            if self._k.device.type != "cpu":
+                state.append(f"device={self._k.device}")
+        state.append(f"seen={self.seen}")
+        if not self._contiguous:
+            state.append("positions=stored")  # the caller passed positions: they are kept
+        return f"{type(self).__name__}({', '.join([*state, *self._policy()])})"
+
+    def _policy(self) -> list[str]:
+        """The constructor's arguments, for `__repr__`."""
+        out = [f"capacity={self.capacity}"]
+        return [*out, "rotate_at_insert=True"] if self.rotate_at_insert else out
+
     def reset(self) -> None:
         """Forgets every cached token."""
         self.__init__(self.capacity, rotate_at_insert=self.rotate_at_insert)  # type: ignore[misc]
@@ -347,6 +370,9 @@ class SlidingWindowCache(KVCache):
     def reset(self) -> None:
         self.__init__(self.window)  # type: ignore[misc]
 
+    def _policy(self) -> list[str]:
+        return [f"window={self.window}"]
+
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheView:
         _check_kv(k, v)
         T = k.shape[2]
@@ -395,6 +421,9 @@ class SinkCache(SlidingWindowCache):
 
     def reset(self) -> None:
         self.__init__(self.sink_tokens, self.window)  # type: ignore[misc]
+
+    def _policy(self) -> list[str]:
+        return [f"sink_tokens={self.sink_tokens}", f"window={self.window}"]
 
     def update(self, k: Tensor, v: Tensor, positions: Tensor | None = None) -> CacheView:
         if positions is not None:

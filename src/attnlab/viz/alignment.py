@@ -140,11 +140,12 @@ def alignment_comparison_figure(
         for r, item in enumerate(items):
             _check_item(f"columns[{name!r}][{r}]", item)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+
+    from .figure import InlineFigure
 
     widths = [max(len(it[1]) for it in items) * cell + 1.4 for _, items in columns]
     heights = [max(len(items[r][2]) for _, items in columns) * cell + 1.3 for r in range(rows)]
-    fig = Figure(figsize=(sum(widths), sum(heights)), dpi=dpi)
+    fig = InlineFigure(figsize=(sum(widths), sum(heights)), dpi=dpi)
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(rows, len(columns), width_ratios=widths, height_ratios=heights)
     for r in range(rows):

@@ -99,7 +99,8 @@ def attention_figure(
         check_int("max_labels", max_labels, minimum=0)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import PowerNorm
-    from matplotlib.figure import Figure
+
+    from .figure import InlineFigure
 
     Ly, H, T, _ = w.shape
     _, entropy = entropies(w, m)  # (layers, heads)
@@ -123,7 +124,7 @@ def attention_figure(
         title = wrap_to_width(title, width - 0.3, 11)
     head_room = 0.45 + 0.2 * title.count("\n") if title else 0.25
     height = panel_size * Ly * step_y / T + bottom + head_room
-    fig = Figure(figsize=(width, height))
+    fig = InlineFigure(figsize=(width, height))
     FigureCanvasAgg(fig)
     ax = fig.add_axes(
         (left / width, bottom / height, 1 - (left + 1.0) / width, 1 - (bottom + head_room) / height)

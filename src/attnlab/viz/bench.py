@@ -33,16 +33,18 @@ def plot_bench(rows: Sequence[Any], path: str | os.PathLike) -> Path:
 
 def bench_figure(rows: Sequence[Any]) -> Any:
     """The matplotlib Figure `plot_bench` writes (an Agg canvas, not registered with pyplot)."""
-    Figure = require("matplotlib.figure", "viz", "attnlab.viz.plot_bench").Figure
+    require("matplotlib.figure", "viz", "attnlab.viz.plot_bench")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.ticker import MaxNLocator
+
+    from .figure import InlineFigure
 
     cases = list(dict.fromkeys(r.case for r in rows))
     if not cases:
         raise ValueError("rows must hold at least one benchmark result, got none")
     timed = {c: [r for r in rows if r.case == c and r.seconds] for c in cases}
     heights = [1.2 + 0.3 * max(1, len(t)) for t in timed.values()]
-    fig = Figure(figsize=(8, sum(heights) + 0.3), layout="constrained")
+    fig = InlineFigure(figsize=(8, sum(heights) + 0.3), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(cases), 1, squeeze=False, height_ratios=heights)
     for ax, case in zip(axes[:, 0], cases, strict=True):

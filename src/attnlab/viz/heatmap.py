@@ -23,9 +23,12 @@ PathLike = str | os.PathLike[str]
 
 
 def new_figure(width: float, height: float) -> Figure:
-    """A matplotlib Figure that is not registered with pyplot (no global state, no GUI backend)."""
-    Figure = require("matplotlib.figure", "viz", "attnlab.viz").Figure
-    return Figure(figsize=(width, height), layout="constrained")
+    """A matplotlib Figure that is not registered with pyplot (no global state, no GUI backend)
+    and that Jupyter displays as it is returned (`figure.InlineFigure`)."""
+    require("matplotlib.figure", "viz", "attnlab.viz")  # the error naming the extra
+    from .figure import InlineFigure
+
+    return InlineFigure(figsize=(width, height), layout="constrained")
 
 
 def figure_and_axes(ax: Axes | None, width: float, height: float) -> tuple[Figure, Axes]:

@@ -51,9 +51,10 @@ def same_run_figure(curves: Sequence[tuple[str, Sequence[float]]], *, dpi: int =
     """
     runs = _check(curves)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(9, 3.4), dpi=dpi)
+    from .figure import InlineFigure
+
+    fig = InlineFigure(figsize=(9, 3.4), dpi=dpi)
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2)
     steps = range(1, len(runs[0][1]) + 1)

@@ -32,9 +32,10 @@ def losses_figure(
     and the unigram entropy; ``ax``: draw into this Axes (its figure is returned)."""
     if ax is None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
 
-        fig = Figure(figsize=(7, 4), dpi=100)
+        from .figure import InlineFigure
+
+        fig = InlineFigure(figsize=(7, 4), dpi=100)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
     else:

@@ -52,6 +52,11 @@ class Call:
         """Number of keys in the call."""
         return self.keys[1] - self.keys[0] if isinstance(self.keys, tuple) else self.keys.numel()
 
+    def __repr__(self) -> str:
+        keys = self.keys if isinstance(self.keys, tuple) else f"<{self.num_keys} indices>"
+        rows = f"b0={self.b0}, b1={self.b1}, r0={self.r0}, r1={self.r1}"
+        return f"Call({rows}, keys={keys}, kind={self.kind!r})"
+
 
 @dataclass(frozen=True)
 class BandCall:
@@ -181,6 +186,10 @@ class Group:
     r1: int
     calls: list[Call | BandCall | SegmentCall] = field(default_factory=list)
 
+    def __repr__(self) -> str:
+        rows = f"b0={self.b0}, b1={self.b1}, r0={self.r0}, r1={self.r1}"
+        return f"Group({rows}, {len(self.calls)} call(s))"
+
 
 @dataclass
 class Plan:
@@ -252,6 +261,19 @@ class Plan:
     def num_calls(self) -> int:
         """Number of engine calls (a batched band call counts once per batch range)."""
         return sum(len(g.calls) for g in self.groups)
+
+    def __repr__(self) -> str:
+        """``Plan(kind='band', calls=1, groups=1, block_q=16, block_k=16, band_calls=1)``: what
+        the plan is, not each call (``plan.groups`` holds them)."""
+        calls = [c for g in self.groups for c in g.calls]
+        fields = [f"kind={self.kind!r}", f"calls={len(calls)}", f"groups={len(self.groups)}"]
+        if self.block_q or self.block_k:  # 0: the plan has no block map (segments)
+            fields += [f"block_q={self.block_q}", f"block_k={self.block_k}"]
+        for name, cls in (("band_calls", BandCall), ("segment_calls", SegmentCall)):
+            n = sum(isinstance(c, cls) for c in calls)
+            fields += [f"{name}={n}"] if n else []
+        fields += [f"{flag}=True" for flag in ("overlap", "biased") if getattr(self, flag)]
+        return f"Plan({', '.join(fields)})"
 
     def describe(self) -> str:
         """One line for `explain`."""

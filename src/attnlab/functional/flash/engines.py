@@ -413,7 +413,7 @@ class TileSource:
 
     mask: Mask | None
     bias_fn: BiasFn | None
-    bias_tensors: list[Tensor]
+    bias_tensors: list[Tensor] = field(repr=False)
     B: int
     H: int
     L: int
@@ -490,7 +490,7 @@ class BandTiles:
     """
 
     source: TileSource
-    shared: dict[BandCall, Tensor] = field(default_factory=dict)
+    shared: dict[BandCall, Tensor] = field(default_factory=dict, repr=False)
 
     def tile(self, c: BandCall, b: int, device: torch.device) -> Tensor:
         """The additive tile of band call ``c`` for batch item ``b``.

@@ -81,16 +81,16 @@ class FlashJob:
     engine: str
     torch_engine: TorchEngine
     grad_biases: tuple[int, ...] = ()
-    out32: Tensor | None = None
-    lse_lo: Tensor | None = None
-    band_tiles: BandTiles | None = None
+    out32: Tensor | None = field(default=None, repr=False)
+    lse_lo: Tensor | None = field(default=None, repr=False)
+    band_tiles: BandTiles | None = field(default=None, repr=False)
     bwd_plan: Plan | None = None
-    bias_grads: list[Tensor] = field(default_factory=list)
+    bias_grads: list[Tensor] = field(default_factory=list, repr=False)
     softcap: float | None = None
     policy: str = "widen"
     own_kernel: bool = True
-    keys: Tensor | None = None
-    rows: Tensor | None = None
+    keys: Tensor | None = field(default=None, repr=False)
+    rows: Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.band_tiles is None:

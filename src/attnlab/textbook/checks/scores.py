@@ -414,7 +414,8 @@ def _flash_exact() -> Finding:
         a = attention(q, k, v, mask=m, backend="flash")
         b = attention(q, k, v, mask=m, backend="reference")
         diffs.append(_close(a, b))
-    plan = explain(q, k, v, mask=masks.causal(), backend="flash").split("; ", 1)[-1]
+    e = explain(q, k, v, mask=masks.causal(), backend="flash")
+    plan = f"{e.plan}; engines: {'; '.join(e.engines)}; {e.kernels}"
     try:
         attention(q, k, v, backend="flash", return_weights=True)
         no_matrix = False
