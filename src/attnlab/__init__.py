@@ -17,6 +17,7 @@ from .analysis import estimate
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .functional import (
     AttentionStats,
+    Explanation,
     attention,
     attention_stats,
     attention_weights,
@@ -103,6 +104,7 @@ __all__ = [
     "AttentionStats",
     "CacheOverflowError",
     "CheckpointError",
+    "Explanation",
     "KVCache",
     "LearnedPositionalEmbedding",
     "Mask",

@@ -2,6 +2,7 @@
 
 from . import reference
 from .api import attention, attention_stats, attention_weights, explain, flash_attention
+from .explanation import Explanation
 from .merge import merge_partials
 from .registry import Backend, backends, register_backend
 from .request import SCORES, BiasFn, Request, Score, register_score
@@ -12,6 +13,7 @@ __all__ = [
     "AttentionStats",
     "Backend",
     "BiasFn",
+    "Explanation",
     "Request",
     "Score",
     "attention",
