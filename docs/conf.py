@@ -8,6 +8,7 @@ pages it writes need no network.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import os
@@ -98,9 +99,77 @@ def _mathjax_dir() -> Path:
     return Path(mathjax.__file__).parent / "static" / "mathjax" / "es5"
 
 
-# -- Cross-links to PyTorch and Python ---------------------------------------------------------
-intersphinx_mapping: dict[str, tuple[str, str | None]] = {}
-intersphinx_disabled_reftypes = ["*"]  # only explicit targets (torch.Tensor), never bare names
+# -- Cross-links to PyTorch --------------------------------------------------------------------
+# intersphinx reads PyTorch's names from an inventory written here from the installed torch (the
+# build has no network to fetch PyTorch's objects.inv); the links follow the layout of PyTorch's
+# pages: generated/<name>.html for functions and classes, a page per module, tensors.html ...
+TORCH_DOCS = "https://docs.pytorch.org/docs/stable/"
+_TORCH_MODULE_PAGES = {
+    "torch": "torch.html",
+    "torch.nn": "nn.html",
+    "torch.nn.functional": "nn.functional.html",
+    "torch.autograd": "autograd.html",
+    "torch.distributed": "distributed.html",
+    "torch.export": "export.html",
+    "torch.fft": "fft.html",
+    "torch.linalg": "linalg.html",
+    "torch.special": "special.html",
+    "torch.testing": "testing.html",
+}
+_TORCH_TENSOR_ATTRIBUTES = ("dtype", "device", "layout", "memory_format")
+
+
+def _torch_inventory(path: Path) -> Path:
+    """Writes an intersphinx inventory of PyTorch's documented names to ``path``."""
+    import zlib
+
+    import torch
+
+    rows = {}
+    for module, page in _TORCH_MODULE_PAGES.items():
+        rows[module] = ("module", f"{page}#module-{module}")
+    for module in ("torch", "torch.nn", "torch.nn.functional", "torch.fft", "torch.linalg"):
+        namespace = importlib.import_module(module)
+        names = getattr(namespace, "__all__", None) or dir(namespace)
+        for name in names:
+            obj = getattr(namespace, name, None)
+            if name.startswith("_") or obj is None or inspect.ismodule(obj):
+                continue
+            full = f"{module}.{name}"
+            if inspect.isclass(obj):
+                rows[full] = ("class", f"generated/{full}.html#{full}")
+                for member in vars(obj):
+                    if module == "torch.nn" and not member.startswith("_"):
+                        rows[f"{full}.{member}"] = (
+                            "method",
+                            f"generated/{full}.html#{full}.{member}",
+                        )
+            elif callable(obj):
+                rows[full] = ("function", f"generated/{full}.html#{full}")
+    for name in dir(torch.Tensor):
+        if not name.startswith("_"):
+            rows[f"torch.Tensor.{name}"] = (
+                "method",
+                f"generated/torch.Tensor.{name}.html#torch.Tensor.{name}",
+            )
+    rows["torch.Tensor"] = ("class", "tensors.html#torch.Tensor")
+    rows["torch.Size"] = ("class", "size.html#torch.Size")
+    for name in _TORCH_TENSOR_ATTRIBUTES:
+        rows[f"torch.{name}"] = ("class", f"tensor_attributes.html#torch.{name}")
+    body = "".join(f"{name} py:{role} 1 {uri} -\n" for name, (role, uri) in sorted(rows.items()))
+    header = (
+        "# Sphinx inventory version 2\n# Project: PyTorch\n"
+        f"# Version: {torch.__version__.split('+')[0]}\n"
+        "# The remainder of this file is compressed using zlib.\n"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(header.encode() + zlib.compress(body.encode()))
+    return path
+
+
+intersphinx_mapping = {
+    "torch": (TORCH_DOCS, str(_torch_inventory(DOCS / "_build" / "inventories" / "torch.inv"))),
+}
 
 # -- HTML --------------------------------------------------------------------------------------
 html_theme = "pydata_sphinx_theme"
