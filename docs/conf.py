@@ -2,8 +2,8 @@
 
 The site is self-contained: the theme's fonts and icons come with pydata-sphinx-theme, MathJax 3
 is copied from the ``django-static-mathjax`` package into ``_static/mathjax``, and the PyTorch
-and Python inventories for intersphinx are read from files on this machine, so the build and the
-pages it writes need no network.
+inventory for intersphinx is written from the installed torch, so neither the build nor the pages
+it writes need the network.
 """
 
 from __future__ import annotations
@@ -71,11 +71,11 @@ napoleon_use_ivar = True  # "Attributes:" sections are fields, not a second entr
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]
 myst_heading_anchors = 3
 
-# -- Tutorials: sphinx-gallery runs docs/tutorials/*.py and keeps output, figures, notebooks ----
+# -- Tutorials: sphinx-gallery runs docs/tutorials/*.py and keeps output, figures, notebooks --
 sphinx_gallery_conf = {
     "examples_dirs": "tutorials",
     "gallery_dirs": "gallery",
-    "filename_pattern": r"/plot_",  # scripts named plot_*.py are executed
+    "filename_pattern": r"\.py$",  # every tutorial is executed, whatever its name
     "download_all_examples": False,
     "remove_config_comments": True,
     "matplotlib_animations": False,
