@@ -48,8 +48,6 @@ exclude_patterns = [
     "Thumbs.db",
     ".DS_Store",
     "tutorials",  # the gallery's sources; its pages are built into gallery/
-    "gallery/*.md5",
-    "api/generate.py",
 ]
 templates_path = ["_templates"]
 default_role = "py:obj"  # `name` in a docstring links to the object when there is one
