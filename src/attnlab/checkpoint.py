@@ -1,7 +1,7 @@
 """Checkpoints as safetensors files, verified on load; never pickle.
 
 A checkpoint is a standard safetensors file, written and decoded by the safetensors library, so
-any safetensors reader opens it. attnlab adds to the header's ``__metadata__``:
+any safetensors reader opens it. attnlab adds to the header's ``__metadata__``::
 
     attnlab.format_version   "1"
     attnlab.sha256           JSON {tensor name: sha256 of its bytes}

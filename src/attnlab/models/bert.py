@@ -224,7 +224,7 @@ class BertEncoder(nn.Module):
     Attributes:
         config: the `BertConfig`.
         transformer: the `Encoder` (its ``config`` is the translated `TransformerConfig`).
-        layers: the `TransformerBlock`s (``transformer.blocks``).
+        layers: the blocks (`TransformerBlock`, ``transformer.blocks``).
         pooler: the `BertPooler`, or None.
 
     Example:
@@ -244,7 +244,7 @@ class BertEncoder(nn.Module):
 
     @property
     def layers(self) -> nn.ModuleList:
-        """The N post-LN `TransformerBlock`s."""
+        """The N post-LN blocks (`TransformerBlock`)."""
         return self.transformer.blocks
 
     @property

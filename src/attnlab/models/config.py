@@ -30,7 +30,7 @@ class TransformerConfig:
     Attributes:
         vocab_size: V, number of token ids.
         d_model: E, the residual width.
-        n_layers: number of `TransformerBlock`s.
+        n_layers: number of blocks (`TransformerBlock`).
         n_heads: H, query heads (``d_model % n_heads == 0``; head dim ``D = E / H``).
         n_kv_heads: H_kv key/value heads (GQA; None = H; ``H % H_kv == 0``).
         d_ff: hidden width of the MLP (None = 4·E for "gelu", the multiple of 8 nearest

@@ -240,7 +240,7 @@ class VisionTransformer(nn.Module):
     Attributes:
         config: the config. patch_embed: ``C·p² -> E``. cls_token: ``(1, 1, E)``.
         pos_row, pos_col: ``(G, E)`` learned tables ("learned"), or the buffer ``pos_table``
-        ``(N, E)`` ("sinusoidal"). blocks: the `TransformerBlock`s. norm: the final norm.
+        ``(N, E)`` ("sinusoidal"). blocks: the blocks (`TransformerBlock`). norm: the final norm.
         head: ``E -> K``.
     """
 

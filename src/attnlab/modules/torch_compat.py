@@ -136,8 +136,8 @@ class MultiheadAttention(nn.Module):
     """Drop-in replacement for `torch.nn.MultiheadAttention` (same arguments and state dict).
 
     Args:
-        embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first,
-        device, dtype: exactly as in torch.
+        embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn: exactly as in torch.
+        kdim, vdim, batch_first, device, dtype: exactly as in torch.
         backend: the `attnlab.attention` backend (keyword only; not in torch).
 
     Example:

@@ -56,7 +56,7 @@ class ALiBi(nn.Module):
 
     Args:
         num_heads: H, the number of query heads of the attention call.
-        causal: True for decoders (−slope·(i−j)), False for encoders (−slope·|i−j|).
+        causal: True for decoders (``−slope·(i−j)``), False for encoders (``−slope·|i−j|``).
         dtype: dtype the bias is computed and returned in.
 
     Attributes:

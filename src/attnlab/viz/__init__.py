@@ -12,6 +12,7 @@ Every picture also comes as a matplotlib ``Figure`` without a file (`heatmap_fig
 `attention_figure`, `experiment_figure`, `bench_figure`, `losses_figure`, `pruning_figure`);
 the single-panel ones take ``ax=`` (draw into your own Axes; its figure is returned) and
 `rope_spectrum_figure` takes ``axes=(left, right)``. Figures are not registered with pyplot.
+
 - `plot_sinusoidal`, `plot_rope_spectrum`, `plot_bias`: positional encodings.
 - `show` (an `AttentionView`, rendered inline in Jupyter), `attention_html`,
   `save_attention_html`: a self-contained HTML attention viewer (head view, all-heads view,

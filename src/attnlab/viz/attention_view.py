@@ -686,8 +686,8 @@ def show(
         weights: ``(layers, heads, T, S)`` weights in ``[0, 1]`` (row i = query i), or
             transformers' ``output_attentions`` / ``cross_attentions`` tuple (each
             ``(B, H, T, S)``) as returned, or its stack ``(layers, B, H, T, S)``.
-        mask, key_tokens, key_mask, batch, sentence_b_start, title, subtitle, notes, layer,
-            head, topk, max_tokens, thumb_size, decimals: see `attention_data`.
+        mask, key_tokens, key_mask, batch, sentence_b_start, title, subtitle: see `attention_data`.
+        notes, layer, head, topk, max_tokens, thumb_size, decimals: see `attention_data`.
 
     Returns:
         An `AttentionView` (``.save(path)`` writes the standalone page).
