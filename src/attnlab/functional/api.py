@@ -47,18 +47,21 @@ _SDPA_KEYWORDS = {
 }
 
 
-def _keyword_error(fn: str, keywords: dict[str, object]) -> TypeError:
-    """The one-line TypeError for ``fn``'s unknown ``keywords``; SDPA's get attnlab's spelling."""
+def _refuse_keywords(fn: str, keywords: dict[str, object]) -> None:
+    """A one-line TypeError for ``fn``'s unknown ``keywords`` (if any); SDPA's get attnlab's
+    spelling."""
+    if not keywords:
+        return
     name = next((n for n in keywords if n in _SDPA_KEYWORDS), next(iter(keywords)))
     if name not in _SDPA_KEYWORDS:
-        return TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
+        raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
     value = keywords[name]
     got = (
         f"<{value.dtype} tensor of shape {tuple(value.shape)}>"
         if isinstance(value, Tensor)
         else " ".join(repr(value).split())[:40]
     )
-    return TypeError(f"{fn}() got torch SDPA's keyword {name}={got}; {_SDPA_KEYWORDS[name]}")
+    raise TypeError(f"{fn}() got torch SDPA's keyword {name}={got}; {_SDPA_KEYWORDS[name]}")
 
 
 def attention(
@@ -177,8 +180,7 @@ def attention(
         >>> attnlab.attention(q, k, v, mask=attnlab.masks.causal()).shape
         torch.Size([2, 4, 16, 8])
     """
-    if sdpa_keywords:
-        raise _keyword_error("attention", sdpa_keywords)
+    _refuse_keywords("attention", sdpa_keywords)
     req = build_request(
         q,
         k,
