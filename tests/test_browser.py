@@ -530,3 +530,25 @@ def test_cross_attention_page_is_non_square(driver, tmp_path):
     legend = by_role(driver, "entropy-legend").text
     assert f"log S = {math.log(S - 1):.2f}" in legend and f"all {S - 1} keys" in legend
     assert errors(driver) == []
+
+
+def test_entropy_table_says_nats_and_names_the_normalised_entropy(driver, tmp_path):
+    """The one unit: a cell's tooltip gives the head's entropy in nats and its normalised entropy
+    (entropy / log S, the cell's shade), and the legend says so."""
+    tokens = ["a", "b", "c", "d"]
+    S = len(tokens)
+    uniform = torch.full((S, S), 1.0 / S)
+    one_hot = torch.eye(S)
+    w = torch.stack([uniform, one_hot]).unsqueeze(0)  # (1 layer, 2 heads, S, S)
+    data = open_page(driver, save_attention_html(tokens, w, tmp_path / "entropy.html"))
+    cells = driver.find_elements(By.CSS_SELECTOR, f"{role('entropy-table')} td")
+    titles = [c.get_attribute("title") for c in cells]
+    assert titles == [
+        f"{math.log(S):.4f} nats · normalised entropy 1.00",
+        "0.0000 nats · normalised entropy 0.00",
+    ]
+    assert data["entropy"] == [[round(math.log(S), 4), 0.0]]
+    legend = by_role(driver, "entropy-legend").text
+    assert "−Σ p log p in nats" in legend
+    assert "normalised entropy = entropy / log S" in legend
+    assert errors(driver) == []

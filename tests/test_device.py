@@ -502,11 +502,11 @@ def _modules_on_meta():
         KVCache,
         LinearAttention,
         MultiHeadAttention,
-        MultiheadAttention,
         PerformerAttention,
         SinkCache,
         SlidingWindowCache,
     )
+    from attnlab.nn import MultiheadAttention
     from attnlab.positional import RoPE
 
     x = torch.empty(2, 9, 16, device=META)

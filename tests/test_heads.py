@@ -91,8 +91,10 @@ def test_head_statistics_exact_on_handmade_maps() -> None:
     assert s["special"][1] == 1.0 and s["special"][3] == 0.5
     assert s["rare_share"].tolist() == [0.5] * 4  # 2 rare among 4 ordinary keys
     assert s["rare"][3] == 1.0  # all of the ordinary weight goes to rare tokens
-    torch.testing.assert_close(s["entropy"][2], torch.tensor(1.0, dtype=F64))
-    assert s["entropy"][0] == 0.0
+    # entropy in nats (uniform over T keys: ln T), normalised_entropy = entropy / ln T
+    torch.testing.assert_close(s["entropy"][2], torch.tensor(math.log(T), dtype=F64))
+    torch.testing.assert_close(s["normalised_entropy"][2], torch.tensor(1.0, dtype=F64))
+    assert s["entropy"][0] == 0.0 and s["normalised_entropy"][0] == 0.0
     # mean |i − j|: previous-token head 5/6 (row 0 attends itself), sink (0+1+…+5)/6
     torch.testing.assert_close(s["distance"][:2], torch.tensor([5 / 6, 15 / 6], dtype=F64))
 
@@ -113,7 +115,7 @@ def test_classify_rules_and_thresholds() -> None:
 
 
 def test_classify_error_names_the_shape() -> None:
-    with pytest.raises(ValueError, match=r"stats must be \(layers, heads, 8\), got \(1, 4\)"):
+    with pytest.raises(ValueError, match=r"stats must be \(layers, heads, 9\), got \(1, 4\)"):
         classify(torch.zeros(1, 4))
 
 

@@ -433,7 +433,7 @@ def _dropin_masks() -> dict[str, dict]:
 
 
 def _dropin(dialect: str, need_weights: bool):
-    from attnlab.modules import MultiheadAttention
+    from attnlab.nn import MultiheadAttention
 
     torch.manual_seed(0)
     mha = MultiheadAttention(DROPIN_E, 4, batch_first=True)

@@ -1,4 +1,4 @@
-"""attnlab.MultiheadAttention is a drop-in for torch.nn.MultiheadAttention (compared directly)."""
+"""attnlab.nn.MultiheadAttention is a drop-in for torch.nn.MultiheadAttention (side by side)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from attnlab.modules import MultiheadAttention
+from attnlab.nn import MultiheadAttention
 
 pytestmark = pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask")
 

@@ -1,7 +1,7 @@
 """PyTorch's own MultiheadAttention and SDPA tests, restated for attnlab (issue #38 item 8).
 
 PyTorch's test files are not vendored. Each test here restates one of them (named in its
-docstring) against the `nn.MultiheadAttention` drop-in (`attnlab.modules.MultiheadAttention`,
+docstring) against the `nn.MultiheadAttention` drop-in (`attnlab.nn.MultiheadAttention`,
 patched into ``torch.nn`` where torch's own Transformer classes must build it) or against
 `attnlab.attention` called as torch's SDPA. torch itself is the oracle where the behaviour is meant
 to be the same; where attnlab differs on purpose the test asserts the documented difference.
@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 import attnlab
 from attnlab._shapes import leading_to_4d
-from attnlab.modules import MultiheadAttention
 from attnlab.modules.torch_compat import MaskDtypeError, ShapeAssertionError, ShapeRuntimeError
+from attnlab.nn import MultiheadAttention
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

@@ -31,15 +31,15 @@ from .modules import (
     CacheOverflowError,
     KVCache,
     MultiHeadAttention,
-    MultiheadAttention,
     SinkCache,
     SlidingWindowCache,
 )
 from .positional import ALiBi, LearnedPositionalEmbedding, RoPE, SinusoidalEmbedding, T5RelativeBias
 from .viz.attention_view import show  # the attention viewer (inline in Jupyter); no matplotlib
 
-# ``attnlab.pos`` and ``attnlab.linear`` are names, not files: both are registered in sys.modules,
-# so ``import attnlab.pos as pos`` and ``from attnlab.linear import LinearAttention`` work.
+# ``attnlab.pos``, ``attnlab.linear`` and ``attnlab.nn`` are names, not files: all are registered
+# in sys.modules, so ``import attnlab.pos as pos``, ``from attnlab.linear import LinearAttention``
+# and ``from attnlab.nn import MultiheadAttention`` work.
 # ``attnlab.pos`` is `attnlab.positional` itself (the same module object).
 pos = positional
 _sys.modules[__name__ + ".pos"] = positional
@@ -93,6 +93,53 @@ Example:
 
 linear = _linear_namespace()
 
+
+def _nn_namespace() -> _types.ModuleType:
+    """``attnlab.nn``: the drop-ins for ``torch.nn`` classes, under torch's names."""
+    from .modules.torch_compat import MultiheadAttention
+
+    members = {"MultiheadAttention": MultiheadAttention}
+    name = __name__ + ".nn"
+    module = _types.ModuleType(name, _NN_DOC)
+    module.__dict__.update(members, __all__=list(members), __package__=__name__)
+    module.__spec__ = _ModuleSpec(name, None)
+    _sys.modules[name] = module
+    return module
+
+
+_NN_DOC = """Drop-in replacements for ``torch.nn`` classes, under torch's names, running on attnlab.
+
+``attnlab.nn.X`` takes ``torch.nn.X``'s constructor, state dict, forward signature and mask
+dialect, so swapping the import is the whole change. Today it holds ``MultiheadAttention``
+(``key_padding_mask`` True = ignore, like torch; see `attnlab.modules.torch_compat`).
+
+attnlab's own modules (``attnlab.MultiHeadAttention``, ``attnlab.AdditiveAttention``, the
+caches…) do not live here, unlike torch.nn, which holds every module: this namespace promises
+torch's contract, which they do not keep (True = may attend, bottom-right causal alignment), and
+``MultiHeadAttention`` next to ``MultiheadAttention`` would again be two classes one capital
+apart. They stay at ``attnlab.*`` and in `attnlab.modules`.
+
+Example:
+    >>> import torch
+    >>> import attnlab.nn as ann
+    >>> theirs = torch.nn.MultiheadAttention(64, 4, batch_first=True)
+    >>> ours = ann.MultiheadAttention(64, 4, batch_first=True)
+    >>> ours.load_state_dict(theirs.state_dict())
+    <All keys matched successfully>
+"""
+
+nn = _nn_namespace()
+
+
+def __getattr__(name: str) -> object:
+    """The old spelling ``attnlab.MultiheadAttention``: one release, with a FutureWarning."""
+    if name == "MultiheadAttention":
+        from .modules.torch_compat import deprecated_alias
+
+        return deprecated_alias(__name__ + ".MultiheadAttention")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 try:
     __version__ = version("attnlab")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
@@ -109,7 +156,6 @@ __all__ = [
     "LearnedPositionalEmbedding",
     "Mask",
     "MultiHeadAttention",
-    "MultiheadAttention",
     "RoPE",
     "SinkCache",
     "SinusoidalEmbedding",
@@ -130,6 +176,7 @@ __all__ = [
     "masks",
     "merge_partials",
     "models",
+    "nn",
     "pos",
     "positional",
     "refresh_settings",

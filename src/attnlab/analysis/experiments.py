@@ -76,7 +76,7 @@ def scaling_experiment(
         rows.append([d, float(raw.var()), float(scaled.var()), e_raw, e_sc, j_raw, j_sc])
     return ExperimentResult(
         f"Scaling: logits q·k over {keys} keys, {samples} samples "
-        f"(uniform entropy = {math.log(keys):.3f})",
+        f"(entropy in nats, uniform = {math.log(keys):.3f})",
         [
             "d_k",
             "var q·k",
@@ -119,7 +119,7 @@ def temperature_experiment(
         rows.append([t, ent, top, jac, float(g.energy.mean()), float(g.free_energy.mean())])
     return ExperimentResult(
         f"Temperature: softmax(q·k/√d_k / T), d_k={d_k}, {keys} keys "
-        f"(uniform entropy = {math.log(keys):.3f}); U, F: Gibbs energy and free energy",
+        f"(entropy in nats, uniform = {math.log(keys):.3f}); U, F: Gibbs energy and free energy",
         ["T", "entropy", "max weight", "grad norm", "energy U", "free energy F"],
         rows,
     )

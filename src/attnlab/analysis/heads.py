@@ -20,7 +20,10 @@ without "CHAPTER") are kept in book order. ``alice_sentences(n, skip)`` is sente
   counts over alice.txt) — and ``rare_share``, the share of rare tokens among the ordinary keys
   (what a head blind to rarity would give them); sink weight on [CLS]/[SEP] is left out of both
   so that a sink head's rare-token preference still shows;
-- ``entropy``: mean row entropy ``−Σ_j p_ij log p_ij`` divided by ``ln T`` (1 = uniform);
+- ``entropy``: mean row entropy ``−Σ_j p_ij log p_ij`` in nats (0 = one-hot, ``ln T`` =
+  uniform), the unit of every entropy in attnlab;
+- ``normalised_entropy``: the mean of ``entropy / ln T`` per sentence, in ``[0, 1]`` (1 =
+  uniform), comparable across sentence lengths;
 - ``distance``: mean ``Σ_j p_ij |i − j|`` in tokens.
 
 Classes, the first rule that fires (thresholds in `HEAD_THRESHOLDS`):
@@ -28,7 +31,7 @@ Classes, the first rule that fires (thresholds in `HEAD_THRESHOLDS`):
 1. ``positional`` (``previous``/``next``/``self``): one of prev, next, self ≥ 0.5;
 2. ``sink``: special ≥ 0.5 (the head parks its weight on [CLS]/[SEP]);
 3. ``rare-token``: rare ≥ 3 × rare_share and rare ≥ 0.1;
-4. ``broad``: entropy ≥ 0.8 × ln T;
+4. ``broad``: normalised_entropy ≥ 0.8 (entropy ≥ 0.8 × ln T);
 5. ``other``: none of these (content-dependent heads, e.g. syntactic ones; telling those apart
    needs annotated data).
 
@@ -69,11 +72,21 @@ HEAD_THRESHOLDS: dict[str, float] = {
     "sink": 0.5,  # mean weight on [CLS] + [SEP]
     "rare_lift": 3.0,  # ordinary weight on rare tokens / their share of the ordinary keys
     "rare_min": 0.1,  # and at least this share of the ordinary weight on rare tokens
-    "broad": 0.8,  # mean entropy / ln T
+    "broad": 0.8,  # normalised entropy: mean entropy / ln T
 }
 
 #: Statistics per head, in the order of `HeadReport.stats`' last axis.
-HEAD_STATS = ("prev", "next", "self", "special", "rare", "rare_share", "entropy", "distance")
+HEAD_STATS = (
+    "prev",
+    "next",
+    "self",
+    "special",
+    "rare",
+    "rare_share",
+    "entropy",
+    "normalised_entropy",
+    "distance",
+)
 
 _MIN_WORDS, _MAX_WORDS = 8, 16
 
@@ -181,7 +194,10 @@ class HeadReport:
         ]
         body = text_table(["layer", "head", "class", *HEAD_STATS], rows)
         counts = ", ".join(f"{k} {v}" for k, v in self.counts().items())
-        return f"{body}\n{len(rows)} heads over {self.sentences} sentences: {counts}"
+        return (
+            f"{body}\n{len(rows)} heads over {self.sentences} sentences: {counts}\n"
+            "entropy in nats; normalised_entropy = entropy / ln T (1 = uniform)"
+        )
 
 
 def classify(stats: Tensor) -> list[list[str]]:
@@ -209,7 +225,7 @@ def classify(stats: Tensor) -> list[list[str]]:
                 row.append("sink")
             elif s["rare"] >= t["rare_min"] and s["rare"] >= t["rare_lift"] * s["rare_share"]:
                 row.append("rare-token")
-            elif s["entropy"] >= t["broad"]:
+            elif s["normalised_entropy"] >= t["broad"]:
                 row.append("broad")
             else:
                 row.append("other")
@@ -255,9 +271,9 @@ def head_statistics(
     rare_w = (w[..., is_rare].sum(-1) / ordinary).mean(-1)
     spec = spec_rows.mean(-1)
     share = torch.full_like(diag, float(is_rare.sum()) / max(int((~is_special).sum()), 1))
-    ent = entropy(w).to(torch.float64).mean(-1) / math.log(T)
+    ent = entropy(w).to(torch.float64).mean(-1)  # nats
     dist = (w * (i[:, None] - i[None, :]).abs().to(w.dtype)).sum(-1).mean(-1)
-    return torch.stack([prev, nxt, diag, spec, rare_w, share, ent, dist], -1)
+    return torch.stack([prev, nxt, diag, spec, rare_w, share, ent, ent / math.log(T), dist], -1)
 
 
 def classify_heads(

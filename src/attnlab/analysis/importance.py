@@ -19,7 +19,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from ..modules import MultiHeadAttention, MultiheadAttention
+from ..modules import MultiHeadAttention
+from ..modules.torch_compat import MultiheadAttention
 
 
 def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -97,7 +98,7 @@ def head_importance(
     """Importance of every attention head of ``model`` on ``batch``.
 
     Args:
-        model: any module containing `attnlab.MultiHeadAttention` / `attnlab.MultiheadAttention`.
+        model: any module containing `attnlab.MultiHeadAttention` / `attnlab.nn.MultiheadAttention`.
         batch: whatever ``loss_fn`` needs.
         loss_fn: ``loss_fn(model, batch) -> scalar loss``.
         ablation: also compute the exact loss increase of masking each head (one forward each).

@@ -1,7 +1,8 @@
 """``attnlab heads``: what all-MiniLM-L6-v2's heads do, and how many of them matter.
 
 - ``attnlab heads classify``: one row per (layer, head) — positional / sink / rare-token /
-  broad / other — from attention statistics over Alice sentences.
+  broad / other — from attention statistics over Alice sentences (``entropy`` in nats, as
+  everywhere in attnlab; ``normalised_entropy`` = entropy / ln T, in [0, 1]).
 - ``attnlab heads prune``: the head-pruning sweep (importance order vs random order, embedding
   cosine to the unpruned model), a table, optionally a PNG and JSON.
 """
@@ -99,6 +100,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="prune: the cosine level reported (default 0.95)",
     )
     p.add_argument("--png", default=None, help="prune: also write the plot to this PNG file")
-    p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+    p.add_argument(
+        "--json",
+        default=None,
+        help="also write the rows as JSON to this file (classify: entropy in nats, "
+        "normalised_entropy = entropy / ln T)",
+    )
     add_device_argument(p)
     p.set_defaults(func=_cmd_heads)

@@ -28,6 +28,41 @@ from .request import BiasFn, Request, build_request, plain_request, request_dens
 from .stats import AttentionStats, as_index, compute_stats, compute_weights
 from .thresholds import describe as describe_thresholds
 
+#: torch SDPA's keywords that attnlab spells differently, and what attnlab says instead.
+_SDPA_KEYWORDS = {
+    "attn_mask": (
+        "attnlab's is mask= (the same meaning: a bool tensor, True = may attend, or an additive "
+        "float tensor; or an attnlab.masks Mask)"
+    ),
+    "is_causal": (
+        "attnlab's is mask=attnlab.masks.causal() (or no mask for is_causal=False), which is "
+        "bottom-right aligned when L != S (query i sees keys j <= i + S - L, as KV-cache "
+        "decoding needs) where SDPA's is_causal is top-left (query i sees keys j <= i); for "
+        "SDPA's alignment pass mask=torch.ones(L, S, dtype=torch.bool).tril()"
+    ),
+    "enable_gqa": (
+        "attnlab has none: grouped-query attention is on whenever k and v have H_kv heads with "
+        "H % H_kv == 0"
+    ),
+}
+
+
+def _refuse_keywords(fn: str, keywords: dict[str, object]) -> None:
+    """A one-line TypeError for ``fn``'s unknown ``keywords`` (if any); SDPA's get attnlab's
+    spelling."""
+    if not keywords:
+        return
+    name = next((n for n in keywords if n in _SDPA_KEYWORDS), next(iter(keywords)))
+    if name not in _SDPA_KEYWORDS:
+        raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
+    value = keywords[name]
+    got = (
+        f"<{value.dtype} tensor of shape {tuple(value.shape)}>"
+        if isinstance(value, Tensor)
+        else " ".join(repr(value).split())[:40]
+    )
+    raise TypeError(f"{fn}() got torch SDPA's keyword {name}={got}; {_SDPA_KEYWORDS[name]}")
+
 
 def attention(
     q: Tensor,
@@ -44,6 +79,7 @@ def attention(
     return_weights: bool = False,
     return_lse: bool = False,
     softcap: float | None = None,
+    **sdpa_keywords: object,
 ) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """Attention as the textbooks define it: ``softmax(score(Q, K) · scale / T + bias) V``.
 
@@ -99,6 +135,11 @@ def attention(
             ``"reference"``; ``"sdpa"`` declines it (torch's fused kernel has no tanh stage) and
             ``backend="auto"`` picks another backend; ``lse``, weights and `attention_stats`
             are those of the capped logits.
+        **sdpa_keywords: none is accepted. torch SDPA's ``attn_mask=``, ``is_causal=`` and
+            ``enable_gqa=`` raise a one-line TypeError naming attnlab's spelling (``mask=``;
+            ``mask=masks.causal()``, bottom-right aligned where SDPA's ``is_causal`` is top-left
+            when L != S; none: grouped-query attention follows the shapes); any other keyword
+            raises Python's "unexpected keyword argument" TypeError.
 
     Returns:
         ``out (B, H, L, Dv)`` in the layout of q (3-D in, 3-D out; ``(L, D)`` in, ``(L, Dv)``
@@ -122,8 +163,9 @@ def attention(
     keeps the leaf's strides.
 
     Raises:
-        TypeError: non-tensor inputs, mixed or non-float dtypes, bad mask/bias dtype, a mask or
-            bias function returning a non-bool / non-float result.
+        TypeError: an unknown keyword (SDPA's named with attnlab's spelling), non-tensor inputs,
+            mixed or non-float dtypes, bad mask/bias dtype, a mask or bias function returning a
+            non-bool / non-float result.
         ValueError: shape mismatches (a rank below 2, ranks or batch dims that differ between
             q, k and v, a mask/bias that does not broadcast), a mask/bias tensor on another
             device than q, a mask or bias function result that does not broadcast to its index
@@ -138,6 +180,7 @@ def attention(
         >>> attnlab.attention(q, k, v, mask=attnlab.masks.causal()).shape
         torch.Size([2, 4, 16, 8])
     """
+    _refuse_keywords("attention", sdpa_keywords)
     req = build_request(
         q,
         k,

@@ -9,7 +9,17 @@ from .linear import LinearAttention, PerformerAttention
 from .mha import MultiHeadAttention
 from .shaw import ShawRelativeAttention
 from .stream_linear import StreamLinear
-from .torch_compat import MultiheadAttention
+from .torch_compat import deprecated_alias as _deprecated_alias
+
+# The drop-in for torch.nn.MultiheadAttention is attnlab.nn.MultiheadAttention; the old
+# spelling attnlab.modules.MultiheadAttention stays one release, with a FutureWarning.
+
+
+def __getattr__(name: str) -> object:
+    if name == "MultiheadAttention":
+        return _deprecated_alias(__name__ + ".MultiheadAttention")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AdaptiveSpan",
@@ -22,7 +32,6 @@ __all__ = [
     "KVCache",
     "LinearAttention",
     "MultiHeadAttention",
-    "MultiheadAttention",
     "PerformerAttention",
     "ShawRelativeAttention",
     "SinkCache",

@@ -1,5 +1,10 @@
 """`MultiheadAttention`: a drop-in for `torch.nn.MultiheadAttention` running on attnlab's attention.
 
+Its public name is ``attnlab.nn.MultiheadAttention`` (the ``attnlab.nn`` namespace mirrors
+``torch.nn``); attnlab's own module is ``attnlab.MultiHeadAttention`` (`attnlab.modules.mha`).
+The old spellings ``attnlab.MultiheadAttention`` and ``attnlab.modules.MultiheadAttention`` are
+kept for one release (`deprecated_alias`).
+
 Same constructor, parameter names (so state dicts load both ways), forward signature, mask dialect
 (``key_padding_mask`` True = ignore; bool ``attn_mask`` True = not allowed; float masks additive)
 and outputs. The one deliberate difference: a query that may attend to nothing returns zeros and
@@ -123,7 +128,7 @@ def _is_float(mask: Tensor | None) -> bool:
 
 
 FUSED_LAYER_WARNING = (
-    "attnlab.MultiheadAttention: torch's TransformerEncoderLayer fast path runs torch's fused "
+    "attnlab.nn.MultiheadAttention: torch's TransformerEncoderLayer fast path runs torch's fused "
     "kernel on this module's weights, not attnlab's attention (rows with nothing to attend are "
     "NaN there); call torch.backends.mha.set_fastpath_enabled(False) to run attnlab"
 )
@@ -474,3 +479,29 @@ class MultiheadAttention(nn.Module):
             if not batched:
                 weights = weights.squeeze(0)
         return out, weights
+
+
+#: The spellings `deprecated_alias` has warned about in this process (each warns once).
+_warned_aliases: set[str] = set()
+
+
+def deprecated_alias(old: str) -> type[MultiheadAttention]:
+    """`MultiheadAttention` reached by its old spelling ``old``, kept for one release.
+
+    The first use of each spelling in a process warns with a `FutureWarning` (what PyTorch
+    raises for its renamed APIs, shown by default) naming ``attnlab.nn.MultiheadAttention``;
+    the class returned is the same one, so ``isinstance`` and state dicts are unaffected.
+
+    Args:
+        old: the spelling used, e.g. ``"attnlab.MultiheadAttention"``.
+    """
+    if old not in _warned_aliases:
+        _warned_aliases.add(old)
+        warnings.warn(
+            f"{old} is deprecated and will be removed in the next release: use "
+            "attnlab.nn.MultiheadAttention, the drop-in for torch.nn.MultiheadAttention "
+            "(attnlab's own module is attnlab.MultiHeadAttention)",
+            FutureWarning,
+            stacklevel=3,  # the caller of the module's __getattr__
+        )
+    return MultiheadAttention

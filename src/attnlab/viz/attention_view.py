@@ -654,10 +654,87 @@ class AttentionView:
         return out
 
 
+def _looks_like_weights(x: Any) -> bool:
+    """A tensor or array, or a sequence holding tensors (transformers' output_attentions)."""
+    if isinstance(x, Tensor) or (hasattr(x, "shape") and hasattr(x, "dtype")):
+        return True
+    return isinstance(x, tuple | list) and any(isinstance(t, Tensor) for t in x)
+
+
+def _looks_like_tokens(x: Any) -> bool:
+    """A non-empty list or tuple of str."""
+    return isinstance(x, tuple | list) and bool(x) and all(isinstance(t, str) for t in x)
+
+
+def _described(x: Any) -> str:
+    """What a show() argument holds, in a few words, for an error message."""
+    if isinstance(x, Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    if isinstance(x, tuple | list) and x:
+        kinds = sorted({type(t).__name__ for t in x})
+        return f"a {type(x).__name__} of {len(x)} {'/'.join(kinds)}"
+    return f"{type(x).__name__} {x!r:.40}"
+
+
+_ORDERS = (
+    "attnlab's order is show(tokens, weights); bertviz's head_view(attention, tokens) order works "
+    "by keyword: show(attention=..., tokens=...)"
+)
+
+
+def _show_arguments(
+    positional: tuple[Any, ...], tokens: Any, weights: Any, attention: Any
+) -> tuple[Any, Any]:
+    """``(tokens, weights)`` from `show`'s positional and keyword forms, or a TypeError that
+    names the argument, what it expects and what it got, before any work."""
+    if len(positional) > 2:
+        raise TypeError(
+            f"show() takes at most 2 positional arguments (tokens, weights), got {len(positional)}"
+        )
+    keywords = [n for n, v in (("tokens", tokens), ("weights", weights)) if v is not None]
+    keywords += ["attention"] if attention is not None else []
+    if len(positional) == 2 and keywords:
+        raise TypeError(
+            f"show() got tokens and weights positionally and {', '.join(keywords)} by keyword: "
+            f"pass each once; {_ORDERS}"
+        )
+    if len(positional) == 1 and tokens is not None:
+        raise TypeError(
+            f"show() got one positional argument ({_described(positional[0])}) and tokens= by "
+            f"keyword: the first positional argument is tokens; {_ORDERS}"
+        )
+    if weights is not None and attention is not None:
+        raise TypeError(
+            "show() got both weights= (attnlab's name) and attention= (bertviz's name) for the "
+            "attention weights: pass one"
+        )
+    if positional:
+        tokens = positional[0]
+    if len(positional) == 2:
+        weights = positional[1]
+    name, w = ("attention", attention) if attention is not None else ("weights", weights)
+    if _looks_like_weights(tokens):
+        swapped = " (tokens and weights swapped?)" if _looks_like_tokens(w) else ""
+        raise TypeError(
+            f"tokens must be a sequence of T str, got {_described(tokens)}{swapped}; {_ORDERS}"
+        )
+    if tokens is None:
+        raise TypeError(f"show() is missing tokens, the T token strings; {_ORDERS}")
+    if w is None:
+        raise TypeError(f"show() is missing the attention weights; {_ORDERS}")
+    if _looks_like_tokens(w):
+        raise TypeError(
+            f"{name} must be attention weights ((layers, heads, T, S) or transformers' "
+            f"output_attentions tuple), got {_described(w)}; {_ORDERS}"
+        )
+    return tokens, w
+
+
 def show(
-    tokens: Sequence[str],
-    weights: Tensor | Sequence[Tensor] | Any,
-    *,
+    *positional: Any,
+    tokens: Sequence[str] | None = None,
+    weights: Tensor | Sequence[Tensor] | Any = None,
+    attention: Tensor | Sequence[Tensor] | Any = None,
     mask: Sequence[bool] | Tensor | None = None,
     key_tokens: Sequence[str] | None = None,
     key_mask: Sequence[bool] | Tensor | None = None,
@@ -681,11 +758,20 @@ def show(
     (queries left, ``key_tokens`` right) when ``L != S``. Entropy per row:
     ``−Σ_j p_ij log p_ij`` nats (its maximum, uniform attention, is ``log S``).
 
+    Called ``show(tokens, weights)`` (positionally, attnlab's order), or by keyword:
+    ``show(tokens=..., weights=...)`` or bertviz's names ``show(attention=..., tokens=...)``
+    (``head_view(attention, tokens)``'s order). Anything ambiguous raises a TypeError naming the
+    argument, what it expects and what it got: tokens where the weights go (or the reverse, the
+    bertviz order passed positionally), one positional argument beside ``tokens=``, both
+    ``weights=`` and ``attention=``.
+
     Args:
+        *positional: ``tokens, weights`` (at most two; or pass them by keyword).
         tokens: T (query) token strings, shown as text, never interpreted as HTML.
         weights: ``(layers, heads, T, S)`` weights in ``[0, 1]`` (row i = query i), or
             transformers' ``output_attentions`` / ``cross_attentions`` tuple (each
             ``(B, H, T, S)``) as returned, or its stack ``(layers, B, H, T, S)``.
+        attention: bertviz's name for ``weights`` (give one of the two).
         mask, key_tokens, key_mask, batch, sentence_b_start, title, subtitle: see `attention_data`.
         notes, layer, head, topk, max_tokens, thumb_size, decimals: see `attention_data`.
 
@@ -701,7 +787,9 @@ def show(
         >>> tokens = tok.convert_ids_to_tokens(enc["input_ids"][0])
         >>> b = enc["token_type_ids"][0].tolist().index(1)
         >>> attnlab.show(tokens, out.attentions, sentence_b_start=b)   # renders in the cell
+        >>> attnlab.show(attention=out.attentions, tokens=tokens)      # bertviz's names
     """
+    tokens, weights = _show_arguments(positional, tokens, weights, attention)
     return AttentionView(
         attention_data(
             tokens,

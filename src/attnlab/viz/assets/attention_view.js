@@ -119,9 +119,10 @@ $("model-legend").textContent = "Rows are layers, columns heads; click a thumbna
   "it. Each thumbnail is scaled to its own maximum" + (D.mode === "topk" ?
   " and max-pooled to " + D.thumb_shape[0] + "\u00d7" + D.thumb_shape[1] + " pixels." : ".");
 const realKeys = keyMask.filter(Boolean).length, maxEnt = Math.log(Math.max(2, realKeys));
-$("entropy-legend").textContent = "Mean over query rows of \u2212\u03a3 p log p (masked rows " +
-  "skipped). 0 = every token attends to one key; log S = " + maxEnt.toFixed(2) +
-  " = uniform over all " + realKeys + " keys. Click a cell to select.";
+$("entropy-legend").textContent = "Mean over query rows of \u2212\u03a3 p log p in nats (masked " +
+  "rows skipped). 0 = every token attends to one key; log S = " + maxEnt.toFixed(2) +
+  " = uniform over all " + realKeys + " keys. Shade: normalised entropy = entropy / log S " +
+  "(dark = focused, light = diffuse). Click a cell to select.";
 
 // Head view: two token columns (queries left, keys right) and a layer of lines between them.
 const svg = $("head-view");
@@ -236,8 +237,9 @@ for (let l = 0; l < D.layers; l++) {
     const td = tr.insertCell(), e = D.entropy[l][h];
     td.setAttribute("data-layer", l); td.setAttribute("data-head", h);
     td.textContent = e === null ? "\u2013" : e.toFixed(2);
-    td.title = e === null ? "no valid rows" : e.toFixed(D.decimals) + " nats";
-    const t = e === null ? 0 : Math.min(1, e / maxEnt);  // light = diffuse, dark = focused
+    const t = e === null ? 0 : Math.min(1, e / maxEnt);  // normalised entropy: light = diffuse
+    td.title = e === null ? "no valid rows" : e.toFixed(D.decimals) + " nats \u00b7 normalised " +
+      "entropy " + t.toFixed(2);
     td.style.background = "hsl(215, 70%, " + Math.round(40 + 55 * t) + "%)";
     td.style.color = t < 0.45 ? "#fff" : "#1d2330";
     td.addEventListener("click", () => select(l, h));
