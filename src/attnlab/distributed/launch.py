@@ -1,7 +1,7 @@
 """Run a function on W local ranks over gloo (loopback only) — for tests, benchmarks and demos.
 
-For real multi-machine jobs use ``torchrun`` (docs/guide/distributed.md); this helper is the in-process
-equivalent for one machine, with a hard wall-clock limit and no process left behind.
+For real multi-machine jobs use ``torchrun`` (docs/guide/distributed.md); this helper is the
+in-process equivalent for one machine, with a hard wall-clock limit and no process left behind.
 """
 
 from __future__ import annotations
