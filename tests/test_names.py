@@ -249,3 +249,13 @@ def test_heads_classify_entropy_is_the_viewers_nats(model, tmp_path, capsys, mon
     for r in rows:
         assert math.isclose(r["normalised_entropy"], r["entropy"] / math.log(T), rel_tol=1e-12)
     assert max(r["entropy"] for r in rows) > 1.0  # nats, not a 0–1 fraction
+
+
+def test_a_submodule_of_the_pos_alias_is_the_positional_one():
+    """``attnlab.pos`` is `attnlab.positional`; importing a submodule through it must not run the
+    file a second time (a second ``ROPE_SCALING`` registry that registrations would miss)."""
+    import attnlab.pos.rope_scaling as through_alias
+    import attnlab.positional.rope_scaling as original
+
+    assert through_alias is original
+    assert through_alias.ROPE_SCALING is attnlab.positional.ROPE_SCALING

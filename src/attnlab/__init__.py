@@ -43,6 +43,12 @@ from .viz.attention_view import show  # the attention viewer (inline in Jupyter)
 # ``attnlab.pos`` is `attnlab.positional` itself (the same module object).
 pos = positional
 _sys.modules[__name__ + ".pos"] = positional
+# Its submodules too (positional/__init__ imports every one), so ``import attnlab.pos.rope`` finds
+# the module already loaded instead of running the file again as a second module with its own
+# registries.
+for _name, _module in list(_sys.modules.items()):
+    if _name.startswith(positional.__name__ + "."):
+        _sys.modules[__name__ + ".pos" + _name.removeprefix(positional.__name__)] = _module
 
 
 def _linear_namespace() -> _types.ModuleType:
