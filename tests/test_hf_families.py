@@ -343,7 +343,7 @@ def test_backward_equals_eager(family):
         # rule's allowance for fp32 tiled kernels applies (10× the naive mean error when the max
         # rule fails): on an Intel Xeon with AMX that kernel's qwen2 dk_proj.bias is 3.5× the
         # naive max error (5.98e-6 vs 1.69e-6), the same max error as transformers' own
-        # attn_implementation="sdpa" (benchmarks/RESULTS.md, session 11); on an AMD EPYC the
+        # attn_implementation="sdpa" (docs/results/bench_hf_long.md); on an AMD EPYC the
         # max rule holds
         mf = mean_factor_for("auto", torch.float32)
         assert_close_rule(a, g, e, kind="grad", name=f"{family.name} d{name}", mean_factor=mf)

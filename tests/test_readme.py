@@ -320,7 +320,7 @@ def test_shell_block_runs_verbatim(block: Block, tmp_path: Path):
     found = [m for out in outputs for m in DONE.finditer(out)]
     assert found or not trains(block)
     for m in found:
-        assert float(m.group(1)) < 0.6 * float(m.group(2)), m.group(0)  # RESULTS.md: 0.50
+        assert float(m.group(1)) < 0.6 * float(m.group(2)), m.group(0)  # measured: 0.50
 
 
 def test_the_readme_test_command_is_what_ci_runs():

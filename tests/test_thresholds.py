@@ -109,8 +109,8 @@ def test_an_entry_for_another_key_is_ignored(cache_on, field, value):
     write(cache_on, [entry(torch.bfloat16, **{field: value})])
     assert thresholds.for_dtype(torch.bfloat16) is BUILTIN
     assert thresholds.describe(torch.bfloat16).endswith(
-        f"built-in defaults (benchmarks/RESULTS.md); the cache file {cache_on} has no bfloat16 "
-        "entry for this machine"
+        f"built-in defaults (docs/results/bench_crossover.md); the cache file {cache_on} has no "
+        "bfloat16 entry for this machine"
     )
 
 
@@ -240,7 +240,7 @@ def test_explain_states_where_the_thresholds_came_from(cache_on):
     assert text.backend == "sdpa"
     assert text.thresholds == (
         "auto's float32 thresholds (L·S: band 65536, sparse 262144, long 16777216) are built-in "
-        f"defaults (benchmarks/RESULTS.md); no cache file {cache_on}"
+        f"defaults (docs/results/bench_crossover.md); no cache file {cache_on}"
     )
     write(cache_on, [entry(torch.float32, band=1 << 10)])
     thresholds.reset()

@@ -29,7 +29,7 @@ import torch
 
 from ..functional import thresholds as _thr
 
-#: Lengths measured (half octaves); the crossovers of RESULTS.md lie between 256 and 724.
+#: Lengths measured (half octaves); the crossovers of docs/results lie between 256 and 724.
 LADDER = (128, 181, 256, 362, 512, 724, 1024, 1448, 2048)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

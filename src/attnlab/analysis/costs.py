@@ -162,7 +162,7 @@ def model_cost(
     of its scores, ``2·B·H·L·S`` elements; tiled: of one tile). The model counts what a backward
     must keep, so a real run keeps at least this much: attnlab's own blocks keep copies on top
     (heads-first q, k, v; the reference backend three L×S tensors per head); measured:
-    benchmarks/RESULTS.md, the lower bound checked by tests/test_costs.py.
+    docs/results, the lower bound checked by tests/test_costs.py.
 
     ``memory_infer = N_params·b_w + one layer's live tensors + logits (+ KV cache)``, the live
     tensors being ``B·L·(2·E + (H + 2·H_kv)·D + F·(m-1))`` elements plus the naive form's scores

@@ -50,7 +50,7 @@ KIND = "translate"
 #: The longest text `translate` accepts, in characters. Decoding a text of n characters takes up
 #: to 2n + 20 steps that each attend to the whole source, so the time grows with n²: the longest
 #: number word below 10**15 has 197 characters (below 10**9, the default task: 114); measured:
-#: benchmarks/RESULTS.md. Longer input: one number per text.
+#: docs/results. Longer input: one number per text.
 MAX_SOURCE_CHARS = 256
 
 #: Architectures: name -> ``build(config_dict) -> model`` implementing the seq2seq interface.
@@ -105,7 +105,7 @@ class TranslateSettings:
         max_digits: numbers 0 … 10**max_digits − 1. held_out: held-out numbers per language.
         langs: target languages. pool: distinct training examples generated (num2words is
             slow, so the run draws a pool once and shuffles it every epoch; measured:
-            benchmarks/RESULTS.md).
+            docs/results).
         batch_tokens: padded source + target tokens per batch (length-bucketed).
         label_smoothing: of the cross-entropy. fit: the optimisation settings.
         threads: torch threads (None = torch's default).

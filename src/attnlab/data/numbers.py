@@ -20,7 +20,7 @@ is encoded by the longest matching token at each position. Everything is derived
 library's output, not from a hand-made list. Pieces make the sequences 3-4× shorter than
 characters (German 43 characters -> 6 tokens on average); ``vocabulary(pieces=True)`` /
 ``NumberTask(pieces=True)`` use them, the default is the character table (it trained better in
-the measured 9-minute budget, see benchmarks/RESULTS.md).
+the measured 9-minute budget, see docs/results).
 
 Example:
     >>> task = NumberTask(seed=0)
@@ -334,7 +334,7 @@ def collate(
 
     ``multiple``: S and T are rounded up to a multiple of it. Training pads to few distinct
     shapes because the CPU kernels (oneDNN's primitive cache) are much slower when almost every
-    batch has a new shape (`benchmarks/RESULTS.md`, translation)."""
+    batch has a new shape (`docs/results`, translation)."""
     B = len(examples)
     S = _round_up(max(len(e.src) for e in examples), multiple)
     T = _round_up(max(len(e.tgt) for e in examples), multiple)

@@ -24,7 +24,7 @@ from .sdpa import sdpa_run, sdpa_supports
 
 # ------------------------------------------------------------------ auto's policy
 # Sizes at which auto prefers flash (see `flash_declines`), from benchmarks/bench_crossover.py
-# (B=1, H=8, D=64; benchmarks/RESULTS.md): a sliding window is as fast on flash at L = 256
+# (B=1, H=8, D=64; docs/results): a sliding window is as fast on flash at L = 256
 # and 1.7× faster at 384; causal document masks and ALiBi cross over near L = 512. These are the
 # built-in defaults of every dtype; a machine can measure its own per dtype
 # (`functional.thresholds`, `python -m attnlab.functional.calibrate`), which auto then uses.
@@ -36,7 +36,7 @@ AUTO_LONG_MIN = _thresholds.BUILTIN.long  # L·S from which every call goes to f
 def one_segment(req: Request) -> bool:
     """A causal or unmasked call with L = S and no bias that flash runs as one segment on
     attnlab's C++ kernel (`flash.band_kernel.segments_ready`). Measured (B=1, H=8, D=64, AMD
-    EPYC, 2 threads, best of 15; benchmarks/RESULTS.md), flash against sdpa, forward: causal
+    EPYC, 2 threads, best of 15; docs/results), flash against sdpa, forward: causal
     fp32 1.25× at L = 256 and 2.06× at 512, bf16 1.76× / 2.84×; unmasked fp32 0.92× / 1.19×,
     bf16 1.33× / 1.73×; forward + backward 1.05–1.33× at 256–1024. So auto sends such calls to
     flash from the ``sparse`` threshold on (L·S = 2^18 by default, L = 512)."""

@@ -3,7 +3,7 @@
 Defined to equal `reference.attention` (see that function for every argument and the NaN rule).
 A decode step — ``L`` of 1 to a few query rows against ``S`` cached keys, no gradient — is bound
 by reading K and V once; torch's fused CPU kernel spends more than that on it (about 1.2–1.4× in
-float32, 5–8× in bfloat16 on the machines of benchmarks/RESULTS.md). Here the query heads that
+float32, 5–8× in bfloat16 on the machines of docs/results). Here the query heads that
 share a key/value head (GQA) are stacked into one ``(G·L) × D`` block, so each K and V head is
 read by one matrix product, and the logits ``(B, H_kv, G·L, S)`` are small enough to inspect:
 
@@ -46,13 +46,13 @@ DECODE_MIN_KEYS = {torch.float32: 256, torch.bfloat16: 1, torch.float16: 1}
 """Auto prefers the decode path from this many keys summed over the batch (B·S), per dtype, when
 its steps run as tensor ops (the C++ step unavailable: ``ATTNLAB_EXT=0``, no compiler, compiled).
 Measured (one query row, H = 8, H_kv = 2, D = 64, AMD EPYC without AVX512-FP16, 1 and 2
-threads, median of 100; benchmarks/RESULTS.md), SDPA's time over the decode path's: float32
+threads, median of 100; docs/results), SDPA's time over the decode path's: float32
 B=1 0.62–0.86× at S = 64, 0.92–1.06× at 140, 1.09–1.13× at 300; B=4 1.08–1.25× at 64, 1.17–1.39×
 at 140; bfloat16 1.0–2.0× at B=1, S=64 and 1.5–9.7× at every larger size; float16 2.1–8.4× (0.8–1.5×
 at B=1, S=16): torch's fused CPU kernel runs half-precision decode steps far below its float32
 speed, where the decode path's two float32 products do not care. The C++ step
 (``attnlab_nan::decode_attend``) is faster than SDPA at every size in float32 and 16 bits
-(1.7–2.5× at B = 1 and 4, S = 8…256, Zen 5 EPYC; benchmarks/RESULTS.md): auto then takes it
+(1.7–2.5× at B = 1 and 4, S = 8…256, Zen 5 EPYC; docs/results): auto then takes it
 for every float32/16-bit step. Its float64 loop is not vectorised: float64 keeps `DECODE_MIN_S`."""
 
 DECODE_MAX_ELEMENTS = 1 << 25

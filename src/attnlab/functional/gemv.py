@@ -5,7 +5,7 @@ weights at 6–12 GB/s on one AMD EPYC core, attnlab's reads each weight row onc
 a software prefetch a few rows ahead, against every row of x (float32 fused multiply-adds, or
 AVX512-BF16 pair dot products for bfloat16: float32 accumulation, bias added and one rounding in
 the kernel). At one row it reads the weights at the core's streaming-read rate, faster than
-``torch.nn.functional.linear`` up to eight rows (measured: benchmarks/RESULTS.md,
+``torch.nn.functional.linear`` up to eight rows (measured: docs/results,
 ``benchmarks/bench_gemv.py``).
 
 `linear` runs the kernel when all of these hold, else ``torch.nn.functional.linear`` (the same
@@ -24,7 +24,7 @@ product; the sums differ only in rounding order):
 
 The kernel streams one row of the weight at a time on AMD CPUs; elsewhere four side by side in
 float32 and two in bfloat16 (on a Xeon with AMX: one float32 row of x 0.87× → 1.04× torch's
-kernel, four rows 1.42× → 1.75×; one bfloat16 row 1.63× → 1.9×; one core, RESULTS.md);
+kernel, four rows 1.42× → 1.75×; one bfloat16 row 1.63× → 1.9×; one core, docs/results);
 ``ATTNLAB_GEMV_ROWS`` (``1``, ``2`` or ``4``) forces a count on any CPU.
 
 More rows (prefill, training) go to ``torch.nn.functional.linear``; in bfloat16 or float16 on a
@@ -54,7 +54,7 @@ ROWS_ENV = _settings.GEMV_ROWS
 MAX_ROWS = 8
 # One float32 row against a weight of fewer elements (1 MiB) stays on torch's kernel: on the
 # 2.9M-parameter GPT (256-wide, weights in cache) its matrix products alone ran 2,613 tok/s on
-# torch's kernel and 1,754 on this one (one thread, benchmarks/RESULTS.md); bfloat16 and more
+# torch's kernel and 1,754 on this one (one thread, docs/results); bfloat16 and more
 # rows were faster here at every size measured.
 FP32_ONE_ROW_MIN = 1 << 18
 _DTYPES = (torch.float32, torch.bfloat16)

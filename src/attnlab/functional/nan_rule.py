@@ -63,7 +63,7 @@ def _zeroed(x: Tensor) -> Tensor:
 
     Eager: ``nan_to_num`` (one vectorised ATen kernel). Compiled: ``where(isfinite(x), x, 0)``,
     the same values, which Inductor vectorises and fuses into its neighbours (its C++ code for
-    ``nan_to_num`` runs one element at a time; measured: benchmarks/RESULTS.md,
+    ``nan_to_num`` runs one element at a time; measured: docs/results,
     `benchmarks/bench_compile.py`).
     """
     if torch.compiler.is_compiling():

@@ -48,7 +48,7 @@ def _widens(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> bool:
     tolerance rule's bound at L = 767. Widened, the probabilities, the sums and δ stay float32
     and each gradient is rounded once, as on torch's math path (which widens 16-bit inputs
     itself). Costs the float32 kernel (slower than the 16-bit forward + backward; measured:
-    benchmarks/RESULTS.md) and float32 copies of q, k, v; calls without gradient keep the 16-bit
+    docs/results) and float32 copies of q, k, v; calls without gradient keep the 16-bit
     kernel, whose forward accumulates in float32.
     """
     return (

@@ -8,7 +8,7 @@ machine and dtype (`attnlab.analysis.calibrate`: ``python -m attnlab.analysis.ca
 ``attnlab bench --calibrate``) and kept in a JSON cache. An entry is used only when its key —
 CPU model, a digest of the CPU's feature flags, torch's version and the dtype — equals this
 process's; any other entry, a missing file, or a dtype never measured gives the built-in
-defaults (`BUILTIN`, from benchmarks/RESULTS.md). A file that cannot be read or parsed gives
+defaults (`BUILTIN`, from docs/results). A file that cannot be read or parsed gives
 the defaults and one warning, never an error.
 
 The file is read once per process, lazily: the first time auto decides outside a compiled region
@@ -56,8 +56,9 @@ class Thresholds:
         band: sliding windows (finite bands) without a bias.
         sparse: other structured masks and bias functions.
         long: every call.
-        source: one phrase for `attnlab.explain`, e.g. ``"built-in defaults (benchmarks/
-            RESULTS.md)"`` or ``"the cache file PATH, measured on CPU at DATE"``.
+        source: one phrase for `attnlab.explain`, e.g. ``"built-in defaults
+            (docs/results/bench_crossover.md)"`` or ``"the cache file PATH, measured on CPU at
+            DATE"``.
     """
 
     band: int
@@ -66,9 +67,9 @@ class Thresholds:
     source: str
 
 
-BUILTIN_SOURCE = "built-in defaults (benchmarks/RESULTS.md)"
-#: fp32 crossovers measured with benchmarks/bench_crossover.py (RESULTS.md, issues #3 and #19);
-#: the same values hold in bfloat16 and float16 (issue #19's measurement, RESULTS.md).
+BUILTIN_SOURCE = "built-in defaults (docs/results/bench_crossover.md)"
+#: fp32 crossovers measured with benchmarks/bench_crossover.py (docs/results, issues #3 and #19);
+#: the same values hold in bfloat16 and float16 (issue #19's measurement, docs/results).
 BUILTIN = Thresholds(band=1 << 16, sparse=1 << 18, long=1 << 24, source=BUILTIN_SOURCE)
 
 _TABLE: dict[torch.dtype, Thresholds] | None = None  # this machine's entries, once loaded

@@ -2,7 +2,7 @@
 
 At one to eight rows a decode step is bound by streaming the weights, and on a small model the
 ~40 operator calls per block and the Python between them cost about as much again (measured:
-benchmarks/RESULTS.md).
+docs/results).
 `step` hands the block's parameters, its cache's buffers and the RoPE table to
 ``attnlab_block::step``, which calls the very operators the modules would call, in the same
 order — the norms (``attnlab_nan::rms_norm`` / ``layer_norm``), the projections (attnlab's

@@ -67,7 +67,7 @@ class Seq2SeqConfig:
         attn_backend: the `attnlab.attention` backend of every attention in ``forward``.
         decode_backend: the backend while decoding (`greedy`, `beam_search`); "auto" picks the
             single-row "decode" path there, faster than "reference" (measured:
-            benchmarks/RESULTS.md).
+            docs/results).
     """
 
     src_vocab_size: int = 64
@@ -254,7 +254,7 @@ def source_mask(src_mask: Tensor) -> Tensor | Mask:
 
     Both mask the same pairs. The padding mask lets `attnlab.attention` apply the NaN rule per
     key interval instead of cleaning the whole memory at every step (the same tokens, faster;
-    measured: benchmarks/RESULTS.md). Reads the mask on the host once (decoding
+    measured: docs/results). Reads the mask on the host once (decoding
     only: `greedy` and `beam_search` already read ``done`` every step).
     """
     S = src_mask.shape[-1]

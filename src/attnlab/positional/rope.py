@@ -33,7 +33,7 @@ def rope_tables(
 
     An operator so that a compiled graph computes the table once per call: written as tensor
     ops, Inductor fuses the float64 ``cos``/``sin`` into the rotation's loop and evaluates them
-    for every batch item and head (measured: benchmarks/RESULTS.md,
+    for every batch item and head (measured: docs/results,
     `benchmarks/bench_compile.py`).
     """
     angle = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(positions.device)  # (..., R/2)

@@ -6,7 +6,7 @@ window, so its softmax needs one pass; attnlab's operator packs each head's keys
 overlapping windows and runs both products on oneDNN's brgemm micro-kernel (float32 accumulation),
 where torch's fused kernel repacks every window and keeps a running rescale. One call covers the
 whole band, edge blocks included (their windows are clipped to the keys inside the kernel).
-Measured (``attnlab bench --case window``): benchmarks/RESULTS.md.
+Measured (``attnlab bench --case window``): docs/results.
 
 What made it fast on AMX (all in the C++ file, each measured there): 64-byte aligned scratch
 (tile rows straddling cache lines slow the products), bfloat16 rows in whole 32-key
@@ -17,7 +17,7 @@ the other (one tile configuration per group), and the softmax in explicit AVX-51
 Segments (`calls.SegmentCall`: rows attend only their own segment, causally or fully) are
 one-pass too: each query block holds every key of its rows (causal: only the keys up to them),
 the keys of a head are packed once for all segments (measured against torch's batched
-``is_causal`` call: benchmarks/RESULTS.md). Segments longer than `SEGMENT_MAX`
+``is_causal`` call: docs/results). Segments longer than `SEGMENT_MAX`
 positions stay on torch's kernel (the kernel holds a block's scores for a whole segment:
 ``SEGMENT_BLOCK × n`` floats per thread).
 
@@ -30,7 +30,7 @@ tolerance rule; both give out = 0, lse = −inf on a row with no key):
   CPUs, are widened to float32 as they are packed (exact: the float32 products run at the
   float16 matmul rate on CPUs with AVX512-FP16 but no AMX-FP16; on AVX2-only CPUs the
   softmax, exp and transposes run in 8-lane AVX2; measured against torch's kernel:
-  benchmarks/RESULTS.md, ``benchmarks/bench_engines.py``; ``ATTNLAB_FLASH_BAND_ENGINE=aten``
+  docs/results, ``benchmarks/bench_engines.py``; ``ATTNLAB_FLASH_BAND_ENGINE=aten``
   picks torch's); outputs are rounded once;
 - the extension is built (`attnlab._ext.load`: ``attnlab build``, or the first call that needs
   it builds it, once per machine) and the CPU runs oneDNN's float32 micro-kernel
@@ -47,7 +47,7 @@ of its rows (as softmax's own backward: dS sums to zero with the P and dP it mul
 ``δ = rowsum(dO ⊙ O)`` summed in double, adds ``dS·k`` into dq and keeps ``qᵀ·dS``
 and ``dOᵀ·P`` for the window's keys in per-thread accumulators that add each key's gradient
 into dk/dv once (five brgemm products per block; the keys and values packed as they advance,
-as in the forward). It runs the forward plan's blocks (measured: benchmarks/RESULTS.md).
+as in the forward). It runs the forward plan's blocks (measured: docs/results).
 Segments (and one whole causal or full call with L = S) have their backward on it too
 (`segments_backward_into`: one work item per segment and key head, owning its keys' gradients)
 in float32, and in 16-bit dtypes whose products the CPU does not run natively
@@ -301,7 +301,7 @@ def segments_backward_usable(
     natively (not `pairs`: float16 always, bfloat16 without AVX512-BF16/AMX or with
     ``ATTNLAB_FLASH_BAND_ENGINE=widen``). There torch's kernel would multiply them at its 16-bit
     GEMM rate, far below its float32 rate on CPUs without native 16-bit products (measured:
-    benchmarks/RESULTS.md); where they are native it runs them itself."""
+    docs/results); where they are native it runs them itself."""
     if pairs(res_q.dtype) or n > SEGMENT_MAX:
         return False
     return backward_usable(res_q, k, v, out, dout, out_like_q=True)

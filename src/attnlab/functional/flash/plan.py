@@ -37,7 +37,7 @@ BLOCK_K = 128
 BAND_BLOCK = 64
 # Forward query block of batched band calls when none is given: the forward kernel wastes fewer
 # pairs on 32-row blocks (288 keys per block for a 256-window instead of 320), while the backward
-# kernel is faster on 64-row blocks (measured at window 256, L=16384, benchmarks/RESULTS.md).
+# kernel is faster on 64-row blocks (measured at window 256, L=16384, docs/results).
 BAND_BLOCK_FWD = 32
 # Measured again for bfloat16 (issue 19, AMD EPYC without AMX, window 256, L=16384, one thread,
 # best CPU time of 3): 16/32/64/128-row blocks take 0.186/0.166/0.184/0.216 s in bfloat16 and

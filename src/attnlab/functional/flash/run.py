@@ -212,7 +212,7 @@ def _run_band_checked(call: FlashCall) -> tuple[Tensor, Tensor] | None:
     """The forward of a plan made only of batched band calls on attnlab's C++ kernel (sliding
     windows), without bias or tensor mask: the kernel tests the q, k and v entries it reads for
     NaN/±inf while packing them (`band_kernel.checking_inputs`) instead of the three scans of
-    `nan_rule.clean_flagged` (measured: benchmarks/RESULTS.md). Finite inputs give exactly the
+    `nan_rule.clean_flagged` (measured: docs/results). Finite inputs give exactly the
     scanning path's result; None — run the scanning path — for any other plan, or when the
     kernel found a non-finite entry.
     """
