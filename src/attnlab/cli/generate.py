@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 
-from ..apps.gpt import load, sample_text, vocab_of
 from ._args import (
     UsageError,
     add_device_argument,
@@ -20,6 +19,8 @@ from ._args import (
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from ..apps.gpt import load, sample_text, vocab_of
+
     if not args.prompt:
         raise UsageError("--prompt", "must not be empty")
     try:

@@ -1,0 +1,163 @@
+"""What the ``attnlab`` command prints: tables and text that fit the terminal, JSON, progress.
+
+Tables are laid out by rich (the ``cli`` extra, imported when a table is printed): every column
+wraps (long words fold), so no cell is ever cut, and the table is as wide as the terminal at most
+(`width`: ``COLUMNS``, else the terminal's width, else 80). The text is plain, without ANSI
+codes, whether stdout is a terminal, a pipe or a file. ``--json`` prints the same rows with every
+field whole (`print_json`).
+
+Progress goes to stderr, only on a terminal and never with ``--quiet``: `steps` for work that
+counts its steps (a tqdm bar, `attnlab.utils.Progress`), `working` for one long library call
+that does not (a line that shows the elapsed time until the call returns).
+
+This module imports only the standard library at import time: ``attnlab --help`` loads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+
+def width() -> int:
+    """Columns of the terminal: ``COLUMNS`` if set, else stdout's terminal, else 80."""
+    return max(20, shutil.get_terminal_size((80, 24)).columns)
+
+
+@dataclass(frozen=True)
+class Col:
+    """A table column: its header, whether its cells are right-aligned (numbers), and whether
+    it is the wide one (notes, reasons) that wraps first when the table is too wide."""
+
+    name: str
+    right: bool = False
+    wide: bool = False
+
+
+def table(
+    columns: Sequence[Col | str],
+    rows: Iterable[Sequence[object] | None],
+    *,
+    max_width: int | None = None,
+) -> str:
+    """The rows as a plain-text table at most ``max_width`` columns wide (default `width`).
+
+    Every column keeps its natural width while the table fits; when it does not, the wide
+    columns (`Col.wide`) wrap first, then the others. A header wraps between its words, a cell
+    between words too (a longer word folds): nothing is ever cut.
+
+    Args:
+        columns: the columns (a str is a left-aligned `Col`).
+        rows: the rows, one cell per column (printed with ``str``); None draws an empty line
+            between groups of rows.
+        max_width: the widest line allowed.
+
+    Returns:
+        The table, lines joined by ``\\n``, no trailing spaces.
+
+    Raises:
+        ValueError: a row whose length differs from the number of columns.
+    """
+    from rich import box
+    from rich.cells import cell_len
+    from rich.table import Table
+    from rich.text import Text
+
+    cols = [c if isinstance(c, Col) else Col(c) for c in columns]
+    body = [None if r is None else [str(cell) for cell in r] for r in rows]
+    for r in body:
+        if r is not None and len(r) != len(cols):
+            raise ValueError(f"every row must have {len(cols)} cells like the columns, got {r!r}")
+    natural = [
+        max([cell_len(c.name), *(cell_len(r[i]) for r in body if r is not None)])
+        for i, c in enumerate(cols)
+    ]
+    budget = (max_width or width()) - 3 * (len(cols) - 1)  # columns are 3 spaces apart
+    wide = [i for i, c in enumerate(cols) if c.wide]
+    room = budget - sum(n for i, n in enumerate(natural) if i not in wide)
+    fixed: dict[int, int] = {}
+    if wide and sum(natural[i] for i in wide) > room:
+        share = max(16, room // len(wide))
+        fixed = {i: min(natural[i], share) for i in wide}
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="")
+    for i, c in enumerate(cols):
+        t.add_column(
+            Text(c.name),
+            justify="right" if c.right else "left",
+            overflow="fold",
+            min_width=max(len(word) for word in c.name.split()),
+            width=fixed.get(i),
+        )
+    for r in body:
+        if r is None:
+            t.add_section()
+        else:
+            t.add_row(*(Text(cell) for cell in r))
+    return render(t, max_width)
+
+
+def render(renderable: Any, max_width: int | None = None) -> str:
+    """A rich renderable as plain text at most ``max_width`` columns wide, no trailing spaces."""
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(
+        file=buf,
+        width=max_width or width(),
+        color_system=None,
+        force_terminal=False,
+        highlight=False,
+        markup=False,
+        emoji=False,
+    )
+    console.print(renderable)
+    return "\n".join(line.rstrip() for line in buf.getvalue().rstrip("\n").split("\n"))
+
+
+def wrap(text: str, *, indent: str = "", max_width: int | None = None) -> str:
+    """``text`` wrapped at word boundaries (a word longer than a line folds), each line after
+    the first indented by ``indent``; terminal cells are counted (a CJK character takes two)."""
+    from rich.text import Text
+
+    out = render(Text(text, overflow="fold"), (max_width or width()) - len(indent))
+    return ("\n" + indent).join(out.split("\n"))
+
+
+def print_json(data: object, out: TextIO | None = None) -> None:
+    """``data`` as indented JSON on stdout (UTF-8 text kept readable)."""
+    print(json.dumps(data, ensure_ascii=False, indent=1), file=out or sys.stdout)
+
+
+def steps(
+    items: Iterable[Any] | None = None, *, total: int | None = None, desc: str, quiet: bool
+) -> Any:
+    """A progress bar on stderr over ``items`` or ``total`` steps (`attnlab.utils.Progress`):
+    shown on a terminal only, never with ``quiet``."""
+    from ..utils.progress import Progress
+
+    return Progress(items, desc=desc, total=total, enabled=not quiet, tty_only=True, leave=False)
+
+
+@contextlib.contextmanager
+def working(what: str, *, quiet: bool) -> Iterator[None]:
+    """A spinner, ``what`` and the time elapsed on stderr while the block runs (on a terminal
+    only, not with ``quiet``); the line is removed when the block ends."""
+    if quiet or not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        bar.add_task(what, total=None)
+        yield
+
+
+__all__ = ["Col", "print_json", "render", "steps", "table", "width", "working", "wrap"]
