@@ -78,7 +78,24 @@ def table(
         max([cell_len(c.name), *(cell_len(r[i]) for r in body if r is not None)])
         for i, c in enumerate(cols)
     ]
-    budget = (max_width or width()) - 3 * (len(cols) - 1)  # columns are 3 spaces apart
+    # the narrowest a column gets: its longest word (a header's or, unless wide, a cell's)
+    least = [
+        max(
+            [
+                max(cell_len(w) for w in c.name.split()),
+                *(
+                    cell_len(w)
+                    for r in body
+                    if r is not None and not c.wide
+                    for w in r[i].split() or [""]
+                ),
+            ]
+        )
+        for i, c in enumerate(cols)
+    ]
+    gaps = 3 * (len(cols) - 1)  # columns are 3 spaces apart
+    total = max(max_width or width(), sum(least) + gaps)  # wider only if words must not break
+    budget = total - gaps
     wide = [i for i, c in enumerate(cols) if c.wide]
     room = budget - sum(n for i, n in enumerate(natural) if i not in wide)
     fixed: dict[int, int] = {}
@@ -91,7 +108,7 @@ def table(
             Text(c.name),
             justify="right" if c.right else "left",
             overflow="fold",
-            min_width=max(len(word) for word in c.name.split()),
+            min_width=least[i],
             width=fixed.get(i),
         )
     for r in body:
@@ -99,7 +116,7 @@ def table(
             t.add_section()
         else:
             t.add_row(*(Text(cell) for cell in r))
-    return render(t, max_width)
+    return render(t, total)
 
 
 def render(renderable: Any, max_width: int | None = None) -> str:
@@ -116,7 +133,7 @@ def render(renderable: Any, max_width: int | None = None) -> str:
         markup=False,
         emoji=False,
     )
-    console.print(renderable)
+    console.print(renderable, crop=False)
     return "\n".join(line.rstrip() for line in buf.getvalue().rstrip("\n").split("\n"))
 
 
