@@ -78,45 +78,52 @@ def table(
         max([cell_len(c.name), *(cell_len(r[i]) for r in body if r is not None)])
         for i, c in enumerate(cols)
     ]
-    # the narrowest a column gets: its longest word (a header's or, unless wide, a cell's)
-    least = [
-        max(
-            [
-                max(cell_len(w) for w in c.name.split()),
-                *(
-                    cell_len(w)
-                    for r in body
-                    if r is not None and not c.wide
-                    for w in r[i].split() or [""]
-                ),
-            ]
-        )
-        for i, c in enumerate(cols)
-    ]
+    # the width below which a column's words would fold: its longest word (at most 20 in a
+    # wide column, whose text is long anyway)
+    least = []
+    for i, c in enumerate(cols):
+        words = [
+            w for text in (c.name, *(r[i] for r in body if r is not None)) for w in text.split()
+        ]
+        longest = max(map(cell_len, words), default=1)
+        least.append(min(natural[i], 20 if c.wide else natural[i], longest))
     gaps = 3 * (len(cols) - 1)  # columns are 3 spaces apart
-    total = max(max_width or width(), sum(least) + gaps)  # wider only if words must not break
-    budget = total - gaps
-    wide = [i for i, c in enumerate(cols) if c.wide]
-    room = budget - sum(n for i, n in enumerate(natural) if i not in wide)
-    fixed: dict[int, int] = {}
-    if wide and sum(natural[i] for i in wide) > room:
-        share = max(16, room // len(wide))
-        fixed = {i: min(natural[i], share) for i in wide}
+    widths = _fit(natural, least, [c.wide for c in cols], (max_width or width()) - gaps)
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="")
     for i, c in enumerate(cols):
         t.add_column(
             Text(c.name),
             justify="right" if c.right else "left",
             overflow="fold",
-            min_width=least[i],
-            width=fixed.get(i),
+            width=widths[i],
         )
     for r in body:
         if r is None:
             t.add_section()
         else:
             t.add_row(*(Text(cell) for cell in r))
-    return render(t, total)
+    return render(t, sum(widths) + gaps)
+
+
+def _fit(natural: list[int], least: list[int], wide: list[bool], budget: int) -> list[int]:
+    """Column widths that sum to at most ``budget``: the natural widths, then narrower in turn —
+    the wide columns down to 20, the others down to their longest word (``least``), the wide
+    ones down to theirs, and at last any column down to 4 (its long words fold)."""
+    widths = list(natural)
+    passes = (
+        (lambda i: wide[i], lambda i: max(least[i], min(20, natural[i]))),
+        (lambda i: not wide[i], lambda i: least[i]),
+        (lambda i: wide[i], lambda i: least[i]),
+        (lambda _i: True, lambda i: min(4, natural[i])),
+    )
+    for chosen, floor in passes:
+        for i in sorted(range(len(widths)), key=lambda i: -widths[i]):
+            excess = sum(widths) - budget
+            if excess <= 0:
+                return widths
+            if chosen(i):
+                widths[i] = max(min(floor(i), widths[i]), widths[i] - excess)
+    return widths
 
 
 def render(renderable: Any, max_width: int | None = None) -> str:
