@@ -2,9 +2,9 @@
 
 Tables are laid out by rich (the ``cli`` extra, imported when a table is printed): every column
 wraps (long words fold), so no cell is ever cut, and the table is as wide as the terminal at most
-(`width`: ``COLUMNS``, else the terminal's width, else 80). The text is plain, without ANSI
-codes, whether stdout is a terminal, a pipe or a file. ``--json`` prints the same rows with every
-field whole (`print_json`).
+(`width`: ``COLUMNS``, else the terminal's width); written to a file or a pipe, each row stays
+on one line. The text is plain, without ANSI codes, wherever it goes. ``--json`` prints the
+same rows with every field whole (`print_json`).
 
 Progress goes to stderr, only on a terminal and never with ``--quiet``: `steps` for work that
 counts its steps (a tqdm bar, `attnlab.utils.Progress`), `working` for one long library call
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 import sys
 from collections.abc import Iterable, Iterator, Sequence
@@ -25,9 +26,12 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 
-def width() -> int:
-    """Columns of the terminal: ``COLUMNS`` if set, else stdout's terminal, else 80."""
-    return max(20, shutil.get_terminal_size((80, 24)).columns)
+def width() -> int | None:
+    """The width output must fit: ``COLUMNS`` if set, else the columns of the terminal stdout
+    is, else None — output to a file or a pipe keeps one line per table row."""
+    if os.environ.get("COLUMNS", "").isdigit() or sys.stdout.isatty():
+        return max(20, shutil.get_terminal_size((80, 24)).columns)
+    return None
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,8 @@ def table(
     *,
     max_width: int | None = None,
 ) -> str:
-    """The rows as a plain-text table at most ``max_width`` columns wide (default `width`).
+    """The rows as a plain-text table at most ``max_width`` columns wide (default `width`;
+    None there: as wide as the rows).
 
     Every column keeps its natural width while the table fits; when it does not, the wide
     columns (`Col.wide`) wrap first, then the others. A header wraps between its words, a cell
@@ -88,7 +93,10 @@ def table(
         longest = max(map(cell_len, words), default=1)
         least.append(min(natural[i], 20 if c.wide else natural[i], longest))
     gaps = 3 * (len(cols) - 1)  # columns are 3 spaces apart
-    widths = _fit(natural, least, [c.wide for c in cols], (max_width or width()) - gaps)
+    limit = max_width or width()
+    widths = (
+        natural if limit is None else _fit(natural, least, [c.wide for c in cols], limit - gaps)
+    )
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="")
     for i, c in enumerate(cols):
         t.add_column(
@@ -126,14 +134,14 @@ def _fit(natural: list[int], least: list[int], wide: list[bool], budget: int) ->
     return widths
 
 
-def render(renderable: Any, max_width: int | None = None) -> str:
+def render(renderable: Any, max_width: int) -> str:
     """A rich renderable as plain text at most ``max_width`` columns wide, no trailing spaces."""
     from rich.console import Console
 
     buf = io.StringIO()
     console = Console(
         file=buf,
-        width=max_width or width(),
+        width=max_width,
         color_system=None,
         force_terminal=False,
         highlight=False,
@@ -149,7 +157,10 @@ def wrap(text: str, *, indent: str = "", max_width: int | None = None) -> str:
     the first indented by ``indent``; terminal cells are counted (a CJK character takes two)."""
     from rich.text import Text
 
-    out = render(Text(text, overflow="fold"), (max_width or width()) - len(indent))
+    limit = max_width or width()
+    if limit is None:
+        return text
+    out = render(Text(text, overflow="fold"), limit - len(indent))
     return ("\n" + indent).join(out.split("\n"))
 
 

@@ -48,6 +48,7 @@ from ._args import (
     nonnegative_float,
     positive_int,
 )
+from ._lazy import lazy_attributes
 from ._output import Col, print_json, steps, table, wrap
 
 CASES = ("window", "causal", "documents", "bigbird", "alibi", "memory")
@@ -96,14 +97,7 @@ COLUMNS = (
 )
 
 
-def __getattr__(name: str) -> object:
-    """The measuring pieces of `_MEASURING`, imported on first use."""
-    if name in _MEASURING:
-        from . import _bench_cases
-
-        value = globals()[name] = getattr(_bench_cases, name)
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, dict.fromkeys(_MEASURING, "._bench_cases"))
 
 
 class _CaseSteps:

@@ -205,13 +205,21 @@ def run_check(
     device: Any = "cpu",
     show_na: bool = True,
     quiet: bool = True,
+    as_json: bool = False,
 ) -> int:
-    """Compares each backend with the float64 reference (`check_rows`), prints the table and the
-    summary on ``out`` (default stdout); returns the number of failures."""
+    """Compares each backend with the float64 reference (`check_rows`) and prints the table and
+    the summary (with ``as_json``, the rows as JSON) on ``out`` (default stdout).
+
+    Returns:
+        The number of failures.
+    """
     out = sys.stdout if out is None else out
     rows = check_rows(backend_names, dtype_names, L, S, device=device, quiet=quiet)
-    print(format_rows(rows, show_na=show_na), file=out)
-    print(f"\n{summary(rows, show_na=show_na)}", file=out)
+    if as_json:
+        print_json(rows, out)
+    else:
+        print(format_rows(rows, show_na=show_na), file=out)
+        print(f"\n{summary(rows, show_na=show_na)}", file=out)
     return sum(r["result"] == "FAIL" for r in rows)
 
 
@@ -253,13 +261,19 @@ def _cmd_check(args: argparse.Namespace) -> int:
     # By default an unbuilt C++ kernel is not built here (its pure-PyTorch engine is checked).
     building = contextlib.nullcontext() if args.all else _ext.reporting()
     with building:
-        rows = check_rows(names, dtypes, args.L, args.S, device=args.device, quiet=args.quiet)
-    failures = sum(r["result"] == "FAIL" for r in rows)
+        failures = run_check(
+            names,
+            dtypes,
+            args.L,
+            args.S,
+            device=args.device,
+            show_na=args.all,
+            quiet=args.quiet,
+            as_json=args.json,
+        )
     if args.json:
-        print_json(rows)
         return 1 if failures else 0
-    print(format_rows(rows, show_na=args.all))
-    notes = [summary(rows, show_na=args.all)]
+    notes = []
     if skipped_dtypes:
         notes.append(
             f"not checked: {', '.join(skipped_dtypes)} (this CPU has no native units for "
@@ -271,7 +285,6 @@ def _cmd_check(args: argparse.Namespace) -> int:
             "checked; `attnlab build` builds them (10–40 s each, once per machine), then "
             "`attnlab check` checks them (--all builds and checks them in one run)"
         )
-    print()
     for note in notes:
         print(wrap(note))
     print(f"({timer.seconds:.1f} s)")

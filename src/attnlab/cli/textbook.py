@@ -53,7 +53,7 @@ def _cmd_textbook(args: argparse.Namespace) -> int:
     elif args.json:
         print(as_json(rows))
     else:
-        print(as_text(rows, width=width()))
+        print(as_text(rows, width=width() or 100))
     bugs = [r.claim.id for r in rows if r.finding.verdict == DISAGREES]
     if bugs:
         print(

@@ -34,6 +34,7 @@ from ._args import (
     step_count,
     step_interval,
 )
+from ._lazy import lazy_attributes
 
 if TYPE_CHECKING:  # the library is imported where a command runs: --help imports no torch
     import torch
@@ -66,6 +67,9 @@ DEFAULTS = {
 SCHEDULES = ("cosine", "noam")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SWEEP_AXES = ("lr", "warmup")
+
+#: `attnlab.apps.gpt.train`, imported on first use (`attnlab.cli._lazy`).
+__getattr__ = lazy_attributes(__name__, {"train": "..apps.gpt"})
 
 #: Characters assumed by the memory estimate (the text's own count is known only once read;
 #: the embedding is a small part of any model that does not fit).
@@ -204,7 +208,7 @@ def _run_sweep(args: argparse.Namespace, settings: TrainSettings, values: dict) 
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from ..apps.gpt import CHECKPOINT_NAME, TrainSettings, train
+    from ..apps.gpt import CHECKPOINT_NAME, TrainSettings
     from ..distributed.ddp import process_group_from_env, rank_device
 
     defaults = TrainSettings()
@@ -236,7 +240,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             _check_resume(resume)
     device = rank_device(args.device)  # under torchrun: cuda -> cuda:LOCAL_RANK
     with process_group_from_env(device):  # torchrun: DistributedDataParallel over its ranks
-        result = train(
+        result = sys.modules[__name__].train(
             settings,
             resume=resume,
             progress=not args.quiet,

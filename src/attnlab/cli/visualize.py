@@ -45,9 +45,13 @@ from ._args import (
     nonnegative_int,
     positive_int,
 )
+from ._lazy import lazy_attributes
 
 if TYPE_CHECKING:  # the library is imported by the functions that run (--help imports no torch)
     from ..analysis.model_attentions import Attentions, LongAttentions
+
+#: `attnlab.apps.attentions.collect`, imported on first use (`attnlab.cli._lazy`).
+__getattr__ = lazy_attributes(__name__, {"collect": "..apps.attentions"})
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired"
 
@@ -328,8 +332,9 @@ def check_folder_inputs(folder: str, text: str) -> None:
 
 def _collect_runs(args: argparse.Namespace) -> list:
     """The runs to show: a comparison, a translate or ViT checkpoint, an HF folder or `collect`."""
-    from ..apps.attentions import MODELS, collect, hf_attentions
+    from ..apps.attentions import MODELS, hf_attentions
 
+    collect = sys.modules[__name__].collect
     kind = _kind(args.checkpoint) if args.checkpoint and args.model is None else None
     if args.compare is not None:
         return _compare_runs(args)
