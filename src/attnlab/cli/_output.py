@@ -26,6 +26,13 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 
+def _need_rich() -> None:
+    """rich (the ``cli`` extra) is importable, or a one-line error naming the extra."""
+    from ..utils.extras import require
+
+    require("rich", "cli", "the attnlab command's tables and progress")
+
+
 def width() -> int | None:
     """The width output must fit: ``COLUMNS`` if set, else the columns of the terminal stdout
     is, else None — output to a file or a pipe keeps one line per table row."""
@@ -68,7 +75,9 @@ def table(
 
     Raises:
         ValueError: a row whose length differs from the number of columns.
+        MissingExtraError: rich is not installed (the ``cli`` extra).
     """
+    _need_rich()
     from rich import box
     from rich.cells import cell_len
     from rich.table import Table
@@ -160,6 +169,7 @@ def wrap(text: str, *, indent: str = "", max_width: int | None = None) -> str:
     limit = max_width or width()
     if limit is None:
         return text
+    _need_rich()
     out = render(Text(text, overflow="fold"), limit - len(indent))
     return ("\n" + indent).join(out.split("\n"))
 
@@ -186,6 +196,7 @@ def working(what: str, *, quiet: bool) -> Iterator[None]:
     if quiet or not sys.stderr.isatty():
         yield
         return
+    _need_rich()
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 

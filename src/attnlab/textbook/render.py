@@ -87,7 +87,14 @@ def _block(head: str, fields: list[tuple[str, str]], width: int) -> str:
 def as_text(rows: Sequence[Row], *, width: int = 100) -> str:
     """One block per claim under a heading per source text (its number and title): verdict,
     id and section (in English, and as the text has it), the quote, the paraphrase, what
-    attnlab computes and the call — every field whole, wrapped to ``width`` columns."""
+    attnlab computes and the call — every field whole, wrapped to ``width`` columns.
+
+    Raises:
+        MissingExtraError: rich is not installed (the ``cli`` extra).
+    """
+    from ..utils.extras import require
+
+    require("rich", "cli", "attnlab.textbook.render.as_text")
     from rich.cells import cell_len
 
     out = []
