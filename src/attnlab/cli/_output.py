@@ -125,21 +125,21 @@ def table(
 def _fit(natural: list[int], least: list[int], wide: list[bool], budget: int) -> list[int]:
     """Column widths that sum to at most ``budget``: the natural widths, then narrower in turn —
     the wide columns down to 20, the others down to their longest word (``least``), the wide
-    ones down to theirs, and at last any column down to 4 (its long words fold)."""
+    ones down to theirs, and at last any column down to 4 (its long words fold). Within a turn
+    the widest column gives up a column first, so the narrowed ones end up alike."""
     widths = list(natural)
-    passes = (
-        (lambda i: wide[i], lambda i: max(least[i], min(20, natural[i]))),
-        (lambda i: not wide[i], lambda i: least[i]),
-        (lambda i: wide[i], lambda i: least[i]),
-        (lambda _i: True, lambda i: min(4, natural[i])),
+    turns = (
+        [max(least[i], min(20, natural[i])) if wide[i] else natural[i] for i in range(len(wide))],
+        [natural[i] if wide[i] else least[i] for i in range(len(wide))],
+        least,
+        [min(4, n) for n in natural],
     )
-    for chosen, floor in passes:
-        for i in sorted(range(len(widths)), key=lambda i: -widths[i]):
-            excess = sum(widths) - budget
-            if excess <= 0:
-                return widths
-            if chosen(i):
-                widths[i] = max(min(floor(i), widths[i]), widths[i] - excess)
+    for floors in turns:
+        while sum(widths) > budget:
+            above = [i for i, w in enumerate(widths) if w > floors[i]]
+            if not above:
+                break
+            widths[max(above, key=lambda i: widths[i])] -= 1
     return widths
 
 
