@@ -54,22 +54,23 @@ def test_check_passes_and_prints_table(capsys):
 
 
 def test_check_lists_calls_a_backend_cannot_run_as_not_supported(capsys):
-    """decode runs only decode steps: those pass against the reference, the rest are n/a."""
-    code = cli.main(["check", "--backend", "decode", "--dtype", "float32", "-L", "17", "-S", "23"])
-    out = capsys.readouterr().out
+    """decode runs only decode steps: those pass against the reference, the rest are n/a (listed
+    with the backend's own reason with --all, counted otherwise)."""
+    argv = ["check", "--backend", "decode", "--dtype", "float32", "-L", "17", "-S", "23"]
+    code = cli.main([*argv, "--all", "--json"])
+    rows = {r["mask"]: r for r in json.loads(capsys.readouterr().out)}
     assert code == 0
-    rows = {
-        line.split("  ")[1].strip(): line for line in out.splitlines() if line.startswith("decode ")
-    }
     steps = {name for name, case in _check_cases(2, 17, 23).items() if case[3]}
     assert steps == {"decode step", "decode step, padding"}
-    for name, line in rows.items():
+    for name, row in rows.items():
         if name in steps:
-            assert line.rstrip().endswith("pass"), line
+            assert row["result"] == "pass", row
         else:
-            assert "n/a: it " in line, line  # the backend's own reason
-    assert "n/a: it is inference-only" in rows["causal"]
+            assert row["result"] == "n/a" and row["reason"].startswith("it "), row
+    assert rows["causal"]["reason"].startswith("it is inference-only")
+    assert cli.main(argv) == 0
     n = len(rows)
+    out = " ".join(capsys.readouterr().out.split())
     assert f"{len(steps)} passed, 0 failed, {n - len(steps)} not supported" in out
 
 
@@ -195,6 +196,7 @@ def test_bench_prints_a_table_of_numbers(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(
         bench, "matmul_rate", lambda **kw: real_rate(**{**kw, "n": 256, "repeats": 1})
     )
+    monkeypatch.setenv("COLUMNS", "200")  # one line per row: the cells can be read back
     L, B, H, D = 128, 1, 2, 16
     argv = ["bench", "--case", "causal", "--causal-length", str(L), "--batch", str(B)]
     argv += ["--heads", str(H), "--dim", str(D), "--repeats", "2", "--no-backward", "--quiet"]
@@ -204,8 +206,8 @@ def test_bench_prints_a_table_of_numbers(tmp_path, capsys, monkeypatch):
     assert out[1].startswith("cpu: ") and "AMX: " in out[1]
     rate = float(re.fullmatch(r"fp32 matmul .*: ([0-9.]+) GFLOP/s .*", out[2]).group(1))
     assert rate > 0
-    header = out[4].split("  ")
-    assert [c.strip() for c in header if c.strip()] == [
+    header = re.split(r"\s{2,}", out[4].strip())
+    assert header == [
         "case",
         "dtype",
         "contender",
@@ -215,7 +217,7 @@ def test_bench_prints_a_table_of_numbers(tmp_path, capsys, monkeypatch):
         "flash is ×",
         "note",
     ]
-    assert set(out[5]) == {"-", " "}
+    assert set(out[5]) == {"─"}
     rows = {line.split("  ")[0].strip(): line for line in out[6:] if line}
     case = f"causal L={L} fwd"
     lines = [line for line in out[6:] if line.startswith(case)]

@@ -13,9 +13,11 @@ import sys
 import pytest
 
 import attnlab.analysis
+import attnlab.apps.gpt
 from attnlab import cli
+from attnlab.apps import attentions
 from attnlab.checkpoint import save_checkpoint
-from attnlab.cli import bench, check, train, visualize
+from attnlab.cli import bench, check
 from attnlab.models import GPT, TransformerConfig
 
 
@@ -30,9 +32,9 @@ def _heavy(*args, **kwargs):
 @pytest.fixture
 def no_heavy_work(monkeypatch):
     monkeypatch.setattr(bench, "matmul_rate", _heavy)
-    monkeypatch.setattr(check, "run_check", _heavy)
-    monkeypatch.setattr(train, "train", _heavy)
-    monkeypatch.setattr(visualize, "collect", _heavy)
+    monkeypatch.setattr(check, "check_rows", _heavy)
+    monkeypatch.setattr(attnlab.apps.gpt, "train", _heavy)
+    monkeypatch.setattr(attentions, "collect", _heavy)
     monkeypatch.setattr(attnlab.analysis, "scaling_experiment", _heavy)
     monkeypatch.setattr(attnlab.analysis, "temperature_experiment", _heavy)
 
@@ -151,7 +153,7 @@ def test_debug_shows_the_traceback(capsys):
 
 
 def test_an_unexpected_error_is_one_line_with_exit_1(monkeypatch, capsys):
-    monkeypatch.setattr(check, "run_check", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(check, "check_rows", lambda *a, **k: 1 / 0)
     code, err = run(["check", "--backend", "sdpa"], capsys)
     assert code == 1
     assert err == (

@@ -10,6 +10,10 @@ Errors: a bad argument or input (a parser error, or a ValueError/TypeError/OSErr
 raised by a command, e.g. the library's CheckpointError) prints ONE line on stderr,
 ``attnlab COMMAND: error: ...``, and exits with code 2; any other exception prints one line and
 exits with 1. ``--debug`` (before or after the command name) re-raises it with its traceback.
+``--help`` of the command and of every subcommand imports neither torch nor the library: each
+subcommand module registers its parser with the standard library only and imports the library
+inside the function that runs the command.
+
 Writing into a closed pipe (``attnlab check | head -3``) ends quietly with code 141 (128 + SIGPIPE).
 SIGTERM (``kill``, a batch scheduler, torchrun stopping its workers) is turned into an exception
 while a command runs, so its ``finally`` blocks remove the temp files it was writing; the command
@@ -25,8 +29,8 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from importlib.metadata import PackageNotFoundError, version
 
-from .. import __version__
 from . import (
     advise,
     bench,
@@ -115,13 +119,22 @@ def _message(e: BaseException) -> str:
     return _one_line(e) or type(e).__name__
 
 
+def _version() -> str:
+    """attnlab's installed version (the distribution's metadata: importing attnlab would load
+    torch), as ``attnlab.__version__`` reads it."""
+    try:
+        return version("attnlab")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "0.0.0+unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``attnlab`` command."""
     parser = Parser(
         prog="attnlab",
         description="attnlab: attention mechanisms — exact, fast, verified, easy to inspect.",
     )
-    parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
+    parser.add_argument("--version", action="version", version=f"attnlab {_version()}")
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of an error (any position)"
     )

@@ -5,6 +5,9 @@ Argument types raise `argparse.ArgumentTypeError`, so a bad value is reported by
 declared by `add_device_argument`), so an unavailable device never costs a model load.
 `check_output_file` and `check_output_dir` run at the start of a command, before any long
 work, and raise `UsageError`.
+
+This module imports no torch at import time (``attnlab --help`` loads it): the device checks
+import it when they run.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class UsageError(ValueError):
@@ -139,6 +144,8 @@ _ACCELERATORS = ("cuda", "mps", "xpu")
 
 def _accelerator_count(kind: str) -> int:
     """How many devices of type ``kind`` torch can use here (0 when unavailable or unknown)."""
+    import torch
+
     if kind == "cuda":
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     if kind == "mps":
@@ -169,6 +176,8 @@ def device_type(text: str) -> torch.device:
     the parser (one line naming ``--device``, the value and what is available; exit code 2)
     before any model, checkpoint or tensor is loaded.
     """
+    import torch
+
     available = ", ".join(available_devices())
     try:
         device = torch.device(text)
@@ -204,14 +213,18 @@ device_type.__name__ = "device"
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
-    """Declares ``--device`` (default cpu, checked by `device_type`) on a computing command."""
+    """Declares ``--device`` (default cpu, checked by `device_type`) on a computing command.
+
+    The default is the text ``"cpu"``, which argparse passes through `device_type` like a given
+    value, so ``args.device`` is always a `torch.device` while ``--help`` imports no torch.
+    """
     parser.add_argument(
         "--device",
         type=device_type,
-        default=torch.device("cpu"),
+        default="cpu",
         metavar="DEVICE",
-        help="torch device to compute on: cpu (default), cuda, cuda:N, mps or xpu when "
-        f"available (here: {', '.join(available_devices())})",
+        help="torch device to compute on: cpu (default), cuda, cuda:N, mps or xpu when torch "
+        "reports them available (a device that is not names the ones that are)",
     )
 
 

@@ -75,15 +75,16 @@ def memory_row(args, report: Report, progress: Progress, label: str, recipe: str
         return
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     useful = 4 * res["pairs"] * B * H * D / 1e9
-    lxs = args.run_dtype.itemsize * B * H * L * L / 1e9
+    score_mib = args.run_dtype.itemsize * B * H * L * L / 2**20
     report.rows.append(
         Row(
             label,
             "flash",
             res["fwd_bwd_s"],
             3.5 * useful / res["fwd_bwd_s"],
-            note=f"peak RSS growth {res['growth_mb'] / 1024:.2f} GB "
-            f"(one {SHORT.get(name_dt, name_dt)} L×S score tensor: {lxs:.1f} GB)",
+            note=f"peak RSS growth {res['growth_mb']:,.1f} MiB "
+            f"(one {SHORT.get(name_dt, name_dt)} L×S score tensor: {score_mib:,.1f} MiB)",
             dtype=name_dt,
+            peak_bytes=round(res["growth_mb"] * 2**20),
         )
     )

@@ -35,6 +35,7 @@ class Row:
     max_err: float | None = None
     dtype: str = "float32"
     tolerance: float | None = None
+    peak_bytes: int | None = None  # a memory row's peak RSS growth (what its plot panel draws)
 
     @property
     def within_tolerance(self) -> bool | None:

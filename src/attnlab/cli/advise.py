@@ -114,9 +114,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--seq", type=positive_int, default=4096, help="sequence length L")
-    p.add_argument(
-        "--budget", type=_budget, default=_budget("16GB"), help="memory budget (default 16GB)"
-    )
+    p.add_argument("--budget", type=_budget, default="16GB", help="memory budget (default 16GB)")
     p.add_argument(
         "--gflops",
         type=positive_float,

@@ -41,10 +41,6 @@ import json
 import sys
 from dataclasses import replace
 
-import torch
-
-from ..functional.thresholds import cpu_info
-from ..utils import Progress, text_table
 from ._args import (
     UsageError,
     add_device_argument,
@@ -52,24 +48,13 @@ from ._args import (
     nonnegative_float,
     positive_int,
 )
-from ._bench_cases import (  # noqa: F401  (re-exported: the measuring pieces live there)
-    CLOCKS,
-    DTYPES,
-    SHORT,
-    Report,
-    Row,
-    case_alibi,
-    case_bigbird,
-    case_causal,
-    case_documents,
-    case_memory,
-    case_window,
-    interleaved,
-    matmul_rate,
-    matmul_size,
-)
+from ._lazy import lazy_attributes
+from ._output import Col, print_json, steps, table, wrap
 
 CASES = ("window", "causal", "documents", "bigbird", "alibi", "memory")
+#: ``--dtype`` choices and ``--clock`` choices (`attnlab.cli._bench_rows.DTYPES`, `CLOCKS`).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+CLOCK_NAMES = ("wall", "cpu")
 #: File types ``--plot`` can write (matplotlib's raster and vector formats).
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 #: Sequence length of each case (``--window-length`` etc.); ``--quick`` divides the ones not given.
@@ -81,6 +66,50 @@ LENGTHS = {
     "alibi_length": 16384,
     "memory_length": 65536,
 }
+#: What `attnlab.cli._bench_cases` measures with (it imports torch): attributes of this module,
+#: loaded on first use, so ``attnlab bench --help`` imports no torch. `run_bench` looks them up
+#: on the module, so a stand-in set on it (a test's) is what runs.
+_MEASURING = (
+    "CLOCKS",
+    "DTYPES",
+    "SHORT",
+    "Report",
+    "Row",
+    "case_alibi",
+    "case_bigbird",
+    "case_causal",
+    "case_documents",
+    "case_memory",
+    "case_window",
+    "interleaved",
+    "matmul_rate",
+    "matmul_size",
+)
+COLUMNS = (
+    Col("case"),
+    Col("dtype"),
+    Col("contender"),
+    Col("seconds", right=True),
+    Col("useful GF/s", right=True),
+    Col("% mm", right=True),
+    Col("flash is ×", right=True),
+    Col("note", wide=True),
+)
+
+
+__getattr__ = lazy_attributes(__name__, dict.fromkeys(_MEASURING, "._bench_cases"))
+
+
+class _CaseSteps:
+    """What the cases report their timed calls to: the bar counts cases (so it ends at its
+    total, whatever contenders a case finds to time) and shows the call being timed."""
+
+    def __init__(self, bar) -> None:
+        self.bar = bar
+
+    def step(self, what: str | None = None) -> None:
+        if what:
+            self.bar.set_postfix(now=what[:60])
 
 
 # --------------------------------------------------------------------------- output
@@ -99,19 +128,29 @@ def matrix_units(flags: frozenset[str] | set[str]) -> str:
     )
 
 
-def format_table(report: Report) -> str:
-    """The results as a plain-text table, with speed-ups against flash within each case."""
-    lines = [f"machine: {report.info.get('machine', '')}", f"cpu: {report.info.get('cpu', '')}"]
+def _short(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+
+
+def format_table(report) -> str:
+    """The results as a table that fits the terminal, with speed-ups against flash within each
+    case; the header lines (machine, cpu, matmul rates) wrap like the notes."""
+    lines = [
+        wrap(f"machine: {report.info.get('machine', '')}", indent="  "),
+        wrap(f"cpu: {report.info.get('cpu', '')}", indent="  "),
+    ]
     for name, rate in report.matmul_gflops.items():
         n = report.matmul_size.get(name, 4096)
         lines.append(
-            f"{SHORT.get(name, name)} matmul (torch.mm {n}², {name}): {_rate(rate)} GFLOP/s  "
-            "<- the physical limit"
+            wrap(
+                f"{_short(name)} matmul (torch.mm {n}², {name}): {_rate(rate)} GFLOP/s  "
+                "<- the physical limit",
+                indent="  ",
+            )
         )
     lines.append("")
-    header = ("case", "dtype", "contender", "seconds", "useful GF/s", "% mm", "flash is ×", "note")
     rows: list[tuple[str, ...] | None] = []
-    by_case: dict[tuple[str, str], list[Row]] = {}
+    by_case: dict[tuple[str, str], list] = {}
     for r in report.rows:
         by_case.setdefault((r.case, r.dtype), []).append(r)
     for (case, dtype), case_rows in by_case.items():
@@ -130,7 +169,7 @@ def format_table(report: Report) -> str:
             rows.append(
                 (
                     case,
-                    SHORT.get(dtype, dtype),
+                    _short(dtype),
                     r.name,
                     f"{r.seconds:.3f}" if r.seconds is not None else "n/a",
                     f"{gf:.1f}" if gf else "",
@@ -140,7 +179,7 @@ def format_table(report: Report) -> str:
                 )
             )
         rows.append(None)
-    lines.append(text_table(header, rows, align="<<<>>>><"))
+    lines.append(table(COLUMNS, rows[:-1]))
     return "\n".join(lines)
 
 
@@ -161,7 +200,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--dtype",
-        choices=list(DTYPES),
+        choices=DTYPE_NAMES,
         nargs="+",
         default=["float32"],
         help="the dtype(s) of every contender (default: float32); several run one after another",
@@ -196,7 +235,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--clock",
-        choices=list(CLOCKS),
+        choices=CLOCK_NAMES,
         default="wall",
         help="wall clock, or this process's CPU time (cpu; with --threads 1 on a shared machine)",
     )
@@ -216,7 +255,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--dtype and cache them (python -m attnlab.analysis.calibrate)",
     )
     p.add_argument("--plot", metavar="PNG", help="also write a bar chart")
-    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="print the rows as JSON instead of the table, or with PATH also write them there",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress output")
     add_device_argument(p)
     p.set_defaults(func=run_bench)
@@ -225,9 +270,14 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Runs the selected cases in every dtype, prints the table; returns the exit code."""
+    import torch
+
+    from ..functional.thresholds import cpu_info
+
+    this = sys.modules[__name__]  # the measuring pieces, looked up where a test can replace them
     cases = list(CASES) if "all" in args.case else list(dict.fromkeys(args.case))
     dtypes = list(dict.fromkeys(args.dtype))
-    if args.json:
+    if args.json not in (None, "-"):
         check_output_file(args.json, "--json")
     if args.plot:
         check_output_file(args.plot, "--plot", PLOT_SUFFIXES)
@@ -241,9 +291,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for name, default in LENGTHS.items():  # explicit lengths are kept, --quick or not
         if getattr(args, name, None) is None:
             setattr(args, name, max(256, default // 8) if args.quick else default)
-    steps = len(dtypes) * (1 + len(cases) * (2 * 6 * (args.repeats + 1)))
-    progress = Progress(total=steps, unit="step", enabled=not args.quiet, echo=True)
-    report = Report()
+    report = this.Report()
     model, flags = cpu_info()
     report.info["machine"] = (
         f"{model}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
@@ -258,48 +306,51 @@ def run_bench(args: argparse.Namespace) -> int:
             "--documents-length",
             f"must be a multiple of --doc-length={args.doc_length}, got {args.documents_length}",
         )
-    runners = {
-        "window": case_window,
-        "causal": case_causal,
-        "documents": case_documents,
-        "bigbird": case_bigbird,
-        "alibi": case_alibi,
-        "memory": case_memory,
-    }
-    clock = CLOCKS[args.clock]
-    for name_dt in dtypes:
-        args.run_dtype = DTYPES[name_dt]
-        progress.step(f"{name_dt} matmul rate")
-        n = matmul_size(args.run_dtype, args.device, clock=clock)
-        report.matmul_size[name_dt] = n
-        report.matmul_gflops[name_dt] = matmul_rate(
-            n=n, device=args.device, dtype=args.run_dtype, clock=clock
-        )
-        for name in cases:
-            runners[name](args, report, progress)
-    progress.close()
-    text = format_table(report)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "matmul_gflops": report.matmul_gflops,
-                    "info": report.info,
-                    "rows": [r.to_dict() for r in report.rows],
-                },
-                f,
-                indent=1,
+    runners = {name: getattr(this, f"case_{name}") for name in CASES}
+    clock = this.CLOCKS[args.clock]
+    # one step per dtype's matmul rate and per case: the bar ends at its total
+    bar = steps(total=len(dtypes) * (1 + len(cases)), desc="attnlab bench", quiet=args.quiet)
+    progress = _CaseSteps(bar)
+    with bar:
+        for name_dt in dtypes:
+            args.run_dtype = this.DTYPES[name_dt]
+            progress.step(f"{name_dt} matmul rate")
+            n = this.matmul_size(args.run_dtype, args.device, clock=clock)
+            report.matmul_size[name_dt] = n
+            report.matmul_gflops[name_dt] = this.matmul_rate(
+                n=n, device=args.device, dtype=args.run_dtype, clock=clock
             )
+            bar.step()
+            for name in cases:
+                runners[name](args, report, progress)
+                bar.step()
+    _write(args, report, multi_dtype=len(dtypes) > 1)
+    return 0
+
+
+def _write(args: argparse.Namespace, report, *, multi_dtype: bool) -> None:
+    """The table (or with ``--json`` alone the JSON) on stdout, then the files asked for."""
+    data = {
+        "matmul_gflops": report.matmul_gflops,
+        "info": report.info,
+        "rows": [r.to_dict() for r in report.rows],
+    }
+    if args.json == "-":
+        print_json(data)
+    else:
+        print(format_table(report))
+    if args.json not in (None, "-"):
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
     if args.plot:
         from ..viz.bench import plot_bench
 
         rows = report.rows
-        if len(dtypes) > 1:  # one panel per case and dtype
-            rows = [replace(r, case=f"{r.case} {SHORT.get(r.dtype, r.dtype)}") for r in rows]
+        if multi_dtype:  # one panel per case and dtype
+            rows = [replace(r, case=f"{r.case} {_short(r.dtype)}") for r in rows]
         plot_bench(rows, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
+        if args.json != "-":
+            print(f"wrote {args.plot}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import _ext
-
 
 def _cmd_build(args: argparse.Namespace) -> int:
+    from .. import _ext
+
     failures = _ext.build_kernels(args.kernel, force=args.force)
     if not failures:
         return 0
@@ -27,8 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "build",
         help="compile attnlab's C++ kernels for this CPU (once per machine and torch version)",
         description=(
-            "Compiles attnlab's C++ kernels (default: all of "
-            f"{', '.join(_ext.KERNELS)}) for the CPU at hand (-march=native) and the installed "
+            "Compiles attnlab's C++ kernels (default: all; `attnlab info` lists them) for the "
+            "CPU at hand (-march=native) and the installed "
             "torch into the cache directory, one line per kernel with its time, then the "
             "total. Kernels already built are only loaded (--force rebuilds them). A process "
             "that finds a kernel unbuilt builds it in the call that needs it (one stderr line); "
@@ -40,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "kernel",
         nargs="*",
         metavar="KERNEL",
-        help=f"kernels to build (default: all; one of {', '.join(_ext.KERNELS)})",
+        help="kernels to build (default: all; `attnlab info` lists them, an unknown name is "
+        "refused with the list)",
     )
     build.add_argument("--force", action="store_true", help="rebuild kernels already built")
     build.set_defaults(func=_cmd_build)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ._args import UsageError, add_device_argument, int_at_least, positive_int
+from ._output import print_json, working
 
 #: Memory `--measure` may use for its runs (the naive run holds the L×S scores and their grads).
 MEASURE_LIMIT_BYTES = 4 * 2**30
@@ -55,6 +56,16 @@ def _cmd_model(args: argparse.Namespace) -> int:
     from ..analysis.costs import max_seq_len, model_cost
 
     kw = _model_kwargs(args)
+    if args.json:
+        data = {
+            attention: model_cost(args.seq, attention=attention, **kw).__dict__
+            for attention in ("naive", "flash")
+        }
+        if args.budget is not None:
+            for attention in ("naive", "flash"):
+                data[attention]["max_seq_len"] = max_seq_len(args.budget, attention=attention, **kw)
+        print_json(_jsonable(data))
+        return 0
     mode = "inference" if args.infer else f"training ({args.optimizer})"
     print(
         f"model: {args.layers} layers, E={args.d_model}, H={args.heads}, F={args.d_ff or 'default'}"
@@ -72,6 +83,17 @@ def _cmd_model(args: argparse.Namespace) -> int:
                 f"GiB), attention={attention}: {n:,}"
             )
     return 0
+
+
+def _jsonable(data: object) -> object:
+    """``data`` with what JSON cannot hold (a mask, a dtype) as its text."""
+    if isinstance(data, dict):
+        return {str(k): _jsonable(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [_jsonable(v) for v in data]
+    if data is None or isinstance(data, bool | int | float | str):
+        return data
+    return str(data)
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
@@ -94,6 +116,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         raise UsageError(
             "--measure", "measures the attention layers only; drop --train/--infer/--budget"
         )
+    if args.json and (args.complexity or args.io is not None):
+        flag = "--complexity" if args.complexity else "--io"
+        raise UsageError("--json", f"prints the estimate's rows; {flag} prints a text, drop one")
     if args.complexity:
         print(complexity_text(args.seq, args.d_model))
         return 0
@@ -139,13 +164,18 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
                 f"{MEASURE_LIMIT_BYTES / 2**30:.0f} GiB (lower --seq, --batch or --heads, or "
                 "drop --measure)",
             )
+    if args.measure:
+        with working("attnlab estimate --measure", quiet=args.quiet or args.json):
+            measure_estimate(est, device=args.device)
+    if args.json:
+        rows = [{"quantity": q, "unit": unit, "values": v} for q, unit, v in est.rows]
+        print_json(_jsonable({"config": c, "rows": rows, "measured": est.measured}))
+        return 0
     print(
         f"B={c['B']} L={c['L']} S={c['S']} E={c['E']} H={c['H']} H_kv={c['H_kv']} D={c['D']} "
         f"layers={c['layers']} {c['dtype']}: {c['attended_pairs']:,} of {c['dense_pairs']:,} "
         "pairs attended per head\n"
     )
-    if args.measure:
-        measure_estimate(est, device=args.device)
     print(est.table())
     return 0
 
@@ -215,5 +245,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="M",
         help="IO model of tiled vs naive attention with a fast memory of M elements",
     )
+    est.add_argument("--json", action="store_true", help="print the rows as JSON")
+    est.add_argument("--quiet", action="store_true", help="no progress line (--measure)")
     add_device_argument(est)
     est.set_defaults(func=_cmd_estimate)

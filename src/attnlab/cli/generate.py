@@ -7,8 +7,8 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
 
-from ..apps.gpt import load, sample_text, vocab_of
 from ._args import (
     UsageError,
     add_device_argument,
@@ -17,9 +17,16 @@ from ._args import (
     positive_float,
     positive_int,
 )
+from ._lazy import lazy_attributes
+
+#: `attnlab.apps.gpt.load`, imported on first use (`attnlab.cli._lazy`).
+__getattr__ = lazy_attributes(__name__, {"load": "..apps.gpt"})
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from ..apps.gpt import sample_text, vocab_of
+
+    load = sys.modules[__name__].load
     if not args.prompt:
         raise UsageError("--prompt", "must not be empty")
     try:

@@ -13,6 +13,7 @@ import argparse
 import json
 
 from ._args import add_device_argument, check_output_file, float_in, int_at_least
+from ._output import print_json, working
 
 
 def _fractions(text: str) -> list[float]:
@@ -32,33 +33,40 @@ def _fractions(text: str) -> list[float]:
 def _cmd_heads(args: argparse.Namespace) -> int:
     from ..analysis.heads import alice_sentences, classify_heads, pruning_sweep
 
-    if args.json:
+    to_stdout = args.json == "-"
+    if args.json and not to_stdout:
         check_output_file(args.json, "--json", (".json",))
-    if args.action == "classify":
-        report = classify_heads(alice_sentences(args.sentences), device=args.device)
-        print(report.table())
-        data: object = report.rows()
+    if args.action == "prune" and args.png:
+        check_output_file(args.png, "--png", (".png",))
+    with working(f"attnlab heads {args.action}", quiet=args.quiet):
+        if args.action == "classify":
+            result = classify_heads(alice_sentences(args.sentences), device=args.device)
+            data: object = result.rows()
+        else:
+            result = pruning_sweep(
+                args.fractions,
+                eval_sentences=args.sentences,
+                importance_sentences=args.importance_sentences,
+                seeds=args.seeds,
+                threshold=args.threshold,
+                device=args.device,
+            )
+            data = result.as_dict()
+    if to_stdout:
+        print_json(data)
     else:
-        if args.png:
-            check_output_file(args.png, "--png", (".png",))
-        sweep = pruning_sweep(
-            args.fractions,
-            eval_sentences=args.sentences,
-            importance_sentences=args.importance_sentences,
-            seeds=args.seeds,
-            threshold=args.threshold,
-            device=args.device,
-        )
-        print(sweep.table())
-        data = sweep.as_dict()
-        if args.png:
-            from ..viz.heads import plot_pruning
+        print(result.table())
+    written = []
+    if args.action == "prune" and args.png:
+        from ..viz.heads import plot_pruning
 
-            print(f"\nwrote {plot_pruning(args.png, sweep)}")
-    if args.json:
+        written.append(str(plot_pruning(args.png, result)))
+    if args.json and not to_stdout:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1)
-        print(f"wrote {args.json}")
+        written.append(args.json)
+    if written and not to_stdout:
+        print("\n" + "\n".join(f"wrote {path}" for path in written))
     return 0
 
 
@@ -102,9 +110,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--png", default=None, help="prune: also write the plot to this PNG file")
     p.add_argument(
         "--json",
-        default=None,
-        help="also write the rows as JSON to this file (classify: entropy in nats, "
-        "normalised_entropy = entropy / ln T)",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="print the rows as JSON instead of the table, or with PATH also write them there "
+        "(classify: entropy in nats, normalised_entropy = entropy / ln T)",
     )
+    p.add_argument("--quiet", action="store_true", help="no progress line")
     add_device_argument(p)
     p.set_defaults(func=_cmd_heads)

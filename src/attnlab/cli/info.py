@@ -8,12 +8,6 @@ import os
 import platform
 from typing import Any
 
-import torch
-
-from .. import __version__, _ext, _settings
-from ..functional.thresholds import cpu_info
-from ..functional.thresholds import describe as describe_thresholds
-
 #: CPU flags that decide attnlab's and torch's vector paths (x86: AVX2/AVX-512/AMX; ARM: SIMD).
 RELEVANT_FLAGS = (
     "avx",
@@ -34,11 +28,17 @@ RELEVANT_FLAGS = (
     "sve",
     "bf16",
 )
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def environment() -> dict[str, Any]:
     """What ``attnlab info`` prints, as a dict (nothing is built or loaded to find it out)."""
+    import torch
+
+    from .. import __version__, _ext, _settings
+    from ..functional.thresholds import cpu_info
+    from ..functional.thresholds import describe as describe_thresholds
+
     model, flags = cpu_info()
     x86 = platform.machine() in ("x86_64", "AMD64", "i686")
     shown = [f for f in RELEVANT_FLAGS if (f in flags) or (x86 and f.startswith(("avx", "amx")))]
@@ -77,12 +77,14 @@ def environment() -> dict[str, Any]:
             "cache": str(_ext.cache_dir()),
             "kernels": kernels,
         },
-        "thresholds": {str(d).removeprefix("torch."): describe_thresholds(d) for d in DTYPES},
+        "thresholds": {d: describe_thresholds(getattr(torch, d)) for d in DTYPES},
     }
 
 
 def print_environment(env: dict[str, Any]) -> None:
     """Prints `environment`'s dict as text, one fact per line."""
+    from .. import _ext
+
     cpu, tch, ext = env["cpu"], env["torch"], env["ext"]
     have = " ".join(f for f, on in cpu["flags"].items() if on) or "none of interest"
     lack = " ".join(f for f, on in cpu["flags"].items() if not on)

@@ -20,7 +20,7 @@ def _cmd_textbook(args: argparse.Namespace) -> int:
     from ..textbook import DISAGREES, all_exercises, get_exercise, run_claim, select_claims
     from ..textbook.exercises import render as render_exercise
     from ..textbook.render import as_json, as_markdown, as_text, summary
-    from ..utils.progress import Progress
+    from ._output import steps, width
 
     if args.exercise is not None:
         try:
@@ -43,9 +43,9 @@ def _cmd_textbook(args: argparse.Namespace) -> int:
             print(f"exercise {e.id}\t{e.source}{origin}\t{e.title}")
         return 0
     rows = []
-    bar = Progress(claims, desc="textbook", unit="claim", enabled=not args.quiet, tty_only=True)
-    for c in bar:
-        rows.append(run_claim(c))
+    with steps(claims, desc="attnlab textbook", quiet=args.quiet) as bar:
+        for c in bar:
+            rows.append(run_claim(c))
     if args.markdown is not None:
         with open(args.markdown, "w", encoding="utf-8") as f:
             f.write(as_markdown(rows))
@@ -53,7 +53,7 @@ def _cmd_textbook(args: argparse.Namespace) -> int:
     elif args.json:
         print(as_json(rows))
     else:
-        print(as_text(rows))
+        print(as_text(rows, width=width() or 100))
     bugs = [r.claim.id for r in rows if r.finding.verdict == DISAGREES]
     if bugs:
         print(
@@ -76,12 +76,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "textbook",
         help="check every claim of the source texts live and print a verdict for each",
         description=(
-            "Walks every quantitative or checkable claim of the five source texts and prints, per "
-            "claim, its id (seed + section), the original sentence and an English paraphrase, "
+            "Walks every quantitative or checkable claim of the five source texts and prints, "
+            "under each text's number and title, per claim its id (seed + section), the "
+            "section's title in English and as the text has it, the original sentence and an "
+            "English paraphrase, "
             "what attnlab computes and the call that computed it, and a verdict: agrees, text "
             "error (with the reason and the independent derivation that backs attnlab), "
             "disagrees (a library bug) or not checkable here (naming what is missing). Exits 1 "
-            "on any disagrees and if a verdict differs from the one the claim declares."
+            "on any disagrees and if a verdict differs from the one the claim declares. The text "
+            "wraps to the terminal's width and no field is cut; --json carries every field."
         ),
     )
     out = p.add_mutually_exclusive_group()

@@ -16,21 +16,8 @@ import os
 import sys
 from dataclasses import asdict, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..apps.gpt import (
-    CHECKPOINT_NAME,
-    PRECISIONS,
-    SCHEDULES,
-    SWEEP_AXES,
-    TrainSettings,
-    sweep,
-    sweep_plan,
-    train,
-    write_sweep,
-)
-from ..distributed.ddp import launched_by_torchrun, process_group_from_env, rank_device
 from . import tasks
 from ._args import (
     MAX_THREADS,
@@ -47,7 +34,42 @@ from ._args import (
     step_count,
     step_interval,
 )
-from ._budget import Estimate, check_fits, parameter_count, transformer_activation_bytes
+from ._lazy import lazy_attributes
+
+if TYPE_CHECKING:  # the library is imported where a command runs: --help imports no torch
+    import torch
+
+    from ..apps.gpt import TrainSettings
+
+#: `attnlab.apps.gpt.TrainSettings`' defaults that ``--help`` prints, and the choices of
+#: --schedule and --precision and the axes of --sweep (`SCHEDULES`, `PRECISIONS`, `SWEEP_AXES`),
+#: written out because ``--help`` imports no torch (a test holds them equal).
+DEFAULTS = {
+    "out_dir": "runs/alice",
+    "steps": 600,
+    "batch_size": 16,
+    "seq_len": 128,
+    "d_model": 128,
+    "n_layers": 4,
+    "n_heads": 4,
+    "n_kv_heads": None,
+    "dropout": 0.1,
+    "lr": 3e-3,
+    "min_lr": 3e-4,
+    "warmup": 50,
+    "weight_decay": 0.1,
+    "grad_clip": 1.0,
+    "eval_interval": 100,
+    "eval_batches": 8,
+    "save_interval": 200,
+    "seed": 1337,
+}
+SCHEDULES = ("cosine", "noam")
+PRECISIONS = ("fp32", "bf16", "fp16")
+SWEEP_AXES = ("lr", "warmup")
+
+#: `attnlab.apps.gpt.train`, imported on first use (`attnlab.cli._lazy`).
+__getattr__ = lazy_attributes(__name__, {"train": "..apps.gpt"})
 
 #: Characters assumed by the memory estimate (the text's own count is known only once read;
 #: the embedding is a small part of any model that does not fit).
@@ -60,6 +82,9 @@ def check_memory(settings: TrainSettings, device: torch.device) -> None:
     Parameters are counted on the meta device (`parameter_count`), activations estimated for
     one batch (`transformer_activation_bytes`; under torchrun, this rank's part of it).
     """
+    from ..apps.gpt import TrainSettings
+    from ..distributed.ddp import launched_by_torchrun
+    from ._budget import Estimate, check_fits, parameter_count, transformer_activation_bytes
 
     def build(layers: int) -> torch.nn.Module:
         from ..models import GPT
@@ -101,6 +126,8 @@ def _check_resume(path: str) -> None:
 
 def _given_values(args: argparse.Namespace) -> dict:
     """The `TrainSettings` fields given on the command line (``--positional none``: None)."""
+    from ..apps.gpt import TrainSettings
+
     values = {
         f.name: getattr(args, f.name)
         for f in fields(TrainSettings)
@@ -153,6 +180,11 @@ def _check_heads(values: dict, defaults: TrainSettings) -> None:
 
 def _run_sweep(args: argparse.Namespace, settings: TrainSettings, values: dict) -> int:
     """--sweep: one run per grid point (every point checked first), then the table and files."""
+    import torch
+
+    from ..apps.gpt import sweep, sweep_plan, write_sweep
+    from ..distributed.ddp import launched_by_torchrun
+
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if launched_by_torchrun() and os.environ["WORLD_SIZE"] != "1":
@@ -176,6 +208,9 @@ def _run_sweep(args: argparse.Namespace, settings: TrainSettings, values: dict) 
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from ..apps.gpt import CHECKPOINT_NAME, TrainSettings
+    from ..distributed.ddp import process_group_from_env, rank_device
+
     defaults = TrainSettings()
     values = _given_values(args)
     _check_schedule(values, defaults)
@@ -205,7 +240,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             _check_resume(resume)
     device = rank_device(args.device)  # under torchrun: cuda -> cuda:LOCAL_RANK
     with process_group_from_env(device):  # torchrun: DistributedDataParallel over its ranks
-        result = train(
+        result = sys.modules[__name__].train(
             settings,
             resume=resume,
             progress=not args.quiet,
@@ -244,7 +279,6 @@ def _parse_sweep(specs: list[str]) -> dict[str, list[float | int]]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Adds ``attnlab train`` to the CLI's subparsers."""
-    d = TrainSettings()
     p = sub.add_parser(
         "train",
         help="train a character-level GPT on a text file (default: the shipped Alice text)",
@@ -266,13 +300,16 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Every file is written atomically; a run ended by SIGTERM or Ctrl-C removes its "
             "temp files, and the temp files of a killed run (SIGKILL) are removed by the next "
             "run into the same directory. "
-            f"The defaults ({d.steps} steps) learn visibly in a few minutes on 2 CPU cores."
+            f"The defaults ({DEFAULTS['steps']} steps) learn visibly in a few minutes on 2 CPU "
+            "cores."
         ),
     )
     p.add_argument(
         "--text", type=existing_file, help="UTF-8 text file (default: the shipped alice.txt)"
     )
-    p.add_argument("--out", dest="out_dir", help=f"output directory (default {d.out_dir})")
+    p.add_argument(
+        "--out", dest="out_dir", help=f"output directory (default {DEFAULTS['out_dir']})"
+    )
     p.add_argument(
         "--resume",
         nargs="?",
@@ -300,7 +337,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("seed", seed_int, "random seed"),
     ):
         flag = "--" + name.replace("_", "-")
-        p.add_argument(flag, dest=name, type=kind, help=f"{text} (default {getattr(d, name)})")
+        p.add_argument(flag, dest=name, type=kind, help=f"{text} (default {DEFAULTS[name]})")
     p.add_argument(
         "--positional",
         choices=["rope", "learned", "sinusoidal", "alibi", "none"],

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 
-from ..apps.translate import MAX_SOURCE_CHARS
 from ._args import UsageError, add_device_argument, existing_file, int_in
 
+#: The longest TEXT accepted: `attnlab.apps.translate.MAX_SOURCE_CHARS`, written out because
+#: ``--help`` imports no torch (a test holds the two equal).
+MAX_SOURCE_CHARS = 256
 #: Texts decoded together (a longer list is translated in batches of this many).
 BATCH = 64
 #: The widest beam ``--beam`` accepts (the decoding work grows with it).

@@ -35,9 +35,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..analysis.model_attentions import Attentions, LongAttentions
-from ..apps.attentions import MODELS, collect, hf_attentions
 from ._args import (
     UsageError,
     add_device_argument,
@@ -46,6 +45,13 @@ from ._args import (
     nonnegative_int,
     positive_int,
 )
+from ._lazy import lazy_attributes
+
+if TYPE_CHECKING:  # the library is imported by the functions that run (--help imports no torch)
+    from ..analysis.model_attentions import Attentions, LongAttentions
+
+#: `attnlab.apps.attentions.collect`, imported on first use (`attnlab.cli._lazy`).
+__getattr__ = lazy_attributes(__name__, {"collect": "..apps.attentions"})
 
 DEFAULT_TEXT = "The animal didn't cross the street because it was too tired"
 
@@ -57,6 +63,8 @@ def _short(text: str, limit: int = 80) -> str:
 
 
 def _shape(run: Attentions | LongAttentions) -> tuple[int, ...]:
+    from ..analysis.model_attentions import LongAttentions
+
     return run.shape if isinstance(run, LongAttentions) else tuple(run.weights.shape)
 
 
@@ -98,6 +106,7 @@ def _vit_run(args: argparse.Namespace) -> Attentions:
     held-out split, default 0): [CLS] and the patches as tokens, every layer and head."""
     import torch
 
+    from ..analysis.model_attentions import Attentions
     from ..apps.vit import digits_split, load
     from ..viz.vit import patch_tokens
 
@@ -128,6 +137,7 @@ def _translate_run(
     """The cross-attention of a translate checkpoint (``path``, default ``--checkpoint``) on its
     own translation of TEXT: output characters (queries) × source characters (keys), every
     layer and head (an RNN's additive attention: one layer, one head)."""
+    from ..analysis.model_attentions import Attentions
     from ..apps.translate import MAX_SOURCE_CHARS, cross_attentions, langs_of, load, vocab_of
 
     if len(args.text) > MAX_SOURCE_CHARS:
@@ -322,6 +332,9 @@ def check_folder_inputs(folder: str, text: str) -> None:
 
 def _collect_runs(args: argparse.Namespace) -> list:
     """The runs to show: a comparison, a translate or ViT checkpoint, an HF folder or `collect`."""
+    from ..apps.attentions import MODELS, hf_attentions
+
+    collect = sys.modules[__name__].collect
     kind = _kind(args.checkpoint) if args.checkpoint and args.model is None else None
     if args.compare is not None:
         return _compare_runs(args)
@@ -340,6 +353,7 @@ def _collect_runs(args: argparse.Namespace) -> list:
 
 def _print_text(args: argparse.Namespace, runs: list) -> None:
     """--format text: each run's top-3 attended tokens per query."""
+    from ..analysis.model_attentions import LongAttentions
     from ..viz.attention_view import attention_text
 
     layers = None if args.layer is None else [args.layer]
@@ -360,6 +374,7 @@ def _print_text(args: argparse.Namespace, runs: list) -> None:
 
 def _write_html(args: argparse.Namespace, runs: list) -> None:
     """--format html: one viewer page for the runs at --out, and its notes."""
+    from ..analysis.model_attentions import LongAttentions
     from ..viz.attention_view import MAX_FULL_TOKENS, AttentionView, long_view_data, show
 
     views = [
@@ -416,6 +431,8 @@ def _write_png(args: argparse.Namespace, runs: list, png: Path) -> None:
 
 
 def _cmd_visualize(args: argparse.Namespace) -> int:
+    from ..analysis.model_attentions import LongAttentions
+
     if args.format == "html":
         check_output_file(args.out, "--out", (".html", ".htm"))
     png = None

@@ -1,13 +1,18 @@
-"""The three renderings of `attnlab textbook` rows: terminal text, JSON and Markdown."""
+"""The three renderings of `attnlab textbook` rows: terminal text, JSON and Markdown.
+
+The terminal text (`as_text`) is laid out by rich (the ``cli`` extra, imported when it is
+called): every field wraps to the given width and is never cut, Chinese counted as two columns.
+"""
 
 from __future__ import annotations
 
+import io
 import json
-import textwrap
 from collections import Counter
 from collections.abc import Sequence
 
 from .core import DISAGREES, SEEDS, VERDICTS, Row
+from .titles import english
 
 _DOC_HEADER = """\
 # The textbook, runnable
@@ -37,39 +42,87 @@ def summary(rows: Sequence[Row]) -> str:
     return f"{len(rows)} claims: {parts}{tail}"
 
 
-def _short(text: str, width: int) -> str:
-    one = " ".join(text.split())
-    return one if len(one) <= width else one[: width - 1] + "…"
+def section_title(section: str) -> str:
+    """A heading as printed: its English title, then the original when that differs
+    (``8.1.3 Scaled dot-product attention (8.1.3 缩放点积注意力)``)."""
+    title = english(section)
+    if title is None:
+        return section
+    return title if title == section else f"{title} ({section})"
+
+
+def _plain(renderable: object, width: int) -> str:
+    """``renderable`` rendered by rich as plain text ``width`` columns wide, no trailing
+    spaces."""
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(
+        file=buf,
+        width=width,
+        color_system=None,
+        force_terminal=False,
+        highlight=False,
+        markup=False,
+        emoji=False,
+    )
+    console.print(renderable)
+    return "\n".join(line.rstrip() for line in buf.getvalue().rstrip("\n").split("\n"))
+
+
+def _block(head: str, fields: list[tuple[str, str]], width: int) -> str:
+    """A claim's block: the head line, then ``label: value`` lines, each value wrapped in its
+    own column (words fold only when longer than a line)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column(overflow="fold")
+    for label, value in fields:
+        grid.add_row(Text(f"  {label}:"), Text(" ".join(value.split())))
+    return _plain(Text(head, overflow="fold"), width) + "\n" + _plain(grid, width)
 
 
 def as_text(rows: Sequence[Row], *, width: int = 100) -> str:
-    """One block per claim: verdict and id, the quote, the paraphrase, what attnlab computes."""
+    """One block per claim under a heading per source text (its number and title): verdict,
+    id and section (in English, and as the text has it), the quote, the paraphrase, what
+    attnlab computes and the call — every field whole, wrapped to ``width`` columns.
+
+    Raises:
+        MissingExtraError: rich is not installed (the ``cli`` extra).
+    """
+    from ..utils.extras import require
+
+    require("rich", "cli", "attnlab.textbook.render.as_text")
+    from rich.cells import cell_len
+
     out = []
+    seed = None
     for r in rows:
         c, f = r.claim, r.finding
+        if c.seed != seed:
+            seed = c.seed
+            title = _plain(f"Source text {seed}: {SEEDS[seed]}", width)
+            out.append(title + "\n" + "=" * min(width, max(map(cell_len, title.split("\n")))))
         mark = "" if r.ok else f"   (declared: {c.expected})"
-        lines = [
-            f"[{f.verdict}] {c.id}  {c.section}{mark}",
-            f"  text:     {_short(c.quote, width - 12)}",
-            f"  says:     {_short(c.paraphrase, width - 12)}",
-            f"  attnlab:  {_short(f.computed, width - 12)}",
-            f"  call:     {_short(f.call, width - 12)}",
+        fields = [
+            ("text", c.quote),
+            ("says", c.paraphrase),
+            ("attnlab", f.computed),
+            ("call", f.call),
         ]
         if c.assumptions:
-            lines.append(f"  assuming: {_short(c.assumptions, width - 12)}")
+            fields.append(("assuming", c.assumptions))
         if f.explanation:
-            lines.append(f"  why:      {_short(f.explanation, width - 12)}")
+            fields.append(("why", f.explanation))
         if f.derivation:
-            lines.append(f"  derived:  {_short(f.derivation, width - 12)}")
-        if f.measured:  # in full: the numbers are the point (not in the Markdown)
-            lines += textwrap.wrap(
-                " ".join(f.measured.split()),
-                width,
-                initial_indent="  measured: ",
-                subsequent_indent=" " * 12,
-            )
-        out.append("\n".join(lines))
-    out.append(summary(rows))
+            fields.append(("derived", f.derivation))
+        if f.measured:  # the numbers are the point (not in the Markdown)
+            fields.append(("measured", f.measured))
+        head = f"[{f.verdict}] {c.id}  {section_title(c.section)}{mark}"
+        out.append(_block(head, fields, width))
+    out.append(_plain(summary(rows), width))
     return "\n\n".join(out)
 
 
@@ -110,4 +163,4 @@ def as_markdown(rows: Sequence[Row]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-__all__ = ["as_json", "as_markdown", "as_text", "summary"]
+__all__ = ["as_json", "as_markdown", "as_text", "section_title", "summary"]

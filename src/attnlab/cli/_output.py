@@ -1,0 +1,209 @@
+"""What the ``attnlab`` command prints: tables and text that fit the terminal, JSON, progress.
+
+Tables are laid out by rich (the ``cli`` extra, imported when a table is printed): every column
+wraps (long words fold), so no cell is ever cut, and the table is as wide as the terminal at most
+(`width`: ``COLUMNS``, else the terminal's width); written to a file or a pipe, each row stays
+on one line. The text is plain, without ANSI codes, wherever it goes. ``--json`` prints the
+same rows with every field whole (`print_json`).
+
+Progress goes to stderr, only on a terminal and never with ``--quiet``: `steps` for work that
+counts its steps (a tqdm bar, `attnlab.utils.Progress`), `working` for one long library call
+that does not (a line that shows the elapsed time until the call returns).
+
+This module imports only the standard library at import time: ``attnlab --help`` loads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+
+def _need_rich() -> None:
+    """rich (the ``cli`` extra) is importable, or a one-line error naming the extra."""
+    from ..utils.extras import require
+
+    require("rich", "cli", "the attnlab command's tables and progress")
+
+
+def width() -> int | None:
+    """The width output must fit: ``COLUMNS`` if set, else the columns of the terminal stdout
+    is, else None — output to a file or a pipe keeps one line per table row."""
+    if os.environ.get("COLUMNS", "").isdigit() or sys.stdout.isatty():
+        return max(20, shutil.get_terminal_size((80, 24)).columns)
+    return None
+
+
+@dataclass(frozen=True)
+class Col:
+    """A table column: its header, whether its cells are right-aligned (numbers), and whether
+    it is the wide one (notes, reasons) that wraps first when the table is too wide."""
+
+    name: str
+    right: bool = False
+    wide: bool = False
+
+
+def table(
+    columns: Sequence[Col | str],
+    rows: Iterable[Sequence[object] | None],
+    *,
+    max_width: int | None = None,
+) -> str:
+    """The rows as a plain-text table at most ``max_width`` columns wide (default `width`;
+    None there: as wide as the rows).
+
+    Every column keeps its natural width while the table fits; when it does not, the wide
+    columns (`Col.wide`) wrap first, then the others. A header wraps between its words, a cell
+    between words too (a longer word folds): nothing is ever cut.
+
+    Args:
+        columns: the columns (a str is a left-aligned `Col`).
+        rows: the rows, one cell per column (printed with ``str``); None draws an empty line
+            between groups of rows.
+        max_width: the widest line allowed.
+
+    Returns:
+        The table, lines joined by ``\\n``, no trailing spaces.
+
+    Raises:
+        ValueError: a row whose length differs from the number of columns.
+        MissingExtraError: rich is not installed (the ``cli`` extra).
+    """
+    _need_rich()
+    from rich import box
+    from rich.cells import cell_len
+    from rich.table import Table
+    from rich.text import Text
+
+    cols = [c if isinstance(c, Col) else Col(c) for c in columns]
+    body = [None if r is None else [str(cell) for cell in r] for r in rows]
+    for r in body:
+        if r is not None and len(r) != len(cols):
+            raise ValueError(f"every row must have {len(cols)} cells like the columns, got {r!r}")
+    natural = [
+        max([cell_len(c.name), *(cell_len(r[i]) for r in body if r is not None)])
+        for i, c in enumerate(cols)
+    ]
+    # the width below which a column's words would fold: its longest word (at most 20 in a
+    # wide column, whose text is long anyway)
+    least = []
+    for i, c in enumerate(cols):
+        words = [
+            w for text in (c.name, *(r[i] for r in body if r is not None)) for w in text.split()
+        ]
+        longest = max(map(cell_len, words), default=1)
+        least.append(min(natural[i], 20 if c.wide else natural[i], longest))
+    gaps = 3 * (len(cols) - 1)  # columns are 3 spaces apart
+    limit = max_width or width()
+    widths = (
+        natural if limit is None else _fit(natural, least, [c.wide for c in cols], limit - gaps)
+    )
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="")
+    for i, c in enumerate(cols):
+        t.add_column(
+            Text(c.name),
+            justify="right" if c.right else "left",
+            overflow="fold",
+            width=widths[i],
+        )
+    for r in body:
+        if r is None:
+            t.add_section()
+        else:
+            t.add_row(*(Text(cell) for cell in r))
+    return render(t, sum(widths) + gaps)
+
+
+def _fit(natural: list[int], least: list[int], wide: list[bool], budget: int) -> list[int]:
+    """Column widths that sum to at most ``budget``: the natural widths, then narrower in turn —
+    the wide columns down to 20, the others down to their longest word (``least``), the wide
+    ones down to theirs, and at last any column down to 4 (its long words fold). Within a turn
+    the widest column gives up a column first, so the narrowed ones end up alike."""
+    widths = list(natural)
+    turns = (
+        [max(least[i], min(20, natural[i])) if wide[i] else natural[i] for i in range(len(wide))],
+        [natural[i] if wide[i] else least[i] for i in range(len(wide))],
+        least,
+        [min(4, n) for n in natural],
+    )
+    for floors in turns:
+        while sum(widths) > budget:
+            above = [i for i, w in enumerate(widths) if w > floors[i]]
+            if not above:
+                break
+            widths[max(above, key=lambda i: widths[i])] -= 1
+    return widths
+
+
+def render(renderable: Any, max_width: int) -> str:
+    """A rich renderable as plain text at most ``max_width`` columns wide, no trailing spaces."""
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(
+        file=buf,
+        width=max_width,
+        color_system=None,
+        force_terminal=False,
+        highlight=False,
+        markup=False,
+        emoji=False,
+    )
+    console.print(renderable, crop=False)
+    return "\n".join(line.rstrip() for line in buf.getvalue().rstrip("\n").split("\n"))
+
+
+def wrap(text: str, *, indent: str = "", max_width: int | None = None) -> str:
+    """``text`` wrapped at word boundaries (a word longer than a line folds), each line after
+    the first indented by ``indent``; terminal cells are counted (a CJK character takes two)."""
+    from rich.text import Text
+
+    limit = max_width or width()
+    if limit is None:
+        return text
+    _need_rich()
+    out = render(Text(text, overflow="fold"), limit - len(indent))
+    return ("\n" + indent).join(out.split("\n"))
+
+
+def print_json(data: object, out: TextIO | None = None) -> None:
+    """``data`` as indented JSON on stdout (UTF-8 text kept readable)."""
+    print(json.dumps(data, ensure_ascii=False, indent=1), file=out or sys.stdout)
+
+
+def steps(
+    items: Iterable[Any] | None = None, *, total: int | None = None, desc: str, quiet: bool
+) -> Any:
+    """A progress bar on stderr over ``items`` or ``total`` steps (`attnlab.utils.Progress`):
+    shown on a terminal only, never with ``quiet``."""
+    from ..utils.progress import Progress
+
+    return Progress(items, desc=desc, total=total, enabled=not quiet, tty_only=True, leave=False)
+
+
+@contextlib.contextmanager
+def working(what: str, *, quiet: bool) -> Iterator[None]:
+    """A spinner, ``what`` and the time elapsed on stderr while the block runs (on a terminal
+    only, not with ``quiet``); the line is removed when the block ends."""
+    if quiet or not sys.stderr.isatty():
+        yield
+        return
+    _need_rich()
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        bar.add_task(what, total=None)
+        yield
+
+
+__all__ = ["Col", "print_json", "render", "steps", "table", "width", "working", "wrap"]
