@@ -164,7 +164,7 @@ def test_device_is_available_as_a_flag_on_every_command():
             continue
         action = next((a for a in subparser._actions if "--device" in a.option_strings), None)
         assert action is not None, f"attnlab {name} has no --device"
-        assert action.type is _args.device_type and action.default == CPU, name
+        assert action.type is _args.device_type and _args.device_type(action.default) == CPU, name
 
 
 @pytest.mark.parametrize(
