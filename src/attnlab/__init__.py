@@ -6,49 +6,86 @@ Example:
     >>> out = attnlab.attention(q, k, v, mask=attnlab.masks.causal())
 """
 
+import importlib as _importlib
 import sys as _sys
 import types as _types
+from importlib.abc import Loader as _Loader
+from importlib.abc import MetaPathFinder as _MetaPathFinder
 from importlib.machinery import ModuleSpec as _ModuleSpec
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
-from . import analysis, checkpoint, functional, masks, models, positional, viz
-from ._settings import refresh as refresh_settings
-from .analysis import estimate
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .functional import (
-    AttentionStats,
-    Explanation,
-    attention,
-    attention_stats,
-    attention_weights,
-    backends,
-    explain,
-    merge_partials,
-)
-from .masks import Mask
-from .modules import (
-    AdditiveAttention,
-    CacheOverflowError,
-    KVCache,
-    MultiHeadAttention,
-    SinkCache,
-    SlidingWindowCache,
-)
-from .positional import ALiBi, LearnedPositionalEmbedding, RoPE, SinusoidalEmbedding, T5RelativeBias
-from .viz.attention_view import show  # the attention viewer (inline in Jupyter); no matplotlib
+# ``import attnlab`` loads no torch: every public name below is imported on first use (PEP 562),
+# so the ``attnlab`` command's ``--help`` answers at once. The names, and where each lives:
+_SUBMODULES = ("analysis", "checkpoint", "functional", "masks", "models", "positional", "viz")
+_NAMES = {
+    "refresh_settings": ("_settings", "refresh"),
+    "estimate": ("analysis", "estimate"),
+    **dict.fromkeys(("CheckpointError", "load_checkpoint", "save_checkpoint"), ("checkpoint", "")),
+    **dict.fromkeys(
+        (
+            "AttentionStats",
+            "Explanation",
+            "attention",
+            "attention_stats",
+            "attention_weights",
+            "backends",
+            "explain",
+            "merge_partials",
+        ),
+        ("functional", ""),
+    ),
+    "Mask": ("masks", ""),
+    **dict.fromkeys(
+        (
+            "AdditiveAttention",
+            "CacheOverflowError",
+            "KVCache",
+            "MultiHeadAttention",
+            "SinkCache",
+            "SlidingWindowCache",
+        ),
+        ("modules", ""),
+    ),
+    **dict.fromkeys(
+        ("ALiBi", "LearnedPositionalEmbedding", "RoPE", "SinusoidalEmbedding", "T5RelativeBias"),
+        ("positional", ""),
+    ),
+    "show": ("viz.attention_view", ""),  # the attention viewer (inline in Jupyter); no matplotlib
+}
 
-# ``attnlab.pos``, ``attnlab.linear`` and ``attnlab.nn`` are names, not files: all are registered
-# in sys.modules, so ``import attnlab.pos as pos``, ``from attnlab.linear import LinearAttention``
-# and ``from attnlab.nn import MultiheadAttention`` work.
-# ``attnlab.pos`` is `attnlab.positional` itself (the same module object).
-pos = positional
-_sys.modules[__name__ + ".pos"] = positional
-# Its submodules too (positional/__init__ imports every one), so ``import attnlab.pos.rope`` finds
-# the module already loaded instead of running the file again as a second module with its own
-# registries.
-for _name, _module in list(_sys.modules.items()):
-    if _name.startswith(positional.__name__ + "."):
-        _sys.modules[__name__ + ".pos" + _name.removeprefix(positional.__name__)] = _module
+if TYPE_CHECKING:  # what type checkers and editors see: the same names, imported eagerly
+    from . import analysis, checkpoint, functional, masks, models, positional, viz
+    from ._settings import refresh as refresh_settings
+    from .analysis import estimate
+    from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from .functional import (
+        AttentionStats,
+        Explanation,
+        attention,
+        attention_stats,
+        attention_weights,
+        backends,
+        explain,
+        merge_partials,
+    )
+    from .masks import Mask
+    from .modules import (
+        AdditiveAttention,
+        CacheOverflowError,
+        KVCache,
+        MultiHeadAttention,
+        SinkCache,
+        SlidingWindowCache,
+    )
+    from .positional import (
+        ALiBi,
+        LearnedPositionalEmbedding,
+        RoPE,
+        SinusoidalEmbedding,
+        T5RelativeBias,
+    )
+    from .viz.attention_view import show
 
 
 def _linear_namespace() -> _types.ModuleType:
@@ -75,11 +112,8 @@ def _linear_namespace() -> _types.ModuleType:
         "hierarchical_attention": hierarchical_attention,
         "linear_attention": linear_attention,
     }
-    name = __name__ + ".linear"
-    module = _types.ModuleType(name, _LINEAR_DOC)
+    module = _types.ModuleType(__name__ + ".linear", _LINEAR_DOC)
     module.__dict__.update(members, __all__=list(members), __package__=__name__)
-    module.__spec__ = _ModuleSpec(name, None)
-    _sys.modules[name] = module
     return module
 
 
@@ -97,19 +131,14 @@ Example:
     >>> approx = linear.PerformerAttention(head_dim=64, seed=0)(q, k, v)  # ≈ softmax attention
 """
 
-linear = _linear_namespace()
-
 
 def _nn_namespace() -> _types.ModuleType:
     """``attnlab.nn``: the drop-ins for ``torch.nn`` classes, under torch's names."""
     from .modules.torch_compat import MultiheadAttention
 
     members = {"MultiheadAttention": MultiheadAttention}
-    name = __name__ + ".nn"
-    module = _types.ModuleType(name, _NN_DOC)
+    module = _types.ModuleType(__name__ + ".nn", _NN_DOC)
     module.__dict__.update(members, __all__=list(members), __package__=__name__)
-    module.__spec__ = _ModuleSpec(name, None)
-    _sys.modules[name] = module
     return module
 
 
@@ -134,16 +163,61 @@ Example:
     <All keys matched successfully>
 """
 
-nn = _nn_namespace()
+
+_NAMESPACES = {"linear": _linear_namespace, "nn": _nn_namespace}
+
+
+class _Names(_MetaPathFinder, _Loader):
+    """Imports the names that are not files: ``attnlab.pos`` — `attnlab.positional` itself, the same
+    module object, and ``attnlab.pos.X`` its submodule ``X`` — and the namespaces
+    ``attnlab.linear`` and ``attnlab.nn``, each built when first imported."""
+
+    def __init__(self) -> None:
+        self.specs: dict[int, _ModuleSpec] = {}  # a real module's own spec, by id, while aliased
+
+    def find_spec(self, fullname: str, _path: object = None, _target: object = None):
+        parts = fullname.split(".")
+        if parts[0] != __name__ or len(parts) < 2:
+            return None
+        if parts[1] == "pos" or (len(parts) == 2 and parts[1] in _NAMESPACES):
+            return _ModuleSpec(fullname, self)
+        return None
+
+    def create_module(self, spec: _ModuleSpec) -> _types.ModuleType:
+        head, _, rest = spec.name.removeprefix(__name__ + ".").partition(".")
+        if head in _NAMESPACES:
+            return _NAMESPACES[head]()
+        real = _importlib.import_module(".".join((__name__, "positional", rest)).rstrip("."))
+        self.specs[id(real)] = real.__spec__  # the import system sets the alias's spec on it
+        return real
+
+    def exec_module(self, module: _types.ModuleType) -> None:
+        spec = self.specs.pop(id(module), None)
+        if spec is not None:  # an alias of a real module keeps its own spec
+            module.__spec__ = spec
+
+
+if not any(isinstance(f, _Names) for f in _sys.meta_path):
+    _sys.meta_path.insert(0, _Names())  # before the path finder, which would load pos's files twice
 
 
 def __getattr__(name: str) -> object:
-    """The old spelling ``attnlab.MultiheadAttention``: one release, with a FutureWarning."""
+    if name in _SUBMODULES or name in ("pos", "linear", "nn"):
+        return _importlib.import_module(f"{__name__}.{name}")
+    if name in _NAMES:
+        where, attr = _NAMES[name]
+        value = getattr(_importlib.import_module(f"{__name__}.{where}"), attr or name)
+        globals()[name] = value  # found once; later reads are plain attribute reads
+        return value
     if name == "MultiheadAttention":
         from .modules.torch_compat import deprecated_alias
 
         return deprecated_alias(__name__ + ".MultiheadAttention")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 try:
