@@ -59,3 +59,33 @@ def test_saving_functions_still_write_their_png(tmp_path):
     assert out == tmp_path / "h.png" and out.stat().st_size > 500
     with pytest.raises(ValueError, match=r"must end in \.png"):
         viz.heatmap(torch.eye(3), tmp_path / "h.jpg")
+
+
+def _labels(fig) -> list:
+    """Every title and axis label drawn on ``fig`` (colour bars included), with text."""
+    texts = []
+    for ax in fig.axes:
+        texts += [ax.title, ax.xaxis.label, ax.yaxis.label]
+    return [t for t in texts if t.get_text()]
+
+
+def test_two_panels_in_a_callers_figure_keep_their_labels_apart_and_inside():
+    """The user guide's pictures example, as written there: a plain Figure with two panels, a
+    colour bar on each. Every label stays inside the figure and no two labels overlap."""
+    fig = Figure(figsize=(8, 3))
+    left, right = fig.subplots(1, 2)
+    viz.sinusoidal_figure(64, 32, ax=left)
+    viz.heatmap_figure(torch.softmax(torch.randn(6, 6), -1), ax=right, title="softmax rows")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()  # lays the figure out as savefig does
+    renderer = canvas.get_renderer()
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in _labels(fig)]
+    inside = fig.bbox
+    for text, box in boxes:
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1, f"{text!r} cut at the sides"
+        assert inside.y0 <= box.y0 and box.y1 <= inside.y1, f"{text!r} cut at the top or bottom"
+    for i, (a, box_a) in enumerate(boxes):
+        for b, box_b in boxes[i + 1 :]:
+            assert not box_a.overlaps(box_b), f"{a!r} overlaps {b!r}"

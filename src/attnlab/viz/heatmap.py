@@ -32,8 +32,15 @@ def new_figure(width: float, height: float) -> Figure:
 
 
 def figure_and_axes(ax: Axes | None, width: float, height: float) -> tuple[Figure, Axes]:
-    """``(ax.figure, ax)`` for a caller's Axes, else a new `new_figure` with one Axes."""
+    """``(ax.figure, ax)`` for a caller's Axes, else a new `new_figure` with one Axes.
+
+    A caller's figure without a layout engine gets matplotlib's constrained layout, which makes
+    room for the colour bars and labels drawn here (without one, a panel's colour-bar label and
+    the next panel's axis label overlap, and bottom labels are cut); a figure with an engine of
+    its own keeps it."""
     if ax is not None:
+        if ax.figure.get_layout_engine() is None:
+            ax.figure.set_layout_engine("constrained")
         return ax.figure, ax
     fig = new_figure(width, height)
     return fig, fig.add_subplot()
