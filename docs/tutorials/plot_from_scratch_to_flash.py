@@ -194,28 +194,17 @@ for bq, bk in [(64, 64), (128, 256), (256, 128)]:
 # --------------------------------------
 # ``backend="auto"`` (the default) picks a backend per call from the shapes, the mask and the
 # machine. :func:`attnlab.explain` takes the same arguments as :func:`attnlab.attention` and
-# says which backend it would run, why, and on which engine — without running it. Short
-# unmasked calls go to PyTorch's fused kernel; long or masked ones to the tiled backend, whose
-# plan says how many engine calls the mask needs:
-
-
-def show_explain(title, *args, **kwargs):
-    """Prints explain's answer one clause a line (clauses are joined by "; ")."""
-    print(f"--- {title}")
-    depth, start, text = 0, 0, attnlab.explain(*args, **kwargs)
-    for i, char in enumerate(text):
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if depth == 0 and text.startswith("; ", i):
-            print("   ", text[start:i])
-            start = i + 2
-    print("   ", text[start:])
+# returns an :class:`attnlab.Explanation` — which backend would run the call, why, the tiled
+# backend's plan, the engines, the state of attnlab's C++ kernels — without running it. Printed,
+# it is one labelled line per fact; its fields (``.backend``, ``.plan``, ...) are there for
+# code. Three calls: short and unmasked, long and causal, long with a sliding window:
 
 
 small = [torch.randn(1, 8, 64, 64) for _ in range(3)]
 large = [torch.randn(1, 8, 2048, 64) for _ in range(3)]
-show_explain("L = 64, no mask", *small)
-show_explain("L = 2048, causal", *large, mask=masks.causal())
-show_explain("L = 2048, sliding window of 256", *large, mask=masks.sliding_window(256))
+print(attnlab.explain(*small), end="\n\n")
+print(attnlab.explain(*large, mask=masks.causal()), end="\n\n")
+print(attnlab.explain(*large, mask=masks.sliding_window(256)))
 
 # %%
 # Timing on this machine
@@ -227,11 +216,11 @@ show_explain("L = 2048, sliding window of 256", *large, mask=masks.sliding_windo
 
 
 def best_seconds(fn, budget=0.3):
-    """The fastest run of ``fn()`` after a warm-up: at least 3 runs, more while they fit in
+    """The fastest run of ``fn()`` after a warm-up: at least 5 runs, more while they fit in
     ``budget`` seconds. The fastest run is the one least disturbed by other work."""
     fn()  # warm-up: first calls build caches and plans
     times, spent = [], 0.0
-    while len(times) < 3 or (spent < budget and len(times) < 50):
+    while len(times) < 5 or (spent < budget and len(times) < 50):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
