@@ -23,7 +23,8 @@ each costs in accuracy against exact attention, and on what kind of input.
 # --------------
 # Non-causal self-attention (an encoder), batch 1, 4 heads of 64. ``attnlab.linear`` gathers the
 # approximations; ``attnlab.attention`` with a :func:`~attnlab.masks.sliding_window` mask is the
-# sparse form (the tiled backend skips the empty tiles, see the masks tutorial).
+# sparse form: ``sliding_window(256, causal=False)`` keeps the keys with ``|i − j| < 256``, and
+# the tiled backend skips the empty tiles (see the masks tutorial).
 
 import math
 import time
@@ -37,7 +38,7 @@ from attnlab import linear, masks
 WINDOW, FEATURES = 256, 256
 contenders = {
     "exact (attnlab.attention)": lambda q, k, v: attnlab.attention(q, k, v),
-    f"sparse (window of {WINDOW})": lambda q, k, v: attnlab.attention(
+    f"sparse (|i − j| < {WINDOW})": lambda q, k, v: attnlab.attention(
         q, k, v, mask=masks.sliding_window(WINDOW, causal=False)
     ),
     "linear (elu + 1)": lambda q, k, v: linear.linear_attention(q, k, v),
@@ -96,8 +97,9 @@ plt.show()
 # backward — and records the process's peak memory growth. It measures the naive exact form
 # (``"naive"``: the reference, which builds the ``L × S`` weights), the tiled form
 # (``"flash"``, with the estimate's mask: none for exact, the window for sparse) and linear
-# attention (``"linear"``). The naive form stops at ``L = 2048`` here: at 4096 it needs the
-# memory printed below, several times over for the backward.
+# attention (``"linear"``). The naive form stops at ``L = 2048`` here: at 4096 its scores alone
+# take the estimate printed below, and forward and backward hold several such matrices (compare
+# the estimate with the measurement at 2048).
 
 E, H = 256, 4  # model dim and heads: D = 64, as above
 memory_lengths = [512, 1024, 2048, 4096]
@@ -218,7 +220,7 @@ left.set_yscale("log")
 left.set_xticks(sharpness, [f"{s}\n{d:.0f}" for s, d in zip(sharpness, distance, strict=True)])
 left.set_xlabel("sharpness s (top) and mean attention distance of exact attention (bottom)")
 left.set_ylabel("relative error vs exact")
-left.set_title(f"L = {L}, window {WINDOW}, M = {FEATURES}")
+left.set_title(f"L = {L}, sparse: |i − j| < {WINDOW}, Performer: M = {FEATURES}")
 left.grid(True, which="both", alpha=0.3)
 left.legend()
 right.loglog(feature_counts, performer_errors, "o-", color="C1", label="Performer (FAVOR+)")

@@ -51,9 +51,9 @@ print({name: type(model).__name__ for name, model in models.items()})
 # ---------------------
 # Two sentences of different lengths: the tokenizer pads the shorter one and returns the usual
 # 2-D ``attention_mask`` ``(B, T)``, 1 for a real token and 0 for padding. Each implementation
-# turns it into its own mask — eager an additive ``-inf`` matrix, sdpa a boolean one, attnlab a
-# :func:`attnlab.masks.padding`-style key mask that the tiled backend reads without building an
-# ``L × S`` matrix.
+# turns it into its own mask: eager and sdpa build a dense ``(B, 1, T, T)`` one, attnlab a key
+# mask (:func:`attnlab.masks.from_tensor` of the real tokens, ``(B, 1, 1, T)``) that the tiled
+# backend reads without building an ``L × S`` matrix.
 
 sentences = [
     "The animal didn't cross the street because it was too tired.",
