@@ -7,7 +7,7 @@ attnlab without touching its weights, checks that nothing changed, and then comp
 :func:`torch.compile` — the default backend, Inductor, with ``fullgraph=True`` so that a single
 graph break would be an error rather than a silent slowdown.
 
-:class:`attnlab.MultiheadAttention` is the drop-in: the same constructor arguments, the same
+:class:`attnlab.nn.MultiheadAttention` is the drop-in: the same constructor arguments, the same
 parameter names (state dicts load both ways), the same ``forward`` signature and mask dialect
 (``key_padding_mask`` True = ignore, as in torch). Underneath, every call goes through
 :func:`attnlab.attention`, which never synchronises with the host (no ``.item()``, no branch on
@@ -62,7 +62,7 @@ class Classifier(nn.Module):
 
 torch.manual_seed(0)
 theirs = Classifier(attention_cls=nn.MultiheadAttention).eval()
-ours = Classifier(attention_cls=attnlab.MultiheadAttention).eval()
+ours = Classifier(attention_cls=attnlab.nn.MultiheadAttention).eval()
 ours.load_state_dict(theirs.state_dict())  # same parameter names: loads as is
 print("torch:  ", list(theirs.layers[0].attn.state_dict()))
 print("attnlab:", list(ours.layers[0].attn.state_dict()))
@@ -173,5 +173,5 @@ plt.show()
 #   for you (see the transformers tutorial); models built from attnlab's own parts
 #   (:class:`attnlab.MultiHeadAttention`, :mod:`attnlab.models`) compile the same way.
 #
-# Next: :class:`attnlab.MultiheadAttention` (the drop-in), :class:`attnlab.MultiHeadAttention`
+# Next: :class:`attnlab.nn.MultiheadAttention` (the drop-in), :class:`attnlab.MultiHeadAttention`
 # (attnlab's own, with GQA, RoPE and KV caches), :func:`attnlab.attention`.

@@ -161,7 +161,11 @@ plt.show()
 # writes it as a page. The docs page shows it below this cell.
 
 view = attnlab.show(
-    tokens, [a[:1] for a in ours_att], title="all-MiniLM-L6-v2", layer=layer, head=head
+    tokens=tokens,
+    weights=[a[:1] for a in ours_att],  # the first sentence of every layer, (1, H, T, T) each
+    title="all-MiniLM-L6-v2",
+    layer=layer,
+    head=head,
 )
 view  # noqa: B018 (the cell's last expression: Jupyter and the docs gallery show its HTML)
 
