@@ -165,11 +165,11 @@ for name, mask in planned.items():
 
 
 def best_seconds(fn, budget=0.3):
-    """The fastest run of ``fn()`` after a warm-up: at least 5 runs, more while they fit in
+    """The fastest run of ``fn()`` after a warm-up: at least 3 runs, more while they fit in
     ``budget`` seconds. The fastest run is the one least disturbed by other work."""
     fn()  # warm-up: first calls build caches and plans
     times, spent = [], 0.0
-    while len(times) < 5 or (spent < budget and len(times) < 50):
+    while len(times) < 3 or (spent < budget and len(times) < 50):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
