@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
@@ -69,6 +70,12 @@ napoleon_use_ivar = True  # "Attributes:" sections are fields, not a second entr
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]
 myst_heading_anchors = 3
 
+# sphinx-gallery's cross-references probe every name a tutorial's code uses on the modules it
+# imports; attnlab's deprecated spellings warn when they are read: not the tutorial's doing.
+warnings.filterwarnings(
+    "ignore", message=r".* is deprecated .*attnlab\.nn\.", category=FutureWarning
+)
+
 # -- Tutorials: sphinx-gallery runs docs/tutorials/*.py and keeps output, figures, notebooks --
 sphinx_gallery_conf = {
     "examples_dirs": "tutorials",
@@ -79,7 +86,7 @@ sphinx_gallery_conf = {
     "matplotlib_animations": False,
     "abort_on_example_error": True,
     "show_signature": False,
-    "within_subsection_order": "FileNameSortKey",
+    "within_subsection_order": "tutorial_order.TutorialOrder",  # docs/api/tutorial_order.py
     "write_computation_times": False,  # its page loads jQuery and DataTables from CDNs
 }
 
