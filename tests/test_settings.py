@@ -24,7 +24,7 @@ _READ = re.compile(r"os\.environ(\.get\(|\[)")
 
 def _environment_reads() -> dict[str, int]:
     """``os.environ`` reads per module, except the standard variables (CXX, XDG_CACHE_HOME,
-    torchrun's) that are not attnlab settings."""
+    torchrun's, the terminal's COLUMNS) that are not attnlab settings."""
     found: dict[str, int] = {}
     for path in ROOT.rglob("*.py"):
         rel = path.relative_to(ROOT).as_posix()
@@ -33,7 +33,7 @@ def _environment_reads() -> dict[str, int]:
         for line in path.read_text(encoding="utf-8").splitlines():
             if not _READ.search(line):
                 continue
-            if re.search(r"\"(CXX|XDG_CACHE_HOME|WORLD_SIZE|RANK|LOCAL_RANK)\"|'CXX'", line):
+            if re.search(r"\"(CXX|XDG_CACHE_HOME|WORLD_SIZE|RANK|LOCAL_RANK|COLUMNS)\"|'CXX'", line):
                 continue
             found[rel] = found.get(rel, 0) + 1
     return found
