@@ -13,76 +13,30 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import chromium
 from attnlab.cli import visualize as vis
 from attnlab.viz.attention_view import save_attention_html
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "tests" / "artifacts"
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-FLAGS = [
-    "--headless=new",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--window-size=1500,1000",
-]
-
 selenium = pytest.importorskip(
     "selenium", reason="selenium is part of the dev extra: pip install -e '.[dev]'"
 )
-from selenium import webdriver  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 
-def _have_browser() -> bool:
-    return os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)
-
-
 @pytest.fixture(scope="module")
 def driver():
-    if not _have_browser():
-        proc = subprocess.run(
-            ["bash", str(ROOT / "scripts" / "install_browser.sh")],
-            capture_output=True,
-            text=True,
-            timeout=1200,
-            check=False,
-        )
-        if not _have_browser():
-            pytest.skip(
-                "Chromium could not be installed (scripts/install_browser.sh exited "
-                f"{proc.returncode}: {(proc.stderr or proc.stdout).strip()[-400:]})"
-            )
-    os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager must never download
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    profile = tempfile.mkdtemp(prefix="attnlab-chromium-")
-    for flag in [*FLAGS, f"--user-data-dir={profile}"]:
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    d = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    try:
-        yield d
-    finally:
-        d.quit()
+    yield from chromium.driver("attnlab-chromium-", window=(1500, 1000))
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,10 @@ from __future__ import annotations
 import functools
 import http.server
 import importlib
-import os
 import pkgutil
 import re
 import subprocess
 import sys
-import tempfile
 import threading
 import types
 from pathlib import Path
@@ -31,6 +29,7 @@ from pathlib import Path
 import pytest
 
 import attnlab
+import chromium
 
 pytestmark = pytest.mark.docs
 
@@ -65,6 +64,8 @@ def public_modules() -> dict[str, types.ModuleType]:
     for info in pkgutil.iter_modules(attnlab.__path__, "attnlab."):
         if not info.name.split(".")[1].startswith("_"):
             found[info.name] = importlib.import_module(info.name)
+    for attr in attnlab.__all__:  # the names that are not files are imported on first use
+        getattr(attnlab, attr)
     for name, module in list(sys.modules.items()):
         if name.count(".") == 1 and name.startswith("attnlab.") and name[8] != "_":
             found[name] = module
@@ -178,55 +179,9 @@ def test_no_page_loads_anything_from_the_network(site):
 
 
 # ------------------------------------------------------------------------------ in a browser
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-FLAGS = [
-    "--headless=new",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--window-size=1400,1000",
-]
-
-
-def _have_browser() -> bool:
-    return os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)
-
-
 @pytest.fixture(scope="module")
 def driver():
-    pytest.importorskip("selenium", reason="selenium is part of the dev extra")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    if not _have_browser():
-        proc = subprocess.run(
-            ["bash", str(ROOT / "scripts" / "install_browser.sh")],
-            capture_output=True,
-            text=True,
-            timeout=1200,
-            check=False,
-        )
-        if not _have_browser():
-            pytest.skip(
-                "Chromium could not be installed (scripts/install_browser.sh exited "
-                f"{proc.returncode}: {(proc.stderr or proc.stdout).strip()[-400:]})"
-            )
-    os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager must never download
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in [*FLAGS, f"--user-data-dir={tempfile.mkdtemp(prefix='attnlab-docs-')}"]:
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    d = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    try:
-        yield d
-    finally:
-        d.quit()
+    yield from chromium.driver("attnlab-docs-")
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ ROOT = Path(attnlab.__file__).resolve().parent
 
 
 _READ = re.compile(r"os\.environ(\.get\(|\[)")
+_STANDARD = r"\"(CXX|XDG_CACHE_HOME|WORLD_SIZE|RANK|LOCAL_RANK|COLUMNS)\"|'CXX'"
 
 
 def _environment_reads() -> dict[str, int]:
@@ -33,7 +34,7 @@ def _environment_reads() -> dict[str, int]:
         for line in path.read_text(encoding="utf-8").splitlines():
             if not _READ.search(line):
                 continue
-            if re.search(r"\"(CXX|XDG_CACHE_HOME|WORLD_SIZE|RANK|LOCAL_RANK|COLUMNS)\"|'CXX'", line):
+            if re.search(_STANDARD, line):
                 continue
             found[rel] = found.get(rel, 0) + 1
     return found

@@ -51,6 +51,8 @@ def public_modules(package: str = PACKAGE) -> list[str]:
         if not info.name.rsplit(".", 1)[1].startswith("_"):
             importlib.import_module(info.name)
             names.add(info.name)
+    for name in getattr(root, "__all__", ()):  # the names that are not files load on first use
+        getattr(root, name)
     names |= {
         n
         for n in list(sys.modules)
