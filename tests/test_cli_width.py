@@ -61,6 +61,17 @@ def test_wrap_wraps_each_line_on_its_own():
     assert all(cell_len(line) <= 40 for line in lines)
 
 
+# ----------------------------------------------------------------------------------- check
+def test_check_fits_with_its_summary_whole(capsys):
+    argv = ["check", "--backend", "decode", "-L", "17", "-S", "23", "--dtype", "float32"]
+    out = _run(capsys, *argv)
+    rows = json.loads(_run(capsys, *argv, "--all", "--json"))
+    assert _fits(out)
+    refused = sum(r["result"] == "n/a" for r in rows)
+    said = "not supported (calls a backend refuses, e.g. decode with gradients; --all lists them)"
+    assert f"{refused} {said}" in _joined(out)
+
+
 # -------------------------------------------------------------------------------- estimate
 def test_estimate_fits_and_names_every_quantity(capsys):
     out = _run(capsys, "estimate", "--seq", "4096")
