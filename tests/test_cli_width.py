@@ -61,6 +61,33 @@ def test_wrap_wraps_each_line_on_its_own():
     assert all(cell_len(line) <= 40 for line in lines)
 
 
+# ----------------------------------------------------------------------------------- build
+def test_build_lines_fit_and_a_kernel_shows_before_it_is_built(capsys, monkeypatch):
+    """`attnlab build` prints what `_ext.build_kernels` writes, as it writes it, wrapped."""
+    from attnlab import _ext
+
+    path = "/home/someone/.cache/attnlab/ext/attnlab_gemv_e7a0458133a511a761b1.so"
+    head = "attnlab build: 1 C++ kernel(s) for a CPU with a long name (AVX-512), torch 2.13.0+cpu"
+    seen = []
+
+    def fake_build(names, *, force=False, out=None):
+        out = sys.stdout if out is None else out
+        print(f"{head}, compiler /usr/bin/c++, into /home/someone/.cache", file=out, flush=True)
+        print("  gemv  ", end="", file=out, flush=True)
+        seen.append(capsys.readouterr().out)  # what the terminal shows while it builds
+        print("building… ", end="", file=out, flush=True)
+        print(f"built in 8.4 s  {path}", file=out)
+        print("attnlab build: 1 of 1 kernel(s) ready in 8.4 s", file=out)
+        return []
+
+    monkeypatch.setattr(_ext, "build_kernels", fake_build)
+    rest = _run(capsys, "build")
+    out = seen[0] + rest
+    assert _fits(out) and seen[0].endswith("\n  gemv  ")
+    assert path in out.split() and "gemv building… built in 8.4 s" in _joined(out)
+    assert f"{head}, compiler /usr/bin/c++, into /home/someone/.cache" in _joined(out)
+
+
 # ----------------------------------------------------------------------------------- check
 def test_check_fits_with_its_summary_whole(capsys):
     argv = ["check", "--backend", "decode", "-L", "17", "-S", "23", "--dtype", "float32"]

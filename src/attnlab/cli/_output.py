@@ -213,6 +213,45 @@ def fitted(table_parts: Any, *, indent: str = "  ", max_width: int | None = None
     return "\n".join([*lines(t.before), body, *lines(t.after)])
 
 
+class WrappedLines(io.TextIOBase):
+    """A text stream for the lines a library prints as it goes (``out=`` of
+    `attnlab._ext.build_kernels`): each line goes to ``out`` (default stdout) wrapped like
+    `wrap`, its later lines indented by ``indent``. The start of a line flushed before its end
+    (``print(name, end="", flush=True)`` while a kernel builds) is shown at once; the rest
+    wraps after it when the line ends."""
+
+    def __init__(self, out: TextIO | None = None, *, indent: str = "  ") -> None:
+        self._out = out or sys.stdout
+        self._indent = indent
+        self._line = ""  # the current line so far
+        self._shown = 0  # how much of it is written already
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        *ended, rest = text.split("\n")
+        for piece in ended:
+            self._end_line(self._line + piece)
+        self._line += rest
+        return len(text)
+
+    def _end_line(self, line: str) -> None:
+        shown = line[: self._shown]
+        wrapped = wrap(line, indent=self._indent)
+        if wrapped.startswith(shown):
+            self._out.write(wrapped[len(shown) :] + "\n")
+        else:  # the start shown would have wrapped: the rest goes on a new line
+            rest = wrap(self._indent + line[self._shown :].lstrip(), indent=self._indent)
+            self._out.write(f"\n{rest}\n")
+        self._line, self._shown = "", 0
+
+    def flush(self) -> None:
+        self._out.write(self._line[self._shown :])
+        self._shown = len(self._line)
+        self._out.flush()
+
+
 def print_json(data: object, out: TextIO | None = None) -> None:
     """``data`` as indented JSON on stdout (UTF-8 text kept readable)."""
     print(json.dumps(data, ensure_ascii=False, indent=1), file=out or sys.stdout)
@@ -247,6 +286,7 @@ def working(what: str, *, quiet: bool) -> Iterator[None]:
 
 __all__ = [
     "Col",
+    "WrappedLines",
     "fitted",
     "print_json",
     "render",
