@@ -228,9 +228,13 @@ def test_train_json_needs_sweep(capsys):
 
 
 # -------------------------------------------------------------------------------- textbook
-def test_textbook_list_fits_on_a_terminal(capsys):
+def test_textbook_list_fits_on_a_terminal(capsys, monkeypatch):
+    """On a terminal the list is two tables that fit it; piped it stays tab-separated lines."""
     from attnlab.textbook import all_claims, all_exercises
 
+    piped = _run(capsys, "textbook", "--list").splitlines()
+    assert all(line.count("\t") == 2 for line in piped)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     out = _run(capsys, "textbook", "--list")
     assert _fits(out)
     for c in all_claims():

@@ -44,10 +44,10 @@ def _cmd_textbook(args: argparse.Namespace) -> int:
         for e in all_exercises() if not args.only else ():
             origin = "" if e.from_text else " (not from the text)"
             exercises.append((f"exercise {e.id}", e.source + origin, e.title))
-        if width() is None:  # piped: tab-separated lines, a claim or an exercise each
-            print("\n".join("\t".join(row) for row in [*listed, *exercises]))
-        else:
+        if sys.stdout.isatty():
             _print_list(listed, exercises)
+        else:  # piped or written to a file: tab-separated lines, a claim or an exercise each
+            print("\n".join("\t".join(row) for row in [*listed, *exercises]))
         return 0
     rows = []
     with steps(claims, desc="attnlab textbook", quiet=args.quiet) as bar:
@@ -78,7 +78,8 @@ def _cmd_textbook(args: argparse.Namespace) -> int:
 
 
 def _print_list(claims: list[tuple[str, ...]], exercises: list[tuple[str, ...]]) -> None:
-    """--list on a terminal: the claims, then the exercises, as tables that fit it."""
+    """--list on a terminal: the claims, then the exercises, as tables that fit it (``COLUMNS``,
+    else its width)."""
     from ._output import Col, table
 
     tables = []
