@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._shapes import check_int, check_number
-from ..utils import text_table
 from .costs import model_cost, parse_bytes
+from .table_parts import TableParts
 
 CHOICES = ("dense", "tiled", "ring", "sparse", "linear", "none")
 
@@ -78,6 +78,10 @@ class Advice:
 
     def table(self) -> str:
         """The options as an aligned text table, then the choice and the reason."""
+        return self.table_parts().text()
+
+    def table_parts(self) -> TableParts:
+        """The table of `table` as data: a row per option; below it, the choice and the reason."""
         from .estimate import _fmt
 
         rows = [
@@ -92,7 +96,8 @@ class Advice:
             for name, o in self.options.items()
         ]
         head = ["option", "memory", "FLOPs per step", "time", "fits", "within time"]
-        return f"{text_table(head, rows)}\n\nadvice: {self.choice} — {self.reason}"
+        verdict = f"advice: {self.choice} — {self.reason}"
+        return TableParts(head, rows, "<" * len(head), after=("", verdict))
 
 
 def advise(

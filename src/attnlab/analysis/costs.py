@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from .._shapes import check_int
 from ..masks import Mask
-from ..utils import text_table
+from .table_parts import TableParts
 
 _BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 #: Bytes of optimizer state per parameter (kept in float32): AdamW's two moments, SGD momentum.
@@ -112,6 +112,10 @@ class ModelCost:
 
     def table(self) -> str:
         """The costs as an aligned text table."""
+        return self.table_parts().text()
+
+    def table_parts(self) -> TableParts:
+        """The table of `table` as data: parameters, then each FLOP count and memory part."""
         from .estimate import _fmt
 
         rows = [["parameters", f"{self.params:,}"]]
@@ -120,7 +124,7 @@ class ModelCost:
             for k, v in self.flops.items()
         ]
         rows += [[f"memory: {k}", _fmt(v, "bytes")] for k, v in self.memory.items()]
-        return text_table(["quantity", "value"], rows)
+        return TableParts(["quantity", "value"], rows, "<<")
 
 
 def model_cost(
@@ -427,6 +431,11 @@ def io_tiled(n: int, d: int, sram: int, block: int | None = None) -> int:
 
 def complexity_text(n: int, d: int, **kwargs) -> str:
     """`complexity_table` as an aligned text table."""
+    return complexity_parts(n, d, **kwargs).text()
+
+
+def complexity_parts(n: int, d: int, **kwargs) -> TableParts:
+    """The table of `complexity_text` as data (arguments: `complexity_table`'s)."""
     rows = [
         [
             r["layer"],
@@ -438,14 +447,12 @@ def complexity_text(n: int, d: int, **kwargs) -> str:
         ]
         for r in complexity_table(n, d, **kwargs)
     ]
-    return text_table(
-        [
-            "layer type",
-            "ops per layer",
-            f"at n={n}, d={d}",
-            "sequential ops",
-            "max path length",
-            "extra memory",
-        ],
-        rows,
-    )
+    header = [
+        "layer type",
+        "ops per layer",
+        f"at n={n}, d={d}",
+        "sequential ops",
+        "max path length",
+        "extra memory",
+    ]
+    return TableParts(header, rows, "<" * len(header))

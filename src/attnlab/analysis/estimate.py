@@ -28,7 +28,7 @@ from ..masks import Mask
 from ..masks import causal as _causal
 from ..masks import sliding_window as _sliding_window
 from ..masks.patterns import with_causal
-from ..utils import text_table
+from .table_parts import TableParts
 
 IMPLEMENTATIONS = ("naive", "flash", "linear")
 _BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
@@ -62,6 +62,11 @@ class Estimate:
 
     def table(self) -> str:
         """The estimate as an aligned text table (and measurements, if any)."""
+        return self.table_parts().text()
+
+    def table_parts(self) -> TableParts:
+        """The table of `table` as data: a row per quantity (and measurement), a column per
+        implementation, each value with its unit (``"1.50 GiB"``, ``"3.221 GFLOP"``)."""
         impls = list(self.rows[0][2]) if self.rows else []
         lines = [["quantity", *impls]]
         for q, unit, values in self.rows:
@@ -78,7 +83,7 @@ class Estimate:
                         ),
                     ]
                 )
-        return text_table(lines[0], lines[1:])
+        return TableParts(lines[0], lines[1:], "<" * len(lines[0]))
 
     def _config_line(self) -> str:
         """The configuration in one line: ``"B=32, L=1024, S=1024, E=768, H=12, ..."``."""

@@ -62,8 +62,8 @@ import torch
 from torch import Tensor, nn
 
 from .._shapes import check_int, check_number
-from ..utils import text_table
 from .importance import attention_modules, head_gates
+from .table_parts import TableParts
 from .weights import entropy
 
 #: The classifier's thresholds (see the module docstring for the rules they enter).
@@ -188,16 +188,22 @@ class HeadReport:
 
     def table(self) -> str:
         """An aligned text table, one row per head, and the class counts."""
+        return self.table_parts().text()
+
+    def table_parts(self) -> TableParts:
+        """The table of `table` as data: a row per head (statistics to 3 decimals); below it,
+        the class counts and the unit of the entropies."""
         rows = [
-            [r["layer"], r["head"], r["class"], *(f"{r[s]:.3f}" for s in HEAD_STATS)]
+            [str(r["layer"]), str(r["head"]), r["class"], *(f"{r[s]:.3f}" for s in HEAD_STATS)]
             for r in self.rows()
         ]
-        body = text_table(["layer", "head", "class", *HEAD_STATS], rows)
+        header = ["layer", "head", "class", *HEAD_STATS]
         counts = ", ".join(f"{k} {v}" for k, v in self.counts().items())
-        return (
-            f"{body}\n{len(rows)} heads over {self.sentences} sentences: {counts}\n"
-            "entropy in nats; normalised_entropy = entropy / ln T (1 = uniform)"
+        after = (
+            f"{len(rows)} heads over {self.sentences} sentences: {counts}",
+            "entropy in nats; normalised_entropy = entropy / ln T (1 = uniform)",
         )
+        return TableParts(header, rows, "<" * len(header), after=after)
 
 
 def classify(stats: Tensor) -> list[list[str]]:
@@ -356,24 +362,34 @@ class PruningSweep:
 
     def table(self) -> str:
         """The sweep as an aligned table plus the fractions at the threshold."""
+        return self.table_parts().text()
+
+    def table_parts(self) -> TableParts:
+        """The table of `table` as data: above it what was measured; a row per fraction;
+        below it, per order, the fraction pruned at the threshold, then the notes."""
         rows = [
-            [f"{f:.2f}", round(f * self.heads), *(f"{self.metric[o][i]:.4f}" for o in self.metric)]
+            [
+                f"{f:.2f}",
+                str(round(f * self.heads)),
+                *(f"{self.metric[o][i]:.4f}" for o in self.metric),
+            ]
             for i, f in enumerate(self.fractions)
         ]
         head = ["fraction", "heads pruned", *(f"cosine ({o})" for o in self.metric)]
-        lines = [
+        title = (
             f"Head pruning on all-MiniLM-L6-v2: mean cosine to the unpruned embeddings over "
             f"{self.eval_sentences} Alice sentences; importance from {self.importance_sentences} "
-            f"other sentences; random = mean of {len(self.random_runs)} seeds",
-            text_table(head, rows, align="<>" + ">" * len(self.metric)),
-        ]
+            f"other sentences; random = mean of {len(self.random_runs)} seeds"
+        )
+        kept = []
         for o in self.metric:
             f = self.kept_fraction(o)
-            lines.append(
+            kept.append(
                 f"{o} order: cosine >= {self.threshold} up to {f:.0%} of heads pruned "
                 f"({round(f * self.heads)} of {self.heads}); {1 - f:.0%} kept"
             )
-        return "\n".join(lines + self.notes)
+        align = "<>" + ">" * len(self.metric)
+        return TableParts(head, rows, align, before=(title,), after=(*kept, *self.notes))
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready data."""

@@ -4,7 +4,9 @@ Tables are laid out by rich (the ``cli`` extra, imported when a table is printed
 wraps (long words fold), so no cell is ever cut, and the table is as wide as the terminal at most
 (`width`: ``COLUMNS``, else the terminal's width); written to a file or a pipe, each row stays
 on one line. The text is plain, without ANSI codes, wherever it goes. ``--json`` prints the
-same rows with every field whole (`print_json`).
+same rows with every field whole (`print_json`). The analysis objects' tables
+(`attnlab.analysis.table_parts.TableParts`: ``est.table_parts()``, ``advice.table_parts()``,
+...) print through `fitted`, their lines above and below wrapped like any text (`wrap`).
 
 Progress goes to stderr, only on a terminal and never with ``--quiet``: `steps` for work that
 counts its steps (a tqdm bar, `attnlab.utils.Progress`), `working` for one long library call
@@ -62,7 +64,9 @@ def table(
 
     Every column keeps its natural width while the table fits; when it does not, the wide
     columns (`Col.wide`) wrap first, then the others. A header wraps between its words, a cell
-    between words too (a longer word folds): nothing is ever cut.
+    between words too: nothing is ever cut. When the words themselves do not fit, the columns
+    move closer (3 spaces apart, else 2, else 1), then headers fold their long words before any
+    cell does (``normalised_entropy`` over a column of numbers), and only then do cells fold.
 
     Args:
         columns: the columns (a str is a left-aligned `Col`).
@@ -93,20 +97,23 @@ def table(
         for i, c in enumerate(cols)
     ]
     # the width below which a column's words would fold: its longest word (at most 20 in a
-    # wide column, whose text is long anyway)
-    least = []
+    # wide column, whose text is long anyway); ``inner``: the same without the header's words
+    least, inner = [], []
     for i, c in enumerate(cols):
-        words = [
-            w for text in (c.name, *(r[i] for r in body if r is not None)) for w in text.split()
-        ]
-        longest = max(map(cell_len, words), default=1)
+        cells = [w for r in body if r is not None for w in r[i].split()]
+        longest = max(map(cell_len, [*c.name.split(), *cells]), default=1)
         least.append(min(natural[i], 20 if c.wide else natural[i], longest))
-    gaps = 3 * (len(cols) - 1)  # columns are 3 spaces apart
+        inner.append(min(least[i], max(map(cell_len, cells), default=1)))
     limit = max_width or width()
-    widths = (
-        natural if limit is None else _fit(natural, least, [c.wide for c in cols], limit - gaps)
+    gap = 3 if limit is None else _gap(sum(least), len(cols), limit)
+    if limit is None:
+        widths = natural
+    else:
+        widths = _fit(natural, least, inner, [c.wide for c in cols], limit - gap * (len(cols) - 1))
+    padding = {3: (0, 1), 2: (0, 1, 0, 0), 1: (0, 0)}[gap]  # around rich's 1-space divider
+    t = Table(
+        box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="", padding=padding
     )
-    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="")
     for i, c in enumerate(cols):
         t.add_column(
             Text(c.name),
@@ -119,19 +126,29 @@ def table(
             t.add_section()
         else:
             t.add_row(*(Text(cell) for cell in r))
-    return render(t, sum(widths) + gaps)
+    return render(t, sum(widths) + gap * (len(cols) - 1))
 
 
-def _fit(natural: list[int], least: list[int], wide: list[bool], budget: int) -> list[int]:
+def _gap(words: int, columns: int, limit: int) -> int:
+    """Spaces between columns: 3, or 2, or 1 — the widest gap at which ``columns`` columns whose
+    longest words sum to ``words`` fit in ``limit``, else 1 (closer columns before folded words)."""
+    return next((g for g in (3, 2) if words + g * (columns - 1) <= limit), 1)
+
+
+def _fit(
+    natural: list[int], least: list[int], inner: list[int], wide: list[bool], budget: int
+) -> list[int]:
     """Column widths that sum to at most ``budget``: the natural widths, then narrower in turn —
     the wide columns down to 20, the others down to their longest word (``least``), the wide
-    ones down to theirs, and at last any column down to 4 (its long words fold). Within a turn
+    ones down to theirs, every column down to its cells' longest word (``inner``: a header's
+    longer word folds), and at last any column down to 4 (its long words fold). Within a turn
     the widest column gives up a column first, so the narrowed ones end up alike."""
     widths = list(natural)
     turns = (
         [max(least[i], min(20, natural[i])) if wide[i] else natural[i] for i in range(len(wide))],
         [natural[i] if wide[i] else least[i] for i in range(len(wide))],
         least,
+        inner,
         [min(4, n) for n in natural],
     )
     for floors in turns:
@@ -162,16 +179,77 @@ def render(renderable: Any, max_width: int) -> str:
 
 
 def wrap(text: str, *, indent: str = "", max_width: int | None = None) -> str:
-    """``text`` wrapped at word boundaries (a word longer than a line folds), each line after
-    the first indented by ``indent``; terminal cells are counted (a CJK character takes two)."""
-    from rich.text import Text
-
+    """``text`` wrapped at word boundaries (a word longer than a line folds), each line of it
+    on its own: the lines a line wraps into after its first are indented by ``indent``;
+    terminal cells are counted (a CJK character takes two)."""
     limit = max_width or width()
     if limit is None:
         return text
     _need_rich()
-    out = render(Text(text, overflow="fold"), limit - len(indent))
-    return ("\n" + indent).join(out.split("\n"))
+    from rich.cells import cell_len
+    from rich.text import Text
+
+    def one(line: str) -> str:
+        if cell_len(line) <= limit:
+            return line
+        out = render(Text(line, overflow="fold"), limit - len(indent))
+        return ("\n" + indent).join(out.split("\n"))
+
+    return "\n".join(one(line) for line in text.split("\n"))
+
+
+def fitted(table_parts: Any, *, indent: str = "  ", max_width: int | None = None) -> str:
+    """A library table (`attnlab.analysis.table_parts.TableParts`: ``header``, ``rows``,
+    ``align``, ``before``, ``after``) that fits: the lines above and below it wrapped (`wrap`,
+    later lines of one indented by ``indent``), the table laid out by `table` (a column whose
+    ``align`` is ``>`` right-aligned)."""
+    t = table_parts
+    columns = [Col(name, right=a == ">") for name, a in zip(t.header, t.align, strict=True)]
+
+    def lines(texts: Sequence[str]) -> list[str]:
+        return [wrap(text, indent=indent, max_width=max_width) if text else "" for text in texts]
+
+    body = table(columns, t.rows, max_width=max_width)
+    return "\n".join([*lines(t.before), body, *lines(t.after)])
+
+
+class WrappedLines(io.TextIOBase):
+    """A text stream for the lines a library prints as it goes (``out=`` of
+    `attnlab._ext.build_kernels`): each line goes to ``out`` (default stdout) wrapped like
+    `wrap`, its later lines indented by ``indent``. The start of a line flushed before its end
+    (``print(name, end="", flush=True)`` while a kernel builds) is shown at once; the rest
+    wraps after it when the line ends."""
+
+    def __init__(self, out: TextIO | None = None, *, indent: str = "  ") -> None:
+        self._out = out or sys.stdout
+        self._indent = indent
+        self._line = ""  # the current line so far
+        self._shown = 0  # how much of it is written already
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        *ended, rest = text.split("\n")
+        for piece in ended:
+            self._end_line(self._line + piece)
+        self._line += rest
+        return len(text)
+
+    def _end_line(self, line: str) -> None:
+        shown = line[: self._shown]
+        wrapped = wrap(line, indent=self._indent)
+        if wrapped.startswith(shown):
+            self._out.write(wrapped[len(shown) :] + "\n")
+        else:  # the start shown would have wrapped: the rest goes on a new line
+            rest = wrap(self._indent + line[self._shown :].lstrip(), indent=self._indent)
+            self._out.write(f"\n{rest}\n")
+        self._line, self._shown = "", 0
+
+    def flush(self) -> None:
+        self._out.write(self._line[self._shown :])
+        self._shown = len(self._line)
+        self._out.flush()
 
 
 def print_json(data: object, out: TextIO | None = None) -> None:
@@ -206,4 +284,15 @@ def working(what: str, *, quiet: bool) -> Iterator[None]:
         yield
 
 
-__all__ = ["Col", "print_json", "render", "steps", "table", "width", "working", "wrap"]
+__all__ = [
+    "Col",
+    "WrappedLines",
+    "fitted",
+    "print_json",
+    "render",
+    "steps",
+    "table",
+    "width",
+    "working",
+    "wrap",
+]

@@ -11,6 +11,7 @@ import argparse
 import json
 
 from ._args import UsageError, float_in, int_at_least, positive_float, positive_int
+from ._output import fitted, wrap
 
 #: Side of the square fp32 matmul timed for the rate when --gflops is not given.
 RATE_MATMUL_N = 1024
@@ -88,14 +89,15 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         )
         return 0
     amx = "AMX" if machine["amx"] else "no AMX"
-    print(
+    lines = (
         f"machine: {machine['cpu']} ({amx}, {machine['cores']} logical cores); matmul rate "
-        f"{gflops:,.1f} GFLOP/s ({source})\n"
+        f"{gflops:,.1f} GFLOP/s ({source})",
         f"model: {args.layers} layers, E={args.d_model}, H={args.heads}, V={args.vocab}; batch "
         f"{args.batch}, L={args.seq:,}, {args.dtype}, {'training' if args.train else 'inference'}"
-        f"; budget {args.budget:,} bytes, at most {args.max_seconds:g} s per step\n"
+        f"; budget {args.budget:,} bytes, at most {args.max_seconds:g} s per step",
     )
-    print(advice.table())
+    print("\n".join(wrap(line, indent="  ") for line in lines) + "\n")
+    print(fitted(advice.table_parts()))
     return 0
 
 

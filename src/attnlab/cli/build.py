@@ -8,8 +8,9 @@ import sys
 
 def _cmd_build(args: argparse.Namespace) -> int:
     from .. import _ext
+    from ._output import WrappedLines
 
-    failures = _ext.build_kernels(args.kernel, force=args.force)
+    failures = _ext.build_kernels(args.kernel, force=args.force, out=WrappedLines(indent="    "))
     if not failures:
         return 0
     names = ", ".join(name for name, _ in failures)

@@ -219,7 +219,7 @@ def run_check(
         print_json(rows, out)
     else:
         print(format_rows(rows, show_na=show_na), file=out)
-        print(f"\n{summary(rows, show_na=show_na)}", file=out)
+        print("\n" + wrap(summary(rows, show_na=show_na), indent="  "), file=out)
     return sum(r["result"] == "FAIL" for r in rows)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ._args import UsageError, add_device_argument, int_at_least, positive_int
-from ._output import print_json, working
+from ._output import fitted, print_json, working, wrap
 
 #: Memory `--measure` may use for its runs (the naive run holds the L×S scores and their grads).
 MEASURE_LIMIT_BYTES = 4 * 2**30
@@ -67,21 +67,23 @@ def _cmd_model(args: argparse.Namespace) -> int:
         print_json(_jsonable(data))
         return 0
     mode = "inference" if args.infer else f"training ({args.optimizer})"
-    print(
+    model = (
         f"model: {args.layers} layers, E={args.d_model}, H={args.heads}, F={args.d_ff or 'default'}"
-        f", V={args.vocab}, {args.mlp} MLP; batch {args.batch}, {args.dtype}, {mode}\n"
+        f", V={args.vocab}, {args.mlp} MLP; batch {args.batch}, {args.dtype}, {mode}"
     )
+    print(wrap(model, indent="  ") + "\n")
     for attention in ("naive", "flash"):
         print(f"attention={attention}, L={args.seq}:")
-        print(model_cost(args.seq, attention=attention, **kw).table())
+        print(fitted(model_cost(args.seq, attention=attention, **kw).table_parts()))
         print()
     if args.budget is not None:
         for attention in ("naive", "flash"):
             n = max_seq_len(args.budget, attention=attention, **kw)
-            print(
+            line = (
                 f"largest sequence length in {args.budget:,} bytes ({args.budget / 2**30:,.2f} "
                 f"GiB), attention={attention}: {n:,}"
             )
+            print(wrap(line, indent="  "))
     return 0
 
 
@@ -98,7 +100,7 @@ def _jsonable(data: object) -> object:
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from ..analysis import estimate, measure_estimate
-    from ..analysis.costs import complexity_text, io_naive, io_tiled
+    from ..analysis.costs import complexity_parts, complexity_table, io_naive, io_tiled
 
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     if args.d_model % args.heads:
@@ -116,11 +118,12 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         raise UsageError(
             "--measure", "measures the attention layers only; drop --train/--infer/--budget"
         )
-    if args.json and (args.complexity or args.io is not None):
-        flag = "--complexity" if args.complexity else "--io"
-        raise UsageError("--json", f"prints the estimate's rows; {flag} prints a text, drop one")
     if args.complexity:
-        print(complexity_text(args.seq, args.d_model))
+        if args.json:
+            rows = complexity_table(args.seq, args.d_model)
+            print_json({"n": args.seq, "d": args.d_model, "rows": rows})
+        else:
+            print(fitted(complexity_parts(args.seq, args.d_model)))
         return 0
     if args.io is not None:
         d = args.d_model // args.heads
@@ -130,9 +133,17 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
             )
         naive = io_naive(args.seq, d)
         tiled = io_tiled(args.seq, d, args.io)
-        print(
+        block = args.io // (4 * d)
+        if args.json:
+            counts = {"naive": naive, "tiled": tiled}
+            print_json({"N": args.seq, "d": d, "M": args.io, "B_c": block, **counts})
+            return 0
+        head = (
             f"slow-memory reads + writes (elements), N={args.seq}, d={d}, fast memory M={args.io:,}"
-            f" elements, block B_c=M/(4d)={args.io // (4 * d):,}:\n"
+            f" elements, block B_c=M/(4d)={block:,}:"
+        )
+        print(
+            f"{wrap(head, indent='  ')}\n"
             f"  naive  Θ(Nd + N²):   {naive:,}\n  tiled  Θ(N²d²/M):     {tiled:,}"
             f"  ({naive / tiled:,.2f}× less)"
         )
@@ -171,12 +182,13 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         rows = [{"quantity": q, "unit": unit, "values": v} for q, unit, v in est.rows]
         print_json(_jsonable({"config": c, "rows": rows, "measured": est.measured}))
         return 0
-    print(
+    config = (
         f"B={c['B']} L={c['L']} S={c['S']} E={c['E']} H={c['H']} H_kv={c['H_kv']} D={c['D']} "
         f"layers={c['layers']} {c['dtype']}: {c['attended_pairs']:,} of {c['dense_pairs']:,} "
-        "pairs attended per head\n"
+        "pairs attended per head"
     )
-    print(est.table())
+    print(wrap(config, indent="  ") + "\n")
+    print(fitted(est.table_parts()))
     return 0
 
 
@@ -245,7 +257,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="M",
         help="IO model of tiled vs naive attention with a fast memory of M elements",
     )
-    est.add_argument("--json", action="store_true", help="print the rows as JSON")
+    est.add_argument(
+        "--json",
+        action="store_true",
+        help="print the rows as JSON (with --complexity: its rows; with --io: the counts)",
+    )
     est.add_argument("--quiet", action="store_true", help="no progress line (--measure)")
     add_device_argument(est)
     est.set_defaults(func=_cmd_estimate)

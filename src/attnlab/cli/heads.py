@@ -13,7 +13,7 @@ import argparse
 import json
 
 from ._args import add_device_argument, check_output_file, float_in, int_at_least
-from ._output import print_json, working
+from ._output import fitted, print_json, working, wrap
 
 
 def _fractions(text: str) -> list[float]:
@@ -55,7 +55,7 @@ def _cmd_heads(args: argparse.Namespace) -> int:
     if to_stdout:
         print_json(data)
     else:
-        print(result.table())
+        print(fitted(result.table_parts()))
     written = []
     if args.action == "prune" and args.png:
         from ..viz.heads import plot_pruning
@@ -66,7 +66,7 @@ def _cmd_heads(args: argparse.Namespace) -> int:
             json.dump(data, f, indent=1)
         written.append(args.json)
     if written and not to_stdout:
-        print("\n" + "\n".join(f"wrote {path}" for path in written))
+        print("\n" + "\n".join(wrap(f"wrote {path}", indent="  ") for path in written))
     return 0
 
 

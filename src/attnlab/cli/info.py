@@ -82,30 +82,37 @@ def environment() -> dict[str, Any]:
 
 
 def print_environment(env: dict[str, Any]) -> None:
-    """Prints `environment`'s dict as text, one fact per line."""
+    """Prints `environment`'s dict as text, one fact per line, each wrapped to the terminal
+    (`attnlab.cli._output.wrap`: later lines of a fact indented)."""
     from .. import _ext
+    from ._output import wrap
 
     cpu, tch, ext = env["cpu"], env["torch"], env["ext"]
     have = " ".join(f for f, on in cpu["flags"].items() if on) or "none of interest"
     lack = " ".join(f for f, on in cpu["flags"].items() if not on)
-    print(f"attnlab {env['attnlab']} · Python {env['python']}")
-    print(f"CPU: {cpu['model']} ({cpu['machine']}, {cpu['cores']} cores usable)")
-    print(f"  flags: {have}" + (f" · absent: {lack}" if lack else ""))
-    print(
-        f"torch {tch['version']}: {tch['threads']} threads, CPU capability "
-        f"{tch['cpu_capability']}, oneDNN {'yes' if tch['mkldnn'] else 'no'}"
-    )
     setting = f"{_ext.ENV}={ext['env']}" if ext["env"] is not None else f"{_ext.ENV} unset"
-    print(
-        f"C++ kernels: mode {ext['mode']} ({setting}), {ext['isa_path']} path, compiler "
-        f"{ext['compiler'] or 'none'}, cache {ext['cache']}"
-    )
+    facts = [
+        (f"attnlab {env['attnlab']} · Python {env['python']}", "  "),
+        (f"CPU: {cpu['model']} ({cpu['machine']}, {cpu['cores']} cores usable)", "  "),
+        (f"  flags: {have}" + (f" · absent: {lack}" if lack else ""), "    "),
+        (
+            f"torch {tch['version']}: {tch['threads']} threads, CPU capability "
+            f"{tch['cpu_capability']}, oneDNN {'yes' if tch['mkldnn'] else 'no'}",
+            "  ",
+        ),
+        (
+            f"C++ kernels: mode {ext['mode']} ({setting}), {ext['isa_path']} path, compiler "
+            f"{ext['compiler'] or 'none'}, cache {ext['cache']}",
+            "  ",
+        ),
+    ]
     width = max(len(n) for n in ext["kernels"])
     for name, k in ext["kernels"].items():
         where = f"  {k['path']}" if k["built"] else ""
-        print(f"  {name:<{width}}  {k['state']}{where}")
-    for text in env["thresholds"].values():
-        print(text)
+        facts.append((f"  {name:<{width}}  {k['state']}{where}", "    "))
+    facts += [(text, "  ") for text in env["thresholds"].values()]
+    for text, indent in facts:
+        print(wrap(text, indent=indent))
 
 
 def _cmd_info(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ $ attnlab textbook --list               # ids only
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from ._args import UsageError, check_output_file
@@ -24,9 +25,10 @@ def _cmd_textbook(args: argparse.Namespace) -> int:
 
     if args.exercise is not None:
         try:
-            print(render_exercise(get_exercise(args.exercise)))
+            text = render_exercise(get_exercise(args.exercise))
         except ValueError as e:
             raise UsageError("--exercise", str(e).removeprefix("id: ")) from None
+        print(_wrap_items(text))
         return 0
     if args.markdown is not None:
         check_output_file(args.markdown, "--markdown", suffixes=(".md",))
@@ -35,12 +37,17 @@ def _cmd_textbook(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError("--only", str(e).removeprefix("only: ")) from None
     if args.list:
-        for c in claims:
-            mark = " (--with-training)" if c.slow else ""
-            print(f"{c.id}\t{c.expected}{mark}\t{c.section}")
+        listed = [
+            (c.id, c.expected + (" (--with-training)" if c.slow else ""), c.section) for c in claims
+        ]
+        exercises = []
         for e in all_exercises() if not args.only else ():
             origin = "" if e.from_text else " (not from the text)"
-            print(f"exercise {e.id}\t{e.source}{origin}\t{e.title}")
+            exercises.append((f"exercise {e.id}", e.source + origin, e.title))
+        if sys.stdout.isatty():
+            _print_list(listed, exercises)
+        else:  # piped or written to a file: tab-separated lines, a claim or an exercise each
+            print("\n".join("\t".join(row) for row in [*listed, *exercises]))
         return 0
     rows = []
     with steps(claims, desc="attnlab textbook", quiet=args.quiet) as bar:
@@ -70,6 +77,32 @@ def _cmd_textbook(args: argparse.Namespace) -> int:
     return 1 if bugs or mismatched else 0
 
 
+def _print_list(claims: list[tuple[str, ...]], exercises: list[tuple[str, ...]]) -> None:
+    """--list on a terminal: the claims, then the exercises, as tables that fit it (``COLUMNS``,
+    else its width)."""
+    from ._output import Col, table
+
+    tables = []
+    if claims:
+        tables.append(table(["claim", "declared verdict", Col("section", wide=True)], claims))
+    if exercises:
+        columns = ["exercise", Col("source", wide=True), Col("title", wide=True)]
+        tables.append(table(columns, exercises))
+    print("\n\n".join(tables))
+
+
+def _wrap_items(text: str) -> str:
+    """Each line of ``text`` wrapped to the terminal, its later lines under its text: under the
+    words after an item's marker (``a) ``, ``- ``) or its own indentation."""
+    from ._output import wrap
+
+    lines = []
+    for line in text.split("\n"):
+        lead = re.match(r"\s*(?:[a-z0-9]\) |- )?", line)  # matches every line (maybe empty)
+        lines.append(wrap(line, indent=" " * lead.end()))
+    return "\n".join(lines)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Adds ``attnlab textbook`` to the ``attnlab`` command's subparsers."""
     p = sub.add_parser(
@@ -90,7 +123,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the rows as JSON")
     out.add_argument("--markdown", metavar="PATH", help="write the rows as Markdown (docs)")
-    out.add_argument("--list", action="store_true", help="list claim and exercise ids only")
+    out.add_argument(
+        "--list",
+        action="store_true",
+        help="list claim and exercise ids only (tab-separated lines when piped)",
+    )
     out.add_argument("--exercise", metavar="ID", help="print the worked solution of an exercise")
     p.add_argument(
         "--only",

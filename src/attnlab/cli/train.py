@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from dataclasses import asdict, fields, replace
@@ -35,10 +36,12 @@ from ._args import (
     step_interval,
 )
 from ._lazy import lazy_attributes
+from ._output import fitted, print_json, wrap
 
 if TYPE_CHECKING:  # the library is imported where a command runs: --help imports no torch
     import torch
 
+    from ..analysis.table_parts import TableParts
     from ..apps.gpt import TrainSettings
 
 #: `attnlab.apps.gpt.TrainSettings`' defaults that ``--help`` prints, and the choices of
@@ -200,17 +203,57 @@ def _run_sweep(args: argparse.Namespace, settings: TrainSettings, values: dict) 
         sweep_plan(settings, grid)  # every point checked before the first run
     except ValueError as e:
         raise UsageError("--sweep", str(e)) from None
-    result = sweep(settings, grid, progress=not args.quiet, device=args.device)
-    print(result.table())
-    paths = write_sweep(result, settings.out_dir)
-    print("wrote " + ", ".join(str(p) for p in paths))
+    # with --json, stdout holds the JSON alone: the runs' lines go to stderr
+    to_stderr = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    with to_stderr:
+        result = sweep(settings, grid, progress=not args.quiet, log=_log, device=args.device)
+        paths = write_sweep(result, settings.out_dir)
+    if args.json:
+        print_json(result.to_dict())
+        return 0
+    print(fitted(_sweep_parts(result)))
+    print(wrap("wrote " + ", ".join(str(p) for p in paths), indent="  "))
     return 0
+
+
+def _sweep_parts(result) -> TableParts:
+    """`attnlab.apps.gpt.SweepResult.table`'s cells as `TableParts` (the same cells, a column
+    per swept setting, then the final losses and seconds; ``*`` marks the best run)."""
+    from ..analysis.table_parts import TableParts
+
+    best = result.best()
+    keys = list(result.grid)
+    header = [*keys, "final train", "final val", "seconds", ""]
+    rows = [
+        [
+            *(f"{r.point[k]:g}" for k in keys),
+            f"{r.final_train:.4f}",
+            f"{r.final_val:.4f}",
+            f"{r.seconds:.1f}",
+            "*" if r is best else "",
+        ]
+        for r in result.runs
+    ]
+    s = result.base
+    note = (
+        f"({s.schedule} schedule, {s.steps} steps of {s.batch_size}×{s.seq_len} characters, "
+        f"d_model={s.d_model}, {s.n_layers} layers, {s.precision}; unigram entropy "
+        f"{result.unigram_entropy:.3f} nats/char; * = lowest final validation loss)"
+    )
+    return TableParts(header, rows, ">" * (len(header) - 1) + "<", after=(note,))
+
+
+def _log(line: str) -> None:
+    """Prints a run's log line wrapped to the terminal."""
+    print(wrap(line, indent="  "))
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from ..apps.gpt import CHECKPOINT_NAME, TrainSettings
     from ..distributed.ddp import process_group_from_env, rank_device
 
+    if args.json and args.sweep is None:
+        raise UsageError("--json", "prints the rows of --sweep; add --sweep or drop --json")
     defaults = TrainSettings()
     values = _given_values(args)
     _check_schedule(values, defaults)
@@ -244,13 +287,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
             settings,
             resume=resume,
             progress=not args.quiet,
+            log=_log,
             device=device,
             context_parallel=args.context_parallel,
             threads=args.threads,
         )
     if main:
         out = Path(settings.out_dir)
-        print(f"wrote {result.checkpoint}, {out / 'loss.png'}, {out / 'grad_norm.png'}")
+        written = f"wrote {result.checkpoint}, {out / 'loss.png'}, {out / 'grad_norm.png'}"
+        print(wrap(written, indent="  "))
     return 0
 
 
@@ -386,6 +431,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="under torchrun: shard every sequence across the ranks (ring attention; needs "
         "--dropout 0 and --seq-len divisible by the ranks) instead of the batch (default: data "
         "parallel, --batch-size divisible by the ranks); one process: no effect",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="with --sweep: print the runs as JSON (what OUT/sweep.json holds) instead of the "
+        "table; the log lines go to stderr",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_device_argument(p)

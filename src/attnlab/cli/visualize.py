@@ -46,6 +46,7 @@ from ._args import (
     positive_int,
 )
 from ._lazy import lazy_attributes
+from ._output import wrap
 
 if TYPE_CHECKING:  # the library is imported by the functions that run (--help imports no torch)
     from ..analysis.model_attentions import Attentions, LongAttentions
@@ -359,17 +360,17 @@ def _print_text(args: argparse.Namespace, runs: list) -> None:
     layers = None if args.layer is None else [args.layer]
     heads = None if args.head is None else [args.head]
     for run in runs:
-        print(_summary(run) + " · top-3 attended tokens per query (weight)\n")
+        print(wrap(_summary(run) + " · top-3 attended tokens per query (weight)", indent="  "))
+        print()
         for note in run.notes:
-            print(f"note: {note}")
+            print(wrap(f"note: {note}", indent="  "))
         if isinstance(run, LongAttentions):
-            print(_long_text(run, layers, heads))
+            print(wrap(_long_text(run, layers, heads), indent="    "))
             continue
-        print(
-            attention_text(
-                run.tokens, run.weights, k=3, layers=layers, heads=heads, key_tokens=run.key_tokens
-            )
+        text = attention_text(
+            run.tokens, run.weights, k=3, layers=layers, heads=heads, key_tokens=run.key_tokens
         )
+        print(wrap(text, indent="    "))
 
 
 def _write_html(args: argparse.Namespace, runs: list) -> None:
@@ -403,12 +404,14 @@ def _write_html(args: argparse.Namespace, runs: list) -> None:
     ]
     out = _save(views, args.out)
     size = out.stat().st_size
-    print(f"wrote {out} ({size / 1e6:.2f} MB; {'; '.join(_summary(r) for r in runs)})")
+    summaries = "; ".join(_summary(r) for r in runs)
+    print(wrap(f"wrote {out} ({size / 1e6:.2f} MB; {summaries})", indent="  "))
     for run in runs:
         for note in run.notes:
-            print(f"note: {note}")
+            print(wrap(f"note: {note}", indent="  "))
         if max(_shape(run)[-2:]) > MAX_FULL_TOKENS:
-            print(f"note: long input, the viewer keeps each token's top {args.top_k} weights")
+            long = f"note: long input, the viewer keeps each token's top {args.top_k} weights"
+            print(wrap(long, indent="  "))
 
 
 def _write_png(args: argparse.Namespace, runs: list, png: Path) -> None:
@@ -427,7 +430,7 @@ def _write_png(args: argparse.Namespace, runs: list, png: Path) -> None:
 
         run = runs[0]
         attention_png(run.tokens, run.weights, png, title=_summary(run))
-    print(f"wrote {png}")
+    print(wrap(f"wrote {png}", indent="  "))
 
 
 def _cmd_visualize(args: argparse.Namespace) -> int:

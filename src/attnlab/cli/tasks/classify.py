@@ -17,6 +17,7 @@ from .._args import (
     size_int,
     step_count,
 )
+from .._output import wrap
 
 HELP = "text classification: the language of a word (MiniLM head, char Transformer, n-grams)"
 
@@ -164,10 +165,11 @@ def run(args: argparse.Namespace) -> int:
     )
     result = run_classify(settings, out, progress=not args.quiet, device=args.device)
     acc = result.metrics["accuracy"]
-    print(
+    line = (
         "held-out accuracy: "
         + ", ".join(f"{k} {100 * v:.2f} %" for k, v in acc.items())
         + f" (chance {100 * result.metrics['chance']:.1f} %)"
     )
-    print("wrote " + ", ".join(str(p) for p in result.files))
+    print(wrap(line, indent="  "))
+    print(wrap("wrote " + ", ".join(str(p) for p in result.files), indent="  "))
     return 0

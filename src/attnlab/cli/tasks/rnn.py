@@ -24,6 +24,7 @@ from .._args import (
     step_count,
     step_interval,
 )
+from .._output import wrap
 
 HELP = "a GRU/LSTM character LM: the RNN baseline of the GPT (same text, split and loss)"
 DESCRIPTION = (
@@ -175,5 +176,6 @@ def run(args: argparse.Namespace) -> int:
         text = sample(result.model, result.vocab, args.prompt, args.sample, top_k=10)
         print(f"sample (top-k 10):\n{text}")
     out = result.checkpoint.parent
-    print(f"wrote {result.checkpoint}, {out / 'metrics.json'}, {out / 'loss.png'}")
+    written = f"wrote {result.checkpoint}, {out / 'metrics.json'}, {out / 'loss.png'}"
+    print(wrap(written, indent="  "))
     return 0

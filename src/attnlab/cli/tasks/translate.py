@@ -21,6 +21,7 @@ from .._args import (
     step_count,
     step_interval,
 )
+from .._output import wrap
 
 HELP = "encoder–decoder Transformer: number words English -> German/French (characters)"
 DESCRIPTION = (
@@ -277,11 +278,13 @@ def run(args: argparse.Namespace) -> int:
     result = train_translate(out, s, progress=not args.quiet)
     m = result.metrics
     em = ", ".join(f"{k} {v:.2%}" for k, v in m["exact_match"].items())
-    print(
+    line = (
         f"held-out exact match: {em}; reordering (de) "
         f"{m['reordering_de'] if m['reordering_de'] is None else format(m['reordering_de'], '.2%')}"
         f"; {m['steps']} steps ({m['stopped_by']}) in {m['train_seconds']:.0f} s, "
         f"{m['seconds']:.0f} s in all"
     )
-    print(f"wrote {out / 'ckpt.safetensors'}, metrics.json, loss.png, alignment.png")
+    print(wrap(line, indent="  "))
+    written = f"wrote {out / 'ckpt.safetensors'}, metrics.json, loss.png, alignment.png"
+    print(wrap(written, indent="  "))
     return 0

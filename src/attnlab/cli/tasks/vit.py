@@ -23,6 +23,7 @@ from .._args import (
     step_count,
     step_interval,
 )
+from .._output import wrap
 
 HELP = "a Vision Transformer on scikit-learn's 8×8 digits (held-out accuracy vs an SVM)"
 DESCRIPTION = (
@@ -183,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if "svm_accuracy" in m:
         line += f"; SVM baseline {m['svm_accuracy']:.4f} ({m['svm_seconds']:.2f} s)"
-    print(line)
+    print(wrap(line, indent="  "))
     names = (CHECKPOINT_NAME, "metrics.json", PNG_NAME, HTML_NAME)
-    print("wrote " + ", ".join(str(out / n) for n in names if (out / n).exists()))
+    written = "wrote " + ", ".join(str(out / n) for n in names if (out / n).exists())
+    print(wrap(written, indent="  "))
     return 0
