@@ -267,6 +267,7 @@ def test_the_check_names_the_damage(built, tmp_path, monkeypatch, capsys, kind) 
     head = "unverified" if kind == "no-record" else "corrupt"
     assert state.startswith(f"{head} ({problem}) — not loaded; the first call that needs it")
     assert _ext._needs_build(KERNEL)
+    monkeypatch.delenv("COLUMNS", raising=False)  # not a terminal: one line per kernel, read back
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert f"  {KERNEL}  {state}  {library}" in out.splitlines()
