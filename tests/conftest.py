@@ -10,10 +10,11 @@ import pytest
 # the subject.
 os.environ["ATTNLAB_THRESHOLDS"] = "off"
 
-# The command's tables fit the terminal (attnlab.cli._output): the suite gives every test, and
-# the subprocesses it starts, one wide terminal whatever the shell or the xdist worker has, so
-# tests that read a table's cells back see one row per line. Tests of the width set their own.
-os.environ["COLUMNS"] = "200"
+# The command's tables fit the terminal (attnlab.cli._output: COLUMNS, else the terminal;
+# piped output is not wrapped). pytest-xdist's workers set COLUMNS=80, a shell may set anything:
+# every test, and the subprocesses it starts, sees piped output instead — one line per table row
+# and per message, so tests can read them back. Tests of the width set their own COLUMNS.
+os.environ.pop("COLUMNS", None)
 
 # Under pytest-xdist (`-n auto`, the README's test command) the workers share the cores: each
 # gets its share of intra-op threads (and so do the subprocesses tests start), instead of every
