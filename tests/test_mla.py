@@ -369,6 +369,24 @@ def test_absorbed_decode_compiles_fullgraph_with_inductor():
     )
 
 
+@pytest.mark.slow
+def test_cached_decode_step_compiles_fullgraph_with_inductor():
+    """The module's decode step (RoPE, LatentCache append, absorbed attention) in one graph."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    kw = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8)
+    mla = MultiHeadLatentAttention(64, 4, **kw, v_head_dim=12).eval()
+    x = torch.randn(2, 9, 64)
+    cache = LatentCache(capacity=9)
+    step = torch.compile(lambda x, cache: mla(x, cache=cache), fullgraph=True)
+    with torch.no_grad():
+        outs = [mla(x[:, :6], mask=masks.causal(), cache=cache)]
+        outs += [step(x[:, t : t + 1], cache) for t in range(6, 9)]
+        full = mla(x, mask=masks.causal())
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=2e-6, rtol=1e-5)
+    assert len(cache) == 9
+
+
 def test_bad_input_names_the_argument():
     xs = _inputs(1, 2, 3, 5)
     with pytest.raises(ValueError, match=r"w_uk must be \(2, 8, 16\) .* got \(2, 8, 15\)"):
