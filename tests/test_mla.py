@@ -310,6 +310,30 @@ def test_decode_step_by_step_equals_hf_eager_and_the_prefill(name):
     assert len(cache) == 8 and cache.nbytes == 2 * 16 * (16 + 8) * 8  # grown to 16 slots
 
 
+def test_padded_prompt_then_decode_equals_hf_eager():
+    """A left-padded batch: prompt into the cache with causal + padding, then decode steps with
+    the padding mask over the cached keys and per-item positions, against HF's eager layer."""
+    hf, ours, _ = _pair("yarn", F64)
+    x = seeded(B, L, 32, seed=4)
+    add = torch.zeros(ALLOWED.shape, dtype=F64).masked_fill(~ALLOWED, torch.finfo(F64).min)
+    hf_cache, cache = DynamicCache(config=hf.config), LatentCache()
+    P = 5  # prompt length; tokens P … L − 1 are decoded one at a time
+    with torch.no_grad():
+        tables = _tables(ours, POS[:, :P], F64, True)
+        ref = hf(x[:, :P], tables, add[..., :P, :P], cache=hf_cache)[0]
+        out = ours(x[:, :P], mask=ALLOWED[..., :P, :P], positions=POS[:, :P], cache=cache)
+        real = KEEP[:, :P]
+        torch.testing.assert_close(out[real], ref[real], atol=1e-12, rtol=1e-12)
+        for t in range(P, L):
+            pos = POS[:, t : t + 1]
+            ref = hf(x[:, t : t + 1], _tables(ours, pos, F64, True), add[..., t : t + 1, : t + 1],
+                     cache=hf_cache)[0]  # fmt: skip
+            out = ours(x[:, t : t + 1], mask=ALLOWED[..., t : t + 1, : t + 1], positions=pos,
+                       cache=cache)  # fmt: skip
+            real = KEEP[:, t]
+            torch.testing.assert_close(out[real], ref[real], atol=1e-12, rtol=1e-12)
+
+
 def test_decode_position_off_by_one_is_detected():
     """The check above is sensitive to the RoPE offset: positions shifted by one differ."""
     _, ours, _ = _pair("default", F64)
