@@ -22,7 +22,7 @@ from attnlab.modules import (
     MultiHeadLatentAttention,
     absorbed_latent_attention,
 )
-from helpers import assert_close_rule, check_against_reference, seeded
+from helpers import LargestTensor, assert_close_rule, check_against_reference, seeded
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -334,6 +334,19 @@ def test_padded_prompt_then_decode_equals_hf_eager():
             torch.testing.assert_close(out[real], ref[real], atol=1e-12, rtol=1e-12)
 
 
+def test_absorbed_decode_step_forms_no_per_head_keys_or_values():
+    """With 300 cached tokens, no tensor of a decode step is as large as one per-head K or V
+    (H · S · Dv = 12,000 elements); the cache holds S · (C + R) = 7,200."""
+    _, ours, _ = _pair("default", torch.float32)
+    cache = LatentCache(capacity=301)
+    with torch.no_grad():
+        ours(seeded(1, 300, 32, dtype=torch.float32), mask=masks.causal(), cache=cache)
+        with LargestTensor() as spy:
+            ours(seeded(1, 1, 32, dtype=torch.float32, seed=1), cache=cache)
+    assert cache.nbytes == 301 * (16 + 8) * 4
+    assert 0 < spy.largest < 4 * 300 * 10, spy.largest
+
+
 def test_decode_position_off_by_one_is_detected():
     """The check above is sensitive to the RoPE offset: positions shifted by one differ."""
     _, ours, _ = _pair("default", F64)
@@ -401,7 +414,7 @@ def test_cached_decode_step_compiles_fullgraph_with_inductor():
     kw = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8)
     mla = MultiHeadLatentAttention(64, 4, **kw, v_head_dim=12).eval()
     x = torch.randn(2, 9, 64)
-    cache = LatentCache(capacity=9)
+    cache = LatentCache(capacity=16)  # never full: a full buffer is one more specialisation
     step = torch.compile(lambda x, cache: mla(x, cache=cache), fullgraph=True)
     with torch.no_grad():
         outs = [mla(x[:, :6], mask=masks.causal(), cache=cache)]
