@@ -392,6 +392,27 @@ def test_deepseek_v3_through_the_bridge_equals_eager(tmp_path):
     assert_close_rule(logits("attnlab", torch.float32)[real], golden[real], naive[real])
 
 
+def test_deepseek_v3_greedy_generate_through_the_bridge_equals_eager(tmp_path):
+    import attnlab.hf
+
+    attnlab.hf.register()
+    torch.manual_seed(0)
+    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY)).save_pretrained(
+        tmp_path
+    )
+    ids = torch.tensor([[5, 17, 33, 8], [0, 0, 23, 71]])
+
+    def generate(impl):
+        model = transformers.DeepseekV3ForCausalLM.from_pretrained(
+            tmp_path, attn_implementation=impl
+        ).eval()
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=(ids != 0).long(), **kw)
+
+    assert torch.equal(generate("attnlab"), generate("eager"))
+
+
 # --------------------------------------------------------------------------- compile, errors
 
 
