@@ -858,3 +858,61 @@ def adaptive_span_attention(
     out, weights = nan_rule.poison(out, q, k, v, keep=keep, weights=weights)
     assert weights is not None
     return out, weights
+
+
+# ------------------------------------------------------------------------------------------------
+# Multi-head latent attention (DeepSeek-AI, 2024, "DeepSeek-V2", §2.1). Keys and values are
+# up-projected from one latent per token; the decoupled rotary key is shared by every head. The
+# fast form (modules/mla.py, `absorbed_latent_attention`) folds the up-projections into the query
+# and the output and attends over the latent itself; it equals this naive form.
+# ------------------------------------------------------------------------------------------------
+
+
+def latent_attention(
+    q_nope: Tensor,
+    q_rope: Tensor,
+    latent: Tensor,
+    k_rope: Tensor,
+    w_uk: Tensor,
+    w_uv: Tensor,
+    *,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+    reorder: bool = False,
+) -> Tensor:
+    """Reference multi-head latent attention (MLA), the naive form: keys and values expanded.
+
+    For head h, with the latent ``c_j`` and the (already rotated) shared rotary key ``r_j`` of
+    token j::
+
+        k_hj = [W_UK[h] · c_j ; r_j]          (Dn + R)
+        v_hj = W_UV[h] · c_j                  (Dv)
+        o_hi = Σ_j softmax_j(scale · ⟨[q_nope_hi ; q_rope_hi], k_hj⟩) · v_hj
+
+    i.e. `attention` on the expanded per-head keys and values.
+
+    Args:
+        q_nope: ``(B, H, L, Dn)`` the query part without position.
+        q_rope: ``(B, H, L, R)`` the rotated query part.
+        latent: ``(B, S, C)`` the compressed key/value latent (C = kv_lora_rank).
+        k_rope: ``(B, S, R)`` the rotated key part shared by all heads.
+        w_uk: ``(H, Dn, C)`` the key up-projection. w_uv: ``(H, Dv, C)`` the value up-projection.
+        mask: bool, True = may attend, broadcastable to ``(B, H, L, S)``.
+        scale: logit scale, default ``1/√(Dn + R)``.
+        compute_dtype: precision of logits and softmax (see `attention`).
+        reorder: normalise after the weighted sum (same value, different rounding).
+
+    Returns:
+        ``(B, H, L, Dv)`` in q_nope's dtype.
+    """
+    B, H = q_nope.shape[:2]
+    k_nope = torch.einsum("bsc,hdc->bhsd", latent, w_uk)  # (B, H, S, Dn)
+    v = torch.einsum("bsc,hdc->bhsd", latent, w_uv)  # (B, H, S, Dv)
+    r = k_rope.unsqueeze(1).expand(B, H, -1, -1)  # (B, H, S, R)
+    q = torch.cat((q_nope, q_rope), dim=-1)  # (B, H, L, Dn + R)
+    k = torch.cat((k_nope, r), dim=-1)  # (B, H, S, Dn + R)
+    out, _ = attention(
+        q, k, v, mask=mask, scale=scale, compute_dtype=compute_dtype, reorder=reorder
+    )
+    return out

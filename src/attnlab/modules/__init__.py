@@ -4,9 +4,18 @@ from .adaptive_span import AdaptiveSpan, AdaptiveSpanAttention
 from .additive import AdditiveAttention
 from .fnet import FNetMixing
 from .hierarchical import HierarchicalAttention
-from .kv_cache import CacheOverflowError, CacheView, KVCache, SinkCache, SlidingWindowCache
+from .kv_cache import (
+    CacheOverflowError,
+    CacheView,
+    KVCache,
+    LatentCache,
+    LatentView,
+    SinkCache,
+    SlidingWindowCache,
+)
 from .linear import LinearAttention, PerformerAttention
 from .mha import MultiHeadAttention
+from .mla import MultiHeadLatentAttention, absorbed_latent_attention
 from .shaw import ShawRelativeAttention
 from .stream_linear import StreamLinear
 from .torch_compat import deprecated_alias as _deprecated_alias
@@ -30,11 +39,15 @@ __all__ = [
     "FNetMixing",
     "HierarchicalAttention",
     "KVCache",
+    "LatentCache",
+    "LatentView",
     "LinearAttention",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
     "PerformerAttention",
     "ShawRelativeAttention",
     "SinkCache",
     "SlidingWindowCache",
     "StreamLinear",
+    "absorbed_latent_attention",
 ]
