@@ -984,7 +984,7 @@ def differential_attention(
     m = _as_keep(mask, q1, k1)
     o1, _ = attention(q1, k1, v, mask=m, scale=scale, compute_dtype=dtype)
     o2, _ = attention(q2, k2, v, mask=m, scale=scale, compute_dtype=dtype)
-    lam_t = torch.as_tensor(lam, device=q1.device).to(dtype)
+    lam_t = lam.to(dtype) if isinstance(lam, Tensor) else lam
     o = o1.to(dtype) - lam_t * o2.to(dtype)  # (B, H, L, Dv)
     if lambda_init is not None:
         o = (1.0 - lambda_init) * (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps))

@@ -2,7 +2,9 @@
 
 from .adaptive_span import AdaptiveSpan, AdaptiveSpanAttention
 from .additive import AdditiveAttention
+from .differential import DifferentialAttention
 from .fnet import FNetMixing
+from .gated import GatedAttention, OffsetRMSNorm
 from .hierarchical import HierarchicalAttention
 from .kv_cache import CacheOverflowError, CacheView, KVCache, SinkCache, SlidingWindowCache
 from .linear import LinearAttention, PerformerAttention
@@ -27,11 +29,14 @@ __all__ = [
     "AdditiveAttention",
     "CacheOverflowError",
     "CacheView",
+    "DifferentialAttention",
     "FNetMixing",
+    "GatedAttention",
     "HierarchicalAttention",
     "KVCache",
     "LinearAttention",
     "MultiHeadAttention",
+    "OffsetRMSNorm",
     "PerformerAttention",
     "ShawRelativeAttention",
     "SinkCache",
