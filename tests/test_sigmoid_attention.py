@@ -188,3 +188,14 @@ def test_inductor_fullgraph_forward_backward():
     q, k, v = qkv(torch.float32, l=97, s=97, d=40)
     fn = torch.compile(lambda q, k, v: sigmoid_attention(q, k, v, mask=mask), fullgraph=True)
     check_against_reference(fn, ref_fn(mask), [q, k, v])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("L,S", [(1, 1025), (1025, 1), (17, 113), (1025, 1025), (113, 97)])
+@pytest.mark.parametrize("D", [8, 40, 64, 80, 128])
+@pytest.mark.parametrize("name", ["none", "causal", "sliding_window", "padding", "tensor"])
+def test_odd_size_sweep_default_tiles(L, S, D, name):
+    """The tolerance rule's odd sizes and head dims on the default tiles (float32)."""
+    mask = _cases(L, S)[name]
+    q, k, v = qkv(torch.float32, l=L, s=S, d=D, seed=L + D)
+    check_against_reference(lambda *x: sigmoid_attention(*x, mask=mask), ref_fn(mask), [q, k, v])
