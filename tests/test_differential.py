@@ -169,3 +169,8 @@ def test_inductor_fullgraph_forward_backward():
     want.sum().backward()
     got.sum().backward()
     torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-5, atol=1e-5)
+
+
+def test_from_hf_names_a_wrong_layer():
+    with pytest.raises(ValueError, match="must be a DiffLlamaAttention, got Linear"):
+        DifferentialAttention.from_hf(torch.nn.Linear(2, 2))

@@ -165,6 +165,8 @@ def test_nan_rule():
         ({"block_k": 2.0}, "block_k must be an int"),
         ({"mask": torch.zeros(17, 23)}, "mask must be a bool tensor"),
         ({"mask": "causal"}, "mask must be an attnlab Mask"),
+        ({"mask": torch.ones(17, 5, dtype=torch.bool)}, "not broadcastable to"),
+        ({"mask": masks.padding(torch.tensor([3, 4, 5]))}, "expected a batch of 3"),
         ({"mask": masks.from_fn(lambda b, h, i, j: i >= j)}, "mask must have a structure spec"),
     ],
 )

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._shapes import check_int, check_number, check_qkv, stat_dtype
+from .._shapes import check_broadcast, check_int, check_number, check_qkv, stat_dtype
 from ..masks import Mask, from_spec, from_tensor
 from ..masks.blocks import EMPTY, FULL, tile_eval
 from . import nan_rule
@@ -224,6 +224,7 @@ def _check_mask(mask: object, dims) -> Mask | None:
     if isinstance(mask, Tensor):
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be a bool tensor (True = may attend), got {mask.dtype}")
+        check_broadcast("mask", mask, dims)
         mask = from_tensor(mask)
     if not isinstance(mask, Mask):
         raise TypeError(f"mask must be an attnlab Mask, a bool tensor or None, got {mask!r}")
@@ -269,7 +270,9 @@ def sigmoid_attention(
     """
     dims = check_qkv(q, k, v)
     if dims.three_d:
-        raise ValueError(f"query, key and value must be 4-D (B, H, L, D), got query {q.shape}")
+        raise ValueError(
+            f"query, key and value must be 4-D (B, H, L, D), got query {tuple(q.shape)}"
+        )
     m = _check_mask(mask, dims)
     scale = dims.D**-0.5 if scale is None else check_number("scale", scale)
     b = sigmoid_bias(dims.S) if bias is None else check_number("bias", bias)

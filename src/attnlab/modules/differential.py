@@ -158,6 +158,10 @@ class DifferentialAttention(nn.Module):
         Returns:
             A `DifferentialAttention` on the same device and dtype, equal to it.
         """
+        if not all(hasattr(hf_attention, n) for n in ("lambda_q1", "q_proj", "config")):
+            raise ValueError(
+                f"hf_attention must be a DiffLlamaAttention, got {type(hf_attention).__name__}"
+            )
         c = hf_attention.config
         rope = getattr(c, "rope_parameters", None) or {}
         if rope.get("rope_type", "default") != "default":

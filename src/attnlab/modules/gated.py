@@ -155,6 +155,11 @@ class GatedAttention(nn.Module):
         Returns:
             A `GatedAttention` on the same device and dtype, equal to it.
         """
+        if not all(hasattr(hf_attention, n) for n in ("q_norm", "k_norm", "q_proj", "config")):
+            raise ValueError(
+                "hf_attention must be a Qwen3NextAttention (a full-attention layer), got "
+                f"{type(hf_attention).__name__}"
+            )
         c = hf_attention.config
         rope = getattr(c, "rope_parameters", None) or {}
         if rope.get("rope_type", "default") != "default":
