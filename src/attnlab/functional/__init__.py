@@ -6,6 +6,7 @@ from .explanation import Explanation
 from .merge import merge_partials
 from .registry import Backend, backends, register_backend
 from .request import SCORES, BiasFn, Request, Score, register_score
+from .sigmoid import sigmoid_attention
 from .stats import AttentionStats
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "reference",
     "register_backend",
     "register_score",
+    "sigmoid_attention",
 ]

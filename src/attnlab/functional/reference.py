@@ -19,6 +19,8 @@ inputs whose non-finite entries are 0 (see `functional.nan_rule`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -916,3 +918,160 @@ def latent_attention(
         q, k, v, mask=mask, scale=scale, compute_dtype=compute_dtype, reorder=reorder
     )
     return out
+# ----------------------------------------------------------------------------- issue #42 variants
+
+
+def _as_keep(mask: Tensor | Mask | None, q: Tensor, k: Tensor) -> Tensor | None:
+    """A `Mask` rendered as a bool tensor ``(B|1, H|1, L, S)``; a tensor or None unchanged."""
+    if isinstance(mask, Mask):
+        B, H, L = q.shape[0], q.shape[1], q.shape[2]
+        return mask.to_dense(L, k.shape[2], batch=B, heads=H, device=q.device)
+    return mask
+
+
+def sigmoid_bias(S: int) -> float:
+    """The default sigmoid-attention logit bias ``b = −log S`` (0 for ``S <= 1``).
+
+    With it, ``sigmoid(s − log S) ≈ e^s / S`` for small scores: a row of S equal weights starts
+    near the softmax's ``1/S`` (Ramapuram et al. 2024, "Theory, Analysis, and Best Practices for
+    Sigmoid Self-Attention").
+    """
+    return -math.log(S) if S > 1 else 0.0
+
+
+def sigmoid_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | Mask | None = None,
+    scale: float | None = None,
+    bias: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Reference sigmoid attention: ``out = (sigmoid(q·kᵀ·scale + b) ⊙ keep) @ v``.
+
+    Every weight ``p_ij = sigmoid(q_i·k_j·scale + b)`` stands alone (no row max, no normaliser);
+    masked pairs weigh exactly 0, so a row that may attend nothing outputs zeros. The NaN rule is
+    `attention`'s: non-finite ``q_i`` or attended ``k_j`` makes row i NaN, a non-finite attended
+    ``v_j[d]`` makes ``o_i[d]`` NaN, nothing else reaches row i.
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``; ``H % H_kv == 0``.
+        mask: bool (True = may attend) broadcastable to ``(B, H, L, S)``, a `Mask`, or None.
+        scale: logit scale; None means ``1/√D``.
+        bias: the scalar logit bias b; None means ``sigmoid_bias(S) = −log S``.
+        compute_dtype: precision of the logits and weights; default float32 or wider.
+
+    Returns:
+        ``(out (B, H, L, Dv), weights (B, H, L, S))`` in q's dtype.
+    """
+    B, H, L, D = q.shape
+    H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    dtype = compute_dtype or stat_dtype(q.dtype)
+    scale = D**-0.5 if scale is None else scale
+    b = sigmoid_bias(S) if bias is None else bias
+    keep = keep_mask(_as_keep(mask, q, k), None)
+    q_in, k_in, v_in = q, k, v
+    q, k, v = nan_rule.clean(q), nan_rule.clean(k), nan_rule.clean(v)
+    logits = _logits(q, k, scale=scale, temperature=1.0, score="dot", dtype=dtype)
+    p = torch.sigmoid(logits + b)  # (B, H_kv, G, L, S)
+    if keep is not None:
+        p = p.masked_fill(~group_heads(keep, H_kv), 0.0)
+    out = p @ v.to(dtype).unsqueeze(2)  # (B, H_kv, G, L, Dv)
+    out = out.flatten(1, 2).to(q.dtype).reshape(B, H, L, Dv)  # (B, H, L, Dv)
+    weights = p.flatten(1, 2).to(q.dtype).reshape(B, H, L, S)  # (B, H, L, S)
+    return nan_rule.poison(out, q_in, k_in, v_in, keep=keep, weights=weights)  # type: ignore[return-value]
+
+
+def differential_lambda_init(layer: int) -> float:
+    """``λ_init = 0.8 − 0.6·exp(−0.3·(l − 1))`` for the 1-based layer number ``l``.
+
+    (transformers' ``lambda_init_fn(layer_idx)`` with ``layer_idx = l − 1``.)
+    """
+    return 0.8 - 0.6 * math.exp(-0.3 * (layer - 1))
+
+
+def differential_lambda(
+    lambda_q1: Tensor, lambda_k1: Tensor, lambda_q2: Tensor, lambda_k2: Tensor, lambda_init: float
+) -> Tensor:
+    """The re-parameterised λ of differential attention, a 0-d tensor:
+    ``λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init`` (vectors of size D, dot products in float32
+    or wider)."""
+    dtype = stat_dtype(lambda_q1.dtype)
+    dot1 = (lambda_q1.to(dtype) * lambda_k1.to(dtype)).sum(-1)
+    dot2 = (lambda_q2.to(dtype) * lambda_k2.to(dtype)).sum(-1)
+    return torch.exp(dot1) - torch.exp(dot2) + lambda_init
+
+
+def differential_attention(
+    q1: Tensor,
+    k1: Tensor,
+    q2: Tensor,
+    k2: Tensor,
+    v: Tensor,
+    lam: Tensor | float,
+    *,
+    mask: Tensor | Mask | None = None,
+    scale: float | None = None,
+    lambda_init: float | None = None,
+    eps: float = 1e-6,
+    compute_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Reference differential attention (Ye et al. 2024, "Differential Transformer").
+
+    ``o = softmax(q1·k1ᵀ·scale) v − λ · softmax(q2·k2ᵀ·scale) v``, both maps masked alike; with
+    ``lambda_init`` the per-head normalisation follows:
+    ``o ← (1 − λ_init) · o / √(mean_d(o²) + eps)`` (an RMSNorm over each head's Dv, no weight).
+
+    Args:
+        q1, q2: ``(B, H, L, D)``. k1, k2: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
+        lam: λ, a number or a tensor broadcastable to ``(B, H, L, Dv)`` (e.g. 0-d).
+        mask: bool (True = may attend) broadcastable to ``(B, H, L, S)``, a `Mask`, or None.
+        scale: logit scale; None means ``1/√D``.
+        lambda_init: apply the head norm scaled by ``1 − λ_init``; None: no norm.
+        eps: the RMSNorm epsilon.
+        compute_dtype: precision of the computation; default float32 or wider.
+
+    Returns:
+        ``(B, H, L, Dv)`` in q1's dtype.
+    """
+    dtype = compute_dtype or stat_dtype(q1.dtype)
+    m = _as_keep(mask, q1, k1)
+    o1, _ = attention(q1, k1, v, mask=m, scale=scale, compute_dtype=dtype)
+    o2, _ = attention(q2, k2, v, mask=m, scale=scale, compute_dtype=dtype)
+    lam_t = lam.to(dtype) if isinstance(lam, Tensor) else lam
+    o = o1.to(dtype) - lam_t * o2.to(dtype)  # (B, H, L, Dv)
+    if lambda_init is not None:
+        o = (1.0 - lambda_init) * (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps))
+    return o.to(q1.dtype)
+
+
+def gated_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gate: Tensor,
+    *,
+    mask: Tensor | Mask | None = None,
+    scale: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Reference gated attention (Qwen3-Next's full-attention layers, Qiu et al. 2025).
+
+    ``o = softmax(q·kᵀ·scale, masked) v ⊙ sigmoid(gate)``: an output gate computed from the layer
+    input, one value per head and output channel.
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
+        gate: gate logits broadcastable to ``(B, H, L, Dv)`` (``(B, H, L, 1)``: one per head).
+        mask: bool (True = may attend) broadcastable to ``(B, H, L, S)``, a `Mask`, or None.
+        scale: logit scale; None means ``1/√D``.
+        compute_dtype: precision of the computation; default float32 or wider.
+
+    Returns:
+        ``(B, H, L, Dv)`` in q's dtype.
+    """
+    dtype = compute_dtype or stat_dtype(q.dtype)
+    o, _ = attention(q, k, v, mask=_as_keep(mask, q, k), scale=scale, compute_dtype=dtype)
+    return (o.to(dtype) * torch.sigmoid(gate.to(dtype))).to(q.dtype)

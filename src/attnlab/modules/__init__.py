@@ -2,7 +2,9 @@
 
 from .adaptive_span import AdaptiveSpan, AdaptiveSpanAttention
 from .additive import AdditiveAttention
+from .differential import DifferentialAttention
 from .fnet import FNetMixing
+from .gated import GatedAttention, OffsetRMSNorm
 from .hierarchical import HierarchicalAttention
 from .kv_cache import (
     CacheOverflowError,
@@ -36,7 +38,9 @@ __all__ = [
     "AdditiveAttention",
     "CacheOverflowError",
     "CacheView",
+    "DifferentialAttention",
     "FNetMixing",
+    "GatedAttention",
     "HierarchicalAttention",
     "KVCache",
     "LatentCache",
@@ -44,6 +48,7 @@ __all__ = [
     "LinearAttention",
     "MultiHeadAttention",
     "MultiHeadLatentAttention",
+    "OffsetRMSNorm",
     "PerformerAttention",
     "ShawRelativeAttention",
     "SinkCache",
