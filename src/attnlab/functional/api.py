@@ -25,6 +25,7 @@ from .flash.run import (
 )
 from .registry import check_backend_name, select
 from .request import BiasFn, Request, build_request, plain_request, request_dense
+from .sinks import apply_sinks, check_sinks
 from .stats import AttentionStats, as_index, compute_stats, compute_weights
 from .thresholds import describe as describe_thresholds
 
@@ -79,6 +80,7 @@ def attention(
     return_weights: bool = False,
     return_lse: bool = False,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
     **sdpa_keywords: object,
 ) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """Attention as the textbooks define it: ``softmax(score(Q, K) · scale / T + bias) V``.
@@ -135,6 +137,15 @@ def attention(
             ``"reference"``; ``"sdpa"`` declines it (torch's fused kernel has no tanh stage) and
             ``backend="auto"`` picks another backend; ``lse``, weights and `attention_stats`
             are those of the capped logits.
+        sinks: attention sinks (GPT-OSS), a float tensor ``(H,)`` (``(1,)`` for 3-D and 2-D
+            inputs) on q's device, or None: one logit ``s_h`` per query head, in logit units
+            (after the scale), that joins every row's softmax denominator,
+            ``out_i = Σ_j e^{l_ij} v_j / (e^{s_h} + Σ_j e^{l_ij})``. Computed exactly from the
+            plain output and its log-sum-exp (`attnlab.functional.sinks`; backends without lse,
+            such as ``"sdpa"``, are skipped), differentiable in q, k, v and the sinks; ``lse``
+            and the weights include the sink (a row's weights sum to ``1 − e^{s_h − lse_i}``).
+            A row with no key stays 0 (its lse is ``s_h``); a NaN or +inf sink makes every row
+            of its head that has a key NaN, a −inf sink is no sink.
         **sdpa_keywords: none is accepted. torch SDPA's ``attn_mask=``, ``is_causal=`` and
             ``enable_gqa=`` raise a one-line TypeError naming attnlab's spelling (``mask=``;
             ``mask=masks.causal()``, bottom-right aligned where SDPA's ``is_causal`` is top-left
@@ -197,11 +208,15 @@ def attention(
     )
     check_backend_name(backend)
     check_bool("return_lse", return_lse)
-    chosen, _ = select(backend, req, need_lse=return_lse)
+    if sinks is not None:
+        check_sinks(sinks, req.dims.H, q)
+    chosen, _ = select(backend, req, need_lse=return_lse or sinks is not None)
     lse: Tensor | None = None
-    if return_lse:
+    if return_lse or sinks is not None:
         assert chosen.run_lse is not None
         out, weights, lse = chosen.run_lse(req)
+        if sinks is not None:
+            out, lse, weights = apply_sinks(out, lse, sinks, weights)
     else:
         out, weights = chosen.run(req)
     if req.dims.three_d:

@@ -1,0 +1,98 @@
+"""Attention sinks (GPT-OSS): a learned logit per head in every row's softmax denominator.
+
+``out_i = Σ_j e^{l_ij} v_j / (e^{s_h} + Σ_j e^{l_ij})`` with ``l_ij`` the scaled, capped, biased,
+masked logits of `attnlab.attention` and ``s_h`` the sink of query head h (defined by
+`attnlab.functional.reference.attention` with ``sinks=``). No new kernel pass: with the plain
+output ``o_i`` and its log-sum-exp ``lse_i = log Σ_j e^{l_ij}``, which every lse backend returns,
+
+    ``out_i = o_i · σ(lse_i − s_h)``, ``lse'_i = log(e^{s_h} + e^{lse_i}) = logaddexp(lse_i, s_h)``
+
+and the gradients flow through ``o`` and ``lse`` (the backends' lse is differentiable) to q, k, v
+and to the sinks. A row with no key keeps ``out_i = 0`` (``lse_i = −inf``: factor 0) and gets
+``lse'_i = s_h``. The NaN rule: a NaN or +inf sink makes every row of its head that has a key NaN
+(and its lse); gradients are those of the sink read as 0. A −inf sink is no sink.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import nan_rule
+
+_NEG_INF = float("-inf")
+
+
+def check_sinks(sinks: object, H: int, q: Tensor) -> Tensor:
+    """``sinks`` checked against the query heads, before any work.
+
+    Args:
+        sinks: the per-head sink logits, expected a float tensor ``(H,)`` on q's device.
+        H: the number of query heads (1 for 3-D and 2-D inputs).
+        q: the queries (for the device).
+
+    Returns:
+        ``sinks`` unchanged.
+
+    Raises:
+        TypeError: not a tensor, or not a floating-point tensor.
+        ValueError: a shape other than ``(H,)``, or another device than q's.
+    """
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"sinks must be a float tensor of shape (H,), got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a float tensor of shape (H,), got dtype {sinks.dtype}")
+    if tuple(sinks.shape) != (H,):
+        raise ValueError(
+            f"sinks must have shape (H,) = ({H},), one logit per query head, got "
+            f"{tuple(sinks.shape)}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
+    return sinks
+
+
+def sink_factor(lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(factor, lse', bad)`` for ``lse (B, H, L)`` and ``sinks (H,)``: ``factor = σ(lse − s)``
+    and ``lse' = logaddexp(lse, s)`` in lse's dtype, ``bad`` the rows the NaN rule poisons.
+
+    Rows with no key (``lse = −inf``) get factor 0 and ``lse' = s``; a −inf sink gives factor 1
+    and ``lse' = lse``; the selects keep every gradient finite at those edges.
+    """
+    H = lse.shape[1]
+    s = sinks.to(lse.dtype)
+    bad_head = torch.isnan(s) | torch.isposinf(s)  # (H,)
+    s = torch.where(bad_head, 0.0, s).view(1, H, 1)  # (1, H, 1): the sink read as 0
+    empty = torch.isneginf(lse)  # (B, H, L): rows with no key
+    d = torch.where(empty, _NEG_INF, lse - s)  # (B, H, L)
+    factor = torch.sigmoid(d)
+    new_lse = torch.where(empty, s, lse - torch.nn.functional.logsigmoid(d))
+    bad = bad_head.view(1, H, 1) & ~empty  # (B, H, L)
+    return factor, torch.where(bad, float("nan"), new_lse), bad
+
+
+def apply_sinks(
+    out: Tensor, lse: Tensor, sinks: Tensor, weights: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Attention with sinks from attention without: ``out · σ(lse − s)``, ``logaddexp(lse, s)``.
+
+    Args:
+        out: the plain output ``(B, H, L, Dv)``.
+        lse: its log-sum-exp ``(B, H, L)`` (float32, float64 for float64 inputs).
+        sinks: ``(H,)``, in logit units (after the scale).
+        weights: the plain weights ``(B, H, L, S)``, or None.
+
+    Returns:
+        ``(out, lse, weights)`` with the sinks: the weights ``p_ij · σ(lse_i − s_h)`` (the sink
+        takes the rest of each row), None if none were given.
+    """
+    factor, new_lse, bad = sink_factor(lse, sinks)
+    f = factor.unsqueeze(-1)  # (B, H, L, 1)
+    scaled = (out.to(f.dtype) * f).to(out.dtype) if out.dtype != f.dtype else out * f
+    scaled = nan_rule.add_nan(scaled, bad.unsqueeze(-1))
+    if weights is not None:
+        weights = nan_rule.add_nan((weights.to(f.dtype) * f).to(weights.dtype), bad.unsqueeze(-1))
+    return scaled, new_lse, weights
+
+
+__all__ = ["apply_sinks", "check_sinks", "sink_factor"]
