@@ -65,8 +65,11 @@ def sink_factor(lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     s = torch.where(bad_head, 0.0, s).view(1, H, 1)  # (1, H, 1): the sink read as 0
     empty = torch.isneginf(lse)  # (B, H, L): rows with no key
     d = torch.where(empty, _NEG_INF, lse - s)  # (B, H, L)
-    factor = torch.sigmoid(d)
-    new_lse = torch.where(empty, s, lse - torch.nn.functional.logsigmoid(d))
+    # σ(d) as exp(log σ(d)): the backward of logsigmoid gives 1 − σ(d) = σ(−d) to full relative
+    # precision (sigmoid's own backward, σ·(1 − σ), loses it when the sink's share is small)
+    log_factor = torch.nn.functional.logsigmoid(d)
+    factor = torch.exp(log_factor)
+    new_lse = torch.where(empty, s, lse - log_factor)
     bad = bad_head.view(1, H, 1) & ~empty  # (B, H, L)
     return factor, torch.where(bad, float("nan"), new_lse), bad
 
