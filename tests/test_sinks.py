@@ -271,6 +271,8 @@ def test_sdpa_cannot_run_sinks_and_auto_skips_it():
     q, k, v, s = qkvs(torch.float32)
     with pytest.raises(ValueError, match=r"backend='sdpa' cannot run this call.*sinks="):
         attnlab.attention(q, k, v, sinks=s, backend="sdpa")
+    assert attnlab.explain(q, k, v).backend == "sdpa"
+    assert attnlab.explain(q, k, v, sinks=s).backend != "sdpa"
 
 
 # --------------------------------------------------------------------------- compile, decode

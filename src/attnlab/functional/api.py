@@ -210,15 +210,7 @@ def attention(
     check_bool("return_lse", return_lse)
     if sinks is not None:
         check_sinks(sinks, req.dims.H, q)
-    chosen, _ = select(backend, req, need_lse=return_lse or sinks is not None)
-    lse: Tensor | None = None
-    if return_lse or sinks is not None:
-        assert chosen.run_lse is not None
-        out, weights, lse = chosen.run_lse(req)
-        if sinks is not None:
-            out, lse, weights = apply_sinks(out, lse, sinks, weights)
-    else:
-        out, weights = chosen.run(req)
+    out, weights, lse = _run(backend, req, return_lse, sinks)
     if req.dims.three_d:
         out = out.squeeze(1)  # (B, L, Dv)
         weights = None if weights is None else weights.squeeze(1)  # (B, L, S)
@@ -238,6 +230,22 @@ def attention(
         assert lse is not None
         return out, lse
     return out
+
+
+def _run(
+    backend: str, req: Request, return_lse: bool, sinks: Tensor | None
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(out, weights, lse)`` of a checked request on the selected backend (lse None unless
+    asked for), the sinks applied from the plain output and its lse (`functional.sinks`)."""
+    chosen, _ = select(backend, req, need_lse=return_lse or sinks is not None)
+    if not return_lse and sinks is None:
+        out, weights = chosen.run(req)
+        return out, weights, None
+    assert chosen.run_lse is not None
+    out, weights, lse = chosen.run_lse(req)
+    if sinks is not None:
+        out, lse, weights = apply_sinks(out, lse, sinks, weights)
+    return out, weights, lse
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> Explanation:
@@ -275,7 +283,8 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> Explanation:
         "return_weights": False,
         "softcap": None,
     }
-    return_lse = kwargs.pop("return_lse", False)
+    sinks = kwargs.pop("sinks", None)
+    return_lse = bool(kwargs.pop("return_lse", False)) or sinks is not None  # sinks need lse
     unknown = set(kwargs) - set(defaults)
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}")
@@ -283,12 +292,14 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> Explanation:
         kw = {**defaults, **kwargs}
         req = build_request(q, k, v, leading=True, **kw)  # type: ignore[arg-type]
         check_backend_name(backend)
-        chosen, why = select(backend, req, need_lse=bool(return_lse))  # type: ignore[arg-type]
+        if sinks is not None:
+            check_sinks(sinks, req.dims.H, q)
+        chosen, why = select(backend, req, need_lse=return_lse)  # type: ignore[arg-type]
         plan = None
         if chosen.name == "flash":
             plan, engines = explain_plan(req)
         else:
-            engines = (_engine(chosen.name, req, bool(return_lse)),)
+            engines = (_engine(chosen.name, req, return_lse),)
     mask, bias = kw["mask"], kw["bias"]
     return Explanation(
         backend=chosen.name,
