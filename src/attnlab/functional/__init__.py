@@ -6,6 +6,7 @@ from .explanation import Explanation
 from .merge import merge_partials
 from .registry import Backend, backends, register_backend
 from .request import SCORES, BiasFn, Request, Score, register_score
+from .sinks import apply_sinks
 from .stats import AttentionStats
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "Explanation",
     "Request",
     "Score",
+    "apply_sinks",
     "attention",
     "attention_stats",
     "attention_weights",
