@@ -175,12 +175,17 @@ def test_lse_and_weights_include_the_sink():
     torch.testing.assert_close(again, w, atol=1e-13, rtol=0)
 
 
-def test_three_d_and_gradcheck_tiny():
+def test_three_d_input():
     q, k, v, s = qkvs(b=2, h=1, h_kv=1, l=5, s=7, d=3)
     got = attnlab.attention(q[:, 0], k[:, 0], v[:, 0], mask=masks.causal(), sinks=s)
     torch.testing.assert_close(
         got, attnlab.attention(q, k, v, mask=masks.causal(), sinks=s)[:, 0], atol=0, rtol=0
     )
+
+
+@SLOW
+def test_gradcheck_tiny():
+    q, k, v, s = qkvs(b=2, h=1, h_kv=1, l=5, s=7, d=3)
 
     def f(q, k, v, s):
         return attnlab.attention(q, k, v, mask=masks.sliding_window(3), sinks=s, backend="flash")

@@ -91,8 +91,13 @@ def apply_sinks(
     """
     factor, new_lse, bad = sink_factor(lse, sinks)
     f = factor.unsqueeze(-1)  # (B, H, L, 1)
-    scaled = (out.to(f.dtype) * f).to(out.dtype) if out.dtype != f.dtype else out * f
-    scaled = nan_rule.add_nan(scaled, bad.unsqueeze(-1))
+    # one pass: poison + out · f, the poison NaN on the NaN rule's rows and −0.0 elsewhere (a
+    # constant: gradients pass as for the sink read as 0)
+    poison = torch.where(bad, float("nan"), -0.0).unsqueeze(-1).to(f.dtype)  # (B, H, L, 1)
+    if out.dtype == f.dtype:
+        scaled = torch.addcmul(poison, out, f)
+    else:  # 16-bit: multiplied in float32, rounded once
+        scaled = torch.addcmul(poison, out.to(f.dtype), f).to(out.dtype)
     if weights is not None:
         weights = nan_rule.add_nan((weights.to(f.dtype) * f).to(weights.dtype), bad.unsqueeze(-1))
     return scaled, new_lse, weights
