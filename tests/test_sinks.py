@@ -382,9 +382,11 @@ def test_gpt_oss_loads_and_equals_eager_logits_and_greedy_generate(gpt_oss_folde
         no_sinks = eager(input_ids=ids, attention_mask=am).logits
     assert (no_sinks[real] - want[real]).abs().max() > 1e-3  # the sinks matter in this model
     eager = auto.from_pretrained(gpt_oss_folder, attn_implementation="eager").eval()
-    kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
-    out = model.generate(input_ids=ids, attention_mask=am, **kw)
-    assert torch.equal(out, eager.generate(input_ids=ids, attention_mask=am, **kw))
+    for cache in ("dynamic", "static"):
+        kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+        kw["cache_implementation"] = cache
+        out = model.generate(input_ids=ids, attention_mask=am, **kw)
+        assert torch.equal(out, eager.generate(input_ids=ids, attention_mask=am, **kw))
 
 
 def test_hf_attention_stats_refuses_sinks_by_name(gpt_oss_folder):
