@@ -396,3 +396,76 @@ def test_hf_attention_stats_refuses_sinks_by_name(gpt_oss_folder):
     model = attnlab.hf.from_pretrained(transformers.AutoModelForCausalLM, gpt_oss_folder)
     with pytest.raises(attnlab.hf.UnsupportedAttentionError, match="attention sinks"):
         attnlab.hf.attention_stats(model, {"input_ids": torch.tensor([[1, 2, 3]])})
+
+
+# --------------------------------------------------------------------------- the fused backward
+def _poisoned_inputs():
+    q, k, v, s = qkvs(torch.float32, l=33, s=33)
+    q[1, 0, 5] = float("nan")  # the NaN rule touches the call: row 5 of (1, 0) only
+    s[3] = float("nan")  # and head 3's rows
+    keep = torch.ones(B, 1, 33, 33, dtype=torch.bool).tril()
+    keep[0, :, 7] = False  # a row with no key
+    return q, k, v, s, keep
+
+
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_flash_backward_runs_on_out_and_lse_with_sinks_without_an_lse_gradient(
+    poisoned, monkeypatch
+):
+    """Eager float32 flash runs its backward on (out', lse') (`flash.sinks`): the fused kernels
+    see no lse gradient, and the gradients equal the generic path's (reference backend)."""
+    from attnlab.functional.flash.job import FlashJob
+
+    q, k, v, s, keep = _poisoned_inputs()
+    if not poisoned:
+        q, s = qkvs(torch.float32, l=33, s=33)[0], qkvs(torch.float32)[3]
+    seen = []
+    real = FlashJob.backward
+
+    def spy(self, res, dlse=None):
+        seen.append(dlse)
+        return real(self, res, dlse)
+
+    monkeypatch.setattr(FlashJob, "backward", spy)
+    xs, ys = leaves(q, k, v, s), leaves(q, k, v, s)
+    out = attnlab.attention(*xs[:3], mask=keep, sinks=xs[3], backend="flash")
+    got = grads(out, *xs)
+    assert seen and all(d is None for d in seen)
+    want_out = attnlab.attention(*ys[:3], mask=keep, sinks=ys[3], backend="reference")
+    torch.testing.assert_close(out, want_out, atol=2e-6, rtol=2e-6, equal_nan=True)
+    if poisoned:  # gradients of the clean computation: q's NaN row read as 0, its grad 0
+        assert bool((got[0][1, 0, 5] == 0).all())
+        ys[0].data[1, 0, 5] = 0.0
+    want = grads(attnlab.attention(*ys[:3], mask=keep, sinks=ys[3], backend="reference"), *ys)
+    if poisoned:
+        want[0][1, 0, 5] = 0.0
+    for g, w in zip(got, want, strict=True):
+        assert bool(torch.isfinite(g).all())
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+
+
+def test_flash_lse_gradient_with_sinks():
+    """A loss on the returned lse' too: the fused path passes it on, equal to the reference."""
+    q, k, v, s = qkvs(torch.float32)
+    xs, ys = leaves(q, k, v, s), leaves(q, k, v, s)
+    runs = []
+    for backend, x in (("flash", xs), ("reference", ys)):
+        out, lse = attnlab.attention(
+            *x[:3], mask=masks.causal(), sinks=x[3], backend=backend, return_lse=True
+        )
+        loss = (out * seeded(*out.shape, seed=3).float()).sum() + (lse * lse).sum()
+        runs.append(torch.autograd.grad(loss, x))
+    for g, w in zip(*runs, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "flash"])
+def test_nan_rule_a_nan_query_row_leaks_no_nan_gradient(backend):
+    """The generic path (float64): a row the NaN rule poisons stays NaN and passes no gradient."""
+    q, k, v, s = qkvs()
+    q[1, 2, 4] = float("nan")
+    xs = leaves(q, k, v, s)
+    out = attnlab.attention(*xs[:3], mask=masks.causal(), sinks=xs[3], backend=backend)
+    assert bool(torch.isnan(out[1, 2, 4]).all())
+    assert int(torch.isnan(out).sum()) == out.shape[-1]
+    assert all(bool(torch.isfinite(g).all()) for g in grads(out, *xs))

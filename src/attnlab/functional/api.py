@@ -23,6 +23,7 @@ from .flash.run import (
     kernel_checks_inputs,
     needs_grad,
 )
+from .flash.sinks import flash_run_sinks, fused_sinks
 from .registry import check_backend_name, select
 from .request import BiasFn, Request, build_request, plain_request, request_dense
 from .sinks import apply_sinks, check_sinks
@@ -238,6 +239,9 @@ def _run(
     """``(out, weights, lse)`` of a checked request on the selected backend (lse None unless
     asked for), the sinks applied from the plain output and its lse (`functional.sinks`)."""
     chosen, _ = select(backend, req, need_lse=return_lse or sinks is not None)
+    if sinks is not None and chosen.name == "flash" and fused_sinks(chosen, req):
+        out, lse = flash_run_sinks(req, sinks)  # eager: backward on the fused kernels
+        return out, None, lse
     if not return_lse and sinks is None:
         out, weights = chosen.run(req)
         return out, weights, None

@@ -54,24 +54,37 @@ def check_sinks(sinks: object, H: int, q: Tensor) -> Tensor:
 
 def sink_factor(lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(factor, lse', bad)`` for ``lse (B, H, L)`` and ``sinks (H,)``: ``factor = σ(lse − s)``
-    and ``lse' = logaddexp(lse, s)`` in lse's dtype, ``bad`` the rows the NaN rule poisons.
+    and ``lse' = logaddexp(lse, s)`` in lse's dtype, ``bad`` the rows the NaN rule poisons
+    (``lse'`` is that of the sink read as 0 there: the caller poisons it).
 
     Rows with no key (``lse = −inf``) get factor 0 and ``lse' = s``; a −inf sink gives factor 1
-    and ``lse' = lse``; the selects keep every gradient finite at those edges.
+    and ``lse' = lse``; a NaN lse gets factor 0 (its row, NaN already, passes no gradient); the
+    selects keep every gradient finite at those edges.
     """
     H = lse.shape[1]
     s = sinks.to(lse.dtype)
     bad_head = torch.isnan(s) | torch.isposinf(s)  # (H,)
     s = torch.where(bad_head, 0.0, s).view(1, H, 1)  # (1, H, 1): the sink read as 0
     empty = torch.isneginf(lse)  # (B, H, L): rows with no key
-    d = torch.where(empty, _NEG_INF, lse - s)  # (B, H, L)
+    # a NaN lse (a row the NaN rule poisoned) gets factor 0: its row stays NaN (NaN · 0) and
+    # passes no gradient, instead of a NaN one
+    d = torch.where(empty | torch.isnan(lse), _NEG_INF, lse - s)  # (B, H, L)
     # σ(d) as exp(log σ(d)): the backward of logsigmoid gives 1 − σ(d) = σ(−d) to full relative
     # precision (sigmoid's own backward, σ·(1 − σ), loses it when the sink's share is small)
     log_factor = torch.nn.functional.logsigmoid(d)
     factor = torch.exp(log_factor)
     new_lse = torch.where(empty, s, lse - log_factor)
     bad = bad_head.view(1, H, 1) & ~empty  # (B, H, L)
-    return factor, torch.where(bad, float("nan"), new_lse), bad
+    return factor, new_lse, bad
+
+
+def sink_outputs(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out', lse', bad)``: `apply_sinks` without the NaN rule's poison (a NaN/+inf sink read
+    as 0; ``bad`` the rows to poison). What flash's backward reads (`flash.sinks`)."""
+    factor, new_lse, bad = sink_factor(lse, sinks)
+    f = factor.unsqueeze(-1)  # (B, H, L, 1)
+    scaled = out * f if out.dtype == f.dtype else (out.to(f.dtype) * f).to(out.dtype)
+    return scaled, new_lse, bad
 
 
 def apply_sinks(
@@ -90,6 +103,7 @@ def apply_sinks(
         takes the rest of each row), None if none were given.
     """
     factor, new_lse, bad = sink_factor(lse, sinks)
+    new_lse = torch.where(bad, float("nan"), new_lse)
     f = factor.unsqueeze(-1)  # (B, H, L, 1)
     # one pass: poison + out · f, the poison NaN on the NaN rule's rows and −0.0 elsewhere (a
     # constant: gradients pass as for the sink read as 0)
@@ -103,4 +117,4 @@ def apply_sinks(
     return scaled, new_lse, weights
 
 
-__all__ = ["apply_sinks", "check_sinks", "sink_factor"]
+__all__ = ["apply_sinks", "check_sinks", "sink_factor", "sink_outputs"]
