@@ -1,7 +1,8 @@
 """What attention sinks cost: the same call with and without ``sinks=``.
 
 Sinks are computed from the plain output and its log-sum-exp (``out · σ(lse − s)``, an
-elementwise pass over ``(B, H, L, Dv)``), so the target is forward and forward+backward
+elementwise pass over ``(B, H, L, Dv)``) and flash's backward runs on ``(out', lse')`` on the
+fused kernels (`attnlab.functional.flash.sinks`), so the target is forward and forward+backward
 within 1.05× of the same call without sinks. Timed interleaved, at growing L, for causal and a
 GPT-OSS-like sliding window (128), GQA (H = 8, H_kv = 2), fp32:
 
