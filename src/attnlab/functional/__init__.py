@@ -7,6 +7,7 @@ from .merge import merge_partials
 from .registry import Backend, backends, register_backend
 from .request import SCORES, BiasFn, Request, Score, register_score
 from .sigmoid import sigmoid_attention
+from .sinks import apply_sinks
 from .stats import AttentionStats
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "Explanation",
     "Request",
     "Score",
+    "apply_sinks",
     "attention",
     "attention_stats",
     "attention_weights",

@@ -140,8 +140,15 @@ def attention(
     compute_dtype: torch.dtype | None = None,
     reorder: bool = False,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Reference attention: ``softmax(cap(score(q, k) · scale / temperature) + bias, masked) @ v``.
+
+    With attention sinks (GPT-OSS) the softmax of row i in head h runs over the row's logits
+    and one more, the sink ``s_h``, whose value is 0: ``out_i = Σ_j e^{l_ij} v_j / (e^{s_h} +
+    Σ_j e^{l_ij})`` (transformers' gpt_oss eager: the sink column concatenated to the logits,
+    softmax, the column dropped). A row with no key stays 0; a NaN/+inf sink makes the rows of
+    its head that have a key NaN (gradients as for the sink read as 0); a −inf sink is none.
 
     ``cap(s) = softcap · tanh(s / softcap)`` (`softcap_logits`; the identity when ``softcap`` is
     None): soft-capping acts on the scaled scores, before the bias and the mask.
@@ -160,10 +167,11 @@ def attention(
             Same definition, different rounding: the tolerance rule runs it in the input dtype to
             measure the naive formula's error.
         softcap: logit soft-capping (> 0), or None for none.
+        sinks: ``(H,)`` sink logits (after the scale), or None for none.
 
     Returns:
         ``(out (B, H, L, Dv), weights (B, H, L, S))`` in q's dtype. ``weights`` are those that
-        multiplied v, i.e. after dropout.
+        multiplied v, i.e. after dropout (without the sink's share).
     """
     B, H, L, _ = q.shape
     H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -185,7 +193,11 @@ def attention(
     )
     if bias is not None:
         logits = logits + group_heads(nan_rule.clean_bias(bias), H_kv).to(dtype)
-    e, z = _unnormalized_softmax(logits, None if keep is None else group_heads(keep, H_kv))
+    gkeep = None if keep is None else group_heads(keep, H_kv)
+    if sinks is None:
+        e, z = _unnormalized_softmax(logits, gkeep)
+    else:
+        e, z = _sink_softmax(logits, gkeep, sinks)
     vg = v.to(dtype).unsqueeze(2)  # (B, H_kv, 1, S, Dv)
     if reorder:  # normalise after the weighted sum: same value, different rounding
         p = _dropout(e, dropout_p, generator)
@@ -197,7 +209,37 @@ def attention(
     out = out.flatten(1, 2).to(q.dtype).reshape(B, H, L, Dv)  # (B, H, L, Dv)
     weights = p.flatten(1, 2).to(q.dtype).reshape(B, H, L, S)  # (B, H, L, S)
     out, weights = nan_rule.poison(out, q_in, k_in, v_in, keep=keep, bias=bias, weights=weights)
+    if sinks is not None:  # a NaN/+inf sink poisons its head's rows that have a key
+        has_key = rows_with_keys(keep, (B, H, L, S)).to(q.device)  # (B, H, L, 1)
+        bad = (torch.isnan(sinks) | torch.isposinf(sinks)).view(1, H, 1, 1) & has_key
+        out, weights = nan_rule.add_nan(out, bad), nan_rule.add_nan(weights, bad)
     return out, weights
+
+
+def _sink_softmax(logits: Tensor, keep: Tensor | None, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """`_unnormalized_softmax` over the keys plus one sink column per head: ``(e, z)`` of the
+    keys, ``z`` including ``e^{s_h}``. The sink column is kept only on rows with a key, so a
+    row with no key stays 0; a NaN/+inf sink is read as 0 (the caller poisons its rows)."""
+    B, H_kv, G, L, S = logits.shape
+    s = sinks.to(logits.dtype)
+    s = torch.where(torch.isnan(s) | torch.isposinf(s), 0.0, s)
+    col = s.view(1, H_kv, G, 1, 1).expand(B, H_kv, G, L, 1)  # (B, H_kv, G, L, 1)
+    full = torch.cat([logits, col], dim=-1)  # (B, H_kv, G, L, S + 1)
+    if keep is None:
+        keep = torch.ones(1, 1, 1, 1, 1, dtype=torch.bool, device=logits.device)
+    keep = keep.expand(B, H_kv, G, L, S)
+    has_key = keep.any(dim=-1, keepdim=True)  # (B, H_kv, G, L, 1)
+    e, z = _unnormalized_softmax(full, torch.cat([keep, has_key], dim=-1))
+    return e[..., :S], z
+
+
+def rows_with_keys(keep: Tensor | None, shape: tuple[int, int, int, int]) -> Tensor:
+    """``(B, H, L, 1)`` bool: which query rows may attend at least one key (``shape`` is
+    ``(B, H, L, S)``, ``keep`` from `keep_mask`)."""
+    B, H, L, S = shape
+    if keep is None:
+        return torch.full((1, 1, 1, 1), S > 0).expand(B, H, L, 1)
+    return _as4(keep).expand(B, H, L, S).any(dim=-1, keepdim=True)
 
 
 def logsumexp(
@@ -210,10 +252,13 @@ def logsumexp(
     temperature: float = 1.0,
     score: str = "dot",
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Reference log-sum-exp of the masked logits ``(B, H, L)``, float32+, −inf if empty.
 
     The logits are those of `attention` (soft-capped when ``softcap`` is given, then biased).
+    With ``sinks (H,)``: ``log(e^{s_h} + Σ_j e^{l_ij})`` on rows with a key, ``s_h`` on rows
+    without (NaN on a head whose sink is NaN/+inf, on rows with a key).
     """
     B, H, L, _ = q.shape
     H_kv = k.shape[1]
@@ -231,9 +276,17 @@ def logsumexp(
     if keep is not None:
         logits = logits.masked_fill(~group_heads(keep, H_kv), _NEG_INF)
     if logits.shape[-1] == 0:
-        return logits.new_full((B, H, L), _NEG_INF)
-    lse = torch.logsumexp(logits, dim=-1).flatten(1, 2).reshape(B, H, L)
-    return torch.where(row_bad, float("nan"), lse)
+        lse = logits.new_full((B, H, L), _NEG_INF)
+    else:
+        lse = torch.logsumexp(logits, dim=-1).flatten(1, 2).reshape(B, H, L)
+        lse = torch.where(row_bad, float("nan"), lse)
+    if sinks is None:
+        return lse
+    s = sinks.to(dtype).view(1, H, 1).expand(B, H, L)  # (B, H, L)
+    has_key = rows_with_keys(keep, (B, H, L, k.shape[2]))[..., 0].to(q.device)  # (B, H, L)
+    both = torch.logsumexp(torch.stack([lse, s]), dim=0)
+    both = torch.where(torch.isposinf(s), float("nan"), both)  # NaN/+inf sink: NaN rows
+    return torch.where(has_key, both, s)
 
 
 def additive_attention(
