@@ -1,12 +1,13 @@
 """Stateless attention math on tensors: the reference definitions and the fast backends."""
 
-from . import reference
+from . import reference, varlen
 from .api import attention, attention_stats, attention_weights, explain, flash_attention
 from .explanation import Explanation
 from .merge import merge_partials
 from .registry import Backend, backends, register_backend
 from .request import SCORES, BiasFn, Request, Score, register_score
 from .stats import AttentionStats
+from .varlen import varlen_attn
 
 __all__ = [
     "SCORES",
@@ -26,4 +27,6 @@ __all__ = [
     "reference",
     "register_backend",
     "register_score",
+    "varlen",
+    "varlen_attn",
 ]

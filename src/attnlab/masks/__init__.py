@@ -21,6 +21,7 @@ from .patterns import (
     PaddingMask,
     SlidingWindowMask,
     StridedMask,
+    WindowMask,
     bigbird,
     causal,
     document,
@@ -29,6 +30,7 @@ from .patterns import (
     padding,
     sliding_window,
     strided,
+    window,
 )
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "SlidingWindowMask",
     "StridedMask",
     "TensorMask",
+    "WindowMask",
     "bigbird",
     "causal",
     "document",
@@ -56,4 +59,5 @@ __all__ = [
     "padding",
     "sliding_window",
     "strided",
+    "window",
 ]

@@ -90,6 +90,26 @@ class SlidingWindowMask(Mask):
         return f"window:{static_int(self.window)}:{int(self.causal)}", []
 
 
+class WindowMask(Mask):
+    """flash-attn's ``window_size=(left, right)``: keys ``p − left <= j <= p + right``, −1 open."""
+
+    def __init__(self, left: int, right: int) -> None:
+        self.left = check_int("left", left, minimum=-1)
+        self.right = check_int("right", right, minimum=-1)
+
+    def diagonals(self):
+        # the one statement of the window: −left <= j − p <= right, −1 leaving that side open
+        lo = None if self.left < 0 else -static_int(self.left)
+        hi = None if self.right < 0 else static_int(self.right)
+        return [(lo, hi, 1, 0)]
+
+    def __repr__(self) -> str:
+        return f"window({self.left}, {self.right})"
+
+    def spec(self):
+        return f"wnd:{static_int(self.left)}:{static_int(self.right)}", []
+
+
 class PaddingMask(Mask):
     """Key positions ``j >= lengths[b]`` are masked for every query of batch item ``b``."""
 
@@ -595,6 +615,28 @@ def sliding_window(window: int, causal: bool = True) -> Mask:
     return SlidingWindowMask(window, causal)
 
 
+def window(left: int, right: int) -> Mask:
+    """flash-attn's local window ``window_size=(left, right)`` (−1 = unbounded on that side).
+
+    Query ``p`` (bottom-right aligned, ``p = i + S − L``) keeps keys ``p − left <= j <= p +
+    right``: ``window(-1, 0)`` is `causal`, ``window(w − 1, 0)`` is ``sliding_window(w)``,
+    ``window(-1, -1)`` keeps every key. For left=1, right=0, L=S=4::
+
+        ■ ⬚ ⬚ ⬚
+        ■ ■ ⬚ ⬚
+        ⬚ ■ ■ ⬚
+        ⬚ ⬚ ■ ■
+
+    Args:
+        left: keys before the query's position it may attend (>= 0), or −1 for all of them.
+        right: keys after the query's position it may attend (>= 0), or −1 for all of them.
+
+    Raises:
+        ValueError: ``left`` or ``right`` below −1. TypeError: not an int.
+    """
+    return WindowMask(left, right)
+
+
 def padding(lengths: Sequence[int] | Tensor) -> Mask:
     """Key-padding mask: keys at positions ``>= lengths[b]`` are masked for batch item ``b``."""
     return PaddingMask(lengths)
@@ -663,6 +705,8 @@ def from_spec(spec: str, tensors: list[Tensor]) -> Mask:
             return CausalMask()
         if name == "window":
             return SlidingWindowMask(int(args[0]), bool(int(args[1])))
+        if name == "wnd":
+            return WindowMask(int(args[0]), int(args[1]))
         if name == "strided":
             return StridedMask(int(args[0]), bool(int(args[1])))
         if name == "bigbird":
