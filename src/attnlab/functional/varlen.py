@@ -70,6 +70,8 @@ class _Seq(NamedTuple):
 def _check_args(q: Tensor, k: Tensor, v: Tensor, cu_q, cu_k, max_q, max_k, opts: dict) -> None:
     """Shape, dtype and device checks (no value read): raise naming argument and values."""
     paged = opts["block_table"] is not None
+    if paged and opts["seqused_k"] is None:
+        raise ValueError("varlen_attn: block_table requires seqused_k (the keys of each sequence)")
     for name, t in (("query", q), ("key", k), ("value", v), ("cu_seq_q", cu_q)):
         if not isinstance(t, Tensor):
             raise TypeError(f"varlen_attn: {name} must be a Tensor, got {type(t).__name__}")
@@ -103,8 +105,6 @@ def _check_args(q: Tensor, k: Tensor, v: Tensor, cu_q, cu_k, max_q, max_k, opts:
 
 def _check_index_args(q: Tensor, cu_q: Tensor, cu_k, max_q, max_k, opts: dict) -> None:
     used, table = opts["seqused_k"], opts["block_table"]
-    if table is not None and used is None:
-        raise ValueError("varlen_attn: block_table requires seqused_k (the keys of each sequence)")
     if table is None and not isinstance(cu_k, Tensor):
         raise TypeError(f"varlen_attn: cu_seq_k must be a Tensor, got {type(cu_k).__name__}")
     named = [("cu_seq_q", cu_q), ("cu_seq_k", cu_k), ("seqused_k", used), ("block_table", table)]
