@@ -290,6 +290,13 @@ def test_compiles_fullgraph_with_inductor():
     torch.testing.assert_close(a.grad, b.grad)
 
 
+def test_meta_tensors_give_shapes_without_values():
+    q, k, v = torch.empty(3, 50, 4, 16, device="meta").unbind(0)
+    cu = torch.empty(4, dtype=torch.int32, device="meta")
+    out, lse = varlen_attn(q, k, v, cu, cu, 20, 20, return_aux=AuxRequest(lse=True))
+    assert out.shape == (50, 4, 16) and lse.shape == (4, 50) and out.device.type == "meta"
+
+
 def test_enable_routes_torch_varlen_on_cpu_and_is_reversible():
     import torch.nn.attention.varlen as tv
 
