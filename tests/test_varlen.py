@@ -385,6 +385,7 @@ def test_window_mask_is_flash_attn_local_mask(window, L, S):
     m = masks.window(*window)
     dense = m.to_dense(L, S)[0, 0]
     assert torch.equal(dense, ~construct_local_mask(L, S, window))
+    assert m.attended_pairs(L, S) == int(dense.sum())  # exact counts from the closed form
     assert m.band() is not None  # the band kernel runs it
     assert repr(masks.from_spec(*m.spec())) == repr(m)
 

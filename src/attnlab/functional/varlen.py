@@ -399,7 +399,7 @@ def varlen_attn(
         M_b[i, j] = 0 if p − left <= j <= p + right else −inf,  p = i + L_k − L_q
 
     (−1 drops that bound). A row with no key gets zeros (and lse −inf). Sequences never see each
-    other; rows of no sequence (past ``cu_seq_q[-1]`` cannot exist: it must equal ``T_q``) are 0.
+    other, and NaN in one never reaches another (the NaN rule).
 
     Args:
         query: ``(T_q, H, D)``, the N sequences' queries back to back.
