@@ -260,13 +260,17 @@ def test_seqused_k_equals_sliced_keys():
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_nan_stays_in_its_sequence():
+@pytest.mark.parametrize("cross", [False, True])
+def test_nan_stays_in_its_sequence(cross):
+    # self packing (documents) and cross packing (intervals): the NaN rule per sequence
     torch.manual_seed(7)
     lengths = [17, 40, 9]
     cu = _cu(lengths)
-    q, k, v = torch.randn(3, sum(lengths), 2, 8).unbind(0)
+    cu_k = _cu([17, 40, 12]) if cross else cu
+    q = torch.randn(sum(lengths), 2, 8)
+    k, v = torch.randn(2, int(cu_k[-1]), 2, 8).unbind(0)
     k[20, 1, 3] = float("nan")  # sequence 1, head 1
-    out = varlen_attn(q, k, v, cu, cu, 40, 40, window_size=(-1, 0))
+    out = varlen_attn(q, k, v, cu, cu_k, 40, 40, window_size=(-1, 0))
     assert torch.isfinite(out[:17]).all() and torch.isfinite(out[57:]).all()
     assert torch.isnan(out[20:57, 1]).all() and torch.isfinite(out[17:20]).all()
 
@@ -388,6 +392,17 @@ def test_window_mask_is_flash_attn_local_mask(window, L, S):
     assert m.attended_pairs(L, S) == int(dense.sum())  # exact counts from the closed form
     assert m.band() is not None  # the band kernel runs it
     assert repr(masks.from_spec(*m.spec())) == repr(m)
+
+
+def test_interval_mask():
+    lo, hi = torch.tensor([0, 2, 5, 3]), torch.tensor([1, 4, 5, 7])
+    m = masks.IntervalMask(lo, hi, 7)
+    dense = m.to_dense(4, 7)[0, 0]
+    j = torch.arange(7)
+    assert torch.equal(dense, (j >= lo.view(-1, 1)) & (j < hi.view(-1, 1)))
+    assert torch.equal(masks.from_spec(*m.spec()).to_dense(4, 7), m.to_dense(4, 7))
+    with pytest.raises(ValueError, match="intervals cover L=4 rows and S=7 keys, got L=4, S=8"):
+        m.to_dense(4, 8)
 
 
 def test_window_mask_equals_causal_and_sliding_window():

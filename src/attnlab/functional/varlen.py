@@ -13,11 +13,13 @@ on CUDA. `varlen_attn` takes the same arguments and means the same thing, on att
   flash-attn) and attends keys ``p − left <= j <= p + right`` of its own sequence,
   ``window_size = (left, right)``, −1 = unbounded: ``(-1, -1)`` full, ``(-1, 0)`` causal.
 
-Each sequence is ``attnlab.attention`` on its own rows with ``masks.window(left, right)`` — no
-padding to the longest sequence, memory O(T). Self-attention packing (``cu_seq_q`` equal to
-``cu_seq_k``) runs as ONE call with ``masks.document.from_cu_seqlens(cu_seq_q) &
-masks.window(left, right)``: causal or full, the tiled backend runs it as batched segment
-calls (consecutive documents of one length in one kernel call).
+No sequence is padded to the longest, memory is O(T): the whole batch is ONE call of the
+tiled backend (``flash``) over the packed grid. Self-attention packing (``cu_seq_q`` equal to
+``cu_seq_k``) runs with ``masks.document.from_cu_seqlens(cu_seq_q) & masks.window(left,
+right)`` — causal or full, batched segment calls (consecutive documents of one length in one
+kernel call); other batches (cross-attention, ``seqused_k``, pages) with
+``masks.IntervalMask``: each query row's run of keys ``[lo, hi)``, its sequence's window, so
+the block map skips every tile between sequences.
 
 The work runs inside the custom operators ``attnlab::varlen_attn`` / ``varlen_attn_backward``
 (like torch's own ``torch_attn::_varlen_attn``): they read the sequence bounds on the host, so
@@ -237,9 +239,26 @@ def _plan(q, k, cu_q, cu_k, used, table, max_q, max_k, left, right):
         # self-attention packing: ONE call, documents & window (segment calls when causal/full)
         spec, tensors = (masks.document.from_cu_seqlens(cu_q.long()) & window).spec()
         return [_Call(0, q.shape[0], 0, q.shape[0], spec, tensors)], rows
-    spec, tensors = window.spec()
-    calls = [_Call(s.q0, s.m, s.k0, s.n, spec, tensors) for s in seqs if s.m and s.n]
-    return calls, rows
+    # otherwise ONE call over the packed grid, each row's run of keys as an interval
+    lo, hi = _intervals(seqs, q.shape[0], left, right, q.device)
+    T_k = k.shape[0] if rows is None else rows.numel()
+    spec, tensors = masks.IntervalMask(lo, hi, T_k).spec()
+    return [_Call(0, q.shape[0], 0, T_k, spec, tensors)], rows
+
+
+def _intervals(seqs: list[_Seq], T: int, left: int, right: int, device) -> tuple[Tensor, Tensor]:
+    """Each query row's keys ``[lo, hi)`` in the packed keys: its sequence's window."""
+    lo = torch.zeros(T, dtype=torch.long, device=device)
+    hi = torch.zeros(T, dtype=torch.long, device=device)
+    for s in seqs:
+        if s.m == 0 or s.n == 0:
+            continue
+        p = torch.arange(s.m, device=device) + (s.n - s.m)  # aligned key position, bottom-right
+        a = torch.zeros_like(p) if left < 0 else (p - left).clamp(0, s.n)
+        e = torch.full_like(p, s.n) if right < 0 else (p + right + 1).clamp(0, s.n)
+        lo[s.q0 : s.q0 + s.m] = s.k0 + a
+        hi[s.q0 : s.q0 + s.m] = s.k0 + torch.maximum(a, e)
+    return lo, hi
 
 
 def _heads_first(x: Tensor, r0: int, n: int) -> Tensor:
@@ -247,7 +266,7 @@ def _heads_first(x: Tensor, r0: int, n: int) -> Tensor:
 
 
 def _forward(q, k, v, cu_q, cu_k, used, table, max_q, max_k, scale, left, right):
-    """``(out (T_q, H, Dv), lse (H, T_q), touched)``: the flash operator per call."""
+    """``(out (T_q, H, Dv), lse (H, T_q), touched)``: the flash operator on each call."""
     from .flash import ops
 
     calls, rows = _plan(q, k, cu_q, cu_k, used, table, max_q, max_k, left, right)

@@ -110,6 +110,50 @@ class WindowMask(Mask):
         return f"wnd:{static_int(self.left)}:{static_int(self.right)}", []
 
 
+class IntervalMask(Mask):
+    """Row ``i`` (raw query row, no alignment) attends keys ``lo[i] <= j < hi[i]``.
+
+    Packed variable-length batches whose queries and keys are laid out differently
+    (cross-attention, paged or partly used KV): each row's one run of keys, given as data.
+    """
+
+    pins_size = True
+
+    def __init__(self, lo: Tensor, hi: Tensor, S: int) -> None:
+        self.lo = _index_tensor("lo", lo, ndim=(1,))
+        self.hi = _index_tensor("hi", hi, ndim=(1,))
+        if self.lo.shape != self.hi.shape:
+            raise ValueError(
+                f"lo and hi must match, got {tuple(self.lo.shape)}, {tuple(self.hi.shape)}"
+            )
+        self.S = check_int("S", S, minimum=0)
+
+    def _check(self, L: int, S: int) -> None:
+        if (self.lo.numel(), self.S) != (L, S):
+            raise ValueError(
+                f"intervals cover L={self.lo.numel()} rows and S={self.S} keys, got L={L}, S={S}"
+            )
+
+    def evaluate(self, b, h, i, j, L, S):  # noqa: ARG002 (the Mask protocol's signature)
+        self._check(L, S)
+        lo, hi = self.lo.to(i.device), self.hi.to(i.device)
+        ic = i.clamp(0, max(L - 1, 0))
+        return (j >= lo[ic]) & (j < hi[ic])
+
+    def key_interval(self, L, S, *, device=None):
+        self._check(L, S)
+        return self.lo.to(device).view(1, 1, L), self.hi.to(device).view(1, 1, L)
+
+    def default_size(self) -> tuple[int, int]:
+        return max(1, self.lo.numel()), max(1, self.S)
+
+    def __repr__(self) -> str:
+        return f"intervals(L={self.lo.numel()}, S={self.S})"
+
+    def spec(self):
+        return f"intervals:{static_int(self.S)}", [self.lo, self.hi]
+
+
 class PaddingMask(Mask):
     """Key positions ``j >= lengths[b]`` are masked for every query of batch item ``b``."""
 
@@ -679,6 +723,14 @@ document.from_lengths = DocumentMask.from_lengths  # type: ignore[attr-defined]
 document.from_cu_seqlens = DocumentMask.from_cu_seqlens  # type: ignore[attr-defined]
 
 
+_STRUCTURAL = {
+    "window": lambda a: SlidingWindowMask(int(a[0]), bool(int(a[1]))),
+    "wnd": lambda a: WindowMask(int(a[0]), int(a[1])),
+    "strided": lambda a: StridedMask(int(a[0]), bool(int(a[1]))),
+    "bigbird": lambda a: BigBirdMask(*(int(x) for x in a)),
+}
+
+
 def from_spec(spec: str, tensors: list[Tensor]) -> Mask:
     """Rebuilds the mask described by `Mask.spec` (its structure string and its tensors)."""
     pos, k = 0, 0
@@ -703,20 +755,17 @@ def from_spec(spec: str, tensors: list[Tensor]) -> Mask:
         pos = end
         if name == "causal":
             return CausalMask()
-        if name == "window":
-            return SlidingWindowMask(int(args[0]), bool(int(args[1])))
-        if name == "wnd":
-            return WindowMask(int(args[0]), int(args[1]))
-        if name == "strided":
-            return StridedMask(int(args[0]), bool(int(args[1])))
-        if name == "bigbird":
-            return BigBirdMask(*(int(a) for a in args))
+        if name in _STRUCTURAL:  # masks that hold no tensor
+            return _STRUCTURAL[name](args)
         if name == "padding" and args:
             return PaddingMask([int(n) for n in args[0].split(",")])
         k += 1
         t = tensors[k - 1]
         if name == "padding":
             return PaddingMask(t)
+        if name == "intervals":
+            k += 1
+            return IntervalMask(t, tensors[k - 1], int(args[0]))
         if name == "global_local":
             return GlobalLocalMask(int(args[0]), t)
         if name == "document":
