@@ -23,9 +23,10 @@ the block map skips every tile between sequences.
 
 The work runs inside the custom operators ``attnlab::varlen_attn`` / ``varlen_attn_backward``
 (like torch's own ``torch_attn::_varlen_attn``): they read the sequence bounds on the host, so
-``torch.compile(fullgraph=True)`` traces one opaque call. The backward recomputes the forward
-(exact) and gives gradients to query, key and value — also through ``seqused_k`` and a
-``block_table`` (into the pages), where torch's is inference-only.
+``torch.compile(fullgraph=True)`` traces one opaque call. The backward is the tiled backend's
+(every tile recomputed from the saved output and lse, exact) and gives gradients to query, key
+and value — also through ``seqused_k`` and a ``block_table`` (into the pages, summed where
+sequences share one), where torch's is inference-only.
 
 Defined to equal `reference_varlen_attn` (float64-capable, one `reference.attention` per
 sequence with the dense window mask).
