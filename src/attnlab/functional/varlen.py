@@ -249,17 +249,17 @@ def _plan(q, k, cu_q, cu_k, used, table, max_q, max_k, left, right):
 
 def _intervals(seqs: list[_Seq], T: int, left: int, right: int, device) -> tuple[Tensor, Tensor]:
     """Each query row's keys ``[lo, hi)`` in the packed keys: its sequence's window."""
-    lo = torch.zeros(T, dtype=torch.long, device=device)
-    hi = torch.zeros(T, dtype=torch.long, device=device)
-    for s in seqs:
-        if s.m == 0 or s.n == 0:
-            continue
-        p = torch.arange(s.m, device=device) + (s.n - s.m)  # aligned key position, bottom-right
-        a = torch.zeros_like(p) if left < 0 else (p - left).clamp(0, s.n)
-        e = torch.full_like(p, s.n) if right < 0 else (p + right + 1).clamp(0, s.n)
-        lo[s.q0 : s.q0 + s.m] = s.k0 + a
-        hi[s.q0 : s.q0 + s.m] = s.k0 + torch.maximum(a, e)
-    return lo, hi
+
+    def as_t(xs: list[int]) -> Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=device)
+
+    m, n = as_t([s.m for s in seqs]), as_t([s.n for s in seqs])
+    b = torch.repeat_interleave(torch.arange(len(seqs), device=device), m)  # (T,) sequence of row
+    q0, k0, nb = as_t([s.q0 for s in seqs])[b], as_t([s.k0 for s in seqs])[b], n[b]
+    p = torch.arange(T, device=device) - q0 + (n - m)[b]  # aligned key position, bottom-right
+    a = torch.zeros_like(p) if left < 0 else torch.minimum((p - left).clamp(min=0), nb)
+    e = nb if right < 0 else torch.minimum((p + right + 1).clamp(min=0), nb)
+    return k0 + a, k0 + torch.maximum(a, e)
 
 
 def _heads_first(x: Tensor, r0: int, n: int) -> Tensor:
