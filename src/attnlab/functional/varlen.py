@@ -200,20 +200,25 @@ def _sequences(q, k, cu_q, cu_k, used, table, max_q, max_k) -> tuple[list[_Seq],
 
 
 def _page_rows(table: Tensor, n: list[int], page: int, pages: int) -> tuple[Tensor, list[int]]:
-    """Rows of the flattened page pool ``(pages·page_size,)`` holding each sequence's keys."""
-    parts, starts, at = [], [], 0
-    for b, nb in enumerate(n):
-        ids = table[b, : -(-nb // page)].long()
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= pages):
-            raise ValueError(
-                f"varlen_attn: block_table[{b}] names pages {ids.tolist()}, the pool has {pages}"
-            )
-        offsets = torch.arange(page, device=table.device)
-        parts.append((ids.view(-1, 1) * page + offsets).flatten()[:nb])
-        starts.append(at)
-        at += nb
-    rows = torch.cat(parts) if parts else table.new_zeros(0, dtype=torch.long)
-    return rows, starts
+    """Rows of the flattened page pool ``(pages·page_size,)`` holding each sequence's keys, in
+    sequence order, and where each sequence's keys start among them."""
+    dev = table.device
+    nb = torch.tensor(n, dtype=torch.long, device=dev)  # (N,)
+    need = torch.arange(table.shape[1], device=dev) < (nb + page - 1).div(
+        page, rounding_mode="floor"
+    ).view(-1, 1)
+    ids = table.long()
+    bad = need & ((ids < 0) | (ids >= pages))
+    if bool(bad.any()):
+        b = int(bad.any(1).nonzero()[0])
+        raise ValueError(
+            f"varlen_attn: block_table[{b}] names pages {ids[b][need[b]].tolist()}, the pool has "
+            f"{pages}"
+        )
+    slots = (ids.unsqueeze(-1) * page + torch.arange(page, device=dev)).flatten(1)  # (N, P·page)
+    keep = torch.arange(slots.shape[1], device=dev) < nb.view(-1, 1)  # the first n[b] keys
+    starts = [0, *itertools.accumulate(n)][:-1]
+    return slots[keep], starts
 
 
 def _packed_self(seqs: list[_Seq]) -> bool:
