@@ -1,6 +1,6 @@
 """Stateless attention math on tensors: the reference definitions and the fast backends."""
 
-from . import reference
+from . import reference, varlen
 from .api import attention, attention_stats, attention_weights, explain, flash_attention
 from .explanation import Explanation
 from .merge import merge_partials
@@ -9,6 +9,7 @@ from .request import SCORES, BiasFn, Request, Score, register_score
 from .sigmoid import sigmoid_attention
 from .sinks import apply_sinks
 from .stats import AttentionStats
+from .varlen import varlen_attn
 
 __all__ = [
     "SCORES",
@@ -30,4 +31,6 @@ __all__ = [
     "register_backend",
     "register_score",
     "sigmoid_attention",
+    "varlen",
+    "varlen_attn",
 ]
