@@ -971,6 +971,8 @@ def latent_attention(
         q, k, v, mask=mask, scale=scale, compute_dtype=compute_dtype, reorder=reorder
     )
     return out
+
+
 # ----------------------------------------------------------------------------- issue #42 variants
 
 
