@@ -629,7 +629,7 @@ def test_user_4d_masks_are_used_as_given():
     torch.testing.assert_close(attention_forward(_Module(), q, k, v, additive)[0], ref)
 
 
-@pytest.mark.parametrize("name", ["s_aux", "sinks", "position_bias", "indices", "block_indices"])
+@pytest.mark.parametrize("name", ["position_bias", "indices", "block_indices"])
 def test_unsupported_keywords_are_refused_by_name(name):
     q, k, v = _qkv()
     with pytest.raises(UnsupportedAttentionError, match=f"\\({name}") as info:

@@ -38,14 +38,24 @@ def test_a_supported_model_loads_on_attnlab(llama_folder):
         torch.testing.assert_close(model(input_ids=ids).logits, eager(input_ids=ids).logits)
 
 
-def test_attention_sinks_are_refused_at_load_time(tmp_path):
+def test_unsupported_attention_is_refused_at_load_time(tmp_path, monkeypatch):
+    """A feature attnlab does not compute (here a position_bias keyword, patched into GPT-OSS's
+    attention: its sinks are supported since issue 42) is refused at load time."""
     config = transformers.GptOssConfig(
         vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
         num_experts_per_tok=1,
     )  # fmt: skip
     transformers.GptOssForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(attnlab.hf.UnsupportedAttentionError, match="attention sinks"):
+    attnlab.hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path)  # sinks: loads
+    forward = attnlab.hf.bridge.attention_forward
+
+    def with_bias(module, *args, **kwargs):
+        return forward(module, *args, **kwargs, position_bias=torch.zeros(1))
+
+    monkeypatch.setattr(attnlab.hf.bridge, "attention_forward", with_bias)
+    attnlab.hf.bridge.register()
+    with pytest.raises(attnlab.hf.UnsupportedAttentionError, match="position bias"):
         attnlab.hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path)
     # loaded the plain way, the same check refuses it before any use
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -53,6 +63,8 @@ def test_attention_sinks_are_refused_at_load_time(tmp_path):
     )
     with pytest.raises(attnlab.hf.UnsupportedAttentionError, match="GptOssAttention"):
         attnlab.hf.check_model(model)
+    monkeypatch.undo()
+    attnlab.hf.bridge.register()
 
 
 def test_loading_rules_cannot_be_overridden_and_eager_models_are_named(llama_folder):

@@ -326,3 +326,33 @@ def measure_estimate(
             _, seconds, peak = measure(run)
         est.measured[impl] = {"seconds": seconds, "peak_bytes": float(peak)}
     return est
+
+
+def cache_bytes_per_token(
+    num_heads: int,
+    *,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    dtype: str = "float32",
+) -> dict[str, int]:
+    """Bytes cached per token and layer: multi-head latent attention against a per-head K/V cache.
+
+    MLA (DeepSeek-V2/V3, `attnlab.modules.LatentCache`) keeps the latent and the shared rotary
+    key, ``(C + R) · b``; a per-head cache of the same attention keeps every head's key and value,
+    ``H · (Dn + R + Dv) · b`` (b = bytes of ``dtype``). DeepSeek-V3 (H = 128, C = 512, R = 64,
+    Dn = Dv = 128) in bfloat16: 1,152 against 81,920 bytes, 71× less.
+
+    Returns:
+        ``{"latent": ..., "per-head K/V": ...}`` in bytes.
+    """
+    H = check_int("num_heads", num_heads, minimum=1)
+    C = check_int("kv_lora_rank", kv_lora_rank, minimum=1)
+    R = check_int("qk_rope_head_dim", qk_rope_head_dim, minimum=0)
+    Dn = check_int("qk_nope_head_dim", qk_nope_head_dim, minimum=0)
+    Dv = check_int("v_head_dim", v_head_dim, minimum=1)
+    if dtype not in _BYTES:
+        raise ValueError(f"dtype must be one of {sorted(_BYTES)}, got {dtype!r}")
+    nb = _BYTES[dtype]
+    return {"latent": (C + R) * nb, "per-head K/V": H * (Dn + R + Dv) * nb}

@@ -1,12 +1,15 @@
 """Stateless attention math on tensors: the reference definitions and the fast backends."""
 
-from . import reference
+from . import reference, varlen
 from .api import attention, attention_stats, attention_weights, explain, flash_attention
 from .explanation import Explanation
 from .merge import merge_partials
 from .registry import Backend, backends, register_backend
 from .request import SCORES, BiasFn, Request, Score, register_score
+from .sigmoid import sigmoid_attention
+from .sinks import apply_sinks
 from .stats import AttentionStats
+from .varlen import varlen_attn
 
 __all__ = [
     "SCORES",
@@ -16,6 +19,7 @@ __all__ = [
     "Explanation",
     "Request",
     "Score",
+    "apply_sinks",
     "attention",
     "attention_stats",
     "attention_weights",
@@ -26,4 +30,7 @@ __all__ = [
     "reference",
     "register_backend",
     "register_score",
+    "sigmoid_attention",
+    "varlen",
+    "varlen_attn",
 ]

@@ -23,8 +23,10 @@ from .flash.run import (
     kernel_checks_inputs,
     needs_grad,
 )
+from .flash.sinks import flash_run_sinks, fused_sinks
 from .registry import check_backend_name, select
 from .request import BiasFn, Request, build_request, plain_request, request_dense
+from .sinks import apply_sinks, check_sinks
 from .stats import AttentionStats, as_index, compute_stats, compute_weights
 from .thresholds import describe as describe_thresholds
 
@@ -79,6 +81,7 @@ def attention(
     return_weights: bool = False,
     return_lse: bool = False,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
     **sdpa_keywords: object,
 ) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """Attention as the textbooks define it: ``softmax(score(Q, K) · scale / T + bias) V``.
@@ -135,6 +138,15 @@ def attention(
             ``"reference"``; ``"sdpa"`` declines it (torch's fused kernel has no tanh stage) and
             ``backend="auto"`` picks another backend; ``lse``, weights and `attention_stats`
             are those of the capped logits.
+        sinks: attention sinks (GPT-OSS), a float tensor ``(H,)`` (``(1,)`` for 3-D and 2-D
+            inputs) on q's device, or None: one logit ``s_h`` per query head, in logit units
+            (after the scale), that joins every row's softmax denominator,
+            ``out_i = Σ_j e^{l_ij} v_j / (e^{s_h} + Σ_j e^{l_ij})``. Computed exactly from the
+            plain output and its log-sum-exp (`attnlab.functional.sinks`; backends without lse,
+            such as ``"sdpa"``, are skipped), differentiable in q, k, v and the sinks; ``lse``
+            and the weights include the sink (a row's weights sum to ``1 − e^{s_h − lse_i}``).
+            A row with no key stays 0 (its lse is ``s_h``); a NaN or +inf sink makes every row
+            of its head that has a key NaN, a −inf sink is no sink.
         **sdpa_keywords: none is accepted. torch SDPA's ``attn_mask=``, ``is_causal=`` and
             ``enable_gqa=`` raise a one-line TypeError naming attnlab's spelling (``mask=``;
             ``mask=masks.causal()``, bottom-right aligned where SDPA's ``is_causal`` is top-left
@@ -197,13 +209,9 @@ def attention(
     )
     check_backend_name(backend)
     check_bool("return_lse", return_lse)
-    chosen, _ = select(backend, req, need_lse=return_lse)
-    lse: Tensor | None = None
-    if return_lse:
-        assert chosen.run_lse is not None
-        out, weights, lse = chosen.run_lse(req)
-    else:
-        out, weights = chosen.run(req)
+    if sinks is not None:
+        check_sinks(sinks, req.dims.H, q)
+    out, weights, lse = _run(backend, req, return_lse, sinks)
     if req.dims.three_d:
         out = out.squeeze(1)  # (B, L, Dv)
         weights = None if weights is None else weights.squeeze(1)  # (B, L, S)
@@ -223,6 +231,25 @@ def attention(
         assert lse is not None
         return out, lse
     return out
+
+
+def _run(
+    backend: str, req: Request, return_lse: bool, sinks: Tensor | None
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(out, weights, lse)`` of a checked request on the selected backend (lse None unless
+    asked for), the sinks applied from the plain output and its lse (`functional.sinks`)."""
+    chosen, _ = select(backend, req, need_lse=return_lse or sinks is not None)
+    if sinks is not None and chosen.name == "flash" and fused_sinks(chosen, req):
+        out, lse = flash_run_sinks(req, sinks)  # eager: backward on the fused kernels
+        return out, None, lse
+    if not return_lse and sinks is None:
+        out, weights = chosen.run(req)
+        return out, weights, None
+    assert chosen.run_lse is not None
+    out, weights, lse = chosen.run_lse(req)
+    if sinks is not None:
+        out, lse, weights = apply_sinks(out, lse, sinks, weights)
+    return out, weights, lse
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> Explanation:
@@ -260,7 +287,8 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> Explanation:
         "return_weights": False,
         "softcap": None,
     }
-    return_lse = kwargs.pop("return_lse", False)
+    sinks = kwargs.pop("sinks", None)
+    return_lse = bool(kwargs.pop("return_lse", False)) or sinks is not None  # sinks need lse
     unknown = set(kwargs) - set(defaults)
     if unknown:
         raise TypeError(f"explain() got unexpected keyword arguments {sorted(unknown)}")
@@ -268,12 +296,14 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> Explanation:
         kw = {**defaults, **kwargs}
         req = build_request(q, k, v, leading=True, **kw)  # type: ignore[arg-type]
         check_backend_name(backend)
-        chosen, why = select(backend, req, need_lse=bool(return_lse))  # type: ignore[arg-type]
+        if sinks is not None:
+            check_sinks(sinks, req.dims.H, q)
+        chosen, why = select(backend, req, need_lse=return_lse)  # type: ignore[arg-type]
         plan = None
         if chosen.name == "flash":
             plan, engines = explain_plan(req)
         else:
-            engines = (_engine(chosen.name, req, bool(return_lse)),)
+            engines = (_engine(chosen.name, req, return_lse),)
     mask, bias = kw["mask"], kw["bias"]
     return Explanation(
         backend=chosen.name,

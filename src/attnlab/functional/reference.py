@@ -19,6 +19,8 @@ inputs whose non-finite entries are 0 (see `functional.nan_rule`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -138,8 +140,15 @@ def attention(
     compute_dtype: torch.dtype | None = None,
     reorder: bool = False,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Reference attention: ``softmax(cap(score(q, k) · scale / temperature) + bias, masked) @ v``.
+
+    With attention sinks (GPT-OSS) the softmax of row i in head h runs over the row's logits
+    and one more, the sink ``s_h``, whose value is 0: ``out_i = Σ_j e^{l_ij} v_j / (e^{s_h} +
+    Σ_j e^{l_ij})`` (transformers' gpt_oss eager: the sink column concatenated to the logits,
+    softmax, the column dropped). A row with no key stays 0; a NaN/+inf sink makes the rows of
+    its head that have a key NaN (gradients as for the sink read as 0); a −inf sink is none.
 
     ``cap(s) = softcap · tanh(s / softcap)`` (`softcap_logits`; the identity when ``softcap`` is
     None): soft-capping acts on the scaled scores, before the bias and the mask.
@@ -158,10 +167,11 @@ def attention(
             Same definition, different rounding: the tolerance rule runs it in the input dtype to
             measure the naive formula's error.
         softcap: logit soft-capping (> 0), or None for none.
+        sinks: ``(H,)`` sink logits (after the scale), or None for none.
 
     Returns:
         ``(out (B, H, L, Dv), weights (B, H, L, S))`` in q's dtype. ``weights`` are those that
-        multiplied v, i.e. after dropout.
+        multiplied v, i.e. after dropout (without the sink's share).
     """
     B, H, L, _ = q.shape
     H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -183,7 +193,11 @@ def attention(
     )
     if bias is not None:
         logits = logits + group_heads(nan_rule.clean_bias(bias), H_kv).to(dtype)
-    e, z = _unnormalized_softmax(logits, None if keep is None else group_heads(keep, H_kv))
+    gkeep = None if keep is None else group_heads(keep, H_kv)
+    if sinks is None:
+        e, z = _unnormalized_softmax(logits, gkeep)
+    else:
+        e, z = _sink_softmax(logits, gkeep, sinks)
     vg = v.to(dtype).unsqueeze(2)  # (B, H_kv, 1, S, Dv)
     if reorder:  # normalise after the weighted sum: same value, different rounding
         p = _dropout(e, dropout_p, generator)
@@ -195,7 +209,37 @@ def attention(
     out = out.flatten(1, 2).to(q.dtype).reshape(B, H, L, Dv)  # (B, H, L, Dv)
     weights = p.flatten(1, 2).to(q.dtype).reshape(B, H, L, S)  # (B, H, L, S)
     out, weights = nan_rule.poison(out, q_in, k_in, v_in, keep=keep, bias=bias, weights=weights)
+    if sinks is not None:  # a NaN/+inf sink poisons its head's rows that have a key
+        has_key = rows_with_keys(keep, (B, H, L, S)).to(q.device)  # (B, H, L, 1)
+        bad = (torch.isnan(sinks) | torch.isposinf(sinks)).view(1, H, 1, 1) & has_key
+        out, weights = nan_rule.add_nan(out, bad), nan_rule.add_nan(weights, bad)
     return out, weights
+
+
+def _sink_softmax(logits: Tensor, keep: Tensor | None, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """`_unnormalized_softmax` over the keys plus one sink column per head: ``(e, z)`` of the
+    keys, ``z`` including ``e^{s_h}``. The sink column is kept only on rows with a key, so a
+    row with no key stays 0; a NaN/+inf sink is read as 0 (the caller poisons its rows)."""
+    B, H_kv, G, L, S = logits.shape
+    s = sinks.to(logits.dtype)
+    s = torch.where(torch.isnan(s) | torch.isposinf(s), 0.0, s)
+    col = s.view(1, H_kv, G, 1, 1).expand(B, H_kv, G, L, 1)  # (B, H_kv, G, L, 1)
+    full = torch.cat([logits, col], dim=-1)  # (B, H_kv, G, L, S + 1)
+    if keep is None:
+        keep = torch.ones(1, 1, 1, 1, 1, dtype=torch.bool, device=logits.device)
+    keep = keep.expand(B, H_kv, G, L, S)
+    has_key = keep.any(dim=-1, keepdim=True)  # (B, H_kv, G, L, 1)
+    e, z = _unnormalized_softmax(full, torch.cat([keep, has_key], dim=-1))
+    return e[..., :S], z
+
+
+def rows_with_keys(keep: Tensor | None, shape: tuple[int, int, int, int]) -> Tensor:
+    """``(B, H, L, 1)`` bool: which query rows may attend at least one key (``shape`` is
+    ``(B, H, L, S)``, ``keep`` from `keep_mask`)."""
+    B, H, L, S = shape
+    if keep is None:
+        return torch.full((1, 1, 1, 1), S > 0).expand(B, H, L, 1)
+    return _as4(keep).expand(B, H, L, S).any(dim=-1, keepdim=True)
 
 
 def logsumexp(
@@ -208,10 +252,13 @@ def logsumexp(
     temperature: float = 1.0,
     score: str = "dot",
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Reference log-sum-exp of the masked logits ``(B, H, L)``, float32+, −inf if empty.
 
     The logits are those of `attention` (soft-capped when ``softcap`` is given, then biased).
+    With ``sinks (H,)``: ``log(e^{s_h} + Σ_j e^{l_ij})`` on rows with a key, ``s_h`` on rows
+    without (NaN on a head whose sink is NaN/+inf, on rows with a key).
     """
     B, H, L, _ = q.shape
     H_kv = k.shape[1]
@@ -229,9 +276,17 @@ def logsumexp(
     if keep is not None:
         logits = logits.masked_fill(~group_heads(keep, H_kv), _NEG_INF)
     if logits.shape[-1] == 0:
-        return logits.new_full((B, H, L), _NEG_INF)
-    lse = torch.logsumexp(logits, dim=-1).flatten(1, 2).reshape(B, H, L)
-    return torch.where(row_bad, float("nan"), lse)
+        lse = logits.new_full((B, H, L), _NEG_INF)
+    else:
+        lse = torch.logsumexp(logits, dim=-1).flatten(1, 2).reshape(B, H, L)
+        lse = torch.where(row_bad, float("nan"), lse)
+    if sinks is None:
+        return lse
+    s = sinks.to(dtype).view(1, H, 1).expand(B, H, L)  # (B, H, L)
+    has_key = rows_with_keys(keep, (B, H, L, k.shape[2]))[..., 0].to(q.device)  # (B, H, L)
+    both = torch.logsumexp(torch.stack([lse, s]), dim=0)
+    both = torch.where(torch.isposinf(s), float("nan"), both)  # NaN/+inf sink: NaN rows
+    return torch.where(has_key, both, s)
 
 
 def additive_attention(
@@ -858,3 +913,220 @@ def adaptive_span_attention(
     out, weights = nan_rule.poison(out, q, k, v, keep=keep, weights=weights)
     assert weights is not None
     return out, weights
+
+
+# ------------------------------------------------------------------------------------------------
+# Multi-head latent attention (DeepSeek-AI, 2024, "DeepSeek-V2", §2.1). Keys and values are
+# up-projected from one latent per token; the decoupled rotary key is shared by every head. The
+# fast form (modules/mla.py, `absorbed_latent_attention`) folds the up-projections into the query
+# and the output and attends over the latent itself; it equals this naive form.
+# ------------------------------------------------------------------------------------------------
+
+
+def latent_attention(
+    q_nope: Tensor,
+    q_rope: Tensor,
+    latent: Tensor,
+    k_rope: Tensor,
+    w_uk: Tensor,
+    w_uv: Tensor,
+    *,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+    reorder: bool = False,
+) -> Tensor:
+    """Reference multi-head latent attention (MLA), the naive form: keys and values expanded.
+
+    For head h, with the latent ``c_j`` and the (already rotated) shared rotary key ``r_j`` of
+    token j::
+
+        k_hj = [W_UK[h] · c_j ; r_j]          (Dn + R)
+        v_hj = W_UV[h] · c_j                  (Dv)
+        o_hi = Σ_j softmax_j(scale · ⟨[q_nope_hi ; q_rope_hi], k_hj⟩) · v_hj
+
+    i.e. `attention` on the expanded per-head keys and values.
+
+    Args:
+        q_nope: ``(B, H, L, Dn)`` the query part without position.
+        q_rope: ``(B, H, L, R)`` the rotated query part.
+        latent: ``(B, S, C)`` the compressed key/value latent (C = kv_lora_rank).
+        k_rope: ``(B, S, R)`` the rotated key part shared by all heads.
+        w_uk: ``(H, Dn, C)`` the key up-projection. w_uv: ``(H, Dv, C)`` the value up-projection.
+        mask: bool, True = may attend, broadcastable to ``(B, H, L, S)``.
+        scale: logit scale, default ``1/√(Dn + R)``.
+        compute_dtype: precision of logits and softmax (see `attention`).
+        reorder: normalise after the weighted sum (same value, different rounding).
+
+    Returns:
+        ``(B, H, L, Dv)`` in q_nope's dtype.
+    """
+    B, H = q_nope.shape[:2]
+    k_nope = torch.einsum("bsc,hdc->bhsd", latent, w_uk)  # (B, H, S, Dn)
+    v = torch.einsum("bsc,hdc->bhsd", latent, w_uv)  # (B, H, S, Dv)
+    r = k_rope.unsqueeze(1).expand(B, H, -1, -1)  # (B, H, S, R)
+    q = torch.cat((q_nope, q_rope), dim=-1)  # (B, H, L, Dn + R)
+    k = torch.cat((k_nope, r), dim=-1)  # (B, H, S, Dn + R)
+    out, _ = attention(
+        q, k, v, mask=mask, scale=scale, compute_dtype=compute_dtype, reorder=reorder
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- issue #42 variants
+
+
+def _as_keep(mask: Tensor | Mask | None, q: Tensor, k: Tensor) -> Tensor | None:
+    """A `Mask` rendered as a bool tensor ``(B|1, H|1, L, S)``; a tensor or None unchanged."""
+    if isinstance(mask, Mask):
+        B, H, L = q.shape[0], q.shape[1], q.shape[2]
+        return mask.to_dense(L, k.shape[2], batch=B, heads=H, device=q.device)
+    return mask
+
+
+def sigmoid_bias(S: int) -> float:
+    """The default sigmoid-attention logit bias ``b = −log S`` (0 for ``S <= 1``).
+
+    With it, ``sigmoid(s − log S) ≈ e^s / S`` for small scores: a row of S equal weights starts
+    near the softmax's ``1/S`` (Ramapuram et al. 2024, "Theory, Analysis, and Best Practices for
+    Sigmoid Self-Attention").
+    """
+    return -math.log(S) if S > 1 else 0.0
+
+
+def sigmoid_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | Mask | None = None,
+    scale: float | None = None,
+    bias: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Reference sigmoid attention: ``out = (sigmoid(q·kᵀ·scale + b) ⊙ keep) @ v``.
+
+    Every weight ``p_ij = sigmoid(q_i·k_j·scale + b)`` stands alone (no row max, no normaliser);
+    masked pairs weigh exactly 0, so a row that may attend nothing outputs zeros. The NaN rule is
+    `attention`'s: non-finite ``q_i`` or attended ``k_j`` makes row i NaN, a non-finite attended
+    ``v_j[d]`` makes ``o_i[d]`` NaN, nothing else reaches row i.
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``; ``H % H_kv == 0``.
+        mask: bool (True = may attend) broadcastable to ``(B, H, L, S)``, a `Mask`, or None.
+        scale: logit scale; None means ``1/√D``.
+        bias: the scalar logit bias b; None means ``sigmoid_bias(S) = −log S``.
+        compute_dtype: precision of the logits and weights; default float32 or wider.
+
+    Returns:
+        ``(out (B, H, L, Dv), weights (B, H, L, S))`` in q's dtype.
+    """
+    B, H, L, D = q.shape
+    H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    dtype = compute_dtype or stat_dtype(q.dtype)
+    scale = D**-0.5 if scale is None else scale
+    b = sigmoid_bias(S) if bias is None else bias
+    keep = keep_mask(_as_keep(mask, q, k), None)
+    q_in, k_in, v_in = q, k, v
+    q, k, v = nan_rule.clean(q), nan_rule.clean(k), nan_rule.clean(v)
+    logits = _logits(q, k, scale=scale, temperature=1.0, score="dot", dtype=dtype)
+    p = torch.sigmoid(logits + b)  # (B, H_kv, G, L, S)
+    if keep is not None:
+        p = p.masked_fill(~group_heads(keep, H_kv), 0.0)
+    out = p @ v.to(dtype).unsqueeze(2)  # (B, H_kv, G, L, Dv)
+    out = out.flatten(1, 2).to(q.dtype).reshape(B, H, L, Dv)  # (B, H, L, Dv)
+    weights = p.flatten(1, 2).to(q.dtype).reshape(B, H, L, S)  # (B, H, L, S)
+    return nan_rule.poison(out, q_in, k_in, v_in, keep=keep, weights=weights)  # type: ignore[return-value]
+
+
+def differential_lambda_init(layer: int) -> float:
+    """``λ_init = 0.8 − 0.6·exp(−0.3·(l − 1))`` for the 1-based layer number ``l``.
+
+    (transformers' ``lambda_init_fn(layer_idx)`` with ``layer_idx = l − 1``.)
+    """
+    return 0.8 - 0.6 * math.exp(-0.3 * (layer - 1))
+
+
+def differential_lambda(
+    lambda_q1: Tensor, lambda_k1: Tensor, lambda_q2: Tensor, lambda_k2: Tensor, lambda_init: float
+) -> Tensor:
+    """The re-parameterised λ of differential attention, a 0-d tensor:
+    ``λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init`` (vectors of size D, dot products in float32
+    or wider)."""
+    dtype = stat_dtype(lambda_q1.dtype)
+    dot1 = (lambda_q1.to(dtype) * lambda_k1.to(dtype)).sum(-1)
+    dot2 = (lambda_q2.to(dtype) * lambda_k2.to(dtype)).sum(-1)
+    return torch.exp(dot1) - torch.exp(dot2) + lambda_init
+
+
+def differential_attention(
+    q1: Tensor,
+    k1: Tensor,
+    q2: Tensor,
+    k2: Tensor,
+    v: Tensor,
+    lam: Tensor | float,
+    *,
+    mask: Tensor | Mask | None = None,
+    scale: float | None = None,
+    lambda_init: float | None = None,
+    eps: float = 1e-6,
+    compute_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Reference differential attention (Ye et al. 2024, "Differential Transformer").
+
+    ``o = softmax(q1·k1ᵀ·scale) v − λ · softmax(q2·k2ᵀ·scale) v``, both maps masked alike; with
+    ``lambda_init`` the per-head normalisation follows:
+    ``o ← (1 − λ_init) · o / √(mean_d(o²) + eps)`` (an RMSNorm over each head's Dv, no weight).
+
+    Args:
+        q1, q2: ``(B, H, L, D)``. k1, k2: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
+        lam: λ, a number or a tensor broadcastable to ``(B, H, L, Dv)`` (e.g. 0-d).
+        mask: bool (True = may attend) broadcastable to ``(B, H, L, S)``, a `Mask`, or None.
+        scale: logit scale; None means ``1/√D``.
+        lambda_init: apply the head norm scaled by ``1 − λ_init``; None: no norm.
+        eps: the RMSNorm epsilon.
+        compute_dtype: precision of the computation; default float32 or wider.
+
+    Returns:
+        ``(B, H, L, Dv)`` in q1's dtype.
+    """
+    dtype = compute_dtype or stat_dtype(q1.dtype)
+    m = _as_keep(mask, q1, k1)
+    o1, _ = attention(q1, k1, v, mask=m, scale=scale, compute_dtype=dtype)
+    o2, _ = attention(q2, k2, v, mask=m, scale=scale, compute_dtype=dtype)
+    lam_t = lam.to(dtype) if isinstance(lam, Tensor) else lam
+    o = o1.to(dtype) - lam_t * o2.to(dtype)  # (B, H, L, Dv)
+    if lambda_init is not None:
+        o = (1.0 - lambda_init) * (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps))
+    return o.to(q1.dtype)
+
+
+def gated_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gate: Tensor,
+    *,
+    mask: Tensor | Mask | None = None,
+    scale: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Reference gated attention (Qwen3-Next's full-attention layers, Qiu et al. 2025).
+
+    ``o = softmax(q·kᵀ·scale, masked) v ⊙ sigmoid(gate)``: an output gate computed from the layer
+    input, one value per head and output channel.
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
+        gate: gate logits broadcastable to ``(B, H, L, Dv)`` (``(B, H, L, 1)``: one per head).
+        mask: bool (True = may attend) broadcastable to ``(B, H, L, S)``, a `Mask`, or None.
+        scale: logit scale; None means ``1/√D``.
+        compute_dtype: precision of the computation; default float32 or wider.
+
+    Returns:
+        ``(B, H, L, Dv)`` in q's dtype.
+    """
+    dtype = compute_dtype or stat_dtype(q.dtype)
+    o, _ = attention(q, k, v, mask=_as_keep(mask, q, k), scale=scale, compute_dtype=dtype)
+    return (o.to(dtype) * torch.sigmoid(gate.to(dtype))).to(q.dtype)

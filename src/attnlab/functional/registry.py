@@ -97,7 +97,7 @@ def check_backend_name(name: object) -> str:
 
 def _why_not(backend: Backend, req: Request, need_lse: bool) -> str | None:
     if need_lse and backend.run_lse is None:
-        return "it cannot return the log-sum-exp (return_lse=True)"
+        return "it cannot return the log-sum-exp (return_lse=True, or sinks=)"
     why = backend.supports(req)
     if why is None and req.softcap is not None and not backend.softcap:
         why = f"it does not implement logit soft-capping (softcap={req.softcap})"

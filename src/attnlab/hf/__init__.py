@@ -7,7 +7,7 @@ any model loaded with ``attn_implementation="attnlab"`` runs every attention thr
 sequences (documents) — grouped-query k/v without copies, the model's scaling, dropout in
 training, logit soft-capping, and exact weights for ``output_attentions=True``. Query and key
 positions come from transformers' own cache offsets (dynamic and static caches). A model that
-needs something attnlab does not compute (attention sinks, a separate position bias) raises
+needs something attnlab does not compute (a separate position bias, sparse key selection) raises
 `UnsupportedAttentionError` naming it: at load time with `from_pretrained` (or `check_model` on
 a model loaded otherwise), else at its first forward call. `attention_stats` gives every
 attention call's per-head statistics (entropy, sink mass, mean distance) without L×S tensors.

@@ -6,7 +6,8 @@ with ``query (B, H, L, D)``, ``key (B, H_kv, S, D)``, ``value (B, H_kv, S, Dv)``
 ``(out (B, L, H, Dv), weights (B, H, L, S) or None)``. `attention_forward` answers with
 ``attnlab.attention``: the attnlab mask from `attnlab.hf.masking.hf_mask`, k/v shared by
 ``G = H / H_kv`` query heads without copies, the model's ``scaling``, its dropout in training, its
-logit soft-capping, and the exact weights when the caller asked for ``output_attentions``.
+logit soft-capping, its attention sinks (GPT-OSS's ``s_aux``), and the exact weights when the
+caller asked for ``output_attentions``.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ keywords (5.4 replaced ``cache_position``). Declared in the ``hf`` extra of pypr
 # Keywords that change what attention computes and that attnlab does not implement: the call
 # refuses them by name instead of returning a different answer.
 _UNSUPPORTED = {
-    "s_aux": "attention sinks (s_aux, a learned per-head logit in the softmax denominator)",
-    "sinks": "attention sinks (sinks, a learned per-head logit in the softmax denominator)",
     "position_bias": "an additive position bias passed beside the mask (position_bias)",
     "indices": "sparse key selection (indices)",
     "block_indices": "block-sparse key selection (block_indices)",
@@ -114,7 +113,9 @@ def attention_forward(
         softcap: logit soft-capping ``cap·tanh(s/cap)`` after scaling, before the mask (Gemma 2).
         sliding_window: the layer's window; the mask already holds it (checked present).
         **kwargs: the rest of HF's keywords; ``output_attentions`` asks for the weights,
-            semantic keywords attnlab lacks (``s_aux``, ``sinks``, ``position_bias``, ...) raise.
+            ``s_aux`` (or ``sinks``) is GPT-OSS's per-head sink logits ``(H,)``
+            (`attnlab.attention`'s ``sinks=``), semantic keywords attnlab lacks
+            (``position_bias``, ``indices``, ...) raise.
 
     Returns:
         ``(out (B, L, H, Dv) contiguous, weights (B, H, L, S) or None)``; the weights are
@@ -144,6 +145,7 @@ def attention_forward(
             )
     S = key.shape[2]
     want_weights = bool(kwargs.get("output_attentions"))
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     if isinstance(attention_mask, HFMask):
         # a static cache's unused buffer is never attended: eager calls skip it (compiled ones
         # keep one graph over the whole buffer, so `used`, which changes every step, is not read)
@@ -151,12 +153,13 @@ def attention_forward(
         if used is not None:
             key, value = key[:, :, : used[0]], value[:, :, : used[0]]
         keys = None if torch.compiler.is_compiling() else attention_mask.step_keys
-        if keys is not None and _one_step(query, key, value, dropout, softcap, want_weights):
+        one = sinks is None and _one_step(query, key, value, dropout, softcap, want_weights)
+        if keys is not None and one:
             # a decoding step: the keys every layer attends were rendered once (`hf_mask`)
             out = decode_step_run(query, key, value, scaling, keys.contiguous(), softcap)
             return out.transpose(1, 2).contiguous(), None  # (B, L, H, Dv)
         attention_mask = attention_mask.mask if used is None else used[1]
-    extra = {}
+    extra: dict[str, object] = {} if sinks is None else {"sinks": sinks}
     if softcap is not None:
         if not _has_softcap():
             raise UnsupportedAttentionError(

@@ -6,7 +6,7 @@ from __future__ import annotations
 class UnsupportedAttentionError(ValueError):
     """A transformers model asks attnlab for an attention feature it does not implement.
 
-    Raised at the first forward call, naming the feature (e.g. attention sinks ``s_aux``), so a
+    Raised at the first forward call, naming the feature (e.g. a ``position_bias``), so a
     model never gets a silently different answer; use ``attn_implementation="eager"`` for it.
     """
 

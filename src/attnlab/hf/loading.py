@@ -1,7 +1,7 @@
 """Loading a transformers model onto attnlab with every check done at load time.
 
 transformers only checks that ``attn_implementation="attnlab"`` is registered; which features a
-model's attention layers pass (attention sinks, a position bias, …) shows only when they run.
+model's attention layers pass (a position bias, sparse key selection, …) shows only when they run.
 `from_pretrained` loads with attnlab's rules (safetensors only, no remote code), after checking
 the folder (`attnlab.hf.folder.check_folder`: every file inside the folder, the config against
 the safetensors headers — layer counts, names and shapes — before any weight is read), then

@@ -131,6 +131,11 @@ def _recorder(model: nn.Module, record: list[CallStats]) -> Any:
         sliding_window: int | None = None,
         **kwargs: object,
     ) -> tuple[Tensor, Tensor | None]:
+        if kwargs.get("s_aux", kwargs.get("sinks")) is not None:
+            raise UnsupportedAttentionError(
+                f"{type(module).__name__} uses attention sinks (s_aux), which "
+                "attnlab.attention_stats does not include in its statistics"
+            )
         result = attention_forward(
             module,
             query,

@@ -18,9 +18,11 @@ from .patterns import (
     CausalMask,
     DocumentMask,
     GlobalLocalMask,
+    IntervalMask,
     PaddingMask,
     SlidingWindowMask,
     StridedMask,
+    WindowMask,
     bigbird,
     causal,
     document,
@@ -29,6 +31,7 @@ from .patterns import (
     padding,
     sliding_window,
     strided,
+    window,
 )
 
 __all__ = [
@@ -41,11 +44,13 @@ __all__ = [
     "FnMask",
     "Geometry",
     "GlobalLocalMask",
+    "IntervalMask",
     "Mask",
     "PaddingMask",
     "SlidingWindowMask",
     "StridedMask",
     "TensorMask",
+    "WindowMask",
     "bigbird",
     "causal",
     "document",
@@ -56,4 +61,5 @@ __all__ = [
     "padding",
     "sliding_window",
     "strided",
+    "window",
 ]

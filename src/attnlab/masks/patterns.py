@@ -90,6 +90,70 @@ class SlidingWindowMask(Mask):
         return f"window:{static_int(self.window)}:{int(self.causal)}", []
 
 
+class WindowMask(Mask):
+    """flash-attn's ``window_size=(left, right)``: keys ``p − left <= j <= p + right``, −1 open."""
+
+    def __init__(self, left: int, right: int) -> None:
+        self.left = check_int("left", left, minimum=-1)
+        self.right = check_int("right", right, minimum=-1)
+
+    def diagonals(self):
+        # the one statement of the window: −left <= j − p <= right, −1 leaving that side open
+        lo = None if self.left < 0 else -static_int(self.left)
+        hi = None if self.right < 0 else static_int(self.right)
+        return [(lo, hi, 1, 0)]
+
+    def __repr__(self) -> str:
+        return f"window({self.left}, {self.right})"
+
+    def spec(self):
+        return f"wnd:{static_int(self.left)}:{static_int(self.right)}", []
+
+
+class IntervalMask(Mask):
+    """Row ``i`` (raw query row, no alignment) attends keys ``lo[i] <= j < hi[i]``.
+
+    Packed variable-length batches whose queries and keys are laid out differently
+    (cross-attention, paged or partly used KV): each row's one run of keys, given as data.
+    """
+
+    pins_size = True
+
+    def __init__(self, lo: Tensor, hi: Tensor, S: int) -> None:
+        self.lo = _index_tensor("lo", lo, ndim=(1,))
+        self.hi = _index_tensor("hi", hi, ndim=(1,))
+        if self.lo.shape != self.hi.shape:
+            raise ValueError(
+                f"lo and hi must match, got {tuple(self.lo.shape)}, {tuple(self.hi.shape)}"
+            )
+        self.S = check_int("S", S, minimum=0)
+
+    def _check(self, L: int, S: int) -> None:
+        if (self.lo.numel(), self.S) != (L, S):
+            raise ValueError(
+                f"intervals cover L={self.lo.numel()} rows and S={self.S} keys, got L={L}, S={S}"
+            )
+
+    def evaluate(self, b, h, i, j, L, S):  # noqa: ARG002 (the Mask protocol's signature)
+        self._check(L, S)
+        lo, hi = self.lo.to(i.device), self.hi.to(i.device)
+        ic = i.clamp(0, max(L - 1, 0))
+        return (j >= lo[ic]) & (j < hi[ic])
+
+    def key_interval(self, L, S, *, device=None):
+        self._check(L, S)
+        return self.lo.to(device).view(1, 1, L), self.hi.to(device).view(1, 1, L)
+
+    def default_size(self) -> tuple[int, int]:
+        return max(1, self.lo.numel()), max(1, self.S)
+
+    def __repr__(self) -> str:
+        return f"intervals(L={self.lo.numel()}, S={self.S})"
+
+    def spec(self):
+        return f"intervals:{static_int(self.S)}", [self.lo, self.hi]
+
+
 class PaddingMask(Mask):
     """Key positions ``j >= lengths[b]`` are masked for every query of batch item ``b``."""
 
@@ -595,6 +659,28 @@ def sliding_window(window: int, causal: bool = True) -> Mask:
     return SlidingWindowMask(window, causal)
 
 
+def window(left: int, right: int) -> Mask:
+    """flash-attn's local window ``window_size=(left, right)`` (−1 = unbounded on that side).
+
+    Query ``p`` (bottom-right aligned, ``p = i + S − L``) keeps keys ``p − left <= j <= p +
+    right``: ``window(-1, 0)`` is `causal`, ``window(w − 1, 0)`` is ``sliding_window(w)``,
+    ``window(-1, -1)`` keeps every key. For left=1, right=0, L=S=4::
+
+        ■ ⬚ ⬚ ⬚
+        ■ ■ ⬚ ⬚
+        ⬚ ■ ■ ⬚
+        ⬚ ⬚ ■ ■
+
+    Args:
+        left: keys before the query's position it may attend (>= 0), or −1 for all of them.
+        right: keys after the query's position it may attend (>= 0), or −1 for all of them.
+
+    Raises:
+        ValueError: ``left`` or ``right`` below −1. TypeError: not an int.
+    """
+    return WindowMask(left, right)
+
+
 def padding(lengths: Sequence[int] | Tensor) -> Mask:
     """Key-padding mask: keys at positions ``>= lengths[b]`` are masked for batch item ``b``."""
     return PaddingMask(lengths)
@@ -637,6 +723,14 @@ document.from_lengths = DocumentMask.from_lengths  # type: ignore[attr-defined]
 document.from_cu_seqlens = DocumentMask.from_cu_seqlens  # type: ignore[attr-defined]
 
 
+_STRUCTURAL = {
+    "window": lambda a: SlidingWindowMask(int(a[0]), bool(int(a[1]))),
+    "wnd": lambda a: WindowMask(int(a[0]), int(a[1])),
+    "strided": lambda a: StridedMask(int(a[0]), bool(int(a[1]))),
+    "bigbird": lambda a: BigBirdMask(*(int(x) for x in a)),
+}
+
+
 def from_spec(spec: str, tensors: list[Tensor]) -> Mask:
     """Rebuilds the mask described by `Mask.spec` (its structure string and its tensors)."""
     pos, k = 0, 0
@@ -661,18 +755,17 @@ def from_spec(spec: str, tensors: list[Tensor]) -> Mask:
         pos = end
         if name == "causal":
             return CausalMask()
-        if name == "window":
-            return SlidingWindowMask(int(args[0]), bool(int(args[1])))
-        if name == "strided":
-            return StridedMask(int(args[0]), bool(int(args[1])))
-        if name == "bigbird":
-            return BigBirdMask(*(int(a) for a in args))
+        if name in _STRUCTURAL:  # masks that hold no tensor
+            return _STRUCTURAL[name](args)
         if name == "padding" and args:
             return PaddingMask([int(n) for n in args[0].split(",")])
         k += 1
         t = tensors[k - 1]
         if name == "padding":
             return PaddingMask(t)
+        if name == "intervals":
+            k += 1
+            return IntervalMask(t, tensors[k - 1], int(args[0]))
         if name == "global_local":
             return GlobalLocalMask(int(args[0]), t)
         if name == "document":

@@ -2,11 +2,22 @@
 
 from .adaptive_span import AdaptiveSpan, AdaptiveSpanAttention
 from .additive import AdditiveAttention
+from .differential import DifferentialAttention
 from .fnet import FNetMixing
+from .gated import GatedAttention, OffsetRMSNorm
 from .hierarchical import HierarchicalAttention
-from .kv_cache import CacheOverflowError, CacheView, KVCache, SinkCache, SlidingWindowCache
+from .kv_cache import (
+    CacheOverflowError,
+    CacheView,
+    KVCache,
+    LatentCache,
+    LatentView,
+    SinkCache,
+    SlidingWindowCache,
+)
 from .linear import LinearAttention, PerformerAttention
 from .mha import MultiHeadAttention
+from .mla import MultiHeadLatentAttention, absorbed_latent_attention
 from .shaw import ShawRelativeAttention
 from .stream_linear import StreamLinear
 from .torch_compat import deprecated_alias as _deprecated_alias
@@ -27,14 +38,21 @@ __all__ = [
     "AdditiveAttention",
     "CacheOverflowError",
     "CacheView",
+    "DifferentialAttention",
     "FNetMixing",
+    "GatedAttention",
     "HierarchicalAttention",
     "KVCache",
+    "LatentCache",
+    "LatentView",
     "LinearAttention",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
+    "OffsetRMSNorm",
     "PerformerAttention",
     "ShawRelativeAttention",
     "SinkCache",
     "SlidingWindowCache",
     "StreamLinear",
+    "absorbed_latent_attention",
 ]

@@ -454,10 +454,170 @@ class SinkCache(SlidingWindowCache):
         return view
 
 
+class LatentView:
+    """What the new queries attend to after a `LatentCache` update.
+
+    Attributes:
+        joint: ``(B, S, C + R)`` every cached token's latent and rotary key, side by side (one
+            buffer: the absorbed decode attends over it as one key of width C + R).
+        latent: ``(B, S, C)`` the latents, a view of ``joint``.
+        k_rope: ``(B, S, R)`` the rotated keys, a view of ``joint``.
+        start: the position of the first cached token (a host int); the new queries are the
+            last ``t`` tokens, at ``start + S − t … start + S − 1``.
+        t: the number of tokens this update appended.
+    """
+
+    __slots__ = ("joint", "k_rope", "latent", "start", "t")
+
+    def __init__(self, joint: Tensor, rank: int, start: int, t: int) -> None:
+        self.joint, self.start, self.t = joint, start, t
+        self.latent = joint[..., :rank]  # (B, S, C)
+        self.k_rope = joint[..., rank:]  # (B, S, R)
+
+
+class LatentCache:
+    """The cache of multi-head latent attention: per token, one latent and one rotary key.
+
+    DeepSeek-V2/V3's MLA keeps ``kv_lora_rank + qk_rope_head_dim`` numbers per token and layer
+    (576 for DeepSeek-V3, against ``2 · H · 192``-ish for a per-head K/V cache): the latent
+    ``(B, S, C)`` after its RMSNorm and the shared rotary key ``(B, S, R)`` after RoPE. No
+    per-head key or value is ever stored. Both live in one buffer ``(B, ·, C + R)`` (see
+    `LatentView`), grown by amortised doubling, or preallocated with ``capacity`` and never
+    exceeded (`CacheOverflowError`).
+
+    The rotary keys are stored rotated (RoPE at insertion), which is right for RoPE whose
+    frequencies do not depend on the sequence length (default, YaRN: DeepSeek's); the module
+    refuses the others. Token counts are host-side ints, so `update` makes no host sync.
+
+    Args:
+        capacity: None for a growing cache, or the fixed number of positions to preallocate.
+
+    Attributes:
+        seen: tokens ever appended (the next position), a Python int.
+        capacity: the preallocated size, or None.
+
+    Example:
+        >>> cache = LatentCache()
+        >>> out = mla(x_prompt, cache=cache)   # prefill
+        >>> out = mla(x_next, cache=cache)     # one token at a time
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
+        if capacity is not None:
+            check_int("capacity", capacity, minimum=1)
+        self.capacity = capacity
+        self._buf: Tensor | None = None  # (B, size, C + R)
+        self._rank = 0
+        self._len = 0
+        self.seen = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __repr__(self) -> str:
+        """``LatentCache(B=1, S=12, C=512, R=64, dtype=torch.float32, seen=12, capacity=16)``:
+        the stored layout (S = ``len(cache)``, C the latent rank, R the rotary dim), dtype, tokens
+        ever appended and the capacity. Reads host ints and tensor metadata only."""
+        state = [f"S={self._len}"]
+        if self._buf is not None:
+            B, _, W = self._buf.shape
+            state = [f"B={B}", f"S={self._len}", f"C={self._rank}", f"R={W - self._rank}"]
+            state.append(f"dtype={self._buf.dtype}")
+            if self._buf.device.type != "cpu":
+                state.append(f"device={self._buf.device}")
+        state += [f"seen={self.seen}", f"capacity={self.capacity}"]
+        return f"{type(self).__name__}({', '.join(state)})"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds (its whole buffer, capacity included), 0 when empty."""
+        return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
+
+    def reset(self) -> None:
+        """Forgets every cached token."""
+        self.__init__(self.capacity)  # type: ignore[misc]
+
+    def reorder(self, index: Tensor) -> None:
+        """Reorders the batch rows in place: row b becomes old row ``index[b]`` (beam search)."""
+        if self._buf is not None:
+            self._buf = self._buf.index_select(0, index)
+
+    def _check(self, latent: Tensor, k_rope: Tensor) -> None:
+        for name, t in (("latent", latent), ("k_rope", k_rope)):
+            if not isinstance(t, Tensor) or t.dim() != 3:
+                got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(f"latent cache update: {name} must be (B, T, ·), got {got}")
+        if latent.shape[:2] != k_rope.shape[:2]:
+            raise ValueError(
+                f"latent cache update: latent {tuple(latent.shape)} and k_rope "
+                f"{tuple(k_rope.shape)} disagree on (B, T)"
+            )
+        if latent.dtype != k_rope.dtype or latent.device != k_rope.device:
+            raise ValueError(
+                f"latent cache update: latent is {latent.dtype} on {latent.device}, k_rope is "
+                f"{k_rope.dtype} on {k_rope.device}"
+            )
+        if self._buf is None:
+            return
+        B, _, W = self._buf.shape
+        got = (latent.shape[0], latent.shape[2], k_rope.shape[2])
+        if got != (B, self._rank, W - self._rank):
+            raise ValueError(
+                f"latent cache update: (B, C, R) = {got} does not match the cached "
+                f"{(B, self._rank, W - self._rank)}"
+            )
+        if latent.dtype != self._buf.dtype or latent.device != self._buf.device:
+            raise ValueError(
+                f"latent cache update: latent is {latent.dtype} on {latent.device}, the cache "
+                f"holds {self._buf.dtype} on {self._buf.device}"
+            )
+
+    def _reserve(self, like: Tensor, width: int, extra: int) -> None:
+        need = self._len + extra
+        if self.capacity is not None and need > self.capacity:
+            raise CacheOverflowError(self.capacity, self._len, extra)
+        have = 0 if self._buf is None else self._buf.shape[1]
+        if need <= have:
+            return
+        size = self.capacity if self.capacity is not None else max(need, 2 * have, 16)
+        buf = like.new_empty(like.shape[0], size, width)  # (B, size, C + R)
+        if self._buf is not None:
+            buf[:, : self._len] = self._buf[:, : self._len]
+        self._buf = buf
+
+    def update(self, latent: Tensor, k_rope: Tensor) -> LatentView:
+        """Appends latents ``(B, T, C)`` and rotated keys ``(B, T, R)``; returns every cached
+        token (``T = 0`` leaves the cache unchanged).
+
+        Raises:
+            ValueError: shapes that disagree with each other or with the cache.
+            CacheOverflowError: a preallocated cache would exceed its capacity.
+        """
+        self._check(latent, k_rope)
+        T, C = latent.shape[1], latent.shape[2]
+        if T:
+            self._reserve(latent, C + k_rope.shape[2], T)
+            self._rank = C
+            assert self._buf is not None
+            self._buf.narrow(1, self._len, T).narrow(2, 0, C).copy_(latent)
+            self._buf.narrow(1, self._len, T).narrow(2, C, k_rope.shape[2]).copy_(k_rope)
+            self._len += T
+            self.seen += T
+        if self._buf is None:
+            joint = torch.cat((latent, k_rope), dim=-1)  # (B, 0, C + R)
+            return LatentView(joint, C, self.seen, T)
+        joint = self._buf.narrow(1, 0, self._len)  # (B, S, C + R)
+        if not torch.compiler.is_compiling():
+            torch._dynamo.maybe_mark_dynamic(joint, 1)  # noqa: SLF001 (only in torch._dynamo)
+        return LatentView(joint, C, self.seen - self._len, T)
+
+
 __all__ = [
     "CacheOverflowError",
     "CacheView",
     "KVCache",
+    "LatentCache",
+    "LatentView",
     "SinkCache",
     "SlidingWindowCache",
     "causal",

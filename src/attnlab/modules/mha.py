@@ -69,6 +69,9 @@ class MultiHeadAttention(nn.Module):
             the cache was made with ``rotate_at_insert=True``).
         bias_fn: an additive bias ``fn(b, h, i, j)`` such as `attnlab.positional.ALiBi`.
         backend: the `attnlab.attention` backend.
+        sinks: learn one attention-sink logit per query head (GPT-OSS), a parameter ``sinks``
+            of shape ``(H,)`` initialised to 0: every row's softmax denominator gains
+            ``e^{s_h}`` (``attnlab.attention(..., sinks=)``), with or without a cache.
 
     Compile, export, meta:
         ``forward`` makes no host synchronisation and branches only on shapes and Python state,
@@ -118,6 +121,7 @@ class MultiHeadAttention(nn.Module):
         rope: nn.Module | None = None,
         bias_fn: BiasFn | None = None,
         backend: str = "auto",
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         E = check_int("embed_dim", embed_dim, minimum=1)
@@ -145,6 +149,9 @@ class MultiHeadAttention(nn.Module):
             self.k_proj = StreamLinear(self.kdim, H_kv * D, bias=bias)
             self.v_proj = StreamLinear(self.vdim, H_kv * D, bias=bias)
         self.out_proj = StreamLinear(H * D, E, bias=bias)
+        if not isinstance(sinks, bool):
+            raise TypeError(f"sinks must be a bool, got {type(sinks).__name__}")
+        self.sinks = nn.Parameter(torch.zeros(H)) if sinks else None
 
     # ------------------------------------------------------------------ projections
     def projection_weights(self) -> tuple[tuple[Tensor, Tensor | None], ...]:
@@ -275,7 +282,7 @@ class MultiHeadAttention(nn.Module):
                 # tensors (default and int positions never get here).
                 seq_len = int(k_pos.max()) + 1
         dropout_p = self.dropout if self.training else 0.0
-        if mask is None and self.bias_fn is None and not need_weights:
+        if mask is None and self.bias_fn is None and not need_weights and self.sinks is None:
             # `attention(q, k, v, dropout_p=…, backend=…)` without re-checking what the
             # projections made consistent: the same request, backend choice and kernel
             out = self._unmasked(q, k, v, rope, q_pos, k_pos, seq_len, dropout_p, rotated_cache)
@@ -293,6 +300,7 @@ class MultiHeadAttention(nn.Module):
                 dropout_p=dropout_p,
                 backend=self.backend,
                 return_weights=need_weights,
+                sinks=self.sinks,
             )
             out, weights = result if need_weights else (result, None)
         out = out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim)  # (B, L, H D)
@@ -423,4 +431,6 @@ class MultiHeadAttention(nn.Module):
         if self.out_proj.bias is not None:
             out.bias.copy_(self.out_proj.bias)
         self.out_proj = out
+        if self.sinks is not None:
+            self.sinks = nn.Parameter(self.sinks.detach()[keep_q].clone())
         self.num_heads, self.num_kv_heads = len(keep_q), len(keep_kv)

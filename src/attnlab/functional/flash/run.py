@@ -27,6 +27,7 @@ from torch import Tensor
 
 from .. import nan_rule
 from ..request import Request, is_relative_bias, logit_qk
+from ..sinks import sink_outputs
 from . import band_kernel
 from .engines import Residuals
 from .job import FlashJob, poison_entries
@@ -96,6 +97,7 @@ class FlashCall:
     job: FlashJob | None = None
     touched: bool | Tensor = False
     forward_only: bool = False  # no gradient will be asked (`flash_run_lse` knows)
+    sinks: Tensor | None = None  # attention sinks (`flash.sinks`): the backward reads out', lse'
 
 
 def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
@@ -258,6 +260,8 @@ def backward_marked(
     width = vp.shape[-1]
     if clean:  # the saved out/lse are poisoned: the clean ones, at the engine's width
         out, lse = job.forward(qp, kp, vp)
+        if call.sinks is not None:
+            out, lse, _ = sink_outputs(out, lse, call.sinks)
     elif width != Dv:  # the kernel engine ran on zero-padded values
         out = torch.nn.functional.pad(out, (0, width - Dv))
     if width != Dv:

@@ -1,0 +1,112 @@
+"""Attention sinks on the tiled backend, with the fused kernels' backward.
+
+The generic path (`functional.sinks.apply_sinks` on flash's differentiable ``(out, lse)``)
+sends an lse gradient to flash's backward, which the fused kernels cannot take (they never
+expose dS), so the torch tile engine runs instead. But with the sinks' results
+``out' = o · σ(lse − s)`` and ``lse' = logaddexp(lse, s)``, the weights ``e^{l_ij − lse'_i}``
+are the sink-inclusive weights ``P'`` and ``δ'_i = dout_i · out'_i``, so the plain backward on
+``(out', lse')`` gives ``dl = P' ∘ (dout·vᵀ − δ')`` — the gradient of attention with sinks —
+without any lse gradient. The sinks' own gradient is
+``ds_h = Σ_{b,i} e^{s_h − lse'_i} (dlse'_i − dout_i · out'_i)``.
+
+Eager only (`flash_run_sinks`); compiled calls take the generic path on flash's operators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from .. import nan_rule
+from ..request import Request, logit_qk
+from ..sinks import apply_sinks, sink_outputs
+from .plan import flash_job, flash_options
+from .run import (
+    FlashCall,
+    _cleaned,
+    _run_job,
+    backward_marked,
+    flash_run_lse,
+    forward_marked,
+    needs_grad,
+)
+
+
+def _clean_outputs(call: FlashCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """The clean ``(out, lse)`` of a call the NaN rule touched (what its backward recomputes)."""
+    req = replace(call.req, q=q, k=k, v=v)
+    req = _cleaned(req, *(nan_rule.clean(x) for x in (q, k, v)))
+    return _run_job(flash_job(req, options=call.options, forward_only=False), req)
+
+
+class _FlashSinks(torch.autograd.Function):
+    """``(out', lse')`` of attention with sinks on flash; backward on the kernels (module doc)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, call: FlashCall, *biases):  # noqa: ARG004 (autograd.Function's signature: the inputs autograd tracks)
+        out, lse, _ = forward_marked(call)
+        scaled, new_lse, bad = sink_outputs(out, lse, sinks)  # clean: the sink read as 0
+        poison = torch.where(bad, float("nan"), -0.0).unsqueeze(-1).to(scaled.dtype)
+        lse_p = torch.where(bad, float("nan"), new_lse)
+        ctx.save_for_backward(q, k, v, sinks, scaled, new_lse, lse_p)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return scaled + poison, lse_p
+
+    @staticmethod
+    def backward(ctx, dout: Tensor | None, dlse: Tensor | None):
+        q, k, v, sinks, out, lse, lse_p = ctx.saved_tensors
+        call = ctx.call
+        with torch.no_grad():
+            if bool(call.touched):  # the NaN rule poisoned the plain results: the clean ones
+                out, lse, _ = sink_outputs(*_clean_outputs(call, q, k, v), sinks)
+            if dout is None:
+                dout = torch.zeros_like(out)
+            if dlse is not None:  # poisoned rows pass no lse gradient
+                dlse = torch.where(torch.isnan(lse_p), 0.0, dlse)
+            grads = backward_marked(call, dout, dlse, (q, k, v, out, lse))
+            ds = _sinks_grad(sinks, out, lse, dout, dlse) if ctx.needs_input_grad[3] else None
+        return (*grads[:3], ds, None, *grads[3:])
+
+
+def _sinks_grad(
+    sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None
+) -> Tensor:
+    """``ds_h = Σ_{b,i} e^{s_h − lse'_i} (dlse'_i − dout_i · out'_i)``, 0 for a NaN/+inf sink."""
+    H = lse.shape[1]
+    s = sinks.to(lse.dtype)
+    bad = torch.isnan(s) | torch.isposinf(s)
+    share = torch.exp(torch.where(bad, 0.0, s).view(1, H, 1) - lse)  # (B, H, L)
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, H, L)
+    term = -delta if dlse is None else dlse.to(lse.dtype) - delta
+    ds = torch.nan_to_num(share * term, 0.0, 0.0, 0.0).sum(dim=(0, 2))  # (H,)
+    return torch.where(bad, 0.0, ds).to(sinks.dtype)
+
+
+def fused_sinks(backend: object, req: Request) -> bool:
+    """Whether `flash_run_sinks` should run a call that flash runs: eager (``backend`` is not
+    the traced form), and a dtype and logits the fused kernels take (not float64, whose torch
+    engine takes the lse gradient as it is; no soft-cap)."""
+    eager = getattr(backend, "traced", None) is not None
+    return eager and req.q.dtype != torch.float64 and req.softcap is None
+
+
+def flash_run_sinks(req: Request, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """``(out', lse')`` of a validated request with sinks ``(H,)`` on the tiled backend, whose
+    backward runs the fused kernels on ``(out', lse')`` (`_FlashSinks`). Eager only."""
+    q, k, scale = logit_qk(req)
+    if q is not req.q or k is not req.k or scale != req.scale or req.temperature != 1.0:
+        req = replace(req, q=q, k=k, scale=scale, temperature=1.0, score="dot")
+    call = FlashCall(req, flash_options(), (), sinks=sinks.detach())
+    biases = req.terms.additive
+    call.grad_biases = tuple(i for i, t in enumerate(biases) if needs_grad(t))
+    if not call.grad_biases and not any(needs_grad(x) for x in (q, k, req.v, sinks)):
+        out, lse = flash_run_lse(req)  # nothing to differentiate: the plain forward
+        return apply_sinks(out, lse, sinks)[:2]
+    grad = (biases[i] for i in call.grad_biases)
+    return _FlashSinks.apply(q, k, req.v, sinks, call, *grad)
+
+
+__all__ = ["flash_run_sinks", "fused_sinks"]
