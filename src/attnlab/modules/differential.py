@@ -14,8 +14,9 @@ from torch import Tensor, nn
 
 from .._shapes import check_int, check_number
 from ..functional.api import attention
-from ..masks import Mask, causal, from_tensor
+from ..masks import Mask
 from ..positional.rope import RoPE
+from ._layer_mask import layer_mask
 
 
 def lambda_init_of(layer: int) -> float:
@@ -122,10 +123,7 @@ class DifferentialAttention(nn.Module):
         k = self.k_proj(x).view(B, L, H_kv, D).transpose(1, 2)  # (B, H_kv, L, D)
         v = self.v_proj(x).view(B, L, H_kv, D).transpose(1, 2)  # (B, H_kv, L, D)
         q, k = self.rope(q, positions), self.rope(k, positions)
-        m: Mask | Tensor | None = causal() if self.causal else None
-        if mask is not None:
-            extra = from_tensor(mask) if isinstance(mask, Tensor) else mask
-            m = extra if m is None else m & extra
+        m = layer_mask(self.causal, mask)
         o = self.attend(q, k, v, mask=m)  # (B, H/2, L, 2D)
         return self.o_proj(o.transpose(1, 2).reshape(B, L, H * D))  # (B, L, E)
 
