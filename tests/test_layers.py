@@ -104,7 +104,6 @@ def test_config_defaults_and_round_trip(tmp_path):
         assert again == cfg and again.layer_types == cfg.layer_types
     # a checkpoint written by `attnlab train`'s writer and read by its verifying loader
     from attnlab.apps import gpt_files
-
     from attnlab.apps.loop import save_model
 
     model = GPT(small()).eval()
