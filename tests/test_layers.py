@@ -312,3 +312,28 @@ def test_windowed_gpt_compiles_fullgraph_with_inductor(fresh_dynamo):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for g, w in zip(got_grads, [p.grad for p in model.parameters()], strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- attnlab train
+def test_train_flags_build_the_windowed_gpt(tmp_path, capsys):
+    from attnlab.apps import gpt_files
+    from attnlab.apps.gpt import TrainSettings
+    from helpers import run_cli
+
+    small_run = ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--d-model", "16"]
+    small_run += ["--n-layers", "2", "--eval-interval", "2", "--eval-batches", "1", "--quiet"]
+    argv = ["train", *small_run, "--sliding-window", "4", "--local-per-global", "1"]
+    code, _, err = run_cli([*argv, "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, err
+    model, _ = gpt_files.load(tmp_path / "run" / "ckpt.safetensors")
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    assert [b.window for b in model.blocks] == [4, None]
+    lg = TrainSettings(sliding_window=4, attention="local_global").model_config(50)
+    assert lg.attention == "local_global" and lg.sliding_window == 4 and lg.layer_types is None
+    for bad, flag in (
+        (["--local-per-global", "1"], "--local-per-global: needs --sliding-window W"),
+        (["--attention", "local_global"], "--attention: needs --sliding-window W"),
+        (["--sliding-window", "0"], "--sliding-window"),
+    ):
+        code, _, err = run_cli(["train", *small_run, *bad, "--out", str(tmp_path / "x")], capsys)
+        assert code == 2 and flag in err, err
