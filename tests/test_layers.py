@@ -9,7 +9,8 @@
 - The same weights in transformers' ``MistralForCausalLM`` (a window in every layer) and
   ``MinistralForCausalLM`` (interleaved ``layer_types``) give the same logits and the same
   greedy tokens (their KV caches against attnlab's `SlidingWindowCache`).
-- Decoding with caches equals the full forward; sliding layers keep W keys.
+- Decoding with caches equals the full forward; sliding layers keep W keys; full layers of an
+  interleaved model keep the fused C++ decode step; compiled decoding traces in one graph (slow).
 - Inductor (``torch.compile(fullgraph=True)``) on a windowed GPT, forward and backward (slow).
 """
 
@@ -208,6 +209,56 @@ def test_decode_with_caches_equals_the_full_forward(kw):
     a = model.generate(idx[:, :3], 40, top_k=1)
     b = model.generate(idx[:, :3], 40, top_k=1, use_cache=False)
     assert torch.equal(a, b)
+
+
+def test_generate_runs_full_layers_fused_and_sliding_layers_as_modules(monkeypatch):
+    """In an interleaved model the full layers keep the one-call C++ decode step and the
+    sliding layers (whose kernel would see every key) run their modules: the same tokens as
+    the modules alone (``ATTNLAB_BLOCK_STEP=off``)."""
+    from attnlab import _ext
+    from attnlab.models import fused_step
+
+    if _ext.mode() == "off" or not all(_ext.load(n) for n in ("nan_rule", "gemv", "block_step")):
+        pytest.skip("C++ extension unavailable")
+    torch.manual_seed(7)
+    cfg = small(norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False, sliding_window=4)
+    model = GPT(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2 if p.dim() == 2 else 1.0)
+    ran = []
+    real = fused_step.StepPlan.run
+
+    def spy(self, x, cache):
+        y = real(self, x, cache)
+        ran.append(y is not None)
+        return y
+
+    monkeypatch.setattr(fused_step.StepPlan, "run", spy)
+    prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(8))
+    fused = model.generate(prompt, 12, top_k=1)
+    assert ran == [True] * 11  # the one full layer, at each of the 11 decode steps
+    monkeypatch.setenv(fused_step.ENV, "off")
+    assert torch.equal(fused, model.generate(prompt, 12, top_k=1))
+    assert len(ran) == 11
+
+
+@pytest.mark.slow  # 15-60 s of Dynamo tracing (a few recompiles while the caches grow)
+@pytest.mark.parametrize(
+    "kw", [{}, {"attention": "local_global", "layer_types": None}], ids=["interleaved", "lg"]
+)
+def test_compiled_decoding_traces_in_one_graph(kw, fresh_dynamo):
+    """``torch.compile(model, fullgraph=True)`` decodes with sliding caches without a graph
+    break (Dynamo's graphs run eagerly here; the Inductor build is the slow test below)."""
+    torch.manual_seed(9)
+    model = GPT(small(**kw)).eval()
+    step = torch.compile(model, fullgraph=True, backend="eager")
+    idx = torch.randint(0, 61, (1, 20), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        caches = model.new_caches(20)
+        outs = [step(idx[:, :6], caches=caches)]
+        outs += [step(idx[:, t : t + 1], caches=caches) for t in range(6, 20)]
+        torch.testing.assert_close(torch.cat(outs, 1), model(idx), atol=1e-5, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- transformers

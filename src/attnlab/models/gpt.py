@@ -227,14 +227,14 @@ class GPT(nn.Module):
         return x
 
     def _step_logits(
-        self, idx: Tensor, caches: list[KVCache], plans: list[fused_step.StepPlan]
+        self, idx: Tensor, caches: list[KVCache], plans: list[fused_step.StepPlan | None]
     ) -> Tensor:
         """`_next_logits` of one new token per row ``(B, 1)`` through the blocks' fused steps
-        (`attnlab.models.fused_step`: plans made for this decode loop); a block whose plan
-        declines the step runs its modules."""
+        (`attnlab.models.fused_step`: plans made for this decode loop); a block without a plan,
+        or whose plan declines the step, runs its modules."""
         x = self._embed(idx, caches[0].seen)  # (B, 1, E)
         for block, p, cache in zip(self.blocks, plans, caches, strict=True):
-            y = p.run(x, cache)
+            y = None if p is None else p.run(x, cache)
             x = block(x, cache=cache) if y is None else y  # (B, 1, E)
         return self.lm_head(self.norm_f(x))[:, 0]  # (B, V)
 
@@ -316,7 +316,8 @@ class GPT(nn.Module):
         # one fused C++ call per block and step where every block allows it (planned once: no
         # user code runs between the steps of this loop)
         plans = [fused_step.plan(b, B, self.tok_emb.weight.dtype) for b in self.blocks]
-        fused = None if None in plans else plans
+        # (a block without a plan, e.g. a sliding layer, runs its modules inside the loop)
+        fused = None if all(p is None for p in plans) else plans
         for t in range(P, total):
             new_start = context_start(t, start, window)
             if not use_cache:
