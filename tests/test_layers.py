@@ -186,6 +186,22 @@ def test_windowed_gpt_equals_hand_written_masks(backend, L):
         assert (full(idx) - golden[0]).abs().max() > 1e-3
 
 
+def test_sliding_layers_reach_the_band_kernel():
+    """The mask a sliding layer attends with is a band: auto sends it to the tiled backend's
+    band plan once L·S passes the band threshold (here L = S = 300); with packed documents
+    (``GPT(idx, mask=masks.document(ids))``) from auto's threshold for structured masks."""
+    import attnlab
+    from attnlab import masks
+    from attnlab.models.blocks import windowed
+
+    q = torch.randn(1, 4, 300, 16)
+    e = attnlab.explain(q, q, q, mask=windowed(masks.causal(), 7))
+    assert e.backend == "flash" and "band plan" in str(e), str(e)
+    q = torch.randn(1, 4, 600, 16)
+    docs = masks.causal() & masks.document.from_lengths([250, 350])
+    assert attnlab.explain(q, q, q, mask=windowed(docs, 7)).backend == "flash"
+
+
 @pytest.mark.parametrize(
     "kw",
     [{}, {"layer_types": None}, {"attention": "local_global", "layer_types": None}],

@@ -180,3 +180,15 @@ def test_compiles_fullgraph_with_inductor(fresh_dynamo):
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+def test_per_head_bool_mask_is_split_with_the_heads():
+    """A bool mask with one slice per head: local heads get theirs (and the band), global
+    heads theirs."""
+    q, k, v = seeded(2, 4, 17, 8, seed=1), seeded(2, 2, 19, 8, seed=2), seeded(2, 2, 19, 8)
+    keep = torch.rand(2, 4, 17, 19, generator=torch.Generator().manual_seed(5)) < 0.7
+    got = local_global_attention(q, k, v, local_heads=2, window=6, mask=keep)
+    want = reference.local_global_attention(q, k, v, local_heads=2, window=6, mask=keep)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    other = local_global_attention(q, k, v, local_heads=2, window=6, mask=keep.flip(1))
+    assert (other - got).abs().amax(dim=(0, 2, 3)).min() > 1e-3  # every head reads its own slice
