@@ -192,3 +192,18 @@ def test_per_head_bool_mask_is_split_with_the_heads():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     other = local_global_attention(q, k, v, local_heads=2, window=6, mask=keep.flip(1))
     assert (other - got).abs().amax(dim=(0, 2, 3)).min() > 1e-3  # every head reads its own slice
+
+
+def test_pruning_keeps_each_remaining_head_local_or_global():
+    torch.manual_seed(1)
+    attn = LocalGlobalAttention(32, 4, window=3).double()
+    x = seeded(1, 12, 32, seed=6)
+    with torch.no_grad():
+        zeroed = LocalGlobalAttention(32, 4, window=3).double()
+        zeroed.load_state_dict(attn.state_dict())
+        zeroed.out_proj.weight[:, 0:8] = 0.0  # head 0 (local) silenced
+        zeroed.out_proj.weight[:, 24:32] = 0.0  # head 3 (global) silenced
+        want = zeroed(x, mask=masks.causal())
+        attn.prune_heads([0, 3])
+        assert (attn.num_heads, attn.local_heads) == (2, 1)
+        torch.testing.assert_close(attn(x, mask=masks.causal()), want, rtol=0, atol=1e-12)

@@ -11,6 +11,8 @@ GlobalAttention(Q, K, V))`` (seed 003 §4.3) as a layer; its math is
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from torch import Tensor, nn
 
 from .._shapes import check_bool, check_int
@@ -105,6 +107,14 @@ class LocalGlobalAttention(MultiHeadAttention):
             backend=self.backend,
             return_weights=need_weights,
         )
+
+    def prune_heads(self, heads: Iterable[int]) -> None:
+        """`MultiHeadAttention.prune_heads`, keeping the split: the pruned local heads leave
+        ``local_heads`` (the remaining heads keep their kind and their outputs)."""
+        heads = [int(h) for h in heads]
+        local_left = self.local_heads - len({h for h in heads if 0 <= h < self.local_heads})
+        super().prune_heads(heads)
+        self.local_heads = split_heads(local_left, self.num_heads, self.num_kv_heads)
 
     def extra_repr(self) -> str:
         return (
