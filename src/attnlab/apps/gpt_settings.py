@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from .._shapes import check_int, check_number, stat_dtype
 from ..distributed.ddp import Parallel
 from ..models import GPT, TransformerConfig
+from ..models.config import ATTENTIONS, interleaved_layer_types
 from .loop import cosine_lr
 
 CHECKPOINT_NAME = "ckpt.safetensors"
@@ -36,7 +37,8 @@ class TrainSettings:
         text: path of a UTF-8 text file; None = the shipped ``alice.txt``.
         out_dir: where ``ckpt.safetensors``, ``config.json`` and ``loss.png`` go.
         steps: optimizer steps in total. batch_size, seq_len: B and L of each batch.
-        d_model, n_layers, n_heads, n_kv_heads, dropout, positional: the `TransformerConfig`.
+        d_model, n_layers, n_heads, n_kv_heads, dropout, positional: the `TransformerConfig`
+            (with ``sliding_window``, ``local_per_global`` and ``attention`` below).
         lr, min_lr, warmup: peak LR, final LR and linear-warmup steps of the cosine schedule.
             The "noam" schedule uses only ``warmup`` (>= 1) and ``d_model`` (see `lr_at`).
         schedule: "cosine" (linear warmup, cosine decay) or "noam" (inverse square root).
@@ -50,6 +52,11 @@ class TrainSettings:
         eval_interval, eval_batches: how often and on how many batches to measure val loss.
         save_interval: checkpoint every this many steps (and at the end).
         seed: seeds init, batch order and dropout.
+        sliding_window: W of the sliding layers (`TransformerConfig.sliding_window`), None = none.
+        local_per_global: with ``sliding_window``, sliding layers before each full one
+            (`interleaved_layer_types`); None = every layer slides (Mistral).
+        attention: "softmax" or "local_global" (`TransformerConfig.attention`: local heads
+            within ``sliding_window``, global heads over every key).
     """
 
     text: str | None = None
@@ -76,6 +83,9 @@ class TrainSettings:
     eval_batches: int = 8
     save_interval: int = 200
     seed: int = 1337
+    sliding_window: int | None = None
+    local_per_global: int | None = None
+    attention: str = "softmax"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_interval", "eval_batches"):
@@ -101,6 +111,27 @@ class TrainSettings:
         if self.bf16:
             self.precision = "bf16"
         self.bf16 = self.precision == "bf16"
+        self._check_windows()
+
+    def _check_windows(self) -> None:
+        if self.sliding_window is not None:
+            check_int("sliding_window", self.sliding_window, minimum=1)
+        if self.local_per_global is not None:
+            check_int("local_per_global", self.local_per_global, minimum=0)
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {list(ATTENTIONS)}, got {self.attention!r}")
+        if self.sliding_window is None and (
+            self.local_per_global is not None or self.attention != "softmax"
+        ):
+            raise ValueError(
+                f"local_per_global={self.local_per_global} and attention={self.attention!r} "
+                "need sliding_window (the window W)"
+            )
+        if self.attention != "softmax" and self.local_per_global is not None:
+            raise ValueError(
+                "attention='local_global' puts local heads in every layer: local_per_global "
+                f"must be None, got {self.local_per_global}"
+            )
 
     def model_config(self, vocab_size: int) -> TransformerConfig:
         """The `TransformerConfig` of this run for a vocabulary of ``vocab_size`` characters."""
@@ -113,6 +144,11 @@ class TrainSettings:
             max_seq_len=self.seq_len,
             dropout=self.dropout,
             positional=self.positional,
+            sliding_window=self.sliding_window,
+            layer_types=None
+            if self.local_per_global is None
+            else interleaved_layer_types(self.n_layers, self.local_per_global),
+            attention=self.attention,
         )
 
 

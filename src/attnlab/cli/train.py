@@ -66,6 +66,8 @@ DEFAULTS = {
     "eval_batches": 8,
     "save_interval": 200,
     "seed": 1337,
+    "sliding_window": None,
+    "local_per_global": None,
 }
 SCHEDULES = ("cosine", "noam")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -181,6 +183,21 @@ def _check_heads(values: dict, defaults: TrainSettings) -> None:
         raise UsageError("--n-kv-heads", f"must divide --n-heads {heads}, got {kv_heads}")
 
 
+def _check_windows(values: dict) -> None:
+    """--local-per-global and --attention local_global need --sliding-window, not each other."""
+    if "sliding_window" in values:
+        if values.get("attention") == "local_global" and "local_per_global" in values:
+            raise UsageError(
+                "--local-per-global",
+                "interleaves sliding and full layers; --attention local_global puts local heads "
+                f"in every layer: drop one (got --local-per-global {values['local_per_global']})",
+            )
+        return
+    for name, flag in (("local_per_global", "--local-per-global"), ("attention", "--attention")):
+        if name in values and values[name] != "softmax":
+            raise UsageError(flag, f"needs --sliding-window W; got {flag} {values[name]}")
+
+
 def _run_sweep(args: argparse.Namespace, settings: TrainSettings, values: dict) -> int:
     """--sweep: one run per grid point (every point checked first), then the table and files."""
     import torch
@@ -258,6 +275,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     values = _given_values(args)
     _check_schedule(values, defaults)
     _check_heads(values, defaults)
+    _check_windows(values)
     settings = TrainSettings(**{**asdict(defaults), **values})
     main = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reads and writes files
     if main:
@@ -380,6 +398,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("eval_batches", step_count, "batches per evaluation"),
         ("save_interval", step_interval, "steps between checkpoints"),
         ("seed", seed_int, "random seed"),
+        ("sliding_window", size_int, "sliding layers attend to their last W keys (Mistral)"),
+        (
+            "local_per_global",
+            nonnegative_int,
+            "with --sliding-window: sliding layers before each full-attention layer "
+            "(Gemma 2: 1, Gemma 3: 5; unset: every layer slides)",
+        ),
     ):
         flag = "--" + name.replace("_", "-")
         p.add_argument(flag, dest=name, type=kind, help=f"{text} (default {DEFAULTS[name]})")
@@ -387,6 +412,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--positional",
         choices=["rope", "learned", "sinusoidal", "alibi", "none"],
         help="position encoding (default rope)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=["softmax", "local_global"],
+        help="local_global: in every layer half the heads attend within --sliding-window, the "
+        "others to every key, outputs concatenated (default softmax)",
     )
     p.add_argument(
         "--schedule",

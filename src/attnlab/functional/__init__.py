@@ -3,6 +3,7 @@
 from . import reference, varlen
 from .api import attention, attention_stats, attention_weights, explain, flash_attention
 from .explanation import Explanation
+from .local_global import local_global_attention
 from .merge import merge_partials
 from .registry import Backend, backends, register_backend
 from .request import SCORES, BiasFn, Request, Score, register_score
@@ -26,6 +27,7 @@ __all__ = [
     "backends",
     "explain",
     "flash_attention",
+    "local_global_attention",
     "merge_partials",
     "reference",
     "register_backend",

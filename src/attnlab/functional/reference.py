@@ -1130,3 +1130,55 @@ def gated_attention(
     dtype = compute_dtype or stat_dtype(q.dtype)
     o, _ = attention(q, k, v, mask=_as_keep(mask, q, k), scale=scale, compute_dtype=dtype)
     return (o.to(dtype) * torch.sigmoid(gate.to(dtype))).to(q.dtype)
+
+
+def local_window_keep(L: int, S: int, window: int, *, causal: bool, device=None) -> Tensor:
+    """The local heads' band ``(L, S)``: ``0 <= p − j < W`` (causal) or ``|p − j| < W``, with the
+    query's position ``p = i + S − L`` (bottom-right aligned)."""
+    p = torch.arange(L, device=device)[:, None] + (S - L)  # (L, 1)
+    d = p - torch.arange(S, device=device)[None, :]  # (L, S): p − j
+    return (d >= 0) & (d < window) if causal else d.abs() < window
+
+
+def local_global_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    local_heads: int,
+    window: int,
+    mask: Tensor | Mask | None = None,
+    causal_window: bool = True,
+    scale: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+    reorder: bool = False,
+) -> Tensor:
+    """Reference Concat(local, global) attention: one softmax per head over a per-head key set.
+
+    ``HierarchicalAttention(Q, K, V) = Concat(LocalAttention(Q, K, V), GlobalAttention(Q, K, V))``
+    (seed 003 §4.3) over heads: query head h < H_l keeps the keys of `local_window_keep` (W
+    keys) and of the caller's mask M, head h >= H_l keeps M alone::
+
+        o_h = softmax(s · q_h k_g(h)ᵀ, masked by [h < H_l] · band ∧ M) v_g(h),  out = concat_h o_h
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
+        local_heads: H_l (a multiple of ``H / H_kv``). window: W.
+        mask: M, bool (True = may attend) broadcastable to ``(B, H, L, S)``, a `Mask`, or None.
+        causal_window: the band is ``0 <= p − j < W`` (True) or ``|p − j| < W`` (False).
+        scale: logit scale; None means ``1/√D``.
+        compute_dtype: precision; default float32 or wider. reorder: normalise after ``P V``.
+
+    Returns:
+        ``(B, H, L, Dv)`` in q's dtype.
+    """
+    H, L, S = q.shape[1], q.shape[2], k.shape[2]
+    band = local_window_keep(L, S, window, causal=causal_window, device=q.device)  # (L, S)
+    local = (torch.arange(H, device=q.device) < local_heads)[:, None, None]  # (H, 1, 1)
+    keep = (band | ~local)[None]  # (1, H, L, S): the band on local heads only
+    user = _as_keep(mask, q, k)
+    if user is not None:
+        keep = keep & _as4(user)
+    dtype = compute_dtype or stat_dtype(q.dtype)
+    out, _ = attention(q, k, v, mask=keep, scale=scale, compute_dtype=dtype, reorder=reorder)
+    return out

@@ -10,7 +10,7 @@ Example:
 from .bert import BertConfig, BertEncoder, BertOutput
 from .blocks import MLPS, NORMS, GeluMLP, RMSNorm, SwiGLU, TransformerBlock
 from .classifier import AttentionPooling, ClassifierConfig, TextClassifier
-from .config import TransformerConfig
+from .config import TransformerConfig, interleaved_layer_types
 from .encoder import Encoder
 from .gpt import GPT
 from .minilm import MiniLM, minilm
@@ -46,5 +46,6 @@ __all__ = [
     "build_rnn_lm",
     "build_rnn_seq2seq",
     "build_seq2seq_transformer",
+    "interleaved_layer_types",
     "minilm",
 ]

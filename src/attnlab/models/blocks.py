@@ -16,9 +16,10 @@ from typing import NamedTuple
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from .._shapes import check_int
 from ..functional.request import BiasFn
-from ..masks import CausalMask, Mask
-from ..modules import KVCache, MultiHeadAttention
+from ..masks import CausalMask, Mask, from_tensor, sliding_window
+from ..modules import KVCache, LocalGlobalAttention, MultiHeadAttention
 from ..positional import ALiBi, LearnedPositionalEmbedding, RoPE, SinusoidalEmbedding
 from . import fused_step
 from .config import TransformerConfig
@@ -39,6 +40,41 @@ def _identity(x: Tensor) -> Tensor:
     return x
 
 
+def make_attention(
+    config: TransformerConfig, *, rope: nn.Module | None = None, bias_fn: BiasFn | None = None
+) -> MultiHeadAttention:
+    """The attention of a block: `MultiHeadAttention`, or `LocalGlobalAttention` (local heads
+    within ``config.sliding_window``) when ``config.attention == "local_global"``."""
+    kw = {
+        "num_kv_heads": config.n_kv_heads,
+        "dropout": config.dropout,
+        "bias": config.bias,
+        "rope": rope,
+        "backend": config.attn_backend,
+    }
+    if config.attention == "local_global":
+        if bias_fn is not None:
+            raise ValueError("attention='local_global' takes no score bias (positional='alibi')")
+        assert config.sliding_window is not None  # the config checked it
+        return LocalGlobalAttention(
+            config.d_model,
+            config.n_heads,
+            window=config.sliding_window,
+            local_heads=config.local_head_count,
+            **kw,
+        )
+    return MultiHeadAttention(config.d_model, config.n_heads, bias_fn=bias_fn, **kw)
+
+
+def windowed(mask: Mask | Tensor | None, window: int) -> Mask:
+    """``sliding_window(W) & mask`` (a causal mask or None is just the window: the window is
+    causal and bottom-right aligned); a bool tensor becomes `masks.from_tensor` first."""
+    band = sliding_window(window)
+    if mask is None or type(mask) is CausalMask:
+        return band
+    return band & (from_tensor(mask) if isinstance(mask, Tensor) else mask)
+
+
 class TransformerBlock(nn.Module):
     """One Transformer layer: attention then MLP, each a residual branch.
 
@@ -55,6 +91,14 @@ class TransformerBlock(nn.Module):
             attention backend).
         rope: a shared `attnlab.positional.RoPE` for the attention, or None.
         bias_fn: an additive score bias such as `attnlab.positional.ALiBi`, or None.
+        layer: the block's index in its stack (0-based): a sliding layer of
+            ``config.layer_types`` (or every layer, with ``config.sliding_window`` alone)
+            attends causally to its last W keys (`window`).
+
+    Attributes:
+        window: W of a sliding layer, else None. A block with a window is causal: it attends
+            with ``masks.sliding_window(W) & mask`` (bottom-right, so a decode step with a
+            `KVCache` of any length sees its last W keys).
     """
 
     def __init__(
@@ -63,20 +107,15 @@ class TransformerBlock(nn.Module):
         *,
         rope: nn.Module | None = None,
         bias_fn: BiasFn | None = None,
+        layer: int = 0,
     ) -> None:
         super().__init__()
         self.prenorm = config.prenorm
         self.norm1 = make_norm(config)
-        self.attn = MultiHeadAttention(
-            config.d_model,
-            config.n_heads,
-            num_kv_heads=config.n_kv_heads,
-            dropout=config.dropout,
-            bias=config.bias,
-            rope=rope,
-            bias_fn=bias_fn,
-            backend=config.attn_backend,
+        self.window = config.layer_window(
+            check_int("layer", layer, minimum=0, maximum=max(0, config.n_layers - 1))
         )
+        self.attn = make_attention(config, rope=rope, bias_fn=bias_fn)
         self.norm2 = make_norm(config)
         self.mlp = make_mlp(config)
         self.drop = nn.Dropout(config.dropout)
@@ -102,6 +141,8 @@ class TransformerBlock(nn.Module):
         Returns:
             ``y (B, L, E)``, or ``(y, weights)`` with ``need_weights=True``.
         """
+        if self.window is not None:
+            mask = windowed(mask, self.window)
         if cache is not None and not need_weights and (mask is None or type(mask) is CausalMask):
             y = fused_step.step(self, x, cache)  # one token per row: one C++ call, or None
             if y is not None:
@@ -214,8 +255,10 @@ __all__ = [
     "StackOutput",
     "SwiGLU",
     "TransformerBlock",
+    "make_attention",
     "make_mlp",
     "make_norm",
     "positional_parts",
     "run_blocks",
+    "windowed",
 ]

@@ -12,6 +12,11 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 POSITIONALS = ("rope", "learned", "sinusoidal", "alibi", None)
+#: A layer's attention span in ``layer_types`` (transformers' names: Mistral, Gemma 2/3, Qwen 2).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+#: The attention of every block: "softmax" (`MultiHeadAttention`) or "local_global"
+#: (`attnlab.modules.LocalGlobalAttention`: local heads in a window, global heads over all keys).
+ATTENTIONS = ("softmax", "local_global")
 #: The largest ``max_seq_len`` a checkpoint may store when no tensor sizes it (RoPE, ALiBi,
 #: sinusoidal or no positions; "learned" positions are a table of exactly that many rows):
 #: 2**24 = 16,777,216 tokens, above the longest context any released model was trained for.
@@ -54,6 +59,18 @@ class TransformerConfig:
         pad_token_id: the padding token id (its embedding row starts at zero and gets no
             gradient), or None.
         attn_backend: the `attnlab.attention` backend of every attention layer.
+        sliding_window: W, the keys a sliding layer attends (Mistral's convention, the query
+            itself included: query i sees keys ``i − W < j <= i``), and the local heads' window
+            with ``attention="local_global"``; None = no window.
+        layer_types: one of "sliding_attention" / "full_attention" per layer (transformers'
+            ``layer_types``; Gemma 2/3-style interleaving, see `interleaved_layer_types`); None =
+            every layer "sliding_attention" when ``sliding_window`` is set (Mistral), else
+            "full_attention". Sliding layers need ``sliding_window``.
+        attention: "softmax" (multi-head attention) or "local_global"
+            (`attnlab.modules.LocalGlobalAttention` in every layer: ``local_heads`` heads attend
+            within ``sliding_window``, the others to every key, outputs concatenated over heads).
+        local_heads: with "local_global", the number of local heads (a multiple of
+            ``H / H_kv``); None = the largest such multiple <= H / 2.
     """
 
     vocab_size: int = 256
@@ -78,6 +95,10 @@ class TransformerConfig:
     embed_norm: bool = False
     pad_token_id: int | None = None
     attn_backend: str = "auto"
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    attention: str = "softmax"
+    local_heads: int | None = None
 
     def __post_init__(self) -> None:
         check_int("vocab_size", self.vocab_size, minimum=1)
@@ -130,6 +151,86 @@ class TransformerConfig:
             raise TypeError(
                 f"rope_scaling must be a dict or None, got {type(self.rope_scaling).__name__}"
             )
+        self._check_windows()
+
+    def _check_windows(self) -> None:
+        """Checks ``sliding_window``, ``layer_types``, ``attention`` and ``local_heads``."""
+        if self.sliding_window is not None:
+            check_int("sliding_window", self.sliding_window, minimum=1)
+        _choice("attention", self.attention, ATTENTIONS)
+        if self.layer_types is not None:
+            if not isinstance(self.layer_types, (list, tuple)):
+                raise TypeError(
+                    f"layer_types must be a list of {list(LAYER_TYPES)} or None, got "
+                    f"{type(self.layer_types).__name__}"
+                )
+            self.layer_types = list(self.layer_types)
+            if len(self.layer_types) != self.n_layers:
+                raise ValueError(
+                    f"layer_types must name n_layers={self.n_layers} layers, got "
+                    f"{len(self.layer_types)}: {self.layer_types}"
+                )
+            for i, kind in enumerate(self.layer_types):
+                _choice(f"layer_types[{i}]", kind, LAYER_TYPES)
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError(
+                    "layer_types has 'sliding_attention' layers but sliding_window is None: "
+                    "give the window W"
+                )
+        if self.attention == "local_global":
+            self._check_local_global()
+        elif self.local_heads is not None:
+            raise ValueError(
+                f"local_heads={self.local_heads} is for attention='local_global', got "
+                f"attention={self.attention!r}"
+            )
+
+    def _check_local_global(self) -> None:
+        if self.sliding_window is None:
+            raise ValueError("attention='local_global' needs sliding_window (the local window)")
+        if self.layer_types is not None:
+            raise ValueError(
+                "attention='local_global' puts local and global heads in every layer: "
+                f"layer_types must be None, got {self.layer_types}"
+            )
+        if self.positional == "alibi":
+            raise ValueError(
+                "attention='local_global' splits the heads in two calls: positional='alibi' "
+                "(a per-head bias) is not supported with it"
+            )
+        G = self.n_heads // (self.n_kv_heads or self.n_heads)
+        if self.local_heads is None:
+            return
+        check_int("local_heads", self.local_heads, minimum=0)
+        if self.local_heads > self.n_heads or self.local_heads % G:
+            raise ValueError(
+                f"local_heads must be a multiple of n_heads / n_kv_heads = {G} in "
+                f"[0, n_heads={self.n_heads}], got {self.local_heads}"
+            )
+
+    @property
+    def local_head_count(self) -> int:
+        """The local heads of ``attention="local_global"`` (``local_heads`` or its default)."""
+        if self.local_heads is not None:
+            return self.local_heads
+        G = self.n_heads // (self.n_kv_heads or self.n_heads)
+        return (self.n_heads // 2) // G * G
+
+    def layer_window(self, layer: int) -> int | None:
+        """W for a sliding layer ``layer`` (0-based), None for a full-attention layer (and for
+        every layer with ``attention="local_global"``, whose heads hold the window)."""
+        if self.sliding_window is None or self.attention != "softmax":
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def has_window(self) -> bool:
+        """Whether some layer or head attends within ``sliding_window`` (causal-LM options)."""
+        return any(self.layer_window(i) is not None for i in range(self.n_layers)) or (
+            self.attention == "local_global"
+        )
 
     @property
     def head_dim(self) -> int:
@@ -161,6 +262,24 @@ class TransformerConfig:
                 f"unknown TransformerConfig field(s) {unknown}; known: {sorted(known)}"
             )
         return cls(**data)
+
+
+def interleaved_layer_types(n_layers: int, local_per_global: int) -> list[str]:
+    """``layer_types`` with ``local_per_global`` sliding layers before each full one.
+
+    Layer i is "full_attention" iff ``(i + 1) % (local_per_global + 1) == 0``: Gemma 2 is
+    ``local_per_global=1`` (sliding, full, sliding, …), Gemma 3 is 5 (five sliding, one full).
+
+    Example:
+        >>> interleaved_layer_types(4, 1)
+        ['sliding_attention', 'full_attention', 'sliding_attention', 'full_attention']
+    """
+    check_int("n_layers", n_layers, minimum=0)
+    check_int("local_per_global", local_per_global, minimum=0)
+    period = local_per_global + 1
+    return [
+        "full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)
+    ]
 
 
 def checkpoint_rules(field_root: str = "", tensor_root: str = "") -> tuple[ConfigRule, ...]:
@@ -195,4 +314,6 @@ def checkpoint_rules(field_root: str = "", tensor_root: str = "") -> tuple[Confi
         ),
         ConfigRule(f"{f}type_vocab_size", tensor=f"{t}type_emb.weight", dim=0, absent=0),
         ConfigRule(f"{f}pad_token_id", optional=True),
+        ConfigRule(f"{f}sliding_window", low=1, optional=True),
+        ConfigRule(f"{f}local_heads", optional=True),
     )

@@ -51,6 +51,12 @@ class Encoder(nn.Module):
         super().__init__()
         if not isinstance(config, TransformerConfig):
             raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+        if config.has_window:
+            raise ValueError(
+                "Encoder is bidirectional: sliding_window / layer_types / "
+                "attention='local_global' are causal-LM (GPT) options, got "
+                f"sliding_window={config.sliding_window}, attention={config.attention!r}"
+            )
         self.config = config
         self.tok_emb = nn.Embedding(
             config.vocab_size, config.d_model, padding_idx=config.pad_token_id

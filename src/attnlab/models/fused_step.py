@@ -18,10 +18,11 @@ adds — so its output and the cache equal the modules' on the decode backend bi
 parameters' dtype; the block is a `TransformerBlock` of `RMSNorm` or ``nn.LayerNorm``, a
 `MultiHeadAttention` with a fused q/k/v projection, no score bias (ALiBi), RoPE with static
 frequencies or none, backend "auto" (decode first in its order) or "decode", and a `SwiGLU` or
-`GeluMLP` of ``nn.Linear``/`StreamLinear` layers; no forward hooks on those modules (nor global
-ones: a hook would not see its module run); the cache is a plain `KVCache` with implied
-positions, a free row and keys stored after RoPE when there is RoPE; the sizes fit the decode
-kernel (`attnlab.functional.decode.fused_step_fits`); the C++ operators are built.
+`GeluMLP` of ``nn.Linear``/`StreamLinear` layers; no sliding window (``block.window``); no
+forward hooks on those modules (nor global ones: a hook would not see its module run); the
+cache is a plain `KVCache` with implied positions, a free row and keys stored after RoPE when
+there is RoPE; the sizes fit the decode kernel (`attnlab.functional.decode.fused_step_fits`);
+the C++ operators are built.
 ``ATTNLAB_BLOCK_STEP=off`` turns it off (the modules run every step).
 
 Under "auto" the step takes the decode kernel even where auto would give a lone float32 call
@@ -125,6 +126,8 @@ def plan(block: nn.Module, B: int, dtype: torch.dtype) -> StepPlan | None:
     when the block's modules, the mode or the settings rule the fused step out (see the module).
     """
     if torch.is_grad_enabled() or block.training or torch.compiler.is_compiling():
+        return None
+    if getattr(block, "window", None) is not None:  # a sliding layer: the kernel sees every key
         return None
     attn, norm1, norm2, mlp = block.attn, block.norm1, block.norm2, block.mlp
     norm = _NORMS.get(type(norm1))

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from .. import masks
 from .._shapes import check_int, check_number
-from ..modules import KVCache, StreamLinear
+from ..modules import KVCache, SlidingWindowCache, StreamLinear
 from . import fused_step
 from .blocks import StackOutput, TransformerBlock, make_norm, positional_parts, run_blocks
 from .config import TransformerConfig
@@ -61,6 +61,12 @@ class GPT(nn.Module):
     the token embedding when ``config.tie_embeddings``. Weights are initialised as in GPT-2:
     N(0, 0.02), and the projections into the residual stream N(0, 0.02/sqrt(2·n_layers)).
 
+    Windows (``config.sliding_window``, ``config.layer_types``): a sliding layer attends to its
+    last W keys, ``masks.sliding_window(W)`` (Mistral's mask: query i sees ``i − W < j <= i``;
+    the tiled backend's band kernel once the sizes favour it), and decodes with a
+    `SlidingWindowCache` of W keys; full layers attend causally. ``config.attention =
+    "local_global"`` puts `attnlab.modules.LocalGlobalAttention` in every layer.
+
     Attributes:
         gradient_checkpointing: recompute each block in backward instead of storing its
             activations (training without caches only).
@@ -92,7 +98,8 @@ class GPT(nn.Module):
         self.pos_emb, rope, bias_fn = positional_parts(config, causal=True)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
-            TransformerBlock(config, rope=rope, bias_fn=bias_fn) for _ in range(config.n_layers)
+            TransformerBlock(config, rope=rope, bias_fn=bias_fn, layer=i)
+            for i in range(config.n_layers)
         )
         # Post-LN blocks already end in a norm; pre-LN stacks need a final one.
         self.norm_f = make_norm(config) if config.prenorm else nn.Identity()
@@ -114,7 +121,9 @@ class GPT(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
 
     def new_caches(self, capacity: int | None = None) -> list[KVCache]:
-        """One empty `KVCache` per layer (``capacity`` preallocates, e.g. max_seq_len).
+        """One empty `KVCache` per layer (``capacity`` preallocates, e.g. max_seq_len); a
+        sliding layer (``block.window = W``) gets a `SlidingWindowCache` that keeps its last W
+        keys (``capacity`` unused).
 
         With a RoPE whose frequencies do not depend on the sequence length the caches rotate
         each key once, when it is cached (``KVCache(rotate_at_insert=True)``: these caches never
@@ -124,7 +133,12 @@ class GPT(nn.Module):
         """
         rope = self.blocks[0].attn.rope if len(self.blocks) else None
         static = rope is not None and getattr(rope, "depends_on_seq_len", True) is False
-        return [KVCache(capacity, rotate_at_insert=static) for _ in self.blocks]
+        return [
+            KVCache(capacity, rotate_at_insert=static)
+            if block.window is None
+            else SlidingWindowCache(block.window)
+            for block in self.blocks
+        ]
 
     def forward(
         self,
@@ -213,14 +227,14 @@ class GPT(nn.Module):
         return x
 
     def _step_logits(
-        self, idx: Tensor, caches: list[KVCache], plans: list[fused_step.StepPlan]
+        self, idx: Tensor, caches: list[KVCache], plans: list[fused_step.StepPlan | None]
     ) -> Tensor:
         """`_next_logits` of one new token per row ``(B, 1)`` through the blocks' fused steps
-        (`attnlab.models.fused_step`: plans made for this decode loop); a block whose plan
-        declines the step runs its modules."""
+        (`attnlab.models.fused_step`: plans made for this decode loop); a block without a plan,
+        or whose plan declines the step, runs its modules."""
         x = self._embed(idx, caches[0].seen)  # (B, 1, E)
         for block, p, cache in zip(self.blocks, plans, caches, strict=True):
-            y = p.run(x, cache)
+            y = None if p is None else p.run(x, cache)
             x = block(x, cache=cache) if y is None else y  # (B, 1, E)
         return self.lm_head(self.norm_f(x))[:, 0]  # (B, V)
 
@@ -302,7 +316,8 @@ class GPT(nn.Module):
         # one fused C++ call per block and step where every block allows it (planned once: no
         # user code runs between the steps of this loop)
         plans = [fused_step.plan(b, B, self.tok_emb.weight.dtype) for b in self.blocks]
-        fused = None if None in plans else plans
+        # (a block without a plan, e.g. a sliding layer, runs its modules inside the loop)
+        fused = None if all(p is None for p in plans) else plans
         for t in range(P, total):
             new_start = context_start(t, start, window)
             if not use_cache:

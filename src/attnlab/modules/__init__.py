@@ -16,6 +16,7 @@ from .kv_cache import (
     SlidingWindowCache,
 )
 from .linear import LinearAttention, PerformerAttention
+from .local_global import LocalGlobalAttention
 from .mha import MultiHeadAttention
 from .mla import MultiHeadLatentAttention, absorbed_latent_attention
 from .shaw import ShawRelativeAttention
@@ -46,6 +47,7 @@ __all__ = [
     "LatentCache",
     "LatentView",
     "LinearAttention",
+    "LocalGlobalAttention",
     "MultiHeadAttention",
     "MultiHeadLatentAttention",
     "OffsetRMSNorm",

@@ -108,6 +108,9 @@ class MultiHeadAttention(nn.Module):
         >>> y = mha(torch.randn(2, 10, 256), mask=masks.causal())   # (2, 10, 256)
     """
 
+    #: Unmasked calls without bias, sinks or weights skip `attend` (`_unmasked`).
+    unmasked_fast_path = True
+
     def __init__(
         self,
         embed_dim: int,
@@ -282,7 +285,8 @@ class MultiHeadAttention(nn.Module):
                 # tensors (default and int positions never get here).
                 seq_len = int(k_pos.max()) + 1
         dropout_p = self.dropout if self.training else 0.0
-        if mask is None and self.bias_fn is None and not need_weights and self.sinks is None:
+        plain = self.bias_fn is None and self.sinks is None and self.unmasked_fast_path
+        if mask is None and plain and not need_weights:
             # `attention(q, k, v, dropout_p=…, backend=…)` without re-checking what the
             # projections made consistent: the same request, backend choice and kernel
             out = self._unmasked(q, k, v, rope, q_pos, k_pos, seq_len, dropout_p, rotated_cache)
@@ -291,21 +295,36 @@ class MultiHeadAttention(nn.Module):
                 q = rope(q, q_pos, seq_len=seq_len)
                 if not rotated_cache:
                     k = rope(k, k_pos, seq_len=seq_len)
-            result = attention(
-                q,
-                k,
-                v,
-                mask=mask,
-                bias=self.bias_fn,
-                dropout_p=dropout_p,
-                backend=self.backend,
-                return_weights=need_weights,
-                sinks=self.sinks,
-            )
+            result = self.attend(q, k, v, mask, dropout_p, need_weights)
             out, weights = result if need_weights else (result, None)
         out = out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim)  # (B, L, H D)
         out = self.out_proj(out)  # (B, L, E)
         return (out, weights) if need_weights else out
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Mask | Tensor | None,
+        dropout_p: float,
+        need_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The heads' attention on rotated q ``(B, H, L, D)``, k/v ``(B, H_kv, S, ·)``:
+        ``attention(q, k, v, mask=…, bias=bias_fn, sinks=…)``, ``(out, weights)`` with
+        ``need_weights``. A subclass that attends differently overrides this (and sets
+        ``unmasked_fast_path = False`` when even an unmasked call must come here)."""
+        return attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            bias=self.bias_fn,
+            dropout_p=dropout_p,
+            backend=self.backend,
+            return_weights=need_weights,
+            sinks=self.sinks,
+        )
 
     def _unmasked(
         self,
