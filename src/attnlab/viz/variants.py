@@ -39,6 +39,15 @@ def _heads_weights(name: str, weights: object) -> Tensor:
     return weights.detach().to("cpu")
 
 
+def _integer_ticks(*axes: object) -> None:
+    """Whole-number ticks (positions and heads) on the axes of heatmaps and bars."""
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # type: ignore[attr-defined]
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # type: ignore[attr-defined]
+
+
 def sinks_figure(
     weights: Tensor,
     *,
@@ -86,27 +95,28 @@ def sinks_figure(
         fig,
         rows,
         per_row,
-        title="sink share of each row  e^{s_h} / (e^{s_h} + Σ_j e^{l_ij})",
+        title=r"sink share of each row  $e^{s_h} / (e^{s_h} + \Sigma_j e^{l_{ij}})$",
         xlabel="query position i",
         ylabel="head h",
         cmap="magma",
         vmin=0.0,
         vmax=1.0,
-        colorbar_label="p_sink",
+        colorbar_label=r"$p_{sink}$",
         name="sink share",
     )
     draw_heatmap(
         fig,
         one,
         w[head],
-        title=f"head {head}: weights p_ij (rows sum to 1 − p_sink)",
+        title=rf"head {head}: weights $p_{{ij}}$ (rows sum to $1 - p_{{sink}}$)",
         xlabel="key position j",
         ylabel="query position i",
         cmap="viridis",
         vmin=0.0,
-        colorbar_label="p_ij",
+        colorbar_label=r"$p_{ij}$",
         name="weights",
     )
+    _integer_ticks(rows, one)
     if tokens is not None:
         if len(tokens) != L:
             raise ValueError(f"tokens must have one label per query row ({L}), got {len(tokens)}")
@@ -183,6 +193,7 @@ def differential_figure(
                 vmax=hi,
                 name="map",
             )
+    _integer_ticks(*fig.axes)
     return fig
 
 
