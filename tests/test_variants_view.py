@@ -1,8 +1,9 @@
 """The viewer's pictures of attention sinks and differential attention (issue 42 item 5).
 
-Weights come from real modules — `MultiHeadAttention(sinks=True)`, `DifferentialAttention` (its
-``need_weights`` and `attnlab.analysis.module_attentions`) and a tiny GPT-OSS through the
-transformers bridge (``output_attentions``) — and are checked against the float64 reference:
+Weights come from real modules — `MultiHeadAttention(sinks=True)` and `DifferentialAttention`
+(its ``need_weights`` and `attnlab.analysis.module_attentions`; a tiny GPT-OSS through the
+transformers bridge is tests/test_visualize_hf.py's) — and are checked against the float64
+reference:
 
 - the sink's share of each row, ``1 − Σ_j p_ij``, is ``e^{s_h} / (e^{s_h} + Σ_j e^{l_ij})``
   (``exp(s_h − lse'_i)`` of `reference.logsumexp`), NaN on rows with no key;
@@ -72,38 +73,8 @@ def test_rows_with_no_key_have_no_share_and_the_head_mean_skips_them():
     torch.testing.assert_close(sink_share(w0), torch.zeros(1, H, L, dtype=F64), atol=1e-15, rtol=0)
 
 
-def test_gpt_oss_through_the_bridge_gives_eagers_sink_share(one_thread, tmp_path):
-    """output_attentions of GPT-OSS with attn_implementation="attnlab": the share per row
-    equals eager's (transformers' own sink softmax) at the real rows of a left-padded batch."""
-    transformers = pytest.importorskip("transformers")
-    import attnlab.hf
-
-    attnlab.hf.register()
-    torch.manual_seed(0)
-    config = transformers.GptOssConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
-        num_experts_per_tok=1, sliding_window=4, max_position_embeddings=64,
-    )  # fmt: skip
-    model = transformers.GptOssForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.copy_(torch.tensor([-1.0, 0.5, 1.5, 2.5]))
-    model.save_pretrained(tmp_path)
-    ids = torch.tensor([[5, 17, 33, 8, 41, 44, 12], [0, 0, 23, 7, 9, 38, 50]])
-    am = (ids != 0).long()
-
-    def shares(impl):
-        m = transformers.GptOssForCausalLM.from_pretrained(tmp_path, attn_implementation=impl)
-        with torch.no_grad():
-            out = m.eval()(input_ids=ids, attention_mask=am, output_attentions=True)
-        return sink_share(torch.stack(out.attentions))  # (layers, B, H, L) — batch as layers
-        # (sink_share takes any leading dims)
-
-    got, want = shares("attnlab"), shares("eager")
-    real = am.bool()[None, :, None, :].expand_as(got)  # the rows of real tokens
-    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=0)
-    assert float(got[real].min()) > 0.01  # the sinks take a visible share
+# GPT-OSS through the bridge (its output_attentions give eager's sink share) and
+# `attnlab visualize --png` of it: tests/test_visualize_hf.py.
 
 
 # ----------------------------------------------------------------------------- differential
