@@ -88,7 +88,8 @@ def capture_attentions(model: nn.Module) -> Iterator[list[tuple[str, Tensor]]]:
 
 
 def module_attentions(model: nn.Module, run: Callable[[], Any]) -> Tensor:
-    """Every attnlab `MultiHeadAttention`'s weights during ``run()``, stacked in call order.
+    """Every attnlab `MultiHeadAttention`'s (and `DifferentialAttention`'s) weights during
+    ``run()``, stacked in call order.
 
     Each attention call of ``run()`` computes its weights itself (`capture_attentions` turns on
     its ``need_weights``): the attention runs once per call, and the model's own outputs are
