@@ -438,3 +438,31 @@ def test_reference_definition_agrees_with_flash_attn():
     k, v = torch.randn(2, sum(lk), 2, 8, dtype=torch.float64).unbind(0)
     out, _ = reference_varlen_attn(q, k, v, _cu(lq), _cu(lk), window_size=(2, 1))
     torch.testing.assert_close(out, flash_ref(q, k, v, _cu(lq), _cu(lk), (2, 1)))
+
+
+# ---------------------------------------------------------------- memory O(T)
+def test_memory_is_o_of_t_not_of_the_longest_sequence_squared():
+    """The profiler's memory timeline sees every allocation, inside the custom ops too: packing
+    T = 4096 tokens as one sequence or as 16 of 256 grows live tensors by a few times q, far
+    below the (H, 4096, 4096) score matrix a padded call would form."""
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from common import peak_tensor_growth
+
+    T, H, D = 4096, 2, 32
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(T, H, D) for _ in range(3))
+    growth = {}
+    for n in (1, 16):
+        cu = torch.arange(0, T + 1, T // n, dtype=torch.int32)
+        growth[n] = peak_tensor_growth(
+            lambda cu=cu, n=n: varlen_attn(q, k, v, cu, cu, T // n, T // n, window_size=(-1, 0))
+        )
+    scores = H * T * T * 4
+    assert max(growth.values()) <= 8 * q.nbytes, (growth, q.nbytes)
+    assert max(growth.values()) < scores / 16, (growth, scores)
+    assert growth[1] <= 2 * growth[16] + q.nbytes, growth

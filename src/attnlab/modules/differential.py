@@ -16,7 +16,8 @@ from .._shapes import check_int, check_number
 from ..functional.api import attention
 from ..masks import Mask
 from ..positional.rope import RoPE
-from ._layer_mask import layer_mask
+from ._layer_mask import layer_mask, rotated_through_cache
+from .kv_cache import KVCache
 
 
 def lambda_init_of(layer: int) -> float:
@@ -104,14 +105,20 @@ class DifferentialAttention(nn.Module):
         *,
         positions: Tensor | int | None = None,
         mask: Mask | Tensor | None = None,
+        cache: KVCache | None = None,
         need_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Applies the layer.
 
         Args:
             x: ``(B, L, E)``.
-            positions: RoPE positions (`attnlab.positional.RoPE`): None = ``0..L−1``.
-            mask: an extra mask (True = may attend, or a `Mask`) ANDed with the causal one.
+            positions: RoPE positions (`attnlab.positional.RoPE`): None = ``0..L−1`` (with a
+                cache: its next positions), an int start, or integer ``(L,)`` / ``(B, L)``.
+            mask: an extra mask (True = may attend, or a `Mask`) ANDed with the causal one,
+                over ``(B, H, L, S)`` where S counts the cached keys too.
+            cache: a `KVCache` (or `SlidingWindowCache`, `SinkCache`): the new keys and values
+                (before RoPE) are appended and the queries attend to everything cached
+                (decoding token by token equals one call on the whole sequence).
             need_weights: also return both maps' weights, ``(B, H, L, S)``: heads
                 ``0 … H/2 − 1`` are ``softmax(Q₁K₁ᵀ/√D)``, heads ``H/2 … H − 1``
                 ``softmax(Q₂K₂ᵀ/√D)`` (`attnlab.analysis.differential_maps` splits them and
@@ -127,8 +134,10 @@ class DifferentialAttention(nn.Module):
         q = self.q_proj(x).view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
         k = self.k_proj(x).view(B, L, H_kv, D).transpose(1, 2)  # (B, H_kv, L, D)
         v = self.v_proj(x).view(B, L, H_kv, D).transpose(1, 2)  # (B, H_kv, L, D)
-        q, k = self.rope(q, positions), self.rope(k, positions)
         m = layer_mask(self.causal, mask)
+        q, k, v, m = rotated_through_cache(
+            self.rope, q, k, v, positions=positions, cache=cache, mask=m
+        )
         res = self.attend(q, k, v, mask=m, need_weights=need_weights)
         o, w = res if need_weights else (res, None)  # (B, H/2, L, 2D), (B, H, L, S)
         out = self.o_proj(o.transpose(1, 2).reshape(B, L, H * D))  # (B, L, E)

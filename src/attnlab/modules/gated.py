@@ -14,7 +14,8 @@ from .._shapes import check_int, check_number
 from ..functional.api import attention
 from ..masks import Mask
 from ..positional.rope import RoPE
-from ._layer_mask import layer_mask
+from ._layer_mask import layer_mask, rotated_through_cache
+from .kv_cache import KVCache
 
 
 class OffsetRMSNorm(nn.Module):
@@ -103,13 +104,19 @@ class GatedAttention(nn.Module):
         *,
         positions: Tensor | int | None = None,
         mask: Mask | Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> Tensor:
         """Applies the layer.
 
         Args:
             x: ``(B, L, E)``.
-            positions: RoPE positions (`attnlab.positional.RoPE`): None = ``0..L−1``.
-            mask: an extra mask (True = may attend, or a `Mask`) ANDed with the causal one.
+            positions: RoPE positions (`attnlab.positional.RoPE`): None = ``0..L−1`` (with a
+                cache: its next positions), an int start, or integer ``(L,)`` / ``(B, L)``.
+            mask: an extra mask (True = may attend, or a `Mask`) ANDed with the causal one,
+                over ``(B, H, L, S)`` where S counts the cached keys too.
+            cache: a `KVCache` (or `SlidingWindowCache`, `SinkCache`): the new keys and values
+                (before RoPE) are appended and the queries attend to everything cached
+                (decoding token by token equals one call on the whole sequence).
 
         Returns:
             ``(B, L, E)``.
@@ -122,8 +129,10 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q).transpose(1, 2)  # (B, H, L, D)
         k = self.k_norm(self.k_proj(x).view(B, L, H_kv, D)).transpose(1, 2)  # (B, H_kv, L, D)
         v = self.v_proj(x).view(B, L, H_kv, D).transpose(1, 2)  # (B, H_kv, L, D)
-        q, k = self.rope(q, positions), self.rope(k, positions)
         m = layer_mask(self.causal, mask)
+        q, k, v, m = rotated_through_cache(
+            self.rope, q, k, v, positions=positions, cache=cache, mask=m
+        )
         o = self.attend(q, k, v, gate.transpose(1, 2), mask=m)  # (B, H, L, D)
         return self.o_proj(o.transpose(1, 2).reshape(B, L, H * D))  # (B, L, E)
 

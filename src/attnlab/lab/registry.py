@@ -1,0 +1,85 @@
+"""The lab's experiments by name: one `LabExperiment` entry each, imported only when run.
+
+An entry names the module that holds the experiment's ``run(settings, progress)`` and
+``judge(metrics, quick)`` (see `attnlab.lab.base`); the module is imported when the experiment
+runs, so listing the experiments (``attnlab experiment --help``) imports no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass
+from types import ModuleType
+
+from .base import Claim, LabResult, LabSettings
+
+__all__ = ["EXPERIMENTS", "LabExperiment", "experiment", "run_experiment"]
+
+
+@dataclass(frozen=True)
+class LabExperiment:
+    """One lab experiment.
+
+    Attributes:
+        name: the command-line name (``attnlab experiment NAME``).
+        summary: one line for ``--help``.
+        claim: the published result it reproduces.
+        module: the module holding ``run`` and ``judge`` (imported on first use).
+        tutorial: the docs tutorial's file name under docs/tutorials/.
+    """
+
+    name: str
+    summary: str
+    claim: Claim
+    module: str
+    tutorial: str = ""
+
+    def load(self) -> ModuleType:
+        """The experiment's module."""
+        return importlib.import_module(self.module)
+
+
+EXPERIMENTS: dict[str, LabExperiment] = {}
+
+
+def _register(entry: LabExperiment) -> None:
+    if entry.name in EXPERIMENTS:
+        raise ValueError(f"name: expected a new experiment name, received {entry.name!r} again")
+    EXPERIMENTS[entry.name] = entry
+
+
+def experiment(name: str) -> LabExperiment:
+    """The registry entry called ``name``.
+
+    Raises:
+        KeyError: no such experiment (the message lists the known names).
+    """
+    try:
+        return EXPERIMENTS[name]
+    except KeyError:
+        known = ", ".join(sorted(EXPERIMENTS))
+        raise KeyError(f"name: expected one of {known}, received {name!r}") from None
+
+
+def run_experiment(name: str, settings: LabSettings | None = None, *, progress=None) -> LabResult:
+    """Runs the experiment ``name`` and returns its `LabResult` (verdict computed from the run).
+
+    Args:
+        name: a key of `EXPERIMENTS`.
+        settings: the run's size (default: the default run).
+        progress: a `attnlab.utils.Progress` to step, or None for a silent run.
+
+    Returns:
+        The result; ``result.seconds`` is measured here.
+    """
+    from ..utils import Progress
+
+    entry = experiment(name)
+    settings = settings or LabSettings()
+    module = entry.load()
+    bar = progress if progress is not None else Progress(enabled=False)
+    start = time.perf_counter()
+    result = module.run(settings, bar)
+    result.seconds = time.perf_counter() - start
+    return result
