@@ -129,6 +129,28 @@ def test_estimate_complexity_fits_and_has_json(capsys):
         assert _whole(f"{row['memory_elements']:,}", out)
 
 
+def test_estimate_mla_prints_latent_and_per_head_cache_bytes(capsys):
+    """``--mla C,R,Dn,Dv`` at DeepSeek-V3's attention shapes (H = 128, C = 512, R = 64,
+    Dn = Dv = 128) in bfloat16: (512 + 64)·2 = 1,152 latent bytes per cached token and layer
+    against 128·(128 + 64 + 128)·2 = 81,920 per-head K/V bytes; Dn, Dv default to E/H."""
+    argv = ["estimate", "--heads", "128", "--d-model", "16384", "--seq", "4096", "--decode"]
+    argv += ["--dtype", "bfloat16", "--layers", "2", "--mla", "512,64,128,128"]
+    out = _run(capsys, *argv)
+    data = json.loads(_run(capsys, *argv, "--json"))
+    assert _fits(out)
+    mla = data["mla"]
+    assert (mla["latent_bytes_per_token"], mla["per_head_kv_bytes_per_token"]) == (1152, 81920)
+    assert mla["cached_token_layers"] == 4096 * 2
+    assert mla["latent_bytes"] == 1152 * 8192 and mla["per_head_kv_bytes"] == 81920 * 8192
+    text = _joined(out)
+    assert "latent (C + R)·b = (512 + 64)·b = 1,152 bytes" in text
+    assert "H·(Dn + R + Dv)·b = 128·(128 + 64 + 128)·b = 81,920 bytes (71.1× the latent)" in text
+    assert "latent 9.00 MiB, per-head K/V 640.00 MiB" in text
+    assert "mla" not in json.loads(_run(capsys, *argv[:-2], "--json"))  # only when asked
+    d = json.loads(_run(capsys, "estimate", "--mla", "16,8", "--json"))["mla"]
+    assert (d["nope"], d["v"], d["latent_bytes_per_token"]) == (64, 64, (16 + 8) * 4)
+
+
 def test_estimate_io_fits_and_has_json(capsys):
     out = _run(capsys, "estimate", "--io", "100000")
     data = json.loads(_run(capsys, "estimate", "--io", "100000", "--json"))

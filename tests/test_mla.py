@@ -1,6 +1,7 @@
 """Multi-head latent attention (DeepSeek-V2/V3): the absorbed form against the naive definition,
 the module against transformers' ``DeepseekV3Attention`` (prefill with causal + padding, and
-step-by-step decode), the latent cache, the bridge on ``deepseek_v3``, Inductor, bad input."""
+step-by-step decode), the latent cache, Inductor, bad input (``deepseek_v3`` through the bridge is
+tests/test_hf_families.py's)."""
 
 from __future__ import annotations
 
@@ -370,47 +371,8 @@ def test_prefill_into_the_cache_then_decode_in_float32():
     torch.testing.assert_close(torch.cat((a, b), 1), full, atol=2e-6, rtol=1e-5)
 
 
-def test_deepseek_v3_through_the_bridge_equals_eager(tmp_path):
-    import attnlab.hf
-
-    attnlab.hf.register()
-    torch.manual_seed(0)
-    cfg = transformers.DeepseekV3Config(**dict(TINY, first_k_dense_replace=2))  # no MoE: f64
-    transformers.DeepseekV3ForCausalLM(cfg).save_pretrained(tmp_path)
-    ids = torch.tensor([[5, 17, 33, 8, 91, 44], [0, 0, 23, 71, 9, 38]])
-    am = (ids != 0).long()
-
-    def logits(impl, dtype):
-        model = transformers.DeepseekV3ForCausalLM.from_pretrained(
-            tmp_path, attn_implementation=impl, dtype=dtype
-        ).eval()
-        with torch.no_grad():
-            return model(input_ids=ids, attention_mask=am).logits
-
-    real = am.bool()
-    golden, naive = logits("eager", F64), logits("eager", torch.float32)
-    assert_close_rule(logits("attnlab", torch.float32)[real], golden[real], naive[real])
-
-
-def test_deepseek_v3_greedy_generate_through_the_bridge_equals_eager(tmp_path):
-    import attnlab.hf
-
-    attnlab.hf.register()
-    torch.manual_seed(0)
-    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY)).save_pretrained(
-        tmp_path
-    )
-    ids = torch.tensor([[5, 17, 33, 8], [0, 0, 23, 71]])
-
-    def generate(impl):
-        model = transformers.DeepseekV3ForCausalLM.from_pretrained(
-            tmp_path, attn_implementation=impl
-        ).eval()
-        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-        with torch.no_grad():
-            return model.generate(input_ids=ids, attention_mask=(ids != 0).long(), **kw)
-
-    assert torch.equal(generate("attnlab"), generate("eager"))
+# deepseek_v3 through the bridge against eager (float32 logits by the tolerance rule, gradients,
+# greedy generate with both caches) is a family of tests/test_hf_families.py's grid.
 
 
 # --------------------------------------------------------------------------- compile, errors

@@ -366,3 +366,49 @@ def test_encoder_decoder_page_two_viewers_respond_in_chromium(saved, tmp_path, r
     assert root_state(browser, one)["layer"] == "1" and root_state(browser, two)["layer"] == "0"
     assert lines_of(browser, one) == expected_lines(enc, 1, 1)
     assert errors(browser) == []
+
+
+def test_a_model_with_attention_sinks_notes_and_draws_the_sinks_share(saved, tmp_path, capsys):
+    """GPT-OSS (learned sinks): the run's weights give eager's sink share per row
+    (``1 − Σ_j p_ij``, transformers' own sink softmax), the run says each layer's mean share,
+    and ``--png`` also draws ``STEM_sinks.png`` (`attnlab.viz.plot_sinks`); a model without
+    sinks does not."""
+    pytest.importorskip("matplotlib")
+    from attnlab.analysis import head_sink_share, sink_share
+
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        **dict(SMALL, num_attention_heads=4, head_dim=4, num_key_value_heads=2),
+        num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
+    )  # fmt: skip
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.tensor([-1.0, 0.5, 1.5, 2.5]))
+    folder = tmp_path / "gpt_oss"
+    model.save_pretrained(folder, safe_serialization=True)
+    _tokenizer().save_pretrained(folder)
+    (run,) = hf_attentions(folder, TEXT)
+    assert run.sinks
+    means = head_sink_share(run.weights).mean(-1)  # (layers,)
+    want = f"mean share per layer {float(means[0]):.3f}, {float(means[1]):.3f}"
+    assert any(want in note for note in run.notes), run.notes
+    assert float(means.min()) > 0.05  # the sinks take a visible share
+    eager = transformers.GptOssForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    ids = torch.tensor([[WORDS.index(w) + 3 for w in TEXT.split()]])
+    with torch.no_grad():
+        out = eager.eval()(input_ids=ids, output_attentions=True)
+    want_share = sink_share(torch.stack([w[0] for w in out.attentions]))  # (layers, H, T)
+    torch.testing.assert_close(sink_share(run.weights), want_share, atol=1e-5, rtol=0)
+    png = tmp_path / "a.png"
+    argv = ["visualize", "--model", str(folder), TEXT, "--format", "text", "--png", str(png)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert want in " ".join(printed.split())
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert (tmp_path / "a_sinks.png").read_bytes().startswith(b"\x89PNG")
+    plain = tmp_path / "b.png"
+    argv = ["visualize", "--model", str(saved["llama"][0]), TEXT, "--format", "text"]
+    assert main([*argv, "--png", str(plain)]) == 0
+    assert plain.exists() and not (tmp_path / "b_sinks.png").exists()
+    assert not hf_attentions(saved["llama"][0], TEXT)[0].sinks

@@ -13,7 +13,16 @@ from .experiments import (
 from .heads import HeadReport, PruningSweep, alice_sentences, classify_heads, pruning_sweep
 from .importance import attention_modules, head_gates, head_importance, output_norm
 from .views import Gibbs, ScoreTerms, bilinear_metric, gibbs, nadaraya_watson, score_decomposition
-from .weights import entropy, head_diversity, head_entropy, row_is_attended, top_weights
+from .weights import (
+    differential_maps,
+    entropy,
+    head_diversity,
+    head_entropy,
+    head_sink_share,
+    row_is_attended,
+    sink_share,
+    top_weights,
+)
 
 __all__ = [
     "Estimate",
@@ -27,6 +36,7 @@ __all__ = [
     "bilinear_metric",
     "capture_attentions",
     "classify_heads",
+    "differential_maps",
     "entropy",
     "estimate",
     "gibbs",
@@ -34,6 +44,7 @@ __all__ = [
     "head_entropy",
     "head_gates",
     "head_importance",
+    "head_sink_share",
     "kernel_regression_experiment",
     "measure_estimate",
     "module_attentions",
@@ -43,6 +54,7 @@ __all__ = [
     "row_is_attended",
     "scaling_experiment",
     "score_decomposition",
+    "sink_share",
     "temperature_experiment",
     "top_weights",
 ]

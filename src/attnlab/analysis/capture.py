@@ -1,4 +1,5 @@
-"""Attention weights of any model built from attnlab's `MultiHeadAttention`, from one pass.
+"""Attention weights of any model built from attnlab's `MultiHeadAttention` (or
+`DifferentialAttention`, whose weights are its two maps), from one pass.
 
 `capture_attentions` turns on ``need_weights`` for the attention calls of a model while a block
 runs and hands the caller only what it asked for: each attention runs exactly once (its own
@@ -22,17 +23,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..modules import MultiHeadAttention
+from ..modules import DifferentialAttention, MultiHeadAttention
+
+#: The modules whose calls take ``need_weights=True`` and return ``(out, weights (B, H, L, S))``.
+WEIGHTED = (MultiHeadAttention, DifferentialAttention)
 
 
-def _attention_modules(model: nn.Module) -> list[MultiHeadAttention]:
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    modules = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    modules = [m for m in model.modules() if isinstance(m, WEIGHTED)]
     if not modules:
         raise ValueError(
-            f"model ({type(model).__name__}) has no attnlab MultiHeadAttention modules to read "
-            "weights from"
+            f"model ({type(model).__name__}) has no attnlab MultiHeadAttention (or "
+            "DifferentialAttention) modules to read weights from"
         )
     return modules
 
@@ -41,7 +45,8 @@ def _attention_modules(model: nn.Module) -> list[MultiHeadAttention]:
 def capture_attentions(model: nn.Module) -> Iterator[list[tuple[str, Tensor]]]:
     """Collects ``(module name, weights (B, H, L, S))`` of every attention call in the block.
 
-    A forward pre-hook on each attnlab `MultiHeadAttention` of ``model`` sets
+    A forward pre-hook on each attnlab `MultiHeadAttention` (and `DifferentialAttention`:
+    its weights are its two maps, `attnlab.analysis.differential_maps`) of ``model`` sets
     ``need_weights=True`` on the call, and a forward hook takes the weights off the result
     again, so the caller receives exactly what it asked for (the output alone, or
     ``(output, weights)`` if it passed ``need_weights=True`` itself). Weights are detached and
@@ -83,7 +88,8 @@ def capture_attentions(model: nn.Module) -> Iterator[list[tuple[str, Tensor]]]:
 
 
 def module_attentions(model: nn.Module, run: Callable[[], Any]) -> Tensor:
-    """Every attnlab `MultiHeadAttention`'s weights during ``run()``, stacked in call order.
+    """Every attnlab `MultiHeadAttention`'s (and `DifferentialAttention`'s) weights during
+    ``run()``, stacked in call order.
 
     Each attention call of ``run()`` computes its weights itself (`capture_attentions` turns on
     its ``need_weights``): the attention runs once per call, and the model's own outputs are

@@ -44,6 +44,8 @@ class Attentions:
             for self-attention.
         part: which attention of the model ("encoder self-attention", "decoder
             cross-attention", ...); empty for single-attention models.
+        sinks: the model has attention sinks (GPT-OSS): each row's weights sum to
+            ``1 − p_sink`` (`attnlab.analysis.sink_share`).
     """
 
     tokens: list[str]
@@ -52,6 +54,7 @@ class Attentions:
     notes: list[str] = field(default_factory=list)
     key_tokens: list[str] | None = None
     part: str = ""
+    sinks: bool = False
 
 
 # ------------------------------------------------------------------------------------ adapters
@@ -220,7 +223,17 @@ def hf_model_attentions(
         return torch.stack([w[0] for w in weights]).float().cpu()  # (layers, heads, T, S)
 
     if not encoder_decoder:
-        return [Attentions(tokens, stack(out.attentions), name, notes)]
+        weights = stack(out.attentions)  # (layers, heads, T, T)
+        sinks = _has_sinks(model)
+        if sinks:
+            from .weights import head_sink_share
+
+            means = head_sink_share(weights).mean(-1)  # (layers,)
+            notes.append(
+                "attention sinks: each row's weights sum to 1 − the sink's share; mean share "
+                f"per layer {', '.join(f'{float(m):.3f}' for m in means)}"
+            )
+        return [Attentions(tokens, weights, name, notes, sinks=sinks)]
     return [
         Attentions(
             tokens, stack(out.encoder_attentions), name, notes, None, "encoder self-attention"
@@ -234,6 +247,11 @@ def hf_model_attentions(
             "decoder cross-attention",
         ),
     ]
+
+
+def _has_sinks(model: torch.nn.Module) -> bool:
+    """A module of ``model`` holds per-head attention-sink logits (GPT-OSS's ``sinks``)."""
+    return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
 
 
 # --------------------------------------------------------- long inputs: top-k rows, no L×S

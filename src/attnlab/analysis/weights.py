@@ -1,4 +1,5 @@
-"""Statistics of attention weights: entropy, head diversity and each row's top-k weights.
+"""Statistics of attention weights: entropy, head diversity, each row's top-k weights, the
+sink's share of each row (attention sinks) and the two maps of differential attention.
 
 Every function takes the weights explicitly — ``(B, H, L, S)``, or ``(layers, H, L, S)`` for one
 input through a model — and never reads state hidden on modules. For inputs too long for an
@@ -98,3 +99,55 @@ def top_weights(weights: Tensor, k: int) -> tuple[Tensor, Tensor]:
         v, i = torch.sort(flat[rows], dim=-1, descending=True, stable=True)
         values[rows], indices[rows] = v[:, :k], i[:, :k]
     return values.reshape(*lead, k), indices.reshape(*lead, k)
+
+
+def sink_share(weights: Tensor) -> Tensor:
+    """The share of each row that goes to the attention sink, ``(…, H, L)``.
+
+    With a sink logit ``s_h`` per head (GPT-OSS, `attnlab.attention(..., sinks=)`) row i's
+    weights ``p_ij = e^{l_ij} / (e^{s_h} + Σ_j e^{l_ij})`` sum to less than 1; the rest is the
+    sink's ``p_sink,i = e^{s_h} / (e^{s_h} + Σ_j e^{l_ij}) = 1 − Σ_j p_ij``. A row with no key
+    (all-zero weights, `row_is_attended` False) has no share: its entry is NaN, which
+    `head_sink_share` skips.
+
+    Args:
+        weights: ``(B, H, L, S)`` or ``(layers, H, L, S)`` weights without the sink column (what
+            ``return_weights=True``, ``need_weights=True``, `module_attentions` and
+            transformers' ``output_attentions`` give).
+
+    Returns:
+        ``(…, H, L)`` in float32 (float64 for float64 weights).
+    """
+    w = _check_weights(weights)
+    share = 1.0 - w.to(torch.float64).sum(-1)  # (…, H, L)
+    return torch.where(row_is_attended(w), share, torch.nan).to(stat_dtype(w.dtype))
+
+
+def head_sink_share(weights: Tensor) -> Tensor:
+    """Mean `sink_share` of each head over its rows that have a key, ``(…, H)``."""
+    return sink_share(weights).nanmean(dim=-1)
+
+
+def differential_maps(weights: Tensor, lam: float | Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The two softmax maps of differential attention and their difference.
+
+    `attnlab.modules.DifferentialAttention` (DiffLlama's layout) returns, with
+    ``need_weights=True``, the first maps ``softmax(Q₁K₁ᵀ/√D)`` as heads ``0 … H/2 − 1`` and the
+    second maps ``softmax(Q₂K₂ᵀ/√D)`` as heads ``H/2 … H − 1`` (pair h = heads h and h + H/2);
+    the map that weighs the values is ``softmax(Q₁K₁ᵀ/√D) − λ·softmax(Q₂K₂ᵀ/√D)``.
+
+    Args:
+        weights: ``(…, H, L, S)`` with H even. lam: λ (`DifferentialAttention.lam()`).
+
+    Returns:
+        ``(first, second, difference)``, each ``(…, H/2, L, S)``.
+    """
+    w = _check_weights(weights)
+    H = w.shape[-3]
+    if H % 2:
+        raise ValueError(f"weights must have an even number of heads (two maps), got H={H}")
+    first, second = w[..., : H // 2, :, :], w[..., H // 2 :, :, :]  # (…, H/2, L, S)
+    lam_t = torch.as_tensor(lam, dtype=w.dtype, device=w.device)
+    if lam_t.dim() != 0:
+        raise ValueError(f"lam must be a number or a 0-d tensor, got shape {tuple(lam_t.shape)}")
+    return first, second, first - lam_t * second

@@ -1,6 +1,7 @@
 """``attnlab estimate``: parameters, FLOPs and memory of attention (naive, flash, linear), of a
 whole model (``--train`` / ``--infer``), the largest length for a memory budget (``--budget``), the
-RNN vs self-attention table (``--complexity``) and the IO model of tiled attention (``--io``)."""
+RNN vs self-attention table (``--complexity``), the IO model of tiled attention (``--io``) and the
+bytes cached per token by multi-head latent attention against a per-head K/V cache (``--mla``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,74 @@ def _budget(text: str) -> int:
         return parse_bytes(text, "size")
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("size ")) from None
+
+
+def _mla(text: str) -> tuple[int, int, int | None, int | None]:
+    """An argparse type: ``C,R`` or ``C,R,Dn,Dv`` (kv_lora_rank, rope dims, nope and value head
+    dims; Dn and Dv default to D = E/H)."""
+    parts = text.split(",")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (2, 4):
+        raise argparse.ArgumentTypeError(
+            f"expected kv_lora_rank,rope or kv_lora_rank,rope,nope,v (ints), got {text!r}"
+        )
+    names = ("kv_lora_rank", "rope", "nope", "v")
+    for name, value, low in zip(names, values, (1, 0, 0, 1), strict=False):
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{name} must be an int >= {low}, got {value}")
+    c, r, *rest = values
+    return (c, r, *rest) if rest else (c, r, None, None)  # type: ignore[return-value]
+
+
+def _mla_data(args: argparse.Namespace, d: int) -> dict:
+    """The ``--mla`` numbers: bytes per cached token and layer, and for the whole cache
+    (B · S tokens · layers), latent against per-head K/V
+    (`attnlab.analysis.estimate.cache_bytes_per_token`)."""
+    from ..analysis.estimate import cache_bytes_per_token
+
+    c, r, dn, dv = args.mla
+    dn, dv = d if dn is None else dn, d if dv is None else dv
+    per_token = cache_bytes_per_token(
+        args.heads, kv_lora_rank=c, qk_rope_head_dim=r, qk_nope_head_dim=dn, v_head_dim=dv,
+        dtype=args.dtype,
+    )  # fmt: skip
+    tokens = args.batch * args.seq * args.layers
+    return {
+        "H": args.heads, "kv_lora_rank": c, "rope": r, "nope": dn, "v": dv, "dtype": args.dtype,
+        "latent_bytes_per_token": per_token["latent"],
+        "per_head_kv_bytes_per_token": per_token["per-head K/V"],
+        "cached_token_layers": tokens,
+        "latent_bytes": per_token["latent"] * tokens,
+        "per_head_kv_bytes": per_token["per-head K/V"] * tokens,
+    }  # fmt: skip
+
+
+def _mla_lines(m: dict) -> list[str]:
+    """``_mla_data`` as the lines printed under the table."""
+    ratio = m["per_head_kv_bytes_per_token"] / m["latent_bytes_per_token"]
+    return [
+        f"MLA cache per token and layer ({m['dtype']}): latent (C + R)·b = ({m['kv_lora_rank']} + "
+        f"{m['rope']})·b = {m['latent_bytes_per_token']:,} bytes; per-head K/V "
+        f"H·(Dn + R + Dv)·b = {m['H']}·({m['nope']} + {m['rope']} + {m['v']})·b = "
+        f"{m['per_head_kv_bytes_per_token']:,} bytes ({ratio:,.1f}× the latent)",
+        f"MLA cache of {m['cached_token_layers']:,} token-layers (B·S·layers): latent "
+        f"{m['latent_bytes'] / 2**20:,.2f} MiB, per-head K/V "
+        f"{m['per_head_kv_bytes'] / 2**20:,.2f} MiB",
+    ]
+
+
+def _check_mla(args: argparse.Namespace) -> None:
+    """``--mla`` goes with the attention estimate only."""
+    others = args.complexity or args.io is not None or args.model or args.infer
+    if args.mla is not None and (others or args.budget is not None):
+        raise UsageError(
+            "--mla",
+            "adds the cache of one attention layer to the attention estimate; drop "
+            "--complexity/--io/--train/--infer/--budget",
+        )
 
 
 def _mask(args: argparse.Namespace, *, window: bool = True):
@@ -118,6 +187,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         raise UsageError(
             "--measure", "measures the attention layers only; drop --train/--infer/--budget"
         )
+    _check_mla(args)
     if args.complexity:
         if args.json:
             rows = complexity_table(args.seq, args.d_model)
@@ -178,9 +248,11 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if args.measure:
         with working("attnlab estimate --measure", quiet=args.quiet or args.json):
             measure_estimate(est, device=args.device)
+    mla = None if args.mla is None else _mla_data(args, c["D"])
     if args.json:
         rows = [{"quantity": q, "unit": unit, "values": v} for q, unit, v in est.rows]
-        print_json(_jsonable({"config": c, "rows": rows, "measured": est.measured}))
+        data = {"config": c, "rows": rows, "measured": est.measured}
+        print_json(_jsonable(data if mla is None else {**data, "mla": mla}))
         return 0
     config = (
         f"B={c['B']} L={c['L']} S={c['S']} E={c['E']} H={c['H']} H_kv={c['H_kv']} D={c['D']} "
@@ -189,6 +261,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     )
     print(wrap(config, indent="  ") + "\n")
     print(fitted(est.table_parts()))
+    if mla is not None:
+        print("\n" + "\n".join(wrap(line, indent="  ") for line in _mla_lines(mla)))
     return 0
 
 
@@ -261,6 +335,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--json",
         action="store_true",
         help="print the rows as JSON (with --complexity: its rows; with --io: the counts)",
+    )
+    est.add_argument(
+        "--mla",
+        type=_mla,
+        default=None,
+        metavar="C,R[,Dn,Dv]",
+        help=(
+            "multi-head latent attention: kv_lora_rank C, rope dims R (nope Dn and value Dv head "
+            "dims default to E/H); print its latent cache bytes per token beside a per-head K/V "
+            "cache's (DeepSeek-V3: --heads 128 --d-model 16384 --mla 512,64,128,128)"
+        ),
     )
     est.add_argument("--quiet", action="store_true", help="no progress line (--measure)")
     add_device_argument(est)

@@ -6,7 +6,9 @@ layer's attention weights ``(layers, heads, T, T)`` and writes
 - ``--format html`` (default): one self-contained page (`attnlab.viz.save_attention_html`) with
   a head view, a model view, per-head entropies and hover details;
 - ``--format text``: per head, each token's top-3 attended tokens with weights;
-- ``--png [FILE]``: additionally a grid of heatmaps, layers × heads (`attnlab.viz.attention_png`).
+- ``--png [FILE]``: additionally a grid of heatmaps, layers × heads (`attnlab.viz.attention_png`);
+  for a model with attention sinks (GPT-OSS) also ``STEM_sinks.png``, the sink's share per head
+  and per row (`attnlab.viz.plot_sinks`).
 
 Models: ``minilm`` (default, the pretrained all-MiniLM-L6-v2), ``gpt`` (a character-level
 checkpoint written by ``attnlab train``, ``--checkpoint PATH``), or ``--model FOLDER``: a local
@@ -431,6 +433,20 @@ def _write_png(args: argparse.Namespace, runs: list, png: Path) -> None:
         run = runs[0]
         attention_png(run.tokens, run.weights, png, title=_summary(run))
     print(wrap(f"wrote {png}", indent="  "))
+    if args.compare is None and getattr(runs[0], "sinks", False):
+        _sinks_png(args, runs[0], png)
+
+
+def _sinks_png(args: argparse.Namespace, run: Attentions, png: Path) -> None:
+    """--png of a model with attention sinks: also ``STEM_sinks.png``, the sink's share per
+    head and per row of layer ``--layer`` (default 0) beside its strongest head's weights."""
+    from ..viz.variants import plot_sinks
+
+    layer = args.layer or 0
+    out = png.with_name(f"{png.stem}_sinks.png")
+    title = f"{_summary(run)} · layer {layer}: the sink's share"
+    plot_sinks(out, run.weights[layer], tokens=run.tokens, title=title)
+    print(wrap(f"wrote {out}", indent="  "))
 
 
 def _cmd_visualize(args: argparse.Namespace) -> int:

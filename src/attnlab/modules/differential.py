@@ -106,7 +106,8 @@ class DifferentialAttention(nn.Module):
         positions: Tensor | int | None = None,
         mask: Mask | Tensor | None = None,
         cache: KVCache | None = None,
-    ) -> Tensor:
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """Applies the layer.
 
         Args:
@@ -118,9 +119,13 @@ class DifferentialAttention(nn.Module):
             cache: a `KVCache` (or `SlidingWindowCache`, `SinkCache`): the new keys and values
                 (before RoPE) are appended and the queries attend to everything cached
                 (decoding token by token equals one call on the whole sequence).
+            need_weights: also return both maps' weights, ``(B, H, L, S)``: heads
+                ``0 … H/2 − 1`` are ``softmax(Q₁K₁ᵀ/√D)``, heads ``H/2 … H − 1``
+                ``softmax(Q₂K₂ᵀ/√D)`` (`attnlab.analysis.differential_maps` splits them and
+                forms ``first − λ·second``), from the same two attention calls.
 
         Returns:
-            ``(B, L, E)``.
+            ``(B, L, E)``, or ``(out, weights)`` with ``need_weights=True``.
         """
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"x must be (B, L, embed_dim={self.embed_dim}), got {tuple(x.shape)}")
@@ -133,10 +138,20 @@ class DifferentialAttention(nn.Module):
         q, k, v, m = rotated_through_cache(
             self.rope, q, k, v, positions=positions, cache=cache, mask=m
         )
-        o = self.attend(q, k, v, mask=m)  # (B, H/2, L, 2D)
-        return self.o_proj(o.transpose(1, 2).reshape(B, L, H * D))  # (B, L, E)
+        res = self.attend(q, k, v, mask=m, need_weights=need_weights)
+        o, w = res if need_weights else (res, None)  # (B, H/2, L, 2D), (B, H, L, S)
+        out = self.o_proj(o.transpose(1, 2).reshape(B, L, H * D))  # (B, L, E)
+        return (out, w) if need_weights else out
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None) -> Tensor:
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask: Mask | Tensor | None,
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """The differential maps and the head norm on rotated heads (no projections).
 
         Equals `reference.differential_attention(q[:, :H/2], k[:, :H_kv/2], q[:, H/2:],
@@ -144,16 +159,21 @@ class DifferentialAttention(nn.Module):
 
         Args:
             q: ``(B, H, L, D)``. k, v: ``(B, H_kv, S, D)``. mask: as `attnlab.attention`'s.
+            need_weights: also return the two maps' weights as ``(B, H, L, S)`` (first maps,
+                then second maps; see `forward`).
 
         Returns:
-            ``(B, H/2, L, 2D)``.
+            ``(B, H/2, L, 2D)``, or ``(o, weights)`` with ``need_weights=True``.
         """
         h, g, D = q.shape[1] // 2, k.shape[1] // 2, q.shape[-1]
         vp = torch.cat([v[:, :g], v[:, g:]], dim=-1)  # (B, H_kv/2, S, 2D)
-        o1 = attention(q[:, :h], k[:, :g], vp, mask=mask, scale=D**-0.5)  # (B, H/2, L, 2D)
-        o2 = attention(q[:, h:], k[:, g:], vp, mask=mask, scale=D**-0.5)  # (B, H/2, L, 2D)
+        kw = dict(mask=mask, scale=D**-0.5, return_weights=need_weights)
+        r1 = attention(q[:, :h], k[:, :g], vp, **kw)  # (B, H/2, L, 2D) [, (B, H/2, L, S)]
+        r2 = attention(q[:, h:], k[:, g:], vp, **kw)
+        (o1, w1), (o2, w2) = (r1, r2) if need_weights else ((r1, None), (r2, None))
         o = o1 - self.lam().to(q.dtype) * o2  # (B, H/2, L, 2D)
-        return (1 - self.lambda_init) * nn.functional.rms_norm(o, (2 * D,), eps=self.norm_eps)
+        o = (1 - self.lambda_init) * nn.functional.rms_norm(o, (2 * D,), eps=self.norm_eps)
+        return (o, torch.cat([w1, w2], dim=1)) if need_weights else o  # weights (B, H, L, S)
 
     @classmethod
     def from_hf(cls, hf_attention: nn.Module) -> DifferentialAttention:

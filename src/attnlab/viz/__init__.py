@@ -9,7 +9,8 @@ the one place the library moves data to the CPU on purpose.
 
 Every picture also comes as a matplotlib ``Figure`` without a file (`heatmap_figure`,
 `heatmaps_figure`, `sinusoidal_figure`, `rope_spectrum_figure`, `bias_figure`,
-`attention_figure`, `experiment_figure`, `bench_figure`, `losses_figure`, `pruning_figure`);
+`attention_figure`, `experiment_figure`, `bench_figure`, `losses_figure`, `pruning_figure`,
+`sinks_figure`, `differential_figure`);
 the single-panel ones take ``ax=`` (draw into your own Axes; its figure is returned) and
 `rope_spectrum_figure` takes ``axes=(left, right)``. Figures are not registered with pyplot.
 
@@ -20,6 +21,9 @@ the single-panel ones take ``ax=`` (draw into your own Axes; its figure is retur
   or transformers' ``output_attentions`` tuple; no matplotlib needed;
   `attention_text`: each token's top-k attended tokens per head; `attention_png`: one PNG grid
   of layers × heads (per-head entropies come from `attnlab.analysis`).
+- `plot_sinks`, `plot_differential` (`sinks_figure`, `differential_figure`): the sink's share
+  of attention per head and per row beside a head's weights; the two maps of differential
+  attention and their difference with λ.
 - `plot_experiment`: the scaling and temperature experiments as line plots.
 - `plot_losses`: the loss curve of a training run; `plot_bench`: ``attnlab bench`` results;
   `plot_pruning`: MiniLM's head-pruning sweep (importance vs random order).
@@ -46,6 +50,7 @@ from .positional import (
     sinusoidal_figure,
 )
 from .training import losses_figure, plot_losses
+from .variants import differential_figure, plot_differential, plot_sinks, sinks_figure
 
 __all__ = [
     "AttentionView",
@@ -55,6 +60,7 @@ __all__ = [
     "attention_text",
     "bench_figure",
     "bias_figure",
+    "differential_figure",
     "experiment_figure",
     "heatmap",
     "heatmap_figure",
@@ -63,14 +69,17 @@ __all__ = [
     "losses_figure",
     "plot_bench",
     "plot_bias",
+    "plot_differential",
     "plot_experiment",
     "plot_losses",
     "plot_pruning",
     "plot_rope_spectrum",
+    "plot_sinks",
     "plot_sinusoidal",
     "pruning_figure",
     "rope_spectrum_figure",
     "save_attention_html",
     "show",
+    "sinks_figure",
     "sinusoidal_figure",
 ]
