@@ -19,11 +19,11 @@ import torch
 from torch import Tensor
 
 from .._shapes import check_bool, check_int, check_number, check_qkv
-from ..masks import BlockTableMask, Mask, from_tensor
+from ..masks import BlockTableMask, Mask
 from ..masks import causal as causal_mask
 from .api import attention
 from .reference import routing_select
-from .sigmoid import _check_mask
+from .topk import check_mask_4d
 
 
 def routing_mask(
@@ -105,7 +105,7 @@ def routing_attention(
     check_bool("causal", causal)
     if dims.L < 1 or dims.S < 1:
         raise ValueError(f"routing needs L >= 1 and S >= 1, got L={dims.L}, S={dims.S}")
-    user = _check_mask(mask, dims)
+    user = check_mask_4d(mask, dims)
     if scale is not None:
         check_number("scale", scale)
     three_d = dims.three_d
@@ -114,8 +114,6 @@ def routing_attention(
     if causal:
         m = causal_mask() & m
     if user is not None:
-        if three_d and isinstance(mask, Tensor) and mask.dim() == 3:
-            user = from_tensor(mask.unsqueeze(1))
         m = m & user
     if three_d:  # attnlab.attention's 3-D call: the mask over one head
         out = attention(q4, k4, v.unsqueeze(1), mask=m, scale=scale, backend="flash")

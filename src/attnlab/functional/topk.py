@@ -29,11 +29,13 @@ attend" is the mask (a non-finite logit cannot be ranked).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
-from .._shapes import check_int, check_number, check_qkv, stat_dtype
-from ..masks import Mask, from_tensor
+from .._shapes import Dims, check_broadcast, check_int, check_number, check_qkv, stat_dtype
+from ..masks import Mask
 from . import nan_rule
 from .sigmoid import _check_mask, _mask_of, _operands, _Tile, _tile_keep, _tiles
 
@@ -274,6 +276,16 @@ def _backward_op(ctx, dout: Tensor, *_stats):
 topk_attn_fwd.register_autograd(_backward_op, setup_context=_setup_context)
 
 
+def check_mask_4d(mask: object, dims: Dims) -> Mask | None:
+    """``mask`` checked (`sigmoid._check_mask`) as a `Mask` over ``(B, H, L, S)``; for 3-D
+    inputs a bool tensor ``(B|1, L|1, S|1)`` gets its head dim."""
+    if dims.three_d and isinstance(mask, Tensor) and mask.dtype == torch.bool:
+        check_broadcast("mask", mask, dims)
+        mask = mask.unsqueeze(-3) if mask.dim() == 3 else mask  # (B|1, 1, L|1, S|1)
+        dims = replace(dims, three_d=False)
+    return _check_mask(mask, dims)
+
+
 def topk_attention(
     q: Tensor,
     k: Tensor,
@@ -316,11 +328,9 @@ def topk_attention(
     """
     dims = check_qkv(q, k, v)
     check_int("k_top", k_top, minimum=1)
-    m = _check_mask(mask, dims)
+    m = check_mask_4d(mask, dims)
     if dims.three_d:  # (B, L, D): one head
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
-        if isinstance(mask, Tensor) and mask.dim() == 3:  # (B|1, L|1, S|1)
-            m = from_tensor(mask.unsqueeze(1))
     scale = dims.D**-0.5 if scale is None else check_number("scale", scale)
     check_int("block_q", block_q, minimum=1)
     check_int("block_k", block_k, minimum=1)
@@ -335,4 +345,11 @@ def topk_attention(
     return out.squeeze(1) if dims.three_d else out
 
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "topk_attention", "topk_attn_bwd", "topk_attn_fwd"]
+__all__ = [
+    "BLOCK_K",
+    "BLOCK_Q",
+    "check_mask_4d",
+    "topk_attention",
+    "topk_attn_bwd",
+    "topk_attn_fwd",
+]
