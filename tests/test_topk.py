@@ -18,6 +18,7 @@ import torch
 from attnlab import masks
 from attnlab.functional import reference, routing_attention, routing_mask, topk_attention
 from attnlab.functional import topk as topk_mod
+from attnlab.modules import RoutedAttention, TopKAttention
 from helpers import LargestTensor, check_against_reference, seeded
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tiles gain nothing from threads
@@ -398,3 +399,28 @@ def test_routing_inductor_fullgraph_forward_backward():
         )[0]
 
     check_against_reference(fn, ref, [q, k, v])
+
+
+# ----------------------------------------------------------------------------- modules
+def test_modules_are_the_functional_calls_with_projections():
+    torch.manual_seed(0)
+    x = torch.randn(2, 40, 32)
+    layer = TopKAttention(32, 4, k_top=5, num_kv_heads=2)
+    routed = RoutedAttention(32, 4, block=8, k_blocks=2, num_kv_heads=2, query_block=1)
+    for mod, fn in (
+        (layer, lambda q, k, v: topk_attention(q, k, v, k_top=5, mask=masks.causal())),
+        (routed, lambda q, k, v: routing_attention(q, k, v, block=8, k_blocks=2, query_block=1)),
+    ):
+        q = mod.q_proj(x).view(2, 40, 4, 8).transpose(1, 2)
+        k = mod.k_proj(x).view(2, 40, 2, 8).transpose(1, 2)
+        v = mod.v_proj(x).view(2, 40, 2, 8).transpose(1, 2)
+        want = mod.o_proj(fn(q, k, v).transpose(1, 2).reshape(2, 40, 32))
+        out = mod(x)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        out.sum().backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in mod.parameters())
+    assert "k_top=5" in repr(layer) and "k_blocks=2" in repr(routed)
+    with pytest.raises(ValueError, match="query_block must divide block"):
+        RoutedAttention(32, 4, block=8, k_blocks=2, query_block=3)
+    with pytest.raises(ValueError, match="x must be"):
+        layer(torch.randn(2, 40, 16))

@@ -45,7 +45,9 @@ def routing_mask(
     return BlockTableMask(table, block, qb, q.shape[2], k.shape[2])
 
 
-def _check_blocks(block: object, k_blocks: object, query_block: object) -> int:
+def check_blocks(block: object, k_blocks: object, query_block: object) -> int:
+    """The routing arguments checked (ints >= 1, ``query_block`` dividing ``block``): the rows
+    per cell, ``block`` when ``query_block`` is None."""
     check_int("block", block, minimum=1)
     check_int("k_blocks", k_blocks, minimum=1)
     if query_block is None:
@@ -101,7 +103,7 @@ def routing_attention(
         >>> out = routing_attention(q, k, v, block=32, k_blocks=3)  # (1, 2, 256, 16)
     """
     dims = check_qkv(q, k, v)
-    qb = _check_blocks(block, k_blocks, query_block)
+    qb = check_blocks(block, k_blocks, query_block)
     check_bool("causal", causal)
     if dims.L < 1 or dims.S < 1:
         raise ValueError(f"routing needs L >= 1 and S >= 1, got L={dims.L}, S={dims.S}")
@@ -121,4 +123,4 @@ def routing_attention(
     return attention(q, k, v, mask=m, scale=scale, backend="flash")  # type: ignore[return-value]
 
 
-__all__ = ["routing_attention", "routing_mask"]
+__all__ = ["check_blocks", "routing_attention", "routing_mask"]
