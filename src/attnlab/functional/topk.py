@@ -90,8 +90,9 @@ def _kept(s: Tensor, tau: Tensor, quota: Tensor, seen: Tensor) -> Tensor:
     advanced in place. τ, quota, seen: the tile's rows ``(B, H_kv, G, rows)``."""
     tau = tau.unsqueeze(-1)
     tie = (s == tau) & (s > _NEG_INF)
-    rank = seen.unsqueeze(-1) + tie.cumsum(-1)  # 1-based rank among the row's ties so far
-    seen += tie.sum(-1)
+    ties = tie.to(torch.int32)  # int32: its cumsum is several times faster than bool's int64
+    rank = seen.unsqueeze(-1) + ties.cumsum(-1)  # 1-based rank among the row's ties so far
+    seen += ties.sum(-1, dtype=torch.int32)
     return (s > tau) | (tie & (rank <= quota.unsqueeze(-1)))
 
 
@@ -101,7 +102,7 @@ def _forward_clean(ps: _Pass, tau: Tensor, quota: Tensor, scale: float) -> tuple
     m = qg.new_full(qg.shape[:-1], _NEG_INF)  # running max
     z = qg.new_zeros(qg.shape[:-1])  # running sum
     acc = qg.new_zeros(*qg.shape[:-1], vg.shape[-1])  # (B, H_kv, G, L, Dv)
-    seen = torch.zeros_like(quota)
+    seen = torch.zeros_like(quota, dtype=torch.int32)
     for t in ps.tiles:
         r = slice(t[0], t[1])
         s = _scores(qg, ps.kg, t, scale, ps.keep(t))
@@ -185,7 +186,7 @@ def _backward(
     delta = (dog * out).sum(-1)  # (B, H_kv, G, L)
     qg, kg, vg = ps.qg, ps.kg, ps.vg
     dq, dk, dv = torch.zeros_like(qg), torch.zeros_like(kg), torch.zeros_like(vg)
-    seen = torch.zeros_like(quota)
+    seen = torch.zeros_like(quota, dtype=torch.int32)
     base = torch.where(lse == _NEG_INF, 0.0, lse)
     for t in ps.tiles:
         r, c = slice(t[0], t[1]), slice(t[2], t[3])
