@@ -19,7 +19,7 @@ from attnlab import masks
 from attnlab.functional import reference, routing_attention, routing_mask, topk_attention
 from attnlab.functional import topk as topk_mod
 from attnlab.modules import RoutedAttention, TopKAttention
-from helpers import LargestTensor, check_against_reference, seeded
+from helpers import LargestTensor, check_against_reference, mean_factor_for, seeded
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tiles gain nothing from threads
 
@@ -424,3 +424,67 @@ def test_modules_are_the_functional_calls_with_projections():
         RoutedAttention(32, 4, block=8, k_blocks=2, query_block=3)
     with pytest.raises(ValueError, match="x must be"):
         layer(torch.randn(2, 40, 16))
+
+
+def test_routing_nan_rule_and_memory():
+    """The selection reads clean inputs; NaN reaches only the rows that attend it. No L×S
+    tensor at L = S = 2048 (the table is (B, H, L / block, S / block))."""
+    q, k, v = qkv(l=48, s=48, h=2, h_kv=1)
+    q[0, 0, 5] = float("nan")  # row 5 only, though its cell's mean query reads it
+    k[0, 0, 40] = float("inf")  # rows 40..47 (own block 5) and no row before 40
+    kw = {"block": 8, "k_blocks": 2}
+    got = routing_attention(q, k, v, **kw)
+    want, _ = reference.routing_attention(q, k, v, **kw)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.isnan(got[0, 0, 5]).all() and not torch.isnan(got[0, 0, :5]).any()
+    assert torch.isnan(got[0, :, 40:]).all() and not torch.isnan(got[0, 1, :40]).any()
+    assert not torch.isnan(got[1]).any()
+    fin = ~torch.isnan(want)
+    torch.testing.assert_close(got[fin], want[fin], rtol=0, atol=1e-12)
+    L = 2048
+    q, k, v = qkv(torch.float32, b=1, h=2, h_kv=1, l=L, s=L, d=16)
+    xs = [x.requires_grad_(True) for x in (q, k, v)]
+    with LargestTensor() as seen:
+        routing_attention(*xs, block=64, k_blocks=4).sum().backward()
+    assert seen.largest < L * L // 8, seen.largest
+
+
+def test_routing_bf16_tolerance_rule():
+    kw = {"block": 16, "k_blocks": 3}
+
+    def ref(q, k, v, *, compute_dtype, reorder):
+        return reference.routing_attention(
+            q, k, v, compute_dtype=compute_dtype, reorder=reorder, **kw
+        )[0]
+
+    q, k, v = qkv(torch.bfloat16, l=113, s=113, d=64, seed=4)
+    check_against_reference(lambda *x: routing_attention(*x, **kw), ref, [q, k, v])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("L,S", [(1, 1025), (1025, 1), (17, 113), (1025, 1025), (113, 97)])
+@pytest.mark.parametrize("D", [8, 40, 64, 80, 128])
+@pytest.mark.parametrize("name", ["none", "causal", "sliding_window", "padding"])
+def test_odd_size_sweep_default_tiles(L, S, D, name):
+    """The tolerance rule's odd sizes and head dims on the default tiles (float32): top-k with
+    k = 16, and routing (block 64, 3 blocks; per-token cells for the causal case)."""
+    mask = masks.padding(torch.tensor([max(1, S - 7)])) if name == "padding" else _cases(L, S)[name]
+    xs = list(qkv(torch.float32, b=1, l=L, s=S, d=D))
+    # both are tiled online-softmax float32 paths: the rule's mean clause (`mean_factor_for`),
+    # e.g. dq where one key is attended (exactly 0: δ = do·o and do·vᵀ round differently)
+    mf = mean_factor_for("flash", torch.float32)
+    check_against_reference(
+        lambda *x: topk_attention(*x, k_top=16, mask=mask), topk_ref(16, mask), xs, mean_factor=mf
+    )
+    kw = {"block": 64, "k_blocks": 3, "causal": name == "causal"}
+    kw["query_block"] = 1 if name == "causal" else 16
+    extra = None if name == "causal" else mask
+
+    def ref(q, k, v, *, compute_dtype, reorder):
+        return reference.routing_attention(
+            q, k, v, mask=extra, compute_dtype=compute_dtype, reorder=reorder, **kw
+        )[0]
+
+    check_against_reference(
+        lambda *x: routing_attention(*x, mask=extra, **kw), ref, xs, mean_factor=mf
+    )
