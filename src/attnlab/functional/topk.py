@@ -73,27 +73,44 @@ class _Pass:
 
 
 def _threshold(ps: _Pass, k_top: int, scale: float) -> tuple[Tensor, Tensor]:
-    """Pass 1: ``(τ, quota)`` per row, ``(B, H_kv, G, L)`` (stat dtype, int64)."""
+    """Pass 1: ``(τ, quota)`` per row, ``(B, H_kv, G, L)`` (stat dtype, int64).
+
+    The running top ``k + 1`` values say also whether a row has more logits equal to ``τ`` than
+    it keeps (the (k+1)-th equals τ): only those rows need the tie count (``quota >= 0``); the
+    others keep every logit ``>= τ`` (``quota = −1``).
+    """
     kk = min(k_top, ps.S)
-    top = ps.qg.new_full((*ps.qg.shape[:-1], kk), _NEG_INF)  # (B, H_kv, G, L, kk)
+    width = min(k_top + 1, ps.S)
+    top = ps.qg.new_full((*ps.qg.shape[:-1], width), _NEG_INF)  # (B, H_kv, G, L, k + 1)
     for t in ps.tiles:
         s = _scores(ps.qg, ps.kg, t, scale, ps.keep(t))
-        both = torch.cat([top[..., t[0] : t[1], :], s], dim=-1)  # (B, H_kv, G, rows, kk + keys)
-        top[..., t[0] : t[1], :] = both.topk(kk, dim=-1).values
-    tau = top[..., -1]  # (B, H_kv, G, L): the k-th largest (−inf: fewer than k allowed)
-    quota = kk - (top > tau.unsqueeze(-1)).sum(-1)
-    return tau, quota
+        both = torch.cat([top[..., t[0] : t[1], :], s], dim=-1)  # (B, H_kv, G, rows, · + keys)
+        top[..., t[0] : t[1], :] = both.topk(width, dim=-1).values
+    tau = top[..., kk - 1]  # (B, H_kv, G, L): the k-th largest (−inf: fewer than k allowed)
+    quota = kk - (top[..., :kk] > tau.unsqueeze(-1)).sum(-1)
+    excess = (top[..., kk] == tau) & (tau > _NEG_INF) if width > kk else torch.zeros_like(tau)
+    return tau, torch.where(excess.bool(), quota, -1)
 
 
-def _kept(s: Tensor, tau: Tensor, quota: Tensor, seen: Tensor) -> Tensor:
-    """The kept pairs of a tile's logits ``s``; ``seen`` (the ties before the tile, per row) is
-    advanced in place. τ, quota, seen: the tile's rows ``(B, H_kv, G, rows)``."""
+def _kept(s: Tensor, tau: Tensor, quota: Tensor, seen: Tensor | None) -> Tensor:
+    """The kept pairs of a tile's logits ``s``; τ, quota, seen: the tile's rows
+    ``(B, H_kv, G, rows)``. ``seen`` (the ties before the tile, per row) is advanced in place;
+    None when no row has excess ties (every ``quota < 0``): then kept = ``s >= τ``."""
     tau = tau.unsqueeze(-1)
+    if seen is None:
+        return (s >= tau) & (s > _NEG_INF)
     tie = (s == tau) & (s > _NEG_INF)
     ties = tie.to(torch.int32)  # int32: its cumsum is several times faster than bool's int64
     rank = seen.unsqueeze(-1) + ties.cumsum(-1)  # 1-based rank among the row's ties so far
     seen += ties.sum(-1, dtype=torch.int32)
-    return (s > tau) | (tie & (rank <= quota.unsqueeze(-1)))
+    within = (quota < 0).unsqueeze(-1) | (rank <= quota.unsqueeze(-1))
+    return (s > tau) | (tie & within)
+
+
+def _tie_counts(quota: Tensor) -> Tensor | None:
+    """The running tie count of `_kept` (zeros), or None when no row needs it — a host read
+    inside the operators (never traced)."""
+    return torch.zeros_like(quota, dtype=torch.int32) if bool((quota >= 0).any()) else None
 
 
 def _forward_clean(ps: _Pass, tau: Tensor, quota: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -102,11 +119,12 @@ def _forward_clean(ps: _Pass, tau: Tensor, quota: Tensor, scale: float) -> tuple
     m = qg.new_full(qg.shape[:-1], _NEG_INF)  # running max
     z = qg.new_zeros(qg.shape[:-1])  # running sum
     acc = qg.new_zeros(*qg.shape[:-1], vg.shape[-1])  # (B, H_kv, G, L, Dv)
-    seen = torch.zeros_like(quota, dtype=torch.int32)
+    seen = _tie_counts(quota)
     for t in ps.tiles:
         r = slice(t[0], t[1])
         s = _scores(qg, ps.kg, t, scale, ps.keep(t))
-        s = s.masked_fill(~_kept(s, tau[..., r], quota[..., r], seen[..., r]), _NEG_INF)
+        row_seen = None if seen is None else seen[..., r]
+        s = s.masked_fill(~_kept(s, tau[..., r], quota[..., r], row_seen), _NEG_INF)
         m_new = torch.maximum(m[..., r], s.amax(-1))
         base = torch.where(m_new == _NEG_INF, 0.0, m_new)
         alpha = torch.exp(m[..., r] - base)  # 0 while a row had nothing
@@ -186,12 +204,12 @@ def _backward(
     delta = (dog * out).sum(-1)  # (B, H_kv, G, L)
     qg, kg, vg = ps.qg, ps.kg, ps.vg
     dq, dk, dv = torch.zeros_like(qg), torch.zeros_like(kg), torch.zeros_like(vg)
-    seen = torch.zeros_like(quota, dtype=torch.int32)
+    seen = _tie_counts(quota)
     base = torch.where(lse == _NEG_INF, 0.0, lse)
     for t in ps.tiles:
         r, c = slice(t[0], t[1]), slice(t[2], t[3])
         s = _scores(qg, kg, t, scale, ps.keep(t))
-        kept = _kept(s, tau[..., r], quota[..., r], seen[..., r])
+        kept = _kept(s, tau[..., r], quota[..., r], None if seen is None else seen[..., r])
         p = torch.where(kept, torch.exp(s - base[..., r].unsqueeze(-1)), 0.0)
         do = dog[..., r, :]
         dv[..., c, :] += (p.transpose(-1, -2) @ do).sum(2, keepdim=True)
