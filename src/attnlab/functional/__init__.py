@@ -7,9 +7,11 @@ from .local_global import local_global_attention
 from .merge import merge_partials
 from .registry import Backend, backends, register_backend
 from .request import SCORES, BiasFn, Request, Score, register_score
+from .routing import routing_attention, routing_mask
 from .sigmoid import sigmoid_attention
 from .sinks import apply_sinks
 from .stats import AttentionStats
+from .topk import topk_attention
 from .varlen import varlen_attn
 
 __all__ = [
@@ -32,7 +34,10 @@ __all__ = [
     "reference",
     "register_backend",
     "register_score",
+    "routing_attention",
+    "routing_mask",
     "sigmoid_attention",
+    "topk_attention",
     "varlen",
     "varlen_attn",
 ]

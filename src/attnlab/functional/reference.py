@@ -1182,3 +1182,191 @@ def local_global_attention(
     dtype = compute_dtype or stat_dtype(q.dtype)
     out, _ = attention(q, k, v, mask=keep, scale=scale, compute_dtype=dtype, reorder=reorder)
     return out
+
+
+def topk_keep(logits: Tensor, keep: Tensor | None, k_top: int) -> Tensor:
+    """Which allowed logits are among the ``k_top`` largest of their row: bool, ``logits``' shape.
+
+    Ranks each row's allowed logits from the largest down; equal logits rank by key index, the
+    lowest first (a stable sort). Kept: allowed and rank ``< k_top`` — so a row with at most
+    ``k_top`` allowed keys keeps them all, and a row with none keeps none.
+
+    Args:
+        logits: ``(..., L, S)`` float (finite where allowed).
+        keep: bool broadcastable to ``logits`` (True = allowed), or None (all allowed).
+        k_top: how many keys a row keeps (>= 1).
+    """
+    allowed = torch.ones_like(logits, dtype=torch.bool) if keep is None else keep.expand_as(logits)
+    ranked = logits.masked_fill(~allowed, _NEG_INF)
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices  # (..., L, S)
+    ranks = torch.arange(logits.shape[-1], device=logits.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, ranks)  # the rank of each key in its row
+    return allowed & (rank < k_top)
+
+
+def topk_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    k_top: int,
+    mask: Tensor | Mask | None = None,
+    scale: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+    reorder: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Reference exact top-k attention: each row attends its ``k_top`` largest allowed logits.
+
+    With ``l_ij = q_i·k_j·scale`` and ``A_i`` the keys row i may attend (the mask),
+    ``T_i = topk(l_i, A_i, k_top)`` (`topk_keep`: ties broken by the lowest key index) and
+    ``out_i = Σ_{j ∈ T_i} e^{l_ij} v_j / Σ_{j ∈ T_i} e^{l_ij}`` — softmax restricted to the kept
+    logits. ``k_top >= |A_i|`` is ordinary attention; a row with no key outputs zeros. The
+    selection is ranked on logits in float32 or wider whatever ``compute_dtype``; the gradient
+    flows through the kept logits only (the selection is piecewise constant). The NaN rule is
+    `attention`'s with "may attend" = the mask (a non-finite ``k_j`` in ``A_i`` makes row i NaN
+    whether or not j is kept: its logit cannot be ranked).
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``; ``H % H_kv == 0``.
+        k_top: keys kept per row (>= 1).
+        mask: bool (True = may attend) broadcastable to ``(B, H, L, S)``, a `Mask`, or None.
+        scale: logit scale; None means ``1/√D``.
+        compute_dtype: precision of the logits and softmax; default float32 or wider.
+        reorder: fold the scale into k first and normalise after the weighted sum (the same
+            definition, another rounding).
+
+    Returns:
+        ``(out (B, H, L, Dv), weights (B, H, L, S))`` in q's dtype; weights are 0 off ``T_i``.
+    """
+    B, H, L, D = q.shape
+    H_kv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    dtype = compute_dtype or stat_dtype(q.dtype)
+    scale = D**-0.5 if scale is None else scale
+    keep = keep_mask(_as_keep(mask, q, k), None)
+    q_in, k_in, v_in = q, k, v
+    q, k, v = nan_rule.clean(q), nan_rule.clean(k), nan_rule.clean(v)
+    gkeep = None if keep is None else group_heads(keep, H_kv)
+    rank_dtype = torch.promote_types(dtype, torch.float32)
+    rank_logits = _logits(q, k, scale=scale, temperature=1.0, score="dot", dtype=rank_dtype)
+    kept = topk_keep(rank_logits, gkeep, k_top)  # (B, H_kv, G, L, S)
+    logits = _logits(q, k, scale=scale, temperature=1.0, score="dot", dtype=dtype, reorder=reorder)
+    e, z = _unnormalized_softmax(logits, kept)
+    vg = v.to(dtype).unsqueeze(2)  # (B, H_kv, 1, S, Dv)
+    out = (e @ vg) / z if reorder else (e / z) @ vg  # (B, H_kv, G, L, Dv)
+    out = out.flatten(1, 2).to(q.dtype).reshape(B, H, L, Dv)  # (B, H, L, Dv)
+    weights = (e / z).flatten(1, 2).to(q.dtype).reshape(B, H, L, S)  # (B, H, L, S)
+    return nan_rule.poison(out, q_in, k_in, v_in, keep=keep, weights=weights)  # type: ignore[return-value]
+
+
+def routing_cells(L: int, S: int, query_block: int) -> tuple[Tensor, int]:
+    """``(cell (L,), n_cells)``: the query cell of each row, ``⌊p / query_block⌋ − first``.
+
+    ``p = i + S − L`` is the aligned position (bottom-right), ``first = ⌊(S − L) / query_block⌋``.
+    """
+    p = torch.arange(L) + (S - L)
+    first = (S - L) // query_block
+    cell = torch.div(p, query_block, rounding_mode="floor") - first
+    return cell, (S - 1) // query_block - first + 1
+
+
+def _block_means(x: Tensor, offset: int, size: int, n: int) -> Tensor:
+    """Means of ``x (B, H, T, D)`` over runs of ``size`` rows along dim 2, the first run starting
+    ``offset`` rows before row 0 (runs cut by the ends are averaged over the rows they hold):
+    ``(B, H, n, D)``."""
+    T = x.shape[2]
+    pad = (0, 0, offset, n * size - offset - T)
+    sums = torch.nn.functional.pad(x, pad).unflatten(2, (n, size)).sum(3)  # (B, H, n, D)
+    ones = torch.nn.functional.pad(x.new_ones(T), pad[2:]).view(n, size).sum(1)  # (n,)
+    return sums / ones.view(-1, 1)
+
+
+def routing_select(
+    q: Tensor,
+    k: Tensor,
+    *,
+    block: int,
+    k_blocks: int,
+    causal: bool = True,
+    query_block: int | None = None,
+) -> Tensor:
+    """Which key blocks each query cell attends (MoBA / NSA block selection): bool table.
+
+    The keys are cut into blocks of ``block`` (the last may be shorter), the query rows into
+    cells of ``query_block`` aligned positions (`routing_cells`; ``query_block`` divides
+    ``block``, so a cell lies in one block: its *own* block ``⌊p / block⌋``). Cell c scores key
+    block J by ``s_cJ = q̄_c · k̄_J``, the mean query of the cell against the block's mean key
+    (clean inputs: NaN/inf read as 0). The own block is always kept (when it holds keys); the
+    other ``k_blocks − 1`` are the highest-scoring candidates — with ``causal`` the blocks wholly
+    before the own block, else every other block — ties broken by the lowest block index.
+    Nothing is differentiated: the selection is a constant of the attention that follows.
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``; ``H % H_kv == 0``, ``L, S >= 1``.
+        block: keys per block (>= 1). k_blocks: blocks kept per cell (>= 1).
+        causal: rank only past blocks.
+        query_block: rows per cell (divides ``block``); None means ``block``.
+
+    Returns:
+        bool ``(B, H, n_cells, ceil(S / block))``.
+    """
+    qb = block if query_block is None else query_block
+    H, L = q.shape[1], q.shape[2]
+    H_kv, S = k.shape[1], k.shape[2]
+    dtype = stat_dtype(q.dtype)
+    q, k = nan_rule.clean(q.detach()).to(dtype), nan_rule.clean(k.detach()).to(dtype)
+    first = (S - L) // qb
+    n_cells = (S - 1) // qb - first + 1
+    q_bar = _block_means(q, (S - L) - first * qb, qb, n_cells)  # (B, H, n_cells, D)
+    n_k = -(-S // block)
+    k_bar = _block_means(k, 0, block, n_k)  # (B, H_kv, n_k, D)
+    qg = q_bar.unflatten(1, (H_kv, H // H_kv))  # (B, H_kv, G, n_cells, D)
+    score = (qg @ k_bar.unsqueeze(2).transpose(-1, -2)).flatten(1, 2)  # (B, H, n_cells, n_k)
+    own = ((torch.arange(n_cells, device=q.device) + first) * qb).div(block, rounding_mode="floor")
+    j = torch.arange(n_k, device=q.device)
+    forced = j.view(1, -1) == own.view(-1, 1)  # (n_cells, n_k)
+    cand = j.view(1, -1) < own.view(-1, 1) if causal else ~forced
+    ranked = torch.where(forced, float("inf"), torch.where(cand, score, _NEG_INF))
+    return topk_keep(ranked, forced | cand, k_blocks)
+
+
+def routing_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    block: int,
+    k_blocks: int,
+    causal: bool = True,
+    query_block: int | None = None,
+    mask: Tensor | Mask | None = None,
+    scale: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+    reorder: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Reference block-routed attention (MoBA, Lu et al. 2025; NSA's selection branch).
+
+    ``out_i = softmax(q_i·K_{T_i}ᵀ·scale) V_{T_i}`` over the keys of the selected blocks
+    ``T_i = ∪_{J ∈ sel(c_i)} block J`` (`routing_select`), intersected with the causal mask
+    (bottom-right) when ``causal`` and with ``mask``. No gradient flows through the selection.
+
+    Args:
+        q: ``(B, H, L, D)``. k: ``(B, H_kv, S, D)``. v: ``(B, H_kv, S, Dv)``.
+        block, k_blocks, causal, query_block: as in `routing_select`.
+        mask: bool (True = may attend) broadcastable to ``(B, H, L, S)``, a `Mask`, or None.
+        scale: logit scale; None means ``1/√D``.
+        compute_dtype, reorder: as in `attention`.
+
+    Returns:
+        ``(out (B, H, L, Dv), weights (B, H, L, S))`` in q's dtype.
+    """
+    qb = block if query_block is None else query_block
+    L, S = q.shape[2], k.shape[2]
+    table = routing_select(q, k, block=block, k_blocks=k_blocks, causal=causal, query_block=qb)
+    cell = routing_cells(L, S, qb)[0].to(q.device)
+    key_block = torch.arange(S, device=q.device) // block
+    keep = table[:, :, cell][..., key_block]  # (B, H, L, S)
+    if causal:
+        keep = keep & causal_keep(L, S, q.device)
+    user = _as_keep(mask, q, k)
+    keep = keep if user is None else keep & user
+    return attention(q, k, v, mask=keep, scale=scale, compute_dtype=compute_dtype, reorder=reorder)

@@ -33,12 +33,14 @@ from .patterns import (
     strided,
     window,
 )
+from .routing import BlockTableMask
 
 __all__ = [
     "EMPTY",
     "FULL",
     "PARTIAL",
     "BigBirdMask",
+    "BlockTableMask",
     "CausalMask",
     "DocumentMask",
     "FnMask",

@@ -31,6 +31,7 @@ from .blocks import (
     tile_bounds,
 )
 from .counts import COUNT_BUDGET, HUGE, Geometry, diagonal_pairs
+from .routing import BlockTableMask
 
 
 def _cap(n: int) -> int:
@@ -774,6 +775,8 @@ def from_spec(spec: str, tensors: list[Tensor]) -> Mask:
             return m
         if name == "tensor":
             return TensorMask(t)
+        if name == "block_table":
+            return BlockTableMask(t, *(int(a) for a in args))
         raise ValueError(f"from_spec: unknown mask {name!r} in {spec!r}")
 
     return parse()

@@ -21,6 +21,7 @@ from .mha import MultiHeadAttention
 from .mla import MultiHeadLatentAttention, absorbed_latent_attention
 from .shaw import ShawRelativeAttention
 from .stream_linear import StreamLinear
+from .topk import RoutedAttention, TopKAttention
 from .torch_compat import deprecated_alias as _deprecated_alias
 
 # The drop-in for torch.nn.MultiheadAttention is attnlab.nn.MultiheadAttention; the old
@@ -52,9 +53,11 @@ __all__ = [
     "MultiHeadLatentAttention",
     "OffsetRMSNorm",
     "PerformerAttention",
+    "RoutedAttention",
     "ShawRelativeAttention",
     "SinkCache",
     "SlidingWindowCache",
     "StreamLinear",
+    "TopKAttention",
     "absorbed_latent_attention",
 ]
