@@ -33,7 +33,9 @@ _NAMES = {
             "explain",
             "local_global_attention",
             "merge_partials",
+            "routing_attention",
             "sigmoid_attention",
+            "topk_attention",
             "varlen_attn",
         ),
         ("functional", ""),
@@ -50,8 +52,10 @@ _NAMES = {
             "LocalGlobalAttention",
             "MultiHeadAttention",
             "MultiHeadLatentAttention",
+            "RoutedAttention",
             "SinkCache",
             "SlidingWindowCache",
+            "TopKAttention",
         ),
         ("modules", ""),
     ),
@@ -77,7 +81,9 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, importe
         explain,
         local_global_attention,
         merge_partials,
+        routing_attention,
         sigmoid_attention,
+        topk_attention,
         varlen_attn,
     )
     from .masks import Mask
@@ -91,8 +97,10 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, importe
         LocalGlobalAttention,
         MultiHeadAttention,
         MultiHeadLatentAttention,
+        RoutedAttention,
         SinkCache,
         SlidingWindowCache,
+        TopKAttention,
     )
     from .positional import (
         ALiBi,
