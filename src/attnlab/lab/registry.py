@@ -83,3 +83,23 @@ def run_experiment(name: str, settings: LabSettings | None = None, *, progress=N
     result = module.run(settings, bar)
     result.seconds = time.perf_counter() - start
     return result
+
+
+_register(
+    LabExperiment(
+        name="induction-heads",
+        summary="attention-only transformers of 1 and 2 layers on repeated random tokens: the "
+        "phase change and the heads' prefix-matching and copying scores (Olsson et al. 2022)",
+        claim=Claim(
+            paper="Olsson et al., Transformer Circuits Thread 2022, In-context Learning and "
+            "Induction Heads (with Elhage et al. 2021, A Mathematical Framework for Transformer "
+            "Circuits)",
+            where="Argument 1 (the phase change) and the attention-only models of 1 and 2 layers",
+            text="Induction heads form in a phase change: a sudden drop of the in-context loss in "
+            "two-layer attention-only models, which a one-layer model, lacking the composition of "
+            "two heads, does not show",
+        ),
+        module="attnlab.lab.induction",
+        tutorial="plot_lab_induction.py",
+    )
+)
