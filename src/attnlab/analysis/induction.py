@@ -154,11 +154,11 @@ def ov_circuits(embed: Tensor, w_v: Tensor, w_o: Tensor, unembed: Tensor, num_he
         ``(H, V, V)`` in float64.
     """
     H = check_int("num_heads", num_heads, minimum=1)
-    emb = _check_float("embed", embed, 2, "(V, E)").to(torch.float64)
+    emb = _check_float("embed", embed, 2, "(V, E)").detach().to(torch.float64)
     E = emb.shape[1]
-    wv = _check_float("w_v", w_v, 2, "(H*D, E)").to(torch.float64)
-    wo = _check_float("w_o", w_o, 2, "(E, H*D)").to(torch.float64)
-    un = _check_float("unembed", unembed, 2, "(V, E)").to(torch.float64)
+    wv = _check_float("w_v", w_v, 2, "(H*D, E)").detach().to(torch.float64)
+    wo = _check_float("w_o", w_o, 2, "(E, H*D)").detach().to(torch.float64)
+    un = _check_float("unembed", unembed, 2, "(V, E)").detach().to(torch.float64)
     if wv.shape[0] % H or wv.shape[1] != E or wo.shape != (E, wv.shape[0]) or un.shape[1] != E:
         raise ValueError(
             f"expected w_v (H*D, E={E}) with H={H} dividing H*D, w_o (E, H*D) and unembed "
