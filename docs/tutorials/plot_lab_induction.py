@@ -83,9 +83,11 @@ show("head_scores.png", 10)
 # What the default run shows
 # --------------------------
 # ``attnlab experiment induction-heads --out runs/induction-heads`` trains each depth for 1500
-# steps on 3 seeds and judges the claim with margins against the seed spread: in every seed the
-# 2-layer model forms heads in its second layer with a prefix-matching score near 0.9 that copy
-# (copying score near 1), and its loss on the repeats falls below a quarter of ``ln V``, while
-# the best 1-layer head stays near 0.15 and its loss on the repeats stays near 3 nats. The run
-# also writes ``induction_view.html``: the 2-layer model's attention on the probe in attnlab's
-# HTML viewer, opened on its best induction head.
+# steps on 3 seeds and judges the claim with margins against the seed spread. In a recorded
+# default run (docs/results/lab_induction.md) every seed of the 2-layer model formed heads in
+# its second layer with a prefix-matching score of 0.88 ± 0.03 that copy (copying score
+# 0.997), fed by previous-token heads in its first layer, and its loss on the repeats fell from
+# 3.7 to about 1 nat between steps 150 and 250, to 0.27 ± 0.04 at the end; the best 1-layer
+# head stayed at 0.12 and the 1-layer loss on the repeats at 2.8 nats. The run also writes
+# ``induction_view.html``: the 2-layer model's attention on the probe in attnlab's HTML
+# viewer, opened on its best induction head.

@@ -33,10 +33,10 @@ from .. import masks
 from .._shapes import check_int
 from ..modules import MultiHeadAttention
 from ..positional import LearnedPositionalEmbedding
-from .base import Check, Claim, LabResult, LabSettings, SeedStats, Verdict, machine
+from .base import Check, LabResult, LabSettings, SeedStats, Verdict, machine
+from .registry import experiment
 
 __all__ = [
-    "CLAIM",
     "AttentionOnly",
     "InductionRecipe",
     "judge",
@@ -44,15 +44,6 @@ __all__ = [
     "run",
     "train_one",
 ]
-
-CLAIM = Claim(
-    paper="Olsson et al., Transformer Circuits Thread 2022, In-context Learning and Induction "
-    "Heads (with Elhage et al. 2021, A Mathematical Framework for Transformer Circuits)",
-    where="Argument 1: the phase change; the attention-only models of 1 and 2 layers",
-    text="Induction heads form in a phase change: a sudden drop of the in-context loss in "
-    "two-layer attention-only models, which a one-layer model, lacking the composition of "
-    "two heads, does not show",
-)
 
 VOCAB = 64  # token ids 0 … 63: the first occurrence costs about ln 64 = 4.16 nats per token
 HIGH_PREFIX = 0.5  # an induction head puts over half of its attention on the matched token
@@ -393,4 +384,4 @@ def judge(metrics: dict[str, Any], quick: bool) -> Verdict:
             f"{rep1} nats",
         ),
     )
-    return Verdict(CLAIM, checks, quick=quick)
+    return Verdict(experiment("induction-heads").claim, checks, quick=quick)

@@ -95,9 +95,10 @@ _register(
             "Induction Heads (with Elhage et al. 2021, A Mathematical Framework for Transformer "
             "Circuits)",
             where="Argument 1 (the phase change) and the attention-only models of 1 and 2 layers",
-            text="Induction heads form in a phase change: a sudden drop of the in-context loss in "
-            "two-layer attention-only models, which a one-layer model, lacking the composition of "
-            "two heads, does not show",
+            text="Transformer language models undergo a “phase change” early in training, "
+            "during which induction heads form and simultaneously in-context learning improves "
+            "dramatically — seen in two-layer attention-only models; one-layer ones, which "
+            "cannot compose two heads, form no induction heads and show no phase change",
         ),
         module="attnlab.lab.induction",
         tutorial="plot_lab_induction.py",
