@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -118,18 +119,33 @@ def test_registered_with_its_claim_and_tutorial():
     assert "Olsson" in entry.claim.paper and "phase change" in entry.claim.text
 
 
-def test_the_model_refuses_bad_sizes():
+def test_the_model_refuses_bad_sizes_and_ids():
     with pytest.raises(ValueError, match="n_layers"):
         lab.AttentionOnly(8, 8, n_layers=-1, n_heads=2, max_len=4)
+    model = lab.AttentionOnly(8, 8, n_layers=1, n_heads=2, max_len=4)
+    with pytest.raises(ValueError, match=r"idx holds token ids in \[0, 8\]"):
+        model(torch.tensor([[0, 8]]))
+    with pytest.raises(ValueError, match="idx must be"):
+        model(torch.tensor([0, 1]))
 
 
 @pytest.mark.slow
-def test_attention_only_model_under_inductor_matches_eager():
+def test_attention_only_model_under_inductor_matches_eager_forward_and_backward():
     torch.manual_seed(0)
     model = lab.AttentionOnly(lab.VOCAB, 16, 2, 2, 16)
     tokens, _ = lab.repeated_sequences(4, TINY, torch.Generator().manual_seed(0))
-    compiled = torch.compile(model, fullgraph=True)
-    torch.testing.assert_close(compiled(tokens), model(tokens), rtol=1e-4, atol=1e-4)
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        out = fn(tokens)
+        out.square().mean().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+    eager_out, eager_grads = run(model)
+    compiled_out, compiled_grads = run(torch.compile(model, fullgraph=True))
+    torch.testing.assert_close(compiled_out, eager_out, rtol=1e-4, atol=1e-4)
+    for got, want in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -149,6 +165,7 @@ def test_cli_quick_run_prints_the_verdict(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # tiny models: one thread (shared cores)
     )
     assert run.returncode == 0, run.stderr
     assert "Olsson" in run.stdout and "quick run:" in run.stdout

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from .. import masks
 from .._shapes import check_int
+from ..models.gpt import check_token_ids
 from ..modules import MultiHeadAttention
 from ..positional import LearnedPositionalEmbedding
 from .base import Check, LabResult, LabSettings, SeedStats, Verdict, machine
@@ -119,7 +120,9 @@ class AttentionOnly(nn.Module):
         self.mask = masks.causal()
 
     def forward(self, idx: Tensor) -> Tensor:
-        """Logits ``(B, L, V)`` for token ids ``(B, L)``."""
+        """Logits ``(B, L, V)`` for token ids ``(B, L)`` in ``[0, V)``, L <= max_len (checked
+        in eager mode, before any work; skipped while compiling)."""
+        idx = check_token_ids("idx", idx, self.vocab_size)
         x = self.embed(idx) + self.pos(idx.shape[1])  # (B, L, E)
         for attn in self.layers:
             x = x + attn(x, mask=self.mask)  # (B, L, E)
