@@ -1,6 +1,7 @@
 """Inspecting attention: weight statistics, head importance, cost estimates, experiments, and
 the texts' readings of attention (bilinear forms, score terms, kernel regression, Gibbs), and
-MiniLM's heads (a head classifier and a head-pruning sweep)."""
+MiniLM's heads (a head classifier and a head-pruning sweep), and induction-head scores (prefix
+matching, previous-token attention, the OV circuit's copying)."""
 
 from .capture import capture_attentions, module_attentions
 from .estimate import Estimate, estimate, measure_estimate
@@ -12,6 +13,13 @@ from .experiments import (
 )
 from .heads import HeadReport, PruningSweep, alice_sentences, classify_heads, pruning_sweep
 from .importance import attention_modules, head_gates, head_importance, output_norm
+from .induction import (
+    copying_score,
+    ov_circuits,
+    prefix_match_targets,
+    prefix_matching_score,
+    previous_token_score,
+)
 from .views import Gibbs, ScoreTerms, bilinear_metric, gibbs, nadaraya_watson, score_decomposition
 from .weights import (
     differential_maps,
@@ -36,6 +44,7 @@ __all__ = [
     "bilinear_metric",
     "capture_attentions",
     "classify_heads",
+    "copying_score",
     "differential_maps",
     "entropy",
     "estimate",
@@ -50,6 +59,10 @@ __all__ = [
     "module_attentions",
     "nadaraya_watson",
     "output_norm",
+    "ov_circuits",
+    "prefix_match_targets",
+    "prefix_matching_score",
+    "previous_token_score",
     "pruning_sweep",
     "row_is_attended",
     "scaling_experiment",

@@ -83,3 +83,24 @@ def run_experiment(name: str, settings: LabSettings | None = None, *, progress=N
     result = module.run(settings, bar)
     result.seconds = time.perf_counter() - start
     return result
+
+
+_register(
+    LabExperiment(
+        name="induction-heads",
+        summary="attention-only transformers of 1 and 2 layers on repeated random tokens: the "
+        "phase change and the heads' prefix-matching and copying scores (Olsson et al. 2022)",
+        claim=Claim(
+            paper="Olsson et al., Transformer Circuits Thread 2022, In-context Learning and "
+            "Induction Heads (with Elhage et al. 2021, A Mathematical Framework for Transformer "
+            "Circuits)",
+            where="Argument 1 (the phase change) and the attention-only models of 1 and 2 layers",
+            text="Transformer language models undergo a “phase change” early in training, "
+            "during which induction heads form and simultaneously in-context learning improves "
+            "dramatically — seen in two-layer attention-only models; one-layer ones, which "
+            "cannot compose two heads, form no induction heads and show no phase change",
+        ),
+        module="attnlab.lab.induction",
+        tutorial="plot_lab_induction.py",
+    )
+)
