@@ -417,14 +417,21 @@ def _dynamic_range() -> Finding:
 
 @check("003-4.3-c")
 def _hierarchical() -> Finding:
-    from ... import attention, masks
+    from ... import attention, local_global_attention, masks
 
     n, window = 1024, 64
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 1, n, 16, generator=g, dtype=torch.float64) for _ in range(3))
     local = attention(q, k, v, mask=masks.sliding_window(window))
     glob = attention(q, k, v, mask=masks.causal())
-    both = torch.cat([local, glob], dim=-1)  # the formula: both on the same Q, K, V
+    # the formula: both on the same Q, K, V — attnlab's Concat(local, global) over two heads
+    heads = local_global_attention(
+        *(t.expand(1, 2, n, 16) for t in (q, k, v)),
+        local_heads=1,
+        window=window,
+        mask=masks.causal(),
+    )  # (1, 2, n, 16): head 0 local, head 1 global
+    both = heads.transpose(1, 2).reshape(1, 1, n, 32)
     seq = attention(local, local, local, mask=masks.causal())  # the prose: global after local
     pairs = masks.sliding_window(window).attended_pairs(n, n)
     full = masks.causal().attended_pairs(n, n)
@@ -435,7 +442,9 @@ def _hierarchical() -> Finding:
     causal, band = ind.causal_keep(n), ind.band_keep(n, window)
     loc_ind = ind.sdpa(qn, kn, vn, keep=band)
     witness = (
-        ind.close(local[0, 0].numpy(), loc_ind)
+        ind.close(both[0, 0, :, :16].numpy(), loc_ind)
+        and ind.close(both[0, 0, :, 16:].numpy(), ind.sdpa(qn, kn, vn, keep=causal))
+        and ind.close(local[0, 0].numpy(), loc_ind)
         and ind.close(glob[0, 0].numpy(), ind.sdpa(qn, kn, vn, keep=causal))
         and ind.close(seq[0, 0].numpy(), ind.sdpa(loc_ind, loc_ind, loc_ind, keep=causal))
         and (pairs, full) == (int(band.sum()), n * (n + 1) // 2)
@@ -444,8 +453,10 @@ def _hierarchical() -> Finding:
         computed=f"Concat(Local, Global) has width {both.shape[-1]} (2·d_v) and attends "
         f"{pairs + full:,} pairs vs {full:,} for global attention alone; global-after-local "
         f"differs from the formula's Global(Q, K, V) by up to {differs:.3g}",
-        call="torch.cat([attention(q, k, v, mask=masks.sliding_window(64)), attention(q, k, v, "
-        "mask=masks.causal())], -1) vs attention(local, local, local, mask=masks.causal())",
+        call="local_global_attention(q, k, v, local_heads=1, window=64, mask=masks.causal()) "
+        "on two heads = torch.cat([attention(q, k, v, mask=masks.sliding_window(64)), "
+        "attention(q, k, v, mask=masks.causal())], -1), vs attention(local, local, local, "
+        "mask=masks.causal())",
         **judged(
             consistent,
             "the formula runs both side by side on the same Q, K, V — nothing is computed 'first "
