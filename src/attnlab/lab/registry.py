@@ -83,3 +83,22 @@ def run_experiment(name: str, settings: LabSettings | None = None, *, progress=N
     result = module.run(settings, bar)
     result.seconds = time.perf_counter() - start
     return result
+
+
+_register(
+    LabExperiment(
+        name="train-short-test-long",
+        summary="positional encodings trained at one length, tested at 1×–16× it "
+        "(sinusoidal, learned, RoPE, T5 bias, ALiBi, NoPE)",
+        claim=Claim(
+            paper="Press, Smith & Lewis, ICLR 2022, Train Short, Test Long: Attention with "
+            "Linear Biases Enables Input Length Extrapolation",
+            where="Fig. 1 and its tables (WikiText-103, nonoverlapping evaluation)",
+            text="as the (validation-set's) input sequence gets longer, current position "
+            "methods (sinusoidal, rotary, and T5) show degraded perplexity, but our method "
+            "[ALiBi] does not",
+        ),
+        module="attnlab.lab.length",
+        tutorial="plot_lab_length.py",
+    )
+)
