@@ -28,13 +28,16 @@ This page runs the ``--quick`` scale (one seed, a smaller model, ``L = 32``) thr
 # The result holds the metrics (plain JSON), the table the command prints, the verdict computed
 # from the numbers and the figure.
 
+import matplotlib.pyplot as plt
+
 from attnlab.lab import LabSettings, run_experiment
+from attnlab.viz import lab_length
 
 result = run_experiment("train-short-test-long", LabSettings(quick=True))
 columns, rows = result.table
 print("  ".join(f"{c:>16}" for c in columns))
 for row in rows:
-    print("  ".join(f"{str(x):>16}" for x in row))
+    print("  ".join(f"{x!s:>16}" for x in row))
 
 # %%
 # The verdict
@@ -51,10 +54,6 @@ print(result.footer())
 # ----------
 # Left: held-out loss against the evaluation length (dashed: the training length). Right: the
 # same curves minus each encoding's loss at the training length — the paper's "shape".
-
-import matplotlib.pyplot as plt
-
-from attnlab.viz import lab_length
 
 fig = lab_length.length_figure(result.metrics)
 plt.show()
