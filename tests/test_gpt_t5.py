@@ -107,6 +107,11 @@ def test_gpt_t5_logits_and_table_gradient_follow_the_hand_computation(L):
     assert_close_rule(impl[0], golden[0], naive[0], name="logits")
     assert_close_rule(impl[1], golden[1], naive[1], kind="grad", name="t5 table grad")
     assert L == 1 or impl[1].abs().sum() > 0  # one key: softmax ignores its bias
+    # inference on the tiled flash path (per-tile bias, no L × S matrix): the same logits
+    tiled = GPT(_cfg(attn_backend="flash")).eval()
+    tiled.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert_close_rule(tiled(idx), golden[0], naive[0], name="flash logits")
 
 
 def test_gpt_t5_cached_decode_equals_full_forward():
