@@ -88,8 +88,7 @@ def run_experiment(name: str, settings: LabSettings | None = None, *, progress=N
 _register(
     LabExperiment(
         name="train-short-test-long",
-        summary="positional encodings trained at one length, tested at 1×–16× it "
-        "(sinusoidal, learned, RoPE, T5 bias, ALiBi, NoPE)",
+        summary="positional encodings trained at L, tested up to 16× L",
         claim=Claim(
             paper="Press, Smith & Lewis, ICLR 2022, Train Short, Test Long: Attention with "
             "Linear Biases Enables Input Length Extrapolation",
