@@ -1,6 +1,6 @@
 """
 Train short, test long: which positional encodings extrapolate?
-==============================================================
+===============================================================
 
 Press, Smith & Lewis (ICLR 2022, *Train Short, Test Long: Attention with Linear Biases Enables
 Input Length Extrapolation*, Fig. 1) train the same language model at one length ``L`` with
