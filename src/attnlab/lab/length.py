@@ -33,9 +33,15 @@ import sysconfig
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .base import Check, LabResult, LabSettings, SeedStats, Verdict, machine
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor
+
+    from ..models import GPT
+    from ..utils import Progress
 
 __all__ = [
     "ENCODINGS",
@@ -120,7 +126,7 @@ SCALES: dict[str, LengthScale] = {
 
 # ----------------------------------------------------------------------------------- data
 @functools.lru_cache(maxsize=1)
-def corpus() -> tuple[Any, Any, dict[str, Any]]:
+def corpus() -> tuple[Tensor, Tensor, dict[str, Any]]:
     """``(train, test, info)``: the standard library's top-level sources as byte ids.
 
     Returns:
@@ -157,7 +163,7 @@ def corpus() -> tuple[Any, Any, dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------ one model
-def _model(positional: str | None, scale: LengthScale):
+def _model(positional: str | None, scale: LengthScale) -> GPT:
     from ..models import GPT, TransformerConfig
 
     longest = scale.train_len * (1 if positional == "learned" else FACTORS[-1])
@@ -175,7 +181,9 @@ def _model(positional: str | None, scale: LengthScale):
     )
 
 
-def train_one(positional: str | None, scale: LengthScale, seed: int, train) -> tuple[Any, list]:
+def train_one(
+    positional: str | None, scale: LengthScale, seed: int, train: Tensor
+) -> tuple[GPT, list[float]]:
     """Trains one GPT with ``positional`` on random ``L + 1``-byte windows of ``train``.
 
     Args:
@@ -196,7 +204,7 @@ def train_one(positional: str | None, scale: LengthScale, seed: int, train) -> t
     g = torch.Generator().manual_seed(10_000 + seed)
     span = torch.arange(scale.train_len + 1)  # (L + 1,)
 
-    def loss_at(step: int):  # noqa: ARG001 (the batches come from the generator)
+    def loss_at(step: int) -> Tensor:  # noqa: ARG001 (the batches come from the generator)
         high = train.numel() - scale.train_len - 1
         starts = torch.randint(0, high, (scale.batch, 1), generator=g)  # (B, 1)
         windows = train[starts + span]  # (B, L + 1)
@@ -215,7 +223,7 @@ def train_one(positional: str | None, scale: LengthScale, seed: int, train) -> t
     return model.eval(), history.train_loss
 
 
-def evaluate(model, test, length: int, tokens: int, batch: int = 8) -> float:
+def evaluate(model: GPT, test: Tensor, length: int, tokens: int, batch: int = 8) -> float:
     """Mean loss (nats per byte) over non-overlapping windows of ``length`` bytes of ``test``.
 
     The first ``tokens`` bytes of ``test`` are cut into ``tokens / length`` windows; window w
@@ -258,11 +266,16 @@ def evaluate(model, test, length: int, tokens: int, batch: int = 8) -> float:
 def run_scale(
     scale: LengthScale,
     seeds: int,
-    progress,
+    progress: Progress,
     *,
     encodings: Sequence[str] = tuple(ENCODINGS),
 ) -> dict[str, Any]:
     """Trains every encoding over ``seeds`` seeds and evaluates it at every factor.
+
+    Args:
+        scale: the run's size. seeds: seeds 0 … seeds − 1 per encoding.
+        progress: stepped once per trained model (``progress.total`` is set here).
+        encodings: names of `ENCODINGS` to run (the tests run a subset).
 
     Returns:
         The metrics: ``loss[encoding]`` is ``seeds`` lists of one loss per factor (None where
@@ -301,7 +314,7 @@ def run_scale(
     }
 
 
-def run(settings: LabSettings, progress) -> LabResult:
+def run(settings: LabSettings, progress: Progress) -> LabResult:
     """The experiment at ``settings``' scale (3 seeds by default, 1 with ``--quick``)."""
     scale = SCALES[settings.scale]
     metrics = run_scale(scale, settings.seed_count(default=3), progress)
