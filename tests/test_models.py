@@ -73,9 +73,9 @@ def test_swiglu_without_autograd_is_the_same_function(activation) -> None:
         ),
         ({"mlp": "relu"}, ValueError, r"mlp must be one of \['gelu', 'swiglu'\], got 'relu'"),
         (
-            {"positional": "t5"},
+            {"positional": "xpos"},
             ValueError,
-            r"positional must be one of .*'alibi', None\], got 't5'",
+            r"positional must be one of .*'alibi', 't5', None\], got 'xpos'",
         ),
         ({"dropout": 1.0}, ValueError, r"dropout must be in \[0, 1\), got 1.0"),
         ({"dropout": float("nan")}, ValueError, r"dropout must be finite, got nan"),

@@ -12,6 +12,7 @@ ORDER = (
     "plot_compile_your_model.py",
     "plot_transformers_model.py",
     "plot_lab_induction.py",
+    "plot_lab_length.py",
 )
 
 

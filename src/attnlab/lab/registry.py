@@ -104,3 +104,20 @@ _register(
         tutorial="plot_lab_induction.py",
     )
 )
+
+_register(
+    LabExperiment(
+        name="train-short-test-long",
+        summary="positional encodings trained at L, tested up to 16× L",
+        claim=Claim(
+            paper="Press, Smith & Lewis, ICLR 2022, Train Short, Test Long: Attention with "
+            "Linear Biases Enables Input Length Extrapolation",
+            where="Fig. 1 and its tables (WikiText-103, nonoverlapping evaluation)",
+            text="as the (validation-set's) input sequence gets longer, current position "
+            "methods (sinusoidal, rotary, and T5) show degraded perplexity, but our method "
+            "[ALiBi] does not",
+        ),
+        module="attnlab.lab.length",
+        tutorial="plot_lab_length.py",
+    )
+)

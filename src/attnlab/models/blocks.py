@@ -20,7 +20,13 @@ from .._shapes import check_int
 from ..functional.request import BiasFn
 from ..masks import CausalMask, Mask, from_tensor, sliding_window
 from ..modules import KVCache, LocalGlobalAttention, MultiHeadAttention
-from ..positional import ALiBi, LearnedPositionalEmbedding, RoPE, SinusoidalEmbedding
+from ..positional import (
+    ALiBi,
+    LearnedPositionalEmbedding,
+    RoPE,
+    SinusoidalEmbedding,
+    T5RelativeBias,
+)
 from . import fused_step
 from .config import TransformerConfig
 from .layers import (
@@ -231,7 +237,14 @@ def positional_parts(
 
     ``added`` is a module mapping positions ``(L,)`` to ``(L, E)`` vectors that are added to the
     token embeddings ("learned", "sinusoidal"); ``rope`` rotates q and k inside every attention
-    ("rope"); ``bias_fn`` is ALiBi, ``−slope·(i − j)`` when causal, ``−slope·|i − j|`` otherwise.
+    ("rope"); ``bias_fn`` is ALiBi, ``−slope·(i − j)`` when causal, ``−slope·|i − j|`` otherwise,
+    or T5's relative bias ``W[bucket(j − i), h]`` ("t5": one learned table shared by every layer,
+    as in T5; causal buckets when ``causal``). A bias function goes through `attnlab.attention`'s
+    ``bias=`` (the flash path evaluates it per tile).
+
+    Raises:
+        ValueError: ``t5_max_distance`` not above T5's exact buckets (``t5_buckets // 2`` when
+            causal, ``t5_buckets // 4`` otherwise).
     """
     kind = config.positional
     if kind == "learned":
@@ -242,6 +255,18 @@ def positional_parts(
         return None, RoPE(config.head_dim, config.rope_base, config.rope_scaling), None
     if kind == "alibi":
         return None, None, ALiBi(config.n_heads, causal=causal)
+    if kind == "t5":
+        exact = config.t5_buckets // (2 if causal else 4)
+        if exact and config.t5_max_distance <= exact:
+            raise ValueError(
+                f"t5_max_distance must be > {exact} (the exact buckets of t5_buckets="
+                f"{config.t5_buckets}, {'causal' if causal else 'bidirectional'}), "
+                f"got {config.t5_max_distance}"
+            )
+        t5 = T5RelativeBias(
+            config.n_heads, config.t5_buckets, config.t5_max_distance, bidirectional=not causal
+        )
+        return None, None, t5
     return None, None, None
 
 

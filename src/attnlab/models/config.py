@@ -11,7 +11,7 @@ from .._shapes import check_int, check_number, check_probability
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
-POSITIONALS = ("rope", "learned", "sinusoidal", "alibi", None)
+POSITIONALS = ("rope", "learned", "sinusoidal", "alibi", "t5", None)
 #: A layer's attention span in ``layer_types`` (transformers' names: Mistral, Gemma 2/3, Qwen 2).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 #: The attention of every block: "softmax" (`MultiHeadAttention`) or "local_global"
@@ -21,6 +21,8 @@ ATTENTIONS = ("softmax", "local_global")
 #: sinusoidal or no positions; "learned" positions are a table of exactly that many rows):
 #: 2**24 = 16,777,216 tokens, above the longest context any released model was trained for.
 MAX_UNSIZED_SEQ_LEN = 1 << 24
+#: The most T5 buckets a checkpoint without a T5 table may store (its table sizes them otherwise).
+MAX_T5_BUCKETS = 1 << 16
 
 
 def _choice(name: str, value: object, choices: tuple) -> None:
@@ -49,8 +51,11 @@ class TransformerConfig:
         activation: the MLP's nonlinearity: "gelu" (exact, erf), "gelu_tanh" (tanh
             approximation), "relu" or "silu"; None = the MLP's own (exact GELU for "gelu", SiLU
             for "swiglu").
-        positional: "rope", "learned", "sinusoidal", "alibi" or None.
+        positional: "rope", "learned", "sinusoidal", "alibi", "t5" (T5's bucketed relative
+            bias, one learned table ``(t5_buckets, H)`` shared by every layer) or None (NoPE).
         rope_base: θ of RoPE. rope_scaling: an HF-style RoPE scaling dict, or None.
+        t5_buckets: the number of distance buckets of ``positional="t5"`` (T5: 32).
+        t5_max_distance: the distance from which every key shares T5's last bucket (T5: 128).
         bias: biases in the linear layers and the LayerNorms.
         tie_embeddings: the output projection shares the token embedding matrix (GPT).
         type_vocab_size: number of token types (segments) whose embeddings `Encoder` adds to the
@@ -88,6 +93,8 @@ class TransformerConfig:
     positional: str | None = "rope"
     rope_base: float = 10000.0
     rope_scaling: dict[str, Any] | None = field(default=None)
+    t5_buckets: int = 32
+    t5_max_distance: int = 128
     bias: bool = True
     tie_embeddings: bool = True
     activation: str | None = None
@@ -107,6 +114,8 @@ class TransformerConfig:
         check_int("n_heads", self.n_heads, minimum=1)
         check_int("max_seq_len", self.max_seq_len, minimum=1)
         check_int("type_vocab_size", self.type_vocab_size, minimum=0)
+        check_int("t5_buckets", self.t5_buckets, minimum=1)
+        check_int("t5_max_distance", self.t5_max_distance, minimum=1)
         if self.pad_token_id is not None:
             check_int("pad_token_id", self.pad_token_id, minimum=0)
             if self.pad_token_id >= self.vocab_size:
@@ -287,7 +296,8 @@ def checkpoint_rules(field_root: str = "", tensor_root: str = "") -> tuple[Confi
 
     The layer count is the number of ``blocks.<i>`` in the file; ``vocab_size`` and
     ``d_model`` are the token table's shape; ``max_seq_len`` is the learned position table's
-    rows, or at most `MAX_UNSIZED_SEQ_LEN` without one; ``type_vocab_size`` is the token-type
+    rows, or at most `MAX_UNSIZED_SEQ_LEN` without one; ``t5_buckets`` is the T5 bias table's
+    rows, or at most `MAX_T5_BUCKETS` without one; ``type_vocab_size`` is the token-type
     table's rows, or 0 without one (a `GPT` has none); ``d_ff`` is the MLP's hidden width; the
     other integer fields are type-checked. For `attnlab._fit.justify_config`.
 
@@ -316,4 +326,12 @@ def checkpoint_rules(field_root: str = "", tensor_root: str = "") -> tuple[Confi
         ConfigRule(f"{f}pad_token_id", optional=True),
         ConfigRule(f"{f}sliding_window", low=1, optional=True),
         ConfigRule(f"{f}local_heads", optional=True),
+        ConfigRule(
+            f"{f}t5_buckets",
+            low=1,
+            tensor=f"{t}blocks.0.attn.bias_fn.weight",
+            dim=0,
+            limit=MAX_T5_BUCKETS,
+        ),
+        ConfigRule(f"{f}t5_max_distance", low=1, limit=MAX_UNSIZED_SEQ_LEN),
     )
