@@ -125,8 +125,13 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def _epilog() -> str:
+    import textwrap
+
     lines = ["lab experiments (published results, a verdict computed from the run):"]
-    lines += [f"  {e.name}: {e.summary}" for e in EXPERIMENTS.values()]
+    for e in EXPERIMENTS.values():
+        lines += textwrap.wrap(
+            f"{e.name}: {e.summary}", width=78, initial_indent="  ", subsequent_indent="      "
+        )
     return "\n".join(lines)
 
 

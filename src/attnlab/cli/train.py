@@ -410,8 +410,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument(flag, dest=name, type=kind, help=f"{text} (default {DEFAULTS[name]})")
     p.add_argument(
         "--positional",
-        choices=["rope", "learned", "sinusoidal", "alibi", "none"],
-        help="position encoding (default rope)",
+        choices=["rope", "learned", "sinusoidal", "alibi", "t5", "none"],
+        help="position encoding (default rope; t5: bucketed relative bias, one table)",
     )
     p.add_argument(
         "--attention",
