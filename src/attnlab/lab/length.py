@@ -1,8 +1,9 @@
 """Train short, test long (Press, Smith & Lewis, ICLR 2022): which positions extrapolate.
 
 The same small causal byte-level LM (`attnlab.models.GPT`) is trained at one length ``L`` with
-each positional encoding of the paper's Fig. 1 — sinusoidal, learned, RoPE, T5 bias, ALiBi — and
-with none (NoPE), then evaluated on held-out text at ``1×, 2×, 4×, 8×, 16× L``.
+each positional encoding of the paper's Fig. 1 — sinusoidal, learned, RoPE, T5 bias, ALiBi —, with
+none (NoPE) and with RoPE and a sliding window of ``L`` keys in every layer, then evaluated on
+held-out text at ``1×, 2×, 4×, 8×, 16× L``.
 
 Data: Python's standard-library sources (``sysconfig.get_paths()["stdlib"]``, the top-level
 ``*.py`` files, ~4.7 MB), read as UTF-8 bytes (vocabulary 256). The files are sorted by name;
@@ -56,14 +57,17 @@ __all__ = [
     "train_one",
 ]
 
-#: The encodings compared, in the paper's Fig. 1 order, then NoPE; the config's names.
-ENCODINGS: dict[str, str | None] = {
-    "sinusoidal": "sinusoidal",
-    "learned": "learned",
-    "rope": "rope",
-    "t5": "t5",
-    "alibi": "alibi",
-    "nope": None,
+#: The models compared: the encodings of the paper's Fig. 1 in its order, then NoPE, then RoPE
+#: with a sliding window of L keys in every layer (Mistral's answer to length: no query ever
+#: sees a distance it was not trained on); each entry is ``(positional, window)`` of the GPT.
+ENCODINGS: dict[str, tuple[str | None, bool]] = {
+    "sinusoidal": ("sinusoidal", False),
+    "learned": ("learned", False),
+    "rope": ("rope", False),
+    "t5": ("t5", False),
+    "alibi": ("alibi", False),
+    "nope": (None, False),
+    "rope_window": ("rope", True),
 }
 #: Evaluation lengths as multiples of the training length.
 FACTORS = (1, 2, 4, 8, 16)
@@ -78,6 +82,7 @@ LABELS = {
     "t5": "T5 bias",
     "alibi": "ALiBi",
     "nope": "NoPE",
+    "rope_window": "RoPE, window L",
 }
 
 
@@ -163,9 +168,10 @@ def corpus() -> tuple[Tensor, Tensor, dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------ one model
-def _model(positional: str | None, scale: LengthScale) -> GPT:
+def _model(encoding: str, scale: LengthScale) -> GPT:
     from ..models import GPT, TransformerConfig
 
+    positional, window = ENCODINGS[encoding]
     longest = scale.train_len * (1 if positional == "learned" else FACTORS[-1])
     return GPT(
         TransformerConfig(
@@ -177,17 +183,18 @@ def _model(positional: str | None, scale: LengthScale) -> GPT:
             positional=positional,
             t5_buckets=scale.t5_buckets,
             t5_max_distance=scale.t5_max_distance,
+            sliding_window=scale.train_len if window else None,
         )
     )
 
 
 def train_one(
-    positional: str | None, scale: LengthScale, seed: int, train: Tensor
+    encoding: str, scale: LengthScale, seed: int, train: Tensor
 ) -> tuple[GPT, list[float]]:
-    """Trains one GPT with ``positional`` on random ``L + 1``-byte windows of ``train``.
+    """Trains one GPT with ``encoding`` on random ``L + 1``-byte windows of ``train``.
 
     Args:
-        positional: a `attnlab.models.TransformerConfig` positional ("rope", …, None = NoPE).
+        encoding: a key of `ENCODINGS` ("alibi", "rope", …, "nope", "rope_window").
         scale: the run's size. seed: seeds the initialisation and the batches.
         train: the training bytes ``(N,)``.
 
@@ -200,7 +207,7 @@ def train_one(
     from ..apps.loop import FitSettings, fit
 
     torch.manual_seed(seed)
-    model = _model(positional, scale)
+    model = _model(encoding, scale)
     g = torch.Generator().manual_seed(10_000 + seed)
     span = torch.arange(scale.train_len + 1)  # (L + 1,)
 
@@ -219,7 +226,7 @@ def train_one(
         seed=seed,
         betas=(0.9, 0.95),
     )
-    history = fit(model, loss_at, s, desc=f"{positional or 'nope'} seed {seed}")
+    history = fit(model, loss_at, s, desc=f"{encoding} seed {seed}")
     return model.eval(), history.train_loss
 
 
@@ -288,10 +295,9 @@ def run_scale(
     train_loss: dict[str, list[dict[str, float]]] = {}
     progress.total = len(encodings) * seeds
     for name in encodings:
-        positional = ENCODINGS[name]
         loss[name], train_loss[name] = [], []
         for seed in range(seeds):
-            model, history = train_one(positional, scale, seed, train)
+            model, history = train_one(name, scale, seed, train)
             k = min(10, len(history))
             train_loss[name].append({"first": sum(history[:k]) / k, "last": sum(history[-k:]) / k})
             loss[name].append(
@@ -375,8 +381,8 @@ def judge(metrics: dict[str, Any], quick: bool) -> Verdict:
     - sinusoidal, RoPE and T5 degrade: their loss at 16× minus at 1× is above ``FLAT``;
     - ALiBi's loss at 16× is below sinusoidal's, RoPE's and T5's.
 
-    Learned positions (undefined beyond L) and NoPE (not in the paper's figure) are reported,
-    not judged.
+    Learned positions (undefined beyond L), NoPE and RoPE with a window of L keys (not in the
+    paper's figure) are reported, not judged.
     """
     from .registry import experiment
 
