@@ -2,7 +2,8 @@
 // backend, each as one CPU operator (see attnlab/functional/flash/band.py and band_kernel.py).
 //
 //   attnlab_band::forward_into(out!, lse!, q, k, v, add, r0, nblk, bq, k_start, width, limit,
-//                              scale, check=False, widen=False, softcap=0.0, keys=None) -> seen
+//                              scale, check=False, widen=False, softcap=0.0, keys=None,
+//                              sinks=None) -> seen
 //       q (H, L, D), k (H_kv, S, D), v (H_kv, S, Dv): one batch item, unit stride in the last
 //       dim; query block t (0 <= t < nblk) holds rows r0 + t·bq … + bq and sees the keys
 //       [k_start + t·bq, … + width) that lie in [0, limit) (edge windows are clipped: columns
@@ -22,7 +23,7 @@
 //       found (out and lse are not meaningful), else empty (numel 0; also when not checking),
 //       so the caller branches on shape, as on `attnlab_flash::clean_copy`.
 //   attnlab_band::segments_into(out!, lse!, q, k, v, start, n, count, causal, bq, scale,
-//                               widen=False, softcap=0.0, keys=None)
+//                               widen=False, softcap=0.0, keys=None, sinks=None)
 //       q, k, v as above; segment s (0 <= s < count) holds rows and keys [start + s·n, … + n):
 //       its rows attend all its keys, or (causal) the keys up to their own position — of those,
 //       with keys (bool (S,): a key mask, padding), only the keys j with keys[j]. Writes the
@@ -30,6 +31,11 @@
 //       query blocks of bq rows: out = softmax(q·kᵀ·scale) v, lse = log Σ exp(q·kᵀ·scale); a
 //       row left without keys gets out = 0, lse = −inf. A key mask costs only the columns from
 //       each segment's first attended key to its last (`KeyRuns`).
+//       sinks (both forward operators; float32 (H,), GPT-OSS's attention sinks): head h's logit
+//       s_h joins each of its rows' denominators where the row is finalised (`finish_row`):
+//       out = Σ_j e^{l_j} v_j / (e^{s_h} + Σ_j e^{l_j}), lse = log(e^{s_h} + Σ_j e^{l_j}); a
+//       row without keys gets out = 0, lse = s_h; a NaN/+inf s_h makes the rows with a key NaN.
+//       The backward operators are exact on these out and lse (the sink-inclusive weights).
 //   attnlab_band::backward_into(dq!, dk!, dv!, q, k, v, out, dout, lse, add, r0, nblk, bq,
 //                               k_start, width, limit, scale, own_delta=False, keys=None)
 //   attnlab_band::segments_backward_into(dq!, dk!, dv!, q, k, v, out, dout, lse, start, n,
@@ -469,17 +475,41 @@ inline void cap_scores(float* s, int64_t n, float scale, float cap) {
 
 // Writes one output row (the unnormalized p·v row ``src`` divided by the denominator) and its
 // log-sum-exp; a row without keys (max −inf) gets 0 and −inf.
+//
+// With an attention sink ``sink`` (the row's head's logit, GPT-OSS; −inf: none) the sink joins
+// the row's denominator where it is finalised: with m' = max(mx, sink),
+//     out = src·e^{mx − m'} / (den·e^{mx − m'} + e^{sink − m'}),
+//     lse = m' + log(den·e^{mx − m'} + e^{sink − m'})  (= logaddexp(lse, sink)),
+// so the output and lse are those of the softmax over the keys and the sink. A row without
+// keys keeps 0 and gets lse = sink. A NaN or +inf sink (the NaN rule) makes a row with a key
+// NaN (output and lse); a row without keys keeps 0 and gets lse = sink.
 template <typename T>
-inline void finish_row(T* orow, float* lrow, const float* src, int64_t Dv, float mx, float den) {
+inline void finish_row(T* orow, float* lrow, const float* src, int64_t Dv, float mx, float den,
+                       float sink = kNegInf) {
   const bool dead = mx == kNegInf;
-  const float inv = dead ? 0.0f : 1.0f / den;
+  float inv = dead ? 0.0f : 1.0f / den;
+  float lse_row = dead ? sink : mx + std::log(den);
+  if (!dead && sink != kNegInf) {
+    if (std::isnan(sink) || sink == -kNegInf) {  // the NaN rule: the row is NaN
+      inv = std::numeric_limits<float>::quiet_NaN();
+      lse_row = inv;
+    } else if (sink > mx) {  // rescale to the sink (no overflow of e^{sink − mx})
+      const float e = std::exp(mx - sink), x = den * e;  // the keys' share, over the sink's
+      inv = e / (x + 1.0f);
+      lse_row = sink + std::log1p(x);  // (log(1 + x) would lose x's digits when x is small)
+    } else {
+      const float d = den + std::exp(sink - mx);
+      inv = 1.0f / d;
+      lse_row = mx + std::log(d);
+    }
+  }
   int64_t c = 0;
 #if defined(__AVX512F__)
   const __m512 vinv = _mm512_set1_ps(inv);
   for (; c + 16 <= Dv; c += 16) store16(orow + c, _mm512_mul_ps(_mm512_loadu_ps(src + c), vinv));
 #endif
   for (; c < Dv; ++c) orow[c] = Traits<T>::store(src[c] * inv);
-  *lrow = dead ? kNegInf : mx + std::log(den);
+  *lrow = lse_row;
 }
 
 #if defined(__AVX512BW__)
@@ -1022,7 +1052,8 @@ template <typename T, typename TO>
 void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk, int64_t bq,
                   int64_t k_start, int64_t width, int64_t limit, double scale_d,
-                  std::atomic<bool>* bad, float softcap, const bool* keys) {
+                  std::atomic<bool>* bad, float softcap, const bool* keys,
+                  const float* sinks) {
   using C = typename Traits<T>::C;
   constexpr bool vnni = Traits<T>::vnni;
   const int64_t H = q.size(0), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
@@ -1116,11 +1147,12 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
           std::fill(ob, ob + bq * Dv, 0.0f);
         }
       }
+      const float sink = sinks == nullptr ? kNegInf : sinks[h];
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t g = (t - t0) * bq;
         for (int64_t r = 0; r < bq; ++r) {
           finish_row(op + t * o0 + h * o1 + r * o2, lp + t * l0 + h * l1 + r * l2,
-                     sc.o + (g + r) * Dv, Dv, sc.m[g + r], sc.den[g + r]);
+                     sc.o + (g + r) * Dv, Dv, sc.m[g + r], sc.den[g + r], sink);
         }
       }
     }
@@ -1165,7 +1197,8 @@ constexpr int64_t kSegmentSpan = 2048;
 template <typename T>
 void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, int64_t start, int64_t n, int64_t count, bool causal,
-                     int64_t bq, double scale_d, float softcap, const bool* keys) {
+                     int64_t bq, double scale_d, float softcap, const bool* keys,
+                     const float* sinks) {
   using C = typename Traits<T>::C;
   constexpr bool vnni = Traits<T>::vnni;
   constexpr int64_t kCols = 512;  // columns per brgemm call, both products
@@ -1203,6 +1236,7 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
     [[maybe_unused]] const T* vh_ = in.values(hk);
     float* const s = sc.s;
     const int64_t seg = it / (nblk * G), u = it / G % nblk, h = hk * G + it % G;
+    const float sink = sinks == nullptr ? kNegInf : sinks[h];
     const int64_t t = u % 2 == 0 ? u / 2 : nblk - 1 - u / 2;  // 0, last, 1, last − 1, …
     const int64_t rows = std::min(bq, n - t * bq);
     const int64_t key0 = seg * n;  // the segment's first packed column
@@ -1214,7 +1248,7 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
       std::fill(sc.o, sc.o + rows * Dv, 0.0f);
       for (int64_t r = 0; r < rows; ++r) {
         finish_row(op + h * o0 + (row0 + r) * o1, lp + h * l0 + (row0 + r) * l1, sc.o + r * Dv,
-                   Dv, kNegInf, 0.0f);
+                   Dv, kNegInf, 0.0f, sink);
       }
       return;
     }
@@ -1278,7 +1312,7 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
     }
     for (int64_t r = 0; r < rows; ++r) {
       finish_row(op + h * o0 + (row0 + r) * o1, lp + h * l0 + (row0 + r) * l1, sc.o + r * Dv, Dv,
-                 sc.m[r], sc.den[r]);
+                 sc.m[r], sc.den[r], sink);
     }
   };
   auto run = [&](int64_t hk, const C* kpack, const C* vpack, int64_t i0, int64_t i1,
@@ -1875,11 +1909,25 @@ const bool* key_mask(const char* op, const std::optional<at::Tensor>& keys,
   return t.const_data_ptr<bool>();
 }
 
+// The attention sinks of a forward call: float32 (H,), unit stride, on the CPU (null when none
+// is given): each head's logit joins its rows' denominators (`finish_row`).
+const float* sink_logits(const char* op, const std::optional<at::Tensor>& sinks,
+                         const at::Tensor& q) {
+  if (!sinks.has_value()) return nullptr;
+  const at::Tensor& t = *sinks;
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.device().is_cpu() &&
+                  t.size(0) == q.size(0) && (t.stride(0) == 1 || t.size(0) <= 1),
+              "attnlab_band.", op, ": sinks must be a unit-stride float32 CPU tensor of shape (",
+              q.size(0), ",), got ", t.scalar_type(), " of shape ", t.sizes());
+  return t.const_data_ptr<float>();
+}
+
 at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk,
                         int64_t bq, int64_t k_start, int64_t width, int64_t limit, double scale,
                         bool check_inputs_for_nonfinite, bool widen, double softcap,
-                        const std::optional<at::Tensor>& keys_) {
+                        const std::optional<at::Tensor>& keys_,
+                        const std::optional<at::Tensor>& sinks_) {
   TORCH_CHECK(softcap >= 0.0, "attnlab_band.forward_into: softcap must be >= 0 (0: none)");
   const float cap = static_cast<float>(softcap);
   const at::ScalarType dt = check_inputs("forward_into", out, q, k, v, 4, /*float_out=*/true);
@@ -1894,6 +1942,7 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
               "attnlab_band.forward_into: out must be (nblk, H, bq, Dv), lse (nblk, H, bq)");
   const at::Tensor addp = padded_tile(add, width, score_cols(width, bf16));
   const bool* keys = key_mask("forward_into", keys_, k, 0);
+  const float* sinks = sink_logits("forward_into", sinks_, q);
   populate(out);
   std::atomic<bool> bad{false};
   std::atomic<bool>* seen = check_inputs_for_nonfinite ? &bad : nullptr;
@@ -1902,7 +1951,7 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
     using T = decltype(in_type);
     using TO = decltype(out_type);
     band_forward<T, TO>(out, lse, q, k, v, addp, r0, nblk, bq, k_start, width, limit, scale,
-                        seen, cap, keys);
+                        seen, cap, keys, sinks);
   };
   if (dt == at::kFloat) {
     run(float{}, float{});
@@ -1919,7 +1968,8 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
 void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
                    const at::Tensor& v, int64_t start, int64_t n, int64_t count, bool causal,
                    int64_t bq, double scale, bool widen, double softcap,
-                   const std::optional<at::Tensor>& keys_) {
+                   const std::optional<at::Tensor>& keys_,
+                   const std::optional<at::Tensor>& sinks_) {
   TORCH_CHECK(softcap >= 0.0, "attnlab_band.segments_into: softcap must be >= 0 (0: none)");
   const float cap = static_cast<float>(softcap);  // 0: none
   const at::ScalarType dt = check_inputs("segments_into", out, q, k, v, 3);
@@ -1935,10 +1985,11 @@ void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at
   TORCH_CHECK(!bf16 || n % 2 == 0,
               "attnlab_band.segments_into: bfloat16 pairs need an even segment length");
   const bool* keys = key_mask("segments_into", keys_, k, start + count * n);
+  const float* sinks = sink_logits("segments_into", sinks_, q);
   populate(out.narrow(1, start, count * n));
   auto run = [&](auto in_type) {
     segment_forward<decltype(in_type)>(out, lse, q, k, v, start, n, count, causal, bq, scale,
-                                       cap, keys);
+                                       cap, keys, sinks);
   };
   if (bf16) {
     run(c10::BFloat16{});
@@ -2048,11 +2099,12 @@ TORCH_LIBRARY(attnlab_band, m) {
   m.def(
       "forward_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, Tensor add, "
       "int r0, int nblk, int bq, int k_start, int width, int limit, float scale, "
-      "bool check=False, bool widen=False, float softcap=0.0, Tensor? keys=None) -> Tensor");
+      "bool check=False, bool widen=False, float softcap=0.0, Tensor? keys=None, "
+      "Tensor? sinks=None) -> Tensor");
   m.def(
       "segments_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, int start, "
       "int n, int count, bool causal, int bq, float scale, bool widen=False, "
-      "float softcap=0.0, Tensor? keys=None) -> ()");
+      "float softcap=0.0, Tensor? keys=None, Tensor? sinks=None) -> ()");
   m.def(
       "backward_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor q, Tensor k, Tensor v, "
       "Tensor out, Tensor dout, Tensor lse, Tensor add, int r0, int nblk, int bq, int k_start, "

@@ -73,6 +73,7 @@ class FlashJob:
         keys: the key mask ``(B|1, S)`` bool that keyed calls read (`tiling.key_mask_plan`).
         rows: the query rows ``(B|1, L)`` bool that may attend at all (`tiling.key_mask_plan`):
             `forward` gives the others 0 and lse −inf (backward's P is 0 there); None: all.
+        sinks: ``(H,)`` float32 sinks the C++ kernel folds in (`run.folds_sinks`), or None.
     """
 
     plan: Plan
@@ -91,6 +92,7 @@ class FlashJob:
     own_kernel: bool = True
     keys: Tensor | None = field(default=None, repr=False)
     rows: Tensor | None = field(default=None, repr=False)
+    sinks: Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.band_tiles is None:
@@ -175,7 +177,7 @@ class FlashJob:
 
     # ---------------------------------------------------------------- forward
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """``(out (B, H, L, Dv), lse (B, H, L) float32+)``."""
+        """``(out (B, H, L, Dv), lse (B, H, L) float32+)`` (with `sinks`, theirs)."""
         out, lse = self._forward(q, k, v)
         if self.rows is None:
             return out, lse
@@ -194,9 +196,8 @@ class FlashJob:
                 # one segment of L positions: attnlab's one-pass kernel (faster than torch's)
                 out = torch.empty(B, H, L, Dv, dtype=q.dtype, device=q.device)
                 lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
-                segment_forward(
-                    whole, q, k, v, scale=self.scale, out=out, lse=lse, softcap=self.softcap
-                )
+                kw = {"softcap": self.softcap, "sinks": self.sinks}
+                segment_forward(whole, q, k, v, scale=self.scale, out=out, lse=lse, **kw)
                 return out, lse
             assert self.softcap is None, "soft-capped logits need attnlab's C++ kernels"
             out, lse = kernel_forward(
@@ -242,7 +243,7 @@ class FlashJob:
             for c in g.calls:
                 if isinstance(c, SegmentCall) and self._segments_run(c, q, k, v):
                     own, cap, keys = self.own_kernel, self.softcap, self._keys(c)
-                    kw = {"own": own, "softcap": cap, "keys": keys}
+                    kw = {"own": own, "softcap": cap, "keys": keys, "sinks": self.sinks}
                     segment_forward(c, q, k, v, scale=self.scale, out=out, lse=lse, **kw)
                 elif isinstance(c, BandCall | SegmentCall):
                     self._band_forward(q, k, v, c, out=out, lse=lse)
@@ -285,7 +286,7 @@ class FlashJob:
             tiles, scale = self.band_tiles, self.scale
             store = self._store if self.plan.overlap else None  # None: written in place
             kw = {"out": out, "lse": lse, "store": store, "own": self.own_kernel}
-            kw["keys"] = self._keys(c)
+            kw["keys"], kw["sinks"] = self._keys(c), self.sinks
             band_forward(c, q, k, v, tiles=tiles, scale=scale, softcap=self.softcap, **kw)
             return
         for bc in c.block_calls():

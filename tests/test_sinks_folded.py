@@ -1,0 +1,142 @@
+"""Attention sinks folded into attnlab's C++ kernel (issue 42: sinks cost ≤ 1.05× the plain call).
+
+Where the band kernel writes every row of a flash call once (one causal or full segment, sliding
+windows, packed documents, key masks) the sink joins each row's denominator where the kernel
+finalises it (`attnlab.functional.flash.sinks`, ``_ext/band_attn.cpp``'s ``finish_row``): no pass
+after the call. Checked against the float64 definition (`reference.attention(..., sinks=)`)
+under the tolerance rule on odd head dims and lengths, forward and backward (the sinks' gradient
+``ds_h = −Σ_i p_sink_i · (dO_i · O_i)`` included), with the NaN rule and rows without a key, and
+the operators' own argument check; each test also asserts that the folded path ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+from attnlab import _ext, masks
+from attnlab._shapes import check_qkv
+from attnlab.functional import reference
+from attnlab.functional.flash import run as flash_run
+from attnlab.functional.request import dense_mask_and_bias
+from attnlab.testing import check_against_reference, mean_factor_for, seeded
+
+pytestmark = pytest.mark.skipif(not _ext.load("band_attn"), reason="attnlab's C++ band kernel")
+
+
+def _left_padded(B: int, S: int) -> masks.Mask:
+    keep = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    keep[0, ..., :11] = False  # item 0: its first 11 rows attend no key (causal)
+    return masks.causal() & masks.from_tensor(keep)
+
+
+CASES = {  # name: (mask, L = S, D)
+    "causal": (masks.causal(), 97, 40),
+    "full": (None, 113, 8),
+    "window": (masks.sliding_window(17), 96, 80),
+    "documents": (masks.causal() & masks.document.from_lengths([37, 59]), 96, 64),
+    "left padded": (_left_padded(2, 65), 65, 8),
+}
+
+
+@pytest.fixture
+def folded(monkeypatch):
+    """Records whether each flash call folded its sinks into the kernel (`run.fold_sinks`)."""
+    seen: list[bool] = []
+    real = flash_run.fold_sinks
+
+    def spy(call, req, allowed):
+        real(call, req, allowed)
+        seen.append(call.folded)
+
+    monkeypatch.setattr(flash_run, "fold_sinks", spy)
+    return seen
+
+
+def _inputs(L: int, D: int, *, H: int = 4, H_kv: int = 2, seed: int = 0):
+    q = seeded(2, H, L, D, seed=seed, scale=1.5).float()
+    k = seeded(2, H_kv, L, D, seed=seed + 1, scale=1.5).float()
+    v = seeded(2, H_kv, L, D, seed=seed + 2).float()
+    sinks = seeded(H, seed=seed + 3, scale=2.0).float()
+    sinks[1] = 6.0  # a sink above every logit of its rows: the kernel rescales to it
+    return q, k, v, sinks
+
+
+def _reference(mask):
+    def ref(q, k, v, sinks, *, compute_dtype, reorder):
+        keep, _ = dense_mask_and_bias(mask, None, check_qkv(q, k, v), q.dtype, q.device)
+        kw = {"compute_dtype": compute_dtype, "reorder": reorder}
+        return reference.attention(q, k, v, mask=keep, sinks=sinks, **kw)[0]
+
+    return ref
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_folded_forward_and_backward_follow_the_tolerance_rule(name, folded):
+    mask, L, D = CASES[name]
+
+    def impl(q, k, v, sinks):
+        return attnlab.attention(q, k, v, mask=mask, sinks=sinks, backend="flash")
+
+    mean = mean_factor_for("flash", torch.float32)  # the rule of tiled float32 kernels
+    check_against_reference(impl, _reference(mask), list(_inputs(L, D)), mean_factor=mean)
+    assert folded and all(folded)
+
+
+@pytest.mark.parametrize("name", ["causal", "window", "left padded"])
+def test_folded_lse_and_no_grad_forward_equal_the_definition(name, folded):
+    mask, L, D = CASES[name]
+    q, k, v, s = _inputs(L, D)
+    with torch.no_grad():
+        out, lse = attnlab.attention(q, k, v, mask=mask, sinks=s, backend="flash", return_lse=True)
+    keep, _ = dense_mask_and_bias(mask, None, check_qkv(q, k, v), q.dtype, q.device)
+    xs = [x.double() for x in (q, k, v, s)]
+    want = reference.attention(*xs[:3], mask=keep, sinks=xs[3])[0]
+    want_lse = reference.logsumexp(xs[0], xs[1], mask=keep, sinks=xs[3])
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-6, rtol=2e-6)
+    assert folded == [True]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_folded_nan_rule_and_rows_without_keys(bad, folded):
+    """A NaN/+inf sink makes its head's rows with a key NaN (output and lse); rows without a key
+    stay 0 with lse = s; the other heads are exact; gradients are those of the sink read as 0."""
+    mask, L, D = CASES["left padded"]
+    q, k, v, s = _inputs(L, D)
+    poisoned, zeroed = s.clone(), s.clone()
+    poisoned[2], zeroed[2] = bad, 0.0
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v, poisoned)]
+    out, lse = attnlab.attention(*xs[:3], mask=mask, sinks=xs[3], backend="flash", return_lse=True)
+    assert folded == [True]
+    assert bool((out[0, :, :11] == 0).all())  # item 0's rows without a key, every head
+    assert torch.equal(lse[0, 1, :11], s[1].expand(11))
+    assert bool(torch.isnan(out[0, 2, 11:]).all() and torch.isnan(out[1, 2]).all())
+    assert bool(torch.isnan(lse[0, 2, 11:]).all() and torch.isnan(lse[1, 2]).all())
+    ys = [x.clone().requires_grad_(True) for x in (q, k, v, zeroed)]
+    want = attnlab.attention(*ys[:3], mask=mask, sinks=ys[3], backend="flash")
+    others = [0, 1, 3]
+    torch.testing.assert_close(out[:, others], want[:, others], atol=0, rtol=0)
+    dout = seeded(*out.shape, seed=7).float()
+    got_g = torch.autograd.grad(out, xs, dout)
+    want_g = torch.autograd.grad(want, ys, dout)
+    for g, w in zip(got_g[:3], want_g[:3], strict=True):
+        assert bool(torch.isfinite(g).all())
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    assert got_g[3][2] == 0 and torch.equal(got_g[3][others], want_g[3][others])
+
+
+def test_band_operator_refuses_sinks_of_the_wrong_shape():
+    q = k = v = torch.randn(4, 32, 8)
+    out, lse = torch.empty(1, 4, 16, 8), torch.empty(1, 4, 16)
+    add = torch.zeros(1, 1, 16, 32)
+    args = (out, lse, q, k, v, add, 0, 1, 16, 0, 32, 32, 0.35, False, False, 0.0, None)
+    with pytest.raises(
+        RuntimeError,
+        match=r"sinks must be a unit-stride float32 CPU tensor of "
+        r"shape \(4,\), got Double of shape \[4\]",
+    ):
+        torch.ops.attnlab_band.forward_into(*args, torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"of shape \(4,\), got Float of shape \[3\]"):
+        torch.ops.attnlab_band.forward_into(*args, torch.zeros(3))
