@@ -140,3 +140,68 @@ def test_band_operator_refuses_sinks_of_the_wrong_shape():
         torch.ops.attnlab_band.forward_into(*args, torch.zeros(4, dtype=torch.float64))
     with pytest.raises(RuntimeError, match=r"of shape \(4,\), got Float of shape \[3\]"):
         torch.ops.attnlab_band.forward_into(*args, torch.zeros(3))
+
+
+# --------------------------------------------------------------------------- the decode step
+@pytest.fixture
+def stepped(monkeypatch):
+    """Records whether each decode call with sinks ran the C++ step (`decode_run_sinks`)."""
+    from attnlab.functional import api
+
+    seen: list[bool] = []
+    real = api.decode_run_sinks
+
+    def spy(req, sinks):
+        out = real(req, sinks)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(api, "decode_run_sinks", spy)
+    return seen
+
+
+def _step(L: int, S: int, D: int, seed: int = 0):
+    q, k, v, s = _inputs(S, D, seed=seed)
+    return q[:, :, :L].contiguous(), k, v, s
+
+
+@pytest.mark.parametrize("L,S,D", [(1, 1, 8), (1, 97, 40), (3, 1025, 64), (1, 113, 80)])
+@pytest.mark.parametrize("keyed", [False, True])
+def test_decode_step_with_sinks_follows_the_tolerance_rule(L, S, D, keyed, stepped):
+    keep = None
+    if keyed and S > 1:  # padding on the left of item 0, a hole in item 1
+        keep = torch.ones(2, 1, 1, S, dtype=torch.bool)
+        keep[0, ..., : S // 3] = False
+        keep[1, ..., S // 2 : S // 2 + 3] = False
+
+    def impl(q, k, v, sinks):
+        with torch.no_grad():
+            return attnlab.attention(q, k, v, mask=keep, sinks=sinks, backend="decode")
+
+    check_against_reference(impl, _reference(keep), list(_step(L, S, D)), grads=False)
+    assert stepped == [True]
+
+
+def test_decode_step_nan_rule_with_sinks(stepped):
+    """A NaN/+inf sink poisons its head's rows; a NaN key only its item's rows of its key head;
+    an item with no key is zeros — the tensor-op path's answers."""
+    q, k, v, s = _step(1, 50, 16)
+    keep = torch.ones(2, 1, 1, 50, dtype=torch.bool)
+    keep[1] = False  # item 1 attends nothing
+    for bad in (float("nan"), float("inf")):
+        sinks, kk = s.clone(), k.clone()
+        sinks[2] = bad
+        kk[0, 1, 7, 3] = float("nan")  # key head 1 of item 0: query heads 2 and 3
+        with torch.no_grad():
+            out = attnlab.attention(q, kk, v, mask=keep, sinks=sinks, backend="decode")
+        assert bool(torch.isnan(out[0, 2:]).all()) and bool(torch.isfinite(out[0, :2]).all())
+        assert bool((out[1] == 0).all())
+        want = attnlab.attention(q, kk, v, mask=keep, sinks=sinks, backend="reference")
+        torch.testing.assert_close(out, want, atol=2e-6, rtol=2e-6, equal_nan=True)
+    assert stepped == [True, True]
+
+
+def test_decode_operator_refuses_sinks_of_the_wrong_shape():
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 9, 8)
+    with pytest.raises(RuntimeError, match=r"sinks must be a unit-stride float32 CPU tensor of "):
+        torch.ops.attnlab_nan.decode_attend(q, k, k, 0.35, None, 0.0, torch.zeros(2))

@@ -14,6 +14,7 @@ from .._shapes import check_bool
 from ..masks import Mask
 from . import backends as _backends  # noqa: F401  (fills the registry)
 from . import nan_rule, reference
+from .decode import decode_run_sinks
 from .explanation import Explanation, describe_term
 from .flash import flash_job
 from .flash.run import (
@@ -242,6 +243,10 @@ def _run(
     if sinks is not None and chosen.name == "flash" and fused_sinks(chosen, req):
         out, lse = flash_run_sinks(req, sinks)  # eager: backward on the fused kernels
         return out, None, lse
+    if sinks is not None and chosen.name == "decode" and not return_lse:
+        step = decode_run_sinks(req, sinks)  # the C++ step, the sinks in its denominators
+        if step is not None:
+            return step, None, None
     if not return_lse and sinks is None:
         out, weights = chosen.run(req)
         return out, weights, None
