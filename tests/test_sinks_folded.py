@@ -127,6 +127,30 @@ def test_folded_nan_rule_and_rows_without_keys(bad, folded):
     assert got_g[3][2] == 0 and torch.equal(got_g[3][others], want_g[3][others])
 
 
+@pytest.mark.parametrize("name", ["causal", "window", "documents", "left padded"])
+def test_the_sinks_gradient_reads_delta_from_the_kernels_backward(name, monkeypatch):
+    """``ds_h = −Σ_i p_sink_i · (dO_i · O_i)``: the C++ backward writes every row's
+    ``δ_i = dO_i · O_i`` (0 on rows without a key), so the sinks' gradient needs no pass over
+    dO and O."""
+    from attnlab.functional.flash import sinks as flash_sinks
+
+    seen = []
+    real = flash_sinks._sinks_grad
+
+    def spy(sinks, out, lse, dout, dlse, delta=None):
+        seen.append((delta is not None and bool(torch.isfinite(delta).all()), delta, dout, out))
+        return real(sinks, out, lse, dout, dlse, delta)
+
+    monkeypatch.setattr(flash_sinks, "_sinks_grad", spy)
+    mask, L, D = CASES[name]
+    xs = [x.requires_grad_(True) for x in _inputs(L, D)]
+    out = attnlab.attention(*xs[:3], mask=mask, sinks=xs[3], backend="flash")
+    out.backward(seeded(*out.shape, seed=4).float())
+    ((written, delta, dout, o),) = seen
+    assert written
+    torch.testing.assert_close(delta, torch.linalg.vecdot(dout, o), atol=2e-5, rtol=1e-5)
+
+
 def test_band_operator_refuses_sinks_of_the_wrong_shape():
     q = k = v = torch.randn(4, 32, 8)
     out, lse = torch.empty(1, 4, 16, 8), torch.empty(1, 4, 16)

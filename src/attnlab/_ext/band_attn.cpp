@@ -37,13 +37,16 @@
 //       row without keys gets out = 0, lse = s_h; a NaN/+inf s_h makes the rows with a key NaN.
 //       The backward operators are exact on these out and lse (the sink-inclusive weights).
 //   attnlab_band::backward_into(dq!, dk!, dv!, q, k, v, out, dout, lse, add, r0, nblk, bq,
-//                               k_start, width, limit, scale, own_delta=False, keys=None)
+//                               k_start, width, limit, scale, own_delta=False, keys=None,
+//                               delta=None)
 //   attnlab_band::segments_backward_into(dq!, dk!, dv!, q, k, v, out, dout, lse, start, n,
-//                                        count, causal, bq, scale, keys=None)
+//                                        count, causal, bq, scale, keys=None, delta=None)
 //       The backward of the two calls, added into float32 dq, dk, dv: every product in float32
 //       (float16 and bfloat16 q, k, v, dout widened as they are packed), out float32 (segments:
 //       or q's dtype), lse float32 (+inf on rows without a key). own_delta: the band call holds
 //       every key of its rows, so δ is Σ P·dP of each row rather than rowsum(dout ⊙ out).
+//       delta: (H, L) float32, or None: the rows the call computes get their δ (0 without a
+//       key; the other rows untouched), what the gradient of attention sinks reads.
 //   attnlab_band::supported(dtype) -> bool: whether this CPU runs the operator in that dtype
 //       (oneDNN's brgemm micro-kernel in float32, wherever it exists: float16 is widened to
 //       float32 as it is packed, and so is bfloat16 unless its own products run); the caller
@@ -1518,8 +1521,8 @@ inline void grad_row(float* sr, float* dr, const float* ad, int64_t ws, int64_t 
 // L > S) or with P on a few keys (ALiBi) that difference reached dq whole: 5–7× the error of
 // the same-dtype softmax at D = 256 (issue #38). Runs `grad_row` with δ = 0 (dr = P·dP·scale),
 // then dr −= (Σ dr)·P: two light passes over the row.
-inline void grad_row_own(float* sr, float* dr, const float* ad, int64_t ws, int64_t lo,
-                         int64_t hi, float scale, float lse) {
+inline float grad_row_own(float* sr, float* dr, const float* ad, int64_t ws, int64_t lo,
+                          int64_t hi, float scale, float lse) {
   grad_row(sr, dr, ad, ws, lo, hi, scale, lse, 0.0f);
   double d = 0.0;
 #pragma omp simd reduction(+ : d)
@@ -1527,7 +1530,26 @@ inline void grad_row_own(float* sr, float* dr, const float* ad, int64_t ws, int6
   const float dl = static_cast<float>(d);
 #pragma omp simd
   for (int64_t j = 0; j < ws; ++j) dr[j] -= dl * sr[j];
+  return dl;  // δ·scale
 }
+
+// Where a backward operator writes each row's δ (`delta` (H, L) float32, optional): the rows
+// it computes get their δ (Σ P·dP, or rowsum(dO ⊙ O)), rows without a key 0. The sinks'
+// gradient reads it (ds_h = Σ_i e^{s_h − lse_i}·(dlse_i − δ_i): attnlab/functional/flash/sinks.py)
+// instead of a pass over dO and O.
+struct DeltaOut {
+  float* p = nullptr;
+  int64_t s0 = 0, s1 = 0;
+  explicit DeltaOut(const std::optional<at::Tensor>& t) {
+    if (!t.has_value()) return;
+    p = t->data_ptr<float>();
+    s0 = t->stride(0);
+    s1 = t->stride(1);
+  }
+  void put(int64_t h, int64_t row, float d) const {
+    if (p != nullptr) p[h * s0 + row * s1] = d;
+  }
+};
 
 // The backward of `band_forward` in float32 for one batch item, added into dq (H, L, D),
 // dk (H_kv, S, D), dv (H_kv, S, Dv): per query block t and head h, with the forward's lse and
@@ -1546,7 +1568,8 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                    const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& add,
                    int64_t r0, int64_t nblk, int64_t bq, int64_t k_start, int64_t width,
-                   int64_t limit, double scale_d, bool own_delta, const bool* keys) {
+                   int64_t limit, double scale_d, bool own_delta, const bool* keys,
+                   const DeltaOut& dout_delta) {
   const int64_t H = q.size(0), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
   const int64_t G = H / Hkv;
   const float scale = static_cast<float>(scale_d);
@@ -1613,7 +1636,12 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
       acc.cover(hk, c, c + ws);
       const int64_t c_lo = std::clamp<int64_t>(v_lo - c, 0, ws);
       const int64_t c_hi = std::clamp<int64_t>(v_hi - c, c_lo, ws);
-      if (c_hi <= c_lo) continue;  // no key in this window: nothing to add
+      if (c_hi <= c_lo) {  // no key in this window: nothing to add (δ = 0)
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t r = 0; r < bq; ++r) dout_delta.put(hk * G + g, r0 + c + r, 0.0f);
+        }
+        continue;
+      }
       const int64_t kn = std::min(width, c_hi) - c_lo;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hk * G + g, row = r0 + c;
@@ -1629,11 +1657,13 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
         }
         for (int64_t r = 0; r < bq; ++r) {  // s becomes P, dp dS·scale
           if (own_delta) {
-            grad_row_own(s + r * ws, dp + r * ws, at + r * ar, ws, c_lo, c_hi, scale,
-                         io.lse_at(h, row + r));
+            const float dl = grad_row_own(s + r * ws, dp + r * ws, at + r * ar, ws, c_lo, c_hi,
+                                          scale, io.lse_at(h, row + r));
+            dout_delta.put(h, row + r, dl / scale);
           } else {
             grad_row(s + r * ws, dp + r * ws, at + r * ar, ws, c_lo, c_hi, scale,
                      io.lse_at(h, row + r), delta[r]);
+            dout_delta.put(h, row + r, delta[r]);
           }
         }
         // dq rows += dS·k over the keys that exist (float32 k in place, else widened rows)
@@ -1685,7 +1715,8 @@ template <typename T, typename O>
 void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Tensor& q,
                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                       const at::Tensor& dout, const at::Tensor& lse, int64_t start, int64_t n,
-                      int64_t count, bool causal, int64_t bq, double scale_d, const bool* keys) {
+                      int64_t count, bool causal, int64_t bq, double scale_d, const bool* keys,
+                      const DeltaOut& dout_delta) {
   constexpr int64_t kCols = 512;
   const int64_t H = q.size(0), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
   const int64_t G = H / Hkv;
@@ -1748,11 +1779,15 @@ void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::
             const int64_t end = runs.end(seg, causal, t * bq + rows);
             const int64_t cs = std::max(a0, kb);
             const int64_t ce = std::min(a0 + span, kb + score_cols(end - kb, false));
+            if (end <= lo && a0 == 0) {  // no key of the block: δ = 0
+              for (int64_t r = 0; r < rows; ++r) dout_delta.put(h, row0 + r, 0.0f);
+            }
             if (end <= lo || cs >= ce) continue;  // no key of the block in this span
             const auto [qb, lq] = query_rows(in.q + h * in.qh + row0 * in.qs, in.qs, rows, D,
                                              qw.get());
             const auto [gb, lg] = query_rows(io.g_row(h, row0), io.gs, rows, Dv, gw.get());
             io.deltas(h, row0, rows, Dv, delta.data());
+            for (int64_t r = 0; r < rows; ++r) dout_delta.put(h, row0 + r, delta[r]);
             transpose_f32(qb, lq, rows, D, qt.get(), rows);
             transpose_f32(gb, lg, rows, Dv, gt.get(), rows);
             const int64_t wa = ce - cs;
@@ -2029,13 +2064,27 @@ void check_backward(const char* op, const at::Tensor& dq, const at::Tensor& dk,
               "attnlab_band.", op, ": lse must be (H, L)");
 }
 
+// The optional δ output of a backward operator: float32 (H, L) on the CPU.
+DeltaOut delta_out(const char* op, const std::optional<at::Tensor>& delta, const at::Tensor& q) {
+  if (delta.has_value()) {
+    const at::Tensor& t = *delta;
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == q.size(0) &&
+                    t.size(1) == q.size(1) && t.device().is_cpu(),
+                "attnlab_band.", op, ": delta must be a float32 CPU tensor of shape (",
+                q.size(0), ", ", q.size(1), "), got ", t.scalar_type(), " of shape ", t.sizes());
+  }
+  return DeltaOut(delta);
+}
+
 void backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const at::Tensor& q,
                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                    const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& add,
                    int64_t r0, int64_t nblk, int64_t bq, int64_t k_start, int64_t width,
                    int64_t limit, double scale, bool own_delta,
-                   const std::optional<at::Tensor>& keys_) {
+                   const std::optional<at::Tensor>& keys_,
+                   const std::optional<at::Tensor>& delta_) {
   check_backward("backward_into", dq, dk, dv, q, k, v, out, dout, lse);
+  const DeltaOut dd = delta_out("backward_into", delta_, q);
   const bool* keys = key_mask("backward_into", keys_, k, 0);
   check(add, "backward_into", "add", 4);
   TORCH_CHECK(add.scalar_type() == at::kFloat, "attnlab_band.backward_into: add must be float32");
@@ -2043,7 +2092,7 @@ void backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const at::Tensor
   const at::Tensor addp = padded_tile(add, width, score_cols(width, false));
   auto run = [&](auto in_type) {
     band_backward<decltype(in_type)>(dq, dk, dv, q, k, v, out, dout, lse, addp, r0, nblk, bq,
-                                     k_start, width, limit, scale, own_delta, keys);
+                                     k_start, width, limit, scale, own_delta, keys, dd);
   };
   switch (q.scalar_type()) {  // every product in float32: 16-bit inputs widened as packed
     case at::kFloat: return run(float{});
@@ -2056,9 +2105,11 @@ void segments_backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const a
                             const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                             const at::Tensor& dout, const at::Tensor& lse, int64_t start,
                             int64_t n, int64_t count, bool causal, int64_t bq, double scale,
-                            const std::optional<at::Tensor>& keys_) {
+                            const std::optional<at::Tensor>& keys_,
+                            const std::optional<at::Tensor>& delta_) {
   check_backward("segments_backward_into", dq, dk, dv, q, k, v, out, dout, lse,
                  /*out_like_q=*/true);
+  const DeltaOut dd = delta_out("segments_backward_into", delta_, q);
   TORCH_CHECK(n >= 1 && count >= 1 && bq >= 1, "attnlab_band.segments_backward_into: empty call");
   TORCH_CHECK(start >= 0 && start + count * n <= std::min(q.size(1), k.size(1)),
               "attnlab_band.segments_backward_into: segments out of range");
@@ -2068,10 +2119,10 @@ void segments_backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const a
     using T = decltype(in_type);
     if (wide_out) {
       segment_backward<T, float>(dq, dk, dv, q, k, v, out, dout, lse, start, n, count, causal,
-                                 bq, scale, keys);
+                                 bq, scale, keys, dd);
     } else if constexpr (!std::is_same_v<T, float>) {
       segment_backward<T, T>(dq, dk, dv, q, k, v, out, dout, lse, start, n, count, causal, bq,
-                             scale, keys);
+                             scale, keys, dd);
     }
   };
   switch (q.scalar_type()) {  // every product in float32: 16-bit inputs widened as packed
@@ -2108,11 +2159,12 @@ TORCH_LIBRARY(attnlab_band, m) {
   m.def(
       "backward_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor q, Tensor k, Tensor v, "
       "Tensor out, Tensor dout, Tensor lse, Tensor add, int r0, int nblk, int bq, int k_start, "
-      "int width, int limit, float scale, bool own_delta=False, Tensor? keys=None) -> ()");
+      "int width, int limit, float scale, bool own_delta=False, Tensor? keys=None, "
+      "Tensor(d!)? delta=None) -> ()");
   m.def(
       "segments_backward_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor q, Tensor k, "
       "Tensor v, Tensor out, Tensor dout, Tensor lse, int start, int n, int count, bool causal, "
-      "int bq, float scale, Tensor? keys=None) -> ()");
+      "int bq, float scale, Tensor? keys=None, Tensor(d!)? delta=None) -> ()");
   m.def("supported(ScalarType dtype) -> bool", &supported);
   m.def("native(ScalarType dtype) -> bool", &native);
   m.def("segment_span() -> int", &segment_span);

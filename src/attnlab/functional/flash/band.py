@@ -161,7 +161,9 @@ def band_backward(
             parts = (res.q[b], res.k[b], res.v[b], res.out[b], res.dout[b], res.lse[b])
             kb = None if keys is None else keys[b if keys.shape[0] > 1 else 0]
             grads_b = (dq[b], dk[b], dv[b])
-            band_kernel.backward_into(grads_b, parts, add, c, scale, whole=whole, keys=kb)
+            delta = None if res.delta is None else res.delta[b]
+            kw = {"whole": whole, "keys": kb} | ({} if delta is None else {"delta": delta})
+            band_kernel.backward_into(grads_b, parts, add, c, scale, **kw)
             continue
         inner, add_in = interior(c, add)
         if inner is not None:
@@ -268,7 +270,8 @@ def segment_backward(
         for b in range(c.b0, c.b1):
             parts = (res.q[b], res.k[b], res.v[b], res.out[b], res.dout[b], res.lse[b])
             kb = None if keys is None else keys[b if keys.shape[0] > 1 else 0]
-            band_kernel.segments_backward_into((dq[b], dk[b], dv[b]), parts, c, scale, kb)
+            delta = {} if res.delta is None else {"delta": res.delta[b]}
+            band_kernel.segments_backward_into((dq[b], dk[b], dv[b]), parts, c, scale, kb, **delta)
         return
     assert keys is None, "a key mask needs attnlab's C++ segment kernel"
     logits = Logits(scale, causal=c.causal)

@@ -326,6 +326,7 @@ def backward_into(
     *,
     whole: bool = False,
     keys: Tensor | None = None,
+    delta: Tensor | None = None,
 ) -> None:
     """Adds band call ``c``'s gradients for one batch item into ``grads = (dq, dk, dv)``.
 
@@ -340,6 +341,7 @@ def backward_into(
             δ is then ``Σ_j P_ij·dP_ij`` of each row, as softmax's own backward forms it, so dS
             sums to zero with the very P and dP it multiplies (a row with one key gets dS = 0).
         keys: None, or the item's key mask, as for `forward_into`.
+        delta: None, or ``(H, L)`` float32: the call's rows get their δ (0 without a key).
 
     Per block, with ``P = exp(q·kᵀ·scale + add − lse)`` and ``δ = rowsum(dout ⊙ out)`` (or the
     row's own ``Σ P·dP``): ``dS = P ⊙ (dout·vᵀ − δ)``, ``dq += dS·k·scale``,
@@ -362,6 +364,7 @@ def backward_into(
         float(scale),
         bool(whole),
         keys=keys,
+        delta=delta,
     )
 
 
@@ -371,13 +374,15 @@ def segments_backward_into(
     c: SegmentCall,
     scale: float,
     keys: Tensor | None = None,
+    delta: Tensor | None = None,
 ) -> None:
     """Adds segment call ``c``'s gradients for one batch item into ``grads = (dq, dk, dv)``
     (``grads``, ``parts`` as for `backward_into`; its formulas over each row's keys in its
     segment, causal or full, that ``keys`` keeps, as `segments_into`). Each (segment, key
-    head) is one work item that owns its keys' dk/dv rows: nothing is shared between threads."""
+    head) is one work item that owns its keys' dk/dv rows: nothing is shared between threads.
+    ``delta``: as for `backward_into`."""
     torch.ops.attnlab_band.segments_backward_into(
-        *grads, *parts, c.start, c.n, c.count, c.causal, SEGMENT_BLOCK, float(scale), keys
+        *grads, *parts, c.start, c.n, c.count, c.causal, SEGMENT_BLOCK, float(scale), keys, delta
     )
 
 

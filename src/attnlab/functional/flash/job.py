@@ -403,7 +403,7 @@ class FlashJob:
         plan = self.plan if self.bwd_plan is None else self.bwd_plan
         acc = stat_dtype(q.dtype)
         lse_b = torch.where(torch.isneginf(res.lse), _POS_INF, res.lse)  # no key: P = 0
-        res = Residuals(res.dout, q, k, v, res.out, lse_b)
+        res = replace(res, lse=lse_b)
         # the kernel never exposes dS: bias gradients and lse gradients take the torch engine
         use_kernel = self.engine == "kernel" and dlse is None and not self.grad_biases
         self.bias_grads = [

@@ -100,6 +100,7 @@ class FlashCall:
     forward_only: bool = False  # no gradient will be asked (`flash_run_lse` knows)
     sinks: Tensor | None = None  # attention sinks (`flash.sinks`): the backward reads out', lse'
     folded: bool = False  # set by the forward: its out and lse include the sinks (`fold_sinks`)
+    delta: Tensor | None = None  # (B, H, L): where the C++ backward writes δ (`Residuals`)
 
 
 def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
@@ -306,7 +307,7 @@ def backward_marked(
     if width != Dv:
         dout = torch.nn.functional.pad(dout, (0, width - Dv))
     job.grad_biases = call.grad_biases
-    res = Residuals(dout=dout.contiguous(), q=qp, k=kp, v=vp, out=out.contiguous(), lse=lse)
+    res = Residuals(dout.contiguous(), qp, kp, vp, out.contiguous(), lse, call.delta)
     dq, dk, dv = job.backward(res, dlse)
     grads = [dq[..., : q.shape[-1]], dk[..., : q.shape[-1]], dv[..., :Dv]]
     biases = call.req.terms.additive

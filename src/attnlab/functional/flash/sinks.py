@@ -86,28 +86,42 @@ class _FlashSinks(torch.autograd.Function):
                 dout = torch.zeros_like(out)
             if dlse is not None:  # poisoned rows pass no lse gradient
                 dlse = torch.where(torch.isnan(lse_p), 0.0, dlse)
+            want_ds = ctx.needs_input_grad[3]
+            # δ_i = dout_i · out'_i from the C++ backward where it runs every row (NaN: not
+            # written), instead of a pass over dout and out (`_sinks_grad`)
+            call.delta = (
+                torch.full_like(lse, float("nan"), dtype=torch.float32) if want_ds else None
+            )
             grads = backward_marked(call, dout, dlse, (q, k, v, out, lse))
-            ds = _sinks_grad(sinks, out, lse, dout, dlse) if ctx.needs_input_grad[3] else None
+            ds = _sinks_grad(sinks, out, lse, dout, dlse, call.delta) if want_ds else None
+            call.delta = None
         return (*grads[:3], ds, None, *grads[3:])
 
 
 def _bad_heads(sinks: Tensor) -> Tensor:
     """``(H,)`` bool: the sinks the NaN rule reads as poison (NaN or +inf)."""
-    return torch.isnan(sinks) | torch.isposinf(sinks)
+    return ~(sinks < float("inf"))  # (one op fewer than isnan | isposinf: ~(NaN < inf) too)
 
 
 def _sinks_grad(
-    sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None
+    sinks: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    dlse: Tensor | None,
+    delta: Tensor | None = None,
 ) -> Tensor:
-    """``ds_h = Σ_{b,i} e^{s_h − lse'_i} (dlse'_i − dout_i · out'_i)``, 0 for a NaN/+inf sink."""
+    """``ds_h = Σ_{b,i} e^{s_h − lse'_i} (dlse'_i − δ_i)``, ``δ_i = dout_i · out'_i`` (``delta``
+    when the C++ backward wrote every row of it, else computed here), 0 for a NaN/+inf sink."""
     H = lse.shape[1]
     s = sinks.to(lse.dtype)
-    bad = _bad_heads(s)
-    share = torch.exp(torch.where(bad, 0.0, s).view(1, H, 1) - lse)  # (B, H, L)
-    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, H, L)
-    term = -delta if dlse is None else dlse.to(lse.dtype) - delta
-    ds = torch.nan_to_num(share * term, 0.0, 0.0, 0.0).sum(dim=(0, 2))  # (H,)
-    return torch.where(bad, 0.0, ds).to(sinks.dtype)
+    good = s < float("inf")  # (H,): the NaN rule reads a NaN/+inf sink as 0 (gradient 0)
+    share = torch.exp(torch.where(good, s, 0.0).view(1, H, 1) - lse)  # (B, H, L)
+    if delta is None or bool(torch.isnan(delta).any()):  # (a row the kernel did not write)
+        delta = torch.linalg.vecdot(dout.to(lse.dtype), out.to(lse.dtype))  # (B, H, L)
+    term = delta.to(lse.dtype) if dlse is None else delta.to(lse.dtype) - dlse.to(lse.dtype)
+    ds = torch.nan_to_num(share * term, 0.0, 0.0, 0.0).sum(dim=(0, 2))  # (H,): Σ share·(δ − dlse)
+    return torch.where(good, -ds, 0.0).to(sinks.dtype)
 
 
 def fused_sinks(backend: object, req: Request) -> bool:
