@@ -1,10 +1,11 @@
 """What attention sinks cost: the same call with and without ``sinks=``.
 
-Sinks are computed from the plain output and its log-sum-exp (``out · σ(lse − s)``, an
-elementwise pass over ``(B, H, L, Dv)``) and flash's backward runs on ``(out', lse')`` on the
-fused kernels (`attnlab.functional.flash.sinks`), so the target is forward and forward+backward
-within 1.05× of the same call without sinks. Timed interleaved, at growing L, for causal and a
-GPT-OSS-like sliding window (128), GQA (H = 8, H_kv = 2), fp32:
+The sink joins each row's denominator inside attnlab's C++ kernels (flash's band and segment
+kernels, the decode step) and flash's backward runs on ``(out', lse')`` on the fused kernels,
+the sinks' gradient from the kernel's per-row δ (`attnlab.functional.flash.sinks`), so the
+target is forward and forward+backward within 1.05× of the same call without sinks. Timed
+interleaved, at growing L, for causal and a GPT-OSS-like sliding window (128), GQA (H = 8,
+H_kv = 2), fp32:
 
 - ``flash`` with and without sinks (the same backend: the target's ratio),
 - ``auto`` with and without sinks (auto skips backends without lse, e.g. sdpa, for sinks: the

@@ -142,9 +142,11 @@ def attention(
         sinks: attention sinks (GPT-OSS), a float tensor ``(H,)`` (``(1,)`` for 3-D and 2-D
             inputs) on q's device, or None: one logit ``s_h`` per query head, in logit units
             (after the scale), that joins every row's softmax denominator,
-            ``out_i = Σ_j e^{l_ij} v_j / (e^{s_h} + Σ_j e^{l_ij})``. Computed exactly from the
-            plain output and its log-sum-exp (`attnlab.functional.sinks`; backends without lse,
-            such as ``"sdpa"``, are skipped), differentiable in q, k, v and the sinks; ``lse``
+            ``out_i = Σ_j e^{l_ij} v_j / (e^{s_h} + Σ_j e^{l_ij})``. Folded into the C++
+            kernels' row normalisation where they write every row (flash, the decode step:
+            `attnlab.functional.flash.sinks`), else computed exactly from the plain output and
+            its log-sum-exp (`attnlab.functional.sinks`; backends without lse, such as
+            ``"sdpa"``, are skipped), differentiable in q, k, v and the sinks; ``lse``
             and the weights include the sink (a row's weights sum to ``1 − e^{s_h − lse_i}``).
             A row with no key stays 0 (its lse is ``s_h``); a NaN or +inf sink makes every row
             of its head that has a key NaN, a −inf sink is no sink.
