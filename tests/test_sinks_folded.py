@@ -35,6 +35,7 @@ CASES = {  # name: (mask, L = S, D)
     "causal": (masks.causal(), 97, 40),
     "full": (None, 113, 8),
     "window": (masks.sliding_window(17), 96, 80),
+    "window, odd L": (masks.sliding_window(29), 113, 40),  # last rows: torch's kernel, then σ
     "documents": (masks.causal() & masks.document.from_lengths([37, 59]), 96, 64),
     "left padded": (_left_padded(2, 65), 65, 8),
 }
@@ -84,7 +85,7 @@ def test_folded_forward_and_backward_follow_the_tolerance_rule(name, folded):
     assert folded and all(folded)
 
 
-@pytest.mark.parametrize("name", ["causal", "window", "left padded"])
+@pytest.mark.parametrize("name", ["causal", "window", "window, odd L", "left padded"])
 def test_folded_lse_and_no_grad_forward_equal_the_definition(name, folded):
     mask, L, D = CASES[name]
     q, k, v, s = _inputs(L, D)
@@ -100,20 +101,22 @@ def test_folded_lse_and_no_grad_forward_equal_the_definition(name, folded):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_folded_nan_rule_and_rows_without_keys(bad, folded):
+@pytest.mark.parametrize("name", ["left padded", "window, odd L"])
+def test_folded_nan_rule_and_rows_without_keys(name, bad, folded):
     """A NaN/+inf sink makes its head's rows with a key NaN (output and lse); rows without a key
     stay 0 with lse = s; the other heads are exact; gradients are those of the sink read as 0."""
-    mask, L, D = CASES["left padded"]
+    mask, L, D = CASES[name]
     q, k, v, s = _inputs(L, D)
     poisoned, zeroed = s.clone(), s.clone()
     poisoned[2], zeroed[2] = bad, 0.0
     xs = [x.clone().requires_grad_(True) for x in (q, k, v, poisoned)]
     out, lse = attnlab.attention(*xs[:3], mask=mask, sinks=xs[3], backend="flash", return_lse=True)
     assert folded == [True]
-    assert bool((out[0, :, :11] == 0).all())  # item 0's rows without a key, every head
-    assert torch.equal(lse[0, 1, :11], s[1].expand(11))
-    assert bool(torch.isnan(out[0, 2, 11:]).all() and torch.isnan(out[1, 2]).all())
-    assert bool(torch.isnan(lse[0, 2, 11:]).all() and torch.isnan(lse[1, 2]).all())
+    first = 11 if name == "left padded" else 0  # item 0's rows without a key
+    assert bool((out[0, :, :first] == 0).all())
+    assert torch.equal(lse[0, 1, :first], s[1].expand(first))
+    assert bool(torch.isnan(out[0, 2, first:]).all() and torch.isnan(out[1, 2]).all())
+    assert bool(torch.isnan(lse[0, 2, first:]).all() and torch.isnan(lse[1, 2]).all())
     ys = [x.clone().requires_grad_(True) for x in (q, k, v, zeroed)]
     want = attnlab.attention(*ys[:3], mask=mask, sinks=ys[3], backend="flash")
     others = [0, 1, 3]

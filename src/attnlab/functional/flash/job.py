@@ -17,6 +17,7 @@ from ..._shapes import stat_dtype
 from .. import nan_rule
 from ..merge import merge_compensated, merge_into, merge_partials
 from ..request import Request
+from ..sinks import apply_sinks
 from . import band_kernel
 from .band import band_backward, band_forward, segment_backward, segment_forward
 from .calls import CALL_CAUSAL, BandCall, Call, Plan, SegmentCall
@@ -73,7 +74,7 @@ class FlashJob:
         keys: the key mask ``(B|1, S)`` bool that keyed calls read (`tiling.key_mask_plan`).
         rows: the query rows ``(B|1, L)`` bool that may attend at all (`tiling.key_mask_plan`):
             `forward` gives the others 0 and lse −inf (backward's P is 0 there); None: all.
-        sinks: ``(H,)`` float32 sinks the C++ kernel folds in (`run.folds_sinks`), or None.
+        sinks: ``(H,)`` float32 sinks the kernel calls fold into their rows (`run.folds_sinks`).
     """
 
     plan: Plan
@@ -297,9 +298,8 @@ class FlashJob:
         qc, kc, vc, add = self._call_tensors(q, k, v, c)
         logits = Logits(self.scale, add, c.kind == CALL_CAUSAL, self.softcap, self.policy)
         if self.engine == "kernel" and self.softcap is None:
-            o, l = kernel_forward(qc, kc, vc, logits)
-            o, l = fix_dead_rows(o, l, add)
-            return o, l, None
+            o, l = fix_dead_rows(*kernel_forward(qc, kc, vc, logits), add)
+            return (o, l, None) if self.sinks is None else apply_sinks(o, l, self.sinks)  # lo None
         # the torch engine; on the kernel engine, a soft-capped job's edge tiles (torch's fused
         # kernel cannot apply tanh; such jobs have no backward, so lse needs no compensation)
         return self.torch_engine.forward(qc, kc, vc, logits)

@@ -242,9 +242,10 @@ def _run_band_checked(call: FlashCall) -> tuple[Tensor, Tensor] | None:
 def folds_sinks(job: FlashJob, q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether ``job``'s forward can fold attention sinks into the C++ kernel's normalisation
     of each row (`band_kernel`: the sink joins the denominator where ``o /= l``): every row of
-    the call is written once, in place, by attnlab's C++ kernel — one segment over the whole
-    call, or merge-free band and segment calls covering every row (no merge, no torch engine,
-    no row outside the plan, no 16-bit forward widened to float32 copies)."""
+    the call is written once — one segment over the whole call, or merge-free band and segment
+    calls of attnlab's C++ kernel covering every row, and plain calls of torch's kernel (a
+    window's last rows, which get ``o · σ(lse − s)`` from the job) — with no merge, no torch
+    engine, no row outside the plan, no 16-bit forward widened to float32 copies."""
     plan = job.plan
     if job.engine != "kernel" or not job.own_kernel or job.rows is not None:
         return False
@@ -258,8 +259,11 @@ def folds_sinks(job: FlashJob, q: Tensor, k: Tensor, v: Tensor) -> bool:
         if isinstance(c, SegmentCall):
             if not band_kernel.segments_usable(q, k, v, c.n):
                 return False
-        elif not (isinstance(c, BandCall) and band_kernel.usable(q, k, v, c.bq)):
-            return False
+        elif isinstance(c, BandCall):
+            if not band_kernel.usable(q, k, v, c.bq):
+                return False
+        elif job.softcap is not None:  # a plain call (a window's last rows): torch's kernel,
+            return False  # whose few rows the job gives the sinks after it (`apply_sinks`)
     return True
 
 
