@@ -100,6 +100,21 @@ def test_folded_lse_and_no_grad_forward_equal_the_definition(name, folded):
     assert folded == [True]
 
 
+@pytest.mark.parametrize(
+    "dtype,name", [(torch.bfloat16, "causal"), (torch.float16, "window, odd L")], ids=str
+)
+def test_folded_low_precision_follows_the_tolerance_rule(dtype, name, folded):
+    """16-bit flash folds too (the kernel rounds each row once, the sink inside)."""
+    mask, L, D = CASES[name]
+    L += L % 2 if dtype == torch.bfloat16 else 0  # (bfloat16 pairs: an even segment)
+
+    def impl(q, k, v, sinks):
+        return attnlab.attention(q, k, v, mask=mask, sinks=sinks, backend="flash")
+
+    check_against_reference(impl, _reference(mask), [x.to(dtype) for x in _inputs(L, D)])
+    assert folded and all(folded)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("name", ["left padded", "window, odd L"])
 def test_folded_nan_rule_and_rows_without_keys(name, bad, folded):

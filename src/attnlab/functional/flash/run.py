@@ -245,12 +245,11 @@ def folds_sinks(job: FlashJob, q: Tensor, k: Tensor, v: Tensor) -> bool:
     the call is written once — one segment over the whole call, or merge-free band and segment
     calls of attnlab's C++ kernel covering every row, and plain calls of torch's kernel (a
     window's last rows, which get ``o · σ(lse − s)`` from the job) — with no merge, no torch
-    engine, no row outside the plan, no 16-bit forward widened to float32 copies."""
+    engine, no row outside the plan (any dtype: a widened 16-bit forward folds on its float32
+    run, and its backward reads that float32 output)."""
     plan = job.plan
     if job.engine != "kernel" or not job.own_kernel or job.rows is not None:
         return False
-    if q.dtype in (torch.float16, torch.bfloat16):
-        return False  # (a widened forward may run the plan on float32 copies)
     if plan.single_call and not plan.biased:
         return plan.whole is not None and band_kernel.segments_usable(q, k, v, q.shape[2])
     if not (plan.covers_all and plan.merge_free):
