@@ -1,10 +1,11 @@
 """What attention sinks cost: the same call with and without ``sinks=``.
 
-Sinks are computed from the plain output and its log-sum-exp (``out · σ(lse − s)``, an
-elementwise pass over ``(B, H, L, Dv)``) and flash's backward runs on ``(out', lse')`` on the
-fused kernels (`attnlab.functional.flash.sinks`), so the target is forward and forward+backward
-within 1.05× of the same call without sinks. Timed interleaved, at growing L, for causal and a
-GPT-OSS-like sliding window (128), GQA (H = 8, H_kv = 2), fp32:
+The sink joins each row's denominator inside attnlab's C++ kernels (flash's band and segment
+kernels, the decode step) and flash's backward runs on ``(out', lse')`` on the fused kernels,
+the sinks' gradient from the kernel's per-row δ (`attnlab.functional.flash.sinks`), so the
+target is forward and forward+backward within 1.05× of the same call without sinks. Timed
+interleaved, at growing L, for causal and a GPT-OSS-like sliding window (128), GQA (H = 8,
+H_kv = 2), fp32:
 
 - ``flash`` with and without sinks (the same backend: the target's ratio),
 - ``auto`` with and without sinks (auto skips backends without lse, e.g. sdpa, for sinks: the
@@ -12,11 +13,15 @@ GPT-OSS-like sliding window (128), GQA (H = 8, H_kv = 2), fp32:
 - one decoding step (L = 1 against S keys, no gradient) with and without sinks.
 
 Run: python benchmarks/bench_sinks.py [--repeats 5] [--lengths 1024 2048 4096] [--threads 1]
+[--cpu-time]. ``--cpu-time`` times each call by the calling thread's CPU time on one thread (the
+time other processes take the core is left out: a ratio on a loaded machine); the recorded
+figures are wall clock on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -48,14 +53,19 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="thread CPU time on 1 thread (a loaded machine)"
+    )
     args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    if args.threads is not None or args.cpu_time:
+        torch.set_num_threads(1 if args.cpu_time else args.threads)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     torch.manual_seed(0)
     print_machine()
     H, Hk, D = args.heads, args.kv_heads, args.dim
     print(
-        f"B=1 H={H} H_kv={Hk} D={D} fp32; medians of {args.repeats} interleaved; fwd = no grad, "
+        f"B=1 H={H} H_kv={Hk} D={D} fp32; medians of {args.repeats} interleaved"
+        f"{' (thread CPU time, 1 thread)' if args.cpu_time else ''}; fwd = no grad, "
         f"fwd+bwd = out.backward(ones); target: sinks/plain <= {TARGET}\n"
     )
     print(
@@ -77,7 +87,7 @@ def main() -> None:
                         "plain": _call((q, k, v), None, mask, backend, kind),
                         "sinks": _call((q, k, v), sinks, mask, backend, kind),
                     }
-                    t = interleaved_medians(runs, args.repeats)
+                    t = interleaved_medians(runs, args.repeats, clock)
                     ratio = t["sinks"] / t["plain"]
                     worst = max(worst, ratio) if backend == "flash" else worst
                     verdict = "ok" if ratio <= TARGET else "OVER"
@@ -91,7 +101,7 @@ def main() -> None:
             "plain": _call(step, None, None, "auto", "fwd"),
             "sinks": _call(step, sinks.detach(), None, "auto", "fwd"),
         }
-        t = interleaved_medians(runs, args.repeats)
+        t = interleaved_medians(runs, args.repeats, clock)
         print(
             f"{'decode':8} {L:5d} {'fwd':8} {'auto':8} {t['plain'] * 1e3:9.2f} "
             f"{t['sinks'] * 1e3:9.2f} {t['sinks'] / t['plain']:6.3f}",

@@ -2,7 +2,8 @@
 // backend, each as one CPU operator (see attnlab/functional/flash/band.py and band_kernel.py).
 //
 //   attnlab_band::forward_into(out!, lse!, q, k, v, add, r0, nblk, bq, k_start, width, limit,
-//                              scale, check=False, widen=False, softcap=0.0, keys=None) -> seen
+//                              scale, check=False, widen=False, softcap=0.0, keys=None,
+//                              sinks=None) -> seen
 //       q (H, L, D), k (H_kv, S, D), v (H_kv, S, Dv): one batch item, unit stride in the last
 //       dim; query block t (0 <= t < nblk) holds rows r0 + t·bq … + bq and sees the keys
 //       [k_start + t·bq, … + width) that lie in [0, limit) (edge windows are clipped: columns
@@ -22,7 +23,7 @@
 //       found (out and lse are not meaningful), else empty (numel 0; also when not checking),
 //       so the caller branches on shape, as on `attnlab_flash::clean_copy`.
 //   attnlab_band::segments_into(out!, lse!, q, k, v, start, n, count, causal, bq, scale,
-//                               widen=False, softcap=0.0, keys=None)
+//                               widen=False, softcap=0.0, keys=None, sinks=None)
 //       q, k, v as above; segment s (0 <= s < count) holds rows and keys [start + s·n, … + n):
 //       its rows attend all its keys, or (causal) the keys up to their own position — of those,
 //       with keys (bool (S,): a key mask, padding), only the keys j with keys[j]. Writes the
@@ -30,14 +31,22 @@
 //       query blocks of bq rows: out = softmax(q·kᵀ·scale) v, lse = log Σ exp(q·kᵀ·scale); a
 //       row left without keys gets out = 0, lse = −inf. A key mask costs only the columns from
 //       each segment's first attended key to its last (`KeyRuns`).
+//       sinks (both forward operators; float32 (H,), GPT-OSS's attention sinks): head h's logit
+//       s_h joins each of its rows' denominators where the row is finalised (`finish_row`):
+//       out = Σ_j e^{l_j} v_j / (e^{s_h} + Σ_j e^{l_j}), lse = log(e^{s_h} + Σ_j e^{l_j}); a
+//       row without keys gets out = 0, lse = s_h; a NaN/+inf s_h makes the rows with a key NaN.
+//       The backward operators are exact on these out and lse (the sink-inclusive weights).
 //   attnlab_band::backward_into(dq!, dk!, dv!, q, k, v, out, dout, lse, add, r0, nblk, bq,
-//                               k_start, width, limit, scale, own_delta=False, keys=None)
+//                               k_start, width, limit, scale, own_delta=False, keys=None,
+//                               delta=None)
 //   attnlab_band::segments_backward_into(dq!, dk!, dv!, q, k, v, out, dout, lse, start, n,
-//                                        count, causal, bq, scale, keys=None)
+//                                        count, causal, bq, scale, keys=None, delta=None)
 //       The backward of the two calls, added into float32 dq, dk, dv: every product in float32
 //       (float16 and bfloat16 q, k, v, dout widened as they are packed), out float32 (segments:
 //       or q's dtype), lse float32 (+inf on rows without a key). own_delta: the band call holds
 //       every key of its rows, so δ is Σ P·dP of each row rather than rowsum(dout ⊙ out).
+//       delta: (H, L) float32, or None: the rows the call computes get their δ (0 without a
+//       key; the other rows untouched), what the gradient of attention sinks reads.
 //   attnlab_band::supported(dtype) -> bool: whether this CPU runs the operator in that dtype
 //       (oneDNN's brgemm micro-kernel in float32, wherever it exists: float16 is widened to
 //       float32 as it is packed, and so is bfloat16 unless its own products run); the caller
@@ -469,17 +478,41 @@ inline void cap_scores(float* s, int64_t n, float scale, float cap) {
 
 // Writes one output row (the unnormalized p·v row ``src`` divided by the denominator) and its
 // log-sum-exp; a row without keys (max −inf) gets 0 and −inf.
+//
+// With an attention sink ``sink`` (the row's head's logit, GPT-OSS; −inf: none) the sink joins
+// the row's denominator where it is finalised: with m' = max(mx, sink),
+//     out = src·e^{mx − m'} / (den·e^{mx − m'} + e^{sink − m'}),
+//     lse = m' + log(den·e^{mx − m'} + e^{sink − m'})  (= logaddexp(lse, sink)),
+// so the output and lse are those of the softmax over the keys and the sink. A row without
+// keys keeps 0 and gets lse = sink. A NaN or +inf sink (the NaN rule) makes a row with a key
+// NaN (output and lse); a row without keys keeps 0 and gets lse = sink.
 template <typename T>
-inline void finish_row(T* orow, float* lrow, const float* src, int64_t Dv, float mx, float den) {
+inline void finish_row(T* orow, float* lrow, const float* src, int64_t Dv, float mx, float den,
+                       float sink = kNegInf) {
   const bool dead = mx == kNegInf;
-  const float inv = dead ? 0.0f : 1.0f / den;
+  float inv = dead ? 0.0f : 1.0f / den;
+  float lse_row = dead ? sink : mx + std::log(den);
+  if (!dead && sink != kNegInf) {
+    if (std::isnan(sink) || sink == -kNegInf) {  // the NaN rule: the row is NaN
+      inv = std::numeric_limits<float>::quiet_NaN();
+      lse_row = inv;
+    } else if (sink > mx) {  // rescale to the sink (no overflow of e^{sink − mx})
+      const float e = std::exp(mx - sink), x = den * e;  // the keys' share, over the sink's
+      inv = e / (x + 1.0f);
+      lse_row = sink + std::log1p(x);  // (log(1 + x) would lose x's digits when x is small)
+    } else {
+      const float d = den + std::exp(sink - mx);
+      inv = 1.0f / d;
+      lse_row = mx + std::log(d);
+    }
+  }
   int64_t c = 0;
 #if defined(__AVX512F__)
   const __m512 vinv = _mm512_set1_ps(inv);
   for (; c + 16 <= Dv; c += 16) store16(orow + c, _mm512_mul_ps(_mm512_loadu_ps(src + c), vinv));
 #endif
   for (; c < Dv; ++c) orow[c] = Traits<T>::store(src[c] * inv);
-  *lrow = dead ? kNegInf : mx + std::log(den);
+  *lrow = lse_row;
 }
 
 #if defined(__AVX512BW__)
@@ -1022,7 +1055,8 @@ template <typename T, typename TO>
 void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk, int64_t bq,
                   int64_t k_start, int64_t width, int64_t limit, double scale_d,
-                  std::atomic<bool>* bad, float softcap, const bool* keys) {
+                  std::atomic<bool>* bad, float softcap, const bool* keys,
+                  const float* sinks) {
   using C = typename Traits<T>::C;
   constexpr bool vnni = Traits<T>::vnni;
   const int64_t H = q.size(0), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
@@ -1116,11 +1150,12 @@ void band_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const a
           std::fill(ob, ob + bq * Dv, 0.0f);
         }
       }
+      const float sink = sinks == nullptr ? kNegInf : sinks[h];
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t g = (t - t0) * bq;
         for (int64_t r = 0; r < bq; ++r) {
           finish_row(op + t * o0 + h * o1 + r * o2, lp + t * l0 + h * l1 + r * l2,
-                     sc.o + (g + r) * Dv, Dv, sc.m[g + r], sc.den[g + r]);
+                     sc.o + (g + r) * Dv, Dv, sc.m[g + r], sc.den[g + r], sink);
         }
       }
     }
@@ -1165,7 +1200,8 @@ constexpr int64_t kSegmentSpan = 2048;
 template <typename T>
 void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, int64_t start, int64_t n, int64_t count, bool causal,
-                     int64_t bq, double scale_d, float softcap, const bool* keys) {
+                     int64_t bq, double scale_d, float softcap, const bool* keys,
+                     const float* sinks) {
   using C = typename Traits<T>::C;
   constexpr bool vnni = Traits<T>::vnni;
   constexpr int64_t kCols = 512;  // columns per brgemm call, both products
@@ -1203,6 +1239,7 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
     [[maybe_unused]] const T* vh_ = in.values(hk);
     float* const s = sc.s;
     const int64_t seg = it / (nblk * G), u = it / G % nblk, h = hk * G + it % G;
+    const float sink = sinks == nullptr ? kNegInf : sinks[h];
     const int64_t t = u % 2 == 0 ? u / 2 : nblk - 1 - u / 2;  // 0, last, 1, last − 1, …
     const int64_t rows = std::min(bq, n - t * bq);
     const int64_t key0 = seg * n;  // the segment's first packed column
@@ -1214,7 +1251,7 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
       std::fill(sc.o, sc.o + rows * Dv, 0.0f);
       for (int64_t r = 0; r < rows; ++r) {
         finish_row(op + h * o0 + (row0 + r) * o1, lp + h * l0 + (row0 + r) * l1, sc.o + r * Dv,
-                   Dv, kNegInf, 0.0f);
+                   Dv, kNegInf, 0.0f, sink);
       }
       return;
     }
@@ -1278,7 +1315,7 @@ void segment_forward(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, cons
     }
     for (int64_t r = 0; r < rows; ++r) {
       finish_row(op + h * o0 + (row0 + r) * o1, lp + h * l0 + (row0 + r) * l1, sc.o + r * Dv, Dv,
-                 sc.m[r], sc.den[r]);
+                 sc.m[r], sc.den[r], sink);
     }
   };
   auto run = [&](int64_t hk, const C* kpack, const C* vpack, int64_t i0, int64_t i1,
@@ -1484,8 +1521,8 @@ inline void grad_row(float* sr, float* dr, const float* ad, int64_t ws, int64_t 
 // L > S) or with P on a few keys (ALiBi) that difference reached dq whole: 5–7× the error of
 // the same-dtype softmax at D = 256 (issue #38). Runs `grad_row` with δ = 0 (dr = P·dP·scale),
 // then dr −= (Σ dr)·P: two light passes over the row.
-inline void grad_row_own(float* sr, float* dr, const float* ad, int64_t ws, int64_t lo,
-                         int64_t hi, float scale, float lse) {
+inline float grad_row_own(float* sr, float* dr, const float* ad, int64_t ws, int64_t lo,
+                          int64_t hi, float scale, float lse) {
   grad_row(sr, dr, ad, ws, lo, hi, scale, lse, 0.0f);
   double d = 0.0;
 #pragma omp simd reduction(+ : d)
@@ -1493,7 +1530,26 @@ inline void grad_row_own(float* sr, float* dr, const float* ad, int64_t ws, int6
   const float dl = static_cast<float>(d);
 #pragma omp simd
   for (int64_t j = 0; j < ws; ++j) dr[j] -= dl * sr[j];
+  return dl;  // δ·scale
 }
+
+// Where a backward operator writes each row's δ (`delta` (H, L) float32, optional): the rows
+// it computes get their δ (Σ P·dP, or rowsum(dO ⊙ O)), rows without a key 0. The sinks'
+// gradient reads it (ds_h = Σ_i e^{s_h − lse_i}·(dlse_i − δ_i): attnlab/functional/flash/sinks.py)
+// instead of a pass over dO and O.
+struct DeltaOut {
+  float* p = nullptr;
+  int64_t s0 = 0, s1 = 0;
+  explicit DeltaOut(const std::optional<at::Tensor>& t) {
+    if (!t.has_value()) return;
+    p = t->data_ptr<float>();
+    s0 = t->stride(0);
+    s1 = t->stride(1);
+  }
+  void put(int64_t h, int64_t row, float d) const {
+    if (p != nullptr) p[h * s0 + row * s1] = d;
+  }
+};
 
 // The backward of `band_forward` in float32 for one batch item, added into dq (H, L, D),
 // dk (H_kv, S, D), dv (H_kv, S, Dv): per query block t and head h, with the forward's lse and
@@ -1512,7 +1568,8 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                    const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& add,
                    int64_t r0, int64_t nblk, int64_t bq, int64_t k_start, int64_t width,
-                   int64_t limit, double scale_d, bool own_delta, const bool* keys) {
+                   int64_t limit, double scale_d, bool own_delta, const bool* keys,
+                   const DeltaOut& dout_delta) {
   const int64_t H = q.size(0), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
   const int64_t G = H / Hkv;
   const float scale = static_cast<float>(scale_d);
@@ -1579,7 +1636,12 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
       acc.cover(hk, c, c + ws);
       const int64_t c_lo = std::clamp<int64_t>(v_lo - c, 0, ws);
       const int64_t c_hi = std::clamp<int64_t>(v_hi - c, c_lo, ws);
-      if (c_hi <= c_lo) continue;  // no key in this window: nothing to add
+      if (c_hi <= c_lo) {  // no key in this window: nothing to add (δ = 0)
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t r = 0; r < bq; ++r) dout_delta.put(hk * G + g, r0 + c + r, 0.0f);
+        }
+        continue;
+      }
       const int64_t kn = std::min(width, c_hi) - c_lo;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hk * G + g, row = r0 + c;
@@ -1595,11 +1657,13 @@ void band_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Ten
         }
         for (int64_t r = 0; r < bq; ++r) {  // s becomes P, dp dS·scale
           if (own_delta) {
-            grad_row_own(s + r * ws, dp + r * ws, at + r * ar, ws, c_lo, c_hi, scale,
-                         io.lse_at(h, row + r));
+            const float dl = grad_row_own(s + r * ws, dp + r * ws, at + r * ar, ws, c_lo, c_hi,
+                                          scale, io.lse_at(h, row + r));
+            dout_delta.put(h, row + r, dl / scale);
           } else {
             grad_row(s + r * ws, dp + r * ws, at + r * ar, ws, c_lo, c_hi, scale,
                      io.lse_at(h, row + r), delta[r]);
+            dout_delta.put(h, row + r, delta[r]);
           }
         }
         // dq rows += dS·k over the keys that exist (float32 k in place, else widened rows)
@@ -1651,7 +1715,8 @@ template <typename T, typename O>
 void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::Tensor& q,
                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                       const at::Tensor& dout, const at::Tensor& lse, int64_t start, int64_t n,
-                      int64_t count, bool causal, int64_t bq, double scale_d, const bool* keys) {
+                      int64_t count, bool causal, int64_t bq, double scale_d, const bool* keys,
+                      const DeltaOut& dout_delta) {
   constexpr int64_t kCols = 512;
   const int64_t H = q.size(0), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
   const int64_t G = H / Hkv;
@@ -1714,11 +1779,15 @@ void segment_backward(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const at::
             const int64_t end = runs.end(seg, causal, t * bq + rows);
             const int64_t cs = std::max(a0, kb);
             const int64_t ce = std::min(a0 + span, kb + score_cols(end - kb, false));
+            if (end <= lo && a0 == 0) {  // no key of the block: δ = 0
+              for (int64_t r = 0; r < rows; ++r) dout_delta.put(h, row0 + r, 0.0f);
+            }
             if (end <= lo || cs >= ce) continue;  // no key of the block in this span
             const auto [qb, lq] = query_rows(in.q + h * in.qh + row0 * in.qs, in.qs, rows, D,
                                              qw.get());
             const auto [gb, lg] = query_rows(io.g_row(h, row0), io.gs, rows, Dv, gw.get());
             io.deltas(h, row0, rows, Dv, delta.data());
+            for (int64_t r = 0; r < rows; ++r) dout_delta.put(h, row0 + r, delta[r]);
             transpose_f32(qb, lq, rows, D, qt.get(), rows);
             transpose_f32(gb, lg, rows, Dv, gt.get(), rows);
             const int64_t wa = ce - cs;
@@ -1875,11 +1944,25 @@ const bool* key_mask(const char* op, const std::optional<at::Tensor>& keys,
   return t.const_data_ptr<bool>();
 }
 
+// The attention sinks of a forward call: float32 (H,), unit stride, on the CPU (null when none
+// is given): each head's logit joins its rows' denominators (`finish_row`).
+const float* sink_logits(const char* op, const std::optional<at::Tensor>& sinks,
+                         const at::Tensor& q) {
+  if (!sinks.has_value()) return nullptr;
+  const at::Tensor& t = *sinks;
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.device().is_cpu() &&
+                  t.size(0) == q.size(0) && (t.stride(0) == 1 || t.size(0) <= 1),
+              "attnlab_band.", op, ": sinks must be a unit-stride float32 CPU tensor of shape (",
+              q.size(0), ",), got ", t.scalar_type(), " of shape ", t.sizes());
+  return t.const_data_ptr<float>();
+}
+
 at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const at::Tensor& add, int64_t r0, int64_t nblk,
                         int64_t bq, int64_t k_start, int64_t width, int64_t limit, double scale,
                         bool check_inputs_for_nonfinite, bool widen, double softcap,
-                        const std::optional<at::Tensor>& keys_) {
+                        const std::optional<at::Tensor>& keys_,
+                        const std::optional<at::Tensor>& sinks_) {
   TORCH_CHECK(softcap >= 0.0, "attnlab_band.forward_into: softcap must be >= 0 (0: none)");
   const float cap = static_cast<float>(softcap);
   const at::ScalarType dt = check_inputs("forward_into", out, q, k, v, 4, /*float_out=*/true);
@@ -1894,6 +1977,7 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
               "attnlab_band.forward_into: out must be (nblk, H, bq, Dv), lse (nblk, H, bq)");
   const at::Tensor addp = padded_tile(add, width, score_cols(width, bf16));
   const bool* keys = key_mask("forward_into", keys_, k, 0);
+  const float* sinks = sink_logits("forward_into", sinks_, q);
   populate(out);
   std::atomic<bool> bad{false};
   std::atomic<bool>* seen = check_inputs_for_nonfinite ? &bad : nullptr;
@@ -1902,7 +1986,7 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
     using T = decltype(in_type);
     using TO = decltype(out_type);
     band_forward<T, TO>(out, lse, q, k, v, addp, r0, nblk, bq, k_start, width, limit, scale,
-                        seen, cap, keys);
+                        seen, cap, keys, sinks);
   };
   if (dt == at::kFloat) {
     run(float{}, float{});
@@ -1919,7 +2003,8 @@ at::Tensor forward_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, con
 void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at::Tensor& k,
                    const at::Tensor& v, int64_t start, int64_t n, int64_t count, bool causal,
                    int64_t bq, double scale, bool widen, double softcap,
-                   const std::optional<at::Tensor>& keys_) {
+                   const std::optional<at::Tensor>& keys_,
+                   const std::optional<at::Tensor>& sinks_) {
   TORCH_CHECK(softcap >= 0.0, "attnlab_band.segments_into: softcap must be >= 0 (0: none)");
   const float cap = static_cast<float>(softcap);  // 0: none
   const at::ScalarType dt = check_inputs("segments_into", out, q, k, v, 3);
@@ -1935,10 +2020,11 @@ void segments_into(at::Tensor out, at::Tensor lse, const at::Tensor& q, const at
   TORCH_CHECK(!bf16 || n % 2 == 0,
               "attnlab_band.segments_into: bfloat16 pairs need an even segment length");
   const bool* keys = key_mask("segments_into", keys_, k, start + count * n);
+  const float* sinks = sink_logits("segments_into", sinks_, q);
   populate(out.narrow(1, start, count * n));
   auto run = [&](auto in_type) {
     segment_forward<decltype(in_type)>(out, lse, q, k, v, start, n, count, causal, bq, scale,
-                                       cap, keys);
+                                       cap, keys, sinks);
   };
   if (bf16) {
     run(c10::BFloat16{});
@@ -1978,13 +2064,27 @@ void check_backward(const char* op, const at::Tensor& dq, const at::Tensor& dk,
               "attnlab_band.", op, ": lse must be (H, L)");
 }
 
+// The optional δ output of a backward operator: float32 (H, L) on the CPU.
+DeltaOut delta_out(const char* op, const std::optional<at::Tensor>& delta, const at::Tensor& q) {
+  if (delta.has_value()) {
+    const at::Tensor& t = *delta;
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == q.size(0) &&
+                    t.size(1) == q.size(1) && t.device().is_cpu(),
+                "attnlab_band.", op, ": delta must be a float32 CPU tensor of shape (",
+                q.size(0), ", ", q.size(1), "), got ", t.scalar_type(), " of shape ", t.sizes());
+  }
+  return DeltaOut(delta);
+}
+
 void backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const at::Tensor& q,
                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                    const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& add,
                    int64_t r0, int64_t nblk, int64_t bq, int64_t k_start, int64_t width,
                    int64_t limit, double scale, bool own_delta,
-                   const std::optional<at::Tensor>& keys_) {
+                   const std::optional<at::Tensor>& keys_,
+                   const std::optional<at::Tensor>& delta_) {
   check_backward("backward_into", dq, dk, dv, q, k, v, out, dout, lse);
+  const DeltaOut dd = delta_out("backward_into", delta_, q);
   const bool* keys = key_mask("backward_into", keys_, k, 0);
   check(add, "backward_into", "add", 4);
   TORCH_CHECK(add.scalar_type() == at::kFloat, "attnlab_band.backward_into: add must be float32");
@@ -1992,7 +2092,7 @@ void backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const at::Tensor
   const at::Tensor addp = padded_tile(add, width, score_cols(width, false));
   auto run = [&](auto in_type) {
     band_backward<decltype(in_type)>(dq, dk, dv, q, k, v, out, dout, lse, addp, r0, nblk, bq,
-                                     k_start, width, limit, scale, own_delta, keys);
+                                     k_start, width, limit, scale, own_delta, keys, dd);
   };
   switch (q.scalar_type()) {  // every product in float32: 16-bit inputs widened as packed
     case at::kFloat: return run(float{});
@@ -2005,9 +2105,11 @@ void segments_backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const a
                             const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                             const at::Tensor& dout, const at::Tensor& lse, int64_t start,
                             int64_t n, int64_t count, bool causal, int64_t bq, double scale,
-                            const std::optional<at::Tensor>& keys_) {
+                            const std::optional<at::Tensor>& keys_,
+                            const std::optional<at::Tensor>& delta_) {
   check_backward("segments_backward_into", dq, dk, dv, q, k, v, out, dout, lse,
                  /*out_like_q=*/true);
+  const DeltaOut dd = delta_out("segments_backward_into", delta_, q);
   TORCH_CHECK(n >= 1 && count >= 1 && bq >= 1, "attnlab_band.segments_backward_into: empty call");
   TORCH_CHECK(start >= 0 && start + count * n <= std::min(q.size(1), k.size(1)),
               "attnlab_band.segments_backward_into: segments out of range");
@@ -2017,10 +2119,10 @@ void segments_backward_into(at::Tensor dq, at::Tensor dk, at::Tensor dv, const a
     using T = decltype(in_type);
     if (wide_out) {
       segment_backward<T, float>(dq, dk, dv, q, k, v, out, dout, lse, start, n, count, causal,
-                                 bq, scale, keys);
+                                 bq, scale, keys, dd);
     } else if constexpr (!std::is_same_v<T, float>) {
       segment_backward<T, T>(dq, dk, dv, q, k, v, out, dout, lse, start, n, count, causal, bq,
-                             scale, keys);
+                             scale, keys, dd);
     }
   };
   switch (q.scalar_type()) {  // every product in float32: 16-bit inputs widened as packed
@@ -2048,19 +2150,21 @@ TORCH_LIBRARY(attnlab_band, m) {
   m.def(
       "forward_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, Tensor add, "
       "int r0, int nblk, int bq, int k_start, int width, int limit, float scale, "
-      "bool check=False, bool widen=False, float softcap=0.0, Tensor? keys=None) -> Tensor");
+      "bool check=False, bool widen=False, float softcap=0.0, Tensor? keys=None, "
+      "Tensor? sinks=None) -> Tensor");
   m.def(
       "segments_into(Tensor(a!) out, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, int start, "
       "int n, int count, bool causal, int bq, float scale, bool widen=False, "
-      "float softcap=0.0, Tensor? keys=None) -> ()");
+      "float softcap=0.0, Tensor? keys=None, Tensor? sinks=None) -> ()");
   m.def(
       "backward_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor q, Tensor k, Tensor v, "
       "Tensor out, Tensor dout, Tensor lse, Tensor add, int r0, int nblk, int bq, int k_start, "
-      "int width, int limit, float scale, bool own_delta=False, Tensor? keys=None) -> ()");
+      "int width, int limit, float scale, bool own_delta=False, Tensor? keys=None, "
+      "Tensor(d!)? delta=None) -> ()");
   m.def(
       "segments_backward_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor q, Tensor k, "
       "Tensor v, Tensor out, Tensor dout, Tensor lse, int start, int n, int count, bool causal, "
-      "int bq, float scale, Tensor? keys=None) -> ()");
+      "int bq, float scale, Tensor? keys=None, Tensor(d!)? delta=None) -> ()");
   m.def("supported(ScalarType dtype) -> bool", &supported);
   m.def("native(ScalarType dtype) -> bool", &native);
   m.def("segment_span() -> int", &segment_span);

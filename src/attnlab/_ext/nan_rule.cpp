@@ -13,7 +13,8 @@
 //       themselves: no copy), then poison_prefix_. The kernel runs on the inputs first and the
 //       scan after it (the inputs still cached); only a call that needs a cleaned copy runs
 //       the kernel a second time.
-//   attnlab_nan::decode_attend(q, k, v, scale, keys?, softcap=0.0) -> out: the decode backend's step
+//   attnlab_nan::decode_attend(q, k, v, scale, keys?, softcap=0.0, sinks?) -> out: the decode
+//       backend's step
 //       (attnlab/functional/decode.py `_attend`: softmax(q·kᵀ·scale)·v, a row with a non-finite
 //       logit NaN) in one pass per (item, k/v head) that reads the cached k and v rows in place
 //       (no copy of a cache view, each row once for the G query heads sharing it), in float32
@@ -23,6 +24,10 @@
 //       gathered first; the other keys are never read, and an item with none gives zeros.
 //       softcap > 0: the logits become softcap·tanh(logit / softcap) (Gemma 2; `tanh_f`),
 //       after the row's non-finite check (tanh would hide ±inf).
+//       sinks, float32 (H,) (attention sinks, GPT-OSS): head h's logit s_h joins the
+//       denominator of each of its rows where the row is finalised (`sink_inverse`):
+//       out = Σ_j e^{l_j} v_j / (e^{s_h} + Σ_j e^{l_j}); a NaN/+inf s_h makes the rows with a key
+//       NaN (the NaN rule); a row with no key stays zeros.
 //   attnlab_nan::rope_decode_attend(q, k, v, cos, sin, q_start, k_start, rotate_keys,
 //       rotary_dim, interleaved, scale) -> out: `MultiHeadAttention`'s cached decode step after
 //       the cache update: RoPE of q (positions q_start…) and, if rotate_keys, of every cached key
@@ -517,10 +522,25 @@ inline void score_rows(const float* q, const float* k, int64_t ks, float* s, int
 // row the softmax numerators e = exp(s − max) and out = (Σ e·v) / Σ e, all in C. A row with a
 // non-finite logit is NaN (the rule `_attend`'s amin poison implements); an inf or NaN value
 // reaches the rows that weigh it through the products, as in a matrix product.
+// 1 / (the row's denominator with the attention sink s joined): e^{s − base} added to
+// den = Σ_j e^{l_j − base}, rescaled to s when s > base (no overflow); NaN for a NaN/+inf s
+// (the NaN rule: the row is NaN), 1/den for s = −inf (no sink).
+template <typename C>
+inline C sink_inverse(C den, C base, C s) {
+  if (std::isnan(s) || s == std::numeric_limits<C>::infinity()) {
+    return std::numeric_limits<C>::quiet_NaN();
+  }
+  if (s > base) {
+    const C e = std::exp(base - s);
+    return e / (den * e + C(1));
+  }
+  return C(1) / (den + std::exp(s - base));
+}
+
 template <typename T, typename C>
 void decode_task(const T* const* qrow, const T* kp, int64_t ks, const T* vp, int64_t vs,
                  C* const* orow, int64_t R, int64_t n, int64_t D, int64_t Dv, C scale,
-                 C softcap = C(0)) {
+                 C softcap = C(0), const float* sinks = nullptr, int64_t L = 1) {
   std::vector<C> buf(R * D + R * n + 2 * R * Dv + D + Dv);
   C* qc = buf.data();  // (R, D)
   C* s = qc + R * D;  // (R, n)
@@ -540,7 +560,7 @@ void decode_task(const T* const* qrow, const T* kp, int64_t ks, const T* vp, int
       for (int64_t r = 0; r < R; ++r) s[r * n + j] = dot(qc + r * D, kc, D) * scale;
     }
   }
-  std::vector<C> den(R);
+  std::vector<C> den(R), base_of(R);
   std::vector<uint8_t> poisoned(R);
   for (int64_t r = 0; r < R; ++r) {
     C* sr = s + r * n;
@@ -553,6 +573,7 @@ void decode_task(const T* const* qrow, const T* kp, int64_t ks, const T* vp, int
       mx = max_finite(sr, n).first;
     }
     const C base = finite ? mx : C(0);
+    base_of[r] = base;
     C sum = 0;
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < n; ++j) {
@@ -573,7 +594,9 @@ void decode_task(const T* const* qrow, const T* kp, int64_t ks, const T* vp, int
     weigh_blocks(s, n, widened, acc, R, Dv, part);
   }
   for (int64_t r = 0; r < R; ++r) {
-    const C inv = poisoned[r] ? std::numeric_limits<C>::quiet_NaN() : C(1) / den[r];
+    const C inv = poisoned[r] ? std::numeric_limits<C>::quiet_NaN()
+                  : sinks == nullptr ? C(1) / den[r]
+                                     : sink_inverse(den[r], base_of[r], C(sinks[r / L]));
     const C* ar = acc + r * Dv;
     C* o = orow[r];
 #pragma omp simd
@@ -594,7 +617,8 @@ inline void key_runs(const bool* keys, int64_t n, std::vector<std::pair<int64_t,
 
 template <typename T, typename C>
 void decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                 double scale, const at::Tensor* keys, double softcap = 0.0) {
+                 double scale, const at::Tensor* keys, double softcap = 0.0,
+                 const float* sinks = nullptr) {
   const int64_t b = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
   const int64_t Hk = k.size(1), n = k.size(2), Dv = v.size(3), G = H / Hk, R = G * L;
   const T* qp = q.const_data_ptr<T>();
@@ -650,13 +674,15 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
         }
       }
       decode_task<T, C>(qrow.data(), kt, kst, vt, vst, orow.data(), R, m, D, Dv,
-                        static_cast<C>(scale), static_cast<C>(softcap));
+                        static_cast<C>(scale), static_cast<C>(softcap),
+                        sinks == nullptr ? nullptr : sinks + hk * G, L);
     }
   });
 }
 
 at::Tensor decode_attend(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                         double scale, const std::optional<at::Tensor>& keys_, double softcap) {
+                         double scale, const std::optional<at::Tensor>& keys_, double softcap,
+                         const std::optional<at::Tensor>& sinks_) {
   TORCH_CHECK(q_.dim() == 4 && k_.dim() == 4 && v_.dim() == 4, "decode_attend: 4-D q, k, v");
   TORCH_CHECK(softcap >= 0.0, "decode_attend: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(k_.size(1) > 0 && q_.size(1) % k_.size(1) == 0, "decode_attend: H % H_kv != 0");
@@ -670,6 +696,15 @@ at::Tensor decode_attend(const at::Tensor& q_, const at::Tensor& k_, const at::T
                     (keys.size(0) == 1 || keys.size(0) == q_.size(0)),
                 "decode_attend: keys must be a bool (B or 1, S) tensor");
   }
+  const float* sinks = nullptr;
+  if (sinks_.has_value()) {
+    const at::Tensor& t = *sinks_;
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == q_.size(1) &&
+                    t.device().is_cpu() && (t.stride(0) == 1 || t.size(0) <= 1),
+                "decode_attend: sinks must be a unit-stride float32 CPU tensor of shape (",
+                q_.size(1), ",), got ", t.scalar_type(), " of shape ", t.sizes());
+    sinks = t.const_data_ptr<float>();
+  }
   const at::Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
   const auto c = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto opts = q.options().dtype(c);
@@ -679,7 +714,7 @@ at::Tensor decode_attend(const at::Tensor& q_, const at::Tensor& k_, const at::T
   ATTNLAB_DISPATCH(q.scalar_type(), "decode_attend", {
     using compute_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     decode_impl<scalar_t, compute_t>(q, k, v, out, scale, keys_.has_value() ? &keys : nullptr,
-                                     softcap);
+                                     softcap, sinks);
   });
   return out;  // in the compute dtype, as `_attend`
 }
@@ -784,7 +819,7 @@ at::Tensor rope_decode_attend(const at::Tensor& q, const at::Tensor& k, const at
               "rope_decode_attend: positions outside the tables");
   const at::Tensor qr = rope_rows(q, cos, sin, q_start, R, interleaved);
   const at::Tensor kr = rotate_keys ? rope_rows(k, cos, sin, k_start, R, interleaved) : k;
-  return decode_attend(qr, kr, v, scale, std::nullopt, 0.0);
+  return decode_attend(qr, kr, v, scale, std::nullopt, 0.0, std::nullopt);
 }
 
 at::Tensor rope_rows_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -851,7 +886,7 @@ TORCH_LIBRARY(attnlab_nan, m) {
         "bool is_causal, bool enable_gqa, bool clean_k) -> Tensor");
   m.def(
       "decode_attend(Tensor q, Tensor k, Tensor v, float scale, Tensor? keys=None, "
-      "float softcap=0.0) -> Tensor");
+      "float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("rope_decode_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, int q_start, "
         "int k_start, bool rotate_keys, int rotary_dim, bool interleaved, float scale) -> Tensor");
   m.def("rope_rows(Tensor x, Tensor cos, Tensor sin, int start, int rotary_dim, bool interleaved) "

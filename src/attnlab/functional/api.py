@@ -14,6 +14,7 @@ from .._shapes import check_bool
 from ..masks import Mask
 from . import backends as _backends  # noqa: F401  (fills the registry)
 from . import nan_rule, reference
+from .decode import decode_run_sinks
 from .explanation import Explanation, describe_term
 from .flash import flash_job
 from .flash.run import (
@@ -141,9 +142,11 @@ def attention(
         sinks: attention sinks (GPT-OSS), a float tensor ``(H,)`` (``(1,)`` for 3-D and 2-D
             inputs) on q's device, or None: one logit ``s_h`` per query head, in logit units
             (after the scale), that joins every row's softmax denominator,
-            ``out_i = Σ_j e^{l_ij} v_j / (e^{s_h} + Σ_j e^{l_ij})``. Computed exactly from the
-            plain output and its log-sum-exp (`attnlab.functional.sinks`; backends without lse,
-            such as ``"sdpa"``, are skipped), differentiable in q, k, v and the sinks; ``lse``
+            ``out_i = Σ_j e^{l_ij} v_j / (e^{s_h} + Σ_j e^{l_ij})``. Folded into the C++
+            kernels' row normalisation where they write every row (flash, the decode step:
+            `attnlab.functional.flash.sinks`), else computed exactly from the plain output and
+            its log-sum-exp (`attnlab.functional.sinks`; backends without lse, such as
+            ``"sdpa"``, are skipped), differentiable in q, k, v and the sinks; ``lse``
             and the weights include the sink (a row's weights sum to ``1 − e^{s_h − lse_i}``).
             A row with no key stays 0 (its lse is ``s_h``); a NaN or +inf sink makes every row
             of its head that has a key NaN, a −inf sink is no sink.
@@ -242,6 +245,10 @@ def _run(
     if sinks is not None and chosen.name == "flash" and fused_sinks(chosen, req):
         out, lse = flash_run_sinks(req, sinks)  # eager: backward on the fused kernels
         return out, None, lse
+    if sinks is not None and chosen.name == "decode" and not return_lse:
+        step = decode_run_sinks(req, sinks)  # the C++ step, the sinks in its denominators
+        if step is not None:
+            return step, None, None
     if not return_lse and sinks is None:
         out, weights = chosen.run(req)
         return out, weights, None

@@ -335,6 +335,32 @@ def rope_decode_run(
     return out.to(q.dtype)
 
 
+def decode_run_sinks(req: Request, sinks: Tensor) -> Tensor | None:
+    """``out (B, H, L, Dv)`` of attention with sinks ``(H,)`` on the C++ step, or None where it
+    does not run the call (then the caller applies the sinks to the plain output and lse).
+
+    The sink joins each row's denominator where the step finalises it (``_ext/nan_rule.cpp``'s
+    ``sink_inverse``): ``out_i = Σ_j e^{l_ij} v_j / (e^{s_h} + Σ_j e^{l_ij})`` at no extra pass
+    (`reference.attention` with ``sinks=``); a NaN/+inf sink makes its head's rows with a key
+    NaN, a row with no key stays zeros. It runs where `decode_run` runs the C++ step (every row
+    attends all keys, or the keys every row shares), float32 and 16-bit inputs, and no gradient
+    is asked of the sinks (the step has no backward; q, k and v already: `decode_supports`).
+    """
+    q, k, v = req.q, req.k, req.v
+    if q.dtype == torch.float64 or not nan_rule.ext_ready(q, k, v):
+        return None
+    if torch.is_grad_enabled() and sinks.requires_grad:
+        return None
+    prefixes = key_prefixes(req)
+    if prefixes is not None and any(n != req.dims.S for n in prefixes):
+        return None
+    keys = req.shared_keys if prefixes is None else None
+    s32 = sinks.detach().to(torch.float32).contiguous()  # what the step reads
+    cap = req.softcap or 0.0
+    out = torch.ops.attnlab_nan.decode_attend(q, k, v, req.logit_scale, keys, cap, s32)
+    return out.to(q.dtype)
+
+
 def decode_run(req: Request) -> tuple[Tensor, None]:
     """``(out (B, H, L, Dv), None)``; rows of an item with ``n_b = 0`` are zeros."""
     return _run(req, want_lse=False)[0], None

@@ -81,6 +81,7 @@ def band_forward(
     own: bool = True,
     softcap: float | None = None,
     keys: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> None:
     """Runs a batched band call on the kernel into ``out (B, H, L, Dv)`` and ``lse (B, H, L)``.
 
@@ -90,12 +91,15 @@ def band_forward(
     finite (`nan_rule.clean`), so the batched call is always possible. ``softcap``: soft-capped
     logits, which only attnlab's C++ kernel applies (the job takes this path for them only when
     it runs every call: `plan.softcap_on_kernel`); so does a key mask ``keys (B|1, S)`` bool
-    (`BandCall.keyed`).
+    (`BandCall.keyed`), and attention sinks ``sinks (H,)`` float32 folded into each row's
+    denominator (`band_kernel`; rows written in place: ``store`` None).
     """
     put = store or _copy
+    folded = {} if sinks is None else {"sinks": sinks}  # (the operator's signature without)
     native = own and band_kernel.usable(q, k, v, c.bq)  # every block, edges too, in one C++ call
     assert native or softcap is None, "soft-capped logits need attnlab's C++ band kernel"
     assert native or keys is None, "a key mask needs attnlab's C++ band kernel"
+    assert sinks is None or (native and store is None), "sinks need the C++ kernel, in place"
     for b in range(c.b0, c.b1):
         add = tiles.tile(c, b, q.device)
         if native:
@@ -106,7 +110,7 @@ def band_forward(
                 else (torch.empty_like(o_rows), torch.empty_like(l_rows))
             )
             kb = None if keys is None else keys[b if keys.shape[0] > 1 else 0]
-            band_kernel.forward_into(o, l, q[b], k[b], v[b], add, c, scale, softcap, kb)
+            band_kernel.forward_into(o, l, q[b], k[b], v[b], add, c, scale, softcap, kb, **folded)
             if store is not None:
                 store(o_rows, l_rows, o, l)
             continue
@@ -157,7 +161,9 @@ def band_backward(
             parts = (res.q[b], res.k[b], res.v[b], res.out[b], res.dout[b], res.lse[b])
             kb = None if keys is None else keys[b if keys.shape[0] > 1 else 0]
             grads_b = (dq[b], dk[b], dv[b])
-            band_kernel.backward_into(grads_b, parts, add, c, scale, whole=whole, keys=kb)
+            delta = None if res.delta is None else res.delta[b]
+            kw = {"whole": whole, "keys": kb} | ({} if delta is None else {"delta": delta})
+            band_kernel.backward_into(grads_b, parts, add, c, scale, **kw)
             continue
         inner, add_in = interior(c, add)
         if inner is not None:
@@ -223,17 +229,21 @@ def segment_forward(
     own: bool = True,
     softcap: float | None = None,
     keys: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> None:
     """Runs batched segments (packed documents) on the kernel, one call per batch item: attnlab's
     C++ kernel when it takes them (``own`` and `band_kernel.segments_usable`), else torch's
     (which cannot soft-cap: ``softcap`` needs the C++ kernel, and cannot read a key mask:
-    ``keys (B|1, S)`` bool of a keyed call needs it too)."""
+    ``keys (B|1, S)`` bool of a keyed call needs it too, nor fold attention sinks ``sinks (H,)``
+    float32 into the rows' denominators)."""
     if own and band_kernel.segments_usable(q, k, v, c.n):
         for b in range(c.b0, c.b1):
             kb = None if keys is None else keys[b if keys.shape[0] > 1 else 0]
-            band_kernel.segments_into(out[b], lse[b], q[b], k[b], v[b], c, scale, softcap, kb)
+            args = (out[b], lse[b], q[b], k[b], v[b], c, scale, softcap, kb)
+            band_kernel.segments_into(*args, **({} if sinks is None else {"sinks": sinks}))
         return
     assert softcap is None, "soft-capped logits need attnlab's C++ segment kernel"
+    assert sinks is None, "sinks need attnlab's C++ segment kernel"
     assert keys is None, "a key mask needs attnlab's C++ segment kernel"
     logits = Logits(scale, causal=c.causal)
     for b in range(c.b0, c.b1):
@@ -260,7 +270,8 @@ def segment_backward(
         for b in range(c.b0, c.b1):
             parts = (res.q[b], res.k[b], res.v[b], res.out[b], res.dout[b], res.lse[b])
             kb = None if keys is None else keys[b if keys.shape[0] > 1 else 0]
-            band_kernel.segments_backward_into((dq[b], dk[b], dv[b]), parts, c, scale, kb)
+            delta = {} if res.delta is None else {"delta": res.delta[b]}
+            band_kernel.segments_backward_into((dq[b], dk[b], dv[b]), parts, c, scale, kb, **delta)
         return
     assert keys is None, "a key mask needs attnlab's C++ segment kernel"
     logits = Logits(scale, causal=c.causal)

@@ -38,6 +38,12 @@ tolerance rule; both give out = 0, lse = −inf on a row with no key):
 - ``ATTNLAB_FLASH_BAND_ENGINE`` is unset, ``auto`` or ``widen`` (bfloat16 widened on any CPU);
   ``aten`` forces torch's kernel (the suite runs every one on any CPU).
 
+Attention sinks: both forward operators take ``sinks (H,)`` float32 and add
+head h's ``e^{s_h}`` to each of its rows' denominators where the row is finalised, so ``out`` and
+``lse`` are those of attention with sinks (``lse = log(e^{s_h} + Σ_j e^{l_ij})``; a row with no
+key: 0 and ``lse = s_h``; a NaN/+inf sink: the rows with a key NaN) at no extra pass; the
+backward operators are exact on them unchanged (`functional.flash.sinks`).
+
 The backward of band calls (`backward_into`: every product in float32, 16-bit inputs widened as
 they are packed — the values of a widened run, without the widened copies) runs on the same
 extension when `backward_usable`: per
@@ -238,6 +244,7 @@ def segments_into(
     scale: float,
     softcap: float | None = None,
     keys: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> None:
     """Writes the rows of segment call ``c`` into ``out`` and ``lse`` for one batch item.
 
@@ -251,6 +258,8 @@ def segments_into(
         keys: None, or the item's key mask ``(S,)`` bool (unit stride) of a keyed call: rows
             attend only the keys it keeps (none left: out 0, lse −inf); the kernel computes
             only the columns from each segment's first kept key to its last.
+        sinks: None, or attention sinks ``(H,)`` float32: each head's logit joins its rows'
+            denominators (the module's note on attention sinks).
 
     ``out = softmax(q·kᵀ·scale) v`` per row over its segment's keys (causal: up to the row).
     """
@@ -269,6 +278,7 @@ def segments_into(
         not pairs(q.dtype),
         0.0 if softcap is None else float(softcap),
         keys,
+        sinks,
     )
 
 
@@ -316,6 +326,7 @@ def backward_into(
     *,
     whole: bool = False,
     keys: Tensor | None = None,
+    delta: Tensor | None = None,
 ) -> None:
     """Adds band call ``c``'s gradients for one batch item into ``grads = (dq, dk, dv)``.
 
@@ -330,6 +341,7 @@ def backward_into(
             δ is then ``Σ_j P_ij·dP_ij`` of each row, as softmax's own backward forms it, so dS
             sums to zero with the very P and dP it multiplies (a row with one key gets dS = 0).
         keys: None, or the item's key mask, as for `forward_into`.
+        delta: None, or ``(H, L)`` float32: the call's rows get their δ (0 without a key).
 
     Per block, with ``P = exp(q·kᵀ·scale + add − lse)`` and ``δ = rowsum(dout ⊙ out)`` (or the
     row's own ``Σ P·dP``): ``dS = P ⊙ (dout·vᵀ − δ)``, ``dq += dS·k·scale``,
@@ -352,6 +364,7 @@ def backward_into(
         float(scale),
         bool(whole),
         keys=keys,
+        delta=delta,
     )
 
 
@@ -361,13 +374,15 @@ def segments_backward_into(
     c: SegmentCall,
     scale: float,
     keys: Tensor | None = None,
+    delta: Tensor | None = None,
 ) -> None:
     """Adds segment call ``c``'s gradients for one batch item into ``grads = (dq, dk, dv)``
     (``grads``, ``parts`` as for `backward_into`; its formulas over each row's keys in its
     segment, causal or full, that ``keys`` keeps, as `segments_into`). Each (segment, key
-    head) is one work item that owns its keys' dk/dv rows: nothing is shared between threads."""
+    head) is one work item that owns its keys' dk/dv rows: nothing is shared between threads.
+    ``delta``: as for `backward_into`."""
     torch.ops.attnlab_band.segments_backward_into(
-        *grads, *parts, c.start, c.n, c.count, c.causal, SEGMENT_BLOCK, float(scale), keys
+        *grads, *parts, c.start, c.n, c.count, c.causal, SEGMENT_BLOCK, float(scale), keys, delta
     )
 
 
@@ -397,6 +412,7 @@ def forward_into(
     scale: float,
     softcap: float | None = None,
     keys: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> None:
     """Writes band call ``c``'s output and log-sum-exp for one batch item (no allocation).
 
@@ -413,6 +429,8 @@ def forward_into(
         keys: None, or the item's key mask ``(S,)`` bool (unit stride) of a keyed call
             (`BandCall.keyed`): windows keep only its kept keys; blocks whose window holds
             none of the run from its first kept key to its last skip both products.
+        sinks: None, or attention sinks ``(H,)`` float32: each head's logit joins its rows'
+            denominators (the module's note on attention sinks).
 
     ``out = softmax(q·kᵀ·scale + add) v`` per block over the keys of its window; a row with
     no key gets 0 and lse = −inf.
@@ -441,6 +459,7 @@ def forward_into(
         not pairs(q.dtype),
         0.0 if softcap is None else float(softcap),
         keys,
+        sinks,
     )
     if checks is not None:
         checks.append(seen.numel() > 0)

@@ -75,6 +75,8 @@ class Residuals:
         q: ``(nb, H, R, D)``. k: ``(nb, H_kv, K, D)``. v: ``(nb, H_kv, K, Dv)``.
         out: ``(nb, H, R, Dv)`` the GLOBAL output of the rows (every key, not only this call's).
         lse: ``(nb, H, R)`` the GLOBAL log-sum-exp, +inf on rows with no key (so P = 0 there).
+        delta: ``(nb, H, R)`` float32 where attnlab's C++ backward writes each row's
+            ``δ = dout · out`` (the sinks' gradient reads it: `flash.sinks`), or None.
     """
 
     dout: Tensor
@@ -83,6 +85,7 @@ class Residuals:
     v: Tensor
     out: Tensor
     lse: Tensor
+    delta: Tensor | None = None
 
 
 # float16/bfloat16 on merge-free plans (`FlashJob._widen`): "native" runs the kernels in the

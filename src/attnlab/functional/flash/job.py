@@ -17,6 +17,7 @@ from ..._shapes import stat_dtype
 from .. import nan_rule
 from ..merge import merge_compensated, merge_into, merge_partials
 from ..request import Request
+from ..sinks import apply_sinks
 from . import band_kernel
 from .band import band_backward, band_forward, segment_backward, segment_forward
 from .calls import CALL_CAUSAL, BandCall, Call, Plan, SegmentCall
@@ -73,6 +74,7 @@ class FlashJob:
         keys: the key mask ``(B|1, S)`` bool that keyed calls read (`tiling.key_mask_plan`).
         rows: the query rows ``(B|1, L)`` bool that may attend at all (`tiling.key_mask_plan`):
             `forward` gives the others 0 and lse −inf (backward's P is 0 there); None: all.
+        sinks: ``(H,)`` float32 sinks the kernel calls fold into their rows (`run.folds_sinks`).
     """
 
     plan: Plan
@@ -91,6 +93,7 @@ class FlashJob:
     own_kernel: bool = True
     keys: Tensor | None = field(default=None, repr=False)
     rows: Tensor | None = field(default=None, repr=False)
+    sinks: Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.band_tiles is None:
@@ -175,7 +178,7 @@ class FlashJob:
 
     # ---------------------------------------------------------------- forward
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """``(out (B, H, L, Dv), lse (B, H, L) float32+)``."""
+        """``(out (B, H, L, Dv), lse (B, H, L) float32+)`` (with `sinks`, theirs)."""
         out, lse = self._forward(q, k, v)
         if self.rows is None:
             return out, lse
@@ -194,9 +197,8 @@ class FlashJob:
                 # one segment of L positions: attnlab's one-pass kernel (faster than torch's)
                 out = torch.empty(B, H, L, Dv, dtype=q.dtype, device=q.device)
                 lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
-                segment_forward(
-                    whole, q, k, v, scale=self.scale, out=out, lse=lse, softcap=self.softcap
-                )
+                kw = {"softcap": self.softcap, "sinks": self.sinks}
+                segment_forward(whole, q, k, v, scale=self.scale, out=out, lse=lse, **kw)
                 return out, lse
             assert self.softcap is None, "soft-capped logits need attnlab's C++ kernels"
             out, lse = kernel_forward(
@@ -242,7 +244,7 @@ class FlashJob:
             for c in g.calls:
                 if isinstance(c, SegmentCall) and self._segments_run(c, q, k, v):
                     own, cap, keys = self.own_kernel, self.softcap, self._keys(c)
-                    kw = {"own": own, "softcap": cap, "keys": keys}
+                    kw = {"own": own, "softcap": cap, "keys": keys, "sinks": self.sinks}
                     segment_forward(c, q, k, v, scale=self.scale, out=out, lse=lse, **kw)
                 elif isinstance(c, BandCall | SegmentCall):
                     self._band_forward(q, k, v, c, out=out, lse=lse)
@@ -285,7 +287,7 @@ class FlashJob:
             tiles, scale = self.band_tiles, self.scale
             store = self._store if self.plan.overlap else None  # None: written in place
             kw = {"out": out, "lse": lse, "store": store, "own": self.own_kernel}
-            kw["keys"] = self._keys(c)
+            kw["keys"], kw["sinks"] = self._keys(c), self.sinks
             band_forward(c, q, k, v, tiles=tiles, scale=scale, softcap=self.softcap, **kw)
             return
         for bc in c.block_calls():
@@ -296,9 +298,8 @@ class FlashJob:
         qc, kc, vc, add = self._call_tensors(q, k, v, c)
         logits = Logits(self.scale, add, c.kind == CALL_CAUSAL, self.softcap, self.policy)
         if self.engine == "kernel" and self.softcap is None:
-            o, l = kernel_forward(qc, kc, vc, logits)
-            o, l = fix_dead_rows(o, l, add)
-            return o, l, None
+            o, l = fix_dead_rows(*kernel_forward(qc, kc, vc, logits), add)
+            return (o, l, None) if self.sinks is None else apply_sinks(o, l, self.sinks)  # lo None
         # the torch engine; on the kernel engine, a soft-capped job's edge tiles (torch's fused
         # kernel cannot apply tanh; such jobs have no backward, so lse needs no compensation)
         return self.torch_engine.forward(qc, kc, vc, logits)
@@ -402,7 +403,7 @@ class FlashJob:
         plan = self.plan if self.bwd_plan is None else self.bwd_plan
         acc = stat_dtype(q.dtype)
         lse_b = torch.where(torch.isneginf(res.lse), _POS_INF, res.lse)  # no key: P = 0
-        res = Residuals(res.dout, q, k, v, res.out, lse_b)
+        res = replace(res, lse=lse_b)
         # the kernel never exposes dS: bias gradients and lse gradients take the torch engine
         use_kernel = self.engine == "kernel" and dlse is None and not self.grad_biases
         self.bias_grads = [

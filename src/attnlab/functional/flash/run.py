@@ -29,6 +29,7 @@ from .. import nan_rule
 from ..request import Request, is_relative_bias, logit_qk
 from ..sinks import sink_outputs
 from . import band_kernel
+from .calls import BandCall, SegmentCall
 from .engines import Residuals
 from .job import FlashJob, poison_entries
 from .plan import FlashOptions, flash_job, flash_options, prepare_inputs
@@ -98,6 +99,8 @@ class FlashCall:
     touched: bool | Tensor = False
     forward_only: bool = False  # no gradient will be asked (`flash_run_lse` knows)
     sinks: Tensor | None = None  # attention sinks (`flash.sinks`): the backward reads out', lse'
+    folded: bool = False  # set by the forward: its out and lse include the sinks (`fold_sinks`)
+    delta: Tensor | None = None  # (B, H, L): where the C++ backward writes δ (`Residuals`)
 
 
 def flash_run_lse(req: Request, **options: object) -> tuple[Tensor, Tensor]:
@@ -142,6 +145,8 @@ def forward_marked(call: FlashCall) -> tuple[Tensor, Tensor, bool | Tensor]:
     clean_req = _cleaned(req, q, k, v)
     if call.job is None or clean_req is not req:  # (the band check's job serves an uncleaned call)
         call.job = flash_job(clean_req, options=opts, forward_only=call.forward_only)
+    finite = scan and not (q_bad or k_bad or v_bad or terms.additive) and req.bias is None
+    fold_sinks(call, clean_req, finite)  # only where nothing below touches out and lse
     out, lse = _run_job(call.job, clean_req)
     # without the C++ scan every input was copied: whether one held NaN/±inf is a tensor
     call.touched = True if scan else _nonfinite(req.q, req.k, req.v)
@@ -225,12 +230,50 @@ def _run_band_checked(call: FlashCall) -> tuple[Tensor, Tensor] | None:
     call.job = job = flash_job(req, options=call.options, forward_only=call.forward_only)
     if not band_kernel_covers(job, req.q, req.k, req.v):
         return None
+    fold_sinks(call, req, True)
     with band_kernel.checking_inputs() as found:
         out, lse = _run_job(job, req)
     if not found or any(found):
         return None
     call.touched = False
     return out, lse
+
+
+def folds_sinks(job: FlashJob, q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether ``job``'s forward can fold attention sinks into the C++ kernel's normalisation
+    of each row (`band_kernel`: the sink joins the denominator where ``o /= l``): every row of
+    the call is written once — one segment over the whole call, or merge-free band and segment
+    calls of attnlab's C++ kernel covering every row, and plain calls of torch's kernel (a
+    window's last rows, which get ``o · σ(lse − s)`` from the job) — with no merge, no torch
+    engine, no row outside the plan (any dtype: a widened 16-bit forward folds on its float32
+    run, and its backward reads that float32 output)."""
+    plan = job.plan
+    if job.engine != "kernel" or not job.own_kernel or job.rows is not None:
+        return False
+    if plan.single_call and not plan.biased:
+        return plan.whole is not None and band_kernel.segments_usable(q, k, v, q.shape[2])
+    if not (plan.covers_all and plan.merge_free):
+        return False
+    for c in (c for g in plan.groups for c in g.calls):
+        if isinstance(c, SegmentCall):
+            if not band_kernel.segments_usable(q, k, v, c.n):
+                return False
+        elif isinstance(c, BandCall):
+            if not band_kernel.usable(q, k, v, c.bq):
+                return False
+        elif job.softcap is not None:  # a plain call (a window's last rows): torch's kernel,
+            return False  # whose few rows the job gives the sinks after it (`apply_sinks`)
+    return True
+
+
+def fold_sinks(call: FlashCall, req: Request, allowed: bool) -> None:
+    """Hands ``call.sinks`` to the call's job when ``allowed`` (the NaN rule will not touch the
+    results) and `folds_sinks`: sets ``call.folded`` (else the caller applies the sinks to the
+    plain ``out`` and ``lse``: `functional.sinks`)."""
+    job = call.job
+    assert job is not None
+    call.folded = allowed and call.sinks is not None and folds_sinks(job, req.q, req.k, req.v)
+    job.sinks = call.sinks if call.folded else None
 
 
 # ---------------------------------------------------------------- backward
@@ -267,7 +310,7 @@ def backward_marked(
     if width != Dv:
         dout = torch.nn.functional.pad(dout, (0, width - Dv))
     job.grad_biases = call.grad_biases
-    res = Residuals(dout=dout.contiguous(), q=qp, k=kp, v=vp, out=out.contiguous(), lse=lse)
+    res = Residuals(dout.contiguous(), qp, kp, vp, out.contiguous(), lse, call.delta)
     dq, dk, dv = job.backward(res, dlse)
     grads = [dq[..., : q.shape[-1]], dk[..., : q.shape[-1]], dv[..., :Dv]]
     biases = call.req.terms.additive
@@ -368,6 +411,8 @@ __all__ = [
     "flash_run",
     "flash_run_lse",
     "flash_supports",
+    "fold_sinks",
+    "folds_sinks",
     "forward_marked",
     "kernel_checks_inputs",
     "needs_grad",
