@@ -6,6 +6,7 @@ from .explanation import Explanation
 from .merge import merge_partials
 from .registry import Backend, backends, register_backend
 from .request import SCORES, BiasFn, Request, Score, register_score
+from .selective_scan import selective_scan
 from .sigmoid import sigmoid_attention
 from .sinks import apply_sinks
 from .stats import AttentionStats
@@ -30,6 +31,7 @@ __all__ = [
     "reference",
     "register_backend",
     "register_score",
+    "selective_scan",
     "sigmoid_attention",
     "varlen",
     "varlen_attn",

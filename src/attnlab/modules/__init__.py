@@ -19,6 +19,7 @@ from .linear import LinearAttention, PerformerAttention
 from .mha import MultiHeadAttention
 from .mla import MultiHeadLatentAttention, absorbed_latent_attention
 from .shaw import ShawRelativeAttention
+from .ssm import SelectiveSSM
 from .stream_linear import StreamLinear
 from .torch_compat import deprecated_alias as _deprecated_alias
 
@@ -50,6 +51,7 @@ __all__ = [
     "MultiHeadLatentAttention",
     "OffsetRMSNorm",
     "PerformerAttention",
+    "SelectiveSSM",
     "ShawRelativeAttention",
     "SinkCache",
     "SlidingWindowCache",
