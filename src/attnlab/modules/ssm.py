@@ -37,7 +37,7 @@ class SelectiveSSM(nn.Module):
         expand: E = expand · d_model.
         dt_rank: R, the rank of Δ's projection; None = ⌈d_model / 16⌉.
         dt_min, dt_max: the range of the initial Δ.
-        chunk_size: positions per chunk of the scan (speed only).
+        chunk_size: positions per chunk of the scan, None = ⌈√L⌉ (speed only).
 
     Example:
         >>> ssm = SelectiveSSM(d_model=32, d_state=8)
@@ -55,7 +55,7 @@ class SelectiveSSM(nn.Module):
         dt_rank: int | None = None,
         dt_min: float = 1e-3,
         dt_max: float = 0.1,
-        chunk_size: int = DEFAULT_SCAN_CHUNK,
+        chunk_size: int | None = DEFAULT_SCAN_CHUNK,
     ) -> None:
         super().__init__()
         self.d_model = check_int("d_model", d_model, minimum=1)
@@ -66,7 +66,9 @@ class SelectiveSSM(nn.Module):
         self.dt_rank = check_int("dt_rank", rank, minimum=1)
         lo = check_number("dt_min", dt_min, positive=True)
         hi = check_number("dt_max", dt_max, at_least=lo)
-        self.chunk_size = check_int("chunk_size", chunk_size, minimum=1)
+        if chunk_size is not None:
+            check_int("chunk_size", chunk_size, minimum=1)
+        self.chunk_size = chunk_size
         E, N = expand * d_model, d_state
         self.d_inner = E
         self.in_proj = nn.Linear(d_model, 2 * E, bias=False)
@@ -111,11 +113,13 @@ class SelectiveSSM(nn.Module):
         return self.out_proj(y.transpose(1, 2))  # (B, L, d_model)
 
     @torch.no_grad()
-    def implicit_matrix(self, x: Tensor) -> Tensor:
+    def implicit_matrix(self, x: Tensor, *, skip: bool = True) -> Tensor:
         """The scan's mixing matrix for input x: ``y_i = Σ_j M_ij u_j`` per inner channel, before
-        the gate (`attnlab.functional.selective_scan.implicit_matrix`): ``(B, E, L, L)``."""
+        the gate (`attnlab.functional.selective_scan.implicit_matrix`): ``(B, E, L, L)``;
+        ``skip=False`` leaves out the D term on the diagonal."""
         _, delta, A, Bm, Cm, _ = self._scan_inputs(x)
-        return implicit_matrix(delta, A, Bm, Cm, self.D.float(), self.dt_proj.bias.float(), True)
+        D = self.D.float() if skip else None
+        return implicit_matrix(delta, A, Bm, Cm, D, self.dt_proj.bias.float(), True)
 
     def extra_repr(self) -> str:
         return (
