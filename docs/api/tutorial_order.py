@@ -11,6 +11,7 @@ ORDER = (
     "plot_sparse_linear_exact.py",
     "plot_compile_your_model.py",
     "plot_transformers_model.py",
+    "plot_lab_recall.py",
 )
 
 

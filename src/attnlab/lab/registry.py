@@ -84,6 +84,7 @@ def run_experiment(name: str, settings: LabSettings | None = None, *, progress=N
     result.seconds = time.perf_counter() - start
     return result
 
+
 _register(
     LabExperiment(
         name="associative-recall",
