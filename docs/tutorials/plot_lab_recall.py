@@ -66,6 +66,7 @@ with tempfile.TemporaryDirectory() as folder:
 fig, ax = plt.subplots(figsize=(9, 4.5))
 ax.imshow(image)
 ax.axis("off")
+plt.show()
 
 # %%
 # What the default run shows

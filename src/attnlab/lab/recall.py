@@ -306,7 +306,7 @@ class RecallGrid:
         mixers; ``--full``: 4 lengths × 4 widths (Zoology's grid, scaled down)."""
         mixers = tuple(MIXERS)
         if settings.quick:
-            return cls((RecallTask(64, 8),), (16, 64), ("attention", "window", "gru"), steps=250)
+            return cls((RecallTask(64, 8),), (16, 64), ("attention", "window", "gru"), steps=200)
         if settings.full:
             tasks = tuple(RecallTask(n, n // 8) for n in (32, 64, 128, 256))
             return cls(tasks, (16, 32, 64, 128), mixers, steps=1500)
