@@ -34,7 +34,7 @@ def test_mqar_batch_pairs_then_queries_answered_by_their_values():
 
 def test_a_tiny_attention_model_learns_the_task():
     task = lab.RecallTask(length=16, pairs=2, keys=8, values=8)
-    grid = lab.RecallGrid((task,), (16,), ("attention",), steps=80, batch=32, test=64)
+    grid = lab.RecallGrid((task,), (16,), ("attention",), steps=60, batch=16, test=64)
     r = lab.train_recall("attention", task, 16, 0, grid)
     assert r["loss_last"] < r["loss_first"] - 0.3
 
