@@ -13,8 +13,8 @@ pairs — everything they recall must fit in that state.
 
 ``attnlab experiment associative-recall`` reproduces the figure on a CPU with one small causal
 model (embedding → 2 blocks of [short causal convolution, mixer, MLP] → head) whose *mixer* is
-taken from :data:`attnlab.lab.recall.MIXERS`: exact causal attention, a sliding window, linear
-attention, FAVOR+, hierarchical attention, a GRU and a Mamba-style selective SSM
+taken from the ``MIXERS`` registry of ``attnlab.lab.recall``: exact causal attention, a sliding
+window, linear attention, FAVOR+, hierarchical attention, a GRU and a Mamba-style selective SSM
 (:class:`attnlab.modules.SelectiveSSM`). This tutorial runs the ``--quick`` scale through
 :func:`attnlab.lab.run_experiment` and shows its figure.
 """

@@ -115,8 +115,8 @@ class SelectiveSSM(nn.Module):
     @torch.no_grad()
     def implicit_matrix(self, x: Tensor, *, skip: bool = True) -> Tensor:
         """The scan's mixing matrix for input x: ``y_i = Σ_j M_ij u_j`` per inner channel, before
-        the gate (`attnlab.functional.selective_scan.implicit_matrix`): ``(B, E, L, L)``;
-        ``skip=False`` leaves out the D term on the diagonal."""
+        the gate (``implicit_matrix`` of ``attnlab/functional/selective_scan.py``), shape
+        ``(B, E, L, L)``; ``skip=False`` leaves out the D term on the diagonal."""
         _, delta, A, Bm, Cm, _ = self._scan_inputs(x)
         D = self.D.float() if skip else None
         return implicit_matrix(delta, A, Bm, Cm, D, self.dt_proj.bias.float(), True)
