@@ -13,6 +13,7 @@ ORDER = (
     "plot_transformers_model.py",
     "plot_lab_induction.py",
     "plot_lab_length.py",
+    "plot_lab_recall.py",
 )
 
 

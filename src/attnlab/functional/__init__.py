@@ -8,6 +8,7 @@ from .merge import merge_partials
 from .registry import Backend, backends, register_backend
 from .request import SCORES, BiasFn, Request, Score, register_score
 from .routing import routing_attention, routing_mask
+from .selective_scan import selective_scan
 from .sigmoid import sigmoid_attention
 from .sinks import apply_sinks
 from .stats import AttentionStats
@@ -36,6 +37,7 @@ __all__ = [
     "register_score",
     "routing_attention",
     "routing_mask",
+    "selective_scan",
     "sigmoid_attention",
     "topk_attention",
     "varlen",

@@ -1370,3 +1370,64 @@ def routing_attention(
     user = _as_keep(mask, q, k)
     keep = keep if user is None else keep & user
     return attention(q, k, v, mask=keep, scale=scale, compute_dtype=compute_dtype, reorder=reorder)
+
+
+def selective_scan(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    *,
+    compute_dtype: torch.dtype | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Reference selective scan (Gu & Dao, 2023, "Mamba"): the recurrence, one position at a time.
+
+    For every batch item and channel e, with ``Δ_t = softplus(delta_t + delta_bias)`` (softplus
+    only with ``delta_softplus``) and ``h_0 = 0``::
+
+        h_t = exp(Δ_t A) ⊙ h_{t−1} + Δ_t B_t u_t     (A discretised by ZOH, B by Euler)
+        y_t = C_t · h_t + D u_t
+        out_t = y_t · silu(z_t)
+
+    Arguments as ``mamba_ssm``'s ``selective_scan_ref`` documents them (its channel letter D is
+    E here). Non-finite inputs at position j reach the outputs at t >= j only.
+
+    Args:
+        u: ``(B, E, L)``. delta: ``(B, E, L)``. A: ``(E, N)``, real.
+        B: ``(E, N)``, ``(B, N, L)`` or ``(B, G, N, L)`` (channel e uses group ``e // (E/G)``).
+        C: as B. D: ``(E,)`` or None. z: ``(B, E, L)`` or None. delta_bias: ``(E,)`` or None.
+        delta_softplus: apply softplus to Δ. return_last_state: also return ``h_L (B, E, N)``.
+        compute_dtype: precision of the recurrence; default float32 or wider.
+
+    Returns:
+        ``(B, E, L)`` in u's dtype (and ``h_L`` in ``compute_dtype``).
+    """
+    from .selective_scan import check_selective_scan, scan_matrix
+
+    batch, E, L, N = check_selective_scan(u, delta, A, B, C, D, z, delta_bias)
+    dtype = compute_dtype or stat_dtype(u.dtype)
+    dt = delta.to(dtype)
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dtype)[:, None]
+    if delta_softplus:
+        dt = torch.nn.functional.softplus(dt)  # (B, E, L)
+    a, uu = A.to(dtype), u.to(dtype)
+    Bm, Cm = scan_matrix(B, E, dtype), scan_matrix(C, E, dtype)  # (B|1, E|1, N, L|1)
+    h = torch.zeros(batch, E, N, dtype=dtype, device=u.device)
+    ys = []
+    for t in range(L):
+        b_t, c_t = Bm[..., min(t, Bm.shape[-1] - 1)], Cm[..., min(t, Cm.shape[-1] - 1)]
+        h = torch.exp(dt[:, :, t, None] * a) * h + (dt[:, :, t] * uu[:, :, t])[..., None] * b_t
+        ys.append((h * c_t).sum(-1))  # (B, E)
+    y = torch.stack(ys, dim=-1)  # (B, E, L)
+    if D is not None:
+        y = y + uu * D.to(dtype)[:, None]
+    if z is not None:
+        y = y * torch.nn.functional.silu(z.to(dtype))
+    return (y.to(u.dtype), h) if return_last_state else y.to(u.dtype)

@@ -121,3 +121,21 @@ _register(
         tutorial="plot_lab_length.py",
     )
 )
+
+_register(
+    LabExperiment(
+        name="associative-recall",
+        summary="multi-query associative recall against model width: attention, window, "
+        "linear, FAVOR+, hierarchical, GRU, selective SSM (Zoology, Fig. 2)",
+        claim=Claim(
+            paper="Arora, Eyuboglu, Timalsina, Johnson, Poli, Zou, Rudra & Ré, ICLR 2024, "
+            "Zoology: Measuring and Improving Recall in Efficient Language Models",
+            where="Fig. 2 (MQAR accuracy against model dimension)",
+            text="attention solves multi-query associative recall at every model dimension, "
+            "while the efficient (fixed-state) models need a model dimension that grows with "
+            "the sequence length and the number of key-value pairs",
+        ),
+        module="attnlab.lab.recall",
+        tutorial="plot_lab_recall.py",
+    )
+)

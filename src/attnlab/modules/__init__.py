@@ -20,6 +20,7 @@ from .local_global import LocalGlobalAttention
 from .mha import MultiHeadAttention
 from .mla import MultiHeadLatentAttention, absorbed_latent_attention
 from .shaw import ShawRelativeAttention
+from .ssm import SelectiveSSM
 from .stream_linear import StreamLinear
 from .topk import RoutedAttention, TopKAttention
 from .torch_compat import deprecated_alias as _deprecated_alias
@@ -54,6 +55,7 @@ __all__ = [
     "OffsetRMSNorm",
     "PerformerAttention",
     "RoutedAttention",
+    "SelectiveSSM",
     "ShawRelativeAttention",
     "SinkCache",
     "SlidingWindowCache",
