@@ -77,8 +77,10 @@ Tensor rope_decode_attend(const Tensor& q, const Tensor& k, const Tensor& v, con
 Tensor decode_attend(const Tensor& q, const Tensor& k, const Tensor& v, double scale) {
   static const auto op =
       handle<Tensor(const Tensor&, const Tensor&, const Tensor&, double,
-                    const std::optional<Tensor>&, double)>("attnlab_nan::decode_attend");
-  return op.call(q, k, v, scale, std::nullopt, 0.0);  // every cached key, no soft-capping
+                    const std::optional<Tensor>&, double, const std::optional<Tensor>&)>(
+          "attnlab_nan::decode_attend");
+  // every cached key, no soft-capping, no sinks
+  return op.call(q, k, v, scale, std::nullopt, 0.0, std::nullopt);
 }
 
 struct Linears {
