@@ -91,3 +91,18 @@ def test_cli_keeps_textbook_and_lab_options_apart(argv, flag):
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and f"argument {flag}" in lines[0], run.stderr
+
+
+def test_every_registered_experiment_has_its_parts_and_the_cli_lists_them():
+    from pathlib import Path
+
+    from attnlab.cli.experiment import lab_experiments
+    from attnlab.lab import EXPERIMENTS
+
+    assert lab_experiments() == {n: e.summary for n, e in EXPERIMENTS.items()}
+    tutorials = Path(__file__).resolve().parent.parent / "docs" / "tutorials"
+    for entry in EXPERIMENTS.values():
+        module = entry.load()
+        assert callable(module.run) and callable(module.judge), entry.name
+        assert (tutorials / entry.tutorial).is_file(), entry.tutorial
+        assert entry.claim.paper and entry.claim.where and entry.claim.text

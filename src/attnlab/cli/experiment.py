@@ -5,8 +5,10 @@ verdict computed from the run."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from ..lab.registry import EXPERIMENTS
+import tomllib
+
 from ._args import (
     UsageError,
     add_device_argument,
@@ -17,6 +19,14 @@ from ._args import (
 from ._output import Col, print_json, steps, table, working, wrap
 
 TEXTBOOK = ("scaling", "temperature", "kernel-regression")
+#: The lab's entries (`attnlab.lab.registry` reads the same file; --help imports no library).
+LAB_TABLE = Path(__file__).resolve().parent.parent / "lab" / "experiments.toml"
+
+
+def lab_experiments() -> dict[str, str]:
+    """``{name: summary}`` of the lab's experiments, in the file's order."""
+    rows = tomllib.loads(LAB_TABLE.read_text(encoding="utf-8"))["experiment"]
+    return {row["name"]: row["summary"] for row in rows}
 
 
 def _number(x: object) -> str:
@@ -109,7 +119,7 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
                 raise UsageError(
                     flag,
                     f"applies to the lab experiments "
-                    f"({', '.join(EXPERIMENTS)}), not to {args.name!r}",
+                    f"({', '.join(lab_experiments())}), not to {args.name!r}",
                 )
         return _textbook(args)
     for flag, given in (("--samples", args.samples is not None), ("--png", args.png)):
@@ -128,9 +138,9 @@ def _epilog() -> str:
     import textwrap
 
     lines = ["lab experiments (published results, a verdict computed from the run):"]
-    for e in EXPERIMENTS.values():
+    for name, summary in lab_experiments().items():
         lines += textwrap.wrap(
-            f"{e.name}: {e.summary}", width=78, initial_indent="  ", subsequent_indent="      "
+            f"{name}: {summary}", width=78, initial_indent="  ", subsequent_indent="      "
         )
     return "\n".join(lines)
 
@@ -147,7 +157,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    exp.add_argument("name", choices=[*TEXTBOOK, *EXPERIMENTS])
+    exp.add_argument("name", choices=[*TEXTBOOK, *lab_experiments()])
     exp.add_argument(
         "--samples",
         type=int_at_least(2),

@@ -1,8 +1,10 @@
 """The lab's experiments by name: one `LabExperiment` entry each, imported only when run.
 
-An entry names the module that holds the experiment's ``run(settings, progress)`` and
-``judge(metrics, quick)`` (see `attnlab.lab.base`); the module is imported when the experiment
-runs, so listing the experiments (``attnlab experiment --help``) imports no torch.
+The entries are the ``[[experiment]]`` tables of ``experiments.toml`` beside this module (name,
+one-line summary, module, tutorial and the quoted claim). An entry names the module that holds
+the experiment's ``run(settings, progress)`` and ``judge(metrics, quick)`` (see
+`attnlab.lab.base`); the module is imported when the experiment runs. ``attnlab experiment
+--help`` reads the same file without importing the library.
 """
 
 from __future__ import annotations
@@ -10,11 +12,17 @@ from __future__ import annotations
 import importlib
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
+
+import tomllib
 
 from .base import Claim, LabResult, LabSettings
 
-__all__ = ["EXPERIMENTS", "LabExperiment", "experiment", "run_experiment"]
+__all__ = ["EXPERIMENTS", "TABLE", "LabExperiment", "experiment", "run_experiment"]
+
+#: The data file of the entries.
+TABLE = Path(__file__).with_name("experiments.toml")
 
 
 @dataclass(frozen=True)
@@ -85,57 +93,19 @@ def run_experiment(name: str, settings: LabSettings | None = None, *, progress=N
     return result
 
 
-_register(
-    LabExperiment(
-        name="induction-heads",
-        summary="attention-only transformers of 1 and 2 layers on repeated random tokens: the "
-        "phase change and the heads' prefix-matching and copying scores (Olsson et al. 2022)",
-        claim=Claim(
-            paper="Olsson et al., Transformer Circuits Thread 2022, In-context Learning and "
-            "Induction Heads (with Elhage et al. 2021, A Mathematical Framework for Transformer "
-            "Circuits)",
-            where="Argument 1 (the phase change) and the attention-only models of 1 and 2 layers",
-            text="Transformer language models undergo a “phase change” early in training, "
-            "during which induction heads form and simultaneously in-context learning improves "
-            "dramatically — seen in two-layer attention-only models; one-layer ones, which "
-            "cannot compose two heads, form no induction heads and show no phase change",
-        ),
-        module="attnlab.lab.induction",
-        tutorial="plot_lab_induction.py",
-    )
-)
+def _read(path: Path = TABLE) -> None:
+    """Registers every ``[[experiment]]`` of ``path`` (`experiments.toml`)."""
+    for row in tomllib.loads(path.read_text(encoding="utf-8"))["experiment"]:
+        claim = Claim(paper=row["paper"], where=row["where"], text=row["text"])
+        _register(
+            LabExperiment(
+                name=row["name"],
+                summary=row["summary"],
+                claim=claim,
+                module=row["module"],
+                tutorial=row.get("tutorial", ""),
+            )
+        )
 
-_register(
-    LabExperiment(
-        name="train-short-test-long",
-        summary="positional encodings trained at L, tested up to 16× L",
-        claim=Claim(
-            paper="Press, Smith & Lewis, ICLR 2022, Train Short, Test Long: Attention with "
-            "Linear Biases Enables Input Length Extrapolation",
-            where="Fig. 1 and its tables (WikiText-103, nonoverlapping evaluation)",
-            text="as the (validation-set's) input sequence gets longer, current position "
-            "methods (sinusoidal, rotary, and T5) show degraded perplexity, but our method "
-            "[ALiBi] does not",
-        ),
-        module="attnlab.lab.length",
-        tutorial="plot_lab_length.py",
-    )
-)
 
-_register(
-    LabExperiment(
-        name="associative-recall",
-        summary="multi-query associative recall against model width: attention, window, "
-        "linear, FAVOR+, hierarchical, GRU, selective SSM (Zoology, Fig. 2)",
-        claim=Claim(
-            paper="Arora, Eyuboglu, Timalsina, Johnson, Poli, Zou, Rudra & Ré, ICLR 2024, "
-            "Zoology: Measuring and Improving Recall in Efficient Language Models",
-            where="Fig. 2 (MQAR accuracy against model dimension)",
-            text="attention solves multi-query associative recall at every model dimension, "
-            "while the efficient (fixed-state) models need a model dimension that grows with "
-            "the sequence length and the number of key-value pairs",
-        ),
-        module="attnlab.lab.recall",
-        tutorial="plot_lab_recall.py",
-    )
-)
+_read()
