@@ -94,3 +94,12 @@ def test_progress_with_tqdm_draws_on_stderr(capsys):
     steps.close()
     err = capsys.readouterr().err
     assert "x" in err and "1/3" in err and "[1/3]" not in err
+
+
+def test_progress_total_set_later_reaches_the_bar():
+    bar = Progress(desc="x")  # a tqdm bar (stderr), total unknown at first
+    bar.total = 3
+    for _ in range(3):
+        bar.step("a")
+    assert bar.total == 3 and bar._bar.total == 3 and bar._bar.n == 3
+    bar.close()

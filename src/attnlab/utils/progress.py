@@ -57,6 +57,19 @@ class Progress:
                 self.echo = False
 
     @property
+    def total(self) -> int | None:
+        """The number of steps expected (None: unknown); setting it updates a shown bar."""
+        return self._total
+
+    @total.setter
+    def total(self, value: int | None) -> None:
+        self._total = value
+        bar = getattr(self, "_bar", None)
+        if bar is not None:
+            bar.total = value
+            bar.refresh()
+
+    @property
     def active(self) -> bool:
         """True when a tqdm bar is shown."""
         return self._bar is not None and not getattr(self._bar, "disable", False)
