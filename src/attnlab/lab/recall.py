@@ -26,6 +26,9 @@ from torch import Tensor, nn
 
 from .. import masks
 from ..functional.api import attention
+from ..functional.local_global import local_global_attention
+from ..functional.routing import routing_attention
+from ..functional.topk import topk_attention
 from ..modules import HierarchicalAttention, LinearAttention, PerformerAttention, SelectiveSSM
 from ..utils import Progress
 from .base import Check, LabResult, LabSettings, SeedStats, Verdict, machine
@@ -35,6 +38,7 @@ __all__ = [
     "CLAIM",
     "FIXED_STATE",
     "MIXERS",
+    "PAPER_MIXERS",
     "RecallGrid",
     "RecallModel",
     "RecallTask",
@@ -188,6 +192,30 @@ def _ssm(a: MixerArgs) -> nn.Module:
     return SelectiveSSM(a.width, d_state=8, d_conv=4, expand=1)
 
 
+def _topk(a: MixerArgs) -> nn.Module:
+    k_top = a.window // 4  # each query keeps a quarter of the window's count of keys
+    return _HeadsMixer(
+        a.width, lambda q, k, v: topk_attention(q, k, v, k_top=k_top, mask=masks.causal())
+    )
+
+
+def _routing(a: MixerArgs) -> nn.Module:
+    block = a.block  # query and key blocks of `block` tokens, 4 selected (the own one included)
+    return _HeadsMixer(
+        a.width, lambda q, k, v: routing_attention(q, k, v, block=block, k_blocks=4, causal=True)
+    )
+
+
+def _local_global(a: MixerArgs) -> nn.Module:
+    window = a.window // 4  # half the heads in a short window, half over every key
+    return _HeadsMixer(
+        a.width,
+        lambda q, k, v: local_global_attention(
+            q, k, v, local_heads=HEADS // 2, window=window, mask=masks.causal()
+        ),
+    )
+
+
 MIXERS: dict[str, Callable[[MixerArgs], nn.Module]] = {
     "attention": _causal_attention,
     "window": _window_attention,
@@ -196,10 +224,16 @@ MIXERS: dict[str, Callable[[MixerArgs], nn.Module]] = {
     "hierarchical": _hierarchical,
     "gru": lambda a: _GRU(a.width),
     "ssm": _ssm,
-    # top-k attention, routing (block selection) and concat(local, global) go here
+    "topk": _topk,
+    "routing": _routing,
+    "local_global": _local_global,
 }
 """Mixer name → builder ``(MixerArgs) -> nn.Module`` mapping ``(B, L, width)`` causally to
 ``(B, L, width)``. Add an entry to put a new mechanism into the comparison."""
+
+PAPER_MIXERS = ("attention", "window", "linear", "favor", "hierarchical", "gru", "ssm")
+"""The default run's mixers (Zoology's comparison); ``--full`` adds the content-dependent ones
+(top-k, block routing) and concat(local, global)."""
 
 FIXED_STATE = ("linear", "favor", "gru", "ssm")
 """The mixers whose memory of the past has a fixed size (Zoology's efficient models)."""
@@ -304,14 +338,15 @@ class RecallGrid:
 
     @classmethod
     def for_settings(cls, settings: LabSettings) -> RecallGrid:
-        """``--quick``: one task, two widths, three mixers; default: 2 lengths × 3 widths × 7
-        mixers; ``--full``: 4 lengths × 4 widths (Zoology's grid, scaled down)."""
-        mixers = tuple(MIXERS)
+        """``--quick``: one task, two widths, three mixers; default: 2 lengths × 3 widths × the
+        7 `PAPER_MIXERS`; ``--full``: 4 lengths × 4 widths (Zoology's grid, scaled down) × every
+        mixer of `MIXERS`."""
+        mixers = PAPER_MIXERS
         if settings.quick:
             return cls((RecallTask(64, 8),), (16, 64), ("attention", "window", "gru"), steps=200)
         if settings.full:
             tasks = tuple(RecallTask(n, n // 8) for n in (32, 64, 128, 256))
-            return cls(tasks, (16, 32, 64, 128), mixers, steps=1500)
+            return cls(tasks, (16, 32, 64, 128), tuple(MIXERS), steps=1500)
         return cls((RecallTask(32, 4), RecallTask(64, 8)), (16, 32, 64), mixers, steps=500)
 
 
