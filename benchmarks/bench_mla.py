@@ -95,11 +95,13 @@ def main() -> None:
         shape, args.cached, capacity, dtype
     )
     scale = (Dn + R) ** -0.5
+    # W_UKᵀ (H, C, Dn), made once per weight version as the module keeps it
+    w_uk_t = w_uk.transpose(1, 2).contiguous()
 
     def absorbed(x: tuple[Tensor, ...]) -> Tensor:
         q_nope, q_rope, latent, k_rope = x
         view = latent_cache.update(latent, k_rope)
-        return _absorbed(q_nope, q_rope, view.joint, C, w_uk, w_uv, None, scale)
+        return _absorbed(q_nope, q_rope, view.joint, C, w_uk, w_uv, None, scale, w_uk_t)
 
     def per_head(x: tuple[Tensor, ...]) -> Tensor:
         q_nope, q_rope, latent, k_rope = x
