@@ -419,5 +419,6 @@ __all__ = [
     "LatentRMSNorm",
     "MultiHeadLatentAttention",
     "absorbed_latent_attention",
+    "key_head_views",
     "softmax_scale",
 ]
