@@ -94,8 +94,10 @@ def key_head_views(q: Tensor, joint: Tensor) -> int:
     views ``(B, P, S, C + R)`` of the same cache (stride 0, no copy) give it ``B · P`` tasks,
     one per thread, with the same result (grouped-query attention over equal key heads). P is
     the largest divisor of H with ``B · P <= torch.get_num_threads()`` and ``H / P >= 8`` rows
-    per task; 1 unless that kernel runs the call (eager, no gradient, at most `DECODE_MAX_L`
-    query rows, float32 or 16-bit), so other backends see a plain one-head call.
+    per task; 1 wherever that kernel cannot run (``torch.compile``, autograd, more than
+    `DECODE_MAX_L` query rows, float64, no C++ operators), so those calls see one key head. (A
+    decode-sized call whose mask sends it to another backend sees P equal key heads, which it
+    runs as grouped-query attention: the same result.)
     """
     B, H, L, _ = q.shape
     if L > DECODE_MAX_L or q.dtype == torch.float64 or not nan_rule.ext_ready(q, joint):
