@@ -11,8 +11,8 @@ one token at a time from the same inputs (the new token's queries, latent and ro
   through `attnlab.attention` (the cache read in place, its one key head handed over as one
   view per thread: `attnlab.modules.mla.key_head_views`), W_UV after the weighted sum;
 - ``per-head K/V``: the new latent up-projected into every head's key and value (kv_b_proj), a
-  `KVCache` of ``(B, H, S, Dn + R)`` keys and ``(B, H, S, Dv)`` values, `attnlab.attention`
-  (the decode backend's step, one task per head).
+  `KVCache` of ``(B, H, S, Dn + R)`` keys and ``(B, H, S, Dv)`` values, attention on the
+  decode backend's C++ step (one task per head; `attnlab.attention` where it is not built).
 
 Both end at the per-head outputs ``(B, H, 1, Dv)``; the projections both forms share (q, the
 latent's down-projection, o_proj) are left out. The two outputs are checked equal at every step.
@@ -39,6 +39,8 @@ from torch import Tensor
 
 from attnlab import attention
 from attnlab.analysis.estimate import cache_bytes_per_token
+from attnlab.functional import nan_rule
+from attnlab.functional.decode import decode_step_run
 from attnlab.modules import KVCache, LatentCache
 from attnlab.modules.mla import _absorbed
 from common import CLOCKS, interleaved_medians, print_machine
@@ -113,10 +115,19 @@ def main() -> None:
         view = latent_cache.update(latent, k_rope)
         return _absorbed(q_nope, q_rope, view.joint, C, w_uk, w_uv, None, scale, w_uk_t)
 
+    # the per-head step on attnlab's fastest per-head decode: the C++ step (one task per head)
+    # where it is built, called directly — `attention` sends a bfloat16 step of these sizes to
+    # SDPA (the decode backend's size cap counts float32 copies of K and V that only its tensor
+    # path makes), 30× slower than the C++ step
+    direct = nan_rule.ext_ready(torch.zeros(1, dtype=dtype))
+
     def per_head(x: tuple[Tensor, ...]) -> Tensor:
         q_nope, q_rope, latent, k_rope = x
         view = kv_cache.update(*expand(latent, k_rope, w_kv_b, H, Dn))
-        return attention(torch.cat((q_nope, q_rope), -1), view.k, view.v, scale=scale)
+        q = torch.cat((q_nope, q_rope), -1)
+        if direct:
+            return decode_step_run(q, view.k, view.v, scale)
+        return attention(q, view.k, view.v, scale=scale)
 
     with torch.no_grad():
         inputs = [step_inputs() for _ in range(capacity - args.cached)]
