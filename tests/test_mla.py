@@ -5,6 +5,7 @@ tests/test_hf_families.py's)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -12,10 +13,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import attnlab
 from attnlab import masks
 from attnlab.analysis.estimate import cache_bytes_per_token
+from attnlab.functional import nan_rule
 from attnlab.functional.reference import latent_attention
 from attnlab.modules import (
     CacheOverflowError,
@@ -23,6 +27,7 @@ from attnlab.modules import (
     MultiHeadLatentAttention,
     absorbed_latent_attention,
 )
+from attnlab.modules.mla import key_head_views
 from helpers import LargestTensor, assert_close_rule, check_against_reference, seeded
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -123,6 +128,110 @@ def test_fully_masked_rows_are_zero_and_the_nan_rule_holds():
     torch.testing.assert_close(
         out.detach(), latent_attention(*clean, mask=keep), atol=1e-12, rtol=0
     )
+
+
+# ------------------------------------------------- the decode step spread over the threads
+
+
+@contextlib.contextmanager
+def _threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _needs_ext():
+    if not nan_rule.ext_ready(torch.zeros(1)):
+        pytest.skip("attnlab's C++ operators are not built (`attnlab build`)")
+
+
+def _absorbed_no_grad(mask):
+    def impl(*x):
+        with torch.no_grad():
+            return absorbed_latent_attention(*x, mask=mask)
+
+    return impl
+
+
+def _latent_ref(mask, B, H, L, S):
+    dense = _dense(mask, B, H, L, S) if isinstance(mask, masks.Mask) else mask
+
+    def ref(*x, compute_dtype, reorder):
+        out = latent_attention(*x, mask=dense, compute_dtype=compute_dtype, reorder=reorder)
+        return out.to(x[0].dtype)
+
+    return ref
+
+
+DECODE_CASES = {
+    # (B, H, L, S, threads, mask, dtype): P = 2 key-head views in every case
+    "one-item-S97": (1, 16, 1, 97, 2, None, torch.float32),
+    "causal-S1025": (1, 16, 1, 1025, 2, "causal", torch.float32),
+    "padding-B2": (2, 32, 1, 113, 4, "padding", torch.float32),
+    "draft-L3": (1, 16, 3, 97, 2, None, torch.float32),
+    "causal-draft-L3": (1, 16, 3, 113, 2, "causal", torch.float32),
+    "bfloat16": (1, 16, 1, 97, 2, "causal", torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_step_on_threads_equals_the_definition(case):
+    """With the C++ decode step, the H query heads go to ``B · P`` tasks over P views of the one
+    key head: the tolerance rule against the naive form, odd sizes (C = 59, Dn = 40, Dv = 24)."""
+    _needs_ext()
+    B, H, L, S, threads, which, dtype = DECODE_CASES[case]
+    mask = {"causal": masks.causal(), "padding": _left_padding(B, S)[:, None, None], None: None}[
+        which
+    ]
+    xs = _inputs(B, H, L, S, 40, 8, 59, 24, dtype=dtype, seed=7)
+    q = torch.cat(xs[:2], dim=-1)
+    with _threads(threads):
+        with torch.no_grad():
+            assert key_head_views(q, torch.cat(xs[2:4], dim=-1)) == 2
+        check_against_reference(
+            _absorbed_no_grad(mask), _latent_ref(mask, B, H, L, S), xs, grads=False
+        )
+
+
+def test_key_head_views_only_where_the_decode_kernel_runs():
+    _needs_ext()
+    q, joint = torch.zeros(1, 128, 1, 576), torch.zeros(1, 4096, 576)
+    with _threads(2), torch.no_grad():
+        assert key_head_views(q, joint) == 2
+        assert key_head_views(q.expand(2, -1, -1, -1), joint.expand(2, -1, -1)) == 1  # B tasks
+        assert key_head_views(q[:, :12], joint) == 1  # fewer than 8 heads per task
+        assert key_head_views(q.double(), joint.double()) == 1  # float64: sdpa for few keys
+        assert key_head_views(q.expand(1, -1, 9, -1), joint) == 1  # more than DECODE_MAX_L rows
+    with _threads(8), torch.no_grad():
+        assert key_head_views(q, joint) == 8
+        assert key_head_views(q[:, :48], joint) == 6  # the largest divisor of H that fits
+    with _threads(2):
+        assert key_head_views(q.requires_grad_(), joint) == 1  # autograd: not the C++ step
+
+
+def test_decode_step_on_threads_keeps_the_nan_rule_and_zero_rows():
+    """P = 2 views per item (B = 2, 4 threads): item 0 attends nothing (zeros whatever its
+    queries), item 1 has a NaN latent and an inf rotary key in a masked key (reach no row)."""
+    _needs_ext()
+    B, H, L, S = 2, 16, 1, 37
+    xs = _inputs(B, H, L, S, dtype=torch.float32, seed=3)
+    keep = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    keep[0] = False
+    keep[1, ..., 5] = False
+    xs[2][1, 5] = float("nan")
+    xs[3][1, 5] = float("inf")
+    xs[0][0, 3] = float("nan")
+    with _threads(4), torch.no_grad():
+        assert key_head_views(torch.cat(xs[:2], -1), torch.cat(xs[2:4], -1)) == 2
+        out = absorbed_latent_attention(*xs, mask=keep)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    clean = [x.double() for x in xs]
+    clean[2][1, 5], clean[3][1, 5] = 0.0, 0.0
+    ref = latent_attention(*clean, mask=keep)
+    torch.testing.assert_close(out[1].double(), ref[1], atol=1e-5, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- the latent cache
@@ -348,6 +457,43 @@ def test_absorbed_decode_step_forms_no_per_head_keys_or_values():
     assert 0 < spy.largest < 4 * 300 * 10, spy.largest
 
 
+class _NewTensors(TorchDispatchMode):
+    """Records the numel of every op output that is not a view of an input (new memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numels = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.numels.append(t.numel())
+        return out
+
+
+def test_decode_step_on_threads_reads_the_cache_in_place():
+    """On 2 threads (2 views of the key head), a decode step over 301 cached tokens makes no
+    new tensor as large as a tenth of the cache (S · (C + R) = 7,248 elements): no copy of it,
+    nor of the up-projections (W_UKᵀ is kept from the previous step)."""
+    _needs_ext()
+    cfg = transformers.DeepseekV3Config(**dict(TINY, num_attention_heads=16))
+    ours = MultiHeadLatentAttention.from_config(cfg).eval()
+    cache = LatentCache(capacity=302)
+    with torch.no_grad(), _threads(2):
+        ours(seeded(1, 300, 32, dtype=torch.float32), mask=masks.causal(), cache=cache)
+        ours(seeded(1, 1, 32, dtype=torch.float32, seed=1), cache=cache)  # RoPE tables grown
+        with _NewTensors() as spy:
+            ours(seeded(1, 1, 32, dtype=torch.float32, seed=2), cache=cache)
+        assert key_head_views(torch.zeros(1, 16, 1, 24), torch.zeros(1, 302, 24)) == 2
+    assert 0 < max(spy.numels) < 720, max(spy.numels)
+
+
 def test_decode_position_off_by_one_is_detected():
     """The check above is sensitive to the RoPE offset: positions shifted by one differ."""
     _, ours, _ = _pair("default", F64)
@@ -369,6 +515,80 @@ def test_prefill_into_the_cache_then_decode_in_float32():
         b = torch.cat([ours(x[:, t : t + 1], cache=cache) for t in (5, 6)], 1)
         full = ours(x, mask=masks.causal())
     torch.testing.assert_close(torch.cat((a, b), 1), full, atol=2e-6, rtol=1e-5)
+
+
+def test_absorbed_query_weight_is_made_once_per_weight_version():
+    """W_UKᵀ is kept between decode steps and made again when kv_b_proj.weight changes (an
+    in-place step, load_state_dict, a dtype change); under training it is not used, and the
+    decode step's gradients reach the weight as the expanded form's do."""
+    _, ours, _ = _pair("default", F64)
+    w = ours.kv_b_proj.weight
+    with torch.no_grad():
+        a = ours.absorbed_query_weight()
+        assert a is ours.absorbed_query_weight() and a.is_contiguous()
+        assert torch.equal(a, ours.up_projections()[0].transpose(1, 2))
+        w.mul_(2.0)  # an optimiser-like in-place step
+        b = ours.absorbed_query_weight()
+        assert b is not a and torch.equal(b, 2 * a)
+        ours.load_state_dict({k: v / 2 if k == "kv_b_proj.weight" else v
+                              for k, v in ours.state_dict().items()})  # fmt: skip
+        assert torch.equal(ours.absorbed_query_weight(), a)
+    x = seeded(2, 5, 32, seed=6)
+
+    def decode_last(m):
+        cache = LatentCache()
+        m(x[:, :4], mask=masks.causal(), cache=cache)
+        return m(x[:, 4:], cache=cache)
+
+    with torch.no_grad():
+        before = decode_last(ours)
+        w.add_(0.1 * seeded(*w.shape, seed=8))  # the next steps must see the new weight
+        full = ours(x, mask=masks.causal())[:, 4:]
+        torch.testing.assert_close(decode_last(ours), full, atol=1e-12, rtol=1e-12)
+        assert (before - full).abs().max() > 1e-3
+    # training: no kept copy, and the step's gradient reaches kv_b_proj.weight
+    assert ours.absorbed_query_weight() is None
+    decode_last(ours).square().sum().backward()
+    g_decode, w.grad = w.grad, None
+    ours(x, mask=masks.causal())[:, 4:].square().sum().backward()
+    torch.testing.assert_close(g_decode, w.grad, atol=1e-10, rtol=1e-10)
+    f32 = ours.float()
+    with torch.no_grad():
+        assert f32.absorbed_query_weight().dtype == torch.float32
+
+
+def test_decode_on_threads_equals_hf_eager():
+    """16 heads, 2 threads: the decode steps run as 2 tasks over views of the latent (the C++
+    step), against transformers' eager layer (float64 golden, its float32 run the naive)."""
+    _needs_ext()
+    cfg = dict(CONFIGS["yarn"], num_attention_heads=16, num_key_value_heads=16)
+    CONFIGS["yarn16"] = cfg
+    try:
+        hf64, ours64, _ = _pair("yarn16", F64)
+        hf32, ours32, rot = _pair("yarn16", torch.float32)
+    finally:
+        del CONFIGS["yarn16"]
+    x = seeded(1, 6, 32, seed=12)
+    caches = {k: DynamicCache(config=hf64.config) for k in ("64", "32")}
+    ours_cache = LatentCache()
+    views = []
+    spy = key_head_views
+
+    def counting(q, joint):
+        views.append(spy(q, joint))
+        return views[-1]
+
+    with _threads(2), torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr("attnlab.modules.mla.key_head_views", counting)
+        for t in range(6):
+            pos = torch.full((1, 1), t)
+            golden = hf64(x[:, t : t + 1], _tables(ours64, pos, F64, True), None,
+                          cache=caches["64"])[0]  # fmt: skip
+            naive = hf32(x[:, t : t + 1].float(), rot(x[:, t : t + 1].float(), pos), None,
+                         cache=caches["32"])[0]  # fmt: skip
+            out = ours32(x[:, t : t + 1].float(), cache=ours_cache)
+            assert_close_rule(out, golden, naive, name=f"step {t}")
+    assert views == [2] * 6
 
 
 # deepseek_v3 through the bridge against eager (float32 logits by the tolerance rule, gradients,
