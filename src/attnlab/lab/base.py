@@ -256,6 +256,21 @@ class LabResult:
     table: tuple[list[str], list[list[Any]]] = ((), ())  # type: ignore[assignment]
     figures: dict[str, Drawer] = field(default_factory=dict, repr=False)
 
+    @classmethod
+    def judged(
+        cls,
+        name: str,
+        settings: LabSettings,
+        metrics: dict[str, Any],
+        judge: Callable[[dict[str, Any], bool], Verdict],
+        table: tuple[list[str], list[list[Any]]],
+        figures: dict[str, Drawer],
+    ) -> LabResult:
+        """A run's result with its verdict ``judge(metrics, settings.quick)`` and this machine
+        (`run_experiment` fills in ``seconds``)."""
+        verdict = judge(metrics, settings.quick)
+        return cls(name, settings, metrics, verdict, 0.0, machine(), table, figures)
+
     def as_dict(self) -> dict[str, Any]:
         """Everything but the figures, as metrics.json holds it."""
         return {

@@ -34,7 +34,7 @@ from .._shapes import check_int
 from ..models.gpt import check_token_ids
 from ..modules import MultiHeadAttention
 from ..positional import LearnedPositionalEmbedding
-from .base import Check, LabResult, LabSettings, SeedStats, Verdict, machine
+from .base import Check, LabResult, LabSettings, SeedStats, Verdict
 from .registry import experiment
 
 __all__ = [
@@ -298,16 +298,7 @@ def run(settings: LabSettings, progress: Any) -> LabResult:
         "induction_stripe.png": lambda path: draw.plot_stripes(path, probes, metrics),
         "induction_view.html": lambda path: draw.save_probe_view(path, probes[2], metrics),
     }
-    return LabResult(
-        name="induction-heads",
-        settings=settings,
-        metrics=metrics,
-        verdict=judge(metrics, settings.quick),
-        seconds=0.0,
-        machine=machine(),
-        table=table(metrics),
-        figures=figures,
-    )
+    return LabResult.judged("induction-heads", settings, metrics, judge, table(metrics), figures)
 
 
 def table(metrics: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .base import Check, LabResult, LabSettings, SeedStats, Verdict, machine
+from .base import Check, LabResult, LabSettings, SeedStats, Verdict
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
@@ -326,15 +326,13 @@ def run(settings: LabSettings, progress: Progress) -> LabResult:
     metrics = run_scale(scale, settings.seed_count(default=3), progress)
     from ..viz import lab_length
 
-    return LabResult(
-        name="train-short-test-long",
-        settings=settings,
-        metrics=metrics,
-        verdict=judge(metrics, settings.quick),
-        seconds=0.0,
-        machine=machine(),
-        table=table(metrics),
-        figures={"length_curves.png": lambda path: lab_length.draw(path, metrics)},
+    return LabResult.judged(
+        "train-short-test-long",
+        settings,
+        metrics,
+        judge,
+        table(metrics),
+        {"length_curves.png": lambda path: lab_length.draw(path, metrics)},
     )
 
 

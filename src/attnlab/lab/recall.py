@@ -31,7 +31,7 @@ from ..functional.routing import routing_attention
 from ..functional.topk import topk_attention
 from ..modules import HierarchicalAttention, LinearAttention, PerformerAttention, SelectiveSSM
 from ..utils import Progress
-from .base import Check, LabResult, LabSettings, SeedStats, Verdict, machine
+from .base import Check, LabResult, LabSettings, SeedStats, Verdict
 from .registry import EXPERIMENTS
 
 __all__ = [
@@ -435,15 +435,13 @@ def run(settings: LabSettings, progress: Progress) -> LabResult:
         "accuracy": acc,
         "loss_first_last": loss,
     }
-    return LabResult(
-        name="associative-recall",
-        settings=settings,
-        metrics=metrics,
-        verdict=judge(metrics, settings.quick),
-        seconds=0.0,
-        machine=machine(),
-        table=table(metrics),
-        figures={"recall_accuracy.png": lambda path: _draw(path, metrics)},
+    return LabResult.judged(
+        "associative-recall",
+        settings,
+        metrics,
+        judge,
+        table(metrics),
+        {"recall_accuracy.png": lambda path: _draw(path, metrics)},
     )
 
 
