@@ -36,7 +36,17 @@ def test_a_tiny_attention_model_learns_the_task():
     task = lab.RecallTask(length=16, pairs=2, keys=8, values=8)
     grid = lab.RecallGrid((task,), (16,), ("attention",), steps=60, batch=16, test=64)
     r = lab.train_recall("attention", task, 16, 0, grid)
-    assert r["loss_last"] < r["loss_first"] - 0.3
+    assert r["loss_last"] < r["loss_first"] - 0.3 and not r["diverged"]
+
+
+def test_a_diverged_training_is_reported_and_marked_in_the_table():
+    task = lab.RecallTask(length=16, pairs=2, keys=8, values=8)
+    grid = lab.RecallGrid((task,), (16,), ("attention",), steps=4, batch=4, test=8, lr=1e10)
+    assert lab.train_recall("attention", task, 16, 0, grid)["diverged"]
+    metrics = _metrics()
+    metrics["diverged"] = {"gru": {"64": {"16": [False, True]}}}
+    rows = {row[0]: row[1:] for row in lab.table(metrics)[1]}
+    assert rows["gru"][2].endswith("(1 NaN)") and "NaN" not in " ".join(rows["ssm"])
 
 
 def _metrics(attn=0.99, window_long=0.2, fixed_small=0.3, fixed_large=0.8):
@@ -112,7 +122,7 @@ def test_every_mixer_runs_and_the_metrics_have_their_shape(monkeypatch, tmp_path
     for mixer in lab.MIXERS:
         for n in ("16", "24"):
             (acc,) = m["accuracy"][mixer][n]["16"]
-            assert 0.0 <= acc <= 1.0
+            assert 0.0 <= acc <= 1.0 and m["diverged"][mixer][n]["16"] == [False]
     columns, rows = result.table
     assert columns[0] == "mixer" and len(columns) == 3 and len(rows) == len(lab.MIXERS)
     assert result.verdict.checks and json.dumps(result.as_dict())

@@ -242,6 +242,31 @@ def test_stabilised_where_the_plain_formula_underflows(causal):
     torch.testing.assert_close(out.double(), golden, atol=atol, rtol=rtol)
 
 
+def test_a_row_whose_weights_underflow_outputs_zeros_with_a_finite_gradient():
+    # W = I, D = 4 (x' = x/√2). Key 1 (zero) sets the keys' shift c = 0; row 0 sees only key 0,
+    # whose feature on row 0's one strong feature is e^(−12.9 − 12.9²/2) ≈ e^-96: the float32
+    # denominator is subnormal. Before: finite output, NaN gradient (g / den overflowed) — the
+    # NaN that stopped FAVOR+ training in the associative-recall lab.
+    r2 = 2**0.5
+    q = torch.tensor([[20 * r2, 0, 0, 0], [1.0, 0.5, 0, 0], [0, 0.3, -0.2, 1.0]])
+    k = torch.tensor([[-12.9 * r2, 0, 0, 0], [0, 0, 0, 0], [0.2, 0, 0.1, -0.3]])
+    v = torch.tensor([[1.0, -2.0], [0.5, 0.25], [-1.0, 3.0]])
+    W, causal = torch.eye(4), masks.causal()
+    q, k, v = (x[None, None] for x in (q, k, v))  # (1, 1, 3, ·)
+    out = {}
+    for dtype in (torch.float32, F64):
+        leaves = [x.to(dtype, copy=True).requires_grad_() for x in (q, k, v)]
+        o = favor_attention(*leaves, num_features=4, projection=W.to(dtype), mask=causal)
+        o.square().sum().backward()
+        assert all(torch.isfinite(x.grad).all() for x in leaves), dtype
+        out[dtype] = o.detach()
+    golden = reference.favor_attention(q.double(), k.double(), v.double(), W.double(), mask=causal)
+    torch.testing.assert_close(out[F64], golden)  # float64 keeps the row: e^-96 is normal
+    assert torch.allclose(golden[0, 0, 0], v[0, 0, 0].double())
+    assert (out[torch.float32][0, 0, 0] == 0).all()  # float32: underflow, the row is dead
+    torch.testing.assert_close(out[torch.float32][0, 0, 1:].double(), golden[0, 0, 1:])
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp16_accumulates_in_fp32(causal):
     q, k, v = qkv(L=40, S=40, D=16, dtype=torch.float16, scale=3.0)

@@ -143,10 +143,19 @@ def _block_starts(total: int, n: int) -> list[tuple[int, int]]:
     return [(i * n, m) for i, m in enumerate(block_sizes(total, n))]
 
 
+def dead_rows(den: Tensor) -> Tensor:
+    """Rows whose ``den + eps`` underflowed: below the dtype's smallest normal number (0
+    included). They output zeros and pass no gradient: a row with no key weight, or one whose
+    weights all underflowed (a subnormal denominator has lost its precision, and ``g / den``
+    would overflow in the backward)."""
+    return den < torch.finfo(den.dtype).tiny
+
+
 def normalise(num: Tensor, den: Tensor, eps: float, poison: Tensor | None = None) -> Tensor:
-    """``poison + num / (den + eps)``, 0 where ``den + eps == 0`` (a row with no key weight)."""
+    """``poison + num / (den + eps)``, 0 in the `dead_rows` (no key weight, or underflow)."""
     den = den + eps
-    den = torch.where(den == 0, 1.0, den)
+    dead = dead_rows(den)
+    num, den = torch.where(dead, 0.0, num), torch.where(dead, 1.0, den)
     if poison is None:
         return num / den
     return torch.addcdiv(poison, num, den)  # poison + num / den in one pass
@@ -265,8 +274,8 @@ def scan_block_backward(
         ``(dfq (B, H_kv, G, n, F), dfk (B, H_kv, n, F), dva (B, H_kv, n, Dv + 1), d_state)``.
     """
     n, Dv = fk.shape[2], grad.shape[-1]
-    zero = den == 0  # the forward divided by 1 there: no gradient into den
-    t = grad / torch.where(zero, 1.0, den)
+    zero = dead_rows(den)  # the forward output 0 there: no gradient
+    t = torch.where(zero, 0.0, grad) / torch.where(zero, 1.0, den)
     N, (qc, kc, vc, tc) = _chunked(C, fq, fk, va, t)  # (B, H_kv, [G,] N, C, ·)
     den = F.pad(den, (0, 0, 0, N * C - n), value=1.0).unflatten(-2, (N, C))
     zero = F.pad(zero, (0, 0, 0, N * C - n)).unflatten(-2, (N, C))  # (B, H_kv, G, N, C, 1)
@@ -462,8 +471,9 @@ def full_backward(src: BlockSource, shape: ScanShape, tape: Tape, grad_out: Tens
     for i, (a, m) in enumerate(_block_starts(L, tape.n)):
         fq = src.queries(a, m)  # (B, H_kv, G, m, F)
         den = tape.dens[i]  # (B, H_kv, G, m, 1)
-        zero = den == 0  # the forward divided by 1 there: no gradient into den
-        t = grad_out[:, :, :, a : a + m].to(state.dtype) / torch.where(zero, 1.0, den)
+        zero = dead_rows(den)  # the forward output 0 there: no gradient
+        g = grad_out[:, :, :, a : a + m].to(state.dtype)
+        t = torch.where(zero, 0.0, g) / torch.where(zero, 1.0, den)
         g_num = ((fq @ state[..., :Dv]) * t).sum(-1, keepdim=True)  # g · num / den
         d_acc = torch.cat([t, torch.where(zero, 0.0, -g_num / den)], dim=-1)
         src.query_grad(a, m, fq, d_acc @ state.transpose(-1, -2))

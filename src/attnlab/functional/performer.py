@@ -144,7 +144,9 @@ def favor_attention(
     one max over all keys and features of a (batch, head); both shifts (and the queries'
     ``−‖q'‖²/2``) cancel between numerator
     and denominator, so only rounding changes. Computes in float32 (float64 for float64 inputs).
-    A row whose kernel weights are all 0 (S = 0, every key padded, underflow) outputs zeros.
+    A row whose kernel weights are all 0 (S = 0, every key padded) or underflow (a denominator
+    below the dtype's smallest normal number, `kernel_scan.dead_rows`: a causal row whose few
+    keys lie ~90 nats under the keys' shift in float32) outputs zeros and passes no gradient.
     Causal is bottom-right (query i sees keys ``j <= i + S − L``), by chunks as in
     `linear_attention`. Both forms make the features block by block from q, k, v (`_FavorSource`:
     no ``(L, M)`` tensor in either pass) and are one autograd node whose backward recomputes

@@ -45,6 +45,7 @@ __all__ = [
     "judge",
     "mqar_batch",
     "run",
+    "table",
     "train_recall",
 ]
 
@@ -343,11 +344,11 @@ class RecallGrid:
         mixer of `MIXERS`."""
         mixers = PAPER_MIXERS
         if settings.quick:
-            return cls((RecallTask(64, 8),), (16, 64), ("attention", "window", "gru"), steps=200)
+            return cls((RecallTask(64, 8),), (32, 64), ("attention", "window", "gru"), steps=200)
         if settings.full:
             tasks = tuple(RecallTask(n, n // 8) for n in (32, 64, 128, 256))
-            return cls(tasks, (16, 32, 64, 128), tuple(MIXERS), steps=1500)
-        return cls((RecallTask(32, 4), RecallTask(64, 8)), (16, 32, 64), mixers, steps=500)
+            return cls(tasks, (32, 64, 128, 256), tuple(MIXERS), steps=1500)
+        return cls((RecallTask(32, 4), RecallTask(64, 8)), (32, 48, 64), mixers, steps=500)
 
 
 def _lr_at(step: int, steps: int, lr: float) -> float:
@@ -368,7 +369,8 @@ def accuracy(model: nn.Module, tokens: Tensor, targets: Tensor) -> float:
 def train_recall(
     mixer: str, task: RecallTask, width: int, seed: int, grid: RecallGrid
 ) -> dict[str, Any]:
-    """Trains one model; returns ``{"accuracy", "loss_first", "loss_last"}``."""
+    """Trains one model; returns ``{"accuracy", "loss_first", "loss_last", "diverged"}``
+    (diverged: some training loss was not finite — the model's weights are then NaN)."""
     torch.manual_seed(seed)
     model = RecallModel(
         mixer,
@@ -399,7 +401,13 @@ def train_recall(
     model.eval()
     first = float(torch.stack(losses[:10]).mean())
     last = float(torch.stack(losses[-10:]).mean())
-    return {"accuracy": accuracy(model, *test), "loss_first": first, "loss_last": last}
+    diverged = not bool(torch.isfinite(torch.stack(losses)).all())
+    return {
+        "accuracy": accuracy(model, *test),
+        "loss_first": first,
+        "loss_last": last,
+        "diverged": diverged,
+    }
 
 
 # ----------------------------------------------------------------------------- run and judge
@@ -415,6 +423,7 @@ def run(settings: LabSettings, progress: Progress) -> LabResult:
     progress.total = len(grid.tasks) * len(grid.widths) * len(grid.mixers) * seeds
     acc: dict[str, dict[str, dict[str, list[float]]]] = {}
     loss: dict[str, dict[str, dict[str, list[list[float]]]]] = {}
+    diverged: dict[str, dict[str, dict[str, list[bool]]]] = {}
     for task in grid.tasks:
         for width in grid.widths:
             for mixer in grid.mixers:
@@ -424,6 +433,8 @@ def run(settings: LabSettings, progress: Progress) -> LabResult:
                     cell.setdefault(str(width), []).append(r["accuracy"])
                     lcell = loss.setdefault(mixer, {}).setdefault(str(task.length), {})
                     lcell.setdefault(str(width), []).append([r["loss_first"], r["loss_last"]])
+                    dcell = diverged.setdefault(mixer, {}).setdefault(str(task.length), {})
+                    dcell.setdefault(str(width), []).append(r["diverged"])
                     progress.step(f"{mixer} L={task.length} width {width} seed {seed}")
     metrics = {
         "tasks": [[t.length, t.pairs] for t in grid.tasks],
@@ -434,6 +445,7 @@ def run(settings: LabSettings, progress: Progress) -> LabResult:
         "training": {"steps": grid.steps, "batch": grid.batch, "lr": grid.lr, "seeds": seeds},
         "accuracy": acc,
         "loss_first_last": loss,
+        "diverged": diverged,
     }
     return LabResult.judged(
         "associative-recall",
@@ -453,14 +465,18 @@ def _draw(path, metrics: dict[str, Any]) -> None:
 
 def table(metrics: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     """One row per mixer, one column per (length, width): held-out accuracy, mean ± std over
-    seeds (Zoology's Fig. 2 as numbers)."""
+    seeds (Zoology's Fig. 2 as numbers); ``(k NaN)`` counts the seeds whose training diverged."""
     cells = [(str(n), str(w)) for n, _ in metrics["tasks"] for w in metrics["widths"]]
     pairs = dict((str(n), p) for n, p in metrics["tasks"])
     columns = ["mixer"] + [f"L={n} P={pairs[n]} w={w}" for n, w in cells]
-    rows = [
-        [m] + [str(SeedStats.of(metrics["accuracy"][m][n][w])) for n, w in cells]
-        for m in metrics["mixers"]
-    ]
+    diverged = metrics.get("diverged", {})
+
+    def cell(m: str, n: str, w: str) -> str:
+        text = str(SeedStats.of(metrics["accuracy"][m][n][w]))
+        bad = sum(diverged.get(m, {}).get(n, {}).get(w, []))
+        return f"{text} ({bad} NaN)" if bad else text
+
+    rows = [[m] + [cell(m, n, w) for n, w in cells] for m in metrics["mixers"]]
     return columns, rows
 
 
