@@ -630,8 +630,9 @@ def linear_attention(
 
     Computes in float32 (float64 for float64 inputs) and returns q's dtype. A row with no key
     weight (S = 0, every key padded, or all-zero features) or whose ``den + eps`` underflows
-    below the dtype's smallest normal number outputs zeros and passes no gradient. For token-by-token decoding use `LinearAttentionState`. The NaN rule: a non-finite
-    q_i (of a row with a key) or attended k_j makes row i NaN, a non-finite attended ``v_j[d]``
+    below the dtype's smallest normal number outputs zeros and passes no gradient. For
+    token-by-token decoding use `LinearAttentionState`. The NaN rule: a non-finite q_i (of a
+    row with a key) or attended k_j makes row i NaN, a non-finite attended ``v_j[d]``
     makes ``out_i[d]`` NaN, and padded or causally later keys never reach row i; for finite
     output gradients, the gradients are those of the inputs with non-finite entries read as 0.
 
