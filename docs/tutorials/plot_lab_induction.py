@@ -50,7 +50,7 @@ result.write(out)
 
 def show(name: str, width: float) -> None:
     image = mpimg.imread(out / name)
-    fig, ax = plt.subplots(figsize=(width, width * image.shape[0] / image.shape[1]))
+    _, ax = plt.subplots(figsize=(width, width * image.shape[0] / image.shape[1]))
     ax.imshow(image)
     ax.axis("off")
     plt.show()
