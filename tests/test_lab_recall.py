@@ -131,6 +131,19 @@ def test_every_mixer_runs_and_the_metrics_have_their_shape(monkeypatch, tmp_path
     assert (tmp_path / "recall_accuracy.png").stat().st_size > 1000 and len(written) == 2
 
 
+def test_the_three_scales_grids():
+    quick = lab.RecallGrid.for_settings(LabSettings(quick=True))
+    default = lab.RecallGrid.for_settings(LabSettings())
+    full = lab.RecallGrid.for_settings(LabSettings(full=True))
+    assert quick.widths == (32, 64) and len(quick.tasks) == 1
+    assert default.widths == (32, 48, 64) and default.mixers == lab.PAPER_MIXERS
+    assert [(t.length, t.pairs) for t in default.tasks] == [(32, 4), (64, 8)]
+    # --full: Zoology's Fig. 2 grid, every mixer (a key for each of the 64 pairs)
+    assert [(t.length, t.pairs) for t in full.tasks] == list(lab.ZOOLOGY_TASKS)
+    assert full.widths == (64, 128, 256, 512) and full.mixers == tuple(lab.MIXERS)
+    assert all(t.keys >= t.pairs for t in full.tasks)
+
+
 def test_the_registry_names_the_experiment_and_the_mixers_refuse_bad_names():
     entry = experiment("associative-recall")
     assert entry.module == "attnlab.lab.recall" and "Zoology" in entry.claim.paper

@@ -39,6 +39,7 @@ __all__ = [
     "FIXED_STATE",
     "MIXERS",
     "PAPER_MIXERS",
+    "ZOOLOGY_TASKS",
     "RecallGrid",
     "RecallModel",
     "RecallTask",
@@ -311,6 +312,10 @@ class RecallModel(nn.Module):
 # ----------------------------------------------------------------------------- training
 
 
+ZOOLOGY_TASKS = ((64, 4), (128, 8), (256, 16), (512, 64))
+"""(sequence length, key-value pairs) of Zoology's Fig. 2 (the ``--full`` grid)."""
+
+
 @dataclass(frozen=True)
 class RecallGrid:
     """The run's grid and training budget.
@@ -340,14 +345,15 @@ class RecallGrid:
     @classmethod
     def for_settings(cls, settings: LabSettings) -> RecallGrid:
         """``--quick``: one task, two widths, three mixers; default: 2 lengths × 3 widths × the
-        7 `PAPER_MIXERS`; ``--full``: 4 lengths × 4 widths (Zoology's grid, scaled down) × every
-        mixer of `MIXERS`."""
+        7 `PAPER_MIXERS`; ``--full``: Zoology's Fig. 2 grid (`ZOOLOGY_TASKS` × widths 64–512)
+        × every mixer of `MIXERS`, with 256 keys and 256 values (Zoology: 8,192 tokens) and one
+        learning rate (Zoology: the best of a sweep)."""
         mixers = PAPER_MIXERS
         if settings.quick:
             return cls((RecallTask(64, 8),), (32, 64), ("attention", "window", "gru"), steps=200)
         if settings.full:
-            tasks = tuple(RecallTask(n, n // 8) for n in (32, 64, 128, 256))
-            return cls(tasks, (32, 64, 128, 256), tuple(MIXERS), steps=1500)
+            tasks = tuple(RecallTask(n, p, keys=256, values=256) for n, p in ZOOLOGY_TASKS)
+            return cls(tasks, (64, 128, 256, 512), tuple(MIXERS), steps=1500)
         return cls((RecallTask(32, 4), RecallTask(64, 8)), (32, 48, 64), mixers, steps=500)
 
 
