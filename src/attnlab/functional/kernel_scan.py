@@ -154,8 +154,7 @@ def dead_rows(den: Tensor) -> Tensor:
 def normalise(num: Tensor, den: Tensor, eps: float, poison: Tensor | None = None) -> Tensor:
     """``poison + num / (den + eps)``, 0 in the `dead_rows` (no key weight, or underflow)."""
     den = den + eps
-    dead = dead_rows(den)
-    num, den = torch.where(dead, 0.0, num), torch.where(dead, 1.0, den)
+    den = torch.where(dead_rows(den), torch.inf, den)  # num / inf = 0 in the dead rows
     if poison is None:
         return num / den
     return torch.addcdiv(poison, num, den)  # poison + num / den in one pass
@@ -275,7 +274,7 @@ def scan_block_backward(
     """
     n, Dv = fk.shape[2], grad.shape[-1]
     zero = dead_rows(den)  # the forward output 0 there: no gradient
-    t = torch.where(zero, 0.0, grad) / torch.where(zero, 1.0, den)
+    t = grad / torch.where(zero, torch.inf, den)
     N, (qc, kc, vc, tc) = _chunked(C, fq, fk, va, t)  # (B, H_kv, [G,] N, C, ·)
     den = F.pad(den, (0, 0, 0, N * C - n), value=1.0).unflatten(-2, (N, C))
     zero = F.pad(zero, (0, 0, 0, N * C - n)).unflatten(-2, (N, C))  # (B, H_kv, G, N, C, 1)
@@ -472,8 +471,7 @@ def full_backward(src: BlockSource, shape: ScanShape, tape: Tape, grad_out: Tens
         fq = src.queries(a, m)  # (B, H_kv, G, m, F)
         den = tape.dens[i]  # (B, H_kv, G, m, 1)
         zero = dead_rows(den)  # the forward output 0 there: no gradient
-        g = grad_out[:, :, :, a : a + m].to(state.dtype)
-        t = torch.where(zero, 0.0, g) / torch.where(zero, 1.0, den)
+        t = grad_out[:, :, :, a : a + m].to(state.dtype) / torch.where(zero, torch.inf, den)
         g_num = ((fq @ state[..., :Dv]) * t).sum(-1, keepdim=True)  # g · num / den
         d_acc = torch.cat([t, torch.where(zero, 0.0, -g_num / den)], dim=-1)
         src.query_grad(a, m, fq, d_acc @ state.transpose(-1, -2))
