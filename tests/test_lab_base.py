@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from attnlab.lab import Check, Claim, LabResult, LabSettings, SeedStats, Verdict
+from attnlab.lab import Check, Claim, LabResult, LabSettings, SeedStats, Verdict, machine
 
 CLAIM = Claim("Someone et al., 2099, A Paper", "Fig. 1", "a beats b")
 
@@ -73,7 +73,14 @@ def test_result_writes_metrics_and_figures(tmp_path):
     assert data["verdict"]["label"] == "reproduced" and data["metrics"] == {"a": [2.0, 2.1]}
     assert data["verdict"]["checks"][0]["passed"] is True
     assert paths[-1] == tmp_path / "out" / "curve.png" and drawn == [paths[-1]]
-    assert "default run: 2 s on X" in str(result)
+    assert "default run: 2 s on X, 2 threads, torch 2" in str(result)
+    result.machine["matmul_gflops"] = 208.4
+    assert "default run: 2 s on X, 2 threads (float32 matmul 208 GFLOP/s), torch 2" in str(result)
+
+
+def test_the_machine_carries_the_matmul_rate():
+    m = machine()
+    assert m["matmul_gflops"] > 0 and m["threads"] >= 1 and m["cpu"]
 
 
 @pytest.mark.parametrize(

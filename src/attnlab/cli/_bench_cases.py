@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..utils import Progress, best_times
+from ..utils import Progress, best_times, matmul_rate  # noqa: F401  (matmul_rate: re-exported)
 from ._bench_memory import memory_row
 from ._bench_rows import (  # noqa: F401  (re-exported for `attnlab.cli.bench`)
     BIGBIRD,
@@ -39,20 +39,6 @@ def _synced(fn: Callable[[], object], device: torch.device | str) -> Callable[[]
         return out
 
     return run
-
-
-def matmul_rate(
-    n: int = 4096,
-    repeats: int = 3,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    clock: Callable[[], float] = time.perf_counter,
-) -> float:
-    """``torch.mm`` GFLOP/s of ``dtype`` on n×n matrices on ``device`` (best of ``repeats``)."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    best = best_times({"mm": _synced(lambda: torch.mm(a, b), device)}, repeats, clock=clock)
-    return 2 * n**3 / best["mm"] / 1e9
 
 
 def matmul_size(

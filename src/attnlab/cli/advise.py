@@ -18,15 +18,13 @@ RATE_MATMUL_N = 1024
 
 
 def matmul_rate(dtype: str, n: int = RATE_MATMUL_N, repeats: int = 3) -> float:
-    """GFLOP/s of an n×n ``torch.mm`` in ``dtype`` on the cpu (best of ``repeats``); in bfloat16
-    this is where AMX shows."""
+    """GFLOP/s of an n×n ``torch.mm`` in ``dtype`` (a name: ``"bfloat16"``) on the cpu
+    (`attnlab.utils.matmul_rate`); in bfloat16 this is where AMX shows."""
     import torch
 
-    from ..utils import best_times
+    from ..utils import matmul_rate as rate
 
-    t = getattr(torch, dtype)
-    a, b = torch.randn(n, n, dtype=t), torch.randn(n, n, dtype=t)
-    return 2 * n**3 / best_times({"mm": lambda: torch.mm(a, b)}, repeats)["mm"] / 1e9
+    return rate(n, repeats, dtype=getattr(torch, dtype))
 
 
 def _budget(text: str) -> int:

@@ -214,10 +214,13 @@ class Verdict:
 
 
 def machine() -> dict[str, Any]:
-    """The machine a result was measured on: CPU model, threads, torch and Python versions."""
+    """The machine a result was measured on: CPU model and SIMD flags, threads, the float32
+    matmul rate (GFLOP/s of a 1024² ``torch.mm``, measured now: the yardstick that lets a run's
+    seconds be compared across CPUs), torch and Python versions."""
     import torch
 
     from ..functional.thresholds import cpu_info
+    from ..utils import matmul_rate
 
     model, flags = cpu_info()
     simd = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
@@ -225,6 +228,7 @@ def machine() -> dict[str, Any]:
         "cpu": model,
         "simd": " ".join(simd),
         "threads": torch.get_num_threads(),
+        "matmul_gflops": round(matmul_rate(1024, 3), 1),
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
@@ -298,11 +302,14 @@ class LabResult:
         return written
 
     def footer(self) -> str:
-        """``"<scale> run: 612 s on <CPU>, 2 threads, torch 2.13.0"``."""
+        """``"<scale> run: 612 s on <CPU>, 2 threads (float32 matmul 208 GFLOP/s), torch
+        2.13.0"``."""
         m = self.machine
+        rate = m.get("matmul_gflops")
+        mm = f" (float32 matmul {rate:.0f} GFLOP/s)" if rate is not None else ""
         return (
             f"{self.settings.scale} run: {self.seconds:.0f} s on {m.get('cpu', '?')}, "
-            f"{m.get('threads', '?')} threads, torch {m.get('torch', '?')}"
+            f"{m.get('threads', '?')} threads{mm}, torch {m.get('torch', '?')}"
         )
 
     def __str__(self) -> str:

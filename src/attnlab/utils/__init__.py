@@ -7,6 +7,14 @@
 
 from .progress import Progress, progress
 from .table import text_table
-from .timing import Timer, best_times, time_call
+from .timing import Timer, best_times, matmul_rate, time_call
 
-__all__ = ["Progress", "Timer", "best_times", "progress", "text_table", "time_call"]
+__all__ = [
+    "Progress",
+    "Timer",
+    "best_times",
+    "matmul_rate",
+    "progress",
+    "text_table",
+    "time_call",
+]

@@ -82,3 +82,38 @@ def best_times(
             best[name] = min(best[name], seconds)
             step(f"round {r + 1} {name}")
     return best
+
+
+def matmul_rate(
+    n: int = 1024,
+    repeats: int = 3,
+    device: Any = "cpu",
+    dtype: Any = None,
+    clock: Callable[[], float] | None = None,
+) -> float:
+    """GFLOP/s of an n×n ``torch.mm`` in ``dtype`` (default float32) on ``device``: ``2n³`` over
+    the best of ``repeats`` timed products (after one warm-up; CUDA work is waited for). The
+    machine's yardstick: every benchmark and lab run prints it beside its own times.
+
+    Args:
+        n: the matrices' side. repeats: timed products (>= 1). device: where they live.
+        dtype: a torch dtype (bfloat16 shows AMX). clock: the timer (default perf_counter).
+
+    Returns:
+        GFLOP/s.
+    """
+    import torch
+
+    n = check_int("n", n, minimum=1)
+    dtype = torch.float32 if dtype is None else dtype
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    cuda = torch.device(device).type == "cuda"
+
+    def product() -> Any:
+        out = torch.mm(a, b)
+        if cuda:  # kernels are asynchronous: the timer must wait for them
+            torch.cuda.synchronize(device)
+        return out
+
+    return 2 * n**3 / best_times({"mm": product}, repeats, clock=clock)["mm"] / 1e9

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from .. import derivations as ind
 from ..core import Derivation, Finding, check, judged
 from ._shared import _found
@@ -109,12 +107,11 @@ def _this_machine() -> tuple[str, float]:
     """This machine, live: (`machine_info` and its float32 matmul rate as text, the rate in
     GFLOP/s), measured once per process — for a finding's ``measured``, never a verdict."""
     from ...analysis.advise import machine_info
-    from ...utils.timing import best_times
+    from ...utils.timing import matmul_rate
 
     m = machine_info()
     n = 1024
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    rate = 2 * n**3 / best_times({"mm": lambda: torch.mm(a, b)}, 3)["mm"] / 1e9
+    rate = matmul_rate(n, 3)
     return (
         f"this machine: {m['cpu']}, {m['cores']} cores, AVX-512 {m['avx512']}, AMX {m['amx']}; "
         f"float32 {n}² matmul {rate:,.1f} GFLOP/s (measured now; a lower bound under load)",
