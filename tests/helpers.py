@@ -65,11 +65,26 @@ def fwd_bwd(fn, inputs, dout_seed=7):
     return out.detach(), grads
 
 
+def assert_exact_in_fp64(impl, ref, inputs, atol=1e-12):
+    """``impl(*inputs)`` equals ``ref(*inputs, compute_dtype=float64, reorder=False)`` within
+    ``atol`` (rtol 0), forward and the input gradients of one seeded dout: a float64 fast path
+    against its definition."""
+    inputs = list(inputs)
+    got, got_grads = fwd_bwd(impl, inputs, dout_seed=5)
+    want, want_grads = fwd_bwd(
+        lambda *x: ref(*x, compute_dtype=torch.float64, reorder=False), inputs, dout_seed=5
+    )
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=atol)
+
+
 __all__ = [
     "FIXED_TABLE",
     "HEAD_DIMS",
     "ODD_SIZES",
     "assert_close_rule",
+    "assert_exact_in_fp64",
     "call_backend",
     "check_against_reference",
     "fwd_bwd",

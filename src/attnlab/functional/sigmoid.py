@@ -217,6 +217,22 @@ def _backward_op(ctx, dout: Tensor):
 sigmoid_attn_fwd.register_autograd(_backward_op, setup_context=_setup_context)
 
 
+def _op_spec(m: Mask | None, q: Tensor) -> tuple[str, list[Tensor]]:
+    """A mask as a custom operator's arguments: its structure spec and its tensors (one empty
+    placeholder when it has none: AOTInductor passes an empty Tensor[] as None).
+
+    Raises:
+        ValueError: a mask without a spec (a ``from_fn`` mask).
+    """
+    spec = ("", []) if m is None else m.spec()
+    if spec is None:
+        raise ValueError(
+            f"mask must have a structure spec (a built-in mask or a bool tensor), got {m!r}: "
+            "render a from_fn mask with mask.to_dense(L, S) first"
+        )
+    return spec[0], spec[1] or [q.new_empty(0)]
+
+
 def _check_mask(mask: object, dims) -> Mask | None:
     """The mask as a `Mask` with a spec, or a ValueError/TypeError naming what was received."""
     if mask is None:
@@ -278,14 +294,8 @@ def sigmoid_attention(
     b = sigmoid_bias(dims.S) if bias is None else check_number("bias", bias)
     check_int("block_q", block_q, minimum=1)
     check_int("block_k", block_k, minimum=1)
-    spec = ("", []) if m is None else m.spec()
-    if spec is None:
-        raise ValueError(
-            f"mask must have a structure spec (a built-in mask or a bool tensor), got {m!r}: "
-            "render a from_fn mask with mask.to_dense(L, S) first"
-        )
-    tensors = spec[1] or [q.new_empty(0)]  # AOTInductor passes an empty Tensor[] as None
-    return sigmoid_attn_fwd(q, k, v, tensors, spec[0], scale, b, block_q, block_k)
+    spec, tensors = _op_spec(m, q)
+    return sigmoid_attn_fwd(q, k, v, tensors, spec, scale, b, block_q, block_k)
 
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "sigmoid_attention", "sigmoid_attn_bwd", "sigmoid_attn_fwd"]

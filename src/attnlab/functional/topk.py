@@ -37,7 +37,7 @@ from torch import Tensor
 from .._shapes import Dims, check_broadcast, check_int, check_number, check_qkv, stat_dtype
 from ..masks import Mask
 from . import nan_rule
-from .sigmoid import _check_mask, _mask_of, _operands, _Tile, _tile_keep, _tiles
+from .sigmoid import _check_mask, _mask_of, _op_spec, _operands, _Tile, _tile_keep, _tiles
 
 BLOCK_Q = 128
 """Query rows per tile."""
@@ -353,14 +353,8 @@ def topk_attention(
     scale = dims.D**-0.5 if scale is None else check_number("scale", scale)
     check_int("block_q", block_q, minimum=1)
     check_int("block_k", block_k, minimum=1)
-    spec = ("", []) if m is None else m.spec()
-    if spec is None:
-        raise ValueError(
-            f"mask must have a structure spec (a built-in mask or a bool tensor), got {m!r}: "
-            "render a from_fn mask with mask.to_dense(L, S) first"
-        )
-    tensors = spec[1] or [q.new_empty(0)]  # AOTInductor passes an empty Tensor[] as None
-    out = topk_attn_fwd(q, k, v, tensors, spec[0], k_top, scale, block_q, block_k)[0]
+    spec, tensors = _op_spec(m, q)
+    out = topk_attn_fwd(q, k, v, tensors, spec, k_top, scale, block_q, block_k)[0]
     return out.squeeze(1) if dims.three_d else out
 
 
